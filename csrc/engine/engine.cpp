@@ -1,0 +1,286 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+
+#include "core/check.h"
+
+namespace lmkit {
+
+int64_t available_host_memory_bytes() {
+  FILE* f = std::fopen("/proc/meminfo", "r");
+  if (!f) return 0;
+  char line[256];
+  long long kb = 0;
+  while (std::fgets(line, sizeof(line), f))
+    if (std::sscanf(line, "MemAvailable: %lld kB", &kb) == 1) break;
+  std::fclose(f);
+  return (int64_t)kb * 1024;
+}
+
+int32_t kv_pool_num_blocks(double cache_max_entry_count, int64_t bytes_per_block, int64_t available_bytes,
+                           int32_t max_batch_size, int32_t session_len, int32_t block_size_tokens) {
+  LMKIT_CHECK_ARG(cache_max_entry_count > 0, "cache_max_entry_count must be > 0, got ", cache_max_entry_count);
+  const int32_t session_blocks = (session_len + block_size_tokens - 1) / block_size_tokens;
+  if (cache_max_entry_count > 1) {
+    const int32_t n = (int32_t)cache_max_entry_count;
+    LMKIT_CHECK_ARG(n >= 1, "cache_max_entry_count block count must be >= 1");
+    return n;
+  }
+  const int64_t budget = (int64_t)(cache_max_entry_count * (double)available_bytes);
+  const int64_t cap = (int64_t)max_batch_size * session_blocks;
+  const int64_t n = std::min<int64_t>(budget / bytes_per_block, cap);
+  LMKIT_CHECK_ARG(n >= 1, "cache_max_entry_count=", cache_max_entry_count, " of ", available_bytes,
+                  " available bytes leaves no room for one KV block of ", bytes_per_block,
+                  " bytes; raise it or pass a block count (> 1)");
+  return (int32_t)std::min<int64_t>(n, INT32_MAX);
+}
+
+Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor)
+    : options_(options),
+      executor_(std::move(executor)),
+      blocks_(options.num_blocks, options.block_size_tokens),
+      scheduler_(SchedulerConfig{options.max_batch_size, options.max_prefill_token_num, options.session_len}, blocks_),
+      seed_source_(std::random_device{}()) {
+  LMKIT_CHECK(executor_ != nullptr, "engine needs an executor");
+  LMKIT_CHECK_ARG(options.session_len > 1, "session_len must be > 1, got ", options.session_len);
+  executor_->allocate_kv_pool(options.num_blocks);
+  metrics_.num_total_blocks = options.num_blocks;
+  metrics_.num_free_blocks = options.num_blocks;
+  callback_thread_ = std::thread([this] { callback_loop(); });
+  loop_thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() { shutdown(); }
+
+void Engine::submit(int64_t request_id, std::vector<int32_t> prompt, const SamplingParams& params,
+                    OutputCallback callback) {
+  params.validate();
+  LMKIT_CHECK_ARG(!prompt.empty(), "the prompt is empty: give at least one token");
+  LMKIT_CHECK_ARG((int32_t)prompt.size() < options_.session_len, "the prompt has ", prompt.size(),
+                  " tokens, which leaves no room in session_len=", options_.session_len,
+                  "; shorten the prompt or raise session_len");
+  for (int32_t t : prompt)
+    LMKIT_CHECK_ARG(t >= 0 && t < options_.vocab_size, "token id ", t, " is outside the vocabulary [0, ",
+                    options_.vocab_size, ")");
+  for (int32_t t : params.stop_token_ids)
+    LMKIT_CHECK_ARG(t >= 0 && t < options_.vocab_size, "stop token id ", t, " is outside the vocabulary [0, ",
+                    options_.vocab_size, ")");
+  auto seq = std::make_unique<Sequence>();
+  seq->id = request_id;
+  seq->num_prompt_tokens = (int32_t)prompt.size();
+  seq->tokens = std::move(prompt);
+  seq->max_total_tokens =
+      (int32_t)std::min<int64_t>((int64_t)seq->num_prompt_tokens + params.max_new_tokens, options_.session_len);
+  seq->params = params;
+  seq->callback = std::make_shared<OutputCallback>(std::move(callback));
+  {
+    std::lock_guard<std::mutex> lock(inbox_mu_);
+    LMKIT_CHECK_ARG(!stopping_, "the engine is shut down");
+    LMKIT_CHECK_ARG(live_ids_.count(request_id) == 0, "request id ", request_id, " is already in use");
+    seq->rng.seed(params.has_seed ? params.seed : seed_source_());
+    live_ids_.insert(request_id);
+    inbox_new_.push_back(std::move(seq));
+  }
+  inbox_cv_.notify_one();
+}
+
+void Engine::cancel(int64_t request_id) {
+  {
+    std::lock_guard<std::mutex> lock(inbox_mu_);
+    if (!live_ids_.count(request_id)) return;
+    inbox_cancel_.push_back(request_id);
+  }
+  inbox_cv_.notify_one();
+}
+
+EngineMetrics Engine::metrics() const {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  return metrics_;
+}
+
+void Engine::check_integrity() const {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  scheduler_.verify();
+}
+
+void Engine::post(std::shared_ptr<OutputCallback> cb, RequestOutput&& out) {
+  {
+    std::lock_guard<std::mutex> lock(outbox_mu_);
+    outbox_.emplace_back(std::move(cb), std::move(out));
+  }
+  outbox_cv_.notify_one();
+}
+
+void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const std::string& error) {
+  if (!finished && seq.pending_token_ids.empty() && seq.pending_logit_rows == 0) return;
+  RequestOutput out;
+  out.request_id = seq.id;
+  out.token_ids.swap(seq.pending_token_ids);
+  out.logits.swap(seq.pending_logits);
+  out.num_logit_rows = seq.pending_logit_rows;
+  seq.pending_logit_rows = 0;
+  out.finished = finished;
+  out.finish_reason = reason;
+  out.error = error;
+  out.num_prompt_tokens = seq.num_prompt_tokens;
+  post(finished ? std::move(seq.callback) : seq.callback, std::move(out));
+}
+
+// Ends seq: frees its blocks and slot, sends its last output. Caller holds state_mu_.
+void Engine::finish(Sequence* seq, FinishReason reason, const std::string& error) {
+  std::unique_ptr<Sequence> owned = scheduler_.remove(seq->id);
+  flush(*owned, true, reason, error);
+  {
+    std::lock_guard<std::mutex> lock(inbox_mu_);
+    live_ids_.erase(owned->id);
+  }
+  ++metrics_.num_finished_requests;
+}
+
+void Engine::run_step() {
+  BatchPlan plan = scheduler_.schedule();
+  if (plan.empty()) return;
+  std::vector<int32_t> sampled;
+  try {
+    executor_->step(plan, sampled);
+  } catch (const std::exception& e) {
+    for (const ScheduledSeq& s : plan.seqs) finish(s.seq, FinishReason::kError, std::string("step failed: ") + e.what());
+    return;
+  }
+  ++metrics_.num_steps;
+  metrics_.num_prompt_tokens += plan.num_prefill_tokens;
+  std::vector<Sequence*> done;
+  std::vector<FinishReason> reasons;
+  for (size_t i = 0; i < plan.seqs.size(); ++i) {
+    const ScheduledSeq& s = plan.seqs[i];
+    Sequence& seq = *s.seq;
+    seq.num_computed_tokens += s.num_tokens;
+    if (!s.is_sampled) {
+      flush(seq, false, FinishReason::kNone, "");
+      continue;
+    }
+    const int32_t t = sampled[i];
+    ++metrics_.num_generated_tokens;
+    const bool is_eos = !seq.params.ignore_eos &&
+                        std::find(options_.eos_token_ids.begin(), options_.eos_token_ids.end(), t) !=
+                            options_.eos_token_ids.end();
+    const bool is_stop_id =
+        std::find(seq.params.stop_token_ids.begin(), seq.params.stop_token_ids.end(), t) != seq.params.stop_token_ids.end();
+    FinishReason reason = FinishReason::kNone;
+    if ((is_eos || is_stop_id) && seq.num_generated_tokens() >= seq.params.min_new_tokens) {
+      reason = FinishReason::kStop;  // the stop token is not part of the output
+    } else {
+      seq.tokens.push_back(t);
+      seq.pending_token_ids.push_back(t);
+      if (seq.num_tokens() >= seq.max_total_tokens) reason = FinishReason::kLength;
+    }
+    if (reason != FinishReason::kNone) {
+      done.push_back(&seq);
+      reasons.push_back(reason);
+    } else {
+      flush(seq, false, FinishReason::kNone, "");
+    }
+  }
+  for (size_t i = 0; i < done.size(); ++i) finish(done[i], reasons[i]);
+}
+
+void Engine::loop() {
+  executor_->bind_thread();
+  for (;;) {
+    std::vector<std::unique_ptr<Sequence>> arrivals;
+    std::vector<int64_t> cancels;
+    bool stop = false;
+    {
+      std::unique_lock<std::mutex> lock(inbox_mu_);
+      inbox_cv_.wait(lock, [&] {
+        return stopping_ || !inbox_new_.empty() || !inbox_cancel_.empty() || scheduler_.has_work();
+      });
+      arrivals.swap(inbox_new_);
+      cancels.swap(inbox_cancel_);
+      stop = stopping_;
+    }
+    std::lock_guard<std::mutex> state(state_mu_);
+    for (auto& seq : arrivals) {
+      Sequence* raw = seq.get();
+      try {
+        scheduler_.add(std::move(seq));
+      } catch (const std::exception& e) {
+        // Never fits the pool: fail at once with the reason.
+        RequestOutput out;
+        out.request_id = raw->id;
+        out.finished = true;
+        out.finish_reason = FinishReason::kError;
+        out.error = e.what();
+        out.num_prompt_tokens = raw->num_prompt_tokens;
+        post(std::move(raw->callback), std::move(out));
+        std::lock_guard<std::mutex> lock(inbox_mu_);
+        live_ids_.erase(raw->id);
+        ++metrics_.num_finished_requests;
+      }
+    }
+    for (int64_t id : cancels)
+      if (Sequence* seq = scheduler_.find(id)) finish(seq, FinishReason::kCancelled);
+    if (stop) {
+      for (int64_t id : scheduler_.ids()) finish(scheduler_.find(id), FinishReason::kCancelled);
+      break;
+    }
+    try {
+      run_step();
+    } catch (const std::exception& e) {
+      // A bug in bookkeeping: fail everything in flight rather than spin or die.
+      std::fprintf(stderr, "lmkit: engine step failed: %s\n", e.what());
+      std::vector<Sequence*> all = scheduler_.running();
+      for (Sequence* s : all) finish(s, FinishReason::kError, e.what());
+    }
+    metrics_.num_running = scheduler_.num_running();
+    metrics_.num_waiting = scheduler_.num_waiting();
+    metrics_.num_free_blocks = blocks_.num_free_blocks();
+    metrics_.num_active_blocks = blocks_.num_active_blocks();
+    metrics_.num_preemptions = scheduler_.num_preemptions();
+  }
+  metrics_.num_running = scheduler_.num_running();
+  metrics_.num_waiting = scheduler_.num_waiting();
+  metrics_.num_free_blocks = blocks_.num_free_blocks();
+  metrics_.num_active_blocks = blocks_.num_active_blocks();
+  {
+    std::lock_guard<std::mutex> lock(outbox_mu_);
+    outbox_closed_ = true;
+  }
+  outbox_cv_.notify_one();
+}
+
+void Engine::callback_loop() {
+  for (;;) {
+    std::pair<std::shared_ptr<OutputCallback>, RequestOutput> item;
+    {
+      std::unique_lock<std::mutex> lock(outbox_mu_);
+      outbox_cv_.wait(lock, [&] { return outbox_closed_ || !outbox_.empty(); });
+      if (outbox_.empty()) return;  // closed and drained
+      item = std::move(outbox_.front());
+      outbox_.pop_front();
+    }
+    try {
+      if (item.first && *item.first) (*item.first)(std::move(item.second));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "lmkit: output callback raised: %s\n", e.what());
+    }
+    item.first.reset();  // the last reference of a finished request's callback dies here
+  }
+}
+
+void Engine::shutdown() {
+  std::call_once(shutdown_once_, [this] {
+    {
+      std::lock_guard<std::mutex> lock(inbox_mu_);
+      stopping_ = true;
+    }
+    inbox_cv_.notify_one();
+    if (loop_thread_.joinable()) loop_thread_.join();
+    if (callback_thread_.joinable()) callback_thread_.join();
+  });
+}
+
+}  // namespace lmkit

@@ -1,0 +1,133 @@
+// The engine: a gateway that takes requests from any thread, one loop thread that schedules and runs
+// steps, and one callback thread that delivers outputs so a slow consumer never stalls the loop.
+//
+//   submit()/cancel() --inbox--> loop: schedule -> executor.step -> emit --outbox--> callback thread
+//
+// Every request ends with exactly one output whose finished flag is set (stop, length, error or
+// cancelled); after it the request holds no KV block and no slot.
+#pragma once
+#include <stdint.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "engine/block_manager.h"
+#include "engine/executor.h"
+#include "engine/request.h"
+#include "engine/scheduler.h"
+
+namespace lmkit {
+
+// The user's engine settings (lmkit.EngineConfig, validated in Python, checked again here).
+struct EngineConfig {
+  std::string device = "cpu";
+  int32_t max_batch_size = 64;
+  int32_t session_len = 0;  // 0: the model's max_position_embeddings
+  int32_t cache_block_seq_len = 64;
+  double cache_max_entry_count = 0.8;  // fraction of free memory, or a block count when > 1
+  int32_t max_prefill_token_num = 8192;
+  int32_t quant_policy = 0;
+  bool enable_prefix_caching = false;
+  int32_t num_threads = 0;  // CPU threads, 0: all cores
+};
+
+// What the engine runs with, derived from EngineConfig and the model.
+struct EngineOptions {
+  int32_t max_batch_size = 64;
+  int32_t session_len = 4096;
+  int32_t block_size_tokens = 64;
+  int32_t max_prefill_token_num = 8192;
+  int32_t num_blocks = 0;  // size of the KV pool, decided by the caller (kv_pool_num_blocks)
+  int32_t vocab_size = 0;
+  std::vector<int32_t> eos_token_ids;
+};
+
+// KV pool size: cache_max_entry_count > 1 is a block count; otherwise that fraction of available_bytes,
+// capped at what max_batch_size sequences of session_len tokens can use. Throws when not even one
+// session fits.
+int32_t kv_pool_num_blocks(double cache_max_entry_count, int64_t bytes_per_block, int64_t available_bytes,
+                           int32_t max_batch_size, int32_t session_len, int32_t block_size_tokens);
+// MemAvailable of /proc/meminfo in bytes (0 when unknown).
+int64_t available_host_memory_bytes();
+
+struct EngineMetrics {
+  int32_t num_running = 0;
+  int32_t num_waiting = 0;
+  int32_t num_total_blocks = 0;
+  int32_t num_free_blocks = 0;
+  int32_t num_active_blocks = 0;
+  int64_t num_steps = 0;
+  int64_t num_prompt_tokens = 0;     // prompt tokens computed (recomputation included)
+  int64_t num_generated_tokens = 0;  // tokens sampled
+  int64_t num_preemptions = 0;
+  int64_t num_finished_requests = 0;
+};
+
+class Engine {
+ public:
+  Engine(const EngineOptions& options, std::unique_ptr<Executor> executor);
+  ~Engine();  // shutdown()
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Queues a request. Throws InvalidArgument (nothing queued, callback never called) when the prompt is
+  // empty, has ids outside the vocabulary, leaves no room in session_len, or params are invalid.
+  void submit(int64_t request_id, std::vector<int32_t> prompt, const SamplingParams& params,
+              OutputCallback callback);
+  // Ends a request in any state with finish reason "cancelled"; its blocks are free within one step.
+  // Unknown or finished ids are ignored.
+  void cancel(int64_t request_id);
+  EngineMetrics metrics() const;
+  // Checks free + active == total and that sequences own exactly the active blocks. Throws on violation.
+  void check_integrity() const;
+  // Stops the loop; every unfinished request ends as cancelled. Idempotent.
+  void shutdown();
+
+  const EngineOptions& options() const { return options_; }
+
+ private:
+  void loop();
+  void callback_loop();
+  void run_step();
+  void finish(Sequence* seq, FinishReason reason, const std::string& error = "");
+  void flush(Sequence& seq, bool finished, FinishReason reason, const std::string& error);
+  void post(std::shared_ptr<OutputCallback> cb, RequestOutput&& out);
+
+  EngineOptions options_;
+  std::unique_ptr<Executor> executor_;
+  BlockManager blocks_;
+  Scheduler scheduler_;
+  std::mt19937_64 seed_source_;
+
+  // inbox (any thread -> loop)
+  mutable std::mutex inbox_mu_;
+  std::condition_variable inbox_cv_;
+  std::vector<std::unique_ptr<Sequence>> inbox_new_;
+  std::vector<int64_t> inbox_cancel_;
+  std::unordered_set<int64_t> live_ids_;  // submitted and not yet finished
+  bool stopping_ = false;
+
+  // state lock: held by the loop around each step, and by readers of scheduler state
+  mutable std::mutex state_mu_;
+  EngineMetrics metrics_;
+
+  // outbox (loop -> callback thread)
+  std::mutex outbox_mu_;
+  std::condition_variable outbox_cv_;
+  std::deque<std::pair<std::shared_ptr<OutputCallback>, RequestOutput>> outbox_;
+  bool outbox_closed_ = false;
+
+  std::thread loop_thread_;
+  std::thread callback_thread_;
+  std::once_flag shutdown_once_;
+};
+
+}  // namespace lmkit

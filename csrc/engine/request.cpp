@@ -1,0 +1,33 @@
+#include "engine/request.h"
+
+#include <cmath>
+
+#include "core/check.h"
+
+namespace lmkit {
+
+void SamplingParams::validate() const {
+  LMKIT_CHECK_ARG(std::isfinite(temperature) && temperature >= 0.0f,
+                  "temperature must be >= 0 (0 means greedy), got ", temperature);
+  LMKIT_CHECK_ARG(top_k >= 0, "top_k must be >= 0 (0 disables it), got ", top_k);
+  LMKIT_CHECK_ARG(std::isfinite(top_p) && top_p > 0.0f && top_p <= 1.0f, "top_p must be in (0, 1], got ", top_p);
+  LMKIT_CHECK_ARG(std::isfinite(min_p) && min_p >= 0.0f && min_p < 1.0f, "min_p must be in [0, 1), got ", min_p);
+  LMKIT_CHECK_ARG(std::isfinite(repetition_penalty) && repetition_penalty > 0.0f,
+                  "repetition_penalty must be > 0 (1 disables it), got ", repetition_penalty);
+  LMKIT_CHECK_ARG(max_new_tokens >= 1, "max_new_tokens must be >= 1, got ", max_new_tokens);
+  LMKIT_CHECK_ARG(min_new_tokens >= 0 && min_new_tokens <= max_new_tokens,
+                  "min_new_tokens must be in [0, max_new_tokens=", max_new_tokens, "], got ", min_new_tokens);
+}
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kError: return "error";
+    case FinishReason::kCancelled: return "cancelled";
+  }
+  return "";
+}
+
+}  // namespace lmkit

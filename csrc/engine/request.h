@@ -1,0 +1,80 @@
+// A request as the engine sees it: the sampling parameters it came with, and the sequence state
+// the scheduler and the loop advance step by step.
+#pragma once
+#include <stdint.h>
+
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace lmkit {
+
+// Per-request sampling and stopping parameters. Validated once by validate(); read-only after.
+struct SamplingParams {
+  float temperature = 1.0f;         // 0 -> greedy
+  int32_t top_k = 0;                // 0 -> off; 1 -> greedy
+  float top_p = 1.0f;               // (0, 1]
+  float min_p = 0.0f;               // [0, 1)
+  float repetition_penalty = 1.0f;  // HF semantics: logit > 0 ? logit / p : logit * p over prompt + output
+  uint64_t seed = 0;
+  bool has_seed = false;            // false -> seeded from the engine's random source
+  int32_t max_new_tokens = 512;
+  int32_t min_new_tokens = 0;
+  std::vector<int32_t> stop_token_ids;  // besides the model's eos ids
+  bool ignore_eos = false;
+  bool output_logits = false;  // return the logits row of every position computed (prompt and output)
+
+  // Throws InvalidArgument naming the parameter when a value is impossible.
+  void validate() const;
+  bool is_greedy() const { return temperature == 0.0f || top_k == 1; }
+};
+
+enum class FinishReason : int32_t { kNone = 0, kStop = 1, kLength = 2, kError = 3, kCancelled = 4 };
+const char* finish_reason_name(FinishReason r);
+
+// What the callback thread hands to a request's consumer after a step.
+struct RequestOutput {
+  int64_t request_id = 0;
+  std::vector<int32_t> token_ids;  // tokens generated since the previous output
+  bool finished = false;
+  FinishReason finish_reason = FinishReason::kNone;
+  std::string error;             // set when finish_reason == kError
+  std::vector<float> logits;     // [rows, vocab] when output_logits, rows of this output's positions
+  int32_t num_logit_rows = 0;
+  int32_t num_prompt_tokens = 0;
+};
+
+using OutputCallback = std::function<void(RequestOutput&&)>;
+
+enum class SeqState : int32_t { kWaiting = 0, kRunning = 1, kFinished = 2 };
+
+// Sequence state, owned by the engine thread only.
+//   tokens = prompt + generated; the KV cache holds tokens[0, num_computed_tokens);
+//   the next forward feeds tokens[num_computed_tokens, ...). Decode == exactly one pending token.
+struct Sequence {
+  int64_t id = 0;
+  std::vector<int32_t> tokens;
+  int32_t num_prompt_tokens = 0;
+  int32_t num_computed_tokens = 0;
+  int32_t max_total_tokens = 0;  // prompt + max_new_tokens, clipped to session_len
+  std::vector<int32_t> block_table;
+  SamplingParams params;
+  SeqState state = SeqState::kWaiting;
+  int64_t arrival = 0;  // admission order (FCFS); preemption picks the largest
+  std::mt19937_64 rng;
+  std::shared_ptr<OutputCallback> callback;  // released on the callback thread only
+  // Pending output accumulated in a step, flushed to the callback thread at its end.
+  std::vector<int32_t> pending_token_ids;
+  std::vector<float> pending_logits;
+  int32_t pending_logit_rows = 0;
+  int32_t num_logit_rows_emitted = 0;  // logits of positions [0, n) already handed out (kept across preemption)
+
+  int32_t num_tokens() const { return (int32_t)tokens.size(); }
+  int32_t num_pending_tokens() const { return num_tokens() - num_computed_tokens; }
+  int32_t num_generated_tokens() const { return num_tokens() - num_prompt_tokens; }
+  bool is_prefilling() const { return num_pending_tokens() > 1; }
+};
+
+}  // namespace lmkit

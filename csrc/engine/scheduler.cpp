@@ -1,0 +1,147 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+
+namespace lmkit {
+
+Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks) : config_(config), blocks_(blocks) {
+  LMKIT_CHECK(config.max_batch_size > 0, "max_batch_size must be > 0");
+  LMKIT_CHECK(config.max_prefill_token_num > 0, "max_prefill_token_num must be > 0");
+}
+
+void Scheduler::add(std::unique_ptr<Sequence> seq) {
+  LMKIT_CHECK(seq && seqs_.count(seq->id) == 0, "request id ", seq ? seq->id : -1, " is already in the engine");
+  const int32_t limit = seq->max_total_tokens;
+  const int32_t need = blocks_.num_blocks_for(limit);
+  LMKIT_CHECK_ARG(need <= blocks_.num_total_blocks(), "the request needs up to ", limit, " tokens (prompt ",
+                  seq->num_prompt_tokens, " + max_new_tokens) = ", need, " KV blocks of ", blocks_.block_size_tokens(),
+                  " tokens, but the whole KV pool has ", blocks_.num_total_blocks(),
+                  " blocks; lower max_new_tokens or raise cache_max_entry_count");
+  seq->state = SeqState::kWaiting;
+  seq->arrival = next_arrival_++;
+  Sequence* raw = seq.get();
+  seqs_.emplace(raw->id, std::move(seq));
+  waiting_.push_back(raw);
+}
+
+Sequence* Scheduler::find(int64_t id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? nullptr : it->second.get();
+}
+
+std::vector<int64_t> Scheduler::ids() const {
+  std::vector<int64_t> out;
+  for (const auto& kv : seqs_) out.push_back(kv.first);
+  return out;
+}
+
+std::unique_ptr<Sequence> Scheduler::remove(int64_t id) {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return nullptr;
+  std::unique_ptr<Sequence> seq = std::move(it->second);
+  seqs_.erase(it);
+  running_.erase(std::remove(running_.begin(), running_.end(), seq.get()), running_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), seq.get()), waiting_.end());
+  blocks_.free(seq->block_table);
+  seq->state = SeqState::kFinished;
+  return seq;
+}
+
+void Scheduler::insert_waiting(Sequence* seq) {
+  auto pos = std::lower_bound(waiting_.begin(), waiting_.end(), seq,
+                              [](const Sequence* a, const Sequence* b) { return a->arrival < b->arrival; });
+  waiting_.insert(pos, seq);
+}
+
+void Scheduler::preempt(Sequence* seq) {
+  running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
+  blocks_.free(seq->block_table);  // active -> free; the tokens stay and are recomputed on readmission
+  seq->num_computed_tokens = 0;
+  seq->state = SeqState::kWaiting;
+  insert_waiting(seq);
+  ++num_preemptions_;
+}
+
+bool Scheduler::reserve(Sequence* seq, int32_t num_tokens, const BatchPlan& plan) {
+  const int32_t need = blocks_.num_blocks_for(num_tokens) - (int32_t)seq->block_table.size();
+  if (need <= 0) return true;
+  while (!blocks_.can_allocate(need)) {
+    // The newest running sequence not yet planned gives its blocks back.
+    Sequence* victim = running_.back();
+    for (const ScheduledSeq& s : plan.seqs)
+      LMKIT_CHECK(s.seq != victim, "preemption victim ", victim->id, " is already in this step's plan");
+    preempt(victim);
+    if (victim == seq) return false;
+  }
+  blocks_.allocate(need, seq->block_table);
+  return true;
+}
+
+BatchPlan Scheduler::schedule() {
+  BatchPlan plan;
+  int32_t budget = config_.max_prefill_token_num;
+
+  // 1. running sequences, oldest first. Iterate over a snapshot: preemption shrinks running_ from the back.
+  std::vector<Sequence*> snapshot = running_;
+  for (Sequence* seq : snapshot) {
+    if (seq->state != SeqState::kRunning) continue;  // preempted earlier in this loop
+    const int32_t pending = seq->num_pending_tokens();
+    const bool is_decode = pending == 1;
+    const int32_t chunk = is_decode ? 1 : std::min(pending, budget);
+    if (chunk <= 0) continue;
+    if (!reserve(seq, seq->num_computed_tokens + chunk, plan)) continue;
+    if (!is_decode) budget -= chunk;
+    plan.seqs.push_back({seq, seq->num_computed_tokens, chunk, chunk == pending});
+  }
+
+  // 2. waiting sequences, FCFS, while slots, budget and blocks last.
+  while (!waiting_.empty() && (int32_t)running_.size() < config_.max_batch_size && budget > 0) {
+    Sequence* seq = waiting_.front();
+    const int32_t pending = seq->num_pending_tokens();
+    const int32_t chunk = std::min(pending, budget);
+    const int32_t need = blocks_.num_blocks_for(seq->num_computed_tokens + chunk) - (int32_t)seq->block_table.size();
+    if (!blocks_.can_allocate(need)) break;
+    blocks_.allocate(need, seq->block_table);
+    waiting_.pop_front();
+    seq->state = SeqState::kRunning;
+    running_.insert(std::lower_bound(running_.begin(), running_.end(), seq,
+                                     [](const Sequence* a, const Sequence* b) { return a->arrival < b->arrival; }),
+                    seq);
+    budget -= chunk;
+    plan.seqs.push_back({seq, seq->num_computed_tokens, chunk, chunk == pending});
+  }
+
+  for (const ScheduledSeq& s : plan.seqs) {
+    plan.num_tokens += s.num_tokens;
+    if (s.seq->num_pending_tokens() == 1)
+      plan.num_decode_tokens += 1;
+    else
+      plan.num_prefill_tokens += s.num_tokens;
+  }
+  return plan;
+}
+
+void Scheduler::verify() const {
+  blocks_.verify();
+  std::vector<int32_t> owner(blocks_.num_total_blocks(), 0);
+  int32_t owned = 0;
+  for (const auto& kv : seqs_) {
+    const Sequence& s = *kv.second;
+    LMKIT_CHECK((int32_t)s.block_table.size() >= blocks_.num_blocks_for(s.num_computed_tokens), "sequence ", s.id,
+                " has ", s.block_table.size(), " blocks for ", s.num_computed_tokens, " computed tokens");
+    if (s.state == SeqState::kWaiting)
+      LMKIT_CHECK(s.block_table.empty() && s.num_computed_tokens == 0, "waiting sequence ", s.id, " holds blocks");
+    for (int32_t b : s.block_table) {
+      LMKIT_CHECK(b >= 0 && b < blocks_.num_total_blocks() && owner[b] == 0, "block ", b, " owned twice");
+      owner[b] = 1;
+      ++owned;
+    }
+  }
+  LMKIT_CHECK(owned == blocks_.num_active_blocks(), "sequences own ", owned, " blocks but ",
+              blocks_.num_active_blocks(), " are active");
+  LMKIT_CHECK(running_.size() + waiting_.size() == seqs_.size(), "running + waiting != sequences");
+}
+
+}  // namespace lmkit

@@ -1,0 +1,88 @@
+// Policy: which sequences run in the next step and how many of their tokens.
+// Host-only; hands the model runner a plain BatchPlan.
+//
+// One step (schedule()):
+//   1. running sequences, oldest first: a decode takes 1 token, a partly prefilled prompt the next chunk
+//      under the prefill token budget; when the pool cannot grow a sequence, the newest running sequence
+//      is preempted (blocks freed, recomputed later from its tokens, output unchanged);
+//   2. waiting sequences in FCFS order are admitted while blocks, batch slots and budget last; admission
+//      never skips ahead of the head of the queue.
+// A sequence that could never fit (its token limit beyond the pool) is refused by add().
+#pragma once
+#include <stdint.h>
+
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/block_manager.h"
+#include "engine/request.h"
+
+namespace lmkit {
+
+struct SchedulerConfig {
+  int32_t max_batch_size = 64;          // running sequences at most
+  int32_t max_prefill_token_num = 8192;  // prompt tokens per step at most
+  int32_t session_len = 4096;           // tokens per sequence at most (prompt + output)
+};
+
+// One sequence's share of a step: tokens[start_pos, start_pos + num_tokens) are fed.
+struct ScheduledSeq {
+  Sequence* seq = nullptr;
+  int32_t start_pos = 0;
+  int32_t num_tokens = 0;
+  bool is_sampled = false;  // the chunk reaches the last known token: its logits row is sampled
+};
+
+struct BatchPlan {
+  std::vector<ScheduledSeq> seqs;  // decodes and prefill chunks, fused into one forward
+  int32_t num_tokens = 0;
+  int32_t num_prefill_tokens = 0;
+  int32_t num_decode_tokens = 0;
+  bool empty() const { return seqs.empty(); }
+};
+
+class Scheduler {
+ public:
+  Scheduler(const SchedulerConfig& config, BlockManager& blocks);
+
+  // waiting <- seq. Throws InvalidArgument if the sequence can never fit the pool or the session.
+  void add(std::unique_ptr<Sequence> seq);
+  // Removes a sequence in any state, freeing its blocks; nullptr if unknown.
+  std::unique_ptr<Sequence> remove(int64_t id);
+  Sequence* find(int64_t id) const;
+  // Ids of every sequence held (running and waiting).
+  std::vector<int64_t> ids() const;
+
+  // Builds the next step's plan; allocates the blocks it needs, preempting when short.
+  BatchPlan schedule();
+
+  int32_t num_running() const { return (int32_t)running_.size(); }
+  int32_t num_waiting() const { return (int32_t)waiting_.size(); }
+  int64_t num_preemptions() const { return num_preemptions_; }
+  bool has_work() const { return !running_.empty() || !waiting_.empty(); }
+  const std::vector<Sequence*>& running() const { return running_; }
+
+  // Throws lmkit::Error when bookkeeping is inconsistent: every block owned by exactly one sequence,
+  // tables large enough for the computed tokens, block manager consistent.
+  void verify() const;
+
+ private:
+  // Grows seq's block table to hold num_tokens tokens, preempting the newest running sequences
+  // (never one already in plan) when short. False if seq itself had to be preempted.
+  bool reserve(Sequence* seq, int32_t num_tokens, const BatchPlan& plan);
+  void preempt(Sequence* seq);
+  void insert_waiting(Sequence* seq);
+
+  SchedulerConfig config_;
+  BlockManager& blocks_;
+  std::unordered_map<int64_t, std::unique_ptr<Sequence>> seqs_;
+  std::vector<Sequence*> running_;  // ordered by arrival, oldest first
+  std::deque<Sequence*> waiting_;   // ordered by arrival, oldest first
+  int64_t next_arrival_ = 0;
+  int64_t num_preemptions_ = 0;
+};
+
+}  // namespace lmkit

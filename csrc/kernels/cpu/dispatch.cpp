@@ -1,0 +1,210 @@
+// The one dispatch point of the CPU backend: the public ops:: functions check their inputs here (at
+// the door, in plain C++), then call the kernel table picked once for this CPU. The ISA translation
+// units (isa_*.cpp) never check anything themselves: LMKIT_CHECK uses <sstream>, which must not be
+// instantiated in code compiled with ISA-specific flags.
+#include <omp.h>
+
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "core/check.h"
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/ops.h"
+
+namespace lmkit::ops {
+namespace cpu {
+namespace {
+
+bool can_run(const char* isa) {
+  if (std::strcmp(isa, "generic") == 0) return true;
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  // __builtin_cpu_supports also checks that the OS saves the wider registers (XCR0).
+  if (std::strcmp(isa, "avx2") == 0)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (std::strcmp(isa, "avx512") == 0)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+  return false;
+}
+
+const KernelTable* best_table() {
+  for (const char* isa : {"avx512", "avx2", "generic"})
+    if (const KernelTable* t = table_for(isa)) return t;
+  return generic_table();
+}
+
+std::atomic<const KernelTable*> g_active{nullptr};
+
+const KernelTable& active() {
+  const KernelTable* t = g_active.load(std::memory_order_acquire);
+  if (t == nullptr) {
+    static const KernelTable* const best = best_table();
+    t = best;
+    g_active.store(t, std::memory_order_release);
+  }
+  return *t;
+}
+
+bool is_float_dtype(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
+
+void check_weight(const Tensor& w, const char* op, const char* what) {
+  LMKIT_CHECK(w.data != nullptr, op, ": ", what, " is empty");
+  LMKIT_CHECK(w.device == Device::CPU, op, ": ", what, " must be on the CPU");
+  LMKIT_CHECK(is_float_dtype(w.dtype), op, ": ", what, " must be F32, F16 or BF16, got ", dtype_name(w.dtype));
+}
+
+}  // namespace
+
+const KernelTable* table_for(const char* isa) {
+  if (!can_run(isa)) return nullptr;
+  if (std::strcmp(isa, "generic") == 0) return generic_table();
+#if defined(__x86_64__) || defined(_M_X64)
+  if (std::strcmp(isa, "avx2") == 0) return avx2_table();
+  if (std::strcmp(isa, "avx512") == 0) return avx512_table();
+#endif
+  return nullptr;
+}
+
+bool force_isa(const char* isa) {
+  const KernelTable* t = table_for(isa);
+  if (t == nullptr) return false;
+  g_active.store(t, std::memory_order_release);
+  return true;
+}
+
+}  // namespace cpu
+
+void set_num_threads(int num_threads) {
+  LMKIT_CHECK_ARG(num_threads >= 1, "set_num_threads: num_threads must be >= 1, got ", num_threads);
+  omp_set_num_threads(num_threads);
+}
+
+const char* cpu_isa() { return cpu::active().name; }
+
+void embedding(const Tensor& table, const int32_t* ids, int64_t num_tokens, float* out) {
+  cpu::check_weight(table, "embedding", "table");
+  LMKIT_CHECK(table.ndim == 2, "embedding: table must be [vocab, hidden], got ndim ", table.ndim);
+  LMKIT_CHECK(num_tokens >= 0, "embedding: num_tokens must be >= 0, got ", num_tokens);
+  if (num_tokens == 0) return;
+  LMKIT_CHECK(ids != nullptr && out != nullptr, "embedding: ids and out must be non-null");
+  for (int64_t t = 0; t < num_tokens; ++t)
+    LMKIT_CHECK(ids[t] >= 0 && ids[t] < table.shape[0], "embedding: token id ", ids[t], " at row ", t,
+                " is outside the vocabulary [0, ", table.shape[0], ")");
+  cpu::active().embedding(table.data, table.dtype, table.shape[1], ids, num_tokens, out);
+}
+
+void rmsnorm(const float* x, const Tensor& weight, float eps, int64_t num_rows, int64_t dim, float* out) {
+  cpu::check_weight(weight, "rmsnorm", "weight");
+  LMKIT_CHECK(weight.ndim == 1 && weight.shape[0] == dim, "rmsnorm: weight must be [", dim, "], got ndim ",
+              weight.ndim, " shape[0] ", weight.shape[0]);
+  LMKIT_CHECK(num_rows >= 0 && dim > 0, "rmsnorm: bad shape [", num_rows, ", ", dim, "]");
+  if (num_rows == 0) return;
+  LMKIT_CHECK(x != nullptr && out != nullptr, "rmsnorm: x and out must be non-null");
+  cpu::active().rmsnorm(x, weight.data, weight.dtype, eps, num_rows, dim, out);
+}
+
+void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float eps, int64_t num_rows, int64_t dim,
+                 float* out) {
+  cpu::check_weight(weight, "add_rmsnorm", "weight");
+  LMKIT_CHECK(weight.ndim == 1 && weight.shape[0] == dim, "add_rmsnorm: weight must be [", dim, "], got ndim ",
+              weight.ndim, " shape[0] ", weight.shape[0]);
+  LMKIT_CHECK(num_rows >= 0 && dim > 0, "add_rmsnorm: bad shape [", num_rows, ", ", dim, "]");
+  if (num_rows == 0) return;
+  LMKIT_CHECK(residual != nullptr && x != nullptr && out != nullptr,
+              "add_rmsnorm: residual, x and out must be non-null");
+  cpu::active().add_rmsnorm(residual, x, weight.data, weight.dtype, eps, num_rows, dim, out);
+}
+
+void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias, float* out) {
+  cpu::check_weight(weight, "linear", "weight");
+  LMKIT_CHECK(weight.ndim == 2, "linear: weight must be [N, K], got ndim ", weight.ndim);
+  const int64_t N = weight.shape[0], K = weight.shape[1];
+  LMKIT_CHECK(M >= 0 && N > 0 && K > 0, "linear: bad shape M ", M, " N ", N, " K ", K);
+  if (M == 0) return;
+  LMKIT_CHECK(x != nullptr && out != nullptr, "linear: x and out must be non-null");
+  LMKIT_CHECK(out + M * N <= x || x + M * K <= out, "linear: out must not overlap x");
+  const float* b = nullptr;
+  thread_local std::vector<float> bias_f32;
+  if (!bias.is_empty()) {
+    cpu::check_weight(bias, "linear", "bias");
+    LMKIT_CHECK(bias.numel() == N, "linear: bias must have N = ", N, " values, got ", bias.numel());
+    if (bias.dtype == DType::F32) {
+      b = bias.ptr<float>();
+    } else {
+      bias_f32.resize(N);
+      const uint16_t* h = bias.ptr<uint16_t>();
+      for (int64_t n = 0; n < N; ++n) bias_f32[n] = bias.dtype == DType::F16 ? f16_to_f32(h[n]) : bf16_to_f32(h[n]);
+      b = bias_f32.data();
+    }
+  }
+  cpu::active().linear(x, M, weight.data, weight.dtype, N, K, b, out);
+}
+
+void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads, int head_dim,
+          const float* inv_freq, float attention_scaling) {
+  LMKIT_CHECK(n >= 0 && num_heads >= 0 && num_kv_heads >= 0, "rope: bad shape n ", n, " heads ", num_heads,
+              " kv heads ", num_kv_heads);
+  LMKIT_CHECK(head_dim > 0 && head_dim % 2 == 0 && head_dim <= 1024,
+              "rope: head_dim must be even and in [2, 1024], got ", head_dim);
+  if (n == 0) return;
+  LMKIT_CHECK(positions != nullptr && inv_freq != nullptr, "rope: positions and inv_freq must be non-null");
+  LMKIT_CHECK((q != nullptr || num_heads == 0) && (k != nullptr || num_kv_heads == 0),
+              "rope: q and k must be non-null");
+  cpu::active().rope(q, k, positions, n, num_heads, num_kv_heads, head_dim, inv_freq, attention_scaling);
+}
+
+void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out) {
+  LMKIT_CHECK(n >= 0 && inter >= 0, "silu_mul: bad shape [", n, ", ", inter, "]");
+  if (n == 0 || inter == 0) return;
+  LMKIT_CHECK(gate != nullptr && up != nullptr && out != nullptr, "silu_mul: gate, up and out must be non-null");
+  cpu::active().silu_mul(gate, up, n, inter, out);
+}
+
+namespace {
+void check_kv(const KVLayer& kv, const char* op) {
+  LMKIT_CHECK(kv.k != nullptr && kv.v != nullptr, op, ": KV layer has no k/v storage");
+  LMKIT_CHECK(kv.num_blocks > 0 && kv.num_kv_heads > 0 && kv.block_size > 0, op, ": bad KV layer (blocks ",
+              kv.num_blocks, ", kv heads ", kv.num_kv_heads, ", block_size ", kv.block_size, ")");
+  LMKIT_CHECK(kv.head_dim > 0 && kv.head_dim <= 1024, op, ": head_dim must be in [1, 1024], got ", kv.head_dim);
+}
+}  // namespace
+
+void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n) {
+  check_kv(kv, "kv_write");
+  LMKIT_CHECK(n >= 0, "kv_write: n must be >= 0, got ", n);
+  if (n == 0) return;
+  LMKIT_CHECK(k != nullptr && v != nullptr && slots != nullptr, "kv_write: k, v and slots must be non-null");
+  const int64_t num_slots = (int64_t)kv.num_blocks * kv.block_size;
+  for (int64_t t = 0; t < n; ++t)
+    LMKIT_CHECK(slots[t] < num_slots, "kv_write: slot ", slots[t], " of row ", t, " is outside the pool (",
+                num_slots, " slots)");
+  cpu::active().kv_write(kv, k, v, slots, n);
+}
+
+void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
+                     float scale, int32_t sliding_window, float* out) {
+  check_kv(kv, "paged_attention");
+  LMKIT_CHECK(num_seqs >= 0, "paged_attention: num_seqs must be >= 0, got ", num_seqs);
+  LMKIT_CHECK(num_heads > 0 && num_heads % kv.num_kv_heads == 0, "paged_attention: num_heads ", num_heads,
+              " must be a positive multiple of num_kv_heads ", kv.num_kv_heads);
+  if (num_seqs == 0) return;
+  LMKIT_CHECK(q != nullptr && out != nullptr && seqs != nullptr, "paged_attention: q, out and seqs must be non-null");
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const AttnSeq& a = seqs[s];
+    LMKIT_CHECK(a.q_len >= 0 && a.q_row >= 0 && a.q_len <= a.ctx_len, "paged_attention: sequence ", s,
+                " has q_len ", a.q_len, ", q_row ", a.q_row, ", ctx_len ", a.ctx_len, " (need 0 <= q_len <= ctx_len)");
+    if (a.q_len == 0) continue;
+    LMKIT_CHECK(a.block_table != nullptr, "paged_attention: sequence ", s, " has no block table");
+    const int64_t num_used = ((int64_t)a.ctx_len + kv.block_size - 1) / kv.block_size;
+    for (int64_t b = 0; b < num_used; ++b)
+      LMKIT_CHECK(a.block_table[b] >= 0 && a.block_table[b] < kv.num_blocks, "paged_attention: sequence ", s,
+                  " block_table[", b, "] = ", a.block_table[b], " is outside the pool (", kv.num_blocks, " blocks)");
+  }
+  cpu::active().paged_attention(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out);
+}
+
+}  // namespace lmkit::ops

@@ -1,0 +1,134 @@
+// Row-wise and element-wise ops: embedding, rmsnorm, add_rmsnorm, rope, silu_mul, kv_write.
+// Textually included by isa_body.h inside the ISA namespace (see simd.h); written once for every ISA.
+
+// Threads for an op touching `work` elements: small ops stay on the calling thread.
+inline bool worth_threads(int64_t work) { return work >= (1 << 15); }
+
+// out[i] = float(row[i]) for i < n
+inline void convert_row(const void* row, DType dt, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) vstore(out + i, vload_w(row, dt, i));
+  if (i < n) vstore_n(out + i, vload_w_n(row, dt, i, (int)(n - i)), (int)(n - i));
+}
+
+void embedding(const void* table, DType dt, int64_t hidden, const int32_t* ids, int64_t n, float* out) {
+  const int64_t row_bytes = hidden * elem_bytes(dt);
+#pragma omp parallel for schedule(static) if (worth_threads(n * hidden))
+  for (int64_t t = 0; t < n; ++t)
+    convert_row((const char*)table + ids[t] * row_bytes, dt, hidden, out + t * hidden);
+}
+
+// out = x * (1 / sqrt(mean(x^2) + eps)) * w, in HF's order: (x * inv_rms) * w.
+inline void rmsnorm_row(const float* x, const void* w, DType dt, float eps, int64_t dim, float* out) {
+  V s0 = vzero(), s1 = vzero();
+  int64_t i = 0;
+  for (; i + 2 * kW <= dim; i += 2 * kW) {
+    V a = vload(x + i), b = vload(x + i + kW);
+    s0 = vfma(a, a, s0);
+    s1 = vfma(b, b, s1);
+  }
+  for (; i < dim; i += kW) {
+    int r = dim - i < kW ? (int)(dim - i) : kW;
+    V a = vload_n(x + i, r);
+    s0 = vfma(a, a, s0);
+  }
+  const float inv = 1.0f / sqrtf(vsum(s0 + s1) / (float)dim + eps);
+  const V vinv = vset1(inv);
+  for (i = 0; i + kW <= dim; i += kW) vstore(out + i, (vload(x + i) * vinv) * vload_w(w, dt, i));
+  if (i < dim) {
+    int r = (int)(dim - i);
+    vstore_n(out + i, (vload_n(x + i, r) * vinv) * vload_w_n(w, dt, i, r), r);
+  }
+}
+
+void rmsnorm(const float* x, const void* w, DType dt, float eps, int64_t rows, int64_t dim, float* out) {
+#pragma omp parallel for schedule(static) if (worth_threads(rows * dim))
+  for (int64_t r = 0; r < rows; ++r) rmsnorm_row(x + r * dim, w, dt, eps, dim, out + r * dim);
+}
+
+void add_rmsnorm(float* residual, const float* x, const void* w, DType dt, float eps, int64_t rows,
+                 int64_t dim, float* out) {
+#pragma omp parallel for schedule(static) if (worth_threads(rows * dim))
+  for (int64_t r = 0; r < rows; ++r) {
+    float* res = residual + r * dim;
+    const float* xr = x + r * dim;
+    int64_t i = 0;
+    for (; i + kW <= dim; i += kW) vstore(res + i, vload(res + i) + vload(xr + i));
+    if (i < dim) vstore_n(res + i, vload_n(res + i, (int)(dim - i)) + vload_n(xr + i, (int)(dim - i)), (int)(dim - i));
+    rmsnorm_row(res, w, dt, eps, dim, out + r * dim);
+  }
+}
+
+// x[0:half] and x[half:2*half] of one head rotated by (c, s).
+inline void rope_head(float* x, const float* c, const float* s, int half) {
+  int i = 0;
+  for (; i + kW <= half; i += kW) {
+    V a = vload(x + i), b = vload(x + half + i), vc = vload(c + i), vs = vload(s + i);
+    vstore(x + i, a * vc - b * vs);
+    vstore(x + half + i, b * vc + a * vs);
+  }
+  for (; i < half; ++i) {
+    float a = x[i], b = x[half + i];
+    x[i] = a * c[i] - b * s[i];
+    x[half + i] = b * c[i] + a * s[i];
+  }
+}
+
+void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads, int head_dim,
+          const float* inv_freq, float scaling) {
+  const int half = head_dim / 2;
+#pragma omp parallel if (worth_threads(n * (num_heads + num_kv_heads) * head_dim * 8))
+  {
+    float c[512], s[512];  // head_dim <= 1024, checked at the door
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n; ++t) {
+      const float pos = (float)positions[t];
+      for (int i = 0; i < half; ++i) {
+        const float angle = pos * inv_freq[i];  // fp32 product, as HF computes it
+        float sn, cs;
+        sincosf(angle, &sn, &cs);
+        c[i] = cs * scaling;
+        s[i] = sn * scaling;
+      }
+      for (int h = 0; h < num_heads; ++h) rope_head(q + (t * num_heads + h) * head_dim, c, s, half);
+      for (int h = 0; h < num_kv_heads; ++h) rope_head(k + (t * num_kv_heads + h) * head_dim, c, s, half);
+    }
+  }
+}
+
+// silu(g) * u = g / (1 + exp(-g)) * u
+void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out) {
+  const int64_t total = n * inter;
+  const int64_t num_chunks = (total + 4095) / 4096;
+#pragma omp parallel for schedule(static) if (worth_threads(total))
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t begin = c * 4096, end = begin + 4096 < total ? begin + 4096 : total;
+    int64_t i = begin;
+    const V one = vset1(1.0f);
+    for (; i + kW <= end; i += kW) {
+      V g = vload(gate + i), u = vload(up + i);
+      vstore(out + i, g / (one + vexp(vzero() - g)) * u);
+    }
+    if (i < end) {
+      int r = (int)(end - i);
+      V g = vload_n(gate + i, r), u = vload_n(up + i, r);
+      vstore_n(out + i, g / (one + vexp(vzero() - g)) * u, r);
+    }
+  }
+}
+
+// k, v rows [n, num_kv_heads, head_dim] -> pool slots; a negative slot (padding) is skipped.
+void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n) {
+  const int64_t hd = kv.head_dim, nkv = kv.num_kv_heads, bs = kv.block_size;
+#pragma omp parallel for schedule(static) if (worth_threads(n * nkv * hd))
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    const int64_t block = slot / bs, offset = slot % bs;
+    for (int64_t h = 0; h < nkv; ++h) {
+      const int64_t dst = ((block * nkv + h) * bs + offset) * hd, src = (t * nkv + h) * hd;
+      memcpy(kv.k + dst, k + src, (size_t)hd * 4);
+      memcpy(kv.v + dst, v + src, (size_t)hd * 4);
+    }
+  }
+}

@@ -1,0 +1,25 @@
+// The body of one ISA translation unit. Before including it, isa_<name>.cpp includes isa_prelude.h
+// and defines LMKIT_ISA (the namespace, e.g. avx512) and LMKIT_ISA_TABLE (e.g. avx512_table).
+// All kernels land in an anonymous namespace inside lmkit::ops::cpu::LMKIT_ISA: internal linkage, one
+// copy per ISA, so the linker can never mix code compiled for different instruction sets.
+
+namespace lmkit::ops::cpu {
+namespace LMKIT_ISA {
+namespace {
+#include "kernels/cpu/simd.h"
+#include "kernels/cpu/impl_elementwise.h"
+#include "kernels/cpu/impl_linear.h"
+#include "kernels/cpu/impl_attention.h"
+}  // namespace
+}  // namespace LMKIT_ISA
+
+const KernelTable* LMKIT_ISA_TABLE() {
+  static const KernelTable table = {
+      LMKIT_ISA_NAME,         &LMKIT_ISA::embedding, &LMKIT_ISA::rmsnorm, &LMKIT_ISA::add_rmsnorm,
+      &LMKIT_ISA::linear,     &LMKIT_ISA::rope,      &LMKIT_ISA::silu_mul, &LMKIT_ISA::kv_write,
+      &LMKIT_ISA::paged_attention,
+  };
+  return &table;
+}
+
+}  // namespace lmkit::ops::cpu

@@ -1,0 +1,44 @@
+// The CPU kernel table: one struct of function pointers per instruction set, chosen once at run time
+// by dispatch.cpp. Entries take raw pointers (weights as data + dtype) so the ISA translation units
+// never touch the C++ standard library (see isa_body.h for why). Shapes and dtypes are already
+// checked when an entry is called.
+#pragma once
+#include <stdint.h>
+
+#include "kernels/ops.h"
+
+namespace lmkit::ops::cpu {
+
+struct KernelTable {
+  const char* name;  // "avx512", "avx2" or "generic"
+  // out[t, :] = table[ids[t], :]                        table: [*, hidden] of dtype
+  void (*embedding)(const void* table, DType dtype, int64_t hidden, const int32_t* ids, int64_t num_tokens,
+                    float* out);
+  void (*rmsnorm)(const float* x, const void* weight, DType wdtype, float eps, int64_t num_rows, int64_t dim,
+                  float* out);
+  void (*add_rmsnorm)(float* residual, const float* x, const void* weight, DType wdtype, float eps,
+                      int64_t num_rows, int64_t dim, float* out);
+  // out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N] when bias != nullptr; fp32, converted at the door)
+  void (*linear)(const float* x, int64_t M, const void* w, DType wdtype, int64_t N, int64_t K, const float* bias,
+                 float* out);
+  void (*rope)(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads,
+               int head_dim, const float* inv_freq, float attention_scaling);
+  void (*silu_mul)(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
+  void (*kv_write)(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n);
+  void (*paged_attention)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
+                          int32_t num_heads, float scale, int32_t sliding_window, float* out);
+};
+
+// Tables of the instruction sets compiled into this build (isa_*.cpp). Call only when the CPU has the ISA.
+const KernelTable* generic_table();
+#if defined(__x86_64__) || defined(_M_X64)
+const KernelTable* avx2_table();
+const KernelTable* avx512_table();
+#endif
+
+// Hidden hooks for tests and benchmarks: the table named `isa` when this CPU can run it, else nullptr;
+// force_isa makes every ops:: call use that table (false, and nothing changes, when it cannot run here).
+const KernelTable* table_for(const char* isa);
+bool force_isa(const char* isa);
+
+}  // namespace lmkit::ops::cpu

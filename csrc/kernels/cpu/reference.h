@@ -1,0 +1,26 @@
+// Scalar reference of every CPU op (ops.h), written for clarity: double accumulation, no threads, no
+// SIMD. The kernel tests hold every ISA path to these. Same signatures and contracts as ops.h.
+#pragma once
+#include <stdint.h>
+
+#include "kernels/ops.h"
+
+namespace lmkit::ops::reference {
+
+// Element i of a float weight (F32 / F16 / BF16) as float.
+float weight_at(const Tensor& w, int64_t i);
+
+void embedding(const Tensor& table, const int32_t* ids, int64_t num_tokens, float* out);
+void rmsnorm(const float* x, const Tensor& weight, float eps, int64_t num_rows, int64_t dim, float* out);
+void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float eps, int64_t num_rows, int64_t dim,
+                 float* out);
+void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias, float* out);
+void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads, int head_dim,
+          const float* inv_freq, float attention_scaling);
+void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
+void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n);
+// Plain two-pass softmax in double (not online), straight from the definition.
+void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
+                     float scale, int32_t sliding_window, float* out);
+
+}  // namespace lmkit::ops::reference

@@ -1,0 +1,240 @@
+// SIMD wrapper: one fp32 vector type `V` of kW lanes whose operations follow the instruction set the
+// including translation unit is compiled for: __AVX512F__ -> 16 lanes (zmm), __AVX2__ -> 8 lanes (ymm,
+// FMA, F16C), otherwise 4 lanes of GCC vector extensions (portable, SSE2 on x86-64).
+//
+// Textually included by isa_body.h INSIDE `namespace lmkit::ops::cpu::<isa> { namespace { ... } }`, so
+// every function here has internal linkage and one copy per ISA: no inline function compiled with
+// AVX-512 flags can be picked by the linker for generic code. Hence also: no #include here; the
+// system headers (<immintrin.h>, <math.h>, ...) come from isa_prelude.h at file scope.
+
+#if defined(__AVX512F__)
+
+constexpr int kW = 16;
+struct V {
+  __m512 v;
+};
+inline __mmask16 lanes(int n) { return (__mmask16)((1u << n) - 1u); }  // n in [0, 16]
+inline V vzero() { return {_mm512_setzero_ps()}; }
+inline V vset1(float a) { return {_mm512_set1_ps(a)}; }
+inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+inline V vload_n(const float* p, int n) { return {_mm512_maskz_loadu_ps(lanes(n), p)}; }
+inline void vstore_n(float* p, V a, int n) { _mm512_mask_storeu_ps(p, lanes(n), a.v); }
+inline V vload_f16(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
+inline V vload_f16_n(const uint16_t* p, int n) {
+  return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes(n), p))};
+}
+inline V bf16_widen(__m256i h) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))}; }
+inline V vload_bf16(const uint16_t* p) { return bf16_widen(_mm256_loadu_si256((const __m256i*)p)); }
+inline V vload_bf16_n(const uint16_t* p, int n) { return bf16_widen(_mm256_maskz_loadu_epi16(lanes(n), p)); }
+inline V operator+(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V operator-(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V operator*(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V operator/(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
+inline V vmax(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline V vmin(V a, V b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline float vsum(V a) { return _mm512_reduce_add_ps(a.v); }
+inline float vhmax(V a) { return _mm512_reduce_max_ps(a.v); }
+// lanes where a < b take z, others take y
+inline V vselect_lt(V a, V b, V z, V y) { return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ), y.v, z.v)}; }
+// 2^n for integer-valued n in [-126, 127], given t = n + 1.5 * 2^23 as a float.
+inline V vpow2_from_magic(V t) {
+  __m512i i = _mm512_sub_epi32(_mm512_castps_si512(t.v), _mm512_set1_epi32(0x4B400000));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(127)), 23))};
+}
+inline void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
+
+#elif defined(__AVX2__)
+
+constexpr int kW = 8;
+struct V {
+  __m256 v;
+};
+inline __m256i lanes(int n) {  // n in [0, 8]
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline V vzero() { return {_mm256_setzero_ps()}; }
+inline V vset1(float a) { return {_mm256_set1_ps(a)}; }
+inline V vload(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a.v); }
+inline V vload_n(const float* p, int n) { return {_mm256_maskload_ps(p, lanes(n))}; }
+inline void vstore_n(float* p, V a, int n) { _mm256_maskstore_ps(p, lanes(n), a.v); }
+inline V vload_f16(const uint16_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }
+inline __m128i load_u16_n(const uint16_t* p, int n) {
+  uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  memcpy(tmp, p, (size_t)n * 2);
+  return _mm_loadu_si128((const __m128i*)tmp);
+}
+inline V vload_f16_n(const uint16_t* p, int n) { return {_mm256_cvtph_ps(load_u16_n(p, n))}; }
+inline V bf16_widen(__m128i h) { return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))}; }
+inline V vload_bf16(const uint16_t* p) { return bf16_widen(_mm_loadu_si128((const __m128i*)p)); }
+inline V vload_bf16_n(const uint16_t* p, int n) { return bf16_widen(load_u16_n(p, n)); }
+inline V operator+(V a, V b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline V operator-(V a, V b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline V operator*(V a, V b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline V operator/(V a, V b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline V vfma(V a, V b, V c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline V vmax(V a, V b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline V vmin(V a, V b) { return {_mm256_min_ps(a.v, b.v)}; }
+inline float vsum(V a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float vhmax(V a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline V vselect_lt(V a, V b, V z, V y) { return {_mm256_blendv_ps(y.v, z.v, _mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ))}; }
+inline V vpow2_from_magic(V t) {
+  __m256i i = _mm256_sub_epi32(_mm256_castps_si256(t.v), _mm256_set1_epi32(0x4B400000));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(i, _mm256_set1_epi32(127)), 23))};
+}
+inline void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
+
+#else  // generic: GCC/Clang vector extensions
+
+constexpr int kW = 4;
+typedef float vf4 __attribute__((vector_size(16)));
+typedef int32_t vi4 __attribute__((vector_size(16)));
+struct V {
+  vf4 v;
+};
+inline V vzero() { return {vf4{0.f, 0.f, 0.f, 0.f}}; }
+inline V vset1(float a) { return {vf4{a, a, a, a}}; }
+inline V vload(const float* p) {
+  V r;
+  memcpy(&r.v, p, sizeof(r.v));
+  return r;
+}
+inline void vstore(float* p, V a) { memcpy(p, &a.v, sizeof(a.v)); }
+inline V vload_n(const float* p, int n) {
+  V r = vzero();
+  memcpy(&r.v, p, (size_t)n * 4);
+  return r;
+}
+inline void vstore_n(float* p, V a, int n) { memcpy(p, &a.v, (size_t)n * 4); }
+inline float half_to_float(uint16_t h) {  // exact for every input
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, u;
+  if (exp == 0) {
+    if (mant == 0) {
+      u = sign;
+    } else {
+      int e = -1;
+      do {
+        mant <<= 1;
+        ++e;
+      } while (!(mant & 0x400));
+      u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (mant << 13);
+  } else {
+    u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+inline float bfloat_to_float(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+inline V vload_f16_n(const uint16_t* p, int n) {
+  V r = vzero();
+  for (int i = 0; i < n; ++i) r.v[i] = half_to_float(p[i]);
+  return r;
+}
+inline V vload_f16(const uint16_t* p) { return vload_f16_n(p, 4); }
+inline V vload_bf16_n(const uint16_t* p, int n) {
+  V r = vzero();
+  for (int i = 0; i < n; ++i) r.v[i] = bfloat_to_float(p[i]);
+  return r;
+}
+inline V vload_bf16(const uint16_t* p) { return vload_bf16_n(p, 4); }
+inline V operator+(V a, V b) { return {a.v + b.v}; }
+inline V operator-(V a, V b) { return {a.v - b.v}; }
+inline V operator*(V a, V b) { return {a.v * b.v}; }
+inline V operator/(V a, V b) { return {a.v / b.v}; }
+inline V vfma(V a, V b, V c) { return {a.v * b.v + c.v}; }
+inline V vmax(V a, V b) { return {a.v > b.v ? a.v : b.v}; }
+inline V vmin(V a, V b) { return {a.v < b.v ? a.v : b.v}; }
+inline float vsum(V a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
+inline float vhmax(V a) {
+  float x = a.v[0] > a.v[1] ? a.v[0] : a.v[1], y = a.v[2] > a.v[3] ? a.v[2] : a.v[3];
+  return x > y ? x : y;
+}
+inline V vselect_lt(V a, V b, V z, V y) { return {a.v < b.v ? z.v : y.v}; }
+inline V vpow2_from_magic(V t) {
+  vi4 i;
+  memcpy(&i, &t.v, 16);
+  i = (i - 0x4B400000 + 127) << 23;
+  V r;
+  memcpy(&r.v, &i, 16);
+  return r;
+}
+inline void prefetch(const void* p) { __builtin_prefetch(p); }
+
+#endif
+
+// Bytes of one stored element (an own copy of dtype_size_bytes, which is not inline-safe here).
+inline int64_t elem_bytes(DType dt) { return dt == DType::F32 ? 4 : 2; }
+
+// Scalar conversions of one stored element (weights, biases).
+inline float load_scalar(const void* p, DType dt, int64_t i) {
+  switch (dt) {
+    case DType::F16: {
+      V r = vload_f16_n((const uint16_t*)p + i, 1);
+      float f[kW];
+      vstore(f, r);
+      return f[0];
+    }
+    case DType::BF16: {
+      uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
+      float f;
+      memcpy(&f, &u, 4);
+      return f;
+    }
+    default:
+      return ((const float*)p)[i];
+  }
+}
+
+// kW elements of a weight row starting at element i, converted to fp32 (n < kW: the first n, rest 0).
+inline V vload_w(const void* p, DType dt, int64_t i) {
+  if (dt == DType::F16) return vload_f16((const uint16_t*)p + i);
+  if (dt == DType::BF16) return vload_bf16((const uint16_t*)p + i);
+  return vload((const float*)p + i);
+}
+inline V vload_w_n(const void* p, DType dt, int64_t i, int n) {
+  if (dt == DType::F16) return vload_f16_n((const uint16_t*)p + i, n);
+  if (dt == DType::BF16) return vload_bf16_n((const uint16_t*)p + i, n);
+  return vload_n((const float*)p + i, n);
+}
+
+// exp(x) in fp32, ~1 ulp (Cephes expf polynomial): exp(x) = 2^n * p(r), n = round(x / ln2).
+// Returns 0 below -87.33 (and for -inf), saturates at exp(88) above 88.
+inline V vexp(V x) {
+  const V lo = vset1(-87.3365447505f);
+  V xc = vmin(vmax(x, lo), vset1(88.0f));
+  const V magic = vset1(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer
+  V t = vfma(xc, vset1(1.44269504088896341f), magic);
+  V n = t - magic;
+  V r = vfma(n, vset1(-0.693359375f), xc);
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  V p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, r * r, r + vset1(1.0f));
+  V y = p * vpow2_from_magic(t);
+  return vselect_lt(x, lo, vzero(), y);
+}

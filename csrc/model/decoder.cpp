@@ -1,0 +1,196 @@
+#include "model/decoder.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/check.h"
+#include "kernels/cpu/sampling.h"
+
+namespace lmkit {
+
+namespace {
+constexpr int32_t kLogitRowsPerGroup = 64;  // logits are computed and consumed in groups of rows
+}
+
+DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, const DecoderOptions& options)
+    : config_(config), weights_(std::move(weights)), options_(options) {
+  const int64_t T = options.max_step_tokens;
+  LMKIT_CHECK(T > 0, "max_step_tokens must be > 0");
+  residual_.resize(T * config.hidden_size);
+  hidden_.resize(T * config.hidden_size);
+  q_.resize(T * config.q_size());
+  k_.resize(T * config.kv_size());
+  v_.resize(T * config.kv_size());
+  attn_.resize(T * config.q_size());
+  gate_.resize(T * config.intermediate_size);
+  up_.resize(T * config.intermediate_size);
+  logits_.resize((int64_t)kLogitRowsPerGroup * config.vocab_size);
+  gathered_.resize((int64_t)kLogitRowsPerGroup * config.hidden_size);
+}
+
+DecoderModel::~DecoderModel() {
+  if (kv_pool_) ::munmap(kv_pool_, kv_pool_bytes_);
+}
+
+int64_t DecoderModel::kv_bytes_per_block() const {
+  return (int64_t)config_.num_layers * 2 * config_.num_kv_heads * options_.block_size_tokens * config_.head_dim *
+         (int64_t)sizeof(float);
+}
+
+void DecoderModel::allocate_kv_pool(int32_t num_blocks) {
+  LMKIT_CHECK(kv_pool_ == nullptr, "the KV pool is allocated once");
+  kv_pool_bytes_ = kv_bytes_per_block() * num_blocks;
+  // Anonymous mapping: pages are committed when first written, lowest block ids first.
+  void* p = ::mmap(nullptr, kv_pool_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  LMKIT_CHECK(p != MAP_FAILED, "cannot reserve ", kv_pool_bytes_, " bytes for the KV pool (", num_blocks,
+              " blocks); lower cache_max_entry_count");
+  kv_pool_ = static_cast<float*>(p);
+  num_blocks_ = num_blocks;
+}
+
+void DecoderModel::bind_thread() {
+  if (options_.num_threads > 0) ops::set_num_threads(options_.num_threads);
+}
+
+ops::KVLayer DecoderModel::kv_layer(int32_t layer) const {
+  ops::KVLayer kv;
+  kv.num_blocks = num_blocks_;
+  kv.num_kv_heads = config_.num_kv_heads;
+  kv.block_size = options_.block_size_tokens;
+  kv.head_dim = config_.head_dim;
+  const int64_t per_tensor = (int64_t)num_blocks_ * kv.num_kv_heads * kv.block_size * kv.head_dim;
+  kv.k = kv_pool_ + (2 * (int64_t)layer) * per_tensor;
+  kv.v = kv.k + per_tensor;
+  return kv;
+}
+
+void DecoderModel::forward(const BatchPlan& plan) {
+  const ModelConfig& c = config_;
+  const int64_t T = plan.num_tokens, H = c.hidden_size, I = c.intermediate_size;
+  const int32_t bs = options_.block_size_tokens;
+  LMKIT_CHECK(T <= options_.max_step_tokens, "step of ", T, " tokens exceeds the workspace of ",
+              options_.max_step_tokens);
+  LMKIT_CHECK(kv_pool_ != nullptr, "allocate_kv_pool() before the first step");
+
+  token_ids_.resize(T);
+  positions_.resize(T);
+  slots_.resize(T);
+  attn_seqs_.clear();
+  logit_rows_.clear();
+  int32_t row = 0;
+  for (const ScheduledSeq& s : plan.seqs) {
+    const Sequence& seq = *s.seq;
+    LMKIT_CHECK((int64_t)seq.block_table.size() * bs >= s.start_pos + s.num_tokens, "sequence ", seq.id,
+                " has too few blocks for its chunk");
+    ops::AttnSeq a;
+    a.q_row = row;
+    a.q_len = s.num_tokens;
+    a.ctx_len = s.start_pos + s.num_tokens;
+    a.block_table = seq.block_table.data();
+    attn_seqs_.push_back(a);
+    for (int32_t j = 0; j < s.num_tokens; ++j, ++row) {
+      const int32_t pos = s.start_pos + j;
+      token_ids_[row] = seq.tokens[pos];
+      positions_[row] = pos;
+      slots_[row] = seq.block_table[pos / bs] * bs + pos % bs;
+      const bool is_last = j == s.num_tokens - 1;
+      if ((is_last && s.is_sampled) || seq.params.output_logits) logit_rows_.push_back(row);
+    }
+  }
+
+  float* residual = residual_.data();
+  float* h = hidden_.data();
+  const Tensor no_bias;
+  ops::embedding(weights_.embed_tokens, token_ids_.data(), T, residual);
+  const float scale = 1.0f / std::sqrt((float)c.head_dim);
+  for (int32_t l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& w = weights_.layers[l];
+    if (l == 0)
+      ops::rmsnorm(residual, w.input_norm, c.rms_norm_eps, T, H, h);
+    else  // residual += mlp output (in h); h = norm(residual)
+      ops::add_rmsnorm(residual, h, w.input_norm, c.rms_norm_eps, T, H, h);
+    ops::linear(h, T, w.q_proj, w.q_bias, q_.data());
+    ops::linear(h, T, w.k_proj, w.k_bias, k_.data());
+    ops::linear(h, T, w.v_proj, w.v_bias, v_.data());
+    ops::rope(q_.data(), k_.data(), positions_.data(), T, c.num_heads, c.num_kv_heads, c.head_dim,
+              c.inv_freq.data(), c.attention_scaling);
+    const ops::KVLayer kv = kv_layer(l);
+    ops::kv_write(kv, k_.data(), v_.data(), slots_.data(), T);
+    ops::paged_attention(q_.data(), kv, attn_seqs_.data(), (int32_t)attn_seqs_.size(), c.num_heads, scale,
+                         c.sliding_window, attn_.data());
+    ops::linear(attn_.data(), T, w.o_proj, no_bias, h);
+    ops::add_rmsnorm(residual, h, w.post_attention_norm, c.rms_norm_eps, T, H, h);
+    ops::linear(h, T, w.gate_proj, no_bias, gate_.data());
+    ops::linear(h, T, w.up_proj, no_bias, up_.data());
+    ops::silu_mul(gate_.data(), up_.data(), T, I, gate_.data());
+    ops::linear(gate_.data(), T, w.down_proj, no_bias, h);
+  }
+  (void)I;
+}
+
+void DecoderModel::step(const BatchPlan& plan, std::vector<int32_t>& sampled) {
+  sampled.assign(plan.seqs.size(), -1);
+  if (plan.empty()) return;
+  forward(plan);
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+
+  // Map each logit row back to its plan entry: rows are in plan order.
+  std::vector<int32_t> row_owner(plan.num_tokens);
+  {
+    int32_t row = 0;
+    for (int32_t i = 0; i < (int32_t)plan.seqs.size(); ++i)
+      for (int32_t j = 0; j < plan.seqs[i].num_tokens; ++j) row_owner[row++] = i;
+  }
+  std::vector<int32_t> row_start(plan.seqs.size());
+  {
+    int32_t row = 0;
+    for (size_t i = 0; i < plan.seqs.size(); ++i) {
+      row_start[i] = row;
+      row += plan.seqs[i].num_tokens;
+    }
+  }
+
+  std::vector<int32_t> banned;
+  for (size_t g = 0; g < logit_rows_.size(); g += kLogitRowsPerGroup) {
+    const int32_t n = (int32_t)std::min<size_t>(kLogitRowsPerGroup, logit_rows_.size() - g);
+    // residual + last mlp output, final norm, for the gathered rows only.
+    for (int32_t r = 0; r < n; ++r) {
+      const int32_t row = logit_rows_[g + r];
+      float* dst = gathered_.data() + r * H;
+      const float* res = residual_.data() + (int64_t)row * H;
+      const float* mlp = hidden_.data() + (int64_t)row * H;
+      for (int64_t j = 0; j < H; ++j) dst[j] = res[j] + mlp[j];
+    }
+    ops::rmsnorm(gathered_.data(), weights_.final_norm, c.rms_norm_eps, n, H, gathered_.data());
+    ops::linear(gathered_.data(), n, weights_.lm_head, Tensor{}, logits_.data());
+
+    for (int32_t r = 0; r < n; ++r) {
+      const int32_t row = logit_rows_[g + r];
+      const int32_t i = row_owner[row];
+      const ScheduledSeq& s = plan.seqs[i];
+      Sequence& seq = *s.seq;
+      float* lr = logits_.data() + (int64_t)r * V;
+      const int32_t pos = s.start_pos + (row - row_start[i]);
+      if (seq.params.output_logits && pos >= (int32_t)seq.num_logit_rows_emitted) {
+        seq.pending_logits.insert(seq.pending_logits.end(), lr, lr + V);
+        ++seq.pending_logit_rows;
+        seq.num_logit_rows_emitted = pos + 1;
+      }
+      const bool is_sample_row = s.is_sampled && row == row_start[i] + s.num_tokens - 1;
+      if (!is_sample_row) continue;
+      banned.clear();
+      if (seq.num_generated_tokens() < seq.params.min_new_tokens) {
+        if (!seq.params.ignore_eos) banned.insert(banned.end(), options_.eos_token_ids.begin(), options_.eos_token_ids.end());
+        banned.insert(banned.end(), seq.params.stop_token_ids.begin(), seq.params.stop_token_ids.end());
+      }
+      sampled[i] = ops::sample(lr, (int32_t)V, seq.params, seq.tokens.data(), seq.num_tokens(), banned.data(),
+                               (int32_t)banned.size(), seq.rng);
+    }
+  }
+}
+
+}  // namespace lmkit

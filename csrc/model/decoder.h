@@ -1,0 +1,60 @@
+// The Llama-family decoder (Llama, Mistral, Qwen2) on the CPU backend: one fused forward over a
+// BatchPlan that mixes prefill chunks and decode tokens, K/V kept in the blocked pool.
+#pragma once
+#include <stdint.h>
+
+#include <memory>
+#include <vector>
+
+#include "engine/executor.h"
+#include "kernels/ops.h"
+#include "model/model_config.h"
+#include "model/weights.h"
+
+namespace lmkit {
+
+struct DecoderOptions {
+  int32_t block_size_tokens = 64;
+  int32_t max_step_tokens = 8192;  // rows of one forward at most (prefill budget + decodes)
+  int32_t num_threads = 0;         // 0: all cores
+  std::vector<int32_t> eos_token_ids;
+};
+
+class DecoderModel : public Executor {
+ public:
+  DecoderModel(const ModelConfig& config, ModelWeights weights, const DecoderOptions& options);
+  ~DecoderModel() override;
+
+  void step(const BatchPlan& plan, std::vector<int32_t>& sampled) override;
+  int64_t kv_bytes_per_block() const override;
+  void allocate_kv_pool(int32_t num_blocks) override;
+  int32_t vocab_size() const override { return config_.vocab_size; }
+  void bind_thread() override;
+
+  const ModelConfig& config() const { return config_; }
+  int64_t weight_size_bytes() const { return weights_.size_bytes; }
+
+ private:
+  // hidden_out: [rows, hidden] final-normed hidden states of the rows listed in logit_rows.
+  void forward(const BatchPlan& plan);
+  ops::KVLayer kv_layer(int32_t layer) const;
+
+  ModelConfig config_;
+  ModelWeights weights_;
+  DecoderOptions options_;
+
+  // KV pool: [layers][K|V][num_blocks, kv_heads, block_size, head_dim] fp32, lazily committed.
+  float* kv_pool_ = nullptr;
+  int64_t kv_pool_bytes_ = 0;
+  int32_t num_blocks_ = 0;
+
+  // Per-step inputs, rebuilt from the plan.
+  std::vector<int32_t> token_ids_, positions_, slots_;
+  std::vector<ops::AttnSeq> attn_seqs_;
+  std::vector<int32_t> logit_rows_;  // rows whose logits are needed, in plan order
+
+  // Workspace rows: max_step_tokens.
+  std::vector<float> residual_, hidden_, q_, k_, v_, attn_, gate_, up_, logits_, gathered_;
+};
+
+}  // namespace lmkit

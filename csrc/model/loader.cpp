@@ -1,0 +1,45 @@
+#include "model/loader.h"
+
+#include "core/check.h"
+#include "model/decoder.h"
+
+namespace lmkit {
+
+std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelConfig& model,
+                                      const std::map<std::string, TensorSource>& sources,
+                                      const std::vector<int32_t>& eos_token_ids) {
+  LMKIT_CHECK_ARG(config.device == "cpu", "device='", config.device,
+                  "' is not available in this build; the CPU backend is (device='cpu')");
+  LMKIT_CHECK_ARG(config.quant_policy == 0, "quant_policy=", config.quant_policy,
+                  " (quantized KV cache) is not supported yet; use quant_policy=0");
+  LMKIT_CHECK_ARG(!config.enable_prefix_caching, "enable_prefix_caching is not supported yet");
+  LMKIT_CHECK_ARG(config.max_batch_size >= 1, "max_batch_size must be >= 1, got ", config.max_batch_size);
+  LMKIT_CHECK_ARG(config.cache_block_seq_len >= 1, "cache_block_seq_len must be >= 1, got ", config.cache_block_seq_len);
+  LMKIT_CHECK_ARG(config.max_prefill_token_num >= 1, "max_prefill_token_num must be >= 1, got ",
+                  config.max_prefill_token_num);
+  LMKIT_CHECK_ARG(config.num_threads >= 0, "num_threads must be >= 0, got ", config.num_threads);
+  model.validate();
+
+  EngineOptions options;
+  options.max_batch_size = config.max_batch_size;
+  options.session_len = config.session_len > 0 ? config.session_len : model.max_position_embeddings;
+  LMKIT_CHECK_ARG(options.session_len > 1, "session_len must be > 1 (the model's max_position_embeddings is ",
+                  model.max_position_embeddings, ")");
+  options.block_size_tokens = config.cache_block_seq_len;
+  options.max_prefill_token_num = config.max_prefill_token_num;
+  options.vocab_size = model.vocab_size;
+  options.eos_token_ids = eos_token_ids;
+
+  DecoderOptions decoder;
+  decoder.block_size_tokens = config.cache_block_seq_len;
+  decoder.max_step_tokens = config.max_prefill_token_num + config.max_batch_size;
+  decoder.num_threads = config.num_threads;
+  decoder.eos_token_ids = eos_token_ids;
+  auto executor = std::make_unique<DecoderModel>(model, ModelWeights::load(model, sources), decoder);
+  options.num_blocks =
+      kv_pool_num_blocks(config.cache_max_entry_count, executor->kv_bytes_per_block(), available_host_memory_bytes(),
+                         options.max_batch_size, options.session_len, options.block_size_tokens);
+  return std::make_unique<Engine>(options, std::move(executor));
+}
+
+}  // namespace lmkit

@@ -1,0 +1,156 @@
+// lmkit._engine: the coarse boundary between Python and the C++ engine. A handful of objects
+// (configs, the engine, request outputs, metrics); every blocking call releases the GIL, and the
+// callback thread takes it only to call the consumer.
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "core/check.h"
+#include "engine/engine.h"
+#include "kernels/ops.h"
+#include "model/loader.h"
+
+namespace py = pybind11;
+using namespace lmkit;
+
+namespace {
+
+DType parse_dtype(const std::string& s) {
+  if (s == "F32") return DType::F32;
+  if (s == "F16") return DType::F16;
+  if (s == "BF16") return DType::BF16;
+  if (s == "I32") return DType::I32;
+  if (s == "I8") return DType::I8;
+  if (s == "U8") return DType::U8;
+  throw InvalidArgument("unsupported safetensors dtype " + s);
+}
+
+// Engine objects die without the GIL: shutdown joins the callback thread, which may be waiting for it.
+struct GilReleasingDelete {
+  void operator()(Engine* e) const {
+    py::gil_scoped_release release;
+    delete e;
+  }
+};
+using EnginePtr = std::unique_ptr<Engine, GilReleasingDelete>;
+
+}  // namespace
+
+PYBIND11_MODULE(_engine, m) {
+  m.doc() = "lmkit C++ engine (import through lmkit, not directly)";
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  m.def("cpu_isa", &ops::cpu_isa, "Instruction set the CPU kernels picked at run time.");
+
+  py::class_<ModelConfig>(m, "ModelConfig")
+      .def(py::init<>())
+      .def_readwrite("architecture", &ModelConfig::architecture)
+      .def_readwrite("vocab_size", &ModelConfig::vocab_size)
+      .def_readwrite("hidden_size", &ModelConfig::hidden_size)
+      .def_readwrite("intermediate_size", &ModelConfig::intermediate_size)
+      .def_readwrite("num_layers", &ModelConfig::num_layers)
+      .def_readwrite("num_heads", &ModelConfig::num_heads)
+      .def_readwrite("num_kv_heads", &ModelConfig::num_kv_heads)
+      .def_readwrite("head_dim", &ModelConfig::head_dim)
+      .def_readwrite("rms_norm_eps", &ModelConfig::rms_norm_eps)
+      .def_readwrite("inv_freq", &ModelConfig::inv_freq)
+      .def_readwrite("attention_scaling", &ModelConfig::attention_scaling)
+      .def_readwrite("sliding_window", &ModelConfig::sliding_window)
+      .def_readwrite("has_qkv_bias", &ModelConfig::has_qkv_bias)
+      .def_readwrite("tie_word_embeddings", &ModelConfig::tie_word_embeddings)
+      .def_readwrite("max_position_embeddings", &ModelConfig::max_position_embeddings);
+
+  py::class_<EngineConfig>(m, "EngineConfig")
+      .def(py::init<>())
+      .def_readwrite("device", &EngineConfig::device)
+      .def_readwrite("max_batch_size", &EngineConfig::max_batch_size)
+      .def_readwrite("session_len", &EngineConfig::session_len)
+      .def_readwrite("cache_block_seq_len", &EngineConfig::cache_block_seq_len)
+      .def_readwrite("cache_max_entry_count", &EngineConfig::cache_max_entry_count)
+      .def_readwrite("max_prefill_token_num", &EngineConfig::max_prefill_token_num)
+      .def_readwrite("quant_policy", &EngineConfig::quant_policy)
+      .def_readwrite("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
+      .def_readwrite("num_threads", &EngineConfig::num_threads);
+
+  py::class_<SamplingParams>(m, "SamplingParams")
+      .def(py::init<>())
+      .def_readwrite("temperature", &SamplingParams::temperature)
+      .def_readwrite("top_k", &SamplingParams::top_k)
+      .def_readwrite("top_p", &SamplingParams::top_p)
+      .def_readwrite("min_p", &SamplingParams::min_p)
+      .def_readwrite("repetition_penalty", &SamplingParams::repetition_penalty)
+      .def_readwrite("seed", &SamplingParams::seed)
+      .def_readwrite("has_seed", &SamplingParams::has_seed)
+      .def_readwrite("max_new_tokens", &SamplingParams::max_new_tokens)
+      .def_readwrite("min_new_tokens", &SamplingParams::min_new_tokens)
+      .def_readwrite("stop_token_ids", &SamplingParams::stop_token_ids)
+      .def_readwrite("ignore_eos", &SamplingParams::ignore_eos)
+      .def_readwrite("output_logits", &SamplingParams::output_logits)
+      .def("validate", &SamplingParams::validate);
+
+  py::class_<RequestOutput>(m, "RequestOutput")
+      .def_readonly("request_id", &RequestOutput::request_id)
+      .def_readonly("token_ids", &RequestOutput::token_ids)
+      .def_readonly("finished", &RequestOutput::finished)
+      .def_property_readonly("finish_reason",
+                             [](const RequestOutput& o) { return std::string(finish_reason_name(o.finish_reason)); })
+      .def_readonly("error", &RequestOutput::error)
+      .def_readonly("num_prompt_tokens", &RequestOutput::num_prompt_tokens)
+      .def_property_readonly("logits", [](const RequestOutput& o) -> py::object {
+        if (o.num_logit_rows == 0) return py::none();
+        const py::ssize_t rows = o.num_logit_rows, vocab = (py::ssize_t)(o.logits.size() / o.num_logit_rows);
+        py::array_t<float> a({rows, vocab});
+        std::memcpy(a.mutable_data(), o.logits.data(), o.logits.size() * sizeof(float));
+        return a;
+      });
+
+  py::class_<EngineMetrics>(m, "EngineMetrics")
+      .def_readonly("num_running", &EngineMetrics::num_running)
+      .def_readonly("num_waiting", &EngineMetrics::num_waiting)
+      .def_readonly("num_total_blocks", &EngineMetrics::num_total_blocks)
+      .def_readonly("num_free_blocks", &EngineMetrics::num_free_blocks)
+      .def_readonly("num_active_blocks", &EngineMetrics::num_active_blocks)
+      .def_readonly("num_steps", &EngineMetrics::num_steps)
+      .def_readonly("num_prompt_tokens", &EngineMetrics::num_prompt_tokens)
+      .def_readonly("num_generated_tokens", &EngineMetrics::num_generated_tokens)
+      .def_readonly("num_preemptions", &EngineMetrics::num_preemptions)
+      .def_readonly("num_finished_requests", &EngineMetrics::num_finished_requests);
+
+  py::class_<Engine, EnginePtr>(m, "Engine")
+      .def(py::init([](const EngineConfig& config, const ModelConfig& model, const py::dict& sources,
+                       const std::vector<int32_t>& eos_token_ids) {
+             // sources: role -> (path, offset, dtype, shape)
+             std::map<std::string, TensorSource> srcs;
+             for (auto item : sources) {
+               auto t = item.second.cast<py::tuple>();
+               TensorSource s;
+               s.path = t[0].cast<std::string>();
+               s.offset = t[1].cast<int64_t>();
+               s.dtype = parse_dtype(t[2].cast<std::string>());
+               s.shape = t[3].cast<std::vector<int64_t>>();
+               srcs[item.first.cast<std::string>()] = std::move(s);
+             }
+             py::gil_scoped_release release;
+             return EnginePtr(create_engine(config, model, srcs, eos_token_ids).release());
+           }),
+           py::arg("config"), py::arg("model"), py::arg("sources"), py::arg("eos_token_ids"))
+      .def("submit", &Engine::submit, py::arg("request_id"), py::arg("prompt"), py::arg("params"),
+           py::arg("callback"), py::call_guard<py::gil_scoped_release>(),
+           "Queues a request; callback(RequestOutput) runs on the engine's callback thread.")
+      .def("cancel", &Engine::cancel, py::arg("request_id"), py::call_guard<py::gil_scoped_release>())
+      .def("metrics", &Engine::metrics, py::call_guard<py::gil_scoped_release>())
+      .def("check_integrity", &Engine::check_integrity, py::call_guard<py::gil_scoped_release>())
+      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_total_blocks", [](const Engine& e) { return e.options().num_blocks; })
+      .def_property_readonly("session_len", [](const Engine& e) { return e.options().session_len; })
+      .def_property_readonly("block_size_tokens", [](const Engine& e) { return e.options().block_size_tokens; });
+}

@@ -1,0 +1,287 @@
+// Holds every CPU op of every instruction-set path this machine can run (generic, avx2, avx512) to
+// the scalar double-accumulation reference (kernels/cpu/reference.h): relative error
+// ||out - ref|| / ||ref|| <= 1e-5 on fresh random inputs with odd shapes, all weight dtypes, bias
+// present/absent, in-place aliasing where the contract allows it, and paged attention over shuffled
+// block ids with every unused KV slot poisoned with NaN. Standalone: exit code 1 on any failure.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/check.h"
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/reference.h"
+#include "kernels/ops.h"
+
+using namespace lmkit;
+
+namespace {
+
+int g_passed = 0, g_failed = 0;
+std::mt19937 g_rng(1234);
+const char* g_isa = "";
+
+void expect(bool ok, const std::string& what) {
+  if (ok) {
+    ++g_passed;
+  } else {
+    ++g_failed;
+    std::printf("FAIL [%s] %s\n", g_isa, what.c_str());
+  }
+}
+
+// ||a - b|| / ||b||, infinite when a has a NaN.
+double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+    den += (double)b[i] * b[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+void expect_close(const std::vector<float>& out, const std::vector<float>& ref, const std::string& what,
+                  double tol = 1e-5) {
+  const double e = rel_err(out, ref);
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), " (rel err %.3g)", e);
+  expect(e <= tol, what + buf);
+}
+
+std::vector<float> randn(int64_t n, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(g_rng);
+  return v;
+}
+
+// A weight of the given dtype holding rounded copies of random values; `t` views its storage.
+struct Weight {
+  std::vector<float> f32;
+  std::vector<uint16_t> u16;
+  Tensor t;
+};
+Weight make_weight(DType dt, int64_t rows, int64_t cols, float scale = 1.0f) {
+  Weight w;
+  w.f32 = randn(rows * std::max<int64_t>(cols, 1), scale);
+  void* data = w.f32.data();
+  if (dt != DType::F32) {
+    w.u16.resize(w.f32.size());
+    for (size_t i = 0; i < w.f32.size(); ++i)
+      w.u16[i] = dt == DType::F16 ? f32_to_f16(w.f32[i]) : f32_to_bf16(w.f32[i]);
+    data = w.u16.data();
+  }
+  w.t = cols > 0 ? make_view(data, dt, rows, cols) : make_view(data, dt, rows);
+  return w;
+}
+
+const DType kWeightDTypes[] = {DType::F32, DType::F16, DType::BF16};
+std::string dt_name(DType dt) { return dtype_name(dt); }
+
+void test_embedding() {
+  for (DType dt : kWeightDTypes)
+    for (int64_t hidden : {1, 17, 576}) {
+      Weight table = make_weight(dt, 301, hidden);
+      std::vector<int32_t> ids = {0, 300, 7, 7, 150, 299, 1};
+      std::vector<float> out(ids.size() * hidden, NAN), ref(out.size());
+      ops::embedding(table.t, ids.data(), (int64_t)ids.size(), out.data());
+      ops::reference::embedding(table.t, ids.data(), (int64_t)ids.size(), ref.data());
+      expect(out == ref, "embedding " + dt_name(dt) + " hidden " + std::to_string(hidden) + " is exact");
+    }
+  Weight table = make_weight(DType::F32, 10, 8);
+  int32_t bad = 10;
+  float out[8];
+  bool threw = false;
+  try {
+    ops::embedding(table.t, &bad, 1, out);
+  } catch (const Error&) {
+    threw = true;
+  }
+  expect(threw, "embedding rejects an out-of-vocabulary id");
+}
+
+void test_rmsnorm() {
+  for (DType dt : kWeightDTypes)
+    for (int64_t dim : {1, 5, 64, 576, 1001})
+      for (int64_t rows : {1, 3, 130}) {
+        const std::string name = " " + dt_name(dt) + " [" + std::to_string(rows) + ", " + std::to_string(dim) + "]";
+        Weight w = make_weight(dt, dim, 0);
+        std::vector<float> x = randn(rows * dim, 3.0f), ref(x.size()), out(x.size());
+        ops::reference::rmsnorm(x.data(), w.t, 1e-5f, rows, dim, ref.data());
+        ops::rmsnorm(x.data(), w.t, 1e-5f, rows, dim, out.data());
+        expect_close(out, ref, "rmsnorm" + name);
+        std::vector<float> inplace = x;
+        ops::rmsnorm(inplace.data(), w.t, 1e-5f, rows, dim, inplace.data());
+        expect_close(inplace, ref, "rmsnorm in place" + name);
+
+        std::vector<float> res = randn(rows * dim), xr = randn(rows * dim), res_ref = res;
+        ops::reference::add_rmsnorm(res_ref.data(), xr.data(), w.t, 1e-6f, rows, dim, ref.data());
+        ops::add_rmsnorm(res.data(), xr.data(), w.t, 1e-6f, rows, dim, out.data());
+        expect_close(out, ref, "add_rmsnorm out" + name);
+        expect_close(res, res_ref, "add_rmsnorm residual" + name, 0.0);
+      }
+}
+
+void test_linear() {
+  struct Shape {
+    int64_t M, N, K;
+  };
+  const Shape shapes[] = {{1, 1, 1},    {1, 37, 576},  {2, 65, 576},   {3, 100, 33},  {4, 64, 1536},
+                          {5, 4099, 576}, {7, 31, 577},  {8, 96, 576},   {9, 33, 100},  {13, 200, 576},
+                          {40, 65, 1536}, {100, 129, 577}, {64, 1536, 64}, {3, 17, 15}};
+  for (DType dt : kWeightDTypes)
+    for (const Shape& s : shapes)
+      for (int bias_kind = 0; bias_kind < 3; ++bias_kind) {
+        if (bias_kind > 0 && (s.N * s.K > 1'000'000)) continue;
+        Weight w = make_weight(dt, s.N, s.K, 0.05f);
+        Weight b;
+        if (bias_kind > 0) b = make_weight(bias_kind == 1 ? DType::F32 : DType::BF16, s.N, 0);
+        std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN), ref(out.size());
+        ops::linear(x.data(), s.M, w.t, b.t, out.data());
+        ops::reference::linear(x.data(), s.M, w.t, b.t, ref.data());
+        expect_close(out, ref,
+                     "linear " + dt_name(dt) + " M " + std::to_string(s.M) + " N " + std::to_string(s.N) + " K " +
+                         std::to_string(s.K) + (bias_kind ? " bias" : ""));
+      }
+  // a large-M GEMM against the lm_head width: the first 2053 rows of a [49152 x 576] F16 weight
+  Weight w = make_weight(DType::F16, 2053, 576, 0.05f);
+  std::vector<float> x = randn(97 * 576), out(97 * 2053), ref(out.size());
+  ops::linear(x.data(), 97, w.t, Tensor{}, out.data());
+  ops::reference::linear(x.data(), 97, w.t, Tensor{}, ref.data());
+  expect_close(out, ref, "linear F16 M 97 N 2053 K 576");
+  bool threw = false;
+  Weight bad_bias = make_weight(DType::F32, 3, 0);
+  try {
+    ops::linear(x.data(), 1, w.t, bad_bias.t, out.data());
+  } catch (const Error&) {
+    threw = true;
+  }
+  expect(threw, "linear rejects a bias of the wrong length");
+}
+
+void test_rope() {
+  for (int head_dim : {64, 6, 128})
+    for (float scaling : {1.0f, 0.75f}) {
+      const int64_t n = 11;
+      const int heads = 9, kv_heads = 3;
+      std::vector<float> inv_freq(head_dim / 2);
+      for (int i = 0; i < head_dim / 2; ++i) inv_freq[i] = (float)std::pow(100000.0, -2.0 * i / head_dim);
+      std::vector<int32_t> pos(n);
+      for (int64_t t = 0; t < n; ++t) pos[t] = (int32_t)(g_rng() % 8192);
+      pos[0] = 0;
+      std::vector<float> q = randn(n * heads * head_dim), k = randn(n * kv_heads * head_dim);
+      std::vector<float> q_ref = q, k_ref = k;
+      ops::rope(q.data(), k.data(), pos.data(), n, heads, kv_heads, head_dim, inv_freq.data(), scaling);
+      ops::reference::rope(q_ref.data(), k_ref.data(), pos.data(), n, heads, kv_heads, head_dim, inv_freq.data(),
+                           scaling);
+      const std::string name = " head_dim " + std::to_string(head_dim) + " scaling " + std::to_string(scaling);
+      expect_close(q, q_ref, "rope q" + name);
+      expect_close(k, k_ref, "rope k" + name);
+    }
+}
+
+void test_silu_mul() {
+  for (int64_t inter : {1, 15, 1536, 1537}) {
+    const int64_t n = 5;
+    std::vector<float> g = randn(n * inter, 4.0f), u = randn(n * inter), out(n * inter), ref(n * inter);
+    if (inter > 100) g[3] = -100.0f, g[4] = 100.0f, g[5] = -88.5f, g[6] = 0.0f;
+    ops::reference::silu_mul(g.data(), u.data(), n, inter, ref.data());
+    ops::silu_mul(g.data(), u.data(), n, inter, out.data());
+    expect_close(out, ref, "silu_mul inter " + std::to_string(inter));
+    std::vector<float> g2 = g, u2 = u;
+    ops::silu_mul(g2.data(), u.data(), n, inter, g2.data());
+    ops::silu_mul(g.data(), u2.data(), n, inter, u2.data());
+    expect_close(g2, ref, "silu_mul out = gate, inter " + std::to_string(inter));
+    expect_close(u2, ref, "silu_mul out = up, inter " + std::to_string(inter));
+  }
+}
+
+// A pool with several sequences written through kv_write at shuffled blocks; everything else NaN.
+void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int block_size, int window,
+                         const std::vector<std::pair<int, int>>& q_ctx) {
+  int num_blocks = 3;
+  for (auto& [ql, cl] : q_ctx) num_blocks += (cl + block_size - 1) / block_size;
+  const int64_t pool = (int64_t)num_blocks * num_kv_heads * block_size * head_dim;
+  std::vector<float> kpool(pool, NAN), vpool(pool, NAN), kpool_ref(pool, NAN), vpool_ref(pool, NAN);
+  ops::KVLayer kv{kpool.data(), vpool.data(), num_blocks, num_kv_heads, block_size, head_dim};
+  ops::KVLayer kv_ref{kpool_ref.data(), vpool_ref.data(), num_blocks, num_kv_heads, block_size, head_dim};
+  std::vector<int32_t> free_blocks(num_blocks);
+  std::iota(free_blocks.begin(), free_blocks.end(), 0);
+  std::shuffle(free_blocks.begin(), free_blocks.end(), g_rng);
+
+  std::vector<std::vector<int32_t>> tables(q_ctx.size());
+  std::vector<ops::AttnSeq> seqs(q_ctx.size());
+  int32_t rows = 0;
+  size_t next_free = 0;
+  for (size_t s = 0; s < q_ctx.size(); ++s) {
+    const auto [q_len, ctx_len] = q_ctx[s];
+    for (int b = 0; b < (ctx_len + block_size - 1) / block_size; ++b) tables[s].push_back(free_blocks[next_free++]);
+    seqs[s] = ops::AttnSeq{rows, q_len, ctx_len, tables[s].data()};
+    rows += q_len;
+    // every position of the context, written the way the engine does (a slot per token)
+    std::vector<int32_t> slots(ctx_len);
+    for (int p = 0; p < ctx_len; ++p) slots[p] = tables[s][p / block_size] * block_size + p % block_size;
+    std::vector<float> k = randn((int64_t)ctx_len * num_kv_heads * head_dim),
+                       v = randn((int64_t)ctx_len * num_kv_heads * head_dim);
+    ops::kv_write(kv, k.data(), v.data(), slots.data(), ctx_len);
+    ops::reference::kv_write(kv_ref, k.data(), v.data(), slots.data(), ctx_len);
+  }
+  const std::string name = "heads " + std::to_string(num_heads) + "/" + std::to_string(num_kv_heads) + " hd " +
+                           std::to_string(head_dim) + " bs " + std::to_string(block_size) + " window " +
+                           std::to_string(window) + " seqs " + std::to_string(q_ctx.size()) + " (q_len " +
+                           std::to_string(q_ctx[0].first) + ", ctx " + std::to_string(q_ctx[0].second) + ")";
+  expect(std::memcmp(kpool.data(), kpool_ref.data(), pool * 4) == 0 &&
+             std::memcmp(vpool.data(), vpool_ref.data(), pool * 4) == 0,
+         "kv_write " + name);
+
+  std::vector<float> q = randn((int64_t)rows * num_heads * head_dim), out(q.size(), NAN), ref(q.size());
+  const float scale = 1.0f / std::sqrt((float)head_dim);
+  ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, out.data());
+  ops::reference::paged_attention(q.data(), kv_ref, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window,
+                                  ref.data());
+  expect_close(out, ref, "paged_attention " + name);
+}
+
+void test_attention() {
+  // decode steps, prefill chunks and mixed batches; block sizes not powers of two; ctx not a multiple
+  test_attention_case(9, 3, 64, 16, 0, {{1, 1}});
+  test_attention_case(9, 3, 64, 16, 0, {{1, 512}});
+  test_attention_case(9, 3, 64, 16, 0, {{200, 200}});
+  test_attention_case(9, 3, 64, 7, 0, {{1, 45}, {13, 13}, {5, 100}, {1, 7}, {33, 70}});
+  test_attention_case(9, 3, 64, 5, 17, {{1, 45}, {40, 40}, {6, 51}});
+  test_attention_case(4, 4, 40, 3, 0, {{9, 20}, {1, 2}});
+  test_attention_case(8, 1, 72, 12, 4, {{30, 30}, {1, 99}});
+  test_attention_case(2, 2, 128, 16, 0, {{70, 90}, {1, 1000}});
+  test_attention_case(6, 2, 24, 1, 0, {{10, 10}, {2, 37}});
+  test_attention_case(3, 1, 64, 32, 1, {{20, 20}});
+}
+
+}  // namespace
+
+int main() {
+  for (const char* isa : {"generic", "avx2", "avx512"}) {
+    g_isa = isa;
+    if (!ops::cpu::force_isa(isa)) {
+      std::printf("skip [%s]: this CPU cannot run it\n", isa);
+      continue;
+    }
+    expect(std::strcmp(ops::cpu_isa(), isa) == 0, "cpu_isa() names the forced table");
+    for (int threads : {1, 2}) {
+      ops::set_num_threads(threads);
+      test_embedding();
+      test_rmsnorm();
+      test_linear();
+      test_rope();
+      test_silu_mul();
+      test_attention();
+    }
+    std::printf("[%s] done\n", isa);
+  }
+  std::printf("%d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}

@@ -1,0 +1,8 @@
+"""lmkit: compress, run and serve large language models."""
+
+from lmkit.config import EngineConfig
+from lmkit.messages import GenerationConfig, Response
+from lmkit.pipeline import Pipeline, pipeline
+
+__all__ = ["pipeline", "Pipeline", "EngineConfig", "GenerationConfig", "Response"]
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from lmkit.cli.main import main
+
+main()

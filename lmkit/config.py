@@ -1,0 +1,95 @@
+"""EngineConfig: how the engine runs a model. Typed, validated once, then read-only."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings. Measured values (such as the number of KV blocks) are engine state, not config."""
+
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    """Where to run: cpu, cuda, or auto (cuda when this build has it and a GPU is present, else cpu)."""
+    dtype: Literal["auto", "float32"] = "auto"
+    """Compute dtype. The CPU backend computes in float32 whatever the stored weight dtype."""
+    max_batch_size: int = 64
+    """Requests running at once at most; more wait in FCFS order."""
+    session_len: int | None = None
+    """Tokens per request at most (prompt + output). Default: the model's max_position_embeddings."""
+    cache_block_seq_len: int = 64
+    """Tokens per KV cache block."""
+    cache_max_entry_count: float = 0.8
+    """KV pool size: a fraction (0, 1] of free memory, or a number of blocks when > 1."""
+    max_prefill_token_num: int = 8192
+    """Prompt tokens processed per step at most; longer prompts are split into chunks."""
+    quant_policy: Literal[0, 4, 8] = 0
+    """KV cache precision: 0 float, 8 int8, 4 int4."""
+    enable_prefix_caching: bool = False
+    """Reuse the KV blocks of identical prompt prefixes."""
+    num_threads: int | None = None
+    """CPU threads for the kernels. Default: the cores this process may use."""
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(self.device in ("cpu", "cuda", "auto"), f"device must be cpu, cuda or auto, got {self.device!r}")
+        check(self.dtype in ("auto", "float32"), f"dtype must be auto or float32, got {self.dtype!r}")
+        check(isinstance(self.max_batch_size, int) and self.max_batch_size >= 1,
+              f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
+        check(self.session_len is None or (isinstance(self.session_len, int) and self.session_len > 1),
+              f"session_len must be an integer > 1, got {self.session_len!r}")
+        check(isinstance(self.cache_block_seq_len, int) and self.cache_block_seq_len >= 1,
+              f"cache_block_seq_len must be an integer >= 1, got {self.cache_block_seq_len!r}")
+        check(self.cache_max_entry_count > 0,
+              f"cache_max_entry_count must be > 0 (a fraction of free memory, or a block count > 1), "
+              f"got {self.cache_max_entry_count!r}")
+        check(isinstance(self.max_prefill_token_num, int) and self.max_prefill_token_num >= 1,
+              f"max_prefill_token_num must be an integer >= 1, got {self.max_prefill_token_num!r}")
+        check(self.quant_policy in (0, 4, 8), f"quant_policy must be 0, 4 or 8, got {self.quant_policy!r}")
+        check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
+              f"num_threads must be an integer >= 1, got {self.num_threads!r}")
+
+    @property
+    def resolved_num_threads(self) -> int:
+        """num_threads, or the cores this process may run on."""
+        if self.num_threads:
+            return self.num_threads
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:
+            return os.cpu_count() or 1
+
+    def to_engine_config(self, device: str):
+        """The lmkit._engine.EngineConfig for this config on a resolved device."""
+        from lmkit import _engine
+
+        c = _engine.EngineConfig()
+        c.device = device
+        c.max_batch_size = self.max_batch_size
+        c.session_len = self.session_len or 0
+        c.cache_block_seq_len = self.cache_block_seq_len
+        c.cache_max_entry_count = float(self.cache_max_entry_count)
+        c.max_prefill_token_num = self.max_prefill_token_num
+        c.quant_policy = self.quant_policy
+        c.enable_prefix_caching = self.enable_prefix_caching
+        c.num_threads = self.resolved_num_threads
+        return c
+
+    @classmethod
+    def field_docs(cls) -> dict[str, str]:
+        """Field name -> its docstring (for --help)."""
+        import ast
+        import inspect
+
+        docs: dict[str, str] = {}
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)
+        return docs
+

@@ -1,0 +1,171 @@
+"""HF folder -> ModelSpec: the engine's model config (shape, rope, sliding window), the weight
+source of every engine role, and the eos ids. Reads JSON and safetensors headers only."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from lmkit.models.registry import Architecture, get_architecture
+from lmkit.models.safetensors_index import TensorEntry, index_folder
+
+
+@dataclass
+class ModelSpec:
+    """Everything the C++ engine needs to load a model folder."""
+
+    path: Path
+    architecture: Architecture
+    config: dict  # config.json as read
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    inv_freq: np.ndarray  # float32 [head_dim / 2], scaling applied
+    attention_scaling: float
+    sliding_window: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    sources: dict[str, TensorEntry] = field(repr=False, default_factory=dict)
+
+    def to_engine_config(self):
+        """The lmkit._engine.ModelConfig for this spec."""
+        from lmkit import _engine
+
+        c = _engine.ModelConfig()
+        c.architecture = self.architecture.name
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "rms_norm_eps", "attention_scaling", "sliding_window", "tie_word_embeddings",
+                     "max_position_embeddings"):
+            setattr(c, name, getattr(self, name))
+        c.inv_freq = [float(x) for x in self.inv_freq]
+        c.has_qkv_bias = self.architecture.qkv_bias
+        return c
+
+
+def _rope_parameters(cfg: dict) -> tuple[float, dict]:
+    """(rope_theta, scaling dict with 'rope_type') across transformers 4.x and 5.x config layouts."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    merged = {**params, **scaling}
+    merged["rope_type"] = merged.get("rope_type", merged.get("type", "default"))
+    return float(theta), merged
+
+
+def compute_inv_freq(cfg: dict, head_dim: int) -> tuple[np.ndarray, float]:
+    """Rotary inverse frequencies and attention scaling, as transformers computes them (fp32)."""
+    theta, scaling = _rope_parameters(cfg)
+    rope_type = scaling["rope_type"]
+    dim = int(head_dim * float(scaling.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))))
+    if dim != head_dim:
+        raise ValueError(f"partial rotary embeddings (rotary dim {dim} of head_dim {head_dim}) are not supported")
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32), 1.0
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq).astype(np.float32)
+        smooth = ((old_ctx / wavelen - low) / (high - low)).astype(np.float32)
+        smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(is_medium, smoothed, scaled).astype(np.float32), 1.0
+    raise ValueError(
+        f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3"
+    )
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+
+
+def load_model_spec(path: Path) -> ModelSpec:
+    """Reads config.json, generation_config.json and the safetensors headers of an HF folder.
+
+    Raises FileNotFoundError / ValueError naming the file or field when the folder cannot be served.
+    """
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{path}: no config.json (is this a Hugging Face model folder?)")
+    cfg = _read_json(cfg_path)
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ValueError(f"{cfg_path}: no 'architectures' entry; cannot tell which model this is")
+    arch = get_architecture(archs[0])
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"{cfg_path}: quantized checkpoints ({method}) are not supported by this build yet")
+
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    inv_freq, attention_scaling = compute_inv_freq(cfg, head_dim)
+    sliding = 0
+    if arch.uses_sliding_window == "always" or (
+        arch.uses_sliding_window == "if_use_sliding_window" and cfg.get("use_sliding_window")
+    ):
+        sliding = int(cfg.get("sliding_window") or 0)
+    if arch.uses_sliding_window == "if_use_sliding_window" and sliding:
+        raise ValueError(f"{cfg_path}: Qwen2 per-layer sliding window attention is not supported yet")
+
+    eos = _as_id_list(cfg.get("eos_token_id"))
+    gen_path = path / "generation_config.json"
+    if gen_path.exists():
+        eos += [t for t in _as_id_list(_read_json(gen_path).get("eos_token_id")) if t not in eos]
+
+    tensors = index_folder(path)
+    num_layers = int(cfg["num_hidden_layers"])
+    sources: dict[str, TensorEntry] = {}
+    for role, key in arch.key_map.items():
+        for i in range(num_layers) if "{i}" in role else [None]:
+            r, k = (role, key) if i is None else (role.format(i=i), key.format(i=i))
+            if k in tensors:
+                sources[r] = tensors[k]
+    tie = bool(cfg.get("tie_word_embeddings", False))
+    if tie:
+        sources.pop("lm_head", None)  # HF uses the embedding even when a copy was saved
+    return ModelSpec(
+        path=path,
+        architecture=arch,
+        config=cfg,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        inv_freq=inv_freq,
+        attention_scaling=attention_scaling,
+        sliding_window=sliding,
+        tie_word_embeddings=tie,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        eos_token_ids=eos,
+        sources=sources,
+    )

@@ -1,0 +1,91 @@
+"""Builds lmkit: the Python packages (lmkit, lmkit.lite from lite/, lmkit.serve from serve/) and the
+C++ engine lmkit._engine through CMake (CPU backend always; CUDA backend when a toolkit is found).
+
+Environment: LMKIT_CUDA=ON|OFF|AUTO, LMKIT_CUDA_ARCHS="80;90a", LMKIT_BUILD_JOBS=N (read in lmkit/env.py).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _env():
+    # lmkit/env.py is the one place that reads LMKIT_* variables; load it without importing lmkit.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_lmkit_env", ROOT / "lmkit" / "env.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        env = _env()
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(self.build_temp).resolve() / "cmake"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        import pybind11
+
+        args = [
+            f"-DLMKIT_OUTPUT_DIR={out_dir}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DLMKIT_CUDA={env.cuda_build_mode()}",
+            "-DCMAKE_BUILD_TYPE=Release",
+        ]
+        if env.cuda_archs():
+            args.append(f"-DLMKIT_CUDA_ARCHS={env.cuda_archs()}")
+        try:
+            import ninja  # noqa: F401
+
+            args.append("-GNinja")
+        except ImportError:
+            pass
+        subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args], check=True)
+        subprocess.run(
+            ["cmake", "--build", str(build_dir), "--target", "_engine", "-j", str(env.build_jobs())], check=True
+        )
+
+
+setup(
+    name="lmkit",
+    version="0.1.0",
+    description="Compress, run and serve large language models: AWQ int4, int8/int4 KV cache, a C++/CUDA engine",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=["lmkit", "lmkit.models", "lmkit.cli", "lmkit.lite", "lmkit.serve"],
+    package_dir={"lmkit": "lmkit", "lmkit.lite": "lite", "lmkit.serve": "serve"},
+    ext_modules=[CMakeExtension("lmkit._engine")],
+    cmdclass={"build_ext": CMakeBuild},
+    install_requires=[
+        "numpy",
+        "safetensors",
+        "tokenizers",
+        "transformers>=4.45",  # configs, tokenizers and chat templates (no torch needed for that)
+        "jinja2",
+        "rich",
+        "typer",
+    ],
+    extras_require={
+        # The one-time conversion of the bundled SmolLM2 (and lite, tests) need torch; pin the CPU wheel:
+        # pip install torch==2.13.0
+        "convert": ["torch==2.13.0", "gguf", "accelerate"],
+        "test": ["torch==2.13.0", "pytest", "gguf", "accelerate"],
+    },
+    entry_points={"console_scripts": ["lmkit=lmkit.cli.main:app"]},
+    zip_safe=False,
+)
