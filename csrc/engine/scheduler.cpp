@@ -11,14 +11,20 @@ Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks) : conf
   LMKIT_CHECK(config.max_prefill_token_num > 0, "max_prefill_token_num must be > 0");
 }
 
+std::string Scheduler::fit_error(const Sequence& seq) const {
+  const int32_t limit = seq.max_total_tokens;
+  const int32_t need = blocks_.num_blocks_for(limit);
+  if (need <= blocks_.num_total_blocks()) return "";
+  return detail::concat("the request needs up to ", limit, " tokens (prompt ", seq.num_prompt_tokens,
+                        " + max_new_tokens) = ", need, " KV blocks of ", blocks_.block_size_tokens(),
+                        " tokens, but the whole KV pool has ", blocks_.num_total_blocks(),
+                        " blocks; lower max_new_tokens or raise cache_max_entry_count");
+}
+
 void Scheduler::add(std::unique_ptr<Sequence> seq) {
   LMKIT_CHECK(seq && seqs_.count(seq->id) == 0, "request id ", seq ? seq->id : -1, " is already in the engine");
-  const int32_t limit = seq->max_total_tokens;
-  const int32_t need = blocks_.num_blocks_for(limit);
-  LMKIT_CHECK_ARG(need <= blocks_.num_total_blocks(), "the request needs up to ", limit, " tokens (prompt ",
-                  seq->num_prompt_tokens, " + max_new_tokens) = ", need, " KV blocks of ", blocks_.block_size_tokens(),
-                  " tokens, but the whole KV pool has ", blocks_.num_total_blocks(),
-                  " blocks; lower max_new_tokens or raise cache_max_entry_count");
+  const std::string why = fit_error(*seq);
+  LMKIT_CHECK(why.empty(), why);
   seq->state = SeqState::kWaiting;
   seq->arrival = next_arrival_++;
   Sequence* raw = seq.get();

@@ -48,7 +48,9 @@ class Scheduler {
  public:
   Scheduler(const SchedulerConfig& config, BlockManager& blocks);
 
-  // waiting <- seq. Throws InvalidArgument if the sequence can never fit the pool or the session.
+  // Empty when seq can fit the pool at its token limit; otherwise why it never can.
+  std::string fit_error(const Sequence& seq) const;
+  // waiting <- seq. Requires fit_error(*seq) to be empty.
   void add(std::unique_ptr<Sequence> seq);
   // Removes a sequence in any state, freeing its blocks; nullptr if unknown.
   std::unique_ptr<Sequence> remove(int64_t id);

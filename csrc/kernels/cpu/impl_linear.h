@@ -115,38 +115,52 @@ constexpr int kMR = 4;
 constexpr int64_t kKCMax = 256;  // bp = KC x NR fp32: 32 KiB with AVX-512, stays in L1
 
 // bp[k][j] = w[n0 + j, k0 + k] as fp32 for k < kc, j < ncols; columns j >= ncols are 0.
+// kW x kW blocks are converted a row at a time and transposed in registers.
 template <int DT>
-inline void pack_panel(const void* w, int64_t K, int64_t n0, int ncols, int64_t k0, int64_t kc, float* bp) {
-  for (int j = 0; j < kNR; ++j) {
-    if (j >= ncols) {
-      for (int64_t k = 0; k < kc; ++k) bp[k * kNR + j] = 0.0f;
-      continue;
-    }
-    const char* row = (const char*)w + (n0 + j) * K * kElemBytes<DT>;
+inline void pack_b(const void* w, int64_t K, int64_t n0, int ncols, int64_t k0, int64_t kc, float* bp) {
+  for (int jb = 0; jb < kNR; jb += kW) {
+    const char* rows[kW];
+    const int nrows = ncols - jb < 0 ? 0 : (ncols - jb < kW ? ncols - jb : kW);
+    for (int j = 0; j < kW; ++j) rows[j] = (const char*)w + (n0 + jb + (j < nrows ? j : 0)) * K * kElemBytes<DT>;
     int64_t k = 0;
-    alignas(64) float tmp[kW];
     for (; k + kW <= kc; k += kW) {
-      vstore(tmp, wload<DT>(row, k0 + k));
-      for (int i = 0; i < kW; ++i) bp[(k + i) * kNR + j] = tmp[i];
+      V r[kW];
+      for (int j = 0; j < kW; ++j) r[j] = j < nrows ? wload<DT>(rows[j], k0 + k) : vzero();
+      vtranspose(r);
+      for (int i = 0; i < kW; ++i) vstore(bp + (k + i) * kNR + jb, r[i]);
     }
     if (k < kc) {
-      vstore(tmp, wload_n<DT>(row, k0 + k, (int)(kc - k)));
-      for (int i = 0; i < kc - k; ++i) bp[(k + i) * kNR + j] = tmp[i];
+      const int rem = (int)(kc - k);
+      V r[kW];
+      for (int j = 0; j < kW; ++j) r[j] = j < nrows ? wload_n<DT>(rows[j], k0 + k, rem) : vzero();
+      vtranspose(r);
+      for (int i = 0; i < rem; ++i) vstore(bp + (k + i) * kNR + jb, r[i]);
     }
   }
 }
 
-// out[i, 0:ncols] (+)= a[i, 0:kc] @ bp for i < MR; `first` K block writes (acc + bias), later ones add.
-template <int MR>
-inline void micro_kernel(int64_t kc, const float* a, int64_t lda, const float* bp, float* c, int64_t ldc, int ncols,
+// ap[k][i] = x[m0 + i, k0 + k] for k < kc, i < MR; rows past M are 0.
+inline void pack_a(const float* x, int64_t M, int64_t K, int64_t m0, int64_t k0, int64_t kc, float* ap) {
+  for (int i = 0; i < kMR; ++i) {
+    if (m0 + i < M) {
+      const float* src = x + (m0 + i) * K + k0;
+      for (int64_t k = 0; k < kc; ++k) ap[k * kMR + i] = src[k];
+    } else {
+      for (int64_t k = 0; k < kc; ++k) ap[k * kMR + i] = 0.0f;
+    }
+  }
+}
+
+// c[i, 0:ncols] (+)= ap[:, i] . bp for i < rows: the `first` K block writes acc (+ bias), later ones add.
+inline void micro_kernel(int64_t kc, const float* ap, const float* bp, float* c, int64_t ldc, int rows, int ncols,
                          bool first, const float* bias) {
-  V acc0[MR], acc1[MR];
-  for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = vzero();
-  for (int64_t k = 0; k < kc; ++k) {
-    const V b0 = vload(bp + k * kNR), b1 = vload(bp + k * kNR + kW);
+  V acc0[kMR], acc1[kMR];
+  for (int i = 0; i < kMR; ++i) acc0[i] = acc1[i] = vzero();
+  for (int64_t k = 0; k < kc; ++k, ap += kMR, bp += kNR) {
+    const V b0 = vload(bp), b1 = vload(bp + kW);
 #pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) {
-      const V av = vset1(a[i * lda + k]);
+    for (int i = 0; i < kMR; ++i) {
+      const V av = vset1(ap[i]);
       acc0[i] = vfma(av, b0, acc0[i]);
       acc1[i] = vfma(av, b1, acc1[i]);
     }
@@ -156,7 +170,7 @@ inline void micro_kernel(int64_t kc, const float* a, int64_t lda, const float* b
     base0 = vload(bias);
     base1 = vload(bias + kW);
   }
-  for (int i = 0; i < MR; ++i) {
+  for (int i = 0; i < rows; ++i) {
     float* ci = c + i * ldc;
     if (ncols == kNR) {
       vstore(ci, acc0[i] + (first ? base0 : vload(ci)));
@@ -169,43 +183,55 @@ inline void micro_kernel(int64_t kc, const float* a, int64_t lda, const float* b
   }
 }
 
-template <int MR>
-inline void micro_kernel_rows(int64_t rows, int64_t kc, const float* a, int64_t lda, const float* bp, float* c,
-                              int64_t ldc, int ncols, bool first, const float* bias) {
-  if constexpr (MR > 0) {
-    if (rows == MR) return micro_kernel<MR>(kc, a, lda, bp, c, ldc, ncols, first, bias);
-    return micro_kernel_rows<MR - 1>(rows, kc, a, lda, bp, c, ldc, ncols, first, bias);
-  }
-}
-
+// Blocked over M so that the packed activations of a block (MC x K fp32, <= ~1 MiB) stay in L2:
+//   for each M block:   all threads pack x[block, :] into MR-row micro-panels ap[kblock][tile][k][MR]
+//     each thread, for its NR-column panels:  for each K block:  convert w[panel, K block] into bp (L1)
+//                                                               and run it down the M block's tiles
+// Each output tile is finished (all K blocks) while it is still in cache; the weight is streamed once
+// per M block.
 template <int DT>
 void gemm(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
   const int64_t num_panels = (N + kNR - 1) / kNR;
   const int64_t num_kblocks = (K + kKCMax - 1) / kKCMax;
   const int64_t kc_size = (K + num_kblocks - 1) / num_kblocks;
+  const int64_t num_mblocks = (M * K * 4 + (1 << 20) - 1) >> 20;
+  const int64_t mc = ((M + num_mblocks - 1) / num_mblocks + kMR - 1) / kMR * kMR;
+  const int64_t mc_tiles = mc / kMR;
+  float* ap = (float*)aligned_alloc(64, (size_t)(mc * K * 4 + 63) / 64 * 64);
 #pragma omp parallel
   {
     alignas(64) float bp[kKCMax * kNR];
     alignas(64) float bias_tile[kNR];
     const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t p0 = num_panels * tid / nt, p1 = num_panels * (tid + 1) / nt;
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kNR;
-      const int ncols = (int)(N - n0 < kNR ? N - n0 : kNR);
-      if (bias) {
-        for (int j = 0; j < kNR; ++j) bias_tile[j] = j < ncols ? bias[n0 + j] : 0.0f;
+    for (int64_t mb = 0; mb < M; mb += mc) {
+      const int64_t rows = M - mb < mc ? M - mb : mc, tiles = (rows + kMR - 1) / kMR;
+      // ap + k0 * mc_tiles * kMR: the K block starting at k0; + t * kMR * kc: its tile t
+      for (int64_t job = tid; job < tiles * num_kblocks; job += nt) {
+        const int64_t t = job % tiles, k0 = job / tiles * kc_size, kc = K - k0 < kc_size ? K - k0 : kc_size;
+        pack_a(x + mb * K, rows, K, t * kMR, k0, kc, ap + k0 * mc_tiles * kMR + t * kMR * kc);
       }
-      for (int64_t k0 = 0; k0 < K; k0 += kc_size) {
-        const int64_t kc = K - k0 < kc_size ? K - k0 : kc_size;
-        pack_panel<DT>(w, K, n0, ncols, k0, kc, bp);
-        for (int64_t m0 = 0; m0 < M; m0 += kMR) {
-          const int64_t rows = M - m0 < kMR ? M - m0 : kMR;
-          micro_kernel_rows<kMR>(rows, kc, x + m0 * K + k0, K, bp, out + m0 * N + n0, N, ncols, k0 == 0,
-                                 bias ? bias_tile : nullptr);
+#pragma omp barrier
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * kNR;
+        const int ncols = (int)(N - n0 < kNR ? N - n0 : kNR);
+        if (bias)
+          for (int j = 0; j < kNR; ++j) bias_tile[j] = j < ncols ? bias[n0 + j] : 0.0f;
+        for (int64_t k0 = 0; k0 < K; k0 += kc_size) {
+          const int64_t kc = K - k0 < kc_size ? K - k0 : kc_size;
+          pack_b<DT>(w, K, n0, ncols, k0, kc, bp);
+          const float* apk = ap + k0 * mc_tiles * kMR;
+          for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t m0 = t * kMR;
+            micro_kernel(kc, apk + t * kMR * kc, bp, out + (mb + m0) * N + n0, N,
+                         (int)(rows - m0 < kMR ? rows - m0 : kMR), ncols, k0 == 0, bias ? bias_tile : nullptr);
+          }
         }
       }
+#pragma omp barrier
     }
   }
+  free(ap);
 }
 
 // ------------------------------------------------------------------------------------------- linear

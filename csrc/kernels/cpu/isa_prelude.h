@@ -1,5 +1,6 @@
-// File-scope includes of an ISA translation unit (isa_*.cpp). Only C headers and intrinsics: no C++
-// standard library template may be instantiated in a unit compiled with ISA-specific flags.
+// File-scope includes of an ISA translation unit (isa_*.cpp). Only C headers and intrinsics (malloc,
+// math functions, OpenMP's C API): no C++ standard library template or inline function may be
+// instantiated in a unit compiled with ISA-specific flags.
 #pragma once
 // GCC 12 warns about the self-initialised `__Y = __Y` inside its own AVX-512 intrinsic headers
 // (GCC bug 105593), at every use site; silence that false positive in the ISA units only.
@@ -10,6 +11,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>

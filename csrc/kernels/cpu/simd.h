@@ -44,6 +44,30 @@ inline V vpow2_from_magic(V t) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(127)), 23))};
 }
 inline void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
+// In place: r[j] <- column j of the 16 x 16 matrix whose rows are r[0..15].
+inline void vtranspose(V r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i].v, r[2 * i + 1].v);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i].v, r[2 * i + 1].v);
+  }
+  // u[4g + c], 128-bit chunk q: rows 4g..4g+3 of column 4q + c
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+    u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+    u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+    u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 v = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), w = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88),
+                 w2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c].v = _mm512_shuffle_f32x4(v, v2, 0x88);
+    r[8 + c].v = _mm512_shuffle_f32x4(v, v2, 0xDD);
+    r[4 + c].v = _mm512_shuffle_f32x4(w, w2, 0x88);
+    r[12 + c].v = _mm512_shuffle_f32x4(w, w2, 0xDD);
+  }
+}
 
 #elif defined(__AVX2__)
 
@@ -95,6 +119,24 @@ inline V vpow2_from_magic(V t) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(i, _mm256_set1_epi32(127)), 23))};
 }
 inline void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
+// In place: r[j] <- column j of the 8 x 8 matrix whose rows are r[0..7].
+inline void vtranspose(V r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i].v, r[2 * i + 1].v);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i].v, r[2 * i + 1].v);
+  }
+  for (int g = 0; g < 2; ++g) {  // u[4g + c], 128-bit lane q: rows 4g..4g+3 of column 4q + c
+    u[4 * g + 0] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+    u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+    u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+    u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c].v = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[4 + c].v = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
 
 #else  // generic: GCC/Clang vector extensions
 
@@ -180,6 +222,13 @@ inline V vpow2_from_magic(V t) {
   return r;
 }
 inline void prefetch(const void* p) { __builtin_prefetch(p); }
+// In place: r[j] <- column j of the 4 x 4 matrix whose rows are r[0..3].
+inline void vtranspose(V r[4]) {
+  V c[4];
+  for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < 4; ++i) c[j].v[i] = r[i].v[j];
+  for (int j = 0; j < 4; ++j) r[j] = c[j];
+}
 
 #endif
 

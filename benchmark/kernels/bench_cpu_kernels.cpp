@@ -1,0 +1,205 @@
+// Micro-benchmark of the CPU kernels (ops.h) at SmolLM2-135M shapes, plus a streaming-read bandwidth
+// probe to compare the decode GEMV against. Build and run with ./run.sh [isa] [threads].
+#include <omp.h>
+
+#include <algorithm>
+#include <ctime>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/kernel_table.h"
+#include "kernels/ops.h"
+
+using namespace lmkit;
+
+namespace {
+
+// Fastest of `reps` runs after one warm-up, in seconds (the minimum: this machine may be shared).
+// With LMKIT_BENCH_CPU_TIME=1 it times process CPU seconds instead of wall seconds: with one thread
+// that ignores time lost to other processes on a shared machine.
+double now_s() {
+  static const bool cpu = std::getenv("LMKIT_BENCH_CPU_TIME") && std::getenv("LMKIT_BENCH_CPU_TIME")[0] == '1';
+  timespec ts;
+  clock_gettime(cpu ? CLOCK_PROCESS_CPUTIME_ID : CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+double time_it(const std::function<void()>& fn, int reps) {
+  fn();
+  std::vector<double> t(reps);
+  for (int i = 0; i < reps; ++i) {
+    const double t0 = now_s();
+    fn();
+    t[i] = now_s() - t0;
+  }
+  std::sort(t.begin(), t.end());
+  return t[0];
+}
+
+std::vector<float> randn(int64_t n, float scale = 1.0f) {
+  std::mt19937 rng(42);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+struct Weight {
+  std::vector<float> f32;
+  std::vector<uint16_t> u16;
+  Tensor t;
+};
+Weight make_weight(DType dt, int64_t rows, int64_t cols) {
+  Weight w;
+  w.f32 = randn(rows * cols, 0.05f);
+  void* data = w.f32.data();
+  if (dt != DType::F32) {
+    w.u16.resize(w.f32.size());
+    for (size_t i = 0; i < w.f32.size(); ++i)
+      w.u16[i] = dt == DType::F16 ? f32_to_f16(w.f32[i]) : f32_to_bf16(w.f32[i]);
+    data = w.u16.data();
+    std::vector<float>().swap(w.f32);
+  }
+  w.t = make_view(data, dt, rows, cols);
+  return w;
+}
+
+// Streaming read bandwidth (GB/s) over `bytes`, all threads, each summing its own contiguous share.
+double read_bandwidth(size_t bytes) {
+  const size_t n = bytes / 64;
+  struct alignas(64) Line {
+    float f[16];
+  };
+  std::vector<Line> buf(n);
+  for (auto& l : buf) std::fill(l.f, l.f + 16, 1.0f);
+  volatile float sink = 0;
+  auto fn = [&] {
+    float total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+      const size_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+      const size_t b = n * tid / nt, e = n * (tid + 1) / nt;
+      float acc[16] = {0};
+      for (size_t i = b; i < e; ++i)
+#pragma omp simd
+        for (int j = 0; j < 16; ++j) acc[j] += buf[i].f[j];
+      for (float a : acc) total += a;
+    }
+    sink = total;
+  };
+  double t = time_it(fn, 7);
+  (void)sink;
+  return bytes / t / 1e9;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* isa = argc > 1 ? argv[1] : nullptr;
+  const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
+  const char* only = argc > 3 ? argv[3] : "";
+  if (isa && !ops::cpu::force_isa(isa)) {
+    std::printf("cannot run isa %s here\n", isa);
+    return 1;
+  }
+  ops::set_num_threads(threads);
+  std::printf("isa %s, %d threads\n", ops::cpu_isa(), threads);
+  auto want = [&](const char* what) { return !*only || std::strstr(what, only) != nullptr; };
+
+  if (want("bw")) {
+    for (size_t mb : {8, 56, 1024})
+      std::printf("read bandwidth %5zu MB: %.1f GB/s\n", mb, read_bandwidth(mb << 20));
+  }
+
+  if (want("gemv")) {
+    struct S {
+      const char* name;
+      int64_t N, K;
+    };
+    for (S s : {S{"lm_head", 49152, 576}, S{"qkv-ish 576x576", 576, 576}, S{"gate 1536x576", 1536, 576},
+                S{"down 576x1536", 576, 1536}})
+      for (DType dt : {DType::F16, DType::BF16, DType::F32}) {
+        if (s.N != 49152 && dt != DType::F16) continue;
+        Weight w = make_weight(dt, s.N, s.K);
+        for (int64_t M : {1, 2, 4, 8}) {
+          std::vector<float> x = randn(M * s.K), out(M * s.N);
+          double t = time_it([&] { ops::linear(x.data(), M, w.t, Tensor{}, out.data()); }, s.N > 10000 ? 21 : 201);
+          const double bytes = (double)s.N * s.K * dtype_size_bytes(dt);
+          std::printf("gemv %-16s %-4s M %d: %8.1f us  %6.1f GB/s  %6.1f GFLOP/s\n", s.name, dtype_name(dt), (int)M,
+                      t * 1e6, bytes / t / 1e9, 2.0 * M * s.N * s.K / t / 1e9);
+        }
+      }
+  }
+
+  if (want("gemm")) {
+    struct S {
+      int64_t M, N, K;
+    };
+    for (S s : {S{512, 1536, 576}, S{512, 576, 1536}, S{512, 49152, 576}, S{512, 576, 576}, S{512, 192, 576},
+                S{128, 1536, 576}, S{16, 1536, 576}})
+      for (DType dt : {DType::F32, DType::F16, DType::BF16}) {
+        Weight w = make_weight(dt, s.N, s.K);
+        std::vector<float> x = randn(s.M * s.K), out(s.M * s.N);
+        double t = time_it([&] { ops::linear(x.data(), s.M, w.t, Tensor{}, out.data()); }, s.N > 10000 ? 5 : 21);
+        std::printf("gemm [%d x %d] x [%d x %d]^T %-4s: %8.3f ms  %6.1f GFLOP/s\n", (int)s.M, (int)s.K, (int)s.N,
+                    (int)s.K, dtype_name(dt), t * 1e3, 2.0 * s.M * s.N * s.K / t / 1e9);
+      }
+  }
+
+  if (want("attn")) {
+    const int heads = 9, kv_heads = 3, hd = 64, bs = 16;
+    for (int ctx : {512, 2048}) {
+      const int num_blocks = (ctx + bs - 1) / bs;
+      std::vector<float> kp = randn((int64_t)num_blocks * kv_heads * bs * hd),
+                         vp = randn((int64_t)num_blocks * kv_heads * bs * hd);
+      ops::KVLayer kv{kp.data(), vp.data(), num_blocks, kv_heads, bs, hd};
+      std::vector<int32_t> table(num_blocks);
+      std::iota(table.begin(), table.end(), 0);
+      std::shuffle(table.begin(), table.end(), std::mt19937(1));
+      for (int q_len : {1, 512}) {
+        if (q_len > ctx) continue;
+        ops::AttnSeq seq{0, q_len, ctx, table.data()};
+        std::vector<float> q = randn((int64_t)q_len * heads * hd), out(q.size());
+        double t = time_it([&] { ops::paged_attention(q.data(), kv, &seq, 1, heads, 0.125f, 0, out.data()); },
+                           q_len == 1 ? 501 : 21);
+        const double flops = 4.0 * heads * hd * (q_len == 1 ? ctx : (double)q_len * (q_len + 1) / 2 + (double)q_len * (ctx - q_len));
+        std::printf("attention q_len %4d ctx %4d (9/3 heads, hd 64, bs 16): %9.1f us  %6.1f GFLOP/s\n", q_len, ctx,
+                    t * 1e6, flops / t / 1e9);
+      }
+      // a decode batch: 8 sequences at this ctx sharing the pool
+      std::vector<ops::AttnSeq> seqs(8);
+      for (int i = 0; i < 8; ++i) seqs[i] = ops::AttnSeq{i, 1, ctx, table.data()};
+      std::vector<float> q = randn(8 * heads * hd), out(q.size());
+      double t = time_it([&] { ops::paged_attention(q.data(), kv, seqs.data(), 8, heads, 0.125f, 0, out.data()); }, 201);
+      std::printf("attention decode batch 8 x ctx %4d: %9.1f us\n", ctx, t * 1e6);
+    }
+  }
+
+  if (want("elem")) {
+    const int64_t n = 512, hidden = 576, inter = 1536;
+    Weight nw = make_weight(DType::F16, hidden, 1);
+    nw.t = make_view(nw.t.data, DType::F16, hidden);
+    std::vector<float> x = randn(n * hidden), res = randn(n * hidden), out(n * hidden);
+    std::vector<float> g = randn(n * inter), u = randn(n * inter), o2(n * inter);
+    std::vector<float> q = randn(n * 9 * 64), k = randn(n * 3 * 64), inv(32);
+    std::vector<int32_t> pos(n), ids(n);
+    for (int i = 0; i < 32; ++i) inv[i] = std::pow(100000.0f, -i / 32.0f);
+    for (int i = 0; i < n; ++i) pos[i] = i, ids[i] = (i * 7919) % 49152;
+    Weight emb = make_weight(DType::F16, 49152, hidden);
+    for (int64_t rows : {1, 512}) {
+      double t1 = time_it([&] { ops::rmsnorm(x.data(), nw.t, 1e-5f, rows, hidden, out.data()); }, 201);
+      double t2 = time_it([&] { ops::add_rmsnorm(res.data(), x.data(), nw.t, 1e-5f, rows, hidden, out.data()); }, 201);
+      double t3 = time_it([&] { ops::silu_mul(g.data(), u.data(), rows, inter, o2.data()); }, 201);
+      double t4 = time_it([&] { ops::rope(q.data(), k.data(), pos.data(), rows, 9, 3, 64, inv.data(), 1.0f); }, 201);
+      double t5 = time_it([&] { ops::embedding(emb.t, ids.data(), rows, out.data()); }, 201);
+      std::printf("rows %3d: rmsnorm %7.1f us  add_rmsnorm %7.1f us  silu_mul %7.1f us  rope %7.1f us  embedding %7.1f us\n",
+                  (int)rows, t1 * 1e6, t2 * 1e6, t3 * 1e6, t4 * 1e6, t5 * 1e6);
+    }
+  }
+  return 0;
+}

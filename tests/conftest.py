@@ -1,0 +1,112 @@
+"""Shared fixtures: tiny random HF models (Llama, Mistral, Qwen2) saved with a small byte-level
+tokenizer, HF fp32 references, and a check that every engine gives all its KV blocks back."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+TINY_VOCAB = 300  # 256 byte tokens + specials + spare rows
+
+
+def write_byte_tokenizer(folder: Path) -> None:
+    """A byte-level BPE tokenizer without merges: every UTF-8 byte is a token; ids 256.. are specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token=None)
+    fast.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>"})
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    fast.save_pretrained(str(folder))
+
+
+def make_tiny_model(folder: Path, arch: str = "llama", *, dtype: str = "float32", seed: int = 0,
+                    max_shard_size: str | None = None, **overrides):
+    """Builds a random tiny model of ``arch`` (llama | mistral | qwen2), saves it with the byte tokenizer
+    into ``folder`` and returns the fp32 HF model (eval mode) that reads the saved weights."""
+    import torch
+    import transformers
+
+    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
+    base.update(overrides)
+    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[arch]
+    config = getattr(transformers, cls[0])(**base)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls[1])(config).eval()
+    with torch.no_grad():  # larger than default init so that logits are not flat
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (1.0 / p.shape[-1] ** 0.5))
+    folder.mkdir(parents=True, exist_ok=True)
+    torch_dtype = getattr(torch, dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(torch_dtype).save_pretrained(str(folder), **kwargs)
+    write_byte_tokenizer(folder)
+    # The reference reads back exactly what the engine reads, upcast to fp32.
+    ref = getattr(transformers, cls[1]).from_pretrained(str(folder), dtype=torch.float32).eval()
+    return ref
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    return folder, make_tiny_model(folder, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_pipe(tiny_llama):
+    from lmkit import EngineConfig, pipeline
+
+    with pipeline(tiny_llama[0], EngineConfig(device="cpu", cache_max_entry_count=128, max_batch_size=16,
+                                              cache_block_seq_len=16)) as pipe:
+        yield pipe
+
+
+def assert_blocks_free(engine, timeout_s: float = 5.0) -> None:
+    """Waits until the engine is idle, then checks every KV block is free and bookkeeping is exact."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = engine.metrics()
+        if (m.num_running == 0 and m.num_waiting == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    engine.check_integrity()
+    m = engine.metrics()
+    assert m.num_running == 0 and m.num_waiting == 0, f"engine not idle: {m.num_running} running, {m.num_waiting} waiting"
+    assert m.num_free_blocks == m.num_total_blocks, (
+        f"KV blocks leaked: {m.num_free_blocks} free of {m.num_total_blocks}")
+
+
+@pytest.fixture(autouse=True)
+def _every_engine_gives_blocks_back():
+    """After every test, every live engine must be idle with all KV blocks free."""
+    yield
+    from lmkit.engine import Engine
+
+    for engine in Engine.live_engines():
+        assert_blocks_free(engine)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The bundled SmolLM2-135M-Instruct as an HF folder (converted once into LMKIT_CACHE)."""
+    from lmkit.model_path import resolve_model
+
+    return resolve_model("smollm2")

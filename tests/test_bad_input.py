@@ -1,0 +1,130 @@
+"""Bad input gets a clear Python exception naming the problem, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from lmkit import EngineConfig, GenerationConfig, pipeline
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        pipeline(tmp_path / "nope", EngineConfig(device="cpu"))
+
+
+def test_unsupported_architecture(tiny_llama, tmp_path):
+    folder = tmp_path / "gpt2ish"
+    shutil.copytree(tiny_llama[0], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
+        pipeline(folder, EngineConfig(device="cpu"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage-header", "huge-header-length"])
+def test_corrupt_safetensors(tiny_llama, tmp_path, damage):
+    folder = tmp_path / damage
+    shutil.copytree(tiny_llama[0], folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    if damage == "truncate":
+        weights.write_bytes(data[: len(data) // 2])
+        match = "truncated"
+    elif damage == "garbage-header":
+        weights.write_bytes(data[:8] + b"\xff" * 64 + data[72:])
+        match = "corrupt safetensors header"
+    else:
+        weights.write_bytes((2**40).to_bytes(8, "little") + data[8:])
+        match = "corrupt safetensors header"
+    with pytest.raises(ValueError, match=match):
+        pipeline(folder, EngineConfig(device="cpu"))
+
+
+def test_wrong_tensor_shape_names_the_tensor(tiny_llama, tmp_path):
+    folder = tmp_path / "shape"
+    shutil.copytree(tiny_llama[0], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["intermediate_size"] = 128  # the saved MLP weights are 160 wide
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="gate_proj.*shape"):
+        pipeline(folder, EngineConfig(device="cpu"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens must be"),
+        (dict(temperature=-0.5), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-1), "top_k must be"),
+        (dict(min_p=1.0), "min_p must be"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be"),
+    ],
+)
+def test_impossible_generation_parameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GenerationConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_batch_size=0), "max_batch_size"),
+        (dict(cache_max_entry_count=0), "cache_max_entry_count"),
+        (dict(session_len=1), "session_len"),
+        (dict(quant_policy=3), "quant_policy"),
+        (dict(device="tpu"), "device"),
+    ],
+)
+def test_impossible_engine_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_bad_requests_then_engine_still_serves(tiny_llama_pipe):
+    pipe = tiny_llama_pipe
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    good = pipe([3, 4, 5], gen).token_ids
+    with pytest.raises(ValueError, match="prompt is empty"):
+        pipe("", gen)
+    with pytest.raises(ValueError, match="prompts must be"):
+        pipe([], gen)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        pipe([3, 4, 100000], gen)
+    too_long = [1] * pipe.engine.session_len
+    with pytest.raises(ValueError, match="session_len"):
+        pipe(too_long, gen)
+    with pytest.raises(ValueError, match="'role' and 'content'"):
+        pipe([{"content": "no role"}], gen)
+    # A bad prompt in a batch fails the batch before anything runs.
+    with pytest.raises(ValueError, match="prompt is empty"):
+        pipe(["abc", ""], gen)
+    assert pipe([3, 4, 5], gen).token_ids == good
+
+
+def test_request_that_can_never_fit_the_pool_fails_at_once(tiny_llama):
+    with pipeline(tiny_llama[0], EngineConfig(device="cpu", cache_max_entry_count=4, cache_block_seq_len=16)) as pipe:
+        r = pipe([1, 2, 3], GenerationConfig(max_new_tokens=100, ignore_eos=True))
+        assert r.finish_reason == "error" and "KV pool" in r.error and r.token_ids == []
+        ok = pipe([1, 2, 3], GenerationConfig(max_new_tokens=60, ignore_eos=True))
+        assert ok.finish_reason == "length" and len(ok.token_ids) == 60
+
+
+def test_session_len_caps_generation(tiny_llama):
+    with pipeline(tiny_llama[0], EngineConfig(device="cpu", session_len=20, cache_max_entry_count=32,
+                                              cache_block_seq_len=16)) as pipe:
+        r = pipe([1] * 15, GenerationConfig(max_new_tokens=100, ignore_eos=True))
+        assert r.finish_reason == "length" and len(r.token_ids) == 5
+
+
+def test_closed_pipeline_refuses_work(tiny_llama):
+    pipe = pipeline(tiny_llama[0], EngineConfig(device="cpu", cache_max_entry_count=32))
+    pipe.close()
+    pipe.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe([1, 2], GenerationConfig(max_new_tokens=2))

@@ -1,0 +1,26 @@
+"""Builds the C++ unit tests (block manager, scheduler, CPU kernels against their references) and
+runs them under ctest."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+def test_ctest_passes():
+    build = ROOT / "build" / "ctest"
+    generator = ["-GNinja"] if shutil.which("ninja") else []
+    subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build), *generator, "-DLMKIT_PYTHON=OFF",
+                    "-DLMKIT_BUILD_TESTS=ON", "-DLMKIT_CUDA=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+                   check=True, capture_output=True, text=True)
+    built = subprocess.run(["cmake", "--build", str(build), "-j2"], capture_output=True, text=True)
+    assert built.returncode == 0, built.stdout[-4000:] + built.stderr[-4000:]
+    run = subprocess.run(["ctest", "--test-dir", str(build), "--output-on-failure"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert "100% tests passed" in run.stdout

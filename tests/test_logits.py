@@ -1,0 +1,51 @@
+"""Engine logits == HF transformers fp32 logits (relative error <= 1e-4), prompt and decode positions,
+for tiny random Llama, Mistral and Qwen2 models covering the checkpoint variants the loader accepts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lmkit import EngineConfig, GenerationConfig, pipeline
+from tests.conftest import make_tiny_model
+
+CASES = {
+    "llama": dict(arch="llama"),
+    "llama-tied-bf16": dict(arch="llama", dtype="bfloat16", tie_word_embeddings=True),
+    "llama-fp16-sharded-mha": dict(arch="llama", dtype="float16", num_key_value_heads=4, max_shard_size="100KB"),
+    "llama3-rope-scaling": dict(arch="llama", rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
+    "llama-linear-rope-head-dim": dict(arch="llama", head_dim=32, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "mistral-sliding-window": dict(arch="mistral", sliding_window=24, num_key_value_heads=1),
+    "qwen2-bias": dict(arch="qwen2", num_key_value_heads=1, rope_theta=1000000.0),
+    "qwen2-fp16-tied": dict(arch="qwen2", dtype="float16", tie_word_embeddings=True),
+}
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_hf(case, tmp_path):
+    kwargs = dict(CASES[case])
+    ref = make_tiny_model(tmp_path / case, kwargs.pop("arch"), **kwargs)
+    rng = np.random.default_rng(1)
+    prompt_lens = [1, 7, 40]  # 40 > sliding window and > one 16-token block
+    config = EngineConfig(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4)
+    gen = GenerationConfig(max_new_tokens=12, output_logits=True, ignore_eos=True)
+    with pipeline(tmp_path / case, config) as pipe:
+        prompts = [rng.integers(0, 256, size=n).tolist() for n in prompt_lens]
+        responses = pipe(prompts, gen)  # all prompts in one batch
+        for i, r in enumerate(responses):
+            full = prompts[i] + r.token_ids
+            with torch.no_grad():
+                expect = ref(torch.tensor([full])).logits[0].numpy()
+            got = r.logits
+            # rows: every prompt position and every generated position but the last
+            assert got.shape == (len(full) - 1, ref.config.vocab_size), got.shape
+            n_prompt = len(prompts[i])
+            assert rel_err(got[:n_prompt], expect[:n_prompt]) <= 1e-4, case
+            assert rel_err(got[n_prompt:], expect[n_prompt:len(full) - 1]) <= 1e-4, case
