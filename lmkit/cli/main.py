@@ -12,6 +12,11 @@ app = typer.Typer(help="lmkit: compress, run and serve large language models.", 
                   add_completion=False)
 
 
+@app.callback()
+def _root() -> None:
+    """lmkit: compress, run and serve large language models."""
+
+
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="Text to continue (use --chat to send it as a user message)."),
@@ -52,7 +57,11 @@ def generate(
 
 
 def main() -> None:
-    app()
+    try:
+        app(standalone_mode=True)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # user-facing problems: no traceback
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -30,13 +30,21 @@ constexpr int64_t kElemBytes = DT == (int)DType::F32 ? 4 : 2;
 
 // ---------------------------------------------------------------------------------------------- GEMV
 #if defined(__AVX512F__)
-constexpr int kGemvRT = 4, kGemvMC = 4;
+#ifndef GEMV_RT
+#define GEMV_RT 4
+#define GEMV_MC 4
+#endif
+constexpr int kGemvRT = GEMV_RT, kGemvMC = GEMV_MC;
 #elif defined(__AVX2__)
 constexpr int kGemvRT = 4, kGemvMC = 2;
 #else
 constexpr int kGemvRT = 4, kGemvMC = 2;
 #endif
-constexpr int64_t kGemmMinRows = 8;
+#ifndef GEMM_MIN
+#define GEMM_MIN 8
+#endif
+constexpr int64_t kGemmMinRows = GEMM_MIN;
+constexpr int64_t kGemvPrefetchRows = 8;  // how far ahead (in weight rows) gemv_tile prefetches
 
 // out[m, n0 + r] = x[m, :] . w[n0 + r, :] (+ bias) for r < RT, m < MC.
 template <int DT, int RT, int MC>
@@ -47,10 +55,16 @@ inline void gemv_tile(const float* x, int64_t K, const void* w, int64_t n0, cons
   V acc[RT][MC];
   for (int r = 0; r < RT; ++r)
     for (int m = 0; m < MC; ++m) acc[r][m] = vzero();
+  // The rows of the next tiles are fetched ahead explicitly: each row is only a few cache lines
+  // long, too short for the hardware prefetcher to ramp up on its own.
+  const int64_t ahead = kGemvPrefetchRows * K * kElemBytes<DT>;
   int64_t k = 0;
   for (; k + kW <= K; k += kW) {
     V wv[RT];
-    for (int r = 0; r < RT; ++r) wv[r] = wload<DT>(rows[r], k);
+    for (int r = 0; r < RT; ++r) {
+      prefetch(rows[r] + ahead + k * kElemBytes<DT>);
+      wv[r] = wload<DT>(rows[r], k);
+    }
     for (int m = 0; m < MC; ++m) {
       const V xv = vload(x + m * K + k);
       for (int r = 0; r < RT; ++r) acc[r][m] = vfma(wv[r], xv, acc[r][m]);
@@ -69,18 +83,14 @@ inline void gemv_tile(const float* x, int64_t K, const void* w, int64_t n0, cons
     for (int r = 0; r < RT; ++r) out[m * N + n0 + r] = vsum(acc[r][m]) + (bias ? bias[r] : 0.0f);
 }
 
-// Rows n0 .. n0 + RT of the output for all M activation rows, MC rows per pass.
-template <int DT, int RT>
+// Rows n0 .. n0 + RT of the output for all M activation rows, up to MC rows per pass.
+template <int DT, int RT, int MC>
 inline void gemv_rows(const float* x, int64_t M, int64_t K, const void* w, int64_t n0, const float* bias,
                       float* out, int64_t N) {
   int64_t m = 0;
-  for (; m + kGemvMC <= M; m += kGemvMC) gemv_tile<DT, RT, kGemvMC>(x + m * K, K, w, n0, bias, out + m * N, N);
-  switch (M - m) {
-    case 0: break;
-    case 1: gemv_tile<DT, RT, 1>(x + m * K, K, w, n0, bias, out + m * N, N); break;
-    case 2: if constexpr (kGemvMC > 2) { gemv_tile<DT, RT, 2>(x + m * K, K, w, n0, bias, out + m * N, N); break; }
-            [[fallthrough]];
-    default: for (; m < M; ++m) gemv_tile<DT, RT, 1>(x + m * K, K, w, n0, bias, out + m * N, N);
+  for (; m + MC <= M; m += MC) gemv_tile<DT, RT, MC>(x + m * K, K, w, n0, bias, out + m * N, N);
+  if constexpr (MC > 1) {
+    if (m < M) gemv_rows<DT, RT, MC - 1>(x + m * K, M - m, K, w, n0, bias, out + m * N, N);
   }
 }
 
@@ -95,9 +105,9 @@ void gemv(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const 
       const int64_t n0 = t * kGemvRT;
       const float* b = bias ? bias + n0 : nullptr;
       if (n0 + kGemvRT <= N) {
-        gemv_rows<DT, kGemvRT>(x, M, K, w, n0, b, out, N);
+        gemv_rows<DT, kGemvRT, kGemvMC>(x, M, K, w, n0, b, out, N);
       } else {
-        for (int64_t n = n0; n < N; ++n) gemv_rows<DT, 1>(x, M, K, w, n, bias ? bias + n : nullptr, out, N);
+        for (int64_t n = n0; n < N; ++n) gemv_rows<DT, 1, kGemvMC>(x, M, K, w, n, bias ? bias + n : nullptr, out, N);
       }
     }
   }

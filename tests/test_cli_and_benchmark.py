@@ -1,0 +1,33 @@
+"""The `lmkit generate` command and the benchmark's --smoke mode run end to end (so they cannot rot)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cli_generate_on_tiny_model(tiny_llama):
+    run = subprocess.run([sys.executable, "-m", "lmkit", "generate", "ab", "--model", str(tiny_llama[0]),
+                          "--max-new-tokens", "5"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "tokens" in run.stderr and "tok/s decode" in run.stderr
+
+
+def test_cli_reports_bad_model_clearly(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "lmkit", "generate", "ab", "--model", str(tmp_path / "missing")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "does not exist" in run.stderr
+
+
+def test_decode_prefill_benchmark_smoke(smollm2_path, tmp_path):
+    out = tmp_path / "bench.csv"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench_decode_prefill.py"), "--smoke",
+                          "--model", str(smollm2_path), "--csv", str(out)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "decode tok/s" in run.stdout and "prefill" in run.stdout
+    rows = out.read_text().splitlines()
+    assert len(rows) == 3 and rows[1].split(",")[4] == "lmkit"
