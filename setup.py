@@ -86,6 +86,6 @@ setup(
         "convert": ["torch==2.13.0", "gguf", "accelerate"],
         "test": ["torch==2.13.0", "pytest", "gguf", "accelerate"],
     },
-    entry_points={"console_scripts": ["lmkit=lmkit.cli.main:app"]},
+    entry_points={"console_scripts": ["lmkit=lmkit.cli.main:main"]},
     zip_safe=False,
 )

@@ -77,13 +77,6 @@ class Engine:
         """Queues one request; returns its id. Raises ValueError for an impossible request."""
         if self._closed:
             raise RuntimeError("the engine is closed")
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        if len(prompt_ids) >= self.session_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens, which leaves no room in session_len={self.session_len}; "
-                "shorten the prompt or raise EngineConfig.session_len"
-            )
         request_id = next(self._ids)
         self._cpp.submit(request_id, list(prompt_ids), gen_config.to_sampling_params(), on_output)
         return request_id

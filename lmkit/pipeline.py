@@ -75,31 +75,37 @@ class Pipeline:
             raise
         return encoded, request_ids, outputs
 
+    def _outputs(self, items: list[Prompt], gen_config: GenerationConfig):
+        """Yields (index, prompt ids, RequestOutput) as the engine produces them, until every request has
+        finished. Leaving early cancels what is still running."""
+        encoded, request_ids, outputs = self._submit_all(items, gen_config)
+        pending = set(range(len(items)))
+        try:
+            while pending:
+                i, out = outputs.get()
+                if out.finished:
+                    pending.discard(i)
+                yield i, encoded[i], out
+        finally:
+            for i in pending:
+                self.engine.cancel(request_ids[i])
+
     def stream_infer(self, prompts: Prompts, gen_config: GenerationConfig | None = None) -> Iterator[Response]:
         """Yields incremental Responses (text and token_ids since the previous one of that index) as tokens
         arrive, for every prompt; the last one of each index has finish_reason set. Leaving the loop early
         cancels what is still running."""
         gen_config = gen_config or GenerationConfig()
         items, _ = _normalize(prompts)
-        encoded, request_ids, outputs = self._submit_all(items, gen_config)
         detoks = [IncrementalDetokenizer(self.tokenizer, gen_config.skip_special_tokens) for _ in items]
         counts = [0] * len(items)
-        pending = set(range(len(items)))
-        try:
-            while pending:
-                i, out = outputs.get()
-                counts[i] += len(out.token_ids)
-                text = detoks[i].add(out.token_ids, final=out.finished)
-                if out.finished:
-                    pending.discard(i)
-                yield Response(
-                    text=text, token_ids=list(out.token_ids), input_token_len=len(encoded[i]),
-                    generate_token_len=counts[i], finish_reason=(out.finish_reason or None) if out.finished else None,
-                    index=i, error=out.error or None, logits=out.logits,
-                )
-        finally:
-            for i in pending:
-                self.engine.cancel(request_ids[i])
+        for i, ids, out in self._outputs(items, gen_config):
+            counts[i] += len(out.token_ids)
+            yield Response(
+                text=detoks[i].add(out.token_ids, final=out.finished), token_ids=list(out.token_ids),
+                input_token_len=len(ids), generate_token_len=counts[i],
+                finish_reason=(out.finish_reason or None) if out.finished else None,
+                index=i, error=out.error or None, logits=out.logits,
+            )
 
     def __call__(self, prompts: Prompts, gen_config: GenerationConfig | None = None) -> Response | list[Response]:
         """Generates for one prompt (returns a Response) or a batch (returns a list, in input order)."""
@@ -108,17 +114,16 @@ class Pipeline:
         token_ids: list[list[int]] = [[] for _ in items]
         logits: list[list[np.ndarray]] = [[] for _ in items]
         responses: list[Response | None] = [None] * len(items)
-        for r in self.stream_infer(items, gen_config):
-            token_ids[r.index].extend(r.token_ids)
-            if r.logits is not None:
-                logits[r.index].append(r.logits)
-            if r.finish_reason is not None:
-                ids = token_ids[r.index]
-                responses[r.index] = Response(
-                    text=self.tokenizer.decode(ids, skip_special_tokens=gen_config.skip_special_tokens),
-                    token_ids=ids, input_token_len=r.input_token_len, generate_token_len=len(ids),
-                    finish_reason=r.finish_reason, index=r.index, error=r.error,
-                    logits=np.concatenate(logits[r.index]) if logits[r.index] else None,
+        for i, ids, out in self._outputs(items, gen_config):
+            token_ids[i].extend(out.token_ids)
+            if out.logits is not None:
+                logits[i].append(out.logits)
+            if out.finished:
+                responses[i] = Response(
+                    text=self.tokenizer.decode(token_ids[i], skip_special_tokens=gen_config.skip_special_tokens),
+                    token_ids=token_ids[i], input_token_len=len(ids), generate_token_len=len(token_ids[i]),
+                    finish_reason=out.finish_reason, index=i, error=out.error or None,
+                    logits=np.concatenate(logits[i]) if logits[i] else None,
                 )
         return responses[0] if single else responses
 
