@@ -1,18 +1,29 @@
-// The blocked KV pool's bookkeeping: which block ids are free and which are owned by sequences.
+// The blocked KV pool's bookkeeping: block states, reference counts and the prefix cache index.
 // It never touches KV memory; the model runner maps block ids to memory.
 //
-// Block states (this issue: free and active; prefix caching adds cached):
-//   free -> active   allocate()
-//   active -> free   free()
-// Invariant, checkable at any point by verify(): num_free + num_active == num_total.
+// Block states:
+//   free   -> active   allocate()                 (lowest free id first)
+//   cached -> active   allocate() (evicts the least recently released cached block when no free one is left)
+//   cached -> active   match_prefix() hit          (the block's K/V are reused)
+//   active -> active   match_prefix() hit on a block another sequence holds (reference count + 1)
+//   active -> free     release() of the last reference to a block without a prefix key
+//   active -> cached   release() of the last reference to a block with a prefix key
+// A block gets a prefix key (publish()) once all its tokens are computed; the key is a hash chained
+// over (parent key, the block's token ids), and a hit is confirmed by comparing the tokens exactly.
+// Invariant, checkable at any point by verify(): num_free + num_cached + num_active == num_total.
 #pragma once
 #include <stdint.h>
 
 #include <set>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace lmkit {
+
+// Prefix key of a full block: hash of (parent key, tokens). The first block's parent is 0.
+uint64_t block_key(uint64_t parent_key, const int32_t* tokens, int32_t num_tokens);
 
 class BlockManager {
  public:
@@ -20,27 +31,58 @@ class BlockManager {
 
   int32_t num_total_blocks() const { return num_total_; }
   int32_t num_free_blocks() const { return (int32_t)free_.size(); }
-  int32_t num_active_blocks() const { return num_total_ - num_free_blocks(); }
+  int32_t num_cached_blocks() const { return (int32_t)lru_.size(); }
+  int32_t num_active_blocks() const { return num_total_ - num_free_blocks() - num_cached_blocks(); }
+  // Blocks an allocation can take now: free ones and evictable cached ones.
+  int32_t num_available_blocks() const { return num_free_blocks() + num_cached_blocks(); }
   int32_t block_size_tokens() const { return block_size_; }
 
   // Blocks needed to hold num_tokens tokens.
   int32_t num_blocks_for(int32_t num_tokens) const { return (num_tokens + block_size_ - 1) / block_size_; }
-  bool can_allocate(int32_t num_blocks) const { return num_blocks <= num_free_blocks(); }
+  bool can_allocate(int32_t num_blocks) const { return num_blocks <= num_available_blocks(); }
 
-  // free -> active: the num_blocks lowest free ids, appended to table. Requires can_allocate(num_blocks).
+  // free|cached -> active: appends num_blocks ids to table, lowest free ids first, then evicting cached
+  // blocks least recently released first. Requires can_allocate(num_blocks).
   void allocate(int32_t num_blocks, std::vector<int32_t>& table);
-  // active -> free: every id in table (must be active, no repeats); table is cleared.
-  void free(std::vector<int32_t>& table);
+  // Drops one reference to every block of table (last block first, so a sequence's tail is evicted
+  // before its head); a block whose last reference goes becomes cached if it has a prefix key, else free.
+  // table is cleared.
+  void release(std::vector<int32_t>& table);
+
+  // Prefix cache lookup: appends to table the blocks holding tokens[0, k * block_size) for the largest k
+  // (at most max_blocks) whose chained keys are present with exactly these tokens; takes a reference to
+  // each. Returns k. Updates *last_key to the key of the last block matched.
+  int32_t match_prefix(const int32_t* tokens, int32_t max_blocks, std::vector<int32_t>& table, uint64_t* last_key);
+  // Gives active block `block` (now holding exactly `tokens`, block_size of them) the prefix key
+  // block_key(parent_key, tokens) and returns that key. If another block already has the key, this block
+  // stays unkeyed (it will be freed, not cached, on release).
+  uint64_t publish(int32_t block, uint64_t parent_key, const int32_t* tokens);
+
+  int32_t ref_count(int32_t block) const { return blocks_[block].ref_count; }
+  bool has_key(int32_t block) const { return blocks_[block].has_key; }
 
   // Throws lmkit::Error when the state is inconsistent (a bug).
   void verify() const;
   std::string repr() const;
 
  private:
+  struct Block {
+    int32_t ref_count = 0;
+    bool has_key = false;
+    uint64_t key = 0;
+    uint64_t released_at = 0;     // LRU tick while cached
+    std::vector<int32_t> tokens;  // the keyed content, for exact confirmation of hits
+  };
+  void take(int32_t id);  // any state -> active (+1 reference)
+  void drop_key(int32_t id);
+
   int32_t num_total_;
   int32_t block_size_;
-  std::set<int32_t> free_;      // lowest id first: allocation order is deterministic
-  std::vector<uint8_t> active_;  // per block: 1 when owned by a sequence
+  std::vector<Block> blocks_;
+  std::set<int32_t> free_;                           // lowest id first
+  std::set<std::pair<uint64_t, int32_t>> lru_;       // cached blocks by (released_at, id)
+  std::unordered_map<uint64_t, int32_t> key_to_block_;
+  uint64_t tick_ = 0;
 };
 
 }  // namespace lmkit

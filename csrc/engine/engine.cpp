@@ -42,7 +42,9 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor)
     : options_(options),
       executor_(std::move(executor)),
       blocks_(options.num_blocks, options.block_size_tokens),
-      scheduler_(SchedulerConfig{options.max_batch_size, options.max_prefill_token_num, options.session_len}, blocks_),
+      scheduler_(SchedulerConfig{options.max_batch_size, options.max_prefill_token_num, options.session_len,
+                                 options.enable_prefix_caching},
+                 blocks_),
       seed_source_(std::random_device{}()) {
   LMKIT_CHECK(executor_ != nullptr, "engine needs an executor");
   LMKIT_CHECK_ARG(options.session_len > 1, "session_len must be > 1, got ", options.session_len);
@@ -157,7 +159,7 @@ void Engine::run_step() {
   for (size_t i = 0; i < plan.seqs.size(); ++i) {
     const ScheduledSeq& s = plan.seqs[i];
     Sequence& seq = *s.seq;
-    seq.num_computed_tokens += s.num_tokens;
+    scheduler_.advance(s);
     if (!s.is_sampled) {
       flush(seq, false, FinishReason::kNone, "");
       continue;
@@ -242,11 +244,15 @@ void Engine::loop() {
     metrics_.num_free_blocks = blocks_.num_free_blocks();
     metrics_.num_active_blocks = blocks_.num_active_blocks();
     metrics_.num_preemptions = scheduler_.num_preemptions();
+    metrics_.num_cached_blocks = blocks_.num_cached_blocks();
+    metrics_.num_prefix_query_tokens = scheduler_.num_prefix_query_tokens();
+    metrics_.num_prefix_hit_tokens = scheduler_.num_prefix_hit_tokens();
   }
   metrics_.num_running = scheduler_.num_running();
   metrics_.num_waiting = scheduler_.num_waiting();
   metrics_.num_free_blocks = blocks_.num_free_blocks();
   metrics_.num_active_blocks = blocks_.num_active_blocks();
+  metrics_.num_cached_blocks = blocks_.num_cached_blocks();
   {
     std::lock_guard<std::mutex> lock(outbox_mu_);
     outbox_closed_ = true;

@@ -46,6 +46,7 @@ struct EngineOptions {
   int32_t block_size_tokens = 64;
   int32_t max_prefill_token_num = 8192;
   int32_t num_blocks = 0;  // size of the KV pool, decided by the caller (kv_pool_num_blocks)
+  bool enable_prefix_caching = false;
   int32_t vocab_size = 0;
   std::vector<int32_t> eos_token_ids;
 };
@@ -64,11 +65,14 @@ struct EngineMetrics {
   int32_t num_total_blocks = 0;
   int32_t num_free_blocks = 0;
   int32_t num_active_blocks = 0;
+  int32_t num_cached_blocks = 0;     // released blocks kept for prefix hits (evictable)
   int64_t num_steps = 0;
   int64_t num_prompt_tokens = 0;     // prompt tokens computed (recomputation included)
   int64_t num_generated_tokens = 0;  // tokens sampled
   int64_t num_preemptions = 0;
   int64_t num_finished_requests = 0;
+  int64_t num_prefix_query_tokens = 0;  // tokens of admitted sequences looked up in the prefix cache
+  int64_t num_prefix_hit_tokens = 0;    // of those, tokens whose K/V were reused
 };
 
 class Engine {
@@ -86,7 +90,8 @@ class Engine {
   // Unknown or finished ids are ignored.
   void cancel(int64_t request_id);
   EngineMetrics metrics() const;
-  // Checks free + active == total and that sequences own exactly the active blocks. Throws on violation.
+  // Checks free + cached + active == total and that every block's reference count equals the number of
+  // sequences holding it. Throws on violation.
   void check_integrity() const;
   // Stops the loop; every unfinished request ends as cancelled. Idempotent.
   void shutdown();

@@ -60,6 +60,8 @@ struct Sequence {
   int32_t num_computed_tokens = 0;
   int32_t max_total_tokens = 0;  // prompt + max_new_tokens, clipped to session_len
   std::vector<int32_t> block_table;
+  int32_t num_keyed_blocks = 0;  // leading blocks published to the prefix cache
+  uint64_t last_block_key = 0;   // prefix key of block num_keyed_blocks - 1 (0 before the first)
   SamplingParams params;
   SeqState state = SeqState::kWaiting;
   int64_t arrival = 0;  // admission order (FCFS); preemption picks the largest

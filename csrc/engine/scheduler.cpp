@@ -50,7 +50,7 @@ std::unique_ptr<Sequence> Scheduler::remove(int64_t id) {
   seqs_.erase(it);
   running_.erase(std::remove(running_.begin(), running_.end(), seq.get()), running_.end());
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), seq.get()), waiting_.end());
-  blocks_.free(seq->block_table);
+  release_blocks(seq.get());
   seq->state = SeqState::kFinished;
   return seq;
 }
@@ -61,10 +61,37 @@ void Scheduler::insert_waiting(Sequence* seq) {
   waiting_.insert(pos, seq);
 }
 
+void Scheduler::release_blocks(Sequence* seq) {
+  blocks_.release(seq->block_table);
+  seq->num_computed_tokens = 0;
+  seq->num_keyed_blocks = 0;
+  seq->last_block_key = 0;
+}
+
+void Scheduler::match_prefix(Sequence* seq) {
+  if (!config_.enable_prefix_caching || seq->params.output_logits || !seq->block_table.empty()) return;
+  const int32_t max_blocks = (seq->num_tokens() - 1) / blocks_.block_size_tokens();
+  uint64_t key = 0;
+  const int32_t hits = blocks_.match_prefix(seq->tokens.data(), max_blocks, seq->block_table, &key);
+  seq->num_computed_tokens = hits * blocks_.block_size_tokens();
+  seq->num_keyed_blocks = hits;
+  seq->last_block_key = key;
+}
+
+void Scheduler::advance(const ScheduledSeq& s) {
+  Sequence* seq = s.seq;
+  seq->num_computed_tokens += s.num_tokens;
+  if (!config_.enable_prefix_caching) return;
+  const int32_t bs = blocks_.block_size_tokens();
+  while ((seq->num_keyed_blocks + 1) * bs <= seq->num_computed_tokens) {
+    const int32_t i = seq->num_keyed_blocks++;
+    seq->last_block_key = blocks_.publish(seq->block_table[i], seq->last_block_key, seq->tokens.data() + i * bs);
+  }
+}
+
 void Scheduler::preempt(Sequence* seq) {
   running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
-  blocks_.free(seq->block_table);  // active -> free; the tokens stay and are recomputed on readmission
-  seq->num_computed_tokens = 0;
+  release_blocks(seq);  // the tokens stay and are recomputed (or found in the prefix cache) on readmission
   seq->state = SeqState::kWaiting;
   insert_waiting(seq);
   ++num_preemptions_;
@@ -105,10 +132,16 @@ BatchPlan Scheduler::schedule() {
   // 2. waiting sequences, FCFS, while slots, budget and blocks last.
   while (!waiting_.empty() && (int32_t)running_.size() < config_.max_batch_size && budget > 0) {
     Sequence* seq = waiting_.front();
+    match_prefix(seq);
     const int32_t pending = seq->num_pending_tokens();
     const int32_t chunk = std::min(pending, budget);
     const int32_t need = blocks_.num_blocks_for(seq->num_computed_tokens + chunk) - (int32_t)seq->block_table.size();
-    if (!blocks_.can_allocate(need)) break;
+    if (!blocks_.can_allocate(need)) {
+      release_blocks(seq);  // hits go back to the cache; try again next step
+      break;
+    }
+    num_prefix_query_tokens_ += seq->num_tokens();
+    num_prefix_hit_tokens_ += seq->num_computed_tokens;
     blocks_.allocate(need, seq->block_table);
     waiting_.pop_front();
     seq->state = SeqState::kRunning;
@@ -132,7 +165,6 @@ BatchPlan Scheduler::schedule() {
 void Scheduler::verify() const {
   blocks_.verify();
   std::vector<int32_t> owner(blocks_.num_total_blocks(), 0);
-  int32_t owned = 0;
   for (const auto& kv : seqs_) {
     const Sequence& s = *kv.second;
     LMKIT_CHECK((int32_t)s.block_table.size() >= blocks_.num_blocks_for(s.num_computed_tokens), "sequence ", s.id,
@@ -140,13 +172,13 @@ void Scheduler::verify() const {
     if (s.state == SeqState::kWaiting)
       LMKIT_CHECK(s.block_table.empty() && s.num_computed_tokens == 0, "waiting sequence ", s.id, " holds blocks");
     for (int32_t b : s.block_table) {
-      LMKIT_CHECK(b >= 0 && b < blocks_.num_total_blocks() && owner[b] == 0, "block ", b, " owned twice");
-      owner[b] = 1;
-      ++owned;
+      LMKIT_CHECK(b >= 0 && b < blocks_.num_total_blocks(), "sequence ", s.id, " holds block id ", b);
+      ++owner[b];
     }
   }
-  LMKIT_CHECK(owned == blocks_.num_active_blocks(), "sequences own ", owned, " blocks but ",
-              blocks_.num_active_blocks(), " are active");
+  for (int32_t b = 0; b < blocks_.num_total_blocks(); ++b)
+    LMKIT_CHECK(owner[b] == blocks_.ref_count(b), "block ", b, " has ", blocks_.ref_count(b),
+                " references but ", owner[b], " owners");
   LMKIT_CHECK(running_.size() + waiting_.size() == seqs_.size(), "running + waiting != sequences");
 }
 

@@ -6,7 +6,8 @@
 //      under the prefill token budget; when the pool cannot grow a sequence, the newest running sequence
 //      is preempted (blocks freed, recomputed later from its tokens, output unchanged);
 //   2. waiting sequences in FCFS order are admitted while blocks, batch slots and budget last; admission
-//      never skips ahead of the head of the queue.
+//      never skips ahead of the head of the queue. With prefix caching, an admitted sequence first takes
+//      the cached blocks of its longest matching prefix and computes only the rest.
 // A sequence that could never fit (its token limit beyond the pool) is refused by add().
 #pragma once
 #include <stdint.h>
@@ -26,6 +27,7 @@ struct SchedulerConfig {
   int32_t max_batch_size = 64;          // running sequences at most
   int32_t max_prefill_token_num = 8192;  // prompt tokens per step at most
   int32_t session_len = 4096;           // tokens per sequence at most (prompt + output)
+  bool enable_prefix_caching = false;   // reuse full blocks of identical prefixes
 };
 
 // One sequence's share of a step: tokens[start_pos, start_pos + num_tokens) are fed.
@@ -60,10 +62,14 @@ class Scheduler {
 
   // Builds the next step's plan; allocates the blocks it needs, preempting when short.
   BatchPlan schedule();
+  // After a step ran: seq's num_computed_tokens += s.num_tokens; newly full blocks join the prefix cache.
+  void advance(const ScheduledSeq& s);
 
   int32_t num_running() const { return (int32_t)running_.size(); }
   int32_t num_waiting() const { return (int32_t)waiting_.size(); }
   int64_t num_preemptions() const { return num_preemptions_; }
+  int64_t num_prefix_query_tokens() const { return num_prefix_query_tokens_; }
+  int64_t num_prefix_hit_tokens() const { return num_prefix_hit_tokens_; }
   bool has_work() const { return !running_.empty() || !waiting_.empty(); }
   const std::vector<Sequence*>& running() const { return running_; }
 
@@ -77,6 +83,9 @@ class Scheduler {
   bool reserve(Sequence* seq, int32_t num_tokens, const BatchPlan& plan);
   void preempt(Sequence* seq);
   void insert_waiting(Sequence* seq);
+  void release_blocks(Sequence* seq);
+  // Reuses cached blocks for seq's leading full blocks (never its last token: it must be computed).
+  void match_prefix(Sequence* seq);
 
   SchedulerConfig config_;
   BlockManager& blocks_;
@@ -85,6 +94,8 @@ class Scheduler {
   std::deque<Sequence*> waiting_;   // ordered by arrival, oldest first
   int64_t next_arrival_ = 0;
   int64_t num_preemptions_ = 0;
+  int64_t num_prefix_query_tokens_ = 0;
+  int64_t num_prefix_hit_tokens_ = 0;
 };
 
 }  // namespace lmkit

@@ -12,7 +12,6 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
                   "' is not available in this build; the CPU backend is (device='cpu')");
   LMKIT_CHECK_ARG(config.quant_policy == 0, "quant_policy=", config.quant_policy,
                   " (quantized KV cache) is not supported yet; use quant_policy=0");
-  LMKIT_CHECK_ARG(!config.enable_prefix_caching, "enable_prefix_caching is not supported yet");
   LMKIT_CHECK_ARG(config.max_batch_size >= 1, "max_batch_size must be >= 1, got ", config.max_batch_size);
   LMKIT_CHECK_ARG(config.cache_block_seq_len >= 1, "cache_block_seq_len must be >= 1, got ", config.cache_block_seq_len);
   LMKIT_CHECK_ARG(config.max_prefill_token_num >= 1, "max_prefill_token_num must be >= 1, got ",
@@ -29,6 +28,7 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   options.max_prefill_token_num = config.max_prefill_token_num;
   options.vocab_size = model.vocab_size;
   options.eos_token_ids = eos_token_ids;
+  options.enable_prefix_caching = config.enable_prefix_caching;
 
   DecoderOptions decoder;
   decoder.block_size_tokens = config.cache_block_seq_len;

@@ -22,13 +22,13 @@ TEST(freed_ids_are_reused_lowest_first) {
   Ids a, b, c;
   bm.allocate(2, a);  // 0 1
   bm.allocate(2, b);  // 2 3
-  bm.free(a);         // 0 1 free again
+  bm.release(a);         // 0 1 free again
   EXPECT(a.empty());
   bm.allocate(3, c);  // 0 1 4
   EXPECT_EQ(c, (Ids{0, 1, 4}));
   EXPECT_EQ(bm.num_free_blocks(), 1);
-  bm.free(b);
-  bm.free(c);
+  bm.release(b);
+  bm.release(c);
   EXPECT_EQ(bm.num_free_blocks(), 6);
   bm.verify();
 }
@@ -49,12 +49,98 @@ TEST(over_allocation_and_double_free_are_refused) {
   EXPECT(a.empty());
   bm.allocate(2, a);
   Ids copy = a;
-  bm.free(a);
-  EXPECT_THROWS(bm.free(copy));  // already free
+  bm.release(a);
+  EXPECT_THROWS(bm.release(copy));  // already free
   Ids bogus{7};
-  EXPECT_THROWS(bm.free(bogus));
+  EXPECT_THROWS(bm.release(bogus));
   bm.verify();
   EXPECT_EQ(bm.num_free_blocks(), 3);
+}
+
+namespace {
+std::vector<int32_t> tokens_of(int32_t first, int32_t n) {
+  std::vector<int32_t> t(n);
+  for (int32_t i = 0; i < n; ++i) t[i] = first + i;
+  return t;
+}
+}  // namespace
+
+TEST(released_keyed_blocks_are_cached_and_hit) {
+  BlockManager bm(6, 4);
+  std::vector<int32_t> toks = tokens_of(100, 12);  // 3 full blocks
+  Ids a;
+  bm.allocate(3, a);  // 0 1 2
+  uint64_t k = 0;
+  for (int i = 0; i < 3; ++i) k = bm.publish(a[i], k, toks.data() + 4 * i);
+  bm.release(a);  // all keyed -> cached
+  EXPECT_EQ(bm.num_cached_blocks(), 3);
+  EXPECT_EQ(bm.num_free_blocks(), 3);
+  EXPECT_EQ(bm.num_active_blocks(), 0);
+  bm.verify();
+  Ids b;
+  uint64_t key = 0;
+  EXPECT_EQ(bm.match_prefix(toks.data(), 3, b, &key), 3);
+  EXPECT_EQ(b, (Ids{0, 1, 2}));
+  EXPECT_EQ(key, k);
+  EXPECT_EQ(bm.num_cached_blocks(), 0);
+  // A second sequence with the same first block but a different second one: one hit, shared.
+  std::vector<int32_t> other = toks;
+  other[5] = 7;
+  Ids c;
+  key = 0;
+  EXPECT_EQ(bm.match_prefix(other.data(), 3, c, &key), 1);
+  EXPECT_EQ(c, (Ids{0}));
+  EXPECT_EQ(bm.ref_count(0), 2);
+  bm.verify();
+  bm.release(c);
+  EXPECT_EQ(bm.ref_count(0), 1);
+  bm.release(b);
+  EXPECT_EQ(bm.num_cached_blocks(), 3);
+  bm.verify();
+}
+
+TEST(eviction_is_lru_and_tail_first) {
+  BlockManager bm(4, 2);
+  std::vector<int32_t> t1 = tokens_of(10, 4), t2 = tokens_of(50, 4);
+  Ids a, b;
+  bm.allocate(2, a);  // 0 1
+  bm.allocate(2, b);  // 2 3
+  uint64_t k = bm.publish(a[0], 0, t1.data());
+  bm.publish(a[1], k, t1.data() + 2);
+  k = bm.publish(b[0], 0, t2.data());
+  bm.publish(b[1], k, t2.data() + 2);
+  bm.release(a);  // cached in order 1 then 0 (tail first)
+  bm.release(b);  // then 3, 2
+  EXPECT_EQ(bm.num_free_blocks(), 0);
+  EXPECT_EQ(bm.num_cached_blocks(), 4);
+  Ids c;
+  bm.allocate(3, c);  // evicts 1, 0, 3: a's tail, a's head, b's tail
+  EXPECT_EQ(c, (Ids{1, 0, 3}));
+  uint64_t key = 0;
+  Ids d;
+  EXPECT_EQ(bm.match_prefix(t1.data(), 2, d, &key), 0);  // a is gone
+  key = 0;
+  EXPECT_EQ(bm.match_prefix(t2.data(), 2, d, &key), 1);  // b's head survives
+  EXPECT_EQ(d, (Ids{2}));
+  bm.verify();
+  EXPECT_EQ(bm.num_free_blocks() + bm.num_cached_blocks() + bm.num_active_blocks(), 4);
+}
+
+TEST(duplicate_content_is_not_keyed_twice) {
+  BlockManager bm(4, 2);
+  std::vector<int32_t> t = tokens_of(1, 2);
+  Ids a, b;
+  bm.allocate(1, a);
+  bm.allocate(1, b);
+  bm.publish(a[0], 0, t.data());
+  bm.publish(b[0], 0, t.data());  // same content computed twice (concurrent prefills)
+  EXPECT(bm.has_key(a[0]));
+  EXPECT(!bm.has_key(b[0]));
+  bm.release(b);  // unkeyed -> free, not cached
+  EXPECT_EQ(bm.num_free_blocks(), 3);
+  bm.release(a);
+  EXPECT_EQ(bm.num_cached_blocks(), 1);
+  bm.verify();
 }
 
 int main() { return lmkit::testing::run_all(); }

@@ -23,11 +23,18 @@ std::unique_ptr<Sequence> make_seq(int64_t id, int32_t prompt_len, int32_t max_n
 }
 
 // What the engine does after a step: the computed tokens advance; sampled chunks add one token.
+Scheduler* g_sched = nullptr;
 void advance(const BatchPlan& plan) {
   for (const ScheduledSeq& s : plan.seqs) {
-    s.seq->num_computed_tokens += s.num_tokens;
+    g_sched->advance(s);
     if (s.is_sampled) s.seq->tokens.push_back(2);
   }
+}
+
+std::unique_ptr<Sequence> make_seq_tokens(int64_t id, std::vector<int32_t> tokens, int32_t max_new) {
+  auto s = make_seq(id, (int32_t)tokens.size(), max_new);
+  s->tokens = std::move(tokens);
+  return s;
 }
 
 }  // namespace
@@ -35,6 +42,7 @@ void advance(const BatchPlan& plan) {
 TEST(admits_fcfs_with_exact_blocks) {
   BlockManager bm(10, 4);
   Scheduler sched({8, 100, 1000}, bm);
+  g_sched = &sched;
   sched.add(make_seq(1, 5, 4));  // 2 blocks
   sched.add(make_seq(2, 3, 4));  // 1 block
   BatchPlan plan = sched.schedule();
@@ -60,6 +68,7 @@ TEST(admits_fcfs_with_exact_blocks) {
 TEST(chunked_prefill_respects_budget_and_runs_with_decodes) {
   BlockManager bm(64, 4);
   Scheduler sched({8, 10, 1000}, bm);
+  g_sched = &sched;
   sched.add(make_seq(1, 3, 8));
   advance(sched.schedule());  // seq 1 prefilled, now decoding
   sched.add(make_seq(2, 25, 4));
@@ -82,6 +91,7 @@ TEST(chunked_prefill_respects_budget_and_runs_with_decodes) {
 TEST(waits_when_blocks_are_short_and_never_skips_the_head) {
   BlockManager bm(4, 4);
   Scheduler sched({8, 100, 1000}, bm);
+  g_sched = &sched;
   sched.add(make_seq(1, 12, 2));  // 3 blocks
   sched.add(make_seq(2, 8, 2));   // 2 blocks: must wait
   sched.add(make_seq(3, 2, 2));   // 1 block would fit, but FCFS keeps it behind 2
@@ -101,6 +111,7 @@ TEST(waits_when_blocks_are_short_and_never_skips_the_head) {
 TEST(preempts_the_newest_and_recomputes_it) {
   BlockManager bm(4, 4);
   Scheduler sched({8, 100, 1000}, bm);
+  g_sched = &sched;
   sched.add(make_seq(1, 4, 8));  // 1 block now, grows
   sched.add(make_seq(2, 8, 8));  // 2 blocks
   advance(sched.schedule());     // blocks 0 | 1 2; both sampled one token
@@ -126,6 +137,7 @@ TEST(preempts_the_newest_and_recomputes_it) {
 TEST(refuses_a_request_that_can_never_fit) {
   BlockManager bm(4, 4);
   Scheduler sched({8, 100, 1000}, bm);
+  g_sched = &sched;
   auto big = make_seq(1, 10, 7);  // 17 tokens -> 5 blocks
   EXPECT(!sched.fit_error(*big).empty());
   EXPECT_THROWS(sched.add(std::move(big)));
@@ -133,16 +145,60 @@ TEST(refuses_a_request_that_can_never_fit) {
   EXPECT(sched.fit_error(*ok).empty());
 }
 
+TEST(prefix_hits_skip_computed_blocks) {
+  BlockManager bm(16, 4);
+  Scheduler sched({8, 100, 1000, true}, bm);
+  g_sched = &sched;
+  std::vector<int32_t> doc(10);
+  for (int i = 0; i < 10; ++i) doc[i] = 30 + i;
+  sched.add(make_seq_tokens(1, doc, 3));
+  BatchPlan plan = sched.schedule();
+  EXPECT_EQ(plan.seqs[0].num_tokens, 10);
+  advance(plan);  // blocks 0 1 full and published; block 2 holds 2 tokens
+  sched.remove(1);  // 0 1 cached, 2 free
+  EXPECT_EQ(bm.num_cached_blocks(), 2);
+  std::vector<int32_t> same_prefix = doc;
+  same_prefix.push_back(99);
+  sched.add(make_seq_tokens(2, same_prefix, 3));
+  plan = sched.schedule();
+  EXPECT_EQ(plan.seqs[0].start_pos, 8);  // two blocks reused
+  EXPECT_EQ(plan.seqs[0].num_tokens, 3);
+  EXPECT_EQ(plan.seqs[0].seq->block_table, (Ids{0, 1, 2}));
+  EXPECT_EQ(sched.num_prefix_hit_tokens(), 8);
+  sched.verify();
+  // An exact repeat of a block-aligned prompt still computes its last token.
+  std::vector<int32_t> aligned(doc.begin(), doc.begin() + 8);
+  sched.add(make_seq_tokens(3, aligned, 3));
+  plan = sched.schedule();
+  bool found = false;
+  for (const ScheduledSeq& s : plan.seqs)
+    if (s.seq->id == 3) {
+      found = true;
+      EXPECT_EQ(s.start_pos, 4);
+      EXPECT_EQ(s.num_tokens, 4);
+      EXPECT_EQ(bm.ref_count(s.seq->block_table[0]), 2);  // shared with sequence 2
+    }
+  EXPECT(found);
+  sched.verify();
+}
+
 TEST(random_run_conserves_blocks_every_step) {
   std::mt19937 rng(1234);
   BlockManager bm(40, 4);
-  Scheduler sched({6, 24, 64}, bm);
+  Scheduler sched({6, 24, 64, true}, bm);
+  g_sched = &sched;
+  std::vector<int32_t> shared(40);
+  for (int i = 0; i < 40; ++i) shared[i] = 500 + i;
   int64_t next_id = 1;
   int finished = 0;
   for (int step = 0; step < 3000; ++step) {
     if (rng() % 3 == 0) {
       const int32_t prompt = 1 + rng() % 40, max_new = 1 + rng() % 40;
-      auto s = make_seq(next_id++, prompt, max_new);
+      // half the prompts share a prefix with each other, so prefix hits, sharing and eviction happen
+      std::vector<int32_t> toks(prompt);
+      const bool share = rng() % 2;
+      for (int32_t i = 0; i < prompt; ++i) toks[i] = share ? shared[i] : (int32_t)(rng() % 1000);
+      auto s = make_seq_tokens(next_id++, toks, max_new);
       if (sched.fit_error(*s).empty()) sched.add(std::move(s));
     }
     BatchPlan plan = sched.schedule();
@@ -164,10 +220,11 @@ TEST(random_run_conserves_blocks_every_step) {
       }
     }
     sched.verify();
-    EXPECT_EQ(bm.num_free_blocks() + bm.num_active_blocks(), bm.num_total_blocks());
+    EXPECT_EQ(bm.num_free_blocks() + bm.num_cached_blocks() + bm.num_active_blocks(), bm.num_total_blocks());
   }
   for (int64_t id : sched.ids()) sched.remove(id);
-  EXPECT_EQ(bm.num_free_blocks(), 40);
+  EXPECT_EQ(bm.num_free_blocks() + bm.num_cached_blocks(), 40);
+  EXPECT(sched.num_prefix_hit_tokens() > 0);
   EXPECT(finished > 100);
   EXPECT(sched.num_preemptions() > 0);
 }
