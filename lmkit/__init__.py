@@ -2,7 +2,8 @@
 
 from lmkit.config import EngineConfig
 from lmkit.messages import GenerationConfig, Response
+from lmkit.engine import AsyncEngine
 from lmkit.pipeline import Pipeline, pipeline
 
-__all__ = ["pipeline", "Pipeline", "EngineConfig", "GenerationConfig", "Response"]
+__all__ = ["pipeline", "Pipeline", "AsyncEngine", "EngineConfig", "GenerationConfig", "Response"]
 __version__ = "0.1.0"

@@ -1,19 +1,31 @@
-"""Engine: one model loaded into the C++ engine, with its tokenizer. Thread-safe submit/cancel;
-outputs arrive on the engine's callback thread and are handed to the caller's queue."""
+"""The Python face of the C++ engine.
+
+- ``Engine``: one model loaded into lmkit._engine with its tokenizer; thread-safe ``submit``/``cancel``
+  with a callback that runs on the engine's callback thread.
+- ``AsyncEngine``: asyncio streaming on top: ``async for r in engine.generate(prompt, gen_config)``,
+  ``await engine.abort(request_id)``. Outputs cross from the callback thread with
+  ``loop.call_soon_threadsafe`` (no polling). ``pipeline()`` is built on it.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import queue
 import weakref
 from pathlib import Path
-from typing import Callable
+from typing import AsyncIterator, Callable, Hashable, Union
 
 from lmkit.config import EngineConfig
-from lmkit.messages import GenerationConfig
+from lmkit.messages import GenerationConfig, Response
+from lmkit.metrics import EngineMetrics, LatencyRecorder
 from lmkit.model_path import resolve_model
 from lmkit.models import ModelSpec, load_model_spec
+from lmkit.outputs import CompletionState
 from lmkit.tokenizer import Tokenizer
+
+Messages = list[dict]
+Prompt = Union[str, Messages, list[int]]  # text, one conversation, or token ids
 
 
 def _import_extension():
@@ -36,7 +48,7 @@ class Engine:
     """A model folder running in lmkit._engine.
 
     ``submit`` may be called from any thread; ``on_output(RequestOutput)`` runs on the engine's callback
-    thread and must be quick (put into a queue). Every request ends with exactly one finished output.
+    thread and must be quick (put into a queue). Every completion ends with exactly one finished output.
     """
 
     _live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -57,6 +69,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._closed = False
         self._finalizer = weakref.finalize(self, self._cpp.shutdown)
+        self.latency = LatencyRecorder()
         Engine._live.add(self)
 
     @classmethod
@@ -72,6 +85,24 @@ class Engine:
     def num_total_blocks(self) -> int:
         return self._cpp.num_total_blocks
 
+    @staticmethod
+    def now() -> float:
+        """The engine's clock (seconds), as stamped on every output."""
+        return _import_extension().now()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a string (with the tokenizer's special tokens), of chat messages (chat template),
+        or token ids as given."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty: give some text")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, list) and prompt:
+            return self.tokenizer.apply_chat_template(prompt)
+        raise ValueError(f"a prompt must be a non-empty string, list of chat messages or token ids, got {prompt!r}")
+
     def submit(self, prompt_ids: list[int], gen_config: GenerationConfig,
                on_output: Callable[[object], None]) -> int:
         """Queues one request; returns its id. Raises ValueError for an impossible request."""
@@ -81,20 +112,21 @@ class Engine:
         self._cpp.submit(request_id, list(prompt_ids), gen_config.to_sampling_params(), on_output)
         return request_id
 
-    def submit_to_queue(self, prompt_ids: list[int], gen_config: GenerationConfig) -> tuple[int, queue.SimpleQueue]:
-        """submit() whose outputs land in the returned queue."""
+    def submit_to_queue(self, prompt_ids: list[int], gen_config: GenerationConfig) -> tuple[int, "queue.SimpleQueue"]:
+        """submit() whose outputs land in the returned thread-safe queue."""
         q: queue.SimpleQueue = queue.SimpleQueue()
         return self.submit(prompt_ids, gen_config, q.put), q
 
-    def cancel(self, request_id: int) -> None:
-        """Ends a request (its last output has finish_reason 'cancelled'); unknown ids are ignored."""
-        self._cpp.cancel(request_id)
+    def cancel(self, request_id: int, sample_index: int = -1) -> None:
+        """Ends a request, or one of its completions (its last output says 'cancelled'); unknown ids are ignored."""
+        self._cpp.cancel(request_id, sample_index)
 
-    def metrics(self):
-        return self._cpp.metrics()
+    def metrics(self) -> EngineMetrics:
+        """A snapshot of the engine's counters and recent latencies."""
+        return EngineMetrics.from_engine(self._cpp.metrics(), self.latency)
 
     def check_integrity(self) -> None:
-        """Raises RuntimeError if KV blocks are not conserved (free + active == total, owners exact)."""
+        """Raises RuntimeError if KV blocks are not conserved (free + cached + active == total, owners exact)."""
         self._cpp.check_integrity()
 
     def close(self) -> None:
@@ -103,3 +135,95 @@ class Engine:
             self._closed = True
             self._finalizer()
 
+
+class RequestStream:
+    """One submitted request seen from asyncio: iterate it for Response deltas of all its completions."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], gen_config: GenerationConfig, index: int,
+                 loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.gen_config = gen_config
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        submitted_at = engine.now()
+        self._states = [CompletionState(engine.tokenizer, gen_config, len(prompt_ids), index, k, submitted_at)
+                        for k in range(gen_config.n)]
+        self.request_id = engine.submit(prompt_ids, gen_config, self._on_output)
+
+    def _on_output(self, out) -> None:  # engine callback thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+        except RuntimeError:  # the event loop is closed: nobody will read this request any more
+            self.engine.cancel(self.request_id)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self._states)
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.engine.cancel(self.request_id)
+
+    async def __aiter__(self) -> AsyncIterator[Response]:
+        try:
+            while not self.finished:
+                out = await self._queue.get()
+                state = self._states[out.sample_index]
+                response = state.process(out)
+                if state.stopped_by_string and not out.finished:
+                    self.engine.cancel(self.request_id, out.sample_index)
+                if state.finished:
+                    self.engine.latency.record(state.timing)
+                if response is not None:
+                    yield response
+        finally:
+            self.cancel()
+
+
+class AsyncEngine:
+    """Streaming generation for asyncio code. One engine; any number of concurrent requests."""
+
+    def __init__(self, model: str | Path | None = None, engine_config: EngineConfig | None = None,
+                 chat_template: str | None = None, engine: Engine | None = None):
+        self.engine = engine or Engine(model, engine_config, chat_template=chat_template)
+        self._streams: dict[Hashable, RequestStream] = {}
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def submit(self, prompt: Prompt, gen_config: GenerationConfig | None = None, *, index: int = 0,
+               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+        """Queues a request now (raising ValueError for a bad one) and returns its stream, to be iterated on
+        ``loop`` (default: the running loop)."""
+        gen_config = gen_config or GenerationConfig()
+        loop = loop or asyncio.get_running_loop()
+        return RequestStream(self.engine, self.engine.encode(prompt), gen_config, index, loop)
+
+    async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None,
+                       request_id: Hashable | None = None) -> AsyncIterator[Response]:
+        """Streams Response deltas (incremental text and tokens; the last of each completion has
+        finish_reason) for one prompt. ``request_id`` names it for abort()."""
+        stream = self.submit(prompt, gen_config)
+        key = request_id if request_id is not None else ("auto", stream.request_id)
+        if key in self._streams:
+            stream.cancel()
+            raise ValueError(f"request_id {request_id!r} is already running")
+        self._streams[key] = stream
+        try:
+            async for response in stream:
+                yield response
+        finally:
+            self._streams.pop(key, None)
+
+    async def abort(self, request_id: Hashable) -> None:
+        """Cancels a running generate() by its request_id; unknown ids are ignored."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.cancel()
+
+    def metrics(self) -> EngineMetrics:
+        return self.engine.metrics()
+
+    def close(self) -> None:
+        self.engine.close()

@@ -31,8 +31,20 @@ class GenerationConfig:
     """Divide positive (multiply negative) logits of tokens already seen by this (> 0; 1 is off)."""
     random_seed: int | None = None
     """Seed of this request's generator: the same seed gives the same sample."""
+    presence_penalty: float = 0.0
+    """Subtract this from the logits of tokens already generated, in [-2, 2] (OpenAI semantics)."""
+    frequency_penalty: float = 0.0
+    """Subtract this times the count of each token already generated, in [-2, 2] (OpenAI semantics)."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end the request (besides the model's eos ids); not part of the output."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end the request when they appear in the text (across token boundaries)."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string at the end of the text."""
+    n: int = 1
+    """Completions per prompt; they share the prompt's KV blocks."""
+    logprobs: int | None = None
+    """Return each output token's logprob and this many most likely alternatives (0-20)."""
     ignore_eos: bool = False
     """Keep generating past the model's eos ids."""
     skip_special_tokens: bool = True
@@ -58,6 +70,15 @@ class GenerationConfig:
               f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty!r}")
         check(self.random_seed is None or (isinstance(self.random_seed, int) and 0 <= self.random_seed < 2**64),
               f"random_seed must be an integer in [0, 2**64), got {self.random_seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        check(all(isinstance(x, str) and x for x in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
+        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        check(-2 <= self.frequency_penalty <= 2,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
@@ -71,6 +92,10 @@ class GenerationConfig:
         p.top_p = self.top_p
         p.min_p = self.min_p
         p.repetition_penalty = self.repetition_penalty
+        p.presence_penalty = self.presence_penalty
+        p.frequency_penalty = self.frequency_penalty
+        p.n = self.n
+        p.logprobs = -1 if self.logprobs is None else self.logprobs
         p.has_seed = self.random_seed is not None
         p.seed = self.random_seed or 0
         p.max_new_tokens = self.max_new_tokens
@@ -95,7 +120,12 @@ class Response:
     finish_reason: FinishReason | None = None
     index: int = 0
     """Position of the prompt in the batch passed in."""
+    sample_index: int = 0
+    """Which of the prompt's n completions (GenerationConfig.n)."""
     error: str | None = None
     """Why the request failed, when finish_reason == "error"."""
     logits: np.ndarray | None = None
     """[positions, vocab] logits when GenerationConfig.output_logits was set."""
+    logprobs: list[dict[int, float]] | None = None
+    """Per output token: {token id: logprob} of the chosen token and the top alternatives
+    (GenerationConfig.logprobs); logprobs are the log-softmax of the penalised logits, before temperature."""

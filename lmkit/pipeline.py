@@ -1,22 +1,22 @@
-"""pipeline(): batch and streaming generation over the engine, for scripts and notebooks."""
+"""pipeline(): batch and streaming generation for scripts and notebooks, built on AsyncEngine (an
+event loop on a background thread drives the request streams; the caller's thread just waits)."""
 
 from __future__ import annotations
 
-import functools
+import asyncio
 import queue
+import threading
 from pathlib import Path
 from typing import Iterator, Union
 
 import numpy as np
 
 from lmkit.config import EngineConfig
-from lmkit.engine import Engine
+from lmkit.engine import AsyncEngine, Prompt, RequestStream
 from lmkit.messages import GenerationConfig, Response
-from lmkit.tokenizer import IncrementalDetokenizer
 
-Messages = list[dict]
-Prompt = Union[str, Messages, list[int]]  # text, one conversation, or token ids
 Prompts = Union[Prompt, list[Prompt]]
+_DONE = object()
 
 
 def _normalize(prompts: Prompts) -> tuple[list[Prompt], bool]:
@@ -31,104 +31,98 @@ def _normalize(prompts: Prompts) -> tuple[list[Prompt], bool]:
         return list(prompts), False
     raise ValueError(
         "prompts must be a string, chat messages ([{'role': ..., 'content': ...}]), token ids, "
-        "or a list of those; got " + type(prompts).__name__
-        + ("" if prompts else " (empty)")
+        "or a list of those; got " + type(prompts).__name__ + ("" if prompts else " (empty)")
     )
 
 
-def _put_indexed(outputs: queue.SimpleQueue, index: int, out) -> None:
-    outputs.put((index, out))
+class _LoopThread:
+    """An asyncio event loop running on a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="lmkit-pipeline-loop", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+        if not self.loop.is_running():
+            self.loop.close()
 
 
 class Pipeline:
     """Generation with one model. Use as a context manager, or call close()."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
+    def __init__(self, async_engine: AsyncEngine):
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.tokenizer = async_engine.tokenizer
+        self._loop_thread = _LoopThread()
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a string (with the tokenizer's special tokens), of chat messages (chat template),
-        or token ids as given."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty: give some text")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        if isinstance(prompt, list) and prompt:
-            return self.tokenizer.apply_chat_template(prompt)
-        raise ValueError(f"a prompt must be a non-empty string, list of chat messages or token ids, got {prompt!r}")
+        """Token ids of a prompt (see Engine.encode)."""
+        return self.engine.encode(prompt)
 
-    def _submit_all(self, prompts: list[Prompt], gen_config: GenerationConfig):
-        """Encodes every prompt first (so a bad one fails before anything runs), then submits all.
-        Returns (token ids per prompt, request ids, one queue receiving (index, RequestOutput))."""
-        encoded = [self.encode(p) for p in prompts]
-        outputs: queue.SimpleQueue = queue.SimpleQueue()
-        request_ids: list[int] = []
-        try:
-            for i, ids in enumerate(encoded):
-                request_ids.append(self.engine.submit(ids, gen_config, functools.partial(_put_indexed, outputs, i)))
-        except BaseException:
-            for rid in request_ids:
-                self.engine.cancel(rid)
-            raise
-        return encoded, request_ids, outputs
-
-    def _outputs(self, items: list[Prompt], gen_config: GenerationConfig):
-        """Yields (index, prompt ids, RequestOutput) as the engine produces them, until every request has
-        finished. Leaving early cancels what is still running."""
-        encoded, request_ids, outputs = self._submit_all(items, gen_config)
-        pending = set(range(len(items)))
-        try:
-            while pending:
-                i, out = outputs.get()
-                if out.finished:
-                    pending.discard(i)
-                yield i, encoded[i], out
-        finally:
-            for i in pending:
-                self.engine.cancel(request_ids[i])
-
-    def stream_infer(self, prompts: Prompts, gen_config: GenerationConfig | None = None) -> Iterator[Response]:
-        """Yields incremental Responses (text and token_ids since the previous one of that index) as tokens
-        arrive, for every prompt; the last one of each index has finish_reason set. Leaving the loop early
-        cancels what is still running."""
+    def _responses(self, prompts: Prompts, gen_config: GenerationConfig | None) -> Iterator[Response]:
+        """Submits every prompt (a bad one raises before anything runs), then yields the Response deltas of
+        all of them as they arrive. Leaving early cancels what is still running."""
         gen_config = gen_config or GenerationConfig()
         items, _ = _normalize(prompts)
-        detoks = [IncrementalDetokenizer(self.tokenizer, gen_config.skip_special_tokens) for _ in items]
-        counts = [0] * len(items)
-        for i, ids, out in self._outputs(items, gen_config):
-            counts[i] += len(out.token_ids)
-            yield Response(
-                text=detoks[i].add(out.token_ids, final=out.finished), token_ids=list(out.token_ids),
-                input_token_len=len(ids), generate_token_len=counts[i],
-                finish_reason=(out.finish_reason or None) if out.finished else None,
-                index=i, error=out.error or None, logits=out.logits,
-            )
+        encoded = [self.engine.encode(p) for p in items]
+        loop = self._loop_thread.loop
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(encoded):
+                streams.append(self.async_engine.submit(ids, gen_config, index=i, loop=loop))
+        except BaseException:
+            for s in streams:
+                s.cancel()
+            raise
+        results: queue.SimpleQueue = queue.SimpleQueue()
+
+        async def drain(stream: RequestStream) -> None:
+            try:
+                async for r in stream:
+                    results.put(r)
+            finally:
+                results.put(_DONE)
+
+        futures = [asyncio.run_coroutine_threadsafe(drain(s), loop) for s in streams]
+        remaining = len(streams)
+        try:
+            while remaining:
+                item = results.get()
+                if item is _DONE:
+                    remaining -= 1
+                else:
+                    yield item
+        finally:
+            for s in streams:
+                s.cancel()
+            for f in futures:
+                f.cancel()
+
+    def stream_infer(self, prompts: Prompts, gen_config: GenerationConfig | None = None) -> Iterator[Response]:
+        """Yields incremental Responses (text and token_ids since the previous one of that index and
+        sample_index) as tokens arrive, for every prompt; the last one of each completion has finish_reason
+        set. Leaving the loop early cancels what is still running."""
+        return self._responses(prompts, gen_config)
 
     def __call__(self, prompts: Prompts, gen_config: GenerationConfig | None = None) -> Response | list[Response]:
-        """Generates for one prompt (returns a Response) or a batch (returns a list, in input order)."""
+        """Generates for one prompt (returns a Response) or a batch (returns a list in input order). With
+        GenerationConfig.n > 1 every prompt gives n Responses, in (index, sample_index) order, as a list."""
         gen_config = gen_config or GenerationConfig()
         items, single = _normalize(prompts)
-        token_ids: list[list[int]] = [[] for _ in items]
-        logits: list[list[np.ndarray]] = [[] for _ in items]
-        responses: list[Response | None] = [None] * len(items)
-        for i, ids, out in self._outputs(items, gen_config):
-            token_ids[i].extend(out.token_ids)
-            if out.logits is not None:
-                logits[i].append(out.logits)
-            if out.finished:
-                responses[i] = Response(
-                    text=self.tokenizer.decode(token_ids[i], skip_special_tokens=gen_config.skip_special_tokens),
-                    token_ids=token_ids[i], input_token_len=len(ids), generate_token_len=len(token_ids[i]),
-                    finish_reason=out.finish_reason, index=i, error=out.error or None,
-                    logits=np.concatenate(logits[i]) if logits[i] else None,
-                )
-        return responses[0] if single else responses
+        parts: dict[tuple[int, int], list[Response]] = {}
+        for r in self._responses(items, gen_config):
+            parts.setdefault((r.index, r.sample_index), []).append(r)
+        responses = [_join(parts[key]) for key in sorted(parts)]
+        return responses[0] if single and gen_config.n == 1 else responses
 
     def close(self) -> None:
-        self.engine.close()
+        self.async_engine.close()
+        self._loop_thread.close()
 
     def __enter__(self) -> "Pipeline":
         return self
@@ -137,8 +131,22 @@ class Pipeline:
         self.close()
 
 
+def _join(deltas: list[Response]) -> Response:
+    """One Response from the deltas of one completion."""
+    last = deltas[-1]
+    token_ids = [t for d in deltas for t in d.token_ids]
+    logits = [d.logits for d in deltas if d.logits is not None]
+    logprobs = [lp for d in deltas if d.logprobs is not None for lp in d.logprobs]
+    return Response(
+        text="".join(d.text for d in deltas), token_ids=token_ids, input_token_len=last.input_token_len,
+        generate_token_len=len(token_ids), finish_reason=last.finish_reason, index=last.index,
+        sample_index=last.sample_index, error=last.error,
+        logits=np.concatenate(logits) if logits else None, logprobs=logprobs if logprobs else None,
+    )
+
+
 def pipeline(model: str | Path | None = None, engine_config: EngineConfig | None = None,
              chat_template: str | None = None) -> Pipeline:
     """A generation pipeline for an HF model folder, or the bundled SmolLM2-135M-Instruct when
     ``model`` is None or "smollm2"."""
-    return Pipeline(Engine(model, engine_config, chat_template=chat_template))
+    return Pipeline(AsyncEngine(model, engine_config, chat_template=chat_template))

@@ -110,3 +110,13 @@ def smollm2_path():
     from lmkit.model_path import resolve_model
 
     return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_pipe(smollm2_path):
+    """One SmolLM2 pipeline for the tests that need real text."""
+    from lmkit import EngineConfig, pipeline
+
+    with pipeline(smollm2_path, EngineConfig(device="cpu", cache_max_entry_count=256, max_batch_size=8,
+                                             session_len=2048)) as pipe:
+        yield pipe

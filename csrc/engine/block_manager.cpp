@@ -72,6 +72,14 @@ void BlockManager::allocate(int32_t num_blocks, std::vector<int32_t>& table) {
   }
 }
 
+void BlockManager::share(const std::vector<int32_t>& table) {
+  for (int32_t id : table) {
+    LMKIT_CHECK(id >= 0 && id < num_total_ && blocks_[id].ref_count > 0, "share() of block ", id,
+                " which is not active");
+    ++blocks_[id].ref_count;
+  }
+}
+
 void BlockManager::release(std::vector<int32_t>& table) {
   for (auto it = table.rbegin(); it != table.rend(); ++it) {
     const int32_t id = *it;

@@ -44,6 +44,8 @@ class BlockManager {
   // free|cached -> active: appends num_blocks ids to table, lowest free ids first, then evicting cached
   // blocks least recently released first. Requires can_allocate(num_blocks).
   void allocate(int32_t num_blocks, std::vector<int32_t>& table);
+  // active -> active: one more reference to every block of table (a forked sequence shares them).
+  void share(const std::vector<int32_t>& table);
   // Drops one reference to every block of table (last block first, so a sequence's tail is evicted
   // before its head); a block whose last reference goes becomes cached if it has a prefix key, else free.
   // table is cleared.

@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -67,11 +68,14 @@ void Engine::submit(int64_t request_id, std::vector<int32_t> prompt, const Sampl
   for (int32_t t : prompt)
     LMKIT_CHECK_ARG(t >= 0 && t < options_.vocab_size, "token id ", t, " is outside the vocabulary [0, ",
                     options_.vocab_size, ")");
+  LMKIT_CHECK_ARG(params.n <= options_.max_batch_size, "n=", params.n, " completions exceed max_batch_size=",
+                  options_.max_batch_size);
   for (int32_t t : params.stop_token_ids)
     LMKIT_CHECK_ARG(t >= 0 && t < options_.vocab_size, "stop token id ", t, " is outside the vocabulary [0, ",
                     options_.vocab_size, ")");
   auto seq = std::make_unique<Sequence>();
-  seq->id = request_id;
+  seq->request_id = request_id;
+  seq->num_forks = params.n - 1;
   seq->num_prompt_tokens = (int32_t)prompt.size();
   seq->tokens = std::move(prompt);
   seq->max_total_tokens =
@@ -81,19 +85,20 @@ void Engine::submit(int64_t request_id, std::vector<int32_t> prompt, const Sampl
   {
     std::lock_guard<std::mutex> lock(inbox_mu_);
     LMKIT_CHECK_ARG(!stopping_, "the engine is shut down");
-    LMKIT_CHECK_ARG(live_ids_.count(request_id) == 0, "request id ", request_id, " is already in use");
+    LMKIT_CHECK_ARG(live_samples_.count(request_id) == 0, "request id ", request_id, " is already in use");
+    seq->id = next_seq_id_++;
     seq->rng.seed(params.has_seed ? params.seed : seed_source_());
-    live_ids_.insert(request_id);
+    live_samples_[request_id] = params.n;
     inbox_new_.push_back(std::move(seq));
   }
   inbox_cv_.notify_one();
 }
 
-void Engine::cancel(int64_t request_id) {
+void Engine::cancel(int64_t request_id, int32_t sample_index) {
   {
     std::lock_guard<std::mutex> lock(inbox_mu_);
-    if (!live_ids_.count(request_id)) return;
-    inbox_cancel_.push_back(request_id);
+    if (!live_samples_.count(request_id)) return;
+    inbox_cancel_.emplace_back(request_id, sample_index);
   }
   inbox_cv_.notify_one();
 }
@@ -108,6 +113,13 @@ void Engine::check_integrity() const {
   scheduler_.verify();
 }
 
+void Engine::post_release(std::shared_ptr<OutputCallback> cb) {
+  // An empty output entry whose only job is to drop the last reference on the callback thread.
+  std::lock_guard<std::mutex> lock(outbox_mu_);
+  outbox_.emplace_back(std::move(cb), RequestOutput{});
+  outbox_.back().second.request_id = -1;
+}
+
 void Engine::post(std::shared_ptr<OutputCallback> cb, RequestOutput&& out) {
   {
     std::lock_guard<std::mutex> lock(outbox_mu_);
@@ -116,11 +128,21 @@ void Engine::post(std::shared_ptr<OutputCallback> cb, RequestOutput&& out) {
   outbox_cv_.notify_one();
 }
 
+double Engine::now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const std::string& error) {
   if (!finished && seq.pending_token_ids.empty() && seq.pending_logit_rows == 0) return;
   RequestOutput out;
-  out.request_id = seq.id;
+  out.request_id = seq.request_id;
+  out.sample_index = seq.sample_index;
+  out.emitted_at = now_seconds();
   out.token_ids.swap(seq.pending_token_ids);
+  out.logprobs.swap(seq.pending_logprobs);
+  out.top_ids.swap(seq.pending_top_ids);
+  out.top_logprobs.swap(seq.pending_top_logprobs);
+  out.num_top = std::max(seq.params.logprobs, 0);
   out.logits.swap(seq.pending_logits);
   out.num_logit_rows = seq.pending_logit_rows;
   seq.pending_logit_rows = 0;
@@ -132,13 +154,32 @@ void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const std:
 }
 
 // Ends seq: frees its blocks and slot, sends its last output. Caller holds state_mu_.
+void Engine::post_final(const Sequence& seq, int32_t sample_index, FinishReason reason, const std::string& error) {
+  RequestOutput out;
+  out.request_id = seq.request_id;
+  out.sample_index = sample_index;
+  out.finished = true;
+  out.finish_reason = reason;
+  out.error = error;
+  out.num_prompt_tokens = seq.num_prompt_tokens;
+  out.emitted_at = now_seconds();
+  post(seq.callback, std::move(out));
+  end_sample(seq.request_id);
+  ++metrics_.num_finished_requests;
+}
+
+void Engine::end_sample(int64_t request_id) {
+  std::lock_guard<std::mutex> lock(inbox_mu_);
+  auto it = live_samples_.find(request_id);
+  if (it != live_samples_.end() && --it->second <= 0) live_samples_.erase(it);
+}
+
 void Engine::finish(Sequence* seq, FinishReason reason, const std::string& error) {
   std::unique_ptr<Sequence> owned = scheduler_.remove(seq->id);
+  // Completions not forked yet (the prompt never finished) end with their parent.
+  for (int32_t k = 1; k <= owned->num_forks; ++k) post_final(*owned, k, reason, error);
   flush(*owned, true, reason, error);
-  {
-    std::lock_guard<std::mutex> lock(inbox_mu_);
-    live_ids_.erase(owned->id);
-  }
+  end_sample(owned->request_id);
   ++metrics_.num_finished_requests;
 }
 
@@ -160,6 +201,7 @@ void Engine::run_step() {
     const ScheduledSeq& s = plan.seqs[i];
     Sequence& seq = *s.seq;
     scheduler_.advance(s);
+    if (s.is_sampled && seq.num_forks > 0 && seq.num_generated_tokens() == 0) scheduler_.fork(&seq);
     if (!s.is_sampled) {
       flush(seq, false, FinishReason::kNone, "");
       continue;
@@ -177,6 +219,12 @@ void Engine::run_step() {
     } else {
       seq.tokens.push_back(t);
       seq.pending_token_ids.push_back(t);
+      if (seq.params.logprobs >= 0) {
+        seq.pending_logprobs.push_back(seq.sample_logprob);
+        seq.pending_top_ids.insert(seq.pending_top_ids.end(), seq.sample_top_ids.begin(), seq.sample_top_ids.end());
+        seq.pending_top_logprobs.insert(seq.pending_top_logprobs.end(), seq.sample_top_logprobs.begin(),
+                                        seq.sample_top_logprobs.end());
+      }
       if (seq.num_tokens() >= seq.max_total_tokens) reason = FinishReason::kLength;
     }
     if (reason != FinishReason::kNone) {
@@ -193,7 +241,7 @@ void Engine::loop() {
   executor_->bind_thread();
   for (;;) {
     std::vector<std::unique_ptr<Sequence>> arrivals;
-    std::vector<int64_t> cancels;
+    std::vector<std::pair<int64_t, int32_t>> cancels;
     bool stop = false;
     {
       std::unique_lock<std::mutex> lock(inbox_mu_);
@@ -212,21 +260,12 @@ void Engine::loop() {
         continue;
       }
       // Never fits the pool: fail at once with the reason.
-      RequestOutput out;
-      out.request_id = seq->id;
-      out.finished = true;
-      out.finish_reason = FinishReason::kError;
-      out.error = why;
-      out.num_prompt_tokens = seq->num_prompt_tokens;
-      post(std::move(seq->callback), std::move(out));
-      {
-        std::lock_guard<std::mutex> lock(inbox_mu_);
-        live_ids_.erase(seq->id);
-      }
-      ++metrics_.num_finished_requests;
+      for (int32_t k = 0; k <= seq->num_forks; ++k) post_final(*seq, k, FinishReason::kError, why);
+      post_release(std::move(seq->callback));
     }
-    for (int64_t id : cancels)
-      if (Sequence* seq = scheduler_.find(id)) finish(seq, FinishReason::kCancelled);
+    for (const auto& c : cancels)
+      for (Sequence* seq : scheduler_.find_request(c.first))
+        if (c.second < 0 || seq->sample_index == c.second) finish(seq, FinishReason::kCancelled);
     if (stop) {
       for (int64_t id : scheduler_.ids()) finish(scheduler_.find(id), FinishReason::kCancelled);
       break;
@@ -271,7 +310,7 @@ void Engine::callback_loop() {
       outbox_.pop_front();
     }
     try {
-      if (item.first && *item.first) (*item.first)(std::move(item.second));
+      if (item.first && *item.first && item.second.request_id >= 0) (*item.first)(std::move(item.second));
     } catch (const std::exception& e) {
       std::fprintf(stderr, "lmkit: output callback raised: %s\n", e.what());
     }

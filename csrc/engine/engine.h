@@ -16,7 +16,7 @@
 #include <random>
 #include <string>
 #include <thread>
-#include <unordered_set>
+#include <unordered_map>
 #include <vector>
 
 #include "engine/block_manager.h"
@@ -86,9 +86,9 @@ class Engine {
   // empty, has ids outside the vocabulary, leaves no room in session_len, or params are invalid.
   void submit(int64_t request_id, std::vector<int32_t> prompt, const SamplingParams& params,
               OutputCallback callback);
-  // Ends a request in any state with finish reason "cancelled"; its blocks are free within one step.
-  // Unknown or finished ids are ignored.
-  void cancel(int64_t request_id);
+  // Ends a request (all its completions, or only completion sample_index >= 0) in any state with finish
+  // reason "cancelled"; its blocks are free within one step. Unknown or finished ids are ignored.
+  void cancel(int64_t request_id, int32_t sample_index = -1);
   EngineMetrics metrics() const;
   // Checks free + cached + active == total and that every block's reference count equals the number of
   // sequences holding it. Throws on violation.
@@ -97,6 +97,8 @@ class Engine {
   void shutdown();
 
   const EngineOptions& options() const { return options_; }
+  // The engine's clock (steady, seconds), as stamped on RequestOutput::emitted_at.
+  static double now_seconds();
 
  private:
   void loop();
@@ -105,6 +107,10 @@ class Engine {
   void finish(Sequence* seq, FinishReason reason, const std::string& error = "");
   void flush(Sequence& seq, bool finished, FinishReason reason, const std::string& error);
   void post(std::shared_ptr<OutputCallback> cb, RequestOutput&& out);
+  void post_release(std::shared_ptr<OutputCallback> cb);
+  void end_sample(int64_t request_id);
+  // A finished output without tokens for one completion of seq's request (that completion then ends).
+  void post_final(const Sequence& seq, int32_t sample_index, FinishReason reason, const std::string& error);
 
   EngineOptions options_;
   std::unique_ptr<Executor> executor_;
@@ -116,8 +122,9 @@ class Engine {
   mutable std::mutex inbox_mu_;
   std::condition_variable inbox_cv_;
   std::vector<std::unique_ptr<Sequence>> inbox_new_;
-  std::vector<int64_t> inbox_cancel_;
-  std::unordered_set<int64_t> live_ids_;  // submitted and not yet finished
+  std::vector<std::pair<int64_t, int32_t>> inbox_cancel_;  // (request id, sample index or -1)
+  std::unordered_map<int64_t, int32_t> live_samples_;  // request id -> its completions not yet finished
+  int64_t next_seq_id_ = 1;
   bool stopping_ = false;
 
   // state lock: held by the loop around each step, and by readers of scheduler state

@@ -14,6 +14,12 @@ void SamplingParams::validate() const {
   LMKIT_CHECK_ARG(std::isfinite(min_p) && min_p >= 0.0f && min_p < 1.0f, "min_p must be in [0, 1), got ", min_p);
   LMKIT_CHECK_ARG(std::isfinite(repetition_penalty) && repetition_penalty > 0.0f,
                   "repetition_penalty must be > 0 (1 disables it), got ", repetition_penalty);
+  LMKIT_CHECK_ARG(std::isfinite(presence_penalty) && presence_penalty >= -2.0f && presence_penalty <= 2.0f,
+                  "presence_penalty must be in [-2, 2], got ", presence_penalty);
+  LMKIT_CHECK_ARG(std::isfinite(frequency_penalty) && frequency_penalty >= -2.0f && frequency_penalty <= 2.0f,
+                  "frequency_penalty must be in [-2, 2], got ", frequency_penalty);
+  LMKIT_CHECK_ARG(logprobs >= -1 && logprobs <= 20, "logprobs must be in [0, 20] (or -1 for none), got ", logprobs);
+  LMKIT_CHECK_ARG(n >= 1, "n must be >= 1, got ", n);
   LMKIT_CHECK_ARG(max_new_tokens >= 1, "max_new_tokens must be >= 1, got ", max_new_tokens);
   LMKIT_CHECK_ARG(min_new_tokens >= 0 && min_new_tokens <= max_new_tokens,
                   "min_new_tokens must be in [0, max_new_tokens=", max_new_tokens, "], got ", min_new_tokens);

@@ -18,6 +18,8 @@ struct SamplingParams {
   float top_p = 1.0f;               // (0, 1]
   float min_p = 0.0f;               // [0, 1)
   float repetition_penalty = 1.0f;  // HF semantics: logit > 0 ? logit / p : logit * p over prompt + output
+  float presence_penalty = 0.0f;    // OpenAI semantics over output tokens: logit -= presence * (count > 0)
+  float frequency_penalty = 0.0f;   //                                       logit -= frequency * count
   uint64_t seed = 0;
   bool has_seed = false;            // false -> seeded from the engine's random source
   int32_t max_new_tokens = 512;
@@ -25,6 +27,8 @@ struct SamplingParams {
   std::vector<int32_t> stop_token_ids;  // besides the model's eos ids
   bool ignore_eos = false;
   bool output_logits = false;  // return the logits row of every position computed (prompt and output)
+  int32_t logprobs = -1;       // -1: off; k >= 0: each output token's logprob and the k most likely alternatives
+  int32_t n = 1;               // completions of the prompt, sharing its KV blocks
 
   // Throws InvalidArgument naming the parameter when a value is impossible.
   void validate() const;
@@ -37,6 +41,7 @@ const char* finish_reason_name(FinishReason r);
 // What the callback thread hands to a request's consumer after a step.
 struct RequestOutput {
   int64_t request_id = 0;
+  int32_t sample_index = 0;        // which of the request's n completions
   std::vector<int32_t> token_ids;  // tokens generated since the previous output
   bool finished = false;
   FinishReason finish_reason = FinishReason::kNone;
@@ -44,6 +49,12 @@ struct RequestOutput {
   std::vector<float> logits;     // [rows, vocab] when output_logits, rows of this output's positions
   int32_t num_logit_rows = 0;
   int32_t num_prompt_tokens = 0;
+  // With logprobs: per token of token_ids its logprob, then num_top alternatives (ids and logprobs).
+  std::vector<float> logprobs;
+  std::vector<int32_t> top_ids;       // [tokens, num_top]
+  std::vector<float> top_logprobs;    // [tokens, num_top]
+  int32_t num_top = 0;
+  double emitted_at = 0;  // Engine::now_seconds() when the step that produced this output ended
 };
 
 using OutputCallback = std::function<void(RequestOutput&&)>;
@@ -54,7 +65,10 @@ enum class SeqState : int32_t { kWaiting = 0, kRunning = 1, kFinished = 2 };
 //   tokens = prompt + generated; the KV cache holds tokens[0, num_computed_tokens);
 //   the next forward feeds tokens[num_computed_tokens, ...). Decode == exactly one pending token.
 struct Sequence {
-  int64_t id = 0;
+  int64_t id = 0;          // unique per sequence inside the engine
+  int64_t request_id = 0;  // the caller's id, shared by the n completions of one request
+  int32_t sample_index = 0;
+  int32_t num_forks = 0;   // completions still to fork off this one once its prompt is computed
   std::vector<int32_t> tokens;
   int32_t num_prompt_tokens = 0;
   int32_t num_computed_tokens = 0;
@@ -71,6 +85,13 @@ struct Sequence {
   std::vector<int32_t> pending_token_ids;
   std::vector<float> pending_logits;
   int32_t pending_logit_rows = 0;
+  std::vector<float> pending_logprobs;
+  std::vector<int32_t> pending_top_ids;
+  std::vector<float> pending_top_logprobs;
+  // The latest sample's logprobs, written by the executor, moved to pending_* if the token is kept.
+  float sample_logprob = 0;
+  std::vector<int32_t> sample_top_ids;
+  std::vector<float> sample_top_logprobs;
   int32_t num_logit_rows_emitted = 0;  // logits of positions [0, n) already handed out (kept across preemption)
 
   int32_t num_tokens() const { return (int32_t)tokens.size(); }

@@ -13,10 +13,12 @@ Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks) : conf
 
 std::string Scheduler::fit_error(const Sequence& seq) const {
   const int32_t limit = seq.max_total_tokens;
-  const int32_t need = blocks_.num_blocks_for(limit);
+  const int32_t shared = (seq.num_prompt_tokens - 1) / blocks_.block_size_tokens();
+  const int32_t need = blocks_.num_blocks_for(limit) + seq.num_forks * (blocks_.num_blocks_for(limit) - shared);
   if (need <= blocks_.num_total_blocks()) return "";
   return detail::concat("the request needs up to ", limit, " tokens (prompt ", seq.num_prompt_tokens,
-                        " + max_new_tokens) = ", need, " KV blocks of ", blocks_.block_size_tokens(),
+                        " + max_new_tokens", seq.num_forks ? ", for each of n completions" : "", ") = ", need,
+                        " KV blocks of ", blocks_.block_size_tokens(),
                         " tokens, but the whole KV pool has ", blocks_.num_total_blocks(),
                         " blocks; lower max_new_tokens or raise cache_max_entry_count");
 }
@@ -35,6 +37,38 @@ void Scheduler::add(std::unique_ptr<Sequence> seq) {
 Sequence* Scheduler::find(int64_t id) const {
   auto it = seqs_.find(id);
   return it == seqs_.end() ? nullptr : it->second.get();
+}
+
+std::vector<Sequence*> Scheduler::find_request(int64_t request_id) const {
+  std::vector<Sequence*> out;
+  for (const auto& kv : seqs_)
+    if (kv.second->request_id == request_id) out.push_back(kv.second.get());
+  return out;
+}
+
+void Scheduler::fork(Sequence* parent) {
+  const int32_t bs = blocks_.block_size_tokens();
+  const int32_t shared = std::min<int32_t>((parent->num_prompt_tokens - 1) / bs, (int32_t)parent->block_table.size());
+  for (int32_t k = 1; k <= parent->num_forks; ++k) {
+    auto child = std::make_unique<Sequence>();
+    child->id = next_fork_id_--;
+    child->request_id = parent->request_id;
+    child->sample_index = k;
+    child->tokens.assign(parent->tokens.begin(), parent->tokens.begin() + parent->num_prompt_tokens);
+    child->num_prompt_tokens = parent->num_prompt_tokens;
+    child->max_total_tokens = parent->max_total_tokens;
+    child->params = parent->params;
+    child->callback = parent->callback;
+    child->rng.seed(parent->rng());  // deterministic given the parent's seed
+    child->block_table.assign(parent->block_table.begin(), parent->block_table.begin() + shared);
+    blocks_.share(child->block_table);  // active -> active, one more reference each
+    child->num_computed_tokens = shared * bs;
+    child->state = SeqState::kRunning;
+    child->arrival = next_arrival_++;
+    running_.push_back(child.get());
+    seqs_.emplace(child->id, std::move(child));
+  }
+  parent->num_forks = 0;
 }
 
 std::vector<int64_t> Scheduler::ids() const {
@@ -130,7 +164,8 @@ BatchPlan Scheduler::schedule() {
   }
 
   // 2. waiting sequences, FCFS, while slots, budget and blocks last.
-  while (!waiting_.empty() && (int32_t)running_.size() < config_.max_batch_size && budget > 0) {
+  while (!waiting_.empty() && budget > 0 &&
+         (int32_t)running_.size() + 1 + waiting_.front()->num_forks <= config_.max_batch_size) {
     Sequence* seq = waiting_.front();
     match_prefix(seq);
     const int32_t pending = seq->num_pending_tokens();

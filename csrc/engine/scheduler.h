@@ -57,6 +57,12 @@ class Scheduler {
   // Removes a sequence in any state, freeing its blocks; nullptr if unknown.
   std::unique_ptr<Sequence> remove(int64_t id);
   Sequence* find(int64_t id) const;
+  // The sequences (completions) of one caller request id.
+  std::vector<Sequence*> find_request(int64_t request_id) const;
+  // Forks parent's num_forks completions: each shares the parent's full prompt blocks (all but the block
+  // holding the last prompt token), recomputes the rest and samples on its own; they join running.
+  // Call right after parent's prompt is computed, before its first token is appended.
+  void fork(Sequence* parent);
   // Ids of every sequence held (running and waiting).
   std::vector<int64_t> ids() const;
 
@@ -93,6 +99,7 @@ class Scheduler {
   std::vector<Sequence*> running_;  // ordered by arrival, oldest first
   std::deque<Sequence*> waiting_;   // ordered by arrival, oldest first
   int64_t next_arrival_ = 0;
+  int64_t next_fork_id_ = -1;  // forked completions get negative sequence ids
   int64_t num_preemptions_ = 0;
   int64_t num_prefix_query_tokens_ = 0;
   int64_t num_prefix_hit_tokens_ = 0;

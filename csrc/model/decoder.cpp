@@ -187,8 +187,14 @@ void DecoderModel::step(const BatchPlan& plan, std::vector<int32_t>& sampled) {
         if (!seq.params.ignore_eos) banned.insert(banned.end(), options_.eos_token_ids.begin(), options_.eos_token_ids.end());
         banned.insert(banned.end(), seq.params.stop_token_ids.begin(), seq.params.stop_token_ids.end());
       }
-      sampled[i] = ops::sample(lr, (int32_t)V, seq.params, seq.tokens.data(), seq.num_tokens(), banned.data(),
-                               (int32_t)banned.size(), seq.rng);
+      ops::SampleLogprobs lp;
+      sampled[i] = ops::sample(lr, (int32_t)V, seq.params, seq.tokens.data(), seq.num_tokens(), seq.num_prompt_tokens,
+                               banned.data(), (int32_t)banned.size(), seq.rng, &lp);
+      if (seq.params.logprobs >= 0) {
+        seq.sample_logprob = lp.logprob;
+        seq.sample_top_ids.swap(lp.top_ids);
+        seq.sample_top_logprobs.swap(lp.top_logprobs);
+      }
     }
   }
 }

@@ -50,6 +50,7 @@ PYBIND11_MODULE(_engine, m) {
   });
 
   m.def("cpu_isa", &ops::cpu_isa, "Instruction set the CPU kernels picked at run time.");
+  m.def("now", &Engine::now_seconds, "The engine's clock (seconds, steady), as in RequestOutput.emitted_at.");
 
   py::class_<ModelConfig>(m, "ModelConfig")
       .def(py::init<>())
@@ -88,6 +89,10 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("top_p", &SamplingParams::top_p)
       .def_readwrite("min_p", &SamplingParams::min_p)
       .def_readwrite("repetition_penalty", &SamplingParams::repetition_penalty)
+      .def_readwrite("presence_penalty", &SamplingParams::presence_penalty)
+      .def_readwrite("frequency_penalty", &SamplingParams::frequency_penalty)
+      .def_readwrite("logprobs", &SamplingParams::logprobs)
+      .def_readwrite("n", &SamplingParams::n)
       .def_readwrite("seed", &SamplingParams::seed)
       .def_readwrite("has_seed", &SamplingParams::has_seed)
       .def_readwrite("max_new_tokens", &SamplingParams::max_new_tokens)
@@ -99,6 +104,12 @@ PYBIND11_MODULE(_engine, m) {
 
   py::class_<RequestOutput>(m, "RequestOutput")
       .def_readonly("request_id", &RequestOutput::request_id)
+      .def_readonly("sample_index", &RequestOutput::sample_index)
+      .def_readonly("emitted_at", &RequestOutput::emitted_at)
+      .def_readonly("logprobs", &RequestOutput::logprobs)
+      .def_readonly("num_top", &RequestOutput::num_top)
+      .def_readonly("top_ids", &RequestOutput::top_ids)
+      .def_readonly("top_logprobs", &RequestOutput::top_logprobs)
       .def_readonly("token_ids", &RequestOutput::token_ids)
       .def_readonly("finished", &RequestOutput::finished)
       .def_property_readonly("finish_reason",
@@ -149,7 +160,8 @@ PYBIND11_MODULE(_engine, m) {
       .def("submit", &Engine::submit, py::arg("request_id"), py::arg("prompt"), py::arg("params"),
            py::arg("callback"), py::call_guard<py::gil_scoped_release>(),
            "Queues a request; callback(RequestOutput) runs on the engine's callback thread.")
-      .def("cancel", &Engine::cancel, py::arg("request_id"), py::call_guard<py::gil_scoped_release>())
+      .def("cancel", &Engine::cancel, py::arg("request_id"), py::arg("sample_index") = -1,
+           py::call_guard<py::gil_scoped_release>())
       .def("metrics", &Engine::metrics, py::call_guard<py::gil_scoped_release>())
       .def("check_integrity", &Engine::check_integrity, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())

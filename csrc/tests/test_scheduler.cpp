@@ -15,6 +15,7 @@ namespace {
 std::unique_ptr<Sequence> make_seq(int64_t id, int32_t prompt_len, int32_t max_new) {
   auto s = std::make_unique<Sequence>();
   s->id = id;
+  s->request_id = id;
   s->tokens.assign(prompt_len, 1);
   s->num_prompt_tokens = prompt_len;
   s->max_total_tokens = prompt_len + max_new;
@@ -180,6 +181,40 @@ TEST(prefix_hits_skip_computed_blocks) {
     }
   EXPECT(found);
   sched.verify();
+}
+
+TEST(forked_completions_share_full_prompt_blocks) {
+  BlockManager bm(16, 4);
+  Scheduler sched({8, 100, 1000}, bm);
+  g_sched = &sched;
+  auto parent = make_seq(7, 10, 4);  // prompt fills blocks 0 1 and half of 2
+  parent->num_forks = 2;             // n = 3
+  sched.add(std::move(parent));
+  BatchPlan plan = sched.schedule();
+  Sequence* p = plan.seqs[0].seq;
+  for (const ScheduledSeq& s : plan.seqs) sched.advance(s);
+  sched.fork(p);
+  std::vector<Sequence*> all = sched.find_request(7);
+  EXPECT_EQ(all.size(), 3u);
+  EXPECT_EQ(bm.ref_count(0), 3);
+  EXPECT_EQ(bm.ref_count(1), 3);
+  EXPECT_EQ(bm.ref_count(2), 1);  // the block with the last prompt token stays the parent's
+  for (Sequence* s : all)
+    if (s != p) {
+      EXPECT_EQ(s->num_computed_tokens, 8);
+      EXPECT_EQ(s->num_pending_tokens(), 2);  // recompute the tail, then sample
+    }
+  sched.verify();
+  p->tokens.push_back(2);
+  plan = sched.schedule();  // parent decodes, children prefill their 2-token tails into fresh blocks
+  EXPECT_EQ(plan.seqs.size(), 3u);
+  EXPECT_EQ(plan.num_decode_tokens, 1);
+  EXPECT_EQ(plan.num_prefill_tokens, 4);
+  EXPECT_EQ(plan.seqs[1].seq->block_table, (Ids{0, 1, 3}));
+  EXPECT_EQ(plan.seqs[2].seq->block_table, (Ids{0, 1, 4}));
+  sched.verify();
+  for (Sequence* s : sched.find_request(7)) sched.remove(s->id);
+  EXPECT_EQ(bm.num_free_blocks(), 16);
 }
 
 TEST(random_run_conserves_blocks_every_step) {

@@ -4,17 +4,28 @@
 #include <stdint.h>
 
 #include <random>
+#include <vector>
 
 #include "engine/request.h"
 
 namespace lmkit::ops {
 
+// What sample() reports besides the token, when params.logprobs >= 0.
+struct SampleLogprobs {
+  float logprob = 0;  // of the chosen token
+  std::vector<int32_t> top_ids;
+  std::vector<float> top_logprobs;
+};
+
 // Picks the next token from logits[vocab] (modified in place) under params.
-//   history: prompt + generated tokens (repetition penalty, HF semantics);
+//   history: prompt + generated tokens, the first num_prompt of them the prompt (repetition penalty over
+//   all, HF semantics; presence/frequency penalties over the generated ones, OpenAI semantics);
 //   banned: ids whose logits become -inf (eos and stop ids before min_new_tokens).
-// Order as in HF generate: repetition penalty, temperature, top-k, top-p, min-p. Greedy (temperature 0
-// or top_k 1) returns the lowest index of the maximum and draws nothing from rng.
+// Order: banned, repetition, presence/frequency, [logprobs taken here: log-softmax of the penalised
+// logits, before temperature and filters], temperature, top-k, top-p, min-p. Greedy (temperature 0 or
+// top_k 1) returns the lowest index of the maximum and draws nothing from rng.
 int32_t sample(float* logits, int32_t vocab, const SamplingParams& params, const int32_t* history,
-               int32_t num_history, const int32_t* banned, int32_t num_banned, std::mt19937_64& rng);
+               int32_t num_history, int32_t num_prompt, const int32_t* banned, int32_t num_banned,
+               std::mt19937_64& rng, SampleLogprobs* logprobs);
 
 }  // namespace lmkit::ops

@@ -1,0 +1,66 @@
+"""Engine metrics readable from Python: the C++ counters plus recent per-request latencies."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class LatencyRecorder:
+    """Recent time-to-first-token and inter-token latencies (bounded windows), thread-safe."""
+
+    def __init__(self, window: int = 4096):
+        self._lock = threading.Lock()
+        self.ttft_s: deque[float] = deque(maxlen=window)
+        self.inter_token_s: deque[float] = deque(maxlen=window * 8)
+        self.num_recorded = 0
+
+    def record(self, timing) -> None:
+        """Adds one finished completion's timing (lmkit.outputs.Timing)."""
+        with self._lock:
+            if timing.ttft_s is not None:
+                self.ttft_s.append(timing.ttft_s)
+            self.inter_token_s.extend(timing.inter_token_s)
+            self.num_recorded += 1
+
+    def snapshot(self) -> tuple[list[float], list[float]]:
+        with self._lock:
+            return list(self.ttft_s), list(self.inter_token_s)
+
+
+@dataclass
+class EngineMetrics:
+    """A snapshot: request counts, KV usage, prefix cache, tokens, latencies."""
+
+    num_running: int
+    num_waiting: int
+    num_total_blocks: int
+    num_free_blocks: int
+    num_active_blocks: int
+    num_cached_blocks: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_preemptions: int
+    num_finished_requests: int
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+    ttft_s: list[float] = field(default_factory=list, repr=False)
+    inter_token_s: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks held by running requests."""
+        return self.num_active_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of looked-up prompt tokens served from the prefix cache."""
+        return self.num_prefix_hit_tokens / self.num_prefix_query_tokens if self.num_prefix_query_tokens else 0.0
+
+    @classmethod
+    def from_engine(cls, m, latency: LatencyRecorder) -> "EngineMetrics":
+        ttft, itl = latency.snapshot()
+        names = [f for f in cls.__dataclass_fields__ if f not in ("ttft_s", "inter_token_s")]
+        return cls(**{n: getattr(m, n) for n in names}, ttft_s=ttft, inter_token_s=itl)
