@@ -28,7 +28,7 @@ class Tokenizer:
         return bool(getattr(self._tok, "chat_template", None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,153 @@
+"""Throughput and latency of the engine driven directly (no HTTP), at one or more concurrency levels.
+
+    python benchmark/profile_throughput.py --concurrency 1 4 16 64 [--workload sharegpt|fixed|shared-prefix]
+        [--num-prompts N] [--model PATH] [--enable-prefix-caching] [--csv results.csv]
+
+Every request runs to its drawn output length (ignore_eos, as the peers' benchmarks do). Prints and
+appends to CSV: request throughput, input/output tokens/s, TTFT, TPOT (per request: (e2e - ttft) /
+(output - 1)), ITL (every gap between tokens) and end-to-end latency (mean, p50, p90, p99), peak KV
+usage and prefix hit rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import os
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workloads  # noqa: E402
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    a = np.asarray(xs)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99))}
+
+
+async def run_level(engine, requests: list, concurrency: int) -> dict:
+    from lmkit import GenerationConfig
+
+    sem = asyncio.Semaphore(concurrency)
+    stats = []
+    peak_kv = 0.0
+
+    async def one(req):
+        nonlocal peak_kv
+        async with sem:
+            gen = GenerationConfig(max_new_tokens=req.output_len, ignore_eos=True)
+            start = engine.engine.now()
+            times = []
+            async for r in engine.generate(req.prompt_ids, gen):
+                if r.token_ids:
+                    times.extend([engine.engine.now()] * len(r.token_ids))
+                    peak_kv = max(peak_kv, engine.engine.metrics().kv_usage)
+                if r.finish_reason is not None and r.finish_reason != "length":
+                    raise RuntimeError(f"request ended with {r.finish_reason}: {r.error}")
+            stats.append((start, times, len(req.prompt_ids)))
+
+    t0 = engine.engine.now()
+    await asyncio.gather(*(one(r) for r in requests))
+    elapsed = engine.engine.now() - t0
+    ttft = [t[0] - s for s, t, _ in stats]
+    e2e = [t[-1] - s for s, t, _ in stats]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for s, t, _ in stats if len(t) > 1]
+    itl = [b - a for _, t, _ in stats for a, b in zip(t, t[1:])]
+    out_tokens = sum(len(t) for _, t, _ in stats)
+    in_tokens = sum(n for _, _, n in stats)
+    return {
+        "concurrency": concurrency, "num_requests": len(requests), "elapsed_s": elapsed,
+        "request_throughput": len(requests) / elapsed, "input_tok_s": in_tokens / elapsed,
+        "output_tok_s": out_tokens / elapsed, "ttft": percentiles(ttft), "tpot": percentiles(tpot),
+        "itl": percentiles(itl), "e2e": percentiles(e2e), "peak_kv_usage": peak_kv,
+    }
+
+
+def make_requests(args, tokenizer, num: int, seed: int) -> list:
+    if args.dataset:
+        return workloads.sharegpt_file(args.dataset, tokenizer, num, seed)
+    if args.workload == "sharegpt":
+        return workloads.sharegpt_like(tokenizer, num, seed)
+    if args.workload == "fixed":
+        return workloads.fixed(tokenizer, num, args.input_len, args.output_len, seed)
+    return workloads.shared_prefix(tokenizer, num, args.prefix_len, args.input_len, args.output_len, seed)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF folder (default: bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--num-prompts", type=int, default=None, help="per level (default: max(8, 2 x concurrency))")
+    ap.add_argument("--workload", choices=["sharegpt", "fixed", "shared-prefix"], default="sharegpt")
+    ap.add_argument("--dataset", type=Path, default=None, help="a ShareGPT JSON file instead of the generator")
+    ap.add_argument("--input-len", type=int, default=128, help="fixed: prompt tokens; shared-prefix: suffix tokens")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--cache-max-entry-count", type=float, default=0.5)
+    ap.add_argument("--enable-prefix-caching", action="store_true")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--csv", type=Path, default=None)
+    ap.add_argument("--smoke", action="store_true", help="a few tiny requests, for tests")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.concurrency, args.num_prompts = [1, 2], 2
+        args.workload, args.input_len, args.output_len, args.prefix_len = "fixed", 16, 4, 32
+
+    from lmkit import AsyncEngine, EngineConfig
+
+    engine = AsyncEngine(args.model, EngineConfig(
+        max_batch_size=args.max_batch_size, cache_max_entry_count=args.cache_max_entry_count,
+        enable_prefix_caching=args.enable_prefix_caching, num_threads=args.threads, session_len=4096))
+    rows = []
+    try:
+        warm = make_requests(args, engine.tokenizer, 1, seed=10_000)
+        asyncio.run(run_level(engine, [workloads.Request(warm[0].prompt_ids[:16], 4)], 1))
+        for c in args.concurrency:
+            num = args.num_prompts or max(8, 2 * c)
+            rows.append(asyncio.run(run_level(engine, make_requests(args, engine.tokenizer, num, args.seed + c), c)))
+        m = engine.metrics()
+    finally:
+        engine.close()
+    name = Path(str(engine.engine.model_path)).name
+    print(f"model {name}, workload {args.workload}, prefix caching {args.enable_prefix_caching}, "
+          f"{args.threads or len(os.sched_getaffinity(0))} threads, {date.today()}")
+    print(f"{'conc':>5}{'reqs':>6}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
+          f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>9}{'E2E p50':>9}{'KV peak':>8}")
+    for r in rows:
+        print(f"{r['concurrency']:>5}{r['num_requests']:>6}{r['request_throughput']:8.2f}{r['output_tok_s']:11.1f}"
+              f"{r['ttft']['p50'] * 1e3:8.0f}ms{r['ttft']['p99'] * 1e3:8.0f}ms{r['tpot']['p50'] * 1e3:8.1f}ms"
+              f"{r['tpot']['p99'] * 1e3:8.1f}ms{r['itl']['p99'] * 1e3:7.0f}ms{r['e2e']['p50']:8.2f}s"
+              f"{r['peak_kv_usage']:8.2f}")
+    print(f"prefix hit rate {m.prefix_hit_rate:.3f}")
+    if args.csv:
+        new = not args.csv.exists()
+        with open(args.csv, "a", newline="") as f:
+            w = csv.writer(f)
+            if new:
+                w.writerow(["date", "model", "workload", "prefix_caching", "concurrency", "num_requests",
+                            "request_throughput", "input_tok_s", "output_tok_s"]
+                           + [f"{k}_{p}_ms" for k in ("ttft", "tpot", "itl", "e2e") for p in ("mean", "p50", "p90", "p99")]
+                           + ["peak_kv_usage", "prefix_hit_rate"])
+            for r in rows:
+                w.writerow([date.today(), name, args.workload, args.enable_prefix_caching, r["concurrency"],
+                            r["num_requests"], f"{r['request_throughput']:.3f}", f"{r['input_tok_s']:.1f}",
+                            f"{r['output_tok_s']:.1f}"]
+                           + [f"{r[k][p] * 1e3:.2f}" for k in ("ttft", "tpot", "itl", "e2e")
+                              for p in ("mean", "p50", "p90", "p99")]
+                           + [f"{r['peak_kv_usage']:.3f}", f"{m.prefix_hit_rate:.3f}"])
+    return rows
+
+
+if __name__ == "__main__":
+    main()
