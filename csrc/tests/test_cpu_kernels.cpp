@@ -53,8 +53,9 @@ void expect_close(const std::vector<float>& out, const std::vector<float>& ref, 
   expect(e <= tol, what + buf);
 }
 
+// Uniform in [-scale * sqrt(3), scale * sqrt(3)): unit variance at scale 1, cheaper than a normal.
 std::vector<float> randn(int64_t n, float scale = 1.0f) {
-  std::normal_distribution<float> d(0.0f, scale);
+  std::uniform_real_distribution<float> d(-1.7320508f * scale, 1.7320508f * scale);
   std::vector<float> v(n);
   for (auto& x : v) x = d(g_rng);
   return v;
@@ -124,6 +125,12 @@ void test_rmsnorm() {
         ops::add_rmsnorm(res.data(), xr.data(), w.t, 1e-6f, rows, dim, out.data());
         expect_close(out, ref, "add_rmsnorm out" + name);
         expect_close(res, res_ref, "add_rmsnorm residual" + name, 0.0);
+        // out may alias x (the decoder normalises into the buffer it adds from)
+        std::vector<float> res2 = res_ref, xr2 = xr, res2_ref = res_ref;
+        ops::reference::add_rmsnorm(res2_ref.data(), xr.data(), w.t, 1e-6f, rows, dim, ref.data());
+        ops::add_rmsnorm(res2.data(), xr2.data(), w.t, 1e-6f, rows, dim, xr2.data());
+        expect_close(xr2, ref, "add_rmsnorm out = x" + name);
+        expect_close(res2, res2_ref, "add_rmsnorm residual, out = x" + name, 0.0);
       }
 }
 
@@ -133,7 +140,8 @@ void test_linear() {
   };
   const Shape shapes[] = {{1, 1, 1},    {1, 37, 576},  {2, 65, 576},   {3, 100, 33},  {4, 64, 1536},
                           {5, 4099, 576}, {7, 31, 577},  {8, 96, 576},   {9, 33, 100},  {13, 200, 576},
-                          {40, 65, 1536}, {100, 129, 577}, {64, 1536, 64}, {3, 17, 15}};
+                          {40, 65, 1536}, {100, 129, 577}, {64, 1536, 64}, {3, 17, 15},
+                          {30, 3, 7},   {25, 1, 1}};
   for (DType dt : kWeightDTypes)
     for (const Shape& s : shapes)
       for (int bias_kind = 0; bias_kind < 3; ++bias_kind) {
@@ -148,6 +156,15 @@ void test_linear() {
                      "linear " + dt_name(dt) + " M " + std::to_string(s.M) + " N " + std::to_string(s.N) + " K " +
                          std::to_string(s.K) + (bias_kind ? " bias" : ""));
       }
+  // several M blocks per thread (M x K x 4 bytes > 1 MiB), few columns (threads split M)
+  {
+    Weight w = make_weight(DType::BF16, 70, 576, 0.05f);
+    Weight b = make_weight(DType::F16, 70, 0);
+    std::vector<float> x = randn(700 * 576), out(700 * 70), ref(out.size());
+    ops::linear(x.data(), 700, w.t, b.t, out.data());
+    ops::reference::linear(x.data(), 700, w.t, b.t, ref.data());
+    expect_close(out, ref, "linear BF16 M 700 N 70 K 576 bias");
+  }
   // a large-M GEMM against the lm_head width: the first 2053 rows of a [49152 x 576] F16 weight
   Weight w = make_weight(DType::F16, 2053, 576, 0.05f);
   std::vector<float> x = randn(97 * 576), out(97 * 2053), ref(out.size());
@@ -259,11 +276,22 @@ void test_attention() {
   test_attention_case(2, 2, 128, 16, 0, {{70, 90}, {1, 1000}});
   test_attention_case(6, 2, 24, 1, 0, {{10, 10}, {2, 37}});
   test_attention_case(3, 1, 64, 32, 1, {{20, 20}});
+  // decode-shaped tasks of 1..4 rows (dot-product path), incl. two query positions per task
+  test_attention_case(8, 2, 64, 16, 9, {{1, 70}, {1, 3}});
+  test_attention_case(4, 2, 80, 6, 0, {{2, 50}, {1, 33}, {2, 2}});
+  test_attention_case(2, 1, 16, 4, 0, {{1, 19}, {3, 7}});
+  test_attention_case(2, 1, 256, 16, 0, {{20, 20}, {1, 40}});
+  // single long decode steps: split over the keys across threads, then merged
+  test_attention_case(9, 3, 64, 16, 300, {{1, 700}});
+  test_attention_case(8, 2, 40, 7, 0, {{1, 650}});
+  test_attention_case(4, 4, 24, 5, 0, {{1, 600}});
+  test_attention_case(4, 2, 64, 16, 0, {{2, 400}});
 }
 
 }  // namespace
 
 int main() {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // keep every line if a kernel crashes
   for (const char* isa : {"generic", "avx2", "avx512"}) {
     g_isa = isa;
     if (!ops::cpu::force_isa(isa)) {
@@ -271,7 +299,7 @@ int main() {
       continue;
     }
     expect(std::strcmp(ops::cpu_isa(), isa) == 0, "cpu_isa() names the forced table");
-    for (int threads : {1, 2}) {
+    for (int threads : {1, 2, 3}) {
       ops::set_num_threads(threads);
       test_embedding();
       test_rmsnorm();

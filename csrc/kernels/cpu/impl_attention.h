@@ -1,58 +1,437 @@
 // paged_attention: causal attention of each sequence's query rows over its keys in the blocked KV pool.
 // Textually included by isa_body.h inside the ISA namespace (see simd.h); written once for every ISA.
+//
+// Work is split into tasks of up to R "rows" of one (sequence, kv head): row rho = i * group + g is
+// query position i of the sequence with query head kv_head * group + g, so a decode step is one task
+// holding the group's heads and a prefill chunk is many. Keys are walked in chunks through the block
+// table; a row masks keys after its own position (causal) and before its sliding window; keys past
+// the task's last query position are never read, so unused pool slots are never touched.
+//
+// Prefill tasks (attend_task): scores computed transposed, vectorised over the task's rows, so that
+// neither K nor the softmax needs a horizontal reduction:
+//   qt[hd][R]        <- the task's query rows, transposed once per task
+//   st[j][0:R]        = sum_d K_j[d] * qt[d][0:R]        K_j[d] broadcast, 8 keys x R rows at a time
+//   m, l [0:R]        online softmax in fp32, lane-wise over the rows (max over keys is vertical)
+//   o[r][0:hd]       += sum_j st[j][r] * V_j[0:hd]       4 rows x 4 vectors of head_dim at a time
+// Decode tasks (<= 4 rows, attend_task_dot): dot products over head_dim, see there. When a batch of
+// decode steps has fewer tasks than twice the threads, each task is also split over its keys
+// (attend_decode_split) and the partial softmax states are merged (attend_merge).
 
-// Pool row of kv head h at position p of a sequence:  base[((table[p / bs] * nkv + h) * bs + p % bs) * hd]
-inline const float* kv_row(const float* base, const KVLayer& kv, const int32_t* table, int64_t h, int64_t p) {
-  const int64_t bs = kv.block_size;
-  return base + (((int64_t)table[p / bs] * kv.num_kv_heads + h) * bs + p % bs) * kv.head_dim;
+constexpr int kAttnKeyBlock = 8;            // keys whose scores are computed together
+constexpr int kAttnChunk = 32;              // keys per online-softmax step
+constexpr int kAttnRowVecs = 3;             // row vectors per task: R <= 3 * kW
+constexpr int kAttnMaxRows = kAttnRowVecs * kW;
+constexpr int kAttnMaxHeadDim = 1024;       // checked at the door
+constexpr int kAttnMaxTaskFloats = 8192;    // R * padded head_dim: the task's output rows stay in L1
+constexpr float kAttnNoMax = -1e30f;        // running max before any key: finite, so exp(-inf - m) = 0
+constexpr int64_t kAttnMinSplitKeys = 128;  // a decode task is split over its keys only this coarsely
+
+// Pool rows of kv head h for keys c0 .. c0 + n - 1 of a sequence into krow[j], vrow[j] (j < n), and
+// `zero` for j in [n, count):  row of position p = base[((table[p / bs] * nkv + h) * bs + p % bs) * hd].
+// The block and offset are stepped, not divided, per key.
+inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_t c0, int n, int count,
+                      const float* zero, const float** krow, const float** vrow) {
+  const int64_t bs = kv.block_size, hd = kv.head_dim;
+  int64_t b = c0 / bs, off = c0 % bs;
+  int64_t base = (((int64_t)table[b] * kv.num_kv_heads + h) * bs + off) * hd;
+  for (int j = 0; j < n; ++j) {
+    krow[j] = kv.k + base;
+    vrow[j] = kv.v + base;
+    if (++off == bs && j + 1 < n) {
+      off = 0;
+      base = (((int64_t)table[++b] * kv.num_kv_heads + h) * bs) * hd;
+    } else {
+      base += hd;
+    }
+  }
+  for (int j = n; j < count; ++j) krow[j] = vrow[j] = zero;
 }
 
-// One query row: out = softmax(scale * q . K[lo..hi]^T) V[lo..hi], online softmax over keys lo..hi-1.
-inline void attend_row(const float* q, const KVLayer& kv, const int32_t* table, int64_t h, int64_t lo, int64_t hi,
-                       float scale, float* out) {
-  const int hd = kv.head_dim;
-  float acc[1024];
-  for (int d = 0; d < hd; ++d) acc[d] = 0.0f;
-  float m = -INFINITY, l = 0.0f;
-  for (int64_t p = lo; p < hi; ++p) {
-    const float* kr = kv_row(kv.k, kv, table, h, p);
-    const float* vr = kv_row(kv.v, kv, table, h, p);
-    V s = vzero();
-    int d = 0;
-    for (; d + kW <= hd; d += kW) s = vfma(vload(q + d), vload(kr + d), s);
-    if (d < hd) s = vfma(vload_n(q + d, hd - d), vload_n(kr + d, hd - d), s);
-    const float score = vsum(s) * scale;
-    if (score > m) {
-      const float corr = expf(m - score);
-      l *= corr;
-      const V vc = vset1(corr);
-      for (d = 0; d + kW <= hd; d += kW) vstore(acc + d, vload(acc + d) * vc);
-      for (; d < hd; ++d) acc[d] *= corr;
-      m = score;
+const float kZeroRow[kAttnMaxHeadDim] = {};
+
+// Vector dv of a head_dim-long row (the last one partial when hd is not a multiple of kW).
+inline V load_hd(const float* row, int dv, int hd) {
+  const int rem = hd - dv * kW;
+  return rem >= kW ? vload(row + dv * kW) : vload_n(row + dv * kW, rem);
+}
+
+// st[j][v * kW ..] = K_j . qt[:, v * kW ..] for the kAttnKeyBlock keys krow[0..], RV row vectors.
+template <int RV>
+inline void scores_t(const float* const* krow, const float* qt, int hd, float* st) {
+  constexpr int KB = kAttnKeyBlock, ld = RV * kW;
+  V acc[KB][RV];
+  for (int j = 0; j < KB; ++j)
+    for (int v = 0; v < RV; ++v) acc[j][v] = vzero();
+  const float* kr[KB];
+  for (int j = 0; j < KB; ++j) kr[j] = krow[j];
+  for (int d = 0; d < hd; ++d) {
+    V qv[RV];
+    for (int v = 0; v < RV; ++v) qv[v] = vload(qt + d * ld + v * kW);
+#pragma GCC unroll 8
+    for (int j = 0; j < KB; ++j) {
+      const V kd = vset1(kr[j][d]);
+      for (int v = 0; v < RV; ++v) acc[j][v] = vfma(kd, qv[v], acc[j][v]);
     }
-    const float e = expf(score - m);
-    l += e;
-    const V ve = vset1(e);
-    for (d = 0; d + kW <= hd; d += kW) vstore(acc + d, vfma(ve, vload(vr + d), vload(acc + d)));
-    for (; d < hd; ++d) acc[d] += e * vr[d];
   }
-  const float inv = 1.0f / l;
-  for (int d = 0; d < hd; ++d) out[d] = acc[d] * inv;
+  for (int j = 0; j < KB; ++j)
+    for (int v = 0; v < RV; ++v) vstore(st + j * ld + v * kW, acc[j][v]);
+}
+
+// o[r0 + i][dv * kW ..] += sum_j st[j][r0 + i] * V_j[dv * kW ..] for i < 4, NV vectors of head_dim;
+// st rows are ld floats apart.
+template <int NV>
+inline void pv_block(const float* st, int ld, int r0, const float* const* vrow, int n, int dv, int hd, float* o,
+                     int hdp) {
+  V acc[4][NV];
+  for (int i = 0; i < 4; ++i)
+    for (int u = 0; u < NV; ++u) acc[i][u] = vload(o + (r0 + i) * hdp + (dv + u) * kW);
+  const bool full = (dv + NV) * kW <= hd;
+  for (int j = 0; j < n; ++j) {
+    V vv[NV];
+    for (int u = 0; u < NV; ++u) {
+      vv[u] = full ? vload(vrow[j] + (dv + u) * kW) : load_hd(vrow[j], dv + u, hd);
+    }
+    for (int i = 0; i < 4; ++i) {
+      const V p = vset1(st[j * ld + r0 + i]);
+      for (int u = 0; u < NV; ++u) acc[i][u] = vfma(p, vv[u], acc[i][u]);
+    }
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int u = 0; u < NV; ++u) vstore(o + (r0 + i) * hdp + (dv + u) * kW, acc[i][u]);
+}
+
+// Rows [rho0, rho1) of sequence `seq` under kv head `kvh`; RV = row vectors (rows <= RV * kW).
+template <int RV>
+void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group, int num_heads,
+                 int64_t rho0, int64_t rho1, float scale, int window, float* out) {
+  constexpr int ld = RV * kW;  // rows <= ld, and rows * hdp <= kAttnMaxTaskFloats
+  const int hd = kv.head_dim, nvec = (hd + kW - 1) / kW, hdp = nvec * kW;
+  const int rows = (int)(rho1 - rho0), rows4 = (rows + 3) / 4 * 4;
+  alignas(64) float obuf[kAttnMaxTaskFloats + 4 * kAttnMaxHeadDim];  // [rows4][hdp]
+  alignas(64) float qt[kAttnMaxTaskFloats + kW * kAttnMaxHeadDim];    // [hd][ld]
+  alignas(64) float st[kAttnChunk * ld];                                // [key][row]: scores, then p
+  alignas(64) float pos[ld], lo[ld], m[ld], lsum[ld], corr[kW];
+  float* orow[kAttnMaxRows];
+  const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
+  for (int r = 0; r < RV * kW; ++r) {
+    const float* qr = kZeroRow;
+    int64_t p = first_pos + (rho0 + rows - 1) / group;  // padding rows: copies of the last position
+    if (r < rows) {
+      const int64_t rho = rho0 + r, head = (int64_t)kvh * group + rho % group, row = seq.q_row + rho / group;
+      p = first_pos + rho / group;
+      qr = q + (row * num_heads + head) * hd;
+      orow[r] = out + (row * num_heads + head) * hd;
+    }
+    for (int d = 0; d < hd; ++d) qt[d * ld + r] = qr[d];
+    pos[r] = (float)p;
+    lo[r] = window > 0 && p - window + 1 > 0 ? (float)(p - window + 1) : 0.0f;
+    m[r] = kAttnNoMax;
+    lsum[r] = 0.0f;
+  }
+  for (int i = 0; i < rows4 * hdp; ++i) obuf[i] = 0.0f;
+
+  // rows are in position order: row 0 has the lowest position and window start, the last row the highest
+  const int64_t key_lo = (int64_t)lo[0], key_hi = (int64_t)pos[rows - 1] + 1;
+  const V vscale = vset1(scale), neg_inf = vset1(-INFINITY);
+  const float* krow[kAttnChunk];
+  const float* vrow[kAttnChunk];
+  for (int64_t c0 = key_lo; c0 < key_hi; c0 += kAttnChunk) {
+    const int n = key_hi - c0 < kAttnChunk ? (int)(key_hi - c0) : kAttnChunk;
+    const int nb = (n + kAttnKeyBlock - 1) / kAttnKeyBlock;
+    gather_kv(kv, seq.block_table, kvh, c0, n, nb * kAttnKeyBlock, kZeroRow, krow, vrow);
+    for (int b = 0; b < nb; ++b) scores_t<RV>(krow + b * kAttnKeyBlock, qt, hd, st + b * kAttnKeyBlock * ld);
+    // masking is needed only where the chunk crosses some row's position or window start
+    const bool masked = (float)(c0 + n - 1) > pos[0] || (float)c0 < lo[RV * kW - 1];
+    for (int v = 0; v < RV; ++v) {
+      const V mv = vload(m + v * kW), pv = vload(pos + v * kW), lv = vload(lo + v * kW);
+      V mx = mv;
+      for (int j = 0; j < n; ++j) {
+        V s = vload(st + j * ld + v * kW) * vscale;
+        if (masked) {
+          const V kp = vset1((float)(c0 + j));
+          s = vselect_lt(pv, kp, neg_inf, s);  // key after the query
+          s = vselect_lt(kp, lv, neg_inf, s);  // key before the window
+        }
+        vstore(st + j * ld + v * kW, s);
+        mx = vmax(mx, s);
+      }
+      V l = vload(lsum + v * kW);
+      if (vany_gt(mx, mv)) {  // the running max moved for some rows: rescale their l and o
+        const V c = vexp(mv - mx);
+        vstore(corr, c);
+        l = l * c;
+        for (int i = 0; i < kW; ++i) {
+          if (corr[i] == 1.0f || v * kW + i >= rows4) continue;
+          float* o = obuf + (v * kW + i) * hdp;
+          const V ci = vset1(corr[i]);
+          for (int dv = 0; dv < nvec; ++dv) vstore(o + dv * kW, vload(o + dv * kW) * ci);
+        }
+        vstore(m + v * kW, mx);
+      }
+      for (int j = 0; j < n; ++j) {
+        const V p = vexp(vload(st + j * ld + v * kW) - mx);
+        vstore(st + j * ld + v * kW, p);
+        l = l + p;
+      }
+      vstore(lsum + v * kW, l);
+    }
+    for (int r0 = 0; r0 < rows4; r0 += 4) {
+      int dv = 0;
+      for (; dv + 4 <= nvec; dv += 4) pv_block<4>(st, ld, r0, vrow, n, dv, hd, obuf, hdp);
+      for (; dv < nvec; ++dv) pv_block<1>(st, ld, r0, vrow, n, dv, hd, obuf, hdp);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const V inv = vset1(1.0f / lsum[r]);
+    const float* o = obuf + r * hdp;
+    int dv = 0;
+    for (; (dv + 1) * kW <= hd; ++dv) vstore(orow[r] + dv * kW, vload(o + dv * kW) * inv);
+    if (dv * kW < hd) vstore_n(orow[r] + dv * kW, vload(o + dv * kW) * inv, hd - dv * kW);
+  }
+}
+
+// A decode-shaped task (G <= 4 rows, e.g. one query position and the group's heads): the transposed
+// form would waste most of its lanes, so scores are dot products over head_dim instead (4 keys x G
+// rows of vector accumulators), turned into one vector of kW scores per row by a transpose-add:
+//   a[j][0:kW] = partial sums of q . K_j,   transpose(a)[i] summed over i  ->  s[0:kW]
+//
+// Only keys in [split_begin, split_end) are visited. With `partial` set, the unnormalised state of
+// each row r is written to partial[r * (hd + 2) ..] as (m, l, o[0:hd]) instead of the output, for
+// attend_merge to combine the splits of a long context.
+template <int G>
+void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group, int num_heads,
+                     int64_t rho0, float scale, int window, float* out, int64_t split_begin = 0,
+                     int64_t split_end = INT64_MAX, float* partial = nullptr) {
+  const int hd = kv.head_dim, nvec = (hd + kW - 1) / kW, hdp = nvec * kW;
+  alignas(64) float obuf[4 * kAttnMaxHeadDim];  // [G][hdp]
+  alignas(64) float qbuf[4 * kAttnMaxHeadDim];  // [G][hdp], zero padded
+  alignas(64) float pbuf[4 * kW];               // [G][kW] scores, then p
+  alignas(64) float lsum[4 * kW];
+  float* orow[G];
+  float pos[G], lo[G], m[G];
+  const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
+  for (int r = 0; r < G; ++r) {
+    const int64_t rho = rho0 + r, head = (int64_t)kvh * group + rho % group, row = seq.q_row + rho / group;
+    const int64_t p = first_pos + rho / group;
+    const float* qr = q + (row * num_heads + head) * hd;
+    for (int d = 0; d < hdp; ++d) qbuf[r * hdp + d] = d < hd ? qr[d] : 0.0f;
+    for (int d = 0; d < hdp; ++d) obuf[r * hdp + d] = 0.0f;
+    orow[r] = out + (row * num_heads + head) * hd;
+    pos[r] = (float)p;
+    lo[r] = window > 0 && p - window + 1 > 0 ? (float)(p - window + 1) : 0.0f;
+    m[r] = kAttnNoMax;
+    vstore(lsum + r * kW, vzero());
+  }
+  int64_t key_lo = (int64_t)lo[0], key_hi = (int64_t)pos[G - 1] + 1;
+  key_lo = key_lo > split_begin ? key_lo : split_begin;
+  key_hi = key_hi < split_end ? key_hi : split_end;
+  float iota[kW];
+  for (int j = 0; j < kW; ++j) iota[j] = (float)j;
+  const V viota = vload(iota), vscale = vset1(scale), neg_inf = vset1(-INFINITY);
+  const float* krow[kW];
+  const float* vrow[kW];
+  for (int64_t c0 = key_lo; c0 < key_hi; c0 += kW) {
+    const int n = key_hi - c0 < kW ? (int)(key_hi - c0) : kW;
+    gather_kv(kv, seq.block_table, kvh, c0, n, kW, kZeroRow, krow, vrow);
+    V a[G][kW];  // a[r][j]: partial sums of row r . key j (registers for G x 4 of them at a time)
+    for (int j0 = 0; j0 < kW; j0 += 4) {
+      V acc[G][4];
+      for (int r = 0; r < G; ++r)
+        for (int i = 0; i < 4; ++i) acc[r][i] = vzero();
+      for (int dv = 0; dv < nvec; ++dv) {
+        V kk[4];
+        for (int i = 0; i < 4; ++i) kk[i] = load_hd(krow[j0 + i], dv, hd);
+        for (int r = 0; r < G; ++r) {
+          const V qv = vload(qbuf + r * hdp + dv * kW);
+          for (int i = 0; i < 4; ++i) acc[r][i] = vfma(qv, kk[i], acc[r][i]);
+        }
+      }
+      for (int r = 0; r < G; ++r)
+        for (int i = 0; i < 4; ++i) a[r][j0 + i] = acc[r][i];
+    }
+    const V kpos = viota + vset1((float)c0);
+    for (int r = 0; r < G; ++r) {
+      vtranspose(a[r]);
+      V s = a[r][0];
+      for (int i = 1; i < kW; ++i) s = s + a[r][i];
+      s = s * vscale;
+      // the last key this row may see here: its own position, or the split's end
+      const float last = pos[r] < (float)(key_hi - 1) ? pos[r] : (float)(key_hi - 1);
+      if ((float)(c0 + kW - 1) > last || (float)c0 < lo[r]) {
+        s = vselect_lt(vset1(last), kpos, neg_inf, s);
+        s = vselect_lt(kpos, vset1(lo[r]), neg_inf, s);
+      }
+      V l = vload(lsum + r * kW);
+      if (vany_gt(s, vset1(m[r]))) {
+        const float mx = vhmax(s);
+        const float c = expf(m[r] - mx);
+        l = l * vset1(c);
+        float* o = obuf + r * hdp;
+        for (int dv = 0; dv < nvec; ++dv) vstore(o + dv * kW, vload(o + dv * kW) * vset1(c));
+        m[r] = mx;
+      }
+      const V p = vexp(s - vset1(m[r]));
+      vstore(lsum + r * kW, l + p);
+      vstore(pbuf + r * kW, p);
+    }
+    for (int dv = 0; dv < nvec; dv += 4) {
+      const int nv = nvec - dv < 4 ? nvec - dv : 4;
+      if (nv == 4 && (dv + 4) * kW <= hd) {
+        V acc[G][4];
+        for (int r = 0; r < G; ++r)
+          for (int u = 0; u < 4; ++u) acc[r][u] = vload(obuf + r * hdp + (dv + u) * kW);
+        for (int j = 0; j < n; ++j) {
+          V vv[4];
+          for (int u = 0; u < 4; ++u) vv[u] = vload(vrow[j] + (dv + u) * kW);
+          for (int r = 0; r < G; ++r) {
+            const V p = vset1(pbuf[r * kW + j]);
+            for (int u = 0; u < 4; ++u) acc[r][u] = vfma(p, vv[u], acc[r][u]);
+          }
+        }
+        for (int r = 0; r < G; ++r)
+          for (int u = 0; u < 4; ++u) vstore(obuf + r * hdp + (dv + u) * kW, acc[r][u]);
+      } else {
+        for (int u = dv; u < dv + nv; ++u) {
+          V acc[G];
+          for (int r = 0; r < G; ++r) acc[r] = vload(obuf + r * hdp + u * kW);
+          for (int j = 0; j < n; ++j) {
+            const V vv = load_hd(vrow[j], u, hd);
+            for (int r = 0; r < G; ++r) acc[r] = vfma(vset1(pbuf[r * kW + j]), vv, acc[r]);
+          }
+          for (int r = 0; r < G; ++r) vstore(obuf + r * hdp + u * kW, acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < G; ++r) {
+    const float l = vsum(vload(lsum + r * kW));
+    const float* o = obuf + r * hdp;
+    float* dst = partial ? partial + r * (hd + 2) + 2 : orow[r];
+    if (partial) dst[-2] = m[r], dst[-1] = l;
+    const V inv = vset1(partial ? 1.0f : 1.0f / l);
+    int dv = 0;
+    for (; (dv + 1) * kW <= hd; ++dv) vstore(dst + dv * kW, vload(o + dv * kW) * inv);
+    if (dv * kW < hd) vstore_n(dst + dv * kW, vload(o + dv * kW) * inv, hd - dv * kW);
+  }
+}
+
+// out row = sum_s o_s e^(m_s - m) / sum_s l_s e^(m_s - m), m = max_s m_s, over the splits' partial
+// states (m, l, o[0:hd]) laid out `stride` floats apart.
+inline void attend_merge(const float* partial, int splits, int64_t stride, int hd, float* out) {
+  float mx = kAttnNoMax;
+  for (int s = 0; s < splits; ++s) mx = partial[s * stride] > mx ? partial[s * stride] : mx;
+  float l = 0.0f;
+  for (int s = 0; s < splits; ++s) l += partial[s * stride + 1] * expf(partial[s * stride] - mx);
+  for (int dv = 0; dv * kW < hd; ++dv) {
+    const int n = hd - dv * kW < kW ? hd - dv * kW : kW;
+    V acc = vzero();
+    for (int s = 0; s < splits; ++s)
+      acc = vfma(vset1(expf(partial[s * stride] - mx)), vload_n(partial + s * stride + 2 + dv * kW, n), acc);
+    vstore_n(out + dv * kW, acc * vset1(1.0f / l), n);
+  }
+}
+
+// Decode steps only (every sequence's rows fit one dot-product task): each (sequence, kv head) task
+// is split over its keys so that all threads have work even for one sequence, then merged.
+inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
+                                int32_t num_heads, float scale, int32_t window, int splits, float* out) {
+  const int group = num_heads / kv.num_kv_heads, hd = kv.head_dim, nkv = kv.num_kv_heads;
+  const int64_t stride = hd + 2, per_task = 4 * stride;  // <= 4 rows per task
+  const int64_t num_tasks = (int64_t)num_seqs * nkv;
+  float* scratch = (float*)malloc(sizeof(float) * (size_t)(num_tasks * splits * per_task));
+  if (scratch == nullptr) abort();  // out of memory; no way to report it from here
+#pragma omp parallel
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t job = 0; job < num_tasks * splits; ++job) {
+      const int64_t task = job / splits;
+      const int s = (int)(task / nkv), kvh = (int)(task % nkv), sp = (int)(job % splits);
+      const AttnSeq& seq = seqs[s];
+      const int rows = seq.q_len * group;
+      if (rows == 0) continue;
+      // the task's keys: from the first row's window start to the last row's position
+      const int64_t last = (int64_t)seq.ctx_len - 1, first = last - (seq.q_len - 1);
+      const int64_t begin = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0, count = last + 1 - begin;
+      const int64_t b = begin + count * sp / splits, e = begin + count * (sp + 1) / splits;
+      float* part = scratch + job * per_task;
+      switch (rows) {
+        case 1: attend_task_dot<1>(q, kv, seq, kvh, group, num_heads, 0, scale, window, out, b, e, part); break;
+        case 2: attend_task_dot<2>(q, kv, seq, kvh, group, num_heads, 0, scale, window, out, b, e, part); break;
+        case 3: attend_task_dot<3>(q, kv, seq, kvh, group, num_heads, 0, scale, window, out, b, e, part); break;
+        default: attend_task_dot<4>(q, kv, seq, kvh, group, num_heads, 0, scale, window, out, b, e, part); break;
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < num_tasks; ++task) {
+      const int s = (int)(task / nkv), kvh = (int)(task % nkv);
+      const AttnSeq& seq = seqs[s];
+      for (int r = 0; r < seq.q_len * group; ++r) {
+        const int64_t row = seq.q_row + r / group, head = (int64_t)kvh * group + r % group;
+        attend_merge(scratch + task * splits * per_task + r * stride, splits, per_task, hd,
+                     out + (row * num_heads + head) * hd);
+      }
+    }
+  }
+  free(scratch);
 }
 
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
                      float scale, int32_t window, float* out) {
-  const int64_t hd = kv.head_dim, group = num_heads / kv.num_kv_heads;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-  for (int32_t s = 0; s < num_seqs; ++s) {
-    for (int32_t h = 0; h < num_heads; ++h) {
-      const AttnSeq& seq = seqs[s];
-      for (int32_t j = 0; j < seq.q_len; ++j) {
-        const int64_t row = seq.q_row + j, pos = (int64_t)seq.ctx_len - seq.q_len + j;
-        const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-        attend_row(q + (row * num_heads + h) * hd, kv, seq.block_table, h / group, lo, pos + 1, scale,
-                   out + (row * num_heads + h) * hd);
-      }
-    }
+  const int group = num_heads / kv.num_kv_heads;
+  const int hdp = (kv.head_dim + kW - 1) / kW * kW;
+  // decode steps with fewer tasks than twice the threads: split long contexts over the keys
+  const int nt = omp_get_max_threads();
+  bool all_decode = nt > 1;
+  int64_t max_ctx = 0;
+  for (int s = 0; s < num_seqs && all_decode; ++s) {
+    all_decode = seqs[s].q_len * group <= 4;
+    max_ctx = seqs[s].ctx_len > max_ctx ? seqs[s].ctx_len : max_ctx;
   }
+  const int64_t base_tasks = (int64_t)num_seqs * kv.num_kv_heads;
+  if (all_decode && base_tasks < 2 * nt) {
+    int64_t splits = (2 * nt + base_tasks - 1) / base_tasks;
+    splits = splits < max_ctx / kAttnMinSplitKeys ? splits : max_ctx / kAttnMinSplitKeys;
+    if (splits > 1) return attend_decode_split(q, kv, seqs, num_seqs, num_heads, scale, window, (int)splits, out);
+  }
+  int rows_per_task = kAttnMaxTaskFloats / hdp / 4 * 4;
+  rows_per_task = rows_per_task > kAttnMaxRows ? kAttnMaxRows : rows_per_task < 4 ? 4 : rows_per_task;
+  // tasks: (sequence, kv head, row chunk); starts[s] = first task index of sequence s
+  int64_t starts_stack[257];
+  int64_t* starts = num_seqs < 257 ? starts_stack : (int64_t*)malloc(sizeof(int64_t) * (num_seqs + 1));
+  if (starts == nullptr) abort();
+  starts[0] = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int64_t chunks = ((int64_t)seqs[s].q_len * group + rows_per_task - 1) / rows_per_task;
+    starts[s + 1] = starts[s] + chunks * kv.num_kv_heads;
+  }
+  const int64_t num_tasks = starts[num_seqs];
+#pragma omp parallel for schedule(dynamic, 1) if (num_tasks > 1)
+  for (int64_t task = 0; task < num_tasks; ++task) {
+    int s = 0;  // binary search: the sequence holding this task
+    for (int lo_s = 0, hi_s = num_seqs - 1; lo_s <= hi_s;) {
+      const int mid = (lo_s + hi_s) / 2;
+      if (starts[mid] <= task) s = mid, lo_s = mid + 1;
+      else hi_s = mid - 1;
+    }
+    const int64_t local = task - starts[s];
+    const int64_t chunks = (starts[s + 1] - starts[s]) / kv.num_kv_heads;
+    // later chunks of a sequence see more keys: hand them out first
+    const int64_t chunk = chunks - 1 - local / kv.num_kv_heads;
+    const int kvh = (int)(local % kv.num_kv_heads);
+    const int64_t total_rows = (int64_t)seqs[s].q_len * group;
+    const int64_t rho0 = chunk * rows_per_task;
+    const int64_t rho1 = rho0 + rows_per_task < total_rows ? rho0 + rows_per_task : total_rows;
+    const int rv = (int)((rho1 - rho0 + kW - 1) / kW);
+    if (rho1 - rho0 <= 4) {
+      switch (rho1 - rho0) {
+        case 1: attend_task_dot<1>(q, kv, seqs[s], kvh, group, num_heads, rho0, scale, window, out); break;
+        case 2: attend_task_dot<2>(q, kv, seqs[s], kvh, group, num_heads, rho0, scale, window, out); break;
+        case 3: attend_task_dot<3>(q, kv, seqs[s], kvh, group, num_heads, rho0, scale, window, out); break;
+        default: attend_task_dot<4>(q, kv, seqs[s], kvh, group, num_heads, rho0, scale, window, out); break;
+      }
+    } else if (rv == 1) attend_task<1>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, window, out);
+    else if (rv == 2) attend_task<2>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, window, out);
+    else attend_task<3>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, window, out);
+  }
+  if (starts != starts_stack) free(starts);
 }

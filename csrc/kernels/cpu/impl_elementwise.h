@@ -96,7 +96,7 @@ void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads
   }
 }
 
-// silu(g) * u = g / (1 + exp(-g)) * u
+// silu(g) * u = g * (1 / (1 + exp(-g))) * u, the reciprocal by vrcp (a division costs twice the rest)
 void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out) {
   const int64_t total = n * inter;
   const int64_t num_chunks = (total + 4095) / 4096;
@@ -107,12 +107,12 @@ void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, floa
     const V one = vset1(1.0f);
     for (; i + kW <= end; i += kW) {
       V g = vload(gate + i), u = vload(up + i);
-      vstore(out + i, g / (one + vexp(vzero() - g)) * u);
+      vstore(out + i, g * vrcp(one + vexp(vzero() - g)) * u);
     }
     if (i < end) {
       int r = (int)(end - i);
       V g = vload_n(gate + i, r), u = vload_n(up + i, r);
-      vstore_n(out + i, g / (one + vexp(vzero() - g)) * u, r);
+      vstore_n(out + i, g * vrcp(one + vexp(vzero() - g)) * u, r);
     }
   }
 }

@@ -1,17 +1,19 @@
-// linear: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), w in its stored dtype (F32 / F16 / BF16).
-// Textually included by isa_body.h inside the ISA namespace (see simd.h); written once for every ISA.
+// linear: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), w in its stored dtype (F32 / F16 / BF16), used in
+// place (never expanded into a full fp32 copy). Textually included by isa_body.h inside the ISA
+// namespace (see simd.h); written once for every ISA.
 //
-// Two paths:
-//   GEMV (M < kGemmMinRows, decode): memory bound. Each thread owns a contiguous range of output
-//     columns n (= weight rows), streams those weight rows once, converting kW elements at a time,
-//     and takes the dot products with up to kGemvMC activation rows per pass (the RT-row weight tile
-//     stays in L1 across passes, so DRAM sees each weight row once).
-//   GEMM (prefill): compute bound. Each thread owns a range of NR-column panels; per (panel, K block)
-//     it converts w[n0:n0+NR, k0:k0+KC] into an fp32 panel bp[KC][NR] (in L1) and runs an MR x NR
-//     register-blocked micro-kernel down all M rows:
+// Two paths, chosen by M (kGemmMinRows, measured):
+//   GEMV (decode, small M): memory bound. Each thread owns a contiguous range of weight rows (output
+//     columns), streams them once with explicit prefetch, converting kW elements at a time, and takes
+//     RT x MC dot products per pass (the RT-row weight tile stays in L1 across the passes over M, so
+//     DRAM sees each weight row once); one horizontal sum per output.
+//   GEMM (prefill): compute bound. Threads split the output into a tm x tn grid; each packs its rows
+//     of x into MR-row micro-panels ap (private, L2) and, per NR-column panel and K block, converts
+//     the weight into an fp32 panel bp[KC][NR] (L1, transposed in registers), then runs the MR x NR
+//     register-blocked micro-kernel (MR broadcasts x 2 vectors of bp per k) down its rows:
 //
-//          x (M x K)            bp (KC x NR, L1)          out (M x N)
-//       m0 [==== KC ====]  x    [ NR cols ]         ->   [ MR x NR tile, acc in registers ]
+//          ap (MR x KC per tile)      bp (KC x NR, L1)          out (M x N)
+//       m0 [==== KC ====]        x    [ NR cols ]         ->   [ MR x NR tile, acc in registers ]
 
 template <int DT>
 inline V wload(const void* p, int64_t i) {
@@ -29,21 +31,14 @@ template <int DT>
 constexpr int64_t kElemBytes = DT == (int)DType::F32 ? 4 : 2;
 
 // ---------------------------------------------------------------------------------------------- GEMV
+// RT x MC accumulators per GEMV tile; kGemmMinRows: the measured M where the GEMM path starts to win.
 #if defined(__AVX512F__)
-#ifndef GEMV_RT
-#define GEMV_RT 4
-#define GEMV_MC 4
-#endif
-constexpr int kGemvRT = GEMV_RT, kGemvMC = GEMV_MC;
-#elif defined(__AVX2__)
-constexpr int kGemvRT = 4, kGemvMC = 2;
+constexpr int kGemvRT = 4, kGemvMC = 6;  // 24 zmm accumulators
+constexpr int64_t kGemmMinRows = 20;
 #else
 constexpr int kGemvRT = 4, kGemvMC = 2;
+constexpr int64_t kGemmMinRows = 12;
 #endif
-#ifndef GEMM_MIN
-#define GEMM_MIN 8
-#endif
-constexpr int64_t kGemmMinRows = GEMM_MIN;
 constexpr int64_t kGemvPrefetchRows = 8;  // how far ahead (in weight rows) gemv_tile prefetches
 
 // out[m, n0 + r] = x[m, :] . w[n0 + r, :] (+ bias) for r < RT, m < MC.
@@ -122,6 +117,7 @@ constexpr int kMR = 6;  // 12 ymm accumulators
 #else
 constexpr int kMR = 4;
 #endif
+constexpr int64_t kPackedRowsBytes = 3 << 19;  // 1.5 MiB: a thread's packed rows of x per M block, in L2
 constexpr int64_t kKCMax = 256;  // bp = KC x NR fp32: 32 KiB with AVX-512, stays in L1
 
 // bp[k][j] = w[n0 + j, k0 + k] as fp32 for k < kc, j < ncols; columns j >= ncols are 0.
@@ -149,15 +145,21 @@ inline void pack_b(const void* w, int64_t K, int64_t n0, int ncols, int64_t k0, 
   }
 }
 
-// ap[k][i] = x[m0 + i, k0 + k] for k < kc, i < MR; rows past M are 0.
+// ap[k][i] = x[m0 + i, k0 + k] for k < kc, i < MR; rows past M are 0. (kMR <= kW: one transpose
+// of a kW x kW block, padded with zero rows, yields kW values of k at once.)
 inline void pack_a(const float* x, int64_t M, int64_t K, int64_t m0, int64_t k0, int64_t kc, float* ap) {
-  for (int i = 0; i < kMR; ++i) {
-    if (m0 + i < M) {
-      const float* src = x + (m0 + i) * K + k0;
-      for (int64_t k = 0; k < kc; ++k) ap[k * kMR + i] = src[k];
-    } else {
-      for (int64_t k = 0; k < kc; ++k) ap[k * kMR + i] = 0.0f;
-    }
+  static_assert(kMR <= kW, "pack_a transposes kW x kW blocks");
+  const float* rows[kMR];
+  const int nrows = M - m0 < kMR ? (int)(M - m0) : kMR;
+  for (int i = 0; i < kMR; ++i) rows[i] = x + (m0 + (i < nrows ? i : 0)) * K + k0;
+  int64_t k = 0;
+  for (; k < kc; k += kW) {
+    const int n = kc - k < kW ? (int)(kc - k) : kW;
+    V r[kW];
+    for (int i = 0; i < kW; ++i)
+      r[i] = i < kMR && i < nrows ? (n == kW ? vload(rows[i] + k) : vload_n(rows[i] + k, n)) : vzero();
+    vtranspose(r);
+    for (int j = 0; j < n; ++j) vstore_n(ap + (k + j) * kMR, r[j], kMR);
   }
 }
 
@@ -166,6 +168,7 @@ inline void micro_kernel(int64_t kc, const float* ap, const float* bp, float* c,
                          bool first, const float* bias) {
   V acc0[kMR], acc1[kMR];
   for (int i = 0; i < kMR; ++i) acc0[i] = acc1[i] = vzero();
+#pragma GCC unroll 4
   for (int64_t k = 0; k < kc; ++k, ap += kMR, bp += kNR) {
     const V b0 = vload(bp), b1 = vload(bp + kW);
 #pragma GCC unroll 16
@@ -193,35 +196,50 @@ inline void micro_kernel(int64_t kc, const float* ap, const float* bp, float* c,
   }
 }
 
-// Blocked over M so that the packed activations of a block (MC x K fp32, <= ~1 MiB) stay in L2:
-//   for each M block:   all threads pack x[block, :] into MR-row micro-panels ap[kblock][tile][k][MR]
-//     each thread, for its NR-column panels:  for each K block:  convert w[panel, K block] into bp (L1)
-//                                                               and run it down the M block's tiles
-// Each output tile is finished (all K blocks) while it is still in cache; the weight is streamed once
-// per M block.
+// Threads split the output into a grid of tm x tn blocks (tm * tn = threads), chosen to pack the
+// least: each thread packs its own rows of x (private, stays in its L2) and converts its own weight
+// panels. Within a thread, blocked over M so that its packed rows (MC x K fp32, <= 1.5 MiB) stay in L2:
+//   for each M block:   pack x[block, :] into MR-row micro-panels ap[kblock][tile][k][MR]
+//     for each of its NR-column panels:  for each K block:  convert w[panel, K block] into bp (L1)
+//                                                           and run it down the M block's tiles
+// Each output tile is finished (all K blocks) while it is still in cache.
 template <int DT>
 void gemm(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
-  const int64_t num_panels = (N + kNR - 1) / kNR;
+  const int64_t num_panels = (N + kNR - 1) / kNR, num_mtiles = (M + kMR - 1) / kMR;
   const int64_t num_kblocks = (K + kKCMax - 1) / kKCMax;
   const int64_t kc_size = (K + num_kblocks - 1) / num_kblocks;
-  const int64_t num_mblocks = (M * K * 4 + (1 << 20) - 1) >> 20;
-  const int64_t mc = ((M + num_mblocks - 1) / num_mblocks + kMR - 1) / kMR * kMR;
-  const int64_t mc_tiles = mc / kMR;
-  float* ap = (float*)aligned_alloc(64, (size_t)(mc * K * 4 + 63) / 64 * 64);
+  const int nt_max = omp_get_max_threads();
+  // cost of a grid, per thread, in packed elements: rows of x once, weight panels twice (convert)
+  int grid_m = 1;
+  double best = -1;
+  for (int tm = 1; tm <= nt_max; ++tm) {
+    if (nt_max % tm != 0 || tm > num_mtiles || nt_max / tm > num_panels) continue;
+    const double cost = (double)M / tm * K + 2.0 * N / (nt_max / tm) * K;
+    if (best < 0 || cost < best) best = cost, grid_m = tm;
+  }
 #pragma omp parallel
   {
     alignas(64) float bp[kKCMax * kNR];
     alignas(64) float bias_tile[kNR];
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t p0 = num_panels * tid / nt, p1 = num_panels * (tid + 1) / nt;
-    for (int64_t mb = 0; mb < M; mb += mc) {
-      const int64_t rows = M - mb < mc ? M - mb : mc, tiles = (rows + kMR - 1) / kMR;
+    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int tm = nt == nt_max ? grid_m : 1, tn = nt / tm;  // nt < nt_max: a nested or limited team
+    const int tid_m = tid % tm, tid_n = tid / tm;
+    const int64_t p0 = num_panels * tid_n / tn, p1 = num_panels * (tid_n + 1) / tn;
+    const int64_t m_begin = num_mtiles * tid_m / tm * kMR, m_stop = num_mtiles * (tid_m + 1) / tm * kMR;
+    const int64_t m_end = m_stop < M ? m_stop : M;
+    const int64_t my_rows = m_end - m_begin;
+    const int64_t num_mblocks = my_rows > 0 ? (my_rows * K * 4 + kPackedRowsBytes - 1) / kPackedRowsBytes : 1;
+    const int64_t mc = ((my_rows + num_mblocks - 1) / num_mblocks + kMR - 1) / kMR * kMR;
+    const int64_t mc_tiles = mc / kMR;
+    float* ap = my_rows > 0 && p1 > p0 ? (float*)aligned_alloc(64, (size_t)(mc * K * 4 + 63) / 64 * 64) : nullptr;
+    if (my_rows > 0 && p1 > p0 && ap == nullptr) abort();  // out of memory; no way to report it from here
+    for (int64_t mb = m_begin; ap && mb < m_end; mb += mc) {
+      const int64_t rows = m_end - mb < mc ? m_end - mb : mc, tiles = (rows + kMR - 1) / kMR;
       // ap + k0 * mc_tiles * kMR: the K block starting at k0; + t * kMR * kc: its tile t
-      for (int64_t job = tid; job < tiles * num_kblocks; job += nt) {
-        const int64_t t = job % tiles, k0 = job / tiles * kc_size, kc = K - k0 < kc_size ? K - k0 : kc_size;
-        pack_a(x + mb * K, rows, K, t * kMR, k0, kc, ap + k0 * mc_tiles * kMR + t * kMR * kc);
+      for (int64_t k0 = 0; k0 < K; k0 += kc_size) {
+        const int64_t kc = K - k0 < kc_size ? K - k0 : kc_size;
+        for (int64_t t = 0; t < tiles; ++t) pack_a(x + mb * K, rows, K, t * kMR, k0, kc, ap + k0 * mc_tiles * kMR + t * kMR * kc);
       }
-#pragma omp barrier
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * kNR;
         const int ncols = (int)(N - n0 < kNR ? N - n0 : kNR);
@@ -238,10 +256,9 @@ void gemm(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const 
           }
         }
       }
-#pragma omp barrier
     }
+    free(ap);
   }
-  free(ap);
 }
 
 // ------------------------------------------------------------------------------------------- linear

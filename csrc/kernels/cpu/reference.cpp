@@ -37,10 +37,13 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 
 void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias, float* out) {
   const int64_t N = weight.shape[0], K = weight.shape[1];
+  std::vector<double> w(N * K);  // the weight as exact doubles, converted once
+  for (int64_t i = 0; i < N * K; ++i) w[i] = weight_at(weight, i);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) {
       double s = bias.is_empty() ? 0.0 : weight_at(bias, n);
-      for (int64_t k = 0; k < K; ++k) s += (double)x[m * K + k] * weight_at(weight, n * K + k);
+      const double* wr = w.data() + n * K;
+      for (int64_t k = 0; k < K; ++k) s += (double)x[m * K + k] * wr[k];
       out[m * N + n] = (float)s;
     }
 }

@@ -38,6 +38,12 @@ inline float vsum(V a) { return _mm512_reduce_add_ps(a.v); }
 inline float vhmax(V a) { return _mm512_reduce_max_ps(a.v); }
 // lanes where a < b take z, others take y
 inline V vselect_lt(V a, V b, V z, V y) { return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ), y.v, z.v)}; }
+inline bool vany_gt(V a, V b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ) != 0; }  // some a[i] > b[i]
+// 1 / d to ~1 ulp: 14-bit estimate and one Newton step (error ~2^-28 before rounding)
+inline V vrcp(V d) {
+  const __m512 r = _mm512_rcp14_ps(d.v);
+  return {_mm512_fmadd_ps(r, _mm512_fnmadd_ps(d.v, r, _mm512_set1_ps(1.0f)), r)};
+}
 // 2^n for integer-valued n in [-126, 127], given t = n + 1.5 * 2^23 as a float.
 inline V vpow2_from_magic(V t) {
   __m512i i = _mm512_sub_epi32(_mm512_castps_si512(t.v), _mm512_set1_epi32(0x4B400000));
@@ -114,6 +120,12 @@ inline float vhmax(V a) {
   return _mm_cvtss_f32(s);
 }
 inline V vselect_lt(V a, V b, V z, V y) { return {_mm256_blendv_ps(y.v, z.v, _mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ))}; }
+inline bool vany_gt(V a, V b) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)) != 0; }
+// 1 / d to ~1-2 ulp: 12-bit estimate and one Newton step
+inline V vrcp(V d) {
+  const __m256 r = _mm256_rcp_ps(d.v);
+  return {_mm256_fmadd_ps(r, _mm256_fnmadd_ps(d.v, r, _mm256_set1_ps(1.0f)), r)};
+}
 inline V vpow2_from_magic(V t) {
   __m256i i = _mm256_sub_epi32(_mm256_castps_si256(t.v), _mm256_set1_epi32(0x4B400000));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(i, _mm256_set1_epi32(127)), 23))};
@@ -213,6 +225,8 @@ inline float vhmax(V a) {
   return x > y ? x : y;
 }
 inline V vselect_lt(V a, V b, V z, V y) { return {a.v < b.v ? z.v : y.v}; }
+inline bool vany_gt(V a, V b) { return a.v[0] > b.v[0] || a.v[1] > b.v[1] || a.v[2] > b.v[2] || a.v[3] > b.v[3]; }
+inline V vrcp(V d) { return {vf4{1.0f, 1.0f, 1.0f, 1.0f} / d.v}; }
 inline V vpow2_from_magic(V t) {
   vi4 i;
   memcpy(&i, &t.v, 16);
@@ -234,26 +248,6 @@ inline void vtranspose(V r[4]) {
 
 // Bytes of one stored element (an own copy of dtype_size_bytes, which is not inline-safe here).
 inline int64_t elem_bytes(DType dt) { return dt == DType::F32 ? 4 : 2; }
-
-// Scalar conversions of one stored element (weights, biases).
-inline float load_scalar(const void* p, DType dt, int64_t i) {
-  switch (dt) {
-    case DType::F16: {
-      V r = vload_f16_n((const uint16_t*)p + i, 1);
-      float f[kW];
-      vstore(f, r);
-      return f[0];
-    }
-    case DType::BF16: {
-      uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
-      float f;
-      memcpy(&f, &u, 4);
-      return f;
-    }
-    default:
-      return ((const float*)p)[i];
-  }
-}
 
 // kW elements of a weight row starting at element i, converted to fp32 (n < kW: the first n, rest 0).
 inline V vload_w(const void* p, DType dt, int64_t i) {
