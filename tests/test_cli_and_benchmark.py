@@ -31,3 +31,24 @@ def test_decode_prefill_benchmark_smoke(smollm2_path, tmp_path):
     assert "decode tok/s" in run.stdout and "prefill" in run.stdout
     rows = out.read_text().splitlines()
     assert len(rows) == 3 and rows[1].split(",")[4] == "lmkit"
+
+
+def _run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmark" / name), *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_scheduling_benchmarks_smoke(smollm2_path, tmp_path):
+    run = _run_script("profile_throughput.py", "--smoke", "--model", str(smollm2_path), "--csv",
+                      str(tmp_path / "t.csv"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "out tok/s" in run.stdout and len((tmp_path / "t.csv").read_text().splitlines()) == 3
+    run = _run_script("bench_prefix_cache.py", "--smoke", "--model", str(smollm2_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "TTFT ratio" in run.stdout
+    run = _run_script("bench_chunked_prefill.py", "--smoke", "--model", str(smollm2_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ITL p50 during" in run.stdout
+    run = _run_script("bench_batch_decode.py", "--model", str(smollm2_path), "--batches", "1", "2",
+                      "--new-tokens", "4")
+    assert run.returncode == 0, run.stderr[-3000:]
