@@ -17,6 +17,11 @@ def _root() -> None:
     """lmkit: compress, run and serve large language models."""
 
 
+from lmkit.lite.cli import app as lite_app  # noqa: E402  (lmkit lite awq | ppl)
+
+app.add_typer(lite_app, name="lite")
+
+
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="Text to continue (use --chat to send it as a user message)."),

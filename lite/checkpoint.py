@@ -1,0 +1,100 @@
+"""The reference reader: any HF folder (fp, or AWQ "GEMM" int4 written by lmkit or another tool) ->
+an fp32 ``transformers`` model. AWQ linears are unpacked and dequantized in torch,
+W[o, i] = (q[i, o] - zero[i / g, o]) * scale[i / g, o], independently of lmkit's engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lmkit.lite.layerwise import architecture_of, read_config
+from lmkit.lite.quantizer import NUM_BITS, unpack_awq_gemm
+from lmkit.models.safetensors_index import index_folder
+
+AWQ_SUFFIXES = (".qweight", ".qzeros", ".scales")
+
+
+def awq_settings(config: dict) -> dict | None:
+    """The checked ``quantization_config`` of an AWQ GEMM checkpoint, None for an fp checkpoint.
+
+    Raises ValueError for quantization this reader does not understand.
+    """
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    version = str(qc.get("version", "gemm")).lower()
+    if method != "awq" or version != "gemm" or int(qc.get("bits", qc.get("w_bit", 0))) != NUM_BITS:
+        raise ValueError(f"unsupported quantization_config {qc}: this reader handles AWQ GEMM 4-bit only")
+    if not qc.get("zero_point", True):
+        raise ValueError("AWQ checkpoints without zero points are not supported")
+    return qc
+
+
+def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """fp32 state dict of ``folder`` with every AWQ linear dequantized to ``<name>.weight``;
+    and the AWQ settings (None for an fp checkpoint)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    settings = awq_settings(read_config(folder))
+    entries = index_folder(folder)
+    handles: dict[str, object] = {}
+
+    def read(name: str) -> torch.Tensor:
+        path = entries[name].path
+        if path not in handles:
+            handles[path] = safe_open(path, framework="pt")
+        return handles[path].get_tensor(name)
+
+    state: dict[str, torch.Tensor] = {}
+    for name in entries:
+        if name.endswith(".qweight"):
+            base = name[: -len(".qweight")]
+            missing = [base + s for s in (".qzeros", ".scales") if base + s not in entries]
+            if missing:
+                raise ValueError(f"{folder}: {name} has no {', '.join(missing)}")
+            qw = unpack_awq_gemm(read(name), read(base + ".qzeros"), read(base + ".scales"))
+            if settings is not None and int(settings.get("group_size", qw.group_size)) not in (qw.group_size, -1):
+                raise ValueError(f"{folder}: {base} has group size {qw.group_size}, config says "
+                                 f"{settings.get('group_size')}")
+            state[base + ".weight"] = qw.dequantize()
+        elif name.endswith((".qzeros", ".scales")):
+            if name.rsplit(".", 1)[0] + ".qweight" not in entries:
+                raise ValueError(f"{folder}: {name} has no matching .qweight")
+        else:
+            tensor = read(name)
+            state[name] = tensor.float() if tensor.is_floating_point() else tensor
+    if settings is not None and not any(n.endswith(".qweight") for n in entries):
+        raise ValueError(f"{folder}: config.json says AWQ but no .qweight tensors were found")
+    return state, settings
+
+
+def load_causal_lm(folder: Path, device: torch.device | str = "cpu"):
+    """An fp32, eval-mode ``transformers`` causal LM of ``folder`` (fp or AWQ GEMM), sdpa attention.
+
+    Raises ValueError when tensors are missing or left over.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    folder = Path(folder)
+    architecture_of(read_config(folder), folder)
+    state, _ = read_state_dict(folder)
+    config = AutoConfig.from_pretrained(folder)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are dequantized here; transformers must not re-quantize
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = model.float()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing = [n for n in missing if not (tied and n == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{folder}: checkpoint does not match {type(model).__name__}: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if tied:
+        model.tie_weights()
+    return model.to(device).eval()

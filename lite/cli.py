@@ -1,0 +1,150 @@
+"""``lmkit lite ...``: each command is a thin typer wrapper over one typed function
+(``quantize_awq(model, AwqConfig)``, ``evaluate_perplexity(model, PplConfig)``); rich renders progress
+on stderr and the summary on stdout."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from lmkit.lite.config import AwqConfig, PplConfig
+
+app = typer.Typer(help="Compression: AWQ int4 weights, and perplexity to measure what it costs.",
+                  no_args_is_help=True, add_completion=False)
+
+_MODEL_HELP = "HF model folder, hub id, or smollm2 for the bundled SmolLM2-135M-Instruct."
+_A, _P = AwqConfig.HELP, PplConfig.HELP
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+class RichReporter:
+    """Progress over decoder layers (elapsed, ETA) and a status line per phase, on stderr."""
+
+    def __init__(self, console):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, \
+            TimeElapsedColumn, TimeRemainingColumn
+
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                 console=console, transient=False)
+        self.task = None
+        self.status = None
+
+    def __enter__(self):
+        self.progress.start()
+        self.status = self.progress.add_task("starting", total=None)
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.stop()
+
+    def phase(self, description: str) -> None:
+        self.progress.update(self.status, description=description)
+
+    def start_layers(self, num_layers: int) -> None:
+        self.progress.update(self.status, description="quantizing", visible=False)
+        self.task = self.progress.add_task("layers", total=num_layers)
+
+    def layer_done(self, index: int, report: dict) -> None:
+        smoothed = [g for g in report.get("groups", []) if g.get("smoothed")]
+        self.progress.update(self.task, advance=1,
+                             description=f"layer {index} ({len(smoothed)} groups smoothed)")
+        if index + 1 == self.progress.tasks[self.task].total:
+            self.progress.update(self.status, visible=True)
+
+
+@app.command()
+def awq(
+    model: Optional[str] = typer.Argument(None, help=_MODEL_HELP),
+    work_dir: Path = typer.Option(..., "--work-dir", help=_A["work_dir"]),
+    w_group_size: int = typer.Option(128, help=_A["w_group_size"]),
+    calib_dataset: str = typer.Option("shakespeare", help=_A["calib_dataset"]),
+    calib_samples: int = typer.Option(128, help=_A["calib_samples"]),
+    calib_seqlen: int = typer.Option(2048, help=_A["calib_seqlen"]),
+    seed: int = typer.Option(0, help=_A["seed"]),
+    search_scale: bool = typer.Option(True, "--search-scale/--no-search-scale", help=_A["search_scale"]),
+    clip: bool = typer.Option(True, "--clip/--no-clip", help=_A["clip"]),
+    rtn: bool = typer.Option(False, "--rtn", help="Plain round-to-nearest baseline (same as --calib-samples 0)."),
+    search_samples: int = typer.Option(8, help=_A["search_samples"]),
+    num_grid: int = typer.Option(20, help=_A["num_grid"]),
+    scale_form: str = typer.Option("duo", help=_A["scale_form"]),
+    propagate: str = typer.Option("quantized", help=_A["propagate"]),
+    rounding: str = typer.Option("nearest", help=_A["rounding"]),
+    refine: bool = typer.Option(False, "--refine/--no-refine", help=_A["refine"]),
+    clip_qk: bool = typer.Option(False, "--clip-qk", help=_A["clip_qk"]),
+    device: str = typer.Option("auto", help=_A["device"]),
+    overwrite: bool = typer.Option(False, "--overwrite", help=_A["overwrite"]),
+    eval: bool = typer.Option(False, "--eval", help=_A["eval"]),
+    eval_dataset: str = typer.Option("hamlet", help=_A["eval_dataset"]),
+) -> None:
+    """Quantize MODEL to 4-bit AWQ (AutoAWQ GEMM format) into --work-dir."""
+    from rich.console import Console
+
+    from lmkit.lite.awq import quantize_awq
+
+    config = AwqConfig(work_dir=work_dir, w_group_size=w_group_size, calib_dataset=calib_dataset,
+                       calib_samples=0 if rtn else calib_samples, calib_seqlen=calib_seqlen, seed=seed,
+                       search_scale=search_scale, clip=clip, search_samples=search_samples, num_grid=num_grid,
+                       scale_form=scale_form, propagate=propagate, rounding=rounding, refine=refine,
+                       clip_qk=clip_qk, device=device, overwrite=overwrite,
+                       eval=eval, eval_dataset=eval_dataset)
+    err = Console(stderr=True, highlight=False)
+    with RichReporter(err) as reporter:
+        result = quantize_awq(model, config, reporter)
+    print_awq_summary(result, config)
+
+
+def print_awq_summary(result, config: AwqConfig) -> None:
+    """The closing table of ``lmkit lite awq``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{result.method.upper()} int4 -> {result.work_dir}", show_header=False, title_justify="left")
+    table.add_row("source", str(result.source))
+    table.add_row("layers", str(result.num_layers))
+    table.add_row("group size", str(result.group_size))
+    if result.method == "awq":
+        table.add_row("calibration", f"{config.calib_samples} x {config.calib_seqlen} tokens of {config.calib_dataset}"
+                                     f" (seed {config.seed}); scale search {'on' if config.search_scale else 'off'}, "
+                                     f"clip {'on' if config.clip else 'off'}")
+    table.add_row("time", f"{result.seconds:.1f} s")
+    table.add_row("size", f"{_mib(result.size_before_bytes)} -> {_mib(result.size_after_bytes)} "
+                          f"({result.size_before_bytes / max(result.size_after_bytes, 1):.2f}x smaller)")
+    if result.ppl_before is not None:
+        before, after = result.ppl_before, result.ppl_after
+        table.add_row("perplexity", f"{before.ppl:.3f} -> {after.ppl:.3f} ({after.ppl / before.ppl - 1:+.1%}) on "
+                                    f"{before.num_tokens} tokens of {before.dataset}")
+    Console(highlight=False).print(table)
+
+
+@app.command()
+def ppl(
+    model: Optional[str] = typer.Argument(None, help=_MODEL_HELP + " fp or AWQ int4 (read by lmkit's torch reference path)."),
+    dataset: str = typer.Option("hamlet", help=_P["dataset"]),
+    seqlen: int = typer.Option(512, help=_P["seqlen"]),
+    stride: int = typer.Option(0, help=_P["stride"]),
+    max_tokens: int = typer.Option(2048, help=_P["max_tokens"]),
+    device: str = typer.Option("auto", help=_P["device"]),
+    batch_size: int = typer.Option(4, help=_P["batch_size"]),
+) -> None:
+    """Perplexity of MODEL on fixed held-out text, with sliding windows."""
+    from rich.console import Console
+
+    from lmkit.lite.ppl import evaluate_perplexity
+
+    config = PplConfig(dataset=dataset, seqlen=seqlen, stride=stride, max_tokens=max_tokens, device=device,
+                       batch_size=batch_size)
+    err = Console(stderr=True, highlight=False)
+    start = time.perf_counter()
+    with err.status(f"perplexity on {dataset}"):
+        result = evaluate_perplexity(model, config)
+    Console(highlight=False).print(
+        f"perplexity {result.ppl:.4f}  ({result.kind}, {result.num_tokens} tokens evaluated in "
+        f"{result.num_windows} windows of {result.seqlen}, stride {result.stride}, dataset {result.dataset}; "
+        f"{time.perf_counter() - start:.1f} s)")

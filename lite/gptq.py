@@ -1,0 +1,75 @@
+"""Error-compensating rounding (GPTQ, Frantar et al. 2022) into the same int4 group format.
+
+Round-to-nearest rounds every weight on its own. GPTQ rounds the input columns of a linear one at a
+time and pushes each column's rounding error onto the columns not yet rounded, weighted by the inverse
+second moment of the input, so that the *output* error over the calibration tokens is what is
+minimised (to second order), not the weight error:
+
+    H = X^T X + damp * I        (X: the inputs the linear sees, after AWQ smoothing)   [in, in]
+    U = chol(H^-1) upper
+    for column c:  q_c = Q(w_c);  e = (w_c - q_c) / U[c, c];  w_{c+1:} -= e * U[c, c+1:]
+
+Each group's (scale, zero) is set when its first column is reached, from the weights as updated so far
+and shrunk by the clipping ratios the clip search chose for that (row, group). The result is an ordinary
+``QuantizedWeight``: a checkpoint reader cannot tell it from round-to-nearest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmkit.lite.quantizer import MAX_INT, QuantizedWeight, quantize_params
+
+BLOCK_COLUMNS = 128  # lazy-update block; a multiple of every supported group size
+
+
+@torch.no_grad()
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
+                  clip_ratio_min: torch.Tensor | None = None, clip_ratio_max: torch.Tensor | None = None,
+                  damp: float = 0.01) -> QuantizedWeight:
+    """int4 of ``weight`` [out, in] by GPTQ under ``hessian`` [in, in] (= sum_t x_t x_t^T).
+
+    ``clip_ratio_min``/``clip_ratio_max`` [out, in/g] scale each group's min/max (1 = no clipping).
+    ``damp`` is added to the diagonal as a fraction of its mean (numerical safety).
+    """
+    w = weight.detach().float().clone()
+    out_features, in_features = w.shape
+    if in_features % group_size or BLOCK_COLUMNS % group_size:
+        raise ValueError(f"group size {group_size} must divide {in_features} and {BLOCK_COLUMNS}")
+    h = hessian.detach().float().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += torch.eye(in_features, device=h.device) * (damp * float(torch.diag(h).mean()))
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+
+    num_groups = in_features // group_size
+    q = torch.zeros(out_features, in_features, dtype=torch.uint8, device=w.device)
+    scales = torch.zeros(out_features, num_groups, dtype=torch.float16, device=w.device)
+    zeros = torch.zeros(out_features, num_groups, device=w.device)
+    for b0 in range(0, in_features, BLOCK_COLUMNS):
+        b1 = min(b0 + BLOCK_COLUMNS, in_features)
+        block = w[:, b0:b1].clone()
+        errors = torch.zeros_like(block)
+        ub = u[b0:b1, b0:b1]
+        for j in range(b1 - b0):
+            column = b0 + j
+            if column % group_size == 0:
+                g = column // group_size
+                members = block[:, j:j + group_size]
+                lo, hi = members.amin(dim=1), members.amax(dim=1)
+                if clip_ratio_min is not None:
+                    lo = torch.where(lo < 0, lo * clip_ratio_min[:, g], lo)
+                if clip_ratio_max is not None:
+                    hi = torch.where(hi > 0, hi * clip_ratio_max[:, g], hi)
+                s16, z = quantize_params(lo, hi)
+                scales[:, g], zeros[:, g] = s16, z
+                s = s16.float()
+            col = block[:, j]
+            qc = (torch.round(col / s) + z).clamp_(0, MAX_INT)
+            q[:, column] = qc.to(torch.uint8)
+            err = (col - (qc - z) * s) / ub[j, j]
+            block[:, j:] -= err.unsqueeze(1) * ub[j, j:].unsqueeze(0)
+            errors[:, j] = err
+        w[:, b1:] -= errors @ u[b0:b1, b1:]
+    return QuantizedWeight(q=q, zeros=zeros.to(torch.uint8), scales=scales, group_size=group_size)

@@ -1,0 +1,204 @@
+"""An HF causal LM opened for layer-by-layer work: the module tree is built on the ``meta`` device (no
+memory), and each decoder layer is materialised from the safetensors files only when asked for, so
+only one layer's weights are ever in working memory.
+
+The arguments HF passes to every decoder layer (causal mask, rotary ``position_embeddings``,
+``position_ids``; per layer, since Qwen2 may mix sliding and full attention) are captured by running
+the model's own forward with each layer replaced by a recorder, so masks and rotary embeddings are
+exactly those of transformers, whatever its version.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmkit.lite.awq_maps import AwqMap, get_awq_map
+from lmkit.models.safetensors_index import index_folder
+
+LayerKwargs = dict[str, Any]
+
+
+class AlreadyQuantizedError(ValueError):
+    """The input checkpoint is quantized already; AWQ needs the floating-point model."""
+
+
+def read_config(folder: Path) -> dict:
+    """config.json of ``folder`` as a dict; ValueError when unreadable."""
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{folder}/config.json cannot be read: {e}") from None
+
+
+def architecture_of(config: dict, folder: Path) -> str:
+    """The single architecture name of an HF config; ValueError when absent."""
+    names = config.get("architectures") or []
+    if len(names) != 1:
+        raise ValueError(f"{folder}/config.json must name exactly one architecture, found {names}")
+    return names[0]
+
+
+def check_not_quantized(config: dict, tensor_names, folder: Path) -> None:
+    """AlreadyQuantizedError when the config or the tensors say the checkpoint is quantized."""
+    qc = config.get("quantization_config")
+    if qc:
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        raise AlreadyQuantizedError(
+            f"{folder} is already quantized (quantization_config.quant_method={method!r}); "
+            "AWQ needs the original floating-point checkpoint"
+        )
+    packed = [n for n in tensor_names if n.endswith((".qweight", ".qzeros", ".g_idx"))]
+    if packed:
+        raise AlreadyQuantizedError(
+            f"{folder} holds packed quantized tensors (e.g. {packed[0]}); "
+            "AWQ needs the original floating-point checkpoint"
+        )
+
+
+def _get(module: nn.Module, path: str) -> nn.Module:
+    return module.get_submodule(path)
+
+
+class LayerwiseModel:
+    """The model at ``folder`` with decoder layers loaded on demand (fp32 on ``device``).
+
+    Construction reads config.json and safetensors headers only and validates: a supported
+    architecture, not already quantized, float weights.
+    """
+
+    def __init__(self, folder: Path, device: torch.device):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.folder = Path(folder)
+        self.device = device
+        raw = read_config(self.folder)
+        self.architecture = architecture_of(raw, self.folder)
+        self.awq_map: AwqMap = get_awq_map(self.architecture)
+        self.entries = index_folder(self.folder)
+        check_not_quantized(raw, self.entries, self.folder)
+        self.config = AutoConfig.from_pretrained(self.folder)
+        with torch.device("meta"):
+            self.skeleton = AutoModelForCausalLM.from_config(self.config, attn_implementation="sdpa")
+        self.layers: nn.ModuleList = _get(self.skeleton, self.awq_map.layers)
+        self._handles: dict[str, Any] = {}
+
+    # -- shapes -------------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def max_seqlen(self) -> int:
+        """The model's context length (max_position_embeddings)."""
+        return int(getattr(self.config, "max_position_embeddings", 0) or 0)
+
+    def layer_prefix(self, index: int) -> str:
+        return f"{self.awq_map.layers}.{index}."
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Every quantized linear of every layer -> (out_features, in_features), from the meta skeleton."""
+        shapes = {}
+        for i, layer in enumerate(self.layers):
+            for name in self.awq_map.linears:
+                module = _get(layer, name)
+                if not isinstance(module, nn.Linear):
+                    raise ValueError(f"{self.layer_prefix(i)}{name} is {type(module).__name__}, not a Linear")
+                shapes[self.layer_prefix(i) + name] = (module.out_features, module.in_features)
+        return shapes
+
+    # -- tensors ------------------------------------------------------------------------------------
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """One tensor of the checkpoint, as stored (memory-mapped read)."""
+        from safetensors import safe_open
+
+        entry = self.entries.get(name)
+        if entry is None:
+            raise ValueError(f"{self.folder}: tensor {name} is missing from the checkpoint")
+        if entry.path not in self._handles:
+            self._handles[entry.path] = safe_open(entry.path, framework="pt")
+        return self._handles[entry.path].get_tensor(name)
+
+    def _materialise(self, meta_module: nn.Module, prefix: str) -> nn.Module:
+        """A real fp32 copy of ``meta_module`` with weights ``prefix + name`` read from the checkpoint."""
+        module = copy.deepcopy(meta_module).to_empty(device=self.device)
+        state = {}
+        for name, _ in meta_module.state_dict().items():
+            tensor = self.read_tensor(prefix + name)
+            if not tensor.is_floating_point():
+                raise ValueError(f"{self.folder}: tensor {prefix + name} is {tensor.dtype}, expected a float weight")
+            state[name] = tensor.to(device=self.device, dtype=torch.float32)
+        module.load_state_dict(state, strict=True)
+        persistent = set(meta_module.state_dict())
+        for name, _ in meta_module.named_buffers():
+            if name not in persistent:
+                raise ValueError(f"{prefix}{name} is a computed buffer; layer-wise loading cannot restore it")
+        return module.float().eval()
+
+    def load_layer(self, index: int) -> nn.Module:
+        """Decoder layer ``index`` in fp32 on the device (a fresh module each call)."""
+        return self._materialise(self.layers[index], self.layer_prefix(index))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (fp32) [batch, seq, hidden] of ``input_ids`` [batch, seq]."""
+        weight = self.read_tensor(self.awq_map.embed_tokens + ".weight").to(self.device, torch.float32)
+        return nn.functional.embedding(input_ids.to(self.device), weight)
+
+    # -- layer arguments ----------------------------------------------------------------------------
+    def capture_layer_kwargs(self, batch_size: int, seqlen: int) -> list[LayerKwargs]:
+        """The keyword arguments HF passes to each decoder layer for a [batch_size, seqlen] batch of
+        unpadded sequences starting at position 0 (one dict per layer; tensors on the device)."""
+        base = _get(self.skeleton, self.awq_map.layers.rsplit(".", 1)[0])
+        embed_name = self.awq_map.embed_tokens.rsplit(".", 1)[1]
+        real_embed = nn.Embedding(1, self.config.hidden_size, device=self.device)  # ids below are all 0
+        saved = {"embed": getattr(base, embed_name), "layers": list(self.layers)}
+        recorded: list[LayerKwargs] = []
+        rotary_name = "rotary_emb" if hasattr(base, "rotary_emb") else None
+        saved_rotary = getattr(base, rotary_name) if rotary_name else None
+
+        class _Stop(Exception):
+            pass
+
+        class _Recorder(nn.Module):
+            def __init__(self, last: bool):
+                super().__init__()
+                self.last = last
+
+            def forward(self, hidden_states, *args, **kwargs):
+                if args:
+                    raise RuntimeError("decoder layers are expected to get their arguments by keyword")
+                recorded.append({k: v for k, v in kwargs.items() if k not in ("past_key_values", "use_cache")})
+                if self.last:
+                    raise _Stop
+                return hidden_states
+
+        try:
+            setattr(base, embed_name, real_embed)
+            if rotary_name:
+                with torch.device(self.device):  # rotary tables are computed at construction
+                    setattr(base, rotary_name, type(saved_rotary)(config=self.config))
+            for i in range(len(self.layers)):
+                self.layers[i] = _Recorder(last=i == len(self.layers) - 1)
+            ids = torch.zeros(batch_size, seqlen, dtype=torch.long, device=self.device)
+            try:
+                with torch.no_grad():
+                    base(input_ids=ids, use_cache=False)
+            except _Stop:
+                pass
+        finally:
+            setattr(base, embed_name, saved["embed"])
+            for i, layer in enumerate(saved["layers"]):
+                self.layers[i] = layer
+            if rotary_name:
+                setattr(base, rotary_name, saved_rotary)
+        if len(recorded) != len(self.layers):
+            raise RuntimeError(f"captured arguments of {len(recorded)} decoder layers, expected {len(self.layers)}")
+        return recorded
+
+    def close(self) -> None:
+        self._handles.clear()

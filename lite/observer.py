@@ -1,0 +1,113 @@
+"""Activation observer: forward hooks on the first linear of each smoothing group record, over every
+calibration token, what the searches need about the group's input x [tokens, in]:
+
+    abs_sum  [in]           sum_t |x_t|                  -> mean |x| per input channel (scale candidates)
+    moments  [in/g, g, g]   sum_t x_t[G] x_t[G]^T        -> exact per-group output error (clip search)
+    hessian  [in, in]       sum_t x_t x_t^T              -> GPTQ rounding (only with --rounding gptq)
+    samples  [b, seq, in]   x of the first b sequences   -> block inputs on which scales are scored
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lmkit.lite.awq_maps import AwqMap
+
+
+@dataclass
+class InputStats:
+    """What one smoothing group's input looked like over the calibration set."""
+
+    abs_sum: torch.Tensor
+    moments: torch.Tensor | None
+    hessian: torch.Tensor | None = None  # [in, in] sum_t x_t x_t^T (for GPTQ rounding); moments are its blocks
+    num_tokens: int = 0
+    samples: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def abs_mean(self) -> torch.Tensor:
+        return self.abs_sum / max(self.num_tokens, 1)
+
+    @property
+    def sample_input(self) -> torch.Tensor:
+        """[b, seq, in] inputs of the first ``search_samples`` sequences."""
+        return torch.cat(self.samples, dim=0)
+
+    @torch.no_grad()
+    def rescale(self, scales: torch.Tensor) -> None:
+        """The statistics of x / scales (after smoothing folded the scales into the previous module)."""
+        s = scales.to(self.abs_sum.device, torch.float32)
+        self.abs_sum /= s
+        if self.moments is not None:
+            num_groups, g, _ = self.moments.shape
+            inv = (1.0 / s).view(num_groups, g)
+            self.moments *= inv.unsqueeze(2) * inv.unsqueeze(1)
+        if self.hessian is not None:
+            inv = 1.0 / s
+            self.hessian *= inv.unsqueeze(1) * inv.unsqueeze(0)
+        self.samples = [x / s for x in self.samples]
+
+    def moments_from_hessian(self, group_size: int) -> None:
+        """Set ``moments`` to the diagonal blocks of ``hessian`` (computed once instead of twice)."""
+        num_groups = self.hessian.shape[0] // group_size
+        blocks = self.hessian.view(num_groups, group_size, num_groups, group_size)
+        self.moments = torch.stack([blocks[i, :, i, :] for i in range(num_groups)]).contiguous()
+
+
+class GroupInputObserver:
+    """Hooks on one decoder layer; ``stats[i]`` describes the input of ``awq_map.groups[i]``.
+
+    Call ``begin_chunk(first_sequence)`` before each forward so the observer knows which rows belong
+    to the first ``num_samples`` sequences; ``remove()`` detaches the hooks.
+    """
+
+    def __init__(self, layer: nn.Module, awq_map: AwqMap, group_size: int, num_samples: int, with_moments: bool,
+                 with_hessian: bool = False):
+        self.num_samples = num_samples
+        self.group_size = group_size
+        self.first_sequence = 0
+        self.stats: list[InputStats] = []
+        self._handles = []
+        for group in awq_map.groups:
+            linear = layer.get_submodule(group.linears[0])
+            weight = linear.weight
+            in_features = linear.in_features
+            moments = (torch.zeros(in_features // group_size, group_size, group_size, device=weight.device)
+                       if with_moments and not with_hessian else None)
+            hessian = torch.zeros(in_features, in_features, device=weight.device) if with_hessian else None
+            stats = InputStats(torch.zeros(in_features, device=weight.device), moments, hessian)
+            self.stats.append(stats)
+            self._handles.append(linear.register_forward_hook(self._hook(stats)))
+
+    def begin_chunk(self, first_sequence: int) -> None:
+        self.first_sequence = first_sequence
+
+    def _hook(self, stats: InputStats):
+        def hook(module, args, output):
+            x = args[0].detach()
+            flat = x.reshape(-1, x.shape[-1]).float()
+            stats.abs_sum += flat.abs().sum(dim=0)
+            stats.num_tokens += flat.shape[0]
+            if stats.hessian is not None:
+                stats.hessian += flat.t() @ flat
+            elif stats.moments is not None:
+                g = self.group_size
+                grouped = flat.view(flat.shape[0], -1, g).transpose(0, 1)  # [G, tokens, g]
+                stats.moments += torch.bmm(grouped.transpose(1, 2), grouped)
+            keep = self.num_samples - self.first_sequence
+            if keep > 0:
+                stats.samples.append(x[:keep].float().clone())
+
+        return hook
+
+    def remove(self) -> None:
+        """Detach the hooks; derive per-group moments from the hessians when those were gathered."""
+        for stats in self.stats:
+            if stats.hessian is not None:
+                stats.moments_from_hessian(self.group_size)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

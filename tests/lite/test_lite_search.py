@@ -1,0 +1,97 @@
+"""The searches against brute force: the clip error formula equals the output error over tokens, the
+clip search and the least-squares refinement never do worse than plain quantization, and the scale
+search never scores worse than no smoothing and leaves the module unchanged."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmkit.lite.quantizer import quantize
+from lmkit.lite.search import (candidate_scales, group_error, refine_quantization, search_clip, search_scale,
+                               shrink_grid, weight_group_mean)
+
+
+def _data(out_f=12, in_f=64, tokens=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=g)
+    x = torch.randn(tokens, in_f, generator=g) * (1 + 5 * torch.rand(in_f, generator=g))  # uneven channels
+    return w, x
+
+
+def _moments(x, group_size):
+    xg = x.view(x.shape[0], -1, group_size).transpose(0, 1)
+    return torch.bmm(xg.transpose(1, 2), xg)
+
+
+def test_group_error_is_output_error_per_group():
+    w, x = _data()
+    gs = 32
+    delta = quantize(w, gs).dequantize() - w
+    err = group_error(delta.view(12, 2, gs), _moments(x, gs))
+    for G in range(2):
+        part = x[:, G * gs:(G + 1) * gs] @ delta[:, G * gs:(G + 1) * gs].t()  # [tokens, out]
+        assert torch.allclose(err[:, G], part.pow(2).sum(0), rtol=1e-4)
+
+
+def test_clip_search_never_worse_and_ranges_shrink():
+    w, x = _data()
+    gs = 32
+    C = _moments(x, gs)
+    w_min, w_max = search_clip(w, C, gs, shrink_grid(11, 0.5))
+    full = group_error((quantize(w, gs).dequantize() - w).view(12, 2, gs), C)
+    clipped = group_error((quantize(w, gs, w_min, w_max).dequantize() - w).view(12, 2, gs), C)
+    assert bool((clipped <= full + 1e-6).all()) and float(clipped.sum()) < float(full.sum())
+    groups = w.view(12, 2, gs)
+    assert bool((w_min >= groups.amin(2) - 1e-7).all()) and bool((w_max <= groups.amax(2) + 1e-7).all())
+
+
+def test_refinement_never_worse_per_group():
+    w, x = _data(seed=1)
+    gs = 32
+    C = _moments(x, gs)
+    w_min, w_max = search_clip(w, C, gs, shrink_grid(11, 0.5))
+    base = quantize(w, gs, w_min, w_max)
+    refined = refine_quantization(w, C, gs, w_min, w_max)
+    e_base = group_error((base.dequantize() - w).view(12, 2, gs), C)
+    e_ref = group_error((refined.dequantize() - w).view(12, 2, gs), C)
+    assert bool((e_ref <= e_base * (1 + 1e-6) + 1e-9).all()) and float(e_ref.sum()) < float(e_base.sum())
+    assert refined.q.dtype == torch.uint8 and int(refined.q.max()) <= 15 and int(refined.zeros.max()) <= 15
+
+
+def test_candidate_scales_are_normalised():
+    x_mean = torch.tensor([0.1, 1.0, 10.0, 3.0])
+    for form in ("act", "duo"):
+        s = candidate_scales(x_mean, torch.full((4,), 0.5), 0.5, form)
+        assert abs(float(s.max() * s.min()) - 1.0) < 1e-5
+    assert torch.allclose(candidate_scales(x_mean, torch.ones(4), 0.0, "act"), torch.ones(4))
+    w_mean = weight_group_mean([torch.tensor([[1.0, -2.0, 0.5, 4.0]])], 2)
+    assert torch.allclose(w_mean, torch.tensor([0.5, 1.0, 0.125, 1.0]), atol=1e-5)
+
+
+def test_scale_search_never_worse_than_identity_and_restores_weights():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 96, bias=False), nn.SiLU(), nn.Linear(96, 64, bias=False))
+    x = torch.randn(4, 50, 64) * (1 + 10 * (torch.arange(64) % 7 == 0))  # a few outlier channels
+    before = mlp[0].weight.detach().clone()
+    result = search_scale(lambda t: mlp(t), [mlp[0]], x, x.abs().reshape(-1, 64).mean(0), 32, num_grid=10)
+    assert torch.equal(mlp[0].weight, before)
+    assert result.loss <= result.loss_identity
+    assert result.ratio > 0 and result.loss < result.loss_identity  # outlier channels: smoothing helps
+
+
+def test_gptq_rounding_lowers_output_error():
+    from lmkit.lite.gptq import gptq_quantize
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 128, generator=g)
+    mix = torch.eye(128) + 0.5 * torch.randn(128, 128, generator=g) / 128**0.5  # correlated input channels
+    x = torch.randn(2000, 128, generator=g) @ mix * (1 + 3 * torch.rand(128, generator=g))
+    rtn = quantize(w, 32)
+    gptq = gptq_quantize(w, x.t() @ x, 32)
+    assert gptq.q.shape == rtn.q.shape and gptq.scales.dtype == torch.float16 and int(gptq.q.max()) <= 15
+
+    def out_err(qw):
+        return float((x @ (qw.dequantize() - w).t()).pow(2).mean())
+
+    assert out_err(gptq) < 0.95 * out_err(rtn)
