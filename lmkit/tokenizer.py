@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
@@ -32,6 +34,18 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (a byte-level BPE piece may hold part of a UTF-8 character)."""
+        piece = self._tok.convert_ids_to_tokens(int(token_id))
+        if piece is None:
+            return b""
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # SentencePiece byte fallback
+            return bytes([int(piece[3:5], 16)])
+        byte_of = _byte_level_decoder()
+        if all(ch in byte_of for ch in piece):
+            return bytes(byte_of[ch] for ch in piece)
+        return piece.replace("\u2581", " ").encode()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation, ready for the assistant's turn."""
@@ -68,3 +82,18 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         return self._emitted
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable character -> the byte it stands for."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) \
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars

@@ -1,1 +1,6 @@
-"""lmkit.serve: the OpenAI-compatible api_server and the proxy. Work in progress: see the project's issues."""
+"""lmkit.serve: the OpenAI-compatible api_server, the proxy that routes across servers, and `lmkit chat`."""
+
+from lmkit.serve.api_server import ServerConfig, create_app, run_api_server
+from lmkit.serve.gate import GateConfig
+
+__all__ = ["ServerConfig", "GateConfig", "create_app", "run_api_server"]

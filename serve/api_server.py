@@ -1,0 +1,241 @@
+"""The OpenAI-compatible HTTP server of one model.
+
+``create_app(engine, config)`` is the ASGI app (FastAPI behind a ``Gate``); ``run_api_server`` loads the
+model, serves it with uvicorn and, when ``proxy_url`` is set, registers with that proxy once the socket
+accepts requests (and unregisters on shutdown).
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from lmkit.engine import AsyncEngine
+from lmkit.serve.errors import APIError, install_error_handlers
+from lmkit.serve.gate import Gate, GateConfig
+from lmkit.serve.metrics import ServerMetrics
+from lmkit.serve.openai_serving import OpenAIServing
+from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("lmkit.serve")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the api_server listens and whom it serves."""
+
+    host: str = "0.0.0.0"
+    """Address to listen on (0.0.0.0: every interface)."""
+    port: int = 23333
+    """TCP port."""
+    model_name: str | None = None
+    """The name clients pass as `model`; default: the model folder's name."""
+    gate: GateConfig = field(default_factory=GateConfig)
+    """API keys, body size limit, concurrent request limit."""
+    proxy_url: str | None = None
+    """Register with this lmkit proxy once ready (POST {proxy_url}/nodes/add)."""
+    proxy_admin_key: str | None = None
+    """The proxy's --admin-key, when it has one."""
+    advertise_url: str | None = None
+    """The URL the proxy should use for this server; default: http://HOST:PORT (this host's address for 0.0.0.0)."""
+    health_timeout_s: float = 5.0
+    """/health fails when the engine does not answer within this time."""
+
+    @property
+    def url(self) -> str:
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            try:
+                host = socket.gethostbyname(socket.gethostname())
+            except OSError:
+                host = "127.0.0.1"
+        return f"http://{host}:{self.port}"
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work):
+    """Awaits ``work``; cancels it (and so its engine requests) when the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)  # nobody reads it
+    return task.result()
+
+
+def _cancel_all(streams) -> None:
+    """Cancels whatever is still running (a stream the client left before it started has no finally)."""
+    for s in streams:
+        s.cancel()
+
+
+async def _cancel_all_async(streams) -> None:
+    _cancel_all(streams)
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
+    """The ASGI app serving ``engine``. The caller owns the engine (and closes it)."""
+    config = config or ServerConfig()
+    model_name = config.model_name or Path(str(engine.engine.model_path)).name
+    metrics = ServerMetrics(engine.engine)
+    serving = OpenAIServing(engine, model_name, metrics)
+    app = FastAPI(title="lmkit api_server", version="0.1.0",
+                  description=f"OpenAI-compatible API serving `{model_name}`.")
+    app.state.serving = serving
+    install_error_handlers(app)
+
+    @app.get("/v1/models", summary="The served model")
+    async def models() -> JSONResponse:
+        return JSONResponse(serving.models())
+
+    @app.post("/v1/chat/completions", summary="Chat completion (OpenAI)")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        started_at = time.perf_counter()
+        prepared = serving.prepare(body)
+        streams = serving.submit(prepared)
+        if body.stream:
+            return StreamingResponse(serving.chat_stream(body, prepared, streams, started_at),
+                                     media_type="text/event-stream", headers=SSE_HEADERS,
+                                     background=BackgroundTask(_cancel_all_async, streams))
+
+        async def run():
+            try:
+                choices = await serving.collect(prepared, streams, started_at)
+            except APIError as e:
+                return e.response()
+            finally:
+                _cancel_all(streams)
+            return JSONResponse(serving.chat_response(body, prepared, choices))
+
+        return await _unless_disconnected(request, run())
+
+    @app.post("/v1/completions", summary="Text completion (OpenAI legacy)")
+    async def completions(body: CompletionRequest, request: Request):
+        started_at = time.perf_counter()
+        prepared = serving.prepare(body)
+        streams = serving.submit(prepared)
+        if body.stream:
+            return StreamingResponse(serving.completion_stream(body, prepared, streams, started_at),
+                                     media_type="text/event-stream", headers=SSE_HEADERS,
+                                     background=BackgroundTask(_cancel_all_async, streams))
+
+        async def run():
+            try:
+                choices = await serving.collect(prepared, streams, started_at)
+            except APIError as e:
+                return e.response()
+            finally:
+                _cancel_all(streams)
+            return JSONResponse(serving.completion_response(body, prepared, choices))
+
+        return await _unless_disconnected(request, run())
+
+    @app.get("/health", summary="200 when the engine answers")
+    async def health() -> Response:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(engine.engine.metrics), config.health_timeout_s)
+        except Exception as e:  # closed engine, timeout
+            raise APIError(503, f"the engine does not answer: {type(e).__name__} {e}") from None
+        return Response(status_code=200)
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def prometheus() -> Response:
+        body = await asyncio.to_thread(metrics.render)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return Gate(app, config.gate, on_response=metrics.on_response)
+
+
+async def register_with_proxy(config: ServerConfig, api_key: str | None, remove: bool = False) -> None:
+    """POST this server to the proxy's /nodes/add (or /nodes/remove); retries for a while on failure."""
+    import httpx
+
+    route = "remove" if remove else "add"
+    headers = {"Authorization": f"Bearer {config.proxy_admin_key}"} if config.proxy_admin_key else {}
+    payload = {"url": config.url, **({"api_key": api_key} if api_key and not remove else {})}
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        for attempt in range(1 if remove else 30):
+            try:
+                r = await client.post(f"{config.proxy_url.rstrip('/')}/nodes/{route}", json=payload, headers=headers)
+                if r.status_code < 300:
+                    log.info("%s %s at proxy %s", "unregistered" if remove else "registered", config.url,
+                             config.proxy_url)
+                    return
+                log.warning("proxy %s answered %s: %s", config.proxy_url, r.status_code, r.text[:300])
+                if 400 <= r.status_code < 500:
+                    return
+            except httpx.HTTPError as e:
+                log.warning("cannot reach proxy %s: %s", config.proxy_url, e)
+            await asyncio.sleep(min(2.0, 0.2 * (attempt + 1)))
+
+
+async def serve_app(app, host: str, port: int, log_level: str = "info", on_ready=None, on_shutdown=None) -> None:
+    """Runs ``app`` under uvicorn until a signal stops it; ``on_ready()`` runs once the socket accepts."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
+                                           access_log=False))
+
+    async def after_start() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.05)
+        if on_ready is not None:
+            await on_ready()
+
+    ready = asyncio.ensure_future(after_start())
+    try:
+        await server.serve()
+    finally:
+        ready.cancel()
+        if on_shutdown is not None:
+            await on_shutdown()
+
+
+def run_api_server(model: str | None, engine_config, config: ServerConfig, chat_template: str | None = None,
+                   log_level: str = "info") -> None:
+    """Loads ``model`` (default: the bundled SmolLM2), serves it until interrupted, then closes the engine."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncEngine(model, engine_config, chat_template=chat_template)
+    try:
+        app = create_app(engine, config)
+        api_key = config.gate.api_keys[0] if config.gate.api_keys else None
+        on_ready = on_shutdown = None
+        if config.proxy_url:
+            async def on_ready():
+                await register_with_proxy(config, api_key)
+
+            async def on_shutdown():
+                await register_with_proxy(config, None, remove=True)
+        log.info("serving %s at http://%s:%d (model name %r)", engine.engine.model_path, config.host, config.port,
+                 app.app.state.serving.model_name)
+        asyncio.run(serve_app(app, config.host, config.port, log_level, on_ready, on_shutdown))
+    finally:
+        engine.close()

@@ -1,0 +1,115 @@
+"""OpenAI-style errors: one exception type, one body shape, and the handlers that turn every failure
+(invalid JSON, wrong types, unknown routes, bugs) into it.
+
+Body: ``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``. Invalid
+requests are 400 (never FastAPI's 422), as OpenAI answers them; 500 is kept for real bugs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("lmkit.serve")
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status."""
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+class APIError(Exception):
+    """A request the server answers with ``status`` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param, self.code)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param, "invalid_value" if param else None)
+
+
+def _param_name(loc: tuple[Any, ...]) -> str | None:
+    """'messages[0].content' from pydantic's ('body', 'messages', 0, 'content', ...); union branch
+    names (model or type names) are dropped."""
+    parts: list[str] = []
+    for item in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif isinstance(item, str) and (item[:1].isupper() or "[" in item or item in ("str", "int", "list")):
+            continue  # union branch label
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The first problem of a failed validation, as OpenAI words it."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    kind, loc = first.get("type", ""), tuple(first.get("loc", ()))
+    if kind == "json_invalid":
+        return APIError(400, "We could not parse the JSON body of your request. (HINT: This likely means you "
+                             "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)")
+    param = _param_name(loc)
+    if kind == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
+    if kind == "missing" and param is None:
+        return APIError(400, "the request body is missing: send a JSON object (Content-Type: application/json)")
+    if kind == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+    value = first.get("input")
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    return APIError(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')} (got {shown}).", param,
+                    "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app can raise leaves as an OpenAI error body with the right status."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal server error ({type(exc).__name__}: {exc})")

@@ -1,0 +1,100 @@
+"""Fixtures of the serving tests: real uvicorn servers on loopback ports (in a thread of this process, or
+as `lmkit serve ...` subprocesses), in front of tiny random models."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_ENGINE = dict(device="cpu", cache_max_entry_count=256, max_batch_size=32, cache_block_seq_len=16,
+                   session_len=512, num_threads=1)
+
+
+class ServerThread:
+    """An ASGI app under uvicorn on 127.0.0.1 (a free port), its own event loop on a daemon thread."""
+
+    def __init__(self, app, port: int = 0):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    access_log=False, lifespan="on"))
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.server.serve())
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} not healthy after {timeout_s} s")
+
+
+def lmkit_subprocess(*args: str, **kwargs) -> subprocess.Popen:
+    """`python -m lmkit ARGS` with one OpenMP thread, its output in a pipe."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "lmkit", *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_llama):
+    from lmkit import AsyncEngine, EngineConfig
+
+    engine = AsyncEngine(tiny_llama[0], EngineConfig(**TINY_ENGINE))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def api_server(tiny_engine):
+    """The tiny model served as `tiny`, no keys, no limits."""
+    from lmkit.serve import ServerConfig, create_app
+
+    server = ServerThread(create_app(tiny_engine, ServerConfig(model_name="tiny")))
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def client(api_server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{api_server.url}/v1", api_key="none", max_retries=0, timeout=60)
