@@ -293,13 +293,13 @@ class OpenAIServing:
                 body["usage"] = self.usage(prepared.num_prompt_tokens, choices) if continuous else None
             return sse(body)
 
-        for c in choices:
-            yield chunk(c.index, {"role": "assistant", "content": ""})
         try:
             async for r in self.responses(streams):
                 c = choices[r.index * n + r.sample_index]
-                if r.token_ids and c.first_token_at is None:
+                if c.first_token_at is None:
+                    # The role chunk goes with the first output, so a proxy's "first byte" is the first token.
                     c.first_token_at = time.perf_counter()
+                    yield chunk(c.index, {"role": "assistant", "content": ""})
                 c.num_tokens = r.generate_token_len
                 finish = self._finish(r) if r.finish_reason else None
                 logprobs = ({"content": self.chat_logprobs(r.logprobs or [], r.token_ids, top), "refusal": None}

@@ -21,6 +21,11 @@ from lmkit.lite.cli import app as lite_app  # noqa: E402  (lmkit lite awq | ppl)
 
 app.add_typer(lite_app, name="lite")
 
+from lmkit.serve.cli import app as serve_app, chat  # noqa: E402  (lmkit serve api_server | proxy; lmkit chat)
+
+app.add_typer(serve_app, name="serve")
+app.command("chat")(chat)
+
 
 @app.command()
 def generate(

@@ -1,0 +1,101 @@
+"""`lmkit chat`: a terminal chat with a local model. Multi-turn history, streamed answers rendered with
+rich, /reset and /exit; Ctrl-C stops the current answer (its engine request is cancelled) and the chat
+goes on. ``prompt=...`` answers one message on stdout and returns (for scripts)."""
+
+from __future__ import annotations
+
+import sys
+
+from lmkit.config import EngineConfig
+from lmkit.messages import GenerationConfig
+
+HELP = "/reset clears the history, /exit quits, Ctrl-C stops the current answer"
+
+
+def _stream(pipe, messages: list[dict], gen: GenerationConfig, on_text) -> tuple[str, str | None]:
+    """Streams one answer into ``on_text``; returns (text, finish_reason). KeyboardInterrupt cancels it."""
+    parts: list[str] = []
+    finish = None
+    responses = pipe.stream_infer(messages, gen)
+    try:
+        for r in responses:
+            if r.text:
+                parts.append(r.text)
+                on_text("".join(parts), r.text)
+            if r.finish_reason == "error":
+                raise RuntimeError(r.error)
+            finish = r.finish_reason or finish
+    finally:
+        responses.close()  # cancels the engine request when we leave early
+    return "".join(parts), finish
+
+
+def run_chat(model: str | None = None, engine_config: EngineConfig | None = None,
+             gen_config: GenerationConfig | None = None, system: str | None = None,
+             prompt: str | None = None) -> int:
+    """Chats with ``model`` (default: the bundled SmolLM2) until /exit or end of input; with ``prompt``,
+    answers that one message on stdout instead. Returns the exit status."""
+    from rich.console import Console
+
+    from lmkit.pipeline import pipeline
+
+    gen = gen_config or GenerationConfig(max_new_tokens=512, do_sample=True, temperature=0.7, top_p=0.9)
+    base = [{"role": "system", "content": system}] if system else []
+    err = Console(stderr=True)
+    with pipeline(model, engine_config) as pipe:
+        if prompt is not None:
+            def write(_, delta):
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+
+            _stream(pipe, base + [{"role": "user", "content": prompt}], gen, write)
+            sys.stdout.write("\n")
+            return 0
+        return _interactive(pipe, gen, base, Console(), err)
+
+
+def _interactive(pipe, gen: GenerationConfig, base: list[dict], console, err) -> int:
+    from rich.live import Live
+    from rich.markdown import Markdown
+
+    name = pipe.engine.model_path.name
+    console.print(f"[bold]lmkit chat[/bold] with [cyan]{name}[/cyan]  [dim]({HELP})[/dim]")
+    history = list(base)
+    while True:
+        try:
+            text = console.input("[bold green]you>[/bold green] ")
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return 0
+        command = text.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            return 0
+        if command == "/reset":
+            history = list(base)
+            console.print("[dim]history cleared[/dim]")
+            continue
+        if command.startswith("/") and " " not in command:
+            console.print(f"[yellow]unknown command {command}[/yellow] [dim]({HELP})[/dim]")
+            continue
+        history.append({"role": "user", "content": text})
+        console.print("[bold blue]assistant>[/bold blue]")
+        stopped = False
+        with Live(Markdown(""), console=console, refresh_per_second=12, vertical_overflow="visible") as live:
+            try:
+                answer, finish = _stream(pipe, history, gen, lambda full, _: live.update(Markdown(full)))
+            except KeyboardInterrupt:
+                stopped = True
+                answer, finish = "", None
+            except (RuntimeError, ValueError) as e:  # the engine refused or failed: say so, keep chatting
+                err.print(f"[red]error: {e}[/red]")
+                history.pop()
+                continue
+        if stopped:
+            console.print("[dim](stopped)[/dim]")
+            history.pop()  # the question was not answered; the user may ask again
+            continue
+        if finish == "length":
+            console.print("[dim](answer cut at the token limit)[/dim]")
+        history.append({"role": "assistant", "content": answer})
