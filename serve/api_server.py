@@ -10,6 +10,7 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /he
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -84,6 +85,8 @@ async def _unless_disconnected(request: Request, work):
         watch.cancel()
         if not task.done():
             task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     if task.cancelled():
         return Response(status_code=499)  # nobody reads it
     return task.result()
@@ -195,10 +198,35 @@ async def register_with_proxy(config: ServerConfig, api_key: str | None, remove:
             await asyncio.sleep(min(2.0, 0.2 * (attempt + 1)))
 
 
+def _on_lifespan_shutdown(app, hook):
+    """``app`` that awaits ``hook()`` when uvicorn announces shutdown (before it re-raises the signal that
+    stopped it, which would cut short anything run after serve() returns)."""
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await app(scope, receive, send)
+
+        async def hooked_receive():
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                try:
+                    await hook()
+                except Exception as e:  # shutting down anyway
+                    log.warning("shutdown hook failed: %s", e)
+            return message
+
+        return await app(scope, hooked_receive, send)
+
+    return wrapped
+
+
 async def serve_app(app, host: str, port: int, log_level: str = "info", on_ready=None, on_shutdown=None) -> None:
-    """Runs ``app`` under uvicorn until a signal stops it; ``on_ready()`` runs once the socket accepts."""
+    """Runs ``app`` under uvicorn until a signal stops it; ``on_ready()`` runs once the socket accepts,
+    ``on_shutdown()`` when the server begins to shut down."""
     import uvicorn
 
+    if on_shutdown is not None:
+        app = _on_lifespan_shutdown(app, on_shutdown)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
                                            access_log=False))
 
@@ -215,8 +243,6 @@ async def serve_app(app, host: str, port: int, log_level: str = "info", on_ready
         await server.serve()
     finally:
         ready.cancel()
-        if on_shutdown is not None:
-            await on_shutdown()
 
 
 def run_api_server(model: str | None, engine_config, config: ServerConfig, chat_template: str | None = None,

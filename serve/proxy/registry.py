@@ -1,0 +1,144 @@
+"""The proxy's nodes: what each serves, whether it is up, how loaded and how fast it has been.
+
+State changes (all on the proxy's event loop):
+```
+added --health check passes--> up --request fails before its first byte--> down
+  ^                             ^                                            |
+  |                             +------------ health check passes -----------+
+  +-- a node starts down until its first check passes; /nodes/add checks at once
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import httpx
+
+log = logging.getLogger("lmkit.serve.proxy")
+
+
+@dataclass
+class Node:
+    """One api_server behind the proxy."""
+
+    url: str
+    api_key: str | None = None
+    """Bearer token the proxy sends to this node (its --api-keys), if it has keys."""
+    speed: float = 1.0
+    """Relative throughput (a node twice as fast: 2.0); weights `random` and `min_expected_latency`."""
+    models: list[dict] = field(default_factory=list)
+    """The node's /v1/models entries."""
+    is_up: bool = False
+    num_in_flight: int = 0
+    latencies_s: deque = field(default_factory=lambda: deque(maxlen=32))
+    """Recent times from dispatch to the node's first byte."""
+    last_error: str | None = None
+    num_failures: int = 0
+    num_requests: int = 0
+
+    @property
+    def model_names(self) -> list[str]:
+        return [m["id"] for m in self.models]
+
+    @property
+    def observed_latency_s(self) -> float | None:
+        """Mean of the recent first-byte latencies; None before the first one."""
+        return sum(self.latencies_s) / len(self.latencies_s) if self.latencies_s else None
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def status(self) -> dict:
+        return {"url": self.url, "is_up": self.is_up, "models": self.model_names, "speed": self.speed,
+                "num_in_flight": self.num_in_flight, "num_requests": self.num_requests,
+                "observed_latency_s": self.observed_latency_s, "num_failures": self.num_failures,
+                "last_error": self.last_error}
+
+
+class NodeRegistry:
+    """Nodes by URL, with the health checks that move them between up and down."""
+
+    def __init__(self, health_timeout_s: float = 2.0):
+        self.nodes: dict[str, Node] = {}
+        self.health_timeout_s = health_timeout_s
+
+    @staticmethod
+    def normalize(url: str) -> str:
+        url = url.strip().rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            url = "http://" + url
+        return url
+
+    def add(self, url: str, api_key: str | None = None, speed: float | None = None) -> Node:
+        """Adds a node (down until checked), or updates the key/speed of a known one."""
+        url = self.normalize(url)
+        if speed is not None and not speed > 0:
+            raise ValueError(f"speed must be > 0, got {speed!r}")
+        node = self.nodes.get(url)
+        if node is None:
+            node = self.nodes[url] = Node(url, api_key, speed or 1.0)
+        else:
+            node.api_key = api_key if api_key is not None else node.api_key
+            node.speed = speed or node.speed
+        return node
+
+    def remove(self, url: str) -> Node | None:
+        return self.nodes.pop(self.normalize(url), None)
+
+    def candidates(self, model: str) -> list[Node]:
+        """Nodes that are up and serve ``model``."""
+        return [n for n in self.nodes.values() if n.is_up and model in n.model_names]
+
+    def knows(self, model: str) -> bool:
+        """Whether any node, up or down, has listed ``model``."""
+        return any(model in n.model_names for n in self.nodes.values())
+
+    def models(self) -> list[dict]:
+        """The union of the /v1/models entries of the nodes that are up (first entry per id)."""
+        seen: dict[str, dict] = {}
+        for node in self.nodes.values():
+            if node.is_up:
+                for m in node.models:
+                    seen.setdefault(m["id"], m)
+        return list(seen.values())
+
+    def mark_down(self, node: Node, why: str) -> None:
+        if node.is_up:
+            log.warning("node %s is down: %s", node.url, why)
+        node.is_up = False
+        node.last_error = why
+        node.num_failures += 1
+
+    async def check(self, node: Node, client: httpx.AsyncClient) -> bool:
+        """GET /health, then /v1/models; the node is up when both answer."""
+        try:
+            r = await client.get(f"{node.url}/health", timeout=self.health_timeout_s)
+            if r.status_code != 200:
+                raise RuntimeError(f"/health answered {r.status_code}")
+            r = await client.get(f"{node.url}/v1/models", headers=node.headers(), timeout=self.health_timeout_s)
+            if r.status_code != 200:
+                raise RuntimeError(f"/v1/models answered {r.status_code}: {r.text[:200]}")
+            node.models = [m for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m]
+        except Exception as e:  # any failure of any kind means: not serving
+            self.mark_down(node, f"health check failed: {type(e).__name__}: {e}")
+            return False
+        if not node.is_up:
+            log.info("node %s is up, serving %s", node.url, node.model_names)
+        node.is_up = True
+        node.last_error = None
+        return True
+
+    async def check_all(self, client: httpx.AsyncClient) -> None:
+        await asyncio.gather(*(self.check(n, client) for n in list(self.nodes.values())))
+
+    async def run_health_checks(self, client: httpx.AsyncClient, interval_s: float) -> None:
+        """Checks every node every ``interval_s`` seconds, forever (cancel to stop)."""
+        while True:
+            started = time.monotonic()
+            await self.check_all(client)
+            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))

@@ -1,0 +1,272 @@
+"""The proxy: one OpenAI endpoint in front of many api_servers.
+
+A generation request is routed by its ``model`` to a node chosen by the strategy. Until the node's first
+body byte arrives nothing has reached the client, so a node that fails by then (connection refused or
+reset, 502/503/504) is marked down and the request is sent to another node; 429 tries another node
+without marking anyone down. After the first byte the body passes through chunk by chunk as the node
+sends it (no buffering). A client that leaves closes the node connection, which cancels the engine work.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (union of the nodes'),
+POST /nodes/add, POST /nodes/remove, GET /nodes/status (admin key when set), GET /health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from lmkit.serve.errors import APIError, error_body, install_error_handlers
+from lmkit.serve.gate import Gate, GateConfig, bearer_token
+from lmkit.serve.proxy.registry import Node, NodeRegistry
+from lmkit.serve.proxy.strategies import make_strategy
+
+log = logging.getLogger("lmkit.serve.proxy")
+
+_RETRY_STATUSES = {502, 503, 504}
+_PASS_HEADERS = ("content-type", "cache-control", "x-accel-buffering", "retry-after")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """How the proxy listens, routes and checks its nodes."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    strategy: str = "min_expected_latency"
+    """random | min_expected_latency | min_observed_latency"""
+    nodes: tuple[str, ...] = ()
+    """Node URLs known at start (more register with POST /nodes/add)."""
+    admin_key: str | None = None
+    """Bearer token required by /nodes/* when set."""
+    gate: GateConfig = field(default_factory=GateConfig)
+    """Client API keys, body size limit, concurrent request limit (of the proxy itself)."""
+    health_interval_s: float = 3.0
+    """Seconds between health checks of every node."""
+    health_timeout_s: float = 2.0
+    connect_timeout_s: float = 2.0
+    """A node that does not accept the connection within this time counts as failed."""
+
+
+class AddNode(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    api_key: str | None = None
+    speed: float | None = Field(default=None, gt=0)
+
+
+class RemoveNode(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+
+
+class _NodeFailed(Exception):
+    pass
+
+
+class Proxy:
+    """Routing, retries and pass-through; owns the registry and the HTTP clients."""
+
+    def __init__(self, config: ProxyConfig):
+        self.config = config
+        self.registry = NodeRegistry(config.health_timeout_s)
+        self.strategy = make_strategy(config.strategy)
+        for url in config.nodes:
+            self.registry.add(url)
+        self.client: httpx.AsyncClient | None = None
+        self.health_client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        timeout = httpx.Timeout(connect=self.config.connect_timeout_s, read=None, write=60.0, pool=None)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None,
+                                                                             max_keepalive_connections=512))
+        self.health_client = httpx.AsyncClient(timeout=self.config.health_timeout_s)
+        await self.registry.check_all(self.health_client)
+        self._health_task = asyncio.ensure_future(
+            self.registry.run_health_checks(self.health_client, self.config.health_interval_s))
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        for c in (self.client, self.health_client):
+            if c is not None:
+                await c.aclose()
+
+    async def forward(self, path: str, body: bytes) -> Response:
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            raise APIError(400, "We could not parse the JSON body of your request.") from None
+        model = payload.get("model") if isinstance(payload, dict) else None
+        if not isinstance(model, str):
+            raise APIError(400, "Missing required parameter: 'model'.", "model", "missing_required_parameter")
+        tried: set[str] = set()
+        errors: list[str] = []
+        last_refusal: httpx.Response | None = None
+        while True:
+            nodes = [n for n in self.registry.candidates(model) if n.url not in tried]
+            if not nodes:
+                break
+            node = self.strategy.choose(nodes)
+            tried.add(node.url)
+            try:
+                return await self._try_node(node, path, body)
+            except _NodeFailed as e:
+                errors.append(f"{node.url}: {e}")
+            except _Refused as e:
+                last_refusal = e.response
+        if last_refusal is not None:
+            return Response(last_refusal.content, status_code=last_refusal.status_code,
+                            headers=_passed_headers(last_refusal))
+        if not self.registry.knows(model):
+            known = sorted({m["id"] for m in self.registry.models()})
+            raise APIError(404, f"The model `{model}` does not exist. Available: {known}.", "model", "model_not_found")
+        if errors:
+            raise APIError(502, f"every node serving `{model}` failed: " + "; ".join(errors))
+        raise APIError(503, f"no node serving `{model}` is up; retry later")
+
+    async def _try_node(self, node: Node, path: str, body: bytes) -> Response:
+        """Sends the request to ``node`` and waits for its first body chunk; raises _NodeFailed (node
+        marked down) or _Refused (429) before anything was sent to the client."""
+        node.num_in_flight += 1
+        sent_at = time.perf_counter()
+        response = None
+        try:
+            headers = {"content-type": "application/json", **node.headers()}
+            request = self.client.build_request("POST", node.url + path, content=body, headers=headers)
+            response = await self.client.send(request, stream=True)
+            if response.status_code in _RETRY_STATUSES:
+                await response.aread()
+                raise _NodeFailed(f"answered {response.status_code}: {response.text[:200]}")
+            if response.status_code == 429:
+                await response.aread()
+                raise _Refused(response)
+            chunks = response.aiter_raw()
+            try:
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                first = b""
+        except _Refused:
+            node.num_in_flight -= 1
+            await response.aclose()
+            raise
+        except (httpx.HTTPError, _NodeFailed) as e:
+            node.num_in_flight -= 1
+            if response is not None:
+                await response.aclose()
+            why = str(e) if isinstance(e, _NodeFailed) else f"{type(e).__name__}: {e}"
+            self.registry.mark_down(node, f"request failed before its first byte: {why}")
+            raise _NodeFailed(why) from None
+        node.latencies_s.append(time.perf_counter() - sent_at)
+        node.num_requests += 1
+        is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
+
+        async def relay():
+            try:
+                if first:
+                    yield first
+                async for chunk in chunks:
+                    yield chunk
+            except httpx.HTTPError as e:  # the node died mid-response: tell an SSE client in its own terms
+                log.warning("node %s failed mid-response: %s", node.url, e)
+                if is_sse:
+                    yield f"data: {json.dumps(error_body(502, f'the node serving this request failed: {e}'))}\n\n"
+            finally:
+                node.num_in_flight -= 1
+                await response.aclose()
+
+        return StreamingResponse(relay(), status_code=response.status_code, headers=_passed_headers(response))
+
+
+class _Refused(Exception):
+    def __init__(self, response: httpx.Response):
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def _passed_headers(response: httpx.Response) -> dict[str, str]:
+    return {k: response.headers[k] for k in _PASS_HEADERS if k in response.headers}
+
+
+def create_proxy_app(config: ProxyConfig | None = None) -> Gate:
+    """The proxy's ASGI app; its lifespan starts the HTTP clients and the health checks."""
+    config = config or ProxyConfig()
+    proxy = Proxy(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await proxy.start()
+        try:
+            yield
+        finally:
+            await proxy.stop()
+
+    app = FastAPI(title="lmkit proxy", version="0.1.0", lifespan=lifespan,
+                  description="Routes OpenAI requests across lmkit api_servers by model, load and health.")
+    app.state.proxy = proxy
+    install_error_handlers(app)
+
+    def admin(request: Request) -> None:
+        if config.admin_key and bearer_token(request.headers.raw) != config.admin_key:
+            raise APIError(401, "this route needs the proxy's admin key: 'Authorization: Bearer ADMIN_KEY'",
+                           code="invalid_api_key")
+
+    @app.post("/v1/chat/completions", summary="Chat completion, routed to a node")
+    async def chat(request: Request):
+        return await proxy.forward("/v1/chat/completions", await request.body())
+
+    @app.post("/v1/completions", summary="Text completion, routed to a node")
+    async def completions(request: Request):
+        return await proxy.forward("/v1/completions", await request.body())
+
+    @app.get("/v1/models", summary="The models of every node that is up")
+    async def models():
+        return {"object": "list", "data": proxy.registry.models()}
+
+    @app.post("/nodes/add", dependencies=[Depends(admin)], summary="Register a node (checked at once)")
+    async def add(body: AddNode):
+        try:
+            node = proxy.registry.add(body.url, body.api_key, body.speed)
+        except ValueError as e:
+            raise APIError(400, str(e), "speed") from None
+        await proxy.registry.check(node, proxy.health_client)
+        return node.status()
+
+    @app.post("/nodes/remove", dependencies=[Depends(admin)], summary="Forget a node")
+    async def remove(body: RemoveNode):
+        node = proxy.registry.remove(body.url)
+        if node is None:
+            raise APIError(404, f"no node {body.url!r} is registered", "url")
+        return {"removed": node.url}
+
+    @app.get("/nodes/status", dependencies=[Depends(admin)], summary="Every node and its state")
+    async def status():
+        return {"strategy": proxy.strategy.name, "nodes": [n.status() for n in proxy.registry.nodes.values()]}
+
+    @app.get("/health", summary="The proxy answers; num_nodes_up tells how many nodes serve")
+    async def health():
+        return JSONResponse({"num_nodes_up": sum(n.is_up for n in proxy.registry.nodes.values())})
+
+    return Gate(app, config.gate)
+
+
+def run_proxy(config: ProxyConfig, log_level: str = "info") -> None:
+    from lmkit.serve.api_server import serve_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("proxy at http://%s:%d, strategy %s, nodes %s", config.host, config.port, config.strategy,
+             list(config.nodes))
+    asyncio.run(serve_app(create_proxy_app(config), config.host, config.port, log_level))
