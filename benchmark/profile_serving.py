@@ -1,0 +1,211 @@
+"""Serving benchmark: drives any OpenAI-compatible server over HTTP with streamed requests.
+
+    python benchmark/profile_serving.py --base-url http://127.0.0.1:23333 --concurrency 1 8 32
+        [--request-rate R] [--num-prompts N] [--endpoint completions|chat] [--tokenizer HF_FOLDER]
+        [--workload sharegpt|fixed] [--input-len 128 --output-len 128] [--csv results.csv] [--label NAME]
+
+Workload: the ShareGPT-like lengths of ``benchmark/workloads.py`` (prompt token ids decoded to text with
+``--tokenizer``, default the bundled SmolLM2). Every request asks for its drawn output length with
+``ignore_eos`` (``--no-ignore-eos`` for servers without that extension) and stream_options.include_usage.
+Load: a fixed number of requests in flight (``--concurrency``), or Poisson arrivals at
+``--request-rate`` per second (with ``--concurrency`` as a cap).
+
+Per level: request throughput, output tokens/s, TTFT (first content chunk), TPOT ((e2e - ttft) /
+(tokens - 1)), ITL (gaps between content chunks) and end-to-end latency, mean / p50 / p99.
+``--smoke``: 4 short requests at concurrency 1 and 2 (for tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workloads  # noqa: E402
+
+
+@dataclass
+class Result:
+    ok: bool
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft_s: float = float("nan")
+    e2e_s: float = float("nan")
+    itl_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def stats(xs: list[float]) -> dict[str, float]:
+    a = np.asarray([x for x in xs if x == x])
+    if a.size == 0:
+        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+
+
+async def one_request(client, args, model: str, prompt: str, prompt_tokens: int, output_len: int) -> Result:
+    body = {"model": model, "max_tokens": output_len, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        path = "/v1/completions"
+    result = Result(False, prompt_tokens)
+    start = time.perf_counter()
+    last = None
+    chunks = 0
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                result.error = f"{r.status_code}: {(await r.aread())[:200]!r}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if data.get("usage"):
+                    result.output_tokens = data["usage"]["completion_tokens"]
+                for choice in data.get("choices", []):
+                    text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                    if text:
+                        now = time.perf_counter()
+                        if last is None:
+                            result.ttft_s = now - start
+                        else:
+                            result.itl_s.append(now - last)
+                        last = now
+                        chunks += 1
+    except Exception as e:  # a benchmark reports failures instead of stopping
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.e2e_s = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or chunks
+    result.ok = True
+    return result
+
+
+async def run_level(args, model: str, requests: list, concurrency: int) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    rng = random.Random(args.seed)
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers, timeout=None,
+                                 limits=limits) as client:
+        async def gated(prompt, n_prompt, out_len):
+            async with sem:
+                return await one_request(client, args, model, prompt, n_prompt, out_len)
+
+        started = time.perf_counter()
+        tasks = []
+        for prompt, n_prompt, out_len in requests:
+            tasks.append(asyncio.ensure_future(gated(prompt, n_prompt, out_len)))
+            if args.request_rate:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - started
+    ok = [r for r in results if r.ok]
+    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "concurrency": concurrency, "request_rate": args.request_rate or 0.0, "num_requests": len(results),
+        "num_failed": len(results) - len(ok), "errors": [r.error for r in results if not r.ok][:3],
+        "elapsed_s": elapsed, "request_throughput": len(ok) / elapsed,
+        "output_tok_s": sum(r.output_tokens for r in ok) / elapsed,
+        "input_tok_s": sum(r.prompt_tokens for r in ok) / elapsed,
+        "ttft": stats([r.ttft_s for r in ok]), "tpot": stats(tpot),
+        "itl": stats([x for r in ok for x in r.itl_s]), "e2e": stats([r.e2e_s for r in ok]),
+    }
+
+
+def make_requests(args, tokenizer, num: int, seed: int) -> list[tuple[str, int, int]]:
+    if args.workload == "fixed":
+        reqs = workloads.fixed(tokenizer, num, args.input_len, args.output_len, seed)
+    else:
+        reqs = workloads.sharegpt_like(tokenizer, num, seed, max_prompt=args.max_prompt,
+                                       max_total=args.max_prompt + args.max_output)
+        reqs = [workloads.Request(r.prompt_ids, min(r.output_len, args.max_output)) for r in reqs]
+    return [(tokenizer.decode(r.prompt_ids), len(r.prompt_ids), r.output_len) for r in reqs]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", default="http://127.0.0.1:23333")
+    ap.add_argument("--model", default=None, help="model name to request (default: the server's first)")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--tokenizer", default=None, help="HF folder for the workload's text (default: bundled SmolLM2)")
+    ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: "
+                                                                       "all at once, capped by concurrency)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="per level (default: max(8, 2 x concurrency))")
+    ap.add_argument("--workload", choices=["sharegpt", "fixed"], default="sharegpt")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-prompt", type=int, default=1024)
+    ap.add_argument("--max-output", type=int, default=1024, help="cap on the drawn output lengths")
+    ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--label", default="", help="a name for this run in the CSV (e.g. direct, proxy)")
+    ap.add_argument("--csv", type=Path, default=None)
+    ap.add_argument("--smoke", action="store_true", help="4 short requests at concurrency 1 and 2")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.concurrency, args.num_prompts, args.workload, args.input_len, args.output_len = [1, 2], 4, "fixed", 16, 4
+
+    import httpx
+
+    from lmkit.model_path import resolve_model
+    from lmkit.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(resolve_model(args.tokenizer))
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model or httpx.get(f"{args.base_url.rstrip('/')}/v1/models", headers=headers,
+                                    timeout=30).json()["data"][0]["id"]
+    asyncio.run(run_level(args, model, make_requests(args, tokenizer, 1, 10_000)[:1], 1))  # warm up
+    rows = []
+    for c in args.concurrency:
+        num = args.num_prompts or max(8, 2 * c)
+        rows.append(asyncio.run(run_level(args, model, make_requests(args, tokenizer, num, args.seed + c), c)))
+    print(f"{args.base_url} model {model} endpoint {args.endpoint} workload {args.workload} {args.label} {date.today()}")
+    print(f"{'conc':>5}{'reqs':>6}{'fail':>5}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
+          f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'E2E p50':>9}")
+    for r in rows:
+        print(f"{r['concurrency']:>5}{r['num_requests']:>6}{r['num_failed']:>5}{r['request_throughput']:8.3f}"
+              f"{r['output_tok_s']:11.1f}{r['ttft']['p50'] * 1e3:8.1f}ms{r['ttft']['p99'] * 1e3:8.1f}ms"
+              f"{r['tpot']['p50'] * 1e3:8.1f}ms{r['tpot']['p99'] * 1e3:8.1f}ms{r['itl']['p50'] * 1e3:7.1f}ms"
+              f"{r['itl']['p99'] * 1e3:7.1f}ms{r['e2e']['p50']:8.2f}s")
+        for e in r["errors"]:
+            print(f"  error: {e}")
+    if args.csv:
+        new = not args.csv.exists()
+        with open(args.csv, "a", newline="") as f:
+            w = csv.writer(f)
+            if new:
+                w.writerow(["date", "label", "base_url", "model", "endpoint", "workload", "concurrency",
+                            "request_rate", "num_requests", "num_failed", "request_throughput", "output_tok_s"]
+                           + [f"{k}_{p}_ms" for k in ("ttft", "tpot", "itl", "e2e") for p in ("mean", "p50", "p99")])
+            for r in rows:
+                w.writerow([date.today(), args.label, args.base_url, model, args.endpoint, args.workload,
+                            r["concurrency"], r["request_rate"], r["num_requests"], r["num_failed"],
+                            f"{r['request_throughput']:.4f}", f"{r['output_tok_s']:.2f}"]
+                           + [f"{r[k][p] * 1e3:.2f}" for k in ("ttft", "tpot", "itl", "e2e")
+                              for p in ("mean", "p50", "p99")])
+    return rows
+
+
+if __name__ == "__main__":
+    main()

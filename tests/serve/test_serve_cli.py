@@ -1,0 +1,84 @@
+"""`lmkit chat` (one-shot --prompt, interactive with /reset and /exit, Ctrl-C stopping only the answer) and the
+serving benchmark's --smoke mode against a real api_server."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "100"}
+
+
+def chat(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lmkit", "chat", *args, "--session-len", "512", "--num-threads",
+                             "1"], env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kwargs)
+
+
+def test_chat_prompt_mode(tiny_llama, tiny_llama_pipe):
+    from lmkit import GenerationConfig
+
+    p = chat(str(tiny_llama[0]), "--prompt", "hello", "--temperature", "0", "--max-new-tokens", "8")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    gen = GenerationConfig(max_new_tokens=8)
+    assert out == tiny_llama_pipe([{"role": "user", "content": "hello"}], gen).text + "\n"
+
+
+def test_chat_interactive_reset_and_exit(tiny_llama):
+    p = chat(str(tiny_llama[0]), "--max-new-tokens", "6")
+    out, err = p.communicate("hi\n/reset\n/bogus\nagain\n/exit\n", timeout=120)
+    assert p.returncode == 0, err
+    assert "lmkit chat" in out and "history cleared" in out and "unknown command /bogus" in out
+    assert out.count("assistant>") == 2
+
+
+def read_until(p: subprocess.Popen, text: str, timeout_s: float) -> str:
+    seen = ""
+    deadline = time.monotonic() + timeout_s
+    while text not in seen:
+        assert time.monotonic() < deadline and p.poll() is None, f"never saw {text!r}: {seen!r} {p.stderr.read()}"
+        ready, _, _ = select.select([p.stdout], [], [], 0.1)
+        if ready:
+            seen += os.read(p.stdout.fileno(), 65536).decode(errors="replace")
+    return seen
+
+
+def test_ctrl_c_stops_the_answer_not_the_chat(tmp_path):
+    folder = tmp_path / "slow"  # a few ms per token: a 500-token answer takes seconds
+    make_tiny_model(folder, "llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=4)
+    p = chat(str(folder), "--max-new-tokens", "500", "--temperature", "0")
+    try:
+        read_until(p, "you>", 120)
+        p.stdin.write("tell me everything\n")
+        p.stdin.flush()
+        read_until(p, "assistant>", 30)
+        time.sleep(0.3)
+        p.send_signal(signal.SIGINT)
+        read_until(p, "(stopped)", 30)
+        p.stdin.write("/exit\n")
+        p.stdin.flush()
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_profile_serving_smoke(api_server, tiny_llama, tmp_path):
+    out = tmp_path / "serving.csv"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "profile_serving.py"), "--smoke", "--base-url",
+                          api_server.url, "--tokenizer", str(tiny_llama[0]), "--csv", str(out), "--label", "t"],
+                         capture_output=True, text=True, timeout=300, env=ENV)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "out tok/s" in run.stdout and "TTFT p50" in run.stdout
+    rows = out.read_text().splitlines()
+    assert len(rows) == 3 and rows[1].split(",")[9] == "0"  # no failed request
