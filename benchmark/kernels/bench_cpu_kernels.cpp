@@ -144,14 +144,14 @@ int main(int argc, char** argv) {
         // "cold": cycle through copies of the weight totalling > 400 MB, so that each call streams
         // it from DRAM as a decode step does (the 260 MB L3 would otherwise hold it)
         const double bytes = (double)s.N * s.K * dtype_size_bytes(dt);
-        const int copies = s.N == 49152 ? (int)std::ceil(400e6 / bytes) : 1;
-        std::vector<Weight> ws;
-        for (int c = 0; c < copies; ++c) ws.push_back(make_weight(dt, s.N, s.K));
-        for (int64_t M : {1, 2, 4, 8, 12, 16}) {
+        const int copies = (int)std::ceil(400e6 / bytes);
+        std::vector<ops::LinearWeight> ws;  // packed once, as the model does at load time
+        for (int c = 0; c < copies; ++c) ws.push_back(ops::pack_linear(make_weight(dt, s.N, s.K).t));
+        for (int64_t M : {1, 2, 4, 8, 12, 16, 24, 32, 48, 64}) {
           std::vector<float> x = randn(M * s.K), out(M * s.N);
           int next = 0;
           double t = time_it([&] {
-            ops::linear(x.data(), M, ws[next].t, Tensor{}, out.data());
+            ops::linear(x.data(), M, ws[next], Tensor{}, out.data());
             next = (next + 1) % copies;
           }, s.N > 10000 ? 3 * copies : 201);
           std::printf("gemv %-16s %-4s M %2d%s: %8.1f us  %6.1f GB/s  %6.1f GFLOP/s\n", s.name, dtype_name(dt),
@@ -165,11 +165,11 @@ int main(int argc, char** argv) {
       int64_t M, N, K;
     };
     for (S s : {S{512, 1536, 576}, S{512, 576, 1536}, S{512, 49152, 576}, S{512, 576, 576}, S{512, 192, 576},
-                S{128, 1536, 576}, S{16, 1536, 576}})
+                S{128, 1536, 576}, S{64, 1536, 576}, S{32, 1536, 576}, S{16, 1536, 576}})
       for (DType dt : {DType::F32, DType::F16, DType::BF16}) {
-        Weight w = make_weight(dt, s.N, s.K);
+        const ops::LinearWeight w = ops::pack_linear(make_weight(dt, s.N, s.K).t);
         std::vector<float> x = randn(s.M * s.K), out(s.M * s.N);
-        double t = time_it([&] { ops::linear(x.data(), s.M, w.t, Tensor{}, out.data()); }, s.N > 10000 ? 5 : 21);
+        double t = time_it([&] { ops::linear(x.data(), s.M, w, Tensor{}, out.data()); }, s.N > 10000 ? 5 : 21);
         std::printf("gemm [%d x %d] x [%d x %d]^T %-4s: %8.3f ms  %6.1f GFLOP/s\n", (int)s.M, (int)s.K, (int)s.N,
                     (int)s.K, dtype_name(dt), t * 1e3, 2.0 * s.M * s.N * s.K / t / 1e9);
       }

@@ -10,6 +10,8 @@
 #pragma once
 #include <stdint.h>
 
+#include <memory>
+
 #include "core/tensor.h"
 
 namespace lmkit::ops {
@@ -29,8 +31,25 @@ void rmsnorm(const float* x, const Tensor& weight, float eps, int64_t num_rows, 
 void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float eps, int64_t num_rows,
                  int64_t dim, float* out);
 
-// out[M, N] = x[M, K] @ weight[N, K]^T (+ bias[N]).   weight F32/F16/BF16, bias empty or any float dtype.
-// M == 1..few is the decode (GEMV) path, large M the prefill (GEMM) path; both must be fast.
+// A linear layer's weight in the layout of this backend's kernels, made once at load time by
+// pack_linear (owns its bytes; copies share them). CPU layout: panels of kLinearPanelCols output
+// columns, k-major inside a panel, in the stored dtype (F32 / F16 / BF16), zero-padded past N:
+//     data[(p * K + k) * kLinearPanelCols + j] = weight[p * kLinearPanelCols + j, k]
+// so that one k step of a panel is one contiguous row: no horizontal sums, one stream per thread.
+constexpr int kLinearPanelCols = 32;
+struct LinearWeight {
+  DType dtype = DType::F32;
+  int64_t n = 0, k = 0;                // the weight is [n, k]
+  std::shared_ptr<void> storage;       // the packed panels
+  bool is_empty() const { return storage == nullptr; }
+  int64_t size_bytes() const;
+};
+LinearWeight pack_linear(const Tensor& weight);  // weight: [N, K] F32/F16/BF16
+
+// out[M, N] = x[M, K] @ weight[N, K]^T (+ bias[N]).   bias empty or any float dtype.
+// One kernel for every M: decode (M = 1..few) streams the weight once, prefill is compute bound.
+void linear(const float* x, int64_t M, const LinearWeight& weight, const Tensor& bias, float* out);
+// The same for an unpacked weight: packs it first (tests and one-off calls; the model packs at load).
 void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias, float* out);
 
 // Rotary embedding in HF "rotate_half" layout, in place.

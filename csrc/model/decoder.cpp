@@ -29,6 +29,11 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, cons
   up_.resize(T * config.intermediate_size);
   logits_.resize((int64_t)kLogitRowsPerGroup * config.vocab_size);
   gathered_.resize((int64_t)kLogitRowsPerGroup * config.hidden_size);
+  for (const LayerWeights& w : weights_.layers)
+    packed_.push_back({ops::pack_linear(w.q_proj), ops::pack_linear(w.k_proj), ops::pack_linear(w.v_proj),
+                       ops::pack_linear(w.o_proj), ops::pack_linear(w.gate_proj), ops::pack_linear(w.up_proj),
+                       ops::pack_linear(w.down_proj)});
+  lm_head_ = ops::pack_linear(weights_.lm_head);
 }
 
 DecoderModel::~DecoderModel() {
@@ -108,25 +113,26 @@ void DecoderModel::forward(const BatchPlan& plan) {
   const float scale = 1.0f / std::sqrt((float)c.head_dim);
   for (int32_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = weights_.layers[l];
+    const PackedLayer& pw = packed_[l];
     if (l == 0)
       ops::rmsnorm(residual, w.input_norm, c.rms_norm_eps, T, H, h);
     else  // residual += mlp output (in h); h = norm(residual)
       ops::add_rmsnorm(residual, h, w.input_norm, c.rms_norm_eps, T, H, h);
-    ops::linear(h, T, w.q_proj, w.q_bias, q_.data());
-    ops::linear(h, T, w.k_proj, w.k_bias, k_.data());
-    ops::linear(h, T, w.v_proj, w.v_bias, v_.data());
+    ops::linear(h, T, pw.q_proj, w.q_bias, q_.data());
+    ops::linear(h, T, pw.k_proj, w.k_bias, k_.data());
+    ops::linear(h, T, pw.v_proj, w.v_bias, v_.data());
     ops::rope(q_.data(), k_.data(), positions_.data(), T, c.num_heads, c.num_kv_heads, c.head_dim,
               c.inv_freq.data(), c.attention_scaling);
     const ops::KVLayer kv = kv_layer(l);
     ops::kv_write(kv, k_.data(), v_.data(), slots_.data(), T);
     ops::paged_attention(q_.data(), kv, attn_seqs_.data(), (int32_t)attn_seqs_.size(), c.num_heads, scale,
                          c.sliding_window, attn_.data());
-    ops::linear(attn_.data(), T, w.o_proj, no_bias, h);
+    ops::linear(attn_.data(), T, pw.o_proj, no_bias, h);
     ops::add_rmsnorm(residual, h, w.post_attention_norm, c.rms_norm_eps, T, H, h);
-    ops::linear(h, T, w.gate_proj, no_bias, gate_.data());
-    ops::linear(h, T, w.up_proj, no_bias, up_.data());
+    ops::linear(h, T, pw.gate_proj, no_bias, gate_.data());
+    ops::linear(h, T, pw.up_proj, no_bias, up_.data());
     ops::silu_mul(gate_.data(), up_.data(), T, I, gate_.data());
-    ops::linear(gate_.data(), T, w.down_proj, no_bias, h);
+    ops::linear(gate_.data(), T, pw.down_proj, no_bias, h);
   }
   (void)I;
 }
@@ -166,7 +172,7 @@ void DecoderModel::step(const BatchPlan& plan, std::vector<int32_t>& sampled) {
       for (int64_t j = 0; j < H; ++j) dst[j] = res[j] + mlp[j];
     }
     ops::rmsnorm(gathered_.data(), weights_.final_norm, c.rms_norm_eps, n, H, gathered_.data());
-    ops::linear(gathered_.data(), n, weights_.lm_head, Tensor{}, logits_.data());
+    ops::linear(gathered_.data(), n, lm_head_, Tensor{}, logits_.data());
 
     for (int32_t r = 0; r < n; ++r) {
       const int32_t row = logit_rows_[g + r];

@@ -41,6 +41,12 @@ class DecoderModel : public Executor {
 
   ModelConfig config_;
   ModelWeights weights_;
+  // The linear weights in the kernels' layout, packed once here (the mapped files keep the rest).
+  struct PackedLayer {
+    ops::LinearWeight q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
+  };
+  std::vector<PackedLayer> packed_;
+  ops::LinearWeight lm_head_;
   DecoderOptions options_;
 
   // KV pool: [layers][K|V][num_blocks, kv_heads, block_size, head_dim] fp32, lazily committed.

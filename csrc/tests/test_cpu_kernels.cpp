@@ -171,6 +171,23 @@ void test_linear() {
   ops::linear(x.data(), 97, w.t, Tensor{}, out.data());
   ops::reference::linear(x.data(), 97, w.t, Tensor{}, ref.data());
   expect_close(out, ref, "linear F16 M 97 N 2053 K 576");
+  // packed once, used for many calls (as the model does); the packed size is whole panels
+  const ops::LinearWeight packed = ops::pack_linear(w.t);
+  expect(packed.size_bytes() == (2053 + 31) / 32 * 32 * 576 * 2, "packed F16 [2053 x 576] is 65 panels of 32 x 576");
+  for (int64_t M : {1, 16, 97}) {
+    std::fill(out.begin(), out.end(), NAN);
+    ops::linear(x.data(), M, packed, Tensor{}, out.data());
+    ops::reference::linear(x.data(), M, w.t, Tensor{}, ref.data());
+    expect_close(std::vector<float>(out.begin(), out.begin() + M * 2053), std::vector<float>(ref.begin(), ref.begin() + M * 2053),
+                 "linear packed F16 M " + std::to_string(M) + " N 2053 K 576");
+  }
+  bool threw_empty = false;
+  try {
+    ops::linear(x.data(), 1, ops::LinearWeight{}, Tensor{}, out.data());
+  } catch (const Error&) {
+    threw_empty = true;
+  }
+  expect(threw_empty, "linear rejects an unpacked (empty) LinearWeight");
   bool threw = false;
   Weight bad_bias = make_weight(DType::F32, 3, 0);
   try {

@@ -4,8 +4,11 @@
 // instantiated in code compiled with ISA-specific flags.
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "core/check.h"
@@ -119,11 +122,64 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
   cpu::active().add_rmsnorm(residual, x, weight.data, weight.dtype, eps, num_rows, dim, out);
 }
 
-void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias, float* out) {
-  cpu::check_weight(weight, "linear", "weight");
-  LMKIT_CHECK(weight.ndim == 2, "linear: weight must be [N, K], got ndim ", weight.ndim);
-  const int64_t N = weight.shape[0], K = weight.shape[1];
-  LMKIT_CHECK(M >= 0 && N > 0 && K > 0, "linear: bad shape M ", M, " N ", N, " K ", K);
+int64_t LinearWeight::size_bytes() const {
+  return (n + kLinearPanelCols - 1) / kLinearPanelCols * kLinearPanelCols * k * dtype_size_bytes(dtype);
+}
+
+namespace {
+// Panels are independent: split them over plain threads. (Not OpenMP: an OpenMP team created on the
+// loading thread keeps its workers, which then compete with the engine thread's team for the cores.)
+template <typename E>
+void pack_panels(const E* w, int64_t N, int64_t K, E* dst) {
+  constexpr int64_t P = kLinearPanelCols, KB = 16;  // 32 x 16 blocks: rows read in runs, panel rows written whole
+  const int64_t num_panels = (N + P - 1) / P;
+  auto pack_range = [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      E* panel = dst + p * K * P;
+      for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int64_t k1 = std::min(K, k0 + KB);
+        for (int64_t j = 0; j < P; ++j) {
+          const int64_t n = p * P + j;
+          const E* row = w + n * K;
+          for (int64_t k = k0; k < k1; ++k) panel[k * P + j] = n < N ? row[k] : E{};
+        }
+      }
+    }
+  };
+  const int64_t num_threads =
+      std::max<int64_t>(1, std::min<int64_t>({(int64_t)std::thread::hardware_concurrency(), num_panels / 8, 16}));
+  std::vector<std::thread> threads;
+  for (int64_t t = 1; t < num_threads; ++t)
+    threads.emplace_back(pack_range, num_panels * t / num_threads, num_panels * (t + 1) / num_threads);
+  pack_range(0, num_panels / num_threads);
+  for (std::thread& t : threads) t.join();
+}
+}  // namespace
+
+LinearWeight pack_linear(const Tensor& weight) {
+  cpu::check_weight(weight, "pack_linear", "weight");
+  LMKIT_CHECK(weight.ndim == 2, "pack_linear: weight must be [N, K], got ndim ", weight.ndim);
+  LinearWeight packed;
+  packed.dtype = weight.dtype;
+  packed.n = weight.shape[0];
+  packed.k = weight.shape[1];
+  LMKIT_CHECK(packed.n > 0 && packed.k > 0, "pack_linear: bad shape [", packed.n, ", ", packed.k, "]");
+  const int64_t bytes = (packed.size_bytes() + 63) / 64 * 64;
+  void* buf = std::aligned_alloc(64, (size_t)bytes);
+  LMKIT_CHECK(buf != nullptr, "pack_linear: out of memory for a [", packed.n, ", ", packed.k, "] ",
+              dtype_name(weight.dtype), " weight (", bytes, " bytes)");
+  packed.storage = std::shared_ptr<void>(buf, std::free);
+  if (weight.dtype == DType::F32)
+    pack_panels(weight.ptr<const uint32_t>(), packed.n, packed.k, static_cast<uint32_t*>(buf));
+  else
+    pack_panels(weight.ptr<const uint16_t>(), packed.n, packed.k, static_cast<uint16_t*>(buf));
+  return packed;
+}
+
+void linear(const float* x, int64_t M, const LinearWeight& weight, const Tensor& bias, float* out) {
+  LMKIT_CHECK(!weight.is_empty(), "linear: weight is empty (not packed with pack_linear)");
+  const int64_t N = weight.n, K = weight.k;
+  LMKIT_CHECK(M >= 0, "linear: bad shape M ", M, " N ", N, " K ", K);
   if (M == 0) return;
   LMKIT_CHECK(x != nullptr && out != nullptr, "linear: x and out must be non-null");
   LMKIT_CHECK(out + M * N <= x || x + M * K <= out, "linear: out must not overlap x");
@@ -141,7 +197,11 @@ void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias,
       b = bias_f32.data();
     }
   }
-  cpu::active().linear(x, M, weight.data, weight.dtype, N, K, b, out);
+  cpu::active().linear(x, M, weight.storage.get(), weight.dtype, N, K, b, out);
+}
+
+void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias, float* out) {
+  linear(x, M, pack_linear(weight), bias, out);
 }
 
 void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads, int head_dim,

@@ -18,7 +18,8 @@ struct KernelTable {
                   float* out);
   void (*add_rmsnorm)(float* residual, const float* x, const void* weight, DType wdtype, float eps,
                       int64_t num_rows, int64_t dim, float* out);
-  // out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N] when bias != nullptr; fp32, converted at the door)
+  // out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N] when bias != nullptr; fp32, converted at the door);
+  // w in the packed panel layout of ops::LinearWeight
   void (*linear)(const float* x, int64_t M, const void* w, DType wdtype, int64_t N, int64_t K, const float* bias,
                  float* out);
   void (*rope)(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads,
