@@ -4,7 +4,7 @@
   with a callback that runs on the engine's callback thread.
 - ``AsyncEngine``: asyncio streaming on top: ``async for r in engine.generate(prompt, gen_config)``,
   ``await engine.abort(request_id)``. Outputs cross from the callback thread with
-  ``loop.call_soon_threadsafe`` (no polling). ``pipeline()`` is built on it.
+  ``loop.call_soon_threadsafe``, one wakeup per burst of outputs (no polling). ``pipeline()`` is built on it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import threading
 import weakref
 from pathlib import Path
 from typing import AsyncIterator, Callable, Hashable, Union
@@ -136,6 +137,52 @@ class Engine:
             self._finalizer()
 
 
+class _LoopBridge:
+    """Hands engine outputs from the callback thread to one asyncio loop with one wakeup per burst (the
+    engine delivers a step's outputs together), not one ``call_soon_threadsafe`` per token."""
+
+    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopBridge]" = weakref.WeakKeyDictionary()
+    _registry_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = weakref.ref(loop)  # the registry's key: a strong reference would keep it forever
+        self._lock = threading.Lock()
+        self._pending: list[tuple["RequestStream", object]] = []
+        self._scheduled = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "_LoopBridge":
+        with cls._registry_lock:
+            bridge = cls._by_loop.get(loop)
+            if bridge is None:
+                bridge = cls._by_loop[loop] = cls(loop)
+            return bridge
+
+    def post(self, stream: "RequestStream", out) -> None:  # engine callback thread
+        loop = self._loop()
+        with self._lock:
+            self._pending.append((stream, out))
+            if self._scheduled and loop is not None and not loop.is_closed():
+                return  # a drain is due; it takes this output too
+            self._scheduled = True
+        try:
+            if loop is None:
+                raise RuntimeError("event loop is gone")
+            loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: nobody will read these requests any more
+            for dropped, _ in self._take():
+                dropped.engine.cancel(dropped.request_id)
+
+    def _take(self) -> list:
+        with self._lock:
+            items, self._pending, self._scheduled = self._pending, [], False
+        return items
+
+    def _drain(self) -> None:  # the loop's thread
+        for stream, out in self._take():
+            stream._queue.put_nowait(out)
+
+
 class RequestStream:
     """One submitted request seen from asyncio: iterate it for Response deltas of all its completions."""
 
@@ -143,7 +190,7 @@ class RequestStream:
                  loop: asyncio.AbstractEventLoop):
         self.engine = engine
         self.gen_config = gen_config
-        self._loop = loop
+        self._bridge = _LoopBridge.of(loop)
         self._queue: asyncio.Queue = asyncio.Queue()
         submitted_at = engine.now()
         self._states = [CompletionState(engine.tokenizer, gen_config, len(prompt_ids), index, k, submitted_at)
@@ -151,10 +198,7 @@ class RequestStream:
         self.request_id = engine.submit(prompt_ids, gen_config, self._on_output)
 
     def _on_output(self, out) -> None:  # engine callback thread
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
-        except RuntimeError:  # the event loop is closed: nobody will read this request any more
-            self.engine.cancel(self.request_id)
+        self._bridge.post(self, out)
 
     @property
     def finished(self) -> bool:

@@ -52,6 +52,7 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor)
   executor_->allocate_kv_pool(options.num_blocks);
   metrics_.num_total_blocks = options.num_blocks;
   metrics_.num_free_blocks = options.num_blocks;
+  published_metrics_ = metrics_;
   callback_thread_ = std::thread([this] { callback_loop(); });
   loop_thread_ = std::thread([this] { loop(); });
 }
@@ -104,8 +105,24 @@ void Engine::cancel(int64_t request_id, int32_t sample_index) {
 }
 
 EngineMetrics Engine::metrics() const {
-  std::lock_guard<std::mutex> lock(state_mu_);
-  return metrics_;
+  std::lock_guard<std::mutex> lock(metrics_mu_);  // not state_mu_: that one is held for a whole step
+  return published_metrics_;
+}
+
+void Engine::publish_metrics() {
+  metrics_.num_running = scheduler_.num_running();
+  metrics_.num_waiting = scheduler_.num_waiting();
+  metrics_.num_free_blocks = blocks_.num_free_blocks();
+  metrics_.num_active_blocks = blocks_.num_active_blocks();
+  metrics_.num_preemptions = scheduler_.num_preemptions();
+  metrics_.num_cached_blocks = blocks_.num_cached_blocks();
+  metrics_.num_prefix_query_tokens = scheduler_.num_prefix_query_tokens();
+  metrics_.num_prefix_hit_tokens = scheduler_.num_prefix_hit_tokens();
+  {
+    std::lock_guard<std::mutex> lock(metrics_mu_);
+    published_metrics_ = metrics_;
+  }
+  outbox_cv_.notify_one();  // deliver what this iteration posted
 }
 
 void Engine::check_integrity() const {
@@ -121,11 +138,10 @@ void Engine::post_release(std::shared_ptr<OutputCallback> cb) {
 }
 
 void Engine::post(std::shared_ptr<OutputCallback> cb, RequestOutput&& out) {
-  {
-    std::lock_guard<std::mutex> lock(outbox_mu_);
-    outbox_.emplace_back(std::move(cb), std::move(out));
-  }
-  outbox_cv_.notify_one();
+  // The callback thread is woken once per loop iteration, after publish_metrics(): a consumer that
+  // sees its final output also sees metrics that count it, and a step's outputs go out as one batch.
+  std::lock_guard<std::mutex> lock(outbox_mu_);
+  outbox_.emplace_back(std::move(cb), std::move(out));
 }
 
 double Engine::now_seconds() {
@@ -278,20 +294,9 @@ void Engine::loop() {
       std::vector<Sequence*> all = scheduler_.running();
       for (Sequence* s : all) finish(s, FinishReason::kError, e.what());
     }
-    metrics_.num_running = scheduler_.num_running();
-    metrics_.num_waiting = scheduler_.num_waiting();
-    metrics_.num_free_blocks = blocks_.num_free_blocks();
-    metrics_.num_active_blocks = blocks_.num_active_blocks();
-    metrics_.num_preemptions = scheduler_.num_preemptions();
-    metrics_.num_cached_blocks = blocks_.num_cached_blocks();
-    metrics_.num_prefix_query_tokens = scheduler_.num_prefix_query_tokens();
-    metrics_.num_prefix_hit_tokens = scheduler_.num_prefix_hit_tokens();
+    publish_metrics();
   }
-  metrics_.num_running = scheduler_.num_running();
-  metrics_.num_waiting = scheduler_.num_waiting();
-  metrics_.num_free_blocks = blocks_.num_free_blocks();
-  metrics_.num_active_blocks = blocks_.num_active_blocks();
-  metrics_.num_cached_blocks = blocks_.num_cached_blocks();
+  publish_metrics();
   {
     std::lock_guard<std::mutex> lock(outbox_mu_);
     outbox_closed_ = true;
@@ -300,21 +305,28 @@ void Engine::loop() {
 }
 
 void Engine::callback_loop() {
+  std::vector<std::pair<std::shared_ptr<OutputCallback>, RequestOutput>> batch;
   for (;;) {
-    std::pair<std::shared_ptr<OutputCallback>, RequestOutput> item;
     {
       std::unique_lock<std::mutex> lock(outbox_mu_);
       outbox_cv_.wait(lock, [&] { return outbox_closed_ || !outbox_.empty(); });
       if (outbox_.empty()) return;  // closed and drained
-      item = std::move(outbox_.front());
-      outbox_.pop_front();
+      batch.assign(std::make_move_iterator(outbox_.begin()), std::make_move_iterator(outbox_.end()));
+      outbox_.clear();
     }
-    try {
-      if (item.first && *item.first && item.second.request_id >= 0) (*item.first)(std::move(item.second));
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "lmkit: output callback raised: %s\n", e.what());
-    }
-    item.first.reset();  // the last reference of a finished request's callback dies here
+    auto deliver = [&batch] {
+      for (auto& item : batch) {
+        try {
+          if (item.first && *item.first && item.second.request_id >= 0) (*item.first)(std::move(item.second));
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "lmkit: output callback raised: %s\n", e.what());
+        }
+        item.first.reset();  // the last reference of a finished request's callback dies here
+      }
+      batch.clear();
+    };
+    if (delivery_scope_) delivery_scope_(deliver);
+    else deliver();
   }
 }
 

@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <deque>
 #include <memory>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <string>
@@ -96,6 +97,11 @@ class Engine {
   // Stops the loop; every unfinished request ends as cancelled. Idempotent.
   void shutdown();
 
+  // Wraps each batch of deliveries on the callback thread (all outputs queued at that moment): the
+  // Python binding takes the GIL once per batch instead of once per output. Set before the first submit.
+  using DeliveryScope = std::function<void(const std::function<void()>&)>;
+  void set_delivery_scope(DeliveryScope scope) { delivery_scope_ = std::move(scope); }
+
   const EngineOptions& options() const { return options_; }
   // The engine's clock (steady, seconds), as stamped on RequestOutput::emitted_at.
   static double now_seconds();
@@ -104,6 +110,7 @@ class Engine {
   void loop();
   void callback_loop();
   void run_step();
+  void publish_metrics();  // caller holds state_mu_
   void finish(Sequence* seq, FinishReason reason, const std::string& error = "");
   void flush(Sequence& seq, bool finished, FinishReason reason, const std::string& error);
   void post(std::shared_ptr<OutputCallback> cb, RequestOutput&& out);
@@ -129,6 +136,9 @@ class Engine {
 
   // state lock: held by the loop around each step, and by readers of scheduler state
   mutable std::mutex state_mu_;
+  // metrics_ as of the end of the last loop iteration, readable without waiting for a step
+  mutable std::mutex metrics_mu_;
+  EngineMetrics published_metrics_;
   EngineMetrics metrics_;
 
   // outbox (loop -> callback thread)
@@ -139,6 +149,7 @@ class Engine {
 
   std::thread loop_thread_;
   std::thread callback_thread_;
+  DeliveryScope delivery_scope_;
   std::once_flag shutdown_once_;
 };
 

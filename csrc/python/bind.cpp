@@ -154,7 +154,12 @@ PYBIND11_MODULE(_engine, m) {
                srcs[item.first.cast<std::string>()] = std::move(s);
              }
              py::gil_scoped_release release;
-             return EnginePtr(create_engine(config, model, srcs, eos_token_ids).release());
+             EnginePtr engine(create_engine(config, model, srcs, eos_token_ids).release());
+             engine->set_delivery_scope([](const std::function<void()>& deliver) {
+               py::gil_scoped_acquire gil;  // once per batch; the per-call acquires inside nest cheaply
+               deliver();
+             });
+             return engine;
            }),
            py::arg("config"), py::arg("model"), py::arg("sources"), py::arg("eos_token_ids"))
       .def("submit", &Engine::submit, py::arg("request_id"), py::arg("prompt"), py::arg("params"),
