@@ -50,14 +50,21 @@ async def run_level(engine, requests: list, concurrency: int) -> dict:
             async for r in engine.generate(req.prompt_ids, gen):
                 if r.token_ids:
                     times.extend([engine.engine.now()] * len(r.token_ids))
-                    peak_kv = max(peak_kv, engine.engine.metrics().kv_usage)
                 if r.finish_reason is not None and r.finish_reason != "length":
                     raise RuntimeError(f"request ended with {r.finish_reason}: {r.error}")
             stats.append((start, times, len(req.prompt_ids)))
 
+    async def sample_kv():  # KV usage sampled off the token path (every 50 ms)
+        nonlocal peak_kv
+        while True:
+            peak_kv = max(peak_kv, engine.engine.metrics().kv_usage)
+            await asyncio.sleep(0.05)
+
+    sampler = asyncio.ensure_future(sample_kv())
     t0 = engine.engine.now()
     await asyncio.gather(*(one(r) for r in requests))
     elapsed = engine.engine.now() - t0
+    sampler.cancel()
     ttft = [t[0] - s for s, t, _ in stats]
     e2e = [t[-1] - s for s, t, _ in stats]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for s, t, _ in stats if len(t) > 1]
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder (default: bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--num-prompts", type=int, default=None, help="per level (default: max(8, 2 x concurrency))")
+    ap.add_argument("--num-prompts", type=int, default=None, help="per level (default: 128, the same prompts at every level; fewer let the longest request dominate)")
     ap.add_argument("--workload", choices=["sharegpt", "fixed", "shared-prefix"], default="sharegpt")
     ap.add_argument("--dataset", type=Path, default=None, help="a ShareGPT JSON file instead of the generator")
     ap.add_argument("--input-len", type=int, default=128, help="fixed: prompt tokens; shared-prefix: suffix tokens")
@@ -114,8 +121,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         warm = make_requests(args, engine.tokenizer, 1, seed=10_000)
         asyncio.run(run_level(engine, [workloads.Request(warm[0].prompt_ids[:16], 4)], 1))
         for c in args.concurrency:
-            num = args.num_prompts or max(8, 2 * c)
-            rows.append(asyncio.run(run_level(engine, make_requests(args, engine.tokenizer, num, args.seed + c), c)))
+            num = args.num_prompts or 128
+            rows.append(asyncio.run(run_level(engine, make_requests(args, engine.tokenizer, num, args.seed), c)))
         m = engine.metrics()
     finally:
         engine.close()
