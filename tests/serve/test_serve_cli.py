@@ -53,8 +53,10 @@ def read_until(p: subprocess.Popen, text: str, timeout_s: float) -> str:
 
 
 def test_ctrl_c_stops_the_answer_not_the_chat(tmp_path):
-    folder = tmp_path / "slow"  # a few ms per token: a 500-token answer takes seconds
-    make_tiny_model(folder, "llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+    # ~60 M parameters: ~10 ms per token, so a 500-token answer takes seconds even with fast kernels
+    # (a 10 M-parameter model finished its answer before the signal once the kernels got faster)
+    folder = tmp_path / "slow"
+    make_tiny_model(folder, "llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=4)
     p = chat(str(folder), "--max-new-tokens", "500", "--temperature", "0")
     try:
@@ -62,7 +64,7 @@ def test_ctrl_c_stops_the_answer_not_the_chat(tmp_path):
         p.stdin.write("tell me everything\n")
         p.stdin.flush()
         read_until(p, "assistant>", 30)
-        time.sleep(0.3)
+        time.sleep(0.1)
         p.send_signal(signal.SIGINT)
         read_until(p, "(stopped)", 30)
         p.stdin.write("/exit\n")
