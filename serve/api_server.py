@@ -117,13 +117,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
     async def models() -> JSONResponse:
         return JSONResponse(serving.models())
 
-    @app.post("/v1/chat/completions", summary="Chat completion (OpenAI)")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def complete(body, request: Request, stream_events, build_response):
+        """One OpenAI completion request: SSE when body.stream, else one JSON body (cancelled when the
+        client disconnects first)."""
         started_at = time.perf_counter()
         prepared = serving.prepare(body)
         streams = serving.submit(prepared)
         if body.stream:
-            return StreamingResponse(serving.chat_stream(body, prepared, streams, started_at),
+            return StreamingResponse(stream_events(body, prepared, streams, started_at),
                                      media_type="text/event-stream", headers=SSE_HEADERS,
                                      background=BackgroundTask(_cancel_all_async, streams))
 
@@ -134,30 +135,17 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
                 return e.response()
             finally:
                 _cancel_all(streams)
-            return JSONResponse(serving.chat_response(body, prepared, choices))
+            return JSONResponse(build_response(body, prepared, choices))
 
         return await _unless_disconnected(request, run())
+
+    @app.post("/v1/chat/completions", summary="Chat completion (OpenAI)")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await complete(body, request, serving.chat_stream, serving.chat_response)
 
     @app.post("/v1/completions", summary="Text completion (OpenAI legacy)")
     async def completions(body: CompletionRequest, request: Request):
-        started_at = time.perf_counter()
-        prepared = serving.prepare(body)
-        streams = serving.submit(prepared)
-        if body.stream:
-            return StreamingResponse(serving.completion_stream(body, prepared, streams, started_at),
-                                     media_type="text/event-stream", headers=SSE_HEADERS,
-                                     background=BackgroundTask(_cancel_all_async, streams))
-
-        async def run():
-            try:
-                choices = await serving.collect(prepared, streams, started_at)
-            except APIError as e:
-                return e.response()
-            finally:
-                _cancel_all(streams)
-            return JSONResponse(serving.completion_response(body, prepared, choices))
-
-        return await _unless_disconnected(request, run())
+        return await complete(body, request, serving.completion_stream, serving.completion_response)
 
     @app.get("/health", summary="200 when the engine answers")
     async def health() -> Response:
