@@ -32,19 +32,48 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
                  int64_t dim, float* out);
 
 // A linear layer's weight in the layout of this backend's kernels, made once at load time by
-// pack_linear (owns its bytes; copies share them). CPU layout: panels of kLinearPanelCols output
-// columns, k-major inside a panel, in the stored dtype (F32 / F16 / BF16), zero-padded past N:
-//     data[(p * K + k) * kLinearPanelCols + j] = weight[p * kLinearPanelCols + j, k]
-// so that one k step of a panel is one contiguous row: no horizontal sums, one stream per thread.
+// pack_linear / pack_linear_awq (owns its bytes; copies share them). CPU layouts, panels of
+// kLinearPanelCols output columns, zero-padded past N:
+//   dense (group_size == 0): k-major inside a panel, in the stored dtype (F32 / F16 / BF16):
+//       data[(p * K + k) * kLinearPanelCols + j] = weight[p * kLinearPanelCols + j, k]
+//     so that one k step of a panel is one contiguous row: no horizontal sums, one stream per thread.
+//   int4 (group_size > 0, dtype F16 = the scales' dtype): per panel, K / group_size group blocks of
+//       scales  [32] fp16      scale of (group, column j)
+//       zeros   [32] u8        zero point of (group, column j), 0..15
+//       quads   [g / 4][64] u8 byte i of 32-bit lane j of quad t: q[4t + i, j] | q[4t + i, j + 16] << 4
+//     weight[n, k] = (q[k, n] - zero[k / g, n]) * scale[k / g, n]; one stream per panel, scales inline.
+//   int8 (is_int8, made by pack_linear_int8 from a float weight; llama.cpp's Q8_0 in our panels): per
+//     panel, K / 32 blocks of
+//       scales  [32] fp16      d of (block, column j): max |w| / 127 over the block's 32 values
+//       quads   [8][2][64] u8  byte i of 32-bit lane j of half h of quad t: q[4t + i, 16h + j] + 128
+//     weight[n, k] ~ (u8 - 128) * d. Only with int8 activations on CPUs with integer dot products.
 constexpr int kLinearPanelCols = 32;
+constexpr int64_t kLinearInt8ActMaxRows = 64;
 struct LinearWeight {
-  DType dtype = DType::F32;
+  DType dtype = DType::F32;            // dense: the stored dtype; int4: F16 (the scales)
+  int32_t group_size = 0;              // 0: dense; 32 / 64 / 128: int4 with that group size along K
+  // int4 only: in calls of up to kLinearInt8ActMaxRows rows (decode), quantize x to int8 per 32 values
+  // and use integer dot products where the CPU has them (AVX-512 VNNI); the result then differs from
+  // the exact fp32 product by the rounding of x (relative error of the output ~1e-3, tested).
+  bool int8_activations = false;
   int64_t n = 0, k = 0;                // the weight is [n, k]
   std::shared_ptr<void> storage;       // the packed panels
   bool is_empty() const { return storage == nullptr; }
+  bool is_int8 = false;                // int8 panels (then group_size is 0)
+  bool is_int4() const { return group_size > 0; }
   int64_t size_bytes() const;
 };
 LinearWeight pack_linear(const Tensor& weight);  // weight: [N, K] F32/F16/BF16
+// An AWQ int4 weight in the AutoAWQ "GEMM" layout (DESIGN.md section 4), N = out, K = in:
+//   qweight I32 [K, N / 8], qzeros I32 [K / g, N / 8]: 8 nibbles per int32, output columns
+//   0, 2, 4, 6, 1, 3, 5, 7 at bits 0, 4, ..., 28;  scales F16 [K / g, N].
+// Throws InvalidArgument naming the tensor when shapes or dtypes do not fit.
+LinearWeight pack_linear_awq(const Tensor& qweight, const Tensor& qzeros, const Tensor& scales, int32_t group_size);
+// A float weight [N, K] (K a multiple of 32) quantized to int8 per 32 values along K, for int8
+// activations; throws unless int8_dot_available().
+LinearWeight pack_linear_int8(const Tensor& weight);
+// Whether this CPU runs the integer dot-product kernels (int8 activations; AVX-512 VNNI).
+bool int8_dot_available();
 
 // out[M, N] = x[M, K] @ weight[N, K]^T (+ bias[N]).   bias empty or any float dtype.
 // One kernel for every M: decode (M = 1..few) streams the weight once, prefill is compute bound.
@@ -63,16 +92,25 @@ void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads
 // out[t, j] = silu(gate[t, j]) * up[t, j]          all [n, inter]; out may alias gate or up.
 void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
 
-// One layer of the blocked KV pool (fp32 for now; quantized layouts come with quant_policy).
-//   k, v: [num_blocks, num_kv_heads, block_size, head_dim]
+// One layer of the blocked KV pool. k and v each point at num_blocks blocks of block_bytes() bytes:
+//   bits 32 (fp32):    [num_kv_heads, block_size, head_dim] float
+//   bits 8 / 4 (int):  [num_kv_heads, block_size, row_bytes()] quantized rows, then
+//                      [num_kv_heads, block_size, 2] fp16 (scale, zero) of each row
+// Quantized rows: per token and KV head, asymmetric over head_dim (lmkit/kv_policy.py gives the exact
+// rounding): scale = fp16((max - min) / (2^bits - 1)), zero = fp16(min), x ~ q * scale + zero.
+// int8: byte d = q[d].  int4: byte d (< head_dim / 2) = q[d] | q[d + head_dim / 2] << 4.
 struct KVLayer {
-  float* k = nullptr;
-  float* v = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
+  int32_t bits = 32;
   int32_t num_blocks = 0;
   int32_t num_kv_heads = 0;
   int32_t block_size = 0;
   int32_t head_dim = 0;
+  int64_t row_bytes() const { return bits == 32 ? (int64_t)head_dim * 4 : bits == 8 ? head_dim : head_dim / 2; }
+  int64_t block_bytes() const { return (int64_t)num_kv_heads * block_size * (row_bytes() + (bits == 32 ? 0 : 4)); }
 };
+constexpr int kKVQuantMaxHeadDim = 256;  // quantized KV: head_dim even and at most this
 
 // Writes k, v rows ([n, num_kv_heads, head_dim]) into the pool at slots[t] = block_id * block_size + offset.
 void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n);

@@ -198,6 +198,113 @@ void test_linear() {
   expect(threw, "linear rejects a bias of the wrong length");
 }
 
+// A random AWQ "GEMM" weight [N, K] (qweight I32 [K, N / 8], qzeros I32 [K / g, N / 8], scales F16
+// [K / g, N]) and its dequantized values, unpacked here from the format's definition in double.
+struct AwqWeight {
+  std::vector<int32_t> qweight, qzeros;
+  std::vector<uint16_t> scales;
+  std::vector<double> dense;  // [N, K]
+  Tensor qw, qz, sc;
+};
+AwqWeight make_awq(int64_t N, int64_t K, int64_t g) {
+  AwqWeight a;
+  std::uniform_int_distribution<uint32_t> bits;
+  a.qweight.resize(K * N / 8);
+  a.qzeros.resize(K / g * N / 8);
+  for (auto& x : a.qweight) x = (int32_t)bits(g_rng);
+  for (auto& x : a.qzeros) x = (int32_t)bits(g_rng);
+  std::vector<float> s = randn(K / g * N, 0.02f);
+  for (float x : s) a.scales.push_back(f32_to_f16(x));
+  const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // nibble i holds column 8c + order[i]
+  auto nibble = [&](const std::vector<int32_t>& m, int64_t row, int64_t n) {
+    for (int i = 0; i < 8; ++i)
+      if (order[i] == n % 8) return (int)(((uint32_t)m[row * (N / 8) + n / 8] >> (4 * i)) & 15u);
+    return -1;
+  };
+  a.dense.resize(N * K);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k)
+      a.dense[n * K + k] =
+          (double)(nibble(a.qweight, k, n) - nibble(a.qzeros, k / g, n)) * f16_to_f32(a.scales[k / g * N + n]);
+  a.qw = make_view(a.qweight.data(), DType::I32, K, N / 8);
+  a.qz = make_view(a.qzeros.data(), DType::I32, K / g, N / 8);
+  a.sc = make_view(a.scales.data(), DType::F16, K / g, N);
+  return a;
+}
+
+void test_linear_int4() {
+  struct Shape {
+    int64_t M, N, K, g;
+  };
+  const Shape shapes[] = {{1, 8, 32, 32},     {1, 576, 576, 64},  {2, 40, 96, 32},    {3, 200, 640, 128},
+                          {5, 1536, 576, 64}, {12, 72, 256, 128}, {13, 64, 1536, 64}, {25, 96, 576, 32},
+                          {40, 200, 384, 128}, {100, 136, 576, 64}, {7, 8, 64, 64}};
+  for (const Shape& s : shapes) {
+    AwqWeight a = make_awq(s.N, s.K, s.g);
+    const ops::LinearWeight w = ops::pack_linear_awq(a.qw, a.qz, a.sc, (int32_t)s.g);
+    for (int with_bias = 0; with_bias < 2; ++with_bias) {
+      Weight b = make_weight(DType::F32, s.N, 0);
+      std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN), ref(out.size());
+      ops::linear(x.data(), s.M, w, with_bias ? b.t : Tensor{}, out.data());
+      for (int64_t m = 0; m < s.M; ++m)
+        for (int64_t n = 0; n < s.N; ++n) {
+          double acc = with_bias ? b.f32[n] : 0.0;
+          for (int64_t k = 0; k < s.K; ++k) acc += (double)x[m * s.K + k] * a.dense[n * s.K + k];
+          ref[m * s.N + n] = (float)acc;
+        }
+      expect_close(out, ref,
+                   "linear int4 g" + std::to_string(s.g) + " M " + std::to_string(s.M) + " N " + std::to_string(s.N) +
+                       " K " + std::to_string(s.K) + (with_bias ? " bias" : ""));
+    }
+  }
+  // int8 activations (AVX-512 VNNI; elsewhere the flag changes nothing): within the stated bound of
+  // 1e-2 relative to the float64 reference, and on a VNNI CPU under avx512 visibly not the fp32 path
+  const bool q8_runs = std::strcmp(g_isa, "avx512") == 0 && __builtin_cpu_supports("avx512vnni");
+  for (const Shape& s : shapes) {
+    AwqWeight a = make_awq(s.N, s.K, s.g);
+    ops::LinearWeight w = ops::pack_linear_awq(a.qw, a.qz, a.sc, (int32_t)s.g);
+    w.int8_activations = true;
+    Weight b = make_weight(DType::F32, s.N, 0);
+    std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN), ref(out.size());
+    ops::linear(x.data(), s.M, w, b.t, out.data());
+    for (int64_t m = 0; m < s.M; ++m)
+      for (int64_t n = 0; n < s.N; ++n) {
+        double acc = b.f32[n];
+        for (int64_t k = 0; k < s.K; ++k) acc += (double)x[m * s.K + k] * a.dense[n * s.K + k];
+        ref[m * s.N + n] = (float)acc;
+      }
+    const std::string name = "linear int4 x int8 g" + std::to_string(s.g) + " M " + std::to_string(s.M) + " N " +
+                             std::to_string(s.N) + " K " + std::to_string(s.K);
+    expect_close(out, ref, name, 1e-2);
+    if (q8_runs && s.M <= ops::kLinearInt8ActMaxRows) expect(rel_err(out, ref) > 1e-6, name + " ran the int8 path");
+  }
+  // int8 weights (the lm_head of int8-activation decode), where the CPU has the kernels
+  if (std::strcmp(g_isa, "avx512") == 0 && ops::int8_dot_available()) {
+    for (const Shape& s : shapes) {
+      Weight w = make_weight(DType::BF16, s.N, s.K, 0.05f);
+      const ops::LinearWeight packed = ops::pack_linear_int8(w.t);
+      std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN), ref(out.size());
+      ops::linear(x.data(), s.M, packed, Tensor{}, out.data());
+      ops::reference::linear(x.data(), s.M, w.t, Tensor{}, ref.data());
+      expect_close(out, ref, "linear int8 x int8 M " + std::to_string(s.M) + " N " + std::to_string(s.N) + " K " +
+                                 std::to_string(s.K), 1e-2);
+    }
+  }
+  // shape errors name the tensor
+  AwqWeight a = make_awq(64, 128, 64);
+  auto throws = [](auto&& f) {
+    try {
+      f();
+    } catch (const Error&) {
+      return true;
+    }
+    return false;
+  };
+  expect(throws([&] { ops::pack_linear_awq(a.qw, a.qz, a.sc, 48); }), "pack_linear_awq rejects group size 48");
+  expect(throws([&] { ops::pack_linear_awq(a.qw, a.qz, a.sc, 32); }), "pack_linear_awq rejects qzeros of another g");
+  expect(throws([&] { ops::pack_linear_awq(a.qw, a.sc, a.sc, 64); }), "pack_linear_awq rejects F16 qzeros");
+}
+
 void test_rope() {
   for (int head_dim : {64, 6, 128})
     for (float scaling : {1.0f, 0.75f}) {
@@ -236,14 +343,21 @@ void test_silu_mul() {
 }
 
 // A pool with several sequences written through kv_write at shuffled blocks; everything else NaN.
+// bits 32: fp32 pool, 8 / 4: quantized (poison: all bytes 0xff, so an unwritten row's fp16 scale is NaN).
 void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int block_size, int window,
-                         const std::vector<std::pair<int, int>>& q_ctx) {
+                         const std::vector<std::pair<int, int>>& q_ctx, int bits = 32) {
   int num_blocks = 3;
   for (auto& [ql, cl] : q_ctx) num_blocks += (cl + block_size - 1) / block_size;
-  const int64_t pool = (int64_t)num_blocks * num_kv_heads * block_size * head_dim;
-  std::vector<float> kpool(pool, NAN), vpool(pool, NAN), kpool_ref(pool, NAN), vpool_ref(pool, NAN);
-  ops::KVLayer kv{kpool.data(), vpool.data(), num_blocks, num_kv_heads, block_size, head_dim};
-  ops::KVLayer kv_ref{kpool_ref.data(), vpool_ref.data(), num_blocks, num_kv_heads, block_size, head_dim};
+  ops::KVLayer kv;
+  kv.bits = bits;
+  kv.num_blocks = num_blocks;
+  kv.num_kv_heads = num_kv_heads;
+  kv.block_size = block_size;
+  kv.head_dim = head_dim;
+  const int64_t pool = num_blocks * kv.block_bytes();
+  std::vector<uint8_t> kpool(pool, 0xff), vpool(pool, 0xff), kpool_ref(pool, 0xff), vpool_ref(pool, 0xff);
+  ops::KVLayer kv_ref = kv;
+  kv.k = kpool.data(), kv.v = vpool.data(), kv_ref.k = kpool_ref.data(), kv_ref.v = vpool_ref.data();
   std::vector<int32_t> free_blocks(num_blocks);
   std::iota(free_blocks.begin(), free_blocks.end(), 0);
   std::shuffle(free_blocks.begin(), free_blocks.end(), g_rng);
@@ -265,13 +379,11 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
     ops::kv_write(kv, k.data(), v.data(), slots.data(), ctx_len);
     ops::reference::kv_write(kv_ref, k.data(), v.data(), slots.data(), ctx_len);
   }
-  const std::string name = "heads " + std::to_string(num_heads) + "/" + std::to_string(num_kv_heads) + " hd " +
+  const std::string name = "bits " + std::to_string(bits) + " heads " + std::to_string(num_heads) + "/" + std::to_string(num_kv_heads) + " hd " +
                            std::to_string(head_dim) + " bs " + std::to_string(block_size) + " window " +
                            std::to_string(window) + " seqs " + std::to_string(q_ctx.size()) + " (q_len " +
                            std::to_string(q_ctx[0].first) + ", ctx " + std::to_string(q_ctx[0].second) + ")";
-  expect(std::memcmp(kpool.data(), kpool_ref.data(), pool * 4) == 0 &&
-             std::memcmp(vpool.data(), vpool_ref.data(), pool * 4) == 0,
-         "kv_write " + name);
+  expect(kpool == kpool_ref && vpool == vpool_ref, "kv_write " + name);
 
   std::vector<float> q = randn((int64_t)rows * num_heads * head_dim), out(q.size(), NAN), ref(q.size());
   const float scale = 1.0f / std::sqrt((float)head_dim);
@@ -282,6 +394,18 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
 }
 
 void test_attention() {
+  // quantized pools: kv_write byte-exact with the reference quantizer, attention against a float64
+  // reference over the dequantized values (prefill, decode, split decode, odd block sizes, windows)
+  for (int bits : {8, 4}) {
+    test_attention_case(9, 3, 64, 16, 0, {{1, 1}}, bits);
+    test_attention_case(9, 3, 64, 7, 0, {{1, 45}, {13, 13}, {5, 100}, {1, 7}, {33, 70}}, bits);
+    test_attention_case(9, 3, 64, 5, 17, {{1, 45}, {40, 40}, {6, 51}}, bits);
+    test_attention_case(4, 2, 80, 6, 0, {{2, 50}, {1, 33}, {2, 2}}, bits);
+    test_attention_case(8, 1, 72, 12, 4, {{30, 30}, {1, 99}}, bits);
+    test_attention_case(2, 1, 256, 16, 0, {{20, 20}, {1, 40}}, bits);
+    test_attention_case(6, 2, 24, 1, 0, {{10, 10}, {2, 37}}, bits);
+    test_attention_case(9, 3, 64, 16, 0, {{1, 700}}, bits);
+  }
   // decode steps, prefill chunks and mixed batches; block sizes not powers of two; ctx not a multiple
   test_attention_case(9, 3, 64, 16, 0, {{1, 1}});
   test_attention_case(9, 3, 64, 16, 0, {{1, 512}});
@@ -321,6 +445,7 @@ int main() {
       test_embedding();
       test_rmsnorm();
       test_linear();
+      test_linear_int4();
       test_rope();
       test_silu_mul();
       test_attention();

@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -30,6 +32,8 @@ bool can_run(const char* isa) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (std::strcmp(isa, "avx512vnni") == 0)  // an extension of the avx512 table's ISA
+    return can_run("avx512") && __builtin_cpu_supports("avx512vnni");
 #endif
   return false;
 }
@@ -53,6 +57,12 @@ const KernelTable& active() {
 }
 
 bool is_float_dtype(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
+
+float weight_value(const Tensor& w, int64_t i) {
+  if (w.dtype == DType::F32) return w.ptr<const float>()[i];
+  const uint16_t h = w.ptr<const uint16_t>()[i];
+  return w.dtype == DType::F16 ? f16_to_f32(h) : bf16_to_f32(h);
+}
 
 void check_weight(const Tensor& w, const char* op, const char* what) {
   LMKIT_CHECK(w.data != nullptr, op, ": ", what, " is empty");
@@ -123,10 +133,21 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 }
 
 int64_t LinearWeight::size_bytes() const {
-  return (n + kLinearPanelCols - 1) / kLinearPanelCols * kLinearPanelCols * k * dtype_size_bytes(dtype);
+  const int64_t panels = (n + kLinearPanelCols - 1) / kLinearPanelCols;
+  if (is_int8) return panels * (k / 32) * (kLinearPanelCols * 2 + 32 * kLinearPanelCols);
+  if (is_int4())  // per group: fp16 scale + u8 zero per column, then the nibbles
+    return panels * (k / group_size) * (kLinearPanelCols * 3 + (int64_t)group_size / 4 * 64);
+  return panels * kLinearPanelCols * k * dtype_size_bytes(dtype);
 }
 
 namespace {
+std::shared_ptr<void> alloc_packed(int64_t bytes, const char* what) {
+  bytes = (bytes + 63) / 64 * 64;
+  void* buf = std::aligned_alloc(64, (size_t)bytes);
+  LMKIT_CHECK(buf != nullptr, "out of memory packing ", what, " (", bytes, " bytes)");
+  return std::shared_ptr<void>(buf, std::free);
+}
+
 // Panels are independent: split them over plain threads. (Not OpenMP: an OpenMP team created on the
 // loading thread keeps its workers, which then compete with the engine thread's team for the cores.)
 template <typename E>
@@ -164,15 +185,123 @@ LinearWeight pack_linear(const Tensor& weight) {
   packed.n = weight.shape[0];
   packed.k = weight.shape[1];
   LMKIT_CHECK(packed.n > 0 && packed.k > 0, "pack_linear: bad shape [", packed.n, ", ", packed.k, "]");
-  const int64_t bytes = (packed.size_bytes() + 63) / 64 * 64;
-  void* buf = std::aligned_alloc(64, (size_t)bytes);
-  LMKIT_CHECK(buf != nullptr, "pack_linear: out of memory for a [", packed.n, ", ", packed.k, "] ",
-              dtype_name(weight.dtype), " weight (", bytes, " bytes)");
-  packed.storage = std::shared_ptr<void>(buf, std::free);
+  packed.storage = alloc_packed(packed.size_bytes(), "a linear weight");
+  void* buf = packed.storage.get();
   if (weight.dtype == DType::F32)
     pack_panels(weight.ptr<const uint32_t>(), packed.n, packed.k, static_cast<uint32_t*>(buf));
   else
     pack_panels(weight.ptr<const uint16_t>(), packed.n, packed.k, static_cast<uint16_t*>(buf));
+  return packed;
+}
+
+namespace {
+std::string shape_of(const Tensor& t) {
+  std::string out = "[";
+  for (int i = 0; i < t.ndim; ++i) out += (i ? ", " : "") + std::to_string(t.shape[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+LinearWeight pack_linear_awq(const Tensor& qweight, const Tensor& qzeros, const Tensor& scales, int32_t group_size) {
+  LMKIT_CHECK_ARG(group_size == 32 || group_size == 64 || group_size == 128, "AWQ: group_size must be 32, 64 or 128, got ",
+                  group_size);
+  LMKIT_CHECK_ARG(qweight.data && qweight.dtype == DType::I32 && qweight.ndim == 2,
+                  "AWQ: qweight must be a 2-d I32 tensor [in, out / 8], got ", dtype_name(qweight.dtype), " ",
+                  shape_of(qweight));
+  const int64_t K = qweight.shape[0], N = qweight.shape[1] * 8, g = group_size;
+  LMKIT_CHECK_ARG(K > 0 && N > 0 && K % g == 0, "AWQ: in_features ", K, " is not a multiple of group_size ", g);
+  LMKIT_CHECK_ARG(qzeros.data && qzeros.dtype == DType::I32 && qzeros.ndim == 2 && qzeros.shape[0] == K / g &&
+                      qzeros.shape[1] == N / 8,
+                  "AWQ: qzeros must be I32 [", K / g, ", ", N / 8, "] for qweight ", shape_of(qweight), " and group_size ",
+                  g, ", got ", dtype_name(qzeros.dtype), " ", shape_of(qzeros));
+  LMKIT_CHECK_ARG(scales.data && scales.dtype == DType::F16 && scales.ndim == 2 && scales.shape[0] == K / g &&
+                      scales.shape[1] == N,
+                  "AWQ: scales must be F16 [", K / g, ", ", N, "] for qweight ", shape_of(qweight), " and group_size ",
+                  g, ", got ", dtype_name(scales.dtype), " ", shape_of(scales));
+  LinearWeight packed;
+  packed.dtype = DType::F16;
+  packed.group_size = group_size;
+  packed.n = N;
+  packed.k = K;
+  packed.storage = alloc_packed(packed.size_bytes(), "an AWQ weight");
+  constexpr int64_t P = kLinearPanelCols;
+  static constexpr int kNibbleOf[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // column n % 8 -> nibble (AutoAWQ GEMM order)
+  const uint32_t* qw = qweight.ptr<const uint32_t>();
+  const uint32_t* qz = qzeros.ptr<const uint32_t>();
+  const uint16_t* sc = scales.ptr<const uint16_t>();
+  auto nib = [&](const uint32_t* m, int64_t row, int64_t n) -> uint8_t {
+    return n < N ? (uint8_t)((m[row * (N / 8) + n / 8] >> (4 * kNibbleOf[n % 8])) & 15u) : 0;
+  };
+  const int64_t group_bytes = P * 3 + g * P / 2, num_panels = (N + P - 1) / P;
+  uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
+  for (int64_t p = 0; p < num_panels; ++p)
+    for (int64_t gi = 0; gi < K / g; ++gi) {
+      uint8_t* blk = dst + (p * (K / g) + gi) * group_bytes;
+      for (int64_t j = 0; j < P; ++j) {
+        const int64_t n = p * P + j;
+        const uint16_t s = n < N ? sc[gi * N + n] : 0;
+        std::memcpy(blk + 2 * j, &s, 2);
+        blk[2 * P + j] = nib(qz, gi, n);
+      }
+      // quads of 4 k: byte i of 32-bit lane j = q[k0 + i, j] | q[k0 + i, j + 16] << 4
+      for (int64_t r = 0; r < g; ++r)
+        for (int64_t j = 0; j < P / 2; ++j)
+          blk[3 * P + (r / 4) * 64 + 4 * j + r % 4] =
+              (uint8_t)(nib(qw, gi * g + r, p * P + j) | nib(qw, gi * g + r, p * P + j + P / 2) << 4);
+    }
+  return packed;
+}
+
+bool int8_dot_available() {
+  static const bool has = cpu::can_run("avx512vnni");
+  return has && cpu::active().linear_int8_q8 != nullptr;
+}
+
+LinearWeight pack_linear_int8(const Tensor& weight) {
+  cpu::check_weight(weight, "pack_linear_int8", "weight");
+  LMKIT_CHECK(weight.ndim == 2 && weight.shape[1] % 32 == 0 && weight.shape[0] > 0,
+              "pack_linear_int8: weight must be [N, K] with K a multiple of 32, got ", shape_of(weight));
+  LMKIT_CHECK(int8_dot_available(), "pack_linear_int8: this CPU has no int8 dot-product kernels (AVX-512 VNNI)");
+  LinearWeight packed;
+  packed.dtype = DType::F16;
+  packed.is_int8 = true;
+  packed.int8_activations = true;
+  packed.n = weight.shape[0];
+  packed.k = weight.shape[1];
+  packed.storage = alloc_packed(packed.size_bytes(), "an int8 weight");
+  constexpr int64_t P = kLinearPanelCols, B = 32, block_bytes = P * 2 + B * P;
+  const int64_t N = packed.n, K = packed.k, nb = K / B, num_panels = (N + P - 1) / P;
+  uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
+  auto pack_range = [&](int64_t p0, int64_t p1) {
+    float w[B];
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* blk = dst + (p * nb + b) * block_bytes;
+        for (int64_t j = 0; j < P; ++j) {
+          const int64_t n = p * P + j;
+          float amax = 0.0f;
+          for (int64_t i = 0; i < B; ++i) {
+            w[i] = n < N ? cpu::weight_value(weight, n * K + b * B + i) : 0.0f;
+            amax = std::max(amax, std::fabs(w[i]));
+          }
+          const uint16_t dh = f32_to_f16(amax / 127.0f);
+          const float d = f16_to_f32(dh);
+          std::memcpy(blk + 2 * j, &dh, 2);
+          for (int64_t i = 0; i < B; ++i) {
+            const float q = d == 0.0f ? 0.0f : std::clamp(std::nearbyint(w[i] / d), -127.0f, 127.0f);
+            // quad t = i / 4, half h = j / 16: byte i % 4 of lane j % 16
+            blk[2 * P + (i / 4) * 128 + (j / 16) * 64 + (j % 16) * 4 + i % 4] = (uint8_t)((int)q + 128);
+          }
+        }
+      }
+  };
+  const int64_t num_threads = std::max<int64_t>(1, std::min<int64_t>({(int64_t)std::thread::hardware_concurrency(), num_panels / 8, 16}));
+  std::vector<std::thread> threads;
+  for (int64_t t = 1; t < num_threads; ++t)
+    threads.emplace_back(pack_range, num_panels * t / num_threads, num_panels * (t + 1) / num_threads);
+  pack_range(0, num_panels / num_threads);
+  for (std::thread& t : threads) t.join();
   return packed;
 }
 
@@ -197,7 +326,17 @@ void linear(const float* x, int64_t M, const LinearWeight& weight, const Tensor&
       b = bias_f32.data();
     }
   }
-  cpu::active().linear(x, M, weight.storage.get(), weight.dtype, N, K, b, out);
+  static const bool has_vnni = cpu::can_run("avx512vnni");
+  const cpu::KernelTable& t = cpu::active();
+  if (weight.is_int8) {
+    LMKIT_CHECK(t.linear_int8_q8 && has_vnni, "linear: int8 weights need the int8 dot-product kernels");
+    t.linear_int8_q8(x, M, weight.storage.get(), N, K, b, out);
+  } else if (weight.is_int4() && weight.int8_activations && M <= kLinearInt8ActMaxRows && t.linear_int4_q8 && has_vnni)
+    t.linear_int4_q8(x, M, weight.storage.get(), N, K, weight.group_size, b, out);
+  else if (weight.is_int4())
+    t.linear_int4(x, M, weight.storage.get(), N, K, weight.group_size, b, out);
+  else
+    t.linear(x, M, weight.storage.get(), weight.dtype, N, K, b, out);
 }
 
 void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias, float* out) {
@@ -230,6 +369,9 @@ void check_kv(const KVLayer& kv, const char* op) {
   LMKIT_CHECK(kv.num_blocks > 0 && kv.num_kv_heads > 0 && kv.block_size > 0, op, ": bad KV layer (blocks ",
               kv.num_blocks, ", kv heads ", kv.num_kv_heads, ", block_size ", kv.block_size, ")");
   LMKIT_CHECK(kv.head_dim > 0 && kv.head_dim <= 1024, op, ": head_dim must be in [1, 1024], got ", kv.head_dim);
+  LMKIT_CHECK(kv.bits == 32 || kv.bits == 8 || kv.bits == 4, op, ": KV bits must be 32 (fp32), 8 or 4, got ", kv.bits);
+  LMKIT_CHECK(kv.bits == 32 || (kv.head_dim % 2 == 0 && kv.head_dim <= kKVQuantMaxHeadDim), op,
+              ": a quantized KV cache needs an even head_dim <= ", kKVQuantMaxHeadDim, ", got ", kv.head_dim);
 }
 }  // namespace
 

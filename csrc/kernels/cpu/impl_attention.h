@@ -26,23 +26,52 @@ constexpr int kAttnMaxTaskFloats = 8192;    // R * padded head_dim: the task's o
 constexpr float kAttnNoMax = -1e30f;        // running max before any key: finite, so exp(-inf - m) = 0
 constexpr int64_t kAttnMinSplitKeys = 128;  // a decode task is split over its keys only this coarsely
 
+// out[0:hd] = q * scale + zero of one quantized pool row (ops::KVLayer), in fp32.
+inline void kv_dequant_row(const uint8_t* q, const uint16_t* params, int hd, int bits, float* out) {
+  const float s = f16_to_f32(params[0]), z = f16_to_f32(params[1]);
+  const V vs = vset1(s), vz = vset1(z);
+  if (bits == 8) {
+    int d = 0;
+    for (; d + kW <= hd; d += kW) vstore(out + d, vfma(vload_u8(q + d), vs, vz));
+    for (; d < hd; ++d) out[d] = (float)q[d] * s + z;
+  } else {
+    const int half = hd / 2;
+    int d = 0;
+    for (; d + kW <= half; d += kW) {
+      V lo, hi;
+      vload_nibbles(q + d, lo, hi);
+      vstore(out + d, vfma(lo, vs, vz));
+      vstore(out + half + d, vfma(hi, vs, vz));
+    }
+    for (; d < half; ++d) out[d] = (float)(q[d] & 15) * s + z, out[half + d] = (float)(q[d] >> 4) * s + z;
+  }
+}
+
 // Pool rows of kv head h for keys c0 .. c0 + n - 1 of a sequence into krow[j], vrow[j] (j < n), and
-// `zero` for j in [n, count):  row of position p = base[((table[p / bs] * nkv + h) * bs + p % bs) * hd].
+// `zero` for j in [n, count). fp32 rows are pointed at in place; quantized rows are dequantized into
+// kbuf / vbuf (row j at j * head_dim): only this chunk of keys, never a copy of the cache.
 // The block and offset are stepped, not divided, per key.
 inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_t c0, int n, int count,
-                      const float* zero, const float** krow, const float** vrow) {
-  const int64_t bs = kv.block_size, hd = kv.head_dim;
+                      const float* zero, const float** krow, const float** vrow, float* kbuf, float* vbuf) {
+  const int64_t bs = kv.block_size, hd = kv.head_dim, rb = kv.row_bytes(), bb = kv.block_bytes();
+  const int64_t params_at = (int64_t)kv.num_kv_heads * bs * rb;
   int64_t b = c0 / bs, off = c0 % bs;
-  int64_t base = (((int64_t)table[b] * kv.num_kv_heads + h) * bs + off) * hd;
   for (int j = 0; j < n; ++j) {
-    krow[j] = kv.k + base;
-    vrow[j] = kv.v + base;
-    if (++off == bs && j + 1 < n) {
-      off = 0;
-      base = (((int64_t)table[++b] * kv.num_kv_heads + h) * bs) * hd;
+    const char* kb = (const char*)kv.k + (int64_t)table[b] * bb;
+    const char* vb = (const char*)kv.v + (int64_t)table[b] * bb;
+    const int64_t row = h * bs + off;
+    if (kv.bits == 32) {
+      krow[j] = (const float*)(kb + row * rb);
+      vrow[j] = (const float*)(vb + row * rb);
     } else {
-      base += hd;
+      kv_dequant_row((const uint8_t*)kb + row * rb, (const uint16_t*)(kb + params_at) + 2 * row, (int)hd, kv.bits,
+                     kbuf + j * hd);
+      kv_dequant_row((const uint8_t*)vb + row * rb, (const uint16_t*)(vb + params_at) + 2 * row, (int)hd, kv.bits,
+                     vbuf + j * hd);
+      krow[j] = kbuf + j * hd;
+      vrow[j] = vbuf + j * hd;
     }
+    if (++off == bs) off = 0, ++b;
   }
   for (int j = n; j < count; ++j) krow[j] = vrow[j] = zero;
 }
@@ -112,6 +141,7 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
   alignas(64) float st[kAttnChunk * ld];                                // [key][row]: scores, then p
   alignas(64) float pos[ld], lo[ld], m[ld], lsum[ld], corr[kW];
   float* orow[kAttnMaxRows];
+  alignas(64) float kdq[kAttnChunk * kKVQuantMaxHeadDim], vdq[kAttnChunk * kKVQuantMaxHeadDim];  // quantized KV
   const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
   for (int r = 0; r < RV * kW; ++r) {
     const float* qr = kZeroRow;
@@ -138,7 +168,7 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kAttnChunk) {
     const int n = key_hi - c0 < kAttnChunk ? (int)(key_hi - c0) : kAttnChunk;
     const int nb = (n + kAttnKeyBlock - 1) / kAttnKeyBlock;
-    gather_kv(kv, seq.block_table, kvh, c0, n, nb * kAttnKeyBlock, kZeroRow, krow, vrow);
+    gather_kv(kv, seq.block_table, kvh, c0, n, nb * kAttnKeyBlock, kZeroRow, krow, vrow, kdq, vdq);
     for (int b = 0; b < nb; ++b) scores_t<RV>(krow + b * kAttnKeyBlock, qt, hd, st + b * kAttnKeyBlock * ld);
     // masking is needed only where the chunk crosses some row's position or window start
     const bool masked = (float)(c0 + n - 1) > pos[0] || (float)c0 < lo[RV * kW - 1];
@@ -209,6 +239,7 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
   alignas(64) float lsum[4 * kW];
   float* orow[G];
   float pos[G], lo[G], m[G];
+  alignas(64) float kdq[kW * kKVQuantMaxHeadDim], vdq[kW * kKVQuantMaxHeadDim];  // quantized KV
   const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
   for (int r = 0; r < G; ++r) {
     const int64_t rho = rho0 + r, head = (int64_t)kvh * group + rho % group, row = seq.q_row + rho / group;
@@ -232,7 +263,7 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
   const float* vrow[kW];
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kW) {
     const int n = key_hi - c0 < kW ? (int)(key_hi - c0) : kW;
-    gather_kv(kv, seq.block_table, kvh, c0, n, kW, kZeroRow, krow, vrow);
+    gather_kv(kv, seq.block_table, kvh, c0, n, kW, kZeroRow, krow, vrow, kdq, vdq);
     V a[G][kW];  // a[r][j]: partial sums of row r . key j (registers for G x 4 of them at a time)
     for (int j0 = 0; j0 < kW; j0 += 4) {
       V acc[G][4];

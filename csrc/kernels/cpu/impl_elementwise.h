@@ -118,17 +118,46 @@ void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, floa
 }
 
 // k, v rows [n, num_kv_heads, head_dim] -> pool slots; a negative slot (padding) is skipped.
+// One row of head_dim values quantized (bits 8 / 4) into `dst` with its fp16 (scale, zero) in `params`,
+// exactly as ops.h / lmkit/kv_policy.py define it.
+inline void kv_quant_row(const float* x, int hd, int bits, uint8_t* dst, uint16_t* params) {
+  float mn = x[0], mx = x[0];
+  for (int d = 1; d < hd; ++d) mn = x[d] < mn ? x[d] : mn, mx = x[d] > mx ? x[d] : mx;
+  const float qmax = bits == 8 ? 255.0f : 15.0f;
+  params[0] = f32_to_f16((mx - mn) / qmax);
+  params[1] = f32_to_f16(mn);
+  const float s = f16_to_f32(params[0]), z = f16_to_f32(params[1]);
+  uint8_t q[kKVQuantMaxHeadDim];
+  for (int d = 0; d < hd; ++d) {
+    const float r = s == 0.0f ? 0.0f : nearbyintf((x[d] - z) / s);
+    q[d] = (uint8_t)(r < 0.0f ? 0.0f : r > qmax ? qmax : r);
+  }
+  if (bits == 8) {
+    memcpy(dst, q, (size_t)hd);
+  } else {
+    for (int d = 0; d < hd / 2; ++d) dst[d] = (uint8_t)(q[d] | q[d + hd / 2] << 4);
+  }
+}
+
 void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n) {
   const int64_t hd = kv.head_dim, nkv = kv.num_kv_heads, bs = kv.block_size;
-#pragma omp parallel for schedule(static) if (worth_threads(n * nkv * hd))
+  const int64_t rb = kv.row_bytes(), bb = kv.block_bytes();
+#pragma omp parallel for schedule(static) if (worth_threads(n * nkv * hd * (kv.bits == 32 ? 1 : 16)))
   for (int64_t t = 0; t < n; ++t) {
     const int64_t slot = slots[t];
     if (slot < 0) continue;
     const int64_t block = slot / bs, offset = slot % bs;
+    char* kb = (char*)kv.k + block * bb;
+    char* vb = (char*)kv.v + block * bb;
     for (int64_t h = 0; h < nkv; ++h) {
-      const int64_t dst = ((block * nkv + h) * bs + offset) * hd, src = (t * nkv + h) * hd;
-      memcpy(kv.k + dst, k + src, (size_t)hd * 4);
-      memcpy(kv.v + dst, v + src, (size_t)hd * 4);
+      const int64_t row = h * bs + offset, src = (t * nkv + h) * hd;
+      if (kv.bits == 32) {
+        memcpy(kb + row * rb, k + src, (size_t)hd * 4);
+        memcpy(vb + row * rb, v + src, (size_t)hd * 4);
+      } else {
+        kv_quant_row(k + src, (int)hd, kv.bits, (uint8_t*)kb + row * rb, (uint16_t*)(kb + nkv * bs * rb) + 2 * row);
+        kv_quant_row(v + src, (int)hd, kv.bits, (uint8_t*)vb + row * rb, (uint16_t*)(vb + nkv * bs * rb) + 2 * row);
+      }
     }
   }
 }

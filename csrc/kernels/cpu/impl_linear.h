@@ -166,3 +166,324 @@ void linear(const float* x, int64_t M, const void* w, DType dt, int64_t N, int64
   else if (dt == DType::BF16) linear_dt<(int)DType::BF16>(x, M, w, N, K, bias, out);
   else linear_dt<(int)DType::F32>(x, M, w, N, K, bias, out);
 }
+
+// ------------------------------------------------------------------------------------------- int4
+// The int4 panels of ops::LinearWeight (AWQ, repacked at load): per panel, K / g group blocks of
+//   scales [32] fp16 | zeros [32] u8 | g / 4 quads of 64 bytes
+// quad t: 16 little-endian 32-bit lanes; byte i of lane j = q[4t + i, j] | q[4t + i, j + 16] << 4,
+// i.e. lane j holds 4 consecutive k of columns j and j + 16: the operand layout of VNNI's vpdpbusd
+// (4 u8 x 4 s8 products per 32-bit lane), and for the fp32 path one shift + mask per k and vector.
+// w[k, j] = (q - zero) * scale = fma(q, scale, -zero * scale): both products are exact in fp32 (4-bit
+// integers times an fp16 scale), so the dequantized weight is exact and so is the fp32 path built on it.
+//   - decode (M small): a tile unpacks each k of a quad in registers (no dequantized copy anywhere),
+//     or, with int8 activations on a VNNI CPU, runs integer dot products (linear_int4_q8 below);
+//   - prefill: a K block of the panel is dequantized once into the L1 buffer and reused by every tile.
+constexpr int64_t kI4Head = kPanel * 3;  // scales (2 B) + zeros (1 B) per column
+constexpr int64_t kI4Quad = 64;          // 4 k x 32 columns of nibbles
+inline int64_t i4_group_bytes(int64_t g) { return kI4Head + g / 4 * kI4Quad; }
+
+// The group's scale and -zero * scale per column vector.
+__attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, V s[kNV], V nzs[kNV]) {
+  for (int v = 0; v < kNV; ++v) {
+    s[v] = vload_f16((const uint16_t*)blk + v * kW);
+    nzs[v] = vzero() - s[v] * vload_u8(blk + kPanel * 2 + v * kW);
+  }
+}
+// The 32 dequantized weights of k = 4t + i of a quad.
+__attribute__((always_inline)) inline void i4_row(const uint8_t* quad, int i, const V s[kNV], const V nzs[kNV], V w[kNV]) {
+  for (int h = 0; h < kNV / 2; ++h) vload_dword_nibbles(quad + h * kW * 4, 8 * i, w[h], w[h + kNV / 2]);
+  for (int v = 0; v < kNV; ++v) w[v] = vfma(w[v], s[v], nzs[v]);
+}
+
+// c[i, 0:ncols] = bias + x[i, 0:K] . W_panel for i < MR, dequantizing in registers.
+template <int MR>
+inline void i4_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g, float* c, int64_t ldc,
+                    int ncols, const float* bias) {
+  constexpr int KU = MR <= 2 ? 2 : 1;  // hide the FMA latency of short chains
+  V acc[KU][MR][kNV];
+  for (int u = 0; u < KU; ++u)
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < kNV; ++v) acc[u][i][v] = vzero();
+  const int64_t gb = i4_group_bytes(g);
+  for (int64_t k0 = 0; k0 < K; k0 += g) {
+    const uint8_t* blk = panel + (k0 / g) * gb;
+    V s[kNV], nzs[kNV];
+    i4_group_params(blk, s, nzs);
+    for (int64_t t = 0; t < g / 4; ++t) {
+      const uint8_t* quad = blk + kI4Head + t * kI4Quad;
+      prefetch(quad + kPrefetchBytes);
+      for (int r0 = 0; r0 < 4; r0 += KU) {
+#pragma GCC unroll 2
+        for (int u = 0; u < KU; ++u) {
+          V w[kNV];
+          i4_row(quad, r0 + u, s, nzs, w);
+#pragma GCC unroll 16
+          for (int i = 0; i < MR; ++i) {
+            const V a = vset1(x[i * ldx + k0 + 4 * t + r0 + u]);
+            for (int v = 0; v < kNV; ++v) acc[u][i][v] = vfma(a, w[v], acc[u][i][v]);
+          }
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float* ci = c + i * ldc;
+    for (int v = 0; v < kNV; ++v) {
+      V sum = acc[0][i][v];
+      for (int u = 1; u < KU; ++u) sum = sum + acc[u][i][v];
+      const int j = v * kW, n = ncols - j < kW ? ncols - j : kW;
+      if (n <= 0) break;
+      if (bias) sum = sum + vload(bias + j);
+      if (n == kW) vstore(ci + j, sum);
+      else vstore_n(ci + j, sum, n);
+    }
+  }
+}
+
+template <int MR = kMRMax>
+inline void i4_tile_n(int mr, const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g, float* c,
+                      int64_t ldc, int ncols, const float* bias) {
+  if (mr == MR) i4_tile<MR>(x, ldx, panel, K, g, c, ldc, ncols, bias);
+  else if constexpr (MR > 1) i4_tile_n<MR - 1>(mr, x, ldx, panel, K, g, c, ldc, ncols, bias);
+}
+
+// bp[k][j] = w[k0 + k, j] as fp32 for k < kc (k0 and kc multiples of g).
+inline void i4_convert(const uint8_t* panel, int64_t g, int64_t k0, int64_t kc, float* bp) {
+  const int64_t gb = i4_group_bytes(g);
+  for (int64_t k = k0; k < k0 + kc; k += g) {
+    const uint8_t* blk = panel + (k / g) * gb;
+    V s[kNV], nzs[kNV];
+    i4_group_params(blk, s, nzs);
+    for (int64_t r = 0; r < g; ++r) {
+      V w[kNV];
+      i4_row(blk + kI4Head + r / 4 * kI4Quad, (int)(r % 4), s, nzs, w);
+      for (int v = 0; v < kNV; ++v) vstore(bp + (k - k0 + r) * kPanel + v * kW, w[v]);
+    }
+  }
+}
+
+constexpr int64_t kI4ConvertMinRows = 2 * kMRMax + 1;  // from here on, dequantizing into L1 once wins
+
+void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, const float* bias,
+                 float* out) {
+  const int64_t num_panels = (N + kPanel - 1) / kPanel;
+  const int64_t panel_bytes = K / g * i4_group_bytes(g);
+  const int64_t kcb = kKC / g * g;  // K block: whole groups
+  int64_t mblock = kMBlockBytes / (K * 4) / kMRMax * kMRMax;
+  if (mblock < kMRMax) mblock = kMRMax;
+  const bool convert = (M < mblock ? M : mblock) >= kI4ConvertMinRows;
+#pragma omp parallel if (M * N * K >= (1 << 15))
+  {
+    alignas(64) float bp[kKC * kPanel];
+    alignas(64) float bias_tile[kPanel];
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t p0 = num_panels * tid / nt, p1 = num_panels * (tid + 1) / nt;
+    for (int64_t mb = 0; mb < M; mb += mblock) {
+      const int64_t rows = M - mb < mblock ? M - mb : mblock;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * kPanel;
+        const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
+        if (bias)
+          for (int j = 0; j < kPanel; ++j) bias_tile[j] = j < ncols ? bias[n0 + j] : 0.0f;
+        const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
+        float* c = out + mb * N + n0;
+        const float* xb = x + mb * K;
+        if (!convert) {
+          int64_t tiles = (rows + kMRMax - 1) / kMRMax;
+          for (int64_t m = 0; m < rows; --tiles) {
+            const int mr = (int)((rows - m + tiles - 1) / tiles);
+            i4_tile_n(mr, xb + m * K, K, panel, K, g, c + m * N, N, ncols, bias ? bias_tile : nullptr);
+            m += mr;
+          }
+          continue;
+        }
+        for (int64_t k0 = 0; k0 < K; k0 += kcb) {
+          const int64_t kc = K - k0 < kcb ? K - k0 : kcb;
+          i4_convert(panel, g, k0, kc, bp);
+          panel_rows<(int)DType::F32, false>(xb + k0, K, rows, bp, kc, c, N, ncols, k0 == 0,
+                                             bias ? bias_tile : nullptr);
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ int4 x int8 (AVX-512 VNNI), decode
+// llama.cpp's trick for bandwidth-bound decode: activations are quantized to int8 per block of 32
+// (x ~ dx * qx, dx = max|x| / 127, round half to even), and each block of a panel is a sum of integer
+// dot products, vpdpbusd(u8 weight nibbles, s8 activations), exact in int32; per block and column:
+//   sum_k x[k] w[k, j] ~ dx * (scale_j * sum_k q[k, j] qx[k] - scale_j * zero_j * sum_k qx[k])
+// The only approximation is the rounding of x (relative error ~ 1/254 per value, averaging out over K):
+// the engine's fp32 path stays exact and is chosen with awq_int8_activations=false.
+#if defined(__AVX512F__)
+#define LMKIT_VNNI __attribute__((target("avx512vnni")))
+constexpr int kQ8Block = 32;
+constexpr int kQ8MR = 4;  // rows per tile: 4 x (2 int32 + 2 fp32 accumulators) + operands in 32 zmm
+
+// Row x[0:K] -> qx[0:K], dx[K / 32], sx[K / 32] (sum of each block's qx, as float).
+inline void q8_quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K / kQ8Block; ++b) {
+    const __m512 a = _mm512_loadu_ps(x + b * kQ8Block), c = _mm512_loadu_ps(x + b * kQ8Block + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, c)));
+    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+    const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i*)(qx + b * kQ8Block), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128((__m128i*)(qx + b * kQ8Block + 16), _mm512_cvtsepi32_epi8(qc));
+    dx[b] = d;
+    sx[b] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+  }
+}
+
+template <int MR>
+LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
+                               int64_t g, float* c, int64_t ldc, int ncols, const float* bias) {
+  const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g);
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  __m512 tot[MR][2];
+  for (int i = 0; i < MR; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += g) {
+    const uint8_t* blk = panel + (k0 / g) * gb;
+    __m512 s[2], zs[2];
+    for (int v = 0; v < 2; ++v) {
+      s[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
+      zs[v] = _mm512_mul_ps(s[v], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)))));
+    }
+    for (int64_t b = 0; b < g / kQ8Block; ++b) {
+      const int64_t kb = (k0 / kQ8Block) + b;
+      __m512i acc[MR][2];
+      for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+      const uint8_t* quads = blk + kI4Head + b * (kQ8Block / 4) * kI4Quad;
+#pragma GCC unroll 8
+      for (int t = 0; t < kQ8Block / 4; ++t) {
+        const __m512i raw = _mm512_loadu_si512(quads + t * kI4Quad);
+        _mm_prefetch((const char*)(quads + t * kI4Quad + kPrefetchBytes), _MM_HINT_T0);
+        const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        for (int i = 0; i < MR; ++i) {
+          int32_t q4;
+          memcpy(&q4, qx + i * K + kb * kQ8Block + 4 * t, 4);
+          const __m512i xq = _mm512_set1_epi32(q4);
+          acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], lo, xq);
+          acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], hi, xq);
+        }
+      }
+      for (int i = 0; i < MR; ++i) {
+        const __m512 d = _mm512_set1_ps(dx[i * nb + kb]), sum = _mm512_set1_ps(sx[i * nb + kb]);
+        for (int v = 0; v < 2; ++v) {
+          const __m512 f = _mm512_fnmadd_ps(zs[v], sum, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][v]), s[v]));
+          tot[i][v] = _mm512_fmadd_ps(d, f, tot[i][v]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < 2; ++v) {
+      const int j = 16 * v, n = ncols - j < 16 ? ncols - j : 16;
+      if (n <= 0) break;
+      V sum = {tot[i][v]};
+      if (bias) sum = sum + vload(bias + j);
+      vstore_n(c + i * ldc + j, sum, n);
+    }
+}
+
+// The same for an int8 panel (ops::LinearWeight is_int8): per 32-k block, scales [32] fp16 then
+// 8 quads x 2 halves (columns 0-15, 16-31) of u8 = q + 128, so that
+//   sum_k q[k, j] qx[k] = sum_k u8[k, j] qx[k] - 128 * sum_k qx[k]      (exact in int32 / fp32)
+template <int MR>
+LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64_t K,
+                                  const uint8_t* panel, float* c, int64_t ldc, int ncols, const float* bias) {
+  const int64_t nb = K / kQ8Block, block_bytes = kPanel * 2 + kQ8Block * kPanel;
+  __m512 tot[MR][2];
+  for (int i = 0; i < MR; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
+  const __m512 m128 = _mm512_set1_ps(128.0f);
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    const uint8_t* blk = panel + kb * block_bytes;
+    __m512 d[2];
+    for (int v = 0; v < 2; ++v) d[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
+    __m512i acc[MR][2];
+    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+    const uint8_t* quads = blk + kPanel * 2;
+#pragma GCC unroll 8
+    for (int t = 0; t < kQ8Block / 4; ++t) {
+      const __m512i w0 = _mm512_loadu_si512(quads + t * 128), w1 = _mm512_loadu_si512(quads + t * 128 + 64);
+      _mm_prefetch((const char*)(quads + t * 128 + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch((const char*)(quads + t * 128 + 64 + kPrefetchBytes), _MM_HINT_T0);
+      for (int i = 0; i < MR; ++i) {
+        int32_t q4;
+        memcpy(&q4, qx + i * K + kb * kQ8Block + 4 * t, 4);
+        const __m512i xq = _mm512_set1_epi32(q4);
+        acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], w0, xq);
+        acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], w1, xq);
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 dxi = _mm512_set1_ps(dx[i * nb + kb]), corr = _mm512_mul_ps(m128, _mm512_set1_ps(sx[i * nb + kb]));
+      for (int v = 0; v < 2; ++v) {
+        const __m512 f = _mm512_sub_ps(_mm512_cvtepi32_ps(acc[i][v]), corr);
+        tot[i][v] = _mm512_fmadd_ps(dxi, _mm512_mul_ps(f, d[v]), tot[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < 2; ++v) {
+      const int j = 16 * v, n = ncols - j < 16 ? ncols - j : 16;
+      if (n <= 0) break;
+      V sum = {tot[i][v]};
+      if (bias) sum = sum + vload(bias + j);
+      vstore_n(c + i * ldc + j, sum, n);
+    }
+}
+
+// g > 0: int4 panels with group size g; g == 0: int8 panels.
+template <int MR = kQ8MR>
+LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K,
+                                 const uint8_t* panel, int64_t g, float* c, int64_t ldc, int ncols, const float* bias) {
+  if (mr == MR) {
+    if (g > 0) q8_tile<MR>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias);
+    else q8_tile_i8<MR>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
+  } else if constexpr (MR > 1) {
+    q8_tile_n<MR - 1>(mr, qx, dx, sx, K, panel, g, c, ldc, ncols, bias);
+  }
+}
+
+// out = x @ w^T (+ bias) with int8 activations over int4 (g > 0) or int8 (g == 0) panels; K % 32 == 0.
+LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,
+                          const float* bias, float* out) {
+  const int64_t nb = K / kQ8Block, num_panels = (N + kPanel - 1) / kPanel;
+  const int64_t panel_bytes = g > 0 ? K / g * i4_group_bytes(g) : nb * (kPanel * 2 + kQ8Block * kPanel);
+  int8_t* qx = (int8_t*)malloc((size_t)(M * K + 2 * M * nb * 4));
+  if (qx == nullptr) abort();  // out of memory; no way to report it from here
+  float* dx = (float*)(qx + M * K);
+  float* sx = dx + M * nb;
+  for (int64_t m = 0; m < M; ++m) q8_quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb);
+#pragma omp parallel if (M * N * K >= (1 << 15))
+  {
+    alignas(64) float bias_tile[kPanel];
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t p0 = num_panels * tid / nt, p1 = num_panels * (tid + 1) / nt;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPanel;
+      const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
+      if (bias)
+        for (int j = 0; j < kPanel; ++j) bias_tile[j] = j < ncols ? bias[n0 + j] : 0.0f;
+      const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
+      int64_t tiles = (M + kQ8MR - 1) / kQ8MR;
+      for (int64_t m = 0; m < M; --tiles) {
+        const int mr = (int)((M - m + tiles - 1) / tiles);
+        q8_tile_n(mr, qx + m * K, dx + m * nb, sx + m * nb, K, panel, g, out + m * N + n0, N, ncols,
+                  bias ? bias_tile : nullptr);
+        m += mr;
+      }
+    }
+  }
+  free(qx);
+}
+void linear_int4_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, const float* bias,
+                    float* out) {
+  linear_q8(x, M, w, N, K, g, bias, out);
+}
+void linear_int8_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
+  linear_q8(x, M, w, N, K, 0, bias, out);
+}
+#endif

@@ -13,10 +13,16 @@ namespace {
 }  // namespace
 }  // namespace LMKIT_ISA
 
+#if defined(__AVX512F__)
+#define LMKIT_ISA_Q8 &LMKIT_ISA::linear_int4_q8, &LMKIT_ISA::linear_int8_q8
+#else
+#define LMKIT_ISA_Q8 nullptr, nullptr
+#endif
+
 const KernelTable* LMKIT_ISA_TABLE() {
   static const KernelTable table = {
       LMKIT_ISA_NAME,         &LMKIT_ISA::embedding, &LMKIT_ISA::rmsnorm, &LMKIT_ISA::add_rmsnorm,
-      &LMKIT_ISA::linear,     &LMKIT_ISA::rope,      &LMKIT_ISA::silu_mul, &LMKIT_ISA::kv_write,
+      &LMKIT_ISA::linear,     &LMKIT_ISA::linear_int4, LMKIT_ISA_Q8, &LMKIT_ISA::rope,      &LMKIT_ISA::silu_mul, &LMKIT_ISA::kv_write,
       &LMKIT_ISA::paged_attention,
   };
   return &table;

@@ -22,6 +22,16 @@ struct KernelTable {
   // w in the packed panel layout of ops::LinearWeight
   void (*linear)(const float* x, int64_t M, const void* w, DType wdtype, int64_t N, int64_t K, const float* bias,
                  float* out);
+  // the same for an int4 weight (ops::LinearWeight int4 panels, group size g)
+  void (*linear_int4)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, const float* bias,
+                      float* out);
+  // the same with activations quantized to int8 per 32 values and integer dot products (AVX-512 VNNI);
+  // nullptr where this ISA has none: check the CPU supports avx512vnni before calling (dispatch.cpp)
+  void (*linear_int4_q8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,
+                         const float* bias, float* out);
+  // out = x @ w^T (+ bias) for int8 panels (pack_linear_int8), int8 activations; nullptr as above
+  void (*linear_int8_q8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias,
+                         float* out);
   void (*rope)(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads,
                int head_dim, const float* inv_freq, float attention_scaling);
   void (*silu_mul)(const float* gate, const float* up, int64_t n, int64_t inter, float* out);

@@ -77,24 +77,70 @@ void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, floa
   }
 }
 
+namespace {
+// Byte offset of pool row (block, head, offset) and of its (scale, zero) pair: the layout of ops.h.
+int64_t kv_row_offset(const KVLayer& kv, int64_t block, int64_t h, int64_t off) {
+  return block * kv.block_bytes() + (h * kv.block_size + off) * kv.row_bytes();
+}
+int64_t kv_params_offset(const KVLayer& kv, int64_t block, int64_t h, int64_t off) {
+  return block * kv.block_bytes() + (int64_t)kv.num_kv_heads * kv.block_size * kv.row_bytes() +
+         (h * kv.block_size + off) * 4;
+}
+
+void write_row(const KVLayer& kv, void* base, int64_t block, int64_t h, int64_t off, const float* x) {
+  const int64_t hd = kv.head_dim;
+  char* row = (char*)base + kv_row_offset(kv, block, h, off);
+  if (kv.bits == 32) {
+    for (int64_t d = 0; d < hd; ++d) ((float*)row)[d] = x[d];
+    return;
+  }
+  // straight from the definition: fp16 scale and zero, round half to even, clamp
+  const float lo = *std::min_element(x, x + hd), hi = *std::max_element(x, x + hd);
+  const float qmax = (float)((1 << kv.bits) - 1);
+  const uint16_t sh = f32_to_f16((hi - lo) / qmax), zh = f32_to_f16(lo);
+  const float scale = f16_to_f32(sh), zero = f16_to_f32(zh);
+  uint16_t* params = (uint16_t*)((char*)base + kv_params_offset(kv, block, h, off));
+  params[0] = sh;
+  params[1] = zh;
+  std::vector<int> q(hd);
+  for (int64_t d = 0; d < hd; ++d)
+    q[d] = scale == 0.0f ? 0 : std::clamp((int)std::nearbyint((x[d] - zero) / scale), 0, (int)qmax);
+  uint8_t* bytes = (uint8_t*)row;
+  for (int64_t d = 0; d < hd; ++d) {
+    if (kv.bits == 8) bytes[d] = (uint8_t)q[d];
+    else if (d < hd / 2) bytes[d] = (uint8_t)(q[d] | (q[d + hd / 2] << 4));
+  }
+}
+}  // namespace
+
+double kv_value(const KVLayer& kv, bool is_v, int64_t block, int64_t h, int64_t off, int64_t d) {
+  const char* base = (const char*)(is_v ? kv.v : kv.k);
+  const char* row = base + kv_row_offset(kv, block, h, off);
+  if (kv.bits == 32) return ((const float*)row)[d];
+  const uint16_t* params = (const uint16_t*)(base + kv_params_offset(kv, block, h, off));
+  const int64_t half = kv.head_dim / 2;
+  const uint8_t b = ((const uint8_t*)row)[kv.bits == 8 ? d : d % half];
+  const int q = kv.bits == 8 ? b : d < half ? (b & 15) : (b >> 4);
+  return (double)q * f16_to_f32(params[0]) + f16_to_f32(params[1]);
+}
+
 void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n) {
   const int64_t hd = kv.head_dim, nkv = kv.num_kv_heads, bs = kv.block_size;
   for (int64_t t = 0; t < n; ++t) {
     if (slots[t] < 0) continue;
     const int64_t block = slots[t] / bs, offset = slots[t] % bs;
-    for (int64_t h = 0; h < nkv; ++h)
-      for (int64_t d = 0; d < hd; ++d) {
-        kv.k[((block * nkv + h) * bs + offset) * hd + d] = k[(t * nkv + h) * hd + d];
-        kv.v[((block * nkv + h) * bs + offset) * hd + d] = v[(t * nkv + h) * hd + d];
-      }
+    for (int64_t h = 0; h < nkv; ++h) {
+      write_row(kv, kv.k, block, h, offset, k + (t * nkv + h) * hd);
+      write_row(kv, kv.v, block, h, offset, v + (t * nkv + h) * hd);
+    }
   }
 }
 
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
                      float scale, int32_t sliding_window, float* out) {
   const int64_t hd = kv.head_dim, nkv = kv.num_kv_heads, bs = kv.block_size, group = num_heads / nkv;
-  auto row = [&](const float* base, const AttnSeq& s, int64_t h, int64_t p) {
-    return base + (((int64_t)s.block_table[p / bs] * nkv + h) * bs + p % bs) * hd;
+  auto at = [&](bool is_v, const AttnSeq& s, int64_t h, int64_t p, int64_t d) {
+    return kv_value(kv, is_v, s.block_table[p / bs], h, p % bs, d);
   };
   for (int32_t si = 0; si < num_seqs; ++si) {
     const AttnSeq& s = seqs[si];
@@ -106,9 +152,8 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
         std::vector<double> w(pos + 1 - lo);
         double mx = -INFINITY;
         for (int64_t p = lo; p <= pos; ++p) {
-          const float* kr = row(kv.k, s, h / group, p);
           double d = 0;
-          for (int64_t i = 0; i < hd; ++i) d += (double)qr[i] * kr[i];
+          for (int64_t i = 0; i < hd; ++i) d += (double)qr[i] * at(false, s, h / group, p, i);
           w[p - lo] = d * scale;
           mx = std::max(mx, w[p - lo]);
         }
@@ -116,7 +161,7 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
         for (double& x : w) sum += (x = std::exp(x - mx));
         for (int64_t i = 0; i < hd; ++i) {
           double acc = 0;
-          for (int64_t p = lo; p <= pos; ++p) acc += w[p - lo] * row(kv.v, s, h / group, p)[i];
+          for (int64_t p = lo; p <= pos; ++p) acc += w[p - lo] * at(true, s, h / group, p, i);
           out[(r * num_heads + h) * hd + i] = (float)(acc / sum);
         }
       }

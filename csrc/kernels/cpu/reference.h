@@ -18,6 +18,9 @@ void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias,
 void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads, int head_dim,
           const float* inv_freq, float attention_scaling);
 void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
+// Value d of pool row (block, head h, offset off) of K (is_v false) or V, dequantized in double.
+double kv_value(const KVLayer& kv, bool is_v, int64_t block, int64_t h, int64_t off, int64_t d);
+// Quantizes (bits 8 / 4) straight from the definition in ops.h.
 void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n);
 // Plain two-pass softmax in double (not online), straight from the definition.
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,

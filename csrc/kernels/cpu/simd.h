@@ -50,6 +50,19 @@ inline V vpow2_from_magic(V t) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(127)), 23))};
 }
 inline void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
+// kW bytes as floats; and the low / high nibbles of kW bytes as floats.
+inline V vload_u8(const uint8_t* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)))}; }
+inline void vload_nibbles(const uint8_t* p, V& lo, V& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  lo.v = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  hi.v = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+// kW 32-bit lanes at p: lo = float((lane >> shift) & 15), hi = float((lane >> (shift + 4)) & 15).
+inline void vload_dword_nibbles(const uint8_t* p, int shift, V& lo, V& hi) {
+  const __m512i d = _mm512_srl_epi32(_mm512_loadu_si512(p), _mm_cvtsi32_si128(shift)), m = _mm512_set1_epi32(15);
+  lo.v = _mm512_cvtepi32_ps(_mm512_and_si512(d, m));
+  hi.v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, 4), m));
+}
 // In place: r[j] <- column j of the 16 x 16 matrix whose rows are r[0..15].
 inline void vtranspose(V r[16]) {
   __m512 t[16], u[16];
@@ -131,6 +144,19 @@ inline V vpow2_from_magic(V t) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(i, _mm256_set1_epi32(127)), 23))};
 }
 inline void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
+// kW bytes as floats; and the low / high nibbles of kW bytes as floats.
+inline V vload_u8(const uint8_t* p) { return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)))}; }
+inline void vload_nibbles(const uint8_t* p, V& lo, V& hi) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  lo.v = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  hi.v = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+inline void vload_dword_nibbles(const uint8_t* p, int shift, V& lo, V& hi) {
+  const __m256i d = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i*)p), _mm_cvtsi32_si128(shift));
+  const __m256i m = _mm256_set1_epi32(15);
+  lo.v = _mm256_cvtepi32_ps(_mm256_and_si256(d, m));
+  hi.v = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d, 4), m));
+}
 // In place: r[j] <- column j of the 8 x 8 matrix whose rows are r[0..7].
 inline void vtranspose(V r[8]) {
   __m256 t[8], u[8];
@@ -236,6 +262,18 @@ inline V vpow2_from_magic(V t) {
   return r;
 }
 inline void prefetch(const void* p) { __builtin_prefetch(p); }
+// kW bytes as floats; and the low / high nibbles of kW bytes as floats.
+inline V vload_u8(const uint8_t* p) { return {vf4{(float)p[0], (float)p[1], (float)p[2], (float)p[3]}}; }
+inline void vload_nibbles(const uint8_t* p, V& lo, V& hi) {
+  for (int i = 0; i < 4; ++i) lo.v[i] = (float)(p[i] & 15), hi.v[i] = (float)(p[i] >> 4);
+}
+inline void vload_dword_nibbles(const uint8_t* p, int shift, V& lo, V& hi) {
+  for (int i = 0; i < 4; ++i) {
+    uint32_t d;
+    memcpy(&d, p + 4 * i, 4);
+    lo.v[i] = (float)((d >> shift) & 15), hi.v[i] = (float)((d >> (shift + 4)) & 15);
+  }
+}
 // In place: r[j] <- column j of the 4 x 4 matrix whose rows are r[0..3].
 inline void vtranspose(V r[4]) {
   V c[4];
