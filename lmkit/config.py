@@ -26,7 +26,12 @@ class EngineConfig:
     max_prefill_token_num: int = 8192
     """Prompt tokens processed per step at most; longer prompts are split into chunks."""
     quant_policy: Literal[0, 4, 8] = 0
-    """KV cache precision: 0 float, 8 int8, 4 int4."""
+    """KV cache precision of every layer: 0 float, 8 int8, 4 int4."""
+    kv_policy: str | None = None
+    """Per-layer KV precision file (kv_policy.json from `lmkit lite calibrate`); overrides quant_policy."""
+    awq_int8_activations: bool = True
+    """AWQ int4 checkpoints, decode steps: quantize activations to int8 per 32 values and use integer dot
+    products (AVX-512 VNNI CPUs; llama.cpp's approach). False: fp32 activations, exact dequantized math."""
     enable_prefix_caching: bool = False
     """Reuse the KV blocks of identical prompt prefixes."""
     num_threads: int | None = None
@@ -51,6 +56,8 @@ class EngineConfig:
         check(isinstance(self.max_prefill_token_num, int) and self.max_prefill_token_num >= 1,
               f"max_prefill_token_num must be an integer >= 1, got {self.max_prefill_token_num!r}")
         check(self.quant_policy in (0, 4, 8), f"quant_policy must be 0, 4 or 8, got {self.quant_policy!r}")
+        check(self.kv_policy is None or isinstance(self.kv_policy, (str, os.PathLike)),
+              f"kv_policy must be a path to a kv_policy.json file, got {self.kv_policy!r}")
         check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
               f"num_threads must be an integer >= 1, got {self.num_threads!r}")
 
@@ -64,8 +71,9 @@ class EngineConfig:
         except AttributeError:
             return os.cpu_count() or 1
 
-    def to_engine_config(self, device: str):
-        """The lmkit._engine.EngineConfig for this config on a resolved device."""
+    def to_engine_config(self, device: str, kv_layer_bits: list[int] | None = None):
+        """The lmkit._engine.EngineConfig for this config on a resolved device (kv_layer_bits: the
+        checked per-layer policy, see lmkit.kv_policy)."""
         from lmkit import _engine
 
         c = _engine.EngineConfig()
@@ -76,7 +84,10 @@ class EngineConfig:
         c.cache_max_entry_count = float(self.cache_max_entry_count)
         c.max_prefill_token_num = self.max_prefill_token_num
         c.quant_policy = self.quant_policy
+        if kv_layer_bits:
+            c.kv_layer_bits = list(kv_layer_bits)
         c.enable_prefix_caching = self.enable_prefix_caching
+        c.awq_int8_activations = bool(self.awq_int8_activations)
         c.num_threads = self.resolved_num_threads
         return c
 

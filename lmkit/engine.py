@@ -21,6 +21,7 @@ from lmkit.config import EngineConfig
 from lmkit.messages import GenerationConfig, Response
 from lmkit.metrics import EngineMetrics, LatencyRecorder
 from lmkit.model_path import resolve_model
+from lmkit.kv_policy import load_kv_policy
 from lmkit.models import ModelSpec, load_model_spec
 from lmkit.outputs import CompletionState
 from lmkit.tokenizer import Tokenizer
@@ -63,8 +64,12 @@ class Engine:
         self.tokenizer = Tokenizer(self.model_path, chat_template=chat_template)
         self.device = _resolve_device(self.config.device)
         sources = {role: entry.as_source() for role, entry in self.spec.sources.items()}
+        kv_layer_bits = None
+        if self.config.kv_policy is not None:
+            kv_layer_bits = load_kv_policy(self.config.kv_policy, self.spec.num_layers, self.spec.num_kv_heads,
+                                           self.spec.head_dim)
         self._cpp = _engine.Engine(
-            self.config.to_engine_config(self.device), self.spec.to_engine_config(), sources,
+            self.config.to_engine_config(self.device, kv_layer_bits), self.spec.to_engine_config(), sources,
             self.spec.eos_token_ids,
         )
         self._ids = itertools.count(1)
@@ -85,6 +90,11 @@ class Engine:
     @property
     def num_total_blocks(self) -> int:
         return self._cpp.num_total_blocks
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one KV block takes over all layers (K and V, quantization parameters included)."""
+        return self._cpp.kv_bytes_per_block
 
     @staticmethod
     def now() -> float:

@@ -25,16 +25,11 @@ def _keys(values: Optional[List[str]]) -> tuple[str, ...]:
 def engine_config(device: str, max_batch_size: int, session_len: Optional[int], cache_block_seq_len: int,
                   cache_max_entry_count: float, max_prefill_token_num: int, quant_policy: int,
                   kv_policy: Optional[Path], enable_prefix_caching: bool, num_threads: Optional[int]) -> EngineConfig:
-    kwargs = dict(device=device, max_batch_size=max_batch_size, session_len=session_len,
-                  cache_block_seq_len=cache_block_seq_len, cache_max_entry_count=cache_max_entry_count,
-                  max_prefill_token_num=max_prefill_token_num, quant_policy=quant_policy,
-                  enable_prefix_caching=enable_prefix_caching, num_threads=num_threads)
-    if kv_policy is not None:
-        if "kv_policy" not in EngineConfig.__dataclass_fields__:
-            raise ValueError("--kv-policy: this build's engine does not take a per-layer KV policy yet "
-                             "(use --quant-policy 8 or 4 for one KV precision everywhere)")
-        kwargs["kv_policy"] = str(kv_policy)
-    return EngineConfig(**kwargs)
+    return EngineConfig(device=device, max_batch_size=max_batch_size, session_len=session_len,
+                        cache_block_seq_len=cache_block_seq_len, cache_max_entry_count=cache_max_entry_count,
+                        max_prefill_token_num=max_prefill_token_num, quant_policy=quant_policy,
+                        kv_policy=str(kv_policy) if kv_policy is not None else None,
+                        enable_prefix_caching=enable_prefix_caching, num_threads=num_threads)
 
 
 @app.command("api_server")

@@ -35,9 +35,11 @@ struct EngineConfig {
   int32_t cache_block_seq_len = 64;
   double cache_max_entry_count = 0.8;  // fraction of free memory, or a block count when > 1
   int32_t max_prefill_token_num = 8192;
-  int32_t quant_policy = 0;
+  int32_t quant_policy = 0;                // KV cache of every layer: 0 fp32, 8 int8, 4 int4
+  std::vector<int32_t> kv_layer_bits;      // per layer 0 / 8 / 4 (a kv_policy file); overrides quant_policy
   bool enable_prefix_caching = false;
   int32_t num_threads = 0;  // CPU threads, 0: all cores
+  bool awq_int8_activations = true;  // AWQ layers in decode: int8 activations, integer dot products
 };
 
 // What the engine runs with, derived from EngineConfig and the model.
@@ -47,6 +49,7 @@ struct EngineOptions {
   int32_t block_size_tokens = 64;
   int32_t max_prefill_token_num = 8192;
   int32_t num_blocks = 0;  // size of the KV pool, decided by the caller (kv_pool_num_blocks)
+  int64_t kv_bytes_per_block = 0;  // the executor's, for reporting
   bool enable_prefix_caching = false;
   int32_t vocab_size = 0;
   std::vector<int32_t> eos_token_ids;

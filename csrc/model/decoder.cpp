@@ -29,21 +29,44 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, cons
   up_.resize(T * config.intermediate_size);
   logits_.resize((int64_t)kLogitRowsPerGroup * config.vocab_size);
   gathered_.resize((int64_t)kLogitRowsPerGroup * config.hidden_size);
+  auto pack = [&](const LinearTensors& t) {
+    if (!t.is_awq()) return ops::pack_linear(t.weight);
+    ops::LinearWeight w = ops::pack_linear_awq(t.qweight, t.qzeros, t.scales, config.awq_group_size);
+    w.int8_activations = options.awq_int8_activations;
+    return w;
+  };
   for (const LayerWeights& w : weights_.layers)
-    packed_.push_back({ops::pack_linear(w.q_proj), ops::pack_linear(w.k_proj), ops::pack_linear(w.v_proj),
-                       ops::pack_linear(w.o_proj), ops::pack_linear(w.gate_proj), ops::pack_linear(w.up_proj),
-                       ops::pack_linear(w.down_proj)});
-  lm_head_ = ops::pack_linear(weights_.lm_head);
+    packed_.push_back({pack(w.q_proj), pack(w.k_proj), pack(w.v_proj), pack(w.o_proj), pack(w.gate_proj),
+                       pack(w.up_proj), pack(w.down_proj)});
+  // With int8 activations, the lm_head (kept dense by AWQ; a third of SmolLM2's bytes) runs as int8
+  // per 32 values too, as llama.cpp's Q8_0 output does: half the bytes of fp16 at negligible error.
+  bool any_awq = false;
+  for (const LayerWeights& w : weights_.layers) any_awq = any_awq || w.q_proj.is_awq() || w.gate_proj.is_awq();
+  if (any_awq && options.awq_int8_activations && ops::int8_dot_available() && config.hidden_size % 32 == 0)
+    lm_head_ = ops::pack_linear_int8(weights_.lm_head);
+  else
+    lm_head_ = ops::pack_linear(weights_.lm_head);
+
+  if (options_.kv_bits.empty()) options_.kv_bits.assign(config.num_layers, 32);
+  LMKIT_CHECK_ARG((int32_t)options_.kv_bits.size() == config.num_layers, "KV precision is given for ",
+                  options_.kv_bits.size(), " layers, the model has ", config.num_layers);
+  int64_t offset = 0;
+  for (int32_t l = 0; l < config.num_layers; ++l) {
+    const int32_t bits = options_.kv_bits[l];
+    LMKIT_CHECK_ARG(bits == 32 || bits == 8 || bits == 4, "layer ", l, ": KV bits must be 32, 8 or 4, got ", bits);
+    LMKIT_CHECK_ARG(bits == 32 || config.head_dim <= ops::kKVQuantMaxHeadDim, "a quantized KV cache needs head_dim <= ",
+                    ops::kKVQuantMaxHeadDim, ", the model has ", config.head_dim);
+    kv_layer_offset_.push_back(offset);
+    offset += 2 * kv_layer_shape(l).block_bytes();
+  }
+  kv_layer_offset_.push_back(offset);
 }
 
 DecoderModel::~DecoderModel() {
   if (kv_pool_) ::munmap(kv_pool_, kv_pool_bytes_);
 }
 
-int64_t DecoderModel::kv_bytes_per_block() const {
-  return (int64_t)config_.num_layers * 2 * config_.num_kv_heads * options_.block_size_tokens * config_.head_dim *
-         (int64_t)sizeof(float);
-}
+int64_t DecoderModel::kv_bytes_per_block() const { return kv_layer_offset_.back(); }
 
 void DecoderModel::allocate_kv_pool(int32_t num_blocks) {
   LMKIT_CHECK(kv_pool_ == nullptr, "the KV pool is allocated once");
@@ -52,7 +75,7 @@ void DecoderModel::allocate_kv_pool(int32_t num_blocks) {
   void* p = ::mmap(nullptr, kv_pool_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   LMKIT_CHECK(p != MAP_FAILED, "cannot reserve ", kv_pool_bytes_, " bytes for the KV pool (", num_blocks,
               " blocks); lower cache_max_entry_count");
-  kv_pool_ = static_cast<float*>(p);
+  kv_pool_ = static_cast<char*>(p);
   num_blocks_ = num_blocks;
 }
 
@@ -60,15 +83,21 @@ void DecoderModel::bind_thread() {
   if (options_.num_threads > 0) ops::set_num_threads(options_.num_threads);
 }
 
-ops::KVLayer DecoderModel::kv_layer(int32_t layer) const {
+ops::KVLayer DecoderModel::kv_layer_shape(int32_t layer) const {
   ops::KVLayer kv;
+  kv.bits = options_.kv_bits[layer];
   kv.num_blocks = num_blocks_;
   kv.num_kv_heads = config_.num_kv_heads;
   kv.block_size = options_.block_size_tokens;
   kv.head_dim = config_.head_dim;
-  const int64_t per_tensor = (int64_t)num_blocks_ * kv.num_kv_heads * kv.block_size * kv.head_dim;
-  kv.k = kv_pool_ + (2 * (int64_t)layer) * per_tensor;
-  kv.v = kv.k + per_tensor;
+  return kv;
+}
+
+ops::KVLayer DecoderModel::kv_layer(int32_t layer) const {
+  ops::KVLayer kv = kv_layer_shape(layer);
+  char* k = kv_pool_ + kv_layer_offset_[layer] * num_blocks_;
+  kv.k = k;
+  kv.v = k + kv.block_bytes() * num_blocks_;
   return kv;
 }
 

@@ -17,6 +17,8 @@ struct DecoderOptions {
   int32_t block_size_tokens = 64;
   int32_t max_step_tokens = 8192;  // rows of one forward at most (prefill budget + decodes)
   int32_t num_threads = 0;         // 0: all cores
+  bool awq_int8_activations = true;  // ops::LinearWeight::int8_activations of every AWQ layer
+  std::vector<int32_t> kv_bits;    // per layer: 32 (fp32), 8 or 4 (quantized KV); empty: fp32 everywhere
   std::vector<int32_t> eos_token_ids;
 };
 
@@ -38,6 +40,7 @@ class DecoderModel : public Executor {
   // hidden_out: [rows, hidden] final-normed hidden states of the rows listed in logit_rows.
   void forward(const BatchPlan& plan);
   ops::KVLayer kv_layer(int32_t layer) const;
+  ops::KVLayer kv_layer_shape(int32_t layer) const;  // without storage
 
   ModelConfig config_;
   ModelWeights weights_;
@@ -49,8 +52,10 @@ class DecoderModel : public Executor {
   ops::LinearWeight lm_head_;
   DecoderOptions options_;
 
-  // KV pool: [layers][K|V][num_blocks, kv_heads, block_size, head_dim] fp32, lazily committed.
-  float* kv_pool_ = nullptr;
+  // KV pool: per layer, K then V, each num_blocks blocks in that layer's format (ops::KVLayer),
+  // lazily committed. kv_layer_offset_[l]: bytes before layer l's K, per block of the pool.
+  char* kv_pool_ = nullptr;
+  std::vector<int64_t> kv_layer_offset_;
   int64_t kv_pool_bytes_ = 0;
   int32_t num_blocks_ = 0;
 

@@ -10,8 +10,8 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
                                       const std::vector<int32_t>& eos_token_ids) {
   LMKIT_CHECK_ARG(config.device == "cpu", "device='", config.device,
                   "' is not available in this build; the CPU backend is (device='cpu')");
-  LMKIT_CHECK_ARG(config.quant_policy == 0, "quant_policy=", config.quant_policy,
-                  " (quantized KV cache) is not supported yet; use quant_policy=0");
+  LMKIT_CHECK_ARG(config.quant_policy == 0 || config.quant_policy == 8 || config.quant_policy == 4, "quant_policy=",
+                  config.quant_policy, " is not one of 0 (fp), 8 (int8 KV), 4 (int4 KV)");
   LMKIT_CHECK_ARG(config.max_batch_size >= 1, "max_batch_size must be >= 1, got ", config.max_batch_size);
   LMKIT_CHECK_ARG(config.cache_block_seq_len >= 1, "cache_block_seq_len must be >= 1, got ", config.cache_block_seq_len);
   LMKIT_CHECK_ARG(config.max_prefill_token_num >= 1, "max_prefill_token_num must be >= 1, got ",
@@ -35,7 +35,17 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   decoder.max_step_tokens = config.max_prefill_token_num + config.max_batch_size;
   decoder.num_threads = config.num_threads;
   decoder.eos_token_ids = eos_token_ids;
+  decoder.awq_int8_activations = config.awq_int8_activations;
+  std::vector<int32_t> policy = config.kv_layer_bits;
+  if (policy.empty()) policy.assign(model.num_layers, config.quant_policy);
+  LMKIT_CHECK_ARG((int32_t)policy.size() == model.num_layers, "the KV policy has ", policy.size(),
+                  " layers, the model has ", model.num_layers, " (a policy calibrated for another model?)");
+  for (int32_t bits : policy) {
+    LMKIT_CHECK_ARG(bits == 0 || bits == 8 || bits == 4, "KV policy entries must be 0, 8 or 4, got ", bits);
+    decoder.kv_bits.push_back(bits == 0 ? 32 : bits);
+  }
   auto executor = std::make_unique<DecoderModel>(model, ModelWeights::load(model, sources), decoder);
+  options.kv_bytes_per_block = executor->kv_bytes_per_block();
   options.num_blocks =
       kv_pool_num_blocks(config.cache_max_entry_count, executor->kv_bytes_per_block(), available_host_memory_bytes(),
                          options.max_batch_size, options.session_len, options.block_size_tokens);

@@ -23,6 +23,7 @@ struct ModelConfig {
   bool has_qkv_bias = false;
   bool tie_word_embeddings = false;
   int32_t max_position_embeddings = 0;
+  int32_t awq_group_size = 0;  // > 0: an AWQ int4 checkpoint with this group size (dense layers allowed)
 
   // Throws InvalidArgument naming the field when the shape is impossible.
   void validate() const;

@@ -52,15 +52,21 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   ModelWeights w;
   std::map<std::string, std::shared_ptr<MappedFile>> files;
 
-  auto get = [&](const std::string& role, std::vector<int64_t> shape, bool required = true) -> Tensor {
+  // want: the one dtype allowed, or F32 to allow any float dtype
+  auto get = [&](const std::string& role, std::vector<int64_t> shape, bool required = true,
+                 DType want = DType::F32) -> Tensor {
     auto it = sources.find(role);
     if (it == sources.end()) {
       LMKIT_CHECK_ARG(!required, config.architecture, ": checkpoint has no tensor for '", role, "'");
       return Tensor{};
     }
     const TensorSource& src = it->second;
-    LMKIT_CHECK_ARG(is_float(src.dtype), config.architecture, ": tensor '", role, "' has dtype ",
-                    dtype_name(src.dtype), "; only F32, F16 and BF16 weights are supported");
+    if (want == DType::F32)
+      LMKIT_CHECK_ARG(is_float(src.dtype), config.architecture, ": tensor '", role, "' has dtype ",
+                      dtype_name(src.dtype), "; only F32, F16 and BF16 weights are supported");
+    else
+      LMKIT_CHECK_ARG(src.dtype == want, config.architecture, ": tensor '", role, "' has dtype ",
+                      dtype_name(src.dtype), ", AWQ needs ", dtype_name(want));
     LMKIT_CHECK_ARG(src.shape == shape, config.architecture, ": tensor '", role, "' has shape ", shape_str(src.shape),
                     ", the config implies ", shape_str(shape));
     auto& file = files[src.path];
@@ -76,6 +82,23 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     return t;
   };
 
+  auto get_linear = [&](const std::string& role, int64_t N, int64_t K) -> LinearTensors {
+    LinearTensors t;
+    if (sources.find(role + ".qweight") == sources.end()) {
+      t.weight = get(role, {N, K});
+      return t;
+    }
+    const int64_t g = config.awq_group_size;
+    LMKIT_CHECK_ARG(g > 0, config.architecture, ": '", role,
+                    ".qweight' is an AWQ tensor but config.json has no AWQ quantization_config");
+    LMKIT_CHECK_ARG(N % 8 == 0 && K % g == 0, config.architecture, ": AWQ layer '", role, "' is [", N, ", ", K,
+                    "]; it needs out_features divisible by 8 and in_features divisible by group_size ", g);
+    t.qweight = get(role + ".qweight", {K, N / 8}, true, DType::I32);
+    t.qzeros = get(role + ".qzeros", {K / g, N / 8}, true, DType::I32);
+    t.scales = get(role + ".scales", {K / g, N}, true, DType::F16);
+    return t;
+  };
+
   const int64_t H = config.hidden_size, I = config.intermediate_size, V = config.vocab_size;
   const int64_t Q = config.q_size(), KV = config.kv_size();
   w.embed_tokens = get("embed_tokens", {V, H});
@@ -87,16 +110,16 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     LayerWeights l;
     l.input_norm = get(p + "input_norm", {H});
     l.post_attention_norm = get(p + "post_attention_norm", {H});
-    l.q_proj = get(p + "q_proj", {Q, H});
-    l.k_proj = get(p + "k_proj", {KV, H});
-    l.v_proj = get(p + "v_proj", {KV, H});
-    l.o_proj = get(p + "o_proj", {H, Q});
+    l.q_proj = get_linear(p + "q_proj", Q, H);
+    l.k_proj = get_linear(p + "k_proj", KV, H);
+    l.v_proj = get_linear(p + "v_proj", KV, H);
+    l.o_proj = get_linear(p + "o_proj", H, Q);
     l.q_bias = get(p + "q_bias", {Q}, config.has_qkv_bias);
     l.k_bias = get(p + "k_bias", {KV}, config.has_qkv_bias);
     l.v_bias = get(p + "v_bias", {KV}, config.has_qkv_bias);
-    l.gate_proj = get(p + "gate_proj", {I, H});
-    l.up_proj = get(p + "up_proj", {I, H});
-    l.down_proj = get(p + "down_proj", {H, I});
+    l.gate_proj = get_linear(p + "gate_proj", I, H);
+    l.up_proj = get_linear(p + "up_proj", I, H);
+    l.down_proj = get_linear(p + "down_proj", H, I);
     w.layers.push_back(l);
   }
   for (auto& kv : files) w.files.push_back(kv.second);

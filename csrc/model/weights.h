@@ -37,11 +37,18 @@ class MappedFile {
   int64_t size_ = 0;
 };
 
+// One linear layer as stored: a dense weight, or the AWQ int4 tensors of DESIGN.md section 4.
+struct LinearTensors {
+  Tensor weight;                   // [out, in] F32/F16/BF16; empty for AWQ
+  Tensor qweight, qzeros, scales;  // AWQ GEMM: I32 [in, out / 8], I32 [in / g, out / 8], F16 [in / g, out]
+  bool is_awq() const { return !qweight.is_empty(); }
+};
+
 struct LayerWeights {
-  Tensor input_norm, post_attention_norm;    // [hidden]
-  Tensor q_proj, k_proj, v_proj, o_proj;     // [q_size, hidden], [kv_size, hidden] x2, [hidden, q_size]
-  Tensor q_bias, k_bias, v_bias;             // empty unless has_qkv_bias
-  Tensor gate_proj, up_proj, down_proj;      // [inter, hidden] x2, [hidden, inter]
+  Tensor input_norm, post_attention_norm;           // [hidden]
+  LinearTensors q_proj, k_proj, v_proj, o_proj;     // [q_size, hidden], [kv_size, hidden] x2, [hidden, q_size]
+  Tensor q_bias, k_bias, v_bias;                    // empty unless has_qkv_bias
+  LinearTensors gate_proj, up_proj, down_proj;      // [inter, hidden] x2, [hidden, inter]
 };
 
 struct ModelWeights {
@@ -54,6 +61,8 @@ struct ModelWeights {
 
   // Roles: "embed_tokens", "norm", "lm_head" (optional when tied), and per layer i
   // "layers.{i}.{input_norm,post_attention_norm,q_proj,k_proj,v_proj,o_proj,q_bias,k_bias,v_bias,gate_proj,up_proj,down_proj}".
+  // An AWQ linear comes as "<role>.qweight", "<role>.qzeros", "<role>.scales" instead of "<role>"
+  // (config.awq_group_size > 0); linears left dense (modules_to_not_convert) keep the plain role.
   static ModelWeights load(const ModelConfig& config, const std::map<std::string, TensorSource>& sources);
 };
 

@@ -68,7 +68,8 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("sliding_window", &ModelConfig::sliding_window)
       .def_readwrite("has_qkv_bias", &ModelConfig::has_qkv_bias)
       .def_readwrite("tie_word_embeddings", &ModelConfig::tie_word_embeddings)
-      .def_readwrite("max_position_embeddings", &ModelConfig::max_position_embeddings);
+      .def_readwrite("max_position_embeddings", &ModelConfig::max_position_embeddings)
+      .def_readwrite("awq_group_size", &ModelConfig::awq_group_size);
 
   py::class_<EngineConfig>(m, "EngineConfig")
       .def(py::init<>())
@@ -79,6 +80,8 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("cache_max_entry_count", &EngineConfig::cache_max_entry_count)
       .def_readwrite("max_prefill_token_num", &EngineConfig::max_prefill_token_num)
       .def_readwrite("quant_policy", &EngineConfig::quant_policy)
+      .def_readwrite("kv_layer_bits", &EngineConfig::kv_layer_bits)
+      .def_readwrite("awq_int8_activations", &EngineConfig::awq_int8_activations)
       .def_readwrite("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
       .def_readwrite("num_threads", &EngineConfig::num_threads);
 
@@ -171,6 +174,7 @@ PYBIND11_MODULE(_engine, m) {
       .def("check_integrity", &Engine::check_integrity, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_total_blocks", [](const Engine& e) { return e.options().num_blocks; })
+      .def_property_readonly("kv_bytes_per_block", [](const Engine& e) { return e.options().kv_bytes_per_block; })
       .def_property_readonly("session_len", [](const Engine& e) { return e.options().session_len; })
       .def_property_readonly("block_size_tokens", [](const Engine& e) { return e.options().block_size_tokens; });
 }

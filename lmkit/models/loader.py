@@ -35,6 +35,7 @@ class ModelSpec:
     tie_word_embeddings: bool
     max_position_embeddings: int
     eos_token_ids: list[int]
+    awq_group_size: int = 0  # > 0: an AWQ int4 checkpoint
     sources: dict[str, TensorEntry] = field(repr=False, default_factory=dict)
 
     def to_engine_config(self):
@@ -45,7 +46,7 @@ class ModelSpec:
         c.architecture = self.architecture.name
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "rms_norm_eps", "attention_scaling", "sliding_window", "tie_word_embeddings",
-                     "max_position_embeddings"):
+                     "max_position_embeddings", "awq_group_size"):
             setattr(c, name, getattr(self, name))
         c.inv_freq = [float(x) for x in self.inv_freq]
         c.has_qkv_bias = self.architecture.qkv_bias
@@ -104,6 +105,39 @@ def _read_json(path: Path) -> dict:
         raise ValueError(f"{path}: invalid JSON ({e})") from None
 
 
+AWQ_GROUP_SIZES = (32, 64, 128)
+
+
+def awq_settings(cfg: dict, cfg_path: Path) -> dict | None:
+    """The checked ``quantization_config`` of an AWQ "GEMM" checkpoint (None for a float one).
+
+    Raises ValueError naming the field this engine cannot serve (method, version, bits, zero_point,
+    group_size, desc_act).
+    """
+    qc = cfg.get("quantization_config")
+    if not qc:
+        return None
+    where = f"{cfg_path}: quantization_config"
+    method = str(qc.get("quant_method", "")).lower()
+    if method != "awq":
+        raise ValueError(f"{where}.quant_method={qc.get('quant_method')!r} is not supported; "
+                         "this engine serves AWQ int4 checkpoints (quant_method 'awq')")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"{where}.version={qc.get('version')!r} is not supported; only AutoAWQ 'gemm' packing is")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits is None or int(bits) != 4:
+        raise ValueError(f"{where}.bits={bits!r} is not supported; AWQ checkpoints must be 4-bit")
+    if not qc.get("zero_point", True):
+        raise ValueError(f"{where}.zero_point=false is not supported; lmkit serves asymmetric AWQ (zero_point true)")
+    if qc.get("desc_act"):
+        raise ValueError(f"{where}.desc_act=true (act-order) is not supported by AWQ GEMM kernels")
+    group = qc.get("group_size", qc.get("q_group_size"))
+    if group is None or int(group) not in AWQ_GROUP_SIZES:
+        raise ValueError(f"{where}.group_size={group!r} is not supported; use one of {AWQ_GROUP_SIZES}")
+    return {"group_size": int(group), "modules_to_not_convert": list(qc.get("modules_to_not_convert") or [])}
+
+
 def load_model_spec(path: Path) -> ModelSpec:
     """Reads config.json, generation_config.json and the safetensors headers of an HF folder.
 
@@ -118,9 +152,7 @@ def load_model_spec(path: Path) -> ModelSpec:
     if not archs:
         raise ValueError(f"{cfg_path}: no 'architectures' entry; cannot tell which model this is")
     arch = get_architecture(archs[0])
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"{cfg_path}: quantized checkpoints ({method}) are not supported by this build yet")
+    awq = awq_settings(cfg, cfg_path)
 
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or hidden // heads)
@@ -146,6 +178,12 @@ def load_model_spec(path: Path) -> ModelSpec:
             r, k = (role, key) if i is None else (role.format(i=i), key.format(i=i))
             if k in tensors:
                 sources[r] = tensors[k]
+            elif awq and k.endswith(".weight") and k[: -len("weight")] + "qweight" in tensors:
+                base = k[: -len("weight")]
+                for part in ("qweight", "qzeros", "scales"):
+                    if base + part not in tensors:
+                        raise ValueError(f"{path}: AWQ layer {base[:-1]} has qweight but no {part}")
+                    sources[f"{r}.{part}"] = tensors[base + part]
     tie = bool(cfg.get("tie_word_embeddings", False))
     if tie:
         sources.pop("lm_head", None)  # HF uses the embedding even when a copy was saved
@@ -167,5 +205,6 @@ def load_model_spec(path: Path) -> ModelSpec:
         tie_word_embeddings=tie,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         eos_token_ids=eos,
+        awq_group_size=awq["group_size"] if awq else 0,
         sources=sources,
     )
