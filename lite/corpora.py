@@ -18,6 +18,7 @@ from pathlib import Path
 
 PYDOC_HELD_OUT_EVERY = 5  # topic i (sorted by name) is evaluation text when i % 5 == 0
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
+SHARED_TEXT_PROBE_CHARS = 128  # passages this long found in both calibration and evaluation text mean overlap
 
 
 class CorpusError(ValueError):
@@ -150,6 +151,32 @@ def load_corpus(name_or_path: str, registry: dict[str, Callable[[], list[str]]])
         return read_text_files(path)
     raise CorpusError(f"unknown dataset {name_or_path!r}: use one of {', '.join(registry)} or a path to a "
                       f"{'/'.join(TEXT_SUFFIXES)} file or folder")
+
+
+def _probes(doc: str, num_probes: int = 16, length: int = SHARED_TEXT_PROBE_CHARS) -> list[str]:
+    """Up to ``num_probes`` evenly spaced passages of ``length`` characters of ``doc`` (whitespace-stripped);
+    the whole of a shorter document."""
+    doc = doc.strip()
+    if len(doc) <= length:
+        return [doc] if doc else []
+    step = max((len(doc) - length) // max(num_probes - 1, 1), 1)
+    return [doc[i:i + length] for i in range(0, len(doc) - length + 1, step)][:num_probes]
+
+
+def drop_shared_text(calib_docs: list[str], eval_docs: list[str]) -> tuple[list[str], int]:
+    """``calib_docs`` without the documents that share text with ``eval_docs`` (a probe passage of one
+    found verbatim in the other, either way), and how many were dropped.
+
+    The built-in splits are disjoint by document, but documents can nest: some held-out pydoc topic texts
+    are sections of larger calibration topics ("Special method names", "Compound statements").
+    """
+    eval_probes = [p for d in eval_docs for p in _probes(d)]
+    kept = []
+    for doc in calib_docs:
+        shared = any(p in doc for p in eval_probes) or any(p in e for p in _probes(doc) for e in eval_docs)
+        if not shared:
+            kept.append(doc)
+    return kept, len(calib_docs) - len(kept)
 
 
 def calibration_corpus(name_or_path: str) -> list[str]:

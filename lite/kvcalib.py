@@ -1,0 +1,327 @@
+"""KV cache calibration: per layer int4 where it is safe, int8 (or fp) where not, within a perplexity budget.
+
+    1. measure   calibration windows -> per layer, the relative error int8 / int4 KV cause in that layer's
+                 attention block output when only that layer is quantized (one fp pass, KvErrorProbe);
+                 and, on the first ``sensitivity_samples`` windows, the KL divergence of the output
+                 distribution from the fp one when only that layer's KV is int4 (one pass from that layer
+                 on, per layer). On SmolLM2 the attention error ranks layers poorly for their effect on
+                 perplexity, and one layer's perplexity change on a few thousand tokens is mostly noise
+                 (its sign flips between two draws of 2,048 tokens); the KL divergence, its expected
+                 value, is steady enough to rank by
+    2. anchor    perplexity on the held-out evaluation text with fp, all-int8 and all-int4 KV
+    3. choose    limit = ppl_fp * (1 + max_ppl_increase)
+                 all-int8 <= limit: int4 on the k least int4-sensitive layers (by the KL divergence, else
+                                    by the attention error), int8 elsewhere; the largest k whose
+                                    perplexity is within the limit, by binary search over k
+                 all-int8 >  limit: fp on the m layers with the largest int8 error, int8 elsewhere; the
+                                    smallest m within the limit (m = all layers is fp: always within)
+    4. write     kv_policy.json (lmkit.kv_policy) with the statistics the policy was chosen from
+
+Every policy returned was measured: its perplexity on the evaluation text is within the budget (the
+search assumes perplexity grows with k and shrinks with m; where it does not, it may stop short).
+Calibration and evaluation text never overlap: calibration documents sharing text with the evaluation
+text are dropped, and an empty remainder is an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from lmkit.lite.calib import CalibrationDataError, calibration_windows
+from lmkit.lite.config import KvCalibConfig, resolve_device
+from lmkit.lite.corpora import calibration_corpus, drop_shared_text, evaluation_corpus
+
+POLICY_FILE = "kv_policy.json"
+
+
+class Reporter(Protocol):
+    def phase(self, description: str) -> None: ...
+
+    def start_steps(self, description: str, total: int) -> None: ...
+
+    def step_done(self) -> None: ...
+
+
+class _SilentReporter:
+    def phase(self, description: str) -> None:
+        pass
+
+    def start_steps(self, description: str, total: int) -> None:
+        pass
+
+    def step_done(self) -> None:
+        pass
+
+
+@dataclass
+class KvCalibResult:
+    """What ``calibrate_kv`` measured and chose."""
+
+    policy_path: Path
+    source: Path
+    layers: list[int]  # per layer: 0 fp, 8 int8, 4 int4
+    layer_errors: list[dict[str, float]]  # per layer: int8 / int4 / int4_k / int4_v relative error
+    layer_int4_kl: list[float] | None  # per layer: KL(fp || that layer int4 alone), nats per token
+    ppl: dict[str, float]  # fp, int8, int4, policy
+    ppl_limit: float
+    num_eval_tokens: int
+    num_calib_tokens: int
+    num_calib_docs_dropped: int
+    search: list[dict] = field(default_factory=list)  # every policy evaluated: {"layers", "ppl", "within"}
+    seconds: float = 0.0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def count(self, bits: int) -> int:
+        """Layers at ``bits`` (0, 8 or 4)."""
+        return sum(b == bits for b in self.layers)
+
+
+def model_description(config, architecture: str) -> dict:
+    """The ``model`` block of kv_policy.json from an HF config."""
+    num_heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return {"architecture": architecture, "num_layers": int(config.num_hidden_layers),
+            "num_kv_heads": int(getattr(config, "num_key_value_heads", None) or num_heads), "head_dim": int(head_dim)}
+
+
+def _policy_path(work_dir: Path, overwrite: bool) -> Path:
+    """work_dir/kv_policy.json after checking it may be written (the folder is created)."""
+    work_dir = Path(work_dir).expanduser().absolute()
+    if work_dir.exists() and not work_dir.is_dir():
+        raise ValueError(f"work dir {work_dir} exists and is not a folder")
+    path = work_dir / POLICY_FILE
+    if path.exists() and not overwrite:
+        raise ValueError(f"{path} exists (pass --overwrite to replace it)")
+    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the work dir {work_dir}: {e.strerror or e}") from None
+    if not os.access(work_dir, os.W_OK):
+        raise ValueError(f"work dir {work_dir} is not writable")
+    return path
+
+
+@torch.no_grad()
+def _attention_errors(lm, windows: torch.Tensor, batch_size: int, device, reporter: Reporter
+                      ) -> tuple[list[dict[str, float]], int]:
+    """Per layer attention block errors (KvErrorProbe) over ``windows`` [n, seqlen]; and the token count."""
+    from lmkit.lite.kvquant import KvErrorProbe
+
+    probe = KvErrorProbe(lm.config.num_hidden_layers)
+    batches = windows.split(batch_size)
+    reporter.start_steps("attention error per layer", len(batches))
+    for batch in batches:
+        lm(input_ids=batch.to(device), kv_probe=probe, use_cache=False)
+        reporter.step_done()
+    return probe.errors(), probe.num_tokens
+
+
+@torch.no_grad()
+def _int4_kl(lm, windows: torch.Tensor, batch_size: int, device, reporter: Reporter) -> list[float]:
+    """Per layer: mean KL(p_fp || p_q) in nats per predicted token over ``windows`` [n, seqlen] when only
+    that layer's KV is int4. The layers before it compute what they compute in fp, so each run starts
+    from the fp input of that layer (recorded with the arguments HF passes to every decoder layer)."""
+    decoder = lm.model
+    layers = decoder.layers
+    num_layers = len(layers)
+    kl = [0.0] * num_layers
+    count = 0
+    batches = windows.split(batch_size)
+    reporter.start_steps("int4 KV one layer at a time", len(batches) * num_layers)
+    for batch in batches:
+        inputs: list[tuple[torch.Tensor, dict]] = []  # per layer: (hidden states in, keyword arguments)
+        handles = [layer.register_forward_pre_hook(lambda m, args, kwargs: inputs.append((args[0], kwargs)),
+                                                   with_kwargs=True) for layer in layers]
+        try:
+            logits = lm(input_ids=batch.to(device), kv_bits=[0] * num_layers, use_cache=False).logits
+        finally:
+            for handle in handles:
+                handle.remove()
+        ref = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [b, seq - 1, vocab]: predicted positions
+        ref_p = ref.exp()
+        del logits
+        for i in range(num_layers):
+            bits = [4 if j == i else 0 for j in range(num_layers)]
+            hidden = inputs[i][0]
+            for j in range(i, num_layers):
+                hidden = layers[j](hidden, **{**inputs[j][1], "kv_bits": bits})
+            q = torch.log_softmax(lm.lm_head(decoder.norm(hidden))[:, :-1].float(), dim=-1)
+            kl[i] += float((ref_p * (ref - q)).sum())
+            reporter.step_done()
+        count += ref.shape[0] * ref.shape[1]
+    return [v / count for v in kl]
+
+
+def choose_policy(order_int4: list[int], order_fp: list[int], ppl_of, limit: float,
+                  ppl_int8: float, ppl_int4: float) -> list[int]:
+    """The policy (per layer bits) by the binary searches of the module doc.
+
+    ``order_int4``: layers by int4 sensitivity, least first; ``order_fp``: layers by int8 error, largest first;
+    ``ppl_of(layers)``: perplexity of a policy (cached by the caller); the all-int8 / all-int4 perplexities
+    are known already.
+    """
+    num_layers = len(order_int4)
+
+    def int4_on(k: int) -> list[int]:
+        bits = [8] * num_layers
+        for layer in order_int4[:k]:
+            bits[layer] = 4
+        return bits
+
+    def fp_on(m: int) -> list[int]:
+        bits = [8] * num_layers
+        for layer in order_fp[:m]:
+            bits[layer] = 0
+        return bits
+
+    if ppl_int8 <= limit:
+        if ppl_int4 <= limit:
+            return int4_on(num_layers)
+        good, bad = 0, num_layers  # int4_on(good) is within the limit, int4_on(bad) is not
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if ppl_of(int4_on(mid)) <= limit:
+                good = mid
+            else:
+                bad = mid
+        return int4_on(good)
+    bad, good = 0, num_layers  # fp_on(bad) exceeds the limit, fp_on(good) (all fp) does not
+    while good - bad > 1:
+        mid = (good + bad) // 2
+        if ppl_of(fp_on(mid)) <= limit:
+            good = mid
+        else:
+            bad = mid
+    return fp_on(good)
+
+
+def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Reporter | None = None) -> KvCalibResult:
+    """Choose the per-layer KV precision of the checkpoint ``model`` (fp or AWQ; a folder, a hub id, or
+    None/"smollm2" for the bundled SmolLM2) and write ``config.work_dir/kv_policy.json``.
+
+    The model runs in fp32 through transformers (the torch reference path, not the engine) with KV fake
+    quantization exactly as the engine's (``lmkit.lite.kvquant``). Nothing is written unless the policy
+    is complete (the file is written beside and renamed into place). Raises ValueError /
+    FileNotFoundError naming the problem (model, architecture, data, work dir).
+    """
+    from transformers import AutoTokenizer
+
+    from lmkit.kv_policy import save_kv_policy
+    from lmkit.lite.checkpoint import load_causal_lm
+    from lmkit.lite.kvquant import use_kv_fake_quant_attention
+    from lmkit.lite.layerwise import architecture_of, read_config
+    from lmkit.lite.ppl import evaluation_tokens, sum_nll
+    from lmkit.model_path import resolve_model
+    from lmkit.models.registry import get_architecture
+
+    reporter = reporter or _SilentReporter()
+    start = time.perf_counter()
+    source = resolve_model(model)
+    device = resolve_device(config.device)
+    architecture = architecture_of(read_config(source), source)
+    get_architecture(architecture)  # the policy is for lmkit's engine: refuse what it cannot run
+    policy_path = _policy_path(config.work_dir, config.overwrite)
+
+    reporter.phase(f"tokenizing {config.calib_dataset} (calibration) and {config.eval_dataset} (evaluation)")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    eval_ids = evaluation_tokens(tokenizer, config.eval_dataset, config.eval_max_tokens)
+    calib_docs, num_dropped = drop_shared_text(calibration_corpus(config.calib_dataset),
+                                               evaluation_corpus(config.eval_dataset))
+    if not calib_docs:
+        raise CalibrationDataError(f"calibration dataset {config.calib_dataset!r} shares all its text with the "
+                                   f"evaluation dataset {config.eval_dataset!r}: calibrate on other text")
+
+    reporter.phase("loading the model")
+    lm = load_causal_lm(source, device)
+    use_kv_fake_quant_attention(lm)
+    description = model_description(lm.config, architecture)
+    num_layers = description["num_layers"]
+    max_seqlen = int(getattr(lm.config, "max_position_embeddings", 0) or 0)
+    seqlen = min(config.calib_seqlen, max_seqlen) if max_seqlen else config.calib_seqlen
+    windows = calibration_windows(tokenizer, calib_docs, config.calib_samples, seqlen, config.seed,
+                                  source=f"calibration dataset {config.calib_dataset!r}")
+
+    phase_seconds = {"prepare": time.perf_counter() - start}
+    t = time.perf_counter()
+    layer_errors, num_calib_tokens = _attention_errors(lm, windows, config.batch_size, device, reporter)
+    phase_seconds["attention_errors"] = time.perf_counter() - t
+    int4_kl = None
+    if config.sensitivity_samples:
+        t = time.perf_counter()
+        int4_kl = _int4_kl(lm, windows[:config.sensitivity_samples], config.batch_size, device, reporter)
+        phase_seconds["int4_kl"] = time.perf_counter() - t
+    t = time.perf_counter()
+
+    search: list[dict] = []
+    cache: dict[tuple[int, ...], float] = {}
+    num_eval_tokens = 0
+
+    def ppl_of(layers: list[int]) -> float:
+        nonlocal num_eval_tokens
+        key = tuple(layers)
+        if key not in cache:
+            reporter.phase(f"perplexity: {layers.count(4)} int4, {layers.count(8)} int8, {layers.count(0)} fp layers")
+            run = functools.partial(lm, kv_bits=list(layers), use_cache=False)
+            nll, count, _ = sum_nll(run, eval_ids, config.eval_seqlen, config.eval_seqlen, config.batch_size, device)
+            cache[key] = math.exp(nll / count)
+            num_eval_tokens = count
+            search.append({"layers": list(layers), "ppl": cache[key]})
+        return cache[key]
+
+    ppl = {"fp": ppl_of([0] * num_layers), "int8": ppl_of([8] * num_layers), "int4": ppl_of([4] * num_layers)}
+    limit = ppl["fp"] * (1 + config.max_ppl_increase)
+    order_int4 = sorted(range(num_layers), key=lambda i: (int4_kl[i] if int4_kl else 0.0,
+                                                          layer_errors[i]["int4"], i))
+    order_fp = sorted(range(num_layers), key=lambda i: (-layer_errors[i]["int8"], i))
+    layers = choose_policy(order_int4, order_fp, ppl_of, limit, ppl["int8"], ppl["int4"])
+    ppl["policy"] = ppl_of(layers)
+    if ppl["policy"] > limit:
+        raise RuntimeError(f"internal error: the chosen KV policy has perplexity {ppl['policy']:.4f} over the "
+                           f"limit {limit:.4f}")
+    for entry in search:
+        entry["within_budget"] = entry["ppl"] <= limit
+    phase_seconds["perplexity_search"] = time.perf_counter() - t
+    seconds = time.perf_counter() - start
+
+    temp = policy_path.with_name(f".{POLICY_FILE}.tmp-{os.getpid()}")
+    try:
+        save_kv_policy(
+            temp, layers, description,
+            source=str(source),
+            budget={"max_ppl_increase": config.max_ppl_increase, "ppl_limit": limit},
+            perplexity={**ppl, "dataset": config.eval_dataset, "num_tokens": num_eval_tokens,
+                        "seqlen": config.eval_seqlen},
+            layer_errors=[{name: round(v, 6) for name, v in errs.items()} for errs in layer_errors],
+            error_metric="per layer with only that layer quantized: ||attn_q - attn_fp|| / ||attn_fp|| of the "
+                         "attention block output (after o_proj), over all calibration tokens",
+            layer_int4_kl=None if int4_kl is None else [float(f"{v:.6g}") for v in int4_kl],
+            ranking="layer_int4_kl: KL(p_fp || p_q) in nats per token on the first sensitivity_samples "
+                    "calibration windows, only that layer int4" if int4_kl else "layer_errors int4",
+            search=[{"num_int4": e["layers"].count(4), "num_int8": e["layers"].count(8),
+                     "num_fp": e["layers"].count(0), "ppl": e["ppl"], "within_budget": e["within_budget"]}
+                    for e in search],
+            calibration={"dataset": config.calib_dataset, "num_samples": config.calib_samples, "seqlen": seqlen,
+                         "seed": config.seed, "num_tokens": num_calib_tokens,
+                         "sensitivity_samples": config.sensitivity_samples, "num_docs_dropped": num_dropped},
+            settings=config.as_dict(),
+            seconds=round(seconds, 2),
+            phase_seconds={k: round(v, 2) for k, v in phase_seconds.items()},
+        )
+        os.replace(temp, policy_path)
+    finally:
+        temp.unlink(missing_ok=True)
+    return KvCalibResult(policy_path=policy_path, source=source, layers=layers, layer_errors=layer_errors,
+                         layer_int4_kl=int4_kl, ppl=ppl, ppl_limit=limit,
+                         num_eval_tokens=num_eval_tokens, num_calib_tokens=num_calib_tokens,
+                         num_calib_docs_dropped=num_dropped, search=search, seconds=seconds)
