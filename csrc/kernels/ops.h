@@ -53,7 +53,7 @@ struct LinearWeight {
   DType dtype = DType::F32;            // dense: the stored dtype; int4: F16 (the scales)
   int32_t group_size = 0;              // 0: dense; 32 / 64 / 128: int4 with that group size along K
   // int4 only: in calls of up to kLinearInt8ActMaxRows rows (decode), quantize x to int8 per 32 values
-  // and use integer dot products where the CPU has them (AVX-512 VNNI); the result then differs from
+  // and use integer dot products where the CPU has them (AVX2, AVX-512 VNNI); the result then differs from
   // the exact fp32 product by the rounding of x (relative error of the output ~1e-3, tested).
   bool int8_activations = false;
   int64_t n = 0, k = 0;                // the weight is [n, k]
@@ -72,7 +72,7 @@ LinearWeight pack_linear_awq(const Tensor& qweight, const Tensor& qzeros, const 
 // A float weight [N, K] (K a multiple of 32) quantized to int8 per 32 values along K, for int8
 // activations; throws unless int8_dot_available().
 LinearWeight pack_linear_int8(const Tensor& weight);
-// Whether this CPU runs the integer dot-product kernels (int8 activations; AVX-512 VNNI).
+// Whether this CPU runs the integer dot-product kernels (int8 activations; AVX2 or AVX-512).
 bool int8_dot_available();
 
 // out[M, N] = x[M, K] @ weight[N, K]^T (+ bias[N]).   bias empty or any float dtype.

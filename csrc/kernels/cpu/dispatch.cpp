@@ -253,16 +253,27 @@ LinearWeight pack_linear_awq(const Tensor& qweight, const Tensor& qzeros, const 
   return packed;
 }
 
-bool int8_dot_available() {
-  static const bool has = cpu::can_run("avx512vnni");
-  return has && cpu::active().linear_int8_q8 != nullptr;
+namespace cpu {
+namespace {
+// The table whose int8-activation kernels run here: the active one, except that the AVX-512 kernels
+// need VNNI too; on an AVX-512 CPU without it the AVX2 kernels (vpmaddubsw) do the work. nullptr: none.
+const KernelTable* q8_table() {
+  static const bool has_vnni = can_run("avx512vnni");
+  const KernelTable& t = active();
+  if (t.linear_int4_q8 == nullptr) return nullptr;
+  if (std::strcmp(t.name, "avx512") != 0 || has_vnni) return &t;
+  return table_for("avx2");
 }
+}  // namespace
+}  // namespace cpu
+
+bool int8_dot_available() { return cpu::q8_table() != nullptr; }
 
 LinearWeight pack_linear_int8(const Tensor& weight) {
   cpu::check_weight(weight, "pack_linear_int8", "weight");
   LMKIT_CHECK(weight.ndim == 2 && weight.shape[1] % 32 == 0 && weight.shape[0] > 0,
               "pack_linear_int8: weight must be [N, K] with K a multiple of 32, got ", shape_of(weight));
-  LMKIT_CHECK(int8_dot_available(), "pack_linear_int8: this CPU has no int8 dot-product kernels (AVX-512 VNNI)");
+  LMKIT_CHECK(int8_dot_available(), "pack_linear_int8: this CPU has no int8 dot-product kernels (AVX2 or AVX-512)");
   LinearWeight packed;
   packed.dtype = DType::F16;
   packed.is_int8 = true;
@@ -326,13 +337,13 @@ void linear(const float* x, int64_t M, const LinearWeight& weight, const Tensor&
       b = bias_f32.data();
     }
   }
-  static const bool has_vnni = cpu::can_run("avx512vnni");
   const cpu::KernelTable& t = cpu::active();
+  const cpu::KernelTable* q8 = weight.is_int8 || weight.int8_activations ? cpu::q8_table() : nullptr;
   if (weight.is_int8) {
-    LMKIT_CHECK(t.linear_int8_q8 && has_vnni, "linear: int8 weights need the int8 dot-product kernels");
-    t.linear_int8_q8(x, M, weight.storage.get(), N, K, b, out);
-  } else if (weight.is_int4() && weight.int8_activations && M <= kLinearInt8ActMaxRows && t.linear_int4_q8 && has_vnni)
-    t.linear_int4_q8(x, M, weight.storage.get(), N, K, weight.group_size, b, out);
+    LMKIT_CHECK(q8 != nullptr, "linear: int8 weights need the int8 dot-product kernels (AVX2 or AVX-512)");
+    q8->linear_int8_q8(x, M, weight.storage.get(), N, K, b, out);
+  } else if (weight.is_int4() && weight.int8_activations && M <= kLinearInt8ActMaxRows && q8 != nullptr)
+    q8->linear_int4_q8(x, M, weight.storage.get(), N, K, weight.group_size, b, out);
   else if (weight.is_int4())
     t.linear_int4(x, M, weight.storage.get(), N, K, weight.group_size, b, out);
   else

@@ -447,6 +447,156 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
   }
 }
 
+#elif defined(__AVX2__)
+// ------------------------------------------------------------------ int4 / int8 x int8 (AVX2), decode
+// The same arithmetic without VNNI: vpmaddubsw(u8, s8) sums adjacent products into int16, vpmaddwd
+// with ones sums those pairs into int32 (llama.cpp's AVX2 route). A 256-bit half of a quad holds lanes
+// 0-7 or 8-15, so vector v of a panel row covers columns 8v..8v+7: v = 0, 1 the low nibbles of halves
+// 0, 1; v = 2, 3 the high nibbles. int4: q <= 15 and |qx| <= 127, so a vpmaddubsw pair is at most
+// 3,810 and the 8 quads of a 32-k block sum exactly in int16 (<= 30,480) before one widening per block.
+// int8: s8 = u8 ^ 0x80 = q, and vpmaddubsw(|q|, sign(qx, q)) = q * qx per pair (<= 32,512), widened
+// to int32 every quad. Exact in the integers, as the VNNI path.
+#define LMKIT_VNNI
+constexpr int kQ8Block = 32;
+constexpr int kQ8MR = 2;  // rows per tile: 2 x 4 int16 accumulators + weights + broadcasts in 16 ymm
+
+inline float q8_hmax(__m256 a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline int32_t q8_hsum(__m256i a) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+// Row x[0:K] -> qx[0:K], dx[K / 32], sx[K / 32] (sum of each block's qx, as float); as the AVX-512 path.
+inline void q8_quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / kQ8Block; ++b) {
+    __m256 a[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      a[i] = _mm256_loadu_ps(x + b * kQ8Block + 8 * i);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, a[i]));
+    }
+    const float amax = q8_hmax(m);
+    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], _mm256_set1_ps(inv)));
+    // the packs work per 128-bit lane: dwords come out as q0[0:4] q1[0:4] q2[0:4] q3[0:4] q0[4:8] ...
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i*)(qx + b * kQ8Block), _mm256_permutevar8x32_epi32(p, order));
+    dx[b] = d;
+    sx[b] = (float)q8_hsum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+  }
+}
+
+// tot[i][0:32] += this int4 panel's sums (group size g) for rows i < MR.
+template <int MR>
+inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel, int64_t g,
+                       float (*tot)[kPanel]) {
+  const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g);
+  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  for (int64_t k0 = 0; k0 < K; k0 += g) {
+    const uint8_t* blk = panel + (k0 / g) * gb;
+    for (int64_t b = 0; b < g / kQ8Block; ++b) {
+      const int64_t kb = (k0 / kQ8Block) + b;
+      __m256i acc[MR][4];
+      for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_si256();
+      const uint8_t* quads = blk + kI4Head + b * (kQ8Block / 4) * kI4Quad;
+#pragma GCC unroll 8
+      for (int t = 0; t < kQ8Block / 4; ++t) {
+        _mm_prefetch((const char*)(quads + t * kI4Quad + kPrefetchBytes), _MM_HINT_T0);
+        __m256i xq[MR];
+        for (int i = 0; i < MR; ++i) {
+          int32_t q4;
+          memcpy(&q4, qx + i * K + kb * kQ8Block + 4 * t, 4);
+          xq[i] = _mm256_set1_epi32(q4);
+        }
+        for (int h = 0; h < 2; ++h) {
+          const __m256i raw = _mm256_loadu_si256((const __m256i*)(quads + t * kI4Quad + 32 * h));
+          const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+          for (int i = 0; i < MR; ++i) {
+            acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(lo, xq[i]));
+            acc[i][h + 2] = _mm256_add_epi16(acc[i][h + 2], _mm256_maddubs_epi16(hi, xq[i]));
+          }
+        }
+      }
+      for (int v = 0; v < 4; ++v) {
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v)));
+        const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 64 + 8 * v))));
+        for (int i = 0; i < MR; ++i) {
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][v], ones));
+          const __m256 f = _mm256_mul_ps(s, _mm256_fnmadd_ps(z, _mm256_set1_ps(sx[i * nb + kb]), dot));
+          _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + kb]), f,
+                                                           _mm256_loadu_ps(tot[i] + 8 * v)));
+        }
+      }
+    }
+  }
+}
+
+// tot[i][0:32] += this int8 panel's sums (layout as the AVX-512 path's q8_tile_i8) for rows i < MR.
+template <int MR>
+inline void q8_tile_i8(const int8_t* qx, const float* dx, int64_t K, const uint8_t* panel, float (*tot)[kPanel]) {
+  const int64_t nb = K / kQ8Block, block_bytes = kPanel * 2 + kQ8Block * kPanel;
+  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    const uint8_t* blk = panel + kb * block_bytes;
+    __m256i acc[MR][4];
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_si256();
+    const uint8_t* quads = blk + kPanel * 2;
+#pragma GCC unroll 8
+    for (int t = 0; t < kQ8Block / 4; ++t) {
+      _mm_prefetch((const char*)(quads + t * 128 + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch((const char*)(quads + t * 128 + 64 + kPrefetchBytes), _MM_HINT_T0);
+      __m256i xq[MR];
+      for (int i = 0; i < MR; ++i) {
+        int32_t q4;
+        memcpy(&q4, qx + i * K + kb * kQ8Block + 4 * t, 4);
+        xq[i] = _mm256_set1_epi32(q4);
+      }
+      for (int v = 0; v < 4; ++v) {  // 32 bytes at 32 v: lanes of columns 8v..8v+7
+        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(quads + t * 128 + 32 * v)), flip);
+        const __m256i aw = _mm256_abs_epi8(w);
+        for (int i = 0; i < MR; ++i)
+          acc[i][v] = _mm256_add_epi32(acc[i][v],
+                                       _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xq[i], w)), ones));
+      }
+    }
+    for (int v = 0; v < 4; ++v) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v)));
+      for (int i = 0; i < MR; ++i) {
+        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][v]), d);
+        _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + kb]), f,
+                                                         _mm256_loadu_ps(tot[i] + 8 * v)));
+      }
+    }
+  }
+}
+
+// g > 0: int4 panels with group size g; g == 0: int8 panels.
+template <int MR = kQ8MR>
+inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
+                      int64_t g, float* c, int64_t ldc, int ncols, const float* bias) {
+  if (mr == MR) {
+    alignas(32) float tot[MR][kPanel] = {};
+    if (g > 0) q8_tile_i4<MR>(qx, dx, sx, K, panel, g, tot);
+    else q8_tile_i8<MR>(qx, dx, K, panel, tot);
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < ncols; ++j) c[i * ldc + j] = bias ? tot[i][j] + bias[j] : tot[i][j];
+  } else if constexpr (MR > 1) {
+    q8_tile_n<MR - 1>(mr, qx, dx, sx, K, panel, g, c, ldc, ncols, bias);
+  }
+}
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
 // out = x @ w^T (+ bias) with int8 activations over int4 (g > 0) or int8 (g == 0) panels; K % 32 == 0.
 LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,
                           const float* bias, float* out) {

@@ -13,7 +13,7 @@ namespace {
 }  // namespace
 }  // namespace LMKIT_ISA
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #define LMKIT_ISA_Q8 &LMKIT_ISA::linear_int4_q8, &LMKIT_ISA::linear_int8_q8
 #else
 #define LMKIT_ISA_Q8 nullptr, nullptr

@@ -25,8 +25,8 @@ struct KernelTable {
   // the same for an int4 weight (ops::LinearWeight int4 panels, group size g)
   void (*linear_int4)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, const float* bias,
                       float* out);
-  // the same with activations quantized to int8 per 32 values and integer dot products (AVX-512 VNNI);
-  // nullptr where this ISA has none: check the CPU supports avx512vnni before calling (dispatch.cpp)
+  // the same with activations quantized to int8 per 32 values and integer dot products (AVX2, AVX-512 VNNI);
+  // nullptr where this ISA has none; the avx512 ones also need VNNI (dispatch.cpp q8_table picks)
   void (*linear_int4_q8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,
                          const float* bias, float* out);
   // out = x @ w^T (+ bias) for int8 panels (pack_linear_int8), int8 activations; nullptr as above
