@@ -31,7 +31,7 @@ class EngineConfig:
     """Per-layer KV precision file (kv_policy.json from `lmkit lite calibrate`); overrides quant_policy."""
     awq_int8_activations: bool = True
     """AWQ int4 checkpoints, decode steps: quantize activations to int8 per 32 values and use integer dot
-    products (AVX-512 VNNI CPUs; llama.cpp's approach). False: fp32 activations, exact dequantized math."""
+    products (AVX2 / AVX-512 CPUs; llama.cpp's approach). False: fp32 activations, exact dequantized math."""
     enable_prefix_caching: bool = False
     """Reuse the KV blocks of identical prompt prefixes."""
     num_threads: int | None = None

@@ -61,3 +61,13 @@ def test_peers_benchmark_smoke(smollm2_path):
     assert "lmkit fp" in run.stdout and "HF fp32" in run.stdout
     assert "error" not in run.stdout, run.stdout
     assert "8/8" in run.stdout, run.stdout  # HF's greedy tokens match the engine's for all 8 smoke tokens
+
+
+def test_kv_quant_benchmark_smoke(smollm2_path):
+    """bench_kv_quant.py --smoke: engine perplexity and KV capacity for fp / int8 / int4 KV."""
+    run = _run_script("bench_kv_quant.py", "--smoke", "--model", str(smollm2_path), "--threads", "1")
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {line.split("KV")[0].strip(): line.split() for line in run.stdout.splitlines() if " KV " in line}
+    assert set(rows) == {"fp32", "int8", "int4"}, run.stdout
+    # sequences in the budget: int8 and int4 hold more than fp32
+    assert int(rows["fp32"][-3]) < int(rows["int8"][-3]) < int(rows["int4"][-3]), run.stdout

@@ -1,0 +1,117 @@
+"""What the quantized KV cache costs and buys, measured through the engine itself: perplexity on held-out
+text and the number of concurrent sequences a fixed KV byte budget holds, for fp / int8 / int4 KV and a
+calibrated per-layer policy (`lmkit lite calibrate`).
+
+    python benchmark/bench_kv_quant.py [--model PATH] [--kv-policy kv_policy.json] [--dataset hamlet]
+        [--max-tokens 2048] [--seqlen 512] [--budget-mib 64] [--context 1024] [--threads 2] [--smoke]
+
+Perplexity: the text's first --max-tokens tokens in windows of --seqlen (as `lmkit lite ppl`: disjoint
+windows, every token after a window's first scored once), each window one engine request with
+`output_logits` (the logits row of every prompt position). The engine writes each chunk's K/V into the
+quantized cache and attention reads it back from there, so this is the engine's own perplexity at that
+KV precision, not a simulation.
+Capacity: floor(budget / Engine.kv_bytes_per_block) blocks, divided by the blocks one --context-token
+sequence needs (block size 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_prefill import cpu_name  # noqa: E402
+
+
+def eval_ids(model_path: Path, dataset: str, max_tokens: int) -> list[int]:
+    """The same token stream as `lmkit lite ppl --dataset DATASET` scores."""
+    from transformers import AutoTokenizer
+
+    from lmkit.lite.ppl import evaluation_tokens
+
+    return evaluation_tokens(AutoTokenizer.from_pretrained(str(model_path)), dataset, max_tokens).tolist()
+
+
+def perplexity(model_path: Path, ids: list[int], seqlen: int, kv: dict, threads: int) -> tuple[float, int, float]:
+    """(perplexity, scored tokens, seconds) of ``ids`` through the engine with KV settings ``kv``."""
+    from lmkit import EngineConfig, GenerationConfig, pipeline
+    from lmkit.lite.ppl import windows
+
+    config = EngineConfig(device="cpu", num_threads=threads, max_batch_size=1, session_len=seqlen + 1,
+                          cache_max_entry_count=seqlen // 64 + 2, **kv)
+    gen = GenerationConfig(max_new_tokens=1, output_logits=True, ignore_eos=True)
+    nll, count, start = 0.0, 0, time.perf_counter()
+    with pipeline(model_path, config) as pipe:
+        for begin, end, first in windows(len(ids), seqlen, seqlen):
+            logits = np.asarray(pipe(ids[begin:end], gen).logits, dtype=np.float64)  # row i predicts i + 1
+            rows = logits[first - begin - 1:end - begin - 1]
+            top = rows.max(axis=1, keepdims=True)
+            lse = top[:, 0] + np.log(np.exp(rows - top).sum(axis=1))
+            nll += float((lse - rows[np.arange(len(rows)), ids[first:end]]).sum())
+            count += len(rows)
+    return math.exp(nll / count), count, time.perf_counter() - start
+
+
+def capacity(model_path: Path, kv: dict, budget_bytes: int, context: int) -> tuple[int, int, int]:
+    """(bytes per block, blocks in the budget, concurrent sequences of ``context`` tokens)."""
+    from lmkit import EngineConfig
+    from lmkit.engine import Engine
+
+    block = 64
+    engine = Engine(model_path, EngineConfig(device="cpu", cache_block_seq_len=block, cache_max_entry_count=8,
+                                             session_len=context, **kv))
+    try:
+        per_block = engine.kv_bytes_per_block
+    finally:
+        engine.close()
+    blocks = budget_bytes // per_block
+    return per_block, blocks, blocks // -(-context // block)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF or AWQ folder (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--kv-policy", default=None, help="kv_policy.json of this model: adds the policy row")
+    ap.add_argument("--dataset", default="hamlet", help="held-out text, as `lmkit lite ppl --dataset`")
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--budget-mib", type=float, default=64.0, help="KV byte budget of the capacity column")
+    ap.add_argument("--context", type=int, default=1024, help="tokens per sequence of the capacity column")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="64 tokens in windows of 32: runs in seconds")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.max_tokens, args.seqlen = 64, 32
+
+    from lmkit import _engine
+    from lmkit.model_path import resolve_model
+
+    model_path = resolve_model(args.model)
+    ids = eval_ids(model_path, args.dataset, args.max_tokens)
+    rows = [("fp32 KV", {}), ("int8 KV", {"quant_policy": 8}), ("int4 KV", {"quant_policy": 4})]
+    if args.kv_policy:
+        rows.append((f"policy {Path(args.kv_policy).name}", {"kv_policy": str(args.kv_policy)}))
+    budget = int(args.budget_mib * 2**20)
+    print(f"model {model_path.name}; {cpu_name()} ({_engine.cpu_isa()}), {args.threads} threads; perplexity on "
+          f"{len(ids)} tokens of {args.dataset} in windows of {args.seqlen}; capacity: {args.budget_mib:g} MiB "
+          f"of KV, {args.context}-token sequences")
+    print(f"{'KV cache':28}{'perplexity':>11}{'vs fp':>9}{'tokens':>8}{'bytes/block':>13}{'blocks':>8}"
+          f"{'sequences':>11}{'vs fp':>8}{'time s':>8}")
+    fp_ppl = fp_seqs = None
+    for name, kv in rows:
+        ppl, count, seconds = perplexity(model_path, ids, args.seqlen, kv, args.threads)
+        per_block, blocks, seqs = capacity(model_path, kv, budget, args.context)
+        fp_ppl = fp_ppl or ppl
+        fp_seqs = fp_seqs or seqs
+        print(f"{name:28}{ppl:11.4f}{ppl / fp_ppl - 1:+9.2%}{count:8d}{per_block:13d}{blocks:8d}{seqs:11d}"
+              f"{seqs / max(fp_seqs, 1):7.2f}x{seconds:8.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
