@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--cache-max-entry-count", type=float, default=0.5)
     ap.add_argument("--enable-prefix-caching", action="store_true")
+    ap.add_argument("--quant-policy", type=int, choices=[0, 4, 8], default=0, help="KV cache: 0 fp, 8 int8, 4 int4")
+    ap.add_argument("--kv-policy", default=None, help="per-layer KV precision file (lmkit lite calibrate)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--csv", type=Path, default=None)
@@ -115,7 +117,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     engine = AsyncEngine(args.model, EngineConfig(
         max_batch_size=args.max_batch_size, cache_max_entry_count=args.cache_max_entry_count,
-        enable_prefix_caching=args.enable_prefix_caching, num_threads=args.threads, session_len=4096))
+        enable_prefix_caching=args.enable_prefix_caching, num_threads=args.threads, session_len=4096,
+        quant_policy=args.quant_policy, kv_policy=args.kv_policy))
+    kv = f"kv_policy {Path(args.kv_policy).name}" if args.kv_policy else \
+        {0: "fp32", 8: "int8", 4: "int4"}[args.quant_policy]
     rows = []
     try:
         warm = make_requests(args, engine.tokenizer, 1, seed=10_000)
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         engine.close()
     name = Path(str(engine.engine.model_path)).name
     print(f"model {name}, workload {args.workload}, prefix caching {args.enable_prefix_caching}, "
-          f"{args.threads or len(os.sched_getaffinity(0))} threads, {date.today()}")
+          f"KV {kv}, {args.threads or len(os.sched_getaffinity(0))} threads, {date.today()}")
     print(f"{'conc':>5}{'reqs':>6}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
           f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>9}{'E2E p50':>9}{'KV peak':>8}")
     for r in rows:
@@ -145,14 +150,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 w.writerow(["date", "model", "workload", "prefix_caching", "concurrency", "num_requests",
                             "request_throughput", "input_tok_s", "output_tok_s"]
                            + [f"{k}_{p}_ms" for k in ("ttft", "tpot", "itl", "e2e") for p in ("mean", "p50", "p90", "p99")]
-                           + ["peak_kv_usage", "prefix_hit_rate"])
+                           + ["peak_kv_usage", "prefix_hit_rate", "kv_cache"])
             for r in rows:
                 w.writerow([date.today(), name, args.workload, args.enable_prefix_caching, r["concurrency"],
                             r["num_requests"], f"{r['request_throughput']:.3f}", f"{r['input_tok_s']:.1f}",
                             f"{r['output_tok_s']:.1f}"]
                            + [f"{r[k][p] * 1e3:.2f}" for k in ("ttft", "tpot", "itl", "e2e")
                               for p in ("mean", "p50", "p90", "p99")]
-                           + [f"{r['peak_kv_usage']:.3f}", f"{m.prefix_hit_rate:.3f}"])
+                           + [f"{r['peak_kv_usage']:.3f}", f"{m.prefix_hit_rate:.3f}", kv])
     return rows
 
 
