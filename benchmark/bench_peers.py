@@ -514,10 +514,10 @@ def print_table(rows: list[Row], args, header: str) -> None:
             print(f"{r.name:26}error: {r.error.splitlines()[0] if r.error else ''}")
             continue
         match = "-" if r.match_tokens is None else f"{r.match_tokens}/{args.new_tokens}"
-        print(f"{r.name:26}{fmt(r.decode_tok_s, '13.1f')}{ratio(r.decode_tok_s, q4 and q4.decode_tok_s):>9}"
-              f"{ratio(r.decode_tok_s, fp and fp.decode_tok_s):>8}{fmt(r.ttft_ms, '10.1f')}"
+        print(f"{r.name:26}{fmt(r.decode_tok_s, '.1f'):>13}{ratio(r.decode_tok_s, q4 and q4.decode_tok_s):>9}"
+              f"{ratio(r.decode_tok_s, fp and fp.decode_tok_s):>8}{fmt(r.ttft_ms, '.1f'):>10}"
               f"{ratio(r.ttft_ms, q4 and q4.ttft_ms, inverse=True):>9}{ratio(r.ttft_ms, fp and fp.ttft_ms, inverse=True):>8}"
-              f"{fmt(r.conc_tok_s, '13.1f')}{ratio(r.conc_tok_s, fp and fp.conc_tok_s):>8}{match:>9}")
+              f"{fmt(r.conc_tok_s, '.1f'):>13}{ratio(r.conc_tok_s, fp and fp.conc_tok_s):>8}{match:>9}")
     if q4 is not None:
         print(f"ratios: speed relative to {q4.name} and to lmkit fp (TTFT: reference time / this time)")
     for r in rows:
