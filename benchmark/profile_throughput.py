@@ -6,7 +6,8 @@
 Every request runs to its drawn output length (ignore_eos, as the peers' benchmarks do). Prints and
 appends to CSV: request throughput, input/output tokens/s, TTFT, TPOT (per request: (e2e - ttft) /
 (output - 1)), ITL (every gap between tokens) and end-to-end latency (mean, p50, p90, p99), peak KV
-usage and prefix hit rate.
+usage and prefix hit rate. With --csv and more than one level, a PNG of throughput and latency
+percentiles against concurrency is written beside the CSV (matplotlib, when installed).
 """
 
 from __future__ import annotations
@@ -24,6 +25,32 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402
+
+
+def plot_concurrency(rows: list[dict], path: Path, title: str) -> None:
+    """Throughput vs concurrency and latency percentiles vs concurrency, side by side (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = [r["concurrency"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.plot(c, [r["output_tok_s"] for r in rows], "o-", label="output tok/s")
+    left.plot(c, [r["request_throughput"] * 100 for r in rows], "s--", label="requests/s x 100")
+    left.set(xscale="log", xlabel="concurrency", ylabel="throughput", title="throughput")
+    for key, style in (("ttft", "o-"), ("tpot", "s-"), ("itl", "^-")):
+        for p, alpha in (("p50", 1.0), ("p99", 0.5)):
+            right.plot(c, [r[key][p] * 1e3 for r in rows], style, alpha=alpha, label=f"{key.upper()} {p}")
+    right.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="ms", title="latency percentiles")
+    for ax in (left, right):
+        ax.set_xticks(c, [str(x) for x in c])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def percentiles(xs: list[float]) -> dict[str, float]:
@@ -158,6 +185,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                            + [f"{r[k][p] * 1e3:.2f}" for k in ("ttft", "tpot", "itl", "e2e")
                               for p in ("mean", "p50", "p90", "p99")]
                            + [f"{r['peak_kv_usage']:.3f}", f"{m.prefix_hit_rate:.3f}", kv])
+        if len(rows) > 1:
+            try:
+                png = args.csv.with_suffix(".concurrency.png")
+                plot_concurrency(rows, png, f"{name}, {args.workload} workload, KV {kv}, {date.today()}")
+                print(f"plots: {png}")
+            except ImportError:
+                print("matplotlib not installed: no plots (pip install matplotlib)")
     return rows
 
 

@@ -96,6 +96,11 @@ class Engine:
         """Bytes one KV block takes over all layers (K and V, quantization parameters included)."""
         return self._cpp.kv_bytes_per_block
 
+    @property
+    def linear_weight_bytes(self) -> int:
+        """Bytes of weights every decode step reads (all linear layers and the lm_head, as packed)."""
+        return self._cpp.linear_weight_bytes
+
     @staticmethod
     def now() -> float:
         """The engine's clock (seconds), as stamped on every output."""

@@ -43,6 +43,7 @@ def test_scheduling_benchmarks_smoke(smollm2_path, tmp_path):
                       str(tmp_path / "t.csv"))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "out tok/s" in run.stdout and len((tmp_path / "t.csv").read_text().splitlines()) == 3
+    assert (tmp_path / "t.concurrency.png").stat().st_size > 10_000  # the throughput / latency plots
     run = _run_script("bench_prefix_cache.py", "--smoke", "--model", str(smollm2_path))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "TTFT ratio" in run.stdout
@@ -71,3 +72,15 @@ def test_kv_quant_benchmark_smoke(smollm2_path):
     assert set(rows) == {"fp32", "int8", "int4"}, run.stdout
     # sequences in the budget: int8 and int4 hold more than fp32
     assert int(rows["fp32"][-3]) < int(rows["int8"][-3]) < int(rows["int4"][-3]), run.stdout
+
+
+def test_generation_benchmark_smoke(smollm2_path, tmp_path):
+    """profile_generation.py --smoke: one grid cell with its roofline fraction, CSV and chart."""
+    run = _run_script("profile_generation.py", "--smoke", "--model", str(smollm2_path), "--threads", "1",
+                      "--csv", str(tmp_path / "g.csv"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    header, row = (tmp_path / "g.csv").read_text().splitlines()
+    fields = dict(zip(header.split(","), row.split(",")))
+    assert fields["batch"] == "2" and float(fields["decode_tok_s"]) > 0
+    assert 0 < float(fields["roofline_fraction"]) < 1.5, fields  # a measured speed cannot beat the bound by much
+    assert (tmp_path / "g.roofline.png").stat().st_size > 10_000

@@ -50,6 +50,7 @@ struct EngineOptions {
   int32_t max_prefill_token_num = 8192;
   int32_t num_blocks = 0;  // size of the KV pool, decided by the caller (kv_pool_num_blocks)
   int64_t kv_bytes_per_block = 0;  // the executor's, for reporting
+  int64_t linear_weight_bytes = 0;  // the executor's, for reporting
   bool enable_prefix_caching = false;
   int32_t vocab_size = 0;
   std::vector<int32_t> eos_token_ids;

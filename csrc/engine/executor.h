@@ -18,6 +18,9 @@ class Executor {
   virtual void step(const BatchPlan& plan, std::vector<int32_t>& sampled) = 0;
   // Bytes of KV memory one block of the pool takes (all layers, K and V).
   virtual int64_t kv_bytes_per_block() const = 0;
+  // Bytes of weights one decode step reads (every linear layer and the lm_head, as packed): with the
+  // KV bytes, the memory traffic that bounds decode speed (benchmark/profile_generation.py's roofline).
+  virtual int64_t linear_weight_bytes() const = 0;
   // Allocates the pool; called once by the engine before the first step.
   virtual void allocate_kv_pool(int32_t num_blocks) = 0;
   virtual int32_t vocab_size() const = 0;

@@ -68,6 +68,14 @@ DecoderModel::~DecoderModel() {
 
 int64_t DecoderModel::kv_bytes_per_block() const { return kv_layer_offset_.back(); }
 
+int64_t DecoderModel::linear_weight_bytes() const {
+  int64_t bytes = lm_head_.size_bytes();
+  for (const PackedLayer& p : packed_)
+    for (const ops::LinearWeight* w : {&p.q_proj, &p.k_proj, &p.v_proj, &p.o_proj, &p.gate_proj, &p.up_proj, &p.down_proj})
+      bytes += w->size_bytes();
+  return bytes;
+}
+
 void DecoderModel::allocate_kv_pool(int32_t num_blocks) {
   LMKIT_CHECK(kv_pool_ == nullptr, "the KV pool is allocated once");
   kv_pool_bytes_ = kv_bytes_per_block() * num_blocks;

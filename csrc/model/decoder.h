@@ -29,6 +29,7 @@ class DecoderModel : public Executor {
 
   void step(const BatchPlan& plan, std::vector<int32_t>& sampled) override;
   int64_t kv_bytes_per_block() const override;
+  int64_t linear_weight_bytes() const override;
   void allocate_kv_pool(int32_t num_blocks) override;
   int32_t vocab_size() const override { return config_.vocab_size; }
   void bind_thread() override;

@@ -46,6 +46,7 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   }
   auto executor = std::make_unique<DecoderModel>(model, ModelWeights::load(model, sources), decoder);
   options.kv_bytes_per_block = executor->kv_bytes_per_block();
+  options.linear_weight_bytes = executor->linear_weight_bytes();
   options.num_blocks =
       kv_pool_num_blocks(config.cache_max_entry_count, executor->kv_bytes_per_block(), available_host_memory_bytes(),
                          options.max_batch_size, options.session_len, options.block_size_tokens);

@@ -175,6 +175,7 @@ PYBIND11_MODULE(_engine, m) {
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_total_blocks", [](const Engine& e) { return e.options().num_blocks; })
       .def_property_readonly("kv_bytes_per_block", [](const Engine& e) { return e.options().kv_bytes_per_block; })
+      .def_property_readonly("linear_weight_bytes", [](const Engine& e) { return e.options().linear_weight_bytes; })
       .def_property_readonly("session_len", [](const Engine& e) { return e.options().session_len; })
       .def_property_readonly("block_size_tokens", [](const Engine& e) { return e.options().block_size_tokens; });
 }
