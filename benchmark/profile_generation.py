@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--csv", type=Path, default=None, help="append rows here; the roofline PNG goes beside it")
     ap.add_argument("--smoke", action="store_true", help="one tiny cell, for tests")
     args = ap.parse_args(argv)
+    if args.bandwidth is not None and args.bandwidth <= 0:
+        ap.error(f"--bandwidth must be > 0 GB/s, got {args.bandwidth}")
     if args.smoke:
         args.batch, args.io = [2], [(8, 4)]
 
