@@ -10,8 +10,8 @@ windows, every token after a window's first scored once), each window one engine
 `output_logits` (the logits row of every prompt position). The engine writes each chunk's K/V into the
 quantized cache and attention reads it back from there, so this is the engine's own perplexity at that
 KV precision, not a simulation.
-Capacity: floor(budget / Engine.kv_bytes_per_block) blocks, divided by the blocks one --context-token
-sequence needs (block size 64).
+Capacity: floor(budget / Engine.kv_bytes_per_block) blocks (of the same engine), divided by the blocks
+one --context-token sequence needs (block size 64).
 """
 
 from __future__ import annotations
@@ -37,13 +37,18 @@ def eval_ids(model_path: Path, dataset: str, max_tokens: int) -> list[int]:
     return evaluation_tokens(AutoTokenizer.from_pretrained(str(model_path)), dataset, max_tokens).tolist()
 
 
-def perplexity(model_path: Path, ids: list[int], seqlen: int, kv: dict, threads: int) -> tuple[float, int, float]:
-    """(perplexity, scored tokens, seconds) of ``ids`` through the engine with KV settings ``kv``."""
+BLOCK_SIZE = 64
+
+
+def perplexity(model_path: Path, ids: list[int], seqlen: int, kv: dict,
+               threads: int) -> tuple[float, int, float, int]:
+    """(perplexity, scored tokens, seconds, KV bytes per block) of ``ids`` through the engine with KV
+    settings ``kv`` (blocks of BLOCK_SIZE tokens)."""
     from lmkit import EngineConfig, GenerationConfig, pipeline
     from lmkit.lite.ppl import windows
 
     config = EngineConfig(device="cpu", num_threads=threads, max_batch_size=1, session_len=seqlen + 1,
-                          cache_max_entry_count=seqlen // 64 + 2, **kv)
+                          cache_block_seq_len=BLOCK_SIZE, cache_max_entry_count=seqlen // BLOCK_SIZE + 2, **kv)
     gen = GenerationConfig(max_new_tokens=1, output_logits=True, ignore_eos=True)
     nll, count, start = 0.0, 0, time.perf_counter()
     with pipeline(model_path, config) as pipe:
@@ -54,23 +59,14 @@ def perplexity(model_path: Path, ids: list[int], seqlen: int, kv: dict, threads:
             lse = top[:, 0] + np.log(np.exp(rows - top).sum(axis=1))
             nll += float((lse - rows[np.arange(len(rows)), ids[first:end]]).sum())
             count += len(rows)
-    return math.exp(nll / count), count, time.perf_counter() - start
+        per_block = pipe.engine.kv_bytes_per_block
+    return math.exp(nll / count), count, time.perf_counter() - start, per_block
 
 
-def capacity(model_path: Path, kv: dict, budget_bytes: int, context: int) -> tuple[int, int, int]:
-    """(bytes per block, blocks in the budget, concurrent sequences of ``context`` tokens)."""
-    from lmkit import EngineConfig
-    from lmkit.engine import Engine
-
-    block = 64
-    engine = Engine(model_path, EngineConfig(device="cpu", cache_block_seq_len=block, cache_max_entry_count=8,
-                                             session_len=context, **kv))
-    try:
-        per_block = engine.kv_bytes_per_block
-    finally:
-        engine.close()
+def capacity(per_block: int, budget_bytes: int, context: int) -> tuple[int, int]:
+    """(blocks in the budget, concurrent sequences of ``context`` tokens) at ``per_block`` bytes a block."""
     blocks = budget_bytes // per_block
-    return per_block, blocks, blocks // -(-context // block)
+    return blocks, blocks // -(-context // BLOCK_SIZE)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'sequences':>11}{'vs fp':>8}{'time s':>8}")
     fp_ppl = fp_seqs = None
     for name, kv in rows:
-        ppl, count, seconds = perplexity(model_path, ids, args.seqlen, kv, args.threads)
-        per_block, blocks, seqs = capacity(model_path, kv, budget, args.context)
+        ppl, count, seconds, per_block = perplexity(model_path, ids, args.seqlen, kv, args.threads)
+        blocks, seqs = capacity(per_block, budget, args.context)
         fp_ppl = fp_ppl or ppl
         fp_seqs = fp_seqs or seqs
         print(f"{name:28}{ppl:11.4f}{ppl / fp_ppl - 1:+9.2%}{count:8d}{per_block:13d}{blocks:8d}{seqs:11d}"

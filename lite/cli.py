@@ -24,8 +24,9 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:.1f} MiB"
 
 
-class RichReporter:
-    """Progress over decoder layers (elapsed, ETA) and a status line per phase, on stderr."""
+class ProgressReporter:
+    """A status line per phase and progress bars (elapsed, ETA), on stderr; the commands' reporters add
+    what they count."""
 
     def __init__(self, console):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, \
@@ -47,6 +48,10 @@ class RichReporter:
 
     def phase(self, description: str) -> None:
         self.progress.update(self.status, description=description)
+
+
+class RichReporter(ProgressReporter):
+    """Progress over decoder layers, for ``quantize_awq``."""
 
     def start_layers(self, num_layers: int) -> None:
         self.progress.update(self.status, description="quantizing", visible=False)
@@ -151,26 +156,8 @@ def ppl(
         f"{time.perf_counter() - start:.1f} s)")
 
 
-class StepReporter:
-    """A status line per phase and a progress bar over steps (elapsed, ETA), on stderr."""
-
-    def __init__(self, console):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, \
-            TimeElapsedColumn, TimeRemainingColumn
-
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                                 console=console, transient=False)
-        self.status = None
-        self.task = None
-
-    def __enter__(self):
-        self.progress.start()
-        self.status = self.progress.add_task("starting", total=None)
-        return self
-
-    def __exit__(self, *exc):
-        self.progress.stop()
+class StepReporter(ProgressReporter):
+    """Progress over steps, for ``calibrate_kv``; the phase line shows again between step runs."""
 
     def phase(self, description: str) -> None:
         self.progress.update(self.status, description=description, visible=True)

@@ -185,25 +185,22 @@ def choose_policy(order_int4: list[int], order_fp: list[int], ppl_of, limit: flo
             bits[layer] = 0
         return bits
 
-    if ppl_int8 <= limit:
-        if ppl_int4 <= limit:
-            return int4_on(num_layers)
-        good, bad = 0, num_layers  # int4_on(good) is within the limit, int4_on(bad) is not
-        while bad - good > 1:
+    def last_within(good: int, bad: int, policy) -> list[int]:
+        """policy(good) is within the limit, policy(bad) is not: bisect to the within-limit end that is
+        nearest ``bad`` (works in either direction)."""
+        while abs(bad - good) > 1:
             mid = (good + bad) // 2
-            if ppl_of(int4_on(mid)) <= limit:
+            if ppl_of(policy(mid)) <= limit:
                 good = mid
             else:
                 bad = mid
-        return int4_on(good)
-    bad, good = 0, num_layers  # fp_on(bad) exceeds the limit, fp_on(good) (all fp) does not
-    while good - bad > 1:
-        mid = (good + bad) // 2
-        if ppl_of(fp_on(mid)) <= limit:
-            good = mid
-        else:
-            bad = mid
-    return fp_on(good)
+        return policy(good)
+
+    if ppl_int8 <= limit:
+        if ppl_int4 <= limit:
+            return int4_on(num_layers)
+        return last_within(0, num_layers, int4_on)  # as many int4 layers as fit
+    return last_within(num_layers, 0, fp_on)  # as few fp layers as needed (all fp is within the limit)
 
 
 def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Reporter | None = None) -> KvCalibResult:
