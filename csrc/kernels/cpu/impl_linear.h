@@ -102,17 +102,25 @@ inline void panel_tile_n(int mr, const float* x, int64_t ldx, const void* panel,
   else if constexpr (MR > 1) panel_tile_n<DT, PF, MR - 1>(mr, x, ldx, panel, kc, c, ldc, ncols, first, bias);
 }
 
+// fn(m, mr) over `rows` rows in tiles of nearly equal height mr <= MRMAX (16 rows at 12: 8 + 8).
+template <int MRMAX, class Fn>
+inline void for_each_tile(int64_t rows, Fn&& fn) {
+  int64_t tiles = (rows + MRMAX - 1) / MRMAX;
+  for (int64_t m = 0; m < rows; --tiles) {
+    const int mr = (int)((rows - m + tiles - 1) / tiles);
+    fn(m, mr);
+    m += mr;
+  }
+}
+
 // All `rows` rows of x against one panel (K block), in tiles of nearly equal height <= kMRMax.
 // PF: prefetch the panel ahead (it streams from memory; not for a converted block already in L1).
 template <int DT, bool PF>
 inline void panel_rows(const float* x, int64_t ldx, int64_t rows, const void* panel, int64_t kc, float* c,
                        int64_t ldc, int ncols, bool first, const float* bias) {
-  int64_t tiles = (rows + kMRMax - 1) / kMRMax;
-  for (int64_t m = 0; m < rows; --tiles) {
-    const int mr = (int)((rows - m + tiles - 1) / tiles);
+  for_each_tile<kMRMax>(rows, [&](int64_t m, int mr) {
     panel_tile_n<DT, PF>(mr, x + m * ldx, ldx, panel, kc, c + m * ldc, ldc, ncols, first, bias);
-    m += mr;
-  }
+  });
 }
 
 // bp[k][j] = panel[k0 + k][j] as fp32, k < kc.
@@ -122,13 +130,20 @@ inline void convert_panel(const void* panel, int64_t k0, int64_t kc, float* bp) 
   for (int64_t i = 0; i < kc * kPanel; i += kW) vstore(bp + i, wload<DT>(src, i));
 }
 
-template <int DT>
-void linear_dt(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
+// Rows of x per M block, so that a block's fp32 rows stay in L2.
+inline int64_t m_block_rows(int64_t K) {
+  const int64_t mblock = kMBlockBytes / (K * 4) / kMRMax * kMRMax;
+  return mblock < kMRMax ? kMRMax : mblock;
+}
+
+// The driver of every linear kernel: an OpenMP team (when the work is big enough) splits the panels
+// evenly among threads; each thread runs, per M block of `mblock` rows and per panel p of its share,
+//   fn(mb, rows, p, ncols, bias_tile, bp)
+// with bias_tile the panel's 32 bias values (0 beyond ncols; nullptr without bias) and bp the thread's
+// L1 buffer of kKC x kPanel fp32 for converted K blocks.
+template <class Fn>
+inline void for_each_panel(int64_t M, int64_t N, int64_t K, int64_t mblock, const float* bias, Fn&& fn) {
   const int64_t num_panels = (N + kPanel - 1) / kPanel;
-  const int64_t panel_bytes = K * kPanel * kElemBytes<DT>;
-  int64_t mblock = kMBlockBytes / (K * 4) / kMRMax * kMRMax;
-  if (mblock < kMRMax) mblock = kMRMax;
-  const bool convert = DT != (int)DType::F32 && (M < mblock ? M : mblock) > (kConvertMinTiles - 1) * kMRMax;
 #pragma omp parallel if (M * N * K >= (1 << 15))
   {
     alignas(64) float bp[kKC * kPanel];
@@ -142,21 +157,31 @@ void linear_dt(const float* x, int64_t M, const void* w, int64_t N, int64_t K, c
         const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
         if (bias)
           for (int j = 0; j < kPanel; ++j) bias_tile[j] = j < ncols ? bias[n0 + j] : 0.0f;
-        const char* panel = (const char*)w + p * panel_bytes;
-        float* c = out + mb * N + n0;
-        if (!convert) {
-          panel_rows<DT, true>(x + mb * K, K, rows, panel, K, c, N, ncols, true, bias ? bias_tile : nullptr);
-          continue;
-        }
-        for (int64_t k0 = 0; k0 < K; k0 += kKC) {
-          const int64_t kc = K - k0 < kKC ? K - k0 : kKC;
-          convert_panel<DT>(panel, k0, kc, bp);
-          panel_rows<(int)DType::F32, false>(x + mb * K + k0, K, rows, bp, kc, c, N, ncols, k0 == 0,
-                                      bias ? bias_tile : nullptr);
-        }
+        fn(mb, rows, p, ncols, bias ? bias_tile : nullptr, bp);
       }
     }
   }
+}
+
+template <int DT>
+void linear_dt(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
+  const int64_t panel_bytes = K * kPanel * kElemBytes<DT>;
+  const int64_t mblock = m_block_rows(K);
+  const bool convert = DT != (int)DType::F32 && (M < mblock ? M : mblock) > (kConvertMinTiles - 1) * kMRMax;
+  for_each_panel(M, N, K, mblock, bias, [&](int64_t mb, int64_t rows, int64_t p, int ncols, const float* bias_tile,
+                                            float* bp) {
+    const char* panel = (const char*)w + p * panel_bytes;
+    float* c = out + mb * N + p * kPanel;
+    if (!convert) {
+      panel_rows<DT, true>(x + mb * K, K, rows, panel, K, c, N, ncols, true, bias_tile);
+      return;
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+      const int64_t kc = K - k0 < kKC ? K - k0 : kKC;
+      convert_panel<DT>(panel, k0, kc, bp);
+      panel_rows<(int)DType::F32, false>(x + mb * K + k0, K, rows, bp, kc, c, N, ncols, k0 == 0, bias_tile);
+    }
+  });
 }
 
 // ------------------------------------------------------------------------------------------- linear
@@ -266,46 +291,27 @@ constexpr int64_t kI4ConvertMinRows = 2 * kMRMax + 1;  // from here on, dequanti
 
 void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, const float* bias,
                  float* out) {
-  const int64_t num_panels = (N + kPanel - 1) / kPanel;
   const int64_t panel_bytes = K / g * i4_group_bytes(g);
   const int64_t kcb = kKC / g * g;  // K block: whole groups
-  int64_t mblock = kMBlockBytes / (K * 4) / kMRMax * kMRMax;
-  if (mblock < kMRMax) mblock = kMRMax;
+  const int64_t mblock = m_block_rows(K);
   const bool convert = (M < mblock ? M : mblock) >= kI4ConvertMinRows;
-#pragma omp parallel if (M * N * K >= (1 << 15))
-  {
-    alignas(64) float bp[kKC * kPanel];
-    alignas(64) float bias_tile[kPanel];
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t p0 = num_panels * tid / nt, p1 = num_panels * (tid + 1) / nt;
-    for (int64_t mb = 0; mb < M; mb += mblock) {
-      const int64_t rows = M - mb < mblock ? M - mb : mblock;
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t n0 = p * kPanel;
-        const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
-        if (bias)
-          for (int j = 0; j < kPanel; ++j) bias_tile[j] = j < ncols ? bias[n0 + j] : 0.0f;
-        const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
-        float* c = out + mb * N + n0;
-        const float* xb = x + mb * K;
-        if (!convert) {
-          int64_t tiles = (rows + kMRMax - 1) / kMRMax;
-          for (int64_t m = 0; m < rows; --tiles) {
-            const int mr = (int)((rows - m + tiles - 1) / tiles);
-            i4_tile_n(mr, xb + m * K, K, panel, K, g, c + m * N, N, ncols, bias ? bias_tile : nullptr);
-            m += mr;
-          }
-          continue;
-        }
-        for (int64_t k0 = 0; k0 < K; k0 += kcb) {
-          const int64_t kc = K - k0 < kcb ? K - k0 : kcb;
-          i4_convert(panel, g, k0, kc, bp);
-          panel_rows<(int)DType::F32, false>(xb + k0, K, rows, bp, kc, c, N, ncols, k0 == 0,
-                                             bias ? bias_tile : nullptr);
-        }
-      }
+  for_each_panel(M, N, K, mblock, bias, [&](int64_t mb, int64_t rows, int64_t p, int ncols, const float* bias_tile,
+                                            float* bp) {
+    const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
+    float* c = out + mb * N + p * kPanel;
+    const float* xb = x + mb * K;
+    if (!convert) {
+      for_each_tile<kMRMax>(rows, [&](int64_t m, int mr) {
+        i4_tile_n(mr, xb + m * K, K, panel, K, g, c + m * N, N, ncols, bias_tile);
+      });
+      return;
     }
-  }
+    for (int64_t k0 = 0; k0 < K; k0 += kcb) {
+      const int64_t kc = K - k0 < kcb ? K - k0 : kcb;
+      i4_convert(panel, g, k0, kc, bp);
+      panel_rows<(int)DType::F32, false>(xb + k0, K, rows, bp, kc, c, N, ncols, k0 == 0, bias_tile);
+    }
+  });
 }
 
 // ------------------------------------------------------------------ int4 x int8 (AVX-512 VNNI), decode
@@ -600,33 +606,20 @@ inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx
 // out = x @ w^T (+ bias) with int8 activations over int4 (g > 0) or int8 (g == 0) panels; K % 32 == 0.
 LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,
                           const float* bias, float* out) {
-  const int64_t nb = K / kQ8Block, num_panels = (N + kPanel - 1) / kPanel;
+  const int64_t nb = K / kQ8Block;
   const int64_t panel_bytes = g > 0 ? K / g * i4_group_bytes(g) : nb * (kPanel * 2 + kQ8Block * kPanel);
   int8_t* qx = (int8_t*)malloc((size_t)(M * K + 2 * M * nb * 4));
   if (qx == nullptr) abort();  // out of memory; no way to report it from here
   float* dx = (float*)(qx + M * K);
   float* sx = dx + M * nb;
   for (int64_t m = 0; m < M; ++m) q8_quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb);
-#pragma omp parallel if (M * N * K >= (1 << 15))
-  {
-    alignas(64) float bias_tile[kPanel];
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t p0 = num_panels * tid / nt, p1 = num_panels * (tid + 1) / nt;
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kPanel;
-      const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
-      if (bias)
-        for (int j = 0; j < kPanel; ++j) bias_tile[j] = j < ncols ? bias[n0 + j] : 0.0f;
-      const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
-      int64_t tiles = (M + kQ8MR - 1) / kQ8MR;
-      for (int64_t m = 0; m < M; --tiles) {
-        const int mr = (int)((M - m + tiles - 1) / tiles);
-        q8_tile_n(mr, qx + m * K, dx + m * nb, sx + m * nb, K, panel, g, out + m * N + n0, N, ncols,
-                  bias ? bias_tile : nullptr);
-        m += mr;
-      }
-    }
-  }
+  // no M blocks: decode calls have few rows
+  for_each_panel(M, N, K, M, bias, [&](int64_t, int64_t, int64_t p, int ncols, const float* bias_tile, float*) {
+    const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
+    for_each_tile<kQ8MR>(M, [&](int64_t m, int mr) {
+      q8_tile_n(mr, qx + m * K, dx + m * nb, sx + m * nb, K, panel, g, out + m * N + p * kPanel, N, ncols, bias_tile);
+    });
+  });
   free(qx);
 }
 void linear_int4_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, const float* bias,
