@@ -29,6 +29,13 @@ struct Tensor {
   T* ptr() const { return static_cast<T*>(data); }
 };
 
+// Element i of a float tensor (F32 / F16 / BF16) as fp32.
+inline float float_value(const Tensor& t, int64_t i) {
+  if (t.dtype == DType::F32) return t.ptr<const float>()[i];
+  const uint16_t h = t.ptr<const uint16_t>()[i];
+  return t.dtype == DType::F16 ? f16_to_f32(h) : bf16_to_f32(h);
+}
+
 inline Tensor make_view(void* data, DType dtype, int64_t d0, int64_t d1 = -1, int64_t d2 = -1) {
   Tensor t;
   t.data = data;

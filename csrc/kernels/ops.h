@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include <memory>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -72,6 +73,11 @@ LinearWeight pack_linear_awq(const Tensor& qweight, const Tensor& qzeros, const 
 // A float weight [N, K] (K a multiple of 32) quantized to int8 per 32 values along K, for int8
 // activations; throws unless int8_dot_available().
 LinearWeight pack_linear_int8(const Tensor& weight);
+// One weight whose output columns are those of parts[0], then parts[1], ... (q/k/v or gate/up run as
+// one call: one thread team, one activation quantization). The panels are copied as they are, so every
+// part but the last needs N % kLinearPanelCols == 0 and all must share K and format; otherwise (or with
+// fewer than two parts) returns an empty weight and the caller keeps the parts.
+LinearWeight concat_linear(const std::vector<const LinearWeight*>& parts);
 // Whether this CPU runs the integer dot-product kernels (int8 activations; AVX2 or AVX-512).
 bool int8_dot_available();
 

@@ -25,8 +25,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, cons
   k_.resize(T * config.kv_size());
   v_.resize(T * config.kv_size());
   attn_.resize(T * config.q_size());
-  gate_.resize(T * config.intermediate_size);
-  up_.resize(T * config.intermediate_size);
+  wide_.resize(T * std::max<int64_t>(2 * config.intermediate_size, config.q_size() + 2 * config.kv_size()));
   logits_.resize((int64_t)kLogitRowsPerGroup * config.vocab_size);
   gathered_.resize((int64_t)kLogitRowsPerGroup * config.hidden_size);
   auto pack = [&](const LinearTensors& t) {
@@ -35,9 +34,26 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, cons
     w.int8_activations = options.awq_int8_activations;
     return w;
   };
-  for (const LayerWeights& w : weights_.layers)
-    packed_.push_back({pack(w.q_proj), pack(w.k_proj), pack(w.v_proj), pack(w.o_proj), pack(w.gate_proj),
-                       pack(w.up_proj), pack(w.down_proj)});
+  for (const LayerWeights& w : weights_.layers) {
+    PackedLayer p;
+    p.q_proj = pack(w.q_proj);
+    p.k_proj = pack(w.k_proj);
+    p.v_proj = pack(w.v_proj);
+    p.qkv = ops::concat_linear({&p.q_proj, &p.k_proj, &p.v_proj});
+    if (!p.qkv.is_empty()) {
+      p.q_proj = p.k_proj = p.v_proj = ops::LinearWeight{};
+      if (!w.q_bias.is_empty())
+        for (const Tensor* b : {&w.q_bias, &w.k_bias, &w.v_bias})
+          for (int64_t i = 0; i < b->numel(); ++i) p.qkv_bias.push_back(float_value(*b, i));
+    }
+    p.o_proj = pack(w.o_proj);
+    p.gate_proj = pack(w.gate_proj);
+    p.up_proj = pack(w.up_proj);
+    p.gate_up = ops::concat_linear({&p.gate_proj, &p.up_proj});
+    if (!p.gate_up.is_empty()) p.gate_proj = p.up_proj = ops::LinearWeight{};
+    p.down_proj = pack(w.down_proj);
+    packed_.push_back(std::move(p));
+  }
   // With int8 activations, the lm_head (kept dense by AWQ; a third of SmolLM2's bytes) runs as int8
   // per 32 values too, as llama.cpp's Q8_0 output does: half the bytes of fp16 at negligible error.
   bool any_awq = false;
@@ -71,8 +87,8 @@ int64_t DecoderModel::kv_bytes_per_block() const { return kv_layer_offset_.back(
 int64_t DecoderModel::linear_weight_bytes() const {
   int64_t bytes = lm_head_.size_bytes();
   for (const PackedLayer& p : packed_)
-    for (const ops::LinearWeight* w : {&p.q_proj, &p.k_proj, &p.v_proj, &p.o_proj, &p.gate_proj, &p.up_proj, &p.down_proj})
-      bytes += w->size_bytes();
+    for (const ops::LinearWeight* w : p.all())
+      if (!w->is_empty()) bytes += w->size_bytes();
   return bytes;
 }
 
@@ -155,23 +171,56 @@ void DecoderModel::forward(const BatchPlan& plan) {
       ops::rmsnorm(residual, w.input_norm, c.rms_norm_eps, T, H, h);
     else  // residual += mlp output (in h); h = norm(residual)
       ops::add_rmsnorm(residual, h, w.input_norm, c.rms_norm_eps, T, H, h);
-    ops::linear(h, T, pw.q_proj, w.q_bias, q_.data());
-    ops::linear(h, T, pw.k_proj, w.k_bias, k_.data());
-    ops::linear(h, T, pw.v_proj, w.v_bias, v_.data());
-    ops::rope(q_.data(), k_.data(), positions_.data(), T, c.num_heads, c.num_kv_heads, c.head_dim,
-              c.inv_freq.data(), c.attention_scaling);
+    float *q = q_.data(), *k = k_.data(), *v = v_.data();
+    if (!pw.qkv.is_empty()) {
+      const Tensor bias = pw.qkv_bias.empty() ? no_bias
+                                              : make_view((void*)pw.qkv_bias.data(), DType::F32, pw.qkv.n);
+      ops::linear(h, T, pw.qkv, bias, wide_.data());
+      split_qkv(T, q, k, v);
+    } else {
+      ops::linear(h, T, pw.q_proj, w.q_bias, q);
+      ops::linear(h, T, pw.k_proj, w.k_bias, k);
+      ops::linear(h, T, pw.v_proj, w.v_bias, v);
+    }
+    ops::rope(q, k, positions_.data(), T, c.num_heads, c.num_kv_heads, c.head_dim, c.inv_freq.data(),
+              c.attention_scaling);
     const ops::KVLayer kv = kv_layer(l);
-    ops::kv_write(kv, k_.data(), v_.data(), slots_.data(), T);
-    ops::paged_attention(q_.data(), kv, attn_seqs_.data(), (int32_t)attn_seqs_.size(), c.num_heads, scale,
+    ops::kv_write(kv, k, v, slots_.data(), T);
+    ops::paged_attention(q, kv, attn_seqs_.data(), (int32_t)attn_seqs_.size(), c.num_heads, scale,
                          c.sliding_window, attn_.data());
     ops::linear(attn_.data(), T, pw.o_proj, no_bias, h);
     ops::add_rmsnorm(residual, h, w.post_attention_norm, c.rms_norm_eps, T, H, h);
-    ops::linear(h, T, pw.gate_proj, no_bias, gate_.data());
-    ops::linear(h, T, pw.up_proj, no_bias, up_.data());
-    ops::silu_mul(gate_.data(), up_.data(), T, I, gate_.data());
-    ops::linear(gate_.data(), T, pw.down_proj, no_bias, h);
+    float* act = wide_.data();  // silu(gate) * up, [T, I]
+    if (!pw.gate_up.is_empty()) {
+      ops::linear(h, T, pw.gate_up, no_bias, act);  // rows of gate | up
+      // In place, row by row: row t's output [t I, (t + 1) I) ends before its input starts at 2 t I.
+      for (int64_t t = 0; t < T; ++t) ops::silu_mul(act + 2 * t * I, act + (2 * t + 1) * I, 1, I, act + t * I);
+    } else {
+      float* up = act + T * I;
+      ops::linear(h, T, pw.gate_proj, no_bias, act);
+      ops::linear(h, T, pw.up_proj, no_bias, up);
+      ops::silu_mul(act, up, T, I, act);
+    }
+    ops::linear(act, T, pw.down_proj, no_bias, h);
   }
-  (void)I;
+}
+
+// The fused q/k/v output in wide_ ([T, q | k | v]) as q, k, v: pointers into it for one row, else
+// copied out into q_, k_, v_ ([T, q_size] etc.).
+void DecoderModel::split_qkv(int64_t T, float*& q, float*& k, float*& v) {
+  const int64_t Q = config_.q_size(), KV = config_.kv_size(), row = Q + 2 * KV;
+  const float* src = wide_.data();
+  if (T == 1) {
+    q = wide_.data();
+    k = q + Q;
+    v = k + KV;
+    return;
+  }
+  for (int64_t t = 0; t < T; ++t, src += row) {
+    std::memcpy(q + t * Q, src, Q * sizeof(float));
+    std::memcpy(k + t * KV, src + Q, KV * sizeof(float));
+    std::memcpy(v + t * KV, src + Q + KV, KV * sizeof(float));
+  }
 }
 
 void DecoderModel::step(const BatchPlan& plan, std::vector<int32_t>& sampled) {

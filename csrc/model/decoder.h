@@ -40,14 +40,21 @@ class DecoderModel : public Executor {
  private:
   // hidden_out: [rows, hidden] final-normed hidden states of the rows listed in logit_rows.
   void forward(const BatchPlan& plan);
+  void split_qkv(int64_t T, float*& q, float*& k, float*& v);
   ops::KVLayer kv_layer(int32_t layer) const;
   ops::KVLayer kv_layer_shape(int32_t layer) const;  // without storage
 
   ModelConfig config_;
   ModelWeights weights_;
   // The linear weights in the kernels' layout, packed once here (the mapped files keep the rest).
+  // q/k/v and gate/up run fused (one call each: one thread team, one int8 quantization of the input)
+  // when ops::concat_linear can join them; the parts are then dropped, else `qkv` / `gate_up` stay empty.
   struct PackedLayer {
-    ops::LinearWeight q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
+    ops::LinearWeight qkv, q_proj, k_proj, v_proj, o_proj, gate_up, gate_proj, up_proj, down_proj;
+    std::vector<float> qkv_bias;  // fp32 [q_size + 2 kv_size] with qkv, when the model has q/k/v biases
+    std::vector<const ops::LinearWeight*> all() const {
+      return {&qkv, &q_proj, &k_proj, &v_proj, &o_proj, &gate_up, &gate_proj, &up_proj, &down_proj};
+    }
   };
   std::vector<PackedLayer> packed_;
   ops::LinearWeight lm_head_;
@@ -66,7 +73,8 @@ class DecoderModel : public Executor {
   std::vector<int32_t> logit_rows_;  // rows whose logits are needed, in plan order
 
   // Workspace rows: max_step_tokens.
-  std::vector<float> residual_, hidden_, q_, k_, v_, attn_, gate_, up_, logits_, gathered_;
+  // wide_: [rows, max(2 intermediate, q_size + 2 kv_size)], the fused q/k/v output, then gate | up.
+  std::vector<float> residual_, hidden_, q_, k_, v_, attn_, wide_, logits_, gathered_;
 };
 
 }  // namespace lmkit

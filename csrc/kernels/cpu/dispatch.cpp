@@ -58,12 +58,6 @@ const KernelTable& active() {
 
 bool is_float_dtype(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
 
-float weight_value(const Tensor& w, int64_t i) {
-  if (w.dtype == DType::F32) return w.ptr<const float>()[i];
-  const uint16_t h = w.ptr<const uint16_t>()[i];
-  return w.dtype == DType::F16 ? f16_to_f32(h) : bf16_to_f32(h);
-}
-
 void check_weight(const Tensor& w, const char* op, const char* what) {
   LMKIT_CHECK(w.data != nullptr, op, ": ", what, " is empty");
   LMKIT_CHECK(w.device == Device::CPU, op, ": ", what, " must be on the CPU");
@@ -269,6 +263,28 @@ const KernelTable* q8_table() {
 
 bool int8_dot_available() { return cpu::q8_table() != nullptr; }
 
+LinearWeight concat_linear(const std::vector<const LinearWeight*>& parts) {
+  if (parts.size() < 2) return {};
+  const LinearWeight& first = *parts.front();
+  LinearWeight fused = first;
+  fused.n = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const LinearWeight& w = *parts[i];
+    LMKIT_CHECK(!w.is_empty(), "concat_linear: part ", i, " is empty");
+    const bool same = w.k == first.k && w.dtype == first.dtype && w.group_size == first.group_size &&
+                      w.is_int8 == first.is_int8 && w.int8_activations == first.int8_activations;
+    if (!same || (i + 1 < parts.size() && w.n % kLinearPanelCols != 0)) return {};
+    fused.n += w.n;
+  }
+  fused.storage = alloc_packed(fused.size_bytes(), "a fused linear weight");
+  char* dst = static_cast<char*>(fused.storage.get());
+  for (const LinearWeight* w : parts) {
+    std::memcpy(dst, w->storage.get(), (size_t)w->size_bytes());
+    dst += w->size_bytes();
+  }
+  return fused;
+}
+
 LinearWeight pack_linear_int8(const Tensor& weight) {
   cpu::check_weight(weight, "pack_linear_int8", "weight");
   LMKIT_CHECK(weight.ndim == 2 && weight.shape[1] % 32 == 0 && weight.shape[0] > 0,
@@ -293,7 +309,7 @@ LinearWeight pack_linear_int8(const Tensor& weight) {
           const int64_t n = p * P + j;
           float amax = 0.0f;
           for (int64_t i = 0; i < B; ++i) {
-            w[i] = n < N ? cpu::weight_value(weight, n * K + b * B + i) : 0.0f;
+            w[i] = n < N ? float_value(weight, n * K + b * B + i) : 0.0f;
             amax = std::max(amax, std::fabs(w[i]));
           }
           const uint16_t dh = f32_to_f16(amax / 127.0f);
