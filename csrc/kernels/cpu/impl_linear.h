@@ -39,58 +39,74 @@ constexpr int kMRMax = 2;          // 8 ymm accumulators + 4 panel vectors + 1 b
 #else
 constexpr int kMRMax = 1;
 #endif
+// Rows per tile over a panel block already converted to fp32 in L1 (prefill, batched decode): AVX2
+// takes 6 rows in two column halves (kPassNV), 2.5x the FMAs per panel load of a 2-row tile.
+constexpr int kMRConv = kW == 8 ? 6 : kMRMax;
 constexpr int64_t kKC = 256;                     // K block of a converted panel: 256 x 32 fp32 = 32 KiB (L1)
 constexpr int64_t kMBlockBytes = 1 << 20;        // x rows of one M block, fp32: stay in L2
-constexpr int64_t kConvertMinTiles = 6;  // measured: below ~64 rows, converting in registers per tile wins
+// Rows from which a panel block is converted to fp32 once (into L1) rather than per tile in registers.
+// Measured: AVX-512 below ~64 rows (6 tiles) converting per tile wins; AVX2 (two passes per tall tile)
+// wins by converting as soon as there is more than one tile.
+constexpr int64_t kConvertMinRows = kW == 8 ? kMRConv + 1 : 5 * kMRMax + 1;
 constexpr int64_t kPrefetchBytes = 2048;         // how far ahead a tile prefetches its panel
+
+// Vectors of a panel row per pass down the panel: all kNV of them, except in AVX2 tiles of more than 2
+// rows, which take the panel in two 16-column halves (16 ymm: 6 rows x 2 accumulators + 2 panel
+// vectors + 1 broadcast; 12 independent FMA chains cover the FMA latency x 2 ports).
+template <int MR>
+constexpr int kPassNV = (kW == 8 && MR > 2) ? 2 : kNV;
 
 // c[i, 0:ncols] = (first ? bias : c[i, :]) + x[i, 0:kc] . panel[0:kc, 0:ncols] for i < MR.
 template <int DT, int MR, bool PF>
 inline void panel_tile(const float* x, int64_t ldx, const void* panel, int64_t kc, float* c, int64_t ldc,
                        int ncols, bool first, const float* bias) {
   constexpr int64_t row_bytes = kPanel * kElemBytes<DT>;
-  // One row's chains are kNV FMAs long per k: for MR <= 2 split k in two to hide the FMA latency.
+  constexpr int NVP = kPassNV<MR>;
+  // One row's chains are NVP FMAs long per k: for MR <= 2 split k in two to hide the FMA latency.
   constexpr int KU = MR <= 2 ? 2 : 1;
-  V acc[KU][MR][kNV];
-  for (int u = 0; u < KU; ++u)
-    for (int i = 0; i < MR; ++i)
-      for (int v = 0; v < kNV; ++v) acc[u][i][v] = vzero();
   const char* pb = (const char*)panel;
-  int64_t k = 0;
-  for (; k + KU <= kc; k += KU) {
+  for (int v0 = 0; v0 < kNV && v0 * kW < ncols; v0 += NVP) {
+    V acc[KU][MR][NVP];
+    for (int u = 0; u < KU; ++u)
+      for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < NVP; ++v) acc[u][i][v] = vzero();
+    int64_t k = 0;
+    for (; k + KU <= kc; k += KU) {
 #pragma GCC unroll 2
-    for (int u = 0; u < KU; ++u) {
-      const char* row = pb + (k + u) * row_bytes;
-      if constexpr (PF)
-        for (int64_t off = 0; off < row_bytes; off += 64) prefetch(row + kPrefetchBytes + off);
-      V b[kNV];
-      for (int v = 0; v < kNV; ++v) b[v] = wload<DT>(row, v * kW);
+      for (int u = 0; u < KU; ++u) {
+        const char* row = pb + (k + u) * row_bytes;
+        if constexpr (PF)
+          if (v0 == 0)
+            for (int64_t off = 0; off < row_bytes; off += 64) prefetch(row + kPrefetchBytes + off);
+        V b[NVP];
+        for (int v = 0; v < NVP; ++v) b[v] = wload<DT>(row, (v0 + v) * kW);
 #pragma GCC unroll 16
-      for (int i = 0; i < MR; ++i) {
-        const V a = vset1(x[i * ldx + k + u]);
-        for (int v = 0; v < kNV; ++v) acc[u][i][v] = vfma(a, b[v], acc[u][i][v]);
+        for (int i = 0; i < MR; ++i) {
+          const V a = vset1(x[i * ldx + k + u]);
+          for (int v = 0; v < NVP; ++v) acc[u][i][v] = vfma(a, b[v], acc[u][i][v]);
+        }
       }
     }
-  }
-  for (; k < kc; ++k) {
-    const char* row = pb + k * row_bytes;
-    V b[kNV];
-    for (int v = 0; v < kNV; ++v) b[v] = wload<DT>(row, v * kW);
-    for (int i = 0; i < MR; ++i) {
-      const V a = vset1(x[i * ldx + k]);
-      for (int v = 0; v < kNV; ++v) acc[0][i][v] = vfma(a, b[v], acc[0][i][v]);
+    for (; k < kc; ++k) {
+      const char* row = pb + k * row_bytes;
+      V b[NVP];
+      for (int v = 0; v < NVP; ++v) b[v] = wload<DT>(row, (v0 + v) * kW);
+      for (int i = 0; i < MR; ++i) {
+        const V a = vset1(x[i * ldx + k]);
+        for (int v = 0; v < NVP; ++v) acc[0][i][v] = vfma(a, b[v], acc[0][i][v]);
+      }
     }
-  }
-  for (int i = 0; i < MR; ++i) {
-    float* ci = c + i * ldc;
-    for (int v = 0; v < kNV; ++v) {
-      V sum = acc[0][i][v];
-      for (int u = 1; u < KU; ++u) sum = sum + acc[u][i][v];
-      const int j = v * kW, n = ncols - j < kW ? ncols - j : kW;
-      if (n <= 0) break;
-      const V base = first ? (bias ? vload(bias + j) : vzero()) : (n == kW ? vload(ci + j) : vload_n(ci + j, n));
-      if (n == kW) vstore(ci + j, sum + base);
-      else vstore_n(ci + j, sum + base, n);
+    for (int i = 0; i < MR; ++i) {
+      float* ci = c + i * ldc;
+      for (int v = 0; v < NVP; ++v) {
+        V sum = acc[0][i][v];
+        for (int u = 1; u < KU; ++u) sum = sum + acc[u][i][v];
+        const int j = (v0 + v) * kW, n = ncols - j < kW ? ncols - j : kW;
+        if (n <= 0) break;
+        const V base = first ? (bias ? vload(bias + j) : vzero()) : (n == kW ? vload(ci + j) : vload_n(ci + j, n));
+        if (n == kW) vstore(ci + j, sum + base);
+        else vstore_n(ci + j, sum + base, n);
+      }
     }
   }
 }
@@ -113,13 +129,13 @@ inline void for_each_tile(int64_t rows, Fn&& fn) {
   }
 }
 
-// All `rows` rows of x against one panel (K block), in tiles of nearly equal height <= kMRMax.
+// All `rows` rows of x against one panel (K block), in tiles of nearly equal height <= MRMAX.
 // PF: prefetch the panel ahead (it streams from memory; not for a converted block already in L1).
-template <int DT, bool PF>
+template <int DT, bool PF, int MRMAX = kMRMax>
 inline void panel_rows(const float* x, int64_t ldx, int64_t rows, const void* panel, int64_t kc, float* c,
                        int64_t ldc, int ncols, bool first, const float* bias) {
-  for_each_tile<kMRMax>(rows, [&](int64_t m, int mr) {
-    panel_tile_n<DT, PF>(mr, x + m * ldx, ldx, panel, kc, c + m * ldc, ldc, ncols, first, bias);
+  for_each_tile<MRMAX>(rows, [&](int64_t m, int mr) {
+    panel_tile_n<DT, PF, MRMAX>(mr, x + m * ldx, ldx, panel, kc, c + m * ldc, ldc, ncols, first, bias);
   });
 }
 
@@ -167,19 +183,20 @@ template <int DT>
 void linear_dt(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
   const int64_t panel_bytes = K * kPanel * kElemBytes<DT>;
   const int64_t mblock = m_block_rows(K);
-  const bool convert = DT != (int)DType::F32 && (M < mblock ? M : mblock) > (kConvertMinTiles - 1) * kMRMax;
+  const bool convert = DT != (int)DType::F32 && (M < mblock ? M : mblock) >= kConvertMinRows;
   for_each_panel(M, N, K, mblock, bias, [&](int64_t mb, int64_t rows, int64_t p, int ncols, const float* bias_tile,
                                             float* bp) {
     const char* panel = (const char*)w + p * panel_bytes;
     float* c = out + mb * N + p * kPanel;
-    if (!convert) {
-      panel_rows<DT, true>(x + mb * K, K, rows, panel, K, c, N, ncols, true, bias_tile);
+    if (!convert) {  // fp32 panels need no conversion: tall tiles straight from the panel
+      panel_rows<DT, true, kMRConv>(x + mb * K, K, rows, panel, K, c, N, ncols, true, bias_tile);
       return;
     }
     for (int64_t k0 = 0; k0 < K; k0 += kKC) {
       const int64_t kc = K - k0 < kKC ? K - k0 : kKC;
       convert_panel<DT>(panel, k0, kc, bp);
-      panel_rows<(int)DType::F32, false>(x + mb * K + k0, K, rows, bp, kc, c, N, ncols, k0 == 0, bias_tile);
+      panel_rows<(int)DType::F32, false, kMRConv>(x + mb * K + k0, K, rows, bp, kc, c, N, ncols, k0 == 0,
+                                                   bias_tile);
     }
   });
 }
@@ -309,7 +326,7 @@ void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K,
     for (int64_t k0 = 0; k0 < K; k0 += kcb) {
       const int64_t kc = K - k0 < kcb ? K - k0 : kcb;
       i4_convert(panel, g, k0, kc, bp);
-      panel_rows<(int)DType::F32, false>(xb + k0, K, rows, bp, kc, c, N, ncols, k0 == 0, bias_tile);
+      panel_rows<(int)DType::F32, false, kMRConv>(xb + k0, K, rows, bp, kc, c, N, ncols, k0 == 0, bias_tile);
     }
   });
 }
@@ -608,9 +625,23 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
                           const float* bias, float* out) {
   const int64_t nb = K / kQ8Block;
   const int64_t panel_bytes = g > 0 ? K / g * i4_group_bytes(g) : nb * (kPanel * 2 + kQ8Block * kPanel);
-  int8_t* qx = (int8_t*)malloc((size_t)(M * K + 2 * M * nb * 4));
-  if (qx == nullptr) abort();  // out of memory; no way to report it from here
-  float* dx = (float*)(qx + M * K);
+  // dx, sx, then qx, in a per-thread buffer that only grows: decode makes many small calls.
+  // (No std::vector in an ISA unit: see isa_prelude.h.)
+  struct Scratch {
+    void* p = nullptr;
+    size_t bytes = 0;
+    ~Scratch() { free(p); }
+  };
+  thread_local Scratch scratch;
+  const size_t need = (size_t)(2 * M * nb * 4 + M * K);
+  if (scratch.bytes < need) {
+    free(scratch.p);
+    scratch.p = malloc(need);
+    if (scratch.p == nullptr) abort();  // out of memory; no way to report it from here
+    scratch.bytes = need;
+  }
+  float* dx = (float*)scratch.p;
+  int8_t* qx = (int8_t*)(dx + 2 * M * nb);
   float* sx = dx + M * nb;
   for (int64_t m = 0; m < M; ++m) q8_quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb);
   // no M blocks: decode calls have few rows
@@ -620,7 +651,6 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
       q8_tile_n(mr, qx + m * K, dx + m * nb, sx + m * nb, K, panel, g, out + m * N + p * kPanel, N, ncols, bias_tile);
     });
   });
-  free(qx);
 }
 void linear_int4_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, const float* bias,
                     float* out) {
