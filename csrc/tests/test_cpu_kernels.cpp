@@ -431,6 +431,60 @@ void test_attention() {
 
 }  // namespace
 
+// ops::concat_linear: the fused weight gives exactly the parts' outputs side by side (same panels, same
+// tiles), for dense, int4 (fp32 and int8-activation paths) and int8 weights; unjoinable parts are refused.
+void test_concat_linear() {
+  auto check = [](const std::vector<ops::LinearWeight>& parts, int64_t K, const std::string& what) {
+    std::vector<const ops::LinearWeight*> ptrs;
+    int64_t N = 0;
+    for (const ops::LinearWeight& p : parts) ptrs.push_back(&p), N += p.n;
+    const ops::LinearWeight fused = ops::concat_linear(ptrs);
+    expect(!fused.is_empty() && fused.n == N && fused.k == K, what + ": joined");
+    for (int64_t M : {1, 3, 16, 70}) {
+      std::vector<float> x = randn(M * K), out(M * N, NAN), ref(M * N, NAN);
+      ops::linear(x.data(), M, fused, Tensor{}, out.data());
+      int64_t n0 = 0;
+      for (const ops::LinearWeight& p : parts) {
+        std::vector<float> part(M * p.n);
+        ops::linear(x.data(), M, p, Tensor{}, part.data());
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t j = 0; j < p.n; ++j) ref[m * N + n0 + j] = part[m * p.n + j];
+        n0 += p.n;
+      }
+      expect(std::memcmp(out.data(), ref.data(), out.size() * sizeof(float)) == 0,
+             what + " M " + std::to_string(M) + ": equals the parts side by side");
+    }
+  };
+  for (DType dt : kWeightDTypes) {
+    std::vector<ops::LinearWeight> parts;
+    for (int64_t n : {64, 32, 40}) parts.push_back(ops::pack_linear(make_weight(dt, n, 96, 0.05f).t));
+    check(parts, 96, std::string("concat_linear ") + dtype_name(dt));
+  }
+  for (bool q8 : {false, true}) {
+    std::vector<ops::LinearWeight> parts;
+    for (int64_t n : {96, 32, 8}) {
+      AwqWeight a = make_awq(n, 128, 64);
+      parts.push_back(ops::pack_linear_awq(a.qw, a.qz, a.sc, 64));
+      parts.back().int8_activations = q8;
+    }
+    check(parts, 128, q8 ? "concat_linear int4 x int8" : "concat_linear int4");
+  }
+  if (ops::int8_dot_available()) {
+    std::vector<ops::LinearWeight> parts;
+    for (int64_t n : {32, 50}) parts.push_back(ops::pack_linear_int8(make_weight(DType::F32, n, 64, 0.05f).t));
+    check(parts, 64, "concat_linear int8");
+  }
+  const ops::LinearWeight a = ops::pack_linear(make_weight(DType::F32, 40, 64).t);
+  const ops::LinearWeight b = ops::pack_linear(make_weight(DType::F32, 32, 64).t);
+  const ops::LinearWeight c = ops::pack_linear(make_weight(DType::F16, 32, 64).t);
+  const ops::LinearWeight d = ops::pack_linear(make_weight(DType::F32, 32, 96).t);
+  expect(ops::concat_linear({&a, &b}).is_empty(), "concat_linear refuses a first part of 40 columns (not whole panels)");
+  expect(!ops::concat_linear({&b, &a}).is_empty(), "concat_linear takes a partial last part");
+  expect(ops::concat_linear({&b, &c}).is_empty(), "concat_linear refuses parts of different dtypes");
+  expect(ops::concat_linear({&b, &d}).is_empty(), "concat_linear refuses parts of different K");
+  expect(ops::concat_linear({&b}).is_empty(), "concat_linear needs two parts");
+}
+
 int main() {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // keep every line if a kernel crashes
   for (const char* isa : {"generic", "avx2", "avx512"}) {
@@ -446,6 +500,7 @@ int main() {
       test_rmsnorm();
       test_linear();
       test_linear_int4();
+      test_concat_linear();
       test_rope();
       test_silu_mul();
       test_attention();
