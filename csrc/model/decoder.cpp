@@ -209,13 +209,13 @@ void DecoderModel::forward(const BatchPlan& plan) {
 // copied out into q_, k_, v_ ([T, q_size] etc.).
 void DecoderModel::split_qkv(int64_t T, float*& q, float*& k, float*& v) {
   const int64_t Q = config_.q_size(), KV = config_.kv_size(), row = Q + 2 * KV;
-  const float* src = wide_.data();
   if (T == 1) {
     q = wide_.data();
     k = q + Q;
     v = k + KV;
     return;
   }
+  const float* src = wide_.data();
   for (int64_t t = 0; t < T; ++t, src += row) {
     std::memcpy(q + t * Q, src, Q * sizeof(float));
     std::memcpy(k + t * KV, src + Q, KV * sizeof(float));

@@ -369,8 +369,8 @@ inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq
   const int group = num_heads / kv.num_kv_heads, hd = kv.head_dim, nkv = kv.num_kv_heads;
   const int64_t stride = hd + 2, per_task = 4 * stride;  // <= 4 rows per task
   const int64_t num_tasks = (int64_t)num_seqs * nkv;
-  float* scratch = (float*)malloc(sizeof(float) * (size_t)(num_tasks * splits * per_task));
-  if (scratch == nullptr) abort();  // out of memory; no way to report it from here
+  thread_local ScratchBuffer buffer;
+  float* scratch = (float*)buffer.get(sizeof(float) * (size_t)(num_tasks * splits * per_task));
 #pragma omp parallel
   {
 #pragma omp for schedule(dynamic, 1)
@@ -403,7 +403,6 @@ inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq
       }
     }
   }
-  free(scratch);
 }
 
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,

@@ -39,15 +39,16 @@ constexpr int kMRMax = 2;          // 8 ymm accumulators + 4 panel vectors + 1 b
 #else
 constexpr int kMRMax = 1;
 #endif
-// Rows per tile over a panel block already converted to fp32 in L1 (prefill, batched decode): AVX2
-// takes 6 rows in two column halves (kPassNV), 2.5x the FMAs per panel load of a 2-row tile.
-constexpr int kMRConv = kW == 8 ? 6 : kMRMax;
+// Rows per tile of the dense kernels (panel_rows): AVX2 takes up to 6 rows in two column halves
+// (kPassNV), 2.5x the FMAs per panel load of a 2-row tile; tiles of 1-2 rows are unchanged. The int4
+// tiles (i4_tile, q8_tile) keep kMRMax / kQ8MR.
+constexpr int kMRTall = kW == 8 ? 6 : kMRMax;
 constexpr int64_t kKC = 256;                     // K block of a converted panel: 256 x 32 fp32 = 32 KiB (L1)
 constexpr int64_t kMBlockBytes = 1 << 20;        // x rows of one M block, fp32: stay in L2
 // Rows from which a panel block is converted to fp32 once (into L1) rather than per tile in registers.
 // Measured: AVX-512 below ~64 rows (6 tiles) converting per tile wins; AVX2 (two passes per tall tile)
 // wins by converting as soon as there is more than one tile.
-constexpr int64_t kConvertMinRows = kW == 8 ? kMRConv + 1 : 5 * kMRMax + 1;
+constexpr int64_t kConvertMinRows = kW == 8 ? kMRTall + 1 : 5 * kMRMax + 1;
 constexpr int64_t kPrefetchBytes = 2048;         // how far ahead a tile prefetches its panel
 
 // Vectors of a panel row per pass down the panel: all kNV of them, except in AVX2 tiles of more than 2
@@ -188,14 +189,14 @@ void linear_dt(const float* x, int64_t M, const void* w, int64_t N, int64_t K, c
                                             float* bp) {
     const char* panel = (const char*)w + p * panel_bytes;
     float* c = out + mb * N + p * kPanel;
-    if (!convert) {  // fp32 panels need no conversion: tall tiles straight from the panel
-      panel_rows<DT, true, kMRConv>(x + mb * K, K, rows, panel, K, c, N, ncols, true, bias_tile);
+    if (!convert) {  // fp32 panels, or too few rows to pay for converting: straight from the panel
+      panel_rows<DT, true, kMRTall>(x + mb * K, K, rows, panel, K, c, N, ncols, true, bias_tile);
       return;
     }
     for (int64_t k0 = 0; k0 < K; k0 += kKC) {
       const int64_t kc = K - k0 < kKC ? K - k0 : kKC;
       convert_panel<DT>(panel, k0, kc, bp);
-      panel_rows<(int)DType::F32, false, kMRConv>(x + mb * K + k0, K, rows, bp, kc, c, N, ncols, k0 == 0,
+      panel_rows<(int)DType::F32, false, kMRTall>(x + mb * K + k0, K, rows, bp, kc, c, N, ncols, k0 == 0,
                                                    bias_tile);
     }
   });
@@ -326,7 +327,7 @@ void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K,
     for (int64_t k0 = 0; k0 < K; k0 += kcb) {
       const int64_t kc = K - k0 < kcb ? K - k0 : kcb;
       i4_convert(panel, g, k0, kc, bp);
-      panel_rows<(int)DType::F32, false, kMRConv>(xb + k0, K, rows, bp, kc, c, N, ncols, k0 == 0, bias_tile);
+      panel_rows<(int)DType::F32, false, kMRTall>(xb + k0, K, rows, bp, kc, c, N, ncols, k0 == 0, bias_tile);
     }
   });
 }
@@ -625,22 +626,8 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
                           const float* bias, float* out) {
   const int64_t nb = K / kQ8Block;
   const int64_t panel_bytes = g > 0 ? K / g * i4_group_bytes(g) : nb * (kPanel * 2 + kQ8Block * kPanel);
-  // dx, sx, then qx, in a per-thread buffer that only grows: decode makes many small calls.
-  // (No std::vector in an ISA unit: see isa_prelude.h.)
-  struct Scratch {
-    void* p = nullptr;
-    size_t bytes = 0;
-    ~Scratch() { free(p); }
-  };
-  thread_local Scratch scratch;
-  const size_t need = (size_t)(2 * M * nb * 4 + M * K);
-  if (scratch.bytes < need) {
-    free(scratch.p);
-    scratch.p = malloc(need);
-    if (scratch.p == nullptr) abort();  // out of memory; no way to report it from here
-    scratch.bytes = need;
-  }
-  float* dx = (float*)scratch.p;
+  thread_local ScratchBuffer scratch;  // dx, sx, then qx
+  float* dx = (float*)scratch.get((size_t)(2 * M * nb * 4 + M * K));
   int8_t* qx = (int8_t*)(dx + 2 * M * nb);
   float* sx = dx + M * nb;
   for (int64_t m = 0; m < M; ++m) q8_quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb);

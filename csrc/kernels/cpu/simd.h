@@ -319,3 +319,21 @@ inline V vexp(V x) {
   V y = p * vpow2_from_magic(t);
   return vselect_lt(x, lo, vzero(), y);
 }
+
+// A grow-only heap buffer for the per-call scratch of kernels called many times per token (one per
+// call site, thread_local): no malloc/free on every decode call. (No std::vector in an ISA unit: see
+// isa_prelude.h.)
+struct ScratchBuffer {
+  void* p = nullptr;
+  size_t bytes = 0;
+  ~ScratchBuffer() { free(p); }
+  void* get(size_t need) {
+    if (bytes < need) {
+      free(p);
+      p = malloc(need);
+      if (p == nullptr) abort();  // out of memory; no way to report it from a kernel
+      bytes = need;
+    }
+    return p;
+  }
+};
