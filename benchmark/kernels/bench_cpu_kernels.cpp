@@ -1,5 +1,10 @@
 // Micro-benchmark of the CPU kernels (ops.h) at SmolLM2-135M shapes, plus a streaming-read bandwidth
-// probe to compare the decode GEMV against. Build and run with ./run.sh [isa] [threads].
+// probe to compare the decode GEMV against. Build and run with ./run.sh [isa] [threads] [section];
+// section "smoke" runs everything once in seconds (built and run by ctest so that it cannot rot).
+#if defined(__GNUC__) && !defined(__clang__)  // GCC bug 105593: false positives inside its AVX-512 headers
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 #include <omp.h>
 
@@ -21,7 +26,8 @@ using namespace lmkit;
 
 namespace {
 
-// Fastest of `reps` runs after one warm-up, in seconds (the minimum: this machine may be shared).
+// Fastest of `reps` runs after one warm-up, in seconds (the minimum: this machine may be shared;
+// LMKIT_BENCH_STAT=median or mean reports that instead, closer to what a model step sees).
 // With LMKIT_BENCH_CPU_TIME=1 it times process CPU seconds instead of wall seconds: with one thread
 // that ignores time lost to other processes on a shared machine.
 double now_s() {
@@ -30,7 +36,10 @@ double now_s() {
   clock_gettime(cpu ? CLOCK_PROCESS_CPUTIME_ID : CLOCK_MONOTONIC, &ts);
   return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
+bool g_smoke = false;  // "smoke": every section once, one timed run, no cold copies (ctest runs it)
+
 double time_it(const std::function<void()>& fn, int reps) {
+  if (g_smoke) reps = 1;
   fn();
   std::vector<double> t(reps);
   for (int i = 0; i < reps; ++i) {
@@ -39,6 +48,9 @@ double time_it(const std::function<void()>& fn, int reps) {
     t[i] = now_s() - t0;
   }
   std::sort(t.begin(), t.end());
+  static const char* stat = std::getenv("LMKIT_BENCH_STAT");  // min (default) | median | mean
+  if (stat && std::strcmp(stat, "median") == 0) return t[reps / 2];
+  if (stat && std::strcmp(stat, "mean") == 0) return std::accumulate(t.begin(), t.end(), 0.0) / reps;
   return t[0];
 }
 
@@ -114,9 +126,11 @@ double read_bandwidth(size_t bytes, bool prefetch) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const char* isa = argc > 1 ? argv[1] : nullptr;
+  const char* isa = argc > 1 && std::strcmp(argv[1], "-") != 0 ? argv[1] : nullptr;  // "-": the CPU's best
   const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
   const char* only = argc > 3 ? argv[3] : "";
+  g_smoke = std::strcmp(only, "smoke") == 0;
+  if (g_smoke) only = "";
   if (isa && !ops::cpu::force_isa(isa)) {
     std::printf("cannot run isa %s here\n", isa);
     return 1;
@@ -127,6 +141,7 @@ int main(int argc, char** argv) {
 
   if (want("bw")) {
     for (size_t mb : {8, 56, 1024})
+      if (!g_smoke || mb == 8)
       // with the full 1 GB, most reads come from DRAM; 56 MB (the F16 lm_head) fits the L3
       std::printf("read bandwidth %5zu MB: %.1f GB/s (%.1f GB/s with software prefetch)\n", mb,
                   read_bandwidth(mb << 20, false), read_bandwidth(mb << 20, true));
@@ -144,7 +159,7 @@ int main(int argc, char** argv) {
         // "cold": cycle through copies of the weight totalling > 400 MB, so that each call streams
         // it from DRAM as a decode step does (the 260 MB L3 would otherwise hold it)
         const double bytes = (double)s.N * s.K * dtype_size_bytes(dt);
-        const int copies = (int)std::ceil(400e6 / bytes);
+        const int copies = g_smoke ? 1 : (int)std::ceil(400e6 / bytes);
         std::vector<ops::LinearWeight> ws;  // packed once, as the model does at load time
         for (int c = 0; c < copies; ++c) ws.push_back(ops::pack_linear(make_weight(dt, s.N, s.K).t));
         for (int64_t M : {1, 2, 4, 8, 12, 16, 24, 32, 48, 64}) {
@@ -158,6 +173,49 @@ int main(int argc, char** argv) {
                       (int)M, copies > 1 ? " (cold)" : "       ", t * 1e6, bytes / t / 1e9, 2.0 * M * s.N * s.K / t / 1e9);
         }
       }
+  }
+
+  if (want("gemv")) {  // the quantized formats of an AWQ decode step: int4 g64 and int8, int8 activations
+    struct S {
+      const char* name;
+      int64_t N, K;
+      bool int8;  // int8 panels (the lm_head of an AWQ model) instead of int4 g64
+    };
+    std::mt19937 rng(7);
+    for (S s : {S{"lm_head", 49152, 576, true}, S{"qkv 960x576", 960, 576, false},
+                S{"gate_up 3072x576", 3072, 576, false}, S{"down 576x1536", 576, 1536, false}}) {
+      if (s.int8 && !ops::int8_dot_available()) continue;
+      std::vector<ops::LinearWeight> ws;
+      double bytes = 0;
+      const int g = 64;
+      while (ws.empty() || (!g_smoke && bytes * ws.size() < 400e6)) {
+        ops::LinearWeight w;
+        if (s.int8) {
+          w = ops::pack_linear_int8(make_weight(DType::F32, s.N, s.K).t);
+        } else {
+          std::vector<int32_t> qw(s.K * s.N / 8), qz(s.K / g * s.N / 8);
+          for (auto& v : qw) v = (int32_t)rng();
+          for (auto& v : qz) v = (int32_t)rng();
+          Weight sc = make_weight(DType::F16, s.K / g, s.N);
+          w = ops::pack_linear_awq(make_view(qw.data(), DType::I32, s.K, s.N / 8),
+                                   make_view(qz.data(), DType::I32, s.K / g, s.N / 8), sc.t, g);
+          w.int8_activations = true;
+        }
+        bytes = (double)w.size_bytes();
+        ws.push_back(w);
+      }
+      const int copies = (int)ws.size();
+      for (int64_t M : {1, 2, 4, 8, 16}) {
+        std::vector<float> x = randn(M * s.K), out(M * s.N);
+        int next = 0;
+        double t = time_it([&] {
+          ops::linear(x.data(), M, ws[next], Tensor{}, out.data());
+          next = (next + 1) % copies;
+        }, s.N > 10000 ? 3 * copies : 201);
+        std::printf("gemv %-16s %-4s M %2d (cold): %8.1f us  %6.1f GB/s  %6.1f GFLOP/s\n", s.name,
+                    s.int8 ? "I8" : "I4g64", (int)M, t * 1e6, bytes / t / 1e9, 2.0 * M * s.N * s.K / t / 1e9);
+      }
+    }
   }
 
   if (want("gemm")) {
@@ -177,30 +235,39 @@ int main(int argc, char** argv) {
 
   if (want("attn")) {
     const int heads = 9, kv_heads = 3, hd = 64, bs = 16;
-    for (int ctx : {512, 2048}) {
-      const int num_blocks = (ctx + bs - 1) / bs;
-      std::vector<float> kp = randn((int64_t)num_blocks * kv_heads * bs * hd),
-                         vp = randn((int64_t)num_blocks * kv_heads * bs * hd);
-      ops::KVLayer kv{kp.data(), vp.data(), num_blocks, kv_heads, bs, hd};
-      std::vector<int32_t> table(num_blocks);
-      std::iota(table.begin(), table.end(), 0);
-      std::shuffle(table.begin(), table.end(), std::mt19937(1));
-      for (int q_len : {1, 512}) {
-        if (q_len > ctx) continue;
-        ops::AttnSeq seq{0, q_len, ctx, table.data()};
-        std::vector<float> q = randn((int64_t)q_len * heads * hd), out(q.size());
-        double t = time_it([&] { ops::paged_attention(q.data(), kv, &seq, 1, heads, 0.125f, 0, out.data()); },
-                           q_len == 1 ? 501 : 21);
-        const double flops = 4.0 * heads * hd * (q_len == 1 ? ctx : (double)q_len * (q_len + 1) / 2 + (double)q_len * (ctx - q_len));
-        std::printf("attention q_len %4d ctx %4d (9/3 heads, hd 64, bs 16): %9.1f us  %6.1f GFLOP/s\n", q_len, ctx,
-                    t * 1e6, flops / t / 1e9);
+    for (int bits : {32, 8}) {
+      for (int ctx : {64, 160, 512, 2048}) {
+        const int num_blocks = (ctx + bs - 1) / bs;
+        ops::KVLayer kv;
+        kv.bits = bits, kv.num_blocks = num_blocks, kv.num_kv_heads = kv_heads, kv.block_size = bs, kv.head_dim = hd;
+        // the pool filled through kv_write, as the model does (quantizing for bits 8)
+        std::vector<uint8_t> kp(kv.block_bytes() * num_blocks), vp(kp.size());
+        kv.k = kp.data(), kv.v = vp.data();
+        std::vector<int32_t> table(num_blocks), slots(ctx);
+        std::iota(table.begin(), table.end(), 0);
+        std::shuffle(table.begin(), table.end(), std::mt19937(1));
+        for (int p = 0; p < ctx; ++p) slots[p] = table[p / bs] * bs + p % bs;
+        std::vector<float> kr = randn((int64_t)ctx * kv_heads * hd), vr = randn(kr.size());
+        ops::kv_write(kv, kr.data(), vr.data(), slots.data(), ctx);
+        for (int q_len : {1, 512}) {
+          if (q_len > ctx || (bits != 32 && q_len > 1)) continue;
+          ops::AttnSeq seq{0, q_len, ctx, table.data()};
+          std::vector<float> q = randn((int64_t)q_len * heads * hd), out(q.size());
+          double t = time_it([&] { ops::paged_attention(q.data(), kv, &seq, 1, heads, 0.125f, 0, out.data()); },
+                             q_len == 1 ? 501 : 21);
+          const double flops =
+              4.0 * heads * hd * (q_len == 1 ? ctx : (double)q_len * (q_len + 1) / 2 + (double)q_len * (ctx - q_len));
+          std::printf("attention KV %-4s q_len %4d ctx %4d (9/3 heads, hd 64, bs 16): %9.1f us  %6.1f GFLOP/s\n",
+                      bits == 32 ? "fp32" : "int8", q_len, ctx, t * 1e6, flops / t / 1e9);
+        }
+        if (ctx < 512) continue;
+        // a decode batch: 8 sequences at this ctx sharing the pool
+        std::vector<ops::AttnSeq> seqs(8);
+        for (int i = 0; i < 8; ++i) seqs[i] = ops::AttnSeq{i, 1, ctx, table.data()};
+        std::vector<float> q = randn(8 * heads * hd), out(q.size());
+        double t = time_it([&] { ops::paged_attention(q.data(), kv, seqs.data(), 8, heads, 0.125f, 0, out.data()); }, 201);
+        std::printf("attention KV %-4s decode batch 8 x ctx %4d: %9.1f us\n", bits == 32 ? "fp32" : "int8", ctx, t * 1e6);
       }
-      // a decode batch: 8 sequences at this ctx sharing the pool
-      std::vector<ops::AttnSeq> seqs(8);
-      for (int i = 0; i < 8; ++i) seqs[i] = ops::AttnSeq{i, 1, ctx, table.data()};
-      std::vector<float> q = randn(8 * heads * hd), out(q.size());
-      double t = time_it([&] { ops::paged_attention(q.data(), kv, seqs.data(), 8, heads, 0.125f, 0, out.data()); }, 201);
-      std::printf("attention decode batch 8 x ctx %4d: %9.1f us\n", ctx, t * 1e6);
     }
   }
 
