@@ -32,7 +32,8 @@ a 32-token prompt of pydoc text, 128 greedy new tokens with eos ignored; decode 
 time to the first token of a 512-token prompt, median of --runs after a warm-up. Concurrency: 16
 distinct 32-token prompts submitted at once, 128 tokens each; output tokens / wall time (prefill
 included), one run after the warm-ups (lmkit: continuous batching; CTranslate2 and HF: one static batch;
-llama.cpp through llama-cpp-python runs one sequence: not measured). `match` counts the leading greedy
+llama.cpp: its C API through llama-cpp-python, all sequences in one llama_decode per step as its
+`batched` example and server do, argmax in numpy). `match` counts the leading greedy
 tokens equal to lmkit fp's. Ratios are speed ratios (> 1: faster than the reference row).
 """
 
@@ -306,7 +307,78 @@ def run_llama_cpp(gguf: Path, w: Workload) -> dict:
     result = {"decode_tok_s": median_decode(time_runs(decode, w.runs)), "tokens": list(tokens),
               "ttft_ms": 1e3 * statistics.median(time_runs(ttft, w.runs))}
     llm.close()
+    if w.batch_ids:
+        with redirect_fd2(gguf.with_suffix(".batched.log")):  # the C API logs every load to stderr
+            result["conc_tok_s"] = llama_cpp_batched(gguf, w)
     return result
+
+
+def llama_cpp_batched(gguf: Path, w: Workload) -> float:
+    """Output tok/s of len(w.batch_ids) greedy requests decoded together, as llama.cpp's own `batched`
+    example and its server do: one llama_decode per step over every sequence (the prompts in one batch,
+    then one token per sequence and step), through the C API that llama-cpp-python exposes. Timed from
+    the prompts' batch to the last token, like the other engines' concurrency column."""
+
+    import llama_cpp as L
+    import numpy as np
+
+    n_seq, n_new = len(w.batch_ids), w.new_tokens
+    L.llama_backend_init()
+    mparams = L.llama_model_default_params()
+    model = L.llama_model_load_from_file(str(gguf).encode(), mparams)
+    if not model:
+        raise RuntimeError(f"llama.cpp cannot load {gguf}")
+    cparams = L.llama_context_default_params()
+    cparams.n_ctx = sum(len(p) for p in w.batch_ids) + n_seq * (n_new + 8)
+    cparams.n_batch = cparams.n_ubatch = max(512, sum(len(p) for p in w.batch_ids))
+    cparams.n_seq_max = n_seq
+    cparams.n_threads = cparams.n_threads_batch = w.threads
+    ctx = L.llama_init_from_model(model, cparams)
+    if not ctx:
+        L.llama_model_free(model)
+        raise RuntimeError("llama.cpp cannot create a context with n_seq_max=%d" % n_seq)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    batch = L.llama_batch_init(cparams.n_batch, 0, 1)
+
+    def fill(entries: list[tuple[int, int, int, bool]]) -> None:  # (token, pos, seq, wants logits)
+        batch.n_tokens = len(entries)
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, logits
+
+    def greedy(i: int) -> int:
+        row = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,))
+        return int(row.argmax())
+
+    def run() -> float:
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        start = time.perf_counter()
+        entries, last = [], []
+        for s, prompt in enumerate(w.batch_ids):
+            entries += [(t, p, s, p == len(prompt) - 1) for p, t in enumerate(prompt)]
+            last.append(len(entries) - 1)
+        fill(entries)
+        if L.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed on the prompts")
+        nxt = [greedy(i) for i in last]
+        pos = [len(p) for p in w.batch_ids]
+        produced = n_seq
+        for _ in range(n_new - 1):
+            fill([(nxt[s], pos[s], s, True) for s in range(n_seq)])
+            if L.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed during decoding")
+            nxt = [greedy(s) for s in range(n_seq)]
+            pos = [p + 1 for p in pos]
+            produced += n_seq
+        return produced / (time.perf_counter() - start)
+
+    try:
+        run()  # warm-up
+        return run()
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
 
 
 def run_ct2(folder: Path, w: Workload) -> dict:

@@ -2,10 +2,12 @@
 
     python benchmark/profile_serving.py --base-url http://127.0.0.1:23333 --concurrency 1 8 32
         [--request-rate R] [--num-prompts N] [--endpoint completions|chat] [--tokenizer HF_FOLDER]
-        [--workload sharegpt|fixed] [--input-len 128 --output-len 128] [--csv results.csv] [--label NAME]
+        [--workload sharegpt|fixed | --dataset ShareGPT.json] [--input-len 128 --output-len 128] [--csv results.csv]
+        [--label NAME]
 
 Workload: the ShareGPT-like lengths of ``benchmark/workloads.py`` (prompt token ids decoded to text with
-``--tokenizer``, default the bundled SmolLM2). Every request asks for its drawn output length with
+``--tokenizer``, default the bundled SmolLM2), or with ``--dataset`` a real ShareGPT JSON file (first turn
+as written, second turn's token count as output length, vLLM's filter). Every request asks for its drawn output length with
 ``ignore_eos`` (``--no-ignore-eos`` for servers without that extension) and stream_options.include_usage.
 Load: a fixed number of requests in flight (``--concurrency``), or Poisson arrivals at
 ``--request-rate`` per second (with ``--concurrency`` as a cap).
@@ -132,6 +134,10 @@ async def run_level(args, model: str, requests: list, concurrency: int) -> dict:
 
 
 def make_requests(args, tokenizer, num: int, seed: int) -> list[tuple[str, int, int]]:
+    if args.dataset:  # a real ShareGPT file: the prompts as written
+        reqs = workloads.sharegpt_file(args.dataset, tokenizer, num, seed, max_prompt=args.max_prompt,
+                                       max_total=args.max_prompt + args.max_output)
+        return [(r.text, len(r.prompt_ids), min(r.output_len, args.max_output)) for r in reqs]
     if args.workload == "fixed":
         reqs = workloads.fixed(tokenizer, num, args.input_len, args.output_len, seed)
     else:
@@ -153,6 +159,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                                        "all at once, capped by concurrency)")
     ap.add_argument("--num-prompts", type=int, default=None, help="per level (default: max(8, 2 x concurrency))")
     ap.add_argument("--workload", choices=["sharegpt", "fixed"], default="sharegpt")
+    ap.add_argument("--dataset", type=Path, default=None, help="a ShareGPT JSON file instead of the generator")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-prompt", type=int, default=1024)
@@ -165,6 +172,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.smoke:
         args.concurrency, args.num_prompts, args.workload, args.input_len, args.output_len = [1, 2], 4, "fixed", 16, 4
+    workload = f"ShareGPT file {args.dataset.name}" if args.dataset else args.workload
 
     import httpx
 
@@ -180,7 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for c in args.concurrency:
         num = args.num_prompts or max(8, 2 * c)
         rows.append(asyncio.run(run_level(args, model, make_requests(args, tokenizer, num, args.seed + c), c)))
-    print(f"{args.base_url} model {model} endpoint {args.endpoint} workload {args.workload} {args.label} {date.today()}")
+    print(f"{args.base_url} model {model} endpoint {args.endpoint} workload {workload} {args.label} {date.today()}")
     print(f"{'conc':>5}{'reqs':>6}{'fail':>5}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
           f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'E2E p50':>9}")
     for r in rows:
@@ -199,7 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                             "request_rate", "num_requests", "num_failed", "request_throughput", "output_tok_s"]
                            + [f"{k}_{p}_ms" for k in ("ttft", "tpot", "itl", "e2e") for p in ("mean", "p50", "p99")])
             for r in rows:
-                w.writerow([date.today(), args.label, args.base_url, model, args.endpoint, args.workload,
+                w.writerow([date.today(), args.label, args.base_url, model, args.endpoint, workload,
                             r["concurrency"], r["request_rate"], r["num_requests"], r["num_failed"],
                             f"{r['request_throughput']:.4f}", f"{r['output_tok_s']:.2f}"]
                            + [f"{r[k][p] * 1e3:.2f}" for k in ("ttft", "tpot", "itl", "e2e")

@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         engine.close()
     name = Path(str(engine.engine.model_path)).name
-    print(f"model {name}, workload {args.workload}, prefix caching {args.enable_prefix_caching}, "
+    workload = f"ShareGPT file {args.dataset.name}" if args.dataset else args.workload
+    print(f"model {name}, workload {workload}, prefix caching {args.enable_prefix_caching}, "
           f"KV {kv}, {args.threads or len(os.sched_getaffinity(0))} threads, {date.today()}")
     print(f"{'conc':>5}{'reqs':>6}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
           f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>9}{'E2E p50':>9}{'KV peak':>8}")
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                            + [f"{k}_{p}_ms" for k in ("ttft", "tpot", "itl", "e2e") for p in ("mean", "p50", "p90", "p99")]
                            + ["peak_kv_usage", "prefix_hit_rate", "kv_cache"])
             for r in rows:
-                w.writerow([date.today(), name, args.workload, args.enable_prefix_caching, r["concurrency"],
+                w.writerow([date.today(), name, workload, args.enable_prefix_caching, r["concurrency"],
                             r["num_requests"], f"{r['request_throughput']:.3f}", f"{r['input_tok_s']:.1f}",
                             f"{r['output_tok_s']:.1f}"]
                            + [f"{r[k][p] * 1e3:.2f}" for k in ("ttft", "tpot", "itl", "e2e")
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if len(rows) > 1:
             try:
                 png = args.csv.with_suffix(".concurrency.png")
-                plot_concurrency(rows, png, f"{name}, {args.workload} workload, KV {kv}, {date.today()}")
+                plot_concurrency(rows, png, f"{name}, {workload} workload, KV {kv}, {date.today()}")
                 print(f"plots: {png}")
             except ImportError:
                 print("matplotlib not installed: no plots (pip install matplotlib)")

@@ -25,6 +25,7 @@ from pathlib import Path
 class Request:
     prompt_ids: list[int]
     output_len: int
+    text: str | None = None  # the prompt as written, when it came from a dataset (servers get this)
 
 
 @lru_cache(maxsize=4)
@@ -55,19 +56,33 @@ def sharegpt_like(tokenizer, num: int, seed: int = 0, max_prompt: int = 1024, ma
 
 def sharegpt_file(path: Path, tokenizer, num: int, seed: int = 0, max_prompt: int = 1024,
                   max_total: int = 2048) -> list[Request]:
-    data = json.loads(Path(path).read_text())
+    """``num`` requests from a ShareGPT JSON file (a list of ``{"conversations": [{"from": "human",
+    "value": ...}, {"from": "gpt", "value": ...}, ...]}``, e.g. ShareGPT_V3_unfiltered_cleaned_split.json),
+    shuffled with ``seed``: the first turn is the prompt, the second turn's token count the output length,
+    as vLLM's and LMDeploy's benchmarks take them; conversations with fewer than two turns or outside the
+    length filter are skipped."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable ShareGPT JSON file ({e})") from e
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations, got {type(data).__name__}")
     rng = random.Random(seed)
+    data = list(data)
     rng.shuffle(data)
     out = []
     for conv in data:
-        turns = conv.get("conversations") or []
-        if len(turns) < 2:
+        turns = conv.get("conversations") if isinstance(conv, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
             continue
-        p = tokenizer.encode(turns[0]["value"])
-        o = len(tokenizer.encode(turns[1]["value"]))
+        prompt, answer = (t.get("value") if isinstance(t, dict) else None for t in turns[:2])
+        if not isinstance(prompt, str) or not isinstance(answer, str):
+            continue
+        p = tokenizer.encode(prompt)
+        o = len(tokenizer.encode(answer))
         if len(p) < 4 or o < 4 or len(p) > max_prompt or len(p) + o > max_total:
             continue
-        out.append(Request(p, o))
+        out.append(Request(p, o, prompt))
         if len(out) == num:
             break
     if len(out) < num:

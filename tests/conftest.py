@@ -64,6 +64,27 @@ def make_tiny_model(folder: Path, arch: str = "llama", *, dtype: str = "float32"
     return ref
 
 
+def write_sharegpt_file(path: Path, num_valid: int = 6) -> list[tuple[str, str]]:
+    """A small file in ShareGPT's schema (what --dataset reads): ``num_valid`` two-turn conversations of
+    pydoc text, plus ones the loader must skip (one turn, a 1-word prompt, a turn without a value).
+    Returns the valid (prompt, answer) pairs."""
+    import json
+
+    import pydoc_data.topics as topics
+
+    words = " ".join(topics.topics.values()).split()
+    valid = [(" ".join(words[40 * i:40 * i + 20 + 3 * i]), " ".join(words[40 * i + 25:40 * i + 33]))
+             for i in range(num_valid)]
+    convs = [{"id": f"ok{i}", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a},
+                                                 {"from": "human", "value": "and then?"}]}
+             for i, (q, a) in enumerate(valid)]
+    convs += [{"id": "one-turn", "conversations": [{"from": "human", "value": " ".join(words[:30])}]},
+              {"id": "short", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": valid[0][1]}]},
+              {"id": "no-value", "conversations": [{"from": "human"}, {"from": "gpt", "value": "x y z w v"}]}]
+    path.write_text(json.dumps(convs))
+    return valid
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -53,6 +55,36 @@ def test_scheduling_benchmarks_smoke(smollm2_path, tmp_path):
     run = _run_script("bench_batch_decode.py", "--model", str(smollm2_path), "--batches", "1", "2",
                       "--new-tokens", "4")
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_sharegpt_file_workload(smollm2_path, tmp_path):
+    """--dataset: a file in ShareGPT's schema gives its first turns as prompts and the second turns' token
+    counts as output lengths; conversations the filter rejects are skipped; too few is a clear error."""
+    sys.path.insert(0, str(ROOT / "benchmark"))
+    import workloads
+
+    from lmkit.tokenizer import Tokenizer
+    from tests.conftest import write_sharegpt_file
+
+    tok = Tokenizer(smollm2_path)
+    valid = write_sharegpt_file(tmp_path / "sg.json")
+    reqs = workloads.sharegpt_file(tmp_path / "sg.json", tok, len(valid), seed=3)
+    expected = {q: len(tok.encode(a)) for q, a in valid}
+    assert sorted(r.text for r in reqs) == sorted(expected)
+    for r in reqs:
+        assert r.prompt_ids == tok.encode(r.text) and r.output_len == expected[r.text]
+    with pytest.raises(ValueError, match="only 6 conversations pass the filter, 7 requested"):
+        workloads.sharegpt_file(tmp_path / "sg.json", tok, 7)
+    (tmp_path / "bad.json").write_text('{"conversations": []}')
+    with pytest.raises(ValueError, match="JSON list of conversations"):
+        workloads.sharegpt_file(tmp_path / "bad.json", tok, 1)
+
+    run = _run_script("profile_throughput.py", "--smoke", "--model", str(smollm2_path), "--dataset",
+                      str(tmp_path / "sg.json"), "--csv", str(tmp_path / "t.csv"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "workload ShareGPT file sg.json" in run.stdout
+    rows = (tmp_path / "t.csv").read_text().splitlines()
+    assert len(rows) == 3 and all(",ShareGPT file sg.json," in r for r in rows[1:])
 
 
 def test_peers_benchmark_smoke(smollm2_path):

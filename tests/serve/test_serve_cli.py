@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, write_sharegpt_file
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "100"}
@@ -84,3 +84,13 @@ def test_profile_serving_smoke(api_server, tiny_llama, tmp_path):
     assert "out tok/s" in run.stdout and "TTFT p50" in run.stdout
     rows = out.read_text().splitlines()
     assert len(rows) == 3 and rows[1].split(",")[9] == "0"  # no failed request
+    # --dataset: prompts of a ShareGPT-schema file, sent as written
+    write_sharegpt_file(tmp_path / "sg.json")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "profile_serving.py"), "--smoke", "--base-url",
+                          api_server.url, "--tokenizer", str(tiny_llama[0]), "--dataset", str(tmp_path / "sg.json"),
+                          "--csv", str(out), "--label", "sg"], capture_output=True, text=True, timeout=300, env=ENV)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "workload ShareGPT file sg.json" in run.stdout
+    rows = out.read_text().splitlines()
+    assert len(rows) == 5 and all(r.split(",")[5] == "ShareGPT file sg.json" and r.split(",")[9] == "0"
+                                  for r in rows[3:])
