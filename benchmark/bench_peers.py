@@ -2,7 +2,7 @@
 TTFT of a 512-token prompt, and output tokens/s at concurrency 16 where the engine can batch.
 
     python benchmark/bench_peers.py [--model PATH] [--awq AWQ_FOLDER [--quant-policy 8]] [--threads 2]
-        [--runs 5] [--csv benchmark/results/peers_cpu.csv] [--smoke]
+        [--runs 5] [--rounds 1] [--csv benchmark/results/peers_cpu.csv] [--smoke]
 
 Rows (a row whose peer is not installed is skipped with a message; a row that fails prints its error and
 the others go on):
@@ -33,7 +33,9 @@ time to the first token of a 512-token prompt, median of --runs after a warm-up.
 distinct 32-token prompts submitted at once, 128 tokens each; output tokens / wall time (prefill
 included), one run after the warm-ups (lmkit: continuous batching; CTranslate2 and HF: one static batch;
 llama.cpp: its C API through llama-cpp-python, all sequences in one llama_decode per step as its
-`batched` example and server do, argmax in numpy). `match` counts the leading greedy
+`batched` example and server do, argmax in numpy). --rounds N runs the whole list N times, interleaved,
+and reports each figure's median over the rounds (and each round's decode ratio to lmkit fp): on a
+shared VM one slow spell otherwise decides a ratio. `match` counts the leading greedy
 tokens equal to lmkit fp's. Ratios are speed ratios (> 1: faster than the reference row).
 """
 
@@ -91,6 +93,21 @@ class Row:
     match_tokens: int | None = None
     error: str | None = None
     tokens: list[int] | None = None  # greedy output of the decode run
+    decode_rounds: list[float] | None = None  # decode tok/s of each round (--rounds)
+
+
+def merge_rounds(rounds: list[Row]) -> Row:
+    """One engine's rows of several rounds as one: the median of each figure over the rounds that ran."""
+    ok = [r for r in rounds if r.error is None]
+    if not ok:
+        return rounds[0]
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    row = Row(ok[0].name, ok[0].weights, tokens=ok[0].tokens)
+    row.decode_tok_s = med([r.decode_tok_s for r in ok if r.decode_tok_s is not None])
+    row.ttft_ms = med([r.ttft_ms for r in ok if r.ttft_ms is not None])
+    row.conc_tok_s = med([r.conc_tok_s for r in ok if r.conc_tok_s is not None])
+    row.decode_rounds = [r.decode_tok_s for r in ok if r.decode_tok_s is not None]
+    return row
 
 
 def median_decode(runs: list[list[float]]) -> float:
@@ -592,6 +609,15 @@ def print_table(rows: list[Row], args, header: str) -> None:
               f"{fmt(r.conc_tok_s, '.1f'):>13}{ratio(r.conc_tok_s, fp and fp.conc_tok_s):>8}{match:>9}")
     if q4 is not None:
         print(f"ratios: speed relative to {q4.name} and to lmkit fp (TTFT: reference time / this time)")
+    if args.rounds > 1:
+        print(f"medians of {args.rounds} rounds; decode tok/s per round:")
+        for r in rows:
+            if r.decode_rounds:
+                line = f"  {r.name:26}" + " ".join(f"{x:7.1f}" for x in r.decode_rounds)
+                if fp is not None and fp.decode_rounds and r is not fp and len(fp.decode_rounds) == len(r.decode_rounds):
+                    line += "   vs fp per round: " + " ".join(f"{x / y:.2f}x" for x, y in zip(r.decode_rounds,
+                                                                                           fp.decode_rounds))
+                print(line)
     for r in rows:
         if r.error and "\n" in r.error:
             print(f"\n{r.name}: {r.error}")
@@ -643,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the TTFT measurement")
     ap.add_argument("--concurrency", type=int, default=16, help="concurrent requests of the throughput column (1: off)")
     ap.add_argument("--runs", type=int, default=5, help="timed runs after the warm-up (median)")
+    ap.add_argument("--rounds", type=int, default=1, help="run every engine this many times, interleaved; "
+                                                          "each figure is the median over the rounds")
     ap.add_argument("--csv", type=Path, default=None, help=f"append rows here (default {DEFAULT_CSV}, none with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="lmkit fp and HF only, a few tokens: runs in seconds")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -662,21 +690,29 @@ def main(argv: list[str] | None = None) -> int:
 
     when, load_start = datetime.now(), os.getloadavg()
     workload = make_workload(args)
-    rows = []
+    runs: dict[str, list[Row]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workload_file = Path(tmp) / "workload.json"
         workload_file.write_text(json.dumps(asdict(workload)))
+        todo = []
         for engine in engines(args):
             missing = [m for m in engine.needs if importlib.util.find_spec(m) is None]
             if missing:
                 print(f"bench_peers: skipping {engine.name}: {', '.join(missing)} not installed ({engine.install})",
                       file=sys.stderr)
                 continue
-            print(f"bench_peers: running {engine.name} ...", file=sys.stderr, flush=True)
-            row = run_worker(engine, args, workload_file)
-            if row.error:
-                print(f"bench_peers: {engine.name} failed: {row.error}", file=sys.stderr)
-            rows.append(row)
+            todo.append(engine)
+        # Rounds interleave the engines (fp, AWQ, ..., fp, AWQ, ...), so that a slow spell of a shared
+        # machine lands on every row rather than on one.
+        for k in range(args.rounds):
+            for engine in todo:
+                print(f"bench_peers: running {engine.name}" + (f" (round {k + 1}/{args.rounds})" if args.rounds > 1
+                                                               else "") + " ...", file=sys.stderr, flush=True)
+                row = run_worker(engine, args, workload_file)
+                if row.error:
+                    print(f"bench_peers: {engine.name} failed: {row.error}", file=sys.stderr)
+                runs.setdefault(engine.name, []).append(row)
+    rows = [merge_rounds(r) for r in runs.values()]
     ref = next((r.tokens for r in rows if r.name == "lmkit fp" and r.tokens), None)
     for r in rows:
         if ref is not None and r.tokens:
@@ -687,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
 
     header = (f"model {args.model_path.name}, {args.threads} threads, {cpu_name()} ({_engine.cpu_isa()}), "
               f"{when:%Y-%m-%d %H:%M}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (greedy, eos "
-              f"ignored), median of {args.runs} runs; TTFT of {args.prefill_len} tokens; load average "
+              f"ignored), median of {args.runs} runs{f' in each of {args.rounds} interleaved rounds' if args.rounds > 1 else ''}; TTFT of {args.prefill_len} tokens; load average "
               f"{load_start[0]:.2f} at start, {load_end[0]:.2f} at end\n{versions()}")
     print_table(rows, args, header)
     if args.csv:

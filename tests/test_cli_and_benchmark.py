@@ -88,10 +88,12 @@ def test_sharegpt_file_workload(smollm2_path, tmp_path):
 
 
 def test_peers_benchmark_smoke(smollm2_path):
-    """bench_peers.py --smoke: lmkit fp and HF side by side in worker processes, table printed."""
-    run = _run_script("bench_peers.py", "--smoke", "--model", str(smollm2_path), "--threads", "1")
+    """bench_peers.py --smoke: lmkit fp and HF side by side in worker processes, two interleaved rounds,
+    table printed."""
+    run = _run_script("bench_peers.py", "--smoke", "--model", str(smollm2_path), "--threads", "1", "--rounds", "2")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "lmkit fp" in run.stdout and "HF fp32" in run.stdout
+    assert "medians of 2 rounds" in run.stdout and "vs fp per round" in run.stdout, run.stdout
     assert "error" not in run.stdout, run.stdout
     assert "8/8" in run.stdout, run.stdout  # HF's greedy tokens match the engine's for all 8 smoke tokens
 
