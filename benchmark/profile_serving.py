@@ -13,7 +13,10 @@ Load: a fixed number of requests in flight (``--concurrency``), or Poisson arriv
 ``--request-rate`` per second (with ``--concurrency`` as a cap).
 
 Per level: request throughput, output tokens/s, TTFT (first content chunk), TPOT ((e2e - ttft) /
-(tokens - 1)), ITL (gaps between content chunks) and end-to-end latency, mean / p50 / p99.
+(tokens - 1)), ITL (gaps between content chunks) and end-to-end latency, mean / p50 / p90 / p99; and
+from an lmkit api_server's Prometheus /metrics (polled every 0.2 s during the level, so a level of
+millisecond requests may read 0) the peak KV-cache usage and the
+level's prefix-cache hit rate ("-" for servers without them, e.g. another engine or the proxy).
 ``--smoke``: 4 short requests at concurrency 1 and 2 (for tests).
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import json
 import random
@@ -47,11 +51,69 @@ class Result:
     error: str = ""
 
 
+PERCENTILES = (50, 90, 99)
+
+
 def stats(xs: list[float]) -> dict[str, float]:
     a = np.asarray([x for x in xs if x == x])
     if a.size == 0:
-        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+        return {"mean": float("nan"), **{f"p{q}": float("nan") for q in PERCENTILES}}
+    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in PERCENTILES}}
+
+
+STAT_KEYS = ("mean", *(f"p{q}" for q in PERCENTILES))
+
+
+def nan_dash(x: float, width: int) -> str:
+    """x with 3 decimals, or "-" when the server did not report it (NaN), right-aligned in width."""
+    return f"{'-' if x != x else format(x, '.3f'):>{width}}"
+
+
+def scrape(text: str) -> dict[str, float]:
+    """The unlabelled samples of a Prometheus text page (enough for lmkit's engine gauges and counters)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.partition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+class ServerGauges:
+    """KV usage (peak over the level, sampled every 0.2 s) and the level's prefix-cache hit rate, read from
+    the server's Prometheus /metrics when it is an lmkit api_server; NaN for servers without them."""
+
+    def __init__(self, client):
+        self.client, self.peak_kv, self.start = client, float("nan"), None
+        self.hit_rate = float("nan")
+
+    async def read(self) -> dict[str, float] | None:
+        try:
+            r = await self.client.get("/metrics", timeout=5)
+        except Exception:  # noqa: BLE001 - any failure: no server gauges
+            return None
+        m = scrape(r.text) if r.status_code == 200 else {}
+        return m if "lmkit_kv_cache_usage_ratio" in m else None
+
+    async def poll(self, done: asyncio.Event) -> None:
+        self.start = await self.read()
+        if self.start is None:
+            return
+        while not done.is_set():
+            m = await self.read()
+            if m is not None:
+                usage = m["lmkit_kv_cache_usage_ratio"]
+                self.peak_kv = usage if self.peak_kv != self.peak_kv else max(self.peak_kv, usage)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), 0.2)
+        end = await self.read()
+        key_q, key_h = "lmkit_prefix_cache_queries_tokens_total", "lmkit_prefix_cache_hits_tokens_total"
+        if end is not None and key_q in end and key_h in end:
+            queried = end[key_q] - self.start.get(key_q, 0.0)
+            self.hit_rate = (end[key_h] - self.start.get(key_h, 0.0)) / queried if queried > 0 else 0.0
 
 
 async def one_request(client, args, model: str, prompt: str, prompt_tokens: int, output_len: int) -> Result:
@@ -112,6 +174,8 @@ async def run_level(args, model: str, requests: list, concurrency: int) -> dict:
             async with sem:
                 return await one_request(client, args, model, prompt, n_prompt, out_len)
 
+        gauges, done = ServerGauges(client), asyncio.Event()
+        poller = asyncio.ensure_future(gauges.poll(done))
         started = time.perf_counter()
         tasks = []
         for prompt, n_prompt, out_len in requests:
@@ -120,6 +184,8 @@ async def run_level(args, model: str, requests: list, concurrency: int) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - started
+        done.set()
+        await poller
     ok = [r for r in results if r.ok]
     tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
@@ -130,6 +196,7 @@ async def run_level(args, model: str, requests: list, concurrency: int) -> dict:
         "input_tok_s": sum(r.prompt_tokens for r in ok) / elapsed,
         "ttft": stats([r.ttft_s for r in ok]), "tpot": stats(tpot),
         "itl": stats([x for r in ok for x in r.itl_s]), "e2e": stats([r.e2e_s for r in ok]),
+        "peak_kv_usage": gauges.peak_kv, "prefix_hit_rate": gauges.hit_rate,
     }
 
 
@@ -190,12 +257,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows.append(asyncio.run(run_level(args, model, make_requests(args, tokenizer, num, args.seed + c), c)))
     print(f"{args.base_url} model {model} endpoint {args.endpoint} workload {workload} {args.label} {date.today()}")
     print(f"{'conc':>5}{'reqs':>6}{'fail':>5}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
-          f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'E2E p50':>9}")
+          f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'E2E p50':>9}{'KV peak':>8}{'prefix hit':>11}")
     for r in rows:
         print(f"{r['concurrency']:>5}{r['num_requests']:>6}{r['num_failed']:>5}{r['request_throughput']:8.3f}"
               f"{r['output_tok_s']:11.1f}{r['ttft']['p50'] * 1e3:8.1f}ms{r['ttft']['p99'] * 1e3:8.1f}ms"
               f"{r['tpot']['p50'] * 1e3:8.1f}ms{r['tpot']['p99'] * 1e3:8.1f}ms{r['itl']['p50'] * 1e3:7.1f}ms"
-              f"{r['itl']['p99'] * 1e3:7.1f}ms{r['e2e']['p50']:8.2f}s")
+              f"{r['itl']['p99'] * 1e3:7.1f}ms{r['e2e']['p50']:8.2f}s{nan_dash(r['peak_kv_usage'], 8)}"
+              f"{nan_dash(r['prefix_hit_rate'], 11)}")
         for e in r["errors"]:
             print(f"  error: {e}")
     if args.csv:
@@ -204,14 +272,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             w = csv.writer(f)
             if new:
                 w.writerow(["date", "label", "base_url", "model", "endpoint", "workload", "concurrency",
-                            "request_rate", "num_requests", "num_failed", "request_throughput", "output_tok_s"]
-                           + [f"{k}_{p}_ms" for k in ("ttft", "tpot", "itl", "e2e") for p in ("mean", "p50", "p99")])
+                            "request_rate", "num_requests", "num_failed", "request_throughput", "input_tok_s",
+                            "output_tok_s"]
+                           + [f"{k}_{p}_ms" for k in ("ttft", "tpot", "itl", "e2e") for p in STAT_KEYS]
+                           + ["peak_kv_usage", "prefix_hit_rate"])
             for r in rows:
                 w.writerow([date.today(), args.label, args.base_url, model, args.endpoint, workload,
                             r["concurrency"], r["request_rate"], r["num_requests"], r["num_failed"],
-                            f"{r['request_throughput']:.4f}", f"{r['output_tok_s']:.2f}"]
-                           + [f"{r[k][p] * 1e3:.2f}" for k in ("ttft", "tpot", "itl", "e2e")
-                              for p in ("mean", "p50", "p99")])
+                            f"{r['request_throughput']:.4f}", f"{r['input_tok_s']:.2f}", f"{r['output_tok_s']:.2f}"]
+                           + [f"{r[k][p] * 1e3:.2f}" for k in ("ttft", "tpot", "itl", "e2e") for p in STAT_KEYS]
+                           + [nan_dash(r["peak_kv_usage"], 0).strip(), nan_dash(r["prefix_hit_rate"], 0).strip()])
     return rows
 
 

@@ -84,6 +84,10 @@ def test_profile_serving_smoke(api_server, tiny_llama, tmp_path):
     assert "out tok/s" in run.stdout and "TTFT p50" in run.stdout
     rows = out.read_text().splitlines()
     assert len(rows) == 3 and rows[1].split(",")[9] == "0"  # no failed request
+    fields = [dict(zip(rows[0].split(","), r.split(","))) for r in rows[1:]]
+    for f in fields:  # read from the server's /metrics ("-" if not): fractions (sampled, so 0 for ms-long requests)
+        assert 0 <= float(f["peak_kv_usage"]) <= 1 and 0 <= float(f["prefix_hit_rate"]) <= 1, f
+        assert float(f["ttft_p50_ms"]) <= float(f["ttft_p90_ms"]) <= float(f["ttft_p99_ms"]), f
     # --dataset: prompts of a ShareGPT-schema file, sent as written
     write_sharegpt_file(tmp_path / "sg.json")
     run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "profile_serving.py"), "--smoke", "--base-url",
