@@ -108,6 +108,19 @@ def test_kv_quant_benchmark_smoke(smollm2_path):
     assert int(rows["fp32"][-3]) < int(rows["int8"][-3]) < int(rows["int4"][-3]), run.stdout
 
 
+def test_awq_eval_benchmark_smoke(tiny_llama, tmp_path):
+    """eval_awq.py --smoke on the tiny model: fp, RTN and AWQ rows with perplexities and the JSON."""
+    import json
+
+    run = _run_script("eval_awq.py", "--smoke", "--model", str(tiny_llama[0]), "--group-size", "32",
+                      "--work-dir", str(tmp_path / "awq"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "| RTN |" in run.stdout and "| AWQ (lmkit) |" in run.stdout, run.stdout
+    rows = json.loads((tmp_path / "awq" / "figures.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["fp (fp16 weights, fp32 compute)", "RTN", "AWQ (lmkit)"]
+    assert all(r["ppl"][n]["ppl"] > 1 for r in rows for n in ("hamlet", "pydoc"))
+
+
 def test_generation_benchmark_smoke(smollm2_path, tmp_path):
     """profile_generation.py --smoke: one grid cell with its roofline fraction, CSV and chart."""
     run = _run_script("profile_generation.py", "--smoke", "--model", str(smollm2_path), "--threads", "1",

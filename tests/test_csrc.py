@@ -1,10 +1,12 @@
 """Builds the C++ unit tests (block manager, scheduler, CPU kernels against their references) and
-runs them under ctest."""
+runs them under ctest (with the kernel micro-benchmark's smoke run), then the torch GEMM comparison."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,3 +26,9 @@ def test_ctest_passes():
     run = subprocess.run(["ctest", "--test-dir", str(build), "--output-on-failure"], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert "100% tests passed" in run.stdout
+    # the kernel benchmark's torch comparison, against the binary ctest just built and ran
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "kernels" / "compare_gemm.py"), "--smoke",
+                          "--threads", "1"], capture_output=True, text=True, env={**os.environ, "LMKIT_BENCH_BUILD": str(build)},
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "torch f32" in run.stdout and "[512 x 576] x [1536 x 576]^T" in run.stdout, run.stdout
