@@ -62,6 +62,17 @@ std::vector<float> randn(int64_t n, float scale = 1.0f) {
   return v;
 }
 
+// Seconds per call of x[M, K] @ w^T, cycling through `ws` (copies of one weight, so that each call
+// streams its weight from DRAM as a decode step does rather than from the L3).
+double time_linear_cold(const std::vector<ops::LinearWeight>& ws, int64_t M, int64_t N, int64_t K) {
+  std::vector<float> x = randn(M * K), out(M * N);
+  size_t next = 0;
+  return time_it([&] {
+    ops::linear(x.data(), M, ws[next], Tensor{}, out.data());
+    next = (next + 1) % ws.size();
+  }, N > 10000 ? 3 * (int)ws.size() : 201);
+}
+
 struct Weight {
   std::vector<float> f32;
   std::vector<uint16_t> u16;
@@ -140,11 +151,12 @@ int main(int argc, char** argv) {
   auto want = [&](const char* what) { return !*only || std::strstr(what, only) != nullptr; };
 
   if (want("bw")) {
-    for (size_t mb : {8, 56, 1024})
-      if (!g_smoke || mb == 8)
-      // with the full 1 GB, most reads come from DRAM; 56 MB (the F16 lm_head) fits the L3
+    // with the full 1 GB, most reads come from DRAM; 56 MB (the F16 lm_head) may fit a large L3
+    for (size_t mb : {8, 56, 1024}) {
+      if (g_smoke && mb != 8) continue;
       std::printf("read bandwidth %5zu MB: %.1f GB/s (%.1f GB/s with software prefetch)\n", mb,
                   read_bandwidth(mb << 20, false), read_bandwidth(mb << 20, true));
+    }
   }
 
   if (want("gemv")) {
@@ -157,18 +169,13 @@ int main(int argc, char** argv) {
       for (DType dt : {DType::F16, DType::BF16, DType::F32}) {
         if (s.N != 49152 && dt != DType::F16) continue;
         // "cold": cycle through copies of the weight totalling > 400 MB, so that each call streams
-        // it from DRAM as a decode step does (the 260 MB L3 would otherwise hold it)
+        // it from DRAM as a decode step does (a large L3 would otherwise hold it)
         const double bytes = (double)s.N * s.K * dtype_size_bytes(dt);
         const int copies = g_smoke ? 1 : (int)std::ceil(400e6 / bytes);
         std::vector<ops::LinearWeight> ws;  // packed once, as the model does at load time
         for (int c = 0; c < copies; ++c) ws.push_back(ops::pack_linear(make_weight(dt, s.N, s.K).t));
         for (int64_t M : {1, 2, 4, 8, 12, 16, 24, 32, 48, 64}) {
-          std::vector<float> x = randn(M * s.K), out(M * s.N);
-          int next = 0;
-          double t = time_it([&] {
-            ops::linear(x.data(), M, ws[next], Tensor{}, out.data());
-            next = (next + 1) % copies;
-          }, s.N > 10000 ? 3 * copies : 201);
+          const double t = time_linear_cold(ws, M, s.N, s.K);
           std::printf("gemv %-16s %-4s M %2d%s: %8.1f us  %6.1f GB/s  %6.1f GFLOP/s\n", s.name, dtype_name(dt),
                       (int)M, copies > 1 ? " (cold)" : "       ", t * 1e6, bytes / t / 1e9, 2.0 * M * s.N * s.K / t / 1e9);
         }
@@ -204,16 +211,11 @@ int main(int argc, char** argv) {
         bytes = (double)w.size_bytes();
         ws.push_back(w);
       }
-      const int copies = (int)ws.size();
       for (int64_t M : {1, 2, 4, 8, 16}) {
-        std::vector<float> x = randn(M * s.K), out(M * s.N);
-        int next = 0;
-        double t = time_it([&] {
-          ops::linear(x.data(), M, ws[next], Tensor{}, out.data());
-          next = (next + 1) % copies;
-        }, s.N > 10000 ? 3 * copies : 201);
-        std::printf("gemv %-16s %-4s M %2d (cold): %8.1f us  %6.1f GB/s  %6.1f GFLOP/s\n", s.name,
-                    s.int8 ? "I8" : "I4g64", (int)M, t * 1e6, bytes / t / 1e9, 2.0 * M * s.N * s.K / t / 1e9);
+        const double t = time_linear_cold(ws, M, s.N, s.K);
+        std::printf("gemv %-16s %-4s M %2d%s: %8.1f us  %6.1f GB/s  %6.1f GFLOP/s\n", s.name, s.int8 ? "I8" : "I4g64",
+                    (int)M, ws.size() > 1 ? " (cold)" : "       ", t * 1e6, bytes / t / 1e9,
+                    2.0 * M * s.N * s.K / t / 1e9);
       }
     }
   }
