@@ -34,10 +34,9 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402
+from summary import STAT_KEYS, summarize  # noqa: E402
 
 
 @dataclass
@@ -49,19 +48,6 @@ class Result:
     e2e_s: float = float("nan")
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
-
-
-PERCENTILES = (50, 90, 99)
-
-
-def stats(xs: list[float]) -> dict[str, float]:
-    a = np.asarray([x for x in xs if x == x])
-    if a.size == 0:
-        return {"mean": float("nan"), **{f"p{q}": float("nan") for q in PERCENTILES}}
-    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in PERCENTILES}}
-
-
-STAT_KEYS = ("mean", *(f"p{q}" for q in PERCENTILES))
 
 
 def nan_dash(x: float, width: int) -> str:
@@ -194,8 +180,8 @@ async def run_level(args, model: str, requests: list, concurrency: int) -> dict:
         "elapsed_s": elapsed, "request_throughput": len(ok) / elapsed,
         "output_tok_s": sum(r.output_tokens for r in ok) / elapsed,
         "input_tok_s": sum(r.prompt_tokens for r in ok) / elapsed,
-        "ttft": stats([r.ttft_s for r in ok]), "tpot": stats(tpot),
-        "itl": stats([x for r in ok for x in r.itl_s]), "e2e": stats([r.e2e_s for r in ok]),
+        "ttft": summarize([r.ttft_s for r in ok]), "tpot": summarize(tpot),
+        "itl": summarize([x for r in ok for x in r.itl_s]), "e2e": summarize([r.e2e_s for r in ok]),
         "peak_kv_usage": gauges.peak_kv, "prefix_hit_rate": gauges.hit_rate,
     }
 
@@ -239,7 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.smoke:
         args.concurrency, args.num_prompts, args.workload, args.input_len, args.output_len = [1, 2], 4, "fixed", 16, 4
-    workload = f"ShareGPT file {args.dataset.name}" if args.dataset else args.workload
+    workload = workloads.describe(args.workload, args.dataset)
 
     import httpx
 

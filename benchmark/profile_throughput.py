@@ -21,10 +21,9 @@ import time
 from datetime import date
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402
+from summary import STAT_KEYS, summarize  # noqa: E402
 
 
 def plot_concurrency(rows: list[dict], path: Path, title: str) -> None:
@@ -51,14 +50,6 @@ def plot_concurrency(rows: list[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def percentiles(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    a = np.asarray(xs)
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
-            "p99": float(np.percentile(a, 99))}
 
 
 async def run_level(engine, requests: list, concurrency: int) -> dict:
@@ -101,8 +92,8 @@ async def run_level(engine, requests: list, concurrency: int) -> dict:
     return {
         "concurrency": concurrency, "num_requests": len(requests), "elapsed_s": elapsed,
         "request_throughput": len(requests) / elapsed, "input_tok_s": in_tokens / elapsed,
-        "output_tok_s": out_tokens / elapsed, "ttft": percentiles(ttft), "tpot": percentiles(tpot),
-        "itl": percentiles(itl), "e2e": percentiles(e2e), "peak_kv_usage": peak_kv,
+        "output_tok_s": out_tokens / elapsed, "ttft": summarize(ttft), "tpot": summarize(tpot),
+        "itl": summarize(itl), "e2e": summarize(e2e), "peak_kv_usage": peak_kv,
     }
 
 
@@ -159,7 +150,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         engine.close()
     name = Path(str(engine.engine.model_path)).name
-    workload = f"ShareGPT file {args.dataset.name}" if args.dataset else args.workload
+    workload = workloads.describe(args.workload, args.dataset)
     print(f"model {name}, workload {workload}, prefix caching {args.enable_prefix_caching}, "
           f"KV {kv}, {args.threads or len(os.sched_getaffinity(0))} threads, {date.today()}")
     print(f"{'conc':>5}{'reqs':>6}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
@@ -177,14 +168,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if new:
                 w.writerow(["date", "model", "workload", "prefix_caching", "concurrency", "num_requests",
                             "request_throughput", "input_tok_s", "output_tok_s"]
-                           + [f"{k}_{p}_ms" for k in ("ttft", "tpot", "itl", "e2e") for p in ("mean", "p50", "p90", "p99")]
+                           + [f"{k}_{p}_ms" for k in ("ttft", "tpot", "itl", "e2e") for p in STAT_KEYS]
                            + ["peak_kv_usage", "prefix_hit_rate", "kv_cache"])
             for r in rows:
                 w.writerow([date.today(), name, workload, args.enable_prefix_caching, r["concurrency"],
                             r["num_requests"], f"{r['request_throughput']:.3f}", f"{r['input_tok_s']:.1f}",
                             f"{r['output_tok_s']:.1f}"]
                            + [f"{r[k][p] * 1e3:.2f}" for k in ("ttft", "tpot", "itl", "e2e")
-                              for p in ("mean", "p50", "p90", "p99")]
+                              for p in STAT_KEYS]
                            + [f"{r['peak_kv_usage']:.3f}", f"{m.prefix_hit_rate:.3f}", kv])
         if len(rows) > 1:
             try:

@@ -54,6 +54,23 @@ def sharegpt_like(tokenizer, num: int, seed: int = 0, max_prompt: int = 1024, ma
     return out
 
 
+@lru_cache(maxsize=2)
+def _read_sharegpt(path: Path) -> list:
+    """The parsed file, once per process: a real ShareGPT file is ~650 MB and each level draws from it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable ShareGPT JSON file ({e})") from e
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations, got {type(data).__name__}")
+    return data
+
+
+def describe(workload: str, dataset: Path | None) -> str:
+    """The workload's name in the profilers' tables, CSVs and plots."""
+    return f"ShareGPT file {Path(dataset).name}" if dataset else workload
+
+
 def sharegpt_file(path: Path, tokenizer, num: int, seed: int = 0, max_prompt: int = 1024,
                   max_total: int = 2048) -> list[Request]:
     """``num`` requests from a ShareGPT JSON file (a list of ``{"conversations": [{"from": "human",
@@ -61,15 +78,8 @@ def sharegpt_file(path: Path, tokenizer, num: int, seed: int = 0, max_prompt: in
     shuffled with ``seed``: the first turn is the prompt, the second turn's token count the output length,
     as vLLM's and LMDeploy's benchmarks take them; conversations with fewer than two turns or outside the
     length filter are skipped."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable ShareGPT JSON file ({e})") from e
-    if not isinstance(data, list):
-        raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations, got {type(data).__name__}")
-    rng = random.Random(seed)
-    data = list(data)
-    rng.shuffle(data)
+    data = list(_read_sharegpt(Path(path).resolve()))  # a copy: the cached list stays in file order
+    random.Random(seed).shuffle(data)
     out = []
     for conv in data:
         turns = conv.get("conversations") if isinstance(conv, dict) else None
