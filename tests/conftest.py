@@ -11,6 +11,25 @@ import pytest
 TINY_VOCAB = 300  # 256 byte tokens + specials + spare rows
 
 
+def cuda_usable() -> bool:
+    """Whether the engine was built with CUDA and both it and torch see a GPU."""
+    try:
+        import torch
+
+        from lmkit import _engine
+    except ImportError:
+        return False
+    return bool(_engine.cuda.is_built and _engine.cuda.is_available() and torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if gpu_items and not cuda_usable():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU and an engine built with the CUDA backend")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
 def write_byte_tokenizer(folder: Path) -> None:
     """A byte-level BPE tokenizer without merges: every UTF-8 byte is a token; ids 256.. are specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

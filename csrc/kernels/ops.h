@@ -100,11 +100,17 @@ void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, floa
 
 // One layer of the blocked KV pool. k and v each point at num_blocks blocks of block_bytes() bytes:
 //   bits 32 (fp32):    [num_kv_heads, block_size, head_dim] float
+//   bits 16 (CUDA backend only): the same in the activation dtype (fp16 / bf16)
 //   bits 8 / 4 (int):  [num_kv_heads, block_size, row_bytes()] quantized rows, then
 //                      [num_kv_heads, block_size, 2] fp16 (scale, zero) of each row
 // Quantized rows: per token and KV head, asymmetric over head_dim (lmkit/kv_policy.py gives the exact
 // rounding): scale = fp16((max - min) / (2^bits - 1)), zero = fp16(min), x ~ q * scale + zero.
 // int8: byte d = q[d].  int4: byte d (< head_dim / 2) = q[d] | q[d + head_dim / 2] << 4.
+#ifdef __CUDACC__
+#define LMKIT_HOST_DEVICE __host__ __device__
+#else
+#define LMKIT_HOST_DEVICE
+#endif
 struct KVLayer {
   void* k = nullptr;
   void* v = nullptr;
@@ -113,8 +119,11 @@ struct KVLayer {
   int32_t num_kv_heads = 0;
   int32_t block_size = 0;
   int32_t head_dim = 0;
-  int64_t row_bytes() const { return bits == 32 ? (int64_t)head_dim * 4 : bits == 8 ? head_dim : head_dim / 2; }
-  int64_t block_bytes() const { return (int64_t)num_kv_heads * block_size * (row_bytes() + (bits == 32 ? 0 : 4)); }
+  LMKIT_HOST_DEVICE bool is_quantized() const { return bits < 16; }
+  LMKIT_HOST_DEVICE int64_t row_bytes() const { return (int64_t)head_dim * bits / 8; }
+  LMKIT_HOST_DEVICE int64_t block_bytes() const {
+    return (int64_t)num_kv_heads * block_size * (row_bytes() + (is_quantized() ? 4 : 0));
+  }
 };
 constexpr int kKVQuantMaxHeadDim = 256;  // quantized KV: head_dim even and at most this
 

@@ -14,6 +14,8 @@
 namespace py = pybind11;
 using namespace lmkit;
 
+void bind_cuda(py::module_& parent);  // bind_cuda.cpp: the lmkit._engine.cuda submodule
+
 namespace {
 
 DType parse_dtype(const std::string& s) {
@@ -49,6 +51,7 @@ PYBIND11_MODULE(_engine, m) {
     }
   });
 
+  bind_cuda(m);
   m.def("cpu_isa", &ops::cpu_isa, "Instruction set the CPU kernels picked at run time.");
   m.def("now", &Engine::now_seconds, "The engine's clock (seconds, steady), as in RequestOutput.emitted_at.");
 

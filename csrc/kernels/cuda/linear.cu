@@ -1,0 +1,261 @@
+// Linear layers of the CUDA backend: out[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+//
+//   int4, M <= kGemvMaxRows   gemv_int4_kernel: one warp per output column; each lane streams 16 bytes
+//                             (32 weights of one group) per step, dequantized in registers:
+//                             sum_k (q_k - z) s x_k = s (sum_k q_k x_k - z sum_k x_k).
+//   int4 / dense, larger M    gemm_kernel: 64 x 64 output tile per CTA of 4 warps, K in steps of 32; the
+//                             weight tile is dequantized (int4) or copied (dense) into shared memory and
+//                             multiplied on tensor cores through WMMA (mma.sync m16n16k16, fp32 accumulate).
+//   dense, cuBLAS found       cublasGemmEx (cublas.cpp), then the bias.
+// Dense weights are [N, K] in the activation dtype; the int4 layout is in ops_cuda.h.
+#include <mma.h>
+
+#include <vector>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cublas.h"
+
+namespace lmkit::cuda {
+namespace {
+
+// ---- int4 GEMV -----------------------------------------------------------------------------------
+template <typename T, int M>
+__global__ void gemv_int4_kernel(const T* __restrict__ x, const uint32_t* __restrict__ qweight,
+                                 const __half* __restrict__ scales, const uint8_t* __restrict__ zeros,
+                                 const T* __restrict__ bias, int64_t N, int64_t K, int group_size, T* __restrict__ out) {
+  const int lane = threadIdx.x & 31;
+  const int64_t n = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (n >= N) return;
+  const int64_t num_quads = K / 32;  // 16-byte loads of 32 weights
+  const int64_t groups = K / group_size;
+  const uint4* wq = reinterpret_cast<const uint4*>(qweight + n * (K / 8));
+  float acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+  for (int64_t i = lane; i < num_quads; i += 32) {
+    const uint4 w4 = wq[i];
+    const uint32_t words[4] = {w4.x, w4.y, w4.z, w4.w};
+    const int64_t k0 = i * 32;
+    const int64_t g = k0 / group_size;
+    const float s = __half2float(scales[n * groups + g]);
+    const float z = (float)zeros[n * groups + g];
+    for (int m = 0; m < M; ++m) {
+      const T* xr = x + m * K + k0;
+      float dq = 0.0f, sx = 0.0f;
+#pragma unroll
+      for (int wi = 0; wi < 4; ++wi) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float xv = to_float(xr[wi * 8 + j]);
+          dq += (float)((words[wi] >> (4 * j)) & 15u) * xv;
+          sx += xv;
+        }
+      }
+      acc[m] += s * (dq - z * sx);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    const float v = warp_sum(acc[m]);
+    if (lane == 0) out[m * N + n] = from_float<T>(v + (bias ? to_float(bias[n]) : 0.0f));
+  }
+}
+
+// ---- tensor-core GEMM (WMMA) ----------------------------------------------------------------------
+constexpr int kBM = 64, kBN = 64, kBK = 32, kPad = 8, kGemmThreads = 128;
+
+// Rows [r0, r0 + 64) x columns [k0, k0 + 32) of a row-major [rows, K] matrix into tile[64][kBK + kPad],
+// zero past the edges. K % 8 == 0, so a chunk of 8 is either wholly inside or wholly outside.
+template <typename T>
+__device__ __forceinline__ void load_tile(const T* __restrict__ a, int64_t rows, int64_t K, int64_t r0, int64_t k0,
+                                          T (*tile)[kBK + kPad]) {
+  for (int c = threadIdx.x; c < kBM * kBK / 8; c += kGemmThreads) {
+    const int r = c / (kBK / 8), kc = (c % (kBK / 8)) * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r0 + r < rows && k0 + kc < K) v = *reinterpret_cast<const uint4*>(a + (r0 + r) * K + k0 + kc);
+    *reinterpret_cast<uint4*>(&tile[r][kc]) = v;
+  }
+}
+
+// Columns [n0, n0 + 64) x k in [k0, k0 + 32) of an int4 weight, dequantized into tile[n][k]: two threads
+// per weight row, 16 values (two words) each; the 32 values lie in one group (group_size >= 32).
+template <typename T>
+__device__ __forceinline__ void load_tile_int4(const uint32_t* __restrict__ qweight, const __half* __restrict__ scales,
+                                               const uint8_t* __restrict__ zeros, int64_t N, int64_t K, int group_size,
+                                               int64_t n0, int64_t k0, T (*tile)[kBK + kPad]) {
+  const int r = threadIdx.x >> 1, part = threadIdx.x & 1;
+  const int64_t n = n0 + r;
+  T* dst = &tile[r][part * 16];
+  if (n >= N || k0 >= K) {
+    for (int j = 0; j < 16; ++j) dst[j] = from_float<T>(0.0f);
+    return;
+  }
+  const int64_t groups = K / group_size, g = k0 / group_size;
+  const float s = __half2float(scales[n * groups + g]), z = (float)zeros[n * groups + g];
+  const uint2 w = *reinterpret_cast<const uint2*>(qweight + n * (K / 8) + k0 / 8 + part * 2);
+  for (int j = 0; j < 8; ++j) dst[j] = from_float<T>(((float)((w.x >> (4 * j)) & 15u) - z) * s);
+  for (int j = 0; j < 8; ++j) dst[8 + j] = from_float<T>(((float)((w.y >> (4 * j)) & 15u) - z) * s);
+}
+
+template <typename T, bool kInt4>
+__global__ void __launch_bounds__(kGemmThreads) gemm_kernel(const T* __restrict__ x, const T* __restrict__ w_dense,
+                                                             const uint32_t* __restrict__ qweight,
+                                                             const __half* __restrict__ scales,
+                                                             const uint8_t* __restrict__ zeros, const T* __restrict__ bias,
+                                                             int64_t M, int64_t N, int64_t K, int group_size,
+                                                             T* __restrict__ out) {
+  using namespace nvcuda;
+  __shared__ __align__(32) T as[kBM][kBK + kPad];
+  __shared__ __align__(32) T bs[kBN][kBK + kPad];
+  __shared__ __align__(32) float cs[kBM][kBN + 4];
+  const int warp = threadIdx.x >> 5;
+  const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;  // this warp's 32 x 32 quarter of the tile
+  const int64_t m0 = (int64_t)blockIdx.y * kBM, n0 = (int64_t)blockIdx.x * kBN;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+  for (int64_t k0 = 0; k0 < K; k0 += kBK) {
+    load_tile<T>(x, M, K, m0, k0, as);
+    if constexpr (kInt4)
+      load_tile_int4<T>(qweight, scales, zeros, N, K, group_size, n0, k0, bs);
+    else
+      load_tile<T>(w_dense, N, K, n0, k0, bs);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb[2];
+      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], &as[wm + 16 * i][kk], kBK + kPad);
+      for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(fb[j], &bs[wn + 16 * j][kk], kBK + kPad);
+      for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j)
+      wmma::store_matrix_sync(&cs[wm + 16 * i][wn + 16 * j], acc[i][j], kBN + 4, wmma::mem_row_major);
+  __syncthreads();
+  for (int e = threadIdx.x; e < kBM * kBN; e += kGemmThreads) {
+    const int r = e / kBN, c = e % kBN;
+    const int64_t m = m0 + r, n = n0 + c;
+    if (m < M && n < N) out[m * N + n] = from_float<T>(cs[r][c] + (bias ? to_float(bias[n]) : 0.0f));
+  }
+}
+
+template <typename T>
+__global__ void add_bias_kernel(T* out, const T* __restrict__ bias, int64_t M, int64_t N) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < M * N; i += (int64_t)gridDim.x * blockDim.x)
+    out[i] = from_float<T>(to_float(out[i]) + to_float(bias[i % N]));
+}
+
+template <typename T, int M>
+void launch_gemv(const void* x, const Linear& w, const void* bias, void* out, cudaStream_t s) {
+  constexpr int kWarps = 8;
+  gemv_int4_kernel<T, M><<<(unsigned)ceil_div(w.n, kWarps), 32 * kWarps, 0, s>>>(
+      static_cast<const T*>(x), static_cast<const uint32_t*>(w.data.get()), static_cast<const __half*>(w.scales.get()),
+      static_cast<const uint8_t*>(w.zeros.get()), static_cast<const T*>(bias), w.n, w.k, w.group_size,
+      static_cast<T*>(out));
+}
+
+template <typename T>
+void launch_gemm(const void* x, int64_t M, const Linear& w, const void* bias, void* out, cudaStream_t s) {
+  const dim3 grid((unsigned)ceil_div(w.n, kBN), (unsigned)ceil_div(M, kBM));
+  const T* xt = static_cast<const T*>(x);
+  const T* bt = static_cast<const T*>(bias);
+  T* ot = static_cast<T*>(out);
+  if (w.is_int4())
+    gemm_kernel<T, true><<<grid, kGemmThreads, 0, s>>>(xt, nullptr, static_cast<const uint32_t*>(w.data.get()),
+                                                       static_cast<const __half*>(w.scales.get()),
+                                                       static_cast<const uint8_t*>(w.zeros.get()), bt, M, w.n, w.k,
+                                                       w.group_size, ot);
+  else
+    gemm_kernel<T, false><<<grid, kGemmThreads, 0, s>>>(xt, static_cast<const T*>(w.data.get()), nullptr, nullptr,
+                                                        nullptr, bt, M, w.n, w.k, 0, ot);
+}
+
+bool g_force_wmma = false;
+
+}  // namespace
+
+void set_dense_gemm_backend(const std::string& name) {
+  LMKIT_CHECK_ARG(name == "cublas" || name == "wmma", "dense GEMM backend must be 'cublas' or 'wmma', got '", name, "'");
+  g_force_wmma = name == "wmma";
+}
+
+const char* dense_gemm_backend() { return !g_force_wmma && cublas_available() ? "cublas" : "wmma"; }
+
+Linear upload_int4(const HostInt4& w, DType act, Stream stream) {
+  check_act(act, "cuda::upload_int4");
+  Linear out;
+  out.dtype = act, out.group_size = w.group_size, out.n = w.n, out.k = w.k;
+  const int64_t groups = w.k / w.group_size;
+  out.data = allocate(w.n * w.k / 2);
+  out.scales = allocate(w.n * groups * 2);
+  out.zeros = allocate(w.n * groups);
+  copy_to_device(out.data.get(), w.qweight.get(), w.n * w.k / 2, stream);
+  copy_to_device(out.scales.get(), w.scales.get(), w.n * groups * 2, stream);
+  copy_to_device(out.zeros.get(), w.zeros.get(), w.n * groups, stream);
+  synchronize(stream);  // the host buffers may go once this returns
+  return out;
+}
+
+Linear upload_dense(const Tensor& weight, DType act, Stream stream) {
+  check_act(act, "cuda::upload_dense");
+  LMKIT_CHECK_ARG(weight.ndim == 2, "cuda::upload_dense: the weight must be 2-d, got ", weight.ndim, " dims");
+  LMKIT_CHECK_ARG(weight.dtype == DType::F32 || weight.dtype == DType::F16 || weight.dtype == DType::BF16,
+                  "cuda::upload_dense: the weight must be F32, F16 or BF16, got ", dtype_name(weight.dtype));
+  Linear out;
+  out.dtype = act, out.n = weight.shape[0], out.k = weight.shape[1];
+  const int64_t count = out.n * out.k;
+  out.data = allocate(count * 2);
+  if (weight.dtype == act) {
+    copy_to_device(out.data.get(), weight.data, count * 2, stream);
+  } else {
+    std::vector<uint16_t> converted((size_t)count);
+    for (int64_t i = 0; i < count; ++i) {
+      const float v = float_value(weight, i);
+      converted[(size_t)i] = act == DType::F16 ? f32_to_f16(v) : f32_to_bf16(v);
+    }
+    copy_to_device(out.data.get(), converted.data(), count * 2, stream);
+  }
+  synchronize(stream);
+  return out;
+}
+
+void linear(const void* x, int64_t M, const Linear& w, const void* bias, void* out, DType act, Stream stream) {
+  const char* op = "cuda::linear";
+  check_act(act, op);
+  LMKIT_CHECK_ARG(act == w.dtype, op, ": the weight was uploaded for ", dtype_name(w.dtype), " activations, got ",
+                  dtype_name(act));
+  LMKIT_CHECK_ARG(M >= 0 && w.n > 0 && w.k > 0 && w.k % 8 == 0, op, ": bad shape M=", M, " N=", w.n, " K=", w.k,
+                  " (K must be a multiple of 8)");
+  LMKIT_CHECK_ARG(!w.is_int4() || w.k % 32 == 0, op, ": int4 weights need K % 32 == 0, got K=", w.k);
+  if (M == 0) return;
+  cudaStream_t s = as_stream(stream);
+  dispatch_act(act, op, [&](auto t) {
+    using T = decltype(t);
+    if (w.is_int4() && M <= kGemvMaxRows) {
+      switch (M) {
+        case 1: launch_gemv<T, 1>(x, w, bias, out, s); break;
+        case 2: launch_gemv<T, 2>(x, w, bias, out, s); break;
+        case 3: launch_gemv<T, 3>(x, w, bias, out, s); break;
+        case 4: launch_gemv<T, 4>(x, w, bias, out, s); break;
+        case 5: launch_gemv<T, 5>(x, w, bias, out, s); break;
+        case 6: launch_gemv<T, 6>(x, w, bias, out, s); break;
+        case 7: launch_gemv<T, 7>(x, w, bias, out, s); break;
+        default: launch_gemv<T, 8>(x, w, bias, out, s); break;
+      }
+    } else if (!w.is_int4() && !g_force_wmma && cublas_available()) {
+      cublas_gemm(x, w.data.get(), out, M, w.n, w.k, act, stream);
+      if (bias) {
+        const int64_t total = M * w.n;
+        add_bias_kernel<T><<<(unsigned)std::min<int64_t>(ceil_div(total, 256), 65535), 256, 0, s>>>(
+            static_cast<T*>(out), static_cast<const T*>(bias), M, w.n);
+      }
+    } else {
+      launch_gemm<T>(x, M, w, bias, out, s);
+    }
+  });
+  LMKIT_CUDA_LAUNCHED("cuda::linear");
+}
+
+}  // namespace lmkit::cuda
