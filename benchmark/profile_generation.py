@@ -2,7 +2,7 @@
 memory-bandwidth roofline each cell reaches (LMDeploy's profile_generation, plus the roofline).
 
     python benchmark/profile_generation.py [--model PATH] [--batch 1 4 16] [--io 128x128 512x128]
-        [--threads 2] [--quant-policy 0|8|4] [--bandwidth GB/s] [--csv FILE] [--smoke]
+        [--threads 2] [--device cpu|cuda] [--quant-policy 0|8|4] [--bandwidth GB/s] [--csv FILE] [--smoke]
 
 Per cell: `batch` requests of `input` random-vocabulary tokens each, submitted at once, each generating
 exactly `output` tokens (ignore_eos); one warm-up cell first. TTFT: mean over the batch. Decode tok/s:
@@ -12,7 +12,8 @@ once (`Engine.linear_weight_bytes`, as packed: int4 / int8 / fp16) plus each seq
 context x `Engine.kv_bytes_per_block` / block size), so at bandwidth B the step takes at least
 bytes / B and decode tok/s is at most batch x B / bytes; the fraction is measured / that bound.
 B: --bandwidth, else measured here as the copy bandwidth of --threads threads (numpy, 256 MiB
-buffers, read + write bytes counted, best of 5). With --csv, a PNG of the roofline chart is written
+buffers, read + write bytes counted, best of 5), or on --device cuda as the GPU's device-to-device copy
+bandwidth (1 GiB buffers, timed with CUDA events). With --csv, a PNG of the roofline chart is written
 beside it (matplotlib, when installed).
 """
 
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="INPUTxOUTPUT token lengths")
     ap.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     ap.add_argument("--quant-policy", type=int, choices=[0, 4, 8], default=0, help="KV cache: 0 fp, 8 int8, 4 int4")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--bandwidth", type=float, default=None, help="GB/s of the device (default: measured copy)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--csv", type=Path, default=None, help="append rows here; the roofline PNG goes beside it")
@@ -137,10 +139,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from lmkit import AsyncEngine, EngineConfig, _engine
 
     threads = args.threads or len(os.sched_getaffinity(0))
-    bandwidth = args.bandwidth * 1e9 if args.bandwidth else copy_bandwidth(threads, 32 if args.smoke else 256)
+    if args.bandwidth:
+        bandwidth = args.bandwidth * 1e9
+    elif args.device == "cuda":
+        bandwidth = _engine.cuda.measure_copy_bandwidth(1 << 30, 20)
+    else:
+        bandwidth = copy_bandwidth(threads, 32 if args.smoke else 256)
     longest = max(i + o for i, o in args.io)
     engine = AsyncEngine(args.model, EngineConfig(
-        device="cpu", num_threads=threads, max_batch_size=max(args.batch), session_len=longest,
+        device=args.device, num_threads=threads, max_batch_size=max(args.batch), session_len=longest,
         max_prefill_token_num=max(8192, max(args.batch) * max(i for i, _ in args.io)), quant_policy=args.quant_policy))
     weight_bytes = engine.engine.linear_weight_bytes
     kv_per_token = engine.engine.kv_bytes_per_block / engine.engine.config.cache_block_seq_len
@@ -158,8 +165,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         engine.close()
 
     name = Path(str(engine.engine.model_path)).name
-    kv = {0: "fp32", 8: "int8", 4: "int4"}[args.quant_policy]
-    print(f"model {name}, KV {kv}, {threads} threads, {cpu_name()} ({_engine.cpu_isa()}), {date.today()}; "
+    kv = {0: "fp16/bf16" if args.device == "cuda" else "fp32", 8: "int8", 4: "int4"}[args.quant_policy]
+    machine = _engine.cuda.device_name() if args.device == "cuda" else f"{cpu_name()} ({_engine.cpu_isa()})"
+    print(f"model {name}, KV {kv}, {threads} threads, {machine}, {date.today()}; "
           f"weights read per decode step {weight_bytes / 2**20:.1f} MiB, KV {kv_per_token / 1024:.1f} KiB per token; "
           f"bandwidth {bandwidth / 1e9:.1f} GB/s ({'given' if args.bandwidth else 'measured copy'})")
     print(f"{'batch':>6}{'input':>7}{'output':>7}{'TTFT ms':>10}{'decode tok/s':>14}{'bound tok/s':>13}{'roofline':>10}")
@@ -175,12 +183,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 w.writerow(["date", "model", "cpu", "threads", "kv_cache", "batch", "input", "output", "ttft_ms",
                             "decode_tok_s", "bandwidth_gb_s", "bound_tok_s", "roofline_fraction"])
             for r in rows:
-                w.writerow([date.today(), name, cpu_name(), threads, kv, r["batch"], r["input"], r["output"],
+                w.writerow([date.today(), name, machine, threads, kv, r["batch"], r["input"], r["output"],
                             f"{r['ttft_s'] * 1e3:.2f}", f"{r['decode_tok_s']:.2f}", f"{bandwidth / 1e9:.2f}",
                             f"{r['bound_tok_s']:.2f}", f"{r['roofline_fraction']:.4f}"])
         try:
             png = args.csv.with_suffix(".roofline.png")
-            plot_roofline(rows, bandwidth, png, f"{name}, KV {kv}, {threads} threads, {cpu_name()}")
+            plot_roofline(rows, bandwidth, png, f"{name}, KV {kv}, {machine}")
             print(f"roofline chart: {png}")
         except ImportError:
             print("matplotlib not installed: no chart (pip install matplotlib)")

@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--quant-policy", type=int, choices=[0, 4, 8], default=0, help="KV cache: 0 fp, 8 int8, 4 int4")
     ap.add_argument("--kv-policy", default=None, help="per-layer KV precision file (lmkit lite calibrate)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--csv", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="a few tiny requests, for tests")
@@ -134,11 +135,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from lmkit import AsyncEngine, EngineConfig
 
     engine = AsyncEngine(args.model, EngineConfig(
-        max_batch_size=args.max_batch_size, cache_max_entry_count=args.cache_max_entry_count,
+        device=args.device, max_batch_size=args.max_batch_size, cache_max_entry_count=args.cache_max_entry_count,
         enable_prefix_caching=args.enable_prefix_caching, num_threads=args.threads, session_len=4096,
         quant_policy=args.quant_policy, kv_policy=args.kv_policy))
     kv = f"kv_policy {Path(args.kv_policy).name}" if args.kv_policy else \
-        {0: "fp32", 8: "int8", 4: "int4"}[args.quant_policy]
+        {0: "fp16/bf16" if args.device == "cuda" else "fp32", 8: "int8", 4: "int4"}[args.quant_policy]
     rows = []
     try:
         warm = make_requests(args, engine.tokenizer, 1, seed=10_000)

@@ -12,7 +12,8 @@ class EngineConfig:
     """Engine settings. Measured values (such as the number of KV blocks) are engine state, not config."""
 
     device: Literal["cpu", "cuda", "auto"] = "auto"
-    """Where to run: cpu, cuda, or auto (cuda when this build has it and a GPU is present, else cpu)."""
+    """Where to run: cpu, cuda, or auto (the CPU for now: the CUDA backend is opt-in until it has passed its
+    GPU tests; see csrc/kernels/cuda/README.md)."""
     dtype: Literal["auto", "float32"] = "auto"
     """Compute dtype. The CPU backend computes in float32 whatever the stored weight dtype."""
     max_batch_size: int = 64

@@ -40,10 +40,35 @@ def _import_extension():
     return _engine
 
 
-def _resolve_device(device: str) -> str:
+def _resolve_device(device: str, _engine) -> str:
+    """cpu, or cuda when asked for and usable. ``auto`` stays on the CPU until the CUDA backend has passed
+    its GPU tests on a real GPU (csrc/kernels/cuda/README.md); ask for ``device='cuda'`` to use it."""
     if device in ("cpu", "auto"):
-        return "cpu"  # the CUDA backend is not part of this build yet
-    raise ValueError(f"device={device!r} is not available in this build; use device='cpu'")
+        return "cpu"
+    if not _engine.cuda.is_built:
+        raise ValueError("device='cuda' but lmkit._engine was built without the CUDA backend (no CUDA toolkit at "
+                         "install time, or LMKIT_CUDA=OFF); reinstall with nvcc on PATH, or use device='cpu'")
+    if not _engine.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is usable here (no driver or no device); use device='cpu'")
+    _load_cublas(_engine)
+    return "cuda"
+
+
+def _load_cublas(_engine) -> None:
+    """cuBLAS for the dense GEMMs: the system's, else the nvidia-cublas wheel's (PyTorch's dependency); without
+    either the engine uses its own tensor-core GEMM."""
+    if _engine.cuda.dense_gemm_backend() == "cublas":
+        return
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("nvidia.cublas")
+    except ModuleNotFoundError:
+        return
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for lib in sorted(Path(folder, "lib").glob("libcublas.so*"), reverse=True):
+            if _engine.cuda.load_cublas(str(lib)):
+                return
 
 
 class Engine:
@@ -62,7 +87,7 @@ class Engine:
         self.model_path = resolve_model(model)
         self.spec: ModelSpec = load_model_spec(self.model_path)
         self.tokenizer = Tokenizer(self.model_path, chat_template=chat_template)
-        self.device = _resolve_device(self.config.device)
+        self.device = _resolve_device(self.config.device, _engine)
         sources = {role: entry.as_source() for role, entry in self.spec.sources.items()}
         kv_layer_bits = None
         if self.config.kv_policy is not None:

@@ -128,3 +128,13 @@ def test_closed_pipeline_refuses_work(tiny_llama):
     pipe.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         pipe([1, 2], GenerationConfig(max_new_tokens=2))
+
+
+def test_cuda_device_without_a_gpu_is_a_clear_error(tiny_llama):
+    """device='cuda' where the build has no CUDA backend or no GPU is usable: ValueError saying which."""
+    from tests.conftest import cuda_usable
+
+    if cuda_usable():
+        pytest.skip("a GPU is usable here")
+    with pytest.raises(ValueError, match=r"device='cuda' but (no CUDA GPU|lmkit._engine was built without)"):
+        pipeline(tiny_llama[0], EngineConfig(device="cuda"))

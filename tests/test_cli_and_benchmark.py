@@ -131,3 +131,17 @@ def test_generation_benchmark_smoke(smollm2_path, tmp_path):
     assert fields["batch"] == "2" and float(fields["decode_tok_s"]) > 0
     assert 0 < float(fields["roofline_fraction"]) < 1.5, fields  # a measured speed cannot beat the bound by much
     assert (tmp_path / "g.roofline.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("awq", [0, 128])
+def test_dummy_model_runs(tmp_path, awq):
+    """make_dummy_model.py (the GPU suite's Llama-2-7B stand-in) on its tiny shape: a folder the engine
+    loads and decodes, fp16 and AWQ int4, and whose every generated id decodes."""
+    folder = tmp_path / "dummy"
+    run = _run_script("make_dummy_model.py", str(folder), "--shape", "tiny", *(["--awq", str(awq)] if awq else []))
+    assert run.returncode == 0, run.stderr[-2000:]
+    from lmkit import EngineConfig, GenerationConfig, pipeline
+
+    with pipeline(folder, EngineConfig(device="cpu", cache_max_entry_count=32)) as pipe:
+        r = pipe([5, 6, 7], GenerationConfig(max_new_tokens=6, ignore_eos=True))
+        assert len(r.token_ids) == 6 and r.text.split() == [f"t{i}" for i in r.token_ids]

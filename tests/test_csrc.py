@@ -32,3 +32,17 @@ def test_ctest_passes():
                          timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "torch f32" in run.stdout and "[512 x 576] x [1536 x 576]^T" in run.stdout, run.stdout
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA toolkit (nvcc) on PATH")
+def test_cuda_backend_compiles_where_a_toolkit_is():
+    """With nvcc present, the install compiled every CUDA source (at least for sm_80 and sm_90a), so CUDA code
+    cannot rot on machines without a GPU; the module still imports and reports no device here."""
+    from lmkit import _engine, env
+
+    if env.cuda_build_mode() == "OFF":
+        pytest.skip("LMKIT_CUDA=OFF at install time")
+    assert _engine.cuda.is_built, "nvcc is on PATH but lmkit._engine was built without the CUDA backend"
+    archs = _engine.cuda.archs.split(",")
+    assert {"80", "90a"} <= set(archs), archs
+    assert isinstance(_engine.cuda.is_available(), bool)

@@ -2,14 +2,25 @@
 
 #include "core/check.h"
 #include "model/decoder.h"
+#ifdef LMKIT_WITH_CUDA
+#include "kernels/cuda/ops_cuda.h"
+#include "model/decoder_cuda.h"
+#endif
 
 namespace lmkit {
 
 std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelConfig& model,
                                       const std::map<std::string, TensorSource>& sources,
                                       const std::vector<int32_t>& eos_token_ids) {
+#ifdef LMKIT_WITH_CUDA
+  LMKIT_CHECK_ARG(config.device == "cpu" || config.device == "cuda", "device must be 'cpu' or 'cuda', got '",
+                  config.device, "'");
+  LMKIT_CHECK_ARG(config.device == "cpu" || cuda::is_available(),
+                  "device='cuda' but no CUDA device is usable (no driver or no GPU); use device='cpu'");
+#else
   LMKIT_CHECK_ARG(config.device == "cpu", "device='", config.device,
-                  "' is not available in this build; the CPU backend is (device='cpu')");
+                  "' is not available in this build (built without the CUDA backend); use device='cpu'");
+#endif
   LMKIT_CHECK_ARG(config.quant_policy == 0 || config.quant_policy == 8 || config.quant_policy == 4, "quant_policy=",
                   config.quant_policy, " is not one of 0 (fp), 8 (int8 KV), 4 (int4 KV)");
   LMKIT_CHECK_ARG(config.max_batch_size >= 1, "max_batch_size must be >= 1, got ", config.max_batch_size);
@@ -44,11 +55,23 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
     LMKIT_CHECK_ARG(bits == 0 || bits == 8 || bits == 4, "KV policy entries must be 0, 8 or 4, got ", bits);
     decoder.kv_bits.push_back(bits == 0 ? 32 : bits);
   }
-  auto executor = std::make_unique<DecoderModel>(model, ModelWeights::load(model, sources), decoder);
+  std::unique_ptr<Executor> executor;
+  int64_t available_bytes = 0;  // what cache_max_entry_count is a fraction of
+#ifdef LMKIT_WITH_CUDA
+  if (config.device == "cuda") {
+    executor = std::make_unique<CudaDecoderModel>(model, ModelWeights::load(model, sources), decoder);
+    int64_t total_bytes = 0;
+    cuda::memory_info(&available_bytes, &total_bytes);  // free GPU memory once weights and workspaces are in
+  }
+#endif
+  if (!executor) {
+    executor = std::make_unique<DecoderModel>(model, ModelWeights::load(model, sources), decoder);
+    available_bytes = available_host_memory_bytes();
+  }
   options.kv_bytes_per_block = executor->kv_bytes_per_block();
   options.linear_weight_bytes = executor->linear_weight_bytes();
   options.num_blocks =
-      kv_pool_num_blocks(config.cache_max_entry_count, executor->kv_bytes_per_block(), available_host_memory_bytes(),
+      kv_pool_num_blocks(config.cache_max_entry_count, executor->kv_bytes_per_block(), available_bytes,
                          options.max_batch_size, options.session_len, options.block_size_tokens);
   return std::make_unique<Engine>(options, std::move(executor));
 }

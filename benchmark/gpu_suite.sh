@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Everything only a GPU can tell, in one run on a GPU machine (ISSUE 6): build the CUDA backend, run the GPU
+# tests, check the kernels with compute-sanitizer, run the GPU benchmarks; logs and a results table go into
+# the folder named first.
+#
+#   benchmark/gpu_suite.sh OUT_DIR [STAGE ...]        stages (default: all, in this order):
+#     build       pip install -e . with LMKIT_CUDA=ON for this GPU's architecture (offline: --no-deps)
+#     test        pytest -m gpu (kernels against torch, the engine on device='cuda' against HF and the CPU)
+#     memcheck    compute-sanitizer memcheck over the kernel tests
+#     gemm        W4A16 GEMM vs cuBLAS fp16 on Llama-2-7B's shapes, M = 1, 16, 64, 256
+#     decode      dummy Llama-2-7B (fp16 and AWQ int4 g128): batch-1/16 decode tok/s vs the bandwidth roofline
+#     throughput  the same models at concurrency 64 and 256, ShareGPT-like lengths, KV fp16/int8/int4
+#
+# Assumes what the GPU machines have (DESIGN.md section 5): PyTorch, transformers, CUDA, CMake, ninja,
+# pybind11, no hub, no internet. Stages can run in separate calls on a warm machine (the build and the
+# dummy models stay in build/gpu_suite/). Every stage appends its table to OUT_DIR/results.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [build test memcheck gemm decode throughput]}
+shift
+STAGES=${*:-build test memcheck gemm decode throughput}
+mkdir -p "$OUT" build/gpu_suite
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+RESULTS="$OUT/results.md"
+status=0
+
+stage() {  # stage NAME COMMAND...: runs COMMAND, its output into OUT/NAME.log and on the console
+  local name=$1
+  shift
+  echo "=== $name: $*" | tee -a "$OUT/$name.log"
+  local start=$SECONDS
+  "$@" 2>&1 | tee -a "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
+  [ "$rc" -eq 0 ] || status=1
+  return "$rc"
+}
+
+arch() {  # this GPU's compute capability as an nvcc architecture (90 -> 90a: the Hopper paths)
+  local cc
+  cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '.')
+  if [ "$cc" = "90" ]; then echo 90a; else echo "$cc"; fi
+}
+
+{
+  echo "## GPU suite, $(date -u +%Y-%m-%d), $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
+  echo
+} >>"$RESULTS"
+
+for s in $STAGES; do
+  case $s in
+    build)
+      LMKIT_CUDA=ON LMKIT_CUDA_ARCHS=$(arch) stage build "$PY" -m pip install -q --no-deps --no-build-isolation -e . &&
+        stage build "$PY" -c "from lmkit import _engine as e; print('CUDA build:', e.cuda.is_built, e.cuda.device_name(), 'dense GEMM:', e.cuda.dense_gemm_backend())"
+      ;;
+    test)
+      stage test "$PY" -m pytest -m gpu tests/test_cuda_kernels.py tests/test_cuda_engine.py -q -rs -p no:cacheprovider \
+        --junitxml="$OUT/test.xml"
+      { echo '### pytest -m gpu'; echo '```'; tail -5 "$OUT/test.log"; grep -h "CUDA vs CPU greedy" "$OUT/test.log"; echo '```'; } >>"$RESULTS"
+      ;;
+    memcheck)
+      stage memcheck compute-sanitizer --tool memcheck --error-exitcode 3 "$PY" -m pytest -m gpu tests/test_cuda_kernels.py -q -x \
+        -p no:cacheprovider -k "not distribution"
+      { echo '### compute-sanitizer memcheck (kernel tests)'; echo '```'; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3; echo '```'; } >>"$RESULTS"
+      ;;
+    gemm)
+      stage gemm "$PY" benchmark/kernels/bench_cuda_gemm.py --csv "$OUT/gemm.csv"
+      { echo '### W4A16 GEMM vs cuBLAS fp16 (Llama-2-7B shapes)'; echo '```'; grep -vE "^===" "$OUT/gemm.log"; echo '```'; } >>"$RESULTS"
+      ;;
+    decode)
+      for m in fp16 awq; do
+        [ -f build/gpu_suite/llama2-7b-$m/config.json ] ||
+          stage decode "$PY" benchmark/make_dummy_model.py build/gpu_suite/llama2-7b-$m --shape llama-2-7b \
+            $([ $m = awq ] && echo --awq 128)
+        stage decode "$PY" benchmark/profile_generation.py --device cuda --model build/gpu_suite/llama2-7b-$m \
+          --batch 1 16 --io 128x128 512x256 --csv "$OUT/decode_$m.csv"
+      done
+      { echo '### Decode, dummy Llama-2-7B (fp16 / AWQ int4 g128), roofline = measured copy bandwidth'; echo '```'
+        grep -E "^model|^ *(batch|[0-9])" "$OUT/decode.log"; echo '```'; } >>"$RESULTS"
+      ;;
+    throughput)
+      for m in fp16 awq; do
+        for kv in 0 8 4; do
+          stage throughput "$PY" benchmark/profile_throughput.py --device cuda --model build/gpu_suite/llama2-7b-$m \
+            --concurrency 64 256 --num-prompts 512 --max-batch-size 256 --cache-max-entry-count 0.9 \
+            --quant-policy $kv --workload fixed --input-len 256 --output-len 256 --csv "$OUT/throughput.csv"
+        done
+      done
+      { echo '### Throughput, dummy Llama-2-7B, 256 in / 256 out tokens per request'; echo '```'
+        grep -vE "^===" "$OUT/throughput.log" | grep -E "concurrency|^ *[0-9]|model" ; echo '```'; } >>"$RESULTS"
+      ;;
+    *)
+      echo "unknown stage '$s' (known: build test memcheck gemm decode throughput)" >&2
+      status=2
+      ;;
+  esac
+done
+exit $status
