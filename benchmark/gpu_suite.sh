@@ -9,7 +9,8 @@
 #     memcheck    compute-sanitizer memcheck over the kernel tests
 #     gemm        W4A16 GEMM vs cuBLAS fp16 on Llama-2-7B's shapes, M = 1, 16, 64, 256
 #     decode      dummy Llama-2-7B (fp16 and AWQ int4 g128): batch-1/16 decode tok/s vs the bandwidth roofline
-#     throughput  the same models at concurrency 64 and 256, ShareGPT-like lengths, KV fp16/int8/int4
+#     throughput  the same models at concurrency 64 and 256, KV fp16/int8/int4, and HF transformers generate
+#                 (fp16, padded batches) on the same requests
 #
 # Assumes what the GPU machines have (DESIGN.md section 5): PyTorch, transformers, CUDA, CMake, ninja,
 # pybind11, no hub, no internet. Stages can run in separate calls on a warm machine (the build and the
@@ -87,8 +88,10 @@ for s in $STAGES; do
             --quant-policy $kv --workload fixed --input-len 256 --output-len 256 --csv "$OUT/throughput.csv"
         done
       done
-      { echo '### Throughput, dummy Llama-2-7B, 256 in / 256 out tokens per request'; echo '```'
-        grep -vE "^===" "$OUT/throughput.log" | grep -E "concurrency|^ *[0-9]|model" ; echo '```'; } >>"$RESULTS"
+      stage throughput "$PY" benchmark/bench_hf_generate.py --device cuda --model build/gpu_suite/llama2-7b-fp16 \
+        --concurrency 64 256 --num-prompts 256 --input-len 256 --output-len 256 --csv "$OUT/throughput_hf.csv"
+      { echo '### Throughput, dummy Llama-2-7B, 256 in / 256 out tokens per request (lmkit, then HF generate)'; echo '```'
+        grep -vE "^===" "$OUT/throughput.log" | grep -E "concurrency|^ *[0-9]|model|HF transformers|memory"; echo '```'; } >>"$RESULTS"
       ;;
     *)
       echo "unknown stage '$s' (known: build test memcheck gemm decode throughput)" >&2

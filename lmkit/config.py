@@ -15,7 +15,8 @@ class EngineConfig:
     """Where to run: cpu, cuda, or auto (the CPU for now: the CUDA backend is opt-in until it has passed its
     GPU tests; see csrc/kernels/cuda/README.md)."""
     dtype: Literal["auto", "float32"] = "auto"
-    """Compute dtype. The CPU backend computes in float32 whatever the stored weight dtype."""
+    """Compute dtype. The CPU backend computes in float32 whatever the stored weight dtype; the CUDA backend in
+    float16 (bfloat16 when the checkpoint is bf16)."""
     max_batch_size: int = 64
     """Requests running at once at most; more wait in FCFS order."""
     session_len: int | None = None
@@ -45,6 +46,9 @@ class EngineConfig:
 
         check(self.device in ("cpu", "cuda", "auto"), f"device must be cpu, cuda or auto, got {self.device!r}")
         check(self.dtype in ("auto", "float32"), f"dtype must be auto or float32, got {self.dtype!r}")
+        check(not (self.device == "cuda" and self.dtype == "float32"),
+              "dtype='float32' is the CPU backend's; the CUDA backend computes in float16 (bfloat16 for bf16 "
+              "checkpoints): use dtype='auto' with device='cuda'")
         check(isinstance(self.max_batch_size, int) and self.max_batch_size >= 1,
               f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
         check(self.session_len is None or (isinstance(self.session_len, int) and self.session_len > 1),

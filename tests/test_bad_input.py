@@ -79,6 +79,7 @@ def test_impossible_generation_parameters(kwargs, match):
         (dict(session_len=1), "session_len"),
         (dict(quant_policy=3), "quant_policy"),
         (dict(device="tpu"), "device"),
+        (dict(device="cuda", dtype="float32"), "CUDA backend computes in float16"),
     ],
 )
 def test_impossible_engine_config(kwargs, match):

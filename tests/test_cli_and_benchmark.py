@@ -145,3 +145,14 @@ def test_dummy_model_runs(tmp_path, awq):
     with pipeline(folder, EngineConfig(device="cpu", cache_max_entry_count=32)) as pipe:
         r = pipe([5, 6, 7], GenerationConfig(max_new_tokens=6, ignore_eos=True))
         assert len(r.token_ids) == 6 and r.text.split() == [f"t{i}" for i in r.token_ids]
+
+
+def test_hf_generate_peer_smoke(tmp_path):
+    """bench_hf_generate.py --smoke (the GPU suite's HF peer) on the tiny dummy model, on the CPU."""
+    folder = tmp_path / "dummy"
+    assert _run_script("make_dummy_model.py", str(folder), "--shape", "tiny").returncode == 0
+    run = _run_script("bench_hf_generate.py", "--model", str(folder), "--smoke", "--csv", str(tmp_path / "hf.csv"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    header, row = (tmp_path / "hf.csv").read_text().splitlines()
+    fields = dict(zip(header.split(","), row.split(",")))
+    assert fields["engine"] == "hf-transformers" and float(fields["output_tok_s"]) > 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lmkit import EngineConfig, GenerationConfig, pipeline
-from tests.conftest import make_tiny_model
+from tests.conftest import assert_blocks_free, make_tiny_model
 from tests.test_logits import CASES
 from tests.test_quantized import check_against, engine_logits, rel_err, rtn_checkpoint
 
@@ -106,5 +106,6 @@ def test_sampling_seeded_and_cancellation_leave_no_blocks(smollm2):
         for _, q in queues:
             while not q.get(timeout=120).finished:
                 pass
+        assert_blocks_free(engine)
         again = pipe(["Tell me a story about a cat."] * 3, gen)
         assert [r.token_ids for r in again] == [r.token_ids for r in a]

@@ -60,8 +60,10 @@ __device__ __forceinline__ void load_row(const ops::KVLayer& kv, const char* blo
   }
 }
 
+constexpr int kMaxGroup = 16;  // query heads per kv head (warps per CTA) at most
+
 template <typename T, int E>
-__global__ void attention_kernel(const T* __restrict__ q, int64_t q_row_stride, ops::KVLayer kv, AttnBatch batch,
+__global__ void __launch_bounds__(32 * kMaxGroup) attention_kernel(const T* __restrict__ q, int64_t q_row_stride, ops::KVLayer kv, AttnBatch batch,
                                  int num_heads, float scale, int sliding_window, int chunk_tokens, int num_splits,
                                  float* __restrict__ workspace, T* __restrict__ out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -173,8 +175,8 @@ void paged_attention(const void* q, int64_t q_row_stride, const ops::KVLayer& kv
                   ": head_dim must be even and at most ", ops::kKVQuantMaxHeadDim, ", got ", kv.head_dim);
   LMKIT_CHECK_ARG(num_heads > 0 && kv.num_kv_heads > 0 && num_heads % kv.num_kv_heads == 0, op, ": num_heads ",
                   num_heads, " must be a multiple of num_kv_heads ", kv.num_kv_heads);
-  LMKIT_CHECK_ARG(num_heads / kv.num_kv_heads <= 32, op, ": at most 32 query heads per kv head, got ",
-                  num_heads / kv.num_kv_heads);
+  LMKIT_CHECK_ARG(num_heads / kv.num_kv_heads <= kMaxGroup, op, ": at most ", kMaxGroup,
+                  " query heads per kv head, got ", num_heads / kv.num_kv_heads);
   LMKIT_CHECK_ARG(q_row_stride >= (int64_t)num_heads * kv.head_dim, op, ": q_row_stride ", q_row_stride,
                   " is shorter than a row of q");
   if (batch.num_rows == 0) return;

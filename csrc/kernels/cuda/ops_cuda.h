@@ -125,7 +125,8 @@ Linear upload_int4(const HostInt4& w, DType act, Stream stream);
 // A float weight [n, k] (F32/F16/BF16 host view) converted to act and uploaded.
 Linear upload_dense(const Tensor& weight, DType act, Stream stream);
 
-// out[M, n] = x[M, k] @ w^T (+ bias[n] act, or null)        x: [M, k] act (row stride k), out: [M, n] act
+// out[M, n] = x[M, k] @ w^T (+ bias[n] act, or null)        x: [M, k] act (row stride k, 16-byte aligned:
+// the kernels load 8 values at a time; K % 8 == 0, and K % 32 == 0 for int4), out: [M, n] act
 // int4: a GEMV kernel for M <= kGemvMaxRows (weights streamed once, dequantized in registers) and a
 // tensor-core GEMM (mma.sync through WMMA, the tile dequantized into shared memory) above.
 // dense: cuBLAS (cublasGemmEx, loaded at run time when libcublas is found) or our own tensor-core GEMM.

@@ -10,7 +10,7 @@ namespace {
 constexpr int kMaxPairsPerLane = ops::kKVQuantMaxHeadDim / 2 / 32;  // head_dim <= 256
 
 template <typename T>
-__device__ void store_kv_row(const ops::KVLayer& kv, void* pool, int32_t slot, int kv_head, const float* a,
+__device__ __forceinline__ void store_kv_row(const ops::KVLayer& kv, void* pool, int32_t slot, int kv_head, const float* a,
                              const float* b, int half, int lane) {
   const int64_t block = slot / kv.block_size, off = slot % kv.block_size;
   const int64_t row = (int64_t)kv_head * kv.block_size + off;

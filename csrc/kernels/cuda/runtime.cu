@@ -1,6 +1,8 @@
 // Device queries, memory and streams of the CUDA backend, and the copy-bandwidth roofline probe.
 #include <stdio.h>
 
+#include <memory>
+
 #include "kernels/cuda/common.cuh"
 
 namespace lmkit::cuda {
@@ -98,10 +100,14 @@ void destroy_stream(Stream stream) {
 double measure_copy_bandwidth(int64_t size_bytes, int repeats) {
   LMKIT_CHECK_ARG(size_bytes > 0 && repeats > 0, "measure_copy_bandwidth: size and repeats must be positive");
   auto a = allocate(size_bytes), b = allocate(size_bytes);
-  cudaStream_t s = as_stream(create_stream());
-  cudaEvent_t start, stop;
+  // stream and events released on every path (the checks below throw)
+  std::shared_ptr<CUstream_st> stream(as_stream(create_stream()), [](cudaStream_t q) { cudaStreamDestroy(q); });
+  cudaStream_t s = stream.get();
+  cudaEvent_t start = nullptr, stop = nullptr;
   LMKIT_CUDA_OK(cudaEventCreate(&start), "cudaEventCreate");
+  std::shared_ptr<CUevent_st> start_guard(start, [](cudaEvent_t e) { cudaEventDestroy(e); });
   LMKIT_CUDA_OK(cudaEventCreate(&stop), "cudaEventCreate");
+  std::shared_ptr<CUevent_st> stop_guard(stop, [](cudaEvent_t e) { cudaEventDestroy(e); });
   LMKIT_CUDA_OK(cudaMemcpyAsync(b.get(), a.get(), (size_t)size_bytes, cudaMemcpyDeviceToDevice, s), "warm-up copy");
   LMKIT_CUDA_OK(cudaEventRecord(start, s), "cudaEventRecord");
   for (int i = 0; i < repeats; ++i)
@@ -110,10 +116,7 @@ double measure_copy_bandwidth(int64_t size_bytes, int repeats) {
   LMKIT_CUDA_OK(cudaEventRecord(stop, s), "cudaEventRecord");
   LMKIT_CUDA_OK(cudaEventSynchronize(stop), "cudaEventSynchronize");
   float ms = 0;
-  cudaEventElapsedTime(&ms, start, stop);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaStreamDestroy(s);
+  LMKIT_CUDA_OK(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
   return 2.0 * (double)size_bytes * repeats / (ms * 1e-3);
 }
 

@@ -42,10 +42,11 @@ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
 }
-// Uniform in (0, 1) from (seed, step, token).
+// Uniform strictly inside (0, 1) from (seed, step, token): an odd numerator over 2^24, exact in fp32 (the
+// Gumbel noise -log(-log(u)) is finite for every draw; u == 1 would make one token win whatever its logit).
 __device__ __forceinline__ float uniform(uint64_t seed, uint64_t step, int64_t token) {
   const uint64_t h = splitmix64(seed ^ splitmix64(step * 0xD1B54A32D192ED03ull ^ splitmix64((uint64_t)token)));
-  return ((float)(h >> 40) + 0.5f) * (1.0f / 16777216.0f);
+  return (float)(((h >> 41) << 1) | 1u) * (1.0f / 16777216.0f);
 }
 
 // Arg max over the block of (value, index), lowest index on ties; every thread gets the winner.
