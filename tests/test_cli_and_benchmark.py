@@ -156,3 +156,9 @@ def test_hf_generate_peer_smoke(tmp_path):
     header, row = (tmp_path / "hf.csv").read_text().splitlines()
     fields = dict(zip(header.split(","), row.split(",")))
     assert fields["engine"] == "hf-transformers" and float(fields["output_tok_s"]) > 0
+
+
+def test_gpu_suite_script_parses():
+    """benchmark/gpu_suite.sh runs only on GPU machines; here it must at least stay valid bash."""
+    run = subprocess.run(["bash", "-n", str(ROOT / "benchmark" / "gpu_suite.sh")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
