@@ -38,6 +38,9 @@ class EngineConfig:
     """Reuse the KV blocks of identical prompt prefixes."""
     num_threads: int | None = None
     """CPU threads for the kernels. Default: the cores this process may use."""
+    cuda_graphs: bool = True
+    """CUDA backend: replay decode steps (every row one token, up to 256 rows) as CUDA graphs, one launch
+    instead of hundreds. False: launch every kernel, every step."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -93,6 +96,7 @@ class EngineConfig:
             c.kv_layer_bits = list(kv_layer_bits)
         c.enable_prefix_caching = self.enable_prefix_caching
         c.awq_int8_activations = bool(self.awq_int8_activations)
+        c.cuda_graphs = bool(self.cuda_graphs)
         c.num_threads = self.resolved_num_threads
         return c
 

@@ -20,6 +20,8 @@ struct DecoderOptions {
   bool awq_int8_activations = true;  // ops::LinearWeight::int8_activations of every AWQ layer
   std::vector<int32_t> kv_bits;    // per layer: 32 (fp32), 8 or 4 (quantized KV); empty: fp32 everywhere
   std::vector<int32_t> eos_token_ids;
+  int32_t max_blocks_per_seq = 0;  // ceil(session_len / block size): the CUDA graphs' fixed block tables
+  bool cuda_graphs = true;         // CUDA backend: decode steps as CUDA graphs
 };
 
 class DecoderModel : public Executor {

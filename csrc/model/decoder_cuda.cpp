@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <unordered_map>
 
@@ -13,6 +14,18 @@ namespace lmkit {
 namespace {
 
 constexpr int32_t kLogitRows = 64;  // logits are computed and consumed in groups of rows, as on the CPU
+constexpr int32_t kGraphBatchSizes[] = {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256};
+
+int32_t graph_batch_size(int64_t rows) {
+  for (int32_t g : kGraphBatchSizes)
+    if (g >= rows) return g;
+  return 0;
+}
+// int32 inputs of a step of `rows` rows and `seqs` sequences: token ids, positions, slots, row -> sequence,
+// q_start (seqs + 1), ctx_lens, block tables (seqs x max_blocks).
+int64_t step_ints_count(int64_t rows, int64_t seqs, int64_t max_blocks) {
+  return 4 * rows + (seqs + 1) + seqs + seqs * max_blocks;
+}
 
 float act_to_float(uint16_t bits, DType act) { return act == DType::F16 ? f16_to_f32(bits) : bf16_to_f32(bits); }
 uint16_t float_to_act(float v, DType act) { return act == DType::F16 ? f32_to_f16(v) : f32_to_bf16(v); }
@@ -110,7 +123,8 @@ CudaDecoderModel::CudaDecoderModel(const ModelConfig& config, ModelWeights weigh
   const int64_t T = options.max_step_tokens, H = c.hidden_size, I = c.intermediate_size;
   const int64_t width = c.q_size() + 2 * c.kv_size();
   const int64_t workspace_bytes =
-      2 * (T * (2 * H + width + c.q_size() + 3 * I) + (int64_t)kLogitRows * (2 * H + c.vocab_size));
+      2 * (T * (2 * H + width + c.q_size() + 3 * I) + (int64_t)kLogitRows * 2 * H +
+           std::max<int64_t>(kLogitRows, graph_batch_size(std::min<int64_t>(T, 256))) * c.vocab_size);
   int64_t free_bytes = 0, total_bytes = 0;
   cuda::memory_info(&free_bytes, &total_bytes);
   LMKIT_CHECK_ARG(weight_bytes + workspace_bytes < free_bytes, "the model needs ", (weight_bytes >> 20),
@@ -163,7 +177,23 @@ CudaDecoderModel::CudaDecoderModel(const ModelConfig& config, ModelWeights weigh
   mlp_act_ = cuda::allocate(T * I * a);
   gathered_res_ = cuda::allocate((int64_t)kLogitRows * H * a);
   gathered_h_ = cuda::allocate((int64_t)kLogitRows * H * a);
-  logits_ = cuda::allocate((int64_t)kLogitRows * c.vocab_size * a);
+  // the largest captured size that fits the workspaces (a step pads up to a captured size)
+  max_graph_rows_ = 0;
+  if (options.cuda_graphs && options.max_blocks_per_seq > 0)
+    for (int32_t g : kGraphBatchSizes)
+      if (g <= T) max_graph_rows_ = g;
+  const int64_t logit_rows = std::max<int64_t>(kLogitRows, graph_batch_size(max_graph_rows_));
+  logits_ = cuda::allocate(logit_rows * c.vocab_size * a);
+  if (max_graph_rows_ > 0) {
+    const int32_t G = graph_batch_size(max_graph_rows_);
+    graph_ints_ = cuda::allocate(step_ints_count(G, G, options.max_blocks_per_seq) * 4);
+    int64_t ws = 0;
+    for (int32_t g : kGraphBatchSizes)
+      if (g <= G)
+        ws = std::max(ws, cuda::attention_workspace_bytes(g, c.num_heads, c.head_dim,
+                                                          options.max_blocks_per_seq * options.block_size_tokens));
+    graph_attn_workspace_ = cuda::allocate(std::max<int64_t>(ws, 16));
+  }
   sample_params_ = cuda::allocate((int64_t)kLogitRows * sizeof(cuda::SampleParams));
   sampled_dev_ = cuda::allocate((int64_t)kLogitRows * 4);
   cuda::synchronize(stream_);
@@ -199,6 +229,9 @@ int64_t CudaDecoderModel::linear_weight_bytes() const {
 void CudaDecoderModel::allocate_kv_pool(int32_t num_blocks) {
   LMKIT_CHECK(kv_pool_ == nullptr, "the KV pool is allocated once");
   kv_pool_ = cuda::allocate(kv_bytes_per_block() * num_blocks);
+  // zeros, not garbage, under the padded rows of graph steps (they read block 0; their outputs are dropped)
+  cuda::fill_bytes(kv_pool_.get(), 0, kv_bytes_per_block() * num_blocks, stream_);
+  cuda::synchronize(stream_);
   num_blocks_ = num_blocks;
 }
 
@@ -226,16 +259,33 @@ void CudaDecoderModel::ensure_attention_workspace(int64_t bytes) {
   attn_workspace_bytes_ = bytes;
 }
 
+bool CudaDecoderModel::is_graph_step(const BatchPlan& plan) const {
+  if (max_graph_rows_ == 0 || plan.num_tokens > max_graph_rows_) return false;
+  const int64_t max_ctx = (int64_t)options_.max_blocks_per_seq * options_.block_size_tokens;
+  for (const ScheduledSeq& s : plan.seqs) {
+    if (s.num_tokens != 1 || !(s.is_sampled || s.seq->params.output_logits)) return false;  // every row's logits
+    if (s.start_pos + 1 > max_ctx) return false;  // beyond the graphs' block tables: the eager path serves it
+  }
+  return true;
+}
+
 // Per-step int32 inputs, one host -> device copy:
 //   [token_ids T][positions T][slots T][row_seq T][q_start S + 1][ctx_lens S][block_tables S x max_blocks][logit_rows R]
-void CudaDecoderModel::forward(const BatchPlan& plan) {
+bool CudaDecoderModel::forward(const BatchPlan& plan) {
   const ModelConfig& c = config_;
-  const int64_t T = plan.num_tokens, H = c.hidden_size, I = c.intermediate_size;
+  const int64_t T = plan.num_tokens;
   const int32_t bs = options_.block_size_tokens;
   const int32_t S = (int32_t)plan.seqs.size();
   LMKIT_CHECK(T <= options_.max_step_tokens, "step of ", T, " tokens exceeds the workspace of ",
               options_.max_step_tokens);
   LMKIT_CHECK(kv_pool_ != nullptr, "allocate_kv_pool() before the first step");
+  for (const ScheduledSeq& s : plan.seqs)
+    LMKIT_CHECK((int64_t)s.seq->block_table.size() * bs >= s.start_pos + s.num_tokens, "sequence ", s.seq->id,
+                " has too few blocks for its chunk");
+  if (is_graph_step(plan)) {
+    forward_graph(plan);
+    return true;
+  }
   int32_t max_blocks = 1, max_ctx = 1;
   for (const ScheduledSeq& s : plan.seqs) {
     const int32_t ctx = s.start_pos + s.num_tokens;
@@ -243,7 +293,7 @@ void CudaDecoderModel::forward(const BatchPlan& plan) {
     max_blocks = std::max(max_blocks, (ctx + bs - 1) / bs);
   }
   logit_rows_.clear();
-  host_ints_.assign(4 * T + (S + 1) + S + (int64_t)S * max_blocks, 0);
+  host_ints_.assign(step_ints_count(T, S, max_blocks), 0);
   int32_t* token_ids = host_ints_.data();
   int32_t* positions = token_ids + T;
   int32_t* slots = positions + T;
@@ -256,7 +306,6 @@ void CudaDecoderModel::forward(const BatchPlan& plan) {
     const ScheduledSeq& s = plan.seqs[i];
     const Sequence& seq = *s.seq;
     const int32_t ctx = s.start_pos + s.num_tokens;
-    LMKIT_CHECK((int64_t)seq.block_table.size() * bs >= ctx, "sequence ", seq.id, " has too few blocks for its chunk");
     q_start[i] = row;
     ctx_lens[i] = ctx;
     std::copy(seq.block_table.begin(), seq.block_table.begin() + (ctx + bs - 1) / bs, tables + (int64_t)i * max_blocks);
@@ -283,9 +332,6 @@ void CudaDecoderModel::forward(const BatchPlan& plan) {
   int32_t* dev = static_cast<int32_t*>(step_ints_.get());
   cuda::copy_to_device(dev, host_ints_.data(), (int64_t)host_ints_.size() * 4, stream_);
   cuda::copy_to_device(dev + host_ints_.size(), logit_rows_.data(), (int64_t)logit_rows_.size() * 4, stream_);
-  const int32_t* d_tokens = dev;
-  const int32_t* d_positions = dev + T;
-  const int32_t* d_slots = dev + 2 * T;
   cuda::AttnBatch batch;
   batch.row_seq = dev + 3 * T;
   batch.q_start = dev + 4 * T;
@@ -293,7 +339,87 @@ void CudaDecoderModel::forward(const BatchPlan& plan) {
   batch.block_tables = batch.ctx_lens + S;
   batch.num_seqs = S, batch.num_rows = (int32_t)T, batch.max_blocks_per_seq = max_blocks, batch.max_ctx_len = max_ctx;
   ensure_attention_workspace(cuda::attention_workspace_bytes((int32_t)T, c.num_heads, c.head_dim, max_ctx));
+  run_layers(T, dev, dev + T, dev + 2 * T, batch, attn_workspace_.get());
+  return false;
+}
 
+void CudaDecoderModel::forward_graph(const BatchPlan& plan) {
+  const ModelConfig& c = config_;
+  const int64_t T = plan.num_tokens;
+  const int32_t G = graph_batch_size(T);
+  const int32_t bs = options_.block_size_tokens, MB = options_.max_blocks_per_seq;
+  // The layout of a G-row step: real rows first, then padding rows (token 0 at position 0, slot -1: no KV
+  // write; a one-key context in block 0) whose outputs nobody reads.
+  host_ints_.assign(step_ints_count(G, G, MB), 0);
+  int32_t* token_ids = host_ints_.data();
+  int32_t* positions = token_ids + G;
+  int32_t* slots = positions + G;
+  int32_t* row_seq = slots + G;
+  int32_t* q_start = row_seq + G;
+  int32_t* ctx_lens = q_start + G + 1;
+  int32_t* tables = ctx_lens + G;
+  logit_rows_.clear();
+  for (int32_t i = 0; i < G; ++i) {
+    row_seq[i] = i;
+    q_start[i] = i;
+    ctx_lens[i] = 1;
+    slots[i] = -1;
+    if (i >= T) continue;
+    const ScheduledSeq& s = plan.seqs[i];
+    const Sequence& seq = *s.seq;
+    const int32_t pos = s.start_pos, ctx = pos + 1;  // ctx <= MB * bs (is_graph_step)
+    token_ids[i] = seq.tokens[pos];
+    LMKIT_CHECK(token_ids[i] >= 0 && token_ids[i] < c.vocab_size, "token id ", token_ids[i],
+                " is outside the vocabulary (", c.vocab_size, ")");
+    positions[i] = pos;
+    slots[i] = seq.block_table[pos / bs] * bs + pos % bs;
+    ctx_lens[i] = ctx;
+    std::copy(seq.block_table.begin(), seq.block_table.begin() + (ctx + bs - 1) / bs, tables + (int64_t)i * MB);
+    logit_rows_.push_back(i);
+  }
+  q_start[G] = G;
+  int32_t* dev = static_cast<int32_t*>(graph_ints_.get());
+  cuda::copy_to_device(dev, host_ints_.data(), (int64_t)host_ints_.size() * 4, stream_);
+  cuda::AttnBatch batch;
+  batch.row_seq = dev + 3 * G;
+  batch.q_start = dev + 4 * G;
+  batch.ctx_lens = batch.q_start + G + 1;
+  batch.block_tables = batch.ctx_lens + G;
+  batch.num_seqs = G, batch.num_rows = G, batch.max_blocks_per_seq = MB, batch.max_ctx_len = MB * bs;
+  // layers, final norm of every row, lm_head of every row: logits_ [G, vocab]
+  auto record = [&] {
+    run_layers(G, dev, dev + G, dev + 2 * G, batch, graph_attn_workspace_.get());
+    cuda::add_rmsnorm(residual_.get(), hidden_.get(), final_norm_.get(), act_, c.rms_norm_eps, G, c.hidden_size,
+                      hidden_.get(), act_, stream_);
+    cuda::linear(hidden_.get(), G, lm_head_, nullptr, logits_.get(), act_, stream_);
+  };
+  auto it = graphs_.find(G);
+  if (it != graphs_.end()) {
+    cuda::launch_graph(it->second, stream_);
+    return;
+  }
+  // First step of this size: run it eagerly (which also lets cuBLAS settle its state for these shapes),
+  // then record the same work as a graph for the next ones. Recording executes nothing, so the eager
+  // step's logits stand whether or not the capture succeeds; a capture that fails turns graphs off (with
+  // one line on stderr) and the engine goes on eagerly.
+  record();
+  cuda::synchronize(stream_);
+  try {
+    cuda::begin_capture(stream_);
+    record();
+    graphs_[G] = cuda::end_capture(stream_);
+  } catch (const std::exception& e) {
+    cuda::abort_capture(stream_);
+    graphs_.clear();
+    max_graph_rows_ = 0;
+    std::fprintf(stderr, "lmkit: CUDA graph capture failed (%s); decode steps run without graphs\n", e.what());
+  }
+}
+
+void CudaDecoderModel::run_layers(int64_t T, const int32_t* d_tokens, const int32_t* d_positions,
+                                  const int32_t* d_slots, const cuda::AttnBatch& batch, void* attn_workspace) {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
   void* residual = residual_.get();
   void* h = hidden_.get();
   const int64_t width = c.q_size() + 2 * c.kv_size();
@@ -307,9 +433,9 @@ void CudaDecoderModel::forward(const BatchPlan& plan) {
       cuda::add_rmsnorm(residual, h, w.input_norm.get(), act_, c.rms_norm_eps, T, H, h, act_, stream_);
     cuda::linear(h, T, w.qkv, nullptr, qkv_.get(), act_, stream_);
     const ops::KVLayer kv = kv_layer(l);
-    cuda::qkv_rope_kv_write(qkv_.get(), w.qkv_bias.get(), d_positions, d_slots, T, c.num_heads, (const float*)inv_freq_.get(),
-                            c.attention_scaling, kv, act_, stream_);
-    cuda::paged_attention(qkv_.get(), width, kv, batch, c.num_heads, scale, c.sliding_window, attn_workspace_.get(),
+    cuda::qkv_rope_kv_write(qkv_.get(), w.qkv_bias.get(), d_positions, d_slots, T, c.num_heads,
+                            (const float*)inv_freq_.get(), c.attention_scaling, kv, act_, stream_);
+    cuda::paged_attention(qkv_.get(), width, kv, batch, c.num_heads, scale, c.sliding_window, attn_workspace,
                           attn_.get(), act_, stream_);
     cuda::linear(attn_.get(), T, w.o_proj, nullptr, h, act_, stream_);
     cuda::add_rmsnorm(residual, h, w.post_attention_norm.get(), act_, c.rms_norm_eps, T, H, h, act_, stream_);
@@ -322,7 +448,7 @@ void CudaDecoderModel::forward(const BatchPlan& plan) {
 void CudaDecoderModel::step(const BatchPlan& plan, std::vector<int32_t>& sampled) {
   sampled.assign(plan.seqs.size(), -1);
   if (plan.empty()) return;
-  forward(plan);
+  const bool logits_ready = forward(plan);  // a graph step: logits_ holds every row's, in plan order
   const ModelConfig& c = config_;
   const int64_t H = c.hidden_size, V = c.vocab_size;
   std::vector<int32_t> row_owner(plan.num_tokens), row_start(plan.seqs.size());
@@ -333,18 +459,23 @@ void CudaDecoderModel::step(const BatchPlan& plan, std::vector<int32_t>& sampled
       for (int32_t j = 0; j < plan.seqs[i].num_tokens; ++j) row_owner[row++] = i;
     }
   }
-  const int32_t* d_logit_rows = static_cast<const int32_t*>(step_ints_.get()) + host_ints_.size();
+  const int32_t* d_logit_rows =
+      logits_ready ? nullptr : static_cast<const int32_t*>(step_ints_.get()) + host_ints_.size();
   std::vector<cuda::SampleParams> params;
   std::vector<int32_t> offsets, tokens, counts, gpu_tokens, banned;
   std::unordered_map<int32_t, int32_t> seen;
   for (size_t g = 0; g < logit_rows_.size(); g += kLogitRows) {
     const int32_t n = (int32_t)std::min<size_t>(kLogitRows, logit_rows_.size() - g);
-    // residual + last mlp output, final norm, lm_head: for the gathered rows only
-    cuda::gather_rows(residual_.get(), d_logit_rows + g, n, H, gathered_res_.get(), act_, stream_);
-    cuda::gather_rows(hidden_.get(), d_logit_rows + g, n, H, gathered_h_.get(), act_, stream_);
-    cuda::add_rmsnorm(gathered_res_.get(), gathered_h_.get(), final_norm_.get(), act_, c.rms_norm_eps, n, H,
-                      gathered_h_.get(), act_, stream_);
-    cuda::linear(gathered_h_.get(), n, lm_head_, nullptr, logits_.get(), act_, stream_);
+    void* logits = logits_.get();
+    if (logits_ready) {
+      logits = static_cast<char*>(logits) + (int64_t)g * V * 2;
+    } else {  // residual + last mlp output, final norm, lm_head: for the gathered rows only
+      cuda::gather_rows(residual_.get(), d_logit_rows + g, n, H, gathered_res_.get(), act_, stream_);
+      cuda::gather_rows(hidden_.get(), d_logit_rows + g, n, H, gathered_h_.get(), act_, stream_);
+      cuda::add_rmsnorm(gathered_res_.get(), gathered_h_.get(), final_norm_.get(), act_, c.rms_norm_eps, n, H,
+                        gathered_h_.get(), act_, stream_);
+      cuda::linear(gathered_h_.get(), n, lm_head_, nullptr, logits, act_, stream_);
+    }
 
     // Rows whose logits go to the host: returned logits, and sampling with logprobs (the CPU sampler).
     bool need_host = false;
@@ -354,7 +485,7 @@ void CudaDecoderModel::step(const BatchPlan& plan, std::vector<int32_t>& sampled
     }
     if (need_host) {
       host_logits_raw_.resize((size_t)(n * V));
-      cuda::copy_to_host(host_logits_raw_.data(), logits_.get(), n * V * 2, stream_);
+      cuda::copy_to_host(host_logits_raw_.data(), logits, n * V * 2, stream_);
       cuda::synchronize(stream_);
       host_logits_.resize((size_t)(n * V));
       for (int64_t i = 0; i < n * V; ++i) host_logits_[(size_t)i] = act_to_float(host_logits_raw_[(size_t)i], act_);
@@ -430,7 +561,7 @@ void CudaDecoderModel::step(const BatchPlan& plan, std::vector<int32_t>& sampled
     }
     const int32_t* d_tokens = d_offsets ? d_offsets + offsets.size() : nullptr;
     const int32_t* d_counts = d_tokens ? d_tokens + tokens.size() : nullptr;
-    cuda::sample(logits_.get(), act_, n, V, static_cast<const cuda::SampleParams*>(sample_params_.get()), d_offsets,
+    cuda::sample(logits, act_, n, V, static_cast<const cuda::SampleParams*>(sample_params_.get()), d_offsets,
                  d_tokens, d_counts, static_cast<int32_t*>(sampled_dev_.get()), stream_);
     gpu_tokens.resize(n);
     cuda::copy_to_host(gpu_tokens.data(), sampled_dev_.get(), (int64_t)n * 4, stream_);

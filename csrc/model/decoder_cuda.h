@@ -4,6 +4,7 @@
 #pragma once
 #include <stdint.h>
 
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -37,7 +38,16 @@ class CudaDecoderModel : public Executor {
     cuda::Linear qkv, o_proj, gate_up, down_proj;
     std::shared_ptr<void> qkv_bias, input_norm, post_attention_norm;  // act
   };
-  void forward(const BatchPlan& plan);
+  // Fills logit rows' hidden states (eager) or, for a graph step, the logits of every row; returns whether
+  // logits_ already holds them (rows in plan order).
+  bool forward(const BatchPlan& plan);
+  // Embedding and every layer over T rows: residual_ and hidden_ (the last MLP output) end filled.
+  void run_layers(int64_t T, const int32_t* d_tokens, const int32_t* d_positions, const int32_t* d_slots,
+                  const cuda::AttnBatch& batch, void* attn_workspace);
+  // A decode step (every row one token, all rows' logits wanted) of at most max_graph_rows_ rows: padded to
+  // the next captured batch size and replayed as a CUDA graph (captured on first use of that size).
+  bool is_graph_step(const BatchPlan& plan) const;
+  void forward_graph(const BatchPlan& plan);
   void ensure_attention_workspace(int64_t bytes);
   ops::KVLayer kv_layer(int32_t layer) const;
   std::shared_ptr<void> upload_vector(const std::vector<const Tensor*>& parts);  // concatenated, as act
@@ -68,6 +78,13 @@ class CudaDecoderModel : public Executor {
 
   // Host copies of the per-step inputs.
   std::vector<int32_t> host_ints_, logit_rows_, penalty_host_;
+
+  // CUDA graphs of decode steps, by padded batch size. Their inputs live at fixed addresses: graph_ints_
+  // (the per-step int32 layout for that size, block tables max_blocks_per_seq wide) and their own attention
+  // workspace (split plan fixed by the longest context, session_len).
+  int32_t max_graph_rows_ = 0;
+  std::map<int32_t, std::shared_ptr<void>> graphs_;
+  std::shared_ptr<void> graph_ints_, graph_attn_workspace_;
   std::vector<float> host_logits_;
   std::vector<uint16_t> host_logits_raw_;
 };

@@ -47,6 +47,8 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   decoder.num_threads = config.num_threads;
   decoder.eos_token_ids = eos_token_ids;
   decoder.awq_int8_activations = config.awq_int8_activations;
+  decoder.max_blocks_per_seq = (options.session_len + config.cache_block_seq_len - 1) / config.cache_block_seq_len;
+  decoder.cuda_graphs = config.cuda_graphs;
   std::vector<int32_t> policy = config.kv_layer_bits;
   if (policy.empty()) policy.assign(model.num_layers, config.quant_policy);
   LMKIT_CHECK_ARG((int32_t)policy.size() == model.num_layers, "the KV policy has ", policy.size(),

@@ -21,14 +21,12 @@ constexpr int kMinChunkTokens = 64;  // ... and never into chunks shorter than t
 
 struct SplitPlan {
   int num_splits;
-  int chunk_tokens;
 };
 SplitPlan plan_splits(int32_t num_rows, int32_t num_heads, int32_t max_ctx_len) {
   const int64_t work = std::max<int64_t>(1, (int64_t)num_rows * num_heads);
   int64_t splits = std::max<int64_t>(1, kTargetCtas / work);
   splits = std::min<int64_t>(splits, std::max<int64_t>(1, ceil_div(max_ctx_len, kMinChunkTokens)));
-  const int64_t chunk = ceil_div(std::max<int32_t>(max_ctx_len, 1), splits);
-  return {(int)ceil_div(std::max<int32_t>(max_ctx_len, 1), chunk), (int)chunk};
+  return {(int)splits};
 }
 
 // Element d of row `row` of a K or V block, as float.
@@ -64,7 +62,7 @@ constexpr int kMaxGroup = 16;  // query heads per kv head (warps per CTA) at mos
 
 template <typename T, int E>
 __global__ void __launch_bounds__(32 * kMaxGroup) attention_kernel(const T* __restrict__ q, int64_t q_row_stride, ops::KVLayer kv, AttnBatch batch,
-                                 int num_heads, float scale, int sliding_window, int chunk_tokens, int num_splits,
+                                 int num_heads, float scale, int sliding_window, int num_splits,
                                  float* __restrict__ workspace, T* __restrict__ out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int group = num_heads / kv.num_kv_heads;
@@ -77,9 +75,12 @@ __global__ void __launch_bounds__(32 * kMaxGroup) attention_kernel(const T* __re
   const int q0 = batch.q_start[s], q_len = batch.q_start[s + 1] - q0, ctx = batch.ctx_lens[s];
   const int pos = ctx - q_len + (r - q0);
   int lo = sliding_window > 0 ? max(0, pos - sliding_window + 1) : 0;
-  int hi = pos + 1;  // keys [lo, hi)
-  lo = max(lo, split * chunk_tokens);
-  hi = min(hi, (split + 1) * chunk_tokens);
+  int hi = pos + 1;  // keys [lo, hi), cut into num_splits chunks of this row's own length (at least
+                     // kMinChunkTokens; trailing chunks may be empty), so a short row in a batch planned for a
+                     // long one (a CUDA graph is planned for session_len) still spreads over the splits
+  const int chunk = max(kMinChunkTokens, (hi - lo + num_splits - 1) / num_splits);
+  lo = lo + split * chunk;
+  hi = min(hi, lo + chunk);
 
   const int d0 = lane * E;
   float qv[E], acc[E];
@@ -154,7 +155,7 @@ void launch_attention(const void* q, int64_t q_row_stride, const ops::KVLayer& k
   const dim3 grid((unsigned)batch.num_rows, (unsigned)kv.num_kv_heads, (unsigned)plan.num_splits);
   const int threads = 32 * (num_heads / kv.num_kv_heads);
   attention_kernel<T, E><<<grid, threads, 0, stream>>>(static_cast<const T*>(q), q_row_stride, kv, batch, num_heads,
-                                                       scale, sliding_window, plan.chunk_tokens, plan.num_splits,
+                                                       scale, sliding_window, plan.num_splits,
                                                        static_cast<float*>(workspace), static_cast<T*>(out));
 }
 

@@ -4,9 +4,11 @@
 
 #include <dlfcn.h>
 
+#include <memory>
 #include <mutex>
 
 #include "core/check.h"
+#include "kernels/cuda/ops_cuda.h"
 
 namespace lmkit::cuda {
 namespace {
@@ -14,6 +16,7 @@ namespace {
 using Handle = void*;
 using CreateFn = int (*)(Handle*);
 using SetStreamFn = int (*)(Handle, void*);
+using SetWorkspaceFn = int (*)(Handle, void*, size_t);
 using GemmExFn = int (*)(Handle, int, int, int, int, int, const void*, const void*, int, int, const void*, int, int,
                          const void*, void*, int, int, int, int);
 // Values of cuBLAS's and CUDA's enums (cublas_api.h, library_types.h).
@@ -21,13 +24,16 @@ constexpr int kOpN = 0, kOpT = 1;
 constexpr int kR16F = 2, kR16BF = 14;
 constexpr int kCompute32F = 68;
 constexpr int kGemmDefault = -1;
+constexpr int64_t kWorkspaceBytes = 32 << 20;
 
 struct Cublas {
   void* lib = nullptr;
   CreateFn create = nullptr;
   SetStreamFn set_stream = nullptr;
   GemmExFn gemm_ex = nullptr;
+  SetWorkspaceFn set_workspace = nullptr;
   Handle handle = nullptr;
+  std::shared_ptr<void> workspace;  // given to cuBLAS so that it never allocates (CUDA graph capture)
   bool tried = false;
 };
 Cublas g_cublas;
@@ -41,10 +47,12 @@ bool open_locked(const char* path) {
   c.create = reinterpret_cast<CreateFn>(dlsym(lib, "cublasCreate_v2"));
   c.set_stream = reinterpret_cast<SetStreamFn>(dlsym(lib, "cublasSetStream_v2"));
   c.gemm_ex = reinterpret_cast<GemmExFn>(dlsym(lib, "cublasGemmEx"));
+  c.set_workspace = reinterpret_cast<SetWorkspaceFn>(dlsym(lib, "cublasSetWorkspace_v2"));
   if (!c.create || !c.set_stream || !c.gemm_ex || c.create(&c.handle) != 0) {
     dlclose(lib);
     return false;
   }
+  if (c.set_workspace) c.workspace = allocate(kWorkspaceBytes);  // given to cuBLAS on every call (cublas_gemm)
   c.tried = true;
   g_cublas = c;
   return true;
@@ -75,6 +83,10 @@ void cublas_gemm(const void* x, const void* w, void* out, int64_t M, int64_t N, 
   const float alpha = 1.0f, beta = 0.0f;
   std::lock_guard<std::mutex> lock(g_mutex);  // one handle: its stream is per call
   int status = g_cublas.set_stream(g_cublas.handle, stream);
+  // cublasSetStream drops a user workspace (cuBLAS docs, "cublasSetStream"): give it back after every call,
+  // or a GEMM under CUDA graph capture would allocate its own.
+  if (status == 0 && g_cublas.set_workspace)
+    status = g_cublas.set_workspace(g_cublas.handle, g_cublas.workspace.get(), kWorkspaceBytes);
   // Column-major view: out^T [N, M] = W [N, K] (stored as K x N, transposed) x x^T [K, M].
   if (status == 0)
     status = g_cublas.gemm_ex(g_cublas.handle, kOpT, kOpN, (int)N, (int)M, (int)K, &alpha, w, type, (int)K, x, type,

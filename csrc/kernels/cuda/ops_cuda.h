@@ -41,6 +41,14 @@ void fill_bytes(void* dst, int value, int64_t size_bytes, Stream stream);
 void synchronize(Stream stream);
 Stream create_stream();
 void destroy_stream(Stream stream);
+// CUDA graphs: the ops enqueued on `stream` between begin_capture and end_capture (no synchronisation,
+// allocation or host copy in between) become one executable graph, replayed by launch_graph with the same
+// device pointers (their contents may change between replays).
+void begin_capture(Stream stream);
+std::shared_ptr<void> end_capture(Stream stream);
+void launch_graph(const std::shared_ptr<void>& graph, Stream stream);
+// Ends a capture that failed half-way, dropping what was recorded (errors ignored).
+void abort_capture(Stream stream) noexcept;
 // Device-to-device copy bandwidth in bytes/s (read + write counted), timed with events over `repeats`
 // copies of size_bytes: the roofline figure of DESIGN.md section 7.
 double measure_copy_bandwidth(int64_t size_bytes, int repeats);

@@ -97,6 +97,35 @@ void destroy_stream(Stream stream) {
   if (stream) cudaStreamDestroy(as_stream(stream));
 }
 
+void begin_capture(Stream stream) {
+  LMKIT_CUDA_OK(cudaStreamBeginCapture(as_stream(stream), cudaStreamCaptureModeThreadLocal), "begin graph capture");
+}
+
+std::shared_ptr<void> end_capture(Stream stream) {
+  cudaGraph_t graph = nullptr;
+  cudaError_t err = cudaStreamEndCapture(as_stream(stream), &graph);
+  cudaGraphExec_t exec = nullptr;
+  if (err == cudaSuccess) {
+    err = cudaGraphInstantiate(&exec, graph, 0);  // the CUDA 12 signature (CMake requires CUDA >= 12)
+    cudaGraphDestroy(graph);
+  }
+  if (err != cudaSuccess) cudaGetLastError();  // a failed capture is not sticky: leave no stale error behind
+  LMKIT_CUDA_OK(err, "end graph capture");
+  return std::shared_ptr<void>(exec, [](void* e) {
+    if (e) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(e));
+  });
+}
+
+void abort_capture(Stream stream) noexcept {
+  cudaGraph_t graph = nullptr;
+  if (cudaStreamEndCapture(as_stream(stream), &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
+  cudaGetLastError();
+}
+
+void launch_graph(const std::shared_ptr<void>& graph, Stream stream) {
+  LMKIT_CUDA_OK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph.get()), as_stream(stream)), "graph launch");
+}
+
 double measure_copy_bandwidth(int64_t size_bytes, int repeats) {
   LMKIT_CHECK_ARG(size_bytes > 0 && repeats > 0, "measure_copy_bandwidth: size and repeats must be positive");
   auto a = allocate(size_bytes), b = allocate(size_bytes);
