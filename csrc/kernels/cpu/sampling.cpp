@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <unordered_map>
 #include <unordered_set>
@@ -63,55 +64,127 @@ void fill_logprobs(const float* logits, int32_t vocab, int32_t chosen, int32_t k
   }
 }
 
+// Tokens bucketed by the top bits of their weight's float pattern: a weight e is in (0, 1] (the best
+// token has e = 1), where patterns order like values, so bucket b > b' means every weight of b is larger.
+constexpr int kBucketShift = 19;                          // 8 exponent + 4 mantissa bits
+constexpr int kNumBuckets = (0x3F800000 >> kBucketShift) + 1;  // up to the pattern of 1.0f
+
+int bucket_of(float e) {
+  uint32_t bits;
+  std::memcpy(&bits, &e, 4);
+  return (int)(bits >> kBucketShift);
+}
+
+// The best-first prefix of `ids` (order: weight desc, id asc) that stops at `max_count` tokens or as soon
+// as its mass reaches `target`, whichever comes first; returned in no particular order. One pass
+// histograms the tokens' weights by bucket; the prefix's boundary falls inside one bucket, and only that
+// bucket's tokens are sorted.
+std::vector<int32_t> best_prefix(const std::vector<int32_t>& ids, const float* e, int64_t max_count, double target) {
+  std::vector<int64_t> count(kNumBuckets, 0);
+  std::vector<double> mass(kNumBuckets, 0.0);
+  for (int32_t i : ids) {
+    const int b = bucket_of(e[i]);
+    ++count[(size_t)b];
+    mass[(size_t)b] += e[i];
+  }
+  int64_t n = 0;
+  double m = 0;
+  int boundary = 0;
+  for (int b = kNumBuckets - 1; b >= 0; --b) {
+    if (n + count[(size_t)b] >= max_count || m + mass[(size_t)b] >= target) {
+      boundary = b;
+      break;
+    }
+    n += count[(size_t)b];
+    m += mass[(size_t)b];
+  }
+  std::vector<int32_t> kept, edge;
+  for (int32_t i : ids) {
+    const int b = bucket_of(e[i]);
+    if (b > boundary)
+      kept.push_back(i);
+    else if (b == boundary)
+      edge.push_back(i);
+  }
+  std::sort(edge.begin(), edge.end(), [&](int32_t a, int32_t b) { return e[a] > e[b] || (e[a] == e[b] && a < b); });
+  for (size_t j = 0; j < edge.size() && n < max_count && m < target; ++j, ++n) {
+    kept.push_back(edge[j]);
+    m += e[edge[j]];
+  }
+  return kept;
+}
+
 // Temperature, top-k, top-p, min-p, then one draw. logits are already penalised.
+//
+// Weights e = exp(logit / temperature - max), one pass over the vocabulary (float, summed in double); no
+// sort of the vocabulary. Without filters the draw walks e in id order. The filters keep a best-first
+// prefix (order: probability desc, id asc): top-k the k best, which then are the whole distribution (HF's
+// order: top-p measures mass among them); top-p the shortest prefix whose mass reaches top_p; min-p the
+// tokens with p >= min_p * p(best), i.e. e >= min_p. The kept set is drawn from in any order.
 int32_t draw(const float* logits, int32_t vocab, const SamplingParams& p, std::mt19937_64& rng) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  std::vector<std::pair<float, int32_t>> cand;  // (logit / temperature, id), best first after top-k
-  cand.reserve(vocab);
+  const int32_t best = argmax(logits, vocab);
+  if (logits[best] == neg_inf) return best;  // everything banned: the lowest id
   const float inv_t = 1.0f / p.temperature;
-  for (int32_t i = 0; i < vocab; ++i)
-    if (logits[i] != neg_inf) cand.emplace_back(logits[i] * inv_t, i);
-  if (cand.empty()) return argmax(logits, vocab);
-  auto by_logit = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  };
-  if (p.top_k > 0 && p.top_k < (int32_t)cand.size()) {
-    std::nth_element(cand.begin(), cand.begin() + p.top_k, cand.end(), by_logit);
-    cand.resize(p.top_k);
-  }
-  std::sort(cand.begin(), cand.end(), by_logit);
-
-  std::vector<double> prob(cand.size());  // softmax over the survivors, in double
-  const double top = cand[0].first;
+  const float top = logits[best] * inv_t;
+  std::vector<float> e((size_t)vocab);
   double total = 0;
-  for (size_t i = 0; i < cand.size(); ++i) total += prob[i] = std::exp((double)cand[i].first - top);
-  for (double& x : prob) x /= total;
-
-  size_t keep = cand.size();
-  if (p.top_p < 1.0f) {  // smallest prefix whose mass reaches top_p (at least one token)
-    double cum = 0;
-    for (size_t i = 0; i < cand.size(); ++i) {
-      cum += prob[i];
-      if (cum >= p.top_p) {
-        keep = i + 1;
-        break;
-      }
+  for (int32_t i = 0; i < vocab; ++i) {
+    e[(size_t)i] = logits[i] == neg_inf ? 0.0f : std::exp(logits[i] * inv_t - top);
+    total += e[(size_t)i];
+  }
+  e[(size_t)best] = 1.0f;
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  const bool use_k = p.top_k > 0 && p.top_k < vocab, use_p = p.top_p < 1.0f, use_min_p = p.min_p > 0.0f;
+  if (!use_k && !use_p && !use_min_p) {
+    double u = uniform(rng) * total;
+    int32_t last = best;
+    for (int32_t i = 0; i < vocab; ++i) {
+      if (e[(size_t)i] == 0.0f) continue;
+      last = i;
+      u -= e[(size_t)i];
+      if (u < 0) return i;
+    }
+    return last;  // rounding left u >= 0 after the last token
+  }
+  std::vector<int32_t> kept;
+  kept.reserve((size_t)vocab);
+  for (int32_t i = 0; i < vocab; ++i)
+    if (e[(size_t)i] > 0.0f && (!use_min_p || e[(size_t)i] >= p.min_p)) kept.push_back(i);
+  // min-p first is the same: every filter keeps a prefix of one order, so the result is the shortest of
+  // the three prefixes, except that top-p's mass is measured over the top-k set (or everything).
+  if (use_k) {
+    std::vector<int32_t> all;
+    if (use_min_p) {
+      for (int32_t i = 0; i < vocab; ++i)
+        if (e[(size_t)i] > 0.0f) all.push_back(i);
+    }
+    const std::vector<int32_t> top_k = best_prefix(use_min_p ? all : kept, e.data(), p.top_k,
+                                                   std::numeric_limits<double>::infinity());
+    total = 0;
+    for (int32_t i : top_k) total += e[(size_t)i];
+    if (!use_min_p) {
+      kept = top_k;
+    } else {  // the top-k tokens that pass min-p
+      kept.clear();
+      for (int32_t i : top_k)
+        if (e[(size_t)i] >= p.min_p) kept.push_back(i);
     }
   }
-  if (p.min_p > 0.0f) {
-    const double floor = p.min_p * prob[0];
-    size_t n = 1;
-    while (n < keep && prob[n] >= floor) ++n;
-    keep = n;
+  if (use_p) {
+    // top-p over the (top-k) distribution; min-p only shortens the prefix, so cut the min-p survivors
+    // by top-p's mass measured as if min-p were off: the prefix is the same, the min-p set a prefix of it
+    // or it a prefix of the min-p set.
+    kept = best_prefix(kept, e.data(), INT64_MAX, (double)p.top_p * total);
   }
   double mass = 0;
-  for (size_t i = 0; i < keep; ++i) mass += prob[i];
-  double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng) * mass;
-  for (size_t i = 0; i < keep; ++i) {
-    u -= prob[i];
-    if (u < 0) return cand[i].second;
+  for (int32_t i : kept) mass += e[(size_t)i];
+  double u = uniform(rng) * mass;
+  for (int32_t i : kept) {
+    u -= e[(size_t)i];
+    if (u < 0) return i;
   }
-  return cand[keep - 1].second;
+  return kept.back();
 }
 
 }  // namespace
