@@ -53,8 +53,9 @@ def test_scheduling_benchmarks_smoke(smollm2_path, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "ITL p50 during" in run.stdout
     run = _run_script("bench_batch_decode.py", "--model", str(smollm2_path), "--batches", "1", "2",
-                      "--new-tokens", "4")
+                      "--new-tokens", "4", "--sampling", "greedy", "top_p")
     assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("top_p") == 2
 
 
 def test_sharegpt_file_workload(smollm2_path, tmp_path):
