@@ -31,9 +31,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--sampling", nargs="+", choices=sorted(SAMPLING), default=["greedy"])
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     args = ap.parse_args(argv)
     engine = Engine(args.model, EngineConfig(max_batch_size=max(args.batches), cache_max_entry_count=0.3,
-                                             session_len=2048, num_threads=args.threads))
+                                             session_len=2048, num_threads=args.threads, dtype=args.dtype))
     try:
         print(f"{'sampling':>12}{'batch':>6}{'tok/s':>9}{'ms/step':>9}")
         for mode in args.sampling:

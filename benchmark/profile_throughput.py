@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--kv-policy", default=None, help="per-layer KV precision file (lmkit lite calibrate)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="compute dtype (bfloat16: CPU linear layers as bf16 dot products, AVX512_BF16 CPUs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--csv", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="a few tiny requests, for tests")
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     engine = AsyncEngine(args.model, EngineConfig(
         device=args.device, max_batch_size=args.max_batch_size, cache_max_entry_count=args.cache_max_entry_count,
         enable_prefix_caching=args.enable_prefix_caching, num_threads=args.threads, session_len=4096,
-        quant_policy=args.quant_policy, kv_policy=args.kv_policy))
+        quant_policy=args.quant_policy, kv_policy=args.kv_policy, dtype=args.dtype))
     kv = f"kv_policy {Path(args.kv_policy).name}" if args.kv_policy else \
         {0: "fp16/bf16" if args.device == "cuda" else "fp32", 8: "int8", 4: "int4"}[args.quant_policy]
     rows = []
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     name = Path(str(engine.engine.model_path)).name
     workload = workloads.describe(args.workload, args.dataset)
     print(f"model {name}, workload {workload}, prefix caching {args.enable_prefix_caching}, "
-          f"KV {kv}, {args.threads or len(os.sched_getaffinity(0))} threads, {date.today()}")
+          f"KV {kv}, dtype {args.dtype}, {args.threads or len(os.sched_getaffinity(0))} threads, {date.today()}")
     print(f"{'conc':>5}{'reqs':>6}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
           f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>9}{'E2E p50':>9}{'KV peak':>8}")
     for r in rows:

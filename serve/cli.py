@@ -24,8 +24,9 @@ def _keys(values: Optional[List[str]]) -> tuple[str, ...]:
 
 def engine_config(device: str, max_batch_size: int, session_len: Optional[int], cache_block_seq_len: int,
                   cache_max_entry_count: float, max_prefill_token_num: int, quant_policy: int,
-                  kv_policy: Optional[Path], enable_prefix_caching: bool, num_threads: Optional[int]) -> EngineConfig:
-    return EngineConfig(device=device, max_batch_size=max_batch_size, session_len=session_len,
+                  kv_policy: Optional[Path], enable_prefix_caching: bool, num_threads: Optional[int],
+                  dtype: str = "auto") -> EngineConfig:
+    return EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size, session_len=session_len,
                         cache_block_seq_len=cache_block_seq_len, cache_max_entry_count=cache_max_entry_count,
                         max_prefill_token_num=max_prefill_token_num, quant_policy=quant_policy,
                         kv_policy=str(kv_policy) if kv_policy is not None else None,
@@ -50,6 +51,7 @@ def api_server(
                                                            "(default http://HOST:PORT)."),
     log_level: str = typer.Option("info", help="debug | info | warning | error"),
     device: str = typer.Option("auto", help=_E["device"]),
+    dtype: str = typer.Option("auto", help=_E["dtype"]),
     max_batch_size: int = typer.Option(64, help=_E["max_batch_size"]),
     session_len: Optional[int] = typer.Option(None, help=_E["session_len"]),
     cache_block_seq_len: int = typer.Option(64, help=_E["cache_block_seq_len"]),
@@ -66,7 +68,7 @@ def api_server(
     from lmkit.serve.gate import GateConfig
 
     config = engine_config(device, max_batch_size, session_len, cache_block_seq_len, cache_max_entry_count,
-                           max_prefill_token_num, quant_policy, kv_policy, enable_prefix_caching, num_threads)
+                           max_prefill_token_num, quant_policy, kv_policy, enable_prefix_caching, num_threads, dtype)
     template = None
     if chat_template is not None:
         if not chat_template.is_file():
@@ -119,6 +121,7 @@ def chat(
     seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
     session_len: Optional[int] = typer.Option(None, help=_E["session_len"]),
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
+    dtype: str = typer.Option("auto", help=_E["dtype"]),
 ) -> None:
     """Chat with a model in the terminal (multi-turn, streamed); Ctrl-C stops an answer, /reset, /exit."""
     from lmkit.messages import GenerationConfig
@@ -127,5 +130,5 @@ def chat(
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
                            temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
                            random_seed=seed)
-    raise typer.Exit(run_chat(model, EngineConfig(session_len=session_len, num_threads=num_threads), gen,
+    raise typer.Exit(run_chat(model, EngineConfig(session_len=session_len, num_threads=num_threads, dtype=dtype), gen,
                               system=system, prompt=prompt))

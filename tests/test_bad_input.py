@@ -80,6 +80,8 @@ def test_impossible_generation_parameters(kwargs, match):
         (dict(quant_policy=3), "quant_policy"),
         (dict(device="tpu"), "device"),
         (dict(device="cuda", dtype="float32"), "CUDA backend computes in float16"),
+        (dict(device="cuda", dtype="bfloat16"), "CUDA backend computes in float16"),
+        (dict(dtype="float16"), "dtype must be auto, float32 or bfloat16"),
     ],
 )
 def test_impossible_engine_config(kwargs, match):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmkit import EngineConfig, GenerationConfig, pipeline
+from lmkit import EngineConfig, GenerationConfig, _engine, pipeline
 from tests.conftest import make_tiny_model
 
 CASES = {
@@ -49,3 +49,28 @@ def test_logits_match_hf(case, tmp_path):
             n_prompt = len(prompts[i])
             assert rel_err(got[:n_prompt], expect[:n_prompt]) <= 1e-4, case
             assert rel_err(got[n_prompt:], expect[n_prompt:len(full) - 1]) <= 1e-4, case
+
+
+@pytest.mark.skipif(not _engine.cpu_bf16_available(), reason="this CPU has no AVX512_BF16")
+@pytest.mark.parametrize("case", ["llama", "qwen2-bias", "llama-tied-bf16", "mistral-sliding-window"])
+def test_bf16_compute_matches_hf(case, tmp_path):
+    """dtype='bfloat16': linear layers as bf16 dot products. Every logit row (prompt and decode) within bf16
+    rounding of HF fp32 (8 mantissa bits on weights and activations: 3e-2, the bound of the GPU's bf16
+    path), and measurably not the float32 engine's (the bf16 kernel ran)."""
+    kwargs = dict(CASES[case])
+    ref = make_tiny_model(tmp_path / case, kwargs.pop("arch"), **kwargs)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (1, 7, 40)]
+    gen = GenerationConfig(max_new_tokens=12, output_logits=True, ignore_eos=True)
+    base = dict(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4)
+    with pipeline(tmp_path / case, EngineConfig(dtype="bfloat16", **base)) as pipe:
+        got = pipe(prompts, gen)
+    with pipeline(tmp_path / case, EngineConfig(dtype="float32", **base)) as pipe:
+        fp32 = pipe(prompts, gen)
+    for prompt, r, f in zip(prompts, got, fp32):
+        full = prompt + r.token_ids
+        with torch.no_grad():
+            expect = ref(torch.tensor([full])).logits[0].numpy()
+        assert rel_err(r.logits, expect[: len(full) - 1]) <= 3e-2, case
+        if f.token_ids == r.token_ids:
+            assert rel_err(r.logits, f.logits) > 1e-4, case

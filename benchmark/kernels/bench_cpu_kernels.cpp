@@ -166,17 +166,23 @@ int main(int argc, char** argv) {
     };
     for (S s : {S{"lm_head", 49152, 576}, S{"qkv 960x576", 960, 576}, S{"gate_up 3072x576", 3072, 576},
                 S{"down 576x1536", 576, 1536}})
-      for (DType dt : {DType::F16, DType::BF16, DType::F32}) {
-        if (s.N != 49152 && dt != DType::F16) continue;
+      for (int fmt = 0; fmt < 4; ++fmt) {  // F16, BF16, F32 panels; 3: bf16 pairs (dtype='bfloat16')
+        const DType dt = fmt == 0 ? DType::F16 : fmt == 1 ? DType::BF16 : fmt == 2 ? DType::F32 : DType::F16;
+        if (s.N != 49152 && fmt != 0 && fmt != 3) continue;
+        if (fmt == 3 && !ops::bf16_dot_available()) continue;
         // "cold": cycle through copies of the weight totalling > 400 MB, so that each call streams
         // it from DRAM as a decode step does (a large L3 would otherwise hold it)
         const double bytes = (double)s.N * s.K * dtype_size_bytes(dt);
         const int copies = g_smoke ? 1 : (int)std::ceil(400e6 / bytes);
         std::vector<ops::LinearWeight> ws;  // packed once, as the model does at load time
-        for (int c = 0; c < copies; ++c) ws.push_back(ops::pack_linear(make_weight(dt, s.N, s.K).t));
+        for (int c = 0; c < copies; ++c) {
+          const Weight w = make_weight(dt, s.N, s.K);
+          ws.push_back(fmt == 3 ? ops::pack_linear_bf16(w.t) : ops::pack_linear(w.t));
+        }
         for (int64_t M : {1, 2, 4, 8, 12, 16, 24, 32, 48, 64}) {
           const double t = time_linear_cold(ws, M, s.N, s.K);
-          std::printf("gemv %-16s %-4s M %2d%s: %8.1f us  %6.1f GB/s  %6.1f GFLOP/s\n", s.name, dtype_name(dt),
+          std::printf("gemv %-16s %-4s M %2d%s: %8.1f us  %6.1f GB/s  %6.1f GFLOP/s\n", s.name,
+                      fmt == 3 ? "bf16x2" : dtype_name(dt),
                       (int)M, copies > 1 ? " (cold)" : "       ", t * 1e6, bytes / t / 1e9, 2.0 * M * s.N * s.K / t / 1e9);
         }
       }
@@ -232,6 +238,16 @@ int main(int argc, char** argv) {
         double t = time_it([&] { ops::linear(x.data(), s.M, w, Tensor{}, out.data()); }, s.N > 10000 ? 5 : 21);
         std::printf("gemm [%d x %d] x [%d x %d]^T %-4s: %8.3f ms  %6.1f GFLOP/s\n", (int)s.M, (int)s.K, (int)s.N,
                     (int)s.K, dtype_name(dt), t * 1e3, 2.0 * s.M * s.N * s.K / t / 1e9);
+      }
+    // dtype='bfloat16': bf16 pair panels, vdpbf16ps (AVX512_BF16 CPUs only)
+    if (ops::bf16_dot_available())
+      for (S s : {S{512, 1536, 576}, S{512, 576, 1536}, S{512, 49152, 576}, S{128, 1536, 576}, S{64, 1536, 576},
+                  S{16, 1536, 576}, S{1, 1536, 576}}) {
+        const ops::LinearWeight w = ops::pack_linear_bf16(make_weight(DType::F16, s.N, s.K).t);
+        std::vector<float> x = randn(s.M * s.K), out(s.M * s.N);
+        double t = time_it([&] { ops::linear(x.data(), s.M, w, Tensor{}, out.data()); }, s.N > 10000 ? 5 : 21);
+        std::printf("gemm [%d x %d] x [%d x %d]^T bf16 pairs: %8.3f ms  %6.1f GFLOP/s\n", (int)s.M, (int)s.K,
+                    (int)s.N, (int)s.K, t * 1e3, 2.0 * s.M * s.N * s.K / t / 1e9);
       }
   }
 

@@ -40,6 +40,7 @@ struct EngineConfig {
   bool enable_prefix_caching = false;
   int32_t num_threads = 0;  // CPU threads, 0: all cores
   bool awq_int8_activations = true;  // AWQ layers in decode: int8 activations, integer dot products
+  bool bf16_linear = false;          // CPU backend: dense linear layers as bf16 dot products (dtype='bfloat16')
   bool cuda_graphs = true;           // CUDA backend: decode steps replayed as CUDA graphs
 };
 

@@ -48,6 +48,10 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //       scales  [32] fp16      d of (block, column j): max |w| / 127 over the block's 32 values
 //       quads   [8][2][64] u8  byte i of 32-bit lane j of half h of quad t: q[4t + i, 16h + j] + 128
 //     weight[n, k] ~ (u8 - 128) * d. Only with int8 activations on CPUs with integer dot products.
+//   bf16 pairs (is_bf16_pairs, made by pack_linear_bf16 from a float weight; dtype BF16): per panel,
+//     ceil(K / 2) rows of 32 little-endian 32-bit lanes; lane j of row r holds
+//       bf16(weight[n, 2r]) | bf16(weight[n, 2r + 1]) << 16       (n = p * 32 + j; 0 past N and K)
+//     the operand layout of AVX512_BF16's vdpbf16ps; x is rounded to bf16 per call, products summed in fp32.
 constexpr int kLinearPanelCols = 32;
 constexpr int64_t kLinearInt8ActMaxRows = 64;
 struct LinearWeight {
@@ -61,6 +65,7 @@ struct LinearWeight {
   std::shared_ptr<void> storage;       // the packed panels
   bool is_empty() const { return storage == nullptr; }
   bool is_int8 = false;                // int8 panels (then group_size is 0)
+  bool is_bf16_pairs = false;          // bf16 pair panels (pack_linear_bf16)
   bool is_int4() const { return group_size > 0; }
   int64_t size_bytes() const;
 };
@@ -73,6 +78,11 @@ LinearWeight pack_linear_awq(const Tensor& qweight, const Tensor& qzeros, const 
 // A float weight [N, K] (K a multiple of 32) quantized to int8 per 32 values along K, for int8
 // activations; throws unless int8_dot_available().
 LinearWeight pack_linear_int8(const Tensor& weight);
+// A float weight [N, K] rounded to bf16 (nearest even) into pair panels, for linear layers as bf16 dot
+// products with fp32 sums (EngineConfig dtype='bfloat16'); throws unless bf16_dot_available().
+LinearWeight pack_linear_bf16(const Tensor& weight);
+// Whether this CPU has the bf16 dot-product kernel (AVX-512 with AVX512_BF16).
+bool bf16_dot_available();
 // One weight whose output columns are those of parts[0], then parts[1], ... (q/k/v or gate/up run as
 // one call: one thread team, one activation quantization). The panels are copied as they are, so every
 // part but the last needs N % kLinearPanelCols == 0 and all must share K and format; otherwise (or with

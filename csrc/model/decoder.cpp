@@ -29,7 +29,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, cons
   logits_.resize((int64_t)kLogitRowsPerGroup * config.vocab_size);
   gathered_.resize((int64_t)kLogitRowsPerGroup * config.hidden_size);
   auto pack = [&](const LinearTensors& t) {
-    if (!t.is_awq()) return ops::pack_linear(t.weight);
+    if (!t.is_awq()) return options.bf16_linear ? ops::pack_linear_bf16(t.weight) : ops::pack_linear(t.weight);
     ops::LinearWeight w = ops::pack_linear_awq(t.qweight, t.qzeros, t.scales, config.awq_group_size);
     w.int8_activations = options.awq_int8_activations;
     return w;
@@ -60,6 +60,8 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, cons
   for (const LayerWeights& w : weights_.layers) any_awq = any_awq || w.q_proj.is_awq() || w.gate_proj.is_awq();
   if (any_awq && options.awq_int8_activations && ops::int8_dot_available() && config.hidden_size % 32 == 0)
     lm_head_ = ops::pack_linear_int8(weights_.lm_head);
+  else if (options.bf16_linear)
+    lm_head_ = ops::pack_linear_bf16(weights_.lm_head);
   else
     lm_head_ = ops::pack_linear(weights_.lm_head);
 

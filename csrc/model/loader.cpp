@@ -47,6 +47,7 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   decoder.num_threads = config.num_threads;
   decoder.eos_token_ids = eos_token_ids;
   decoder.awq_int8_activations = config.awq_int8_activations;
+  decoder.bf16_linear = config.bf16_linear;
   decoder.max_blocks_per_seq = (options.session_len + config.cache_block_seq_len - 1) / config.cache_block_seq_len;
   decoder.cuda_graphs = config.cuda_graphs;
   std::vector<int32_t> policy = config.kv_layer_bits;

@@ -53,6 +53,8 @@ PYBIND11_MODULE(_engine, m) {
 
   bind_cuda(m);
   m.def("cpu_isa", &ops::cpu_isa, "Instruction set the CPU kernels picked at run time.");
+  m.def("cpu_bf16_available", &ops::bf16_dot_available,
+        "Whether this CPU runs the bf16 dot-product kernel of EngineConfig(dtype='bfloat16') (AVX512_BF16).");
   m.def("now", &Engine::now_seconds, "The engine's clock (seconds, steady), as in RequestOutput.emitted_at.");
 
   py::class_<ModelConfig>(m, "ModelConfig")
@@ -85,6 +87,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("quant_policy", &EngineConfig::quant_policy)
       .def_readwrite("kv_layer_bits", &EngineConfig::kv_layer_bits)
       .def_readwrite("awq_int8_activations", &EngineConfig::awq_int8_activations)
+      .def_readwrite("bf16_linear", &EngineConfig::bf16_linear)
       .def_readwrite("cuda_graphs", &EngineConfig::cuda_graphs)
       .def_readwrite("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
       .def_readwrite("num_threads", &EngineConfig::num_threads);

@@ -305,6 +305,45 @@ void test_linear_int4() {
   expect(throws([&] { ops::pack_linear_awq(a.qw, a.sc, a.sc, 64); }), "pack_linear_awq rejects F16 qzeros");
 }
 
+// bf16 pair panels (dtype='bfloat16'): against the double reference of the bf16-rounded x and weight
+// (only the fp32 summation order differs), and visibly different from the unrounded product.
+void test_linear_bf16() {
+  if (!ops::bf16_dot_available()) {
+    std::printf("skip [%s] linear bf16: this CPU has no AVX512_BF16\n", g_isa);
+    return;
+  }
+  struct Shape {
+    int64_t M, N, K;
+  };
+  const Shape shapes[] = {{1, 1, 1},   {1, 37, 576},  {2, 65, 577},  {3, 100, 33},  {4, 64, 1536}, {12, 96, 576},
+                          {13, 200, 576}, {25, 1, 7}, {40, 65, 1536}, {100, 129, 577}, {700, 70, 576}, {5, 33, 15}};
+  auto round_bf16 = [](std::vector<float> v) {
+    for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
+    return v;
+  };
+  for (DType dt : kWeightDTypes)
+    for (const Shape& s : shapes)
+      for (bool with_bias : {false, true}) {
+        Weight w = make_weight(dt, s.N, s.K, 0.05f);
+        Weight b;
+        if (with_bias) b = make_weight(DType::F32, s.N, 0);
+        std::vector<float> wf(s.N * s.K);  // the weight as stored, then rounded to bf16
+        for (int64_t i = 0; i < s.N * s.K; ++i) wf[i] = float_value(w.t, i);
+        std::vector<float> wr = round_bf16(wf), x = randn(s.M * s.K), xr = round_bf16(x);
+        std::vector<float> out(s.M * s.N, NAN), ref(out.size()), exact(out.size());
+        const ops::LinearWeight packed = ops::pack_linear_bf16(w.t);
+        expect(packed.is_bf16_pairs && packed.size_bytes() == (s.N + 31) / 32 * ((s.K + 1) / 2) * 128,
+               "pack_linear_bf16: whole panels of pair rows");
+        ops::linear(x.data(), s.M, packed, b.t, out.data());
+        ops::reference::linear(xr.data(), s.M, make_view(wr.data(), DType::F32, s.N, s.K), b.t, ref.data());
+        ops::reference::linear(x.data(), s.M, make_view(wf.data(), DType::F32, s.N, s.K), b.t, exact.data());
+        const std::string name = "linear bf16 pairs from " + dt_name(dt) + " M " + std::to_string(s.M) + " N " +
+                                 std::to_string(s.N) + " K " + std::to_string(s.K) + (with_bias ? " bias" : "");
+        expect_close(out, ref, name);
+        if (s.K >= 15) expect(rel_err(out, exact) > 1e-4, name + ": rounds to bf16");
+      }
+}
+
 void test_rope() {
   for (int head_dim : {64, 6, 128})
     for (float scaling : {1.0f, 0.75f}) {
@@ -474,6 +513,13 @@ void test_concat_linear() {
     for (int64_t n : {32, 50}) parts.push_back(ops::pack_linear_int8(make_weight(DType::F32, n, 64, 0.05f).t));
     check(parts, 64, "concat_linear int8");
   }
+  if (ops::bf16_dot_available()) {
+    std::vector<ops::LinearWeight> parts;
+    for (int64_t n : {64, 50}) parts.push_back(ops::pack_linear_bf16(make_weight(DType::F16, n, 97, 0.05f).t));
+    check(parts, 97, "concat_linear bf16");
+    const ops::LinearWeight dense = ops::pack_linear(make_weight(DType::F16, 32, 97).t);
+    expect(ops::concat_linear({&parts[0], &dense}).is_empty(), "concat_linear refuses bf16 pairs beside F16 panels");
+  }
   const ops::LinearWeight a = ops::pack_linear(make_weight(DType::F32, 40, 64).t);
   const ops::LinearWeight b = ops::pack_linear(make_weight(DType::F32, 32, 64).t);
   const ops::LinearWeight c = ops::pack_linear(make_weight(DType::F16, 32, 64).t);
@@ -500,6 +546,7 @@ int main() {
       test_rmsnorm();
       test_linear();
       test_linear_int4();
+      test_linear_bf16();
       test_concat_linear();
       test_rope();
       test_silu_mul();

@@ -38,6 +38,8 @@ def generate(
     top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: off)."),
     seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
     num_threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 (CPU linear layers as bf16 dot products, "
+                                           "AVX512_BF16 CPUs: faster prefill and batches)."),
 ) -> None:
     """Generate text for one prompt, streamed to stdout, then a line of figures on stderr."""
     from lmkit import EngineConfig, GenerationConfig, pipeline
@@ -46,7 +48,7 @@ def generate(
                            temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
                            random_seed=seed)
     prompts = [{"role": "user", "content": prompt}] if chat else prompt
-    with pipeline(model, EngineConfig(num_threads=num_threads)) as pipe:
+    with pipeline(model, EngineConfig(num_threads=num_threads, dtype=dtype)) as pipe:
         start = time.perf_counter()
         first = None
         n = 0

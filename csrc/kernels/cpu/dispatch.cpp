@@ -34,6 +34,8 @@ bool can_run(const char* isa) {
            __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (std::strcmp(isa, "avx512vnni") == 0)  // an extension of the avx512 table's ISA
     return can_run("avx512") && __builtin_cpu_supports("avx512vnni");
+  if (std::strcmp(isa, "avx512bf16") == 0)  // likewise
+    return can_run("avx512") && __builtin_cpu_supports("avx512bf16");
 #endif
   return false;
 }
@@ -129,6 +131,7 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 int64_t LinearWeight::size_bytes() const {
   const int64_t panels = (n + kLinearPanelCols - 1) / kLinearPanelCols;
   if (is_int8) return panels * (k / 32) * (kLinearPanelCols * 2 + 32 * kLinearPanelCols);
+  if (is_bf16_pairs) return panels * ((k + 1) / 2) * kLinearPanelCols * 4;
   if (is_int4())  // per group: fp16 scale + u8 zero per column, then the nibbles
     return panels * (k / group_size) * (kLinearPanelCols * 3 + (int64_t)group_size / 4 * 64);
   return panels * kLinearPanelCols * k * dtype_size_bytes(dtype);
@@ -263,6 +266,59 @@ const KernelTable* q8_table() {
 
 bool int8_dot_available() { return cpu::q8_table() != nullptr; }
 
+namespace cpu {
+namespace {
+// The table with the bf16 dot-product kernel: the avx512 one on a CPU with AVX512_BF16 (whichever table
+// is active for the other ops), else nullptr.
+const KernelTable* bf16_table() {
+  static const bool has_bf16 = can_run("avx512bf16");
+  return has_bf16 ? table_for("avx512") : nullptr;
+}
+}  // namespace
+}  // namespace cpu
+
+bool bf16_dot_available() { return cpu::bf16_table() != nullptr; }
+
+LinearWeight pack_linear_bf16(const Tensor& weight) {
+  cpu::check_weight(weight, "pack_linear_bf16", "weight");
+  LMKIT_CHECK(weight.ndim == 2 && weight.shape[0] > 0 && weight.shape[1] > 0,
+              "pack_linear_bf16: weight must be [N, K], got ", shape_of(weight));
+  LMKIT_CHECK_ARG(bf16_dot_available(), "bf16 linear layers need a CPU with AVX-512 and AVX512_BF16 "
+                  "(Intel Cooper Lake / Sapphire Rapids or later, AMD Zen 4 or later); this one has none: use "
+                  "dtype='float32'");
+  LinearWeight packed;
+  packed.dtype = DType::BF16;
+  packed.is_bf16_pairs = true;
+  packed.n = weight.shape[0];
+  packed.k = weight.shape[1];
+  packed.storage = alloc_packed(packed.size_bytes(), "a bf16 weight");
+  constexpr int64_t P = kLinearPanelCols;
+  const int64_t N = packed.n, K = packed.k, R = (K + 1) / 2, num_panels = (N + P - 1) / P;
+  uint32_t* dst = static_cast<uint32_t*>(packed.storage.get());
+  auto pack_range = [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < P; ++j) {
+        const int64_t n = p * P + j;
+        for (int64_t r = 0; r < R; ++r) {
+          uint32_t lo = 0, hi = 0;
+          if (n < N) {
+            lo = f32_to_bf16(float_value(weight, n * K + 2 * r));
+            if (2 * r + 1 < K) hi = f32_to_bf16(float_value(weight, n * K + 2 * r + 1));
+          }
+          dst[(p * R + r) * P + j] = lo | hi << 16;
+        }
+      }
+  };
+  const int64_t num_threads =
+      std::max<int64_t>(1, std::min<int64_t>({(int64_t)std::thread::hardware_concurrency(), num_panels / 8, 16}));
+  std::vector<std::thread> threads;
+  for (int64_t t = 1; t < num_threads; ++t)
+    threads.emplace_back(pack_range, num_panels * t / num_threads, num_panels * (t + 1) / num_threads);
+  pack_range(0, num_panels / num_threads);
+  for (std::thread& t : threads) t.join();
+  return packed;
+}
+
 LinearWeight concat_linear(const std::vector<const LinearWeight*>& parts) {
   if (parts.size() < 2) return {};
   const LinearWeight& first = *parts.front();
@@ -272,7 +328,8 @@ LinearWeight concat_linear(const std::vector<const LinearWeight*>& parts) {
     const LinearWeight& w = *parts[i];
     LMKIT_CHECK(!w.is_empty(), "concat_linear: part ", i, " is empty");
     const bool same = w.k == first.k && w.dtype == first.dtype && w.group_size == first.group_size &&
-                      w.is_int8 == first.is_int8 && w.int8_activations == first.int8_activations;
+                      w.is_int8 == first.is_int8 && w.int8_activations == first.int8_activations &&
+                      w.is_bf16_pairs == first.is_bf16_pairs;
     if (!same || (i + 1 < parts.size() && w.n % kLinearPanelCols != 0)) return {};
     fused.n += w.n;
   }
@@ -355,7 +412,11 @@ void linear(const float* x, int64_t M, const LinearWeight& weight, const Tensor&
   }
   const cpu::KernelTable& t = cpu::active();
   const cpu::KernelTable* q8 = weight.is_int8 || weight.int8_activations ? cpu::q8_table() : nullptr;
-  if (weight.is_int8) {
+  if (weight.is_bf16_pairs) {
+    const cpu::KernelTable* bt = cpu::bf16_table();
+    LMKIT_CHECK(bt != nullptr, "linear: bf16 weights need a CPU with AVX512_BF16");
+    bt->linear_bf16(x, M, weight.storage.get(), N, K, b, out);
+  } else if (weight.is_int8) {
     LMKIT_CHECK(q8 != nullptr, "linear: int8 weights need the int8 dot-product kernels (AVX2 or AVX-512)");
     q8->linear_int8_q8(x, M, weight.storage.get(), N, K, b, out);
   } else if (weight.is_int4() && weight.int8_activations && M <= kLinearInt8ActMaxRows && q8 != nullptr)

@@ -647,3 +647,108 @@ void linear_int8_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t
   linear_q8(x, M, w, N, K, 0, bias, out);
 }
 #endif
+
+#if defined(__AVX512F__)
+// ------------------------------------------------------------------ bf16 pairs (AVX512_BF16)
+// EngineConfig dtype='bfloat16': weights rounded to bf16 once at load (pack_linear_bf16), x rounded to
+// bf16 per call, and vdpbf16ps sums a pair of products per 32-bit lane into fp32: two k per instruction
+// where the fp32 path does one, so compute-bound calls (prefill, large decode batches) run up to twice as
+// fast; decode of one row reads the same bytes as fp16 panels. Row r of a panel holds k = 2r, 2r + 1 of
+// its 32 columns as 16 + 16 lanes (two zmm); a tile of MR rows broadcasts x's pair r per row.
+#define LMKIT_BF16 __attribute__((target("avx512bf16")))
+constexpr int kBfMR = 12;       // rows per tile: 24 zmm accumulators + 2 panel vectors + 1 broadcast
+constexpr int64_t kBfKC = 128;  // pair rows per K block: 128 x 128 B = 16 KiB of panel, reused from L1
+
+// c[i, 0:ncols] = (first ? bias : c[i, :]) + sum over pair rows [r0, r0 + rc) for i < MR.
+template <int MR>
+LMKIT_BF16 inline void bf16_tile(const uint32_t* xp, int64_t ldx, const uint8_t* panel, int64_t r0, int64_t rc,
+                                 float* c, int64_t ldc, int ncols, bool first, const float* bias) {
+  constexpr int KU = MR <= 2 ? 2 : 1;  // two chains per column vector for short tiles (latency)
+  __m512 acc[KU][MR][2];
+  for (int u = 0; u < KU; ++u)
+    for (int i = 0; i < MR; ++i) acc[u][i][0] = acc[u][i][1] = _mm512_setzero_ps();
+  const uint8_t* rows = panel + r0 * 128;
+  const uint32_t* xr = xp + r0;
+  int64_t r = 0;
+  for (; r + KU <= rc; r += KU) {
+#pragma GCC unroll 2
+    for (int u = 0; u < KU; ++u) {
+      const uint8_t* row = rows + (r + u) * 128;
+      _mm_prefetch((const char*)(row + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch((const char*)(row + 64 + kPrefetchBytes), _MM_HINT_T0);
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(row), b1 = (__m512bh)_mm512_loadu_si512(row + 64);
+#pragma GCC unroll 12
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xr[i * ldx + r + u]);
+        acc[u][i][0] = _mm512_dpbf16_ps(acc[u][i][0], a, b0);
+        acc[u][i][1] = _mm512_dpbf16_ps(acc[u][i][1], a, b1);
+      }
+    }
+  }
+  for (; r < rc; ++r) {
+    const uint8_t* row = rows + r * 128;
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(row), b1 = (__m512bh)_mm512_loadu_si512(row + 64);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xr[i * ldx + r]);
+      acc[0][i][0] = _mm512_dpbf16_ps(acc[0][i][0], a, b0);
+      acc[0][i][1] = _mm512_dpbf16_ps(acc[0][i][1], a, b1);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < 2; ++v) {
+      const int j = 16 * v, n = ncols - j < 16 ? ncols - j : 16;
+      if (n <= 0) break;
+      __m512 sum = acc[0][i][v];
+      for (int u = 1; u < KU; ++u) sum = _mm512_add_ps(sum, acc[u][i][v]);
+      const __mmask16 mask = (__mmask16)((1u << n) - 1);
+      float* ci = c + i * ldc + j;
+      const __m512 base = first ? (bias ? _mm512_maskz_loadu_ps(mask, bias + j) : _mm512_setzero_ps())
+                                : _mm512_maskz_loadu_ps(mask, ci);
+      _mm512_mask_storeu_ps(ci, mask, _mm512_add_ps(sum, base));
+    }
+}
+
+template <int MR = kBfMR>
+LMKIT_BF16 inline void bf16_tile_n(int mr, const uint32_t* xp, int64_t ldx, const uint8_t* panel, int64_t r0,
+                                   int64_t rc, float* c, int64_t ldc, int ncols, bool first, const float* bias) {
+  if (mr == MR) bf16_tile<MR>(xp, ldx, panel, r0, rc, c, ldc, ncols, first, bias);
+  else if constexpr (MR > 1) bf16_tile_n<MR - 1>(mr, xp, ldx, panel, r0, rc, c, ldc, ncols, first, bias);
+}
+
+// Row x[0:K] -> R = ceil(K / 2) pairs of bf16 (round to nearest even; a zero pads an odd K).
+LMKIT_BF16 inline void bf16_pairs_row(const float* x, int64_t K, uint32_t* xp) {
+  for (int64_t k = 0; k < K; k += 32) {
+    const int64_t n = K - k < 32 ? K - k : 32;
+    const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xffff : (1u << n) - 1);
+    const __mmask16 m1 = (__mmask16)(n >= 32 ? 0xffff : n > 16 ? (1u << (n - 16)) - 1 : 0);
+    const __m512 a = _mm512_maskz_loadu_ps(m0, x + k), b = _mm512_maskz_loadu_ps(m1, x + k + 16);
+    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a's 16 values, then b's
+    const int64_t pairs = (n + 1) / 2;
+    _mm512_mask_storeu_epi32(xp + k / 2, (__mmask16)(pairs >= 16 ? 0xffff : (1u << pairs) - 1), packed);
+  }
+}
+
+LMKIT_BF16 void linear_bf16(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias,
+                            float* out) {
+  const int64_t R = (K + 1) / 2, panel_bytes = R * 128;
+  thread_local ScratchBuffer scratch;
+  uint32_t* xp = (uint32_t*)scratch.get((size_t)(M * R * 4));
+  for (int64_t m = 0; m < M; ++m) bf16_pairs_row(x + m * K, K, xp + m * R);
+  // M blocks whose bf16 rows stay in L2 while every panel of the thread passes over them
+  int64_t mblock = kMBlockBytes / 2 / (R * 4) / kBfMR * kBfMR;
+  if (mblock < kBfMR) mblock = kBfMR;
+  for_each_panel(M, N, K, mblock, bias, [&](int64_t mb, int64_t rows, int64_t p, int ncols, const float* bias_tile,
+                                            float*) {
+    const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
+    // one tile (decode): the panel streams once, in one pass; more tiles reuse it in L1-sized K blocks
+    const int64_t kc = rows <= kBfMR ? R : kBfKC;
+    for (int64_t r0 = 0; r0 < R; r0 += kc) {
+      const int64_t rc = R - r0 < kc ? R - r0 : kc;
+      for_each_tile<kBfMR>(rows, [&](int64_t m, int mr) {
+        bf16_tile_n(mr, xp + (mb + m) * R, R, panel, r0, rc, out + (mb + m) * N + p * kPanel, N, ncols, r0 == 0,
+                    bias_tile);
+      });
+    }
+  });
+}
+#endif

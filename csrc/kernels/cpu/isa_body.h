@@ -18,11 +18,16 @@ namespace {
 #else
 #define LMKIT_ISA_Q8 nullptr, nullptr
 #endif
+#if defined(__AVX512F__)
+#define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16
+#else
+#define LMKIT_ISA_BF16 nullptr
+#endif
 
 const KernelTable* LMKIT_ISA_TABLE() {
   static const KernelTable table = {
       LMKIT_ISA_NAME,         &LMKIT_ISA::embedding, &LMKIT_ISA::rmsnorm, &LMKIT_ISA::add_rmsnorm,
-      &LMKIT_ISA::linear,     &LMKIT_ISA::linear_int4, LMKIT_ISA_Q8, &LMKIT_ISA::rope,      &LMKIT_ISA::silu_mul, &LMKIT_ISA::kv_write,
+      &LMKIT_ISA::linear,     &LMKIT_ISA::linear_int4, LMKIT_ISA_Q8, LMKIT_ISA_BF16, &LMKIT_ISA::rope,      &LMKIT_ISA::silu_mul, &LMKIT_ISA::kv_write,
       &LMKIT_ISA::paged_attention,
   };
   return &table;

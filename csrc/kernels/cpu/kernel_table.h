@@ -32,6 +32,10 @@ struct KernelTable {
   // out = x @ w^T (+ bias) for int8 panels (pack_linear_int8), int8 activations; nullptr as above
   void (*linear_int8_q8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias,
                          float* out);
+  // out = x @ w^T (+ bias) for bf16 pair panels (pack_linear_bf16): x rounded to bf16, vdpbf16ps; nullptr
+  // where this ISA has none; the avx512 one also needs AVX512_BF16 (dispatch.cpp checks)
+  void (*linear_bf16)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias,
+                      float* out);
   void (*rope)(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads,
                int head_dim, const float* inv_freq, float attention_scaling);
   void (*silu_mul)(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
