@@ -1,6 +1,7 @@
 """What the quantized KV cache costs and buys, measured through the engine itself: perplexity on held-out
 text and the number of concurrent sequences a fixed KV byte budget holds, for fp / int8 / int4 KV and a
-calibrated per-layer policy (`lmkit lite calibrate`).
+calibrated per-layer policy (`lmkit lite calibrate`); on AVX512_BF16 CPUs also dtype='bfloat16' (bf16
+linear layers, fp32 KV).
 
     python benchmark/bench_kv_quant.py [--model PATH] [--kv-policy kv_policy.json] [--dataset hamlet]
         [--max-tokens 2048] [--seqlen 512] [--budget-mib 64] [--context 1024] [--threads 2] [--smoke]
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("fp32 KV", {}), ("int8 KV", {"quant_policy": 8}), ("int4 KV", {"quant_policy": 4})]
     if args.kv_policy:
         rows.append((f"policy {Path(args.kv_policy).name}", {"kv_policy": str(args.kv_policy)}))
+    if _engine.cpu_bf16_available():  # what dtype='bfloat16' (bf16 linear layers) costs in perplexity
+        rows.append(("fp32 KV, dtype bfloat16", {"dtype": "bfloat16"}))
     budget = int(args.budget_mib * 2**20)
     print(f"model {model_path.name}; {cpu_name()} ({_engine.cpu_isa()}), {args.threads} threads; perplexity on "
           f"{len(ids)} tokens of {args.dataset} in windows of {args.seqlen}; capacity: {args.budget_mib:g} MiB "
