@@ -121,3 +121,14 @@ def test_sampled_distribution_matches_the_reference(tiny_llama_pipe, filters):
     # the chi-square quantile at p = 1e-4 (z = 3.719), Wilson-Hilferty: exact to ~1% for dof >= 3
     limit = dof * (1 - 2 / (9 * dof) + 3.719 * (2 / (9 * dof)) ** 0.5) ** 3
     assert stat < limit, (filters, stat, dof)
+
+
+def test_tiny_temperature_is_greedy(tiny_llama_pipe):
+    """temperature 1e-38 (logit / t overflows fp32 to inf) samples the greedy tokens, with and without filters;
+    the sampler must not turn inf - inf into NaN weights and draw an arbitrary token."""
+    pipe = tiny_llama_pipe
+    greedy = pipe([7, 8, 9], GenerationConfig(max_new_tokens=16, ignore_eos=True)).token_ids
+    for filters in ({}, {"top_p": 0.9}, {"top_k": 5}):
+        gen = GenerationConfig(max_new_tokens=16, do_sample=True, temperature=1e-38, random_seed=3, ignore_eos=True,
+                               **filters)
+        assert pipe([7, 8, 9], gen).token_ids == greedy, filters

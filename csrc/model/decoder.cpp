@@ -28,6 +28,11 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, cons
   wide_.resize(T * std::max<int64_t>(2 * config.intermediate_size, config.q_size() + 2 * config.kv_size()));
   logits_.resize((int64_t)kLogitRowsPerGroup * config.vocab_size);
   gathered_.resize((int64_t)kLogitRowsPerGroup * config.hidden_size);
+  // dtype='bfloat16' is refused here on CPUs without the kernel, even when no dense layer would use it
+  // (an AWQ model with an int8 lm_head): a setting that silently does nothing would mislead.
+  LMKIT_CHECK_ARG(!options.bf16_linear || ops::bf16_dot_available(),
+                  "dtype='bfloat16' needs a CPU with AVX-512 and AVX512_BF16 (Intel Cooper Lake / Sapphire Rapids "
+                  "or later, AMD Zen 4 or later); this one has none: use dtype='float32'");
   auto pack = [&](const LinearTensors& t) {
     if (!t.is_awq()) return options.bf16_linear ? ops::pack_linear_bf16(t.weight) : ops::pack_linear(t.weight);
     ops::LinearWeight w = ops::pack_linear_awq(t.qweight, t.qzeros, t.scales, config.awq_group_size);

@@ -13,11 +13,12 @@ namespace lmkit::ops {
 
 namespace {
 
+// The lowest index of the maximum; NaN entries never win (all NaN: 0).
 int32_t argmax(const float* x, int32_t n) {
-  int32_t best = 0;
-  for (int32_t i = 1; i < n; ++i)
-    if (x[i] > x[best]) best = i;
-  return best;
+  int32_t best = -1;
+  for (int32_t i = 0; i < n; ++i)
+    if (x[i] == x[i] && (best < 0 || x[i] > x[best])) best = i;
+  return best < 0 ? 0 : best;
 }
 
 void apply_penalties(float* logits, int32_t vocab, const SamplingParams& p, const int32_t* history,
@@ -89,7 +90,7 @@ std::vector<int32_t> best_prefix(const std::vector<int32_t>& ids, const float* e
   }
   int64_t n = 0;
   double m = 0;
-  int boundary = 0;
+  int boundary = -1;
   for (int b = kNumBuckets - 1; b >= 0; --b) {
     if (n + count[(size_t)b] >= max_count || m + mass[(size_t)b] >= target) {
       boundary = b;
@@ -98,6 +99,7 @@ std::vector<int32_t> best_prefix(const std::vector<int32_t>& ids, const float* e
     n += count[(size_t)b];
     m += mass[(size_t)b];
   }
+  if (boundary < 0) return ids;  // everything fits (rounding can leave the mass a hair under target)
   std::vector<int32_t> kept, edge;
   for (int32_t i : ids) {
     const int b = bucket_of(e[i]);
@@ -126,14 +128,17 @@ int32_t draw(const float* logits, int32_t vocab, const SamplingParams& p, std::m
   const int32_t best = argmax(logits, vocab);
   if (logits[best] == neg_inf) return best;  // everything banned: the lowest id
   const float inv_t = 1.0f / p.temperature;
-  const float top = logits[best] * inv_t;
+  const float top = logits[best];
   std::vector<float> e((size_t)vocab);
   double total = 0;
   for (int32_t i = 0; i < vocab; ++i) {
-    e[(size_t)i] = logits[i] == neg_inf ? 0.0f : std::exp(logits[i] * inv_t - top);
-    total += e[(size_t)i];
+    // (logit - top) / t, never inf - inf even when t is tiny (inv_t = inf): d <= 0, and d == 0 -> 1;
+    // -inf and NaN logits weigh 0
+    const float d = logits[i] - top;
+    const float w = d == 0.0f ? 1.0f : d < 0.0f ? std::exp(d * inv_t) : 0.0f;
+    e[(size_t)i] = w;
+    total += w;
   }
-  e[(size_t)best] = 1.0f;
   std::uniform_real_distribution<double> uniform(0.0, 1.0);
   const bool use_k = p.top_k > 0 && p.top_k < vocab, use_p = p.top_p < 1.0f, use_min_p = p.min_p > 0.0f;
   if (!use_k && !use_p && !use_min_p) {
@@ -177,6 +182,7 @@ int32_t draw(const float* logits, int32_t vocab, const SamplingParams& p, std::m
     // or it a prefix of the min-p set.
     kept = best_prefix(kept, e.data(), INT64_MAX, (double)p.top_p * total);
   }
+  if (kept.empty()) return best;  // not reachable with top_p > 0 and min_p < 1 (validated); kept safe anyway
   double mass = 0;
   for (int32_t i : kept) mass += e[(size_t)i];
   double u = uniform(rng) * mass;
