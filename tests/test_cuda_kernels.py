@@ -372,3 +372,14 @@ def test_sampling_distribution_and_filters():
     # the same (seed, step) draws the same token
     again = sample(logits[:100], [params(temperature=1.0, min_p=0.3, seed=7, step=i) for i in range(100)])
     assert again.tolist() == got[:100].tolist()
+
+
+def test_tiny_temperature_samples_the_argmax():
+    """temperature 1e-38 (logit / t overflows fp32; 1 / t of a subnormal t is inf): every filter combination
+    keeps only the best token, as greedy would, instead of whichever overflowed to +inf first."""
+    logits = torch.randn(4, 1000, device="cuda") * 5
+    ref = logits.argmax(-1).int().tolist()
+    for t in (1e-38, 1e-44):
+        for kw in ({}, {"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1}):
+            got = sample(logits.clone(), [params(temperature=t, seed=1, step=i, **kw) for i in range(4)])
+            assert got.tolist() == ref, (t, kw)

@@ -124,11 +124,12 @@ def test_sampled_distribution_matches_the_reference(tiny_llama_pipe, filters):
 
 
 def test_tiny_temperature_is_greedy(tiny_llama_pipe):
-    """temperature 1e-38 (logit / t overflows fp32 to inf) samples the greedy tokens, with and without filters;
+    """temperature 1e-38 or 1e-44 (logit / t overflows fp32 to inf) samples the greedy tokens, with and without filters;
     the sampler must not turn inf - inf into NaN weights and draw an arbitrary token."""
     pipe = tiny_llama_pipe
     greedy = pipe([7, 8, 9], GenerationConfig(max_new_tokens=16, ignore_eos=True)).token_ids
-    for filters in ({}, {"top_p": 0.9}, {"top_k": 5}):
-        gen = GenerationConfig(max_new_tokens=16, do_sample=True, temperature=1e-38, random_seed=3, ignore_eos=True,
-                               **filters)
-        assert pipe([7, 8, 9], gen).token_ids == greedy, filters
+    for t in (1e-38, 1e-44):  # 1e-44 is subnormal in fp32: 1 / t is inf
+        for filters in ({}, {"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1}):
+            gen = GenerationConfig(max_new_tokens=16, do_sample=True, temperature=t, random_seed=3, ignore_eos=True,
+                                   **filters)
+            assert pipe([7, 8, 9], gen).token_ids == greedy, (t, filters)

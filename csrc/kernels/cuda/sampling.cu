@@ -86,30 +86,41 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const L* __restr
   const L* x = logits + r * vocab;
   const SampleParams p = params[r];
   const bool greedy = p.temperature <= 0.0f || p.top_k == 1;
-  const float inv_t = greedy ? 1.0f : 1.0f / p.temperature;
+  // z = (logit - max logit) / t <= 0: never inf - inf, even for a temperature so small that logit / t
+  // overflows (1 / t is capped: a subnormal t would make it inf, and 0 * inf is NaN).
+  const float inv_t = greedy ? 1.0f : fminf(1.0f / p.temperature, 3.0e38f);
 
-  // Max and min of the finite z; the arg max for greedy rows.
-  float best = -INFINITY, lo = INFINITY;
+  // The max logit and its (lowest) index: the answer for greedy rows, the origin of z for the others.
+  float best = -INFINITY;
   int64_t best_i = INT64_MAX;
   for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-    const float z = to_float(x[i]) * inv_t;
-    if (z > best) best = z, best_i = i;  // i increases per thread: strict > keeps the lowest index
-    if (z > -INFINITY) lo = fminf(lo, z);
+    const float v = to_float(x[i]);
+    if (v > best) best = v, best_i = i;  // i increases per thread: strict > keeps the lowest index
   }
   block_argmax(best, best_i, sv, si);
   if (greedy || best == -INFINITY) {
     if (threadIdx.x == 0) out_tokens[r] = best_i == INT64_MAX ? 0 : (int32_t)best_i;
     return;
   }
+  const float xmax = best;
+  auto zf = [&](int64_t i) {
+    const float d = to_float(x[i]) - xmax;
+    return d == 0.0f ? 0.0f : d * inv_t;
+  };
+  float lo = INFINITY;  // the smallest finite z
+  for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const float z = zf(i);
+    if (z > -INFINITY) lo = fminf(lo, z);
+  }
   lo = -block_max(-lo, scratch);
-  const float top = best;
+  const float top = 0.0f;  // z of the best token
   float threshold = lo;  // keep z >= threshold
   if (p.top_k > 0 && p.top_k < vocab) {  // largest t with count(z >= t) >= k
     float a = lo, b = top;
     for (int it = 0; it < kBisectSteps; ++it) {
       const float mid = 0.5f * (a + b);
       float c = 0.0f;
-      for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) c += to_float(x[i]) * inv_t >= mid ? 1.0f : 0.0f;
+      for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) c += zf(i) >= mid ? 1.0f : 0.0f;
       c = block_sum(c, scratch);
       if (c >= (float)p.top_k) a = mid; else b = mid;
     }
@@ -118,7 +129,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const L* __restr
   if (p.top_p < 1.0f) {  // largest t >= threshold with mass(z >= t) >= top_p * mass(z >= threshold)
     float total = 0.0f;
     for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-      const float z = to_float(x[i]) * inv_t;
+      const float z = zf(i);
       if (z >= threshold) total += __expf(z - top);
     }
     total = block_sum(total, scratch);
@@ -128,7 +139,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const L* __restr
       const float mid = 0.5f * (a + b);
       float mass = 0.0f;
       for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float z = to_float(x[i]) * inv_t;
+        const float z = zf(i);
         if (z >= mid) mass += __expf(z - top);
       }
       mass = block_sum(mass, scratch);
@@ -141,7 +152,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const L* __restr
   float v = -INFINITY;
   int64_t vi = INT64_MAX;
   for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-    const float z = to_float(x[i]) * inv_t;
+    const float z = zf(i);
     if (z < threshold) continue;
     const float g = z - logf(-logf(uniform(p.seed, p.step, i)));
     if (g > v) v = g, vi = i;
