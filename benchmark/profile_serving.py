@@ -103,8 +103,10 @@ class ServerGauges:
 
 
 async def one_request(client, args, model: str, prompt: str, prompt_tokens: int, output_len: int) -> Result:
-    body = {"model": model, "max_tokens": output_len, "temperature": 0, "stream": True,
+    body = {"model": model, "max_tokens": output_len, "temperature": args.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
+    if args.top_p < 1.0:
+        body["top_p"] = args.top_p
     if args.ignore_eos:
         body["ignore_eos"] = True
     if args.endpoint == "chat":
@@ -218,6 +220,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--max-output", type=int, default=1024, help="cap on the drawn output lengths")
     ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request (0: greedy, the usual benchmark setting; 1: the "
+                         "OpenAI API's default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--label", default="", help="a name for this run in the CSV (e.g. direct, proxy)")
     ap.add_argument("--csv", type=Path, default=None)

@@ -88,11 +88,12 @@ def test_profile_serving_smoke(api_server, tiny_llama, tmp_path):
     for f in fields:  # read from the server's /metrics ("-" if not): fractions (sampled, so 0 for ms-long requests)
         assert 0 <= float(f["peak_kv_usage"]) <= 1 and 0 <= float(f["prefix_hit_rate"]) <= 1, f
         assert float(f["ttft_p50_ms"]) <= float(f["ttft_p90_ms"]) <= float(f["ttft_p99_ms"]), f
-    # --dataset: prompts of a ShareGPT-schema file, sent as written
+    # --dataset: prompts of a ShareGPT-schema file, sent as written (sampled requests this time)
     write_sharegpt_file(tmp_path / "sg.json")
     run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "profile_serving.py"), "--smoke", "--base-url",
                           api_server.url, "--tokenizer", str(tiny_llama[0]), "--dataset", str(tmp_path / "sg.json"),
-                          "--csv", str(out), "--label", "sg"], capture_output=True, text=True, timeout=300, env=ENV)
+                          "--csv", str(out), "--label", "sg", "--temperature", "1", "--top-p", "0.9"],
+                         capture_output=True, text=True, timeout=300, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "workload ShareGPT file sg.json" in run.stdout
     rows = out.read_text().splitlines()
