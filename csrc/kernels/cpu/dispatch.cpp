@@ -145,8 +145,20 @@ std::shared_ptr<void> alloc_packed(int64_t bytes, const char* what) {
   return std::shared_ptr<void>(buf, std::free);
 }
 
-// Panels are independent: split them over plain threads. (Not OpenMP: an OpenMP team created on the
-// loading thread keeps its workers, which then compete with the engine thread's team for the cores.)
+// Panels are independent: fn(p0, p1) over contiguous ranges of them on plain threads. (Not OpenMP: an
+// OpenMP team created on the loading thread keeps its workers, which then compete with the engine
+// thread's team for the cores.)
+template <typename Fn>
+void for_panel_ranges(int64_t num_panels, Fn&& fn) {
+  const int64_t num_threads =
+      std::max<int64_t>(1, std::min<int64_t>({(int64_t)std::thread::hardware_concurrency(), num_panels / 8, 16}));
+  std::vector<std::thread> threads;
+  for (int64_t t = 1; t < num_threads; ++t)
+    threads.emplace_back(fn, num_panels * t / num_threads, num_panels * (t + 1) / num_threads);
+  fn(0, num_panels / num_threads);
+  for (std::thread& t : threads) t.join();
+}
+
 template <typename E>
 void pack_panels(const E* w, int64_t N, int64_t K, E* dst) {
   constexpr int64_t P = kLinearPanelCols, KB = 16;  // 32 x 16 blocks: rows read in runs, panel rows written whole
@@ -164,13 +176,7 @@ void pack_panels(const E* w, int64_t N, int64_t K, E* dst) {
       }
     }
   };
-  const int64_t num_threads =
-      std::max<int64_t>(1, std::min<int64_t>({(int64_t)std::thread::hardware_concurrency(), num_panels / 8, 16}));
-  std::vector<std::thread> threads;
-  for (int64_t t = 1; t < num_threads; ++t)
-    threads.emplace_back(pack_range, num_panels * t / num_threads, num_panels * (t + 1) / num_threads);
-  pack_range(0, num_panels / num_threads);
-  for (std::thread& t : threads) t.join();
+  for_panel_ranges(num_panels, pack_range);
 }
 }  // namespace
 
@@ -309,13 +315,7 @@ LinearWeight pack_linear_bf16(const Tensor& weight) {
         }
       }
   };
-  const int64_t num_threads =
-      std::max<int64_t>(1, std::min<int64_t>({(int64_t)std::thread::hardware_concurrency(), num_panels / 8, 16}));
-  std::vector<std::thread> threads;
-  for (int64_t t = 1; t < num_threads; ++t)
-    threads.emplace_back(pack_range, num_panels * t / num_threads, num_panels * (t + 1) / num_threads);
-  pack_range(0, num_panels / num_threads);
-  for (std::thread& t : threads) t.join();
+  for_panel_ranges(num_panels, pack_range);
   return packed;
 }
 
@@ -380,12 +380,7 @@ LinearWeight pack_linear_int8(const Tensor& weight) {
         }
       }
   };
-  const int64_t num_threads = std::max<int64_t>(1, std::min<int64_t>({(int64_t)std::thread::hardware_concurrency(), num_panels / 8, 16}));
-  std::vector<std::thread> threads;
-  for (int64_t t = 1; t < num_threads; ++t)
-    threads.emplace_back(pack_range, num_panels * t / num_threads, num_panels * (t + 1) / num_threads);
-  pack_range(0, num_panels / num_threads);
-  for (std::thread& t : threads) t.join();
+  for_panel_ranges(num_panels, pack_range);
   return packed;
 }
 
