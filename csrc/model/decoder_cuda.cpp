@@ -21,11 +21,25 @@ int32_t graph_batch_size(int64_t rows) {
     if (g >= rows) return g;
   return 0;
 }
-// int32 inputs of a step of `rows` rows and `seqs` sequences: token ids, positions, slots, row -> sequence,
-// q_start (seqs + 1), ctx_lens, block tables (seqs x max_blocks).
-int64_t step_ints_count(int64_t rows, int64_t seqs, int64_t max_blocks) {
-  return 4 * rows + (seqs + 1) + seqs + seqs * max_blocks;
-}
+// The int32 inputs of a step of `rows` rows and `seqs` sequences, one after another in one buffer (one
+// host -> device copy): token ids, positions, slots, row -> sequence [rows each], q_start [seqs + 1],
+// ctx_lens [seqs], block tables [seqs x max_blocks]. The same views serve the host copy and the device one.
+struct StepInts {
+  int32_t *token_ids, *positions, *slots, *row_seq, *q_start, *ctx_lens, *tables;
+  StepInts(int32_t* base, int64_t rows, int64_t seqs)
+      : token_ids(base), positions(base + rows), slots(base + 2 * rows), row_seq(base + 3 * rows),
+        q_start(base + 4 * rows), ctx_lens(q_start + seqs + 1), tables(ctx_lens + seqs) {}
+  static int64_t count(int64_t rows, int64_t seqs, int64_t max_blocks) {
+    return 4 * rows + (seqs + 1) + seqs + seqs * max_blocks;
+  }
+  // The attention view of a device copy.
+  cuda::AttnBatch attn_batch(int32_t rows, int32_t seqs, int32_t max_blocks, int32_t max_ctx) const {
+    cuda::AttnBatch b;
+    b.row_seq = row_seq, b.q_start = q_start, b.ctx_lens = ctx_lens, b.block_tables = tables;
+    b.num_seqs = seqs, b.num_rows = rows, b.max_blocks_per_seq = max_blocks, b.max_ctx_len = max_ctx;
+    return b;
+  }
+};
 
 float act_to_float(uint16_t bits, DType act) { return act == DType::F16 ? f16_to_f32(bits) : bf16_to_f32(bits); }
 uint16_t float_to_act(float v, DType act) { return act == DType::F16 ? f32_to_f16(v) : f32_to_bf16(v); }
@@ -186,7 +200,7 @@ CudaDecoderModel::CudaDecoderModel(const ModelConfig& config, ModelWeights weigh
   logits_ = cuda::allocate(logit_rows * c.vocab_size * a);
   if (max_graph_rows_ > 0) {
     const int32_t G = graph_batch_size(max_graph_rows_);
-    graph_ints_ = cuda::allocate(step_ints_count(G, G, options.max_blocks_per_seq) * 4);
+    graph_ints_ = cuda::allocate(StepInts::count(G, G, options.max_blocks_per_seq) * 4);
     int64_t ws = 0;
     for (int32_t g : kGraphBatchSizes)
       if (g <= G)
@@ -269,8 +283,7 @@ bool CudaDecoderModel::is_graph_step(const BatchPlan& plan) const {
   return true;
 }
 
-// Per-step int32 inputs, one host -> device copy:
-//   [token_ids T][positions T][slots T][row_seq T][q_start S + 1][ctx_lens S][block_tables S x max_blocks][logit_rows R]
+// Per-step int32 inputs: the StepInts layout, then the logit rows [R]; one host -> device copy.
 bool CudaDecoderModel::forward(const BatchPlan& plan) {
   const ModelConfig& c = config_;
   const int64_t T = plan.num_tokens;
@@ -293,14 +306,10 @@ bool CudaDecoderModel::forward(const BatchPlan& plan) {
     max_blocks = std::max(max_blocks, (ctx + bs - 1) / bs);
   }
   logit_rows_.clear();
-  host_ints_.assign(step_ints_count(T, S, max_blocks), 0);
-  int32_t* token_ids = host_ints_.data();
-  int32_t* positions = token_ids + T;
-  int32_t* slots = positions + T;
-  int32_t* row_seq = slots + T;
-  int32_t* q_start = row_seq + T;
-  int32_t* ctx_lens = q_start + S + 1;
-  int32_t* tables = ctx_lens + S;
+  host_ints_.assign(StepInts::count(T, S, max_blocks), 0);
+  const StepInts h(host_ints_.data(), T, S);
+  int32_t *token_ids = h.token_ids, *positions = h.positions, *slots = h.slots, *row_seq = h.row_seq;
+  int32_t *q_start = h.q_start, *ctx_lens = h.ctx_lens, *tables = h.tables;
   int32_t row = 0;
   for (int32_t i = 0; i < S; ++i) {
     const ScheduledSeq& s = plan.seqs[i];
@@ -332,14 +341,10 @@ bool CudaDecoderModel::forward(const BatchPlan& plan) {
   int32_t* dev = static_cast<int32_t*>(step_ints_.get());
   cuda::copy_to_device(dev, host_ints_.data(), (int64_t)host_ints_.size() * 4, stream_);
   cuda::copy_to_device(dev + host_ints_.size(), logit_rows_.data(), (int64_t)logit_rows_.size() * 4, stream_);
-  cuda::AttnBatch batch;
-  batch.row_seq = dev + 3 * T;
-  batch.q_start = dev + 4 * T;
-  batch.ctx_lens = batch.q_start + S + 1;
-  batch.block_tables = batch.ctx_lens + S;
-  batch.num_seqs = S, batch.num_rows = (int32_t)T, batch.max_blocks_per_seq = max_blocks, batch.max_ctx_len = max_ctx;
+  const StepInts d(dev, T, S);
   ensure_attention_workspace(cuda::attention_workspace_bytes((int32_t)T, c.num_heads, c.head_dim, max_ctx));
-  run_layers(T, dev, dev + T, dev + 2 * T, batch, attn_workspace_.get());
+  run_layers(T, d.token_ids, d.positions, d.slots, d.attn_batch((int32_t)T, S, max_blocks, max_ctx),
+             attn_workspace_.get());
   return false;
 }
 
@@ -350,14 +355,10 @@ void CudaDecoderModel::forward_graph(const BatchPlan& plan) {
   const int32_t bs = options_.block_size_tokens, MB = options_.max_blocks_per_seq;
   // The layout of a G-row step: real rows first, then padding rows (token 0 at position 0, slot -1: no KV
   // write; a one-key context in block 0) whose outputs nobody reads.
-  host_ints_.assign(step_ints_count(G, G, MB), 0);
-  int32_t* token_ids = host_ints_.data();
-  int32_t* positions = token_ids + G;
-  int32_t* slots = positions + G;
-  int32_t* row_seq = slots + G;
-  int32_t* q_start = row_seq + G;
-  int32_t* ctx_lens = q_start + G + 1;
-  int32_t* tables = ctx_lens + G;
+  host_ints_.assign(StepInts::count(G, G, MB), 0);
+  const StepInts h(host_ints_.data(), G, G);
+  int32_t *token_ids = h.token_ids, *positions = h.positions, *slots = h.slots, *row_seq = h.row_seq;
+  int32_t *q_start = h.q_start, *ctx_lens = h.ctx_lens, *tables = h.tables;
   logit_rows_.clear();
   for (int32_t i = 0; i < G; ++i) {
     row_seq[i] = i;
@@ -380,15 +381,11 @@ void CudaDecoderModel::forward_graph(const BatchPlan& plan) {
   q_start[G] = G;
   int32_t* dev = static_cast<int32_t*>(graph_ints_.get());
   cuda::copy_to_device(dev, host_ints_.data(), (int64_t)host_ints_.size() * 4, stream_);
-  cuda::AttnBatch batch;
-  batch.row_seq = dev + 3 * G;
-  batch.q_start = dev + 4 * G;
-  batch.ctx_lens = batch.q_start + G + 1;
-  batch.block_tables = batch.ctx_lens + G;
-  batch.num_seqs = G, batch.num_rows = G, batch.max_blocks_per_seq = MB, batch.max_ctx_len = MB * bs;
+  const StepInts d(dev, G, G);
+  const cuda::AttnBatch batch = d.attn_batch(G, G, MB, MB * bs);
   // layers, final norm of every row, lm_head of every row: logits_ [G, vocab]
   auto record = [&] {
-    run_layers(G, dev, dev + G, dev + 2 * G, batch, graph_attn_workspace_.get());
+    run_layers(G, d.token_ids, d.positions, d.slots, batch, graph_attn_workspace_.get());
     cuda::add_rmsnorm(residual_.get(), hidden_.get(), final_norm_.get(), act_, c.rms_norm_eps, G, c.hidden_size,
                       hidden_.get(), act_, stream_);
     cuda::linear(hidden_.get(), G, lm_head_, nullptr, logits_.get(), act_, stream_);
