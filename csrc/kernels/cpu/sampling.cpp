@@ -152,36 +152,22 @@ int32_t draw(const float* logits, int32_t vocab, const SamplingParams& p, std::m
     }
     return last;  // rounding left u >= 0 after the last token
   }
+  // Every filter keeps a prefix of one order, so the result is the shortest of the three prefixes; only
+  // top-p's mass depends on the others: it is measured over the top-k set (HF's order), not over what
+  // min-p leaves (min-p shortens the prefix, it does not renormalise).
   std::vector<int32_t> kept;
   kept.reserve((size_t)vocab);
   for (int32_t i = 0; i < vocab; ++i)
-    if (e[(size_t)i] > 0.0f && (!use_min_p || e[(size_t)i] >= p.min_p)) kept.push_back(i);
-  // min-p first is the same: every filter keeps a prefix of one order, so the result is the shortest of
-  // the three prefixes, except that top-p's mass is measured over the top-k set (or everything).
+    if (e[(size_t)i] > 0.0f) kept.push_back(i);
   if (use_k) {
-    std::vector<int32_t> all;
-    if (use_min_p) {
-      for (int32_t i = 0; i < vocab; ++i)
-        if (e[(size_t)i] > 0.0f) all.push_back(i);
-    }
-    const std::vector<int32_t> top_k = best_prefix(use_min_p ? all : kept, e.data(), p.top_k,
-                                                   std::numeric_limits<double>::infinity());
+    kept = best_prefix(kept, e.data(), p.top_k, std::numeric_limits<double>::infinity());
     total = 0;
-    for (int32_t i : top_k) total += e[(size_t)i];
-    if (!use_min_p) {
-      kept = top_k;
-    } else {  // the top-k tokens that pass min-p
-      kept.clear();
-      for (int32_t i : top_k)
-        if (e[(size_t)i] >= p.min_p) kept.push_back(i);
-    }
+    for (int32_t i : kept) total += e[(size_t)i];
   }
-  if (use_p) {
-    // top-p over the (top-k) distribution; min-p only shortens the prefix, so cut the min-p survivors
-    // by top-p's mass measured as if min-p were off: the prefix is the same, the min-p set a prefix of it
-    // or it a prefix of the min-p set.
-    kept = best_prefix(kept, e.data(), INT64_MAX, (double)p.top_p * total);
-  }
+  if (use_min_p)
+    kept.erase(std::remove_if(kept.begin(), kept.end(), [&](int32_t i) { return e[(size_t)i] < p.min_p; }),
+               kept.end());
+  if (use_p) kept = best_prefix(kept, e.data(), INT64_MAX, (double)p.top_p * total);
   if (kept.empty()) return best;  // not reachable with top_p > 0 and min_p < 1 (validated); kept safe anyway
   double mass = 0;
   for (int32_t i : kept) mass += e[(size_t)i];
