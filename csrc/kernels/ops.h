@@ -81,8 +81,10 @@ LinearWeight pack_linear_int8(const Tensor& weight);
 // A float weight [N, K] rounded to bf16 (nearest even) into pair panels, for linear layers as bf16 dot
 // products with fp32 sums (EngineConfig dtype='bfloat16'); throws unless bf16_dot_available().
 LinearWeight pack_linear_bf16(const Tensor& weight);
-// Whether this CPU has the bf16 dot-product kernel (AVX-512 with AVX512_BF16).
+// Whether this CPU has the bf16 dot-product kernel (AVX-512 with AVX512_BF16); require_bf16_dot() throws
+// InvalidArgument saying so (and what to use instead) when it has not.
 bool bf16_dot_available();
+void require_bf16_dot();
 // One weight whose output columns are those of parts[0], then parts[1], ... (q/k/v or gate/up run as
 // one call: one thread team, one activation quantization). The panels are copied as they are, so every
 // part but the last needs N % kLinearPanelCols == 0 and all must share K and format; otherwise (or with

@@ -30,11 +30,12 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, cons
   gathered_.resize((int64_t)kLogitRowsPerGroup * config.hidden_size);
   // dtype='bfloat16' is refused here on CPUs without the kernel, even when no dense layer would use it
   // (an AWQ model with an int8 lm_head): a setting that silently does nothing would mislead.
-  LMKIT_CHECK_ARG(!options.bf16_linear || ops::bf16_dot_available(),
-                  "dtype='bfloat16' needs a CPU with AVX-512 and AVX512_BF16 (Intel Cooper Lake / Sapphire Rapids "
-                  "or later, AMD Zen 4 or later); this one has none: use dtype='float32'");
+  if (options.bf16_linear) ops::require_bf16_dot();
+  auto pack_dense = [&](const Tensor& w) {
+    return options.bf16_linear ? ops::pack_linear_bf16(w) : ops::pack_linear(w);
+  };
   auto pack = [&](const LinearTensors& t) {
-    if (!t.is_awq()) return options.bf16_linear ? ops::pack_linear_bf16(t.weight) : ops::pack_linear(t.weight);
+    if (!t.is_awq()) return pack_dense(t.weight);
     ops::LinearWeight w = ops::pack_linear_awq(t.qweight, t.qzeros, t.scales, config.awq_group_size);
     w.int8_activations = options.awq_int8_activations;
     return w;
@@ -65,10 +66,8 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, cons
   for (const LayerWeights& w : weights_.layers) any_awq = any_awq || w.q_proj.is_awq() || w.gate_proj.is_awq();
   if (any_awq && options.awq_int8_activations && ops::int8_dot_available() && config.hidden_size % 32 == 0)
     lm_head_ = ops::pack_linear_int8(weights_.lm_head);
-  else if (options.bf16_linear)
-    lm_head_ = ops::pack_linear_bf16(weights_.lm_head);
   else
-    lm_head_ = ops::pack_linear(weights_.lm_head);
+    lm_head_ = pack_dense(weights_.lm_head);
 
   if (options_.kv_bits.empty()) options_.kv_bits.assign(config.num_layers, 32);
   LMKIT_CHECK_ARG((int32_t)options_.kv_bits.size() == config.num_layers, "KV precision is given for ",

@@ -285,13 +285,16 @@ const KernelTable* bf16_table() {
 
 bool bf16_dot_available() { return cpu::bf16_table() != nullptr; }
 
+void require_bf16_dot() {
+  LMKIT_CHECK_ARG(bf16_dot_available(), "dtype='bfloat16' needs a CPU with AVX-512 and AVX512_BF16 (Intel Cooper "
+                  "Lake / Sapphire Rapids or later, AMD Zen 4 or later); this one has none: use dtype='float32'");
+}
+
 LinearWeight pack_linear_bf16(const Tensor& weight) {
   cpu::check_weight(weight, "pack_linear_bf16", "weight");
   LMKIT_CHECK(weight.ndim == 2 && weight.shape[0] > 0 && weight.shape[1] > 0,
               "pack_linear_bf16: weight must be [N, K], got ", shape_of(weight));
-  LMKIT_CHECK_ARG(bf16_dot_available(), "bf16 linear layers need a CPU with AVX-512 and AVX512_BF16 "
-                  "(Intel Cooper Lake / Sapphire Rapids or later, AMD Zen 4 or later); this one has none: use "
-                  "dtype='float32'");
+  require_bf16_dot();
   LinearWeight packed;
   packed.dtype = DType::BF16;
   packed.is_bf16_pairs = true;
