@@ -136,6 +136,16 @@ double read_bandwidth(size_t bytes, bool prefetch) {
 
 }  // namespace
 
+// Weight formats of the gemv section: panels of a stored dtype, or bf16 pairs (dtype='bfloat16', AVX512_BF16
+// CPUs); every_shape: timed on every shape, else on the lm_head only.
+struct Fmt {
+  const char* name;
+  DType dtype;
+  bool bf16_pairs, every_shape;
+};
+const Fmt kGemvFormats[] = {{"F16", DType::F16, false, true}, {"BF16", DType::BF16, false, false},
+                            {"F32", DType::F32, false, false}, {"bf16x2", DType::F16, true, true}};
+
 int main(int argc, char** argv) {
   const char* isa = argc > 1 && std::strcmp(argv[1], "-") != 0 ? argv[1] : nullptr;  // "-": the CPU's best
   const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
@@ -166,10 +176,10 @@ int main(int argc, char** argv) {
     };
     for (S s : {S{"lm_head", 49152, 576}, S{"qkv 960x576", 960, 576}, S{"gate_up 3072x576", 3072, 576},
                 S{"down 576x1536", 576, 1536}})
-      for (int fmt = 0; fmt < 4; ++fmt) {  // F16, BF16, F32 panels; 3: bf16 pairs (dtype='bfloat16')
-        const DType dt = fmt == 0 ? DType::F16 : fmt == 1 ? DType::BF16 : fmt == 2 ? DType::F32 : DType::F16;
-        if (s.N != 49152 && fmt != 0 && fmt != 3) continue;
-        if (fmt == 3 && !ops::bf16_dot_available()) continue;
+      for (const Fmt& f : kGemvFormats) {
+        const DType dt = f.dtype;
+        if (s.N != 49152 && !f.every_shape) continue;
+        if (f.bf16_pairs && !ops::bf16_dot_available()) continue;
         // "cold": cycle through copies of the weight totalling > 400 MB, so that each call streams
         // it from DRAM as a decode step does (a large L3 would otherwise hold it)
         const double bytes = (double)s.N * s.K * dtype_size_bytes(dt);
@@ -177,12 +187,12 @@ int main(int argc, char** argv) {
         std::vector<ops::LinearWeight> ws;  // packed once, as the model does at load time
         for (int c = 0; c < copies; ++c) {
           const Weight w = make_weight(dt, s.N, s.K);
-          ws.push_back(fmt == 3 ? ops::pack_linear_bf16(w.t) : ops::pack_linear(w.t));
+          ws.push_back(f.bf16_pairs ? ops::pack_linear_bf16(w.t) : ops::pack_linear(w.t));
         }
         for (int64_t M : {1, 2, 4, 8, 12, 16, 24, 32, 48, 64}) {
           const double t = time_linear_cold(ws, M, s.N, s.K);
           std::printf("gemv %-16s %-4s M %2d%s: %8.1f us  %6.1f GB/s  %6.1f GFLOP/s\n", s.name,
-                      fmt == 3 ? "bf16x2" : dtype_name(dt),
+                      f.name,
                       (int)M, copies > 1 ? " (cold)" : "       ", t * 1e6, bytes / t / 1e9, 2.0 * M * s.N * s.K / t / 1e9);
         }
       }
