@@ -1,11 +1,13 @@
 // Token sampling of the CUDA backend, one CTA per row of logits, no sort:
 //   1. penalties (one thread per (row, token) entry, in place on the logits);
 //   2. greedy rows: arg max, lowest id on ties;
-//   3. others: z = logit / T; top-k and top-p become thresholds on z found by bisection (count or mass of
+//   3. others: z = (logit - max logit) / T <= 0; top-k and top-p become thresholds on z found by bisection (count or mass of
 //      z >= t is monotone in t), min-p is z >= max + log(min_p); the token is the arg max of z + Gumbel noise
 //      over the survivors (Gumbel-max = a draw from their softmax), the noise a hash of (seed, step, token).
 // The CPU sampler (kernels/cpu/sampling.cpp) keeps exactly k / the smallest prefix reaching top_p; here
 // tokens tied with the threshold all survive. The random streams differ from the CPU backend's.
+#include <cfloat>
+
 #include "kernels/cuda/common.cuh"
 
 namespace lmkit::cuda {
@@ -90,12 +92,14 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const L* __restr
   // overflows (1 / t is capped: a subnormal t would make it inf, and 0 * inf is NaN).
   const float inv_t = greedy ? 1.0f : fminf(1.0f / p.temperature, 3.0e38f);
 
-  // The max logit and its (lowest) index: the answer for greedy rows, the origin of z for the others.
-  float best = -INFINITY;
+  // The max logit and its (lowest) index: the answer for greedy rows, the origin of z for the others;
+  // and the min finite logit, whose z is the smallest finite z (z is monotone in the logit).
+  float best = -INFINITY, lo_logit = INFINITY;
   int64_t best_i = INT64_MAX;
   for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
     const float v = to_float(x[i]);
     if (v > best) best = v, best_i = i;  // i increases per thread: strict > keeps the lowest index
+    if (v > -INFINITY) lo_logit = fminf(lo_logit, v);
   }
   block_argmax(best, best_i, sv, si);
   if (greedy || best == -INFINITY) {
@@ -103,16 +107,15 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const L* __restr
     return;
   }
   const float xmax = best;
-  auto zf = [&](int64_t i) {
-    const float d = to_float(x[i]) - xmax;
+  auto z_of = [&](float logit) {
+    const float d = logit - xmax;
     return d == 0.0f ? 0.0f : d * inv_t;
   };
-  float lo = INFINITY;  // the smallest finite z
-  for (int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-    const float z = zf(i);
-    if (z > -INFINITY) lo = fminf(lo, z);
-  }
-  lo = -block_max(-lo, scratch);
+  auto zf = [&](int64_t i) { return z_of(to_float(x[i])); };
+  lo_logit = -block_max(-lo_logit, scratch);
+  // When 1 / t is so large that this z overflows to -inf, start at the lowest finite float instead: every
+  // finite z is still >= lo, and such a row keeps only its best token in practice anyway.
+  const float lo = fmaxf(z_of(lo_logit), -FLT_MAX);
   const float top = 0.0f;  // z of the best token
   float threshold = lo;  // keep z >= threshold
   if (p.top_k > 0 && p.top_k < vocab) {  // largest t with count(z >= t) >= k
