@@ -60,7 +60,7 @@ async def scenario(engine, args) -> dict:
 def run(model, budget: int, args) -> dict:
     from lmkit import AsyncEngine, EngineConfig
 
-    engine = AsyncEngine(model, EngineConfig(max_prefill_token_num=budget, num_threads=args.threads,
+    engine = AsyncEngine(model, EngineConfig(max_prefill_token_num=budget, num_threads=args.threads, dtype=args.dtype,
                                              session_len=args.long_prompt + 64, cache_max_entry_count=0.3))
     try:
         return asyncio.run(scenario(engine, args))
@@ -75,11 +75,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--decoders", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="compute dtype (bfloat16: CPU linear layers as bf16 dot products / AMX tiles)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
         args.long_prompt, args.chunk, args.decoders = 256, 64, 2
-    print(f"{args.decoders} decoding requests; a {args.long_prompt}-token prompt arrives; {date.today()}")
+    print(f"dtype {args.dtype}; {args.decoders} decoding requests; a {args.long_prompt}-token prompt arrives; {date.today()}")
     print(f"{'max_prefill_token_num':>22}{'ITL p50 before':>16}{'ITL p50 during':>16}{'ITL max during':>16}{'prefill':>9}")
     for budget in (args.long_prompt + 64, args.chunk):
         r = run(args.model, budget, args)

@@ -30,6 +30,14 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_description() -> str:
+    """The CPU's name and the kernels the engine picked on it, for the benchmarks' headers."""
+    from lmkit import _engine
+
+    amx = ", AMX" if _engine.cpu_amx_available() else ""
+    return f"{cpu_name()} ({_engine.cpu_isa()}{amx})"
+
+
 def prompt_ids(tokenizer, n: int) -> list[int]:
     import pydoc_data.topics as topics
 
@@ -111,9 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     model_path = resolve_model(args.model)
     engine = bench_engine(model_path, args.threads, args.new_tokens, args.prefill_len, args.repeats)
     hf = bench_hf(model_path, args.threads, args.new_tokens, args.prefill_len, args.repeats)
-    from lmkit import _engine
 
-    print(f"model {model_path.name}, {args.threads} threads, {cpu_name()} ({_engine.cpu_isa()}), {date.today()}")
+    print(f"model {model_path.name}, {args.threads} threads, {cpu_description()}, {date.today()}")
     print(f"{'':22}{'lmkit engine':>14}{'HF fp32':>12}{'ratio':>9}")
     print(f"{'decode tok/s (b=1)':22}{engine['decode_tok_s']:14.1f}{hf['decode_tok_s']:12.1f}"
           f"{engine['decode_tok_s'] / hf['decode_tok_s']:8.2f}x")

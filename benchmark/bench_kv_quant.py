@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_prefill import cpu_name  # noqa: E402
+from bench_decode_prefill import cpu_description  # noqa: E402
 
 
 def eval_ids(model_path: Path, dataset: str, max_tokens: int) -> list[int]:
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if _engine.cpu_bf16_available():  # what dtype='bfloat16' (bf16 linear layers) costs in perplexity
         rows.append(("fp32 KV, dtype bfloat16", {"dtype": "bfloat16"}))
     budget = int(args.budget_mib * 2**20)
-    print(f"model {model_path.name}; {cpu_name()} ({_engine.cpu_isa()}), {args.threads} threads; perplexity on "
+    print(f"model {model_path.name}; {cpu_description()}, {args.threads} threads; perplexity on "
           f"{len(ids)} tokens of {args.dataset} in windows of {args.seqlen}; capacity: {args.budget_mib:g} MiB "
           f"of KV, {args.context}-token sequences")
     print(f"{'KV cache':28}{'perplexity':>11}{'vs fp':>9}{'tokens':>8}{'bytes/block':>13}{'blocks':>8}"

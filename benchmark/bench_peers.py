@@ -60,7 +60,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_prefill import cpu_name  # noqa: E402
+from bench_decode_prefill import cpu_description, cpu_name  # noqa: E402
 
 RESULT_TAG = "@@bench_peers_result "
 DEFAULT_CSV = Path(__file__).resolve().parent / "results" / "peers_cpu.csv"
@@ -719,9 +719,8 @@ def main(argv: list[str] | None = None) -> int:
             r.match_tokens = next((i for i, (a, b) in enumerate(zip(ref, r.tokens)) if a != b),
                                   min(len(ref), len(r.tokens)))
     load_end = os.getloadavg()
-    from lmkit import _engine
 
-    header = (f"model {args.model_path.name}, {args.threads} threads, {cpu_name()} ({_engine.cpu_isa()}), "
+    header = (f"model {args.model_path.name}, {args.threads} threads, {cpu_description()}, "
               f"{when:%Y-%m-%d %H:%M}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (greedy, eos "
               f"ignored), median of {args.runs} runs{f' in each of {args.rounds} interleaved rounds' if args.rounds > 1 else ''}; TTFT of {args.prefill_len} tokens; load average "
               f"{load_start[0]:.2f} at start, {load_end[0]:.2f} at end\n{versions()}")

@@ -12,8 +12,6 @@ import sys
 from datetime import date
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402
 from profile_throughput import run_level  # noqa: E402
@@ -22,7 +20,7 @@ from profile_throughput import run_level  # noqa: E402
 def measure(model, caching: bool, args) -> dict:
     from lmkit import AsyncEngine, EngineConfig
 
-    engine = AsyncEngine(model, EngineConfig(enable_prefix_caching=caching, num_threads=args.threads,
+    engine = AsyncEngine(model, EngineConfig(enable_prefix_caching=caching, num_threads=args.threads, dtype=args.dtype,
                                              cache_max_entry_count=0.3, session_len=4096))
     try:
         reqs = workloads.shared_prefix(engine.tokenizer, args.num_prompts + 1, args.prefix_len, args.suffix_len,
@@ -43,6 +41,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="compute dtype (bfloat16: CPU linear layers as bf16 dot products / AMX tiles)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     off = measure(args.model, False, args)
     on = measure(args.model, True, args)
     ratio = off["ttft"]["mean"] / on["ttft"]["mean"]
-    print(f"shared prefix {args.prefix_len} tokens + {args.suffix_len}-token question, {args.num_prompts} requests "
+    print(f"dtype {args.dtype}; shared prefix {args.prefix_len} tokens + {args.suffix_len}-token question, {args.num_prompts} requests "
           f"one at a time, {date.today()}")
     print(f"{'':16}{'TTFT mean':>11}{'TTFT p50':>10}{'hit rate':>10}")
     for name, r in (("no cache", off), ("prefix cache", on)):

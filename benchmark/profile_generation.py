@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_prefill import cpu_name  # noqa: E402
+from bench_decode_prefill import cpu_description  # noqa: E402
 
 
 def copy_bandwidth(threads: int, mib: int = 256, repeats: int = 5) -> float:
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     name = Path(str(engine.engine.model_path)).name
     kv = {0: "fp16/bf16" if args.device == "cuda" else "fp32", 8: "int8", 4: "int4"}[args.quant_policy]
-    machine = _engine.cuda.device_name() if args.device == "cuda" else f"{cpu_name()} ({_engine.cpu_isa()})"
+    machine = _engine.cuda.device_name() if args.device == "cuda" else cpu_description()
     print(f"model {name}, KV {kv}, {threads} threads, {machine}, {date.today()}; "
           f"weights read per decode step {weight_bytes / 2**20:.1f} MiB, KV {kv_per_token / 1024:.1f} KiB per token; "
           f"bandwidth {bandwidth / 1e9:.1f} GB/s ({'given' if args.bandwidth else 'measured copy'})")

@@ -17,12 +17,12 @@ import asyncio
 import csv
 import os
 import sys
-import time
 from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402
+from bench_decode_prefill import cpu_description  # noqa: E402
 from summary import STAT_KEYS, summarize  # noqa: E402
 
 
@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     workload = workloads.describe(args.workload, args.dataset)
     print(f"model {name}, workload {workload}, prefix caching {args.enable_prefix_caching}, "
           f"KV {kv}, dtype {args.dtype}, {args.threads or len(os.sched_getaffinity(0))} threads, {date.today()}")
+    if args.device != "cuda":
+        print(f"cpu {cpu_description()}")
     print(f"{'conc':>5}{'reqs':>6}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
           f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>9}{'E2E p50':>9}{'KV peak':>8}")
     for r in rows:

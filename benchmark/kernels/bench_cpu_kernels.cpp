@@ -137,14 +137,16 @@ double read_bandwidth(size_t bytes, bool prefetch) {
 }  // namespace
 
 // Weight formats of the gemv section: panels of a stored dtype, or bf16 pairs (dtype='bfloat16', AVX512_BF16
-// CPUs); every_shape: timed on every shape, else on the lm_head only.
+// CPUs) on the dot-product kernel or on AMX tiles (amx: AMX-BF16 CPUs); every_shape: timed on every shape,
+// else on the lm_head only.
 struct Fmt {
   const char* name;
   DType dtype;
-  bool bf16_pairs, every_shape;
+  bool bf16_pairs, every_shape, amx;
 };
-const Fmt kGemvFormats[] = {{"F16", DType::F16, false, true}, {"BF16", DType::BF16, false, false},
-                            {"F32", DType::F32, false, false}, {"bf16x2", DType::F16, true, true}};
+const Fmt kGemvFormats[] = {{"F16", DType::F16, false, true, false},   {"BF16", DType::BF16, false, false, false},
+                            {"F32", DType::F32, false, false, false},  {"bf16x2", DType::F16, true, true, false},
+                            {"amx", DType::F16, true, true, true}};
 
 int main(int argc, char** argv) {
   const char* isa = argc > 1 && std::strcmp(argv[1], "-") != 0 ? argv[1] : nullptr;  // "-": the CPU's best
@@ -180,6 +182,7 @@ int main(int argc, char** argv) {
         const DType dt = f.dtype;
         if (s.N != 49152 && !f.every_shape) continue;
         if (f.bf16_pairs && !ops::bf16_dot_available()) continue;
+        if (ops::cpu::use_amx(f.amx) != f.amx) continue;
         // "cold": cycle through copies of the weight totalling > 400 MB, so that each call streams
         // it from DRAM as a decode step does (a large L3 would otherwise hold it)
         const double bytes = (double)s.N * s.K * dtype_size_bytes(dt);
@@ -191,11 +194,12 @@ int main(int argc, char** argv) {
         }
         for (int64_t M : {1, 2, 4, 8, 12, 16, 24, 32, 48, 64}) {
           const double t = time_linear_cold(ws, M, s.N, s.K);
-          std::printf("gemv %-16s %-4s M %2d%s: %8.1f us  %6.1f GB/s  %6.1f GFLOP/s\n", s.name,
+          std::printf("gemv %-16s %-6s M %2d%s: %8.1f us  %6.1f GB/s  %6.1f GFLOP/s\n", s.name,
                       f.name,
                       (int)M, copies > 1 ? " (cold)" : "       ", t * 1e6, bytes / t / 1e9, 2.0 * M * s.N * s.K / t / 1e9);
         }
       }
+    ops::cpu::use_amx(true);
   }
 
   if (want("gemv")) {  // the quantized formats of an AWQ decode step: int4 g64 and int8, int8 activations
@@ -249,16 +253,20 @@ int main(int argc, char** argv) {
         std::printf("gemm [%d x %d] x [%d x %d]^T %-4s: %8.3f ms  %6.1f GFLOP/s\n", (int)s.M, (int)s.K, (int)s.N,
                     (int)s.K, dtype_name(dt), t * 1e3, 2.0 * s.M * s.N * s.K / t / 1e9);
       }
-    // dtype='bfloat16': bf16 pair panels, vdpbf16ps (AVX512_BF16 CPUs only)
+    // dtype='bfloat16': bf16 pair panels, vdpbf16ps (AVX512_BF16 CPUs only) and AMX tiles (AMX-BF16 CPUs)
     if (ops::bf16_dot_available())
-      for (S s : {S{512, 1536, 576}, S{512, 576, 1536}, S{512, 49152, 576}, S{128, 1536, 576}, S{64, 1536, 576},
-                  S{16, 1536, 576}, S{1, 1536, 576}}) {
-        const ops::LinearWeight w = ops::pack_linear_bf16(make_weight(DType::F16, s.N, s.K).t);
-        std::vector<float> x = randn(s.M * s.K), out(s.M * s.N);
-        double t = time_it([&] { ops::linear(x.data(), s.M, w, Tensor{}, out.data()); }, s.N > 10000 ? 5 : 21);
-        std::printf("gemm [%d x %d] x [%d x %d]^T bf16 pairs: %8.3f ms  %6.1f GFLOP/s\n", (int)s.M, (int)s.K,
-                    (int)s.N, (int)s.K, t * 1e3, 2.0 * s.M * s.N * s.K / t / 1e9);
+      for (bool amx : {false, true}) {
+        if (ops::cpu::use_amx(amx) != amx) continue;
+        for (S s : {S{512, 1536, 576}, S{512, 576, 1536}, S{512, 49152, 576}, S{128, 1536, 576}, S{64, 1536, 576},
+                    S{32, 1536, 576}, S{16, 1536, 576}, S{1, 1536, 576}}) {
+          const ops::LinearWeight w = ops::pack_linear_bf16(make_weight(DType::F16, s.N, s.K).t);
+          std::vector<float> x = randn(s.M * s.K), out(s.M * s.N);
+          double t = time_it([&] { ops::linear(x.data(), s.M, w, Tensor{}, out.data()); }, s.N > 10000 ? 5 : 21);
+          std::printf("gemm [%d x %d] x [%d x %d]^T bf16 pairs%s: %8.3f ms  %6.1f GFLOP/s\n", (int)s.M, (int)s.K,
+                      (int)s.N, (int)s.K, amx ? " (amx)" : "", t * 1e3, 2.0 * s.M * s.N * s.K / t / 1e9);
+        }
       }
+    ops::cpu::use_amx(true);
   }
 
   if (want("attn")) {

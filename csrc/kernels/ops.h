@@ -85,6 +85,10 @@ LinearWeight pack_linear_bf16(const Tensor& weight);
 // InvalidArgument saying so (and what to use instead) when it has not.
 bool bf16_dot_available();
 void require_bf16_dot();
+// Whether bf16 pair panels run on AMX tiles here (AMX-BF16, granted to the process by the OS) in calls of
+// at least kLinearAmxMinRows rows; the result is that of the dot-product kernel up to the order of fp32 sums.
+bool bf16_amx_available();
+constexpr int64_t kLinearAmxMinRows = 2;
 // One weight whose output columns are those of parts[0], then parts[1], ... (q/k/v or gate/up run as
 // one call: one thread team, one activation quantization). The panels are copied as they are, so every
 // part but the last needs N % kLinearPanelCols == 0 and all must share K and format; otherwise (or with

@@ -55,6 +55,8 @@ PYBIND11_MODULE(_engine, m) {
   m.def("cpu_isa", &ops::cpu_isa, "Instruction set the CPU kernels picked at run time.");
   m.def("cpu_bf16_available", &ops::bf16_dot_available,
         "Whether this CPU runs the bf16 dot-product kernel of EngineConfig(dtype='bfloat16') (AVX512_BF16).");
+  m.def("cpu_amx_available", &ops::bf16_amx_available,
+        "Whether dtype='bfloat16' linear layers run on AMX tiles here (AMX-BF16; calls of 2 rows or more).");
   m.def("now", &Engine::now_seconds, "The engine's clock (seconds, steady), as in RequestOutput.emitted_at.");
 
   py::class_<ModelConfig>(m, "ModelConfig")

@@ -278,14 +278,26 @@ void test_linear_int4() {
     expect_close(out, ref, name, 1e-2);
     if (q8_runs && s.M <= ops::kLinearInt8ActMaxRows) expect(rel_err(out, ref) > 1e-6, name + " ran the int8 path");
   }
-  // int8 weights (the lm_head of int8-activation decode), where the CPU has the kernels
+  // int8 weights (the lm_head of int8-activation decode), where the CPU has the kernels: against the double
+  // product with the weight as ops.h defines the int8 panels (per 32 values along K, d = fp16(max |w| / 127),
+  // q = round(w / d)), so that, as above, only the rounding of x is left to the 1e-2 bound (with the weight's
+  // rounding too, 8 outputs of one block exceed 1e-2 by chance about once in four draws)
   if (ops::int8_dot_available()) {
     for (const Shape& s : shapes) {
       Weight w = make_weight(DType::BF16, s.N, s.K, 0.05f);
+      std::vector<float> wq(s.N * s.K);
+      for (int64_t n = 0; n < s.N; ++n)
+        for (int64_t k0 = 0; k0 < s.K; k0 += 32) {
+          float amax = 0.0f;
+          for (int64_t k = k0; k < k0 + 32; ++k) amax = std::max(amax, std::fabs(float_value(w.t, n * s.K + k)));
+          const float d = f16_to_f32(f32_to_f16(amax / 127.0f));
+          for (int64_t k = k0; k < k0 + 32; ++k)
+            wq[n * s.K + k] = d == 0.0f ? 0.0f : std::clamp(std::nearbyint(float_value(w.t, n * s.K + k) / d), -127.0f, 127.0f) * d;
+        }
       const ops::LinearWeight packed = ops::pack_linear_int8(w.t);
       std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN), ref(out.size());
       ops::linear(x.data(), s.M, packed, Tensor{}, out.data());
-      ops::reference::linear(x.data(), s.M, w.t, Tensor{}, ref.data());
+      ops::reference::linear(x.data(), s.M, make_view(wq.data(), DType::F32, s.N, s.K), Tensor{}, ref.data());
       expect_close(out, ref, "linear int8 x int8 M " + std::to_string(s.M) + " N " + std::to_string(s.N) + " K " +
                                  std::to_string(s.K), 1e-2);
     }
@@ -305,18 +317,33 @@ void test_linear_int4() {
   expect(throws([&] { ops::pack_linear_awq(a.qw, a.sc, a.sc, 64); }), "pack_linear_awq rejects F16 qzeros");
 }
 
+void test_linear_bf16_kernel(const char* kernel);
+
 // bf16 pair panels (dtype='bfloat16'): against the double reference of the bf16-rounded x and weight
-// (only the fp32 summation order differs), and visibly different from the unrounded product.
+// (only the fp32 summation order differs), and visibly different from the unrounded product; on both
+// the dot-product kernel and, where the CPU has AMX, the tile kernel (whole and partial 16-row tiles,
+// K tails of 1-15 pair rows, M blocks of 256 rows).
 void test_linear_bf16() {
   if (!ops::bf16_dot_available()) {
     std::printf("skip [%s] linear bf16: this CPU has no AVX512_BF16\n", g_isa);
     return;
   }
+  if (!ops::bf16_amx_available()) std::printf("skip [%s] linear bf16 on AMX tiles: this CPU has no AMX-BF16\n", g_isa);
+  for (bool amx : {false, true}) {
+    if (ops::cpu::use_amx(amx) != amx) continue;
+    test_linear_bf16_kernel(amx ? "amx" : "dot");
+  }
+  ops::cpu::use_amx(true);
+}
+
+void test_linear_bf16_kernel(const char* kernel) {
   struct Shape {
     int64_t M, N, K;
   };
-  const Shape shapes[] = {{1, 1, 1},   {1, 37, 576},  {2, 65, 577},  {3, 100, 33},  {4, 64, 1536}, {12, 96, 576},
-                          {13, 200, 576}, {25, 1, 7}, {40, 65, 1536}, {100, 129, 577}, {700, 70, 576}, {5, 33, 15}};
+  const Shape shapes[] = {{1, 1, 1},     {1, 37, 576},    {2, 65, 577},   {3, 100, 33},    {4, 64, 1536},
+                          {12, 96, 576}, {13, 200, 576},  {25, 1, 7},     {40, 65, 1536},  {100, 129, 577},
+                          {700, 70, 576}, {5, 33, 15},    {16, 32, 64},   {17, 64, 62},    {33, 96, 96},
+                          {300, 33, 100}};
   auto round_bf16 = [](std::vector<float> v) {
     for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
     return v;
@@ -337,7 +364,8 @@ void test_linear_bf16() {
         ops::linear(x.data(), s.M, packed, b.t, out.data());
         ops::reference::linear(xr.data(), s.M, make_view(wr.data(), DType::F32, s.N, s.K), b.t, ref.data());
         ops::reference::linear(x.data(), s.M, make_view(wf.data(), DType::F32, s.N, s.K), b.t, exact.data());
-        const std::string name = "linear bf16 pairs from " + dt_name(dt) + " M " + std::to_string(s.M) + " N " +
+        const std::string name = std::string("linear bf16 pairs (") + kernel + ") from " + dt_name(dt) + " M " +
+                                 std::to_string(s.M) + " N " +
                                  std::to_string(s.N) + " K " + std::to_string(s.K) + (with_bias ? " bias" : "");
         expect_close(out, ref, name);
         if (s.K >= 15) expect(rel_err(out, exact) > 1e-4, name + ": rounds to bf16");

@@ -3,6 +3,11 @@
 // units (isa_*.cpp) never check anything themselves: LMKIT_CHECK uses <sstream>, which must not be
 // instantiated in code compiled with ISA-specific flags.
 #include <omp.h>
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -283,7 +288,41 @@ const KernelTable* bf16_table() {
 }  // namespace
 }  // namespace cpu
 
+namespace cpu {
+namespace {
+// AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), and the tile registers granted to this
+// process: Linux hands them out per process on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); a tile instruction without that grant is SIGILL.
+bool request_amx() {
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
+// The AMX kernel of the bf16 table, when this build has one and the process may use it, else nullptr.
+const KernelTable* amx_table() {
+  static const KernelTable* const t = [] {
+    const KernelTable* bt = bf16_table();
+    return bt != nullptr && bt->linear_bf16_amx != nullptr && request_amx() ? bt : nullptr;
+  }();
+  return t;
+}
+std::atomic<bool> g_amx_enabled{true};
+}  // namespace
+
+bool use_amx(bool enabled) {
+  g_amx_enabled.store(enabled, std::memory_order_relaxed);
+  return enabled && amx_table() != nullptr;
+}
+}  // namespace cpu
+
 bool bf16_dot_available() { return cpu::bf16_table() != nullptr; }
+bool bf16_amx_available() { return cpu::amx_table() != nullptr; }
 
 void require_bf16_dot() {
   LMKIT_CHECK_ARG(bf16_dot_available(), "dtype='bfloat16' needs a CPU with AVX-512 and AVX512_BF16 (Intel Cooper "
@@ -413,7 +452,11 @@ void linear(const float* x, int64_t M, const LinearWeight& weight, const Tensor&
   if (weight.is_bf16_pairs) {
     const cpu::KernelTable* bt = cpu::bf16_table();
     LMKIT_CHECK(bt != nullptr, "linear: bf16 weights need a CPU with AVX512_BF16");
-    bt->linear_bf16(x, M, weight.storage.get(), N, K, b, out);
+    const cpu::KernelTable* amx = cpu::g_amx_enabled.load(std::memory_order_relaxed) ? cpu::amx_table() : nullptr;
+    if (amx != nullptr && M >= kLinearAmxMinRows)
+      amx->linear_bf16_amx(x, M, weight.storage.get(), N, K, b, out);
+    else
+      bt->linear_bf16(x, M, weight.storage.get(), N, K, b, out);
   } else if (weight.is_int8) {
     LMKIT_CHECK(q8 != nullptr, "linear: int8 weights need the int8 dot-product kernels (AVX2 or AVX-512)");
     q8->linear_int8_q8(x, M, weight.storage.get(), N, K, b, out);

@@ -9,6 +9,7 @@ namespace {
 #include "kernels/cpu/simd.h"
 #include "kernels/cpu/impl_elementwise.h"
 #include "kernels/cpu/impl_linear.h"
+#include "kernels/cpu/impl_linear_bf16.h"
 #include "kernels/cpu/impl_attention.h"
 }  // namespace
 }  // namespace LMKIT_ISA
@@ -18,10 +19,12 @@ namespace {
 #else
 #define LMKIT_ISA_Q8 nullptr, nullptr
 #endif
-#if defined(__AVX512F__)
-#define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16
+#if defined(__AVX512F__) && defined(LMKIT_HAVE_AMX)
+#define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16, &LMKIT_ISA::linear_bf16_amx
+#elif defined(__AVX512F__)
+#define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16, nullptr
 #else
-#define LMKIT_ISA_BF16 nullptr
+#define LMKIT_ISA_BF16 nullptr, nullptr
 #endif
 
 const KernelTable* LMKIT_ISA_TABLE() {

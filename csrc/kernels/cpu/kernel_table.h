@@ -36,6 +36,10 @@ struct KernelTable {
   // where this ISA has none; the avx512 one also needs AVX512_BF16 (dispatch.cpp checks)
   void (*linear_bf16)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias,
                       float* out);
+  // the same on AMX tiles (AMX-BF16); nullptr where this build has none; dispatch.cpp calls it only once the
+  // process may use the tile registers
+  void (*linear_bf16_amx)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias,
+                          float* out);
   void (*rope)(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads,
                int head_dim, const float* inv_freq, float attention_scaling);
   void (*silu_mul)(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
@@ -55,5 +59,8 @@ const KernelTable* avx512_table();
 // force_isa makes every ops:: call use that table (false, and nothing changes, when it cannot run here).
 const KernelTable* table_for(const char* isa);
 bool force_isa(const char* isa);
+// Whether linear layers over bf16 pair panels may use AMX tiles (default: yes, where the CPU and OS allow);
+// returns whether they will. For tests and benchmarks that compare the two bf16 kernels.
+bool use_amx(bool enabled);
 
 }  // namespace lmkit::ops::cpu

@@ -1,0 +1,247 @@
+// Linear layers over bf16 pair panels (EngineConfig dtype='bfloat16', ops::pack_linear_bf16), on
+// AVX512_BF16 dot products and, where the CPU has them, AMX tiles. Textually included by isa_body.h
+// inside the ISA namespace, after impl_linear.h (panels, for_each_panel, for_each_tile); compiled in the
+// avx512 unit only, each kernel under its own target attribute and called only where the CPU has it.
+//
+#if defined(__AVX512F__)
+// ------------------------------------------------------------------ bf16 pairs (AVX512_BF16)
+// EngineConfig dtype='bfloat16': weights rounded to bf16 once at load (pack_linear_bf16), x rounded to
+// bf16 per call, and vdpbf16ps sums a pair of products per 32-bit lane into fp32: two k per instruction
+// where the fp32 path does one, so compute-bound calls (prefill, large decode batches) run up to twice as
+// fast; decode of one row reads the same bytes as fp16 panels. Row r of a panel holds k = 2r, 2r + 1 of
+// its 32 columns as 16 + 16 lanes (two zmm); a tile of MR rows broadcasts x's pair r per row.
+#define LMKIT_BF16 __attribute__((target("avx512bf16")))
+constexpr int kBfMR = 12;       // rows per tile: 24 zmm accumulators + 2 panel vectors + 1 broadcast
+constexpr int64_t kBfKC = 128;  // pair rows per K block: 128 x 128 B = 16 KiB of panel, reused from L1
+
+// c[i, 0:ncols] = (first ? bias : c[i, :]) + sum over pair rows [r0, r0 + rc) for i < MR.
+template <int MR>
+LMKIT_BF16 inline void bf16_tile(const uint32_t* xp, int64_t ldx, const uint8_t* panel, int64_t r0, int64_t rc,
+                                 float* c, int64_t ldc, int ncols, bool first, const float* bias) {
+  constexpr int KU = MR <= 2 ? 2 : 1;  // two chains per column vector for short tiles (latency)
+  __m512 acc[KU][MR][2];
+  for (int u = 0; u < KU; ++u)
+    for (int i = 0; i < MR; ++i) acc[u][i][0] = acc[u][i][1] = _mm512_setzero_ps();
+  const uint8_t* rows = panel + r0 * 128;
+  const uint32_t* xr = xp + r0;
+  int64_t r = 0;
+  for (; r + KU <= rc; r += KU) {
+#pragma GCC unroll 2
+    for (int u = 0; u < KU; ++u) {
+      const uint8_t* row = rows + (r + u) * 128;
+      _mm_prefetch((const char*)(row + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch((const char*)(row + 64 + kPrefetchBytes), _MM_HINT_T0);
+      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(row), b1 = (__m512bh)_mm512_loadu_si512(row + 64);
+#pragma GCC unroll 12
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xr[i * ldx + r + u]);
+        acc[u][i][0] = _mm512_dpbf16_ps(acc[u][i][0], a, b0);
+        acc[u][i][1] = _mm512_dpbf16_ps(acc[u][i][1], a, b1);
+      }
+    }
+  }
+  for (; r < rc; ++r) {
+    const uint8_t* row = rows + r * 128;
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(row), b1 = (__m512bh)_mm512_loadu_si512(row + 64);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xr[i * ldx + r]);
+      acc[0][i][0] = _mm512_dpbf16_ps(acc[0][i][0], a, b0);
+      acc[0][i][1] = _mm512_dpbf16_ps(acc[0][i][1], a, b1);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < 2; ++v) {
+      const int j = 16 * v, n = ncols - j < 16 ? ncols - j : 16;
+      if (n <= 0) break;
+      __m512 sum = acc[0][i][v];
+      for (int u = 1; u < KU; ++u) sum = _mm512_add_ps(sum, acc[u][i][v]);
+      const __mmask16 mask = (__mmask16)((1u << n) - 1);
+      float* ci = c + i * ldc + j;
+      const __m512 base = first ? (bias ? _mm512_maskz_loadu_ps(mask, bias + j) : _mm512_setzero_ps())
+                                : _mm512_maskz_loadu_ps(mask, ci);
+      _mm512_mask_storeu_ps(ci, mask, _mm512_add_ps(sum, base));
+    }
+}
+
+template <int MR = kBfMR>
+LMKIT_BF16 inline void bf16_tile_n(int mr, const uint32_t* xp, int64_t ldx, const uint8_t* panel, int64_t r0,
+                                   int64_t rc, float* c, int64_t ldc, int ncols, bool first, const float* bias) {
+  if (mr == MR) bf16_tile<MR>(xp, ldx, panel, r0, rc, c, ldc, ncols, first, bias);
+  else if constexpr (MR > 1) bf16_tile_n<MR - 1>(mr, xp, ldx, panel, r0, rc, c, ldc, ncols, first, bias);
+}
+
+// Row x[0:K] -> R = ceil(K / 2) pairs of bf16 (round to nearest even; a zero pads an odd K).
+LMKIT_BF16 inline void bf16_pairs_row(const float* x, int64_t K, uint32_t* xp) {
+  for (int64_t k = 0; k < K; k += 32) {
+    const int64_t n = K - k < 32 ? K - k : 32;
+    const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xffff : (1u << n) - 1);
+    const __mmask16 m1 = (__mmask16)(n >= 32 ? 0xffff : n > 16 ? (1u << (n - 16)) - 1 : 0);
+    const __m512 a = _mm512_maskz_loadu_ps(m0, x + k), b = _mm512_maskz_loadu_ps(m1, x + k + 16);
+    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a's 16 values, then b's
+    const int64_t pairs = (n + 1) / 2;
+    _mm512_mask_storeu_epi32(xp + k / 2, (__mmask16)(pairs >= 16 ? 0xffff : (1u << pairs) - 1), packed);
+  }
+}
+
+LMKIT_BF16 void linear_bf16(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias,
+                            float* out) {
+  const int64_t R = (K + 1) / 2, panel_bytes = R * 128;
+  thread_local ScratchBuffer scratch;
+  uint32_t* xp = (uint32_t*)scratch.get((size_t)(M * R * 4));
+  for (int64_t m = 0; m < M; ++m) bf16_pairs_row(x + m * K, K, xp + m * R);
+  // M blocks whose bf16 rows stay in L2 while every panel of the thread passes over them
+  int64_t mblock = kMBlockBytes / 2 / (R * 4) / kBfMR * kBfMR;
+  if (mblock < kBfMR) mblock = kBfMR;
+  for_each_panel(M, N, K, mblock, bias, [&](int64_t mb, int64_t rows, int64_t p, int ncols, const float* bias_tile,
+                                            float*) {
+    const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
+    // one tile (decode): the panel streams once, in one pass; more tiles reuse it in L1-sized K blocks
+    const int64_t kc = rows <= kBfMR ? R : kBfKC;
+    for (int64_t r0 = 0; r0 < R; r0 += kc) {
+      const int64_t rc = R - r0 < kc ? R - r0 : kc;
+      for_each_tile<kBfMR>(rows, [&](int64_t m, int mr) {
+        bf16_tile_n(mr, xp + (mb + m) * R, R, panel, r0, rc, out + (mb + m) * N + p * kPanel, N, ncols, r0 == 0,
+                    bias_tile);
+      });
+    }
+  });
+}
+
+// ------------------------------------------------------------------ AMX tiles (AMX-BF16)
+// The same pair panels as tile operands. A tile register holds 16 rows of 64 bytes; TDPBF16PS adds
+// A[16 x 32 bf16] . B[32 bf16 x 16] to a 16 x 16 fp32 tile, where B is "VNNI-packed": row r holds the
+// pairs (k = 2r, 2r + 1) of 16 columns, which is exactly 16 consecutive pair rows of a panel read at a
+// stride of 128 bytes (columns 0-15 at byte 0 of each row, 16-31 at byte 64). x is rounded into pair
+// rows padded with zeros to whole tiles (16 rows, 16 pairs), so no tile ever reads past its operand:
+//
+//        xp (Mp x Rp pairs)             panel p (R pair rows x 32 columns)     C (16 MT x 32 fp32)
+//   A tile [16 rows, 16 pairs]  .  B tiles [16 pair rows, 16 + 16 columns]  ->  2 MT tiles 16 x 16
+//
+// Tile registers: 0-3 accumulators (rows 0-15 | 16-31 x columns 0-15 | 16-31), 4-5 A, 6-7 B. A block
+// of 32 rows (MT = 2) keeps four independent accumulator chains going; a block of 16 rows (decode)
+// streams the panel, which memory bandwidth, not the tiles, limits. The K tail of a panel that is not
+// a whole number of 16 pair rows is copied into a zero-padded tile buffer. Each thread configures the
+// tiles on entry and releases them on exit (so the OS need not save 8 KiB of tile state on a switch).
+#if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
+#define LMKIT_HAVE_AMX 1
+#define LMKIT_AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+constexpr int64_t kAmxRows = 16;                 // rows of a tile (of x, and pair rows of a panel)
+constexpr int64_t kAmxMBlockRows = 256;          // rows of xp per M block: 256 x Rp x 4 B stay in L2
+
+struct alignas(64) AmxTileConfig {  // the 64-byte operand of LDTILECFG (palette 1)
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+LMKIT_AMX inline void amx_configure() {
+  AmxTileConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = (uint8_t)kAmxRows;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// cbuf[16 MT][32] = xp rows [0, 16 MT) . panel (all R pair rows); xp rows are ldp pairs apart (ldp a
+// multiple of 16, zero past R).
+template <int MT>
+LMKIT_AMX inline void amx_block(const uint32_t* xp, int64_t ldp, const uint8_t* panel, int64_t R, float* cbuf) {
+  const int64_t full = R / kAmxRows, tail = R - full * kAmxRows, lda = ldp * 4;
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (MT == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  alignas(64) uint8_t btail[kAmxRows * 128];
+  for (int64_t c = 0; c < full + (tail > 0); ++c) {
+    const uint8_t* b = panel + c * kAmxRows * 128;
+    if (c == full) {  // the last pair rows, zero-padded to a whole tile
+      memcpy(btail, b, (size_t)(tail * 128));
+      memset(btail + tail * 128, 0, (size_t)((kAmxRows - tail) * 128));
+      b = btail;
+    }
+    _tile_loadd(4, xp + c * kAmxRows, lda);
+    _tile_loadd(6, b, 128);
+    _tile_loadd(7, b + 64, 128);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MT == 2) {
+      _tile_loadd(5, xp + kAmxRows * ldp + c * kAmxRows, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, cbuf, 128);
+  _tile_stored(1, cbuf + 16, 128);
+  if constexpr (MT == 2) {
+    _tile_stored(2, cbuf + 16 * 32, 128);
+    _tile_stored(3, cbuf + 16 * 32 + 16, 128);
+  }
+}
+
+// out[m, n0 : n0 + ncols] = cbuf[m, :] (+ bias) for m < rows.
+LMKIT_AMX inline void amx_store(const float* cbuf, int64_t rows, float* out, int64_t ldo, int ncols,
+                                const float* bias) {
+  const __mmask16 m0 = (__mmask16)(ncols >= 16 ? 0xffff : (1u << ncols) - 1);
+  const __mmask16 m1 = (__mmask16)(ncols >= 32 ? 0xffff : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0);
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+  for (int64_t i = 0; i < rows; ++i) {
+    _mm512_mask_storeu_ps(out + i * ldo, m0, _mm512_add_ps(_mm512_loadu_ps(cbuf + i * 32), b0));
+    if (m1) _mm512_mask_storeu_ps(out + i * ldo + 16, m1, _mm512_add_ps(_mm512_loadu_ps(cbuf + i * 32 + 16), b1));
+  }
+}
+
+// linear_bf16 on AMX tiles: same operands, same result up to the order of fp32 sums (and AMX's flush of
+// bf16 denormals to zero).
+LMKIT_AMX void linear_bf16_amx(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias,
+                               float* out) {
+  const int64_t R = (K + 1) / 2, panel_bytes = R * 128, num_panels = (N + kPanel - 1) / kPanel;
+  const int64_t ldp = (R + kAmxRows - 1) / kAmxRows * kAmxRows, Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
+  thread_local ScratchBuffer scratch;
+  uint32_t* xp = (uint32_t*)scratch.get((size_t)(Mp * ldp * 4));
+#pragma omp parallel if (M * N * K >= (1 << 15))
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    for (int64_t m = Mp * tid / nt; m < Mp * (tid + 1) / nt; ++m) {  // x -> bf16 pair rows, zero-padded
+      uint32_t* row = xp + m * ldp;
+      int64_t done = 0;
+      if (m < M) {
+        bf16_pairs_row(x + m * K, K, row);
+        done = R;
+      }
+      memset(row + done, 0, (size_t)((ldp - done) * 4));
+    }
+#pragma omp barrier
+    amx_configure();
+    alignas(64) float cbuf[2 * kAmxRows * kPanel];
+    alignas(64) float bias_tile[kPanel];
+    const int64_t p0 = num_panels * tid / nt, p1 = num_panels * (tid + 1) / nt;
+    for (int64_t mb = 0; mb < Mp; mb += kAmxMBlockRows) {
+      const int64_t me = Mp - mb < kAmxMBlockRows ? Mp : mb + kAmxMBlockRows;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * kPanel;
+        const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
+        if (bias)
+          for (int j = 0; j < kPanel; ++j) bias_tile[j] = j < ncols ? bias[n0 + j] : 0.0f;
+        const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
+        for (int64_t m = mb; m < me; m += 2 * kAmxRows) {
+          const bool two = me - m >= 2 * kAmxRows;
+          if (two) amx_block<2>(xp + m * ldp, ldp, panel, R, cbuf);
+          else amx_block<1>(xp + m * ldp, ldp, panel, R, cbuf);
+          const int64_t valid = M - m < (two ? 2 : 1) * kAmxRows ? M - m : (two ? 2 : 1) * kAmxRows;
+          if (valid > 0) amx_store(cbuf, valid, out + m * N + n0, N, ncols, bias ? bias_tile : nullptr);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+#endif  // AMX
+#endif  // __AVX512F__
