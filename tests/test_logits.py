@@ -52,21 +52,26 @@ def test_logits_match_hf(case, tmp_path):
 
 
 @pytest.mark.skipif(not _engine.cpu_bf16_available(), reason="this CPU has no AVX512_BF16")
-@pytest.mark.parametrize("case", ["llama", "qwen2-bias", "llama-tied-bf16", "mistral-sliding-window"])
+@pytest.mark.parametrize("case", ["llama", "qwen2-bias", "llama-tied-bf16", "mistral-sliding-window",
+                                  "llama-linear-rope-head-dim"])
 def test_bf16_compute_matches_hf(case, tmp_path):
-    """dtype='bfloat16': linear layers as bf16 dot products. Every logit row (prompt and decode) within bf16
-    rounding of HF fp32 (8 mantissa bits on weights and activations: 3e-2, the bound of the GPU's bf16
-    path), and measurably not the float32 engine's (the bf16 kernel ran)."""
+    """dtype='bfloat16': linear layers as bf16 dot products (AMX tiles where the CPU has them) and the KV
+    cache in bf16 (half the bytes of float32; with head_dim 32 and 32-token blocks, attention on AMX tiles
+    where the CPU has them). Every logit row (prompt and decode) within bf16 rounding of HF fp32 (8 mantissa
+    bits on weights and activations: 3e-2, the bound of the GPU's bf16 path), and measurably not the float32
+    engine's (the bf16 kernels ran)."""
     kwargs = dict(CASES[case])
     ref = make_tiny_model(tmp_path / case, kwargs.pop("arch"), **kwargs)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (1, 7, 40)]
     gen = GenerationConfig(max_new_tokens=12, output_logits=True, ignore_eos=True)
-    base = dict(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4)
+    base = dict(device="cpu", cache_max_entry_count=64, cache_block_seq_len=32, max_batch_size=4)
     with pipeline(tmp_path / case, EngineConfig(dtype="bfloat16", **base)) as pipe:
         got = pipe(prompts, gen)
+        bf16_block_bytes = pipe.engine.kv_bytes_per_block
     with pipeline(tmp_path / case, EngineConfig(dtype="float32", **base)) as pipe:
         fp32 = pipe(prompts, gen)
+        assert bf16_block_bytes * 2 == pipe.engine.kv_bytes_per_block
     for prompt, r, f in zip(prompts, got, fp32):
         full = prompt + r.token_ids
         with torch.no_grad():

@@ -86,7 +86,8 @@ LinearWeight pack_linear_bf16(const Tensor& weight);
 bool bf16_dot_available();
 void require_bf16_dot();
 // Whether bf16 pair panels run on AMX tiles here (AMX-BF16, granted to the process by the OS) in calls of
-// at least kLinearAmxMinRows rows; the result is that of the dot-product kernel up to the order of fp32 sums.
+// at least kLinearAmxMinRows rows (the result is that of the dot-product kernel up to the order of fp32
+// sums), and so does paged_attention's decode over a bf16 KV cache (head_dim, block_size % 32 == 0).
 bool bf16_amx_available();
 constexpr int64_t kLinearAmxMinRows = 2;
 // One weight whose output columns are those of parts[0], then parts[1], ... (q/k/v or gate/up run as
@@ -116,7 +117,12 @@ void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, floa
 
 // One layer of the blocked KV pool. k and v each point at num_blocks blocks of block_bytes() bytes:
 //   bits 32 (fp32):    [num_kv_heads, block_size, head_dim] float
-//   bits 16 (CUDA backend only): the same in the activation dtype (fp16 / bf16)
+//   bits 16, CPU (bf16, round to nearest even; block_size even):
+//                      k: [num_kv_heads, block_size, head_dim] bf16
+//                      v: [num_kv_heads, block_size / 2, head_dim, 2] bf16: the rows of tokens 2i and 2i + 1
+//                         interleaved, i.e. pair rows of 32-bit words (v[2i][d], v[2i + 1][d]), the operand
+//                         layout of bf16 dot products over the keys (vdpbf16ps, AMX)
+//   bits 16, CUDA:     [num_kv_heads, block_size, head_dim] in the activation dtype (fp16 / bf16), k and v
 //   bits 8 / 4 (int):  [num_kv_heads, block_size, row_bytes()] quantized rows, then
 //                      [num_kv_heads, block_size, 2] fp16 (scale, zero) of each row
 // Quantized rows: per token and KV head, asymmetric over head_dim (lmkit/kv_policy.py gives the exact
@@ -159,6 +165,8 @@ struct AttnSeq {
 //   query head h reads kv head h / (num_heads / num_kv_heads) (GQA);
 //   a query at position p sees keys at positions k <= p, and when sliding_window > 0 only p - k < sliding_window.
 //   out = softmax(scale * q . K^T) V, computed with an online softmax in fp32.
+//   Over a bf16 pool on AMX tiles (bf16_amx_available), decode-shaped tasks round q and the softmax weights
+//   to bf16 (fp32 sums): ~2e-3 relative to the exact result over the pool's values.
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                      int32_t num_heads, float scale, int32_t sliding_window, float* out);
 

@@ -498,9 +498,12 @@ void check_kv(const KVLayer& kv, const char* op) {
   LMKIT_CHECK(kv.num_blocks > 0 && kv.num_kv_heads > 0 && kv.block_size > 0, op, ": bad KV layer (blocks ",
               kv.num_blocks, ", kv heads ", kv.num_kv_heads, ", block_size ", kv.block_size, ")");
   LMKIT_CHECK(kv.head_dim > 0 && kv.head_dim <= 1024, op, ": head_dim must be in [1, 1024], got ", kv.head_dim);
-  LMKIT_CHECK(kv.bits == 32 || kv.bits == 8 || kv.bits == 4, op, ": KV bits must be 32 (fp32), 8 or 4, got ", kv.bits);
+  LMKIT_CHECK(kv.bits == 32 || kv.bits == 16 || kv.bits == 8 || kv.bits == 4, op,
+              ": KV bits must be 32 (fp32), 16 (bf16), 8 or 4, got ", kv.bits);
   LMKIT_CHECK(kv.bits == 32 || (kv.head_dim % 2 == 0 && kv.head_dim <= kKVQuantMaxHeadDim), op,
-              ": a quantized KV cache needs an even head_dim <= ", kKVQuantMaxHeadDim, ", got ", kv.head_dim);
+              ": a bf16 or quantized KV cache needs an even head_dim <= ", kKVQuantMaxHeadDim, ", got ", kv.head_dim);
+  LMKIT_CHECK(kv.bits != 16 || kv.block_size % 2 == 0, op,
+              ": a bf16 KV cache stores V by token pairs: block_size must be even, got ", kv.block_size);
 }
 }  // namespace
 
@@ -535,7 +538,12 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
       LMKIT_CHECK(a.block_table[b] >= 0 && a.block_table[b] < kv.num_blocks, "paged_attention: sequence ", s,
                   " block_table[", b, "] = ", a.block_table[b], " is outside the pool (", kv.num_blocks, " blocks)");
   }
-  cpu::active().paged_attention(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out);
+  const cpu::KernelTable* amx = cpu::g_amx_enabled.load(std::memory_order_relaxed) ? cpu::amx_table() : nullptr;
+  if (amx != nullptr && amx->paged_attention_amx != nullptr && kv.bits == 16 && kv.head_dim % 32 == 0 &&
+      kv.block_size % 32 == 0)
+    amx->paged_attention_amx(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out);
+  else
+    cpu::active().paged_attention(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out);
 }
 
 }  // namespace lmkit::ops

@@ -48,8 +48,8 @@ inline void kv_dequant_row(const uint8_t* q, const uint16_t* params, int hd, int
 }
 
 // Pool rows of kv head h for keys c0 .. c0 + n - 1 of a sequence into krow[j], vrow[j] (j < n), and
-// `zero` for j in [n, count). fp32 rows are pointed at in place; quantized rows are dequantized into
-// kbuf / vbuf (row j at j * head_dim): only this chunk of keys, never a copy of the cache.
+// `zero` for j in [n, count). fp32 rows are pointed at in place; bf16 and quantized rows are converted
+// into kbuf / vbuf (row j at j * head_dim): only this chunk of keys, never a copy of the cache.
 // The block and offset are stepped, not divided, per key.
 inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_t c0, int n, int count,
                       const float* zero, const float** krow, const float** vrow, float* kbuf, float* vbuf) {
@@ -63,6 +63,18 @@ inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_
     if (kv.bits == 32) {
       krow[j] = (const float*)(kb + row * rb);
       vrow[j] = (const float*)(vb + row * rb);
+    } else if (kv.bits == 16) {  // bf16: K rows, V rows of a token pair interleaved (ops.h)
+      const uint16_t* kr = (const uint16_t*)(kb + row * rb);
+      const uint32_t* vp = (const uint32_t*)vb + (h * (bs / 2) + off / 2) * hd;
+      float* kd = kbuf + j * hd;
+      float* vd = vbuf + j * hd;
+      for (int64_t d = 0; d < hd; d += kW) {
+        const int m = hd - d < kW ? (int)(hd - d) : kW;
+        vstore_n(kd + d, vload_bf16_n(kr + d, m), m);
+        vstore_n(vd + d, vload_bf16_half_n(vp + d, (int)(off & 1), m), m);
+      }
+      krow[j] = kd;
+      vrow[j] = vd;
     } else {
       kv_dequant_row((const uint8_t*)kb + row * rb, (const uint16_t*)(kb + params_at) + 2 * row, (int)hd, kv.bits,
                      kbuf + j * hd);
@@ -222,8 +234,8 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
 
 // A decode-shaped task (G <= 4 rows, e.g. one query position and the group's heads): the transposed
 // form would waste most of its lanes, so scores are dot products over head_dim instead (4 keys x G
-// rows of vector accumulators), turned into one vector of kW scores per row by a transpose-add:
-//   a[j][0:kW] = partial sums of q . K_j,   transpose(a)[i] summed over i  ->  s[0:kW]
+// rows of vector accumulators), turned into one vector of kW scores per row by a horizontal-sum fold:
+//   a[j][0:kW] = partial sums of q . K_j,   vhsum(a)[j] = sum of a[j]'s lanes  ->  s[0:kW]
 //
 // Only keys in [split_begin, split_end) are visited. With `partial` set, the unnormalised state of
 // each row r is written to partial[r * (hd + 2) ..] as (m, l, o[0:hd]) instead of the output, for
@@ -282,10 +294,7 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
     }
     const V kpos = viota + vset1((float)c0);
     for (int r = 0; r < G; ++r) {
-      vtranspose(a[r]);
-      V s = a[r][0];
-      for (int i = 1; i < kW; ++i) s = s + a[r][i];
-      s = s * vscale;
+      V s = vhsum(a[r]) * vscale;
       // the last key this row may see here: its own position, or the split's end
       const float last = pos[r] < (float)(key_hi - 1) ? pos[r] : (float)(key_hi - 1);
       if ((float)(c0 + kW - 1) > last || (float)c0 < lo[r]) {
@@ -362,17 +371,39 @@ inline void attend_merge(const float* partial, int splits, int64_t stride, int h
   }
 }
 
-// Decode steps only (every sequence's rows fit one dot-product task): each (sequence, kv head) task
+// The kernel of decode-shaped tasks (up to kMaxRows rows: one or a few query positions and the group's
+// heads), as a policy of the task loops below: begin() / end() run once per thread around its tasks.
+// Here: dot products over head_dim (attend_task_dot). impl_attention_amx.h adds AMX tiles.
+struct DotDecode {
+  static constexpr int kMaxRows = 4;
+  void begin() {}
+  void end() {}
+  void operator()(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
+                  int num_heads, int64_t rho0, float scale, int window, float* out, int64_t split_begin = 0,
+                  int64_t split_end = INT64_MAX, float* partial = nullptr) {
+    switch (rows) {
+      case 1: return attend_task_dot<1>(q, kv, seq, kvh, group, num_heads, rho0, scale, window, out, split_begin, split_end, partial);
+      case 2: return attend_task_dot<2>(q, kv, seq, kvh, group, num_heads, rho0, scale, window, out, split_begin, split_end, partial);
+      case 3: return attend_task_dot<3>(q, kv, seq, kvh, group, num_heads, rho0, scale, window, out, split_begin, split_end, partial);
+      default: return attend_task_dot<4>(q, kv, seq, kvh, group, num_heads, rho0, scale, window, out, split_begin, split_end, partial);
+    }
+  }
+};
+
+// Decode steps only (every sequence's rows fit one decode task): each (sequence, kv head) task
 // is split over its keys so that all threads have work even for one sequence, then merged.
+template <class Decode>
 inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                                 int32_t num_heads, float scale, int32_t window, int splits, float* out) {
   const int group = num_heads / kv.num_kv_heads, hd = kv.head_dim, nkv = kv.num_kv_heads;
-  const int64_t stride = hd + 2, per_task = 4 * stride;  // <= 4 rows per task
+  const int64_t stride = hd + 2, per_task = Decode::kMaxRows * stride;
   const int64_t num_tasks = (int64_t)num_seqs * nkv;
   thread_local ScratchBuffer buffer;
   float* scratch = (float*)buffer.get(sizeof(float) * (size_t)(num_tasks * splits * per_task));
 #pragma omp parallel
   {
+    Decode decode;
+    decode.begin();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t job = 0; job < num_tasks * splits; ++job) {
       const int64_t task = job / splits;
@@ -384,14 +415,9 @@ inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq
       const int64_t last = (int64_t)seq.ctx_len - 1, first = last - (seq.q_len - 1);
       const int64_t begin = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0, count = last + 1 - begin;
       const int64_t b = begin + count * sp / splits, e = begin + count * (sp + 1) / splits;
-      float* part = scratch + job * per_task;
-      switch (rows) {
-        case 1: attend_task_dot<1>(q, kv, seq, kvh, group, num_heads, 0, scale, window, out, b, e, part); break;
-        case 2: attend_task_dot<2>(q, kv, seq, kvh, group, num_heads, 0, scale, window, out, b, e, part); break;
-        case 3: attend_task_dot<3>(q, kv, seq, kvh, group, num_heads, 0, scale, window, out, b, e, part); break;
-        default: attend_task_dot<4>(q, kv, seq, kvh, group, num_heads, 0, scale, window, out, b, e, part); break;
-      }
+      decode(rows, q, kv, seq, kvh, group, num_heads, 0, scale, window, out, b, e, scratch + job * per_task);
     }
+    decode.end();
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < num_tasks; ++task) {
       const int s = (int)(task / nkv), kvh = (int)(task % nkv);
@@ -405,8 +431,11 @@ inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq
   }
 }
 
-void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
-                     float scale, int32_t window, float* out) {
+// Tasks (sequence, kv head, row chunk): decode-shaped ones on the Decode kernel, the others as transposed
+// score tiles (attend_task).
+template <class Decode>
+void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
+                          int32_t num_heads, float scale, int32_t window, float* out) {
   const int group = num_heads / kv.num_kv_heads;
   const int hdp = (kv.head_dim + kW - 1) / kW * kW;
   // decode steps with fewer tasks than twice the threads: split long contexts over the keys
@@ -414,14 +443,15 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
   bool all_decode = nt > 1;
   int64_t max_ctx = 0;
   for (int s = 0; s < num_seqs && all_decode; ++s) {
-    all_decode = seqs[s].q_len * group <= 4;
+    all_decode = seqs[s].q_len * group <= Decode::kMaxRows;
     max_ctx = seqs[s].ctx_len > max_ctx ? seqs[s].ctx_len : max_ctx;
   }
   const int64_t base_tasks = (int64_t)num_seqs * kv.num_kv_heads;
   if (all_decode && base_tasks < 2 * nt) {
     int64_t splits = (2 * nt + base_tasks - 1) / base_tasks;
     splits = splits < max_ctx / kAttnMinSplitKeys ? splits : max_ctx / kAttnMinSplitKeys;
-    if (splits > 1) return attend_decode_split(q, kv, seqs, num_seqs, num_heads, scale, window, (int)splits, out);
+    if (splits > 1)
+      return attend_decode_split<Decode>(q, kv, seqs, num_seqs, num_heads, scale, window, (int)splits, out);
   }
   int rows_per_task = kAttnMaxTaskFloats / hdp / 4 * 4;
   rows_per_task = rows_per_task > kAttnMaxRows ? kAttnMaxRows : rows_per_task < 4 ? 4 : rows_per_task;
@@ -435,33 +465,39 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
     starts[s + 1] = starts[s] + chunks * kv.num_kv_heads;
   }
   const int64_t num_tasks = starts[num_seqs];
-#pragma omp parallel for schedule(dynamic, 1) if (num_tasks > 1)
-  for (int64_t task = 0; task < num_tasks; ++task) {
-    int s = 0;  // binary search: the sequence holding this task
-    for (int lo_s = 0, hi_s = num_seqs - 1; lo_s <= hi_s;) {
-      const int mid = (lo_s + hi_s) / 2;
-      if (starts[mid] <= task) s = mid, lo_s = mid + 1;
-      else hi_s = mid - 1;
-    }
-    const int64_t local = task - starts[s];
-    const int64_t chunks = (starts[s + 1] - starts[s]) / kv.num_kv_heads;
-    // later chunks of a sequence see more keys: hand them out first
-    const int64_t chunk = chunks - 1 - local / kv.num_kv_heads;
-    const int kvh = (int)(local % kv.num_kv_heads);
-    const int64_t total_rows = (int64_t)seqs[s].q_len * group;
-    const int64_t rho0 = chunk * rows_per_task;
-    const int64_t rho1 = rho0 + rows_per_task < total_rows ? rho0 + rows_per_task : total_rows;
-    const int rv = (int)((rho1 - rho0 + kW - 1) / kW);
-    if (rho1 - rho0 <= 4) {
-      switch (rho1 - rho0) {
-        case 1: attend_task_dot<1>(q, kv, seqs[s], kvh, group, num_heads, rho0, scale, window, out); break;
-        case 2: attend_task_dot<2>(q, kv, seqs[s], kvh, group, num_heads, rho0, scale, window, out); break;
-        case 3: attend_task_dot<3>(q, kv, seqs[s], kvh, group, num_heads, rho0, scale, window, out); break;
-        default: attend_task_dot<4>(q, kv, seqs[s], kvh, group, num_heads, rho0, scale, window, out); break;
+#pragma omp parallel if (num_tasks > 1)
+  {
+    Decode decode;
+    decode.begin();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_tasks; ++task) {
+      int s = 0;  // binary search: the sequence holding this task
+      for (int lo_s = 0, hi_s = num_seqs - 1; lo_s <= hi_s;) {
+        const int mid = (lo_s + hi_s) / 2;
+        if (starts[mid] <= task) s = mid, lo_s = mid + 1;
+        else hi_s = mid - 1;
       }
-    } else if (rv == 1) attend_task<1>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, window, out);
-    else if (rv == 2) attend_task<2>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, window, out);
-    else attend_task<3>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, window, out);
+      const int64_t local = task - starts[s];
+      const int64_t chunks = (starts[s + 1] - starts[s]) / kv.num_kv_heads;
+      // later chunks of a sequence see more keys: hand them out first
+      const int64_t chunk = chunks - 1 - local / kv.num_kv_heads;
+      const int kvh = (int)(local % kv.num_kv_heads);
+      const int64_t total_rows = (int64_t)seqs[s].q_len * group;
+      const int64_t rho0 = chunk * rows_per_task;
+      const int64_t rho1 = rho0 + rows_per_task < total_rows ? rho0 + rows_per_task : total_rows;
+      const int rv = (int)((rho1 - rho0 + kW - 1) / kW);
+      if (rho1 - rho0 <= Decode::kMaxRows)
+        decode((int)(rho1 - rho0), q, kv, seqs[s], kvh, group, num_heads, rho0, scale, window, out);
+      else if (rv == 1) attend_task<1>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, window, out);
+      else if (rv == 2) attend_task<2>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, window, out);
+      else attend_task<3>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, window, out);
+    }
+    decode.end();
   }
   if (starts != starts_stack) free(starts);
+}
+
+void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
+                     float scale, int32_t window, float* out) {
+  paged_attention_with<DotDecode>(q, kv, seqs, num_seqs, num_heads, scale, window, out);
 }

@@ -154,6 +154,10 @@ void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* 
       if (kv.bits == 32) {
         memcpy(kb + row * rb, k + src, (size_t)hd * 4);
         memcpy(vb + row * rb, v + src, (size_t)hd * 4);
+      } else if (kv.bits == 16) {  // K rows; V rows of a token pair interleaved (ops.h)
+        uint16_t* kr = (uint16_t*)(kb + row * rb);
+        uint16_t* vr = (uint16_t*)vb + (h * (bs / 2) + offset / 2) * hd * 2 + (offset & 1);
+        for (int64_t d = 0; d < hd; ++d) kr[d] = bf16_bits(k[src + d]), vr[2 * d] = bf16_bits(v[src + d]);
       } else {
         kv_quant_row(k + src, (int)hd, kv.bits, (uint8_t*)kb + row * rb, (uint16_t*)(kb + nkv * bs * rb) + 2 * row);
         kv_quant_row(v + src, (int)hd, kv.bits, (uint8_t*)vb + row * rb, (uint16_t*)(vb + nkv * bs * rb) + 2 * row);

@@ -135,17 +135,11 @@ struct alignas(64) AmxTileConfig {  // the 64-byte operand of LDTILECFG (palette
   uint16_t colsb[16];
   uint8_t rows[16];
 };
+// Tiles 0-7: 16 rows of 64 bytes. In static storage: GCC's _tile_loadconfig tells the compiler it reads only
+// the first 8 bytes of its operand, so the stores that build a config on the stack can be dropped as dead.
+constexpr AmxTileConfig kAmxTileConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
-LMKIT_AMX inline void amx_configure() {
-  AmxTileConfig cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = (uint8_t)kAmxRows;
-  }
-  _tile_loadconfig(&cfg);
-}
+LMKIT_AMX inline void amx_configure() { _tile_loadconfig(&kAmxTileConfig); }
 
 // cbuf[16 MT][32] = xp rows [0, 16 MT) . panel (all R pair rows); xp rows are ldp pairs apart (ldp a
 // multiple of 16, zero past R).

@@ -11,6 +11,7 @@ namespace {
 #include "kernels/cpu/impl_linear.h"
 #include "kernels/cpu/impl_linear_bf16.h"
 #include "kernels/cpu/impl_attention.h"
+#include "kernels/cpu/impl_attention_amx.h"
 }  // namespace
 }  // namespace LMKIT_ISA
 
@@ -21,17 +22,20 @@ namespace {
 #endif
 #if defined(__AVX512F__) && defined(LMKIT_HAVE_AMX)
 #define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16, &LMKIT_ISA::linear_bf16_amx
+#define LMKIT_ISA_ATTN_AMX &LMKIT_ISA::paged_attention_amx
 #elif defined(__AVX512F__)
 #define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16, nullptr
+#define LMKIT_ISA_ATTN_AMX nullptr
 #else
 #define LMKIT_ISA_BF16 nullptr, nullptr
+#define LMKIT_ISA_ATTN_AMX nullptr
 #endif
 
 const KernelTable* LMKIT_ISA_TABLE() {
   static const KernelTable table = {
       LMKIT_ISA_NAME,         &LMKIT_ISA::embedding, &LMKIT_ISA::rmsnorm, &LMKIT_ISA::add_rmsnorm,
       &LMKIT_ISA::linear,     &LMKIT_ISA::linear_int4, LMKIT_ISA_Q8, LMKIT_ISA_BF16, &LMKIT_ISA::rope,      &LMKIT_ISA::silu_mul, &LMKIT_ISA::kv_write,
-      &LMKIT_ISA::paged_attention,
+      &LMKIT_ISA::paged_attention, LMKIT_ISA_ATTN_AMX,
   };
   return &table;
 }

@@ -46,6 +46,10 @@ struct KernelTable {
   void (*kv_write)(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n);
   void (*paged_attention)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                           int32_t num_heads, float scale, int32_t sliding_window, float* out);
+  // the same over a bf16 pool (bits 16) with decode-shaped tasks on AMX tiles; nullptr where this build has
+  // none; dispatch.cpp calls it only once the process may use the tiles, for head_dim and block_size % 32 == 0
+  void (*paged_attention_amx)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
+                              int32_t num_heads, float scale, int32_t sliding_window, float* out);
 };
 
 // Tables of the instruction sets compiled into this build (isa_*.cpp). Call only when the CPU has the ISA.
@@ -59,8 +63,8 @@ const KernelTable* avx512_table();
 // force_isa makes every ops:: call use that table (false, and nothing changes, when it cannot run here).
 const KernelTable* table_for(const char* isa);
 bool force_isa(const char* isa);
-// Whether linear layers over bf16 pair panels may use AMX tiles (default: yes, where the CPU and OS allow);
-// returns whether they will. For tests and benchmarks that compare the two bf16 kernels.
+// Whether bf16 linear layers and attention over a bf16 KV cache may use AMX tiles (default: yes, where the
+// CPU and OS allow); returns whether they will. For tests and benchmarks that compare the kernels.
 bool use_amx(bool enabled);
 
 }  // namespace lmkit::ops::cpu

@@ -82,16 +82,30 @@ namespace {
 int64_t kv_row_offset(const KVLayer& kv, int64_t block, int64_t h, int64_t off) {
   return block * kv.block_bytes() + (h * kv.block_size + off) * kv.row_bytes();
 }
+// bits 16: element d of token `off` of kv head h: K rows [h][off][d]; V rows of a token pair interleaved,
+// [h][off / 2][d][off % 2] (ops.h).
+uint16_t* bf16_element(const KVLayer& kv, bool is_v, int64_t block, int64_t h, int64_t off, int64_t d) {
+  uint16_t* b = (uint16_t*)((char*)(is_v ? kv.v : kv.k) + block * kv.block_bytes());
+  const int64_t hd = kv.head_dim, bs = kv.block_size;
+  if (!is_v) return b + (h * bs + off) * hd + d;
+  return b + ((h * (bs / 2) + off / 2) * hd + d) * 2 + off % 2;
+}
+
 int64_t kv_params_offset(const KVLayer& kv, int64_t block, int64_t h, int64_t off) {
   return block * kv.block_bytes() + (int64_t)kv.num_kv_heads * kv.block_size * kv.row_bytes() +
          (h * kv.block_size + off) * 4;
 }
 
-void write_row(const KVLayer& kv, void* base, int64_t block, int64_t h, int64_t off, const float* x) {
+void write_row(const KVLayer& kv, bool is_v, int64_t block, int64_t h, int64_t off, const float* x) {
   const int64_t hd = kv.head_dim;
+  void* base = is_v ? kv.v : kv.k;
   char* row = (char*)base + kv_row_offset(kv, block, h, off);
   if (kv.bits == 32) {
     for (int64_t d = 0; d < hd; ++d) ((float*)row)[d] = x[d];
+    return;
+  }
+  if (kv.bits == 16) {
+    for (int64_t d = 0; d < hd; ++d) *bf16_element(kv, is_v, block, h, off, d) = f32_to_bf16(x[d]);
     return;
   }
   // straight from the definition: fp16 scale and zero, round half to even, clamp
@@ -117,6 +131,7 @@ double kv_value(const KVLayer& kv, bool is_v, int64_t block, int64_t h, int64_t 
   const char* base = (const char*)(is_v ? kv.v : kv.k);
   const char* row = base + kv_row_offset(kv, block, h, off);
   if (kv.bits == 32) return ((const float*)row)[d];
+  if (kv.bits == 16) return bf16_to_f32(*bf16_element(kv, is_v, block, h, off, d));
   const uint16_t* params = (const uint16_t*)(base + kv_params_offset(kv, block, h, off));
   const int64_t half = kv.head_dim / 2;
   const uint8_t b = ((const uint8_t*)row)[kv.bits == 8 ? d : d % half];
@@ -130,8 +145,8 @@ void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* 
     if (slots[t] < 0) continue;
     const int64_t block = slots[t] / bs, offset = slots[t] % bs;
     for (int64_t h = 0; h < nkv; ++h) {
-      write_row(kv, kv.k, block, h, offset, k + (t * nkv + h) * hd);
-      write_row(kv, kv.v, block, h, offset, v + (t * nkv + h) * hd);
+      write_row(kv, false, block, h, offset, k + (t * nkv + h) * hd);
+      write_row(kv, true, block, h, offset, v + (t * nkv + h) * hd);
     }
   }
 }

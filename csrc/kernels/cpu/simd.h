@@ -27,6 +27,11 @@ inline V vload_f16_n(const uint16_t* p, int n) {
 inline V bf16_widen(__m256i h) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))}; }
 inline V vload_bf16(const uint16_t* p) { return bf16_widen(_mm256_loadu_si256((const __m256i*)p)); }
 inline V vload_bf16_n(const uint16_t* p, int n) { return bf16_widen(_mm256_maskz_loadu_epi16(lanes(n), p)); }
+// Lanes i < n: the low (odd = 0) or high (odd = 1) bf16 of the 32-bit word p[i], as fp32 (0 past n).
+inline V vload_bf16_half_n(const uint32_t* p, int odd, int n) {
+  const __m512i w = _mm512_maskz_loadu_epi32(lanes(n), p);
+  return {_mm512_castsi512_ps(odd ? _mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)) : _mm512_slli_epi32(w, 16))};
+}
 inline V operator+(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V operator-(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline V operator*(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -64,28 +69,18 @@ inline void vload_dword_nibbles(const uint8_t* p, int shift, V& lo, V& hi) {
   hi.v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, 4), m));
 }
 // In place: r[j] <- column j of the 16 x 16 matrix whose rows are r[0..15].
-inline void vtranspose(V r[16]) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i].v, r[2 * i + 1].v);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i].v, r[2 * i + 1].v);
-  }
-  // u[4g + c], 128-bit chunk q: rows 4g..4g+3 of column 4q + c
-  for (int g = 0; g < 4; ++g) {
-    u[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
-    u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
-    u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
-    u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512 v = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), w = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
-    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88),
-                 w2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
-    r[c].v = _mm512_shuffle_f32x4(v, v2, 0x88);
-    r[8 + c].v = _mm512_shuffle_f32x4(v, v2, 0xDD);
-    r[4 + c].v = _mm512_shuffle_f32x4(w, w2, 0x88);
-    r[12 + c].v = _mm512_shuffle_f32x4(w, w2, 0xDD);
-  }
+// Lane i of the result = the sum of the lanes of r[i] (16 horizontal sums at once): pairs of vectors are
+// folded into one at every level (unpack, in-lane shuffle, 128-bit chunk shuffles: 30 shuffles and 15 adds,
+// where transposing first takes 64 shuffles).
+inline V vhsum(const V r[16]) {
+  __m512 t[8], w[4];
+  for (int k = 0; k < 8; ++k)  // chunk c of t[k]: [x4c+x4c+2, y4c+y4c+2, x4c+1+x4c+3, y4c+1+y4c+3], x = r[2k], y = r[2k+1]
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(r[2 * k].v, r[2 * k + 1].v), _mm512_unpackhi_ps(r[2 * k].v, r[2 * k + 1].v));
+  for (int m = 0; m < 4; ++m)  // position p of chunk c of w[m]: chunk c's sum of r[4m + p]
+    w[m] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * m], t[2 * m + 1], 0x44), _mm512_shuffle_ps(t[2 * m], t[2 * m + 1], 0xEE));
+  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xEE));
+  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xEE));
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD))};
 }
 
 #elif defined(__AVX2__)
@@ -113,6 +108,11 @@ inline V vload_f16_n(const uint16_t* p, int n) { return {_mm256_cvtph_ps(load_u1
 inline V bf16_widen(__m128i h) { return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))}; }
 inline V vload_bf16(const uint16_t* p) { return bf16_widen(_mm_loadu_si128((const __m128i*)p)); }
 inline V vload_bf16_n(const uint16_t* p, int n) { return bf16_widen(load_u16_n(p, n)); }
+// Lanes i < n: the low (odd = 0) or high (odd = 1) bf16 of the 32-bit word p[i], as fp32 (0 past n).
+inline V vload_bf16_half_n(const uint32_t* p, int odd, int n) {
+  const __m256i w = _mm256_maskload_epi32((const int*)p, lanes(n));
+  return {_mm256_castsi256_ps(odd ? _mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)) : _mm256_slli_epi32(w, 16))};
+}
 inline V operator+(V a, V b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline V operator-(V a, V b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline V operator*(V a, V b) { return {_mm256_mul_ps(a.v, b.v)}; }
@@ -158,22 +158,14 @@ inline void vload_dword_nibbles(const uint8_t* p, int shift, V& lo, V& hi) {
   hi.v = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d, 4), m));
 }
 // In place: r[j] <- column j of the 8 x 8 matrix whose rows are r[0..7].
-inline void vtranspose(V r[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i].v, r[2 * i + 1].v);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i].v, r[2 * i + 1].v);
-  }
-  for (int g = 0; g < 2; ++g) {  // u[4g + c], 128-bit lane q: rows 4g..4g+3 of column 4q + c
-    u[4 * g + 0] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
-    u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
-    u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
-    u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    r[c].v = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
-    r[4 + c].v = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
-  }
+// Lane i of the result = the sum of the lanes of r[i] (see the AVX-512 version: 14 shuffles and 7 adds).
+inline V vhsum(const V r[8]) {
+  __m256 t[4], w[2];
+  for (int k = 0; k < 4; ++k)
+    t[k] = _mm256_add_ps(_mm256_unpacklo_ps(r[2 * k].v, r[2 * k + 1].v), _mm256_unpackhi_ps(r[2 * k].v, r[2 * k + 1].v));
+  for (int m = 0; m < 2; ++m)
+    w[m] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * m], t[2 * m + 1], 0x44), _mm256_shuffle_ps(t[2 * m], t[2 * m + 1], 0xEE));
+  return {_mm256_add_ps(_mm256_permute2f128_ps(w[0], w[1], 0x20), _mm256_permute2f128_ps(w[0], w[1], 0x31))};
 }
 
 #else  // generic: GCC/Clang vector extensions
@@ -238,6 +230,15 @@ inline V vload_bf16_n(const uint16_t* p, int n) {
   return r;
 }
 inline V vload_bf16(const uint16_t* p) { return vload_bf16_n(p, 4); }
+// Lanes i < n: the low (odd = 0) or high (odd = 1) bf16 of the 32-bit word p[i], as fp32 (0 past n).
+inline V vload_bf16_half_n(const uint32_t* p, int odd, int n) {
+  V r = vzero();
+  for (int i = 0; i < n; ++i) {
+    const uint32_t bits = odd ? (p[i] & 0xffff0000u) : (p[i] << 16);
+    memcpy(&r.v[i], &bits, 4);
+  }
+  return r;
+}
 inline V operator+(V a, V b) { return {a.v + b.v}; }
 inline V operator-(V a, V b) { return {a.v - b.v}; }
 inline V operator*(V a, V b) { return {a.v * b.v}; }
@@ -274,15 +275,20 @@ inline void vload_dword_nibbles(const uint8_t* p, int shift, V& lo, V& hi) {
     lo.v[i] = (float)((d >> shift) & 15), hi.v[i] = (float)((d >> (shift + 4)) & 15);
   }
 }
-// In place: r[j] <- column j of the 4 x 4 matrix whose rows are r[0..3].
-inline void vtranspose(V r[4]) {
-  V c[4];
-  for (int j = 0; j < 4; ++j)
-    for (int i = 0; i < 4; ++i) c[j].v[i] = r[i].v[j];
-  for (int j = 0; j < 4; ++j) r[j] = c[j];
-}
+// Lane i of the result = the sum of the lanes of r[i].
+inline V vhsum(const V r[4]) { return {vf4{vsum(r[0]), vsum(r[1]), vsum(r[2]), vsum(r[3])}}; }
 
 #endif
+
+// fp32 -> bf16 bits, round to nearest even, NaN kept NaN (an own copy of dtype.h's f32_to_bf16, which is
+// not inline-safe here): the bf16 KV cache.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
 
 // Bytes of one stored element (an own copy of dtype_size_bytes, which is not inline-safe here).
 inline int64_t elem_bytes(DType dt) { return dt == DType::F32 ? 4 : 2; }
