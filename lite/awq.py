@@ -4,14 +4,15 @@
     calibration windows X [samples, seq] -> embeddings X0 [samples, seq, hidden] (fp32)
     for each decoder layer (only this layer's weights and one activation buffer in memory):
       1 fp pass over all windows; observer hooks gather per-group input statistics (mean |x|,
-        per-group second moments; the full second moment with --rounding gptq)
+        per-group second moments; the full second moment for GPTQ rounding)
       2 per smoothing group: grid-search the scale exponent by block-output MSE on the search windows
         (the identity is a candidate too: smoothing never scores worse than none)
       3 fold the chosen scales into the previous norm / linear (fp function unchanged)
       4 per linear: clipping search by exact per-group output error over all calibration tokens
         (q_proj/k_proj are left out, as in AutoAWQ; --clip-qk includes them)
-      5 int4 (asymmetric, zeros): round-to-nearest in the clipped ranges (default), optionally with a
-        least-squares refinement of (scale, zero) (--refine) or GPTQ rounding (--rounding gptq)
+      5 int4 (asymmetric, zeros) in the clipped ranges: GPTQ error-compensating rounding under the smoothed
+        inputs' second moments (default), or round-to-nearest (--rounding nearest, plain AWQ), optionally
+        with a least-squares refinement of (scale, zero) (--refine)
       6 next layer's input: this layer's output with its quantized weights (--propagate fp: fp output)
     checkpoint + search results -> temp folder -> marker -> rename to work_dir
 
@@ -33,9 +34,9 @@ from torch import nn
 from lmkit.lite import export
 from lmkit.lite.apply import can_absorb, fold_scales
 from lmkit.lite.awq_maps import AwqMap
-from lmkit.lite.calib import calibration_windows
+from lmkit.lite.calib import mixed_windows
 from lmkit.lite.config import AwqConfig, PplConfig, resolve_device
-from lmkit.lite.corpora import calibration_corpus
+from lmkit.lite.corpora import calibration_corpora
 from lmkit.lite.gptq import gptq_quantize
 from lmkit.lite.layerwise import LayerwiseModel
 from lmkit.lite.observer import GroupInputObserver
@@ -312,9 +313,8 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
             reporter.phase(f"tokenizing calibration data ({config.calib_dataset})")
             tokenizer = AutoTokenizer.from_pretrained(source)
             seqlen = min(config.calib_seqlen, lw.max_seqlen) if lw.max_seqlen else config.calib_seqlen
-            docs = calibration_corpus(config.calib_dataset)
-            windows = calibration_windows(tokenizer, docs, config.calib_samples, seqlen, config.seed,
-                                          source=f"calibration dataset {config.calib_dataset!r}")
+            windows = mixed_windows(tokenizer, calibration_corpora(config.calib_dataset), config.calib_samples,
+                                    seqlen, config.seed)
             x = lw.embed(windows)
         phase_seconds["prepare"] = time.perf_counter() - t
 

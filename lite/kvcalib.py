@@ -35,9 +35,9 @@ from typing import Protocol
 
 import torch
 
-from lmkit.lite.calib import CalibrationDataError, calibration_windows
+from lmkit.lite.calib import CalibrationDataError, mixed_windows
 from lmkit.lite.config import KvCalibConfig, resolve_device
-from lmkit.lite.corpora import calibration_corpus, drop_shared_text, evaluation_corpus
+from lmkit.lite.corpora import calibration_corpora, drop_shared_text, evaluation_corpus
 
 POLICY_FILE = "kv_policy.json"
 
@@ -233,11 +233,15 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
     reporter.phase(f"tokenizing {config.calib_dataset} (calibration) and {config.eval_dataset} (evaluation)")
     tokenizer = AutoTokenizer.from_pretrained(source)
     eval_ids = evaluation_tokens(tokenizer, config.eval_dataset, config.eval_max_tokens)
-    calib_docs, num_dropped = drop_shared_text(calibration_corpus(config.calib_dataset),
-                                               evaluation_corpus(config.eval_dataset))
-    if not calib_docs:
-        raise CalibrationDataError(f"calibration dataset {config.calib_dataset!r} shares all its text with the "
-                                   f"evaluation dataset {config.eval_dataset!r}: calibrate on other text")
+    eval_docs = evaluation_corpus(config.eval_dataset)
+    calib_corpora, num_dropped = [], 0
+    for name, docs in calibration_corpora(config.calib_dataset):
+        kept, dropped = drop_shared_text(docs, eval_docs)
+        if not kept:
+            raise CalibrationDataError(f"calibration dataset {name!r} shares all its text with the evaluation "
+                                       f"dataset {config.eval_dataset!r}: calibrate on other text")
+        calib_corpora.append((name, kept))
+        num_dropped += dropped
 
     reporter.phase("loading the model")
     lm = load_causal_lm(source, device)
@@ -246,8 +250,7 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
     num_layers = description["num_layers"]
     max_seqlen = int(getattr(lm.config, "max_position_embeddings", 0) or 0)
     seqlen = min(config.calib_seqlen, max_seqlen) if max_seqlen else config.calib_seqlen
-    windows = calibration_windows(tokenizer, calib_docs, config.calib_samples, seqlen, config.seed,
-                                  source=f"calibration dataset {config.calib_dataset!r}")
+    windows = mixed_windows(tokenizer, calib_corpora, config.calib_samples, seqlen, config.seed)
 
     phase_seconds = {"prepare": time.perf_counter() - start}
     t = time.perf_counter()

@@ -1,0 +1,82 @@
+"""AutoAWQ (the peer of `lmkit lite awq`) on given calibration windows, in the interpreter that has it.
+
+    PYTHON_WITH_AUTOAWQ benchmark/run_autoawq.py SOURCE WINDOWS.json OUT --group-size 64
+
+Run by `benchmark/eval_awq.py --autoawq-python PY`, which writes WINDOWS.json (lmkit's own calibration
+windows, token ids [samples][seqlen]) so that both tools see the same text, and then scores OUT with
+lmkit's torch perplexity path. AutoAWQ 0.2.9 (the last release; upstream has deprecated it) needs
+transformers 4.51 (it imports Qwen3 classes and helpers later releases removed), so it lives in its own
+environment, e.g.:
+
+    python -m venv --system-site-packages /tmp/awqvenv
+    /tmp/awqvenv/bin/pip install --no-deps autoawq==0.2.9
+    /tmp/awqvenv/bin/pip install "transformers==4.51.3" "tokenizers>=0.21,<0.22" zstandard "datasets<4"
+
+As shipped it writes a broken checkpoint on the CPU: its quantizer keeps the block's weights before a scale
+candidate as `{k: v.cpu() ...}`, which on the CPU is the same tensor, so the in-place scaling is never undone
+(perplexity ~116,000 on SmolLM2). This script applies the one-line fix (a copy) before quantizing and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+
+def fix_cpu_state_copy() -> bool:
+    """Patches AwqQuantizer._search_best_scale so the saved state dict is a copy; False if the bug is gone."""
+    from awq.quantize import quantizer
+
+    source = inspect.getsource(quantizer.AwqQuantizer._search_best_scale)
+    bug = "org_sd = {k: v.cpu() for k, v in module2inspect.state_dict().items()}"
+    if bug not in source:
+        return False
+    import textwrap
+
+    fixed = textwrap.dedent(source).replace(bug, "org_sd = {k: v.cpu().clone() for k, v in module2inspect.state_dict().items()}")
+    namespace: dict = {}
+    exec(compile(fixed, quantizer.__file__, "exec"), quantizer.__dict__, namespace)
+    quantizer.AwqQuantizer._search_best_scale = namespace["_search_best_scale"]
+    return True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("source", type=Path)
+    ap.add_argument("windows", type=Path, help="JSON [samples][seqlen] token ids")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    import awq
+    import torch
+    from awq import AutoAWQForCausalLM
+    from transformers import PreTrainedTokenizerFast
+
+    torch.set_num_threads(args.threads)
+    fixed = fix_cpu_state_copy()
+    print(f"autoawq {getattr(awq, '__version__', '?')}; CPU state-copy fix applied: {fixed}", flush=True)
+    windows = json.loads(args.windows.read_text())
+    model = AutoAWQForCausalLM.from_pretrained(str(args.source), torch_dtype=torch.float32, device_map="cpu")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(args.source / "tokenizer.json"))  # ids are given
+    start = time.perf_counter()
+    model.quantize(tokenizer, quant_config={"zero_point": True, "q_group_size": args.group_size, "w_bit": 4,
+                                            "version": "GEMM"},
+                   calib_data=windows, max_calib_samples=len(windows), max_calib_seq_len=len(windows[0]))
+    seconds = time.perf_counter() - start
+    model.save_quantized(str(args.out))
+    for f in args.source.iterdir():  # the tokenizer as the source has it (transformers 4.51 would rewrite it)
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            shutil.copy(f, args.out / f.name)
+    print(json.dumps({"quantize_seconds": round(seconds, 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
