@@ -21,7 +21,8 @@ class EngineConfig:
     (once, at load) and activations to bfloat16 and sum products in float32 (vdpbf16ps), up to twice the
     speed of compute-bound steps (prefill, large batches), on AMX tiles where the CPU has AMX-BF16 (Sapphire
     Rapids and later: several times that); the KV cache at quant_policy 0 is bfloat16 too (half the bytes
-    of float32, so twice the tokens); norms, attention arithmetic and sampling stay float32. Logits then
+    of float32, so twice the tokens; float32 for an odd cache_block_seq_len or head_dim, or head_dim > 256);
+    norms, attention arithmetic and sampling stay float32. Logits then
     differ from float32 by ~1e-2 relative, as in any bf16 engine."""
     max_batch_size: int = 64
     """Requests running at once at most; more wait in FCFS order."""
@@ -68,9 +69,6 @@ class EngineConfig:
         check(self.cache_max_entry_count > 0,
               f"cache_max_entry_count must be > 0 (a fraction of free memory, or a block count > 1), "
               f"got {self.cache_max_entry_count!r}")
-        check(self.dtype != "bfloat16" or self.cache_block_seq_len % 2 == 0,
-              f"dtype='bfloat16' keeps the KV cache in bfloat16, stored by token pairs: cache_block_seq_len must "
-              f"be even, got {self.cache_block_seq_len}")
         check(isinstance(self.max_prefill_token_num, int) and self.max_prefill_token_num >= 1,
               f"max_prefill_token_num must be an integer >= 1, got {self.max_prefill_token_num!r}")
         check(self.quant_policy in (0, 4, 8), f"quant_policy must be 0, 4 or 8, got {self.quant_policy!r}")

@@ -82,7 +82,6 @@ def test_impossible_generation_parameters(kwargs, match):
         (dict(device="cuda", dtype="float32"), "CUDA backend computes in float16"),
         (dict(device="cuda", dtype="bfloat16"), "CUDA backend computes in float16"),
         (dict(dtype="float16"), "dtype must be auto, float32 or bfloat16"),
-        (dict(dtype="bfloat16", cache_block_seq_len=15), "cache_block_seq_len must be even"),
     ],
 )
 def test_impossible_engine_config(kwargs, match):

@@ -165,8 +165,8 @@ struct AttnSeq {
 //   query head h reads kv head h / (num_heads / num_kv_heads) (GQA);
 //   a query at position p sees keys at positions k <= p, and when sliding_window > 0 only p - k < sliding_window.
 //   out = softmax(scale * q . K^T) V, computed with an online softmax in fp32.
-//   Over a bf16 pool on AMX tiles (bf16_amx_available), decode-shaped tasks round q and the softmax weights
-//   to bf16 (fp32 sums): ~2e-3 relative to the exact result over the pool's values.
+//   Over a bf16 pool on AMX tiles (bf16_amx_available), decode-shaped tasks round the softmax weights to bf16
+//   (fp32 sums): up to ~3e-3 relative (per output row) to the exact result over the pool's values.
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                      int32_t num_heads, float scale, int32_t sliding_window, float* out);
 

@@ -76,11 +76,10 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, cons
   for (int32_t l = 0; l < config.num_layers; ++l) {
     int32_t& bits = options_.kv_bits[l];
     LMKIT_CHECK_ARG(bits == 32 || bits == 8 || bits == 4, "layer ", l, ": KV bits must be 32, 8 or 4, got ", bits);
-    if (bits == 32 && options_.bf16_linear) {  // "full precision" KV is the compute dtype: bf16 (ops.h layout)
-      LMKIT_CHECK_ARG(options_.block_size_tokens % 2 == 0, "dtype='bfloat16' keeps the KV cache in bf16, stored "
-                      "by token pairs: cache_block_seq_len must be even, got ", options_.block_size_tokens);
+    // "full precision" KV is the compute dtype, bf16, where its layout fits (V by token pairs, ops.h); else fp32
+    if (bits == 32 && options_.bf16_linear && options_.block_size_tokens % 2 == 0 && config.head_dim % 2 == 0 &&
+        config.head_dim <= ops::kKVQuantMaxHeadDim)
       bits = 16;
-    }
     LMKIT_CHECK_ARG(bits == 32 || (config.head_dim % 2 == 0 && config.head_dim <= ops::kKVQuantMaxHeadDim),
                     "a bf16 or quantized KV cache needs an even head_dim <= ", ops::kKVQuantMaxHeadDim,
                     ", the model has ", config.head_dim);

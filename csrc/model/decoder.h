@@ -19,7 +19,7 @@ struct DecoderOptions {
   int32_t num_threads = 0;         // 0: all cores
   bool awq_int8_activations = true;  // ops::LinearWeight::int8_activations of every AWQ layer
   bool bf16_linear = false;          // dense linear layers packed as bf16 pairs (ops::pack_linear_bf16)
-  std::vector<int32_t> kv_bits;    // per layer: 32 (fp32; bf16 with bf16_linear), 8 or 4 (quantized KV); empty: 32
+  std::vector<int32_t> kv_bits;    // per layer: 32 (fp32; bf16 with bf16_linear where it fits), 8 or 4; empty: 32
   std::vector<int32_t> eos_token_ids;
   int32_t max_blocks_per_seq = 0;  // ceil(session_len / block size): the CUDA graphs' fixed block tables
   bool cuda_graphs = true;         // CUDA backend: decode steps as CUDA graphs

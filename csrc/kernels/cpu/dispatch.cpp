@@ -538,9 +538,11 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
       LMKIT_CHECK(a.block_table[b] >= 0 && a.block_table[b] < kv.num_blocks, "paged_attention: sequence ", s,
                   " block_table[", b, "] = ", a.block_table[b], " is outside the pool (", kv.num_blocks, " blocks)");
   }
-  const cpu::KernelTable* amx = cpu::g_amx_enabled.load(std::memory_order_relaxed) ? cpu::amx_table() : nullptr;
-  if (amx != nullptr && amx->paged_attention_amx != nullptr && kv.bits == 16 && kv.head_dim % 32 == 0 &&
-      kv.block_size % 32 == 0)
+  // the cheap conditions first: amx_table() asks the OS for the tile registers on its first call
+  const bool tiles_fit = kv.bits == 16 && kv.head_dim % 32 == 0 && kv.block_size % 32 == 0;
+  const cpu::KernelTable* amx =
+      tiles_fit && cpu::g_amx_enabled.load(std::memory_order_relaxed) ? cpu::amx_table() : nullptr;
+  if (amx != nullptr && amx->paged_attention_amx != nullptr)
     amx->paged_attention_amx(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out);
   else
     cpu::active().paged_attention(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out);

@@ -159,6 +159,7 @@ LMKIT_AMX inline void amx_block(const uint32_t* xp, int64_t ldp, const uint8_t* 
       memcpy(btail, b, (size_t)(tail * 128));
       memset(btail + tail * 128, 0, (size_t)((kAmxRows - tail) * 128));
       b = btail;
+      asm volatile("" ::: "memory");
     }
     _tile_loadd(4, xp + c * kAmxRows, lda);
     _tile_loadd(6, b, 128);
@@ -213,6 +214,7 @@ LMKIT_AMX void linear_bf16_amx(const float* x, int64_t M, const void* w, int64_t
       memset(row + done, 0, (size_t)((ldp - done) * 4));
     }
 #pragma omp barrier
+    asm volatile("" ::: "memory");  // GCC's _tile_loadd has no memory operand: keep the stores to xp before it
     amx_configure();
     alignas(64) float cbuf[2 * kAmxRows * kPanel];
     alignas(64) float bias_tile[kPanel];

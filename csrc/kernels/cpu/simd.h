@@ -68,7 +68,6 @@ inline void vload_dword_nibbles(const uint8_t* p, int shift, V& lo, V& hi) {
   lo.v = _mm512_cvtepi32_ps(_mm512_and_si512(d, m));
   hi.v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, 4), m));
 }
-// In place: r[j] <- column j of the 16 x 16 matrix whose rows are r[0..15].
 // Lane i of the result = the sum of the lanes of r[i] (16 horizontal sums at once): pairs of vectors are
 // folded into one at every level (unpack, in-lane shuffle, 128-bit chunk shuffles: 30 shuffles and 15 adds,
 // where transposing first takes 64 shuffles).
@@ -157,7 +156,6 @@ inline void vload_dword_nibbles(const uint8_t* p, int shift, V& lo, V& hi) {
   lo.v = _mm256_cvtepi32_ps(_mm256_and_si256(d, m));
   hi.v = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d, 4), m));
 }
-// In place: r[j] <- column j of the 8 x 8 matrix whose rows are r[0..7].
 // Lane i of the result = the sum of the lanes of r[i] (see the AVX-512 version: 14 shuffles and 7 adds).
 inline V vhsum(const V r[8]) {
   __m256 t[4], w[2];
