@@ -231,14 +231,25 @@ def test_kv_byte_budget_capacity(tmp_path):
 
 
 def test_smollm2_int8_kv_greedy_agrees_with_fp(smollm2_path):
-    """Greedy SmolLM2 with int8 KV against fp KV: the first 32 tokens match on most prompts."""
+    """SmolLM2 with int8 KV against fp KV, teacher-forced on fp's own greedy continuations (free-running
+    greedy text diverges for good at the first near-tie, so whole-sequence equality measures luck): the
+    next-token argmax agrees at nearly every position and the distributions stay close."""
     prompts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
                "List three primary colors:", "Explain what a CPU cache is in one sentence."]
-    gen = GenerationConfig(max_new_tokens=32, ignore_eos=True)
-    outs = {}
+    with pipeline(smollm2_path, EngineConfig(device="cpu", cache_max_entry_count=64)) as pipe:
+        texts = [pipe.encode(p) + r.token_ids
+                 for p, r in zip(prompts, pipe(prompts, GenerationConfig(max_new_tokens=32, ignore_eos=True)))]
+    forced = GenerationConfig(max_new_tokens=1, output_logits=True, ignore_eos=True)
+    rows = {}
     for bits in (0, 8):
-        config = EngineConfig(device="cpu", cache_max_entry_count=64, quant_policy=bits)
-        with pipeline(smollm2_path, config) as pipe:
-            outs[bits] = [r.token_ids for r in pipe(prompts, gen)]
-    same = sum(a == b for a, b in zip(outs[0], outs[8]))
-    assert same >= 3, f"{same}/5 prompts agree on 32 greedy tokens"  # measured 3/5 here, 11/20 chat prompts
+        with pipeline(smollm2_path, EngineConfig(device="cpu", cache_max_entry_count=64, quant_policy=bits)) as pipe:
+            rows[bits] = [np.asarray(r.logits, dtype=np.float64)[-33:-1] for r in pipe(texts, forced)]
+    fp, q = np.concatenate(rows[0]), np.concatenate(rows[8])
+    agree = float((fp.argmax(1) == q.argmax(1)).mean())
+    logp = fp - fp.max(1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(1, keepdims=True))
+    logq = q - q.max(1, keepdims=True)
+    logq -= np.log(np.exp(logq).sum(1, keepdims=True))
+    kl = float((np.exp(logp) * (logp - logq)).sum(1).mean())
+    # measured: int8 98.8% agreement, KL 3.4e-4 nats; int4 KV would fail this bound (81.9%, 0.137)
+    assert agree >= 0.95 and kl < 0.01, (agree, kl)
