@@ -82,6 +82,8 @@ setup(
         # lmkit.serve: the OpenAI-compatible api_server, the proxy, lmkit chat
         "fastapi",
         "uvicorn",
+        "uvloop; sys_platform != 'win32'",  # a libuv event loop for the servers (uvicorn[standard] brings both)
+        "httptools",  # uvicorn's C HTTP parser
         "pydantic>=2",
         "httpx",
         "prometheus-client",

@@ -264,9 +264,9 @@ def create_proxy_app(config: ProxyConfig | None = None) -> Gate:
 
 
 def run_proxy(config: ProxyConfig, log_level: str = "info") -> None:
-    from lmkit.serve.api_server import serve_app
+    from lmkit.serve.api_server import run_event_loop, serve_app
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("proxy at http://%s:%d, strategy %s, nodes %s", config.host, config.port, config.strategy,
              list(config.nodes))
-    asyncio.run(serve_app(create_proxy_app(config), config.host, config.port, log_level))
+    run_event_loop(serve_app(create_proxy_app(config), config.host, config.port, log_level))
