@@ -4,6 +4,7 @@ goes on. ``prompt=...`` answers one message on stdout and returns (for scripts).
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from lmkit.config import EngineConfig
@@ -58,6 +59,10 @@ def _interactive(pipe, gen: GenerationConfig, base: list[dict], console, err) ->
     from rich.live import Live
     from rich.markdown import Markdown
 
+    # A shell starts background jobs with SIGINT ignored, and Python then leaves it ignored: Ctrl-C would
+    # never reach the answer it is meant to stop. The chat is interactive, so it takes Ctrl-C back.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     name = pipe.engine.model_path.name
     console.print(f"[bold]lmkit chat[/bold] with [cyan]{name}[/cyan]  [dim]({HELP})[/dim]")
     history = list(base)

@@ -45,7 +45,9 @@ def read_until(p: subprocess.Popen, text: str, timeout_s: float) -> str:
     seen = ""
     deadline = time.monotonic() + timeout_s
     while text not in seen:
-        assert time.monotonic() < deadline and p.poll() is None, f"never saw {text!r}: {seen!r} {p.stderr.read()}"
+        if time.monotonic() >= deadline or p.poll() is not None:
+            p.kill()  # before reading its stderr, which would otherwise block until the chat exits
+            raise AssertionError(f"never saw {text!r}: {seen!r} {p.communicate()[1]}")
         ready, _, _ = select.select([p.stdout], [], [], 0.1)
         if ready:
             seen += os.read(p.stdout.fileno(), 65536).decode(errors="replace")
@@ -58,7 +60,10 @@ def test_ctrl_c_stops_the_answer_not_the_chat(tmp_path):
     folder = tmp_path / "slow"
     make_tiny_model(folder, "llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=4)
-    p = chat(str(folder), "--max-new-tokens", "500", "--temperature", "0")
+    # started as a shell starts a background job (SIGINT ignored, which Python keeps): Ctrl-C must still stop
+    # the answer (a full-suite run from a background job once saw the answer run to its end)
+    p = chat(str(folder), "--max-new-tokens", "500", "--temperature", "0",
+             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         read_until(p, "you>", 120)
         p.stdin.write("tell me everything\n")
