@@ -149,7 +149,9 @@ def test_generation_benchmark_smoke(smollm2_path, tmp_path):
     with open(tmp_path / "g.csv", newline="") as f:
         (fields,) = list(csv.DictReader(f))  # the cpu field holds commas, quoted
     assert fields["batch"] == "2" and float(fields["decode_tok_s"]) > 0
-    assert 0 < float(fields["roofline_fraction"]) < 1.5, fields  # a measured speed cannot beat the bound by much
+    # a measured speed cannot beat the bound by much; the smoke run's bandwidth copy is short and timed apart
+    # from the decode, so a busy machine moves it (1.66 seen under load): the bound catches unit errors (8x, 1000x)
+    assert 0 < float(fields["roofline_fraction"]) < 4, fields
     assert (tmp_path / "g.roofline.png").stat().st_size > 10_000
 
 
