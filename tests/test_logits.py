@@ -51,6 +51,29 @@ def test_logits_match_hf(case, tmp_path):
             assert rel_err(got[n_prompt:], expect[n_prompt:len(full) - 1]) <= 1e-4, case
 
 
+def test_rope_parameters_win_over_a_legacy_rope_theta(tmp_path):
+    """A config with both layouts, as a transformers-4.x tool writes when it re-saves a 5.x config (AutoAWQ
+    0.2.9 added its default "rope_theta": 10000.0 beside rope_parameters' 500000): the engine takes
+    rope_parameters, as transformers 5 does, and its logits stay HF's."""
+    import json
+
+    from transformers import AutoConfig
+
+    ref = make_tiny_model(tmp_path / "m", "llama", rope_theta=500000.0)
+    path = tmp_path / "m" / "config.json"
+    cfg = json.loads(path.read_text())
+    assert cfg["rope_parameters"]["rope_theta"] == 500000.0
+    path.write_text(json.dumps({**cfg, "rope_theta": 10000.0}))
+    assert AutoConfig.from_pretrained(tmp_path / "m").rope_parameters["rope_theta"] == 500000.0  # the oracle's reading
+    prompt = np.random.default_rng(3).integers(0, 256, size=40).tolist()
+    gen = GenerationConfig(max_new_tokens=4, output_logits=True, ignore_eos=True)
+    with pipeline(tmp_path / "m", EngineConfig(device="cpu", cache_max_entry_count=16)) as pipe:
+        r = pipe(prompt, gen)
+    with torch.no_grad():
+        expect = ref(torch.tensor([prompt + r.token_ids])).logits[0].numpy()
+    assert rel_err(r.logits, expect[: len(prompt) + len(r.token_ids) - 1]) <= 1e-4
+
+
 @pytest.mark.skipif(not _engine.cpu_bf16_available(), reason="this CPU has no AVX512_BF16")
 @pytest.mark.parametrize("case", ["llama", "qwen2-bias", "llama-tied-bf16", "mistral-sliding-window",
                                   "llama-linear-rope-head-dim"])

@@ -57,7 +57,9 @@ def _rope_parameters(cfg: dict) -> tuple[float, dict]:
     """(rope_theta, scaling dict with 'rope_type') across transformers 4.x and 5.x config layouts."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    # transformers 5 reads rope_parameters first; a top-level rope_theta is the 4.x layout. Tools on 4.x that
+    # re-save a 5.x config (AutoAWQ) write their default 10000 there beside the real value in rope_parameters.
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     merged = {**params, **scaling}
     merged["rope_type"] = merged.get("rope_type", merged.get("type", "default"))
     return float(theta), merged
