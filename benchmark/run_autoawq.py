@@ -15,6 +15,8 @@ environment, e.g.:
 As shipped it writes a broken checkpoint on the CPU: its quantizer keeps the block's weights before a scale
 candidate as `{k: v.cpu() ...}`, which on the CPU is the same tensor, so the in-place scaling is never undone
 (perplexity ~116,000 on SmolLM2). This script applies the one-line fix (a copy) before quantizing and says so.
+transformers 4.51 also misreads a transformers-5 config's rope_parameters (it falls back to rope_theta
+10000), so the model is loaded from a copy of the config that spells rope_theta the 4.x way as well.
 """
 
 from __future__ import annotations
@@ -45,6 +47,27 @@ def fix_cpu_state_copy() -> bool:
     return True
 
 
+def legacy_rope_source(source: Path, scratch: Path) -> Path:
+    """``source``, or a copy of it (weights linked) whose config also has the 4.x top-level ``rope_theta``.
+    transformers 4.51 does not read 5.x's ``rope_parameters``: on a 5.x config it silently uses its default
+    rope_theta 10000 (SmolLM2 has 100000), so AutoAWQ would calibrate and search scales on a model with the
+    wrong rotary base, and save that 10000 beside the real value."""
+    cfg = json.loads((source / "config.json").read_text())
+    params = cfg.get("rope_parameters") or {}
+    if "rope_theta" not in params or cfg.get("rope_theta") == params["rope_theta"]:
+        return source
+    if params.get("rope_type", "default") != "default":
+        raise SystemExit(f"{source}: rope_parameters {params} have no transformers-4.51 spelling here")
+    scratch.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.name != "config.json" and not (scratch / f.name).exists():
+            (scratch / f.name).symlink_to(f.resolve())
+    (scratch / "config.json").write_text(json.dumps({**cfg, "rope_theta": params["rope_theta"]}, indent=2))
+    print(f"rope_theta {params['rope_theta']} written at the top level of a copy of the config ({scratch}): "
+          "transformers 4.51 reads only that spelling", file=sys.stderr, flush=True)
+    return scratch
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", type=Path)
@@ -63,6 +86,7 @@ def main() -> int:
     fixed = fix_cpu_state_copy()
     print(f"autoawq {getattr(awq, '__version__', '?')}; CPU state-copy fix applied: {fixed}", flush=True)
     windows = json.loads(args.windows.read_text())
+    args.source = legacy_rope_source(args.source, args.out.with_name(args.out.name + ".source"))
     model = AutoAWQForCausalLM.from_pretrained(str(args.source), torch_dtype=torch.float32, device_map="cpu")
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(args.source / "tokenizer.json"))  # ids are given
     start = time.perf_counter()
