@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         enable_prefix_caching=args.enable_prefix_caching, num_threads=args.threads, session_len=4096,
         quant_policy=args.quant_policy, kv_policy=args.kv_policy, dtype=args.dtype))
     kv = f"kv_policy {Path(args.kv_policy).name}" if args.kv_policy else \
-        {0: "fp16/bf16" if args.device == "cuda" else "fp32", 8: "int8", 4: "int4"}[args.quant_policy]
+        {0: "fp16/bf16" if args.device == "cuda" else "bf16" if args.dtype == "bfloat16" else "fp32", 8: "int8",
+         4: "int4"}[args.quant_policy]  # dtype bfloat16 keeps K/V in bf16 where the layout fits (even sizes)
     rows = []
     try:
         warm = make_requests(args, engine.tokenizer, 1, seed=10_000)
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if len(rows) > 1:
             try:
                 png = args.csv.with_suffix(".concurrency.png")
-                plot_concurrency(rows, png, f"{name}, {workload} workload, KV {kv}, {date.today()}")
+                plot_concurrency(rows, png, f"{name}, {workload} workload, dtype {args.dtype}, KV {kv}, {date.today()}")
                 print(f"plots: {png}")
             except ImportError:
                 print("matplotlib not installed: no plots (pip install matplotlib)")
