@@ -20,6 +20,13 @@ class Tokenizer:
             raise ValueError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
         if chat_template is not None:
             self._tok.chat_template = chat_template
+        # transformers' decode walks the id list in Python (to_py_obj) before the Rust decoder runs; where it
+        # would add nothing (no clean-up of tokenization spaces), the Rust tokenizer decodes directly
+        from tokenizers import Tokenizer as RustTokenizer
+
+        backend = getattr(self._tok, "_tokenizer", None)
+        plain = not getattr(self._tok, "clean_up_tokenization_spaces", False)
+        self._rust_decode = backend.decode if isinstance(backend, RustTokenizer) and plain else None
 
     @property
     def vocab_size(self) -> int:
@@ -33,6 +40,8 @@ class Tokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._rust_decode is not None:
+            return self._rust_decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -60,23 +69,45 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas that never split a multi-byte character."""
+    """Turns a growing list of token ids into text deltas that never split a multi-byte character.
+
+    Each step decodes only a short window: the ids from ``prefix`` (the start of the tokens already sent
+    before the last delta) to the end, minus the text of ``prefix:read`` (the tokens already sent). The
+    prefix tokens give the decoder the context it needs (a SentencePiece decoder strips the leading space
+    of the first token only; a character can span byte tokens), so the deltas join to the full decode,
+    at a cost per token that does not grow with the sequence (decoding everything each step did).
+    """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
         self._emitted = ""
 
     def add(self, ids: Sequence[int], final: bool = False) -> str:
         """Appends ids and returns the new text; holds back an incomplete character unless final."""
         self._ids.extend(ids)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
-        if not final and text.endswith("\ufffd"):
+        decode = self._tokenizer.decode
+        window = decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
+        if not final and window.endswith("\ufffd"):
             return ""
-        # Text before the last incomplete character is stable for byte-level BPE: send what is new.
-        delta = text[len(self._emitted):]
-        self._emitted = text
+        sent = decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip) \
+            if self._read > self._prefix else ""
+        if not window.startswith(sent):  # the decoder rewrote earlier text (not seen with BPE decoders):
+            return self._resync(final)  # fall back to the full decode
+        delta = window[len(sent):]
+        if delta or final:
+            self._prefix, self._read = self._read, len(self._ids)
+        self._emitted += delta
+        return delta
+
+    def _resync(self, final: bool) -> str:
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
+        delta = text[len(self._emitted):] if text.startswith(self._emitted) else ""
+        self._prefix, self._read = max(0, len(self._ids) - 1), len(self._ids)
+        self._emitted += delta
         return delta
 
     @property
