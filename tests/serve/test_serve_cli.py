@@ -1,8 +1,9 @@
 """`lmkit chat` (one-shot --prompt, interactive with /reset and /exit, Ctrl-C stopping only the answer) and the
-serving benchmark's --smoke mode against a real api_server."""
+serving benchmarks' --smoke modes against real servers."""
 
 from __future__ import annotations
 
+import csv
 import os
 import select
 import signal
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import make_tiny_model, write_sharegpt_file
 
@@ -104,3 +107,21 @@ def test_profile_serving_smoke(api_server, tiny_llama, tmp_path):
     rows = out.read_text().splitlines()
     assert len(rows) == 5 and all(r.split(",")[5] == "ShareGPT file sg.json" and r.split(",")[9] == "0"
                                   for r in rows[3:])
+
+
+def test_scale_out_benchmark_smoke(tiny_llama, tmp_path):
+    """bench_scale_out.py --smoke: two pinned api_servers and two proxies as subprocesses, one round, a
+    ratio and a CSV row per run with the CPU each process spent."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two nodes need two CPUs")
+    out = tmp_path / "scale.csv"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench_scale_out.py"), "--smoke", "--model",
+                          str(tiny_llama[0]), "--server-args", "--session-len 512 --cache-max-entry-count 64",
+                          "--csv", str(out)], capture_output=True, text=True, timeout=300, env=ENV)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "median" in run.stdout and "2 nodes" in run.stdout, run.stdout
+    rows = list(csv.DictReader(out.open()))
+    assert [r["setup"].split(" (")[0] for r in rows] == ["1 node", "2 nodes"]
+    for r in rows:  # (the CPU of 4 tiny requests may round to 0 at the kernel's 10 ms ticks)
+        assert float(r["request_throughput"]) > 0 and int(r["num_requests"]) == 4, r
+        assert all(float(r[f"{p}_cpu_s"]) >= 0 for p in ("node0", "node1", "proxy_one", "proxy_all")), r
