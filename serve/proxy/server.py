@@ -173,6 +173,19 @@ class Proxy:
         node.num_requests += 1
         is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
 
+        released = False
+
+        def release(complete: bool) -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            node.num_in_flight -= 1
+            if complete:  # the connection goes back to the pool
+                response.release()
+            else:  # the client left or the node failed: closing the connection cancels the node's work
+                response.close()
+
         async def relay():
             complete = False
             try:
@@ -188,13 +201,24 @@ class Proxy:
                 if is_sse:
                     yield f"data: {json.dumps(error_body(502, f'the node serving this request failed: {e}'))}\n\n"
             finally:
-                node.num_in_flight -= 1
-                if complete:  # the connection goes back to the pool
-                    response.release()
-                else:  # the client left or the node failed: closing the connection cancels the node's work
-                    response.close()
+                release(complete)
 
-        return StreamingResponse(relay(), status_code=response.status, headers=_passed_headers(response))
+        return _Relayed(relay(), release, status_code=response.status, headers=_passed_headers(response))
+
+
+class _Relayed(StreamingResponse):
+    """A node's response passed through; ``release(False)`` runs however the response ends, also when the
+    client left before the first chunk and the generator (with its own finally) never started."""
+
+    def __init__(self, content, release, **kwargs):
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release(False)
 
 
 class _Refused(Exception):
