@@ -72,15 +72,16 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, cons
   if (options_.kv_bits.empty()) options_.kv_bits.assign(config.num_layers, 32);
   LMKIT_CHECK_ARG((int32_t)options_.kv_bits.size() == config.num_layers, "KV precision is given for ",
                   options_.kv_bits.size(), " layers, the model has ", config.num_layers);
+  // A packed (bf16 or quantized) KV cache needs an even head_dim, up to the kernels' largest; bf16 V is also
+  // stored by token pairs, so its blocks must hold an even number of tokens (ops.h).
+  const bool packed_kv_fits = config.head_dim % 2 == 0 && config.head_dim <= ops::kKVQuantMaxHeadDim;
   int64_t offset = 0;
   for (int32_t l = 0; l < config.num_layers; ++l) {
     int32_t& bits = options_.kv_bits[l];
     LMKIT_CHECK_ARG(bits == 32 || bits == 8 || bits == 4, "layer ", l, ": KV bits must be 32, 8 or 4, got ", bits);
-    // "full precision" KV is the compute dtype, bf16, where its layout fits (V by token pairs, ops.h); else fp32
-    if (bits == 32 && options_.bf16_linear && options_.block_size_tokens % 2 == 0 && config.head_dim % 2 == 0 &&
-        config.head_dim <= ops::kKVQuantMaxHeadDim)
-      bits = 16;
-    LMKIT_CHECK_ARG(bits == 32 || (config.head_dim % 2 == 0 && config.head_dim <= ops::kKVQuantMaxHeadDim),
+    // "full precision" KV is the compute dtype: bf16 where its layout fits, else fp32
+    if (bits == 32 && options_.bf16_linear && packed_kv_fits && options_.block_size_tokens % 2 == 0) bits = 16;
+    LMKIT_CHECK_ARG(bits == 32 || packed_kv_fits,
                     "a bf16 or quantized KV cache needs an even head_dim <= ", ops::kKVQuantMaxHeadDim,
                     ", the model has ", config.head_dim);
     kv_layer_offset_.push_back(offset);

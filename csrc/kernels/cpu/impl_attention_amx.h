@@ -44,19 +44,13 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
   alignas(64) uint32_t qt_hi[kKVQuantMaxHeadDim / 32 * 16 * 16], qt_lo[kKVQuantMaxHeadDim / 32 * 16 * 16];
   memset(qt_hi, 0, (size_t)(hd / 32) * 16 * 16 * 4);
   memset(qt_lo, 0, (size_t)(hd / 32) * 16 * 16 * 4);
-  auto bf16_value = [](uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-  };
   for (int r = 0; r < R; ++r) {
     const int64_t rho = rho0 + r, head = (int64_t)kvh * group + rho % group, row = seq.q_row + rho / group;
     const int64_t p = first_pos + rho / group;
     const float* qr = q + (row * num_heads + head) * hd;
     for (int64_t d = 0; d < hd; d += 2) {
       const uint16_t h0 = bf16_bits(qr[d]), h1 = bf16_bits(qr[d + 1]);
-      const uint16_t l0 = bf16_bits(qr[d] - bf16_value(h0)), l1 = bf16_bits(qr[d + 1] - bf16_value(h1));
+      const uint16_t l0 = bf16_bits(qr[d] - bfloat_to_float(h0)), l1 = bf16_bits(qr[d + 1] - bfloat_to_float(h1));
       const int64_t at = (d / 32) * 256 + ((d % 32) / 2) * 16 + r;
       qt_hi[at] = (uint32_t)h0 | (uint32_t)h1 << 16;
       qt_lo[at] = (uint32_t)l0 | (uint32_t)l1 << 16;

@@ -7,6 +7,22 @@
 // AVX-512 flags can be picked by the linker for generic code. Hence also: no #include here; the
 // system headers (<immintrin.h>, <math.h>, ...) come from isa_prelude.h at file scope.
 
+// bf16 <-> fp32, the same in every ISA (own copies of dtype.h's converters, which are not inline-safe here):
+// fp32 -> bf16 bits rounds to nearest even and keeps NaN a NaN; bf16 -> fp32 is exact.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+inline float bfloat_to_float(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
 #if defined(__AVX512F__)
 
 constexpr int kW = 16;
@@ -210,12 +226,6 @@ inline float half_to_float(uint16_t h) {  // exact for every input
   memcpy(&f, &u, 4);
   return f;
 }
-inline float bfloat_to_float(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
 inline V vload_f16_n(const uint16_t* p, int n) {
   V r = vzero();
   for (int i = 0; i < n; ++i) r.v[i] = half_to_float(p[i]);
@@ -277,16 +287,6 @@ inline void vload_dword_nibbles(const uint8_t* p, int shift, V& lo, V& hi) {
 inline V vhsum(const V r[4]) { return {vf4{vsum(r[0]), vsum(r[1]), vsum(r[2]), vsum(r[3])}}; }
 
 #endif
-
-// fp32 -> bf16 bits, round to nearest even, NaN kept NaN (an own copy of dtype.h's f32_to_bf16, which is
-// not inline-safe here): the bf16 KV cache.
-inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
 
 // Bytes of one stored element (an own copy of dtype_size_bytes, which is not inline-safe here).
 inline int64_t elem_bytes(DType dt) { return dt == DType::F32 ? 4 : 2; }
