@@ -43,27 +43,21 @@ def eval_ids(model_path: Path, dataset: str, max_tokens: int) -> list[int]:
 BLOCK_SIZE = 64
 
 
-def perplexity(model_path: Path, ids: list[int], seqlen: int, kv: dict,
-               threads: int) -> tuple[float, int, float, int]:
-    """(perplexity, scored tokens, seconds, KV bytes per block) of ``ids`` through the engine with KV
-    settings ``kv`` (blocks of BLOCK_SIZE tokens)."""
-    from lmkit import EngineConfig, GenerationConfig, pipeline
+def perplexity(pipe, ids: list[int], seqlen: int) -> tuple[float, int, float]:
+    """(perplexity, scored tokens, seconds) of ``ids`` through the pipeline ``pipe``."""
+    from lmkit import GenerationConfig
     from lmkit.lite.ppl import windows
 
-    config = EngineConfig(device="cpu", num_threads=threads, max_batch_size=1, session_len=seqlen + 1,
-                          cache_block_seq_len=BLOCK_SIZE, cache_max_entry_count=seqlen // BLOCK_SIZE + 2, **kv)
     gen = GenerationConfig(max_new_tokens=1, output_logits=True, ignore_eos=True)
     nll, count, start = 0.0, 0, time.perf_counter()
-    with pipeline(model_path, config) as pipe:
-        for begin, end, first in windows(len(ids), seqlen, seqlen):
-            logits = np.asarray(pipe(ids[begin:end], gen).logits, dtype=np.float64)  # row i predicts i + 1
-            rows = logits[first - begin - 1:end - begin - 1]
-            top = rows.max(axis=1, keepdims=True)
-            lse = top[:, 0] + np.log(np.exp(rows - top).sum(axis=1))
-            nll += float((lse - rows[np.arange(len(rows)), ids[first:end]]).sum())
-            count += len(rows)
-        per_block = pipe.engine.kv_bytes_per_block
-    return math.exp(nll / count), count, time.perf_counter() - start, per_block
+    for begin, end, first in windows(len(ids), seqlen, seqlen):
+        logits = np.asarray(pipe(ids[begin:end], gen).logits, dtype=np.float64)  # row i predicts i + 1
+        rows = logits[first - begin - 1:end - begin - 1]
+        top = rows.max(axis=1, keepdims=True)
+        lse = top[:, 0] + np.log(np.exp(rows - top).sum(axis=1))
+        nll += float((lse - rows[np.arange(len(rows)), ids[first:end]]).sum())
+        count += len(rows)
+    return math.exp(nll / count), count, time.perf_counter() - start
 
 
 # Short chat requests of several kinds (facts, code, lists, explanations, creative) for the greedy column.
@@ -78,14 +72,22 @@ GREEDY_PROMPTS = [
 ]
 
 
-def greedy_outputs(model_path: Path, kv: dict, threads: int, prompts: list[str], tokens: int) -> list[list[int]]:
-    """The first ``tokens`` greedy tokens of each chat prompt through the engine with KV settings ``kv``."""
-    from lmkit import EngineConfig, GenerationConfig, pipeline
+def greedy_outputs(pipe, prompts: list[str], tokens: int) -> list[list[int]]:
+    """The first ``tokens`` greedy tokens of each chat prompt through the pipeline ``pipe``."""
+    from lmkit import GenerationConfig
 
-    config = EngineConfig(device="cpu", num_threads=threads, cache_max_entry_count=64, **kv)
-    with pipeline(model_path, config) as pipe:
-        gen = GenerationConfig(max_new_tokens=tokens, ignore_eos=True)
-        return [r.token_ids for r in pipe([[{"role": "user", "content": p}] for p in prompts], gen)]
+    gen = GenerationConfig(max_new_tokens=tokens, ignore_eos=True)
+    return [r.token_ids for r in pipe([[{"role": "user", "content": p}] for p in prompts], gen)]
+
+
+def kv_pipeline(model_path: Path, kv: dict, threads: int, seqlen: int):
+    """One pipeline for a row's perplexity and greedy columns: KV settings ``kv``, blocks of BLOCK_SIZE tokens,
+    room for a ``seqlen`` window or the greedy prompts."""
+    from lmkit import EngineConfig, pipeline
+
+    config = EngineConfig(device="cpu", num_threads=threads, cache_block_seq_len=BLOCK_SIZE,
+                          cache_max_entry_count=max(64, seqlen // BLOCK_SIZE + 2), **kv)
+    return pipeline(model_path, config)
 
 
 def capacity(per_block: int, budget_bytes: int, context: int) -> tuple[int, int]:
@@ -134,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{'sequences':>11}{'vs fp':>8}{'time s':>8}")
     fp_ppl = fp_seqs = fp_greedy = None
     for name, kv in rows:
-        ppl, count, seconds, per_block = perplexity(model_path, ids, args.seqlen, kv, args.threads)
-        greedy = greedy_outputs(model_path, kv, args.threads, prompts, args.greedy_tokens)
+        with kv_pipeline(model_path, kv, args.threads, args.seqlen) as pipe:
+            ppl, count, seconds = perplexity(pipe, ids, args.seqlen)
+            greedy = greedy_outputs(pipe, prompts, args.greedy_tokens)
+            per_block = pipe.engine.kv_bytes_per_block
         blocks, seqs = capacity(per_block, budget, args.context)
         fp_ppl = fp_ppl or ppl
         fp_seqs = fp_seqs or seqs
