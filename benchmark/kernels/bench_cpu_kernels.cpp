@@ -270,13 +270,16 @@ int main(int argc, char** argv) {
   }
 
   if (want("attn")) {
-    const int heads = 9, kv_heads = 3, hd = 64, bs = 16;
-    for (int bits : {32, 8}) {
+    // fp32 and int8 caches in blocks of 16; the bf16 cache of dtype='bfloat16' in the engine's default blocks of
+    // 64, on the dot path and, where the CPU has AMX-BF16, on tiles
+    const int heads = 9, kv_heads = 3, hd = 64;
+    for (int bits : {32, 8, 16}) {
+      const int bs = bits == 16 ? 64 : 16;
       for (int ctx : {64, 160, 512, 2048}) {
         const int num_blocks = (ctx + bs - 1) / bs;
         ops::KVLayer kv;
         kv.bits = bits, kv.num_blocks = num_blocks, kv.num_kv_heads = kv_heads, kv.block_size = bs, kv.head_dim = hd;
-        // the pool filled through kv_write, as the model does (quantizing for bits 8)
+        // the pool filled through kv_write, as the model does (rounding or quantizing for bits 16 / 8)
         std::vector<uint8_t> kp(kv.block_bytes() * num_blocks), vp(kp.size());
         kv.k = kp.data(), kv.v = vp.data();
         std::vector<int32_t> table(num_blocks), slots(ctx);
@@ -285,24 +288,30 @@ int main(int argc, char** argv) {
         for (int p = 0; p < ctx; ++p) slots[p] = table[p / bs] * bs + p % bs;
         std::vector<float> kr = randn((int64_t)ctx * kv_heads * hd), vr = randn(kr.size());
         ops::kv_write(kv, kr.data(), vr.data(), slots.data(), ctx);
-        for (int q_len : {1, 512}) {
-          if (q_len > ctx || (bits != 32 && q_len > 1)) continue;
-          ops::AttnSeq seq{0, q_len, ctx, table.data()};
-          std::vector<float> q = randn((int64_t)q_len * heads * hd), out(q.size());
-          double t = time_it([&] { ops::paged_attention(q.data(), kv, &seq, 1, heads, 0.125f, 0, out.data()); },
-                             q_len == 1 ? 501 : 21);
-          const double flops =
-              4.0 * heads * hd * (q_len == 1 ? ctx : (double)q_len * (q_len + 1) / 2 + (double)q_len * (ctx - q_len));
-          std::printf("attention KV %-4s q_len %4d ctx %4d (9/3 heads, hd 64, bs 16): %9.1f us  %6.1f GFLOP/s\n",
-                      bits == 32 ? "fp32" : "int8", q_len, ctx, t * 1e6, flops / t / 1e9);
+        const char* kv_name = bits == 32 ? "fp32" : bits == 16 ? "bf16" : "int8";
+        for (bool amx : {false, true}) {
+          if ((bits != 16 && amx) || ops::cpu::use_amx(amx) != amx) continue;
+          const char* path = bits != 16 ? "" : amx ? " amx" : " dot";
+          for (int q_len : {1, 512}) {
+            if (q_len > ctx || (bits == 8 && q_len > 1)) continue;
+            ops::AttnSeq seq{0, q_len, ctx, table.data()};
+            std::vector<float> q = randn((int64_t)q_len * heads * hd), out(q.size());
+            double t = time_it([&] { ops::paged_attention(q.data(), kv, &seq, 1, heads, 0.125f, 0, out.data()); },
+                               q_len == 1 ? 501 : 21);
+            const double flops = 4.0 * heads * hd *
+                                 (q_len == 1 ? ctx : (double)q_len * (q_len + 1) / 2 + (double)q_len * (ctx - q_len));
+            std::printf("attention KV %-4s%-4s q_len %4d ctx %4d (9/3 heads, hd 64, bs %2d): %9.1f us  %6.1f GFLOP/s\n",
+                        kv_name, path, q_len, ctx, bs, t * 1e6, flops / t / 1e9);
+          }
+          if (ctx < 512) continue;
+          // a decode batch: 8 sequences at this ctx sharing the pool
+          std::vector<ops::AttnSeq> seqs(8);
+          for (int i = 0; i < 8; ++i) seqs[i] = ops::AttnSeq{i, 1, ctx, table.data()};
+          std::vector<float> q = randn(8 * heads * hd), out(q.size());
+          double t = time_it([&] { ops::paged_attention(q.data(), kv, seqs.data(), 8, heads, 0.125f, 0, out.data()); }, 201);
+          std::printf("attention KV %-4s%-4s decode batch 8 x ctx %4d: %9.1f us\n", kv_name, path, ctx, t * 1e6);
         }
-        if (ctx < 512) continue;
-        // a decode batch: 8 sequences at this ctx sharing the pool
-        std::vector<ops::AttnSeq> seqs(8);
-        for (int i = 0; i < 8; ++i) seqs[i] = ops::AttnSeq{i, 1, ctx, table.data()};
-        std::vector<float> q = randn(8 * heads * hd), out(q.size());
-        double t = time_it([&] { ops::paged_attention(q.data(), kv, seqs.data(), 8, heads, 0.125f, 0, out.data()); }, 201);
-        std::printf("attention KV %-4s decode batch 8 x ctx %4d: %9.1f us\n", bits == 32 ? "fp32" : "int8", ctx, t * 1e6);
+        ops::cpu::use_amx(true);
       }
     }
   }

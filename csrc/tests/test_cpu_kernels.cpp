@@ -505,9 +505,9 @@ void test_attention(int threads) {
   }
   // bf16 pools (V stored by token pairs, so even block sizes): kv_write byte-exact with the reference's
   // rounding, attention against the float64 reference over the bf16 values; prefill, decode, split decode.
-  // With AMX (head_dim and block_size multiples of 32), decode-shaped tasks of up to 16 rows run on tiles,
-  // rounding the softmax weights to bf16: measured up to 2.7e-3 on a row (1.6e-3 at 20x the scale), held to 5e-3 overall and
-  // per row, also at 20x the scores' scale (q keeps 16 bits of mantissa on the tiles); 1e-5 on the dot path
+  // With AMX (head_dim and block_size multiples of 32), every task (16 rows: decode steps and prefill) runs on
+  // tiles, rounding the softmax weights to bf16: measured up to 3.0e-3 on a row, held to 5e-3 overall and per
+  // row, also at 20x the scores' scale (q keeps 16 bits of mantissa on the tiles); 1e-5 on the dot path
   for (bool amx : {false, true}) {
     if (ops::cpu::use_amx(amx) != amx) continue;
     for (int bs : {2, 6, 32, 64, 96}) {
@@ -536,6 +536,9 @@ void test_attention(int threads) {
       run(4, 1, 64, 5, {{4, 40}, {0, 10}, {3, 33}});         // per-row windows inside a task; a sequence with no query
       for (int hd : {32, 160, 192, 224}) run(4, 2, hd, 0, {{1, 70}, {3, 41}});
       run(8, 2, 128, 0, {{1, 45}, {1, 300}, {2, 1000}}, 20.0f);  // scores at 20x unit scale
+      run(9, 3, 64, 0, {{300, 300}});                        // prefill alone: tasks of 16 rows over ~5 positions
+      run(9, 3, 64, 100, {{200, 700}, {37, 37}});            // a prefill chunk after cached context, windowed
+      run(8, 2, 128, 0, {{150, 400}}, 20.0f);                // prefill at 20x unit scale
     }
     // more threads than a decode step has (sequence, kv head) tasks: key splits, some of them empty and unaligned,
     // and splits of multi-position tasks under a window

@@ -376,6 +376,7 @@ inline void attend_merge(const float* partial, int splits, int64_t stride, int h
 // Here: dot products over head_dim (attend_task_dot). impl_attention_amx.h adds AMX tiles.
 struct DotDecode {
   static constexpr int kMaxRows = 4;
+  static constexpr bool kEveryTask = false;  // larger tasks go to attend_task
   void begin() {}
   void end() {}
   void operator()(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
@@ -432,7 +433,7 @@ inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq
 }
 
 // Tasks (sequence, kv head, row chunk): decode-shaped ones on the Decode kernel, the others as transposed
-// score tiles (attend_task).
+// score tiles (attend_task); a Decode kernel with kEveryTask takes every task, prefill rows included.
 template <class Decode>
 void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                           int32_t num_heads, float scale, int32_t window, float* out) {
@@ -455,6 +456,7 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
   }
   int rows_per_task = kAttnMaxTaskFloats / hdp / 4 * 4;
   rows_per_task = rows_per_task > kAttnMaxRows ? kAttnMaxRows : rows_per_task < 4 ? 4 : rows_per_task;
+  if (Decode::kEveryTask) rows_per_task = Decode::kMaxRows;  // prefill rows too, in tasks of kMaxRows
   // tasks: (sequence, kv head, row chunk); starts[s] = first task index of sequence s
   int64_t starts_stack[257];
   int64_t* starts = num_seqs < 257 ? starts_stack : (int64_t*)malloc(sizeof(int64_t) * (num_seqs + 1));

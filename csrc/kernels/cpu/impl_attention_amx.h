@@ -1,5 +1,5 @@
-// Paged attention over a bf16 KV cache on AMX tiles (AMX-BF16): decode-shaped tasks (up to 16 query rows of
-// one sequence and kv head) as two tile products, the other tasks as in impl_attention.h. Textually
+// Paged attention over a bf16 KV cache on AMX tiles (AMX-BF16): every task (up to 16 query rows of one sequence
+// and kv head: a decode step, or 16 rows of a prefill chunk) as two tile products. Textually
 // included by isa_body.h after impl_attention.h and impl_linear_bf16.h (amx_configure); avx512 unit only,
 // called by dispatch.cpp only once the process may use the tiles, for head_dim % 32 == 0 and
 // block_size % 32 == 0 (so that 32 keys never straddle a block).
@@ -7,22 +7,69 @@
 // A task's R <= 16 rows (query heads x positions) over keys [k_lo, k_hi), in two passes (exact softmax):
 //   scores  S^T[16 keys x 16 rows]  = K[16 keys x 32 d] . Q^T[32 d x 16 rows]   per 32 d, tiles 0 (C) 1 (K) 2 (Q^T)
 //           K rows come straight from the cache; Q^T is the task's rows as pairs of d (VNNI), built once;
-//           row r of S^T's transpose is gathered out, scaled and masked -> S[r][keys] (fp32)
+//           S^T transposed in registers; row r scaled and masked -> S[r][keys] (fp32)
 //   softmax m_r = max S[r], P[r][j] = bf16(exp(S[r][j] - m_r)), l_r = sum of those bf16 values
 //   output  O[16 rows x 16 d]      += P[16 rows x 32 keys] . V[32 keys x 16 d]   tiles 4-7 (C) 1 (P) 2 (V)
 //           V's token pairs are interleaved in the cache (ops.h): 16 pair rows are exactly the VNNI operand
 //   out[r] = O[r] / l_r     (or, for a split of the keys, the unnormalised state (m_r, l_r, O[r]))
 // Keys at or past ctx_len in the last block were never written (they may hold anything, NaN included):
 // their scores are masked by selection, and their V rows are replaced by zeros in a staging tile, since
-// 0 * NaN would otherwise reach O. P is rounded to bf16 (the products and sums stay fp32): each output row is
-// within ~2e-3 (relative) of the exact attention over the bf16 cache, whatever the scale of the scores
-// (tested at 5e-3, per row).
+// 0 * NaN would otherwise reach O. P is rounded to bf16 (the products and sums stay fp32), from an exp good to
+// 1e-5: each output row is within ~3e-3 (relative) of the exact attention over the bf16 cache, whatever the
+// scale of the scores (tested at 5e-3, per row).
 #if defined(LMKIT_HAVE_AMX)
 constexpr int kAmxAttnRows = 16;    // query rows of a decode task on tiles
 constexpr int kAmxAttnKeys = 32;    // keys per P . V step (and the alignment of the key range)
 
+// The 16 x 16 fp32 matrix in x[0..15] (x[i] = row i), transposed in registers: unpacks build the columns of
+// each 4-row group within 128-bit lanes, then two rounds of lane shuffles gather the four groups (a gather
+// per row cost about as much as the tile products of the scores).
+LMKIT_AMX inline void transpose16x16(__m512 x[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]);
+  }
+  // u[4g + c], 128-bit lane j: column 4j + c of rows 4g .. 4g + 3
+  __m512 u[16];
+  for (int g = 0; g < 4; ++g) {
+    const __m512d lo0 = _mm512_castps_pd(t[4 * g]), lo1 = _mm512_castps_pd(t[4 * g + 2]);
+    const __m512d hi0 = _mm512_castps_pd(t[4 * g + 1]), hi1 = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo0, lo1));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo0, lo1));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi0, hi1));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi0, hi1));
+  }
+  for (int c = 0; c < 4; ++c) {  // a 4 x 4 transpose of 128-bit lanes: x[4j + c] = lane j of u[c], u[4 + c], ...
+    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xee);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xee);
+    x[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    x[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xdd);
+    x[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    x[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xdd);
+  }
+}
+
+// e^x for the softmax's x <= 0, to 1e-5 relative (the weights are rounded to bf16 next: 2^-9), 0 below -87:
+// 2^(x log2 e) = 2^n 2^f with |f| <= 1/2, 2^f by a degree-4 polynomial fitted for relative error, 2^n by
+// vscalefps: about half the instructions of simd.h's fp32-accurate vexp, in the kernel's innermost loop.
+LMKIT_AMX inline __m512 exp_for_bf16(__m512 x) {
+  const __m512 floor = _mm512_set1_ps(-87.0f);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, floor, _CMP_GE_OQ);
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, floor), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(9.5605105e-3f), f, _mm512_set1_ps(5.5917040e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024981e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312197e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999917e-1f));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
 struct AmxDecode {
   static constexpr int kMaxRows = kAmxAttnRows;
+  static constexpr bool kEveryTask = true;  // prefill rows too: tiles beat the fp32 dot path at any task shape
   LMKIT_AMX void begin() { amx_configure(); }
   LMKIT_AMX void end() { _tile_release(); }
   LMKIT_AMX void operator()(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
@@ -72,7 +119,6 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
   asm volatile("" ::: "memory");
   // ---- scores: 16 keys at a time
   alignas(64) float sbuf[16 * 16];
-  const __m512i gather_idx = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
   const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
   const __m512 key_iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 v_lo = _mm512_set1_ps((float)k_lo), v_hi = _mm512_set1_ps((float)k_hi);
@@ -87,10 +133,13 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
       _tile_dpbf16ps(0, 1, 2);
     }
     _tile_stored(0, sbuf, 64);
+    __m512 rows[16];  // S^T's 16 keys -> S's 16 rows
+    for (int j = 0; j < 16; ++j) rows[j] = _mm512_load_ps(sbuf + 16 * j);
+    transpose16x16(rows);
     const __m512 kpos = _mm512_add_ps(key_iota, _mm512_set1_ps((float)c0));
     const __mmask16 in_range = _mm512_cmp_ps_mask(kpos, v_lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(kpos, v_hi, _CMP_LT_OQ);
     for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_mul_ps(_mm512_i32gather_ps(gather_idx, sbuf + r, 4), vscale);
+      const __m512 s = _mm512_mul_ps(rows[r], vscale);
       const __mmask16 seen = in_range & _mm512_cmp_ps_mask(kpos, _mm512_set1_ps(pos[r]), _CMP_LE_OQ) &
                              _mm512_cmp_ps_mask(kpos, _mm512_set1_ps(lo[r]), _CMP_GE_OQ);
       _mm512_storeu_ps(S + r * len + (c0 - a0), _mm512_mask_blend_ps(seen, neg_inf, s));
@@ -106,12 +155,13 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
     __m512 mx = _mm512_set1_ps(kAttnNoMax);
     for (int64_t j = 0; j < len; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
     m[r] = _mm512_reduce_max_ps(mx);
-    const V vm = vset1(m[r]);
+    const __m512 vm = _mm512_set1_ps(m[r]);
     __m512 sum = _mm512_setzero_ps();
     uint16_t* pr = P + r * len;
     for (int64_t j = 0; j < len; j += 32) {
-      const V e0 = vexp(vload(sr + j) - vm), e1 = vexp(vload(sr + j + 16) - vm);
-      const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(e1.v, e0.v);  // e0's 16 values, then e1's
+      const __m512 e0 = exp_for_bf16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vm));
+      const __m512 e1 = exp_for_bf16(_mm512_sub_ps(_mm512_loadu_ps(sr + j + 16), vm));
+      const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);  // e0's 16 values, then e1's
       _mm512_storeu_si512(pr + j, packed);
       // the sum of what P . V will weigh: the bf16 values, widened back
       sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(packed)), 16)));
