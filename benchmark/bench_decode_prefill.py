@@ -47,11 +47,12 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return ids
 
 
-def bench_engine(model_path: Path, threads: int, new_tokens: int, prefill_len: int, repeats: int) -> dict:
+def bench_engine(model_path: Path, threads: int, new_tokens: int, prefill_len: int, repeats: int,
+                 dtype: str = "auto") -> dict:
     from lmkit import EngineConfig, GenerationConfig, pipeline
 
-    config = EngineConfig(device="cpu", num_threads=threads, max_batch_size=4, session_len=2048,
-                          cache_max_entry_count=128)
+    config = EngineConfig(device="cpu", num_threads=threads, max_batch_size=4, dtype=dtype,
+                          session_len=max(2048, prefill_len + 16), cache_max_entry_count=prefill_len // 64 + 64)
     with pipeline(model_path, config) as pipe:
         ids = prompt_ids(pipe.tokenizer, prefill_len)
         short = ids[:16]
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="the engine's compute dtype (bfloat16: bf16 linear layers and KV cache, AMX tiles where "
+                         "the CPU has them); HF runs in float32 either way")
     ap.add_argument("--csv", type=Path, default=None, help="append the rows to this CSV file")
     ap.add_argument("--smoke", action="store_true", help="tiny settings that run in seconds (for tests)")
     args = ap.parse_args(argv)
@@ -117,10 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     from lmkit.model_path import resolve_model
 
     model_path = resolve_model(args.model)
-    engine = bench_engine(model_path, args.threads, args.new_tokens, args.prefill_len, args.repeats)
+    engine = bench_engine(model_path, args.threads, args.new_tokens, args.prefill_len, args.repeats, args.dtype)
     hf = bench_hf(model_path, args.threads, args.new_tokens, args.prefill_len, args.repeats)
 
-    print(f"model {model_path.name}, {args.threads} threads, {cpu_description()}, {date.today()}")
+    print(f"model {model_path.name}, {args.threads} threads, engine dtype {args.dtype}, {cpu_description()}, "
+          f"{date.today()}")
     print(f"{'':22}{'lmkit engine':>14}{'HF fp32':>12}{'ratio':>9}")
     print(f"{'decode tok/s (b=1)':22}{engine['decode_tok_s']:14.1f}{hf['decode_tok_s']:12.1f}"
           f"{engine['decode_tok_s'] / hf['decode_tok_s']:8.2f}x")
@@ -132,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             w = csv.writer(f)
             if new:
                 w.writerow(["date", "model", "threads", "cpu", "impl", "decode_tok_s", "prefill_len", "prefill_s"])
-            for name, r in (("lmkit", engine), ("hf-fp32", hf)):
+            lmkit = "lmkit" if args.dtype == "auto" else f"lmkit-{args.dtype}"
+            for name, r in ((lmkit, engine), ("hf-fp32", hf)):
                 w.writerow([date.today(), model_path.name, args.threads, cpu_name(), name,
                             f"{r['decode_tok_s']:.2f}", args.prefill_len, f"{r['prefill_s']:.4f}"])
     return 0
