@@ -11,13 +11,15 @@ prompt with max_new_tokens=1 (the engine) or one forward (HF), best of --repeats
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import platform
 import sys
 import time
 from datetime import date
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from summary import append_csv  # noqa: E402
 
 
 def cpu_name() -> str:
@@ -132,15 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{f'prefill {args.prefill_len} tok (s)':22}{engine['prefill_s']:14.3f}{hf['prefill_s']:12.3f}"
           f"{hf['prefill_s'] / engine['prefill_s']:8.2f}x")
     if args.csv:
-        new = not args.csv.exists()
-        with open(args.csv, "a", newline="") as f:
-            w = csv.writer(f)
-            if new:
-                w.writerow(["date", "model", "threads", "cpu", "impl", "decode_tok_s", "prefill_len", "prefill_s"])
-            lmkit = "lmkit" if args.dtype == "auto" else f"lmkit-{args.dtype}"
-            for name, r in ((lmkit, engine), ("hf-fp32", hf)):
-                w.writerow([date.today(), model_path.name, args.threads, cpu_name(), name,
-                            f"{r['decode_tok_s']:.2f}", args.prefill_len, f"{r['prefill_s']:.4f}"])
+        lmkit = "lmkit" if args.dtype == "auto" else f"lmkit-{args.dtype}"
+        append_csv(args.csv, ["date", "model", "threads", "cpu", "impl", "decode_tok_s", "prefill_len", "prefill_s"],
+                   [[date.today(), model_path.name, args.threads, cpu_name(), name, f"{r['decode_tok_s']:.2f}",
+                     args.prefill_len, f"{r['prefill_s']:.4f}"] for name, r in ((lmkit, engine), ("hf-fp32", hf))])
     return 0
 
 

@@ -12,12 +12,15 @@ random token ids (seeded), as in profile_throughput's fixed workload.
 from __future__ import annotations
 
 import argparse
-import csv
+import sys
 import time
 from datetime import date
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from summary import append_csv  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -81,17 +84,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         print(f"{r['concurrency']:>12}{r['requests']:>10}{r['output_tok_s']:14.1f}{r['req_s']:8.2f}")
     if args.csv:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        new = not args.csv.exists()
-        with open(args.csv, "a", newline="") as f:
-            w = csv.writer(f)
-            if new:
-                w.writerow(["date", "engine", "device", "model", "dtype", "input_len", "output_len", "concurrency",
-                            "requests", "output_tok_s", "req_s"])
-            for r in rows:
-                w.writerow([date.today(), "hf-transformers", device_name, Path(args.model).name, args.dtype,
-                            args.input_len, args.output_len, r["concurrency"], r["requests"],
-                            f"{r['output_tok_s']:.2f}", f"{r['req_s']:.3f}"])
+        append_csv(args.csv, ["date", "engine", "device", "model", "dtype", "input_len", "output_len", "concurrency",
+                              "requests", "output_tok_s", "req_s"],
+                   [[date.today(), "hf-transformers", device_name, Path(args.model).name, args.dtype, args.input_len,
+                     args.output_len, r["concurrency"], r["requests"], f"{r['output_tok_s']:.2f}", f"{r['req_s']:.3f}"]
+                    for r in rows])
     return rows
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import hashlib
 import importlib.util
 import json
@@ -61,6 +60,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_prefill import cpu_description, cpu_name  # noqa: E402
+from summary import append_csv  # noqa: E402
 
 RESULT_TAG = "@@bench_peers_result "
 DEFAULT_CSV = Path(__file__).resolve().parent / "results" / "peers_cpu.csv"
@@ -624,25 +624,23 @@ def print_table(rows: list[Row], args, header: str) -> None:
 
 
 def write_csv(path: Path, rows: list[Row], args, when: datetime, load: tuple[float, float, float]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
     by_name = {r.name: r for r in rows if r.error is None}
     q4 = by_name.get("llama.cpp Q4_1") or by_name.get("llama.cpp Q4_1 (shipped)")
     fp = by_name.get("lmkit fp")
-    with open(path, "a", newline="") as f:
-        out = csv.writer(f)
-        if new:
-            out.writerow(["date", "time", "model", "threads", "cpu", "load_1min", "impl", "weights", "prompt_len",
-                          "new_tokens", "runs", "decode_tok_s", "decode_vs_q4_1", "decode_vs_lmkit_fp",
-                          "ttft_prompt_len", "ttft_ms", "concurrency", "conc_tok_s", "match_tokens", "error"])
-        for r in rows:
-            rel = lambda ref: "" if (r.decode_tok_s is None or ref is None) else f"{r.decode_tok_s / ref.decode_tok_s:.3f}"  # noqa: E731
-            out.writerow([when.date(), when.strftime("%H:%M"), args.model_path.name, args.threads, cpu_name(),
-                          f"{load[0]:.2f}", r.name, r.weights, args.prompt_len, args.new_tokens, args.runs,
-                          fmt(r.decode_tok_s, ".2f").replace("-", ""), rel(q4), rel(fp), args.prefill_len,
-                          fmt(r.ttft_ms, ".1f").replace("-", ""), args.concurrency if args.concurrency > 1 else "",
-                          fmt(r.conc_tok_s, ".1f").replace("-", ""), "" if r.match_tokens is None else r.match_tokens,
-                          (r.error or "").splitlines()[0] if r.error else ""])
+
+    def line(r: Row) -> list:
+        rel = lambda ref: "" if (r.decode_tok_s is None or ref is None) else f"{r.decode_tok_s / ref.decode_tok_s:.3f}"  # noqa: E731
+        return [when.date(), when.strftime("%H:%M"), args.model_path.name, args.threads, cpu_name(),
+                f"{load[0]:.2f}", r.name, r.weights, args.prompt_len, args.new_tokens, args.runs,
+                fmt(r.decode_tok_s, ".2f").replace("-", ""), rel(q4), rel(fp), args.prefill_len,
+                fmt(r.ttft_ms, ".1f").replace("-", ""), args.concurrency if args.concurrency > 1 else "",
+                fmt(r.conc_tok_s, ".1f").replace("-", ""), "" if r.match_tokens is None else r.match_tokens,
+                (r.error or "").splitlines()[0] if r.error else ""]
+
+    append_csv(path, ["date", "time", "model", "threads", "cpu", "load_1min", "impl", "weights", "prompt_len",
+                      "new_tokens", "runs", "decode_tok_s", "decode_vs_q4_1", "decode_vs_lmkit_fp",
+                      "ttft_prompt_len", "ttft_ms", "concurrency", "conc_tok_s", "match_tokens", "error"],
+               [line(r) for r in rows])
 
 
 def versions() -> str:

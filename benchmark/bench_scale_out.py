@@ -32,6 +32,9 @@ from datetime import datetime
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from summary import append_csv  # noqa: E402
+
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -210,16 +213,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("ratio (two nodes / one node) per round: " + " ".join(f"{x:.2f}x" for x in ratios)
           + f"; median {statistics.median(ratios):.2f}x")
     if args.csv:
-        new = not args.csv.exists()
-        with open(args.csv, "a", newline="") as f:
-            w = csv.writer(f)
-            if new:
-                w.writerow(["date", "round", "setup", "concurrency", "num_requests", "request_throughput",
-                            "output_tok_s", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms"] + [f"{n}_cpu_s" for n in names])
-            for row in rows:
-                w.writerow([row["date"], row["round"], row["setup"], row["concurrency"], row["num_requests"],
-                            row["request_throughput"], row["output_tok_s"], row["ttft_p50_ms"], row["tpot_p50_ms"],
-                            row["e2e_p50_ms"]] + [f"{row['cpu_s'][n]:.2f}" for n in names])
+        append_csv(args.csv, ["date", "round", "setup", "concurrency", "num_requests", "request_throughput",
+                              "output_tok_s", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms"]
+                   + [f"{n}_cpu_s" for n in names],
+                   [[row["date"], row["round"], row["setup"], row["concurrency"], row["num_requests"],
+                     row["request_throughput"], row["output_tok_s"], row["ttft_p50_ms"], row["tpot_p50_ms"],
+                     row["e2e_p50_ms"]] + [f"{row['cpu_s'][n]:.2f}" for n in names] for row in rows])
     return rows
 
 

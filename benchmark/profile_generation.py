@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import os
 import sys
 import threading
@@ -33,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_prefill import cpu_description  # noqa: E402
+from summary import append_csv  # noqa: E402
 
 
 def copy_bandwidth(threads: int, mib: int = 256, repeats: int = 5) -> float:
@@ -175,17 +175,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{r['batch']:>6}{r['input']:>7}{r['output']:>7}{r['ttft_s'] * 1e3:10.1f}{r['decode_tok_s']:14.1f}"
               f"{r['bound_tok_s']:13.1f}{r['roofline_fraction']:10.1%}")
     if args.csv:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        new = not args.csv.exists()
-        with open(args.csv, "a", newline="") as f:
-            w = csv.writer(f)
-            if new:
-                w.writerow(["date", "model", "cpu", "threads", "kv_cache", "batch", "input", "output", "ttft_ms",
-                            "decode_tok_s", "bandwidth_gb_s", "bound_tok_s", "roofline_fraction"])
-            for r in rows:
-                w.writerow([date.today(), name, machine, threads, kv, r["batch"], r["input"], r["output"],
-                            f"{r['ttft_s'] * 1e3:.2f}", f"{r['decode_tok_s']:.2f}", f"{bandwidth / 1e9:.2f}",
-                            f"{r['bound_tok_s']:.2f}", f"{r['roofline_fraction']:.4f}"])
+        append_csv(args.csv, ["date", "model", "cpu", "threads", "kv_cache", "batch", "input", "output", "ttft_ms",
+                              "decode_tok_s", "bandwidth_gb_s", "bound_tok_s", "roofline_fraction"],
+                   [[date.today(), name, machine, threads, kv, r["batch"], r["input"], r["output"],
+                     f"{r['ttft_s'] * 1e3:.2f}", f"{r['decode_tok_s']:.2f}", f"{bandwidth / 1e9:.2f}",
+                     f"{r['bound_tok_s']:.2f}", f"{r['roofline_fraction']:.4f}"] for r in rows])
         try:
             png = args.csv.with_suffix(".roofline.png")
             plot_roofline(rows, bandwidth, png, f"{name}, KV {kv}, {machine}")

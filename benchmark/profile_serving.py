@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import csv
 import json
 import random
 import sys
@@ -37,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402
-from summary import STAT_KEYS, summarize  # noqa: E402
+from summary import STAT_KEYS, append_csv, summarize  # noqa: E402
 
 
 @dataclass
@@ -269,21 +268,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for e in r["errors"]:
             print(f"  error: {e}")
     if args.csv:
-        new = not args.csv.exists()
-        with open(args.csv, "a", newline="") as f:
-            w = csv.writer(f)
-            if new:
-                w.writerow(["date", "label", "base_url", "model", "endpoint", "workload", "concurrency",
-                            "request_rate", "num_requests", "num_failed", "request_throughput", "input_tok_s",
-                            "output_tok_s"]
-                           + [f"{k}_{p}_ms" for k in ("ttft", "tpot", "itl", "e2e") for p in STAT_KEYS]
-                           + ["peak_kv_usage", "prefix_hit_rate"])
-            for r in rows:
-                w.writerow([date.today(), args.label, args.base_url, model, args.endpoint, workload,
-                            r["concurrency"], r["request_rate"], r["num_requests"], r["num_failed"],
-                            f"{r['request_throughput']:.4f}", f"{r['input_tok_s']:.2f}", f"{r['output_tok_s']:.2f}"]
-                           + [f"{r[k][p] * 1e3:.2f}" for k in ("ttft", "tpot", "itl", "e2e") for p in STAT_KEYS]
-                           + [nan_dash(r["peak_kv_usage"], 0).strip(), nan_dash(r["prefix_hit_rate"], 0).strip()])
+        append_csv(args.csv, ["date", "label", "base_url", "model", "endpoint", "workload", "concurrency",
+                              "request_rate", "num_requests", "num_failed", "request_throughput", "input_tok_s",
+                              "output_tok_s"]
+                   + [f"{k}_{p}_ms" for k in ("ttft", "tpot", "itl", "e2e") for p in STAT_KEYS]
+                   + ["peak_kv_usage", "prefix_hit_rate"],
+                   [[date.today(), args.label, args.base_url, model, args.endpoint, workload, r["concurrency"],
+                     r["request_rate"], r["num_requests"], r["num_failed"], f"{r['request_throughput']:.4f}",
+                     f"{r['input_tok_s']:.2f}", f"{r['output_tok_s']:.2f}"]
+                    + [f"{r[k][p] * 1e3:.2f}" for k in ("ttft", "tpot", "itl", "e2e") for p in STAT_KEYS]
+                    + [nan_dash(r["peak_kv_usage"], 0).strip(), nan_dash(r["prefix_hit_rate"], 0).strip()]
+                    for r in rows])
     return rows
 
 

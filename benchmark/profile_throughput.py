@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import os
 import sys
 from datetime import date
@@ -23,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402
 from bench_decode_prefill import cpu_description  # noqa: E402
-from summary import STAT_KEYS, summarize  # noqa: E402
+from summary import STAT_KEYS, append_csv, summarize  # noqa: E402
 
 
 def plot_concurrency(rows: list[dict], path: Path, title: str) -> None:
@@ -168,21 +167,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{r['peak_kv_usage']:8.2f}")
     print(f"prefix hit rate {m.prefix_hit_rate:.3f}")
     if args.csv:
-        new = not args.csv.exists()
-        with open(args.csv, "a", newline="") as f:
-            w = csv.writer(f)
-            if new:
-                w.writerow(["date", "model", "workload", "prefix_caching", "concurrency", "num_requests",
-                            "request_throughput", "input_tok_s", "output_tok_s"]
-                           + [f"{k}_{p}_ms" for k in ("ttft", "tpot", "itl", "e2e") for p in STAT_KEYS]
-                           + ["peak_kv_usage", "prefix_hit_rate", "kv_cache"])
-            for r in rows:
-                w.writerow([date.today(), name, workload, args.enable_prefix_caching, r["concurrency"],
-                            r["num_requests"], f"{r['request_throughput']:.3f}", f"{r['input_tok_s']:.1f}",
-                            f"{r['output_tok_s']:.1f}"]
-                           + [f"{r[k][p] * 1e3:.2f}" for k in ("ttft", "tpot", "itl", "e2e")
-                              for p in STAT_KEYS]
-                           + [f"{r['peak_kv_usage']:.3f}", f"{m.prefix_hit_rate:.3f}", kv])
+        append_csv(args.csv, ["date", "model", "workload", "prefix_caching", "concurrency", "num_requests",
+                              "request_throughput", "input_tok_s", "output_tok_s"]
+                   + [f"{k}_{p}_ms" for k in ("ttft", "tpot", "itl", "e2e") for p in STAT_KEYS]
+                   + ["peak_kv_usage", "prefix_hit_rate", "kv_cache"],
+                   [[date.today(), name, workload, args.enable_prefix_caching, r["concurrency"], r["num_requests"],
+                     f"{r['request_throughput']:.3f}", f"{r['input_tok_s']:.1f}", f"{r['output_tok_s']:.1f}"]
+                    + [f"{r[k][p] * 1e3:.2f}" for k in ("ttft", "tpot", "itl", "e2e") for p in STAT_KEYS]
+                    + [f"{r['peak_kv_usage']:.3f}", f"{m.prefix_hit_rate:.3f}", kv] for r in rows])
         if len(rows) > 1:
             try:
                 png = args.csv.with_suffix(".concurrency.png")

@@ -1,6 +1,10 @@
-"""Latency summaries shared by the profilers (profile_throughput.py, profile_serving.py)."""
+"""What the benchmarks share for their output: latency summaries (profile_throughput.py, profile_serving.py) and
+CSV files that each run appends to."""
 
 from __future__ import annotations
+
+import csv
+from pathlib import Path
 
 import numpy as np
 
@@ -14,3 +18,15 @@ def summarize(xs: list[float]) -> dict[str, float]:
     if a.size == 0:
         return {k: float("nan") for k in STAT_KEYS}
     return {"mean": float(a.mean()), **{k: float(np.percentile(a, int(k[1:]))) for k in STAT_KEYS[1:]}}
+
+
+def append_csv(path: Path, header: list, rows: list[list]) -> None:
+    """Appends ``rows`` to the CSV file ``path``, writing ``header`` first when the file is new (its folder
+    created if need be): every run of a benchmark adds its rows to the same table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(header)
+        w.writerows(rows)
