@@ -129,3 +129,36 @@ def slow_server(slow_engine):
     server = ServerThread(create_app(slow_engine, ServerConfig(model_name="tiny")))
     yield server, slow_engine.engine
     server.stop()
+
+
+# A request that takes the slow model seconds: 4 x 480 tokens.
+LONG_COMPLETION = {"model": "tiny", "prompt": "x", "max_tokens": 480, "n": 4, "ignore_eos": True}
+
+
+def leave_long_completion(url: str, stream: bool, read_timeout_s: float) -> None:
+    """Sends LONG_COMPLETION to ``url`` and leaves: a stream after its first line, a non-streamed request
+    after ``read_timeout_s`` without an answer (httpx closes the connection either way)."""
+    body = {**LONG_COMPLETION, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the iterator dropped at once
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=read_timeout_s))
+
+
+def in_flight(proxy) -> dict[str, int]:
+    """The proxy's in-flight request count per node."""
+    r = httpx.get(f"{proxy.url}/nodes/status")
+    assert r.status_code == 200, r.text
+    return {n["url"]: n["num_in_flight"] for n in r.json()["nodes"]}
+
+
+def wait_idle(proxy=None, engine=None, timeout_s: float = 5.0) -> None:
+    """Until ``proxy`` has nothing in flight and ``engine`` nothing running or waiting (either may be None)."""
+    deadline = time.monotonic() + timeout_s
+    while (proxy is not None and any(in_flight(proxy).values())) or (
+            engine is not None and engine.metrics().num_running + engine.metrics().num_waiting):
+        assert time.monotonic() < deadline, (proxy and in_flight(proxy), engine and engine.metrics())
+        time.sleep(0.005)

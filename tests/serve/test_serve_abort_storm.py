@@ -13,7 +13,7 @@ import pytest
 
 from lmkit import GenerationConfig
 from tests.conftest import assert_blocks_free
-from tests.serve.conftest import ServerThread
+from tests.serve.conftest import ServerThread, leave_long_completion, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +82,7 @@ def test_abort_storm_leaks_nothing(storm_server, tiny_engine, tiny_llama_pipe):
 def test_disconnect_cancels_the_engine_request_at_once(slow_server, stream):
     server, engine = slow_server
     before = engine.metrics().num_generated_tokens
-    body = {"model": "tiny", "prompt": "x", "max_tokens": 480, "n": 4, "ignore_eos": True, "stream": stream}
-    if stream:
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
-            next(r.iter_lines())
-    else:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.1))
-    deadline = time.monotonic() + 5
-    while engine.metrics().num_running + engine.metrics().num_waiting:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    leave_long_completion(server.url, stream, read_timeout_s=0.1)
+    wait_idle(engine=engine)
     generated = engine.metrics().num_generated_tokens - before
     assert generated < 4 * 480 / 4, f"{generated} tokens generated after the client left"

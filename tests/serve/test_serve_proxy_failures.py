@@ -7,27 +7,12 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 import httpx
 import pytest
 
-from tests.serve.conftest import ServerThread, free_port, lmkit_subprocess, wait_healthy
-
-
-def in_flight(proxy) -> dict[str, int]:
-    r = httpx.get(f"{proxy.url}/nodes/status")
-    assert r.status_code == 200, r.text
-    return {n["url"]: n["num_in_flight"] for n in r.json()["nodes"]}
-
-
-def wait_idle(proxy, engine=None, timeout_s: float = 5.0) -> None:
-    """Until the proxy has nothing in flight (and ``engine`` nothing running or waiting)."""
-    deadline = time.monotonic() + timeout_s
-    while any(in_flight(proxy).values()) or (
-            engine is not None and engine.metrics().num_running + engine.metrics().num_waiting):
-        assert time.monotonic() < deadline, (in_flight(proxy), engine and engine.metrics())
-        time.sleep(0.005)
+from tests.serve.conftest import (LONG_COMPLETION, ServerThread, free_port, in_flight, leave_long_completion,
+                                 lmkit_subprocess, wait_healthy, wait_idle)
 
 
 def make_proxy(*nodes: str) -> ServerThread:
@@ -48,18 +33,12 @@ def slow_proxy(slow_server):
 def test_client_leaving_the_proxy_cancels_the_node_request(slow_proxy, stream):
     proxy, engine = slow_proxy
     before = engine.metrics().num_generated_tokens
-    body = {"model": "tiny", "prompt": "x", "max_tokens": 480, "n": 4, "ignore_eos": True, "stream": stream}
-    if stream:
-        with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=30) as r:
-            assert r.status_code == 200
-            next(r.iter_lines())  # the iterator dropped at once: httpx closes the connection
-    else:  # the proxy waits for the node's whole answer: the client leaving must cancel that wait
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.2))
+    # non-streamed, the proxy waits for the node's whole answer: the client leaving must cancel that wait
+    leave_long_completion(proxy.url, stream, read_timeout_s=0.2)
     wait_idle(proxy, engine)
     generated = engine.metrics().num_generated_tokens - before
     assert generated < 4 * 480 / 4, f"{generated} tokens generated after the client left"
-    r = httpx.post(f"{proxy.url}/v1/completions", json={**body, "max_tokens": 3, "n": 1, "stream": False}, timeout=30)
+    r = httpx.post(f"{proxy.url}/v1/completions", json={**LONG_COMPLETION, "max_tokens": 3, "n": 1}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
