@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             except subprocess.TimeoutExpired:
                 p.kill()
 
-    names = [n for n in procs]
+    names = list(procs)
     print(f"scale-out through the proxy, {datetime.now():%Y-%m-%d %H:%M}: concurrency {args.concurrency}, "
           f"{args.num_prompts} requests per run, outputs <= {args.max_output}, api_server {args.server_args!r}")
     print(f"{'round':>5}  {'setup':<28}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}  "
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{row['round']:>5}  {row['setup']:<28}{float(row['request_throughput']):8.3f}"
               f"{float(row['output_tok_s']):11.1f}{float(row['ttft_p50_ms']):8.0f}ms"
               f"{float(row['tpot_p50_ms']):8.1f}ms  " + "  ".join(f"{row['cpu_s'][n]:16.1f}" for n in names))
-    print("ratio (two nodes / one node) per round: " + " ".join(f"{x:.2f}x" for x in ratios)
+    print(f"ratio ({len(node_cpus)} nodes / one node) per round: " + " ".join(f"{x:.2f}x" for x in ratios)
           + f"; median {statistics.median(ratios):.2f}x")
     if args.csv:
         append_csv(args.csv, ["date", "round", "setup", "concurrency", "num_requests", "request_throughput",

@@ -122,7 +122,7 @@ async def one_request(session, args, model: str, prompt: str, prompt_tokens: int
     last = None
     chunks = 0
     try:
-        async with session.post(args.base_url.rstrip("/") + path, json=body) as r:
+        async with session.post(args.base_url + path, json=body) as r:
             if r.status != 200:
                 result.error = f"{r.status}: {(await r.read())[:200]!r}"
                 return result
@@ -163,7 +163,7 @@ def open_session(args, connections: int):
 
 
 async def first_model(args) -> str:
-    async with open_session(args, 1) as session, session.get(args.base_url.rstrip("/") + "/v1/models") as r:
+    async with open_session(args, 1) as session, session.get(args.base_url + "/v1/models") as r:
         return (await r.json())["data"][0]["id"]
 
 
@@ -175,7 +175,7 @@ async def run_level(args, model: str, requests: list, concurrency: int) -> dict:
             async with sem:
                 return await one_request(session, args, model, prompt, n_prompt, out_len)
 
-        gauges, done = ServerGauges(session, args.base_url.rstrip("/")), asyncio.Event()
+        gauges, done = ServerGauges(session, args.base_url), asyncio.Event()
         poller = asyncio.ensure_future(gauges.poll(done))
         started = time.perf_counter()
         tasks = []
@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--csv", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="4 short requests at concurrency 1 and 2")
     args = ap.parse_args(argv)
+    args.base_url = args.base_url.rstrip("/")
     if args.smoke:
         args.concurrency, args.num_prompts, args.workload, args.input_len, args.output_len = [1, 2], 4, "fixed", 16, 4
     workload = workloads.describe(args.workload, args.dataset)

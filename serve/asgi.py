@@ -95,5 +95,3 @@ async def serve_app(app, host: str, port: int, log_level: str = "info", on_ready
         await server.serve()
     finally:
         ready.cancel()
-
-
