@@ -7,6 +7,10 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 
+AUTO_MEMORY_FRACTION = 0.8
+"""The share of memory lmkit engines may take together when cache_max_entry_count is None (auto)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings. Measured values (such as the number of KV blocks) are engine state, not config."""
@@ -30,8 +34,14 @@ class EngineConfig:
     """Tokens per request at most (prompt + output). Default: the model's max_position_embeddings."""
     cache_block_seq_len: int = 64
     """Tokens per KV cache block."""
-    cache_max_entry_count: float = 0.8
-    """KV pool size: a fraction (0, 1] of free memory, or a number of blocks when > 1."""
+    cache_max_entry_count: float | None = None
+    """KV pool size. None (auto): the blocks max_batch_size sequences of session_len tokens can use, at most half
+    of the memory the lmkit engines of this host may still take (CPU: 0.8 of the total, or of the cgroup's limit
+    when lower, less this engine's weights and what the other live engines hold), so that another engine can
+    start beside it; on CUDA 0.8 of the GPU memory free after the weights. A number > 1: that many blocks. A
+    fraction (0, 1]: CPU: that fraction of the total less the weights and the other engines' share, all of it;
+    CUDA: of the free GPU memory. An engine that cannot get one sequence's blocks fails at start, naming the
+    numbers; the size chosen, and why, is logged at start (logger "lmkit")."""
     max_prefill_token_num: int = 8192
     """Prompt tokens processed per step at most; longer prompts are split into chunks."""
     quant_policy: Literal[0, 4, 8] = 0
@@ -66,8 +76,8 @@ class EngineConfig:
               f"session_len must be an integer > 1, got {self.session_len!r}")
         check(isinstance(self.cache_block_seq_len, int) and self.cache_block_seq_len >= 1,
               f"cache_block_seq_len must be an integer >= 1, got {self.cache_block_seq_len!r}")
-        check(self.cache_max_entry_count > 0,
-              f"cache_max_entry_count must be > 0 (a fraction of free memory, or a block count > 1), "
+        check(self.cache_max_entry_count is None or self.cache_max_entry_count > 0,
+              f"cache_max_entry_count must be > 0 (a fraction of memory, or a block count > 1), "
               f"got {self.cache_max_entry_count!r}")
         check(isinstance(self.max_prefill_token_num, int) and self.max_prefill_token_num >= 1,
               f"max_prefill_token_num must be an integer >= 1, got {self.max_prefill_token_num!r}")
@@ -97,7 +107,7 @@ class EngineConfig:
         c.max_batch_size = self.max_batch_size
         c.session_len = self.session_len or 0
         c.cache_block_seq_len = self.cache_block_seq_len
-        c.cache_max_entry_count = float(self.cache_max_entry_count)
+        c.cache_max_entry_count = float(self.cache_max_entry_count or AUTO_MEMORY_FRACTION)
         c.max_prefill_token_num = self.max_prefill_token_num
         c.quant_policy = self.quant_policy
         if kv_layer_bits:

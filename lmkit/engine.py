@@ -14,6 +14,7 @@ import itertools
 import queue
 import threading
 import weakref
+from contextlib import nullcontext
 from pathlib import Path
 from typing import AsyncIterator, Callable, Hashable, Union
 
@@ -22,6 +23,7 @@ from lmkit.messages import GenerationConfig, Response
 from lmkit.metrics import EngineMetrics, LatencyRecorder
 from lmkit.model_path import resolve_model
 from lmkit.kv_policy import load_kv_policy
+from lmkit.memory import KVPool, log_cuda_kv_pool, reserve_kv_pool
 from lmkit.models import ModelSpec, load_model_spec
 from lmkit.outputs import CompletionState
 from lmkit.tokenizer import Tokenizer
@@ -72,6 +74,15 @@ def _load_cublas(_engine) -> None:
                 return
 
 
+def _shut_down(cpp, reservation) -> None:
+    """Stops a C++ engine and deletes its memory reservation (lmkit/memory.py). Holds no Engine reference."""
+    try:
+        cpp.shutdown()
+    finally:
+        if reservation is not None:
+            reservation.remove()
+
+
 class Engine:
     """A model folder running in lmkit._engine.
 
@@ -94,13 +105,21 @@ class Engine:
         if self.config.kv_policy is not None:
             kv_layer_bits = load_kv_policy(self.config.kv_policy, self.spec.num_layers, self.spec.num_kv_heads,
                                            self.spec.head_dim)
-        self._cpp = _engine.Engine(
-            self.config.to_engine_config(self.device, kv_layer_bits), self.spec.to_engine_config(), sources,
-            self.spec.eos_token_ids,
-        )
+        # CPU: the pool is sized in lmkit/memory.py against the host's memory and the other lmkit engines',
+        # and this engine's reservation is recorded until close(); CUDA: the backend sizes it from free GPU memory.
+        sizing = reserve_kv_pool(self.config, self.spec) if self.device == "cpu" else nullcontext()
+        with sizing as sizer:
+            self._cpp = _engine.Engine(
+                self.config.to_engine_config(self.device, kv_layer_bits), self.spec.to_engine_config(), sources,
+                self.spec.eos_token_ids, size_kv_pool=sizer,
+            )
+        self.kv_pool: KVPool | None = sizer.kv_pool if sizer else None
+        """How the KV pool was sized, with the numbers of the start-up line (CPU engines; None on CUDA)."""
+        if sizer is None:
+            log_cuda_kv_pool(self._cpp, self.config.cache_max_entry_count)
         self._ids = itertools.count(1)
         self._closed = False
-        self._finalizer = weakref.finalize(self, self._cpp.shutdown)
+        self._finalizer = weakref.finalize(self, _shut_down, self._cpp, sizer.reservation if sizer else None)
         self.latency = LatencyRecorder()
         Engine._live.add(self)
 
@@ -172,7 +191,8 @@ class Engine:
         self._cpp.check_integrity()
 
     def close(self) -> None:
-        """Stops the engine; unfinished requests end as cancelled. Idempotent."""
+        """Stops the engine (unfinished requests end as cancelled) and deletes its memory reservation, so
+        that engines started later may use that memory. Idempotent."""
         if not self._closed:
             self._closed = True
             self._finalizer()

@@ -31,3 +31,20 @@ def cuda_archs() -> str | None:
 def build_jobs() -> int:
     """``LMKIT_BUILD_JOBS``: parallel compile jobs for the extension build (default: all cores)."""
     return int(os.environ.get("LMKIT_BUILD_JOBS") or os.cpu_count() or 1)
+
+
+def runtime_dir() -> Path:
+    """``LMKIT_RUNTIME_DIR``: where each engine records the memory it holds (weights + KV pool), so that the
+    lmkit processes of one user on one host size their KV pools from what the others left (lmkit/memory.py).
+
+    Default: ``/dev/shm/lmkit-<uid>`` (memory-backed, emptied at boot), or ``<temp dir>/lmkit-<uid>`` where
+    /dev/shm is not writable. One fixed place, whatever the session's environment (a login shell and a
+    service of the same user must find each other's records).
+    """
+    value = os.environ.get("LMKIT_RUNTIME_DIR")
+    if value:
+        return Path(value).expanduser()
+    import tempfile
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return Path(base) / f"lmkit-{os.getuid()}"

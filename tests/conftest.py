@@ -3,10 +3,16 @@ tokenizer, HF fp32 references, and a check that every engine gives all its KV bl
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
+
+# The engines of this test session (and the servers it starts as subprocesses, which inherit this) size
+# their KV pools against each other only, not against lmkit servers that happen to run on the host.
+os.environ["LMKIT_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="lmkit-test-runtime-")
 
 TINY_VOCAB = 300  # 256 byte tokens + specials + spare rows
 

@@ -33,7 +33,8 @@ struct EngineConfig {
   int32_t max_batch_size = 64;
   int32_t session_len = 0;  // 0: the model's max_position_embeddings
   int32_t cache_block_seq_len = 64;
-  double cache_max_entry_count = 0.8;  // fraction of free memory, or a block count when > 1
+  double cache_max_entry_count = 0.8;  // fraction of the memory free after the weights (CUDA; the CPU pool is
+                                       // sized by lmkit/memory.py), or a block count when > 1
   int32_t max_prefill_token_num = 8192;
   int32_t quant_policy = 0;                // KV cache of every layer: 0 fp32, 8 int8, 4 int4
   std::vector<int32_t> kv_layer_bits;      // per layer 0 / 8 / 4 (a kv_policy file); overrides quant_policy

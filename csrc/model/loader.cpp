@@ -11,7 +11,8 @@ namespace lmkit {
 
 std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelConfig& model,
                                       const std::map<std::string, TensorSource>& sources,
-                                      const std::vector<int32_t>& eos_token_ids) {
+                                      const std::vector<int32_t>& eos_token_ids,
+                                      const KVPoolSizer& size_kv_pool) {
 #ifdef LMKIT_WITH_CUDA
   LMKIT_CHECK_ARG(config.device == "cpu" || config.device == "cuda", "device must be 'cpu' or 'cuda', got '",
                   config.device, "'");
@@ -73,9 +74,14 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   }
   options.kv_bytes_per_block = executor->kv_bytes_per_block();
   options.linear_weight_bytes = executor->linear_weight_bytes();
-  options.num_blocks =
-      kv_pool_num_blocks(config.cache_max_entry_count, executor->kv_bytes_per_block(), available_bytes,
-                         options.max_batch_size, options.session_len, options.block_size_tokens);
+  if (size_kv_pool) {
+    options.num_blocks = size_kv_pool(options.kv_bytes_per_block, options.linear_weight_bytes, options.session_len);
+    LMKIT_CHECK_ARG(options.num_blocks >= 1, "the KV pool sizer gave ", options.num_blocks, " blocks; it needs >= 1");
+  } else {
+    options.num_blocks =
+        kv_pool_num_blocks(config.cache_max_entry_count, executor->kv_bytes_per_block(), available_bytes,
+                           options.max_batch_size, options.session_len, options.block_size_tokens);
+  }
   return std::make_unique<Engine>(options, std::move(executor));
 }
 

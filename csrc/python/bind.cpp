@@ -153,7 +153,7 @@ PYBIND11_MODULE(_engine, m) {
 
   py::class_<Engine, EnginePtr>(m, "Engine")
       .def(py::init([](const EngineConfig& config, const ModelConfig& model, const py::dict& sources,
-                       const std::vector<int32_t>& eos_token_ids) {
+                       const std::vector<int32_t>& eos_token_ids, const py::object& size_kv_pool) {
              // sources: role -> (path, offset, dtype, shape)
              std::map<std::string, TensorSource> srcs;
              for (auto item : sources) {
@@ -165,15 +165,26 @@ PYBIND11_MODULE(_engine, m) {
                s.shape = t[3].cast<std::vector<int64_t>>();
                srcs[item.first.cast<std::string>()] = std::move(s);
              }
+             // size_kv_pool(kv_bytes_per_block, linear_weight_bytes, session_len) -> blocks, called once on
+             // this thread after the weights are packed; what it raises propagates. A borrowed handle: the
+             // argument outlives create_engine, and nothing here touches its reference count without the GIL.
+             KVPoolSizer sizer;
+             if (!size_kv_pool.is_none())
+               sizer = [fn = py::handle(size_kv_pool)](int64_t bytes_per_block, int64_t weight_bytes,
+                                                       int32_t session_len) {
+                 py::gil_scoped_acquire gil;
+                 return fn(bytes_per_block, weight_bytes, session_len).cast<int32_t>();
+               };
              py::gil_scoped_release release;
-             EnginePtr engine(create_engine(config, model, srcs, eos_token_ids).release());
+             EnginePtr engine(create_engine(config, model, srcs, eos_token_ids, sizer).release());
              engine->set_delivery_scope([](const std::function<void()>& deliver) {
                py::gil_scoped_acquire gil;  // once per batch; the per-call acquires inside nest cheaply
                deliver();
              });
              return engine;
            }),
-           py::arg("config"), py::arg("model"), py::arg("sources"), py::arg("eos_token_ids"))
+           py::arg("config"), py::arg("model"), py::arg("sources"), py::arg("eos_token_ids"),
+           py::arg("size_kv_pool") = py::none())
       .def("submit", &Engine::submit, py::arg("request_id"), py::arg("prompt"), py::arg("params"),
            py::arg("callback"), py::call_guard<py::gil_scoped_release>(),
            "Queues a request; callback(RequestOutput) runs on the engine's callback thread.")

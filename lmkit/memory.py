@@ -1,0 +1,385 @@
+"""The KV pool's default size, and the host memory that the lmkit engines of one host share.
+
+A CPU engine sizes its pool here, once its weights are packed and before the pool is allocated:
+lmkit.Engine hands a ``KVPoolSizer`` to lmkit._engine.Engine, which calls it back with what only the C++
+side knows (bytes per KV block, packed weight bytes, the resolved session_len) and allocates the blocks
+it returns::
+
+    blocks       = cache_max_entry_count, when > 1 (a block count, as given); otherwise
+                   min(cap_blocks, budget_bytes // kv_bytes_per_block)
+    cap_blocks   = max_batch_size * ceil(session_len / cache_block_seq_len)   all a full batch can hold
+    left_bytes   = fraction * memory_limit               MemTotal, or the cgroup's limit when lower
+                 - weight_bytes                          this engine's weights as loaded
+                 - the reservations of the other live lmkit engines of this user on this host
+    budget_bytes = left_bytes                            cache_max_entry_count a fraction: all of it
+                 = max(left_bytes / 2, one sequence)     None (auto, fraction 0.8): half, so that another
+                                                         engine (a second node, `lmkit chat`) fits beside it
+
+The cap holds with prefix caching too: cached blocks are reclaimed before a running sequence waits. A pool
+that cannot hold one sequence of session_len tokens is refused (MemoryBudgetError, naming the numbers).
+
+Reservations: every CPU engine records its weights + KV pool bytes in a file ``<pid>-<n>.json`` of
+``lmkit.env.runtime_dir()``. An engine holds that folder's lock (an flock: the kernel drops it if the holder
+dies) from before its weights load until its record is written, so engines starting together size one
+after the other. ``Engine.close()`` (or its finalizer, at the latest when the process exits) deletes the
+record; the record of a process that is gone (its pid dead, a zombie, or reused by a later process) is
+ignored and deleted by the next engine that reads it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import logging
+import math
+import os
+import stat
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from lmkit import env
+from lmkit.models.safetensors_index import _DTYPE_BYTES
+
+from lmkit.config import AUTO_MEMORY_FRACTION
+
+if TYPE_CHECKING:
+    from lmkit.config import EngineConfig
+    from lmkit.models import ModelSpec
+
+log = logging.getLogger("lmkit")
+
+
+class MemoryBudgetError(ValueError):
+    """The memory left for the KV pool does not hold one sequence of session_len tokens."""
+
+
+def format_bytes(n: int) -> str:
+    """``1.50 GiB``, ``12.0 KiB``, ``512 B``."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n} B"
+
+
+# -- what this process may use ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """The memory this process may use: the machine's, or its cgroup's limit when lower."""
+
+    total_bytes: int
+    source: str  # where total_bytes was read
+
+
+def memory_limit(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> MemoryLimit:
+    """MemTotal of ``proc``/meminfo, or the lowest memory limit (cgroup v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``) of this process's cgroup and its ancestors when lower."""
+    best = MemoryLimit(_meminfo_total_bytes(proc / "meminfo"), "MemTotal")
+    for path in _cgroup_limit_files(proc / "self" / "cgroup", cgroup_root):
+        value = _read_limit(path)
+        if value is not None and value < best.total_bytes:
+            best = MemoryLimit(value, f"cgroup limit {path}")
+    return best
+
+
+def _meminfo_total_bytes(path: Path) -> int:
+    for line in path.read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"{path} has no MemTotal line: cannot size the KV pool; give cache_max_entry_count "
+                       "a block count (> 1)")
+
+
+def _cgroup_limit_files(self_cgroup: Path, root: Path) -> list[Path]:
+    """The limit files of this process's cgroup and its ancestors, v2 and v1 (existing or not). In a
+    container the listed path may be the host's; walking up to the root also finds the container's own."""
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        lines = ["0::/"]
+    files = []
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        files += [base.joinpath(*parts[:depth], name) for depth in range(len(parts), -1, -1)]
+    return files
+
+
+def _read_limit(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit at this level
+
+
+# -- reservations of the engines of this host ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Reservation:
+    """One engine's record: the host memory it holds."""
+
+    pid: int
+    started: str | None  # the process's start time (/proc/<pid>/stat): a later process with the same pid is not it
+    weight_bytes: int
+    kv_bytes: int
+    model: str
+    path: Path = field(compare=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    def describe(self) -> str:
+        return f"pid {self.pid}: {format_bytes(self.total_bytes)} ({self.model})"
+
+    def remove(self) -> None:
+        """Deletes the record (no lock needed: an unlink is atomic, and readers skip a vanished file)."""
+        self.path.unlink(missing_ok=True)
+
+    def is_live(self) -> bool:
+        """Whether its process still runs: the pid exists, is not a zombie, and started when the record says."""
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        status = _process_status(self.pid)
+        if status is None:
+            return True  # no /proc to tell a reused pid: count it
+        state, started = status
+        return state != "Z" and (self.started is None or started == self.started)
+
+
+def _process_status(pid: int) -> tuple[str, str] | None:
+    """(state, start time in clock ticks since boot) from /proc/<pid>/stat, None when unreadable."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": fields 3, 4, ... of proc(5)
+    return fields[0], fields[19]
+
+
+class Reservations:
+    """The records of one runtime folder. ``live()`` and ``add()`` run under ``lock()``."""
+
+    _serial = itertools.count(1)  # records of one process: <pid>-1.json, <pid>-2.json, ...
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def __repr__(self) -> str:
+        return f"Reservations({str(self.folder)!r})"
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Holds the folder's lock (blocks while another engine sizes its pool)."""
+        self._prepare_folder()
+        fd = os.open(self.folder / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def live(self) -> list[Reservation]:
+        """The records of running processes; deletes those of processes that are gone."""
+        records = []
+        for path in sorted(self.folder.glob("*.json")):
+            try:
+                raw = json.loads(path.read_text())
+                record = Reservation(int(raw["pid"]), raw.get("started"), int(raw["weight_bytes"]),
+                                     int(raw["kv_bytes"]), str(raw.get("model", "?")), path)
+            except FileNotFoundError:
+                continue  # removed by its engine meanwhile
+            except (OSError, ValueError, KeyError, TypeError):
+                log.warning("ignoring the unreadable lmkit memory record %s", path)
+                continue
+            if record.is_live():
+                records.append(record)
+            else:
+                record.remove()
+        return records
+
+    def add(self, weight_bytes: int, kv_bytes: int, model: str) -> Reservation:
+        """Writes this process's record of one engine and returns it."""
+        pid = os.getpid()
+        status = _process_status(pid)
+        record = Reservation(pid, status[1] if status else None, int(weight_bytes), int(kv_bytes), model,
+                             self.folder / f"{pid}-{next(self._serial)}.json")
+        tmp = record.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": record.pid, "started": record.started, "weight_bytes": record.weight_bytes,
+                                   "kv_bytes": record.kv_bytes, "model": record.model}))
+        os.replace(tmp, record.path)
+        return record
+
+    def _prepare_folder(self) -> None:
+        try:
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = os.lstat(self.folder)
+        except OSError as e:
+            raise RuntimeError(f"cannot use {self.folder} for lmkit's memory records ({e}); set LMKIT_RUNTIME_DIR "
+                               "to a writable folder of your own") from None
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise RuntimeError(f"{self.folder} (lmkit's memory records) is not a folder owned by this user; set "
+                               "LMKIT_RUNTIME_DIR to a folder of your own")
+
+
+# -- sizing ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KVPool:
+    """How a CPU engine's KV pool was sized (``Engine.kv_pool``): the numbers of its start-up line."""
+
+    num_blocks: int
+    block_size_tokens: int
+    kv_bytes_per_block: int
+    limited_by: str  # "cache_max_entry_count" (a block count), "max_batch_size x session_len" or "memory"
+    max_batch_size: int
+    session_len: int
+    fraction: float | None  # cache_max_entry_count when it is a fraction, AUTO_MEMORY_FRACTION when auto
+    is_auto: bool  # cache_max_entry_count None: the pool takes half of what is left
+    memory: MemoryLimit
+    weight_bytes: int  # this engine's weights as loaded
+    others: tuple[Reservation, ...]  # the other live engines' records when it was sized
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size_tokens
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.kv_bytes_per_block
+
+    @property
+    def cap_blocks(self) -> int:
+        """What max_batch_size sequences of session_len tokens can ever use."""
+        return self.max_batch_size * math.ceil(self.session_len / self.block_size_tokens)
+
+    @property
+    def others_bytes(self) -> int:
+        return sum(r.total_bytes for r in self.others)
+
+    @property
+    def left_bytes(self) -> int | None:
+        """fraction x memory - weights - the others' reservations (None for a block count)."""
+        if self.fraction is None:
+            return None
+        return int(self.fraction * self.memory.total_bytes) - self.weight_bytes - self.others_bytes
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """What the pool may take: all that is left, or half of it when auto (None for a block count)."""
+        left = self.left_bytes
+        return left // 2 if left is not None and self.is_auto else left
+
+    def budget_text(self) -> str:
+        others = f" [{', '.join(r.describe() for r in self.others)}]" if self.others else ""
+        text = (f"{self.fraction:g} x {format_bytes(self.memory.total_bytes)} ({self.memory.source}) "
+                f"- {format_bytes(self.weight_bytes)} weights - {format_bytes(self.others_bytes)} held by other "
+                f"lmkit engines{others}")
+        if self.is_auto:
+            return f"half of ({text}) = {format_bytes(self.budget_bytes)}, leaving room for another engine"
+        return f"{text} = {format_bytes(self.budget_bytes)}"
+
+    def describe(self) -> str:
+        """The start-up line: blocks, tokens, bytes, and why."""
+        head = (f"KV pool: {self.num_blocks} blocks x {self.block_size_tokens} tokens = {self.num_tokens} tokens, "
+                f"{format_bytes(self.kv_bytes)} ({format_bytes(self.kv_bytes_per_block)} per block); ")
+        if self.limited_by == "cache_max_entry_count":
+            return head + f"set by cache_max_entry_count={self.num_blocks}"
+        if self.limited_by == "memory":
+            return (head + f"limited by memory: {self.budget_text()}; max_batch_size x session_len would use "
+                    f"{self.cap_blocks} blocks")
+        return (head + f"limited by max_batch_size x session_len ({self.max_batch_size} x {self.session_len} tokens); "
+                f"memory allows {self.budget_bytes // self.kv_bytes_per_block} blocks: {self.budget_text()}")
+
+
+def plan_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, weight_bytes: int, session_len: int,
+                 memory: MemoryLimit, others: tuple[Reservation, ...] = ()) -> KVPool:
+    """The KV pool for ``config`` (module doc). Raises MemoryBudgetError when a fraction leaves less than
+    one sequence of session_len tokens."""
+    count = config.cache_max_entry_count
+    is_auto = count is None
+    pool = KVPool(num_blocks=0, block_size_tokens=config.cache_block_seq_len, kv_bytes_per_block=kv_bytes_per_block,
+                  limited_by="cache_max_entry_count", max_batch_size=config.max_batch_size, session_len=session_len,
+                  fraction=AUTO_MEMORY_FRACTION if is_auto else (None if count > 1 else float(count)), is_auto=is_auto,
+                  memory=memory, weight_bytes=weight_bytes, others=tuple(others))
+    if not is_auto and count > 1:
+        return replace(pool, num_blocks=int(count))
+    min_blocks = math.ceil(session_len / config.cache_block_seq_len)
+    budget = pool.budget_bytes
+    budget_blocks = max(budget, 0) // kv_bytes_per_block
+    if is_auto and budget_blocks < min_blocks <= max(pool.left_bytes, 0) // kv_bytes_per_block:
+        budget_blocks = min_blocks  # half is not one sequence, but what is left is: take one sequence's worth
+    if budget_blocks < min_blocks:
+        raise MemoryBudgetError(
+            f"the KV pool does not fit in memory: one sequence of session_len={session_len} tokens needs "
+            f"{min_blocks} blocks = {format_bytes(min_blocks * kv_bytes_per_block)} "
+            f"({format_bytes(kv_bytes_per_block)} per block of {config.cache_block_seq_len} tokens), and "
+            f"cache_max_entry_count leaves {format_bytes(budget) if budget > 0 else 'nothing'}: {pool.budget_text()}. "
+            f"Lower session_len, or quant_policy=8 / 4 (int8 / int4 KV blocks), or give cache_max_entry_count a "
+            f"block count (> 1) or a larger fraction, or restart the other lmkit engines with a smaller "
+            f"max_batch_size / session_len / cache_max_entry_count")
+    if budget_blocks < pool.cap_blocks:
+        return replace(pool, num_blocks=int(budget_blocks), limited_by="memory")
+    return replace(pool, num_blocks=pool.cap_blocks, limited_by="max_batch_size x session_len")
+
+
+def unpacked_weight_bytes(spec: "ModelSpec") -> int:
+    """Bytes of the tensors the CPU backend reads where they are mapped (embeddings, norms, biases). The
+    weights as loaded are these plus the packed linear layers and lm_head (``Engine.linear_weight_bytes``)."""
+    return sum(math.prod(e.shape) * _DTYPE_BYTES[e.dtype] for role, e in spec.sources.items()
+               if role != "lm_head" and "_proj" not in role)
+
+
+class KVPoolSizer:
+    """The ``size_kv_pool`` callback of lmkit._engine.Engine: (kv_bytes_per_block, linear_weight_bytes,
+    session_len) -> blocks, called once on the creating thread; keeps the KVPool it chose in ``kv_pool``."""
+
+    def __init__(self, config: "EngineConfig", unpacked_bytes: int, others: tuple[Reservation, ...],
+                 memory: MemoryLimit):
+        self.config, self.unpacked_bytes, self.others, self.memory = config, unpacked_bytes, others, memory
+        self.kv_pool: KVPool | None = None
+        self.reservation: Reservation | None = None
+
+    def __call__(self, kv_bytes_per_block: int, linear_weight_bytes: int, session_len: int) -> int:
+        self.kv_pool = plan_kv_pool(self.config, kv_bytes_per_block, linear_weight_bytes + self.unpacked_bytes,
+                                    session_len, self.memory, self.others)
+        return self.kv_pool.num_blocks
+
+
+@contextmanager
+def reserve_kv_pool(config: "EngineConfig", spec: "ModelSpec") -> Iterator[KVPoolSizer]:
+    """For a CPU engine created inside the block: holds the runtime folder's lock, yields the sizer to hand to
+    lmkit._engine.Engine, then records the engine's reservation (``sizer.reservation``; the caller removes it
+    when the engine closes) and logs the start-up line. A block that raises records nothing."""
+    reservations = Reservations(env.runtime_dir())
+    with reservations.lock():
+        sizer = KVPoolSizer(config, unpacked_weight_bytes(spec), tuple(reservations.live()), memory_limit())
+        yield sizer
+        if sizer.kv_pool is None:
+            raise RuntimeError("the engine was created without calling its KV pool sizer")
+        sizer.reservation = reservations.add(sizer.kv_pool.weight_bytes, sizer.kv_pool.kv_bytes, str(spec.path))
+    log.info("%s", sizer.kv_pool.describe())
+
+
+def log_cuda_kv_pool(cpp, cache_max_entry_count: float) -> None:
+    """Logs the start-up line of a CUDA engine (lmkit._engine.Engine), whose backend sized its pool from the
+    GPU's free memory."""
+    n, block, per_block = cpp.num_total_blocks, cpp.block_size_tokens, cpp.kv_bytes_per_block
+    why = (f"set by cache_max_entry_count={n}" if cache_max_entry_count > 1 else
+           f"{cache_max_entry_count:g} of the GPU memory free after the weights, at most max_batch_size x session_len")
+    log.info("KV pool: %d blocks x %d tokens = %d tokens, %s of GPU memory (%s per block); %s", n, block, n * block,
+             format_bytes(n * per_block), format_bytes(per_block), why)
