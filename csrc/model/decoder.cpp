@@ -68,6 +68,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, cons
     lm_head_ = ops::pack_linear_int8(weights_.lm_head);
   else
     lm_head_ = pack_dense(weights_.lm_head);
+  weights_.release_linear_pages();
 
   if (options_.kv_bits.empty()) options_.kv_bits.assign(config.num_layers, 32);
   LMKIT_CHECK_ARG((int32_t)options_.kv_bits.size() == config.num_layers, "KV precision is given for ",

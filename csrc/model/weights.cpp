@@ -126,4 +126,22 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   return w;
 }
 
+void ModelWeights::release_linear_pages() const {
+  static const uintptr_t page = (uintptr_t)::sysconf(_SC_PAGESIZE);
+  auto release = [](const Tensor& t) {
+    if (t.is_empty()) return;
+    // only the pages that lie wholly inside the tensor: its neighbours (norms, biases) stay resident
+    const uintptr_t begin = ((uintptr_t)t.data + page - 1) / page * page;
+    const uintptr_t end = ((uintptr_t)t.data + t.size_bytes()) / page * page;
+    if (end > begin) ::madvise((void*)begin, end - begin, MADV_DONTNEED);
+  };
+  auto release_linear = [&](const LinearTensors& l) {
+    for (const Tensor* t : {&l.weight, &l.qweight, &l.qzeros, &l.scales}) release(*t);
+  };
+  for (const LayerWeights& l : layers)
+    for (const LinearTensors* t : {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj})
+      release_linear(*t);
+  release(lm_head);
+}
+
 }  // namespace lmkit

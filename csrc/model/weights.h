@@ -64,6 +64,11 @@ struct ModelWeights {
   // An AWQ linear comes as "<role>.qweight", "<role>.qzeros", "<role>.scales" instead of "<role>"
   // (config.awq_group_size > 0); linears left dense (modules_to_not_convert) keep the plain role.
   static ModelWeights load(const ModelConfig& config, const std::map<std::string, TensorSource>& sources);
+
+  // Once a backend has packed the linear layers (and the lm_head) into buffers of its own, their file pages
+  // leave this process's resident memory (MADV_DONTNEED on the read-only private mapping: a later read
+  // refaults from the file, so a view that is still read, such as a tied embedding, stays valid).
+  void release_linear_pages() const;
 };
 
 }  // namespace lmkit
