@@ -146,6 +146,18 @@ class Engine:
         """Bytes of weights every decode step reads (all linear layers and the lm_head, as packed)."""
         return self._cpp.linear_weight_bytes
 
+    @property
+    def generation_defaults(self) -> dict:
+        """The GenerationConfig fields the model's generation_config.json sets (temperature, top_p, ...; see
+        lmkit.models.read_generation_defaults): what a request that leaves a field out gets."""
+        return dict(self.spec.generation_defaults)
+
+    def default_generation_config(self, **overrides) -> GenerationConfig:
+        """A GenerationConfig of the model's generation_defaults with ``overrides`` (GenerationConfig fields) on
+        top; an override of None keeps the model's value, temperature=0 means greedy, and a temperature > 0
+        without do_sample samples (ModelSpec.generation_config). Raises ValueError for an invalid value."""
+        return self.spec.generation_config(**overrides)
+
     @staticmethod
     def now() -> float:
         """The engine's clock (seconds), as stamped on every output."""
@@ -300,8 +312,8 @@ class AsyncEngine:
     def submit(self, prompt: Prompt, gen_config: GenerationConfig | None = None, *, index: int = 0,
                loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
         """Queues a request now (raising ValueError for a bad one) and returns its stream, to be iterated on
-        ``loop`` (default: the running loop)."""
-        gen_config = gen_config or GenerationConfig()
+        ``loop`` (default: the running loop). Without ``gen_config``: the model's generation defaults."""
+        gen_config = gen_config or self.engine.default_generation_config()
         loop = loop or asyncio.get_running_loop()
         return RequestStream(self.engine, self.engine.encode(prompt), gen_config, index, loop)
 

@@ -67,7 +67,7 @@ class Pipeline:
     def _responses(self, prompts: Prompts, gen_config: GenerationConfig | None) -> Iterator[Response]:
         """Submits every prompt (a bad one raises before anything runs), then yields the Response deltas of
         all of them as they arrive. Leaving early cancels what is still running."""
-        gen_config = gen_config or GenerationConfig()
+        gen_config = gen_config or self.engine.default_generation_config()
         items, _ = _normalize(prompts)
         encoded = [self.engine.encode(p) for p in items]
         loop = self._loop_thread.loop
@@ -106,13 +106,15 @@ class Pipeline:
     def stream_infer(self, prompts: Prompts, gen_config: GenerationConfig | None = None) -> Iterator[Response]:
         """Yields incremental Responses (text and token_ids since the previous one of that index and
         sample_index) as tokens arrive, for every prompt; the last one of each completion has finish_reason
-        set. Leaving the loop early cancels what is still running."""
+        set. Leaving the loop early cancels what is still running. Without ``gen_config``: the model's
+        generation defaults (Engine.default_generation_config())."""
         return self._responses(prompts, gen_config)
 
     def __call__(self, prompts: Prompts, gen_config: GenerationConfig | None = None) -> Response | list[Response]:
         """Generates for one prompt (returns a Response) or a batch (returns a list in input order). With
-        GenerationConfig.n > 1 every prompt gives n Responses, in (index, sample_index) order, as a list."""
-        gen_config = gen_config or GenerationConfig()
+        GenerationConfig.n > 1 every prompt gives n Responses, in (index, sample_index) order, as a list.
+        Without ``gen_config``: the model's generation defaults (Engine.default_generation_config())."""
+        gen_config = gen_config or self.engine.default_generation_config()
         items, single = _normalize(prompts)
         parts: dict[tuple[int, int], list[Response]] = {}
         for r in self._responses(items, gen_config):

@@ -40,10 +40,10 @@ def run_chat(model: str | None = None, engine_config: EngineConfig | None = None
 
     from lmkit.pipeline import pipeline
 
-    gen = gen_config or GenerationConfig(max_new_tokens=512, do_sample=True, temperature=0.7, top_p=0.9)
     base = [{"role": "system", "content": system}] if system else []
     err = Console(stderr=True)
     with pipeline(model, engine_config) as pipe:
+        gen = gen_config or pipe.engine.default_generation_config()  # the model's generation_config.json
         if prompt is not None:
             def write(_, delta):
                 sys.stdout.write(delta)

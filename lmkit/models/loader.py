@@ -1,5 +1,6 @@
 """HF folder -> ModelSpec: the engine's model config (shape, rope, sliding window), the weight
-source of every engine role, and the eos ids. Reads JSON and safetensors headers only."""
+source of every engine role, the eos ids and the model's generation defaults. Reads JSON and safetensors
+headers only."""
 
 from __future__ import annotations
 
@@ -36,7 +37,24 @@ class ModelSpec:
     max_position_embeddings: int
     eos_token_ids: list[int]
     awq_group_size: int = 0  # > 0: an AWQ int4 checkpoint
+    generation_defaults: dict = field(default_factory=dict)
+    """GenerationConfig fields the model's generation_config.json sets (see read_generation_defaults)."""
     sources: dict[str, TensorEntry] = field(repr=False, default_factory=dict)
+
+    def generation_config(self, **overrides):
+        """A GenerationConfig of this model's generation_defaults with ``overrides`` (GenerationConfig fields) on
+        top. An override of None keeps the model's value, so that unset CLI options and request fields pass
+        through as they come. temperature=0 means greedy; a temperature > 0 given without do_sample turns
+        sampling on. Raises ValueError (GenerationConfigError) naming a field whose value is invalid."""
+        from lmkit.messages import GenerationConfig
+
+        given = {name: value for name, value in overrides.items() if value is not None}
+        if "temperature" in given and "do_sample" not in given:
+            given["do_sample"] = given["temperature"] > 0
+        merged = {**self.generation_defaults, **given}
+        if merged.get("temperature") == 0:  # "greedy", as OpenAI and transformers read it
+            merged.update(do_sample=False, temperature=1.0)
+        return GenerationConfig(**merged)
 
     def to_engine_config(self):
         """The lmkit._engine.ModelConfig for this spec."""
@@ -107,6 +125,35 @@ def _read_json(path: Path) -> dict:
         raise ValueError(f"{path}: invalid JSON ({e})") from None
 
 
+# the generation_config.json keys read as a model's generation defaults (transformers' names = GenerationConfig's)
+GENERATION_DEFAULT_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                             "max_new_tokens")
+
+
+def read_generation_defaults(path: Path, cfg: dict | None = None) -> dict:
+    """GenerationConfig fields a model folder sets: the GENERATION_DEFAULT_FIELDS its generation_config.json holds
+    (not null), or, without that file, those in config.json (transformers' fallback; ``cfg`` is config.json
+    when already read). Keys left out keep GenerationConfig's defaults (greedy; do_sample false unless set, as in
+    transformers); max_new_tokens counts only when set explicitly (max_length is not read).
+
+    Raises ValueError naming the file when a value is not one GenerationConfig accepts.
+    """
+    from lmkit.messages import GenerationConfig
+
+    gen_path = path / "generation_config.json"
+    source = gen_path if gen_path.exists() else path / "config.json"
+    data = _read_json(gen_path) if gen_path.exists() else (cfg if cfg is not None else _read_json(source))
+    defaults = {name: data[name] for name in GENERATION_DEFAULT_FIELDS if data.get(name) is not None}
+    if defaults.get("temperature") == 0:  # transformers: 0 is not a temperature; greedy is what it means
+        defaults.pop("temperature")
+        defaults["do_sample"] = False
+    try:
+        GenerationConfig(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{source}: a generation default is invalid: {e}") from None
+    return defaults
+
+
 AWQ_GROUP_SIZES = (32, 64, 128)
 
 
@@ -171,6 +218,7 @@ def load_model_spec(path: Path) -> ModelSpec:
     gen_path = path / "generation_config.json"
     if gen_path.exists():
         eos += [t for t in _as_id_list(_read_json(gen_path).get("eos_token_id")) if t not in eos]
+    generation_defaults = read_generation_defaults(path, cfg)
 
     tensors = index_folder(path)
     num_layers = int(cfg["num_hidden_layers"])
@@ -208,5 +256,6 @@ def load_model_spec(path: Path) -> ModelSpec:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         eos_token_ids=eos,
         awq_group_size=awq["group_size"] if awq else 0,
+        generation_defaults=generation_defaults,
         sources=sources,
     )
