@@ -171,6 +171,11 @@ class Engine:
                 raise ValueError("the prompt is empty: give some text")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            vocab_size = self.spec.vocab_size
+            bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {prompt[bad]} at position {bad} is outside the vocabulary "
+                                 f"[0, {vocab_size}) of this model")
             return list(prompt)
         if isinstance(prompt, list) and prompt:
             return self.tokenizer.apply_chat_template(prompt)
@@ -181,6 +186,7 @@ class Engine:
         """Queues one request; returns its id. Raises ValueError for an impossible request."""
         if self._closed:
             raise RuntimeError("the engine is closed")
+        gen_config.check_limits(self.spec.vocab_size, self.config.max_batch_size)
         request_id = next(self._ids)
         self._cpp.submit(request_id, list(prompt_ids), gen_config.to_sampling_params(), on_output)
         return request_id

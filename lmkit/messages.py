@@ -3,10 +3,40 @@
 from __future__ import annotations
 
 import math
+import numbers
+import struct
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
+
+_INT32_MAX = 2**31 - 1
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+class GenerationConfigError(ValueError):
+    """A GenerationConfig field the engine cannot accept. ``field`` names it; str(e) is "<field> <reason>"."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field} {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _to_float32(x) -> float | None:
+    """``x`` rounded to the nearest float32, as the engine will hold it; None when ``x`` is not a real number or
+    its float32 is not finite (1e308 overflows to inf)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return None
+    try:
+        y = struct.unpack("f", struct.pack("f", float(x)))[0]
+    except OverflowError:
+        return None
+    return y if math.isfinite(y) else None
 
 
 @dataclass
@@ -53,34 +83,63 @@ class GenerationConfig:
     """Return the logits of every position computed (prompt and output) in Response.logits."""
 
     def __post_init__(self) -> None:
-        def check(ok: bool, message: str) -> None:
+        """Checks every field against what the engine accepts (its SamplingParams holds int32 counts, float32
+        values and a uint64 seed); raises GenerationConfigError naming the first field that does not fit."""
+        def check(ok: bool, name: str, reason: str) -> None:
             if not ok:
-                raise ValueError(message)
+                raise GenerationConfigError(name, reason)
 
-        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-              f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        check(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens,
-              f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens!r}")
-        check(math.isfinite(self.temperature) and self.temperature >= 0,
-              f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
-        check(math.isfinite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(math.isfinite(self.min_p) and 0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p!r}")
-        check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-              f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty!r}")
-        check(self.random_seed is None or (isinstance(self.random_seed, int) and 0 <= self.random_seed < 2**64),
-              f"random_seed must be an integer in [0, 2**64), got {self.random_seed!r}")
+        def check_float(name: str, in_range: Callable[[float], bool], rule: str) -> None:
+            value = getattr(self, name)
+            as_float32 = _to_float32(value)
+            check(as_float32 is not None, name, "must be a finite number the engine's float32 holds (magnitude at "
+                                                f"most {_FLOAT32_MAX:.4g}), got {value!r}")
+            rounded = f" (as a float32: {as_float32!r})" if in_range(float(value)) else ""
+            check(in_range(as_float32), name, f"must be {rule}, got {value!r}{rounded}")
+
+        check(_is_int(self.max_new_tokens) and 1 <= self.max_new_tokens <= _INT32_MAX, "max_new_tokens",
+              f"must be an integer in [1, {_INT32_MAX}], got {self.max_new_tokens!r}")
+        check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens",
+              f"must be an integer >= 0, got {self.min_new_tokens!r}")
+        check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+              f"must not exceed the tokens to generate at most ({self.max_new_tokens}), got {self.min_new_tokens}")
+        check_float("temperature", lambda x: x >= 0, ">= 0 (0 means greedy)")
+        check(_is_int(self.top_k) and 0 <= self.top_k <= _INT32_MAX, "top_k",
+              f"must be an integer in [0, {_INT32_MAX}] (0 is off), got {self.top_k!r}")
+        check_float("top_p", lambda x: 0 < x <= 1, "in (0, 1]")
+        check_float("min_p", lambda x: 0 <= x < 1, "in [0, 1)")
+        check_float("repetition_penalty", lambda x: x > 0, "> 0 (1 is off)")
+        check(self.random_seed is None or (_is_int(self.random_seed) and 0 <= self.random_seed < 2**64),
+              "random_seed", f"must be an integer in [0, 2**64), got {self.random_seed!r}")
+        check_float("presence_penalty", lambda x: -2 <= x <= 2, "in [-2, 2]")
+        check_float("frequency_penalty", lambda x: -2 <= x <= 2, "in [-2, 2]")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        check(all(isinstance(x, str) and x for x in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
-        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
-        check(-2 <= self.frequency_penalty <= 2,
-              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        check(isinstance(self.stop, (list, tuple)), "stop", f"must be a string or a list of strings, got {self.stop!r}")
+        for i, s in enumerate(self.stop):
+            check(isinstance(s, str) and s != "", "stop", f"must be non-empty strings, got {s!r} at index {i}")
+        self.stop = list(self.stop)
+        check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids",
+              f"must be a list of token ids, got {self.stop_token_ids!r}")
+        for i, t in enumerate(self.stop_token_ids):
+            check(_is_int(t) and 0 <= t <= _INT32_MAX, "stop_token_ids",
+                  f"must be token ids in [0, {_INT32_MAX}], got {t!r} at index {i}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        check(_is_int(self.n) and 1 <= self.n <= _INT32_MAX, "n", f"must be an integer in [1, {_INT32_MAX}], "
+                                                                  f"got {self.n!r}")
+        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
+              f"must be an integer in [0, 20], got {self.logprobs!r}")
+
+    def check_limits(self, vocab_size: int, max_batch_size: int) -> None:
+        """Raises GenerationConfigError when this config asks for more than a model of ``vocab_size`` token ids
+        and an engine of ``max_batch_size`` sequences can give (stop_token_ids, n)."""
+        for i, t in enumerate(self.stop_token_ids):
+            if t >= vocab_size:
+                raise GenerationConfigError("stop_token_ids", f"must be token ids of this model's vocabulary "
+                                                              f"[0, {vocab_size}), got {t} at index {i}")
+        if self.n > max_batch_size:
+            raise GenerationConfigError("n", f"must not exceed the engine's max_batch_size ({max_batch_size}): all "
+                                             f"n completions of a prompt run in one batch, got {self.n}")
 
     def to_sampling_params(self):
         """The lmkit._engine.SamplingParams for this config."""

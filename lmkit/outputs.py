@@ -5,6 +5,7 @@ no longer match), logprobs as dicts, and per-token timing."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from lmkit.messages import GenerationConfig, Response
 from lmkit.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -28,6 +29,56 @@ class Timing:
         return [b - a for a, b in zip(t, t[1:])]
 
 
+@lru_cache(maxsize=256)
+def _prefix_function(s: str) -> tuple[int, ...]:
+    """KMP's table: entry i is the length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    table = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        table[i] = k
+    return tuple(table)
+
+
+class StopMatcher:
+    """The stop strings of one completion, searched in its text as it grows, in time linear in the text (one
+    KMP automaton per stop string; searching the held-back end again after every token cost the square of
+    the longest stop string, on the event loop)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self._tables = [_prefix_function(s) for s in stops]
+        self._matched = [0] * len(stops)  # per stop: the longest end of the text so far that begins it
+
+    def feed(self, piece: str, offset: int) -> tuple[int, str] | None:
+        """Reads ``piece``, the text from ``offset`` on. Returns (start, stop string) of the match ending in it
+        that starts first (the earlier stop string on a tie), or None."""
+        best = None
+        for j, s in enumerate(self.stops):
+            table, k = self._tables[j], self._matched[j]
+            for pos, ch in enumerate(piece):
+                while k and ch != s[k]:
+                    k = table[k - 1]
+                if ch == s[k]:
+                    k += 1
+                if k == len(s):  # this stop's first match in the piece: its earliest start
+                    start = offset + pos + 1 - k
+                    if best is None or start < best[0]:
+                        best = (start, s)
+                    k = table[k - 1]
+                    break
+            self._matched[j] = k
+        return best
+
+    @property
+    def num_held_chars(self) -> int:
+        """Length of the longest end of the text that could still grow into a stop string."""
+        return max(self._matched, default=0)
+
+
 class CompletionState:
     """One completion's text, stop-string search and counters. Feed it RequestOutputs in order."""
 
@@ -44,27 +95,7 @@ class CompletionState:
         self.finished = False
         self.stopped_by_string = False
         self.timing = Timing(submitted_at)
-        self._max_stop = max((len(s) for s in gen.stop), default=0)
-
-    def _find_stop(self) -> int | None:
-        """Index in self.text where the first stop string starts, searching only text that can hold a new one."""
-        start = max(0, self.emitted_len - self._max_stop)
-        best = None
-        for s in self.gen.stop:
-            i = self.text.find(s, start)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            return None
-        return best[0] + (len(best[1]) if self.gen.include_stop_str_in_output else 0)
-
-    def _holdback(self) -> int:
-        """Length of the longest end of self.text that could still grow into a stop string."""
-        for k in range(min(self._max_stop - 1, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.gen.stop):
-                return k
-        return 0
+        self._stops = StopMatcher(gen.stop)
 
     def process(self, out) -> Response | None:
         """The Response delta for one engine output (None when there is nothing to report yet).
@@ -82,10 +113,12 @@ class CompletionState:
                 for j in range(top):
                     entry.setdefault(out.top_ids[k * top + j], out.top_logprobs[k * top + j])
                 logprobs.append(entry)
-            self.text += self.detok.add([t])
+            piece = self.detok.add([t])
+            self.text += piece
             if self.gen.stop:
-                end = self._find_stop()
-                if end is not None:
+                match = self._stops.feed(piece, len(self.text) - len(piece))
+                if match is not None:
+                    end = match[0] + (len(match[1]) if self.gen.include_stop_str_in_output else 0)
                     self.stopped_by_string = True
                     break
         if out.token_ids:
@@ -103,7 +136,7 @@ class CompletionState:
             finish_reason = out.finish_reason or None
         else:
             finish_reason = None
-        safe = len(self.text) if self.finished else len(self.text) - (self._holdback() if self.gen.stop else 0)
+        safe = len(self.text) if self.finished else len(self.text) - self._stops.num_held_chars
         delta = self.text[self.emitted_len:safe] if safe > self.emitted_len else ""
         self.emitted_len = max(self.emitted_len, safe)
         if not token_ids and not delta and not self.finished and out.logits is None:

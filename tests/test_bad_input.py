@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from lmkit import EngineConfig, GenerationConfig, pipeline
+from lmkit.messages import GenerationConfigError
 
 
 def test_missing_folder(tmp_path):
@@ -72,6 +73,59 @@ def test_impossible_generation_parameters(kwargs, match):
 
 
 @pytest.mark.parametrize(
+    "kwargs, field, match",
+    [
+        (dict(top_k=2**31), "top_k", r"\[0, 2147483647\]"),
+        (dict(top_k=True), "top_k", "integer"),
+        (dict(stop_token_ids=[3, 2**32]), "stop_token_ids", "got 4294967296 at index 1"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids", "got -1"),
+        (dict(random_seed=2**64), "random_seed", r"\[0, 2\*\*64\)"),
+        (dict(repetition_penalty=1e308), "repetition_penalty", "finite number the engine's float32 holds"),
+        (dict(temperature=float("nan")), "temperature", "finite number"),
+        (dict(presence_penalty=float("-inf")), "presence_penalty", "finite number"),
+        (dict(temperature="hot"), "temperature", "finite number"),
+        (dict(top_p=1e-50), "top_p", r"as a float32: 0\.0"),
+        (dict(min_p=0.99999999999), "min_p", r"as a float32: 1\.0"),
+        (dict(max_new_tokens=2**31), "max_new_tokens", r"\[1, 2147483647\]"),
+        (dict(max_new_tokens=4, min_new_tokens=5), "min_new_tokens", r"must not exceed .*\(4\), got 5"),
+        (dict(n=2**31), "n", r"\[1, 2147483647\]"),
+        (dict(stop=["ok", ""]), "stop", "non-empty strings, got '' at index 1"),
+        (dict(logprobs=21), "logprobs", r"\[0, 20\]"),
+    ],
+)
+def test_generation_config_names_the_field(kwargs, field, match):
+    """Whatever the engine's SamplingParams (int32, float32, uint64) cannot hold is refused here, by name."""
+    with pytest.raises(GenerationConfigError, match=match) as e:
+        GenerationConfig(**kwargs)
+    assert e.value.field == field and str(e.value).startswith(f"{field} ")
+
+
+def test_generation_config_against_the_engine(tiny_llama_pipe):
+    engine = tiny_llama_pipe.engine
+    vocab = engine.spec.vocab_size
+    limits = dict(vocab_size=vocab, max_batch_size=engine.config.max_batch_size)
+    GenerationConfig(stop_token_ids=[0, vocab - 1], n=limits["max_batch_size"]).check_limits(**limits)
+    with pytest.raises(GenerationConfigError, match=rf"vocabulary \[0, {vocab}\), got {vocab} at index 1") as e:
+        GenerationConfig(stop_token_ids=[1, vocab]).check_limits(**limits)
+    assert e.value.field == "stop_token_ids"
+    with pytest.raises(GenerationConfigError, match="max_batch_size") as e:
+        GenerationConfig(n=limits["max_batch_size"] + 1).check_limits(**limits)
+    assert e.value.field == "n"
+
+
+def test_values_the_binding_cannot_hold_never_reach_it(tiny_llama_pipe):
+    """They were TypeErrors from pybind (incompatible function arguments) once the pipeline ran."""
+    pipe = tiny_llama_pipe
+    gen = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    good = pipe([3, 4, 5], gen).token_ids
+    for kwargs in (dict(top_k=2**31), dict(stop_token_ids=[2**32]), dict(max_new_tokens=2**31),
+                   dict(min_new_tokens=2**40, max_new_tokens=4), dict(n=2**31)):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            pipe([3, 4, 5], GenerationConfig(**{"max_new_tokens": 4, **kwargs}))
+    assert pipe([3, 4, 5], gen).token_ids == good
+
+
+@pytest.mark.parametrize(
     "kwargs, match",
     [
         (dict(max_batch_size=0), "max_batch_size"),
@@ -97,8 +151,17 @@ def test_bad_requests_then_engine_still_serves(tiny_llama_pipe):
         pipe("", gen)
     with pytest.raises(ValueError, match="prompts must be"):
         pipe([], gen)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        pipe([3, 4, 100000], gen)
+    for bad_id in (100000, -1, 2**40):  # -1 and 2**40 were pybind TypeErrors
+        with pytest.raises(ValueError, match=rf"token id {bad_id} at position 2 is outside the vocabulary"):
+            pipe([3, 4, bad_id], gen)
+    for prompt in ("ab\ud800c", [{"role": "user", "content": "\udfff"}]):  # tokenizers raised a TypeError
+        with pytest.raises(ValueError, match="lone surrogate"):
+            pipe(prompt, gen)
+    vocab = pipe.engine.spec.vocab_size
+    with pytest.raises(GenerationConfigError, match="stop_token_ids"):
+        pipe([3, 4, 5], GenerationConfig(max_new_tokens=4, stop_token_ids=[vocab]))
+    with pytest.raises(GenerationConfigError, match="max_batch_size"):
+        pipe([3, 4, 5], GenerationConfig(max_new_tokens=4, n=pipe.engine.config.max_batch_size + 1))
     too_long = [1] * pipe.engine.session_len
     with pytest.raises(ValueError, match="session_len"):
         pipe(too_long, gen)
