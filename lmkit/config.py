@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+import typing
+from dataclasses import dataclass
 from typing import Literal
 
 
@@ -121,14 +122,64 @@ class EngineConfig:
 
     @classmethod
     def field_docs(cls) -> dict[str, str]:
-        """Field name -> its docstring (for --help)."""
-        import ast
-        import inspect
+        """Field name -> its docstring (the contract; field_help() gives the --help form)."""
+        return field_docs(cls)
 
-        docs: dict[str, str] = {}
-        body = ast.parse(inspect.getsource(cls)).body[0].body
-        for node, nxt in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = str(nxt.value.value)
-        return docs
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        """Field name -> its --help text (see field_help())."""
+        return field_help(cls)
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """Field name -> the --help text of a dataclass field: help_text() of its docstring, naming the choices of a
+    Literal field when that text does not name them all."""
+    hints = typing.get_type_hints(cls)
+    texts = {}
+    for name, doc in field_docs(cls).items():
+        text = help_text(doc)
+        choices = [str(c) for c in typing.get_args(hints[name])] if typing.get_origin(hints[name]) is Literal else []
+        if choices and not all(c in text for c in choices):
+            text = f"{text.rstrip('.')} ({' | '.join(choices)})."
+        texts[name] = text
+    return texts
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring written under the field, for a dataclass defined at a module's top level."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+_ABBREVIATIONS = frozenset({"e.g.", "i.e.", "etc.", "vs.", "cf."})
+
+
+def help_text(doc: str, max_chars: int = 160) -> str:
+    """The --help form of a field's docstring: its first sentence, then the next ones while the text stays within
+    ``max_chars``, whitespace collapsed. The docstring stays the contract; --help gives its gist in a few lines.
+
+    A sentence ends at a word ending in . ! or ? outside parentheses (not an abbreviation such as "e.g.").
+    """
+    sentences, current, depth = [], [], 0
+    for word in doc.split():
+        current.append(word)
+        depth = max(0, depth + word.count("(") - word.count(")"))
+        if depth == 0 and word[-1] in ".!?" and word.lstrip("(").lower() not in _ABBREVIATIONS:
+            sentences.append(" ".join(current))
+            current = []
+    if current:
+        sentences.append(" ".join(current))
+    text = sentences[0] if sentences else ""
+    for sentence in sentences[1:]:
+        if len(text) + 1 + len(sentence) > max_chars:
+            break
+        text += " " + sentence
+    return text
 

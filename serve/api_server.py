@@ -2,7 +2,8 @@
 
 ``create_app(engine, config)`` is the ASGI app (FastAPI behind a ``Gate``); ``run_api_server`` loads the
 model, serves it with uvicorn and, when ``proxy_url`` is set, registers with that proxy once the socket
-accepts requests (and unregisters on shutdown).
+accepts requests (and unregisters when it begins to shut down). Generation requests are admitted by the
+sequences they run (``Admission``: 429 beyond the engine's batch plus as many waiting).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
 """
@@ -18,12 +19,12 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 
 from lmkit.engine import AsyncEngine
-from lmkit.serve.asgi import run_event_loop, serve_app, unless_disconnected
+from lmkit.serve.admission import Admission, Reservation
+from lmkit.serve.asgi import OffLoopJSONRoute, run_event_loop, serve_app, unless_disconnected
 from lmkit.serve.errors import APIError, install_error_handlers
-from lmkit.serve.gate import Gate, GateConfig
+from lmkit.serve.gate import Gate, GateConfig, warn_if_exposed
 from lmkit.serve.metrics import ServerMetrics
 from lmkit.serve.openai_serving import OpenAIServing
 from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -37,14 +38,17 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class ServerConfig:
     """How the api_server listens and whom it serves."""
 
-    host: str = "0.0.0.0"
-    """Address to listen on (0.0.0.0: every interface)."""
+    host: str = "127.0.0.1"
+    """Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface, then set API keys)."""
     port: int = 23333
     """TCP port."""
     model_name: str | None = None
     """The name clients pass as `model`; default: the model folder's name."""
     gate: GateConfig = field(default_factory=GateConfig)
-    """API keys, body size limit, concurrent request limit."""
+    """API keys, body size limit, concurrent request limit, header/body timeouts, drain time."""
+    max_waiting_seqs: int | None = None
+    """Sequences (prompts x n) admitted beyond the engine's max_batch_size running, to wait for a slot;
+    a request beyond gets 429. None: max_batch_size (the server admits twice the batch)."""
     proxy_url: str | None = None
     """Register with this lmkit proxy once ready (POST {proxy_url}/nodes/add)."""
     proxy_admin_key: str | None = None
@@ -53,6 +57,11 @@ class ServerConfig:
     """The URL the proxy should use for this server; default: http://HOST:PORT (this host's address for 0.0.0.0)."""
     health_timeout_s: float = 5.0
     """/health fails when the engine does not answer within this time."""
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_seqs is not None and self.max_waiting_seqs < 0:
+            raise ValueError(f"max_waiting_seqs must be >= 0 (0: admit only what runs at once), got "
+                             f"{self.max_waiting_seqs}")
 
     @property
     def url(self) -> str:
@@ -64,7 +73,7 @@ class ServerConfig:
                 host = socket.gethostbyname(socket.gethostname())
             except OSError:
                 host = "127.0.0.1"
-        return f"http://{host}:{self.port}"
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
 
 def _cancel_all(streams) -> None:
@@ -73,19 +82,44 @@ def _cancel_all(streams) -> None:
         s.cancel()
 
 
-async def _cancel_all_async(streams) -> None:
-    _cancel_all(streams)
+class _Streamed(StreamingResponse):
+    """An SSE response that, however it ends (finished, client gone, cancelled at shutdown, even before its
+    first chunk), cancels its engine requests and releases its admitted sequences."""
+
+    def __init__(self, content, streams, reservation: Reservation):
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.streams = streams
+        self.reservation = reservation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            _cancel_all(self.streams)
+            self.reservation.release()
+
+
+def default_max_body_bytes(session_len: int) -> int:
+    """The api_server's body limit unless one is given: room for a prompt of the whole context (32 bytes per
+    token: JSON-escaped non-ASCII text, or token ids, fit), at least 1 MiB. A body of tiny JSON values takes
+    ~0.1 s per MiB to parse, holding the GIL, so the limit also bounds what one body can stall."""
+    return max(2**20, 32 * session_len)
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
     """The ASGI app serving ``engine``. The caller owns the engine (and closes it)."""
     config = config or ServerConfig()
     model_name = config.model_name or Path(str(engine.engine.model_path)).name
-    metrics = ServerMetrics(engine.engine)
+    max_batch_size = engine.engine.config.max_batch_size
+    admission = Admission(max_batch_size, max_batch_size if config.max_waiting_seqs is None else
+                          config.max_waiting_seqs)
+    metrics = ServerMetrics(engine.engine, admission)
     serving = OpenAIServing(engine, model_name, metrics)
     app = FastAPI(title="lmkit api_server", version="0.1.0",
                   description=f"OpenAI-compatible API serving `{model_name}`.")
+    app.router.route_class = OffLoopJSONRoute  # request bodies are parsed off the event loop
     app.state.serving = serving
+    app.state.admission = admission
     install_error_handlers(app)
 
     @app.get("/v1/models", summary="The served model")
@@ -94,14 +128,19 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
 
     async def complete(body, request: Request, stream_events, build_response):
         """One OpenAI completion request: SSE when body.stream, else one JSON body (cancelled when the
-        client disconnects first)."""
+        client disconnects first). Its sequences are admitted first (429 beyond the limit) and released
+        when it ends, however it ends."""
         started_at = time.perf_counter()
-        prepared = serving.prepare(body)
-        streams = serving.submit(prepared)
+        num_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
+        reservation = admission.admit(num_prompts, body.n)
+        try:
+            prepared = await serving.prepare(body)
+            streams = serving.submit(prepared)
+        except BaseException:
+            reservation.release()
+            raise
         if body.stream:
-            return StreamingResponse(stream_events(body, prepared, streams, started_at),
-                                     media_type="text/event-stream", headers=SSE_HEADERS,
-                                     background=BackgroundTask(_cancel_all_async, streams))
+            return _Streamed(stream_events(body, prepared, streams, started_at), streams, reservation)
 
         async def run():
             try:
@@ -112,7 +151,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
                 _cancel_all(streams)
             return JSONResponse(build_response(body, prepared, choices))
 
-        return await unless_disconnected(request, run())
+        try:
+            return await unless_disconnected(request, run())
+        finally:
+            reservation.release()
 
     @app.post("/v1/chat/completions", summary="Chat completion (OpenAI)")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -135,7 +177,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
         body = await asyncio.to_thread(metrics.render)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    return Gate(app, config.gate, on_response=metrics.on_response)
+    return Gate(app, config.gate, on_response=metrics.on_response,
+                default_max_body_bytes=default_max_body_bytes(engine.engine.session_len))
 
 
 async def register_with_proxy(config: ServerConfig, api_key: str | None, remove: bool = False) -> None:
@@ -154,7 +197,18 @@ async def register_with_proxy(config: ServerConfig, api_key: str | None, remove:
                         log.info("%s %s at proxy %s", "unregistered" if remove else "registered", config.url,
                                  config.proxy_url)
                         return
-                    log.warning("proxy %s answered %s: %s", config.proxy_url, r.status, (await r.text())[:300])
+                    said = (await r.text())[:300]
+                    if r.status == 403:
+                        log.warning("proxy %s refused to %s %s (403, its admin routes are closed): start the proxy "
+                                    "with --admin-key KEY and give this server --proxy-admin-key KEY. It said: %s",
+                                    config.proxy_url, route, config.url, said)
+                    elif r.status == 401:
+                        log.warning("proxy %s refused to %s %s (401, %s): give this server the proxy's "
+                                    "--admin-key as --proxy-admin-key. It said: %s", config.proxy_url, route,
+                                    config.url, "wrong admin key" if config.proxy_admin_key else "no admin key",
+                                    said)
+                    else:
+                        log.warning("proxy %s answered %s: %s", config.proxy_url, r.status, said)
                     if 400 <= r.status < 500:
                         return
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -179,6 +233,7 @@ def run_api_server(model: str | None, engine_config, config: ServerConfig, chat_
                 await register_with_proxy(config, None, remove=True)
         log.info("serving %s at http://%s:%d (model name %r)", engine.engine.model_path, config.host, config.port,
                  app.app.state.serving.model_name)
+        warn_if_exposed(config.host, config.port, config.gate)
         run_event_loop(serve_app(app, config.host, config.port, log_level, on_ready, on_shutdown))
     finally:
         engine.close()

@@ -8,22 +8,59 @@ from typing import List, Optional
 
 import typer
 
-from lmkit.config import EngineConfig
+from lmkit.config import EngineConfig, field_help
+from lmkit.messages import GenerationConfig
+from lmkit.model_path import MODEL_HELP
+from lmkit.models.loader import GENERATION_DEFAULT_FIELDS
 
+# rich_markup_mode=None: click's plain help, whole option names at any width (see lmkit/cli/main.py)
 app = typer.Typer(help="Serve models over HTTP: an OpenAI-compatible api_server, and a proxy in front of many.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
-_E = EngineConfig.field_docs()
-_MODEL_HELP = "HF model folder (or AWQ folder), hub id, or smollm2; default: the bundled SmolLM2-135M-Instruct."
+_E = EngineConfig.field_help()  # the first sentences of EngineConfig's field docstrings
+# GenerationConfig's field docs; the fields a model's generation_config.json may set default to the model's
+_G = {name: text + (" Default: the model's." if name in GENERATION_DEFAULT_FIELDS else "")
+      for name, text in field_help(GenerationConfig).items()}
+_MODEL_HELP = MODEL_HELP
 
 
 def _keys(values: Optional[List[str]]) -> tuple[str, ...]:
     """--api-keys a --api-keys b, or --api-keys a,b."""
     return tuple(k.strip() for v in values or [] for k in v.split(",") if k.strip())
 
+# Options of several commands, each written once (typer reads the same OptionInfo in every command).
+_HEADER_TIMEOUT = typer.Option(None, help="Seconds a connection may take to send a request's headers; then it is "
+                                          "closed. Default 10.")
+_BODY_TIMEOUT = typer.Option(None, help="Seconds a request body may take after its headers; then 408. Default 30.")
+_DRAIN_TIMEOUT = typer.Option(None, help="On SIGTERM or SIGINT, new requests and /health get 503 at once and "
+                                         "requests in progress may finish for this many seconds; then they are "
+                                         "cancelled and the server exits 0. Default 30.")
+MAX_NEW_TOKENS = typer.Option(None, help=_G["max_new_tokens"])
+TEMPERATURE = typer.Option(None, help=_G["temperature"])
+TOP_P = typer.Option(None, help=_G["top_p"])
+TOP_K = typer.Option(None, help=_G["top_k"])
+MIN_P = typer.Option(None, help=_G["min_p"])
+REPETITION_PENALTY = typer.Option(None, help=_G["repetition_penalty"])
+SEED = typer.Option(None, help=_G["random_seed"])
+
+
+def model_sampling(path, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed) -> GenerationConfig:
+    """The model's generation defaults (its generation_config.json) with the sampling options given on top."""
+    from lmkit.models import load_model_spec
+
+    return load_model_spec(path).generation_config(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        repetition_penalty=repetition_penalty, random_seed=seed)
+
+
+def _timeouts(header: Optional[float], body: Optional[float], drain: Optional[float]) -> dict[str, float]:
+    """GateConfig's timeout fields that were given (the others keep GateConfig's defaults)."""
+    given = {"header_timeout_s": header, "body_timeout_s": body, "drain_timeout_s": drain}
+    return {name: value for name, value in given.items() if value is not None}
+
 
 def engine_config(device: str, max_batch_size: int, session_len: Optional[int], cache_block_seq_len: int,
-                  cache_max_entry_count: float, max_prefill_token_num: int, quant_policy: int,
+                  cache_max_entry_count: Optional[float], max_prefill_token_num: int, quant_policy: int,
                   kv_policy: Optional[Path], enable_prefix_caching: bool, num_threads: Optional[int],
                   dtype: str = "auto") -> EngineConfig:
     return EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size, session_len=session_len,
@@ -35,15 +72,27 @@ def engine_config(device: str, max_batch_size: int, session_len: Optional[int], 
 
 @app.command("api_server")
 def api_server(
-    model: Optional[str] = typer.Argument(None, help=_MODEL_HELP),
-    host: str = typer.Option("0.0.0.0", help="Address to listen on."),
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=_MODEL_HELP),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (127.0.0.1: this machine only; 0.0.0.0: "
+                                               "every interface, then set --api-keys)."),
     port: int = typer.Option(23333, help="TCP port."),
     model_name: Optional[str] = typer.Option(None, help="Name clients pass as `model` (default: the folder's name)."),
     api_keys: Optional[List[str]] = typer.Option(None, help="Accepted Bearer tokens (repeat, or comma-separated); "
-                                                            "none: no authentication."),
+                                                            "none: no authentication. When set, every route but "
+                                                            "/health needs one: the API, /metrics, /openapi.json, "
+                                                            "/docs, /redoc."),
+    public_metrics: bool = typer.Option(False, "--public-metrics", help="Serve /metrics without an API key even "
+                                                                        "when --api-keys is set (for a scraper)."),
     max_concurrent_requests: Optional[int] = typer.Option(None, help="Generation requests in flight at most; "
                                                                      "more get 429."),
-    max_body_bytes: int = typer.Option(4 * 2**20, help="Larger request bodies get 413."),
+    max_body_bytes: Optional[int] = typer.Option(None, help="Larger request bodies get 413 (default: 32 bytes "
+                                                              "per token of context, at least 1 MiB).", show_default=False),
+    max_waiting_seqs: Optional[int] = typer.Option(None, help="Sequences (prompts x n) admitted beyond the "
+                                                              "--max-batch-size running, to wait for a slot; a "
+                                                              "request beyond gets 429. Default: --max-batch-size."),
+    header_timeout: Optional[float] = _HEADER_TIMEOUT,
+    body_timeout: Optional[float] = _BODY_TIMEOUT,
+    drain_timeout: Optional[float] = _DRAIN_TIMEOUT,
     chat_template: Optional[Path] = typer.Option(None, help="A Jinja chat template file replacing the tokenizer's."),
     proxy_url: Optional[str] = typer.Option(None, help="Register with this lmkit proxy once ready."),
     proxy_admin_key: Optional[str] = typer.Option(None, help="The proxy's admin key, if it has one."),
@@ -55,7 +104,7 @@ def api_server(
     max_batch_size: int = typer.Option(64, help=_E["max_batch_size"]),
     session_len: Optional[int] = typer.Option(None, help=_E["session_len"]),
     cache_block_seq_len: int = typer.Option(64, help=_E["cache_block_seq_len"]),
-    cache_max_entry_count: float = typer.Option(0.8, help=_E["cache_max_entry_count"]),
+    cache_max_entry_count: Optional[float] = typer.Option(None, help=_E["cache_max_entry_count"]),
     max_prefill_token_num: int = typer.Option(8192, help=_E["max_prefill_token_num"]),
     quant_policy: int = typer.Option(0, help=_E["quant_policy"]),
     kv_policy: Optional[Path] = typer.Option(None, help="Per-layer KV precision file (kv_policy.json from "
@@ -76,24 +125,39 @@ def api_server(
         template = chat_template.read_text()
     server = ServerConfig(host=host, port=port, model_name=model_name,
                           gate=GateConfig(api_keys=_keys(api_keys), max_body_bytes=max_body_bytes,
-                                          max_concurrent_requests=max_concurrent_requests),
-                          proxy_url=proxy_url, proxy_admin_key=proxy_admin_key, advertise_url=advertise_url)
+                                          max_concurrent_requests=max_concurrent_requests,
+                                          public_metrics=public_metrics,
+                                          **_timeouts(header_timeout, body_timeout, drain_timeout)),
+                          max_waiting_seqs=max_waiting_seqs, proxy_url=proxy_url, proxy_admin_key=proxy_admin_key,
+                          advertise_url=advertise_url)
     run_api_server(model, config, server, chat_template=template, log_level=log_level)
 
 
 @app.command("proxy")
 def proxy(
-    host: str = typer.Option("0.0.0.0", help="Address to listen on."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (127.0.0.1: this machine only; 0.0.0.0: "
+                                               "every interface, then set --api-keys)."),
     port: int = typer.Option(8000, help="TCP port."),
-    node: Optional[List[str]] = typer.Option(None, help="A node URL known at start (repeat for more)."),
+    node: Optional[List[str]] = typer.Option(None, help="A node known at start, http(s)://HOST[:PORT] (repeat for "
+                                                        "more)."),
     strategy: str = typer.Option("min_expected_latency",
                                  help="random | min_expected_latency | min_observed_latency"),
-    admin_key: Optional[str] = typer.Option(None, help="Bearer token required by /nodes/add, /nodes/remove, "
-                                                       "/nodes/status."),
+    admin_key: Optional[str] = typer.Option(None, help="Bearer token that opens /nodes/add, /nodes/remove, "
+                                                       "/nodes/status; without it they answer 403."),
+    unsafe_open_admin_on_loopback: bool = typer.Option(
+        False, "--unsafe-open-admin-on-loopback",
+        help="Open /nodes/* without a key to clients on this machine (any local process); needs a loopback "
+             "--host."),
     api_keys: Optional[List[str]] = typer.Option(None, help="Bearer tokens clients must send (repeat, or "
-                                                            "comma-separated); none: open."),
+                                                            "comma-separated); none: open. When set, every route "
+                                                            "but /health and /nodes/* needs one (/openapi.json, "
+                                                            "/docs, /redoc too)."),
     max_concurrent_requests: Optional[int] = typer.Option(None, help="Requests in flight at most; more get 429."),
-    max_body_bytes: int = typer.Option(4 * 2**20, help="Larger request bodies get 413."),
+    max_body_bytes: Optional[int] = typer.Option(None, help="Larger request bodies get 413 (default 4 MiB).",
+                                                 show_default=False),
+    header_timeout: Optional[float] = _HEADER_TIMEOUT,
+    body_timeout: Optional[float] = _BODY_TIMEOUT,
+    drain_timeout: Optional[float] = _DRAIN_TIMEOUT,
     health_interval: float = typer.Option(3.0, help="Seconds between health checks of every node."),
     log_level: str = typer.Option("info", help="debug | info | warning | error"),
 ) -> None:
@@ -104,31 +168,35 @@ def proxy(
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown routing strategy {strategy!r}; known: {', '.join(sorted(STRATEGIES))}")
     config = ProxyConfig(host=host, port=port, strategy=strategy, nodes=tuple(node or ()), admin_key=admin_key,
+                         unsafe_open_admin_on_loopback=unsafe_open_admin_on_loopback,
                          gate=GateConfig(api_keys=_keys(api_keys), max_body_bytes=max_body_bytes,
-                                         max_concurrent_requests=max_concurrent_requests),
+                                         max_concurrent_requests=max_concurrent_requests,
+                                         **_timeouts(header_timeout, body_timeout, drain_timeout)),
                          health_interval_s=health_interval)
     run_proxy(config, log_level)
 
 
 def chat(
-    model: Optional[str] = typer.Argument(None, help=_MODEL_HELP),
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=_MODEL_HELP),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Answer this one message on stdout and exit."),
     system: Optional[str] = typer.Option(None, help="A system message at the start of the conversation."),
-    max_new_tokens: int = typer.Option(512, help="Tokens per answer at most."),
-    temperature: float = typer.Option(0.7, help="0: greedy; > 0: sample at this temperature."),
-    top_p: float = typer.Option(0.9, help="Nucleus sampling mass, in (0, 1]."),
-    top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: off)."),
-    seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
+    max_new_tokens: Optional[int] = MAX_NEW_TOKENS,
+    temperature: Optional[float] = TEMPERATURE,
+    top_p: Optional[float] = TOP_P,
+    top_k: Optional[int] = TOP_K,
+    min_p: Optional[float] = MIN_P,
+    repetition_penalty: Optional[float] = REPETITION_PENALTY,
+    seed: Optional[int] = SEED,
     session_len: Optional[int] = typer.Option(None, help=_E["session_len"]),
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
-    dtype: str = typer.Option("auto", help=_E["dtype"]),
+    dtype: str = typer.Option(EngineConfig.dtype, help=_E["dtype"]),
 ) -> None:
-    """Chat with a model in the terminal (multi-turn, streamed); Ctrl-C stops an answer, /reset, /exit."""
-    from lmkit.messages import GenerationConfig
+    """Chat with a model in the terminal (multi-turn, streamed); Ctrl-C stops an answer, /reset, /exit. Sampling
+    options left out take the model's values from its generation_config.json (greedy when it sets none)."""
+    from lmkit.model_path import resolve_model
     from lmkit.serve.chat import run_chat
 
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                           temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
-                           random_seed=seed)
-    raise typer.Exit(run_chat(model, EngineConfig(session_len=session_len, num_threads=num_threads, dtype=dtype), gen,
-                              system=system, prompt=prompt))
+    path = resolve_model(model)
+    gen = model_sampling(path, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed)
+    raise typer.Exit(run_chat(str(path), EngineConfig(session_len=session_len, num_threads=num_threads, dtype=dtype),
+                              gen, system=system, prompt=prompt))

@@ -2,12 +2,15 @@
 (invalid JSON, wrong types, unknown routes, bugs) into it.
 
 Body: ``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``. Invalid
-requests are 400 (never FastAPI's 422), as OpenAI answers them; 500 is kept for real bugs.
+requests are 400 (never FastAPI's 422), as OpenAI answers them; 500 is kept for real bugs, and says nothing
+of them but an error id, which the log line with the details carries too.
 """
 
 from __future__ import annotations
 
 import logging
+import reprlib
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -37,21 +40,31 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 class APIError(Exception):
-    """A request the server answers with ``status`` and an OpenAI error body."""
+    """A request the server answers with ``status``, an OpenAI error body and ``headers`` (e.g. Retry-After)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param, self.code)
+        return error_response(self.status, self.message, self.param, self.code, self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param, "invalid_value" if param else None)
+
+
+def internal_error(what: str, exc: BaseException | None = None) -> APIError:
+    """A 500 for a bug: logs ``what`` (and ``exc``'s traceback) under a new error id; the client gets the id only."""
+    error_id = uuid.uuid4().hex[:16]
+    log.error("internal error %s: %s", error_id, what, exc_info=exc)
+    return APIError(500, f"The server had an error while processing your request (error id {error_id}); "
+                         "its log has the details under that id.")
 
 
 def _param_name(loc: tuple[Any, ...]) -> str | None:
@@ -66,6 +79,13 @@ def _param_name(loc: tuple[Any, ...]) -> str | None:
         else:
             parts.append(("." if parts else "") + str(item))
     return "".join(parts) or None
+
+
+_SHOW = reprlib.Repr()  # an input shown in a message: short, at a cost that does not grow with it
+_SHOW.maxstring = _SHOW.maxother = 80
+_SHOW.maxlong = 40
+_SHOW.maxlist = _SHOW.maxtuple = 6
+_SHOW.maxdict = 4
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -85,9 +105,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "the request body is missing: send a JSON object (Content-Type: application/json)")
     if kind == "missing":
         return APIError(400, f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
-    value = first.get("input")
-    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-    return APIError(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')} (got {shown}).", param,
+    shown = _SHOW.repr(first.get("input"))
+    message = first.get("msg", "invalid")
+    if kind == "value_error":  # raised by our validators: the text after pydantic's prefix is ours
+        message = message.removeprefix("Value error, ")
+    return APIError(400, f"Invalid value for '{param}': {message} (got {shown}).", param,
                     "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
 
 
@@ -111,5 +133,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal server error ({type(exc).__name__}: {exc})")
+        return internal_error(f"{type(exc).__name__} on {request.method} {request.url.path}", exc).response()

@@ -1,10 +1,16 @@
-"""The door every request passes before the app: API keys (401), body size (413), concurrent generation
-requests (429), and a per-status request count. Pure ASGI (no BaseHTTPMiddleware), so streamed responses
-pass through unbuffered and a client disconnect still reaches the handler at once."""
+"""The door every request passes before the app: API keys (401), body size (413), a body that stalls (408),
+concurrent generation requests (429), 503 to all once the server drains, and a per-status request count.
+Keys are asked everywhere once set (docs and metrics too), except on the probes (/health). Pure ASGI (no
+BaseHTTPMiddleware), so streamed responses pass through unbuffered and a client disconnect still reaches the
+handler at once."""
 
 from __future__ import annotations
 
+import asyncio
+import hmac
+import ipaddress
 import json
+import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -12,19 +18,69 @@ from lmkit.serve.errors import error_body
 
 ASGIApp = Callable[..., Awaitable[None]]
 
+log = logging.getLogger("lmkit.serve")
+
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+PUBLIC_PATHS = ("/health",)
+"""Open without an API key: the probes."""
 
 
 @dataclass(frozen=True)
 class GateConfig:
     api_keys: tuple[str, ...] = ()
-    """Bearer tokens accepted on /v1/ routes; empty: no authentication."""
-    max_body_bytes: int = 4 * 2**20
-    """Request bodies larger than this are refused with 413."""
+    """Bearer tokens accepted; when set, every path needs one (the API, /metrics, /openapi.json, /docs,
+    /redoc) except /health and routes that check a key of their own; empty: no authentication."""
+    max_body_bytes: int | None = None
+    """Request bodies larger than this are refused with 413. None: the server's default (the api_server: 32
+    bytes per token of its context, at least 1 MiB, so that parsing the largest body stalls nothing for long;
+    the proxy: 4 MiB)."""
     max_concurrent_requests: int | None = None
     """Generation requests (chat/completions) in flight at most; more are refused with 429. None: no limit."""
-    protected_prefix: str = "/v1/"
-    """Paths that need an API key (health and metrics stay open for probes)."""
+    header_timeout_s: float = 10.0
+    """A connection that has not sent a request's complete headers this long after it opened (or after the
+    request's first byte, on a kept-alive connection) is closed: slowloris clients hold no socket for long."""
+    body_timeout_s: float = 30.0
+    """A request body not complete this long after its headers gets 408 and the connection is closed."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM or SIGINT: /health and new requests get 503 at once, requests in progress may finish for
+    this long, then what is left is cancelled and the server exits (status 0)."""
+    public_metrics: bool = False
+    """/metrics answers without an API key even when api_keys is set (for a scraper that cannot send one)."""
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes is not None and not self.max_body_bytes > 0:
+            raise ValueError(f"max_body_bytes (--max-body-bytes) must be > 0, got {self.max_body_bytes!r}")
+        for name in ("header_timeout_s", "body_timeout_s", "drain_timeout_s"):
+            if not getattr(self, name) > 0:
+                flag = "--" + name.removesuffix("_s").replace("_", "-")
+                raise ValueError(f"{name} ({flag}) must be > 0 seconds, got {getattr(self, name)!r}")
+
+    def needs_key(self, path: str) -> bool:
+        """Whether a request for ``path`` must carry one of ``api_keys``."""
+        return bool(self.api_keys) and path not in PUBLIC_PATHS and not (self.public_metrics and path == "/metrics")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address to listen on, or a client's) is this machine only: localhost,
+    127.0.0.0/8, ::1 (also IPv4-mapped). 0.0.0.0, ::, other names and addresses: False."""
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def warn_if_exposed(host: str, port: int, config: GateConfig) -> bool:
+    """Logs a warning when the server listens beyond loopback without API keys; returns whether it did."""
+    if config.api_keys or is_loopback(host):
+        return False
+    log.warning("listening on %s port %d without API keys: anyone who can reach this port can use the server. "
+                "Set --api-keys KEY (clients then send 'Authorization: Bearer KEY'), or listen on this machine "
+                "only with --host 127.0.0.1.", host or "every interface", port)
+    return True
 
 
 async def send_error(send, status: int, message: str, code: str | None = None,
@@ -45,14 +101,21 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 class Gate:
-    """ASGI middleware; ``on_response(path, status)`` is called once per HTTP response (for metrics)."""
+    """ASGI middleware; ``on_response(path, status)`` is called once per HTTP response (for metrics).
+    ``own_key_prefixes``: paths whose routes check a key of their own (the proxy's /nodes/, its admin key),
+    where the API keys are not asked. ``default_max_body_bytes``: the body limit when the config gives none."""
 
     def __init__(self, app: ASGIApp, config: GateConfig,
-                 on_response: Callable[[str, int], None] | None = None):
+                 on_response: Callable[[str, int], None] | None = None, own_key_prefixes: tuple[str, ...] = (),
+                 default_max_body_bytes: int = 4 * 2**20):
         self.app = app
         self.config = config
+        self.max_body_bytes = config.max_body_bytes or default_max_body_bytes
         self.on_response = on_response
+        self.own_key_prefixes = own_key_prefixes
         self.num_in_flight = 0
+        self.is_draining = False
+        """Set when the server begins to shut down: every new request (/health too) gets 503."""
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -60,19 +123,28 @@ class Gate:
         path = scope["path"]
         if self.on_response is not None:
             send = self._counting(path, send)
+        if self.is_draining:
+            return await send_error(send, 503, "The server is shutting down: send the request to another server.",
+                                    "server_shutting_down", [(b"connection", b"close")])
         config = self.config
-        if config.api_keys and path.startswith(config.protected_prefix):
+        if config.needs_key(path) and not path.startswith(self.own_key_prefixes):
             token = bearer_token(scope["headers"])
             if token is None:
                 return await send_error(send, 401, "You didn't provide an API key. Pass it in the Authorization "
                                                    "header: 'Authorization: Bearer YOUR_KEY'.", "invalid_api_key")
-            if token not in config.api_keys:
+            if not any(hmac.compare_digest(token.encode(), key.encode()) for key in config.api_keys):
                 return await send_error(send, 401, "Incorrect API key provided.", "invalid_api_key")
         if scope["method"] in ("POST", "PUT", "PATCH"):
-            body = await self._read_body(scope, receive)
+            try:
+                body = await asyncio.wait_for(self._read_body(scope, receive), config.body_timeout_s)
+            except asyncio.TimeoutError:
+                return await send_error(send, 408, f"The request body did not arrive within "
+                                                   f"{config.body_timeout_s:g} s of its headers.", "request_timeout",
+                                        [(b"connection", b"close")])
             if body is None:
                 return await send_error(send, 413, f"The request body is larger than the limit of "
-                                                   f"{config.max_body_bytes} bytes.", "request_too_large")
+                                                   f"{self.max_body_bytes} bytes (--max-body-bytes).",
+                                        "request_too_large")
             receive = _replay(body, receive)
         limited = config.max_concurrent_requests is not None and path in GENERATION_PATHS
         if limited and self.num_in_flight >= config.max_concurrent_requests:
@@ -89,7 +161,7 @@ class Gate:
 
     async def _read_body(self, scope, receive) -> bytes | None:
         """The whole body, or None as soon as it passes the limit (declared or counted)."""
-        limit = self.config.max_body_bytes
+        limit = self.max_body_bytes
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 return None

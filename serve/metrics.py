@@ -5,7 +5,8 @@ servers can live in one process (tests).
   prompt/generated tokens, TTFT / TPOT / end-to-end histograms (seconds, measured from the request's
   arrival, so tokenization and queueing count);
 - read from the engine at scrape time: running / waiting requests, KV blocks and usage, prefix-cache
-  hit rate, preemptions.
+  hit rate, preemptions;
+- read from the admission at scrape time: sequences (prompts x n) admitted and the limit.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lmkit.engine import Engine
+from lmkit.serve.admission import Admission
 
 KNOWN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
@@ -51,10 +53,23 @@ class _EngineCollector:
             yield CounterMetricFamily(name, doc, value=value)
 
 
+class _AdmissionCollector:
+    """Sequences admitted now and the limit, read when Prometheus scrapes."""
+
+    def __init__(self, admission: Admission):
+        self.admission = admission
+
+    def collect(self):
+        yield GaugeMetricFamily("lmkit_num_seqs_admitted", "Sequences (prompts x n) of the requests in progress",
+                                value=self.admission.num_seqs)
+        yield GaugeMetricFamily("lmkit_max_num_seqs_admitted", "Sequences admitted at most; beyond: 429",
+                                value=self.admission.max_num_seqs)
+
+
 class ServerMetrics:
     """The collectors of one server; ``render()`` is the body of GET /metrics."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, admission: Admission | None = None):
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.http_responses = Counter("lmkit_http_responses", "HTTP responses by route and status",
@@ -71,6 +86,8 @@ class ServerMetrics:
         self.e2e = Histogram("lmkit_e2e_request_latency_seconds", "Request arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(engine))
+        if admission is not None:
+            r.register(_AdmissionCollector(admission))
 
     def on_response(self, path: str, status: int) -> None:
         self.http_responses.labels(path if path in KNOWN_PATHS else "other", str(status)).inc()

@@ -2,6 +2,10 @@
 checked against the context length), and the engine's Response deltas become OpenAI's JSON or its SSE
 chunks (``data: {...}`` lines, ``data: [DONE]`` last).
 
+Preparing a request (tokenizing, rendering the chat template, decoding token ids for ``echo``) runs in a
+thread pool of this server's own, never on the event loop, and a text too long for the context whatever
+its tokenization is refused by its length in characters before the tokenizer sees it.
+
 Leaving a stream early (the client went away) cancels every engine request of it at once: the streams'
 ``finally`` blocks call ``Engine.cancel``.
 """
@@ -9,19 +13,25 @@ Leaving a stream early (the client went away) cancels every engine request of it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Union
+from typing import AsyncIterator, Callable, Union
 
 from lmkit.engine import AsyncEngine, RequestStream
-from lmkit.messages import GenerationConfig, Response
-from lmkit.serve.errors import APIError, bad_request, error_body
+from lmkit.messages import GenerationConfig, GenerationConfigError, Response
+from lmkit.serve.errors import APIError, bad_request, error_body, internal_error
 from lmkit.serve.metrics import ServerMetrics
-from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 AnyRequest = Union[ChatCompletionRequest, CompletionRequest]
+
+# OpenAI's names of the GenerationConfig fields that have other names there
+_PARAM_OF_FIELD = {"min_new_tokens": "min_tokens", "random_seed": "seed"}
 
 
 @dataclass
@@ -40,7 +50,8 @@ class Choice:
 
 @dataclass
 class Prepared:
-    """A validated request: its prompts as token ids and one GenerationConfig for all of them."""
+    """A validated request: its prompts as token ids (and as text where ``echo`` needs it, else "") and one
+    GenerationConfig for all of them."""
 
     prompt_ids: list[list[int]]
     prompt_texts: list[str]
@@ -55,6 +66,15 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def num_prepare_threads() -> int:
+    """The cores this process may use, at most 4: tokenization shares them with the engine's threads."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity outside Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
 class OpenAIServing:
     """Answers /v1/chat/completions, /v1/completions and /v1/models for one AsyncEngine."""
 
@@ -64,6 +84,12 @@ class OpenAIServing:
         self.metrics = metrics
         self.created = int(time.time())
         self._token_text: dict[int, tuple[str, list[int]]] = {}
+        # Its own pool: in the loop's default executor, prepares would queue /health's engine probe behind them.
+        self._pool = ThreadPoolExecutor(num_prepare_threads(), thread_name_prefix="lmkit-prepare")
+        # A text has at least ceil(chars / max_token_chars) tokens: past this many characters no tokenization
+        # fits it in the context (session_len - 1 prompt tokens at most, one left to generate).
+        self.max_token_chars = max(1, engine.tokenizer.max_token_chars)
+        self.max_prompt_chars = (engine.engine.session_len - 1) * self.max_token_chars
 
     # ---- requests -> engine ----------------------------------------------------------------------------
 
@@ -79,66 +105,110 @@ class OpenAIServing:
             raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
                            "model", "model_not_found")
 
-    def prepare(self, req: AnyRequest) -> Prepared:
-        """Tokenizes the prompt(s) and builds the GenerationConfig; raises APIError(400) naming the parameter."""
+    async def prepare(self, req: AnyRequest) -> Prepared:
+        """Tokenizes the prompt(s) and builds the GenerationConfig, in this server's thread pool (off the event
+        loop); raises APIError (400 naming the parameter; 404 for another model)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare, req)
+
+    def _prepare(self, req: AnyRequest) -> Prepared:
         self.check_model(req.model)
         engine = self.engine.engine
+        session_len = engine.session_len
+        max_name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        # Every sampling field is checked before anything is tokenized; max_new_tokens is set once the prompt is.
+        max_new = req.max_new_tokens
+        gen = self._checked(req, max_name, lambda: self._gen_config(req, min(max_new or session_len, session_len)))
         if isinstance(req, ChatCompletionRequest):
             param = "messages"
-            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                        for m in req.messages]
-            try:
-                prompt_ids = [engine.encode(messages)]
-            except ValueError as e:
-                raise bad_request(str(e), param) from None
-            except Exception as e:  # a chat template that fails on these messages (jinja raises its own types)
-                raise bad_request(f"the chat template cannot render these messages: {e}", param) from None
-            prompt_texts = [""]
+            prompt_ids, prompt_texts = [self._chat_ids(req)], [""]
         else:
             param = "prompt"
             prompt_ids, prompt_texts = [], []
-            vocab = engine.tokenizer.vocab_size
             for item in req.prompts():
-                if isinstance(item, str):
-                    prompt_ids.append(engine.encode(item))
-                    prompt_texts.append(item)
-                else:
-                    if any(t >= vocab for t in item):
-                        raise bad_request(f"prompt has token ids outside the vocabulary (size {vocab})", param)
-                    prompt_ids.append(list(item))
-                    prompt_texts.append(engine.tokenizer.decode(item, skip_special_tokens=False))
-        session_len = engine.session_len
+                ids = self._text_ids(item) if isinstance(item, str) else self._checked_ids(item)
+                prompt_ids.append(ids)
+                prompt_texts.append((item if isinstance(item, str) else
+                                     engine.tokenizer.decode(item, skip_special_tokens=False)) if req.echo else "")
         longest = max(len(p) for p in prompt_ids)
         if longest >= session_len:
-            raise bad_request(f"This model's maximum context length is {session_len} tokens. However, your "
-                              f"{param} resulted in {longest} tokens. Please reduce the length of the {param}.",
-                              param)
-        max_new = req.max_new_tokens
-        max_name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
-        if max_new is None:
-            max_new = session_len - longest
+            raise self._too_long(param, f"your {param} resulted in {longest} tokens")
+        if max_new is None:  # the model's own limit, if its generation_config.json sets one, within the context
+            max_new = min(engine.generation_defaults.get("max_new_tokens", session_len), session_len - longest)
         elif longest + max_new > session_len:
             raise bad_request(f"{max_name} is too large: {max_new}. This model's maximum context length is "
                               f"{session_len} tokens and your request has {longest} input tokens "
                               f"({max_new} + {longest} > {session_len}).", max_name)
-        if req.min_tokens > max_new:
-            raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed {max_name} ({max_new})", "min_tokens")
-        try:
-            gen = self._gen_config(req, max_new)
-        except ValueError as e:
-            raise bad_request(str(e)) from None
+        gen = self._checked(req, max_name, lambda: dataclasses.replace(gen, max_new_tokens=max_new))
         return Prepared(prompt_ids, prompt_texts, gen)
 
-    @staticmethod
-    def _gen_config(req: SamplingFields, max_new: int) -> GenerationConfig:
-        temperature = 1.0 if req.temperature is None else req.temperature
-        return GenerationConfig(
-            max_new_tokens=max_new, min_new_tokens=req.min_tokens, do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else 1.0,
-            top_k=max(0, req.top_k or 0), top_p=1.0 if req.top_p is None else req.top_p,
-            min_p=req.min_p or 0.0, repetition_penalty=req.repetition_penalty or 1.0,
-            random_seed=None if req.seed is None else req.seed % 2**64,
-            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+    def _too_long(self, param: str, what: str) -> APIError:
+        return bad_request(f"This model's maximum context length is {self.engine.engine.session_len} tokens. "
+                           f"However, {what}. Please reduce the length of the {param}.", param)
+
+    def _check_num_chars(self, num_chars: int, param: str) -> None:
+        """Refuses a text that no tokenization fits in the context, before it is tokenized (or rendered)."""
+        if num_chars > self.max_prompt_chars:
+            min_tokens = -(-num_chars // self.max_token_chars)
+            raise self._too_long(param, f"your {param} has {num_chars} characters, at least {min_tokens} tokens "
+                                        f"(no token of this model is longer than {self.max_token_chars} characters)")
+
+    def _text_ids(self, text: str) -> list[int]:
+        self._check_num_chars(len(text), "prompt")
+        try:
+            return self.engine.engine.encode(text)
+        except ValueError as e:
+            raise bad_request(str(e), "prompt") from None
+
+    def _checked_ids(self, ids: list[int]) -> list[int]:
+        """Token ids as given, once they fit the context and the model's vocabulary."""
+        engine = self.engine.engine
+        if len(ids) >= engine.session_len:
+            raise self._too_long("prompt", f"your prompt has {len(ids)} tokens")
+        vocab = engine.spec.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise bad_request(f"prompt has token id {t} outside the vocabulary [0, {vocab})", "prompt")
+        return list(ids)
+
+    def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        # The template renders every message's content and name (and text of its own): a bound on the tokens.
+        self._check_num_chars(sum(len(m["content"]) + len(m.get("name", "")) for m in messages), "messages")
+        try:
+            return self.engine.engine.encode(messages)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        except Exception as e:  # a chat template that fails on these messages (jinja raises its own types)
+            raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
+
+    def _checked(self, req: AnyRequest, max_name: str, build: Callable[[], GenerationConfig]) -> GenerationConfig:
+        """``build()``'s GenerationConfig once it fits this engine; its error as a 400 naming the parameter."""
+        try:
+            gen = build()
+            gen.check_limits(self.engine.engine.spec.vocab_size, self.engine.engine.config.max_batch_size)
+        except GenerationConfigError as e:
+            if e.field == "max_new_tokens":
+                param = max_name
+            elif e.field == "logprobs" and isinstance(req, ChatCompletionRequest):
+                param = "top_logprobs"
+            else:
+                param = _PARAM_OF_FIELD.get(e.field, e.field)
+            raise bad_request(f"{param} {e.reason}", param) from None
+        return gen
+
+    def _gen_config(self, req: AnyRequest, max_new: int) -> GenerationConfig:
+        """The request's sampling over the model's generation_config.json defaults (as vLLM's
+        ``--generation-config auto``): a field the request leaves out takes the model's value."""
+        engine = self.engine.engine
+        temperature = req.temperature
+        if temperature is None and not engine.generation_defaults.get("do_sample"):
+            temperature = 1.0  # OpenAI's default where the model's file does not ask to sample
+        return engine.default_generation_config(
+            max_new_tokens=max_new, min_new_tokens=req.min_tokens, temperature=temperature,
+            top_k=None if req.top_k is None else max(0, req.top_k), top_p=req.top_p, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, random_seed=None if req.seed is None else req.seed % 2**64,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             stop_token_ids=list(req.stop_token_ids or []), stop=req.stop_list,
             include_stop_str_in_output=req.include_stop_str_in_output, n=req.n, logprobs=req.num_logprobs,
             ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
@@ -230,7 +300,8 @@ class OpenAIServing:
         if r.finish_reason == "error":
             if r.generate_token_len == 0 and r.error and "KV pool" in r.error:
                 raise bad_request(r.error, "max_tokens")
-            raise APIError(500, f"the engine failed this request: {r.error}")
+            raise internal_error(f"the engine failed a request (prompt {r.index}, completion {r.sample_index}): "
+                                 f"{r.error}")
         if r.finish_reason == "cancelled":
             raise APIError(503, "the request was cancelled by the server (shutting down)")
         return r.finish_reason or "stop"

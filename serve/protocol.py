@@ -1,7 +1,12 @@
 """The OpenAI request bodies as pydantic models (strict types, unknown fields refused as OpenAI refuses
 them), plus the fields lmkit adds (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, ...).
 
-Ranges are checked here, so a bad value is a 400 naming its parameter before anything is tokenized.
+Here are the rules of the HTTP shape: types, OpenAI's ranges, list lengths, and that every string is valid
+Unicode (JSON can escape a lone surrogate, "\\ud800", which no tokenizer or UTF-8 encoder accepts). What the
+engine can do with a value (int32 and float32 ranges, non-empty stop strings, ...) is GenerationConfig's rule,
+checked when the server builds one. Both are 400s naming the parameter, before anything is tokenized.
+Unions are tagged (a string or a list; a prompt list by its first item), so a long list is validated once,
+not once per branch, and an error names the branch the value was meant for.
 Fields OpenAI defines that lmkit does not implement are accepted only with values that change nothing.
 """
 
@@ -9,12 +14,61 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from lmkit.serve.errors import bad_request
 
-Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+MAX_STOP_STRINGS = 16
+"""Stop strings per request: each is searched for after every token."""
+MAX_STOP_CHARS = 1024
+"""Characters per stop string (its search table is built when the request starts)."""
+MAX_STOP_TOKEN_IDS = 1024
+"""stop_token_ids per request: each is compared with every token."""
+MAX_PROMPTS = 2048
+"""Prompts in one text completion request."""
+MAX_MESSAGE_PARTS = 8192
+"""Messages plus their content parts in one chat request (validating each costs the event loop ~2 us)."""
+
+
+def _valid_unicode(text: str) -> str:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the text is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                             f"{e.start} (a character beyond U+FFFF is escaped in JSON as a pair, high then low)"
+                             ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+"""A string that is valid Unicode (no lone surrogates)."""
+
+
+def _short_stop(text: str) -> str:
+    if len(text) > MAX_STOP_CHARS:
+        raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, this one {len(text)}")
+    return text
+
+
+StopText = Annotated[Text, AfterValidator(_short_stop)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+def _text_or_texts(value) -> str:
+    return "Text" if isinstance(value, str) else "Texts"
+
+
+def _first_item_kind(value) -> str:
+    """The tag of a prompt: by the value's type, then its first item's."""
+    if isinstance(value, str):
+        return "Text"
+    first = value[0] if isinstance(value, list) and value else None
+    if isinstance(first, int) and not isinstance(first, bool):
+        return "TokenIds"
+    if isinstance(first, list):
+        return "TokenIdLists"
+    return "Texts"
 
 
 class StreamOptions(BaseModel):
@@ -30,7 +84,7 @@ class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
@@ -38,8 +92,9 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
-    name: str | None = None
+    content: Annotated[Union[Annotated[Text, Tag("Text")], Annotated[list[TextPart], Tag("Texts")]],
+                       Discriminator(_text_or_texts)] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -54,18 +109,21 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    model: str
+    model: Text
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
-    stop: Union[str, Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)], None] = None
-    seed: int | None = None
+    stop: Annotated[Union[Annotated[StopText, Tag("Text")],
+                          Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS), Tag("Texts")]],
+                    Discriminator(_text_or_texts)] | None = None
+    seed: Annotated[int, Field(ge=-2**63, lt=2**64)] | None = None
+    """A 64-bit integer; negative seeds count from 2**64 (two's complement)."""
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     logit_bias: dict[str, float] | None = None
     # lmkit (vLLM-compatible) extensions
     top_k: Annotated[int, Field(ge=-1)] | None = None
@@ -73,7 +131,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -103,11 +161,26 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI fields accepted with their neutral values only
     response_format: dict | None = None
     tools: list[dict] | None = None
-    tool_choice: Union[str, dict, None] = None
+    tool_choice: Union[Text, dict, None] = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
+    metadata: dict[Text, Text] | None = None
+    service_tier: Text | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_enough_parts(cls, data):
+        """Refuses a chat of too many messages and parts before pydantic builds an object for each of them."""
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if isinstance(messages, list) and len(messages) <= MAX_MESSAGE_PARTS:
+            num_parts = len(messages) + sum(len(m["content"]) for m in messages
+                                            if isinstance(m, dict) and isinstance(m.get("content"), list))
+        else:
+            num_parts = len(messages) if isinstance(messages, list) else 0
+        if num_parts > MAX_MESSAGE_PARTS:
+            raise bad_request(f"messages has {num_parts} messages and content parts in all; at most "
+                              f"{MAX_MESSAGE_PARTS} are allowed", "messages")
+        return data
 
     @model_validator(mode="after")
     def _chat_consistent(self):
@@ -130,7 +203,11 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-Prompt = Union[str, list[str], list[int], list[list[int]]]
+Prompt = Annotated[Union[Annotated[Text, Tag("Text")],
+                         Annotated[list[Text], Field(max_length=MAX_PROMPTS), Tag("Texts")],
+                         Annotated[list[int], Tag("TokenIds")],
+                         Annotated[list[list[int]], Field(max_length=MAX_PROMPTS), Tag("TokenIdLists")]],
+                   Discriminator(_first_item_kind)]
 
 
 class CompletionRequest(SamplingFields):
@@ -141,7 +218,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1)] | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     @model_validator(mode="after")
     def _completion_consistent(self):
@@ -166,7 +243,7 @@ class CompletionRequest(SamplingFields):
         p = self.prompt
         if isinstance(p, str):
             items: list = [p]
-        elif p and all(isinstance(x, int) for x in p):
+        elif p and isinstance(p[0], int):  # the union's tag: every item is an int
             items = [p]
         else:
             items = list(p)

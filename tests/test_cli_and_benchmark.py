@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_cli_generate_on_tiny_model(tiny_llama):
-    run = subprocess.run([sys.executable, "-m", "lmkit", "generate", "ab", "--model", str(tiny_llama[0]),
+    run = subprocess.run([sys.executable, "-m", "lmkit", "generate", str(tiny_llama[0]), "ab",
                           "--max-new-tokens", "5"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "tokens" in run.stderr and "tok/s decode" in run.stderr
@@ -25,7 +25,7 @@ def test_cli_generate_dtype(tiny_llama):
     from lmkit import _engine
 
     def generate(*extra):
-        return subprocess.run([sys.executable, "-m", "lmkit", "generate", "ab", "--model", str(tiny_llama[0]),
+        return subprocess.run([sys.executable, "-m", "lmkit", "generate", str(tiny_llama[0]), "ab",
                                "--max-new-tokens", "3", *extra], capture_output=True, text=True, timeout=120)
 
     run = generate("--dtype", "bfloat16")
@@ -38,7 +38,7 @@ def test_cli_generate_dtype(tiny_llama):
 
 
 def test_cli_reports_bad_model_clearly(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "lmkit", "generate", "ab", "--model", str(tmp_path / "missing")],
+    run = subprocess.run([sys.executable, "-m", "lmkit", "generate", str(tmp_path / "missing"), "ab"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "does not exist" in run.stderr
 

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.core import TyperCommand
 
+from lmkit.config import EngineConfig
+from lmkit.messages import GenerationConfig
+from lmkit.model_path import MODEL_HELP, InvalidModelFolderError, ModelNotFoundError, resolve_model
+
+# rich_markup_mode=None: click's plain help, which wraps option help beside whole option names at any width
+# (rich's tables cut long option names short, with "…", to fit 80 columns)
 app = typer.Typer(help="lmkit: compress, run and serve large language models.", no_args_is_help=True,
-                  add_completion=False)
+                  add_completion=False, rich_markup_mode=None)
 
 
 @app.callback()
@@ -21,51 +29,93 @@ from lmkit.lite.cli import app as lite_app  # noqa: E402  (lmkit lite awq | ppl)
 
 app.add_typer(lite_app, name="lite")
 
-from lmkit.serve.cli import app as serve_app, chat  # noqa: E402  (lmkit serve api_server | proxy; lmkit chat)
+from lmkit.serve.cli import (  # noqa: E402  (lmkit serve api_server | proxy; lmkit chat; shared options)
+    MAX_NEW_TOKENS, MIN_P, REPETITION_PENALTY, SEED, TEMPERATURE, TOP_K, TOP_P, app as serve_app, chat,
+    model_sampling)
 
 app.add_typer(serve_app, name="serve")
 app.command("chat")(chat)
 
 
-@app.command()
-def generate(
-    prompt: str = typer.Argument(..., help="Text to continue (use --chat to send it as a user message)."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="HF model folder; default: bundled SmolLM2-135M-Instruct."),
-    chat: bool = typer.Option(False, help="Render the prompt with the model's chat template as a user turn."),
-    max_new_tokens: int = typer.Option(64, help="Tokens to generate at most."),
-    temperature: float = typer.Option(0.0, help="0: greedy; > 0: sample at this temperature."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling mass, in (0, 1]."),
-    top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: off)."),
-    seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
-    num_threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
-    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 (CPU linear layers as bf16 dot products, "
-                                           "AVX512_BF16 CPUs: faster prefill and batches)."),
-) -> None:
-    """Generate text for one prompt, streamed to stdout, then a line of figures on stderr."""
-    from lmkit import EngineConfig, GenerationConfig, pipeline
+class _ModelPromptCommand(TyperCommand):
+    """Usage line `[MODEL] PROMPT`: click sees two optional arguments, and one given alone is the prompt."""
 
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                           temperature=temperature if temperature > 0 else 1.0, top_p=top_p, top_k=top_k,
-                           random_seed=seed)
-    prompts = [{"role": "user", "content": prompt}] if chat else prompt
-    with pipeline(model, EngineConfig(num_threads=num_threads, dtype=dtype)) as pipe:
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [self.options_metavar, "[MODEL] PROMPT"]
+
+
+_E = EngineConfig.field_help()
+
+
+@app.command(cls=_ModelPromptCommand)
+def generate(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=MODEL_HELP),
+    prompt: Optional[str] = typer.Argument(None, metavar="PROMPT", show_default=False,
+                                           help="The message to answer, as a user turn through the model's chat "
+                                                "template (with --raw: text to continue). Given alone, it goes to "
+                                                "the bundled model."),
+    raw: bool = typer.Option(False, "--raw", help="Send PROMPT as plain text for the model to continue, not as a "
+                                                  "chat turn (models without a chat template always get it so)."),
+    max_new_tokens: Optional[int] = MAX_NEW_TOKENS,
+    temperature: Optional[float] = TEMPERATURE,
+    top_p: Optional[float] = TOP_P,
+    top_k: Optional[int] = TOP_K,
+    min_p: Optional[float] = MIN_P,
+    repetition_penalty: Optional[float] = REPETITION_PENALTY,
+    seed: Optional[int] = SEED,
+    num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
+    dtype: str = typer.Option(EngineConfig.dtype, help=_E["dtype"]),
+) -> None:
+    """Answer one prompt on stdout (streamed; a line of figures follows on stderr). Sampling options left out take
+    the model's values from its generation_config.json (greedy when it sets none)."""
+    if prompt is None:
+        if model is None:
+            ctx.fail("Missing argument 'PROMPT'.")
+        if (Path(model) / "config.json").is_file():
+            ctx.fail(f"Missing argument 'PROMPT': {model} is a model folder; the prompt goes after it.")
+        model, prompt = None, model
+    try:
+        path = resolve_model(model)
+    except (ModelNotFoundError, InvalidModelFolderError) as e:
+        if model is None:
+            raise
+        raise type(e)(f"{e} (MODEL comes first: lmkit generate [MODEL] PROMPT; quote a prompt with spaces)") \
+            from None
+    gen = model_sampling(path, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed)
+    raise typer.Exit(run_generate(path, prompt, EngineConfig(num_threads=num_threads, dtype=dtype), gen, raw=raw))
+
+
+def run_generate(model: str | Path | None, prompt: str, engine_config: EngineConfig | None = None,
+                 gen_config: GenerationConfig | None = None, raw: bool = False) -> int:
+    """Streams the answer to ``prompt`` to stdout, then a line of figures on stderr; returns the exit status.
+    ``prompt`` goes as a user turn through the model's chat template, or as plain text to continue with ``raw``
+    or for a model without a chat template. ``gen_config`` None: the model's generation defaults."""
+    from lmkit import pipeline
+
+    with pipeline(model, engine_config) as pipe:
+        chat = not raw and pipe.tokenizer.has_chat_template
         start = time.perf_counter()
         first = None
-        n = 0
-        for r in pipe.stream_infer(prompts, gen):
+        n = prompt_len = 0
+        for r in pipe.stream_infer([{"role": "user", "content": prompt}] if chat else prompt, gen_config):
             if first is None and r.token_ids:
                 first = time.perf_counter()
-            n = r.generate_token_len
+            n, prompt_len = r.generate_token_len, r.input_token_len
             sys.stdout.write(r.text)
             sys.stdout.flush()
             if r.finish_reason == "error":
                 typer.echo(f"\nerror: {r.error}", err=True)
-                raise typer.Exit(1)
+                return 1
         end = time.perf_counter()
         sys.stdout.write("\n")
         decode = (n - 1) / (end - first) if first and n > 1 and end > first else float("nan")
-        typer.echo(f"[{n} tokens, first after {((first or end) - start) * 1e3:.0f} ms, "
-                   f"{decode:.1f} tok/s decode]", err=True)
+        typer.echo(f"[{n} tokens for a {prompt_len}-token {'chat' if chat else 'raw'} prompt, first after "
+                   f"{((first or end) - start) * 1e3:.0f} ms, {decode:.1f} tok/s decode]", err=True)
+        if n == 0 and raw and pipe.tokenizer.has_chat_template:
+            typer.echo("(the model ended its text at once: an instruct model answers a chat turn, so leave out "
+                       "--raw)", err=True)
+    return 0
 
 
 def main() -> None:

@@ -12,7 +12,9 @@ added --health check passes--> up --request fails before its first byte--> down
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,6 +22,59 @@ from dataclasses import dataclass, field
 import aiohttp
 
 log = logging.getLogger("lmkit.serve.proxy")
+
+_NETLOC = re.compile(r"(?P<host>\[[^\]]*\]|[^:\[\]]*)(?::(?P<port>[0-9]{1,5}))?")
+_DNS_NAME = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)(\.(?!-)[a-z0-9_-]{1,63}(?<!-))*\.?")
+_IPV4 = re.compile(r"[0-9.]+")
+_IPV6 = re.compile(r"\[[0-9a-f:.]+\]")  # no zone (%eth0)
+
+
+def normalize_node_url(url: str) -> str:
+    """``scheme://host[:port]`` with scheme http or https, a DNS name or IP address as host, and nothing
+    else (no user, path, query or fragment); lower-cased, without a trailing slash. ValueError naming
+    what is wrong otherwise."""
+    text = url.strip()
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"url {url!r}: {why}; a node URL is http://HOST:PORT (or https://)")
+
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        raise bad("the scheme must be http or https")
+    if not text.isprintable() or any(c.isspace() for c in text):
+        raise bad("spaces and control characters are not allowed")
+    if "?" in rest or "#" in rest:
+        raise bad("a query or fragment is not allowed")
+    netloc, _, path = rest.partition("/")
+    if path:
+        raise bad("a path is not allowed")
+    if "@" in netloc:
+        raise bad("a user name or password is not allowed")
+    m = _NETLOC.fullmatch(netloc.lower())
+    if m is None:
+        raise bad("the port must be a number")
+    host, port = m["host"], m["port"]
+    if not host:
+        raise bad("the host is missing")
+    if host.startswith("["):
+        valid = _IPV6.fullmatch(host) is not None and _is_ip(host[1:-1])
+    elif _IPV4.fullmatch(host):
+        valid = _is_ip(host)
+    else:
+        valid = _DNS_NAME.fullmatch(host) is not None
+    if not valid:
+        raise bad("the host is not a valid name or IP address")
+    if port is not None and not 0 < int(port) < 65536:
+        raise bad("the port must be in 1..65535")
+    return f"{scheme.lower()}://{host}" + (f":{int(port)}" if port is not None else "")
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -38,6 +93,7 @@ class Node:
     latencies_s: deque = field(default_factory=lambda: deque(maxlen=32))
     """Recent times from dispatch to the node's first byte."""
     last_error: str | None = None
+    """Why the node last failed: a status code or an error kind (the details are in the proxy's log)."""
     num_failures: int = 0
     num_requests: int = 0
 
@@ -67,16 +123,10 @@ class NodeRegistry:
         self.nodes: dict[str, Node] = {}
         self.health_timeout_s = health_timeout_s
 
-    @staticmethod
-    def normalize(url: str) -> str:
-        url = url.strip().rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            url = "http://" + url
-        return url
-
     def add(self, url: str, api_key: str | None = None, speed: float | None = None) -> Node:
-        """Adds a node (down until checked), or updates the key/speed of a known one."""
-        url = self.normalize(url)
+        """Adds a node (down until checked), or updates the key/speed of a known one. ValueError for an
+        invalid url (see normalize_node_url) or speed."""
+        url = normalize_node_url(url)
         if speed is not None and not speed > 0:
             raise ValueError(f"speed must be > 0, got {speed!r}")
         node = self.nodes.get(url)
@@ -88,7 +138,8 @@ class NodeRegistry:
         return node
 
     def remove(self, url: str) -> Node | None:
-        return self.nodes.pop(self.normalize(url), None)
+        """The node forgotten, None if unknown; ValueError for an invalid url."""
+        return self.nodes.pop(normalize_node_url(url), None)
 
     def candidates(self, model: str) -> list[Node]:
         """Nodes that are up and serve ``model``."""
@@ -107,9 +158,11 @@ class NodeRegistry:
                     seen.setdefault(m["id"], m)
         return list(seen.values())
 
-    def mark_down(self, node: Node, why: str) -> None:
-        if node.is_up:
-            log.warning("node %s is down: %s", node.url, why)
+    def mark_down(self, node: Node, why: str, details: str = "") -> None:
+        """``why``: a status code or error kind, shown in /nodes/status; ``details`` (what the node said)
+        only reach the log, once per change of ``why``."""
+        if node.is_up or why != node.last_error:
+            log.warning("node %s is down: %s%s", node.url, why, f" ({details})" if details else "")
         node.is_up = False
         node.last_error = why
         node.num_failures += 1
@@ -120,14 +173,17 @@ class NodeRegistry:
         try:
             async with session.get(f"{node.url}/health", timeout=timeout) as r:
                 if r.status != 200:
-                    raise RuntimeError(f"/health answered {r.status}")
+                    raise _Answered(f"/health answered {r.status}", await body_start(r))
             async with session.get(f"{node.url}/v1/models", headers=node.headers(), timeout=timeout) as r:
                 if r.status != 200:
-                    raise RuntimeError(f"/v1/models answered {r.status}: {(await r.text())[:200]}")
+                    raise _Answered(f"/v1/models answered {r.status}", await body_start(r))
                 data = await r.json()
-            node.models = [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
+            node.models = [m for m in data.get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        except _Answered as e:
+            self.mark_down(node, f"health check failed: {e}", e.details)
+            return False
         except Exception as e:  # any failure of any kind means: not serving
-            self.mark_down(node, f"health check failed: {type(e).__name__}: {e}")
+            self.mark_down(node, f"health check failed: {type(e).__name__}", f"{type(e).__name__}: {e}")
             return False
         if not node.is_up:
             log.info("node %s is up, serving %s", node.url, node.model_names)
@@ -144,3 +200,19 @@ class NodeRegistry:
             started = time.monotonic()
             await self.check_all(session)
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+
+class _Answered(Exception):
+    """A node answered with an unexpected status: the status (str(e)) and the start of its body (details)."""
+
+    def __init__(self, why: str, details: str):
+        super().__init__(why)
+        self.details = details
+
+
+async def body_start(response: aiohttp.ClientResponse, num_chars: int = 200) -> str:
+    """The start of a node's body, for the proxy's log only (never for a client: the node may be anyone's)."""
+    try:
+        return (await response.content.read(4 * num_chars)).decode(errors="replace")[:num_chars]
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return f"body unreadable: {type(e).__name__}"

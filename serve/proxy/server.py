@@ -6,33 +6,39 @@ reset, 502/503/504) is marked down and the request is sent to another node; 429 
 without marking anyone down. After the first byte the body passes through chunk by chunk as the node
 sends it (no buffering). A client that leaves closes the node connection, which cancels the engine work.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (union of the nodes'),
-POST /nodes/add, POST /nodes/remove, GET /nodes/status (admin key when set), GET /health.
+A node's own error text (the body of a 5xx, of a failed health check) stays in the proxy's log: clients
+and /nodes/status see status codes and error kinds only, since a node may be anyone's server.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (union of the nodes'), GET /health;
+the admin routes POST /nodes/add, POST /nodes/remove, GET /nodes/status are closed (403) unless the proxy
+has an admin key, or opens them to loopback clients (unsafe_open_admin_on_loopback, on a loopback host).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from lmkit.serve.asgi import run_event_loop, serve_app, unless_disconnected
-from lmkit.serve.errors import APIError, error_body, install_error_handlers
-from lmkit.serve.gate import Gate, GateConfig, bearer_token
-from lmkit.serve.proxy.registry import Node, NodeRegistry
+from lmkit.serve.asgi import parse_json, run_event_loop, serve_app, unless_disconnected
+from lmkit.serve.errors import APIError, error_body, error_response, install_error_handlers
+from lmkit.serve.gate import Gate, GateConfig, bearer_token, is_loopback, send_error, warn_if_exposed
+from lmkit.serve.proxy.registry import Node, NodeRegistry, body_start, normalize_node_url
 from lmkit.serve.proxy.strategies import make_strategy
 
 log = logging.getLogger("lmkit.serve.proxy")
 
 _RETRY_STATUSES = {502, 503, 504}
+ADMIN_PREFIX = "/nodes/"
 _PASS_HEADERS = ("content-type", "cache-control", "x-accel-buffering", "retry-after")
 
 
@@ -40,14 +46,17 @@ _PASS_HEADERS = ("content-type", "cache-control", "x-accel-buffering", "retry-af
 class ProxyConfig:
     """How the proxy listens, routes and checks its nodes."""
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
+    """Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface)."""
     port: int = 8000
     strategy: str = "min_expected_latency"
     """random | min_expected_latency | min_observed_latency"""
     nodes: tuple[str, ...] = ()
-    """Node URLs known at start (more register with POST /nodes/add)."""
+    """Node URLs known at start, http(s)://HOST[:PORT] (more register with POST /nodes/add)."""
     admin_key: str | None = None
-    """Bearer token required by /nodes/* when set."""
+    """Bearer token that opens /nodes/add, /nodes/remove, /nodes/status; None: they answer 403."""
+    unsafe_open_admin_on_loopback: bool = False
+    """Open /nodes/* without a key to loopback clients (any process on this machine); host must be loopback."""
     gate: GateConfig = field(default_factory=GateConfig)
     """Client API keys, body size limit, concurrent request limit (of the proxy itself)."""
     health_interval_s: float = 3.0
@@ -55,6 +64,15 @@ class ProxyConfig:
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 2.0
     """A node that does not accept the connection within this time counts as failed."""
+
+    def __post_init__(self) -> None:
+        if self.unsafe_open_admin_on_loopback and not is_loopback(self.host):
+            raise ValueError(f"--unsafe-open-admin-on-loopback needs a loopback --host (127.0.0.1, ::1 or "
+                             f"localhost), got {self.host!r}: on a proxy other hosts can reach, set --admin-key "
+                             f"to manage nodes")
+        if self.admin_key is not None and not self.admin_key.strip():
+            raise ValueError("--admin-key is empty: give a secret token, or leave it out to close /nodes/*")
+        object.__setattr__(self, "nodes", tuple(normalize_node_url(url) for url in self.nodes))
 
 
 class AddNode(BaseModel):
@@ -72,7 +90,19 @@ class RemoveNode(BaseModel):
 
 
 class _NodeFailed(Exception):
-    pass
+    """A node failed before its first byte: why (a status or error kind) and what it said (for the log)."""
+
+    def __init__(self, why: str, details: str = ""):
+        super().__init__(why)
+        self.details = details
+
+
+class _NodeBroken(Exception):
+    """A node answered a 5xx that is not retried (the request itself may be the cause)."""
+
+    def __init__(self, status: int):
+        super().__init__(status)
+        self.status = status
 
 
 class Proxy:
@@ -108,14 +138,14 @@ class Proxy:
 
     async def forward(self, path: str, body: bytes) -> Response:
         try:
-            payload = json.loads(body)
+            payload = await parse_json(body)  # off the event loop: a 4 MiB body takes ~0.1-0.5 s
         except ValueError:
             raise APIError(400, "We could not parse the JSON body of your request.") from None
         model = payload.get("model") if isinstance(payload, dict) else None
         if not isinstance(model, str):
             raise APIError(400, "Missing required parameter: 'model'.", "model", "missing_required_parameter")
         tried: set[str] = set()
-        errors: list[str] = []
+        errors: list[str] = []  # status codes and error kinds only: the nodes' own words stay in the log
         last_refusal: _Refused | None = None
         while True:
             nodes = [n for n in self.registry.candidates(model) if n.url not in tried]
@@ -126,21 +156,26 @@ class Proxy:
             try:
                 return await self._try_node(node, path, body)
             except _NodeFailed as e:
-                errors.append(f"{node.url}: {e}")
+                errors.append(str(e))
             except _Refused as e:
                 last_refusal = e
+            except _NodeBroken as e:
+                raise APIError(e.status, f"the node serving `{model}` failed (answered {e.status}); the details "
+                                         f"are in the proxy's log") from None
         if last_refusal is not None:
-            return Response(last_refusal.body, status_code=last_refusal.status, headers=last_refusal.headers)
+            return error_response(429, f"every node serving `{model}` is busy (answered 429); retry later",
+                                  code="rate_limit_exceeded", headers=last_refusal.headers)
         if not self.registry.knows(model):
             known = sorted({m["id"] for m in self.registry.models()})
             raise APIError(404, f"The model `{model}` does not exist. Available: {known}.", "model", "model_not_found")
         if errors:
-            raise APIError(502, f"every node serving `{model}` failed: " + "; ".join(errors))
+            raise APIError(502, f"every node serving `{model}` failed before answering ({'; '.join(errors)}); "
+                                f"retry later")
         raise APIError(503, f"no node serving `{model}` is up; retry later")
 
     async def _try_node(self, node: Node, path: str, body: bytes) -> Response:
         """Sends the request to ``node`` and waits for its first body chunk; raises _NodeFailed (node
-        marked down) or _Refused (429) before anything was sent to the client."""
+        marked down), _Refused (429) or _NodeBroken (another 5xx) before anything was sent to the client."""
         node.num_in_flight += 1
         sent_at = time.perf_counter()
         response = None
@@ -148,21 +183,27 @@ class Proxy:
             headers = {"content-type": "application/json", **node.headers()}
             response = await self.session.post(node.url + path, data=body, headers=headers)
             if response.status in _RETRY_STATUSES:
-                text = (await response.read()).decode(errors="replace")
-                raise _NodeFailed(f"answered {response.status}: {text[:200]}")
+                raise _NodeFailed(f"answered {response.status}", await body_start(response))
             if response.status == 429:
-                raise _Refused(response.status, await response.read(), _passed_headers(response))
+                raise _Refused({k: v for k, v in _passed_headers(response).items() if k == "retry-after"})
+            if response.status >= 500:
+                log.warning("node %s answered %d to %s: %s", node.url, response.status, path,
+                            await body_start(response))
+                raise _NodeBroken(response.status)
             first = await response.content.readany()
-        except _Refused:
+        except (_Refused, _NodeBroken):
             node.num_in_flight -= 1
-            response.release()
+            response.close()
             raise
         except (aiohttp.ClientError, asyncio.TimeoutError, _NodeFailed) as e:
             node.num_in_flight -= 1
             if response is not None:
                 response.close()
-            why = str(e) if isinstance(e, _NodeFailed) else f"{type(e).__name__}: {e}"
-            self.registry.mark_down(node, f"request failed before its first byte: {why}")
+            if isinstance(e, _NodeFailed):
+                why, details = str(e), e.details
+            else:
+                why, details = type(e).__name__, f"{type(e).__name__}: {e}"
+            self.registry.mark_down(node, f"request failed before its first byte: {why}", details)
             raise _NodeFailed(why) from None
         except BaseException:  # cancelled: the client left while we waited for the node
             node.num_in_flight -= 1
@@ -197,9 +238,10 @@ class Proxy:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 # the node died mid-response: too late to retry; it leaves the rotation until a health check
                 # passes, and an SSE client hears why in its own terms
-                self.registry.mark_down(node, f"failed mid-response: {type(e).__name__}: {e}")
+                kind = type(e).__name__
+                self.registry.mark_down(node, f"failed mid-response: {kind}", f"{kind}: {e}")
                 if is_sse:
-                    yield f"data: {json.dumps(error_body(502, f'the node serving this request failed: {e}'))}\n\n"
+                    yield f"data: {json.dumps(error_body(502, f'the node serving this request failed: {kind}'))}\n\n"
             finally:
                 release(complete)
 
@@ -222,11 +264,11 @@ class _Relayed(StreamingResponse):
 
 
 class _Refused(Exception):
-    """A node answered 429: what to give the client if no other node takes the request."""
+    """A node answered 429: the headers to pass on (retry-after) if no other node takes the request."""
 
-    def __init__(self, status: int, body: bytes, headers: dict[str, str]):
-        super().__init__(status)
-        self.status, self.body, self.headers = status, body, headers
+    def __init__(self, headers: dict[str, str]):
+        super().__init__(429)
+        self.headers = headers
 
 
 def _passed_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
@@ -250,11 +292,12 @@ def create_proxy_app(config: ProxyConfig | None = None) -> Gate:
                   description="Routes OpenAI requests across lmkit api_servers by model, load and health.")
     app.state.proxy = proxy
     install_error_handlers(app)
-
-    def admin(request: Request) -> None:
-        if config.admin_key and bearer_token(request.headers.raw) != config.admin_key:
-            raise APIError(401, "this route needs the proxy's admin key: 'Authorization: Bearer ADMIN_KEY'",
-                           code="invalid_api_key")
+    if config.unsafe_open_admin_on_loopback:
+        log.warning("--unsafe-open-admin-on-loopback: /nodes/add, /nodes/remove and /nodes/status answer every "
+                    "client on this machine without a key (any local user or process, and whatever a local "
+                    "reverse proxy forwards); set --admin-key instead where that is not wanted")
+    elif config.admin_key is None:
+        log.info("the admin routes /nodes/* are closed (no --admin-key): the nodes are the --node ones")
 
     # a client that leaves while its node prefills (or, without streaming, generates) cancels the forward,
     # which closes the node's connection and so cancels the node's engine request
@@ -270,23 +313,26 @@ def create_proxy_app(config: ProxyConfig | None = None) -> Gate:
     async def models():
         return {"object": "list", "data": proxy.registry.models()}
 
-    @app.post("/nodes/add", dependencies=[Depends(admin)], summary="Register a node (checked at once)")
+    @app.post("/nodes/add", summary="Register a node (checked at once); admin")
     async def add(body: AddNode):
         try:
             node = proxy.registry.add(body.url, body.api_key, body.speed)
-        except ValueError as e:
-            raise APIError(400, str(e), "speed") from None
+        except ValueError as e:  # the url: AddNode has checked the speed
+            raise APIError(400, str(e), "url", "invalid_value") from None
         await proxy.registry.check(node, proxy.session)
         return node.status()
 
-    @app.post("/nodes/remove", dependencies=[Depends(admin)], summary="Forget a node")
+    @app.post("/nodes/remove", summary="Forget a node; admin")
     async def remove(body: RemoveNode):
-        node = proxy.registry.remove(body.url)
+        try:
+            node = proxy.registry.remove(body.url)
+        except ValueError as e:
+            raise APIError(400, str(e), "url", "invalid_value") from None
         if node is None:
             raise APIError(404, f"no node {body.url!r} is registered", "url")
         return {"removed": node.url}
 
-    @app.get("/nodes/status", dependencies=[Depends(admin)], summary="Every node and its state")
+    @app.get("/nodes/status", summary="Every node and its state; admin")
     async def status():
         return {"strategy": proxy.strategy.name, "nodes": [n.status() for n in proxy.registry.nodes.values()]}
 
@@ -294,11 +340,42 @@ def create_proxy_app(config: ProxyConfig | None = None) -> Gate:
     async def health():
         return JSONResponse({"num_nodes_up": sum(n.is_up for n in proxy.registry.nodes.values())})
 
-    return Gate(app, config.gate)
+    # /nodes/* take the admin key, not the API keys
+    return Gate(_admin_door(app, config), config.gate, own_key_prefixes=(ADMIN_PREFIX,))
+
+
+def _admin_door(app, config: ProxyConfig):
+    """``app`` with /nodes/* closed (403) except to the admin key, or to loopback clients when
+    ``unsafe_open_admin_on_loopback``. Pure ASGI, before the app parses anything."""
+    closed = ("The proxy's admin routes (/nodes/add, /nodes/remove, /nodes/status) are closed: start the proxy "
+              "with --admin-key KEY and send 'Authorization: Bearer KEY' (or, on a proxy that listens on "
+              "127.0.0.1 only, --unsafe-open-admin-on-loopback).")
+
+    async def door(scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(ADMIN_PREFIX):
+            return await app(scope, receive, send)
+        token = bearer_token(scope["headers"])
+        client = (scope.get("client") or ("", 0))[0]
+        if config.admin_key is not None and token is not None and hmac.compare_digest(token.encode(),
+                                                                                      config.admin_key.encode()):
+            return await app(scope, receive, send)
+        if config.unsafe_open_admin_on_loopback and is_loopback(client):
+            return await app(scope, receive, send)
+        if config.admin_key is not None:
+            return await send_error(send, 401, "This route needs the proxy's admin key: 'Authorization: Bearer "
+                                               "ADMIN_KEY' (its --admin-key).", "invalid_api_key")
+        if config.unsafe_open_admin_on_loopback:
+            return await send_error(send, 403, f"The proxy's admin routes are open to loopback clients only "
+                                               f"(--unsafe-open-admin-on-loopback), not to {client}; set "
+                                               f"--admin-key to manage nodes from other hosts.", "admin_closed")
+        return await send_error(send, 403, closed, "admin_closed")
+
+    return door
 
 
 def run_proxy(config: ProxyConfig, log_level: str = "info") -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("proxy at http://%s:%d, strategy %s, nodes %s", config.host, config.port, config.strategy,
              list(config.nodes))
+    warn_if_exposed(config.host, config.port, config.gate)
     run_event_loop(serve_app(create_proxy_app(config), config.host, config.port, log_level))

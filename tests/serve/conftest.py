@@ -18,6 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 TINY_ENGINE = dict(device="cpu", cache_max_entry_count=256, max_batch_size=32, cache_block_seq_len=16,
                    session_len=512, num_threads=1)
+ADMIN_KEY = "admin-secret"
+"""The admin key of the test proxies (their /nodes/* routes are closed without one)."""
 
 
 class ServerThread:
@@ -149,8 +151,8 @@ def leave_long_completion(url: str, stream: bool, read_timeout_s: float) -> None
 
 
 def in_flight(proxy) -> dict[str, int]:
-    """The proxy's in-flight request count per node."""
-    r = httpx.get(f"{proxy.url}/nodes/status")
+    """The proxy's in-flight request count per node (the proxy was started with ``admin_key=ADMIN_KEY``)."""
+    r = httpx.get(f"{proxy.url}/nodes/status", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert r.status_code == 200, r.text
     return {n["url"]: n["num_in_flight"] for n in r.json()["nodes"]}
 

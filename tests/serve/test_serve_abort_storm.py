@@ -20,7 +20,9 @@ from tests.serve.conftest import ServerThread, leave_long_completion, wait_idle
 def storm_server(tiny_engine):
     from lmkit.serve import GateConfig, ServerConfig, create_app
 
-    app = create_app(tiny_engine, ServerConfig(model_name="tiny", gate=GateConfig(max_concurrent_requests=1000)))
+    # room for every storm request at once: this test is about aborts, not admission (test_serve_limits.py)
+    app = create_app(tiny_engine, ServerConfig(model_name="tiny", gate=GateConfig(max_concurrent_requests=1000),
+                                               max_waiting_seqs=1000))
     server = ServerThread(app)
     yield server, app
     server.stop()

@@ -5,6 +5,8 @@ oversized bodies, too many requests at once. Pydantic's validation errors are 40
 from __future__ import annotations
 
 import json
+import logging
+import re
 import socket
 import time
 
@@ -54,6 +56,11 @@ def assert_still_serves(server) -> None:
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
 
 
+def assert_healthy(server) -> None:
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert_still_serves(server)
+
+
 @pytest.mark.parametrize("body, param, match", [
     ({**CHAT, "temperature": "hot"}, "temperature", "valid number"),
     ({**CHAT, "max_tokens": "10"}, "max_tokens", "valid integer"),
@@ -89,6 +96,93 @@ def test_bad_chat_requests(guarded, body, param, match):
 ])
 def test_bad_completion_requests(guarded, body, param, match):
     assert_error(post(guarded, "/v1/completions", body), 400, param=param, match=match)
+
+
+# Each was a 500 with pybind or engine internals in its message ("TypeError: incompatible function arguments ...
+# lmkit._engine.SamplingParams", "OverflowError"), a 400 naming no parameter, or a message hiding the limit.
+@pytest.mark.parametrize("path, body, param, match", [
+    ("/v1/chat/completions", {**CHAT, "top_k": 2**31}, "top_k", "[0, 2147483647]"),
+    ("/v1/chat/completions", {**CHAT, "stop_token_ids": [2**32]}, "stop_token_ids", "[0, 2147483647]"),
+    ("/v1/chat/completions", {**CHAT, "stop_token_ids": [5, 300]}, "stop_token_ids", "vocabulary [0, 300)"),
+    ("/v1/chat/completions", {**CHAT, "stop_token_ids": [1] * 2000}, "stop_token_ids", "at most 1024"),
+    ("/v1/chat/completions", {**CHAT, "repetition_penalty": 1e308}, "repetition_penalty", "float32"),
+    ("/v1/chat/completions", {**CHAT, "top_p": 1e-50}, "top_p", "as a float32: 0.0"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["a"] * 1000}, "stop", "at most 16"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["a", ""]}, "stop", "non-empty"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["a", "b" * 1025]}, "stop[1]", "at most 1024 characters"),
+    ("/v1/chat/completions", {**CHAT, "seed": 2**64}, "seed", "less than 18446744073709551616"),
+    ("/v1/chat/completions", {**CHAT, "seed": -2**63 - 1}, "seed", "greater than or equal to -9223372036854775808"),
+    ("/v1/chat/completions", {**CHAT, "n": 64}, "n", "max_batch_size (32)"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, -1]}, "prompt", "token id -1 outside the vocabulary"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 300]}, "prompt", "token id 300 outside the vocabulary"),
+    ("/v1/completions", {"model": "tiny", "prompt": [[1, 2], [3, -1]], "echo": True}, "prompt", "outside the vocab"),
+    ("/v1/completions", {"model": "tiny", "prompt": [[1]] * 3000}, "prompt", "at most 2048"),
+])
+def test_what_the_engine_cannot_take_is_a_400_naming_the_parameter(guarded, path, body, param, match):
+    assert_error(post(guarded, path, body), 400, param=param, match=match)
+    assert_healthy(guarded)
+
+
+def test_too_many_messages_is_a_400_before_validation(api_server):
+    many = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 5000}] * 2}
+    assert_error(post(api_server, "/v1/chat/completions", many), 400, param="messages", match="at most 8192")
+    assert_healthy(api_server)
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", rb'{"model": "tiny", "prompt": "a\ud800b"}', "prompt"),
+    ("/v1/completions", rb'{"model": "tiny", "prompt": ["ok", "\udfff"]}', "prompt[1]"),
+    ("/v1/chat/completions", rb'{"model": "tiny", "messages": [{"role": "user", "content": "hi \ud800"}]}',
+     "messages[0].content"),
+    ("/v1/chat/completions", rb'{"model": "tiny", "messages": [{"role": "user", "content": '
+                             rb'[{"type": "text", "text": "\udc00"}]}]}', "messages[0].content[0].text"),
+    ("/v1/chat/completions", rb'{"model": "tiny", "messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}',
+     "messages[0].name"),
+    ("/v1/chat/completions", rb'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                             rb'"stop": ["x", "\ud800"]}', "stop[1]"),
+    ("/v1/chat/completions", rb'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": "\udbff"}',
+     "stop"),
+    ("/v1/chat/completions", rb'{"model": "\ud800", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+])
+def test_lone_surrogates_are_400s(guarded, path, raw, param):
+    """JSON can escape half a UTF-16 pair; no tokenizer or UTF-8 encoder takes one (it was a 500). A whole pair
+    is one character."""
+    assert_error(post(guarded, path, content=raw), 400, param=param, match="lone surrogate")
+    assert_healthy(guarded)
+    pair = rb'{"model": "tiny", "messages": [{"role": "user", "content": "smile \ud83d\ude00"}], "max_tokens": 2}'
+    assert post(guarded, "/v1/chat/completions", content=pair).status_code == 200
+
+
+def test_json_infinity_is_a_400_naming_the_parameter(guarded):
+    """1e999 parses as inf: refused by name (it was "got inf" with param null)."""
+    raw = b'{"model": "tiny", "prompt": "ab", "max_tokens": 2, "repetition_penalty": 1e999}'
+    assert_error(post(guarded, "/v1/completions", content=raw), 400, param="repetition_penalty", match="finite")
+    assert_healthy(guarded)
+
+
+def test_a_bug_is_a_500_with_an_error_id_and_no_internals(caplog):
+    from fastapi import FastAPI
+
+    from lmkit.serve.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/bug")
+    async def bug():
+        raise TypeError("incompatible function arguments: lmkit._engine internals")
+
+    server = ServerThread(app)
+    try:
+        with caplog.at_level(logging.ERROR, logger="lmkit.serve"):
+            r = httpx.get(f"{server.url}/bug", timeout=10)
+    finally:
+        server.stop()
+    error = assert_error(r, 500, param=None)
+    assert "TypeError" not in error["message"] and "lmkit._engine" not in error["message"], error
+    error_id = re.search(r"error id ([0-9a-f]+)", error["message"]).group(1)
+    logged = [rec for rec in caplog.records if rec.name == "lmkit.serve" and error_id in rec.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info[0] is TypeError, caplog.text
 
 
 def test_malformed_json(guarded):
@@ -168,5 +262,8 @@ def test_too_many_concurrent_requests_is_429(guarded, tiny_engine):
 
 
 def test_unknown_route_and_method(guarded):
-    assert_error(httpx.get(f"{guarded.url}/v2/nothing"), 404, match="Invalid URL")
+    # with keys set every path but /health needs one: a caller without a key cannot map the routes
+    assert_error(httpx.get(f"{guarded.url}/v2/nothing"), 401)
+    assert_error(httpx.get(f"{guarded.url}/v2/nothing", headers={"Authorization": f"Bearer {KEY}"}), 404,
+                 match="Invalid URL")
     assert_error(httpx.get(f"{guarded.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}), 405)

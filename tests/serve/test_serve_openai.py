@@ -160,3 +160,39 @@ def test_sampling_fields_accepted(client, temperature):
         top_p=0.9, seed=1, presence_penalty=0.5, frequency_penalty=0.5, stop=["zzz"], user="u1",
         extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 2})
     assert r.usage.completion_tokens == 4
+
+
+def test_request_fields_left_out_take_the_models_generation_config(tmp_path):
+    """As vLLM's --generation-config auto: a model whose generation_config.json samples (temperature 0.7,
+    top_k 5) and caps answers at 6 tokens gets those for a request that leaves the fields out, exactly what
+    the same seed gives through the pipeline; given fields still win."""
+    import json
+
+    from lmkit import AsyncEngine, EngineConfig, Pipeline
+    from lmkit.serve import ServerConfig, create_app
+    from tests.conftest import make_tiny_model
+    from tests.serve.conftest import TINY_ENGINE, ServerThread
+
+    folder = tmp_path / "sampling-model"
+    make_tiny_model(folder, "llama", seed=7)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 256, "eos_token_id": 257, "do_sample": True, "temperature": 0.7, "top_k": 5,
+         "max_new_tokens": 6}))
+    engine = AsyncEngine(folder, EngineConfig(**TINY_ENGINE))
+    server = ServerThread(create_app(engine, ServerConfig(model_name="tiny")))
+    try:
+        messages = [{"role": "user", "content": "hello there"}]
+        body = {"model": "tiny", "messages": messages, "seed": 3, "ignore_eos": True}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+        assert r["usage"]["completion_tokens"] == 6, r
+        ids = engine.engine.encode(messages)
+        expected = engine.engine.default_generation_config(random_seed=3, ignore_eos=True)
+        assert (expected.do_sample, expected.temperature, expected.top_k) == (True, 0.7, 5)
+        with Pipeline(engine) as pipe:
+            assert r["choices"][0]["message"]["content"] == pipe(ids, expected).text
+            greedy = pipe(ids, GenerationConfig(max_new_tokens=6, ignore_eos=True)).text
+            r0 = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "temperature": 0}, timeout=60).json()
+            assert r0["choices"][0]["message"]["content"] == greedy
+    finally:
+        server.stop()
+        engine.close()

@@ -14,9 +14,8 @@ import openai
 import pytest
 
 from lmkit.serve.proxy import Node, make_strategy
+from tests.serve.conftest import ADMIN_KEY as ADMIN
 from tests.serve.conftest import ServerThread, free_port, lmkit_subprocess, wait_healthy
-
-ADMIN = "admin-secret"
 
 
 # ---- strategies on constructed states ---------------------------------------------------------------------

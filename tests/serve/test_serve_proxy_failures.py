@@ -11,14 +11,14 @@ import signal
 import httpx
 import pytest
 
-from tests.serve.conftest import (LONG_COMPLETION, ServerThread, free_port, in_flight, leave_long_completion,
-                                 lmkit_subprocess, wait_healthy, wait_idle)
+from tests.serve.conftest import (ADMIN_KEY, LONG_COMPLETION, ServerThread, free_port, in_flight,
+                                 leave_long_completion, lmkit_subprocess, wait_healthy, wait_idle)
 
 
 def make_proxy(*nodes: str) -> ServerThread:
     from lmkit.serve import ProxyConfig, create_proxy_app
 
-    return ServerThread(create_proxy_app(ProxyConfig(nodes=nodes, health_interval_s=0.5)))
+    return ServerThread(create_proxy_app(ProxyConfig(nodes=nodes, admin_key=ADMIN_KEY, health_interval_s=0.5)))
 
 
 @pytest.fixture(scope="module")
