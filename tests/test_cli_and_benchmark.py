@@ -184,3 +184,14 @@ def test_gpu_suite_script_parses():
     """benchmark/gpu_suite.sh runs only on GPU machines; here it must at least stay valid bash."""
     run = subprocess.run(["bash", "-n", str(ROOT / "benchmark" / "gpu_suite.sh")], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_server_hardening_benchmark_smoke(tiny_llama, tmp_path):
+    """bench_server_hardening.py --smoke: a real api_server on the tiny model, its start-up and idle RSS, and
+    /health polled while two oversized prompts are refused; torch is not loaded into the server."""
+    csv_path = tmp_path / "hardening.csv"
+    run = _run_script("bench_server_hardening.py", "--smoke", "--model", str(tiny_llama[0]), "--csv", str(csv_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "torch loaded: False" in run.stdout and "attackers got {4" in run.stdout, run.stdout
+    assert "exit code 0" in run.stdout, run.stdout
+    assert csv_path.read_text().count("\n") == 2
