@@ -20,7 +20,6 @@ app = typer.Typer(help="Compression: AWQ int4 weights, a calibrated int8/int4 KV
                        "to measure what they cost.",
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
-_MODEL_HELP = MODEL_HELP
 # --help gives the first sentences of the configs' HELP texts (help_text); the HELP texts are the contract
 _A, _P, _K = ({name: help_text(doc) for name, doc in c.HELP.items()} for c in (AwqConfig, PplConfig, KvCalibConfig))
 _AD = {f.name: f.default for f in fields(AwqConfig)}  # the options' defaults are the config's
@@ -73,7 +72,7 @@ class RichReporter(ProgressReporter):
 
 @app.command()
 def awq(
-    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=_MODEL_HELP),
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=MODEL_HELP),
     work_dir: Path = typer.Option(..., "--work-dir", help=_A["work_dir"]),
     w_group_size: int = typer.Option(_AD["w_group_size"], help=_A["w_group_size"]),
     calib_dataset: str = typer.Option(_AD["calib_dataset"], help=_A["calib_dataset"]),
@@ -138,7 +137,7 @@ def print_awq_summary(result, config: AwqConfig) -> None:
 @app.command()
 def ppl(
     model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False,
-                                          help=_MODEL_HELP + " Read by lmkit's torch reference path."),
+                                          help=MODEL_HELP + " Read by lmkit's torch reference path."),
     dataset: str = typer.Option("hamlet", help=_P["dataset"]),
     seqlen: int = typer.Option(512, help=_P["seqlen"]),
     stride: int = typer.Option(0, help=_P["stride"]),
@@ -179,7 +178,7 @@ class StepReporter(ProgressReporter):
 
 @app.command()
 def calibrate(
-    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=_MODEL_HELP),
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=MODEL_HELP),
     work_dir: Path = typer.Option(..., "--work-dir", help=_K["work_dir"]),
     max_ppl_increase: float = typer.Option(0.01, help=_K["max_ppl_increase"]),
     calib_dataset: str = typer.Option("shakespeare", help=_K["calib_dataset"]),

@@ -8,6 +8,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 
+def usable_cpu_count() -> int:
+    """The cores this process may run on (its affinity mask), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity outside Linux
+        return os.cpu_count() or 1
+
+
 AUTO_MEMORY_FRACTION = 0.8
 """The share of memory lmkit engines may take together when cache_max_entry_count is None (auto)."""
 
@@ -91,12 +99,7 @@ class EngineConfig:
     @property
     def resolved_num_threads(self) -> int:
         """num_threads, or the cores this process may run on."""
-        if self.num_threads:
-            return self.num_threads
-        try:
-            return len(os.sched_getaffinity(0))
-        except AttributeError:
-            return os.cpu_count() or 1
+        return self.num_threads or usable_cpu_count()
 
     def to_engine_config(self, device: str, kv_layer_bits: list[int] | None = None):
         """The lmkit._engine.EngineConfig for this config on a resolved device (kv_layer_bits: the

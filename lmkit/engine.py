@@ -83,6 +83,14 @@ def _shut_down(cpp, reservation) -> None:
             reservation.remove()
 
 
+def first_id_outside(ids: list[int], vocab_size: int) -> int | None:
+    """The position of the first token id outside [0, vocab_size), None when all are inside (min and max first:
+    a prompt that is fine costs two C-speed passes, also where the server checks it on its event loop)."""
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+        return None
+    return next(i for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+
+
 class Engine:
     """A model folder running in lmkit._engine.
 
@@ -172,7 +180,7 @@ class Engine:
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             vocab_size = self.spec.vocab_size
-            bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab_size), None)
+            bad = first_id_outside(prompt, vocab_size)
             if bad is not None:
                 raise ValueError(f"token id {prompt[bad]} at position {bad} is outside the vocabulary "
                                  f"[0, {vocab_size}) of this model")

@@ -37,6 +37,19 @@ _SLOW_TOKENIZER_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.m
 _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
 
 
+def check_valid_unicode(text: str) -> str:
+    """``text``, or ValueError naming the first lone surrogate: JSON can escape one ("\\ud800") and Python holds
+    it, but no tokenizer or UTF-8 encoder takes it."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the text is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                             f"{e.start} (a character beyond U+FFFF is escaped in JSON as a pair, high then low)"
+                             ) from None
+    return text
+
+
 class Tokenizer:
     """The model folder's tokenizer. Chat messages are rendered with its chat template."""
 
@@ -83,13 +96,8 @@ class Tokenizer:
         try:
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
-            if not isinstance(text, str):
-                raise
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"the text is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
-                                 f"{e.start}") from None
+            if isinstance(text, str):
+                check_valid_unicode(text)
             raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -21,7 +21,6 @@ _E = EngineConfig.field_help()  # the first sentences of EngineConfig's field do
 # GenerationConfig's field docs; the fields a model's generation_config.json may set default to the model's
 _G = {name: text + (" Default: the model's." if name in GENERATION_DEFAULT_FIELDS else "")
       for name, text in field_help(GenerationConfig).items()}
-_MODEL_HELP = MODEL_HELP
 
 
 def _keys(values: Optional[List[str]]) -> tuple[str, ...]:
@@ -72,7 +71,7 @@ def engine_config(device: str, max_batch_size: int, session_len: Optional[int], 
 
 @app.command("api_server")
 def api_server(
-    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=_MODEL_HELP),
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=MODEL_HELP),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (127.0.0.1: this machine only; 0.0.0.0: "
                                                "every interface, then set --api-keys)."),
     port: int = typer.Option(23333, help="TCP port."),
@@ -177,7 +176,7 @@ def proxy(
 
 
 def chat(
-    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=_MODEL_HELP),
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=MODEL_HELP),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Answer this one message on stdout and exit."),
     system: Optional[str] = typer.Option(None, help="A system message at the start of the conversation."),
     max_new_tokens: Optional[int] = MAX_NEW_TOKENS,

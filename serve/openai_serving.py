@@ -15,14 +15,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Union
 
-from lmkit.engine import AsyncEngine, RequestStream
+from lmkit.config import usable_cpu_count
+from lmkit.engine import AsyncEngine, RequestStream, first_id_outside
 from lmkit.messages import GenerationConfig, GenerationConfigError, Response
 from lmkit.serve.errors import APIError, bad_request, error_body, internal_error
 from lmkit.serve.metrics import ServerMetrics
@@ -68,11 +68,7 @@ def sse(data: dict | str) -> str:
 
 def num_prepare_threads() -> int:
     """The cores this process may use, at most 4: tokenization shares them with the engine's threads."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity outside Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(4, cores))
+    return min(4, usable_cpu_count())
 
 
 class OpenAIServing:
@@ -165,9 +161,9 @@ class OpenAIServing:
         if len(ids) >= engine.session_len:
             raise self._too_long("prompt", f"your prompt has {len(ids)} tokens")
         vocab = engine.spec.vocab_size
-        for t in ids:
-            if not 0 <= t < vocab:
-                raise bad_request(f"prompt has token id {t} outside the vocabulary [0, {vocab})", "prompt")
+        bad = first_id_outside(ids, vocab)
+        if bad is not None:
+            raise bad_request(f"prompt has token id {ids[bad]} outside the vocabulary [0, {vocab})", "prompt")
         return list(ids)
 
     def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:

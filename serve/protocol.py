@@ -17,6 +17,7 @@ from typing import Annotated, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from lmkit.serve.errors import bad_request
+from lmkit.tokenizer import check_valid_unicode
 
 MAX_STOP_STRINGS = 16
 """Stop strings per request: each is searched for after every token."""
@@ -30,18 +31,7 @@ MAX_MESSAGE_PARTS = 8192
 """Messages plus their content parts in one chat request (validating each costs the event loop ~2 us)."""
 
 
-def _valid_unicode(text: str) -> str:
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"the text is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
-                             f"{e.start} (a character beyond U+FFFF is escaped in JSON as a pair, high then low)"
-                             ) from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_valid_unicode)]
+Text = Annotated[str, AfterValidator(check_valid_unicode)]
 """A string that is valid Unicode (no lone surrogates)."""
 
 

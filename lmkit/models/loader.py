@@ -130,10 +130,10 @@ GENERATION_DEFAULT_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "min_
                              "max_new_tokens")
 
 
-def read_generation_defaults(path: Path, cfg: dict | None = None) -> dict:
+def read_generation_defaults(path: Path, cfg: dict | None = None, gen: dict | None = None) -> dict:
     """GenerationConfig fields a model folder sets: the GENERATION_DEFAULT_FIELDS its generation_config.json holds
-    (not null), or, without that file, those in config.json (transformers' fallback; ``cfg`` is config.json
-    when already read). Keys left out keep GenerationConfig's defaults (greedy; do_sample false unless set, as in
+    (not null), or, without that file, those in config.json (transformers' fallback; ``cfg`` and ``gen`` are
+    config.json and generation_config.json when already read). Keys left out keep GenerationConfig's defaults (greedy; do_sample false unless set, as in
     transformers); max_new_tokens counts only when set explicitly (max_length is not read).
 
     Raises ValueError naming the file when a value is not one GenerationConfig accepts.
@@ -142,7 +142,10 @@ def read_generation_defaults(path: Path, cfg: dict | None = None) -> dict:
 
     gen_path = path / "generation_config.json"
     source = gen_path if gen_path.exists() else path / "config.json"
-    data = _read_json(gen_path) if gen_path.exists() else (cfg if cfg is not None else _read_json(source))
+    if gen_path.exists():
+        data = gen if gen is not None else _read_json(gen_path)
+    else:
+        data = cfg if cfg is not None else _read_json(source)
     defaults = {name: data[name] for name in GENERATION_DEFAULT_FIELDS if data.get(name) is not None}
     if defaults.get("temperature") == 0:  # transformers: 0 is not a temperature; greedy is what it means
         defaults.pop("temperature")
@@ -216,9 +219,10 @@ def load_model_spec(path: Path) -> ModelSpec:
 
     eos = _as_id_list(cfg.get("eos_token_id"))
     gen_path = path / "generation_config.json"
-    if gen_path.exists():
-        eos += [t for t in _as_id_list(_read_json(gen_path).get("eos_token_id")) if t not in eos]
-    generation_defaults = read_generation_defaults(path, cfg)
+    gen = _read_json(gen_path) if gen_path.exists() else None
+    if gen is not None:
+        eos += [t for t in _as_id_list(gen.get("eos_token_id")) if t not in eos]
+    generation_defaults = read_generation_defaults(path, cfg, gen)
 
     tensors = index_folder(path)
     num_layers = int(cfg["num_hidden_layers"])

@@ -173,13 +173,13 @@ class NodeRegistry:
         try:
             async with session.get(f"{node.url}/health", timeout=timeout) as r:
                 if r.status != 200:
-                    raise _Answered(f"/health answered {r.status}", await body_start(r))
+                    raise NodeFailed(f"/health answered {r.status}", await body_start(r))
             async with session.get(f"{node.url}/v1/models", headers=node.headers(), timeout=timeout) as r:
                 if r.status != 200:
-                    raise _Answered(f"/v1/models answered {r.status}", await body_start(r))
+                    raise NodeFailed(f"/v1/models answered {r.status}", await body_start(r))
                 data = await r.json()
             node.models = [m for m in data.get("data", []) if isinstance(m, dict) and isinstance(m.get("id"), str)]
-        except _Answered as e:
+        except NodeFailed as e:
             self.mark_down(node, f"health check failed: {e}", e.details)
             return False
         except Exception as e:  # any failure of any kind means: not serving
@@ -202,10 +202,11 @@ class NodeRegistry:
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 
 
-class _Answered(Exception):
-    """A node answered with an unexpected status: the status (str(e)) and the start of its body (details)."""
+class NodeFailed(Exception):
+    """A node failed a check or a request: why (a status or an error kind, str(e): what clients and
+    /nodes/status see) and what it said (``details``, for the proxy's log only)."""
 
-    def __init__(self, why: str, details: str):
+    def __init__(self, why: str, details: str = ""):
         super().__init__(why)
         self.details = details
 

@@ -29,10 +29,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from lmkit.serve.asgi import parse_json, run_event_loop, serve_app, unless_disconnected
+from lmkit.serve.asgi import OffLoopJSONRoute, parse_json, run_event_loop, serve_app, unless_disconnected
 from lmkit.serve.errors import APIError, error_body, error_response, install_error_handlers
 from lmkit.serve.gate import Gate, GateConfig, bearer_token, is_loopback, send_error, warn_if_exposed
-from lmkit.serve.proxy.registry import Node, NodeRegistry, body_start, normalize_node_url
+from lmkit.serve.proxy.registry import Node, NodeFailed, NodeRegistry, body_start, normalize_node_url
 from lmkit.serve.proxy.strategies import make_strategy
 
 log = logging.getLogger("lmkit.serve.proxy")
@@ -87,14 +87,6 @@ class RemoveNode(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str
-
-
-class _NodeFailed(Exception):
-    """A node failed before its first byte: why (a status or error kind) and what it said (for the log)."""
-
-    def __init__(self, why: str, details: str = ""):
-        super().__init__(why)
-        self.details = details
 
 
 class _NodeBroken(Exception):
@@ -155,7 +147,7 @@ class Proxy:
             tried.add(node.url)
             try:
                 return await self._try_node(node, path, body)
-            except _NodeFailed as e:
+            except NodeFailed as e:
                 errors.append(str(e))
             except _Refused as e:
                 last_refusal = e
@@ -174,7 +166,7 @@ class Proxy:
         raise APIError(503, f"no node serving `{model}` is up; retry later")
 
     async def _try_node(self, node: Node, path: str, body: bytes) -> Response:
-        """Sends the request to ``node`` and waits for its first body chunk; raises _NodeFailed (node
+        """Sends the request to ``node`` and waits for its first body chunk; raises NodeFailed (node
         marked down), _Refused (429) or _NodeBroken (another 5xx) before anything was sent to the client."""
         node.num_in_flight += 1
         sent_at = time.perf_counter()
@@ -183,9 +175,10 @@ class Proxy:
             headers = {"content-type": "application/json", **node.headers()}
             response = await self.session.post(node.url + path, data=body, headers=headers)
             if response.status in _RETRY_STATUSES:
-                raise _NodeFailed(f"answered {response.status}", await body_start(response))
+                raise NodeFailed(f"answered {response.status}", await body_start(response))
             if response.status == 429:
-                raise _Refused({k: v for k, v in _passed_headers(response).items() if k == "retry-after"})
+                retry_after = response.headers.get("retry-after")
+                raise _Refused({"retry-after": retry_after} if retry_after else {})
             if response.status >= 500:
                 log.warning("node %s answered %d to %s: %s", node.url, response.status, path,
                             await body_start(response))
@@ -195,16 +188,16 @@ class Proxy:
             node.num_in_flight -= 1
             response.close()
             raise
-        except (aiohttp.ClientError, asyncio.TimeoutError, _NodeFailed) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, NodeFailed) as e:
             node.num_in_flight -= 1
             if response is not None:
                 response.close()
-            if isinstance(e, _NodeFailed):
+            if isinstance(e, NodeFailed):
                 why, details = str(e), e.details
             else:
                 why, details = type(e).__name__, f"{type(e).__name__}: {e}"
             self.registry.mark_down(node, f"request failed before its first byte: {why}", details)
-            raise _NodeFailed(why) from None
+            raise NodeFailed(why) from None
         except BaseException:  # cancelled: the client left while we waited for the node
             node.num_in_flight -= 1
             if response is not None:
@@ -290,6 +283,7 @@ def create_proxy_app(config: ProxyConfig | None = None) -> Gate:
 
     app = FastAPI(title="lmkit proxy", version="0.1.0", lifespan=lifespan,
                   description="Routes OpenAI requests across lmkit api_servers by model, load and health.")
+    app.router.route_class = OffLoopJSONRoute  # /nodes/* bodies are parsed off the event loop too
     app.state.proxy = proxy
     install_error_handlers(app)
     if config.unsafe_open_admin_on_loopback:
