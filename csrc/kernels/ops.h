@@ -104,16 +104,24 @@ void linear(const float* x, int64_t M, const LinearWeight& weight, const Tensor&
 // The same for an unpacked weight: packs it first (tests and one-off calls; the model packs at load).
 void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias, float* out);
 
-// Rotary embedding in HF "rotate_half" layout, in place.
-//   q: [n, num_heads, head_dim], k: [n, num_kv_heads, head_dim]
-//   for i < head_dim/2: angle = float(positions[t]) * inv_freq[i] (fp32 product, as HF computes it),
+// Rotary embedding in HF "rotate_half" layout, in place, over the first rotary_dim dims of each head
+// (0: head_dim; partial rotary, Phi-4-mini: the rest of the head passes unchanged).
+//   q: [n, num_heads, head_dim], k: [n, num_kv_heads, head_dim], inv_freq: [rotary_dim / 2]
+//   for i < R = rotary_dim/2: angle = float(positions[t]) * inv_freq[i] (fp32 product, as HF computes it),
 //   c = cos(angle) * attention_scaling, s = sin(angle) * attention_scaling,
-//   (x[i], x[i + head_dim/2]) <- (x[i] c - x[i + head_dim/2] s, x[i + head_dim/2] c + x[i] s)
+//   (x[i], x[i + R]) <- (x[i] c - x[i + R] s, x[i + R] c + x[i] s)
 void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads,
-          int head_dim, const float* inv_freq, float attention_scaling);
+          int head_dim, const float* inv_freq, float attention_scaling, int rotary_dim = 0);
 
 // out[t, j] = silu(gate[t, j]) * up[t, j]          all [n, inter]; out may alias gate or up.
 void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
+// out[t, j] = gelu_tanh(gate[t, j]) * up[t, j]     (GeGLU; gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
+//                                                   torch's gelu(approximate='tanh')); out may alias gate or up.
+void gelu_tanh_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
+// x[i] = cap * tanh(x[i] / cap) for i < n, in place (Gemma 2's final logit soft-capping); cap > 0.
+void softcap(float* x, int64_t n, float cap);
+// x[i] *= s for i < n, in place.
+void scale(float* x, int64_t n, float s);
 
 // One layer of the blocked KV pool. k and v each point at num_blocks blocks of block_bytes() bytes:
 //   bits 32 (fp32):    [num_kv_heads, block_size, head_dim] float
@@ -163,11 +171,14 @@ struct AttnSeq {
 // Causal paged attention over the blocked KV pool (keys/values of this chunk must already be written).
 //   q: [rows, num_heads, head_dim], out: [rows, num_heads, head_dim]
 //   query head h reads kv head h / (num_heads / num_kv_heads) (GQA);
-//   a query at position p sees keys at positions k <= p, and when sliding_window > 0 only p - k < sliding_window.
-//   out = softmax(scale * q . K^T) V, computed with an online softmax in fp32.
+//   a query at position p sees keys at positions k <= p, and when sliding_window > 0 only p - k < sliding_window;
+//   block_table entries of blocks wholly outside every query's window are never read (they may be -1: blocks
+//   the engine freed early).
+//   out = softmax(s) V with s = scale * q . K^T, or with logit_softcap > 0 s = cap * tanh(scale * q . K^T / cap)
+//   (Gemma 2), computed with an online softmax in fp32.
 //   Over a bf16 pool on AMX tiles (bf16_amx_available), decode-shaped tasks round the softmax weights to bf16
 //   (fp32 sums): up to ~3e-3 relative (per output row) to the exact result over the pool's values.
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
-                     int32_t num_heads, float scale, int32_t sliding_window, float* out);
+                     int32_t num_heads, float scale, int32_t sliding_window, float* out, float logit_softcap = 0.0f);
 
 }  // namespace lmkit::ops

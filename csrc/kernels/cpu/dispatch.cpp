@@ -473,7 +473,9 @@ void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias,
 }
 
 void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads, int head_dim,
-          const float* inv_freq, float attention_scaling) {
+          const float* inv_freq, float attention_scaling, int rotary_dim) {
+  LMKIT_CHECK(rotary_dim == 0 || rotary_dim == head_dim, "rope: partial rotary (rotary_dim ", rotary_dim,
+              " of head_dim ", head_dim, ") is not implemented yet");
   LMKIT_CHECK(n >= 0 && num_heads >= 0 && num_kv_heads >= 0, "rope: bad shape n ", n, " heads ", num_heads,
               " kv heads ", num_kv_heads);
   LMKIT_CHECK(head_dim > 0 && head_dim % 2 == 0 && head_dim <= 1024,
@@ -490,6 +492,24 @@ void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, floa
   if (n == 0 || inter == 0) return;
   LMKIT_CHECK(gate != nullptr && up != nullptr && out != nullptr, "silu_mul: gate, up and out must be non-null");
   cpu::active().silu_mul(gate, up, n, inter, out);
+}
+
+void gelu_tanh_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out) {
+  LMKIT_CHECK(n >= 0 && inter >= 0, "gelu_tanh_mul: bad shape [", n, ", ", inter, "]");
+  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (int64_t i = 0; i < n * inter; ++i) {
+    const float x = gate[i];
+    out[i] = 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x))) * up[i];
+  }
+}
+
+void softcap(float* x, int64_t n, float cap) {
+  LMKIT_CHECK(cap > 0, "softcap: cap must be > 0, got ", cap);
+  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
+}
+
+void scale(float* x, int64_t n, float s) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= s;
 }
 
 namespace {
@@ -520,7 +540,8 @@ void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* 
 }
 
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
-                     float scale, int32_t sliding_window, float* out) {
+                     float scale, int32_t sliding_window, float* out, float logit_softcap) {
+  LMKIT_CHECK(logit_softcap == 0.0f, "paged_attention: logit soft-capping is not implemented yet");
   check_kv(kv, "paged_attention");
   LMKIT_CHECK(num_seqs >= 0, "paged_attention: num_seqs must be >= 0, got ", num_seqs);
   LMKIT_CHECK(num_heads > 0 && num_heads % kv.num_kv_heads == 0, "paged_attention: num_heads ", num_heads,
