@@ -6,8 +6,12 @@
       1 fp pass over all windows; observer hooks gather per-group input statistics (mean |x|,
         per-group second moments; the full second moment for GPTQ rounding)
       2 per smoothing group: grid-search the scale exponent by block-output MSE on the search windows
-        (the identity is a candidate too: smoothing never scores worse than none)
-      3 fold the chosen scales into the previous norm / linear (fp function unchanged)
+        (the identity is a candidate too: smoothing never scores worse than none). The loss is measured
+        on what the block adds to the residual stream: through the block's post norm where it has one
+        (Gemma), for the group of a whole block and for the group of its output linear (o_proj, down_proj)
+      3 fold the chosen scales into the previous norm / linear (fp function unchanged; each fold is first
+        tried on one window, and a fused linear whose last rows are not what the group reads, Phi-3's
+        qkv_proj -> o_proj under grouped-query attention, is left unsmoothed)
       4 per linear: clipping search by exact per-group output error over all calibration tokens
         (q_proj/k_proj are left out, as in AutoAWQ; --clip-qk includes them)
       5 int4 (asymmetric, zeros) in the clipped ranges: GPTQ error-compensating rounding under the smoothed
@@ -32,8 +36,7 @@ import torch
 from torch import nn
 
 from lmkit.lite import export
-from lmkit.lite.apply import can_absorb, fold_scales
-from lmkit.lite.awq_maps import AwqMap
+from lmkit.lite.apply import can_absorb, fold_scales, input_features
 from lmkit.lite.calib import mixed_windows
 from lmkit.lite.config import AwqConfig, PplConfig, resolve_device
 from lmkit.lite.corpora import calibration_corpora
@@ -43,6 +46,7 @@ from lmkit.lite.observer import GroupInputObserver
 from lmkit.lite.quantizer import PACK_NUM, SUPPORTED_GROUP_SIZES, QuantizedWeight, quantize
 from lmkit.lite.search import refine_quantization, search_clip, search_scale, shrink_grid
 from lmkit.lite.threads import torch_threads
+from lmkit.models import AwqMap
 
 CHUNK_TOKENS = 4096  # tokens per forward chunk of the layer passes
 
@@ -108,17 +112,30 @@ def _first(output):
     return output[0] if isinstance(output, tuple) else output
 
 
+def _residual_block_of(awq_map: AwqMap, name: str) -> str | None:
+    """The residual block that module ``name`` is or lies inside (None: neither)."""
+    for _, block in awq_map.residual_blocks:
+        if name == block or name.startswith(block + "."):
+            return block
+    return None
+
+
 def block_function(layer: nn.Module, awq_map: AwqMap, name: str, kwargs: dict):
-    """x -> output of the block ``name`` of ``layer`` (the attention block gets the layer's kwargs)."""
+    """x -> what block ``name`` of ``layer`` contributes to the residual stream: its output, through the
+    post norm of the residual block it is, or whose output it computes (Gemma: o_proj's output is
+    self_attn's, normed by post_attention_layernorm before the add; ``_self_check`` verifies the nesting).
+    The attention block gets the layer's kwargs."""
     module = layer.get_submodule(name)
+    post = awq_map.post_norms.get(_residual_block_of(awq_map, name))
+    norm = layer.get_submodule(post) if post else nn.Identity()
     if name == awq_map.attention:
-        return lambda x: _first(module(hidden_states=x, **kwargs))
-    return lambda x: _first(module(x))
+        return lambda x: norm(_first(module(hidden_states=x, **kwargs)))
+    return lambda x: norm(_first(module(x)))
 
 
 def decomposed_layer(layer: nn.Module, awq_map: AwqMap, kwargs: dict, x: torch.Tensor) -> torch.Tensor:
-    """The layer's output rebuilt from its residual blocks (``x = x + block(norm(x))``) as the searches
-    call them; must equal ``layer(x, **kwargs)``."""
+    """The layer's output rebuilt from its residual blocks (``x = x + post(block(norm(x)))``) as the
+    searches call them; must equal ``layer(x, **kwargs)``."""
     for norm, block in awq_map.residual_blocks:
         x = x + block_function(layer, awq_map, block, kwargs)(layer.get_submodule(norm)(x))
     return x
@@ -149,16 +166,72 @@ class _LayerRunner:
             out[start:end] = _first(layer(x[start:end], **self.kwargs(index, end - start)))
 
 
+def _check_tolerance(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """(max abs difference, tolerance) of a layer output rebuilt from its parts."""
+    return float((got - expected).abs().max()), 1e-5 * (1.0 + float(expected.abs().max()))
+
+
+def _table_error(awq_map: AwqMap, name: str, what: str) -> RuntimeError:
+    return RuntimeError(f"{name}: {what}; the AWQ map of {awq_map.architecture} (its AWQ table in lmkit/models/) "
+                        "is wrong")
+
+
 @torch.no_grad()
-def _self_check(layer, awq_map, kwargs, x, name):
-    """RuntimeError unless the decomposition the searches use reproduces the HF layer output."""
+def _self_check(layer, awq_map, kwargs, x, name) -> torch.Tensor:
+    """RuntimeError unless the decomposition the searches use reproduces the HF layer output and every
+    group scored through a post norm computes its residual block's output; returns the layer output."""
     expected = _first(layer(x, **kwargs))
-    got = decomposed_layer(layer, awq_map, kwargs, x)
-    err = float((got - expected).abs().max())
-    tol = 1e-5 * (1.0 + float(expected.abs().max()))
+    outputs: dict[str, torch.Tensor] = {}
+    nested = {group.block for group in awq_map.groups  # e.g. o_proj inside Gemma's self_attn
+              if group.block not in awq_map.post_norms
+              and _residual_block_of(awq_map, group.block) in awq_map.post_norms}
+    handles = [layer.get_submodule(n).register_forward_hook(
+        lambda m, a, out, n=n: outputs.__setitem__(n, _first(out))) for n in nested | set(awq_map.post_norms)]
+    try:
+        got = decomposed_layer(layer, awq_map, kwargs, x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    err, tol = _check_tolerance(got, expected)
     if not math.isfinite(err) or err > tol:
-        raise RuntimeError(f"{name}: the AWQ map of {awq_map.architecture} does not reproduce the decoder layer "
-                           f"(max abs difference {err:.3g} > {tol:.3g}); the table in awq_maps.py is wrong")
+        raise _table_error(awq_map, name, f"the decomposition does not reproduce the decoder layer (max abs "
+                                          f"difference {err:.3g} > {tol:.3g})")
+    for block in sorted(nested):
+        outer = _residual_block_of(awq_map, block)
+        if block not in outputs or not torch.equal(outputs[block], outputs[outer]):
+            raise _table_error(awq_map, name, f"{block} is scored through the post norm of {outer} but does not "
+                                              f"compute {outer}'s output")
+    return expected
+
+
+@torch.no_grad()
+def _can_fold(layer: nn.Module, awq_map: AwqMap, group, kwargs: dict, x: torch.Tensor, expected: torch.Tensor,
+              name: str) -> bool:
+    """Whether scales can be folded into ``group.prev``: its shape allows it and a trial fold (scales in
+    [0.5, 2], undone after) leaves the layer's output on ``x`` unchanged. A fused prev whose last rows are
+    not what the group reads (qkv_proj -> o_proj under GQA) is refused; any other failure is a table error."""
+    if not can_absorb(layer, group):
+        return False
+    size = input_features(layer, group)
+    touched = [layer.get_submodule(n) for n in (group.prev, *group.linears)]
+    saved = [[p.detach().clone() for p in module.parameters(recurse=False)] for module in touched]
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(0))
+    trial = torch.exp(torch.linspace(-0.69, 0.69, size)[order]).to(expected.device)
+    try:
+        fold_scales(layer, group, trial, awq_map.norm_weight_offset)
+        got = decomposed_layer(layer, awq_map, kwargs, x)
+    finally:
+        for module, params in zip(touched, saved):
+            for p, value in zip(module.parameters(recurse=False), params):
+                p.copy_(value)
+    err, tol = _check_tolerance(got, expected)
+    if math.isfinite(err) and err <= 10 * tol:
+        return True
+    prev = layer.get_submodule(group.prev)
+    if isinstance(prev, nn.Linear) and prev.out_features > size:
+        return False
+    raise _table_error(awq_map, name, f"folding scales into {group.prev} changes the layer's output (max abs "
+                                      f"difference {err:.3g})")
 
 
 @torch.no_grad()
@@ -178,9 +251,12 @@ def _process_layer(model: LayerwiseModel, runner: _LayerRunner | None, index: in
     if x is not None:
         t = time.perf_counter()
         num_search = min(config.search_samples, x.shape[0])
+        check_kwargs = runner.kwargs(index, 1)  # the checks run before the observer hooks are attached
+        expected = _self_check(layer, awq_map, check_kwargs, x[:1], prefix.rstrip("."))
+        foldable = [config.search_scale and _can_fold(layer, awq_map, group, check_kwargs, x[:1], expected,
+                                                      prefix.rstrip(".")) for group in awq_map.groups]
         observer = GroupInputObserver(layer, awq_map, g, num_search, with_moments=config.clip or config.refine,
                                       with_hessian=config.rounding == "gptq")
-        _self_check(layer, awq_map, runner.kwargs(index, 1), x[:1], prefix.rstrip("."))
         try:  # with --propagate fp the fp output is the next layer's input; else it only feeds the observer
             runner.run(layer, index, x, x if config.propagate == "fp" else _Discard(), observer)
         finally:
@@ -190,9 +266,9 @@ def _process_layer(model: LayerwiseModel, runner: _LayerRunner | None, index: in
         t = time.perf_counter()
         search_kwargs = runner.kwargs(index, num_search)
         chosen: list[torch.Tensor | None] = []
-        for group, stats in zip(awq_map.groups, observer.stats):
+        for group, stats, can_fold in zip(awq_map.groups, observer.stats, foldable):
             entry = {"prev": group.prev, "linears": list(group.linears), "smoothed": False}
-            if config.search_scale and can_absorb(layer, group):
+            if can_fold:
                 block = block_function(layer, awq_map, group.block, search_kwargs)
                 linears = [layer.get_submodule(n) for n in group.linears]
                 found = search_scale(block, linears, stats.sample_input, stats.abs_mean, g,
@@ -201,18 +277,18 @@ def _process_layer(model: LayerwiseModel, runner: _LayerRunner | None, index: in
                              loss_identity=found.loss_identity)
                 chosen.append(found.scales if found.ratio >= 0 else None)
             else:
-                entry["reason"] = "disabled" if not config.search_scale else "shapes do not allow folding"
+                entry["reason"] = ("disabled" if not config.search_scale else
+                                   "prev cannot take the scales (shapes, or v -> o under grouped-query attention)")
                 chosen.append(None)
             report["groups"].append(entry)
         for group, stats, scales in zip(awq_map.groups, observer.stats, chosen):
             if scales is not None:
-                fold_scales(layer, group, scales)
+                fold_scales(layer, group, scales, awq_map.norm_weight_offset)
                 stats.rescale(scales)
                 scales_out[prefix + group.prev] = scales
         seconds["scale_search"] += time.perf_counter() - t
 
         t = time.perf_counter()
-        grid = shrink_grid(config.clip_grid, config.clip_max_shrink)
         with torch_threads(1):  # small batched products and element-wise work (see lmkit.lite.threads)
             quantized.update(_quantize_calibrated(layer, awq_map, observer.stats, config, prefix, clips_out))
         seconds["clip_search"] += time.perf_counter() - t

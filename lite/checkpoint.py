@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from lmkit.lite.layerwise import architecture_of, read_config
+from lmkit.lite.layerwise import architecture_of, attention_implementation, read_config
 from lmkit.lite.quantizer import NUM_BITS, unpack_awq_gemm
 from lmkit.models.safetensors_index import index_folder
 
@@ -73,7 +73,8 @@ def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]
 
 
 def load_causal_lm(folder: Path, device: torch.device | str = "cpu"):
-    """An fp32, eval-mode ``transformers`` causal LM of ``folder`` (fp or AWQ GEMM), sdpa attention.
+    """An fp32, eval-mode ``transformers`` causal LM of ``folder`` (fp or AWQ GEMM), sdpa attention (eager
+    where transformers has no sdpa for the architecture: Gemma 2's soft-capping).
 
     Raises ValueError when tensors are missing or left over.
     """
@@ -87,7 +88,7 @@ def load_causal_lm(folder: Path, device: torch.device | str = "cpu"):
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are dequantized here; transformers must not re-quantize
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_implementation(config))
     model = model.float()
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = bool(getattr(config, "tie_word_embeddings", False))

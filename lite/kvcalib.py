@@ -112,13 +112,20 @@ def _policy_path(work_dir: Path, overwrite: bool) -> Path:
     return path
 
 
+def _hooks_of(lm):
+    """The KV calibration hooks of ``lm``'s architecture (lmkit.models)."""
+    from lmkit.models import get_architecture
+
+    return get_architecture(lm.config.architectures[0]).kv_calib
+
+
 @torch.no_grad()
-def _attention_errors(lm, windows: torch.Tensor, batch_size: int, device, reporter: Reporter
+def _attention_errors(lm, windows: torch.Tensor, batch_size: int, device, reporter: Reporter, hooks=None
                       ) -> tuple[list[dict[str, float]], int]:
     """Per layer attention block errors (KvErrorProbe) over ``windows`` [n, seqlen]; and the token count."""
     from lmkit.lite.kvquant import KvErrorProbe
 
-    probe = KvErrorProbe(lm.config.num_hidden_layers)
+    probe = KvErrorProbe(lm.config.num_hidden_layers, (hooks or _hooks_of(lm)).o_proj)
     batches = windows.split(batch_size)
     reporter.start_steps("attention error per layer", len(batches))
     for batch in batches:
@@ -127,13 +134,21 @@ def _attention_errors(lm, windows: torch.Tensor, batch_size: int, device, report
     return probe.errors(), probe.num_tokens
 
 
+def _head(lm, hooks, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits from the last decoder layer's output, as the model's forward computes them (final norm,
+    lm_head, the final soft-cap where the architecture has one: Gemma 2)."""
+    logits = lm.get_submodule(hooks.lm_head)(lm.get_submodule(hooks.final_norm)(hidden))
+    cap = getattr(lm.config, hooks.final_logit_softcap, None) if hooks.final_logit_softcap else None
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 @torch.no_grad()
-def _int4_kl(lm, windows: torch.Tensor, batch_size: int, device, reporter: Reporter) -> list[float]:
+def _int4_kl(lm, windows: torch.Tensor, batch_size: int, device, reporter: Reporter, hooks=None) -> list[float]:
     """Per layer: mean KL(p_fp || p_q) in nats per predicted token over ``windows`` [n, seqlen] when only
     that layer's KV is int4. The layers before it compute what they compute in fp, so each run starts
     from the fp input of that layer (recorded with the arguments HF passes to every decoder layer)."""
-    decoder = lm.model
-    layers = decoder.layers
+    hooks = hooks or _hooks_of(lm)
+    layers = lm.get_submodule(hooks.layers)
     num_layers = len(layers)
     kl = [0.0] * num_layers
     count = 0
@@ -156,7 +171,7 @@ def _int4_kl(lm, windows: torch.Tensor, batch_size: int, device, reporter: Repor
             hidden = inputs[i][0]
             for j in range(i, num_layers):
                 hidden = layers[j](hidden, **{**inputs[j][1], "kv_bits": bits})
-            q = torch.log_softmax(lm.lm_head(decoder.norm(hidden))[:, :-1].float(), dim=-1)
+            q = torch.log_softmax(_head(lm, hooks, hidden)[:, :-1].float(), dim=-1)
             kl[i] += float((ref_p * (ref - q)).sum())
             reporter.step_done()
         count += ref.shape[0] * ref.shape[1]
@@ -220,14 +235,14 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
     from lmkit.lite.layerwise import architecture_of, read_config
     from lmkit.lite.ppl import evaluation_tokens, sum_nll
     from lmkit.model_path import resolve_model
-    from lmkit.models.registry import get_architecture
+    from lmkit.models import get_architecture
 
     reporter = reporter or _SilentReporter()
     start = time.perf_counter()
     source = resolve_model(model)
     device = resolve_device(config.device)
     architecture = architecture_of(read_config(source), source)
-    get_architecture(architecture)  # the policy is for lmkit's engine: refuse what it cannot run
+    hooks = get_architecture(architecture).kv_calib  # the policy is for lmkit's engine: refuse what it cannot run
     policy_path = _policy_path(config.work_dir, config.overwrite)
 
     reporter.phase(f"tokenizing {config.calib_dataset} (calibration) and {config.eval_dataset} (evaluation)")
@@ -245,7 +260,7 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
 
     reporter.phase("loading the model")
     lm = load_causal_lm(source, device)
-    use_kv_fake_quant_attention(lm)
+    use_kv_fake_quant_attention(lm, hooks)
     description = model_description(lm.config, architecture)
     num_layers = description["num_layers"]
     max_seqlen = int(getattr(lm.config, "max_position_embeddings", 0) or 0)
@@ -254,12 +269,12 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
 
     phase_seconds = {"prepare": time.perf_counter() - start}
     t = time.perf_counter()
-    layer_errors, num_calib_tokens = _attention_errors(lm, windows, config.batch_size, device, reporter)
+    layer_errors, num_calib_tokens = _attention_errors(lm, windows, config.batch_size, device, reporter, hooks)
     phase_seconds["attention_errors"] = time.perf_counter() - t
     int4_kl = None
     if config.sensitivity_samples:
         t = time.perf_counter()
-        int4_kl = _int4_kl(lm, windows[:config.sensitivity_samples], config.batch_size, device, reporter)
+        int4_kl = _int4_kl(lm, windows[:config.sensitivity_samples], config.batch_size, device, reporter, hooks)
         phase_seconds["int4_kl"] = time.perf_counter() - t
     t = time.perf_counter()
 

@@ -10,8 +10,12 @@
 Every key and value, the current token's own included, is quantized before attention reads it: the
 engine writes a chunk's K/V into the quantized cache, then attention reads the cache. Queries stay fp.
 
-The attention function is registered under ``KV_FAKE_QUANT_ATTENTION`` (sdpa underneath, sdpa's masks)
-and reads two keyword arguments that ``transformers`` passes from the model call down to attention:
+The attention function wraps the HF attention function the architecture's KV calibration hooks name
+(``lmkit.models``: sdpa, or the model's own eager function where sdpa cannot do what it needs: Gemma 2's
+logit soft-capping) and is registered with that function's masks (sdpa: boolean, eager: additive). HF
+hands it K after q/k norms and RoPE, and the scaling, soft-cap and sliding window, so those behave exactly
+as in the fp model. It reads two keyword arguments that ``transformers`` passes from the model call down
+to attention:
 
     model(input_ids=..., kv_bits=[8, 4, 0, ...])   per layer bits (0 = fp); None = fp everywhere
     model(input_ids=..., kv_probe=probe)           a KvErrorProbe: measures every layer at int8 / int4
@@ -19,9 +23,13 @@ and reads two keyword arguments that ``transformers`` passes from the model call
 
 from __future__ import annotations
 
+import functools
+import importlib
+from collections.abc import Callable
+
 import torch
 
-KV_FAKE_QUANT_ATTENTION = "lmkit_kv_fake_quant"
+KV_FAKE_QUANT_ATTENTION = "lmkit_kv_fake_quant"  # over sdpa; over another function: this + "__" + its name
 KV_QUANT_BITS = (8, 4)
 
 # What the probe measures per layer: name -> (bits of K, bits of V); 0 = fp
@@ -72,20 +80,20 @@ class KvErrorProbe:
     error[layer][variant] = sqrt(sum ||out_q - out_fp||^2 / sum ||out_fp||^2) over all observed tokens.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, o_proj: str = "o_proj"):
         self.num_layers = num_layers
+        self.o_proj = o_proj  # the output projection inside the attention module
         self.sum_sq_ref = [0.0] * num_layers
         self.sum_sq_err = [dict.fromkeys(PROBE_VARIANTS, 0.0) for _ in range(num_layers)]
         self.num_tokens = 0
 
-    def observe(self, module, query, key, value, attention_mask, kwargs) -> torch.Tensor:
-        """The fp attention output of ``module`` (pre-o_proj, as sdpa returns it); accumulates errors."""
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    def observe(self, attend: Callable, module, query, key, value, attention_mask, kwargs) -> torch.Tensor:
+        """The fp attention output of ``module`` (pre-o_proj, as ``attend`` returns it); accumulates errors."""
 
         def block_output(k_bits: int, v_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-            out, _ = sdpa_attention_forward(module, query, fake_quant_kv(key, k_bits), fake_quant_kv(value, v_bits),
-                                            attention_mask, **kwargs)
-            return out, module.o_proj(out.reshape(*out.shape[:2], -1))
+            out, _ = attend(module, query, fake_quant_kv(key, k_bits), fake_quant_kv(value, v_bits),
+                            attention_mask, **kwargs)
+            return out, module.get_submodule(self.o_proj)(out.reshape(*out.shape[:2], -1))
 
         layer = module.layer_idx
         fp_out, fp_block = block_output(0, 0)
@@ -105,25 +113,43 @@ class KvErrorProbe:
                 for errs, ref in zip(self.sum_sq_err, self.sum_sq_ref)]
 
 
-def kv_fake_quant_attention(module, query, key, value, attention_mask, kv_bits=None, kv_probe=None, **kwargs):
-    """HF attention function: sdpa over fake-quantized K/V at ``kv_bits[module.layer_idx]``, or, with a
-    ``kv_probe``, the fp attention while the probe measures the quantized variants."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def kv_fake_quant_attention(module, query, key, value, attention_mask, kv_bits=None, kv_probe=None, *,
+                            attend: Callable, **kwargs):
+    """HF attention function: ``attend`` (the wrapped HF attention function) over fake-quantized K/V at
+    ``kv_bits[module.layer_idx]``, or, with a ``kv_probe``, the fp attention while the probe measures the
+    quantized variants."""
     if kv_probe is not None:
-        return kv_probe.observe(module, query, key, value, attention_mask, kwargs), None
+        return kv_probe.observe(attend, module, query, key, value, attention_mask, kwargs), None
     bits = kv_bits[module.layer_idx] if kv_bits is not None else 0
-    return sdpa_attention_forward(module, query, fake_quant_kv(key, bits), fake_quant_kv(value, bits),
-                                  attention_mask, **kwargs)
+    return attend(module, query, fake_quant_kv(key, bits), fake_quant_kv(value, bits), attention_mask, **kwargs)
 
 
-def use_kv_fake_quant_attention(model) -> None:
-    """Switch ``model`` (a transformers causal LM) to the fake-quant attention, registering it (and
-    sdpa's mask function under its name, so sliding windows and padding work as with sdpa) once."""
+def _attention_function(name: str) -> Callable:
+    """A key of transformers' AttentionInterface ("sdpa"), or the dotted path of a model's own function."""
+    from transformers import AttentionInterface
+
+    if "." not in name:
+        return AttentionInterface._global_mapping[name]
+    module, _, function = name.rpartition(".")
+    return getattr(importlib.import_module(module), function)
+
+
+def use_kv_fake_quant_attention(model, hooks=None) -> None:
+    """Switch ``model`` (a transformers causal LM) to the fake-quant attention over the attention function
+    of ``hooks`` (``lmkit.models.KvCalibHooks``; default: the registry's for the model's architecture),
+    registering it once, with the masks that function reads under its name (so sliding windows and
+    padding work as before). ValueError for an architecture lmkit does not know."""
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
 
-    if KV_FAKE_QUANT_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(KV_FAKE_QUANT_ATTENTION, kv_fake_quant_attention)
-        AttentionMaskInterface.register(KV_FAKE_QUANT_ATTENTION, sdpa_mask)
-    model.set_attn_implementation(KV_FAKE_QUANT_ATTENTION)
+    if hooks is None:
+        from lmkit.models import get_architecture
+
+        hooks = get_architecture(model.config.architectures[0]).kv_calib
+    name = KV_FAKE_QUANT_ATTENTION
+    if hooks.attention_function != "sdpa":
+        name += "__" + hooks.attention_function.replace(".", "_")
+    if name not in AttentionInterface._global_mapping:
+        attend = _attention_function(hooks.attention_function)
+        AttentionInterface.register(name, functools.partial(kv_fake_quant_attention, attend=attend))
+        AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping[hooks.attention_mask])
+    model.set_attn_implementation(name)

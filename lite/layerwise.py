@@ -5,7 +5,8 @@ only one layer's weights are ever in working memory.
 The arguments HF passes to every decoder layer (causal mask, rotary ``position_embeddings``,
 ``position_ids``; per layer, since Qwen2 may mix sliding and full attention) are captured by running
 the model's own forward with each layer replaced by a recorder, so masks and rotary embeddings are
-exactly those of transformers, whatever its version.
+exactly those of transformers, whatever its version (Gemma 3: global or local rotary tables per layer;
+sliding-window masks on the layers that have them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmkit.lite.awq_maps import AwqMap, get_awq_map
+from lmkit.models import AwqMap, get_awq_map
 from lmkit.models.safetensors_index import index_folder
 
 LayerKwargs = dict[str, Any]
@@ -65,6 +66,15 @@ def _get(module: nn.Module, path: str) -> nn.Module:
     return module.get_submodule(path)
 
 
+def attention_implementation(config) -> str:
+    """The transformers attention the torch reference runs: "sdpa" where transformers supports it for the
+    architecture, else "eager" (Gemma 2: sdpa cannot soft-cap attention logits)."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
 class LayerwiseModel:
     """The model at ``folder`` with decoder layers loaded on demand (fp32 on ``device``).
 
@@ -84,7 +94,8 @@ class LayerwiseModel:
         check_not_quantized(raw, self.entries, self.folder)
         self.config = AutoConfig.from_pretrained(self.folder)
         with torch.device("meta"):
-            self.skeleton = AutoModelForCausalLM.from_config(self.config, attn_implementation="sdpa")
+            self.skeleton = AutoModelForCausalLM.from_config(self.config,
+                                                             attn_implementation=attention_implementation(self.config))
         self.layers: nn.ModuleList = _get(self.skeleton, self.awq_map.layers)
         self._handles: dict[str, Any] = {}
 
@@ -125,8 +136,13 @@ class LayerwiseModel:
         return self._handles[entry.path].get_tensor(name)
 
     def _materialise(self, meta_module: nn.Module, prefix: str) -> nn.Module:
-        """A real fp32 copy of ``meta_module`` with weights ``prefix + name`` read from the checkpoint."""
+        """A real fp32 copy of ``meta_module`` with weights ``prefix + name`` read from the checkpoint and
+        computed buffers (Gemma's embedding scale) set by the model's own initialisation."""
         module = copy.deepcopy(meta_module).to_empty(device=self.device)
+        persistent = set(meta_module.state_dict())
+        for name, _ in meta_module.named_buffers():
+            if name not in persistent:  # computed at construction: transformers' own initialisation sets it
+                self.skeleton._init_weights(module.get_submodule(name.rpartition(".")[0]))
         state = {}
         for name, _ in meta_module.state_dict().items():
             tensor = self.read_tensor(prefix + name)
@@ -134,20 +150,18 @@ class LayerwiseModel:
                 raise ValueError(f"{self.folder}: tensor {prefix + name} is {tensor.dtype}, expected a float weight")
             state[name] = tensor.to(device=self.device, dtype=torch.float32)
         module.load_state_dict(state, strict=True)
-        persistent = set(meta_module.state_dict())
-        for name, _ in meta_module.named_buffers():
-            if name not in persistent:
-                raise ValueError(f"{prefix}{name} is a computed buffer; layer-wise loading cannot restore it")
         return module.float().eval()
 
     def load_layer(self, index: int) -> nn.Module:
         """Decoder layer ``index`` in fp32 on the device (a fresh module each call)."""
         return self._materialise(self.layers[index], self.layer_prefix(index))
 
+    @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings (fp32) [batch, seq, hidden] of ``input_ids`` [batch, seq]."""
-        weight = self.read_tensor(self.awq_map.embed_tokens + ".weight").to(self.device, torch.float32)
-        return nn.functional.embedding(input_ids.to(self.device), weight)
+        """Token embeddings (fp32) [batch, seq, hidden] of ``input_ids`` [batch, seq], as the model's own
+        embedding module computes them (Gemma: scaled by sqrt(hidden_size))."""
+        module = self._materialise(_get(self.skeleton, self.awq_map.embed_tokens), self.awq_map.embed_tokens + ".")
+        return module(input_ids.to(self.device))
 
     # -- layer arguments ----------------------------------------------------------------------------
     def capture_layer_kwargs(self, batch_size: int, seqlen: int) -> list[LayerKwargs]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lmkit.lite.awq_maps import AwqMap
+from lmkit.models import AwqMap
 
 
 @dataclass

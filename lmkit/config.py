@@ -104,7 +104,7 @@ class EngineConfig:
     def to_engine_config(self, device: str, kv_layer_bits: list[int] | None = None):
         """The lmkit._engine.EngineConfig for this config on a resolved device (kv_layer_bits: the
         checked per-layer policy, see lmkit.kv_policy)."""
-        from lmkit import _engine
+        from lmkit._ext import _engine
 
         c = _engine.EngineConfig()
         c.device = device

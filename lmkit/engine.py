@@ -33,12 +33,8 @@ Prompt = Union[str, Messages, list[int]]  # text, one conversation, or token ids
 
 
 def _import_extension():
-    try:
-        from lmkit import _engine
-    except ImportError as e:
-        raise ImportError(
-            f"lmkit's C++ engine (lmkit._engine) is not built: {e}. Install with `pip install -e .`"
-        ) from None
+    from lmkit._ext import _engine  # raises ImportError naming the fix when the extension is not built
+
     return _engine
 
 
@@ -118,7 +114,9 @@ class Engine:
         sizing = reserve_kv_pool(self.config, self.spec) if self.device == "cpu" else nullcontext()
         with sizing as sizer:
             self._cpp = _engine.Engine(
-                self.config.to_engine_config(self.device, kv_layer_bits), self.spec.to_engine_config(), sources,
+                self.config.to_engine_config(self.device, kv_layer_bits),
+                self.spec.to_engine_config(session_len=self.config.session_len or self.spec.max_position_embeddings),
+                sources,
                 self.spec.eos_token_ids, size_kv_pool=sizer,
             )
         self.kv_pool: KVPool | None = sizer.kv_pool if sizer else None

@@ -143,7 +143,7 @@ class GenerationConfig:
 
     def to_sampling_params(self):
         """The lmkit._engine.SamplingParams for this config."""
-        from lmkit import _engine
+        from lmkit._ext import _engine
 
         p = _engine.SamplingParams()
         p.temperature = self.temperature if self.do_sample else 0.0

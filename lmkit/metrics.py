@@ -46,6 +46,8 @@ class EngineMetrics:
     num_finished_requests: int
     num_prefix_query_tokens: int
     num_prefix_hit_tokens: int
+    num_window_freed_blocks: int
+    """KV blocks released early: behind every layer's sliding window."""
     ttft_s: list[float] = field(default_factory=list, repr=False)
     inter_token_s: list[float] = field(default_factory=list, repr=False)
 

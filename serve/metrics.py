@@ -48,6 +48,8 @@ class _EngineCollector:
             ("lmkit_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
              m.num_prefix_query_tokens),
             ("lmkit_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache", m.num_prefix_hit_tokens),
+            ("lmkit_kv_window_freed_blocks", "KV blocks released early, behind every layer's sliding window",
+             m.num_window_freed_blocks),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -1,6 +1,7 @@
 """The engine on the CUDA backend (device='cuda') against HF transformers fp32 and against the CPU backend:
 logits on tiny random models (fp16/bf16 activations, every checkpoint variant, int8/int4 KV, AWQ), greedy
-agreement on SmolLM2, sampling and cancellation without leaked blocks. Run with ``pytest -m gpu``."""
+agreement on SmolLM2, sampling and cancellation without leaked blocks, architectures without CUDA kernels
+refused at load. Run with ``pytest -m gpu``."""
 
 from __future__ import annotations
 
@@ -139,3 +140,24 @@ def test_sampling_seeded_and_cancellation_leave_no_blocks(smollm2):
         assert_blocks_free(engine)
         again = pipe(["Tell me a story about a cat."] * 3, gen)
         assert [r.token_ids for r in again] == [r.token_ids for r in a]
+
+
+@pytest.mark.parametrize("case, missing", [
+    ("gemma2", "attention logit soft-capping"),
+    ("gemma3", "the q/k norm"),
+    ("qwen3", "the q/k norm"),
+    ("phi3_longrope_partial", "partial rotary embedding"),
+    ("smollm3", "layers without RoPE"),
+])
+def test_architectures_without_cuda_kernels_are_refused_at_load(case, missing, tmp_path):
+    """What the CUDA kernels cannot run yet fails when the engine is built (before any weight is uploaded),
+    naming the architecture, the missing op and the fix (the CPU backend runs these: test_architectures.py)."""
+    import re
+
+    from tests.test_architectures import build_case
+
+    ref = build_case(case, tmp_path / case)
+    arch = type(ref).__name__
+    want = rf"device='cuda' does not support {arch} yet: .*{re.escape(missing)}.* no CUDA kernel; use device='cpu'"
+    with pytest.raises(ValueError, match=want):
+        pipeline(tmp_path / case, GPU)

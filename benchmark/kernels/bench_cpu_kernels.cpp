@@ -314,6 +314,35 @@ int main(int argc, char** argv) {
         ops::cpu::use_amx(true);
       }
     }
+    // Gemma 2's attention (8/4 heads, head_dim 256): logit soft-capping at 50 against none, fp32 and bf16 KV (bs 64)
+    for (int bits : {32, 16}) {
+      const int gh = 8, gkv = 4, ghd = 256, bs = 64, ctx = g_smoke ? 128 : 2048, num_blocks = ctx / bs;
+      ops::KVLayer kv;
+      kv.bits = bits, kv.num_blocks = num_blocks, kv.num_kv_heads = gkv, kv.block_size = bs, kv.head_dim = ghd;
+      std::vector<uint8_t> kp(kv.block_bytes() * num_blocks), vp(kp.size());
+      kv.k = kp.data(), kv.v = vp.data();
+      std::vector<int32_t> table(num_blocks), slots(ctx);
+      std::iota(table.begin(), table.end(), 0);
+      for (int p = 0; p < ctx; ++p) slots[p] = p;
+      std::vector<float> kr = randn((int64_t)ctx * gkv * ghd), vr = randn(kr.size());
+      ops::kv_write(kv, kr.data(), vr.data(), slots.data(), ctx);
+      for (bool amx : {false, true}) {
+        if ((bits != 16 && amx) || ops::cpu::use_amx(amx) != amx) continue;
+        for (int q_len : {1, 128}) {
+          ops::AttnSeq seq{0, q_len, ctx, table.data()};
+          std::vector<float> q = randn((int64_t)q_len * gh * ghd), out(q.size());
+          double t[2];
+          for (int capped = 0; capped < 2; ++capped)
+            t[capped] = time_it([&] {
+              ops::paged_attention(q.data(), kv, &seq, 1, gh, 0.0625f, 0, out.data(), capped ? 50.0f : 0.0f);
+            }, q_len == 1 ? 201 : 11);
+          std::printf("attention Gemma 2 KV %s%s q_len %3d ctx %4d (8/4 heads, hd 256): %9.1f us, softcap 50 %9.1f us\n",
+                      bits == 32 ? "fp32" : "bf16", bits != 16 ? "" : amx ? " amx" : " dot", q_len, ctx, t[0] * 1e6,
+                      t[1] * 1e6);
+        }
+      }
+      ops::cpu::use_amx(true);
+    }
   }
 
   if (want("elem")) {
@@ -333,9 +362,16 @@ int main(int argc, char** argv) {
       double t3 = time_it([&] { ops::silu_mul(g.data(), u.data(), rows, inter, o2.data()); }, 201);
       double t4 = time_it([&] { ops::rope(q.data(), k.data(), pos.data(), rows, 9, 3, 64, inv.data(), 1.0f); }, 201);
       double t5 = time_it([&] { ops::embedding(emb.t, ids.data(), rows, out.data()); }, 201);
-      std::printf("rows %3d: rmsnorm %7.1f us  add_rmsnorm %7.1f us  silu_mul %7.1f us  rope %7.1f us  embedding %7.1f us\n",
-                  (int)rows, t1 * 1e6, t2 * 1e6, t3 * 1e6, t4 * 1e6, t5 * 1e6);
+      double t6 = time_it([&] { ops::gelu_tanh_mul(g.data(), u.data(), rows, inter, o2.data()); }, 201);
+      std::printf("rows %3d: rmsnorm %7.1f us  add_rmsnorm %7.1f us  silu_mul %7.1f us  gelu_tanh_mul %7.1f us  "
+                  "rope %7.1f us  embedding %7.1f us\n",
+                  (int)rows, t1 * 1e6, t2 * 1e6, t3 * 1e6, t6 * 1e6, t4 * 1e6, t5 * 1e6);
     }
+    // Gemma's final logit soft-capping over one row of its 256k vocabulary, and a scale of the same row
+    std::vector<float> logits = randn(256000, 10.0f);
+    double t7 = time_it([&] { ops::softcap(logits.data(), (int64_t)logits.size(), 30.0f); }, 201);
+    double t8 = time_it([&] { ops::scale(logits.data(), (int64_t)logits.size(), 1.0f); }, 201);
+    std::printf("[1 x 256000]: softcap %7.1f us  scale %7.1f us\n", t7 * 1e6, t8 * 1e6);
   }
   return 0;
 }

@@ -74,43 +74,79 @@ void BlockManager::allocate(int32_t num_blocks, std::vector<int32_t>& table) {
 
 void BlockManager::share(const std::vector<int32_t>& table) {
   for (int32_t id : table) {
+    if (id == kNoBlock) continue;
     LMKIT_CHECK(id >= 0 && id < num_total_ && blocks_[id].ref_count > 0, "share() of block ", id,
                 " which is not active");
     ++blocks_[id].ref_count;
   }
 }
 
-void BlockManager::release(std::vector<int32_t>& table) {
-  for (auto it = table.rbegin(); it != table.rend(); ++it) {
-    const int32_t id = *it;
-    LMKIT_CHECK(id >= 0 && id < num_total_ && blocks_[id].ref_count > 0, "release() of block ", id,
-                " which is not active");
-    Block& b = blocks_[id];
-    if (--b.ref_count > 0) continue;
-    if (b.has_key) {
-      b.released_at = ++tick_;  // active -> cached
-      lru_.insert({b.released_at, id});
-    } else {
-      free_.insert(id);  // active -> free
-    }
+void BlockManager::drop(int32_t id) {
+  LMKIT_CHECK(id >= 0 && id < num_total_ && blocks_[id].ref_count > 0, "release() of block ", id,
+              " which is not active");
+  Block& b = blocks_[id];
+  if (--b.ref_count > 0) return;  // active -> active, still shared
+  if (b.has_key) {
+    b.released_at = ++tick_;  // active -> cached
+    lru_.insert({b.released_at, id});
+  } else {
+    free_.insert(id);  // active -> free
   }
+}
+
+void BlockManager::touch(int32_t id) {
+  Block& b = blocks_[id];
+  if (b.ref_count > 0) return;  // held by another sequence: not in the LRU
+  lru_.erase({b.released_at, id});
+  b.released_at = ++tick_;
+  lru_.insert({b.released_at, id});
+}
+
+void BlockManager::release(std::vector<int32_t>& table) {
+  for (auto it = table.rbegin(); it != table.rend(); ++it)
+    if (*it != kNoBlock) drop(*it);
   table.clear();
 }
 
+int32_t BlockManager::release_range(std::vector<int32_t>& table, int32_t begin, int32_t end) {
+  LMKIT_CHECK(0 <= begin && begin <= end && end <= (int32_t)table.size(), "release_range(", begin, ", ", end,
+              ") of a table of ", table.size(), " blocks");
+  int32_t num_returned = 0;
+  for (int32_t i = end - 1; i >= begin; --i) {
+    const int32_t id = table[i];
+    if (id == kNoBlock) continue;
+    drop(id);
+    num_returned += blocks_[id].ref_count == 0;
+    table[i] = kNoBlock;
+  }
+  return num_returned;
+}
+
 int32_t BlockManager::match_prefix(const int32_t* tokens, int32_t max_blocks, std::vector<int32_t>& table,
-                                   uint64_t* last_key) {
+                                   uint64_t* last_key, int32_t max_live_blocks) {
+  LMKIT_CHECK(max_live_blocks >= 0, "match_prefix() with max_live_blocks ", max_live_blocks);
   uint64_t parent = *last_key;
-  int32_t matched = 0;
-  for (; matched < max_blocks; ++matched) {
-    const int32_t* block_tokens = tokens + (int64_t)matched * block_size_;
+  std::vector<int32_t> hits;
+  while ((int32_t)hits.size() < max_blocks) {
+    const int32_t* block_tokens = tokens + (int64_t)hits.size() * block_size_;
     const uint64_t key = block_key(parent, block_tokens, block_size_);
     auto it = key_to_block_.find(key);
     if (it == key_to_block_.end()) break;
     const Block& b = blocks_[it->second];
     if (!std::equal(b.tokens.begin(), b.tokens.end(), block_tokens)) break;  // hash collision
-    take(it->second);
-    table.push_back(it->second);
+    hits.push_back(it->second);
     parent = key;
+  }
+  const int32_t matched = (int32_t)hits.size();
+  const int32_t num_holes = std::max(0, matched - max_live_blocks);
+  for (int32_t i = num_holes - 1; i >= 0; --i) touch(hits[i]);  // the first block ends newest, as after release()
+  for (int32_t i = 0; i < matched; ++i) {
+    if (i < num_holes) {
+      table.push_back(kNoBlock);
+    } else {
+      take(hits[i]);
+      table.push_back(hits[i]);
+    }
   }
   *last_key = parent;
   return matched;

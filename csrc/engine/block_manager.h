@@ -8,6 +8,9 @@
 //   active -> active   match_prefix() hit on a block another sequence holds (reference count + 1)
 //   active -> free     release() of the last reference to a block without a prefix key
 //   active -> cached   release() of the last reference to a block with a prefix key
+//   cached -> cached   match_prefix() hit on a block the caller will not hold (it only gets newer in the LRU)
+// release_range() drops references like release() but leaves kNoBlock (a hole) in the table: the scheduler
+// frees blocks that fell out of every layer's attention window this way, before the sequence ends.
 // A block gets a prefix key (publish()) once all its tokens are computed; the key is a hash chained
 // over (parent key, the block's token ids), and a hit is confirmed by comparing the tokens exactly.
 // Invariant, checkable at any point by verify(): num_free + num_cached + num_active == num_total.
@@ -21,6 +24,9 @@
 #include <vector>
 
 namespace lmkit {
+
+// A block_table entry whose block was given back early (it fell out of the attention window): a hole.
+constexpr int32_t kNoBlock = -1;
 
 // Prefix key of a full block: hash of (parent key, tokens). The first block's parent is 0.
 uint64_t block_key(uint64_t parent_key, const int32_t* tokens, int32_t num_tokens);
@@ -44,17 +50,25 @@ class BlockManager {
   // free|cached -> active: appends num_blocks ids to table, lowest free ids first, then evicting cached
   // blocks least recently released first. Requires can_allocate(num_blocks).
   void allocate(int32_t num_blocks, std::vector<int32_t>& table);
-  // active -> active: one more reference to every block of table (a forked sequence shares them).
+  // active -> active: one more reference to every block of table (a forked sequence shares them); holes
+  // (kNoBlock) are skipped.
   void share(const std::vector<int32_t>& table);
   // Drops one reference to every block of table (last block first, so a sequence's tail is evicted
   // before its head); a block whose last reference goes becomes cached if it has a prefix key, else free.
-  // table is cleared.
+  // Holes are skipped. table is cleared.
   void release(std::vector<int32_t>& table);
+  // The same for table[begin, end) only, leaving kNoBlock in those entries (holes stay holes). Returns how
+  // many blocks went back to the pool (free or cached): a block other sequences still hold is not counted.
+  int32_t release_range(std::vector<int32_t>& table, int32_t begin, int32_t end);
 
-  // Prefix cache lookup: appends to table the blocks holding tokens[0, k * block_size) for the largest k
-  // (at most max_blocks) whose chained keys are present with exactly these tokens; takes a reference to
-  // each. Returns k. Updates *last_key to the key of the last block matched.
-  int32_t match_prefix(const int32_t* tokens, int32_t max_blocks, std::vector<int32_t>& table, uint64_t* last_key);
+  // Prefix cache lookup: finds the blocks holding tokens[0, k * block_size) for the largest k (at most
+  // max_blocks) whose chained keys are present with exactly these tokens, and appends k entries to table:
+  // the last min(k, max_live_blocks) blocks, with a reference taken to each, after kNoBlock for the ones
+  // before them (confirmed by their tokens like the rest, but not taken: no query of the caller reads
+  // them; those that are cached get newer in the LRU, the first block newest). Returns k. Updates
+  // *last_key to the key of block k - 1.
+  int32_t match_prefix(const int32_t* tokens, int32_t max_blocks, std::vector<int32_t>& table, uint64_t* last_key,
+                       int32_t max_live_blocks = INT32_MAX);
   // Gives active block `block` (now holding exactly `tokens`, block_size of them) the prefix key
   // block_key(parent_key, tokens) and returns that key. If another block already has the key, this block
   // stays unkeyed (it will be freed, not cached, on release).
@@ -76,6 +90,8 @@ class BlockManager {
     std::vector<int32_t> tokens;  // the keyed content, for exact confirmation of hits
   };
   void take(int32_t id);  // any state -> active (+1 reference)
+  void drop(int32_t id);  // -1 reference; active -> cached|free at the last one
+  void touch(int32_t id);  // cached -> cached, most recently released
   void drop_key(int32_t id);
 
   int32_t num_total_;

@@ -44,8 +44,9 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor)
       executor_(std::move(executor)),
       blocks_(options.num_blocks, options.block_size_tokens),
       scheduler_(SchedulerConfig{options.max_batch_size, options.max_prefill_token_num, options.session_len,
-                                 options.enable_prefix_caching},
+                                 options.enable_prefix_caching, options.attention_window_tokens},
                  blocks_),
+      stop_rules_(options.eos_token_ids),
       seed_source_(std::random_device{}()) {
   LMKIT_CHECK(executor_ != nullptr, "engine needs an executor");
   LMKIT_CHECK_ARG(options.session_len > 1, "session_len must be > 1, got ", options.session_len);
@@ -118,6 +119,7 @@ void Engine::publish_metrics() {
   metrics_.num_cached_blocks = blocks_.num_cached_blocks();
   metrics_.num_prefix_query_tokens = scheduler_.num_prefix_query_tokens();
   metrics_.num_prefix_hit_tokens = scheduler_.num_prefix_hit_tokens();
+  metrics_.num_window_freed_blocks = scheduler_.num_window_freed_blocks();
   {
     std::lock_guard<std::mutex> lock(metrics_mu_);
     published_metrics_ = metrics_;
@@ -202,15 +204,32 @@ void Engine::finish(Sequence* seq, FinishReason reason, const std::string& error
 void Engine::run_step() {
   BatchPlan plan = scheduler_.schedule();
   if (plan.empty()) return;
-  std::vector<int32_t> sampled;
+  StepOutput out;
+  Batch batch;
   try {
-    executor_->step(plan, sampled);
+    batch = build_batch(plan, options_.block_size_tokens, stop_rules_);
+    out = executor_->step(batch);
   } catch (const std::exception& e) {
     for (const ScheduledSeq& s : plan.seqs) finish(s.seq, FinishReason::kError, std::string("step failed: ") + e.what());
     return;
   }
   ++metrics_.num_steps;
   metrics_.num_prompt_tokens += plan.num_prefill_tokens;
+  apply_step(plan, batch, out);
+}
+
+void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& out) {
+  const int64_t V = out.vocab_size;
+  for (size_t r = 0; r < batch.logit_outputs.size(); ++r) {
+    const LogitOutputRow& row = batch.logit_outputs[r];
+    Sequence& seq = *plan.seqs[row.seq].seq;
+    const float* src = out.logits.data() + (int64_t)r * V;
+    seq.pending_logits.insert(seq.pending_logits.end(), src, src + V);
+    ++seq.pending_logit_rows;
+    seq.num_logit_rows_emitted = row.position + 1;
+  }
+  std::vector<int32_t> sample_of(plan.seqs.size(), -1);  // plan index -> its sample row
+  for (size_t k = 0; k < batch.samples.size(); ++k) sample_of[batch.samples[k].seq] = (int32_t)k;
   std::vector<Sequence*> done;
   std::vector<FinishReason> reasons;
   for (size_t i = 0; i < plan.seqs.size(); ++i) {
@@ -218,30 +237,23 @@ void Engine::run_step() {
     Sequence& seq = *s.seq;
     scheduler_.advance(s);
     if (s.is_sampled && seq.num_forks > 0 && seq.num_generated_tokens() == 0) scheduler_.fork(&seq);
-    if (!s.is_sampled) {
+    if (sample_of[i] < 0) {
       flush(seq, false, FinishReason::kNone, "");
       continue;
     }
-    const int32_t t = sampled[i];
+    const int32_t k = sample_of[i];
+    const int32_t t = out.tokens[k];
     ++metrics_.num_generated_tokens;
-    const bool is_eos = !seq.params.ignore_eos &&
-                        std::find(options_.eos_token_ids.begin(), options_.eos_token_ids.end(), t) !=
-                            options_.eos_token_ids.end();
-    const bool is_stop_id =
-        std::find(seq.params.stop_token_ids.begin(), seq.params.stop_token_ids.end(), t) != seq.params.stop_token_ids.end();
-    FinishReason reason = FinishReason::kNone;
-    if ((is_eos || is_stop_id) && seq.num_generated_tokens() >= seq.params.min_new_tokens) {
-      reason = FinishReason::kStop;  // the stop token is not part of the output
-    } else {
+    const FinishReason reason = stop_rules_.on_token(seq, t);
+    if (reason != FinishReason::kStop) {  // a stop token is not part of the output
       seq.tokens.push_back(t);
       seq.pending_token_ids.push_back(t);
       if (seq.params.logprobs >= 0) {
-        seq.pending_logprobs.push_back(seq.sample_logprob);
-        seq.pending_top_ids.insert(seq.pending_top_ids.end(), seq.sample_top_ids.begin(), seq.sample_top_ids.end());
-        seq.pending_top_logprobs.insert(seq.pending_top_logprobs.end(), seq.sample_top_logprobs.begin(),
-                                        seq.sample_top_logprobs.end());
+        TokenLogprobs& lp = out.logprobs[k];
+        seq.pending_logprobs.push_back(lp.logprob);
+        seq.pending_top_ids.insert(seq.pending_top_ids.end(), lp.top_ids.begin(), lp.top_ids.end());
+        seq.pending_top_logprobs.insert(seq.pending_top_logprobs.end(), lp.top_logprobs.begin(), lp.top_logprobs.end());
       }
-      if (seq.num_tokens() >= seq.max_total_tokens) reason = FinishReason::kLength;
     }
     if (reason != FinishReason::kNone) {
       done.push_back(&seq);

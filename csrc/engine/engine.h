@@ -20,6 +20,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "engine/batch.h"
 #include "engine/block_manager.h"
 #include "engine/executor.h"
 #include "engine/request.h"
@@ -57,6 +58,7 @@ struct EngineOptions {
   bool enable_prefix_caching = false;
   int32_t vocab_size = 0;
   std::vector<int32_t> eos_token_ids;
+  int32_t attention_window_tokens = 0;  // > 0: every layer attends within this window (blocks behind it are freed)
 };
 
 // KV pool size: cache_max_entry_count > 1 is a block count; otherwise that fraction of available_bytes,
@@ -81,6 +83,7 @@ struct EngineMetrics {
   int64_t num_finished_requests = 0;
   int64_t num_prefix_query_tokens = 0;  // tokens of admitted sequences looked up in the prefix cache
   int64_t num_prefix_hit_tokens = 0;    // of those, tokens whose K/V were reused
+  int64_t num_window_freed_blocks = 0;  // blocks released early: behind every layer's sliding window
 };
 
 class Engine {
@@ -117,6 +120,8 @@ class Engine {
   void loop();
   void callback_loop();
   void run_step();
+  // Applies a step's output to its sequences: logits rows, sampled tokens and every stop rule (StopRules).
+  void apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& out);
   void publish_metrics();  // caller holds state_mu_
   void finish(Sequence* seq, FinishReason reason, const std::string& error = "");
   void flush(Sequence& seq, bool finished, FinishReason reason, const std::string& error);
@@ -130,6 +135,7 @@ class Engine {
   std::unique_ptr<Executor> executor_;
   BlockManager blocks_;
   Scheduler scheduler_;
+  StopRules stop_rules_;
   std::mt19937_64 seed_source_;
 
   // inbox (any thread -> loop)

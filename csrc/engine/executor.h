@@ -1,21 +1,19 @@
-// The engine loop's view of the model: one call runs a planned step. Implemented by model/ (CPU now,
-// CUDA later); the engine core stays free of kernels so its bookkeeping is unit-tested anywhere.
+// The engine loop's view of the model: one call runs a step. Implemented by csrc/model/ (one forward per
+// architecture family over a backend); the engine core stays free of kernels so its bookkeeping is
+// unit-tested anywhere.
 #pragma once
 #include <stdint.h>
 
-#include <vector>
-
-#include "engine/scheduler.h"
+#include "engine/batch.h"
 
 namespace lmkit {
 
 class Executor {
  public:
   virtual ~Executor() = default;
-  // Runs one fused forward over plan. For every plan.seqs[i] with is_sampled, sampled[i] receives the next
-  // token (sampled with that sequence's parameters and generator); others get -1. Sequences with
-  // output_logits get their new logits rows appended to pending_logits. Does not advance sequence state.
-  virtual void step(const BatchPlan& plan, std::vector<int32_t>& sampled) = 0;
+  // Runs one fused forward over batch and samples its sample rows: returns the tokens, logprobs and the
+  // requested logits rows (StepOutput). Reads batch only; changes nothing but the KV pool rows at batch.slots.
+  virtual StepOutput step(const Batch& batch) = 0;
   // Bytes of KV memory one block of the pool takes (all layers, K and V).
   virtual int64_t kv_bytes_per_block() const = 0;
   // Bytes of weights one decode step reads (every linear layer and the lm_head, as packed): with the

@@ -79,7 +79,7 @@ struct Sequence {
   SamplingParams params;
   SeqState state = SeqState::kWaiting;
   int64_t arrival = 0;  // admission order (FCFS); preemption picks the largest
-  std::mt19937_64 rng;
+  std::mt19937_64 rng;  // one draw per sampled step seeds that step's sampler (build_batch)
   std::shared_ptr<OutputCallback> callback;  // released on the callback thread only
   // Pending output accumulated in a step, flushed to the callback thread at its end.
   std::vector<int32_t> pending_token_ids;
@@ -88,10 +88,6 @@ struct Sequence {
   std::vector<float> pending_logprobs;
   std::vector<int32_t> pending_top_ids;
   std::vector<float> pending_top_logprobs;
-  // The latest sample's logprobs, written by the executor, moved to pending_* if the token is kept.
-  float sample_logprob = 0;
-  std::vector<int32_t> sample_top_ids;
-  std::vector<float> sample_top_logprobs;
   int32_t num_logit_rows_emitted = 0;  // logits of positions [0, n) already handed out (kept across preemption)
 
   int32_t num_tokens() const { return (int32_t)tokens.size(); }

@@ -9,16 +9,56 @@ namespace lmkit {
 Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks) : config_(config), blocks_(blocks) {
   LMKIT_CHECK(config.max_batch_size > 0, "max_batch_size must be > 0");
   LMKIT_CHECK(config.max_prefill_token_num > 0, "max_prefill_token_num must be > 0");
+  LMKIT_CHECK(config.attention_window_tokens >= 0, "attention_window_tokens must be >= 0 (0: no window), got ",
+              config.attention_window_tokens);
+}
+
+int32_t Scheduler::num_dead_blocks(const Sequence& seq) const {
+  const int32_t window = config_.attention_window_tokens;
+  if (window == 0) return 0;
+  const int32_t bs = blocks_.block_size_tokens();
+  int32_t horizon = seq.num_computed_tokens;  // no future query sits below it
+  if (seq.num_forks > 0) horizon = std::min(horizon, (seq.num_prompt_tokens - 1) / bs * bs);  // where forks start
+  return std::max(0, (horizon - window + 1) / bs);  // blocks b with (b + 1) * bs <= horizon - window + 1
+}
+
+int32_t Scheduler::max_live_blocks(const Sequence& seq) const {
+  const int32_t whole = blocks_.num_blocks_for(seq.max_total_tokens);
+  const int32_t window = config_.attention_window_tokens;
+  if (window == 0) return whole;
+  // When a step is planned for a chunk tokens[c, c + n), the sequence holds the blocks of positions
+  // [c - W + 1, c + n): keys its first query reads, up to its last token. That is at most W - 1 + n
+  // positions with n <= max_prefill_token_num (a decode is 1), and a run of m positions at any offset
+  // touches at most (m + bs - 2) / bs + 1 blocks:
+  //
+  //   bs = 4, m = 15:  [..xx][xxxx][xxxx][xxxx][x...]  5 blocks (4 if it started on a boundary)
+  //
+  // A parent waiting to fork keeps up to bs - 1 more positions (its horizon is held back to a block
+  // boundary): one more block.
+  const int64_t bs = blocks_.block_size_tokens();
+  const int64_t chunk = std::min(config_.max_prefill_token_num, seq.max_total_tokens);
+  const int64_t span = window - 1 + std::max<int64_t>(chunk, 1);
+  const int64_t live = (span + bs - 2) / bs + 1 + (seq.num_forks > 0 ? 1 : 0);
+  return (int32_t)std::min<int64_t>(live, whole);
 }
 
 std::string Scheduler::fit_error(const Sequence& seq) const {
   const int32_t limit = seq.max_total_tokens;
   const int32_t shared = (seq.num_prompt_tokens - 1) / blocks_.block_size_tokens();
-  const int32_t need = blocks_.num_blocks_for(limit) + seq.num_forks * (blocks_.num_blocks_for(limit) - shared);
+  const int32_t whole = blocks_.num_blocks_for(limit);
+  int64_t need = whole + (int64_t)seq.num_forks * (whole - shared);
+  // With a window each of the 1 + num_forks sequences holds at most max_live_blocks (shared ones counted
+  // for each holder); either bound holds, so the smaller does.
+  if (config_.attention_window_tokens > 0)
+    need = std::min<int64_t>(need, (1 + (int64_t)seq.num_forks) * max_live_blocks(seq));
   if (need <= blocks_.num_total_blocks()) return "";
+  const std::string window =
+      config_.attention_window_tokens > 0
+          ? detail::concat(" within an attention window of ", config_.attention_window_tokens, " tokens")
+          : std::string();
   return detail::concat("the request needs up to ", limit, " tokens (prompt ", seq.num_prompt_tokens,
-                        " + max_new_tokens", seq.num_forks ? ", for each of n completions" : "", ") = ", need,
-                        " KV blocks of ", blocks_.block_size_tokens(),
+                        " + max_new_tokens", seq.num_forks ? ", for each of n completions" : "", ")", window,
+                        " = ", need, " KV blocks of ", blocks_.block_size_tokens(),
                         " tokens, but the whole KV pool has ", blocks_.num_total_blocks(),
                         " blocks; lower max_new_tokens or raise cache_max_entry_count");
 }
@@ -60,6 +100,7 @@ void Scheduler::fork(Sequence* parent) {
     child->params = parent->params;
     child->callback = parent->callback;
     child->rng.seed(parent->rng());  // deterministic given the parent's seed
+    // the parent held the blocks a query at shared * bs reads, so the child's holes are its dead blocks
     child->block_table.assign(parent->block_table.begin(), parent->block_table.begin() + shared);
     blocks_.share(child->block_table);  // active -> active, one more reference each
     child->num_computed_tokens = shared * bs;
@@ -69,6 +110,7 @@ void Scheduler::fork(Sequence* parent) {
     seqs_.emplace(child->id, std::move(child));
   }
   parent->num_forks = 0;
+  release_dead_blocks(parent);  // those only its completions needed
 }
 
 std::vector<int64_t> Scheduler::ids() const {
@@ -104,23 +146,41 @@ void Scheduler::release_blocks(Sequence* seq) {
 
 void Scheduler::match_prefix(Sequence* seq) {
   if (!config_.enable_prefix_caching || seq->params.output_logits || !seq->block_table.empty()) return;
-  const int32_t max_blocks = (seq->num_tokens() - 1) / blocks_.block_size_tokens();
+  const int32_t bs = blocks_.block_size_tokens();
+  const int32_t max_blocks = (seq->num_tokens() - 1) / bs;
+  // A query at a block boundary reads the (W - 1 + bs - 1) / bs blocks before it: the matched ones before
+  // those are dead (num_dead_blocks() at num_computed_tokens = hits * bs) and never taken.
+  const int32_t window = config_.attention_window_tokens;
+  const int32_t max_live = window > 0 ? (window - 1 + bs - 1) / bs : INT32_MAX;
   uint64_t key = 0;
-  const int32_t hits = blocks_.match_prefix(seq->tokens.data(), max_blocks, seq->block_table, &key);
-  seq->num_computed_tokens = hits * blocks_.block_size_tokens();
+  const int32_t hits = blocks_.match_prefix(seq->tokens.data(), max_blocks, seq->block_table, &key, max_live);
+  seq->num_computed_tokens = hits * bs;
   seq->num_keyed_blocks = hits;
   seq->last_block_key = key;
+}
+
+void Scheduler::release_dead_blocks(Sequence* seq) {
+  // The holes are a prefix of the table: walk back from the dead bound to the last hole.
+  const int32_t dead = num_dead_blocks(*seq);
+  int32_t first = dead;
+  while (first > 0 && seq->block_table[first - 1] != kNoBlock) --first;
+  num_window_freed_blocks_ += blocks_.release_range(seq->block_table, first, dead);  // active -> cached|free
 }
 
 void Scheduler::advance(const ScheduledSeq& s) {
   Sequence* seq = s.seq;
   seq->num_computed_tokens += s.num_tokens;
-  if (!config_.enable_prefix_caching) return;
   const int32_t bs = blocks_.block_size_tokens();
-  while ((seq->num_keyed_blocks + 1) * bs <= seq->num_computed_tokens) {
+  // Publish first, so a block is keyed (cached, not free) when the window releases it. A hole's key still
+  // chains: it needs the parent key and the tokens, not the block.
+  while (config_.enable_prefix_caching && (seq->num_keyed_blocks + 1) * bs <= seq->num_computed_tokens) {
     const int32_t i = seq->num_keyed_blocks++;
-    seq->last_block_key = blocks_.publish(seq->block_table[i], seq->last_block_key, seq->tokens.data() + i * bs);
+    const int32_t* tokens = seq->tokens.data() + (int64_t)i * bs;
+    const int32_t id = seq->block_table[i];
+    seq->last_block_key = id == kNoBlock ? block_key(seq->last_block_key, tokens, bs)
+                                         : blocks_.publish(id, seq->last_block_key, tokens);
   }
+  release_dead_blocks(seq);
 }
 
 void Scheduler::preempt(Sequence* seq) {
@@ -206,7 +266,13 @@ void Scheduler::verify() const {
                 " has ", s.block_table.size(), " blocks for ", s.num_computed_tokens, " computed tokens");
     if (s.state == SeqState::kWaiting)
       LMKIT_CHECK(s.block_table.empty() && s.num_computed_tokens == 0, "waiting sequence ", s.id, " holds blocks");
-    for (int32_t b : s.block_table) {
+    const int32_t dead = num_dead_blocks(s);
+    for (int32_t i = 0; i < (int32_t)s.block_table.size(); ++i) {
+      const int32_t b = s.block_table[i];
+      LMKIT_CHECK((b == kNoBlock) == (i < dead), "sequence ", s.id, " block_table[", i, "] = ", b, " with ", dead,
+                  " blocks behind the window (", s.num_computed_tokens,
+                  " tokens computed): the holes must be exactly those");
+      if (b == kNoBlock) continue;
       LMKIT_CHECK(b >= 0 && b < blocks_.num_total_blocks(), "sequence ", s.id, " holds block id ", b);
       ++owner[b];
     }

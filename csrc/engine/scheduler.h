@@ -9,6 +9,20 @@
 //      never skips ahead of the head of the queue. With prefix caching, an admitted sequence first takes
 //      the cached blocks of its longest matching prefix and computes only the rest.
 // A sequence that could never fit (its token limit beyond the pool) is refused by add().
+//
+// Sliding windows (attention_window_tokens = W > 0): a query at position p reads keys k with p - k < W.
+// The next query of a sequence sits at position >= num_computed_tokens, so once tokens are computed
+// (advance()) a block covering [b * bs, (b + 1) * bs) that no future query can read,
+//   (b + 1) * bs <= horizon - W + 1,   horizon = num_computed_tokens,
+// goes back to the pool (keyed -> cached, unkeyed -> free, at its last reference) and its block_table
+// entry becomes kNoBlock:
+//
+//   positions  0   4   8   12  16  20        bs = 4, W = 6, num_computed_tokens = 18
+//   table     [-1][-1][-1][ 7][ 3]           queries >= 18 read keys >= 13: entries 3 and 4
+//
+// The holes are always exactly the first num_dead_blocks() entries. A sequence with completions still to
+// fork keeps the blocks its completions will read: its horizon is min(num_computed_tokens, the first
+// position they compute).
 #pragma once
 #include <stdint.h>
 
@@ -28,6 +42,10 @@ struct SchedulerConfig {
   int32_t max_prefill_token_num = 8192;  // prompt tokens per step at most
   int32_t session_len = 4096;           // tokens per sequence at most (prompt + output)
   bool enable_prefix_caching = false;   // reuse full blocks of identical prefixes
+  // > 0: every layer of the model attends at most this many positions back (a query at p reads keys k with
+  // p - k < attention_window_tokens), so blocks behind the window are freed early; 0: no window (the model
+  // has a layer of full attention).
+  int32_t attention_window_tokens = 0;
 };
 
 // One sequence's share of a step: tokens[start_pos, start_pos + num_tokens) are fed.
@@ -50,7 +68,8 @@ class Scheduler {
  public:
   Scheduler(const SchedulerConfig& config, BlockManager& blocks);
 
-  // Empty when seq can fit the pool at its token limit; otherwise why it never can.
+  // Empty when seq (and the completions it forks) can fit the pool at its token limit; otherwise why it
+  // never can. With a window the bound is the most blocks a sequence can hold live (max_live_blocks()).
   std::string fit_error(const Sequence& seq) const;
   // waiting <- seq. Requires fit_error(*seq) to be empty.
   void add(std::unique_ptr<Sequence> seq);
@@ -60,7 +79,8 @@ class Scheduler {
   // The sequences (completions) of one caller request id.
   std::vector<Sequence*> find_request(int64_t request_id) const;
   // Forks parent's num_forks completions: each shares the parent's full prompt blocks (all but the block
-  // holding the last prompt token), recomputes the rest and samples on its own; they join running.
+  // holding the last prompt token; the parent's holes stay holes), recomputes the rest and samples on its
+  // own; they join running. Then the parent frees the blocks only its completions needed.
   // Call right after parent's prompt is computed, before its first token is appended.
   void fork(Sequence* parent);
   // Ids of every sequence held (running and waiting).
@@ -68,7 +88,8 @@ class Scheduler {
 
   // Builds the next step's plan; allocates the blocks it needs, preempting when short.
   BatchPlan schedule();
-  // After a step ran: seq's num_computed_tokens += s.num_tokens; newly full blocks join the prefix cache.
+  // After a step ran: seq's num_computed_tokens += s.num_tokens; newly full blocks join the prefix cache;
+  // then, with a window, blocks no future query can read go back to the pool (holes in the table).
   void advance(const ScheduledSeq& s);
 
   int32_t num_running() const { return (int32_t)running_.size(); }
@@ -76,11 +97,20 @@ class Scheduler {
   int64_t num_preemptions() const { return num_preemptions_; }
   int64_t num_prefix_query_tokens() const { return num_prefix_query_tokens_; }
   int64_t num_prefix_hit_tokens() const { return num_prefix_hit_tokens_; }
+  // Blocks that went back to the pool (free or cached) early, because they fell out of the window.
+  int64_t num_window_freed_blocks() const { return num_window_freed_blocks_; }
   bool has_work() const { return !running_.empty() || !waiting_.empty(); }
   const std::vector<Sequence*>& running() const { return running_; }
 
-  // Throws lmkit::Error when bookkeeping is inconsistent: every block owned by exactly one sequence,
-  // tables large enough for the computed tokens, block manager consistent.
+  // Leading block_table entries of seq that are holes once its computed tokens are advanced: 0 without
+  // a window.
+  int32_t num_dead_blocks(const Sequence& seq) const;
+  // The most blocks seq can hold at once up to its token limit (each completion it forks, as many).
+  int32_t max_live_blocks(const Sequence& seq) const;
+
+  // Throws lmkit::Error when bookkeeping is inconsistent: every block's reference count equals the
+  // sequences holding it, tables large enough for the computed tokens, holes exactly the first
+  // num_dead_blocks() entries, block manager consistent.
   void verify() const;
 
  private:
@@ -90,8 +120,11 @@ class Scheduler {
   void preempt(Sequence* seq);
   void insert_waiting(Sequence* seq);
   void release_blocks(Sequence* seq);
-  // Reuses cached blocks for seq's leading full blocks (never its last token: it must be computed).
+  // Reuses cached blocks for seq's leading full blocks (never its last token: it must be computed); with a
+  // window the matched blocks behind it are holes from the start.
   void match_prefix(Sequence* seq);
+  // Releases seq's blocks behind the window (entries [first live, num_dead_blocks)) into holes.
+  void release_dead_blocks(Sequence* seq);
 
   SchedulerConfig config_;
   BlockManager& blocks_;
@@ -103,6 +136,7 @@ class Scheduler {
   int64_t num_preemptions_ = 0;
   int64_t num_prefix_query_tokens_ = 0;
   int64_t num_prefix_hit_tokens_ = 0;
+  int64_t num_window_freed_blocks_ = 0;
 };
 
 }  // namespace lmkit

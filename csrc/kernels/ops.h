@@ -105,7 +105,7 @@ void linear(const float* x, int64_t M, const LinearWeight& weight, const Tensor&
 void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias, float* out);
 
 // Rotary embedding in HF "rotate_half" layout, in place, over the first rotary_dim dims of each head
-// (0: head_dim; partial rotary, Phi-4-mini: the rest of the head passes unchanged).
+// (0: head_dim, else even and <= head_dim; partial rotary, Phi-4-mini: the rest of the head passes unchanged).
 //   q: [n, num_heads, head_dim], k: [n, num_kv_heads, head_dim], inv_freq: [rotary_dim / 2]
 //   for i < R = rotary_dim/2: angle = float(positions[t]) * inv_freq[i] (fp32 product, as HF computes it),
 //   c = cos(angle) * attention_scaling, s = sin(angle) * attention_scaling,
@@ -172,8 +172,8 @@ struct AttnSeq {
 //   q: [rows, num_heads, head_dim], out: [rows, num_heads, head_dim]
 //   query head h reads kv head h / (num_heads / num_kv_heads) (GQA);
 //   a query at position p sees keys at positions k <= p, and when sliding_window > 0 only p - k < sliding_window;
-//   block_table entries of blocks wholly outside every query's window are never read (they may be -1: blocks
-//   the engine freed early).
+//   block_table entries of blocks wholly outside every query's window are never read nor checked (they may be
+//   -1: blocks the engine freed early), i.e. blocks holding only keys below ctx_len - q_len - sliding_window + 1.
 //   out = softmax(s) V with s = scale * q . K^T, or with logit_softcap > 0 s = cap * tanh(scale * q . K^T / cap)
 //   (Gemma 2), computed with an online softmax in fp32.
 //   Over a bf16 pool on AMX tiles (bf16_amx_available), decode-shaped tasks round the softmax weights to bf16

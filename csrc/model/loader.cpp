@@ -1,10 +1,9 @@
 #include "model/loader.h"
 
 #include "core/check.h"
-#include "model/decoder.h"
+#include "model/model.h"
 #ifdef LMKIT_WITH_CUDA
 #include "kernels/cuda/ops_cuda.h"
-#include "model/decoder_cuda.h"
 #endif
 
 namespace lmkit {
@@ -42,36 +41,44 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   options.eos_token_ids = eos_token_ids;
   options.enable_prefix_caching = config.enable_prefix_caching;
 
-  DecoderOptions decoder;
-  decoder.block_size_tokens = config.cache_block_seq_len;
-  decoder.max_step_tokens = config.max_prefill_token_num + config.max_batch_size;
-  decoder.num_threads = config.num_threads;
-  decoder.eos_token_ids = eos_token_ids;
-  decoder.awq_int8_activations = config.awq_int8_activations;
-  decoder.bf16_linear = config.bf16_linear;
-  decoder.max_blocks_per_seq = (options.session_len + config.cache_block_seq_len - 1) / config.cache_block_seq_len;
-  decoder.cuda_graphs = config.cuda_graphs;
+  BackendOptions backend;
+  backend.max_step_tokens = config.max_prefill_token_num + config.max_batch_size;
+  backend.num_threads = config.num_threads;
+  backend.awq_int8_activations = config.awq_int8_activations;
+  backend.bf16_linear = config.bf16_linear;
+  backend.max_blocks_per_seq = (options.session_len + config.cache_block_seq_len - 1) / config.cache_block_seq_len;
+  backend.cuda_graphs = config.cuda_graphs;
+  ModelOptions model_options;
+  model_options.block_size_tokens = config.cache_block_seq_len;
+  model_options.max_step_tokens = backend.max_step_tokens;
   std::vector<int32_t> policy = config.kv_layer_bits;
   if (policy.empty()) policy.assign(model.num_layers, config.quant_policy);
   LMKIT_CHECK_ARG((int32_t)policy.size() == model.num_layers, "the KV policy has ", policy.size(),
                   " layers, the model has ", model.num_layers, " (a policy calibrated for another model?)");
   for (int32_t bits : policy) {
     LMKIT_CHECK_ARG(bits == 0 || bits == 8 || bits == 4, "KV policy entries must be 0, 8 or 4, got ", bits);
-    decoder.kv_bits.push_back(bits == 0 ? 32 : bits);
+    model_options.kv_bits.push_back(bits == 0 ? 32 : bits);
   }
-  std::unique_ptr<Executor> executor;
-  int64_t available_bytes = 0;  // what cache_max_entry_count is a fraction of
+  ModelWeights weights = ModelWeights::load(model, sources);
+  std::unique_ptr<Backend> device;
+  int64_t available_bytes = 0;  // what cache_max_entry_count is a fraction of (CUDA)
 #ifdef LMKIT_WITH_CUDA
   if (config.device == "cuda") {
-    executor = std::make_unique<CudaDecoderModel>(model, ModelWeights::load(model, sources), decoder);
+    const DType act = weights.embed_tokens.dtype == DType::BF16 ? DType::BF16 : DType::F16;
+    device = make_cuda_backend(backend, act, model.hidden_size, model.vocab_size);
+  }
+#endif
+  if (!device) device = make_cpu_backend(backend);
+  const bool is_cuda = std::string(device->name()) == "cuda";
+  std::unique_ptr<Executor> executor = make_model(model, std::move(weights), std::move(device), model_options);
+#ifdef LMKIT_WITH_CUDA
+  if (is_cuda) {
     int64_t total_bytes = 0;
     cuda::memory_info(&available_bytes, &total_bytes);  // free GPU memory once weights and workspaces are in
   }
 #endif
-  if (!executor) {
-    executor = std::make_unique<DecoderModel>(model, ModelWeights::load(model, sources), decoder);
-    available_bytes = available_host_memory_bytes();
-  }
+  if (!is_cuda) available_bytes = available_host_memory_bytes();
+  options.attention_window_tokens = model.attention_window_tokens();
   options.kv_bytes_per_block = executor->kv_bytes_per_block();
   options.linear_weight_bytes = executor->linear_weight_bytes();
   if (size_kv_pool) {

@@ -1,22 +1,55 @@
 #include "model/model_config.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "core/check.h"
 
 namespace lmkit {
 
 void ModelConfig::validate() const {
-  LMKIT_CHECK_ARG(vocab_size > 0, architecture, ": vocab_size must be > 0, got ", vocab_size);
-  LMKIT_CHECK_ARG(hidden_size > 0, architecture, ": hidden_size must be > 0, got ", hidden_size);
-  LMKIT_CHECK_ARG(intermediate_size > 0, architecture, ": intermediate_size must be > 0, got ", intermediate_size);
-  LMKIT_CHECK_ARG(num_layers > 0, architecture, ": num_hidden_layers must be > 0, got ", num_layers);
-  LMKIT_CHECK_ARG(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0, architecture,
+  const std::string& a = architecture;
+  LMKIT_CHECK_ARG(vocab_size > 0, a, ": vocab_size must be > 0, got ", vocab_size);
+  LMKIT_CHECK_ARG(hidden_size > 0, a, ": hidden_size must be > 0, got ", hidden_size);
+  LMKIT_CHECK_ARG(intermediate_size > 0, a, ": intermediate_size must be > 0, got ", intermediate_size);
+  LMKIT_CHECK_ARG(num_layers > 0, a, ": num_hidden_layers must be > 0, got ", num_layers);
+  LMKIT_CHECK_ARG(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0, a,
                   ": num_attention_heads (", num_heads, ") must be a positive multiple of num_key_value_heads (",
                   num_kv_heads, ")");
-  LMKIT_CHECK_ARG(head_dim > 0 && head_dim % 2 == 0, architecture, ": head_dim must be even and > 0, got ", head_dim);
-  LMKIT_CHECK_ARG((int32_t)inv_freq.size() == head_dim / 2, architecture, ": rope inv_freq has ", inv_freq.size(),
-                  " entries, head_dim / 2 = ", head_dim / 2);
-  LMKIT_CHECK_ARG(rms_norm_eps > 0, architecture, ": rms_norm_eps must be > 0");
-  LMKIT_CHECK_ARG(sliding_window >= 0, architecture, ": sliding_window must be >= 0");
+  LMKIT_CHECK_ARG(head_dim > 0 && head_dim % 2 == 0, a, ": head_dim must be even and > 0, got ", head_dim);
+  LMKIT_CHECK_ARG(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0, a,
+                  ": the rotary dimension must be even and at most head_dim (", head_dim, "), got ", rotary_dim);
+  LMKIT_CHECK_ARG((int32_t)inv_freq.size() == rotary_dims() / 2, a, ": rope inv_freq has ", inv_freq.size(),
+                  " entries, rotary_dim / 2 = ", rotary_dims() / 2);
+  LMKIT_CHECK_ARG(inv_freq_local.empty() || inv_freq_local.size() == inv_freq.size(), a,
+                  ": the local rope table has ", inv_freq_local.size(), " entries, the global one ", inv_freq.size());
+  LMKIT_CHECK_ARG(rms_norm_eps > 0, a, ": rms_norm_eps must be > 0");
+  LMKIT_CHECK_ARG(hidden_act == "silu" || hidden_act == "gelu_tanh", a, ": hidden_act '", hidden_act,
+                  "' is not supported (silu, gelu_tanh)");
+  LMKIT_CHECK_ARG(std::isfinite(attn_scale) && attn_scale >= 0, a, ": attn_scale must be >= 0");
+  LMKIT_CHECK_ARG(attn_logit_softcap >= 0 && final_logit_softcap >= 0, a, ": soft-caps must be >= 0");
+  LMKIT_CHECK_ARG((int32_t)layer_rope.size() == num_layers, a, ": layer_rope has ", layer_rope.size(),
+                  " entries for ", num_layers, " layers");
+  LMKIT_CHECK_ARG((int32_t)layer_sliding_window.size() == num_layers, a, ": layer_sliding_window has ",
+                  layer_sliding_window.size(), " entries for ", num_layers, " layers");
+  for (int32_t l = 0; l < num_layers; ++l) {
+    LMKIT_CHECK_ARG(layer_rope[l] >= 0 && layer_rope[l] <= 2, a, ": layer ", l, " rope table ", layer_rope[l],
+                    " is not 0 (none), 1 (global) or 2 (local)");
+    LMKIT_CHECK_ARG(layer_rope[l] != 2 || !inv_freq_local.empty(), a, ": layer ", l,
+                    " uses the local rope table, which is empty");
+    LMKIT_CHECK_ARG(layer_sliding_window[l] >= 0, a, ": layer ", l, " sliding window must be >= 0");
+  }
+}
+
+float ModelConfig::softmax_scale() const { return attn_scale > 0 ? attn_scale : 1.0f / std::sqrt((float)head_dim); }
+
+int32_t ModelConfig::attention_window_tokens() const {
+  int32_t window = 0;
+  for (int32_t w : layer_sliding_window) {
+    if (w <= 0) return 0;
+    window = std::max(window, w);
+  }
+  return window;
 }
 
 }  // namespace lmkit

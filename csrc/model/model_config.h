@@ -1,4 +1,5 @@
-// The decoder's shape and constants, filled from config.json by lmkit.models (Python) and checked here.
+// A model's shape and constants, filled from config.json by lmkit.models (Python, one module per
+// architecture) and checked here. Field names are the Python ModelSpec's.
 #pragma once
 #include <stdint.h>
 
@@ -9,6 +10,7 @@ namespace lmkit {
 
 struct ModelConfig {
   std::string architecture;  // e.g. "LlamaForCausalLM" (for messages)
+  std::string family;        // the forward registered under this name (model/registry.cpp): "llama", "gemma"
   int32_t vocab_size = 0;
   int32_t hidden_size = 0;
   int32_t intermediate_size = 0;
@@ -17,10 +19,21 @@ struct ModelConfig {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
   float rms_norm_eps = 1e-6f;
-  std::vector<float> inv_freq;  // [head_dim / 2], rope scaling already applied (computed as HF does)
-  float attention_scaling = 1.0f;
-  int32_t sliding_window = 0;  // 0: full attention
+  float norm_weight_offset = 0.0f;  // every RMSNorm scales by (offset + w): Gemma's (1 + w) norms
+  float embed_scale = 1.0f;         // embeddings times this (Gemma: sqrt(hidden_size))
+  std::string hidden_act = "silu";  // gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+  float attn_scale = 0.0f;          // softmax scale of q . k; 0: 1 / sqrt(head_dim)
+  float attn_logit_softcap = 0.0f;  // > 0: scores = cap * tanh(scores / cap)
+  float final_logit_softcap = 0.0f; // > 0: logits = cap * tanh(logits / cap)
   bool has_qkv_bias = false;
+  bool has_qk_norm = false;         // per-head RMSNorm over head_dim of q and k, before RoPE
+  int32_t rotary_dim = 0;           // dims of a head RoPE rotates; 0: head_dim
+  std::vector<float> inv_freq;      // [rotary_dim / 2], rope scaling applied (computed as HF does)
+  float attention_scaling = 1.0f;
+  std::vector<float> inv_freq_local;  // a second table (Gemma 3's sliding layers); empty: none
+  float attention_scaling_local = 1.0f;
+  std::vector<int32_t> layer_rope;            // per layer: 0 no RoPE, 1 inv_freq, 2 inv_freq_local
+  std::vector<int32_t> layer_sliding_window;  // per layer: 0 full attention, w: keys with p - k < w
   bool tie_word_embeddings = false;
   int32_t max_position_embeddings = 0;
   int32_t awq_group_size = 0;  // > 0: an AWQ int4 checkpoint with this group size (dense layers allowed)
@@ -29,6 +42,11 @@ struct ModelConfig {
   void validate() const;
   int32_t q_size() const { return num_heads * head_dim; }
   int32_t kv_size() const { return num_kv_heads * head_dim; }
+  int32_t rotary_dims() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
+  float softmax_scale() const;
+  // The window every layer attends within when all layers are windowed (the largest), else 0: blocks behind
+  // it can be freed early.
+  int32_t attention_window_tokens() const;
 };
 
 }  // namespace lmkit

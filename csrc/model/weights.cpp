@@ -99,8 +99,12 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     return t;
   };
 
+  auto has = [&](const std::string& role) {
+    return sources.count(role) > 0 || sources.count(role + ".qweight") > 0;
+  };
   const int64_t H = config.hidden_size, I = config.intermediate_size, V = config.vocab_size;
-  const int64_t Q = config.q_size(), KV = config.kv_size();
+  const int64_t Q = config.q_size(), KV = config.kv_size(), D = config.head_dim;
+  const bool is_gemma = config.family == "gemma";
   w.embed_tokens = get("embed_tokens", {V, H});
   w.final_norm = get("norm", {H});
   w.lm_head = get("lm_head", {V, H}, !config.tie_word_embeddings);
@@ -109,16 +113,28 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     const std::string p = "layers." + std::to_string(i) + ".";
     LayerWeights l;
     l.input_norm = get(p + "input_norm", {H});
-    l.post_attention_norm = get(p + "post_attention_norm", {H});
-    l.q_proj = get_linear(p + "q_proj", Q, H);
-    l.k_proj = get_linear(p + "k_proj", KV, H);
-    l.v_proj = get_linear(p + "v_proj", KV, H);
-    l.o_proj = get_linear(p + "o_proj", H, Q);
+    l.pre_mlp_norm = get(p + "pre_mlp_norm", {H});
+    l.post_attention_norm = get(p + "post_attention_norm", {H}, is_gemma);
+    l.post_mlp_norm = get(p + "post_mlp_norm", {H}, is_gemma);
+    l.q_norm = get(p + "q_norm", {D}, config.has_qk_norm);
+    l.k_norm = get(p + "k_norm", {D}, config.has_qk_norm);
+    if (has(p + "qkv_proj")) {
+      l.qkv_proj = get_linear(p + "qkv_proj", Q + 2 * KV, H);
+    } else {
+      l.q_proj = get_linear(p + "q_proj", Q, H);
+      l.k_proj = get_linear(p + "k_proj", KV, H);
+      l.v_proj = get_linear(p + "v_proj", KV, H);
+    }
     l.q_bias = get(p + "q_bias", {Q}, config.has_qkv_bias);
     l.k_bias = get(p + "k_bias", {KV}, config.has_qkv_bias);
     l.v_bias = get(p + "v_bias", {KV}, config.has_qkv_bias);
-    l.gate_proj = get_linear(p + "gate_proj", I, H);
-    l.up_proj = get_linear(p + "up_proj", I, H);
+    l.o_proj = get_linear(p + "o_proj", H, Q);
+    if (has(p + "gate_up_proj")) {
+      l.gate_up_proj = get_linear(p + "gate_up_proj", 2 * I, H);
+    } else {
+      l.gate_proj = get_linear(p + "gate_proj", I, H);
+      l.up_proj = get_linear(p + "up_proj", I, H);
+    }
     l.down_proj = get_linear(p + "down_proj", H, I);
     w.layers.push_back(l);
   }
@@ -139,8 +155,7 @@ void ModelWeights::release_linear_pages() const {
     for (const Tensor* t : {&l.weight, &l.qweight, &l.qzeros, &l.scales}) release(*t);
   };
   for (const LayerWeights& l : layers)
-    for (const LinearTensors* t : {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj})
-      release_linear(*t);
+    for (const LinearTensors* t : l.linears()) release_linear(*t);
   release(lm_head);
 }
 

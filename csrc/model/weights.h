@@ -42,13 +42,28 @@ struct LinearTensors {
   Tensor weight;                   // [out, in] F32/F16/BF16; empty for AWQ
   Tensor qweight, qzeros, scales;  // AWQ GEMM: I32 [in, out / 8], I32 [in / g, out / 8], F16 [in / g, out]
   bool is_awq() const { return !qweight.is_empty(); }
+  bool is_empty() const { return weight.is_empty() && qweight.is_empty(); }
 };
 
+// One decoder layer's tensors. Which are present depends on the model (ModelConfig): the Gemma family's norms
+// after attention and MLP, q/k norms, q/k/v biases; q/k/v and gate/up either as parts or fused in the
+// checkpoint (Phi-3).
 struct LayerWeights {
-  Tensor input_norm, post_attention_norm;           // [hidden]
-  LinearTensors q_proj, k_proj, v_proj, o_proj;     // [q_size, hidden], [kv_size, hidden] x2, [hidden, q_size]
-  Tensor q_bias, k_bias, v_bias;                    // empty unless has_qkv_bias
-  LinearTensors gate_proj, up_proj, down_proj;      // [inter, hidden] x2, [hidden, inter]
+  Tensor input_norm;                    // [hidden], before attention
+  Tensor post_attention_norm;           // [hidden], on the attention output (Gemma)
+  Tensor pre_mlp_norm;                  // [hidden], before the MLP
+  Tensor post_mlp_norm;                 // [hidden], on the MLP output (Gemma)
+  Tensor q_norm, k_norm;                // [head_dim] when has_qk_norm
+  LinearTensors qkv_proj;               // fused [q_size + 2 kv_size, hidden], or empty and then:
+  LinearTensors q_proj, k_proj, v_proj; //   [q_size, hidden], [kv_size, hidden] x2
+  Tensor q_bias, k_bias, v_bias;        // empty unless has_qkv_bias
+  LinearTensors o_proj;                 // [hidden, q_size]
+  LinearTensors gate_up_proj;           // fused [2 inter, hidden], or empty and then:
+  LinearTensors gate_proj, up_proj;     //   [inter, hidden] x2
+  LinearTensors down_proj;              // [hidden, inter]
+  std::vector<const LinearTensors*> linears() const {
+    return {&qkv_proj, &q_proj, &k_proj, &v_proj, &o_proj, &gate_up_proj, &gate_proj, &up_proj, &down_proj};
+  }
 };
 
 struct ModelWeights {
@@ -59,8 +74,10 @@ struct ModelWeights {
   std::vector<std::shared_ptr<MappedFile>> files;  // keep the mappings alive
   int64_t size_bytes = 0;
 
-  // Roles: "embed_tokens", "norm", "lm_head" (optional when tied), and per layer i
-  // "layers.{i}.{input_norm,post_attention_norm,q_proj,k_proj,v_proj,o_proj,q_bias,k_bias,v_bias,gate_proj,up_proj,down_proj}".
+  // Roles: "embed_tokens", "norm", "lm_head" (optional when tied), and per layer i "layers.{i}." +
+  // input_norm, pre_mlp_norm (always), post_attention_norm, post_mlp_norm (family "gemma"), q_norm, k_norm
+  // (has_qk_norm), q_proj, k_proj, v_proj or qkv_proj, q_bias, k_bias, v_bias (has_qkv_bias), o_proj,
+  // gate_proj, up_proj or gate_up_proj, down_proj.
   // An AWQ linear comes as "<role>.qweight", "<role>.qzeros", "<role>.scales" instead of "<role>"
   // (config.awq_group_size > 0); linears left dense (modules_to_not_convert) keep the plain role.
   static ModelWeights load(const ModelConfig& config, const std::map<std::string, TensorSource>& sources);

@@ -1,4 +1,5 @@
-// Block manager bookkeeping: exact block ids, free-list order, conservation, misuse detected.
+// Block manager bookkeeping: exact block ids, free-list order, conservation, misuse detected, holes
+// (blocks released early, kNoBlock in the table) skipped by every walk.
 #include "engine/block_manager.h"
 #include "tests/testing.h"
 
@@ -140,6 +141,69 @@ TEST(duplicate_content_is_not_keyed_twice) {
   EXPECT_EQ(bm.num_free_blocks(), 3);
   bm.release(a);
   EXPECT_EQ(bm.num_cached_blocks(), 1);
+  bm.verify();
+}
+
+TEST(release_range_leaves_holes_and_counts_blocks_returned) {
+  BlockManager bm(6, 4);
+  std::vector<int32_t> t = tokens_of(1, 4);
+  Ids a;
+  bm.allocate(4, a);  // 0 1 2 3
+  bm.publish(a[0], 0, t.data());
+  Ids b(a.begin(), a.begin() + 2);
+  bm.share(b);  // 0 1 shared by a and b
+  EXPECT_EQ(bm.release_range(a, 0, 3), 1);  // 2 -> free; 1 and 0 still held by b
+  EXPECT_EQ(a, (Ids{kNoBlock, kNoBlock, kNoBlock, 3}));
+  EXPECT_EQ(bm.ref_count(0), 1);
+  EXPECT_EQ(bm.num_free_blocks(), 3);
+  EXPECT_EQ(bm.release_range(a, 0, 3), 0);  // holes stay holes
+  bm.share(a);                              // holes skipped: 3 gets a second reference
+  EXPECT_EQ(bm.ref_count(3), 2);
+  EXPECT_EQ(bm.release_range(b, 0, 2), 2);  // 1 -> free, 0 (keyed) -> cached
+  EXPECT_EQ(b, (Ids{kNoBlock, kNoBlock}));
+  EXPECT_EQ(bm.num_cached_blocks(), 1);
+  EXPECT_THROWS(bm.release_range(b, 1, 3));
+  bm.verify();
+  bm.release(a);  // drops 3 once, skips the holes
+  EXPECT(a.empty());
+  EXPECT_EQ(bm.ref_count(3), 1);
+  Ids c{kNoBlock, 3};
+  bm.release(c);
+  bm.release(b);
+  EXPECT_EQ(bm.num_free_blocks() + bm.num_cached_blocks(), 6);
+  bm.verify();
+}
+
+TEST(match_prefix_takes_only_the_live_tail) {
+  BlockManager bm(8, 4);
+  std::vector<int32_t> toks = tokens_of(100, 16);  // 4 full blocks
+  Ids a;
+  bm.allocate(4, a);  // 0 1 2 3
+  uint64_t k = 0;
+  for (int i = 0; i < 4; ++i) k = bm.publish(a[i], k, toks.data() + 4 * i);
+  bm.release(a);  // cached 3 2 1 0, 0 newest
+  Ids b;
+  uint64_t key = 0;
+  EXPECT_EQ(bm.match_prefix(toks.data(), 4, b, &key, 1), 4);  // all four confirmed, only the last taken
+  EXPECT_EQ(b, (Ids{kNoBlock, kNoBlock, kNoBlock, 3}));
+  EXPECT_EQ(key, k);
+  EXPECT_EQ(bm.ref_count(3), 1);
+  EXPECT_EQ(bm.num_cached_blocks(), 3);
+  bm.verify();
+  // The untaken ones got newer in the LRU, the first block newest: eviction takes 2 first.
+  Ids c;
+  bm.allocate(5, c);
+  EXPECT_EQ(c, (Ids{4, 5, 6, 7, 2}));
+  Ids d;
+  key = 0;
+  EXPECT_EQ(bm.match_prefix(toks.data(), 4, d, &key, 0), 2);  // the chain breaks at the evicted 2
+  EXPECT_EQ(d, (Ids{kNoBlock, kNoBlock}));
+  EXPECT_EQ(bm.num_cached_blocks(), 2);
+  bm.verify();
+  bm.release(b);
+  bm.release(c);
+  bm.release(d);
+  EXPECT_EQ(bm.num_free_blocks() + bm.num_cached_blocks(), 8);
   bm.verify();
 }
 

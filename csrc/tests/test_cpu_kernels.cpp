@@ -2,7 +2,8 @@
 // the scalar double-accumulation reference (kernels/cpu/reference.h): relative error
 // ||out - ref|| / ||ref|| <= 1e-5 on fresh random inputs with odd shapes, all weight dtypes, bias
 // present/absent, in-place aliasing where the contract allows it, and paged attention over shuffled
-// block ids with every unused KV slot poisoned with NaN. Standalone: exit code 1 on any failure.
+// block ids with every unused KV slot poisoned with NaN, with logit soft-capping, and with the blocks
+// outside every sliding window freed (-1). Standalone: exit code 1 on any failure.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -51,6 +52,17 @@ void expect_close(const std::vector<float>& out, const std::vector<float>& ref, 
   char buf[64];
   std::snprintf(buf, sizeof(buf), " (rel err %.3g)", e);
   expect(e <= tol, what + buf);
+}
+
+// Whether f throws lmkit::Error (a check at the door).
+template <class F>
+bool throws(F&& f) {
+  try {
+    f();
+  } catch (const Error&) {
+    return true;
+  }
+  return false;
 }
 
 // Uniform in [-scale * sqrt(3), scale * sqrt(3)): unit variance at scale 1, cheaper than a normal.
@@ -304,14 +316,6 @@ void test_linear_int4() {
   }
   // shape errors name the tensor
   AwqWeight a = make_awq(64, 128, 64);
-  auto throws = [](auto&& f) {
-    try {
-      f();
-    } catch (const Error&) {
-      return true;
-    }
-    return false;
-  };
   expect(throws([&] { ops::pack_linear_awq(a.qw, a.qz, a.sc, 48); }), "pack_linear_awq rejects group size 48");
   expect(throws([&] { ops::pack_linear_awq(a.qw, a.qz, a.sc, 32); }), "pack_linear_awq rejects qzeros of another g");
   expect(throws([&] { ops::pack_linear_awq(a.qw, a.sc, a.sc, 64); }), "pack_linear_awq rejects F16 qzeros");
@@ -372,25 +376,40 @@ void test_linear_bf16_kernel(const char* kernel) {
       }
 }
 
+// Full and partial rotary (Phi-4-mini: head_dim 128, rotary_dim 96): the first rotary_dim dims of each head
+// against the reference, the rest bit for bit as they were.
 void test_rope() {
-  for (int head_dim : {64, 6, 128})
+  const std::pair<int, int> dims[] = {{64, 0}, {6, 0}, {128, 0}, {128, 96}, {128, 64}, {128, 128}, {10, 4},
+                                      {80, 2}, {96, 50}, {256, 64}};
+  for (auto [head_dim, rotary_dim] : dims)
     for (float scaling : {1.0f, 0.75f}) {
       const int64_t n = 11;
-      const int heads = 9, kv_heads = 3;
-      std::vector<float> inv_freq(head_dim / 2);
-      for (int i = 0; i < head_dim / 2; ++i) inv_freq[i] = (float)std::pow(100000.0, -2.0 * i / head_dim);
+      const int heads = 9, kv_heads = 3, rot = rotary_dim == 0 ? head_dim : rotary_dim;
+      std::vector<float> inv_freq(rot / 2);
+      for (int i = 0; i < rot / 2; ++i) inv_freq[i] = (float)std::pow(100000.0, -2.0 * i / rot);
       std::vector<int32_t> pos(n);
       for (int64_t t = 0; t < n; ++t) pos[t] = (int32_t)(g_rng() % 8192);
       pos[0] = 0;
       std::vector<float> q = randn(n * heads * head_dim), k = randn(n * kv_heads * head_dim);
+      const std::vector<float> q_in = q, k_in = k;
       std::vector<float> q_ref = q, k_ref = k;
-      ops::rope(q.data(), k.data(), pos.data(), n, heads, kv_heads, head_dim, inv_freq.data(), scaling);
+      ops::rope(q.data(), k.data(), pos.data(), n, heads, kv_heads, head_dim, inv_freq.data(), scaling, rotary_dim);
       ops::reference::rope(q_ref.data(), k_ref.data(), pos.data(), n, heads, kv_heads, head_dim, inv_freq.data(),
-                           scaling);
-      const std::string name = " head_dim " + std::to_string(head_dim) + " scaling " + std::to_string(scaling);
+                           scaling, rotary_dim);
+      const std::string name = " head_dim " + std::to_string(head_dim) + " rotary_dim " + std::to_string(rotary_dim) +
+                               " scaling " + std::to_string(scaling);
       expect_close(q, q_ref, "rope q" + name);
       expect_close(k, k_ref, "rope k" + name);
+      bool kept = true;
+      for (size_t i = 0; i < q.size(); ++i) kept &= (int)(i % head_dim) < rot || q[i] == q_in[i];
+      for (size_t i = 0; i < k.size(); ++i) kept &= (int)(i % head_dim) < rot || k[i] == k_in[i];
+      expect(kept, "rope leaves dims >= rotary_dim as they were" + name);
     }
+  std::vector<float> q(64), k(64), inv_freq(32);
+  const int32_t pos = 3;
+  for (int bad : {-2, 3, 66})
+    expect(throws([&] { ops::rope(q.data(), k.data(), &pos, 1, 1, 1, 64, inv_freq.data(), 1.0f, bad); }),
+           "rope rejects rotary_dim " + std::to_string(bad) + " of head_dim 64");
 }
 
 void test_silu_mul() {
@@ -409,16 +428,79 @@ void test_silu_mul() {
   }
 }
 
+// GeGLU against torch's definition in double; per element within 1e-6 of |gate * up| (where the tanh form
+// itself cancels, for gate << 0, only that absolute bound means anything); extremes, aliasing, threads.
+void test_gelu_tanh_mul() {
+  for (int64_t inter : {1, 15, 1536, 1537, 9217}) {
+    const int64_t n = 5;
+    std::vector<float> g = randn(n * inter, 4.0f), u = randn(n * inter), out(n * inter, NAN), ref(n * inter);
+    if (inter > 100) g[3] = -100.0f, g[4] = 100.0f, g[5] = -9.0f, g[6] = 0.0f, g[7] = 1e-20f, g[8] = -1e30f, g[9] = 1e30f;
+    ops::reference::gelu_tanh_mul(g.data(), u.data(), n, inter, ref.data());
+    ops::gelu_tanh_mul(g.data(), u.data(), n, inter, out.data());
+    const std::string name = " inter " + std::to_string(inter);
+    expect_close(out, ref, "gelu_tanh_mul" + name);
+    double worst = 0;
+    for (int64_t i = 0; i < n * inter; ++i)
+      if (std::isfinite((double)g[i] * u[i]))
+        worst = std::max(worst, std::fabs((double)out[i] - ref[i]) / std::max(1e-30, std::fabs((double)g[i] * u[i])));
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), " (worst %.3g)", worst);
+    expect(worst <= 1e-6, "gelu_tanh_mul per element vs |gate * up|" + name + buf);
+    std::vector<float> g2 = g, u2 = u;
+    ops::gelu_tanh_mul(g2.data(), u.data(), n, inter, g2.data());
+    ops::gelu_tanh_mul(g.data(), u2.data(), n, inter, u2.data());
+    expect(g2 == out, "gelu_tanh_mul out = gate" + name);
+    expect(u2 == out, "gelu_tanh_mul out = up" + name);
+  }
+}
+
+// softcap per element within 1e-6 (relative) of the double tanh, over odd sizes up to a 262k vocabulary row
+// (threads), small and capped values, the polynomial's boundary, +-inf (to +-cap) and NaN (stays NaN); scale
+// exactly the fp32 product.
+void test_softcap_scale() {
+  for (int64_t n : {1, 7, 16, 1001, 262147})
+    for (float cap : {50.0f, 30.0f, 0.5f}) {
+      std::vector<float> x = randn(n, cap * 2.0f);
+      if (n > 100) {
+        const float special[] = {0.0f, -0.0f, 1e-30f, -1e-30f, 0.625f * cap, -0.625f * cap, 0.6249f * cap,
+                                 0.6251f * cap, 9.5f * cap, 1e30f, -1e30f, INFINITY, -INFINITY};
+        std::copy(std::begin(special), std::end(special), x.begin() + 17);
+      }
+      std::vector<float> out = x, ref = x;
+      ops::softcap(out.data(), n, cap);
+      ops::reference::softcap(ref.data(), n, cap);
+      double worst = 0;
+      for (int64_t i = 0; i < n; ++i)
+        worst = std::max(worst, ref[i] == 0 ? std::fabs(out[i]) : std::fabs(((double)out[i] - ref[i]) / ref[i]));
+      char buf[96];
+      std::snprintf(buf, sizeof(buf), "softcap n %lld cap %g (worst %.3g)", (long long)n, cap, worst);
+      expect(worst <= 1e-6, buf);
+      std::vector<float> scaled = x, scaled_ref = x;
+      ops::scale(scaled.data(), n, 0.0625f * cap + 0.01f);
+      ops::reference::scale(scaled_ref.data(), n, 0.0625f * cap + 0.01f);
+      expect(scaled == scaled_ref, "scale n " + std::to_string(n) + " is the fp32 product");
+    }
+  float nan = NAN;
+  ops::softcap(&nan, 1, 50.0f);
+  expect(std::isnan(nan), "softcap keeps a NaN a NaN");
+  float x = 1.0f;
+  expect(throws([&] { ops::softcap(&x, 1, 0.0f); }), "softcap rejects cap 0");
+  expect(throws([&] { ops::softcap(&x, 1, -3.0f); }), "softcap rejects a negative cap");
+}
+
 // A pool with several sequences written through kv_write at shuffled blocks; everything else NaN.
 // bits 32: fp32 pool, 16: bf16, 8 / 4: quantized (poison: all bytes 0xff, so an unwritten row's fp16
-// scale, or bf16 value, is NaN).
-// Attention options of the bf16 cases: the bound per output row (each row one head of one query), the scale
-// of q (the scores' scale), and whether AMX tiles should have run (then the result must differ from the
-// dot-product path's, which rounds nothing: proof that the tile path was taken).
+// scale, or bf16 value, is NaN). With a sliding window, the blocks no query's window reaches are then freed
+// as the engine will: their table entries set to -1 and their contents poisoned again.
+// Attention options: the bound per output row (each row one head of one query), the scale of q (the scores'
+// scale), whether AMX tiles should have run (then the result must differ from the dot-product path's, which
+// rounds nothing: proof that the tile path was taken), and the logit soft-cap (then the result must also be
+// far from the uncapped attention: proof that the case exercises the cap).
 struct AttnCheck {
   double row_tol = 0;
   float q_scale = 1.0f;
   bool tiles = false;
+  float softcap = 0.0f;
 };
 
 void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int block_size, int window,
@@ -432,10 +514,11 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
   kv.num_kv_heads = num_kv_heads;
   kv.block_size = block_size;
   kv.head_dim = head_dim;
-  const int64_t pool = num_blocks * kv.block_bytes();
+  // one poisoned guard block before the pool: what a block id of -1 would read
+  const int64_t bb = kv.block_bytes(), pool = (num_blocks + 1) * bb;
   std::vector<uint8_t> kpool(pool, 0xff), vpool(pool, 0xff), kpool_ref(pool, 0xff), vpool_ref(pool, 0xff);
   ops::KVLayer kv_ref = kv;
-  kv.k = kpool.data(), kv.v = vpool.data(), kv_ref.k = kpool_ref.data(), kv_ref.v = vpool_ref.data();
+  kv.k = kpool.data() + bb, kv.v = vpool.data() + bb, kv_ref.k = kpool_ref.data() + bb, kv_ref.v = vpool_ref.data() + bb;
   std::vector<int32_t> free_blocks(num_blocks);
   std::iota(free_blocks.begin(), free_blocks.end(), 0);
   std::shuffle(free_blocks.begin(), free_blocks.end(), g_rng);
@@ -462,14 +545,33 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
                            std::to_string(window) + " seqs " + std::to_string(q_ctx.size()) + " (q_len " +
                            std::to_string(q_ctx[0].first) + ", ctx " + std::to_string(q_ctx[0].second) + ")";
   expect(kpool == kpool_ref && vpool == vpool_ref, "kv_write " + name);
+  int num_freed = 0;
+  for (size_t s = 0; s < q_ctx.size() && window > 0; ++s) {
+    const auto [q_len, ctx_len] = q_ctx[s];
+    const int first_key = std::max(0, ctx_len - q_len - window + 1);  // the first query's window start
+    for (int b = 0; b < first_key / block_size; ++b, ++num_freed) {
+      for (std::vector<uint8_t>* p : {&kpool, &vpool, &kpool_ref, &vpool_ref})
+        std::fill_n(p->begin() + (tables[s][b] + 1) * bb, bb, 0xff);
+      tables[s][b] = -1;
+    }
+  }
+  const std::string full_name = name + (num_freed ? " freed " + std::to_string(num_freed) : "") +
+                                (check.softcap > 0 ? " softcap " + std::to_string((int)check.softcap) : "");
 
   std::vector<float> q = randn((int64_t)rows * num_heads * head_dim), out(q.size(), NAN), ref(q.size());
   for (float& x : q) x *= check.q_scale;
   const float scale = 1.0f / std::sqrt((float)head_dim);
-  ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, out.data());
+  ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, out.data(),
+                       check.softcap);
   ops::reference::paged_attention(q.data(), kv_ref, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window,
-                                  ref.data());
-  expect_close(out, ref, "paged_attention " + name, tol);
+                                  ref.data(), check.softcap);
+  expect_close(out, ref, "paged_attention " + full_name, tol);
+  if (check.softcap > 0) {
+    std::vector<float> uncapped(q.size());
+    ops::reference::paged_attention(q.data(), kv_ref, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window,
+                                    uncapped.data());
+    expect(rel_err(out, uncapped) > 10 * tol, "paged_attention " + full_name + ": far from the uncapped result");
+  }
   if (check.row_tol > 0) {
     double worst = 0;
     for (size_t r = 0; r < out.size() / head_dim; ++r) {
@@ -479,15 +581,67 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
     }
     char buf[64];
     std::snprintf(buf, sizeof(buf), " (worst row %.3g)", worst);
-    expect(worst <= check.row_tol, "paged_attention per row, q x " + std::to_string(check.q_scale) + " " + name + buf);
+    expect(worst <= check.row_tol, "paged_attention per row, q x " + std::to_string(check.q_scale) + " " + full_name + buf);
   }
   if (check.tiles) {
     std::vector<float> dot(out.size(), NAN);
     ops::cpu::use_amx(false);
-    ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, dot.data());
+    ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, dot.data(),
+                         check.softcap);
     ops::cpu::use_amx(true);
-    expect(rel_err(out, dot) > 1e-6, "paged_attention " + name + ": the AMX tiles ran (result differs from dot)");
+    expect(rel_err(out, dot) > 1e-6, "paged_attention " + full_name + ": the AMX tiles ran (result differs from dot)");
   }
+}
+
+// Gemma 2's logit soft-capping (cap 50 at head_dim 256, also cap 5) and sliding windows whose dead blocks are
+// freed (-1 in the table, NaN in the pool), on every KV format and every path: decode tasks (dot products, or
+// AMX tiles over a bf16 pool), prefill chunks after cached context (transposed tiles, or AMX), decode key splits
+// (8 threads). Scores up to ~30x unit scale: fp32 scores carry an error that grows with their scale, as above.
+void test_attention_softcap_and_freed_blocks(int threads) {
+  for (int bits : {32, 16, 8, 4})
+    for (bool amx : {false, true}) {
+      if ((amx && bits != 16) || ops::cpu::use_amx(amx) != amx) continue;
+      for (int bs : {16, 32}) {
+        auto run = [&](int heads, int kv_heads, int hd, int window, const std::vector<std::pair<int, int>>& q_ctx,
+                       float q_scale, float cap) {
+          const bool tiles = amx && hd % 32 == 0 && bs % 32 == 0;
+          const double tol = tiles ? 5e-3 : 1e-5, row_tol = tiles ? 5e-3 : 1e-5 * std::max(1.0f, q_scale / 4);
+          test_attention_case(heads, kv_heads, hd, bs, window, q_ctx, bits, tol, AttnCheck{row_tol, q_scale, tiles, cap});
+        };
+        run(8, 4, 256, 64, {{1, 300}, {40, 200}, {3, 90}}, 30.0f, 50.0f);  // Gemma 2: decode, chunk, short seq
+        run(8, 4, 256, 0, {{1, 150}, {24, 24}}, 30.0f, 50.0f);             // its global layers
+        run(4, 1, 128, 0, {{1, 200}, {30, 30}}, 10.0f, 5.0f);              // hard capping
+        run(4, 2, 64, 50, {{1, 500}, {100, 400}, {64, 64}, {2, 77}}, 1.0f, 0.0f);  // windows alone
+        run(2, 1, 96, 33, {{150, 150}}, 8.0f, 20.0f);                     // prefill alone, windowed
+        ops::set_num_threads(8);  // decode key splits (over the window's keys: 2-4 splits of >= 128 keys)
+        run(8, 4, 256, 400, {{1, 1100}}, 30.0f, 50.0f);
+        run(4, 2, 64, 300, {{2, 900}, {1, 40}}, 8.0f, 20.0f);
+        run(4, 2, 64, 600, {{1, 1000}}, 1.0f, 0.0f);
+        ops::set_num_threads(threads);
+      }
+    }
+  ops::cpu::use_amx(true);
+
+  // the door: a -1 entry of a block some window reaches is refused; one before every window is never read
+  ops::KVLayer kv;
+  kv.num_blocks = 4, kv.num_kv_heads = 1, kv.block_size = 4, kv.head_dim = 8;
+  std::vector<float> kp(kv.num_blocks * kv.block_bytes() / 4, 0.5f), vp(kp.size(), 0.25f), q(8, 1.0f), out(8);
+  kv.k = kp.data(), kv.v = vp.data();
+  auto attend = [&](std::vector<int32_t> table, int q_len, int window, float cap = 0.0f) {
+    const ops::AttnSeq seq{0, q_len, 12, table.data()};
+    out.assign(q_len * 8, NAN);
+    q.assign(q_len * 8, 1.0f);
+    ops::paged_attention(q.data(), kv, &seq, 1, 1, 0.3f, window, out.data(), cap);
+  };
+  expect(!throws([&] { attend({-1, 1, 2}, 1, 5); }), "paged_attention takes a freed block before the window (decode)");
+  expect(std::all_of(out.begin(), out.end(), [](float x) { return std::fabs(x - 0.25f) < 1e-6f; }),
+         "paged_attention reads the live blocks only");
+  expect(!throws([&] { attend({-1, 1, 2}, 4, 5); }), "paged_attention takes a freed block before every window (prefill)");
+  expect(throws([&] { attend({-1, 1, 2}, 4, 6); }), "paged_attention refuses a freed block the first query's window reaches");
+  expect(throws([&] { attend({0, -1, 2}, 1, 5); }), "paged_attention refuses a freed block inside the window");
+  expect(throws([&] { attend({-1, 1, 2}, 1, 0); }), "paged_attention refuses a freed block without a window");
+  expect(throws([&] { attend({0, 1, 2}, 1, 0, -1.0f); }), "paged_attention refuses a negative logit_softcap");
+  expect(throws([&] { attend({0, 1, 2}, 1, 0, NAN); }), "paged_attention refuses a NaN logit_softcap");
 }
 
 void test_attention(int threads) {
@@ -547,7 +701,7 @@ void test_attention(int threads) {
       const bool tiles = amx && bs % 32 == 0;
       const double tol = tiles ? 5e-3 : 1e-5;
       test_attention_case(9, 3, 64, bs, 0, {{1, 1100}, {1, 3}}, 16, tol, AttnCheck{tol, 1.0f, tiles});
-      test_attention_case(4, 2, 64, bs, 100, {{4, 1100}}, 16, tol, AttnCheck{tol, 1.0f, tiles});
+      test_attention_case(4, 2, 64, bs, 300, {{4, 1100}}, 16, tol, AttnCheck{tol, 1.0f, tiles});
     }
     ops::set_num_threads(threads);
   }
@@ -657,7 +811,10 @@ int main() {
       test_concat_linear();
       test_rope();
       test_silu_mul();
+      test_gelu_tanh_mul();
+      test_softcap_scale();
       test_attention(threads);
+      test_attention_softcap_and_freed_blocks(threads);
     }
     std::printf("[%s] done\n", isa);
   }

@@ -1,6 +1,9 @@
 // Scheduler bookkeeping: FCFS admission by free blocks, decode before prefill, chunked prefill under
 // the token budget, preemption of the newest request, exact block ids, and conservation checked after
-// every step of a seeded random run with arrivals, growth, finishes and cancellations.
+// every step of a seeded random run with arrivals, growth, finishes and cancellations. With an attention
+// window: blocks behind it go back at the exact step, prefix hits, preemption and forks with holes, a
+// sequence longer than the pool, and a simulated KV pool that proves every key a query reads is its own.
+#include <algorithm>
 #include <memory>
 #include <random>
 
@@ -38,6 +41,67 @@ std::unique_ptr<Sequence> make_seq_tokens(int64_t id, std::vector<int32_t> token
   return s;
 }
 
+
+// free + cached + active == total.
+bool conserved(const BlockManager& bm) {
+  return bm.num_free_blocks() + bm.num_cached_blocks() + bm.num_active_blocks() == bm.num_total_blocks();
+}
+
+// A stand-in for the KV pool: each slot holds a fingerprint of the tokens[0, p] whose K/V it would hold (K/V
+// at p depend on every token up to p). step() writes a plan's chunks, then checks that every key each of
+// their queries reads (p - k < window, or all k <= p without one) is in a live block holding exactly that
+// sequence's fingerprint: a block freed too early, reused while still read, or hit with other content fails.
+struct FakeKV {
+  int32_t block_size, window;
+  std::vector<std::vector<uint64_t>> slots;
+  FakeKV(const BlockManager& bm, int32_t window_tokens)
+      : block_size(bm.block_size_tokens()), window(window_tokens),
+        slots(bm.num_total_blocks(), std::vector<uint64_t>(bm.block_size_tokens(), 0)) {}
+  bool step(const BatchPlan& plan) {
+    bool ok = true;
+    for (const ScheduledSeq& s : plan.seqs) {
+      const Sequence& seq = *s.seq;
+      std::vector<uint64_t> fp(s.start_pos + s.num_tokens);
+      uint64_t h = 1;
+      for (size_t p = 0; p < fp.size(); ++p) fp[p] = h = h * 1000003u + (uint64_t)seq.tokens[p] + 1;
+      for (int32_t p = s.start_pos; p < s.start_pos + s.num_tokens; ++p) {
+        const int32_t id = seq.block_table[p / block_size];
+        if (id == kNoBlock) return false;
+        slots[id][p % block_size] = fp[p];
+      }
+      for (int32_t q = s.start_pos; q < s.start_pos + s.num_tokens; ++q)
+        for (int32_t k = window > 0 ? std::max(0, q - window + 1) : 0; k <= q; ++k) {
+          const int32_t id = seq.block_table[k / block_size];
+          ok = ok && id != kNoBlock && slots[id][k % block_size] == fp[k];
+        }
+    }
+    return ok;
+  }
+};
+
+int32_t num_live_blocks(const Sequence& seq) {
+  const auto is_live = [](int32_t b) { return b != kNoBlock; };
+  return (int32_t)std::count_if(seq.block_table.begin(), seq.block_table.end(), is_live);
+}
+
+// One engine step: schedule, run on the fake pool, advance, fork a parent whose prompt is done, append samples.
+// *ok stays true while every read is the sequence's own and no sequence holds more than max_live_blocks()
+// (measured after schedule(), when it holds the most); *peak is the most live blocks any sequence held.
+BatchPlan run_step(Scheduler& sched, FakeKV& kv, bool* ok, int32_t* peak = nullptr) {
+  BatchPlan plan = sched.schedule();
+  *ok = kv.step(plan) && *ok;
+  for (const ScheduledSeq& s : plan.seqs) {
+    const int32_t live = num_live_blocks(*s.seq);
+    *ok = live <= sched.max_live_blocks(*s.seq) && *ok;
+    if (peak != nullptr) *peak = std::max(*peak, live);
+  }
+  for (const ScheduledSeq& s : plan.seqs) {
+    sched.advance(s);
+    if (s.is_sampled && s.seq->num_forks > 0 && s.seq->num_generated_tokens() == 0) sched.fork(s.seq);
+    if (s.is_sampled) s.seq->tokens.push_back(2 + (int32_t)(s.seq->id & 7));
+  }
+  return plan;
+}
 }  // namespace
 
 TEST(admits_fcfs_with_exact_blocks) {
@@ -217,6 +281,216 @@ TEST(forked_completions_share_full_prompt_blocks) {
   EXPECT_EQ(bm.num_free_blocks(), 16);
 }
 
+TEST(window_frees_blocks_behind_it_at_the_exact_step) {
+  BlockManager bm(8, 4);
+  Scheduler sched({8, 100, 1000, false, 6}, bm);  // a query at p reads keys p-5 .. p
+  g_sched = &sched;
+  sched.add(make_seq(1, 10, 8));
+  Sequence* s = sched.find(1);
+  advance(sched.schedule());  // prefill [0, 10) into 0 1 2; queries >= 10 read keys >= 5: block 0 is dead
+  EXPECT_EQ(s->block_table, (Ids{kNoBlock, 1, 2}));
+  EXPECT_EQ(bm.ref_count(0), 0);
+  EXPECT_EQ(bm.num_free_blocks(), 6);  // 0 back to free (no prefix caching: unkeyed)
+  EXPECT_EQ(sched.num_window_freed_blocks(), 1);
+  EXPECT(conserved(bm));
+  sched.verify();
+  advance(sched.schedule());  // decode at 10: keys 5 .. 10, block 1 still read
+  advance(sched.schedule());  // decode at 11
+  EXPECT_EQ(s->block_table, (Ids{kNoBlock, 1, 2}));
+  EXPECT_EQ(sched.num_window_freed_blocks(), 1);
+  BatchPlan plan = sched.schedule();  // decode at 12 needs a 4th block: the lowest free id is the freed 0
+  EXPECT_EQ(plan.seqs[0].start_pos, 12);
+  EXPECT_EQ(s->block_table, (Ids{kNoBlock, 1, 2, 0}));
+  advance(plan);  // 13 computed: queries >= 13 read keys >= 8, block 1 goes
+  EXPECT_EQ(s->block_table, (Ids{kNoBlock, kNoBlock, 2, 0}));
+  EXPECT_EQ(sched.num_window_freed_blocks(), 2);
+  EXPECT_EQ(bm.num_active_blocks(), 2);
+  EXPECT(conserved(bm));
+  sched.verify();
+  std::unique_ptr<Sequence> done = sched.remove(1);  // holes are skipped
+  EXPECT(done->block_table.empty());
+  EXPECT_EQ(bm.num_free_blocks(), 8);
+  sched.verify();
+}
+
+TEST(window_zero_keeps_every_block) {
+  BlockManager bm(8, 4);
+  Scheduler sched({8, 100, 1000, false, 0}, bm);
+  g_sched = &sched;
+  sched.add(make_seq(1, 10, 8));
+  for (int i = 0; i < 6; ++i) advance(sched.schedule());
+  EXPECT_EQ(sched.find(1)->block_table, (Ids{0, 1, 2, 3}));
+  EXPECT_EQ(sched.num_window_freed_blocks(), 0);
+  sched.verify();
+}
+
+TEST(window_releases_keyed_blocks_to_the_cache_and_hits_them) {
+  BlockManager bm(16, 4);
+  Scheduler sched({8, 100, 1000, true, 6}, bm);
+  g_sched = &sched;
+  FakeKV kv(bm, 6);
+  bool reads_ok = true;
+  std::vector<int32_t> doc(18);
+  for (int i = 0; i < 18; ++i) doc[i] = 100 + i;
+  sched.add(make_seq_tokens(1, doc, 4));
+  Sequence* s1 = sched.find(1);
+  run_step(sched, kv, &reads_ok);  // [0, 18) into 0..4; blocks 0..3 published, then 0 1 2 fall out of the window
+  EXPECT_EQ(s1->block_table, (Ids{kNoBlock, kNoBlock, kNoBlock, 3, 4}));
+  EXPECT_EQ(bm.num_cached_blocks(), 3);  // keyed before released: cached, not free
+  EXPECT(bm.has_key(0) && bm.has_key(1) && bm.has_key(2) && bm.has_key(3));
+  EXPECT_EQ(bm.num_active_blocks(), 2);
+  EXPECT_EQ(sched.num_window_freed_blocks(), 3);
+  EXPECT(conserved(bm));
+  sched.verify();
+  // The same prompt again: the whole chain 0 1 2 3 matches (0..2 cached, 3 held by sequence 1); a query at
+  // 16 reads keys >= 11, so only 2 and 3 are taken and the rest stays cached.
+  sched.add(make_seq_tokens(2, doc, 4));
+  BatchPlan plan = run_step(sched, kv, &reads_ok);
+  Sequence* s2 = sched.find(2);
+  EXPECT_EQ(plan.seqs.size(), 2u);
+  EXPECT_EQ(plan.seqs[1].start_pos, 16);
+  EXPECT_EQ(plan.seqs[1].num_tokens, 2);
+  EXPECT_EQ(sched.num_prefix_hit_tokens(), 16);
+  EXPECT_EQ(s2->block_table, (Ids{kNoBlock, kNoBlock, kNoBlock, 3, 5}));  // after advance: 2 went back again
+  EXPECT_EQ(bm.ref_count(3), 2);
+  EXPECT_EQ(bm.num_cached_blocks(), 3);
+  EXPECT_EQ(sched.num_window_freed_blocks(), 4);
+  EXPECT(conserved(bm));
+  sched.verify();
+  // Both end; a third copy finds every early-released block still cached and reads the same K/V.
+  sched.remove(1);
+  sched.remove(2);
+  EXPECT_EQ(bm.num_active_blocks(), 0);
+  sched.add(make_seq_tokens(3, doc, 4));
+  plan = sched.schedule();
+  EXPECT_EQ(plan.seqs[0].start_pos, 16);
+  EXPECT_EQ(plan.seqs[0].seq->block_table, (Ids{kNoBlock, kNoBlock, 2, 3, 4}));
+  reads_ok = kv.step(plan) && reads_ok;
+  EXPECT(reads_ok);
+  EXPECT(conserved(bm));
+  sched.verify();
+}
+
+TEST(window_preempts_a_sequence_with_holes_and_recomputes_a_fresh_table) {
+  BlockManager bm(7, 4);
+  Scheduler sched({8, 8, 1000, false, 12}, bm);
+  g_sched = &sched;
+  FakeKV kv(bm, 12);
+  bool reads_ok = true;
+  sched.add(make_seq(1, 8, 40));
+  run_step(sched, kv, &reads_ok);  // 1: 0 1
+  sched.add(make_seq(2, 16, 40));
+  run_step(sched, kv, &reads_ok);  // 1: 0 1 2; 2: first chunk [0, 8) into 3 4
+  run_step(sched, kv, &reads_ok);  // 2: [8, 16) into 5 6; queries >= 16 read keys >= 5, block 3 goes
+  Sequence* s2 = sched.find(2);
+  EXPECT_EQ(s2->block_table, (Ids{kNoBlock, 4, 5, 6}));
+  run_step(sched, kv, &reads_ok);  // 2 decodes at 16 into the freed 3
+  EXPECT_EQ(s2->block_table, (Ids{kNoBlock, 4, 5, 6, 3}));
+  EXPECT_EQ(bm.num_free_blocks(), 0);
+  run_step(sched, kv, &reads_ok);
+  EXPECT_EQ(sched.num_preemptions(), 0);
+  // 1 decodes at 12 and needs a 4th block: none left, the newest (2, with a hole) is preempted, its live
+  // blocks 3 6 5 4 go back; 1 takes 3, and 2 comes back in the same step as a fresh 8-token chunk.
+  BatchPlan plan = run_step(sched, kv, &reads_ok);
+  EXPECT_EQ(sched.num_preemptions(), 1);
+  EXPECT_EQ(sched.find(1)->block_table, (Ids{0, 1, 2, 3}));
+  EXPECT_EQ(plan.seqs[1].seq, s2);
+  EXPECT_EQ(plan.seqs[1].start_pos, 0);
+  EXPECT_EQ(s2->block_table, (Ids{4, 5}));
+  EXPECT(conserved(bm));
+  sched.verify();
+  for (int i = 0; i < 30; ++i) {
+    run_step(sched, kv, &reads_ok);
+    sched.verify();
+    EXPECT(conserved(bm));
+  }
+  EXPECT(reads_ok);
+}
+
+TEST(window_fork_shares_only_live_prompt_blocks) {
+  BlockManager bm(16, 4);
+  Scheduler sched({8, 100, 1000, false, 3}, bm);
+  g_sched = &sched;
+  FakeKV kv(bm, 3);
+  bool reads_ok = true;
+  auto parent = make_seq(7, 14, 4);
+  parent->num_forks = 2;
+  sched.add(std::move(parent));
+  Sequence* p = sched.find(7);
+  BatchPlan plan = sched.schedule();  // [0, 14) into 0 1 2 3
+  reads_ok = kv.step(plan) && reads_ok;
+  sched.advance(plan.seqs[0]);
+  // Completions will compute from 12, reading keys >= 10: the parent holds 2 (its own queries need only 3).
+  EXPECT_EQ(p->block_table, (Ids{kNoBlock, kNoBlock, 2, 3}));
+  EXPECT_EQ(sched.num_dead_blocks(*p), 2);
+  sched.verify();
+  sched.fork(p);
+  EXPECT_EQ(p->block_table, (Ids{kNoBlock, kNoBlock, kNoBlock, 3}));  // now 2 is the completions' only
+  EXPECT_EQ(bm.ref_count(2), 2);
+  for (Sequence* s : sched.find_request(7))
+    if (s != p) {
+      EXPECT_EQ(s->block_table, (Ids{kNoBlock, kNoBlock, 2}));  // holes stay holes
+      EXPECT_EQ(s->num_computed_tokens, 12);
+    }
+  EXPECT_EQ(sched.num_window_freed_blocks(), 2);  // 0 1; 2 is still held
+  sched.verify();
+  p->tokens.push_back(2);
+  plan = run_step(sched, kv, &reads_ok);  // parent decodes; completions recompute [12, 14) into 0 and 1
+  EXPECT_EQ(plan.seqs.size(), 3u);
+  EXPECT_EQ(plan.seqs[1].seq->block_table, (Ids{kNoBlock, kNoBlock, kNoBlock, 0}));
+  EXPECT_EQ(plan.seqs[2].seq->block_table, (Ids{kNoBlock, kNoBlock, kNoBlock, 1}));
+  EXPECT_EQ(bm.ref_count(2), 0);  // the second completion dropped the last reference
+  EXPECT_EQ(sched.num_window_freed_blocks(), 3);
+  EXPECT(reads_ok);
+  EXPECT(conserved(bm));
+  sched.verify();
+  for (Sequence* s : sched.find_request(7)) sched.remove(s->id);
+  EXPECT_EQ(bm.num_free_blocks(), 16);
+}
+
+TEST(window_lets_a_sequence_longer_than_the_pool_complete) {
+  // A chunk of <= 8 tokens and the 7 keys before it span 15 positions: at most 5 blocks of 4, so a pool of
+  // 5 holds a 50-token sequence (13 blocks) and a pool of 4 does not.
+  BlockManager small(4, 4), exact(5, 4);
+  Scheduler refuse({8, 8, 1000, false, 8}, small), none({8, 8, 1000, false, 0}, exact);
+  auto long_seq = make_seq(1, 30, 20);  // 50 tokens: 13 blocks without a window
+  EXPECT(!refuse.fit_error(*long_seq).empty());
+  EXPECT(refuse.fit_error(*long_seq).find("attention window of 8 tokens") != std::string::npos);
+  EXPECT(!none.fit_error(*long_seq).empty());
+  for (bool caching : {false, true}) {
+    BlockManager bm(5, 4);
+    Scheduler sched({8, 8, 1000, caching, 8}, bm);
+    g_sched = &sched;
+    FakeKV kv(bm, 8);
+    bool reads_ok = true;
+    EXPECT_EQ(sched.max_live_blocks(*long_seq), 5);
+    EXPECT(sched.fit_error(*long_seq).empty());
+    // A 3-token prompt first takes part of the budget, so the long prompt's chunks start off block
+    // boundaries: [0, 5) [5, 13) [13, 21) ... and at [13, 21) it reads keys 6..20: 5 blocks, the whole pool.
+    sched.add(make_seq(2, 3, 1));
+    auto seq = make_seq(1, 30, 20);
+    for (int32_t i = 0; i < 30; ++i) seq->tokens[i] = 10 + i;
+    sched.add(std::move(seq));
+    int steps = 0;
+    int32_t peak = 0;
+    while (sched.has_work() && steps < 200) {
+      run_step(sched, kv, &reads_ok, &peak);
+      for (int64_t id : sched.ids()) {
+        Sequence* s = sched.find(id);
+        if (s->num_tokens() >= s->max_total_tokens) sched.remove(id);
+      }
+      sched.verify();
+      EXPECT(conserved(bm));
+      ++steps;
+    }
+    EXPECT(!sched.has_work());
+    EXPECT(reads_ok);
+    EXPECT_EQ(peak, 5);  // the bound is reached, and is enough
+    EXPECT_EQ(sched.num_preemptions(), 0);
+    EXPECT(sched.num_window_freed_blocks() >= 8);
+  }
+}
+
 TEST(random_run_conserves_blocks_every_step) {
   std::mt19937 rng(1234);
   BlockManager bm(40, 4);
@@ -262,6 +536,50 @@ TEST(random_run_conserves_blocks_every_step) {
   EXPECT(sched.num_prefix_hit_tokens() > 0);
   EXPECT(finished > 100);
   EXPECT(sched.num_preemptions() > 0);
+}
+
+TEST(random_windowed_run_reads_only_its_own_keys) {
+  for (int32_t window : {1, 5, 9, 16}) {
+    std::mt19937 rng(99 + window);
+    BlockManager bm(24, 4);
+    Scheduler sched({6, 12, 96, true, window}, bm);
+    FakeKV kv(bm, window);
+    bool reads_ok = true;
+    std::vector<int32_t> shared(60);
+    for (int i = 0; i < 60; ++i) shared[i] = 500 + i;
+    int64_t next_id = 1;
+    int finished = 0;
+    for (int step = 0; step < 2500 || sched.has_work(); ++step) {
+      if (step < 2500 && rng() % 3 == 0) {
+        const int32_t prompt = 1 + rng() % 60, max_new = 1 + rng() % 36;
+        std::vector<int32_t> toks(prompt);
+        const bool share = rng() % 2;
+        for (int32_t i = 0; i < prompt; ++i) toks[i] = share ? shared[i] : (int32_t)(rng() % 1000);
+        auto s = make_seq_tokens(next_id++, toks, max_new);
+        s->num_forks = rng() % 4 == 0 ? 1 + rng() % 2 : 0;
+        if (sched.fit_error(*s).empty()) sched.add(std::move(s));
+      }
+      run_step(sched, kv, &reads_ok);
+      for (int64_t id : sched.ids()) {
+        Sequence* s = sched.find(id);
+        // a parent is never cancelled before it forks: its completions would be lost (the engine ends them)
+        if (s->num_tokens() >= s->max_total_tokens || (s->num_forks == 0 && rng() % 60 == 0)) {
+          sched.remove(id);
+          ++finished;
+        }
+      }
+      sched.verify();
+      EXPECT(conserved(bm));
+      if (step > 20000) break;  // a livelock: fails below
+    }
+
+    EXPECT(!sched.has_work());
+    EXPECT(reads_ok);
+    EXPECT_EQ(bm.num_free_blocks() + bm.num_cached_blocks(), 24);
+    EXPECT(finished > 100);
+    EXPECT(sched.num_window_freed_blocks() > 0);
+    EXPECT(sched.num_prefix_hit_tokens() > 0);
+  }
 }
 
 int main() { return lmkit::testing::run_all(); }

@@ -1,40 +1,33 @@
-"""HF folder -> ModelSpec: the engine's model config (shape, rope, sliding window), the weight
-source of every engine role, the eos ids and the model's generation defaults. Reads JSON and safetensors
-headers only."""
+"""HF folder -> ModelSpec: the engine's model config (shape, norms, rope tables, per-layer windows and rope), the
+weight source of every engine role, the eos ids and the model's generation defaults. Reads JSON and
+safetensors headers only; what depends on the architecture comes from its module (lmkit/models/<arch>.py)."""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from lmkit.models.registry import Architecture, get_architecture
+from lmkit.models.architecture import Architecture, ModelFields
+from lmkit.models.registry import get_architecture
 from lmkit.models.safetensors_index import TensorEntry, index_folder
 
+# ModelFields copied as they are onto the engine's ModelConfig (the rope tables are converted)
+_PLAIN_ENGINE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                        "head_dim", "rms_norm_eps", "norm_weight_offset", "embed_scale", "hidden_act", "attn_scale",
+                        "attn_logit_softcap", "final_logit_softcap", "has_qkv_bias", "has_qk_norm", "rotary_dim",
+                        "tie_word_embeddings", "max_position_embeddings")
+# checkpoint tensors that are not weights (rotary buffers some exporters save)
+_IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
-@dataclass
-class ModelSpec:
-    """Everything the C++ engine needs to load a model folder."""
+
+@dataclass(kw_only=True)
+class ModelSpec(ModelFields):
+    """Everything the C++ engine needs to load a model folder: the ModelFields of its config.json and these."""
 
     path: Path
     architecture: Architecture
     config: dict  # config.json as read
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    inv_freq: np.ndarray  # float32 [head_dim / 2], scaling applied
-    attention_scaling: float
-    sliding_window: int
-    tie_word_embeddings: bool
-    max_position_embeddings: int
     eos_token_ids: list[int]
     awq_group_size: int = 0  # > 0: an AWQ int4 checkpoint
     generation_defaults: dict = field(default_factory=dict)
@@ -56,60 +49,34 @@ class ModelSpec:
             merged.update(do_sample=False, temperature=1.0)
         return GenerationConfig(**merged)
 
-    def to_engine_config(self):
-        """The lmkit._engine.ModelConfig for this spec."""
-        from lmkit import _engine
+    def engine_config_fields(self, session_len: int | None = None) -> dict:
+        """Field name -> value of the engine's ModelConfig (names as in C++). ``session_len``: the engine's
+        tokens per session; it picks longrope's table (the long factors when it exceeds the pretraining length;
+        None: the short ones, see RopeTable.for_session)."""
+        values = {name: getattr(self, name) for name in _PLAIN_ENGINE_FIELDS}
+        local = self.rope_local
+        values.update(
+            architecture=self.architecture.name,
+            family=self.architecture.family,
+            inv_freq=[float(x) for x in self.rope.for_session(session_len)],
+            attention_scaling=float(self.rope.attention_scaling),
+            inv_freq_local=[] if local is None else [float(x) for x in local.for_session(session_len)],
+            attention_scaling_local=1.0 if local is None else float(local.attention_scaling),
+            layer_rope=list(self.layer_rope),
+            layer_sliding_window=list(self.layer_sliding_window),
+            awq_group_size=self.awq_group_size,
+        )
+        return values
+
+    def to_engine_config(self, session_len: int | None = None):
+        """The lmkit._engine.ModelConfig for this spec in sessions of ``session_len`` tokens (see
+        engine_config_fields; pass the engine's resolved session length)."""
+        from lmkit._ext import _engine
 
         c = _engine.ModelConfig()
-        c.architecture = self.architecture.name
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "rms_norm_eps", "attention_scaling", "sliding_window", "tie_word_embeddings",
-                     "max_position_embeddings", "awq_group_size"):
-            setattr(c, name, getattr(self, name))
-        c.inv_freq = [float(x) for x in self.inv_freq]
-        c.has_qkv_bias = self.architecture.qkv_bias
+        for name, value in self.engine_config_fields(session_len).items():
+            setattr(c, name, value)
         return c
-
-
-def _rope_parameters(cfg: dict) -> tuple[float, dict]:
-    """(rope_theta, scaling dict with 'rope_type') across transformers 4.x and 5.x config layouts."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = dict(cfg.get("rope_scaling") or {})
-    # transformers 5 reads rope_parameters first; a top-level rope_theta is the 4.x layout. Tools on 4.x that
-    # re-save a 5.x config (AutoAWQ) write their default 10000 there beside the real value in rope_parameters.
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    merged = {**params, **scaling}
-    merged["rope_type"] = merged.get("rope_type", merged.get("type", "default"))
-    return float(theta), merged
-
-
-def compute_inv_freq(cfg: dict, head_dim: int) -> tuple[np.ndarray, float]:
-    """Rotary inverse frequencies and attention scaling, as transformers computes them (fp32)."""
-    theta, scaling = _rope_parameters(cfg)
-    rope_type = scaling["rope_type"]
-    dim = int(head_dim * float(scaling.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))))
-    if dim != head_dim:
-        raise ValueError(f"partial rotary embeddings (rotary dim {dim} of head_dim {head_dim}) are not supported")
-    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
-    if rope_type == "default":
-        return inv_freq, 1.0
-    if rope_type == "linear":
-        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32), 1.0
-    if rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_ctx = float(scaling["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = np.float32(2 * math.pi) / inv_freq
-        scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq).astype(np.float32)
-        smooth = ((old_ctx / wavelen - low) / (high - low)).astype(np.float32)
-        smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
-        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return np.where(is_medium, smoothed, scaled).astype(np.float32), 1.0
-    raise ValueError(
-        f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3"
-    )
 
 
 def _as_id_list(value) -> list[int]:
@@ -205,17 +172,10 @@ def load_model_spec(path: Path) -> ModelSpec:
         raise ValueError(f"{cfg_path}: no 'architectures' entry; cannot tell which model this is")
     arch = get_architecture(archs[0])
     awq = awq_settings(cfg, cfg_path)
-
-    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    inv_freq, attention_scaling = compute_inv_freq(cfg, head_dim)
-    sliding = 0
-    if arch.uses_sliding_window == "always" or (
-        arch.uses_sliding_window == "if_use_sliding_window" and cfg.get("use_sliding_window")
-    ):
-        sliding = int(cfg.get("sliding_window") or 0)
-    if arch.uses_sliding_window == "if_use_sliding_window" and sliding:
-        raise ValueError(f"{cfg_path}: Qwen2 per-layer sliding window attention is not supported yet")
+    try:
+        fields = arch.model_fields(cfg)
+    except ValueError as e:
+        raise ValueError(f"{cfg_path}: {e}") from None
 
     eos = _as_id_list(cfg.get("eos_token_id"))
     gen_path = path / "generation_config.json"
@@ -224,42 +184,44 @@ def load_model_spec(path: Path) -> ModelSpec:
         eos += [t for t in _as_id_list(gen.get("eos_token_id")) if t not in eos]
     generation_defaults = read_generation_defaults(path, cfg, gen)
 
-    tensors = index_folder(path)
-    num_layers = int(cfg["num_hidden_layers"])
-    sources: dict[str, TensorEntry] = {}
-    for role, key in arch.key_map.items():
-        for i in range(num_layers) if "{i}" in role else [None]:
-            r, k = (role, key) if i is None else (role.format(i=i), key.format(i=i))
-            if k in tensors:
-                sources[r] = tensors[k]
-            elif awq and k.endswith(".weight") and k[: -len("weight")] + "qweight" in tensors:
-                base = k[: -len("weight")]
-                for part in ("qweight", "qzeros", "scales"):
-                    if base + part not in tensors:
-                        raise ValueError(f"{path}: AWQ layer {base[:-1]} has qweight but no {part}")
-                    sources[f"{r}.{part}"] = tensors[base + part]
-    tie = bool(cfg.get("tie_word_embeddings", False))
-    if tie:
+    sources = map_tensors(arch, index_folder(path), fields.num_layers, bool(awq), path)
+    if fields.tie_word_embeddings:
         sources.pop("lm_head", None)  # HF uses the embedding even when a copy was saved
     return ModelSpec(
+        **vars(fields),
         path=path,
         architecture=arch,
         config=cfg,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        inv_freq=inv_freq,
-        attention_scaling=attention_scaling,
-        sliding_window=sliding,
-        tie_word_embeddings=tie,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         eos_token_ids=eos,
         awq_group_size=awq["group_size"] if awq else 0,
         generation_defaults=generation_defaults,
         sources=sources,
     )
+
+
+def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers: int, is_awq: bool,
+                path: Path) -> dict[str, TensorEntry]:
+    """Engine role -> checkpoint tensor by the architecture's key map; an AWQ linear (``<name>.qweight``,
+    ``qzeros``, ``scales`` in place of ``<name>.weight``) maps to ``<role>.qweight`` etc. Raises ValueError naming
+    the tensors no role takes (rotary buffers aside): a weight lmkit would silently drop."""
+    sources: dict[str, TensorEntry] = {}
+    used: set[str] = set()
+    for role, key in arch.key_map.items():
+        for i in range(num_layers) if "{i}" in role else [None]:
+            r, k = (role, key) if i is None else (role.format(i=i), key.format(i=i))
+            if k in tensors:
+                sources[r] = tensors[k]
+                used.add(k)
+            elif is_awq and k.endswith(".weight") and k[: -len("weight")] + "qweight" in tensors:
+                base = k[: -len("weight")]
+                for part in ("qweight", "qzeros", "scales"):
+                    if base + part not in tensors:
+                        raise ValueError(f"{path}: AWQ layer {base[:-1]} has qweight but no {part}")
+                    sources[f"{r}.{part}"] = tensors[base + part]
+                    used.add(base + part)
+    unknown = sorted(name for name in tensors if name not in used and not name.endswith(_IGNORED_TENSOR_SUFFIXES))
+    if unknown:
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise ValueError(f"{path}: tensors that lmkit's {arch.name} does not use: {', '.join(unknown[:5])}{more} "
+                         "(a checkpoint variant its module lmkit/models/ does not know)")
+    return sources

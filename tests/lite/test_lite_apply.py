@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmkit.lite.apply import can_absorb, fold_scales
-from lmkit.lite.awq_maps import AWQ_MAPS, get_awq_map
+from lmkit.models import ARCHITECTURES, get_awq_map
 from tests.conftest import make_tiny_model
 
 
@@ -51,6 +51,6 @@ def test_fold_refuses_gqa_v_to_o(tmp_path):
 
 
 def test_every_table_covers_each_linear_once():
-    for awq_map in AWQ_MAPS.values():
+    for awq_map in (arch.awq_map for arch in ARCHITECTURES.values()):
         assert len(set(awq_map.linears)) == len(awq_map.linears)
         assert set(awq_map.no_clip) <= set(awq_map.linears)

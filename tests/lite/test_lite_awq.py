@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from lmkit.lite.apply import fold_scales
 from lmkit.lite.awq import quantize_awq
-from lmkit.lite.awq_maps import get_awq_map
+from lmkit.models import get_awq_map
 from lmkit.lite.checkpoint import load_causal_lm, read_state_dict
 from lmkit.lite.config import AwqConfig, PplConfig
 from lmkit.lite.export import COMPLETE_MARKER

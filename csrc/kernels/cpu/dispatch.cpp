@@ -474,17 +474,19 @@ void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias,
 
 void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads, int head_dim,
           const float* inv_freq, float attention_scaling, int rotary_dim) {
-  LMKIT_CHECK(rotary_dim == 0 || rotary_dim == head_dim, "rope: partial rotary (rotary_dim ", rotary_dim,
-              " of head_dim ", head_dim, ") is not implemented yet");
   LMKIT_CHECK(n >= 0 && num_heads >= 0 && num_kv_heads >= 0, "rope: bad shape n ", n, " heads ", num_heads,
               " kv heads ", num_kv_heads);
   LMKIT_CHECK(head_dim > 0 && head_dim % 2 == 0 && head_dim <= 1024,
               "rope: head_dim must be even and in [2, 1024], got ", head_dim);
+  LMKIT_CHECK(rotary_dim == 0 || (rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= head_dim),
+              "rope: rotary_dim must be 0 (all of head_dim) or even and in [2, head_dim = ", head_dim, "], got ",
+              rotary_dim);
   if (n == 0) return;
   LMKIT_CHECK(positions != nullptr && inv_freq != nullptr, "rope: positions and inv_freq must be non-null");
   LMKIT_CHECK((q != nullptr || num_heads == 0) && (k != nullptr || num_kv_heads == 0),
               "rope: q and k must be non-null");
-  cpu::active().rope(q, k, positions, n, num_heads, num_kv_heads, head_dim, inv_freq, attention_scaling);
+  cpu::active().rope(q, k, positions, n, num_heads, num_kv_heads, head_dim, inv_freq, attention_scaling,
+                     rotary_dim == 0 ? head_dim : rotary_dim);
 }
 
 void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out) {
@@ -496,20 +498,24 @@ void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, floa
 
 void gelu_tanh_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out) {
   LMKIT_CHECK(n >= 0 && inter >= 0, "gelu_tanh_mul: bad shape [", n, ", ", inter, "]");
-  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-  for (int64_t i = 0; i < n * inter; ++i) {
-    const float x = gate[i];
-    out[i] = 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x))) * up[i];
-  }
+  if (n == 0 || inter == 0) return;
+  LMKIT_CHECK(gate != nullptr && up != nullptr && out != nullptr, "gelu_tanh_mul: gate, up and out must be non-null");
+  cpu::active().gelu_tanh_mul(gate, up, n, inter, out);
 }
 
 void softcap(float* x, int64_t n, float cap) {
-  LMKIT_CHECK(cap > 0, "softcap: cap must be > 0, got ", cap);
-  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
+  LMKIT_CHECK(cap > 0.0f && std::isfinite(cap), "softcap: cap must be finite and > 0, got ", cap);
+  LMKIT_CHECK(n >= 0, "softcap: n must be >= 0, got ", n);
+  if (n == 0) return;
+  LMKIT_CHECK(x != nullptr, "softcap: x must be non-null");
+  cpu::active().softcap(x, n, cap);
 }
 
 void scale(float* x, int64_t n, float s) {
-  for (int64_t i = 0; i < n; ++i) x[i] *= s;
+  LMKIT_CHECK(n >= 0, "scale: n must be >= 0, got ", n);
+  if (n == 0) return;
+  LMKIT_CHECK(x != nullptr, "scale: x must be non-null");
+  cpu::active().scale(x, n, s);
 }
 
 namespace {
@@ -541,8 +547,10 @@ void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* 
 
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
                      float scale, int32_t sliding_window, float* out, float logit_softcap) {
-  LMKIT_CHECK(logit_softcap == 0.0f, "paged_attention: logit soft-capping is not implemented yet");
   check_kv(kv, "paged_attention");
+  LMKIT_CHECK(logit_softcap >= 0.0f && std::isfinite(logit_softcap),
+              "paged_attention: logit_softcap must be 0 (off) or finite and > 0, got ", logit_softcap);
+  LMKIT_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
   LMKIT_CHECK(num_seqs >= 0, "paged_attention: num_seqs must be >= 0, got ", num_seqs);
   LMKIT_CHECK(num_heads > 0 && num_heads % kv.num_kv_heads == 0, "paged_attention: num_heads ", num_heads,
               " must be a positive multiple of num_kv_heads ", kv.num_kv_heads);
@@ -554,19 +562,24 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
                 " has q_len ", a.q_len, ", q_row ", a.q_row, ", ctx_len ", a.ctx_len, " (need 0 <= q_len <= ctx_len)");
     if (a.q_len == 0) continue;
     LMKIT_CHECK(a.block_table != nullptr, "paged_attention: sequence ", s, " has no block table");
+    // the blocks some query's window reaches: keys from the first query's window start to ctx_len - 1 (the
+    // entries before may be -1, blocks the engine freed, and are never read)
+    const int64_t first_pos = (int64_t)a.ctx_len - a.q_len;
+    const int64_t first_key = sliding_window > 0 ? std::max<int64_t>(0, first_pos - sliding_window + 1) : 0;
     const int64_t num_used = ((int64_t)a.ctx_len + kv.block_size - 1) / kv.block_size;
-    for (int64_t b = 0; b < num_used; ++b)
+    for (int64_t b = first_key / kv.block_size; b < num_used; ++b)
       LMKIT_CHECK(a.block_table[b] >= 0 && a.block_table[b] < kv.num_blocks, "paged_attention: sequence ", s,
-                  " block_table[", b, "] = ", a.block_table[b], " is outside the pool (", kv.num_blocks, " blocks)");
+                  " block_table[", b, "] = ", a.block_table[b], " is outside the pool (", kv.num_blocks,
+                  " blocks), and keys ", first_key, "..", a.ctx_len - 1, " of its queries' windows need it");
   }
   // the cheap conditions first: amx_table() asks the OS for the tile registers on its first call
   const bool tiles_fit = kv.bits == 16 && kv.head_dim % 32 == 0 && kv.block_size % 32 == 0;
   const cpu::KernelTable* amx =
       tiles_fit && cpu::g_amx_enabled.load(std::memory_order_relaxed) ? cpu::amx_table() : nullptr;
   if (amx != nullptr && amx->paged_attention_amx != nullptr)
-    amx->paged_attention_amx(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out);
+    amx->paged_attention_amx(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap);
   else
-    cpu::active().paged_attention(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out);
+    cpu::active().paged_attention(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap);
 }
 
 }  // namespace lmkit::ops

@@ -5,7 +5,10 @@
 // query position i of the sequence with query head kv_head * group + g, so a decode step is one task
 // holding the group's heads and a prefill chunk is many. Keys are walked in chunks through the block
 // table; a row masks keys after its own position (causal) and before its sliding window; keys past
-// the task's last query position are never read, so unused pool slots are never touched.
+// the task's last query position are never read, so unused pool slots are never touched, and neither
+// are keys before the window of the task's first row: the walk starts there, so the block table is
+// read only over blocks some window reaches (the engine may put -1 in the others: freed blocks).
+// Scores are s = scale * q . k, or cap * tanh(scale * q . k / cap) with logit soft-capping (Scores).
 //
 // Prefill tasks (attend_task): scores computed transposed, vectorised over the task's rows, so that
 // neither K nor the softmax needs a horizontal reduction:
@@ -96,6 +99,24 @@ inline V load_hd(const float* row, int dv, int hd) {
   return rem >= kW ? vload(row + dv * kW) : vload_n(row + dv * kW, rem);
 }
 
+// The scores of dot products q . k (ops.h): scale * dot, or with logit soft-capping (cap > 0)
+// cap * tanh(dot * (scale / cap)). A kernel holding its dot products in a buffer caps them there in a pass of
+// their own (cap_in_place: the tanh's constants then never compete for the registers of the kernel's loop,
+// which costs the uncapped path ~5-10% on AMX tiles), then multiplies by `post` (1 when capped, else scale).
+struct Scores {
+  V mul, cap, post;
+  bool capped;
+  Scores(float scale, float softcap)
+      : mul(vset1(softcap > 0.0f ? scale / softcap : scale)), cap(vset1(softcap)),
+        post(vset1(softcap > 0.0f ? 1.0f : scale)), capped(softcap > 0.0f) {}
+  V operator()(V dot) const { return capped ? cap * vtanh(dot * mul) : dot * mul; }
+  // p[0:count] = cap * tanh(p * scale / cap) when capped; count a multiple of kW
+  void cap_in_place(float* p, int64_t count) const {
+    if (!capped) return;
+    for (int64_t i = 0; i < count; i += kW) vstore(p + i, cap * vtanh(vload(p + i) * mul));
+  }
+};
+
 // st[j][v * kW ..] = K_j . qt[:, v * kW ..] for the kAttnKeyBlock keys krow[0..], RV row vectors.
 template <int RV>
 inline void scores_t(const float* const* krow, const float* qt, int hd, float* st) {
@@ -144,7 +165,7 @@ inline void pv_block(const float* st, int ld, int r0, const float* const* vrow, 
 // Rows [rho0, rho1) of sequence `seq` under kv head `kvh`; RV = row vectors (rows <= RV * kW).
 template <int RV>
 void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group, int num_heads,
-                 int64_t rho0, int64_t rho1, float scale, int window, float* out) {
+                 int64_t rho0, int64_t rho1, float scale, float softcap, int window, float* out) {
   constexpr int ld = RV * kW;  // rows <= ld, and rows * hdp <= kAttnMaxTaskFloats
   const int hd = kv.head_dim, nvec = (hd + kW - 1) / kW, hdp = nvec * kW;
   const int rows = (int)(rho1 - rho0), rows4 = (rows + 3) / 4 * 4;
@@ -174,7 +195,8 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
 
   // rows are in position order: row 0 has the lowest position and window start, the last row the highest
   const int64_t key_lo = (int64_t)lo[0], key_hi = (int64_t)pos[rows - 1] + 1;
-  const V vscale = vset1(scale), neg_inf = vset1(-INFINITY);
+  const Scores score(scale, softcap);
+  const V neg_inf = vset1(-INFINITY);
   const float* krow[kAttnChunk];
   const float* vrow[kAttnChunk];
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kAttnChunk) {
@@ -182,13 +204,14 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
     const int nb = (n + kAttnKeyBlock - 1) / kAttnKeyBlock;
     gather_kv(kv, seq.block_table, kvh, c0, n, nb * kAttnKeyBlock, kZeroRow, krow, vrow, kdq, vdq);
     for (int b = 0; b < nb; ++b) scores_t<RV>(krow + b * kAttnKeyBlock, qt, hd, st + b * kAttnKeyBlock * ld);
+    score.cap_in_place(st, (int64_t)n * ld);
     // masking is needed only where the chunk crosses some row's position or window start
     const bool masked = (float)(c0 + n - 1) > pos[0] || (float)c0 < lo[RV * kW - 1];
     for (int v = 0; v < RV; ++v) {
       const V mv = vload(m + v * kW), pv = vload(pos + v * kW), lv = vload(lo + v * kW);
       V mx = mv;
       for (int j = 0; j < n; ++j) {
-        V s = vload(st + j * ld + v * kW) * vscale;
+        V s = vload(st + j * ld + v * kW) * score.post;
         if (masked) {
           const V kp = vset1((float)(c0 + j));
           s = vselect_lt(pv, kp, neg_inf, s);  // key after the query
@@ -242,7 +265,7 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
 // attend_merge to combine the splits of a long context.
 template <int G>
 void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group, int num_heads,
-                     int64_t rho0, float scale, int window, float* out, int64_t split_begin = 0,
+                     int64_t rho0, float scale, float softcap, int window, float* out, int64_t split_begin = 0,
                      int64_t split_end = INT64_MAX, float* partial = nullptr) {
   const int hd = kv.head_dim, nvec = (hd + kW - 1) / kW, hdp = nvec * kW;
   alignas(64) float obuf[4 * kAttnMaxHeadDim];  // [G][hdp]
@@ -270,7 +293,8 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
   key_hi = key_hi < split_end ? key_hi : split_end;
   float iota[kW];
   for (int j = 0; j < kW; ++j) iota[j] = (float)j;
-  const V viota = vload(iota), vscale = vset1(scale), neg_inf = vset1(-INFINITY);
+  const V viota = vload(iota), neg_inf = vset1(-INFINITY);
+  const Scores score(scale, softcap);
   const float* krow[kW];
   const float* vrow[kW];
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kW) {
@@ -294,7 +318,7 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
     }
     const V kpos = viota + vset1((float)c0);
     for (int r = 0; r < G; ++r) {
-      V s = vhsum(a[r]) * vscale;
+      V s = score(vhsum(a[r]));
       // the last key this row may see here: its own position, or the split's end
       const float last = pos[r] < (float)(key_hi - 1) ? pos[r] : (float)(key_hi - 1);
       if ((float)(c0 + kW - 1) > last || (float)c0 < lo[r]) {
@@ -380,13 +404,13 @@ struct DotDecode {
   void begin() {}
   void end() {}
   void operator()(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
-                  int num_heads, int64_t rho0, float scale, int window, float* out, int64_t split_begin = 0,
-                  int64_t split_end = INT64_MAX, float* partial = nullptr) {
+                  int num_heads, int64_t rho0, float scale, float softcap, int window, float* out,
+                  int64_t split_begin = 0, int64_t split_end = INT64_MAX, float* partial = nullptr) {
     switch (rows) {
-      case 1: return attend_task_dot<1>(q, kv, seq, kvh, group, num_heads, rho0, scale, window, out, split_begin, split_end, partial);
-      case 2: return attend_task_dot<2>(q, kv, seq, kvh, group, num_heads, rho0, scale, window, out, split_begin, split_end, partial);
-      case 3: return attend_task_dot<3>(q, kv, seq, kvh, group, num_heads, rho0, scale, window, out, split_begin, split_end, partial);
-      default: return attend_task_dot<4>(q, kv, seq, kvh, group, num_heads, rho0, scale, window, out, split_begin, split_end, partial);
+      case 1: return attend_task_dot<1>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
+      case 2: return attend_task_dot<2>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
+      case 3: return attend_task_dot<3>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
+      default: return attend_task_dot<4>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
     }
   }
 };
@@ -395,7 +419,8 @@ struct DotDecode {
 // is split over its keys so that all threads have work even for one sequence, then merged.
 template <class Decode>
 inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
-                                int32_t num_heads, float scale, int32_t window, int splits, float* out) {
+                                int32_t num_heads, float scale, float softcap, int32_t window, int splits,
+                                float* out) {
   const int group = num_heads / kv.num_kv_heads, hd = kv.head_dim, nkv = kv.num_kv_heads;
   const int64_t stride = hd + 2, per_task = Decode::kMaxRows * stride;
   const int64_t num_tasks = (int64_t)num_seqs * nkv;
@@ -416,7 +441,7 @@ inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq
       const int64_t last = (int64_t)seq.ctx_len - 1, first = last - (seq.q_len - 1);
       const int64_t begin = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0, count = last + 1 - begin;
       const int64_t b = begin + count * sp / splits, e = begin + count * (sp + 1) / splits;
-      decode(rows, q, kv, seq, kvh, group, num_heads, 0, scale, window, out, b, e, scratch + job * per_task);
+      decode(rows, q, kv, seq, kvh, group, num_heads, 0, scale, softcap, window, out, b, e, scratch + job * per_task);
     }
     decode.end();
 #pragma omp for schedule(static)
@@ -436,23 +461,25 @@ inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq
 // score tiles (attend_task); a Decode kernel with kEveryTask takes every task, prefill rows included.
 template <class Decode>
 void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
-                          int32_t num_heads, float scale, int32_t window, float* out) {
+                          int32_t num_heads, float scale, float softcap, int32_t window, float* out) {
   const int group = num_heads / kv.num_kv_heads;
   const int hdp = (kv.head_dim + kW - 1) / kW * kW;
   // decode steps with fewer tasks than twice the threads: split long contexts over the keys
   const int nt = omp_get_max_threads();
   bool all_decode = nt > 1;
-  int64_t max_ctx = 0;
+  int64_t max_keys = 0;  // keys a task visits: the context, or the first row's window onwards
   for (int s = 0; s < num_seqs && all_decode; ++s) {
     all_decode = seqs[s].q_len * group <= Decode::kMaxRows;
-    max_ctx = seqs[s].ctx_len > max_ctx ? seqs[s].ctx_len : max_ctx;
+    const int64_t in_window = (int64_t)window + seqs[s].q_len - 1;
+    const int64_t keys = window > 0 && in_window < seqs[s].ctx_len ? in_window : seqs[s].ctx_len;
+    max_keys = keys > max_keys ? keys : max_keys;
   }
   const int64_t base_tasks = (int64_t)num_seqs * kv.num_kv_heads;
   if (all_decode && base_tasks < 2 * nt) {
     int64_t splits = (2 * nt + base_tasks - 1) / base_tasks;
-    splits = splits < max_ctx / kAttnMinSplitKeys ? splits : max_ctx / kAttnMinSplitKeys;
+    splits = splits < max_keys / kAttnMinSplitKeys ? splits : max_keys / kAttnMinSplitKeys;
     if (splits > 1)
-      return attend_decode_split<Decode>(q, kv, seqs, num_seqs, num_heads, scale, window, (int)splits, out);
+      return attend_decode_split<Decode>(q, kv, seqs, num_seqs, num_heads, scale, softcap, window, (int)splits, out);
   }
   int rows_per_task = kAttnMaxTaskFloats / hdp / 4 * 4;
   rows_per_task = rows_per_task > kAttnMaxRows ? kAttnMaxRows : rows_per_task < 4 ? 4 : rows_per_task;
@@ -489,10 +516,10 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
       const int64_t rho1 = rho0 + rows_per_task < total_rows ? rho0 + rows_per_task : total_rows;
       const int rv = (int)((rho1 - rho0 + kW - 1) / kW);
       if (rho1 - rho0 <= Decode::kMaxRows)
-        decode((int)(rho1 - rho0), q, kv, seqs[s], kvh, group, num_heads, rho0, scale, window, out);
-      else if (rv == 1) attend_task<1>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, window, out);
-      else if (rv == 2) attend_task<2>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, window, out);
-      else attend_task<3>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, window, out);
+        decode((int)(rho1 - rho0), q, kv, seqs[s], kvh, group, num_heads, rho0, scale, softcap, window, out);
+      else if (rv == 1) attend_task<1>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
+      else if (rv == 2) attend_task<2>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
+      else attend_task<3>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
     }
     decode.end();
   }
@@ -500,6 +527,6 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
 }
 
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
-                     float scale, int32_t window, float* out) {
-  paged_attention_with<DotDecode>(q, kv, seqs, num_seqs, num_heads, scale, window, out);
+                     float scale, int32_t window, float* out, float softcap) {
+  paged_attention_with<DotDecode>(q, kv, seqs, num_seqs, num_heads, scale, softcap, window, out);
 }

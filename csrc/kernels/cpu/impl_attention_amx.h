@@ -7,7 +7,8 @@
 // A task's R <= 16 rows (query heads x positions) over keys [k_lo, k_hi), in two passes (exact softmax):
 //   scores  S^T[16 keys x 16 rows]  = K[16 keys x 32 d] . Q^T[32 d x 16 rows]   per 32 d, tiles 0 (C) 1 (K) 2 (Q^T)
 //           K rows come straight from the cache; Q^T is the task's rows as pairs of d (VNNI), built once;
-//           S^T transposed in registers; row r scaled and masked -> S[r][keys] (fp32)
+//           S^T soft-capped in place (Scores, if capped), transposed in registers; row r scaled and masked
+//           -> S[r][keys] (fp32)
 //   softmax m_r = max S[r], P[r][j] = bf16(exp(S[r][j] - m_r)), l_r = sum of those bf16 values
 //   output  O[16 rows x 16 d]      += P[16 rows x 32 keys] . V[32 keys x 16 d]   tiles 4-7 (C) 1 (P) 2 (V)
 //           V's token pairs are interleaved in the cache (ops.h): 16 pair rows are exactly the VNNI operand
@@ -73,13 +74,13 @@ struct AmxDecode {
   LMKIT_AMX void begin() { amx_configure(); }
   LMKIT_AMX void end() { _tile_release(); }
   LMKIT_AMX void operator()(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
-                            int num_heads, int64_t rho0, float scale, int window, float* out,
+                            int num_heads, int64_t rho0, float scale, float softcap, int window, float* out,
                             int64_t split_begin = 0, int64_t split_end = INT64_MAX, float* partial = nullptr);
 };
 
 LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
-                                     int group, int num_heads, int64_t rho0, float scale, int window, float* out,
-                                     int64_t split_begin, int64_t split_end, float* partial) {
+                                     int group, int num_heads, int64_t rho0, float scale, float softcap, int window,
+                                     float* out, int64_t split_begin, int64_t split_end, float* partial) {
   const int64_t hd = kv.head_dim, bs = kv.block_size, bb = kv.block_bytes();
   const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
   float pos[kAmxAttnRows], lo[kAmxAttnRows];
@@ -109,7 +110,8 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
   int64_t k_lo = (int64_t)lo[0], k_hi = (int64_t)pos[R - 1] + 1;  // rows are in position order
   k_lo = k_lo > split_begin ? k_lo : split_begin;
   k_hi = k_hi < split_end ? k_hi : split_end;
-  const int64_t a0 = k_lo / kAmxAttnKeys * kAmxAttnKeys;                                   // aligned start
+  // aligned start: in k_lo's block (block_size % 32 == 0), so no block before the window's is read
+  const int64_t a0 = k_lo / kAmxAttnKeys * kAmxAttnKeys;
   const int64_t len = (k_hi - a0 + kAmxAttnKeys - 1) / kAmxAttnKeys * kAmxAttnKeys;       // keys from a0
   thread_local ScratchBuffer s_buf, p_buf;
   float* S = (float*)s_buf.get((size_t)(R * len) * 4);              // [R][len] scores, masked
@@ -119,7 +121,8 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
   asm volatile("" ::: "memory");
   // ---- scores: 16 keys at a time
   alignas(64) float sbuf[16 * 16];
-  const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
+  const Scores score(scale, softcap);
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   const __m512 key_iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 v_lo = _mm512_set1_ps((float)k_lo), v_hi = _mm512_set1_ps((float)k_hi);
   for (int64_t c0 = a0; c0 < k_hi; c0 += 16) {
@@ -133,13 +136,14 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
       _tile_dpbf16ps(0, 1, 2);
     }
     _tile_stored(0, sbuf, 64);
+    score.cap_in_place(sbuf, 16 * 16);  // before the transpose's 16 live registers
     __m512 rows[16];  // S^T's 16 keys -> S's 16 rows
     for (int j = 0; j < 16; ++j) rows[j] = _mm512_load_ps(sbuf + 16 * j);
     transpose16x16(rows);
     const __m512 kpos = _mm512_add_ps(key_iota, _mm512_set1_ps((float)c0));
     const __mmask16 in_range = _mm512_cmp_ps_mask(kpos, v_lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(kpos, v_hi, _CMP_LT_OQ);
     for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_mul_ps(rows[r], vscale);
+      const __m512 s = _mm512_mul_ps(rows[r], score.post.v);
       const __mmask16 seen = in_range & _mm512_cmp_ps_mask(kpos, _mm512_set1_ps(pos[r]), _CMP_LE_OQ) &
                              _mm512_cmp_ps_mask(kpos, _mm512_set1_ps(lo[r]), _CMP_GE_OQ);
       _mm512_storeu_ps(S + r * len + (c0 - a0), _mm512_mask_blend_ps(seen, neg_inf, s));
@@ -221,7 +225,7 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
 }
 
 LMKIT_AMX void paged_attention_amx(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
-                                   int32_t num_heads, float scale, int32_t window, float* out) {
-  paged_attention_with<AmxDecode>(q, kv, seqs, num_seqs, num_heads, scale, window, out);
+                                   int32_t num_heads, float scale, int32_t window, float* out, float softcap) {
+  paged_attention_with<AmxDecode>(q, kv, seqs, num_seqs, num_heads, scale, softcap, window, out);
 }
 #endif

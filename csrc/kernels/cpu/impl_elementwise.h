@@ -1,4 +1,5 @@
-// Row-wise and element-wise ops: embedding, rmsnorm, add_rmsnorm, rope, silu_mul, kv_write.
+// Row-wise and element-wise ops: embedding, rmsnorm, add_rmsnorm, rope, silu_mul, gelu_tanh_mul, softcap,
+// scale, kv_write.
 // Textually included by isa_body.h inside the ISA namespace (see simd.h); written once for every ISA.
 
 // Threads for an op touching `work` elements: small ops stay on the calling thread.
@@ -59,7 +60,7 @@ void add_rmsnorm(float* residual, const float* x, const void* w, DType dt, float
   }
 }
 
-// x[0:half] and x[half:2*half] of one head rotated by (c, s).
+// x[0:half] and x[half:2*half] of one head rotated by (c, s); the head's dims from 2 * half on are left as they are.
 inline void rope_head(float* x, const float* c, const float* s, int half) {
   int i = 0;
   for (; i + kW <= half; i += kW) {
@@ -74,12 +75,13 @@ inline void rope_head(float* x, const float* c, const float* s, int half) {
   }
 }
 
+// rotary_dim (even, <= head_dim; checked at the door): the dims rotated at the start of each head.
 void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads, int head_dim,
-          const float* inv_freq, float scaling) {
-  const int half = head_dim / 2;
-#pragma omp parallel if (worth_threads(n * (num_heads + num_kv_heads) * head_dim * 8))
+          const float* inv_freq, float scaling, int rotary_dim) {
+  const int half = rotary_dim / 2;
+#pragma omp parallel if (worth_threads(n * (num_heads + num_kv_heads) * rotary_dim * 8))
   {
-    float c[512], s[512];  // head_dim <= 1024, checked at the door
+    float c[512], s[512];  // rotary_dim <= head_dim <= 1024, checked at the door
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < n; ++t) {
       const float pos = (float)positions[t];
@@ -96,25 +98,50 @@ void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads
   }
 }
 
-// silu(g) * u = g * (1 / (1 + exp(-g))) * u, the reciprocal by vrcp (a division costs twice the rest)
-void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out) {
-  const int64_t total = n * inter;
+// f(i, r) for the vectors of [0, total): r = kW lanes from i, then one tail of r < kW; in chunks of 4096
+// elements over the thread team when the op is large enough. f captures by value and runs as a private copy:
+// captures reached through a pointer would be reloaded after every store (a float store may alias them).
+template <class F>
+inline void for_each_vector(int64_t total, const F& f) {
   const int64_t num_chunks = (total + 4095) / 4096;
 #pragma omp parallel for schedule(static) if (worth_threads(total))
   for (int64_t c = 0; c < num_chunks; ++c) {
+    const F fc = f;
     const int64_t begin = c * 4096, end = begin + 4096 < total ? begin + 4096 : total;
     int64_t i = begin;
-    const V one = vset1(1.0f);
-    for (; i + kW <= end; i += kW) {
-      V g = vload(gate + i), u = vload(up + i);
-      vstore(out + i, g * vrcp(one + vexp(vzero() - g)) * u);
-    }
-    if (i < end) {
-      int r = (int)(end - i);
-      V g = vload_n(gate + i, r), u = vload_n(up + i, r);
-      vstore_n(out + i, g * vrcp(one + vexp(vzero() - g)) * u, r);
-    }
+    for (; i + kW <= end; i += kW) fc(i, kW);
+    if (i < end) fc(i, (int)(end - i));
   }
+}
+
+// silu(g) * u = g * (1 / (1 + exp(-g))) * u, the reciprocal by vrcp (a division costs twice the rest)
+void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out) {
+  const V one = vset1(1.0f);
+  for_each_vector(n * inter, [=](int64_t i, int r) {
+    const V g = vload_r(gate + i, r), u = vload_r(up + i, r);
+    vstore_r(out + i, g * vrcp(one + vexp(vzero() - g)) * u, r);
+  });
+}
+
+// gelu_tanh(g) * u with 0.5 (1 + tanh(y)) = 1 / (1 + exp(-2y)), y = sqrt(2/pi) (g + 0.044715 g^3): silu_mul's
+// form, without the cancellation of 1 + tanh(y) for g << 0 (and the same at the extremes: exp saturates).
+void gelu_tanh_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out) {
+  const V one = vset1(1.0f), c1 = vset1(-1.5957691216057308f), c3 = vset1(-0.07135481627260025f);  // -2 sqrt(2/pi) (1, 0.044715)
+  for_each_vector(n * inter, [=](int64_t i, int r) {
+    const V g = vload_r(gate + i, r), u = vload_r(up + i, r);
+    vstore_r(out + i, g * vrcp(one + vexp(g * vfma(g * g, c3, c1))) * u, r);
+  });
+}
+
+// x = cap * tanh(x / cap), 1 / cap taken once (cap > 0, checked at the door)
+void softcap(float* x, int64_t n, float cap) {
+  const V vcap = vset1(cap), inv = vset1(1.0f / cap);
+  for_each_vector(n, [=](int64_t i, int r) { vstore_r(x + i, vcap * vtanh(vload_r(x + i, r) * inv), r); });
+}
+
+void scale(float* x, int64_t n, float s) {
+  const V vs = vset1(s);
+  for_each_vector(n, [=](int64_t i, int r) { vstore_r(x + i, vload_r(x + i, r) * vs, r); });
 }
 
 // k, v rows [n, num_kv_heads, head_dim] -> pool slots; a negative slot (padding) is skipped.

@@ -40,16 +40,22 @@ struct KernelTable {
   // process may use the tile registers
   void (*linear_bf16_amx)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias,
                           float* out);
+  // rotary_dim: resolved at the door (0 -> head_dim), even and <= head_dim
   void (*rope)(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads,
-               int head_dim, const float* inv_freq, float attention_scaling);
+               int head_dim, const float* inv_freq, float attention_scaling, int rotary_dim);
   void (*silu_mul)(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
+  void (*gelu_tanh_mul)(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
+  void (*softcap)(float* x, int64_t n, float cap);  // cap > 0
+  void (*scale)(float* x, int64_t n, float s);
   void (*kv_write)(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n);
+  // logit_softcap 0: no soft-capping. Reads the block table only over the keys some query's window reaches.
   void (*paged_attention)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
-                          int32_t num_heads, float scale, int32_t sliding_window, float* out);
-  // the same over a bf16 pool (bits 16) with decode-shaped tasks on AMX tiles; nullptr where this build has
-  // none; dispatch.cpp calls it only once the process may use the tiles, for head_dim and block_size % 32 == 0
+                          int32_t num_heads, float scale, int32_t sliding_window, float* out, float logit_softcap);
+  // the same over a bf16 pool (bits 16) with every task on AMX tiles; nullptr where this build has none;
+  // dispatch.cpp calls it only once the process may use the tiles, for head_dim and block_size % 32 == 0
   void (*paged_attention_amx)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
-                              int32_t num_heads, float scale, int32_t sliding_window, float* out);
+                              int32_t num_heads, float scale, int32_t sliding_window, float* out,
+                              float logit_softcap);
 };
 
 // Tables of the instruction sets compiled into this build (isa_*.cpp). Call only when the CPU has the ISA.

@@ -49,8 +49,8 @@ void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias,
 }
 
 void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads, int head_dim,
-          const float* inv_freq, float attention_scaling) {
-  const int half = head_dim / 2;
+          const float* inv_freq, float attention_scaling, int rotary_dim) {
+  const int half = (rotary_dim == 0 ? head_dim : rotary_dim) / 2;  // dims from 2 * half on pass unchanged
   auto rotate = [&](float* x, const std::vector<double>& c, const std::vector<double>& s) {
     for (int i = 0; i < half; ++i) {
       const double a = x[i], b = x[i + half];
@@ -75,6 +75,22 @@ void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, floa
     const double g = gate[i];
     out[i] = (float)(g / (1.0 + std::exp(-g)) * up[i]);
   }
+}
+
+void gelu_tanh_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out) {
+  const double k = std::sqrt(2.0 / M_PI);
+  for (int64_t i = 0; i < n * inter; ++i) {
+    const double g = gate[i];
+    out[i] = (float)(0.5 * g * (1.0 + std::tanh(k * (g + 0.044715 * g * g * g))) * up[i]);
+  }
+}
+
+void softcap(float* x, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) x[i] = (float)(cap * std::tanh((double)x[i] / cap));
+}
+
+void scale(float* x, int64_t n, float s) {
+  for (int64_t i = 0; i < n; ++i) x[i] = (float)((double)x[i] * s);
 }
 
 namespace {
@@ -152,7 +168,7 @@ void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* 
 }
 
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
-                     float scale, int32_t sliding_window, float* out) {
+                     float scale, int32_t sliding_window, float* out, float logit_softcap) {
   const int64_t hd = kv.head_dim, nkv = kv.num_kv_heads, bs = kv.block_size, group = num_heads / nkv;
   auto at = [&](bool is_v, const AttnSeq& s, int64_t h, int64_t p, int64_t d) {
     return kv_value(kv, is_v, s.block_table[p / bs], h, p % bs, d);
@@ -169,7 +185,7 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
         for (int64_t p = lo; p <= pos; ++p) {
           double d = 0;
           for (int64_t i = 0; i < hd; ++i) d += (double)qr[i] * at(false, s, h / group, p, i);
-          w[p - lo] = d * scale;
+          w[p - lo] = logit_softcap > 0 ? logit_softcap * std::tanh(d * scale / logit_softcap) : d * scale;
           mx = std::max(mx, w[p - lo]);
         }
         double sum = 0;

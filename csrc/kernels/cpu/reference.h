@@ -16,14 +16,19 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
                  float* out);
 void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias, float* out);
 void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads, int head_dim,
-          const float* inv_freq, float attention_scaling);
+          const float* inv_freq, float attention_scaling, int rotary_dim = 0);
 void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
+// gelu_tanh in the tanh form of the definition (torch's gelu(approximate='tanh')), in double.
+void gelu_tanh_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
+void softcap(float* x, int64_t n, float cap);
+void scale(float* x, int64_t n, float s);
 // Value d of pool row (block, head h, offset off) of K (is_v false) or V, dequantized in double.
 double kv_value(const KVLayer& kv, bool is_v, int64_t block, int64_t h, int64_t off, int64_t d);
 // Quantizes (bits 8 / 4) straight from the definition in ops.h.
 void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n);
-// Plain two-pass softmax in double (not online), straight from the definition.
+// Plain two-pass softmax in double (not online), straight from the definition; reads the block table only at
+// the positions a query's window reaches.
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
-                     float scale, int32_t sliding_window, float* out);
+                     float scale, int32_t sliding_window, float* out, float logit_softcap = 0.0f);
 
 }  // namespace lmkit::ops::reference

@@ -324,6 +324,29 @@ inline V vexp(V x) {
   return vselect_lt(x, lo, vzero(), y);
 }
 
+// tanh(x) in fp32, ~2 ulp (Cephes tanhf): up to |x| = 0.625 the odd polynomial x + x^3 P(x^2) (the exp
+// form would cancel there), above it sign(x) (1 - 2 / (exp(2|x|) + 1)), which reaches +-1 by |x| ~ 9; NaN
+// stays NaN (it fails the comparison and takes the polynomial).
+inline V vtanh(V x) {
+  const V one = vset1(1.0f), ax = vmax(x, vzero() - x);
+  const V big = one - vset1(2.0f) * vrcp(vexp(ax + ax) + one);
+  const V z = x * x;
+  V p = vset1(-5.70498872745e-3f);
+  p = vfma(p, z, vset1(2.06390887954e-2f));
+  p = vfma(p, z, vset1(-5.37397155531e-2f));
+  p = vfma(p, z, vset1(1.33314422036e-1f));
+  p = vfma(p, z, vset1(-3.33332819422e-1f));
+  const V small = vfma(p * z, x, x);
+  return vselect_lt(vset1(0.625f), ax, vselect_lt(x, vzero(), vzero() - big, big), small);
+}
+
+// r = kW: a whole vector; r < kW: the first r lanes (0 past them). Inlined with a constant r, the test folds.
+inline V vload_r(const float* p, int r) { return r == kW ? vload(p) : vload_n(p, r); }
+inline void vstore_r(float* p, V a, int r) {
+  if (r == kW) vstore(p, a);
+  else vstore_n(p, a, r);
+}
+
 // A grow-only heap buffer for the per-call scratch of kernels called many times per token (one per
 // call site, thread_local): no malloc/free on every decode call. (No std::vector in an ISA unit: see
 // isa_prelude.h.)

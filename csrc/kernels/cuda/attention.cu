@@ -90,6 +90,8 @@ __global__ void __launch_bounds__(32 * kMaxGroup) attention_kernel(const T* __re
     acc[e] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
+  // Only the entries of blocks holding keys [lo, hi) are read: those of blocks wholly before the window may
+  // be kNoBlock (freed by the scheduler).
   const int32_t* table = batch.block_tables + (int64_t)s * batch.max_blocks_per_seq;
   const int64_t block_bytes = kv.block_bytes();
   const char* kbase = static_cast<const char*>(kv.k);

@@ -1,9 +1,11 @@
-"""Per-architecture AWQ knowledge as data: where the decoder layers are, how one layer is wired, and the
-smoothing groups. Names are module paths inside one decoder layer (``model.layers.{i}`` of the HF model).
+"""How AWQ walks one architecture, as data: where the decoder layers are, how one layer is wired, and the
+smoothing groups. Names are module paths inside one decoder layer (``model.layers.{i}`` of the HF model);
+each architecture module (lmkit/models/<arch>.py) holds its table.
 
 A smoothing group shares one input ``x`` between its ``linears``. AWQ divides ``x`` channel-wise by a
 scale ``s`` (folded into ``prev``: the norm weight, or the output rows of the previous linear) and
-multiplies the linears' input columns by ``s``, which leaves the fp function unchanged:
+multiplies the linears' input columns by ``s``, which leaves the fp function unchanged. The pre-norm
+(Llama) layer:
 
     input_layernorm          -> q_proj, k_proj, v_proj      loss: output of self_attn
     self_attn.v_proj         -> o_proj                       loss: output of o_proj   (only when v's output
@@ -12,12 +14,17 @@ multiplies the linears' input columns by ``s``, which leaves the fp function unc
     mlp.up_proj              -> down_proj                    loss: output of down_proj
 
 Every quantized linear appears in exactly one group; a group whose ``prev`` cannot absorb the scale
-(shape mismatch) is still quantized and clipped, just not smoothed. Adding an architecture is one table.
+(shape mismatch) is still quantized and clipped, just not smoothed. A ``prev`` that is a fused linear
+wider than the group's input (Phi-3 ``mlp.gate_up_proj -> mlp.down_proj``, ``self_attn.qkv_proj ->
+self_attn.o_proj``) takes the scale on its LAST rows (the up half, the v rows), as AutoAWQ does.
+
+Norms whose HF forward scales by ``(offset + weight)`` (Gemma: offset 1.0) fold a scale ``s`` as
+``w' = (offset + w) / s - offset``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -36,8 +43,12 @@ class AwqMap:
 
     architecture: str
     groups: tuple[SmoothGroup, ...]
-    # One decoder layer computes, in order, x = x + block(norm(x)) for each (norm, block) pair.
+    # One decoder layer computes, in order, x = x + post(block(norm(x))) for each (norm, block) pair.
     residual_blocks: tuple[tuple[str, str], ...]
+    # block -> the norm applied to the block's output before the residual add (Gemma); absent: identity.
+    post_norms: dict[str, str] = field(default_factory=dict)
+    # HF norms of this architecture scale by (offset + weight): Gemma 1.0.
+    norm_weight_offset: float = 0.0
     # The block that needs the layer's attention arguments (mask, rotary embeddings, positions).
     attention: str = "self_attn"
     # Linears quantized without the clipping search: their error is amplified through the attention
@@ -46,33 +57,24 @@ class AwqMap:
     layers: str = "model.layers"
     embed_tokens: str = "model.embed_tokens"
 
+    def __hash__(self) -> int:  # post_norms is a dict; the name identifies the table
+        return hash(self.architecture)
+
     @property
     def linears(self) -> tuple[str, ...]:
         """Every quantized linear of a decoder layer, in group order."""
         return tuple(name for group in self.groups for name in group.linears)
 
 
-_LLAMA_GROUPS = (
+PRE_NORM_GROUPS = (
     SmoothGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
     SmoothGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
     SmoothGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
     SmoothGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
 )
-_LLAMA_RESIDUALS = (("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"))
-
-AWQ_MAPS: dict[str, AwqMap] = {
-    "LlamaForCausalLM": AwqMap("LlamaForCausalLM", _LLAMA_GROUPS, _LLAMA_RESIDUALS),
-    "MistralForCausalLM": AwqMap("MistralForCausalLM", _LLAMA_GROUPS, _LLAMA_RESIDUALS),
-    "Qwen2ForCausalLM": AwqMap("Qwen2ForCausalLM", _LLAMA_GROUPS, _LLAMA_RESIDUALS),  # q/k/v biases fold too
-}
+PRE_NORM_RESIDUALS = (("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"))
 
 
-def get_awq_map(architecture: str) -> AwqMap:
-    """The table for ``architecture``; ValueError listing the supported ones otherwise."""
-    try:
-        return AWQ_MAPS[architecture]
-    except KeyError:
-        raise ValueError(
-            f"AWQ does not support architecture {architecture!r} yet; supported: {', '.join(sorted(AWQ_MAPS))} "
-            "(adding one is a table in lmkit/lite/awq_maps.py)"
-        ) from None
+def pre_norm_awq_map(architecture: str) -> AwqMap:
+    """The table of a Llama-layout decoder layer (separate q/k/v and gate/up linears, two pre-norms)."""
+    return AwqMap(architecture, PRE_NORM_GROUPS, PRE_NORM_RESIDUALS)

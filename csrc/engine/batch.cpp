@@ -1,0 +1,91 @@
+#include "engine/batch.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+
+namespace lmkit {
+
+StepOutput StepOutput::for_batch(const Batch& batch, int32_t vocab_size) {
+  StepOutput out;
+  out.vocab_size = vocab_size;
+  out.tokens.assign(batch.samples.size(), -1);
+  out.logprobs.resize(batch.samples.size());
+  out.logits.assign(batch.logit_outputs.size() * (size_t)vocab_size, 0.0f);
+  return out;
+}
+
+bool StopRules::is_stop(const Sequence& seq, int32_t token) const {
+  const auto& stops = seq.params.stop_token_ids;
+  if (std::find(stops.begin(), stops.end(), token) != stops.end()) return true;
+  return !seq.params.ignore_eos && std::find(eos_token_ids_.begin(), eos_token_ids_.end(), token) != eos_token_ids_.end();
+}
+
+std::vector<int32_t> StopRules::banned(const Sequence& seq) const {
+  std::vector<int32_t> ids;
+  if (seq.num_generated_tokens() >= seq.params.min_new_tokens) return ids;
+  if (!seq.params.ignore_eos) ids = eos_token_ids_;
+  ids.insert(ids.end(), seq.params.stop_token_ids.begin(), seq.params.stop_token_ids.end());
+  return ids;
+}
+
+FinishReason StopRules::on_token(const Sequence& seq, int32_t token) const {
+  // A banned stop token can still come back (every other logit -inf): it then counts as a token.
+  if (is_stop(seq, token) && seq.num_generated_tokens() >= seq.params.min_new_tokens) return FinishReason::kStop;
+  return seq.num_tokens() + 1 >= seq.max_total_tokens ? FinishReason::kLength : FinishReason::kNone;
+}
+
+Batch build_batch(const BatchPlan& plan, int32_t block_size, const StopRules& rules) {
+  Batch b;
+  b.block_size = block_size;
+  b.num_tokens = plan.num_tokens;
+  b.token_ids.resize(plan.num_tokens);
+  b.positions.resize(plan.num_tokens);
+  b.slots.resize(plan.num_tokens);
+  int32_t row = 0;
+  for (int32_t i = 0; i < (int32_t)plan.seqs.size(); ++i) {
+    const ScheduledSeq& s = plan.seqs[i];
+    Sequence& seq = *s.seq;
+    BatchSeq bs;
+    bs.first_row = row;
+    bs.num_rows = s.num_tokens;
+    bs.ctx_len = s.start_pos + s.num_tokens;
+    bs.num_blocks = (bs.ctx_len + block_size - 1) / block_size;
+    bs.table_offset = (int32_t)b.block_tables.size();
+    LMKIT_CHECK((int32_t)seq.block_table.size() >= bs.num_blocks, "sequence ", seq.id,
+                " has too few blocks for its chunk");
+    b.block_tables.insert(b.block_tables.end(), seq.block_table.begin(), seq.block_table.begin() + bs.num_blocks);
+    b.max_ctx_len = std::max(b.max_ctx_len, bs.ctx_len);
+    b.max_blocks_per_seq = std::max(b.max_blocks_per_seq, bs.num_blocks);
+    b.seqs.push_back(bs);
+    for (int32_t j = 0; j < s.num_tokens; ++j, ++row) {
+      const int32_t pos = s.start_pos + j;
+      const int32_t block = seq.block_table[pos / block_size];
+      LMKIT_CHECK(block >= 0, "sequence ", seq.id, " has no block for position ", pos);
+      b.token_ids[row] = seq.tokens[pos];
+      b.positions[row] = pos;
+      b.slots[row] = block * block_size + pos % block_size;
+      const bool is_sample_row = s.is_sampled && j == s.num_tokens - 1;
+      // logits of a position are handed out once, also when a preempted sequence recomputes it
+      const bool is_output_row = seq.params.output_logits && pos >= seq.num_logit_rows_emitted;
+      if (!is_sample_row && !is_output_row) continue;
+      const int32_t logit_index = (int32_t)b.logit_rows.size();
+      b.logit_rows.push_back(row);
+      if (is_output_row) b.logit_outputs.push_back(LogitOutputRow{logit_index, i, pos});
+      if (!is_sample_row) continue;
+      SampleRow r;
+      r.logit_index = logit_index;
+      r.seq = i;
+      r.params = &seq.params;
+      r.history = seq.tokens.data();
+      r.num_history = seq.num_tokens();
+      r.num_prompt = seq.num_prompt_tokens;
+      r.banned = rules.banned(seq);
+      if (!seq.params.is_greedy()) r.seed = seq.rng();  // greedy draws nothing
+      b.samples.push_back(std::move(r));
+    }
+  }
+  return b;
+}
+
+}  // namespace lmkit

@@ -1,0 +1,105 @@
+// The engine <-> executor contract of one step, as plain data.
+//   Batch: built once from the scheduler's plan (token ids, positions, KV slots, block tables, the rows whose
+//          logits are needed, per-row sampling parameters and banned tokens). Read-only for the executor.
+//   StepOutput: what the executor returns (sampled tokens, their logprobs, logits rows). The engine applies
+//          it to its sequences (Engine::apply_step); no executor writes into a Sequence.
+// Host-only; built and applied without any kernel (csrc/tests/test_batch.cpp).
+#pragma once
+#include <stdint.h>
+
+#include <vector>
+
+#include "engine/request.h"
+#include "engine/scheduler.h"
+
+namespace lmkit {
+
+// One sequence's rows of the fused batch.
+//   rows [first_row, first_row + num_rows) hold positions [ctx_len - num_rows, ctx_len);
+//   block_tables[table_offset, table_offset + num_blocks) map position p to block p / block_size
+//   (num_blocks = ceil(ctx_len / block_size); an entry may be kNoBlock when the scheduler freed a block no
+//   layer's window reaches any more).
+struct BatchSeq {
+  int32_t first_row = 0;
+  int32_t num_rows = 0;
+  int32_t ctx_len = 0;
+  int32_t table_offset = 0;
+  int32_t num_blocks = 0;
+};
+
+// A row whose logits are sampled. The sampler reads params and history as they are during the step.
+struct SampleRow {
+  int32_t logit_index = 0;                // into Batch::logit_rows
+  int32_t seq = 0;                        // into Batch::seqs (= the plan's index)
+  const SamplingParams* params = nullptr;
+  const int32_t* history = nullptr;       // prompt + generated tokens (penalties)
+  int32_t num_history = 0;
+  int32_t num_prompt = 0;
+  std::vector<int32_t> banned;            // ids that must not be sampled now (StopRules::banned)
+  uint64_t seed = 0;                      // the generator of this draw (drawn from the sequence's own)
+};
+
+// A logits row the caller asked for (output_logits): copied into StepOutput::logits.
+struct LogitOutputRow {
+  int32_t logit_index = 0;
+  int32_t seq = 0;
+  int32_t position = 0;
+};
+
+struct Batch {
+  int32_t num_tokens = 0;
+  int32_t block_size = 0;
+  std::vector<int32_t> token_ids, positions, slots;  // [num_tokens]; slot = block id * block_size + offset
+  std::vector<BatchSeq> seqs;
+  std::vector<int32_t> block_tables;                 // every sequence's table, concatenated
+  int32_t max_ctx_len = 0;
+  int32_t max_blocks_per_seq = 0;                    // the longest table
+  std::vector<int32_t> logit_rows;                   // rows whose logits are computed, ascending
+  std::vector<SampleRow> samples;                    // ordered by logit_index
+  std::vector<LogitOutputRow> logit_outputs;         // ordered by logit_index
+
+  bool empty() const { return num_tokens == 0; }
+  // Every row is one sequence's single (decode) token and every row's logits are needed.
+  bool is_decode_only() const { return (int32_t)seqs.size() == num_tokens && (int32_t)logit_rows.size() == num_tokens; }
+};
+
+// The logprobs of one sampled token (when its params ask for them).
+struct TokenLogprobs {
+  float logprob = 0;
+  std::vector<int32_t> top_ids;
+  std::vector<float> top_logprobs;
+};
+
+struct StepOutput {
+  std::vector<int32_t> tokens;             // [samples]: the sampled token of Batch::samples[i]
+  std::vector<TokenLogprobs> logprobs;     // [samples]: filled where params->logprobs >= 0
+  std::vector<float> logits;               // [logit_outputs, vocab]
+  int32_t vocab_size = 0;
+
+  // Sized for batch: tokens -1, logits zero.
+  static StepOutput for_batch(const Batch& batch, int32_t vocab_size);
+};
+
+// Every token-level stop rule of the engine, in one place: eos and stop ids (not part of the output), their
+// ban before min_new_tokens, the length limits.
+class StopRules {
+ public:
+  explicit StopRules(std::vector<int32_t> eos_token_ids) : eos_token_ids_(std::move(eos_token_ids)) {}
+  // Ids seq must not sample next (eos unless ignore_eos, and stop ids) while it has fewer than
+  // min_new_tokens generated tokens.
+  std::vector<int32_t> banned(const Sequence& seq) const;
+  // What sampling `token` does to seq: kStop (eos or a stop id, not appended), kLength (appended, then the
+  // sequence is at its token limit) or kNone (appended).
+  FinishReason on_token(const Sequence& seq, int32_t token) const;
+  const std::vector<int32_t>& eos_token_ids() const { return eos_token_ids_; }
+
+ private:
+  bool is_stop(const Sequence& seq, int32_t token) const;
+  std::vector<int32_t> eos_token_ids_;
+};
+
+// The step's Batch from the scheduler's plan. Draws one seed from the generator of every sampled,
+// non-greedy sequence (the only change to a sequence here). Throws if a table is too short for its chunk.
+Batch build_batch(const BatchPlan& plan, int32_t block_size, const StopRules& rules);
+
+}  // namespace lmkit

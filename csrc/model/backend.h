@@ -1,0 +1,153 @@
+// The backend interface: every op a model forward calls, implemented once per device (backend_cpu.cpp,
+// backend_cuda.cpp). A forward (models/*.cpp) is written once over it; workspaces' layouts, weight packing,
+// the KV pool and CUDA graphs stay inside the backend.
+//
+// Activations are opaque device buffers (void*) of the backend's activation dtype (fp32 on the CPU, fp16/bf16
+// on CUDA), row-major: rows are the step's tokens (or gathered logit rows), [rows, cols]. The step's integer
+// inputs (token ids, positions, KV slots, attention layout, logit rows) are uploaded once by begin_step() and
+// read implicitly by the ops that need them.
+#pragma once
+#include <stdint.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/batch.h"
+#include "kernels/ops.h"
+#include "model/model_config.h"
+#include "model/weights.h"
+
+namespace lmkit {
+
+// A linear layer packed by the backend: out[rows, n] = x[rows, k] @ W^T (+ bias).
+struct PackedLinear {
+  std::shared_ptr<void> impl;  // the backend's own
+  int64_t n = 0, k = 0;
+  int64_t size_bytes = 0;      // bytes one call reads (the weight as packed)
+  bool is_empty() const { return impl == nullptr; }
+};
+
+// A vector (norm weight) on the device, fp32 on the CPU, the activation dtype on CUDA.
+struct DeviceVector {
+  std::shared_ptr<void> data;
+  int64_t n = 0;
+  bool is_empty() const { return data == nullptr; }
+};
+
+// A rotary table: inv_freq [rotary_dim / 2] on the device, and the attention scaling of cos / sin.
+struct RopeTable {
+  std::shared_ptr<void> inv_freq;
+  int32_t rotary_dim = 0;
+  float attention_scaling = 1.0f;
+};
+
+enum class Activation : int32_t { kSilu = 0, kGeluTanh = 1 };  // of the gated MLP: act(gate) * up
+
+// Everything one attention layer needs besides its linears.
+struct AttentionSpec {
+  int32_t layer = 0;              // KV pool layer
+  int32_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  const DeviceVector* q_norm = nullptr;  // per-head RMSNorm before RoPE (nullptr: none)
+  const DeviceVector* k_norm = nullptr;
+  float norm_eps = 1e-6f;
+  const RopeTable* rope = nullptr;       // nullptr: no rotary embedding on this layer
+  float scale = 0;                       // softmax scale of q . k
+  int32_t sliding_window = 0;            // 0: full attention
+  float logit_softcap = 0;               // 0: off
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // --- load time ---------------------------------------------------------------------------------------
+  // Called once by the model before anything is packed: throws InvalidArgument naming config.architecture and
+  // the op when the backend has no kernel for something config needs, or when weights and workspaces do not
+  // fit its memory.
+  virtual void prepare(const ModelConfig& /*config*/, const ModelWeights& /*weights*/) {}
+  // One linear layer whose output columns are those of parts[0], parts[1], ... (q | k | v, gate | up: one call),
+  // with the concatenated biases when given (empty tensors: no bias). Parts may be dense or AWQ int4.
+  virtual PackedLinear pack_linear(const std::vector<const LinearTensors*>& parts,
+                                   const std::vector<const Tensor*>& biases = {}) = 0;
+  // The lm_head ([vocab, hidden] float); has_awq: the model's layers are AWQ (the CPU backend then runs the
+  // head as int8 when it runs AWQ with int8 activations).
+  virtual PackedLinear pack_lm_head(const Tensor& weight, bool has_awq) = 0;
+  // offset + w, as the backend's norms read it (Gemma's (1 + w) norms: offset 1).
+  virtual DeviceVector upload_norm(const Tensor& w, float offset) = 0;
+  virtual RopeTable upload_rope(const std::vector<float>& inv_freq, float attention_scaling) = 0;
+  // The embedding table, read by embedding(); may be the lm_head's tensor (tied).
+  virtual void set_embedding(const Tensor& table) = 0;
+  // An activation workspace of rows x cols.
+  virtual std::shared_ptr<void> allocate_activations(int64_t rows, int64_t cols) = 0;
+  // The packed weights are in: release what the backend no longer reads from the mapped files.
+  virtual void weights_packed(const ModelWeights& weights) { weights.release_linear_pages(); }
+
+  // --- KV pool ------------------------------------------------------------------------------------------
+  // The format of each layer's cache: bits as the user asked (32 = the backend's full precision, 8, 4); the
+  // backend resolves full precision to its own (fp32, bf16, the activation dtype). Call once, before
+  // kv_bytes_per_block() and allocate_kv_pool().
+  virtual void configure_kv(const std::vector<int32_t>& layer_bits, int32_t num_kv_heads, int32_t head_dim,
+                            int32_t block_size) = 0;
+  virtual int64_t kv_bytes_per_block() const = 0;
+  virtual void allocate_kv_pool(int32_t num_blocks) = 0;
+
+  // --- one step -----------------------------------------------------------------------------------------
+  // Uploads batch's integer inputs. Returns the rows the forward runs over: batch.num_tokens, or more when
+  // the backend pads (CUDA graphs); padded rows' outputs are never read.
+  virtual int64_t begin_step(const Batch& batch) = 0;
+  // Rows whose logits the head computes this step (batch.logit_rows, padded like the rows), and how many of
+  // them one head call takes at most.
+  virtual int64_t num_logit_rows() const = 0;
+  virtual int64_t max_head_rows() const = 0;
+  // Runs forward (the whole step's device work); a backend may record it once and replay it (CUDA graphs).
+  virtual void execute(const std::function<void()>& forward) { forward(); }
+
+  // out = table[step ids] * scale                                              out: [rows, hidden]
+  virtual void embedding(int64_t rows, int64_t hidden, float scale, void* out) = 0;
+  // out = x / rms(x) * w (w from upload_norm)                                  x, out: [rows, dim]; may alias
+  virtual void rmsnorm(const void* x, const DeviceVector& w, float eps, int64_t rows, int64_t dim, void* out) = 0;
+  // residual += x; out = rmsnorm(residual) * w
+  virtual void add_rmsnorm(void* residual, const void* x, const DeviceVector& w, float eps, int64_t rows,
+                           int64_t dim, void* out) = 0;
+  // out[rows, w.n] = x[rows, w.k] @ W^T (+ bias)
+  virtual void linear(const void* x, int64_t rows, const PackedLinear& w, void* out) = 0;
+  // Self-attention of one layer over the KV pool, from the fused projection qkv [rows, (H + 2 KVH) hd]
+  // (q | k | v per row; read and overwritten): q/k norms, RoPE, K/V written at the step's slots, then paged
+  // attention of the step's sequences. out: [rows, H hd].
+  virtual void attention(void* qkv, int64_t rows, const AttentionSpec& spec, void* out) = 0;
+  // out[rows, inter] = act(gate) * up from gate_up [rows, 2 inter] (gate | up per row); out may alias gate_up.
+  virtual void gated_activation(void* gate_up, int64_t rows, int64_t inter, Activation act, void* out) = 0;
+  // out[i] = x[logit_rows[first + i]] for i < n                                 x: [rows, dim], out: [n, dim]
+  virtual void gather_logit_rows(const void* x, int64_t first, int64_t n, int64_t dim, void* out) = 0;
+  // x = cap * tanh(x / cap)                                                     x: [rows, dim]
+  virtual void softcap(void* x, int64_t rows, int64_t dim, float cap) = 0;
+  // Consumes the logits [n, vocab] of logit rows [first, first + n): samples batch's sample rows among them
+  // and copies its logit_outputs among them into out.
+  virtual void take_logits(const Batch& batch, int64_t first, int64_t n, const void* logits, int64_t vocab,
+                           StepOutput& out) = 0;
+
+  // Called once on the engine's loop thread (thread pools, device binding).
+  virtual void bind_thread() {}
+};
+
+// Backend settings from EngineConfig.
+struct BackendOptions {
+  int32_t max_step_tokens = 8192;    // rows of one forward at most (prefill budget + decodes)
+  int32_t num_threads = 0;           // CPU: 0 = all cores
+  bool awq_int8_activations = true;  // CPU: AWQ layers in decode with int8 activations
+  bool bf16_linear = false;          // CPU: dense linear layers (and full-precision KV) as bf16
+  int32_t max_blocks_per_seq = 0;    // CUDA: ceil(session_len / block size), the graphs' fixed tables
+  bool cuda_graphs = true;           // CUDA: decode steps as CUDA graphs
+};
+
+std::unique_ptr<Backend> make_cpu_backend(const BackendOptions& options);
+#ifdef LMKIT_WITH_CUDA
+// act: the activation dtype (F16 or BF16).
+std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& options, DType act, int64_t hidden_size,
+                                           int64_t vocab_size);
+#endif
+
+}  // namespace lmkit

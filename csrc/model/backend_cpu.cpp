@@ -1,0 +1,309 @@
+// The CPU backend: fp32 activations (bf16 dot products for dense layers with bf16_linear), weights packed
+// into the kernels' panels (kernels/ops.h), the KV pool in one anonymous mapping, the sampler on the host.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+#include "core/check.h"
+#include "kernels/cpu/sampling.h"
+#include "model/backend.h"
+
+namespace lmkit {
+
+namespace {
+
+constexpr int64_t kHeadRows = 64;  // logits are computed and consumed in groups of rows
+
+float* f32(void* p) { return static_cast<float*>(p); }
+const float* f32(const void* p) { return static_cast<const float*>(p); }
+
+// A packed linear: one weight, or (parts that cannot be joined in place) several run one after another
+// into a scratch and interleaved into the output's columns.
+struct CpuLinear {
+  std::vector<ops::LinearWeight> parts;
+  std::vector<float> bias;  // fp32 [n], or empty
+};
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const BackendOptions& options) : options_(options) {
+    // dtype='bfloat16' is refused on CPUs without the kernel, even when no dense layer would use it (an AWQ
+    // model with an int8 lm_head): a setting that silently does nothing would mislead.
+    if (options.bf16_linear) ops::require_bf16_dot();
+  }
+  ~CpuBackend() override {
+    if (kv_pool_) ::munmap(kv_pool_, kv_pool_bytes_);
+  }
+  const char* name() const override { return "cpu"; }
+
+  PackedLinear pack_linear(const std::vector<const LinearTensors*>& parts,
+                           const std::vector<const Tensor*>& biases) override {
+    auto impl = std::make_shared<CpuLinear>();
+    PackedLinear out;
+    for (const LinearTensors* t : parts) {
+      ops::LinearWeight w;
+      if (t->is_awq()) {
+        const int32_t group = (int32_t)(t->qweight.shape[0] / t->scales.shape[0]);
+        w = ops::pack_linear_awq(t->qweight, t->qzeros, t->scales, group);
+        w.int8_activations = options_.awq_int8_activations;
+      } else {
+        w = pack_dense(t->weight);
+      }
+      LMKIT_CHECK(out.k == 0 || out.k == w.k, "fused linear parts differ in input size");
+      out.k = w.k;
+      out.n += w.n;
+      impl->parts.push_back(std::move(w));
+    }
+    if (impl->parts.size() > 1) {
+      std::vector<const ops::LinearWeight*> ptrs;
+      for (const ops::LinearWeight& w : impl->parts) ptrs.push_back(&w);
+      ops::LinearWeight joined = ops::concat_linear(ptrs);
+      if (!joined.is_empty()) impl->parts = {std::move(joined)};
+    }
+    bool any_bias = false;
+    for (const Tensor* b : biases) any_bias = any_bias || !b->is_empty();
+    if (any_bias)
+      for (const Tensor* b : biases)
+        for (int64_t i = 0; i < b->numel(); ++i) impl->bias.push_back(float_value(*b, i));
+    LMKIT_CHECK(impl->bias.empty() || (int64_t)impl->bias.size() == out.n, "bias of ", impl->bias.size(),
+                " values for a linear of ", out.n, " outputs");
+    for (const ops::LinearWeight& w : impl->parts) out.size_bytes += w.size_bytes();
+    out.impl = impl;
+    return out;
+  }
+
+  PackedLinear pack_lm_head(const Tensor& weight, bool has_awq) override {
+    // With int8 activations, the lm_head (kept dense by AWQ; a third of SmolLM2's bytes) runs as int8 per 32
+    // values too, as llama.cpp's Q8_0 output does: half the bytes of fp16 at negligible error.
+    auto impl = std::make_shared<CpuLinear>();
+    if (has_awq && options_.awq_int8_activations && ops::int8_dot_available() && weight.shape[1] % 32 == 0)
+      impl->parts.push_back(ops::pack_linear_int8(weight));
+    else
+      impl->parts.push_back(pack_dense(weight));
+    PackedLinear out;
+    out.n = impl->parts[0].n, out.k = impl->parts[0].k, out.size_bytes = impl->parts[0].size_bytes();
+    out.impl = impl;
+    return out;
+  }
+
+  DeviceVector upload_norm(const Tensor& w, float offset) override {
+    auto v = std::shared_ptr<float>(new float[w.numel()], std::default_delete<float[]>());
+    for (int64_t i = 0; i < w.numel(); ++i) v.get()[i] = offset + float_value(w, i);
+    return DeviceVector{v, w.numel()};
+  }
+
+  RopeTable upload_rope(const std::vector<float>& inv_freq, float attention_scaling) override {
+    auto v = std::shared_ptr<float>(new float[inv_freq.size()], std::default_delete<float[]>());
+    std::copy(inv_freq.begin(), inv_freq.end(), v.get());
+    return RopeTable{v, (int32_t)(2 * inv_freq.size()), attention_scaling};
+  }
+
+  void set_embedding(const Tensor& table) override { embedding_ = table; }
+
+  std::shared_ptr<void> allocate_activations(int64_t rows, int64_t cols) override {
+    return std::shared_ptr<float>(new float[std::max<int64_t>(rows * cols, 1)], std::default_delete<float[]>());
+  }
+
+  void configure_kv(const std::vector<int32_t>& layer_bits, int32_t num_kv_heads, int32_t head_dim,
+                    int32_t block_size) override {
+    // A packed (bf16 or quantized) KV cache needs an even head_dim, up to the kernels' largest; bf16 V is also
+    // stored by token pairs, so its blocks must hold an even number of tokens (ops.h).
+    const bool packed_fits = head_dim % 2 == 0 && head_dim <= ops::kKVQuantMaxHeadDim;
+    kv_layers_.clear();
+    kv_layer_offset_.clear();
+    int64_t offset = 0;
+    for (size_t l = 0; l < layer_bits.size(); ++l) {
+      int32_t bits = layer_bits[l];
+      LMKIT_CHECK_ARG(bits == 32 || bits == 8 || bits == 4, "layer ", l, ": KV bits must be 32, 8 or 4, got ", bits);
+      // "full precision" KV is the compute dtype: bf16 where its layout fits, else fp32
+      if (bits == 32 && options_.bf16_linear && packed_fits && block_size % 2 == 0) bits = 16;
+      LMKIT_CHECK_ARG(bits == 32 || packed_fits, "a bf16 or quantized KV cache needs an even head_dim <= ",
+                      ops::kKVQuantMaxHeadDim, ", the model has ", head_dim);
+      ops::KVLayer kv;
+      kv.bits = bits, kv.num_kv_heads = num_kv_heads, kv.block_size = block_size, kv.head_dim = head_dim;
+      kv_layers_.push_back(kv);
+      kv_layer_offset_.push_back(offset);
+      offset += 2 * kv.block_bytes();
+    }
+    kv_layer_offset_.push_back(offset);
+  }
+
+  int64_t kv_bytes_per_block() const override { return kv_layer_offset_.back(); }
+
+  void allocate_kv_pool(int32_t num_blocks) override {
+    LMKIT_CHECK(kv_pool_ == nullptr, "the KV pool is allocated once");
+    kv_pool_bytes_ = kv_bytes_per_block() * num_blocks;
+    // Anonymous mapping: pages are committed when first written, lowest block ids first.
+    void* p = ::mmap(nullptr, kv_pool_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                     -1, 0);
+    LMKIT_CHECK(p != MAP_FAILED, "cannot reserve ", kv_pool_bytes_, " bytes for the KV pool (", num_blocks,
+                " blocks); lower cache_max_entry_count");
+    kv_pool_ = static_cast<char*>(p);
+    for (size_t l = 0; l < kv_layers_.size(); ++l) {
+      ops::KVLayer& kv = kv_layers_[l];
+      kv.num_blocks = num_blocks;
+      char* k = kv_pool_ + kv_layer_offset_[l] * num_blocks;
+      kv.k = k;
+      kv.v = k + kv.block_bytes() * num_blocks;
+    }
+  }
+
+  int64_t begin_step(const Batch& batch) override {
+    LMKIT_CHECK(batch.num_tokens <= options_.max_step_tokens, "step of ", batch.num_tokens,
+                " tokens exceeds the workspace of ", options_.max_step_tokens);
+    LMKIT_CHECK(kv_pool_ != nullptr, "allocate_kv_pool() before the first step");
+    batch_ = &batch;
+    attn_seqs_.clear();
+    for (const BatchSeq& s : batch.seqs) {
+      ops::AttnSeq a;
+      a.q_row = s.first_row;
+      a.q_len = s.num_rows;
+      a.ctx_len = s.ctx_len;
+      a.block_table = batch.block_tables.data() + s.table_offset;
+      attn_seqs_.push_back(a);
+    }
+    return batch.num_tokens;
+  }
+  int64_t num_logit_rows() const override { return (int64_t)batch_->logit_rows.size(); }
+  int64_t max_head_rows() const override { return kHeadRows; }
+
+  void embedding(int64_t rows, int64_t hidden, float scale, void* out) override {
+    LMKIT_CHECK(embedding_.ndim == 2 && embedding_.shape[1] == hidden, "embedding table not set");
+    ops::embedding(embedding_, batch_->token_ids.data(), rows, f32(out));
+    if (scale != 1.0f) ops::scale(f32(out), rows * hidden, scale);
+  }
+
+  void rmsnorm(const void* x, const DeviceVector& w, float eps, int64_t rows, int64_t dim, void* out) override {
+    ops::rmsnorm(f32(x), view(w), eps, rows, dim, f32(out));
+  }
+
+  void add_rmsnorm(void* residual, const void* x, const DeviceVector& w, float eps, int64_t rows, int64_t dim,
+                   void* out) override {
+    ops::add_rmsnorm(f32(residual), f32(x), view(w), eps, rows, dim, f32(out));
+  }
+
+  void linear(const void* x, int64_t rows, const PackedLinear& w, void* out) override {
+    const CpuLinear& l = *static_cast<const CpuLinear*>(w.impl.get());
+    const Tensor bias = l.bias.empty() ? Tensor{} : make_view((void*)l.bias.data(), DType::F32, w.n);
+    if (l.parts.size() == 1) {
+      ops::linear(f32(x), rows, l.parts[0], bias, f32(out));
+      return;
+    }
+    // parts one by one, then their columns side by side: out[t] = part0[t] | part1[t] | ...
+    int64_t col = 0;
+    for (const ops::LinearWeight& p : l.parts) {
+      scratch_.resize(rows * p.n);
+      ops::linear(f32(x), rows, p, Tensor{}, scratch_.data());
+      for (int64_t t = 0; t < rows; ++t)
+        std::memcpy(f32(out) + t * w.n + col, scratch_.data() + t * p.n, p.n * sizeof(float));
+      col += p.n;
+    }
+    if (!l.bias.empty())
+      for (int64_t t = 0; t < rows; ++t)
+        for (int64_t j = 0; j < w.n; ++j) f32(out)[t * w.n + j] += l.bias[j];
+  }
+
+  void attention(void* qkv, int64_t rows, const AttentionSpec& a, void* out) override {
+    const int64_t Q = (int64_t)a.num_heads * a.head_dim, KV = (int64_t)a.num_kv_heads * a.head_dim;
+    float *q, *k, *v;
+    split_qkv(f32(qkv), rows, Q, KV, q, k, v);
+    if (a.q_norm) ops::rmsnorm(q, view(*a.q_norm), a.norm_eps, rows * a.num_heads, a.head_dim, q);
+    if (a.k_norm) ops::rmsnorm(k, view(*a.k_norm), a.norm_eps, rows * a.num_kv_heads, a.head_dim, k);
+    if (a.rope)
+      ops::rope(q, k, batch_->positions.data(), rows, a.num_heads, a.num_kv_heads, a.head_dim,
+                static_cast<const float*>(a.rope->inv_freq.get()), a.rope->attention_scaling, a.rope->rotary_dim);
+    const ops::KVLayer& kv = kv_layers_[a.layer];
+    ops::kv_write(kv, k, v, batch_->slots.data(), rows);
+    ops::paged_attention(q, kv, attn_seqs_.data(), (int32_t)attn_seqs_.size(), a.num_heads, a.scale, a.sliding_window,
+                         f32(out), a.logit_softcap);
+  }
+
+  void gated_activation(void* gate_up, int64_t rows, int64_t inter, Activation act, void* out) override {
+    auto fn = act == Activation::kSilu ? ops::silu_mul : ops::gelu_tanh_mul;
+    float* gu = f32(gate_up);
+    // Row by row: row t's output [t I, (t + 1) I) ends before its input starts at 2 t I, so out may alias gate_up.
+    for (int64_t t = 0; t < rows; ++t) fn(gu + 2 * t * inter, gu + (2 * t + 1) * inter, 1, inter, f32(out) + t * inter);
+  }
+
+  void gather_logit_rows(const void* x, int64_t first, int64_t n, int64_t dim, void* out) override {
+    for (int64_t i = 0; i < n; ++i)
+      std::memcpy(f32(out) + i * dim, f32(x) + (int64_t)batch_->logit_rows[first + i] * dim, dim * sizeof(float));
+  }
+
+  void softcap(void* x, int64_t rows, int64_t dim, float cap) override { ops::softcap(f32(x), rows * dim, cap); }
+
+  void take_logits(const Batch& batch, int64_t first, int64_t n, const void* logits, int64_t vocab,
+                   StepOutput& out) override {
+    const float* lg = f32(logits);
+    for (size_t r = 0; r < batch.logit_outputs.size(); ++r) {
+      const int64_t i = batch.logit_outputs[r].logit_index - first;
+      if (i >= 0 && i < n) std::memcpy(out.logits.data() + r * vocab, lg + i * vocab, vocab * sizeof(float));
+    }
+    for (size_t k = 0; k < batch.samples.size(); ++k) {
+      const SampleRow& s = batch.samples[k];
+      const int64_t i = s.logit_index - first;
+      if (i < 0 || i >= n) continue;
+      row_.assign(lg + i * vocab, lg + (i + 1) * vocab);  // the sampler works in place
+      std::mt19937_64 rng(s.seed);
+      ops::SampleLogprobs lp;
+      out.tokens[k] = ops::sample(row_.data(), (int32_t)vocab, *s.params, s.history, s.num_history, s.num_prompt,
+                                  s.banned.data(), (int32_t)s.banned.size(), rng,
+                                  s.params->logprobs >= 0 ? &lp : nullptr);
+      if (s.params->logprobs >= 0) {
+        out.logprobs[k].logprob = lp.logprob;
+        out.logprobs[k].top_ids = std::move(lp.top_ids);
+        out.logprobs[k].top_logprobs = std::move(lp.top_logprobs);
+      }
+    }
+  }
+
+  void bind_thread() override {
+    if (options_.num_threads > 0) ops::set_num_threads(options_.num_threads);
+  }
+
+ private:
+  ops::LinearWeight pack_dense(const Tensor& w) const {
+    return options_.bf16_linear ? ops::pack_linear_bf16(w) : ops::pack_linear(w);
+  }
+  static Tensor view(const DeviceVector& v) { return make_view(v.data.get(), DType::F32, v.n); }
+
+  // The fused projection [rows, Q | KV | KV] as q, k, v: pointers into it for one row, else copied out
+  // ([rows, Q], [rows, KV], [rows, KV]) so that every kernel reads packed rows.
+  void split_qkv(float* qkv, int64_t rows, int64_t Q, int64_t KV, float*& q, float*& k, float*& v) {
+    if (rows == 1) {
+      q = qkv, k = qkv + Q, v = qkv + Q + KV;
+      return;
+    }
+    q_.resize(rows * Q), k_.resize(rows * KV), v_.resize(rows * KV);
+    q = q_.data(), k = k_.data(), v = v_.data();
+    const float* src = qkv;
+    for (int64_t t = 0; t < rows; ++t, src += Q + 2 * KV) {
+      std::memcpy(q + t * Q, src, Q * sizeof(float));
+      std::memcpy(k + t * KV, src + Q, KV * sizeof(float));
+      std::memcpy(v + t * KV, src + Q + KV, KV * sizeof(float));
+    }
+  }
+
+  BackendOptions options_;
+  Tensor embedding_;
+  const Batch* batch_ = nullptr;
+  std::vector<ops::AttnSeq> attn_seqs_;
+  std::vector<float> q_, k_, v_, scratch_, row_;
+
+  // KV pool: per layer, K then V, each num_blocks blocks in that layer's format (ops::KVLayer), lazily
+  // committed. kv_layer_offset_[l]: bytes before layer l's K, per block of the pool.
+  std::vector<ops::KVLayer> kv_layers_;
+  std::vector<int64_t> kv_layer_offset_{0};
+  char* kv_pool_ = nullptr;
+  int64_t kv_pool_bytes_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(const BackendOptions& options) {
+  return std::make_unique<CpuBackend>(options);
+}
+
+}  // namespace lmkit

@@ -1,0 +1,128 @@
+#include "model/model.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+
+namespace lmkit {
+
+DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std::unique_ptr<Backend> backend,
+                           const ModelOptions& options)
+    : config_(config), backend_(std::move(backend)), options_(options) {
+  const ModelConfig& c = config_;
+  c.validate();
+  Backend& b = *backend_;
+  b.prepare(c, weights);
+  activation_ = c.hidden_act == "gelu_tanh" ? Activation::kGeluTanh : Activation::kSilu;
+  const float offset = c.norm_weight_offset;
+  rope_tables_.push_back(b.upload_rope(c.inv_freq, c.attention_scaling));
+  if (!c.inv_freq_local.empty()) rope_tables_.push_back(b.upload_rope(c.inv_freq_local, c.attention_scaling_local));
+  auto norm = [&](const Tensor& t) { return t.is_empty() ? DeviceVector{} : b.upload_norm(t, offset); };
+  bool has_awq = false;
+  for (int32_t i = 0; i < c.num_layers; ++i) {
+    const LayerWeights& w = weights.layers[i];
+    for (const LinearTensors* t : w.linears()) has_awq = has_awq || t->is_awq();
+    Layer l;
+    if (!w.qkv_proj.is_empty())
+      l.qkv = b.pack_linear({&w.qkv_proj}, {&w.q_bias, &w.k_bias, &w.v_bias});
+    else
+      l.qkv = b.pack_linear({&w.q_proj, &w.k_proj, &w.v_proj}, {&w.q_bias, &w.k_bias, &w.v_bias});
+    l.o_proj = b.pack_linear({&w.o_proj});
+    l.gate_up = w.gate_up_proj.is_empty() ? b.pack_linear({&w.gate_proj, &w.up_proj}) : b.pack_linear({&w.gate_up_proj});
+    l.down_proj = b.pack_linear({&w.down_proj});
+    l.input_norm = norm(w.input_norm);
+    l.post_attention_norm = norm(w.post_attention_norm);
+    l.pre_mlp_norm = norm(w.pre_mlp_norm);
+    l.post_mlp_norm = norm(w.post_mlp_norm);
+    l.q_norm = norm(w.q_norm);
+    l.k_norm = norm(w.k_norm);
+    layers_.push_back(std::move(l));
+  }
+  for (int32_t i = 0; i < c.num_layers; ++i) {  // after the loop: the spec points into layers_
+    Layer& l = layers_[i];
+    AttentionSpec& a = l.attention;
+    a.layer = i;
+    a.num_heads = c.num_heads, a.num_kv_heads = c.num_kv_heads, a.head_dim = c.head_dim;
+    a.q_norm = l.q_norm.is_empty() ? nullptr : &l.q_norm;
+    a.k_norm = l.k_norm.is_empty() ? nullptr : &l.k_norm;
+    a.norm_eps = c.rms_norm_eps;
+    a.rope = c.layer_rope[i] == 0 ? nullptr : &rope_tables_[c.layer_rope[i] - 1];
+    a.scale = c.softmax_scale();
+    a.sliding_window = c.layer_sliding_window[i];
+    a.logit_softcap = c.attn_logit_softcap;
+  }
+  final_norm_ = norm(weights.final_norm);
+  lm_head_ = b.pack_lm_head(weights.lm_head, has_awq);
+  b.set_embedding(weights.embed_tokens);
+  b.weights_packed(weights);
+
+  std::vector<int32_t> kv_bits = options.kv_bits;
+  if (kv_bits.empty()) kv_bits.assign(c.num_layers, 32);
+  LMKIT_CHECK_ARG((int32_t)kv_bits.size() == c.num_layers, "KV precision is given for ", kv_bits.size(),
+                  " layers, the model has ", c.num_layers);
+  b.configure_kv(kv_bits, c.num_kv_heads, c.head_dim, options.block_size_tokens);
+
+  const int64_t T = options.max_step_tokens, H = c.hidden_size, G = b.max_head_rows();
+  LMKIT_CHECK(T > 0, "max_step_tokens must be > 0");
+  residual_ = b.allocate_activations(T, H);
+  hidden_ = b.allocate_activations(T, H);
+  wide_ = b.allocate_activations(T, std::max<int64_t>(2 * (int64_t)c.intermediate_size, c.q_size() + 2 * c.kv_size()));
+  attn_ = b.allocate_activations(T, c.q_size());
+  head_residual_ = b.allocate_activations(G, H);
+  head_hidden_ = b.allocate_activations(G, H);
+  logits_ = b.allocate_activations(G, c.vocab_size);
+  weights_ = std::move(weights);  // the mappings stay alive for views still read (embedding, norms)
+}
+
+int64_t DecoderModel::linear_weight_bytes() const {
+  int64_t bytes = lm_head_.size_bytes;
+  for (const Layer& l : layers_)
+    for (const PackedLinear* w : {&l.qkv, &l.o_proj, &l.gate_up, &l.down_proj}) bytes += w->size_bytes;
+  return bytes;
+}
+
+void DecoderModel::attention_block(int32_t l, int64_t rows, void* h) {
+  const Layer& w = layers_[l];
+  backend_->linear(h, rows, w.qkv, wide_.get());
+  backend_->attention(wide_.get(), rows, w.attention, attn_.get());
+  backend_->linear(attn_.get(), rows, w.o_proj, h);
+}
+
+void DecoderModel::mlp_block(int32_t l, int64_t rows, void* h) {
+  const Layer& w = layers_[l];
+  backend_->linear(h, rows, w.gate_up, wide_.get());
+  backend_->gated_activation(wide_.get(), rows, config_.intermediate_size, activation_, wide_.get());
+  backend_->linear(wide_.get(), rows, w.down_proj, h);
+}
+
+void DecoderModel::head(int64_t first, int64_t n) {
+  if (n == 0) return;
+  const int64_t H = config_.hidden_size;
+  backend_->gather_logit_rows(residual_.get(), first, n, H, head_residual_.get());
+  backend_->gather_logit_rows(hidden_.get(), first, n, H, head_hidden_.get());
+  backend_->add_rmsnorm(head_residual_.get(), head_hidden_.get(), final_norm_, config_.rms_norm_eps, n, H,
+                        head_hidden_.get());
+  backend_->linear(head_hidden_.get(), n, lm_head_, logits_.get());
+  if (config_.final_logit_softcap > 0)
+    backend_->softcap(logits_.get(), n, config_.vocab_size, config_.final_logit_softcap);
+}
+
+StepOutput DecoderModel::step(const Batch& batch) {
+  StepOutput out = StepOutput::for_batch(batch, config_.vocab_size);
+  if (batch.empty()) return out;
+  const int64_t rows = backend_->begin_step(batch);
+  const int64_t L = backend_->num_logit_rows(), G = backend_->max_head_rows();
+  const bool one_head = L <= G;  // the head runs inside the step's device work (a graph replays both)
+  backend_->execute([&] {
+    forward_layers(rows);
+    if (one_head) head(0, L);
+  });
+  for (int64_t first = 0; first < L; first += G) {
+    const int64_t n = std::min(G, L - first);
+    if (!one_head) head(first, n);
+    backend_->take_logits(batch, first, n, logits_.get(), config_.vocab_size, out);
+  }
+  return out;
+}
+
+}  // namespace lmkit

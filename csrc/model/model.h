@@ -1,0 +1,80 @@
+// A decoder-only transformer over the backend interface: the weights packed by the backend, the step (Batch
+// in, StepOutput out), the head (final norm, lm_head, soft-cap, sampling) and the layer kinds every family
+// assembles (attention: full or windowed, optional q/k norm, RoPE table or none, soft-cap; gated dense MLP).
+// A family (models/<family>.cpp) writes only forward_layers(), once for every backend, and registers by name
+// in registry.cpp.
+#pragma once
+#include <stdint.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/executor.h"
+#include "model/backend.h"
+#include "model/model_config.h"
+#include "model/weights.h"
+
+namespace lmkit {
+
+struct ModelOptions {
+  int32_t block_size_tokens = 64;
+  int32_t max_step_tokens = 8192;  // rows of one forward at most (prefill budget + decodes)
+  std::vector<int32_t> kv_bits;    // per layer: 32 (the backend's full precision), 8 or 4; empty: 32
+};
+
+class DecoderModel : public Executor {
+ public:
+  DecoderModel(const ModelConfig& config, ModelWeights weights, std::unique_ptr<Backend> backend,
+               const ModelOptions& options);
+
+  StepOutput step(const Batch& batch) override;
+  int64_t kv_bytes_per_block() const override { return backend_->kv_bytes_per_block(); }
+  int64_t linear_weight_bytes() const override;
+  void allocate_kv_pool(int32_t num_blocks) override { backend_->allocate_kv_pool(num_blocks); }
+  int32_t vocab_size() const override { return config_.vocab_size; }
+  void bind_thread() override { backend_->bind_thread(); }
+  const ModelConfig& config() const { return config_; }
+
+ protected:
+  // Embedding and every layer over `rows` rows. Leaves the residual stream in residual() and the last block's
+  // output, not yet added, in hidden(): the head adds them.
+  virtual void forward_layers(int64_t rows) = 0;
+
+  struct Layer {
+    PackedLinear qkv, o_proj, gate_up, down_proj;
+    DeviceVector input_norm, post_attention_norm, pre_mlp_norm, post_mlp_norm, q_norm, k_norm;
+    AttentionSpec attention;
+  };
+  // h [rows, hidden] -> self-attention of layer l -> h (o_proj applied)
+  void attention_block(int32_t l, int64_t rows, void* h);
+  // h [rows, hidden] -> gated MLP of layer l -> h
+  void mlp_block(int32_t l, int64_t rows, void* h);
+
+  Backend& backend() { return *backend_; }
+  void* residual() { return residual_.get(); }
+  void* hidden() { return hidden_.get(); }
+
+  const ModelConfig config_;
+  std::vector<Layer> layers_;
+
+ private:
+  // Final norm, lm_head and soft-cap of logit rows [first, first + n): logits_ [n, vocab].
+  void head(int64_t first, int64_t n);
+
+  std::unique_ptr<Backend> backend_;
+  ModelOptions options_;
+  Activation activation_ = Activation::kSilu;
+  DeviceVector final_norm_;
+  PackedLinear lm_head_;
+  std::vector<RopeTable> rope_tables_;  // [0] global, [1] local
+  ModelWeights weights_;                // keeps the mapped files of views still read (embedding)
+  // Workspaces, max_step_tokens rows (wide_: the fused q/k/v output, then gate | up); head: max_head_rows().
+  std::shared_ptr<void> residual_, hidden_, wide_, attn_, head_residual_, head_hidden_, logits_;
+};
+
+// The family's model for config.family (registry.cpp); InvalidArgument listing the known families otherwise.
+std::unique_ptr<Executor> make_model(const ModelConfig& config, ModelWeights weights,
+                                     std::unique_ptr<Backend> backend, const ModelOptions& options);
+
+}  // namespace lmkit

@@ -1,0 +1,330 @@
+"""End to end, one tiny random model per architecture variant of issue 22 against HF transformers fp32:
+every logit row (prompt and decode positions) within 1e-4 relative, greedy output token-identical to HF
+generate alone, and the same output when the prompts run together with chunked prefill and prefix caching
+(prompts sharing a prefix longer than one KV block, generation past the sliding window).
+
+Each case is built once per module (config class, seeded random init a little wider than HF's so that
+the logits are not flat, fp32 safetensors) and read back by HF as the reference. Cases marked ``new`` need
+the architectures issue 22 adds to the engine; until the engine has them they fail with the engine's own
+"unsupported" error, named per case. A few cases rewrite config.json into the layout the hub checkpoints
+have (transformers 4.x keys), because lmkit reads config.json itself: HF is checked to read the rewritten
+file the way the case means.
+
+    pytest tests/test_architectures.py [-k gemma3]
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from lmkit import EngineConfig, GenerationConfig, pipeline
+from tests.conftest import write_byte_tokenizer
+from tests.test_generate import hf_greedy
+
+NEW_TOKENS = 24  # the 9-token prompt crosses every sliding window below during decode
+SHARED_PREFIX_TOKENS = 40  # > two 16-token KV blocks
+BLOCK_TOKENS = 16
+PREFILL_BUDGET_TOKENS = 24  # < every prompt but the short one: prompts are chunked
+REL_TOL = 1e-4
+MIN_MARGIN = 1e-3  # smallest top-2 logit gap on HF's greedy path (logits are of order 5; fp32 engines differ by ~1e-6)
+TOKEN_IDS = dict(bos_token_id=256, eos_token_id=257, pad_token_id=None)  # the byte tokenizer's specials
+
+
+def _gemma3_hub_layout(cfg: dict) -> dict:
+    """Gemma 3 as its hub config.json has it (transformers 4.5x): rope_theta + rope_local_base_freq +
+    rope_scaling (linear 8 on the global layers, as Gemma-3-4B) and sliding_window_pattern, no layer_types."""
+    rope = cfg.pop("rope_parameters")
+    cfg.pop("layer_types")
+    cfg.pop("_sliding_window_pattern", None)
+    return {**cfg, "rope_theta": rope["full_attention"]["rope_theta"],
+            "rope_local_base_freq": rope["sliding_attention"]["rope_theta"],
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 6}
+
+
+def _phi4_mini_hub_layout(cfg: dict) -> dict:
+    """Phi-4-mini as its hub config.json has it: top-level rope_theta and partial_rotary_factor, rope_scaling
+    {type: longrope, short_factor, long_factor}, original_max_position_embeddings beside it, and a
+    sliding_window far beyond any sequence (262144)."""
+    rope = cfg.pop("rope_parameters")
+    return {**cfg, "rope_theta": rope["rope_theta"], "partial_rotary_factor": rope["partial_rotary_factor"],
+            "rope_scaling": {"type": "longrope", "short_factor": rope["short_factor"],
+                             "long_factor": rope["long_factor"]}, "sliding_window": 262144}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One tiny model: a transformers config class and its arguments (TOKEN_IDS and max_position_embeddings
+    512 unless given)."""
+
+    config_class: str
+    kwargs: dict
+    seed: int
+    new: bool = True  # needs the engine of issue 22
+    norm_offset: float = 0.0  # Gemma's RMSNorms scale by (1 + w): w is drawn around 0, not 1
+    attn_implementation: str | None = None  # "eager" for Gemma 2 (SDPA has no soft-capping)
+    hub_layout: Callable[[dict], dict] | None = None  # rewrites config.json after save_pretrained
+    expect: dict = field(default_factory=dict)  # attribute -> value HF's config must have after reading the folder
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_attention_heads=4)
+
+CASES: dict[str, Case] = {
+    # ---- what the engine runs before issue 22 (must keep passing)
+    "llama31_rope": Case("LlamaConfig", dict(SMALL, num_hidden_layers=2, num_key_value_heads=2,
+                                             rope_parameters=LLAMA3_ROPE), seed=21, new=False),
+    "llama32_tied": Case("LlamaConfig", dict(SMALL, num_hidden_layers=3, num_key_value_heads=1,
+                                             tie_word_embeddings=True,
+                                             rope_parameters={**LLAMA3_ROPE, "factor": 32.0}), seed=2, new=False),
+    "mistral_window": Case("MistralConfig", dict(vocab_size=301, hidden_size=48, intermediate_size=99,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                                 sliding_window=13), seed=3, new=False),
+    "mistral_nemo_headdim": Case("MistralConfig", dict(SMALL, num_hidden_layers=2, num_key_value_heads=2,
+                                                       head_dim=24, sliding_window=None,
+                                                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                                 seed=4, new=False),
+    "qwen2": Case("Qwen2Config", dict(vocab_size=384, hidden_size=96, intermediate_size=200, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}), seed=5, new=False),
+    # ---- issue 22
+    "qwen2_window": Case("Qwen2Config", dict(SMALL, num_hidden_layers=3, num_key_value_heads=2, use_sliding_window=True,
+                                             sliding_window=20, max_window_layers=1), seed=6,
+                         expect={"layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}),
+    "qwen3": Case("Qwen3Config", dict(SMALL, num_hidden_layers=3, num_key_value_heads=2, head_dim=24,
+                                      tie_word_embeddings=True,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}), seed=7),
+    "qwen3_mha_untied": Case("Qwen3Config", dict(vocab_size=317, hidden_size=80, intermediate_size=130,
+                                                 num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=5,
+                                                 head_dim=16, tie_word_embeddings=False), seed=20),
+    "gemma2": Case("Gemma2Config", dict(SMALL, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                        query_pre_attn_scalar=24, sliding_window=20, attn_logit_softcapping=4.0,
+                                        final_logit_softcapping=5.0), seed=9, norm_offset=1.0,
+                   attn_implementation="eager",
+                   expect={"layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "gemma2_untied_defaults": Case("Gemma2Config", dict(vocab_size=301, hidden_size=48, intermediate_size=100,
+                                                        num_hidden_layers=3, num_attention_heads=2,
+                                                        num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+                                                        sliding_window=13, tie_word_embeddings=False), seed=22,
+                                   norm_offset=1.0, attn_implementation="eager",
+                                   expect={"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    "gemma3": Case("Gemma3TextConfig", dict(SMALL, num_hidden_layers=6, num_key_value_heads=1, head_dim=16,
+                                            query_pre_attn_scalar=24, sliding_window=20,
+                                            layer_types=["sliding_attention"] * 5 + ["full_attention"]),
+                   seed=11, norm_offset=1.0),
+    "gemma3_hub_config": Case("Gemma3TextConfig", dict(vocab_size=300, hidden_size=96, intermediate_size=160,
+                                                       num_hidden_layers=7, num_attention_heads=3,
+                                                       num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+                                                       sliding_window=13),
+                              seed=12, norm_offset=1.0, hub_layout=_gemma3_hub_layout,
+                              expect={"layer_types": ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"],
+                                      "rope_parameters": {
+                                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+    "phi3": Case("Phi3Config", dict(SMALL, num_hidden_layers=3, num_key_value_heads=2, sliding_window=20), seed=20),
+    "phi3_longrope_partial": Case(
+        "Phi3Config", dict(vocab_size=320, hidden_size=96, intermediate_size=150, num_hidden_layers=2,
+                           num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
+                           # original context >= session_len: the short factors, as HF uses below it
+                           # (LongRoPE's long factors are checked against torch in tests/lite/test_lite_archs.py)
+                           max_position_embeddings=4096, original_max_position_embeddings=512,
+                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                            "short_factor": [1.0, 1.25, 1.5, 2.0, 3.0, 5.0],
+                                            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}),
+        seed=21, hub_layout=_phi4_mini_hub_layout,
+        expect={"sliding_window": 262144, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 512, "short_factor": [1.0, 1.25, 1.5, 2.0, 3.0, 5.0],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}}),
+    "smollm3": Case("SmolLM3Config", dict(SMALL, num_hidden_layers=4, num_key_value_heads=1), seed=15,
+                    expect={"no_rope_layers": [1, 1, 1, 0]}),
+    "smollm3_explicit_nope_untied": Case("SmolLM3Config", dict(vocab_size=300, hidden_size=48, intermediate_size=80,
+                                                               num_hidden_layers=5, num_attention_heads=4,
+                                                               num_key_value_heads=2, tie_word_embeddings=False,
+                                                               no_rope_layers=[0, 1, 1, 0, 1]), seed=16),
+}
+
+
+def _init_weights(model, norm_offset: float) -> None:
+    """Wider than HF's init so that the logits are not flat: matrices N(0, 1/fan_in), biases N(0, 0.01),
+    norm weights around 1 (Gemma: around 0, its norms scale by 1 + w)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 - norm_offset + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+
+
+def _matches(value, want) -> bool:
+    if isinstance(want, dict):
+        return isinstance(value, dict) and all(_matches(value.get(k), v) for k, v in want.items())
+    return value == want
+
+
+def build_case(name: str, folder) -> "torch.nn.Module":
+    """Saves the case's random model (fp32 safetensors, byte tokenizer) into ``folder`` and returns HF's
+    fp32 model read back from it: the reference reads exactly the files the engine reads."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    case = CASES[name]
+    config = getattr(transformers, case.config_class)(**{"max_position_embeddings": 512, **TOKEN_IDS, **case.kwargs})
+    torch.manual_seed(case.seed)
+    attn = {"attn_implementation": case.attn_implementation} if case.attn_implementation else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn).eval()
+    _init_weights(model, case.norm_offset)
+    model.save_pretrained(str(folder))
+    write_byte_tokenizer(folder)
+    if case.hub_layout is not None:
+        path = folder / "config.json"
+        path.write_text(json.dumps(case.hub_layout(json.loads(path.read_text())), indent=2))
+    ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **attn).eval()
+    for key, want in case.expect.items():
+        got = getattr(ref.config, key)
+        assert _matches(got, want), f"{name}: HF reads {key}={got!r} from the folder, the case means {want!r}"
+    ref.generation_config.eos_token_id = None  # generate exactly NEW_TOKENS, as the engine with ignore_eos
+    return ref
+
+
+@dataclass
+class Built:
+    name: str
+    case: Case
+    folder: object
+    ref: object
+    prompts: list[list[int]]
+    expected: list[list[int]]  # HF generate, greedy, alone
+    hf_logits: list[np.ndarray]  # HF full forward over prompt + expected: [len - 1, vocab]
+
+
+def make_prompts(seed: int) -> list[list[int]]:
+    """Three prompts sharing a 40-token prefix (43, 57, 90 tokens), a 9-token one and an unrelated 61-token one."""
+    rng = np.random.default_rng(seed)
+    doc = rng.integers(0, 256, size=SHARED_PREFIX_TOKENS).tolist()
+    tail = lambda n: rng.integers(0, 256, size=n).tolist()  # noqa: E731
+    return [doc + tail(3), tail(9), doc + tail(17), tail(61), doc + tail(50)]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def arch(request, tmp_path_factory) -> Built:
+    name = request.param
+    folder = tmp_path_factory.mktemp(name)
+    ref = build_case(name, folder)
+    prompts = make_prompts(CASES[name].seed)
+    expected, hf_logits = [], []
+    for p in prompts:
+        new = hf_greedy(ref, p, NEW_TOKENS, None)
+        assert len(new) == NEW_TOKENS, f"{name}: HF generate stopped after {len(new)} tokens"
+        with torch.no_grad():
+            logits = ref(torch.tensor([p + new])).logits[0, :-1].numpy()
+        # The oracle agrees with itself: its cached incremental decode picks its own full-forward argmax.
+        forward_greedy = logits[len(p) - 1:].argmax(-1).tolist()
+        assert forward_greedy == new, f"{name}: HF generate and HF forward disagree ({new} vs {forward_greedy})"
+        # No near-tie in the reference: a 1e-4 relative difference cannot flip a greedy token.
+        top2 = np.sort(logits[len(p) - 1:], axis=-1)[:, -2:]
+        margin = float((top2[:, 1] - top2[:, 0]).min())
+        assert margin >= MIN_MARGIN, f"{name}: HF's greedy path has a near-tie ({margin:.2g}); pick another seed"
+        expected.append(new)
+        hf_logits.append(logits)
+    return Built(name, CASES[name], folder, ref, prompts, expected, hf_logits)
+
+
+def open_pipeline(built: Built, **config):
+    """The engine on the case's folder; a model it cannot load fails the test with the engine's message."""
+    base = dict(device="cpu", dtype="float32", cache_max_entry_count=64, cache_block_seq_len=BLOCK_TOKENS,
+                max_batch_size=8, session_len=512)
+    try:
+        return pipeline(built.folder, EngineConfig(**{**base, **config}))
+    except Exception as error:
+        if not built.case.new:
+            raise
+        message = f"{type(error).__name__}: {error}"
+    pytest.fail(f"{built.name} ({built.case.config_class}, issue 22): the engine does not load it: {message}",
+                pytrace=False)
+
+
+def assert_served(built: Built, i: int, response, label: str = "") -> None:
+    """The engine finished prompt i's request without an error (its message otherwise)."""
+    assert response.error is None and response.finish_reason == "length", (
+        f"{built.name}{label}: prompt {i} ({len(built.prompts[i])} tokens): the engine stopped after "
+        f"{len(response.token_ids)} tokens, finish_reason {response.finish_reason!r}: {response.error}")
+
+
+def row_rel_err(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """||got - want|| / ||want|| of every row."""
+    return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+
+
+def describe_mismatch(built: Built, i: int, got: list[int]) -> str:
+    """Where a greedy output first leaves HF's, and HF's top-2 logit margin there (a margin near 1e-4 of
+    the logits' scale is a near-tie; a wide one is a real difference)."""
+    want = built.expected[i]
+    k = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    if k >= len(want):
+        return f"lengths {len(got)} vs {len(want)}"
+    row = built.hf_logits[i][len(built.prompts[i]) - 1 + k]
+    top2 = np.sort(row)[-2:]
+    return (f"prompt {i} ({len(built.prompts[i])} tokens): first difference at new token {k} "
+            f"(position {len(built.prompts[i]) + k}): engine {got[k] if k < len(got) else None}, HF {want[k]}; "
+            f"HF top-2 margin {top2[1] - top2[0]:.3g} (logit scale {np.abs(row).max():.3g})")
+
+
+def test_logits_match_hf(arch: Built):
+    """Every prompt and decode position's logits within 1e-4 relative of HF fp32, row by row, over the
+    engine's own sequence; all prompts in one batch."""
+    gen = GenerationConfig(max_new_tokens=NEW_TOKENS, output_logits=True, ignore_eos=True)
+    with open_pipeline(arch) as pipe:
+        responses = pipe(arch.prompts, gen)
+    for i, (prompt, r) in enumerate(zip(arch.prompts, responses)):
+        assert_served(arch, i, r)
+        full = prompt + r.token_ids
+        assert r.logits is not None and r.logits.shape == (len(full) - 1, arch.ref.config.vocab_size), (
+            f"{arch.name}: prompt {i}: logits shape {None if r.logits is None else r.logits.shape}")
+        if r.token_ids == arch.expected[i]:
+            want = arch.hf_logits[i]
+        else:
+            with torch.no_grad():
+                want = arch.ref(torch.tensor([full])).logits[0, :-1].numpy()
+        err = row_rel_err(r.logits, want)
+        bad = np.flatnonzero(err > REL_TOL)
+        assert bad.size == 0, (
+            f"{arch.name}: prompt {i} ({len(prompt)} tokens): {bad.size} of {len(err)} logit rows off by more than "
+            f"{REL_TOL:g} relative; first bad position {bad[0]} (rel err {err[bad[0]]:.3g}), worst {err.max():.3g} "
+            f"at position {err.argmax()}; position 0 {err[0]:.3g}")
+
+
+def test_greedy_alone_matches_hf(arch: Built):
+    """Each prompt alone: greedy output token-identical to HF generate."""
+    gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    with open_pipeline(arch) as pipe:
+        responses = [pipe(p, gen) for p in arch.prompts]
+    for i, r in enumerate(responses):
+        assert_served(arch, i, r)
+        assert r.token_ids == arch.expected[i], f"{arch.name}: {describe_mismatch(arch, i, r.token_ids)}"
+
+
+def test_batched_chunked_prefix_cached_matches_hf(arch: Built):
+    """All prompts at once through a 24-token prefill budget (chunked prompts), 4 running at most (the rest
+    join later), 16-token blocks with prefix caching; then all again, their shared 40-token prefix (two full
+    blocks) cached. Every output equals HF's alone."""
+    gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    with open_pipeline(arch, max_batch_size=4, max_prefill_token_num=PREFILL_BUDGET_TOKENS,
+                       enable_prefix_caching=True) as pipe:
+        first = pipe(arch.prompts, gen)
+        again = pipe(arch.prompts, gen)
+        hit_tokens = pipe.engine.metrics().num_prefix_hit_tokens
+        pipe.engine.check_integrity()
+    for label, responses in ((", first round", first), (", second round, prefix cached", again)):
+        for i, r in enumerate(responses):
+            assert_served(arch, i, r, label)
+            assert r.token_ids == arch.expected[i], f"{arch.name}{label}: {describe_mismatch(arch, i, r.token_ids)}"
+    assert hit_tokens >= 3 * 2 * BLOCK_TOKENS, f"{arch.name}: only {hit_tokens} prefix-hit tokens"
