@@ -2,7 +2,10 @@
 TTFT of a 512-token prompt, and output tokens/s at concurrency 16 where the engine can batch.
 
     python benchmark/bench_peers.py [--model PATH] [--awq AWQ_FOLDER [--quant-policy 8]] [--threads 2]
-        [--runs 5] [--rounds 1] [--csv benchmark/results/peers_cpu.csv] [--smoke]
+        [--runs 5] [--rounds 1] [--baseline PKGDIR[:LABEL]] [--only lmkit] [--csv ...peers_cpu.csv] [--smoke]
+
+No regression, old and new builds side by side (the old one as a package folder, see baseline.py):
+    python benchmark/bench_peers.py --awq AWQ_FOLDER --baseline /tmp/pkg-before:before --only lmkit --rounds 3
 
 Rows (a row whose peer is not installed is skipped with a message; a row that fails prints its error and
 the others go on):
@@ -13,6 +16,10 @@ the others go on):
   llama.cpp F16             convert_hf_to_gguf.py (vendored in the llama-cpp-python sdist) --outtype f16
   CTranslate2 int8          ct2-transformers-converter --quantization int8, compute_type int8
   HF fp32                   transformers, torch fp32
+  lmkit fp (LABEL), lmkit AWQ int4 (LABEL)
+                            --baseline PKGDIR[:LABEL]: the same rows run by the lmkit package in PKGDIR (another
+                            build), each right after this build's row; a table of this build's speed over the
+                            baseline's follows (> 1: this build is faster). --only lmkit drops the peers.
 
 Peer models are made once and cached under LMKIT_CACHE/peers/ (default ~/.cache/lmkit/peers/), keyed by
 the source folder. Peers (optional, never needed by the tests; `pip install -e .[peers]` installs
@@ -35,7 +42,8 @@ included), one run after the warm-ups (lmkit: continuous batching; CTranslate2 a
 llama.cpp: its C API through llama-cpp-python, all sequences in one llama_decode per step as its
 `batched` example and server do, argmax in numpy). --rounds N runs the whole list N times, interleaved,
 and reports each figure's median over the rounds (and each round's decode ratio to lmkit fp): on a
-shared VM one slow spell otherwise decides a ratio. `match` counts the leading greedy
+shared VM one slow spell otherwise decides a ratio. Even rounds run the list in reverse order, so that no
+row always runs right after the same one. `match` counts the leading greedy
 tokens equal to lmkit fp's. Ratios are speed ratios (> 1: faster than the reference row).
 """
 
@@ -59,6 +67,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baseline import Baseline, lmkit_location  # noqa: E402
 from bench_decode_prefill import cpu_description, cpu_name  # noqa: E402
 from summary import append_csv  # noqa: E402
 
@@ -94,6 +103,7 @@ class Row:
     error: str | None = None
     tokens: list[int] | None = None  # greedy output of the decode run
     decode_rounds: list[float] | None = None  # decode tok/s of each round (--rounds)
+    lmkit_location: str | None = None  # the lmkit package folder the worker imported (lmkit rows)
 
 
 def merge_rounds(rounds: list[Row]) -> Row:
@@ -102,7 +112,7 @@ def merge_rounds(rounds: list[Row]) -> Row:
     if not ok:
         return rounds[0]
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
-    row = Row(ok[0].name, ok[0].weights, tokens=ok[0].tokens)
+    row = Row(ok[0].name, ok[0].weights, tokens=ok[0].tokens, lmkit_location=ok[0].lmkit_location)
     row.decode_tok_s = med([r.decode_tok_s for r in ok if r.decode_tok_s is not None])
     row.ttft_ms = med([r.ttft_ms for r in ok if r.ttft_ms is not None])
     row.conc_tok_s = med([r.conc_tok_s for r in ok if r.conc_tok_s is not None])
@@ -286,7 +296,7 @@ def run_lmkit(model: Path, w: Workload, quant_policy: int = 0) -> dict:
                     return time.perf_counter() - start
 
         out = {"decode_tok_s": median_decode(time_runs(decode, w.runs)), "tokens": list(tokens),
-               "ttft_ms": 1e3 * statistics.median(time_runs(ttft, w.runs))}
+               "ttft_ms": 1e3 * statistics.median(time_runs(ttft, w.runs)), "lmkit_location": lmkit_location()}
         if w.batch_ids:
             start = time.perf_counter()
             responses = pipe(w.batch_ids, gen)
@@ -488,31 +498,40 @@ class Engine:
     weights: str
     needs: tuple[str, ...]  # modules; a row whose module is missing is skipped
     install: str  # how to get them
+    baseline: Baseline | None = None  # run by another build's lmkit (--baseline)
+
+    @property
+    def kind(self) -> str:
+        """The row this one runs: its name without the baseline's label."""
+        return self.name.removesuffix(f" ({self.baseline.label})") if self.baseline else self.name
 
     def run(self, args, w: Workload) -> dict:
         model = args.model_path
-        if self.name == "lmkit fp":
+        if self.kind == "lmkit fp":
             return run_lmkit(model, w)
-        if self.name.startswith("lmkit AWQ"):
+        if self.kind.startswith("lmkit AWQ"):
             return run_lmkit(Path(args.awq).expanduser().resolve(), w, args.quant_policy)
-        if self.name == "llama.cpp Q4_1":
+        if self.kind == "llama.cpp Q4_1":
             return run_llama_cpp(q4_1_gguf(model), w)
-        if self.name == "llama.cpp Q4_1 (shipped)":
+        if self.kind == "llama.cpp Q4_1 (shipped)":
             return run_llama_cpp(shipped_q4_1_gguf(model), w)
-        if self.name == "llama.cpp F16":
+        if self.kind == "llama.cpp F16":
             return run_llama_cpp(f16_gguf(model), w)
-        if self.name == "CTranslate2 int8":
+        if self.kind == "CTranslate2 int8":
             return run_ct2(ct2_int8(model), w)
-        if self.name == "HF fp32":
+        if self.kind == "HF fp32":
             return run_hf(model, w)
         raise ValueError(f"unknown row {self.name!r}")
 
 
 def engines(args) -> list[Engine]:
     kv = {0: "", 8: " + KV int8", 4: " + KV int4"}[args.quant_policy]
-    rows = [Engine("lmkit fp", "fp16, fp32 compute", ("lmkit",), "")]
+    ours = [Engine("lmkit fp", "fp16, fp32 compute", ("lmkit",), "")]
     if args.awq:
-        rows.append(Engine(f"lmkit AWQ int4{kv}", f"AWQ int4 {Path(args.awq).name}", ("lmkit",), ""))
+        ours.append(Engine(f"lmkit AWQ int4{kv}", f"AWQ int4 {Path(args.awq).name}", ("lmkit",), ""))
+    rows = []
+    for e in ours:  # each baseline row right after this build's
+        rows += [e] + [Engine(b.row_name(e.name), e.weights, e.needs, e.install, b) for b in args.baselines]
     llama = ("llama_cpp",), LLAMA_CPP_INSTALL
     rows += [
         Engine("llama.cpp Q4_1", "Q4_1 from F16 GGUF", *llama),
@@ -522,9 +541,11 @@ def engines(args) -> list[Engine]:
         Engine("HF fp32", "fp32", ("torch", "transformers"), "pip install torch==2.13.0 transformers"),
     ]
     if args.smoke:
-        rows = [r for r in rows if r.name in ("lmkit fp", "HF fp32")]
+        rows = [r for r in rows if r.kind.startswith("lmkit") or r.name == "HF fp32"]
     elif args.model_path != default_model_path():
         rows = [r for r in rows if r.name != "llama.cpp Q4_1 (shipped)"]
+    if args.only:
+        rows = [r for r in rows if r.name.startswith(tuple(args.only))]
     return rows
 
 
@@ -554,6 +575,8 @@ def make_workload(args) -> Workload:
 def run_worker(engine: Engine, args, workload_file: Path) -> Row:
     """Runs one engine in a fresh process; a crash or an error becomes the row's error."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    if engine.baseline:
+        env = engine.baseline.env(env)
     cmd = [sys.executable, __file__, "--worker", engine.name, "--workload-file", str(workload_file),
            *args.forwarded]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
@@ -563,6 +586,8 @@ def run_worker(engine: Engine, args, workload_file: Path) -> Row:
             result = json.loads(line[len(RESULT_TAG):])
             for key, value in result.items():
                 setattr(row, key, value)
+            if engine.baseline and row.error is None:
+                row.error = engine.baseline.check(row.lmkit_location)
             return row
     row.error = f"the worker exited with {proc.returncode}" + (
         f" (signal {-proc.returncode})" if proc.returncode < 0 else "") + ", no result"
@@ -596,14 +621,15 @@ def print_table(rows: list[Row], args, header: str) -> None:
     fp = by_name.get("lmkit fp")
     print(header)
     c = args.concurrency
-    print(f"{'engine':26}{'decode tok/s':>13}{'vs Q4_1':>9}{'vs fp':>8}{'TTFT ms':>10}{'vs Q4_1':>9}{'vs fp':>8}"
+    wide = max([26] + [len(r.name) + 1 for r in rows])  # the name column
+    print(f"{'engine':{wide}}{'decode tok/s':>13}{'vs Q4_1':>9}{'vs fp':>8}{'TTFT ms':>10}{'vs Q4_1':>9}{'vs fp':>8}"
           f"{f'c={c} tok/s':>13}{'vs fp':>8}{'match':>9}")
     for r in rows:
         if r.error is not None:
-            print(f"{r.name:26}error: {r.error.splitlines()[0] if r.error else ''}")
+            print(f"{r.name:{wide}}error: {r.error.splitlines()[0] if r.error else ''}")
             continue
         match = "-" if r.match_tokens is None else f"{r.match_tokens}/{args.new_tokens}"
-        print(f"{r.name:26}{fmt(r.decode_tok_s, '.1f'):>13}{ratio(r.decode_tok_s, q4 and q4.decode_tok_s):>9}"
+        print(f"{r.name:{wide}}{fmt(r.decode_tok_s, '.1f'):>13}{ratio(r.decode_tok_s, q4 and q4.decode_tok_s):>9}"
               f"{ratio(r.decode_tok_s, fp and fp.decode_tok_s):>8}{fmt(r.ttft_ms, '.1f'):>10}"
               f"{ratio(r.ttft_ms, q4 and q4.ttft_ms, inverse=True):>9}{ratio(r.ttft_ms, fp and fp.ttft_ms, inverse=True):>8}"
               f"{fmt(r.conc_tok_s, '.1f'):>13}{ratio(r.conc_tok_s, fp and fp.conc_tok_s):>8}{match:>9}")
@@ -613,7 +639,7 @@ def print_table(rows: list[Row], args, header: str) -> None:
         print(f"medians of {args.rounds} rounds; decode tok/s per round:")
         for r in rows:
             if r.decode_rounds:
-                line = f"  {r.name:26}" + " ".join(f"{x:7.1f}" for x in r.decode_rounds)
+                line = f"  {r.name:{wide}}" + " ".join(f"{x:7.1f}" for x in r.decode_rounds)
                 if fp is not None and fp.decode_rounds and r is not fp and len(fp.decode_rounds) == len(r.decode_rounds):
                     line += "   vs fp per round: " + " ".join(f"{x / y:.2f}x" for x, y in zip(r.decode_rounds,
                                                                                            fp.decode_rounds))
@@ -621,6 +647,34 @@ def print_table(rows: list[Row], args, header: str) -> None:
     for r in rows:
         if r.error and "\n" in r.error:
             print(f"\n{r.name}: {r.error}")
+
+
+def print_regression(runs: dict[str, list[Row]], rows: list[Row], todo: list[Engine]) -> None:
+    """This build's lmkit rows over each baseline's: speed ratios (> 1: this build is faster; TTFT: the
+    baseline's time / this build's), of the medians and of each round's pair (run back to back)."""
+    by_name = {r.name: r for r in rows if r.error is None}
+    pairs = [(e.kind, e.name, e.baseline.label) for e in todo if e.baseline]
+    if not pairs:
+        return
+    print("\nthis build / baseline (speed ratios of the medians; per round: decode, TTFT, concurrency)")
+    print(f"{'row':40}{'decode':>8}{'TTFT':>8}{'conc':>8}   per round")
+    for new, old, label in pairs:
+        a, b = by_name.get(new), by_name.get(old)
+        if a is None or b is None:
+            print(f"{old:40}-  (a row failed)")
+            continue
+        per_round = []
+        for x, y in zip(runs[new], runs[old]):
+            if x.error is None and y.error is None:
+                per_round.append("/".join(ratio(p, q, inverse=inv).rstrip("x") for p, q, inv in (
+                    (x.decode_tok_s, y.decode_tok_s, False), (x.ttft_ms, y.ttft_ms, True),
+                    (x.conc_tok_s, y.conc_tok_s, False))))
+        print(f"{new + ' / ' + label:40}{ratio(a.decode_tok_s, b.decode_tok_s):>8}"
+              f"{ratio(a.ttft_ms, b.ttft_ms, inverse=True):>8}{ratio(a.conc_tok_s, b.conc_tok_s):>8}   "
+              + " ".join(per_round))
+    for name in dict.fromkeys(n for new, old, _ in pairs for n in (new, old)):
+        if name in by_name:
+            print(f"  {name}: lmkit from {by_name[name].lmkit_location}")
 
 
 def write_csv(path: Path, rows: list[Row], args, when: datetime, load: tuple[float, float, float]) -> None:
@@ -670,7 +724,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="run every engine this many times, interleaved; "
                                                           "each figure is the median over the rounds")
     ap.add_argument("--csv", type=Path, default=None, help=f"append rows here (default {DEFAULT_CSV}, none with --smoke)")
-    ap.add_argument("--smoke", action="store_true", help="lmkit fp and HF only, a few tokens: runs in seconds")
+    ap.add_argument("--baseline", action="append", default=[], metavar="PKGDIR[:LABEL]",
+                    help="another build's lmkit package folder (see baseline.py): adds its lmkit rows, run in the "
+                         "same rounds, and a table of this build's speed over it; repeatable")
+    ap.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
+                    help="only the rows whose name starts with one of these (--only lmkit: no peers)")
+    ap.add_argument("--smoke", action="store_true", help="lmkit rows and HF only, a few tokens: runs in seconds")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workload-file", default=None, help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
@@ -680,6 +739,10 @@ def main(argv: list[str] | None = None) -> int:
     from lmkit.model_path import resolve_model
 
     args.model_path = resolve_model(args.model)
+    try:
+        args.baselines = [Baseline.parse(b) for b in args.baseline]
+    except ValueError as e:
+        ap.error(str(e))
     if args.worker:
         return worker_main(args)
     args.forwarded = [a for a in argv if a not in ("--worker",)]
@@ -703,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         # Rounds interleave the engines (fp, AWQ, ..., fp, AWQ, ...), so that a slow spell of a shared
         # machine lands on every row rather than on one.
         for k in range(args.rounds):
-            for engine in todo:
+            for engine in (todo if k % 2 == 0 else todo[::-1]):
                 print(f"bench_peers: running {engine.name}" + (f" (round {k + 1}/{args.rounds})" if args.rounds > 1
                                                                else "") + " ...", file=sys.stderr, flush=True)
                 row = run_worker(engine, args, workload_file)
@@ -723,6 +786,7 @@ def main(argv: list[str] | None = None) -> int:
               f"ignored), median of {args.runs} runs{f' in each of {args.rounds} interleaved rounds' if args.rounds > 1 else ''}; TTFT of {args.prefill_len} tokens; load average "
               f"{load_start[0]:.2f} at start, {load_end[0]:.2f} at end\n{versions()}")
     print_table(rows, args, header)
+    print_regression(runs, rows, todo)
     if args.csv:
         write_csv(args.csv, rows, args, when, load_start)
     return 0
