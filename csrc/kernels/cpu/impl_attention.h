@@ -100,9 +100,9 @@ inline V load_hd(const float* row, int dv, int hd) {
 }
 
 // The scores of dot products q . k (ops.h): scale * dot, or with logit soft-capping (cap > 0)
-// cap * tanh(dot * (scale / cap)). A kernel holding its dot products in a buffer caps them there in a pass of
-// their own (cap_in_place: the tanh's constants then never compete for the registers of the kernel's loop,
-// which costs the uncapped path ~5-10% on AMX tiles), then multiplies by `post` (1 when capped, else scale).
+// cap * tanh(dot * (scale / cap)). A kernel holding its dot products in a buffer multiplies them by `post`
+// (1 when capped, else scale) and caps them there in a pass of its own (cap_in_place), so that the tanh's
+// constants never compete for the registers of its main loop (inlined there, they slowed even uncapped calls).
 struct Scores {
   V mul, cap, post;
   bool capped;
@@ -110,10 +110,14 @@ struct Scores {
       : mul(vset1(softcap > 0.0f ? scale / softcap : scale)), cap(vset1(softcap)),
         post(vset1(softcap > 0.0f ? 1.0f : scale)), capped(softcap > 0.0f) {}
   V operator()(V dot) const { return capped ? cap * vtanh(dot * mul) : dot * mul; }
-  // p[0:count] = cap * tanh(p * scale / cap) when capped; count a multiple of kW
+  // p[0:count] = cap * tanh(p * scale / cap) when capped, masked scores (-inf) kept; count a multiple of kW
   void cap_in_place(float* p, int64_t count) const {
     if (!capped) return;
-    for (int64_t i = 0; i < count; i += kW) vstore(p + i, cap * vtanh(vload(p + i) * mul));
+    const V lowest = vset1(-3.40282347e38f);
+    for (int64_t i = 0; i < count; i += kW) {
+      const V x = vload(p + i);
+      vstore(p + i, vselect_lt(x, lowest, x, cap * vtanh(x * mul)));
+    }
   }
 };
 

@@ -7,9 +7,9 @@
 // A task's R <= 16 rows (query heads x positions) over keys [k_lo, k_hi), in two passes (exact softmax):
 //   scores  S^T[16 keys x 16 rows]  = K[16 keys x 32 d] . Q^T[32 d x 16 rows]   per 32 d, tiles 0 (C) 1 (K) 2 (Q^T)
 //           K rows come straight from the cache; Q^T is the task's rows as pairs of d (VNNI), built once;
-//           S^T soft-capped in place (Scores, if capped), transposed in registers; row r scaled and masked
-//           -> S[r][keys] (fp32)
-//   softmax m_r = max S[r], P[r][j] = bf16(exp(S[r][j] - m_r)), l_r = sum of those bf16 values
+//           S^T transposed in registers; row r scaled and masked -> S[r][keys] (fp32)
+//   softmax S[r] soft-capped in place first when capped (Scores), m_r = max S[r], P[r][j] = bf16(exp(S[r][j] - m_r)),
+//           l_r = sum of those bf16 values
 //   output  O[16 rows x 16 d]      += P[16 rows x 32 keys] . V[32 keys x 16 d]   tiles 4-7 (C) 1 (P) 2 (V)
 //           V's token pairs are interleaved in the cache (ops.h): 16 pair rows are exactly the VNNI operand
 //   out[r] = O[r] / l_r     (or, for a split of the keys, the unnormalised state (m_r, l_r, O[r]))
@@ -136,7 +136,6 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
       _tile_dpbf16ps(0, 1, 2);
     }
     _tile_stored(0, sbuf, 64);
-    score.cap_in_place(sbuf, 16 * 16);  // before the transpose's 16 live registers
     __m512 rows[16];  // S^T's 16 keys -> S's 16 rows
     for (int j = 0; j < 16; ++j) rows[j] = _mm512_load_ps(sbuf + 16 * j);
     transpose16x16(rows);
@@ -155,7 +154,8 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
   // ---- softmax per row, over 16 keys at a time; P in bf16
   float m[kAmxAttnRows], l[kAmxAttnRows];
   for (int r = 0; r < R; ++r) {
-    const float* sr = S + r * len;
+    float* sr = S + r * len;
+    score.cap_in_place(sr, len);  // here, only R rows (not S^T's 16) and out of the 16-register loop above
     __m512 mx = _mm512_set1_ps(kAttnNoMax);
     for (int64_t j = 0; j < len; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
     m[r] = _mm512_reduce_max_ps(mx);
