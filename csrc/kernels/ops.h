@@ -32,42 +32,60 @@ void rmsnorm(const float* x, const Tensor& weight, float eps, int64_t num_rows, 
 void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float eps, int64_t num_rows,
                  int64_t dim, float* out);
 
-// A linear layer's weight in the layout of this backend's kernels, made once at load time by
-// pack_linear / pack_linear_awq (owns its bytes; copies share them). CPU layouts, panels of
-// kLinearPanelCols output columns, zero-padded past N:
-//   dense (group_size == 0): k-major inside a panel, in the stored dtype (F32 / F16 / BF16):
+// A linear layer's weight in the layout of this backend's kernels, made once at load time (owns its bytes;
+// copies share them). Every layout is one WeightFormat; all a format is (its bytes, how it is packed, the
+// kernel that runs it, whether this CPU has that kernel) is its entry in the traits table
+// (weight_format_traits, kernels/cpu/linear_formats.cpp): a new format is a new entry, not a new flag.
+// The CPU layouts, panels of kLinearPanelCols output columns, zero-padded past N:
+//   Dense (pack_linear): k-major inside a panel, in the stored dtype (F32 / F16 / BF16):
 //       data[(p * K + k) * kLinearPanelCols + j] = weight[p * kLinearPanelCols + j, k]
 //     so that one k step of a panel is one contiguous row: no horizontal sums, one stream per thread.
-//   int4 (group_size > 0, dtype F16 = the scales' dtype): per panel, K / group_size group blocks of
+//   AwqInt4 (pack_linear_awq; dtype F16 = the scales' dtype): per panel, K / group_size group blocks of
 //       scales  [32] fp16      scale of (group, column j)
 //       zeros   [32] u8        zero point of (group, column j), 0..15
 //       quads   [g / 4][64] u8 byte i of 32-bit lane j of quad t: q[4t + i, j] | q[4t + i, j + 16] << 4
 //     weight[n, k] = (q[k, n] - zero[k / g, n]) * scale[k / g, n]; one stream per panel, scales inline.
-//   int8 (is_int8, made by pack_linear_int8 from a float weight; llama.cpp's Q8_0 in our panels): per
-//     panel, K / 32 blocks of
+//   Int8 (pack_linear_int8 from a float weight; llama.cpp's Q8_0 in our panels; dtype F16): per panel,
+//     K / 32 blocks of
 //       scales  [32] fp16      d of (block, column j): max |w| / 127 over the block's 32 values
 //       quads   [8][2][64] u8  byte i of 32-bit lane j of half h of quad t: q[4t + i, 16h + j] + 128
-//     weight[n, k] ~ (u8 - 128) * d. Only with int8 activations on CPUs with integer dot products.
-//   bf16 pairs (is_bf16_pairs, made by pack_linear_bf16 from a float weight; dtype BF16): per panel,
-//     ceil(K / 2) rows of 32 little-endian 32-bit lanes; lane j of row r holds
+//     weight[n, k] ~ (u8 - 128) * d. Always with int8 activations, on CPUs with integer dot products.
+//   Bf16Pairs (pack_linear_bf16 from a float weight; dtype BF16): per panel, ceil(K / 2) rows of 32
+//     little-endian 32-bit lanes; lane j of row r holds
 //       bf16(weight[n, 2r]) | bf16(weight[n, 2r + 1]) << 16       (n = p * 32 + j; 0 past N and K)
 //     the operand layout of AVX512_BF16's vdpbf16ps; x is rounded to bf16 per call, products summed in fp32.
 constexpr int kLinearPanelCols = 32;
 constexpr int64_t kLinearInt8ActMaxRows = 64;
+enum class WeightFormat : uint8_t { Dense, AwqInt4, Int8, Bf16Pairs };
+struct LinearWeight;
+struct WeightFormatTraits {
+  WeightFormat format;
+  const char* name;  // "dense", "awq_int4", "int8", "bf16_pairs"
+  // Bytes of the packed panels of w (from its n, k, dtype and group_size).
+  int64_t (*packed_bytes)(const LinearWeight& w);
+  // Packs a float weight [N, K] (F32/F16/BF16) into this format; nullptr where the format is made from
+  // other tensors (AwqInt4: a checkpoint's qweight / qzeros / scales, pack_linear_awq).
+  LinearWeight (*pack_float)(const Tensor& weight);
+  // nullptr when this CPU runs the format's kernel, else what it lacks (an error message).
+  const char* (*unavailable)();
+  // out[M, N] = x[M, K] @ w^T (+ bias[N] fp32 when non-null): the format's kernel; inputs already checked.
+  void (*run)(const float* x, int64_t M, const LinearWeight& w, const float* bias, float* out);
+};
+const WeightFormatTraits& weight_format_traits(WeightFormat format);
+
 struct LinearWeight {
-  DType dtype = DType::F32;            // dense: the stored dtype; int4: F16 (the scales)
-  int32_t group_size = 0;              // 0: dense; 32 / 64 / 128: int4 with that group size along K
-  // int4 only: in calls of up to kLinearInt8ActMaxRows rows (decode), quantize x to int8 per 32 values
+  WeightFormat format = WeightFormat::Dense;
+  DType dtype = DType::F32;  // Dense: the stored dtype; AwqInt4 and Int8: F16 (the scales); Bf16Pairs: BF16
+  int32_t group_size = 0;    // AwqInt4: 32 / 64 / 128 along K; 0 for the other formats
+  // AwqInt4 only: in calls of up to kLinearInt8ActMaxRows rows (decode), quantize x to int8 per 32 values
   // and use integer dot products where the CPU has them (AVX2, AVX-512 VNNI); the result then differs from
   // the exact fp32 product by the rounding of x (relative error of the output ~1e-3, tested).
   bool int8_activations = false;
   int64_t n = 0, k = 0;                // the weight is [n, k]
   std::shared_ptr<void> storage;       // the packed panels
   bool is_empty() const { return storage == nullptr; }
-  bool is_int8 = false;                // int8 panels (then group_size is 0)
-  bool is_bf16_pairs = false;          // bf16 pair panels (pack_linear_bf16)
-  bool is_int4() const { return group_size > 0; }
-  int64_t size_bytes() const;
+  const WeightFormatTraits& traits() const { return weight_format_traits(format); }
+  int64_t size_bytes() const { return traits().packed_bytes(*this); }
 };
 LinearWeight pack_linear(const Tensor& weight);  // weight: [N, K] F32/F16/BF16
 // An AWQ int4 weight in the AutoAWQ "GEMM" layout (DESIGN.md section 4), N = out, K = in:

@@ -78,10 +78,10 @@ class CpuBackend final : public Backend {
     // With int8 activations, the lm_head (kept dense by AWQ; a third of SmolLM2's bytes) runs as int8 per 32
     // values too, as llama.cpp's Q8_0 output does: half the bytes of fp16 at negligible error.
     auto impl = std::make_shared<CpuLinear>();
-    if (has_awq && options_.awq_int8_activations && ops::int8_dot_available() && weight.shape[1] % 32 == 0)
-      impl->parts.push_back(ops::pack_linear_int8(weight));
-    else
-      impl->parts.push_back(pack_dense(weight));
+    const bool int8 =
+        has_awq && options_.awq_int8_activations && ops::int8_dot_available() && weight.shape[1] % 32 == 0;
+    impl->parts.push_back(int8 ? ops::weight_format_traits(ops::WeightFormat::Int8).pack_float(weight)
+                               : pack_dense(weight));
     PackedLinear out;
     out.n = impl->parts[0].n, out.k = impl->parts[0].k, out.size_bytes = impl->parts[0].size_bytes();
     out.impl = impl;
@@ -265,7 +265,8 @@ class CpuBackend final : public Backend {
 
  private:
   ops::LinearWeight pack_dense(const Tensor& w) const {
-    return options_.bf16_linear ? ops::pack_linear_bf16(w) : ops::pack_linear(w);
+    const auto format = options_.bf16_linear ? ops::WeightFormat::Bf16Pairs : ops::WeightFormat::Dense;
+    return ops::weight_format_traits(format).pack_float(w);
   }
   static Tensor view(const DeviceVector& v) { return make_view(v.data.get(), DType::F32, v.n); }
 

@@ -244,6 +244,43 @@ AwqWeight make_awq(int64_t N, int64_t K, int64_t g) {
   return a;
 }
 
+// The weight-format traits table: one entry per format, found by its format; every packer makes a weight
+// of its format whose size_bytes is the bytes it wrote (an overrun would be caught by the allocator's
+// neighbours; here: the fused copy of two parts equals both parts back to back); what a CPU lacks is named.
+void test_weight_format_traits() {
+  using F = ops::WeightFormat;
+  for (F f : {F::Dense, F::AwqInt4, F::Int8, F::Bf16Pairs})
+    expect(ops::weight_format_traits(f).format == f && ops::weight_format_traits(f).run != nullptr,
+           std::string("traits table entry of ") + ops::weight_format_traits(f).name);
+  expect(ops::weight_format_traits(F::AwqInt4).pack_float == nullptr, "AWQ int4 is not packed from a float weight");
+  expect((ops::weight_format_traits(F::Int8).unavailable() == nullptr) == ops::int8_dot_available(),
+         "int8 weights are available exactly where the int8 dot-product kernels are");
+  expect((ops::weight_format_traits(F::Bf16Pairs).unavailable() == nullptr) == ops::bf16_dot_available(),
+         "bf16 pair weights are available exactly where the bf16 dot-product kernel is");
+  const Weight w = make_weight(DType::F16, 64, 96, 0.05f);
+  for (F f : {F::Dense, F::Int8, F::Bf16Pairs}) {
+    const ops::WeightFormatTraits& t = ops::weight_format_traits(f);
+    if (t.unavailable() != nullptr) {
+      expect(throws([&] { t.pack_float(w.t); }), std::string(t.name) + ": packing refuses on this CPU");
+      continue;
+    }
+    const ops::LinearWeight a = t.pack_float(w.t), b = t.pack_float(w.t);
+    expect(a.format == f && a.n == 64 && a.k == 96, std::string(t.name) + ": the packer makes its format");
+    const ops::LinearWeight ab = ops::concat_linear({&a, &b});
+    expect(!ab.is_empty() && ab.size_bytes() == 2 * a.size_bytes() &&
+               std::memcmp(ab.storage.get(), a.storage.get(), (size_t)a.size_bytes()) == 0 &&
+               std::memcmp(static_cast<char*>(ab.storage.get()) + a.size_bytes(), b.storage.get(),
+                           (size_t)b.size_bytes()) == 0,
+           std::string(t.name) + ": concat_linear copies whole parts of size_bytes each");
+  }
+  const AwqWeight q = make_awq(64, 128, 64);
+  const ops::LinearWeight awq = ops::pack_linear_awq(q.qw, q.qz, q.sc, 64);
+  expect(awq.format == F::AwqInt4 && awq.size_bytes() == 2 * 2 * (32 * 3 + 64 / 4 * 64),
+         "awq_int4: 2 panels x 2 groups of 32 scales, 32 zeros and the nibbles");
+  const ops::LinearWeight dense = ops::pack_linear(w.t);
+  expect(ops::concat_linear({&awq, &dense}).is_empty(), "concat_linear refuses parts of different formats");
+}
+
 void test_linear_int4() {
   struct Shape {
     int64_t M, N, K, g;
@@ -363,7 +400,7 @@ void test_linear_bf16_kernel(const char* kernel) {
         std::vector<float> wr = round_bf16(wf), x = randn(s.M * s.K), xr = round_bf16(x);
         std::vector<float> out(s.M * s.N, NAN), ref(out.size()), exact(out.size());
         const ops::LinearWeight packed = ops::pack_linear_bf16(w.t);
-        expect(packed.is_bf16_pairs && packed.size_bytes() == (s.N + 31) / 32 * ((s.K + 1) / 2) * 128,
+        expect(packed.format == ops::WeightFormat::Bf16Pairs && packed.size_bytes() == (s.N + 31) / 32 * ((s.K + 1) / 2) * 128,
                "pack_linear_bf16: whole panels of pair rows");
         ops::linear(x.data(), s.M, packed, b.t, out.data());
         ops::reference::linear(xr.data(), s.M, make_view(wr.data(), DType::F32, s.N, s.K), b.t, ref.data());
@@ -807,6 +844,7 @@ int main() {
       test_rmsnorm();
       test_linear();
       test_linear_int4();
+      test_weight_format_traits();
       test_linear_bf16();
       test_concat_linear();
       test_rope();

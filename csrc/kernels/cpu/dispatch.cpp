@@ -12,11 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <string>
-#include <thread>
-#include <vector>
 
 #include "core/check.h"
 #include "kernels/cpu/kernel_table.h"
@@ -53,6 +49,8 @@ const KernelTable* best_table() {
 
 std::atomic<const KernelTable*> g_active{nullptr};
 
+}  // namespace
+
 const KernelTable& active() {
   const KernelTable* t = g_active.load(std::memory_order_acquire);
   if (t == nullptr) {
@@ -63,15 +61,15 @@ const KernelTable& active() {
   return *t;
 }
 
+namespace {
 bool is_float_dtype(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
+}  // namespace
 
 void check_weight(const Tensor& w, const char* op, const char* what) {
   LMKIT_CHECK(w.data != nullptr, op, ": ", what, " is empty");
   LMKIT_CHECK(w.device == Device::CPU, op, ": ", what, " must be on the CPU");
   LMKIT_CHECK(is_float_dtype(w.dtype), op, ": ", what, " must be F32, F16 or BF16, got ", dtype_name(w.dtype));
 }
-
-}  // namespace
 
 const KernelTable* table_for(const char* isa) {
   if (!can_run(isa)) return nullptr;
@@ -133,136 +131,7 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
   cpu::active().add_rmsnorm(residual, x, weight.data, weight.dtype, eps, num_rows, dim, out);
 }
 
-int64_t LinearWeight::size_bytes() const {
-  const int64_t panels = (n + kLinearPanelCols - 1) / kLinearPanelCols;
-  if (is_int8) return panels * (k / 32) * (kLinearPanelCols * 2 + 32 * kLinearPanelCols);
-  if (is_bf16_pairs) return panels * ((k + 1) / 2) * kLinearPanelCols * 4;
-  if (is_int4())  // per group: fp16 scale + u8 zero per column, then the nibbles
-    return panels * (k / group_size) * (kLinearPanelCols * 3 + (int64_t)group_size / 4 * 64);
-  return panels * kLinearPanelCols * k * dtype_size_bytes(dtype);
-}
-
-namespace {
-std::shared_ptr<void> alloc_packed(int64_t bytes, const char* what) {
-  bytes = (bytes + 63) / 64 * 64;
-  void* buf = std::aligned_alloc(64, (size_t)bytes);
-  LMKIT_CHECK(buf != nullptr, "out of memory packing ", what, " (", bytes, " bytes)");
-  return std::shared_ptr<void>(buf, std::free);
-}
-
-// Panels are independent: fn(p0, p1) over contiguous ranges of them on plain threads. (Not OpenMP: an
-// OpenMP team created on the loading thread keeps its workers, which then compete with the engine
-// thread's team for the cores.)
-template <typename Fn>
-void for_panel_ranges(int64_t num_panels, Fn&& fn) {
-  const int64_t num_threads =
-      std::max<int64_t>(1, std::min<int64_t>({(int64_t)std::thread::hardware_concurrency(), num_panels / 8, 16}));
-  std::vector<std::thread> threads;
-  for (int64_t t = 1; t < num_threads; ++t)
-    threads.emplace_back(fn, num_panels * t / num_threads, num_panels * (t + 1) / num_threads);
-  fn(0, num_panels / num_threads);
-  for (std::thread& t : threads) t.join();
-}
-
-template <typename E>
-void pack_panels(const E* w, int64_t N, int64_t K, E* dst) {
-  constexpr int64_t P = kLinearPanelCols, KB = 16;  // 32 x 16 blocks: rows read in runs, panel rows written whole
-  const int64_t num_panels = (N + P - 1) / P;
-  auto pack_range = [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      E* panel = dst + p * K * P;
-      for (int64_t k0 = 0; k0 < K; k0 += KB) {
-        const int64_t k1 = std::min(K, k0 + KB);
-        for (int64_t j = 0; j < P; ++j) {
-          const int64_t n = p * P + j;
-          const E* row = w + n * K;
-          for (int64_t k = k0; k < k1; ++k) panel[k * P + j] = n < N ? row[k] : E{};
-        }
-      }
-    }
-  };
-  for_panel_ranges(num_panels, pack_range);
-}
-}  // namespace
-
-LinearWeight pack_linear(const Tensor& weight) {
-  cpu::check_weight(weight, "pack_linear", "weight");
-  LMKIT_CHECK(weight.ndim == 2, "pack_linear: weight must be [N, K], got ndim ", weight.ndim);
-  LinearWeight packed;
-  packed.dtype = weight.dtype;
-  packed.n = weight.shape[0];
-  packed.k = weight.shape[1];
-  LMKIT_CHECK(packed.n > 0 && packed.k > 0, "pack_linear: bad shape [", packed.n, ", ", packed.k, "]");
-  packed.storage = alloc_packed(packed.size_bytes(), "a linear weight");
-  void* buf = packed.storage.get();
-  if (weight.dtype == DType::F32)
-    pack_panels(weight.ptr<const uint32_t>(), packed.n, packed.k, static_cast<uint32_t*>(buf));
-  else
-    pack_panels(weight.ptr<const uint16_t>(), packed.n, packed.k, static_cast<uint16_t*>(buf));
-  return packed;
-}
-
-namespace {
-std::string shape_of(const Tensor& t) {
-  std::string out = "[";
-  for (int i = 0; i < t.ndim; ++i) out += (i ? ", " : "") + std::to_string(t.shape[i]);
-  return out + "]";
-}
-
-}  // namespace
-
-LinearWeight pack_linear_awq(const Tensor& qweight, const Tensor& qzeros, const Tensor& scales, int32_t group_size) {
-  LMKIT_CHECK_ARG(group_size == 32 || group_size == 64 || group_size == 128, "AWQ: group_size must be 32, 64 or 128, got ",
-                  group_size);
-  LMKIT_CHECK_ARG(qweight.data && qweight.dtype == DType::I32 && qweight.ndim == 2,
-                  "AWQ: qweight must be a 2-d I32 tensor [in, out / 8], got ", dtype_name(qweight.dtype), " ",
-                  shape_of(qweight));
-  const int64_t K = qweight.shape[0], N = qweight.shape[1] * 8, g = group_size;
-  LMKIT_CHECK_ARG(K > 0 && N > 0 && K % g == 0, "AWQ: in_features ", K, " is not a multiple of group_size ", g);
-  LMKIT_CHECK_ARG(qzeros.data && qzeros.dtype == DType::I32 && qzeros.ndim == 2 && qzeros.shape[0] == K / g &&
-                      qzeros.shape[1] == N / 8,
-                  "AWQ: qzeros must be I32 [", K / g, ", ", N / 8, "] for qweight ", shape_of(qweight), " and group_size ",
-                  g, ", got ", dtype_name(qzeros.dtype), " ", shape_of(qzeros));
-  LMKIT_CHECK_ARG(scales.data && scales.dtype == DType::F16 && scales.ndim == 2 && scales.shape[0] == K / g &&
-                      scales.shape[1] == N,
-                  "AWQ: scales must be F16 [", K / g, ", ", N, "] for qweight ", shape_of(qweight), " and group_size ",
-                  g, ", got ", dtype_name(scales.dtype), " ", shape_of(scales));
-  LinearWeight packed;
-  packed.dtype = DType::F16;
-  packed.group_size = group_size;
-  packed.n = N;
-  packed.k = K;
-  packed.storage = alloc_packed(packed.size_bytes(), "an AWQ weight");
-  constexpr int64_t P = kLinearPanelCols;
-  static constexpr int kNibbleOf[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // column n % 8 -> nibble (AutoAWQ GEMM order)
-  const uint32_t* qw = qweight.ptr<const uint32_t>();
-  const uint32_t* qz = qzeros.ptr<const uint32_t>();
-  const uint16_t* sc = scales.ptr<const uint16_t>();
-  auto nib = [&](const uint32_t* m, int64_t row, int64_t n) -> uint8_t {
-    return n < N ? (uint8_t)((m[row * (N / 8) + n / 8] >> (4 * kNibbleOf[n % 8])) & 15u) : 0;
-  };
-  const int64_t group_bytes = P * 3 + g * P / 2, num_panels = (N + P - 1) / P;
-  uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
-  for (int64_t p = 0; p < num_panels; ++p)
-    for (int64_t gi = 0; gi < K / g; ++gi) {
-      uint8_t* blk = dst + (p * (K / g) + gi) * group_bytes;
-      for (int64_t j = 0; j < P; ++j) {
-        const int64_t n = p * P + j;
-        const uint16_t s = n < N ? sc[gi * N + n] : 0;
-        std::memcpy(blk + 2 * j, &s, 2);
-        blk[2 * P + j] = nib(qz, gi, n);
-      }
-      // quads of 4 k: byte i of 32-bit lane j = q[k0 + i, j] | q[k0 + i, j + 16] << 4
-      for (int64_t r = 0; r < g; ++r)
-        for (int64_t j = 0; j < P / 2; ++j)
-          blk[3 * P + (r / 4) * 64 + 4 * j + r % 4] =
-              (uint8_t)(nib(qw, gi * g + r, p * P + j) | nib(qw, gi * g + r, p * P + j + P / 2) << 4);
-    }
-  return packed;
-}
-
 namespace cpu {
-namespace {
 // The table whose int8-activation kernels run here: the active one, except that the AVX-512 kernels
 // need VNNI too; on an AVX-512 CPU without it the AVX2 kernels (vpmaddubsw) do the work. nullptr: none.
 const KernelTable* q8_table() {
@@ -272,20 +141,17 @@ const KernelTable* q8_table() {
   if (std::strcmp(t.name, "avx512") != 0 || has_vnni) return &t;
   return table_for("avx2");
 }
-}  // namespace
 }  // namespace cpu
 
 bool int8_dot_available() { return cpu::q8_table() != nullptr; }
 
 namespace cpu {
-namespace {
 // The table with the bf16 dot-product kernel: the avx512 one on a CPU with AVX512_BF16 (whichever table
 // is active for the other ops), else nullptr.
 const KernelTable* bf16_table() {
   static const bool has_bf16 = can_run("avx512bf16");
   return has_bf16 ? table_for("avx512") : nullptr;
 }
-}  // namespace
 }  // namespace cpu
 
 namespace cpu {
@@ -315,6 +181,10 @@ const KernelTable* amx_table() {
 std::atomic<bool> g_amx_enabled{true};
 }  // namespace
 
+const KernelTable* amx_table_in_use() {
+  return g_amx_enabled.load(std::memory_order_relaxed) ? amx_table() : nullptr;
+}
+
 bool use_amx(bool enabled) {
   g_amx_enabled.store(enabled, std::memory_order_relaxed);
   return enabled && amx_table() != nullptr;
@@ -329,148 +199,6 @@ void require_bf16_dot() {
                   "Lake / Sapphire Rapids or later, AMD Zen 4 or later); this one has none: use dtype='float32'");
 }
 
-LinearWeight pack_linear_bf16(const Tensor& weight) {
-  cpu::check_weight(weight, "pack_linear_bf16", "weight");
-  LMKIT_CHECK(weight.ndim == 2 && weight.shape[0] > 0 && weight.shape[1] > 0,
-              "pack_linear_bf16: weight must be [N, K], got ", shape_of(weight));
-  require_bf16_dot();
-  LinearWeight packed;
-  packed.dtype = DType::BF16;
-  packed.is_bf16_pairs = true;
-  packed.n = weight.shape[0];
-  packed.k = weight.shape[1];
-  packed.storage = alloc_packed(packed.size_bytes(), "a bf16 weight");
-  constexpr int64_t P = kLinearPanelCols;
-  const int64_t N = packed.n, K = packed.k, R = (K + 1) / 2, num_panels = (N + P - 1) / P;
-  uint32_t* dst = static_cast<uint32_t*>(packed.storage.get());
-  auto pack_range = [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t j = 0; j < P; ++j) {
-        const int64_t n = p * P + j;
-        for (int64_t r = 0; r < R; ++r) {
-          uint32_t lo = 0, hi = 0;
-          if (n < N) {
-            lo = f32_to_bf16(float_value(weight, n * K + 2 * r));
-            if (2 * r + 1 < K) hi = f32_to_bf16(float_value(weight, n * K + 2 * r + 1));
-          }
-          dst[(p * R + r) * P + j] = lo | hi << 16;
-        }
-      }
-  };
-  for_panel_ranges(num_panels, pack_range);
-  return packed;
-}
-
-LinearWeight concat_linear(const std::vector<const LinearWeight*>& parts) {
-  if (parts.size() < 2) return {};
-  const LinearWeight& first = *parts.front();
-  LinearWeight fused = first;
-  fused.n = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const LinearWeight& w = *parts[i];
-    LMKIT_CHECK(!w.is_empty(), "concat_linear: part ", i, " is empty");
-    const bool same = w.k == first.k && w.dtype == first.dtype && w.group_size == first.group_size &&
-                      w.is_int8 == first.is_int8 && w.int8_activations == first.int8_activations &&
-                      w.is_bf16_pairs == first.is_bf16_pairs;
-    if (!same || (i + 1 < parts.size() && w.n % kLinearPanelCols != 0)) return {};
-    fused.n += w.n;
-  }
-  fused.storage = alloc_packed(fused.size_bytes(), "a fused linear weight");
-  char* dst = static_cast<char*>(fused.storage.get());
-  for (const LinearWeight* w : parts) {
-    std::memcpy(dst, w->storage.get(), (size_t)w->size_bytes());
-    dst += w->size_bytes();
-  }
-  return fused;
-}
-
-LinearWeight pack_linear_int8(const Tensor& weight) {
-  cpu::check_weight(weight, "pack_linear_int8", "weight");
-  LMKIT_CHECK(weight.ndim == 2 && weight.shape[1] % 32 == 0 && weight.shape[0] > 0,
-              "pack_linear_int8: weight must be [N, K] with K a multiple of 32, got ", shape_of(weight));
-  LMKIT_CHECK(int8_dot_available(), "pack_linear_int8: this CPU has no int8 dot-product kernels (AVX2 or AVX-512)");
-  LinearWeight packed;
-  packed.dtype = DType::F16;
-  packed.is_int8 = true;
-  packed.int8_activations = true;
-  packed.n = weight.shape[0];
-  packed.k = weight.shape[1];
-  packed.storage = alloc_packed(packed.size_bytes(), "an int8 weight");
-  constexpr int64_t P = kLinearPanelCols, B = 32, block_bytes = P * 2 + B * P;
-  const int64_t N = packed.n, K = packed.k, nb = K / B, num_panels = (N + P - 1) / P;
-  uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
-  auto pack_range = [&](int64_t p0, int64_t p1) {
-    float w[B];
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* blk = dst + (p * nb + b) * block_bytes;
-        for (int64_t j = 0; j < P; ++j) {
-          const int64_t n = p * P + j;
-          float amax = 0.0f;
-          for (int64_t i = 0; i < B; ++i) {
-            w[i] = n < N ? float_value(weight, n * K + b * B + i) : 0.0f;
-            amax = std::max(amax, std::fabs(w[i]));
-          }
-          const uint16_t dh = f32_to_f16(amax / 127.0f);
-          const float d = f16_to_f32(dh);
-          std::memcpy(blk + 2 * j, &dh, 2);
-          for (int64_t i = 0; i < B; ++i) {
-            const float q = d == 0.0f ? 0.0f : std::clamp(std::nearbyint(w[i] / d), -127.0f, 127.0f);
-            // quad t = i / 4, half h = j / 16: byte i % 4 of lane j % 16
-            blk[2 * P + (i / 4) * 128 + (j / 16) * 64 + (j % 16) * 4 + i % 4] = (uint8_t)((int)q + 128);
-          }
-        }
-      }
-  };
-  for_panel_ranges(num_panels, pack_range);
-  return packed;
-}
-
-void linear(const float* x, int64_t M, const LinearWeight& weight, const Tensor& bias, float* out) {
-  LMKIT_CHECK(!weight.is_empty(), "linear: weight is empty (not packed with pack_linear)");
-  const int64_t N = weight.n, K = weight.k;
-  LMKIT_CHECK(M >= 0, "linear: bad shape M ", M, " N ", N, " K ", K);
-  if (M == 0) return;
-  LMKIT_CHECK(x != nullptr && out != nullptr, "linear: x and out must be non-null");
-  LMKIT_CHECK(out + M * N <= x || x + M * K <= out, "linear: out must not overlap x");
-  const float* b = nullptr;
-  thread_local std::vector<float> bias_f32;
-  if (!bias.is_empty()) {
-    cpu::check_weight(bias, "linear", "bias");
-    LMKIT_CHECK(bias.numel() == N, "linear: bias must have N = ", N, " values, got ", bias.numel());
-    if (bias.dtype == DType::F32) {
-      b = bias.ptr<float>();
-    } else {
-      bias_f32.resize(N);
-      const uint16_t* h = bias.ptr<uint16_t>();
-      for (int64_t n = 0; n < N; ++n) bias_f32[n] = bias.dtype == DType::F16 ? f16_to_f32(h[n]) : bf16_to_f32(h[n]);
-      b = bias_f32.data();
-    }
-  }
-  const cpu::KernelTable& t = cpu::active();
-  const cpu::KernelTable* q8 = weight.is_int8 || weight.int8_activations ? cpu::q8_table() : nullptr;
-  if (weight.is_bf16_pairs) {
-    const cpu::KernelTable* bt = cpu::bf16_table();
-    LMKIT_CHECK(bt != nullptr, "linear: bf16 weights need a CPU with AVX512_BF16");
-    const cpu::KernelTable* amx = cpu::g_amx_enabled.load(std::memory_order_relaxed) ? cpu::amx_table() : nullptr;
-    if (amx != nullptr && M >= kLinearAmxMinRows)
-      amx->linear_bf16_amx(x, M, weight.storage.get(), N, K, b, out);
-    else
-      bt->linear_bf16(x, M, weight.storage.get(), N, K, b, out);
-  } else if (weight.is_int8) {
-    LMKIT_CHECK(q8 != nullptr, "linear: int8 weights need the int8 dot-product kernels (AVX2 or AVX-512)");
-    q8->linear_int8_q8(x, M, weight.storage.get(), N, K, b, out);
-  } else if (weight.is_int4() && weight.int8_activations && M <= kLinearInt8ActMaxRows && q8 != nullptr)
-    q8->linear_int4_q8(x, M, weight.storage.get(), N, K, weight.group_size, b, out);
-  else if (weight.is_int4())
-    t.linear_int4(x, M, weight.storage.get(), N, K, weight.group_size, b, out);
-  else
-    t.linear(x, M, weight.storage.get(), weight.dtype, N, K, b, out);
-}
-
-void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias, float* out) {
-  linear(x, M, pack_linear(weight), bias, out);
-}
 
 void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads, int head_dim,
           const float* inv_freq, float attention_scaling, int rotary_dim) {

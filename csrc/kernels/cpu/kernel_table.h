@@ -73,4 +73,12 @@ bool force_isa(const char* isa);
 // CPU and OS allow); returns whether they will. For tests and benchmarks that compare the kernels.
 bool use_amx(bool enabled);
 
+// dispatch.cpp's choices of table, for the ops:: entry points defined in other files (linear_formats.cpp).
+const KernelTable& active();              // the table of this CPU (or the one force_isa chose)
+const KernelTable* q8_table();            // int8-activation kernels (AVX2, or AVX-512 with VNNI), else nullptr
+const KernelTable* bf16_table();          // bf16 dot-product kernels (AVX512_BF16), else nullptr
+const KernelTable* amx_table_in_use();    // AMX tiles for bf16 linear layers, when allowed (use_amx), else nullptr
+// Throws naming op and what unless w is a non-empty F32/F16/BF16 tensor on the CPU.
+void check_weight(const Tensor& w, const char* op, const char* what);
+
 }  // namespace lmkit::ops::cpu
