@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,23 @@ def test_peers_benchmark_smoke(smollm2_path):
     assert "medians of 2 rounds" in run.stdout and "vs fp per round" in run.stdout, run.stdout
     assert "error" not in run.stdout, run.stdout
     assert "8/8" in run.stdout, run.stdout  # HF's greedy tokens match the engine's for all 8 smoke tokens
+
+
+def test_architectures_benchmark_smoke(tmp_path):
+    """bench_architectures.py --smoke: the Qwen3 and Gemma 3 shapes (2 layers, small vocabulary) written into
+    LMKIT_CACHE, HF fp32 and lmkit fp32 side by side, each row with its figures and its match count (random
+    weights at HF's init have near-ties, so the count itself is not asserted: test_architectures.py is the
+    correctness test)."""
+    import os
+
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench_architectures.py"), "--smoke",
+                          "--arch", "all", "--threads", "1", "--dtype", "float32"], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "LMKIT_CACHE": str(tmp_path)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| Qwen3") or line.startswith("| Gemma")]
+    assert len(rows) == 4 and sum("lmkit fp32" in r for r in rows) == 2, run.stdout
+    assert all(re.search(r"\| \d/8 \|$", r.strip()) for r in rows if "lmkit" in r), run.stdout
+    assert "error" not in run.stdout, run.stdout
 
 
 def test_kv_quant_benchmark_smoke(smollm2_path):

@@ -113,6 +113,10 @@ constexpr int64_t kLinearAmxMinRows = 2;
 // part but the last needs N % kLinearPanelCols == 0 and all must share K and format; otherwise (or with
 // fewer than two parts) returns an empty weight and the caller keeps the parts.
 LinearWeight concat_linear(const std::vector<const LinearWeight*>& parts);
+// Moves the packed bytes of every weight into one block, in the order given (a model's weights in the order
+// a decode step reads them), backed by huge pages where the OS grants them; each weight then shares that
+// block. Done once at load time: peak memory is the weights plus the largest one.
+void gather_weights(const std::vector<LinearWeight*>& weights);
 // Whether this CPU runs the integer dot-product kernels (int8 activations; AVX2 or AVX-512).
 bool int8_dot_available();
 

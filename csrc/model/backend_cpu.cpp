@@ -71,6 +71,7 @@ class CpuBackend final : public Backend {
                 " values for a linear of ", out.n, " outputs");
     for (const ops::LinearWeight& w : impl->parts) out.size_bytes += w.size_bytes();
     out.impl = impl;
+    packed_.push_back(impl);
     return out;
   }
 
@@ -85,7 +86,19 @@ class CpuBackend final : public Backend {
     PackedLinear out;
     out.n = impl->parts[0].n, out.k = impl->parts[0].k, out.size_bytes = impl->parts[0].size_bytes();
     out.impl = impl;
+    packed_.push_back(impl);
     return out;
+  }
+
+  // Every weight into one huge-page block, in packing order (the order a step reads them); then the
+  // checkpoint's pages of the linears leave resident memory.
+  void weights_packed(const ModelWeights& weights) override {
+    std::vector<ops::LinearWeight*> all;
+    for (const std::shared_ptr<CpuLinear>& l : packed_)
+      for (ops::LinearWeight& w : l->parts) all.push_back(&w);
+    ops::gather_weights(all);
+    packed_.clear();
+    weights.release_linear_pages();
   }
 
   DeviceVector upload_norm(const Tensor& w, float offset) override {
@@ -288,6 +301,7 @@ class CpuBackend final : public Backend {
   }
 
   BackendOptions options_;
+  std::vector<std::shared_ptr<CpuLinear>> packed_;  // what pack_linear / pack_lm_head made, until weights_packed
   Tensor embedding_;
   const Batch* batch_ = nullptr;
   std::vector<ops::AttnSeq> attn_seqs_;

@@ -281,6 +281,39 @@ void test_weight_format_traits() {
   expect(ops::concat_linear({&awq, &dense}).is_empty(), "concat_linear refuses parts of different formats");
 }
 
+// gather_weights: the weights' bytes move into one 2 MiB-aligned block, in the order given, and every
+// weight computes exactly what it computed before.
+void test_gather_weights() {
+  std::vector<ops::LinearWeight> ws;
+  ws.push_back(ops::pack_linear(make_weight(DType::F16, 100, 96, 0.05f).t));
+  const AwqWeight q = make_awq(64, 128, 64);
+  ws.push_back(ops::pack_linear_awq(q.qw, q.qz, q.sc, 64));
+  ws.push_back(ops::LinearWeight{});  // an empty one is skipped
+  ws.push_back(ops::pack_linear(make_weight(DType::F32, 33, 40, 0.05f).t));
+  auto outputs = [&] {
+    std::vector<std::vector<float>> outs;
+    for (const ops::LinearWeight& w : ws) {
+      if (w.is_empty()) continue;
+      std::vector<float> x(3 * w.k), out(3 * w.n, NAN);
+      for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * (float)i);
+      ops::linear(x.data(), 3, w, Tensor{}, out.data());
+      outs.push_back(out);
+    }
+    return outs;
+  };
+  const auto before = outputs();
+  std::vector<ops::LinearWeight*> ptrs;
+  for (ops::LinearWeight& w : ws) ptrs.push_back(&w);
+  ops::gather_weights(ptrs);
+  expect(outputs() == before, "gather_weights: every weight computes the same after the move");
+  const char* base = static_cast<const char*>(ws[0].storage.get());
+  expect((uintptr_t)base % (2 << 20) == 0, "gather_weights: the block is 2 MiB-aligned");
+  const int64_t a = (ws[0].size_bytes() + 63) / 64 * 64, b = (ws[1].size_bytes() + 63) / 64 * 64;
+  expect(static_cast<const char*>(ws[1].storage.get()) == base + a &&
+             static_cast<const char*>(ws[3].storage.get()) == base + a + b && ws[2].is_empty(),
+         "gather_weights: the weights lie in the order given, 64-byte aligned, the empty one left empty");
+}
+
 void test_linear_int4() {
   struct Shape {
     int64_t M, N, K, g;
@@ -845,6 +878,7 @@ int main() {
       test_linear();
       test_linear_int4();
       test_weight_format_traits();
+      test_gather_weights();
       test_linear_bf16();
       test_concat_linear();
       test_rope();

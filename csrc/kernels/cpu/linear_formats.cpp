@@ -2,6 +2,8 @@
 // packing, kernel, availability), their packing from checkpoint tensors, and the one ops::linear entry
 // point, which checks its inputs and hands them to the weight's format. The kernels themselves are in the
 // ISA tables (impl_linear.h, impl_linear_bf16.h); dispatch.cpp picks those tables for this CPU.
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -187,6 +189,34 @@ LinearWeight concat_linear(const std::vector<const LinearWeight*>& parts) {
     dst += w->size_bytes();
   }
   return fused;
+}
+
+// One block for all of a model's weights, 2 MiB-aligned, which the kernel is asked to back with huge pages
+// (MADV_HUGEPAGE; Linux's default THP mode "madvise" honours it, elsewhere it is advice that does nothing).
+// Decode streams every weight once per token: with 4 KiB pages the stream crosses a page, a TLB miss and a
+// stop of the L2 hardware prefetcher (which stays within a page), every 4 KiB.
+void gather_weights(const std::vector<LinearWeight*>& weights) {
+  constexpr int64_t kAlign = 64, kHugePage = 2 << 20;
+  auto padded = [](int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; };
+  int64_t total = 0;
+  for (const LinearWeight* w : weights)
+    if (!w->is_empty()) total += padded(w->size_bytes());
+  if (total == 0) return;
+  void* buf = nullptr;
+  LMKIT_CHECK(::posix_memalign(&buf, (size_t)kHugePage, (size_t)total) == 0 && buf != nullptr,
+              "out of memory gathering the packed weights (", total, " bytes)");
+#ifdef MADV_HUGEPAGE
+  ::madvise(buf, (size_t)total, MADV_HUGEPAGE);
+#endif
+  const std::shared_ptr<char> block(static_cast<char*>(buf), std::free);
+  int64_t offset = 0;
+  for (LinearWeight* w : weights) {
+    if (w->is_empty()) continue;
+    const int64_t bytes = w->size_bytes();
+    std::memcpy(block.get() + offset, w->storage.get(), (size_t)bytes);
+    w->storage = std::shared_ptr<void>(block, block.get() + offset);  // frees the old copy (its last owner)
+    offset += padded(bytes);
+  }
 }
 
 LinearWeight pack_linear_int8(const Tensor& weight) {
