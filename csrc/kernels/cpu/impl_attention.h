@@ -267,7 +267,9 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
 // Only keys in [split_begin, split_end) are visited. With `partial` set, the unnormalised state of
 // each row r is written to partial[r * (hd + 2) ..] as (m, l, o[0:hd]) instead of the output, for
 // attend_merge to combine the splits of a long context.
-template <int G>
+// Capped: the soft-cap's tanh is compiled in only where it is used (inside the key loop, a runtime choice
+// between capped and plain scores costs uncapped calls the tanh too, once if-converted).
+template <int G, bool Capped>
 void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group, int num_heads,
                      int64_t rho0, float scale, float softcap, int window, float* out, int64_t split_begin = 0,
                      int64_t split_end = INT64_MAX, float* partial = nullptr) {
@@ -322,7 +324,9 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
     }
     const V kpos = viota + vset1((float)c0);
     for (int r = 0; r < G; ++r) {
-      V s = score(vhsum(a[r]));
+      V s;
+      if constexpr (Capped) s = score.cap * vtanh(vhsum(a[r]) * score.mul);
+      else s = vhsum(a[r]) * score.mul;
       // the last key this row may see here: its own position, or the split's end
       const float last = pos[r] < (float)(key_hi - 1) ? pos[r] : (float)(key_hi - 1);
       if ((float)(c0 + kW - 1) > last || (float)c0 < lo[r]) {
@@ -410,11 +414,20 @@ struct DotDecode {
   void operator()(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
                   int num_heads, int64_t rho0, float scale, float softcap, int window, float* out,
                   int64_t split_begin = 0, int64_t split_end = INT64_MAX, float* partial = nullptr) {
+    if (softcap > 0.0f) return run<true>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out,
+                                         split_begin, split_end, partial);
+    run<false>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end,
+               partial);
+  }
+  template <bool Capped>
+  static void run(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
+                  int num_heads, int64_t rho0, float scale, float softcap, int window, float* out,
+                  int64_t split_begin, int64_t split_end, float* partial) {
     switch (rows) {
-      case 1: return attend_task_dot<1>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
-      case 2: return attend_task_dot<2>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
-      case 3: return attend_task_dot<3>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
-      default: return attend_task_dot<4>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
+      case 1: return attend_task_dot<1, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
+      case 2: return attend_task_dot<2, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
+      case 3: return attend_task_dot<3, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
+      default: return attend_task_dot<4, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
     }
   }
 };
