@@ -42,7 +42,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_prefill import cpu_description  # noqa: E402
-from bench_peers import fmt, median_decode, ratio, time_runs, versions  # noqa: E402
+from bench_peers import (  # noqa: E402
+    fmt,
+    hf_greedy_figures,
+    median_decode,
+    ratio,
+    time_runs,
+    versions,
+)
 from make_dummy_model import write_tokenizer  # noqa: E402
 
 RESULT_TAG = "@@bench_architectures_result "
@@ -143,47 +150,7 @@ def make_workload(args, vocab: int) -> Workload:
 # ---------------------------------------------------------------- engines (each runs in a worker process)
 
 def run_hf(model: Path, w: Workload) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.generation.streamers import BaseStreamer
-
-    torch.set_num_threads(w.threads)
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
-
-    class Stamps(BaseStreamer):
-        """Time of every generated token (generate() first puts the prompt, which is skipped)."""
-
-        def __init__(self):
-            self.stamps, self.seen_prompt = [], False
-
-        def put(self, value):
-            if self.seen_prompt:
-                self.stamps.append(time.perf_counter())
-            self.seen_prompt = True
-
-        def end(self):
-            pass
-
-    def generate(ids, streamer=None):
-        ids = torch.tensor(ids)
-        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=w.new_tokens,
-                           min_new_tokens=w.new_tokens, do_sample=False, pad_token_id=0, streamer=streamer)
-
-    tokens: list[int] = []
-
-    def decode():
-        s = Stamps()
-        out = generate([w.prompt_ids], s)
-        tokens[:] = out[0, len(w.prompt_ids):].tolist()
-        return s.stamps
-
-    with torch.inference_mode():
-        out = {"decode_tok_s": median_decode(time_runs(decode, w.runs)), "tokens": list(tokens)}
-        if w.batch_ids:  # equal prompt lengths: no padding
-            start = time.perf_counter()
-            result = generate(w.batch_ids)
-            out["conc_tok_s"] = result[:, len(w.batch_ids[0]):].numel() / (time.perf_counter() - start)
-    return out
+    return hf_greedy_figures(model, w.prompt_ids, w.new_tokens, w.runs, w.threads, w.batch_ids)
 
 
 def run_lmkit(model: Path, w: Workload, dtype: str) -> dict:

@@ -441,13 +441,20 @@ def run_ct2(folder: Path, w: Workload) -> dict:
     return out
 
 
-def run_hf(model: Path, w: Workload) -> dict:
+def hf_greedy_figures(model: Path, prompt_ids: list[int], new_tokens: int, runs: int, threads: int,
+                      batch_ids: list[list[int]] | None = None, long_ids: list[int] | None = None) -> dict:
+    """HF transformers fp32 on ``model``, the way every benchmark here times it: batch-1 greedy decode tok/s of
+    ``prompt_ids`` (median of ``runs`` after a warm-up, stamps from a streamer) and its tokens; with
+    ``long_ids`` the TTFT of that prompt; with ``batch_ids`` (equal lengths: no padding) the output tok/s of
+    one static batch."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 
-    torch.set_num_threads(w.threads)
+    torch.set_num_threads(threads)
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    eos = hf.config.eos_token_id  # an int, a list (Gemma) or None
+    pad = (eos[0] if eos else 0) if isinstance(eos, list) else (eos if eos is not None else 0)
 
     class Stamps(BaseStreamer):
         """Time of every generated token (generate() first puts the prompt, which is skipped)."""
@@ -466,30 +473,34 @@ def run_hf(model: Path, w: Workload) -> dict:
     def generate(ids, n, streamer=None):
         ids = torch.tensor(ids)
         return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=hf.config.eos_token_id, streamer=streamer)
+                           do_sample=False, pad_token_id=pad, streamer=streamer)
 
     tokens: list[int] = []
 
     def decode():
         s = Stamps()
-        out = generate([w.prompt_ids], w.new_tokens, s)
-        tokens[:] = out[0, len(w.prompt_ids):].tolist()
+        out = generate([prompt_ids], new_tokens, s)
+        tokens[:] = out[0, len(prompt_ids):].tolist()
         return s.stamps
 
     def ttft():
         start = time.perf_counter()
-        generate([w.long_ids], 1)
+        generate([long_ids], 1)
         return time.perf_counter() - start
 
     with torch.inference_mode():
-        out = {"decode_tok_s": median_decode(time_runs(decode, w.runs)), "tokens": list(tokens),
-               "ttft_ms": 1e3 * statistics.median(time_runs(ttft, w.runs))}
-        if w.batch_ids:  # equal prompt lengths: no padding
+        out = {"decode_tok_s": median_decode(time_runs(decode, runs)), "tokens": list(tokens)}
+        if long_ids:
+            out["ttft_ms"] = 1e3 * statistics.median(time_runs(ttft, runs))
+        if batch_ids:
             start = time.perf_counter()
-            result = generate(w.batch_ids, w.new_tokens)
-            n = result[:, len(w.batch_ids[0]):].numel()
-            out["conc_tok_s"] = n / (time.perf_counter() - start)
+            result = generate(batch_ids, new_tokens)
+            out["conc_tok_s"] = result[:, len(batch_ids[0]):].numel() / (time.perf_counter() - start)
     return out
+
+
+def run_hf(model: Path, w: Workload) -> dict:
+    return hf_greedy_figures(model, w.prompt_ids, w.new_tokens, w.runs, w.threads, w.batch_ids, w.long_ids)
 
 
 @dataclass(frozen=True)
