@@ -148,6 +148,21 @@ CASES: dict[str, Case] = {
                                                                num_hidden_layers=5, num_attention_heads=4,
                                                                num_key_value_heads=2, tie_word_embeddings=False,
                                                                no_rope_layers=[0, 1, 1, 0, 1]), seed=16),
+    # ---- mixture of experts (issue 23): some experts idle in a step, several rows sharing one
+    "qwen3_moe": Case("Qwen3MoeConfig", dict(SMALL, num_hidden_layers=3, num_key_value_heads=2, head_dim=16,
+                                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
+                                             norm_topk_prob=True, mlp_only_layers=[1]), seed=40,
+                      expect={"mlp_only_layers": [1]}),
+    "qwen3_moe_top1_sparse_step": Case("Qwen3MoeConfig", dict(vocab_size=300, hidden_size=48, intermediate_size=72,
+                                                              num_hidden_layers=4, num_attention_heads=4,
+                                                              num_key_value_heads=4, num_experts=4,
+                                                              num_experts_per_tok=1, moe_intermediate_size=24,
+                                                              decoder_sparse_step=2, tie_word_embeddings=True),
+                                       seed=32),
+    "mixtral_window": Case("MixtralConfig", dict(SMALL, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4,
+                                                 num_experts_per_tok=2, sliding_window=20), seed=40),
+    "olmoe": Case("OlmoeConfig", dict(SMALL, num_hidden_layers=2, num_key_value_heads=2, num_experts=8,
+                                      num_experts_per_tok=3), seed=40),
 }
 
 
@@ -368,6 +383,10 @@ def _hf_logits_kv_quantized(built: Built, full: list[int], bits: int) -> np.ndar
         ref.config._attn_implementation = impl
 
 
+def _is_moe(case: Case) -> bool:
+    return any(k in case.kwargs for k in ("num_experts", "num_local_experts"))
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_kv_quantized_matches_fake_quant_reference(arch: Built, bits: int):
     """quant_policy 8 / 4 (int8 / int4 KV cache, every layer): the engine's logits over its own sequences
@@ -384,9 +403,18 @@ def test_kv_quantized_matches_fake_quant_reference(arch: Built, bits: int):
         want = _hf_logits_kv_quantized(arch, full, bits)
         with torch.no_grad():
             fp = arch.ref(torch.tensor([full])).logits[0, :-1].numpy()
+        bound = 2e-3 if bits == 8 else 1e-2
+        if _is_moe(arch.case):
+            # A router is discontinuous: K/V rounded in another order can move a token to another expert, and
+            # that row (and what follows from it) then differs by far more than the rounding. Most rows agree.
+            rows, rows_fp = row_rel_err(r.logits, want), row_rel_err(r.logits, fp)
+            close = float(np.mean(rows <= bound))
+            assert close >= 0.8 and np.median(rows) < np.median(rows_fp) / 5, (
+                f"{arch.name}: int{bits} KV, prompt {i}: {close:.0%} of rows within {bound:g} of the fake-quantized "
+                f"reference; median row error {np.median(rows):.3g}, {np.median(rows_fp):.3g} to the fp model")
+            continue
         err = float(np.linalg.norm(r.logits - want) / np.linalg.norm(want))
         err_fp = float(np.linalg.norm(r.logits - fp) / np.linalg.norm(fp))
-        bound = 2e-3 if bits == 8 else 1e-2
         assert err <= bound and err < err_fp / 5, (
             f"{arch.name}: int{bits} KV, prompt {i} ({len(prompt)} tokens): rel err {err:.3g} to the fake-quantized "
             f"reference (bound {bound:g}), {err_fp:.3g} to the fp model")

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/check.h"
 #include "engine/batch.h"
 #include "kernels/ops.h"
 #include "model/model_config.h"
@@ -49,13 +50,27 @@ enum class Activation : int32_t { kSilu = 0, kGeluTanh = 1 };  // of the gated M
 struct AttentionSpec {
   int32_t layer = 0;              // KV pool layer
   int32_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
-  const DeviceVector* q_norm = nullptr;  // per-head RMSNorm before RoPE (nullptr: none)
-  const DeviceVector* k_norm = nullptr;
+  const DeviceVector* q_norm = nullptr;  // RMSNorm before RoPE (nullptr: none): per head, or over the
+  const DeviceVector* k_norm = nullptr;  //   whole q / k projection when norm_whole (OLMoE)
+  bool norm_whole = false;
   float norm_eps = 1e-6f;
   const RopeTable* rope = nullptr;       // nullptr: no rotary embedding on this layer
   float scale = 0;                       // softmax scale of q . k
   int32_t sliding_window = 0;            // 0: full attention
   float logit_softcap = 0;               // 0: off
+};
+
+// One mixture-of-experts layer: the router and every expert's gated MLP (gate | up fused, down), packed.
+struct PackedExperts {
+  PackedLinear router;                // [num_experts, hidden]
+  std::vector<PackedLinear> gate_up;  // per expert [2 inter, hidden]
+  std::vector<PackedLinear> down;     // per expert [hidden, inter]
+};
+struct MoeSpec {
+  int32_t top_k = 0;
+  bool renormalize = false;  // top-k probabilities rescaled to sum 1
+  int64_t inter = 0;         // an expert's intermediate size
+  Activation act = Activation::kSilu;
 };
 
 class Backend {
@@ -120,6 +135,12 @@ class Backend {
   virtual void attention(void* qkv, int64_t rows, const AttentionSpec& spec, void* out) = 0;
   // out[rows, inter] = act(gate) * up from gate_up [rows, 2 inter] (gate | up per row); out may alias gate_up.
   virtual void gated_activation(void* gate_up, int64_t rows, int64_t inter, Activation act, void* out) = 0;
+  // Mixture of experts: out[rows, hidden] = sum over each row's top_k experts (router softmax, model/moe_routing.h)
+  // of weight * expert(x); every active expert runs once over all the rows routed to it. out may alias x.
+  // A backend without it refuses MoE models in prepare().
+  virtual void moe(const void* x, int64_t rows, const PackedExperts& experts, const MoeSpec& spec, void* out) {
+    LMKIT_CHECK(false, name(), " backend has no mixture-of-experts layers");
+  }
   // out[i] = x[logit_rows[first + i]] for i < n                                 x: [rows, dim], out: [n, dim]
   virtual void gather_logit_rows(const void* x, int64_t first, int64_t n, int64_t dim, void* out) = 0;
   // x = cap * tanh(x / cap)                                                     x: [rows, dim]

@@ -9,6 +9,7 @@
 #include "core/check.h"
 #include "kernels/cpu/sampling.h"
 #include "model/backend.h"
+#include "model/moe_routing.h"
 
 namespace lmkit {
 
@@ -222,8 +223,10 @@ class CpuBackend final : public Backend {
     const int64_t Q = (int64_t)a.num_heads * a.head_dim, KV = (int64_t)a.num_kv_heads * a.head_dim;
     float *q, *k, *v;
     split_qkv(f32(qkv), rows, Q, KV, q, k, v);
-    if (a.q_norm) ops::rmsnorm(q, view(*a.q_norm), a.norm_eps, rows * a.num_heads, a.head_dim, q);
-    if (a.k_norm) ops::rmsnorm(k, view(*a.k_norm), a.norm_eps, rows * a.num_kv_heads, a.head_dim, k);
+    if (a.q_norm && a.norm_whole) ops::rmsnorm(q, view(*a.q_norm), a.norm_eps, rows, Q, q);
+    else if (a.q_norm) ops::rmsnorm(q, view(*a.q_norm), a.norm_eps, rows * a.num_heads, a.head_dim, q);
+    if (a.k_norm && a.norm_whole) ops::rmsnorm(k, view(*a.k_norm), a.norm_eps, rows, KV, k);
+    else if (a.k_norm) ops::rmsnorm(k, view(*a.k_norm), a.norm_eps, rows * a.num_kv_heads, a.head_dim, k);
     if (a.rope)
       ops::rope(q, k, batch_->positions.data(), rows, a.num_heads, a.num_kv_heads, a.head_dim,
                 static_cast<const float*>(a.rope->inv_freq.get()), a.rope->attention_scaling, a.rope->rotary_dim);
@@ -238,6 +241,36 @@ class CpuBackend final : public Backend {
     float* gu = f32(gate_up);
     // Row by row: row t's output [t I, (t + 1) I) ends before its input starts at 2 t I, so out may alias gate_up.
     for (int64_t t = 0; t < rows; ++t) fn(gu + 2 * t * inter, gu + (2 * t + 1) * inter, 1, inter, f32(out) + t * inter);
+  }
+
+  // Router logits for all rows, then per active expert: its rows gathered, gate | up, act(gate) * up, down, and
+  // each output row added into the sum with its router weight. The experts run one after another, each
+  // linear over all threads (an expert's columns split among them).
+  void moe(const void* x, int64_t rows, const PackedExperts& w, const MoeSpec& spec, void* out) override {
+    const int64_t H = w.router.k, E = w.router.n, I = spec.inter;
+    moe_logits_.resize(rows * E);
+    linear(x, rows, w.router, moe_logits_.data());
+    route_top_k(moe_logits_.data(), rows, (int32_t)E, spec.top_k, spec.renormalize, routing_);
+    moe_sum_.assign(rows * H, 0.0f);
+    for (int32_t e = 0; e < (int32_t)E; ++e) {
+      const int64_t n = routing_.count(e);
+      if (n == 0) continue;
+      const int32_t* ids = routing_.rows.data() + routing_.offsets[e];
+      const float* wts = routing_.weights.data() + routing_.offsets[e];
+      moe_x_.resize(n * H);
+      for (int64_t j = 0; j < n; ++j) std::memcpy(moe_x_.data() + j * H, f32(x) + ids[j] * H, H * sizeof(float));
+      moe_gate_up_.resize(n * 2 * I);
+      linear(moe_x_.data(), n, w.gate_up[e], moe_gate_up_.data());
+      gated_activation(moe_gate_up_.data(), n, I, spec.act, moe_gate_up_.data());
+      moe_y_.resize(n * H);
+      linear(moe_gate_up_.data(), n, w.down[e], moe_y_.data());
+      for (int64_t j = 0; j < n; ++j) {
+        float* dst = moe_sum_.data() + ids[j] * H;
+        const float* src = moe_y_.data() + j * H;
+        for (int64_t c = 0; c < H; ++c) dst[c] += wts[j] * src[c];
+      }
+    }
+    std::memcpy(out, moe_sum_.data(), rows * H * sizeof(float));
   }
 
   void gather_logit_rows(const void* x, int64_t first, int64_t n, int64_t dim, void* out) override {
@@ -306,6 +339,8 @@ class CpuBackend final : public Backend {
   const Batch* batch_ = nullptr;
   std::vector<ops::AttnSeq> attn_seqs_;
   std::vector<float> q_, k_, v_, scratch_, row_;
+  ExpertRouting routing_;
+  std::vector<float> moe_logits_, moe_sum_, moe_x_, moe_gate_up_, moe_y_;
 
   // KV pool: per layer, K then V, each num_blocks blocks in that layer's format (ops::KVLayer), lazily
   // committed. kv_layer_offset_[l]: bytes before layer l's K, per block of the pool.

@@ -118,6 +118,7 @@ class CudaBackend final : public Backend {
     if (c.final_logit_softcap > 0) missing.push_back("final logit soft-capping");
     if (c.hidden_act != "silu") missing.push_back("GeGLU (hidden_act='" + c.hidden_act + "')");
     if (c.embed_scale != 1.0f) missing.push_back("the embedding scale");
+    if (std::count(c.layer_moe.begin(), c.layer_moe.end(), 1) > 0) missing.push_back("mixture-of-experts layers");
     if (!missing.empty()) {
       std::string list = missing[0];
       for (size_t i = 1; i < missing.size(); ++i) list += (i + 1 == missing.size() ? " and " : ", ") + missing[i];

@@ -14,6 +14,10 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   Backend& b = *backend_;
   b.prepare(c, weights);
   activation_ = c.hidden_act == "gelu_tanh" ? Activation::kGeluTanh : Activation::kSilu;
+  moe_spec_.top_k = c.num_experts_per_tok;
+  moe_spec_.renormalize = c.norm_topk_prob;
+  moe_spec_.inter = c.moe_intermediate_size;
+  moe_spec_.act = activation_;
   const float offset = c.norm_weight_offset;
   rope_tables_.push_back(b.upload_rope(c.inv_freq, c.attention_scaling));
   if (!c.inv_freq_local.empty()) rope_tables_.push_back(b.upload_rope(c.inv_freq_local, c.attention_scaling_local));
@@ -28,8 +32,17 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     else
       l.qkv = b.pack_linear({&w.q_proj, &w.k_proj, &w.v_proj}, {&w.q_bias, &w.k_bias, &w.v_bias});
     l.o_proj = b.pack_linear({&w.o_proj});
-    l.gate_up = w.gate_up_proj.is_empty() ? b.pack_linear({&w.gate_proj, &w.up_proj}) : b.pack_linear({&w.gate_up_proj});
-    l.down_proj = b.pack_linear({&w.down_proj});
+    if (c.is_moe_layer(i)) {
+      l.moe.router = b.pack_linear({&w.router});
+      for (const LayerWeights::Expert& e : w.experts) {
+        l.moe.gate_up.push_back(b.pack_linear({&e.gate_proj, &e.up_proj}));
+        l.moe.down.push_back(b.pack_linear({&e.down_proj}));
+      }
+    } else {
+      l.gate_up =
+          w.gate_up_proj.is_empty() ? b.pack_linear({&w.gate_proj, &w.up_proj}) : b.pack_linear({&w.gate_up_proj});
+      l.down_proj = b.pack_linear({&w.down_proj});
+    }
     l.input_norm = norm(w.input_norm);
     l.post_attention_norm = norm(w.post_attention_norm);
     l.pre_mlp_norm = norm(w.pre_mlp_norm);
@@ -45,6 +58,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     a.num_heads = c.num_heads, a.num_kv_heads = c.num_kv_heads, a.head_dim = c.head_dim;
     a.q_norm = l.q_norm.is_empty() ? nullptr : &l.q_norm;
     a.k_norm = l.k_norm.is_empty() ? nullptr : &l.k_norm;
+    a.norm_whole = c.qk_norm_whole;
     a.norm_eps = c.rms_norm_eps;
     a.rope = c.layer_rope[i] == 0 ? nullptr : &rope_tables_[c.layer_rope[i] - 1];
     a.scale = c.softmax_scale();
@@ -76,8 +90,11 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
 
 int64_t DecoderModel::linear_weight_bytes() const {
   int64_t bytes = lm_head_.size_bytes;
-  for (const Layer& l : layers_)
-    for (const PackedLinear* w : {&l.qkv, &l.o_proj, &l.gate_up, &l.down_proj}) bytes += w->size_bytes;
+  for (const Layer& l : layers_) {
+    for (const PackedLinear* w : {&l.qkv, &l.o_proj, &l.gate_up, &l.down_proj, &l.moe.router}) bytes += w->size_bytes;
+    for (const std::vector<PackedLinear>* ws : {&l.moe.gate_up, &l.moe.down})
+      for (const PackedLinear& w : *ws) bytes += w.size_bytes;
+  }
   return bytes;
 }
 
@@ -90,6 +107,10 @@ void DecoderModel::attention_block(int32_t l, int64_t rows, void* h) {
 
 void DecoderModel::mlp_block(int32_t l, int64_t rows, void* h) {
   const Layer& w = layers_[l];
+  if (!w.moe.router.is_empty()) {
+    backend_->moe(h, rows, w.moe, moe_spec_, h);
+    return;
+  }
   backend_->linear(h, rows, w.gate_up, wide_.get());
   backend_->gated_activation(wide_.get(), rows, config_.intermediate_size, activation_, wide_.get());
   backend_->linear(wide_.get(), rows, w.down_proj, h);

@@ -1,6 +1,7 @@
 // A decoder-only transformer over the backend interface: the weights packed by the backend, the step (Batch
 // in, StepOutput out), the head (final norm, lm_head, soft-cap, sampling) and the layer kinds every family
-// assembles (attention: full or windowed, optional q/k norm, RoPE table or none, soft-cap; gated dense MLP).
+// assembles (attention: full or windowed, optional q/k norm, RoPE table or none, soft-cap; gated MLP, dense or a
+// mixture of experts).
 // A family (models/<family>.cpp) writes only forward_layers(), once for every backend, and registers by name
 // in registry.cpp.
 #pragma once
@@ -43,12 +44,13 @@ class DecoderModel : public Executor {
 
   struct Layer {
     PackedLinear qkv, o_proj, gate_up, down_proj;
+    PackedExperts moe;  // a mixture-of-experts layer's MLP (router non-empty), instead of gate_up / down_proj
     DeviceVector input_norm, post_attention_norm, pre_mlp_norm, post_mlp_norm, q_norm, k_norm;
     AttentionSpec attention;
   };
   // h [rows, hidden] -> self-attention of layer l -> h (o_proj applied)
   void attention_block(int32_t l, int64_t rows, void* h);
-  // h [rows, hidden] -> gated MLP of layer l -> h
+  // h [rows, hidden] -> gated MLP of layer l (dense, or its mixture of experts) -> h
   void mlp_block(int32_t l, int64_t rows, void* h);
 
   Backend& backend() { return *backend_; }
@@ -65,6 +67,7 @@ class DecoderModel : public Executor {
   std::unique_ptr<Backend> backend_;
   ModelOptions options_;
   Activation activation_ = Activation::kSilu;
+  MoeSpec moe_spec_;
   DeviceVector final_norm_;
   PackedLinear lm_head_;
   std::vector<RopeTable> rope_tables_;  // [0] global, [1] local

@@ -39,6 +39,15 @@ void ModelConfig::validate() const {
                     " uses the local rope table, which is empty");
     LMKIT_CHECK_ARG(layer_sliding_window[l] >= 0, a, ": layer ", l, " sliding window must be >= 0");
   }
+  LMKIT_CHECK_ARG(layer_moe.empty() || (int32_t)layer_moe.size() == num_layers, a, ": layer_moe has ",
+                  layer_moe.size(), " entries for ", num_layers, " layers");
+  const bool any_moe = std::any_of(layer_moe.begin(), layer_moe.end(), [](int32_t m) { return m != 0; });
+  if (any_moe) {
+    LMKIT_CHECK_ARG(num_experts > 0 && num_experts_per_tok > 0 && num_experts_per_tok <= num_experts, a,
+                    ": num_experts_per_tok (", num_experts_per_tok, ") must be in [1, num_experts = ", num_experts, "]");
+    LMKIT_CHECK_ARG(moe_intermediate_size > 0, a, ": moe_intermediate_size must be > 0, got ",
+                    moe_intermediate_size);
+  }
 }
 
 float ModelConfig::softmax_scale() const { return attn_scale > 0 ? attn_scale : 1.0f / std::sqrt((float)head_dim); }

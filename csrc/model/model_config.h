@@ -26,7 +26,8 @@ struct ModelConfig {
   float attn_logit_softcap = 0.0f;  // > 0: scores = cap * tanh(scores / cap)
   float final_logit_softcap = 0.0f; // > 0: logits = cap * tanh(logits / cap)
   bool has_qkv_bias = false;
-  bool has_qk_norm = false;         // per-head RMSNorm over head_dim of q and k, before RoPE
+  bool has_qk_norm = false;         // RMSNorm of q and k before RoPE: per head over head_dim, or
+  bool qk_norm_whole = false;       //   over the whole q / k projection (OLMoE: weights [q_size], [kv_size])
   int32_t rotary_dim = 0;           // dims of a head RoPE rotates; 0: head_dim
   std::vector<float> inv_freq;      // [rotary_dim / 2], rope scaling applied (computed as HF does)
   float attention_scaling = 1.0f;
@@ -37,6 +38,14 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   int32_t max_position_embeddings = 0;
   int32_t awq_group_size = 0;  // > 0: an AWQ int4 checkpoint with this group size (dense layers allowed)
+  // Mixture of experts (num_experts 0: none). layer_moe[i] 1: layer i's MLP is num_experts gated MLPs of
+  // moe_intermediate_size behind a router: softmax over the experts, each row's num_experts_per_tok best,
+  // renormalized to sum 1 when norm_topk_prob; 0: the dense MLP of intermediate_size. Empty: all dense.
+  int32_t num_experts = 0;
+  int32_t num_experts_per_tok = 0;
+  int32_t moe_intermediate_size = 0;
+  bool norm_topk_prob = false;
+  std::vector<int32_t> layer_moe;
 
   // Throws InvalidArgument naming the field when the shape is impossible.
   void validate() const;
@@ -47,6 +56,7 @@ struct ModelConfig {
   // The window every layer attends within when all layers are windowed (the largest), else 0: blocks behind
   // it can be freed early.
   int32_t attention_window_tokens() const;
+  bool is_moe_layer(int32_t l) const { return !layer_moe.empty() && layer_moe[l] != 0; }
 };
 
 }  // namespace lmkit

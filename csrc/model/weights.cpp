@@ -116,8 +116,8 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     l.pre_mlp_norm = get(p + "pre_mlp_norm", {H});
     l.post_attention_norm = get(p + "post_attention_norm", {H}, is_gemma);
     l.post_mlp_norm = get(p + "post_mlp_norm", {H}, is_gemma);
-    l.q_norm = get(p + "q_norm", {D}, config.has_qk_norm);
-    l.k_norm = get(p + "k_norm", {D}, config.has_qk_norm);
+    l.q_norm = get(p + "q_norm", {config.qk_norm_whole ? Q : D}, config.has_qk_norm);
+    l.k_norm = get(p + "k_norm", {config.qk_norm_whole ? KV : D}, config.has_qk_norm);
     if (has(p + "qkv_proj")) {
       l.qkv_proj = get_linear(p + "qkv_proj", Q + 2 * KV, H);
     } else {
@@ -129,13 +129,26 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     l.k_bias = get(p + "k_bias", {KV}, config.has_qkv_bias);
     l.v_bias = get(p + "v_bias", {KV}, config.has_qkv_bias);
     l.o_proj = get_linear(p + "o_proj", H, Q);
-    if (has(p + "gate_up_proj")) {
-      l.gate_up_proj = get_linear(p + "gate_up_proj", 2 * I, H);
+    if (config.is_moe_layer(i)) {
+      const int64_t E = config.num_experts, MI = config.moe_intermediate_size;
+      l.router = get_linear(p + "router", E, H);
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string x = p + "experts." + std::to_string(e) + ".";
+        LayerWeights::Expert ex;
+        ex.gate_proj = get_linear(x + "gate_proj", MI, H);
+        ex.up_proj = get_linear(x + "up_proj", MI, H);
+        ex.down_proj = get_linear(x + "down_proj", H, MI);
+        l.experts.push_back(std::move(ex));
+      }
     } else {
-      l.gate_proj = get_linear(p + "gate_proj", I, H);
-      l.up_proj = get_linear(p + "up_proj", I, H);
+      if (has(p + "gate_up_proj")) {
+        l.gate_up_proj = get_linear(p + "gate_up_proj", 2 * I, H);
+      } else {
+        l.gate_proj = get_linear(p + "gate_proj", I, H);
+        l.up_proj = get_linear(p + "up_proj", I, H);
+      }
+      l.down_proj = get_linear(p + "down_proj", H, I);
     }
-    l.down_proj = get_linear(p + "down_proj", H, I);
     w.layers.push_back(l);
   }
   for (auto& kv : files) w.files.push_back(kv.second);

@@ -61,8 +61,19 @@ struct LayerWeights {
   LinearTensors gate_up_proj;           // fused [2 inter, hidden], or empty and then:
   LinearTensors gate_proj, up_proj;     //   [inter, hidden] x2
   LinearTensors down_proj;              // [hidden, inter]
+  // A mixture-of-experts layer (ModelConfig::is_moe_layer) has these instead of the MLP above:
+  struct Expert {
+    LinearTensors gate_proj, up_proj;   // [moe_inter, hidden] x2
+    LinearTensors down_proj;            // [hidden, moe_inter]
+  };
+  LinearTensors router;                 // [num_experts, hidden]
+  std::vector<Expert> experts;
   std::vector<const LinearTensors*> linears() const {
-    return {&qkv_proj, &q_proj, &k_proj, &v_proj, &o_proj, &gate_up_proj, &gate_proj, &up_proj, &down_proj};
+    std::vector<const LinearTensors*> all = {&qkv_proj, &q_proj, &k_proj,       &v_proj,  &o_proj,
+                                             &gate_up_proj, &gate_proj, &up_proj, &down_proj, &router};
+    for (const Expert& e : experts)
+      for (const LinearTensors* t : {&e.gate_proj, &e.up_proj, &e.down_proj}) all.push_back(t);
+    return all;
   }
 };
 
@@ -77,7 +88,8 @@ struct ModelWeights {
   // Roles: "embed_tokens", "norm", "lm_head" (optional when tied), and per layer i "layers.{i}." +
   // input_norm, pre_mlp_norm (always), post_attention_norm, post_mlp_norm (family "gemma"), q_norm, k_norm
   // (has_qk_norm), q_proj, k_proj, v_proj or qkv_proj, q_bias, k_bias, v_bias (has_qkv_bias), o_proj,
-  // gate_proj, up_proj or gate_up_proj, down_proj.
+  // gate_proj, up_proj or gate_up_proj, down_proj; in a mixture-of-experts layer instead router and
+  // "experts.{e}." + gate_proj, up_proj, down_proj for every expert e.
   // An AWQ linear comes as "<role>.qweight", "<role>.qzeros", "<role>.scales" instead of "<role>"
   // (config.awq_group_size > 0); linears left dense (modules_to_not_convert) keep the plain role.
   static ModelWeights load(const ModelConfig& config, const std::map<std::string, TensorSource>& sources);

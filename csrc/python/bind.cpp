@@ -88,7 +88,13 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("layer_sliding_window", &ModelConfig::layer_sliding_window)
       .def_readwrite("tie_word_embeddings", &ModelConfig::tie_word_embeddings)
       .def_readwrite("max_position_embeddings", &ModelConfig::max_position_embeddings)
-      .def_readwrite("awq_group_size", &ModelConfig::awq_group_size);
+      .def_readwrite("awq_group_size", &ModelConfig::awq_group_size)
+      .def_readwrite("qk_norm_whole", &ModelConfig::qk_norm_whole)
+      .def_readwrite("num_experts", &ModelConfig::num_experts)
+      .def_readwrite("num_experts_per_tok", &ModelConfig::num_experts_per_tok)
+      .def_readwrite("moe_intermediate_size", &ModelConfig::moe_intermediate_size)
+      .def_readwrite("norm_topk_prob", &ModelConfig::norm_topk_prob)
+      .def_readwrite("layer_moe", &ModelConfig::layer_moe);
 
   py::class_<EngineConfig>(m, "EngineConfig")
       .def(py::init<>())

@@ -53,9 +53,23 @@ class ModelFields:
     final_logit_softcap: float = 0.0
     has_qkv_bias: bool = False
     has_qk_norm: bool = False
+    qk_norm_whole: bool = False
+    """The q/k norms are over the whole q / k projection (OLMoE), not per head."""
+    num_experts: int = 0
+    """Mixture of experts: experts per MoE layer (0: none), the top k each row uses, an expert's MLP size,
+    whether the top-k router probabilities are renormalized to sum 1, and which layers are MoE."""
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    layer_moe: list[int] = field(default_factory=list)
 
     def check(self) -> None:
         """ValueError when the per-layer lists or the rotary dim do not fit the shape."""
+        if self.layer_moe and len(self.layer_moe) != self.num_layers:
+            raise ValueError(f"layer_moe has {len(self.layer_moe)} entries for {self.num_layers} layers")
+        if any(self.layer_moe) and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                             f"{self.num_experts}]")
         for name in ("layer_rope", "layer_sliding_window"):
             values = getattr(self, name)
             if len(values) != self.num_layers:
@@ -98,12 +112,14 @@ class Architecture:
     """config.json (over the config class's defaults) -> the engine fields; ValueError naming the field."""
     config_defaults: Mapping[str, object]
     """The transformers config class's defaults of the fields read_config reads (checked in the tests)."""
-    awq_map: AwqMap
+    awq_map: AwqMap | None
+    """None: ``lmkit lite awq`` cannot quantize it yet (mixture-of-experts layers); the engine runs it."""
     kv_calib: KvCalibHooks = KvCalibHooks()
 
     def __post_init__(self):
         assert self.family in FAMILIES, f"{self.name}: family {self.family!r} is not one of {FAMILIES}"
-        assert self.awq_map.architecture == self.name, f"{self.name}: AWQ map of {self.awq_map.architecture}"
+        assert self.awq_map is None or self.awq_map.architecture == self.name, (
+            f"{self.name}: AWQ map of {self.awq_map.architecture}")
 
     def model_fields(self, cfg: dict) -> ModelFields:
         """The engine fields of config.json ``cfg``; ValueError naming the field lmkit cannot serve."""

@@ -16,7 +16,8 @@ from lmkit.models.safetensors_index import TensorEntry, index_folder
 _PLAIN_ENGINE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                         "head_dim", "rms_norm_eps", "norm_weight_offset", "embed_scale", "hidden_act", "attn_scale",
                         "attn_logit_softcap", "final_logit_softcap", "has_qkv_bias", "has_qk_norm", "rotary_dim",
-                        "tie_word_embeddings", "max_position_embeddings")
+                        "tie_word_embeddings", "max_position_embeddings", "qk_norm_whole", "num_experts",
+                        "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
 # checkpoint tensors that are not weights (rotary buffers some exporters save)
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -64,6 +65,7 @@ class ModelSpec(ModelFields):
             attention_scaling_local=1.0 if local is None else float(local.attention_scaling),
             layer_rope=list(self.layer_rope),
             layer_sliding_window=list(self.layer_sliding_window),
+            layer_moe=list(self.layer_moe),
             awq_group_size=self.awq_group_size,
         )
         return values
@@ -184,7 +186,7 @@ def load_model_spec(path: Path) -> ModelSpec:
         eos += [t for t in _as_id_list(gen.get("eos_token_id")) if t not in eos]
     generation_defaults = read_generation_defaults(path, cfg, gen)
 
-    sources = map_tensors(arch, index_folder(path), fields.num_layers, bool(awq), path)
+    sources = map_tensors(arch, index_folder(path), fields.num_layers, bool(awq), path, fields.num_experts)
     if fields.tie_word_embeddings:
         sources.pop("lm_head", None)  # HF uses the embedding even when a copy was saved
     return ModelSpec(
@@ -200,15 +202,21 @@ def load_model_spec(path: Path) -> ModelSpec:
 
 
 def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers: int, is_awq: bool,
-                path: Path) -> dict[str, TensorEntry]:
+                path: Path, num_experts: int = 0) -> dict[str, TensorEntry]:
     """Engine role -> checkpoint tensor by the architecture's key map; an AWQ linear (``<name>.qweight``,
     ``qzeros``, ``scales`` in place of ``<name>.weight``) maps to ``<role>.qweight`` etc. Raises ValueError naming
     the tensors no role takes (rotary buffers aside): a weight lmkit would silently drop."""
     sources: dict[str, TensorEntry] = {}
     used: set[str] = set()
+
+    def expanded(role: str, key: str):  # "{i}": every layer, "{e}": every expert
+        for e in range(num_experts) if "{e}" in role else [None]:
+            r, k = (role, key) if e is None else (role.replace("{e}", str(e)), key.replace("{e}", str(e)))
+            for i in range(num_layers) if "{i}" in r else [None]:
+                yield (r, k) if i is None else (r.format(i=i), k.format(i=i))
+
     for role, key in arch.key_map.items():
-        for i in range(num_layers) if "{i}" in role else [None]:
-            r, k = (role, key) if i is None else (role.format(i=i), key.format(i=i))
+        for r, k in expanded(role, key):
             if k in tensors:
                 sources[r] = tensors[k]
                 used.add(k)

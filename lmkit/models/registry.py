@@ -3,7 +3,7 @@ line here; the engine (loader) and lite (AWQ maps, KV calibration hooks) both re
 
 from __future__ import annotations
 
-from lmkit.models import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3, smollm3
+from lmkit.models import gemma2, gemma3, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen3, qwen3_moe, smollm3
 from lmkit.models.architecture import Architecture
 from lmkit.models.awq_map import AwqMap
 
@@ -16,6 +16,9 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     gemma3.ARCHITECTURE,
     phi3.ARCHITECTURE,
     smollm3.ARCHITECTURE,
+    qwen3_moe.ARCHITECTURE,
+    mixtral.ARCHITECTURE,
+    olmoe.ARCHITECTURE,
 )}
 
 
@@ -31,5 +34,11 @@ def get_architecture(name: str) -> Architecture:
 
 
 def get_awq_map(name: str) -> AwqMap:
-    """The AWQ table of ``name`` (``get_architecture(name).awq_map``); ValueError listing the supported ones."""
-    return get_architecture(name).awq_map
+    """The AWQ table of ``name`` (``get_architecture(name).awq_map``); ValueError listing the supported ones, or
+    saying that lite cannot quantize this one yet."""
+    awq_map = get_architecture(name).awq_map
+    if awq_map is None:
+        quantizable = sorted(n for n, a in ARCHITECTURES.items() if a.awq_map is not None)
+        raise ValueError(f"lmkit lite awq does not quantize {name} yet (its mixture-of-experts layers have no AWQ "
+                         f"table); it quantizes {', '.join(quantizable)}. The engine runs {name} in fp16/bf16/fp32.")
+    return awq_map

@@ -306,7 +306,9 @@ def test_config_defaults_are_the_config_classes(tmp_path):
     classes = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
                "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
                "Gemma2ForCausalLM": "Gemma2Config", "Gemma3ForCausalLM": "Gemma3TextConfig",
-               "Phi3ForCausalLM": "Phi3Config", "SmolLM3ForCausalLM": "SmolLM3Config"}
+               "Phi3ForCausalLM": "Phi3Config", "SmolLM3ForCausalLM": "SmolLM3Config",
+               "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "MixtralForCausalLM": "MixtralConfig",
+               "OlmoeForCausalLM": "OlmoeConfig"}
     assert set(classes) == set(ARCHITECTURES)
     for name, arch in ARCHITECTURES.items():
         cls = getattr(transformers, classes[name])
@@ -363,3 +365,11 @@ def test_unknown_tensors_are_refused(built, tmp_path):
     with pytest.raises(ValueError, match=r"o_proj\.bias") as e:
         load_model_spec(tmp_path)
     assert "inv_freq" not in str(e.value)
+
+
+def test_lite_refuses_moe_architectures_by_name():
+    """lite has no AWQ table for mixture-of-experts layers yet: it says so, naming what it quantizes."""
+    for name in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"):
+        assert get_architecture(name).awq_map is None
+        with pytest.raises(ValueError, match=f"does not quantize {name} yet.*LlamaForCausalLM"):
+            get_awq_map(name)
