@@ -337,6 +337,12 @@ def plan_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, weight_bytes: 
     return replace(pool, num_blocks=pool.cap_blocks, limited_by="max_batch_size x session_len")
 
 
+def checkpoint_weight_bytes(spec: "ModelSpec") -> int:
+    """Bytes of every tensor the engine loads, as stored (what the weights take once packed, within a few
+    percent: the CPU backend packs dense layers in their stored dtype and AWQ int4 as int4)."""
+    return sum(math.prod(e.shape) * _DTYPE_BYTES[e.dtype] for e in spec.sources.values())
+
+
 def unpacked_weight_bytes(spec: "ModelSpec") -> int:
     """Bytes of the tensors the CPU backend reads where they are mapped (embeddings, norms, biases). The
     weights as loaded are these plus the packed linear layers and lm_head (``Engine.linear_weight_bytes``)."""
@@ -365,9 +371,15 @@ def reserve_kv_pool(config: "EngineConfig", spec: "ModelSpec") -> Iterator[KVPoo
     """For a CPU engine created inside the block: holds the runtime folder's lock, yields the sizer to hand to
     lmkit._engine.Engine, then records the engine's reservation (``sizer.reservation``; the caller removes it
     when the engine closes) and logs the start-up line. A block that raises records nothing."""
+    limit = memory_limit()
+    need = checkpoint_weight_bytes(spec)
+    if need > limit.total_bytes:  # before anything is packed or mapped in: the OOM killer would answer otherwise
+        raise ValueError(f"{spec.path}: its weights take {format_bytes(need)} once loaded, more than the "
+                         f"{format_bytes(limit.total_bytes)} this process may use ({limit.source}); use a quantized "
+                         "checkpoint (lmkit lite awq) or a machine with more memory")
     reservations = Reservations(env.runtime_dir())
     with reservations.lock():
-        sizer = KVPoolSizer(config, unpacked_weight_bytes(spec), tuple(reservations.live()), memory_limit())
+        sizer = KVPoolSizer(config, unpacked_weight_bytes(spec), tuple(reservations.live()), limit)
         yield sizer
         if sizer.kv_pool is None:
             raise RuntimeError("the engine was created without calling its KV pool sizer")

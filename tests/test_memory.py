@@ -102,7 +102,7 @@ def test_a_small_memory_decides_and_the_line_says_why(tiny_llama, sizes, monkeyp
 
 
 def test_a_block_count_is_kept_whatever_the_memory(tiny_llama, sizes, monkeypatch, runtime_dir):
-    fake_total(monkeypatch, 1)
+    fake_total(monkeypatch, sizes[0])  # the weights fit (else the engine refuses to load), no room for the KV
     with closing(Engine(tiny_llama[0], config(cache_max_entry_count=40))) as e:
         assert e.num_total_blocks == 40 and e.kv_pool.limited_by == "cache_max_entry_count"
         assert records(runtime_dir)[0]["kv_bytes"] == 40 * sizes[1]  # others still see it
@@ -261,3 +261,15 @@ def test_auto_takes_one_sequence_when_half_is_less(tiny_llama, sizes, monkeypatc
     fake_total(monkeypatch, total_for(weight_bytes + 6.5 * per_block))  # not even one sequence
     with pytest.raises(MemoryBudgetError):
         Engine(tiny_llama[0], config())
+
+
+def test_weights_larger_than_memory_fail_before_loading(tiny_llama, monkeypatch, runtime_dir):
+    """A model whose weights exceed the memory limit is refused before anything is packed, naming both sizes."""
+    from lmkit.models import load_model_spec
+
+    need = memory.checkpoint_weight_bytes(load_model_spec(tiny_llama[0]))
+    fake_total(monkeypatch, need - 1)
+    with pytest.raises(ValueError, match=rf"its weights take {memory.format_bytes(need)} once loaded, more than the "
+                                         rf"{memory.format_bytes(need - 1)} this process may use \(test\)"):
+        Engine(tiny_llama[0], config(cache_max_entry_count=64))
+    assert records(runtime_dir) == []
