@@ -250,3 +250,51 @@ def test_smollm2_int8_kv_greedy_agrees_with_fp(smollm2_path):
     kl = float(torch.nn.functional.kl_div(logq, logp, log_target=True, reduction="batchmean"))  # KL(fp || int8)
     # measured: int8 98.8% agreement, KL 3.4e-4 nats; int4 KV would fail this bound (81.9%, 0.137)
     assert agree >= 0.95 and kl < 0.01, (agree, kl)
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_awq_experts_match_dequantized_reference(int8_activations, tmp_path, monkeypatch):
+    """A Qwen3-MoE checkpoint whose experts are AutoAWQ GEMM int4 (RTN, g32; attention and router dense, as
+    AutoAWQ leaves the router): the engine equals HF on the dequantized weights (fp32 activations: 1e-4;
+    int8 activations in decode: within their stated bound)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from lmkit.lite.export import linear_tensors, quantization_config
+    from lmkit.lite.quantizer import quantize
+    from tests import test_architectures as archs
+
+    monkeypatch.setitem(archs.CASES, "qwen3_moe_awq", archs.Case(
+        "Qwen3MoeConfig", dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                               num_hidden_layers=2, num_key_value_heads=2, head_dim=16, num_experts=6,
+                               num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True), seed=41))
+    fp, awq, deq = tmp_path / "fp", tmp_path / "awq", tmp_path / "deq"
+    archs.build_case("qwen3_moe_awq", fp)
+    tensors = load_file(str(fp / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    expert = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+    for name, w in tensors.items():
+        if expert.match(name):
+            qw = quantize(w, 32)
+            quantized.update(linear_tensors(name[: -len(".weight")], qw, None))
+            dequantized[name] = qw.dequantize()
+        else:
+            quantized[name] = dequantized[name] = w
+    assert len([n for n in quantized if n.endswith(".qweight")]) == 2 * 6 * 3
+    for folder, weights in ((awq, quantized), (deq, dequantized)):
+        shutil.copytree(fp, folder)
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+    config = json.loads((awq / "config.json").read_text())
+    config["quantization_config"] = quantization_config(32)
+    (awq / "config.json").write_text(json.dumps(config))
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (1, 9, 40)]
+    engine = EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=64, cache_block_seq_len=16,
+                          max_batch_size=4, awq_int8_activations=int8_activations)
+    with pipeline(awq, engine) as pipe:
+        assert pipe.engine.spec.awq_group_size == 32
+    check_against(ref, engine_logits(awq, prompts, engine), 3e-2 if int8_activations else 1e-4)
