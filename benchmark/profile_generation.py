@@ -7,8 +7,9 @@ memory-bandwidth roofline each cell reaches (LMDeploy's profile_generation, plus
 Per cell: `batch` requests of `input` random-vocabulary tokens each, submitted at once, each generating
 exactly `output` tokens (ignore_eos); one warm-up cell first. TTFT: mean over the batch. Decode tok/s:
 the tokens after each request's first, over the time from the last first token to the last token
-(the steady decode phase, every request in the batch). Roofline: a decode step must read every weight
-once (`Engine.linear_weight_bytes`, as packed: int4 / int8 / fp16) plus each sequence's K/V (mean
+(the steady decode phase, every request in the batch). Roofline: a decode step must read the weights
+its forward uses once (as packed: int4 / int8 / fp16; every weight of a dense model, the routed experts of a
+mixture of experts: the engine's `num_weight_bytes_read` over its steps in the cell) plus each sequence's K/V (mean
 context x `Engine.kv_bytes_per_block` / block size), so at bandwidth B the step takes at least
 bytes / B and decode tok/s is at most batch x B / bytes; the fraction is measured / that bound.
 B: --bandwidth, else measured here as the copy bandwidth of --threads threads (numpy, 256 MiB
@@ -156,8 +157,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         asyncio.run(run_cell(engine, 1, 8, 4, seed=10_000))  # warm-up
         for b in args.batch:
             for i, o in args.io:
+                before = engine.metrics()
                 cell = asyncio.run(run_cell(engine, b, i, o, args.seed))
-                step_bytes = weight_bytes + b * (i + o / 2) * kv_per_token  # mean context over the decode
+                after = engine.metrics()
+                # weights a step read, on average over the cell (every weight for a dense model; a mixture
+                # of experts reads the experts its routing ran); prefill steps included, so an upper bound
+                steps = after.num_steps - before.num_steps
+                read = (after.num_weight_bytes_read - before.num_weight_bytes_read) / steps if steps else weight_bytes
+                step_bytes = read + b * (i + o / 2) * kv_per_token  # mean context over the decode
                 bound = b * bandwidth / step_bytes
                 rows.append({"batch": b, "input": i, "output": o, **cell, "bound_tok_s": bound,
                              "roofline_fraction": cell["decode_tok_s"] / bound})

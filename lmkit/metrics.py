@@ -48,6 +48,8 @@ class EngineMetrics:
     num_prefix_hit_tokens: int
     num_window_freed_blocks: int
     """KV blocks released early: behind every layer's sliding window."""
+    num_weight_bytes_read: int
+    """Weights the steps' forwards read, summed (a mixture of experts counts the experts each step ran)."""
     ttft_s: list[float] = field(default_factory=list, repr=False)
     inter_token_s: list[float] = field(default_factory=list, repr=False)
 

@@ -418,3 +418,27 @@ def test_kv_quantized_matches_fake_quant_reference(arch: Built, bits: int):
         assert err <= bound and err < err_fp / 5, (
             f"{arch.name}: int{bits} KV, prompt {i} ({len(prompt)} tokens): rel err {err:.3g} to the fake-quantized "
             f"reference (bound {bound:g}), {err_fp:.3g} to the fp model")
+
+
+def test_steps_count_the_weights_they_read(tmp_path):
+    """The engine's num_weight_bytes_read: a dense model's step reads every weight; a one-row step of a
+    mixture of experts (top 2 of 8 on two of three layers) reads the router and two experts there, the same
+    every step, and less than all the weights."""
+    def per_step(folder):
+        with pipeline(folder, EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=32)) as pipe:
+            before = pipe.engine.metrics()
+            for _ in range(3):  # one-token prompts: every step has one row
+                pipe([7], GenerationConfig(max_new_tokens=4, ignore_eos=True))
+            after = pipe.engine.metrics()
+            total = pipe.engine.linear_weight_bytes
+        steps = after.num_steps - before.num_steps
+        read = after.num_weight_bytes_read - before.num_weight_bytes_read
+        assert steps == 12 and read % steps == 0, (steps, read)
+        return read // steps, total
+
+    build_case("qwen3", tmp_path / "dense")
+    read, total = per_step(tmp_path / "dense")
+    assert read == total
+    build_case("qwen3_moe", tmp_path / "moe")
+    read, total = per_step(tmp_path / "moe")
+    assert 0 < read < total, (read, total)

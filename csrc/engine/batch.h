@@ -75,6 +75,7 @@ struct StepOutput {
   std::vector<TokenLogprobs> logprobs;     // [samples]: filled where params->logprobs >= 0
   std::vector<float> logits;               // [logit_outputs, vocab]
   int32_t vocab_size = 0;
+  int64_t weight_bytes_read = 0;           // weights the forward streamed (a mixture of experts: those it ran)
 
   // Sized for batch: tokens -1, logits zero.
   static StepOutput for_batch(const Batch& batch, int32_t vocab_size);

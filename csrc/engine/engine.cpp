@@ -215,6 +215,7 @@ void Engine::run_step() {
   }
   ++metrics_.num_steps;
   metrics_.num_prompt_tokens += plan.num_prefill_tokens;
+  metrics_.num_weight_bytes_read += out.weight_bytes_read;
   apply_step(plan, batch, out);
 }
 

@@ -84,6 +84,7 @@ struct EngineMetrics {
   int64_t num_prefix_query_tokens = 0;  // tokens of admitted sequences looked up in the prefix cache
   int64_t num_prefix_hit_tokens = 0;    // of those, tokens whose K/V were reused
   int64_t num_window_freed_blocks = 0;  // blocks released early: behind every layer's sliding window
+  int64_t num_weight_bytes_read = 0;    // weights the steps' forwards read, summed (StepOutput)
 };
 
 class Engine {

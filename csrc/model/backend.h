@@ -138,8 +138,10 @@ class Backend {
   // Mixture of experts: out[rows, hidden] = sum over each row's top_k experts (router softmax, model/moe_routing.h)
   // of weight * expert(x); every active expert runs once over all the rows routed to it. out may alias x.
   // A backend without it refuses MoE models in prepare().
-  virtual void moe(const void* x, int64_t rows, const PackedExperts& experts, const MoeSpec& spec, void* out) {
+  // Returns the bytes of the weights it read (the router and the experts it ran).
+  virtual int64_t moe(const void* x, int64_t rows, const PackedExperts& experts, const MoeSpec& spec, void* out) {
     LMKIT_CHECK(false, name(), " backend has no mixture-of-experts layers");
+    return 0;
   }
   // out[i] = x[logit_rows[first + i]] for i < n                                 x: [rows, dim], out: [n, dim]
   virtual void gather_logit_rows(const void* x, int64_t first, int64_t n, int64_t dim, void* out) = 0;

@@ -246,8 +246,9 @@ class CpuBackend final : public Backend {
   // Router logits for all rows, then per active expert: its rows gathered, gate | up, act(gate) * up, down, and
   // each output row added into the sum with its router weight. The experts run one after another, each
   // linear over all threads (an expert's columns split among them).
-  void moe(const void* x, int64_t rows, const PackedExperts& w, const MoeSpec& spec, void* out) override {
+  int64_t moe(const void* x, int64_t rows, const PackedExperts& w, const MoeSpec& spec, void* out) override {
     const int64_t H = w.router.k, E = w.router.n, I = spec.inter;
+    int64_t bytes = w.router.size_bytes;
     moe_logits_.resize(rows * E);
     linear(x, rows, w.router, moe_logits_.data());
     route_top_k(moe_logits_.data(), rows, (int32_t)E, spec.top_k, spec.renormalize, routing_);
@@ -255,6 +256,7 @@ class CpuBackend final : public Backend {
     for (int32_t e = 0; e < (int32_t)E; ++e) {
       const int64_t n = routing_.count(e);
       if (n == 0) continue;
+      bytes += w.gate_up[e].size_bytes + w.down[e].size_bytes;
       const int32_t* ids = routing_.rows.data() + routing_.offsets[e];
       const float* wts = routing_.weights.data() + routing_.offsets[e];
       moe_x_.resize(n * H);
@@ -271,6 +273,7 @@ class CpuBackend final : public Backend {
       }
     }
     std::memcpy(out, moe_sum_.data(), rows * H * sizeof(float));
+    return bytes;
   }
 
   void gather_logit_rows(const void* x, int64_t first, int64_t n, int64_t dim, void* out) override {

@@ -88,6 +88,13 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   weights_ = std::move(weights);  // the mappings stay alive for views still read (embedding, norms)
 }
 
+int64_t DecoderModel::dense_weight_bytes() const {
+  int64_t bytes = lm_head_.size_bytes;
+  for (const Layer& l : layers_)
+    for (const PackedLinear* w : {&l.qkv, &l.o_proj, &l.gate_up, &l.down_proj}) bytes += w->size_bytes;
+  return bytes;
+}
+
 int64_t DecoderModel::linear_weight_bytes() const {
   int64_t bytes = lm_head_.size_bytes;
   for (const Layer& l : layers_) {
@@ -108,7 +115,7 @@ void DecoderModel::attention_block(int32_t l, int64_t rows, void* h) {
 void DecoderModel::mlp_block(int32_t l, int64_t rows, void* h) {
   const Layer& w = layers_[l];
   if (!w.moe.router.is_empty()) {
-    backend_->moe(h, rows, w.moe, moe_spec_, h);
+    step_expert_bytes_ += backend_->moe(h, rows, w.moe, moe_spec_, h);
     return;
   }
   backend_->linear(h, rows, w.gate_up, wide_.get());
@@ -132,6 +139,7 @@ StepOutput DecoderModel::step(const Batch& batch) {
   StepOutput out = StepOutput::for_batch(batch, config_.vocab_size);
   if (batch.empty()) return out;
   const int64_t rows = backend_->begin_step(batch);
+  step_expert_bytes_ = 0;
   const int64_t L = backend_->num_logit_rows(), G = backend_->max_head_rows();
   const bool one_head = L <= G;  // the head runs inside the step's device work (a graph replays both)
   backend_->execute([&] {
@@ -143,6 +151,7 @@ StepOutput DecoderModel::step(const Batch& batch) {
     if (!one_head) head(first, n);
     backend_->take_logits(batch, first, n, logits_.get(), config_.vocab_size, out);
   }
+  out.weight_bytes_read = dense_weight_bytes() + step_expert_bytes_;
   return out;
 }
 

@@ -32,6 +32,8 @@ class DecoderModel : public Executor {
   StepOutput step(const Batch& batch) override;
   int64_t kv_bytes_per_block() const override { return backend_->kv_bytes_per_block(); }
   int64_t linear_weight_bytes() const override;
+  // Every linear but the experts (and their routers): what each step reads whatever the routing.
+  int64_t dense_weight_bytes() const;
   void allocate_kv_pool(int32_t num_blocks) override { backend_->allocate_kv_pool(num_blocks); }
   int32_t vocab_size() const override { return config_.vocab_size; }
   void bind_thread() override { backend_->bind_thread(); }
@@ -68,6 +70,7 @@ class DecoderModel : public Executor {
   ModelOptions options_;
   Activation activation_ = Activation::kSilu;
   MoeSpec moe_spec_;
+  int64_t step_expert_bytes_ = 0;  // routers and experts the current step ran
   DeviceVector final_norm_;
   PackedLinear lm_head_;
   std::vector<RopeTable> rope_tables_;  // [0] global, [1] local

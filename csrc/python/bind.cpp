@@ -168,6 +168,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_readonly("num_generated_tokens", &EngineMetrics::num_generated_tokens)
       .def_readonly("num_preemptions", &EngineMetrics::num_preemptions)
       .def_readonly("num_window_freed_blocks", &EngineMetrics::num_window_freed_blocks)
+      .def_readonly("num_weight_bytes_read", &EngineMetrics::num_weight_bytes_read)
       .def_readonly("num_finished_requests", &EngineMetrics::num_finished_requests);
 
   py::class_<Engine, EnginePtr>(m, "Engine")
