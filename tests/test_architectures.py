@@ -26,6 +26,7 @@ import torch
 from lmkit import EngineConfig, GenerationConfig, pipeline
 from tests.conftest import write_byte_tokenizer
 from tests.test_generate import hf_greedy
+from tests.test_quantized import fake_quant
 
 NEW_TOKENS = 24  # the 9-token prompt crosses every sliding window below during decode
 SHARED_PREFIX_TOKENS = 40  # > two 16-token KV blocks
@@ -345,16 +346,6 @@ def test_batched_chunked_prefix_cached_matches_hf(arch: Built):
     assert hit_tokens >= 3 * 2 * BLOCK_TOKENS, f"{arch.name}: only {hit_tokens} prefix-hit tokens"
 
 
-def _fake_quant_kv(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Per token and head over head_dim, as lmkit/kv_policy.py defines it (fp16 scale and zero)."""
-    qmax = float(2**bits - 1)
-    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    scale = ((hi - lo) / qmax).half().float()
-    zero = lo.half().float()
-    q = torch.where(scale == 0, torch.zeros_like(x), torch.round((x - zero) / scale).clamp(0, qmax))
-    return q * scale + zero
-
-
 def _hf_logits_kv_quantized(built: Built, full: list[int], bits: int) -> np.ndarray:
     """HF's logits over ``full`` with every layer's K (after its norm and RoPE) and V fake-quantized to
     ``bits``, through the model's own attention function (Gemma 2: eager, with soft-capping), wrapped."""
@@ -370,7 +361,7 @@ def _hf_logits_kv_quantized(built: Built, full: list[int], bits: int) -> np.ndar
             else ALL_ATTENTION_FUNCTIONS[impl])
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        return base(module, query, _fake_quant_kv(key, bits), _fake_quant_kv(value, bits), attention_mask, **kwargs)
+        return base(module, query, fake_quant(key, bits), fake_quant(value, bits), attention_mask, **kwargs)
 
     AttentionInterface.register("lmkit_arch_kvq", attention)
     # the base implementation's masks (causal and sliding-window): an unregistered name would get none
