@@ -50,6 +50,8 @@ class _EngineCollector:
             ("lmkit_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache", m.num_prefix_hit_tokens),
             ("lmkit_kv_window_freed_blocks", "KV blocks released early, behind every layer's sliding window",
              m.num_window_freed_blocks),
+            ("lmkit_weight_bytes_read", "Weight bytes the engine steps read (a mixture of experts: the experts "
+             "its routing ran)", m.num_weight_bytes_read),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -151,6 +151,8 @@ def test_health_and_metrics(api_server, client):
                  "lmkit_num_requests_waiting", "lmkit_kv_cache_usage_ratio", "lmkit_prefix_cache_hit_rate",
                  "lmkit_generation_tokens_total", 'lmkit_http_responses_total{path="/v1/completions",status="200"}'):
         assert name in text, name
+    read = [line for line in text.splitlines() if line.startswith("lmkit_weight_bytes_read_total ")]
+    assert len(read) == 1 and float(read[0].split()[1]) > 0, read  # the steps so far read some weights
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
