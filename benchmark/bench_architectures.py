@@ -45,9 +45,8 @@ from bench_decode_prefill import cpu_description  # noqa: E402
 from bench_peers import (  # noqa: E402
     fmt,
     hf_greedy_figures,
-    median_decode,
+    lmkit_greedy_figures,
     ratio,
-    time_runs,
     versions,
 )
 from make_dummy_model import write_tokenizer  # noqa: E402
@@ -154,32 +153,15 @@ def run_hf(model: Path, w: Workload) -> dict:
 
 
 def run_lmkit(model: Path, w: Workload, dtype: str) -> dict:
-    from lmkit import EngineConfig, GenerationConfig, pipeline
+    from lmkit import EngineConfig, pipeline
 
     seq_tokens = len(w.prompt_ids) + w.new_tokens
     block = 64
     config = EngineConfig(device="cpu", dtype=dtype, num_threads=w.threads, max_batch_size=max(1, len(w.batch_ids)),
                           session_len=seq_tokens + block, cache_block_seq_len=block,
                           cache_max_entry_count=(max(1, len(w.batch_ids)) + 1) * (seq_tokens // block + 2))
-    gen = GenerationConfig(max_new_tokens=w.new_tokens, ignore_eos=True)
     with pipeline(model, config) as pipe:
-        tokens: list[int] = []
-
-        def decode():
-            stamps = []
-            tokens.clear()
-            for r in pipe.stream_infer(w.prompt_ids, gen):
-                now = time.perf_counter()
-                stamps.extend([now] * len(r.token_ids))
-                tokens.extend(r.token_ids)
-            return stamps
-
-        out = {"decode_tok_s": median_decode(time_runs(decode, w.runs)), "tokens": list(tokens)}
-        if w.batch_ids:
-            start = time.perf_counter()
-            responses = pipe(w.batch_ids, gen)
-            out["conc_tok_s"] = sum(len(r.token_ids) for r in responses) / (time.perf_counter() - start)
-    return out
+        return lmkit_greedy_figures(pipe, w.prompt_ids, w.new_tokens, w.runs, w.batch_ids)
 
 
 ENGINES = {"HF fp32": lambda m, w: run_hf(m, w), "lmkit fp32": lambda m, w: run_lmkit(m, w, "float32"),

@@ -272,36 +272,48 @@ def redirect_fd2(path: Path):
 # ---------------------------------------------------------------- engines (each runs in a worker process)
 
 def run_lmkit(model: Path, w: Workload, quant_policy: int = 0) -> dict:
-    from lmkit import EngineConfig, GenerationConfig, pipeline
+    from lmkit import EngineConfig, pipeline
 
     config = EngineConfig(device="cpu", num_threads=w.threads, max_batch_size=max(1, len(w.batch_ids)),
                           session_len=2048, cache_max_entry_count=256, quant_policy=quant_policy)
-    gen = GenerationConfig(max_new_tokens=w.new_tokens, ignore_eos=True)
     with pipeline(model, config) as pipe:
-        tokens: list[int] = []
+        out = lmkit_greedy_figures(pipe, w.prompt_ids, w.new_tokens, w.runs, w.batch_ids, w.long_ids)
+    out["lmkit_location"] = lmkit_location()
+    return out
 
-        def decode():
-            stamps = []
-            tokens.clear()
-            for r in pipe.stream_infer(w.prompt_ids, gen):
-                now = time.perf_counter()
-                stamps.extend([now] * len(r.token_ids))
-                tokens.extend(r.token_ids)
-            return stamps
 
-        def ttft():
-            start = time.perf_counter()
-            for r in pipe.stream_infer(w.long_ids, GenerationConfig(max_new_tokens=1, ignore_eos=True)):
-                if r.token_ids:
-                    return time.perf_counter() - start
+def lmkit_greedy_figures(pipe, prompt_ids: list[int], new_tokens: int, runs: int,
+                         batch_ids: list[list[int]] | None = None, long_ids: list[int] | None = None) -> dict:
+    """An open lmkit pipeline, timed as every benchmark here times it (as hf_greedy_figures): batch-1 greedy
+    decode tok/s of ``prompt_ids`` and its tokens; with ``long_ids`` the TTFT of that prompt; with ``batch_ids``
+    the output tok/s of all of them submitted at once (continuous batching)."""
+    from lmkit import GenerationConfig
 
-        out = {"decode_tok_s": median_decode(time_runs(decode, w.runs)), "tokens": list(tokens),
-               "ttft_ms": 1e3 * statistics.median(time_runs(ttft, w.runs)), "lmkit_location": lmkit_location()}
-        if w.batch_ids:
-            start = time.perf_counter()
-            responses = pipe(w.batch_ids, gen)
-            n = sum(len(r.token_ids) for r in responses)
-            out["conc_tok_s"] = n / (time.perf_counter() - start)
+    gen = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+    tokens: list[int] = []
+
+    def decode():
+        stamps = []
+        tokens.clear()
+        for r in pipe.stream_infer(prompt_ids, gen):
+            now = time.perf_counter()
+            stamps.extend([now] * len(r.token_ids))
+            tokens.extend(r.token_ids)
+        return stamps
+
+    def ttft():
+        start = time.perf_counter()
+        for r in pipe.stream_infer(long_ids, GenerationConfig(max_new_tokens=1, ignore_eos=True)):
+            if r.token_ids:
+                return time.perf_counter() - start
+
+    out = {"decode_tok_s": median_decode(time_runs(decode, runs)), "tokens": list(tokens)}
+    if long_ids:
+        out["ttft_ms"] = 1e3 * statistics.median(time_runs(ttft, runs))
+    if batch_ids:
+        start = time.perf_counter()
+        responses = pipe(batch_ids, gen)
+        out["conc_tok_s"] = sum(len(r.token_ids) for r in responses) / (time.perf_counter() - start)
     return out
 
 

@@ -25,12 +25,13 @@ from lmkit.lite.apply import fold_scales
 from lmkit.lite.awq import _can_fold, _self_check, quantize_awq
 from lmkit.lite.checkpoint import load_causal_lm, read_state_dict
 from lmkit.lite.config import AwqConfig, KvCalibConfig
-from lmkit.lite.kvcalib import _int4_kl, _SilentReporter, calibrate_kv
+from lmkit.lite.kvcalib import calibrate_kv
 from lmkit.lite.kvquant import fake_quant_kv, use_kv_fake_quant_attention
 from lmkit.lite.layerwise import LayerwiseModel
 from lmkit.models import get_awq_map
 from tests.conftest import TINY_VOCAB, write_byte_tokenizer
 from tests.lite.conftest import TINY_CALIB
+from tests.lite.test_lite_calibrate import assert_int4_kl_per_layer
 
 TINY_KV = dict(calib_dataset="pydoc", calib_samples=4, calib_seqlen=64, eval_dataset="pydoc", eval_seqlen=64,
                eval_max_tokens=256, device="cpu")
@@ -301,14 +302,7 @@ def test_int4_kl_head_as_the_model_computes_it(case, tmp_path):
     lm = load_causal_lm(tmp_path / case)
     use_kv_fake_quant_attention(lm)
     windows = _ids(3, 32, 4)
-    got = _int4_kl(lm, windows, 2, torch.device("cpu"), _SilentReporter())
-    with torch.no_grad():
-        ref = torch.log_softmax(lm(input_ids=windows, kv_bits=[0] * 4, use_cache=False).logits[:, :-1], -1)
-        for i in range(4):
-            bits = [4 if j == i else 0 for j in range(4)]
-            q = torch.log_softmax(lm(input_ids=windows, kv_bits=bits, use_cache=False).logits[:, :-1], -1)
-            want = float((ref.exp() * (ref - q)).sum()) / (3 * 31)
-            assert got[i] == pytest.approx(want, rel=1e-4), (i, got[i], want)
+    assert_int4_kl_per_layer(lm, windows, 4)
 
 
 def test_kv_calibration_writes_a_valid_policy(arch, tmp_path):

@@ -18,7 +18,7 @@ from lmkit.cli.main import app
 from lmkit.kv_policy import load_kv_policy
 from lmkit.lite.calib import CalibrationDataError
 from lmkit.lite.config import KvCalibConfig
-from lmkit.lite.kvcalib import calibrate_kv, choose_policy
+from lmkit.lite.kvcalib import _int4_kl, _SilentReporter, calibrate_kv, choose_policy
 from lmkit.lite.kvquant import fake_quant_kv, use_kv_fake_quant_attention
 from tests.conftest import make_tiny_model
 
@@ -131,18 +131,24 @@ def kv_tiny_llama(tmp_path_factory):
 def test_int4_kl_from_recorded_layer_inputs_equals_full_passes(kv_tiny_llama):
     """Each layer's KL is computed from the recorded fp input of that layer on: the same as a full pass."""
     from lmkit.lite.checkpoint import load_causal_lm
-    from lmkit.lite.kvcalib import _int4_kl, _SilentReporter
 
     lm = load_causal_lm(kv_tiny_llama)
     use_kv_fake_quant_attention(lm)
     windows = torch.randint(0, 250, (3, 32), generator=torch.Generator().manual_seed(2))
+    assert_int4_kl_per_layer(lm, windows, 4)
+
+
+def assert_int4_kl_per_layer(lm, windows: torch.Tensor, num_layers: int) -> None:
+    """_int4_kl (in batches of 2) equals the KL of the fp model to the model with only layer i's KV at int4,
+    computed here in full, for every layer i (windows [n, len]: KL per predicted token)."""
     got = _int4_kl(lm, windows, 2, torch.device("cpu"), _SilentReporter())
+    n, length = windows.shape
     with torch.no_grad():
-        ref = torch.log_softmax(lm(input_ids=windows, kv_bits=[0] * 4, use_cache=False).logits[:, :-1], -1)
-        for i in range(4):
-            bits = [4 if j == i else 0 for j in range(4)]
+        ref = torch.log_softmax(lm(input_ids=windows, kv_bits=[0] * num_layers, use_cache=False).logits[:, :-1], -1)
+        for i in range(num_layers):
+            bits = [4 if j == i else 0 for j in range(num_layers)]
             q = torch.log_softmax(lm(input_ids=windows, kv_bits=bits, use_cache=False).logits[:, :-1], -1)
-            want = float((ref.exp() * (ref - q)).sum()) / (3 * 31)
+            want = float((ref.exp() * (ref - q)).sum()) / (n * (length - 1))
             assert got[i] == pytest.approx(want, rel=1e-4), (i, got[i], want)
 
 
