@@ -125,6 +125,17 @@ bool int8_dot_available();
 void linear(const float* x, int64_t M, const LinearWeight& weight, const Tensor& bias, float* out);
 // The same for an unpacked weight: packs it first (tests and one-off calls; the model packs at load).
 void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias, float* out);
+// Several independent linears in one thread team (a mixture-of-experts layer's active experts): for each job,
+// out[M, w.n] = x[M, w.k] @ w^T, no bias; jobs may differ in format and shape. The panels of all jobs are split
+// among the threads by their cost (rows + the weight's read), so that one large job or many small ones keep
+// every thread busy and no weight is read twice. Each job's output equals ops::linear's on it.
+struct LinearJob {
+  const float* x = nullptr;
+  int64_t M = 0;
+  const LinearWeight* w = nullptr;
+  float* out = nullptr;
+};
+void linear_group(const LinearJob* jobs, int64_t num_jobs);
 
 // Rotary embedding in HF "rotate_half" layout, in place, over the first rotary_dim dims of each head
 // (0: head_dim, else even and <= head_dim; partial rotary, Phi-4-mini: the rest of the head passes unchanged).

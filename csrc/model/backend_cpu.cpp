@@ -243,34 +243,50 @@ class CpuBackend final : public Backend {
     for (int64_t t = 0; t < rows; ++t) fn(gu + 2 * t * inter, gu + (2 * t + 1) * inter, 1, inter, f32(out) + t * inter);
   }
 
-  // Router logits for all rows, then per active expert: its rows gathered, gate | up, act(gate) * up, down, and
-  // each output row added into the sum with its router weight. The experts run one after another, each
-  // linear over all threads (an expert's columns split among them).
+  // Router logits for all rows, then each expert's rows gathered (ordered by expert), gate | up of every active
+  // expert in one linear_group, act(gate) * up over all of them, down in one linear_group, and each output
+  // row added into the sum with its router weight. One thread team per projection splits the panels of all
+  // active experts among the threads: across experts and across an expert's columns, every weight read once.
   int64_t moe(const void* x, int64_t rows, const PackedExperts& w, const MoeSpec& spec, void* out) override {
     const int64_t H = w.router.k, E = w.router.n, I = spec.inter;
     int64_t bytes = w.router.size_bytes;
     moe_logits_.resize(rows * E);
     linear(x, rows, w.router, moe_logits_.data());
     route_top_k(moe_logits_.data(), rows, (int32_t)E, spec.top_k, spec.renormalize, routing_);
-    moe_sum_.assign(rows * H, 0.0f);
+    const int64_t n = (int64_t)routing_.rows.size();  // (row, expert) pairs, grouped by expert
+    moe_x_.resize(n * H);
+    for (int64_t j = 0; j < n; ++j)
+      std::memcpy(moe_x_.data() + j * H, f32(x) + (int64_t)routing_.rows[j] * H, H * sizeof(float));
+    moe_gate_up_.resize(n * 2 * I);
+    moe_y_.resize(n * H);
+    gate_up_jobs_.clear(), down_jobs_.clear();
+    bool grouped = true;
     for (int32_t e = 0; e < (int32_t)E; ++e) {
-      const int64_t n = routing_.count(e);
-      if (n == 0) continue;
+      const int64_t m = routing_.count(e), first = routing_.offsets[e];
+      if (m == 0) continue;
       bytes += w.gate_up[e].size_bytes + w.down[e].size_bytes;
-      const int32_t* ids = routing_.rows.data() + routing_.offsets[e];
-      const float* wts = routing_.weights.data() + routing_.offsets[e];
-      moe_x_.resize(n * H);
-      for (int64_t j = 0; j < n; ++j) std::memcpy(moe_x_.data() + j * H, f32(x) + ids[j] * H, H * sizeof(float));
-      moe_gate_up_.resize(n * 2 * I);
-      linear(moe_x_.data(), n, w.gate_up[e], moe_gate_up_.data());
-      gated_activation(moe_gate_up_.data(), n, I, spec.act, moe_gate_up_.data());
-      moe_y_.resize(n * H);
-      linear(moe_gate_up_.data(), n, w.down[e], moe_y_.data());
-      for (int64_t j = 0; j < n; ++j) {
-        float* dst = moe_sum_.data() + ids[j] * H;
-        const float* src = moe_y_.data() + j * H;
-        for (int64_t c = 0; c < H; ++c) dst[c] += wts[j] * src[c];
-      }
+      const CpuLinear& gu = *static_cast<const CpuLinear*>(w.gate_up[e].impl.get());
+      const CpuLinear& dn = *static_cast<const CpuLinear*>(w.down[e].impl.get());
+      grouped = grouped && gu.parts.size() == 1 && gu.bias.empty() && dn.parts.size() == 1 && dn.bias.empty();
+      gate_up_jobs_.push_back({moe_x_.data() + first * H, m, &gu.parts[0], moe_gate_up_.data() + first * 2 * I});
+      down_jobs_.push_back({moe_gate_up_.data() + first * I, m, &dn.parts[0], moe_y_.data() + first * H});
+    }
+    // gate | up that could not be joined into one weight (an intermediate size not a multiple of the panel
+    // width) run expert by expert through linear(), which interleaves the parts
+    auto run = [&](std::vector<ops::LinearJob>& jobs, const std::vector<PackedLinear>& ws) {
+      if (grouped) return ops::linear_group(jobs.data(), (int64_t)jobs.size());
+      for (int32_t e = 0, i = 0; e < (int32_t)E; ++e)
+        if (routing_.count(e) > 0) linear(jobs[i].x, jobs[i].M, ws[e], jobs[i].out), ++i;
+    };
+    run(gate_up_jobs_, w.gate_up);
+    gated_activation(moe_gate_up_.data(), n, I, spec.act, moe_gate_up_.data());  // [n, I] packed in place
+    run(down_jobs_, w.down);
+    moe_sum_.assign(rows * H, 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      float* dst = moe_sum_.data() + (int64_t)routing_.rows[j] * H;
+      const float* src = moe_y_.data() + j * H;
+      const float wt = routing_.weights[j];
+      for (int64_t c = 0; c < H; ++c) dst[c] += wt * src[c];
     }
     std::memcpy(out, moe_sum_.data(), rows * H * sizeof(float));
     return bytes;
@@ -344,6 +360,7 @@ class CpuBackend final : public Backend {
   std::vector<float> q_, k_, v_, scratch_, row_;
   ExpertRouting routing_;
   std::vector<float> moe_logits_, moe_sum_, moe_x_, moe_gate_up_, moe_y_;
+  std::vector<ops::LinearJob> gate_up_jobs_, down_jobs_;
 
   // KV pool: per layer, K then V, each num_blocks blocks in that layer's format (ops::KVLayer), lazily
   // committed. kv_layer_offset_[l]: bytes before layer l's K, per block of the pool.

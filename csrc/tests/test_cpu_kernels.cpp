@@ -314,6 +314,56 @@ void test_gather_weights() {
          "gather_weights: the weights lie in the order given, 64-byte aligned, the empty one left empty");
 }
 
+// linear_group: jobs of every format and of 0, 1, a few and many rows, in one call, each output bitwise
+// equal to ops::linear's on its own (the same panels through the same kernel), nothing written past a job's
+// output (NaN-poisoned, with a guard after it), and a group of one large job split across the threads.
+void test_linear_group() {
+  std::vector<ops::LinearWeight> ws;
+  ws.push_back(ops::pack_linear(make_weight(DType::F16, 100, 96, 0.05f).t));
+  ws.push_back(ops::pack_linear(make_weight(DType::F32, 200, 64, 0.05f).t));
+  for (bool q8 : {false, true}) {
+    const AwqWeight a = make_awq(256, 128, 64);
+    ws.push_back(ops::pack_linear_awq(a.qw, a.qz, a.sc, 64));
+    ws.back().int8_activations = q8;
+  }
+  for (ops::WeightFormat f : {ops::WeightFormat::Int8, ops::WeightFormat::Bf16Pairs})
+    if (ops::weight_format_traits(f).unavailable() == nullptr)
+      ws.push_back(ops::weight_format_traits(f).pack_float(make_weight(DType::F32, 96, 128, 0.05f).t));
+  const int64_t kGuard = 7;
+  for (const std::vector<int64_t>& rows : std::vector<std::vector<int64_t>>{{1, 1, 1, 1, 1, 1},
+                                                                            {3, 0, 70, 1, 2, 65},
+                                                                            {0, 0, 0, 0, 0, 0}}) {
+    std::vector<std::vector<float>> xs, outs, refs;
+    std::vector<ops::LinearJob> jobs;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t M = rows[i % rows.size()];
+      xs.push_back(randn(std::max<int64_t>(M, 1) * ws[i].k));
+      outs.emplace_back(M * ws[i].n + kGuard, NAN);
+      refs.emplace_back(M * ws[i].n, NAN);
+      if (M > 0) ops::linear(xs[i].data(), M, ws[i], Tensor{}, refs[i].data());
+    }
+    for (size_t i = 0; i < ws.size(); ++i) jobs.push_back({xs[i].data(), rows[i % rows.size()], &ws[i], outs[i].data()});
+    ops::linear_group(jobs.data(), (int64_t)jobs.size());
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const std::string what = std::string("linear_group ") + ws[i].traits().name + " M " + std::to_string(jobs[i].M);
+      expect(std::memcmp(outs[i].data(), refs[i].data(), refs[i].size() * sizeof(float)) == 0,
+             what + ": equals ops::linear");
+      bool guard = true;
+      for (int64_t g = 0; g < kGuard; ++g) guard = guard && std::isnan(outs[i][refs[i].size() + g]);
+      expect(guard, what + ": nothing written past the output");
+    }
+  }
+  const ops::LinearWeight big = ops::pack_linear(make_weight(DType::F16, 1000, 64, 0.05f).t);
+  const std::vector<float> x = randn(64);
+  std::vector<float> out(1000, NAN), ref(1000, NAN);
+  const ops::LinearJob one{x.data(), 1, &big, out.data()};
+  ops::linear_group(&one, 1);
+  ops::linear(x.data(), 1, big, Tensor{}, ref.data());
+  expect(out == ref, "linear_group: one job alone equals ops::linear");
+  const ops::LinearJob no_weight{x.data(), 1, nullptr, out.data()};
+  expect(throws([&] { ops::linear_group(&no_weight, 1); }), "linear_group rejects a job without a weight");
+}
+
 void test_linear_int4() {
   struct Shape {
     int64_t M, N, K, g;
@@ -879,6 +929,7 @@ int main() {
       test_linear_int4();
       test_weight_format_traits();
       test_gather_weights();
+      test_linear_group();
       test_linear_bf16();
       test_concat_linear();
       test_rope();

@@ -2,6 +2,7 @@
 // packing, kernel, availability), their packing from checkpoint tensors, and the one ops::linear entry
 // point, which checks its inputs and hands them to the weight's format. The kernels themselves are in the
 // ISA tables (impl_linear.h, impl_linear_bf16.h); dispatch.cpp picks those tables for this CPU.
+#include <omp.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -293,6 +294,61 @@ void linear(const float* x, int64_t M, const Tensor& weight, const Tensor& bias,
 
 namespace {
 int64_t num_panels(const LinearWeight& w) { return (w.n + kLinearPanelCols - 1) / kLinearPanelCols; }
+}  // namespace
+
+void linear_group(const LinearJob* jobs, int64_t num_jobs) {
+  // A panel of job j costs M_j + kReadRows: its rows' arithmetic plus reading the panel (worth a few rows in
+  // decode, where reading dominates). Thread t takes the panels whose cost interval starts in its share
+  // [C t / nt, C (t + 1) / nt) of the total C: contiguous panel ranges of one or more jobs.
+  constexpr int64_t kReadRows = 4;
+  std::vector<int64_t> base(num_jobs + 1, 0);
+  for (int64_t j = 0; j < num_jobs; ++j) {
+    const LinearJob& job = jobs[j];
+    LMKIT_CHECK(job.w != nullptr && !job.w->is_empty(), "linear_group: job ", j, " has no packed weight");
+    LMKIT_CHECK(job.M >= 0, "linear_group: job ", j, " has M ", job.M);
+    const LinearWeight& w = *job.w;
+    if (job.M > 0) {
+      LMKIT_CHECK(job.x != nullptr && job.out != nullptr, "linear_group: job ", j, ": x and out must be non-null");
+      LMKIT_CHECK(job.out + job.M * w.n <= job.x || job.x + job.M * w.k <= job.out,
+                  "linear_group: job ", j, ": out must not overlap x");
+      const char* missing = w.traits().unavailable();
+      LMKIT_CHECK(missing == nullptr, "linear_group: ", w.traits().name, " weights ", missing);
+      LMKIT_CHECK(w.size_bytes() % num_panels(w) == 0, "linear_group: ", w.traits().name, " panels are not uniform");
+    }
+    base[j + 1] = base[j] + (job.M > 0 ? num_panels(w) * (job.M + kReadRows) : 0);
+  }
+  const int64_t total = base[num_jobs];
+  if (total == 0) return;
+  auto ceil_div = [](int64_t a, int64_t b) { return a <= 0 ? 0 : (a + b - 1) / b; };
+#pragma omp parallel if (total >= 2 * (1 + kReadRows))
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t lo = total * tid / nt, hi = total * (tid + 1) / nt;
+    thread_local std::vector<float> scratch;
+    for (int64_t j = 0; j < num_jobs; ++j) {
+      if (base[j + 1] <= lo || base[j] >= hi) continue;
+      const LinearJob& job = jobs[j];
+      const LinearWeight& w = *job.w;
+      const int64_t P = num_panels(w), cost = job.M + kReadRows;
+      const int64_t p0 = std::min(P, ceil_div(lo - base[j], cost)), p1 = std::min(P, ceil_div(hi - base[j], cost));
+      if (p0 >= p1) continue;
+      LinearWeight part = w;  // panels [p0, p1): columns [p0 * 32, min(n, p1 * 32))
+      part.n = std::min(w.n, p1 * kLinearPanelCols) - p0 * kLinearPanelCols;
+      part.storage = std::shared_ptr<void>(w.storage, static_cast<char*>(w.storage.get()) + p0 * (w.size_bytes() / P));
+      float* out = job.out + p0 * kLinearPanelCols;
+      if (job.M == 1 || part.n == w.n) {  // the part's rows are the output's rows
+        w.traits().run(job.x, job.M, part, nullptr, out);
+        continue;
+      }
+      scratch.resize(job.M * part.n);
+      w.traits().run(job.x, job.M, part, nullptr, scratch.data());
+      for (int64_t r = 0; r < job.M; ++r)
+        std::memcpy(out + r * w.n, scratch.data() + r * part.n, part.n * sizeof(float));
+    }
+  }
+}
+
+namespace {
 
 const char* needs_int8_dot() {
   return int8_dot_available() ? nullptr : "need the int8 dot-product kernels (a CPU with AVX2 or AVX-512)";
