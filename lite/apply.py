@@ -1,7 +1,8 @@
 """Folding smoothing scales into a decoder layer (the one step of AWQ that mutates fp weights).
 
 For a group with input x and scales s [in]:   prev's output  /= s   (norm weight, or prev linear's
-output rows and bias),   each linear's input columns  *= s.   The fp function is unchanged:
+output rows and bias),   each linear's input columns  *= s   (and those of the group's dense readers: the
+router of a mixture-of-experts block).   The fp function is unchanged:
 W (x / s * s) = W x, which tests check to 1e-5.
 
     norm that scales by (offset + w) (Gemma: 1):   w' = (offset + w) / s - offset
@@ -60,5 +61,5 @@ def fold_scales(layer: nn.Module, group: SmoothGroup, scales: torch.Tensor, norm
         prev.weight.copy_((norm_weight_offset + prev.weight) / s - norm_weight_offset)
         if getattr(prev, "bias", None) is not None:
             prev.bias.div_(s)
-    for name in group.linears:
+    for name in group.linears + group.dense:  # dense readers (an MoE router) take the scale, unquantized
         layer.get_submodule(name).weight.mul_(s.view(1, -1))

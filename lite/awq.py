@@ -42,7 +42,8 @@ from lmkit.lite.config import AwqConfig, PplConfig, resolve_device
 from lmkit.lite.corpora import calibration_corpora
 from lmkit.lite.gptq import gptq_quantize
 from lmkit.lite.layerwise import LayerwiseModel
-from lmkit.lite.observer import GroupInputObserver
+from lmkit.lite.moe import expert_of
+from lmkit.lite.observer import GroupInputObserver, InputStats
 from lmkit.lite.quantizer import PACK_NUM, SUPPORTED_GROUP_SIZES, QuantizedWeight, quantize
 from lmkit.lite.search import refine_quantization, search_clip, search_scale, shrink_grid
 from lmkit.lite.threads import torch_threads
@@ -213,7 +214,7 @@ def _can_fold(layer: nn.Module, awq_map: AwqMap, group, kwargs: dict, x: torch.T
     if not can_absorb(layer, group):
         return False
     size = input_features(layer, group)
-    touched = [layer.get_submodule(n) for n in (group.prev, *group.linears)]
+    touched = [layer.get_submodule(n) for n in (group.prev, *group.linears, *group.dense)]
     saved = [[p.detach().clone() for p in module.parameters(recurse=False)] for module in touched]
     order = torch.randperm(size, generator=torch.Generator().manual_seed(0))
     trial = torch.exp(torch.linspace(-0.69, 0.69, size)[order]).to(expected.device)
@@ -240,10 +241,10 @@ def _process_layer(model: LayerwiseModel, runner: _LayerRunner | None, index: in
     """Quantize decoder layer ``index`` given its input ``x`` (None for RTN; with --propagate quantized
     ``x`` is overwritten by the next layer's input) and return (checkpoint tensors, report).
     ``scales_out``/``clips_out`` receive the search results, ``kept`` (when given) the dequantized weights."""
-    awq_map = model.awq_map
     prefix = model.layer_prefix(index)
     g = config.w_group_size
     layer = model.load_layer(index)
+    awq_map = model.layer_awq_map(index)
     report: dict[str, Any] = {"layer": index, "groups": []}
     quantized: dict[str, QuantizedWeight] = {}
     seconds = {"forward": 0.0, "scale_search": 0.0, "clip_search": 0.0, "quantize": 0.0}
@@ -261,6 +262,8 @@ def _process_layer(model: LayerwiseModel, runner: _LayerRunner | None, index: in
             runner.run(layer, index, x, x if config.propagate == "fp" else _Discard(), observer)
         finally:
             observer.remove()
+        if awq_map.moe is not None and awq_map is not model.awq_map:
+            report["experts"] = _cover_experts(layer, awq_map, observer.stats, g)
         seconds["forward"] += time.perf_counter() - t
 
         t = time.perf_counter()
@@ -296,17 +299,18 @@ def _process_layer(model: LayerwiseModel, runner: _LayerRunner | None, index: in
 
     t = time.perf_counter()
     tensors: dict[str, torch.Tensor] = {}
-    for name in awq_map.linears:
+    for name in awq_map.linears:  # under the checkpoint's names (Mixtral's experts: block_sparse_moe.)
         linear = layer.get_submodule(name)
         if name not in quantized:
             quantized[name] = quantize(linear.weight, g)
-        tensors.update(export.linear_tensors(prefix + name, quantized[name], linear.bias))
+        stored = model.checkpoint_name(index, name)
+        tensors.update(export.linear_tensors(stored, quantized[name], linear.bias))
         if kept is not None:
-            kept[prefix + name + ".weight"] = quantized[name].dequantize()
+            kept[stored + ".weight"] = quantized[name].dequantize()
     quantized_names = {n + ".weight" for n in awq_map.linears} | {n + ".bias" for n in awq_map.linears}
     for name, value in layer.state_dict().items():
         if name not in quantized_names:
-            tensors[prefix + name] = value.detach().to("cpu", torch.float16)
+            tensors[model.checkpoint_name(index, name)] = value.detach().to("cpu", torch.float16)
     seconds["quantize"] += time.perf_counter() - t
 
     if x is not None and config.propagate == "quantized":
@@ -318,6 +322,39 @@ def _process_layer(model: LayerwiseModel, runner: _LayerRunner | None, index: in
     report["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
     del layer
     return tensors, report
+
+
+@torch.no_grad()
+def _cover_experts(layer: nn.Module, awq_map: AwqMap, stats: list[InputStats], group_size: int) -> dict:
+    """Calibration tokens routed to each expert of a sparse layer. An expert that fewer tokens than one
+    quantization group reached has its down projection's statistics rebuilt from every token of the search
+    windows run through its gate and up (as if routed to it; the shared gate/up statistics are every token's
+    already): its smoothing, clipping and rounding are then searched on the union of tokens, not on a handful
+    of rows or none. Returns the report entry (tokens per expert, those handled so)."""
+    layout = awq_map.moe
+    shared = next(i for i, group in enumerate(awq_map.groups) if group.input_of == layout.block)
+    x = stats[shared].sample_input
+    x = x.reshape(-1, x.shape[-1])
+    experts = layer.get_submodule(f"{layout.block}.{layout.experts}")
+    tokens, union = [], []
+    for i, group in enumerate(awq_map.groups):
+        e = expert_of(layout, group.linears[0])
+        if e is None or group.input_of is not None:
+            continue
+        tokens.append(stats[i].num_tokens)
+        if stats[i].num_tokens >= group_size:
+            continue
+        union.append(e)
+        h = experts.act_fn(experts.linear(e, 0)(x)) * experts.linear(e, 1)(x)
+        old = stats[i]
+        rebuilt = InputStats(torch.zeros_like(old.abs_sum), None if old.moments is None else torch.zeros_like(old.moments),
+                             None if old.hessian is None else torch.zeros_like(old.hessian))
+        rebuilt.accumulate(h.float(), group_size)
+        if rebuilt.hessian is not None:
+            rebuilt.moments_from_hessian(group_size)
+        rebuilt.samples = [h.float()]
+        stats[i] = rebuilt
+    return {"tokens_per_expert": tokens, "min_tokens": group_size, "searched_on_all_tokens": union}
 
 
 def _quantize_calibrated(layer: nn.Module, awq_map: AwqMap, stats: list, config: AwqConfig, prefix: str,

@@ -1,6 +1,7 @@
 """The reference reader: any HF folder (fp, or AWQ "GEMM" int4 written by lmkit or another tool) ->
 an fp32 ``transformers`` model. AWQ linears are unpacked and dequantized in torch,
-W[o, i] = (q[i, o] - zero[i / g, o]) * scale[i / g, o], independently of lmkit's engine.
+W[o, i] = (q[i, o] - zero[i / g, o]) * scale[i / g, o], independently of lmkit's engine; a mixture of
+experts' per-expert linears are stacked into transformers' 3D expert tensors (lmkit.lite.moe).
 """
 
 from __future__ import annotations
@@ -81,9 +82,15 @@ def load_causal_lm(folder: Path, device: torch.device | str = "cpu"):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
+    from lmkit.lite.moe import stack_experts
+    from lmkit.models import get_architecture
+
     folder = Path(folder)
-    architecture_of(read_config(folder), folder)
+    architecture = architecture_of(read_config(folder), folder)
     state, _ = read_state_dict(folder)
+    awq_map = get_architecture(architecture).awq_map
+    if awq_map is not None and awq_map.moe is not None:  # per-expert linears -> transformers' 3D experts
+        state = stack_experts(state, awq_map.moe, awq_map.layers + ".")
     config = AutoConfig.from_pretrained(folder)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are dequantized here; transformers must not re-quantize

@@ -66,6 +66,14 @@ class RichReporter(ProgressReporter):
         smoothed = [g for g in report.get("groups", []) if g.get("smoothed")]
         self.progress.update(self.task, advance=1,
                              description=f"layer {index} ({len(smoothed)} groups smoothed)")
+        experts = report.get("experts")
+        if experts and experts["searched_on_all_tokens"]:  # said, not silently handled
+            tokens = experts["tokens_per_expert"]
+            few = ", ".join(f"{e} ({tokens[e]})" for e in experts["searched_on_all_tokens"])
+            self.progress.console.print(
+                f"[yellow]layer {index}: experts reached by fewer than {experts['min_tokens']} calibration tokens "
+                f"(tokens): {few}; their down_proj is searched on every token of the search windows instead "
+                f"(report.json: layers[{index}].experts)[/yellow]")
         if index + 1 == self.progress.tasks[self.task].total:
             self.progress.update(self.status, visible=True)
 

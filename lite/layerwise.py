@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmkit.lite.moe import checkpoint_name, layer_awq_map, unfuse_experts
 from lmkit.models import AwqMap, get_awq_map
 from lmkit.models.safetensors_index import index_folder
 
@@ -97,6 +98,9 @@ class LayerwiseModel:
             self.skeleton = AutoModelForCausalLM.from_config(self.config,
                                                              attn_implementation=attention_implementation(self.config))
         self.layers: nn.ModuleList = _get(self.skeleton, self.awq_map.layers)
+        if self.awq_map.moe is not None:  # experts as one linear per expert, as the checkpoint has them
+            for layer in self.layers:
+                unfuse_experts(layer, self.awq_map.moe)
         self._handles: dict[str, Any] = {}
 
     # -- shapes -------------------------------------------------------------------------------------
@@ -112,11 +116,19 @@ class LayerwiseModel:
     def layer_prefix(self, index: int) -> str:
         return f"{self.awq_map.layers}.{index}."
 
+    def layer_awq_map(self, index: int) -> AwqMap:
+        """The AWQ map of decoder layer ``index`` (a sparse layer's groups name its experts; lite.moe)."""
+        return layer_awq_map(self.awq_map, self.layers[index])
+
+    def checkpoint_name(self, index: int, name: str) -> str:
+        """The checkpoint's name of module path ``name`` of decoder layer ``index`` (Mixtral's block_sparse_moe)."""
+        return self.layer_prefix(index) + checkpoint_name(self.awq_map.moe, name)
+
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """Every quantized linear of every layer -> (out_features, in_features), from the meta skeleton."""
         shapes = {}
         for i, layer in enumerate(self.layers):
-            for name in self.awq_map.linears:
+            for name in self.layer_awq_map(i).linears:
                 module = _get(layer, name)
                 if not isinstance(module, nn.Linear):
                     raise ValueError(f"{self.layer_prefix(i)}{name} is {type(module).__name__}, not a Linear")
@@ -145,9 +157,10 @@ class LayerwiseModel:
                 self.skeleton._init_weights(module.get_submodule(name.rpartition(".")[0]))
         state = {}
         for name, _ in meta_module.state_dict().items():
-            tensor = self.read_tensor(prefix + name)
+            stored = prefix + checkpoint_name(self.awq_map.moe, name)
+            tensor = self.read_tensor(stored)
             if not tensor.is_floating_point():
-                raise ValueError(f"{self.folder}: tensor {prefix + name} is {tensor.dtype}, expected a float weight")
+                raise ValueError(f"{self.folder}: tensor {stored} is {tensor.dtype}, expected a float weight")
             state[name] = tensor.to(device=self.device, dtype=torch.float32)
         module.load_state_dict(state, strict=True)
         return module.float().eval()

@@ -1,5 +1,7 @@
-"""Activation observer: forward hooks on the first linear of each smoothing group record, over every
-calibration token, what the searches need about the group's input x [tokens, in]:
+"""Activation observer: forward hooks on the first linear of each smoothing group (or the module named by its
+``input_of``) record, over every calibration token, what the searches need about the group's input x
+[tokens, in] (an expert's linear: the rows routed to it; its samples are those rows of the chunks that hold
+the search sequences):
 
     abs_sum  [in]           sum_t |x_t|                  -> mean |x| per input channel (scale candidates)
     moments  [in/g, g, g]   sum_t x_t[G] x_t[G]^T        -> exact per-group output error (clip search)
@@ -50,6 +52,17 @@ class InputStats:
             self.hessian *= inv.unsqueeze(1) * inv.unsqueeze(0)
         self.samples = [x / s for x in self.samples]
 
+    @torch.no_grad()
+    def accumulate(self, flat: torch.Tensor, group_size: int) -> None:
+        """Adds the rows of ``flat`` [tokens, in] (fp32) to the sums."""
+        self.abs_sum += flat.abs().sum(dim=0)
+        self.num_tokens += flat.shape[0]
+        if self.hessian is not None:
+            self.hessian += flat.t() @ flat
+        elif self.moments is not None:
+            grouped = flat.view(flat.shape[0], -1, group_size).transpose(0, 1)  # [G, tokens, g]
+            self.moments += torch.bmm(grouped.transpose(1, 2), grouped)
+
     def moments_from_hessian(self, group_size: int) -> None:
         """Set ``moments`` to the diagonal blocks of ``hessian`` (computed once instead of twice)."""
         num_groups = self.hessian.shape[0] // group_size
@@ -75,12 +88,13 @@ class GroupInputObserver:
             linear = layer.get_submodule(group.linears[0])
             weight = linear.weight
             in_features = linear.in_features
+            source = layer.get_submodule(group.input_of) if group.input_of else linear
             moments = (torch.zeros(in_features // group_size, group_size, group_size, device=weight.device)
                        if with_moments and not with_hessian else None)
             hessian = torch.zeros(in_features, in_features, device=weight.device) if with_hessian else None
             stats = InputStats(torch.zeros(in_features, device=weight.device), moments, hessian)
             self.stats.append(stats)
-            self._handles.append(linear.register_forward_hook(self._hook(stats)))
+            self._handles.append(source.register_forward_hook(self._hook(stats)))
 
     def begin_chunk(self, first_sequence: int) -> None:
         self.first_sequence = first_sequence
@@ -88,17 +102,11 @@ class GroupInputObserver:
     def _hook(self, stats: InputStats):
         def hook(module, args, output):
             x = args[0].detach()
-            flat = x.reshape(-1, x.shape[-1]).float()
-            stats.abs_sum += flat.abs().sum(dim=0)
-            stats.num_tokens += flat.shape[0]
-            if stats.hessian is not None:
-                stats.hessian += flat.t() @ flat
-            elif stats.moments is not None:
-                g = self.group_size
-                grouped = flat.view(flat.shape[0], -1, g).transpose(0, 1)  # [G, tokens, g]
-                stats.moments += torch.bmm(grouped.transpose(1, 2), grouped)
+            stats.accumulate(x.reshape(-1, x.shape[-1]).float(), self.group_size)
             keep = self.num_samples - self.first_sequence
-            if keep > 0:
+            if keep > 0 and x.dim() == 2:  # an expert's linear: the rows routed to it, all of this chunk's
+                stats.samples.append(x.float().clone())
+            elif keep > 0:
                 stats.samples.append(x[:keep].float().clone())
 
         return hook

@@ -20,6 +20,13 @@ self_attn.o_proj``) takes the scale on its LAST rows (the up half, the v rows), 
 
 Norms whose HF forward scales by ``(offset + weight)`` (Gemma: offset 1.0) fold a scale ``s`` as
 ``w' = (offset + w) / s - offset``.
+
+Mixture-of-experts layers (``AwqMap.moe``; lmkit.lite.moe expands the groups per layer, since the number of
+experts and which layers are sparse come from the model):
+
+    post_attention_layernorm -> every expert's gate, up      loss: output of the sparse block (router included)
+                                (the router reads x too: it takes the scale, stays fp)
+    experts.{e}.up           -> experts.{e}.down             loss: output of that down, on the rows routed to e
 """
 
 from __future__ import annotations
@@ -35,6 +42,25 @@ class SmoothGroup:
     prev: str
     linears: tuple[str, ...]
     block: str
+    # modules that read the same input and take the scale but are not quantized (an MoE router)
+    dense: tuple[str, ...] = ()
+    # the module whose input is the group's input, for the statistics (None: linears[0]; an MoE group: its
+    # block, since one expert sees only the rows routed to it)
+    input_of: str | None = None
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """Where a decoder layer keeps its sparse MLP, in the HF module tree and in checkpoints. transformers 5
+    holds the experts as two 3D parameters; checkpoints (and AutoAWQ, and the engine) as one linear per expert
+    under ``{checkpoint_block}.{experts}.{e}.{gate | up | down}``, which is what lite quantizes (lmkit.lite.moe)."""
+
+    block: str = "mlp"  # the sparse block: router + experts
+    checkpoint_block: str = "mlp"  # its name in checkpoints (Mixtral: block_sparse_moe)
+    router: str = "gate"
+    experts: str = "experts"
+    expert_linears: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    norm: str = "post_attention_layernorm"
 
 
 @dataclass(frozen=True)
@@ -56,6 +82,8 @@ class AwqMap:
     no_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
     layers: str = "model.layers"
     embed_tokens: str = "model.embed_tokens"
+    # the sparse MLP of mixture-of-experts layers; ``groups`` then describe the layers without one
+    moe: MoeLayout | None = None
 
     def __hash__(self) -> int:  # post_norms is a dict; the name identifies the table
         return hash(self.architecture)
@@ -75,6 +103,7 @@ PRE_NORM_GROUPS = (
 PRE_NORM_RESIDUALS = (("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"))
 
 
-def pre_norm_awq_map(architecture: str) -> AwqMap:
-    """The table of a Llama-layout decoder layer (separate q/k/v and gate/up linears, two pre-norms)."""
-    return AwqMap(architecture, PRE_NORM_GROUPS, PRE_NORM_RESIDUALS)
+def pre_norm_awq_map(architecture: str, moe: MoeLayout | None = None) -> AwqMap:
+    """The table of a Llama-layout decoder layer (separate q/k/v and gate/up linears, two pre-norms); with
+    ``moe``, of its mixture-of-experts form (the dense groups then describe layers with a dense MLP)."""
+    return AwqMap(architecture, PRE_NORM_GROUPS, PRE_NORM_RESIDUALS, moe=moe)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from lmkit.models.architecture import ROPE_GLOBAL, SILU, Architecture, HfConfig, ModelFields, activation, \
     global_rope, shape_fields
+from lmkit.models.awq_map import MoeLayout, pre_norm_awq_map
 from lmkit.models.llama import MODEL_KEYS, PRE_NORM_LAYER, layer_keys
 from lmkit.models.moe import moe_keys
 
 NAME = "MixtralForCausalLM"
 ATTENTION_LAYER = {role: key for role, key in PRE_NORM_LAYER.items() if not key.startswith("mlp.")}
 KEY_MAP = {**MODEL_KEYS, **layer_keys(ATTENTION_LAYER), **moe_keys("block_sparse_moe", "w1", "w3", "w2")}
+MOE_LAYOUT = MoeLayout(checkpoint_block="block_sparse_moe", expert_linears=("w1", "w3", "w2"))
 # transformers.MixtralConfig's defaults of the fields read here
 DEFAULTS = {"hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
             "tie_word_embeddings": False, "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2}
@@ -27,4 +29,5 @@ def read_config(c: HfConfig) -> ModelFields:
                        moe_intermediate_size=shape["intermediate_size"], norm_topk_prob=True, layer_moe=[1] * n)
 
 
-ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None)
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS,
+                            pre_norm_awq_map(NAME, MOE_LAYOUT))

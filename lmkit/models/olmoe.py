@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from lmkit.models.architecture import ROPE_GLOBAL, SILU, Architecture, HfConfig, ModelFields, activation, \
     global_rope, shape_fields
+from lmkit.models.awq_map import MoeLayout, pre_norm_awq_map
 from lmkit.models.llama import MODEL_KEYS, PRE_NORM_LAYER, QK_NORM_LAYER, layer_keys
 from lmkit.models.moe import moe_keys
 
@@ -32,4 +33,5 @@ def read_config(c: HfConfig) -> ModelFields:
                        layer_moe=[1] * n)
 
 
-ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None)
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS,
+                            pre_norm_awq_map(NAME, MoeLayout()))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from lmkit.models.architecture import ROPE_GLOBAL, SILU, Architecture, HfConfig, ModelFields, activation, \
     global_rope, shape_fields
+from lmkit.models.awq_map import MoeLayout, pre_norm_awq_map
 from lmkit.models.moe import moe_keys
 from lmkit.models.qwen3 import KEY_MAP as QWEN3_KEY_MAP
 
@@ -37,4 +38,5 @@ def read_config(c: HfConfig) -> ModelFields:
                        norm_topk_prob=bool(c.get("norm_topk_prob")), layer_moe=layer_moe)
 
 
-ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None)
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS,
+                            pre_norm_awq_map(NAME, MoeLayout()))

@@ -39,6 +39,6 @@ def get_awq_map(name: str) -> AwqMap:
     awq_map = get_architecture(name).awq_map
     if awq_map is None:
         quantizable = sorted(n for n, a in ARCHITECTURES.items() if a.awq_map is not None)
-        raise ValueError(f"lmkit lite awq does not quantize {name} yet (its mixture-of-experts layers have no AWQ "
-                         f"table); it quantizes {', '.join(quantizable)}. The engine runs {name} in fp16/bf16/fp32.")
+        raise ValueError(f"lmkit lite awq does not quantize {name} yet (it has no AWQ table); it quantizes "
+                         f"{', '.join(quantizable)}. The engine runs {name} in fp16/bf16/fp32.")
     return awq_map

@@ -367,9 +367,18 @@ def test_unknown_tensors_are_refused(built, tmp_path):
     assert "inv_freq" not in str(e.value)
 
 
-def test_lite_refuses_moe_architectures_by_name():
-    """lite has no AWQ table for mixture-of-experts layers yet: it says so, naming what it quantizes."""
+def test_awq_maps_of_moe_architectures_and_the_refusal_without_one(monkeypatch):
+    """The mixture-of-experts architectures have AWQ tables with their sparse-MLP layout (Mixtral's under its
+    checkpoint name block_sparse_moe); an architecture without a table is refused by name, naming what lite
+    quantizes."""
+    import dataclasses
+
+    from lmkit.models import registry
+
     for name in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"):
-        assert get_architecture(name).awq_map is None
-        with pytest.raises(ValueError, match=f"does not quantize {name} yet.*LlamaForCausalLM"):
-            get_awq_map(name)
+        assert get_awq_map(name).moe is not None
+    assert get_awq_map("MixtralForCausalLM").moe.checkpoint_block == "block_sparse_moe"
+    monkeypatch.setitem(registry.ARCHITECTURES, "OlmoeForCausalLM",
+                        dataclasses.replace(get_architecture("OlmoeForCausalLM"), awq_map=None))
+    with pytest.raises(ValueError, match="does not quantize OlmoeForCausalLM yet.*LlamaForCausalLM"):
+        get_awq_map("OlmoeForCausalLM")
