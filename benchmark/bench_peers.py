@@ -647,13 +647,16 @@ def ratio(x: float | None, ref: float | None, inverse: bool = False) -> str:
 
 def print_table(rows: list[Row], args, header: str) -> None:
     by_name = {r.name: r for r in rows if r.error is None}
-    q4 = by_name.get("llama.cpp Q4_1") or by_name.get("llama.cpp Q4_1 (shipped)")
+    # the llama.cpp reference: Q4_1 where it ran, else the first llama.cpp row (--gguf q4_0,q4_k_m: Q4_0)
+    q4 = by_name.get("llama.cpp Q4_1") or by_name.get("llama.cpp Q4_1 (shipped)") or next(
+        (r for r in rows if r.error is None and r.name.startswith("llama.cpp")), None)
+    ref = f"vs {q4.name.split()[1]}" if q4 is not None else "vs Q4_1"
     fp = by_name.get("lmkit fp")
     print(header)
     c = args.concurrency
     wide = max([26] + [len(r.name) + 1 for r in rows])  # the name column
-    print(f"{'engine':{wide}}{'decode tok/s':>13}{'vs Q4_1':>9}{'vs fp':>8}{'TTFT ms':>10}{'vs Q4_1':>9}{'vs fp':>8}"
-          f"{f'c={c} tok/s':>13}{'vs fp':>8}{'match':>9}")
+    print(f"{'engine':{wide}}{'decode tok/s':>13}{ref:>9}{'vs fp':>8}{'TTFT ms':>10}{ref:>9}{'vs fp':>8}"
+          f"{f'c={c} tok/s':>13}{ref:>9}{'vs fp':>8}{'match':>9}")
     for r in rows:
         if r.error is not None:
             print(f"{r.name:{wide}}error: {r.error.splitlines()[0] if r.error else ''}")
@@ -662,7 +665,8 @@ def print_table(rows: list[Row], args, header: str) -> None:
         print(f"{r.name:{wide}}{fmt(r.decode_tok_s, '.1f'):>13}{ratio(r.decode_tok_s, q4 and q4.decode_tok_s):>9}"
               f"{ratio(r.decode_tok_s, fp and fp.decode_tok_s):>8}{fmt(r.ttft_ms, '.1f'):>10}"
               f"{ratio(r.ttft_ms, q4 and q4.ttft_ms, inverse=True):>9}{ratio(r.ttft_ms, fp and fp.ttft_ms, inverse=True):>8}"
-              f"{fmt(r.conc_tok_s, '.1f'):>13}{ratio(r.conc_tok_s, fp and fp.conc_tok_s):>8}{match:>9}")
+              f"{fmt(r.conc_tok_s, '.1f'):>13}{ratio(r.conc_tok_s, q4 and q4.conc_tok_s):>9}"
+              f"{ratio(r.conc_tok_s, fp and fp.conc_tok_s):>8}{match:>9}")
     if q4 is not None:
         print(f"ratios: speed relative to {q4.name} and to lmkit fp (TTFT: reference time / this time)")
     if args.rounds > 1:

@@ -12,7 +12,8 @@ router left fp16, as AutoAWQ does). Weights are written shard by shard (one laye
 whole model in memory. --layers N keeps the first N decoder layers of the shape (a big shape on a small
 disk); --tokenizer FOLDER copies that folder's tokenizer instead of the word-level one (llama.cpp's
 converter only accepts tokenizers it knows: `--tokenizer bundled` takes the bundled SmolLM2's, padded to
-the shape's vocabulary by the converter).
+the shape's vocabulary by the converter; a shape whose vocabulary is smaller than the tokenizer's, Mixtral's
+32000, gets the tokenizer's size).
 """
 
 from __future__ import annotations
@@ -99,14 +100,26 @@ def write_tokenizer(out: Path, vocab_size: int, bos: int, eos: int) -> None:
         "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}))
 
 
+def _tokenizer_folder(source: Path) -> Path:
+    if str(source) == "bundled":
+        from lmkit.model_path import default_model_dir
+
+        return default_model_dir()
+    return source
+
+
+def tokenizer_size(source: Path) -> int:
+    """Token ids the tokenizer of ``source`` uses (its largest id + 1)."""
+    from tokenizers import Tokenizer
+
+    return max(Tokenizer.from_file(str(_tokenizer_folder(source) / "tokenizer.json")).get_vocab().values()) + 1
+
+
 def copy_tokenizer(source: Path, out: Path) -> tuple[int | None, int | None]:
     """The tokenizer files of ``source`` (``bundled``: the bundled SmolLM2) into ``out``; its bos / eos ids."""
     import shutil
 
-    if str(source) == "bundled":
-        from lmkit.model_path import default_model_dir
-
-        source = default_model_dir()
+    source = _tokenizer_folder(source)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                  "tokenizer.model", "vocab.json", "merges.txt"):
         if (source / name).is_file():
@@ -133,6 +146,8 @@ def make_dummy_model(out: Path, shape: str = "llama-2-7b", awq_group_size: int =
         cfg["quantization_config"] = {"quant_method": "awq", "version": "gemm", "bits": 4,
                                       "group_size": awq_group_size, "zero_point": True}
         cfg["torch_dtype"] = "float16"
+    if tokenizer is not None:  # a vocabulary the tokenizer fits in (Mixtral's 32000 < SmolLM2's 49152)
+        cfg["vocab_size"] = max(cfg["vocab_size"], tokenizer_size(tokenizer))
     out.mkdir(parents=True, exist_ok=True)
     rnd = _Random(seed)
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]

@@ -119,6 +119,11 @@ def test_peers_benchmark_smoke(smollm2_path):
     assert "8/8" in run.stdout, run.stdout  # HF's greedy tokens match the engine's for all 8 smoke tokens
 
 
+def test_peers_benchmark_names_an_unknown_gguf_type():
+    run = _run_script("bench_peers.py", "--gguf", "q4_0,q5_x", "--smoke")
+    assert run.returncode == 2 and "unknown type(s) q5_x" in run.stderr and "q4_k_m" in run.stderr, run.stderr
+
+
 def test_architectures_benchmark_smoke(tmp_path):
     """bench_architectures.py --smoke: the Qwen3 and Gemma 3 shapes (2 layers, small vocabulary) written into
     LMKIT_CACHE, HF fp32 and lmkit fp32 side by side, each row with its figures and its match count (random
@@ -173,12 +178,12 @@ def test_generation_benchmark_smoke(smollm2_path, tmp_path):
     assert (tmp_path / "g.roofline.png").stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("awq", [0, 128])
-def test_dummy_model_runs(tmp_path, awq):
-    """make_dummy_model.py (the GPU suite's Llama-2-7B stand-in) on its tiny shape: a folder the engine
-    loads and decodes, fp16 and AWQ int4, and whose every generated id decodes."""
+@pytest.mark.parametrize("shape,awq", [("tiny", 0), ("tiny", 128), ("tiny-moe", 0), ("tiny-moe", 64)])
+def test_dummy_model_runs(tmp_path, shape, awq):
+    """make_dummy_model.py (the GPU suite's Llama-2-7B stand-in, the MoE figures' Qwen3-30B-A3B shape) on its
+    tiny shapes: a folder the engine loads and decodes, fp16 and AWQ int4, and whose every generated id decodes."""
     folder = tmp_path / "dummy"
-    run = _run_script("make_dummy_model.py", str(folder), "--shape", "tiny", *(["--awq", str(awq)] if awq else []))
+    run = _run_script("make_dummy_model.py", str(folder), "--shape", shape, *(["--awq", str(awq)] if awq else []))
     assert run.returncode == 0, run.stderr[-2000:]
     from lmkit import EngineConfig, GenerationConfig, pipeline
 
