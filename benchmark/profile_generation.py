@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 step_bytes = read + b * (i + o / 2) * kv_per_token  # mean context over the decode
                 bound = b * bandwidth / step_bytes
                 rows.append({"batch": b, "input": i, "output": o, **cell, "bound_tok_s": bound,
-                             "roofline_fraction": cell["decode_tok_s"] / bound})
+                             "roofline_fraction": cell["decode_tok_s"] / bound, "read_mib_per_step": read / 2**20})
     finally:
         engine.close()
 
@@ -175,12 +175,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     kv = {0: "fp16/bf16" if args.device == "cuda" else "fp32", 8: "int8", 4: "int4"}[args.quant_policy]
     machine = _engine.cuda.device_name() if args.device == "cuda" else cpu_description()
     print(f"model {name}, KV {kv}, {threads} threads, {machine}, {date.today()}; "
-          f"weights read per decode step {weight_bytes / 2**20:.1f} MiB, KV {kv_per_token / 1024:.1f} KiB per token; "
+          f"weights {weight_bytes / 2**20:.1f} MiB in all, KV {kv_per_token / 1024:.1f} KiB per token; "
           f"bandwidth {bandwidth / 1e9:.1f} GB/s ({'given' if args.bandwidth else 'measured copy'})")
-    print(f"{'batch':>6}{'input':>7}{'output':>7}{'TTFT ms':>10}{'decode tok/s':>14}{'bound tok/s':>13}{'roofline':>10}")
+    print(f"{'batch':>6}{'input':>7}{'output':>7}{'TTFT ms':>10}{'decode tok/s':>14}{'read MiB/step':>15}"
+          f"{'bound tok/s':>13}{'roofline':>10}")
     for r in rows:
         print(f"{r['batch']:>6}{r['input']:>7}{r['output']:>7}{r['ttft_s'] * 1e3:10.1f}{r['decode_tok_s']:14.1f}"
-              f"{r['bound_tok_s']:13.1f}{r['roofline_fraction']:10.1%}")
+              f"{r['read_mib_per_step']:15.1f}{r['bound_tok_s']:13.1f}{r['roofline_fraction']:10.1%}")
     if args.csv:
         append_csv(args.csv, ["date", "model", "cpu", "threads", "kv_cache", "batch", "input", "output", "ttft_ms",
                               "decode_tok_s", "bandwidth_gb_s", "bound_tok_s", "roofline_fraction"],
