@@ -25,6 +25,7 @@ namespace {
 int g_passed = 0, g_failed = 0;
 std::mt19937 g_rng(1234);
 const char* g_isa = "";
+int g_threads = 1;  // the thread count main() set (tests that change it restore it)
 
 void expect(bool ok, const std::string& what) {
   if (ok) {
@@ -360,6 +361,15 @@ void test_linear_group() {
   ops::linear_group(&one, 1);
   ops::linear(x.data(), 1, big, Tensor{}, ref.data());
   expect(out == ref, "linear_group: one job alone equals ops::linear");
+  // 64 threads (oversubscribed here): a 64-core split of 8 decode experts, more threads than most jobs have
+  // panels, so threads share jobs and jobs span threads; still each job's exact output.
+  std::vector<ops::LinearJob> experts;
+  std::vector<std::vector<float>> eouts(8, std::vector<float>(big.n, NAN));
+  for (auto& o : eouts) experts.push_back({x.data(), 1, &big, o.data()});
+  ops::set_num_threads(64);
+  ops::linear_group(experts.data(), (int64_t)experts.size());
+  ops::set_num_threads(g_threads);
+  for (const auto& o : eouts) expect(o == ref, "linear_group: 8 jobs over 64 threads equal ops::linear");
   const ops::LinearJob no_weight{x.data(), 1, nullptr, out.data()};
   expect(throws([&] { ops::linear_group(&no_weight, 1); }), "linear_group rejects a job without a weight");
 }
@@ -923,6 +933,7 @@ int main() {
     expect(std::strcmp(ops::cpu_isa(), isa) == 0, "cpu_isa() names the forced table");
     for (int threads : {1, 2, 3}) {
       ops::set_num_threads(threads);
+      g_threads = threads;
       test_embedding();
       test_rmsnorm();
       test_linear();
