@@ -10,6 +10,7 @@ calibration never reaches: reported, and searched on every token rather than on 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lmkit.lite.awq import _can_fold, _self_check, quantize_awq
+from lmkit.lite.awq import _can_fold, _can_fold_expert, _is_expert_group, _self_check, quantize_awq
 from lmkit.lite.checkpoint import load_causal_lm
 from lmkit.lite.config import AwqConfig
 from lmkit.lite.layerwise import LayerwiseModel
@@ -110,6 +111,15 @@ def test_moe_awq_map_matches_the_module_tree(moe):
         folds = {g.prev: _can_fold(layer, awq_map, g, kwargs[i], x, expected, f"layer {i}") for g in awq_map.groups}
         assert folds.pop("self_attn.v_proj") is False  # GQA
         assert all(folds.values()), folds
+        if is_sparse:  # the per-expert check quantize_awq uses agrees, and catches a group wired to two experts
+            groups = [g for g in awq_map.groups if _is_expert_group(awq_map, g)]
+            assert len(groups) == len(layer.get_submodule("mlp.experts"))
+            assert all(_can_fold_expert(layer, awq_map, g, f"layer {i}") for g in groups)
+            before = {k: v.clone() for k, v in layer.state_dict().items()}
+            wrong = dataclasses.replace(groups[1], prev=groups[0].prev)
+            with pytest.raises(RuntimeError, match="is wrong"):
+                _can_fold_expert(layer, awq_map, wrong, f"layer {i}")
+            assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())  # restored
         x = expected
         if i < lw.num_layers - 1:
             assert float((x - hidden[i + 1]).norm() / hidden[i + 1].norm()) < 1e-5, (case, i)
