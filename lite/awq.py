@@ -206,13 +206,9 @@ def _self_check(layer, awq_map, kwargs, x, name) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _can_fold(layer: nn.Module, awq_map: AwqMap, group, kwargs: dict, x: torch.Tensor, expected: torch.Tensor,
-              name: str) -> bool:
-    """Whether scales can be folded into ``group.prev``: its shape allows it and a trial fold (scales in
-    [0.5, 2], undone after) leaves the layer's output on ``x`` unchanged. A fused prev whose last rows are
-    not what the group reads (qkv_proj -> o_proj under GQA) is refused; any other failure is a table error."""
-    if not can_absorb(layer, group):
-        return False
+def _trial_fold_error(layer: nn.Module, awq_map: AwqMap, group, compute, expected: torch.Tensor) -> tuple[float, float]:
+    """(max abs difference, tolerance) between ``compute()`` after a trial fold of scales in [0.5, 2] into
+    ``group`` (undone after) and ``expected``, its value before."""
     size = input_features(layer, group)
     touched = [layer.get_submodule(n) for n in (group.prev, *group.linears, *group.dense)]
     saved = [[p.detach().clone() for p in module.parameters(recurse=False)] for module in touched]
@@ -220,16 +216,27 @@ def _can_fold(layer: nn.Module, awq_map: AwqMap, group, kwargs: dict, x: torch.T
     trial = torch.exp(torch.linspace(-0.69, 0.69, size)[order]).to(expected.device)
     try:
         fold_scales(layer, group, trial, awq_map.norm_weight_offset)
-        got = decomposed_layer(layer, awq_map, kwargs, x)
+        got = compute()
     finally:
         for module, params in zip(touched, saved):
             for p, value in zip(module.parameters(recurse=False), params):
                 p.copy_(value)
-    err, tol = _check_tolerance(got, expected)
+    return _check_tolerance(got, expected)
+
+
+@torch.no_grad()
+def _can_fold(layer: nn.Module, awq_map: AwqMap, group, kwargs: dict, x: torch.Tensor, expected: torch.Tensor,
+              name: str) -> bool:
+    """Whether scales can be folded into ``group.prev``: its shape allows it and a trial fold (scales in
+    [0.5, 2], undone after) leaves the layer's output on ``x`` unchanged. A fused prev whose last rows are
+    not what the group reads (qkv_proj -> o_proj under GQA) is refused; any other failure is a table error."""
+    if not can_absorb(layer, group):
+        return False
+    err, tol = _trial_fold_error(layer, awq_map, group, lambda: decomposed_layer(layer, awq_map, kwargs, x), expected)
     if math.isfinite(err) and err <= 10 * tol:
         return True
     prev = layer.get_submodule(group.prev)
-    if isinstance(prev, nn.Linear) and prev.out_features > size:
+    if isinstance(prev, nn.Linear) and prev.out_features > input_features(layer, group):
         return False
     raise _table_error(awq_map, name, f"folding scales into {group.prev} changes the layer's output (max abs "
                                       f"difference {err:.3g})")
@@ -256,19 +263,7 @@ def _can_fold_expert(layer: nn.Module, awq_map: AwqMap, group, name: str) -> boo
     def expert() -> torch.Tensor:
         return down(experts.act_fn(gate(x)) * up(x))
 
-    expected = expert()
-    touched = [layer.get_submodule(n) for n in (group.prev, *group.linears)]
-    saved = [m.weight.detach().clone() for m in touched]
-    size = input_features(layer, group)
-    trial = torch.exp(torch.linspace(-0.69, 0.69, size)[torch.randperm(size, generator=torch.Generator()
-                                                                           .manual_seed(0))]).to(gate.weight)
-    try:
-        fold_scales(layer, group, trial, awq_map.norm_weight_offset)
-        got = expert()
-    finally:
-        for module, weight in zip(touched, saved):
-            module.weight.copy_(weight)
-    err, tol = _check_tolerance(got, expected)
+    err, tol = _trial_fold_error(layer, awq_map, group, expert, expert())
     if math.isfinite(err) and err <= 10 * tol:
         return True
     raise _table_error(awq_map, name, f"folding scales into {group.prev} changes expert {e}'s output (max abs "
@@ -304,7 +299,7 @@ def _process_layer(model: LayerwiseModel, runner: _LayerRunner | None, index: in
             runner.run(layer, index, x, x if config.propagate == "fp" else _Discard(), observer)
         finally:
             observer.remove()
-        if awq_map.moe is not None and awq_map is not model.awq_map:
+        if any(_is_expert_group(awq_map, group) for group in awq_map.groups):  # a sparse layer
             report["experts"] = _cover_experts(layer, awq_map, observer.stats, g)
         seconds["forward"] += time.perf_counter() - t
 
@@ -380,9 +375,9 @@ def _cover_experts(layer: nn.Module, awq_map: AwqMap, stats: list[InputStats], g
     experts = layer.get_submodule(f"{layout.block}.{layout.experts}")
     tokens, union = [], []
     for i, group in enumerate(awq_map.groups):
-        e = expert_of(layout, group.linears[0])
-        if e is None or group.input_of is not None:
+        if not _is_expert_group(awq_map, group):
             continue
+        e = expert_of(layout, group.linears[0])
         tokens.append(stats[i].num_tokens)
         if stats[i].num_tokens >= group_size:
             continue

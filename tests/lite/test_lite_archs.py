@@ -140,6 +140,14 @@ def _hand_unpack(packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def hand_dequantize(tensors: dict[str, torch.Tensor], name: str, group_size: int) -> torch.Tensor:
+    """float32 [out, in] of AWQ linear ``name`` in ``tensors``, unpacked here by hand: (q - zero) * scale."""
+    q = _hand_unpack(tensors[f"{name}.qweight"])
+    z = _hand_unpack(tensors[f"{name}.qzeros"]).repeat_interleave(group_size, dim=0)
+    s = tensors[f"{name}.scales"].float().repeat_interleave(group_size, dim=0)
+    return ((q - z).float() * s).t()
+
+
 @torch.no_grad()
 def test_awq_checkpoint_reproduces_the_quantized_model(arch):
     """The checkpoint holds the source's tensors under the source's names (a quantized linear's
@@ -160,10 +168,7 @@ def test_awq_checkpoint_reproduces_the_quantized_model(arch):
 
     state, _ = read_state_dict(out)
     for name in quantized:
-        q = _hand_unpack(tensors[f"{name}.qweight"])
-        z = _hand_unpack(tensors[f"{name}.qzeros"]).repeat_interleave(32, dim=0)
-        s = tensors[f"{name}.scales"].float().repeat_interleave(32, dim=0)
-        weight = ((q - z).float() * s).t()
+        weight = hand_dequantize(tensors, name, 32)
         assert torch.equal(weight, result.pseudo_quantized[name + ".weight"]), name
         assert torch.equal(state[name + ".weight"], weight), name
 

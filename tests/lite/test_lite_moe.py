@@ -26,6 +26,7 @@ from lmkit.lite.layerwise import LayerwiseModel
 from lmkit.lite.moe import ExpertLinears
 from tests.conftest import TINY_VOCAB, write_byte_tokenizer
 from tests.lite.conftest import TINY_CALIB
+from tests.lite.test_lite_archs import hand_dequantize
 
 BASE = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, max_position_embeddings=1024, bos_token_id=256, eos_token_id=257, pad_token_id=0,
@@ -126,15 +127,6 @@ def test_moe_awq_map_matches_the_module_tree(moe):
     assert sparse == (2 if case == "qwen3_moe" else 3)
 
 
-def _hand_unpack(packed: torch.Tensor) -> torch.Tensor:
-    order = [0, 2, 4, 6, 1, 3, 5, 7]
-    words = packed.long() & 0xFFFFFFFF
-    out = torch.empty(packed.shape[0], packed.shape[1] * 8, dtype=torch.long)
-    for k in range(8):
-        out[:, order[k]::8] = (words >> (4 * k)) & 0xF
-    return out
-
-
 @torch.no_grad()
 def test_moe_checkpoint_is_the_autoawq_layout(moe):
     """Every expert linear of the source becomes .qweight/.qzeros/.scales under its own name (Mixtral:
@@ -155,10 +147,7 @@ def test_moe_checkpoint_is_the_autoawq_layout(moe):
     routers = [n for n in tensors if n.endswith(f"{block}.gate.weight")]
     assert routers and all(tensors[n].dtype == torch.float16 for n in routers)
     for name in experts:
-        q = _hand_unpack(tensors[f"{name}.qweight"])
-        z = _hand_unpack(tensors[f"{name}.qzeros"]).repeat_interleave(32, dim=0)
-        s = tensors[f"{name}.scales"].float().repeat_interleave(32, dim=0)
-        assert torch.equal(((q - z).float() * s).t(), result.pseudo_quantized[name + ".weight"]), name
+        assert torch.equal(hand_dequantize(tensors, name, 32), result.pseudo_quantized[name + ".weight"]), name
     report = json.loads((out / "awq" / "report.json").read_text())
     shared = [g for layer in report["layers"] for g in layer["groups"] if g["prev"] == "post_attention_layernorm"]
     assert any(g["smoothed"] for g in shared)

@@ -13,25 +13,12 @@ from tests.serve.conftest import ServerThread
 
 
 def test_moe_model_serves_and_releases_its_blocks(tmp_path):
-    import torch
-    import transformers
-
     from lmkit import AsyncEngine, EngineConfig, GenerationConfig, pipeline
     from lmkit.serve import ServerConfig, create_app
-    from tests.conftest import TINY_VOCAB, write_byte_tokenizer
+    from tests.lite.test_lite_moe import make_moe_model
 
-    config = transformers.Qwen3MoeConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
-                                         moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                         bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
-    model.save_pretrained(str(tmp_path))
-    write_byte_tokenizer(tmp_path)
+    make_moe_model(tmp_path, "Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                     intermediate_size=128))
 
     engine = AsyncEngine(tmp_path, EngineConfig(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
                                                  session_len=512, num_threads=1, quant_policy=8,
