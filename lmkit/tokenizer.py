@@ -116,6 +116,10 @@ class Tokenizer:
             return bytes(byte_of[ch] for ch in piece)
         return piece.replace("\u2581", " ").encode()
 
+    def to_json(self) -> str:
+        """The tokenizer as a Hugging Face tokenizer.json text, added special tokens included."""
+        return self._backend.to_str()
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation, ready for the assistant's turn (the template's text, encoded without
         adding special tokens). Raises ValueError when there is no template or it cannot render these messages."""

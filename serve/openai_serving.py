@@ -27,6 +27,7 @@ from lmkit.messages import GenerationConfig, GenerationConfigError, Response
 from lmkit.serve.errors import APIError, bad_request, error_body, internal_error
 from lmkit.serve.metrics import ServerMetrics
 from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
+from lmkit.structured import StructuredOutputError
 
 AnyRequest = Union[ChatCompletionRequest, CompletionRequest]
 
@@ -56,6 +57,8 @@ class Prepared:
     prompt_ids: list[list[int]]
     prompt_texts: list[str]
     gen: GenerationConfig
+    grammar: object = None
+    """gen.structured_output compiled for this engine (None without one)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -113,7 +116,11 @@ class OpenAIServing:
         max_name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         # Every sampling field is checked before anything is tokenized; max_new_tokens is set once the prompt is.
         max_new = req.max_new_tokens
+        constraint = req.structured_output()
+        constraint_param = constraint[1] if constraint else None
         gen = self._checked(req, max_name, lambda: self._gen_config(req, min(max_new or session_len, session_len)))
+        if constraint is not None:
+            gen = dataclasses.replace(gen, structured_output=constraint[0])
         if isinstance(req, ChatCompletionRequest):
             param = "messages"
             prompt_ids, prompt_texts = [self._chat_ids(req)], [""]
@@ -135,7 +142,17 @@ class OpenAIServing:
                               f"{session_len} tokens and your request has {longest} input tokens "
                               f"({max_new} + {longest} > {session_len}).", max_name)
         gen = self._checked(req, max_name, lambda: dataclasses.replace(gen, max_new_tokens=max_new))
-        return Prepared(prompt_ids, prompt_texts, gen)
+        return Prepared(prompt_ids, prompt_texts, gen, self._compiled(gen, constraint_param))
+
+    def _compiled(self, gen: GenerationConfig, param: str | None):
+        """The request's constraint compiled (cached by its text); a 400 naming ``param`` when llguidance
+        refuses it (invalid schema, an unsupported keyword, a regex that does not compile)."""
+        if gen.structured_output is None:
+            return None
+        try:
+            return self.engine.engine.compile_grammar(gen.structured_output)
+        except StructuredOutputError as e:
+            raise bad_request(f"{param}: {e}", param) from None
 
     def _too_long(self, param: str, what: str) -> APIError:
         return bad_request(f"This model's maximum context length is {self.engine.engine.session_len} tokens. "
@@ -214,7 +231,7 @@ class OpenAIServing:
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prepared.prompt_ids):
-                streams.append(self.engine.submit(ids, prepared.gen, index=i))
+                streams.append(self.engine.submit(ids, prepared.gen, index=i, grammar=prepared.grammar))
         except ValueError as e:
             for s in streams:
                 s.cancel()

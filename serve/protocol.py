@@ -17,6 +17,7 @@ from typing import Annotated, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from lmkit.serve.errors import bad_request
+from lmkit.structured import StructuredOutput, StructuredOutputError
 from lmkit.tokenizer import check_valid_unicode
 
 MAX_STOP_STRINGS = 16
@@ -94,6 +95,45 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: Text
+    schema_: dict | bool | None = Field(default=None, alias="schema")
+    """The JSON schema (OpenAI: optional; no schema means any JSON value)."""
+    strict: bool | None = None
+    """Accepted: the schema is always enforced."""
+    description: Text | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise bad_request("response_format of type 'json_schema' needs a 'json_schema' object "
+                              "({'name': ..., 'schema': {...}})", "response_format")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` (extra_body): one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: dict | bool | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
@@ -124,6 +164,12 @@ class SamplingFields(BaseModel):
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured output, vLLM's names (the chat endpoint also takes OpenAI's response_format)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | bool | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    guided_grammar: Text | None = None
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -133,6 +179,34 @@ class SamplingFields(BaseModel):
         if self.logit_bias:
             raise bad_request("logit_bias is not supported by this server", "logit_bias")
         return self
+
+    def structured_output(self) -> tuple[StructuredOutput, str] | None:
+        """The request's constraint and the parameter that gave it; a 400 when it gives more than one."""
+        given: list[tuple[str, StructuredOutput]] = []
+        try:
+            so = self.structured_outputs
+            if so is not None:
+                fields = {"json": {} if so.json_ is True else so.json_, "regex": so.regex, "choice": so.choice,
+                          "grammar": so.grammar}
+                set_fields = {k: v for k, v in fields.items() if v is not None}
+                given.append(("structured_outputs", StructuredOutput(**set_fields, json_object=bool(so.json_object))))
+            for name, field_name in (("guided_json", "json"), ("guided_regex", "regex"),
+                                     ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+                value = getattr(self, name)
+                if value is not None:
+                    given.append((name, StructuredOutput(**{field_name: {} if value is True else value})))
+            rf = getattr(self, "response_format", None)
+            if rf is not None and rf.type == "json_object":
+                given.append(("response_format", StructuredOutput(json_object=True)))
+            elif rf is not None and rf.type == "json_schema":
+                schema = rf.json_schema.schema_
+                given.append(("response_format", StructuredOutput(json={} if schema in (None, True) else schema)))
+        except StructuredOutputError as e:
+            raise bad_request(str(e), given[-1][0] if given else "structured_outputs") from None
+        if len(given) > 1:
+            raise bad_request(f"give one structured output constraint, got {', '.join(n for n, _ in given)}",
+                              given[1][0])
+        return (given[0][1], given[0][0]) if given else None
 
     @property
     def stop_list(self) -> list[str]:
@@ -148,8 +222,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
     # OpenAI fields accepted with their neutral values only
-    response_format: dict | None = None
     tools: list[dict] | None = None
     tool_choice: Union[Text, dict, None] = None
     parallel_tool_calls: bool | None = None
@@ -176,8 +250,6 @@ class ChatCompletionRequest(SamplingFields):
     def _chat_consistent(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {'type': 'text'} is supported by this server", "response_format")
         if self.tools:
             raise bad_request("tools (function calling) are not supported by this server", "tools")
         if self.tool_choice not in (None, "none", "auto"):

@@ -81,6 +81,7 @@ Batch build_batch(const BatchPlan& plan, int32_t block_size, const StopRules& ru
       r.num_history = seq.num_tokens();
       r.num_prompt = seq.num_prompt_tokens;
       r.banned = rules.banned(seq);
+      r.mask = seq.matcher.get();
       if (!seq.params.is_greedy()) r.seed = seq.rng();  // greedy draws nothing
       b.samples.push_back(std::move(r));
     }

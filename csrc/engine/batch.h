@@ -37,6 +37,7 @@ struct SampleRow {
   int32_t num_prompt = 0;
   std::vector<int32_t> banned;            // ids that must not be sampled now (StopRules::banned)
   uint64_t seed = 0;                      // the generator of this draw (drawn from the sequence's own)
+  const TokenMask* mask = nullptr;        // the grammar's allowed tokens (wait() before sampling); null: all
 };
 
 // A logits row the caller asked for (output_logits): copied into StepOutput::logits.

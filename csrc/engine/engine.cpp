@@ -75,6 +75,12 @@ void Engine::submit(int64_t request_id, std::vector<int32_t> prompt, const Sampl
   for (int32_t t : params.stop_token_ids)
     LMKIT_CHECK_ARG(t >= 0 && t < options_.vocab_size, "stop token id ", t, " is outside the vocabulary [0, ",
                     options_.vocab_size, ")");
+  if (params.grammar)
+    LMKIT_CHECK_ARG(params.grammar->tokenizer().vocab_size() == options_.vocab_size, "the grammar was compiled for "
+                    "a vocabulary of ", params.grammar->tokenizer().vocab_size(), " ids, this model has ",
+                    options_.vocab_size);
+  LMKIT_CHECK_ARG(params.grammar_after_token < options_.vocab_size, "grammar_after_token ",
+                  params.grammar_after_token, " is outside the vocabulary [0, ", options_.vocab_size, ")");
   auto seq = std::make_unique<Sequence>();
   seq->request_id = request_id;
   seq->num_forks = params.n - 1;
@@ -204,6 +210,8 @@ void Engine::finish(Sequence* seq, FinishReason reason, const std::string& error
 void Engine::run_step() {
   BatchPlan plan = scheduler_.schedule();
   if (plan.empty()) return;
+  for (const ScheduledSeq& s : plan.seqs)
+    if (s.is_sampled) start_grammar(*s.seq);  // its mask is computed while the forward runs
   StepOutput out;
   Batch batch;
   try {
@@ -217,6 +225,28 @@ void Engine::run_step() {
   metrics_.num_prompt_tokens += plan.num_prefill_tokens;
   metrics_.num_weight_bytes_read += out.weight_bytes_read;
   apply_step(plan, batch, out);
+}
+
+void Engine::start_grammar(Sequence& seq) {
+  const SamplingParams& p = seq.params;
+  if (!p.grammar || seq.matcher || (p.grammar_after_token >= 0 && !seq.grammar_started)) return;
+  seq.grammar_started = true;
+  seq.matcher = std::make_unique<GrammarMatcher>(p.grammar, &mask_worker_);
+  seq.matcher->request_mask();
+}
+
+FinishReason Engine::advance_grammar(Sequence& seq, int32_t token, FinishReason reason, std::string& error) {
+  if (!seq.matcher) {
+    if (seq.params.grammar && token == seq.params.grammar_after_token) seq.grammar_started = true;
+    return reason;
+  }
+  if (!seq.matcher->consume(token)) {
+    error = detail::concat("the grammar refused token ", token, ": ", seq.matcher->error());
+    return FinishReason::kError;
+  }
+  if (seq.matcher->is_stopped()) return FinishReason::kStop;  // complete: nothing but an eos could follow
+  if (reason == FinishReason::kNone) seq.matcher->request_mask();
+  return reason;
 }
 
 void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& out) {
@@ -233,6 +263,7 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
   for (size_t k = 0; k < batch.samples.size(); ++k) sample_of[batch.samples[k].seq] = (int32_t)k;
   std::vector<Sequence*> done;
   std::vector<FinishReason> reasons;
+  std::vector<std::string> errors;
   for (size_t i = 0; i < plan.seqs.size(); ++i) {
     const ScheduledSeq& s = plan.seqs[i];
     Sequence& seq = *s.seq;
@@ -245,7 +276,8 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
     const int32_t k = sample_of[i];
     const int32_t t = out.tokens[k];
     ++metrics_.num_generated_tokens;
-    const FinishReason reason = stop_rules_.on_token(seq, t);
+    FinishReason reason = stop_rules_.on_token(seq, t);
+    std::string error;
     if (reason != FinishReason::kStop) {  // a stop token is not part of the output
       seq.tokens.push_back(t);
       seq.pending_token_ids.push_back(t);
@@ -256,14 +288,16 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
         seq.pending_top_logprobs.insert(seq.pending_top_logprobs.end(), lp.top_logprobs.begin(), lp.top_logprobs.end());
       }
     }
+    if (reason != FinishReason::kStop) reason = advance_grammar(seq, t, reason, error);
     if (reason != FinishReason::kNone) {
       done.push_back(&seq);
       reasons.push_back(reason);
+      errors.push_back(std::move(error));
     } else {
       flush(seq, false, FinishReason::kNone, "");
     }
   }
-  for (size_t i = 0; i < done.size(); ++i) finish(done[i], reasons[i]);
+  for (size_t i = 0; i < done.size(); ++i) finish(done[i], reasons[i], errors[i]);
 }
 
 void Engine::loop() {

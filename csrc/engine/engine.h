@@ -123,6 +123,11 @@ class Engine {
   void run_step();
   // Applies a step's output to its sequences: logits rows, sampled tokens and every stop rule (StopRules).
   void apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& out);
+  // Creates seq's grammar matcher once its grammar starts and requests its first mask.
+  void start_grammar(Sequence& seq);
+  // After seq sampled `token` (appended): advances its grammar. Returns kStop when the grammar is complete,
+  // kError (error set) when it refuses the token, else `reason`; requests the next mask if seq goes on.
+  FinishReason advance_grammar(Sequence& seq, int32_t token, FinishReason reason, std::string& error);
   void publish_metrics();  // caller holds state_mu_
   void finish(Sequence* seq, FinishReason reason, const std::string& error = "");
   void flush(Sequence& seq, bool finished, FinishReason reason, const std::string& error);
@@ -134,6 +139,7 @@ class Engine {
 
   EngineOptions options_;
   std::unique_ptr<Executor> executor_;
+  MaskWorker mask_worker_;  // before the scheduler: a sequence's matcher waits for it when destroyed
   BlockManager blocks_;
   Scheduler scheduler_;
   StopRules stop_rules_;

@@ -23,6 +23,8 @@ void SamplingParams::validate() const {
   LMKIT_CHECK_ARG(max_new_tokens >= 1, "max_new_tokens must be >= 1, got ", max_new_tokens);
   LMKIT_CHECK_ARG(min_new_tokens >= 0 && min_new_tokens <= max_new_tokens,
                   "min_new_tokens must be in [0, max_new_tokens=", max_new_tokens, "], got ", min_new_tokens);
+  LMKIT_CHECK_ARG(grammar_after_token >= -1, "grammar_after_token must be a token id (or -1: from the start), got ",
+                  grammar_after_token);
 }
 
 const char* finish_reason_name(FinishReason r) {

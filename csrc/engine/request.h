@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "engine/grammar.h"
+
 namespace lmkit {
 
 // Per-request sampling and stopping parameters. Validated once by validate(); read-only after.
@@ -29,6 +31,10 @@ struct SamplingParams {
   bool output_logits = false;  // return the logits row of every position computed (prompt and output)
   int32_t logprobs = -1;       // -1: off; k >= 0: each output token's logprob and the k most likely alternatives
   int32_t n = 1;               // completions of the prompt, sharing its KV blocks
+  // Structured output: every sampled token keeps the text inside this grammar, and the sequence ends
+  // ("stop") when the grammar is complete. Null: free text.
+  std::shared_ptr<const CompiledGrammar> grammar;
+  int32_t grammar_after_token = -1;  // >= 0: the grammar starts after this token is sampled (reasoning's end)
 
   // Throws InvalidArgument naming the parameter when a value is impossible.
   void validate() const;
@@ -89,6 +95,10 @@ struct Sequence {
   std::vector<int32_t> pending_top_ids;
   std::vector<float> pending_top_logprobs;
   int32_t num_logit_rows_emitted = 0;  // logits of positions [0, n) already handed out (kept across preemption)
+  // The grammar's state (params.grammar): created when the grammar starts, its mask of the next token
+  // requested after every token (computed while the next forward runs).
+  std::unique_ptr<GrammarMatcher> matcher;
+  bool grammar_started = false;
 
   int32_t num_tokens() const { return (int32_t)tokens.size(); }
   int32_t num_pending_tokens() const { return num_tokens() - num_computed_tokens; }

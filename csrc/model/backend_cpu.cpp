@@ -314,8 +314,8 @@ class CpuBackend final : public Backend {
       std::mt19937_64 rng(s.seed);
       ops::SampleLogprobs lp;
       out.tokens[k] = ops::sample(row_.data(), (int32_t)vocab, *s.params, s.history, s.num_history, s.num_prompt,
-                                  s.banned.data(), (int32_t)s.banned.size(), rng,
-                                  s.params->logprobs >= 0 ? &lp : nullptr);
+                                  s.banned.data(), (int32_t)s.banned.size(), s.mask ? s.mask->wait() : nullptr,
+                                  rng, s.params->logprobs >= 0 ? &lp : nullptr);
       if (s.params->logprobs >= 0) {
         out.logprobs[k].logprob = lp.logprob;
         out.logprobs[k].top_ids = std::move(lp.top_ids);

@@ -595,7 +595,8 @@ void CudaBackend::take_logits(const Batch& batch, int64_t first, int64_t n, cons
   for (size_t k = 0; k < batch.samples.size(); ++k) {
     const SampleRow& s = batch.samples[k];
     if (!in_group(s.logit_index)) continue;
-    const bool on_host = s.params->logprobs >= 0;
+    // logprobs and grammar masks are taken by the host sampler (the GPU one has neither)
+    const bool on_host = s.params->logprobs >= 0 || s.mask != nullptr;
     need_host = need_host || on_host;
     any_gpu = any_gpu || !on_host;
     if (!on_host) sample_of_row[s.logit_index - first] = (int32_t)k;
@@ -613,12 +614,12 @@ void CudaBackend::take_logits(const Batch& batch, int64_t first, int64_t n, cons
     }
     for (size_t k = 0; k < batch.samples.size(); ++k) {
       const SampleRow& s = batch.samples[k];
-      if (!in_group(s.logit_index) || s.params->logprobs < 0) continue;
+      if (!in_group(s.logit_index) || (s.params->logprobs < 0 && !s.mask)) continue;
       std::mt19937_64 rng(s.seed);
       ops::SampleLogprobs lp;
       out.tokens[k] = ops::sample(host_logits_.data() + (s.logit_index - first) * vocab, (int32_t)vocab, *s.params,
                                   s.history, s.num_history, s.num_prompt, s.banned.data(), (int32_t)s.banned.size(),
-                                  rng, &lp);
+                                  s.mask ? s.mask->wait() : nullptr, rng, &lp);
       out.logprobs[k].logprob = lp.logprob;
       out.logprobs[k].top_ids = std::move(lp.top_ids);
       out.logprobs[k].top_logprobs = std::move(lp.top_logprobs);

@@ -130,7 +130,47 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("stop_token_ids", &SamplingParams::stop_token_ids)
       .def_readwrite("ignore_eos", &SamplingParams::ignore_eos)
       .def_readwrite("output_logits", &SamplingParams::output_logits)
+      .def_property(
+          "grammar", [](const SamplingParams& p) { return std::const_pointer_cast<CompiledGrammar>(p.grammar); },
+          [](SamplingParams& p, std::shared_ptr<CompiledGrammar> g) { p.grammar = std::move(g); })
+      .def_readwrite("grammar_after_token", &SamplingParams::grammar_after_token)
       .def("validate", &SamplingParams::validate);
+
+  py::class_<GrammarTokenizer, std::shared_ptr<GrammarTokenizer>>(
+      m, "GrammarTokenizer", "One model's vocabulary for llguidance (structured output); see lmkit/structured.py.")
+      .def(py::init<const std::string&, const std::string&, int32_t, const std::vector<int32_t>&>(),
+           py::arg("library"), py::arg("tokenizer_json"), py::arg("vocab_size"), py::arg("eos_token_ids"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("vocab_size", &GrammarTokenizer::vocab_size)
+      .def_property_readonly("version", &GrammarTokenizer::version);
+
+  py::class_<CompiledGrammar, std::shared_ptr<CompiledGrammar>>(m, "CompiledGrammar",
+                                                                "A parsed grammar, ready to constrain requests.")
+      .def(py::init<std::shared_ptr<const GrammarTokenizer>, const std::string&, const std::string&>(),
+           py::arg("tokenizer"), py::arg("kind"), py::arg("text"), py::call_guard<py::gil_scoped_release>())
+      .def("matcher", [](std::shared_ptr<CompiledGrammar> g) { return std::make_unique<GrammarMatcher>(g, nullptr); },
+           "A matcher in the start state, its masks computed on the calling thread (what the engine's sampler "
+           "applies; for tests and tools).");
+
+  py::class_<GrammarMatcher>(m, "GrammarMatcher")
+      .def("consume", &GrammarMatcher::consume, py::arg("token"), py::call_guard<py::gil_scoped_release>())
+      .def("mask",
+           [](GrammarMatcher& g, int32_t vocab_size) {
+             const uint32_t* words;
+             {
+               py::gil_scoped_release release;
+               g.request_mask();
+               words = g.wait();
+             }
+             py::array_t<bool> allowed(vocab_size);
+             bool* out = allowed.mutable_data();
+             for (int32_t i = 0; i < vocab_size; ++i) out[i] = (words[i >> 5] >> (i & 31)) & 1u;
+             return allowed;
+           },
+           py::arg("vocab_size"), "The tokens allowed next: bool[vocab_size].")
+      .def("is_accepting", &GrammarMatcher::is_accepting)
+      .def("is_stopped", &GrammarMatcher::is_stopped)
+      .def_property_readonly("error", &GrammarMatcher::error);
 
   py::class_<RequestOutput>(m, "RequestOutput")
       .def_readonly("request_id", &RequestOutput::request_id)

@@ -182,8 +182,18 @@ int32_t draw(const float* logits, int32_t vocab, const SamplingParams& p, std::m
 }  // namespace
 
 int32_t sample(float* logits, int32_t vocab, const SamplingParams& p, const int32_t* history, int32_t num_history,
-               int32_t num_prompt, const int32_t* banned, int32_t num_banned, std::mt19937_64& rng,
-               SampleLogprobs* logprobs) {
+               int32_t num_prompt, const int32_t* banned, int32_t num_banned, const uint32_t* allowed,
+               std::mt19937_64& rng, SampleLogprobs* logprobs) {
+  if (allowed) {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    for (int32_t w = 0; w * 32 < vocab; ++w) {
+      const uint32_t bits = allowed[w];
+      if (bits == 0xFFFFFFFFu) continue;
+      const int32_t end = std::min(vocab, (w + 1) * 32);
+      for (int32_t i = w * 32; i < end; ++i)
+        if (!((bits >> (i - w * 32)) & 1u)) logits[i] = neg_inf;
+    }
+  }
   apply_penalties(logits, vocab, p, history, num_history, num_prompt, banned, num_banned);
   const int32_t token = p.is_greedy() ? argmax(logits, vocab) : draw(logits, vocab, p, rng);
   if (logprobs && p.logprobs >= 0) fill_logprobs(logits, vocab, token, p.logprobs, logprobs);

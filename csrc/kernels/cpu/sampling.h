@@ -20,12 +20,13 @@ struct SampleLogprobs {
 // Picks the next token from logits[vocab] (modified in place) under params.
 //   history: prompt + generated tokens, the first num_prompt of them the prompt (repetition penalty over
 //   all, HF semantics; presence/frequency penalties over the generated ones, OpenAI semantics);
-//   banned: ids whose logits become -inf (eos and stop ids before min_new_tokens).
-// Order: banned, repetition, presence/frequency, [logprobs taken here: log-softmax of the penalised
+//   banned: ids whose logits become -inf (eos and stop ids before min_new_tokens);
+//   allowed: a grammar's token mask (bit i of word i / 32 set = id i allowed), the others become -inf; null: all.
+// Order: allowed, banned, repetition, presence/frequency, [logprobs taken here: log-softmax of the penalised
 // logits, before temperature and filters], temperature, top-k, top-p, min-p. Greedy (temperature 0 or
 // top_k 1) returns the lowest index of the maximum and draws nothing from rng.
 int32_t sample(float* logits, int32_t vocab, const SamplingParams& params, const int32_t* history,
                int32_t num_history, int32_t num_prompt, const int32_t* banned, int32_t num_banned,
-               std::mt19937_64& rng, SampleLogprobs* logprobs);
+               const uint32_t* allowed, std::mt19937_64& rng, SampleLogprobs* logprobs);
 
 }  // namespace lmkit::ops

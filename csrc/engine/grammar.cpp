@@ -1,0 +1,274 @@
+// llguidance through dlopen: the entry points and structs below are declared with llguidance's C ABI
+// (llguidance.h: opaque handles, zero-initialised init structs, LlgTokenizerInitV2 sized by struct_size), so
+// no llguidance header or library is needed to build.
+#include "engine/grammar.h"
+
+#include <dlfcn.h>
+
+#include <cstring>
+#include <map>
+
+#include "core/check.h"
+
+namespace lmkit {
+
+namespace {
+
+struct ParserLimits {
+  size_t max_items_in_row;
+  uint64_t initial_lexer_fuel;
+  uint64_t step_lexer_fuel;
+  size_t step_max_items;
+  size_t max_lexer_states;
+  size_t max_grammar_size;
+  bool precompute_large_lexemes;
+  bool verbose_errors;
+};
+
+struct ConstraintInit {
+  const LlgTokenizer* tokenizer;
+  uint32_t log_buffer_level;
+  uint32_t log_stderr_level;
+  bool ff_tokens_ok;
+  bool backtrack_ok;
+  ParserLimits limits;
+};
+
+// Room for fields a newer library may append (it zero-fills nothing itself: the caller must).
+union ConstraintInitBuffer {
+  ConstraintInit init;
+  unsigned char bytes[1024];
+};
+
+using TokenizeFn = size_t (*)(const void*, const uint8_t*, size_t, uint32_t*, size_t);
+
+struct TokenizerInitV2 {
+  size_t struct_size;
+  uint32_t vocab_size;
+  uint32_t tok_eos;
+  const uint32_t* token_lens;
+  const uint8_t* token_bytes;
+  const char* tokenizer_json;
+  bool tokenize_assumes_string;
+  TokenizeFn tokenize_fn;
+  bool use_approximate_greedy_tokenize_fn;
+  const void* tokenize_user_data;
+  const char* const* slices;
+  const uint32_t* tok_eos_extra;
+  uint32_t tok_eos_extra_count;
+};
+
+}  // namespace
+
+struct LlgApi {
+  void* lib = nullptr;
+  LlgTokenizer* (*new_tokenizer_v2)(const TokenizerInitV2*, char*, size_t) = nullptr;
+  void (*free_tokenizer)(LlgTokenizer*) = nullptr;
+  void (*constraint_init_set_defaults)(ConstraintInit*, const LlgTokenizer*) = nullptr;
+  LlgMatcher* (*new_matcher)(const ConstraintInit*, const char*, const char*) = nullptr;
+  const char* (*matcher_get_error)(LlgMatcher*) = nullptr;
+  int32_t (*matcher_compute_mask)(LlgMatcher*) = nullptr;
+  int32_t (*matcher_compute_mask_into)(LlgMatcher*, uint32_t*, size_t) = nullptr;
+  size_t (*matcher_get_mask_byte_size)(const LlgMatcher*) = nullptr;
+  int32_t (*matcher_consume_token)(LlgMatcher*, uint32_t) = nullptr;
+  bool (*matcher_is_accepting)(LlgMatcher*) = nullptr;
+  bool (*matcher_is_stopped)(const LlgMatcher*) = nullptr;
+  LlgMatcher* (*clone_matcher)(const LlgMatcher*) = nullptr;
+  void (*free_matcher)(LlgMatcher*) = nullptr;
+  const char* (*get_version)() = nullptr;
+
+  // One per library path for the life of the process (dlclose would unload code llguidance's threads run).
+  static std::shared_ptr<const LlgApi> load(const std::string& path) {
+    static std::mutex mu;
+    static std::map<std::string, std::shared_ptr<const LlgApi>> loaded;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = loaded.find(path);
+    if (it != loaded.end()) return it->second;
+    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    LMKIT_CHECK_ARG(lib != nullptr, "cannot load llguidance from ", path, ": ", dlerror(),
+                    " (structured output needs the llguidance package: pip install llguidance)");
+    auto api = std::make_shared<LlgApi>();
+    api->lib = lib;
+    bool ok = true;
+    auto sym = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      ok = ok && fn != nullptr;
+    };
+    sym(api->new_tokenizer_v2, "llg_new_tokenizer_v2");
+    sym(api->free_tokenizer, "llg_free_tokenizer");
+    sym(api->constraint_init_set_defaults, "llg_constraint_init_set_defaults");
+    sym(api->new_matcher, "llg_new_matcher");
+    sym(api->matcher_get_error, "llg_matcher_get_error");
+    sym(api->matcher_compute_mask, "llg_matcher_compute_mask");
+    sym(api->matcher_compute_mask_into, "llg_matcher_compute_mask_into");
+    sym(api->matcher_get_mask_byte_size, "llg_matcher_get_mask_byte_size");
+    sym(api->matcher_consume_token, "llg_matcher_consume_token");
+    sym(api->matcher_is_accepting, "llg_matcher_is_accepting");
+    sym(api->matcher_is_stopped, "llg_matcher_is_stopped");
+    sym(api->clone_matcher, "llg_clone_matcher");
+    sym(api->free_matcher, "llg_free_matcher");
+    sym(api->get_version, "llg_get_version");
+    LMKIT_CHECK_ARG(ok, path, " does not export llguidance's C API (llg_new_matcher, ...): install llguidance "
+                    ">= 1.0 (pip install -U llguidance)");
+    loaded[path] = api;
+    return api;
+  }
+};
+
+GrammarTokenizer::GrammarTokenizer(const std::string& library, const std::string& tokenizer_json,
+                                   int32_t vocab_size, const std::vector<int32_t>& eos_token_ids)
+    : api_(LlgApi::load(library)), vocab_size_(vocab_size) {
+  LMKIT_CHECK_ARG(vocab_size > 0, "vocab_size must be > 0, got ", vocab_size);
+  LMKIT_CHECK_ARG(!eos_token_ids.empty(), "a grammar needs at least one eos token id to end on");
+  std::vector<uint32_t> extra(eos_token_ids.begin() + 1, eos_token_ids.end());
+  TokenizerInitV2 init;
+  std::memset(&init, 0, sizeof(init));
+  init.struct_size = sizeof(init);
+  init.vocab_size = (uint32_t)vocab_size;
+  init.tok_eos = (uint32_t)eos_token_ids[0];
+  init.tokenizer_json = tokenizer_json.c_str();
+  // Masks never need tokenizing text (lmkit takes no fast-forward tokens): the greedy tokenizer serves.
+  init.use_approximate_greedy_tokenize_fn = true;
+  init.tok_eos_extra = extra.empty() ? nullptr : extra.data();
+  init.tok_eos_extra_count = (uint32_t)extra.size();
+  char error[1024] = {0};
+  tok_ = api_->new_tokenizer_v2(&init, error, sizeof(error));
+  LMKIT_CHECK_ARG(tok_ != nullptr, "llguidance cannot use this tokenizer: ", error);
+}
+
+GrammarTokenizer::~GrammarTokenizer() {
+  if (tok_) api_->free_tokenizer(tok_);
+}
+
+std::string GrammarTokenizer::version() const { return api_->get_version ? api_->get_version() : ""; }
+
+CompiledGrammar::CompiledGrammar(std::shared_ptr<const GrammarTokenizer> tokenizer, const std::string& kind,
+                                 const std::string& text)
+    : tokenizer_(std::move(tokenizer)) {
+  LMKIT_CHECK_ARG(kind == "json_schema" || kind == "regex" || kind == "lark", "grammar kind must be json_schema, "
+                  "regex or lark, got '", kind, "'");
+  const LlgApi& api = tokenizer_->api();
+  ConstraintInitBuffer buffer;
+  std::memset(&buffer, 0, sizeof(buffer));
+  api.constraint_init_set_defaults(&buffer.init, tokenizer_->handle());
+  buffer.init.log_stderr_level = 0;  // errors come back as exceptions, not as lines on the server's stderr
+  prototype_ = api.new_matcher(&buffer.init, kind.c_str(), text.c_str());
+  const char* error = api.matcher_get_error(prototype_);
+  if (!error && api.matcher_compute_mask(prototype_) != 0) error = api.matcher_get_error(prototype_);
+  if (error) {
+    std::string message = error;
+    api.free_matcher(prototype_);
+    prototype_ = nullptr;
+    throw InvalidArgument("invalid " + kind + ": " + message);
+  }
+}
+
+CompiledGrammar::~CompiledGrammar() {
+  if (prototype_) tokenizer_->api().free_matcher(prototype_);
+}
+
+LlgMatcher* CompiledGrammar::clone_matcher() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return tokenizer_->api().clone_matcher(prototype_);
+}
+
+GrammarMatcher::GrammarMatcher(std::shared_ptr<const CompiledGrammar> grammar, MaskWorker* worker)
+    : grammar_(std::move(grammar)), worker_(worker), matcher_(grammar_->clone_matcher()) {
+  const size_t bytes = grammar_->tokenizer().api().matcher_get_mask_byte_size(matcher_);
+  mask_.assign((bytes + 3) / 4, 0);
+}
+
+GrammarMatcher::~GrammarMatcher() {
+  if (worker_) worker_->wait(this);
+  grammar_->tokenizer().api().free_matcher(matcher_);
+}
+
+void GrammarMatcher::compute() {
+  const LlgApi& api = grammar_->tokenizer().api();
+  if (api.matcher_compute_mask_into(matcher_, mask_.data(), mask_.size() * 4) != 0) {
+    failed_ = true;
+    std::fill(mask_.begin(), mask_.end(), 0u);
+  }
+}
+
+void GrammarMatcher::request_mask() {
+  if (worker_)
+    worker_->submit(this);
+  else
+    compute();
+}
+
+const uint32_t* GrammarMatcher::wait() const {
+  if (worker_) worker_->wait(this);
+  return mask_.data();
+}
+
+bool GrammarMatcher::consume(int32_t token) {
+  wait();
+  const LlgApi& api = grammar_->tokenizer().api();
+  if (token < 0 || (size_t)token >= mask_.size() * 32) return false;
+  return api.matcher_consume_token(matcher_, (uint32_t)token) == 0;
+}
+
+bool GrammarMatcher::is_accepting() {
+  wait();
+  return grammar_->tokenizer().api().matcher_is_accepting(matcher_);
+}
+
+bool GrammarMatcher::is_stopped() const {
+  wait();
+  return failed_ || grammar_->tokenizer().api().matcher_is_stopped(matcher_);
+}
+
+std::string GrammarMatcher::error() const {
+  wait();
+  const char* e = grammar_->tokenizer().api().matcher_get_error(matcher_);
+  return e ? e : "";
+}
+
+MaskWorker::MaskWorker() : thread_([this] { run(); }) {}
+
+MaskWorker::~MaskWorker() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  work_cv_.notify_one();
+  thread_.join();
+}
+
+void MaskWorker::submit(GrammarMatcher* m) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (m->pending_) return;  // already on its way
+    m->pending_ = true;
+    queue_.push_back(m);
+  }
+  work_cv_.notify_one();
+}
+
+void MaskWorker::wait(const GrammarMatcher* m) {
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [&] { return !m->pending_; });
+}
+
+void MaskWorker::run() {
+  for (;;) {
+    GrammarMatcher* m = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping and drained
+      m = queue_.front();
+      queue_.pop_front();
+    }
+    m->compute();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      m->pending_ = false;
+    }
+    done_cv_.notify_all();
+  }
+}
+
+}  // namespace lmkit

@@ -1,0 +1,139 @@
+// Structured output: grammars (JSON schema, regex, Lark) enforced token by token with llguidance.
+//
+// llguidance's C API is loaded at run time from the library the llguidance Python package ships (its
+// extension exports the C entry points), so the engine links nothing of it and needs no GIL to use it.
+//
+//   GrammarTokenizer   one model's vocabulary as llguidance sees it (built once per engine, ~1 s for 150k ids)
+//   CompiledGrammar    a parsed grammar: the prototype every request's matcher is cloned from (cached by the
+//                      caller, keyed by grammar text)
+//   GrammarMatcher     one sequence's state: consume(token) on the loop thread; its next mask is computed by
+//                      the MaskWorker while the step's forward runs, and the sampler waits for it (wait())
+//   MaskWorker         one thread that computes masks in submission order
+//
+// Mask layout: bit i of word i / 32 set = token i allowed; ceil(vocab / 32) words.
+#pragma once
+#include <stdint.h>
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace lmkit {
+
+struct LlgApi;        // the C entry points (grammar.cpp)
+struct LlgTokenizer;  // llguidance's opaque handles
+struct LlgMatcher;
+
+// A token mask computed beside the forward; the sampler reads it through wait() (batch.h SampleRow::mask).
+class TokenMask {
+ public:
+  virtual ~TokenMask() = default;
+  // Blocks until the mask of the next token is ready: ceil(vocab / 32) words, bit set = allowed.
+  virtual const uint32_t* wait() const = 0;
+};
+
+class GrammarTokenizer {
+ public:
+  // library: path of llguidance's shared library; tokenizer_json: a Hugging Face tokenizer.json (its token
+  // bytes, special tokens marked as llguidance marks them); vocab_size: the model's logits width (ids past the
+  // tokenizer's are never allowed); eos_token_ids: what ends a grammar (at least one).
+  // Throws InvalidArgument when the library cannot be loaded or llguidance refuses the vocabulary.
+  GrammarTokenizer(const std::string& library, const std::string& tokenizer_json, int32_t vocab_size,
+                   const std::vector<int32_t>& eos_token_ids);
+  ~GrammarTokenizer();
+  GrammarTokenizer(const GrammarTokenizer&) = delete;
+  GrammarTokenizer& operator=(const GrammarTokenizer&) = delete;
+
+  int32_t vocab_size() const { return vocab_size_; }
+  const LlgApi& api() const { return *api_; }
+  const LlgTokenizer* handle() const { return tok_; }
+  // llguidance's version string (e.g. "llguidance@1.9.1 ...").
+  std::string version() const;
+
+ private:
+  std::shared_ptr<const LlgApi> api_;
+  LlgTokenizer* tok_ = nullptr;
+  int32_t vocab_size_ = 0;
+};
+
+class CompiledGrammar {
+ public:
+  // kind: "json_schema" | "regex" | "lark"; text: the schema (JSON text), the regex or the grammar.
+  // Parses the grammar and computes its first mask (what a request would wait for first: the lexer's
+  // first states are built here, once). Throws InvalidArgument with llguidance's message when the grammar
+  // is invalid or uses what llguidance does not support.
+  CompiledGrammar(std::shared_ptr<const GrammarTokenizer> tokenizer, const std::string& kind,
+                  const std::string& text);
+  ~CompiledGrammar();
+  CompiledGrammar(const CompiledGrammar&) = delete;
+  CompiledGrammar& operator=(const CompiledGrammar&) = delete;
+
+  const GrammarTokenizer& tokenizer() const { return *tokenizer_; }
+  // A matcher in the grammar's start state (a clone of the prototype; thread-safe).
+  LlgMatcher* clone_matcher() const;
+
+ private:
+  std::shared_ptr<const GrammarTokenizer> tokenizer_;
+  LlgMatcher* prototype_ = nullptr;
+  mutable std::mutex mu_;  // llguidance's clone reads the prototype: one at a time
+};
+
+class MaskWorker;
+
+// One sequence's grammar state. The loop thread calls consume() / is_*(); between request_mask() and the
+// end of wait() the worker owns the matcher, and the loop thread touches it only through wait().
+class GrammarMatcher : public TokenMask {
+ public:
+  GrammarMatcher(std::shared_ptr<const CompiledGrammar> grammar, MaskWorker* worker);
+  ~GrammarMatcher() override;  // waits for a mask in flight
+  GrammarMatcher(const GrammarMatcher&) = delete;
+  GrammarMatcher& operator=(const GrammarMatcher&) = delete;
+
+  // Starts computing the mask of the next token (on the worker; synchronously without one).
+  void request_mask();
+  const uint32_t* wait() const override;
+  // Advances by a sampled token; false (see error()) when the grammar does not allow it.
+  bool consume(int32_t token);
+  // The grammar accepts what was consumed (an eos may end it here).
+  bool is_accepting();
+  // Nothing but an eos can follow (or the matcher failed): the sequence ends.
+  bool is_stopped() const;
+  std::string error() const;
+
+ private:
+  friend class MaskWorker;
+  void compute();  // the worker's job: fills mask_
+
+  std::shared_ptr<const CompiledGrammar> grammar_;
+  MaskWorker* worker_;
+  LlgMatcher* matcher_ = nullptr;
+  std::vector<uint32_t> mask_;
+  bool pending_ = false;  // guarded by the worker's mutex
+  bool failed_ = false;   // compute_mask failed (error() says why)
+};
+
+// Computes GrammarMatcher masks on its own thread, in submission order.
+class MaskWorker {
+ public:
+  MaskWorker();
+  ~MaskWorker();
+  MaskWorker(const MaskWorker&) = delete;
+  MaskWorker& operator=(const MaskWorker&) = delete;
+
+  void submit(GrammarMatcher* m);
+  void wait(const GrammarMatcher* m);
+
+ private:
+  void run();
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::deque<GrammarMatcher*> queue_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace lmkit

@@ -1,0 +1,169 @@
+"""Structured output: a completion constrained to a JSON schema, a regex, a list of choices or a grammar.
+
+The grammar engine is llguidance (its JSON-schema, regex and Lark front ends). The engine's sampler applies the
+grammar's token mask on every step (csrc/engine/grammar.h) and ends the completion when the grammar is complete,
+so an answer that finishes with "stop" is in the grammar: a JSON answer parses and validates against its schema.
+Compiled grammars are cached per engine by their text.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""How JSON answers are laid out unless a schema says otherwise in its ``x-guidance`` options: on one line,
+spaced as ``json.dumps`` spaces them (what models mostly write). Free whitespace lets a small model fill its
+answer with blank lines."""
+
+_GRAMMAR_CACHE_SIZE = 256
+"""Compiled grammars kept per engine (a compiled JSON schema takes ~100 KB to a few MB)."""
+
+
+class StructuredOutputError(ValueError):
+    """A constraint that cannot be compiled; ``str()`` names what is wrong."""
+
+
+@dataclass
+class StructuredOutput:
+    """What a completion must match. Exactly one of the fields is set."""
+
+    json: dict | str | None = None
+    """A JSON schema (a dict, or its JSON text): the completion is one JSON value valid under it."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+    regex: str | None = None
+    """A regular expression (Rust ``regex`` syntax) the whole completion matches."""
+    choice: list[str] | None = None
+    """The completion is exactly one of these strings."""
+    grammar: str | None = None
+    """A context-free grammar: llguidance's Lark syntax, or GBNF / EBNF (``root ::= ...``), converted to Lark."""
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise StructuredOutputError(f"give exactly one of json, json_object, regex, choice, grammar; got "
+                                        f"{', '.join(given) or 'none'}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise StructuredOutputError("choice must be a non-empty list of strings")
+            if not all(isinstance(c, str) for c in self.choice):
+                raise StructuredOutputError("choice must be a list of strings")
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise StructuredOutputError(f"{name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise StructuredOutputError("json must be a JSON schema: a dict or its JSON text")
+
+    def source(self) -> tuple[str, str]:
+        """(kind, text) as llguidance compiles it: kind is json_schema, regex or lark."""
+        if self.json_object:
+            return "json_schema", json.dumps({"type": "object", "x-guidance": JSON_LAYOUT})
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except json.JSONDecodeError as e:
+                    raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                raise StructuredOutputError("a JSON schema is an object (or true/false)")
+            if schema is True or schema == {}:
+                schema = {"x-guidance": JSON_LAYOUT}
+            elif isinstance(schema, dict) and "x-guidance" not in schema:
+                schema = {**schema, "x-guidance": JSON_LAYOUT}
+            try:
+                return "json_schema", json.dumps(schema, ensure_ascii=False, sort_keys=False)
+            except (TypeError, ValueError) as e:
+                raise StructuredOutputError(f"the JSON schema cannot be serialised as JSON: {e}") from None
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "lark", "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+        assert self.grammar is not None
+        if "::=" in self.grammar:  # GBNF / EBNF
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            try:
+                return "lark", gbnf_to_lark(self.grammar)
+            except Exception as e:  # the converter raises plain exceptions for grammars it cannot read
+                raise StructuredOutputError(f"the GBNF grammar cannot be converted: {e}") from None
+        return "lark", self.grammar
+
+
+def llguidance_library() -> Path:
+    """The shared library of the installed llguidance package (its extension exports the C API)."""
+    spec = importlib.util.find_spec("llguidance")
+    if spec is None or not spec.submodule_search_locations:
+        raise StructuredOutputError("structured output needs the llguidance package: pip install llguidance")
+    for folder in spec.submodule_search_locations:
+        libs = sorted(Path(folder).glob("_lib*.so")) + sorted(Path(folder).glob("_lib*.pyd"))
+        if libs:
+            return libs[0]
+    raise StructuredOutputError(f"llguidance is installed at {list(spec.submodule_search_locations)} but has no "
+                                "compiled library (_lib*.so): reinstall it (pip install --force-reinstall llguidance)")
+
+
+class GrammarCache:
+    """Compiles constraints for one model's vocabulary and keeps the most recent ones. Thread-safe; compile
+    off the event loop (a large schema takes milliseconds to seconds)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int],
+                 capacity: int = _GRAMMAR_CACHE_SIZE):
+        self._tokenizer_json = tokenizer_json
+        self._vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._tokenizer = None
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.num_compiled = 0
+        """Grammars compiled (cache misses)."""
+
+    def _grammar_tokenizer(self):
+        from lmkit._ext import _engine
+
+        with self._lock:
+            if self._tokenizer is None:
+                if not self._eos_token_ids:
+                    raise StructuredOutputError("this model has no eos token id, which a grammar needs to end on")
+                try:
+                    self._tokenizer = _engine.GrammarTokenizer(str(llguidance_library()), self._tokenizer_json,
+                                                               self._vocab_size, self._eos_token_ids)
+                except ValueError as e:
+                    raise StructuredOutputError(str(e)) from None
+            return self._tokenizer
+
+    def compile(self, constraint: StructuredOutput):
+        """The compiled grammar of ``constraint`` (an ``_engine.CompiledGrammar``); StructuredOutputError with
+        llguidance's message when it is invalid or uses a feature llguidance does not support."""
+        from lmkit._ext import _engine
+
+        key = constraint.source()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        tokenizer = self._grammar_tokenizer()
+        try:
+            compiled = _engine.CompiledGrammar(tokenizer, *key)
+        except ValueError as e:
+            raise StructuredOutputError(str(e)) from None
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
+            while len(self._cache) > self._capacity:
+                self._cache.popitem(last=False)
+        return compiled

@@ -1,0 +1,204 @@
+"""Structured output in the engine: llguidance's token masks applied by the sampler (csrc/engine/grammar.h).
+
+Oracles: an independent brute force for regexes and choices (a token is allowed iff the text with it is still a
+prefix of a match, the `regex` module's partial matching), llguidance's own Python matcher for JSON schemas
+(its masks, with the tokenizer's canonical tokenization, are a subset of ours: we do not force canonical
+tokens), `jsonschema` for every finished answer, and the returned logits for what greedy and logprobs saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import numpy as np
+import pytest
+
+from lmkit import GenerationConfig, StructuredOutput, StructuredOutputError
+
+jsonschema = pytest.importorskip("jsonschema")
+llguidance = pytest.importorskip("llguidance")
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"street": {"type": "string", "maxLength": 30},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["zip"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "city", "address"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a person as JSON: name, age, city, tags and address."}]
+
+
+def _mask_of(matcher, vocab: int) -> np.ndarray:
+    return np.asarray(matcher.mask(vocab))
+
+
+def _brute_force_mask(pipe, prefix: bytes, full_match, vocab: int) -> np.ndarray:
+    """Token t allowed iff prefix + bytes(t) is ASCII and still a prefix of a match; eos iff prefix matches."""
+    tok = pipe.tokenizer
+    eos = set(pipe.engine.spec.eos_token_ids)
+    allowed = np.zeros(vocab, dtype=bool)
+    for t in range(vocab):
+        if t in eos:
+            allowed[t] = full_match(prefix, partial=False)
+            continue
+        if t >= tok.vocab_size:
+            continue
+        piece = tok.token_bytes(t)
+        if not piece or tok.decode([t], skip_special_tokens=True) == "" and piece.startswith(b"<"):
+            continue  # special tokens are never part of the text
+        text = prefix + piece
+        allowed[t] = text.isascii() and full_match(text, partial=True)
+    return allowed
+
+
+@pytest.mark.parametrize("constraint, pattern", [
+    (StructuredOutput(regex=r"[a-c]{2}-[0-9]{1,3}"), r"[a-c]{2}-[0-9]{1,3}"),
+    (StructuredOutput(choice=["yes", "no way", "maybe"]), r"yes|no way|maybe"),
+])
+def test_masks_equal_brute_force(smollm2_pipe, constraint, pattern):
+    import regex
+
+    compiled_re = regex.compile(pattern)
+
+    def full_match(text: bytes, partial: bool) -> bool:
+        return compiled_re.fullmatch(text.decode("ascii"), partial=partial) is not None
+
+    vocab = smollm2_pipe.engine.spec.vocab_size
+    matcher = smollm2_pipe.engine.compile_grammar(constraint).matcher()
+    rng = np.random.default_rng(7)
+    prefix = b""
+    for _ in range(8):
+        ours = _mask_of(matcher, vocab)
+        expected = _brute_force_mask(smollm2_pipe, prefix, full_match, vocab)
+        diff = np.flatnonzero(ours != expected)
+        assert diff.size == 0, [(int(t), smollm2_pipe.tokenizer.token_bytes(int(t)), bool(ours[t])) for t in diff[:8]]
+        choices = [t for t in np.flatnonzero(ours) if t not in smollm2_pipe.engine.spec.eos_token_ids]
+        if not choices:
+            break
+        t = int(rng.choice(choices))
+        assert matcher.consume(t)
+        prefix += smollm2_pipe.tokenizer.token_bytes(t)
+    assert matcher.is_accepting() or not matcher.is_stopped()
+
+
+def test_json_masks_hold_llguidance_python_masks(smollm2_pipe, smollm2_path):
+    """Every token llguidance's own matcher allows (canonical tokenization) is allowed by ours; the walk ends
+    in a document that validates."""
+    from llguidance import LLMatcher, LLTokenizer
+
+    spec = smollm2_pipe.engine.spec
+    vocab = spec.vocab_size
+    reference = LLMatcher(LLTokenizer(smollm2_pipe.tokenizer.to_json(), n_vocab=vocab, eos_token=spec.eos_token_ids),
+                          LLMatcher.grammar_from_json_schema(PERSON, defaults={"whitespace_flexible": False,
+                                                                               "item_separator": ", ",
+                                                                               "key_separator": ": "}))
+    ours = smollm2_pipe.engine.compile_grammar(StructuredOutput(json=PERSON)).matcher()
+    rng = np.random.default_rng(3)
+    out: list[int] = []
+    for _ in range(400):
+        theirs = np.unpackbits(np.frombuffer(reference.compute_bitmask(), dtype=np.uint8),
+                               bitorder="little")[:vocab].astype(bool)
+        mine = _mask_of(ours, vocab)
+        assert not (theirs & ~mine).any(), np.flatnonzero(theirs & ~mine)[:8]
+        t = int(rng.choice(np.flatnonzero(theirs)))  # a path both allow
+        if t in spec.eos_token_ids:
+            break
+        assert ours.consume(t) and reference.consume_token(t)
+        out.append(t)
+        if ours.is_stopped():
+            break
+    assert ours.is_accepting()
+    jsonschema.validate(json.loads(smollm2_pipe.tokenizer.decode(out)), PERSON)
+
+
+def test_greedy_and_logprobs_see_the_masked_distribution(smollm2_pipe):
+    """Each greedy token is the argmax of the returned logits over the grammar's mask, and its logprob is the
+    log-softmax over the allowed tokens (replayed with an independent matcher of the same grammar)."""
+    constraint = StructuredOutput(json=PERSON)
+    r = smollm2_pipe(ASK, GenerationConfig(max_new_tokens=120, structured_output=constraint, output_logits=True,
+                                           logprobs=2))
+    assert r.finish_reason == "stop", r.text
+    jsonschema.validate(json.loads(r.text), PERSON)
+    vocab = smollm2_pipe.engine.spec.vocab_size
+    matcher = smollm2_pipe.engine.compile_grammar(constraint).matcher()
+    num_prompt = len(smollm2_pipe.encode(ASK))
+    logits = r.logits[num_prompt - 1:]  # the row of each position from the prompt's last: each output token's
+    for i, t in enumerate(r.token_ids):
+        mask = _mask_of(matcher, vocab)
+        row = np.where(mask, logits[i].astype(np.float64), -np.inf)
+        assert t == int(np.argmax(row)), i
+        log_z = row.max() + math.log(np.exp(row[mask] - row.max()).sum())
+        assert abs(r.logprobs[i][t] - (row[t] - log_z)) < 1e-3
+        assert matcher.consume(t)
+    assert matcher.is_accepting()
+
+
+def test_sampled_answers_validate_and_free_rows_are_unchanged(smollm2_pipe):
+    """Constrained and free rows in one batch: every constrained sample (temperature 1) validates; a free greedy
+    row beside them gives the text it gives alone."""
+    from lmkit import AsyncEngine
+
+    free = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    alone = smollm2_pipe(ASK, free).text
+    constrained = GenerationConfig(max_new_tokens=160, do_sample=True, temperature=1.0, random_seed=11,
+                                   structured_output=StructuredOutput(json=PERSON), n=4)
+    engine = AsyncEngine(engine=smollm2_pipe.engine)
+
+    async def run():
+        async def text_of(gen):
+            parts: dict[int, list[str]] = {}
+            finish: dict[int, str] = {}
+            async for r in engine.generate(ASK, gen):
+                parts.setdefault(r.sample_index, []).append(r.text)
+                if r.finish_reason:
+                    finish[r.sample_index] = r.finish_reason
+            return {k: ("".join(v), finish[k]) for k, v in parts.items()}
+        return await asyncio.gather(text_of(constrained), text_of(free), text_of(constrained))
+
+    first, plain, second = asyncio.run(run())
+    assert plain[0][0] == alone
+    for answers in (first, second):
+        assert len(answers) == 4
+        for text, finish in answers.values():
+            assert finish == "stop", text
+            jsonschema.validate(json.loads(text), PERSON)
+    smollm2_pipe.engine.check_integrity()
+
+
+def test_constraint_after_a_token(smollm2_pipe):
+    """structured_output_after_token: free text until that token, the grammar after it (reasoning's end)."""
+    free = smollm2_pipe(ASK, GenerationConfig(max_new_tokens=3, ignore_eos=True))
+    trigger = free.token_ids[0]
+    r = smollm2_pipe(ASK, GenerationConfig(max_new_tokens=40, structured_output=StructuredOutput(choice=["Yes", "No"]),
+                                           structured_output_after_token=trigger))
+    assert r.token_ids[0] == trigger and r.finish_reason == "stop"
+    assert smollm2_pipe.tokenizer.decode(r.token_ids[1:]) in ("Yes", "No")
+
+
+def test_cached_compile_and_bad_constraints(smollm2_pipe):
+    engine = smollm2_pipe.engine
+    a = engine.compile_grammar(StructuredOutput(json=PERSON))
+    before = engine.grammars.num_compiled
+    assert engine.compile_grammar(StructuredOutput(json=json.dumps(PERSON))) is a  # same text: cached
+    assert engine.grammars.num_compiled == before
+    for bad, words in [(StructuredOutput(regex="(unclosed"), "regex"),
+                       (StructuredOutput(json={"type": "bogus"}), "json_schema"),
+                       (StructuredOutput(json={"type": "string", "format": "no-such-format"}), "format"),
+                       (StructuredOutput(grammar="start: undefined_rule"), "lark")]:
+        with pytest.raises(StructuredOutputError, match=words):
+            engine.compile_grammar(bad)
+    with pytest.raises(StructuredOutputError, match="exactly one"):
+        StructuredOutput(regex="a", choice=["b"])
+    with pytest.raises(StructuredOutputError, match="non-empty"):
+        StructuredOutput(choice=[])
+    r = smollm2_pipe("hi", GenerationConfig(max_new_tokens=8, structured_output=StructuredOutput(choice=["ok"])))
+    assert (r.text, r.finish_reason) == ("ok", "stop")
