@@ -7,8 +7,8 @@ cached.
 Per batch size: `batch` chat requests (different prompts) sampled at temperature 1 under a tool-call schema
 (a function name from an enum, nested arguments); then the same prompts unconstrained with ignore_eos and each
 request's max_new_tokens set to the length its constrained twin produced, so both runs generate the same tokens
-per request. tok/s = generated tokens / (last token - first token of the batch's first request); TTFT: mean.
-Best of --repeats per mode. Compile: a fresh GrammarCache (the tokenizer built once before timing), then the
+per request. tok/s = generated tokens / (last token - first token of the batch's first request), best of --repeats;
+TTFT: mean over the batch, the lowest of --repeats. Compile: a fresh GrammarCache (the tokenizer built once before timing), then the
 same schema again (cache hit).
 """
 
@@ -116,6 +116,7 @@ def main() -> None:
     async def cell(batch: int):
         items = prompts(batch)
         best_c = best_u = None
+        ttft_c, ttft_u = [], []
         for rep in range(args.repeats + 1):  # the first is a warm-up
             gens = [GenerationConfig(max_new_tokens=200, do_sample=True, temperature=1.0, random_seed=1000 * rep + i,
                                      structured_output=constraint) for i in range(batch)]
@@ -133,10 +134,12 @@ def main() -> None:
             u = await run_batch(engine, items, free)
             if rep == 0:
                 continue
+            ttft_c.append(c[1])
+            ttft_u.append(u[1])
             best_c = c if best_c is None or c[0] > best_c[0] else best_c
             best_u = u if best_u is None or u[0] > best_u[0] else best_u
-        print(f"| {batch} | {best_c[0]:.1f} | {best_u[0]:.1f} | {best_c[0] / best_u[0]:.1%} | {best_c[1] * 1e3:.0f} | "
-              f"{best_u[1] * 1e3:.0f} | {sum(best_c[2]) / batch:.0f} |")
+        print(f"| {batch} | {best_c[0]:.1f} | {best_u[0]:.1f} | {best_c[0] / best_u[0]:.1%} | {min(ttft_c) * 1e3:.0f} | "
+              f"{min(ttft_u) * 1e3:.0f} | {sum(best_c[2]) / batch:.0f} |")
 
     for b in args.batch:
         asyncio.run(cell(b))
