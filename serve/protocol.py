@@ -181,32 +181,38 @@ class SamplingFields(BaseModel):
         return self
 
     def structured_output(self) -> tuple[StructuredOutput, str] | None:
-        """The request's constraint and the parameter that gave it; a 400 when it gives more than one."""
-        given: list[tuple[str, StructuredOutput]] = []
-        try:
-            so = self.structured_outputs
-            if so is not None:
-                fields = {"json": {} if so.json_ is True else so.json_, "regex": so.regex, "choice": so.choice,
-                          "grammar": so.grammar}
-                set_fields = {k: v for k, v in fields.items() if v is not None}
-                given.append(("structured_outputs", StructuredOutput(**set_fields, json_object=bool(so.json_object))))
-            for name, field_name in (("guided_json", "json"), ("guided_regex", "regex"),
-                                     ("guided_choice", "choice"), ("guided_grammar", "grammar")):
-                value = getattr(self, name)
-                if value is not None:
-                    given.append((name, StructuredOutput(**{field_name: {} if value is True else value})))
-            rf = getattr(self, "response_format", None)
-            if rf is not None and rf.type == "json_object":
-                given.append(("response_format", StructuredOutput(json_object=True)))
-            elif rf is not None and rf.type == "json_schema":
-                schema = rf.json_schema.schema_
-                given.append(("response_format", StructuredOutput(json={} if schema in (None, True) else schema)))
-        except StructuredOutputError as e:
-            raise bad_request(str(e), given[-1][0] if given else "structured_outputs") from None
+        """The request's constraint and the parameter that gave it; a 400 naming that parameter when the
+        constraint is malformed, or the second one when the request gives more than one."""
+        def schema(value):  # a JSON schema of `true` (or none given) admits any JSON value
+            return {} if value is None or value is True else value
+
+        given: list[tuple[str, dict]] = []  # (parameter, StructuredOutput fields)
+        so = self.structured_outputs
+        if so is not None:
+            fields = {"json": None if so.json_ is None else schema(so.json_), "regex": so.regex,
+                      "choice": so.choice, "grammar": so.grammar}
+            given.append(("structured_outputs", {**{k: v for k, v in fields.items() if v is not None},
+                                                 "json_object": bool(so.json_object)}))
+        for name, field_name in (("guided_json", "json"), ("guided_regex", "regex"),
+                                 ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                given.append((name, {field_name: schema(value) if field_name == "json" else value}))
+        rf = getattr(self, "response_format", None)
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            given.append(("response_format", {"json": schema(rf.json_schema.schema_)}))
         if len(given) > 1:
             raise bad_request(f"give one structured output constraint, got {', '.join(n for n, _ in given)}",
                               given[1][0])
-        return (given[0][1], given[0][0]) if given else None
+        if not given:
+            return None
+        name, fields = given[0]
+        try:
+            return StructuredOutput(**fields), name
+        except StructuredOutputError as e:
+            raise bad_request(str(e), name) from None
 
     @property
     def stop_list(self) -> list[str]:
