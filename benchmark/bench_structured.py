@@ -106,7 +106,7 @@ def main() -> None:
     t = time.perf_counter()
     cache.compile(constraint)
     cached_ms = (time.perf_counter() - t) * 1e3
-    grammar = e.compile_grammar(constraint)
+    e.compile_grammar(constraint)
 
     print(f"# structured output overhead: {args.model}, {cpu_description()}, {args.threads} threads, {date.today()}")
     print(f"compile (tool-call schema): cold {cold_ms:.1f} ms, cached {cached_ms:.3f} ms")
@@ -120,14 +120,7 @@ def main() -> None:
         for rep in range(args.repeats + 1):  # the first is a warm-up
             gens = [GenerationConfig(max_new_tokens=200, do_sample=True, temperature=1.0, random_seed=1000 * rep + i,
                                      structured_output=constraint) for i in range(batch)]
-            engine_submit = engine.submit
-
-            def submit_with_grammar(prompt, gen=None, **kw):
-                return engine_submit(prompt, gen, grammar=grammar, **kw)
-
-            engine.submit = submit_with_grammar
-            c = await run_batch(engine, items, gens)
-            engine.submit = engine_submit
+            c = await run_batch(engine, items, gens)  # the engine's grammar cache has the schema (a 0.05 ms hit)
             assert all(f == "stop" for f in c[3]), c[3]
             free = [GenerationConfig(max_new_tokens=n, ignore_eos=True, do_sample=True, temperature=1.0,
                                      random_seed=i) for i, n in enumerate(c[2])]

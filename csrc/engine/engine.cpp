@@ -229,15 +229,14 @@ void Engine::run_step() {
 
 void Engine::start_grammar(Sequence& seq) {
   const SamplingParams& p = seq.params;
-  if (!p.grammar || seq.matcher || (p.grammar_after_token >= 0 && !seq.grammar_started)) return;
-  seq.grammar_started = true;
+  if (!p.grammar || seq.matcher || (p.grammar_after_token >= 0 && !seq.grammar_after_token_seen)) return;
   seq.matcher = std::make_unique<GrammarMatcher>(p.grammar, &mask_worker_);
   seq.matcher->request_mask();
 }
 
 FinishReason Engine::advance_grammar(Sequence& seq, int32_t token, FinishReason reason, std::string& error) {
   if (!seq.matcher) {
-    if (seq.params.grammar && token == seq.params.grammar_after_token) seq.grammar_started = true;
+    if (seq.params.grammar && token == seq.params.grammar_after_token) seq.grammar_after_token_seen = true;
     return reason;
   }
   if (!seq.matcher->consume(token)) {

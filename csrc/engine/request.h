@@ -95,10 +95,11 @@ struct Sequence {
   std::vector<int32_t> pending_top_ids;
   std::vector<float> pending_top_logprobs;
   int32_t num_logit_rows_emitted = 0;  // logits of positions [0, n) already handed out (kept across preemption)
-  // The grammar's state (params.grammar): created when the grammar starts, its mask of the next token
-  // requested after every token (computed while the next forward runs).
+  // The grammar's state (params.grammar): created when the grammar starts (at once, or after
+  // params.grammar_after_token was sampled), its mask of the next token requested after every token
+  // (computed while the next forward runs).
   std::unique_ptr<GrammarMatcher> matcher;
-  bool grammar_started = false;
+  bool grammar_after_token_seen = false;
 
   int32_t num_tokens() const { return (int32_t)tokens.size(); }
   int32_t num_pending_tokens() const { return num_tokens() - num_computed_tokens; }
