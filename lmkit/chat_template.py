@@ -12,11 +12,16 @@ from typing import Any, Mapping
 
 
 def render_chat_template(template: str | Mapping[str, str], messages: list[dict], add_generation_prompt: bool,
-                         special_tokens: Mapping[str, str]) -> str:
+                         special_tokens: Mapping[str, str], tools: list[dict] | None = None,
+                         template_kwargs: Mapping[str, Any] | None = None) -> str:
     """The text transformers' ``apply_chat_template(..., tokenize=False)`` renders: keys whose value is None are
     dropped, values are copied as plain JSON data, reasoning is aliased (``reasoning_content``, ``thinking``), the
-    named special tokens are template variables. Of named templates, "default" is used."""
+    named special tokens are template variables, then ``template_kwargs`` (e.g. ``enable_thinking``); ``tools``
+    are OpenAI's function definitions (``{"type": "function", "function": {...}}``). Of named templates,
+    "default" is used, or "tool_use" where there are tools and one has that name."""
     if not isinstance(template, str):
+        if tools and "tool_use" in template:
+            template = {"default": template["tool_use"]}
         if "default" not in template:
             raise ValueError(f"the tokenizer has named chat templates ({', '.join(sorted(template))}) but none named "
                              "'default': give a template (chat_template=..., or --chat-template FILE)")
@@ -25,9 +30,10 @@ def render_chat_template(template: str | Mapping[str, str], messages: list[dict]
 
     chat = [_alias_reasoning(_plain_data({k: v for k, v in m.items() if v is not None})) for m in messages]
     try:
-        return _compile_chat_template(template).render(messages=chat, tools=None, documents=None,
-                                                       add_generation_prompt=add_generation_prompt,
-                                                       **_plain_data(dict(special_tokens)))
+        return _compile_chat_template(template).render(**{
+            **_plain_data(dict(special_tokens)), **_plain_data(dict(template_kwargs or {})),
+            "messages": chat, "tools": _plain_data(tools) if tools else None, "documents": None,
+            "add_generation_prompt": add_generation_prompt})
     except (jinja2.TemplateError, TypeError) as e:  # a syntax error, raise_exception, an input it cannot take
         raise ValueError(f"the chat template cannot render these messages: {e}") from None
 

@@ -184,6 +184,7 @@ class GenerationConfig:
 
 
 FinishReason = Literal["stop", "length", "error", "cancelled"]
+ErrorKind = Literal["does_not_fit", "grammar", "internal"]
 
 
 @dataclass
@@ -201,6 +202,9 @@ class Response:
     """Which of the prompt's n completions (GenerationConfig.n)."""
     error: str | None = None
     """Why the request failed, when finish_reason == "error"."""
+    error_kind: ErrorKind | None = None
+    """Whose error it is, when finish_reason == "error": "does_not_fit" (the request can never fit the KV pool:
+    lower max_new_tokens), "grammar" (the structured output's grammar refused a token) or "internal"."""
     logits: np.ndarray | None = None
     """[positions, vocab] logits when GenerationConfig.output_logits was set."""
     logprobs: list[dict[int, float]] | None = None

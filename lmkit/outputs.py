@@ -145,5 +145,6 @@ class CompletionState:
             text=delta, token_ids=token_ids, input_token_len=self.input_token_len,
             generate_token_len=self.num_tokens, finish_reason=finish_reason, index=self.index,
             sample_index=self.sample_index, error=(out.error or None) if out.finished else None,
+            error_kind=(out.error_kind or None) if out.finished else None,
             logits=out.logits, logprobs=logprobs,
         )

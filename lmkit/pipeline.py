@@ -144,7 +144,7 @@ def _join(deltas: list[Response]) -> Response:
     return Response(
         text="".join(d.text for d in deltas), token_ids=token_ids, input_token_len=last.input_token_len,
         generate_token_len=len(token_ids), finish_reason=last.finish_reason, index=last.index,
-        sample_index=last.sample_index, error=last.error,
+        sample_index=last.sample_index, error=last.error, error_kind=last.error_kind,
         logits=np.concatenate(logits) if logits else None, logprobs=logprobs if logprobs else None,
     )
 

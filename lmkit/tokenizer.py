@@ -120,19 +120,44 @@ class Tokenizer:
         """The tokenizer as a Hugging Face tokenizer.json text, added special tokens included."""
         return self._backend.to_str()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation, ready for the assistant's turn (the template's text, encoded without
-        adding special tokens). Raises ValueError when there is no template or it cannot render these messages."""
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's text (the default one of named templates), None without one."""
+        t = self._chat_template
+        return t if isinstance(t, str) or t is None else t.get("default")
+
+    def single_token_id(self, text: str) -> int | None:
+        """The id of the one token whose text is ``text`` (an added token, or a piece of the vocabulary that
+        encodes alone), None when ``text`` is more than one token."""
+        token = self._backend.token_to_id(text)
+        if token is not None:
+            return token
+        ids = self.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 and self.decode(ids, skip_special_tokens=False) == text else None
+
+    def is_special(self, text: str) -> bool:
+        """Whether ``text`` is a special token (one that decoding with skip_special_tokens leaves out)."""
+        return any(t.special and t.content == text for t in self._backend.get_added_tokens_decoder().values())
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """The chat template's text of a conversation (lmkit.chat_template.render_chat_template). Raises
+        ValueError when there is no template or it cannot render these messages."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass a plain string prompt "
                              "or give a template (chat_template=...)")
         if not messages:
             raise ValueError("a chat needs at least one message")
+        return render_chat_template(self._chat_template, messages, add_generation_prompt, self._special_tokens,
+                                    tools, template_kwargs)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation, ready for the assistant's turn (the template's text, encoded without
+        adding special tokens). Raises ValueError when there is no template or it cannot render these messages."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
-        text = render_chat_template(self._chat_template, messages, add_generation_prompt, self._special_tokens)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

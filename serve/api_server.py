@@ -28,6 +28,8 @@ from lmkit.serve.gate import Gate, GateConfig, warn_if_exposed
 from lmkit.serve.metrics import ServerMetrics
 from lmkit.serve.openai_serving import OpenAIServing
 from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
+from lmkit.serve.reasoning import detect_reasoning_format, reasoning_format
+from lmkit.serve.tools.parsers import detect_tool_parser, tool_parser_class
 
 log = logging.getLogger("lmkit.serve")
 
@@ -57,11 +59,29 @@ class ServerConfig:
     """The URL the proxy should use for this server; default: http://HOST:PORT (this host's address for 0.0.0.0)."""
     health_timeout_s: float = 5.0
     """/health fails when the engine does not answer within this time."""
+    tool_call_parser: str = "auto"
+    """How tool calls are written: hermes, llama3_json, mistral, qwen3_coder; auto: the format the chat template
+    teaches; none: requests with tools get a 400."""
+    reasoning_parser: str = "auto"
+    """How thinking is marked: qwen3, deepseek_r1; auto: qwen3 where the chat template writes <think> blocks;
+    none: the thinking stays in content."""
 
     def __post_init__(self) -> None:
         if self.max_waiting_seqs is not None and self.max_waiting_seqs < 0:
             raise ValueError(f"max_waiting_seqs must be >= 0 (0: admit only what runs at once), got "
                              f"{self.max_waiting_seqs}")
+        if self.tool_call_parser not in ("auto", "none"):
+            tool_parser_class(self.tool_call_parser)
+        if self.reasoning_parser not in ("auto", "none"):
+            reasoning_format(self.reasoning_parser)
+
+    def parsers(self, chat_template: str | None):
+        """(tool parser class, reasoning format) for a model with this chat template."""
+        tools = {"auto": lambda: detect_tool_parser(chat_template), "none": lambda: None}.get(
+            self.tool_call_parser, lambda: tool_parser_class(self.tool_call_parser))()
+        reasoning = {"auto": lambda: detect_reasoning_format(chat_template), "none": lambda: None}.get(
+            self.reasoning_parser, lambda: reasoning_format(self.reasoning_parser))()
+        return tools, reasoning
 
     @property
     def url(self) -> str:
@@ -114,7 +134,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
     admission = Admission(max_batch_size, max_batch_size if config.max_waiting_seqs is None else
                           config.max_waiting_seqs)
     metrics = ServerMetrics(engine.engine, admission)
-    serving = OpenAIServing(engine, model_name, metrics)
+    tool_parser, reasoning = config.parsers(engine.tokenizer.chat_template)
+    serving = OpenAIServing(engine, model_name, metrics, tool_parser, reasoning)
     app = FastAPI(title="lmkit api_server", version="0.1.0",
                   description=f"OpenAI-compatible API serving `{model_name}`.")
     app.router.route_class = OffLoopJSONRoute  # request bodies are parsed off the event loop
@@ -126,7 +147,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
     async def models() -> JSONResponse:
         return JSONResponse(serving.models())
 
-    async def complete(body, request: Request, stream_events, build_response):
+    async def complete(body, request: Request):
         """One OpenAI completion request: SSE when body.stream, else one JSON body (cancelled when the
         client disconnects first). Its sequences are admitted first (429 beyond the limit) and released
         when it ends, however it ends."""
@@ -140,7 +161,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
             reservation.release()
             raise
         if body.stream:
-            return _Streamed(stream_events(body, prepared, streams, started_at), streams, reservation)
+            return _Streamed(serving.stream(body, prepared, streams, started_at), streams, reservation)
 
         async def run():
             try:
@@ -149,7 +170,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
                 return e.response()
             finally:
                 _cancel_all(streams)
-            return JSONResponse(build_response(body, prepared, choices))
+            return JSONResponse(serving.response(body, prepared, choices))
 
         try:
             return await unless_disconnected(request, run())
@@ -158,11 +179,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
 
     @app.post("/v1/chat/completions", summary="Chat completion (OpenAI)")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await complete(body, request, serving.chat_stream, serving.chat_response)
+        return await complete(body, request)
 
     @app.post("/v1/completions", summary="Text completion (OpenAI legacy)")
     async def completions(body: CompletionRequest, request: Request):
-        return await complete(body, request, serving.completion_stream, serving.completion_response)
+        return await complete(body, request)
 
     @app.get("/health", summary="200 when the engine answers")
     async def health() -> Response:

@@ -93,6 +93,13 @@ def api_server(
     body_timeout: Optional[float] = _BODY_TIMEOUT,
     drain_timeout: Optional[float] = _DRAIN_TIMEOUT,
     chat_template: Optional[Path] = typer.Option(None, help="A Jinja chat template file replacing the tokenizer's."),
+    tool_call_parser: str = typer.Option("auto", help="How the model writes tool calls: hermes, llama3_json, "
+                                                      "mistral, qwen3_coder; auto: the format its chat template "
+                                                      "teaches; none: requests with tools get a 400."),
+    reasoning_parser: str = typer.Option("auto", help="How the model marks its thinking (sent as "
+                                                      "reasoning_content): qwen3, deepseek_r1; auto: qwen3 where "
+                                                      "the chat template writes <think> blocks; none: the thinking "
+                                                      "stays in content."),
     proxy_url: Optional[str] = typer.Option(None, help="Register with this lmkit proxy once ready."),
     proxy_admin_key: Optional[str] = typer.Option(None, help="The proxy's admin key, if it has one."),
     advertise_url: Optional[str] = typer.Option(None, help="URL the proxy should use for this server "
@@ -128,7 +135,8 @@ def api_server(
                                           public_metrics=public_metrics,
                                           **_timeouts(header_timeout, body_timeout, drain_timeout)),
                           max_waiting_seqs=max_waiting_seqs, proxy_url=proxy_url, proxy_admin_key=proxy_admin_key,
-                          advertise_url=advertise_url)
+                          advertise_url=advertise_url, tool_call_parser=tool_call_parser,
+                          reasoning_parser=reasoning_parser)
     run_api_server(model, config, server, chat_template=template, log_level=log_level)
 
 

@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import json
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Union
@@ -27,26 +26,17 @@ from lmkit.messages import GenerationConfig, GenerationConfigError, Response
 from lmkit.serve.errors import APIError, bad_request, error_body, internal_error
 from lmkit.serve.metrics import ServerMetrics
 from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
-from lmkit.structured import StructuredOutputError
+from lmkit.serve.reasoning import ReasoningFormat
+from lmkit.serve.render import ChatRenderer, CompletionRenderer, usage
+from lmkit.serve.stream import Choice, ChoiceEvent, OutputFormat
+from lmkit.serve.tools.grammar import tool_call_grammar
+from lmkit.serve.tools.parsers import ToolParser
+from lmkit.structured import StructuredOutput, StructuredOutputError
 
 AnyRequest = Union[ChatCompletionRequest, CompletionRequest]
 
 # OpenAI's names of the GenerationConfig fields that have other names there
 _PARAM_OF_FIELD = {"min_new_tokens": "min_tokens", "random_seed": "seed"}
-
-
-@dataclass
-class Choice:
-    """What one completion produced so far."""
-
-    index: int
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    first_token_at: float | None = None
-    error: str | None = None
 
 
 @dataclass
@@ -59,6 +49,8 @@ class Prepared:
     gen: GenerationConfig
     grammar: object = None
     """gen.structured_output compiled for this engine (None without one)."""
+    output: OutputFormat = field(default_factory=OutputFormat)
+    """How the answers split into reasoning, content and tool calls (chat)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,10 +69,15 @@ def num_prepare_threads() -> int:
 class OpenAIServing:
     """Answers /v1/chat/completions, /v1/completions and /v1/models for one AsyncEngine."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics | None = None,
+                 tool_parser: type[ToolParser] | None = None, reasoning: ReasoningFormat | None = None):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.tool_parser = tool_parser
+        """The format of tool calls (None: this model's template has none lmkit knows; tools get a 400)."""
+        self.reasoning = reasoning
+        """The reasoning format of answers (None: answers are all content)."""
         self.created = int(time.time())
         self._token_text: dict[int, tuple[str, list[int]]] = {}
         # Its own pool: in the loop's default executor, prepares would queue /health's engine probe behind them.
@@ -121,9 +118,11 @@ class OpenAIServing:
         gen = self._checked(req, max_name, lambda: self._gen_config(req, min(max_new or session_len, session_len)))
         if constraint is not None:
             gen = dataclasses.replace(gen, structured_output=constraint[0])
+        output = OutputFormat()
         if isinstance(req, ChatCompletionRequest):
             param = "messages"
-            prompt_ids, prompt_texts = [self._chat_ids(req)], [""]
+            ids, output, gen, constraint_param = self._chat(req, gen, constraint_param)
+            prompt_ids, prompt_texts = [ids], [""]
         else:
             param = "prompt"
             prompt_ids, prompt_texts = [], []
@@ -142,17 +141,66 @@ class OpenAIServing:
                               f"{session_len} tokens and your request has {longest} input tokens "
                               f"({max_new} + {longest} > {session_len}).", max_name)
         gen = self._checked(req, max_name, lambda: dataclasses.replace(gen, max_new_tokens=max_new))
-        return Prepared(prompt_ids, prompt_texts, gen, self._compiled(gen, constraint_param))
+        return Prepared(prompt_ids, prompt_texts, gen, self._compiled(gen, constraint_param), output)
 
     def _compiled(self, gen: GenerationConfig, param: str | None):
         """The request's constraint compiled (cached by its text); a 400 naming ``param`` when llguidance
         refuses it (invalid schema, an unsupported keyword, a regex that does not compile)."""
         if gen.structured_output is None:
             return None
+        return self._compile(gen.structured_output, param)
+
+    def _compile(self, constraint: StructuredOutput, param: str):
         try:
-            return self.engine.engine.compile_grammar(gen.structured_output)
+            return self.engine.engine.compile_grammar(constraint)
         except StructuredOutputError as e:
             raise bad_request(f"{param}: {e}", param) from None
+
+    def _chat(self, req: ChatCompletionRequest, gen: GenerationConfig,
+              constraint_param: str | None) -> tuple[list[int], OutputFormat, GenerationConfig, str | None]:
+        """The chat's prompt ids (its messages, and the tools it offers, rendered by the chat template), how its
+        answers split (reasoning, tool calls), and ``gen`` with what they need: the grammar of a required or
+        named tool call, a structured output that starts after the thinking, special-token markers kept."""
+        tokenizer = self.engine.engine.tokenizer
+        mode = req.tool_choice_mode
+        offered = bool(req.tools) and mode != "none"  # tool_choice none: the model is not told of the tools
+        parser = self.tool_parser if offered else None
+        if offered and parser is None:
+            raise bad_request("tools: this model's chat template has no tool-call format lmkit knows; start the "
+                              "server with --tool-call-parser (hermes, llama3_json, mistral, qwen3_coder)", "tools")
+        for i, tool in enumerate(req.tools or []):  # every function's parameters is a schema llguidance takes
+            self._compile(StructuredOutput(json=tool.function.parameters_schema), f"tools[{i}].function.parameters")
+        # The template renders every message's text and name (and text of its own): a bound on the tokens.
+        self._check_num_chars(sum(m.num_chars for m in req.messages), "messages")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if offered else None
+        try:
+            text = tokenizer.render_chat([m.template_data() for m in req.messages], tools=tools,
+                                         template_kwargs=req.chat_template_kwargs)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        except Exception as e:  # a chat template that fails on these messages (jinja raises its own types)
+            raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
+        reasoning = self.reasoning
+        output = OutputFormat(reasoning, bool(reasoning and reasoning.starts_inside(text)), parser,
+                              {t.function.name: t.function.parameters_schema for t in req.tools or []})
+        if offered and mode in ("required", "named"):
+            if gen.structured_output is not None:
+                raise bad_request("give either a structured output or tool_choice 'required' (or a named "
+                                  "function), not both", constraint_param)
+            lark = tool_call_grammar(parser, req.called_tools(), req.parallel_tool_calls, tokenizer.single_token_id)
+            gen = dataclasses.replace(gen, structured_output=StructuredOutput(grammar=lark))
+            constraint_param = "tool_choice"
+        if gen.structured_output is not None and reasoning is not None and reasoning.thinks_after(text):
+            end = tokenizer.single_token_id(reasoning.end)
+            if end is None:
+                raise bad_request(f"{constraint_param}: the structured output would start after the thinking, but "
+                                  f"{reasoning.end} is not one token of this model", constraint_param)
+            gen = dataclasses.replace(gen, structured_output_after_token=end)
+        markers = (parser.markers if parser else ()) + ((reasoning.start, reasoning.end) if reasoning else ())
+        if gen.skip_special_tokens and any(tokenizer.is_special(m) for m in markers):
+            gen = dataclasses.replace(gen, skip_special_tokens=False)  # the parsers read them
+        return ids, output, gen, constraint_param
 
     def _too_long(self, param: str, what: str) -> APIError:
         return bad_request(f"This model's maximum context length is {self.engine.engine.session_len} tokens. "
@@ -182,18 +230,6 @@ class OpenAIServing:
         if bad is not None:
             raise bad_request(f"prompt has token id {ids[bad]} outside the vocabulary [0, {vocab})", "prompt")
         return list(ids)
-
-    def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
-        # The template renders every message's content and name (and text of its own): a bound on the tokens.
-        self._check_num_chars(sum(len(m["content"]) + len(m.get("name", "")) for m in messages), "messages")
-        try:
-            return self.engine.engine.encode(messages)
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
-        except Exception as e:  # a chat template that fails on these messages (jinja raises its own types)
-            raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
 
     def _checked(self, req: AnyRequest, max_name: str, build: Callable[[], GenerationConfig]) -> GenerationConfig:
         """``build()``'s GenerationConfig once it fits this engine; its error as a 400 naming the parameter."""
@@ -269,7 +305,7 @@ class OpenAIServing:
             for s in streams:
                 s.cancel()
 
-    # ---- engine -> OpenAI shapes -------------------------------------------------------------------------
+    # ---- engine -> events -> OpenAI shapes ----------------------------------------------------------------
 
     def _token(self, token_id: int) -> tuple[str, list[int]]:
         hit = self._token_text.get(token_id)
@@ -280,38 +316,25 @@ class OpenAIServing:
                 self._token_text[token_id] = hit
         return hit
 
-    def chat_logprobs(self, entries: list[dict[int, float]], token_ids: list[int], top: int) -> list[dict]:
-        out = []
-        for t, entry in zip(token_ids, entries):
-            text, raw = self._token(t)
-            best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
-            out.append({"token": text, "logprob": entry[t], "bytes": raw,
-                        "top_logprobs": [{"token": self._token(i)[0], "logprob": lp, "bytes": self._token(i)[1]}
-                                         for i, lp in best]})
-        return out
-
-    def completion_logprobs(self, entries: list[dict[int, float]], token_ids: list[int], top: int,
-                            offset: int) -> dict:
-        tokens, token_logprobs, tops, offsets = [], [], [], []
-        for t, entry in zip(token_ids, entries):
-            text = self._token(t)[0]
-            tokens.append(text)
-            token_logprobs.append(entry[t])
-            tops.append({self._token(i)[0]: lp for i, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:top]})
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+    def renderer(self, req: AnyRequest, prepared: Prepared) -> ChatRenderer | CompletionRenderer:
+        if isinstance(req, ChatCompletionRequest):
+            return ChatRenderer(self.model_name, self._token, req.logprobs, req.top_logprobs or 0,
+                                prepared.output.reasoning is not None)
+        return CompletionRenderer(self.model_name, self._token, req.logprobs, prepared.prompt_texts,
+                                  prepared.gen.n, req.echo)
 
     @staticmethod
-    def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
-        completion = sum(c.num_tokens for c in choices)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion}
+    def new_choices(prepared: Prepared) -> list[Choice]:
+        choices = []
+        for i in range(len(prepared.prompt_ids) * prepared.gen.n):
+            reasoning, tools = prepared.output.parsers()
+            choices.append(Choice(i, reasoning_parser=reasoning, tool_parser=tools))
+        return choices
 
     def _finish(self, r: Response) -> str:
-        """OpenAI's finish_reason for an engine's last Response; records its metrics."""
+        """OpenAI's finish_reason for an engine's last Response, or the APIError it is."""
         if r.finish_reason == "error":
-            if r.generate_token_len == 0 and r.error and "KV pool" in r.error:
+            if r.error_kind == "does_not_fit":
                 raise bad_request(r.error, "max_tokens")
             raise internal_error(f"the engine failed a request (prompt {r.index}, completion {r.sample_index}): "
                                  f"{r.error}")
@@ -324,142 +347,56 @@ class OpenAIServing:
             self.metrics.observe_completion(choice.first_token_at, started_at, time.perf_counter(), prompt_len,
                                             choice.num_tokens, choice.finish_reason or "error")
 
-    async def collect(self, prepared: Prepared, streams: list[RequestStream], started_at: float) -> list[Choice]:
-        """Runs every completion to its end (non-streaming)."""
+    async def events(self, prepared: Prepared, streams: list[RequestStream], choices: list[Choice],
+                     started_at: float) -> AsyncIterator[ChoiceEvent]:
+        """The request's ChoiceEvents as they happen (``choices`` gather them); an engine error raises APIError."""
         n = prepared.gen.n
-        choices = [Choice(i) for i in range(len(streams) * n)]
+        started = [False] * len(choices)
         async for r in self.responses(streams):
             c = choices[r.index * n + r.sample_index]
             if r.token_ids and c.first_token_at is None:
                 c.first_token_at = time.perf_counter()
-            c.text.append(r.text)
-            c.token_ids.extend(r.token_ids)
-            c.num_tokens = r.generate_token_len
-            if r.logprobs:
-                c.logprobs.extend(r.logprobs)
-            if r.finish_reason is not None:
-                c.finish_reason = self._finish(r)
+            event = c.event(r, self._finish(r) if r.finish_reason else None)
+            if event.finish_reason:
                 self._record(c, started_at, len(prepared.prompt_ids[r.index]))
+            event.is_first = not started[c.index]
+            started[c.index] = True
+            if not event.is_empty or event.is_first:
+                yield event
+
+    async def collect(self, prepared: Prepared, streams: list[RequestStream], started_at: float) -> list[Choice]:
+        """Runs every completion to its end (non-streaming)."""
+        choices = self.new_choices(prepared)
+        async for _ in self.events(prepared, streams, choices, started_at):
+            pass
         return choices
 
-    # ---- chat ---------------------------------------------------------------------------------------------
+    def response(self, req: AnyRequest, prepared: Prepared, choices: list[Choice]) -> dict:
+        return self.renderer(req, prepared).response(choices, prepared.num_prompt_tokens)
 
-    def chat_response(self, req: ChatCompletionRequest, prepared: Prepared, choices: list[Choice]) -> dict:
-        top = req.top_logprobs or 0
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name, "system_fingerprint": None,
-            "choices": [{
-                "index": c.index,
-                "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
-                "logprobs": ({"content": self.chat_logprobs(c.logprobs, c.token_ids, top), "refusal": None}
-                             if req.logprobs else None),
-                "finish_reason": c.finish_reason,
-            } for c in choices],
-            "usage": self.usage(prepared.num_prompt_tokens, choices),
-        }
-
-    async def chat_stream(self, req: ChatCompletionRequest, prepared: Prepared, streams: list[RequestStream],
-                          started_at: float) -> AsyncIterator[str]:
-        """SSE lines of a streamed chat completion, as OpenAI sends them."""
-        n = prepared.gen.n
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": self.model_name, "system_fingerprint": None}
+    async def stream(self, req: AnyRequest, prepared: Prepared, streams: list[RequestStream],
+                     started_at: float) -> AsyncIterator[str]:
+        """SSE lines of a streamed completion (chat or text), as OpenAI sends them; [DONE] last."""
+        renderer = self.renderer(req, prepared)
+        choices = self.new_choices(prepared)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        choices = [Choice(i) for i in range(len(streams) * n)]
-        top = req.top_logprobs or 0
 
-        def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> str:
-            body = {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish_reason}]}
+        def chunk(entry: dict) -> str:
+            body = renderer.chunk_body([entry])
             if include_usage:
-                body["usage"] = self.usage(prepared.num_prompt_tokens, choices) if continuous else None
+                body["usage"] = usage(prepared.num_prompt_tokens, choices) if continuous else None
             return sse(body)
 
+        for entry in renderer.prelude(choices):
+            yield chunk(entry)
         try:
-            async for r in self.responses(streams):
-                c = choices[r.index * n + r.sample_index]
-                if c.first_token_at is None:
-                    # The role chunk goes with the first output, so a proxy's "first byte" is the first token.
-                    c.first_token_at = time.perf_counter()
-                    yield chunk(c.index, {"role": "assistant", "content": ""})
-                c.num_tokens = r.generate_token_len
-                finish = self._finish(r) if r.finish_reason else None
-                logprobs = ({"content": self.chat_logprobs(r.logprobs or [], r.token_ids, top), "refusal": None}
-                            if req.logprobs and r.token_ids else None)
-                if r.text or logprobs:
-                    yield chunk(c.index, {"content": r.text}, logprobs)
-                if finish:
-                    c.finish_reason = finish
-                    self._record(c, started_at, len(prepared.prompt_ids[r.index]))
-                    yield chunk(c.index, {}, None, finish)
+            async for event in self.events(prepared, streams, choices, started_at):
+                for entry in renderer.chunks(event):
+                    yield chunk(entry)
         except APIError as e:
             yield sse(error_body(e.status, e.message, e.param, e.code))
             return
         if include_usage:
-            yield sse({**head, "choices": [], "usage": self.usage(prepared.num_prompt_tokens, choices)})
-        yield sse("[DONE]")
-
-    # ---- text completions ----------------------------------------------------------------------------------
-
-    def completion_response(self, req: CompletionRequest, prepared: Prepared, choices: list[Choice]) -> dict:
-        n = prepared.gen.n
-        out = []
-        for c in choices:
-            prefix = prepared.prompt_texts[c.index // n] if req.echo else ""
-            out.append({
-                "index": c.index, "text": prefix + "".join(c.text),
-                "logprobs": (self.completion_logprobs(c.logprobs, c.token_ids, req.logprobs, len(prefix))
-                             if req.logprobs is not None else None),
-                "finish_reason": c.finish_reason,
-            })
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "system_fingerprint": None, "choices": out,
-                "usage": self.usage(prepared.num_prompt_tokens, choices)}
-
-    async def completion_stream(self, req: CompletionRequest, prepared: Prepared, streams: list[RequestStream],
-                                started_at: float) -> AsyncIterator[str]:
-        n = prepared.gen.n
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "system_fingerprint": None}
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        choices = [Choice(i) for i in range(len(streams) * n)]
-        offsets = [0] * len(choices)
-
-        def chunk(index: int, text: str, logprobs=None, finish_reason=None) -> str:
-            body = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                         "finish_reason": finish_reason}]}
-            if include_usage:
-                body["usage"] = self.usage(prepared.num_prompt_tokens, choices) if continuous else None
-            return sse(body)
-
-        if req.echo:
-            for c in choices:
-                text = prepared.prompt_texts[c.index // n]
-                offsets[c.index] = len(text)
-                yield chunk(c.index, text)
-        try:
-            async for r in self.responses(streams):
-                c = choices[r.index * n + r.sample_index]
-                if r.token_ids and c.first_token_at is None:
-                    c.first_token_at = time.perf_counter()
-                c.num_tokens = r.generate_token_len
-                finish = self._finish(r) if r.finish_reason else None
-                logprobs = None
-                if req.logprobs is not None and r.token_ids:
-                    logprobs = self.completion_logprobs(r.logprobs or [], r.token_ids, req.logprobs,
-                                                        offsets[c.index])
-                offsets[c.index] += len(r.text)
-                if finish:
-                    c.finish_reason = finish
-                    self._record(c, started_at, len(prepared.prompt_ids[r.index]))
-                if r.text or logprobs or finish:
-                    yield chunk(c.index, r.text, logprobs, finish)
-        except APIError as e:
-            yield sse(error_body(e.status, e.message, e.param, e.code))
-            return
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": self.usage(prepared.num_prompt_tokens, choices)})
+            yield sse({**renderer.chunk_body([]), "usage": usage(prepared.num_prompt_tokens, choices)})
         yield sse("[DONE]")

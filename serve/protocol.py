@@ -12,6 +12,7 @@ Fields OpenAI defines that lmkit does not implement are accepted only with value
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
@@ -78,14 +79,47 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: Text
+    arguments: Text
+    """The arguments as a JSON text (OpenAI's shape)."""
+
+
+class ToolCallMessage(BaseModel):
+    """A tool call of an earlier assistant message, sent back by the client."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def template_data(self) -> dict:
+        """As chat templates read it: the arguments as an object where they are a JSON object (Llama's and
+        Mistral's templates serialize them again), else the text as sent."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(BaseModel):
-    # Clients send back what they received (refusal, tool_calls: null, ...): extra fields are ignored here.
+    # Clients send back what they received (refusal, audio: null, ...): extra fields are ignored here.
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[Union[Annotated[Text, Tag("Text")], Annotated[list[TextPart], Tag("Texts")]],
                        Discriminator(_text_or_texts)] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: Text | None = None
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -93,6 +127,57 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_data(self) -> dict:
+        """The message as chat templates read it (keys with no value left out)."""
+        data = {"role": self.role, "content": self.text(),  # "" for a call without text: templates read it
+                "name": self.name, "tool_call_id": self.tool_call_id,
+                "reasoning_content": self.reasoning_content or self.reasoning,
+                "tool_calls": [c.template_data() for c in self.tool_calls] if self.tool_calls else None}
+        return {k: v for k, v in data.items() if v is not None}
+
+    @property
+    def num_chars(self) -> int:
+        """Characters of the message's text that any template renders."""
+        return len(self.text()) + len(self.name or "")
+
+
+FUNCTION_NAME = r"^[a-zA-Z0-9_.\-]{1,64}$"
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: Text | None = None
+    parameters: dict | None = None
+    """A JSON schema of the arguments object; none: a function without arguments."""
+    strict: bool | None = None
+    """Accepted: with tool_choice required or a named function, the arguments always validate."""
+
+    @property
+    def parameters_schema(self) -> dict:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JsonSchemaFormat(BaseModel):
@@ -229,10 +314,15 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice] | None = None
+    """none: no tool is offered; auto (the default with tools): the model may call them; required: it calls
+    one or more; a named function: it calls that one. required and named calls are enforced by a grammar."""
+    parallel_tool_calls: bool = True
+    """False: at most one call (enforced with required or a named function)."""
+    chat_template_kwargs: dict | None = None
+    """Extra variables of the chat template (e.g. ``{"enable_thinking": false}``)."""
     # OpenAI fields accepted with their neutral values only
-    tools: list[dict] | None = None
-    tool_choice: Union[Text, dict, None] = None
-    parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[Text, Text] | None = None
     service_tier: Text | None = None
@@ -256,11 +346,35 @@ class ChatCompletionRequest(SamplingFields):
     def _chat_consistent(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.tools:
-            raise bad_request("tools (function calling) are not supported by this server", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported by this server", "tool_choice")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise bad_request(f"tools has more than one function named {', '.join(twice)}", "tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in names:
+                raise bad_request(f"tool_choice names the function '{self.tool_choice.function.name}', which is "
+                                  f"not in tools ({', '.join(names) or 'none given'})", "tool_choice")
+        elif self.tool_choice == "required" and not names:
+            raise bad_request("tool_choice 'required' needs tools", "tool_choice")
+        reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(self.chat_template_kwargs or {})
+        if reserved:
+            raise bad_request(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))} (the request's own "
+                              "fields give them)", "chat_template_kwargs")
         return self
+
+    @property
+    def tool_choice_mode(self) -> str:
+        """none | auto | required | named"""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def called_tools(self) -> dict[str, dict]:
+        """The functions a required or named tool_choice lets the model call: name -> parameters schema."""
+        tools = {t.function.name: t.function.parameters_schema for t in self.tools or []}
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return {self.tool_choice.function.name: tools[self.tool_choice.function.name]}
+        return tools
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -156,7 +156,7 @@ double Engine::now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const std::string& error) {
+void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const Failure& failure) {
   if (!finished && seq.pending_token_ids.empty() && seq.pending_logit_rows == 0) return;
   RequestOutput out;
   out.request_id = seq.request_id;
@@ -172,19 +172,21 @@ void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const std:
   seq.pending_logit_rows = 0;
   out.finished = finished;
   out.finish_reason = reason;
-  out.error = error;
+  out.error = failure.message;
+  out.error_kind = failure.kind;
   out.num_prompt_tokens = seq.num_prompt_tokens;
   post(finished ? std::move(seq.callback) : seq.callback, std::move(out));
 }
 
 // Ends seq: frees its blocks and slot, sends its last output. Caller holds state_mu_.
-void Engine::post_final(const Sequence& seq, int32_t sample_index, FinishReason reason, const std::string& error) {
+void Engine::post_final(const Sequence& seq, int32_t sample_index, FinishReason reason, const Failure& failure) {
   RequestOutput out;
   out.request_id = seq.request_id;
   out.sample_index = sample_index;
   out.finished = true;
   out.finish_reason = reason;
-  out.error = error;
+  out.error = failure.message;
+  out.error_kind = failure.kind;
   out.num_prompt_tokens = seq.num_prompt_tokens;
   out.emitted_at = now_seconds();
   post(seq.callback, std::move(out));
@@ -198,11 +200,11 @@ void Engine::end_sample(int64_t request_id) {
   if (it != live_samples_.end() && --it->second <= 0) live_samples_.erase(it);
 }
 
-void Engine::finish(Sequence* seq, FinishReason reason, const std::string& error) {
+void Engine::finish(Sequence* seq, FinishReason reason, const Failure& failure) {
   std::unique_ptr<Sequence> owned = scheduler_.remove(seq->id);
   // Completions not forked yet (the prompt never finished) end with their parent.
-  for (int32_t k = 1; k <= owned->num_forks; ++k) post_final(*owned, k, reason, error);
-  flush(*owned, true, reason, error);
+  for (int32_t k = 1; k <= owned->num_forks; ++k) post_final(*owned, k, reason, failure);
+  flush(*owned, true, reason, failure);
   end_sample(owned->request_id);
   ++metrics_.num_finished_requests;
 }
@@ -218,7 +220,7 @@ void Engine::run_step() {
     batch = build_batch(plan, options_.block_size_tokens, stop_rules_);
     out = executor_->step(batch);
   } catch (const std::exception& e) {
-    for (const ScheduledSeq& s : plan.seqs) finish(s.seq, FinishReason::kError, std::string("step failed: ") + e.what());
+    for (const ScheduledSeq& s : plan.seqs) finish(s.seq, FinishReason::kError, {ErrorKind::kInternal, std::string("step failed: ") + e.what()});
     return;
   }
   ++metrics_.num_steps;
@@ -234,13 +236,13 @@ void Engine::start_grammar(Sequence& seq) {
   seq.matcher->request_mask();
 }
 
-FinishReason Engine::advance_grammar(Sequence& seq, int32_t token, FinishReason reason, std::string& error) {
+FinishReason Engine::advance_grammar(Sequence& seq, int32_t token, FinishReason reason, Failure& failure) {
   if (!seq.matcher) {
     if (seq.params.grammar && token == seq.params.grammar_after_token) seq.grammar_after_token_seen = true;
     return reason;
   }
   if (!seq.matcher->consume(token)) {
-    error = detail::concat("the grammar refused token ", token, ": ", seq.matcher->error());
+    failure = {ErrorKind::kGrammar, detail::concat("the grammar refused token ", token, ": ", seq.matcher->error())};
     return FinishReason::kError;
   }
   if (seq.matcher->is_stopped()) return FinishReason::kStop;  // complete: nothing but an eos could follow
@@ -262,21 +264,21 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
   for (size_t k = 0; k < batch.samples.size(); ++k) sample_of[batch.samples[k].seq] = (int32_t)k;
   std::vector<Sequence*> done;
   std::vector<FinishReason> reasons;
-  std::vector<std::string> errors;
+  std::vector<Failure> failures;
   for (size_t i = 0; i < plan.seqs.size(); ++i) {
     const ScheduledSeq& s = plan.seqs[i];
     Sequence& seq = *s.seq;
     scheduler_.advance(s);
     if (s.is_sampled && seq.num_forks > 0 && seq.num_generated_tokens() == 0) scheduler_.fork(&seq);
     if (sample_of[i] < 0) {
-      flush(seq, false, FinishReason::kNone, "");
+      flush(seq, false, FinishReason::kNone, {});
       continue;
     }
     const int32_t k = sample_of[i];
     const int32_t t = out.tokens[k];
     ++metrics_.num_generated_tokens;
     FinishReason reason = stop_rules_.on_token(seq, t);
-    std::string error;
+    Failure failure;
     if (reason != FinishReason::kStop) {  // a stop token is not part of the output
       seq.tokens.push_back(t);
       seq.pending_token_ids.push_back(t);
@@ -287,16 +289,16 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
         seq.pending_top_logprobs.insert(seq.pending_top_logprobs.end(), lp.top_logprobs.begin(), lp.top_logprobs.end());
       }
     }
-    if (reason != FinishReason::kStop) reason = advance_grammar(seq, t, reason, error);
+    if (reason != FinishReason::kStop) reason = advance_grammar(seq, t, reason, failure);
     if (reason != FinishReason::kNone) {
       done.push_back(&seq);
       reasons.push_back(reason);
-      errors.push_back(std::move(error));
+      failures.push_back(std::move(failure));
     } else {
-      flush(seq, false, FinishReason::kNone, "");
+      flush(seq, false, FinishReason::kNone, {});
     }
   }
-  for (size_t i = 0; i < done.size(); ++i) finish(done[i], reasons[i], errors[i]);
+  for (size_t i = 0; i < done.size(); ++i) finish(done[i], reasons[i], failures[i]);
 }
 
 void Engine::loop() {
@@ -322,7 +324,7 @@ void Engine::loop() {
         continue;
       }
       // Never fits the pool: fail at once with the reason.
-      for (int32_t k = 0; k <= seq->num_forks; ++k) post_final(*seq, k, FinishReason::kError, why);
+      for (int32_t k = 0; k <= seq->num_forks; ++k) post_final(*seq, k, FinishReason::kError, {ErrorKind::kDoesNotFit, why});
       post_release(std::move(seq->callback));
     }
     for (const auto& c : cancels)
@@ -338,7 +340,7 @@ void Engine::loop() {
       // A bug in bookkeeping: fail everything in flight rather than spin or die.
       std::fprintf(stderr, "lmkit: engine step failed: %s\n", e.what());
       std::vector<Sequence*> all = scheduler_.running();
-      for (Sequence* s : all) finish(s, FinishReason::kError, e.what());
+      for (Sequence* s : all) finish(s, FinishReason::kError, {ErrorKind::kInternal, e.what()});
     }
     publish_metrics();
   }

@@ -126,16 +126,16 @@ class Engine {
   // Creates seq's grammar matcher once its grammar starts and requests its first mask.
   void start_grammar(Sequence& seq);
   // After seq sampled `token` (appended): advances its grammar. Returns kStop when the grammar is complete,
-  // kError (error set) when it refuses the token, else `reason`; requests the next mask if seq goes on.
-  FinishReason advance_grammar(Sequence& seq, int32_t token, FinishReason reason, std::string& error);
+  // kError (failure set) when it refuses the token, else `reason`; requests the next mask if seq goes on.
+  FinishReason advance_grammar(Sequence& seq, int32_t token, FinishReason reason, Failure& failure);
   void publish_metrics();  // caller holds state_mu_
-  void finish(Sequence* seq, FinishReason reason, const std::string& error = "");
-  void flush(Sequence& seq, bool finished, FinishReason reason, const std::string& error);
+  void finish(Sequence* seq, FinishReason reason, const Failure& failure = {});
+  void flush(Sequence& seq, bool finished, FinishReason reason, const Failure& failure);
   void post(std::shared_ptr<OutputCallback> cb, RequestOutput&& out);
   void post_release(std::shared_ptr<OutputCallback> cb);
   void end_sample(int64_t request_id);
   // A finished output without tokens for one completion of seq's request (that completion then ends).
-  void post_final(const Sequence& seq, int32_t sample_index, FinishReason reason, const std::string& error);
+  void post_final(const Sequence& seq, int32_t sample_index, FinishReason reason, const Failure& failure);
 
   EngineOptions options_;
   std::unique_ptr<Executor> executor_;

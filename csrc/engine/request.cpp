@@ -38,4 +38,14 @@ const char* finish_reason_name(FinishReason r) {
   return "";
 }
 
+const char* error_kind_name(ErrorKind k) {
+  switch (k) {
+    case ErrorKind::kNone: return "";
+    case ErrorKind::kDoesNotFit: return "does_not_fit";
+    case ErrorKind::kGrammar: return "grammar";
+    case ErrorKind::kInternal: return "internal";
+  }
+  return "";
+}
+
 }  // namespace lmkit

@@ -44,6 +44,16 @@ struct SamplingParams {
 enum class FinishReason : int32_t { kNone = 0, kStop = 1, kLength = 2, kError = 3, kCancelled = 4 };
 const char* finish_reason_name(FinishReason r);
 
+// Why a request ended with kError. kDoesNotFit is the caller's to fix (the request can never fit the KV pool:
+// a 400); kGrammar (the grammar refused a sampled token) and kInternal (a step failed) are the engine's (a 500).
+enum class ErrorKind : int32_t { kNone = 0, kDoesNotFit = 1, kGrammar = 2, kInternal = 3 };
+const char* error_kind_name(ErrorKind k);  // "", "does_not_fit", "grammar", "internal"
+
+struct Failure {
+  ErrorKind kind = ErrorKind::kNone;
+  std::string message;
+};
+
 // What the callback thread hands to a request's consumer after a step.
 struct RequestOutput {
   int64_t request_id = 0;
@@ -52,6 +62,7 @@ struct RequestOutput {
   bool finished = false;
   FinishReason finish_reason = FinishReason::kNone;
   std::string error;             // set when finish_reason == kError
+  ErrorKind error_kind = ErrorKind::kNone;
   std::vector<float> logits;     // [rows, vocab] when output_logits, rows of this output's positions
   int32_t num_logit_rows = 0;
   int32_t num_prompt_tokens = 0;

@@ -185,6 +185,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("finish_reason",
                              [](const RequestOutput& o) { return std::string(finish_reason_name(o.finish_reason)); })
       .def_readonly("error", &RequestOutput::error)
+      .def_property_readonly("error_kind", [](const RequestOutput& o) { return error_kind_name(o.error_kind); })
       .def_readonly("num_prompt_tokens", &RequestOutput::num_prompt_tokens)
       .def_property_readonly("logits", [](const RequestOutput& o) -> py::object {
         if (o.num_logit_rows == 0) return py::none();

@@ -1,0 +1,92 @@
+"""Grammars that make a model call tools (``tool_choice: "required"`` or a named function): the call is written
+in its family's format, names one of the allowed functions, and its arguments validate against that function's
+``parameters`` (llguidance's ``%json``). Lark text for lmkit.structured.StructuredOutput(grammar=...).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+from lmkit.serve.tools.parsers import (HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser,
+                                       ToolParser)
+from lmkit.structured import JSON_LAYOUT
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)
+
+
+def _call_object(name: str, parameters: dict, arguments_key: str) -> dict:
+    """The JSON schema of ``{"name": name, arguments_key: {...}}`` in that key order."""
+    return {"type": "object", "properties": {"name": {"const": name}, arguments_key: parameters},
+            "required": ["name", arguments_key], "additionalProperties": False}
+
+
+def _json_rule(schema: dict) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+
+
+def tool_call_grammar(parser: type[ToolParser], tools: dict[str, dict], parallel: bool,
+                      special_token_id: Callable[[str], int | None]) -> str:
+    """Lark for one or more calls (``parallel``) of ``tools`` (name -> parameters schema) in ``parser``'s format.
+    ``special_token_id(text)`` is the id of a special token (Mistral's markers), None when the vocabulary lacks it."""
+    names = list(tools)
+    if parser is Qwen3CoderParser:
+        return _qwen3_coder_grammar(tools, parallel)
+    key = "parameters" if parser is Llama3JsonParser else "arguments"
+    objects = "call_object: " + " | ".join(f"call_{i}" for i in range(len(names))) + "\n" + "".join(
+        f"call_{i}: {_json_rule(_call_object(name, tools[name], key))}\n" for i, name in enumerate(names))
+    if parser is HermesParser:
+        call = f'call: {_lark_string(HermesParser.start + chr(10))} call_object {_lark_string(chr(10) + HermesParser.end)}'
+        return f'start: call{" (" + _lark_string(chr(10)) + " call)*" if parallel else ""}\n{call}\n{objects}'
+    if parser is Llama3JsonParser:
+        return f'start: call_object{" (" + _lark_string("; ") + " call_object)*" if parallel else ""}\n{objects}'
+    if parser is MistralParser:
+        marker = _token_rule(MistralParser.marker, special_token_id)
+        args = special_token_id(MistralParser.args_marker)
+        if args is not None:  # name[ARGS]{...} (tokenizers with an [ARGS] control token)
+            alternatives = " | ".join(
+                f"{_lark_string(name)} <[{args}]> {_json_rule(tools[name])}" for name in names)
+            return f"start: call{'+' if parallel else ''}\ncall: {marker} ({alternatives})\n"
+        more = f' ({_lark_string(", ")} call_object)*' if parallel else ""
+        return f'start: {marker} "[" call_object{more} "]"\n{objects}'
+    raise ValueError(f"no grammar for the {parser.name} tool call format")
+
+
+def _token_rule(text: str, special_token_id: Callable[[str], int | None]) -> str:
+    token = special_token_id(text)
+    return f"<[{token}]>" if token is not None else _lark_string(text)
+
+
+def _qwen3_coder_grammar(tools: dict[str, dict], parallel: bool) -> str:
+    """XML calls: each of a function's parameters in order, optional ones may be left out; a string parameter
+    is text up to the closing tag (its enum or length enforced; a pattern or format is not), any other a JSON
+    value of its schema."""
+    rules, functions = [], []
+    closing = _lark_string("\n</parameter>")
+    for i, (name, schema) in enumerate(tools.items()):
+        properties = schema.get("properties") or {}
+        required = set(schema.get("required") or [])
+        parts = []
+        for j, (key, prop) in enumerate(properties.items()):
+            prop = prop if isinstance(prop, dict) else {}
+            head = _lark_string(f"<parameter={key}>\n")
+            if prop.get("type") == "string" and isinstance(prop.get("enum"), list):
+                value = "(" + " | ".join(_lark_string(str(v)) for v in prop["enum"]) + f") {closing}"
+            elif prop.get("type", "string") == "string":  # raw text up to the closing tag, within its length
+                low, high = int(prop.get("minLength", 0)), prop.get("maxLength")
+                repeat = f"{{{low},{int(high)}}}" if high is not None else ("*" if low == 0 else f"{{{low},}}")
+                rules.append(f"text_{i}_{j}[lazy]: /(.|\\n){repeat}\\n<\\/parameter>/")
+                value = f"text_{i}_{j}"
+            else:
+                value = f"{_json_rule(prop)} {closing}"
+            rules.append(f"p_{i}_{j}: {head} {value} {_lark_string(chr(10))}")
+            parts.append(f"p_{i}_{j}" if key in required else f"p_{i}_{j}?")
+        functions.append(f"f_{i}")
+        rules.append(f"f_{i}: {_lark_string(f'<function={name}>' + chr(10))} {' '.join(parts)} "
+                     f"{_lark_string('</function>' + chr(10))}")
+    call = (f'call: {_lark_string("<tool_call>" + chr(10))} ({" | ".join(functions)}) '
+            f'{_lark_string("</tool_call>")}')
+    start = f'start: call{" (" + _lark_string(chr(10)) + " call)*" if parallel else ""}'
+    return "\n".join([start, call, *rules]) + "\n"

@@ -1,0 +1,410 @@
+"""Tool-call parsers: the text of one completion, as it streams, split into content and OpenAI tool-call deltas
+(``--tool-call-parser``, or the one the chat template speaks).
+
+Formats:
+  hermes        Qwen2.5, Qwen3, Hermes: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, repeated
+  llama3_json   Llama 3.1-3.3: the answer is ``{"name": ..., "parameters": {...}}`` (after an optional
+                ``<|python_tag|>``), several separated by ``;``
+  mistral       ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, or ``[TOOL_CALLS]name[ARGS]{...}`` repeated
+  qwen3_coder   ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>...</function>\\n</tool_call>``
+
+A call's name is sent once, then its arguments as fragments of the model's JSON (joined, they are exactly the
+arguments of the whole answer). Text that only begins a marker is held back until it is decided, so markup
+never reaches ``content``; a call that does not parse (in ``auto``) is given back as the text it was.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from dataclasses import dataclass
+
+from lmkit.serve.reasoning import held_prefix
+from lmkit.serve.tools.json_reader import CallReader
+
+_WS = " \t\r\n"
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of one tool call: the first piece of each call has its id and name."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+    def chunk(self) -> dict:
+        """OpenAI's ``delta.tool_calls`` item."""
+        if self.name is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ToolCall:
+    """A whole call, as the non-streamed answer carries it."""
+
+    id: str
+    name: str
+    arguments: str = ""
+
+    def message(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def merge_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Joins consecutive argument fragments of the same call (one chunk per call and step)."""
+    out: list[ToolCallDelta] = []
+    for d in deltas:
+        if out and out[-1].index == d.index and d.name is None:
+            out[-1].arguments += d.arguments
+        else:
+            out.append(ToolCallDelta(d.index, d.arguments, d.id, d.name))
+    return out
+
+
+class ToolParser:
+    """One completion's tool calls. ``feed(text, final)`` returns (content delta, tool-call deltas)."""
+
+    name = ""
+    markers: tuple[str, ...] = ()
+    """The format's marker texts (decoding keeps them where they are special tokens)."""
+    id_alphabet = string.ascii_letters + string.digits
+
+    def __init__(self, tools: dict[str, dict]):
+        self.tools = tools  # name -> parameters schema
+        self.calls: list[ToolCall] = []
+        self._buffer = ""
+        self._content: list[str] = []
+        self._deltas: list[ToolCallDelta] = []
+        self.state = "text"
+
+    @classmethod
+    def new_call_id(cls) -> str:
+        return "call_" + "".join(secrets.choice(cls.id_alphabet) for _ in range(24))
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        self._buffer += text
+        while self._step(final):
+            pass
+        if final:
+            self._finish()
+        content, deltas = "".join(self._content), merge_deltas(self._deltas)
+        self._content, self._deltas = [], []
+        return content, deltas
+
+    # ---- for the formats ------------------------------------------------------------------------------------
+
+    def _step(self, final: bool) -> bool:
+        """Consumes what it can of self._buffer; True when it should be called again."""
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        """The answer ended: what is still held is content (a call cut short stays as sent)."""
+        if self._buffer and not (self.calls and self.state != "text"):
+            self._content.append(self._buffer)
+        self._buffer = ""
+
+    def _text_until(self, marker: str, final: bool, strip_after_call: bool = True) -> bool:
+        """Content up to ``marker`` (True: found and consumed), holding back a possible start of it."""
+        if strip_after_call and self.calls:  # between and after calls, whitespace is layout, not content
+            self._buffer = self._buffer.lstrip(_WS)
+        at = self._buffer.find(marker)
+        if at >= 0:
+            self._content.append(self._buffer[:at])
+            self._buffer = self._buffer[at + len(marker):]
+            return True
+        keep = 0 if final else held_prefix(self._buffer, marker)
+        self._content.append(self._buffer[:len(self._buffer) - keep])
+        self._buffer = self._buffer[len(self._buffer) - keep:]
+        return False
+
+    def _expect(self, marker: str, final: bool) -> bool | None:
+        """Skips whitespace, then consumes ``marker``: True when consumed, None when undecided, False when other
+        text is there."""
+        self._buffer = self._buffer.lstrip(_WS)
+        if self._buffer.startswith(marker):
+            self._buffer = self._buffer[len(marker):]
+            return True
+        if not final and marker.startswith(self._buffer):
+            return None
+        return False
+
+    def _start_call(self, name: str) -> None:
+        call = ToolCall(self.new_call_id(), name)
+        self.calls.append(call)
+        self._deltas.append(ToolCallDelta(len(self.calls) - 1, "", call.id, name))
+
+    def _add_arguments(self, fragment: str) -> None:
+        if fragment:
+            self.calls[-1].arguments += fragment
+            self._deltas.append(ToolCallDelta(len(self.calls) - 1, fragment))
+
+    def _new_reader(self) -> CallReader:
+        return CallReader(self._start_call, self._add_arguments)
+
+    def _read_call(self, reader: CallReader, prefix: str) -> str:
+        """Feeds the buffer to ``reader``: "done", "more" (needs text) or "failed" (its text, after ``prefix``,
+        given back as content unless the call was already sent)."""
+        used = reader.feed(self._buffer)
+        self._buffer = self._buffer[used:]
+        if reader.failed:
+            if reader.name is None:
+                self._content.append(prefix + reader.raw)
+            return "failed"
+        if reader.done:
+            if reader.arguments is None:
+                self._add_arguments("{}")
+            return "done"
+        return "more"
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    start, end = "<tool_call>", "</tool_call>"
+    markers = (start, end)
+
+    def _step(self, final: bool) -> bool:
+        if self.state == "text":
+            if not self._text_until(self.start, final):
+                return False
+            self.state, self._reader = "call", self._new_reader()
+            return True
+        if self.state == "call":
+            result = self._read_call(self._reader, self.start)
+            if result == "more":
+                return False
+            self.state = "close" if result == "done" else "text"
+            return True
+        found = self._expect(self.end, final)  # close
+        if found is None:
+            return False
+        self.state = "text"
+        return True
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    python_tag = "<|python_tag|>"
+    markers = (python_tag,)
+
+    def __init__(self, tools):
+        super().__init__(tools)
+        self.state = "start"
+
+    def _step(self, final: bool) -> bool:
+        if self.state == "start":
+            found = self._expect(self.python_tag, final)
+            if found is None:
+                return False
+            if not self._buffer and not final:
+                return False
+            self.state = "call" if self._buffer.startswith("{") else "content"
+            self._reader = self._new_reader()
+            return True
+        if self.state == "content":
+            self._content.append(self._buffer)
+            self._buffer = ""
+            return False
+        if self.state == "call":
+            result = self._read_call(self._reader, "")
+            if result == "more":
+                return False
+            self.state = "separator" if result == "done" else "content"
+            return True
+        found = self._expect(";", final)  # separator
+        if found is None:
+            return False
+        if found:
+            self.state, self._reader = "call", self._new_reader()
+            return True
+        self.state = "content"
+        return True
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    marker, args_marker = "[TOOL_CALLS]", "[ARGS]"
+    markers = (marker, args_marker)
+
+    @classmethod
+    def new_call_id(cls) -> str:  # Mistral's templates require 9 alphanumeric characters
+        return "".join(secrets.choice(cls.id_alphabet) for _ in range(9))
+
+    def _step(self, final: bool) -> bool:
+        if self.state == "text":
+            if not self._text_until(self.marker, final):
+                return False
+            self.state = "after_marker"
+            return True
+        if self.state == "after_marker":
+            self._buffer = self._buffer.lstrip(_WS)
+            if not self._buffer:
+                return False
+            if self._buffer.startswith("["):
+                self._buffer = self._buffer[1:]
+                self.state, self._reader = "array_item", self._new_reader()
+            else:
+                self.state, self._name = "name", ""
+            return True
+        if self.state == "name":  # name[ARGS]{...}
+            at = self._buffer.find(self.args_marker)
+            if at < 0:
+                if final:
+                    self._content.append(self.marker + self._buffer)
+                    self._buffer, self.state = "", "text"
+                return False
+            self._start_call(self._buffer[:at].strip())
+            self._buffer = self._buffer[at + len(self.args_marker):]
+            self.state, self._reader = "args", self._new_reader()
+            self._reader.start_value(self.calls[-1].name)
+            return True
+        if self.state == "args":
+            result = self._read_call(self._reader, "")
+            if result == "more":
+                return False
+            self.state = "text"
+            return True
+        if self.state == "array_item":
+            result = self._read_call(self._reader, self.marker + "[")
+            if result == "more":
+                return False
+            self.state = "array_next" if result == "done" else "text"
+            return True
+        found = self._expect(",", final)  # array_next
+        if found is None:
+            return False
+        if found:
+            self.state, self._reader = "array_item", self._new_reader()
+            return True
+        if self._expect("]", final) is None:
+            return False
+        self.state = "text"
+        return True
+
+
+class Qwen3CoderParser(ToolParser):
+    """XML calls; each parameter's text is converted by the function's parameter schema (a string stays text,
+    other types are read as JSON, falling back to the text), and string values stream as they are written."""
+
+    name = "qwen3_coder"
+    start, end = "<tool_call>", "</tool_call>"
+    markers = (start, end)
+
+    def _step(self, final: bool) -> bool:
+        if self.state == "text":
+            if not self._text_until(self.start, final):
+                return False
+            self.state = "function"
+            return True
+        if self.state == "function":
+            found = self._expect("<function=", final)
+            if found is None:
+                return False
+            at = self._buffer.find(">") if found else -1
+            if found and at < 0 and not final:
+                self._buffer = "<function=" + self._buffer
+                return False
+            if not found or at < 0:
+                self._content.append(self.start + self._buffer)
+                self._buffer, self.state = "", "text"
+                return False
+            self._start_call(self._buffer[:at].strip())
+            self._buffer = self._buffer[at + 1:]
+            self.state, self._num_params = "parameter", 0
+            return True
+        if self.state == "parameter":
+            found = self._expect("<parameter=", final)
+            if found is None:
+                return False
+            if found:
+                at = self._buffer.find(">")
+                if at < 0:  # the key is still being written
+                    self._buffer = "<parameter=" + self._buffer
+                    return False
+                key = self._buffer[:at].strip()
+                self._buffer = self._buffer[at + 1:]
+                self._param, self._is_text = key, self._param_type(key) == "string"
+                self._add_arguments(("{" if self._num_params == 0 else ", ") + json.dumps(key) + ": "
+                                    + ('"' if self._is_text else ""))
+                self._num_params += 1
+                self._value = ""
+                self.state = "value_start"
+                return True
+            closed = self._expect("</function>", final)
+            if closed is None:
+                return False
+            self._add_arguments("}" if self._num_params else "{}")
+            self.state = "close"
+            return True
+        if self.state == "value_start":  # the line break after the tag is layout
+            if not self._buffer and not final:
+                return False
+            if self._buffer.startswith("\n"):
+                self._buffer = self._buffer[1:]
+            self.state = "value"
+            return True
+        if self.state == "value":
+            marker = "\n</parameter>"
+            at = self._buffer.find(marker)
+            alt = self._buffer.find("</parameter>")
+            if at < 0 and alt >= 0:
+                at, marker = alt, "</parameter>"
+            piece = self._buffer if at < 0 else self._buffer[:at]
+            keep = 0 if (at >= 0 or final) else held_prefix(piece, marker)
+            piece = piece[:len(piece) - keep]
+            self._buffer = self._buffer[len(piece):]
+            if self._is_text:
+                self._add_arguments(json.dumps(piece, ensure_ascii=False)[1:-1])
+            else:
+                self._value += piece
+            if at < 0:
+                return False
+            self._buffer = self._buffer[len(marker):]
+            self._add_arguments('"' if self._is_text else self._json_value(self._value))
+            self.state = "parameter"
+            return True
+        found = self._expect(self.end, final)  # close
+        if found is None:
+            return False
+        self.state = "text"
+        return True
+
+    def _param_type(self, key: str):
+        schema = self.tools.get(self.calls[-1].name) or {}
+        prop = (schema.get("properties") or {}).get(key) or {}
+        return prop.get("type", "string") if isinstance(prop, dict) else "string"
+
+    @staticmethod
+    def _json_value(text: str) -> str:
+        try:
+            return json.dumps(json.loads(text), ensure_ascii=False)
+        except ValueError:
+            return json.dumps(text, ensure_ascii=False)
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser)}
+
+
+def tool_parser_class(name: str) -> type[ToolParser]:
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}")
+    return TOOL_PARSERS[name]
+
+
+def detect_tool_parser(chat_template: str | None) -> type[ToolParser] | None:
+    """The tool-call format a chat template teaches its model, from the markers it writes."""
+    t = chat_template or ""
+    if "<function=" in t and "<parameter=" in t:
+        return Qwen3CoderParser
+    if "<tool_call>" in t:
+        return HermesParser
+    if "[TOOL_CALLS]" in t:
+        return MistralParser
+    if "<|python_tag|>" in t or ('"parameters"' in t and "ipython" in t):
+        return Llama3JsonParser
+    return None

@@ -1,0 +1,91 @@
+"""The tool-call and reasoning parsers on their own: every split of a text into stream pieces gives the same
+content, calls and reasoning as the whole text; markup never reaches content; broken calls come back as text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmkit.serve.reasoning import REASONING_FORMATS
+from lmkit.serve.tools.parsers import TOOL_PARSERS
+
+RUN = {"run": {"type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"},
+                                                "opts": {"type": "object"}}}}
+CASES = [  # (parser, text, content, [(name, arguments as JSON value)])
+    ("hermes", 'Let me look.<tool_call>\n{"name": "f", "arguments": {"q": "a}\\"<tool_call>", "n": [1, {"b": null}]}}'
+               '\n</tool_call>\n<tool_call>\n{"arguments": {"x": 1.5e3}, "name": "g"}\n</tool_call>',
+     "Let me look.", [("f", {"q": 'a}"<tool_call>', "n": [1, {"b": None}]}), ("g", {"x": 1500.0})]),
+    ("hermes", "a <tool_ b <tool_call>{not json}</tool_call> c", "a <tool_ b <tool_call>{not json}</tool_call> c", []),
+    ("hermes", '<tool_call>\n{"name": "f"}\n</tool_call>', "", [("f", {})]),
+    ("hermes", "plain text, no call", "plain text, no call", []),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"a": "x;y"}}; {"name": "g", "parameters": {}}', "",
+     [("f", {"a": "x;y"}), ("g", {})]),
+    ("llama3_json", '  {"name": "f", "parameters": {"a": true}}', "", [("f", {"a": True})]),
+    ("llama3_json", "The answer is {x}.", "The answer is {x}.", []),
+    ("mistral", 'ok [TOOL_CALLS][{"name": "f", "arguments": {"a": "]"}}, {"name": "g", "arguments": {"b": 2}}]', "ok ",
+     [("f", {"a": "]"}), ("g", {"b": 2})]),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": [1, 2]}[TOOL_CALLS]g[ARGS]{}', "", [("f", {"a": [1, 2]}), ("g", {})]),
+    ("qwen3_coder", 'Sure.\n<tool_call>\n<function=run>\n<parameter=code>\nif a < b:\n    print("</param")\n'
+                    '</parameter>\n<parameter=n>\n3\n</parameter>\n<parameter=opts>\n{"v": [1]}\n</parameter>\n'
+                    '</function>\n</tool_call>', "Sure.\n",
+     [("run", {"code": 'if a < b:\n    print("</param")', "n": 3, "opts": {"v": [1]}})]),
+    ("qwen3_coder", "<tool_call>\n<function=run>\n</function>\n</tool_call>", "", [("run", {})]),
+]
+
+
+def run(parser_cls, text: str, cuts: list[int]):
+    parser = parser_cls(RUN)
+    content, calls = "", {}
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    for k, piece in enumerate(pieces):
+        c, deltas = parser.feed(piece, final=k == len(pieces) - 1)
+        content += c
+        for d in deltas:
+            if d.name is not None:
+                assert d.index not in calls and d.id
+                calls[d.index] = [d.name, ""]
+            calls[d.index][1] += d.arguments
+    return content, [tuple(calls[i]) for i in sorted(calls)], parser
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES)
+def test_every_split_parses_alike(name, text, content, calls):
+    whole_content, whole_calls, parser = run(TOOL_PARSERS[name], text, [])
+    assert whole_content == content
+    assert [(n, json.loads(a)) for n, a in whole_calls] == calls
+    assert [(c.name, c.arguments) for c in parser.calls] == whole_calls
+    for step in (1, 2, 3, 5, 8):
+        assert run(TOOL_PARSERS[name], text, list(range(step, len(text), step)))[:2] == (whole_content, whole_calls)
+
+
+def test_mistral_ids_are_nine_alphanumerics():
+    parser = TOOL_PARSERS["mistral"]({})
+    parser.feed('[TOOL_CALLS][{"name": "f", "arguments": {}}]', final=True)
+    assert len(parser.calls[0].id) == 9 and parser.calls[0].id.isalnum()
+
+
+REASONING = [  # (format, prompt, answer, reasoning, content)
+    ("qwen3", "<|im_start|>assistant\n", "<think>\nplan\n</think>\n\nanswer", "plan\n", "answer"),
+    ("qwen3", "<|im_start|>assistant\n", "  <thinking is not a tag", "", "  <thinking is not a tag"),
+    ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "answer <think>x</think>", "",
+     "answer <think>x</think>"),
+    ("qwen3", "<|im_start|>assistant\n<think>\n", "plan</think>answer", "plan", "answer"),
+    ("qwen3", "<|im_start|>assistant\n", "<think>cut short </th", "cut short </th", ""),
+    ("deepseek_r1", "x", "plan</think>\n\nanswer", "plan", "answer"),
+    ("deepseek_r1", "x", "<think>\nplan</think>answer", "plan", "answer"),
+    ("deepseek_r1", "x", "\n\nplan", "plan", ""),
+]
+
+
+@pytest.mark.parametrize("fmt,prompt,answer,reasoning,content", REASONING)
+def test_reasoning_splits_alike_streamed_and_whole(fmt, prompt, answer, reasoning, content):
+    f = REASONING_FORMATS[fmt]
+    assert f.parser(prompt).feed(answer, final=True) == (reasoning, content)
+    for step in (1, 2, 3):
+        p, r, c = f.parser(prompt), "", ""
+        pieces = [answer[i:i + step] for i in range(0, len(answer), step)]
+        for k, piece in enumerate(pieces):
+            a, b = p.feed(piece, final=k == len(pieces) - 1)
+            r, c = r + a, c + b
+        assert (r, c) == (reasoning, content)
