@@ -43,7 +43,7 @@ class ChoiceEvent:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     is_first: bool = False
-    """The completion's first event (the chat role chunk goes with it)."""
+    """The completion's first event (the chat role chunk goes with it); set by the stream that yields it."""
 
     @property
     def is_empty(self) -> bool:
@@ -80,8 +80,7 @@ class Choice:
         if final and finish_reason == "stop" and self.tool_calls:
             finish_reason = "tool_calls"
         event = ChoiceEvent(self.index, text, reasoning, calls, list(r.token_ids), list(r.logprobs or []),
-                            finish_reason, is_first=self.num_tokens == 0 and not self.text and not self.reasoning
-                            and self.finish_reason is None and not self.token_ids)
+                            finish_reason)
         self.add(event, r.generate_token_len)
         return event
 

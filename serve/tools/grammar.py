@@ -29,9 +29,10 @@ def _json_rule(schema: dict) -> str:
 
 def tool_call_grammar(parser: type[ToolParser], tools: dict[str, dict], parallel: bool,
                       special_token_id: Callable[[str], int | None]) -> str:
-    """Lark for one or more calls (``parallel``) of ``tools`` (name -> parameters schema) in ``parser``'s format.
+    """Lark for one or more calls (``parallel``, where the family's template can render them back) of ``tools`` (name -> parameters schema) in ``parser``'s format.
     ``special_token_id(text)`` is the id of a special token (Mistral's markers), None when the vocabulary lacks it."""
     names = list(tools)
+    parallel = parallel and parser.supports_parallel
     if parser is Qwen3CoderParser:
         return _qwen3_coder_grammar(tools, parallel)
     key = "parameters" if parser is Llama3JsonParser else "arguments"

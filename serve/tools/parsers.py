@@ -72,6 +72,8 @@ class ToolParser:
     name = ""
     markers: tuple[str, ...] = ()
     """The format's marker texts (decoding keeps them where they are special tokens)."""
+    supports_parallel = True
+    """Whether the family's template can render several calls in one assistant message."""
     id_alphabet = string.ascii_letters + string.digits
 
     def __init__(self, tools: dict[str, dict]):
@@ -190,6 +192,7 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     python_tag = "<|python_tag|>"
     markers = (python_tag,)
+    supports_parallel = False  # Llama 3.1's template refuses a message of several calls
 
     def __init__(self, tools):
         super().__init__(tools)

@@ -130,7 +130,9 @@ def test_parallel_calls(servers, family):
             assert len({c["id"] for c in calls}) == len(calls)
         check_calls(message)
         counts.append(len(message.tool_calls))
-    if family != "qwen3_coder" or counts:
+    if family == "llama3.1":  # its template renders one call per message: the grammar allows one
+        assert counts and max(counts) == 1, counts
+    elif family != "qwen3_coder" or counts:
         assert max(counts) > 1, counts
 
 
