@@ -77,10 +77,14 @@ class ServerConfig:
 
     def parsers(self, chat_template: str | None):
         """(tool parser class, reasoning format) for a model with this chat template."""
-        tools = {"auto": lambda: detect_tool_parser(chat_template), "none": lambda: None}.get(
-            self.tool_call_parser, lambda: tool_parser_class(self.tool_call_parser))()
-        reasoning = {"auto": lambda: detect_reasoning_format(chat_template), "none": lambda: None}.get(
-            self.reasoning_parser, lambda: reasoning_format(self.reasoning_parser))()
+        if self.tool_call_parser == "auto":
+            tools = detect_tool_parser(chat_template)
+        else:
+            tools = None if self.tool_call_parser == "none" else tool_parser_class(self.tool_call_parser)
+        if self.reasoning_parser == "auto":
+            reasoning = detect_reasoning_format(chat_template)
+        else:
+            reasoning = None if self.reasoning_parser == "none" else reasoning_format(self.reasoning_parser)
         return tools, reasoning
 
     @property

@@ -78,6 +78,13 @@ class OpenAIServing:
         """The format of tool calls (None: this model's template has none lmkit knows; tools get a 400)."""
         self.reasoning = reasoning
         """The reasoning format of answers (None: answers are all content)."""
+        tokenizer = engine.tokenizer
+        # Markers that are special tokens must stay in the decoded text for the parsers to read them.
+        tool_markers = tool_parser.markers if tool_parser else ()
+        reasoning_markers = (reasoning.start, reasoning.end) if reasoning else ()
+        self._tool_markers_special = any(tokenizer.is_special(m) for m in tool_markers)
+        self._reasoning_markers_special = any(tokenizer.is_special(m) for m in reasoning_markers)
+        self._reasoning_end_id = tokenizer.single_token_id(reasoning.end) if reasoning else None
         self.created = int(time.time())
         self._token_text: dict[int, tuple[str, list[int]]] = {}
         # Its own pool: in the loop's default executor, prepares would queue /health's engine probe behind them.
@@ -192,13 +199,12 @@ class OpenAIServing:
             gen = dataclasses.replace(gen, structured_output=StructuredOutput(grammar=lark))
             constraint_param = "tool_choice"
         if gen.structured_output is not None and reasoning is not None and reasoning.thinks_after(text):
-            end = tokenizer.single_token_id(reasoning.end)
-            if end is None:
+            if self._reasoning_end_id is None:
                 raise bad_request(f"{constraint_param}: the structured output would start after the thinking, but "
                                   f"{reasoning.end} is not one token of this model", constraint_param)
-            gen = dataclasses.replace(gen, structured_output_after_token=end)
-        markers = (parser.markers if parser else ()) + ((reasoning.start, reasoning.end) if reasoning else ())
-        if gen.skip_special_tokens and any(tokenizer.is_special(m) for m in markers):
+            gen = dataclasses.replace(gen, structured_output_after_token=self._reasoning_end_id)
+        keeps_special = self._reasoning_markers_special or (parser is not None and self._tool_markers_special)
+        if gen.skip_special_tokens and keeps_special:
             gen = dataclasses.replace(gen, skip_special_tokens=False)  # the parsers read them
         return ids, output, gen, constraint_param
 

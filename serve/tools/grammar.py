@@ -13,6 +13,9 @@ from lmkit.serve.tools.parsers import (HermesParser, Llama3JsonParser, MistralPa
 from lmkit.structured import JSON_LAYOUT
 
 
+_NL = "\n"  # (a name: f-string expressions cannot hold a backslash)
+
+
 def _lark_string(text: str) -> str:
     return json.dumps(text)
 
@@ -29,7 +32,8 @@ def _json_rule(schema: dict) -> str:
 
 def tool_call_grammar(parser: type[ToolParser], tools: dict[str, dict], parallel: bool,
                       special_token_id: Callable[[str], int | None]) -> str:
-    """Lark for one or more calls (``parallel``, where the family's template can render them back) of ``tools`` (name -> parameters schema) in ``parser``'s format.
+    """Lark for one or more calls (``parallel``, where the family's template can render them back) of ``tools``
+    (name -> parameters schema) in ``parser``'s format.
     ``special_token_id(text)`` is the id of a special token (Mistral's markers), None when the vocabulary lacks it."""
     names = list(tools)
     parallel = parallel and parser.supports_parallel
@@ -39,8 +43,8 @@ def tool_call_grammar(parser: type[ToolParser], tools: dict[str, dict], parallel
     objects = "call_object: " + " | ".join(f"call_{i}" for i in range(len(names))) + "\n" + "".join(
         f"call_{i}: {_json_rule(_call_object(name, tools[name], key))}\n" for i, name in enumerate(names))
     if parser is HermesParser:
-        call = f'call: {_lark_string(HermesParser.start + chr(10))} call_object {_lark_string(chr(10) + HermesParser.end)}'
-        return f'start: call{" (" + _lark_string(chr(10)) + " call)*" if parallel else ""}\n{call}\n{objects}'
+        call = f'call: {_lark_string(HermesParser.start + _NL)} call_object {_lark_string(_NL + HermesParser.end)}'
+        return f'start: call{" (" + _lark_string(_NL) + " call)*" if parallel else ""}\n{call}\n{objects}'
     if parser is Llama3JsonParser:
         return f'start: call_object{" (" + _lark_string("; ") + " call_object)*" if parallel else ""}\n{objects}'
     if parser is MistralParser:
@@ -82,12 +86,12 @@ def _qwen3_coder_grammar(tools: dict[str, dict], parallel: bool) -> str:
                 value = f"text_{i}_{j}"
             else:
                 value = f"{_json_rule(prop)} {closing}"
-            rules.append(f"p_{i}_{j}: {head} {value} {_lark_string(chr(10))}")
+            rules.append(f"p_{i}_{j}: {head} {value} {_lark_string(_NL)}")
             parts.append(f"p_{i}_{j}" if key in required else f"p_{i}_{j}?")
         functions.append(f"f_{i}")
-        rules.append(f"f_{i}: {_lark_string(f'<function={name}>' + chr(10))} {' '.join(parts)} "
-                     f"{_lark_string('</function>' + chr(10))}")
-    call = (f'call: {_lark_string("<tool_call>" + chr(10))} ({" | ".join(functions)}) '
+        rules.append(f"f_{i}: {_lark_string(f'<function={name}>' + _NL)} {' '.join(parts)} "
+                     f"{_lark_string('</function>' + _NL)}")
+    call = (f'call: {_lark_string("<tool_call>" + _NL)} ({" | ".join(functions)}) '
             f'{_lark_string("</tool_call>")}')
-    start = f'start: call{" (" + _lark_string(chr(10)) + " call)*" if parallel else ""}'
+    start = f'start: call{" (" + _lark_string(_NL) + " call)*" if parallel else ""}'
     return "\n".join([start, call, *rules]) + "\n"

@@ -145,23 +145,28 @@ class ToolParser:
             self.calls[-1].arguments += fragment
             self._deltas.append(ToolCallDelta(len(self.calls) - 1, fragment))
 
-    def _new_reader(self) -> CallReader:
-        return CallReader(self._start_call, self._add_arguments)
+    def _start_reading(self, state: str) -> None:
+        """Enters ``state``, in which _read_call reads a new JSON call."""
+        self.state, self._reader = state, CallReader(self._start_call, self._add_arguments)
 
-    def _read_call(self, reader: CallReader, prefix: str) -> str:
-        """Feeds the buffer to ``reader``: "done", "more" (needs text) or "failed" (its text, after ``prefix``,
-        given back as content unless the call was already sent)."""
+    def _read_call(self, prefix: str, done_state: str, failed_state: str) -> bool:
+        """Feeds the buffer to the call being read. Returns False while it needs more text; then enters
+        ``done_state``, or ``failed_state`` when the text is no call (given back as content, after ``prefix``,
+        unless the call was already sent) and returns True."""
+        reader = self._reader
         used = reader.feed(self._buffer)
         self._buffer = self._buffer[used:]
         if reader.failed:
             if reader.name is None:
                 self._content.append(prefix + reader.raw)
-            return "failed"
-        if reader.done:
+            self.state = failed_state
+        elif reader.done:
             if reader.arguments is None:
                 self._add_arguments("{}")
-            return "done"
-        return "more"
+            self.state = done_state
+        else:
+            return False
+        return True
 
 
 class HermesParser(ToolParser):
@@ -173,14 +178,10 @@ class HermesParser(ToolParser):
         if self.state == "text":
             if not self._text_until(self.start, final):
                 return False
-            self.state, self._reader = "call", self._new_reader()
+            self._start_reading("call")
             return True
         if self.state == "call":
-            result = self._read_call(self._reader, self.start)
-            if result == "more":
-                return False
-            self.state = "close" if result == "done" else "text"
-            return True
+            return self._read_call(self.start, "close", "text")
         found = self._expect(self.end, final)  # close
         if found is None:
             return False
@@ -205,26 +206,24 @@ class Llama3JsonParser(ToolParser):
                 return False
             if not self._buffer and not final:
                 return False
-            self.state = "call" if self._buffer.startswith("{") else "content"
-            self._reader = self._new_reader()
+            if self._buffer.startswith("{"):
+                self._start_reading("call")
+            else:
+                self.state = "content"
             return True
         if self.state == "content":
             self._content.append(self._buffer)
             self._buffer = ""
             return False
         if self.state == "call":
-            result = self._read_call(self._reader, "")
-            if result == "more":
-                return False
-            self.state = "separator" if result == "done" else "content"
-            return True
+            return self._read_call("", "separator", "content")
         found = self._expect(";", final)  # separator
         if found is None:
             return False
         if found:
-            self.state, self._reader = "call", self._new_reader()
-            return True
-        self.state = "content"
+            self._start_reading("call")
+        else:
+            self.state = "content"
         return True
 
 
@@ -249,9 +248,9 @@ class MistralParser(ToolParser):
                 return False
             if self._buffer.startswith("["):
                 self._buffer = self._buffer[1:]
-                self.state, self._reader = "array_item", self._new_reader()
+                self._start_reading("array_item")
             else:
-                self.state, self._name = "name", ""
+                self.state = "name"
             return True
         if self.state == "name":  # name[ARGS]{...}
             at = self._buffer.find(self.args_marker)
@@ -262,26 +261,18 @@ class MistralParser(ToolParser):
                 return False
             self._start_call(self._buffer[:at].strip())
             self._buffer = self._buffer[at + len(self.args_marker):]
-            self.state, self._reader = "args", self._new_reader()
+            self._start_reading("args")
             self._reader.start_value(self.calls[-1].name)
             return True
         if self.state == "args":
-            result = self._read_call(self._reader, "")
-            if result == "more":
-                return False
-            self.state = "text"
-            return True
+            return self._read_call("", "text", "text")
         if self.state == "array_item":
-            result = self._read_call(self._reader, self.marker + "[")
-            if result == "more":
-                return False
-            self.state = "array_next" if result == "done" else "text"
-            return True
+            return self._read_call(self.marker + "[", "array_next", "text")
         found = self._expect(",", final)  # array_next
         if found is None:
             return False
         if found:
-            self.state, self._reader = "array_item", self._new_reader()
+            self._start_reading("array_item")
             return True
         if self._expect("]", final) is None:
             return False

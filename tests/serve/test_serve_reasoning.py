@@ -60,19 +60,18 @@ def test_structured_output_starts_after_the_thinking(servers):  # noqa: F811
     """With thinking on, the schema applies after </think>: the engine is given that token."""
     import asyncio
 
-    from lmkit.serve.protocol import ChatCompletionRequest
-
-    engine = servers["qwen3"].engine
     from lmkit.serve.openai_serving import OpenAIServing
+    from lmkit.serve.protocol import ChatCompletionRequest
     from lmkit.serve.reasoning import REASONING_FORMATS
     from lmkit.serve.tools.parsers import HermesParser
 
+    engine = servers["qwen3"].engine
     serving = OpenAIServing(engine, "qwen3", tool_parser=HermesParser, reasoning=REASONING_FORMATS["qwen3"])
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     req = ChatCompletionRequest(model="qwen3", messages=[{"role": "user", "content": "hi"}],
                                 response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     prepared = asyncio.run(serving.prepare(req))
-    assert prepared.gen.structured_output_after_token == engine.tokenizer.single_token_id("</think>")
+    assert [prepared.gen.structured_output_after_token] == engine.tokenizer.encode("</think>", add_special_tokens=False)
     off = ChatCompletionRequest(model="qwen3", messages=[{"role": "user", "content": "hi"}],
                                 chat_template_kwargs={"enable_thinking": False},
                                 response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})

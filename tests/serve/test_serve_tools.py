@@ -60,7 +60,9 @@ def client_of(servers, family):
 def ask(family: str, extra_body: dict | None = None, **kw) -> dict:
     """A chat request offering TOOLS. Qwen3 is asked not to think: its grammar would wait for a </think> that a
     random model does not write (thinking models: test_serve_reasoning.py)."""
-    extra = {**(extra_body or {}), **({"chat_template_kwargs": {"enable_thinking": False}} if family == "qwen3" else {})}
+    extra = dict(extra_body or {})
+    if family == "qwen3":
+        extra["chat_template_kwargs"] = {"enable_thinking": False}
     return {"model": family, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
             "tools": TOOLS, "max_tokens": 300, "temperature": 1.0, "extra_body": extra, **kw}
 
