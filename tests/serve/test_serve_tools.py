@@ -220,9 +220,11 @@ def test_openai_parse_with_a_strict_pydantic_tool(servers):
     client = client_of(servers, "qwen2.5")
     r = client.chat.completions.parse(model="qwen2.5", messages=[{"role": "user", "content": "define cat"}],
                                       tools=[openai.pydantic_function_tool(Lookup)], max_tokens=200,
-                                      tool_choice={"type": "function", "function": {"name": "Lookup"}})
+                                      tool_choice={"type": "function", "function": {"name": "Lookup"}},
+                                      parallel_tool_calls=False, seed=0)
     parsed = r.choices[0].message.tool_calls[0].function.parsed_arguments
     assert isinstance(parsed, Lookup) and 1 <= parsed.limit <= 5
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
 
 
 BAD = [
