@@ -299,7 +299,7 @@ class RequestStream:
         self._bridge = _LoopBridge.of(loop)
         self._queue: asyncio.Queue = asyncio.Queue()
         submitted_at = engine.now()
-        self._states = [CompletionState(engine.tokenizer, gen_config, len(prompt_ids), index, k, submitted_at)
+        self._states = [CompletionState(engine.tokenizer, gen_config, prompt_ids, index, k, submitted_at)
                         for k in range(gen_config.n)]
         self.request_id = engine.submit(prompt_ids, gen_config, self._on_output, grammar=grammar)
 

@@ -46,7 +46,8 @@ class GenerationConfig:
     """Sampling and stopping parameters of one request. Validated on construction."""
 
     max_new_tokens: int = 512
-    """Tokens to generate at most (the session length may cut it shorter)."""
+    """Tokens to generate at most (the session length may cut it shorter); 0 computes only the prompt (to score
+    it with prompt_logprobs), ending with finish_reason "length"."""
     min_new_tokens: int = 0
     """Tokens to generate before eos and stop ids may end the request."""
     do_sample: bool = False
@@ -77,6 +78,9 @@ class GenerationConfig:
     """Completions per prompt; they share the prompt's KV blocks."""
     logprobs: int | None = None
     """Return each output token's logprob and this many most likely alternatives (0-20)."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob (after the first) and this many most likely alternatives (0-20),
+    from the model's raw logits; computed during prefill (the request takes no prefix-cache hits)."""
     ignore_eos: bool = False
     """Keep generating past the model's eos ids."""
     skip_special_tokens: bool = True
@@ -104,8 +108,9 @@ class GenerationConfig:
             rounded = f" (as a float32: {as_float32!r})" if in_range(float(value)) else ""
             check(in_range(as_float32), name, f"must be {rule}, got {value!r}{rounded}")
 
-        check(_is_int(self.max_new_tokens) and 1 <= self.max_new_tokens <= _INT32_MAX, "max_new_tokens",
-              f"must be an integer in [1, {_INT32_MAX}], got {self.max_new_tokens!r}")
+        check(_is_int(self.max_new_tokens) and 0 <= self.max_new_tokens <= _INT32_MAX, "max_new_tokens",
+              f"must be an integer in [0, {_INT32_MAX}] (0: only the prompt is computed), got "
+              f"{self.max_new_tokens!r}")
         check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens",
               f"must be an integer >= 0, got {self.min_new_tokens!r}")
         check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
@@ -141,6 +146,8 @@ class GenerationConfig:
               "structured_output_after_token", f"must be a token id, got {self.structured_output_after_token!r}")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
               f"must be an integer in [0, 20], got {self.logprobs!r}")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+              "prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
 
     def check_limits(self, vocab_size: int, max_batch_size: int) -> None:
         """Raises GenerationConfigError when this config asks for more than a model of ``vocab_size`` token ids
@@ -171,6 +178,7 @@ class GenerationConfig:
         p.frequency_penalty = self.frequency_penalty
         p.n = self.n
         p.logprobs = -1 if self.logprobs is None else self.logprobs
+        p.prompt_logprobs = -1 if self.prompt_logprobs is None else self.prompt_logprobs
         p.has_seed = self.random_seed is not None
         p.seed = self.random_seed or 0
         p.max_new_tokens = self.max_new_tokens
@@ -210,3 +218,7 @@ class Response:
     logprobs: list[dict[int, float]] | None = None
     """Per output token: {token id: logprob} of the chosen token and the top alternatives
     (GenerationConfig.logprobs); logprobs are the log-softmax of the penalised logits, before temperature."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """Per prompt token (GenerationConfig.prompt_logprobs): None for the first, then {token id: logprob} of the
+    prompt's token (first) and the top alternatives, from the raw logits. On the first completion of a prompt
+    (sample_index 0) only; in a stream, on the Responses that arrive while the prompt is computed."""

@@ -82,12 +82,15 @@ class StopMatcher:
 class CompletionState:
     """One completion's text, stop-string search and counters. Feed it RequestOutputs in order."""
 
-    def __init__(self, tokenizer: Tokenizer, gen: GenerationConfig, input_token_len: int, index: int,
+    def __init__(self, tokenizer: Tokenizer, gen: GenerationConfig, prompt_ids: list[int], index: int,
                  sample_index: int, submitted_at: float):
         self.gen = gen
         self.index = index
         self.sample_index = sample_index
-        self.input_token_len = input_token_len
+        self.prompt_ids = prompt_ids
+        self.input_token_len = len(prompt_ids)
+        # the first Response of the completion that scores the prompt opens its prompt_logprobs with token 0's None
+        self._opens_prompt_logprobs = gen.prompt_logprobs is not None and sample_index == 0
         self.detok = IncrementalDetokenizer(tokenizer, gen.skip_special_tokens)
         self.text = ""          # decoded so far
         self.emitted_len = 0    # characters of text already handed out
@@ -139,12 +142,32 @@ class CompletionState:
         safe = len(self.text) if self.finished else len(self.text) - self._stops.num_held_chars
         delta = self.text[self.emitted_len:safe] if safe > self.emitted_len else ""
         self.emitted_len = max(self.emitted_len, safe)
-        if not token_ids and not delta and not self.finished and out.logits is None:
+        prompt_logprobs = _prompt_logprobs(out, self.prompt_ids)
+        if self._opens_prompt_logprobs:
+            prompt_logprobs = [None] + (prompt_logprobs or [])
+            self._opens_prompt_logprobs = False
+        if not token_ids and not delta and not self.finished and out.logits is None and prompt_logprobs is None:
             return None
         return Response(
             text=delta, token_ids=token_ids, input_token_len=self.input_token_len,
             generate_token_len=self.num_tokens, finish_reason=finish_reason, index=self.index,
             sample_index=self.sample_index, error=(out.error or None) if out.finished else None,
             error_kind=(out.error_kind or None) if out.finished else None,
-            logits=out.logits, logprobs=logprobs,
+            logits=out.logits, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
+
+
+def _prompt_logprobs(out, prompt: list[int]) -> list[dict[int, float] | None] | None:
+    """The prompt logprobs an engine output carries, as Response.prompt_logprobs entries."""
+    values = out.prompt_logprobs
+    if not values:
+        return None
+    first, top = out.first_prompt_logprob_token, out.num_prompt_top
+    entries: list[dict[int, float] | None] = []
+    ids, lps = out.prompt_top_ids, out.prompt_top_logprobs
+    for k, lp in enumerate(values):
+        entry = {prompt[first + k]: lp}
+        for j in range(top):
+            entry.setdefault(ids[k * top + j], lps[k * top + j])
+        entries.append(entry)
+    return entries

@@ -141,11 +141,13 @@ def _join(deltas: list[Response]) -> Response:
     token_ids = [t for d in deltas for t in d.token_ids]
     logits = [d.logits for d in deltas if d.logits is not None]
     logprobs = [lp for d in deltas if d.logprobs is not None for lp in d.logprobs]
+    prompt_logprobs = [lp for d in deltas if d.prompt_logprobs is not None for lp in d.prompt_logprobs]
     return Response(
         text="".join(d.text for d in deltas), token_ids=token_ids, input_token_len=last.input_token_len,
         generate_token_len=len(token_ids), finish_reason=last.finish_reason, index=last.index,
         sample_index=last.sample_index, error=last.error, error_kind=last.error_kind,
         logits=np.concatenate(logits) if logits else None, logprobs=logprobs if logprobs else None,
+        prompt_logprobs=prompt_logprobs if prompt_logprobs else None,
     )
 
 

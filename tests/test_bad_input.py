@@ -58,7 +58,7 @@ def test_wrong_tensor_shape_names_the_tensor(tiny_llama, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_new_tokens=0), "max_new_tokens must be"),
+        (dict(max_new_tokens=-1), "max_new_tokens must be"),
         (dict(temperature=-0.5), "temperature must be >= 0"),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
@@ -86,11 +86,13 @@ def test_impossible_generation_parameters(kwargs, match):
         (dict(temperature="hot"), "temperature", "finite number"),
         (dict(top_p=1e-50), "top_p", r"as a float32: 0\.0"),
         (dict(min_p=0.99999999999), "min_p", r"as a float32: 1\.0"),
-        (dict(max_new_tokens=2**31), "max_new_tokens", r"\[1, 2147483647\]"),
+        (dict(max_new_tokens=2**31), "max_new_tokens", r"\[0, 2147483647\]"),
         (dict(max_new_tokens=4, min_new_tokens=5), "min_new_tokens", r"must not exceed .*\(4\), got 5"),
         (dict(n=2**31), "n", r"\[1, 2147483647\]"),
         (dict(stop=["ok", ""]), "stop", "non-empty strings, got '' at index 1"),
         (dict(logprobs=21), "logprobs", r"\[0, 20\]"),
+        (dict(prompt_logprobs=21), "prompt_logprobs", r"\[0, 20\]"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs", r"\[0, 20\]"),
     ],
 )
 def test_generation_config_names_the_field(kwargs, field, match):

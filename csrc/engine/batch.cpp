@@ -12,6 +12,7 @@ StepOutput StepOutput::for_batch(const Batch& batch, int32_t vocab_size) {
   out.tokens.assign(batch.samples.size(), -1);
   out.logprobs.resize(batch.samples.size());
   out.logits.assign(batch.logit_outputs.size() * (size_t)vocab_size, 0.0f);
+  out.prompt_logprobs.resize(batch.prompt_logprob_rows.size());
   return out;
 }
 
@@ -68,10 +69,14 @@ Batch build_batch(const BatchPlan& plan, int32_t block_size, const StopRules& ru
       const bool is_sample_row = s.is_sampled && j == s.num_tokens - 1;
       // logits of a position are handed out once, also when a preempted sequence recomputes it
       const bool is_output_row = seq.params.output_logits && pos >= seq.num_logit_rows_emitted;
-      if (!is_sample_row && !is_output_row) continue;
+      // the row of position pos scores prompt token pos + 1 (also handed out once)
+      const bool is_prompt_row = seq.params.prompt_logprobs >= 0 && pos + 1 < seq.num_prompt_tokens &&
+                                 pos + 1 >= seq.num_prompt_logprobs_emitted;
+      if (!is_sample_row && !is_output_row && !is_prompt_row) continue;
       const int32_t logit_index = (int32_t)b.logit_rows.size();
       b.logit_rows.push_back(row);
       if (is_output_row) b.logit_outputs.push_back(LogitOutputRow{logit_index, i, pos});
+      if (is_prompt_row) b.prompt_logprob_rows.push_back(PromptLogprobRow{logit_index, i, pos, seq.tokens[pos + 1], seq.params.prompt_logprobs});
       if (!is_sample_row) continue;
       SampleRow r;
       r.logit_index = logit_index;

@@ -47,6 +47,16 @@ struct LogitOutputRow {
   int32_t position = 0;
 };
 
+// A prompt row whose next token's logprob is asked for (prompt_logprobs): the log-softmax of its raw logits at
+// `token` (= the prompt token at position + 1) and its num_top best go to StepOutput::prompt_logprobs.
+struct PromptLogprobRow {
+  int32_t logit_index = 0;
+  int32_t seq = 0;
+  int32_t position = 0;
+  int32_t token = 0;
+  int32_t num_top = 0;
+};
+
 struct Batch {
   int32_t num_tokens = 0;
   int32_t block_size = 0;
@@ -58,6 +68,7 @@ struct Batch {
   std::vector<int32_t> logit_rows;                   // rows whose logits are computed, ascending
   std::vector<SampleRow> samples;                    // ordered by logit_index
   std::vector<LogitOutputRow> logit_outputs;         // ordered by logit_index
+  std::vector<PromptLogprobRow> prompt_logprob_rows;  // ordered by logit_index
 
   bool empty() const { return num_tokens == 0; }
   // Every row is one sequence's single (decode) token and every row's logits are needed.
@@ -75,6 +86,7 @@ struct StepOutput {
   std::vector<int32_t> tokens;             // [samples]: the sampled token of Batch::samples[i]
   std::vector<TokenLogprobs> logprobs;     // [samples]: filled where params->logprobs >= 0
   std::vector<float> logits;               // [logit_outputs, vocab]
+  std::vector<TokenLogprobs> prompt_logprobs;  // [prompt_logprob_rows]
   int32_t vocab_size = 0;
   int64_t weight_bytes_read = 0;           // weights the forward streamed (a mixture of experts: those it ran)
 

@@ -157,7 +157,9 @@ double Engine::now_seconds() {
 }
 
 void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const Failure& failure) {
-  if (!finished && seq.pending_token_ids.empty() && seq.pending_logit_rows == 0) return;
+  if (!finished && seq.pending_token_ids.empty() && seq.pending_logit_rows == 0 &&
+      seq.pending_prompt_logprobs.empty())
+    return;
   RequestOutput out;
   out.request_id = seq.request_id;
   out.sample_index = seq.sample_index;
@@ -169,6 +171,11 @@ void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const Fail
   out.num_top = std::max(seq.params.logprobs, 0);
   out.logits.swap(seq.pending_logits);
   out.num_logit_rows = seq.pending_logit_rows;
+  out.first_prompt_logprob_token = seq.num_prompt_logprobs_emitted - (int32_t)seq.pending_prompt_logprobs.size();
+  out.prompt_logprobs.swap(seq.pending_prompt_logprobs);
+  out.prompt_top_ids.swap(seq.pending_prompt_top_ids);
+  out.prompt_top_logprobs.swap(seq.pending_prompt_top_logprobs);
+  out.num_prompt_top = std::max(seq.params.prompt_logprobs, 0);
   seq.pending_logit_rows = 0;
   out.finished = finished;
   out.finish_reason = reason;
@@ -260,6 +267,15 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
     ++seq.pending_logit_rows;
     seq.num_logit_rows_emitted = row.position + 1;
   }
+  for (size_t r = 0; r < batch.prompt_logprob_rows.size(); ++r) {
+    Sequence& seq = *plan.seqs[batch.prompt_logprob_rows[r].seq].seq;
+    const TokenLogprobs& lp = out.prompt_logprobs[r];
+    seq.pending_prompt_logprobs.push_back(lp.logprob);
+    seq.pending_prompt_top_ids.insert(seq.pending_prompt_top_ids.end(), lp.top_ids.begin(), lp.top_ids.end());
+    seq.pending_prompt_top_logprobs.insert(seq.pending_prompt_top_logprobs.end(), lp.top_logprobs.begin(),
+                                           lp.top_logprobs.end());
+    seq.num_prompt_logprobs_emitted = batch.prompt_logprob_rows[r].position + 2;
+  }
   std::vector<int32_t> sample_of(plan.seqs.size(), -1);  // plan index -> its sample row
   for (size_t k = 0; k < batch.samples.size(); ++k) sample_of[batch.samples[k].seq] = (int32_t)k;
   std::vector<Sequence*> done;
@@ -271,7 +287,13 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
     scheduler_.advance(s);
     if (s.is_sampled && seq.num_forks > 0 && seq.num_generated_tokens() == 0) scheduler_.fork(&seq);
     if (sample_of[i] < 0) {
-      flush(seq, false, FinishReason::kNone, {});
+      if (seq.num_pending_tokens() == 0) {  // computed to its limit without a sample: max_new_tokens 0
+        done.push_back(&seq);
+        reasons.push_back(FinishReason::kLength);
+        failures.emplace_back();
+      } else {
+        flush(seq, false, FinishReason::kNone, {});
+      }
       continue;
     }
     const int32_t k = sample_of[i];

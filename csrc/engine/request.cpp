@@ -19,8 +19,11 @@ void SamplingParams::validate() const {
   LMKIT_CHECK_ARG(std::isfinite(frequency_penalty) && frequency_penalty >= -2.0f && frequency_penalty <= 2.0f,
                   "frequency_penalty must be in [-2, 2], got ", frequency_penalty);
   LMKIT_CHECK_ARG(logprobs >= -1 && logprobs <= 20, "logprobs must be in [0, 20] (or -1 for none), got ", logprobs);
+  LMKIT_CHECK_ARG(prompt_logprobs >= -1 && prompt_logprobs <= 20,
+                  "prompt_logprobs must be in [0, 20] (or -1 for none), got ", prompt_logprobs);
   LMKIT_CHECK_ARG(n >= 1, "n must be >= 1, got ", n);
-  LMKIT_CHECK_ARG(max_new_tokens >= 1, "max_new_tokens must be >= 1, got ", max_new_tokens);
+  LMKIT_CHECK_ARG(max_new_tokens >= 0, "max_new_tokens must be >= 0 (0: only the prompt is computed), got ",
+                  max_new_tokens);
   LMKIT_CHECK_ARG(min_new_tokens >= 0 && min_new_tokens <= max_new_tokens,
                   "min_new_tokens must be in [0, max_new_tokens=", max_new_tokens, "], got ", min_new_tokens);
   LMKIT_CHECK_ARG(grammar_after_token >= -1, "grammar_after_token must be a token id (or -1: from the start), got ",

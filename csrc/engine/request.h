@@ -24,12 +24,16 @@ struct SamplingParams {
   float frequency_penalty = 0.0f;   //                                       logit -= frequency * count
   uint64_t seed = 0;
   bool has_seed = false;            // false -> seeded from the engine's random source
-  int32_t max_new_tokens = 512;
+  int32_t max_new_tokens = 512;    // 0: only the prompt is computed (to score it: prompt_logprobs)
   int32_t min_new_tokens = 0;
   std::vector<int32_t> stop_token_ids;  // besides the model's eos ids
   bool ignore_eos = false;
   bool output_logits = false;  // return the logits row of every position computed (prompt and output)
   int32_t logprobs = -1;       // -1: off; k >= 0: each output token's logprob and the k most likely alternatives
+  // -1: off; k >= 0: the logprob of every prompt token after the first under the model's raw logits (before
+  // penalties and masks) and the k most likely alternatives there. Computed during prefill; such a request
+  // takes no prefix-cache hits (the rows of a cached prefix are recomputed).
+  int32_t prompt_logprobs = -1;
   int32_t n = 1;               // completions of the prompt, sharing its KV blocks
   // Structured output: every sampled token keeps the text inside this grammar, and the sequence ends
   // ("stop") when the grammar is complete. Null: free text.
@@ -39,6 +43,8 @@ struct SamplingParams {
   // Throws InvalidArgument naming the parameter when a value is impossible.
   void validate() const;
   bool is_greedy() const { return temperature == 0.0f || top_k == 1; }
+  // The prompt's own rows are read (logits or logprobs), so every prompt position must be computed.
+  bool reads_prompt_rows() const { return output_logits || prompt_logprobs >= 0; }
 };
 
 enum class FinishReason : int32_t { kNone = 0, kStop = 1, kLength = 2, kError = 3, kCancelled = 4 };
@@ -71,6 +77,13 @@ struct RequestOutput {
   std::vector<int32_t> top_ids;       // [tokens, num_top]
   std::vector<float> top_logprobs;    // [tokens, num_top]
   int32_t num_top = 0;
+  // With prompt_logprobs: for the prompt tokens [first_prompt_logprob_token, + prompt_logprobs.size()) (the
+  // first output starts at token 1: token 0 has none) their logprob, then num_prompt_top alternatives each.
+  std::vector<float> prompt_logprobs;
+  std::vector<int32_t> prompt_top_ids;     // [prompt tokens, num_prompt_top]
+  std::vector<float> prompt_top_logprobs;  // [prompt tokens, num_prompt_top]
+  int32_t first_prompt_logprob_token = 0;
+  int32_t num_prompt_top = 0;
   double emitted_at = 0;  // Engine::now_seconds() when the step that produced this output ended
 };
 
@@ -106,6 +119,11 @@ struct Sequence {
   std::vector<int32_t> pending_top_ids;
   std::vector<float> pending_top_logprobs;
   int32_t num_logit_rows_emitted = 0;  // logits of positions [0, n) already handed out (kept across preemption)
+  std::vector<float> pending_prompt_logprobs;
+  std::vector<int32_t> pending_prompt_top_ids;
+  std::vector<float> pending_prompt_top_logprobs;
+  int32_t num_prompt_logprobs_emitted = 1;  // prompt tokens [1, n) have had their logprobs handed out (kept
+                                            // across preemption; token 0 has none)
   // The grammar's state (params.grammar): created when the grammar starts (at once, or after
   // params.grammar_after_token was sampled), its mask of the next token requested after every token
   // (computed while the next forward runs).

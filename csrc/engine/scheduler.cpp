@@ -98,6 +98,7 @@ void Scheduler::fork(Sequence* parent) {
     child->num_prompt_tokens = parent->num_prompt_tokens;
     child->max_total_tokens = parent->max_total_tokens;
     child->params = parent->params;
+    child->num_prompt_logprobs_emitted = parent->num_prompt_logprobs_emitted;  // the prompt is scored once
     child->callback = parent->callback;
     child->rng.seed(parent->rng());  // deterministic given the parent's seed
     // the parent held the blocks a query at shared * bs reads, so the child's holes are its dead blocks
@@ -145,7 +146,7 @@ void Scheduler::release_blocks(Sequence* seq) {
 }
 
 void Scheduler::match_prefix(Sequence* seq) {
-  if (!config_.enable_prefix_caching || seq->params.output_logits || !seq->block_table.empty()) return;
+  if (!config_.enable_prefix_caching || seq->params.reads_prompt_rows() || !seq->block_table.empty()) return;
   const int32_t bs = blocks_.block_size_tokens();
   const int32_t max_blocks = (seq->num_tokens() - 1) / bs;
   // A query at a block boundary reads the (W - 1 + bs - 1) / bs blocks before it: the matched ones before
@@ -206,6 +207,12 @@ bool Scheduler::reserve(Sequence* seq, int32_t num_tokens, const BatchPlan& plan
   return true;
 }
 
+// A chunk that reaches the last known token is sampled, unless the sequence may not grow (max_new_tokens 0:
+// only its prompt is computed).
+bool Scheduler::is_last_chunk_sampled(const Sequence& seq, int32_t chunk) {
+  return chunk == seq.num_pending_tokens() && seq.num_tokens() < seq.max_total_tokens;
+}
+
 BatchPlan Scheduler::schedule() {
   BatchPlan plan;
   int32_t budget = config_.max_prefill_token_num;
@@ -220,7 +227,7 @@ BatchPlan Scheduler::schedule() {
     if (chunk <= 0) continue;
     if (!reserve(seq, seq->num_computed_tokens + chunk, plan)) continue;
     if (!is_decode) budget -= chunk;
-    plan.seqs.push_back({seq, seq->num_computed_tokens, chunk, chunk == pending});
+    plan.seqs.push_back({seq, seq->num_computed_tokens, chunk, is_last_chunk_sampled(*seq, chunk)});
   }
 
   // 2. waiting sequences, FCFS, while slots, budget and blocks last.
@@ -244,7 +251,7 @@ BatchPlan Scheduler::schedule() {
                                      [](const Sequence* a, const Sequence* b) { return a->arrival < b->arrival; }),
                     seq);
     budget -= chunk;
-    plan.seqs.push_back({seq, seq->num_computed_tokens, chunk, chunk == pending});
+    plan.seqs.push_back({seq, seq->num_computed_tokens, chunk, is_last_chunk_sampled(*seq, chunk)});
   }
 
   for (const ScheduledSeq& s : plan.seqs) {

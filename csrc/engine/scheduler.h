@@ -114,6 +114,7 @@ class Scheduler {
   void verify() const;
 
  private:
+  static bool is_last_chunk_sampled(const Sequence& seq, int32_t chunk);
   // Grows seq's block table to hold num_tokens tokens, preempting the newest running sequences
   // (never one already in plan) when short. False if seq itself had to be preempted.
   bool reserve(Sequence* seq, int32_t num_tokens, const BatchPlan& plan);

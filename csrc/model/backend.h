@@ -147,14 +147,20 @@ class Backend {
   virtual void gather_logit_rows(const void* x, int64_t first, int64_t n, int64_t dim, void* out) = 0;
   // x = cap * tanh(x / cap)                                                     x: [rows, dim]
   virtual void softcap(void* x, int64_t rows, int64_t dim, float cap) = 0;
-  // Consumes the logits [n, vocab] of logit rows [first, first + n): samples batch's sample rows among them
-  // and copies its logit_outputs among them into out.
+  // Consumes the logits [n, vocab] of logit rows [first, first + n): samples batch's sample rows among them,
+  // copies its logit_outputs among them into out and scores its prompt_logprob_rows
+  // (take_prompt_logprobs).
   virtual void take_logits(const Batch& batch, int64_t first, int64_t n, const void* logits, int64_t vocab,
                            StepOutput& out) = 0;
 
   // Called once on the engine's loop thread (thread pools, device binding).
   virtual void bind_thread() {}
 };
+
+// out.prompt_logprobs of batch's prompt_logprob_rows among logit rows [first, first + n), from their raw
+// logits (fp32 on the host, [n, vocab]): log-softmax at the row's token and its top alternatives.
+void take_prompt_logprobs(const Batch& batch, int64_t first, int64_t n, const float* logits, int64_t vocab,
+                          StepOutput& out);
 
 // Backend settings from EngineConfig.
 struct BackendOptions {

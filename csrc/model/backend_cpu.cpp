@@ -306,6 +306,7 @@ class CpuBackend final : public Backend {
       const int64_t i = batch.logit_outputs[r].logit_index - first;
       if (i >= 0 && i < n) std::memcpy(out.logits.data() + r * vocab, lg + i * vocab, vocab * sizeof(float));
     }
+    take_prompt_logprobs(batch, first, n, lg, vocab, out);
     for (size_t k = 0; k < batch.samples.size(); ++k) {
       const SampleRow& s = batch.samples[k];
       const int64_t i = s.logit_index - first;

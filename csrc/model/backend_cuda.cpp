@@ -592,6 +592,7 @@ void CudaBackend::take_logits(const Batch& batch, int64_t first, int64_t n, cons
   std::vector<int32_t> sample_of_row(n, -1);  // row of this group -> index into batch.samples
   bool need_host = false, any_gpu = false;
   for (const LogitOutputRow& r : batch.logit_outputs) need_host = need_host || in_group(r.logit_index);
+  for (const PromptLogprobRow& r : batch.prompt_logprob_rows) need_host = need_host || in_group(r.logit_index);
   for (size_t k = 0; k < batch.samples.size(); ++k) {
     const SampleRow& s = batch.samples[k];
     if (!in_group(s.logit_index)) continue;
@@ -612,6 +613,7 @@ void CudaBackend::take_logits(const Batch& batch, int64_t first, int64_t n, cons
       if (i >= 0 && i < n)
         std::memcpy(out.logits.data() + r * vocab, host_logits_.data() + i * vocab, vocab * sizeof(float));
     }
+    take_prompt_logprobs(batch, first, n, host_logits_.data(), vocab, out);
     for (size_t k = 0; k < batch.samples.size(); ++k) {
       const SampleRow& s = batch.samples[k];
       if (!in_group(s.logit_index) || (s.params->logprobs < 0 && !s.mask)) continue;

@@ -618,6 +618,32 @@ void test_softcap_scale() {
   expect(throws([&] { ops::softcap(&x, 1, -3.0f); }), "softcap rejects a negative cap");
 }
 
+// log_sum_exp per row within 2e-6 (absolute; it is a log) of the double reference, over rows of odd lengths up
+// to a 262k vocabulary (threads), logits of a wide spread, -inf entries (masked tokens) and a row of only -inf;
+// outputs poisoned with NaN first, so a row left unwritten fails.
+void test_log_sum_exp() {
+  for (int64_t n : {1, 7, 16, 1001, 49152, 262147}) {
+    const int64_t rows = n > 100000 ? 2 : 5;
+    std::vector<float> x = randn(rows * n, 8.0f), out(rows, NAN), ref(rows);
+    if (n > 100) {
+      x[3] = 60.0f, x[4] = -INFINITY, x[n + 5] = -80.0f;
+      for (int64_t i = 0; i < n; ++i) x[(rows - 1) * n + i] = -INFINITY;
+    }
+    ops::log_sum_exp(x.data(), rows, n, out.data());
+    ops::reference::log_sum_exp(x.data(), rows, n, ref.data());
+    double worst = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const double d = ref[r] == out[r] ? 0.0 : std::fabs((double)out[r] - ref[r]);  // NaN (unwritten): inf
+      worst = std::isnan(d) ? INFINITY : std::max(worst, d);
+    }
+    char buf[96];
+    std::snprintf(buf, sizeof(buf), "log_sum_exp n %lld (worst %.3g)", (long long)n, worst);
+    expect(worst <= 2e-6 * std::max(1.0, std::fabs((double)ref[0])), buf);
+  }
+  float x = 1.0f, out = 0.0f;
+  expect(throws([&] { ops::log_sum_exp(&x, 1, 0, &out); }), "log_sum_exp rejects an empty row");
+}
+
 // A pool with several sequences written through kv_write at shuffled blocks; everything else NaN.
 // bits 32: fp32 pool, 16: bf16, 8 / 4: quantized (poison: all bytes 0xff, so an unwritten row's fp16
 // scale, or bf16 value, is NaN). With a sliding window, the blocks no query's window reaches are then freed
@@ -947,6 +973,7 @@ int main() {
       test_silu_mul();
       test_gelu_tanh_mul();
       test_softcap_scale();
+      test_log_sum_exp();
       test_attention(threads);
       test_attention_softcap_and_freed_blocks(threads);
     }

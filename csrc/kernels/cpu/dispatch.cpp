@@ -246,6 +246,13 @@ void scale(float* x, int64_t n, float s) {
   cpu::active().scale(x, n, s);
 }
 
+void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out) {
+  LMKIT_CHECK(rows >= 0 && n > 0, "log_sum_exp: bad shape [", rows, ", ", n, "]");
+  if (rows == 0) return;
+  LMKIT_CHECK(x != nullptr && out != nullptr, "log_sum_exp: x and out must be non-null");
+  cpu::active().log_sum_exp(x, rows, n, out);
+}
+
 namespace {
 void check_kv(const KVLayer& kv, const char* op) {
   LMKIT_CHECK(kv.k != nullptr && kv.v != nullptr, op, ": KV layer has no k/v storage");

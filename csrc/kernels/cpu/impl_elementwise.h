@@ -1,5 +1,5 @@
 // Row-wise and element-wise ops: embedding, rmsnorm, add_rmsnorm, rope, silu_mul, gelu_tanh_mul, softcap,
-// scale, kv_write.
+// scale, log_sum_exp, kv_write.
 // Textually included by isa_body.h inside the ISA namespace (see simd.h); written once for every ISA.
 
 // Threads for an op touching `work` elements: small ops stay on the calling thread.
@@ -142,6 +142,34 @@ void softcap(float* x, int64_t n, float cap) {
 void scale(float* x, int64_t n, float s) {
   const V vs = vset1(s);
   for_each_vector(n, [=](int64_t i, int r) { vstore_r(x + i, vload_r(x + i, r) * vs, r); });
+}
+
+// log(sum_i exp(x[i])) of one row: the max first, then exp(x - max) summed in fp32 lanes over blocks of
+// 64 vectors, the blocks added in double (a 262k-entry row keeps ~1e-7 relative error). -inf entries add 0;
+// a row of -inf gives -inf.
+inline float log_sum_exp_row(const float* x, int64_t n) {
+  const float neg_inf = -__builtin_inff();
+  V vm = vset1(neg_inf);
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) vm = vmax(vm, vload(x + i));
+  float m = vhmax(vm);
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  if (!(m > neg_inf)) return m;  // all -inf (or NaN)
+  const V vmx = vset1(m);
+  double total = 0;
+  i = 0;
+  while (i + kW <= n) {
+    V s = vzero();
+    for (int b = 0; b < 64 && i + kW <= n; ++b, i += kW) s = s + vexp(vload(x + i) - vmx);
+    total += vsum(s);
+  }
+  for (; i < n; ++i) total += expf(x[i] - m);
+  return m + (float)log(total);
+}
+
+void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out) {
+#pragma omp parallel for schedule(static) if (rows > 1 && worth_threads(rows * n))
+  for (int64_t r = 0; r < rows; ++r) out[r] = log_sum_exp_row(x + r * n, n);
 }
 
 // k, v rows [n, num_kv_heads, head_dim] -> pool slots; a negative slot (padding) is skipped.

@@ -93,6 +93,21 @@ void scale(float* x, int64_t n, float s) {
   for (int64_t i = 0; i < n; ++i) x[i] = (float)((double)x[i] * s);
 }
 
+void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * n;
+    double m = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, (double)row[i]);
+    if (m == -INFINITY) {
+      out[r] = (float)m;
+      continue;
+    }
+    double total = 0;
+    for (int64_t i = 0; i < n; ++i) total += std::exp((double)row[i] - m);
+    out[r] = (float)(m + std::log(total));
+  }
+}
+
 namespace {
 // Byte offset of pool row (block, head, offset) and of its (scale, zero) pair: the layout of ops.h.
 int64_t kv_row_offset(const KVLayer& kv, int64_t block, int64_t h, int64_t off) {

@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/ops.h"
+
 namespace lmkit::ops {
 
 namespace {
@@ -40,28 +42,6 @@ void apply_penalties(float* logits, int32_t vocab, const SamplingParams& p, cons
     for (const auto& kv : counts)
       if (kv.first >= 0 && kv.first < vocab)
         logits[kv.first] -= p.presence_penalty + p.frequency_penalty * (float)kv.second;
-  }
-}
-
-// log-softmax of logits: the chosen token's value and the k best (ties: lower id first).
-void fill_logprobs(const float* logits, int32_t vocab, int32_t chosen, int32_t k, SampleLogprobs* out) {
-  float top = logits[argmax(logits, vocab)];
-  double total = 0;
-  for (int32_t i = 0; i < vocab; ++i) total += std::exp((double)logits[i] - top);
-  const double log_z = top + std::log(total);
-  out->logprob = (float)(logits[chosen] - log_z);
-  out->top_ids.clear();
-  out->top_logprobs.clear();
-  k = std::min(k, vocab);
-  if (k <= 0) return;
-  std::vector<int32_t> ids(vocab);
-  for (int32_t i = 0; i < vocab; ++i) ids[i] = i;
-  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
-    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-  });
-  for (int32_t i = 0; i < k; ++i) {
-    out->top_ids.push_back(ids[i]);
-    out->top_logprobs.push_back((float)(logits[ids[i]] - log_z));
   }
 }
 
@@ -181,6 +161,26 @@ int32_t draw(const float* logits, int32_t vocab, const SamplingParams& p, std::m
 
 }  // namespace
 
+void token_logprobs(const float* logits, int32_t vocab, float log_z, int32_t chosen, int32_t k, SampleLogprobs* out) {
+  out->logprob = logits[chosen] - log_z;
+  out->top_ids.clear();
+  out->top_logprobs.clear();
+  k = std::min(k, vocab);
+  if (k <= 0) return;
+  // One pass keeping the k best in descending order; ids come ascending, so an equal value never displaces
+  // an earlier one (ties: lower id first) and NaN never enters.
+  std::vector<int32_t>& ids = out->top_ids;
+  for (int32_t i = 0; i < vocab; ++i) {
+    const float v = logits[i];
+    if ((int32_t)ids.size() == k && !(v > logits[ids.back()])) continue;
+    if (!(v == v)) continue;
+    if ((int32_t)ids.size() == k) ids.pop_back();
+    auto at = std::upper_bound(ids.begin(), ids.end(), v, [&](float value, int32_t id) { return value > logits[id]; });
+    ids.insert(at, i);
+  }
+  for (int32_t id : ids) out->top_logprobs.push_back(logits[id] - log_z);
+}
+
 int32_t sample(float* logits, int32_t vocab, const SamplingParams& p, const int32_t* history, int32_t num_history,
                int32_t num_prompt, const int32_t* banned, int32_t num_banned, const uint32_t* allowed,
                std::mt19937_64& rng, SampleLogprobs* logprobs) {
@@ -196,7 +196,11 @@ int32_t sample(float* logits, int32_t vocab, const SamplingParams& p, const int3
   }
   apply_penalties(logits, vocab, p, history, num_history, num_prompt, banned, num_banned);
   const int32_t token = p.is_greedy() ? argmax(logits, vocab) : draw(logits, vocab, p, rng);
-  if (logprobs && p.logprobs >= 0) fill_logprobs(logits, vocab, token, p.logprobs, logprobs);
+  if (logprobs && p.logprobs >= 0) {
+    float log_z = 0;
+    log_sum_exp(logits, 1, vocab, &log_z);
+    token_logprobs(logits, vocab, log_z, token, p.logprobs, logprobs);
+  }
   return token;
 }
 

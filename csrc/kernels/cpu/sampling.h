@@ -17,6 +17,10 @@ struct SampleLogprobs {
   std::vector<float> top_logprobs;
 };
 
+// The log-softmax of logits[vocab] at `chosen` and at its k best entries (ties: lower id first, NaN never),
+// given log_z = log_sum_exp of the row (ops::log_sum_exp).
+void token_logprobs(const float* logits, int32_t vocab, float log_z, int32_t chosen, int32_t k, SampleLogprobs* out);
+
 // Picks the next token from logits[vocab] (modified in place) under params.
 //   history: prompt + generated tokens, the first num_prompt of them the prompt (repetition penalty over
 //   all, HF semantics; presence/frequency penalties over the generated ones, OpenAI semantics);
