@@ -88,6 +88,8 @@ class AwqResult:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     ppl_before: Any = None  # PplResult when config.eval
     ppl_after: Any = None
+    tasks_before: Any = None  # TaskResult when config.eval_tasks
+    tasks_after: Any = None
     layers: list[dict] = field(default_factory=list)
     # name -> float32 [out, in] dequantized weight as computed in memory (keep_pseudo_quantized=True only)
     pseudo_quantized: dict[str, torch.Tensor] | None = None
@@ -514,6 +516,15 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
             result.ppl_before = evaluate_perplexity(source, ppl_config)
             reporter.phase(f"perplexity of the AWQ checkpoint on {config.eval_dataset}")
             result.ppl_after = evaluate_perplexity(temp_dir, ppl_config)
+        if config.eval_tasks:
+            from lmkit.lite.config import EvalConfig
+            from lmkit.lite.evaluate import evaluate_tasks
+
+            eval_config = EvalConfig(tasks=tuple(config.eval_tasks), limit=config.eval_limit)
+            reporter.phase(f"tasks {', '.join(config.eval_tasks)}: the source")
+            result.tasks_before = evaluate_tasks(source, eval_config)
+            reporter.phase(f"tasks {', '.join(config.eval_tasks)}: the {result.method.upper()} checkpoint")
+            result.tasks_after = evaluate_tasks(temp_dir, eval_config)
 
         report = {
             "source": str(source), "method": result.method, "settings": config.as_dict(),
@@ -521,6 +532,8 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
             "phase_seconds": {k: round(v, 2) for k, v in phase_seconds.items()},
             "size_before_bytes": result.size_before_bytes, "size_after_bytes": result.size_after_bytes,
             "ppl_before": _ppl_dict(result.ppl_before), "ppl_after": _ppl_dict(result.ppl_after),
+            "tasks_before": result.tasks_before.as_dict() if result.tasks_before else None,
+            "tasks_after": result.tasks_after.as_dict() if result.tasks_after else None,
             "layers": layer_reports,
         }
         export.save_search_results(temp_dir, scales, clips, report)

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from lmkit.config import help_text
-from lmkit.lite.config import AwqConfig, KvCalibConfig, PplConfig
+from lmkit.lite.config import AwqConfig, EvalConfig, KvCalibConfig, PplConfig
 from lmkit.model_path import MODEL_HELP
 
 # rich_markup_mode=None: click's plain help, whole option names at any width (see lmkit/cli/main.py)
@@ -21,7 +21,8 @@ app = typer.Typer(help="Compression: AWQ int4 weights, a calibrated int8/int4 KV
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 # --help gives the first sentences of the configs' HELP texts (help_text); the HELP texts are the contract
-_A, _P, _K = ({name: help_text(doc) for name, doc in c.HELP.items()} for c in (AwqConfig, PplConfig, KvCalibConfig))
+_A, _P, _K, _E = ({name: help_text(doc) for name, doc in c.HELP.items()}
+                  for c in (AwqConfig, PplConfig, KvCalibConfig, EvalConfig))
 _AD = {f.name: f.default for f in fields(AwqConfig)}  # the options' defaults are the config's
 
 
@@ -101,6 +102,8 @@ def awq(
     overwrite: bool = typer.Option(False, "--overwrite", help=_A["overwrite"]),
     eval: bool = typer.Option(False, "--eval", help=_A["eval"]),
     eval_dataset: str = typer.Option(_AD["eval_dataset"], help=_A["eval_dataset"]),
+    eval_tasks: str = typer.Option("", help=_A["eval_tasks"]),
+    eval_limit: Optional[int] = typer.Option(None, help=_A["eval_limit"]),
 ) -> None:
     """Quantize MODEL to 4-bit AWQ (AutoAWQ GEMM format) into --work-dir."""
     from rich.console import Console
@@ -112,7 +115,8 @@ def awq(
                        search_scale=search_scale, clip=clip, search_samples=search_samples, num_grid=num_grid,
                        scale_form=scale_form, propagate=propagate, rounding=rounding, refine=refine,
                        clip_qk=clip_qk, device=device, overwrite=overwrite,
-                       eval=eval, eval_dataset=eval_dataset)
+                       eval=eval, eval_dataset=eval_dataset, eval_tasks=_task_names(eval_tasks),
+                       eval_limit=eval_limit)
     err = Console(stderr=True, highlight=False)
     with RichReporter(err) as reporter:
         result = quantize_awq(model, config, reporter)
@@ -139,7 +143,16 @@ def print_awq_summary(result, config: AwqConfig) -> None:
         before, after = result.ppl_before, result.ppl_after
         table.add_row("perplexity", f"{before.ppl:.3f} -> {after.ppl:.3f} ({after.ppl / before.ppl - 1:+.1%}) on "
                                     f"{before.num_tokens} tokens of {before.dataset}")
+    if result.tasks_before is not None:
+        from lmkit.lite.evaluate import compare_table
+
+        for task, metric, before, after in compare_table([result.tasks_before, result.tasks_after]):
+            table.add_row(f"{task} {metric}", f"{before} -> {after}")
     Console(highlight=False).print(table)
+
+
+def _task_names(tasks: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in tasks.split(",") if t.strip())
 
 
 @app.command()
@@ -168,6 +181,47 @@ def ppl(
         f"perplexity {result.ppl:.4f}  ({result.kind}, {result.num_tokens} tokens evaluated in "
         f"{result.num_windows} windows of {result.seqlen}, stride {result.stride}, dataset {result.dataset}; "
         f"{time.perf_counter() - start:.1f} s)")
+
+
+@app.command("eval")
+def eval_(
+    models: Optional[list[str]] = typer.Argument(None, metavar="MODEL...", show_default=False,
+                                                 help=MODEL_HELP + " Several: scored side by side."),
+    tasks: str = typer.Option(",".join(EvalConfig.tasks), help=_E["tasks"]),
+    limit: Optional[int] = typer.Option(None, help=_E["limit"]),
+    num_fewshot: Optional[int] = typer.Option(None, help=_E["num_fewshot"]),
+    include_path: Optional[list[str]] = typer.Option(None, help=_E["include_path"]),
+    dtype: str = typer.Option(EvalConfig.dtype, help=_E["dtype"]),
+    num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
+    max_batch_size: int = typer.Option(EvalConfig.max_batch_size, help=_E["max_batch_size"]),
+    seed: int = typer.Option(EvalConfig.seed, help=_E["seed"]),
+    output: Optional[Path] = typer.Option(None, help="Also write the scores as JSON to this file."),
+) -> None:
+    """Task accuracy of MODEL(s) through lm-evaluation-harness, scored by lmkit's engine (fp vs AWQ vs RTN)."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from lmkit.lite.evaluate import compare_table, evaluate_tasks
+
+    config = EvalConfig(tasks=_task_names(tasks), limit=limit, num_fewshot=num_fewshot,
+                        include_path=tuple(include_path or ()), dtype=dtype, num_threads=num_threads,
+                        max_batch_size=max_batch_size, seed=seed)
+    err = Console(stderr=True, highlight=False)
+    results = []
+    for model in models or [None]:
+        with err.status(f"lm-eval {', '.join(config.tasks)} on {model or 'smollm2'}"):
+            results.append(evaluate_tasks(model, config))
+    table = Table(title=f"lm-eval through lmkit's engine ({config.dtype})", title_justify="left")
+    for column in ["task", "metric", *[r.model for r in results]]:
+        table.add_column(column)
+    for row in compare_table(results):
+        table.add_row(*row)
+    Console(highlight=False).print(table)
+    if output is not None:
+        output.write_text(json.dumps({"settings": {**config.__dict__}, "results": [r.as_dict() for r in results]},
+                                     indent=2))
 
 
 class StepReporter(ProgressReporter):

@@ -54,6 +54,8 @@ class AwqConfig:
     eval_dataset: str = "hamlet"
     eval_seqlen: int = 512
     eval_max_tokens: int = 2048
+    eval_tasks: tuple[str, ...] = ()
+    eval_limit: int | None = None
 
     HELP = {
         "work_dir": "Output folder: the AWQ checkpoint (written to a temp folder, renamed into place at the end).",
@@ -87,6 +89,9 @@ class AwqConfig:
         "eval_dataset": "Held-out text for --eval: hamlet, pydoc, or a file.",
         "eval_seqlen": "Tokens per perplexity window for --eval.",
         "eval_max_tokens": "Tokens of the evaluation text used by --eval (0 = all).",
+        "eval_tasks": "lm-eval tasks (comma-separated) to score the source and the checkpoint on through lmkit's "
+                      "engine, shown beside the perplexity (see lmkit lite eval --tasks; empty: none).",
+        "eval_limit": "Examples per task for --eval-tasks (default: all).",
     }
 
     def __post_init__(self):
@@ -123,6 +128,47 @@ class AwqConfig:
     def as_dict(self) -> dict:
         """JSON-ready copy (for the report written beside the checkpoint)."""
         return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """How ``evaluate_tasks`` scores a checkpoint on lm-evaluation-harness tasks through lmkit's engine."""
+
+    tasks: tuple[str, ...] = ("lmkit_hamlet_nextline", "lmkit_hamlet_nextword", "lmkit_pydoc_nextword")
+    limit: int | None = None
+    num_fewshot: int | None = None
+    include_path: tuple[str, ...] = ()
+    dtype: str = "float32"
+    num_threads: int | None = None
+    max_batch_size: int = 32
+    seed: int = 1234
+
+    HELP = {
+        "tasks": "lm-eval task names, comma-separated: the offline ones built from held-out text "
+                 "(lmkit_hamlet_nextline, lmkit_hamlet_nextword, lmkit_pydoc_nextword), any task of lm-eval's "
+                 "registry (hub datasets need network), or tasks of an --include-path folder.",
+        "limit": "Score at most N examples per task (default: all).",
+        "num_fewshot": "Few-shot examples per prompt (default: each task's own).",
+        "include_path": "A folder of your own lm-eval task YAML files (local data: dataset_path json, "
+                        "dataset_kwargs.data_files); repeat for several.",
+        "dtype": "Engine compute dtype: float32 (default, the exactness reference), bfloat16, or auto.",
+        "num_threads": "Engine CPU threads (default: all).",
+        "max_batch_size": "Sequences the engine runs at once.",
+        "seed": "lm-eval's random, numpy and fewshot seed.",
+    }
+
+    def __post_init__(self):
+        object.__setattr__(self, "tasks", tuple(t for t in self.tasks if t))
+        if not self.tasks:
+            raise ValueError("--tasks names no task")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {self.limit}")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise ValueError(f"--num-fewshot must be >= 0, got {self.num_fewshot}")
+        if self.dtype not in ("float32", "bfloat16", "auto"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
 
 
 @dataclass(frozen=True)

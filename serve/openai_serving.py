@@ -266,6 +266,7 @@ class OpenAIServing:
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             stop_token_ids=list(req.stop_token_ids or []), stop=req.stop_list,
             include_stop_str_in_output=req.include_stop_str_in_output, n=req.n, logprobs=req.num_logprobs,
+            prompt_logprobs=req.num_prompt_logprobs,
             ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
         )
 
@@ -325,9 +326,9 @@ class OpenAIServing:
     def renderer(self, req: AnyRequest, prepared: Prepared) -> ChatRenderer | CompletionRenderer:
         if isinstance(req, ChatCompletionRequest):
             return ChatRenderer(self.model_name, self._token, req.logprobs, req.top_logprobs or 0,
-                                prepared.output.reasoning is not None)
+                                prepared.output.reasoning is not None, prepared.prompt_ids, req.prompt_logprobs)
         return CompletionRenderer(self.model_name, self._token, req.logprobs, prepared.prompt_texts,
-                                  prepared.gen.n, req.echo)
+                                  prepared.gen.n, req.echo, prepared.prompt_ids, req.prompt_logprobs)
 
     @staticmethod
     def new_choices(prepared: Prepared) -> list[Choice]:

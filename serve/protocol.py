@@ -247,6 +247,9 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """vLLM's: the logprob of every prompt token and this many alternatives, as ``prompt_logprobs`` of the
+    answer (not streamed)."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # structured output, vLLM's names (the chat endpoint also takes OpenAI's response_format)
@@ -263,6 +266,9 @@ class SamplingFields(BaseModel):
                               "stream_options")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs is returned with whole answers only; leave out stream (or, on "
+                              "/v1/completions, stream with echo and logprobs)", "prompt_logprobs")
         return self
 
     def structured_output(self) -> tuple[StructuredOutput, str] | None:
@@ -384,6 +390,10 @@ class ChatCompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
 
 Prompt = Annotated[Union[Annotated[Text, Tag("Text")],
                          Annotated[list[Text], Field(max_length=MAX_PROMPTS), Tag("Texts")],
@@ -396,7 +406,8 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions"""
 
     prompt: Prompt
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for text completions
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    """OpenAI's default for text completions; 0 (with echo or prompt_logprobs) only scores the prompt."""
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1)] | None = None
@@ -408,8 +419,9 @@ class CompletionRequest(SamplingFields):
             raise bad_request("best_of other than n is not supported by this server", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported by this server", "suffix")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported by this server (no prompt logprobs)", "echo")
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            raise bad_request("max_tokens 0 computes only the prompt: use it with echo or prompt_logprobs, or ask "
+                              "for at least 1 token", "max_tokens")
         return self
 
     @property
@@ -419,6 +431,17 @@ class CompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def echoes_logprobs(self) -> bool:
+        """echo with logprobs: the answer's logprobs begin with the prompt's tokens (the first one's null)."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The alternatives per prompt token the engine computes (echo's logprobs, prompt_logprobs), or None."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(asked) if asked else None
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompts of this request: a batch of strings or token-id lists, each non-empty."""

@@ -19,13 +19,32 @@ def usage(num_prompt_tokens: int, choices: list[Choice]) -> dict:
             "total_tokens": num_prompt_tokens + completion}
 
 
+def prompt_logprobs_body(entries: list[dict[int, float] | None], prompt_ids: list[int], num_top: int,
+                         token_text: TokenText) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
+    for the token (first) and the ``num_top`` most likely alternatives. rank counts from 1; the prompt's token
+    has its rank where it is one of the alternatives, else null (the engine ranks only the top)."""
+    out: list[dict | None] = []
+    for t, entry in zip(prompt_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        best = [i for i, _ in sorted(entry.items(), key=lambda kv: -kv[1])][:num_top]
+        rank = {i: r + 1 for r, i in enumerate(best)}
+        out.append({str(i): {"logprob": entry[i], "rank": rank.get(i), "decoded_token": token_text(i)[0]}
+                    for i in dict.fromkeys([t, *best])})
+    return out
+
+
 class ChatRenderer:
     """chat.completion / chat.completion.chunk. Reasoning goes out as ``reasoning_content`` (and vLLM's newer
     ``reasoning``) when the request has a reasoning parser; tool calls as OpenAI's ``tool_calls``."""
 
     def __init__(self, model_name: str, token_text: TokenText, logprobs: bool, top_logprobs: int,
-                 has_reasoning: bool):
+                 has_reasoning: bool, prompt_ids: list[list[int]], prompt_logprobs: int | None):
         self.model_name = model_name
+        self.prompt_ids = prompt_ids
+        self.num_prompt_logprobs = prompt_logprobs
         self.token_text = token_text
         self.logprobs = logprobs
         self.top = top_logprobs
@@ -81,29 +100,46 @@ class ChatRenderer:
             out.append({"index": c.index, "message": message,
                         "logprobs": self._logprobs(c.logprobs, c.token_ids) if self.logprobs else None,
                         "finish_reason": c.finish_reason})
-        return {**self.head, "object": "chat.completion", "choices": out,
-                "usage": usage(num_prompt_tokens, choices)}
+        body = {**self.head, "object": "chat.completion", "choices": out, "usage": usage(num_prompt_tokens, choices)}
+        if self.num_prompt_logprobs is not None:  # one prompt, scored by the first completion
+            body["prompt_logprobs"] = prompt_logprobs_body(choices[0].prompt_logprobs, self.prompt_ids[0],
+                                                           self.num_prompt_logprobs, self.token_text)
+        return body
 
     def chunk_body(self, entries: list[dict]) -> dict:
         return {**self.head, "object": "chat.completion.chunk", "choices": entries}
 
 
 class CompletionRenderer:
-    """text_completion, streamed or whole; ``echo`` puts each prompt's text first."""
+    """text_completion, streamed or whole; ``echo`` puts each prompt's text first, and with ``logprobs`` also its
+    tokens' logprobs (the first token's null). The n completions of a prompt share its logprobs, which the first
+    of them carries (a stream sends the echo of all n once the prompt is scored)."""
 
     def __init__(self, model_name: str, token_text: TokenText, logprobs: int | None, prompt_texts: list[str],
-                 n: int, echo: bool):
+                 n: int, echo: bool, prompt_ids: list[list[int]], prompt_logprobs: int | None):
         self.token_text = token_text
         self.num_logprobs = logprobs
         self.prompt_texts = prompt_texts
+        self.prompt_ids = prompt_ids
+        self.num_prompt_logprobs = prompt_logprobs
         self.n = n
         self.echo = echo
+        self.echoes_logprobs = echo and logprobs is not None
         self.offsets: dict[int, int] = {}
+        self.scored: dict[int, list] = {}  # prompt -> its prompt logprob entries so far (streaming)
         self.head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name,
                      "system_fingerprint": None}
 
     def _prefix(self, index: int) -> str:
         return self.prompt_texts[index // self.n] if self.echo else ""
+
+    def _top(self, entry: dict[int, float]) -> dict[str, float]:
+        """The legacy top_logprobs, keyed by text: where two tokens read the same (bytes of one character),
+        the likelier one's value stays."""
+        top: dict[str, float] = {}
+        for i, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:self.num_logprobs]:
+            top.setdefault(self.token_text(i)[0], lp)
+        return top
 
     def _logprobs(self, entries: list[dict[int, float]], token_ids: list[int], offset: int) -> dict:
         tokens, token_logprobs, tops, offsets = [], [], [], []
@@ -111,8 +147,19 @@ class CompletionRenderer:
             text = self.token_text(t)[0]
             tokens.append(text)
             token_logprobs.append(entry[t])
-            tops.append({self.token_text(i)[0]: lp
-                         for i, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:self.num_logprobs]})
+            tops.append(self._top(entry))
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _prompt_part(self, entries: list[dict[int, float] | None], prompt: int) -> dict:
+        """The legacy logprobs of a prompt's tokens (echo): the first token's logprob and top are null."""
+        tokens, token_logprobs, tops, offsets, offset = [], [], [], [], 0
+        for t, entry in zip(self.prompt_ids[prompt], entries):
+            text = self.token_text(t)[0]
+            tokens.append(text)
+            token_logprobs.append(None if entry is None else entry[t])
+            tops.append(None if entry is None else self._top(entry))
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
@@ -121,29 +168,47 @@ class CompletionRenderer:
         out = []
         for c in choices:
             self.offsets[c.index] = len(self._prefix(c.index))
-            if self.echo:
+            if self.echo and not self.echoes_logprobs:
                 out.append({"index": c.index, "text": self._prefix(c.index), "logprobs": None,
                             "finish_reason": None})
         return out
 
     def chunks(self, e: ChoiceEvent) -> list[dict]:
+        out = []
+        if self.echoes_logprobs and e.prompt_logprobs:
+            prompt = e.index // self.n
+            scored = self.scored.setdefault(prompt, [])
+            scored.extend(e.prompt_logprobs)
+            if len(scored) == len(self.prompt_ids[prompt]):  # scored whole: the echo of each of its completions
+                part = self._prompt_part(scored, prompt)
+                out += [{"index": i, "text": self._prefix(i), "logprobs": part, "finish_reason": None}
+                        for i in range(prompt * self.n, (prompt + 1) * self.n)]
         logprobs = None
-        offset = self.offsets.get(e.index, 0)
+        offset = self.offsets.get(e.index, 0)  # text_offset counts the tokens' texts, as the whole answer's does
         if self.num_logprobs is not None and e.token_ids:
             logprobs = self._logprobs(e.logprobs, e.token_ids, offset)
-        self.offsets[e.index] = offset + len(e.text)
+        self.offsets[e.index] = offset + sum(len(self.token_text(t)[0]) for t in e.token_ids)
         if e.text or logprobs or e.finish_reason:
-            return [{"index": e.index, "text": e.text, "logprobs": logprobs, "finish_reason": e.finish_reason}]
-        return []
+            out.append({"index": e.index, "text": e.text, "logprobs": logprobs, "finish_reason": e.finish_reason})
+        return out
 
     def response(self, choices: list[Choice], num_prompt_tokens: int) -> dict:
         out = []
         for c in choices:
-            prefix = self._prefix(c.index)
-            out.append({"index": c.index, "text": prefix + "".join(c.text),
-                        "logprobs": (self._logprobs(c.logprobs, c.token_ids, len(prefix))
-                                     if self.num_logprobs is not None else None),
-                        "finish_reason": c.finish_reason})
+            prefix, prompt = self._prefix(c.index), c.index // self.n
+            scored = choices[prompt * self.n].prompt_logprobs
+            logprobs = None
+            if self.num_logprobs is not None:
+                logprobs = self._logprobs(c.logprobs, c.token_ids, len(prefix))
+                if self.echoes_logprobs:
+                    part = self._prompt_part(scored, prompt)
+                    logprobs = {key: part[key] + logprobs[key] for key in part}
+            choice = {"index": c.index, "text": prefix + "".join(c.text), "logprobs": logprobs,
+                      "finish_reason": c.finish_reason}
+            if self.num_prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_body(scored, self.prompt_ids[prompt],
+                                                                 self.num_prompt_logprobs, self.token_text)
+            out.append(choice)
         return {**self.head, "object": "text_completion", "choices": out,
                 "usage": usage(num_prompt_tokens, choices)}
 

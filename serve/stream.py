@@ -41,13 +41,16 @@ class ChoiceEvent:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    """Entries of Response.prompt_logprobs (the first completion of a prompt, while its prompt is computed)."""
     finish_reason: str | None = None
     is_first: bool = False
     """The completion's first event (the chat role chunk goes with it); set by the stream that yields it."""
 
     @property
     def is_empty(self) -> bool:
-        return not (self.text or self.reasoning or self.tool_calls or self.token_ids or self.finish_reason)
+        return not (self.text or self.reasoning or self.tool_calls or self.token_ids or self.finish_reason
+                    or self.prompt_logprobs)
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Choice:
     reasoning: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
     first_token_at: float | None = None
@@ -80,7 +84,7 @@ class Choice:
         if final and finish_reason == "stop" and self.tool_calls:
             finish_reason = "tool_calls"
         event = ChoiceEvent(self.index, text, reasoning, calls, list(r.token_ids), list(r.logprobs or []),
-                            finish_reason)
+                            list(r.prompt_logprobs or []), finish_reason)
         self.add(event, r.generate_token_len)
         return event
 
@@ -91,6 +95,7 @@ class Choice:
             self.reasoning.append(event.reasoning)
         self.token_ids.extend(event.token_ids)
         self.logprobs.extend(event.logprobs)
+        self.prompt_logprobs.extend(event.prompt_logprobs)
         self.num_tokens = num_tokens
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
