@@ -146,8 +146,12 @@ def print_awq_summary(result, config: AwqConfig) -> None:
     if result.tasks_before is not None:
         from lmkit.lite.evaluate import compare_table
 
+        from lmkit.lite.evaluate import paired_difference
+
         for task, metric, before, after in compare_table([result.tasks_before, result.tasks_after]):
-            table.add_row(f"{task} {metric}", f"{before} -> {after}")
+            d = paired_difference(result.tasks_before, result.tasks_after, task, metric)
+            paired = f" (paired difference {d[0]:+.4f} ± {d[1]:.4f})" if d else ""
+            table.add_row(f"{task} {metric}", f"{before} -> {after}{paired}")
     Console(highlight=False).print(table)
 
 
@@ -203,7 +207,7 @@ def eval_(
     from rich.console import Console
     from rich.table import Table
 
-    from lmkit.lite.evaluate import compare_table, evaluate_tasks
+    from lmkit.lite.evaluate import compare_table, evaluate_tasks, paired_table
 
     config = EvalConfig(tasks=_task_names(tasks), limit=limit, num_fewshot=num_fewshot,
                         include_path=tuple(include_path or ()), dtype=dtype, num_threads=num_threads,
@@ -219,9 +223,17 @@ def eval_(
     for row in compare_table(results):
         table.add_row(*row)
     Console(highlight=False).print(table)
+    paired = paired_table(results) if len(results) > 1 else []
+    if paired:
+        table = Table(title=f"minus {results[0].model}, per document (paired standard error)", title_justify="left")
+        for column in ["task", "metric", *[r.model for r in results[1:]]]:
+            table.add_column(column)
+        for row in paired:
+            table.add_row(*row)
+        Console(highlight=False).print(table)
     if output is not None:
-        output.write_text(json.dumps({"settings": {**config.__dict__}, "results": [r.as_dict() for r in results]},
-                                     indent=2))
+        output.write_text(json.dumps({"settings": {**config.__dict__}, "results": [r.as_dict() for r in results],
+                                      "paired_vs_first": paired}, indent=2))
 
 
 class StepReporter(ProgressReporter):

@@ -3,6 +3,9 @@ the offline tasks of eval_tasks.py (built from held-out text into the cache) plu
 
     evaluate_tasks(model, EvalConfig)   -> TaskResult (per task and metric: value and standard error)
     compare_table(results)              -> rows for a side-by-side table (fp vs AWQ vs RTN)
+    paired_table(results)               -> each model minus the first, per document (mean-aggregated metrics):
+                                           the difference and its paired standard error, far tighter than the
+                                           two scores' own errors when the models agree on most documents
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ class TaskResult:
     metrics: dict[str, dict[str, tuple[float, float | None]]]
     num_examples: dict[str, int]
     seconds: float
+    per_doc: dict[str, dict[str, dict[int, float]]] = None
+    """per_doc[task][metric][doc_id]: the document's value of a mean-aggregated metric (acc, acc_norm)."""
 
     def as_dict(self) -> dict:
         return {"model": self.model, "seconds": round(self.seconds, 2), "num_examples": self.num_examples,
@@ -70,7 +75,7 @@ def evaluate_tasks(model: str | Path | None, config: EvalConfig) -> TaskResult:
         out = lm_eval.simple_evaluate(model=lm, tasks=list(config.tasks), num_fewshot=config.num_fewshot,
                                       limit=config.limit, task_manager=manager, random_seed=config.seed,
                                       numpy_random_seed=config.seed, torch_random_seed=config.seed,
-                                      fewshot_random_seed=config.seed, log_samples=False)
+                                      fewshot_random_seed=config.seed, log_samples=True)
     finally:
         lm.close()
     metrics: dict[str, dict[str, tuple[float, float | None]]] = {}
@@ -88,7 +93,51 @@ def evaluate_tasks(model: str | Path | None, config: EvalConfig) -> TaskResult:
         metrics[task] = row
     counts = {task: int(n.get("effective", n.get("original", 0))) if isinstance(n, dict) else int(n)
               for task, n in out.get("n-samples", {}).items()}
-    return TaskResult(str(model) if model is not None else "smollm2", metrics, counts, time.perf_counter() - start)
+    return TaskResult(str(model) if model is not None else "smollm2", metrics, counts, time.perf_counter() - start,
+                      _per_doc(out.get("samples", {}), metrics))
+
+
+def _per_doc(samples: dict, metrics: dict) -> dict[str, dict[str, dict[int, float]]]:
+    """The per-document values of the metrics whose score is their mean (the others, perplexity, are not
+    differences of documents)."""
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for task, docs in samples.items():
+        for metric, (value, _) in metrics.get(task, {}).items():
+            values = {s["doc_id"]: s.get(metric) for s in docs}
+            if not values or not all(isinstance(v, (int, float)) for v in values.values()):
+                continue
+            if abs(sum(values.values()) / len(values) - value) <= 1e-9:
+                out.setdefault(task, {})[metric] = {int(k): float(v) for k, v in values.items()}
+    return out
+
+
+def paired_difference(a: TaskResult, b: TaskResult, task: str, metric: str) -> tuple[float, float, int] | None:
+    """(mean of b - a over the documents both scored, its standard error, documents) or None."""
+    da = (a.per_doc or {}).get(task, {}).get(metric)
+    db = (b.per_doc or {}).get(task, {}).get(metric)
+    if not da or not db:
+        return None
+    diffs = [db[k] - da[k] for k in sorted(set(da) & set(db))]
+    n = len(diffs)
+    if n < 2:
+        return None
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / (n - 1)
+    return mean, math.sqrt(var / n), n
+
+
+def paired_table(results: list[TaskResult]) -> list[list[str]]:
+    """Rows [task, metric, difference ± paired standard error of each later result minus the first]."""
+    rows = []
+    for task, ms in results[0].metrics.items():
+        for metric in ms:
+            cells = []
+            for r in results[1:]:
+                d = paired_difference(results[0], r, task, metric)
+                cells.append("" if d is None else f"{d[0]:+.4f} ± {d[1]:.4f}")
+            if any(cells):
+                rows.append([task, metric, *cells])
+    return rows
 
 
 def compare_table(results: list[TaskResult]) -> list[list[str]]:

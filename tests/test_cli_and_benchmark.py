@@ -108,6 +108,14 @@ def test_sharegpt_file_workload(smollm2_path, tmp_path):
     assert len(rows) == 3 and all(",ShareGPT file sg.json," in r for r in rows[1:])
 
 
+def test_prompt_logprobs_benchmark_smoke(smollm2_path):
+    """bench_prompt_logprobs.py --smoke: a real api_server scores prompts (echo + logprobs, max_tokens 0) beside
+    HF transformers."""
+    run = _run_script("bench_prompt_logprobs.py", "--smoke", "--model", str(smollm2_path), "--threads", "1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "lmkit api_server" in run.stdout and "HF transformers" in run.stdout, run.stdout
+
+
 def test_peers_benchmark_smoke(smollm2_path):
     """bench_peers.py --smoke: lmkit fp and HF side by side in worker processes, two interleaved rounds,
     table printed."""

@@ -236,4 +236,30 @@ TEST(engine_min_new_tokens_bans_then_stops) {
   EXPECT(bans[2].empty());
 }
 
+TEST(batch_prompt_logprob_rows_once) {
+  // prompt of 7 tokens, chunk of positions 2..6 (the last one sampled); positions 0..2 were scored before a
+  // preemption (prompt tokens 1..3 handed out): rows of positions 3..5 score tokens 4..6, position 6 only samples
+  Sequence a = make_seq(1, {10, 11, 12, 13, 14, 15, 16}, {4, 8});
+  a.params.prompt_logprobs = 3;
+  a.num_prompt_logprobs_emitted = 4;
+  BatchPlan plan;
+  plan.seqs.push_back(ScheduledSeq{&a, 2, 5, true});
+  plan.num_tokens = 5;
+  StopRules rules({0});
+  Batch batch = build_batch(plan, 4, rules);
+  EXPECT(batch.logit_rows == (Ids{1, 2, 3, 4}));
+  EXPECT_EQ(batch.prompt_logprob_rows.size(), 3u);
+  for (int32_t k = 0; k < 3; ++k) {
+    const PromptLogprobRow& r = batch.prompt_logprob_rows[k];
+    EXPECT_EQ(r.logit_index, k);
+    EXPECT_EQ(r.position, 3 + k);
+    EXPECT_EQ(r.token, 14 + k);
+    EXPECT_EQ(r.num_top, 3);
+  }
+  EXPECT_EQ(batch.samples.size(), 1u);
+  EXPECT_EQ(batch.samples[0].logit_index, 3);
+  StepOutput out = StepOutput::for_batch(batch, 32);
+  EXPECT_EQ(out.prompt_logprobs.size(), 3u);
+}
+
 int main() { return lmkit::testing::run_all(); }

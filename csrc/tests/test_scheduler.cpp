@@ -247,6 +247,31 @@ TEST(prefix_hits_skip_computed_blocks) {
   sched.verify();
 }
 
+TEST(prompt_rows_take_no_prefix_hits_and_max_new_zero_is_not_sampled) {
+  BlockManager bm(16, 4);
+  Scheduler sched({8, 100, 1000, true}, bm);
+  g_sched = &sched;
+  std::vector<int32_t> doc(10);
+  for (int i = 0; i < 10; ++i) doc[i] = 30 + i;
+  sched.add(make_seq_tokens(1, doc, 3));
+  advance(sched.schedule());
+  sched.remove(1);  // blocks 0 1 cached
+  EXPECT_EQ(bm.num_cached_blocks(), 2);
+  auto scored = make_seq_tokens(2, doc, 0);  // max_new_tokens 0 with prompt logprobs: score the prompt
+  scored->params.prompt_logprobs = 1;
+  sched.add(std::move(scored));
+  BatchPlan plan = sched.schedule();
+  EXPECT_EQ(plan.seqs[0].start_pos, 0);  // the cached prefix is recomputed: its rows are needed
+  EXPECT_EQ(plan.seqs[0].num_tokens, 10);
+  EXPECT(!plan.seqs[0].is_sampled);      // nothing to generate
+  EXPECT_EQ(sched.num_prefix_hit_tokens(), 0);
+  advance(plan);
+  EXPECT_EQ(plan.seqs[0].seq->num_pending_tokens(), 0);  // the engine finishes it (length)
+  sched.remove(2);
+  sched.verify();
+  EXPECT(conserved(bm));
+}
+
 TEST(forked_completions_share_full_prompt_blocks) {
   BlockManager bm(16, 4);
   Scheduler sched({8, 100, 1000}, bm);

@@ -145,7 +145,20 @@ def test_cli_prints_the_side_by_side_table(lite_tiny_llama, tmp_path, monkeypatc
                                       str(out)])
     assert result.exit_code == 0, result.output
     assert "lmkit_pydoc_nextword" in result.output and "acc" in result.output
-    scores = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    scores = report["results"]
     assert len(scores) == 2 and scores[0]["metrics"] == scores[1]["metrics"]  # the same model twice
+    assert report["paired_vs_first"] == [["lmkit_pydoc_nextword", "acc", "+0.0000 ± 0.0000"]]
+    assert "+0.0000 ± 0.0000" in result.output  # the paired table
     bad = CliRunner().invoke(app, ["lite", "eval", str(lite_tiny_llama), "--tasks", "no_such_task"])
     assert bad.exit_code != 0 and "unknown lm-eval task(s): no_such_task" in str(bad.exception)
+
+
+def test_paired_difference_is_per_document():
+    from lmkit.lite.evaluate import TaskResult, paired_difference
+
+    a = TaskResult("a", {"t": {"acc": (0.5, 0.2)}}, {"t": 4}, 0.0, {"t": {"acc": {0: 1.0, 1: 0.0, 2: 1.0, 3: 0.0}}})
+    b = TaskResult("b", {"t": {"acc": (0.75, 0.2)}}, {"t": 4}, 0.0, {"t": {"acc": {0: 1.0, 1: 1.0, 2: 1.0, 3: 0.0}}})
+    mean, se, n = paired_difference(a, b, "t", "acc")
+    assert (mean, n) == (0.25, 4) and se == pytest.approx(0.25)  # diffs 0, 1, 0, 0: sd 0.5, / sqrt(4)
+    assert paired_difference(a, b, "t", "acc_norm") is None
