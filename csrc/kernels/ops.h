@@ -156,8 +156,9 @@ void softcap(float* x, int64_t n, float cap);
 // x[i] *= s for i < n, in place.
 void scale(float* x, int64_t n, float s);
 // out[r] = log(sum_i exp(x[r, i]))                                        x: [rows, n], out: [rows]
-// (the log-softmax normaliser of a logits row; -inf entries add nothing, a row of -inf gives -inf).
-void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out);
+// (the log-softmax normaliser of a logits row; -inf entries add nothing, a row of -inf gives -inf);
+// argmax[r] (when not null): the first index of the row's maximum (0 for a row of -inf or NaN).
+void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out, int32_t* argmax = nullptr);
 
 // One layer of the blocked KV pool. k and v each point at num_blocks blocks of block_bytes() bytes:
 //   bits 32 (fp32):    [num_kv_heads, block_size, head_dim] float

@@ -625,12 +625,15 @@ void test_log_sum_exp() {
   for (int64_t n : {1, 7, 16, 1001, 49152, 262147}) {
     const int64_t rows = n > 100000 ? 2 : 5;
     std::vector<float> x = randn(rows * n, 8.0f), out(rows, NAN), ref(rows);
+    std::vector<int32_t> argmax(rows, -7), ref_argmax(rows);
     if (n > 100) {
       x[3] = 60.0f, x[4] = -INFINITY, x[n + 5] = -80.0f;
+      x[n + 40] = x[n + 70] = 50.0f;  // a tie for the maximum: the first index wins
       for (int64_t i = 0; i < n; ++i) x[(rows - 1) * n + i] = -INFINITY;
     }
-    ops::log_sum_exp(x.data(), rows, n, out.data());
-    ops::reference::log_sum_exp(x.data(), rows, n, ref.data());
+    ops::log_sum_exp(x.data(), rows, n, out.data(), argmax.data());
+    ops::reference::log_sum_exp(x.data(), rows, n, ref.data(), ref_argmax.data());
+    expect(argmax == ref_argmax, "log_sum_exp argmax n " + std::to_string(n));
     double worst = 0;
     for (int64_t r = 0; r < rows; ++r) {
       const double d = ref[r] == out[r] ? 0.0 : std::fabs((double)out[r] - ref[r]);  // NaN (unwritten): inf

@@ -246,11 +246,11 @@ void scale(float* x, int64_t n, float s) {
   cpu::active().scale(x, n, s);
 }
 
-void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out) {
-  LMKIT_CHECK(rows >= 0 && n > 0, "log_sum_exp: bad shape [", rows, ", ", n, "]");
+void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out, int32_t* argmax) {
+  LMKIT_CHECK(rows >= 0 && n > 0 && n <= INT32_MAX, "log_sum_exp: bad shape [", rows, ", ", n, "]");
   if (rows == 0) return;
   LMKIT_CHECK(x != nullptr && out != nullptr, "log_sum_exp: x and out must be non-null");
-  cpu::active().log_sum_exp(x, rows, n, out);
+  cpu::active().log_sum_exp(x, rows, n, out, argmax);
 }
 
 namespace {

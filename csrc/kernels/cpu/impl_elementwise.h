@@ -144,16 +144,31 @@ void scale(float* x, int64_t n, float s) {
   for_each_vector(n, [=](int64_t i, int r) { vstore_r(x + i, vload_r(x + i, r) * vs, r); });
 }
 
+// The first index holding m, the row's maximum: vectors skipped while no lane exceeds the float below m
+// (should that float be a denormal read as 0, nothing is skipped wrongly: the scalar scan from the start).
+inline int32_t first_index_of_max(const float* x, int64_t n, float m) {
+  const V below = vset1(nextafterf(m, -__builtin_inff()));
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW)
+    if (vany_gt(vload(x + i), below)) break;
+  for (int64_t j = i; j < n; ++j)
+    if (x[j] == m) return (int32_t)j;
+  for (int64_t j = 0; j < i; ++j)
+    if (x[j] == m) return (int32_t)j;
+  return 0;
+}
+
 // log(sum_i exp(x[i])) of one row: the max first, then exp(x - max) summed in fp32 lanes over blocks of
 // 64 vectors, the blocks added in double (a 262k-entry row keeps ~1e-7 relative error). -inf entries add 0;
-// a row of -inf gives -inf.
-inline float log_sum_exp_row(const float* x, int64_t n) {
+// a row of -inf gives -inf. *argmax (when given): the first index of the maximum (0 for a row of -inf or NaN).
+inline float log_sum_exp_row(const float* x, int64_t n, int32_t* argmax) {
   const float neg_inf = -__builtin_inff();
   V vm = vset1(neg_inf);
   int64_t i = 0;
   for (; i + kW <= n; i += kW) vm = vmax(vm, vload(x + i));
   float m = vhmax(vm);
   for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  if (argmax) *argmax = m > neg_inf ? first_index_of_max(x, n, m) : 0;
   if (!(m > neg_inf)) return m;  // all -inf (or NaN)
   const V vmx = vset1(m);
   double total = 0;
@@ -167,9 +182,9 @@ inline float log_sum_exp_row(const float* x, int64_t n) {
   return m + (float)log(total);
 }
 
-void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out) {
+void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out, int32_t* argmax) {
 #pragma omp parallel for schedule(static) if (rows > 1 && worth_threads(rows * n))
-  for (int64_t r = 0; r < rows; ++r) out[r] = log_sum_exp_row(x + r * n, n);
+  for (int64_t r = 0; r < rows; ++r) out[r] = log_sum_exp_row(x + r * n, n, argmax ? argmax + r : nullptr);
 }
 
 // k, v rows [n, num_kv_heads, head_dim] -> pool slots; a negative slot (padding) is skipped.

@@ -47,7 +47,7 @@ struct KernelTable {
   void (*gelu_tanh_mul)(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
   void (*softcap)(float* x, int64_t n, float cap);  // cap > 0
   void (*scale)(float* x, int64_t n, float s);
-  void (*log_sum_exp)(const float* x, int64_t rows, int64_t n, float* out);
+  void (*log_sum_exp)(const float* x, int64_t rows, int64_t n, float* out, int32_t* argmax);
   void (*kv_write)(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n);
   // logit_softcap 0: no soft-capping. Reads the block table only over the keys some query's window reaches.
   void (*paged_attention)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,

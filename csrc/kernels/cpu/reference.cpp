@@ -93,11 +93,14 @@ void scale(float* x, int64_t n, float s) {
   for (int64_t i = 0; i < n; ++i) x[i] = (float)((double)x[i] * s);
 }
 
-void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out) {
+void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out, int32_t* argmax) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x + r * n;
     double m = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, (double)row[i]);
+    int32_t best = 0;
+    for (int64_t i = 0; i < n; ++i)
+      if ((double)row[i] > m) m = row[i], best = (int32_t)i;
+    if (argmax) argmax[r] = best;
     if (m == -INFINITY) {
       out[r] = (float)m;
       continue;

@@ -22,7 +22,7 @@ void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, floa
 void gelu_tanh_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
 void softcap(float* x, int64_t n, float cap);
 void scale(float* x, int64_t n, float s);
-void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out);
+void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out, int32_t* argmax = nullptr);
 // Value d of pool row (block, head h, offset off) of K (is_v false) or V, dequantized in double.
 double kv_value(const KVLayer& kv, bool is_v, int64_t block, int64_t h, int64_t off, int64_t d);
 // Quantizes (bits 8 / 4) straight from the definition in ops.h.

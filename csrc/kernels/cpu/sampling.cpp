@@ -161,12 +161,18 @@ int32_t draw(const float* logits, int32_t vocab, const SamplingParams& p, std::m
 
 }  // namespace
 
-void token_logprobs(const float* logits, int32_t vocab, float log_z, int32_t chosen, int32_t k, SampleLogprobs* out) {
+void token_logprobs(const float* logits, int32_t vocab, float log_z, int32_t chosen, int32_t k, SampleLogprobs* out,
+                    int32_t argmax) {
   out->logprob = logits[chosen] - log_z;
   out->top_ids.clear();
   out->top_logprobs.clear();
   k = std::min(k, vocab);
   if (k <= 0) return;
+  if (k == 1 && argmax >= 0) {
+    out->top_ids.push_back(argmax);
+    out->top_logprobs.push_back(logits[argmax] - log_z);
+    return;
+  }
   // One pass keeping the k best in descending order; ids come ascending, so an equal value never displaces
   // an earlier one (ties: lower id first) and NaN never enters.
   std::vector<int32_t>& ids = out->top_ids;
@@ -198,8 +204,9 @@ int32_t sample(float* logits, int32_t vocab, const SamplingParams& p, const int3
   const int32_t token = p.is_greedy() ? argmax(logits, vocab) : draw(logits, vocab, p, rng);
   if (logprobs && p.logprobs >= 0) {
     float log_z = 0;
-    log_sum_exp(logits, 1, vocab, &log_z);
-    token_logprobs(logits, vocab, log_z, token, p.logprobs, logprobs);
+    int32_t best = 0;
+    log_sum_exp(logits, 1, vocab, &log_z, &best);
+    token_logprobs(logits, vocab, log_z, token, p.logprobs, logprobs, best);
   }
   return token;
 }

@@ -18,8 +18,10 @@ struct SampleLogprobs {
 };
 
 // The log-softmax of logits[vocab] at `chosen` and at its k best entries (ties: lower id first, NaN never),
-// given log_z = log_sum_exp of the row (ops::log_sum_exp).
-void token_logprobs(const float* logits, int32_t vocab, float log_z, int32_t chosen, int32_t k, SampleLogprobs* out);
+// given log_z = log_sum_exp of the row and, when >= 0, its argmax (both from ops::log_sum_exp; k = 1 then
+// reads no more of the row).
+void token_logprobs(const float* logits, int32_t vocab, float log_z, int32_t chosen, int32_t k, SampleLogprobs* out,
+                    int32_t argmax = -1);
 
 // Picks the next token from logits[vocab] (modified in place) under params.
 //   history: prompt + generated tokens, the first num_prompt of them the prompt (repetition penalty over
