@@ -162,3 +162,26 @@ def test_paired_difference_is_per_document():
     mean, se, n = paired_difference(a, b, "t", "acc")
     assert (mean, n) == (0.25, 4) and se == pytest.approx(0.25)  # diffs 0, 1, 0, 0: sd 0.5, / sqrt(4)
     assert paired_difference(a, b, "t", "acc_norm") is None
+
+
+def test_awq_eval_tasks_go_into_the_report(lite_tiny_llama, tmp_path, monkeypatch):
+    """lite awq --eval-tasks: the source and the checkpoint scored through the engine, in the summary table and
+    awq/report.json beside the perplexity."""
+    from typer.testing import CliRunner
+
+    from lmkit.cli.main import app
+
+    monkeypatch.setenv("LMKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "rtn"
+    result = CliRunner().invoke(app, ["lite", "awq", str(lite_tiny_llama), "--work-dir", str(out), "--rtn",
+                                      "--w-group-size", "32", "--eval-tasks", "lmkit_pydoc_nextword",
+                                      "--eval-limit", "8"])
+    assert result.exit_code == 0, result.output
+    assert "lmkit_pydoc_nextword acc" in result.output and "paired difference" in result.output
+    report = json.loads((out / "awq" / "report.json").read_text())
+    before, after = report["tasks_before"], report["tasks_after"]
+    assert before["num_examples"] == after["num_examples"] == {"lmkit_pydoc_nextword": 8}
+    assert set(before["metrics"]["lmkit_pydoc_nextword"]) == {"acc", "perplexity"}
+    # the quantized model scores differently (RTN int4 of a random model moves every logprob)
+    assert before["metrics"]["lmkit_pydoc_nextword"]["perplexity"] != after["metrics"]["lmkit_pydoc_nextword"]["perplexity"]
