@@ -25,6 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from bench_scale_out import wait_up  # noqa: E402
 from bench_server_hardening import cpu_name, free_port  # noqa: E402
 from summary import append_csv, summarize  # noqa: E402
 
@@ -36,22 +37,6 @@ def prompts(tokenizer, num: int, length: int) -> list[list[int]]:
     if len(ids) < num * length:
         raise SystemExit(f"the held-out text has {len(ids)} tokens, fewer than {num} x {length}")
     return [ids[i * length:(i + 1) * length] for i in range(num)]
-
-
-def wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("the server did not come up")
 
 
 async def score_round(url: str, batch: list[list[int]], concurrency: int) -> tuple[float, list[float]]:
@@ -90,7 +75,7 @@ def run_server(args, batch: list[list[int]]) -> dict:
            "--session-len", str(args.prompt_tokens + 64)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_up(url, proc)
+        wait_up(f"{url}/health", proc)
         asyncio.run(score_round(url, batch[:args.concurrency], args.concurrency))  # warm-up
         rates, lat = [], []
         for _ in range(args.rounds):

@@ -191,7 +191,7 @@ def ppl(
 def eval_(
     models: Optional[list[str]] = typer.Argument(None, metavar="MODEL...", show_default=False,
                                                  help=MODEL_HELP + " Several: scored side by side."),
-    tasks: str = typer.Option(",".join(EvalConfig.tasks), help=_E["tasks"]),
+    tasks: str = typer.Option(",".join(EvalConfig.tasks), help=_E["tasks"], show_default=False),
     limit: Optional[int] = typer.Option(None, help=_E["limit"]),
     num_fewshot: Optional[int] = typer.Option(None, help=_E["num_fewshot"]),
     include_path: Optional[list[str]] = typer.Option(None, help=_E["include_path"]),

@@ -144,9 +144,9 @@ class EvalConfig:
     seed: int = 1234
 
     HELP = {
-        "tasks": "lm-eval task names, comma-separated: the offline ones built from held-out text "
-                 "(lmkit_hamlet_nextline, lmkit_hamlet_nextword, lmkit_pydoc_nextword), any task of lm-eval's "
-                 "registry (hub datasets need network), or tasks of an --include-path folder.",
+        "tasks": "lm-eval tasks, comma-separated: the offline lmkit_hamlet_nextline, lmkit_hamlet_nextword and "
+                 "lmkit_pydoc_nextword (default), any task lm-eval knows (hub data needs network), or your own "
+                 "from --include-path.",
         "limit": "Score at most N examples per task (default: all).",
         "num_fewshot": "Few-shot examples per prompt (default: each task's own).",
         "include_path": "A folder of your own lm-eval task YAML files (local data: dataset_path json, "

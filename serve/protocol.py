@@ -433,11 +433,6 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
     @property
-    def echoes_logprobs(self) -> bool:
-        """echo with logprobs: the answer's logprobs begin with the prompt's tokens (the first one's null)."""
-        return self.echo and self.logprobs is not None
-
-    @property
     def num_prompt_logprobs(self) -> int | None:
         """The alternatives per prompt token the engine computes (echo's logprobs, prompt_logprobs), or None."""
         asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
