@@ -7,13 +7,7 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-
-def usable_cpu_count() -> int:
-    """The cores this process may run on (its affinity mask), else the machine's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity outside Linux
-        return os.cpu_count() or 1
+from lmkit.cpus import usable_cpu_count
 
 
 AUTO_MEMORY_FRACTION = 0.8
@@ -63,7 +57,8 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     """Reuse the KV blocks of identical prompt prefixes."""
     num_threads: int | None = None
-    """CPU threads for the kernels. Default: the cores this process may use."""
+    """CPU threads for the kernels. Default: the CPUs this process may use: its affinity mask, capped by its
+    cgroup's CPU quota rounded up (a container's --cpus, a pod's cpu limit; lmkit/cpus.py)."""
     cuda_graphs: bool = True
     """CUDA backend: replay decode steps (every row one token, up to 256 rows) as CUDA graphs, one launch
     instead of hundreds. False: launch every kernel, every step."""
@@ -98,7 +93,7 @@ class EngineConfig:
 
     @property
     def resolved_num_threads(self) -> int:
-        """num_threads, or the cores this process may run on."""
+        """num_threads, or the CPUs this process may use (affinity mask, cgroup CPU quota: lmkit/cpus.py)."""
         return self.num_threads or usable_cpu_count()
 
     def to_engine_config(self, device: str, kv_layer_bits: list[int] | None = None):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import weakref
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Hashable, Union
 
 from lmkit.config import EngineConfig
+from lmkit.cpus import cpu_budget
 from lmkit.messages import GenerationConfig, Response
 from lmkit.metrics import EngineMetrics, LatencyRecorder
 from lmkit.model_path import resolve_model
@@ -28,6 +30,8 @@ from lmkit.models import ModelSpec, load_model_spec
 from lmkit.outputs import CompletionState
 from lmkit.structured import GrammarCache, StructuredOutput
 from lmkit.tokenizer import Tokenizer
+
+log = logging.getLogger("lmkit")
 
 Messages = list[dict]
 Prompt = Union[str, Messages, list[int]]  # text, one conversation, or token ids
@@ -124,6 +128,10 @@ class Engine:
         """How the KV pool was sized, with the numbers of the start-up line (CPU engines; None on CUDA)."""
         if sizer is None:
             log_cuda_kv_pool(self._cpp, self.config.cache_max_entry_count)
+        else:
+            threads = (f"{self.config.num_threads} threads (num_threads)" if self.config.num_threads
+                       else cpu_budget().describe())
+            log.info("CPU backend: %s, %s kernels", threads, _engine.cpu_isa())
         self._grammars: GrammarCache | None = None
         self._grammars_lock = threading.Lock()
         self._ids = itertools.count(1)

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from lmkit import env
+from lmkit.cgroups import limit_files
 from lmkit.models.safetensors_index import _DTYPE_BYTES
 
 from lmkit.config import AUTO_MEMORY_FRACTION
@@ -78,7 +79,8 @@ def memory_limit(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/c
     """MemTotal of ``proc``/meminfo, or the lowest memory limit (cgroup v2 ``memory.max``, v1
     ``memory.limit_in_bytes``) of this process's cgroup and its ancestors when lower."""
     best = MemoryLimit(_meminfo_total_bytes(proc / "meminfo"), "MemTotal")
-    for path in _cgroup_limit_files(proc / "self" / "cgroup", cgroup_root):
+    files = limit_files(proc / "self" / "cgroup", cgroup_root, "memory.max", "memory", "memory.limit_in_bytes")
+    for path in files:
         value = _read_limit(path)
         if value is not None and value < best.total_bytes:
             best = MemoryLimit(value, f"cgroup limit {path}")
@@ -91,27 +93,6 @@ def _meminfo_total_bytes(path: Path) -> int:
             return int(line.split()[1]) * 1024  # kB
     raise RuntimeError(f"{path} has no MemTotal line: cannot size the KV pool; give cache_max_entry_count "
                        "a block count (> 1)")
-
-
-def _cgroup_limit_files(self_cgroup: Path, root: Path) -> list[Path]:
-    """The limit files of this process's cgroup and its ancestors, v2 and v1 (existing or not). In a
-    container the listed path may be the host's; walking up to the root also finds the container's own."""
-    try:
-        lines = self_cgroup.read_text().splitlines()
-    except OSError:
-        lines = ["0::/"]
-    files = []
-    for line in lines:
-        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if hierarchy == "0" and controllers == "":
-            base, name = root, "memory.max"
-        elif "memory" in controllers.split(","):
-            base, name = root / "memory", "memory.limit_in_bytes"
-        else:
-            continue
-        parts = [p for p in path.split("/") if p]
-        files += [base.joinpath(*parts[:depth], name) for depth in range(len(parts), -1, -1)]
-    return files
 
 
 def _read_limit(path: Path) -> int | None:

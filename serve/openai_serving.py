@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Union
 
-from lmkit.config import usable_cpu_count
+from lmkit.cpus import usable_cpu_count
 from lmkit.engine import AsyncEngine, RequestStream, first_id_outside
 from lmkit.messages import GenerationConfig, GenerationConfigError, Response
 from lmkit.serve.errors import APIError, bad_request, error_body, internal_error
