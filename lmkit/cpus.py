@@ -32,7 +32,7 @@ class CpuBudget:
         why = f"{self.num_affinity_cpus} CPUs in the affinity mask"
         if self.quota_cpus is not None:
             why += f", cgroup CPU quota {self.quota_cpus:g} ({self.quota_source})"
-        return f"{self.num_threads} threads ({why})"
+        return f"{self.num_threads} thread{'s' * (self.num_threads > 1)} ({why})"
 
 
 def affinity_cpu_count() -> int:

@@ -116,6 +116,10 @@ class Engine:
                                            self.spec.head_dim)
         # CPU: the pool is sized in lmkit/memory.py against the host's memory and the other lmkit engines',
         # and this engine's reservation is recorded until close(); CUDA: the backend sizes it from free GPU memory.
+        if self.device == "cpu":
+            threads = (f"{self.config.num_threads} thread{'s' * (self.config.num_threads > 1)} (num_threads)"
+                       if self.config.num_threads else cpu_budget().describe())
+            log.info("CPU backend: %s, %s kernels", threads, _engine.cpu_isa())
         sizing = reserve_kv_pool(self.config, self.spec) if self.device == "cpu" else nullcontext()
         with sizing as sizer:
             self._cpp = _engine.Engine(
@@ -128,10 +132,7 @@ class Engine:
         """How the KV pool was sized, with the numbers of the start-up line (CPU engines; None on CUDA)."""
         if sizer is None:
             log_cuda_kv_pool(self._cpp, self.config.cache_max_entry_count)
-        else:
-            threads = (f"{self.config.num_threads} threads (num_threads)" if self.config.num_threads
-                       else cpu_budget().describe())
-            log.info("CPU backend: %s, %s kernels", threads, _engine.cpu_isa())
+
         self._grammars: GrammarCache | None = None
         self._grammars_lock = threading.Lock()
         self._ids = itertools.count(1)

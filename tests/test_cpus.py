@@ -57,7 +57,7 @@ def test_threads_are_the_affinity_capped_by_the_quota(tmp_path, quota, expect):
     assert budget.num_affinity_cpus == affinity
     assert budget.num_threads == (affinity if expect is None else min(affinity, expect))
     assert budget.quota_cpus == quota
-    assert f"{budget.num_threads} threads" in budget.describe()
+    assert budget.describe().startswith(f"{budget.num_threads} thread")
 
 
 def test_affinity_mask_sets_the_engine_default():
