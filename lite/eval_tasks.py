@@ -14,9 +14,11 @@ same items; a changed builder gets a new version and folder.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from lmkit.lite.corpora import hamlet, pydoc_evaluation
@@ -28,40 +30,25 @@ MAX_EXAMPLES = 500
 _WORD_END = re.compile(r"^(?P<context>.*\S)\s+(?P<word>[A-Za-z][A-Za-z']{2,})(?P<tail>[^A-Za-z']*)$")
 
 
+def _runs(lines: Iterable[tuple[str, bool]]) -> list[list[str]]:
+    """The runs of consecutive kept lines of (line, keep) pairs."""
+    return [[line for line, _ in group] for keep, group in itertools.groupby(lines, key=lambda x: x[1]) if keep]
+
+
 def _hamlet_speeches() -> list[list[str]]:
     """Hamlet's verse and prose lines, grouped by speech (a speaker's heading, a stage direction or a blank
     line ends one)."""
-    speeches: list[list[str]] = []
-    current: list[str] = []
-    for raw in hamlet()[0].splitlines():
-        line = raw.strip()
-        if not line or line.startswith(("**", "_", "#")):
-            if current:
-                speeches.append(current)
-            current = []
-            continue
-        current.append(line)
-    if current:
-        speeches.append(current)
-    return speeches
+    lines = (raw.strip() for raw in hamlet()[0].splitlines())
+    return _runs((line, bool(line) and not line.startswith(("**", "_", "#"))) for line in lines)
 
 
 def _pydoc_paragraphs() -> list[list[str]]:
     """Runs of prose lines of the held-out pydoc topics (grammar blocks, headings and code skipped)."""
-    paragraphs: list[list[str]] = []
-    for text in pydoc_evaluation():
-        current: list[str] = []
-        for raw in text.splitlines():
-            line = raw.rstrip()
-            if not line or raw.startswith(" ") or set(line) <= set("*=-~"):
-                if current:
-                    paragraphs.append(current)
-                current = []
-                continue
-            current.append(line)
-        if current:
-            paragraphs.append(current)
-    return paragraphs
+    def prose(raw: str) -> tuple[str, bool]:
+        line = raw.rstrip()
+        return line, bool(line) and not raw.startswith(" ") and not set(line) <= set("*=-~")
+
+    return [run for text in pydoc_evaluation() for run in _runs(map(prose, text.splitlines()))]
 
 
 def _spread(items: list, limit: int) -> list:

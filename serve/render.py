@@ -141,21 +141,11 @@ class CompletionRenderer:
             top.setdefault(self.token_text(i)[0], lp)
         return top
 
-    def _logprobs(self, entries: list[dict[int, float]], token_ids: list[int], offset: int) -> dict:
+    def _logprobs(self, entries: list[dict[int, float] | None], token_ids: list[int], offset: int) -> dict:
+        """The legacy logprobs of token_ids from text offset ``offset``; an entry None (a prompt's first token,
+        echoed) gives a null logprob and top."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for t, entry in zip(token_ids, entries):
-            text = self.token_text(t)[0]
-            tokens.append(text)
-            token_logprobs.append(entry[t])
-            tops.append(self._top(entry))
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
-
-    def _prompt_part(self, entries: list[dict[int, float] | None], prompt: int) -> dict:
-        """The legacy logprobs of a prompt's tokens (echo): the first token's logprob and top are null."""
-        tokens, token_logprobs, tops, offsets, offset = [], [], [], [], 0
-        for t, entry in zip(self.prompt_ids[prompt], entries):
             text = self.token_text(t)[0]
             tokens.append(text)
             token_logprobs.append(None if entry is None else entry[t])
@@ -180,7 +170,7 @@ class CompletionRenderer:
             scored = self.scored.setdefault(prompt, [])
             scored.extend(e.prompt_logprobs)
             if len(scored) == len(self.prompt_ids[prompt]):  # scored whole: the echo of each of its completions
-                part = self._prompt_part(scored, prompt)
+                part = self._logprobs(scored, self.prompt_ids[prompt], 0)  # the echo's tokens count from 0
                 out += [{"index": i, "text": self._prefix(i), "logprobs": part, "finish_reason": None}
                         for i in range(prompt * self.n, (prompt + 1) * self.n)]
         logprobs = None
@@ -201,7 +191,7 @@ class CompletionRenderer:
             if self.num_logprobs is not None:
                 logprobs = self._logprobs(c.logprobs, c.token_ids, len(prefix))
                 if self.echoes_logprobs:
-                    part = self._prompt_part(scored, prompt)
+                    part = self._logprobs(scored, self.prompt_ids[prompt], 0)
                     logprobs = {key: part[key] + logprobs[key] for key in part}
             choice = {"index": c.index, "text": prefix + "".join(c.text), "logprobs": logprobs,
                       "finish_reason": c.finish_reason}

@@ -210,22 +210,29 @@ TEST(refuses_a_request_that_can_never_fit) {
   EXPECT(sched.fit_error(*ok).empty());
 }
 
-TEST(prefix_hits_skip_computed_blocks) {
-  BlockManager bm(16, 4);
-  Scheduler sched({8, 100, 1000, true}, bm);
-  g_sched = &sched;
+// Computes the 10-token prompt 30..39 as sequence 1 and removes it: blocks 0 1 (full, published) stay cached,
+// block 2 (2 tokens) is free. Returns the prompt.
+std::vector<int32_t> cache_ten_token_prompt(Scheduler& sched, BlockManager& bm) {
   std::vector<int32_t> doc(10);
   for (int i = 0; i < 10; ++i) doc[i] = 30 + i;
   sched.add(make_seq_tokens(1, doc, 3));
   BatchPlan plan = sched.schedule();
   EXPECT_EQ(plan.seqs[0].num_tokens, 10);
-  advance(plan);  // blocks 0 1 full and published; block 2 holds 2 tokens
-  sched.remove(1);  // 0 1 cached, 2 free
+  advance(plan);
+  sched.remove(1);
   EXPECT_EQ(bm.num_cached_blocks(), 2);
+  return doc;
+}
+
+TEST(prefix_hits_skip_computed_blocks) {
+  BlockManager bm(16, 4);
+  Scheduler sched({8, 100, 1000, true}, bm);
+  g_sched = &sched;
+  std::vector<int32_t> doc = cache_ten_token_prompt(sched, bm);
   std::vector<int32_t> same_prefix = doc;
   same_prefix.push_back(99);
   sched.add(make_seq_tokens(2, same_prefix, 3));
-  plan = sched.schedule();
+  BatchPlan plan = sched.schedule();
   EXPECT_EQ(plan.seqs[0].start_pos, 8);  // two blocks reused
   EXPECT_EQ(plan.seqs[0].num_tokens, 3);
   EXPECT_EQ(plan.seqs[0].seq->block_table, (Ids{0, 1, 2}));
@@ -251,12 +258,7 @@ TEST(prompt_rows_take_no_prefix_hits_and_max_new_zero_is_not_sampled) {
   BlockManager bm(16, 4);
   Scheduler sched({8, 100, 1000, true}, bm);
   g_sched = &sched;
-  std::vector<int32_t> doc(10);
-  for (int i = 0; i < 10; ++i) doc[i] = 30 + i;
-  sched.add(make_seq_tokens(1, doc, 3));
-  advance(sched.schedule());
-  sched.remove(1);  // blocks 0 1 cached
-  EXPECT_EQ(bm.num_cached_blocks(), 2);
+  std::vector<int32_t> doc = cache_ten_token_prompt(sched, bm);
   auto scored = make_seq_tokens(2, doc, 0);  // max_new_tokens 0 with prompt logprobs: score the prompt
   scored->params.prompt_logprobs = 1;
   sched.add(std::move(scored));
