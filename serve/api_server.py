@@ -174,7 +174,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
                 return e.response()
             finally:
                 _cancel_all(streams)
-            return JSONResponse(serving.response(body, prepared, choices))
+            return await serving.response(body, prepared, choices)
 
         try:
             return await unless_disconnected(request, run())
