@@ -132,6 +132,11 @@ def time_runs(fn, runs: int) -> list:
     return [fn() for _ in range(runs)]
 
 
+def context_tokens(w: Workload) -> int:
+    """The context every engine is given: 2,048 tokens, or the TTFT prompt and its token when longer."""
+    return max(2048, len(w.long_ids) + 64)
+
+
 # ---------------------------------------------------------------- peer models (made once, cached)
 
 def peers_dir() -> Path:
@@ -281,7 +286,7 @@ def run_lmkit(model: Path, w: Workload, quant_policy: int = 0) -> dict:
     from lmkit import EngineConfig, pipeline
 
     config = EngineConfig(device="cpu", num_threads=w.threads, max_batch_size=max(1, len(w.batch_ids)),
-                          session_len=2048, cache_max_entry_count=256, quant_policy=quant_policy)
+                          session_len=context_tokens(w), cache_max_entry_count=256, quant_policy=quant_policy)
     with pipeline(model, config) as pipe:
         out = lmkit_greedy_figures(pipe, w.prompt_ids, w.new_tokens, w.runs, w.batch_ids, w.long_ids)
     out["lmkit_location"] = lmkit_location()
@@ -326,7 +331,7 @@ def lmkit_greedy_figures(pipe, prompt_ids: list[int], new_tokens: int, runs: int
 def run_llama_cpp(gguf: Path, w: Workload) -> dict:
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(gguf), n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=w.threads,
+    llm = llama_cpp.Llama(str(gguf), n_ctx=context_tokens(w), n_batch=512, n_ubatch=512, n_threads=w.threads,
                           n_threads_batch=w.threads, verbose=False)
     tokens: list[int] = []
 

@@ -37,6 +37,13 @@ SHAPES = {
                        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
                        bos_token_id=128000, eos_token_id=128001, hidden_act="silu"),
+    # the CPU-speed issue's 1.2B Llama: Llama-3.2-1B's layers (hidden 2048, 16 layers, GQA 32/8, intermediate
+    # 8192) with SmolLM2's vocabulary (use --tokenizer bundled), lm_head untied
+    "llama-1.2b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048,
+                       intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=49152, max_position_embeddings=8192,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="float16",
+                       bos_token_id=1, eos_token_id=2, hidden_act="silu"),
     # Qwen3-30B-A3B's (Qwen/Qwen3-30B-A3B): 128 experts of 768, top-8, q/k norm
     "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
                           intermediate_size=6144, moe_intermediate_size=768, num_experts=128,

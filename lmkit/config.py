@@ -52,8 +52,9 @@ class EngineConfig:
     kv_policy: str | None = None
     """Per-layer KV precision file (kv_policy.json from `lmkit lite calibrate`); overrides quant_policy."""
     awq_int8_activations: bool = True
-    """AWQ int4 checkpoints, decode steps: quantize activations to int8 per 32 values and use integer dot
-    products (AVX2 / AVX-512 CPUs; llama.cpp's approach). False: fp32 activations, exact dequantized math."""
+    """AWQ int4 checkpoints: quantize activations to int8 and use integer dot products, in decode (per 32
+    values; AVX2 / AVX-512 VNNI, llama.cpp's approach) and prefill (on AMX-INT8 CPUs tiles with x per weight
+    group, else the same kernels). False: fp32 activations, exact dequantized math (2-5x slower prefill)."""
     enable_prefix_caching: bool = False
     """Reuse the KV blocks of identical prompt prefixes."""
     num_threads: int | None = None

@@ -6,7 +6,6 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <ctime>
@@ -20,11 +19,13 @@
 #include <vector>
 
 #include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/ops.h"
 
 using namespace lmkit;
 
 namespace {
+#include "kernels/cpu/parallel.h"
 
 // Fastest of `reps` runs after one warm-up, in seconds (the minimum: this machine may be shared;
 // LMKIT_BENCH_STAT=median or mean reports that instead, closer to what a model step sees).
@@ -118,15 +119,16 @@ double read_bandwidth(size_t bytes, bool prefetch) {
   std::fill(buf, buf + n, 1.0f);
   const bool avx512 = __builtin_cpu_supports("avx512f");
   volatile float sink = 0;
-  auto fn = [&] {
-    float total = 0;
-#pragma omp parallel reduction(+ : total)
-    {
-      const size_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-      const size_t b = n / 64 * tid / nt * 64, e = n / 64 * (tid + 1) / nt * 64;
-      total += avx512 ? sum_avx512(buf + b, e - b, prefetch) : sum_plain(buf + b, e - b);
-    }
-    sink = total;
+  const int64_t nt = ops::cpu::team_threads();
+  std::vector<float> partial(nt);
+  auto fn = [&] {  // one contiguous share per chunk, as many chunks as the kernels' team has threads
+    parallel_for(nt, 1, true, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const size_t b = n / 64 * t / nt * 64, e = n / 64 * (t + 1) / nt * 64;
+        partial[t] = avx512 ? sum_avx512(buf + b, e - b, prefetch) : sum_plain(buf + b, e - b);
+      }
+    });
+    sink = std::accumulate(partial.begin(), partial.end(), 0.0f);
   };
   double t = time_it(fn, 7);
   (void)sink;
@@ -267,6 +269,39 @@ int main(int argc, char** argv) {
         }
       }
     ops::cpu::use_amx(true);
+  }
+
+  if (want("awq")) {  // AWQ int4 g128 prefill at a 1.2B Llama's shapes (hidden 2048, intermediate 8192)
+    struct S {
+      const char* name;
+      int64_t M, N, K;
+    };
+    std::mt19937 rng(7);
+    const int g = 128;
+    for (S s : {S{"qkv", 512, 3072, 2048}, S{"o", 512, 2048, 2048}, S{"gate_up", 512, 16384, 2048},
+                S{"down", 512, 2048, 8192}, S{"gate_up", 64, 16384, 2048}, S{"gate_up", 32, 16384, 2048},
+                S{"gate_up", 16, 16384, 2048}}) {
+      std::vector<int32_t> qw(s.K * s.N / 8), qz(s.K / g * s.N / 8);
+      for (auto& v : qw) v = (int32_t)rng();
+      for (auto& v : qz) v = (int32_t)rng();
+      Weight sc = make_weight(DType::F16, s.K / g, s.N);
+      ops::LinearWeight w = ops::pack_linear_awq(make_view(qw.data(), DType::I32, s.K, s.N / 8),
+                                                 make_view(qz.data(), DType::I32, s.K / g, s.N / 8), sc.t, g);
+      std::vector<float> x = randn(s.M * s.K), out(s.M * s.N);
+      struct P {
+        const char* name;
+        bool int8, amx;
+      };
+      for (P p : {P{"fp32", false, false}, P{"int8 dot", true, false}, P{"int8 amx", true, true}}) {
+        if ((p.int8 && !ops::int8_dot_available()) || (p.amx && !ops::int8_amx_available())) continue;
+        w.int8_activations = p.int8;
+        ops::cpu::use_amx(p.amx);
+        const double t = time_it([&] { ops::linear(x.data(), s.M, w, Tensor{}, out.data()); }, 5);
+        std::printf("awq %-8s [%3d x %4d] x [%5d x %4d]^T I4g128 %-9s: %8.3f ms  %7.1f GOP/s\n", s.name, (int)s.M,
+                    (int)s.K, (int)s.N, (int)s.K, p.name, t * 1e3, 2.0 * s.M * s.N * s.K / t / 1e9);
+      }
+      ops::cpu::use_amx(true);
+    }
   }
 
   if (want("attn")) {

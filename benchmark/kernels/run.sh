@@ -1,11 +1,11 @@
 #!/bin/bash
 # Builds the CPU kernels with the per-file flags of CMakeLists.txt plus the benchmark, then runs it.
-#   benchmark/kernels/run.sh [isa: avx512|avx2|generic] [threads] [only: bw|gemv|gemm|attn|elem]
+#   benchmark/kernels/run.sh [isa: avx512|avx2|generic] [threads] [only: bw|gemv|gemm|awq|attn|elem]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${LMKIT_BENCH_BUILD:-/tmp/lmkit_bench_kernels}
 mkdir -p "$OUT"
-F="-O3 -DNDEBUG -std=c++17 -fopenmp -I$ROOT/csrc"
+F="-O3 -DNDEBUG -std=c++17 -pthread -I$ROOT/csrc"
 objs=()
 for f in "$ROOT"/csrc/kernels/cpu/*.cpp; do
   b=$(basename "$f" .cpp); X=""

@@ -41,7 +41,7 @@ struct EngineConfig {
   std::vector<int32_t> kv_layer_bits;      // per layer 0 / 8 / 4 (a kv_policy file); overrides quant_policy
   bool enable_prefix_caching = false;
   int32_t num_threads = 0;  // CPU threads, 0: all cores
-  bool awq_int8_activations = true;  // AWQ layers in decode: int8 activations, integer dot products
+  bool awq_int8_activations = true;  // AWQ layers: int8 activations, integer dot products (decode and prefill)
   bool bf16_linear = false;          // CPU backend: dense linear layers as bf16 dot products (dtype='bfloat16')
   bool cuda_graphs = true;           // CUDA backend: decode steps replayed as CUDA graphs
 };

@@ -5,7 +5,7 @@
 //   - activations are fp32, row-major, rows = tokens of the fused batch;
 //   - weights are views in their stored dtype (F32, F16 or BF16) and are converted inside the kernel,
 //     never expanded into fp32 copies of whole matrices;
-//   - kernels are multi-threaded with OpenMP over the calling thread's thread count (set_num_threads);
+//   - kernels are multi-threaded over the calling thread's team (set_num_threads; cpu/thread_pool.h);
 //   - inputs are checked at the door (dtype, shape) with LMKIT_CHECK.
 #pragma once
 #include <stdint.h>
@@ -17,7 +17,7 @@
 
 namespace lmkit::ops {
 
-// Threads used by the ops called from this thread (OpenMP ICV of the caller).
+// Threads used by the ops called from this thread: its team, the caller included (default 1).
 void set_num_threads(int num_threads);
 // Name of the instruction set picked at run time: "avx512", "avx2" or "generic".
 const char* cpu_isa();
@@ -55,7 +55,6 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //       bf16(weight[n, 2r]) | bf16(weight[n, 2r + 1]) << 16       (n = p * 32 + j; 0 past N and K)
 //     the operand layout of AVX512_BF16's vdpbf16ps; x is rounded to bf16 per call, products summed in fp32.
 constexpr int kLinearPanelCols = 32;
-constexpr int64_t kLinearInt8ActMaxRows = 64;
 enum class WeightFormat : uint8_t { Dense, AwqInt4, Int8, Bf16Pairs };
 struct LinearWeight;
 struct WeightFormatTraits {
@@ -77,9 +76,10 @@ struct LinearWeight {
   WeightFormat format = WeightFormat::Dense;
   DType dtype = DType::F32;  // Dense: the stored dtype; AwqInt4 and Int8: F16 (the scales); Bf16Pairs: BF16
   int32_t group_size = 0;    // AwqInt4: 32 / 64 / 128 along K; 0 for the other formats
-  // AwqInt4 only: in calls of up to kLinearInt8ActMaxRows rows (decode), quantize x to int8 per 32 values
-  // and use integer dot products where the CPU has them (AVX2, AVX-512 VNNI); the result then differs from
-  // the exact fp32 product by the rounding of x (relative error of the output ~1e-3, tested).
+  // AwqInt4 only: quantize x to int8 per 32 values and use integer dot products where the CPU has them
+  // (AVX2, AVX-512 VNNI; AMX-INT8 tiles in calls of kLinearAmxInt8MinRows rows or more): decode and prefill.
+  // The result differs from the exact fp32 product by the rounding of x (relative error of the output
+  // ~3e-3, tested); the integer sums are exact, so every ISA gives the same up to the order of fp32 sums.
   bool int8_activations = false;
   int64_t n = 0, k = 0;                // the weight is [n, k]
   std::shared_ptr<void> storage;       // the packed panels
@@ -108,6 +108,10 @@ void require_bf16_dot();
 // sums), and so does paged_attention's decode over a bf16 KV cache (head_dim, block_size % 32 == 0).
 bool bf16_amx_available();
 constexpr int64_t kLinearAmxMinRows = 2;
+// Whether AWQ int4 layers with int8 activations run on AMX tiles (AMX-INT8, granted by the OS) in calls of
+// at least kLinearAmxInt8MinRows rows (fewer stream the weight, as fast on VNNI).
+bool int8_amx_available();
+constexpr int64_t kLinearAmxInt8MinRows = 32;
 // One weight whose output columns are those of parts[0], then parts[1], ... (q/k/v or gate/up run as
 // one call: one thread team, one activation quantization). The panels are copied as they are, so every
 // part but the last needs N % kLinearPanelCols == 0 and all must share K and format; otherwise (or with

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <random>
+#include <thread>
 
 #include "core/check.h"
 #include "kernels/cpu/sampling.h"
@@ -326,7 +327,8 @@ class CpuBackend final : public Backend {
   }
 
   void bind_thread() override {
-    if (options_.num_threads > 0) ops::set_num_threads(options_.num_threads);
+    const int hw = (int)std::thread::hardware_concurrency();
+    ops::set_num_threads(options_.num_threads > 0 ? options_.num_threads : hw > 0 ? hw : 1);
   }
 
  private:

@@ -8,6 +8,7 @@
 
 #include "core/check.h"
 #include "engine/engine.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/ops.h"
 #include "model/loader.h"
 
@@ -57,6 +58,11 @@ PYBIND11_MODULE(_engine, m) {
         "Whether this CPU runs the bf16 dot-product kernel of EngineConfig(dtype='bfloat16') (AVX512_BF16).");
   m.def("cpu_amx_available", &ops::bf16_amx_available,
         "Whether dtype='bfloat16' linear layers run on AMX tiles here (AMX-BF16; calls of 2 rows or more).");
+  m.def("cpu_amx_int8_available", &ops::int8_amx_available,
+        "Whether AWQ layers with int8 activations run on AMX tiles here (AMX-INT8; prefill calls of 32 rows or more).");
+  m.def("cpu_set_spin_us", &ops::cpu::set_spin_us,
+        "How long idle kernel threads poll before they sleep, in microseconds (default 50), for every team of the "
+        "process; for benchmarks.");
   m.def("now", &Engine::now_seconds, "The engine's clock (seconds, steady), as in RequestOutput.emitted_at.");
 
   py::class_<ModelConfig>(m, "ModelConfig")

@@ -374,6 +374,59 @@ void test_linear_group() {
   expect(throws([&] { ops::linear_group(&no_weight, 1); }), "linear_group rejects a job without a weight");
 }
 
+// x quantized as ops.h defines int8 activations: per row and block of `block` values (32; AMX: the group
+// size), d = max|x| / 127 (fp32), q = round-half-even(x * (127 / max|x|)) (fp32 product); returns d * q.
+std::vector<float> quantize_q8(const std::vector<float>& x, int64_t M, int64_t K, int64_t block) {
+  std::vector<float> xq(x.size());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k0 = 0; k0 < K; k0 += block) {
+      float amax = 0.0f;
+      for (int64_t k = k0; k < k0 + block; ++k) amax = std::max(amax, std::fabs(x[m * K + k]));
+      const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      for (int64_t k = k0; k < k0 + block; ++k) {
+        const float q = std::clamp(std::nearbyint(x[m * K + k] * inv), -128.0f, 127.0f);
+        xq[m * K + k] = d * q;  // exact: q has at most 8 bits
+      }
+    }
+  return xq;
+}
+
+// AWQ int4 x int8 activations on one kernel ("dot": AVX2 / VNNI, x per 32 values; "amx": AMX-INT8 tiles from
+// kLinearAmxInt8MinRows rows on, x per group) against the float64 product of the quantized operands (only
+// the order of fp32 sums differs): decode and prefill row counts,
+// whole and partial 16- and 32-row tiles, K chunks of 512 with a tail, columns past N, zero rows, NaN-poisoned
+// outputs (every element must be written).
+void test_linear_int4_q8(const char* kernel) {
+  struct Shape {
+    int64_t M, N, K, g;
+  };
+  const Shape shapes[] = {{1, 8, 32, 32},      {3, 200, 640, 128},  {16, 64, 256, 64},  {31, 96, 576, 32},
+                          {32, 40, 1152, 128}, {33, 72, 576, 64},   {47, 200, 1536, 64}, {64, 32, 96, 32},
+                          {100, 136, 576, 64}, {300, 33 * 8, 1152, 128}, {700, 64, 256, 32}};
+  for (const Shape& s : shapes)
+    for (bool with_bias : {false, true}) {
+      AwqWeight a = make_awq(s.N, s.K, s.g);
+      ops::LinearWeight w = ops::pack_linear_awq(a.qw, a.qz, a.sc, (int32_t)s.g);
+      w.int8_activations = true;
+      Weight b = make_weight(DType::F32, s.N, 0);
+      std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN), ref(out.size());
+      for (int64_t k = 0; k < s.K; ++k) x[(s.M / 2) * s.K + k] = 0.0f;  // a zero row: d = 0
+      ops::linear(x.data(), s.M, w, with_bias ? b.t : Tensor{}, out.data());
+      const bool tiles = std::strcmp(kernel, "amx") == 0 && s.M >= ops::kLinearAmxInt8MinRows;
+      const std::vector<float> xq = quantize_q8(x, s.M, s.K, tiles ? s.g : 32);
+      for (int64_t m = 0; m < s.M; ++m)
+        for (int64_t n = 0; n < s.N; ++n) {
+          double acc = with_bias ? b.f32[n] : 0.0;
+          for (int64_t k = 0; k < s.K; ++k) acc += (double)xq[m * s.K + k] * a.dense[n * s.K + k];
+          ref[m * s.N + n] = (float)acc;
+        }
+      expect_close(out, ref,
+                   std::string("linear int4 x int8 (") + kernel + ") g" + std::to_string(s.g) + " M " +
+                       std::to_string(s.M) + " N " + std::to_string(s.N) + " K " + std::to_string(s.K) +
+                       (with_bias ? " bias" : ""));
+    }
+}
+
 void test_linear_int4() {
   struct Shape {
     int64_t M, N, K, g;
@@ -400,7 +453,8 @@ void test_linear_int4() {
     }
   }
   // int8 activations (AVX2 vpmaddubsw or AVX-512 VNNI; under generic the flag changes nothing): within
-  // the stated bound of 1e-2 relative to the float64 reference, and visibly not the fp32 path
+  // the stated bound of 1e-2 relative to the float64 reference of the unrounded x, and visibly not the fp32
+  // path; then against the float64 reference of the quantized operands on every kernel (test_linear_int4_q8)
   const bool q8_runs = ops::int8_dot_available();
   for (const Shape& s : shapes) {
     AwqWeight a = make_awq(s.N, s.K, s.g);
@@ -418,7 +472,18 @@ void test_linear_int4() {
     const std::string name = "linear int4 x int8 g" + std::to_string(s.g) + " M " + std::to_string(s.M) + " N " +
                              std::to_string(s.N) + " K " + std::to_string(s.K);
     expect_close(out, ref, name, 1e-2);
-    if (q8_runs && s.M <= ops::kLinearInt8ActMaxRows) expect(rel_err(out, ref) > 1e-6, name + " ran the int8 path");
+    if (q8_runs) expect(rel_err(out, ref) > 1e-6, name + " ran the int8 path");
+  }
+  if (!q8_runs) {
+    std::printf("skip [%s] linear int4 x int8: no int8 dot-product kernels here\n", g_isa);
+  } else {
+    if (!ops::int8_amx_available()) std::printf("skip [%s] linear int4 x int8 on AMX tiles: no AMX-INT8 here\n", g_isa);
+    for (bool amx : {false, true}) {
+      if (amx && (ops::cpu::use_amx(true), !ops::int8_amx_available())) continue;
+      ops::cpu::use_amx(amx);
+      test_linear_int4_q8(amx ? "amx" : "dot");
+    }
+    ops::cpu::use_amx(true);
   }
   // int8 weights (the lm_head of int8-activation decode), where the CPU has the kernels: against the double
   // product with the weight as ops.h defines the int8 panels (per 32 values along K, d = fp16(max |w| / 127),

@@ -2,7 +2,6 @@
 // the door, in plain C++), then call the kernel table picked once for this CPU. The ISA translation
 // units (isa_*.cpp) never check anything themselves: LMKIT_CHECK uses <sstream>, which must not be
 // instantiated in code compiled with ISA-specific flags.
-#include <omp.h>
 #if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -90,11 +89,6 @@ bool force_isa(const char* isa) {
 
 }  // namespace cpu
 
-void set_num_threads(int num_threads) {
-  LMKIT_CHECK_ARG(num_threads >= 1, "set_num_threads: num_threads must be >= 1, got ", num_threads);
-  omp_set_num_threads(num_threads);
-}
-
 const char* cpu_isa() { return cpu::active().name; }
 
 void embedding(const Tensor& table, const int32_t* ids, int64_t num_tokens, float* out) {
@@ -178,21 +172,36 @@ const KernelTable* amx_table() {
   }();
   return t;
 }
+// The AMX-INT8 kernel of the avx512 table (CPUID leaf 7 EDX bit 25, with VNNI for its quantization of x),
+// when this build has one and the process may use the tiles, else nullptr.
+const KernelTable* amx_int8_table() {
+  static const KernelTable* const t = []() -> const KernelTable* {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!can_run("avx512vnni") || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 25))) return nullptr;
+    const KernelTable* at = table_for("avx512");
+    return at != nullptr && at->linear_int4_amx != nullptr && request_amx() ? at : nullptr;
+  }();
+  return t;
+}
 std::atomic<bool> g_amx_enabled{true};
 }  // namespace
 
 const KernelTable* amx_table_in_use() {
   return g_amx_enabled.load(std::memory_order_relaxed) ? amx_table() : nullptr;
 }
+const KernelTable* amx_int8_table_in_use() {
+  return g_amx_enabled.load(std::memory_order_relaxed) ? amx_int8_table() : nullptr;
+}
 
 bool use_amx(bool enabled) {
   g_amx_enabled.store(enabled, std::memory_order_relaxed);
-  return enabled && amx_table() != nullptr;
+  return enabled && (amx_table() != nullptr || amx_int8_table() != nullptr);
 }
 }  // namespace cpu
 
 bool bf16_dot_available() { return cpu::bf16_table() != nullptr; }
 bool bf16_amx_available() { return cpu::amx_table() != nullptr; }
+bool int8_amx_available() { return cpu::amx_int8_table() != nullptr; }
 
 void require_bf16_dot() {
   LMKIT_CHECK_ARG(bf16_dot_available(), "dtype='bfloat16' needs a CPU with AVX-512 and AVX512_BF16 (Intel Cooper "

@@ -404,7 +404,7 @@ inline void attend_merge(const float* partial, int splits, int64_t stride, int h
 }
 
 // The kernel of decode-shaped tasks (up to kMaxRows rows: one or a few query positions and the group's
-// heads), as a policy of the task loops below: begin() / end() run once per thread around its tasks.
+// heads), as a policy of the task loops below: begin() / end() run once per chunk of tasks a thread takes.
 // Here: dot products over head_dim (attend_task_dot). impl_attention_amx.h adds AMX tiles.
 struct DotDecode {
   static constexpr int kMaxRows = 4;
@@ -443,12 +443,10 @@ inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq
   const int64_t num_tasks = (int64_t)num_seqs * nkv;
   thread_local ScratchBuffer buffer;
   float* scratch = (float*)buffer.get(sizeof(float) * (size_t)(num_tasks * splits * per_task));
-#pragma omp parallel
-  {
+  parallel_for(num_tasks * splits, 1, true, [&](int64_t j0, int64_t j1) {
     Decode decode;
     decode.begin();
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t job = 0; job < num_tasks * splits; ++job) {
+    for (int64_t job = j0; job < j1; ++job) {
       const int64_t task = job / splits;
       const int s = (int)(task / nkv), kvh = (int)(task % nkv), sp = (int)(job % splits);
       const AttnSeq& seq = seqs[s];
@@ -461,8 +459,9 @@ inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq
       decode(rows, q, kv, seq, kvh, group, num_heads, 0, scale, softcap, window, out, b, e, scratch + job * per_task);
     }
     decode.end();
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < num_tasks; ++task) {
+  });
+  parallel_for(num_tasks, grain_for(num_tasks), true, [&](int64_t t0, int64_t t1) {
+    for (int64_t task = t0; task < t1; ++task) {
       const int s = (int)(task / nkv), kvh = (int)(task % nkv);
       const AttnSeq& seq = seqs[s];
       for (int r = 0; r < seq.q_len * group; ++r) {
@@ -471,7 +470,7 @@ inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq
                      out + (row * num_heads + head) * hd);
       }
     }
-  }
+  });
 }
 
 // Tasks (sequence, kv head, row chunk): decode-shaped ones on the Decode kernel, the others as transposed
@@ -482,7 +481,7 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
   const int group = num_heads / kv.num_kv_heads;
   const int hdp = (kv.head_dim + kW - 1) / kW * kW;
   // decode steps with fewer tasks than twice the threads: split long contexts over the keys
-  const int nt = omp_get_max_threads();
+  const int nt = ::lmkit::ops::cpu::team_threads();
   bool all_decode = nt > 1;
   int64_t max_keys = 0;  // keys a task visits: the context, or the first row's window onwards
   for (int s = 0; s < num_seqs && all_decode; ++s) {
@@ -511,12 +510,11 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
     starts[s + 1] = starts[s] + chunks * kv.num_kv_heads;
   }
   const int64_t num_tasks = starts[num_seqs];
-#pragma omp parallel if (num_tasks > 1)
-  {
+  // small chunks of tasks: the policy's begin() / end() (AMX: the tile config) run once per chunk
+  parallel_for(num_tasks, grain_for(num_tasks, 8), num_tasks > 1, [&](int64_t t0, int64_t t1) {
     Decode decode;
     decode.begin();
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < num_tasks; ++task) {
+    for (int64_t task = t0; task < t1; ++task) {
       int s = 0;  // binary search: the sequence holding this task
       for (int lo_s = 0, hi_s = num_seqs - 1; lo_s <= hi_s;) {
         const int mid = (lo_s + hi_s) / 2;
@@ -539,7 +537,7 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
       else attend_task<3>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
     }
     decode.end();
-  }
+  });
   if (starts != starts_stack) free(starts);
 }
 

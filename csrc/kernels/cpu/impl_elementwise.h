@@ -14,9 +14,9 @@ inline void convert_row(const void* row, DType dt, int64_t n, float* out) {
 
 void embedding(const void* table, DType dt, int64_t hidden, const int32_t* ids, int64_t n, float* out) {
   const int64_t row_bytes = hidden * elem_bytes(dt);
-#pragma omp parallel for schedule(static) if (worth_threads(n * hidden))
-  for (int64_t t = 0; t < n; ++t)
-    convert_row((const char*)table + ids[t] * row_bytes, dt, hidden, out + t * hidden);
+  parallel_for(n, grain_for(n), worth_threads(n * hidden), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) convert_row((const char*)table + ids[t] * row_bytes, dt, hidden, out + t * hidden);
+  });
 }
 
 // out = x * (1 / sqrt(mean(x^2) + eps)) * w, in HF's order: (x * inv_rms) * w.
@@ -43,21 +43,23 @@ inline void rmsnorm_row(const float* x, const void* w, DType dt, float eps, int6
 }
 
 void rmsnorm(const float* x, const void* w, DType dt, float eps, int64_t rows, int64_t dim, float* out) {
-#pragma omp parallel for schedule(static) if (worth_threads(rows * dim))
-  for (int64_t r = 0; r < rows; ++r) rmsnorm_row(x + r * dim, w, dt, eps, dim, out + r * dim);
+  parallel_for(rows, grain_for(rows), worth_threads(rows * dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rmsnorm_row(x + r * dim, w, dt, eps, dim, out + r * dim);
+  });
 }
 
 void add_rmsnorm(float* residual, const float* x, const void* w, DType dt, float eps, int64_t rows,
                  int64_t dim, float* out) {
-#pragma omp parallel for schedule(static) if (worth_threads(rows * dim))
-  for (int64_t r = 0; r < rows; ++r) {
-    float* res = residual + r * dim;
-    const float* xr = x + r * dim;
-    int64_t i = 0;
-    for (; i + kW <= dim; i += kW) vstore(res + i, vload(res + i) + vload(xr + i));
-    if (i < dim) vstore_n(res + i, vload_n(res + i, (int)(dim - i)) + vload_n(xr + i, (int)(dim - i)), (int)(dim - i));
-    rmsnorm_row(res, w, dt, eps, dim, out + r * dim);
-  }
+  parallel_for(rows, grain_for(rows), worth_threads(rows * dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* res = residual + r * dim;
+      const float* xr = x + r * dim;
+      int64_t i = 0;
+      for (; i + kW <= dim; i += kW) vstore(res + i, vload(res + i) + vload(xr + i));
+      if (i < dim) vstore_n(res + i, vload_n(res + i, (int)(dim - i)) + vload_n(xr + i, (int)(dim - i)), (int)(dim - i));
+      rmsnorm_row(res, w, dt, eps, dim, out + r * dim);
+    }
+  });
 }
 
 // x[0:half] and x[half:2*half] of one head rotated by (c, s); the head's dims from 2 * half on are left as they are.
@@ -79,11 +81,10 @@ inline void rope_head(float* x, const float* c, const float* s, int half) {
 void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads, int num_kv_heads, int head_dim,
           const float* inv_freq, float scaling, int rotary_dim) {
   const int half = rotary_dim / 2;
-#pragma omp parallel if (worth_threads(n * (num_heads + num_kv_heads) * rotary_dim * 8))
-  {
+  parallel_for(n, grain_for(n), worth_threads(n * (num_heads + num_kv_heads) * rotary_dim * 8),
+               [&](int64_t t0, int64_t t1) {
     float c[512], s[512];  // rotary_dim <= head_dim <= 1024, checked at the door
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = t0; t < t1; ++t) {
       const float pos = (float)positions[t];
       for (int i = 0; i < half; ++i) {
         const float angle = pos * inv_freq[i];  // fp32 product, as HF computes it
@@ -95,7 +96,7 @@ void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads
       for (int h = 0; h < num_heads; ++h) rope_head(q + (t * num_heads + h) * head_dim, c, s, half);
       for (int h = 0; h < num_kv_heads; ++h) rope_head(k + (t * num_kv_heads + h) * head_dim, c, s, half);
     }
-  }
+  });
 }
 
 // f(i, r) for the vectors of [0, total): r = kW lanes from i, then one tail of r < kW; in chunks of 4096
@@ -104,14 +105,15 @@ void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads
 template <class F>
 inline void for_each_vector(int64_t total, const F& f) {
   const int64_t num_chunks = (total + 4095) / 4096;
-#pragma omp parallel for schedule(static) if (worth_threads(total))
-  for (int64_t c = 0; c < num_chunks; ++c) {
+  parallel_for(num_chunks, 1, worth_threads(total), [&](int64_t c0, int64_t c1) {
     const F fc = f;
-    const int64_t begin = c * 4096, end = begin + 4096 < total ? begin + 4096 : total;
-    int64_t i = begin;
-    for (; i + kW <= end; i += kW) fc(i, kW);
-    if (i < end) fc(i, (int)(end - i));
-  }
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t begin = c * 4096, end = begin + 4096 < total ? begin + 4096 : total;
+      int64_t i = begin;
+      for (; i + kW <= end; i += kW) fc(i, kW);
+      if (i < end) fc(i, (int)(end - i));
+    }
+  });
 }
 
 // silu(g) * u = g * (1 / (1 + exp(-g))) * u, the reciprocal by vrcp (a division costs twice the rest)
@@ -183,8 +185,9 @@ inline float log_sum_exp_row(const float* x, int64_t n, int32_t* argmax) {
 }
 
 void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out, int32_t* argmax) {
-#pragma omp parallel for schedule(static) if (rows > 1 && worth_threads(rows * n))
-  for (int64_t r = 0; r < rows; ++r) out[r] = log_sum_exp_row(x + r * n, n, argmax ? argmax + r : nullptr);
+  parallel_for(rows, 1, rows > 1 && worth_threads(rows * n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) out[r] = log_sum_exp_row(x + r * n, n, argmax ? argmax + r : nullptr);
+  });
 }
 
 // k, v rows [n, num_kv_heads, head_dim] -> pool slots; a negative slot (padding) is skipped.
@@ -212,8 +215,8 @@ inline void kv_quant_row(const float* x, int hd, int bits, uint8_t* dst, uint16_
 void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n) {
   const int64_t hd = kv.head_dim, nkv = kv.num_kv_heads, bs = kv.block_size;
   const int64_t rb = kv.row_bytes(), bb = kv.block_bytes();
-#pragma omp parallel for schedule(static) if (worth_threads(n * nkv * hd * (kv.bits == 32 ? 1 : 16)))
-  for (int64_t t = 0; t < n; ++t) {
+  parallel_for(n, grain_for(n), worth_threads(n * nkv * hd * (kv.bits == 32 ? 1 : 16)), [&](int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
     const int64_t slot = slots[t];
     if (slot < 0) continue;
     const int64_t block = slot / bs, offset = slot % bs;
@@ -234,4 +237,5 @@ void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* 
       }
     }
   }
+  });
 }

@@ -153,23 +153,25 @@ inline int64_t m_block_rows(int64_t K) {
   return mblock < kMRMax ? kMRMax : mblock;
 }
 
-// The driver of every linear kernel: an OpenMP team (when the work is big enough) splits the panels
-// evenly among threads; each thread runs, per M block of `mblock` rows and per panel p of its share,
+// The driver of every linear kernel: the (M block, panel) pairs, M block by M block, handed out in chunks of
+// consecutive panels over the thread team (when the work is big enough); for each,
 //   fn(mb, rows, p, ncols, bias_tile, bp)
 // with bias_tile the panel's 32 bias values (0 beyond ncols; nullptr without bias) and bp the thread's
 // L1 buffer of kKC x kPanel fp32 for converted K blocks.
 template <class Fn>
 inline void for_each_panel(int64_t M, int64_t N, int64_t K, int64_t mblock, const float* bias, Fn&& fn) {
-  const int64_t num_panels = (N + kPanel - 1) / kPanel;
-#pragma omp parallel if (M * N * K >= (1 << 15))
-  {
+  const int64_t num_panels = (N + kPanel - 1) / kPanel, num_mblocks = (M + mblock - 1) / mblock;
+  const int64_t grain = grain_for(num_panels);
+  // items: per M block, its panels in chunks of `grain` (a chunk never spans two M blocks)
+  const int64_t chunks_per_mblock = (num_panels + grain - 1) / grain;
+  parallel_for(num_mblocks * chunks_per_mblock, 1, M * N * K >= (1 << 15), [&](int64_t c0, int64_t c1) {
     alignas(64) float bp[kKC * kPanel];
     alignas(64) float bias_tile[kPanel];
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t p0 = num_panels * tid / nt, p1 = num_panels * (tid + 1) / nt;
-    for (int64_t mb = 0; mb < M; mb += mblock) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t mb = c / chunks_per_mblock * mblock, pc = c % chunks_per_mblock;
       const int64_t rows = M - mb < mblock ? M - mb : mblock;
-      for (int64_t p = p0; p < p1; ++p) {
+      const int64_t p1 = (pc + 1) * grain < num_panels ? (pc + 1) * grain : num_panels;
+      for (int64_t p = pc * grain; p < p1; ++p) {
         const int64_t n0 = p * kPanel;
         const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
         if (bias)
@@ -177,7 +179,7 @@ inline void for_each_panel(int64_t M, int64_t N, int64_t K, int64_t mblock, cons
         fn(mb, rows, p, ncols, bias ? bias_tile : nullptr, bp);
       }
     }
-  }
+  });
 }
 
 template <int DT>
@@ -332,13 +334,15 @@ void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K,
   });
 }
 
-// ------------------------------------------------------------------ int4 x int8 (AVX-512 VNNI), decode
+// ------------------------------------------------------------------ int4 x int8 (AVX-512 VNNI)
 // llama.cpp's trick for bandwidth-bound decode: activations are quantized to int8 per block of 32
 // (x ~ dx * qx, dx = max|x| / 127, round half to even), and each block of a panel is a sum of integer
 // dot products, vpdpbusd(u8 weight nibbles, s8 activations), exact in int32; per block and column:
 //   sum_k x[k] w[k, j] ~ dx * (scale_j * sum_k q[k, j] qx[k] - scale_j * zero_j * sum_k qx[k])
 // The only approximation is the rounding of x (relative error ~ 1/254 per value, averaging out over K):
-// the engine's fp32 path stays exact and is chosen with awq_int8_activations=false.
+// the engine's fp32 path stays exact and is chosen with awq_int8_activations=false. Prefill calls take
+// the same kernel (4-row tiles: the nibbles of a quad are unpacked once per 8 dot products), or on an
+// AMX-INT8 CPU the tile kernel of impl_linear_q8_amx.h.
 #if defined(__AVX512F__)
 #define LMKIT_VNNI __attribute__((target("avx512vnni")))
 constexpr int kQ8Block = 32;
@@ -472,7 +476,7 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
 }
 
 #elif defined(__AVX2__)
-// ------------------------------------------------------------------ int4 / int8 x int8 (AVX2), decode
+// ------------------------------------------------------------------ int4 / int8 x int8 (AVX2)
 // The same arithmetic without VNNI: vpmaddubsw(u8, s8) sums adjacent products into int16, vpmaddwd
 // with ones sums those pairs into int32 (llama.cpp's AVX2 route). A 256-bit half of a quad holds lanes
 // 0-7 or 8-15, so vector v of a panel row covers columns 8v..8v+7: v = 0, 1 the low nibbles of halves
@@ -630,8 +634,10 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
   float* dx = (float*)scratch.get((size_t)(2 * M * nb * 4 + M * K));
   int8_t* qx = (int8_t*)(dx + 2 * M * nb);
   float* sx = dx + M * nb;
-  for (int64_t m = 0; m < M; ++m) q8_quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb);
-  // no M blocks: decode calls have few rows
+  parallel_for(M, grain_for(M), M * K >= (1 << 16), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) q8_quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb);
+  });
+  // no M blocks: a panel's pass over all rows reads M * K bytes of qx, little beside its integer work
   for_each_panel(M, N, K, M, bias, [&](int64_t, int64_t, int64_t p, int ncols, const float* bias_tile, float*) {
     const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
     for_each_tile<kQ8MR>(M, [&](int64_t m, int mr) {

@@ -88,7 +88,9 @@ LMKIT_BF16 void linear_bf16(const float* x, int64_t M, const void* w, int64_t N,
   const int64_t R = (K + 1) / 2, panel_bytes = R * 128;
   thread_local ScratchBuffer scratch;
   uint32_t* xp = (uint32_t*)scratch.get((size_t)(M * R * 4));
-  for (int64_t m = 0; m < M; ++m) bf16_pairs_row(x + m * K, K, xp + m * R);
+  parallel_for(M, grain_for(M), M * K >= (1 << 16), [&](int64_t m0, int64_t m1) LMKIT_BF16 {
+    for (int64_t m = m0; m < m1; ++m) bf16_pairs_row(x + m * K, K, xp + m * R);
+  });
   // M blocks whose bf16 rows stay in L2 while every panel of the thread passes over them
   int64_t mblock = kMBlockBytes / 2 / (R * 4) / kBfMR * kBfMR;
   if (mblock < kBfMR) mblock = kBfMR;
@@ -120,7 +122,7 @@ LMKIT_BF16 void linear_bf16(const float* x, int64_t M, const void* w, int64_t N,
 // Tile registers: 0-3 accumulators (rows 0-15 | 16-31 x columns 0-15 | 16-31), 4-5 A, 6-7 B. A block
 // of 32 rows (MT = 2) keeps four independent accumulator chains going; a block of 16 rows (decode)
 // streams the panel, which memory bandwidth, not the tiles, limits. The K tail of a panel that is not
-// a whole number of 16 pair rows is copied into a zero-padded tile buffer. Each thread configures the
+// a whole number of 16 pair rows is copied into a zero-padded tile buffer. Each chunk of work configures the
 // tiles on entry and releases them on exit (so the OS need not save 8 KiB of tile state on a switch).
 #if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
 #define LMKIT_HAVE_AMX 1
@@ -201,10 +203,9 @@ LMKIT_AMX void linear_bf16_amx(const float* x, int64_t M, const void* w, int64_t
   const int64_t ldp = (R + kAmxRows - 1) / kAmxRows * kAmxRows, Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
   thread_local ScratchBuffer scratch;
   uint32_t* xp = (uint32_t*)scratch.get((size_t)(Mp * ldp * 4));
-#pragma omp parallel if (M * N * K >= (1 << 15))
-  {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    for (int64_t m = Mp * tid / nt; m < Mp * (tid + 1) / nt; ++m) {  // x -> bf16 pair rows, zero-padded
+  const bool worth = M * N * K >= (1 << 15);
+  parallel_for(Mp, grain_for(Mp), worth, [&](int64_t m0, int64_t m1) LMKIT_AMX {
+    for (int64_t m = m0; m < m1; ++m) {  // x -> bf16 pair rows, zero-padded
       uint32_t* row = xp + m * ldp;
       int64_t done = 0;
       if (m < M) {
@@ -213,15 +214,20 @@ LMKIT_AMX void linear_bf16_amx(const float* x, int64_t M, const void* w, int64_t
       }
       memset(row + done, 0, (size_t)((ldp - done) * 4));
     }
-#pragma omp barrier
+  });
+  // (M block, panel) pairs, M block by M block, in chunks of consecutive panels
+  const int64_t grain = grain_for(num_panels), chunks_per_mblock = (num_panels + grain - 1) / grain;
+  const int64_t num_mblocks = (Mp + kAmxMBlockRows - 1) / kAmxMBlockRows;
+  parallel_for(num_mblocks * chunks_per_mblock, 1, worth, [&](int64_t c0, int64_t c1) LMKIT_AMX {
     asm volatile("" ::: "memory");  // GCC's _tile_loadd has no memory operand: keep the stores to xp before it
     amx_configure();
     alignas(64) float cbuf[2 * kAmxRows * kPanel];
     alignas(64) float bias_tile[kPanel];
-    const int64_t p0 = num_panels * tid / nt, p1 = num_panels * (tid + 1) / nt;
-    for (int64_t mb = 0; mb < Mp; mb += kAmxMBlockRows) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t mb = c / chunks_per_mblock * kAmxMBlockRows, pc = c % chunks_per_mblock;
       const int64_t me = Mp - mb < kAmxMBlockRows ? Mp : mb + kAmxMBlockRows;
-      for (int64_t p = p0; p < p1; ++p) {
+      const int64_t p1 = (pc + 1) * grain < num_panels ? (pc + 1) * grain : num_panels;
+      for (int64_t p = pc * grain; p < p1; ++p) {
         const int64_t n0 = p * kPanel;
         const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
         if (bias)
@@ -237,7 +243,7 @@ LMKIT_AMX void linear_bf16_amx(const float* x, int64_t M, const void* w, int64_t
       }
     }
     _tile_release();
-  }
+  });
 }
 #endif  // AMX
 #endif  // __AVX512F__

@@ -7,9 +7,11 @@ namespace lmkit::ops::cpu {
 namespace LMKIT_ISA {
 namespace {
 #include "kernels/cpu/simd.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/impl_elementwise.h"
 #include "kernels/cpu/impl_linear.h"
 #include "kernels/cpu/impl_linear_bf16.h"
+#include "kernels/cpu/impl_linear_q8_amx.h"
 #include "kernels/cpu/impl_attention.h"
 #include "kernels/cpu/impl_attention_amx.h"
 }  // namespace
@@ -22,19 +24,23 @@ namespace {
 #endif
 #if defined(__AVX512F__) && defined(LMKIT_HAVE_AMX)
 #define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16, &LMKIT_ISA::linear_bf16_amx
+#define LMKIT_ISA_Q8_AMX &LMKIT_ISA::linear_int4_amx
 #define LMKIT_ISA_ATTN_AMX &LMKIT_ISA::paged_attention_amx
 #elif defined(__AVX512F__)
 #define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16, nullptr
+#define LMKIT_ISA_Q8_AMX nullptr
 #define LMKIT_ISA_ATTN_AMX nullptr
 #else
 #define LMKIT_ISA_BF16 nullptr, nullptr
+#define LMKIT_ISA_Q8_AMX nullptr
 #define LMKIT_ISA_ATTN_AMX nullptr
 #endif
 
 const KernelTable* LMKIT_ISA_TABLE() {
   static const KernelTable table = {
       LMKIT_ISA_NAME,         &LMKIT_ISA::embedding, &LMKIT_ISA::rmsnorm, &LMKIT_ISA::add_rmsnorm,
-      &LMKIT_ISA::linear,     &LMKIT_ISA::linear_int4, LMKIT_ISA_Q8, LMKIT_ISA_BF16, &LMKIT_ISA::rope,
+      &LMKIT_ISA::linear,     &LMKIT_ISA::linear_int4, LMKIT_ISA_Q8, LMKIT_ISA_Q8_AMX, LMKIT_ISA_BF16,
+      &LMKIT_ISA::rope,
       &LMKIT_ISA::silu_mul,   &LMKIT_ISA::gelu_tanh_mul, &LMKIT_ISA::softcap, &LMKIT_ISA::scale,
       &LMKIT_ISA::log_sum_exp, &LMKIT_ISA::kv_write,
       &LMKIT_ISA::paged_attention, LMKIT_ISA_ATTN_AMX,

@@ -32,6 +32,10 @@ struct KernelTable {
   // out = x @ w^T (+ bias) for int8 panels (pack_linear_int8), int8 activations; nullptr as above
   void (*linear_int8_q8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias,
                          float* out);
+  // linear_int4_q8 on AMX tiles (AMX-INT8); nullptr where this build has none; dispatch.cpp calls it only once
+  // the process may use the tile registers
+  void (*linear_int4_amx)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,
+                          const float* bias, float* out);
   // out = x @ w^T (+ bias) for bf16 pair panels (pack_linear_bf16): x rounded to bf16, vdpbf16ps; nullptr
   // where this ISA has none; the avx512 one also needs AVX512_BF16 (dispatch.cpp checks)
   void (*linear_bf16)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias,
@@ -70,8 +74,8 @@ const KernelTable* avx512_table();
 // force_isa makes every ops:: call use that table (false, and nothing changes, when it cannot run here).
 const KernelTable* table_for(const char* isa);
 bool force_isa(const char* isa);
-// Whether bf16 linear layers and attention over a bf16 KV cache may use AMX tiles (default: yes, where the
-// CPU and OS allow); returns whether they will. For tests and benchmarks that compare the kernels.
+// Whether linear layers (bf16 pairs; int4 x int8) and attention over a bf16 KV cache may use AMX tiles
+// (default: yes, where the CPU and OS allow); returns whether some will. For tests and benchmarks.
 bool use_amx(bool enabled);
 
 // dispatch.cpp's choices of table, for the ops:: entry points defined in other files (linear_formats.cpp).
@@ -79,6 +83,7 @@ const KernelTable& active();              // the table of this CPU (or the one f
 const KernelTable* q8_table();            // int8-activation kernels (AVX2, or AVX-512 with VNNI), else nullptr
 const KernelTable* bf16_table();          // bf16 dot-product kernels (AVX512_BF16), else nullptr
 const KernelTable* amx_table_in_use();    // AMX tiles for bf16 linear layers, when allowed (use_amx), else nullptr
+const KernelTable* amx_int8_table_in_use();  // AMX tiles for int4 x int8 linear layers, when allowed, else nullptr
 // Throws naming op and what unless w is a non-empty F32/F16/BF16 tensor on the CPU.
 void check_weight(const Tensor& w, const char* op, const char* what);
 

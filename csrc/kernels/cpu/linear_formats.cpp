@@ -2,7 +2,6 @@
 // packing, kernel, availability), their packing from checkpoint tensors, and the one ops::linear entry
 // point, which checks its inputs and hands them to the weight's format. The kernels themselves are in the
 // ISA tables (impl_linear.h, impl_linear_bf16.h); dispatch.cpp picks those tables for this CPU.
-#include <omp.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -15,10 +14,12 @@
 
 #include "core/check.h"
 #include "kernels/cpu/kernel_table.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/ops.h"
 
 namespace lmkit::ops {
 namespace {
+#include "kernels/cpu/parallel.h"
 std::shared_ptr<void> alloc_packed(int64_t bytes, const char* what) {
   bytes = (bytes + 63) / 64 * 64;
   void* buf = std::aligned_alloc(64, (size_t)bytes);
@@ -26,9 +27,9 @@ std::shared_ptr<void> alloc_packed(int64_t bytes, const char* what) {
   return std::shared_ptr<void>(buf, std::free);
 }
 
-// Panels are independent: fn(p0, p1) over contiguous ranges of them on plain threads. (Not OpenMP: an
-// OpenMP team created on the loading thread keeps its workers, which then compete with the engine
-// thread's team for the cores.)
+// Panels are independent: fn(p0, p1) over contiguous ranges of them on plain threads, which end with the
+// load. (Not a kernel team: one created on the loading thread would keep its workers alive beside the
+// engine thread's team.)
 template <typename Fn>
 void for_panel_ranges(int64_t num_panels, Fn&& fn) {
   const int64_t num_threads =
@@ -298,8 +299,8 @@ int64_t num_panels(const LinearWeight& w) { return (w.n + kLinearPanelCols - 1) 
 
 void linear_group(const LinearJob* jobs, int64_t num_jobs) {
   // A panel of job j costs M_j + kReadRows: its rows' arithmetic plus reading the panel (worth a few rows in
-  // decode, where reading dominates). Thread t takes the panels whose cost interval starts in its share
-  // [C t / nt, C (t + 1) / nt) of the total C: contiguous panel ranges of one or more jobs.
+  // decode, where reading dominates). A chunk [lo, hi) of the total cost C takes the panels whose cost
+  // interval starts in it: contiguous panel ranges of one or more jobs.
   constexpr int64_t kReadRows = 4;
   std::vector<int64_t> base(num_jobs + 1, 0);
   for (int64_t j = 0; j < num_jobs; ++j) {
@@ -320,10 +321,8 @@ void linear_group(const LinearJob* jobs, int64_t num_jobs) {
   const int64_t total = base[num_jobs];
   if (total == 0) return;
   auto ceil_div = [](int64_t a, int64_t b) { return a <= 0 ? 0 : (a + b - 1) / b; };
-#pragma omp parallel if (total >= 2 * (1 + kReadRows))
-  {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t lo = total * tid / nt, hi = total * (tid + 1) / nt;
+  // chunks of the cost range over the thread team: a late thread delays only the chunk it holds
+  parallel_for(total, grain_for(total), total >= 2 * (1 + kReadRows), [&](int64_t lo, int64_t hi) {
     thread_local std::vector<float> scratch;
     for (int64_t j = 0; j < num_jobs; ++j) {
       if (base[j + 1] <= lo || base[j] >= hi) continue;
@@ -345,7 +344,7 @@ void linear_group(const LinearJob* jobs, int64_t num_jobs) {
       for (int64_t r = 0; r < job.M; ++r)
         std::memcpy(out + r * w.n, scratch.data() + r * part.n, part.n * sizeof(float));
     }
-  }
+  });
 }
 
 namespace {
@@ -361,8 +360,12 @@ void run_dense(const float* x, int64_t M, const LinearWeight& w, const float* b,
   cpu::active().linear(x, M, w.storage.get(), w.dtype, w.n, w.k, b, out);
 }
 void run_awq_int4(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
-  const cpu::KernelTable* q8 = w.int8_activations && M <= kLinearInt8ActMaxRows ? cpu::q8_table() : nullptr;
-  if (q8 != nullptr)
+  const cpu::KernelTable* amx =
+      w.int8_activations && M >= kLinearAmxInt8MinRows ? cpu::amx_int8_table_in_use() : nullptr;
+  const cpu::KernelTable* q8 = w.int8_activations ? cpu::q8_table() : nullptr;
+  if (amx != nullptr)
+    amx->linear_int4_amx(x, M, w.storage.get(), w.n, w.k, w.group_size, b, out);
+  else if (q8 != nullptr)
     q8->linear_int4_q8(x, M, w.storage.get(), w.n, w.k, w.group_size, b, out);
   else
     cpu::active().linear_int4(x, M, w.storage.get(), w.n, w.k, w.group_size, b, out);
