@@ -27,7 +27,7 @@ def main() -> None:
     from lmkit import EngineConfig, GenerationConfig, pipeline
     from lmkit.lite.ppl import evaluation_tokens
     from lmkit.model_path import resolve_model
-    from lmkit.tokenizer import Tokenizer
+    from transformers import AutoTokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default=None)
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--greedy-tokens", type=int, default=32)
     args = ap.parse_args()
     model = resolve_model(args.model)
-    ids = evaluation_tokens(Tokenizer(model).hf, args.dataset, args.tokens).tolist()
+    ids = evaluation_tokens(AutoTokenizer.from_pretrained(str(model)), args.dataset, args.tokens).tolist()
     windows = [ids[i:i + args.window] for i in range(0, len(ids) - 1, args.window)]
     windows = [w for w in windows if len(w) > 1]
     prompts = [ids[i * 97:i * 97 + 48] for i in range(args.greedy_prompts)]

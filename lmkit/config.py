@@ -22,15 +22,17 @@ class EngineConfig:
     """Where to run: cpu, cuda, or auto (the CPU for now: the CUDA backend is opt-in until it has passed its
     GPU tests; see csrc/kernels/cuda/README.md)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Compute dtype. auto / float32: the CPU backend computes in float32 whatever the stored weight dtype; the
-    CUDA backend in float16 (bfloat16 when the checkpoint is bf16). bfloat16 (CPU backend, CPUs with
+    """Compute dtype. auto: on the CPU bfloat16 where the CPU has AVX512_BF16 (below), else float32 (the choice
+    is logged at start); the CUDA backend computes in float16 (bfloat16 when the checkpoint is bf16). float32:
+    the CPU backend computes in float32 whatever the stored weight dtype (the exact path). bfloat16 (CPUs with
     AVX512_BF16: Intel Cooper Lake / Sapphire Rapids, AMD Zen 4 and later): dense linear layers round weights
     (once, at load) and activations to bfloat16 and sum products in float32 (vdpbf16ps), up to twice the
     speed of compute-bound steps (prefill, large batches), on AMX tiles where the CPU has AMX-BF16 (Sapphire
     Rapids and later: several times that); the KV cache at quant_policy 0 is bfloat16 too (half the bytes
     of float32, so twice the tokens; float32 for an odd cache_block_seq_len or head_dim, or head_dim > 256);
     norms, attention arithmetic and sampling stay float32. Logits then
-    differ from float32 by ~1e-2 relative, as in any bf16 engine."""
+    differ from float32 by ~1e-2 relative, as in any bf16 engine (SmolLM2's perplexity by less than 0.2%:
+    benchmark/RESULTS.md)."""
     max_batch_size: int = 64
     """Requests running at once at most; more wait in FCFS order."""
     session_len: int | None = None
@@ -97,6 +99,15 @@ class EngineConfig:
         """num_threads, or the CPUs this process may use (affinity mask, cgroup CPU quota: lmkit/cpus.py)."""
         return self.num_threads or usable_cpu_count()
 
+    def resolved_dtype(self, device: str) -> str:
+        """The compute dtype on a resolved device: dtype, with auto on the CPU bfloat16 where the CPU has
+        AVX512_BF16 and float32 elsewhere; auto stays auto on CUDA (the backend picks)."""
+        if self.dtype != "auto" or device != "cpu":
+            return self.dtype
+        from lmkit._ext import _engine
+
+        return "bfloat16" if _engine.cpu_bf16_available() else "float32"
+
     def to_engine_config(self, device: str, kv_layer_bits: list[int] | None = None):
         """The lmkit._engine.EngineConfig for this config on a resolved device (kv_layer_bits: the
         checked per-layer policy, see lmkit.kv_policy)."""
@@ -114,7 +125,7 @@ class EngineConfig:
             c.kv_layer_bits = list(kv_layer_bits)
         c.enable_prefix_caching = self.enable_prefix_caching
         c.awq_int8_activations = bool(self.awq_int8_activations)
-        c.bf16_linear = self.dtype == "bfloat16"
+        c.bf16_linear = self.resolved_dtype(device) == "bfloat16"
         c.cuda_graphs = bool(self.cuda_graphs)
         c.num_threads = self.resolved_num_threads
         return c

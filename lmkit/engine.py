@@ -119,7 +119,10 @@ class Engine:
         if self.device == "cpu":
             threads = (f"{self.config.num_threads} thread{'s' * (self.config.num_threads > 1)} (num_threads)"
                        if self.config.num_threads else cpu_budget().describe())
-            log.info("CPU backend: %s, %s kernels", threads, _engine.cpu_isa())
+            dtype = self.config.resolved_dtype("cpu")
+            why = (" (dtype='auto': this CPU has AVX512_BF16)" if dtype == "bfloat16" else
+                   " (dtype='auto': this CPU has no AVX512_BF16)") if self.config.dtype == "auto" else ""
+            log.info("CPU backend: %s, %s kernels, %s compute%s", threads, _engine.cpu_isa(), dtype, why)
         sizing = reserve_kv_pool(self.config, self.spec) if self.device == "cpu" else nullcontext()
         with sizing as sizer:
             self._cpp = _engine.Engine(

@@ -120,7 +120,8 @@ def tiny_llama(tmp_path_factory):
 def tiny_llama_pipe(tiny_llama):
     from lmkit import EngineConfig, pipeline
 
-    with pipeline(tiny_llama[0], EngineConfig(device="cpu", cache_max_entry_count=128, max_batch_size=16,
+    with pipeline(tiny_llama[0], EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=128,
+                                              max_batch_size=16,
                                               cache_block_seq_len=16)) as pipe:
         yield pipe
 
@@ -163,6 +164,6 @@ def smollm2_pipe(smollm2_path):
     """One SmolLM2 pipeline for the tests that need real text."""
     from lmkit import EngineConfig, pipeline
 
-    with pipeline(smollm2_path, EngineConfig(device="cpu", cache_max_entry_count=256, max_batch_size=8,
+    with pipeline(smollm2_path, EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=256, max_batch_size=8,
                                              session_len=2048)) as pipe:
         yield pipe

@@ -72,3 +72,23 @@ def test_affinity_mask_sets_the_engine_default():
                            check=True).stdout
     affinity = len(os.sched_getaffinity(0))
     assert int(whole) == (affinity if quota is None else max(1, min(affinity, math.ceil(quota[0] - 1e-9))))
+
+
+def test_dtype_auto_is_bf16_exactly_where_the_cpu_has_it_and_says_so(tiny_llama, caplog):
+    """dtype='auto' computes in bfloat16 on CPUs with AVX512_BF16 and in float32 elsewhere; the start-up log
+    names the choice and why; explicit dtypes are kept; CUDA keeps auto (its backend picks)."""
+    import logging
+
+    from lmkit import EngineConfig
+    from lmkit._ext import _engine
+    from lmkit.engine import Engine
+
+    expect = "bfloat16" if _engine.cpu_bf16_available() else "float32"
+    assert EngineConfig().resolved_dtype("cpu") == expect
+    assert EngineConfig(dtype="float32").resolved_dtype("cpu") == "float32"
+    assert EngineConfig(device="cuda").resolved_dtype("cuda") == "auto"
+    with caplog.at_level(logging.INFO, logger="lmkit"):
+        engine = Engine(tiny_llama[0], EngineConfig(device="cpu", cache_max_entry_count=32, num_threads=1))
+        engine.close()
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU backend:"))
+    assert f"{expect} compute (dtype='auto': this CPU has {'' if expect == 'bfloat16' else 'no '}AVX512_BF16)" in line

@@ -43,7 +43,8 @@ def test_chunked_prefill_and_small_batches_keep_greedy_output(tiny_llama):
     prompts = [rng.integers(0, 256, size=n).tolist() for n in PROMPT_LENS]
     gen = GenerationConfig(max_new_tokens=20, ignore_eos=True)
     expected = [hf_greedy(ref, p, 20, None) for p in prompts]
-    config = EngineConfig(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=3,
+    config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                          max_batch_size=3,
                           max_prefill_token_num=24)
     with pipeline(folder, config) as pipe:
         got = [r.token_ids for r in pipe(prompts, gen)]
@@ -106,7 +107,7 @@ def test_smollm2_greedy_matches_hf(smollm2_path):
     prompts[-1] = tok.encode(chat, add_special_tokens=False)
     eos = tok.eos_token_id
     expected = [hf_greedy(ref, p, 64, eos) for p in prompts]
-    with pipeline(smollm2_path, EngineConfig(device="cpu", cache_max_entry_count=256, max_batch_size=8,
+    with pipeline(smollm2_path, EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=256, max_batch_size=8,
                                              session_len=2048)) as pipe:
         gen = GenerationConfig(max_new_tokens=64)
         batched = [r.token_ids for r in pipe(prompts, gen)]

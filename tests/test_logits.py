@@ -34,7 +34,8 @@ def test_logits_match_hf(case, tmp_path):
     ref = make_tiny_model(tmp_path / case, kwargs.pop("arch"), **kwargs)
     rng = np.random.default_rng(1)
     prompt_lens = [1, 7, 40]  # 40 > sliding window and > one 16-token block
-    config = EngineConfig(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4)
+    config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                          max_batch_size=4)
     gen = GenerationConfig(max_new_tokens=12, output_logits=True, ignore_eos=True)
     with pipeline(tmp_path / case, config) as pipe:
         prompts = [rng.integers(0, 256, size=n).tolist() for n in prompt_lens]
@@ -67,7 +68,7 @@ def test_rope_parameters_win_over_a_legacy_rope_theta(tmp_path):
     assert AutoConfig.from_pretrained(tmp_path / "m").rope_parameters["rope_theta"] == 500000.0  # the oracle's reading
     prompt = np.random.default_rng(3).integers(0, 256, size=40).tolist()
     gen = GenerationConfig(max_new_tokens=4, output_logits=True, ignore_eos=True)
-    with pipeline(tmp_path / "m", EngineConfig(device="cpu", cache_max_entry_count=16)) as pipe:
+    with pipeline(tmp_path / "m", EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=16)) as pipe:
         r = pipe(prompt, gen)
     with torch.no_grad():
         expect = ref(torch.tensor([prompt + r.token_ids])).logits[0].numpy()

@@ -34,7 +34,8 @@ def runtime_dir(tmp_path, monkeypatch):
 
 
 def config(**overrides) -> EngineConfig:
-    base = dict(device="cpu", max_batch_size=4, session_len=SESSION, cache_block_seq_len=BLOCK, num_threads=1)
+    base = dict(device="cpu", dtype="float32", max_batch_size=4, session_len=SESSION, cache_block_seq_len=BLOCK,
+                num_threads=1)
     return EngineConfig(**{**base, **overrides})
 
 
@@ -170,8 +171,9 @@ def test_another_process_is_seen_until_it_is_killed(tiny_llama, runtime_dir, mon
             import sys
             from lmkit import EngineConfig
             from lmkit.engine import Engine
-            e = Engine({str(tiny_llama[0])!r}, EngineConfig(device="cpu", max_batch_size=2, session_len={SESSION},
-                                                           cache_block_seq_len={BLOCK}, num_threads=1))
+            e = Engine({str(tiny_llama[0])!r}, EngineConfig(device="cpu", dtype="float32", max_batch_size=2,
+                                                           session_len={SESSION}, cache_block_seq_len={BLOCK},
+                                                           num_threads=1))
             print(e.kv_pool.weight_bytes + e.kv_pool.kv_bytes, flush=True)
             sys.stdin.read()
         """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ})

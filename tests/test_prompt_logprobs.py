@@ -48,7 +48,8 @@ def test_prompt_logprobs_match_hf(model, max_prefill):
     folder, ref = model
     rng = np.random.default_rng(max_prefill)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (1, 2, 23, 70)]
-    config = EngineConfig(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4,
+    config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                          max_batch_size=4,
                           max_prefill_token_num=max_prefill)
     gen = GenerationConfig(max_new_tokens=3, prompt_logprobs=TOP, logprobs=2, ignore_eos=True)
     with pipeline(folder, config) as pipe:
@@ -64,7 +65,8 @@ def test_prefix_cache_hit_recomputes_the_rows(model):
     rng = np.random.default_rng(5)
     shared = rng.integers(0, 256, size=48).tolist()
     first, second = shared + [1, 2, 3], shared + [4, 5]
-    config = EngineConfig(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=2,
+    config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                          max_batch_size=2,
                           enable_prefix_caching=True)
     with pipeline(folder, config) as pipe:
         pipe(first, GenerationConfig(max_new_tokens=2))  # publishes the shared blocks
@@ -80,7 +82,8 @@ def test_prefix_cache_hit_recomputes_the_rows(model):
 def test_max_new_tokens_zero_scores_only_the_prompt(model):
     folder, ref = model
     prompt = np.random.default_rng(9).integers(0, 256, size=40).tolist()
-    config = EngineConfig(device="cpu", cache_max_entry_count=8, cache_block_seq_len=16, max_batch_size=2)
+    config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=8, cache_block_seq_len=16,
+                          max_batch_size=2)
     with pipeline(folder, config) as pipe:
         r = pipe(prompt, GenerationConfig(max_new_tokens=0, prompt_logprobs=1))
         assert r.token_ids == [] and r.text == "" and r.finish_reason == "length"
@@ -97,7 +100,8 @@ def test_max_new_tokens_zero_scores_only_the_prompt(model):
 def test_n_completions_score_the_prompt_once(model):
     folder, ref = model
     prompt = np.random.default_rng(11).integers(0, 256, size=30).tolist()
-    config = EngineConfig(device="cpu", cache_max_entry_count=32, cache_block_seq_len=16, max_batch_size=4)
+    config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=32, cache_block_seq_len=16,
+                          max_batch_size=4)
     gen = GenerationConfig(max_new_tokens=4, n=3, do_sample=True, random_seed=1, prompt_logprobs=2)
     with pipeline(folder, config) as pipe:
         responses = pipe(prompt, gen)
@@ -112,7 +116,8 @@ def test_preempted_request_hands_out_each_row_once(model):
     folder, ref = model
     rng = np.random.default_rng(13)
     prompts = [rng.integers(0, 256, size=60).tolist() for _ in range(2)]
-    config = EngineConfig(device="cpu", cache_max_entry_count=6, cache_block_seq_len=16, max_batch_size=2,
+    config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=6, cache_block_seq_len=16,
+                          max_batch_size=2,
                           max_prefill_token_num=16)
     with pipeline(folder, config) as pipe:
         responses = pipe(prompts, GenerationConfig(max_new_tokens=20, prompt_logprobs=1, ignore_eos=True))

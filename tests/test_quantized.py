@@ -16,8 +16,8 @@ from lmkit import EngineConfig, GenerationConfig, pipeline
 from lmkit.kv_policy import save_kv_policy
 from tests.conftest import make_tiny_model
 
-CONFIG = EngineConfig(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4)
-EXACT = EngineConfig(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4,
+CONFIG = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4)
+EXACT = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4,
                      awq_int8_activations=False)
 
 
@@ -174,7 +174,8 @@ def kv_quant_reference(ref, layer_bits: list[int]):
 def test_kv_quantized_logits_match_fake_quant_reference(bits, tmp_path):
     ref = make_tiny_model(tmp_path / "m", "llama", num_hidden_layers=3)
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4], [7]]
-    config = EngineConfig(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, quant_policy=bits)
+    config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                          quant_policy=bits)
     results = engine_logits(tmp_path / "m", prompts, config, new_tokens=12)
     fp = [(full, ref(torch.tensor([full])).logits[0].detach().numpy()) for full, _ in results]
     kv_quant_reference(ref, [bits] * 3)
@@ -192,7 +193,8 @@ def test_kv_policy_mixes_precisions_per_layer(tmp_path):
     layers = [4, 0, 8]
     policy = save_kv_policy(tmp_path / "kv_policy.json", layers,
                             {"architecture": "LlamaForCausalLM", "num_layers": 3, "num_kv_heads": 2, "head_dim": 16})
-    config = EngineConfig(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, kv_policy=str(policy))
+    config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                          kv_policy=str(policy))
     results = engine_logits(tmp_path / "m", [[9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12]], config, new_tokens=12)
     kv_quant_reference(ref, layers)
     for full, got in results:
@@ -206,13 +208,16 @@ def test_kv_policy_for_another_model_is_rejected(tmp_path):
     policy = save_kv_policy(tmp_path / "p.json", [4, 4, 8],
                             {"architecture": "LlamaForCausalLM", "num_layers": 3, "num_kv_heads": 2, "head_dim": 16})
     with pytest.raises(ValueError, match="num_layers=3"):
-        pipeline(tmp_path / "m", EngineConfig(device="cpu", cache_max_entry_count=64, kv_policy=str(policy)))
+        pipeline(tmp_path / "m", EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64,
+                                              kv_policy=str(policy)))
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "lmkit.kv_policy", "version": 1, "layers": [4, 3]}))
     with pytest.raises(ValueError, match="0 \\(fp\\), 8 or 4"):
-        pipeline(tmp_path / "m", EngineConfig(device="cpu", cache_max_entry_count=64, kv_policy=str(bad)))
+        pipeline(tmp_path / "m", EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64,
+                                              kv_policy=str(bad)))
     with pytest.raises(FileNotFoundError):
-        pipeline(tmp_path / "m", EngineConfig(device="cpu", cache_max_entry_count=64, kv_policy=str(tmp_path / "no")))
+        pipeline(tmp_path / "m", EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64,
+                                              kv_policy=str(tmp_path / "no")))
 
 
 def test_kv_byte_budget_capacity(tmp_path):
@@ -221,7 +226,8 @@ def test_kv_byte_budget_capacity(tmp_path):
                     num_key_value_heads=2, hidden_size=256)
     per_block = {}
     for bits in (0, 8, 4):
-        config = EngineConfig(device="cpu", cache_max_entry_count=8, cache_block_seq_len=16, quant_policy=bits)
+        config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=8, cache_block_seq_len=16,
+                              quant_policy=bits)
         with pipeline(tmp_path / "m", config) as pipe:
             per_block[bits] = pipe.engine.kv_bytes_per_block
     rows = 2 * 2 * 2 * 16  # layers x K/V x kv heads x tokens
@@ -236,13 +242,14 @@ def test_smollm2_int8_kv_greedy_agrees_with_fp(smollm2_path):
     next-token argmax agrees at nearly every position and the distributions stay close."""
     prompts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
                "List three primary colors:", "Explain what a CPU cache is in one sentence."]
-    with pipeline(smollm2_path, EngineConfig(device="cpu", cache_max_entry_count=64)) as pipe:
+    with pipeline(smollm2_path, EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64)) as pipe:
         texts = [pipe.encode(p) + r.token_ids
                  for p, r in zip(prompts, pipe(prompts, GenerationConfig(max_new_tokens=32, ignore_eos=True)))]
     forced = GenerationConfig(max_new_tokens=1, output_logits=True, ignore_eos=True)
     rows = {}
     for bits in (0, 8):
-        with pipeline(smollm2_path, EngineConfig(device="cpu", cache_max_entry_count=64, quant_policy=bits)) as pipe:
+        with pipeline(smollm2_path, EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64,
+                                                 quant_policy=bits)) as pipe:
             rows[bits] = [np.asarray(r.logits, dtype=np.float64)[-33:-1] for r in pipe(texts, forced)]
     fp, q = np.concatenate(rows[0]), np.concatenate(rows[8])
     agree = float((fp.argmax(1) == q.argmax(1)).mean())

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY_ENGINE = dict(device="cpu", cache_max_entry_count=256, max_batch_size=32, cache_block_seq_len=16,
+TINY_ENGINE = dict(device="cpu", dtype="float32", cache_max_entry_count=256, max_batch_size=32, cache_block_seq_len=16,
                    session_len=512, num_threads=1)
 ADMIN_KEY = "admin-secret"
 """The admin key of the test proxies (their /nodes/* routes are closed without one)."""
@@ -117,8 +117,9 @@ def slow_llama(tmp_path_factory):
 def slow_engine(slow_llama):
     from lmkit import AsyncEngine, EngineConfig
 
-    engine = AsyncEngine(slow_llama, EngineConfig(device="cpu", cache_max_entry_count=256, max_batch_size=8,
-                                                  cache_block_seq_len=16, session_len=512, num_threads=1))
+    engine = AsyncEngine(slow_llama, EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=256,
+                                                  max_batch_size=8, cache_block_seq_len=16, session_len=512,
+                                                  num_threads=1))
     yield engine
     engine.close()
 

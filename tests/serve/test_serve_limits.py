@@ -241,8 +241,8 @@ def start_api_server(folder, *extra: str):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = lmkit_subprocess("serve", "api_server", str(folder), "--host", "127.0.0.1", "--port", str(port),
-                            "--model-name", "tiny", "--device", "cpu", "--max-batch-size", "8", "--session-len",
-                            "512", "--cache-block-seq-len", "16", "--cache-max-entry-count", "256",
+                            "--model-name", "tiny", "--device", "cpu", "--dtype", "float32", "--max-batch-size", "8",
+                            "--session-len", "512", "--cache-block-seq-len", "16", "--cache-max-entry-count", "256",
                             "--num-threads", "1", "--log-level", "warning", *extra)
     try:
         wait_healthy(url, timeout_s=120, proc=proc)

@@ -87,7 +87,8 @@ def test_node_killed_mid_stream_ends_the_stream_with_an_error(slow_llama):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     node = lmkit_subprocess("serve", "api_server", str(slow_llama), "--host", "127.0.0.1", "--port", str(port),
-                            "--model-name", "tiny", "--session-len", "512", "--cache-max-entry-count", "64",
+                            "--model-name", "tiny", "--dtype", "float32", "--session-len", "512",
+                            "--cache-max-entry-count", "64",
                             "--num-threads", "1", "--log-level", "warning")
     proxy = None
     try:
