@@ -153,30 +153,47 @@ inline int64_t m_block_rows(int64_t K) {
   return mblock < kMRMax ? kMRMax : mblock;
 }
 
-// The driver of every linear kernel: the (M block, panel) pairs, M block by M block, handed out in chunks of
-// consecutive panels over the thread team (when the work is big enough); for each,
+// The work items of the linear kernels: (M block, panel) pairs, M block by M block, in chunks of consecutive
+// panels (about four per thread and M block; a chunk never spans two M blocks). Chunk c holds rows [mb, me)
+// and panels [p0, p1).
+struct PanelChunks {
+  int64_t rows, mblock, num_panels, grain, per_mblock;
+  PanelChunks(int64_t rows_, int64_t mblock_, int64_t num_panels_)
+      : rows(rows_), mblock(mblock_), num_panels(num_panels_), grain(grain_for(num_panels_)),
+        per_mblock((num_panels_ + grain - 1) / grain) {}
+  int64_t count() const { return (rows + mblock - 1) / mblock * per_mblock; }
+  void get(int64_t c, int64_t* mb, int64_t* me, int64_t* p0, int64_t* p1) const {
+    *mb = c / per_mblock * mblock;
+    *me = rows - *mb < mblock ? rows : *mb + mblock;
+    *p0 = c % per_mblock * grain;
+    *p1 = *p0 + grain < num_panels ? *p0 + grain : num_panels;
+  }
+};
+
+// tile[j] = bias[n0 + j] for j < ncols, 0 beyond (and without a bias).
+inline void bias_tile_of(const float* bias, int64_t n0, int ncols, float* tile) {
+  for (int j = 0; j < kPanel; ++j) tile[j] = bias && j < ncols ? bias[n0 + j] : 0.0f;
+}
+
+// The driver of every linear kernel: the PanelChunks handed out over the thread team (when the work is big
+// enough); for each (M block, panel),
 //   fn(mb, rows, p, ncols, bias_tile, bp)
 // with bias_tile the panel's 32 bias values (0 beyond ncols; nullptr without bias) and bp the thread's
 // L1 buffer of kKC x kPanel fp32 for converted K blocks.
 template <class Fn>
 inline void for_each_panel(int64_t M, int64_t N, int64_t K, int64_t mblock, const float* bias, Fn&& fn) {
-  const int64_t num_panels = (N + kPanel - 1) / kPanel, num_mblocks = (M + mblock - 1) / mblock;
-  const int64_t grain = grain_for(num_panels);
-  // items: per M block, its panels in chunks of `grain` (a chunk never spans two M blocks)
-  const int64_t chunks_per_mblock = (num_panels + grain - 1) / grain;
-  parallel_for(num_mblocks * chunks_per_mblock, 1, M * N * K >= (1 << 15), [&](int64_t c0, int64_t c1) {
+  const PanelChunks chunks(M, mblock, (N + kPanel - 1) / kPanel);
+  parallel_for(chunks.count(), 1, M * N * K >= (1 << 15), [&](int64_t c0, int64_t c1) {
     alignas(64) float bp[kKC * kPanel];
     alignas(64) float bias_tile[kPanel];
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t mb = c / chunks_per_mblock * mblock, pc = c % chunks_per_mblock;
-      const int64_t rows = M - mb < mblock ? M - mb : mblock;
-      const int64_t p1 = (pc + 1) * grain < num_panels ? (pc + 1) * grain : num_panels;
-      for (int64_t p = pc * grain; p < p1; ++p) {
+      int64_t mb, me, p0, p1;
+      chunks.get(c, &mb, &me, &p0, &p1);
+      for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * kPanel;
         const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
-        if (bias)
-          for (int j = 0; j < kPanel; ++j) bias_tile[j] = j < ncols ? bias[n0 + j] : 0.0f;
-        fn(mb, rows, p, ncols, bias ? bias_tile : nullptr, bp);
+        bias_tile_of(bias, n0, ncols, bias_tile);
+        fn(mb, me - mb, p, ncols, bias ? bias_tile : nullptr, bp);
       }
     }
   });

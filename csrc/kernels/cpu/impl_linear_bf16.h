@@ -215,23 +215,19 @@ LMKIT_AMX void linear_bf16_amx(const float* x, int64_t M, const void* w, int64_t
       memset(row + done, 0, (size_t)((ldp - done) * 4));
     }
   });
-  // (M block, panel) pairs, M block by M block, in chunks of consecutive panels
-  const int64_t grain = grain_for(num_panels), chunks_per_mblock = (num_panels + grain - 1) / grain;
-  const int64_t num_mblocks = (Mp + kAmxMBlockRows - 1) / kAmxMBlockRows;
-  parallel_for(num_mblocks * chunks_per_mblock, 1, worth, [&](int64_t c0, int64_t c1) LMKIT_AMX {
+  const PanelChunks chunks(Mp, kAmxMBlockRows, num_panels);
+  parallel_for(chunks.count(), 1, worth, [&](int64_t c0, int64_t c1) LMKIT_AMX {
     asm volatile("" ::: "memory");  // GCC's _tile_loadd has no memory operand: keep the stores to xp before it
     amx_configure();
     alignas(64) float cbuf[2 * kAmxRows * kPanel];
     alignas(64) float bias_tile[kPanel];
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t mb = c / chunks_per_mblock * kAmxMBlockRows, pc = c % chunks_per_mblock;
-      const int64_t me = Mp - mb < kAmxMBlockRows ? Mp : mb + kAmxMBlockRows;
-      const int64_t p1 = (pc + 1) * grain < num_panels ? (pc + 1) * grain : num_panels;
-      for (int64_t p = pc * grain; p < p1; ++p) {
+      int64_t mb, me, p0, p1;
+      chunks.get(c, &mb, &me, &p0, &p1);
+      for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * kPanel;
         const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
-        if (bias)
-          for (int j = 0; j < kPanel; ++j) bias_tile[j] = j < ncols ? bias[n0 + j] : 0.0f;
+        bias_tile_of(bias, n0, ncols, bias_tile);
         const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
         for (int64_t m = mb; m < me; m += 2 * kAmxRows) {
           const bool two = me - m >= 2 * kAmxRows;

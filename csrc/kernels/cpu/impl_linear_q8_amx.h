@@ -149,10 +149,8 @@ LMKIT_AMX_I8 void linear_int4_amx(const float* x, int64_t M, const void* w, int6
       }
     }
   });
-  // (M block, panel) pairs, M block by M block, in chunks of consecutive panels
-  const int64_t grain = grain_for(num_panels), chunks_per_mblock = (num_panels + grain - 1) / grain;
-  const int64_t num_mblocks = (Mp + mblock - 1) / mblock;
-  parallel_for(num_mblocks * chunks_per_mblock, 1, worth, [&](int64_t c0, int64_t c1) LMKIT_AMX_I8 {
+  const PanelChunks chunks(Mp, mblock, num_panels);
+  parallel_for(chunks.count(), 1, worth, [&](int64_t c0, int64_t c1) LMKIT_AMX_I8 {
     asm volatile("" ::: "memory");  // GCC's _tile_loadd has no memory operand: keep the stores to qx before it
     _tile_loadconfig(kt == 32 ? &kAmxQ8TileConfig32 : &kAmxQ8TileConfig64);
     alignas(64) int8_t bq[kAmxQ8KC / 4 * 128];
@@ -160,13 +158,12 @@ LMKIT_AMX_I8 void linear_int4_amx(const float* x, int64_t M, const void* w, int6
     alignas(64) float cacc[2 * kAmxRows * kPanel];
     alignas(64) float bias_tile[kPanel];
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t mb = c / chunks_per_mblock * mblock, pc = c % chunks_per_mblock;
-      const int64_t me = Mp - mb < mblock ? Mp : mb + mblock;
-      const int64_t p1 = (pc + 1) * grain < num_panels ? (pc + 1) * grain : num_panels;
-      for (int64_t p = pc * grain; p < p1; ++p) {
+      int64_t mb, me, p0, p1;
+      chunks.get(c, &mb, &me, &p0, &p1);
+      for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * kPanel;
         const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
-        for (int j = 0; j < kPanel; ++j) bias_tile[j] = bias && j < ncols ? bias[n0 + j] : 0.0f;
+        bias_tile_of(bias, n0, ncols, bias_tile);
         const __mmask16 m0 = (__mmask16)(ncols >= 16 ? 0xffff : (1u << ncols) - 1);
         const __mmask16 m1 = (__mmask16)(ncols >= 32 ? 0xffff : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0);
         const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
