@@ -155,25 +155,29 @@ inline int64_t m_block_rows(int64_t K) {
 
 // The work items of the linear kernels: (M block, panel) pairs, M block by M block, in chunks of consecutive
 // panels (about four per thread and M block; a chunk never spans two M blocks). Chunk c holds rows [mb, me)
-// and panels [p0, p1).
+// and panels [p0, p1) of an [rows, N] output.
 struct PanelChunks {
-  int64_t rows, mblock, num_panels, grain, per_mblock;
-  PanelChunks(int64_t rows_, int64_t mblock_, int64_t num_panels_)
-      : rows(rows_), mblock(mblock_), num_panels(num_panels_), grain(grain_for(num_panels_)),
-        per_mblock((num_panels_ + grain - 1) / grain) {}
+  int64_t rows, N, mblock, num_panels, grain, per_mblock;
+  PanelChunks(int64_t rows_, int64_t N_, int64_t mblock_)
+      : rows(rows_), N(N_), mblock(mblock_), num_panels((N_ + kPanel - 1) / kPanel), grain(grain_for(num_panels)),
+        per_mblock((num_panels + grain - 1) / grain) {}
   int64_t count() const { return (rows + mblock - 1) / mblock * per_mblock; }
-  void get(int64_t c, int64_t* mb, int64_t* me, int64_t* p0, int64_t* p1) const {
-    *mb = c / per_mblock * mblock;
-    *me = rows - *mb < mblock ? rows : *mb + mblock;
-    *p0 = c % per_mblock * grain;
-    *p1 = *p0 + grain < num_panels ? *p0 + grain : num_panels;
+  // fn(mb, me, p, ncols) for every (M block, panel) of chunks [c0, c1), with bias_tile holding the panel's
+  // 32 bias values first (0 beyond ncols, and all 0 without a bias).
+  template <class Fn>
+  void each(int64_t c0, int64_t c1, const float* bias, float* bias_tile, Fn&& fn) const {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t mb = c / per_mblock * mblock, me = rows - mb < mblock ? rows : mb + mblock;
+      const int64_t p0 = c % per_mblock * grain, p1 = p0 + grain < num_panels ? p0 + grain : num_panels;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * kPanel;
+        const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
+        for (int j = 0; j < kPanel; ++j) bias_tile[j] = bias && j < ncols ? bias[n0 + j] : 0.0f;
+        fn(mb, me, p, ncols);
+      }
+    }
   }
 };
-
-// tile[j] = bias[n0 + j] for j < ncols, 0 beyond (and without a bias).
-inline void bias_tile_of(const float* bias, int64_t n0, int ncols, float* tile) {
-  for (int j = 0; j < kPanel; ++j) tile[j] = bias && j < ncols ? bias[n0 + j] : 0.0f;
-}
 
 // The driver of every linear kernel: the PanelChunks handed out over the thread team (when the work is big
 // enough); for each (M block, panel),
@@ -182,20 +186,13 @@ inline void bias_tile_of(const float* bias, int64_t n0, int ncols, float* tile) 
 // L1 buffer of kKC x kPanel fp32 for converted K blocks.
 template <class Fn>
 inline void for_each_panel(int64_t M, int64_t N, int64_t K, int64_t mblock, const float* bias, Fn&& fn) {
-  const PanelChunks chunks(M, mblock, (N + kPanel - 1) / kPanel);
+  const PanelChunks chunks(M, N, mblock);
   parallel_for(chunks.count(), 1, M * N * K >= (1 << 15), [&](int64_t c0, int64_t c1) {
     alignas(64) float bp[kKC * kPanel];
     alignas(64) float bias_tile[kPanel];
-    for (int64_t c = c0; c < c1; ++c) {
-      int64_t mb, me, p0, p1;
-      chunks.get(c, &mb, &me, &p0, &p1);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t n0 = p * kPanel;
-        const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
-        bias_tile_of(bias, n0, ncols, bias_tile);
-        fn(mb, me - mb, p, ncols, bias ? bias_tile : nullptr, bp);
-      }
-    }
+    chunks.each(c0, c1, bias, bias_tile, [&](int64_t mb, int64_t me, int64_t p, int ncols) {
+      fn(mb, me - mb, p, ncols, bias ? bias_tile : nullptr, bp);
+    });
   });
 }
 
@@ -365,20 +362,29 @@ void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K,
 constexpr int kQ8Block = 32;
 constexpr int kQ8MR = 4;  // rows per tile: 4 x (2 int32 + 2 fp32 accumulators) + operands in 32 zmm
 
-// Row x[0:K] -> qx[0:K], dx[K / 32], sx[K / 32] (sum of each block's qx, as float).
-inline void q8_quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx) {
+// Row x[0:K] -> qx[0:K] and, per block of `block` values (a multiple of 16: 32 here, the weight's group on
+// AMX tiles), dx[K / block] and, unless sx is nullptr, sx[K / block] (the block's sum of qx, as float).
+inline void q8_quantize_blocks(const float* x, int64_t K, int64_t block, int8_t* qx, float* dx, float* sx) {
   const __m512 sign = _mm512_set1_ps(-0.0f);
-  for (int64_t b = 0; b < K / kQ8Block; ++b) {
-    const __m512 a = _mm512_loadu_ps(x + b * kQ8Block), c = _mm512_loadu_ps(x + b * kQ8Block + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, c)));
-    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-    const __m512i qc = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(inv)));
-    _mm_storeu_si128((__m128i*)(qx + b * kQ8Block), _mm512_cvtsepi32_epi8(qa));
-    _mm_storeu_si128((__m128i*)(qx + b * kQ8Block + 16), _mm512_cvtsepi32_epi8(qc));
-    dx[b] = d;
-    sx[b] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+  for (int64_t b = 0; b < K / block; ++b) {
+    const float* xb = x + b * block;
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t i = 0; i < block; i += 16) m = _mm512_max_ps(m, _mm512_andnot_ps(sign, _mm512_loadu_ps(xb + i)));
+    const float amax = _mm512_reduce_max_ps(m);
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t i = 0; i < block; i += 16) {
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inv));
+      _mm_storeu_si128((__m128i*)(qx + b * block + i), _mm512_cvtsepi32_epi8(q));
+      sum = _mm512_add_epi32(sum, q);
+    }
+    dx[b] = amax / 127.0f;
+    if (sx) sx[b] = (float)_mm512_reduce_add_epi32(sum);
   }
+}
+// Row x[0:K] -> qx[0:K], dx[K / 32], sx[K / 32].
+inline void q8_quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx) {
+  q8_quantize_blocks(x, K, kQ8Block, qx, dx, sx);
 }
 
 template <int MR>

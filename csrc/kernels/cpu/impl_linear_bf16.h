@@ -182,16 +182,20 @@ LMKIT_AMX inline void amx_block(const uint32_t* xp, int64_t ldp, const uint8_t* 
   }
 }
 
-// out[m, n0 : n0 + ncols] = cbuf[m, :] (+ bias) for m < rows.
-LMKIT_AMX inline void amx_store(const float* cbuf, int64_t rows, float* out, int64_t ldo, int ncols,
-                                const float* bias) {
+// out[m, 0 : ncols] = cbuf[m, :] + (accumulate ? out[m, :] : bias, or 0 without one) for m < rows (cbuf rows
+// 32 floats apart). Plain AVX-512: both AMX kernels call it.
+inline void amx_store(const float* cbuf, int64_t rows, float* out, int64_t ldo, int ncols, const float* bias,
+                      bool accumulate = false) {
   const __mmask16 m0 = (__mmask16)(ncols >= 16 ? 0xffff : (1u << ncols) - 1);
   const __mmask16 m1 = (__mmask16)(ncols >= 32 ? 0xffff : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0);
   const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
   for (int64_t i = 0; i < rows; ++i) {
-    _mm512_mask_storeu_ps(out + i * ldo, m0, _mm512_add_ps(_mm512_loadu_ps(cbuf + i * 32), b0));
-    if (m1) _mm512_mask_storeu_ps(out + i * ldo + 16, m1, _mm512_add_ps(_mm512_loadu_ps(cbuf + i * 32 + 16), b1));
+    float* o = out + i * ldo;
+    const __m512 base0 = accumulate ? _mm512_maskz_loadu_ps(m0, o) : b0;
+    const __m512 base1 = accumulate ? _mm512_maskz_loadu_ps(m1, o + 16) : b1;
+    _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(_mm512_loadu_ps(cbuf + i * 32), base0));
+    if (m1) _mm512_mask_storeu_ps(o + 16, m1, _mm512_add_ps(_mm512_loadu_ps(cbuf + i * 32 + 16), base1));
   }
 }
 
@@ -199,7 +203,7 @@ LMKIT_AMX inline void amx_store(const float* cbuf, int64_t rows, float* out, int
 // bf16 denormals to zero).
 LMKIT_AMX void linear_bf16_amx(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias,
                                float* out) {
-  const int64_t R = (K + 1) / 2, panel_bytes = R * 128, num_panels = (N + kPanel - 1) / kPanel;
+  const int64_t R = (K + 1) / 2, panel_bytes = R * 128;
   const int64_t ldp = (R + kAmxRows - 1) / kAmxRows * kAmxRows, Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
   thread_local ScratchBuffer scratch;
   uint32_t* xp = (uint32_t*)scratch.get((size_t)(Mp * ldp * 4));
@@ -215,29 +219,22 @@ LMKIT_AMX void linear_bf16_amx(const float* x, int64_t M, const void* w, int64_t
       memset(row + done, 0, (size_t)((ldp - done) * 4));
     }
   });
-  const PanelChunks chunks(Mp, kAmxMBlockRows, num_panels);
+  const PanelChunks chunks(Mp, N, kAmxMBlockRows);
   parallel_for(chunks.count(), 1, worth, [&](int64_t c0, int64_t c1) LMKIT_AMX {
     asm volatile("" ::: "memory");  // GCC's _tile_loadd has no memory operand: keep the stores to xp before it
     amx_configure();
     alignas(64) float cbuf[2 * kAmxRows * kPanel];
     alignas(64) float bias_tile[kPanel];
-    for (int64_t c = c0; c < c1; ++c) {
-      int64_t mb, me, p0, p1;
-      chunks.get(c, &mb, &me, &p0, &p1);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t n0 = p * kPanel;
-        const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
-        bias_tile_of(bias, n0, ncols, bias_tile);
-        const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
-        for (int64_t m = mb; m < me; m += 2 * kAmxRows) {
-          const bool two = me - m >= 2 * kAmxRows;
-          if (two) amx_block<2>(xp + m * ldp, ldp, panel, R, cbuf);
-          else amx_block<1>(xp + m * ldp, ldp, panel, R, cbuf);
-          const int64_t valid = M - m < (two ? 2 : 1) * kAmxRows ? M - m : (two ? 2 : 1) * kAmxRows;
-          if (valid > 0) amx_store(cbuf, valid, out + m * N + n0, N, ncols, bias ? bias_tile : nullptr);
-        }
+    chunks.each(c0, c1, bias, bias_tile, [&](int64_t mb, int64_t me, int64_t p, int ncols) LMKIT_AMX {
+      const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
+      for (int64_t m = mb; m < me; m += 2 * kAmxRows) {
+        const bool two = me - m >= 2 * kAmxRows;
+        if (two) amx_block<2>(xp + m * ldp, ldp, panel, R, cbuf);
+        else amx_block<1>(xp + m * ldp, ldp, panel, R, cbuf);
+        const int64_t valid = M - m < (two ? 2 : 1) * kAmxRows ? M - m : (two ? 2 : 1) * kAmxRows;
+        if (valid > 0) amx_store(cbuf, valid, out + m * N + p * kPanel, N, ncols, bias ? bias_tile : nullptr);
       }
-    }
+    });
     _tile_release();
   });
 }

@@ -31,22 +31,6 @@ constexpr AmxTileConfig kAmxQ8TileConfig32 = {
 constexpr AmxTileConfig kAmxQ8TileConfig64 = {
     1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
-// Row x[0:K] -> qx[0:K], dx[K / g]: int8 per group of g values (32, 64 or 128).
-LMKIT_AMX_I8 inline void q8_quantize_row_g(const float* x, int64_t K, int64_t g, int8_t* qx, float* dx) {
-  const __m512 sign = _mm512_set1_ps(-0.0f);
-  for (int64_t b = 0; b < K / g; ++b) {
-    const float* xb = x + b * g;
-    __m512 m = _mm512_setzero_ps();
-    for (int64_t i = 0; i < g; i += 16) m = _mm512_max_ps(m, _mm512_andnot_ps(sign, _mm512_loadu_ps(xb + i)));
-    const float amax = _mm512_reduce_max_ps(m);
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    for (int64_t i = 0; i < g; i += 16)
-      _mm_storeu_si128((__m128i*)(qx + b * g + i),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inv))));
-    dx[b] = amax / 127.0f;
-  }
-}
-
 // bq[t][0:64] = q - zero of columns 0-15, bq[t][64:128] of columns 16-31, for the quads t of panel
 // k range [k0, k0 + kc) (whole groups); sc[gi][0:32] = the fp32 scales of each group gi of the range.
 LMKIT_AMX_I8 inline void q8_amx_unpack(const uint8_t* panel, int64_t g, int64_t k0, int64_t kc, int8_t* bq,
@@ -130,7 +114,7 @@ LMKIT_AMX_I8 inline void q8_amx_block(const int8_t* qx, int64_t ldq, const float
 // out = x @ w^T (+ bias) for int4 panels (group size g), x as int8 per group, on AMX tiles.
 LMKIT_AMX_I8 void linear_int4_amx(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,
                                   const float* bias, float* out) {
-  const int64_t ng = K / g, panel_bytes = K / g * i4_group_bytes(g), num_panels = (N + kPanel - 1) / kPanel;
+  const int64_t ng = K / g, panel_bytes = K / g * i4_group_bytes(g);
   const int64_t kt = g < 64 ? g : 64;
   const int64_t Mp = (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * (2 * kAmxRows);
   int64_t mblock = kAmxQ8MBlockBytes / K / (2 * kAmxRows) * (2 * kAmxRows);
@@ -142,14 +126,14 @@ LMKIT_AMX_I8 void linear_int4_amx(const float* x, int64_t M, const void* w, int6
   parallel_for(Mp, grain_for(Mp), worth, [&](int64_t r0, int64_t r1) LMKIT_AMX_I8 {
     for (int64_t m = r0; m < r1; ++m) {
       if (m < M) {
-        q8_quantize_row_g(x + m * K, K, g, qx + m * K, dx + m * ng);
+        q8_quantize_blocks(x + m * K, K, g, qx + m * K, dx + m * ng, nullptr);
       } else {  // padding rows: zeros, never stored
         memset(qx + m * K, 0, (size_t)K);
         memset(dx + m * ng, 0, (size_t)(ng * 4));
       }
     }
   });
-  const PanelChunks chunks(Mp, mblock, num_panels);
+  const PanelChunks chunks(Mp, N, mblock);
   parallel_for(chunks.count(), 1, worth, [&](int64_t c0, int64_t c1) LMKIT_AMX_I8 {
     asm volatile("" ::: "memory");  // GCC's _tile_loadd has no memory operand: keep the stores to qx before it
     _tile_loadconfig(kt == 32 ? &kAmxQ8TileConfig32 : &kAmxQ8TileConfig64);
@@ -157,41 +141,25 @@ LMKIT_AMX_I8 void linear_int4_amx(const float* x, int64_t M, const void* w, int6
     alignas(64) float sc[kAmxQ8KC / 32 * kPanel];
     alignas(64) float cacc[2 * kAmxRows * kPanel];
     alignas(64) float bias_tile[kPanel];
-    for (int64_t c = c0; c < c1; ++c) {
-      int64_t mb, me, p0, p1;
-      chunks.get(c, &mb, &me, &p0, &p1);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t n0 = p * kPanel;
-        const int ncols = (int)(N - n0 < kPanel ? N - n0 : kPanel);
-        bias_tile_of(bias, n0, ncols, bias_tile);
-        const __mmask16 m0 = (__mmask16)(ncols >= 16 ? 0xffff : (1u << ncols) - 1);
-        const __mmask16 m1 = (__mmask16)(ncols >= 32 ? 0xffff : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0);
-        const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
-        for (int64_t k0 = 0; k0 < K; k0 += kAmxQ8KC) {
-          const int64_t kc = K - k0 < kAmxQ8KC ? K - k0 : kAmxQ8KC;
-          q8_amx_unpack(panel, g, k0, kc, bq, sc);
-          asm volatile("" ::: "memory");
-          for (int64_t m = mb; m < me; m += 2 * kAmxRows) {
-            const int64_t valid = M - m < 2 * kAmxRows ? M - m : 2 * kAmxRows;  // rows to store
-            if (valid <= 0) break;
-            memset(cacc, 0, sizeof(cacc));
-            if (valid > kAmxRows)
-              q8_amx_block<2>(qx + m * K + k0, K, dx + m * ng + k0 / g, ng, bq, sc, g, kt, kc / g, cacc);
-            else
-              q8_amx_block<1>(qx + m * K + k0, K, dx + m * ng + k0 / g, ng, bq, sc, g, kt, kc / g, cacc);
-            // out (+)= cacc: the first chunk stores it (with the bias), later ones add
-            for (int64_t i = 0; i < valid; ++i) {
-              float* o = out + (m + i) * N + n0;
-              const __m512 a0 = _mm512_loadu_ps(cacc + i * kPanel), a1 = _mm512_loadu_ps(cacc + i * kPanel + 16);
-              const __m512 prev0 = k0 == 0 ? _mm512_loadu_ps(bias_tile) : _mm512_maskz_loadu_ps(m0, o);
-              const __m512 prev1 = k0 == 0 ? _mm512_loadu_ps(bias_tile + 16) : _mm512_maskz_loadu_ps(m1, o + 16);
-              _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(a0, prev0));
-              if (m1) _mm512_mask_storeu_ps(o + 16, m1, _mm512_add_ps(a1, prev1));
-            }
-          }
+    chunks.each(c0, c1, bias, bias_tile, [&](int64_t mb, int64_t me, int64_t p, int ncols) LMKIT_AMX_I8 {
+      const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
+      for (int64_t k0 = 0; k0 < K; k0 += kAmxQ8KC) {
+        const int64_t kc = K - k0 < kAmxQ8KC ? K - k0 : kAmxQ8KC;
+        q8_amx_unpack(panel, g, k0, kc, bq, sc);
+        asm volatile("" ::: "memory");
+        for (int64_t m = mb; m < me; m += 2 * kAmxRows) {
+          const int64_t valid = M - m < 2 * kAmxRows ? M - m : 2 * kAmxRows;  // rows to store
+          if (valid <= 0) break;
+          memset(cacc, 0, sizeof(cacc));
+          if (valid > kAmxRows)
+            q8_amx_block<2>(qx + m * K + k0, K, dx + m * ng + k0 / g, ng, bq, sc, g, kt, kc / g, cacc);
+          else
+            q8_amx_block<1>(qx + m * K + k0, K, dx + m * ng + k0 / g, ng, bq, sc, g, kt, kc / g, cacc);
+          // out (+)= cacc: the first K chunk stores it with the bias, later ones add
+          amx_store(cacc, valid, out + m * N + p * kPanel, N, ncols, bias_tile, k0 > 0);
         }
       }
-    }
+    });
     _tile_release();
   });
 }
