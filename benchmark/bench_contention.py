@@ -32,6 +32,9 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from summary import append_csv  # noqa: E402
+
 DEFAULT_CSV = HERE / "results" / "contention_cpu.csv"
 BUSY = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
 
@@ -121,8 +124,6 @@ def main() -> int:
                     figures.setdefault((row["impl"], mode), []).append(
                         (float(row["decode_tok_s"]), float(row["conc_tok_s"] or "nan")))
                     row["weights"] = f"{row['weights']} [{mode}{f' {args.quota} CPUs' if mode == 'quota' else ''}]"
-                from summary import append_csv
-
                 append_csv(args.csv, list(rows[0].keys()) if rows else [], [list(x.values()) for x in rows])
     engines = sorted({e for e, _ in figures})
     print(f"\n{args.model.name}, {args.threads} threads, median of {args.rounds} interleaved rounds "
@@ -148,5 +149,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(HERE))
     sys.exit(main())
