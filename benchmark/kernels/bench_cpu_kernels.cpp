@@ -173,15 +173,19 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (want("gemv")) {
+  if (want("gemv576") || want("gemv1.2b")) {  // "gemv" runs both
     struct S {
       const char* name;
       int64_t N, K;
     };
+    // SmolLM2-135M's shapes, then (section "gemv1.2b") the 1.2B Llama's, at M = 1 and 16 only
     for (S s : {S{"lm_head", 49152, 576}, S{"qkv 960x576", 960, 576}, S{"gate_up 3072x576", 3072, 576},
-                S{"down 576x1536", 576, 1536}})
+                S{"down 576x1536", 576, 1536}, S{"lm_head 1.2b", 49152, 2048}, S{"qkv 3072x2048", 3072, 2048},
+                S{"o 2048x2048", 2048, 2048}, S{"gate_up 16384x2048", 16384, 2048}, S{"down 2048x8192", 2048, 8192}})
       for (const Fmt& f : kGemvFormats) {
         const DType dt = f.dtype;
+        const bool big = s.K >= 2048;
+        if (big ? !want("gemv1.2b") : !want("gemv576")) continue;
         if (s.N != 49152 && !f.every_shape) continue;
         if (f.bf16_pairs && !ops::bf16_dot_available()) continue;
         if (ops::cpu::use_amx(f.amx) != f.amx) continue;
@@ -195,6 +199,7 @@ int main(int argc, char** argv) {
           ws.push_back(f.bf16_pairs ? ops::pack_linear_bf16(w.t) : ops::pack_linear(w.t));
         }
         for (int64_t M : {1, 2, 4, 8, 12, 16, 24, 32, 48, 64}) {
+          if (big && M != 1 && M != 16) continue;
           const double t = time_linear_cold(ws, M, s.N, s.K);
           std::printf("gemv %-16s %-6s M %2d%s: %8.1f us  %6.1f GB/s  %6.1f GFLOP/s\n", s.name,
                       f.name,
