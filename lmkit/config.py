@@ -7,7 +7,7 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-from lmkit.cpus import usable_cpu_count
+from lmkit.cpus import CpuBinding, parse_cpu_list, plan_binding, usable_cpu_count
 
 
 AUTO_MEMORY_FRACTION = 0.8
@@ -61,7 +61,15 @@ class EngineConfig:
     """Reuse the KV blocks of identical prompt prefixes."""
     num_threads: int | None = None
     """CPU threads for the kernels. Default: the CPUs this process may use: its affinity mask, capped by its
-    cgroup's CPU quota rounded up (a container's --cpus, a pod's cpu limit; lmkit/cpus.py)."""
+    cgroup's CPU quota rounded up (a container's --cpus, a pod's cpu limit; lmkit/cpus.py), and by the CPUs
+    of an explicit cpu_binding."""
+    cpu_binding: str = "auto"
+    """Which CPUs the engine's threads run on. auto: where the affinity mask has more CPUs than num_threads,
+    the engine thread and its kernel team on num_threads CPUs (one per core, from the end of the mask) and the
+    process's other threads (its callback thread; in the api_server the event loop and tokenizer threads too)
+    on the rest, so that Python work never takes a core from a step; otherwise no pinning. off: no pinning. A
+    CPU list such as '4-7': the engine's threads on those CPUs (within the affinity mask), the rest for the
+    others. The choice is logged at start (logger "lmkit")."""
     cuda_graphs: bool = True
     """CUDA backend: replay decode steps (every row one token, up to 256 rows) as CUDA graphs, one launch
     instead of hundreds. False: launch every kernel, every step."""
@@ -93,11 +101,25 @@ class EngineConfig:
               f"kv_policy must be a path to a kv_policy.json file, got {self.kv_policy!r}")
         check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
               f"num_threads must be an integer >= 1, got {self.num_threads!r}")
+        if self.cpu_binding not in ("auto", "off"):
+            try:
+                parse_cpu_list(self.cpu_binding)
+            except ValueError as e:
+                raise ValueError(f"cpu_binding must be auto, off or a CPU list such as '4-7': {e}") from None
 
     @property
     def resolved_num_threads(self) -> int:
         """num_threads, or the CPUs this process may use (affinity mask, cgroup CPU quota: lmkit/cpus.py)."""
-        return self.num_threads or usable_cpu_count()
+        if self.num_threads:
+            return self.num_threads
+        if self.cpu_binding not in ("auto", "off"):
+            return min(usable_cpu_count(), len(parse_cpu_list(self.cpu_binding)))
+        return usable_cpu_count()
+
+    def cpu_binding_plan(self) -> CpuBinding:
+        """Where a CPU engine of this config runs its threads (lmkit.cpus.plan_binding); raises ValueError when
+        an explicit cpu_binding names CPUs outside this process's affinity mask."""
+        return plan_binding(self.resolved_num_threads, self.cpu_binding)
 
     def resolved_dtype(self, device: str) -> str:
         """The compute dtype on a resolved device: dtype, with auto on the CPU bfloat16 where the CPU has
@@ -108,9 +130,10 @@ class EngineConfig:
 
         return "bfloat16" if _engine.cpu_bf16_available() else "float32"
 
-    def to_engine_config(self, device: str, kv_layer_bits: list[int] | None = None):
+    def to_engine_config(self, device: str, kv_layer_bits: list[int] | None = None,
+                         binding: CpuBinding | None = None):
         """The lmkit._engine.EngineConfig for this config on a resolved device (kv_layer_bits: the
-        checked per-layer policy, see lmkit.kv_policy)."""
+        checked per-layer policy, see lmkit.kv_policy; binding: where the CPU engine's threads run)."""
         from lmkit._ext import _engine
 
         c = _engine.EngineConfig()
@@ -128,6 +151,9 @@ class EngineConfig:
         c.bf16_linear = self.resolved_dtype(device) == "bfloat16"
         c.cuda_graphs = bool(self.cuda_graphs)
         c.num_threads = self.resolved_num_threads
+        if binding is not None and binding.pinned:
+            c.engine_cpus = list(binding.engine_cpus)
+            c.callback_cpus = list(binding.other_cpus)
         return c
 
     @classmethod

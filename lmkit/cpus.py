@@ -7,12 +7,23 @@ and a spinning barrier then waits for threads that the scheduler has parked.
 
 A fractional quota rounds up: the quota is shared by the whole cgroup, so two threads under 1.5 CPUs still get
 1.5 CPUs of work done per period (both run, then both wait), where one thread would get 1.0.
+
+Where the mask holds more CPUs than the engine runs threads (a pod's ``cpu: 2`` on a 64-core node, or
+``num_threads`` below the machine's CPUs), the engine's threads and the process's other threads are kept apart
+(``EngineConfig.cpu_binding``, plan_binding): the engine thread and its kernel team on ``num_threads`` CPUs, one
+per physical core, taken from the end of the mask (CPU 0 serves most interrupts); the engine's callback thread
+and, in the api_server, every other thread of the process (the event loop, tokenizer threads, the thread pool:
+move_other_threads) on the rest, CPUs that share no core with the engine's where there are such. A Python thread
+that tokenizes or encodes JSON then never takes a core from a decode step, whose team waits for its slowest
+thread. The CPU sets are masks the scheduler balances within, not one CPU per thread, so a busy neighbour on one
+CPU of the engine's set still leaves the others.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,3 +94,122 @@ def cpu_budget(proc: Path = PROC, cgroup_root: Path = CGROUP_ROOT) -> CpuBudget:
 def usable_cpu_count() -> int:
     """The threads this process should run by default: its affinity mask, capped by its cgroup's CPU quota."""
     return cpu_budget().num_threads
+
+
+SYSFS_CPU = Path("/sys/devices/system/cpu")
+ENGINE_THREAD_NAMES = ("lmkit-engine", "lmkit-worker")  # csrc/core/threads.h: the engine loop and its kernel team
+_CPU_LIST = re.compile(r"^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*$")
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-3,8"`` -> [0, 1, 2, 3, 8] (the kernel's cpulist format, as taskset -c and Cpus_allowed_list); raises
+    ValueError naming the form."""
+    if not isinstance(text, str) or not _CPU_LIST.match(text):
+        raise ValueError(f"{text!r} is not a CPU list: give CPU numbers and ranges such as '0-3,8'")
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        lo, _, hi = part.partition("-")
+        a, b = int(lo), int(hi or lo)
+        if b < a:
+            raise ValueError(f"CPU range {part!r} runs backwards: write it low-high")
+        cpus.update(range(a, b + 1))
+    return sorted(cpus)
+
+
+def format_cpu_list(cpus) -> str:
+    """[0, 1, 2, 3, 8] -> ``"0-3,8"``."""
+    out, run = [], []
+    for c in sorted(set(cpus)):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [c]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def _core_key(cpu: int, sysfs: Path) -> tuple:
+    """(package, core) of a CPU: its SMT siblings share it (the CPU itself where sysfs does not tell)."""
+    topo = sysfs / f"cpu{cpu}" / "topology"
+    try:
+        return (int((topo / "physical_package_id").read_text()), int((topo / "core_id").read_text()))
+    except (OSError, ValueError):
+        return ("cpu", cpu)
+
+
+@dataclass(frozen=True)
+class CpuBinding:
+    """Where the engine's threads and the process's other threads run (empty tuples: not pinned)."""
+
+    engine_cpus: tuple[int, ...]
+    other_cpus: tuple[int, ...]
+    why: str
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.engine_cpus)
+
+    def describe(self) -> str:
+        if not self.pinned:
+            return f"threads not pinned ({self.why})"
+        rest = f", other threads on CPUs {format_cpu_list(self.other_cpus)}" if self.other_cpus else ""
+        return f"engine threads on CPUs {format_cpu_list(self.engine_cpus)}{rest} ({self.why})"
+
+
+def plan_binding(num_threads: int, spec: str = "auto", affinity=None, sysfs: Path = SYSFS_CPU) -> CpuBinding:
+    """Where to run an engine of ``num_threads`` threads (module doc). ``spec``: "auto" (pin when the affinity
+    mask has more CPUs than threads), "off", or a CPU list for the engine's threads (within the mask; the
+    rest of the mask takes the other threads)."""
+    allowed = sorted(affinity if affinity is not None else _affinity())
+    if spec == "off":
+        return CpuBinding((), (), "cpu_binding='off'")
+    if spec == "auto":
+        if len(allowed) <= num_threads:
+            return CpuBinding((), (), f"the {len(allowed)} CPUs of the affinity mask all run engine threads")
+        by_core: dict[tuple, list[int]] = {}
+        for cpu in reversed(allowed):  # from the end of the mask
+            by_core.setdefault(_core_key(cpu, sysfs), []).append(cpu)
+        # one CPU per core first, then the cores' second threads, ...
+        order = [cpus[i] for i in range(max(map(len, by_core.values()))) for cpus in by_core.values() if i < len(cpus)]
+        engine = sorted(order[:num_threads])
+        why = f"{num_threads} of the {len(allowed)} CPUs of the affinity mask"
+    else:
+        engine = parse_cpu_list(spec)
+        outside = [c for c in engine if c not in allowed]
+        if outside:
+            raise ValueError(f"cpu_binding={spec!r} names CPUs {format_cpu_list(outside)}, outside this process's "
+                             f"affinity mask {format_cpu_list(allowed)}: name CPUs within it, or use 'auto'")
+        why = f"cpu_binding={spec!r}"
+    engine_cores = {_core_key(c, sysfs) for c in engine}
+    others = [c for c in allowed if c not in engine]
+    apart = [c for c in others if _core_key(c, sysfs) not in engine_cores]
+    return CpuBinding(tuple(engine), tuple(apart or others), why)
+
+
+def _affinity() -> set[int]:
+    try:
+        return os.sched_getaffinity(0)
+    except AttributeError:
+        return set(range(os.cpu_count() or 1))
+
+
+def move_other_threads(binding: CpuBinding, proc: Path = PROC) -> int:
+    """Moves every thread of this process but the engine's own (by name, ENGINE_THREAD_NAMES) onto the binding's
+    other CPUs: the calling thread too, so that the threads it starts later follow. Returns how many moved; 0
+    when the binding pins nothing or leaves no other CPUs. Threads that end meanwhile are skipped."""
+    if not binding.pinned or not binding.other_cpus or not hasattr(os, "sched_setaffinity"):
+        return 0
+    moved = 0
+    for task in sorted((proc / "self" / "task").iterdir()):
+        try:
+            name = (task / "comm").read_text().strip()
+            if name.startswith(ENGINE_THREAD_NAMES):
+                continue
+            os.sched_setaffinity(int(task.name), binding.other_cpus)
+            moved += 1
+        except (OSError, ValueError):  # the thread ended, or the OS refused: leave it
+            continue
+    return moved

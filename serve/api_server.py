@@ -20,6 +20,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lmkit.cpus import format_cpu_list, move_other_threads
 from lmkit.engine import AsyncEngine
 from lmkit.serve.admission import Admission, Reservation
 from lmkit.serve.asgi import OffLoopJSONRoute, run_event_loop, serve_app, unless_disconnected
@@ -247,6 +248,11 @@ def run_api_server(model: str | None, engine_config, config: ServerConfig, chat_
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncEngine(model, engine_config, chat_template=chat_template)
     try:
+        binding = engine.engine.cpu_binding
+        if binding is not None and binding.pinned:  # the event loop, tokenizer and pool threads off the engine's CPUs
+            moved = move_other_threads(binding)
+            if moved:
+                log.info("%d threads of this process moved to CPUs %s", moved, format_cpu_list(binding.other_cpus))
         app = create_app(engine, config)
         api_key = config.gate.api_keys[0] if config.gate.api_keys else None
         on_ready = on_shutdown = None

@@ -61,12 +61,13 @@ def _timeouts(header: Optional[float], body: Optional[float], drain: Optional[fl
 def engine_config(device: str, max_batch_size: int, session_len: Optional[int], cache_block_seq_len: int,
                   cache_max_entry_count: Optional[float], max_prefill_token_num: int, quant_policy: int,
                   kv_policy: Optional[Path], enable_prefix_caching: bool, num_threads: Optional[int],
-                  dtype: str = "auto") -> EngineConfig:
+                  dtype: str = "auto", cpu_binding: str = "auto") -> EngineConfig:
     return EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size, session_len=session_len,
                         cache_block_seq_len=cache_block_seq_len, cache_max_entry_count=cache_max_entry_count,
                         max_prefill_token_num=max_prefill_token_num, quant_policy=quant_policy,
                         kv_policy=str(kv_policy) if kv_policy is not None else None,
-                        enable_prefix_caching=enable_prefix_caching, num_threads=num_threads)
+                        enable_prefix_caching=enable_prefix_caching, num_threads=num_threads,
+                        cpu_binding=cpu_binding)
 
 
 @app.command("api_server")
@@ -117,13 +118,15 @@ def api_server(
                                                         "`lmkit lite calibrate`)."),
     enable_prefix_caching: bool = typer.Option(False, help=_E["enable_prefix_caching"]),
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
+    cpu_binding: str = typer.Option("auto", help=_E["cpu_binding"]),
 ) -> None:
     """Serve one model with the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
     from lmkit.serve.api_server import ServerConfig, run_api_server
     from lmkit.serve.gate import GateConfig
 
     config = engine_config(device, max_batch_size, session_len, cache_block_seq_len, cache_max_entry_count,
-                           max_prefill_token_num, quant_policy, kv_policy, enable_prefix_caching, num_threads, dtype)
+                           max_prefill_token_num, quant_policy, kv_policy, enable_prefix_caching, num_threads, dtype,
+                           cpu_binding)
     template = None
     if chat_template is not None:
         if not chat_template.is_file():

@@ -1,5 +1,7 @@
 """The default thread count fits where the engine runs: the affinity mask (os.sched_setaffinity, checked in a
-child process so this one keeps its CPUs) and the cgroup CPU quota (faked cgroup files, v2 and v1)."""
+child process so this one keeps its CPUs) and the cgroup CPU quota (faked cgroup files, v2 and v1); the engine's
+threads and the others are kept apart (cpu_binding: plans on faked sysfs topologies, and a real engine's threads
+read back from /proc in a child process)."""
 
 from __future__ import annotations
 
@@ -92,3 +94,115 @@ def test_dtype_auto_is_bf16_exactly_where_the_cpu_has_it_and_says_so(tiny_llama,
         engine.close()
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU backend:"))
     assert f"{expect} compute (dtype='auto': this CPU has {'' if expect == 'bfloat16' else 'no '}AVX512_BF16)" in line
+
+
+# ---------------------------------------------------------------------------------------------- cpu_binding
+def test_cpu_lists_parse_and_print_as_the_kernel_writes_them():
+    assert cpus.parse_cpu_list("0-3, 8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert cpus.format_cpu_list([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11"
+    assert cpus.format_cpu_list([5]) == "5"
+    for bad in ("", "a", "3-1", "1,,2", "-1"):
+        with pytest.raises(ValueError):
+            cpus.parse_cpu_list(bad)
+
+
+def _fake_topology(root, cores: dict[int, int]):
+    """sysfs cpuN/topology with core_id cores[N] in package 0."""
+    for cpu, core in cores.items():
+        topo = root / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "core_id").write_text(f"{core}\n")
+        (topo / "physical_package_id").write_text("0\n")
+    return root
+
+
+def test_binding_plan_keeps_engine_and_other_threads_apart(tmp_path):
+    """auto: with more CPUs in the mask than threads, the engine takes one CPU per core from the end of the mask
+    and the others get the CPUs that share no core with it; no pinning when the threads need every CPU; an
+    explicit list must lie within the mask."""
+    smt = _fake_topology(tmp_path, {c: c % 4 for c in range(8)})  # 4 cores x 2 threads: siblings c, c + 4
+    plan = cpus.plan_binding(2, "auto", affinity=range(8), sysfs=smt)
+    assert plan.engine_cpus == (6, 7) and plan.other_cpus == (0, 1, 4, 5)  # not 2, 3: siblings of 6, 7
+    plan = cpus.plan_binding(5, "auto", affinity=range(8), sysfs=smt)
+    assert plan.engine_cpus == (3, 4, 5, 6, 7) and plan.other_cpus == (0, 1, 2)  # every core, then a second thread
+    assert "5 of the 8 CPUs" in plan.describe() and "engine threads on CPUs 3-7" in plan.describe()
+    plan = cpus.plan_binding(2, "auto", affinity={2, 5}, sysfs=smt)  # a cpuset of exactly the threads' CPUs
+    assert not plan.pinned and "not pinned" in plan.describe()
+    assert not cpus.plan_binding(1, "off", affinity=range(8), sysfs=smt).pinned
+    plan = cpus.plan_binding(2, "1,5", affinity=range(8), sysfs=smt)
+    assert plan.engine_cpus == (1, 5) and plan.other_cpus == (0, 2, 3, 4, 6, 7)  # all share a core with none
+    with pytest.raises(ValueError, match="outside this process's affinity mask 0-3"):
+        cpus.plan_binding(1, "2-5", affinity=range(4), sysfs=smt)
+    # no topology in sysfs: every CPU its own core
+    assert cpus.plan_binding(1, "auto", affinity=[0, 1, 2], sysfs=tmp_path / "none").engine_cpus == (2,)
+
+
+def test_engine_config_checks_cpu_binding():
+    from lmkit import EngineConfig
+
+    with pytest.raises(ValueError, match="cpu_binding must be auto, off or a CPU list"):
+        EngineConfig(cpu_binding="fast")
+    first = min(os.sched_getaffinity(0))
+    assert EngineConfig(cpu_binding=str(first)).resolved_num_threads == 1  # the list's CPUs cap the default
+    assert EngineConfig(cpu_binding=str(first), num_threads=3).resolved_num_threads == 3
+
+
+_SHOW_THREADS = """
+import json, sys
+from pathlib import Path
+from lmkit import EngineConfig, GenerationConfig, pipeline
+from lmkit.cpus import move_other_threads
+
+def threads():
+    out = []
+    for t in sorted(Path("/proc/self/task").iterdir()):
+        status = (t / "status").read_text().splitlines()
+        allowed = next(l.split()[1] for l in status if l.startswith("Cpus_allowed_list"))
+        out.append([(t / "comm").read_text().strip(), allowed])
+    return out
+
+num_threads, binding = int(sys.argv[2]), sys.argv[3]
+with pipeline(sys.argv[1], EngineConfig(dtype="float32", num_threads=num_threads, cpu_binding=binding,
+                                        cache_max_entry_count=64)) as pipe:
+    pipe("hello", GenerationConfig(max_new_tokens=4))  # steps: the kernel team exists
+    before = threads()
+    moved = move_other_threads(pipe.engine.cpu_binding)
+    print(json.dumps({"plan": [list(pipe.engine.cpu_binding.engine_cpus), list(pipe.engine.cpu_binding.other_cpus)],
+                      "before": before, "after": threads(), "moved": moved}))
+"""
+
+
+def _run_engine_threads(model: str, num_threads: int, binding: str) -> dict:
+    import json
+
+    out = subprocess.run([sys.executable, "-c", _SHOW_THREADS, model, str(num_threads), binding],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs in the affinity mask")
+def test_engine_threads_run_on_their_cpus_and_the_rest_move_off(tiny_llama):
+    """A real engine in a child process: with 1 thread on a mask of 2+ CPUs (auto), the engine thread is on its
+    planned CPU, the callback thread and, after move_other_threads (what the api_server does), every other
+    thread of the process on the rest; with an explicit list covering two CPUs, the kernel team's worker runs
+    there too, and nothing else moves (no CPU is left for it)."""
+    mask = sorted(os.sched_getaffinity(0))
+    r = _run_engine_threads(str(tiny_llama[0]), 1, "auto")
+    engine_cpus, other_cpus = r["plan"]
+    assert engine_cpus == [mask[-1]] and other_cpus == mask[:-1]
+    engine_list, other_list = cpus.format_cpu_list(engine_cpus), cpus.format_cpu_list(other_cpus)
+    before = dict((name, allowed) for name, allowed in r["before"] if name.startswith("lmkit-"))
+    assert before["lmkit-engine"] == engine_list and before["lmkit-callback"] == other_list
+    assert r["moved"] >= 2  # the main thread and the callback thread at least
+    for name, allowed in r["after"]:
+        assert allowed == (engine_list if name == "lmkit-engine" else other_list), (name, allowed)
+
+    two = cpus.format_cpu_list(mask[-2:])
+    r = _run_engine_threads(str(tiny_llama[0]), 2, two)
+    assert r["moved"] == 0 if len(mask) == 2 else r["moved"] >= 2
+    names = [name for name, _ in r["after"]]
+    assert "lmkit-worker" in names
+    for name, allowed in r["after"]:
+        if name in ("lmkit-engine", "lmkit-worker"):
+            assert allowed == two, (name, allowed)

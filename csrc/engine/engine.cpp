@@ -7,6 +7,7 @@
 #include <exception>
 
 #include "core/check.h"
+#include "core/threads.h"
 
 namespace lmkit {
 
@@ -324,6 +325,8 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
 }
 
 void Engine::loop() {
+  name_this_thread("lmkit-engine");
+  pin_this_thread(options_.engine_cpus);  // before bind_thread: the kernel team it starts inherits the CPUs
   executor_->bind_thread();
   for (;;) {
     std::vector<std::unique_ptr<Sequence>> arrivals;
@@ -375,6 +378,8 @@ void Engine::loop() {
 }
 
 void Engine::callback_loop() {
+  name_this_thread("lmkit-callback");
+  pin_this_thread(options_.callback_cpus);
   std::vector<std::pair<std::shared_ptr<OutputCallback>, RequestOutput>> batch;
   for (;;) {
     {

@@ -41,6 +41,9 @@ struct EngineConfig {
   std::vector<int32_t> kv_layer_bits;      // per layer 0 / 8 / 4 (a kv_policy file); overrides quant_policy
   bool enable_prefix_caching = false;
   int32_t num_threads = 0;  // CPU threads, 0: all cores
+  // CPUs of the engine thread and its kernel team, and of the callback thread (which runs the caller's
+  // Python callbacks); empty: wherever the process may run (lmkit/cpus.py plans them)
+  std::vector<int32_t> engine_cpus, callback_cpus;
   bool awq_int8_activations = true;  // AWQ layers: int8 activations, integer dot products (decode and prefill)
   bool bf16_linear = false;          // CPU backend: dense linear layers as bf16 dot products (dtype='bfloat16')
   bool cuda_graphs = true;           // CUDA backend: decode steps replayed as CUDA graphs
@@ -59,6 +62,7 @@ struct EngineOptions {
   int32_t vocab_size = 0;
   std::vector<int32_t> eos_token_ids;
   int32_t attention_window_tokens = 0;  // > 0: every layer attends within this window (blocks behind it are freed)
+  std::vector<int32_t> engine_cpus, callback_cpus;  // EngineConfig's (empty: not pinned)
 };
 
 // KV pool size: cache_max_entry_count > 1 is a block count; otherwise that fraction of available_bytes,

@@ -40,6 +40,8 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   options.vocab_size = model.vocab_size;
   options.eos_token_ids = eos_token_ids;
   options.enable_prefix_caching = config.enable_prefix_caching;
+  options.engine_cpus = config.engine_cpus;
+  options.callback_cpus = config.callback_cpus;
 
   BackendOptions backend;
   backend.max_step_tokens = config.max_prefill_token_num + config.max_batch_size;

@@ -116,7 +116,9 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("bf16_linear", &EngineConfig::bf16_linear)
       .def_readwrite("cuda_graphs", &EngineConfig::cuda_graphs)
       .def_readwrite("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
-      .def_readwrite("num_threads", &EngineConfig::num_threads);
+      .def_readwrite("num_threads", &EngineConfig::num_threads)
+      .def_readwrite("engine_cpus", &EngineConfig::engine_cpus)
+      .def_readwrite("callback_cpus", &EngineConfig::callback_cpus);
 
   py::class_<SamplingParams>(m, "SamplingParams")
       .def(py::init<>())

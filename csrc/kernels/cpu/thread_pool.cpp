@@ -18,6 +18,8 @@
 // asleep) costs no extra cache-line transfer.
 #include "kernels/cpu/thread_pool.h"
 
+#include "core/threads.h"
+
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -87,7 +89,11 @@ thread_local bool tl_in_body = false;  // this thread runs a chunk body (or is a
 class Team {
  public:
   explicit Team(int num_threads) : num_threads_(num_threads) {
-    for (int t = 1; t < num_threads; ++t) workers_.emplace_back([this] { worker_loop(); });
+    for (int t = 1; t < num_threads; ++t)
+      workers_.emplace_back([this] {
+        name_this_thread("lmkit-worker");  // inherits the creating thread's CPUs (see core/threads.h)
+        worker_loop();
+      });
   }
   ~Team() {
     stop_.store(true, std::memory_order_seq_cst);
