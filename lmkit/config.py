@@ -7,7 +7,7 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-from lmkit.cpus import CpuBinding, parse_cpu_list, plan_binding, usable_cpu_count
+from lmkit.cpus import CpuBinding, parse_cpu_list, usable_cpu_count
 
 
 AUTO_MEMORY_FRACTION = 0.8
@@ -101,25 +101,23 @@ class EngineConfig:
               f"kv_policy must be a path to a kv_policy.json file, got {self.kv_policy!r}")
         check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
               f"num_threads must be an integer >= 1, got {self.num_threads!r}")
-        if self.cpu_binding not in ("auto", "off"):
-            try:
-                parse_cpu_list(self.cpu_binding)
-            except ValueError as e:
-                raise ValueError(f"cpu_binding must be auto, off or a CPU list such as '4-7': {e}") from None
+        try:
+            self.binding_cpus
+        except ValueError as e:
+            raise ValueError(f"cpu_binding must be auto, off or a CPU list such as '4-7': {e}") from None
+
+    @property
+    def binding_cpus(self) -> list[int] | None:
+        """The CPUs of an explicit cpu_binding list (None for auto and off)."""
+        return None if self.cpu_binding in ("auto", "off") else parse_cpu_list(self.cpu_binding)
 
     @property
     def resolved_num_threads(self) -> int:
         """num_threads, or the CPUs this process may use (affinity mask, cgroup CPU quota: lmkit/cpus.py)."""
         if self.num_threads:
             return self.num_threads
-        if self.cpu_binding not in ("auto", "off"):
-            return min(usable_cpu_count(), len(parse_cpu_list(self.cpu_binding)))
-        return usable_cpu_count()
-
-    def cpu_binding_plan(self) -> CpuBinding:
-        """Where a CPU engine of this config runs its threads (lmkit.cpus.plan_binding); raises ValueError when
-        an explicit cpu_binding names CPUs outside this process's affinity mask."""
-        return plan_binding(self.resolved_num_threads, self.cpu_binding)
+        listed = self.binding_cpus
+        return usable_cpu_count() if listed is None else min(usable_cpu_count(), len(listed))
 
     def resolved_dtype(self, device: str) -> str:
         """The compute dtype on a resolved device: dtype, with auto on the CPU bfloat16 where the CPU has
@@ -131,9 +129,10 @@ class EngineConfig:
         return "bfloat16" if _engine.cpu_bf16_available() else "float32"
 
     def to_engine_config(self, device: str, kv_layer_bits: list[int] | None = None,
-                         binding: CpuBinding | None = None):
+                         binding: CpuBinding | None = None, num_threads: int | None = None):
         """The lmkit._engine.EngineConfig for this config on a resolved device (kv_layer_bits: the
-        checked per-layer policy, see lmkit.kv_policy; binding: where the CPU engine's threads run)."""
+        checked per-layer policy, see lmkit.kv_policy; binding: where the CPU engine's threads run; num_threads:
+        resolved_num_threads when the caller has it already)."""
         from lmkit._ext import _engine
 
         c = _engine.EngineConfig()
@@ -150,7 +149,7 @@ class EngineConfig:
         c.awq_int8_activations = bool(self.awq_int8_activations)
         c.bf16_linear = self.resolved_dtype(device) == "bfloat16"
         c.cuda_graphs = bool(self.cuda_graphs)
-        c.num_threads = self.resolved_num_threads
+        c.num_threads = num_threads or self.resolved_num_threads
         if binding is not None and binding.pinned:
             c.engine_cpus = list(binding.engine_cpus)
             c.callback_cpus = list(binding.other_cpus)

@@ -46,12 +46,17 @@ class CpuBudget:
         return f"{self.num_threads} thread{'s' * (self.num_threads > 1)} ({why})"
 
 
-def affinity_cpu_count() -> int:
+def affinity_cpus() -> set[int]:
     """The CPUs in this process's affinity mask (the machine's outside Linux)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return os.sched_getaffinity(0)
     except AttributeError:
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
+
+
+def affinity_cpu_count() -> int:
+    """How many CPUs affinity_cpus() holds."""
+    return len(affinity_cpus())
 
 
 def cpu_quota(proc: Path = PROC, cgroup_root: Path = CGROUP_ROOT) -> tuple[float, str] | None:
@@ -118,17 +123,13 @@ def parse_cpu_list(text: str) -> list[int]:
 
 def format_cpu_list(cpus) -> str:
     """[0, 1, 2, 3, 8] -> ``"0-3,8"``."""
-    out, run = [], []
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive CPUs
     for c in sorted(set(cpus)):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def _core_key(cpu: int, sysfs: Path) -> tuple:
@@ -163,7 +164,7 @@ def plan_binding(num_threads: int, spec: str = "auto", affinity=None, sysfs: Pat
     """Where to run an engine of ``num_threads`` threads (module doc). ``spec``: "auto" (pin when the affinity
     mask has more CPUs than threads), "off", or a CPU list for the engine's threads (within the mask; the
     rest of the mask takes the other threads)."""
-    allowed = sorted(affinity if affinity is not None else _affinity())
+    allowed = sorted(affinity if affinity is not None else affinity_cpus())
     if spec == "off":
         return CpuBinding((), (), "cpu_binding='off'")
     if spec == "auto":
@@ -187,13 +188,6 @@ def plan_binding(num_threads: int, spec: str = "auto", affinity=None, sysfs: Pat
     others = [c for c in allowed if c not in engine]
     apart = [c for c in others if _core_key(c, sysfs) not in engine_cores]
     return CpuBinding(tuple(engine), tuple(apart or others), why)
-
-
-def _affinity() -> set[int]:
-    try:
-        return os.sched_getaffinity(0)
-    except AttributeError:
-        return set(range(os.cpu_count() or 1))
 
 
 def move_other_threads(binding: CpuBinding, proc: Path = PROC) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Hashable, Union
 
 from lmkit.config import EngineConfig
-from lmkit.cpus import CpuBinding, cpu_budget
+from lmkit.cpus import CpuBinding, cpu_budget, plan_binding
 from lmkit.messages import GenerationConfig, Response
 from lmkit.metrics import EngineMetrics, LatencyRecorder
 from lmkit.model_path import resolve_model
@@ -120,20 +120,21 @@ class Engine:
             n = self.config.resolved_num_threads
             threads = (f"{n} thread{'s' * (n > 1)} (num_threads)" if self.config.num_threads else
                        f"{n} thread{'s' * (n > 1)} (the CPUs of cpu_binding)"
-                       if self.config.cpu_binding not in ("auto", "off") else cpu_budget().describe())
+                       if self.config.binding_cpus is not None else cpu_budget().describe())
             dtype = self.config.resolved_dtype("cpu")
             why = (" (dtype='auto': this CPU has AVX512_BF16)" if dtype == "bfloat16" else
                    " (dtype='auto': this CPU has no AVX512_BF16)") if self.config.dtype == "auto" else ""
             log.info("CPU backend: %s, %s kernels, %s compute%s", threads, _engine.cpu_isa(), dtype, why)
-            self.cpu_binding: CpuBinding | None = self.config.cpu_binding_plan()
+            # raises ValueError naming them when an explicit list has CPUs outside the affinity mask
+            self.cpu_binding: CpuBinding | None = plan_binding(n, self.config.cpu_binding)
             """Where the engine's threads run (lmkit.cpus.CpuBinding; None on CUDA)."""
             log.info("CPU backend: %s", self.cpu_binding.describe())
         else:
-            self.cpu_binding = None
+            n, self.cpu_binding = None, None
         sizing = reserve_kv_pool(self.config, self.spec) if self.device == "cpu" else nullcontext()
         with sizing as sizer:
             self._cpp = _engine.Engine(
-                self.config.to_engine_config(self.device, kv_layer_bits, self.cpu_binding),
+                self.config.to_engine_config(self.device, kv_layer_bits, self.cpu_binding, n),
                 self.spec.to_engine_config(session_len=self.config.session_len or self.spec.max_position_embeddings),
                 sources,
                 self.spec.eos_token_ids, size_kv_pool=sizer,

@@ -219,6 +219,19 @@ struct AwqWeight {
   std::vector<double> dense;  // [N, K]
   Tensor qw, qz, sc;
 };
+// out[m, n] = bias[n] + sum_k x[m, k] w[n, k] in float64 (bias: nullptr for none), rounded to fp32 at the end.
+std::vector<float> linear_f64(const std::vector<float>& x, int64_t M, const std::vector<double>& w, int64_t N,
+                              int64_t K, const float* bias) {
+  std::vector<float> out(M * N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double acc = bias ? bias[n] : 0.0;
+      for (int64_t k = 0; k < K; ++k) acc += (double)x[m * K + k] * w[n * K + k];
+      out[m * N + n] = (float)acc;
+    }
+  return out;
+}
+
 AwqWeight make_awq(int64_t N, int64_t K, int64_t g) {
   AwqWeight a;
   std::uniform_int_distribution<uint32_t> bits;
@@ -411,17 +424,12 @@ void test_linear_int4_q8(const char* kernel) {
       ops::LinearWeight w = ops::pack_linear_awq(a.qw, a.qz, a.sc, (int32_t)s.g);
       w.int8_activations = true;
       Weight b = make_weight(DType::F32, s.N, 0);
-      std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN), ref(out.size());
+      std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN);
       for (int64_t k = 0; k < s.K; ++k) x[(s.M / 2) * s.K + k] = 0.0f;  // a zero row: d = 0
       ops::linear(x.data(), s.M, w, with_bias ? b.t : Tensor{}, out.data());
       const bool tiles = std::strcmp(kernel, "amx") == 0 && s.M >= ops::kLinearAmxInt8MinRows;
       const std::vector<float> xq = quantize_q8(x, s.M, s.K, tiles ? s.g : 32);
-      for (int64_t m = 0; m < s.M; ++m)
-        for (int64_t n = 0; n < s.N; ++n) {
-          double acc = with_bias ? b.f32[n] : 0.0;
-          for (int64_t k = 0; k < s.K; ++k) acc += (double)xq[m * s.K + k] * a.dense[n * s.K + k];
-          ref[m * s.N + n] = (float)acc;
-        }
+      const std::vector<float> ref = linear_f64(xq, s.M, a.dense, s.N, s.K, with_bias ? b.f32.data() : nullptr);
       expect_close(out, ref,
                    std::string("linear int4 x int8 (") + kernel + ") g" + std::to_string(s.g) + " M " +
                        std::to_string(s.M) + " N " + std::to_string(s.N) + " K " + std::to_string(s.K) +
@@ -441,14 +449,9 @@ void test_linear_int4() {
     const ops::LinearWeight w = ops::pack_linear_awq(a.qw, a.qz, a.sc, (int32_t)s.g);
     for (int with_bias = 0; with_bias < 2; ++with_bias) {
       Weight b = make_weight(DType::F32, s.N, 0);
-      std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN), ref(out.size());
+      std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN);
       ops::linear(x.data(), s.M, w, with_bias ? b.t : Tensor{}, out.data());
-      for (int64_t m = 0; m < s.M; ++m)
-        for (int64_t n = 0; n < s.N; ++n) {
-          double acc = with_bias ? b.f32[n] : 0.0;
-          for (int64_t k = 0; k < s.K; ++k) acc += (double)x[m * s.K + k] * a.dense[n * s.K + k];
-          ref[m * s.N + n] = (float)acc;
-        }
+      const std::vector<float> ref = linear_f64(x, s.M, a.dense, s.N, s.K, with_bias ? b.f32.data() : nullptr);
       expect_close(out, ref,
                    "linear int4 g" + std::to_string(s.g) + " M " + std::to_string(s.M) + " N " + std::to_string(s.N) +
                        " K " + std::to_string(s.K) + (with_bias ? " bias" : ""));
@@ -463,14 +466,9 @@ void test_linear_int4() {
     ops::LinearWeight w = ops::pack_linear_awq(a.qw, a.qz, a.sc, (int32_t)s.g);
     w.int8_activations = true;
     Weight b = make_weight(DType::F32, s.N, 0);
-    std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN), ref(out.size());
+    std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN);
     ops::linear(x.data(), s.M, w, b.t, out.data());
-    for (int64_t m = 0; m < s.M; ++m)
-      for (int64_t n = 0; n < s.N; ++n) {
-        double acc = b.f32[n];
-        for (int64_t k = 0; k < s.K; ++k) acc += (double)x[m * s.K + k] * a.dense[n * s.K + k];
-        ref[m * s.N + n] = (float)acc;
-      }
+    const std::vector<float> ref = linear_f64(x, s.M, a.dense, s.N, s.K, b.f32.data());
     const std::string name = "linear int4 x int8 g" + std::to_string(s.g) + " M " + std::to_string(s.M) + " N " +
                              std::to_string(s.N) + " K " + std::to_string(s.K);
     expect_close(out, ref, name, 1e-2);
