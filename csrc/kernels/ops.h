@@ -13,6 +13,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/int4_source.h"
 #include "core/tensor.h"
 
 namespace lmkit::ops {
@@ -40,7 +41,8 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //   Dense (pack_linear): k-major inside a panel, in the stored dtype (F32 / F16 / BF16):
 //       data[(p * K + k) * kLinearPanelCols + j] = weight[p * kLinearPanelCols + j, k]
 //     so that one k step of a panel is one contiguous row: no horizontal sums, one stream per thread.
-//   AwqInt4 (pack_linear_awq; dtype F16 = the scales' dtype): per panel, K / group_size group blocks of
+//   Int4 (pack_linear_int4 from any int4 checkpoint layout; dtype F16 = the scales): per panel, K / group_size
+//     group blocks of
 //       scales  [32] fp16      scale of (group, column j)
 //       zeros   [32] u8        zero point of (group, column j), 0..15
 //       quads   [g / 4][64] u8 byte i of 32-bit lane j of quad t: q[4t + i, j] | q[4t + i, j + 16] << 4
@@ -55,15 +57,15 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //       bf16(weight[n, 2r]) | bf16(weight[n, 2r + 1]) << 16       (n = p * 32 + j; 0 past N and K)
 //     the operand layout of AVX512_BF16's vdpbf16ps; x is rounded to bf16 per call, products summed in fp32.
 constexpr int kLinearPanelCols = 32;
-enum class WeightFormat : uint8_t { Dense, AwqInt4, Int8, Bf16Pairs };
+enum class WeightFormat : uint8_t { Dense, Int4, Int8, Bf16Pairs };
 struct LinearWeight;
 struct WeightFormatTraits {
   WeightFormat format;
-  const char* name;  // "dense", "awq_int4", "int8", "bf16_pairs"
+  const char* name;  // "dense", "int4", "int8", "bf16_pairs"
   // Bytes of the packed panels of w (from its n, k, dtype and group_size).
   int64_t (*packed_bytes)(const LinearWeight& w);
   // Packs a float weight [N, K] (F32/F16/BF16) into this format; nullptr where the format is made from
-  // other tensors (AwqInt4: a checkpoint's qweight / qzeros / scales, pack_linear_awq).
+  // other tensors (Int4: a checkpoint's int4 layout read through an Int4Source, pack_linear_int4).
   LinearWeight (*pack_float)(const Tensor& weight);
   // nullptr when this CPU runs the format's kernel, else what it lacks (an error message).
   const char* (*unavailable)();
@@ -74,9 +76,12 @@ const WeightFormatTraits& weight_format_traits(WeightFormat format);
 
 struct LinearWeight {
   WeightFormat format = WeightFormat::Dense;
-  DType dtype = DType::F32;  // Dense: the stored dtype; AwqInt4 and Int8: F16 (the scales); Bf16Pairs: BF16
-  int32_t group_size = 0;    // AwqInt4: 32 / 64 / 128 along K; 0 for the other formats
-  // AwqInt4 only: quantize x to int8 per 32 values and use integer dot products where the CPU has them
+  DType dtype = DType::F32;  // Dense: the stored dtype; Int4 and Int8: F16 (the scales); Bf16Pairs: BF16
+  int32_t group_size = 0;    // Int4: 32 / 64 / 128 along K; 0 for the other formats
+  // Int4 only: null, or the order in which the weight takes the layer's inputs (Int4Source::input_perm);
+  // ops::linear gathers x by it before the product.
+  std::shared_ptr<const std::vector<int32_t>> input_perm;
+  // Int4 only: quantize x to int8 per 32 values and use integer dot products where the CPU has them
   // (AVX2, AVX-512 VNNI; AMX-INT8 tiles in calls of kLinearAmxInt8MinRows rows or more): decode and prefill.
   // The result differs from the exact fp32 product by the rounding of x (relative error of the output
   // ~3e-3, tested); the integer sums are exact, so every ISA gives the same up to the order of fp32 sums.
@@ -88,11 +93,9 @@ struct LinearWeight {
   int64_t size_bytes() const { return traits().packed_bytes(*this); }
 };
 LinearWeight pack_linear(const Tensor& weight);  // weight: [N, K] F32/F16/BF16
-// An AWQ int4 weight in the AutoAWQ "GEMM" layout (DESIGN.md section 4), N = out, K = in:
-//   qweight I32 [K, N / 8], qzeros I32 [K / g, N / 8]: 8 nibbles per int32, output columns
-//   0, 2, 4, 6, 1, 3, 5, 7 at bits 0, 4, ..., 28;  scales F16 [K / g, N].
-// Throws InvalidArgument naming the tensor when shapes or dtypes do not fit.
-LinearWeight pack_linear_awq(const Tensor& qweight, const Tensor& qzeros, const Tensor& scales, int32_t group_size);
+// An int4 weight read from a checkpoint's layout (core/int4_source.h; the layouts: model/int4_layouts.h),
+// N = source.num_out, K = source.num_in. Throws InvalidArgument when the group size or shape does not fit.
+LinearWeight pack_linear_int4(const Int4Source& source);
 // A float weight [N, K] (K a multiple of 32) quantized to int8 per 32 values along K, for int8
 // activations; throws unless int8_dot_available().
 LinearWeight pack_linear_int8(const Tensor& weight);

@@ -84,12 +84,12 @@ class Backend {
   // fit its memory.
   virtual void prepare(const ModelConfig& /*config*/, const ModelWeights& /*weights*/) {}
   // One linear layer whose output columns are those of parts[0], parts[1], ... (q | k | v, gate | up: one call),
-  // with the concatenated biases when given (empty tensors: no bias). Parts may be dense or AWQ int4.
+  // with the concatenated biases when given (empty tensors: no bias). Parts may be dense or int4.
   virtual PackedLinear pack_linear(const std::vector<const LinearTensors*>& parts,
                                    const std::vector<const Tensor*>& biases = {}) = 0;
-  // The lm_head ([vocab, hidden] float); has_awq: the model's layers are AWQ (the CPU backend then runs the
-  // head as int8 when it runs AWQ with int8 activations).
-  virtual PackedLinear pack_lm_head(const Tensor& weight, bool has_awq) = 0;
+  // The lm_head ([vocab, hidden] float); has_int4: the model's layers are int4 (the CPU backend then runs the
+  // head as int8 when it runs int4 layers with int8 activations).
+  virtual PackedLinear pack_lm_head(const Tensor& weight, bool has_int4) = 0;
   // offset + w, as the backend's norms read it (Gemma's (1 + w) norms: offset 1).
   virtual DeviceVector upload_norm(const Tensor& w, float offset) = 0;
   virtual RopeTable upload_rope(const std::vector<float>& inv_freq, float attention_scaling) = 0;
@@ -166,7 +166,7 @@ void take_prompt_logprobs(const Batch& batch, int64_t first, int64_t n, const fl
 struct BackendOptions {
   int32_t max_step_tokens = 8192;    // rows of one forward at most (prefill budget + decodes)
   int32_t num_threads = 0;           // CPU: 0 = all cores
-  bool awq_int8_activations = true;  // CPU: AWQ layers with int8 activations (decode and prefill)
+  bool awq_int8_activations = true;  // CPU: int4 layers (any layout) with int8 activations (decode and prefill)
   bool bf16_linear = false;          // CPU: dense linear layers (and full-precision KV) as bf16
   int32_t max_blocks_per_seq = 0;    // CUDA: ceil(session_len / block size), the graphs' fixed tables
   bool cuda_graphs = true;           // CUDA: decode steps as CUDA graphs

@@ -46,9 +46,8 @@ class CpuBackend final : public Backend {
     PackedLinear out;
     for (const LinearTensors* t : parts) {
       ops::LinearWeight w;
-      if (t->is_awq()) {
-        const int32_t group = (int32_t)(t->qweight.shape[0] / t->scales.shape[0]);
-        w = ops::pack_linear_awq(t->qweight, t->qzeros, t->scales, group);
+      if (t->is_int4()) {
+        w = ops::pack_linear_int4(t->int4_source);
         w.int8_activations = options_.awq_int8_activations;
       } else {
         w = pack_dense(t->weight);
@@ -77,12 +76,12 @@ class CpuBackend final : public Backend {
     return out;
   }
 
-  PackedLinear pack_lm_head(const Tensor& weight, bool has_awq) override {
-    // With int8 activations, the lm_head (kept dense by AWQ; a third of SmolLM2's bytes) runs as int8 per 32
+  PackedLinear pack_lm_head(const Tensor& weight, bool has_int4) override {
+    // With int8 activations, the lm_head (kept dense by int4 checkpoints; a third of SmolLM2's bytes) runs as int8 per 32
     // values too, as llama.cpp's Q8_0 output does: half the bytes of fp16 at negligible error.
     auto impl = std::make_shared<CpuLinear>();
     const bool int8 =
-        has_awq && options_.awq_int8_activations && ops::int8_dot_available() && weight.shape[1] % 32 == 0;
+        has_int4 && options_.awq_int8_activations && ops::int8_dot_available() && weight.shape[1] % 32 == 0;
     impl->parts.push_back(int8 ? ops::weight_format_traits(ops::WeightFormat::Int8).pack_float(weight)
                                : pack_dense(weight));
     PackedLinear out;

@@ -1,5 +1,5 @@
 // The CUDA backend: fp16/bf16 activations on the device through kernels/cuda/ops_cuda.h, weights uploaded once
-// (q | k | v and gate | up joined into one weight, AWQ repacked into the int4 layout), the KV pool in one device
+// (q | k | v and gate | up joined into one weight, int4 checkpoints repacked into the int4 layout), the KV pool in one device
 // allocation, the step's integers in one buffer, decode steps replayed as CUDA graphs, sampling on the GPU (rows
 // with logprobs or returned logits: the CPU sampler on a host copy, so logprobs mean the same on both backends).
 //
@@ -37,11 +37,10 @@ uint16_t float_to_act(float v, DType act) { return act == DType::F16 ? f32_to_f1
 
 // Bytes a linear takes on the device (the int4 layout of ops_cuda.h, or dense in the activation dtype).
 int64_t device_bytes(const LinearTensors& t) {
-  if (!t.is_awq()) return t.weight.numel() * 2;
-  const int64_t K = t.qweight.shape[0], N = t.qweight.shape[1] * 8, G = t.scales.shape[0];
+  if (!t.is_int4()) return t.weight.numel() * 2;
+  const int64_t K = t.num_in(), N = t.num_out(), G = K / t.int4_source.group_size;
   return N * K / 2 + N * G * 3;
 }
-int32_t awq_group_size(const LinearTensors& t) { return (int32_t)(t.qweight.shape[0] / t.scales.shape[0]); }
 
 // The int32 inputs of a step of `rows` rows and `seqs` sequences, one after another in one buffer (one
 // host -> device copy):
@@ -168,7 +167,7 @@ class CudaBackend final : public Backend {
     return packed(impl);
   }
 
-  PackedLinear pack_lm_head(const Tensor& weight, bool /*has_awq: the lm_head stays in the activation dtype*/) override {
+  PackedLinear pack_lm_head(const Tensor& weight, bool /*has_int4: the lm_head stays in the activation dtype*/) override {
     auto impl = std::make_shared<CudaLinear>();
     impl->w = cuda::upload_dense(weight, act_, stream_);
     lm_head_host_ = weight.data;
@@ -449,25 +448,24 @@ class CudaBackend final : public Backend {
 };
 
 // Rows of several weights [n_i, k] as one weight [sum n_i, k] (q | k | v, gate | up), uploaded once.
-// All AWQ: repacked and joined in the int4 layout; otherwise every part dense in the activation dtype
-// (an AWQ part dequantized on the host: checkpoints that keep some of a fused group unquantized).
+// All int4: repacked and joined in the int4 layout; otherwise every part dense in the activation dtype
+// (an int4 part dequantized on the host: checkpoints that keep some of a fused group unquantized).
 cuda::Linear CudaBackend::upload_joined(const std::vector<const LinearTensors*>& parts) {
   LMKIT_CHECK(!parts.empty(), "a linear needs at least one part");
-  const bool all_awq = std::all_of(parts.begin(), parts.end(), [](const LinearTensors* p) { return p->is_awq(); });
-  const bool any_awq = std::any_of(parts.begin(), parts.end(), [](const LinearTensors* p) { return p->is_awq(); });
-  if (parts.size() == 1 && !any_awq) return cuda::upload_dense(parts[0]->weight, act_, stream_);
+  const bool all_int4 = std::all_of(parts.begin(), parts.end(), [](const LinearTensors* p) { return p->is_int4(); });
+  const bool any_int4 = std::any_of(parts.begin(), parts.end(), [](const LinearTensors* p) { return p->is_int4(); });
+  if (parts.size() == 1 && !any_int4) return cuda::upload_dense(parts[0]->weight, act_, stream_);
   std::vector<cuda::HostInt4> packed;
-  if (any_awq)
+  if (any_int4)
     for (const LinearTensors* p : parts)
-      packed.push_back(p->is_awq() ? cuda::repack_awq(p->qweight, p->qzeros, p->scales, awq_group_size(*p))
-                                   : cuda::HostInt4{});
-  if (all_awq) {
+      packed.push_back(p->is_int4() ? cuda::repack_int4(p->int4_source) : cuda::HostInt4{});
+  if (all_int4) {
     if (parts.size() == 1) return cuda::upload_int4(packed[0], act_, stream_);
     cuda::HostInt4 joined;
     joined.k = packed[0].k, joined.group_size = packed[0].group_size;
     for (const cuda::HostInt4& h : packed) {
       LMKIT_CHECK(h.k == joined.k && h.group_size == joined.group_size,
-                  "fused AWQ parts differ in input size or group size");
+                  "fused int4 parts differ in input size or group size");
       joined.n += h.n;
     }
     const int64_t K = joined.k, G = K / joined.group_size;
@@ -485,8 +483,7 @@ cuda::Linear CudaBackend::upload_joined(const std::vector<const LinearTensors*>&
   }
   int64_t N = 0, K = -1;
   for (const LinearTensors* p : parts) {
-    const int64_t n = p->is_awq() ? p->qweight.shape[1] * 8 : p->weight.shape[0];
-    const int64_t k = p->is_awq() ? p->qweight.shape[0] : p->weight.shape[1];
+    const int64_t n = p->num_out(), k = p->num_in();
     LMKIT_CHECK(K < 0 || k == K, "fused linear parts differ in input size");
     K = k, N += n;
   }
@@ -494,7 +491,7 @@ cuda::Linear CudaBackend::upload_joined(const std::vector<const LinearTensors*>&
   int64_t row = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
     const LinearTensors& p = *parts[i];
-    if (!p.is_awq()) {
+    if (!p.is_int4()) {
       const int64_t count = p.weight.numel();
       uint16_t* dst = host.data() + row * K;
       if (p.weight.dtype == act_)

@@ -37,7 +37,10 @@ struct ModelConfig {
   std::vector<int32_t> layer_sliding_window;  // per layer: 0 full attention, w: keys with p - k < w
   bool tie_word_embeddings = false;
   int32_t max_position_embeddings = 0;
-  int32_t awq_group_size = 0;  // > 0: an AWQ int4 checkpoint with this group size (dense layers allowed)
+  // An int4 checkpoint (dense layers allowed): its layout's name (model/int4_layouts.h: "awq", "gptq", "gptq_v2",
+  // "pack_quantized"; "" for none) and its group size along the inputs (0: one group per row).
+  std::string int4_layout;
+  int32_t int4_group_size = 0;
   // Mixture of experts (num_experts 0: none). layer_moe[i] 1: layer i's MLP is num_experts gated MLPs of
   // moe_intermediate_size behind a router: softmax over the experts, each row's num_experts_per_tok best,
   // renormalized to sum 1 when norm_topk_prob; 0: the dense MLP of intermediate_size. Empty: all dense.

@@ -66,7 +66,7 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
                       dtype_name(src.dtype), "; only F32, F16 and BF16 weights are supported");
     else
       LMKIT_CHECK_ARG(src.dtype == want, config.architecture, ": tensor '", role, "' has dtype ",
-                      dtype_name(src.dtype), ", AWQ needs ", dtype_name(want));
+                      dtype_name(src.dtype), ", it must be ", dtype_name(want));
     LMKIT_CHECK_ARG(src.shape == shape, config.architecture, ": tensor '", role, "' has shape ", shape_str(src.shape),
                     ", the config implies ", shape_str(shape));
     auto& file = files[src.path];
@@ -82,26 +82,35 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     return t;
   };
 
+  // an int4 tensor: any shape and dtype here, int4_source checks them against the layer
+  auto get_stored = [&](const std::string& role) -> Tensor {
+    auto it = sources.find(role);
+    if (it == sources.end()) return Tensor{};
+    const TensorSource& src = it->second;
+    LMKIT_CHECK_ARG(!src.shape.empty() && (int)src.shape.size() <= Tensor::kMaxDims, config.architecture,
+                    ": tensor '", role, "' has shape ", shape_str(src.shape));
+    return get(role, src.shape, true, src.dtype);
+  };
+  const Int4Layout layout = parse_int4_layout(config.int4_layout);
+  auto is_int4 = [&](const std::string& role) {
+    return layout != Int4Layout::None && sources.count(role + ".values") > 0;
+  };
   auto get_linear = [&](const std::string& role, int64_t N, int64_t K) -> LinearTensors {
     LinearTensors t;
-    if (sources.find(role + ".qweight") == sources.end()) {
+    if (!is_int4(role)) {
       t.weight = get(role, {N, K});
       return t;
     }
-    const int64_t g = config.awq_group_size;
-    LMKIT_CHECK_ARG(g > 0, config.architecture, ": '", role,
-                    ".qweight' is an AWQ tensor but config.json has no AWQ quantization_config");
-    LMKIT_CHECK_ARG(N % 8 == 0 && K % g == 0, config.architecture, ": AWQ layer '", role, "' is [", N, ", ", K,
-                    "]; it needs out_features divisible by 8 and in_features divisible by group_size ", g);
-    t.qweight = get(role + ".qweight", {K, N / 8}, true, DType::I32);
-    t.qzeros = get(role + ".qzeros", {K / g, N / 8}, true, DType::I32);
-    t.scales = get(role + ".scales", {K / g, N}, true, DType::F16);
+    t.int4.layout = layout;
+    t.int4.values = get_stored(role + ".values");
+    t.int4.zeros = get_stored(role + ".zeros");
+    t.int4.scales = get_stored(role + ".scales");
+    t.int4.g_idx = get_stored(role + ".g_idx");
+    t.int4_source = int4_source(t.int4, N, K, config.int4_group_size, config.architecture + ": " + role);
     return t;
   };
 
-  auto has = [&](const std::string& role) {
-    return sources.count(role) > 0 || sources.count(role + ".qweight") > 0;
-  };
+  auto has = [&](const std::string& role) { return sources.count(role) > 0 || is_int4(role); };
   const int64_t H = config.hidden_size, I = config.intermediate_size, V = config.vocab_size;
   const int64_t Q = config.q_size(), KV = config.kv_size(), D = config.head_dim;
   const bool is_gemma = config.family == "gemma";
@@ -165,7 +174,7 @@ void ModelWeights::release_linear_pages() const {
     if (end > begin) ::madvise((void*)begin, end - begin, MADV_DONTNEED);
   };
   auto release_linear = [&](const LinearTensors& l) {
-    for (const Tensor* t : {&l.weight, &l.qweight, &l.qzeros, &l.scales}) release(*t);
+    for (const Tensor* t : {&l.weight, &l.int4.values, &l.int4.zeros, &l.int4.scales}) release(*t);
   };
   for (const LayerWeights& l : layers)
     for (const LinearTensors* t : l.linears()) release_linear(*t);

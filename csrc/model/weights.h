@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/int4_layouts.h"
 #include "model/model_config.h"
 
 namespace lmkit {
@@ -37,12 +38,16 @@ class MappedFile {
   int64_t size_ = 0;
 };
 
-// One linear layer as stored: a dense weight, or the AWQ int4 tensors of DESIGN.md section 4.
+// One linear layer as stored: a dense weight, or int4 tensors in one of the layouts of model/int4_layouts.h
+// (then `int4_source` reads them, num_out x num_in).
 struct LinearTensors {
-  Tensor weight;                   // [out, in] F32/F16/BF16; empty for AWQ
-  Tensor qweight, qzeros, scales;  // AWQ GEMM: I32 [in, out / 8], I32 [in / g, out / 8], F16 [in / g, out]
-  bool is_awq() const { return !qweight.is_empty(); }
-  bool is_empty() const { return weight.is_empty() && qweight.is_empty(); }
+  Tensor weight;      // [out, in] F32/F16/BF16; empty for int4
+  Int4Tensors int4;   // layout None for a dense weight
+  Int4Source int4_source;
+  bool is_int4() const { return int4.layout != Int4Layout::None; }
+  bool is_empty() const { return weight.is_empty() && !is_int4(); }
+  int64_t num_out() const { return is_int4() ? int4_source.num_out : weight.shape[0]; }
+  int64_t num_in() const { return is_int4() ? int4_source.num_in : weight.shape[1]; }
 };
 
 // One decoder layer's tensors. Which are present depends on the model (ModelConfig): the Gemma family's norms
@@ -90,8 +95,9 @@ struct ModelWeights {
   // (has_qk_norm), q_proj, k_proj, v_proj or qkv_proj, q_bias, k_bias, v_bias (has_qkv_bias), o_proj,
   // gate_proj, up_proj or gate_up_proj, down_proj; in a mixture-of-experts layer instead router and
   // "experts.{e}." + gate_proj, up_proj, down_proj for every expert e.
-  // An AWQ linear comes as "<role>.qweight", "<role>.qzeros", "<role>.scales" instead of "<role>"
-  // (config.awq_group_size > 0); linears left dense (modules_to_not_convert) keep the plain role.
+  // An int4 linear (config.int4_layout set) comes as "<role>.values", "<role>.zeros", "<role>.scales" and
+  // "<role>.g_idx" (the layout's tensors, model/int4_layouts.h; zeros and g_idx where it has them) instead of
+  // "<role>"; linears left dense (modules_to_not_convert, ignore lists) keep the plain role.
   static ModelWeights load(const ModelConfig& config, const std::map<std::string, TensorSource>& sources);
 
   // Once a backend has packed the linear layers (and the lm_head) into buffers of its own, their file pages

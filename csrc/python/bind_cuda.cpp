@@ -10,6 +10,7 @@
 
 #include "core/check.h"
 #include "kernels/cuda/ops_cuda.h"
+#include "model/int4_layouts.h"
 #ifdef LMKIT_WITH_CUDA
 #include "kernels/cuda/cublas.h"
 #endif
@@ -30,7 +31,10 @@ cuda::HostInt4 repack_from_numpy(const I32Array& qweight, const I32Array& qzeros
   const Tensor qw = make_view(const_cast<int32_t*>(qweight.data()), DType::I32, qweight.shape(0), qweight.shape(1));
   const Tensor qz = make_view(const_cast<int32_t*>(qzeros.data()), DType::I32, qzeros.shape(0), qzeros.shape(1));
   const Tensor sc = make_view(const_cast<void*>(scales.data()), DType::F16, scales.shape(0), scales.shape(1));
-  return cuda::repack_awq(qw, qz, sc, group_size);
+  Int4Tensors awq;
+  awq.layout = Int4Layout::AwqGemm;
+  awq.values = qw, awq.zeros = qz, awq.scales = sc;
+  return cuda::repack_int4(int4_source(awq, qw.shape[1] * 8, qw.shape[0], group_size, "AWQ"));
 }
 
 #ifdef LMKIT_WITH_CUDA

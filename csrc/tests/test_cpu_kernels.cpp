@@ -17,6 +17,7 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/ops.h"
+#include "model/int4_layouts.h"
 
 using namespace lmkit;
 
@@ -258,15 +259,24 @@ AwqWeight make_awq(int64_t N, int64_t K, int64_t g) {
   return a;
 }
 
+// An AWQ weight packed as the engine packs one: through the AutoAWQ GEMM layout's Int4Source.
+ops::LinearWeight pack_awq_tensors(const Tensor& qw, const Tensor& qz, const Tensor& sc, int64_t g) {
+  Int4Tensors t;
+  t.layout = Int4Layout::AwqGemm;
+  t.values = qw, t.zeros = qz, t.scales = sc;
+  return ops::pack_linear_int4(int4_source(t, qw.shape[1] * 8, qw.shape[0], g, "test"));
+}
+ops::LinearWeight pack_awq(const AwqWeight& a, int64_t g) { return pack_awq_tensors(a.qw, a.qz, a.sc, g); }
+
 // The weight-format traits table: one entry per format, found by its format; every packer makes a weight
 // of its format whose size_bytes is the bytes it wrote (an overrun would be caught by the allocator's
 // neighbours; here: the fused copy of two parts equals both parts back to back); what a CPU lacks is named.
 void test_weight_format_traits() {
   using F = ops::WeightFormat;
-  for (F f : {F::Dense, F::AwqInt4, F::Int8, F::Bf16Pairs})
+  for (F f : {F::Dense, F::Int4, F::Int8, F::Bf16Pairs})
     expect(ops::weight_format_traits(f).format == f && ops::weight_format_traits(f).run != nullptr,
            std::string("traits table entry of ") + ops::weight_format_traits(f).name);
-  expect(ops::weight_format_traits(F::AwqInt4).pack_float == nullptr, "AWQ int4 is not packed from a float weight");
+  expect(ops::weight_format_traits(F::Int4).pack_float == nullptr, "int4 is not packed from a float weight");
   expect((ops::weight_format_traits(F::Int8).unavailable() == nullptr) == ops::int8_dot_available(),
          "int8 weights are available exactly where the int8 dot-product kernels are");
   expect((ops::weight_format_traits(F::Bf16Pairs).unavailable() == nullptr) == ops::bf16_dot_available(),
@@ -288,9 +298,9 @@ void test_weight_format_traits() {
            std::string(t.name) + ": concat_linear copies whole parts of size_bytes each");
   }
   const AwqWeight q = make_awq(64, 128, 64);
-  const ops::LinearWeight awq = ops::pack_linear_awq(q.qw, q.qz, q.sc, 64);
-  expect(awq.format == F::AwqInt4 && awq.size_bytes() == 2 * 2 * (32 * 3 + 64 / 4 * 64),
-         "awq_int4: 2 panels x 2 groups of 32 scales, 32 zeros and the nibbles");
+  const ops::LinearWeight awq = pack_awq(q, 64);
+  expect(awq.format == F::Int4 && awq.size_bytes() == 2 * 2 * (32 * 3 + 64 / 4 * 64),
+         "int4: 2 panels x 2 groups of 32 scales, 32 zeros and the nibbles");
   const ops::LinearWeight dense = ops::pack_linear(w.t);
   expect(ops::concat_linear({&awq, &dense}).is_empty(), "concat_linear refuses parts of different formats");
 }
@@ -301,7 +311,7 @@ void test_gather_weights() {
   std::vector<ops::LinearWeight> ws;
   ws.push_back(ops::pack_linear(make_weight(DType::F16, 100, 96, 0.05f).t));
   const AwqWeight q = make_awq(64, 128, 64);
-  ws.push_back(ops::pack_linear_awq(q.qw, q.qz, q.sc, 64));
+  ws.push_back(pack_awq(q, 64));
   ws.push_back(ops::LinearWeight{});  // an empty one is skipped
   ws.push_back(ops::pack_linear(make_weight(DType::F32, 33, 40, 0.05f).t));
   auto outputs = [&] {
@@ -337,7 +347,7 @@ void test_linear_group() {
   ws.push_back(ops::pack_linear(make_weight(DType::F32, 200, 64, 0.05f).t));
   for (bool q8 : {false, true}) {
     const AwqWeight a = make_awq(256, 128, 64);
-    ws.push_back(ops::pack_linear_awq(a.qw, a.qz, a.sc, 64));
+    ws.push_back(pack_awq(a, 64));
     ws.back().int8_activations = q8;
   }
   for (ops::WeightFormat f : {ops::WeightFormat::Int8, ops::WeightFormat::Bf16Pairs})
@@ -421,7 +431,7 @@ void test_linear_int4_q8(const char* kernel) {
   for (const Shape& s : shapes)
     for (bool with_bias : {false, true}) {
       AwqWeight a = make_awq(s.N, s.K, s.g);
-      ops::LinearWeight w = ops::pack_linear_awq(a.qw, a.qz, a.sc, (int32_t)s.g);
+      ops::LinearWeight w = pack_awq(a, (int32_t)s.g);
       w.int8_activations = true;
       Weight b = make_weight(DType::F32, s.N, 0);
       std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN);
@@ -446,7 +456,7 @@ void test_linear_int4() {
                           {40, 200, 384, 128}, {100, 136, 576, 64}, {7, 8, 64, 64}};
   for (const Shape& s : shapes) {
     AwqWeight a = make_awq(s.N, s.K, s.g);
-    const ops::LinearWeight w = ops::pack_linear_awq(a.qw, a.qz, a.sc, (int32_t)s.g);
+    const ops::LinearWeight w = pack_awq(a, (int32_t)s.g);
     for (int with_bias = 0; with_bias < 2; ++with_bias) {
       Weight b = make_weight(DType::F32, s.N, 0);
       std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN);
@@ -463,7 +473,7 @@ void test_linear_int4() {
   const bool q8_runs = ops::int8_dot_available();
   for (const Shape& s : shapes) {
     AwqWeight a = make_awq(s.N, s.K, s.g);
-    ops::LinearWeight w = ops::pack_linear_awq(a.qw, a.qz, a.sc, (int32_t)s.g);
+    ops::LinearWeight w = pack_awq(a, (int32_t)s.g);
     w.int8_activations = true;
     Weight b = make_weight(DType::F32, s.N, 0);
     std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN);
@@ -511,9 +521,9 @@ void test_linear_int4() {
   }
   // shape errors name the tensor
   AwqWeight a = make_awq(64, 128, 64);
-  expect(throws([&] { ops::pack_linear_awq(a.qw, a.qz, a.sc, 48); }), "pack_linear_awq rejects group size 48");
-  expect(throws([&] { ops::pack_linear_awq(a.qw, a.qz, a.sc, 32); }), "pack_linear_awq rejects qzeros of another g");
-  expect(throws([&] { ops::pack_linear_awq(a.qw, a.sc, a.sc, 64); }), "pack_linear_awq rejects F16 qzeros");
+  expect(throws([&] { pack_awq(a, 48); }), "the AWQ layout rejects group size 48");
+  expect(throws([&] { pack_awq(a, 32); }), "the AWQ layout rejects qzeros of another g");
+  expect(throws([&] { pack_awq_tensors(a.qw, a.sc, a.sc, 64); }), "the AWQ layout rejects F16 qzeros");
 }
 
 void test_linear_bf16_kernel(const char* kernel);
@@ -988,7 +998,7 @@ void test_concat_linear() {
     std::vector<ops::LinearWeight> parts;
     for (int64_t n : {96, 32, 8}) {
       AwqWeight a = make_awq(n, 128, 64);
-      parts.push_back(ops::pack_linear_awq(a.qw, a.qz, a.sc, 64));
+      parts.push_back(pack_awq(a, 64));
       parts.back().int8_activations = q8;
     }
     check(parts, 128, q8 ? "concat_linear int4 x int8" : "concat_linear int4");

@@ -128,9 +128,11 @@ struct Weight {
       for (int c = 0; c < k; ++c)
         w[(size_t)r * k + c] =
             (double)(nibble(qweight, c, r) - nibble(qzeros, c / g, r)) * f16_to_f32(scales[(size_t)c / g * n + r]);
-    t.qweight = make_view(qweight.data(), DType::I32, k, n / 8);
-    t.qzeros = make_view(qzeros.data(), DType::I32, k / g, n / 8);
-    t.scales = make_view(scales.data(), DType::F16, k / g, n);
+    t.int4.layout = Int4Layout::AwqGemm;
+    t.int4.values = make_view(qweight.data(), DType::I32, k, n / 8);
+    t.int4.zeros = make_view(qzeros.data(), DType::I32, k / g, n / 8);
+    t.int4.scales = make_view(scales.data(), DType::F16, k / g, n);
+    t.int4_source = int4_source(t.int4, n, k, g, "expert");
   }
   double dot(int row, const double* x, int k) const {
     double s = 0;

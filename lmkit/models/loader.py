@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmkit.models.architecture import Architecture, ModelFields
+from lmkit.models.quant_config import Int4Settings, int4_settings
 from lmkit.models.registry import get_architecture
 from lmkit.models.safetensors_index import TensorEntry, index_folder
 
@@ -30,7 +31,7 @@ class ModelSpec(ModelFields):
     architecture: Architecture
     config: dict  # config.json as read
     eos_token_ids: list[int]
-    awq_group_size: int = 0  # > 0: an AWQ int4 checkpoint
+    int4: Int4Settings | None = None  # how the int4 linears are stored; None: a float checkpoint
     generation_defaults: dict = field(default_factory=dict)
     """GenerationConfig fields the model's generation_config.json sets (see read_generation_defaults)."""
     sources: dict[str, TensorEntry] = field(repr=False, default_factory=dict)
@@ -66,7 +67,8 @@ class ModelSpec(ModelFields):
             layer_rope=list(self.layer_rope),
             layer_sliding_window=list(self.layer_sliding_window),
             layer_moe=list(self.layer_moe),
-            awq_group_size=self.awq_group_size,
+            int4_layout=self.int4.layout if self.int4 else "",
+            int4_group_size=self.int4.group_size if self.int4 else 0,
         )
         return values
 
@@ -126,39 +128,6 @@ def read_generation_defaults(path: Path, cfg: dict | None = None, gen: dict | No
     return defaults
 
 
-AWQ_GROUP_SIZES = (32, 64, 128)
-
-
-def awq_settings(cfg: dict, cfg_path: Path) -> dict | None:
-    """The checked ``quantization_config`` of an AWQ "GEMM" checkpoint (None for a float one).
-
-    Raises ValueError naming the field this engine cannot serve (method, version, bits, zero_point,
-    group_size, desc_act).
-    """
-    qc = cfg.get("quantization_config")
-    if not qc:
-        return None
-    where = f"{cfg_path}: quantization_config"
-    method = str(qc.get("quant_method", "")).lower()
-    if method != "awq":
-        raise ValueError(f"{where}.quant_method={qc.get('quant_method')!r} is not supported; "
-                         "this engine serves AWQ int4 checkpoints (quant_method 'awq')")
-    version = str(qc.get("version", "gemm")).lower()
-    if version != "gemm":
-        raise ValueError(f"{where}.version={qc.get('version')!r} is not supported; only AutoAWQ 'gemm' packing is")
-    bits = qc.get("bits", qc.get("w_bit"))
-    if bits is None or int(bits) != 4:
-        raise ValueError(f"{where}.bits={bits!r} is not supported; AWQ checkpoints must be 4-bit")
-    if not qc.get("zero_point", True):
-        raise ValueError(f"{where}.zero_point=false is not supported; lmkit serves asymmetric AWQ (zero_point true)")
-    if qc.get("desc_act"):
-        raise ValueError(f"{where}.desc_act=true (act-order) is not supported by AWQ GEMM kernels")
-    group = qc.get("group_size", qc.get("q_group_size"))
-    if group is None or int(group) not in AWQ_GROUP_SIZES:
-        raise ValueError(f"{where}.group_size={group!r} is not supported; use one of {AWQ_GROUP_SIZES}")
-    return {"group_size": int(group), "modules_to_not_convert": list(qc.get("modules_to_not_convert") or [])}
-
-
 def load_model_spec(path: Path) -> ModelSpec:
     """Reads config.json, generation_config.json and the safetensors headers of an HF folder.
 
@@ -173,7 +142,7 @@ def load_model_spec(path: Path) -> ModelSpec:
     if not archs:
         raise ValueError(f"{cfg_path}: no 'architectures' entry; cannot tell which model this is")
     arch = get_architecture(archs[0])
-    awq = awq_settings(cfg, cfg_path)
+    int4 = int4_settings(cfg, cfg_path)
     try:
         fields = arch.model_fields(cfg)
     except ValueError as e:
@@ -186,7 +155,7 @@ def load_model_spec(path: Path) -> ModelSpec:
         eos += [t for t in _as_id_list(gen.get("eos_token_id")) if t not in eos]
     generation_defaults = read_generation_defaults(path, cfg, gen)
 
-    sources = map_tensors(arch, index_folder(path), fields.num_layers, bool(awq), path, fields.num_experts)
+    sources = map_tensors(arch, index_folder(path), fields.num_layers, int4, path, fields.num_experts)
     if fields.tie_word_embeddings:
         sources.pop("lm_head", None)  # HF uses the embedding even when a copy was saved
     return ModelSpec(
@@ -195,17 +164,18 @@ def load_model_spec(path: Path) -> ModelSpec:
         architecture=arch,
         config=cfg,
         eos_token_ids=eos,
-        awq_group_size=awq["group_size"] if awq else 0,
+        int4=int4,
         generation_defaults=generation_defaults,
         sources=sources,
     )
 
 
-def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers: int, is_awq: bool,
+def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers: int, int4: Int4Settings | None,
                 path: Path, num_experts: int = 0) -> dict[str, TensorEntry]:
-    """Engine role -> checkpoint tensor by the architecture's key map; an AWQ linear (``<name>.qweight``,
-    ``qzeros``, ``scales`` in place of ``<name>.weight``) maps to ``<role>.qweight`` etc. Raises ValueError naming
-    the tensors no role takes (rotary buffers aside): a weight lmkit would silently drop."""
+    """Engine role -> checkpoint tensor by the architecture's key map; an int4 linear (``<module>.qweight`` etc.,
+    the layout's tensor names in ``int4``, in place of ``<module>.weight``) maps to ``<role>.values``,
+    ``.zeros``, ``.scales`` and ``.g_idx``. Raises ValueError naming the tensors no role takes (rotary buffers
+    aside): a weight lmkit would silently drop."""
     sources: dict[str, TensorEntry] = {}
     used: set[str] = set()
 
@@ -215,18 +185,21 @@ def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers:
             for i in range(num_layers) if "{i}" in r else [None]:
                 yield (r, k) if i is None else (r.format(i=i), k.format(i=i))
 
+    values_name = int4.tensor_names[0] if int4 else None
     for role, key in arch.key_map.items():
         for r, k in expanded(role, key):
             if k in tensors:
                 sources[r] = tensors[k]
                 used.add(k)
-            elif is_awq and k.endswith(".weight") and k[: -len("weight")] + "qweight" in tensors:
+            elif int4 and k.endswith(".weight") and k[: -len("weight")] + values_name in tensors:
                 base = k[: -len("weight")]
-                for part in ("qweight", "qzeros", "scales"):
-                    if base + part not in tensors:
-                        raise ValueError(f"{path}: AWQ layer {base[:-1]} has qweight but no {part}")
-                    sources[f"{r}.{part}"] = tensors[base + part]
-                    used.add(base + part)
+                for part, name in zip(("values", "zeros", "scales", "g_idx"), int4.tensor_names):
+                    if name is not None and base + name in tensors:
+                        sources[f"{r}.{part}"] = tensors[base + name]
+                        used.add(base + name)
+                if f"{r}.scales" not in sources:
+                    raise ValueError(f"{path}: int4 layer {base[:-1]} has {values_name} but no {int4.tensor_names[2]}")
+                used.update(base + extra for extra in int4.extra_suffixes if base + extra in tensors)
     unknown = sorted(name for name in tensors if name not in used and not name.endswith(_IGNORED_TENSOR_SUFFIXES))
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""

@@ -80,6 +80,14 @@ LinearWeight pack_linear(const Tensor& weight) {
 }
 
 namespace {
+// dst[r, j] = x[r, perm[j]]: the inputs in the order of a weight's input_perm (int4 act-order checkpoints)
+void gather_inputs(const float* x, int64_t M, const std::vector<int32_t>& perm, std::vector<float>& dst) {
+  const int64_t K = (int64_t)perm.size();
+  dst.resize(M * K);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t j = 0; j < K; ++j) dst[r * K + j] = x[r * K + perm[j]];
+}
+
 std::string shape_of(const Tensor& t) {
   std::string out = "[";
   for (int i = 0; i < t.ndim; ++i) out += (i ? ", " : "") + std::to_string(t.shape[i]);
@@ -88,54 +96,47 @@ std::string shape_of(const Tensor& t) {
 
 }  // namespace
 
-LinearWeight pack_linear_awq(const Tensor& qweight, const Tensor& qzeros, const Tensor& scales, int32_t group_size) {
-  LMKIT_CHECK_ARG(group_size == 32 || group_size == 64 || group_size == 128, "AWQ: group_size must be 32, 64 or 128, got ",
-                  group_size);
-  LMKIT_CHECK_ARG(qweight.data && qweight.dtype == DType::I32 && qweight.ndim == 2,
-                  "AWQ: qweight must be a 2-d I32 tensor [in, out / 8], got ", dtype_name(qweight.dtype), " ",
-                  shape_of(qweight));
-  const int64_t K = qweight.shape[0], N = qweight.shape[1] * 8, g = group_size;
-  LMKIT_CHECK_ARG(K > 0 && N > 0 && K % g == 0, "AWQ: in_features ", K, " is not a multiple of group_size ", g);
-  LMKIT_CHECK_ARG(qzeros.data && qzeros.dtype == DType::I32 && qzeros.ndim == 2 && qzeros.shape[0] == K / g &&
-                      qzeros.shape[1] == N / 8,
-                  "AWQ: qzeros must be I32 [", K / g, ", ", N / 8, "] for qweight ", shape_of(qweight), " and group_size ",
-                  g, ", got ", dtype_name(qzeros.dtype), " ", shape_of(qzeros));
-  LMKIT_CHECK_ARG(scales.data && scales.dtype == DType::F16 && scales.ndim == 2 && scales.shape[0] == K / g &&
-                      scales.shape[1] == N,
-                  "AWQ: scales must be F16 [", K / g, ", ", N, "] for qweight ", shape_of(qweight), " and group_size ",
-                  g, ", got ", dtype_name(scales.dtype), " ", shape_of(scales));
+LinearWeight pack_linear_int4(const Int4Source& source) {
+  const int64_t N = source.num_out, K = source.num_in, g = source.group_size;
+  LMKIT_CHECK_ARG(g == 32 || g == 64 || g == 128, "int4: group_size must be 32, 64 or 128, got ", g);
+  LMKIT_CHECK_ARG(N > 0 && K > 0 && K % g == 0, "int4: in_features ", K, " is not a multiple of group_size ", g);
+  LMKIT_CHECK_ARG(source.read_group != nullptr, "int4: the source has no reader");
+  LMKIT_CHECK_ARG(!source.input_perm || (int64_t)source.input_perm->size() == K, "int4: input_perm has ",
+                  source.input_perm ? source.input_perm->size() : 0, " entries for ", K, " inputs");
   LinearWeight packed;
-  packed.format = WeightFormat::AwqInt4;
+  packed.format = WeightFormat::Int4;
   packed.dtype = DType::F16;
-  packed.group_size = group_size;
+  packed.group_size = (int32_t)g;
   packed.n = N;
   packed.k = K;
-  packed.storage = alloc_packed(packed.size_bytes(), "an AWQ weight");
+  packed.input_perm = source.input_perm;
+  packed.storage = alloc_packed(packed.size_bytes(), "an int4 weight");
   constexpr int64_t P = kLinearPanelCols;
-  static constexpr int kNibbleOf[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // column n % 8 -> nibble (AutoAWQ GEMM order)
-  const uint32_t* qw = qweight.ptr<const uint32_t>();
-  const uint32_t* qz = qzeros.ptr<const uint32_t>();
-  const uint16_t* sc = scales.ptr<const uint16_t>();
-  auto nib = [&](const uint32_t* m, int64_t row, int64_t n) -> uint8_t {
-    return n < N ? (uint8_t)((m[row * (N / 8) + n / 8] >> (4 * kNibbleOf[n % 8])) & 15u) : 0;
-  };
   const int64_t group_bytes = P * 3 + g * P / 2, num_panels = (N + P - 1) / P;
   uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
-  for (int64_t p = 0; p < num_panels; ++p)
-    for (int64_t gi = 0; gi < K / g; ++gi) {
-      uint8_t* blk = dst + (p * (K / g) + gi) * group_bytes;
-      for (int64_t j = 0; j < P; ++j) {
-        const int64_t n = p * P + j;
-        const uint16_t s = n < N ? sc[gi * N + n] : 0;
-        std::memcpy(blk + 2 * j, &s, 2);
-        blk[2 * P + j] = nib(qz, gi, n);
+  auto pack_range = [&](int64_t p0, int64_t p1) {
+    std::vector<uint8_t> q(g * P), zeros(P);
+    std::vector<uint16_t> scales(P);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t count = std::min(P, N - p * P);
+      std::fill(q.begin(), q.end(), 0);
+      std::fill(zeros.begin(), zeros.end(), 0);
+      std::fill(scales.begin(), scales.end(), 0);
+      for (int64_t gi = 0; gi < K / g; ++gi) {
+        source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
+        uint8_t* blk = dst + (p * (K / g) + gi) * group_bytes;
+        std::memcpy(blk, scales.data(), 2 * P);
+        std::memcpy(blk + 2 * P, zeros.data(), P);
+        // quads of 4 k: byte i of 32-bit lane j = q[k0 + i, j] | q[k0 + i, j + 16] << 4
+        for (int64_t r = 0; r < g; ++r)
+          for (int64_t j = 0; j < P / 2; ++j) {
+            const uint8_t lo = j < count ? q[r * count + j] : 0, hi = j + P / 2 < count ? q[r * count + j + P / 2] : 0;
+            blk[3 * P + (r / 4) * 64 + 4 * j + r % 4] = (uint8_t)((lo & 15u) | (hi & 15u) << 4);
+          }
       }
-      // quads of 4 k: byte i of 32-bit lane j = q[k0 + i, j] | q[k0 + i, j + 16] << 4
-      for (int64_t r = 0; r < g; ++r)
-        for (int64_t j = 0; j < P / 2; ++j)
-          blk[3 * P + (r / 4) * 64 + 4 * j + r % 4] =
-              (uint8_t)(nib(qw, gi * g + r, p * P + j) | nib(qw, gi * g + r, p * P + j + P / 2) << 4);
     }
+  };
+  for_panel_ranges(num_panels, pack_range);
   return packed;
 }
 
@@ -171,6 +172,13 @@ LinearWeight pack_linear_bf16(const Tensor& weight) {
   return packed;
 }
 
+namespace {
+bool same_perm(const std::shared_ptr<const std::vector<int32_t>>& a,
+               const std::shared_ptr<const std::vector<int32_t>>& b) {
+  return a == b || (a && b && *a == *b);
+}
+}  // namespace
+
 LinearWeight concat_linear(const std::vector<const LinearWeight*>& parts) {
   if (parts.size() < 2) return {};
   const LinearWeight& first = *parts.front();
@@ -180,7 +188,8 @@ LinearWeight concat_linear(const std::vector<const LinearWeight*>& parts) {
     const LinearWeight& w = *parts[i];
     LMKIT_CHECK(!w.is_empty(), "concat_linear: part ", i, " is empty");
     const bool same = w.format == first.format && w.k == first.k && w.dtype == first.dtype &&
-                      w.group_size == first.group_size && w.int8_activations == first.int8_activations;
+                      w.group_size == first.group_size && w.int8_activations == first.int8_activations &&
+                      same_perm(w.input_perm, first.input_perm);
     if (!same || (i + 1 < parts.size() && w.n % kLinearPanelCols != 0)) return {};
     fused.n += w.n;
   }
@@ -286,6 +295,11 @@ void linear(const float* x, int64_t M, const LinearWeight& weight, const Tensor&
   const WeightFormatTraits& traits = weight.traits();
   const char* missing = traits.unavailable();
   LMKIT_CHECK(missing == nullptr, "linear: ", traits.name, " weights ", missing);
+  if (weight.input_perm) {
+    thread_local std::vector<float> gathered;
+    gather_inputs(x, M, *weight.input_perm, gathered);
+    x = gathered.data();
+  }
   traits.run(x, M, weight, b, out);
 }
 
@@ -322,6 +336,16 @@ void linear_group(const LinearJob* jobs, int64_t num_jobs) {
   if (total == 0) return;
   auto ceil_div = [](int64_t a, int64_t b) { return a <= 0 ? 0 : (a + b - 1) / b; };
   // chunks of the cost range over the thread team: a late thread delays only the chunk it holds
+  // jobs whose weight takes its inputs permuted (act-order int4) read a gathered copy
+  std::vector<std::vector<float>> gathered(num_jobs);
+  std::vector<const float*> xs(num_jobs);
+  for (int64_t j = 0; j < num_jobs; ++j) {
+    xs[j] = jobs[j].x;
+    if (jobs[j].M > 0 && jobs[j].w->input_perm) {
+      gather_inputs(jobs[j].x, jobs[j].M, *jobs[j].w->input_perm, gathered[j]);
+      xs[j] = gathered[j].data();
+    }
+  }
   parallel_for(total, grain_for(total), total >= 2 * (1 + kReadRows), [&](int64_t lo, int64_t hi) {
     thread_local std::vector<float> scratch;
     for (int64_t j = 0; j < num_jobs; ++j) {
@@ -336,11 +360,11 @@ void linear_group(const LinearJob* jobs, int64_t num_jobs) {
       part.storage = std::shared_ptr<void>(w.storage, static_cast<char*>(w.storage.get()) + p0 * (w.size_bytes() / P));
       float* out = job.out + p0 * kLinearPanelCols;
       if (job.M == 1 || part.n == w.n) {  // the part's rows are the output's rows
-        w.traits().run(job.x, job.M, part, nullptr, out);
+        w.traits().run(xs[j], job.M, part, nullptr, out);
         continue;
       }
       scratch.resize(job.M * part.n);
-      w.traits().run(job.x, job.M, part, nullptr, scratch.data());
+      w.traits().run(xs[j], job.M, part, nullptr, scratch.data());
       for (int64_t r = 0; r < job.M; ++r)
         std::memcpy(out + r * w.n, scratch.data() + r * part.n, part.n * sizeof(float));
     }
@@ -359,7 +383,7 @@ const char* needs_bf16_dot() {
 void run_dense(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
   cpu::active().linear(x, M, w.storage.get(), w.dtype, w.n, w.k, b, out);
 }
-void run_awq_int4(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
+void run_int4(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
   const cpu::KernelTable* amx =
       w.int8_activations && M >= kLinearAmxInt8MinRows ? cpu::amx_int8_table_in_use() : nullptr;
   const cpu::KernelTable* q8 = w.int8_activations ? cpu::q8_table() : nullptr;
@@ -386,11 +410,11 @@ const WeightFormatTraits kWeightFormats[] = {
     {WeightFormat::Dense, "dense",
      [](const LinearWeight& w) { return num_panels(w) * kLinearPanelCols * w.k * dtype_size_bytes(w.dtype); },
      pack_linear, [] { return (const char*)nullptr; }, run_dense},
-    {WeightFormat::AwqInt4, "awq_int4",
+    {WeightFormat::Int4, "int4",
      [](const LinearWeight& w) {  // per group: fp16 scale + u8 zero per column, then the nibbles
        return num_panels(w) * (w.k / w.group_size) * (kLinearPanelCols * 3 + (int64_t)w.group_size / 4 * 64);
      },
-     nullptr, [] { return (const char*)nullptr; }, run_awq_int4},
+     nullptr, [] { return (const char*)nullptr; }, run_int4},
     {WeightFormat::Int8, "int8",
      [](const LinearWeight& w) { return num_panels(w) * (w.k / 32) * (kLinearPanelCols * 2 + 32 * kLinearPanelCols); },
      pack_linear_int8, needs_int8_dot, run_int8},

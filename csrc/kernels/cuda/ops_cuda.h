@@ -119,8 +119,9 @@ struct Linear {
   bool is_int4() const { return group_size > 0; }
   int64_t size_bytes() const;
 };
-// The int4 layout above from an AWQ "GEMM" checkpoint's tensors (host memory, DESIGN.md section 4):
-// host-side repacking, shared with the CPU tests of the layout. Throws InvalidArgument naming the tensor.
+// The int4 layout above from a checkpoint's int4 tensors (any layout, read through an Int4Source; host
+// memory): host-side repacking, shared with the CPU tests of the layout. Throws InvalidArgument when the group
+// size or shape does not fit, or the source permutes its inputs (act-order: not supported here yet).
 struct HostInt4 {
   int64_t n = 0, k = 0;
   int32_t group_size = 0;
@@ -128,7 +129,7 @@ struct HostInt4 {
   std::shared_ptr<uint16_t[]> scales;   // [n, k / g] fp16 bits
   std::shared_ptr<uint8_t[]> zeros;     // [n, k / g]
 };
-HostInt4 repack_awq(const Tensor& qweight, const Tensor& qzeros, const Tensor& scales, int32_t group_size);
+HostInt4 repack_int4(const Int4Source& source);
 Linear upload_int4(const HostInt4& w, DType act, Stream stream);
 // A float weight [n, k] (F32/F16/BF16 host view) converted to act and uploaded.
 Linear upload_dense(const Tensor& weight, DType act, Stream stream);

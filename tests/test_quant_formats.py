@@ -1,0 +1,370 @@
+"""The int4 checkpoint formats users download, loaded by the engine for every architecture of the registry and
+held to a reference that dequantizes independently of lmkit:
+
+- compressed-tensors W4A16 ``pack-quantized`` (what llm-compressor writes): packed and unpacked by the
+  ``compressed-tensors`` library's own compressor (PackedQuantizationCompressor.compress / .decompress), scales
+  and zero points from its own calculate_qparams; symmetric and asymmetric, groups of 32/64/128 and per-channel.
+- GPTQ (GPTQModel / AutoGPTQ layout, checkpoint_format gptq and gptq_v2, act-order ``g_idx`` on and off):
+  GPTQModel itself needs torch >= 2.14 and cannot install beside the pinned CPU torch, so the test packs its
+  documented layout: qweight [in / 8, out] packed along the inputs, qzeros [groups, out / 8] packed along the
+  outputs and stored as zero - 1 in v1 (GPTQModel's convert_gptq_v2_to_v1_format subtracts 0x11111111 from
+  each int32), scales [groups, out], g_idx [in].
+
+The engine's logits (fp32 activations: the exact path) must match HF transformers fp32 running the dequantized
+weights within 1e-4, prompt and decode rows alike.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmkit import EngineConfig, GenerationConfig, pipeline
+from lmkit.models import get_architecture
+from tests.test_architectures import CASES, build_case
+
+ct = pytest.importorskip("compressed_tensors")
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402
+from compressed_tensors.quantization import (  # noqa: E402
+    QuantizationArgs, QuantizationConfig, QuantizationScheme)
+from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+
+EXACT = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                     max_batch_size=4, session_len=512, awq_int8_activations=False)
+LINEAR_ROLES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
+                "down_proj")
+REL_TOL = 1e-4
+
+
+# ---- writers: an fp32 folder -> (int4 folder, a folder of the dequantized weights for the reference)
+
+def linear_keys(folder: Path, group: int, out_multiple: int = 1) -> set[str]:
+    """Checkpoint keys of the linears (not the router, embeddings or lm_head) whose inputs fit ``group``
+    (0: per channel, needs in_features % 32 == 0) and whose outputs are a multiple of ``out_multiple``; the
+    others stay dense, as an ignore list keeps them."""
+    from safetensors import safe_open
+
+    cfg = json.loads((folder / "config.json").read_text())
+    arch = get_architecture(cfg["architectures"][0])
+    n = cfg["num_hidden_layers"]
+    e = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    keys = set()
+    for role, key in arch.key_map.items():
+        if role.rsplit(".", 1)[-1] not in LINEAR_ROLES:
+            continue
+        for i in range(n):
+            for j in range(e) if "{e}" in key else [None]:
+                k = key.format(i=i) if j is None else key.replace("{e}", str(j)).format(i=i)
+                keys.add(k)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        present = set(f.keys())
+        shapes = {k: f.get_slice(k).get_shape() for k in keys & present}
+    return {k for k, (n, m) in shapes.items() if m % (group or 32) == 0 and n % out_multiple == 0}
+
+
+def copy_folder(src: Path, dst: Path, tensors: dict, quantization_config: dict | None) -> None:
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, dst / f.name)
+    save_file(tensors, str(dst / "model.safetensors"))
+    if quantization_config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["quantization_config"] = quantization_config
+        (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def write_compressed_tensors(src: Path, out: Path, *, group: int, symmetric: bool,
+                             scale_dtype=torch.bfloat16) -> Path:
+    """``out``/int4 (compressed-tensors pack-quantized, by the library's own compressor) and ``out``/ref (its
+    own decompression in fp32). group 0: per-channel."""
+    from safetensors.torch import load_file
+
+    strategy = "channel" if group == 0 else "group"
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy=strategy,
+                            group_size=group or None)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    tensors = load_file(str(src / "model.safetensors"))
+    keys = linear_keys(src, group)
+    packed, ref = {}, {}
+    for name, w in tensors.items():
+        if name not in keys:
+            packed[name] = ref[name] = w
+            continue
+        n, k = w.shape
+        g = group or k
+        grouped = w.reshape(n, k // g, g)
+        scale, zp = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+        scale = scale.to(scale_dtype)
+        sd = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp},
+                                                   scheme)
+        base = name[: -len("weight")]
+        for part, t in sd.items():
+            packed[base + part] = t
+        back = PackedQuantizationCompressor.decompress({**sd, "weight_scale": sd["weight_scale"].float()}, scheme)
+        ref[name] = back["weight"].float()
+    ignore = sorted({name[: -len(".weight")] for name in tensors if name.endswith(".weight") and name not in keys
+                     and tensors[name].ndim == 2})
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                            quantization_status="compressed", ignore=ignore).model_dump()
+    qc["quant_method"] = "compressed-tensors"
+    copy_folder(src, out / "int4", packed, qc)
+    copy_folder(src, out / "ref", ref, None)
+    return out
+
+
+def as_int32_words(words: np.ndarray) -> torch.Tensor:
+    """int64 values taken modulo 2^32 as int32 (the bit patterns a checkpoint stores)."""
+    return torch.from_numpy((words & 0xFFFFFFFF).astype(np.uint32).view(np.int32).copy())
+
+
+def pack_along_rows(q: torch.Tensor) -> torch.Tensor:
+    """int32 [rows / 8, cols] holding q [rows, cols] (0..15): row 8r + i at bits 4i of word [r, c]."""
+    q = q.to(torch.int64).numpy().reshape(q.shape[0] // 8, 8, q.shape[1])
+    return as_int32_words(sum(q[:, i] << (4 * i) for i in range(8)))
+
+
+def write_gptq(src: Path, out: Path, *, group: int, symmetric: bool, act_order: bool, checkpoint_format: str,
+               seed: int = 0) -> Path:
+    """``out``/int4 in GPTQ's layout (min/max rounding per group; act-order: a random input order whose
+    consecutive runs of ``group`` inputs form the groups, as GPTQ's desc_act makes them) and ``out``/ref."""
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(src / "model.safetensors"))
+    keys = linear_keys(src, group, out_multiple=8)  # qzeros pack 8 outputs per int32
+    packed, ref = {}, {}
+    for name, w in tensors.items():
+        if name not in keys:
+            packed[name] = ref[name] = w
+            continue
+        n, k = w.shape
+        g = group or k
+        order = torch.randperm(k, generator=gen) if act_order else torch.arange(k)
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[order] = torch.arange(k, dtype=torch.int32) // g  # input order[j] is in group j // g
+        wg = w.t()  # [k, n]
+        lo = torch.stack([wg[g_idx == i].amin(0) for i in range(k // g)]).clamp(max=0)  # [G, n]
+        hi = torch.stack([wg[g_idx == i].amax(0) for i in range(k // g)]).clamp(min=0)
+        if symmetric:
+            scale = (torch.maximum(-lo, hi) * 2 / 15).clamp(min=1e-8)
+            zero = torch.full_like(scale, 8.0)
+        else:
+            scale = ((hi - lo) / 15).clamp(min=1e-8)
+            zero = torch.clamp(torch.round(-lo / scale), 0, 15)
+        scale = scale.half()
+        s32 = scale.float()
+        q = torch.clamp(torch.round(wg / s32[g_idx.long()]) + zero[g_idx.long()], 0, 15).to(torch.int64)  # [k, n]
+        zeros_words = pack_along_rows(zero.t().to(torch.int64)).t().contiguous()  # [G, n / 8]
+        if checkpoint_format == "gptq":  # v1 stores zero - 1: GPTQModel's v2 -> v1 subtracts 0x11111111
+            zeros_words = as_int32_words(zeros_words.numpy().astype(np.int64) - 0x11111111)
+        base = name[: -len("weight")]
+        packed[base + "qweight"] = pack_along_rows(q)
+        packed[base + "qzeros"] = zeros_words
+        packed[base + "scales"] = scale
+        packed[base + "g_idx"] = g_idx
+        ref[name] = ((q.float() - zero[g_idx.long()]) * s32[g_idx.long()]).t().contiguous()
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": group or -1, "desc_act": act_order, "sym": symmetric,
+          "checkpoint_format": checkpoint_format, "true_sequential": True, "damp_percent": 0.01}
+    copy_folder(src, out / "int4", packed, qc)
+    copy_folder(src, out / "ref", ref, None)
+    return out
+
+
+# ---- the comparison
+
+def engine_vs_reference(out: Path, prompts: list[list[int]], config: EngineConfig = EXACT,
+                        new_tokens: int = 6, per_row: bool = True) -> float:
+    """Largest relative error of the engine's logits (int4 folder) against HF fp32 (ref folder): of any row,
+    or (per_row False) of any prompt's rows together."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(out / "ref"), dtype=torch.float32).eval()
+    gen = GenerationConfig(max_new_tokens=new_tokens, output_logits=True, ignore_eos=True)
+    worst = 0.0
+    with pipeline(out / "int4", config) as pipe:
+        for p, r in zip(prompts, pipe(prompts, gen)):
+            assert r.error is None, r.error
+            full = p + r.token_ids
+            with torch.no_grad():
+                want = ref(torch.tensor([full])).logits[0, : len(full) - 1].numpy()
+            got = r.logits
+            assert got.shape == want.shape
+            if per_row:
+                err = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+            else:
+                err = np.linalg.norm(got - want) / np.linalg.norm(want)
+            worst = max(worst, float(np.max(err)))
+    return worst
+
+
+def prompts_for(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=n).tolist() for n in (1, 11, 45)]
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    built = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            folder = tmp_path_factory.mktemp(name)
+            build_case(name, folder)
+            built[name] = folder
+        return built[name]
+    return get
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "gptq-act-order"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_architecture_loads_int4_formats(case, fmt, cases, tmp_path):
+    src = cases(case)
+    if not linear_keys(src, 32):
+        pytest.skip(f"{case}: no linear has in_features divisible by 32")
+    if fmt == "compressed-tensors":
+        out = write_compressed_tensors(src, tmp_path, group=32, symmetric=False)
+    else:
+        out = write_gptq(src, tmp_path, group=32, symmetric=False, act_order=True, checkpoint_format="gptq")
+    assert engine_vs_reference(out, prompts_for(CASES[case].seed)) <= REL_TOL
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """A Llama whose every linear fits groups of 128: hidden 256, intermediate 384."""
+    from tests.conftest import make_tiny_model
+
+    folder = tmp_path_factory.mktemp("llama")
+    make_tiny_model(folder, "llama", hidden_size=256, intermediate_size=384, num_attention_heads=4,
+                    num_key_value_heads=2)
+    return folder
+
+
+@pytest.mark.parametrize("group, symmetric", [(32, True), (64, False), (128, True), (128, False), (0, False)])
+def test_compressed_tensors_groups_and_symmetry(llama, tmp_path, group, symmetric):
+    out = write_compressed_tensors(llama, tmp_path, group=group, symmetric=symmetric)
+    cfg = json.loads((out / "int4" / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "pack-quantized" and cfg["quant_method"] == "compressed-tensors"
+    from safetensors import safe_open
+    with safe_open(str(out / "int4" / "model.safetensors"), "pt") as f:
+        has_zp = any(k.endswith("weight_zero_point") for k in f.keys())
+    assert has_zp == (not symmetric)  # symmetric checkpoints carry no zero points: the engine reads zero 8
+    assert engine_vs_reference(out, prompts_for(group)) <= REL_TOL
+
+
+def test_compressed_tensors_fp16_and_fp32_scales(llama, tmp_path):
+    out = write_compressed_tensors(llama, tmp_path / "f16", group=64, symmetric=False, scale_dtype=torch.float16)
+    assert engine_vs_reference(out, prompts_for(3)) <= REL_TOL
+    # fp32 scales are rounded to fp16 by the packer: within the rounding of the scales (2^-11 relative)
+    out = write_compressed_tensors(llama, tmp_path / "f32", group=64, symmetric=False, scale_dtype=torch.float32)
+    assert engine_vs_reference(out, prompts_for(4)) <= 2e-3
+
+
+@pytest.mark.parametrize("group, symmetric, act_order, checkpoint_format", [
+    (32, False, False, "gptq"), (64, True, True, "gptq"), (128, False, True, "gptq_v2"), (128, True, False, "gptq_v2"),
+    (0, False, False, "gptq"),
+])
+def test_gptq_layouts(llama, tmp_path, group, symmetric, act_order, checkpoint_format):
+    out = write_gptq(llama, tmp_path, group=group, symmetric=symmetric, act_order=act_order,
+                     checkpoint_format=checkpoint_format, seed=group)
+    assert engine_vs_reference(out, prompts_for(group + 1)) <= REL_TOL
+
+
+def test_int8_activations_on_int4_formats(llama, tmp_path):
+    """The default int8-activation path on both formats: within the bound the AWQ checkpoints keep
+    (tests/test_quantized.py: the rounding of activations and of the int8 lm_head)."""
+    default = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                           max_batch_size=4, session_len=512)
+    ct_out = write_compressed_tensors(llama, tmp_path / "ct", group=128, symmetric=True)
+    gptq_out = write_gptq(llama, tmp_path / "gptq", group=128, symmetric=False, act_order=True,
+                          checkpoint_format="gptq")
+    assert engine_vs_reference(ct_out, prompts_for(5), default, per_row=False) <= 3e-2
+    assert engine_vs_reference(gptq_out, prompts_for(6), default, per_row=False) <= 3e-2
+
+
+# ---- checkpoints the engine cannot serve: a clear error naming the field, before any tensor is read
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda qc: qc.update(bits=3), "bits=3"),
+    (lambda qc: qc.update(bits=8), "bits=8"),
+    (lambda qc: qc.update(checkpoint_format="marlin"), "checkpoint_format='marlin'"),
+    (lambda qc: qc.update(group_size=48), "group_size=48"),
+    (lambda qc: qc.update(lm_head=True), "lm_head=true"),
+])
+def test_unservable_gptq_configs(llama, tmp_path, edit, message):
+    out = write_gptq(llama, tmp_path, group=64, symmetric=False, act_order=False, checkpoint_format="gptq")
+    path = out / "int4" / "config.json"
+    cfg = json.loads(path.read_text())
+    edit(cfg["quantization_config"])
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        pipeline(out / "int4", EXACT)
+
+
+def _ct_edit(path: str, value):
+    def edit(qc):
+        node = qc
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_ct_edit("config_groups.group_0.weights.num_bits", 8), "8-bit int"),
+    (_ct_edit("config_groups.group_0.weights.type", "float"), "4-bit float"),
+    (_ct_edit("config_groups.group_0.weights.strategy", "tensor"), "strategy='tensor'"),
+    (_ct_edit("config_groups.group_0.input_activations", {"num_bits": 8, "type": "float", "strategy": "token",
+                                                          "dynamic": True}), "input_activations"),
+    (_ct_edit("format", "float-quantized"), "format 'float-quantized'"),
+    (_ct_edit("quantization_status", "frozen"), "quantization_status='frozen'"),
+    (_ct_edit("config_groups.group_1", {"targets": ["Linear"], "weights": {"num_bits": 4}}), "2 schemes"),
+])
+def test_unservable_compressed_tensors_configs(llama, tmp_path, edit, message):
+    out = write_compressed_tensors(llama, tmp_path, group=64, symmetric=True)
+    path = out / "int4" / "config.json"
+    cfg = json.loads(path.read_text())
+    edit(cfg["quantization_config"])
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        pipeline(out / "int4", EXACT)
+
+
+def test_broken_int4_tensors_name_the_tensor(llama, tmp_path):
+    """A g_idx whose groups are not of group_size inputs, a scale of the wrong shape, a missing scale: each
+    refused with the layer and tensor named, and nothing served."""
+    from safetensors.torch import load_file, save_file
+
+    out = write_gptq(llama, tmp_path, group=64, symmetric=False, act_order=True, checkpoint_format="gptq")
+    st = out / "int4" / "model.safetensors"
+    good = load_file(str(st))
+    key = "model.layers.0.self_attn.q_proj."
+
+    def broken(**changes):
+        tensors = dict(good)
+        for name, value in changes.items():
+            if value is None:
+                tensors.pop(key + name)
+            else:
+                tensors[key + name] = value
+        save_file(tensors, str(st))
+
+    g_idx = good[key + "g_idx"].clone()
+    g_idx[g_idx == 1] = 0  # group 0 gets 128 inputs, group 1 none
+    broken(g_idx=g_idx)
+    with pytest.raises(ValueError, match=r"q_proj.*g_idx puts 128 inputs in group 0"):
+        pipeline(out / "int4", EXACT)
+    broken(scales=good[key + "scales"][:-1].contiguous())
+    with pytest.raises(ValueError, match=r"q_proj.*scales has shape \[3, 256\]"):
+        pipeline(out / "int4", EXACT)
+    broken(scales=None)
+    with pytest.raises(ValueError, match="has qweight but no scales"):
+        pipeline(out / "int4", EXACT)
