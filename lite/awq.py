@@ -111,6 +111,15 @@ def check_group_size(shapes: dict[str, tuple[int, int]], group_size: int) -> Non
                              f"{name} ({in_features} / {group_size} = {in_features / group_size:g}); {hint}")
 
 
+def _dense_linears(awq_map: AwqMap) -> list[str]:
+    """The linear modules a checkpoint keeps in fp16, as compressed-tensors' ``ignore`` names them: the lm_head
+    and an MoE layer's router."""
+    dense = ["lm_head"]
+    if awq_map.moe is not None:
+        dense.append(f"re:.*{awq_map.moe.block}\\.{awq_map.moe.router}$")
+    return dense
+
+
 def _first(output):
     return output[0] if isinstance(output, tuple) else output
 
@@ -343,7 +352,7 @@ def _process_layer(model: LayerwiseModel, runner: _LayerRunner | None, index: in
         if name not in quantized:
             quantized[name] = quantize(linear.weight, g)
         stored = model.checkpoint_name(index, name)
-        tensors.update(export.linear_tensors(stored, quantized[name], linear.bias))
+        tensors.update(export.linear_tensors(stored, quantized[name], linear.bias, config.format))
         if kept is not None:
             kept[stored + ".weight"] = quantized[name].dequantize()
     quantized_names = {n + ".weight" for n in awq_map.linears} | {n + ".bias" for n in awq_map.linears}
@@ -495,7 +504,8 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
                 tensors[name] = value.to(torch.float16) if value.is_floating_point() else value
         export.save_tensors(tensors, temp_dir)
         del tensors
-        export.write_config(source, temp_dir, export.quantization_config(config.w_group_size))
+        dense = _dense_linears(lw.awq_map) if config.format == "compressed-tensors" else None
+        export.write_config(source, temp_dir, export.quantization_config(config.w_group_size, dense, config.format))
         export.copy_side_files(source, temp_dir)
         phase_seconds["export"] = time.perf_counter() - t
         lw.close()

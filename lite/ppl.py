@@ -27,7 +27,7 @@ class PplResult:
     """One perplexity measurement."""
 
     model: str
-    kind: str  # "fp" | "awq"
+    kind: str  # "fp", or the quant_method: "awq", "compressed-tensors"
     dataset: str
     ppl: float
     num_tokens: int  # scored tokens
@@ -92,7 +92,7 @@ def evaluate_perplexity(model: str | Path | None, config: PplConfig) -> PplResul
     bundled SmolLM2) on ``config.dataset``, through the torch reference path (not the engine)."""
     from transformers import AutoTokenizer
 
-    from lmkit.lite.checkpoint import awq_settings, load_causal_lm
+    from lmkit.lite.checkpoint import load_causal_lm, quantization_settings
     from lmkit.lite.layerwise import read_config
     from lmkit.model_path import resolve_model
 
@@ -101,7 +101,8 @@ def evaluate_perplexity(model: str | Path | None, config: PplConfig) -> PplResul
     device = resolve_device(config.device)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = evaluation_tokens(tokenizer, config.dataset, config.max_tokens)
-    kind = "awq" if awq_settings(read_config(folder)) else "fp"
+    settings = quantization_settings(read_config(folder))
+    kind = str(settings["quant_method"]) if settings else "fp"
     lm = load_causal_lm(folder, device)
     nll, count, num_windows = sum_nll(lm, ids, config.seqlen, config.effective_stride, config.batch_size, device)
     return PplResult(model=str(folder), kind=kind, dataset=config.dataset, ppl=math.exp(nll / count),
