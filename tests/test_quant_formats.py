@@ -67,6 +67,15 @@ def linear_keys(folder: Path, group: int, out_multiple: int = 1) -> set[str]:
     return {k for k, (n, m) in shapes.items() if m % (group or 32) == 0 and n % out_multiple == 0}
 
 
+def quantized_linears(tensors: dict, keys: set[str], packed: dict, ref: dict):
+    """(name, weight) of the tensors in ``keys``; every other tensor goes into ``packed`` and ``ref`` as it is."""
+    for name, w in tensors.items():
+        if name in keys:
+            yield name, w
+        else:
+            packed[name] = ref[name] = w
+
+
 def copy_folder(src: Path, dst: Path, tensors: dict, quantization_config: dict | None) -> None:
     from safetensors.torch import save_file
 
@@ -92,12 +101,8 @@ def write_compressed_tensors(src: Path, out: Path, *, group: int, symmetric: boo
                             group_size=group or None)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     tensors = load_file(str(src / "model.safetensors"))
-    keys = linear_keys(src, group)
     packed, ref = {}, {}
-    for name, w in tensors.items():
-        if name not in keys:
-            packed[name] = ref[name] = w
-            continue
+    for name, w in quantized_linears(tensors, linear_keys(src, group), packed, ref):
         n, k = w.shape
         g = group or k
         grouped = w.reshape(n, k // g, g)
@@ -110,8 +115,7 @@ def write_compressed_tensors(src: Path, out: Path, *, group: int, symmetric: boo
             packed[base + part] = t
         back = PackedQuantizationCompressor.decompress({**sd, "weight_scale": sd["weight_scale"].float()}, scheme)
         ref[name] = back["weight"].float()
-    ignore = sorted({name[: -len(".weight")] for name in tensors if name.endswith(".weight") and name not in keys
-                     and tensors[name].ndim == 2})
+    ignore = sorted(name[: -len(".weight")] for name, t in packed.items() if name.endswith(".weight") and t.ndim == 2)
     qc = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
                             quantization_status="compressed", ignore=ignore).model_dump()
     qc["quant_method"] = "compressed-tensors"
@@ -139,12 +143,9 @@ def write_gptq(src: Path, out: Path, *, group: int, symmetric: bool, act_order: 
 
     gen = torch.Generator().manual_seed(seed)
     tensors = load_file(str(src / "model.safetensors"))
-    keys = linear_keys(src, group, out_multiple=8)  # qzeros pack 8 outputs per int32
     packed, ref = {}, {}
-    for name, w in tensors.items():
-        if name not in keys:
-            packed[name] = ref[name] = w
-            continue
+    keys = linear_keys(src, group, out_multiple=8)  # qzeros pack 8 outputs per int32
+    for name, w in quantized_linears(tensors, keys, packed, ref):
         n, k = w.shape
         g = group or k
         order = torch.randperm(k, generator=gen) if act_order else torch.arange(k)

@@ -46,6 +46,20 @@ uint16_t scale_bits(const Tensor& s, int64_t i) {
 }
 uint8_t nibble(uint32_t word, int64_t i) { return (uint8_t)((word >> (4 * i)) & 15u); }
 
+constexpr int kIdentityNibbleOf[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+
+// AWQ's and GPTQ's zeros I32 [G, N / 8] (output n at nibble nibble_of[n % 8] of word [sg, n / 8], the word plus
+// word_bias first) and scales [G, N]: group sg of outputs n0 .. n0 + count.
+void read_zeros_scales_by_group(const Tensor& zeros, const Tensor& scales, int64_t N, int64_t sg, int64_t n0,
+                                int64_t count, const int* nibble_of, uint32_t word_bias, uint8_t* z, uint16_t* s) {
+  const uint32_t* qz = zeros.ptr<const uint32_t>();
+  for (int64_t c = 0; c < count; ++c) {
+    const int64_t n = n0 + c;
+    z[c] = nibble(qz[sg * (N / 8) + n / 8] + word_bias, nibble_of[n % 8]);
+    s[c] = scale_bits(scales, sg * N + n);
+  }
+}
+
 // The order that makes the g_idx groups contiguous: inputs sorted by group (stable); null where g_idx is
 // empty or already in order. Every group 0..G-1 must have exactly group_size inputs.
 std::shared_ptr<const std::vector<int32_t>> order_of_groups(const Tensor& g_idx, int64_t K, int64_t gs,
@@ -113,13 +127,7 @@ Int4Source int4_source(const Int4Tensors& t, int64_t N, int64_t K, int64_t group
       check_tensor(scales, true, {G, N}, what, names.scales);
       src.read_group = [=](int64_t g, int64_t n0, int64_t count, uint8_t* q, uint8_t* z, uint16_t* s) {
         const uint32_t* qw = values.ptr<const uint32_t>();
-        const uint32_t* qz = zeros.ptr<const uint32_t>();
-        const int64_t sg = g * kg / gs;
-        for (int64_t c = 0; c < count; ++c) {
-          const int64_t n = n0 + c;
-          z[c] = nibble(qz[sg * (N / 8) + n / 8], kAwqNibbleOf[n % 8]);
-          s[c] = scale_bits(scales, sg * N + n);
-        }
+        read_zeros_scales_by_group(zeros, scales, N, g * kg / gs, n0, count, kAwqNibbleOf, 0u, z, s);
         for (int64_t r = 0; r < kg; ++r)
           for (int64_t c = 0; c < count; ++c) {
             const int64_t n = n0 + c;
@@ -139,13 +147,7 @@ Int4Source int4_source(const Int4Tensors& t, int64_t N, int64_t K, int64_t group
       auto perm = src.input_perm;
       src.read_group = [=](int64_t g, int64_t n0, int64_t count, uint8_t* q, uint8_t* z, uint16_t* s) {
         const uint32_t* qw = values.ptr<const uint32_t>();
-        const uint32_t* qz = zeros.ptr<const uint32_t>();
-        const int64_t sg = g * kg / gs;
-        for (int64_t c = 0; c < count; ++c) {
-          const int64_t n = n0 + c;
-          z[c] = nibble(qz[sg * (N / 8) + n / 8] + zero_bias, n % 8);
-          s[c] = scale_bits(scales, sg * N + n);
-        }
+        read_zeros_scales_by_group(zeros, scales, N, g * kg / gs, n0, count, kIdentityNibbleOf, zero_bias, z, s);
         for (int64_t r = 0; r < kg; ++r) {
           const int64_t k = perm ? (*perm)[g * kg + r] : g * kg + r;
           for (int64_t c = 0; c < count; ++c) q[r * count + c] = nibble(qw[(k / 8) * N + n0 + c], k % 8);
