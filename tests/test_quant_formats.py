@@ -292,6 +292,16 @@ def test_int8_activations_on_int4_formats(llama, tmp_path):
 
 # ---- checkpoints the engine cannot serve: a clear error naming the field, before any tensor is read
 
+def assert_refused(folder: Path, edit, message: str) -> None:
+    """``edit`` applied to the folder's quantization_config makes the engine refuse it with ``message``."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    edit(cfg["quantization_config"])
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        pipeline(folder, EXACT)
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda qc: qc.update(bits=3), "bits=3"),
     (lambda qc: qc.update(bits=8), "bits=8"),
@@ -301,12 +311,7 @@ def test_int8_activations_on_int4_formats(llama, tmp_path):
 ])
 def test_unservable_gptq_configs(llama, tmp_path, edit, message):
     out = write_gptq(llama, tmp_path, group=64, symmetric=False, act_order=False, checkpoint_format="gptq")
-    path = out / "int4" / "config.json"
-    cfg = json.loads(path.read_text())
-    edit(cfg["quantization_config"])
-    path.write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        pipeline(out / "int4", EXACT)
+    assert_refused(out / "int4", edit, message)
 
 
 def _ct_edit(path: str, value):
@@ -331,12 +336,7 @@ def _ct_edit(path: str, value):
 ])
 def test_unservable_compressed_tensors_configs(llama, tmp_path, edit, message):
     out = write_compressed_tensors(llama, tmp_path, group=64, symmetric=True)
-    path = out / "int4" / "config.json"
-    cfg = json.loads(path.read_text())
-    edit(cfg["quantization_config"])
-    path.write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        pipeline(out / "int4", EXACT)
+    assert_refused(out / "int4", edit, message)
 
 
 def test_broken_int4_tensors_name_the_tensor(llama, tmp_path):
