@@ -3,6 +3,9 @@
 #pragma once
 #include <stdint.h>
 
+#include <string>
+#include <vector>
+
 #include "dtype.h"
 
 namespace lmkit {
@@ -35,6 +38,15 @@ inline float float_value(const Tensor& t, int64_t i) {
   const uint16_t h = t.ptr<const uint16_t>()[i];
   return t.dtype == DType::F16 ? f16_to_f32(h) : bf16_to_f32(h);
 }
+
+// "[d0, d1, ...]", for messages.
+inline std::string shape_str(const int64_t* dims, int64_t ndim) {
+  std::string out = "[";
+  for (int64_t i = 0; i < ndim; ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+inline std::string shape_str(const std::vector<int64_t>& dims) { return shape_str(dims.data(), (int64_t)dims.size()); }
+inline std::string shape_str(const Tensor& t) { return shape_str(t.shape, t.ndim); }
 
 inline Tensor make_view(void* data, DType dtype, int64_t d0, int64_t d1 = -1, int64_t d2 = -1) {
   Tensor t;

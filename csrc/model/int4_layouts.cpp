@@ -12,13 +12,7 @@ namespace {
 
 constexpr int kAwqNibbleOf[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // output column n % 8 -> nibble (AutoAWQ GEMM order)
 
-std::string shape_str(const Tensor& t) {
-  std::string out = "[";
-  for (int i = 0; i < t.ndim; ++i) out += (i ? ", " : "") + std::to_string(t.shape[i]);
-  return out + "]";
-}
-
-void check_tensor(const Tensor& t, bool is_float, std::vector<int64_t> shape, const std::string& what,
+void check_tensor(const Tensor& t, bool is_float, const std::vector<int64_t>& shape, const std::string& what,
                   const char* name) {
   LMKIT_CHECK_ARG(!t.is_empty(), what, ": no '", name, "' tensor");
   const bool dtype_ok = is_float ? (t.dtype == DType::F16 || t.dtype == DType::BF16 || t.dtype == DType::F32)
@@ -27,9 +21,8 @@ void check_tensor(const Tensor& t, bool is_float, std::vector<int64_t> shape, co
                   is_float ? "F16, BF16 or F32" : "I32");
   bool shape_ok = t.ndim == (int32_t)shape.size();
   for (int i = 0; shape_ok && i < t.ndim; ++i) shape_ok = t.shape[i] == shape[i];
-  std::string want = "[";
-  for (size_t i = 0; i < shape.size(); ++i) want += (i ? ", " : "") + std::to_string(shape[i]);
-  LMKIT_CHECK_ARG(shape_ok, what, ".", name, " has shape ", shape_str(t), "; the layer's shape implies ", want, "]");
+  LMKIT_CHECK_ARG(shape_ok, what, ".", name, " has shape ", shape_str(t), "; the layer's shape implies ",
+                  shape_str(shape));
 }
 
 // The checkpoint's names of a layout's tensors, for messages: values, zeros, scales, g_idx.

@@ -87,13 +87,6 @@ void gather_inputs(const float* x, int64_t M, const std::vector<int32_t>& perm, 
   for (int64_t r = 0; r < M; ++r)
     for (int64_t j = 0; j < K; ++j) dst[r * K + j] = x[r * K + perm[j]];
 }
-
-std::string shape_of(const Tensor& t) {
-  std::string out = "[";
-  for (int i = 0; i < t.ndim; ++i) out += (i ? ", " : "") + std::to_string(t.shape[i]);
-  return out + "]";
-}
-
 }  // namespace
 
 LinearWeight pack_linear_int4(const Int4Source& source) {
@@ -118,8 +111,7 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
     std::vector<uint8_t> q(g * P), zeros(P);
     std::vector<uint16_t> scales(P);
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t count = std::min(P, N - p * P);
-      std::fill(q.begin(), q.end(), 0);
+      const int64_t count = std::min(P, N - p * P);  // columns past count: zero scales and zeros (q is not read)
       std::fill(zeros.begin(), zeros.end(), 0);
       std::fill(scales.begin(), scales.end(), 0);
       for (int64_t gi = 0; gi < K / g; ++gi) {
@@ -143,7 +135,7 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
 LinearWeight pack_linear_bf16(const Tensor& weight) {
   cpu::check_weight(weight, "pack_linear_bf16", "weight");
   LMKIT_CHECK(weight.ndim == 2 && weight.shape[0] > 0 && weight.shape[1] > 0,
-              "pack_linear_bf16: weight must be [N, K], got ", shape_of(weight));
+              "pack_linear_bf16: weight must be [N, K], got ", shape_str(weight));
   require_bf16_dot();
   LinearWeight packed;
   packed.format = WeightFormat::Bf16Pairs;
@@ -233,7 +225,7 @@ void gather_weights(const std::vector<LinearWeight*>& weights) {
 LinearWeight pack_linear_int8(const Tensor& weight) {
   cpu::check_weight(weight, "pack_linear_int8", "weight");
   LMKIT_CHECK(weight.ndim == 2 && weight.shape[1] % 32 == 0 && weight.shape[0] > 0,
-              "pack_linear_int8: weight must be [N, K] with K a multiple of 32, got ", shape_of(weight));
+              "pack_linear_int8: weight must be [N, K] with K a multiple of 32, got ", shape_str(weight));
   LMKIT_CHECK(int8_dot_available(), "pack_linear_int8: this CPU has no int8 dot-product kernels (AVX2 or AVX-512)");
   LinearWeight packed;
   packed.format = WeightFormat::Int8;
