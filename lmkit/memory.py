@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Iterator
 
 from lmkit import env
 from lmkit.cgroups import limit_files
-from lmkit.models.safetensors_index import _DTYPE_BYTES
 
 from lmkit.config import AUTO_MEMORY_FRACTION
 
@@ -321,13 +320,13 @@ def plan_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, weight_bytes: 
 def checkpoint_weight_bytes(spec: "ModelSpec") -> int:
     """Bytes of every tensor the engine loads, as stored (what the weights take once packed, within a few
     percent: the CPU backend packs dense layers in their stored dtype and AWQ int4 as int4)."""
-    return sum(math.prod(e.shape) * _DTYPE_BYTES[e.dtype] for e in spec.sources.values())
+    return sum(e.nbytes for e in spec.sources.values())
 
 
 def unpacked_weight_bytes(spec: "ModelSpec") -> int:
     """Bytes of the tensors the CPU backend reads where they are mapped (embeddings, norms, biases). The
     weights as loaded are these plus the packed linear layers and lm_head (``Engine.linear_weight_bytes``)."""
-    return sum(math.prod(e.shape) * _DTYPE_BYTES[e.dtype] for role, e in spec.sources.items()
+    return sum(e.nbytes for role, e in spec.sources.items()
                if role != "lm_head" and "_proj" not in role)
 
 

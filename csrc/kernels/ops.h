@@ -47,6 +47,8 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //       zeros   [32] u8        zero point of (group, column j), 0..15
 //       quads   [g / 4][64] u8 byte i of 32-bit lane j of quad t: q[4t + i, j] | q[4t + i, j + 16] << 4
 //     weight[n, k] = (q[k, n] - zero[k / g, n]) * scale[k / g, n]; one stream per panel, scales inline.
+//     With int4_offsets (a source with offsets: GGUF Q4_1) the zeros are offsets [32] fp16 instead and
+//     weight[n, k] = q[k, n] * scale[k / g, n] + offset[k / g, n].
 //   Int8 (pack_linear_int8 from a float weight; llama.cpp's Q8_0 in our panels; dtype F16): per panel,
 //     K / 32 blocks of
 //       scales  [32] fp16      d of (block, column j): max |w| / 127 over the block's 32 values
@@ -78,6 +80,8 @@ struct LinearWeight {
   WeightFormat format = WeightFormat::Dense;
   DType dtype = DType::F32;  // Dense: the stored dtype; Int4 and Int8: F16 (the scales); Bf16Pairs: BF16
   int32_t group_size = 0;    // Int4: 32 / 64 / 128 along K; 0 for the other formats
+  // Int4 only: the group heads hold fp16 offsets in place of u8 zeros (layout above). Not on AMX tiles.
+  bool int4_offsets = false;
   // Int4 only: null, or the order in which the weight takes the layer's inputs (Int4Source::input_perm);
   // ops::linear gathers x by it before the product.
   std::shared_ptr<const std::vector<int32_t>> input_perm;
@@ -99,6 +103,8 @@ LinearWeight pack_linear_int4(const Int4Source& source);
 // A float weight [N, K] (K a multiple of 32) quantized to int8 per 32 values along K, for int8
 // activations; throws unless int8_dot_available().
 LinearWeight pack_linear_int8(const Tensor& weight);
+// An int8 weight read from a checkpoint (GGUF Q8_0) into the same panels, its values and scales as they are.
+LinearWeight pack_linear_int8(const Int8Source& source);
 // A float weight [N, K] rounded to bf16 (nearest even) into pair panels, for linear layers as bf16 dot
 // products with fp32 sums (EngineConfig dtype='bfloat16'); throws unless bf16_dot_available().
 LinearWeight pack_linear_bf16(const Tensor& weight);

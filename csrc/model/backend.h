@@ -87,9 +87,9 @@ class Backend {
   // with the concatenated biases when given (empty tensors: no bias). Parts may be dense or int4.
   virtual PackedLinear pack_linear(const std::vector<const LinearTensors*>& parts,
                                    const std::vector<const Tensor*>& biases = {}) = 0;
-  // The lm_head ([vocab, hidden] float); has_int4: the model's layers are int4 (the CPU backend then runs the
-  // head as int8 when it runs int4 layers with int8 activations).
-  virtual PackedLinear pack_lm_head(const Tensor& weight, bool has_int4) = 0;
+  // The lm_head ([vocab, hidden] float, or GGUF blocks); quantized: the model's layers are int4 / int8 (the CPU
+  // backend then runs a float head as int8 when it runs int4 layers with int8 activations).
+  virtual PackedLinear pack_lm_head(const Tensor& weight, bool quantized) = 0;
   // offset + w, as the backend's norms read it (Gemma's (1 + w) norms: offset 1).
   virtual DeviceVector upload_norm(const Tensor& w, float offset) = 0;
   virtual RopeTable upload_rope(const std::vector<float>& inv_freq, float attention_scaling) = 0;

@@ -10,6 +10,7 @@
 #include "core/check.h"
 #include "kernels/cpu/sampling.h"
 #include "model/backend.h"
+#include "model/ggml_blocks.h"
 #include "model/moe_routing.h"
 
 namespace lmkit {
@@ -49,6 +50,8 @@ class CpuBackend final : public Backend {
       if (t->is_int4()) {
         w = ops::pack_linear_int4(t->int4_source);
         w.int8_activations = options_.awq_int8_activations;
+      } else if (t->is_int8()) {
+        w = ops::pack_linear_int8(t->int8_source);
       } else {
         w = pack_dense(t->weight);
       }
@@ -76,14 +79,22 @@ class CpuBackend final : public Backend {
     return out;
   }
 
-  PackedLinear pack_lm_head(const Tensor& weight, bool has_int4) override {
+  PackedLinear pack_lm_head(const Tensor& weight, bool quantized) override {
     // With int8 activations, the lm_head (kept dense by int4 checkpoints; a third of SmolLM2's bytes) runs as int8 per 32
-    // values too, as llama.cpp's Q8_0 output does: half the bytes of fp16 at negligible error.
+    // values too, as llama.cpp's Q8_0 output does: half the bytes of fp16 at negligible error. A GGUF head runs
+    // in its own blocks.
     auto impl = std::make_shared<CpuLinear>();
     const bool int8 =
-        has_int4 && options_.awq_int8_activations && ops::int8_dot_available() && weight.shape[1] % 32 == 0;
-    impl->parts.push_back(int8 ? ops::weight_format_traits(ops::WeightFormat::Int8).pack_float(weight)
-                               : pack_dense(weight));
+        quantized && options_.awq_int8_activations && ops::int8_dot_available() && weight.shape[1] % 32 == 0;
+    if (weight.dtype == DType::Q8_0) {
+      impl->parts.push_back(ops::pack_linear_int8(ggml_int8_source(weight, nullptr, "lm_head")));
+    } else if (dtype_is_block(weight.dtype)) {
+      impl->parts.push_back(ops::pack_linear_int4(ggml_int4_source(weight, nullptr, "lm_head")));
+      impl->parts.back().int8_activations = options_.awq_int8_activations;
+    } else {
+      impl->parts.push_back(int8 ? ops::weight_format_traits(ops::WeightFormat::Int8).pack_float(weight)
+                                 : pack_dense(weight));
+    }
     PackedLinear out;
     out.n = impl->parts[0].n, out.k = impl->parts[0].k, out.size_bytes = impl->parts[0].size_bytes();
     out.impl = impl;
@@ -185,7 +196,15 @@ class CpuBackend final : public Backend {
 
   void embedding(int64_t rows, int64_t hidden, float scale, void* out) override {
     LMKIT_CHECK(embedding_.ndim == 2 && embedding_.shape[1] == hidden, "embedding table not set");
-    ops::embedding(embedding_, batch_->token_ids.data(), rows, f32(out));
+    if (dtype_is_block(embedding_.dtype)) {  // GGUF blocks: each row dequantized as it is looked up
+      for (int64_t t = 0; t < rows; ++t) {
+        const int32_t id = batch_->token_ids[t];
+        LMKIT_CHECK(id >= 0 && id < embedding_.shape[0], "embedding: token id ", id, " out of range");
+        ggml_dequantize_row(embedding_, id, f32(out) + t * hidden);
+      }
+    } else {
+      ops::embedding(embedding_, batch_->token_ids.data(), rows, f32(out));
+    }
     if (scale != 1.0f) ops::scale(f32(out), rows * hidden, scale);
   }
 

@@ -21,6 +21,12 @@ namespace lmkit {
 
 namespace {
 
+// GGUF block tensors (Q4_0, Q4_1, Q8_0) have no CUDA kernels yet.
+void refuse_blocks(const Tensor& t) {
+  LMKIT_CHECK_ARG(!dtype_is_block(t.dtype), "GGUF ", dtype_name(t.dtype),
+                  " weights are not supported by the CUDA backend yet; run them with device='cpu'");
+}
+
 constexpr int64_t kHeadRows = 64;  // logits are computed and consumed in groups of rows, as on the CPU
 constexpr int32_t kGraphBatchSizes[] = {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256};
 constexpr int32_t kMaxQueryHeadsPerKVHead = 16;  // the attention kernel's warps per CTA
@@ -167,7 +173,8 @@ class CudaBackend final : public Backend {
     return packed(impl);
   }
 
-  PackedLinear pack_lm_head(const Tensor& weight, bool /*has_int4: the lm_head stays in the activation dtype*/) override {
+  PackedLinear pack_lm_head(const Tensor& weight, bool /*quantized: the lm_head stays in the activation dtype*/) override {
+    refuse_blocks(weight);
     auto impl = std::make_shared<CudaLinear>();
     impl->w = cuda::upload_dense(weight, act_, stream_);
     lm_head_host_ = weight.data;
@@ -187,6 +194,7 @@ class CudaBackend final : public Backend {
   }
 
   void set_embedding(const Tensor& table) override {
+    refuse_blocks(table);
     LMKIT_CHECK(table.ndim == 2 && table.shape[0] == vocab_size_ && table.shape[1] == hidden_size_,
                 "the embedding table must be [", vocab_size_, ", ", hidden_size_, "]");
     // tied: one copy on the device, the lm_head's
@@ -452,6 +460,7 @@ class CudaBackend final : public Backend {
 // (an int4 part dequantized on the host: checkpoints that keep some of a fused group unquantized).
 cuda::Linear CudaBackend::upload_joined(const std::vector<const LinearTensors*>& parts) {
   LMKIT_CHECK(!parts.empty(), "a linear needs at least one part");
+  for (const LinearTensors* p : parts) refuse_blocks(p->weight);
   const bool all_int4 = std::all_of(parts.begin(), parts.end(), [](const LinearTensors* p) { return p->is_int4(); });
   const bool any_int4 = std::any_of(parts.begin(), parts.end(), [](const LinearTensors* p) { return p->is_int4(); });
   if (parts.size() == 1 && !any_int4) return cuda::upload_dense(parts[0]->weight, act_, stream_);

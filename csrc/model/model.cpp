@@ -22,10 +22,10 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   rope_tables_.push_back(b.upload_rope(c.inv_freq, c.attention_scaling));
   if (!c.inv_freq_local.empty()) rope_tables_.push_back(b.upload_rope(c.inv_freq_local, c.attention_scaling_local));
   auto norm = [&](const Tensor& t) { return t.is_empty() ? DeviceVector{} : b.upload_norm(t, offset); };
-  bool has_int4 = false;
+  bool quantized = false;
   for (int32_t i = 0; i < c.num_layers; ++i) {
     const LayerWeights& w = weights.layers[i];
-    for (const LinearTensors* t : w.linears()) has_int4 = has_int4 || t->is_int4();
+    for (const LinearTensors* t : w.linears()) quantized = quantized || t->is_int4() || t->is_int8();
     Layer l;
     if (!w.qkv_proj.is_empty())
       l.qkv = b.pack_linear({&w.qkv_proj}, {&w.q_bias, &w.k_bias, &w.v_bias});
@@ -66,7 +66,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     a.logit_softcap = c.attn_logit_softcap;
   }
   final_norm_ = norm(weights.final_norm);
-  lm_head_ = b.pack_lm_head(weights.lm_head, has_int4);
+  lm_head_ = b.pack_lm_head(weights.lm_head, quantized);
   b.set_embedding(weights.embed_tokens);
   b.weights_packed(weights);
 

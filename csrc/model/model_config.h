@@ -41,6 +41,9 @@ struct ModelConfig {
   // "pack_quantized"; "" for none) and its group size along the inputs (0: one group per row).
   std::string int4_layout;
   int32_t int4_group_size = 0;
+  // q_proj / k_proj rows hold each head's rotary pairs interleaved (llama.cpp's GGUF "llama" files): the loader
+  // reads them in HF's rotate_half order (model/ggml_blocks.h ggml_rotary_row_order).
+  bool qk_rotary_interleaved = false;
   // Mixture of experts (num_experts 0: none). layer_moe[i] 1: layer i's MLP is num_experts gated MLPs of
   // moe_intermediate_size behind a router: softmax over the experts, each row's num_experts_per_tok best,
   // renormalized to sum 1 when norm_topk_prob; 0: the dense MLP of intermediate_size. Empty: all dense.

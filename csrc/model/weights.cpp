@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "model/ggml_blocks.h"
 
 namespace lmkit {
 
@@ -47,16 +48,19 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   ModelWeights w;
   std::map<std::string, std::shared_ptr<MappedFile>> files;
 
-  // want: the one dtype allowed, or F32 to allow any float dtype
+  // want: the one dtype allowed, or F32 to allow any float dtype (and the GGUF block types with blocks_ok)
   auto get = [&](const std::string& role, std::vector<int64_t> shape, bool required = true,
-                 DType want = DType::F32) -> Tensor {
+                 DType want = DType::F32, bool blocks_ok = false) -> Tensor {
     auto it = sources.find(role);
     if (it == sources.end()) {
       LMKIT_CHECK_ARG(!required, config.architecture, ": checkpoint has no tensor for '", role, "'");
       return Tensor{};
     }
     const TensorSource& src = it->second;
-    if (want == DType::F32)
+    if (want == DType::F32 && blocks_ok)
+      LMKIT_CHECK_ARG(is_float(src.dtype) || dtype_is_block(src.dtype), config.architecture, ": tensor '", role,
+                      "' has dtype ", dtype_name(src.dtype), "; only F32, F16, BF16, Q4_0, Q4_1 and Q8_0 are supported");
+    else if (want == DType::F32)
       LMKIT_CHECK_ARG(is_float(src.dtype), config.architecture, ": tensor '", role, "' has dtype ",
                       dtype_name(src.dtype), "; only F32, F16 and BF16 weights are supported");
     else
@@ -64,6 +68,9 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
                       dtype_name(src.dtype), ", it must be ", dtype_name(want));
     LMKIT_CHECK_ARG(src.shape == shape, config.architecture, ": tensor '", role, "' has shape ", shape_str(src.shape),
                     ", the config implies ", shape_str(shape));
+    LMKIT_CHECK_ARG(!dtype_is_block(src.dtype) || (shape.size() == 2 && shape[1] % dtype_block_elems(src.dtype) == 0),
+                    config.architecture, ": tensor '", role, "' of ", dtype_name(src.dtype), " blocks has shape ",
+                    shape_str(shape), ": its rows must be whole blocks");
     auto& file = files[src.path];
     if (!file) file = std::make_shared<MappedFile>(src.path);
     Tensor t;
@@ -90,12 +97,23 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   auto is_int4 = [&](const std::string& role) {
     return layout != Int4Layout::None && sources.count(role + ".values") > 0;
   };
-  auto get_linear = [&](const std::string& role, int64_t N, int64_t K) -> LinearTensors {
+  // rows: the stored order of the outputs (GGUF llama q/k), or null
+  auto get_linear = [&](const std::string& role, int64_t N, int64_t K, const RowOrder& rows = nullptr) -> LinearTensors {
     LinearTensors t;
     if (!is_int4(role)) {
-      t.weight = get(role, {N, K});
+      t.weight = get(role, {N, K}, true, DType::F32, true);
+      const std::string what = config.architecture + ": " + role;
+      if (t.weight.dtype == DType::Q8_0) {
+        t.int8_source = ggml_int8_source(t.weight, rows, what);
+      } else if (dtype_is_block(t.weight.dtype)) {
+        t.int4_source = ggml_int4_source(t.weight, rows, what);
+      } else if (rows) {
+        w.owned.emplace_back();
+        t.weight = reorder_rows(t.weight, rows, w.owned.back());
+      }
       return t;
     }
+    LMKIT_CHECK_ARG(!rows, config.architecture, ": ", role, ": interleaved rotary rows in an int4 checkpoint layout");
     t.int4.layout = layout;
     t.int4.values = get_stored(role + ".values");
     t.int4.zeros = get_stored(role + ".zeros");
@@ -109,9 +127,11 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   const int64_t H = config.hidden_size, I = config.intermediate_size, V = config.vocab_size;
   const int64_t Q = config.q_size(), KV = config.kv_size(), D = config.head_dim;
   const bool is_gemma = config.family == "gemma";
-  w.embed_tokens = get("embed_tokens", {V, H});
+  w.embed_tokens = get("embed_tokens", {V, H}, true, DType::F32, true);
   w.final_norm = get("norm", {H});
-  w.lm_head = get("lm_head", {V, H}, !config.tie_word_embeddings);
+  w.lm_head = get("lm_head", {V, H}, !config.tie_word_embeddings, DType::F32, true);
+  const RowOrder q_rows = config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_heads, D) : nullptr;
+  const RowOrder k_rows = config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_kv_heads, D) : nullptr;
   if (w.lm_head.is_empty()) w.lm_head = w.embed_tokens;
   for (int32_t i = 0; i < config.num_layers; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
@@ -122,11 +142,15 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     l.post_mlp_norm = get(p + "post_mlp_norm", {H}, is_gemma);
     l.q_norm = get(p + "q_norm", {config.qk_norm_whole ? Q : D}, config.has_qk_norm);
     l.k_norm = get(p + "k_norm", {config.qk_norm_whole ? KV : D}, config.has_qk_norm);
+    LMKIT_CHECK_ARG(!config.qk_rotary_interleaved || !has(p + "qkv_proj"), config.architecture,
+                    ": interleaved rotary rows need separate q_proj and k_proj");
+    LMKIT_CHECK_ARG(!config.qk_rotary_interleaved || !config.has_qkv_bias, config.architecture,
+                    ": interleaved rotary rows with q/k biases are not supported");
     if (has(p + "qkv_proj")) {
       l.qkv_proj = get_linear(p + "qkv_proj", Q + 2 * KV, H);
     } else {
-      l.q_proj = get_linear(p + "q_proj", Q, H);
-      l.k_proj = get_linear(p + "k_proj", KV, H);
+      l.q_proj = get_linear(p + "q_proj", Q, H, q_rows);
+      l.k_proj = get_linear(p + "k_proj", KV, H, k_rows);
       l.v_proj = get_linear(p + "v_proj", KV, H);
     }
     l.q_bias = get(p + "q_bias", {Q}, config.has_qkv_bias);

@@ -38,13 +38,16 @@ class MappedFile {
   int64_t size_ = 0;
 };
 
-// One linear layer as stored: a dense weight, or int4 tensors in one of the layouts of model/int4_layouts.h
-// (then `int4_source` reads them, num_out x num_in).
+// One linear layer as stored: a dense weight, int4 tensors in one of the layouts of model/int4_layouts.h, or a
+// GGUF block tensor (model/ggml_blocks.h); the quantized ones are read through `int4_source` / `int8_source`
+// (num_out x num_in).
 struct LinearTensors {
-  Tensor weight;      // [out, in] F32/F16/BF16; empty for int4
-  Int4Tensors int4;   // layout None for a dense weight
-  Int4Source int4_source;
-  bool is_int4() const { return int4.layout != Int4Layout::None; }
+  Tensor weight;      // [out, in] F32/F16/BF16, or Q4_0/Q4_1/Q8_0 blocks; empty for an int4 layout
+  Int4Tensors int4;   // layout None unless a checkpoint int4 layout
+  Int4Source int4_source;  // int4 layouts, Q4_0, Q4_1
+  Int8Source int8_source;  // Q8_0
+  bool is_int4() const { return int4_source.read_group != nullptr; }
+  bool is_int8() const { return int8_source.read_block != nullptr; }
   bool is_empty() const { return weight.is_empty() && !is_int4(); }
   int64_t num_out() const { return is_int4() ? int4_source.num_out : weight.shape[0]; }
   int64_t num_in() const { return is_int4() ? int4_source.num_in : weight.shape[1]; }
@@ -88,6 +91,7 @@ struct ModelWeights {
   Tensor lm_head;       // [vocab, hidden]; the embedding when tied
   std::vector<LayerWeights> layers;
   std::vector<std::shared_ptr<MappedFile>> files;  // keep the mappings alive
+  std::vector<std::shared_ptr<void>> owned;        // row-reordered copies (GGUF llama q/k in a float dtype)
   int64_t size_bytes = 0;
 
   // Roles: "embed_tokens", "norm", "lm_head" (optional when tied), and per layer i "layers.{i}." +
@@ -97,7 +101,8 @@ struct ModelWeights {
   // "experts.{e}." + gate_proj, up_proj, down_proj for every expert e.
   // An int4 linear (config.int4_layout set) comes as "<role>.values", "<role>.zeros", "<role>.scales" and
   // "<role>.g_idx" (the layout's tensors, model/int4_layouts.h; zeros and g_idx where it has them) instead of
-  // "<role>"; linears left dense (modules_to_not_convert, ignore lists) keep the plain role.
+  // "<role>"; linears left dense (modules_to_not_convert, ignore lists) keep the plain role. Linears, the
+  // embedding and the lm_head may also be GGUF block tensors (dtype Q4_0, Q4_1, Q8_0) under the plain role.
   static ModelWeights load(const ModelConfig& config, const std::map<std::string, TensorSource>& sources);
 
   // Once a backend has packed the linear layers (and the lm_head) into buffers of its own, their file pages

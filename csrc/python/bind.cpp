@@ -26,7 +26,10 @@ DType parse_dtype(const std::string& s) {
   if (s == "I32") return DType::I32;
   if (s == "I8") return DType::I8;
   if (s == "U8") return DType::U8;
-  throw InvalidArgument("unsupported safetensors dtype " + s);
+  if (s == "Q4_0") return DType::Q4_0;
+  if (s == "Q4_1") return DType::Q4_1;
+  if (s == "Q8_0") return DType::Q8_0;
+  throw InvalidArgument("unsupported tensor dtype " + s);
 }
 
 // Engine objects die without the GIL: shutdown joins the callback thread, which may be waiting for it.
@@ -96,6 +99,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("max_position_embeddings", &ModelConfig::max_position_embeddings)
       .def_readwrite("int4_layout", &ModelConfig::int4_layout)
       .def_readwrite("int4_group_size", &ModelConfig::int4_group_size)
+      .def_readwrite("qk_rotary_interleaved", &ModelConfig::qk_rotary_interleaved)
       .def_readwrite("qk_norm_whole", &ModelConfig::qk_norm_whole)
       .def_readwrite("num_experts", &ModelConfig::num_experts)
       .def_readwrite("num_experts_per_tok", &ModelConfig::num_experts_per_tok)

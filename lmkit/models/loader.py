@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmkit.models import gguf_file
 from lmkit.models.architecture import Architecture, ModelFields
 from lmkit.models.quant_config import Int4Settings, int4_settings
 from lmkit.models.registry import get_architecture
@@ -32,6 +33,8 @@ class ModelSpec(ModelFields):
     config: dict  # config.json as read
     eos_token_ids: list[int]
     int4: Int4Settings | None = None  # how the int4 linears are stored; None: a float checkpoint
+    gguf: Path | None = None  # the GGUF file the tensors come from (path is then its view folder, gguf_file.py)
+    qk_rotary_interleaved: bool = False  # q/k rows in llama.cpp's interleaved rotary order (GGUF llama files)
     generation_defaults: dict = field(default_factory=dict)
     """GenerationConfig fields the model's generation_config.json sets (see read_generation_defaults)."""
     sources: dict[str, TensorEntry] = field(repr=False, default_factory=dict)
@@ -69,6 +72,7 @@ class ModelSpec(ModelFields):
             layer_moe=list(self.layer_moe),
             int4_layout=self.int4.layout if self.int4 else "",
             int4_group_size=self.int4.group_size if self.int4 else 0,
+            qk_rotary_interleaved=self.qk_rotary_interleaved,
         )
         return values
 
@@ -155,7 +159,14 @@ def load_model_spec(path: Path) -> ModelSpec:
         eos += [t for t in _as_id_list(gen.get("eos_token_id")) if t not in eos]
     generation_defaults = read_generation_defaults(path, cfg, gen)
 
-    sources = map_tensors(arch, index_folder(path), fields.num_layers, int4, path, fields.num_experts)
+    gguf = None
+    if gguf_file.is_view(path):
+        gguf = gguf_file.view_source(path)
+        if int4 is not None:
+            raise ValueError(f"{cfg_path}: a GGUF view has a quantization_config")
+        sources = gguf_sources(arch, gguf, fields.num_layers, fields.num_experts)
+    else:
+        sources = map_tensors(arch, index_folder(path), fields.num_layers, int4, path, fields.num_experts)
     if fields.tie_word_embeddings:
         sources.pop("lm_head", None)  # HF uses the embedding even when a copy was saved
     return ModelSpec(
@@ -165,6 +176,8 @@ def load_model_spec(path: Path) -> ModelSpec:
         config=cfg,
         eos_token_ids=eos,
         int4=int4,
+        gguf=gguf,
+        qk_rotary_interleaved=gguf is not None and gguf_file.gguf_arch_of(cfg) in gguf_file.QK_INTERLEAVED,
         generation_defaults=generation_defaults,
         sources=sources,
     )
@@ -206,3 +219,25 @@ def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers:
         raise ValueError(f"{path}: tensors that lmkit's {arch.name} does not use: {', '.join(unknown[:5])}{more} "
                          "(a checkpoint variant its module lmkit/models/ does not know)")
     return sources
+
+
+def gguf_sources(arch: Architecture, gguf: Path, num_layers: int, num_experts: int = 0) -> dict[str, TensorEntry]:
+    """Engine role -> tensor of a GGUF file: the architecture's key map (role -> HF name) through the gguf package's
+    name table (HF name -> GGUF name). Raises ValueError naming the tensors no role takes."""
+    if num_experts:
+        raise gguf_file.GgufError(f"{gguf}: mixture-of-experts GGUF files are not supported yet")
+    tensors = gguf_file.gguf_tensors(gguf)
+    hf_names = {}
+    for role, key in arch.key_map.items():
+        for i in range(num_layers) if "{i}" in role else [None]:
+            r, k = (role, key) if i is None else (role.format(i=i), key.format(i=i))
+            hf_names[k] = r
+    gguf_of = gguf_file.hf_to_gguf_names(hf_names, gguf_file.gguf_arch_of_architecture(arch.name), num_layers)
+    by_hf = {gguf_name: hf for hf, gguf_name in gguf_of.items()}
+    renamed = {by_hf[name]: entry for name, entry in tensors.items() if name in by_hf}
+    unknown = sorted(name for name in tensors if name not in by_hf)
+    if unknown:
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise gguf_file.GgufError(f"{gguf}: tensors that lmkit's {arch.name} does not use: {', '.join(unknown[:5])}"
+                                  f"{more}")
+    return map_tensors(arch, renamed, num_layers, None, gguf, num_experts)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+# GGUF block types the engine runs (lmkit/models/gguf_file.py): values per block, bytes per block
+BLOCK_TYPES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
@@ -20,6 +22,17 @@ class TensorEntry:
     offset: int
     dtype: str
     shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor as stored (block types: whole blocks)."""
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        if self.dtype in BLOCK_TYPES:
+            values, size = BLOCK_TYPES[self.dtype]
+            return numel // values * size
+        return numel * _DTYPE_BYTES[self.dtype]
 
     def as_source(self) -> tuple:
         """The (path, offset, dtype, shape) tuple lmkit._engine.Engine takes."""

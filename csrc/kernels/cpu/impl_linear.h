@@ -237,15 +237,20 @@ void linear(const float* x, int64_t M, const void* w, DType dt, int64_t N, int64
 //   - decode (M small): a tile unpacks each k of a quad in registers (no dequantized copy anywhere),
 //     or, with int8 activations on a VNNI CPU, runs integer dot products (linear_int4_q8 below);
 //   - prefill: a K block of the panel is dequantized once into the L1 buffer and reused by every tile.
+// With offsets (ops::LinearWeight::int4_offsets: GGUF Q4_1), the zeros are fp16 offsets instead:
+//   scales [32] fp16 | offsets [32] fp16 | quads;   w[k, j] = q * scale + offset
 constexpr int64_t kI4Head = kPanel * 3;  // scales (2 B) + zeros (1 B) per column
+constexpr int64_t kI4HeadOffsets = kPanel * 4;  // scales (2 B) + offsets (2 B) per column
 constexpr int64_t kI4Quad = 64;          // 4 k x 32 columns of nibbles
-inline int64_t i4_group_bytes(int64_t g) { return kI4Head + g / 4 * kI4Quad; }
+inline int64_t i4_head_bytes(bool offsets) { return offsets ? kI4HeadOffsets : kI4Head; }
+inline int64_t i4_group_bytes(int64_t g, bool offsets) { return i4_head_bytes(offsets) + g / 4 * kI4Quad; }
 
-// The group's scale and -zero * scale per column vector.
-__attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, V s[kNV], V nzs[kNV]) {
+// The group's scale and -zero * scale (or its offset) per column vector.
+__attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, bool offsets, V s[kNV], V nzs[kNV]) {
   for (int v = 0; v < kNV; ++v) {
     s[v] = vload_f16((const uint16_t*)blk + v * kW);
-    nzs[v] = vzero() - s[v] * vload_u8(blk + kPanel * 2 + v * kW);
+    nzs[v] = offsets ? vload_f16((const uint16_t*)(blk + kPanel * 2) + v * kW)
+                     : vzero() - s[v] * vload_u8(blk + kPanel * 2 + v * kW);
   }
 }
 // The 32 dequantized weights of k = 4t + i of a quad.
@@ -256,20 +261,20 @@ __attribute__((always_inline)) inline void i4_row(const uint8_t* quad, int i, co
 
 // c[i, 0:ncols] = bias + x[i, 0:K] . W_panel for i < MR, dequantizing in registers.
 template <int MR>
-inline void i4_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g, float* c, int64_t ldc,
-                    int ncols, const float* bias) {
+inline void i4_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g, bool offsets, float* c,
+                    int64_t ldc, int ncols, const float* bias) {
   constexpr int KU = MR <= 2 ? 2 : 1;  // hide the FMA latency of short chains
   V acc[KU][MR][kNV];
   for (int u = 0; u < KU; ++u)
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < kNV; ++v) acc[u][i][v] = vzero();
-  const int64_t gb = i4_group_bytes(g);
+  const int64_t gb = i4_group_bytes(g, offsets), head = i4_head_bytes(offsets);
   for (int64_t k0 = 0; k0 < K; k0 += g) {
     const uint8_t* blk = panel + (k0 / g) * gb;
     V s[kNV], nzs[kNV];
-    i4_group_params(blk, s, nzs);
+    i4_group_params(blk, offsets, s, nzs);
     for (int64_t t = 0; t < g / 4; ++t) {
-      const uint8_t* quad = blk + kI4Head + t * kI4Quad;
+      const uint8_t* quad = blk + head + t * kI4Quad;
       prefetch(quad + kPrefetchBytes);
       for (int r0 = 0; r0 < 4; r0 += KU) {
 #pragma GCC unroll 2
@@ -300,22 +305,22 @@ inline void i4_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t K
 }
 
 template <int MR = kMRMax>
-inline void i4_tile_n(int mr, const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g, float* c,
-                      int64_t ldc, int ncols, const float* bias) {
-  if (mr == MR) i4_tile<MR>(x, ldx, panel, K, g, c, ldc, ncols, bias);
-  else if constexpr (MR > 1) i4_tile_n<MR - 1>(mr, x, ldx, panel, K, g, c, ldc, ncols, bias);
+inline void i4_tile_n(int mr, const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g, bool offsets,
+                      float* c, int64_t ldc, int ncols, const float* bias) {
+  if (mr == MR) i4_tile<MR>(x, ldx, panel, K, g, offsets, c, ldc, ncols, bias);
+  else if constexpr (MR > 1) i4_tile_n<MR - 1>(mr, x, ldx, panel, K, g, offsets, c, ldc, ncols, bias);
 }
 
 // bp[k][j] = w[k0 + k, j] as fp32 for k < kc (k0 and kc multiples of g).
-inline void i4_convert(const uint8_t* panel, int64_t g, int64_t k0, int64_t kc, float* bp) {
-  const int64_t gb = i4_group_bytes(g);
+inline void i4_convert(const uint8_t* panel, int64_t g, bool offsets, int64_t k0, int64_t kc, float* bp) {
+  const int64_t gb = i4_group_bytes(g, offsets), head = i4_head_bytes(offsets);
   for (int64_t k = k0; k < k0 + kc; k += g) {
     const uint8_t* blk = panel + (k / g) * gb;
     V s[kNV], nzs[kNV];
-    i4_group_params(blk, s, nzs);
+    i4_group_params(blk, offsets, s, nzs);
     for (int64_t r = 0; r < g; ++r) {
       V w[kNV];
-      i4_row(blk + kI4Head + r / 4 * kI4Quad, (int)(r % 4), s, nzs, w);
+      i4_row(blk + head + r / 4 * kI4Quad, (int)(r % 4), s, nzs, w);
       for (int v = 0; v < kNV; ++v) vstore(bp + (k - k0 + r) * kPanel + v * kW, w[v]);
     }
   }
@@ -323,9 +328,9 @@ inline void i4_convert(const uint8_t* panel, int64_t g, int64_t k0, int64_t kc, 
 
 constexpr int64_t kI4ConvertMinRows = 2 * kMRMax + 1;  // from here on, dequantizing into L1 once wins
 
-void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, const float* bias,
-                 float* out) {
-  const int64_t panel_bytes = K / g * i4_group_bytes(g);
+void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, bool offsets,
+                 const float* bias, float* out) {
+  const int64_t panel_bytes = K / g * i4_group_bytes(g, offsets);
   const int64_t kcb = kKC / g * g;  // K block: whole groups
   const int64_t mblock = m_block_rows(K);
   const bool convert = (M < mblock ? M : mblock) >= kI4ConvertMinRows;
@@ -336,13 +341,13 @@ void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K,
     const float* xb = x + mb * K;
     if (!convert) {
       for_each_tile<kMRMax>(rows, [&](int64_t m, int mr) {
-        i4_tile_n(mr, xb + m * K, K, panel, K, g, c + m * N, N, ncols, bias_tile);
+        i4_tile_n(mr, xb + m * K, K, panel, K, g, offsets, c + m * N, N, ncols, bias_tile);
       });
       return;
     }
     for (int64_t k0 = 0; k0 < K; k0 += kcb) {
       const int64_t kc = K - k0 < kcb ? K - k0 : kcb;
-      i4_convert(panel, g, k0, kc, bp);
+      i4_convert(panel, g, offsets, k0, kc, bp);
       panel_rows<(int)DType::F32, false, kMRTall>(xb + k0, K, rows, bp, kc, c, N, ncols, k0 == 0, bias_tile);
     }
   });
@@ -389,8 +394,8 @@ inline void q8_quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, fl
 
 template <int MR>
 LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                               int64_t g, float* c, int64_t ldc, int ncols, const float* bias) {
-  const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g);
+                               int64_t g, bool offsets, float* c, int64_t ldc, int ncols, const float* bias) {
+  const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g, offsets), head = i4_head_bytes(offsets);
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   __m512 tot[MR][2];
   for (int i = 0; i < MR; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
@@ -399,13 +404,15 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
     __m512 s[2], zs[2];
     for (int v = 0; v < 2; ++v) {
       s[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
-      zs[v] = _mm512_mul_ps(s[v], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)))));
+      zs[v] = offsets  // zero * scale, or minus the offset
+                  ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 64 + 32 * v))))
+                  : _mm512_mul_ps(s[v], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)))));
     }
     for (int64_t b = 0; b < g / kQ8Block; ++b) {
       const int64_t kb = (k0 / kQ8Block) + b;
       __m512i acc[MR][2];
       for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
-      const uint8_t* quads = blk + kI4Head + b * (kQ8Block / 4) * kI4Quad;
+      const uint8_t* quads = blk + head + b * (kQ8Block / 4) * kI4Quad;
 #pragma GCC unroll 8
       for (int t = 0; t < kQ8Block / 4; ++t) {
         const __m512i raw = _mm512_loadu_si512(quads + t * kI4Quad);
@@ -489,12 +496,13 @@ LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float
 // g > 0: int4 panels with group size g; g == 0: int8 panels.
 template <int MR = kQ8MR>
 LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K,
-                                 const uint8_t* panel, int64_t g, float* c, int64_t ldc, int ncols, const float* bias) {
+                                 const uint8_t* panel, int64_t g, bool offsets, float* c, int64_t ldc, int ncols,
+                                 const float* bias) {
   if (mr == MR) {
-    if (g > 0) q8_tile<MR>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias);
+    if (g > 0) q8_tile<MR>(qx, dx, sx, K, panel, g, offsets, c, ldc, ncols, bias);
     else q8_tile_i8<MR>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
   } else if constexpr (MR > 1) {
-    q8_tile_n<MR - 1>(mr, qx, dx, sx, K, panel, g, c, ldc, ncols, bias);
+    q8_tile_n<MR - 1>(mr, qx, dx, sx, K, panel, g, offsets, c, ldc, ncols, bias);
   }
 }
 
@@ -548,8 +556,8 @@ inline void q8_quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, fl
 // tot[i][0:32] += this int4 panel's sums (group size g) for rows i < MR.
 template <int MR>
 inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel, int64_t g,
-                       float (*tot)[kPanel]) {
-  const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g);
+                       bool offsets, float (*tot)[kPanel]) {
+  const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g, offsets), head = i4_head_bytes(offsets);
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   for (int64_t k0 = 0; k0 < K; k0 += g) {
     const uint8_t* blk = panel + (k0 / g) * gb;
@@ -558,7 +566,7 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
       __m256i acc[MR][4];
       for (int i = 0; i < MR; ++i)
         for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_si256();
-      const uint8_t* quads = blk + kI4Head + b * (kQ8Block / 4) * kI4Quad;
+      const uint8_t* quads = blk + head + b * (kQ8Block / 4) * kI4Quad;
 #pragma GCC unroll 8
       for (int t = 0; t < kQ8Block / 4; ++t) {
         _mm_prefetch((const char*)(quads + t * kI4Quad + kPrefetchBytes), _MM_HINT_T0);
@@ -579,10 +587,13 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
       }
       for (int v = 0; v < 4; ++v) {
         const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v)));
-        const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 64 + 8 * v))));
+        // zero * scale, or minus the offset
+        const __m256 zs =
+            offsets ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v))))
+                    : _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 64 + 8 * v)))));
         for (int i = 0; i < MR; ++i) {
           const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][v], ones));
-          const __m256 f = _mm256_mul_ps(s, _mm256_fnmadd_ps(z, _mm256_set1_ps(sx[i * nb + kb]), dot));
+          const __m256 f = _mm256_fnmadd_ps(zs, _mm256_set1_ps(sx[i * nb + kb]), _mm256_mul_ps(s, dot));
           _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + kb]), f,
                                                            _mm256_loadu_ps(tot[i] + 8 * v)));
         }
@@ -634,25 +645,25 @@ inline void q8_tile_i8(const int8_t* qx, const float* dx, int64_t K, const uint8
 // g > 0: int4 panels with group size g; g == 0: int8 panels.
 template <int MR = kQ8MR>
 inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                      int64_t g, float* c, int64_t ldc, int ncols, const float* bias) {
+                      int64_t g, bool offsets, float* c, int64_t ldc, int ncols, const float* bias) {
   if (mr == MR) {
     alignas(32) float tot[MR][kPanel] = {};
-    if (g > 0) q8_tile_i4<MR>(qx, dx, sx, K, panel, g, tot);
+    if (g > 0) q8_tile_i4<MR>(qx, dx, sx, K, panel, g, offsets, tot);
     else q8_tile_i8<MR>(qx, dx, K, panel, tot);
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < ncols; ++j) c[i * ldc + j] = bias ? tot[i][j] + bias[j] : tot[i][j];
   } else if constexpr (MR > 1) {
-    q8_tile_n<MR - 1>(mr, qx, dx, sx, K, panel, g, c, ldc, ncols, bias);
+    q8_tile_n<MR - 1>(mr, qx, dx, sx, K, panel, g, offsets, c, ldc, ncols, bias);
   }
 }
 #endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 // out = x @ w^T (+ bias) with int8 activations over int4 (g > 0) or int8 (g == 0) panels; K % 32 == 0.
-LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,
+LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, bool offsets,
                           const float* bias, float* out) {
   const int64_t nb = K / kQ8Block;
-  const int64_t panel_bytes = g > 0 ? K / g * i4_group_bytes(g) : nb * (kPanel * 2 + kQ8Block * kPanel);
+  const int64_t panel_bytes = g > 0 ? K / g * i4_group_bytes(g, offsets) : nb * (kPanel * 2 + kQ8Block * kPanel);
   thread_local ScratchBuffer scratch;  // dx, sx, then qx
   float* dx = (float*)scratch.get((size_t)(2 * M * nb * 4 + M * K));
   int8_t* qx = (int8_t*)(dx + 2 * M * nb);
@@ -664,15 +675,16 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
   for_each_panel(M, N, K, M, bias, [&](int64_t, int64_t, int64_t p, int ncols, const float* bias_tile, float*) {
     const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
     for_each_tile<kQ8MR>(M, [&](int64_t m, int mr) {
-      q8_tile_n(mr, qx + m * K, dx + m * nb, sx + m * nb, K, panel, g, out + m * N + p * kPanel, N, ncols, bias_tile);
+      q8_tile_n(mr, qx + m * K, dx + m * nb, sx + m * nb, K, panel, g, offsets, out + m * N + p * kPanel, N, ncols,
+                bias_tile);
     });
   });
 }
-void linear_int4_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, const float* bias,
-                    float* out) {
-  linear_q8(x, M, w, N, K, g, bias, out);
+void linear_int4_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, bool offsets,
+                    const float* bias, float* out) {
+  linear_q8(x, M, w, N, K, g, offsets, bias, out);
 }
 void linear_int8_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
-  linear_q8(x, M, w, N, K, 0, bias, out);
+  linear_q8(x, M, w, N, K, 0, false, bias, out);
 }
 #endif

@@ -103,27 +103,35 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
   packed.n = N;
   packed.k = K;
   packed.input_perm = source.input_perm;
+  packed.int4_offsets = source.has_offsets();
   packed.storage = alloc_packed(packed.size_bytes(), "an int4 weight");
   constexpr int64_t P = kLinearPanelCols;
-  const int64_t group_bytes = P * 3 + g * P / 2, num_panels = (N + P - 1) / P;
+  const int64_t head = packed.int4_offsets ? 4 * P : 3 * P;  // scales, then u8 zeros or fp16 offsets
+  const int64_t group_bytes = head + g * P / 2, num_panels = (N + P - 1) / P;
   uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
   auto pack_range = [&](int64_t p0, int64_t p1) {
     std::vector<uint8_t> q(g * P), zeros(P);
-    std::vector<uint16_t> scales(P);
+    std::vector<uint16_t> scales(P), offsets(P);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t count = std::min(P, N - p * P);  // columns past count: zero scales and zeros (q is not read)
       std::fill(zeros.begin(), zeros.end(), 0);
       std::fill(scales.begin(), scales.end(), 0);
+      std::fill(offsets.begin(), offsets.end(), 0);
       for (int64_t gi = 0; gi < K / g; ++gi) {
         source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
         uint8_t* blk = dst + (p * (K / g) + gi) * group_bytes;
         std::memcpy(blk, scales.data(), 2 * P);
-        std::memcpy(blk + 2 * P, zeros.data(), P);
+        if (packed.int4_offsets) {
+          source.read_offsets(gi, p * P, count, offsets.data());
+          std::memcpy(blk + 2 * P, offsets.data(), 2 * P);
+        } else {
+          std::memcpy(blk + 2 * P, zeros.data(), P);
+        }
         // quads of 4 k: byte i of 32-bit lane j = q[k0 + i, j] | q[k0 + i, j + 16] << 4
         for (int64_t r = 0; r < g; ++r)
           for (int64_t j = 0; j < P / 2; ++j) {
             const uint8_t lo = j < count ? q[r * count + j] : 0, hi = j + P / 2 < count ? q[r * count + j + P / 2] : 0;
-            blk[3 * P + (r / 4) * 64 + 4 * j + r % 4] = (uint8_t)((lo & 15u) | (hi & 15u) << 4);
+            blk[head + (r / 4) * 64 + 4 * j + r % 4] = (uint8_t)((lo & 15u) | (hi & 15u) << 4);
           }
       }
     }
@@ -181,7 +189,7 @@ LinearWeight concat_linear(const std::vector<const LinearWeight*>& parts) {
     LMKIT_CHECK(!w.is_empty(), "concat_linear: part ", i, " is empty");
     const bool same = w.format == first.format && w.k == first.k && w.dtype == first.dtype &&
                       w.group_size == first.group_size && w.int8_activations == first.int8_activations &&
-                      same_perm(w.input_perm, first.input_perm);
+                      w.int4_offsets == first.int4_offsets && same_perm(w.input_perm, first.input_perm);
     if (!same || (i + 1 < parts.size() && w.n % kLinearPanelCols != 0)) return {};
     fused.n += w.n;
   }
@@ -222,45 +230,65 @@ void gather_weights(const std::vector<LinearWeight*>& weights) {
   }
 }
 
-LinearWeight pack_linear_int8(const Tensor& weight) {
-  cpu::check_weight(weight, "pack_linear_int8", "weight");
-  LMKIT_CHECK(weight.ndim == 2 && weight.shape[1] % 32 == 0 && weight.shape[0] > 0,
-              "pack_linear_int8: weight must be [N, K] with K a multiple of 32, got ", shape_str(weight));
+LinearWeight pack_linear_int8(const Int8Source& source) {
+  const int64_t N = source.num_out, K = source.num_in;
+  LMKIT_CHECK_ARG(N > 0 && K > 0 && K % 32 == 0, "int8: weight must be [N, K] with K a multiple of 32, got [", N,
+                  ", ", K, "]");
+  LMKIT_CHECK_ARG(source.read_block != nullptr, "int8: the source has no reader");
   LMKIT_CHECK(int8_dot_available(), "pack_linear_int8: this CPU has no int8 dot-product kernels (AVX2 or AVX-512)");
   LinearWeight packed;
   packed.format = WeightFormat::Int8;
   packed.dtype = DType::F16;
-  packed.n = weight.shape[0];
-  packed.k = weight.shape[1];
+  packed.n = N;
+  packed.k = K;
   packed.storage = alloc_packed(packed.size_bytes(), "an int8 weight");
   constexpr int64_t P = kLinearPanelCols, B = 32, block_bytes = P * 2 + B * P;
-  const int64_t N = packed.n, K = packed.k, nb = K / B, num_panels = (N + P - 1) / P;
+  const int64_t nb = K / B, num_panels = (N + P - 1) / P;
   uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
   auto pack_range = [&](int64_t p0, int64_t p1) {
-    float w[B];
-    for (int64_t p = p0; p < p1; ++p)
+    std::vector<int8_t> q(B * P);
+    std::vector<uint16_t> scales(P);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t count = std::min(P, N - p * P);  // columns past count: scale 0, u8 128
       for (int64_t b = 0; b < nb; ++b) {
+        std::fill(scales.begin(), scales.end(), 0);
+        source.read_block(b, p * P, count, q.data(), scales.data());
         uint8_t* blk = dst + (p * nb + b) * block_bytes;
-        for (int64_t j = 0; j < P; ++j) {
-          const int64_t n = p * P + j;
-          float amax = 0.0f;
-          for (int64_t i = 0; i < B; ++i) {
-            w[i] = n < N ? float_value(weight, n * K + b * B + i) : 0.0f;
-            amax = std::max(amax, std::fabs(w[i]));
-          }
-          const uint16_t dh = f32_to_f16(amax / 127.0f);
-          const float d = f16_to_f32(dh);
-          std::memcpy(blk + 2 * j, &dh, 2);
-          for (int64_t i = 0; i < B; ++i) {
-            const float q = d == 0.0f ? 0.0f : std::clamp(std::nearbyint(w[i] / d), -127.0f, 127.0f);
-            // quad t = i / 4, half h = j / 16: byte i % 4 of lane j % 16
-            blk[2 * P + (i / 4) * 128 + (j / 16) * 64 + (j % 16) * 4 + i % 4] = (uint8_t)((int)q + 128);
-          }
-        }
+        std::memcpy(blk, scales.data(), 2 * P);
+        for (int64_t j = 0; j < P; ++j)
+          for (int64_t i = 0; i < B; ++i)  // quad t = i / 4, half h = j / 16: byte i % 4 of lane j % 16
+            blk[2 * P + (i / 4) * 128 + (j / 16) * 64 + (j % 16) * 4 + i % 4] =
+                (uint8_t)((j < count ? (int)q[i * count + j] : 0) + 128);
       }
+    }
   };
   for_panel_ranges(num_panels, pack_range);
   return packed;
+}
+
+LinearWeight pack_linear_int8(const Tensor& weight) {
+  cpu::check_weight(weight, "pack_linear_int8", "weight");
+  LMKIT_CHECK(weight.ndim == 2 && weight.shape[1] % 32 == 0 && weight.shape[0] > 0,
+              "pack_linear_int8: weight must be [N, K] with K a multiple of 32, got ", shape_str(weight));
+  // quantized per 32 values as llama.cpp's Q8_0: d = fp16(max |w| / 127), q = round(w / d) (half to even)
+  Int8Source source;
+  source.num_out = weight.shape[0];
+  source.num_in = weight.shape[1];
+  const int64_t K = source.num_in;
+  source.read_block = [&weight, K](int64_t b, int64_t n0, int64_t count, int8_t* q, uint16_t* scales) {
+    for (int64_t c = 0; c < count; ++c) {
+      float w[32], amax = 0.0f;
+      for (int64_t i = 0; i < 32; ++i) {
+        w[i] = float_value(weight, (n0 + c) * K + b * 32 + i);
+        amax = std::max(amax, std::fabs(w[i]));
+      }
+      scales[c] = f32_to_f16(amax / 127.0f);
+      const float d = f16_to_f32(scales[c]);
+      for (int64_t i = 0; i < 32; ++i)
+        q[i * count + c] = (int8_t)(d == 0.0f ? 0.0f : std::clamp(std::nearbyint(w[i] / d), -127.0f, 127.0f));
+    }
+  };
+  return pack_linear_int8(source);
 }
 
 void linear(const float* x, int64_t M, const LinearWeight& weight, const Tensor& bias, float* out) {
@@ -377,14 +405,14 @@ void run_dense(const float* x, int64_t M, const LinearWeight& w, const float* b,
 }
 void run_int4(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
   const cpu::KernelTable* amx =
-      w.int8_activations && M >= kLinearAmxInt8MinRows ? cpu::amx_int8_table_in_use() : nullptr;
+      w.int8_activations && !w.int4_offsets && M >= kLinearAmxInt8MinRows ? cpu::amx_int8_table_in_use() : nullptr;
   const cpu::KernelTable* q8 = w.int8_activations ? cpu::q8_table() : nullptr;
   if (amx != nullptr)
     amx->linear_int4_amx(x, M, w.storage.get(), w.n, w.k, w.group_size, b, out);
   else if (q8 != nullptr)
-    q8->linear_int4_q8(x, M, w.storage.get(), w.n, w.k, w.group_size, b, out);
+    q8->linear_int4_q8(x, M, w.storage.get(), w.n, w.k, w.group_size, w.int4_offsets, b, out);
   else
-    cpu::active().linear_int4(x, M, w.storage.get(), w.n, w.k, w.group_size, b, out);
+    cpu::active().linear_int4(x, M, w.storage.get(), w.n, w.k, w.group_size, w.int4_offsets, b, out);
 }
 void run_int8(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
   cpu::q8_table()->linear_int8_q8(x, M, w.storage.get(), w.n, w.k, b, out);
@@ -403,13 +431,14 @@ const WeightFormatTraits kWeightFormats[] = {
      [](const LinearWeight& w) { return num_panels(w) * kLinearPanelCols * w.k * dtype_size_bytes(w.dtype); },
      pack_linear, [] { return (const char*)nullptr; }, run_dense},
     {WeightFormat::Int4, "int4",
-     [](const LinearWeight& w) {  // per group: fp16 scale + u8 zero per column, then the nibbles
-       return num_panels(w) * (w.k / w.group_size) * (kLinearPanelCols * 3 + (int64_t)w.group_size / 4 * 64);
+     [](const LinearWeight& w) {  // per group: fp16 scale + u8 zero (or fp16 offset) per column, then the nibbles
+       return num_panels(w) * (w.k / w.group_size) *
+              (kLinearPanelCols * (w.int4_offsets ? 4 : 3) + (int64_t)w.group_size / 4 * 64);
      },
      nullptr, [] { return (const char*)nullptr; }, run_int4},
     {WeightFormat::Int8, "int8",
      [](const LinearWeight& w) { return num_panels(w) * (w.k / 32) * (kLinearPanelCols * 2 + 32 * kLinearPanelCols); },
-     pack_linear_int8, needs_int8_dot, run_int8},
+     [](const Tensor& w) { return pack_linear_int8(w); }, needs_int8_dot, run_int8},
     {WeightFormat::Bf16Pairs, "bf16_pairs",
      [](const LinearWeight& w) { return num_panels(w) * ((w.k + 1) / 2) * kLinearPanelCols * 4; },
      pack_linear_bf16, needs_bf16_dot, run_bf16_pairs},

@@ -1,0 +1,125 @@
+#include "model/ggml_blocks.h"
+
+#include <cstring>
+
+#include "core/check.h"
+
+namespace lmkit {
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// The bytes of block b of stored row r.
+const uint8_t* block_at(const Tensor& t, int64_t r, int64_t b) {
+  const int64_t row_bytes = t.shape[1] / kBlock * dtype_block_bytes(t.dtype);
+  return t.ptr<const uint8_t>() + r * row_bytes + b * dtype_block_bytes(t.dtype);
+}
+
+int64_t stored_row(const RowOrder& rows, int64_t n) { return rows ? (*rows)[n] : n; }
+
+void check_block_tensor(const Tensor& t, const RowOrder& rows, const std::string& what) {
+  LMKIT_CHECK_ARG(t.ndim == 2 && t.shape[0] > 0 && t.shape[1] > 0 && t.shape[1] % kBlock == 0, what,
+                  ": a GGUF block tensor must be [N, K] with K a multiple of 32, got ", shape_str(t));
+  LMKIT_CHECK_ARG(!rows || (int64_t)rows->size() == t.shape[0], what, ": row order of ", rows ? rows->size() : 0,
+                  " entries for ", t.shape[0], " rows");
+}
+
+}  // namespace
+
+RowOrder ggml_rotary_row_order(int64_t num_heads, int64_t head_dim) {
+  LMKIT_CHECK_ARG(head_dim % 2 == 0, "interleaved rotary rows need an even head_dim, got ", head_dim);
+  auto order = std::make_shared<std::vector<int32_t>>(num_heads * head_dim);
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < num_heads; ++h)
+    for (int64_t j = 0; j < 2; ++j)
+      for (int64_t i = 0; i < half; ++i) (*order)[h * head_dim + j * half + i] = (int32_t)(h * head_dim + 2 * i + j);
+  return order;
+}
+
+Int4Source ggml_int4_source(const Tensor& t, const RowOrder& rows, const std::string& what) {
+  LMKIT_CHECK_ARG(t.dtype == DType::Q4_0 || t.dtype == DType::Q4_1, what, ": ", dtype_name(t.dtype),
+                  " is not a GGUF int4 block type");
+  check_block_tensor(t, rows, what);
+  Int4Source src;
+  src.num_out = t.shape[0];
+  src.num_in = t.shape[1];
+  src.group_size = kBlock;
+  const bool q4_1 = t.dtype == DType::Q4_1;
+  const int64_t qs = q4_1 ? 4 : 2;  // where the nibbles start in a block
+  src.read_group = [t, rows, qs, q4_1](int64_t g, int64_t n0, int64_t count, uint8_t* q, uint8_t* zeros,
+                                       uint16_t* scales) {
+    for (int64_t c = 0; c < count; ++c) {
+      const uint8_t* blk = block_at(t, stored_row(rows, n0 + c), g);
+      scales[c] = load_u16(blk);
+      zeros[c] = q4_1 ? 0 : 8;
+      for (int64_t j = 0; j < kBlock / 2; ++j) {
+        q[j * count + c] = blk[qs + j] & 15;
+        q[(j + kBlock / 2) * count + c] = blk[qs + j] >> 4;
+      }
+    }
+  };
+  if (q4_1)
+    src.read_offsets = [t, rows](int64_t g, int64_t n0, int64_t count, uint16_t* offsets) {
+      for (int64_t c = 0; c < count; ++c) offsets[c] = load_u16(block_at(t, stored_row(rows, n0 + c), g) + 2);
+    };
+  return src;
+}
+
+Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::string& what) {
+  LMKIT_CHECK_ARG(t.dtype == DType::Q8_0, what, ": ", dtype_name(t.dtype), " is not a GGUF int8 block type");
+  check_block_tensor(t, rows, what);
+  Int8Source src;
+  src.num_out = t.shape[0];
+  src.num_in = t.shape[1];
+  src.read_block = [t, rows](int64_t b, int64_t n0, int64_t count, int8_t* q, uint16_t* scales) {
+    for (int64_t c = 0; c < count; ++c) {
+      const uint8_t* blk = block_at(t, stored_row(rows, n0 + c), b);
+      scales[c] = load_u16(blk);
+      for (int64_t j = 0; j < kBlock; ++j) q[j * count + c] = (int8_t)blk[2 + j];
+    }
+  };
+  return src;
+}
+
+void ggml_dequantize_row(const Tensor& t, int64_t row, float* out) {
+  LMKIT_CHECK(dtype_is_block(t.dtype) && t.ndim == 2 && row >= 0 && row < t.shape[0], "ggml_dequantize_row: bad call");
+  for (int64_t b = 0; b < t.shape[1] / kBlock; ++b) {
+    const uint8_t* blk = block_at(t, row, b);
+    const float d = f16_to_f32(load_u16(blk));
+    float* o = out + b * kBlock;
+    if (t.dtype == DType::Q8_0) {
+      for (int64_t j = 0; j < kBlock; ++j) o[j] = (float)(int8_t)blk[2 + j] * d;
+    } else {
+      const bool q4_1 = t.dtype == DType::Q4_1;
+      const float m = q4_1 ? f16_to_f32(load_u16(blk + 2)) : 0.0f;
+      const uint8_t* qs = blk + (q4_1 ? 4 : 2);
+      for (int64_t j = 0; j < kBlock / 2; ++j) {
+        const int lo = qs[j] & 15, hi = qs[j] >> 4;
+        o[j] = q4_1 ? lo * d + m : (float)(lo - 8) * d;
+        o[j + kBlock / 2] = q4_1 ? hi * d + m : (float)(hi - 8) * d;
+      }
+    }
+  }
+}
+
+Tensor reorder_rows(const Tensor& t, const RowOrder& rows, std::shared_ptr<void>& storage) {
+  LMKIT_CHECK_ARG(t.ndim == 2 && rows && (int64_t)rows->size() == t.shape[0] && !dtype_is_block(t.dtype),
+                  "reorder_rows: a float [N, K] tensor and N row indices");
+  const int64_t row_bytes = t.shape[1] * dtype_size_bytes(t.dtype);
+  storage = std::shared_ptr<void>(new uint8_t[t.shape[0] * row_bytes], std::default_delete<uint8_t[]>());
+  for (int64_t n = 0; n < t.shape[0]; ++n)
+    std::memcpy(static_cast<uint8_t*>(storage.get()) + n * row_bytes, t.ptr<const uint8_t>() + (*rows)[n] * row_bytes,
+                (size_t)row_bytes);
+  Tensor out = t;
+  out.data = storage.get();
+  return out;
+}
+
+}  // namespace lmkit

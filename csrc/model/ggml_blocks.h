@@ -1,0 +1,40 @@
+// GGUF's (llama.cpp's) quantized block types, read where they lie in the mapped file: each linear through the
+// source its kernel's packer takes (core/int4_source.h), each embedding row dequantized when a token looks it up.
+// Nothing is dequantized into a full copy. Blocks of 32 values along a row (the input dimension), per block:
+//   Q4_0: d fp16, qs[16]             value j = (nibble_j - 8) * d                      -> int4, zero 8, scale d
+//   Q4_1: d fp16, m fp16, qs[16]     value j = nibble_j * d + m                        -> int4 with offset m
+//   Q8_0: d fp16, qs[32] int8        value j = qs[j] * d                               -> int8 blocks
+// nibble_j = qs[j] & 15 for j < 16, qs[j - 16] >> 4 for j >= 16. Each is lossless in the kernels' layouts.
+#pragma once
+#include <stdint.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/int4_source.h"
+#include "core/tensor.h"
+
+namespace lmkit {
+
+// A row order: output n of the layer is stored row (*order)[n]; null: n. (GGUF's llama q/k projections hold each
+// head's rotary pairs interleaved; the loader reads them back in HF's order, ggml_rotary_row_order.)
+using RowOrder = std::shared_ptr<const std::vector<int32_t>>;
+
+// The rows of a [num_heads * head_dim, K] projection that llama.cpp's convert_hf_to_gguf.py permuted for its
+// interleaved rotary: HF row h * head_dim + j * head_dim / 2 + i is GGUF row h * head_dim + 2 i + j.
+RowOrder ggml_rotary_row_order(int64_t num_heads, int64_t head_dim);
+
+// Sources of a block tensor t ([N, K], dtype Q4_0 / Q4_1 for int4, Q8_0 for int8; K a multiple of 32). Throw
+// InvalidArgument naming `what` when the dtype or shape does not fit.
+Int4Source ggml_int4_source(const Tensor& t, const RowOrder& rows, const std::string& what);
+Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::string& what);
+
+// out[0:K] = row `row` of block tensor t ([N, K]) as fp32, exactly as the gguf package dequantizes it.
+void ggml_dequantize_row(const Tensor& t, int64_t row, float* out);
+
+// A dense tensor [N, K] (F32/F16/BF16) with its rows in `rows` order, owned by `storage` (a copy: only the q/k
+// projections of GGUF llama files stored in a float dtype).
+Tensor reorder_rows(const Tensor& t, const RowOrder& rows, std::shared_ptr<void>& storage);
+
+}  // namespace lmkit

@@ -1,0 +1,254 @@
+"""GGUF files (llama.cpp, Ollama, LM Studio) as lmkit models.
+
+A GGUF file holds the weights, the model config (as metadata), the tokenizer and the chat template. lmkit serves
+it in place: the tensors are mapped from the file itself (``gguf_tensors``; the engine repacks each quantized block
+type losslessly, csrc/model/ggml_blocks.h), and the rest becomes a small folder beside nothing else, made once per
+file under ``cache_dir()/gguf`` (``gguf_view``): config.json from the metadata by transformers' GGUF config tables,
+tokenizer.json by transformers' GGUF tokenizer conversion, tokenizer_config.json with the chat template, and
+``lmkit_gguf.json`` pointing back at the file. The folder is written by a subprocess (transformers' tokenizer
+conversion imports torch, which the engine and the servers must not), so a server start costs one stat when it
+exists.
+
+Supported: the architectures of ``ARCHITECTURES`` and the tensor types of ``ENGINE_TYPES``; anything else fails
+naming the architecture, or the type and the tensor, before the engine commits any memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from lmkit import env
+from lmkit.models.safetensors_index import CorruptCheckpointError, TensorEntry
+
+MAGIC = b"GGUF"
+MARKER = "lmkit_gguf.json"  # in a view folder: which file it describes
+VIEW_FORMAT = 1  # bump when the view's recipe changes: views of another format are rebuilt
+ENGINE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")  # the GGML tensor types the engine runs
+# general.architecture -> the HF architecture lmkit serves it as; llama.cpp's converter stores these with q/k rows
+# permuted for its interleaved rotary (the engine reads them back: ModelConfig.qk_rotary_interleaved)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+QK_INTERLEAVED = frozenset({"llama"})
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def gguf_arch_of(cfg: dict) -> str:
+    """The GGUF architecture name of a view's config.json."""
+    return gguf_arch_of_architecture((cfg.get("architectures") or [""])[0])
+
+
+def gguf_arch_of_architecture(name: str) -> str:
+    return {hf: arch for arch, hf in ARCHITECTURES.items()}[name]
+
+
+class GgufError(CorruptCheckpointError):
+    """A GGUF file lmkit cannot read or serve; the message names the file and the field, type or tensor."""
+
+
+def is_gguf_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file that starts with GGUF's magic."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == MAGIC
+
+
+def _reader(path: Path):
+    """gguf's reader of the file; GgufError for a file it cannot parse (truncated, wrong magic, unknown types)."""
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != MAGIC:
+        raise GgufError(f"{path}: not a GGUF file (starts with {magic!r}, not {MAGIC!r})")
+    try:
+        return GGUFReader(str(path), "r")
+    except (ValueError, IndexError, KeyError, OSError, struct_error()) as e:
+        raise GgufError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+
+
+def struct_error():
+    import struct
+
+    return struct.error
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except Exception:  # a malformed value: treated as absent, the checks below name what is missing
+        return default
+
+
+def gguf_architecture(reader, path: Path) -> str:
+    """general.architecture, checked against ARCHITECTURES."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GgufError(f"{path}: general.architecture={arch!r} is not supported for GGUF files yet; lmkit reads "
+                        f"{', '.join(sorted(ARCHITECTURES))} (other architectures: load their HF folder)")
+    return arch
+
+
+def gguf_tensors(path: str | os.PathLike) -> dict[str, TensorEntry]:
+    """GGUF tensor name -> where its bytes are, with its HF shape (GGUF lists dimensions innermost first) and its
+    GGML type name as dtype. GgufError naming the tensor for a type the engine cannot run or bytes past the end."""
+    path = Path(path)
+    reader = _reader(path)
+    size = path.stat().st_size
+    entries: dict[str, TensorEntry] = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in ENGINE_TYPES:
+            raise GgufError(f"{path}: tensor {t.name!r} has GGML type {kind}, which lmkit cannot run yet "
+                            f"(supported: {', '.join(ENGINE_TYPES)})")
+        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+        if t.data_offset + t.n_bytes > size:
+            raise GgufError(f"{path}: tensor {t.name!r} ends at byte {t.data_offset + t.n_bytes} but the file has "
+                            f"{size} bytes (truncated download?)")
+        entries[t.name] = TensorEntry(str(path), int(t.data_offset), kind, shape)
+    return entries
+
+
+def hf_to_gguf_names(hf_names, gguf_arch: str, num_layers: int) -> dict[str, str]:
+    """HF tensor name -> GGUF tensor name, by the gguf package's own tensor-name table."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = {name: a for a, name in MODEL_ARCH_NAMES.items()}[gguf_arch]
+    table = get_tensor_name_map(arch, num_layers)
+    out = {}
+    for name in hf_names:
+        mapped = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        if mapped is not None:
+            out[name] = mapped
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the view folder
+def view_dir(path: Path) -> Path:
+    """Where the view of GGUF file ``path`` lives (keyed by its absolute path, size and modification time)."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{VIEW_FORMAT}".encode()).hexdigest()[:16]
+    return env.cache_dir() / "gguf" / f"{path.stem}-{key}"
+
+
+def is_view(folder: Path) -> bool:
+    return (Path(folder) / MARKER).is_file()
+
+
+def view_source(folder: Path) -> Path:
+    """The GGUF file a view folder describes; FileNotFoundError when it is gone."""
+    info = json.loads((Path(folder) / MARKER).read_text())
+    source = Path(info["gguf"])
+    if not source.is_file():
+        raise FileNotFoundError(f"{folder}: the GGUF file it was made from, {source}, is gone")
+    return source
+
+
+def gguf_view(path: str | os.PathLike) -> Path:
+    """The view folder of GGUF file ``path`` (made once, by a subprocess; atomically renamed into place)."""
+    path = Path(path).expanduser().resolve()
+    target = view_dir(path)
+    if is_view(target):
+        return target
+    reader = _reader(path)  # the cheap checks first, in this process: a bad file fails without a subprocess
+    gguf_architecture(reader, path)
+    gguf_tensors(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        done = subprocess.run([sys.executable, "-m", "lmkit.models.gguf_file", str(path), str(work)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise GgufError(f"{path}: reading its config and tokenizer failed: {last}")
+        with contextlib.suppress(OSError):
+            os.replace(work, target)  # a concurrent maker may have won: its view is as good
+        if not is_view(target):
+            raise GgufError(f"{path}: could not write its view folder {target}")
+        return target
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def config_from_metadata(reader, path: Path) -> dict:
+    """config.json of the file: the metadata through transformers' GGUF config tables (integrations.ggml)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    arch = gguf_architecture(reader, path)
+    for key in reader.fields:
+        if key.startswith(f"{arch}.rope.scaling.") and _field(reader, key) not in (None, "none", 0, 0.0, 1.0):
+            raise GgufError(f"{path}: {key}={_field(reader, key)!r}: rope scaling in GGUF files is not supported yet")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise GgufError(f"{path}: tensor 'rope_freqs.weight' (llama 3 rope scaling factors) is not supported yet")
+    cfg = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}))
+    for key, name in GGUF_CONFIG_MAPPING[arch].items():
+        value = _field(reader, f"{arch}.{key}")
+        if name is not None and value is not None:
+            cfg[name] = value
+    # llama.cpp's head size: attention.key_length when written, else hidden / heads (Qwen3's class default differs)
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    if key_length is not None:
+        cfg["head_dim"] = int(key_length)
+    elif "hidden_size" in cfg and cfg.get("num_attention_heads"):
+        cfg.setdefault("head_dim", int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    if "vocab_size" not in cfg:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            cfg["vocab_size"] = len(tokens.data)
+    for required in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if required not in cfg:
+            raise GgufError(f"{path}: the metadata has no {required} ({arch}.* keys missing)")
+    cfg.update(architectures=[ARCHITECTURES[arch]], model_type=MODEL_TYPES[arch],
+               tie_word_embeddings="output.weight" not in names)
+    cfg.setdefault("max_position_embeddings", 4096)
+    if "head_dim" in cfg and cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"] and arch == "llama":
+        raise GgufError(f"{path}: {arch}.rope.dimension_count={cfg['head_dim']} (partial rotary) is not supported")
+    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("pad_token_id", "padding_token_id")):
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        if value is not None:
+            cfg[name] = int(value)
+    return cfg
+
+
+def write_view(path: Path, out: Path) -> None:
+    """Writes the view folder of GGUF file ``path`` into ``out`` (the subprocess's work; imports transformers)."""
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    reader = _reader(path)
+    cfg = config_from_metadata(reader, path)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    arch, tokenizer, tokenizer_config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(arch, tokenizer)
+    backend.save(str(out / "tokenizer.json"))
+    tokenizer_config.update(extra)
+    tokenizer_config = {k: v for k, v in tokenizer_config.items() if v is not None}
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    st = path.stat()
+    (out / MARKER).write_text(json.dumps({"gguf": str(path), "size": st.st_size, "format": VIEW_FORMAT}) + "\n")
+    for p in (out, *out.iterdir()):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+if __name__ == "__main__":  # python -m lmkit.models.gguf_file FILE OUT: gguf_view's subprocess
+    try:
+        write_view(Path(sys.argv[1]), Path(sys.argv[2]))
+    except GgufError as e:
+        print(e, file=sys.stderr)
+        sys.exit(1)
