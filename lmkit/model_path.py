@@ -68,7 +68,7 @@ def resolve_model(model: str | os.PathLike | None = None) -> Path:
     if isinstance(model, str) and not model.strip():
         raise InvalidModelFolderError("model name is empty: pass a model folder or hub id, or omit it for the default")
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf" or gguf_file.is_gguf_file(path):
+    if path.is_file() and (path.suffix.lower() == ".gguf" or gguf_file.is_gguf_file(path)):
         return validate_model_folder(gguf_file.gguf_view(path))
     if isinstance(model, str) and not path.exists():
         if model.strip().lower() in DEFAULT_MODEL_ALIASES:

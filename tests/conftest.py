@@ -126,6 +126,33 @@ def tiny_llama_pipe(tiny_llama):
         yield pipe
 
 
+def logits_error(model, ref, prompts, config, new_tokens: int = 5, per_row: bool = True) -> float:
+    """Largest relative error of the engine's logits on ``model`` (a folder or file lmkit loads) against the HF
+    model ``ref`` (fp32) over each prompt and its greedy continuation: of any row, or (per_row False) of any
+    prompt's rows together."""
+    import numpy as np
+    import torch
+
+    from lmkit import GenerationConfig, pipeline
+
+    gen = GenerationConfig(max_new_tokens=new_tokens, output_logits=True, ignore_eos=True)
+    worst = 0.0
+    with pipeline(model, config) as pipe:
+        for p, r in zip(prompts, pipe(prompts, gen)):
+            assert r.error is None, r.error
+            full = p + r.token_ids
+            with torch.no_grad():
+                want = ref(torch.tensor([full])).logits[0, : len(full) - 1].numpy()
+            got = r.logits
+            assert got.shape == want.shape
+            if per_row:
+                err = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+            else:
+                err = np.linalg.norm(got - want) / np.linalg.norm(want)
+            worst = max(worst, float(np.max(err)))
+    return worst
+
+
 def assert_blocks_free(engine, timeout_s: float = 5.0) -> None:
     """Waits until the engine is idle, then checks every KV block is free and bookkeeping is exact."""
     deadline = time.monotonic() + timeout_s

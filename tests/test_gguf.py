@@ -23,6 +23,7 @@ from lmkit import EngineConfig, GenerationConfig, pipeline  # noqa: E402
 from lmkit.model_path import default_gguf_path, resolve_model  # noqa: E402
 from lmkit.models import load_model_spec  # noqa: E402
 from lmkit.models.gguf_file import GgufError  # noqa: E402
+from tests.conftest import logits_error  # noqa: E402
 
 EXACT = EngineConfig(dtype="float32", device="cpu", awq_int8_activations=False, cache_max_entry_count=64,
                      session_len=256)
@@ -153,23 +154,8 @@ def make_case(tmp: Path, arch: str, qtype: str, seed: int = 0, embed_type: str |
 
 
 def engine_vs(path: Path, ref, prompts, config: EngineConfig, new_tokens: int = 5, per_row: bool = True) -> float:
-    """Largest relative error of the engine's logits on GGUF ``path`` against ``ref``: of any row, or (per_row
-    False) of any prompt's rows together."""
-    gen = GenerationConfig(max_new_tokens=new_tokens, output_logits=True, ignore_eos=True)
-    worst = 0.0
-    with pipeline(path, config) as pipe:
-        for p, r in zip(prompts, pipe(prompts, gen)):
-            assert r.error is None, r.error
-            full = p + r.token_ids
-            with torch.no_grad():
-                want = ref(torch.tensor([full])).logits[0, : len(full) - 1].numpy()
-            assert r.logits.shape == want.shape
-            if per_row:
-                err = np.linalg.norm(r.logits - want, axis=-1) / np.linalg.norm(want, axis=-1)
-            else:
-                err = np.linalg.norm(r.logits - want) / np.linalg.norm(want)
-            worst = max(worst, float(np.max(err)))
-    return worst
+    """Largest relative error of the engine's logits on GGUF ``path`` against ``ref`` (conftest.logits_error)."""
+    return logits_error(path, ref, prompts, config, new_tokens, per_row)
 
 
 def prompts_for(seed: int) -> list[list[int]]:

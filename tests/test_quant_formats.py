@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from lmkit import EngineConfig, GenerationConfig, pipeline
+from lmkit import EngineConfig, pipeline
 from lmkit.models import get_architecture
+from tests.conftest import logits_error
 from tests.test_architectures import CASES, build_case
 
 ct = pytest.importorskip("compressed_tensors")
@@ -188,22 +189,7 @@ def engine_vs_reference(out: Path, prompts: list[list[int]], config: EngineConfi
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(str(out / "ref"), dtype=torch.float32).eval()
-    gen = GenerationConfig(max_new_tokens=new_tokens, output_logits=True, ignore_eos=True)
-    worst = 0.0
-    with pipeline(out / "int4", config) as pipe:
-        for p, r in zip(prompts, pipe(prompts, gen)):
-            assert r.error is None, r.error
-            full = p + r.token_ids
-            with torch.no_grad():
-                want = ref(torch.tensor([full])).logits[0, : len(full) - 1].numpy()
-            got = r.logits
-            assert got.shape == want.shape
-            if per_row:
-                err = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
-            else:
-                err = np.linalg.norm(got - want) / np.linalg.norm(want)
-            worst = max(worst, float(np.max(err)))
-    return worst
+    return logits_error(out / "int4", ref, prompts, config, new_tokens, per_row)
 
 
 def prompts_for(seed: int) -> list[list[int]]:

@@ -10,7 +10,6 @@
 #include "core/check.h"
 #include "kernels/cpu/sampling.h"
 #include "model/backend.h"
-#include "model/ggml_blocks.h"
 #include "model/moe_routing.h"
 
 namespace lmkit {
@@ -46,15 +45,7 @@ class CpuBackend final : public Backend {
     auto impl = std::make_shared<CpuLinear>();
     PackedLinear out;
     for (const LinearTensors* t : parts) {
-      ops::LinearWeight w;
-      if (t->is_int4()) {
-        w = ops::pack_linear_int4(t->int4_source);
-        w.int8_activations = options_.awq_int8_activations;
-      } else if (t->is_int8()) {
-        w = ops::pack_linear_int8(t->int8_source);
-      } else {
-        w = pack_dense(t->weight);
-      }
+      ops::LinearWeight w = pack_part(*t);
       LMKIT_CHECK(out.k == 0 || out.k == w.k, "fused linear parts differ in input size");
       out.k = w.k;
       out.n += w.n;
@@ -86,15 +77,11 @@ class CpuBackend final : public Backend {
     auto impl = std::make_shared<CpuLinear>();
     const bool int8 =
         quantized && options_.awq_int8_activations && ops::int8_dot_available() && weight.shape[1] % 32 == 0;
-    if (weight.dtype == DType::Q8_0) {
-      impl->parts.push_back(ops::pack_linear_int8(ggml_int8_source(weight, nullptr, "lm_head")));
-    } else if (dtype_is_block(weight.dtype)) {
-      impl->parts.push_back(ops::pack_linear_int4(ggml_int4_source(weight, nullptr, "lm_head")));
-      impl->parts.back().int8_activations = options_.awq_int8_activations;
-    } else {
+    if (dtype_is_block(weight.dtype))
+      impl->parts.push_back(pack_part(single_tensor_linear(weight, nullptr, "lm_head")));
+    else
       impl->parts.push_back(int8 ? ops::weight_format_traits(ops::WeightFormat::Int8).pack_float(weight)
                                  : pack_dense(weight));
-    }
     PackedLinear out;
     out.n = impl->parts[0].n, out.k = impl->parts[0].k, out.size_bytes = impl->parts[0].size_bytes();
     out.impl = impl;
@@ -353,6 +340,16 @@ class CpuBackend final : public Backend {
   ops::LinearWeight pack_dense(const Tensor& w) const {
     const auto format = options_.bf16_linear ? ops::WeightFormat::Bf16Pairs : ops::WeightFormat::Dense;
     return ops::weight_format_traits(format).pack_float(w);
+  }
+  // One stored linear in its kernel's layout: int4 (checkpoint layouts, GGUF Q4_0/Q4_1), int8 (GGUF Q8_0), dense.
+  ops::LinearWeight pack_part(const LinearTensors& t) const {
+    if (t.is_int4()) {
+      ops::LinearWeight w = ops::pack_linear_int4(t.int4_source);
+      w.int8_activations = options_.awq_int8_activations;
+      return w;
+    }
+    if (t.is_int8()) return ops::pack_linear_int8(t.int8_source);
+    return pack_dense(t.weight);
   }
   static Tensor view(const DeviceVector& v) { return make_view(v.data.get(), DType::F32, v.n); }
 

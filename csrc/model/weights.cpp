@@ -9,7 +9,6 @@
 #include <cstring>
 
 #include "core/check.h"
-#include "model/ggml_blocks.h"
 
 namespace lmkit {
 
@@ -42,6 +41,22 @@ bool is_float(DType t) { return t == DType::F32 || t == DType::F16 || t == DType
 
 
 }  // namespace
+
+LinearTensors single_tensor_linear(const Tensor& weight, const RowOrder& rows, const std::string& what,
+                                   std::vector<std::shared_ptr<void>>* owned) {
+  LinearTensors t;
+  t.weight = weight;
+  if (weight.dtype == DType::Q8_0) {
+    t.int8_source = ggml_int8_source(weight, rows, what);
+  } else if (dtype_is_block(weight.dtype)) {
+    t.int4_source = ggml_int4_source(weight, rows, what);
+  } else if (rows) {
+    LMKIT_CHECK(owned != nullptr, what, ": reordering a float weight's rows needs somewhere to keep the copy");
+    owned->emplace_back();
+    t.weight = reorder_rows(weight, rows, owned->back());
+  }
+  return t;
+}
 
 ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::string, TensorSource>& sources) {
   config.validate();
@@ -100,19 +115,9 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   // rows: the stored order of the outputs (GGUF llama q/k), or null
   auto get_linear = [&](const std::string& role, int64_t N, int64_t K, const RowOrder& rows = nullptr) -> LinearTensors {
     LinearTensors t;
-    if (!is_int4(role)) {
-      t.weight = get(role, {N, K}, true, DType::F32, true);
-      const std::string what = config.architecture + ": " + role;
-      if (t.weight.dtype == DType::Q8_0) {
-        t.int8_source = ggml_int8_source(t.weight, rows, what);
-      } else if (dtype_is_block(t.weight.dtype)) {
-        t.int4_source = ggml_int4_source(t.weight, rows, what);
-      } else if (rows) {
-        w.owned.emplace_back();
-        t.weight = reorder_rows(t.weight, rows, w.owned.back());
-      }
-      return t;
-    }
+    if (!is_int4(role))
+      return single_tensor_linear(get(role, {N, K}, true, DType::F32, true), rows, config.architecture + ": " + role,
+                                  &w.owned);
     LMKIT_CHECK_ARG(!rows, config.architecture, ": ", role, ": interleaved rotary rows in an int4 checkpoint layout");
     t.int4.layout = layout;
     t.int4.values = get_stored(role + ".values");

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/ggml_blocks.h"
 #include "model/int4_layouts.h"
 #include "model/model_config.h"
 
@@ -52,6 +53,11 @@ struct LinearTensors {
   int64_t num_out() const { return is_int4() ? int4_source.num_out : weight.shape[0]; }
   int64_t num_in() const { return is_int4() ? int4_source.num_in : weight.shape[1]; }
 };
+
+// A linear stored as one tensor: F32/F16/BF16, or GGUF blocks read through the matching source; its outputs in
+// `rows` order when given (a float weight is then copied in that order, the copy kept in `owned`).
+LinearTensors single_tensor_linear(const Tensor& weight, const RowOrder& rows, const std::string& what,
+                                   std::vector<std::shared_ptr<void>>* owned = nullptr);
 
 // One decoder layer's tensors. Which are present depends on the model (ModelConfig): the Gemma family's norms
 // after attention and MLP, q/k norms, q/k/v biases; q/k/v and gate/up either as parts or fused in the

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -73,14 +74,8 @@ def _reader(path: Path):
         raise GgufError(f"{path}: not a GGUF file (starts with {magic!r}, not {MAGIC!r})")
     try:
         return GGUFReader(str(path), "r")
-    except (ValueError, IndexError, KeyError, OSError, struct_error()) as e:
+    except (ValueError, IndexError, KeyError, OSError, struct.error) as e:
         raise GgufError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
-
-
-def struct_error():
-    import struct
-
-    return struct.error
 
 
 def _field(reader, key: str, default=None):
@@ -102,11 +97,12 @@ def gguf_architecture(reader, path: Path) -> str:
     return arch
 
 
-def gguf_tensors(path: str | os.PathLike) -> dict[str, TensorEntry]:
+def gguf_tensors(path: str | os.PathLike, reader=None) -> dict[str, TensorEntry]:
     """GGUF tensor name -> where its bytes are, with its HF shape (GGUF lists dimensions innermost first) and its
-    GGML type name as dtype. GgufError naming the tensor for a type the engine cannot run or bytes past the end."""
+    GGML type name as dtype. GgufError naming the tensor for a type the engine cannot run or bytes past the end.
+    ``reader``: the file's reader when already open."""
     path = Path(path)
-    reader = _reader(path)
+    reader = reader or _reader(path)
     size = path.stat().st_size
     entries: dict[str, TensorEntry] = {}
     for t in reader.tensors:
@@ -165,7 +161,7 @@ def gguf_view(path: str | os.PathLike) -> Path:
         return target
     reader = _reader(path)  # the cheap checks first, in this process: a bad file fails without a subprocess
     gguf_architecture(reader, path)
-    gguf_tensors(path)
+    gguf_tensors(path, reader)
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:

@@ -183,6 +183,14 @@ def load_model_spec(path: Path) -> ModelSpec:
     )
 
 
+def expanded(role: str, key: str, num_layers: int, num_experts: int = 0):
+    """(role, checkpoint name) of one key-map entry for every layer ("{i}") and expert ("{e}") it names."""
+    for e in range(num_experts) if "{e}" in role else [None]:
+        r, k = (role, key) if e is None else (role.replace("{e}", str(e)), key.replace("{e}", str(e)))
+        for i in range(num_layers) if "{i}" in r else [None]:
+            yield (r, k) if i is None else (r.format(i=i), k.format(i=i))
+
+
 def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers: int, int4: Int4Settings | None,
                 path: Path, num_experts: int = 0) -> dict[str, TensorEntry]:
     """Engine role -> checkpoint tensor by the architecture's key map; an int4 linear (``<module>.qweight`` etc.,
@@ -191,16 +199,9 @@ def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers:
     aside): a weight lmkit would silently drop."""
     sources: dict[str, TensorEntry] = {}
     used: set[str] = set()
-
-    def expanded(role: str, key: str):  # "{i}": every layer, "{e}": every expert
-        for e in range(num_experts) if "{e}" in role else [None]:
-            r, k = (role, key) if e is None else (role.replace("{e}", str(e)), key.replace("{e}", str(e)))
-            for i in range(num_layers) if "{i}" in r else [None]:
-                yield (r, k) if i is None else (r.format(i=i), k.format(i=i))
-
     values_name = int4.tensor_names[0] if int4 else None
     for role, key in arch.key_map.items():
-        for r, k in expanded(role, key):
+        for r, k in expanded(role, key, num_layers, num_experts):
             if k in tensors:
                 sources[r] = tensors[k]
                 used.add(k)
@@ -227,11 +228,7 @@ def gguf_sources(arch: Architecture, gguf: Path, num_layers: int, num_experts: i
     if num_experts:
         raise gguf_file.GgufError(f"{gguf}: mixture-of-experts GGUF files are not supported yet")
     tensors = gguf_file.gguf_tensors(gguf)
-    hf_names = {}
-    for role, key in arch.key_map.items():
-        for i in range(num_layers) if "{i}" in role else [None]:
-            r, k = (role, key) if i is None else (role.format(i=i), key.format(i=i))
-            hf_names[k] = r
+    hf_names = [k for role, key in arch.key_map.items() for _, k in expanded(role, key, num_layers)]
     gguf_of = gguf_file.hf_to_gguf_names(hf_names, gguf_file.gguf_arch_of_architecture(arch.name), num_layers)
     by_hf = {gguf_name: hf for hf, gguf_name in gguf_of.items()}
     renamed = {by_hf[name]: entry for name, entry in tensors.items() if name in by_hf}
