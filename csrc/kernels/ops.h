@@ -53,7 +53,8 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //     K / 32 blocks of
 //       scales  [32] fp16      d of (block, column j): max |w| / 127 over the block's 32 values
 //       quads   [8][2][64] u8  byte i of 32-bit lane j of half h of quad t: q[4t + i, 16h + j] + 128
-//     weight[n, k] ~ (u8 - 128) * d. Always with int8 activations, on CPUs with integer dot products.
+//     weight[n, k] = (u8 - 128) * d: fp32 activations give the exact product of the stored weight (every CPU);
+//     int8_activations (where the CPU has integer dot products) the fast path, as for Int4.
 //   Bf16Pairs (pack_linear_bf16 from a float weight; dtype BF16): per panel, ceil(K / 2) rows of 32
 //     little-endian 32-bit lanes; lane j of row r holds
 //       bf16(weight[n, 2r]) | bf16(weight[n, 2r + 1]) << 16       (n = p * 32 + j; 0 past N and K)
@@ -85,7 +86,7 @@ struct LinearWeight {
   // Int4 only: null, or the order in which the weight takes the layer's inputs (Int4Source::input_perm);
   // ops::linear gathers x by it before the product.
   std::shared_ptr<const std::vector<int32_t>> input_perm;
-  // Int4 only: quantize x to int8 per 32 values and use integer dot products where the CPU has them
+  // Int4 and Int8: quantize x to int8 per 32 values and use integer dot products where the CPU has them
   // (AVX2, AVX-512 VNNI; AMX-INT8 tiles in calls of kLinearAmxInt8MinRows rows or more): decode and prefill.
   // The result differs from the exact fp32 product by the rounding of x (relative error of the output
   // ~3e-3, tested); the integer sums are exact, so every ISA gives the same up to the order of fp32 sums.
@@ -100,8 +101,8 @@ LinearWeight pack_linear(const Tensor& weight);  // weight: [N, K] F32/F16/BF16
 // An int4 weight read from a checkpoint's layout (core/int4_source.h; the layouts: model/int4_layouts.h),
 // N = source.num_out, K = source.num_in. Throws InvalidArgument when the group size or shape does not fit.
 LinearWeight pack_linear_int4(const Int4Source& source);
-// A float weight [N, K] (K a multiple of 32) quantized to int8 per 32 values along K, for int8
-// activations; throws unless int8_dot_available().
+// A float weight [N, K] (K a multiple of 32) quantized to int8 per 32 values along K (d = fp16(max |w| / 127),
+// q = round(w / d), as llama.cpp's Q8_0). Its int8_activations is false: the caller sets it for the fast path.
 LinearWeight pack_linear_int8(const Tensor& weight);
 // An int8 weight read from a checkpoint (GGUF Q8_0) into the same panels, its values and scales as they are.
 LinearWeight pack_linear_int8(const Int8Source& source);

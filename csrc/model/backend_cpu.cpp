@@ -80,8 +80,7 @@ class CpuBackend final : public Backend {
     if (dtype_is_block(weight.dtype))
       impl->parts.push_back(pack_part(single_tensor_linear(weight, nullptr, "lm_head")));
     else
-      impl->parts.push_back(int8 ? ops::weight_format_traits(ops::WeightFormat::Int8).pack_float(weight)
-                                 : pack_dense(weight));
+      impl->parts.push_back(int8 ? int8_activation_head(weight) : pack_dense(weight));
     PackedLinear out;
     out.n = impl->parts[0].n, out.k = impl->parts[0].k, out.size_bytes = impl->parts[0].size_bytes();
     out.impl = impl;
@@ -341,15 +340,18 @@ class CpuBackend final : public Backend {
     const auto format = options_.bf16_linear ? ops::WeightFormat::Bf16Pairs : ops::WeightFormat::Dense;
     return ops::weight_format_traits(format).pack_float(w);
   }
-  // One stored linear in its kernel's layout: int4 (checkpoint layouts, GGUF Q4_0/Q4_1), int8 (GGUF Q8_0), dense.
+  static ops::LinearWeight int8_activation_head(const Tensor& w) {
+    ops::LinearWeight head = ops::pack_linear_int8(w);
+    head.int8_activations = true;
+    return head;
+  }
+  // One stored linear in its kernel's layout: int4 (checkpoint layouts, GGUF Q4_0/Q4_1), int8 (GGUF Q8_0), dense;
+  // the quantized ones with int8 activations where the engine asks for them (else the exact fp32 product).
   ops::LinearWeight pack_part(const LinearTensors& t) const {
-    if (t.is_int4()) {
-      ops::LinearWeight w = ops::pack_linear_int4(t.int4_source);
-      w.int8_activations = options_.awq_int8_activations;
-      return w;
-    }
-    if (t.is_int8()) return ops::pack_linear_int8(t.int8_source);
-    return pack_dense(t.weight);
+    if (!t.is_int4() && !t.is_int8()) return pack_dense(t.weight);
+    ops::LinearWeight w = t.is_int4() ? ops::pack_linear_int4(t.int4_source) : ops::pack_linear_int8(t.int8_source);
+    w.int8_activations = options_.awq_int8_activations;
+    return w;
   }
   static Tensor view(const DeviceVector& v) { return make_view(v.data.get(), DType::F32, v.n); }
 

@@ -268,6 +268,104 @@ ops::LinearWeight pack_awq_tensors(const Tensor& qw, const Tensor& qz, const Ten
 }
 ops::LinearWeight pack_awq(const AwqWeight& a, int64_t g) { return pack_awq_tensors(a.qw, a.qz, a.sc, g); }
 
+std::vector<float> quantize_q8(const std::vector<float>& x, int64_t M, int64_t K, int64_t block);
+
+// A random weight in a checkpoint's own blocks, read through the source the engine's packers take, and its
+// values in double from the format's definition: int8 (GGUF Q8_0: q in -128..127, fp16 d per 32 inputs) and
+// int4 with offsets (GGUF Q4_1: q in 0..15, fp16 scale and offset per group).
+struct SourceWeight {
+  std::vector<int8_t> q8;
+  std::vector<uint8_t> q4;
+  std::vector<uint16_t> scales, offsets;  // [K / group, N]
+  std::vector<double> dense;              // [N, K]
+};
+SourceWeight make_int8_weight(int64_t N, int64_t K) {
+  SourceWeight a;
+  std::uniform_int_distribution<int> q(-128, 127);
+  a.q8.resize(N * K);
+  for (auto& v : a.q8) v = (int8_t)q(g_rng);
+  for (float x : randn(K / 32 * N, 0.002f)) a.scales.push_back(f32_to_f16(x));
+  a.dense.resize(N * K);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) a.dense[n * K + k] = (double)a.q8[n * K + k] * f16_to_f32(a.scales[k / 32 * N + n]);
+  return a;
+}
+ops::LinearWeight pack_int8_source(const SourceWeight& a, int64_t N, int64_t K) {
+  Int8Source src;
+  src.num_out = N, src.num_in = K;
+  src.read_block = [&a, N, K](int64_t b, int64_t n0, int64_t count, int8_t* q, uint16_t* scales) {
+    for (int64_t c = 0; c < count; ++c) {
+      scales[c] = a.scales[b * N + n0 + c];
+      for (int64_t r = 0; r < 32; ++r) q[r * count + c] = a.q8[(n0 + c) * K + 32 * b + r];
+    }
+  };
+  return ops::pack_linear_int8(src);
+}
+SourceWeight make_int4_offset_weight(int64_t N, int64_t K, int64_t g) {
+  SourceWeight a;
+  std::uniform_int_distribution<int> q(0, 15);
+  a.q4.resize(N * K);
+  for (auto& v : a.q4) v = (uint8_t)q(g_rng);
+  for (float x : randn(K / g * N, 0.02f)) a.scales.push_back(f32_to_f16(x));
+  for (float x : randn(K / g * N, 0.1f)) a.offsets.push_back(f32_to_f16(x));
+  a.dense.resize(N * K);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k)
+      a.dense[n * K + k] = (double)a.q4[n * K + k] * f16_to_f32(a.scales[k / g * N + n]) +
+                           f16_to_f32(a.offsets[k / g * N + n]);
+  return a;
+}
+ops::LinearWeight pack_int4_offset_source(const SourceWeight& a, int64_t N, int64_t K, int64_t g) {
+  Int4Source src;
+  src.num_out = N, src.num_in = K, src.group_size = (int32_t)g;
+  src.read_group = [&a, N, K, g](int64_t gi, int64_t n0, int64_t count, uint8_t* q, uint8_t* zeros, uint16_t* scales) {
+    for (int64_t c = 0; c < count; ++c) {
+      zeros[c] = 0;
+      scales[c] = a.scales[gi * N + n0 + c];
+      for (int64_t r = 0; r < g; ++r) q[r * count + c] = a.q4[(n0 + c) * K + gi * g + r];
+    }
+  };
+  src.read_offsets = [&a, N](int64_t gi, int64_t n0, int64_t count, uint16_t* offsets) {
+    for (int64_t c = 0; c < count; ++c) offsets[c] = a.offsets[gi * N + n0 + c];
+  };
+  ops::LinearWeight w = ops::pack_linear_int4(src);
+  expect(w.int4_offsets, "an int4 source with offsets packs into offset panels");
+  return w;
+}
+
+// GGUF's blocks through the engine's packers, with fp32 activations (the exact path: the product of the stored
+// weight, 1e-5 from float64) and with int8 activations (the float64 product of the quantized operands, only the
+// order of fp32 sums differs): Q8_0 as int8 panels, Q4_1 as int4 panels with offsets, decode and prefill rows,
+// partial panels (N % 32), NaN-poisoned outputs.
+void test_linear_gguf_blocks() {
+  struct Shape {
+    int64_t M, N, K;
+  };
+  const Shape shapes[] = {{1, 8, 32},    {1, 576, 576}, {2, 40, 96},   {3, 200, 640},  {5, 192, 1536},
+                          {13, 64, 1536}, {25, 96, 576}, {40, 200, 384}, {100, 136, 576}, {33, 50, 2048}};
+  const bool q8_runs = ops::int8_dot_available();
+  for (const Shape& s : shapes)
+    for (bool act8 : {false, true}) {
+      if (act8 && !q8_runs) continue;
+      for (int kind = 0; kind < 2; ++kind) {
+        const int64_t g = kind == 0 ? 32 : (s.K % 64 == 0 ? 64 : 32);
+        const SourceWeight a = kind == 0 ? make_int8_weight(s.N, s.K) : make_int4_offset_weight(s.N, s.K, g);
+        ops::LinearWeight w = kind == 0 ? pack_int8_source(a, s.N, s.K) : pack_int4_offset_source(a, s.N, s.K, g);
+        w.int8_activations = act8;
+        Weight b = make_weight(DType::F32, s.N, 0);
+        std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN);
+        ops::linear(x.data(), s.M, w, b.t, out.data());
+        const std::vector<float> ref = linear_f64(act8 ? quantize_q8(x, s.M, s.K, 32) : x, s.M, a.dense, s.N, s.K,
+                                                  b.f32.data());
+        expect_close(out, ref,
+                     std::string(kind == 0 ? "linear Q8_0 (int8 panels)" : "linear Q4_1 (int4 offsets)") +
+                         (act8 ? " x int8" : " x fp32") + " M " + std::to_string(s.M) + " N " + std::to_string(s.N) +
+                         " K " + std::to_string(s.K));
+      }
+    }
+  if (!q8_runs) std::printf("skip [%s] GGUF blocks x int8: no int8 dot-product kernels here\n", g_isa);
+}
+
 // The weight-format traits table: one entry per format, found by its format; every packer makes a weight
 // of its format whose size_bytes is the bytes it wrote (an overrun would be caught by the allocator's
 // neighbours; here: the fused copy of two parts equals both parts back to back); what a CPU lacks is named.
@@ -277,8 +375,8 @@ void test_weight_format_traits() {
     expect(ops::weight_format_traits(f).format == f && ops::weight_format_traits(f).run != nullptr,
            std::string("traits table entry of ") + ops::weight_format_traits(f).name);
   expect(ops::weight_format_traits(F::Int4).pack_float == nullptr, "int4 is not packed from a float weight");
-  expect((ops::weight_format_traits(F::Int8).unavailable() == nullptr) == ops::int8_dot_available(),
-         "int8 weights are available exactly where the int8 dot-product kernels are");
+  expect(ops::weight_format_traits(F::Int8).unavailable() == nullptr,
+         "int8 weights run on every CPU (fp32 activations; int8 ones where the dot-product kernels are)");
   expect((ops::weight_format_traits(F::Bf16Pairs).unavailable() == nullptr) == ops::bf16_dot_available(),
          "bf16 pair weights are available exactly where the bf16 dot-product kernel is");
   const Weight w = make_weight(DType::F16, 64, 96, 0.05f);
@@ -350,9 +448,11 @@ void test_linear_group() {
     ws.push_back(pack_awq(a, 64));
     ws.back().int8_activations = q8;
   }
-  for (ops::WeightFormat f : {ops::WeightFormat::Int8, ops::WeightFormat::Bf16Pairs})
-    if (ops::weight_format_traits(f).unavailable() == nullptr)
-      ws.push_back(ops::weight_format_traits(f).pack_float(make_weight(DType::F32, 96, 128, 0.05f).t));
+  for (bool q8 : {false, true}) {
+    ws.push_back(ops::pack_linear_int8(make_weight(DType::F32, 96, 128, 0.05f).t));
+    ws.back().int8_activations = q8;
+  }
+  if (ops::bf16_dot_available()) ws.push_back(ops::pack_linear_bf16(make_weight(DType::F32, 96, 128, 0.05f).t));
   const int64_t kGuard = 7;
   for (const std::vector<int64_t>& rows : std::vector<std::vector<int64_t>>{{1, 1, 1, 1, 1, 1},
                                                                             {3, 0, 70, 1, 2, 65},
@@ -511,7 +611,8 @@ void test_linear_int4() {
           for (int64_t k = k0; k < k0 + 32; ++k)
             wq[n * s.K + k] = d == 0.0f ? 0.0f : std::clamp(std::nearbyint(float_value(w.t, n * s.K + k) / d), -127.0f, 127.0f) * d;
         }
-      const ops::LinearWeight packed = ops::pack_linear_int8(w.t);
+      ops::LinearWeight packed = ops::pack_linear_int8(w.t);
+      packed.int8_activations = true;
       std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN), ref(out.size());
       ops::linear(x.data(), s.M, packed, Tensor{}, out.data());
       ops::reference::linear(x.data(), s.M, make_view(wq.data(), DType::F32, s.N, s.K), Tensor{}, ref.data());
@@ -1003,10 +1104,13 @@ void test_concat_linear() {
     }
     check(parts, 128, q8 ? "concat_linear int4 x int8" : "concat_linear int4");
   }
-  if (ops::int8_dot_available()) {
+  for (bool q8 : {false, true}) {
     std::vector<ops::LinearWeight> parts;
-    for (int64_t n : {32, 50}) parts.push_back(ops::pack_linear_int8(make_weight(DType::F32, n, 64, 0.05f).t));
-    check(parts, 64, "concat_linear int8");
+    for (int64_t n : {32, 50}) {
+      parts.push_back(ops::pack_linear_int8(make_weight(DType::F32, n, 64, 0.05f).t));
+      parts.back().int8_activations = q8;
+    }
+    check(parts, 64, q8 ? "concat_linear int8 x int8" : "concat_linear int8");
   }
   if (ops::bf16_dot_available()) {
     std::vector<ops::LinearWeight> parts;
@@ -1042,6 +1146,7 @@ int main() {
       test_rmsnorm();
       test_linear();
       test_linear_int4();
+      test_linear_gguf_blocks();
       test_weight_format_traits();
       test_gather_weights();
       test_linear_group();

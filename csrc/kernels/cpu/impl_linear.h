@@ -41,7 +41,7 @@ constexpr int kMRMax = 1;
 #endif
 // Rows per tile of the dense kernels (panel_rows): AVX2 takes up to 6 rows in two column halves
 // (kPassNV), 2.5x the FMAs per panel load of a 2-row tile; tiles of 1-2 rows are unchanged. The int4
-// tiles (i4_tile, q8_tile) keep kMRMax / kQ8MR.
+// tiles (qpanel_tile, q8_tile) keep kMRMax / kQ8MR.
 constexpr int kMRTall = kW == 8 ? 6 : kMRMax;
 constexpr int64_t kKC = 256;                     // K block of a converted panel: 256 x 32 fp32 = 32 KiB (L1)
 constexpr int64_t kMBlockBytes = 1 << 20;        // x rows of one M block, fp32: stay in L2
@@ -259,28 +259,88 @@ __attribute__((always_inline)) inline void i4_row(const uint8_t* quad, int i, co
   for (int v = 0; v < kNV; ++v) w[v] = vfma(w[v], s[v], nzs[v]);
 }
 
-// c[i, 0:ncols] = bias + x[i, 0:K] . W_panel for i < MR, dequantizing in registers.
-template <int MR>
-inline void i4_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g, bool offsets, float* c,
-                    int64_t ldc, int ncols, const float* bias) {
+// ------------------------------------------------------------------------------------------- int8
+// The int8 panels of ops::LinearWeight (GGUF Q8_0, or a float weight rounded per 32 values): per panel,
+// K / 32 blocks of
+//   scales [32] fp16 | 8 quads of 128 bytes
+// quad t, half h (columns 16h..16h+15): 16 little-endian 32-bit lanes, byte i of lane j = q[4t + i, 16h + j] + 128
+// (VNNI's operand layout, for the int8-activation kernel below). With fp32 activations each k is one shift and
+// mask per vector: w[k, j] = (u8 - 128) * d = fma(u8, d, -128 d), exact in fp32 (an 8-bit integer times an
+// fp16 scale), so this path gives the exact product of the stored weight, as the int4 one does.
+constexpr int64_t kI8Block = 32;
+constexpr int64_t kI8Head = kPanel * 2;  // fp16 scales
+constexpr int64_t kI8Quad = 128;         // 4 k x 32 columns of bytes
+constexpr int64_t kI8BlockBytes = kI8Head + kI8Block / 4 * kI8Quad;
+
+__attribute__((always_inline)) inline void i8_block_params(const uint8_t* blk, V s[kNV], V nzs[kNV]) {
+  for (int v = 0; v < kNV; ++v) {
+    s[v] = vload_f16((const uint16_t*)blk + v * kW);
+    nzs[v] = s[v] * vset1(-128.0f);
+  }
+}
+// The 32 dequantized weights of k = 4t + i of a quad: columns v * kW.. lie in half v * kW / 16.
+__attribute__((always_inline)) inline void i8_row(const uint8_t* quad, int i, const V s[kNV], const V nzs[kNV], V w[kNV]) {
+  for (int v = 0; v < kNV; ++v) {
+    const int col = v * kW;
+    w[v] = vfma(vload_dword_byte(quad + (col / 16) * 64 + (col % 16) * 4, 8 * i), s[v], nzs[v]);
+  }
+}
+
+// What the fp32-activation kernels need of a quantized panel format (BITS 4: int4 groups of g, with zeros or
+// offsets; BITS 8: int8 blocks of 32): a group's bytes, its head, one quad (4 k), and its dequantized rows.
+template <int BITS>
+struct QuantPanel;
+template <>
+struct QuantPanel<4> {
+  static constexpr int64_t kQuad = kI4Quad;
+  static int64_t group_bytes(int64_t g, bool offsets) { return i4_group_bytes(g, offsets); }
+  static int64_t head_bytes(bool offsets) { return i4_head_bytes(offsets); }
+  __attribute__((always_inline)) static void params(const uint8_t* blk, bool offsets, V s[kNV], V nzs[kNV]) {
+    i4_group_params(blk, offsets, s, nzs);
+  }
+  __attribute__((always_inline)) static void row(const uint8_t* quad, int i, const V s[kNV], const V nzs[kNV],
+                                                 V w[kNV]) {
+    i4_row(quad, i, s, nzs, w);
+  }
+};
+template <>
+struct QuantPanel<8> {
+  static constexpr int64_t kQuad = kI8Quad;
+  static int64_t group_bytes(int64_t, bool) { return kI8BlockBytes; }
+  static int64_t head_bytes(bool) { return kI8Head; }
+  __attribute__((always_inline)) static void params(const uint8_t* blk, bool, V s[kNV], V nzs[kNV]) {
+    i8_block_params(blk, s, nzs);
+  }
+  __attribute__((always_inline)) static void row(const uint8_t* quad, int i, const V s[kNV], const V nzs[kNV],
+                                                 V w[kNV]) {
+    i8_row(quad, i, s, nzs, w);
+  }
+};
+
+// c[i, 0:ncols] = bias + x[i, 0:K] . W_panel for i < MR, dequantizing in registers (groups of g along K).
+template <int BITS, int MR>
+inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g, bool offsets,
+                        float* c, int64_t ldc, int ncols, const float* bias) {
+  using P = QuantPanel<BITS>;
   constexpr int KU = MR <= 2 ? 2 : 1;  // hide the FMA latency of short chains
   V acc[KU][MR][kNV];
   for (int u = 0; u < KU; ++u)
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < kNV; ++v) acc[u][i][v] = vzero();
-  const int64_t gb = i4_group_bytes(g, offsets), head = i4_head_bytes(offsets);
+  const int64_t gb = P::group_bytes(g, offsets), head = P::head_bytes(offsets);
   for (int64_t k0 = 0; k0 < K; k0 += g) {
     const uint8_t* blk = panel + (k0 / g) * gb;
     V s[kNV], nzs[kNV];
-    i4_group_params(blk, offsets, s, nzs);
+    P::params(blk, offsets, s, nzs);
     for (int64_t t = 0; t < g / 4; ++t) {
-      const uint8_t* quad = blk + head + t * kI4Quad;
+      const uint8_t* quad = blk + head + t * P::kQuad;
       prefetch(quad + kPrefetchBytes);
+      if constexpr (P::kQuad > 64) prefetch(quad + 64 + kPrefetchBytes);
       for (int r0 = 0; r0 < 4; r0 += KU) {
 #pragma GCC unroll 2
         for (int u = 0; u < KU; ++u) {
           V w[kNV];
-          i4_row(quad, r0 + u, s, nzs, w);
+          P::row(quad, r0 + u, s, nzs, w);
 #pragma GCC unroll 16
           for (int i = 0; i < MR; ++i) {
             const V a = vset1(x[i * ldx + k0 + 4 * t + r0 + u]);
@@ -304,36 +364,41 @@ inline void i4_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t K
   }
 }
 
-template <int MR = kMRMax>
-inline void i4_tile_n(int mr, const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g, bool offsets,
-                      float* c, int64_t ldc, int ncols, const float* bias) {
-  if (mr == MR) i4_tile<MR>(x, ldx, panel, K, g, offsets, c, ldc, ncols, bias);
-  else if constexpr (MR > 1) i4_tile_n<MR - 1>(mr, x, ldx, panel, K, g, offsets, c, ldc, ncols, bias);
+template <int BITS, int MR = kMRMax>
+inline void qpanel_tile_n(int mr, const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g,
+                          bool offsets, float* c, int64_t ldc, int ncols, const float* bias) {
+  if (mr == MR) qpanel_tile<BITS, MR>(x, ldx, panel, K, g, offsets, c, ldc, ncols, bias);
+  else if constexpr (MR > 1) qpanel_tile_n<BITS, MR - 1>(mr, x, ldx, panel, K, g, offsets, c, ldc, ncols, bias);
 }
 
 // bp[k][j] = w[k0 + k, j] as fp32 for k < kc (k0 and kc multiples of g).
-inline void i4_convert(const uint8_t* panel, int64_t g, bool offsets, int64_t k0, int64_t kc, float* bp) {
-  const int64_t gb = i4_group_bytes(g, offsets), head = i4_head_bytes(offsets);
+template <int BITS>
+inline void qpanel_convert(const uint8_t* panel, int64_t g, bool offsets, int64_t k0, int64_t kc, float* bp) {
+  using P = QuantPanel<BITS>;
+  const int64_t gb = P::group_bytes(g, offsets), head = P::head_bytes(offsets);
   for (int64_t k = k0; k < k0 + kc; k += g) {
     const uint8_t* blk = panel + (k / g) * gb;
     V s[kNV], nzs[kNV];
-    i4_group_params(blk, offsets, s, nzs);
+    P::params(blk, offsets, s, nzs);
     for (int64_t r = 0; r < g; ++r) {
       V w[kNV];
-      i4_row(blk + head + r / 4 * kI4Quad, (int)(r % 4), s, nzs, w);
+      P::row(blk + head + r / 4 * P::kQuad, (int)(r % 4), s, nzs, w);
       for (int v = 0; v < kNV; ++v) vstore(bp + (k - k0 + r) * kPanel + v * kW, w[v]);
     }
   }
 }
 
-constexpr int64_t kI4ConvertMinRows = 2 * kMRMax + 1;  // from here on, dequantizing into L1 once wins
+constexpr int64_t kQuantConvertMinRows = 2 * kMRMax + 1;  // from here on, dequantizing into L1 once wins
 
-void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, bool offsets,
-                 const float* bias, float* out) {
-  const int64_t panel_bytes = K / g * i4_group_bytes(g, offsets);
+// out = x @ w^T (+ bias) over quantized panels with fp32 activations: decode tiles dequantize in registers,
+// prefill dequantizes one K block of a panel into L1 and reuses it for every tile.
+template <int BITS>
+void linear_qpanels(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, bool offsets,
+                    const float* bias, float* out) {
+  const int64_t panel_bytes = K / g * QuantPanel<BITS>::group_bytes(g, offsets);
   const int64_t kcb = kKC / g * g;  // K block: whole groups
   const int64_t mblock = m_block_rows(K);
-  const bool convert = (M < mblock ? M : mblock) >= kI4ConvertMinRows;
+  const bool convert = (M < mblock ? M : mblock) >= kQuantConvertMinRows;
   for_each_panel(M, N, K, mblock, bias, [&](int64_t mb, int64_t rows, int64_t p, int ncols, const float* bias_tile,
                                             float* bp) {
     const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
@@ -341,16 +406,24 @@ void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K,
     const float* xb = x + mb * K;
     if (!convert) {
       for_each_tile<kMRMax>(rows, [&](int64_t m, int mr) {
-        i4_tile_n(mr, xb + m * K, K, panel, K, g, offsets, c + m * N, N, ncols, bias_tile);
+        qpanel_tile_n<BITS>(mr, xb + m * K, K, panel, K, g, offsets, c + m * N, N, ncols, bias_tile);
       });
       return;
     }
     for (int64_t k0 = 0; k0 < K; k0 += kcb) {
       const int64_t kc = K - k0 < kcb ? K - k0 : kcb;
-      i4_convert(panel, g, offsets, k0, kc, bp);
+      qpanel_convert<BITS>(panel, g, offsets, k0, kc, bp);
       panel_rows<(int)DType::F32, false, kMRTall>(xb + k0, K, rows, bp, kc, c, N, ncols, k0 == 0, bias_tile);
     }
   });
+}
+
+void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, bool offsets,
+                 const float* bias, float* out) {
+  linear_qpanels<4>(x, M, w, N, K, g, offsets, bias, out);
+}
+void linear_int8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
+  linear_qpanels<8>(x, M, w, N, K, kI8Block, false, bias, out);
 }
 
 // ------------------------------------------------------------------ int4 x int8 (AVX-512 VNNI)
@@ -451,7 +524,7 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
 template <int MR>
 LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64_t K,
                                   const uint8_t* panel, float* c, int64_t ldc, int ncols, const float* bias) {
-  const int64_t nb = K / kQ8Block, block_bytes = kPanel * 2 + kQ8Block * kPanel;
+  const int64_t nb = K / kQ8Block, block_bytes = kI8BlockBytes;
   __m512 tot[MR][2];
   for (int i = 0; i < MR; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
   const __m512 m128 = _mm512_set1_ps(128.0f);
@@ -605,7 +678,7 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
 // tot[i][0:32] += this int8 panel's sums (layout as the AVX-512 path's q8_tile_i8) for rows i < MR.
 template <int MR>
 inline void q8_tile_i8(const int8_t* qx, const float* dx, int64_t K, const uint8_t* panel, float (*tot)[kPanel]) {
-  const int64_t nb = K / kQ8Block, block_bytes = kPanel * 2 + kQ8Block * kPanel;
+  const int64_t nb = K / kQ8Block, block_bytes = kI8BlockBytes;
   const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
   for (int64_t kb = 0; kb < nb; ++kb) {
     const uint8_t* blk = panel + kb * block_bytes;
@@ -663,7 +736,7 @@ inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx
 LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, bool offsets,
                           const float* bias, float* out) {
   const int64_t nb = K / kQ8Block;
-  const int64_t panel_bytes = g > 0 ? K / g * i4_group_bytes(g, offsets) : nb * (kPanel * 2 + kQ8Block * kPanel);
+  const int64_t panel_bytes = g > 0 ? K / g * i4_group_bytes(g, offsets) : nb * kI8BlockBytes;
   thread_local ScratchBuffer scratch;  // dx, sx, then qx
   float* dx = (float*)scratch.get((size_t)(2 * M * nb * 4 + M * K));
   int8_t* qx = (int8_t*)(dx + 2 * M * nb);

@@ -39,7 +39,7 @@ namespace {
 const KernelTable* LMKIT_ISA_TABLE() {
   static const KernelTable table = {
       LMKIT_ISA_NAME,         &LMKIT_ISA::embedding, &LMKIT_ISA::rmsnorm, &LMKIT_ISA::add_rmsnorm,
-      &LMKIT_ISA::linear,     &LMKIT_ISA::linear_int4, LMKIT_ISA_Q8, LMKIT_ISA_Q8_AMX, LMKIT_ISA_BF16,
+      &LMKIT_ISA::linear,     &LMKIT_ISA::linear_int4, &LMKIT_ISA::linear_int8, LMKIT_ISA_Q8, LMKIT_ISA_Q8_AMX, LMKIT_ISA_BF16,
       &LMKIT_ISA::rope,
       &LMKIT_ISA::silu_mul,   &LMKIT_ISA::gelu_tanh_mul, &LMKIT_ISA::softcap, &LMKIT_ISA::scale,
       &LMKIT_ISA::log_sum_exp, &LMKIT_ISA::kv_write,

@@ -26,6 +26,8 @@ struct KernelTable {
   // the zeros, LinearWeight::int4_offsets)
   void (*linear_int4)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, bool offsets,
                       const float* bias, float* out);
+  // the same for int8 panels (ops::LinearWeight Int8: GGUF Q8_0), fp32 activations: the exact product
+  void (*linear_int8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out);
   // the same with activations quantized to int8 per 32 values and integer dot products (AVX2, AVX-512 VNNI);
   // nullptr where this ISA has none; the avx512 ones also need VNNI (dispatch.cpp q8_table picks)
   void (*linear_int4_q8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, bool offsets,

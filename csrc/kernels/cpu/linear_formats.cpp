@@ -235,7 +235,6 @@ LinearWeight pack_linear_int8(const Int8Source& source) {
   LMKIT_CHECK_ARG(N > 0 && K > 0 && K % 32 == 0, "int8: weight must be [N, K] with K a multiple of 32, got [", N,
                   ", ", K, "]");
   LMKIT_CHECK_ARG(source.read_block != nullptr, "int8: the source has no reader");
-  LMKIT_CHECK(int8_dot_available(), "pack_linear_int8: this CPU has no int8 dot-product kernels (AVX2 or AVX-512)");
   LinearWeight packed;
   packed.format = WeightFormat::Int8;
   packed.dtype = DType::F16;
@@ -393,9 +392,6 @@ void linear_group(const LinearJob* jobs, int64_t num_jobs) {
 
 namespace {
 
-const char* needs_int8_dot() {
-  return int8_dot_available() ? nullptr : "need the int8 dot-product kernels (a CPU with AVX2 or AVX-512)";
-}
 const char* needs_bf16_dot() {
   return bf16_dot_available() ? nullptr : "need a CPU with AVX-512 and AVX512_BF16";
 }
@@ -415,7 +411,11 @@ void run_int4(const float* x, int64_t M, const LinearWeight& w, const float* b, 
     cpu::active().linear_int4(x, M, w.storage.get(), w.n, w.k, w.group_size, w.int4_offsets, b, out);
 }
 void run_int8(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
-  cpu::q8_table()->linear_int8_q8(x, M, w.storage.get(), w.n, w.k, b, out);
+  const cpu::KernelTable* q8 = w.int8_activations ? cpu::q8_table() : nullptr;
+  if (q8 != nullptr)
+    q8->linear_int8_q8(x, M, w.storage.get(), w.n, w.k, b, out);
+  else
+    cpu::active().linear_int8(x, M, w.storage.get(), w.n, w.k, b, out);
 }
 void run_bf16_pairs(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
   const cpu::KernelTable* amx = M >= kLinearAmxMinRows ? cpu::amx_table_in_use() : nullptr;
@@ -438,7 +438,7 @@ const WeightFormatTraits kWeightFormats[] = {
      nullptr, [] { return (const char*)nullptr; }, run_int4},
     {WeightFormat::Int8, "int8",
      [](const LinearWeight& w) { return num_panels(w) * (w.k / 32) * (kLinearPanelCols * 2 + 32 * kLinearPanelCols); },
-     [](const Tensor& w) { return pack_linear_int8(w); }, needs_int8_dot, run_int8},
+     [](const Tensor& w) { return pack_linear_int8(w); }, [] { return (const char*)nullptr; }, run_int8},
     {WeightFormat::Bf16Pairs, "bf16_pairs",
      [](const LinearWeight& w) { return num_panels(w) * ((w.k + 1) / 2) * kLinearPanelCols * 4; },
      pack_linear_bf16, needs_bf16_dot, run_bf16_pairs},

@@ -84,6 +84,11 @@ inline void vload_dword_nibbles(const uint8_t* p, int shift, V& lo, V& hi) {
   lo.v = _mm512_cvtepi32_ps(_mm512_and_si512(d, m));
   hi.v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, 4), m));
 }
+// kW 32-bit lanes at p: float((lane >> shift) & 255).
+inline V vload_dword_byte(const uint8_t* p, int shift) {
+  const __m512i d = _mm512_srl_epi32(_mm512_loadu_si512(p), _mm_cvtsi32_si128(shift));
+  return {_mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(255)))};
+}
 // Lane i of the result = the sum of the lanes of r[i] (16 horizontal sums at once): pairs of vectors are
 // folded into one at every level (unpack, in-lane shuffle, 128-bit chunk shuffles: 30 shuffles and 15 adds,
 // where transposing first takes 64 shuffles).
@@ -171,6 +176,10 @@ inline void vload_dword_nibbles(const uint8_t* p, int shift, V& lo, V& hi) {
   const __m256i m = _mm256_set1_epi32(15);
   lo.v = _mm256_cvtepi32_ps(_mm256_and_si256(d, m));
   hi.v = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d, 4), m));
+}
+inline V vload_dword_byte(const uint8_t* p, int shift) {
+  const __m256i d = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i*)p), _mm_cvtsi32_si128(shift));
+  return {_mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(255)))};
 }
 // Lane i of the result = the sum of the lanes of r[i] (see the AVX-512 version: 14 shuffles and 7 adds).
 inline V vhsum(const V r[8]) {
@@ -282,6 +291,15 @@ inline void vload_dword_nibbles(const uint8_t* p, int shift, V& lo, V& hi) {
     memcpy(&d, p + 4 * i, 4);
     lo.v[i] = (float)((d >> shift) & 15), hi.v[i] = (float)((d >> (shift + 4)) & 15);
   }
+}
+inline V vload_dword_byte(const uint8_t* p, int shift) {
+  V r;
+  for (int i = 0; i < 4; ++i) {
+    uint32_t d;
+    memcpy(&d, p + 4 * i, 4);
+    r.v[i] = (float)((d >> shift) & 255);
+  }
+  return r;
 }
 // Lane i of the result = the sum of the lanes of r[i].
 inline V vhsum(const V r[4]) { return {vf4{vsum(r[0]), vsum(r[1]), vsum(r[2]), vsum(r[3])}}; }
