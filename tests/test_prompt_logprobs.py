@@ -111,16 +111,18 @@ def test_n_completions_score_the_prompt_once(model):
 
 
 def test_preempted_request_hands_out_each_row_once(model):
-    """A pool too small for both prompts at once: the newer one is preempted mid-prefill and recomputed; its
-    logprobs still come exactly once per token."""
+    """A pool too small for both requests at once: the newer one is preempted and recomputed; its prompt's
+    logprobs still come exactly once per token. The older request fills the whole pool by itself (20 prompt
+    + 76 new tokens = 6 blocks), so whenever the newer one arrives during its ~96 steps (the pipeline submits
+    both back to back) a preemption must follow; a shorter first request left that to timing (the newer one
+    could arrive after the older had finished, and then nothing was preempted)."""
     folder, ref = model
     rng = np.random.default_rng(13)
-    prompts = [rng.integers(0, 256, size=60).tolist() for _ in range(2)]
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (20, 60)]
     config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=6, cache_block_seq_len=16,
-                          max_batch_size=2,
-                          max_prefill_token_num=16)
+                          max_batch_size=2, max_prefill_token_num=16, session_len=96)
     with pipeline(folder, config) as pipe:
-        responses = pipe(prompts, GenerationConfig(max_new_tokens=20, prompt_logprobs=1, ignore_eos=True))
+        responses = pipe(prompts, GenerationConfig(max_new_tokens=76, prompt_logprobs=1, ignore_eos=True))
         for prompt, r in zip(prompts, responses):
             check(r.prompt_logprobs, prompt, hf_logprobs(ref, prompt), top=1)
         assert pipe.async_engine.engine.metrics().num_preemptions > 0, "the pool should have forced a preemption"
