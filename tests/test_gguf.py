@@ -189,6 +189,26 @@ def test_gguf_quantized_tied_embedding(tmp_path):
     assert engine_vs(path, ref, prompts_for(3), EXACT) <= 1e-4
 
 
+@pytest.mark.parametrize("ftype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_files_quantized_by_llama_cpp(ftype, tmp_path):
+    """A file quantized by llama.cpp itself (llama_model_quantize through llama-cpp-python, where installed: it
+    compiles llama.cpp, so CI skips this; benchmark/bench_peers.py runs the same files made from
+    convert_hf_to_gguf.py): llama.cpp's own choice of types per tensor (its Q8_0 embedding of a Q4_0 file, ...),
+    against transformers' GGUF loading of that very file (gguf's dequantizers)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from transformers import AutoModelForCausalLM
+
+    source, _ = make_case(tmp_path, "llama", "F16", seed=11, tie_word_embeddings=True)
+    target = tmp_path / f"llama-{ftype}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params) == 0
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(target)).tensors}
+    assert ftype in types, types
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=target.name, dtype=torch.float32).eval()
+    assert engine_vs(target, ref, prompts_for(4), EXACT) <= 1e-4
+
+
 def test_gguf_view_config_and_tokenizer(tmp_path):
     path, _ = make_case(tmp_path, "llama", "Q4_0", seed=3)
     folder = resolve_model(path)
