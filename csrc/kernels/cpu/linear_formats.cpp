@@ -19,6 +19,14 @@
 
 namespace lmkit::ops {
 namespace {
+
+// Bytes of one quantized panel block (ops.h's layouts), for the packers and the traits table alike: an int4 group
+// of g inputs (fp16 scales, then u8 zeros or fp16 offsets, per column; then the nibbles), an int8 block of 32
+// (fp16 scales, then one byte per value).
+constexpr int64_t kInt8Block = 32;
+int64_t int4_head_bytes(bool offsets) { return kLinearPanelCols * (offsets ? 4 : 3); }
+int64_t int4_group_bytes(int64_t g, bool offsets) { return int4_head_bytes(offsets) + g * kLinearPanelCols / 2; }
+constexpr int64_t kInt8BlockBytes = kLinearPanelCols * 2 + kInt8Block * kLinearPanelCols;
 #include "kernels/cpu/parallel.h"
 std::shared_ptr<void> alloc_packed(int64_t bytes, const char* what) {
   bytes = (bytes + 63) / 64 * 64;
@@ -106,8 +114,8 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
   packed.int4_offsets = source.has_offsets();
   packed.storage = alloc_packed(packed.size_bytes(), "an int4 weight");
   constexpr int64_t P = kLinearPanelCols;
-  const int64_t head = packed.int4_offsets ? 4 * P : 3 * P;  // scales, then u8 zeros or fp16 offsets
-  const int64_t group_bytes = head + g * P / 2, num_panels = (N + P - 1) / P;
+  const int64_t head = int4_head_bytes(packed.int4_offsets);
+  const int64_t group_bytes = int4_group_bytes(g, packed.int4_offsets), num_panels = (N + P - 1) / P;
   uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
   auto pack_range = [&](int64_t p0, int64_t p1) {
     std::vector<uint8_t> q(g * P), zeros(P);
@@ -241,7 +249,7 @@ LinearWeight pack_linear_int8(const Int8Source& source) {
   packed.n = N;
   packed.k = K;
   packed.storage = alloc_packed(packed.size_bytes(), "an int8 weight");
-  constexpr int64_t P = kLinearPanelCols, B = 32, block_bytes = P * 2 + B * P;
+  constexpr int64_t P = kLinearPanelCols, B = kInt8Block, block_bytes = kInt8BlockBytes;
   const int64_t nb = K / B, num_panels = (N + P - 1) / P;
   uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
   auto pack_range = [&](int64_t p0, int64_t p1) {
@@ -431,13 +439,10 @@ const WeightFormatTraits kWeightFormats[] = {
      [](const LinearWeight& w) { return num_panels(w) * kLinearPanelCols * w.k * dtype_size_bytes(w.dtype); },
      pack_linear, [] { return (const char*)nullptr; }, run_dense},
     {WeightFormat::Int4, "int4",
-     [](const LinearWeight& w) {  // per group: fp16 scale + u8 zero (or fp16 offset) per column, then the nibbles
-       return num_panels(w) * (w.k / w.group_size) *
-              (kLinearPanelCols * (w.int4_offsets ? 4 : 3) + (int64_t)w.group_size / 4 * 64);
-     },
+     [](const LinearWeight& w) { return num_panels(w) * (w.k / w.group_size) * int4_group_bytes(w.group_size, w.int4_offsets); },
      nullptr, [] { return (const char*)nullptr; }, run_int4},
     {WeightFormat::Int8, "int8",
-     [](const LinearWeight& w) { return num_panels(w) * (w.k / 32) * (kLinearPanelCols * 2 + 32 * kLinearPanelCols); },
+     [](const LinearWeight& w) { return num_panels(w) * (w.k / kInt8Block) * kInt8BlockBytes; },
      [](const Tensor& w) { return pack_linear_int8(w); }, [] { return (const char*)nullptr; }, run_int8},
     {WeightFormat::Bf16Pairs, "bf16_pairs",
      [](const LinearWeight& w) { return num_panels(w) * ((w.k + 1) / 2) * kLinearPanelCols * 4; },
