@@ -54,7 +54,7 @@ class EngineConfig:
     kv_policy: str | None = None
     """Per-layer KV precision file (kv_policy.json from `lmkit lite calibrate`); overrides quant_policy."""
     awq_int8_activations: bool = True
-    """Quantized checkpoints (int4: AWQ, GPTQ, compressed-tensors, GGUF Q4_0/Q4_1; int8: GGUF Q8_0): quantize
+    """Quantized checkpoints (int4: AWQ, GPTQ, compressed-tensors, GGUF Q4_0/Q4_1; int8: GGUF Q5_0/Q8_0): quantize
     activations to int8 and use integer dot products, in decode (per 32 values; AVX2 / AVX-512 VNNI, llama.cpp's
     approach) and prefill (on AMX-INT8 CPUs tiles with x per weight group, else the same kernels). False: fp32
     activations, the exact product of the stored weights (2-5x slower prefill)."""

@@ -169,15 +169,15 @@ def private_cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", sorted(GGUF_ARCH))
-@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q5_0", "Q4_0", "Q4_1"])
 def test_gguf_logits_match_gguf_dequantized_reference(arch, qtype, tmp_path):
     path, ref = make_case(tmp_path, arch, qtype, seed=len(arch) + len(qtype))
     assert engine_vs(path, ref, prompts_for(1), EXACT) <= 1e-4
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_gguf_int4_with_int8_activations(qtype, tmp_path):
-    """Q4_0 / Q4_1 layers with int8 activations and a tied Q8_0 embedding (the shipped SmolLM2 file's mix): only the
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0"])
+def test_gguf_blocks_with_int8_activations(qtype, tmp_path):
+    """Q4_0 / Q4_1 / Q5_0 layers with int8 activations and a tied Q8_0 embedding (the shipped SmolLM2 file's mix): only the
     rounding of x differs from the exact path (bounded as in test_quant_formats, over a prompt's rows)."""
     path, ref = make_case(tmp_path, "llama", qtype, seed=5, embed_type="Q8_0", tie_word_embeddings=True, std=0.03)
     assert engine_vs(path, ref, prompts_for(2), INT8_ACT, per_row=False) <= 3e-2
@@ -189,7 +189,7 @@ def test_gguf_quantized_tied_embedding(tmp_path):
     assert engine_vs(path, ref, prompts_for(3), EXACT) <= 1e-4
 
 
-@pytest.mark.parametrize("ftype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("ftype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_files_quantized_by_llama_cpp(ftype, tmp_path):
     """A file quantized by llama.cpp itself (llama_model_quantize through llama-cpp-python, where installed: it
     compiles llama.cpp, so CI skips this; benchmark/bench_peers.py runs the same files made from

@@ -6,9 +6,11 @@
 
 namespace lmkit {
 
-// Q4_0, Q4_1, Q8_0: GGUF (llama.cpp) block types of 32 values, stored as they are in the file and read through
-// model/ggml_blocks.h; a tensor of them has its logical shape, its rows whole blocks (dtype_block_*).
-enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2, I32 = 3, I8 = 4, U8 = 5, Q4_0 = 6, Q4_1 = 7, Q8_0 = 8 };
+// Q4_0, Q4_1, Q5_0, Q8_0: GGUF (llama.cpp) block types of 32 values, stored as they are in the file and read
+// through model/ggml_blocks.h; a tensor of them has its logical shape, its rows whole blocks (dtype_block_*).
+enum class DType : int32_t {
+  F32 = 0, F16 = 1, BF16 = 2, I32 = 3, I8 = 4, U8 = 5, Q4_0 = 6, Q4_1 = 7, Q8_0 = 8, Q5_0 = 9
+};
 
 inline int dtype_size_bytes(DType t) {
   switch (t) {
@@ -22,13 +24,16 @@ inline int dtype_size_bytes(DType t) {
   }
 }
 
-inline bool dtype_is_block(DType t) { return t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q8_0; }
+inline bool dtype_is_block(DType t) {
+  return t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q5_0 || t == DType::Q8_0;
+}
 // Values per block (1 for the element types) and bytes per block.
 inline int dtype_block_elems(DType t) { return dtype_is_block(t) ? 32 : 1; }
 inline int dtype_block_bytes(DType t) {
   switch (t) {
     case DType::Q4_0: return 18;  // fp16 d, 16 bytes of nibbles
     case DType::Q4_1: return 20;  // fp16 d, fp16 m, 16 bytes of nibbles
+    case DType::Q5_0: return 22;  // fp16 d, 32 high bits, 16 bytes of low nibbles
     case DType::Q8_0: return 34;  // fp16 d, 32 int8
     default: return dtype_size_bytes(t);
   }
@@ -44,6 +49,7 @@ inline const char* dtype_name(DType t) {
     case DType::U8: return "U8";
     case DType::Q4_0: return "Q4_0";
     case DType::Q4_1: return "Q4_1";
+    case DType::Q5_0: return "Q5_0";
     case DType::Q8_0: return "Q8_0";
   }
   return "?";

@@ -345,7 +345,7 @@ class CpuBackend final : public Backend {
     head.int8_activations = true;
     return head;
   }
-  // One stored linear in its kernel's layout: int4 (checkpoint layouts, GGUF Q4_0/Q4_1), int8 (GGUF Q8_0), dense;
+  // One stored linear in its kernel's layout: int4 (checkpoint layouts, GGUF Q4_0/Q4_1), int8 (GGUF Q5_0/Q8_0), dense;
   // the quantized ones with int8 activations where the engine asks for them (else the exact fp32 product).
   ops::LinearWeight pack_part(const LinearTensors& t) const {
     if (!t.is_int4() && !t.is_int8()) return pack_dense(t.weight);

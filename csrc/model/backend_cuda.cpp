@@ -21,7 +21,7 @@ namespace lmkit {
 
 namespace {
 
-// GGUF block tensors (Q4_0, Q4_1, Q8_0) have no CUDA kernels yet.
+// GGUF block tensors have no CUDA kernels yet.
 void refuse_blocks(const Tensor& t) {
   LMKIT_CHECK_ARG(!dtype_is_block(t.dtype), "GGUF ", dtype_name(t.dtype),
                   " weights are not supported by the CUDA backend yet; run them with device='cpu'");

@@ -24,6 +24,21 @@ const uint8_t* block_at(const Tensor& t, int64_t r, int64_t b) {
 
 int64_t stored_row(const RowOrder& rows, int64_t n) { return rows ? (*rows)[n] : n; }
 
+// The 32 values of an int8-valued block (Q8_0, Q5_0) as int8, value j at q[j * stride].
+void int8_values(DType dtype, const uint8_t* blk, int8_t* q, int64_t stride) {
+  if (dtype == DType::Q8_0) {
+    for (int64_t j = 0; j < kBlock; ++j) q[j * stride] = (int8_t)blk[2 + j];
+    return;
+  }
+  uint32_t qh;  // Q5_0: bit j is the fifth bit of value j
+  std::memcpy(&qh, blk + 2, 4);
+  const uint8_t* qs = blk + 6;
+  for (int64_t j = 0; j < kBlock / 2; ++j) {
+    q[j * stride] = (int8_t)(((qs[j] & 15) | ((qh >> j) & 1) << 4) - 16);
+    q[(j + kBlock / 2) * stride] = (int8_t)(((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
+  }
+}
+
 void check_block_tensor(const Tensor& t, const RowOrder& rows, const std::string& what) {
   LMKIT_CHECK_ARG(t.ndim == 2 && t.shape[0] > 0 && t.shape[1] > 0 && t.shape[1] % kBlock == 0, what,
                   ": a GGUF block tensor must be [N, K] with K a multiple of 32, got ", shape_str(t));
@@ -73,7 +88,8 @@ Int4Source ggml_int4_source(const Tensor& t, const RowOrder& rows, const std::st
 }
 
 Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::string& what) {
-  LMKIT_CHECK_ARG(t.dtype == DType::Q8_0, what, ": ", dtype_name(t.dtype), " is not a GGUF int8 block type");
+  LMKIT_CHECK_ARG(t.dtype == DType::Q8_0 || t.dtype == DType::Q5_0, what, ": ", dtype_name(t.dtype),
+                  " is not a GGUF int8-valued block type");
   check_block_tensor(t, rows, what);
   Int8Source src;
   src.num_out = t.shape[0];
@@ -82,11 +98,12 @@ Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::st
     for (int64_t c = 0; c < count; ++c) {
       const uint8_t* blk = block_at(t, stored_row(rows, n0 + c), b);
       scales[c] = load_u16(blk);
-      for (int64_t j = 0; j < kBlock; ++j) q[j * count + c] = (int8_t)blk[2 + j];
+      int8_values(t.dtype, blk, q + c, count);
     }
   };
   return src;
 }
+
 
 void ggml_dequantize_row(const Tensor& t, int64_t row, float* out) {
   LMKIT_CHECK(dtype_is_block(t.dtype) && t.ndim == 2 && row >= 0 && row < t.shape[0], "ggml_dequantize_row: bad call");
@@ -94,8 +111,10 @@ void ggml_dequantize_row(const Tensor& t, int64_t row, float* out) {
     const uint8_t* blk = block_at(t, row, b);
     const float d = f16_to_f32(load_u16(blk));
     float* o = out + b * kBlock;
-    if (t.dtype == DType::Q8_0) {
-      for (int64_t j = 0; j < kBlock; ++j) o[j] = (float)(int8_t)blk[2 + j] * d;
+    if (t.dtype == DType::Q8_0 || t.dtype == DType::Q5_0) {
+      int8_t q[kBlock];
+      int8_values(t.dtype, blk, q, 1);
+      for (int64_t j = 0; j < kBlock; ++j) o[j] = (float)q[j] * d;
     } else {
       const bool q4_1 = t.dtype == DType::Q4_1;
       const float m = q4_1 ? f16_to_f32(load_u16(blk + 2)) : 0.0f;

@@ -43,10 +43,10 @@ class MappedFile {
 // GGUF block tensor (model/ggml_blocks.h); the quantized ones are read through `int4_source` / `int8_source`
 // (num_out x num_in).
 struct LinearTensors {
-  Tensor weight;      // [out, in] F32/F16/BF16, or Q4_0/Q4_1/Q8_0 blocks; empty for an int4 layout
+  Tensor weight;      // [out, in] F32/F16/BF16, or GGUF blocks (ggml_blocks.h); empty for an int4 layout
   Int4Tensors int4;   // layout None unless a checkpoint int4 layout
   Int4Source int4_source;  // int4 layouts, Q4_0, Q4_1
-  Int8Source int8_source;  // Q8_0
+  Int8Source int8_source;  // Q5_0, Q8_0
   bool is_int4() const { return int4_source.read_group != nullptr; }
   bool is_int8() const { return int8_source.read_block != nullptr; }
   bool is_empty() const { return weight.is_empty() && !is_int4(); }
@@ -108,7 +108,7 @@ struct ModelWeights {
   // An int4 linear (config.int4_layout set) comes as "<role>.values", "<role>.zeros", "<role>.scales" and
   // "<role>.g_idx" (the layout's tensors, model/int4_layouts.h; zeros and g_idx where it has them) instead of
   // "<role>"; linears left dense (modules_to_not_convert, ignore lists) keep the plain role. Linears, the
-  // embedding and the lm_head may also be GGUF block tensors (dtype Q4_0, Q4_1, Q8_0) under the plain role.
+  // embedding and the lm_head may also be GGUF block tensors (any block dtype) under the plain role.
   static ModelWeights load(const ModelConfig& config, const std::map<std::string, TensorSource>& sources);
 
   // Once a backend has packed the linear layers (and the lm_head) into buffers of its own, their file pages
