@@ -75,6 +75,18 @@ def deinterleave_rotary(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def random_q4_k_blocks(shape, std: float, rng) -> np.ndarray:
+    """Q4_K super-blocks (fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles) of random
+    content whose values w = q * d * sc - dmin * m have about the standard deviation ``std``, centred."""
+    n, k = shape
+    nb = n * k // 256
+    d = (std / 150 * rng.uniform(0.5, 1.5, nb)).astype(np.float16)
+    dmin = (d.astype(np.float32) * 7.5).astype(np.float16)
+    blocks = np.concatenate([d.view(np.uint8).reshape(nb, 2), dmin.view(np.uint8).reshape(nb, 2),
+                             rng.integers(0, 256, (nb, 12 + 128), dtype=np.uint8)], axis=1)
+    return blocks.reshape(n, k // 256 * 144)
+
+
 def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | None = None) -> dict:
     """``model`` (HF, fp32) as a GGUF file at ``out``: 2-D weights in ``qtype`` (the embedding in ``embed_type``),
     norms F32. Returns the reference state dict (every tensor as gguf dequantizes the written blocks)."""
@@ -114,14 +126,17 @@ def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | Non
         if data.ndim == 2:
             kind = embed_type if (embed_type and "embed_tokens" in name) else qtype
         qt = gguf.GGMLQuantizationType[kind]
-        if kind in ("Q4_K", "Q6_K"):  # gguf has no numpy quantizer of these: blocks of random bytes (never run)
+        if kind == "Q6_K":  # blocks of random bytes, for a type lmkit refuses (never run)
             block, size = gguf.GGML_QUANT_SIZES[qt]
             raw = np.random.default_rng(0).integers(0, 255, (data.shape[0], data.shape[1] // block * size), np.uint8)
             writer.add_tensor(gname, raw, raw_dtype=qt)
             continue
-        stored = gguf.quants.quantize(data, qt) if kind not in ("F32",) else data
-        if kind == "F16":
+        if kind == "Q4_K":  # gguf has no numpy quantizer of it: random blocks of the weight's scale
+            stored = random_q4_k_blocks(data.shape, float(data.std()), np.random.default_rng(len(reference)))
+        elif kind == "F16":
             stored = data.astype(np.float16)
+        else:
+            stored = gguf.quants.quantize(data, qt) if kind != "F32" else data
         writer.add_tensor(gname, stored, raw_dtype=qt if kind not in ("F32", "F16") else None)
         back = gguf.quants.dequantize(stored, qt).reshape(data.shape).astype(np.float32)
         if permuted:
@@ -173,6 +188,19 @@ def private_cache(tmp_path, monkeypatch):
 def test_gguf_logits_match_gguf_dequantized_reference(arch, qtype, tmp_path):
     path, ref = make_case(tmp_path, arch, qtype, seed=len(arch) + len(qtype))
     assert engine_vs(path, ref, prompts_for(1), EXACT) <= 1e-4
+
+
+K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512)  # K-quant rows: whole super-blocks of 256
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_ARCH))
+def test_gguf_q4_k_logits(arch, tmp_path):
+    """Q4_K layers and a tied Q4_K embedding (rows dequantized on lookup, the head packed with K-quant heads)."""
+    shape = dict(K_QUANT_SHAPE, **({"head_dim": 64} if arch == "qwen3" else {}))
+    path, ref = make_case(tmp_path, arch, "Q4_K", seed=21 + len(arch), embed_type="Q4_K", tie_word_embeddings=True,
+                          **shape)
+    assert engine_vs(path, ref, prompts_for(5), EXACT) <= 1e-4
+    assert engine_vs(path, ref, prompts_for(5), INT8_ACT, per_row=False) <= 3e-2
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0"])

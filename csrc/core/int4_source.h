@@ -3,7 +3,8 @@
 // compressed-tensors pack-quantized) implement it in model/int4_layouts.cpp; the packers know none of them.
 //
 //   weight[n, j] = (q[j, n] - zero[j / group_size, n]) * scale[j / group_size, n]     n < num_out, j < num_in
-//   (or q[j, n] * scale + offset[j / group_size, n] where the source has offsets)
+//   (or q[j, n] * scale + offset[j / group_size, n] where the source has offsets, or
+//    q[j, n] * d[g, n] * sc[g, n] - dmin[g, n] * m[g, n], g = j / group_size, where it has K-quant groups)
 //   layer output[n] = sum_j weight[n, j] * x[input_perm[j]]     (x[j] when input_perm is empty)
 //
 // input_perm makes act-order checkpoints (GPTQ desc_act, whose g_idx scatters a group's inputs) contiguous in
@@ -28,7 +29,13 @@ struct Int4Source {
   // Set for affine groups (GGUF Q4_1: weight[n, j] = q * scale + offset, no zero point): offsets[c] (fp16 bits) of
   // group g, output n0 + c; read_group's zeros are then ignored. Thread-safe as read_group.
   std::function<void(int64_t g, int64_t n0, int64_t count, uint16_t* offsets)> read_offsets;
+  // Set for K-quant groups (GGUF Q4_K, group_size 32: weight[n, j] = q * (d * sc) - dmin * m): d[c], dmin[c]
+  // (fp16 bits: the super-block's) and sc[c], m[c] (0..63: the group's) of group g, output n0 + c; read_group's
+  // zeros and scales are then ignored. Thread-safe as read_group. At most one of read_offsets and read_kquant.
+  std::function<void(int64_t g, int64_t n0, int64_t count, uint16_t* d, uint16_t* dmin, uint8_t* sc, uint8_t* m)>
+      read_kquant;
   bool has_offsets() const { return read_offsets != nullptr; }
+  bool has_kquant() const { return read_kquant != nullptr; }
 };
 
 // An int8 weight as a checkpoint stores it (GGUF Q8_0): weight[n, j] = q[j, n] * scale[j / 32, n], q in

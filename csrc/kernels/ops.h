@@ -47,8 +47,12 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //       zeros   [32] u8        zero point of (group, column j), 0..15
 //       quads   [g / 4][64] u8 byte i of 32-bit lane j of quad t: q[4t + i, j] | q[4t + i, j + 16] << 4
 //     weight[n, k] = (q[k, n] - zero[k / g, n]) * scale[k / g, n]; one stream per panel, scales inline.
-//     With int4_offsets (a source with offsets: GGUF Q4_1) the zeros are offsets [32] fp16 instead and
-//     weight[n, k] = q[k, n] * scale[k / g, n] + offset[k / g, n].
+//     The group head has one of three forms (LinearWeight::int4_head, from the source):
+//       Zeros    scales [32] fp16 | zeros [32] u8                          as above (AWQ, GPTQ, GGUF Q4_0)
+//       Offsets  scales [32] fp16 | offsets [32] fp16                      weight = q * scale + offset (GGUF Q4_1)
+//       KQuant   d [32] fp16 | dmin [32] fp16 | sc [32] u8 | m [32] u8     weight = q * (d * sc) - dmin * m
+//                (GGUF Q4_K, g = 32: d and dmin are its super-block's, sc and m its sub-block's 6-bit values;
+//                d * sc and dmin * m are exact in fp32, so this is lossless at 6 head bits per weight)
 //   Int8 (pack_linear_int8 from a float weight; llama.cpp's Q8_0 in our panels; dtype F16): per panel,
 //     K / 32 blocks of
 //       scales  [32] fp16      d of (block, column j): max |w| / 127 over the block's 32 values
@@ -61,6 +65,7 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //     the operand layout of AVX512_BF16's vdpbf16ps; x is rounded to bf16 per call, products summed in fp32.
 constexpr int kLinearPanelCols = 32;
 enum class WeightFormat : uint8_t { Dense, Int4, Int8, Bf16Pairs };
+enum class Int4Head : uint8_t { Zeros, Offsets, KQuant };  // the int4 group heads above
 struct LinearWeight;
 struct WeightFormatTraits {
   WeightFormat format;
@@ -81,8 +86,8 @@ struct LinearWeight {
   WeightFormat format = WeightFormat::Dense;
   DType dtype = DType::F32;  // Dense: the stored dtype; Int4 and Int8: F16 (the scales); Bf16Pairs: BF16
   int32_t group_size = 0;    // Int4: 32 / 64 / 128 along K; 0 for the other formats
-  // Int4 only: the group heads hold fp16 offsets in place of u8 zeros (layout above). Not on AMX tiles.
-  bool int4_offsets = false;
+  // Int4 only: the form of the group heads (layout above). AMX tiles run Zeros only.
+  Int4Head int4_head = Int4Head::Zeros;
   // Int4 only: null, or the order in which the weight takes the layer's inputs (Int4Source::input_perm);
   // ops::linear gathers x by it before the product.
   std::shared_ptr<const std::vector<int32_t>> input_perm;

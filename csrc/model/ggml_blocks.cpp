@@ -16,9 +16,9 @@ uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
-// The bytes of block b of stored row r.
+// The bytes of block b (of dtype_block_elems values) of stored row r.
 const uint8_t* block_at(const Tensor& t, int64_t r, int64_t b) {
-  const int64_t row_bytes = t.shape[1] / kBlock * dtype_block_bytes(t.dtype);
+  const int64_t row_bytes = t.shape[1] / dtype_block_elems(t.dtype) * dtype_block_bytes(t.dtype);
   return t.ptr<const uint8_t>() + r * row_bytes + b * dtype_block_bytes(t.dtype);
 }
 
@@ -39,9 +39,29 @@ void int8_values(DType dtype, const uint8_t* blk, int8_t* q, int64_t stride) {
   }
 }
 
+// Q4_K super-block: fp16 d, fp16 dmin, scales[12] (eight 6-bit scales and mins), qs[128]: sub-block j (32 values)
+// is the low (j even) or high (j odd) nibbles of qs[32 (j / 2) .. 32 (j / 2) + 31], value = d sc_j q - dmin m_j.
+constexpr int64_t kSuper = 256;
+void kquant_scale_min(const uint8_t* scales, int64_t j, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = scales[j] & 63;
+    *m = scales[j + 4] & 63;
+  } else {
+    *sc = (uint8_t)((scales[j + 4] & 15) | (scales[j - 4] >> 6) << 4);
+    *m = (uint8_t)((scales[j + 4] >> 4) | (scales[j] >> 6) << 4);
+  }
+}
+// The 32 nibbles of sub-block j of a Q4_K super-block, value l at q[l * stride].
+void kquant_nibbles(const uint8_t* blk, int64_t j, uint8_t* q, int64_t stride) {
+  const uint8_t* qs = blk + 16 + 32 * (j / 2);
+  const int shift = (int)(j % 2) * 4;
+  for (int64_t l = 0; l < kBlock; ++l) q[l * stride] = (uint8_t)((qs[l] >> shift) & 15);
+}
+
 void check_block_tensor(const Tensor& t, const RowOrder& rows, const std::string& what) {
-  LMKIT_CHECK_ARG(t.ndim == 2 && t.shape[0] > 0 && t.shape[1] > 0 && t.shape[1] % kBlock == 0, what,
-                  ": a GGUF block tensor must be [N, K] with K a multiple of 32, got ", shape_str(t));
+  const int64_t block = dtype_block_elems(t.dtype);
+  LMKIT_CHECK_ARG(t.ndim == 2 && t.shape[0] > 0 && t.shape[1] > 0 && t.shape[1] % block == 0, what, ": a GGUF ",
+                  dtype_name(t.dtype), " tensor must be [N, K] with K a multiple of ", block, ", got ", shape_str(t));
   LMKIT_CHECK_ARG(!rows || (int64_t)rows->size() == t.shape[0], what, ": row order of ", rows ? rows->size() : 0,
                   " entries for ", t.shape[0], " rows");
 }
@@ -59,13 +79,29 @@ RowOrder ggml_rotary_row_order(int64_t num_heads, int64_t head_dim) {
 }
 
 Int4Source ggml_int4_source(const Tensor& t, const RowOrder& rows, const std::string& what) {
-  LMKIT_CHECK_ARG(t.dtype == DType::Q4_0 || t.dtype == DType::Q4_1, what, ": ", dtype_name(t.dtype),
-                  " is not a GGUF int4 block type");
+  LMKIT_CHECK_ARG(t.dtype == DType::Q4_0 || t.dtype == DType::Q4_1 || t.dtype == DType::Q4_K, what, ": ",
+                  dtype_name(t.dtype), " is not a GGUF int4 block type");
   check_block_tensor(t, rows, what);
   Int4Source src;
   src.num_out = t.shape[0];
   src.num_in = t.shape[1];
   src.group_size = kBlock;
+  if (t.dtype == DType::Q4_K) {  // group g: sub-block g % 8 of super-block g / 8
+    src.read_group = [t, rows](int64_t g, int64_t n0, int64_t count, uint8_t* q, uint8_t*, uint16_t*) {
+      for (int64_t c = 0; c < count; ++c)
+        kquant_nibbles(block_at(t, stored_row(rows, n0 + c), g / 8), g % 8, q + c, count);
+    };
+    src.read_kquant = [t, rows](int64_t g, int64_t n0, int64_t count, uint16_t* d, uint16_t* dmin, uint8_t* sc,
+                                uint8_t* m) {
+      for (int64_t c = 0; c < count; ++c) {
+        const uint8_t* blk = block_at(t, stored_row(rows, n0 + c), g / 8);
+        d[c] = load_u16(blk);
+        dmin[c] = load_u16(blk + 2);
+        kquant_scale_min(blk + 4, g % 8, sc + c, m + c);
+      }
+    };
+    return src;
+  }
   const bool q4_1 = t.dtype == DType::Q4_1;
   const int64_t qs = q4_1 ? 4 : 2;  // where the nibbles start in a block
   src.read_group = [t, rows, qs, q4_1](int64_t g, int64_t n0, int64_t count, uint8_t* q, uint8_t* zeros,
@@ -107,6 +143,20 @@ Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::st
 
 void ggml_dequantize_row(const Tensor& t, int64_t row, float* out) {
   LMKIT_CHECK(dtype_is_block(t.dtype) && t.ndim == 2 && row >= 0 && row < t.shape[0], "ggml_dequantize_row: bad call");
+  if (t.dtype == DType::Q4_K) {
+    for (int64_t b = 0; b < t.shape[1] / kSuper; ++b) {
+      const uint8_t* blk = block_at(t, row, b);
+      const float d = f16_to_f32(load_u16(blk)), dmin = f16_to_f32(load_u16(blk + 2));
+      for (int64_t j = 0; j < kSuper / kBlock; ++j) {
+        uint8_t sc, m, q[kBlock];
+        kquant_scale_min(blk + 4, j, &sc, &m);
+        kquant_nibbles(blk, j, q, 1);
+        const float s = d * sc, o = dmin * m;  // both exact
+        for (int64_t l = 0; l < kBlock; ++l) out[b * kSuper + j * kBlock + l] = q[l] * s - o;
+      }
+    }
+    return;
+  }
   for (int64_t b = 0; b < t.shape[1] / kBlock; ++b) {
     const uint8_t* blk = block_at(t, row, b);
     const float d = f16_to_f32(load_u16(blk));

@@ -272,11 +272,12 @@ std::vector<float> quantize_q8(const std::vector<float>& x, int64_t M, int64_t K
 
 // A random weight in a checkpoint's own blocks, read through the source the engine's packers take, and its
 // values in double from the format's definition: int8 (GGUF Q8_0: q in -128..127, fp16 d per 32 inputs) and
-// int4 with offsets (GGUF Q4_1: q in 0..15, fp16 scale and offset per group).
+// int4 with offsets (GGUF Q4_1: q in 0..15, fp16 scale and offset per group), int4 K-quant groups (GGUF Q4_K:
+// fp16 d and dmin per super-block of 256, 6-bit sc and m per group of 32).
 struct SourceWeight {
   std::vector<int8_t> q8;
-  std::vector<uint8_t> q4;
-  std::vector<uint16_t> scales, offsets;  // [K / group, N]
+  std::vector<uint8_t> q4, sc, m;         // sc, m: [K / 32, N]
+  std::vector<uint16_t> scales, offsets;  // [K / group, N]; Q4_K: d and dmin, [K / 256, N]
   std::vector<double> dense;              // [N, K]
 };
 SourceWeight make_int8_weight(int64_t N, int64_t K) {
@@ -329,28 +330,71 @@ ops::LinearWeight pack_int4_offset_source(const SourceWeight& a, int64_t N, int6
     for (int64_t c = 0; c < count; ++c) offsets[c] = a.offsets[gi * N + n0 + c];
   };
   ops::LinearWeight w = ops::pack_linear_int4(src);
-  expect(w.int4_offsets, "an int4 source with offsets packs into offset panels");
+  expect(w.int4_head == ops::Int4Head::Offsets, "an int4 source with offsets packs into offset panels");
+  return w;
+}
+SourceWeight make_int4_kquant_weight(int64_t N, int64_t K) {
+  SourceWeight a;
+  std::uniform_int_distribution<int> q(0, 15), six(0, 63);
+  a.q4.resize(N * K);
+  for (auto& v : a.q4) v = (uint8_t)q(g_rng);
+  a.sc.resize(K / 32 * N), a.m.resize(K / 32 * N);
+  for (auto& v : a.sc) v = (uint8_t)six(g_rng);
+  for (auto& v : a.m) v = (uint8_t)six(g_rng);
+  for (float x : randn(K / 256 * N, 0.001f)) a.scales.push_back(f32_to_f16(std::fabs(x)));
+  for (float x : randn(K / 256 * N, 0.002f)) a.offsets.push_back(f32_to_f16(std::fabs(x)));
+  a.dense.resize(N * K);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k)
+      a.dense[n * K + k] = (double)a.q4[n * K + k] * f16_to_f32(a.scales[k / 256 * N + n]) * a.sc[k / 32 * N + n] -
+                           (double)f16_to_f32(a.offsets[k / 256 * N + n]) * a.m[k / 32 * N + n];
+  return a;
+}
+ops::LinearWeight pack_int4_kquant_source(const SourceWeight& a, int64_t N, int64_t K) {
+  Int4Source src;
+  src.num_out = N, src.num_in = K, src.group_size = 32;
+  src.read_group = [&a, N, K](int64_t gi, int64_t n0, int64_t count, uint8_t* q, uint8_t* zeros, uint16_t* scales) {
+    for (int64_t c = 0; c < count; ++c) {
+      zeros[c] = 7, scales[c] = 0x3c00;  // ignored with K-quant groups
+      for (int64_t r = 0; r < 32; ++r) q[r * count + c] = a.q4[(n0 + c) * K + gi * 32 + r];
+    }
+  };
+  src.read_kquant = [&a, N](int64_t gi, int64_t n0, int64_t count, uint16_t* d, uint16_t* dmin, uint8_t* sc,
+                            uint8_t* m) {
+    for (int64_t c = 0; c < count; ++c) {
+      d[c] = a.scales[gi / 8 * N + n0 + c], dmin[c] = a.offsets[gi / 8 * N + n0 + c];
+      sc[c] = a.sc[gi * N + n0 + c], m[c] = a.m[gi * N + n0 + c];
+    }
+  };
+  ops::LinearWeight w = ops::pack_linear_int4(src);
+  expect(w.int4_head == ops::Int4Head::KQuant && w.group_size == 32, "a K-quant source packs into K-quant panels");
   return w;
 }
 
 // GGUF's blocks through the engine's packers, with fp32 activations (the exact path: the product of the stored
 // weight, 1e-5 from float64) and with int8 activations (the float64 product of the quantized operands, only the
-// order of fp32 sums differs): Q8_0 as int8 panels, Q4_1 as int4 panels with offsets, decode and prefill rows,
-// partial panels (N % 32), NaN-poisoned outputs.
+// order of fp32 sums differs): Q8_0 as int8 panels, Q4_1 as int4 panels with offsets, Q4_K as int4 panels with
+// K-quant heads (K a multiple of 256), decode and prefill rows, partial panels (N % 32), NaN-poisoned outputs.
 void test_linear_gguf_blocks() {
   struct Shape {
     int64_t M, N, K;
   };
-  const Shape shapes[] = {{1, 8, 32},    {1, 576, 576}, {2, 40, 96},   {3, 200, 640},  {5, 192, 1536},
-                          {13, 64, 1536}, {25, 96, 576}, {40, 200, 384}, {100, 136, 576}, {33, 50, 2048}};
+  const Shape shapes[] = {{1, 8, 32},     {1, 576, 576}, {2, 40, 96},    {3, 200, 640},   {5, 192, 1536},
+                          {13, 64, 1536}, {25, 96, 576}, {40, 200, 384}, {100, 136, 576}, {33, 50, 2048},
+                          {1, 40, 256},   {4, 72, 768}};
   const bool q8_runs = ops::int8_dot_available();
   for (const Shape& s : shapes)
     for (bool act8 : {false, true}) {
       if (act8 && !q8_runs) continue;
-      for (int kind = 0; kind < 2; ++kind) {
-        const int64_t g = kind == 0 ? 32 : (s.K % 64 == 0 ? 64 : 32);
-        const SourceWeight a = kind == 0 ? make_int8_weight(s.N, s.K) : make_int4_offset_weight(s.N, s.K, g);
-        ops::LinearWeight w = kind == 0 ? pack_int8_source(a, s.N, s.K) : pack_int4_offset_source(a, s.N, s.K, g);
+      for (int kind = 0; kind < 3; ++kind) {
+        if (kind == 2 && s.K % 256 != 0) continue;
+        const int64_t g = kind == 1 ? (s.K % 64 == 0 ? 64 : 32) : 32;
+        const SourceWeight a = kind == 0   ? make_int8_weight(s.N, s.K)
+                               : kind == 1 ? make_int4_offset_weight(s.N, s.K, g)
+                                           : make_int4_kquant_weight(s.N, s.K);
+        ops::LinearWeight w = kind == 0   ? pack_int8_source(a, s.N, s.K)
+                              : kind == 1 ? pack_int4_offset_source(a, s.N, s.K, g)
+                                          : pack_int4_kquant_source(a, s.N, s.K);
         w.int8_activations = act8;
         Weight b = make_weight(DType::F32, s.N, 0);
         std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN);
@@ -358,7 +402,9 @@ void test_linear_gguf_blocks() {
         const std::vector<float> ref = linear_f64(act8 ? quantize_q8(x, s.M, s.K, 32) : x, s.M, a.dense, s.N, s.K,
                                                   b.f32.data());
         expect_close(out, ref,
-                     std::string(kind == 0 ? "linear Q8_0 (int8 panels)" : "linear Q4_1 (int4 offsets)") +
+                     std::string(kind == 0   ? "linear Q8_0 (int8 panels)"
+                                 : kind == 1 ? "linear Q4_1 (int4 offsets)"
+                                             : "linear Q4_K (int4 K-quant heads)") +
                          (act8 ? " x int8" : " x fp32") + " M " + std::to_string(s.M) + " N " + std::to_string(s.N) +
                          " K " + std::to_string(s.K));
       }

@@ -237,20 +237,28 @@ void linear(const float* x, int64_t M, const void* w, DType dt, int64_t N, int64
 //   - decode (M small): a tile unpacks each k of a quad in registers (no dequantized copy anywhere),
 //     or, with int8 activations on a VNNI CPU, runs integer dot products (linear_int4_q8 below);
 //   - prefill: a K block of the panel is dequantized once into the L1 buffer and reused by every tile.
-// With offsets (ops::LinearWeight::int4_offsets: GGUF Q4_1), the zeros are fp16 offsets instead:
-//   scales [32] fp16 | offsets [32] fp16 | quads;   w[k, j] = q * scale + offset
-constexpr int64_t kI4Head = kPanel * 3;  // scales (2 B) + zeros (1 B) per column
-constexpr int64_t kI4HeadOffsets = kPanel * 4;  // scales (2 B) + offsets (2 B) per column
-constexpr int64_t kI4Quad = 64;          // 4 k x 32 columns of nibbles
-inline int64_t i4_head_bytes(bool offsets) { return offsets ? kI4HeadOffsets : kI4Head; }
-inline int64_t i4_group_bytes(int64_t g, bool offsets) { return i4_head_bytes(offsets) + g / 4 * kI4Quad; }
+// The other group heads (ops::LinearWeight::int4_head) replace the zeros:
+//   Offsets (GGUF Q4_1):  scales [32] fp16 | offsets [32] fp16 | quads;          w = q * scale + offset
+//   KQuant (GGUF Q4_K):   d [32] fp16 | dmin [32] fp16 | sc [32] u8 | m [32] u8 | quads;
+//                         w = q * (d * sc) - dmin * m   (d * sc and dmin * m exact in fp32: so is w)
+constexpr int64_t kI4Quad = 64;  // 4 k x 32 columns of nibbles
+inline int64_t i4_head_bytes(Int4Head head) {  // per column: 2 B scale + 1 B zero, 2 + 2 B, or 2 + 2 + 1 + 1 B
+  return kPanel * (head == Int4Head::Zeros ? 3 : head == Int4Head::Offsets ? 4 : 6);
+}
+inline int64_t i4_group_bytes(int64_t g, Int4Head head) { return i4_head_bytes(head) + g / 4 * kI4Quad; }
 
-// The group's scale and -zero * scale (or its offset) per column vector.
-__attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, bool offsets, V s[kNV], V nzs[kNV]) {
+// The group's scale and -zero * scale (its offset; -dmin * m) per column vector.
+__attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, Int4Head head, V s[kNV], V nzs[kNV]) {
   for (int v = 0; v < kNV; ++v) {
     s[v] = vload_f16((const uint16_t*)blk + v * kW);
-    nzs[v] = offsets ? vload_f16((const uint16_t*)(blk + kPanel * 2) + v * kW)
-                     : vzero() - s[v] * vload_u8(blk + kPanel * 2 + v * kW);
+    if (head == Int4Head::Zeros) {
+      nzs[v] = vzero() - s[v] * vload_u8(blk + kPanel * 2 + v * kW);
+    } else if (head == Int4Head::Offsets) {
+      nzs[v] = vload_f16((const uint16_t*)(blk + kPanel * 2) + v * kW);
+    } else {
+      s[v] = s[v] * vload_u8(blk + kPanel * 4 + v * kW);
+      nzs[v] = vzero() - vload_f16((const uint16_t*)(blk + kPanel * 2) + v * kW) * vload_u8(blk + kPanel * 5 + v * kW);
+    }
   }
 }
 // The 32 dequantized weights of k = 4t + i of a quad.
@@ -286,17 +294,17 @@ __attribute__((always_inline)) inline void i8_row(const uint8_t* quad, int i, co
   }
 }
 
-// What the fp32-activation kernels need of a quantized panel format (BITS 4: int4 groups of g, with zeros or
-// offsets; BITS 8: int8 blocks of 32): a group's bytes, its head, one quad (4 k), and its dequantized rows.
+// What the fp32-activation kernels need of a quantized panel format (BITS 4: int4 groups of g, their heads of
+// any form; BITS 8: int8 blocks of 32): a group's bytes, its head, one quad (4 k), and its dequantized rows.
 template <int BITS>
 struct QuantPanel;
 template <>
 struct QuantPanel<4> {
   static constexpr int64_t kQuad = kI4Quad;
-  static int64_t group_bytes(int64_t g, bool offsets) { return i4_group_bytes(g, offsets); }
-  static int64_t head_bytes(bool offsets) { return i4_head_bytes(offsets); }
-  __attribute__((always_inline)) static void params(const uint8_t* blk, bool offsets, V s[kNV], V nzs[kNV]) {
-    i4_group_params(blk, offsets, s, nzs);
+  static int64_t group_bytes(int64_t g, Int4Head head) { return i4_group_bytes(g, head); }
+  static int64_t head_bytes(Int4Head head) { return i4_head_bytes(head); }
+  __attribute__((always_inline)) static void params(const uint8_t* blk, Int4Head head, V s[kNV], V nzs[kNV]) {
+    i4_group_params(blk, head, s, nzs);
   }
   __attribute__((always_inline)) static void row(const uint8_t* quad, int i, const V s[kNV], const V nzs[kNV],
                                                  V w[kNV]) {
@@ -306,9 +314,9 @@ struct QuantPanel<4> {
 template <>
 struct QuantPanel<8> {
   static constexpr int64_t kQuad = kI8Quad;
-  static int64_t group_bytes(int64_t, bool) { return kI8BlockBytes; }
-  static int64_t head_bytes(bool) { return kI8Head; }
-  __attribute__((always_inline)) static void params(const uint8_t* blk, bool, V s[kNV], V nzs[kNV]) {
+  static int64_t group_bytes(int64_t, Int4Head) { return kI8BlockBytes; }
+  static int64_t head_bytes(Int4Head) { return kI8Head; }
+  __attribute__((always_inline)) static void params(const uint8_t* blk, Int4Head, V s[kNV], V nzs[kNV]) {
     i8_block_params(blk, s, nzs);
   }
   __attribute__((always_inline)) static void row(const uint8_t* quad, int i, const V s[kNV], const V nzs[kNV],
@@ -319,7 +327,7 @@ struct QuantPanel<8> {
 
 // c[i, 0:ncols] = bias + x[i, 0:K] . W_panel for i < MR, dequantizing in registers (groups of g along K).
 template <int BITS, int MR>
-inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g, bool offsets,
+inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g, Int4Head head,
                         float* c, int64_t ldc, int ncols, const float* bias) {
   using P = QuantPanel<BITS>;
   constexpr int KU = MR <= 2 ? 2 : 1;  // hide the FMA latency of short chains
@@ -327,13 +335,13 @@ inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64
   for (int u = 0; u < KU; ++u)
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < kNV; ++v) acc[u][i][v] = vzero();
-  const int64_t gb = P::group_bytes(g, offsets), head = P::head_bytes(offsets);
+  const int64_t gb = P::group_bytes(g, head), hb = P::head_bytes(head);
   for (int64_t k0 = 0; k0 < K; k0 += g) {
     const uint8_t* blk = panel + (k0 / g) * gb;
     V s[kNV], nzs[kNV];
-    P::params(blk, offsets, s, nzs);
+    P::params(blk, head, s, nzs);
     for (int64_t t = 0; t < g / 4; ++t) {
-      const uint8_t* quad = blk + head + t * P::kQuad;
+      const uint8_t* quad = blk + hb + t * P::kQuad;
       prefetch(quad + kPrefetchBytes);
       if constexpr (P::kQuad > 64) prefetch(quad + 64 + kPrefetchBytes);
       for (int r0 = 0; r0 < 4; r0 += KU) {
@@ -366,23 +374,23 @@ inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64
 
 template <int BITS, int MR = kMRMax>
 inline void qpanel_tile_n(int mr, const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g,
-                          bool offsets, float* c, int64_t ldc, int ncols, const float* bias) {
-  if (mr == MR) qpanel_tile<BITS, MR>(x, ldx, panel, K, g, offsets, c, ldc, ncols, bias);
-  else if constexpr (MR > 1) qpanel_tile_n<BITS, MR - 1>(mr, x, ldx, panel, K, g, offsets, c, ldc, ncols, bias);
+                          Int4Head head, float* c, int64_t ldc, int ncols, const float* bias) {
+  if (mr == MR) qpanel_tile<BITS, MR>(x, ldx, panel, K, g, head, c, ldc, ncols, bias);
+  else if constexpr (MR > 1) qpanel_tile_n<BITS, MR - 1>(mr, x, ldx, panel, K, g, head, c, ldc, ncols, bias);
 }
 
 // bp[k][j] = w[k0 + k, j] as fp32 for k < kc (k0 and kc multiples of g).
 template <int BITS>
-inline void qpanel_convert(const uint8_t* panel, int64_t g, bool offsets, int64_t k0, int64_t kc, float* bp) {
+inline void qpanel_convert(const uint8_t* panel, int64_t g, Int4Head head, int64_t k0, int64_t kc, float* bp) {
   using P = QuantPanel<BITS>;
-  const int64_t gb = P::group_bytes(g, offsets), head = P::head_bytes(offsets);
+  const int64_t gb = P::group_bytes(g, head), hb = P::head_bytes(head);
   for (int64_t k = k0; k < k0 + kc; k += g) {
     const uint8_t* blk = panel + (k / g) * gb;
     V s[kNV], nzs[kNV];
-    P::params(blk, offsets, s, nzs);
+    P::params(blk, head, s, nzs);
     for (int64_t r = 0; r < g; ++r) {
       V w[kNV];
-      P::row(blk + head + r / 4 * P::kQuad, (int)(r % 4), s, nzs, w);
+      P::row(blk + hb + r / 4 * P::kQuad, (int)(r % 4), s, nzs, w);
       for (int v = 0; v < kNV; ++v) vstore(bp + (k - k0 + r) * kPanel + v * kW, w[v]);
     }
   }
@@ -393,9 +401,9 @@ constexpr int64_t kQuantConvertMinRows = 2 * kMRMax + 1;  // from here on, dequa
 // out = x @ w^T (+ bias) over quantized panels with fp32 activations: decode tiles dequantize in registers,
 // prefill dequantizes one K block of a panel into L1 and reuses it for every tile.
 template <int BITS>
-void linear_qpanels(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, bool offsets,
+void linear_qpanels(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, Int4Head head,
                     const float* bias, float* out) {
-  const int64_t panel_bytes = K / g * QuantPanel<BITS>::group_bytes(g, offsets);
+  const int64_t panel_bytes = K / g * QuantPanel<BITS>::group_bytes(g, head);
   const int64_t kcb = kKC / g * g;  // K block: whole groups
   const int64_t mblock = m_block_rows(K);
   const bool convert = (M < mblock ? M : mblock) >= kQuantConvertMinRows;
@@ -406,24 +414,24 @@ void linear_qpanels(const float* x, int64_t M, const void* w, int64_t N, int64_t
     const float* xb = x + mb * K;
     if (!convert) {
       for_each_tile<kMRMax>(rows, [&](int64_t m, int mr) {
-        qpanel_tile_n<BITS>(mr, xb + m * K, K, panel, K, g, offsets, c + m * N, N, ncols, bias_tile);
+        qpanel_tile_n<BITS>(mr, xb + m * K, K, panel, K, g, head, c + m * N, N, ncols, bias_tile);
       });
       return;
     }
     for (int64_t k0 = 0; k0 < K; k0 += kcb) {
       const int64_t kc = K - k0 < kcb ? K - k0 : kcb;
-      qpanel_convert<BITS>(panel, g, offsets, k0, kc, bp);
+      qpanel_convert<BITS>(panel, g, head, k0, kc, bp);
       panel_rows<(int)DType::F32, false, kMRTall>(xb + k0, K, rows, bp, kc, c, N, ncols, k0 == 0, bias_tile);
     }
   });
 }
 
-void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, bool offsets,
+void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, Int4Head head,
                  const float* bias, float* out) {
-  linear_qpanels<4>(x, M, w, N, K, g, offsets, bias, out);
+  linear_qpanels<4>(x, M, w, N, K, g, head, bias, out);
 }
 void linear_int8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
-  linear_qpanels<8>(x, M, w, N, K, kI8Block, false, bias, out);
+  linear_qpanels<8>(x, M, w, N, K, kI8Block, Int4Head::Zeros, bias, out);
 }
 
 // ------------------------------------------------------------------ int4 x int8 (AVX-512 VNNI)
@@ -465,10 +473,15 @@ inline void q8_quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, fl
   q8_quantize_blocks(x, K, kQ8Block, qx, dx, sx);
 }
 
+// 16 bytes as fp32 lanes.
+inline __m512 q8_u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+
 template <int MR>
 LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                               int64_t g, bool offsets, float* c, int64_t ldc, int ncols, const float* bias) {
-  const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g, offsets), head = i4_head_bytes(offsets);
+                               int64_t g, Int4Head head, float* c, int64_t ldc, int ncols, const float* bias) {
+  const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g, head), hb = i4_head_bytes(head);
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   __m512 tot[MR][2];
   for (int i = 0; i < MR; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
@@ -477,15 +490,23 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
     __m512 s[2], zs[2];
     for (int v = 0; v < 2; ++v) {
       s[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
-      zs[v] = offsets  // zero * scale, or minus the offset
-                  ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 64 + 32 * v))))
-                  : _mm512_mul_ps(s[v], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)))));
+      if (head == Int4Head::Zeros) {  // zs: zero * scale, minus the offset, or dmin * m
+        zs[v] = _mm512_mul_ps(s[v], q8_u8x16(blk + 64 + 16 * v));
+      } else {
+        const __m512 h1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 64 + 32 * v)));
+        if (head == Int4Head::Offsets) {
+          zs[v] = _mm512_sub_ps(_mm512_setzero_ps(), h1);
+        } else {
+          s[v] = _mm512_mul_ps(s[v], q8_u8x16(blk + 128 + 16 * v));
+          zs[v] = _mm512_mul_ps(h1, q8_u8x16(blk + 160 + 16 * v));
+        }
+      }
     }
     for (int64_t b = 0; b < g / kQ8Block; ++b) {
       const int64_t kb = (k0 / kQ8Block) + b;
       __m512i acc[MR][2];
       for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
-      const uint8_t* quads = blk + head + b * (kQ8Block / 4) * kI4Quad;
+      const uint8_t* quads = blk + hb + b * (kQ8Block / 4) * kI4Quad;
 #pragma GCC unroll 8
       for (int t = 0; t < kQ8Block / 4; ++t) {
         const __m512i raw = _mm512_loadu_si512(quads + t * kI4Quad);
@@ -569,13 +590,13 @@ LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float
 // g > 0: int4 panels with group size g; g == 0: int8 panels.
 template <int MR = kQ8MR>
 LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K,
-                                 const uint8_t* panel, int64_t g, bool offsets, float* c, int64_t ldc, int ncols,
+                                 const uint8_t* panel, int64_t g, Int4Head head, float* c, int64_t ldc, int ncols,
                                  const float* bias) {
   if (mr == MR) {
-    if (g > 0) q8_tile<MR>(qx, dx, sx, K, panel, g, offsets, c, ldc, ncols, bias);
+    if (g > 0) q8_tile<MR>(qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
     else q8_tile_i8<MR>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
   } else if constexpr (MR > 1) {
-    q8_tile_n<MR - 1>(mr, qx, dx, sx, K, panel, g, offsets, c, ldc, ncols, bias);
+    q8_tile_n<MR - 1>(mr, qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
   }
 }
 
@@ -626,11 +647,16 @@ inline void q8_quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, fl
   }
 }
 
+// 8 bytes as fp32 lanes.
+inline __m256 q8_u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
 // tot[i][0:32] += this int4 panel's sums (group size g) for rows i < MR.
 template <int MR>
 inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel, int64_t g,
-                       bool offsets, float (*tot)[kPanel]) {
-  const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g, offsets), head = i4_head_bytes(offsets);
+                       Int4Head head, float (*tot)[kPanel]) {
+  const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g, head), hb = i4_head_bytes(head);
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   for (int64_t k0 = 0; k0 < K; k0 += g) {
     const uint8_t* blk = panel + (k0 / g) * gb;
@@ -639,7 +665,7 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
       __m256i acc[MR][4];
       for (int i = 0; i < MR; ++i)
         for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_si256();
-      const uint8_t* quads = blk + head + b * (kQ8Block / 4) * kI4Quad;
+      const uint8_t* quads = blk + hb + b * (kQ8Block / 4) * kI4Quad;
 #pragma GCC unroll 8
       for (int t = 0; t < kQ8Block / 4; ++t) {
         _mm_prefetch((const char*)(quads + t * kI4Quad + kPrefetchBytes), _MM_HINT_T0);
@@ -659,11 +685,18 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
         }
       }
       for (int v = 0; v < 4; ++v) {
-        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v)));
-        // zero * scale, or minus the offset
-        const __m256 zs =
-            offsets ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v))))
-                    : _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 64 + 8 * v)))));
+        __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v))), zs;
+        if (head == Int4Head::Zeros) {  // zs: zero * scale, minus the offset, or dmin * m
+          zs = _mm256_mul_ps(s, q8_u8x8(blk + 64 + 8 * v));
+        } else {
+          const __m256 h1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)));
+          if (head == Int4Head::Offsets) {
+            zs = _mm256_sub_ps(_mm256_setzero_ps(), h1);
+          } else {
+            s = _mm256_mul_ps(s, q8_u8x8(blk + 128 + 8 * v));
+            zs = _mm256_mul_ps(h1, q8_u8x8(blk + 160 + 8 * v));
+          }
+        }
         for (int i = 0; i < MR; ++i) {
           const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][v], ones));
           const __m256 f = _mm256_fnmadd_ps(zs, _mm256_set1_ps(sx[i * nb + kb]), _mm256_mul_ps(s, dot));
@@ -718,25 +751,25 @@ inline void q8_tile_i8(const int8_t* qx, const float* dx, int64_t K, const uint8
 // g > 0: int4 panels with group size g; g == 0: int8 panels.
 template <int MR = kQ8MR>
 inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                      int64_t g, bool offsets, float* c, int64_t ldc, int ncols, const float* bias) {
+                      int64_t g, Int4Head head, float* c, int64_t ldc, int ncols, const float* bias) {
   if (mr == MR) {
     alignas(32) float tot[MR][kPanel] = {};
-    if (g > 0) q8_tile_i4<MR>(qx, dx, sx, K, panel, g, offsets, tot);
+    if (g > 0) q8_tile_i4<MR>(qx, dx, sx, K, panel, g, head, tot);
     else q8_tile_i8<MR>(qx, dx, K, panel, tot);
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < ncols; ++j) c[i * ldc + j] = bias ? tot[i][j] + bias[j] : tot[i][j];
   } else if constexpr (MR > 1) {
-    q8_tile_n<MR - 1>(mr, qx, dx, sx, K, panel, g, offsets, c, ldc, ncols, bias);
+    q8_tile_n<MR - 1>(mr, qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
   }
 }
 #endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 // out = x @ w^T (+ bias) with int8 activations over int4 (g > 0) or int8 (g == 0) panels; K % 32 == 0.
-LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, bool offsets,
+LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, Int4Head head,
                           const float* bias, float* out) {
   const int64_t nb = K / kQ8Block;
-  const int64_t panel_bytes = g > 0 ? K / g * i4_group_bytes(g, offsets) : nb * kI8BlockBytes;
+  const int64_t panel_bytes = g > 0 ? K / g * i4_group_bytes(g, head) : nb * kI8BlockBytes;
   thread_local ScratchBuffer scratch;  // dx, sx, then qx
   float* dx = (float*)scratch.get((size_t)(2 * M * nb * 4 + M * K));
   int8_t* qx = (int8_t*)(dx + 2 * M * nb);
@@ -748,16 +781,16 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
   for_each_panel(M, N, K, M, bias, [&](int64_t, int64_t, int64_t p, int ncols, const float* bias_tile, float*) {
     const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
     for_each_tile<kQ8MR>(M, [&](int64_t m, int mr) {
-      q8_tile_n(mr, qx + m * K, dx + m * nb, sx + m * nb, K, panel, g, offsets, out + m * N + p * kPanel, N, ncols,
+      q8_tile_n(mr, qx + m * K, dx + m * nb, sx + m * nb, K, panel, g, head, out + m * N + p * kPanel, N, ncols,
                 bias_tile);
     });
   });
 }
-void linear_int4_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, bool offsets,
+void linear_int4_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, Int4Head head,
                     const float* bias, float* out) {
-  linear_q8(x, M, w, N, K, g, offsets, bias, out);
+  linear_q8(x, M, w, N, K, g, head, bias, out);
 }
 void linear_int8_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
-  linear_q8(x, M, w, N, K, 0, false, bias, out);
+  linear_q8(x, M, w, N, K, 0, Int4Head::Zeros, bias, out);
 }
 #endif

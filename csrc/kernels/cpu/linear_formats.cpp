@@ -21,11 +21,13 @@ namespace lmkit::ops {
 namespace {
 
 // Bytes of one quantized panel block (ops.h's layouts), for the packers and the traits table alike: an int4 group
-// of g inputs (fp16 scales, then u8 zeros or fp16 offsets, per column; then the nibbles), an int8 block of 32
-// (fp16 scales, then one byte per value).
+// of g inputs (its head: per column fp16 scale + u8 zero, fp16 scale + fp16 offset, or fp16 d, dmin + u8 sc, m;
+// then the nibbles), an int8 block of 32 (fp16 scales, then one byte per value).
 constexpr int64_t kInt8Block = 32;
-int64_t int4_head_bytes(bool offsets) { return kLinearPanelCols * (offsets ? 4 : 3); }
-int64_t int4_group_bytes(int64_t g, bool offsets) { return int4_head_bytes(offsets) + g * kLinearPanelCols / 2; }
+int64_t int4_head_bytes(Int4Head head) {
+  return kLinearPanelCols * (head == Int4Head::Zeros ? 3 : head == Int4Head::Offsets ? 4 : 6);
+}
+int64_t int4_group_bytes(int64_t g, Int4Head head) { return int4_head_bytes(head) + g * kLinearPanelCols / 2; }
 constexpr int64_t kInt8BlockBytes = kLinearPanelCols * 2 + kInt8Block * kLinearPanelCols;
 #include "kernels/cpu/parallel.h"
 std::shared_ptr<void> alloc_packed(int64_t bytes, const char* what) {
@@ -111,30 +113,36 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
   packed.n = N;
   packed.k = K;
   packed.input_perm = source.input_perm;
-  packed.int4_offsets = source.has_offsets();
+  LMKIT_CHECK_ARG(!(source.has_offsets() && source.has_kquant()), "int4: a source has offsets or K-quant groups, not both");
+  LMKIT_CHECK_ARG(!source.has_kquant() || g == 32, "int4: K-quant groups are 32 inputs, got group_size ", g);
+  packed.int4_head = source.has_kquant() ? Int4Head::KQuant : source.has_offsets() ? Int4Head::Offsets : Int4Head::Zeros;
   packed.storage = alloc_packed(packed.size_bytes(), "an int4 weight");
   constexpr int64_t P = kLinearPanelCols;
-  const int64_t head = int4_head_bytes(packed.int4_offsets);
-  const int64_t group_bytes = int4_group_bytes(g, packed.int4_offsets), num_panels = (N + P - 1) / P;
+  const int64_t head = int4_head_bytes(packed.int4_head);
+  const int64_t group_bytes = int4_group_bytes(g, packed.int4_head), num_panels = (N + P - 1) / P;
   uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
   auto pack_range = [&](int64_t p0, int64_t p1) {
-    std::vector<uint8_t> q(g * P), zeros(P);
-    std::vector<uint16_t> scales(P), offsets(P);
+    std::vector<uint8_t> q(g * P), zeros(P), sc(P), m(P);
+    std::vector<uint16_t> scales(P), offsets(P), dmin(P);
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t count = std::min(P, N - p * P);  // columns past count: zero scales and zeros (q is not read)
-      std::fill(zeros.begin(), zeros.end(), 0);
-      std::fill(scales.begin(), scales.end(), 0);
-      std::fill(offsets.begin(), offsets.end(), 0);
+      const int64_t count = std::min(P, N - p * P);  // columns past count: zero heads (q is not read)
+      for (auto* v : {&zeros, &sc, &m}) std::fill(v->begin(), v->end(), 0);
+      for (auto* v : {&scales, &offsets, &dmin}) std::fill(v->begin(), v->end(), 0);
       for (int64_t gi = 0; gi < K / g; ++gi) {
         source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
         uint8_t* blk = dst + (p * (K / g) + gi) * group_bytes;
-        std::memcpy(blk, scales.data(), 2 * P);
-        if (packed.int4_offsets) {
+        if (packed.int4_head == Int4Head::KQuant) {  // d | dmin | sc | m
+          source.read_kquant(gi, p * P, count, scales.data(), dmin.data(), sc.data(), m.data());
+          std::memcpy(blk + 2 * P, dmin.data(), 2 * P);
+          std::memcpy(blk + 4 * P, sc.data(), P);
+          std::memcpy(blk + 5 * P, m.data(), P);
+        } else if (packed.int4_head == Int4Head::Offsets) {
           source.read_offsets(gi, p * P, count, offsets.data());
           std::memcpy(blk + 2 * P, offsets.data(), 2 * P);
         } else {
           std::memcpy(blk + 2 * P, zeros.data(), P);
         }
+        std::memcpy(blk, scales.data(), 2 * P);
         // quads of 4 k: byte i of 32-bit lane j = q[k0 + i, j] | q[k0 + i, j + 16] << 4
         for (int64_t r = 0; r < g; ++r)
           for (int64_t j = 0; j < P / 2; ++j) {
@@ -197,7 +205,7 @@ LinearWeight concat_linear(const std::vector<const LinearWeight*>& parts) {
     LMKIT_CHECK(!w.is_empty(), "concat_linear: part ", i, " is empty");
     const bool same = w.format == first.format && w.k == first.k && w.dtype == first.dtype &&
                       w.group_size == first.group_size && w.int8_activations == first.int8_activations &&
-                      w.int4_offsets == first.int4_offsets && same_perm(w.input_perm, first.input_perm);
+                      w.int4_head == first.int4_head && same_perm(w.input_perm, first.input_perm);
     if (!same || (i + 1 < parts.size() && w.n % kLinearPanelCols != 0)) return {};
     fused.n += w.n;
   }
@@ -409,14 +417,14 @@ void run_dense(const float* x, int64_t M, const LinearWeight& w, const float* b,
 }
 void run_int4(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
   const cpu::KernelTable* amx =
-      w.int8_activations && !w.int4_offsets && M >= kLinearAmxInt8MinRows ? cpu::amx_int8_table_in_use() : nullptr;
+      w.int8_activations && w.int4_head == Int4Head::Zeros && M >= kLinearAmxInt8MinRows ? cpu::amx_int8_table_in_use() : nullptr;
   const cpu::KernelTable* q8 = w.int8_activations ? cpu::q8_table() : nullptr;
   if (amx != nullptr)
     amx->linear_int4_amx(x, M, w.storage.get(), w.n, w.k, w.group_size, b, out);
   else if (q8 != nullptr)
-    q8->linear_int4_q8(x, M, w.storage.get(), w.n, w.k, w.group_size, w.int4_offsets, b, out);
+    q8->linear_int4_q8(x, M, w.storage.get(), w.n, w.k, w.group_size, w.int4_head, b, out);
   else
-    cpu::active().linear_int4(x, M, w.storage.get(), w.n, w.k, w.group_size, w.int4_offsets, b, out);
+    cpu::active().linear_int4(x, M, w.storage.get(), w.n, w.k, w.group_size, w.int4_head, b, out);
 }
 void run_int8(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
   const cpu::KernelTable* q8 = w.int8_activations ? cpu::q8_table() : nullptr;
@@ -439,7 +447,7 @@ const WeightFormatTraits kWeightFormats[] = {
      [](const LinearWeight& w) { return num_panels(w) * kLinearPanelCols * w.k * dtype_size_bytes(w.dtype); },
      pack_linear, [] { return (const char*)nullptr; }, run_dense},
     {WeightFormat::Int4, "int4",
-     [](const LinearWeight& w) { return num_panels(w) * (w.k / w.group_size) * int4_group_bytes(w.group_size, w.int4_offsets); },
+     [](const LinearWeight& w) { return num_panels(w) * (w.k / w.group_size) * int4_group_bytes(w.group_size, w.int4_head); },
      nullptr, [] { return (const char*)nullptr; }, run_int4},
     {WeightFormat::Int8, "int8",
      [](const LinearWeight& w) { return num_panels(w) * (w.k / kInt8Block) * kInt8BlockBytes; },
