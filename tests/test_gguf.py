@@ -87,6 +87,17 @@ def random_q4_k_blocks(shape, std: float, rng) -> np.ndarray:
     return blocks.reshape(n, k // 256 * 144)
 
 
+def random_q6_k_blocks(shape, std: float, rng) -> np.ndarray:
+    """Q6_K super-blocks (128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d) of random
+    content whose values (q6 - 32) * d * sc have about the standard deviation ``std``."""
+    n, k = shape
+    nb = n * k // 256
+    d = (std / 1300 * rng.uniform(0.5, 1.5, nb)).astype(np.float16)
+    blocks = np.concatenate([rng.integers(0, 256, (nb, 128 + 64 + 16), dtype=np.uint8),
+                             d.view(np.uint8).reshape(nb, 2)], axis=1)
+    return blocks.reshape(n, k // 256 * 210)
+
+
 def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | None = None) -> dict:
     """``model`` (HF, fp32) as a GGUF file at ``out``: 2-D weights in ``qtype`` (the embedding in ``embed_type``),
     norms F32. Returns the reference state dict (every tensor as gguf dequantizes the written blocks)."""
@@ -126,13 +137,14 @@ def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | Non
         if data.ndim == 2:
             kind = embed_type if (embed_type and "embed_tokens" in name) else qtype
         qt = gguf.GGMLQuantizationType[kind]
-        if kind == "Q6_K":  # blocks of random bytes, for a type lmkit refuses (never run)
+        if kind == "Q5_K":  # blocks of random bytes, for a type lmkit refuses (never run)
             block, size = gguf.GGML_QUANT_SIZES[qt]
             raw = np.random.default_rng(0).integers(0, 255, (data.shape[0], data.shape[1] // block * size), np.uint8)
             writer.add_tensor(gname, raw, raw_dtype=qt)
             continue
-        if kind == "Q4_K":  # gguf has no numpy quantizer of it: random blocks of the weight's scale
-            stored = random_q4_k_blocks(data.shape, float(data.std()), np.random.default_rng(len(reference)))
+        if kind in ("Q4_K", "Q6_K"):  # gguf has no numpy quantizer of these: random blocks of the weight's scale
+            make = random_q4_k_blocks if kind == "Q4_K" else random_q6_k_blocks
+            stored = make(data.shape, float(data.std()), np.random.default_rng(len(reference)))
         elif kind == "F16":
             stored = data.astype(np.float16)
         else:
@@ -194,11 +206,13 @@ K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512)  # K-quant rows: wh
 
 
 @pytest.mark.parametrize("arch", sorted(GGUF_ARCH))
-def test_gguf_q4_k_logits(arch, tmp_path):
-    """Q4_K layers and a tied Q4_K embedding (rows dequantized on lookup, the head packed with K-quant heads)."""
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_gguf_k_quant_logits(arch, qtype, tmp_path):
+    """Q4_K / Q6_K layers and a tied embedding of the same type (rows dequantized on lookup, the head packed as
+    int4 with K-quant heads or int8 in blocks of 16)."""
     shape = dict(K_QUANT_SHAPE, **({"head_dim": 64} if arch == "qwen3" else {}))
-    path, ref = make_case(tmp_path, arch, "Q4_K", seed=21 + len(arch), embed_type="Q4_K", tie_word_embeddings=True,
-                          **shape)
+    path, ref = make_case(tmp_path, arch, qtype, seed=21 + len(arch), embed_type=qtype, tie_word_embeddings=True,
+                          std=0.03, **shape)  # std as test_gguf_blocks_with_int8_activations: x's rounding bounded
     assert engine_vs(path, ref, prompts_for(5), EXACT) <= 1e-4
     assert engine_vs(path, ref, prompts_for(5), INT8_ACT, per_row=False) <= 3e-2
 
@@ -217,7 +231,7 @@ def test_gguf_quantized_tied_embedding(tmp_path):
     assert engine_vs(path, ref, prompts_for(3), EXACT) <= 1e-4
 
 
-@pytest.mark.parametrize("ftype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("ftype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K_M", "Q6_K"])
 def test_files_quantized_by_llama_cpp(ftype, tmp_path):
     """A file quantized by llama.cpp itself (llama_model_quantize through llama-cpp-python, where installed: it
     compiles llama.cpp, so CI skips this; benchmark/bench_peers.py runs the same files made from
@@ -226,13 +240,15 @@ def test_files_quantized_by_llama_cpp(ftype, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
     from transformers import AutoModelForCausalLM
 
-    source, _ = make_case(tmp_path, "llama", "F16", seed=11, tie_word_embeddings=True)
+    k_quant = "_K" in ftype  # rows of whole super-blocks, else llama.cpp falls back to other types
+    source, _ = make_case(tmp_path, "llama", "F16", seed=11, tie_word_embeddings=True,
+                          **(K_QUANT_SHAPE if k_quant else {}))
     target = tmp_path / f"llama-{ftype}.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     assert llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params) == 0
     types = {t.tensor_type.name for t in gguf.GGUFReader(str(target)).tensors}
-    assert ftype in types, types
+    assert ftype.removesuffix("_M") in types, types
     ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=target.name, dtype=torch.float32).eval()
     assert engine_vs(target, ref, prompts_for(4), EXACT) <= 1e-4
 
@@ -301,9 +317,9 @@ def test_gguf_unsupported_type_names_type_and_tensor(tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", intermediate_size=256, hidden_size=256),
                                              dtype=torch.float32)
-    path = tmp_path / "q6k.gguf"
-    write_gguf(model, "llama", path, "Q6_K")
-    with pytest.raises(GgufError, match=r"Q6_K.*lmkit cannot run|'blk\.0\..*' has GGML type Q6_K"):
+    path = tmp_path / "q5k.gguf"
+    write_gguf(model, "llama", path, "Q5_K")
+    with pytest.raises(GgufError, match=r"tensor '[a-z_.0-9]+' has GGML type Q5_K, which lmkit cannot run"):
         resolve_model(path)
 
 

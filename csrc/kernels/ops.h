@@ -53,12 +53,14 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //       KQuant   d [32] fp16 | dmin [32] fp16 | sc [32] u8 | m [32] u8     weight = q * (d * sc) - dmin * m
 //                (GGUF Q4_K, g = 32: d and dmin are its super-block's, sc and m its sub-block's 6-bit values;
 //                d * sc and dmin * m are exact in fp32, so this is lossless at 6 head bits per weight)
-//   Int8 (pack_linear_int8 from a float weight; llama.cpp's Q8_0 in our panels; dtype F16): per panel,
-//     K / 32 blocks of
+//   Int8 (pack_linear_int8 from a float weight; llama.cpp's Q8_0 and Q5_0 in our panels; dtype F16): per panel,
+//     K / 32 blocks (group_size 32) of
 //       scales  [32] fp16      d of (block, column j): max |w| / 127 over the block's 32 values
 //       quads   [8][2][64] u8  byte i of 32-bit lane j of half h of quad t: q[4t + i, 16h + j] + 128
 //     weight[n, k] = (u8 - 128) * d: fp32 activations give the exact product of the stored weight (every CPU);
 //     int8_activations (where the CPU has integer dot products) the fast path, as for Int4.
+//     group_size 16 (GGUF Q6_K: d * sc per 16 values, exact in fp32; dtype F32): K / 16 blocks of
+//       scales  [32] fp32 | quads [4][2][64] u8      (the same quads, 4 per block)
 //   Bf16Pairs (pack_linear_bf16 from a float weight; dtype BF16): per panel, ceil(K / 2) rows of 32
 //     little-endian 32-bit lanes; lane j of row r holds
 //       bf16(weight[n, 2r]) | bf16(weight[n, 2r + 1]) << 16       (n = p * 32 + j; 0 past N and K)
@@ -84,8 +86,8 @@ const WeightFormatTraits& weight_format_traits(WeightFormat format);
 
 struct LinearWeight {
   WeightFormat format = WeightFormat::Dense;
-  DType dtype = DType::F32;  // Dense: the stored dtype; Int4 and Int8: F16 (the scales); Bf16Pairs: BF16
-  int32_t group_size = 0;    // Int4: 32 / 64 / 128 along K; 0 for the other formats
+  DType dtype = DType::F32;  // Dense: the stored dtype; Int4 and Int8: the scales' (F16; Int8/16: F32); Bf16Pairs: BF16
+  int32_t group_size = 0;    // Int4: 32 / 64 / 128 along K; Int8: 32 or 16 (layouts above); 0 for the others
   // Int4 only: the form of the group heads (layout above). AMX tiles run Zeros only.
   Int4Head int4_head = Int4Head::Zeros;
   // Int4 only: null, or the order in which the weight takes the layer's inputs (Int4Source::input_perm);
@@ -109,7 +111,8 @@ LinearWeight pack_linear_int4(const Int4Source& source);
 // A float weight [N, K] (K a multiple of 32) quantized to int8 per 32 values along K (d = fp16(max |w| / 127),
 // q = round(w / d), as llama.cpp's Q8_0). Its int8_activations is false: the caller sets it for the fast path.
 LinearWeight pack_linear_int8(const Tensor& weight);
-// An int8 weight read from a checkpoint (GGUF Q8_0) into the same panels, its values and scales as they are.
+// An int8 weight read from a checkpoint (GGUF Q8_0, Q5_0; Q6_K in blocks of 16) into the same panels, its values
+// and scales as they are.
 LinearWeight pack_linear_int8(const Int8Source& source);
 // A float weight [N, K] rounded to bf16 (nearest even) into pair panels, for linear layers as bf16 dot
 // products with fp32 sums (EngineConfig dtype='bfloat16'); throws unless bf16_dot_available().

@@ -58,6 +58,17 @@ void kquant_nibbles(const uint8_t* blk, int64_t j, uint8_t* q, int64_t stride) {
   for (int64_t l = 0; l < kBlock; ++l) q[l * stride] = (uint8_t)((qs[l] >> shift) & 15);
 }
 
+// Value e (0..255) of a Q6_K super-block, q6 - 32: its low 4 bits in ql, its high 2 in qh.
+int8_t q6k_value(const uint8_t* blk, int64_t e) {
+  const int64_t h = e / 128, r = e % 128;
+  const int lo = (blk[h * 64 + r % 64] >> (4 * (r / 64))) & 15;
+  const int hi = (blk[128 + h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+  return (int8_t)((lo | hi << 4) - 32);
+}
+float q6k_scale(const uint8_t* blk, int64_t sub) {  // d * sc of sub-block `sub` of 16 values: exact in fp32
+  return f16_to_f32(load_u16(blk + 208)) * (float)(int8_t)blk[192 + sub];
+}
+
 void check_block_tensor(const Tensor& t, const RowOrder& rows, const std::string& what) {
   const int64_t block = dtype_block_elems(t.dtype);
   LMKIT_CHECK_ARG(t.ndim == 2 && t.shape[0] > 0 && t.shape[1] > 0 && t.shape[1] % block == 0, what, ": a GGUF ",
@@ -124,12 +135,22 @@ Int4Source ggml_int4_source(const Tensor& t, const RowOrder& rows, const std::st
 }
 
 Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::string& what) {
-  LMKIT_CHECK_ARG(t.dtype == DType::Q8_0 || t.dtype == DType::Q5_0, what, ": ", dtype_name(t.dtype),
-                  " is not a GGUF int8-valued block type");
+  LMKIT_CHECK_ARG(t.dtype == DType::Q8_0 || t.dtype == DType::Q5_0 || t.dtype == DType::Q6_K, what, ": ",
+                  dtype_name(t.dtype), " is not a GGUF int8-valued block type");
   check_block_tensor(t, rows, what);
   Int8Source src;
   src.num_out = t.shape[0];
   src.num_in = t.shape[1];
+  if (t.dtype == DType::Q6_K) {  // block b of 16: sub-block b % 16 of super-block b / 16
+    src.read_block16 = [t, rows](int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales) {
+      for (int64_t c = 0; c < count; ++c) {
+        const uint8_t* blk = block_at(t, stored_row(rows, n0 + c), b / 16);
+        scales[c] = q6k_scale(blk, b % 16);
+        for (int64_t l = 0; l < 16; ++l) q[l * count + c] = q6k_value(blk, (b % 16) * 16 + l);
+      }
+    };
+    return src;
+  }
   src.read_block = [t, rows](int64_t b, int64_t n0, int64_t count, int8_t* q, uint16_t* scales) {
     for (int64_t c = 0; c < count; ++c) {
       const uint8_t* blk = block_at(t, stored_row(rows, n0 + c), b);
@@ -143,6 +164,13 @@ Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::st
 
 void ggml_dequantize_row(const Tensor& t, int64_t row, float* out) {
   LMKIT_CHECK(dtype_is_block(t.dtype) && t.ndim == 2 && row >= 0 && row < t.shape[0], "ggml_dequantize_row: bad call");
+  if (t.dtype == DType::Q6_K) {
+    for (int64_t b = 0; b < t.shape[1] / kSuper; ++b) {
+      const uint8_t* blk = block_at(t, row, b);
+      for (int64_t e = 0; e < kSuper; ++e) out[b * kSuper + e] = q6k_scale(blk, e / 16) * (float)q6k_value(blk, e);
+    }
+    return;
+  }
   if (t.dtype == DType::Q4_K) {
     for (int64_t b = 0; b < t.shape[1] / kSuper; ++b) {
       const uint8_t* blk = block_at(t, row, b);

@@ -7,6 +7,8 @@
 //   Q8_0: d fp16, qs[32] int8        value j = qs[j] * d                               -> int8 blocks
 //   Q4_K: super-blocks of 256: d fp16, dmin fp16, 8 x (6-bit sc, 6-bit m), qs[128]; sub-block i (32 values)
 //         value = q * d * sc_i - dmin * m_i                                           -> int4, K-quant heads
+//   Q6_K: super-blocks of 256: ql[128], qh[64], int8 sc[16], d fp16; sub-block i (16 values)
+//         value = (q6 - 32) * d * sc_i                                               -> int8 blocks of 16
 // nibble_j = qs[j] & 15 for j < 16, qs[j - 16] >> 4 for j >= 16. Each is lossless in the kernels' layouts (Q5_0
 // widened to 8 bits: 8.5 bits per weight instead of 5.5, the price of running on the int8 kernels).
 #pragma once
@@ -29,7 +31,7 @@ using RowOrder = std::shared_ptr<const std::vector<int32_t>>;
 // interleaved rotary: HF row h * head_dim + j * head_dim / 2 + i is GGUF row h * head_dim + 2 i + j.
 RowOrder ggml_rotary_row_order(int64_t num_heads, int64_t head_dim);
 
-// Sources of a block tensor t ([N, K], dtype Q4_0 / Q4_1 / Q4_K for int4, Q5_0 / Q8_0 for int8; K whole blocks). Throw
+// Sources of a block tensor t ([N, K], dtype Q4_0 / Q4_1 / Q4_K for int4, Q5_0 / Q8_0 / Q6_K for int8; K whole blocks). Throw
 // InvalidArgument naming `what` when the dtype or shape does not fit.
 Int4Source ggml_int4_source(const Tensor& t, const RowOrder& rows, const std::string& what);
 Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::string& what);

@@ -46,9 +46,9 @@ struct LinearTensors {
   Tensor weight;      // [out, in] F32/F16/BF16, or GGUF blocks (ggml_blocks.h); empty for an int4 layout
   Int4Tensors int4;   // layout None unless a checkpoint int4 layout
   Int4Source int4_source;  // int4 layouts, Q4_0, Q4_1
-  Int8Source int8_source;  // Q5_0, Q8_0
+  Int8Source int8_source;  // Q5_0, Q8_0, Q6_K
   bool is_int4() const { return int4_source.read_group != nullptr; }
-  bool is_int8() const { return int8_source.read_block != nullptr; }
+  bool is_int8() const { return int8_source.is_set(); }
   bool is_empty() const { return weight.is_empty() && !is_int4(); }
   int64_t num_out() const { return is_int4() ? int4_source.num_out : weight.shape[0]; }
   int64_t num_in() const { return is_int4() ? int4_source.num_in : weight.shape[1]; }

@@ -273,11 +273,13 @@ std::vector<float> quantize_q8(const std::vector<float>& x, int64_t M, int64_t K
 // A random weight in a checkpoint's own blocks, read through the source the engine's packers take, and its
 // values in double from the format's definition: int8 (GGUF Q8_0: q in -128..127, fp16 d per 32 inputs) and
 // int4 with offsets (GGUF Q4_1: q in 0..15, fp16 scale and offset per group), int4 K-quant groups (GGUF Q4_K:
-// fp16 d and dmin per super-block of 256, 6-bit sc and m per group of 32).
+// fp16 d and dmin per super-block of 256, 6-bit sc and m per group of 32), int8 in blocks of 16 with fp32 scales
+// (GGUF Q6_K: q in -32..31, d * sc per 16 inputs).
 struct SourceWeight {
   std::vector<int8_t> q8;
   std::vector<uint8_t> q4, sc, m;         // sc, m: [K / 32, N]
   std::vector<uint16_t> scales, offsets;  // [K / group, N]; Q4_K: d and dmin, [K / 256, N]
+  std::vector<float> scales32;            // Q6_K: [K / 16, N]
   std::vector<double> dense;              // [N, K]
 };
 SourceWeight make_int8_weight(int64_t N, int64_t K) {
@@ -301,6 +303,30 @@ ops::LinearWeight pack_int8_source(const SourceWeight& a, int64_t N, int64_t K) 
     }
   };
   return ops::pack_linear_int8(src);
+}
+SourceWeight make_int8_fine_weight(int64_t N, int64_t K) {
+  SourceWeight a;
+  std::uniform_int_distribution<int> q(-32, 31), sc(-128, 127);
+  a.q8.resize(N * K);
+  for (auto& v : a.q8) v = (int8_t)q(g_rng);
+  for (float x : randn(K / 16 * N, 0.0001f)) a.scales32.push_back(f16_to_f32(f32_to_f16(x)) * (float)sc(g_rng));
+  a.dense.resize(N * K);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) a.dense[n * K + k] = (double)a.q8[n * K + k] * a.scales32[k / 16 * N + n];
+  return a;
+}
+ops::LinearWeight pack_int8_fine_source(const SourceWeight& a, int64_t N, int64_t K) {
+  Int8Source src;
+  src.num_out = N, src.num_in = K;
+  src.read_block16 = [&a, N, K](int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales) {
+    for (int64_t c = 0; c < count; ++c) {
+      scales[c] = a.scales32[b * N + n0 + c];
+      for (int64_t r = 0; r < 16; ++r) q[r * count + c] = a.q8[(n0 + c) * K + 16 * b + r];
+    }
+  };
+  ops::LinearWeight w = ops::pack_linear_int8(src);
+  expect(w.group_size == 16 && w.dtype == DType::F32, "a source of blocks of 16 packs into int8 blocks of 16");
+  return w;
 }
 SourceWeight make_int4_offset_weight(int64_t N, int64_t K, int64_t g) {
   SourceWeight a;
@@ -374,7 +400,8 @@ ops::LinearWeight pack_int4_kquant_source(const SourceWeight& a, int64_t N, int6
 // GGUF's blocks through the engine's packers, with fp32 activations (the exact path: the product of the stored
 // weight, 1e-5 from float64) and with int8 activations (the float64 product of the quantized operands, only the
 // order of fp32 sums differs): Q8_0 as int8 panels, Q4_1 as int4 panels with offsets, Q4_K as int4 panels with
-// K-quant heads (K a multiple of 256), decode and prefill rows, partial panels (N % 32), NaN-poisoned outputs.
+// K-quant heads (K a multiple of 256), Q6_K as int8 blocks of 16, decode and prefill rows, partial panels (N % 32),
+// NaN-poisoned outputs.
 void test_linear_gguf_blocks() {
   struct Shape {
     int64_t M, N, K;
@@ -386,15 +413,17 @@ void test_linear_gguf_blocks() {
   for (const Shape& s : shapes)
     for (bool act8 : {false, true}) {
       if (act8 && !q8_runs) continue;
-      for (int kind = 0; kind < 3; ++kind) {
-        if (kind == 2 && s.K % 256 != 0) continue;
+      for (int kind = 0; kind < 4; ++kind) {
+        if (kind >= 2 && s.K % 256 != 0) continue;
         const int64_t g = kind == 1 ? (s.K % 64 == 0 ? 64 : 32) : 32;
         const SourceWeight a = kind == 0   ? make_int8_weight(s.N, s.K)
                                : kind == 1 ? make_int4_offset_weight(s.N, s.K, g)
-                                           : make_int4_kquant_weight(s.N, s.K);
+                               : kind == 2 ? make_int4_kquant_weight(s.N, s.K)
+                                           : make_int8_fine_weight(s.N, s.K);
         ops::LinearWeight w = kind == 0   ? pack_int8_source(a, s.N, s.K)
                               : kind == 1 ? pack_int4_offset_source(a, s.N, s.K, g)
-                                          : pack_int4_kquant_source(a, s.N, s.K);
+                              : kind == 2 ? pack_int4_kquant_source(a, s.N, s.K)
+                                          : pack_int8_fine_source(a, s.N, s.K);
         w.int8_activations = act8;
         Weight b = make_weight(DType::F32, s.N, 0);
         std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN);
@@ -404,7 +433,8 @@ void test_linear_gguf_blocks() {
         expect_close(out, ref,
                      std::string(kind == 0   ? "linear Q8_0 (int8 panels)"
                                  : kind == 1 ? "linear Q4_1 (int4 offsets)"
-                                             : "linear Q4_K (int4 K-quant heads)") +
+                                 : kind == 2 ? "linear Q4_K (int4 K-quant heads)"
+                                             : "linear Q6_K (int8 blocks of 16)") +
                          (act8 ? " x int8" : " x fp32") + " M " + std::to_string(s.M) + " N " + std::to_string(s.N) +
                          " K " + std::to_string(s.K));
       }

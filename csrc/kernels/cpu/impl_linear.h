@@ -275,14 +275,17 @@ __attribute__((always_inline)) inline void i4_row(const uint8_t* quad, int i, co
 // (VNNI's operand layout, for the int8-activation kernel below). With fp32 activations each k is one shift and
 // mask per vector: w[k, j] = (u8 - 128) * d = fma(u8, d, -128 d), exact in fp32 (an 8-bit integer times an
 // fp16 scale), so this path gives the exact product of the stored weight, as the int4 one does.
+// Blocks of 16 (GGUF Q6_K: d * sc, exact in fp32) hold fp32 scales and 4 quads: scales [32] fp32 | 4 quads.
 constexpr int64_t kI8Block = 32;
 constexpr int64_t kI8Head = kPanel * 2;  // fp16 scales
 constexpr int64_t kI8Quad = 128;         // 4 k x 32 columns of bytes
 constexpr int64_t kI8BlockBytes = kI8Head + kI8Block / 4 * kI8Quad;
+inline int64_t i8_head_bytes(int64_t g) { return g == 16 ? kPanel * 4 : kI8Head; }
+inline int64_t i8_block_bytes(int64_t g) { return i8_head_bytes(g) + g / 4 * kI8Quad; }
 
-__attribute__((always_inline)) inline void i8_block_params(const uint8_t* blk, V s[kNV], V nzs[kNV]) {
+__attribute__((always_inline)) inline void i8_block_params(const uint8_t* blk, int64_t g, V s[kNV], V nzs[kNV]) {
   for (int v = 0; v < kNV; ++v) {
-    s[v] = vload_f16((const uint16_t*)blk + v * kW);
+    s[v] = g == 16 ? vload((const float*)blk + v * kW) : vload_f16((const uint16_t*)blk + v * kW);
     nzs[v] = s[v] * vset1(-128.0f);
   }
 }
@@ -295,15 +298,16 @@ __attribute__((always_inline)) inline void i8_row(const uint8_t* quad, int i, co
 }
 
 // What the fp32-activation kernels need of a quantized panel format (BITS 4: int4 groups of g, their heads of
-// any form; BITS 8: int8 blocks of 32): a group's bytes, its head, one quad (4 k), and its dequantized rows.
+// any form; BITS 8: int8 blocks of g = 32 or 16): a group's bytes, its head, one quad (4 k), and its dequantized rows.
 template <int BITS>
 struct QuantPanel;
 template <>
 struct QuantPanel<4> {
   static constexpr int64_t kQuad = kI4Quad;
   static int64_t group_bytes(int64_t g, Int4Head head) { return i4_group_bytes(g, head); }
-  static int64_t head_bytes(Int4Head head) { return i4_head_bytes(head); }
-  __attribute__((always_inline)) static void params(const uint8_t* blk, Int4Head head, V s[kNV], V nzs[kNV]) {
+  static int64_t head_bytes(int64_t, Int4Head head) { return i4_head_bytes(head); }
+  __attribute__((always_inline)) static void params(const uint8_t* blk, int64_t, Int4Head head, V s[kNV],
+                                                    V nzs[kNV]) {
     i4_group_params(blk, head, s, nzs);
   }
   __attribute__((always_inline)) static void row(const uint8_t* quad, int i, const V s[kNV], const V nzs[kNV],
@@ -314,10 +318,10 @@ struct QuantPanel<4> {
 template <>
 struct QuantPanel<8> {
   static constexpr int64_t kQuad = kI8Quad;
-  static int64_t group_bytes(int64_t, Int4Head) { return kI8BlockBytes; }
-  static int64_t head_bytes(Int4Head) { return kI8Head; }
-  __attribute__((always_inline)) static void params(const uint8_t* blk, Int4Head, V s[kNV], V nzs[kNV]) {
-    i8_block_params(blk, s, nzs);
+  static int64_t group_bytes(int64_t g, Int4Head) { return i8_block_bytes(g); }
+  static int64_t head_bytes(int64_t g, Int4Head) { return i8_head_bytes(g); }
+  __attribute__((always_inline)) static void params(const uint8_t* blk, int64_t g, Int4Head, V s[kNV], V nzs[kNV]) {
+    i8_block_params(blk, g, s, nzs);
   }
   __attribute__((always_inline)) static void row(const uint8_t* quad, int i, const V s[kNV], const V nzs[kNV],
                                                  V w[kNV]) {
@@ -335,11 +339,11 @@ inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64
   for (int u = 0; u < KU; ++u)
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < kNV; ++v) acc[u][i][v] = vzero();
-  const int64_t gb = P::group_bytes(g, head), hb = P::head_bytes(head);
+  const int64_t gb = P::group_bytes(g, head), hb = P::head_bytes(g, head);
   for (int64_t k0 = 0; k0 < K; k0 += g) {
     const uint8_t* blk = panel + (k0 / g) * gb;
     V s[kNV], nzs[kNV];
-    P::params(blk, head, s, nzs);
+    P::params(blk, g, head, s, nzs);
     for (int64_t t = 0; t < g / 4; ++t) {
       const uint8_t* quad = blk + hb + t * P::kQuad;
       prefetch(quad + kPrefetchBytes);
@@ -383,11 +387,11 @@ inline void qpanel_tile_n(int mr, const float* x, int64_t ldx, const uint8_t* pa
 template <int BITS>
 inline void qpanel_convert(const uint8_t* panel, int64_t g, Int4Head head, int64_t k0, int64_t kc, float* bp) {
   using P = QuantPanel<BITS>;
-  const int64_t gb = P::group_bytes(g, head), hb = P::head_bytes(head);
+  const int64_t gb = P::group_bytes(g, head), hb = P::head_bytes(g, head);
   for (int64_t k = k0; k < k0 + kc; k += g) {
     const uint8_t* blk = panel + (k / g) * gb;
     V s[kNV], nzs[kNV];
-    P::params(blk, head, s, nzs);
+    P::params(blk, g, head, s, nzs);
     for (int64_t r = 0; r < g; ++r) {
       V w[kNV];
       P::row(blk + hb + r / 4 * P::kQuad, (int)(r % 4), s, nzs, w);
@@ -430,8 +434,9 @@ void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K,
                  const float* bias, float* out) {
   linear_qpanels<4>(x, M, w, N, K, g, head, bias, out);
 }
-void linear_int8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
-  linear_qpanels<8>(x, M, w, N, K, kI8Block, Int4Head::Zeros, bias, out);
+void linear_int8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, const float* bias,
+                 float* out) {
+  linear_qpanels<8>(x, M, w, N, K, g, Int4Head::Zeros, bias, out);
 }
 
 // ------------------------------------------------------------------ int4 x int8 (AVX-512 VNNI)
@@ -539,38 +544,42 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
     }
 }
 
-// The same for an int8 panel (ops::LinearWeight is_int8): per 32-k block, scales [32] fp16 then
-// 8 quads x 2 halves (columns 0-15, 16-31) of u8 = q + 128, so that
+// The same for an int8 panel (ops::LinearWeight Int8): per G-k block (G = 32: fp16 scales; 16: fp32 scales),
+// scales [32] then G / 4 quads x 2 halves (columns 0-15, 16-31) of u8 = q + 128, so that
 //   sum_k q[k, j] qx[k] = sum_k u8[k, j] qx[k] - 128 * sum_k qx[k]      (exact in int32 / fp32)
-template <int MR>
+// sx: the sums of qx per G values (dx stays per 32).
+template <int MR, int G>
 LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64_t K,
                                   const uint8_t* panel, float* c, int64_t ldc, int ncols, const float* bias) {
-  const int64_t nb = K / kQ8Block, block_bytes = kI8BlockBytes;
+  const int64_t nb = K / kQ8Block, ng = K / G, block_bytes = i8_block_bytes(G), hb = i8_head_bytes(G);
   __m512 tot[MR][2];
   for (int i = 0; i < MR; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
   const __m512 m128 = _mm512_set1_ps(128.0f);
-  for (int64_t kb = 0; kb < nb; ++kb) {
-    const uint8_t* blk = panel + kb * block_bytes;
+  for (int64_t kg = 0; kg < ng; ++kg) {
+    const uint8_t* blk = panel + kg * block_bytes;
+    const int64_t kb = kg * G / kQ8Block;
     __m512 d[2];
-    for (int v = 0; v < 2; ++v) d[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
+    for (int v = 0; v < 2; ++v)
+      d[v] = G == 16 ? _mm512_loadu_ps((const float*)blk + 16 * v)
+                     : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
     __m512i acc[MR][2];
     for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
-    const uint8_t* quads = blk + kPanel * 2;
+    const uint8_t* quads = blk + hb;
 #pragma GCC unroll 8
-    for (int t = 0; t < kQ8Block / 4; ++t) {
+    for (int t = 0; t < G / 4; ++t) {
       const __m512i w0 = _mm512_loadu_si512(quads + t * 128), w1 = _mm512_loadu_si512(quads + t * 128 + 64);
       _mm_prefetch((const char*)(quads + t * 128 + kPrefetchBytes), _MM_HINT_T0);
       _mm_prefetch((const char*)(quads + t * 128 + 64 + kPrefetchBytes), _MM_HINT_T0);
       for (int i = 0; i < MR; ++i) {
         int32_t q4;
-        memcpy(&q4, qx + i * K + kb * kQ8Block + 4 * t, 4);
+        memcpy(&q4, qx + i * K + kg * G + 4 * t, 4);
         const __m512i xq = _mm512_set1_epi32(q4);
         acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], w0, xq);
         acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], w1, xq);
       }
     }
     for (int i = 0; i < MR; ++i) {
-      const __m512 dxi = _mm512_set1_ps(dx[i * nb + kb]), corr = _mm512_mul_ps(m128, _mm512_set1_ps(sx[i * nb + kb]));
+      const __m512 dxi = _mm512_set1_ps(dx[i * nb + kb]), corr = _mm512_mul_ps(m128, _mm512_set1_ps(sx[i * ng + kg]));
       for (int v = 0; v < 2; ++v) {
         const __m512 f = _mm512_sub_ps(_mm512_cvtepi32_ps(acc[i][v]), corr);
         tot[i][v] = _mm512_fmadd_ps(dxi, _mm512_mul_ps(f, d[v]), tot[i][v]);
@@ -587,16 +596,17 @@ LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float
     }
 }
 
-// g > 0: int4 panels with group size g; g == 0: int8 panels.
-template <int MR = kQ8MR>
+// BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g (sx then per g values).
+template <int BITS, int MR = kQ8MR>
 LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K,
                                  const uint8_t* panel, int64_t g, Int4Head head, float* c, int64_t ldc, int ncols,
                                  const float* bias) {
   if (mr == MR) {
-    if (g > 0) q8_tile<MR>(qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
-    else q8_tile_i8<MR>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
+    if constexpr (BITS == 4) q8_tile<MR>(qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
+    else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
+    else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
   } else if constexpr (MR > 1) {
-    q8_tile_n<MR - 1>(mr, qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
+    q8_tile_n<BITS, MR - 1>(mr, qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
   }
 }
 
@@ -708,25 +718,26 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
   }
 }
 
-// tot[i][0:32] += this int8 panel's sums (layout as the AVX-512 path's q8_tile_i8) for rows i < MR.
-template <int MR>
+// tot[i][0:32] += this int8 panel's sums (layout as the AVX-512 path's q8_tile_i8, blocks of G) for rows i < MR.
+template <int MR, int G>
 inline void q8_tile_i8(const int8_t* qx, const float* dx, int64_t K, const uint8_t* panel, float (*tot)[kPanel]) {
-  const int64_t nb = K / kQ8Block, block_bytes = kI8BlockBytes;
+  const int64_t nb = K / kQ8Block, ng = K / G, block_bytes = i8_block_bytes(G), hb = i8_head_bytes(G);
   const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-  for (int64_t kb = 0; kb < nb; ++kb) {
-    const uint8_t* blk = panel + kb * block_bytes;
+  for (int64_t kg = 0; kg < ng; ++kg) {
+    const uint8_t* blk = panel + kg * block_bytes;
+    const int64_t kb = kg * G / kQ8Block;
     __m256i acc[MR][4];
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_si256();
-    const uint8_t* quads = blk + kPanel * 2;
+    const uint8_t* quads = blk + hb;
 #pragma GCC unroll 8
-    for (int t = 0; t < kQ8Block / 4; ++t) {
+    for (int t = 0; t < G / 4; ++t) {
       _mm_prefetch((const char*)(quads + t * 128 + kPrefetchBytes), _MM_HINT_T0);
       _mm_prefetch((const char*)(quads + t * 128 + 64 + kPrefetchBytes), _MM_HINT_T0);
       __m256i xq[MR];
       for (int i = 0; i < MR; ++i) {
         int32_t q4;
-        memcpy(&q4, qx + i * K + kb * kQ8Block + 4 * t, 4);
+        memcpy(&q4, qx + i * K + kg * G + 4 * t, 4);
         xq[i] = _mm256_set1_epi32(q4);
       }
       for (int v = 0; v < 4; ++v) {  // 32 bytes at 32 v: lanes of columns 8v..8v+7
@@ -738,7 +749,8 @@ inline void q8_tile_i8(const int8_t* qx, const float* dx, int64_t K, const uint8
       }
     }
     for (int v = 0; v < 4; ++v) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v)));
+      const __m256 d = G == 16 ? _mm256_loadu_ps((const float*)blk + 8 * v)
+                               : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v)));
       for (int i = 0; i < MR; ++i) {
         const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][v]), d);
         _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + kb]), f,
@@ -748,49 +760,64 @@ inline void q8_tile_i8(const int8_t* qx, const float* dx, int64_t K, const uint8
   }
 }
 
-// g > 0: int4 panels with group size g; g == 0: int8 panels.
-template <int MR = kQ8MR>
+// BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g.
+template <int BITS, int MR = kQ8MR>
 inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
                       int64_t g, Int4Head head, float* c, int64_t ldc, int ncols, const float* bias) {
   if (mr == MR) {
     alignas(32) float tot[MR][kPanel] = {};
-    if (g > 0) q8_tile_i4<MR>(qx, dx, sx, K, panel, g, head, tot);
-    else q8_tile_i8<MR>(qx, dx, K, panel, tot);
+    if constexpr (BITS == 4) q8_tile_i4<MR>(qx, dx, sx, K, panel, g, head, tot);
+    else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, K, panel, tot);
+    else q8_tile_i8<MR, 32>(qx, dx, K, panel, tot);
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < ncols; ++j) c[i * ldc + j] = bias ? tot[i][j] + bias[j] : tot[i][j];
   } else if constexpr (MR > 1) {
-    q8_tile_n<MR - 1>(mr, qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
+    q8_tile_n<BITS, MR - 1>(mr, qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
   }
 }
 #endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
-// out = x @ w^T (+ bias) with int8 activations over int4 (g > 0) or int8 (g == 0) panels; K % 32 == 0.
+// out = x @ w^T (+ bias) with int8 activations over int4 (BITS 4, groups of g) or int8 (BITS 8, blocks of g = 32
+// or 16) panels; K % 32 == 0.
+template <int BITS>
 LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, Int4Head head,
                           const float* bias, float* out) {
   const int64_t nb = K / kQ8Block;
-  const int64_t panel_bytes = g > 0 ? K / g * i4_group_bytes(g, head) : nb * kI8BlockBytes;
-  thread_local ScratchBuffer scratch;  // dx, sx, then qx
-  float* dx = (float*)scratch.get((size_t)(2 * M * nb * 4 + M * K));
-  int8_t* qx = (int8_t*)(dx + 2 * M * nb);
+  const int64_t panel_bytes = BITS == 4 ? K / g * i4_group_bytes(g, head) : K / g * i8_block_bytes(g);
+  const bool fine = BITS == 8 && g == 16;  // blocks of 16: their own sums of qx
+  const int64_t ns = fine ? K / 16 : nb;
+  thread_local ScratchBuffer scratch;  // dx, sx (per 32), sums per 16 where fine, then qx
+  float* dx = (float*)scratch.get((size_t)((2 * M * nb + (fine ? M * ns : 0)) * 4 + M * K));
   float* sx = dx + M * nb;
+  float* sg = fine ? sx + M * nb : sx;  // the sums of qx per block of the weight
+  int8_t* qx = (int8_t*)(sx + M * nb + (fine ? M * ns : 0));
   parallel_for(M, grain_for(M), M * K >= (1 << 16), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) q8_quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb);
+    for (int64_t m = m0; m < m1; ++m) {
+      q8_quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb);
+      if (fine)
+        for (int64_t b = 0; b < ns; ++b) {
+          int32_t sum = 0;
+          for (int64_t i = 0; i < 16; ++i) sum += qx[m * K + 16 * b + i];
+          sg[m * ns + b] = (float)sum;
+        }
+    }
   });
   // no M blocks: a panel's pass over all rows reads M * K bytes of qx, little beside its integer work
   for_each_panel(M, N, K, M, bias, [&](int64_t, int64_t, int64_t p, int ncols, const float* bias_tile, float*) {
     const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
     for_each_tile<kQ8MR>(M, [&](int64_t m, int mr) {
-      q8_tile_n(mr, qx + m * K, dx + m * nb, sx + m * nb, K, panel, g, head, out + m * N + p * kPanel, N, ncols,
-                bias_tile);
+      q8_tile_n<BITS>(mr, qx + m * K, dx + m * nb, sg + m * ns, K, panel, g, head, out + m * N + p * kPanel, N,
+                      ncols, bias_tile);
     });
   });
 }
 void linear_int4_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, Int4Head head,
                     const float* bias, float* out) {
-  linear_q8(x, M, w, N, K, g, head, bias, out);
+  linear_q8<4>(x, M, w, N, K, g, head, bias, out);
 }
-void linear_int8_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
-  linear_q8(x, M, w, N, K, 0, Int4Head::Zeros, bias, out);
+void linear_int8_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, const float* bias,
+                    float* out) {
+  linear_q8<8>(x, M, w, N, K, g, Int4Head::Zeros, bias, out);
 }
 #endif

@@ -29,6 +29,8 @@ int64_t int4_head_bytes(Int4Head head) {
 }
 int64_t int4_group_bytes(int64_t g, Int4Head head) { return int4_head_bytes(head) + g * kLinearPanelCols / 2; }
 constexpr int64_t kInt8BlockBytes = kLinearPanelCols * 2 + kInt8Block * kLinearPanelCols;
+constexpr int64_t kInt8FineBytes = kLinearPanelCols * 4 + 16 * kLinearPanelCols;  // a block of 16, fp32 scales
+int64_t int8_block_bytes(int64_t g) { return g == 16 ? kInt8FineBytes : kInt8BlockBytes; }
 #include "kernels/cpu/parallel.h"
 std::shared_ptr<void> alloc_packed(int64_t bytes, const char* what) {
   bytes = (bytes + 63) / 64 * 64;
@@ -250,29 +252,39 @@ LinearWeight pack_linear_int8(const Int8Source& source) {
   const int64_t N = source.num_out, K = source.num_in;
   LMKIT_CHECK_ARG(N > 0 && K > 0 && K % 32 == 0, "int8: weight must be [N, K] with K a multiple of 32, got [", N,
                   ", ", K, "]");
-  LMKIT_CHECK_ARG(source.read_block != nullptr, "int8: the source has no reader");
+  const bool fine = source.read_block16 != nullptr;
+  LMKIT_CHECK_ARG(fine != (source.read_block != nullptr), "int8: the source needs exactly one reader");
   LinearWeight packed;
   packed.format = WeightFormat::Int8;
-  packed.dtype = DType::F16;
+  packed.dtype = fine ? DType::F32 : DType::F16;
+  packed.group_size = fine ? 16 : 32;
   packed.n = N;
   packed.k = K;
   packed.storage = alloc_packed(packed.size_bytes(), "an int8 weight");
-  constexpr int64_t P = kLinearPanelCols, B = kInt8Block, block_bytes = kInt8BlockBytes;
+  constexpr int64_t P = kLinearPanelCols;
+  const int64_t B = packed.group_size, block_bytes = int8_block_bytes(B), head = fine ? 4 * P : 2 * P;
   const int64_t nb = K / B, num_panels = (N + P - 1) / P;
   uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
   auto pack_range = [&](int64_t p0, int64_t p1) {
     std::vector<int8_t> q(B * P);
     std::vector<uint16_t> scales(P);
+    std::vector<float> scales32(P);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t count = std::min(P, N - p * P);  // columns past count: scale 0, u8 128
       for (int64_t b = 0; b < nb; ++b) {
-        std::fill(scales.begin(), scales.end(), 0);
-        source.read_block(b, p * P, count, q.data(), scales.data());
         uint8_t* blk = dst + (p * nb + b) * block_bytes;
-        std::memcpy(blk, scales.data(), 2 * P);
+        if (fine) {
+          std::fill(scales32.begin(), scales32.end(), 0.0f);
+          source.read_block16(b, p * P, count, q.data(), scales32.data());
+          std::memcpy(blk, scales32.data(), 4 * P);
+        } else {
+          std::fill(scales.begin(), scales.end(), 0);
+          source.read_block(b, p * P, count, q.data(), scales.data());
+          std::memcpy(blk, scales.data(), 2 * P);
+        }
         for (int64_t j = 0; j < P; ++j)
           for (int64_t i = 0; i < B; ++i)  // quad t = i / 4, half h = j / 16: byte i % 4 of lane j % 16
-            blk[2 * P + (i / 4) * 128 + (j / 16) * 64 + (j % 16) * 4 + i % 4] =
+            blk[head + (i / 4) * 128 + (j / 16) * 64 + (j % 16) * 4 + i % 4] =
                 (uint8_t)((j < count ? (int)q[i * count + j] : 0) + 128);
       }
     }
@@ -429,9 +441,9 @@ void run_int4(const float* x, int64_t M, const LinearWeight& w, const float* b, 
 void run_int8(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
   const cpu::KernelTable* q8 = w.int8_activations ? cpu::q8_table() : nullptr;
   if (q8 != nullptr)
-    q8->linear_int8_q8(x, M, w.storage.get(), w.n, w.k, b, out);
+    q8->linear_int8_q8(x, M, w.storage.get(), w.n, w.k, w.group_size, b, out);
   else
-    cpu::active().linear_int8(x, M, w.storage.get(), w.n, w.k, b, out);
+    cpu::active().linear_int8(x, M, w.storage.get(), w.n, w.k, w.group_size, b, out);
 }
 void run_bf16_pairs(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
   const cpu::KernelTable* amx = M >= kLinearAmxMinRows ? cpu::amx_table_in_use() : nullptr;
@@ -450,7 +462,7 @@ const WeightFormatTraits kWeightFormats[] = {
      [](const LinearWeight& w) { return num_panels(w) * (w.k / w.group_size) * int4_group_bytes(w.group_size, w.int4_head); },
      nullptr, [] { return (const char*)nullptr; }, run_int4},
     {WeightFormat::Int8, "int8",
-     [](const LinearWeight& w) { return num_panels(w) * (w.k / kInt8Block) * kInt8BlockBytes; },
+     [](const LinearWeight& w) { return num_panels(w) * (w.k / w.group_size) * int8_block_bytes(w.group_size); },
      [](const Tensor& w) { return pack_linear_int8(w); }, [] { return (const char*)nullptr; }, run_int8},
     {WeightFormat::Bf16Pairs, "bf16_pairs",
      [](const LinearWeight& w) { return num_panels(w) * ((w.k + 1) / 2) * kLinearPanelCols * 4; },
