@@ -18,8 +18,8 @@ from pathlib import Path
 
 SETTINGS = {
     "dtype": [("dtype=auto", dict(dtype="auto")), ("dtype=float32", dict(dtype="float32"))],
-    "int8": [("int8 activations", dict(dtype="float32", awq_int8_activations=True)),
-             ("fp32 activations", dict(dtype="float32", awq_int8_activations=False))],
+    "int8": [("int8 activations", dict(dtype="float32", int8_activations=True)),
+             ("fp32 activations", dict(dtype="float32", int8_activations=False))],
 }
 
 

@@ -31,7 +31,16 @@ class AlreadyQuantizedError(ValueError):
 
 
 def read_config(folder: Path) -> dict:
-    """config.json of ``folder`` as a dict; ValueError when unreadable."""
+    """config.json of ``folder`` as a dict; ValueError when unreadable, or when ``folder`` is a GGUF file or lmkit's
+    view of one (lite reads and writes safetensors checkpoints: the GGUF's weights are llama.cpp's already
+    quantized blocks)."""
+    from lmkit.models.gguf_file import MARKER, is_gguf_file
+
+    folder = Path(folder)
+    if is_gguf_file(folder) or (folder / MARKER).is_file():
+        raise ValueError(f"{folder} is a GGUF model: lmkit lite works on a Hugging Face folder (config.json and "
+                         "safetensors in floating point); give it the model's HF checkpoint instead (lmkit serves "
+                         "the GGUF file as it is)")
     try:
         return json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:

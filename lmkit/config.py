@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import typing
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,11 +54,14 @@ class EngineConfig:
     """KV cache precision of every layer: 0 float, 8 int8, 4 int4."""
     kv_policy: str | None = None
     """Per-layer KV precision file (kv_policy.json from `lmkit lite calibrate`); overrides quant_policy."""
-    awq_int8_activations: bool = True
-    """Quantized checkpoints (int4: AWQ, GPTQ, compressed-tensors, GGUF Q4_0/Q4_1; int8: GGUF Q5_0/Q8_0): quantize
-    activations to int8 and use integer dot products, in decode (per 32 values; AVX2 / AVX-512 VNNI, llama.cpp's
-    approach) and prefill (on AMX-INT8 CPUs tiles with x per weight group, else the same kernels). False: fp32
-    activations, the exact product of the stored weights (2-5x slower prefill)."""
+    int8_activations: bool = True
+    """Quantized checkpoints (int4: AWQ, GPTQ, compressed-tensors, GGUF Q4_0/Q4_1/Q4_K; int8: GGUF Q5_0/Q8_0/Q6_K):
+    quantize activations to int8 and use integer dot products, in decode (per 32 values; AVX2 / AVX-512 VNNI,
+    llama.cpp's approach) and prefill (on AMX-INT8 CPUs tiles with x per weight group, else the same kernels).
+    False: fp32 activations, the exact product of the stored weights (2-5x slower prefill)."""
+    awq_int8_activations: bool | None = None
+    """Deprecated name of int8_activations (which governs every int4 and int8 layer, not AWQ's only); when set, it
+    wins, with a DeprecationWarning."""
     enable_prefix_caching: bool = False
     """Reuse the KV blocks of identical prompt prefixes."""
     num_threads: int | None = None
@@ -80,6 +84,11 @@ class EngineConfig:
             if not ok:
                 raise ValueError(message)
 
+        if self.awq_int8_activations is not None:
+            warnings.warn("EngineConfig(awq_int8_activations=...) is deprecated: use int8_activations",
+                          DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "int8_activations", bool(self.awq_int8_activations))
+            object.__setattr__(self, "awq_int8_activations", None)
         check(self.device in ("cpu", "cuda", "auto"), f"device must be cpu, cuda or auto, got {self.device!r}")
         check(self.dtype in ("auto", "float32", "bfloat16"),
               f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
@@ -147,7 +156,7 @@ class EngineConfig:
         if kv_layer_bits:
             c.kv_layer_bits = list(kv_layer_bits)
         c.enable_prefix_caching = self.enable_prefix_caching
-        c.awq_int8_activations = bool(self.awq_int8_activations)
+        c.int8_activations = bool(self.int8_activations)
         c.bf16_linear = self.resolved_dtype(device) == "bfloat16"
         c.cuda_graphs = bool(self.cuda_graphs)
         c.num_threads = num_threads or self.resolved_num_threads

@@ -206,3 +206,11 @@ def test_cuda_device_without_a_gpu_is_a_clear_error(tiny_llama):
         pytest.skip("a GPU is usable here")
     with pytest.raises(ValueError, match=r"device='cuda' but (no CUDA GPU|lmkit._engine was built without)"):
         pipeline(tiny_llama[0], EngineConfig(device="cuda"))
+
+
+def test_deprecated_int8_activations_name_still_works():
+    """awq_int8_activations (the old name: it governs every int4 and int8 layer) sets int8_activations, warning."""
+    with pytest.warns(DeprecationWarning, match="use int8_activations"):
+        config = EngineConfig(awq_int8_activations=False)
+    assert config.int8_activations is False and config.awq_int8_activations is None
+    assert config.to_engine_config("cpu").int8_activations is False

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 GPU = EngineConfig(device="cuda", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4)
 CPU_EXACT = EngineConfig(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4,
-                         awq_int8_activations=False)
+                         int8_activations=False)
 PROMPTS = [[5, 9, 200, 17], list(range(40, 80)), [3]]  # 40 tokens > one 16-token block and the sliding window
 
 

@@ -25,9 +25,9 @@ from lmkit.models import load_model_spec  # noqa: E402
 from lmkit.models.gguf_file import GgufError  # noqa: E402
 from tests.conftest import logits_error  # noqa: E402
 
-EXACT = EngineConfig(dtype="float32", device="cpu", awq_int8_activations=False, cache_max_entry_count=64,
+EXACT = EngineConfig(dtype="float32", device="cpu", int8_activations=False, cache_max_entry_count=64,
                      session_len=256)
-INT8_ACT = EngineConfig(dtype="float32", device="cpu", awq_int8_activations=True, cache_max_entry_count=64,
+INT8_ACT = EngineConfig(dtype="float32", device="cpu", int8_activations=True, cache_max_entry_count=64,
                         session_len=256)
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -343,3 +343,14 @@ def test_gguf_file_gone_after_view(tmp_path):
     shutil.move(path, moved)
     with pytest.raises(FileNotFoundError, match="is gone"):
         resolve_model(folder)
+
+
+def test_lite_tools_refuse_gguf_models(tmp_path):
+    """lmkit lite (AWQ, calibration, perplexity) reads HF folders: a GGUF file or its view folder is refused naming
+    what to give it instead, not a traceback from inside transformers."""
+    from lmkit.lite.layerwise import read_config
+
+    path, _ = make_case(tmp_path, "llama", "Q4_0", seed=9)
+    for target in (path, resolve_model(path)):
+        with pytest.raises(ValueError, match="is a GGUF model: lmkit lite works on a Hugging Face folder"):
+            read_config(target)

@@ -36,7 +36,7 @@ from compressed_tensors.quantization import (  # noqa: E402
 from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
 
 EXACT = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
-                     max_batch_size=4, session_len=512, awq_int8_activations=False)
+                     max_batch_size=4, session_len=512, int8_activations=False)
 LINEAR_ROLES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
                 "down_proj")
 REL_TOL = 1e-4

@@ -18,7 +18,7 @@ from tests.conftest import make_tiny_model
 
 CONFIG = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4)
 EXACT = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4,
-                     awq_int8_activations=False)
+                     int8_activations=False)
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
@@ -94,7 +94,7 @@ def test_awq_modules_to_not_convert_stay_dense(tmp_path):
     check_against(ref, engine_logits(folder, prompts, EXACT), 1e-4)
 
 
-def test_awq_int8_activations_stay_within_stated_bound(tmp_path):
+def test_int8_activations_stay_within_stated_bound(tmp_path):
     """Decode with int8 activations (the default; the lm_head then int8 too): logits within 3e-2 of the
     dequantized reference (measured 1.9e-2 and 2.05e-2 on this model with the AVX2 kernels; the integer
     sums are exact, so VNNI gives the same: only the rounding of activations and of the lm_head counts)."""
@@ -301,7 +301,7 @@ def test_awq_experts_match_dequantized_reference(int8_activations, tmp_path, mon
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (1, 9, 40)]
     engine = EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=64, cache_block_seq_len=16,
-                          max_batch_size=4, awq_int8_activations=int8_activations)
+                          max_batch_size=4, int8_activations=int8_activations)
     with pipeline(awq, engine) as pipe:
         assert pipe.engine.spec.int4.group_size == 32
     check_against(ref, engine_logits(awq, prompts, engine), 3e-2 if int8_activations else 1e-4)

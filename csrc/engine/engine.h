@@ -44,7 +44,7 @@ struct EngineConfig {
   // CPUs of the engine thread and its kernel team, and of the callback thread (which runs the caller's
   // Python callbacks); empty: wherever the process may run (lmkit/cpus.py plans them)
   std::vector<int32_t> engine_cpus, callback_cpus;
-  bool awq_int8_activations = true;  // int4 / int8 layers: int8 activations, integer dot products (decode and prefill)
+  bool int8_activations = true;  // int4 / int8 layers: int8 activations, integer dot products (decode and prefill)
   bool bf16_linear = false;          // CPU backend: dense linear layers as bf16 dot products (dtype='bfloat16')
   bool cuda_graphs = true;           // CUDA backend: decode steps replayed as CUDA graphs
 };

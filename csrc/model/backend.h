@@ -166,7 +166,7 @@ void take_prompt_logprobs(const Batch& batch, int64_t first, int64_t n, const fl
 struct BackendOptions {
   int32_t max_step_tokens = 8192;    // rows of one forward at most (prefill budget + decodes)
   int32_t num_threads = 0;           // CPU: 0 = all cores
-  bool awq_int8_activations = true;  // CPU: int4 and int8 layers (any layout) with int8 activations (decode and prefill)
+  bool int8_activations = true;  // CPU: int4 and int8 layers (any layout) with int8 activations (decode and prefill)
   bool bf16_linear = false;          // CPU: dense linear layers (and full-precision KV) as bf16
   int32_t max_blocks_per_seq = 0;    // CUDA: ceil(session_len / block size), the graphs' fixed tables
   bool cuda_graphs = true;           // CUDA: decode steps as CUDA graphs

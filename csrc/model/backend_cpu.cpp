@@ -76,7 +76,7 @@ class CpuBackend final : public Backend {
     // in its own blocks.
     auto impl = std::make_shared<CpuLinear>();
     const bool int8 =
-        quantized && options_.awq_int8_activations && ops::int8_dot_available() && weight.shape[1] % 32 == 0;
+        quantized && options_.int8_activations && ops::int8_dot_available() && weight.shape[1] % 32 == 0;
     if (dtype_is_block(weight.dtype))
       impl->parts.push_back(pack_part(single_tensor_linear(weight, nullptr, "lm_head")));
     else
@@ -350,7 +350,7 @@ class CpuBackend final : public Backend {
   ops::LinearWeight pack_part(const LinearTensors& t) const {
     if (!t.is_int4() && !t.is_int8()) return pack_dense(t.weight);
     ops::LinearWeight w = t.is_int4() ? ops::pack_linear_int4(t.int4_source) : ops::pack_linear_int8(t.int8_source);
-    w.int8_activations = options_.awq_int8_activations;
+    w.int8_activations = options_.int8_activations;
     return w;
   }
   static Tensor view(const DeviceVector& v) { return make_view(v.data.get(), DType::F32, v.n); }

@@ -46,7 +46,7 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   BackendOptions backend;
   backend.max_step_tokens = config.max_prefill_token_num + config.max_batch_size;
   backend.num_threads = config.num_threads;
-  backend.awq_int8_activations = config.awq_int8_activations;
+  backend.int8_activations = config.int8_activations;
   backend.bf16_linear = config.bf16_linear;
   backend.max_blocks_per_seq = (options.session_len + config.cache_block_seq_len - 1) / config.cache_block_seq_len;
   backend.cuda_graphs = config.cuda_graphs;

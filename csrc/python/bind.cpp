@@ -120,7 +120,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("max_prefill_token_num", &EngineConfig::max_prefill_token_num)
       .def_readwrite("quant_policy", &EngineConfig::quant_policy)
       .def_readwrite("kv_layer_bits", &EngineConfig::kv_layer_bits)
-      .def_readwrite("awq_int8_activations", &EngineConfig::awq_int8_activations)
+      .def_readwrite("int8_activations", &EngineConfig::int8_activations)
       .def_readwrite("bf16_linear", &EngineConfig::bf16_linear)
       .def_readwrite("cuda_graphs", &EngineConfig::cuda_graphs)
       .def_readwrite("enable_prefix_caching", &EngineConfig::enable_prefix_caching)

@@ -155,7 +155,7 @@ double moe_error(const MoeCase& c, std::mt19937& rng) {
   const int E = c.E, K = c.K, rows = c.rows, H = c.H, I = c.I;
   BackendOptions options;
   options.num_threads = 2;
-  options.awq_int8_activations = c.int8_activations;
+  options.int8_activations = c.int8_activations;
   std::unique_ptr<Backend> b = make_cpu_backend(options);
   Weight router(E, H, rng);
   if (c.same_expert)

@@ -206,7 +206,7 @@ def test_engine_perplexity_equals_dequantized_reference(arch):
     prompt = evaluation_tokens(AutoTokenizer.from_pretrained(out), "pydoc", 48).tolist()
     config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
                           max_batch_size=4,
-                          awq_int8_activations=False)
+                          int8_activations=False)
     with pipeline(out, config) as pipe:
         response = pipe([prompt], GenerationConfig(max_new_tokens=1, output_logits=True, ignore_eos=True))[0]
     got = torch.from_numpy(np.asarray(response.logits[: len(prompt) - 1], dtype=np.float32))

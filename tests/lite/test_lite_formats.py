@@ -20,7 +20,7 @@ from tests.lite.test_lite_moe import CASES as MOE_CASES, make_moe_model
 pytest.importorskip("compressed_tensors")
 
 EXACT = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
-                     max_batch_size=4, awq_int8_activations=False)
+                     max_batch_size=4, int8_activations=False)
 
 
 def _logits(folder, prompts):

@@ -162,7 +162,7 @@ def test_moe_engine_equals_dequantized_reference_and_awq_beats_rtn(moe):
     case, source, _, out, rtn = moe
     prompt = _pydoc_ids(out, 48)
     config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
-                          awq_int8_activations=False)
+                          int8_activations=False)
     with pipeline(out, config) as pipe:
         response = pipe([prompt], GenerationConfig(max_new_tokens=1, output_logits=True, ignore_eos=True))[0]
     got = torch.from_numpy(np.asarray(response.logits[: len(prompt) - 1], dtype=np.float32))

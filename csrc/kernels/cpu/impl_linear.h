@@ -445,7 +445,7 @@ void linear_int8(const float* x, int64_t M, const void* w, int64_t N, int64_t K,
 // dot products, vpdpbusd(u8 weight nibbles, s8 activations), exact in int32; per block and column:
 //   sum_k x[k] w[k, j] ~ dx * (scale_j * sum_k q[k, j] qx[k] - scale_j * zero_j * sum_k qx[k])
 // The only approximation is the rounding of x (relative error ~ 1/254 per value, averaging out over K):
-// the engine's fp32 path stays exact and is chosen with awq_int8_activations=false. Prefill calls take
+// the engine's fp32 path stays exact and is chosen with int8_activations=false. Prefill calls take
 // the same kernel (4-row tiles: the nibbles of a quad are unpacked once per 8 dot products), or on an
 // AMX-INT8 CPU the tile kernel of impl_linear_q8_amx.h.
 #if defined(__AVX512F__)
