@@ -219,8 +219,8 @@ def test_gguf_k_quant_logits(arch, qtype, tmp_path):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0"])
 def test_gguf_blocks_with_int8_activations(qtype, tmp_path):
-    """Q4_0 / Q4_1 / Q5_0 layers with int8 activations and a tied Q8_0 embedding (the shipped SmolLM2 file's mix): only the
-    rounding of x differs from the exact path (bounded as in test_quant_formats, over a prompt's rows)."""
+    """Q4_0 / Q4_1 / Q5_0 layers with int8 activations and a tied Q8_0 embedding (the shipped SmolLM2 file's mix):
+    only the rounding of x differs from the exact path (bounded as in test_quant_formats, over a prompt's rows)."""
     path, ref = make_case(tmp_path, "llama", qtype, seed=5, embed_type="Q8_0", tie_word_embeddings=True, std=0.03)
     assert engine_vs(path, ref, prompts_for(2), INT8_ACT, per_row=False) <= 3e-2
 

@@ -31,7 +31,8 @@ using RowOrder = std::shared_ptr<const std::vector<int32_t>>;
 // interleaved rotary: HF row h * head_dim + j * head_dim / 2 + i is GGUF row h * head_dim + 2 i + j.
 RowOrder ggml_rotary_row_order(int64_t num_heads, int64_t head_dim);
 
-// Sources of a block tensor t ([N, K], dtype Q4_0 / Q4_1 / Q4_K for int4, Q5_0 / Q8_0 / Q6_K for int8; K whole blocks). Throw
+// Sources of a block tensor t ([N, K], dtype Q4_0 / Q4_1 / Q4_K for int4, Q5_0 / Q8_0 / Q6_K for int8; K whole
+// blocks). Throw
 // InvalidArgument naming `what` when the dtype or shape does not fit.
 Int4Source ggml_int4_source(const Tensor& t, const RowOrder& rows, const std::string& what);
 Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::string& what);

@@ -74,7 +74,8 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     const TensorSource& src = it->second;
     if (want == DType::F32 && blocks_ok)
       LMKIT_CHECK_ARG(is_float(src.dtype) || dtype_is_block(src.dtype), config.architecture, ": tensor '", role,
-                      "' has dtype ", dtype_name(src.dtype), "; only F32, F16, BF16, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K and Q8_0 are supported");
+                      "' has dtype ", dtype_name(src.dtype),
+                      "; only F32, F16, BF16, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K and Q8_0 are supported");
     else if (want == DType::F32)
       LMKIT_CHECK_ARG(is_float(src.dtype), config.architecture, ": tensor '", role, "' has dtype ",
                       dtype_name(src.dtype), "; only F32, F16 and BF16 weights are supported");

@@ -115,9 +115,12 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
   packed.n = N;
   packed.k = K;
   packed.input_perm = source.input_perm;
-  LMKIT_CHECK_ARG(!(source.has_offsets() && source.has_kquant()), "int4: a source has offsets or K-quant groups, not both");
+  LMKIT_CHECK_ARG(!(source.has_offsets() && source.has_kquant()),
+                  "int4: a source has offsets or K-quant groups, not both");
   LMKIT_CHECK_ARG(!source.has_kquant() || g == 32, "int4: K-quant groups are 32 inputs, got group_size ", g);
-  packed.int4_head = source.has_kquant() ? Int4Head::KQuant : source.has_offsets() ? Int4Head::Offsets : Int4Head::Zeros;
+  packed.int4_head = source.has_kquant()    ? Int4Head::KQuant
+                     : source.has_offsets() ? Int4Head::Offsets
+                                            : Int4Head::Zeros;
   packed.storage = alloc_packed(packed.size_bytes(), "an int4 weight");
   constexpr int64_t P = kLinearPanelCols;
   const int64_t head = int4_head_bytes(packed.int4_head);
@@ -428,8 +431,8 @@ void run_dense(const float* x, int64_t M, const LinearWeight& w, const float* b,
   cpu::active().linear(x, M, w.storage.get(), w.dtype, w.n, w.k, b, out);
 }
 void run_int4(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
-  const cpu::KernelTable* amx =
-      w.int8_activations && w.int4_head == Int4Head::Zeros && M >= kLinearAmxInt8MinRows ? cpu::amx_int8_table_in_use() : nullptr;
+  const bool amx_fits = w.int8_activations && w.int4_head == Int4Head::Zeros && M >= kLinearAmxInt8MinRows;
+  const cpu::KernelTable* amx = amx_fits ? cpu::amx_int8_table_in_use() : nullptr;
   const cpu::KernelTable* q8 = w.int8_activations ? cpu::q8_table() : nullptr;
   if (amx != nullptr)
     amx->linear_int4_amx(x, M, w.storage.get(), w.n, w.k, w.group_size, b, out);
@@ -459,7 +462,9 @@ const WeightFormatTraits kWeightFormats[] = {
      [](const LinearWeight& w) { return num_panels(w) * kLinearPanelCols * w.k * dtype_size_bytes(w.dtype); },
      pack_linear, [] { return (const char*)nullptr; }, run_dense},
     {WeightFormat::Int4, "int4",
-     [](const LinearWeight& w) { return num_panels(w) * (w.k / w.group_size) * int4_group_bytes(w.group_size, w.int4_head); },
+     [](const LinearWeight& w) {
+       return num_panels(w) * (w.k / w.group_size) * int4_group_bytes(w.group_size, w.int4_head);
+     },
      nullptr, [] { return (const char*)nullptr; }, run_int4},
     {WeightFormat::Int8, "int8",
      [](const LinearWeight& w) { return num_panels(w) * (w.k / w.group_size) * int8_block_bytes(w.group_size); },
