@@ -293,14 +293,20 @@ SourceWeight make_int8_weight(int64_t N, int64_t K) {
     for (int64_t k = 0; k < K; ++k) a.dense[n * K + k] = (double)a.q8[n * K + k] * f16_to_f32(a.scales[k / 32 * N + n]);
   return a;
 }
+// Block b (`block` inputs) of a's int8 values for outputs [n0, n0 + count), as an Int8Source reader gives it.
+template <typename Scale>
+void read_int8_block(const SourceWeight& a, const std::vector<Scale>& all_scales, int64_t N, int64_t K, int64_t block,
+                     int64_t b, int64_t n0, int64_t count, int8_t* q, Scale* scales) {
+  for (int64_t c = 0; c < count; ++c) {
+    scales[c] = all_scales[b * N + n0 + c];
+    for (int64_t r = 0; r < block; ++r) q[r * count + c] = a.q8[(n0 + c) * K + block * b + r];
+  }
+}
 ops::LinearWeight pack_int8_source(const SourceWeight& a, int64_t N, int64_t K) {
   Int8Source src;
   src.num_out = N, src.num_in = K;
   src.read_block = [&a, N, K](int64_t b, int64_t n0, int64_t count, int8_t* q, uint16_t* scales) {
-    for (int64_t c = 0; c < count; ++c) {
-      scales[c] = a.scales[b * N + n0 + c];
-      for (int64_t r = 0; r < 32; ++r) q[r * count + c] = a.q8[(n0 + c) * K + 32 * b + r];
-    }
+    read_int8_block(a, a.scales, N, K, 32, b, n0, count, q, scales);
   };
   return ops::pack_linear_int8(src);
 }
@@ -319,10 +325,7 @@ ops::LinearWeight pack_int8_fine_source(const SourceWeight& a, int64_t N, int64_
   Int8Source src;
   src.num_out = N, src.num_in = K;
   src.read_block16 = [&a, N, K](int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales) {
-    for (int64_t c = 0; c < count; ++c) {
-      scales[c] = a.scales32[b * N + n0 + c];
-      for (int64_t r = 0; r < 16; ++r) q[r * count + c] = a.q8[(n0 + c) * K + 16 * b + r];
-    }
+    read_int8_block(a, a.scales32, N, K, 16, b, n0, count, q, scales);
   };
   ops::LinearWeight w = ops::pack_linear_int8(src);
   expect(w.group_size == 16 && w.dtype == DType::F32, "a source of blocks of 16 packs into int8 blocks of 16");
