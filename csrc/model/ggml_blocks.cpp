@@ -41,7 +41,6 @@ void int8_values(DType dtype, const uint8_t* blk, int8_t* q, int64_t stride) {
 
 // Q4_K super-block: fp16 d, fp16 dmin, scales[12] (eight 6-bit scales and mins), qs[128]: sub-block j (32 values)
 // is the low (j even) or high (j odd) nibbles of qs[32 (j / 2) .. 32 (j / 2) + 31], value = d sc_j q - dmin m_j.
-constexpr int64_t kSuper = 256;
 void kquant_scale_min(const uint8_t* scales, int64_t j, uint8_t* sc, uint8_t* m) {
   if (j < 4) {
     *sc = scales[j] & 63;
@@ -161,48 +160,45 @@ Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::st
   return src;
 }
 
-
 void ggml_dequantize_row(const Tensor& t, int64_t row, float* out) {
   LMKIT_CHECK(dtype_is_block(t.dtype) && t.ndim == 2 && row >= 0 && row < t.shape[0], "ggml_dequantize_row: bad call");
-  if (t.dtype == DType::Q6_K) {
-    for (int64_t b = 0; b < t.shape[1] / kSuper; ++b) {
-      const uint8_t* blk = block_at(t, row, b);
-      for (int64_t e = 0; e < kSuper; ++e) out[b * kSuper + e] = q6k_scale(blk, e / 16) * (float)q6k_value(blk, e);
-    }
-    return;
-  }
-  if (t.dtype == DType::Q4_K) {
-    for (int64_t b = 0; b < t.shape[1] / kSuper; ++b) {
-      const uint8_t* blk = block_at(t, row, b);
-      const float d = f16_to_f32(load_u16(blk)), dmin = f16_to_f32(load_u16(blk + 2));
-      for (int64_t j = 0; j < kSuper / kBlock; ++j) {
-        uint8_t sc, m, q[kBlock];
-        kquant_scale_min(blk + 4, j, &sc, &m);
-        kquant_nibbles(blk, j, q, 1);
-        const float s = d * sc, o = dmin * m;  // both exact
-        for (int64_t l = 0; l < kBlock; ++l) out[b * kSuper + j * kBlock + l] = q[l] * s - o;
-      }
-    }
-    return;
-  }
-  for (int64_t b = 0; b < t.shape[1] / kBlock; ++b) {
-    const uint8_t* blk = block_at(t, row, b);
-    const float d = f16_to_f32(load_u16(blk));
-    float* o = out + b * kBlock;
-    if (t.dtype == DType::Q8_0 || t.dtype == DType::Q5_0) {
+  // through the readers the packers take: each block type's values have one definition
+  const int64_t K = t.shape[1];
+  if (t.dtype == DType::Q8_0 || t.dtype == DType::Q5_0 || t.dtype == DType::Q6_K) {
+    const Int8Source src = ggml_int8_source(t, nullptr, "embedding");
+    const int64_t block = src.read_block16 ? 16 : kBlock;
+    for (int64_t b = 0; b < K / block; ++b) {
       int8_t q[kBlock];
-      int8_values(t.dtype, blk, q, 1);
-      for (int64_t j = 0; j < kBlock; ++j) o[j] = (float)q[j] * d;
-    } else {
-      const bool q4_1 = t.dtype == DType::Q4_1;
-      const float m = q4_1 ? f16_to_f32(load_u16(blk + 2)) : 0.0f;
-      const uint8_t* qs = blk + (q4_1 ? 4 : 2);
-      for (int64_t j = 0; j < kBlock / 2; ++j) {
-        const int lo = qs[j] & 15, hi = qs[j] >> 4;
-        o[j] = q4_1 ? lo * d + m : (float)(lo - 8) * d;
-        o[j + kBlock / 2] = q4_1 ? hi * d + m : (float)(hi - 8) * d;
+      float s;
+      if (src.read_block16) {
+        src.read_block16(b, row, 1, q, &s);
+      } else {
+        uint16_t h;
+        src.read_block(b, row, 1, q, &h);
+        s = f16_to_f32(h);
       }
+      for (int64_t j = 0; j < block; ++j) out[b * block + j] = (float)q[j] * s;
     }
+    return;
+  }
+  const Int4Source src = ggml_int4_source(t, nullptr, "embedding");
+  for (int64_t g = 0; g < K / kBlock; ++g) {
+    uint8_t q[kBlock], zero = 0;
+    uint16_t scale = 0;
+    src.read_group(g, row, 1, q, &zero, &scale);
+    float s = f16_to_f32(scale), o = -(float)zero * s;  // value = q * s + o, every term exact
+    if (src.has_kquant()) {
+      uint16_t d, dmin;
+      uint8_t sc, m;
+      src.read_kquant(g, row, 1, &d, &dmin, &sc, &m);
+      s = f16_to_f32(d) * sc;
+      o = -(f16_to_f32(dmin) * m);
+    } else if (src.has_offsets()) {
+      uint16_t offset;
+      src.read_offsets(g, row, 1, &offset);
+      o = f16_to_f32(offset);
+    }
+    for (int64_t j = 0; j < kBlock; ++j) out[g * kBlock + j] = q[j] * s + o;
   }
 }
 

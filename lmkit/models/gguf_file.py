@@ -27,13 +27,12 @@ import tempfile
 from pathlib import Path
 
 from lmkit import env
-from lmkit.models.safetensors_index import CorruptCheckpointError, TensorEntry
+from lmkit.models.safetensors_index import BLOCK_TYPES, CorruptCheckpointError, TensorEntry
 
 MAGIC = b"GGUF"
 MARKER = "lmkit_gguf.json"  # in a view folder: which file it describes
 VIEW_FORMAT = 1  # bump when the view's recipe changes: views of another format are rebuilt
-# the GGML tensor types the engine runs
-ENGINE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
+ENGINE_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)  # the GGML tensor types the engine runs
 # general.architecture -> the HF architecture lmkit serves it as; llama.cpp's converter stores these with q/k rows
 # permuted for its interleaved rotary (the engine reads them back: ModelConfig.qk_rotary_interleaved)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
