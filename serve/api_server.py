@@ -138,7 +138,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
     max_batch_size = engine.engine.config.max_batch_size
     admission = Admission(max_batch_size, max_batch_size if config.max_waiting_seqs is None else
                           config.max_waiting_seqs)
-    metrics = ServerMetrics(engine.engine, admission)
+    metrics = ServerMetrics(engine.engine, admission, model_name)
     tool_parser, reasoning = config.parsers(engine.tokenizer.chat_template)
     serving = OpenAIServing(engine, model_name, metrics, tool_parser, reasoning)
     app = FastAPI(title="lmkit api_server", version="0.1.0",

@@ -6,7 +6,10 @@ servers can live in one process (tests).
   arrival, so tokenization and queueing count);
 - read from the engine at scrape time: running / waiting requests, KV blocks and usage, prefix-cache
   hit rate, preemptions;
-- read from the admission at scrape time: sequences (prompts x n) admitted and the limit.
+- read from the admission at scrape time: sequences (prompts x n) admitted and the limit;
+- the gauges of the Gateway API Inference Extension's model-server protocol, under the names its endpoint
+  picker reads by default (vLLM's, labelled ``model_name``), so that an InferencePool routes to lmkit pods on
+  queue length and KV-cache use with no engine-specific configuration (``GATEWAY_METRICS``).
 """
 
 from __future__ import annotations
@@ -57,6 +60,45 @@ class _EngineCollector:
             yield CounterMetricFamily(name, doc, value=value)
 
 
+GATEWAY_METRICS = {
+    "queued": "vllm:num_requests_waiting",
+    "running": "vllm:num_requests_running",
+    "kv_usage": "vllm:kv_cache_usage_perc",
+    "kv_usage_before_v1_3": "vllm:gpu_cache_usage_perc",
+    "cache_info": "vllm:cache_config_info",
+}
+"""The model-server protocol's gauges (gateway-api-inference-extension, proposal 003) and the names lmkit
+exports them under: those the endpoint picker reads for its default engine type. KV usage is a fraction
+(0..1) despite the names; releases before v1.3 read ``gpu_cache_usage_perc``. No LoRA line: lmkit serves no
+adapters. lmkit's own names (lmkit_num_requests_waiting, ...) carry the same values."""
+
+
+class _GatewayCollector:
+    """The gateway's gauges (GATEWAY_METRICS), read from Engine.metrics() when Prometheus scrapes."""
+
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        m = self.engine.metrics()
+        gauges = [
+            ("queued", "Requests waiting to run (model-server protocol TotalQueuedRequests)", m.num_waiting),
+            ("running", "Requests running (model-server protocol TotalRunningRequests)", m.num_running),
+            ("kv_usage", "KV-cache blocks in use, a fraction 0..1 (model-server protocol KVCacheUtilization)",
+             m.kv_usage),
+            ("kv_usage_before_v1_3", "The same as vllm:kv_cache_usage_perc, for gateways before v1.3", m.kv_usage),
+        ]
+        for key, doc, value in gauges:
+            family = GaugeMetricFamily(GATEWAY_METRICS[key], doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        info = GaugeMetricFamily(GATEWAY_METRICS["cache_info"], "KV-cache layout: tokens per block and blocks",
+                                 labels=["model_name", "block_size", "num_gpu_blocks"])
+        info.add_metric([self.model_name, str(self.engine.config.cache_block_seq_len), str(m.num_total_blocks)], 1)
+        yield info
+
+
 class _AdmissionCollector:
     """Sequences admitted now and the limit, read when Prometheus scrapes."""
 
@@ -73,7 +115,7 @@ class _AdmissionCollector:
 class ServerMetrics:
     """The collectors of one server; ``render()`` is the body of GET /metrics."""
 
-    def __init__(self, engine: Engine, admission: Admission | None = None):
+    def __init__(self, engine: Engine, admission: Admission | None = None, model_name: str | None = None):
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.http_responses = Counter("lmkit_http_responses", "HTTP responses by route and status",
@@ -90,6 +132,8 @@ class ServerMetrics:
         self.e2e = Histogram("lmkit_e2e_request_latency_seconds", "Request arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(engine))
+        if model_name is not None:
+            r.register(_GatewayCollector(engine, model_name))
         if admission is not None:
             r.register(_AdmissionCollector(admission))
 

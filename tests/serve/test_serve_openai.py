@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import httpx
 import pytest
@@ -153,6 +154,47 @@ def test_health_and_metrics(api_server, client):
         assert name in text, name
     read = [line for line in text.splitlines() if line.startswith("lmkit_weight_bytes_read_total ")]
     assert len(read) == 1 and float(read[0].split()[1]) > 0, read  # the steps so far read some weights
+
+
+def test_gateway_metrics_follow_the_engine(slow_engine):
+    """The model-server protocol's gauges, under the names the inference gateway's endpoint picker reads,
+    parsed as Prometheus text, carry the engine's own values while a stream runs and after."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from lmkit.serve import ServerConfig, create_app
+    from tests.serve.conftest import ServerThread
+
+    server = ServerThread(create_app(slow_engine, ServerConfig(model_name="slow")))
+
+    def scrape() -> dict[str, list]:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+    try:
+        body = {"model": "slow", "prompt": "abc", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines), next(lines)  # tokens are flowing
+            families = scrape()
+            engine = slow_engine.engine.metrics()
+        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                     "vllm:gpu_cache_usage_perc"):
+            (sample,) = families[name]
+            assert sample.labels == {"model_name": "slow"}, sample
+        assert families["vllm:num_requests_running"][0].value == 1 == engine.num_running
+        assert families["vllm:num_requests_waiting"][0].value == 0
+        usage = families["vllm:kv_cache_usage_perc"][0].value
+        assert 0 < usage < 1 and usage == families["vllm:gpu_cache_usage_perc"][0].value
+        (info,) = families["vllm:cache_config_info"]
+        assert info.labels["block_size"] == str(slow_engine.engine.config.cache_block_seq_len)
+        assert int(info.labels["num_gpu_blocks"]) == engine.num_total_blocks
+        deadline = time.monotonic() + 10  # the stream's engine request is cancelled when its client leaves
+        while (idle := scrape())["vllm:num_requests_running"][0].value != 0:
+            assert time.monotonic() < deadline, idle
+            time.sleep(0.05)
+        assert idle["vllm:kv_cache_usage_perc"][0].value == 0
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
