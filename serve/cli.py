@@ -12,12 +12,15 @@ from lmkit.config import EngineConfig, field_help
 from lmkit.messages import GenerationConfig
 from lmkit.model_path import MODEL_HELP
 from lmkit.models.loader import GENERATION_DEFAULT_FIELDS
+from lmkit.serve.ray.config import ReplicaConfig
 
 # rich_markup_mode=None: click's plain help, whole option names at any width (see lmkit/cli/main.py)
-app = typer.Typer(help="Serve models over HTTP: an OpenAI-compatible api_server, and a proxy in front of many.",
+app = typer.Typer(help="Serve models over HTTP: an OpenAI-compatible api_server, a proxy in front of many, and "
+                       "replicas on Ray Serve.",
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 _E = EngineConfig.field_help()  # the first sentences of EngineConfig's field docstrings
+_R = field_help(ReplicaConfig)
 # GenerationConfig's field docs; the fields a model's generation_config.json may set default to the model's
 _G = {name: text + (" Default: the model's." if name in GENERATION_DEFAULT_FIELDS else "")
       for name, text in field_help(GenerationConfig).items()}
@@ -184,6 +187,81 @@ def proxy(
                                          **_timeouts(header_timeout, body_timeout, drain_timeout)),
                          health_interval_s=health_interval)
     run_proxy(config, log_level)
+
+
+@app.command("ray")
+def ray(
+    models: Optional[List[str]] = typer.Argument(None, metavar="[NAME=]MODEL...", show_default=False,
+                                                 help="Models to serve, each an HF folder, GGUF file, hub id or "
+                                                      "smollm2, optionally named (NAME=MODEL; default name: the "
+                                                      "folder's); none: the bundled model. Requests go to the one "
+                                                      "their `model` names."),
+    address: Optional[str] = typer.Option(None, help="Ray cluster to join: auto, or HOST:PORT of its head; default: "
+                                                     "RAY_ADDRESS if set, else a local Ray for this command."),
+    host: str = typer.Option("127.0.0.1", help="Address Ray's HTTP proxy listens on (0.0.0.0: every interface, then "
+                                               "set --api-keys)."),
+    port: int = typer.Option(8000, help="TCP port of Ray's HTTP proxy (a cluster's Serve keeps the port it started "
+                                        "with)."),
+    app_name: str = typer.Option("lmkit", help="Name of the Ray Serve application."),
+    route_prefix: str = typer.Option("/", help="Path prefix of the application's routes."),
+    min_replicas: int = typer.Option(ReplicaConfig.min_replicas, help=_R["min_replicas"]),
+    max_replicas: int = typer.Option(ReplicaConfig.max_replicas, help=_R["max_replicas"]),
+    target_ongoing_requests: float = typer.Option(ReplicaConfig.target_ongoing_requests,
+                                                  help=_R["target_ongoing_requests"]),
+    num_cpus_per_replica: float = typer.Option(ReplicaConfig.num_cpus_per_replica, help=_R["num_cpus_per_replica"]),
+    max_ongoing_requests: Optional[int] = typer.Option(None, help=_R["max_ongoing_requests"]),
+    upscale_delay: float = typer.Option(ReplicaConfig.upscale_delay_s, help=_R["upscale_delay_s"]),
+    downscale_delay: float = typer.Option(ReplicaConfig.downscale_delay_s, help=_R["downscale_delay_s"]),
+    api_keys: Optional[List[str]] = typer.Option(None, help="Accepted Bearer tokens (repeat, or comma-separated), "
+                                                            "checked by every replica as by api_server; none: no "
+                                                            "authentication."),
+    max_concurrent_requests: Optional[int] = typer.Option(None, help="Generation requests in flight at most per "
+                                                                     "replica; more get 429."),
+    max_body_bytes: Optional[int] = typer.Option(None, help="Larger request bodies get 413 (default: 32 bytes "
+                                                              "per token of context, at least 1 MiB).", show_default=False),
+    drain_timeout: Optional[float] = typer.Option(None, help="On SIGTERM or SIGINT the application is deleted: "
+                                                             "each replica's requests in progress may finish for "
+                                                             "this many seconds. Default 30."),
+    chat_template: Optional[Path] = typer.Option(None, help="A Jinja chat template file replacing the tokenizer's."),
+    tool_call_parser: str = typer.Option("auto", help="As api_server's --tool-call-parser."),
+    reasoning_parser: str = typer.Option("auto", help="As api_server's --reasoning-parser."),
+    log_level: str = typer.Option("info", help="debug | info | warning | error"),
+    device: str = typer.Option("auto", help=_E["device"]),
+    dtype: str = typer.Option("auto", help=_E["dtype"]),
+    max_batch_size: int = typer.Option(64, help=_E["max_batch_size"]),
+    session_len: Optional[int] = typer.Option(None, help=_E["session_len"]),
+    cache_block_seq_len: int = typer.Option(64, help=_E["cache_block_seq_len"]),
+    cache_max_entry_count: Optional[float] = typer.Option(None, help=_E["cache_max_entry_count"]),
+    max_prefill_token_num: int = typer.Option(8192, help=_E["max_prefill_token_num"]),
+    quant_policy: int = typer.Option(0, help=_E["quant_policy"]),
+    enable_prefix_caching: bool = typer.Option(False, help=_E["enable_prefix_caching"]),
+    num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"] + " On Ray: default "
+                                                                                "--num-cpus-per-replica."),
+) -> None:
+    """Serve models on Ray Serve: replicas of the engine with api_server's routes behind Ray's HTTP proxy,
+    autoscaled on ongoing requests between --min-replicas and --max-replicas (needs pip install -e ".[ray]")."""
+    from lmkit.serve.api_server import ServerConfig
+    from lmkit.serve.gate import GateConfig
+    from lmkit.serve.ray import run_ray
+
+    config = engine_config(device, max_batch_size, session_len, cache_block_seq_len, cache_max_entry_count,
+                           max_prefill_token_num, quant_policy, None, enable_prefix_caching, num_threads, dtype)
+    template = None
+    if chat_template is not None:
+        if not chat_template.is_file():
+            raise FileNotFoundError(f"--chat-template {chat_template} is not a file")
+        template = chat_template.read_text()
+    server = ServerConfig(host=host, port=port,
+                          gate=GateConfig(api_keys=_keys(api_keys), max_body_bytes=max_body_bytes,
+                                          max_concurrent_requests=max_concurrent_requests,
+                                          **_timeouts(None, None, drain_timeout)),
+                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+    replicas = ReplicaConfig(min_replicas=min_replicas, max_replicas=max_replicas,
+                             target_ongoing_requests=target_ongoing_requests,
+                             num_cpus_per_replica=num_cpus_per_replica, max_ongoing_requests=max_ongoing_requests,
+                             upscale_delay_s=upscale_delay, downscale_delay_s=downscale_delay)
+    run_ray(models or None, config, server, replicas, address=address, app_name=app_name, route_prefix=route_prefix,
+            chat_template=template, log_level=log_level)
 
 
 def chat(

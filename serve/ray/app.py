@@ -1,0 +1,145 @@
+"""lmkit's Ray Serve application: one autoscaled ``ModelServer`` deployment per model behind one ``Router``.
+
+``build_app(models, ...)`` returns the application for ``serve.run``; ``app_builder(args)`` builds it from a
+Ray Serve config file's ``args`` (``import_path: lmkit.serve.ray:app_builder``, as KubeRay's RayService
+deploys it); ``deploy(app, ...)`` runs it on the connected cluster; ``run_ray(...)`` is ``lmkit serve ray``: it starts or joins a Ray cluster, runs the
+application behind Ray's HTTP proxy, and on SIGTERM or SIGINT deletes it (replicas finish their requests
+within the drain time) and exits 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import signal
+import threading
+from typing import Mapping, Sequence
+
+from lmkit.config import EngineConfig
+from lmkit.serve.api_server import ServerConfig, default_max_body_bytes
+from lmkit.serve.gate import GateConfig
+from lmkit.serve.ray.config import ReplicaConfig, named_models
+
+log = logging.getLogger("lmkit.serve")
+
+
+def _ray_serve():
+    """ray.serve, or an ImportError that says what to install."""
+    try:
+        from ray import serve
+    except ImportError as e:
+        raise ImportError(f'lmkit on Ray Serve needs ray[serve]: pip install -e ".[ray]" ({e})') from None
+    return serve
+
+
+def _deployment_name(model_name: str) -> str:
+    return "model-" + re.sub(r"[^A-Za-z0-9_.-]", "_", model_name)
+
+
+def build_app(models: str | Sequence[str] | Mapping[str, str | None] | None = None,
+              engine_config: EngineConfig | None = None, server_config: ServerConfig | None = None,
+              replicas: ReplicaConfig | None = None, chat_template: str | None = None):
+    """The Ray Serve application serving ``models`` (see ``named_models``; None: the bundled model) with the
+    api_server's routes, for ``serve.run(app, ...)``. ``engine_config`` and ``server_config`` are each
+    replica's (the server's host and port are Ray's proxy's, not these); the engine runs
+    ``replicas.num_cpus_per_replica`` threads (at least 1) unless num_threads is set, unpinned unless
+    cpu_binding lists CPUs (Ray reserves CPU counts, not CPU ids)."""
+    serve = _ray_serve()
+    from lmkit.serve.ray.replica import ModelServer, Router
+
+    named = named_models(models)
+    engine = engine_config or EngineConfig()
+    changes = {}
+    if engine.num_threads is None:
+        changes["num_threads"] = max(1, int(replicas.num_cpus_per_replica if replicas else 1))
+    if engine.cpu_binding == "auto":
+        changes["cpu_binding"] = "off"
+    engine = dataclasses.replace(engine, **changes)
+    server = server_config or ServerConfig()
+    replicas = replicas or ReplicaConfig()
+    servers = {}
+    for name, model in named.items():
+        options = replicas.deployment_options(engine, server.gate.drain_timeout_s)
+        deployment = serve.deployment(ModelServer, name=_deployment_name(name), **options)
+        servers[name] = deployment.bind(model, engine, dataclasses.replace(server, model_name=name), chat_template)
+    max_body_bytes = server.gate.max_body_bytes or default_max_body_bytes(engine.session_len or 32768)
+    router = serve.deployment(Router, name="router", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
+    return router.bind(servers, max_body_bytes)
+
+
+def app_builder(args: dict):
+    """``build_app`` from a Ray Serve config file's ``args``: ``models`` (as build_app's), ``engine``
+    (EngineConfig fields), ``server`` (ServerConfig fields but host, port and gate), ``gate`` (GateConfig
+    fields), ``replicas`` (ReplicaConfig fields). Unknown keys are refused, naming the known ones."""
+    def take(cls, values, skip=()):
+        values = dict(values or {})
+        known = {f.name for f in dataclasses.fields(cls)} - set(skip)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields {unknown} in the application's args; known: "
+                             f"{sorted(known)}")
+        if "api_keys" in values:
+            values["api_keys"] = tuple(values["api_keys"])
+        return cls(**values)
+
+    args = dict(args or {})
+    unknown = sorted(set(args) - {"models", "engine", "server", "gate", "replicas", "chat_template"})
+    if unknown:
+        raise ValueError(f"unknown args {unknown}; known: models, engine, server, gate, replicas, chat_template")
+    gate = take(GateConfig, args.get("gate"))
+    server = dataclasses.replace(take(ServerConfig, args.get("server"), skip=("host", "port", "gate")), gate=gate)
+    return build_app(args.get("models"), take(EngineConfig, args.get("engine")), server,
+                     take(ReplicaConfig, args.get("replicas")), args.get("chat_template"))
+
+
+def deploy(app, name: str = "lmkit", route_prefix: str = "/") -> None:
+    """``serve.run(app)`` on the connected cluster, waiting until it serves. When it cannot start (a model
+    that does not load), the application is deleted and the RuntimeError names each failing deployment's
+    own error (Ray's says only that the deployments failed)."""
+    serve = _ray_serve()
+    try:
+        serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+    except Exception as e:
+        causes = []
+        status = serve.status().applications.get(name)
+        for deployment, details in (status.deployments if status else {}).items():
+            lines = [line.strip() for line in (details.message or "").splitlines() if line.strip()]
+            if lines and details.status != "HEALTHY":
+                causes.append(f"{deployment}: {lines[-1]}")
+        serve.delete(name)
+        raise RuntimeError(f"Ray Serve application {name!r} did not start: {'; '.join(causes) or e}") from e
+
+
+def run_ray(models, engine_config: EngineConfig, server_config: ServerConfig, replicas: ReplicaConfig,
+            address: str | None = None, app_name: str = "lmkit", route_prefix: str = "/",
+            chat_template: str | None = None, log_level: str = "info") -> None:
+    """Serves ``models`` on Ray Serve at server_config's host and port until SIGTERM or SIGINT; then deletes
+    the application (each replica drains for gate.drain_timeout_s) and returns. ``address``: a running
+    cluster ("auto", "HOST:PORT"); None: RAY_ADDRESS if set, else a local Ray started for this command."""
+    serve = _ray_serve()
+    import ray
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    originals = {}
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level=log_level.upper(), log_to_driver=False)
+        # after ray.init, which installs handlers of its own
+        originals = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        serve.start(http_options={"host": server_config.host, "port": server_config.port})
+        app = build_app(models, engine_config, server_config, replicas, chat_template)
+        deploy(app, app_name, route_prefix)
+        names = ", ".join(named_models(models))
+        log.info("serving %s on Ray Serve at http://%s:%d%s (application %r)", names, server_config.host,
+                 server_config.port, route_prefix.rstrip("/"), app_name)
+        while not stop.wait(0.5):
+            pass
+        log.info("stopping: deleting application %r (replicas drain for up to %g s)", app_name,
+                 server_config.gate.drain_timeout_s)
+        serve.delete(app_name)
+    finally:
+        for sig, handler in originals.items():
+            signal.signal(sig, handler)
+        if ray.is_initialized():
+            ray.shutdown()

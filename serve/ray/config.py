@@ -1,0 +1,98 @@
+"""What lmkit's Ray Serve application is made of: the models by name, and each model's replicas. No Ray
+import here, so that ``lmkit serve ray --help`` and config checks need neither Ray nor FastAPI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from lmkit.config import EngineConfig
+from lmkit.model_path import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """How many replicas of each model run, what each takes, and when Ray Serve adds or removes one."""
+
+    min_replicas: int = 1
+    """Replicas of each model at least (0: scale to zero when idle)."""
+    max_replicas: int = 1
+    """Replicas of each model at most; above min_replicas, Ray Serve autoscales on ongoing requests."""
+    target_ongoing_requests: float = 8.0
+    """Requests in progress per replica that autoscaling aims at: more on average adds replicas, fewer
+    removes them."""
+    num_cpus_per_replica: float = 1.0
+    """CPUs Ray reserves for each replica; its engine runs that many threads unless num_threads is given."""
+    max_ongoing_requests: int | None = None
+    """Requests Ray sends one replica at once (more wait in Ray's queue). None: what one api_server admits,
+    twice the engine's max_batch_size."""
+    upscale_delay_s: float = 5.0
+    """Seconds the load must stay above the target before a replica is added."""
+    downscale_delay_s: float = 60.0
+    """Seconds the load must stay below the target before a replica is removed."""
+    health_check_period_s: float = 5.0
+    """Seconds between health checks of a replica (its engine answers); a replica failing one is replaced."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.min_replicas, int) and self.min_replicas >= 0):
+            raise ValueError(f"min_replicas must be an integer >= 0, got {self.min_replicas!r}")
+        if not (isinstance(self.max_replicas, int) and self.max_replicas >= max(1, self.min_replicas)):
+            raise ValueError(f"max_replicas must be an integer >= max(1, min_replicas={self.min_replicas}), got "
+                             f"{self.max_replicas!r}")
+        for name in ("target_ongoing_requests", "num_cpus_per_replica", "health_check_period_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.max_ongoing_requests is not None and not self.max_ongoing_requests >= 1:
+            raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests!r}")
+
+    @property
+    def is_autoscaled(self) -> bool:
+        return self.max_replicas > self.min_replicas
+
+    def deployment_options(self, engine: EngineConfig, drain_timeout_s: float) -> dict:
+        """serve.deployment() options of a model's ModelServer."""
+        options = dict(ray_actor_options={"num_cpus": self.num_cpus_per_replica},
+                       max_ongoing_requests=self.max_ongoing_requests or 2 * engine.max_batch_size,
+                       health_check_period_s=self.health_check_period_s,
+                       graceful_shutdown_timeout_s=drain_timeout_s,
+                       max_constructor_retry_count=3)  # a model that cannot load fails the deployment soon
+        if self.is_autoscaled:
+            options["autoscaling_config"] = {
+                "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                "initial_replicas": max(1, self.min_replicas), "target_ongoing_requests": self.target_ongoing_requests,
+                "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s}
+        else:
+            options["num_replicas"] = self.min_replicas
+        return options
+
+
+def model_name_of(model: str | None) -> str:
+    """The name clients pass as ``model`` for a model given as a path, the bundled model's alias or a hub id,
+    without loading it: the bundled model's name, else the last part of the path or id."""
+    if model is None or model.strip().lower() in DEFAULT_MODEL_ALIASES:
+        return DEFAULT_MODEL_NAME
+    return Path(model.rstrip("/")).name
+
+
+def named_models(models: str | Sequence[str] | Mapping[str, str | None] | None) -> dict[str, str | None]:
+    """Model name -> model (path, hub id, None for the bundled one). A string may be NAME=MODEL."""
+    if isinstance(models, Mapping):
+        named = dict(models)
+    else:
+        items = [models] if models is None or isinstance(models, str) else list(models) or [None]
+        named = {}
+        for item in items:
+            name, sep, model = (item or "").partition("=")
+            if not sep or "/" in name or not name:  # a path may hold '=' after a '/'
+                name, model = model_name_of(item), item
+            if name in named:
+                raise ValueError(f"two models are named {name!r}: give one another name as NAME=MODEL")
+            named[name] = model or None
+    for name in named:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"a model name must be a non-empty string, got {name!r}")
+    return named
