@@ -18,6 +18,13 @@ def cache_dir() -> Path:
     return Path(base) / "lmkit"
 
 
+def api_keys() -> tuple[str, ...]:
+    """``LMKIT_API_KEYS``: Bearer tokens the servers accept when none are given on their command line (or in a
+    Ray Serve application's args), comma-separated; so a container takes them from a secret without putting
+    them in its arguments."""
+    return tuple(k.strip() for k in os.environ.get("LMKIT_API_KEYS", "").split(",") if k.strip())
+
+
 def cuda_build_mode() -> str:
     """``LMKIT_CUDA``: ON, OFF or AUTO (default) for building the CUDA backend (read by setup.py)."""
     return os.environ.get("LMKIT_CUDA", "AUTO").upper()

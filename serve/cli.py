@@ -27,8 +27,10 @@ _G = {name: text + (" Default: the model's." if name in GENERATION_DEFAULT_FIELD
 
 
 def _keys(values: Optional[List[str]]) -> tuple[str, ...]:
-    """--api-keys a --api-keys b, or --api-keys a,b."""
-    return tuple(k.strip() for v in values or [] for k in v.split(",") if k.strip())
+    """--api-keys a --api-keys b, or --api-keys a,b; none given: LMKIT_API_KEYS."""
+    from lmkit import env
+
+    return tuple(k.strip() for v in values or [] for k in v.split(",") if k.strip()) or env.api_keys()
 
 # Options of several commands, each written once (typer reads the same OptionInfo in every command).
 _HEADER_TIMEOUT = typer.Option(None, help="Seconds a connection may take to send a request's headers; then it is "
@@ -80,10 +82,10 @@ def api_server(
                                                "every interface, then set --api-keys)."),
     port: int = typer.Option(23333, help="TCP port."),
     model_name: Optional[str] = typer.Option(None, help="Name clients pass as `model` (default: the folder's name)."),
-    api_keys: Optional[List[str]] = typer.Option(None, help="Accepted Bearer tokens (repeat, or comma-separated); "
-                                                            "none: no authentication. When set, every route but "
-                                                            "/health needs one: the API, /metrics, /openapi.json, "
-                                                            "/docs, /redoc."),
+    api_keys: Optional[List[str]] = typer.Option(None, help="Accepted Bearer tokens (repeat, or comma-separated; "
+                                                            "default: the LMKIT_API_KEYS variable); none: no "
+                                                            "authentication. When set, every route but /health needs "
+                                                            "one: the API, /metrics, /openapi.json, /docs, /redoc."),
     public_metrics: bool = typer.Option(False, "--public-metrics", help="Serve /metrics without an API key even "
                                                                         "when --api-keys is set (for a scraper)."),
     max_concurrent_requests: Optional[int] = typer.Option(None, help="Generation requests in flight at most; "
@@ -162,9 +164,9 @@ def proxy(
         help="Open /nodes/* without a key to clients on this machine (any local process); needs a loopback "
              "--host."),
     api_keys: Optional[List[str]] = typer.Option(None, help="Bearer tokens clients must send (repeat, or "
-                                                            "comma-separated); none: open. When set, every route "
-                                                            "but /health and /nodes/* needs one (/openapi.json, "
-                                                            "/docs, /redoc too)."),
+                                                            "comma-separated; default: the LMKIT_API_KEYS variable); "
+                                                            "none: open. When set, every route but /health and "
+                                                            "/nodes/* needs one (/openapi.json, /docs, /redoc too)."),
     max_concurrent_requests: Optional[int] = typer.Option(None, help="Requests in flight at most; more get 429."),
     max_body_bytes: Optional[int] = typer.Option(None, help="Larger request bodies get 413 (default 4 MiB).",
                                                  show_default=False),
@@ -212,9 +214,9 @@ def ray(
     max_ongoing_requests: Optional[int] = typer.Option(None, help=_R["max_ongoing_requests"]),
     upscale_delay: float = typer.Option(ReplicaConfig.upscale_delay_s, help=_R["upscale_delay_s"]),
     downscale_delay: float = typer.Option(ReplicaConfig.downscale_delay_s, help=_R["downscale_delay_s"]),
-    api_keys: Optional[List[str]] = typer.Option(None, help="Accepted Bearer tokens (repeat, or comma-separated), "
-                                                            "checked by every replica as by api_server; none: no "
-                                                            "authentication."),
+    api_keys: Optional[List[str]] = typer.Option(None, help="Accepted Bearer tokens (repeat, or comma-separated; "
+                                                            "default: the LMKIT_API_KEYS variable), checked by every "
+                                                            "replica as by api_server; none: no authentication."),
     max_concurrent_requests: Optional[int] = typer.Option(None, help="Generation requests in flight at most per "
                                                                      "replica; more get 429."),
     max_body_bytes: Optional[int] = typer.Option(None, help="Larger request bodies get 413 (default: 32 bytes "

@@ -2,9 +2,9 @@
 
 ``build_app(models, ...)`` returns the application for ``serve.run``; ``app_builder(args)`` builds it from a
 Ray Serve config file's ``args`` (``import_path: lmkit.serve.ray:app_builder``, as KubeRay's RayService
-deploys it); ``deploy(app, ...)`` runs it on the connected cluster; ``run_ray(...)`` is ``lmkit serve ray``: it starts or joins a Ray cluster, runs the
-application behind Ray's HTTP proxy, and on SIGTERM or SIGINT deletes it (replicas finish their requests
-within the drain time) and exits 0.
+deploys it); ``deploy(app, ...)`` runs it on the connected cluster; ``run_ray(...)`` is ``lmkit serve ray``:
+it starts or joins a Ray cluster, runs the application behind Ray's HTTP proxy, and on SIGTERM or SIGINT
+deletes it (replicas finish their requests within the drain time) and exits 0.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import signal
 import threading
 from typing import Mapping, Sequence
 
+from lmkit import env
 from lmkit.config import EngineConfig
 from lmkit.serve.api_server import ServerConfig, default_max_body_bytes
 from lmkit.serve.gate import GateConfig
@@ -71,7 +72,8 @@ def build_app(models: str | Sequence[str] | Mapping[str, str | None] | None = No
 def app_builder(args: dict):
     """``build_app`` from a Ray Serve config file's ``args``: ``models`` (as build_app's), ``engine``
     (EngineConfig fields), ``server`` (ServerConfig fields but host, port and gate), ``gate`` (GateConfig
-    fields), ``replicas`` (ReplicaConfig fields). Unknown keys are refused, naming the known ones."""
+    fields; api_keys default to LMKIT_API_KEYS where the application is built), ``replicas`` (ReplicaConfig
+    fields). Unknown keys are refused, naming the known ones."""
     def take(cls, values, skip=()):
         values = dict(values or {})
         known = {f.name for f in dataclasses.fields(cls)} - set(skip)
@@ -87,7 +89,7 @@ def app_builder(args: dict):
     unknown = sorted(set(args) - {"models", "engine", "server", "gate", "replicas", "chat_template"})
     if unknown:
         raise ValueError(f"unknown args {unknown}; known: models, engine, server, gate, replicas, chat_template")
-    gate = take(GateConfig, args.get("gate"))
+    gate = take(GateConfig, {"api_keys": env.api_keys(), **(args.get("gate") or {})})
     server = dataclasses.replace(take(ServerConfig, args.get("server"), skip=("host", "port", "gate")), gate=gate)
     return build_app(args.get("models"), take(EngineConfig, args.get("engine")), server,
                      take(ReplicaConfig, args.get("replicas")), args.get("chat_template"))

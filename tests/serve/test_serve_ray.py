@@ -157,8 +157,8 @@ def test_errors_and_keys_as_api_server(two_replicas):
     denied = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30)
     assert denied.status_code == 401 and denied.json()["error"]["type"] == "invalid_request_error"
     assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
-    bad = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={**AUTH, "content-type": "application/json"},
-                     timeout=30)
+    bad = httpx.post(f"{url}/v1/completions", content=b"{not json",
+                     headers={**AUTH, "content-type": "application/json"}, timeout=30)
     assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
     impossible = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1},
                             headers=AUTH, timeout=30)
