@@ -100,6 +100,15 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
+def route_path(scope) -> str:
+    """The request's path below the app's mount point: ASGI's ``path`` holds ``root_path`` in front (an app
+    served under a prefix, as Ray Serve's route_prefix), and the routes the gate knows are the app's own."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        return path[len(root):] or "/"
+    return path
+
+
 class Gate:
     """ASGI middleware; ``on_response(path, status)`` is called once per HTTP response (for metrics).
     ``own_key_prefixes``: paths whose routes check a key of their own (the proxy's /nodes/, its admin key),
@@ -120,7 +129,7 @@ class Gate:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"]
+        path = route_path(scope)
         if self.on_response is not None:
             send = self._counting(path, send)
         if self.is_draining:

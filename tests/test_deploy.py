@@ -156,8 +156,10 @@ def test_ray_serve_configs_build_the_application(name, config, monkeypatch):
     for application in config["applications"]:
         assert application["import_path"] == "lmkit.serve.ray:app_builder"
         app = app_builder(application["args"])
-        router = app._bound_deployment
-        servers, _ = router.init_args
+        if app._bound_deployment.name == "router":  # several models
+            servers, _ = app._bound_deployment.init_args
+        else:  # one: its ModelServer is the ingress
+            servers = {app._bound_deployment.init_args[2].model_name: app}
         assert sorted(servers) == sorted(application["args"]["models"])
         for bound in servers.values():
             _, _, server_config, _ = bound._bound_deployment.init_args

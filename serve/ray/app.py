@@ -42,7 +42,8 @@ def build_app(models: str | Sequence[str] | Mapping[str, str | None] | None = No
               engine_config: EngineConfig | None = None, server_config: ServerConfig | None = None,
               replicas: ReplicaConfig | None = None, chat_template: str | None = None):
     """The Ray Serve application serving ``models`` (see ``named_models``; None: the bundled model) with the
-    api_server's routes, for ``serve.run(app, ...)``. ``engine_config`` and ``server_config`` are each
+    api_server's routes, for ``serve.run(app, ...)``: one model's ModelServer deployment as the ingress, or a
+    Router in front of several. ``engine_config`` and ``server_config`` are each
     replica's (the server's host and port are Ray's proxy's, not these); the engine runs
     ``replicas.num_cpus_per_replica`` threads (at least 1) unless num_threads is set, unpinned unless
     cpu_binding lists CPUs (Ray reserves CPU counts, not CPU ids)."""
@@ -60,10 +61,14 @@ def build_app(models: str | Sequence[str] | Mapping[str, str | None] | None = No
     server = server_config or ServerConfig()
     replicas = replicas or ReplicaConfig()
     servers = {}
+    # one model: its replicas are the ingress (Ray allows one per application); several: the router is
+    server_class = serve.ingress()(ModelServer) if len(named) == 1 else ModelServer
     for name, model in named.items():
         options = replicas.deployment_options(engine, server.gate.drain_timeout_s)
-        deployment = serve.deployment(ModelServer, name=_deployment_name(name), **options)
+        deployment = serve.deployment(server_class, name=_deployment_name(name), **options)
         servers[name] = deployment.bind(model, engine, dataclasses.replace(server, model_name=name), chat_template)
+    if len(servers) == 1:  # Ray's proxy calls the replicas' app itself: no router hop
+        return next(iter(servers.values()))
     max_body_bytes = server.gate.max_body_bytes or default_max_body_bytes(engine.session_len or 32768)
     router = serve.deployment(Router, name="router", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
     return router.bind(servers, max_body_bytes)

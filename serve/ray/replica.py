@@ -1,14 +1,16 @@
 """The two deployments of lmkit's Ray Serve application.
 
 ``ModelServer`` is one replica of one model: an engine and the api_server's own ASGI app (``create_app``),
-run on requests the router forwards (``bridge.call_asgi``), so a replica answers exactly as an api_server
-does: the same routes, streaming, errors, limits, API keys and metrics. Ray Serve autoscales it on ongoing
-requests, health-checks it (``check_health``: the engine answers) and replaces a replica that dies.
+so a replica answers exactly as an api_server does: the same routes, streaming, errors, limits, API keys
+and metrics. Ray's HTTP proxy calls that app directly where the application serves one model (the class is
+a Ray Serve ingress whose app is built after its constructor, ``__serve_build_asgi_app__``); the router
+calls it through ``forward`` (``bridge.call_asgi``) where there are several. Ray Serve autoscales it on
+ongoing requests, health-checks it (``check_health``: the engine answers) and replaces a replica that dies.
 
-``Router`` is the application's HTTP ingress behind Ray's proxy: it reads the body (413 past the limit),
-picks the model's deployment by the request's ``model``, and relays the replica's response as it streams. A
-replica that dies before its first byte is retried once on another; one that dies mid-stream ends the
-stream (an SSE client gets an error event). /v1/models and /health ask every model.
+``Router`` is the HTTP ingress of an application of several models: it reads the body (413 past the
+limit), picks the model's deployment by the request's ``model``, and relays the replica's response as it
+streams. A replica that dies before its first byte is retried once on another; one that dies mid-stream ends
+the stream (an SSE client gets an error event). /v1/models and /health ask every model.
 """
 
 from __future__ import annotations
@@ -45,17 +47,19 @@ class ModelServer:
         from lmkit.serve.api_server import create_app
 
         self.engine = AsyncEngine(model, engine_config, chat_template=chat_template)
-        self.app = create_app(self.engine, server_config)
-        self.model_name = self.app.app.state.serving.model_name
-        self.replica_id = _replica_id()
+        self.api_server = create_app(self.engine, server_config)
+        self.model_name = self.api_server.app.state.serving.model_name
+        self.asgi = _naming_replica(self.api_server, _replica_id())
         self._gauges = [(metrics.Gauge(name, doc, tag_keys=("model_name",)), field)
                         for name, doc, field in _ENGINE_GAUGES]
 
+    def __serve_build_asgi_app__(self):
+        """The app Ray's HTTP proxy calls when this deployment is the application's ingress."""
+        return self.asgi
+
     async def forward(self, request: ForwardedRequest):
-        """Streams the app's answer to ``request``: a ResponseStart, then the body's chunks."""
-        async for item in call_asgi(self.app, request):
-            if isinstance(item, ResponseStart):  # which replica answered, for operators (and tests)
-                item = ResponseStart(item.status, (*item.headers, (b"x-lmkit-replica", self.replica_id.encode())))
+        """Streams the app's answer to ``request`` (from the router): a ResponseStart, then the body's chunks."""
+        async for item in call_asgi(self.asgi, request):
             yield item
 
     async def check_health(self) -> None:
@@ -75,6 +79,25 @@ class ModelServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
+
+
+def _naming_replica(app, replica_id: str):
+    """``app`` answering with an x-lmkit-replica header: which replica served a request, for operators (and
+    tests)."""
+    header = (b"x-lmkit-replica", replica_id.encode())
+
+    async def asgi(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def send_named(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
+        await app(scope, receive, send_named)
+
+    return asgi
 
 
 def _replica_id() -> str:
