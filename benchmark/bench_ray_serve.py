@@ -39,26 +39,34 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_scale_out import free_port, lmkit, parse_cpus, run_client, wait_up  # noqa: E402
 
+from lmkit.serve.ray.config import RAY_SERVE_ENV  # noqa: E402
+
 APP = "bench"
+RAY_PROFILES = {
+    "default": {},
+    "lmkit": RAY_SERVE_ENV,
+    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
+}
 
 
 def ray_start(args: list[str], cpus: set[int] | None = None) -> None:
     ray_bin = str(Path(sys.executable).parent / "ray")
     preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}  # (with --ray-profile's RAY_SERVE_* variables)
     done = subprocess.run([ray_bin, "start", *args], capture_output=True, text=True, preexec_fn=preexec, env=env)
     if done.returncode != 0:
         raise SystemExit(f"ray start {' '.join(args)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
 
-def replica_pids(deployment: str) -> set[int]:
-    title = f"ray::ServeReplica:{APP}:{deployment}".encode()
+def replica_pids() -> set[int]:
+    """Process ids of the bench application's replicas (one deployment: one model)."""
+    title = f"ray::ServeReplica:{APP}:".encode()
     pids = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if f.read().split(b"\0")[0].strip() == title:
+                    if f.read().split(b"\0")[0].strip().startswith(title):
                         pids.add(int(entry))
             except OSError:
                 pass
@@ -198,7 +206,6 @@ def elasticity(args, url: str, nodes: list[set[int]]) -> None:
     from lmkit.serve.ray import ReplicaConfig
 
     cpus = len(nodes[0])
-    deployment = "model-" + ("SmolLM2-135M-Instruct" if args.model is None else Path(args.model).name)
     deploy_app(args, cpus, ReplicaConfig(min_replicas=1, max_replicas=2, num_cpus_per_replica=cpus))
     load = Load(url, args.concurrency)
     try:
@@ -216,7 +223,7 @@ def elasticity(args, url: str, nodes: list[set[int]]) -> None:
         load.start()
         time.sleep(5)
         before = {replica for _, replica in load.answers if replica}
-        victim = min(replica_pids(deployment))
+        victim = min(replica_pids())
         killed = time.monotonic()
         os.kill(victim, 9)
         back = load.first_answer_by(lambda replica: replica not in before, 300)
@@ -247,6 +254,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="EngineConfig fields of every replica (and the direct api_server), KEY=VALUE ...")
     ap.add_argument("--only", nargs="+", choices=["throughput", "ttft", "elasticity"],
                     default=["throughput", "ttft", "elasticity"])
+    ap.add_argument("--ray-profile", choices=sorted(RAY_PROFILES), default="lmkit",
+                    help="Ray Serve settings of every Ray process (environment variables): lmkit (RAY_SERVE_ENV, "
+                         "what lmkit serve ray runs with); default (Ray's); haproxy (HAProxy in front of replicas "
+                         "that serve HTTP themselves)")
     ap.add_argument("--smoke", action="store_true", help="1 round of 8 short requests; 1 TTFT pair")
     args = ap.parse_args(argv)
     args.engine = {k: (float(v) if "." in v else int(v)) for k, v in (kv.split("=") for kv in shlex.split(args.engine))}
@@ -254,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.rounds, args.concurrency, args.num_prompts, args.ttft_pairs = 1, 4, 8, 1
         args.client_args = ["--workload", "fixed", "--input-len", "16", "--output-len", "4"]
+    os.environ.update(RAY_PROFILES[args.ray_profile])  # read by every Ray process started below, and this one
     allowed = sorted(os.sched_getaffinity(0))
     node_specs = args.node_cores or [str(allowed[0]), str(allowed[1 % len(allowed)])]
     nodes = [parse_cpus(spec) for spec in node_specs]
@@ -266,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     common = ["--object-store-memory", str(100 * 2**20), "--disable-usage-stats", "--node-ip-address", "127.0.0.1"]
     work = Path(tempfile.mkdtemp(prefix="ray_serve_"))
     print(f"lmkit on Ray Serve, {datetime.now():%Y-%m-%d %H:%M}: worker nodes on CPUs {' / '.join(node_specs)}, "
-          f"engine {args.engine}")
+          f"engine {args.engine}, Ray Serve settings {args.ray_profile} {RAY_PROFILES[args.ray_profile]}")
     ray_start(["--head", "--port", str(port), "--num-cpus", "0", "--include-dashboard=false", *common])
     try:
         for cpus in nodes:

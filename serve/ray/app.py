@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import signal
 import threading
@@ -20,7 +21,7 @@ from lmkit import env
 from lmkit.config import EngineConfig
 from lmkit.serve.api_server import ServerConfig, default_max_body_bytes
 from lmkit.serve.gate import GateConfig
-from lmkit.serve.ray.config import ReplicaConfig, named_models
+from lmkit.serve.ray.config import RAY_SERVE_ENV, ReplicaConfig, named_models
 
 log = logging.getLogger("lmkit.serve")
 
@@ -131,6 +132,9 @@ def run_ray(models, engine_config: EngineConfig, server_config: ServerConfig, re
     stop = threading.Event()
     originals = {}
     try:
+        if address is None and not os.environ.get("RAY_ADDRESS"):  # a Ray of our own: its processes inherit these
+            for name, value in RAY_SERVE_ENV.items():
+                os.environ.setdefault(name, value)
         ray.init(address=address, include_dashboard=False, logging_level=log_level.upper(), log_to_driver=False)
         # after ray.init, which installs handlers of its own
         originals = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -25,14 +25,18 @@ KEY = "ray-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ENGINE = dict(device="cpu", dtype="float32", cache_max_entry_count=256, max_batch_size=8, cache_block_seq_len=16,
               session_len=512, num_threads=1)
-RAY_ENV = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",  # autoscaling decides within seconds
-           "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_DEDUP_LOGS": "0"}
+
+def ray_env() -> dict[str, str]:
+    """The Ray processes' settings: lmkit's, with autoscaling metrics pushed often (decisions in seconds)."""
+    from lmkit.serve.ray import RAY_SERVE_ENV
+
+    return {**RAY_SERVE_ENV, "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+            "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def ray_command(*args: str) -> None:
     ray_bin = str(Path(sys.executable).parent / "ray")
-    done = subprocess.run([ray_bin, *args], env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=180)
+    done = subprocess.run([ray_bin, *args], env={**os.environ, **ray_env()}, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"ray {' '.join(args)}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
 
 
