@@ -37,7 +37,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_scale_out import free_port, lmkit, parse_cpus, run_client, wait_up  # noqa: E402
+from bench_scale_out import cpu_seconds, free_port, lmkit, parse_cpus, run_client, wait_up  # noqa: E402
 
 from lmkit.serve.ray.config import RAY_SERVE_ENV  # noqa: E402
 
@@ -71,6 +71,27 @@ def replica_pids() -> set[int]:
             except OSError:
                 pass
     return pids
+
+
+def ray_cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this machine's Ray processes: the bench application's replicas, and Ray's own
+    (GCS, raylets, Serve's controller and HTTP proxy, agents, idle workers)."""
+    totals = {"replicas": 0.0, "ray": 0.0}
+    replica = f"ray::ServeReplica:{APP}:model-".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        first = cmdline.split(b"\0")[0].strip()
+        if first.startswith(replica):
+            totals["replicas"] += cpu_seconds(int(entry))
+        elif first.startswith(b"ray::") or b"/site-packages/ray/" in cmdline:
+            totals["ray"] += cpu_seconds(int(entry))
+    return totals
 
 
 def deploy_app(args, num_cpus: float, replicas) -> None:
@@ -149,7 +170,10 @@ def throughput(args, url: str, nodes: list[set[int]], work: Path) -> list[dict]:
                         "--num-prompts", "8", "--workload", "fixed", "--input-len", "64", "--output-len", "16",
                         *(["--tokenizer", args.model] if args.model else [])]
                 subprocess.run(warm, capture_output=True, check=True)
+                before = ray_cpu_seconds()
                 row = run_client(args, url, setups[n], work / "runs.csv", {})
+                after = ray_cpu_seconds()
+                row["cpu_s"] = {k: after[k] - before[k] for k in after}
             finally:
                 delete_app()
             got[n] = row
@@ -157,10 +181,12 @@ def throughput(args, url: str, nodes: list[set[int]], work: Path) -> list[dict]:
         ratios.append(float(got[len(nodes)]["request_throughput"]) / float(got[1]["request_throughput"]))
     print(f"\nthroughput through Ray's proxy: concurrency {args.concurrency}, {args.num_prompts} requests per run, "
           f"outputs <= {args.max_output}")
-    print(f"{'round':>5}  {'setup':<12}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}")
+    print(f"{'round':>5}  {'setup':<12}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}"
+          f"{'replicas CPU s':>16}{'Ray CPU s':>11}")
     for row in rows:
         print(f"{row['round']:>5}  {row['setup']:<12}{float(row['request_throughput']):8.3f}"
-              f"{float(row['output_tok_s']):11.1f}{float(row['ttft_p50_ms']):8.0f}ms{float(row['tpot_p50_ms']):8.1f}ms")
+              f"{float(row['output_tok_s']):11.1f}{float(row['ttft_p50_ms']):8.0f}ms{float(row['tpot_p50_ms']):8.1f}ms"
+              f"{row['cpu_s']['replicas']:16.1f}{row['cpu_s']['ray']:11.1f}")
     print(f"ratio ({len(nodes)} replicas / 1) per round: " + " ".join(f"{x:.2f}x" for x in ratios)
           + f"; median {statistics.median(ratios):.2f}x")
     return rows

@@ -137,6 +137,16 @@ def test_pods_probe_health_run_as_non_root_and_drain_within_their_grace():
                 assert container["readinessProbe"]["failureThreshold"] == 1
 
 
+def test_ray_pods_run_with_lmkits_ray_serve_settings():
+    from lmkit.serve.ray.config import RAY_SERVE_ENV
+
+    (service,) = documents(DEPLOY / "kubernetes" / "rayservice.yaml")
+    for template in pod_templates(service):
+        for container in template["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert RAY_SERVE_ENV.items() <= env.items(), container["name"]
+
+
 def _serve_configs() -> list[tuple[str, dict]]:
     configs = [("serve-config.yaml", yaml.safe_load((DEPLOY / "ray" / "serve-config.yaml").read_text()))]
     for doc in documents(DEPLOY / "kubernetes" / "rayservice.yaml"):
