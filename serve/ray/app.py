@@ -1,4 +1,5 @@
-"""lmkit's Ray Serve application: one autoscaled ``ModelServer`` deployment per model behind one ``Router``.
+"""lmkit's Ray Serve application: one autoscaled ``ModelServer`` deployment per model; the one model's is the
+application's ingress, several are behind a ``Router``.
 
 ``build_app(models, ...)`` returns the application for ``serve.run``; ``app_builder(args)`` builds it from a
 Ray Serve config file's ``args`` (``import_path: lmkit.serve.ray:app_builder``, as KubeRay's RayService
@@ -44,23 +45,23 @@ def build_app(models: str | Sequence[str] | Mapping[str, str | None] | None = No
               replicas: ReplicaConfig | None = None, chat_template: str | None = None):
     """The Ray Serve application serving ``models`` (see ``named_models``; None: the bundled model) with the
     api_server's routes, for ``serve.run(app, ...)``: one model's ModelServer deployment as the ingress, or a
-    Router in front of several. ``engine_config`` and ``server_config`` are each
-    replica's (the server's host and port are Ray's proxy's, not these); the engine runs
-    ``replicas.num_cpus_per_replica`` threads (at least 1) unless num_threads is set, unpinned unless
-    cpu_binding lists CPUs (Ray reserves CPU counts, not CPU ids)."""
+    Router in front of several. ``engine_config`` and ``server_config`` are each replica's (the server's host
+    and port are Ray's proxy's, not these); the engine runs ``replicas.num_cpus_per_replica`` threads (at
+    least 1) unless num_threads is set, unpinned unless cpu_binding lists CPUs (Ray reserves CPU counts, not
+    CPU ids)."""
     serve = _ray_serve()
     from lmkit.serve.ray.replica import ModelServer, Router
 
     named = named_models(models)
+    replicas = replicas or ReplicaConfig()
+    server = server_config or ServerConfig()
     engine = engine_config or EngineConfig()
     changes = {}
     if engine.num_threads is None:
-        changes["num_threads"] = max(1, int(replicas.num_cpus_per_replica if replicas else 1))
+        changes["num_threads"] = max(1, int(replicas.num_cpus_per_replica))
     if engine.cpu_binding == "auto":
         changes["cpu_binding"] = "off"
     engine = dataclasses.replace(engine, **changes)
-    server = server_config or ServerConfig()
-    replicas = replicas or ReplicaConfig()
     servers = {}
     # one model: its replicas are the ingress (Ray allows one per application); several: the router is
     server_class = serve.ingress()(ModelServer) if len(named) == 1 else ModelServer
