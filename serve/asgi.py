@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import HANDLED_SIGNALS
@@ -50,6 +50,22 @@ async def unless_disconnected(request: Request, work):
     if task.cancelled():
         return Response(status_code=499)  # nobody reads it
     return task.result()
+
+
+class RelayedResponse(StreamingResponse):
+    """A response relayed from another server (the proxy's node, a Ray replica); ``on_end()`` runs however it
+    ends, also when the client left before the first chunk and the generator (with its own finally) never
+    started."""
+
+    def __init__(self, content, on_end, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
 
 
 _JSON_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmkit-json")

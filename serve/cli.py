@@ -39,6 +39,20 @@ _BODY_TIMEOUT = typer.Option(None, help="Seconds a request body may take after i
 _DRAIN_TIMEOUT = typer.Option(None, help="On SIGTERM or SIGINT, new requests and /health get 503 at once and "
                                          "requests in progress may finish for this many seconds; then they are "
                                          "cancelled and the server exits 0. Default 30.")
+# Engine and server options of api_server and ray, each written once
+LOG_LEVEL = typer.Option("info", help="debug | info | warning | error")
+DEVICE = typer.Option("auto", help=_E["device"])
+DTYPE = typer.Option("auto", help=_E["dtype"])
+MAX_BATCH_SIZE = typer.Option(64, help=_E["max_batch_size"])
+SESSION_LEN = typer.Option(None, help=_E["session_len"])
+CACHE_BLOCK_SEQ_LEN = typer.Option(64, help=_E["cache_block_seq_len"])
+CACHE_MAX_ENTRY_COUNT = typer.Option(None, help=_E["cache_max_entry_count"])
+MAX_PREFILL_TOKEN_NUM = typer.Option(8192, help=_E["max_prefill_token_num"])
+QUANT_POLICY = typer.Option(0, help=_E["quant_policy"])
+ENABLE_PREFIX_CACHING = typer.Option(False, help=_E["enable_prefix_caching"])
+CHAT_TEMPLATE = typer.Option(None, help="A Jinja chat template file replacing the tokenizer's.")
+MAX_BODY_BYTES = typer.Option(None, help="Larger request bodies get 413 (default: 32 bytes per token of context, at "
+                                         "least 1 MiB).", show_default=False)
 MAX_NEW_TOKENS = typer.Option(None, help=_G["max_new_tokens"])
 TEMPERATURE = typer.Option(None, help=_G["temperature"])
 TOP_P = typer.Option(None, help=_G["top_p"])
@@ -90,15 +104,14 @@ def api_server(
                                                                         "when --api-keys is set (for a scraper)."),
     max_concurrent_requests: Optional[int] = typer.Option(None, help="Generation requests in flight at most; "
                                                                      "more get 429."),
-    max_body_bytes: Optional[int] = typer.Option(None, help="Larger request bodies get 413 (default: 32 bytes "
-                                                              "per token of context, at least 1 MiB).", show_default=False),
+    max_body_bytes: Optional[int] = MAX_BODY_BYTES,
     max_waiting_seqs: Optional[int] = typer.Option(None, help="Sequences (prompts x n) admitted beyond the "
                                                               "--max-batch-size running, to wait for a slot; a "
                                                               "request beyond gets 429. Default: --max-batch-size."),
     header_timeout: Optional[float] = _HEADER_TIMEOUT,
     body_timeout: Optional[float] = _BODY_TIMEOUT,
     drain_timeout: Optional[float] = _DRAIN_TIMEOUT,
-    chat_template: Optional[Path] = typer.Option(None, help="A Jinja chat template file replacing the tokenizer's."),
+    chat_template: Optional[Path] = CHAT_TEMPLATE,
     tool_call_parser: str = typer.Option("auto", help="How the model writes tool calls: hermes, llama3_json, "
                                                       "mistral, qwen3_coder; auto: the format its chat template "
                                                       "teaches; none: requests with tools get a 400."),
@@ -110,18 +123,18 @@ def api_server(
     proxy_admin_key: Optional[str] = typer.Option(None, help="The proxy's admin key, if it has one."),
     advertise_url: Optional[str] = typer.Option(None, help="URL the proxy should use for this server "
                                                            "(default http://HOST:PORT)."),
-    log_level: str = typer.Option("info", help="debug | info | warning | error"),
-    device: str = typer.Option("auto", help=_E["device"]),
-    dtype: str = typer.Option("auto", help=_E["dtype"]),
-    max_batch_size: int = typer.Option(64, help=_E["max_batch_size"]),
-    session_len: Optional[int] = typer.Option(None, help=_E["session_len"]),
-    cache_block_seq_len: int = typer.Option(64, help=_E["cache_block_seq_len"]),
-    cache_max_entry_count: Optional[float] = typer.Option(None, help=_E["cache_max_entry_count"]),
-    max_prefill_token_num: int = typer.Option(8192, help=_E["max_prefill_token_num"]),
-    quant_policy: int = typer.Option(0, help=_E["quant_policy"]),
+    log_level: str = LOG_LEVEL,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    max_batch_size: int = MAX_BATCH_SIZE,
+    session_len: Optional[int] = SESSION_LEN,
+    cache_block_seq_len: int = CACHE_BLOCK_SEQ_LEN,
+    cache_max_entry_count: Optional[float] = CACHE_MAX_ENTRY_COUNT,
+    max_prefill_token_num: int = MAX_PREFILL_TOKEN_NUM,
+    quant_policy: int = QUANT_POLICY,
     kv_policy: Optional[Path] = typer.Option(None, help="Per-layer KV precision file (kv_policy.json from "
                                                         "`lmkit lite calibrate`)."),
-    enable_prefix_caching: bool = typer.Option(False, help=_E["enable_prefix_caching"]),
+    enable_prefix_caching: bool = ENABLE_PREFIX_CACHING,
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
     cpu_binding: str = typer.Option("auto", help=_E["cpu_binding"]),
 ) -> None:
@@ -174,7 +187,7 @@ def proxy(
     body_timeout: Optional[float] = _BODY_TIMEOUT,
     drain_timeout: Optional[float] = _DRAIN_TIMEOUT,
     health_interval: float = typer.Option(3.0, help="Seconds between health checks of every node."),
-    log_level: str = typer.Option("info", help="debug | info | warning | error"),
+    log_level: str = LOG_LEVEL,
 ) -> None:
     """Route OpenAI requests across api_servers by model, load and health; retry on another node when one fails."""
     from lmkit.serve.gate import GateConfig
@@ -219,24 +232,23 @@ def ray(
                                                             "replica as by api_server; none: no authentication."),
     max_concurrent_requests: Optional[int] = typer.Option(None, help="Generation requests in flight at most per "
                                                                      "replica; more get 429."),
-    max_body_bytes: Optional[int] = typer.Option(None, help="Larger request bodies get 413 (default: 32 bytes "
-                                                              "per token of context, at least 1 MiB).", show_default=False),
+    max_body_bytes: Optional[int] = MAX_BODY_BYTES,
     drain_timeout: Optional[float] = typer.Option(None, help="On SIGTERM or SIGINT the application is deleted: "
                                                              "each replica's requests in progress may finish for "
                                                              "this many seconds. Default 30."),
-    chat_template: Optional[Path] = typer.Option(None, help="A Jinja chat template file replacing the tokenizer's."),
+    chat_template: Optional[Path] = CHAT_TEMPLATE,
     tool_call_parser: str = typer.Option("auto", help="As api_server's --tool-call-parser."),
     reasoning_parser: str = typer.Option("auto", help="As api_server's --reasoning-parser."),
-    log_level: str = typer.Option("info", help="debug | info | warning | error"),
-    device: str = typer.Option("auto", help=_E["device"]),
-    dtype: str = typer.Option("auto", help=_E["dtype"]),
-    max_batch_size: int = typer.Option(64, help=_E["max_batch_size"]),
-    session_len: Optional[int] = typer.Option(None, help=_E["session_len"]),
-    cache_block_seq_len: int = typer.Option(64, help=_E["cache_block_seq_len"]),
-    cache_max_entry_count: Optional[float] = typer.Option(None, help=_E["cache_max_entry_count"]),
-    max_prefill_token_num: int = typer.Option(8192, help=_E["max_prefill_token_num"]),
-    quant_policy: int = typer.Option(0, help=_E["quant_policy"]),
-    enable_prefix_caching: bool = typer.Option(False, help=_E["enable_prefix_caching"]),
+    log_level: str = LOG_LEVEL,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    max_batch_size: int = MAX_BATCH_SIZE,
+    session_len: Optional[int] = SESSION_LEN,
+    cache_block_seq_len: int = CACHE_BLOCK_SEQ_LEN,
+    cache_max_entry_count: Optional[float] = CACHE_MAX_ENTRY_COUNT,
+    max_prefill_token_num: int = MAX_PREFILL_TOKEN_NUM,
+    quant_policy: int = QUANT_POLICY,
+    enable_prefix_caching: bool = ENABLE_PREFIX_CACHING,
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"] + " On Ray: default "
                                                                                 "--num-cpus-per-replica."),
 ) -> None:
@@ -277,7 +289,7 @@ def chat(
     min_p: Optional[float] = MIN_P,
     repetition_penalty: Optional[float] = REPETITION_PENALTY,
     seed: Optional[int] = SEED,
-    session_len: Optional[int] = typer.Option(None, help=_E["session_len"]),
+    session_len: Optional[int] = SESSION_LEN,
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
     dtype: str = typer.Option(EngineConfig.dtype, help=_E["dtype"]),
 ) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -26,10 +27,11 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from lmkit.serve.asgi import OffLoopJSONRoute, parse_json, run_event_loop, serve_app, unless_disconnected
+from lmkit.serve.asgi import (OffLoopJSONRoute, RelayedResponse, parse_json, run_event_loop, serve_app,
+                              unless_disconnected)
 from lmkit.serve.errors import APIError, error_body, error_response, install_error_handlers
 from lmkit.serve.gate import Gate, GateConfig, bearer_token, is_loopback, send_error, warn_if_exposed
 from lmkit.serve.proxy.registry import Node, NodeFailed, NodeRegistry, body_start, normalize_node_url
@@ -238,22 +240,8 @@ class Proxy:
             finally:
                 release(complete)
 
-        return _Relayed(relay(), release, status_code=response.status, headers=_passed_headers(response))
-
-
-class _Relayed(StreamingResponse):
-    """A node's response passed through; ``release(False)`` runs however the response ends, also when the
-    client left before the first chunk and the generator (with its own finally) never started."""
-
-    def __init__(self, content, release, **kwargs):
-        super().__init__(content, **kwargs)
-        self._release = release
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._release(False)
+        return RelayedResponse(relay(), functools.partial(release, False), status_code=response.status,
+                               headers=_passed_headers(response))
 
 
 class _Refused(Exception):

@@ -21,9 +21,9 @@ import logging
 import os
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
-from lmkit.serve.asgi import parse_json
+from lmkit.serve.asgi import RelayedResponse, parse_json
 from lmkit.serve.errors import error_body, error_response
 from lmkit.serve.gate import GENERATION_PATHS
 from lmkit.serve.ray.bridge import ForwardedRequest, ResponseStart, call_asgi
@@ -125,21 +125,6 @@ def _unavailable() -> tuple[type[BaseException], ...]:
     return BackPressureError, DeploymentUnavailableError
 
 
-class _Relayed(StreamingResponse):
-    """A replica's response passed on; ``stop()`` runs however the response ends, also when the client left
-    before the first chunk (the generator, with its own finally, never started)."""
-
-    def __init__(self, content, stop, **kwargs):
-        super().__init__(content, **kwargs)
-        self._stop = stop
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._stop()
-
-
 _PASSED_BACK = frozenset({b"content-type", b"content-length", b"cache-control", b"x-accel-buffering",
                           b"retry-after", b"www-authenticate", b"x-lmkit-replica"})
 
@@ -233,7 +218,7 @@ class Router:
                 if is_sse:
                     yield f"data: {json.dumps(error_body(502, f'the replica serving this request failed: {kind}'))}\n\n"
 
-        return _Relayed(relay(), stream.cancel, status_code=start.status, headers=headers)
+        return RelayedResponse(relay(), stream.cancel, status_code=start.status, headers=headers)
 
     async def _call(self, name: str, request: ForwardedRequest) -> tuple[int, dict, bytes]:
         """One whole answer of a replica of ``name``: (status, headers, body); 503 when none answers."""
