@@ -254,6 +254,10 @@ def ray(
 ) -> None:
     """Serve models on Ray Serve: replicas of the engine with api_server's routes behind Ray's HTTP proxy,
     autoscaled on ongoing requests between --min-replicas and --max-replicas (needs pip install -e ".[ray]")."""
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError as e:  # a user-facing problem: the message, no traceback
+        raise RuntimeError(f'lmkit serve ray needs Ray Serve: pip install -e ".[ray]" ({e})') from None
     from lmkit.serve.api_server import ServerConfig
     from lmkit.serve.gate import GateConfig
     from lmkit.serve.ray import run_ray

@@ -125,3 +125,12 @@ def test_scale_out_benchmark_smoke(tiny_llama, tmp_path):
     for r in rows:  # (the CPU of 4 tiny requests may round to 0 at the kernel's 10 ms ticks)
         assert float(r["request_throughput"]) > 0 and int(r["num_requests"]) == 4, r
         assert all(float(r[f"{p}_cpu_s"]) >= 0 for p in ("node0", "node1", "proxy_one", "proxy_all")), r
+
+
+def test_serve_ray_without_ray_says_what_to_install(tmp_path):
+    """Where Ray is not installed (the core install), `lmkit serve ray` names the extra, without a traceback."""
+    code = ("import sys; sys.modules['ray'] = None; sys.argv = ['lmkit', 'serve', 'ray']; "
+            "from lmkit.cli.main import main; main()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert 'pip install -e ".[ray]"' in done.stderr and "Traceback" not in done.stderr, done.stderr
