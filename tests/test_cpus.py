@@ -148,7 +148,7 @@ def test_engine_config_checks_cpu_binding():
 
 
 _SHOW_THREADS = """
-import json, sys
+import json, sys, time
 from pathlib import Path
 from lmkit import EngineConfig, GenerationConfig, pipeline
 from lmkit.cpus import move_other_threads
@@ -156,15 +156,23 @@ from lmkit.cpus import move_other_threads
 def threads():
     out = []
     for t in sorted(Path("/proc/self/task").iterdir()):
-        status = (t / "status").read_text().splitlines()
+        try:
+            status = (t / "status").read_text().splitlines()
+            comm = (t / "comm").read_text().strip()
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
         allowed = next(l.split()[1] for l in status if l.startswith("Cpus_allowed_list"))
-        out.append([(t / "comm").read_text().strip(), allowed])
+        out.append([comm, allowed])
     return out
 
 num_threads, binding = int(sys.argv[2]), sys.argv[3]
 with pipeline(sys.argv[1], EngineConfig(dtype="float32", num_threads=num_threads, cpu_binding=binding,
                                         cache_max_entry_count=64)) as pipe:
     pipe("hello", GenerationConfig(max_new_tokens=4))  # steps: the kernel team exists
+    # a worker names itself when it first runs; on a busy machine the steps may have run before it did
+    deadline = time.monotonic() + 30
+    while num_threads > 1 and "lmkit-worker" not in [n for n, _ in threads()] and time.monotonic() < deadline:
+        time.sleep(0.02)
     before = threads()
     moved = move_other_threads(pipe.engine.cpu_binding)
     print(json.dumps({"plan": [list(pipe.engine.cpu_binding.engine_cpus), list(pipe.engine.cpu_binding.other_cpus)],

@@ -47,14 +47,17 @@ def ray_cluster():
     from ray import serve
 
     port, http_port = free_port(), free_port()
+    metrics_ports = [free_port(), free_port()]  # each node's metrics agent (Prometheus text)
     node = ["--num-cpus", "1", "--object-store-memory", str(80 * 2**20), "--disable-usage-stats",
             "--node-ip-address", "127.0.0.1"]
-    ray_command("start", "--head", "--port", str(port), "--include-dashboard=false", *node)
+    ray_command("start", "--head", "--port", str(port), "--include-dashboard=false",
+                "--metrics-export-port", str(metrics_ports[0]), *node)
     try:
-        ray_command("start", "--address", f"127.0.0.1:{port}", *node)
+        ray_command("start", "--address", f"127.0.0.1:{port}", "--metrics-export-port", str(metrics_ports[1]), *node)
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        yield {"address": f"127.0.0.1:{port}", "url": f"http://127.0.0.1:{http_port}"}
+        yield {"address": f"127.0.0.1:{port}", "url": f"http://127.0.0.1:{http_port}",
+               "metrics": [f"http://127.0.0.1:{p}/metrics" for p in metrics_ports]}
     finally:
         if ray.is_initialized():
             serve.shutdown()
@@ -171,6 +174,30 @@ def test_errors_and_keys_as_api_server(two_replicas):
     assert huge.status_code == 413, huge.text
     metrics = httpx.get(f"{url}/metrics", headers=AUTH, timeout=30)  # the replica that answers
     assert metrics.status_code == 200 and 'vllm:num_requests_running{model_name="tiny"}' in metrics.text
+
+
+def test_replicas_export_engine_gauges_through_rays_metrics_agent(two_replicas, ray_cluster):
+    """Each replica's health check sets its engine gauges; Ray's metrics agents export them (ray_ prefix),
+    tagged with the model and the replica."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def exported() -> dict[str, list]:
+        samples: dict[str, list] = {}
+        for url in ray_cluster["metrics"]:
+            try:
+                text = httpx.get(url, timeout=10).text
+            except httpx.HTTPError:
+                continue
+            for family in text_string_to_metric_families(text):
+                if family.name.startswith("ray_lmkit_"):
+                    samples.setdefault(family.name, []).extend(family.samples)
+        return samples if len({s.labels.get("replica") for s in samples.get("ray_lmkit_num_requests_running", [])
+                               if s.labels.get("model_name") == "tiny"}) == 2 else {}
+
+    samples = wait_for(exported, 60, "both replicas' lmkit gauges in Ray's metrics export")
+    for name in ("ray_lmkit_num_requests_running", "ray_lmkit_num_requests_waiting", "ray_lmkit_kv_cache_usage_ratio"):
+        tiny = [s for s in samples[name] if s.labels.get("model_name") == "tiny"]
+        assert tiny and all(s.labels["deployment"] == "model-tiny" and s.value >= 0 for s in tiny), samples[name]
 
 
 def test_a_client_that_leaves_frees_its_engine_request(two_replicas):
