@@ -129,6 +129,11 @@ _PASSED_BACK = frozenset({b"content-type", b"content-length", b"cache-control", 
                           b"retry-after", b"www-authenticate", b"x-lmkit-replica"})
 
 
+def _passed_back(start: ResponseStart) -> dict[str, str]:
+    """The headers of a replica's answer that the router passes on to its client."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers if k in _PASSED_BACK}
+
+
 class Router:
     """The HTTP ingress of the application (see the module docstring)."""
 
@@ -142,13 +147,13 @@ class Router:
         root = request.scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):] or "/"
-        body = b""
+        body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > self.max_body_bytes:
                 return error_response(413, f"the request body is larger than {self.max_body_bytes} bytes")
         forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
-                                     tuple(request.scope["headers"]), body,
+                                     tuple(request.scope["headers"]), bytes(body),
                                      tuple(request.client) if request.client else None)
         if request.method == "GET" and path == "/v1/models":
             return await self._models(forwarded)
@@ -159,7 +164,7 @@ class Router:
                                        "lmkit_num_requests_running/_waiting and lmkit_kv_cache_usage_ratio, with "
                                        "Ray Serve's request metrics, through Ray's metrics agent (ray start "
                                        "--metrics-export-port)")
-        name = await self._model_of(request.method, path, body)
+        name = await self._model_of(request.method, path, forwarded.body)
         if isinstance(name, Response):
             return name
         return await self._forward(name, forwarded)
@@ -203,7 +208,7 @@ class Router:
             return error_response(503, f"the replicas of `{name}` failed before answering; retry later",
                                   headers={"retry-after": "1"})
         assert isinstance(start, ResponseStart), f"a replica answered {type(start).__name__} first"
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers if k in _PASSED_BACK}
+        headers = _passed_back(start)
         is_sse = headers.get("content-type", "").startswith("text/event-stream")
         if is_sse:
             headers.pop("content-length", None)
@@ -227,7 +232,7 @@ class Router:
         except (*_replica_failures(), *_unavailable()) as e:
             return 503, {}, json.dumps(error_body(503, f"no replica of `{name}` answers: {type(e).__name__}")).encode()
         start = parts[0]
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers if k in _PASSED_BACK}
+        headers = _passed_back(start)
         return start.status, headers, b"".join(parts[1:])
 
     async def _models(self, request: ForwardedRequest) -> Response:
