@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -115,7 +116,9 @@ def publish(temp_dir: Path, work_dir: Path, marker: dict) -> None:
 
 def linear_tensors(name: str, qw: QuantizedWeight, bias: torch.Tensor | None,
                    checkpoint_format: str = "autoawq") -> dict[str, torch.Tensor]:
-    """Checkpoint tensors of one quantized linear ``name`` (without the ``.weight`` suffix)."""
+    """Checkpoint tensors of one quantized linear ``name`` (without the ``.weight`` suffix), on the host
+    whichever device quantized it."""
+    qw = dataclasses.replace(qw, q=qw.q.cpu(), zeros=qw.zeros.cpu(), scales=qw.scales.cpu())
     packed = pack_compressed_tensors(qw) if checkpoint_format == "compressed-tensors" else pack_awq_gemm(qw)
     tensors = {f"{name}.{key}": value for key, value in packed.items()}
     if bias is not None:

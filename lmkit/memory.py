@@ -367,11 +367,13 @@ def reserve_kv_pool(config: "EngineConfig", spec: "ModelSpec") -> Iterator[KVPoo
     log.info("%s", sizer.kv_pool.describe())
 
 
-def log_cuda_kv_pool(cpp, cache_max_entry_count: float) -> None:
+def log_cuda_kv_pool(cpp, cache_max_entry_count: float | None) -> None:
     """Logs the start-up line of a CUDA engine (lmkit._engine.Engine), whose backend sized its pool from the
-    GPU's free memory."""
+    GPU's free memory (cache_max_entry_count None: AUTO_MEMORY_FRACTION of it, as EngineConfig passes on)."""
     n, block, per_block = cpp.num_total_blocks, cpp.block_size_tokens, cpp.kv_bytes_per_block
-    why = (f"set by cache_max_entry_count={n}" if cache_max_entry_count > 1 else
-           f"{cache_max_entry_count:g} of the GPU memory free after the weights, at most max_batch_size x session_len")
+    share = AUTO_MEMORY_FRACTION if cache_max_entry_count is None else cache_max_entry_count
+    why = (f"set by cache_max_entry_count={n}" if share > 1 else
+           f"{share:g} of the GPU memory free after the weights{' (auto)' if cache_max_entry_count is None else ''}, "
+           "at most max_batch_size x session_len")
     log.info("KV pool: %d blocks x %d tokens = %d tokens, %s of GPU memory (%s per block); %s", n, block, n * block,
              format_bytes(n * per_block), format_bytes(per_block), why)

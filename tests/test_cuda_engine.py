@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from lmkit import EngineConfig, GenerationConfig, pipeline
 from tests.conftest import assert_blocks_free, make_tiny_model
@@ -70,12 +71,15 @@ def test_graph_replays_with_new_batches_match_hf(case, tmp_path):
             batch = prompts[:count] if count != 9 else prompts[-9:]
             results = [(p + r.token_ids, r.logits) for p, r in zip(batch, pipe(batch, gen))]
             check_against(ref, results, 5e-3)
-        assert_blocks_free(pipe)
+        assert_blocks_free(pipe.engine)
 
 
 @pytest.mark.parametrize("policy", [8, 4])
 def test_quantized_kv_matches_the_cpu_backend(policy, tmp_path):
-    make_tiny_model(tmp_path / "m", "llama")
+    """int8/int4 KV on the GPU is as close to HF (unquantized, fp32) as the CPU backend's: each backend rounds
+    its own keys and values (fp16 ones on the GPU, fp32 on the CPU), so the two runs differ by about twice
+    one run's rounding; what must hold is that the GPU's error is no larger than the CPU's."""
+    ref = make_tiny_model(tmp_path / "m", "llama")
     cpu = engine_logits(tmp_path / "m", PROMPTS, dataclasses.replace(CPU_EXACT, quant_policy=policy))
     # the CUDA run is teacher-forced on the CPU run's tokens through the prompts
     gpu_prompts = [full[:-1] for full, _ in cpu]
@@ -83,7 +87,14 @@ def test_quantized_kv_matches_the_cpu_backend(policy, tmp_path):
                         new_tokens=1)
     for (full, want), (_, got) in zip(cpu, gpu):
         # rows of the CUDA run: every position but the last of its prompt + the one new token's
-        assert rel_err(got[: len(full) - 1], want) <= (1e-2 if policy == 8 else 5e-2)
+        got = got[: len(full) - 1]
+        with torch.no_grad():
+            expect = ref(torch.tensor([full])).logits[0, : len(full) - 1].numpy()
+        cpu_err, gpu_err = rel_err(want, expect), rel_err(got, expect)
+        print(f"KV int{policy}, {len(full)} tokens: CPU {cpu_err:.4f}, CUDA {gpu_err:.4f} from HF; "
+              f"CUDA {rel_err(got, want):.4f} from the CPU")
+        assert gpu_err <= 1.3 * cpu_err + 2e-3, (gpu_err, cpu_err)
+        assert rel_err(got, want) <= (2e-2 if policy == 8 else 1.5e-1)
 
 
 @pytest.mark.parametrize("group", [32, 64])

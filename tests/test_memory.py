@@ -275,3 +275,19 @@ def test_weights_larger_than_memory_fail_before_loading(tiny_llama, monkeypatch,
                                          rf"{memory.format_bytes(need - 1)} this process may use \(test\)"):
         Engine(tiny_llama[0], config(cache_max_entry_count=64))
     assert records(runtime_dir) == []
+
+
+@pytest.mark.parametrize("count, says", [(None, "0.8 of the GPU memory free after the weights (auto)"),
+                                         (0.5, "0.5 of the GPU memory free after the weights, at most"),
+                                         (300, "set by cache_max_entry_count=300")])
+def test_cuda_pool_line_says_what_sized_it(count, says, caplog):
+    """The CUDA engine's start-up line (the backend sized the pool itself); cache_max_entry_count None is the
+    default, auto, and must not break it (it did on the first GPU run)."""
+    from types import SimpleNamespace
+
+    caplog.set_level(logging.INFO, logger="lmkit")
+    cpp = SimpleNamespace(num_total_blocks=300, block_size_tokens=64, kv_bytes_per_block=1 << 20)
+    memory.log_cuda_kv_pool(cpp, count)
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("KV pool: 300 blocks x 64 tokens = 19200 tokens, 300.0 MiB of GPU memory"), line
+    assert says in line, line

@@ -1,7 +1,6 @@
 #include "engine/block_manager.h"
 
 #include <algorithm>
-#include <sstream>
 
 #include "core/check.h"
 
@@ -196,10 +195,8 @@ void BlockManager::verify() const {
 }
 
 std::string BlockManager::repr() const {
-  std::ostringstream os;
-  os << "BlockManager(total=" << num_total_ << ", free=" << num_free_blocks() << ", cached=" << num_cached_blocks()
-     << ", active=" << num_active_blocks() << ", block_size=" << block_size_ << ")";
-  return os.str();
+  return detail::concat("BlockManager(total=", num_total_, ", free=", num_free_blocks(), ", cached=",
+                        num_cached_blocks(), ", active=", num_active_blocks(), ", block_size=", block_size_, ")");
 }
 
 }  // namespace lmkit
