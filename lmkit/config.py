@@ -20,8 +20,8 @@ class EngineConfig:
     """Engine settings. Measured values (such as the number of KV blocks) are engine state, not config."""
 
     device: Literal["cpu", "cuda", "auto"] = "auto"
-    """Where to run: cpu, cuda, or auto (the CPU for now: the CUDA backend is opt-in until it has passed its
-    GPU tests; see csrc/kernels/cuda/README.md)."""
+    """Where to run: cpu, cuda, or auto (the CPU for now: the CUDA backend is correct on the GPU it was tested
+    on but not yet fast, so it is opt-in; see csrc/kernels/cuda/README.md)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype. auto: on the CPU bfloat16 where the CPU has AVX512_BF16 (below), else float32 (the choice
     is logged at start); the CUDA backend computes in float16 (bfloat16 when the checkpoint is bf16). float32:

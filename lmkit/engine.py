@@ -44,8 +44,8 @@ def _import_extension():
 
 
 def _resolve_device(device: str, _engine) -> str:
-    """cpu, or cuda when asked for and usable. ``auto`` stays on the CPU until the CUDA backend has passed
-    its GPU tests on a real GPU (csrc/kernels/cuda/README.md); ask for ``device='cuda'`` to use it. (When
+    """cpu, or cuda when asked for and usable. ``auto`` stays on the CPU while the CUDA backend is opt-in
+    (csrc/kernels/cuda/README.md: correct on an H100, not yet fast); ask for ``device='cuda'`` to use it. (When
     ``auto`` moves to CUDA, ``dtype='bfloat16'`` must keep it on the CPU: that dtype is the CPU backend's.)"""
     if device in ("cpu", "auto"):
         return "cpu"
