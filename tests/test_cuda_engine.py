@@ -112,7 +112,8 @@ def test_smollm2_greedy_agrees_with_the_cpu_backend(smollm2):
                "List three colours:", "Once upon a time", "The theory of relativity says",
                "Translate to French: good morning", "Q: What is 12 times 12?\nA:"]
     gen = GenerationConfig(max_new_tokens=32, ignore_eos=True)
-    with pipeline(smollm2, EngineConfig(device="cpu", cache_max_entry_count=256, max_batch_size=8)) as pipe:
+    with pipeline(smollm2, EngineConfig(device="cpu", dtype="float32", int8_activations=False,
+                                        cache_max_entry_count=256, max_batch_size=8)) as pipe:
         want = [r.token_ids for r in pipe(prompts, gen)]
     with pipeline(smollm2, EngineConfig(device="cuda", cache_max_entry_count=256, max_batch_size=8)) as pipe:
         got = [r.token_ids for r in pipe(prompts, gen)]
@@ -125,7 +126,7 @@ def test_smollm2_greedy_agrees_with_the_cpu_backend(smollm2):
 def test_sampling_seeded_and_cancellation_leave_no_blocks(smollm2):
     config = EngineConfig(device="cuda", cache_max_entry_count=64, max_batch_size=16, cache_block_seq_len=16)
     with pipeline(smollm2, config) as pipe:
-        gen = GenerationConfig(max_new_tokens=24, temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, seed=7,
+        gen = GenerationConfig(max_new_tokens=24, temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, random_seed=7,
                                repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.1, min_new_tokens=10)
         a = pipe(["Tell me a story about a cat."] * 3, gen)
         b = pipe(["Tell me a story about a cat."] * 3, gen)
