@@ -124,6 +124,25 @@ def awq(
     print_awq_summary(result, config)
 
 
+@app.command()
+def convert(
+    model: str = typer.Argument(..., metavar="MODEL", show_default=False,
+                                help="An int4 checkpoint folder (AutoAWQ GEMM or compressed-tensors pack-quantized)."),
+    work_dir: Path = typer.Option(..., "--work-dir", help="Where the converted folder goes."),
+    format: str = typer.Option(..., "--format", help="The target: autoawq or compressed-tensors."),
+    overwrite: bool = typer.Option(False, "--overwrite", help=_A["overwrite"]),
+) -> None:
+    """Rewrite the int4 checkpoint MODEL in another format lmkit writes, losslessly (same q, zeros, scales)."""
+    from rich.console import Console
+
+    from lmkit.lite.convert import convert_checkpoint
+
+    result = convert_checkpoint(model, work_dir, format, overwrite=overwrite)
+    Console(highlight=False).print(
+        f"{result.source_format} -> {result.checkpoint_format}: {result.num_linears} int4 linears (group size "
+        f"{result.group_size}), {_mib(result.size_bytes)} -> {result.work_dir}")
+
+
 def print_awq_summary(result, config: AwqConfig) -> None:
     """The closing table of ``lmkit lite awq``."""
     from rich.console import Console
