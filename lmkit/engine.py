@@ -116,8 +116,8 @@ class Engine:
                                            self.spec.head_dim)
         # CPU: the pool is sized in lmkit/memory.py against the host's memory and the other lmkit engines',
         # and this engine's reservation is recorded until close(); CUDA: the backend sizes it from free GPU memory.
-        if self.spec.int4 is not None:
-            log.info("weights: %s", self.spec.int4.describe())
+        if self.spec.quant is not None:
+            log.info("weights: %s", self.spec.quant.describe())
         if self.device == "cpu":
             n = self.config.resolved_num_threads
             threads = (f"{n} thread{'s' * (n > 1)} (num_threads)" if self.config.num_threads else

@@ -182,6 +182,44 @@ def write_gptq(src: Path, out: Path, *, group: int, symmetric: bool, act_order: 
 
 # ---- the comparison
 
+def write_compressed_tensors_int8(src: Path, out: Path, *, group: int = 0, activations: bool = True,
+                                  scale_dtype=torch.bfloat16, fmt: str = "int-quantized") -> Path:
+    """``out``/int4 (despite the name: the quantized folder) holding compressed-tensors int8 weights, symmetric, per
+    channel (group 0) or per group, with int8 dynamic per-token activations when ``activations`` (W8A8, as
+    llm-compressor's SmoothQuant/GPTQ W8A8 presets write it) or none (W8A16): quantized and decompressed by the
+    library's own IntQuantizationCompressor; ``out``/ref its decompression in fp32."""
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from safetensors.torch import load_file
+
+    strategy = "channel" if group == 0 else "group"
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy=strategy, group_size=group or None)
+    acts = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts if activations else None)
+    tensors = load_file(str(src / "model.safetensors"))
+    packed, ref = {}, {}
+    for name, w in quantized_linears(tensors, linear_keys(src, group), packed, ref):
+        n, k = w.shape
+        g = group or k
+        grouped = w.reshape(n, k // g, g)
+        scale, zp = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+        scale = scale.to(scale_dtype)
+        sd = IntQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
+        assert sd["weight"].dtype == torch.int8 and "weight_zero_point" not in sd
+        base = name[: -len("weight")]
+        for part, t in sd.items():
+            packed[base + part] = t
+        ref[name] = IntQuantizationCompressor.decompress({**sd, "weight_scale": sd["weight_scale"].float()},
+                                                         scheme)["weight"].float()
+    ignore = sorted(name[: -len(".weight")] for name, t in packed.items()
+                    if name.endswith(".weight") and t.ndim == 2 and t.dtype != torch.int8)
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
+                            ignore=ignore).model_dump()
+    qc["quant_method"] = "compressed-tensors"
+    copy_folder(src, out / "int4", packed, qc)
+    copy_folder(src, out / "ref", ref, None)
+    return out
+
+
 def engine_vs_reference(out: Path, prompts: list[list[int]], config: EngineConfig = EXACT,
                         new_tokens: int = 6, per_row: bool = True) -> float:
     """Largest relative error of the engine's logits (int4 folder) against HF fp32 (ref folder): of any row,
@@ -354,4 +392,76 @@ def test_broken_int4_tensors_name_the_tensor(llama, tmp_path):
         pipeline(out / "int4", EXACT)
     broken(scales=None)
     with pytest.raises(ValueError, match="has qweight but no scales"):
+        pipeline(out / "int4", EXACT)
+
+
+# ---- compressed-tensors int8 (W8A8 / W8A16): int8 weights with float scales, on the int8 kernels
+
+@pytest.mark.parametrize("case", ["llama31_rope", "qwen2", "phi3", "gemma3", "qwen3_moe"])
+def test_int8_weights_every_family(case, cases, tmp_path):
+    """W8A8 checkpoints of the library's own compressor (bf16 per-channel scales: the fp16-scale blocks of 32)
+    against HF fp32 on its decompressed weights: exact path 1e-4."""
+    src = cases(case)
+    if not linear_keys(src, 0):
+        pytest.skip(f"{case}: no linear has in_features divisible by 32")
+    out = write_compressed_tensors_int8(src, tmp_path)
+    assert engine_vs_reference(out, prompts_for(CASES[case].seed)) <= REL_TOL
+
+
+@pytest.mark.parametrize("group, scale_dtype, activations, fmt", [
+    (0, torch.float32, True, "int-quantized"),     # fp32 scales no fp16 value holds: blocks of 16 with fp32 scales
+    (64, torch.bfloat16, True, "int-quantized"),   # per group of 64 inputs
+    (16, torch.float16, False, "naive-quantized"),  # W8A16, groups of 16
+])
+def test_int8_scales_groups_and_formats(llama, tmp_path, group, scale_dtype, activations, fmt):
+    out = write_compressed_tensors_int8(llama, tmp_path, group=group, scale_dtype=scale_dtype, activations=activations,
+                                        fmt=fmt)
+    assert engine_vs_reference(out, prompts_for(8)) <= REL_TOL
+    with pipeline(out / "int4", EXACT) as pipe:
+        assert pipe.engine.spec.quant.bits == 8
+        assert ("dynamic" in pipe.engine.spec.quant.describe()) == activations
+
+
+def test_int8_with_int8_activations(llama, tmp_path):
+    """The default engine (int8 activations per 32 values: VNNI / AVX2 dot products, finer than the checkpoint's
+    per-token scales) stays close to the reference."""
+    out = write_compressed_tensors_int8(llama, tmp_path)
+    default = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                           max_batch_size=4, session_len=512)
+    assert engine_vs_reference(out, prompts_for(9), default, per_row=False) <= 3e-2  # as the int4 formats
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_ct_edit("config_groups.group_0.weights.symmetric", False), "weights.symmetric=false"),
+    (_ct_edit("config_groups.group_0.weights.num_bits", 4), "4-bit int is not supported with format 'int-quantized'"),
+    (_ct_edit("config_groups.group_0.input_activations.dynamic", False), "input_activations.dynamic=false"),
+    (_ct_edit("config_groups.group_0.input_activations.type", "float"), "input_activations: 8-bit float"),
+    (_ct_edit("config_groups.group_0.weights.strategy", "tensor"), "strategy='tensor'"),
+])
+def test_unservable_int8_configs(llama, tmp_path, edit, message):
+    out = write_compressed_tensors_int8(llama, tmp_path)
+    assert_refused(out / "int4", edit, message)
+
+
+def test_broken_int8_tensors_name_the_tensor(llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = write_compressed_tensors_int8(llama, tmp_path)
+    st = out / "int4" / "model.safetensors"
+    good = load_file(str(st))
+    key = "model.layers.0.self_attn.q_proj."
+    tensors = dict(good)
+    tensors.pop(key + "weight_scale")
+    save_file(tensors, str(st))
+    with pytest.raises(ValueError, match=r"int8 layer model.layers.0.self_attn.q_proj has no weight_scale"):
+        pipeline(out / "int4", EXACT)
+    tensors[key + "weight_scale"] = good[key + "weight_scale"][:-1].contiguous()
+    save_file(tensors, str(st))
+    with pytest.raises(ValueError, match=r"q_proj: weight_scale has shape \[255, 1\]"):
+        pipeline(out / "int4", EXACT)
+    bad = good[key + "weight_scale"].clone()
+    bad[3] = float("inf")
+    tensors[key + "weight_scale"] = bad
+    save_file(tensors, str(st))
+    with pytest.raises(ValueError, match=r"q_proj: weight_scale 3 is not finite"):
         pipeline(out / "int4", EXACT)

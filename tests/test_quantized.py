@@ -303,5 +303,5 @@ def test_awq_experts_match_dequantized_reference(int8_activations, tmp_path, mon
     engine = EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=64, cache_block_seq_len=16,
                           max_batch_size=4, int8_activations=int8_activations)
     with pipeline(awq, engine) as pipe:
-        assert pipe.engine.spec.int4.group_size == 32
+        assert pipe.engine.spec.quant.group_size == 32
     check_against(ref, engine_logits(awq, prompts, engine), 3e-2 if int8_activations else 1e-4)

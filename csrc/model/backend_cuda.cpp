@@ -124,6 +124,11 @@ class CudaBackend final : public Backend {
     if (c.hidden_act != "silu") missing.push_back("GeGLU (hidden_act='" + c.hidden_act + "')");
     if (c.embed_scale != 1.0f) missing.push_back("the embedding scale");
     if (std::count(c.layer_moe.begin(), c.layer_moe.end(), 1) > 0) missing.push_back("mixture-of-experts layers");
+    bool int8_weights = false;  // compressed-tensors int8 (GGUF's int8 blocks are refused with their own message)
+    for (const LayerWeights& w : weights.layers)
+      for (const LinearTensors* t : w.linears())
+        int8_weights = int8_weights || (t->is_int8() && !dtype_is_block(t->weight.dtype));
+    if (int8_weights) missing.push_back("int8 weights (compressed-tensors W8A8 / W8A16)");
     if (!missing.empty()) {
       std::string list = missing[0];
       for (size_t i = 1; i < missing.size(); ++i) list += (i + 1 == missing.size() ? " and " : ", ") + missing[i];

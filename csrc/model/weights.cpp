@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 
 #include "core/check.h"
@@ -39,8 +40,54 @@ namespace {
 
 bool is_float(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
 
-
 }  // namespace
+
+Int8Source int8_channel_source(const Tensor& weight, const Tensor& scales, const std::string& what) {
+  LMKIT_CHECK_ARG(weight.dtype == DType::I8 && weight.ndim == 2, what, ": an int8 weight must be [N, K] int8");
+  const int64_t N = weight.shape[0], K = weight.shape[1];
+  LMKIT_CHECK_ARG(K % 32 == 0, what, ": int8 weights need a multiple of 32 inputs, got ", K);
+  LMKIT_CHECK_ARG(is_float(scales.dtype), what, ": weight_scale must be F32, F16 or BF16, got ",
+                  dtype_name(scales.dtype));
+  // [N, 1] or [N] per channel, [N, G] per group of K / G inputs
+  const int64_t G = scales.ndim == 1 ? 1 : scales.shape[1];
+  LMKIT_CHECK_ARG(scales.shape[0] == N && (scales.ndim == 1 || scales.ndim == 2) && G > 0 && K % G == 0 &&
+                      (K / G) % 16 == 0,
+                  what, ": weight_scale has shape ", shape_str(scales), "; [", N, ", 1] (per channel) or [", N,
+                  ", G] with K / G a multiple of 16 expected (K = ", K, ")");
+  const int64_t group = K / G;
+  // blocks of 32 with fp16 scales (the int8 kernels' compact form) where every scale is an fp16 value and groups
+  // are whole blocks of 32; else blocks of 16 with fp32 scales. Either holds the checkpoint's numbers exactly.
+  bool fp16_exact = group % 32 == 0;
+  for (int64_t i = 0; fp16_exact && i < N * G; ++i) {
+    const float v = float_value(scales, i);
+    fp16_exact = f16_to_f32(f32_to_f16(v)) == v;
+  }
+  for (int64_t i = 0; i < N * G; ++i) {
+    const float v = float_value(scales, i);
+    LMKIT_CHECK_ARG(std::isfinite(v), what, ": weight_scale ", i, " is not finite (", v, ")");
+  }
+  Int8Source src;
+  src.num_out = N;
+  src.num_in = K;
+  const int8_t* w = weight.ptr<const int8_t>();
+  // block of `len` inputs from `first`, outputs [n0, n0 + count): q[r * count + c], and the block's scale per output
+  auto values = [w, K](int64_t first, int64_t len, int64_t n0, int64_t count, int8_t* q) {
+    for (int64_t c = 0; c < count; ++c)
+      for (int64_t r = 0; r < len; ++r) q[r * count + c] = w[(n0 + c) * K + first + r];
+  };
+  auto scale = [scales, G, group](int64_t first, int64_t n) { return float_value(scales, n * G + first / group); };
+  if (fp16_exact)
+    src.read_block = [values, scale](int64_t b, int64_t n0, int64_t count, int8_t* q, uint16_t* s) {
+      values(32 * b, 32, n0, count, q);
+      for (int64_t c = 0; c < count; ++c) s[c] = f32_to_f16(scale(32 * b, n0 + c));
+    };
+  else
+    src.read_block16 = [values, scale](int64_t b, int64_t n0, int64_t count, int8_t* q, float* s) {
+      values(16 * b, 16, n0, count, q);
+      for (int64_t c = 0; c < count; ++c) s[c] = scale(16 * b, n0 + c);
+    };
+  return src;
+}
 
 LinearTensors single_tensor_linear(const Tensor& weight, const RowOrder& rows, const std::string& what,
                                    std::vector<std::shared_ptr<void>>* owned) {
@@ -116,6 +163,17 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   // rows: the stored order of the outputs (GGUF llama q/k), or null
   auto get_linear = [&](const std::string& role, int64_t N, int64_t K, const RowOrder& rows = nullptr) -> LinearTensors {
     LinearTensors t;
+    const auto stored = sources.find(role);
+    if (stored != sources.end() && stored->second.dtype == DType::I8) {  // compressed-tensors int8 + its scales
+      LMKIT_CHECK_ARG(!rows, config.architecture, ": ", role, ": interleaved rotary rows in an int8 checkpoint");
+      LMKIT_CHECK_ARG(sources.count(role + ".scales") > 0, config.architecture, ": int8 tensor '", role,
+                      "' has no scales (weight_scale)");
+      const std::string what = config.architecture + ": " + role;
+      t.weight = get(role, {N, K}, true, DType::I8);
+      t.int8_scales = get_stored(role + ".scales");
+      t.int8_source = int8_channel_source(t.weight, t.int8_scales, what);
+      return t;
+    }
     if (!is_int4(role))
       return single_tensor_linear(get(role, {N, K}, true, DType::F32, true), rows, config.architecture + ": " + role,
                                   &w.owned);
@@ -199,7 +257,7 @@ void ModelWeights::release_linear_pages() const {
     if (end > begin) ::madvise((void*)begin, end - begin, MADV_DONTNEED);
   };
   auto release_linear = [&](const LinearTensors& l) {
-    for (const Tensor* t : {&l.weight, &l.int4.values, &l.int4.zeros, &l.int4.scales}) release(*t);
+    for (const Tensor* t : {&l.weight, &l.int4.values, &l.int4.zeros, &l.int4.scales, &l.int8_scales}) release(*t);
   };
   for (const LayerWeights& l : layers)
     for (const LinearTensors* t : l.linears()) release_linear(*t);

@@ -46,7 +46,8 @@ struct LinearTensors {
   Tensor weight;      // [out, in] F32/F16/BF16, or GGUF blocks (ggml_blocks.h); empty for an int4 layout
   Int4Tensors int4;   // layout None unless a checkpoint int4 layout
   Int4Source int4_source;  // int4 layouts, Q4_0, Q4_1
-  Int8Source int8_source;  // Q5_0, Q8_0, Q6_K
+  Tensor int8_scales;       // compressed-tensors int8: weight_scale [out, 1] or [out, groups] (weight is the int8)
+  Int8Source int8_source;  // Q5_0, Q8_0, Q6_K, compressed-tensors int8
   bool is_int4() const { return int4_source.read_group != nullptr; }
   bool is_int8() const { return int8_source.is_set(); }
   bool is_empty() const { return weight.is_empty() && !is_int4(); }
@@ -58,6 +59,12 @@ struct LinearTensors {
 // `rows` order when given (a float weight is then copied in that order, the copy kept in `owned`).
 LinearTensors single_tensor_linear(const Tensor& weight, const RowOrder& rows, const std::string& what,
                                    std::vector<std::shared_ptr<void>>* owned = nullptr);
+
+// A compressed-tensors int8 weight ([N, K] I8, symmetric) with its float scales ([N, 1] / [N] per channel, or [N, G]
+// per group of K / G inputs, K / G a multiple of 16) as the int8 kernels' source: exact (blocks of 32 with fp16
+// scales where every scale is an fp16 value, else blocks of 16 with fp32 scales). Throws InvalidArgument naming
+// `what` for shapes or scales that do not fit.
+Int8Source int8_channel_source(const Tensor& weight, const Tensor& scales, const std::string& what);
 
 // One decoder layer's tensors. Which are present depends on the model (ModelConfig): the Gemma family's norms
 // after attention and MLP, q/k norms, q/k/v biases; q/k/v and gate/up either as parts or fused in the

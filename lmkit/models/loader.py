@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lmkit.models import gguf_file
 from lmkit.models.architecture import Architecture, ModelFields
-from lmkit.models.quant_config import Int4Settings, int4_settings
+from lmkit.models.quant_config import WeightQuant, weight_quant
 from lmkit.models.registry import get_architecture
 from lmkit.models.safetensors_index import TensorEntry, index_folder
 
@@ -32,7 +32,7 @@ class ModelSpec(ModelFields):
     architecture: Architecture
     config: dict  # config.json as read
     eos_token_ids: list[int]
-    int4: Int4Settings | None = None  # how the int4 linears are stored; None: a float checkpoint
+    quant: WeightQuant | None = None  # how the quantized linears are stored; None: a float checkpoint
     gguf: Path | None = None  # the GGUF file the tensors come from (path is then its view folder, gguf_file.py)
     qk_rotary_interleaved: bool = False  # q/k rows in llama.cpp's interleaved rotary order (GGUF llama files)
     generation_defaults: dict = field(default_factory=dict)
@@ -70,8 +70,8 @@ class ModelSpec(ModelFields):
             layer_rope=list(self.layer_rope),
             layer_sliding_window=list(self.layer_sliding_window),
             layer_moe=list(self.layer_moe),
-            int4_layout=self.int4.layout if self.int4 else "",
-            int4_group_size=self.int4.group_size if self.int4 else 0,
+            int4_layout=self.quant.int4_layout if self.quant else "",
+            int4_group_size=self.quant.group_size if self.quant and self.quant.bits == 4 else 0,
             qk_rotary_interleaved=self.qk_rotary_interleaved,
         )
         return values
@@ -146,7 +146,7 @@ def load_model_spec(path: Path) -> ModelSpec:
     if not archs:
         raise ValueError(f"{cfg_path}: no 'architectures' entry; cannot tell which model this is")
     arch = get_architecture(archs[0])
-    int4 = int4_settings(cfg, cfg_path)
+    quant = weight_quant(cfg, cfg_path)
     try:
         fields = arch.model_fields(cfg)
     except ValueError as e:
@@ -162,11 +162,11 @@ def load_model_spec(path: Path) -> ModelSpec:
     gguf = None
     if gguf_file.is_view(path):
         gguf = gguf_file.view_source(path)
-        if int4 is not None:
+        if quant is not None:
             raise ValueError(f"{cfg_path}: a GGUF view has a quantization_config")
         sources = gguf_sources(arch, gguf, fields.num_layers, fields.num_experts)
     else:
-        sources = map_tensors(arch, index_folder(path), fields.num_layers, int4, path, fields.num_experts)
+        sources = map_tensors(arch, index_folder(path), fields.num_layers, quant, path, fields.num_experts)
     if fields.tie_word_embeddings:
         sources.pop("lm_head", None)  # HF uses the embedding even when a copy was saved
     return ModelSpec(
@@ -175,7 +175,7 @@ def load_model_spec(path: Path) -> ModelSpec:
         architecture=arch,
         config=cfg,
         eos_token_ids=eos,
-        int4=int4,
+        quant=quant,
         gguf=gguf,
         qk_rotary_interleaved=gguf is not None and gguf_file.gguf_arch_of(cfg) in gguf_file.QK_INTERLEAVED,
         generation_defaults=generation_defaults,
@@ -191,20 +191,29 @@ def expanded(role: str, key: str, num_layers: int, num_experts: int = 0):
             yield (r, k) if i is None else (r.format(i=i), k.format(i=i))
 
 
-def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers: int, int4: Int4Settings | None,
+def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers: int, quant: WeightQuant | None,
                 path: Path, num_experts: int = 0) -> dict[str, TensorEntry]:
-    """Engine role -> checkpoint tensor by the architecture's key map; an int4 linear (``<module>.qweight`` etc.,
-    the layout's tensor names in ``int4``, in place of ``<module>.weight``) maps to ``<role>.values``,
-    ``.zeros``, ``.scales`` and ``.g_idx``. Raises ValueError naming the tensors no role takes (rotary buffers
-    aside): a weight lmkit would silently drop."""
+    """Engine role -> checkpoint tensor by the architecture's key map. An int4 linear (``<module>.qweight`` etc.,
+    the layout's tensor names in ``quant``, in place of ``<module>.weight``) maps to ``<role>.values``,
+    ``.zeros``, ``.scales`` and ``.g_idx``; an int8 one keeps its int8 ``<module>.weight`` as ``<role>`` and adds
+    ``<module>.weight_scale`` as ``<role>.scales``. Raises ValueError naming the tensors no role takes (rotary
+    buffers aside): a weight lmkit would silently drop."""
     sources: dict[str, TensorEntry] = {}
     used: set[str] = set()
+    int4 = quant if quant is not None and quant.bits == 4 else None
+    int8 = quant if quant is not None and quant.bits == 8 else None
     values_name = int4.tensor_names[0] if int4 else None
     for role, key in arch.key_map.items():
         for r, k in expanded(role, key, num_layers, num_experts):
             if k in tensors:
                 sources[r] = tensors[k]
                 used.add(k)
+                scale = k[: -len("weight")] + int8.tensor_names[2] if int8 and k.endswith(".weight") else None
+                if scale is not None and scale in tensors:
+                    sources[f"{r}.scales"] = tensors[scale]
+                    used.add(scale)
+                elif int8 and tensors[k].dtype == "I8":
+                    raise ValueError(f"{path}: int8 layer {k[: -len('.weight')]} has no {int8.tensor_names[2]}")
             elif int4 and k.endswith(".weight") and k[: -len("weight")] + values_name in tensors:
                 base = k[: -len("weight")]
                 for part, name in zip(("values", "zeros", "scales", "g_idx"), int4.tensor_names):

@@ -1,6 +1,8 @@
-"""A checkpoint's ``quantization_config`` -> the engine's int4 settings: which int4 layout its linears are stored
-in (csrc/model/int4_layouts.h: AutoAWQ GEMM, GPTQ v1/v2, compressed-tensors pack-quantized) and their group
-size. Every field the engine cannot serve fails here, naming it, before any tensor is read."""
+"""A checkpoint's ``quantization_config`` -> how its linears' weights are quantized: an int4 layout
+(csrc/model/int4_layouts.h: AutoAWQ GEMM, GPTQ v1/v2, compressed-tensors pack-quantized) and its group size, or
+compressed-tensors int8 (W8A8 / W8A16: int8 ``weight`` and a float ``weight_scale`` per channel or group, read
+by csrc/model/weights.cpp into the int8 kernels' blocks). Every field the engine cannot serve fails here,
+naming it, before any tensor is read."""
 
 from __future__ import annotations
 
@@ -11,22 +13,31 @@ KERNEL_GROUP_SIZES = (32, 64, 128)  # groups the int4 kernels run; larger checkp
 
 
 @dataclass(frozen=True)
-class Int4Settings:
-    """How a checkpoint's int4 linears are stored."""
+class WeightQuant:
+    """How a checkpoint's quantized linears are stored."""
 
-    layout: str  # "awq", "gptq", "gptq_v2", "pack_quantized"
+    layout: str  # int4: "awq", "gptq", "gptq_v2", "pack_quantized"; int8: "int8"
     group_size: int  # along the inputs; 0: one group per row (per-channel)
     method: str  # quantization_config.quant_method as written (for messages and the start-up line)
-    # the checkpoint's tensor names of one int4 linear ("<module>.<name>"), handed to the engine as the roles
-    # "<linear>.values", ".zeros", ".scales", ".g_idx" (g_idx None: the layout has none)
-    tensor_names: tuple[str, str, str, str | None]
+    # int4: the checkpoint's tensor names of one linear ("<module>.<name>"), handed to the engine as the roles
+    # "<linear>.values", ".zeros", ".scales", ".g_idx" (None: the layout has none). int8: ("weight", None,
+    # "weight_scale", None): the int8 weight keeps the linear's role, its scales go as "<linear>.scales"
+    tensor_names: tuple[str, str | None, str, str | None]
     # per-linear tensors that carry nothing the engine needs (compressed-tensors' weight_shape: the shape the
     # layer's config already gives)
     extra_suffixes: tuple[str, ...] = ()
+    bits: int = 4
+    activations: str = ""  # what the checkpoint says of activations: "" (weight-only) or "int8 per token, dynamic"
+
+    @property
+    def int4_layout(self) -> str:
+        """The engine's ModelConfig.int4_layout: the layout for int4, "" for int8 (read by dtype)."""
+        return self.layout if self.bits == 4 else ""
 
     def describe(self) -> str:
         group = "per-channel" if self.group_size == 0 else f"g{self.group_size}"
-        return f"{self.method} int4 {group} ({self.layout} layout)"
+        acts = f", activations {self.activations}" if self.activations else ""
+        return f"{self.method} int{self.bits} {group} ({self.layout} layout{acts})"
 
 
 _AWQ_NAMES = ("qweight", "qzeros", "scales", None)
@@ -49,7 +60,7 @@ def _check_group(group, where: str, allow_channel: bool) -> int:
     return g
 
 
-def _awq(qc: dict, where: str) -> Int4Settings:
+def _awq(qc: dict, where: str) -> WeightQuant:
     version = str(qc.get("version", "gemm")).lower()
     if version != "gemm":
         raise ValueError(f"{where}.version={qc.get('version')!r} is not supported; only AutoAWQ 'gemm' packing is")
@@ -63,10 +74,10 @@ def _awq(qc: dict, where: str) -> Int4Settings:
     group = qc.get("group_size", qc.get("q_group_size"))
     if group is None or int(group) not in KERNEL_GROUP_SIZES:
         raise ValueError(f"{where}.group_size={group!r} is not supported; use one of {KERNEL_GROUP_SIZES}")
-    return Int4Settings("awq", int(group), "awq", _AWQ_NAMES)
+    return WeightQuant("awq", int(group), "awq", _AWQ_NAMES)
 
 
-def _gptq(qc: dict, where: str) -> Int4Settings:
+def _gptq(qc: dict, where: str) -> WeightQuant:
     bits = qc.get("bits")
     if bits is None or int(bits) != 4:
         raise ValueError(f"{where}.bits={bits!r} is not supported; lmkit serves 4-bit GPTQ checkpoints")
@@ -77,10 +88,10 @@ def _gptq(qc: dict, where: str) -> Int4Settings:
     if qc.get("lm_head"):
         raise ValueError(f"{where}.lm_head=true (a quantized lm_head) is not supported; quantize without it")
     group = _check_group(qc.get("group_size", 128), f"{where}.group_size", allow_channel=True)
-    return Int4Settings(fmt, group, "gptq", _GPTQ_NAMES)
+    return WeightQuant(fmt, group, "gptq", _GPTQ_NAMES)
 
 
-def _compressed_tensors(qc: dict, where: str) -> Int4Settings:
+def _compressed_tensors(qc: dict, where: str) -> WeightQuant:
     status = str(qc.get("quantization_status", "compressed")).lower()
     if status != "compressed":
         raise ValueError(f"{where}.quantization_status={status!r} is not supported; save the model compressed "
@@ -93,13 +104,21 @@ def _compressed_tensors(qc: dict, where: str) -> Int4Settings:
     at = f"{where}.config_groups.{name}"
     fmt = str(scheme.get("format") or qc.get("format") or "").lower()
     weights = scheme.get("weights") or {}
+    targets = scheme.get("targets") or []
+    if targets not in (["Linear"], ["re:.*"]) and not all(str(t).startswith("re:") for t in targets):
+        raise ValueError(f"{at}.targets={targets!r} is not supported; lmkit serves schemes that target 'Linear'")
+    if weights.get("dynamic"):
+        raise ValueError(f"{at}.weights.dynamic=true is not supported for weights")
+    if fmt in _INT8_FORMATS:
+        return _compressed_tensors_int8(scheme, at, fmt)
     acts = scheme.get("input_activations")
     if acts:
-        raise ValueError(f"{at}.input_activations is set ({acts.get('num_bits')}-bit {acts.get('type')}); "
-                         "lmkit serves weight-only int4 (W4A16) compressed-tensors checkpoints")
+        raise ValueError(f"{at}.input_activations is set ({acts.get('num_bits')}-bit {acts.get('type')}) with format "
+                         f"{fmt!r}; lmkit serves weight-only int4 (W4A16) pack-quantized and int8 "
+                         f"({', '.join(_INT8_FORMATS)}) compressed-tensors checkpoints")
     if fmt != "pack-quantized":
         raise ValueError(f"{at}: format {fmt!r} is not supported; lmkit serves compressed-tensors "
-                         "'pack-quantized' int4 weights")
+                         f"'pack-quantized' int4 and {', '.join(repr(f) for f in _INT8_FORMATS)} int8 weights")
     if str(weights.get("type", "int")).lower() != "int" or int(weights.get("num_bits", 0)) != 4:
         raise ValueError(f"{at}.weights: {weights.get('num_bits')}-bit {weights.get('type')} is not supported; "
                          "pack-quantized checkpoints must be 4-bit int")
@@ -110,20 +129,53 @@ def _compressed_tensors(qc: dict, where: str) -> Int4Settings:
         group = _check_group(weights.get("group_size"), f"{at}.weights.group_size", allow_channel=False)
     else:
         raise ValueError(f"{at}.weights.strategy={strategy!r} is not supported; use 'group' or 'channel'")
-    if weights.get("dynamic"):
-        raise ValueError(f"{at}.weights.dynamic=true is not supported for weights")
-    targets = scheme.get("targets") or []
-    if targets not in (["Linear"], ["re:.*"]) and not all(str(t).startswith("re:") for t in targets):
-        raise ValueError(f"{at}.targets={targets!r} is not supported; lmkit serves schemes that target 'Linear'")
-    return Int4Settings("pack_quantized", group, "compressed-tensors", _PACKED_NAMES,
-                        extra_suffixes=("weight_shape",))
+    return WeightQuant("pack_quantized", group, "compressed-tensors", _PACKED_NAMES,
+                       extra_suffixes=("weight_shape",))
+
+
+_INT8_FORMATS = ("int-quantized", "naive-quantized")  # int8 weights stored as int8 tensors (llm-compressor W8A8)
+_INT8_NAMES = ("weight", None, "weight_scale", None)
+
+
+def _compressed_tensors_int8(scheme: dict, at: str, fmt: str) -> WeightQuant:
+    """compressed-tensors int8 weights (W8A8 int8 as llm-compressor's SmoothQuant/GPTQ presets write it, or W8A16):
+    symmetric, per channel or in groups of a multiple of 16 inputs; activations, if the scheme quantizes them,
+    int8 dynamic per token (the engine's int8_activations quantizes per 32 values at run time: finer)."""
+    weights = scheme.get("weights") or {}
+    if str(weights.get("type", "int")).lower() != "int" or int(weights.get("num_bits", 0)) != 8:
+        raise ValueError(f"{at}.weights: {weights.get('num_bits')}-bit {weights.get('type')} is not supported with "
+                         f"format {fmt!r}; lmkit serves 8-bit int weights there (int4: 'pack-quantized')")
+    if not weights.get("symmetric", True):
+        raise ValueError(f"{at}.weights.symmetric=false is not supported; lmkit serves symmetric int8 weights")
+    strategy = str(weights.get("strategy", "")).lower()
+    if strategy == "channel":
+        group = 0
+    elif strategy == "group" and int(weights.get("group_size") or 0) > 0 and int(weights["group_size"]) % 16 == 0:
+        group = int(weights["group_size"])
+    else:
+        raise ValueError(f"{at}.weights.strategy={strategy!r} (group_size {weights.get('group_size')!r}) is not "
+                         "supported for int8; use 'channel', or 'group' with a multiple of 16")
+    acts = scheme.get("input_activations")
+    activations = ""
+    if acts:
+        if str(acts.get("type", "int")).lower() != "int" or int(acts.get("num_bits", 0)) != 8:
+            raise ValueError(f"{at}.input_activations: {acts.get('num_bits')}-bit {acts.get('type')} is not "
+                             "supported; lmkit runs int8 activations")
+        if not acts.get("dynamic", False):
+            raise ValueError(f"{at}.input_activations.dynamic=false (static activation scales, input_scale) is not "
+                             "supported; lmkit quantizes activations at run time (dynamic, per token or finer)")
+        if not acts.get("symmetric", True):
+            raise ValueError(f"{at}.input_activations.symmetric=false is not supported; lmkit's int8 activations "
+                             "are symmetric")
+        activations = f"int8 per {str(acts.get('strategy', 'token')).lower()}, dynamic"
+    return WeightQuant("int8", group, "compressed-tensors", _INT8_NAMES, bits=8, activations=activations)
 
 
 _READERS = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors}
 
 
-def int4_settings(cfg: dict, cfg_path: Path) -> Int4Settings | None:
-    """The checked int4 settings of a checkpoint's ``quantization_config`` (None for a float checkpoint).
+def weight_quant(cfg: dict, cfg_path: Path) -> WeightQuant | None:
+    """The checked weight quantization of a checkpoint's ``quantization_config`` (None for a float checkpoint).
 
     Raises ValueError naming the field this engine cannot serve.
     """
@@ -135,5 +187,5 @@ def int4_settings(cfg: dict, cfg_path: Path) -> Int4Settings | None:
     reader = _READERS.get(method)
     if reader is None:
         raise ValueError(f"{where}.quant_method={qc.get('quant_method')!r} is not supported; lmkit serves "
-                         f"{', '.join(repr(m) for m in _READERS)} int4 checkpoints")
+                         f"{', '.join(repr(m) for m in _READERS)} checkpoints")
     return reader(qc, where)

@@ -292,7 +292,7 @@ def test_awq_checkpoints_map_fused_linears(built, tmp_path):
                                   "zero_point": True}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     spec = load_model_spec(tmp_path)
-    assert spec.int4.layout == "awq" and spec.int4.group_size == 32
+    assert spec.quant.layout == "awq" and spec.quant.group_size == 32
     for i in range(spec.num_layers):
         for role in ("qkv_proj", "gate_up_proj"):
             assert {f"layers.{i}.{role}.{p}" for p in ("values", "zeros", "scales")} <= set(spec.sources)
