@@ -9,8 +9,10 @@ No regression, old and new builds side by side (the old one as a package folder,
 
 Rows (a row whose peer is not installed is skipped with a message; a row that fails prints its error and
 the others go on):
-  lmkit fp                  the HF folder (--model, default the bundled SmolLM2-135M-Instruct)
+  lmkit fp                  the HF folder (--model, default the bundled SmolLM2-135M-Instruct), dtype auto (bf16
+                            compute on CPUs with AVX512_BF16, else fp32)
   lmkit AWQ int4            --awq FOLDER (an AutoAWQ GEMM checkpoint); --quant-policy 8/4 sets its KV cache
+  lmkit W8A8 int8           --w8a8 FOLDER (a compressed-tensors int8 checkpoint), int8 activations
   lmkit GGUF TYPE           the GGUF file of the llama.cpp TYPE row that follows it, served in place by lmkit
                             (default settings: int8 activations, as llama.cpp): the same bytes in both engines
   llama.cpp Q4_1            the F16 GGUF below quantized to Q4_1 (llama_model_quantize): the same weights
@@ -548,6 +550,8 @@ class Engine:
             return run_lmkit(model, w)
         if self.kind.startswith("lmkit AWQ"):
             return run_lmkit(Path(args.awq).expanduser().resolve(), w, args.quant_policy)
+        if self.kind.startswith("lmkit W8A8"):
+            return run_lmkit(Path(args.w8a8).expanduser().resolve(), w, args.quant_policy)
         if self.kind.startswith("lmkit GGUF "):  # the very file of the llama.cpp row beside it
             kind = self.kind.split()[-1]
             return run_lmkit(shipped_q4_1_gguf(model) if kind == "Q4_1(shipped)" else
@@ -567,9 +571,11 @@ class Engine:
 
 def engines(args) -> list[Engine]:
     kv = {0: "", 8: " + KV int8", 4: " + KV int4"}[args.quant_policy]
-    ours = [Engine("lmkit fp", "fp16, fp32 compute", ("lmkit",), "")]
+    ours = [Engine("lmkit fp", "fp16, dtype auto", ("lmkit",), "")]
     if args.awq:
         ours.append(Engine(f"lmkit AWQ int4{kv}", f"AWQ int4 {Path(args.awq).name}", ("lmkit",), ""))
+    if args.w8a8:
+        ours.append(Engine(f"lmkit W8A8 int8{kv}", f"W8A8 int8 {Path(args.w8a8).name}", ("lmkit",), ""))
     rows = []
     for e in ours:  # each baseline row right after this build's
         rows += [e] + [Engine(b.row_name(e.name), e.weights, e.needs, e.install, b) for b in args.baselines]
@@ -762,6 +768,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder (default: bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--awq", default=None, help="an AWQ checkpoint folder of the same model: adds the lmkit AWQ row")
+    ap.add_argument("--w8a8", default=None,
+                    help="a compressed-tensors W8A8 int8 folder of the same model: adds the lmkit W8A8 row")
     ap.add_argument("--quant-policy", type=int, choices=[0, 4, 8], default=0,
                     help="KV cache of the lmkit AWQ row: 0 fp, 8 int8, 4 int4")
     ap.add_argument("--gguf", default="q4_1,f16", type=lambda v: v.lower().split(","),

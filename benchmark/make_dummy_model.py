@@ -1,14 +1,17 @@
 """Writes an HF model folder with random ("dummy") weights for a known shape, so that big models can be
 benchmarked on machines without a model hub (the GPU machines; vLLM's load_format="dummy").
 
-    python benchmark/make_dummy_model.py OUT [--shape llama-2-7b] [--awq GROUP] [--layers N] [--tokenizer FOLDER]
+    python benchmark/make_dummy_model.py OUT [--shape llama-2-7b] [--awq GROUP | --w8a8] [--layers N]
+        [--tokenizer FOLDER]
 
 The folder holds config.json, model.safetensors (fp16, values uniform in +-0.02: a random network whose
 activations stay in range), and a word-level tokenizer with one token per id ("t0", "t1", ...) so every id
 the model can produce decodes. With --awq GROUP the linear layers are AWQ int4 "GEMM" tensors instead
 (random nibbles, scales 0.002, the quantization_config of DESIGN.md section 4): the bytes and shapes of a
 real AWQ checkpoint, the same work for the engine (mixture-of-experts shapes: every expert quantized, the
-router left fp16, as AutoAWQ does). Weights are written shard by shard (one layer at a time), never the
+router left fp16, as AutoAWQ does). With --w8a8 they are compressed-tensors int8 (`int-quantized`, llm-compressor's
+W8A8: random int8 weights, an fp16 scale per output channel of 0.02 / 127, int8 dynamic per-token activations;
+the lm_head and routers in its `ignore` list). Weights are written shard by shard (one layer at a time), never the
 whole model in memory. --layers N keeps the first N decoder layers of the shape (a big shape on a small
 disk); --tokenizer FOLDER copies that folder's tokenizer instead of the word-level one (llama.cpp's
 converter only accepts tokenizers it knows: `--tokenizer bundled` takes the bundled SmolLM2's, padded to
@@ -136,7 +139,7 @@ def copy_tokenizer(source: Path, out: Path) -> tuple[int | None, int | None]:
 
 
 def make_dummy_model(out: Path, shape: str = "llama-2-7b", awq_group_size: int = 0, seed: int = 0,
-                     layers: int | None = None, tokenizer: Path | None = None) -> Path:
+                     layers: int | None = None, tokenizer: Path | None = None, w8a8: bool = False) -> Path:
     """Writes the folder (see the module docstring) and returns it."""
     from safetensors.numpy import save_file
 
@@ -153,6 +156,16 @@ def make_dummy_model(out: Path, shape: str = "llama-2-7b", awq_group_size: int =
         cfg["quantization_config"] = {"quant_method": "awq", "version": "gemm", "bits": 4,
                                       "group_size": awq_group_size, "zero_point": True}
         cfg["torch_dtype"] = "float16"
+    if w8a8:
+        if awq_group_size:
+            raise ValueError("--w8a8 and --awq exclude each other")
+        int8 = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "group_size": None}
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**int8, "strategy": "channel"},
+                                          "input_activations": {**int8, "strategy": "token", "dynamic": True}}},
+            "ignore": ["lm_head", r"re:.*mlp\.gate$", r"re:.*block_sparse_moe\.gate$"]}
+        cfg["torch_dtype"] = "float16"
     if tokenizer is not None:  # a vocabulary the tokenizer fits in (Mixtral's 32000 < SmolLM2's 49152)
         cfg["vocab_size"] = max(cfg["vocab_size"], tokenizer_size(tokenizer))
     out.mkdir(parents=True, exist_ok=True)
@@ -164,6 +177,9 @@ def make_dummy_model(out: Path, shape: str = "llama-2-7b", awq_group_size: int =
     ones = lambda n: np.ones(n, dtype=np.float16)  # noqa: E731
 
     def linear(prefix: str, out_f: int, in_f: int) -> dict:
+        if w8a8:
+            return {f"{prefix}.weight": rnd.take(rnd.i32, (out_f, in_f // 4)).view(np.int8),
+                    f"{prefix}.weight_scale": np.full((out_f, 1), 0.02 / 127, dtype=np.float16)}
         if not awq_group_size:
             return {f"{prefix}.weight": f16(out_f, in_f)}
         g = awq_group_size
@@ -229,14 +245,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--shape", default="llama-2-7b", choices=sorted(SHAPES))
     ap.add_argument("--awq", type=int, default=0, metavar="GROUP", help="AWQ int4 linears with this group size")
+    ap.add_argument("--w8a8", action="store_true", help="compressed-tensors W8A8 int8 linears (per-channel scales)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers of the shape")
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="copy this folder's tokenizer ('bundled': SmolLM2's) instead of the word-level one")
     args = ap.parse_args(argv)
-    make_dummy_model(args.out, args.shape, args.awq, args.seed, args.layers, args.tokenizer)
+    make_dummy_model(args.out, args.shape, args.awq, args.seed, args.layers, args.tokenizer, args.w8a8)
     layers = f", {args.layers} layers" if args.layers else ""
-    print(f"wrote {args.out} ({args.shape}{layers}{f', AWQ int4 g{args.awq}' if args.awq else ', fp16'})")
+    kind = f", AWQ int4 g{args.awq}" if args.awq else ", W8A8 int8" if args.w8a8 else ", fp16"
+    print(f"wrote {args.out} ({args.shape}{layers}{kind})")
 
 
 if __name__ == "__main__":

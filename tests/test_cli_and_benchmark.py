@@ -186,18 +186,22 @@ def test_generation_benchmark_smoke(smollm2_path, tmp_path):
     assert (tmp_path / "g.roofline.png").stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("shape,awq", [("tiny", 0), ("tiny", 128), ("tiny-moe", 0), ("tiny-moe", 64)])
-def test_dummy_model_runs(tmp_path, shape, awq):
+@pytest.mark.parametrize("shape,quant", [("tiny", ""), ("tiny", "--awq=128"), ("tiny", "--w8a8"), ("tiny-moe", ""),
+                                         ("tiny-moe", "--awq=64"), ("tiny-moe", "--w8a8")])
+def test_dummy_model_runs(tmp_path, shape, quant):
     """make_dummy_model.py (the GPU suite's Llama-2-7B stand-in, the MoE figures' Qwen3-30B-A3B shape) on its
-    tiny shapes: a folder the engine loads and decodes, fp16 and AWQ int4, and whose every generated id decodes."""
+    tiny shapes: a folder the engine loads and decodes, fp16, AWQ int4 and W8A8 int8, and whose every generated
+    id decodes."""
     folder = tmp_path / "dummy"
-    run = _run_script("make_dummy_model.py", str(folder), "--shape", shape, *(["--awq", str(awq)] if awq else []))
+    run = _run_script("make_dummy_model.py", str(folder), "--shape", shape, *([quant] if quant else []))
     assert run.returncode == 0, run.stderr[-2000:]
     from lmkit import EngineConfig, GenerationConfig, pipeline
 
     with pipeline(folder, EngineConfig(device="cpu", cache_max_entry_count=32)) as pipe:
         r = pipe([5, 6, 7], GenerationConfig(max_new_tokens=6, ignore_eos=True))
         assert len(r.token_ids) == 6 and r.text.split() == [f"t{i}" for i in r.token_ids]
+        assert (pipe.engine.spec.quant.bits if pipe.engine.spec.quant else 16) == (
+            4 if "awq" in quant else 8 if "w8a8" in quant else 16)
 
 
 def test_hf_generate_peer_smoke(tmp_path):
