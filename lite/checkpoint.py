@@ -52,14 +52,10 @@ def _ct_scheme(settings: dict):
     return next(iter(groups.values()))
 
 
-def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """fp32 state dict of ``folder`` with every int4 linear dequantized to ``<name>.weight``;
-    and the quantization settings (None for an fp checkpoint)."""
+def tensor_reader(entries: dict):
+    """name -> the stored tensor, for the entries of safetensors_index.index_folder (each file opened once)."""
     from safetensors import safe_open
 
-    folder = Path(folder)
-    settings = quantization_settings(read_config(folder))
-    entries = index_folder(folder)
     handles: dict[str, object] = {}
 
     def read(name: str) -> torch.Tensor:
@@ -67,6 +63,17 @@ def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]
         if path not in handles:
             handles[path] = safe_open(path, framework="pt")
         return handles[path].get_tensor(name)
+
+    return read
+
+
+def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """fp32 state dict of ``folder`` with every int4 linear dequantized to ``<name>.weight``;
+    and the quantization settings (None for an fp checkpoint)."""
+    folder = Path(folder)
+    settings = quantization_settings(read_config(folder))
+    entries = index_folder(folder)
+    read = tensor_reader(entries)
 
     is_ct = settings is not None and settings.get("quant_method") == "compressed-tensors"
     scheme = _ct_scheme(settings) if is_ct else None

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from lmkit.lite import export
-from lmkit.lite.checkpoint import AWQ_SUFFIXES, CT_SUFFIXES, quantization_settings
+from lmkit.lite.checkpoint import AWQ_SUFFIXES, CT_SUFFIXES, quantization_settings, tensor_reader
 from lmkit.lite.config import CHECKPOINT_FORMATS
 from lmkit.lite.layerwise import architecture_of, read_config
 from lmkit.lite.quantizer import NUM_BITS, QuantizedWeight, unpack_awq_gemm
@@ -82,8 +82,6 @@ def convert_checkpoint(source: str | Path, work_dir: str | Path, checkpoint_form
     Raises ValueError naming the problem: an fp checkpoint, a format lmkit cannot write or read, a source already
     in the target format, what the target cannot hold; export.WorkDirError for an unusable ``work_dir``.
     """
-    from safetensors import safe_open
-
     from lmkit.lite.awq import _dense_linears
     from lmkit.models import get_architecture
     from lmkit.models.safetensors_index import index_folder
@@ -102,13 +100,7 @@ def convert_checkpoint(source: str | Path, work_dir: str | Path, checkpoint_form
         raise ValueError(f"{source} is already a {checkpoint_format} checkpoint")
     awq_map = get_architecture(architecture_of(config, source)).awq_map
     entries = index_folder(source)
-    handles: dict[str, object] = {}
-
-    def read(name: str) -> torch.Tensor:
-        path = entries[name].path
-        if path not in handles:
-            handles[path] = safe_open(path, framework="pt")
-        return handles[path].get_tensor(name)
+    read = tensor_reader(entries)
 
     # read and repack everything before the work dir is touched: what the target cannot hold fails here
     marker, companions = (".weight_packed", CT_SUFFIXES) if source_format == "compressed-tensors" else (

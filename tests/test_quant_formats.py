@@ -91,16 +91,13 @@ def copy_folder(src: Path, dst: Path, tensors: dict, quantization_config: dict |
         (dst / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
-def write_compressed_tensors(src: Path, out: Path, *, group: int, symmetric: bool,
-                             scale_dtype=torch.bfloat16) -> Path:
-    """``out``/int4 (compressed-tensors pack-quantized, by the library's own compressor) and ``out``/ref (its
-    own decompression in fp32). group 0: per-channel."""
+def write_with_compressor(src: Path, out: Path, scheme, compressor, fmt: str, group: int, scale_dtype) -> Path:
+    """``out``/int4 (the quantized folder, whatever its bits): ``src``'s linears quantized under ``scheme`` with
+    qparams from compressed-tensors' calculate_qparams and written by its ``compressor``, config ``format`` ``fmt``;
+    ``out``/ref: the same compressor's decompression in fp32. group 0: per channel."""
     from safetensors.torch import load_file
 
-    strategy = "channel" if group == 0 else "group"
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy=strategy,
-                            group_size=group or None)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    args = scheme.weights
     tensors = load_file(str(src / "model.safetensors"))
     packed, ref = {}, {}
     for name, w in quantized_linears(tensors, linear_keys(src, group), packed, ref):
@@ -108,21 +105,45 @@ def write_compressed_tensors(src: Path, out: Path, *, group: int, symmetric: boo
         g = group or k
         grouped = w.reshape(n, k // g, g)
         scale, zp = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
-        scale = scale.to(scale_dtype)
-        sd = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp},
-                                                   scheme)
+        sd = compressor.compress({"weight": w, "weight_scale": scale.to(scale_dtype), "weight_zero_point": zp}, scheme)
+        assert args.num_bits != 8 or sd["weight"].dtype == torch.int8
         base = name[: -len("weight")]
         for part, t in sd.items():
             packed[base + part] = t
-        back = PackedQuantizationCompressor.decompress({**sd, "weight_scale": sd["weight_scale"].float()}, scheme)
-        ref[name] = back["weight"].float()
-    ignore = sorted(name[: -len(".weight")] for name, t in packed.items() if name.endswith(".weight") and t.ndim == 2)
-    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
-                            quantization_status="compressed", ignore=ignore).model_dump()
+        ref[name] = compressor.decompress({**sd, "weight_scale": sd["weight_scale"].float()}, scheme)["weight"].float()
+    ignore = sorted(name[: -len(".weight")] for name, t in packed.items()
+                    if name.endswith(".weight") and t.ndim == 2 and t.is_floating_point())
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
+                            ignore=ignore).model_dump()
     qc["quant_method"] = "compressed-tensors"
     copy_folder(src, out / "int4", packed, qc)
     copy_folder(src, out / "ref", ref, None)
     return out
+
+
+def write_compressed_tensors(src: Path, out: Path, *, group: int, symmetric: bool,
+                             scale_dtype=torch.bfloat16) -> Path:
+    """compressed-tensors pack-quantized int4 (what llm-compressor's W4A16 presets write), by the library's own
+    PackedQuantizationCompressor: ``out``/int4 and its decompression ``out``/ref. group 0: per-channel."""
+    strategy = "channel" if group == 0 else "group"
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy=strategy,
+                            group_size=group or None)
+    return write_with_compressor(src, out, QuantizationScheme(targets=["Linear"], weights=args),
+                                 PackedQuantizationCompressor, "pack-quantized", group, scale_dtype)
+
+
+def write_compressed_tensors_int8(src: Path, out: Path, *, group: int = 0, activations: bool = True,
+                                  scale_dtype=torch.bfloat16, fmt: str = "int-quantized") -> Path:
+    """compressed-tensors int8 weights, symmetric, per channel (group 0) or per group, with int8 dynamic per-token
+    activations when ``activations`` (W8A8, as llm-compressor's SmoothQuant/GPTQ W8A8 presets write it) or none
+    (W8A16), by the library's own IntQuantizationCompressor: ``out``/int4 and its decompression ``out``/ref."""
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+
+    strategy = "channel" if group == 0 else "group"
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy=strategy, group_size=group or None)
+    acts = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts if activations else None)
+    return write_with_compressor(src, out, scheme, IntQuantizationCompressor, fmt, group, scale_dtype)
 
 
 def as_int32_words(words: np.ndarray) -> torch.Tensor:
@@ -181,44 +202,6 @@ def write_gptq(src: Path, out: Path, *, group: int, symmetric: bool, act_order: 
 
 
 # ---- the comparison
-
-def write_compressed_tensors_int8(src: Path, out: Path, *, group: int = 0, activations: bool = True,
-                                  scale_dtype=torch.bfloat16, fmt: str = "int-quantized") -> Path:
-    """``out``/int4 (despite the name: the quantized folder) holding compressed-tensors int8 weights, symmetric, per
-    channel (group 0) or per group, with int8 dynamic per-token activations when ``activations`` (W8A8, as
-    llm-compressor's SmoothQuant/GPTQ W8A8 presets write it) or none (W8A16): quantized and decompressed by the
-    library's own IntQuantizationCompressor; ``out``/ref its decompression in fp32."""
-    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
-    from safetensors.torch import load_file
-
-    strategy = "channel" if group == 0 else "group"
-    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy=strategy, group_size=group or None)
-    acts = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts if activations else None)
-    tensors = load_file(str(src / "model.safetensors"))
-    packed, ref = {}, {}
-    for name, w in quantized_linears(tensors, linear_keys(src, group), packed, ref):
-        n, k = w.shape
-        g = group or k
-        grouped = w.reshape(n, k // g, g)
-        scale, zp = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
-        scale = scale.to(scale_dtype)
-        sd = IntQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
-        assert sd["weight"].dtype == torch.int8 and "weight_zero_point" not in sd
-        base = name[: -len("weight")]
-        for part, t in sd.items():
-            packed[base + part] = t
-        ref[name] = IntQuantizationCompressor.decompress({**sd, "weight_scale": sd["weight_scale"].float()},
-                                                         scheme)["weight"].float()
-    ignore = sorted(name[: -len(".weight")] for name, t in packed.items()
-                    if name.endswith(".weight") and t.ndim == 2 and t.dtype != torch.int8)
-    qc = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
-                            ignore=ignore).model_dump()
-    qc["quant_method"] = "compressed-tensors"
-    copy_folder(src, out / "int4", packed, qc)
-    copy_folder(src, out / "ref", ref, None)
-    return out
-
 
 def engine_vs_reference(out: Path, prompts: list[list[int]], config: EngineConfig = EXACT,
                         new_tokens: int = 6, per_row: bool = True) -> float:
