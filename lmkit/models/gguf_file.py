@@ -16,6 +16,7 @@ naming the architecture, or the type and the tensor, before the engine commits a
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -63,19 +64,29 @@ def is_gguf_file(path: str | os.PathLike) -> bool:
 
 
 def _reader(path: Path):
-    """gguf's reader of the file; GgufError for a file it cannot parse (truncated, wrong magic, unknown types)."""
-    from gguf import GGUFReader
-
+    """gguf's reader of the file; GgufError for a file it cannot parse (truncated, wrong magic, unknown types).
+    Loading a file reads it twice (its view, then its tensors), and gguf's reader parses every vocabulary string
+    in Python (seconds for a 49k-token vocabulary): the last few files' readers are kept, keyed by the file's
+    identity and so renewed when it changes."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != MAGIC:
         raise GgufError(f"{path}: not a GGUF file (starts with {magic!r}, not {MAGIC!r})")
+    st = path.stat()
     try:
-        return GGUFReader(str(path), "r")
+        return _parsed(str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     except (ValueError, IndexError, KeyError, OSError, struct.error) as e:
         raise GgufError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(path: str, device: int, inode: int, size: int, mtime_ns: int):
+    """GGUFReader of ``path`` as it is while its (device, inode, size, mtime) identify it (failures are not kept)."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path, "r")
 
 
 def _field(reader, key: str, default=None):
