@@ -68,6 +68,7 @@ def unpack_compressed_tensors(local: dict[str, torch.Tensor], name: str) -> Quan
         zeros = unpack_from_int32(local["weight_zero_point"], NUM_BITS, scales.shape, packed_dim=0)
     else:
         zeros = torch.zeros(scales.shape, dtype=torch.int8)
+
     def unsigned(v: torch.Tensor) -> torch.Tensor:  # compressed-tensors' -8..7 -> our 0..15
         return (v.to(torch.int16) + 8).to(torch.uint8)
 
@@ -107,8 +108,10 @@ def convert_checkpoint(source: str | Path, work_dir: str | Path, checkpoint_form
         ".qweight", AWQ_SUFFIXES[1:])
     tensors: dict[str, torch.Tensor] = {}
     group_sizes: dict[int, str] = {}
+    num_linears = 0
     for name in entries:
         if name.endswith(marker):
+            num_linears += 1
             base = name[: -len(marker)]
             if source_format == "compressed-tensors":
                 local = {s[1:]: read(base + s) for s in (marker, *companions) if base + s in entries}
@@ -135,7 +138,6 @@ def convert_checkpoint(source: str | Path, work_dir: str | Path, checkpoint_form
     declared = settings.get("group_size")
     if source_format == "autoawq" and declared not in (None, -1, group_size):
         raise ValueError(f"{source}: config.json says group_size {declared}, the linears have {group_size}")
-    num_linears = sum(1 for n in entries if n.endswith(marker))
 
     temp_dir = export.prepare_work_dir(Path(work_dir), overwrite)
     try:
@@ -144,8 +146,8 @@ def convert_checkpoint(source: str | Path, work_dir: str | Path, checkpoint_form
         # compressed-tensors names the Linear modules it leaves dense (`ignore`); AutoAWQ readers go by the tensors
         dense = None
         if checkpoint_format == "compressed-tensors":
-            dense = _dense_linears(awq_map) + [m for m in settings.get("modules_to_not_convert") or []
-                                               if m not in _dense_linears(awq_map)]
+            dense = _dense_linears(awq_map)
+            dense += [m for m in settings.get("modules_to_not_convert") or [] if m not in dense]
         config["quantization_config"] = export.quantization_config(group_size, dense, checkpoint_format)
         (temp_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         export.copy_side_files(source, temp_dir)

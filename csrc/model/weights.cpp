@@ -58,13 +58,10 @@ Int8Source int8_channel_source(const Tensor& weight, const Tensor& scales, const
   // blocks of 32 with fp16 scales (the int8 kernels' compact form) where every scale is an fp16 value and groups
   // are whole blocks of 32; else blocks of 16 with fp32 scales. Either holds the checkpoint's numbers exactly.
   bool fp16_exact = group % 32 == 0;
-  for (int64_t i = 0; fp16_exact && i < N * G; ++i) {
-    const float v = float_value(scales, i);
-    fp16_exact = f16_to_f32(f32_to_f16(v)) == v;
-  }
   for (int64_t i = 0; i < N * G; ++i) {
     const float v = float_value(scales, i);
     LMKIT_CHECK_ARG(std::isfinite(v), what, ": weight_scale ", i, " is not finite (", v, ")");
+    fp16_exact = fp16_exact && f16_to_f32(f32_to_f16(v)) == v;
   }
   Int8Source src;
   src.num_out = N;
