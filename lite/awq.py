@@ -25,52 +25,30 @@
 
 from __future__ import annotations
 
-import math
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from lmkit.lite import export
-from lmkit.lite.apply import can_absorb, fold_scales, input_features
+from lmkit.lite.apply import fold_scales
+from lmkit.lite.blocks import (Discard, LayerRunner, block_function, can_fold, can_fold_expert, cover_experts,
+                               dense_linears, is_expert_group, self_check)
 from lmkit.lite.calib import mixed_windows
 from lmkit.lite.config import AwqConfig, PplConfig, resolve_device
 from lmkit.lite.corpora import calibration_corpora
 from lmkit.lite.gptq import gptq_quantize
 from lmkit.lite.layerwise import LayerwiseModel
-from lmkit.lite.moe import expert_of
-from lmkit.lite.observer import GroupInputObserver, InputStats
+from lmkit.lite.observer import GroupInputObserver
 from lmkit.lite.quantizer import PACK_NUM, SUPPORTED_GROUP_SIZES, QuantizedWeight, quantize
 from lmkit.lite.search import refine_quantization, search_clip, search_scale, shrink_grid
+from lmkit.lite.progress import Reporter, SilentReporter, ppl_dict
 from lmkit.lite.threads import torch_threads
 from lmkit.models import AwqMap
-
-CHUNK_TOKENS = 4096  # tokens per forward chunk of the layer passes
-
-
-class Reporter(Protocol):
-    """Progress callbacks of ``quantize_awq`` (the CLI renders them with rich)."""
-
-    def phase(self, description: str) -> None: ...
-
-    def start_layers(self, num_layers: int) -> None: ...
-
-    def layer_done(self, index: int, report: dict) -> None: ...
-
-
-class _SilentReporter:
-    def phase(self, description: str) -> None:
-        pass
-
-    def start_layers(self, num_layers: int) -> None:
-        pass
-
-    def layer_done(self, index: int, report: dict) -> None:
-        pass
 
 
 @dataclass
@@ -111,178 +89,8 @@ def check_group_size(shapes: dict[str, tuple[int, int]], group_size: int) -> Non
                              f"{name} ({in_features} / {group_size} = {in_features / group_size:g}); {hint}")
 
 
-def _dense_linears(awq_map: AwqMap) -> list[str]:
-    """The linear modules a checkpoint keeps in fp16, as compressed-tensors' ``ignore`` names them: the lm_head
-    and an MoE layer's router."""
-    dense = ["lm_head"]
-    if awq_map.moe is not None:
-        dense.append(f"re:.*{awq_map.moe.block}\\.{awq_map.moe.router}$")
-    return dense
-
-
-def _first(output):
-    return output[0] if isinstance(output, tuple) else output
-
-
-def _residual_block_of(awq_map: AwqMap, name: str) -> str | None:
-    """The residual block that module ``name`` is or lies inside (None: neither)."""
-    for _, block in awq_map.residual_blocks:
-        if name == block or name.startswith(block + "."):
-            return block
-    return None
-
-
-def block_function(layer: nn.Module, awq_map: AwqMap, name: str, kwargs: dict):
-    """x -> what block ``name`` of ``layer`` contributes to the residual stream: its output, through the
-    post norm of the residual block it is, or whose output it computes (Gemma: o_proj's output is
-    self_attn's, normed by post_attention_layernorm before the add; ``_self_check`` verifies the nesting).
-    The attention block gets the layer's kwargs."""
-    module = layer.get_submodule(name)
-    post = awq_map.post_norms.get(_residual_block_of(awq_map, name))
-    norm = layer.get_submodule(post) if post else nn.Identity()
-    if name == awq_map.attention:
-        return lambda x: norm(_first(module(hidden_states=x, **kwargs)))
-    return lambda x: norm(_first(module(x)))
-
-
-def decomposed_layer(layer: nn.Module, awq_map: AwqMap, kwargs: dict, x: torch.Tensor) -> torch.Tensor:
-    """The layer's output rebuilt from its residual blocks (``x = x + post(block(norm(x)))``) as the
-    searches call them; must equal ``layer(x, **kwargs)``."""
-    for norm, block in awq_map.residual_blocks:
-        x = x + block_function(layer, awq_map, block, kwargs)(layer.get_submodule(norm)(x))
-    return x
-
-
-class _LayerRunner:
-    """Runs one decoder layer over all calibration windows in chunks, with per-batch-size layer kwargs."""
-
-    def __init__(self, model: LayerwiseModel, seqlen: int):
-        self.model = model
-        self.seqlen = seqlen
-        self.chunk = max(1, CHUNK_TOKENS // seqlen)
-        self._kwargs: dict[int, list[dict]] = {}
-
-    def kwargs(self, index: int, batch_size: int) -> dict:
-        if batch_size not in self._kwargs:
-            self._kwargs[batch_size] = self.model.capture_layer_kwargs(batch_size, self.seqlen)
-        return self._kwargs[batch_size][index]
-
-    @torch.no_grad()
-    def run(self, layer: nn.Module, index: int, x: torch.Tensor, out: torch.Tensor,
-            observer: GroupInputObserver | None = None) -> None:
-        """out[i] = layer(x[i]) for every window (``out`` may be ``x``: computed chunk by chunk)."""
-        for start in range(0, x.shape[0], self.chunk):
-            end = min(start + self.chunk, x.shape[0])
-            if observer is not None:
-                observer.begin_chunk(start)
-            out[start:end] = _first(layer(x[start:end], **self.kwargs(index, end - start)))
-
-
-def _check_tolerance(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
-    """(max abs difference, tolerance) of a layer output rebuilt from its parts."""
-    return float((got - expected).abs().max()), 1e-5 * (1.0 + float(expected.abs().max()))
-
-
-def _table_error(awq_map: AwqMap, name: str, what: str) -> RuntimeError:
-    return RuntimeError(f"{name}: {what}; the AWQ map of {awq_map.architecture} (its AWQ table in lmkit/models/) "
-                        "is wrong")
-
-
 @torch.no_grad()
-def _self_check(layer, awq_map, kwargs, x, name) -> torch.Tensor:
-    """RuntimeError unless the decomposition the searches use reproduces the HF layer output and every
-    group scored through a post norm computes its residual block's output; returns the layer output."""
-    expected = _first(layer(x, **kwargs))
-    outputs: dict[str, torch.Tensor] = {}
-    nested = {group.block for group in awq_map.groups  # e.g. o_proj inside Gemma's self_attn
-              if group.block not in awq_map.post_norms
-              and _residual_block_of(awq_map, group.block) in awq_map.post_norms}
-    handles = [layer.get_submodule(n).register_forward_hook(
-        lambda m, a, out, n=n: outputs.__setitem__(n, _first(out))) for n in nested | set(awq_map.post_norms)]
-    try:
-        got = decomposed_layer(layer, awq_map, kwargs, x)
-    finally:
-        for handle in handles:
-            handle.remove()
-    err, tol = _check_tolerance(got, expected)
-    if not math.isfinite(err) or err > tol:
-        raise _table_error(awq_map, name, f"the decomposition does not reproduce the decoder layer (max abs "
-                                          f"difference {err:.3g} > {tol:.3g})")
-    for block in sorted(nested):
-        outer = _residual_block_of(awq_map, block)
-        if block not in outputs or not torch.equal(outputs[block], outputs[outer]):
-            raise _table_error(awq_map, name, f"{block} is scored through the post norm of {outer} but does not "
-                                              f"compute {outer}'s output")
-    return expected
-
-
-@torch.no_grad()
-def _trial_fold_error(layer: nn.Module, awq_map: AwqMap, group, compute, expected: torch.Tensor) -> tuple[float, float]:
-    """(max abs difference, tolerance) between ``compute()`` after a trial fold of scales in [0.5, 2] into
-    ``group`` (undone after) and ``expected``, its value before."""
-    size = input_features(layer, group)
-    touched = [layer.get_submodule(n) for n in (group.prev, *group.linears, *group.dense)]
-    saved = [[p.detach().clone() for p in module.parameters(recurse=False)] for module in touched]
-    order = torch.randperm(size, generator=torch.Generator().manual_seed(0))
-    trial = torch.exp(torch.linspace(-0.69, 0.69, size)[order]).to(expected.device)
-    try:
-        fold_scales(layer, group, trial, awq_map.norm_weight_offset)
-        got = compute()
-    finally:
-        for module, params in zip(touched, saved):
-            for p, value in zip(module.parameters(recurse=False), params):
-                p.copy_(value)
-    return _check_tolerance(got, expected)
-
-
-@torch.no_grad()
-def _can_fold(layer: nn.Module, awq_map: AwqMap, group, kwargs: dict, x: torch.Tensor, expected: torch.Tensor,
-              name: str) -> bool:
-    """Whether scales can be folded into ``group.prev``: its shape allows it and a trial fold (scales in
-    [0.5, 2], undone after) leaves the layer's output on ``x`` unchanged. A fused prev whose last rows are
-    not what the group reads (qkv_proj -> o_proj under GQA) is refused; any other failure is a table error."""
-    if not can_absorb(layer, group):
-        return False
-    err, tol = _trial_fold_error(layer, awq_map, group, lambda: decomposed_layer(layer, awq_map, kwargs, x), expected)
-    if math.isfinite(err) and err <= 10 * tol:
-        return True
-    prev = layer.get_submodule(group.prev)
-    if isinstance(prev, nn.Linear) and prev.out_features > input_features(layer, group):
-        return False
-    raise _table_error(awq_map, name, f"folding scales into {group.prev} changes the layer's output (max abs "
-                                      f"difference {err:.3g})")
-
-
-def _is_expert_group(awq_map: AwqMap, group) -> bool:
-    """One expert's up -> down group of a sparse layer."""
-    return awq_map.moe is not None and group.input_of is None and expert_of(awq_map.moe, group.linears[0]) is not None
-
-
-@torch.no_grad()
-def _can_fold_expert(layer: nn.Module, awq_map: AwqMap, group, name: str) -> bool:
-    """``_can_fold`` for one expert's up -> down group, on the expert alone: a trial fold (undone after) must
-    leave act(gate x) * up x -> down unchanged on 16 random rows. The layer-wide check costs a layer forward
-    per group, 128 per layer of Qwen3-30B-A3B; the fold touches only this expert, so its output is the check."""
-    if not can_absorb(layer, group):
-        return False
-    layout = awq_map.moe
-    experts = layer.get_submodule(f"{layout.block}.{layout.experts}")
-    e = expert_of(layout, group.linears[0])
-    gate, up, down = (experts.linear(e, w) for w in range(3))
-    x = torch.randn(16, gate.in_features, generator=torch.Generator().manual_seed(0)).to(gate.weight)
-
-    def expert() -> torch.Tensor:
-        return down(experts.act_fn(gate(x)) * up(x))
-
-    err, tol = _trial_fold_error(layer, awq_map, group, expert, expert())
-    if math.isfinite(err) and err <= 10 * tol:
-        return True
-    raise _table_error(awq_map, name, f"folding scales into {group.prev} changes expert {e}'s output (max abs "
-                                      f"difference {err:.3g})")
-
-
-@torch.no_grad()
-def _process_layer(model: LayerwiseModel, runner: _LayerRunner | None, index: int, x: torch.Tensor | None,
+def _process_layer(model: LayerwiseModel, runner: LayerRunner | None, index: int, x: torch.Tensor | None,
                    config: AwqConfig, scales_out: dict, clips_out: dict, kept: dict | None = None):
     """Quantize decoder layer ``index`` given its input ``x`` (None for RTN; with --propagate quantized
     ``x`` is overwritten by the next layer's input) and return (checkpoint tensors, report).
@@ -299,27 +107,27 @@ def _process_layer(model: LayerwiseModel, runner: _LayerRunner | None, index: in
         t = time.perf_counter()
         num_search = min(config.search_samples, x.shape[0])
         check_kwargs = runner.kwargs(index, 1)  # the checks run before the observer hooks are attached
-        expected = _self_check(layer, awq_map, check_kwargs, x[:1], prefix.rstrip("."))
+        expected = self_check(layer, awq_map, check_kwargs, x[:1], prefix.rstrip("."))
         foldable = [config.search_scale and (
-            _can_fold_expert(layer, awq_map, group, prefix.rstrip(".")) if _is_expert_group(awq_map, group) else
-            _can_fold(layer, awq_map, group, check_kwargs, x[:1], expected, prefix.rstrip(".")))
+            can_fold_expert(layer, awq_map, group, prefix.rstrip(".")) if is_expert_group(awq_map, group) else
+            can_fold(layer, awq_map, group, check_kwargs, x[:1], expected, prefix.rstrip(".")))
             for group in awq_map.groups]
         observer = GroupInputObserver(layer, awq_map, g, num_search, with_moments=config.clip or config.refine,
                                       with_hessian=config.rounding == "gptq")
         try:  # with --propagate fp the fp output is the next layer's input; else it only feeds the observer
-            runner.run(layer, index, x, x if config.propagate == "fp" else _Discard(), observer)
+            runner.run(layer, index, x, x if config.propagate == "fp" else Discard(), observer)
         finally:
             observer.remove()
-        if any(_is_expert_group(awq_map, group) for group in awq_map.groups):  # a sparse layer
-            report["experts"] = _cover_experts(layer, awq_map, observer.stats, g)
+        if any(is_expert_group(awq_map, group) for group in awq_map.groups):  # a sparse layer
+            report["experts"] = cover_experts(layer, awq_map, observer.stats, g, g)
         seconds["forward"] += time.perf_counter() - t
 
         t = time.perf_counter()
         search_kwargs = runner.kwargs(index, num_search)
         chosen: list[torch.Tensor | None] = []
-        for group, stats, can_fold in zip(awq_map.groups, observer.stats, foldable):
+        for group, stats, is_foldable in zip(awq_map.groups, observer.stats, foldable):
             entry = {"prev": group.prev, "linears": list(group.linears), "smoothed": False}
-            if can_fold:
+            if is_foldable:
                 block = block_function(layer, awq_map, group.block, search_kwargs)
                 linears = [layer.get_submodule(n) for n in group.linears]
                 found = search_scale(block, linears, stats.sample_input, stats.abs_mean, g,
@@ -372,39 +180,6 @@ def _process_layer(model: LayerwiseModel, runner: _LayerRunner | None, index: in
     return tensors, report
 
 
-@torch.no_grad()
-def _cover_experts(layer: nn.Module, awq_map: AwqMap, stats: list[InputStats], group_size: int) -> dict:
-    """Calibration tokens routed to each expert of a sparse layer. An expert that fewer tokens than one
-    quantization group reached has its down projection's statistics rebuilt from every token of the search
-    windows run through its gate and up (as if routed to it; the shared gate/up statistics are every token's
-    already): its smoothing, clipping and rounding are then searched on the union of tokens, not on a handful
-    of rows or none. Returns the report entry (tokens per expert, those handled so)."""
-    layout = awq_map.moe
-    shared = next(i for i, group in enumerate(awq_map.groups) if group.input_of == layout.block)
-    x = stats[shared].sample_input
-    x = x.reshape(-1, x.shape[-1])
-    experts = layer.get_submodule(f"{layout.block}.{layout.experts}")
-    tokens, union = [], []
-    for i, group in enumerate(awq_map.groups):
-        if not _is_expert_group(awq_map, group):
-            continue
-        e = expert_of(layout, group.linears[0])
-        tokens.append(stats[i].num_tokens)
-        if stats[i].num_tokens >= group_size:
-            continue
-        union.append(e)
-        h = experts.act_fn(experts.linear(e, 0)(x)) * experts.linear(e, 1)(x)
-        old = stats[i]
-        rebuilt = InputStats(torch.zeros_like(old.abs_sum), None if old.moments is None else torch.zeros_like(old.moments),
-                             None if old.hessian is None else torch.zeros_like(old.hessian))
-        rebuilt.accumulate(h.float(), group_size)
-        if rebuilt.hessian is not None:
-            rebuilt.moments_from_hessian(group_size)
-        rebuilt.samples = [h.float()]
-        stats[i] = rebuilt
-    return {"tokens_per_expert": tokens, "min_tokens": group_size, "searched_on_all_tokens": union}
-
-
 def _quantize_calibrated(layer: nn.Module, awq_map: AwqMap, stats: list, config: AwqConfig, prefix: str,
                          clips_out: dict) -> dict[str, QuantizedWeight]:
     """Clip search (and least-squares refinement) per linear from the observed input moments, then int4."""
@@ -434,13 +209,6 @@ def _quantize_calibrated(layer: nn.Module, awq_map: AwqMap, stats: list, config:
     return quantized
 
 
-class _Discard:
-    """An output buffer that drops what is written to it (the fp pass only feeds the observer)."""
-
-    def __setitem__(self, key, value) -> None:
-        pass
-
-
 def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter | None = None,
                  keep_pseudo_quantized: bool = False) -> AwqResult:
     """Quantize the HF checkpoint ``model`` (a folder, a hub id, or None/"smollm2" for the bundled
@@ -456,7 +224,7 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
 
     from lmkit.model_path import resolve_model
 
-    reporter = reporter or _SilentReporter()
+    reporter = reporter or SilentReporter()
     start = time.perf_counter()
     phase_seconds: dict[str, float] = {}
     source = resolve_model(model)
@@ -480,7 +248,7 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
         phase_seconds["prepare"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        runner = _LayerRunner(lw, seqlen) if x is not None else None
+        runner = LayerRunner(lw, seqlen) if x is not None else None
         tensors: dict[str, torch.Tensor] = {}
         scales: dict[str, torch.Tensor] = {}
         clips: dict[str, torch.Tensor] = {}
@@ -504,7 +272,7 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
                 tensors[name] = value.to(torch.float16) if value.is_floating_point() else value
         export.save_tensors(tensors, temp_dir)
         del tensors
-        dense = _dense_linears(lw.awq_map) if config.format == "compressed-tensors" else None
+        dense = dense_linears(lw.awq_map) if config.format == "compressed-tensors" else None
         export.write_config(source, temp_dir, export.quantization_config(config.w_group_size, dense, config.format))
         export.copy_side_files(source, temp_dir)
         phase_seconds["export"] = time.perf_counter() - t
@@ -541,7 +309,7 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
             "calib_seqlen_used": seqlen, "seconds": round(result.seconds, 2),
             "phase_seconds": {k: round(v, 2) for k, v in phase_seconds.items()},
             "size_before_bytes": result.size_before_bytes, "size_after_bytes": result.size_after_bytes,
-            "ppl_before": _ppl_dict(result.ppl_before), "ppl_after": _ppl_dict(result.ppl_after),
+            "ppl_before": ppl_dict(result.ppl_before), "ppl_after": ppl_dict(result.ppl_after),
             "tasks_before": result.tasks_before.as_dict() if result.tasks_before else None,
             "tasks_after": result.tasks_after.as_dict() if result.tasks_after else None,
             "layers": layer_reports,
@@ -552,9 +320,3 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
         return result
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)  # gone already after a successful publish
-
-
-def _ppl_dict(result) -> dict | None:
-    if result is None:
-        return None
-    return {"dataset": result.dataset, "ppl": result.ppl, "num_tokens": result.num_tokens}

@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 from lmkit.kv_policy import load_kv_policy
 from lmkit.lite.apply import fold_scales
-from lmkit.lite.awq import _can_fold, _self_check, quantize_awq
+from lmkit.lite.awq import quantize_awq
+from lmkit.lite.blocks import can_fold, self_check
 from lmkit.lite.checkpoint import load_causal_lm, read_state_dict
 from lmkit.lite.config import AwqConfig, KvCalibConfig
 from lmkit.lite.kvcalib import calibrate_kv
@@ -119,8 +120,8 @@ def test_awq_map_matches_the_module_tree(arch):
         layer = lw.load_layer(i)
         linears = {n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
         assert sorted(awq_map.linears) == sorted(linears), (case, awq_map.linears)
-        expected = _self_check(layer, awq_map, kwargs[i], x, f"layer {i}")
-        folds = {g.prev: _can_fold(layer, awq_map, g, kwargs[i], x, expected, f"layer {i}") for g in awq_map.groups}
+        expected = self_check(layer, awq_map, kwargs[i], x, f"layer {i}")
+        folds = {g.prev: can_fold(layer, awq_map, g, kwargs[i], x, expected, f"layer {i}") for g in awq_map.groups}
         v_to_o = awq_map.groups[1]
         assert v_to_o.linears == ("self_attn.o_proj",)
         assert folds.pop(v_to_o.prev) == CASES[case][3]

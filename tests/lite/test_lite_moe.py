@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lmkit.lite.awq import _can_fold, _can_fold_expert, _is_expert_group, _self_check, quantize_awq
+from lmkit.lite.awq import quantize_awq
+from lmkit.lite.blocks import can_fold, can_fold_expert, is_expert_group, self_check
 from lmkit.lite.checkpoint import load_causal_lm
 from lmkit.lite.config import AwqConfig
 from lmkit.lite.layerwise import LayerwiseModel
@@ -108,18 +109,18 @@ def test_moe_awq_map_matches_the_module_tree(moe):
         if is_sparse:
             shared = [g for g in awq_map.groups if g.dense]
             assert len(shared) == 1 and shared[0].prev == "post_attention_layernorm" and shared[0].dense == ("mlp.gate",)
-        expected = _self_check(layer, awq_map, kwargs[i], x, f"layer {i}")
-        folds = {g.prev: _can_fold(layer, awq_map, g, kwargs[i], x, expected, f"layer {i}") for g in awq_map.groups}
+        expected = self_check(layer, awq_map, kwargs[i], x, f"layer {i}")
+        folds = {g.prev: can_fold(layer, awq_map, g, kwargs[i], x, expected, f"layer {i}") for g in awq_map.groups}
         assert folds.pop("self_attn.v_proj") is False  # GQA
         assert all(folds.values()), folds
         if is_sparse:  # the per-expert check quantize_awq uses agrees, and catches a group wired to two experts
-            groups = [g for g in awq_map.groups if _is_expert_group(awq_map, g)]
+            groups = [g for g in awq_map.groups if is_expert_group(awq_map, g)]
             assert len(groups) == len(layer.get_submodule("mlp.experts"))
-            assert all(_can_fold_expert(layer, awq_map, g, f"layer {i}") for g in groups)
+            assert all(can_fold_expert(layer, awq_map, g, f"layer {i}") for g in groups)
             before = {k: v.clone() for k, v in layer.state_dict().items()}
             wrong = dataclasses.replace(groups[1], prev=groups[0].prev)
             with pytest.raises(RuntimeError, match="is wrong"):
-                _can_fold_expert(layer, awq_map, wrong, f"layer {i}")
+                can_fold_expert(layer, awq_map, wrong, f"layer {i}")
             assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())  # restored
         x = expected
         if i < lw.num_layers - 1:

@@ -1,0 +1,234 @@
+"""A decoder layer as the layer-by-layer quantizers (``lite awq``, ``lite smooth_quant``) see it: its residual
+blocks, the checks that the model's smoothing table (lmkit/models/) describes it, and a runner over the
+calibration windows.
+
+    layer(x) == x + post(block(norm(x))) for each residual block (norm, block) in turn   (``self_check``)
+    a smoothing group's scales fold into its prev without changing the layer            (``can_fold``)
+    block_function(name): x -> what block ``name`` adds to the residual stream           (the searches' loss)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from lmkit.lite.apply import can_absorb, fold_scales, input_features
+from lmkit.lite.layerwise import LayerwiseModel
+from lmkit.lite.moe import expert_of
+from lmkit.lite.observer import GroupInputObserver, InputStats
+from lmkit.models import AwqMap
+
+CHUNK_TOKENS = 4096  # tokens per forward chunk of the layer passes
+
+
+def dense_linears(awq_map: AwqMap) -> list[str]:
+    """The linear modules a checkpoint keeps in fp16, as compressed-tensors' ``ignore`` names them: the lm_head
+    and an MoE layer's router."""
+    dense = ["lm_head"]
+    if awq_map.moe is not None:
+        dense.append(f"re:.*{awq_map.moe.block}\\.{awq_map.moe.router}$")
+    return dense
+
+
+def first_output(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _residual_block_of(awq_map: AwqMap, name: str) -> str | None:
+    """The residual block that module ``name`` is or lies inside (None: neither)."""
+    for _, block in awq_map.residual_blocks:
+        if name == block or name.startswith(block + "."):
+            return block
+    return None
+
+
+def block_function(layer: nn.Module, awq_map: AwqMap, name: str, kwargs: dict):
+    """x -> what block ``name`` of ``layer`` contributes to the residual stream: its output, through the
+    post norm of the residual block it is, or whose output it computes (Gemma: o_proj's output is
+    self_attn's, normed by post_attention_layernorm before the add; ``self_check`` verifies the nesting).
+    The attention block gets the layer's kwargs."""
+    module = layer.get_submodule(name)
+    post = awq_map.post_norms.get(_residual_block_of(awq_map, name))
+    norm = layer.get_submodule(post) if post else nn.Identity()
+    if name == awq_map.attention:
+        return lambda x: norm(first_output(module(hidden_states=x, **kwargs)))
+    return lambda x: norm(first_output(module(x)))
+
+
+def decomposed_layer(layer: nn.Module, awq_map: AwqMap, kwargs: dict, x: torch.Tensor) -> torch.Tensor:
+    """The layer's output rebuilt from its residual blocks (``x = x + post(block(norm(x)))``) as the
+    searches call them; must equal ``layer(x, **kwargs)``."""
+    for norm, block in awq_map.residual_blocks:
+        x = x + block_function(layer, awq_map, block, kwargs)(layer.get_submodule(norm)(x))
+    return x
+
+
+class LayerRunner:
+    """Runs one decoder layer over all calibration windows in chunks, with per-batch-size layer kwargs."""
+
+    def __init__(self, model: LayerwiseModel, seqlen: int):
+        self.model = model
+        self.seqlen = seqlen
+        self.chunk = max(1, CHUNK_TOKENS // seqlen)
+        self._kwargs: dict[int, list[dict]] = {}
+
+    def kwargs(self, index: int, batch_size: int) -> dict:
+        if batch_size not in self._kwargs:
+            self._kwargs[batch_size] = self.model.capture_layer_kwargs(batch_size, self.seqlen)
+        return self._kwargs[batch_size][index]
+
+    @torch.no_grad()
+    def run(self, layer: nn.Module, index: int, x: torch.Tensor, out: torch.Tensor,
+            observer: GroupInputObserver | None = None) -> None:
+        """out[i] = layer(x[i]) for every window (``out`` may be ``x``: computed chunk by chunk)."""
+        for start in range(0, x.shape[0], self.chunk):
+            end = min(start + self.chunk, x.shape[0])
+            if observer is not None:
+                observer.begin_chunk(start)
+            out[start:end] = first_output(layer(x[start:end], **self.kwargs(index, end - start)))
+
+
+def check_tolerance(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """(max abs difference, tolerance) of a layer output rebuilt from its parts."""
+    return float((got - expected).abs().max()), 1e-5 * (1.0 + float(expected.abs().max()))
+
+
+def table_error(awq_map: AwqMap, name: str, what: str) -> RuntimeError:
+    return RuntimeError(f"{name}: {what}; the AWQ map of {awq_map.architecture} (its AWQ table in lmkit/models/) "
+                        "is wrong")
+
+
+@torch.no_grad()
+def self_check(layer, awq_map, kwargs, x, name) -> torch.Tensor:
+    """RuntimeError unless the decomposition the searches use reproduces the HF layer output and every
+    group scored through a post norm computes its residual block's output; returns the layer output."""
+    expected = first_output(layer(x, **kwargs))
+    outputs: dict[str, torch.Tensor] = {}
+    nested = {group.block for group in awq_map.groups  # e.g. o_proj inside Gemma's self_attn
+              if group.block not in awq_map.post_norms
+              and _residual_block_of(awq_map, group.block) in awq_map.post_norms}
+    handles = [layer.get_submodule(n).register_forward_hook(
+        lambda m, a, out, n=n: outputs.__setitem__(n, first_output(out))) for n in nested | set(awq_map.post_norms)]
+    try:
+        got = decomposed_layer(layer, awq_map, kwargs, x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    err, tol = check_tolerance(got, expected)
+    if not math.isfinite(err) or err > tol:
+        raise table_error(awq_map, name, f"the decomposition does not reproduce the decoder layer (max abs "
+                                          f"difference {err:.3g} > {tol:.3g})")
+    for block in sorted(nested):
+        outer = _residual_block_of(awq_map, block)
+        if block not in outputs or not torch.equal(outputs[block], outputs[outer]):
+            raise table_error(awq_map, name, f"{block} is scored through the post norm of {outer} but does not "
+                                              f"compute {outer}'s output")
+    return expected
+
+
+@torch.no_grad()
+def _trial_fold_error(layer: nn.Module, awq_map: AwqMap, group, compute, expected: torch.Tensor) -> tuple[float, float]:
+    """(max abs difference, tolerance) between ``compute()`` after a trial fold of scales in [0.5, 2] into
+    ``group`` (undone after) and ``expected``, its value before."""
+    size = input_features(layer, group)
+    touched = [layer.get_submodule(n) for n in (group.prev, *group.linears, *group.dense)]
+    saved = [[p.detach().clone() for p in module.parameters(recurse=False)] for module in touched]
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(0))
+    trial = torch.exp(torch.linspace(-0.69, 0.69, size)[order]).to(expected.device)
+    try:
+        fold_scales(layer, group, trial, awq_map.norm_weight_offset)
+        got = compute()
+    finally:
+        for module, params in zip(touched, saved):
+            for p, value in zip(module.parameters(recurse=False), params):
+                p.copy_(value)
+    return check_tolerance(got, expected)
+
+
+@torch.no_grad()
+def can_fold(layer: nn.Module, awq_map: AwqMap, group, kwargs: dict, x: torch.Tensor, expected: torch.Tensor,
+              name: str) -> bool:
+    """Whether scales can be folded into ``group.prev``: its shape allows it and a trial fold (scales in
+    [0.5, 2], undone after) leaves the layer's output on ``x`` unchanged. A fused prev whose last rows are
+    not what the group reads (qkv_proj -> o_proj under GQA) is refused; any other failure is a table error."""
+    if not can_absorb(layer, group):
+        return False
+    err, tol = _trial_fold_error(layer, awq_map, group, lambda: decomposed_layer(layer, awq_map, kwargs, x), expected)
+    if math.isfinite(err) and err <= 10 * tol:
+        return True
+    prev = layer.get_submodule(group.prev)
+    if isinstance(prev, nn.Linear) and prev.out_features > input_features(layer, group):
+        return False
+    raise table_error(awq_map, name, f"folding scales into {group.prev} changes the layer's output (max abs "
+                                      f"difference {err:.3g})")
+
+
+def is_expert_group(awq_map: AwqMap, group) -> bool:
+    """One expert's up -> down group of a sparse layer."""
+    return awq_map.moe is not None and group.input_of is None and expert_of(awq_map.moe, group.linears[0]) is not None
+
+
+@torch.no_grad()
+def can_fold_expert(layer: nn.Module, awq_map: AwqMap, group, name: str) -> bool:
+    """``can_fold`` for one expert's up -> down group, on the expert alone: a trial fold (undone after) must
+    leave act(gate x) * up x -> down unchanged on 16 random rows. The layer-wide check costs a layer forward
+    per group, 128 per layer of Qwen3-30B-A3B; the fold touches only this expert, so its output is the check."""
+    if not can_absorb(layer, group):
+        return False
+    layout = awq_map.moe
+    experts = layer.get_submodule(f"{layout.block}.{layout.experts}")
+    e = expert_of(layout, group.linears[0])
+    gate, up, down = (experts.linear(e, w) for w in range(3))
+    x = torch.randn(16, gate.in_features, generator=torch.Generator().manual_seed(0)).to(gate.weight)
+
+    def expert() -> torch.Tensor:
+        return down(experts.act_fn(gate(x)) * up(x))
+
+    err, tol = _trial_fold_error(layer, awq_map, group, expert, expert())
+    if math.isfinite(err) and err <= 10 * tol:
+        return True
+    raise table_error(awq_map, name, f"folding scales into {group.prev} changes expert {e}'s output (max abs "
+                                      f"difference {err:.3g})")
+
+
+class Discard:
+    """An output buffer that drops what is written to it (the fp pass only feeds the observer)."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+@torch.no_grad()
+def cover_experts(layer: nn.Module, awq_map: AwqMap, stats: list[InputStats], min_tokens: int, group_size: int) -> dict:
+    """Calibration tokens routed to each expert of a sparse layer. An expert that fewer than ``min_tokens``
+    tokens reached (AWQ: one quantization group) has its down projection's statistics rebuilt from every token of the search
+    windows run through its gate and up (as if routed to it; the shared gate/up statistics are every token's
+    already): its smoothing, clipping and rounding are then searched on the union of tokens, not on a handful
+    of rows or none. ``group_size``: of the stats' per-group moments. Returns the report entry (tokens per
+    expert, those handled so)."""
+    layout = awq_map.moe
+    shared = next(i for i, group in enumerate(awq_map.groups) if group.input_of == layout.block)
+    x = stats[shared].sample_input
+    x = x.reshape(-1, x.shape[-1])
+    experts = layer.get_submodule(f"{layout.block}.{layout.experts}")
+    tokens, union = [], []
+    for i, group in enumerate(awq_map.groups):
+        if not is_expert_group(awq_map, group):
+            continue
+        e = expert_of(layout, group.linears[0])
+        tokens.append(stats[i].num_tokens)
+        if stats[i].num_tokens >= min_tokens:
+            continue
+        union.append(e)
+        h = experts.act_fn(experts.linear(e, 0)(x)) * experts.linear(e, 1)(x)
+        old = stats[i]
+        rebuilt = InputStats(torch.zeros_like(old.abs_sum), None if old.moments is None else torch.zeros_like(old.moments),
+                             None if old.hessian is None else torch.zeros_like(old.hessian))
+        rebuilt.accumulate(h.float(), group_size)
+        if rebuilt.hessian is not None and old.moments is not None:
+            rebuilt.moments_from_hessian(group_size)
+        rebuilt.samples = [h.float()]
+        stats[i] = rebuilt
+    return {"tokens_per_expert": tokens, "min_tokens": min_tokens, "searched_on_all_tokens": union}
