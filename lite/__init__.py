@@ -1,16 +1,19 @@
-"""lmkit.lite: compression and evaluation. AWQ int4 weights (``quantize_awq``) in the AutoAWQ GEMM
-format, a calibrated per-layer int8/int4 KV cache policy (``calibrate_kv`` -> kv_policy.json), and
-perplexity on held-out text (``evaluate_perplexity``) through a torch reference reader.
+"""lmkit.lite: compression and evaluation. AWQ int4 weights (``quantize_awq``) in the AutoAWQ GEMM or
+compressed-tensors format, SmoothQuant W8A8 int8 (``quantize_smooth_quant``, compressed-tensors), a calibrated
+per-layer int8/int4 KV cache policy (``calibrate_kv`` -> kv_policy.json), and perplexity on held-out text
+(``evaluate_perplexity``) through a torch reference reader.
 
 Names are imported on first use, so ``import lmkit.lite`` (and the ``lmkit`` CLI) does not import torch.
 """
 
-from lmkit.lite.config import AwqConfig, KvCalibConfig, PplConfig
+from lmkit.lite.config import AwqConfig, KvCalibConfig, PplConfig, SmoothQuantConfig
 
-__all__ = ["AwqConfig", "KvCalibConfig", "PplConfig", "AwqResult", "KvCalibResult", "PplResult", "quantize_awq",
+__all__ = ["AwqConfig", "KvCalibConfig", "PplConfig", "SmoothQuantConfig", "AwqResult", "SmoothQuantResult",
+           "quantize_smooth_quant", "KvCalibResult", "PplResult", "quantize_awq",
            "calibrate_kv", "fake_quant_kv", "evaluate_perplexity", "load_causal_lm"]
 
-_LAZY = {"AwqResult": "lmkit.lite.awq", "quantize_awq": "lmkit.lite.awq", "PplResult": "lmkit.lite.ppl",
+_LAZY = {"SmoothQuantResult": "lmkit.lite.smoothquant", "quantize_smooth_quant": "lmkit.lite.smoothquant",
+         "AwqResult": "lmkit.lite.awq", "quantize_awq": "lmkit.lite.awq", "PplResult": "lmkit.lite.ppl",
          "evaluate_perplexity": "lmkit.lite.ppl", "load_causal_lm": "lmkit.lite.checkpoint",
          "KvCalibResult": "lmkit.lite.kvcalib", "calibrate_kv": "lmkit.lite.kvcalib",
          "fake_quant_kv": "lmkit.lite.kvquant"}

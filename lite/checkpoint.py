@@ -1,7 +1,10 @@
-"""The reference reader: any HF folder (fp, AWQ "GEMM" int4, or compressed-tensors pack-quantized int4, written
-by lmkit or another tool) -> an fp32 ``transformers`` model. AWQ linears are unpacked and dequantized in torch,
-W[o, i] = (q[i, o] - zero[i / g, o]) * scale[i / g, o]; compressed-tensors linears by that library's own
-decompressor: both independently of lmkit's engine. A mixture of experts' per-expert linears are stacked into
+"""The reference reader: any HF folder (fp, AWQ "GEMM" int4, compressed-tensors pack-quantized int4 or
+int-quantized / naive-quantized int8, written by lmkit or another tool) -> an fp32 ``transformers`` model. AWQ
+linears are unpacked and dequantized in torch, W[o, i] = (q[i, o] - zero[i / g, o]) * scale[i / g, o];
+compressed-tensors linears by that library's own decompressor: both independently of lmkit's engine. A
+compressed-tensors scheme with dynamic input activations (W8A8) gets them too: each quantized linear's input
+goes through compressed-tensors' own fake quantization first, so the reference computes what the checkpoint
+declares. A mixture of experts' per-expert linears are stacked into
 transformers' 3D expert tensors (lmkit.lite.moe).
 """
 
@@ -19,11 +22,12 @@ AWQ_SUFFIXES = (".qweight", ".qzeros", ".scales")
 
 
 CT_SUFFIXES = (".weight_zero_point", ".weight_scale", ".weight_shape", ".weight_g_idx")
+CT_INT_FORMATS = ("int-quantized", "naive-quantized")  # int8 weights stored as int8 ``.weight``
 
 
 def quantization_settings(config: dict) -> dict | None:
-    """The checked ``quantization_config`` of an int4 checkpoint this reader dequantizes (AWQ GEMM, or
-    compressed-tensors pack-quantized), None for an fp checkpoint.
+    """The checked ``quantization_config`` of a checkpoint this reader dequantizes (AWQ GEMM, compressed-tensors
+    pack-quantized, int-quantized or naive-quantized), None for an fp checkpoint.
 
     Raises ValueError for quantization this reader does not understand.
     """
@@ -31,12 +35,12 @@ def quantization_settings(config: dict) -> dict | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
-    if method == "compressed-tensors" and str(qc.get("format", "")).lower() == "pack-quantized":
+    if method == "compressed-tensors" and str(qc.get("format", "")).lower() in ("pack-quantized", *CT_INT_FORMATS):
         return qc
     version = str(qc.get("version", "gemm")).lower()
     if method != "awq" or version != "gemm" or int(qc.get("bits", qc.get("w_bit", 0))) != NUM_BITS:
         raise ValueError(f"unsupported quantization_config {qc}: this reader handles AWQ GEMM 4-bit and "
-                         "compressed-tensors pack-quantized only")
+                         f"compressed-tensors pack-quantized, {' and '.join(CT_INT_FORMATS)} only")
     if not qc.get("zero_point", True):
         raise ValueError("AWQ checkpoints without zero points are not supported")
     return qc
@@ -68,7 +72,7 @@ def tensor_reader(entries: dict):
 
 
 def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """fp32 state dict of ``folder`` with every int4 linear dequantized to ``<name>.weight``;
+    """fp32 state dict of ``folder`` with every quantized linear dequantized to ``<name>.weight``;
     and the quantization settings (None for an fp checkpoint)."""
     folder = Path(folder)
     settings = quantization_settings(read_config(folder))
@@ -77,6 +81,7 @@ def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]
 
     is_ct = settings is not None and settings.get("quant_method") == "compressed-tensors"
     scheme = _ct_scheme(settings) if is_ct else None
+    ct_int = is_ct and str(settings.get("format", "")).lower() in CT_INT_FORMATS
     state: dict[str, torch.Tensor] = {}
     for name in entries:
         if name.endswith(".qweight"):
@@ -96,26 +101,39 @@ def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]
             local = {s[1:]: read(base + s) for s in (".weight_packed", *CT_SUFFIXES) if base + s in entries}
             local["weight_scale"] = local["weight_scale"].float()  # dequantize in fp32
             state[base + ".weight"] = PackedQuantizationCompressor.decompress(local, scheme)["weight"].float()
+        elif ct_int and name.endswith(".weight_scale"):
+            from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+
+            base = name[: -len(".weight_scale")]
+            if base + ".weight" not in entries:
+                raise ValueError(f"{folder}: {name} has no matching .weight")
+            local = {s[1:]: read(base + s) for s in (".weight", *CT_SUFFIXES) if base + s in entries}
+            local["weight_scale"] = local["weight_scale"].float()  # dequantize in fp32
+            state[base + ".weight"] = IntQuantizationCompressor.decompress(local, scheme)["weight"].float()
+        elif ct_int and name.endswith(".weight") and name[: -len(".weight")] + ".weight_scale" in entries:
+            pass  # the int8 weight: dequantized with its scale above
         elif name.endswith((".qzeros", ".scales")):
             if name.rsplit(".", 1)[0] + ".qweight" not in entries:
                 raise ValueError(f"{folder}: {name} has no matching .qweight")
         elif is_ct and name.endswith(CT_SUFFIXES):
-            if name.rsplit(".", 1)[0] + ".weight_packed" not in entries:
-                raise ValueError(f"{folder}: {name} has no matching .weight_packed")
+            owner = name.rsplit(".", 1)[0] + (".weight" if ct_int else ".weight_packed")
+            if owner not in entries:
+                raise ValueError(f"{folder}: {name} has no matching {owner.rsplit('.', 1)[1]}")
         else:
             tensor = read(name)
             state[name] = tensor.float() if tensor.is_floating_point() else tensor
-    marker = ".weight_packed" if is_ct else ".qweight"
+    marker = (".weight_scale" if ct_int else ".weight_packed") if is_ct else ".qweight"
     if settings is not None and not any(n.endswith(marker) for n in entries):
         raise ValueError(f"{folder}: config.json says {settings.get('quant_method')} but no {marker} tensors "
                          "were found")
     return state, settings
 
 
-def load_causal_lm(folder: Path, device: torch.device | str = "cpu"):
-    """An fp32, eval-mode ``transformers`` causal LM of ``folder`` (fp, AWQ GEMM or compressed-tensors int4),
-    sdpa attention (eager
-    where transformers has no sdpa for the architecture: Gemma 2's soft-capping).
+def load_causal_lm(folder: Path, device: torch.device | str = "cpu", quantize_activations: bool = True):
+    """An fp32, eval-mode ``transformers`` causal LM of ``folder`` (fp, AWQ GEMM, compressed-tensors int4 or int8,
+    with the scheme's dynamic per-token activation quantization where it has one), sdpa attention (eager where
+    transformers has no sdpa for the architecture: Gemma 2's soft-capping). ``quantize_activations`` False: the
+    dequantized weights only.
 
     Raises ValueError when tensors are missing or left over.
     """
@@ -127,7 +145,7 @@ def load_causal_lm(folder: Path, device: torch.device | str = "cpu"):
 
     folder = Path(folder)
     architecture = architecture_of(read_config(folder), folder)
-    state, _ = read_state_dict(folder)
+    state, settings = read_state_dict(folder)
     awq_map = get_architecture(architecture).awq_map
     if awq_map is not None and awq_map.moe is not None:  # per-expert linears -> transformers' 3D experts
         state = stack_experts(state, awq_map.moe, awq_map.layers + ".")
@@ -145,4 +163,35 @@ def load_causal_lm(folder: Path, device: torch.device | str = "cpu"):
                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     if tied:
         model.tie_weights()
+    if quantize_activations and settings is not None and settings.get("quant_method") == "compressed-tensors":
+        quantized = {n[: -len(".weight_scale")] for n in index_folder(folder) if n.endswith(".weight_scale")}
+        fake_quantize_inputs(model, quantized, _ct_scheme(settings))
     return model.to(device).eval()
+
+
+def fake_quantize_inputs(model, linears: set[str], scheme) -> int:
+    """Registers on each linear named in ``linears`` (checkpoint names; a mixture of experts' per-expert linears
+    are stacked in transformers and left out) a pre-hook that sends its input through compressed-tensors' own
+    fake quantization of ``scheme.input_activations`` when they are dynamic per token; returns the number of
+    linears hooked (0: the scheme quantizes weights only)."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = scheme.input_activations
+    if args is None:
+        return 0
+    if not (args.dynamic is True and str(getattr(args.strategy, "value", args.strategy)) == "token"):
+        raise ValueError(f"input activations {args.strategy} (dynamic={args.dynamic}): the reference fake-quantizes "
+                         "dynamic per-token activations only")
+
+    def hook(module, inputs):
+        x = inputs[0]
+        scale, zero_point = calculate_qparams(x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True), args)
+        return (fake_quantize(x, scale, zero_point, args),) + inputs[1:]
+
+    count = 0
+    for name, module in model.named_modules():
+        if name in linears and isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(hook)
+            count += 1
+    return count

@@ -1,6 +1,6 @@
 """``lmkit lite ...``: each command is a thin typer wrapper over one typed function
-(``quantize_awq(model, AwqConfig)``, ``evaluate_perplexity(model, PplConfig)``,
-``calibrate_kv(model, KvCalibConfig)``); rich renders progress on stderr and the summary on stdout."""
+(``quantize_awq(model, AwqConfig)``, ``quantize_smooth_quant(model, SmoothQuantConfig)``,
+``evaluate_perplexity(model, PplConfig)``, ``calibrate_kv(model, KvCalibConfig)``); rich renders progress on stderr and the summary on stdout."""
 
 from __future__ import annotations
 
@@ -12,18 +12,19 @@ from typing import Optional
 import typer
 
 from lmkit.config import help_text
-from lmkit.lite.config import AwqConfig, EvalConfig, KvCalibConfig, PplConfig
+from lmkit.lite.config import AwqConfig, EvalConfig, KvCalibConfig, PplConfig, SmoothQuantConfig
 from lmkit.model_path import MODEL_HELP
 
 # rich_markup_mode=None: click's plain help, whole option names at any width (see lmkit/cli/main.py)
-app = typer.Typer(help="Compression: AWQ int4 weights, a calibrated int8/int4 KV cache policy, and perplexity "
-                       "to measure what they cost.",
+app = typer.Typer(help="Compression: AWQ int4 weights, SmoothQuant W8A8 int8, a calibrated int8/int4 KV cache "
+                       "policy, and perplexity to measure what they cost.",
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 # --help gives the first sentences of the configs' HELP texts (help_text); the HELP texts are the contract
-_A, _P, _K, _E = ({name: help_text(doc) for name, doc in c.HELP.items()}
-                  for c in (AwqConfig, PplConfig, KvCalibConfig, EvalConfig))
+_A, _P, _K, _E, _S = ({name: help_text(doc) for name, doc in c.HELP.items()}
+                      for c in (AwqConfig, PplConfig, KvCalibConfig, EvalConfig, SmoothQuantConfig))
 _AD = {f.name: f.default for f in fields(AwqConfig)}  # the options' defaults are the config's
+_SD = {f.name: f.default for f in fields(SmoothQuantConfig)}
 
 
 def _mib(num_bytes: int) -> str:
@@ -64,7 +65,7 @@ class RichReporter(ProgressReporter):
         self.task = self.progress.add_task("layers", total=num_layers)
 
     def layer_done(self, index: int, report: dict) -> None:
-        smoothed = [g for g in report.get("groups", []) if g.get("smoothed")]
+        smoothed = [g for g in report.get("groups", []) if g.get("smoothed")]  # AWQ's and SmoothQuant's reports
         self.progress.update(self.task, advance=1,
                              description=f"layer {index} ({len(smoothed)} groups smoothed)")
         experts = report.get("experts")
@@ -156,6 +157,12 @@ def print_awq_summary(result, config: AwqConfig) -> None:
         table.add_row("calibration", f"{config.calib_samples} x {config.calib_seqlen} tokens of {config.calib_dataset}"
                                      f" (seed {config.seed}); scale search {'on' if config.search_scale else 'off'}, "
                                      f"clip {'on' if config.clip else 'off'}")
+    _add_result_rows(table, result)
+    Console(highlight=False).print(table)
+
+
+def _add_result_rows(table, result) -> None:
+    """Time, size, and the perplexity and task rows of a quantizer's summary table."""
     table.add_row("time", f"{result.seconds:.1f} s")
     table.add_row("size", f"{_mib(result.size_before_bytes)} -> {_mib(result.size_after_bytes)} "
                           f"({result.size_before_bytes / max(result.size_after_bytes, 1):.2f}x smaller)")
@@ -172,6 +179,55 @@ def print_awq_summary(result, config: AwqConfig) -> None:
             d = paired_difference(result.tasks_before, result.tasks_after, task, metric)
             paired = f" (paired difference {d[0]:+.4f} ± {d[1]:.4f})" if d else ""
             table.add_row(f"{task} {metric}", f"{before} -> {after}{paired}")
+
+
+@app.command("smooth_quant")
+def smooth_quant(
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=MODEL_HELP),
+    work_dir: Path = typer.Option(..., "--work-dir", help=_S["work_dir"]),
+    smooth: bool = typer.Option(True, "--smooth/--no-smooth", help=_S["smooth"]),
+    alpha: Optional[float] = typer.Option(None, help=_S["alpha"]),
+    num_grid: int = typer.Option(_SD["num_grid"], help=_S["num_grid"]),
+    calib_dataset: str = typer.Option(_SD["calib_dataset"], help=_S["calib_dataset"]),
+    calib_samples: int = typer.Option(_SD["calib_samples"], help=_S["calib_samples"]),
+    calib_seqlen: int = typer.Option(_SD["calib_seqlen"], help=_S["calib_seqlen"]),
+    seed: int = typer.Option(_SD["seed"], help=_S["seed"]),
+    search_samples: int = typer.Option(_SD["search_samples"], help=_S["search_samples"]),
+    rounding: str = typer.Option(_SD["rounding"], help=_S["rounding"]),
+    propagate: str = typer.Option(_SD["propagate"], help=_S["propagate"]),
+    device: str = typer.Option(_SD["device"], help=_S["device"]),
+    overwrite: bool = typer.Option(False, "--overwrite", help=_S["overwrite"]),
+    eval: bool = typer.Option(False, "--eval", help=_S["eval"]),
+    eval_dataset: str = typer.Option(_SD["eval_dataset"], help=_S["eval_dataset"]),
+    eval_tasks: str = typer.Option("", help=_S["eval_tasks"]),
+    eval_limit: Optional[int] = typer.Option(None, help=_S["eval_limit"]),
+) -> None:
+    """Quantize MODEL to SmoothQuant W8A8 int8 into --work-dir (compressed-tensors int-quantized: int8 weights per
+    channel, int8 activations per token)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from lmkit.lite.smoothquant import quantize_smooth_quant
+
+    config = SmoothQuantConfig(work_dir=work_dir, smooth=smooth, alpha=alpha, num_grid=num_grid, calib_dataset=calib_dataset,
+                               calib_samples=calib_samples, calib_seqlen=calib_seqlen, seed=seed,
+                               search_samples=search_samples, rounding=rounding, propagate=propagate, device=device,
+                               overwrite=overwrite, eval=eval, eval_dataset=eval_dataset,
+                               eval_tasks=_task_names(eval_tasks), eval_limit=eval_limit)
+    with RichReporter(Console(stderr=True, highlight=False)) as reporter:
+        result = quantize_smooth_quant(model, config, reporter)
+    table = Table(title=f"SmoothQuant W8A8 int8 -> {result.work_dir}", show_header=False, title_justify="left")
+    table.add_row("source", str(result.source))
+    table.add_row("layers", str(result.num_layers))
+    alphas = [g["alpha"] for layer in result.layers for g in layer["groups"] if g.get("smoothed")]
+    groups = sum(len(layer["groups"]) for layer in result.layers)
+    table.add_row("smoothing", f"{len(alphas)} of {groups} groups smoothed, alpha "
+                               + (f"{min(alphas):.2f}..{max(alphas):.2f} (median "
+                                  f"{sorted(alphas)[len(alphas) // 2]:.2f})" if alphas else "-")
+                               + ("" if not config.smooth else " (given)" if config.alpha is not None else " (searched)"))
+    table.add_row("calibration", f"{config.calib_samples} x {config.calib_seqlen} tokens of {config.calib_dataset} "
+                                 f"(seed {config.seed}); {config.rounding} rounding")
+    _add_result_rows(table, result)
     Console(highlight=False).print(table)
 
 

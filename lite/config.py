@@ -137,6 +137,89 @@ class AwqConfig:
 
 
 @dataclass(frozen=True)
+class SmoothQuantConfig:
+    """How ``quantize_smooth_quant`` turns a floating-point checkpoint into a SmoothQuant W8A8 int8 one."""
+
+    work_dir: Path
+    smooth: bool = True
+    alpha: float | None = None
+    num_grid: int = 20
+    calib_dataset: str = "shakespeare+pydoc"
+    calib_samples: int = 128
+    calib_seqlen: int = 2048
+    seed: int = 0
+    search_samples: int = 8
+    rounding: str = "gptq"
+    propagate: str = "quantized"
+    device: str = "auto"
+    overwrite: bool = False
+    eval: bool = False
+    eval_dataset: str = "hamlet"
+    eval_seqlen: int = 512
+    eval_max_tokens: int = 2048
+    eval_tasks: tuple[str, ...] = ()
+    eval_limit: int | None = None
+
+    HELP = {
+        "work_dir": "Output folder: the W8A8 checkpoint, compressed-tensors int-quantized (written to a temp folder, "
+                    "renamed into place at the end).",
+        "smooth": "Migrate activation outliers into the weights (off: plain W8A8, int8 weights and per-token "
+                  "activations without smoothing, the baseline SmoothQuant improves on).",
+        "alpha": "Migration strength: s = max|x|^alpha / max|W|^(1 - alpha) for every smoothing group, as "
+                 "SmoothQuant's and llm-compressor's smoothing_strength (default: searched per group on the grid "
+                 "0, 1/n, ..., 1 by block-output error under W8A8, with no smoothing as a candidate too).",
+        "num_grid": "Steps of the migration-strength grid in [0, 1] (n: n + 1 points) when --alpha is not given.",
+        "calib_samples": "Calibration windows (at least 1: SmoothQuant needs activation statistics).",
+        "search_samples": "Calibration windows on which candidate strengths are scored (statistics and GPTQ use all "
+                          "of them).",
+        "rounding": "gptq (default) = after smoothing, error-compensating rounding (GPTQ) of the int8 weights under the "
+                    "smoothed inputs' second moments, as llm-compressor's W8A8 recipe does; nearest = round each "
+                    "weight on its own.",
+        "propagate": "Input of the next layer: quantized = this layer's output with int8 weights and per-token int8 "
+                     "activations (errors are seen downstream), fp = its floating-point output.",
+        "eval": "Measure perplexity before and after (on --eval-dataset; the W8A8 checkpoint with its activations "
+                "fake-quantized per token by compressed-tensors, as its config declares) and show both.",
+    }
+    HELP.update({k: AwqConfig.HELP[k] for k in ("calib_dataset", "calib_seqlen", "seed", "device", "overwrite",
+                                                 "eval_dataset", "eval_seqlen", "eval_max_tokens", "eval_tasks",
+                                                 "eval_limit")})
+
+    def __post_init__(self):
+        object.__setattr__(self, "work_dir", Path(self.work_dir).expanduser())
+        if self.alpha is not None and not (isinstance(self.alpha, (int, float)) and 0 <= self.alpha <= 1):
+            raise ValueError(f"--alpha must be in [0, 1] (or left out to search it), got {self.alpha}")
+        if self.num_grid < 1:
+            raise ValueError(f"--num-grid must be >= 1, got {self.num_grid}")
+        if self.calib_samples < 1:
+            raise ValueError(f"--calib-samples must be >= 1 (SmoothQuant needs activation statistics), got "
+                             f"{self.calib_samples}")
+        if self.calib_seqlen < 2:
+            raise ValueError(f"--calib-seqlen must be >= 2, got {self.calib_seqlen}")
+        if self.search_samples < 1:
+            raise ValueError(f"--search-samples must be >= 1, got {self.search_samples}")
+        if self.rounding not in ROUNDING_MODES:
+            raise ValueError(f"--rounding must be one of {', '.join(ROUNDING_MODES)}, got {self.rounding!r}")
+        if self.propagate not in PROPAGATE_MODES:
+            raise ValueError(f"--propagate must be one of {', '.join(PROPAGATE_MODES)}, got {self.propagate!r}")
+        if self.eval_seqlen < 2 or self.eval_max_tokens < 0:
+            raise ValueError("--eval-seqlen must be >= 2 and --eval-max-tokens >= 0")
+        resolve_device(self.device)
+
+    @property
+    def alphas(self) -> tuple[float, ...]:
+        """The migration strengths tried: none (no smoothing), the given one, or the grid."""
+        if not self.smooth:
+            return ()
+        if self.alpha is not None:
+            return (float(self.alpha),)
+        return tuple(k / self.num_grid for k in range(self.num_grid + 1))
+
+    def as_dict(self) -> dict:
+        """JSON-ready copy (for the report written beside the checkpoint)."""
+        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in fields(self)}
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """How ``evaluate_tasks`` scores a checkpoint on lm-evaluation-harness tasks through lmkit's engine."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from lmkit.lite import export
-from lmkit.lite.checkpoint import AWQ_SUFFIXES, CT_SUFFIXES, quantization_settings, tensor_reader
+from lmkit.lite.checkpoint import AWQ_SUFFIXES, CT_INT_FORMATS, CT_SUFFIXES, quantization_settings, tensor_reader
 from lmkit.lite.config import CHECKPOINT_FORMATS
 from lmkit.lite.layerwise import architecture_of, read_config
 from lmkit.lite.quantizer import NUM_BITS, QuantizedWeight, unpack_awq_gemm
@@ -83,7 +83,7 @@ def convert_checkpoint(source: str | Path, work_dir: str | Path, checkpoint_form
     Raises ValueError naming the problem: an fp checkpoint, a format lmkit cannot write or read, a source already
     in the target format, what the target cannot hold; export.WorkDirError for an unusable ``work_dir``.
     """
-    from lmkit.lite.awq import _dense_linears
+    from lmkit.lite.blocks import dense_linears
     from lmkit.models import get_architecture
     from lmkit.models.safetensors_index import index_folder
 
@@ -96,6 +96,9 @@ def convert_checkpoint(source: str | Path, work_dir: str | Path, checkpoint_form
     if settings is None:
         raise ValueError(f"{source} holds no int4 quantization_config (an fp checkpoint): quantize it with "
                          f"`lmkit lite awq {source} --format {checkpoint_format}`")
+    if str(settings.get("format", "")).lower() in CT_INT_FORMATS:
+        raise ValueError(f"{source} is an int8 checkpoint (compressed-tensors {settings['format']}): lmkit converts "
+                         "between its int4 formats only; int8 stays compressed-tensors, which lmkit serves as it is")
     source_format = checkpoint_format_of(settings)
     if source_format == checkpoint_format:
         raise ValueError(f"{source} is already a {checkpoint_format} checkpoint")
@@ -146,7 +149,7 @@ def convert_checkpoint(source: str | Path, work_dir: str | Path, checkpoint_form
         # compressed-tensors names the Linear modules it leaves dense (`ignore`); AutoAWQ readers go by the tensors
         dense = None
         if checkpoint_format == "compressed-tensors":
-            dense = _dense_linears(awq_map)
+            dense = dense_linears(awq_map)
             dense += [m for m in settings.get("modules_to_not_convert") or [] if m not in dense]
         config["quantization_config"] = export.quantization_config(group_size, dense, checkpoint_format)
         (temp_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,4 +1,5 @@
-"""Writing the int4 checkpoint folder, atomically, in one of two formats (CHECKPOINT_FORMATS):
+"""Writing a quantized checkpoint folder, atomically: int4 in one of two formats (CHECKPOINT_FORMATS), or
+SmoothQuant W8A8 int8 as compressed-tensors int-quantized (``int8_linear_tensors``):
 
     work_dir.parent/.<name>.tmp-XXXX/      everything is written here first
         model.safetensors (or shards + model.safetensors.index.json)
@@ -6,6 +7,7 @@
             compressed-tensors: <linear>.weight_packed int32 [out, in/8], .weight_zero_point int32 [out/8, in/g],
                                 .weight_scale fp16 [out, in/g], .weight_shape int64 [2] (llm-compressor's
                                 pack-quantized W4A16 asymmetric, packed by compressed-tensors' own pack_to_int32)
+            W8A8:               <linear>.weight int8 [out, in], .weight_scale fp16 [out, 1] (IntQuantizationCompressor's)
             <linear>.bias fp16; every other tensor fp16 (norm weights with the smoothing scales folded in, ...)
         config.json            + quantization_config: {quant_method: awq, version: gemm, bits: 4, group_size,
                                zero_point} or compressed-tensors' QuantizationConfig (one scheme, targets Linear)
@@ -13,6 +15,7 @@
         awq/search.safetensors  search results: scales/<layer>.<prev> [in], clip/<linear>.min|max [out, in/g]
         awq/report.json         settings, per-group exponents and losses, timings, sizes, perplexities
                                 (in a subfolder, so weight readers that glob *.safetensors never see them)
+                                (``lite smooth_quant``: smooth_quant/, the scales and the report)
         .lmkit-complete         written last
     -> renamed to work_dir
 """
@@ -29,6 +32,8 @@ from pathlib import Path
 import torch
 
 from lmkit.lite.config import CHECKPOINT_FORMATS  # noqa: F401  (re-exported: the formats written here)
+from lmkit.lite.int8 import NUM_BITS as INT8_BITS
+from lmkit.lite.int8 import Int8Weight
 from lmkit.lite.quantizer import NUM_BITS, QuantizedWeight, pack_awq_gemm
 
 COMPLETE_MARKER = ".lmkit-complete"  # the name lmkit.model_path uses for finished folders
@@ -60,6 +65,23 @@ def quantization_config(group_size: int, modules_to_not_convert: list[str] | Non
               "zero_point": True}
     if modules_to_not_convert:
         config["modules_to_not_convert"] = list(modules_to_not_convert)
+    return config
+
+
+def w8a8_quantization_config(modules_to_not_convert: list[str]) -> dict:
+    """The ``quantization_config`` of a SmoothQuant W8A8 checkpoint: compressed-tensors ``int-quantized``, int8
+    symmetric weights per output channel and int8 symmetric dynamic per-token input activations (llm-compressor's
+    W8A8 preset), ``modules_to_not_convert`` in its ``ignore`` list."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(num_bits=INT8_BITS, type="int", symmetric=True, strategy="channel"),
+        input_activations=QuantizationArgs(num_bits=INT8_BITS, type="int", symmetric=True, strategy="token",
+                                           dynamic=True))
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format="int-quantized",
+                                quantization_status="compressed", ignore=list(modules_to_not_convert)).model_dump()
+    config["quant_method"] = "compressed-tensors"
     return config
 
 
@@ -126,6 +148,16 @@ def linear_tensors(name: str, qw: QuantizedWeight, bias: torch.Tensor | None,
     return tensors
 
 
+def int8_linear_tensors(name: str, qw: Int8Weight, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors of one W8A8 linear ``name`` (without ``.weight``), on the host: what compressed-tensors'
+    IntQuantizationCompressor writes for a symmetric per-channel int8 weight."""
+    tensors = {f"{name}.weight": qw.q.to("cpu", torch.int8).contiguous(),
+               f"{name}.weight_scale": qw.scales.to("cpu", torch.float16).reshape(-1, 1).contiguous()}
+    if bias is not None:
+        tensors[f"{name}.bias"] = bias.detach().to("cpu", torch.float16)
+    return tensors
+
+
 def save_tensors(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """Save as model.safetensors, or as shards with an index when larger than ``max_shard_bytes``."""
     from safetensors.torch import save_file
@@ -171,11 +203,11 @@ def write_config(source: Path, folder: Path, quant_config: dict) -> None:
 
 
 def save_search_results(folder: Path, scales: dict[str, torch.Tensor], clips: dict[str, torch.Tensor],
-                        report: dict) -> None:
-    """awq/search.safetensors (plain tensors keyed by module name) and awq/report.json."""
+                        report: dict, subfolder: str = SEARCH_DIR) -> None:
+    """<subfolder>/search.safetensors (plain tensors keyed by module name) and <subfolder>/report.json."""
     from safetensors.torch import save_file
 
-    folder = folder / SEARCH_DIR
+    folder = folder / subfolder
     folder.mkdir(exist_ok=True)
     tensors = {f"scales/{k}": v.detach().to("cpu", torch.float32).contiguous() for k, v in scales.items()}
     tensors.update({f"clip/{k}": v.detach().to("cpu", torch.float32).contiguous() for k, v in clips.items()})

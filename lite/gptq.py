@@ -1,26 +1,73 @@
-"""Error-compensating rounding (GPTQ, Frantar et al. 2022) into the same int4 group format.
+"""Error-compensating rounding (GPTQ, Frantar et al. 2022) into lmkit's two weight formats: int4 groups
+(``gptq_quantize``, for AWQ) and int8 per output channel (``gptq_quantize_int8``, for SmoothQuant W8A8).
 
 Round-to-nearest rounds every weight on its own. GPTQ rounds the input columns of a linear one at a
 time and pushes each column's rounding error onto the columns not yet rounded, weighted by the inverse
 second moment of the input, so that the *output* error over the calibration tokens is what is
 minimised (to second order), not the weight error:
 
-    H = X^T X + damp * I        (X: the inputs the linear sees, after AWQ smoothing)   [in, in]
+    H = X^T X + damp * I        (X: the inputs the linear sees, after smoothing)   [in, in]
     U = chol(H^-1) upper
     for column c:  q_c = Q(w_c);  e = (w_c - q_c) / U[c, c];  w_{c+1:} -= e * U[c, c+1:]
 
-Each group's (scale, zero) is set when its first column is reached, from the weights as updated so far
-and shrunk by the clipping ratios the clip search chose for that (row, group). The result is an ordinary
-``QuantizedWeight``: a checkpoint reader cannot tell it from round-to-nearest.
+int4: each group's (scale, zero) is set when its first column is reached, from the weights as updated so
+far and shrunk by the clipping ratios the clip search chose for that (row, group). int8: one symmetric
+scale per row, from the row before rounding (as GPTQ does per channel). The result is an ordinary
+``QuantizedWeight`` / ``Int8Weight``: a checkpoint reader cannot tell it from round-to-nearest.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from lmkit.lite.int8 import Int8Weight, int8_scales
+from lmkit.lite.int8 import QMAX as INT8_MAX
 from lmkit.lite.quantizer import MAX_INT, QuantizedWeight, quantize_params
 
 BLOCK_COLUMNS = 128  # lazy-update block; a multiple of every supported group size
+
+# (group index, the block being rounded [out, cols], the group's first column in it) -> (scale, zero) [out]
+GroupParams = Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _inverse_factor(w: torch.Tensor, hessian: torch.Tensor, damp: float) -> torch.Tensor:
+    """U = chol(H^-1) upper of the damped ``hessian``; zeroes the columns of ``w`` no token reaches (in place)."""
+    in_features = w.shape[1]
+    h = hessian.detach().float().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += torch.eye(in_features, device=h.device) * (damp * float(torch.diag(h).mean()))
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+
+
+def _round_columns(w: torch.Tensor, u: torch.Tensor, group_size: int, params: GroupParams, q_min: int,
+                   q_max: int) -> torch.Tensor:
+    """Integers [out, in] (float32) of ``w`` [out, in] rounded column by column as in the module docstring:
+    q = clamp(round(w / scale) + zero, q_min, q_max), each group's (scale, zero) from ``params`` when its
+    first column is reached. ``w`` is updated in place."""
+    out_features, in_features = w.shape
+    q = torch.zeros(out_features, in_features, device=w.device)
+    s = z = None
+    for b0 in range(0, in_features, BLOCK_COLUMNS):
+        b1 = min(b0 + BLOCK_COLUMNS, in_features)
+        block = w[:, b0:b1].clone()
+        errors = torch.zeros_like(block)
+        ub = u[b0:b1, b0:b1]
+        for j in range(b1 - b0):
+            column = b0 + j
+            if column % group_size == 0:
+                s, z = params(column // group_size, block, j)
+            col = block[:, j]
+            qc = (torch.round(col / s) + z).clamp_(q_min, q_max)
+            q[:, column] = qc
+            err = (col - (qc - z) * s) / ub[j, j]
+            block[:, j:] -= err.unsqueeze(1) * ub[j, j:].unsqueeze(0)
+            errors[:, j] = err
+        w[:, b1:] -= errors @ u[b0:b1, b1:]
+    return q
 
 
 @torch.no_grad()
@@ -36,40 +83,33 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
     out_features, in_features = w.shape
     if in_features % group_size or BLOCK_COLUMNS % group_size:
         raise ValueError(f"group size {group_size} must divide {in_features} and {BLOCK_COLUMNS}")
-    h = hessian.detach().float().clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    h += torch.eye(in_features, device=h.device) * (damp * float(torch.diag(h).mean()))
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-
+    u = _inverse_factor(w, hessian, damp)
     num_groups = in_features // group_size
-    q = torch.zeros(out_features, in_features, dtype=torch.uint8, device=w.device)
     scales = torch.zeros(out_features, num_groups, dtype=torch.float16, device=w.device)
     zeros = torch.zeros(out_features, num_groups, device=w.device)
-    for b0 in range(0, in_features, BLOCK_COLUMNS):
-        b1 = min(b0 + BLOCK_COLUMNS, in_features)
-        block = w[:, b0:b1].clone()
-        errors = torch.zeros_like(block)
-        ub = u[b0:b1, b0:b1]
-        for j in range(b1 - b0):
-            column = b0 + j
-            if column % group_size == 0:
-                g = column // group_size
-                members = block[:, j:j + group_size]
-                lo, hi = members.amin(dim=1), members.amax(dim=1)
-                if clip_ratio_min is not None:
-                    lo = torch.where(lo < 0, lo * clip_ratio_min[:, g], lo)
-                if clip_ratio_max is not None:
-                    hi = torch.where(hi > 0, hi * clip_ratio_max[:, g], hi)
-                s16, z = quantize_params(lo, hi)
-                scales[:, g], zeros[:, g] = s16, z
-                s = s16.float()
-            col = block[:, j]
-            qc = (torch.round(col / s) + z).clamp_(0, MAX_INT)
-            q[:, column] = qc.to(torch.uint8)
-            err = (col - (qc - z) * s) / ub[j, j]
-            block[:, j:] -= err.unsqueeze(1) * ub[j, j:].unsqueeze(0)
-            errors[:, j] = err
-        w[:, b1:] -= errors @ u[b0:b1, b1:]
-    return QuantizedWeight(q=q, zeros=zeros.to(torch.uint8), scales=scales, group_size=group_size)
+
+    def params(g: int, block: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        members = block[:, j:j + group_size]
+        lo, hi = members.amin(dim=1), members.amax(dim=1)
+        if clip_ratio_min is not None:
+            lo = torch.where(lo < 0, lo * clip_ratio_min[:, g], lo)
+        if clip_ratio_max is not None:
+            hi = torch.where(hi > 0, hi * clip_ratio_max[:, g], hi)
+        s16, z = quantize_params(lo, hi)
+        scales[:, g], zeros[:, g] = s16, z
+        return s16.float(), z
+
+    q = _round_columns(w, u, group_size, params, 0, MAX_INT)
+    return QuantizedWeight(q=q.to(torch.uint8), zeros=zeros.to(torch.uint8), scales=scales, group_size=group_size)
+
+
+@torch.no_grad()
+def gptq_quantize_int8(weight: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01) -> Int8Weight:
+    """Symmetric int8 per output channel of ``weight`` [out, in] by GPTQ under ``hessian`` [in, in]; the
+    scales are round-to-nearest's (``int8_scales`` of the weight as given)."""
+    w = weight.detach().float().clone()
+    scales = int8_scales(w)
+    zero = torch.zeros_like(scales, dtype=torch.float32)
+    u = _inverse_factor(w, hessian, damp)
+    q = _round_columns(w, u, w.shape[1], lambda g, block, j: (scales.float(), zero), -INT8_MAX, INT8_MAX)
+    return Int8Weight(q=q.to(torch.int8), scales=scales)

@@ -3,7 +3,8 @@
 [tokens, in] (an expert's linear: the rows routed to it; its samples are those rows of the chunks that hold
 the search sequences):
 
-    abs_sum  [in]           sum_t |x_t|                  -> mean |x| per input channel (scale candidates)
+    abs_sum  [in]           sum_t |x_t|                  -> mean |x| per input channel (AWQ's scale candidates)
+    abs_max  [in]           max_t |x_t|                  -> SmoothQuant's scale candidates
     moments  [in/g, g, g]   sum_t x_t[G] x_t[G]^T        -> exact per-group output error (clip search)
     hessian  [in, in]       sum_t x_t x_t^T              -> GPTQ rounding (only with --rounding gptq)
     samples  [b, seq, in]   x of the first b sequences   -> block inputs on which scales are scored
@@ -26,6 +27,7 @@ class InputStats:
     abs_sum: torch.Tensor
     moments: torch.Tensor | None
     hessian: torch.Tensor | None = None  # [in, in] sum_t x_t x_t^T (for GPTQ rounding); moments are its blocks
+    abs_max: torch.Tensor | None = None  # [in] max_t |x_t| (zeros before the first token)
     num_tokens: int = 0
     samples: list[torch.Tensor] = field(default_factory=list)
 
@@ -43,6 +45,8 @@ class InputStats:
         """The statistics of x / scales (after smoothing folded the scales into the previous module)."""
         s = scales.to(self.abs_sum.device, torch.float32)
         self.abs_sum /= s
+        if self.abs_max is not None:
+            self.abs_max /= s
         if self.moments is not None:
             num_groups, g, _ = self.moments.shape
             inv = (1.0 / s).view(num_groups, g)
@@ -56,6 +60,10 @@ class InputStats:
     def accumulate(self, flat: torch.Tensor, group_size: int) -> None:
         """Adds the rows of ``flat`` [tokens, in] (fp32) to the sums."""
         self.abs_sum += flat.abs().sum(dim=0)
+        if self.abs_max is None:
+            self.abs_max = torch.zeros_like(self.abs_sum)
+        if flat.shape[0]:
+            torch.maximum(self.abs_max, flat.abs().amax(dim=0), out=self.abs_max)
         self.num_tokens += flat.shape[0]
         if self.hessian is not None:
             self.hessian += flat.t() @ flat
@@ -74,13 +82,15 @@ class GroupInputObserver:
     """Hooks on one decoder layer; ``stats[i]`` describes the input of ``awq_map.groups[i]``.
 
     Call ``begin_chunk(first_sequence)`` before each forward so the observer knows which rows belong
-    to the first ``num_samples`` sequences; ``remove()`` detaches the hooks.
+    to the first ``num_samples`` sequences; ``remove()`` detaches the hooks. ``group_size`` matters only
+    for the per-group ``moments`` (``with_moments``).
     """
 
     def __init__(self, layer: nn.Module, awq_map: AwqMap, group_size: int, num_samples: int, with_moments: bool,
                  with_hessian: bool = False):
         self.num_samples = num_samples
         self.group_size = group_size
+        self.with_moments = with_moments
         self.first_sequence = 0
         self.stats: list[InputStats] = []
         self._handles = []
@@ -114,7 +124,7 @@ class GroupInputObserver:
     def remove(self) -> None:
         """Detach the hooks; derive per-group moments from the hessians when those were gathered."""
         for stats in self.stats:
-            if stats.hessian is not None:
+            if stats.hessian is not None and self.with_moments:
                 stats.moments_from_hessian(self.group_size)
         for handle in self._handles:
             handle.remove()

@@ -172,6 +172,25 @@ def test_awq_eval_benchmark_smoke(tiny_llama, tmp_path):
     assert all(r["ppl"][n]["ppl"] > 1 for r in rows for n in ("hamlet", "pydoc"))
 
 
+def test_smoothquant_eval_benchmark_smoke(tmp_path):
+    """eval_smoothquant.py --smoke on a tiny model whose linears fit the int8 kernels: fp, plain W8A8 and
+    SmoothQuant rows with perplexities, engine greedy agreement and the JSON."""
+    import json
+
+    from tests.conftest import make_tiny_model
+
+    make_tiny_model(tmp_path / "m", "llama", intermediate_size=128)
+    run = _run_script("eval_smoothquant.py", "--smoke", "--model", str(tmp_path / "m"), "--work-dir",
+                      str(tmp_path / "sq"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "sq" / "figures.json").read_text())["rows"]
+    assert [r["method"] for r in rows][1::3] == ["W8A8, no smoothing, round-to-nearest",
+                                                 "lmkit default (alpha searched, GPTQ)"]
+    assert all(r["ppl"][n]["ppl"] > 1 for r in rows for n in ("hamlet", "pydoc"))
+    assert all(0 <= r["greedy_match"] <= r["greedy_total"] == 32 for r in rows)
+    assert rows[0]["greedy_match"] == 32  # the fp model against itself
+
+
 def test_generation_benchmark_smoke(smollm2_path, tmp_path):
     """profile_generation.py --smoke: one grid cell with its roofline fraction, CSV and chart."""
     run = _run_script("profile_generation.py", "--smoke", "--model", str(smollm2_path), "--threads", "1",
