@@ -228,7 +228,7 @@ def f16_gguf(model: Path) -> Path:
 
 
 # --gguf name -> LLAMA_FTYPE_MOSTLY_*
-GGUF_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q6_k": "Q6_K", "q8_0": "Q8_0"}
+GGUF_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "q8_0": "Q8_0"}
 
 
 def quantized_gguf(model: Path, kind: str) -> Path:

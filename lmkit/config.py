@@ -55,7 +55,7 @@ class EngineConfig:
     kv_policy: str | None = None
     """Per-layer KV precision file (kv_policy.json from `lmkit lite calibrate`); overrides quant_policy."""
     int8_activations: bool = True
-    """Quantized checkpoints (int4: AWQ, GPTQ, compressed-tensors, GGUF Q4_0/Q4_1/Q4_K; int8: GGUF Q5_0/Q8_0/Q6_K):
+    """Quantized checkpoints (int4: AWQ, GPTQ, compressed-tensors, GGUF Q4_0/Q4_1/Q4_K; int8: GGUF Q5_0/Q8_0/Q5_K/Q6_K):
     quantize activations to int8 and use integer dot products, in decode (per 32 values; AVX2 / AVX-512 VNNI,
     llama.cpp's approach) and prefill (on AMX-INT8 CPUs tiles with x per weight group, else the same kernels).
     False: fp32 activations, the exact product of the stored weights (2-5x slower prefill)."""

@@ -107,6 +107,22 @@ def random_q6_k_blocks(shape, std: float, rng) -> np.ndarray:
     return blocks.reshape(n, k // 256 * 210)
 
 
+def random_q5_k_blocks(shape, std: float, rng) -> np.ndarray:
+    """Q5_K super-blocks (fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 32 bytes of fifth bits, 128 bytes of
+    nibbles) of random content whose values w = q5 * d * sc - dmin * m have about the standard deviation ``std``,
+    centred."""
+    n, k = shape
+    nb = n * k // 256
+    d = (std / 300 * rng.uniform(0.5, 1.5, nb)).astype(np.float16)
+    dmin = (d.astype(np.float32) * 15.5).astype(np.float16)
+    blocks = np.concatenate([d.view(np.uint8).reshape(nb, 2), dmin.view(np.uint8).reshape(nb, 2),
+                             rng.integers(0, 256, (nb, 12 + 32 + 128), dtype=np.uint8)], axis=1)
+    return blocks.reshape(n, k // 256 * 176)
+
+
+K_QUANT_BLOCKS = {"Q4_K": random_q4_k_blocks, "Q5_K": random_q5_k_blocks, "Q6_K": random_q6_k_blocks}
+
+
 def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | None = None) -> dict:
     """``model`` (HF, fp32) as a GGUF file at ``out``: 2-D weights in ``qtype`` (the embedding in ``embed_type``),
     norms F32. Returns the reference state dict (every tensor as gguf dequantizes the written blocks)."""
@@ -146,14 +162,13 @@ def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | Non
         if data.ndim == 2:
             kind = embed_type if (embed_type and "embed_tokens" in name) else qtype
         qt = gguf.GGMLQuantizationType[kind]
-        if kind == "Q5_K":  # blocks of random bytes, for a type lmkit refuses (never run)
+        if kind == "Q2_K":  # blocks of random bytes, for a type lmkit refuses (never run)
             block, size = gguf.GGML_QUANT_SIZES[qt]
             raw = np.random.default_rng(0).integers(0, 255, (data.shape[0], data.shape[1] // block * size), np.uint8)
             writer.add_tensor(gname, raw, raw_dtype=qt)
             continue
-        if kind in ("Q4_K", "Q6_K"):  # gguf has no numpy quantizer of these: random blocks of the weight's scale
-            make = random_q4_k_blocks if kind == "Q4_K" else random_q6_k_blocks
-            stored = make(data.shape, float(data.std()), np.random.default_rng(len(reference)))
+        if kind in K_QUANT_BLOCKS:  # gguf has no numpy quantizer of these: random blocks of the weight's scale
+            stored = K_QUANT_BLOCKS[kind](data.shape, float(data.std()), np.random.default_rng(len(reference)))
         elif kind == "F16":
             stored = data.astype(np.float16)
         else:
@@ -215,10 +230,10 @@ K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512)  # K-quant rows: wh
 
 
 @pytest.mark.parametrize("arch", sorted(GGUF_ARCH))
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_k_quant_logits(arch, qtype, tmp_path):
-    """Q4_K / Q6_K layers and a tied embedding of the same type (rows dequantized on lookup, the head packed as
-    int4 with K-quant heads or int8 in blocks of 16)."""
+    """Q4_K / Q5_K / Q6_K layers and a tied embedding of the same type (rows dequantized on lookup, the head packed
+    as int4 with K-quant heads, int8 with offset heads or int8 in blocks of 16)."""
     shape = dict(K_QUANT_SHAPE, **({"head_dim": 64} if arch == "qwen3" else {}))
     path, ref = make_case(tmp_path, arch, qtype, seed=21 + len(arch), embed_type=qtype, tie_word_embeddings=True,
                           std=0.03, **shape)  # std as test_gguf_blocks_with_int8_activations: x's rounding bounded
@@ -240,7 +255,7 @@ def test_gguf_quantized_tied_embedding(tmp_path):
     assert engine_vs(path, ref, prompts_for(3), EXACT) <= 1e-4
 
 
-@pytest.mark.parametrize("ftype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K_M", "Q6_K"])
+@pytest.mark.parametrize("ftype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K"])
 def test_files_quantized_by_llama_cpp(ftype, tmp_path):
     """A file quantized by llama.cpp itself (llama_model_quantize through llama-cpp-python, where installed: it
     compiles llama.cpp, so CI skips this; benchmark/bench_peers.py runs the same files made from
@@ -326,9 +341,9 @@ def test_gguf_unsupported_type_names_type_and_tensor(tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", intermediate_size=256, hidden_size=256),
                                              dtype=torch.float32)
-    path = tmp_path / "q5k.gguf"
-    write_gguf(model, "llama", path, "Q5_K")
-    with pytest.raises(GgufError, match=r"tensor '[a-z_.0-9]+' has GGML type Q5_K, which lmkit cannot run"):
+    path = tmp_path / "q2k.gguf"
+    write_gguf(model, "llama", path, "Q2_K")
+    with pytest.raises(GgufError, match=r"tensor '[a-z_.0-9]+' has GGML type Q2_K, which lmkit cannot run"):
         resolve_model(path)
 
 

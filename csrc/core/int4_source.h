@@ -40,7 +40,8 @@ struct Int4Source {
 
 // An int8 weight as a checkpoint stores it (GGUF Q8_0, Q5_0): weight[n, j] = q[j, n] * scale[j / 32, n], q in
 // -127..127 (-128 allowed), blocks of 32 inputs with fp16 scales; or (GGUF Q6_K) blocks of 16 inputs with fp32
-// scales. The input of ops::pack_linear_int8 from a checkpoint.
+// scales; or (GGUF Q5_K) blocks of 32 with fp32 scales and offsets: q * scale + offset. The input of ops::pack_linear_int8 from a
+// checkpoint.
 struct Int8Source {
   int64_t num_out = 0, num_in = 0;  // the weight is [num_out, num_in]; num_in a multiple of 32
   // Reads block b (inputs [32 b, 32 b + 32)) for outputs [n0, n0 + count): q[r * count + c] = q of input
@@ -48,7 +49,10 @@ struct Int8Source {
   std::function<void(int64_t b, int64_t n0, int64_t count, int8_t* q, uint16_t* scales)> read_block;
   // Set instead of read_block for blocks of 16 inputs (b: inputs [16 b, 16 b + 16)) with fp32 scales[c].
   std::function<void(int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales)> read_block16;
-  bool is_set() const { return read_block != nullptr || read_block16 != nullptr; }
+  // Set instead of both for blocks of 32 whose values are q * scales[c] + offsets[c] (fp32 each).
+  std::function<void(int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales, float* offsets)>
+      read_block_offsets;
+  bool is_set() const { return read_block != nullptr || read_block16 != nullptr || read_block_offsets != nullptr; }
 };
 
 }  // namespace lmkit

@@ -47,7 +47,7 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //       zeros   [32] u8        zero point of (group, column j), 0..15
 //       quads   [g / 4][64] u8 byte i of 32-bit lane j of quad t: q[4t + i, j] | q[4t + i, j + 16] << 4
 //     weight[n, k] = (q[k, n] - zero[k / g, n]) * scale[k / g, n]; one stream per panel, scales inline.
-//     The group head has one of three forms (LinearWeight::int4_head, from the source):
+//     The group head has one of three forms (LinearWeight::group_head, from the source):
 //       Zeros    scales [32] fp16 | zeros [32] u8                          as above (AWQ, GPTQ, GGUF Q4_0)
 //       Offsets  scales [32] fp16 | offsets [32] fp16                      weight = q * scale + offset (GGUF Q4_1)
 //       KQuant   d [32] fp16 | dmin [32] fp16 | sc [32] u8 | m [32] u8     weight = q * (d * sc) - dmin * m
@@ -61,13 +61,19 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //     int8_activations (where the CPU has integer dot products) the fast path, as for Int4.
 //     group_size 16 (GGUF Q6_K: d * sc per 16 values, exact in fp32; dtype F32): K / 16 blocks of
 //       scales  [32] fp32 | quads [4][2][64] u8      (the same quads, 4 per block)
+//     group_head Offsets (GGUF Q5_K, group_size 32, dtype F32): K / 32 blocks of
+//       scales  [32] fp32 | offsets [32] fp32 | quads [8][2][64] u8     weight = (u8 - 128) * scale + offset
+//     (Q5_K's sub-block: q = q5 in 0..31, scale d * sc and offset -dmin * m, both exact in fp32: lossless; the
+//     int8-activation kernels add offset * sum(x) per block)
 //   Bf16Pairs (pack_linear_bf16 from a float weight; dtype BF16): per panel, ceil(K / 2) rows of 32
 //     little-endian 32-bit lanes; lane j of row r holds
 //       bf16(weight[n, 2r]) | bf16(weight[n, 2r + 1]) << 16       (n = p * 32 + j; 0 past N and K)
 //     the operand layout of AVX512_BF16's vdpbf16ps; x is rounded to bf16 per call, products summed in fp32.
 constexpr int kLinearPanelCols = 32;
 enum class WeightFormat : uint8_t { Dense, Int4, Int8, Bf16Pairs };
-enum class Int4Head : uint8_t { Zeros, Offsets, KQuant };  // the int4 group heads above
+// The group heads above: Int4 has all three; Int8 has Zeros (the plain blocks: scales only, the zero is the
+// stored 128) and Offsets.
+enum class GroupHead : uint8_t { Zeros, Offsets, KQuant };
 struct LinearWeight;
 struct WeightFormatTraits {
   WeightFormat format;
@@ -88,8 +94,8 @@ struct LinearWeight {
   WeightFormat format = WeightFormat::Dense;
   DType dtype = DType::F32;  // Dense: the stored dtype; Int4 and Int8: the scales' (F16; Int8/16: F32); Bf16Pairs: BF16
   int32_t group_size = 0;    // Int4: 32 / 64 / 128 along K; Int8: 32 or 16 (layouts above); 0 for the others
-  // Int4 only: the form of the group heads (layout above). AMX tiles run Zeros only.
-  Int4Head int4_head = Int4Head::Zeros;
+  // Int4 and Int8: the form of the group heads (layouts above). AMX tiles run Int4 Zeros only.
+  GroupHead group_head = GroupHead::Zeros;
   // Int4 only: null, or the order in which the weight takes the layer's inputs (Int4Source::input_perm);
   // ops::linear gathers x by it before the product.
   std::shared_ptr<const std::vector<int32_t>> input_perm;
@@ -111,8 +117,8 @@ LinearWeight pack_linear_int4(const Int4Source& source);
 // A float weight [N, K] (K a multiple of 32) quantized to int8 per 32 values along K (d = fp16(max |w| / 127),
 // q = round(w / d), as llama.cpp's Q8_0). Its int8_activations is false: the caller sets it for the fast path.
 LinearWeight pack_linear_int8(const Tensor& weight);
-// An int8 weight read from a checkpoint (GGUF Q8_0, Q5_0; Q6_K in blocks of 16) into the same panels, its values
-// and scales as they are.
+// An int8 weight read from a checkpoint (GGUF Q8_0, Q5_0; Q6_K in blocks of 16; Q5_K with offsets) into the same
+// panels, its values, scales and offsets as they are.
 LinearWeight pack_linear_int8(const Int8Source& source);
 // A float weight [N, K] rounded to bf16 (nearest even) into pair panels, for linear layers as bf16 dot
 // products with fp32 sums (EngineConfig dtype='bfloat16'); throws unless bf16_dot_available().

@@ -1,5 +1,6 @@
 #include "model/ggml_blocks.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "core/check.h"
@@ -55,6 +56,16 @@ void kquant_nibbles(const uint8_t* blk, int64_t j, uint8_t* q, int64_t stride) {
   const uint8_t* qs = blk + 16 + 32 * (j / 2);
   const int shift = (int)(j % 2) * 4;
   for (int64_t l = 0; l < kBlock; ++l) q[l * stride] = (uint8_t)((qs[l] >> shift) & 15);
+}
+
+// Q5_K super-block: Q4_K's d, dmin and scales, then qh[32] (bit j of qh[l]: the fifth bit of value l of sub-block
+// j), then Q4_K's qs[128]. The 32 values q5 (0..31) of sub-block j, value l at q[l * stride].
+void q5k_values(const uint8_t* blk, int64_t j, int8_t* q, int64_t stride) {
+  const uint8_t* qh = blk + 16;
+  const uint8_t* qs = blk + 48 + 32 * (j / 2);
+  const int shift = (int)(j % 2) * 4;
+  for (int64_t l = 0; l < kBlock; ++l)
+    q[l * stride] = (int8_t)(((qs[l] >> shift) & 15) | ((qh[l] >> j) & 1) << 4);
 }
 
 // Value e (0..255) of a Q6_K super-block, q6 - 32: its low 4 bits in ql, its high 2 in qh.
@@ -134,12 +145,26 @@ Int4Source ggml_int4_source(const Tensor& t, const RowOrder& rows, const std::st
 }
 
 Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::string& what) {
-  LMKIT_CHECK_ARG(t.dtype == DType::Q8_0 || t.dtype == DType::Q5_0 || t.dtype == DType::Q6_K, what, ": ",
-                  dtype_name(t.dtype), " is not a GGUF int8-valued block type");
+  LMKIT_CHECK_ARG(t.dtype == DType::Q8_0 || t.dtype == DType::Q5_0 || t.dtype == DType::Q5_K || t.dtype == DType::Q6_K,
+                  what, ": ", dtype_name(t.dtype), " is not a GGUF int8-valued block type");
   check_block_tensor(t, rows, what);
   Int8Source src;
   src.num_out = t.shape[0];
   src.num_in = t.shape[1];
+  if (t.dtype == DType::Q5_K) {  // block b of 32: sub-block b % 8 of super-block b / 8
+    src.read_block_offsets = [t, rows](int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales,
+                                       float* offsets) {
+      for (int64_t c = 0; c < count; ++c) {
+        const uint8_t* blk = block_at(t, stored_row(rows, n0 + c), b / 8);
+        uint8_t sc, m;
+        kquant_scale_min(blk + 4, b % 8, &sc, &m);
+        scales[c] = f16_to_f32(load_u16(blk)) * sc;  // both exact: an fp16 value times a 6-bit integer
+        offsets[c] = -(f16_to_f32(load_u16(blk + 2)) * m);
+        q5k_values(blk, b % 8, q + c, count);
+      }
+    };
+    return src;
+  }
   if (t.dtype == DType::Q6_K) {  // block b of 16: sub-block b % 16 of super-block b / 16
     src.read_block16 = [t, rows](int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales) {
       for (int64_t c = 0; c < count; ++c) {
@@ -164,20 +189,22 @@ void ggml_dequantize_row(const Tensor& t, int64_t row, float* out) {
   LMKIT_CHECK(dtype_is_block(t.dtype) && t.ndim == 2 && row >= 0 && row < t.shape[0], "ggml_dequantize_row: bad call");
   // through the readers the packers take: each block type's values have one definition
   const int64_t K = t.shape[1];
-  if (t.dtype == DType::Q8_0 || t.dtype == DType::Q5_0 || t.dtype == DType::Q6_K) {
+  if (t.dtype == DType::Q8_0 || t.dtype == DType::Q5_0 || t.dtype == DType::Q5_K || t.dtype == DType::Q6_K) {
     const Int8Source src = ggml_int8_source(t, nullptr, "embedding");
     const int64_t block = src.read_block16 ? 16 : kBlock;
     for (int64_t b = 0; b < K / block; ++b) {
       int8_t q[kBlock];
-      float s;
-      if (src.read_block16) {
+      float s, o = 0.0f;
+      if (src.read_block_offsets) {
+        src.read_block_offsets(b, row, 1, q, &s, &o);
+      } else if (src.read_block16) {
         src.read_block16(b, row, 1, q, &s);
       } else {
         uint16_t h;
         src.read_block(b, row, 1, q, &h);
         s = f16_to_f32(h);
       }
-      for (int64_t j = 0; j < block; ++j) out[b * block + j] = (float)q[j] * s;
+      for (int64_t j = 0; j < block; ++j) out[b * block + j] = std::fma((float)q[j], s, o);
     }
     return;
   }

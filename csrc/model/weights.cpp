@@ -90,7 +90,8 @@ LinearTensors single_tensor_linear(const Tensor& weight, const RowOrder& rows, c
                                    std::vector<std::shared_ptr<void>>* owned) {
   LinearTensors t;
   t.weight = weight;
-  if (weight.dtype == DType::Q8_0 || weight.dtype == DType::Q5_0 || weight.dtype == DType::Q6_K) {
+  if (weight.dtype == DType::Q8_0 || weight.dtype == DType::Q5_0 || weight.dtype == DType::Q5_K ||
+      weight.dtype == DType::Q6_K) {
     t.int8_source = ggml_int8_source(weight, rows, what);
   } else if (dtype_is_block(weight.dtype)) {
     t.int4_source = ggml_int4_source(weight, rows, what);
@@ -119,7 +120,7 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     if (want == DType::F32 && blocks_ok)
       LMKIT_CHECK_ARG(is_float(src.dtype) || dtype_is_block(src.dtype), config.architecture, ": tensor '", role,
                       "' has dtype ", dtype_name(src.dtype),
-                      "; only F32, F16, BF16, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K and Q8_0 are supported");
+                      "; only F32, F16, BF16, Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K and Q8_0 are supported");
     else if (want == DType::F32)
       LMKIT_CHECK_ARG(is_float(src.dtype), config.architecture, ": tensor '", role, "' has dtype ",
                       dtype_name(src.dtype), "; only F32, F16 and BF16 weights are supported");

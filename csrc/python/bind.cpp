@@ -31,6 +31,7 @@ DType parse_dtype(const std::string& s) {
   if (s == "Q5_0") return DType::Q5_0;
   if (s == "Q8_0") return DType::Q8_0;
   if (s == "Q4_K") return DType::Q4_K;
+  if (s == "Q5_K") return DType::Q5_K;
   if (s == "Q6_K") return DType::Q6_K;
   throw InvalidArgument("unsupported tensor dtype " + s);
 }

@@ -279,7 +279,8 @@ struct SourceWeight {
   std::vector<int8_t> q8;
   std::vector<uint8_t> q4, sc, m;         // sc, m: [K / 32, N]
   std::vector<uint16_t> scales, offsets;  // [K / group, N]; Q4_K: d and dmin, [K / 256, N]
-  std::vector<float> scales32;            // Q6_K: [K / 16, N]
+  std::vector<float> scales32;            // Q6_K: [K / 16, N]; Q5_K: [K / 32, N]
+  std::vector<float> offsets32;           // Q5_K: [K / 32, N]
   std::vector<double> dense;              // [N, K]
 };
 SourceWeight make_int8_weight(int64_t N, int64_t K) {
@@ -331,6 +332,36 @@ ops::LinearWeight pack_int8_fine_source(const SourceWeight& a, int64_t N, int64_
   expect(w.group_size == 16 && w.dtype == DType::F32, "a source of blocks of 16 packs into int8 blocks of 16");
   return w;
 }
+// Q5_K's sub-blocks as an Int8Source gives them: q5 in 0..31, scale d * sc, offset -dmin * m (fp16 d, dmin and
+// 6-bit sc, m: each product exact in fp32).
+SourceWeight make_int8_offset_weight(int64_t N, int64_t K) {
+  SourceWeight a;
+  std::uniform_int_distribution<int> q(0, 31), six(0, 63);
+  a.q8.resize(N * K);
+  for (auto& v : a.q8) v = (int8_t)q(g_rng);
+  for (float x : randn(K / 32 * N, 0.0005f))
+    a.scales32.push_back(f16_to_f32(f32_to_f16(std::fabs(x))) * (float)six(g_rng));
+  for (float x : randn(K / 32 * N, 0.001f))
+    a.offsets32.push_back(-(f16_to_f32(f32_to_f16(std::fabs(x))) * (float)six(g_rng)));
+  a.dense.resize(N * K);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k)
+      a.dense[n * K + k] = (double)a.q8[n * K + k] * a.scales32[k / 32 * N + n] + a.offsets32[k / 32 * N + n];
+  return a;
+}
+ops::LinearWeight pack_int8_offset_source(const SourceWeight& a, int64_t N, int64_t K) {
+  Int8Source src;
+  src.num_out = N, src.num_in = K;
+  src.read_block_offsets = [&a, N, K](int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales,
+                                      float* offsets) {
+    read_int8_block(a, a.scales32, N, K, 32, b, n0, count, q, scales);
+    for (int64_t c = 0; c < count; ++c) offsets[c] = a.offsets32[b * N + n0 + c];
+  };
+  ops::LinearWeight w = ops::pack_linear_int8(src);
+  expect(w.group_size == 32 && w.dtype == DType::F32 && w.group_head == ops::GroupHead::Offsets,
+         "a source with offsets packs into int8 blocks with offset heads");
+  return w;
+}
 SourceWeight make_int4_offset_weight(int64_t N, int64_t K, int64_t g) {
   SourceWeight a;
   std::uniform_int_distribution<int> q(0, 15);
@@ -359,7 +390,7 @@ ops::LinearWeight pack_int4_offset_source(const SourceWeight& a, int64_t N, int6
     for (int64_t c = 0; c < count; ++c) offsets[c] = a.offsets[gi * N + n0 + c];
   };
   ops::LinearWeight w = ops::pack_linear_int4(src);
-  expect(w.int4_head == ops::Int4Head::Offsets, "an int4 source with offsets packs into offset panels");
+  expect(w.group_head == ops::GroupHead::Offsets, "an int4 source with offsets packs into offset panels");
   return w;
 }
 SourceWeight make_int4_kquant_weight(int64_t N, int64_t K) {
@@ -396,15 +427,15 @@ ops::LinearWeight pack_int4_kquant_source(const SourceWeight& a, int64_t N, int6
     }
   };
   ops::LinearWeight w = ops::pack_linear_int4(src);
-  expect(w.int4_head == ops::Int4Head::KQuant && w.group_size == 32, "a K-quant source packs into K-quant panels");
+  expect(w.group_head == ops::GroupHead::KQuant && w.group_size == 32, "a K-quant source packs into K-quant panels");
   return w;
 }
 
 // GGUF's blocks through the engine's packers, with fp32 activations (the exact path: the product of the stored
 // weight, 1e-5 from float64) and with int8 activations (the float64 product of the quantized operands, only the
 // order of fp32 sums differs): Q8_0 as int8 panels, Q4_1 as int4 panels with offsets, Q4_K as int4 panels with
-// K-quant heads (K a multiple of 256), Q6_K as int8 blocks of 16, decode and prefill rows, partial panels (N % 32),
-// NaN-poisoned outputs.
+// K-quant heads (K a multiple of 256), Q6_K as int8 blocks of 16, Q5_K as int8 blocks with offsets, decode and
+// prefill rows, partial panels (N % 32), NaN-poisoned outputs.
 void test_linear_gguf_blocks() {
   struct Shape {
     int64_t M, N, K;
@@ -416,17 +447,19 @@ void test_linear_gguf_blocks() {
   for (const Shape& s : shapes)
     for (bool act8 : {false, true}) {
       if (act8 && !q8_runs) continue;
-      for (int kind = 0; kind < 4; ++kind) {
+      for (int kind = 0; kind < 5; ++kind) {
         if (kind >= 2 && s.K % 256 != 0) continue;
         const int64_t g = kind == 1 ? (s.K % 64 == 0 ? 64 : 32) : 32;
         const SourceWeight a = kind == 0   ? make_int8_weight(s.N, s.K)
                                : kind == 1 ? make_int4_offset_weight(s.N, s.K, g)
                                : kind == 2 ? make_int4_kquant_weight(s.N, s.K)
-                                           : make_int8_fine_weight(s.N, s.K);
+                               : kind == 3 ? make_int8_fine_weight(s.N, s.K)
+                                           : make_int8_offset_weight(s.N, s.K);
         ops::LinearWeight w = kind == 0   ? pack_int8_source(a, s.N, s.K)
                               : kind == 1 ? pack_int4_offset_source(a, s.N, s.K, g)
                               : kind == 2 ? pack_int4_kquant_source(a, s.N, s.K)
-                                          : pack_int8_fine_source(a, s.N, s.K);
+                              : kind == 3 ? pack_int8_fine_source(a, s.N, s.K)
+                                          : pack_int8_offset_source(a, s.N, s.K);
         w.int8_activations = act8;
         Weight b = make_weight(DType::F32, s.N, 0);
         std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN);
@@ -437,7 +470,8 @@ void test_linear_gguf_blocks() {
                      std::string(kind == 0   ? "linear Q8_0 (int8 panels)"
                                  : kind == 1 ? "linear Q4_1 (int4 offsets)"
                                  : kind == 2 ? "linear Q4_K (int4 K-quant heads)"
-                                             : "linear Q6_K (int8 blocks of 16)") +
+                                 : kind == 3 ? "linear Q6_K (int8 blocks of 16)"
+                                             : "linear Q5_K (int8 blocks with offsets)") +
                          (act8 ? " x int8" : " x fp32") + " M " + std::to_string(s.M) + " N " + std::to_string(s.N) +
                          " K " + std::to_string(s.K));
       }

@@ -237,23 +237,23 @@ void linear(const float* x, int64_t M, const void* w, DType dt, int64_t N, int64
 //   - decode (M small): a tile unpacks each k of a quad in registers (no dequantized copy anywhere),
 //     or, with int8 activations on a VNNI CPU, runs integer dot products (linear_int4_q8 below);
 //   - prefill: a K block of the panel is dequantized once into the L1 buffer and reused by every tile.
-// The other group heads (ops::LinearWeight::int4_head) replace the zeros:
+// The other group heads (ops::LinearWeight::group_head) replace the zeros:
 //   Offsets (GGUF Q4_1):  scales [32] fp16 | offsets [32] fp16 | quads;          w = q * scale + offset
 //   KQuant (GGUF Q4_K):   d [32] fp16 | dmin [32] fp16 | sc [32] u8 | m [32] u8 | quads;
 //                         w = q * (d * sc) - dmin * m   (d * sc and dmin * m exact in fp32: so is w)
 constexpr int64_t kI4Quad = 64;  // 4 k x 32 columns of nibbles
-inline int64_t i4_head_bytes(Int4Head head) {  // per column: 2 B scale + 1 B zero, 2 + 2 B, or 2 + 2 + 1 + 1 B
-  return kPanel * (head == Int4Head::Zeros ? 3 : head == Int4Head::Offsets ? 4 : 6);
+inline int64_t i4_head_bytes(GroupHead head) {  // per column: 2 B scale + 1 B zero, 2 + 2 B, or 2 + 2 + 1 + 1 B
+  return kPanel * (head == GroupHead::Zeros ? 3 : head == GroupHead::Offsets ? 4 : 6);
 }
-inline int64_t i4_group_bytes(int64_t g, Int4Head head) { return i4_head_bytes(head) + g / 4 * kI4Quad; }
+inline int64_t i4_group_bytes(int64_t g, GroupHead head) { return i4_head_bytes(head) + g / 4 * kI4Quad; }
 
 // The group's scale and -zero * scale (its offset; -dmin * m) per column vector.
-__attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, Int4Head head, V s[kNV], V nzs[kNV]) {
+__attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, GroupHead head, V s[kNV], V nzs[kNV]) {
   for (int v = 0; v < kNV; ++v) {
     s[v] = vload_f16((const uint16_t*)blk + v * kW);
-    if (head == Int4Head::Zeros) {
+    if (head == GroupHead::Zeros) {
       nzs[v] = vzero() - s[v] * vload_u8(blk + kPanel * 2 + v * kW);
-    } else if (head == Int4Head::Offsets) {
+    } else if (head == GroupHead::Offsets) {
       nzs[v] = vload_f16((const uint16_t*)(blk + kPanel * 2) + v * kW);
     } else {
       s[v] = s[v] * vload_u8(blk + kPanel * 4 + v * kW);
@@ -276,17 +276,24 @@ __attribute__((always_inline)) inline void i4_row(const uint8_t* quad, int i, co
 // mask per vector: w[k, j] = (u8 - 128) * d = fma(u8, d, -128 d), exact in fp32 (an 8-bit integer times an
 // fp16 scale), so this path gives the exact product of the stored weight, as the int4 one does.
 // Blocks of 16 (GGUF Q6_K: d * sc, exact in fp32) hold fp32 scales and 4 quads: scales [32] fp32 | 4 quads.
+// Offset heads (GroupHead::Offsets, GGUF Q5_K, blocks of 32): scales [32] fp32 | offsets [32] fp32 | 8 quads;
+// w = (u8 - 128) * d + offset = fma(u8, d, offset - 128 d).
 constexpr int64_t kI8Block = 32;
 constexpr int64_t kI8Head = kPanel * 2;  // fp16 scales
 constexpr int64_t kI8Quad = 128;         // 4 k x 32 columns of bytes
 constexpr int64_t kI8BlockBytes = kI8Head + kI8Block / 4 * kI8Quad;
-inline int64_t i8_head_bytes(int64_t g) { return g == 16 ? kPanel * 4 : kI8Head; }
-inline int64_t i8_block_bytes(int64_t g) { return i8_head_bytes(g) + g / 4 * kI8Quad; }
+inline int64_t i8_head_bytes(int64_t g, GroupHead head) {
+  return head == GroupHead::Offsets ? kPanel * 8 : g == 16 ? kPanel * 4 : kI8Head;
+}
+inline int64_t i8_block_bytes(int64_t g, GroupHead head) { return i8_head_bytes(g, head) + g / 4 * kI8Quad; }
 
-__attribute__((always_inline)) inline void i8_block_params(const uint8_t* blk, int64_t g, V s[kNV], V nzs[kNV]) {
+__attribute__((always_inline)) inline void i8_block_params(const uint8_t* blk, int64_t g, GroupHead head, V s[kNV],
+                                                           V nzs[kNV]) {
   for (int v = 0; v < kNV; ++v) {
-    s[v] = g == 16 ? vload((const float*)blk + v * kW) : vload_f16((const uint16_t*)blk + v * kW);
+    s[v] = g == 16 || head == GroupHead::Offsets ? vload((const float*)blk + v * kW)
+                                                 : vload_f16((const uint16_t*)blk + v * kW);
     nzs[v] = s[v] * vset1(-128.0f);
+    if (head == GroupHead::Offsets) nzs[v] = nzs[v] + vload((const float*)blk + kPanel + v * kW);
   }
 }
 // The 32 dequantized weights of k = 4t + i of a quad: columns v * kW.. lie in half v * kW / 16.
@@ -298,15 +305,16 @@ __attribute__((always_inline)) inline void i8_row(const uint8_t* quad, int i, co
 }
 
 // What the fp32-activation kernels need of a quantized panel format (BITS 4: int4 groups of g, their heads of
-// any form; BITS 8: int8 blocks of g = 32 or 16): a group's bytes, its head, one quad (4 k), and its dequantized rows.
+// any form; BITS 8: int8 blocks of g = 32 or 16, offset heads or none): a group's bytes, its head, one quad (4 k), and
+// its dequantized rows.
 template <int BITS>
 struct QuantPanel;
 template <>
 struct QuantPanel<4> {
   static constexpr int64_t kQuad = kI4Quad;
-  static int64_t group_bytes(int64_t g, Int4Head head) { return i4_group_bytes(g, head); }
-  static int64_t head_bytes(int64_t, Int4Head head) { return i4_head_bytes(head); }
-  __attribute__((always_inline)) static void params(const uint8_t* blk, int64_t, Int4Head head, V s[kNV],
+  static int64_t group_bytes(int64_t g, GroupHead head) { return i4_group_bytes(g, head); }
+  static int64_t head_bytes(int64_t, GroupHead head) { return i4_head_bytes(head); }
+  __attribute__((always_inline)) static void params(const uint8_t* blk, int64_t, GroupHead head, V s[kNV],
                                                     V nzs[kNV]) {
     i4_group_params(blk, head, s, nzs);
   }
@@ -318,10 +326,11 @@ struct QuantPanel<4> {
 template <>
 struct QuantPanel<8> {
   static constexpr int64_t kQuad = kI8Quad;
-  static int64_t group_bytes(int64_t g, Int4Head) { return i8_block_bytes(g); }
-  static int64_t head_bytes(int64_t g, Int4Head) { return i8_head_bytes(g); }
-  __attribute__((always_inline)) static void params(const uint8_t* blk, int64_t g, Int4Head, V s[kNV], V nzs[kNV]) {
-    i8_block_params(blk, g, s, nzs);
+  static int64_t group_bytes(int64_t g, GroupHead head) { return i8_block_bytes(g, head); }
+  static int64_t head_bytes(int64_t g, GroupHead head) { return i8_head_bytes(g, head); }
+  __attribute__((always_inline)) static void params(const uint8_t* blk, int64_t g, GroupHead head, V s[kNV],
+                                                    V nzs[kNV]) {
+    i8_block_params(blk, g, head, s, nzs);
   }
   __attribute__((always_inline)) static void row(const uint8_t* quad, int i, const V s[kNV], const V nzs[kNV],
                                                  V w[kNV]) {
@@ -331,7 +340,7 @@ struct QuantPanel<8> {
 
 // c[i, 0:ncols] = bias + x[i, 0:K] . W_panel for i < MR, dequantizing in registers (groups of g along K).
 template <int BITS, int MR>
-inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g, Int4Head head,
+inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g, GroupHead head,
                         float* c, int64_t ldc, int ncols, const float* bias) {
   using P = QuantPanel<BITS>;
   constexpr int KU = MR <= 2 ? 2 : 1;  // hide the FMA latency of short chains
@@ -378,14 +387,14 @@ inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64
 
 template <int BITS, int MR = kMRMax>
 inline void qpanel_tile_n(int mr, const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g,
-                          Int4Head head, float* c, int64_t ldc, int ncols, const float* bias) {
+                          GroupHead head, float* c, int64_t ldc, int ncols, const float* bias) {
   if (mr == MR) qpanel_tile<BITS, MR>(x, ldx, panel, K, g, head, c, ldc, ncols, bias);
   else if constexpr (MR > 1) qpanel_tile_n<BITS, MR - 1>(mr, x, ldx, panel, K, g, head, c, ldc, ncols, bias);
 }
 
 // bp[k][j] = w[k0 + k, j] as fp32 for k < kc (k0 and kc multiples of g).
 template <int BITS>
-inline void qpanel_convert(const uint8_t* panel, int64_t g, Int4Head head, int64_t k0, int64_t kc, float* bp) {
+inline void qpanel_convert(const uint8_t* panel, int64_t g, GroupHead head, int64_t k0, int64_t kc, float* bp) {
   using P = QuantPanel<BITS>;
   const int64_t gb = P::group_bytes(g, head), hb = P::head_bytes(g, head);
   for (int64_t k = k0; k < k0 + kc; k += g) {
@@ -405,7 +414,7 @@ constexpr int64_t kQuantConvertMinRows = 2 * kMRMax + 1;  // from here on, dequa
 // out = x @ w^T (+ bias) over quantized panels with fp32 activations: decode tiles dequantize in registers,
 // prefill dequantizes one K block of a panel into L1 and reuses it for every tile.
 template <int BITS>
-void linear_qpanels(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, Int4Head head,
+void linear_qpanels(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
                     const float* bias, float* out) {
   const int64_t panel_bytes = K / g * QuantPanel<BITS>::group_bytes(g, head);
   const int64_t kcb = kKC / g * g;  // K block: whole groups
@@ -430,13 +439,13 @@ void linear_qpanels(const float* x, int64_t M, const void* w, int64_t N, int64_t
   });
 }
 
-void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, Int4Head head,
+void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
                  const float* bias, float* out) {
   linear_qpanels<4>(x, M, w, N, K, g, head, bias, out);
 }
-void linear_int8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, const float* bias,
-                 float* out) {
-  linear_qpanels<8>(x, M, w, N, K, g, Int4Head::Zeros, bias, out);
+void linear_int8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
+                 const float* bias, float* out) {
+  linear_qpanels<8>(x, M, w, N, K, g, head, bias, out);
 }
 
 // ------------------------------------------------------------------ int4 x int8 (AVX-512 VNNI)
@@ -485,7 +494,7 @@ inline __m512 q8_u8x16(const uint8_t* p) {
 
 template <int MR>
 LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                               int64_t g, Int4Head head, float* c, int64_t ldc, int ncols, const float* bias) {
+                               int64_t g, GroupHead head, float* c, int64_t ldc, int ncols, const float* bias) {
   const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g, head), hb = i4_head_bytes(head);
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   __m512 tot[MR][2];
@@ -495,11 +504,11 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
     __m512 s[2], zs[2];
     for (int v = 0; v < 2; ++v) {
       s[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
-      if (head == Int4Head::Zeros) {  // zs: zero * scale, minus the offset, or dmin * m
+      if (head == GroupHead::Zeros) {  // zs: zero * scale, minus the offset, or dmin * m
         zs[v] = _mm512_mul_ps(s[v], q8_u8x16(blk + 64 + 16 * v));
       } else {
         const __m512 h1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 64 + 32 * v)));
-        if (head == Int4Head::Offsets) {
+        if (head == GroupHead::Offsets) {
           zs[v] = _mm512_sub_ps(_mm512_setzero_ps(), h1);
         } else {
           s[v] = _mm512_mul_ps(s[v], q8_u8x16(blk + 128 + 16 * v));
@@ -544,24 +553,28 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
     }
 }
 
-// The same for an int8 panel (ops::LinearWeight Int8): per G-k block (G = 32: fp16 scales; 16: fp32 scales),
-// scales [32] then G / 4 quads x 2 halves (columns 0-15, 16-31) of u8 = q + 128, so that
+// The same for an int8 panel (ops::LinearWeight Int8): per G-k block (G = 32: fp16 scales, or fp32 scales and
+// offsets when OFFSETS; 16: fp32 scales), the head then G / 4 quads x 2 halves (columns 0-15, 16-31) of
+// u8 = q + 128, so that
 //   sum_k q[k, j] qx[k] = sum_k u8[k, j] qx[k] - 128 * sum_k qx[k]      (exact in int32 / fp32)
-// sx: the sums of qx per G values (dx stays per 32).
-template <int MR, int G>
+// and an offset o adds o * sum_k qx[k]. sx: the sums of qx per G values (dx stays per 32).
+template <int MR, int G, bool OFFSETS = false>
 LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64_t K,
                                   const uint8_t* panel, float* c, int64_t ldc, int ncols, const float* bias) {
-  const int64_t nb = K / kQ8Block, ng = K / G, block_bytes = i8_block_bytes(G), hb = i8_head_bytes(G);
+  constexpr GroupHead kHead = OFFSETS ? GroupHead::Offsets : GroupHead::Zeros;
+  const int64_t nb = K / kQ8Block, ng = K / G, block_bytes = i8_block_bytes(G, kHead), hb = i8_head_bytes(G, kHead);
   __m512 tot[MR][2];
   for (int i = 0; i < MR; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
   const __m512 m128 = _mm512_set1_ps(128.0f);
   for (int64_t kg = 0; kg < ng; ++kg) {
     const uint8_t* blk = panel + kg * block_bytes;
     const int64_t kb = kg * G / kQ8Block;
-    __m512 d[2];
-    for (int v = 0; v < 2; ++v)
-      d[v] = G == 16 ? _mm512_loadu_ps((const float*)blk + 16 * v)
-                     : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
+    __m512 d[2], o[2];
+    for (int v = 0; v < 2; ++v) {
+      d[v] = G == 16 || OFFSETS ? _mm512_loadu_ps((const float*)blk + 16 * v)
+                                : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
+      if constexpr (OFFSETS) o[v] = _mm512_loadu_ps((const float*)blk + kPanel + 16 * v);
+    }
     __m512i acc[MR][2];
     for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
     const uint8_t* quads = blk + hb;
@@ -579,10 +592,13 @@ LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float
       }
     }
     for (int i = 0; i < MR; ++i) {
-      const __m512 dxi = _mm512_set1_ps(dx[i * nb + kb]), corr = _mm512_mul_ps(m128, _mm512_set1_ps(sx[i * ng + kg]));
+      const __m512 dxi = _mm512_set1_ps(dx[i * nb + kb]), sxi = _mm512_set1_ps(sx[i * ng + kg]);
+      const __m512 corr = _mm512_mul_ps(m128, sxi);
       for (int v = 0; v < 2; ++v) {
         const __m512 f = _mm512_sub_ps(_mm512_cvtepi32_ps(acc[i][v]), corr);
-        tot[i][v] = _mm512_fmadd_ps(dxi, _mm512_mul_ps(f, d[v]), tot[i][v]);
+        __m512 sum = _mm512_mul_ps(f, d[v]);
+        if constexpr (OFFSETS) sum = _mm512_fmadd_ps(o[v], sxi, sum);
+        tot[i][v] = _mm512_fmadd_ps(dxi, sum, tot[i][v]);
       }
     }
   }
@@ -599,11 +615,12 @@ LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float
 // BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g (sx then per g values).
 template <int BITS, int MR = kQ8MR>
 LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K,
-                                 const uint8_t* panel, int64_t g, Int4Head head, float* c, int64_t ldc, int ncols,
+                                 const uint8_t* panel, int64_t g, GroupHead head, float* c, int64_t ldc, int ncols,
                                  const float* bias) {
   if (mr == MR) {
     if constexpr (BITS == 4) q8_tile<MR>(qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
     else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
+    else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
     else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
   } else if constexpr (MR > 1) {
     q8_tile_n<BITS, MR - 1>(mr, qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
@@ -665,7 +682,7 @@ inline __m256 q8_u8x8(const uint8_t* p) {
 // tot[i][0:32] += this int4 panel's sums (group size g) for rows i < MR.
 template <int MR>
 inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel, int64_t g,
-                       Int4Head head, float (*tot)[kPanel]) {
+                       GroupHead head, float (*tot)[kPanel]) {
   const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g, head), hb = i4_head_bytes(head);
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   for (int64_t k0 = 0; k0 < K; k0 += g) {
@@ -696,11 +713,11 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
       }
       for (int v = 0; v < 4; ++v) {
         __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v))), zs;
-        if (head == Int4Head::Zeros) {  // zs: zero * scale, minus the offset, or dmin * m
+        if (head == GroupHead::Zeros) {  // zs: zero * scale, minus the offset, or dmin * m
           zs = _mm256_mul_ps(s, q8_u8x8(blk + 64 + 8 * v));
         } else {
           const __m256 h1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)));
-          if (head == Int4Head::Offsets) {
+          if (head == GroupHead::Offsets) {
             zs = _mm256_sub_ps(_mm256_setzero_ps(), h1);
           } else {
             s = _mm256_mul_ps(s, q8_u8x8(blk + 128 + 8 * v));
@@ -718,10 +735,13 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
   }
 }
 
-// tot[i][0:32] += this int8 panel's sums (layout as the AVX-512 path's q8_tile_i8, blocks of G) for rows i < MR.
-template <int MR, int G>
-inline void q8_tile_i8(const int8_t* qx, const float* dx, int64_t K, const uint8_t* panel, float (*tot)[kPanel]) {
-  const int64_t nb = K / kQ8Block, ng = K / G, block_bytes = i8_block_bytes(G), hb = i8_head_bytes(G);
+// tot[i][0:32] += this int8 panel's sums (layout as the AVX-512 path's q8_tile_i8, blocks of G, offset heads when
+// OFFSETS: + offset * sx, sx the sums of qx per G values) for rows i < MR.
+template <int MR, int G, bool OFFSETS = false>
+inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
+                       float (*tot)[kPanel]) {
+  constexpr GroupHead kHead = OFFSETS ? GroupHead::Offsets : GroupHead::Zeros;
+  const int64_t nb = K / kQ8Block, ng = K / G, block_bytes = i8_block_bytes(G, kHead), hb = i8_head_bytes(G, kHead);
   const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
   for (int64_t kg = 0; kg < ng; ++kg) {
     const uint8_t* blk = panel + kg * block_bytes;
@@ -749,10 +769,12 @@ inline void q8_tile_i8(const int8_t* qx, const float* dx, int64_t K, const uint8
       }
     }
     for (int v = 0; v < 4; ++v) {
-      const __m256 d = G == 16 ? _mm256_loadu_ps((const float*)blk + 8 * v)
-                               : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v)));
+      const __m256 d = G == 16 || OFFSETS ? _mm256_loadu_ps((const float*)blk + 8 * v)
+                                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v)));
       for (int i = 0; i < MR; ++i) {
-        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][v]), d);
+        __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][v]), d);
+        if constexpr (OFFSETS)
+          f = _mm256_fmadd_ps(_mm256_loadu_ps((const float*)blk + kPanel + 8 * v), _mm256_set1_ps(sx[i * ng + kg]), f);
         _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + kb]), f,
                                                          _mm256_loadu_ps(tot[i] + 8 * v)));
       }
@@ -763,12 +785,13 @@ inline void q8_tile_i8(const int8_t* qx, const float* dx, int64_t K, const uint8
 // BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g.
 template <int BITS, int MR = kQ8MR>
 inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                      int64_t g, Int4Head head, float* c, int64_t ldc, int ncols, const float* bias) {
+                      int64_t g, GroupHead head, float* c, int64_t ldc, int ncols, const float* bias) {
   if (mr == MR) {
     alignas(32) float tot[MR][kPanel] = {};
     if constexpr (BITS == 4) q8_tile_i4<MR>(qx, dx, sx, K, panel, g, head, tot);
-    else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, K, panel, tot);
-    else q8_tile_i8<MR, 32>(qx, dx, K, panel, tot);
+    else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, tot);
+    else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, tot);
+    else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, tot);
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < ncols; ++j) c[i * ldc + j] = bias ? tot[i][j] + bias[j] : tot[i][j];
   } else if constexpr (MR > 1) {
@@ -781,10 +804,10 @@ inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx
 // out = x @ w^T (+ bias) with int8 activations over int4 (BITS 4, groups of g) or int8 (BITS 8, blocks of g = 32
 // or 16) panels; K % 32 == 0.
 template <int BITS>
-LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, Int4Head head,
+LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
                           const float* bias, float* out) {
   const int64_t nb = K / kQ8Block;
-  const int64_t panel_bytes = BITS == 4 ? K / g * i4_group_bytes(g, head) : K / g * i8_block_bytes(g);
+  const int64_t panel_bytes = BITS == 4 ? K / g * i4_group_bytes(g, head) : K / g * i8_block_bytes(g, head);
   const bool fine = BITS == 8 && g == 16;  // blocks of 16: their own sums of qx
   const int64_t ns = fine ? K / 16 : nb;
   thread_local ScratchBuffer scratch;  // dx, sx (per 32), sums per 16 where fine, then qx
@@ -812,12 +835,12 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
     });
   });
 }
-void linear_int4_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, Int4Head head,
+void linear_int4_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
                     const float* bias, float* out) {
   linear_q8<4>(x, M, w, N, K, g, head, bias, out);
 }
-void linear_int8_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, const float* bias,
-                    float* out) {
-  linear_q8<8>(x, M, w, N, K, g, Int4Head::Zeros, bias, out);
+void linear_int8_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
+                    const float* bias, float* out) {
+  linear_q8<8>(x, M, w, N, K, g, head, bias, out);
 }
 #endif

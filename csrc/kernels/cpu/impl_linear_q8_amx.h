@@ -35,7 +35,7 @@ constexpr AmxTileConfig kAmxQ8TileConfig64 = {
 // k range [k0, k0 + kc) (whole groups); sc[gi][0:32] = the fp32 scales of each group gi of the range.
 LMKIT_AMX_I8 inline void q8_amx_unpack(const uint8_t* panel, int64_t g, int64_t k0, int64_t kc, int8_t* bq,
                                        float* sc) {
-  const int64_t gb = i4_group_bytes(g, Int4Head::Zeros);
+  const int64_t gb = i4_group_bytes(g, GroupHead::Zeros);
   const __m512i low4 = _mm512_set1_epi8(0x0f), spread = _mm512_set1_epi32(0x01010101);
   for (int64_t k = k0; k < k0 + kc; k += g) {
     const uint8_t* blk = panel + (k / g) * gb;
@@ -46,7 +46,7 @@ LMKIT_AMX_I8 inline void q8_amx_unpack(const uint8_t* panel, int64_t g, int64_t 
     const __m512i z0 = _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 64))), spread);
     const __m512i z1 = _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 80))), spread);
     for (int64_t t = 0; t < g / 4; ++t) {
-      const __m512i raw = _mm512_loadu_si512(blk + i4_head_bytes(Int4Head::Zeros) + t * kI4Quad);
+      const __m512i raw = _mm512_loadu_si512(blk + i4_head_bytes(GroupHead::Zeros) + t * kI4Quad);
       int8_t* row = bq + ((k - k0) / 4 + t) * 128;
       _mm512_storeu_si512(row, _mm512_sub_epi8(_mm512_and_si512(raw, low4), z0));
       _mm512_storeu_si512(row + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4), z1));
@@ -114,7 +114,7 @@ LMKIT_AMX_I8 inline void q8_amx_block(const int8_t* qx, int64_t ldq, const float
 // out = x @ w^T (+ bias) for int4 panels (group size g), x as int8 per group, on AMX tiles.
 LMKIT_AMX_I8 void linear_int4_amx(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,
                                   const float* bias, float* out) {
-  const int64_t ng = K / g, panel_bytes = K / g * i4_group_bytes(g, Int4Head::Zeros);
+  const int64_t ng = K / g, panel_bytes = K / g * i4_group_bytes(g, GroupHead::Zeros);
   const int64_t kt = g < 64 ? g : 64;
   const int64_t Mp = (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * (2 * kAmxRows);
   int64_t mblock = kAmxQ8MBlockBytes / K / (2 * kAmxRows) * (2 * kAmxRows);

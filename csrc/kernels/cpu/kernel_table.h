@@ -23,19 +23,20 @@ struct KernelTable {
   void (*linear)(const float* x, int64_t M, const void* w, DType wdtype, int64_t N, int64_t K, const float* bias,
                  float* out);
   // the same for an int4 weight (ops::LinearWeight int4 panels, group size g, group heads of form `head`)
-  void (*linear_int4)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, Int4Head head,
+  void (*linear_int4)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
                       const float* bias, float* out);
-  // the same for int8 panels (ops::LinearWeight Int8, blocks of g = 32 or 16), fp32 activations: the exact product
-  void (*linear_int8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, const float* bias,
-                      float* out);
+  // the same for int8 panels (ops::LinearWeight Int8, blocks of g = 32 or 16, heads of form `head`), fp32
+  // activations: the exact product
+  void (*linear_int8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
+                      const float* bias, float* out);
   // the same with activations quantized to int8 per 32 values and integer dot products (AVX2, AVX-512 VNNI);
   // nullptr where this ISA has none; the avx512 ones also need VNNI (dispatch.cpp q8_table picks)
-  void (*linear_int4_q8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, Int4Head head,
+  void (*linear_int4_q8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
                          const float* bias, float* out);
   // out = x @ w^T (+ bias) for int8 panels (pack_linear_int8), int8 activations; nullptr as above
-  void (*linear_int8_q8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,
+  void (*linear_int8_q8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
                          const float* bias, float* out);
-  // linear_int4_q8 on AMX tiles (AMX-INT8; Int4Head::Zeros only); nullptr where this build has none; dispatch.cpp
+  // linear_int4_q8 on AMX tiles (AMX-INT8; GroupHead::Zeros only); nullptr where this build has none; dispatch.cpp
   // calls it only once the process may use the tile registers
   void (*linear_int4_amx)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,
                           const float* bias, float* out);

@@ -22,15 +22,19 @@ namespace {
 
 // Bytes of one quantized panel block (ops.h's layouts), for the packers and the traits table alike: an int4 group
 // of g inputs (its head: per column fp16 scale + u8 zero, fp16 scale + fp16 offset, or fp16 d, dmin + u8 sc, m;
-// then the nibbles), an int8 block of 32 (fp16 scales, then one byte per value).
+// then the nibbles), an int8 block of 32 (fp16 scales, or fp32 scales and offsets; then one byte per value) or 16
+// (fp32 scales).
 constexpr int64_t kInt8Block = 32;
-int64_t int4_head_bytes(Int4Head head) {
-  return kLinearPanelCols * (head == Int4Head::Zeros ? 3 : head == Int4Head::Offsets ? 4 : 6);
+int64_t int4_head_bytes(GroupHead head) {
+  return kLinearPanelCols * (head == GroupHead::Zeros ? 3 : head == GroupHead::Offsets ? 4 : 6);
 }
-int64_t int4_group_bytes(int64_t g, Int4Head head) { return int4_head_bytes(head) + g * kLinearPanelCols / 2; }
+int64_t int4_group_bytes(int64_t g, GroupHead head) { return int4_head_bytes(head) + g * kLinearPanelCols / 2; }
 constexpr int64_t kInt8BlockBytes = kLinearPanelCols * 2 + kInt8Block * kLinearPanelCols;
 constexpr int64_t kInt8FineBytes = kLinearPanelCols * 4 + 16 * kLinearPanelCols;  // a block of 16, fp32 scales
-int64_t int8_block_bytes(int64_t g) { return g == 16 ? kInt8FineBytes : kInt8BlockBytes; }
+constexpr int64_t kInt8OffsetBytes = kLinearPanelCols * 8 + kInt8Block * kLinearPanelCols;  // fp32 scales, offsets
+int64_t int8_block_bytes(int64_t g, GroupHead head) {
+  return head == GroupHead::Offsets ? kInt8OffsetBytes : g == 16 ? kInt8FineBytes : kInt8BlockBytes;
+}
 #include "kernels/cpu/parallel.h"
 std::shared_ptr<void> alloc_packed(int64_t bytes, const char* what) {
   bytes = (bytes + 63) / 64 * 64;
@@ -118,13 +122,13 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
   LMKIT_CHECK_ARG(!(source.has_offsets() && source.has_kquant()),
                   "int4: a source has offsets or K-quant groups, not both");
   LMKIT_CHECK_ARG(!source.has_kquant() || g == 32, "int4: K-quant groups are 32 inputs, got group_size ", g);
-  packed.int4_head = source.has_kquant()    ? Int4Head::KQuant
-                     : source.has_offsets() ? Int4Head::Offsets
-                                            : Int4Head::Zeros;
+  packed.group_head = source.has_kquant()    ? GroupHead::KQuant
+                     : source.has_offsets() ? GroupHead::Offsets
+                                            : GroupHead::Zeros;
   packed.storage = alloc_packed(packed.size_bytes(), "an int4 weight");
   constexpr int64_t P = kLinearPanelCols;
-  const int64_t head = int4_head_bytes(packed.int4_head);
-  const int64_t group_bytes = int4_group_bytes(g, packed.int4_head), num_panels = (N + P - 1) / P;
+  const int64_t head = int4_head_bytes(packed.group_head);
+  const int64_t group_bytes = int4_group_bytes(g, packed.group_head), num_panels = (N + P - 1) / P;
   uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
   auto pack_range = [&](int64_t p0, int64_t p1) {
     std::vector<uint8_t> q(g * P), zeros(P), sc(P), m(P);
@@ -136,12 +140,12 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
       for (int64_t gi = 0; gi < K / g; ++gi) {
         source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
         uint8_t* blk = dst + (p * (K / g) + gi) * group_bytes;
-        if (packed.int4_head == Int4Head::KQuant) {  // d | dmin | sc | m
+        if (packed.group_head == GroupHead::KQuant) {  // d | dmin | sc | m
           source.read_kquant(gi, p * P, count, scales.data(), dmin.data(), sc.data(), m.data());
           std::memcpy(blk + 2 * P, dmin.data(), 2 * P);
           std::memcpy(blk + 4 * P, sc.data(), P);
           std::memcpy(blk + 5 * P, m.data(), P);
-        } else if (packed.int4_head == Int4Head::Offsets) {
+        } else if (packed.group_head == GroupHead::Offsets) {
           source.read_offsets(gi, p * P, count, offsets.data());
           std::memcpy(blk + 2 * P, offsets.data(), 2 * P);
         } else {
@@ -210,7 +214,7 @@ LinearWeight concat_linear(const std::vector<const LinearWeight*>& parts) {
     LMKIT_CHECK(!w.is_empty(), "concat_linear: part ", i, " is empty");
     const bool same = w.format == first.format && w.k == first.k && w.dtype == first.dtype &&
                       w.group_size == first.group_size && w.int8_activations == first.int8_activations &&
-                      w.int4_head == first.int4_head && same_perm(w.input_perm, first.input_perm);
+                      w.group_head == first.group_head && same_perm(w.input_perm, first.input_perm);
     if (!same || (i + 1 < parts.size() && w.n % kLinearPanelCols != 0)) return {};
     fused.n += w.n;
   }
@@ -255,28 +259,37 @@ LinearWeight pack_linear_int8(const Int8Source& source) {
   const int64_t N = source.num_out, K = source.num_in;
   LMKIT_CHECK_ARG(N > 0 && K > 0 && K % 32 == 0, "int8: weight must be [N, K] with K a multiple of 32, got [", N,
                   ", ", K, "]");
-  const bool fine = source.read_block16 != nullptr;
-  LMKIT_CHECK_ARG(fine != (source.read_block != nullptr), "int8: the source needs exactly one reader");
+  const bool fine = source.read_block16 != nullptr, offsets = source.read_block_offsets != nullptr;
+  LMKIT_CHECK_ARG((int)fine + (int)offsets + (int)(source.read_block != nullptr) == 1,
+                  "int8: the source needs exactly one reader");
   LinearWeight packed;
   packed.format = WeightFormat::Int8;
-  packed.dtype = fine ? DType::F32 : DType::F16;
+  packed.dtype = fine || offsets ? DType::F32 : DType::F16;
   packed.group_size = fine ? 16 : 32;
+  packed.group_head = offsets ? GroupHead::Offsets : GroupHead::Zeros;
   packed.n = N;
   packed.k = K;
   packed.storage = alloc_packed(packed.size_bytes(), "an int8 weight");
   constexpr int64_t P = kLinearPanelCols;
-  const int64_t B = packed.group_size, block_bytes = int8_block_bytes(B), head = fine ? 4 * P : 2 * P;
+  const int64_t B = packed.group_size, block_bytes = int8_block_bytes(B, packed.group_head);
+  const int64_t head = offsets ? 8 * P : fine ? 4 * P : 2 * P;
   const int64_t nb = K / B, num_panels = (N + P - 1) / P;
   uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
   auto pack_range = [&](int64_t p0, int64_t p1) {
     std::vector<int8_t> q(B * P);
     std::vector<uint16_t> scales(P);
-    std::vector<float> scales32(P);
+    std::vector<float> scales32(P), offsets32(P);
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t count = std::min(P, N - p * P);  // columns past count: scale 0, u8 128
+      const int64_t count = std::min(P, N - p * P);  // columns past count: scale 0 (offset 0), u8 128
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* blk = dst + (p * nb + b) * block_bytes;
-        if (fine) {
+        if (offsets) {
+          std::fill(scales32.begin(), scales32.end(), 0.0f);
+          std::fill(offsets32.begin(), offsets32.end(), 0.0f);
+          source.read_block_offsets(b, p * P, count, q.data(), scales32.data(), offsets32.data());
+          std::memcpy(blk, scales32.data(), 4 * P);
+          std::memcpy(blk + 4 * P, offsets32.data(), 4 * P);
+        } else if (fine) {
           std::fill(scales32.begin(), scales32.end(), 0.0f);
           source.read_block16(b, p * P, count, q.data(), scales32.data());
           std::memcpy(blk, scales32.data(), 4 * P);
@@ -431,22 +444,22 @@ void run_dense(const float* x, int64_t M, const LinearWeight& w, const float* b,
   cpu::active().linear(x, M, w.storage.get(), w.dtype, w.n, w.k, b, out);
 }
 void run_int4(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
-  const bool amx_fits = w.int8_activations && w.int4_head == Int4Head::Zeros && M >= kLinearAmxInt8MinRows;
+  const bool amx_fits = w.int8_activations && w.group_head == GroupHead::Zeros && M >= kLinearAmxInt8MinRows;
   const cpu::KernelTable* amx = amx_fits ? cpu::amx_int8_table_in_use() : nullptr;
   const cpu::KernelTable* q8 = w.int8_activations ? cpu::q8_table() : nullptr;
   if (amx != nullptr)
     amx->linear_int4_amx(x, M, w.storage.get(), w.n, w.k, w.group_size, b, out);
   else if (q8 != nullptr)
-    q8->linear_int4_q8(x, M, w.storage.get(), w.n, w.k, w.group_size, w.int4_head, b, out);
+    q8->linear_int4_q8(x, M, w.storage.get(), w.n, w.k, w.group_size, w.group_head, b, out);
   else
-    cpu::active().linear_int4(x, M, w.storage.get(), w.n, w.k, w.group_size, w.int4_head, b, out);
+    cpu::active().linear_int4(x, M, w.storage.get(), w.n, w.k, w.group_size, w.group_head, b, out);
 }
 void run_int8(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
   const cpu::KernelTable* q8 = w.int8_activations ? cpu::q8_table() : nullptr;
   if (q8 != nullptr)
-    q8->linear_int8_q8(x, M, w.storage.get(), w.n, w.k, w.group_size, b, out);
+    q8->linear_int8_q8(x, M, w.storage.get(), w.n, w.k, w.group_size, w.group_head, b, out);
   else
-    cpu::active().linear_int8(x, M, w.storage.get(), w.n, w.k, w.group_size, b, out);
+    cpu::active().linear_int8(x, M, w.storage.get(), w.n, w.k, w.group_size, w.group_head, b, out);
 }
 void run_bf16_pairs(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
   const cpu::KernelTable* amx = M >= kLinearAmxMinRows ? cpu::amx_table_in_use() : nullptr;
@@ -463,11 +476,13 @@ const WeightFormatTraits kWeightFormats[] = {
      pack_linear, [] { return (const char*)nullptr; }, run_dense},
     {WeightFormat::Int4, "int4",
      [](const LinearWeight& w) {
-       return num_panels(w) * (w.k / w.group_size) * int4_group_bytes(w.group_size, w.int4_head);
+       return num_panels(w) * (w.k / w.group_size) * int4_group_bytes(w.group_size, w.group_head);
      },
      nullptr, [] { return (const char*)nullptr; }, run_int4},
     {WeightFormat::Int8, "int8",
-     [](const LinearWeight& w) { return num_panels(w) * (w.k / w.group_size) * int8_block_bytes(w.group_size); },
+     [](const LinearWeight& w) {
+       return num_panels(w) * (w.k / w.group_size) * int8_block_bytes(w.group_size, w.group_head);
+     },
      [](const Tensor& w) { return pack_linear_int8(w); }, [] { return (const char*)nullptr; }, run_int8},
     {WeightFormat::Bf16Pairs, "bf16_pairs",
      [](const LinearWeight& w) { return num_panels(w) * ((w.k + 1) / 2) * kLinearPanelCols * 4; },
