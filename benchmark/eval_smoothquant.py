@@ -3,11 +3,14 @@ text, and the engine's greedy agreement with the fp model.
 
     python benchmark/eval_smoothquant.py              # SmolLM2-135M-Instruct, 128 x 512 of the default calibration
                                                       # text (shakespeare+pydoc)
+    python benchmark/eval_smoothquant.py --llmcompressor-python /tmp/llmc/bin/python   # also llm-compressor's W8A8
+                                                      # recipe on the same windows (benchmark/run_llmcompressor.py)
     python benchmark/eval_smoothquant.py --smoke      # tiny settings, to check the script runs
 
 Rows: plain W8A8 (int8 weights per channel, per-token int8 activations, no smoothing: round-to-nearest, then with
 GPTQ rounding), SmoothQuant with the fixed migration strength 0.5 and round-to-nearest (the paper's and LMDeploy's
-smooth_quant default), and lmkit's default (strength searched per group, GPTQ rounding).
+smooth_quant default), the strength searched per group with GPTQ rounding, and lmkit's default (searched,
+round-to-nearest).
 
 Perplexity (``lmkit.lite.ppl``, torch reference path, fp32 compute, activations fake-quantized per token by
 compressed-tensors as the checkpoints declare): the first 2,048 tokens of Hamlet and of the held-out pydoc topics
@@ -42,6 +45,30 @@ def greedy_tokens(model, new_tokens: int) -> list[list[int]]:
     return [r.token_ids for r in results]
 
 
+def run_llmcompressor(args, source: Path) -> tuple[Path, float]:
+    """llm-compressor's W8A8 checkpoint of ``source`` on lmkit's calibration windows (run_llmcompressor.py)."""
+    import shutil
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    from lmkit.lite.calib import mixed_windows
+    from lmkit.lite.corpora import calibration_corpora
+
+    windows = mixed_windows(AutoTokenizer.from_pretrained(source), calibration_corpora(args.calib_dataset),
+                            args.calib_samples, args.calib_seqlen, seed=0)
+    out = args.work_dir / "llmcompressor"
+    shutil.rmtree(out, ignore_errors=True)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    (args.work_dir / "llmcompressor_windows.json").write_text(json.dumps(windows.tolist()))
+    run = subprocess.run([args.llmcompressor_python, str(Path(__file__).with_name("run_llmcompressor.py")),
+                          str(source), str(args.work_dir / "llmcompressor_windows.json"), str(out)],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"llm-compressor failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+    return out, json.loads(run.stdout.strip().splitlines()[-1])["quantize_seconds"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -51,6 +78,9 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-seqlen", type=int, default=512)
     parser.add_argument("--eval-tokens", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--llmcompressor-python", default=None,
+                        help="a Python with llmcompressor installed: also its W8A8 recipe on the same windows")
+    parser.add_argument("--only-llmcompressor", action="store_true", help="skip lmkit's rows (fp is kept)")
     parser.add_argument("--smoke", action="store_true", help="tiny settings: checks the script, not the model")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "benchmark" / "results" / "smoothquant")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here (default: WORK_DIR/figures.json)")
@@ -76,22 +106,26 @@ def main(argv=None) -> int:
         same = sum(a == b for got, want in zip(tokens, reference) for a, b in zip(got, want))
         rows.append({"method": label, "quantize_seconds": seconds, "ppl": ppl, "greedy_match": same,
                      "greedy_total": sum(map(len, reference)), "eval_seconds": round(time.perf_counter() - t, 1)})
-        print(f"  {label:40s} " + "  ".join(f"{n} {ppl[n]['ppl']:.3f}" for n in EVAL_SETS)
+        print(f"  {label:50s} " + "  ".join(f"{n} {ppl[n]['ppl']:.3f}" for n in EVAL_SETS)
               + f"  engine greedy {same}/{rows[-1]['greedy_total']}"
               + (f"  ({seconds:.0f} s to quantize)" if seconds else ""), flush=True)
 
     add("fp (fp16 weights, fp32 compute)", source, None)
     variants = [("W8A8, no smoothing, round-to-nearest", "plain-rtn", dict(smooth=False, rounding="nearest")),
-                ("W8A8, no smoothing, GPTQ", "plain-gptq", dict(smooth=False)),
+                ("W8A8, no smoothing, GPTQ", "plain-gptq", dict(smooth=False, rounding="gptq")),
                 ("SmoothQuant alpha 0.5, round-to-nearest", "sq-0.5-rtn", dict(alpha=0.5, rounding="nearest")),
-                ("lmkit default (alpha searched, GPTQ)", "sq", {})]
-    for label, folder, overrides in variants:
+                ("SmoothQuant alpha searched, GPTQ", "sq-gptq", dict(rounding="gptq")),
+                ("lmkit default (alpha searched, round-to-nearest)", "sq", dict(rounding="nearest"))]
+    for label, folder, overrides in ([] if args.only_llmcompressor else variants):
         settings = dict(work_dir=args.work_dir / folder, calib_dataset=args.calib_dataset,
                         calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen, overwrite=True)
         settings.update(overrides)
         start = time.perf_counter()
         result = quantize_smooth_quant(source, SmoothQuantConfig(**settings))
         add(label, result.work_dir, round(time.perf_counter() - start, 1))
+
+    if args.llmcompressor_python:
+        add("llm-compressor 0.14 (SmoothQuant 0.8 + GPTQ)", *run_llmcompressor(args, source))
 
     fp = {n: rows[0]["ppl"][n]["ppl"] for n in EVAL_SETS}
     plain = {n: rows[1]["ppl"][n]["ppl"] for n in EVAL_SETS}

@@ -149,7 +149,7 @@ class SmoothQuantConfig:
     calib_seqlen: int = 2048
     seed: int = 0
     search_samples: int = 8
-    rounding: str = "gptq"
+    rounding: str = "nearest"
     propagate: str = "quantized"
     device: str = "auto"
     overwrite: bool = False
@@ -172,9 +172,9 @@ class SmoothQuantConfig:
         "calib_samples": "Calibration windows (at least 1: SmoothQuant needs activation statistics).",
         "search_samples": "Calibration windows on which candidate strengths are scored (statistics and GPTQ use all "
                           "of them).",
-        "rounding": "gptq (default) = after smoothing, error-compensating rounding (GPTQ) of the int8 weights under the "
-                    "smoothed inputs' second moments, as llm-compressor's W8A8 recipe does; nearest = round each "
-                    "weight on its own.",
+        "rounding": "nearest (default) = round each int8 weight on its own; gptq = error-compensating rounding (GPTQ) "
+                    "under the smoothed inputs' second moments, as llm-compressor's W8A8 recipe does (on SmolLM2 it "
+                    "fitted the calibration text: better on Hamlet, worse on held-out pydoc; benchmark/RESULTS.md).",
         "propagate": "Input of the next layer: quantized = this layer's output with int8 weights and per-token int8 "
                      "activations (errors are seen downstream), fp = its floating-point output.",
         "eval": "Measure perplexity before and after (on --eval-dataset; the W8A8 checkpoint with its activations "

@@ -16,8 +16,8 @@ output channel and take it well:
         (x -> Q_token(x / s), W -> Q_channel(W * s): lmkit.lite.int8); no smoothing is a candidate too, so a
         group is never worse off than unsmoothed W8A8
       3 fold the chosen scales into the previous norm / linear (checked to leave the fp layer unchanged)
-      4 per linear: int8 per output channel, GPTQ rounding under the smoothed inputs' second moments (default)
-        or round-to-nearest
+      4 per linear: int8 per output channel, round-to-nearest (default) or GPTQ rounding under the smoothed
+        inputs' second moments
       5 next layer's input: this layer's output with int8 weights and per-token int8 activations
         (--propagate fp: the fp output)
     -> compressed-tensors int-quantized W8A8 (weights int8 channel, activations int8 token dynamic) in a temp

@@ -184,8 +184,8 @@ def test_smoothquant_eval_benchmark_smoke(tmp_path):
                       str(tmp_path / "sq"))
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "sq" / "figures.json").read_text())["rows"]
-    assert [r["method"] for r in rows][1::3] == ["W8A8, no smoothing, round-to-nearest",
-                                                 "lmkit default (alpha searched, GPTQ)"]
+    assert [r["method"] for r in rows][1::4] == ["W8A8, no smoothing, round-to-nearest",
+                                                 "lmkit default (alpha searched, round-to-nearest)"]
     assert all(r["ppl"][n]["ppl"] > 1 for r in rows for n in ("hamlet", "pydoc"))
     assert all(0 <= r["greedy_match"] <= r["greedy_total"] == 32 for r in rows)
     assert rows[0]["greedy_match"] == 32  # the fp model against itself

@@ -54,7 +54,8 @@ def prompts(seed: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def smoothed(lite_tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("sq") / "w8a8"
-    result = quantize_smooth_quant(lite_tiny_llama, SmoothQuantConfig(work_dir=out, **TINY), keep_pseudo_quantized=True)
+    result = quantize_smooth_quant(lite_tiny_llama, SmoothQuantConfig(work_dir=out, rounding="gptq", **TINY),
+                                   keep_pseudo_quantized=True)  # GPTQ here, round-to-nearest (the default) elsewhere
     return out, result
 
 
@@ -248,7 +249,7 @@ def test_perplexity_report_and_cli(lite_tiny_llama, tmp_path):
                                       "--calib-dataset", "pydoc", "--calib-samples", "8", "--calib-seqlen", "64",
                                       "--search-samples", "4", "--device", "cpu", "--eval", "--eval-dataset", "pydoc"])
     assert result.exit_code == 0, result.output
-    for text in ("SmoothQuant W8A8 int8", "groups smoothed", "(searched)", "gptq rounding", "perplexity", "size"):
+    for text in ("SmoothQuant W8A8 int8", "groups smoothed", "(searched)", "nearest rounding", "perplexity", "size"):
         assert text in result.output, (text, result.output)
     report = json.loads((out / REPORT_DIR / "report.json").read_text())
     before, after = report["ppl_before"]["ppl"], report["ppl_after"]["ppl"]
