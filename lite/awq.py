@@ -36,17 +36,15 @@ from torch import nn
 
 from lmkit.lite import export
 from lmkit.lite.apply import fold_scales
-from lmkit.lite.blocks import (Discard, LayerRunner, block_function, can_fold, can_fold_expert, cover_experts,
-                               dense_linears, is_expert_group, self_check)
-from lmkit.lite.calib import mixed_windows
-from lmkit.lite.config import AwqConfig, PplConfig, resolve_device
-from lmkit.lite.corpora import calibration_corpora
+from lmkit.lite.blocks import (Discard, LayerRunner, block_function, calibration_inputs, can_fold, can_fold_expert,
+                               cover_experts, dense_linears, is_expert_group, outer_tensors, self_check)
+from lmkit.lite.config import AwqConfig, resolve_device
 from lmkit.lite.gptq import gptq_quantize
 from lmkit.lite.layerwise import LayerwiseModel
 from lmkit.lite.observer import GroupInputObserver
 from lmkit.lite.quantizer import PACK_NUM, SUPPORTED_GROUP_SIZES, QuantizedWeight, quantize
 from lmkit.lite.search import refine_quantization, search_clip, search_scale, shrink_grid
-from lmkit.lite.progress import Reporter, SilentReporter, ppl_dict
+from lmkit.lite.progress import Reporter, SilentReporter, evaluate_before_after, report_json
 from lmkit.lite.threads import torch_threads
 from lmkit.models import AwqMap
 
@@ -220,8 +218,6 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
     already quantized input, group size, calibration data, work dir). ``keep_pseudo_quantized`` returns
     the dequantized weights as computed in memory too (to verify the checkpoint against; small models).
     """
-    from transformers import AutoTokenizer
-
     from lmkit.model_path import resolve_model
 
     reporter = reporter or SilentReporter()
@@ -240,11 +236,7 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
         seqlen = 0
         if not config.is_rtn:
             reporter.phase(f"tokenizing calibration data ({config.calib_dataset})")
-            tokenizer = AutoTokenizer.from_pretrained(source)
-            seqlen = min(config.calib_seqlen, lw.max_seqlen) if lw.max_seqlen else config.calib_seqlen
-            windows = mixed_windows(tokenizer, calibration_corpora(config.calib_dataset), config.calib_samples,
-                                    seqlen, config.seed)
-            x = lw.embed(windows)
+            x, seqlen = calibration_inputs(lw, config)
         phase_seconds["prepare"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -265,11 +257,7 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
 
         t = time.perf_counter()
         reporter.phase("writing the checkpoint")
-        layers_prefix = lw.awq_map.layers + "."
-        for name in lw.entries:
-            if not name.startswith(layers_prefix):
-                value = lw.read_tensor(name)
-                tensors[name] = value.to(torch.float16) if value.is_floating_point() else value
+        tensors.update(outer_tensors(lw))
         export.save_tensors(tensors, temp_dir)
         del tensors
         dense = dense_linears(lw.awq_map) if config.format == "compressed-tensors" else None
@@ -285,35 +273,8 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
             phase_seconds=phase_seconds, layers=layer_reports, pseudo_quantized=kept)
         result.seconds = time.perf_counter() - start  # quantization time: before the optional evaluation
 
-        if config.eval:
-            from lmkit.lite.ppl import evaluate_perplexity
-
-            ppl_config = PplConfig(dataset=config.eval_dataset, seqlen=config.eval_seqlen,
-                                   max_tokens=config.eval_max_tokens, device=config.device)
-            reporter.phase(f"perplexity of the source on {config.eval_dataset}")
-            result.ppl_before = evaluate_perplexity(source, ppl_config)
-            reporter.phase(f"perplexity of the AWQ checkpoint on {config.eval_dataset}")
-            result.ppl_after = evaluate_perplexity(temp_dir, ppl_config)
-        if config.eval_tasks:
-            from lmkit.lite.config import EvalConfig
-            from lmkit.lite.evaluate import evaluate_tasks
-
-            eval_config = EvalConfig(tasks=tuple(config.eval_tasks), limit=config.eval_limit)
-            reporter.phase(f"tasks {', '.join(config.eval_tasks)}: the source")
-            result.tasks_before = evaluate_tasks(source, eval_config)
-            reporter.phase(f"tasks {', '.join(config.eval_tasks)}: the {result.method.upper()} checkpoint")
-            result.tasks_after = evaluate_tasks(temp_dir, eval_config)
-
-        report = {
-            "source": str(source), "method": result.method, "settings": config.as_dict(),
-            "calib_seqlen_used": seqlen, "seconds": round(result.seconds, 2),
-            "phase_seconds": {k: round(v, 2) for k, v in phase_seconds.items()},
-            "size_before_bytes": result.size_before_bytes, "size_after_bytes": result.size_after_bytes,
-            "ppl_before": ppl_dict(result.ppl_before), "ppl_after": ppl_dict(result.ppl_after),
-            "tasks_before": result.tasks_before.as_dict() if result.tasks_before else None,
-            "tasks_after": result.tasks_after.as_dict() if result.tasks_after else None,
-            "layers": layer_reports,
-        }
+        evaluate_before_after(result, config, source, temp_dir, result.method.upper(), reporter)
+        report = report_json(result, config, seqlen)
         export.save_search_results(temp_dir, scales, clips, report)
         export.publish(temp_dir, config.work_dir, {"kind": "awq", "method": result.method,
                                                    "group_size": config.w_group_size, "source": str(source)})

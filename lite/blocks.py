@@ -1,6 +1,6 @@
 """A decoder layer as the layer-by-layer quantizers (``lite awq``, ``lite smooth_quant``) see it: its residual
-blocks, the checks that the model's smoothing table (lmkit/models/) describes it, and a runner over the
-calibration windows.
+blocks, the checks that the model's smoothing table (lmkit/models/) describes it, the calibration inputs and a
+runner over them, and the tensors outside the layers that a checkpoint carries over.
 
     layer(x) == x + post(block(norm(x))) for each residual block (norm, block) in turn   (``self_check``)
     a smoothing group's scales fold into its prev without changing the layer            (``can_fold``)
@@ -232,3 +232,29 @@ def cover_experts(layer: nn.Module, awq_map: AwqMap, stats: list[InputStats], mi
         rebuilt.samples = [h.float()]
         stats[i] = rebuilt
     return {"tokens_per_expert": tokens, "min_tokens": min_tokens, "searched_on_all_tokens": union}
+
+
+def calibration_inputs(model: LayerwiseModel, config) -> tuple[torch.Tensor, int]:
+    """(embeddings [samples, seqlen, hidden] fp32, seqlen) of ``config``'s calibration windows (calib_dataset,
+    calib_samples, calib_seqlen clipped to the model's context, seed), tokenized by the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from lmkit.lite.calib import mixed_windows
+    from lmkit.lite.corpora import calibration_corpora
+
+    tokenizer = AutoTokenizer.from_pretrained(model.folder)
+    seqlen = min(config.calib_seqlen, model.max_seqlen) if model.max_seqlen else config.calib_seqlen
+    windows = mixed_windows(tokenizer, calibration_corpora(config.calib_dataset), config.calib_samples, seqlen,
+                            config.seed)
+    return model.embed(windows), seqlen
+
+
+def outer_tensors(model: LayerwiseModel) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors outside the decoder layers (embeddings, final norm, lm_head), floats as fp16."""
+    prefix = model.awq_map.layers + "."
+    tensors = {}
+    for name in model.entries:
+        if not name.startswith(prefix):
+            value = model.read_tensor(name)
+            tensors[name] = value.to(torch.float16) if value.is_floating_point() else value
+    return tensors

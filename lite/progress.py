@@ -1,8 +1,9 @@
 """What the layer-by-layer quantizers (``quantize_awq``, ``quantize_smooth_quant``) tell their caller as they go
-(the CLI renders it with rich), and the perplexity entry of their report.json."""
+(the CLI renders it with rich), the before/after quality they measure on request, and their report.json."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 
@@ -34,3 +35,42 @@ def ppl_dict(result) -> dict | None:
     if result is None:
         return None
     return {"dataset": result.dataset, "ppl": result.ppl, "num_tokens": result.num_tokens}
+
+
+def evaluate_before_after(result, config, source: Path, checkpoint: Path, label: str, reporter: Reporter) -> None:
+    """Sets ``result``'s ppl_before/ppl_after (``config.eval``) and tasks_before/tasks_after (``config.eval_tasks``):
+    the source against the finished ``checkpoint`` (called ``label`` in the progress line). ``config`` has the
+    eval_* fields and device of AwqConfig / SmoothQuantConfig."""
+    if config.eval:
+        from lmkit.lite.config import PplConfig
+        from lmkit.lite.ppl import evaluate_perplexity
+
+        ppl_config = PplConfig(dataset=config.eval_dataset, seqlen=config.eval_seqlen,
+                               max_tokens=config.eval_max_tokens, device=config.device)
+        reporter.phase(f"perplexity of the source on {config.eval_dataset}")
+        result.ppl_before = evaluate_perplexity(source, ppl_config)
+        reporter.phase(f"perplexity of the {label} checkpoint on {config.eval_dataset}")
+        result.ppl_after = evaluate_perplexity(checkpoint, ppl_config)
+    if config.eval_tasks:
+        from lmkit.lite.config import EvalConfig
+        from lmkit.lite.evaluate import evaluate_tasks
+
+        eval_config = EvalConfig(tasks=tuple(config.eval_tasks), limit=config.eval_limit)
+        reporter.phase(f"tasks {', '.join(config.eval_tasks)}: the source")
+        result.tasks_before = evaluate_tasks(source, eval_config)
+        reporter.phase(f"tasks {', '.join(config.eval_tasks)}: the {label} checkpoint")
+        result.tasks_after = evaluate_tasks(checkpoint, eval_config)
+
+
+def report_json(result, config, calib_seqlen: int) -> dict:
+    """report.json of a quantizer's run: settings, timings, sizes, before/after quality, per-layer reports."""
+    return {
+        "source": str(result.source), "method": result.method, "settings": config.as_dict(),
+        "calib_seqlen_used": calib_seqlen, "seconds": round(result.seconds, 2),
+        "phase_seconds": {k: round(v, 2) for k, v in result.phase_seconds.items()},
+        "size_before_bytes": result.size_before_bytes, "size_after_bytes": result.size_after_bytes,
+        "ppl_before": ppl_dict(result.ppl_before), "ppl_after": ppl_dict(result.ppl_after),
+        "tasks_before": result.tasks_before.as_dict() if result.tasks_before else None,
+        "tasks_after": result.tasks_after.as_dict() if result.tasks_after else None,
+        "layers": result.layers,
+    }
