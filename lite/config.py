@@ -92,7 +92,7 @@ class AwqConfig(LayerwiseQuantConfig):
     """How ``quantize_awq`` turns a floating-point checkpoint into an AWQ int4 one."""
 
     w_group_size: int = 128
-    format: str = "autoawq"
+    format: str = "compressed-tensors"
     search_scale: bool = True
     clip: bool = True
     num_grid: int = 20
@@ -107,8 +107,9 @@ class AwqConfig(LayerwiseQuantConfig):
         **LayerwiseQuantConfig.HELP,
         "work_dir": "Output folder: the AWQ checkpoint (written to a temp folder, renamed into place at the end).",
         "w_group_size": "Input channels per (scale, zero) group: 32, 64 or 128; must divide every quantized layer.",
-        "format": "Checkpoint format: autoawq (AutoAWQ GEMM: qweight/qzeros/scales) or compressed-tensors "
-                  "(llm-compressor's pack-quantized W4A16, what vLLM and SGLang load); lmkit serves both.",
+        "format": "Checkpoint format: compressed-tensors (llm-compressor's pack-quantized W4A16, what vLLM and SGLang "
+                  "load) or autoawq (AutoAWQ GEMM: qweight/qzeros/scales, what LMDeploy's TurboMind loads); lmkit "
+                  "serves both and `lmkit lite convert` moves a checkpoint between them.",
         "calib_samples": "Calibration windows. 0 = no calibration: plain round-to-nearest (RTN) baseline.",
         "search_scale": "Grid-search the per-channel smoothing scales (off: no smoothing).",
         "clip": "Search per-group clipping ranges by output error (off: full min/max range).",

@@ -64,7 +64,8 @@ def check_not_quantized(config: dict, tensor_names, folder: Path) -> None:
             f"{folder} is already quantized (quantization_config.quant_method={method!r}); "
             "AWQ needs the original floating-point checkpoint"
         )
-    packed = [n for n in tensor_names if n.endswith((".qweight", ".qzeros", ".g_idx"))]
+    packed = [n for n in tensor_names  # AutoAWQ / GPTQ; compressed-tensors (int4 packed, int8 with scales)
+              if n.endswith((".qweight", ".qzeros", ".g_idx", ".weight_packed", ".weight_scale"))]
     if packed:
         raise AlreadyQuantizedError(
             f"{folder} holds packed quantized tensors (e.g. {packed[0]}); "

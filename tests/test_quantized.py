@@ -30,7 +30,7 @@ def rtn_checkpoint(src: Path, out: Path, group_size: int) -> Path:
     from lmkit.lite.awq import quantize_awq
     from lmkit.lite.config import AwqConfig
 
-    quantize_awq(src, AwqConfig(work_dir=out, w_group_size=group_size, calib_samples=0))
+    quantize_awq(src, AwqConfig(work_dir=out, w_group_size=group_size, format="autoawq", calib_samples=0))
     return out
 
 

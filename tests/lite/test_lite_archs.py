@@ -89,7 +89,7 @@ def arch(request, tmp_path_factory):
     case = request.param
     folder = tmp_path_factory.mktemp(f"arch-{case}")
     make_arch_model(folder / "fp", case)
-    result = quantize_awq(folder / "fp", AwqConfig(work_dir=folder / "awq", w_group_size=32, **TINY_CALIB),
+    result = quantize_awq(folder / "fp", AwqConfig(work_dir=folder / "awq", w_group_size=32, format="autoawq", **TINY_CALIB),
                           keep_pseudo_quantized=True)
     return case, folder / "fp", result, folder / "awq"
 

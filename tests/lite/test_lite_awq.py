@@ -29,7 +29,7 @@ from tests.lite.conftest import TINY_CALIB
 def test_checkpoint_reads_back_exactly(request, tmp_path, model_fixture, options):
     source = request.getfixturevalue(model_fixture)
     out = tmp_path / "awq"
-    result = quantize_awq(source, AwqConfig(work_dir=out, w_group_size=32, **TINY_CALIB, **options),
+    result = quantize_awq(source, AwqConfig(work_dir=out, w_group_size=32, format="autoawq", **TINY_CALIB, **options),
                           keep_pseudo_quantized=True)
     assert result.method == "awq" and result.num_layers == 2 and out.is_dir()
     assert (out / COMPLETE_MARKER).is_file() and not list(tmp_path.glob(".awq.tmp-*"))
@@ -76,7 +76,7 @@ def test_checkpoint_is_reproducible_from_search_results(lite_tiny_llama, tmp_pat
     """Phase separation: fp weights + saved scales + saved clip ranges -> the exact packed integers (with
     round-to-nearest; GPTQ rounding also depends on the inputs' second moments, which are not saved)."""
     out = tmp_path / "awq"
-    quantize_awq(lite_tiny_llama, AwqConfig(work_dir=out, w_group_size=32, refine=False, rounding="nearest",
+    quantize_awq(lite_tiny_llama, AwqConfig(work_dir=out, w_group_size=32, format="autoawq", refine=False, rounding="nearest",
                                             **TINY_CALIB))
     search = load_file(out / "awq" / "search.safetensors")
     state, _ = read_state_dict(out)
@@ -97,13 +97,13 @@ def test_checkpoint_is_reproducible_from_search_results(lite_tiny_llama, tmp_pat
 
 
 def test_rtn_and_ablations(lite_tiny_llama, tmp_path):
-    rtn = quantize_awq(lite_tiny_llama, AwqConfig(work_dir=tmp_path / "rtn", w_group_size=64, calib_samples=0),
+    rtn = quantize_awq(lite_tiny_llama, AwqConfig(work_dir=tmp_path / "rtn", w_group_size=64, format="autoawq", calib_samples=0),
                        keep_pseudo_quantized=True)
     assert rtn.method == "rtn" and not (tmp_path / "rtn" / "awq" / "search.safetensors").exists()
     fp = load_causal_lm(lite_tiny_llama)
     for name, w in rtn.pseudo_quantized.items():
         assert torch.equal(w, quantize(fp.get_parameter(name), 64).dequantize())
-    plain = quantize_awq(lite_tiny_llama, AwqConfig(work_dir=tmp_path / "plain", w_group_size=64, search_scale=False,
+    plain = quantize_awq(lite_tiny_llama, AwqConfig(work_dir=tmp_path / "plain", w_group_size=64, format="autoawq", search_scale=False,
                                                     clip=False, refine=False, rounding="nearest", **TINY_CALIB),
                          keep_pseudo_quantized=True)
     for name, w in plain.pseudo_quantized.items():  # no search, no clip, nearest rounding: AWQ degenerates to RTN

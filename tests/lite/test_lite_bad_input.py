@@ -79,7 +79,7 @@ def test_empty_or_short_calibration_data(lite_tiny_llama, tmp_path, text, match)
 def test_already_quantized_input(lite_tiny_llama, tmp_path):
     first = tmp_path / "awq"
     quantize_awq(lite_tiny_llama, AwqConfig(work_dir=first, w_group_size=32, calib_samples=0))
-    with pytest.raises(AlreadyQuantizedError, match="already quantized .*quant_method='awq'"):
+    with pytest.raises(AlreadyQuantizedError, match="already quantized .*quant_method='compressed-tensors'"):
         quantize_awq(first, AwqConfig(work_dir=tmp_path / "out", w_group_size=32))
     _nothing_written(tmp_path)
     config = json.loads((first / "config.json").read_text())  # packed tensors without a config entry

@@ -80,9 +80,9 @@ def moe(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"moe-{case}")
     config_class, overrides, _, _ = CASES[case]
     make_moe_model(folder / "fp", config_class, overrides)
-    result = quantize_awq(folder / "fp", AwqConfig(work_dir=folder / "awq", w_group_size=32, **TINY_CALIB),
+    result = quantize_awq(folder / "fp", AwqConfig(work_dir=folder / "awq", w_group_size=32, format="autoawq", **TINY_CALIB),
                           keep_pseudo_quantized=True)
-    quantize_awq(folder / "fp", AwqConfig(work_dir=folder / "rtn", w_group_size=32, calib_samples=0))
+    quantize_awq(folder / "fp", AwqConfig(work_dir=folder / "rtn", w_group_size=32, format="autoawq", calib_samples=0))
     return case, folder / "fp", result, folder / "awq", folder / "rtn"
 
 
