@@ -35,9 +35,8 @@ import torch
 from torch import nn
 
 from lmkit.lite import export
-from lmkit.lite.apply import fold_scales
-from lmkit.lite.blocks import (Discard, LayerRunner, block_function, calibration_inputs, can_fold, can_fold_expert,
-                               cover_experts, dense_linears, is_expert_group, outer_tensors, self_check)
+from lmkit.lite.blocks import (Discard, LayerRunner, block_function, calibration_inputs, cover_experts, dense_linears,
+                               fold_chosen, foldable_groups, is_expert_group, layer_other_tensors, outer_tensors)
 from lmkit.lite.config import AwqConfig, resolve_device
 from lmkit.lite.gptq import gptq_quantize
 from lmkit.lite.layerwise import LayerwiseModel
@@ -104,12 +103,9 @@ def _process_layer(model: LayerwiseModel, runner: LayerRunner | None, index: int
     if x is not None:
         t = time.perf_counter()
         num_search = min(config.search_samples, x.shape[0])
-        check_kwargs = runner.kwargs(index, 1)  # the checks run before the observer hooks are attached
-        expected = self_check(layer, awq_map, check_kwargs, x[:1], prefix.rstrip("."))
-        foldable = [config.search_scale and (
-            can_fold_expert(layer, awq_map, group, prefix.rstrip(".")) if is_expert_group(awq_map, group) else
-            can_fold(layer, awq_map, group, check_kwargs, x[:1], expected, prefix.rstrip(".")))
-            for group in awq_map.groups]
+        # the checks run before the observer hooks are attached
+        foldable = foldable_groups(layer, awq_map, runner.kwargs(index, 1), x[:1], prefix.rstrip("."),
+                                   config.search_scale)
         observer = GroupInputObserver(layer, awq_map, g, num_search, with_moments=config.clip or config.refine,
                                       with_hessian=config.rounding == "gptq")
         try:  # with --propagate fp the fp output is the next layer's input; else it only feeds the observer
@@ -138,11 +134,7 @@ def _process_layer(model: LayerwiseModel, runner: LayerRunner | None, index: int
                                    "prev cannot take the scales (shapes, or v -> o under grouped-query attention)")
                 chosen.append(None)
             report["groups"].append(entry)
-        for group, stats, scales in zip(awq_map.groups, observer.stats, chosen):
-            if scales is not None:
-                fold_scales(layer, group, scales, awq_map.norm_weight_offset)
-                stats.rescale(scales)
-                scales_out[prefix + group.prev] = scales
+        fold_chosen(layer, awq_map, observer.stats, chosen, prefix, scales_out)
         seconds["scale_search"] += time.perf_counter() - t
 
         t = time.perf_counter()
@@ -161,10 +153,7 @@ def _process_layer(model: LayerwiseModel, runner: LayerRunner | None, index: int
         tensors.update(export.linear_tensors(stored, quantized[name], linear.bias, config.format))
         if kept is not None:
             kept[stored + ".weight"] = quantized[name].dequantize()
-    quantized_names = {n + ".weight" for n in awq_map.linears} | {n + ".bias" for n in awq_map.linears}
-    for name, value in layer.state_dict().items():
-        if name not in quantized_names:
-            tensors[model.checkpoint_name(index, name)] = value.detach().to("cpu", torch.float16)
+    tensors.update(layer_other_tensors(model, index, layer, awq_map))
     seconds["quantize"] += time.perf_counter() - t
 
     if x is not None and config.propagate == "quantized":

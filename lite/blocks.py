@@ -258,3 +258,33 @@ def outer_tensors(model: LayerwiseModel) -> dict[str, torch.Tensor]:
             value = model.read_tensor(name)
             tensors[name] = value.to(torch.float16) if value.is_floating_point() else value
     return tensors
+
+
+def foldable_groups(layer: nn.Module, awq_map: AwqMap, kwargs: dict, x: torch.Tensor, name: str,
+                    enabled: bool) -> list[bool]:
+    """Per smoothing group of ``layer``, whether scales may be folded into its prev (``can_fold``, or
+    ``can_fold_expert`` for one expert's group), after ``self_check`` of the table on ``x`` (one window, the
+    layer's ``kwargs`` for it); all False when smoothing is not ``enabled`` (the self check still runs)."""
+    expected = self_check(layer, awq_map, kwargs, x, name)
+    return [enabled and (can_fold_expert(layer, awq_map, group, name) if is_expert_group(awq_map, group) else
+                         can_fold(layer, awq_map, group, kwargs, x, expected, name)) for group in awq_map.groups]
+
+
+@torch.no_grad()
+def fold_chosen(layer: nn.Module, awq_map: AwqMap, stats: list[InputStats], chosen: list, prefix: str,
+                scales_out: dict) -> None:
+    """Folds each group's chosen scales (None: none) into ``layer``, rescales its input statistics to match and
+    records the scales in ``scales_out`` under ``prefix + prev``."""
+    for group, group_stats, scales in zip(awq_map.groups, stats, chosen):
+        if scales is not None:
+            fold_scales(layer, group, scales, awq_map.norm_weight_offset)
+            group_stats.rescale(scales)
+            scales_out[prefix + group.prev] = scales
+
+
+def layer_other_tensors(model: LayerwiseModel, index: int, layer: nn.Module, awq_map: AwqMap) -> dict[str, torch.Tensor]:
+    """Layer ``index``'s tensors other than its quantized linears' weights and biases (norms, a router, ...), under
+    the checkpoint's names, in fp16."""
+    quantized = {n + ".weight" for n in awq_map.linears} | {n + ".bias" for n in awq_map.linears}
+    return {model.checkpoint_name(index, name): value.detach().to("cpu", torch.float16)
+            for name, value in layer.state_dict().items() if name not in quantized}

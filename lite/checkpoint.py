@@ -56,6 +56,17 @@ def _ct_scheme(settings: dict):
     return next(iter(groups.values()))
 
 
+def _ct_compressor(is_int: bool):
+    """compressed-tensors' own compressor class of a format: int-quantized / naive-quantized, or pack-quantized."""
+    if is_int:
+        from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+
+        return IntQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
+    return PackedQuantizationCompressor
+
+
 def tensor_reader(entries: dict):
     """name -> the stored tensor, for the entries of safetensors_index.index_folder (each file opened once)."""
     from safetensors import safe_open
@@ -82,6 +93,7 @@ def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]
     is_ct = settings is not None and settings.get("quant_method") == "compressed-tensors"
     scheme = _ct_scheme(settings) if is_ct else None
     ct_int = is_ct and str(settings.get("format", "")).lower() in CT_INT_FORMATS
+    ct_marker = ".weight" if ct_int else ".weight_packed"  # a compressed-tensors linear's quantized weight
     state: dict[str, torch.Tensor] = {}
     for name in entries:
         if name.endswith(".qweight"):
@@ -94,35 +106,27 @@ def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]
                 raise ValueError(f"{folder}: {base} has group size {qw.group_size}, config says "
                                  f"{settings.get('group_size')}")
             state[base + ".weight"] = qw.dequantize()
-        elif name.endswith(".weight_packed") and is_ct:
-            from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-
-            base = name[: -len(".weight_packed")]
-            local = {s[1:]: read(base + s) for s in (".weight_packed", *CT_SUFFIXES) if base + s in entries}
-            local["weight_scale"] = local["weight_scale"].float()  # dequantize in fp32
-            state[base + ".weight"] = PackedQuantizationCompressor.decompress(local, scheme)["weight"].float()
-        elif ct_int and name.endswith(".weight_scale"):
-            from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
-
+        elif is_ct and name.endswith(".weight_scale"):  # one per quantized linear, whatever the format
             base = name[: -len(".weight_scale")]
-            if base + ".weight" not in entries:
-                raise ValueError(f"{folder}: {name} has no matching .weight")
-            local = {s[1:]: read(base + s) for s in (".weight", *CT_SUFFIXES) if base + s in entries}
+            if base + ct_marker not in entries:
+                raise ValueError(f"{folder}: {name} has no matching {ct_marker[1:]}")
+            local = {s[1:]: read(base + s) for s in (ct_marker, *CT_SUFFIXES) if base + s in entries}
             local["weight_scale"] = local["weight_scale"].float()  # dequantize in fp32
-            state[base + ".weight"] = IntQuantizationCompressor.decompress(local, scheme)["weight"].float()
-        elif ct_int and name.endswith(".weight") and name[: -len(".weight")] + ".weight_scale" in entries:
-            pass  # the int8 weight: dequantized with its scale above
+            state[base + ".weight"] = _ct_compressor(ct_int).decompress(local, scheme)["weight"].float()
+        elif is_ct and name.endswith(ct_marker) and name[: -len(ct_marker)] + ".weight_scale" in entries:
+            pass  # the quantized weight: dequantized with its scale above
+        elif is_ct and name.endswith(".weight_packed"):
+            raise ValueError(f"{folder}: {name} has no matching weight_scale")
         elif name.endswith((".qzeros", ".scales")):
             if name.rsplit(".", 1)[0] + ".qweight" not in entries:
                 raise ValueError(f"{folder}: {name} has no matching .qweight")
         elif is_ct and name.endswith(CT_SUFFIXES):
-            owner = name.rsplit(".", 1)[0] + (".weight" if ct_int else ".weight_packed")
-            if owner not in entries:
-                raise ValueError(f"{folder}: {name} has no matching {owner.rsplit('.', 1)[1]}")
+            if name.rsplit(".", 1)[0] + ct_marker not in entries:
+                raise ValueError(f"{folder}: {name} has no matching {ct_marker[1:]}")
         else:
             tensor = read(name)
             state[name] = tensor.float() if tensor.is_floating_point() else tensor
-    marker = (".weight_scale" if ct_int else ".weight_packed") if is_ct else ".qweight"
+    marker = ".weight_scale" if is_ct else ".qweight"
     if settings is not None and not any(n.endswith(marker) for n in entries):
         raise ValueError(f"{folder}: config.json says {settings.get('quant_method')} but no {marker} tensors "
                          "were found")
