@@ -4,6 +4,7 @@ as `lmkit serve ...` subprocesses), in front of tiny random models."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -138,17 +139,43 @@ def slow_server(slow_engine):
 LONG_COMPLETION = {"model": "tiny", "prompt": "x", "max_tokens": 480, "n": 4, "ignore_eos": True}
 
 
-def leave_long_completion(url: str, stream: bool, read_timeout_s: float) -> None:
-    """Sends LONG_COMPLETION to ``url`` and leaves: a stream after its first line, a non-streamed request
-    after ``read_timeout_s`` without an answer (httpx closes the connection either way)."""
-    body = {**LONG_COMPLETION, "stream": stream}
+def leave_long_completion(url: str, stream: bool, started=None, body: dict | None = None,
+                          headers: dict[str, str] | None = None) -> None:
+    """Sends ``body`` (LONG_COMPLETION) to ``url``'s /v1/completions and leaves while it is generated: a
+    stream after its first line; a non-streamed request once ``started()`` says the engine is at work on it
+    (polled), by closing the raw connection. A read timeout instead would leave it to the machine's speed
+    whether the answer had already come (it had, on fast cores). Fails if the answer came before the client
+    left."""
+    body = {**(body or LONG_COMPLETION), "stream": stream}
     if stream:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=30) as r:
             assert r.status_code == 200
             next(r.iter_lines())  # the iterator dropped at once
-    else:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=read_timeout_s))
+        return
+    assert started is not None, "a non-streamed request needs started() to know when to leave"
+    target = httpx.URL(url)
+    payload = json.dumps(body).encode()
+    head = [f"POST {target.path.rstrip('/')}/v1/completions HTTP/1.1", f"Host: {target.host}:{target.port}",
+            "Content-Type: application/json", f"Content-Length: {len(payload)}"]
+    head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    with socket.create_connection((target.host, target.port), timeout=30) as sock:
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+        deadline = time.monotonic() + 30
+        while not started():
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.005)
+        sock.setblocking(False)
+        try:
+            answer = sock.recv(65536)
+        except BlockingIOError:
+            answer = None
+        assert answer is None, f"the request was answered before the client left: {answer[:200]!r}"
+
+
+def generating(engine):
+    """started() for leave_long_completion: ``engine`` (an Engine) has generated a token since now."""
+    before = engine.metrics().num_generated_tokens
+    return lambda: engine.metrics().num_generated_tokens > before
 
 
 def in_flight(proxy) -> dict[str, int]:

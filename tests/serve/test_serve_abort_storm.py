@@ -13,7 +13,7 @@ import pytest
 
 from lmkit import GenerationConfig
 from tests.conftest import assert_blocks_free
-from tests.serve.conftest import ServerThread, leave_long_completion, wait_idle
+from tests.serve.conftest import ServerThread, generating, leave_long_completion, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_abort_storm_leaks_nothing(storm_server, tiny_engine, tiny_llama_pipe):
 def test_disconnect_cancels_the_engine_request_at_once(slow_server, stream):
     server, engine = slow_server
     before = engine.metrics().num_generated_tokens
-    leave_long_completion(server.url, stream, read_timeout_s=0.1)
+    leave_long_completion(server.url, stream, started=generating(engine))
     wait_idle(engine=engine)
     generated = engine.metrics().num_generated_tokens - before
     assert generated < 4 * 480 / 4, f"{generated} tokens generated after the client left"

@@ -118,12 +118,12 @@ def test_sequences_are_released_however_the_request_ends(slow_server):
     """A stream left mid-way, a non-streamed request left while it generates, requests that fail after
     admission (prompt too long, max_tokens too large), a finished stream and a finished request: afterwards
     nothing is admitted, the whole limit can be taken again, and no KV block is held."""
-    from tests.serve.conftest import leave_long_completion
+    from tests.serve.conftest import generating, leave_long_completion
 
     server, engine = slow_server
     url = server.url
-    leave_long_completion(url, stream=True, read_timeout_s=1.0)
-    leave_long_completion(url, stream=False, read_timeout_s=1.0)
+    leave_long_completion(url, stream=True)
+    leave_long_completion(url, stream=False, started=generating(engine))
     r = httpx.post(f"{url}/v1/completions", json={**SHORT, "prompt": "y" * 600, "n": 4}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     r = httpx.post(f"{url}/v1/completions", json={**SHORT, "max_tokens": 10_000, "n": 4}, timeout=30)

@@ -11,7 +11,7 @@ import signal
 import httpx
 import pytest
 
-from tests.serve.conftest import (ADMIN_KEY, LONG_COMPLETION, ServerThread, free_port, in_flight,
+from tests.serve.conftest import (ADMIN_KEY, LONG_COMPLETION, ServerThread, free_port, generating, in_flight,
                                  leave_long_completion, lmkit_subprocess, wait_healthy, wait_idle)
 
 
@@ -34,7 +34,7 @@ def test_client_leaving_the_proxy_cancels_the_node_request(slow_proxy, stream):
     proxy, engine = slow_proxy
     before = engine.metrics().num_generated_tokens
     # non-streamed, the proxy waits for the node's whole answer: the client leaving must cancel that wait
-    leave_long_completion(proxy.url, stream, read_timeout_s=0.2)
+    leave_long_completion(proxy.url, stream, started=generating(engine))
     wait_idle(proxy, engine)
     generated = engine.metrics().num_generated_tokens - before
     assert generated < 4 * 480 / 4, f"{generated} tokens generated after the client left"

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from tests.serve.test_serve_tools import client_of, reassemble, servers  # noqa: F401  (the family servers)
 
 
