@@ -50,9 +50,10 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //     The group head has one of three forms (LinearWeight::group_head, from the source):
 //       Zeros    scales [32] fp16 | zeros [32] u8                          as above (AWQ, GPTQ, GGUF Q4_0)
 //       Offsets  scales [32] fp16 | offsets [32] fp16                      weight = q * scale + offset (GGUF Q4_1)
-//       KQuant   d [32] fp16 | dmin [32] fp16 | sc [32] u8 | m [32] u8     weight = q * (d * sc) - dmin * m
-//                (GGUF Q4_K, g = 32: d and dmin are its super-block's, sc and m its sub-block's 6-bit values;
-//                d * sc and dmin * m are exact in fp32, so this is lossless at 6 head bits per weight)
+//       KQuant   d [32] fp16 | dmin [32] fp16 | sc [8][32] u8 | m [8][32] u8
+//                (GGUF Q4_K, g = 256: its super-block; sub-block b of 32 inputs has weight = q * (d * sc[b]) -
+//                dmin * m[b], sc and m its 6-bit values; both products are exact in fp32, so this is lossless at
+//                4.625 bits per weight, the file's 4.5 but for sc and m in whole bytes)
 //   Int8 (pack_linear_int8 from a float weight; llama.cpp's Q8_0 and Q5_0 in our panels; dtype F16): per panel,
 //     K / 32 blocks (group_size 32) of
 //       scales  [32] fp16      d of (block, column j): max |w| / 127 over the block's 32 values
@@ -93,7 +94,7 @@ const WeightFormatTraits& weight_format_traits(WeightFormat format);
 struct LinearWeight {
   WeightFormat format = WeightFormat::Dense;
   DType dtype = DType::F32;  // Dense: the stored dtype; Int4 and Int8: the scales' (F16; Int8/16: F32); Bf16Pairs: BF16
-  int32_t group_size = 0;    // Int4: 32 / 64 / 128 along K; Int8: 32 or 16 (layouts above); 0 for the others
+  int32_t group_size = 0;    // Int4: 32 / 64 / 128 along K (KQuant: 256); Int8: 32 or 16 (layouts above); else 0
   // Int4 and Int8: the form of the group heads (layouts above). AMX tiles run Int4 Zeros only.
   GroupHead group_head = GroupHead::Zeros;
   // Int4 only: null, or the order in which the weight takes the layer's inputs (Int4Source::input_perm);

@@ -410,7 +410,7 @@ SourceWeight make_int4_kquant_weight(int64_t N, int64_t K) {
                            (double)f16_to_f32(a.offsets[k / 256 * N + n]) * a.m[k / 32 * N + n];
   return a;
 }
-ops::LinearWeight pack_int4_kquant_source(const SourceWeight& a, int64_t N, int64_t K) {
+Int4Source int4_kquant_source(const SourceWeight& a, int64_t N, int64_t K) {
   Int4Source src;
   src.num_out = N, src.num_in = K, src.group_size = 32;
   src.read_group = [&a, N, K](int64_t gi, int64_t n0, int64_t count, uint8_t* q, uint8_t* zeros, uint16_t* scales) {
@@ -426,9 +426,38 @@ ops::LinearWeight pack_int4_kquant_source(const SourceWeight& a, int64_t N, int6
       sc[c] = a.sc[gi * N + n0 + c], m[c] = a.m[gi * N + n0 + c];
     }
   };
-  ops::LinearWeight w = ops::pack_linear_int4(src);
-  expect(w.group_head == ops::GroupHead::KQuant && w.group_size == 32, "a K-quant source packs into K-quant panels");
+  return src;
+}
+ops::LinearWeight pack_int4_kquant_source(const SourceWeight& a, int64_t N, int64_t K) {
+  ops::LinearWeight w = ops::pack_linear_int4(int4_kquant_source(a, N, K));
+  expect(w.group_head == ops::GroupHead::KQuant && w.group_size == 256 &&
+             w.size_bytes() == (N + 31) / 32 * (K / 256) * 32 * (20 + 256 / 2),
+         "a K-quant source packs into K-quant panels: per super-block and column fp16 d, dmin, 8 sc, 8 m, nibbles");
   return w;
+}
+
+// A K-quant source whose sub-blocks do not share their super-block's d (or dmin) is refused by name, also when
+// the packing threads find it (N = 1024: 4 panel ranges), and a K that is no multiple of 256 is refused.
+void test_kquant_source_checks() {
+  const int64_t N = 1024, K = 512;
+  SourceWeight a = make_int4_kquant_weight(N, K);
+  Int4Source src = int4_kquant_source(a, N, K);
+  const auto read = src.read_kquant;
+  src.read_kquant = [read, N](int64_t gi, int64_t n0, int64_t count, uint16_t* d, uint16_t* dmin, uint8_t* sc,
+                              uint8_t* m) {
+    read(gi, n0, count, d, dmin, sc, m);
+    if (gi == 11 && n0 <= N - 7 && N - 7 < n0 + count) dmin[N - 7 - n0] ^= 1;  // sub-block 3 of super-block 1
+  };
+  std::string what;
+  try {
+    ops::pack_linear_int4(src);
+  } catch (const std::exception& e) {
+    what = e.what();
+  }
+  expect(what.find("K-quant sub-block 11") != std::string::npos, "a d or dmin of a sub-block's own is refused: " + what);
+  Int4Source narrow = int4_kquant_source(a, N, K);
+  narrow.num_in = 288;
+  expect(throws([&] { ops::pack_linear_int4(narrow); }), "a K-quant weight of 288 inputs is refused");
 }
 
 // GGUF's blocks through the engine's packers, with fp32 activations (the exact path: the product of the stored
@@ -1260,6 +1289,7 @@ int main() {
       test_linear();
       test_linear_int4();
       test_linear_gguf_blocks();
+      test_kquant_source_checks();
       test_weight_format_traits();
       test_gather_weights();
       test_linear_group();

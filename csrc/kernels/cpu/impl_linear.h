@@ -239,16 +239,23 @@ void linear(const float* x, int64_t M, const void* w, DType dt, int64_t N, int64
 //   - prefill: a K block of the panel is dequantized once into the L1 buffer and reused by every tile.
 // The other group heads (ops::LinearWeight::group_head) replace the zeros:
 //   Offsets (GGUF Q4_1):  scales [32] fp16 | offsets [32] fp16 | quads;          w = q * scale + offset
-//   KQuant (GGUF Q4_K):   d [32] fp16 | dmin [32] fp16 | sc [32] u8 | m [32] u8 | quads;
-//                         w = q * (d * sc) - dmin * m   (d * sc and dmin * m exact in fp32: so is w)
-constexpr int64_t kI4Quad = 64;  // 4 k x 32 columns of nibbles
-inline int64_t i4_head_bytes(GroupHead head) {  // per column: 2 B scale + 1 B zero, 2 + 2 B, or 2 + 2 + 1 + 1 B
-  return kPanel * (head == GroupHead::Zeros ? 3 : head == GroupHead::Offsets ? 4 : 6);
+//   KQuant (GGUF Q4_K, g = 256: a super-block of 8 sub-blocks of 32):
+//                         d [32] fp16 | dmin [32] fp16 | sc [8][32] u8 | m [8][32] u8 | quads;
+//                         sub-block b: w = q * (d * sc[b]) - dmin * m[b]   (both products exact in fp32: so is w)
+//                         4.625 bits per weight, the file's 4.5 but for sc and m in whole bytes
+constexpr int64_t kI4Quad = 64;      // 4 k x 32 columns of nibbles
+constexpr int64_t kKQuantSub = 32;   // inputs of a K-quant sub-block
+constexpr int64_t kKQuantSc = kPanel * 4, kKQuantM = kPanel * 12;  // where a K-quant head's sc and m start
+inline int64_t i4_head_bytes(GroupHead head) {  // per column: 2 B scale + 1 B zero, 2 + 2 B, or 2 + 2 + 8 + 8 B
+  return kPanel * (head == GroupHead::Zeros ? 3 : head == GroupHead::Offsets ? 4 : 20);
 }
 inline int64_t i4_group_bytes(int64_t g, GroupHead head) { return i4_head_bytes(head) + g / 4 * kI4Quad; }
+// Inputs that share one scale and offset: a K-quant head's sub-block, else the whole group.
+inline int64_t i4_sub_size(int64_t g, GroupHead head) { return head == GroupHead::KQuant ? kKQuantSub : g; }
 
-// The group's scale and -zero * scale (its offset; -dmin * m) per column vector.
-__attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, GroupHead head, V s[kNV], V nzs[kNV]) {
+// Sub-block sb's scale and -zero * scale (its offset; -dmin * m) per column vector.
+__attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, GroupHead head, int64_t sb, V s[kNV],
+                                                           V nzs[kNV]) {
   for (int v = 0; v < kNV; ++v) {
     s[v] = vload_f16((const uint16_t*)blk + v * kW);
     if (head == GroupHead::Zeros) {
@@ -256,8 +263,9 @@ __attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, G
     } else if (head == GroupHead::Offsets) {
       nzs[v] = vload_f16((const uint16_t*)(blk + kPanel * 2) + v * kW);
     } else {
-      s[v] = s[v] * vload_u8(blk + kPanel * 4 + v * kW);
-      nzs[v] = vzero() - vload_f16((const uint16_t*)(blk + kPanel * 2) + v * kW) * vload_u8(blk + kPanel * 5 + v * kW);
+      s[v] = s[v] * vload_u8(blk + kKQuantSc + sb * kPanel + v * kW);
+      nzs[v] = vzero() - vload_f16((const uint16_t*)(blk + kPanel * 2) + v * kW) *
+                             vload_u8(blk + kKQuantM + sb * kPanel + v * kW);
     }
   }
 }
@@ -305,8 +313,8 @@ __attribute__((always_inline)) inline void i8_row(const uint8_t* quad, int i, co
 }
 
 // What the fp32-activation kernels need of a quantized panel format (BITS 4: int4 groups of g, their heads of
-// any form; BITS 8: int8 blocks of g = 32 or 16, offset heads or none): a group's bytes, its head, one quad (4 k), and
-// its dequantized rows.
+// any form; BITS 8: int8 blocks of g = 32 or 16, offset heads or none): a group's bytes, its head, the inputs that
+// share one scale (sub), one quad (4 k), and its dequantized rows.
 template <int BITS>
 struct QuantPanel;
 template <>
@@ -314,9 +322,10 @@ struct QuantPanel<4> {
   static constexpr int64_t kQuad = kI4Quad;
   static int64_t group_bytes(int64_t g, GroupHead head) { return i4_group_bytes(g, head); }
   static int64_t head_bytes(int64_t, GroupHead head) { return i4_head_bytes(head); }
-  __attribute__((always_inline)) static void params(const uint8_t* blk, int64_t, GroupHead head, V s[kNV],
+  static int64_t sub(int64_t g, GroupHead head) { return i4_sub_size(g, head); }
+  __attribute__((always_inline)) static void params(const uint8_t* blk, int64_t, GroupHead head, int64_t sb, V s[kNV],
                                                     V nzs[kNV]) {
-    i4_group_params(blk, head, s, nzs);
+    i4_group_params(blk, head, sb, s, nzs);
   }
   __attribute__((always_inline)) static void row(const uint8_t* quad, int i, const V s[kNV], const V nzs[kNV],
                                                  V w[kNV]) {
@@ -328,7 +337,8 @@ struct QuantPanel<8> {
   static constexpr int64_t kQuad = kI8Quad;
   static int64_t group_bytes(int64_t g, GroupHead head) { return i8_block_bytes(g, head); }
   static int64_t head_bytes(int64_t g, GroupHead head) { return i8_head_bytes(g, head); }
-  __attribute__((always_inline)) static void params(const uint8_t* blk, int64_t g, GroupHead head, V s[kNV],
+  static int64_t sub(int64_t g, GroupHead) { return g; }
+  __attribute__((always_inline)) static void params(const uint8_t* blk, int64_t g, GroupHead head, int64_t, V s[kNV],
                                                     V nzs[kNV]) {
     i8_block_params(blk, g, head, s, nzs);
   }
@@ -348,12 +358,12 @@ inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64
   for (int u = 0; u < KU; ++u)
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < kNV; ++v) acc[u][i][v] = vzero();
-  const int64_t gb = P::group_bytes(g, head), hb = P::head_bytes(g, head);
+  const int64_t gb = P::group_bytes(g, head), hb = P::head_bytes(g, head), sub = P::sub(g, head);
   for (int64_t k0 = 0; k0 < K; k0 += g) {
     const uint8_t* blk = panel + (k0 / g) * gb;
     V s[kNV], nzs[kNV];
-    P::params(blk, g, head, s, nzs);
     for (int64_t t = 0; t < g / 4; ++t) {
+      if (t % (sub / 4) == 0) P::params(blk, g, head, 4 * t / sub, s, nzs);
       const uint8_t* quad = blk + hb + t * P::kQuad;
       prefetch(quad + kPrefetchBytes);
       if constexpr (P::kQuad > 64) prefetch(quad + 64 + kPrefetchBytes);
@@ -396,12 +406,12 @@ inline void qpanel_tile_n(int mr, const float* x, int64_t ldx, const uint8_t* pa
 template <int BITS>
 inline void qpanel_convert(const uint8_t* panel, int64_t g, GroupHead head, int64_t k0, int64_t kc, float* bp) {
   using P = QuantPanel<BITS>;
-  const int64_t gb = P::group_bytes(g, head), hb = P::head_bytes(g, head);
+  const int64_t gb = P::group_bytes(g, head), hb = P::head_bytes(g, head), sub = P::sub(g, head);
   for (int64_t k = k0; k < k0 + kc; k += g) {
     const uint8_t* blk = panel + (k / g) * gb;
     V s[kNV], nzs[kNV];
-    P::params(blk, g, head, s, nzs);
     for (int64_t r = 0; r < g; ++r) {
+      if (r % sub == 0) P::params(blk, g, head, r / sub, s, nzs);
       V w[kNV];
       P::row(blk + hb + r / 4 * P::kQuad, (int)(r % 4), s, nzs, w);
       for (int v = 0; v < kNV; ++v) vstore(bp + (k - k0 + r) * kPanel + v * kW, w[v]);
@@ -501,23 +511,23 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
   for (int i = 0; i < MR; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < K; k0 += g) {
     const uint8_t* blk = panel + (k0 / g) * gb;
-    __m512 s[2], zs[2];
+    __m512 s[2], zs[2], h0[2], h1[2];  // h0, h1: a K-quant head's d and dmin
     for (int v = 0; v < 2; ++v) {
-      s[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
+      s[v] = h0[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
       if (head == GroupHead::Zeros) {  // zs: zero * scale, minus the offset, or dmin * m
         zs[v] = _mm512_mul_ps(s[v], q8_u8x16(blk + 64 + 16 * v));
       } else {
-        const __m512 h1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 64 + 32 * v)));
-        if (head == GroupHead::Offsets) {
-          zs[v] = _mm512_sub_ps(_mm512_setzero_ps(), h1);
-        } else {
-          s[v] = _mm512_mul_ps(s[v], q8_u8x16(blk + 128 + 16 * v));
-          zs[v] = _mm512_mul_ps(h1, q8_u8x16(blk + 160 + 16 * v));
-        }
+        h1[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 64 + 32 * v)));
+        zs[v] = _mm512_sub_ps(_mm512_setzero_ps(), h1[v]);
       }
     }
     for (int64_t b = 0; b < g / kQ8Block; ++b) {
       const int64_t kb = (k0 / kQ8Block) + b;
+      if (head == GroupHead::KQuant)  // sub-block b: d * sc[b], dmin * m[b]
+        for (int v = 0; v < 2; ++v) {
+          s[v] = _mm512_mul_ps(h0[v], q8_u8x16(blk + kKQuantSc + b * kPanel + 16 * v));
+          zs[v] = _mm512_mul_ps(h1[v], q8_u8x16(blk + kKQuantM + b * kPanel + 16 * v));
+        }
       __m512i acc[MR][2];
       for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
       const uint8_t* quads = blk + hb + b * (kQ8Block / 4) * kI4Quad;
@@ -719,9 +729,9 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
           const __m256 h1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)));
           if (head == GroupHead::Offsets) {
             zs = _mm256_sub_ps(_mm256_setzero_ps(), h1);
-          } else {
-            s = _mm256_mul_ps(s, q8_u8x8(blk + 128 + 8 * v));
-            zs = _mm256_mul_ps(h1, q8_u8x8(blk + 160 + 8 * v));
+          } else {  // sub-block b: d * sc[b], dmin * m[b]
+            s = _mm256_mul_ps(s, q8_u8x8(blk + kKQuantSc + b * kPanel + 8 * v));
+            zs = _mm256_mul_ps(h1, q8_u8x8(blk + kKQuantM + b * kPanel + 8 * v));
           }
         }
         for (int i = 0; i < MR; ++i) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,14 +22,16 @@ namespace lmkit::ops {
 namespace {
 
 // Bytes of one quantized panel block (ops.h's layouts), for the packers and the traits table alike: an int4 group
-// of g inputs (its head: per column fp16 scale + u8 zero, fp16 scale + fp16 offset, or fp16 d, dmin + u8 sc, m;
-// then the nibbles), an int8 block of 32 (fp16 scales, or fp32 scales and offsets; then one byte per value) or 16
+// of g inputs (its head: per column fp16 scale + u8 zero, fp16 scale + fp16 offset, or fp16 d, dmin + 8 x u8 sc, m
+// of a K-quant super-block; then the nibbles), an int8 block of 32 (fp16 scales, or fp32 scales and offsets; then one byte per value) or 16
 // (fp32 scales).
 constexpr int64_t kInt8Block = 32;
 int64_t int4_head_bytes(GroupHead head) {
-  return kLinearPanelCols * (head == GroupHead::Zeros ? 3 : head == GroupHead::Offsets ? 4 : 6);
+  return kLinearPanelCols * (head == GroupHead::Zeros ? 3 : head == GroupHead::Offsets ? 4 : 20);
 }
 int64_t int4_group_bytes(int64_t g, GroupHead head) { return int4_head_bytes(head) + g * kLinearPanelCols / 2; }
+// A K-quant group is a super-block of 8 sub-blocks (the source's groups of 32): one d and dmin, 8 sc and m.
+constexpr int64_t kKQuantSub = 32, kKQuantGroup = 8 * kKQuantSub;
 constexpr int64_t kInt8BlockBytes = kLinearPanelCols * 2 + kInt8Block * kLinearPanelCols;
 constexpr int64_t kInt8FineBytes = kLinearPanelCols * 4 + 16 * kLinearPanelCols;  // a block of 16, fp32 scales
 constexpr int64_t kInt8OffsetBytes = kLinearPanelCols * 8 + kInt8Block * kLinearPanelCols;  // fp32 scales, offsets
@@ -50,11 +53,20 @@ template <typename Fn>
 void for_panel_ranges(int64_t num_panels, Fn&& fn) {
   const int64_t num_threads =
       std::max<int64_t>(1, std::min<int64_t>({(int64_t)std::thread::hardware_concurrency(), num_panels / 8, 16}));
+  std::vector<std::exception_ptr> errors(num_threads);  // a reader's or a check's error reaches the caller
+  auto run = [&](int64_t t) {
+    try {
+      fn(num_panels * t / num_threads, num_panels * (t + 1) / num_threads);
+    } catch (...) {
+      errors[t] = std::current_exception();
+    }
+  };
   std::vector<std::thread> threads;
-  for (int64_t t = 1; t < num_threads; ++t)
-    threads.emplace_back(fn, num_panels * t / num_threads, num_panels * (t + 1) / num_threads);
-  fn(0, num_panels / num_threads);
+  for (int64_t t = 1; t < num_threads; ++t) threads.emplace_back(run, t);
+  run(0);
   for (std::thread& t : threads) t.join();
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
 }
 
 template <typename E>
@@ -112,48 +124,58 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
   LMKIT_CHECK_ARG(source.read_group != nullptr, "int4: the source has no reader");
   LMKIT_CHECK_ARG(!source.input_perm || (int64_t)source.input_perm->size() == K, "int4: input_perm has ",
                   source.input_perm ? source.input_perm->size() : 0, " entries for ", K, " inputs");
+  LMKIT_CHECK_ARG(!source.has_kquant() || (g == kKQuantSub && K % kKQuantGroup == 0),
+                  "int4: K-quant groups are sub-blocks of 32 inputs in super-blocks of 256, got group_size ", g,
+                  " and ", K, " inputs");
   LinearWeight packed;
   packed.format = WeightFormat::Int4;
   packed.dtype = DType::F16;
-  packed.group_size = (int32_t)g;
+  packed.group_size = (int32_t)(source.has_kquant() ? kKQuantGroup : g);  // a packed group: one head
   packed.n = N;
   packed.k = K;
   packed.input_perm = source.input_perm;
   LMKIT_CHECK_ARG(!(source.has_offsets() && source.has_kquant()),
                   "int4: a source has offsets or K-quant groups, not both");
-  LMKIT_CHECK_ARG(!source.has_kquant() || g == 32, "int4: K-quant groups are 32 inputs, got group_size ", g);
   packed.group_head = source.has_kquant()    ? GroupHead::KQuant
                      : source.has_offsets() ? GroupHead::Offsets
                                             : GroupHead::Zeros;
   packed.storage = alloc_packed(packed.size_bytes(), "an int4 weight");
   constexpr int64_t P = kLinearPanelCols;
-  const int64_t head = int4_head_bytes(packed.group_head);
-  const int64_t group_bytes = int4_group_bytes(g, packed.group_head), num_panels = (N + P - 1) / P;
+  const int64_t head = int4_head_bytes(packed.group_head), pg = packed.group_size;
+  const int64_t group_bytes = int4_group_bytes(pg, packed.group_head), num_panels = (N + P - 1) / P;
   uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
   auto pack_range = [&](int64_t p0, int64_t p1) {
-    std::vector<uint8_t> q(g * P), zeros(P), sc(P), m(P);
-    std::vector<uint16_t> scales(P), offsets(P), dmin(P);
+    std::vector<uint8_t> q(pg * P), zeros(P), sc(P), m(P);
+    std::vector<uint16_t> scales(P), offsets(P), dmin(P), d0(P), dmin0(P);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t count = std::min(P, N - p * P);  // columns past count: zero heads (q is not read)
       for (auto* v : {&zeros, &sc, &m}) std::fill(v->begin(), v->end(), 0);
       for (auto* v : {&scales, &offsets, &dmin}) std::fill(v->begin(), v->end(), 0);
-      for (int64_t gi = 0; gi < K / g; ++gi) {
-        source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
-        uint8_t* blk = dst + (p * (K / g) + gi) * group_bytes;
-        if (packed.group_head == GroupHead::KQuant) {  // d | dmin | sc | m
-          source.read_kquant(gi, p * P, count, scales.data(), dmin.data(), sc.data(), m.data());
+      for (int64_t gi = 0; gi < K / pg; ++gi) {
+        uint8_t* blk = dst + (p * (K / pg) + gi) * group_bytes;
+        if (packed.group_head == GroupHead::KQuant) {  // d | dmin | sc [8] | m [8], from the 8 source groups
+          for (int64_t sb = 0; sb < pg / g; ++sb) {
+            const int64_t si = gi * (pg / g) + sb;
+            source.read_group(si, p * P, count, q.data() + sb * g * count, zeros.data(), scales.data());
+            source.read_kquant(si, p * P, count, scales.data(), dmin.data(), sc.data(), m.data());
+            if (sb == 0) d0 = scales, dmin0 = dmin;
+            LMKIT_CHECK_ARG(scales == d0 && dmin == dmin0, "int4: K-quant sub-block ", si, " of panel ", p,
+                            " has a d or dmin of its own: a super-block shares one");
+            std::memcpy(blk + (4 + sb) * P, sc.data(), P);
+            std::memcpy(blk + (12 + sb) * P, m.data(), P);
+          }
           std::memcpy(blk + 2 * P, dmin.data(), 2 * P);
-          std::memcpy(blk + 4 * P, sc.data(), P);
-          std::memcpy(blk + 5 * P, m.data(), P);
         } else if (packed.group_head == GroupHead::Offsets) {
+          source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
           source.read_offsets(gi, p * P, count, offsets.data());
           std::memcpy(blk + 2 * P, offsets.data(), 2 * P);
         } else {
+          source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
           std::memcpy(blk + 2 * P, zeros.data(), P);
         }
         std::memcpy(blk, scales.data(), 2 * P);
         // quads of 4 k: byte i of 32-bit lane j = q[k0 + i, j] | q[k0 + i, j + 16] << 4
-        for (int64_t r = 0; r < g; ++r)
+        for (int64_t r = 0; r < pg; ++r)
           for (int64_t j = 0; j < P / 2; ++j) {
             const uint8_t lo = j < count ? q[r * count + j] : 0, hi = j + P / 2 < count ? q[r * count + j + P / 2] : 0;
             blk[head + (r / 4) * 64 + 4 * j + r % 4] = (uint8_t)((lo & 15u) | (hi & 15u) << 4);
