@@ -49,6 +49,10 @@ struct Int8Source {
   std::function<void(int64_t b, int64_t n0, int64_t count, int8_t* q, uint16_t* scales)> read_block;
   // Set instead of read_block for blocks of 16 inputs (b: inputs [16 b, 16 b + 16)) with fp32 scales[c].
   std::function<void(int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales)> read_block16;
+  // Set beside read_block16 where a block's scale is d[c] * sc[c] (GGUF Q6_K): d (fp16 bits) shared by the 16 blocks
+  // of a super-block of 256 inputs, sc an int8 of block b's own, and every q in -32..31. The packer then keeps 6
+  // bits per value (ops::WeightFormat::Int6) where K is a multiple of 256.
+  std::function<void(int64_t b, int64_t n0, int64_t count, uint16_t* d, int8_t* sc)> read_block16_kquant;
   // Set instead of both for blocks of 32 whose values are q * scales[c] + offsets[c] (fp32 each).
   std::function<void(int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales, float* offsets)>
       read_block_offsets;

@@ -60,18 +60,27 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //       quads   [8][2][64] u8  byte i of 32-bit lane j of half h of quad t: q[4t + i, 16h + j] + 128
 //     weight[n, k] = (u8 - 128) * d: fp32 activations give the exact product of the stored weight (every CPU);
 //     int8_activations (where the CPU has integer dot products) the fast path, as for Int4.
-//     group_size 16 (GGUF Q6_K: d * sc per 16 values, exact in fp32; dtype F32): K / 16 blocks of
+//     group_size 16 (d * sc per 16 values, exact in fp32; dtype F32: GGUF Q6_K where K is no multiple of 256):
+//     K / 16 blocks of
 //       scales  [32] fp32 | quads [4][2][64] u8      (the same quads, 4 per block)
 //     group_head Offsets (GGUF Q5_K, group_size 32, dtype F32): K / 32 blocks of
 //       scales  [32] fp32 | offsets [32] fp32 | quads [8][2][64] u8     weight = (u8 - 128) * scale + offset
 //     (Q5_K's sub-block: q = q5 in 0..31, scale d * sc and offset -dmin * m, both exact in fp32: lossless; the
 //     int8-activation kernels add offset * sum(x) per block)
+//   Int6 (GGUF Q6_K, from pack_linear_int8 of a source with read_block16_kquant; group_size 256, dtype F16 = d):
+//     per panel, K / 256 super-blocks of
+//       d       [32] fp16          the super-block's scale of column j
+//       sc      [16][32] s8        sub-block b's (16 inputs) scale of column j
+//       octets  [32][3][64] u8     octet o (k = 8o .. 8o + 7): the int4 quads of k 8o.. and 8o + 4.. holding the
+//                                  low 4 bits of u = q + 32, then a plane of the high 2 bits: byte i of 32-bit lane j
+//                                  = hi(uA[i, j]) | hi(uA[i, j + 16]) << 2 | hi(uB[i, j]) << 4 | hi(uB[i, j + 16]) << 6
+//     weight[n, k] = (u - 32) * d * sc[b]: exact in fp32, 6.5625 bits per weight (the file's own size)
 //   Bf16Pairs (pack_linear_bf16 from a float weight; dtype BF16): per panel, ceil(K / 2) rows of 32
 //     little-endian 32-bit lanes; lane j of row r holds
 //       bf16(weight[n, 2r]) | bf16(weight[n, 2r + 1]) << 16       (n = p * 32 + j; 0 past N and K)
 //     the operand layout of AVX512_BF16's vdpbf16ps; x is rounded to bf16 per call, products summed in fp32.
 constexpr int kLinearPanelCols = 32;
-enum class WeightFormat : uint8_t { Dense, Int4, Int8, Bf16Pairs };
+enum class WeightFormat : uint8_t { Dense, Int4, Int8, Bf16Pairs, Int6 };
 // The group heads above: Int4 has all three; Int8 has Zeros (the plain blocks: scales only, the zero is the
 // stored 128) and Offsets.
 enum class GroupHead : uint8_t { Zeros, Offsets, KQuant };
@@ -93,14 +102,15 @@ const WeightFormatTraits& weight_format_traits(WeightFormat format);
 
 struct LinearWeight {
   WeightFormat format = WeightFormat::Dense;
-  DType dtype = DType::F32;  // Dense: the stored dtype; Int4 and Int8: the scales' (F16; Int8/16: F32); Bf16Pairs: BF16
-  int32_t group_size = 0;    // Int4: 32 / 64 / 128 along K (KQuant: 256); Int8: 32 or 16 (layouts above); else 0
+  // Dense: the stored dtype; Int4, Int6 and Int8: the scales' (F16; Int8 in blocks of 16: F32); Bf16Pairs: BF16
+  DType dtype = DType::F32;
+  int32_t group_size = 0;    // Int4: 32 / 64 / 128 along K (KQuant: 256); Int8: 32 or 16; Int6: 256; else 0
   // Int4 and Int8: the form of the group heads (layouts above). AMX tiles run Int4 Zeros only.
   GroupHead group_head = GroupHead::Zeros;
   // Int4 only: null, or the order in which the weight takes the layer's inputs (Int4Source::input_perm);
   // ops::linear gathers x by it before the product.
   std::shared_ptr<const std::vector<int32_t>> input_perm;
-  // Int4 and Int8: quantize x to int8 per 32 values and use integer dot products where the CPU has them
+  // Int4, Int6 and Int8: quantize x to int8 per 32 values and use integer dot products where the CPU has them
   // (AVX2, AVX-512 VNNI; AMX-INT8 tiles in calls of kLinearAmxInt8MinRows rows or more): decode and prefill.
   // The result differs from the exact fp32 product by the rounding of x (relative error of the output
   // ~3e-3, tested); the integer sums are exact, so every ISA gives the same up to the order of fp32 sums.
@@ -119,7 +129,8 @@ LinearWeight pack_linear_int4(const Int4Source& source);
 // q = round(w / d), as llama.cpp's Q8_0). Its int8_activations is false: the caller sets it for the fast path.
 LinearWeight pack_linear_int8(const Tensor& weight);
 // An int8 weight read from a checkpoint (GGUF Q8_0, Q5_0; Q6_K in blocks of 16; Q5_K with offsets) into the same
-// panels, its values, scales and offsets as they are.
+// panels, its values, scales and offsets as they are; a Q6_K source (read_block16_kquant) with K a multiple of 256
+// into Int6 panels instead.
 LinearWeight pack_linear_int8(const Int8Source& source);
 // A float weight [N, K] rounded to bf16 (nearest even) into pair panels, for linear layers as bf16 dot
 // products with fp32 sums (EngineConfig dtype='bfloat16'); throws unless bf16_dot_available().

@@ -173,6 +173,13 @@ Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::st
         for (int64_t l = 0; l < 16; ++l) q[l * count + c] = q6k_value(blk, (b % 16) * 16 + l);
       }
     };
+    src.read_block16_kquant = [t, rows](int64_t b, int64_t n0, int64_t count, uint16_t* d, int8_t* sc) {
+      for (int64_t c = 0; c < count; ++c) {
+        const uint8_t* blk = block_at(t, stored_row(rows, n0 + c), b / 16);
+        d[c] = load_u16(blk + 208);
+        sc[c] = (int8_t)blk[192 + b % 16];
+      }
+    };
     return src;
   }
   src.read_block = [t, rows](int64_t b, int64_t n0, int64_t count, int8_t* q, uint16_t* scales) {

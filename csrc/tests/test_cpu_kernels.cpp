@@ -282,6 +282,7 @@ struct SourceWeight {
   std::vector<float> scales32;            // Q6_K: [K / 16, N]; Q5_K: [K / 32, N]
   std::vector<float> offsets32;           // Q5_K: [K / 32, N]
   std::vector<double> dense;              // [N, K]
+  std::vector<int8_t> sc8;                // Q6_K as int6: [K / 16, N] (its d in scales, [K / 256, N])
 };
 SourceWeight make_int8_weight(int64_t N, int64_t K) {
   SourceWeight a;
@@ -330,6 +331,40 @@ ops::LinearWeight pack_int8_fine_source(const SourceWeight& a, int64_t N, int64_
   };
   ops::LinearWeight w = ops::pack_linear_int8(src);
   expect(w.group_size == 16 && w.dtype == DType::F32, "a source of blocks of 16 packs into int8 blocks of 16");
+  return w;
+}
+// Q6_K as the GGUF reader gives it: values -32..31 in blocks of 16 whose scale is the super-block's fp16 d times
+// the block's int8 sc (both readers: read_block16 and read_block16_kquant), packed into int6 panels.
+SourceWeight make_int6_kquant_weight(int64_t N, int64_t K) {
+  SourceWeight a;
+  std::uniform_int_distribution<int> q(-32, 31), sc(-128, 127);
+  a.q8.resize(N * K);
+  for (auto& v : a.q8) v = (int8_t)q(g_rng);
+  for (float x : randn(K / 256 * N, 0.0001f)) a.scales.push_back(f32_to_f16(x));
+  for (int64_t i = 0; i < K / 16 * N; ++i) a.sc8.push_back((int8_t)sc(g_rng));
+  for (int64_t b = 0; b < K / 16; ++b)
+    for (int64_t n = 0; n < N; ++n) a.scales32.push_back(f16_to_f32(a.scales[b / 16 * N + n]) * a.sc8[b * N + n]);
+  a.dense.resize(N * K);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) a.dense[n * K + k] = (double)a.q8[n * K + k] * a.scales32[k / 16 * N + n];
+  return a;
+}
+Int8Source int6_kquant_source(const SourceWeight& a, int64_t N, int64_t K) {
+  Int8Source src;
+  src.num_out = N, src.num_in = K;
+  src.read_block16 = [&a, N, K](int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales) {
+    read_int8_block(a, a.scales32, N, K, 16, b, n0, count, q, scales);
+  };
+  src.read_block16_kquant = [&a, N](int64_t b, int64_t n0, int64_t count, uint16_t* d, int8_t* sc) {
+    for (int64_t c = 0; c < count; ++c) d[c] = a.scales[b / 16 * N + n0 + c], sc[c] = a.sc8[b * N + n0 + c];
+  };
+  return src;
+}
+ops::LinearWeight pack_int6_source(const SourceWeight& a, int64_t N, int64_t K) {
+  ops::LinearWeight w = ops::pack_linear_int8(int6_kquant_source(a, N, K));
+  expect(w.format == ops::WeightFormat::Int6 && w.group_size == 256 &&
+             w.size_bytes() == (N + 31) / 32 * (K / 256) * 32 * (2 + 16 + 256 * 6 / 8),
+         "a Q6_K source packs into int6 panels: per super-block and column fp16 d, 16 sc, 6 bits per value");
   return w;
 }
 // Q5_K's sub-blocks as an Int8Source gives them: q5 in 0..31, scale d * sc, offset -dmin * m (fp16 d, dmin and
@@ -458,6 +493,33 @@ void test_kquant_source_checks() {
   Int4Source narrow = int4_kquant_source(a, N, K);
   narrow.num_in = 288;
   expect(throws([&] { ops::pack_linear_int4(narrow); }), "a K-quant weight of 288 inputs is refused");
+
+  // int6: a value outside -32..31, a block with a d of its own, a scale that is not d * sc: each named
+  SourceWeight b = make_int6_kquant_weight(N, K);
+  for (int fault = 0; fault < 3; ++fault) {
+    SourceWeight bad = b;
+    if (fault == 0) bad.q8[(N - 3) * K + 300] = 40;
+    if (fault == 1) bad.scales[1 * N + N - 5] ^= 1;  // super-block 1's d of column N - 5, seen by block 19 alone
+    if (fault == 2) bad.scales32[21 * N + N - 9] += 1.0f;
+    Int8Source src = int6_kquant_source(bad, N, K);
+    if (fault == 1) {
+      const SourceWeight* pb = &b;
+      const auto read = src.read_block16_kquant;
+      src.read_block16_kquant = [read, pb, N](int64_t blk, int64_t n0, int64_t count, uint16_t* d, int8_t* sc) {
+        read(blk, n0, count, d, sc);
+        if (blk != 19)
+          for (int64_t c = 0; c < count; ++c) d[c] = pb->scales[blk / 16 * N + n0 + c];
+      };
+    }
+    std::string msg;
+    try {
+      ops::pack_linear_int8(src);
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    const char* want[] = {"outside -32..31", "block 19 of panel 31 has a d of its own", "not its d * sc"};
+    expect(msg.find(want[fault]) != std::string::npos, std::string("int6 refuses: ") + want[fault] + ", got: " + msg);
+  }
 }
 
 // GGUF's blocks through the engine's packers, with fp32 activations (the exact path: the product of the stored
@@ -476,19 +538,21 @@ void test_linear_gguf_blocks() {
   for (const Shape& s : shapes)
     for (bool act8 : {false, true}) {
       if (act8 && !q8_runs) continue;
-      for (int kind = 0; kind < 5; ++kind) {
+      for (int kind = 0; kind < 6; ++kind) {
         if (kind >= 2 && s.K % 256 != 0) continue;
         const int64_t g = kind == 1 ? (s.K % 64 == 0 ? 64 : 32) : 32;
         const SourceWeight a = kind == 0   ? make_int8_weight(s.N, s.K)
                                : kind == 1 ? make_int4_offset_weight(s.N, s.K, g)
                                : kind == 2 ? make_int4_kquant_weight(s.N, s.K)
                                : kind == 3 ? make_int8_fine_weight(s.N, s.K)
-                                           : make_int8_offset_weight(s.N, s.K);
+                               : kind == 4 ? make_int8_offset_weight(s.N, s.K)
+                                           : make_int6_kquant_weight(s.N, s.K);
         ops::LinearWeight w = kind == 0   ? pack_int8_source(a, s.N, s.K)
                               : kind == 1 ? pack_int4_offset_source(a, s.N, s.K, g)
                               : kind == 2 ? pack_int4_kquant_source(a, s.N, s.K)
                               : kind == 3 ? pack_int8_fine_source(a, s.N, s.K)
-                                          : pack_int8_offset_source(a, s.N, s.K);
+                              : kind == 4 ? pack_int8_offset_source(a, s.N, s.K)
+                                          : pack_int6_source(a, s.N, s.K);
         w.int8_activations = act8;
         Weight b = make_weight(DType::F32, s.N, 0);
         std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN);
@@ -500,7 +564,8 @@ void test_linear_gguf_blocks() {
                                  : kind == 1 ? "linear Q4_1 (int4 offsets)"
                                  : kind == 2 ? "linear Q4_K (int4 K-quant heads)"
                                  : kind == 3 ? "linear Q6_K (int8 blocks of 16)"
-                                             : "linear Q5_K (int8 blocks with offsets)") +
+                                 : kind == 4 ? "linear Q5_K (int8 blocks with offsets)"
+                                             : "linear Q6_K (int6 panels)") +
                          (act8 ? " x int8" : " x fp32") + " M " + std::to_string(s.M) + " N " + std::to_string(s.N) +
                          " K " + std::to_string(s.K));
       }
@@ -513,10 +578,11 @@ void test_linear_gguf_blocks() {
 // neighbours; here: the fused copy of two parts equals both parts back to back); what a CPU lacks is named.
 void test_weight_format_traits() {
   using F = ops::WeightFormat;
-  for (F f : {F::Dense, F::Int4, F::Int8, F::Bf16Pairs})
+  for (F f : {F::Dense, F::Int4, F::Int8, F::Bf16Pairs, F::Int6})
     expect(ops::weight_format_traits(f).format == f && ops::weight_format_traits(f).run != nullptr,
            std::string("traits table entry of ") + ops::weight_format_traits(f).name);
-  expect(ops::weight_format_traits(F::Int4).pack_float == nullptr, "int4 is not packed from a float weight");
+  expect(ops::weight_format_traits(F::Int4).pack_float == nullptr && ops::weight_format_traits(F::Int6).pack_float == nullptr,
+         "int4 and int6 are not packed from a float weight");
   expect(ops::weight_format_traits(F::Int8).unavailable() == nullptr,
          "int8 weights run on every CPU (fp32 activations; int8 ones where the dot-product kernels are)");
   expect((ops::weight_format_traits(F::Bf16Pairs).unavailable() == nullptr) == ops::bf16_dot_available(),

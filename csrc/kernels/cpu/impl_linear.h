@@ -312,14 +312,44 @@ __attribute__((always_inline)) inline void i8_row(const uint8_t* quad, int i, co
   }
 }
 
+// ------------------------------------------------------------------------------------------- int6
+// The 6-bit panels of ops::LinearWeight Int6 (GGUF Q6_K, lossless at 6.5625 bits per weight, as the file): per
+// panel, K / 256 super-blocks of
+//   d [32] fp16 | sc [16][32] s8 | 32 octets of 192 bytes
+// octet o (k = 8o .. 8o + 7): quads A (k 8o .. 8o + 3) and B (8o + 4 .. 8o + 7) of low nibbles laid out as the int4
+// quads (byte i of lane j: lo4(u[k, j]) | lo4(u[k, j + 16]) << 4), then a plane of their high bits: byte i of lane j =
+// hi2(uA[i, j]) | hi2(uA[i, j + 16]) << 2 | hi2(uB[i, j]) << 4 | hi2(uB[i, j + 16]) << 6.
+// u in 0..63; sub-block b (16 k): w = (u - 32) * (d * sc[b]) = fma(u, s, -32 s), exact in fp32 (an fp16 value times
+// an 8-bit integer, times a 6-bit one).
+constexpr int64_t kI6Group = 256, kI6Sub = 16, kI6Octet = 192;
+constexpr int64_t kI6Head = kPanel * (2 + kI6Group / kI6Sub);
+constexpr int64_t kI6GroupBytes = kI6Head + kI6Group / 8 * kI6Octet;
+
+__attribute__((always_inline)) inline void i6_sub_params(const uint8_t* blk, int64_t sb, V s[kNV], V nzs[kNV]) {
+  for (int v = 0; v < kNV; ++v) {
+    s[v] = vload_f16((const uint16_t*)blk + v * kW) * vload_s8(blk + kPanel * 2 + sb * kPanel + v * kW);
+    nzs[v] = s[v] * vset1(-32.0f);
+  }
+}
+// The 32 dequantized weights of k = 8o + i of an octet.
+__attribute__((always_inline)) inline void i6_row(const uint8_t* octet, int i, const V s[kNV], const V nzs[kNV],
+                                                  V w[kNV]) {
+  const uint8_t* quad = octet + (i / 4) * kI4Quad;
+  const int shift = 8 * (i % 4), hshift = shift + 4 * (i / 4);
+  for (int h = 0; h < kNV / 2; ++h)
+    vload_dword_sixes(quad + h * kW * 4, octet + 2 * kI4Quad + h * kW * 4, shift, hshift, w[h], w[h + kNV / 2]);
+  for (int v = 0; v < kNV; ++v) w[v] = vfma(w[v], s[v], nzs[v]);
+}
+
 // What the fp32-activation kernels need of a quantized panel format (BITS 4: int4 groups of g, their heads of
-// any form; BITS 8: int8 blocks of g = 32 or 16, offset heads or none): a group's bytes, its head, the inputs that
-// share one scale (sub), one quad (4 k), and its dequantized rows.
+// any form; BITS 8: int8 blocks of g = 32 or 16, offset heads or none; BITS 6: int6 super-blocks, g = 256): a group's
+// bytes, its head, the inputs that share one scale (sub), one unit of kRows k (kQuad bytes), and its dequantized rows.
 template <int BITS>
 struct QuantPanel;
 template <>
 struct QuantPanel<4> {
   static constexpr int64_t kQuad = kI4Quad;
+  static constexpr int kRows = 4;
   static int64_t group_bytes(int64_t g, GroupHead head) { return i4_group_bytes(g, head); }
   static int64_t head_bytes(int64_t, GroupHead head) { return i4_head_bytes(head); }
   static int64_t sub(int64_t g, GroupHead head) { return i4_sub_size(g, head); }
@@ -335,6 +365,7 @@ struct QuantPanel<4> {
 template <>
 struct QuantPanel<8> {
   static constexpr int64_t kQuad = kI8Quad;
+  static constexpr int kRows = 4;
   static int64_t group_bytes(int64_t g, GroupHead head) { return i8_block_bytes(g, head); }
   static int64_t head_bytes(int64_t g, GroupHead head) { return i8_head_bytes(g, head); }
   static int64_t sub(int64_t g, GroupHead) { return g; }
@@ -345,6 +376,22 @@ struct QuantPanel<8> {
   __attribute__((always_inline)) static void row(const uint8_t* quad, int i, const V s[kNV], const V nzs[kNV],
                                                  V w[kNV]) {
     i8_row(quad, i, s, nzs, w);
+  }
+};
+template <>
+struct QuantPanel<6> {
+  static constexpr int64_t kQuad = kI6Octet;
+  static constexpr int kRows = 8;
+  static int64_t group_bytes(int64_t, GroupHead) { return kI6GroupBytes; }
+  static int64_t head_bytes(int64_t, GroupHead) { return kI6Head; }
+  static int64_t sub(int64_t, GroupHead) { return kI6Sub; }
+  __attribute__((always_inline)) static void params(const uint8_t* blk, int64_t, GroupHead, int64_t sb, V s[kNV],
+                                                    V nzs[kNV]) {
+    i6_sub_params(blk, sb, s, nzs);
+  }
+  __attribute__((always_inline)) static void row(const uint8_t* octet, int i, const V s[kNV], const V nzs[kNV],
+                                                 V w[kNV]) {
+    i6_row(octet, i, s, nzs, w);
   }
 };
 
@@ -362,19 +409,19 @@ inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64
   for (int64_t k0 = 0; k0 < K; k0 += g) {
     const uint8_t* blk = panel + (k0 / g) * gb;
     V s[kNV], nzs[kNV];
-    for (int64_t t = 0; t < g / 4; ++t) {
-      if (t % (sub / 4) == 0) P::params(blk, g, head, 4 * t / sub, s, nzs);
+    constexpr int R = P::kRows;
+    for (int64_t t = 0; t < g / R; ++t) {
+      if (t % (sub / R) == 0) P::params(blk, g, head, R * t / sub, s, nzs);
       const uint8_t* quad = blk + hb + t * P::kQuad;
-      prefetch(quad + kPrefetchBytes);
-      if constexpr (P::kQuad > 64) prefetch(quad + 64 + kPrefetchBytes);
-      for (int r0 = 0; r0 < 4; r0 += KU) {
+      for (int64_t off = 0; off < P::kQuad; off += 64) prefetch(quad + off + kPrefetchBytes);
+      for (int r0 = 0; r0 < R; r0 += KU) {
 #pragma GCC unroll 2
         for (int u = 0; u < KU; ++u) {
           V w[kNV];
           P::row(quad, r0 + u, s, nzs, w);
 #pragma GCC unroll 16
           for (int i = 0; i < MR; ++i) {
-            const V a = vset1(x[i * ldx + k0 + 4 * t + r0 + u]);
+            const V a = vset1(x[i * ldx + k0 + R * t + r0 + u]);
             for (int v = 0; v < kNV; ++v) acc[u][i][v] = vfma(a, w[v], acc[u][i][v]);
           }
         }
@@ -413,7 +460,7 @@ inline void qpanel_convert(const uint8_t* panel, int64_t g, GroupHead head, int6
     for (int64_t r = 0; r < g; ++r) {
       if (r % sub == 0) P::params(blk, g, head, r / sub, s, nzs);
       V w[kNV];
-      P::row(blk + hb + r / 4 * P::kQuad, (int)(r % 4), s, nzs, w);
+      P::row(blk + hb + r / P::kRows * P::kQuad, (int)(r % P::kRows), s, nzs, w);
       for (int v = 0; v < kNV; ++v) vstore(bp + (k - k0 + r) * kPanel + v * kW, w[v]);
     }
   }
@@ -456,6 +503,9 @@ void linear_int4(const float* x, int64_t M, const void* w, int64_t N, int64_t K,
 void linear_int8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
                  const float* bias, float* out) {
   linear_qpanels<8>(x, M, w, N, K, g, head, bias, out);
+}
+void linear_int6(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
+  linear_qpanels<6>(x, M, w, N, K, kI6Group, GroupHead::Zeros, bias, out);
 }
 
 // ------------------------------------------------------------------ int4 x int8 (AVX-512 VNNI)
@@ -622,13 +672,79 @@ LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float
     }
 }
 
-// BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g (sx then per g values).
+// The same for an int6 panel (ops::LinearWeight Int6): per octet the 6-bit values of quads A and B are put together
+// in registers (nibbles | high pairs << 4, u8 in 0..63), two vpdpbusd per half; per sub-block of 16,
+//   sum_k (u - 32) s qx = s * (sum_k u qx - 32 sum_k qx)     (exact in int32 / fp32)
+// with sx the sums of qx per 16 values (dx stays per 32).
+template <int MR>
+LMKIT_VNNI inline void q8_tile_i6(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
+                                  float* c, int64_t ldc, int ncols, const float* bias) {
+  const int64_t nb = K / kQ8Block, ns = K / kI6Sub;
+  const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
+  const __m512 m32 = _mm512_set1_ps(32.0f);
+  __m512 tot[MR][2];
+  for (int i = 0; i < MR; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += kI6Group) {
+    const uint8_t* blk = panel + (k0 / kI6Group) * kI6GroupBytes;
+    __m512 d[2];
+    for (int v = 0; v < 2; ++v) d[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
+    for (int64_t b = 0; b < kI6Group / kI6Sub; ++b) {
+      __m512i acc[MR][2];
+      for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+      for (int o = 0; o < 2; ++o) {
+        const uint8_t* oct = blk + kI6Head + (2 * b + o) * kI6Octet;
+        for (int64_t off = 0; off < kI6Octet; off += 64) _mm_prefetch((const char*)(oct + off + kPrefetchBytes), _MM_HINT_T0);
+        const __m512i qa = _mm512_loadu_si512(oct), qb = _mm512_loadu_si512(oct + 64), h = _mm512_loadu_si512(oct + 128);
+        const __m512i al = _mm512_or_si512(_mm512_and_si512(qa, low4), _mm512_and_si512(_mm512_slli_epi16(h, 4), high2));
+        const __m512i ah = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(qa, 4), low4),
+                                           _mm512_and_si512(_mm512_slli_epi16(h, 2), high2));
+        const __m512i bl = _mm512_or_si512(_mm512_and_si512(qb, low4), _mm512_and_si512(h, high2));
+        const __m512i bh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(qb, 4), low4),
+                                           _mm512_and_si512(_mm512_srli_epi16(h, 2), high2));
+        const int64_t k = k0 + b * kI6Sub + 8 * o;
+        for (int i = 0; i < MR; ++i) {
+          int32_t xa, xb;
+          memcpy(&xa, qx + i * K + k, 4);
+          memcpy(&xb, qx + i * K + k + 4, 4);
+          const __m512i va = _mm512_set1_epi32(xa), vb = _mm512_set1_epi32(xb);
+          acc[i][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][0], al, va), bl, vb);
+          acc[i][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][1], ah, va), bh, vb);
+        }
+      }
+      __m512 sv[2];
+      for (int v = 0; v < 2; ++v)
+        sv[v] = _mm512_mul_ps(d[v], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                        _mm_loadu_si128((const __m128i*)(blk + kPanel * 2 + b * kPanel + 16 * v)))));
+      const int64_t kb = (k0 + b * kI6Sub) / kQ8Block, ks = (k0 + b * kI6Sub) / kI6Sub;
+      for (int i = 0; i < MR; ++i) {
+        const __m512 dxi = _mm512_set1_ps(dx[i * nb + kb]), sxi = _mm512_set1_ps(sx[i * ns + ks]);
+        for (int v = 0; v < 2; ++v) {
+          const __m512 f = _mm512_fnmadd_ps(m32, sxi, _mm512_cvtepi32_ps(acc[i][v]));
+          tot[i][v] = _mm512_fmadd_ps(_mm512_mul_ps(dxi, sv[v]), f, tot[i][v]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < 2; ++v) {
+      const int j = 16 * v, n = ncols - j < 16 ? ncols - j : 16;
+      if (n <= 0) break;
+      V sum = {tot[i][v]};
+      if (bias) sum = sum + vload(bias + j);
+      vstore_n(c + i * ldc + j, sum, n);
+    }
+}
+
+// BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g (sx then per g values); BITS 6: int6
+// panels (sx per 16).
 template <int BITS, int MR = kQ8MR>
 LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K,
                                  const uint8_t* panel, int64_t g, GroupHead head, float* c, int64_t ldc, int ncols,
                                  const float* bias) {
   if (mr == MR) {
     if constexpr (BITS == 4) q8_tile<MR>(qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
+    else if constexpr (BITS == 6) q8_tile_i6<MR>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
     else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
     else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
     else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
@@ -643,7 +759,7 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
 // with ones sums those pairs into int32 (llama.cpp's AVX2 route). A 256-bit half of a quad holds lanes
 // 0-7 or 8-15, so vector v of a panel row covers columns 8v..8v+7: v = 0, 1 the low nibbles of halves
 // 0, 1; v = 2, 3 the high nibbles. int4: q <= 15 and |qx| <= 127, so a vpmaddubsw pair is at most
-// 3,810 and the 8 quads of a 32-k block sum exactly in int16 (<= 30,480) before one widening per block.
+// 3,810 and the 8 quads of a 32-k block sum exactly in int16 (<= 30,480) before one widening.per block.
 // int8: s8 = u8 ^ 0x80 = q, and vpmaddubsw(|q|, sign(qx, q)) = q * qx per pair (<= 32,512), widened
 // to int32 every quad. Exact in the integers, as the VNNI path.
 #define LMKIT_VNNI
@@ -792,13 +908,73 @@ inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64
   }
 }
 
-// BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g.
+// tot[i][0:32] += this int6 panel's sums (layout as the AVX-512 path's q8_tile_i6; sx the sums of qx per 16) for
+// rows i < MR. Per octet the products of quads A and B sum exactly in int16 (u <= 63: 4 x 63 x 128 = 32,256) before
+// one widening.
+template <int MR>
+inline void q8_tile_i6(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
+                       float (*tot)[kPanel]) {
+  const int64_t nb = K / kQ8Block, ns = K / kI6Sub;
+  const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  for (int64_t k0 = 0; k0 < K; k0 += kI6Group) {
+    const uint8_t* blk = panel + (k0 / kI6Group) * kI6GroupBytes;
+    for (int64_t b = 0; b < kI6Group / kI6Sub; ++b) {
+      __m256i acc[MR][4];
+      for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_si256();
+      for (int o = 0; o < 2; ++o) {
+        const uint8_t* oct = blk + kI6Head + (2 * b + o) * kI6Octet;
+        for (int64_t off = 0; off < kI6Octet; off += 64) _mm_prefetch((const char*)(oct + off + kPrefetchBytes), _MM_HINT_T0);
+        const int64_t k = k0 + b * kI6Sub + 8 * o;
+        __m256i va[MR], vb[MR];
+        for (int i = 0; i < MR; ++i) {
+          int32_t xa, xb;
+          memcpy(&xa, qx + i * K + k, 4);
+          memcpy(&xb, qx + i * K + k + 4, 4);
+          va[i] = _mm256_set1_epi32(xa), vb[i] = _mm256_set1_epi32(xb);
+        }
+        for (int hf = 0; hf < 2; ++hf) {  // lanes 0-7, 8-15
+          const __m256i qa = _mm256_loadu_si256((const __m256i*)(oct + 32 * hf));
+          const __m256i qb = _mm256_loadu_si256((const __m256i*)(oct + 64 + 32 * hf));
+          const __m256i h = _mm256_loadu_si256((const __m256i*)(oct + 128 + 32 * hf));
+          const __m256i al = _mm256_or_si256(_mm256_and_si256(qa, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), high2));
+          const __m256i ah = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), low4),
+                                             _mm256_and_si256(_mm256_slli_epi16(h, 2), high2));
+          const __m256i bl = _mm256_or_si256(_mm256_and_si256(qb, low4), _mm256_and_si256(h, high2));
+          const __m256i bh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
+                                             _mm256_and_si256(_mm256_srli_epi16(h, 2), high2));
+          for (int i = 0; i < MR; ++i) {
+            const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(al, va[i]), _mm256_maddubs_epi16(bl, vb[i]));
+            const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(ah, va[i]), _mm256_maddubs_epi16(bh, vb[i]));
+            acc[i][hf] = _mm256_add_epi32(acc[i][hf], _mm256_madd_epi16(lo, ones));
+            acc[i][hf + 2] = _mm256_add_epi32(acc[i][hf + 2], _mm256_madd_epi16(hi, ones));
+          }
+        }
+      }
+      const int64_t kb = (k0 + b * kI6Sub) / kQ8Block, ks = (k0 + b * kI6Sub) / kI6Sub;
+      for (int v = 0; v < 4; ++v) {  // columns 8v..8v+7
+        const __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v))),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                           _mm_loadl_epi64((const __m128i*)(blk + kPanel * 2 + b * kPanel + 8 * v)))));
+        for (int i = 0; i < MR; ++i) {
+          const __m256 f = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), _mm256_set1_ps(sx[i * ns + ks]),
+                                            _mm256_cvtepi32_ps(acc[i][v]));
+          _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), f,
+                                                           _mm256_loadu_ps(tot[i] + 8 * v)));
+        }
+      }
+    }
+  }
+}
+
+// BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g; BITS 6: int6 panels.
 template <int BITS, int MR = kQ8MR>
 inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
                       int64_t g, GroupHead head, float* c, int64_t ldc, int ncols, const float* bias) {
   if (mr == MR) {
     alignas(32) float tot[MR][kPanel] = {};
     if constexpr (BITS == 4) q8_tile_i4<MR>(qx, dx, sx, K, panel, g, head, tot);
+    else if constexpr (BITS == 6) q8_tile_i6<MR>(qx, dx, sx, K, panel, tot);
     else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, tot);
     else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, tot);
     else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, tot);
@@ -811,14 +987,16 @@ inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx
 #endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
-// out = x @ w^T (+ bias) with int8 activations over int4 (BITS 4, groups of g) or int8 (BITS 8, blocks of g = 32
-// or 16) panels; K % 32 == 0.
+// out = x @ w^T (+ bias) with int8 activations over int4 (BITS 4, groups of g), int8 (BITS 8, blocks of g = 32
+// or 16) or int6 (BITS 6, super-blocks of 256) panels; K % 32 == 0.
 template <int BITS>
 LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
                           const float* bias, float* out) {
   const int64_t nb = K / kQ8Block;
-  const int64_t panel_bytes = BITS == 4 ? K / g * i4_group_bytes(g, head) : K / g * i8_block_bytes(g, head);
-  const bool fine = BITS == 8 && g == 16;  // blocks of 16: their own sums of qx
+  const int64_t panel_bytes = BITS == 4   ? K / g * i4_group_bytes(g, head)
+                              : BITS == 6 ? K / kI6Group * kI6GroupBytes
+                                          : K / g * i8_block_bytes(g, head);
+  const bool fine = BITS == 6 || (BITS == 8 && g == 16);  // scales per 16 values: their own sums of qx
   const int64_t ns = fine ? K / 16 : nb;
   thread_local ScratchBuffer scratch;  // dx, sx (per 32), sums per 16 where fine, then qx
   float* dx = (float*)scratch.get((size_t)((2 * M * nb + (fine ? M * ns : 0)) * 4 + M * K));
@@ -852,5 +1030,8 @@ void linear_int4_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t
 void linear_int8_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
                     const float* bias, float* out) {
   linear_q8<8>(x, M, w, N, K, g, head, bias, out);
+}
+void linear_int6_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
+  linear_q8<6>(x, M, w, N, K, kI6Group, GroupHead::Zeros, bias, out);
 }
 #endif

@@ -18,9 +18,9 @@ namespace {
 }  // namespace LMKIT_ISA
 
 #if defined(__AVX512F__) || defined(__AVX2__)
-#define LMKIT_ISA_Q8 &LMKIT_ISA::linear_int4_q8, &LMKIT_ISA::linear_int8_q8
+#define LMKIT_ISA_Q8 &LMKIT_ISA::linear_int4_q8, &LMKIT_ISA::linear_int8_q8, &LMKIT_ISA::linear_int6_q8
 #else
-#define LMKIT_ISA_Q8 nullptr, nullptr
+#define LMKIT_ISA_Q8 nullptr, nullptr, nullptr
 #endif
 #if defined(__AVX512F__) && defined(LMKIT_HAVE_AMX)
 #define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16, &LMKIT_ISA::linear_bf16_amx
@@ -39,7 +39,7 @@ namespace {
 const KernelTable* LMKIT_ISA_TABLE() {
   static const KernelTable table = {
       LMKIT_ISA_NAME,         &LMKIT_ISA::embedding, &LMKIT_ISA::rmsnorm, &LMKIT_ISA::add_rmsnorm,
-      &LMKIT_ISA::linear,     &LMKIT_ISA::linear_int4, &LMKIT_ISA::linear_int8, LMKIT_ISA_Q8, LMKIT_ISA_Q8_AMX, LMKIT_ISA_BF16,
+      &LMKIT_ISA::linear,     &LMKIT_ISA::linear_int4, &LMKIT_ISA::linear_int8, &LMKIT_ISA::linear_int6, LMKIT_ISA_Q8, LMKIT_ISA_Q8_AMX, LMKIT_ISA_BF16,
       &LMKIT_ISA::rope,
       &LMKIT_ISA::silu_mul,   &LMKIT_ISA::gelu_tanh_mul, &LMKIT_ISA::softcap, &LMKIT_ISA::scale,
       &LMKIT_ISA::log_sum_exp, &LMKIT_ISA::kv_write,

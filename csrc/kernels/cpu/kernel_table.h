@@ -29,6 +29,8 @@ struct KernelTable {
   // activations: the exact product
   void (*linear_int8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
                       const float* bias, float* out);
+  // the same for int6 panels (ops::LinearWeight Int6, super-blocks of 256), fp32 activations: the exact product
+  void (*linear_int6)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out);
   // the same with activations quantized to int8 per 32 values and integer dot products (AVX2, AVX-512 VNNI);
   // nullptr where this ISA has none; the avx512 ones also need VNNI (dispatch.cpp q8_table picks)
   void (*linear_int4_q8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
@@ -36,6 +38,9 @@ struct KernelTable {
   // out = x @ w^T (+ bias) for int8 panels (pack_linear_int8), int8 activations; nullptr as above
   void (*linear_int8_q8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
                          const float* bias, float* out);
+  // out = x @ w^T (+ bias) for int6 panels, int8 activations; nullptr as above
+  void (*linear_int6_q8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias,
+                         float* out);
   // linear_int4_q8 on AMX tiles (AMX-INT8; GroupHead::Zeros only); nullptr where this build has none; dispatch.cpp
   // calls it only once the process may use the tile registers
   void (*linear_int4_amx)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,

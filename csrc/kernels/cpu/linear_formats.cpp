@@ -32,6 +32,11 @@ int64_t int4_head_bytes(GroupHead head) {
 int64_t int4_group_bytes(int64_t g, GroupHead head) { return int4_head_bytes(head) + g * kLinearPanelCols / 2; }
 // A K-quant group is a super-block of 8 sub-blocks (the source's groups of 32): one d and dmin, 8 sc and m.
 constexpr int64_t kKQuantSub = 32, kKQuantGroup = 8 * kKQuantSub;
+// An int6 super-block (256 inputs, 16 sub-blocks of 16): fp16 d and 16 s8 sc per column, then 32 octets of 8 k
+// (two nibble quads and a plane of high bit pairs: 3 x 64 bytes).
+constexpr int64_t kInt6Group = 256, kInt6Sub = 16;
+constexpr int64_t kInt6Head = kLinearPanelCols * (2 + kInt6Group / kInt6Sub);
+constexpr int64_t kInt6GroupBytes = kInt6Head + kInt6Group / 8 * 192;
 constexpr int64_t kInt8BlockBytes = kLinearPanelCols * 2 + kInt8Block * kLinearPanelCols;
 constexpr int64_t kInt8FineBytes = kLinearPanelCols * 4 + 16 * kLinearPanelCols;  // a block of 16, fp32 scales
 constexpr int64_t kInt8OffsetBytes = kLinearPanelCols * 8 + kInt8Block * kLinearPanelCols;  // fp32 scales, offsets
@@ -277,8 +282,76 @@ void gather_weights(const std::vector<LinearWeight*>& weights) {
   }
 }
 
+namespace {
+// A Q6_K-style source (blocks of 16 whose scales are a super-block's d times their own int8 sc, values -32..31)
+// into int6 panels: the values, d and sc as they are (ops.h's Int6 layout).
+LinearWeight pack_linear_int6(const Int8Source& source) {
+  const int64_t N = source.num_out, K = source.num_in;
+  LinearWeight packed;
+  packed.format = WeightFormat::Int6;
+  packed.dtype = DType::F16;
+  packed.group_size = (int32_t)kInt6Group;
+  packed.n = N;
+  packed.k = K;
+  packed.storage = alloc_packed(packed.size_bytes(), "an int6 weight");
+  constexpr int64_t P = kLinearPanelCols, S = kInt6Group / kInt6Sub;
+  const int64_t ng = K / kInt6Group, num_panels = (N + P - 1) / P;
+  uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
+  auto pack_range = [&](int64_t p0, int64_t p1) {
+    std::vector<int8_t> q(kInt6Group * P), sc(P);
+    std::vector<float> scales(P);
+    std::vector<uint16_t> d(P), d0(P);
+    std::vector<uint8_t> u(kInt6Group * P);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t count = std::min(P, N - p * P);  // columns past count: d 0, sc 0, u 32
+      for (int64_t gi = 0; gi < ng; ++gi) {
+        uint8_t* blk = dst + (p * ng + gi) * kInt6GroupBytes;
+        std::fill(d.begin(), d.end(), 0);
+        std::fill(u.begin(), u.end(), 32);
+        for (int64_t b = 0; b < S; ++b) {
+          const int64_t bi = gi * S + b;
+          std::fill(sc.begin(), sc.end(), 0);
+          source.read_block16(bi, p * P, count, q.data(), scales.data());
+          source.read_block16_kquant(bi, p * P, count, d.data(), sc.data());
+          if (b == 0) d0 = d;
+          LMKIT_CHECK_ARG(d == d0, "int6: block ", bi, " of panel ", p, " has a d of its own: a super-block shares one");
+          for (int64_t c = 0; c < count; ++c) {
+            LMKIT_CHECK_ARG(scales[c] == f16_to_f32(d[c]) * (float)sc[c], "int6: block ", bi, " of output ", p * P + c,
+                            " has scale ", scales[c], ", not its d * sc");
+            for (int64_t r = 0; r < kInt6Sub; ++r) {
+              const int v = q[r * count + c];
+              LMKIT_CHECK_ARG(v >= -32 && v < 32, "int6: value ", v, " of block ", bi, " is outside -32..31");
+              u[(b * kInt6Sub + r) * P + c] = (uint8_t)(v + 32);
+            }
+          }
+          std::memcpy(blk + (2 + b) * P, sc.data(), P);
+        }
+        std::memcpy(blk, d.data(), 2 * P);
+        // octet o = r / 8, quad A or B = (r % 8) / 4, byte i = r % 4 of lane j (< 16): nibbles of columns j, j + 16
+        for (int64_t r = 0; r < kInt6Group; ++r) {
+          uint8_t* oct = blk + kInt6Head + (r / 8) * 192;
+          const int64_t quad = (r % 8) / 4, i = r % 4;
+          for (int64_t j = 0; j < P / 2; ++j) {
+            const uint8_t lo = u[r * P + j], hi = u[r * P + j + P / 2];
+            oct[quad * 64 + 4 * j + i] = (uint8_t)((lo & 15u) | (hi & 15u) << 4);
+            uint8_t& plane = oct[128 + 4 * j + i];
+            if (quad == 0) plane = 0;
+            plane |= (uint8_t)(((lo >> 4) | (hi >> 4) << 2) << (4 * quad));
+          }
+        }
+      }
+    }
+  };
+  for_panel_ranges(num_panels, pack_range);
+  return packed;
+}
+}  // namespace
+
 LinearWeight pack_linear_int8(const Int8Source& source) {
   const int64_t N = source.num_out, K = source.num_in;
+  if (source.read_block16 != nullptr && source.read_block16_kquant != nullptr && N > 0 && K > 0 &&
+      K % kInt6Group == 0)
+    return pack_linear_int6(source);
   LMKIT_CHECK_ARG(N > 0 && K > 0 && K % 32 == 0, "int8: weight must be [N, K] with K a multiple of 32, got [", N,
                   ", ", K, "]");
   const bool fine = source.read_block16 != nullptr, offsets = source.read_block_offsets != nullptr;
@@ -483,6 +556,13 @@ void run_int8(const float* x, int64_t M, const LinearWeight& w, const float* b, 
   else
     cpu::active().linear_int8(x, M, w.storage.get(), w.n, w.k, w.group_size, w.group_head, b, out);
 }
+void run_int6(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
+  const cpu::KernelTable* q8 = w.int8_activations ? cpu::q8_table() : nullptr;
+  if (q8 != nullptr)
+    q8->linear_int6_q8(x, M, w.storage.get(), w.n, w.k, b, out);
+  else
+    cpu::active().linear_int6(x, M, w.storage.get(), w.n, w.k, b, out);
+}
 void run_bf16_pairs(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
   const cpu::KernelTable* amx = M >= kLinearAmxMinRows ? cpu::amx_table_in_use() : nullptr;
   if (amx != nullptr)
@@ -509,6 +589,9 @@ const WeightFormatTraits kWeightFormats[] = {
     {WeightFormat::Bf16Pairs, "bf16_pairs",
      [](const LinearWeight& w) { return num_panels(w) * ((w.k + 1) / 2) * kLinearPanelCols * 4; },
      pack_linear_bf16, needs_bf16_dot, run_bf16_pairs},
+    {WeightFormat::Int6, "int6",
+     [](const LinearWeight& w) { return num_panels(w) * (w.k / kInt6Group) * kInt6GroupBytes; }, nullptr,
+     [] { return (const char*)nullptr; }, run_int6},
 };
 }  // namespace
 

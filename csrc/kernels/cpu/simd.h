@@ -73,6 +73,7 @@ inline V vpow2_from_magic(V t) {
 inline void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
 // kW bytes as floats; and the low / high nibbles of kW bytes as floats.
 inline V vload_u8(const uint8_t* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)))}; }
+inline V vload_s8(const uint8_t* p) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))}; }
 inline void vload_nibbles(const uint8_t* p, V& lo, V& hi) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
   lo.v = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
@@ -88,6 +89,16 @@ inline void vload_dword_nibbles(const uint8_t* p, int shift, V& lo, V& hi) {
 inline V vload_dword_byte(const uint8_t* p, int shift) {
   const __m512i d = _mm512_srl_epi32(_mm512_loadu_si512(p), _mm_cvtsi32_si128(shift));
   return {_mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(255)))};
+}
+// 6-bit values from kW 32-bit lanes of nibbles at p and of 2-bit pairs at h (the int6 panels):
+// lo = float((p >> shift) & 15 | ((h >> hshift) & 3) << 4), hi = float((p >> (shift + 4)) & 15 | ((h >> (hshift + 2)) & 3) << 4).
+inline void vload_dword_sixes(const uint8_t* p, const uint8_t* h, int shift, int hshift, V& lo, V& hi) {
+  const __m512i d = _mm512_srl_epi32(_mm512_loadu_si512(p), _mm_cvtsi32_si128(shift));
+  const __m512i e = _mm512_srl_epi32(_mm512_loadu_si512(h), _mm_cvtsi32_si128(hshift));
+  const __m512i m = _mm512_set1_epi32(15), m2 = _mm512_set1_epi32(0x30);
+  lo.v = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_and_si512(d, m), _mm512_and_si512(_mm512_slli_epi32(e, 4), m2)));
+  hi.v = _mm512_cvtepi32_ps(
+      _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(d, 4), m), _mm512_and_si512(_mm512_slli_epi32(e, 2), m2)));
 }
 // Lane i of the result = the sum of the lanes of r[i] (16 horizontal sums at once): pairs of vectors are
 // folded into one at every level (unpack, in-lane shuffle, 128-bit chunk shuffles: 30 shuffles and 15 adds,
@@ -166,6 +177,7 @@ inline V vpow2_from_magic(V t) {
 inline void prefetch(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
 // kW bytes as floats; and the low / high nibbles of kW bytes as floats.
 inline V vload_u8(const uint8_t* p) { return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)))}; }
+inline V vload_s8(const uint8_t* p) { return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)))}; }
 inline void vload_nibbles(const uint8_t* p, V& lo, V& hi) {
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
   lo.v = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
@@ -180,6 +192,14 @@ inline void vload_dword_nibbles(const uint8_t* p, int shift, V& lo, V& hi) {
 inline V vload_dword_byte(const uint8_t* p, int shift) {
   const __m256i d = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i*)p), _mm_cvtsi32_si128(shift));
   return {_mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(255)))};
+}
+inline void vload_dword_sixes(const uint8_t* p, const uint8_t* h, int shift, int hshift, V& lo, V& hi) {
+  const __m256i d = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i*)p), _mm_cvtsi32_si128(shift));
+  const __m256i e = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i*)h), _mm_cvtsi32_si128(hshift));
+  const __m256i m = _mm256_set1_epi32(15), m2 = _mm256_set1_epi32(0x30);
+  lo.v = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_and_si256(d, m), _mm256_and_si256(_mm256_slli_epi32(e, 4), m2)));
+  hi.v = _mm256_cvtepi32_ps(
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(d, 4), m), _mm256_and_si256(_mm256_slli_epi32(e, 2), m2)));
 }
 // Lane i of the result = the sum of the lanes of r[i] (see the AVX-512 version: 14 shuffles and 7 adds).
 inline V vhsum(const V r[8]) {
@@ -282,6 +302,9 @@ inline V vpow2_from_magic(V t) {
 inline void prefetch(const void* p) { __builtin_prefetch(p); }
 // kW bytes as floats; and the low / high nibbles of kW bytes as floats.
 inline V vload_u8(const uint8_t* p) { return {vf4{(float)p[0], (float)p[1], (float)p[2], (float)p[3]}}; }
+inline V vload_s8(const uint8_t* p) {
+  return {vf4{(float)(int8_t)p[0], (float)(int8_t)p[1], (float)(int8_t)p[2], (float)(int8_t)p[3]}};
+}
 inline void vload_nibbles(const uint8_t* p, V& lo, V& hi) {
   for (int i = 0; i < 4; ++i) lo.v[i] = (float)(p[i] & 15), hi.v[i] = (float)(p[i] >> 4);
 }
@@ -300,6 +323,15 @@ inline V vload_dword_byte(const uint8_t* p, int shift) {
     r.v[i] = (float)((d >> shift) & 255);
   }
   return r;
+}
+inline void vload_dword_sixes(const uint8_t* p, const uint8_t* h, int shift, int hshift, V& lo, V& hi) {
+  for (int i = 0; i < 4; ++i) {
+    uint32_t d, e;
+    memcpy(&d, p + 4 * i, 4);
+    memcpy(&e, h + 4 * i, 4);
+    lo.v[i] = (float)(((d >> shift) & 15) | ((e >> hshift) & 3) << 4);
+    hi.v[i] = (float)(((d >> (shift + 4)) & 15) | ((e >> (hshift + 2)) & 3) << 4);
+  }
 }
 // Lane i of the result = the sum of the lanes of r[i].
 inline V vhsum(const V r[4]) { return {vf4{vsum(r[0]), vsum(r[1]), vsum(r[2]), vsum(r[3])}}; }
