@@ -36,6 +36,16 @@ from bench_decode_prefill import cpu_description  # noqa: E402
 from summary import append_csv  # noqa: E402
 
 
+def kv_label(engine, kv_per_token: float, device: str) -> str:
+    """The KV cache's element type, from its bytes per token: int4 / int8 (quant_policy, plus their scales),
+    bf16 (dtype auto or bfloat16 on a CPU with AVX512_BF16) or fp32 at quant_policy 0 on the CPU."""
+    spec = engine.spec
+    per_value = kv_per_token / (spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim)
+    if device == "cuda" and per_value == 2:
+        return "fp16/bf16"
+    return "fp32" if per_value == 4 else "bf16" if per_value == 2 else "int8" if per_value > 1 else "int4"
+
+
 def copy_bandwidth(threads: int, mib: int = 256, repeats: int = 5) -> float:
     """Bytes/s of `threads` threads each copying its part of a buffer (read + write bytes counted)."""
     n = mib * 2**20 // 8
@@ -172,7 +182,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         engine.close()
 
     name = Path(str(engine.engine.model_path)).name
-    kv = {0: "fp16/bf16" if args.device == "cuda" else "fp32", 8: "int8", 4: "int4"}[args.quant_policy]
+    kv = kv_label(engine.engine, kv_per_token, args.device)
     machine = _engine.cuda.device_name() if args.device == "cuda" else cpu_description()
     print(f"model {name}, KV {kv}, {threads} threads, {machine}, {date.today()}; "
           f"weights {weight_bytes / 2**20:.1f} MiB in all, KV {kv_per_token / 1024:.1f} KiB per token; "

@@ -255,6 +255,61 @@ int main(int argc, char** argv) {
     }
   }
 
+  if (want("gguf")) {  // GGUF K-quant panels at the 1.2B Llama's shapes: Q4_K (int4 super-blocks), Q6_K (int6)
+    struct S {
+      const char* name;
+      int64_t N, K;
+    };
+    std::mt19937 rng(11);
+    for (bool q6 : {false, true})
+      for (S s : {S{"qkv 3072x2048", 3072, 2048}, S{"gate_up 16384x2048", 16384, 2048},
+                  S{"down 2048x8192", 2048, 8192}, S{"lm_head 1.2b", 49152, 2048}}) {
+        if (!ops::int8_dot_available()) break;
+        std::vector<ops::LinearWeight> ws;
+        double bytes = 0;
+        const int64_t N = s.N, K = s.K;
+        while (ws.empty() || (!g_smoke && bytes * ws.size() < 400e6)) {
+          ops::LinearWeight w;
+          if (q6) {  // random values, d and sc (the kernels do not care which)
+            Int8Source src;
+            src.num_out = N, src.num_in = K;
+            const uint32_t seed = rng();
+            const float d0 = f16_to_f32(f32_to_f16(0.001f));
+            src.read_block16 = [seed, d0](int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales) {
+              for (int64_t c = 0; c < count; ++c) {
+                scales[c] = d0 * (int8_t)((b * 7 + n0 + c) * 37);
+                for (int64_t r = 0; r < 16; ++r) q[r * count + c] = (int8_t)(((seed + b * 131 + r * 17 + c) % 64) - 32);
+              }
+            };
+            src.read_block16_kquant = [](int64_t b, int64_t n0, int64_t count, uint16_t* d, int8_t* sc) {
+              for (int64_t c = 0; c < count; ++c) d[c] = f32_to_f16(0.001f), sc[c] = (int8_t)((b * 7 + n0 + c) * 37);
+            };
+            w = ops::pack_linear_int8(src);
+          } else {
+            Int4Source src;
+            src.num_out = N, src.num_in = K, src.group_size = 32;
+            src.read_group = [](int64_t g, int64_t, int64_t count, uint8_t* q, uint8_t*, uint16_t*) {
+              for (int64_t i = 0; i < 32 * count; ++i) q[i] = (uint8_t)((g * 5 + i) % 16);
+            };
+            src.read_kquant = [](int64_t g, int64_t, int64_t count, uint16_t* d, uint16_t* dmin, uint8_t* sc,
+                                 uint8_t* m) {
+              for (int64_t c = 0; c < count; ++c)
+                d[c] = f32_to_f16(0.001f), dmin[c] = f32_to_f16(0.002f), sc[c] = (uint8_t)((g + c) % 64), m[c] = (uint8_t)(c % 64);
+            };
+            w = ops::pack_linear_int4(src);
+          }
+          w.int8_activations = true;
+          bytes = (double)w.size_bytes();
+          ws.push_back(w);
+        }
+        for (int64_t M : {1, 16}) {
+          const double t = time_linear_cold(ws, M, N, K);
+          std::printf("gguf %-18s %-4s M %2d%s: %8.1f us  %6.1f GB/s  %6.1f GOP/s\n", s.name, q6 ? "Q6_K" : "Q4_K",
+                      (int)M, ws.size() > 1 ? " (cold)" : "       ", t * 1e6, bytes / t / 1e9, 2.0 * M * N * K / t / 1e9);
+        }
+      }
+  }
+
   if (want("gemm")) {
     struct S {
       int64_t M, N, K;

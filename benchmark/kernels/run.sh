@@ -1,6 +1,6 @@
 #!/bin/bash
 # Builds the CPU kernels with the per-file flags of CMakeLists.txt plus the benchmark, then runs it.
-#   benchmark/kernels/run.sh [isa: avx512|avx2|generic] [threads] [only: bw|gemv|gemv576|gemv1.2b|gemm|awq|attn|elem]
+#   benchmark/kernels/run.sh [isa: avx512|avx2|generic] [threads] [only: bw|gemv|gemv576|gemv1.2b|gguf|gemm|awq|attn|elem]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${LMKIT_BENCH_BUILD:-/tmp/lmkit_bench_kernels}
@@ -14,5 +14,8 @@ for f in "$ROOT"/csrc/kernels/cpu/*.cpp; do
   g++ $F $X -c "$f" -o "$OUT/$b.o"
   objs+=("$OUT/$b.o")
 done
+# the AWQ rows read their weights through the checkpoint layouts' Int4Source
+g++ $F -c "$ROOT/csrc/model/int4_layouts.cpp" -o "$OUT/int4_layouts.o"
+objs+=("$OUT/int4_layouts.o")
 g++ $F "$ROOT/benchmark/kernels/bench_cpu_kernels.cpp" "${objs[@]}" -o "$OUT/bench_cpu_kernels"
 "$OUT/bench_cpu_kernels" "${1:-avx512}" "${2:-2}" "${3:-}"
