@@ -156,7 +156,7 @@ LMKIT_AMX_I8 void linear_int4_amx(const float* x, int64_t M, const void* w, int6
           else
             q8_amx_block<1>(qx + m * K + k0, K, dx + m * ng + k0 / g, ng, bq, sc, g, kt, kc / g, cacc);
           // out (+)= cacc: the first K chunk stores it with the bias, later ones add
-          amx_store(cacc, valid, out + m * N + p * kPanel, N, ncols, bias_tile, k0 > 0);
+          amx_store(cacc, valid, out + m * N + p * kPanel, N, ncols, bias ? bias_tile : nullptr, k0 > 0);
         }
       }
     });
