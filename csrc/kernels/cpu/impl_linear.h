@@ -556,6 +556,19 @@ inline __m512 q8_u8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
 
+// c[i, 0:ncols] = tot[i] (+ bias) for the MR rows of a tile (two 16-column halves each).
+template <int MR>
+inline void q8_store(const __m512 (*tot)[2], float* c, int64_t ldc, int ncols, const float* bias) {
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < 2; ++v) {
+      const int j = 16 * v, n = ncols - j < 16 ? ncols - j : 16;
+      if (n <= 0) break;
+      V sum = {tot[i][v]};
+      if (bias) sum = sum + vload(bias + j);
+      vstore_n(c + i * ldc + j, sum, n);
+    }
+}
+
 template <int MR>
 LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
                                int64_t g, GroupHead head, float* c, int64_t ldc, int ncols, const float* bias) {
@@ -607,14 +620,7 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
       }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < 2; ++v) {
-      const int j = 16 * v, n = ncols - j < 16 ? ncols - j : 16;
-      if (n <= 0) break;
-      V sum = {tot[i][v]};
-      if (bias) sum = sum + vload(bias + j);
-      vstore_n(c + i * ldc + j, sum, n);
-    }
+  q8_store<MR>(tot, c, ldc, ncols, bias);
 }
 
 // The same for an int8 panel (ops::LinearWeight Int8): per G-k block (G = 32: fp16 scales, or fp32 scales and
@@ -666,14 +672,7 @@ LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float
       }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < 2; ++v) {
-      const int j = 16 * v, n = ncols - j < 16 ? ncols - j : 16;
-      if (n <= 0) break;
-      V sum = {tot[i][v]};
-      if (bias) sum = sum + vload(bias + j);
-      vstore_n(c + i * ldc + j, sum, n);
-    }
+  q8_store<MR>(tot, c, ldc, ncols, bias);
 }
 
 // The same for an int6 panel (ops::LinearWeight Int6): per octet the 6-bit values of quads A and B are put together
@@ -730,14 +729,7 @@ LMKIT_VNNI inline void q8_tile_i6(const int8_t* qx, const float* dx, const float
       }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < 2; ++v) {
-      const int j = 16 * v, n = ncols - j < 16 ? ncols - j : 16;
-      if (n <= 0) break;
-      V sum = {tot[i][v]};
-      if (bias) sum = sum + vload(bias + j);
-      vstore_n(c + i * ldc + j, sum, n);
-    }
+  q8_store<MR>(tot, c, ldc, ncols, bias);
 }
 
 // BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g (sx then per g values); BITS 6: int6
