@@ -80,6 +80,13 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //       bf16(weight[n, 2r]) | bf16(weight[n, 2r + 1]) << 16       (n = p * 32 + j; 0 past N and K)
 //     the operand layout of AVX512_BF16's vdpbf16ps; x is rounded to bf16 per call, products summed in fp32.
 constexpr int kLinearPanelCols = 32;
+// The sizes of the K-quant layouts above, shared by the packers and every ISA's kernels: an Int4 KQuant group (a
+// super-block) and its sub-blocks; an Int6 super-block, its sub-blocks, its octets and its head (d, then sc) and
+// whole bytes per panel.
+constexpr int64_t kLinearKQuantGroup = 256, kLinearKQuantSub = 32;
+constexpr int64_t kLinearInt6Group = 256, kLinearInt6Sub = 16, kLinearInt6OctetBytes = 192;
+constexpr int64_t kLinearInt6HeadBytes = kLinearPanelCols * (2 + kLinearInt6Group / kLinearInt6Sub);
+constexpr int64_t kLinearInt6GroupBytes = kLinearInt6HeadBytes + kLinearInt6Group / 8 * kLinearInt6OctetBytes;
 enum class WeightFormat : uint8_t { Dense, Int4, Int8, Bf16Pairs, Int6 };
 // The group heads above: Int4 has all three; Int8 has Zeros (the plain blocks: scales only, the zero is the
 // stored 128) and Offsets.

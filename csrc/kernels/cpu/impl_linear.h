@@ -248,7 +248,7 @@ void linear(const float* x, int64_t M, const void* w, DType dt, int64_t N, int64
 //                         sub-block b: w = q * (d * sc[b]) - dmin * m[b]   (both products exact in fp32: so is w)
 //                         4.625 bits per weight, the file's 4.5 but for sc and m in whole bytes
 constexpr int64_t kI4Quad = 64;      // 4 k x 32 columns of nibbles
-constexpr int64_t kKQuantSub = 32;   // inputs of a K-quant sub-block
+constexpr int64_t kKQuantSub = kLinearKQuantSub;  // inputs of a K-quant sub-block
 constexpr int64_t kKQuantSc = kPanel * 4, kKQuantM = kPanel * 12;  // where a K-quant head's sc and m start
 inline int64_t i4_head_bytes(GroupHead head) {  // per column: 2 B scale + 1 B zero, 2 + 2 B, or 2 + 2 + 8 + 8 B
   return kPanel * (head == GroupHead::Zeros ? 3 : head == GroupHead::Offsets ? 4 : 20);
@@ -325,9 +325,8 @@ __attribute__((always_inline)) inline void i8_row(const uint8_t* quad, int i, co
 // hi2(uA[i, j]) | hi2(uA[i, j + 16]) << 2 | hi2(uB[i, j]) << 4 | hi2(uB[i, j + 16]) << 6.
 // u in 0..63; sub-block b (16 k): w = (u - 32) * (d * sc[b]) = fma(u, s, -32 s), exact in fp32 (an fp16 value times
 // an 8-bit integer, times a 6-bit one).
-constexpr int64_t kI6Group = 256, kI6Sub = 16, kI6Octet = 192;
-constexpr int64_t kI6Head = kPanel * (2 + kI6Group / kI6Sub);
-constexpr int64_t kI6GroupBytes = kI6Head + kI6Group / 8 * kI6Octet;
+constexpr int64_t kI6Group = kLinearInt6Group, kI6Sub = kLinearInt6Sub, kI6Octet = kLinearInt6OctetBytes;
+constexpr int64_t kI6Head = kLinearInt6HeadBytes, kI6GroupBytes = kLinearInt6GroupBytes;
 
 __attribute__((always_inline)) inline void i6_sub_params(const uint8_t* blk, int64_t sb, V s[kNV], V nzs[kNV]) {
   for (int v = 0; v < kNV; ++v) {
@@ -755,7 +754,7 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
 // with ones sums those pairs into int32 (llama.cpp's AVX2 route). A 256-bit half of a quad holds lanes
 // 0-7 or 8-15, so vector v of a panel row covers columns 8v..8v+7: v = 0, 1 the low nibbles of halves
 // 0, 1; v = 2, 3 the high nibbles. int4: q <= 15 and |qx| <= 127, so a vpmaddubsw pair is at most
-// 3,810 and the 8 quads of a 32-k block sum exactly in int16 (<= 30,480) before one widening.per block.
+// 3,810 and the 8 quads of a 32-k block sum exactly in int16 (<= 30,480) before one widening per block.
 // int8: s8 = u8 ^ 0x80 = q, and vpmaddubsw(|q|, sign(qx, q)) = q * qx per pair (<= 32,512), widened
 // to int32 every quad. Exact in the integers, as the VNNI path.
 #define LMKIT_VNNI

@@ -30,13 +30,6 @@ int64_t int4_head_bytes(GroupHead head) {
   return kLinearPanelCols * (head == GroupHead::Zeros ? 3 : head == GroupHead::Offsets ? 4 : 20);
 }
 int64_t int4_group_bytes(int64_t g, GroupHead head) { return int4_head_bytes(head) + g * kLinearPanelCols / 2; }
-// A K-quant group is a super-block of 8 sub-blocks (the source's groups of 32): one d and dmin, 8 sc and m.
-constexpr int64_t kKQuantSub = 32, kKQuantGroup = 8 * kKQuantSub;
-// An int6 super-block (256 inputs, 16 sub-blocks of 16): fp16 d and 16 s8 sc per column, then 32 octets of 8 k
-// (two nibble quads and a plane of high bit pairs: 3 x 64 bytes).
-constexpr int64_t kInt6Group = 256, kInt6Sub = 16;
-constexpr int64_t kInt6Head = kLinearPanelCols * (2 + kInt6Group / kInt6Sub);
-constexpr int64_t kInt6GroupBytes = kInt6Head + kInt6Group / 8 * 192;
 constexpr int64_t kInt8BlockBytes = kLinearPanelCols * 2 + kInt8Block * kLinearPanelCols;
 constexpr int64_t kInt8FineBytes = kLinearPanelCols * 4 + 16 * kLinearPanelCols;  // a block of 16, fp32 scales
 constexpr int64_t kInt8OffsetBytes = kLinearPanelCols * 8 + kInt8Block * kLinearPanelCols;  // fp32 scales, offsets
@@ -129,13 +122,13 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
   LMKIT_CHECK_ARG(source.read_group != nullptr, "int4: the source has no reader");
   LMKIT_CHECK_ARG(!source.input_perm || (int64_t)source.input_perm->size() == K, "int4: input_perm has ",
                   source.input_perm ? source.input_perm->size() : 0, " entries for ", K, " inputs");
-  LMKIT_CHECK_ARG(!source.has_kquant() || (g == kKQuantSub && K % kKQuantGroup == 0),
+  LMKIT_CHECK_ARG(!source.has_kquant() || (g == kLinearKQuantSub && K % kLinearKQuantGroup == 0),
                   "int4: K-quant groups are sub-blocks of 32 inputs in super-blocks of 256, got group_size ", g,
                   " and ", K, " inputs");
   LinearWeight packed;
   packed.format = WeightFormat::Int4;
   packed.dtype = DType::F16;
-  packed.group_size = (int32_t)(source.has_kquant() ? kKQuantGroup : g);  // a packed group: one head
+  packed.group_size = (int32_t)(source.has_kquant() ? kLinearKQuantGroup : g);  // a packed group: one head
   packed.n = N;
   packed.k = K;
   packed.input_perm = source.input_perm;
@@ -290,22 +283,22 @@ LinearWeight pack_linear_int6(const Int8Source& source) {
   LinearWeight packed;
   packed.format = WeightFormat::Int6;
   packed.dtype = DType::F16;
-  packed.group_size = (int32_t)kInt6Group;
+  packed.group_size = (int32_t)kLinearInt6Group;
   packed.n = N;
   packed.k = K;
   packed.storage = alloc_packed(packed.size_bytes(), "an int6 weight");
-  constexpr int64_t P = kLinearPanelCols, S = kInt6Group / kInt6Sub;
-  const int64_t ng = K / kInt6Group, num_panels = (N + P - 1) / P;
+  constexpr int64_t P = kLinearPanelCols, S = kLinearInt6Group / kLinearInt6Sub;
+  const int64_t ng = K / kLinearInt6Group, num_panels = (N + P - 1) / P;
   uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
   auto pack_range = [&](int64_t p0, int64_t p1) {
-    std::vector<int8_t> q(kInt6Group * P), sc(P);
+    std::vector<int8_t> q(kLinearInt6Group * P), sc(P);
     std::vector<float> scales(P);
     std::vector<uint16_t> d(P), d0(P);
-    std::vector<uint8_t> u(kInt6Group * P);
+    std::vector<uint8_t> u(kLinearInt6Group * P);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t count = std::min(P, N - p * P);  // columns past count: d 0, sc 0, u 32
       for (int64_t gi = 0; gi < ng; ++gi) {
-        uint8_t* blk = dst + (p * ng + gi) * kInt6GroupBytes;
+        uint8_t* blk = dst + (p * ng + gi) * kLinearInt6GroupBytes;
         std::fill(d.begin(), d.end(), 0);
         std::fill(u.begin(), u.end(), 32);
         for (int64_t b = 0; b < S; ++b) {
@@ -318,18 +311,18 @@ LinearWeight pack_linear_int6(const Int8Source& source) {
           for (int64_t c = 0; c < count; ++c) {
             LMKIT_CHECK_ARG(scales[c] == f16_to_f32(d[c]) * (float)sc[c], "int6: block ", bi, " of output ", p * P + c,
                             " has scale ", scales[c], ", not its d * sc");
-            for (int64_t r = 0; r < kInt6Sub; ++r) {
+            for (int64_t r = 0; r < kLinearInt6Sub; ++r) {
               const int v = q[r * count + c];
               LMKIT_CHECK_ARG(v >= -32 && v < 32, "int6: value ", v, " of block ", bi, " is outside -32..31");
-              u[(b * kInt6Sub + r) * P + c] = (uint8_t)(v + 32);
+              u[(b * kLinearInt6Sub + r) * P + c] = (uint8_t)(v + 32);
             }
           }
           std::memcpy(blk + (2 + b) * P, sc.data(), P);
         }
         std::memcpy(blk, d.data(), 2 * P);
         // octet o = r / 8, quad A or B = (r % 8) / 4, byte i = r % 4 of lane j (< 16): nibbles of columns j, j + 16
-        for (int64_t r = 0; r < kInt6Group; ++r) {
-          uint8_t* oct = blk + kInt6Head + (r / 8) * 192;
+        for (int64_t r = 0; r < kLinearInt6Group; ++r) {
+          uint8_t* oct = blk + kLinearInt6HeadBytes + (r / 8) * kLinearInt6OctetBytes;
           const int64_t quad = (r % 8) / 4, i = r % 4;
           for (int64_t j = 0; j < P / 2; ++j) {
             const uint8_t lo = u[r * P + j], hi = u[r * P + j + P / 2];
@@ -350,7 +343,7 @@ LinearWeight pack_linear_int6(const Int8Source& source) {
 LinearWeight pack_linear_int8(const Int8Source& source) {
   const int64_t N = source.num_out, K = source.num_in;
   if (source.read_block16 != nullptr && source.read_block16_kquant != nullptr && N > 0 && K > 0 &&
-      K % kInt6Group == 0)
+      K % kLinearInt6Group == 0)
     return pack_linear_int6(source);
   LMKIT_CHECK_ARG(N > 0 && K > 0 && K % 32 == 0, "int8: weight must be [N, K] with K a multiple of 32, got [", N,
                   ", ", K, "]");
@@ -590,7 +583,7 @@ const WeightFormatTraits kWeightFormats[] = {
      [](const LinearWeight& w) { return num_panels(w) * ((w.k + 1) / 2) * kLinearPanelCols * 4; },
      pack_linear_bf16, needs_bf16_dot, run_bf16_pairs},
     {WeightFormat::Int6, "int6",
-     [](const LinearWeight& w) { return num_panels(w) * (w.k / kInt6Group) * kInt6GroupBytes; }, nullptr,
+     [](const LinearWeight& w) { return num_panels(w) * (w.k / kLinearInt6Group) * kLinearInt6GroupBytes; }, nullptr,
      [] { return (const char*)nullptr; }, run_int6},
 };
 }  // namespace
