@@ -261,7 +261,9 @@ int main(int argc, char** argv) {
       int64_t N, K;
     };
     std::mt19937 rng(11);
-    for (bool q6 : {false, true})
+    enum Fmt { Q4_0, Q4_K, Q6_K };
+    static const char* const fmt_names[] = {"Q4_0", "Q4_K", "Q6_K"};
+    for (Fmt fmt : {Q4_0, Q4_K, Q6_K})
       for (S s : {S{"qkv 3072x2048", 3072, 2048}, S{"gate_up 16384x2048", 16384, 2048},
                   S{"down 2048x8192", 2048, 8192}, S{"lm_head 1.2b", 49152, 2048}}) {
         if (!ops::int8_dot_available()) break;
@@ -270,7 +272,7 @@ int main(int argc, char** argv) {
         const int64_t N = s.N, K = s.K;
         while (ws.empty() || (!g_smoke && bytes * ws.size() < 400e6)) {
           ops::LinearWeight w;
-          if (q6) {  // random values, d and sc (the kernels do not care which)
+          if (fmt == Q6_K) {  // random values, d and sc (the kernels do not care which)
             Int8Source src;
             src.num_out = N, src.num_in = K;
             const uint32_t seed = rng();
@@ -288,10 +290,11 @@ int main(int argc, char** argv) {
           } else {
             Int4Source src;
             src.num_out = N, src.num_in = K, src.group_size = 32;
-            src.read_group = [](int64_t g, int64_t, int64_t count, uint8_t* q, uint8_t*, uint16_t*) {
+            src.read_group = [](int64_t g, int64_t, int64_t count, uint8_t* q, uint8_t* z, uint16_t* scales) {
               for (int64_t i = 0; i < 32 * count; ++i) q[i] = (uint8_t)((g * 5 + i) % 16);
+              for (int64_t c = 0; c < count; ++c) z[c] = 8, scales[c] = f32_to_f16(0.001f * (1 + (g + c) % 7));
             };
-            src.read_kquant = [](int64_t g, int64_t, int64_t count, uint16_t* d, uint16_t* dmin, uint8_t* sc,
+            if (fmt == Q4_K) src.read_kquant = [](int64_t g, int64_t, int64_t count, uint16_t* d, uint16_t* dmin, uint8_t* sc,
                                  uint8_t* m) {
               for (int64_t c = 0; c < count; ++c)
                 d[c] = f32_to_f16(0.001f), dmin[c] = f32_to_f16(0.002f), sc[c] = (uint8_t)((g + c) % 64), m[c] = (uint8_t)(c % 64);
@@ -304,7 +307,7 @@ int main(int argc, char** argv) {
         }
         for (int64_t M : {1, 16}) {
           const double t = time_linear_cold(ws, M, N, K);
-          std::printf("gguf %-18s %-4s M %2d%s: %8.1f us  %6.1f GB/s  %6.1f GOP/s\n", s.name, q6 ? "Q6_K" : "Q4_K",
+          std::printf("gguf %-18s %-4s M %2d%s: %8.1f us  %6.1f GB/s  %6.1f GOP/s\n", s.name, fmt_names[fmt],
                       (int)M, ws.size() > 1 ? " (cold)" : "       ", t * 1e6, bytes / t / 1e9, 2.0 * M * N * K / t / 1e9);
         }
       }

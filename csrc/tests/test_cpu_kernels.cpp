@@ -725,7 +725,8 @@ std::vector<float> quantize_q8(const std::vector<float>& x, int64_t M, int64_t K
 // AWQ int4 x int8 activations on one kernel ("dot": AVX2 / VNNI, x per 32 values; "amx": AMX-INT8 tiles from
 // kLinearAmxInt8MinRows rows on, x per group) against the float64 product of the quantized operands (only
 // the order of fp32 sums differs): decode and prefill row counts,
-// whole and partial 16- and 32-row tiles, K chunks of 512 with a tail, two M blocks (1,000 rows of K 2,048),
+// whole and partial 16- and 32-row tiles, K chunks of 512 with a tail, the dot kernel's k spans of 1,024 over a
+// panel shared by several tiles (K 1,152, 1,536, 2,048, and 1,088 in groups of 32), two M blocks (1,000 rows of K 2,048),
 // columns past N, zero rows, NaN-poisoned
 // outputs (every element must be written).
 void test_linear_int4_q8(const char* kernel) {
@@ -735,7 +736,7 @@ void test_linear_int4_q8(const char* kernel) {
   const Shape shapes[] = {{1, 8, 32, 32},      {3, 200, 640, 128},  {16, 64, 256, 64},  {31, 96, 576, 32},
                           {32, 40, 1152, 128}, {33, 72, 576, 64},   {47, 200, 1536, 64}, {64, 32, 96, 32},
                           {100, 136, 576, 64}, {300, 33 * 8, 1152, 128}, {700, 64, 256, 32},
-                          {1000, 40, 2048, 128}};
+                          {1000, 40, 2048, 128}, {20, 72, 1088, 32}};
   for (const Shape& s : shapes)
     for (bool with_bias : {false, true}) {
       AwqWeight a = make_awq(s.N, s.K, s.g);

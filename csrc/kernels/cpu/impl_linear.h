@@ -50,6 +50,7 @@ constexpr int64_t kMBlockBytes = 1 << 20;        // x rows of one M block, fp32:
 // wins by converting as soon as there is more than one tile.
 constexpr int64_t kConvertMinRows = kW == 8 ? kMRTall + 1 : 5 * kMRMax + 1;
 constexpr int64_t kPrefetchBytes = 2048;         // how far ahead a tile prefetches its panel
+constexpr int64_t kQ8Span = 1024;                // k per pass of the int8-activation tiles over a shared panel
 
 // Vectors of a panel row per pass down the panel: all kNV of them, except in AVX2 tiles of more than 2
 // rows, which take the panel in two 16-column halves (16 ymm: 6 rows x 2 accumulators + 2 panel
@@ -520,6 +521,15 @@ void linear_int6(const float* x, int64_t M, const void* w, int64_t N, int64_t K,
 // the engine's fp32 path stays exact and is chosen with int8_activations=false. Prefill calls take
 // the same kernel (4-row tiles: the nibbles of a quad are unpacked once per 8 dot products), or on an
 // AMX-INT8 CPU the tile kernel of impl_linear_q8_amx.h.
+// The k range of one pass of a tile over its panel: [begin, end), whole groups of the panel; the tile's sums start
+// at zero (first) or from what c holds, and end in c with the bias (last) or without. A tile prefetches its panel
+// `prefetch` bytes ahead of its reads (kPrefetchBytes in a single pass; the next k range's bytes when the tiles of
+// a panel take it range by range).
+struct KSpan {
+  int64_t begin, end, prefetch;
+  bool first, last;
+};
+
 #if defined(__AVX512F__)
 #define LMKIT_VNNI __attribute__((target("avx512vnni")))
 constexpr int kQ8Block = 32;
@@ -568,39 +578,60 @@ inline void q8_store(const __m512 (*tot)[2], float* c, int64_t ldc, int ncols, c
     }
 }
 
+// tot = zero for the first k range of a tile, else what c[i, 0:ncols] holds.
 template <int MR>
+inline void q8_begin(__m512 (*tot)[2], const float* c, int64_t ldc, int ncols, bool first) {
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < 2; ++v) {
+      const int n = ncols - 16 * v < 0 ? 0 : ncols - 16 * v > 16 ? 16 : ncols - 16 * v;
+      tot[i][v] = first || n == 0 ? _mm512_setzero_ps() : vload_n(c + i * ldc + 16 * v, n).v;
+    }
+}
+
+// HEAD Zeros: each block's integer sums start at -zero * sum_k qx[k] (exact in int32: |.| <= 15 * 32 * 127), so that
+// the block ends as sum_k (q - zero) qx and takes one multiply-add by dx * scale: two fewer floating-point operations
+// per accumulator and block than a correction in fp32, on the ports the dot products use.
+template <int MR, GroupHead HEAD>
 LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                               int64_t g, GroupHead head, float* c, int64_t ldc, int ncols, const float* bias) {
-  const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g, head), hb = i4_head_bytes(head);
+                               int64_t g, float* c, int64_t ldc, int ncols, const float* bias, KSpan span) {
+  const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g, HEAD), hb = i4_head_bytes(HEAD);
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   __m512 tot[MR][2];
-  for (int i = 0; i < MR; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < K; k0 += g) {
-    const uint8_t* blk = panel + (k0 / g) * gb;
-    __m512 s[2], zs[2], h0[2], h1[2];  // h0, h1: a K-quant head's d and dmin
+  q8_begin<MR>(tot, c, ldc, ncols, span.first);
+  const uint8_t* blk = panel + span.begin / g * gb;
+  for (int64_t k0 = span.begin; k0 < span.end; k0 += g, blk += gb) {
+    __m512 s[2], zs[2], h0[2], h1[2];  // zs: minus the offset, or dmin * m; h0, h1: a K-quant head's d and dmin
+    __m512i z[2];                      // the zeros
     for (int v = 0; v < 2; ++v) {
       s[v] = h0[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
-      if (head == GroupHead::Zeros) {  // zs: zero * scale, minus the offset, or dmin * m
-        zs[v] = _mm512_mul_ps(s[v], q8_u8x16(blk + 64 + 16 * v));
+      if constexpr (HEAD == GroupHead::Zeros) {
+        z[v] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)));
       } else {
         h1[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 64 + 32 * v)));
         zs[v] = _mm512_sub_ps(_mm512_setzero_ps(), h1[v]);
       }
     }
     for (int64_t b = 0; b < g / kQ8Block; ++b) {
-      const int64_t kb = (k0 / kQ8Block) + b;
-      if (head == GroupHead::KQuant)  // sub-block b: d * sc[b], dmin * m[b]
+      const int64_t kb = k0 / kQ8Block + b;
+      if constexpr (HEAD == GroupHead::KQuant)  // sub-block b: d * sc[b], dmin * m[b]
         for (int v = 0; v < 2; ++v) {
           s[v] = _mm512_mul_ps(h0[v], q8_u8x16(blk + kKQuantSc + b * kPanel + 16 * v));
           zs[v] = _mm512_mul_ps(h1[v], q8_u8x16(blk + kKQuantM + b * kPanel + 16 * v));
         }
       __m512i acc[MR][2];
-      for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+      for (int i = 0; i < MR; ++i) {
+        if constexpr (HEAD == GroupHead::Zeros) {
+          const __m512i nsum = _mm512_set1_epi32(-(int32_t)sx[i * nb + kb]);
+          acc[i][0] = _mm512_mullo_epi32(z[0], nsum), acc[i][1] = _mm512_mullo_epi32(z[1], nsum);
+        } else {
+          acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+        }
+      }
       const uint8_t* quads = blk + hb + b * (kQ8Block / 4) * kI4Quad;
 #pragma GCC unroll 8
       for (int t = 0; t < kQ8Block / 4; ++t) {
         const __m512i raw = _mm512_loadu_si512(quads + t * kI4Quad);
-        _mm_prefetch((const char*)(quads + t * kI4Quad + kPrefetchBytes), _MM_HINT_T0);
+        _mm_prefetch((const char*)(quads + t * kI4Quad + span.prefetch), _MM_HINT_T0);
         const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
         for (int i = 0; i < MR; ++i) {
           int32_t q4;
@@ -611,15 +642,21 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
         }
       }
       for (int i = 0; i < MR; ++i) {
-        const __m512 d = _mm512_set1_ps(dx[i * nb + kb]), sum = _mm512_set1_ps(sx[i * nb + kb]);
-        for (int v = 0; v < 2; ++v) {
-          const __m512 f = _mm512_fnmadd_ps(zs[v], sum, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][v]), s[v]));
-          tot[i][v] = _mm512_fmadd_ps(d, f, tot[i][v]);
+        const __m512 d = _mm512_set1_ps(dx[i * nb + kb]);
+        if constexpr (HEAD == GroupHead::Zeros) {
+          for (int v = 0; v < 2; ++v)
+            tot[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][v]), _mm512_mul_ps(d, s[v]), tot[i][v]);
+        } else {
+          const __m512 sum = _mm512_set1_ps(sx[i * nb + kb]);
+          for (int v = 0; v < 2; ++v) {
+            const __m512 f = _mm512_fnmadd_ps(zs[v], sum, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][v]), s[v]));
+            tot[i][v] = _mm512_fmadd_ps(d, f, tot[i][v]);
+          }
         }
       }
     }
   }
-  q8_store<MR>(tot, c, ldc, ncols, bias);
+  q8_store<MR>(tot, c, ldc, ncols, span.last ? bias : nullptr);
 }
 
 // The same for an int8 panel (ops::LinearWeight Int8): per G-k block (G = 32: fp16 scales, or fp32 scales and
@@ -629,13 +666,14 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
 // and an offset o adds o * sum_k qx[k]. sx: the sums of qx per G values (dx stays per 32).
 template <int MR, int G, bool OFFSETS = false>
 LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64_t K,
-                                  const uint8_t* panel, float* c, int64_t ldc, int ncols, const float* bias) {
+                                  const uint8_t* panel, float* c, int64_t ldc, int ncols, const float* bias,
+                                  KSpan span) {
   constexpr GroupHead kHead = OFFSETS ? GroupHead::Offsets : GroupHead::Zeros;
   const int64_t nb = K / kQ8Block, ng = K / G, block_bytes = i8_block_bytes(G, kHead), hb = i8_head_bytes(G, kHead);
   __m512 tot[MR][2];
-  for (int i = 0; i < MR; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
+  q8_begin<MR>(tot, c, ldc, ncols, span.first);
   const __m512 m128 = _mm512_set1_ps(128.0f);
-  for (int64_t kg = 0; kg < ng; ++kg) {
+  for (int64_t kg = span.begin / G; kg < span.end / G; ++kg) {
     const uint8_t* blk = panel + kg * block_bytes;
     const int64_t kb = kg * G / kQ8Block;
     __m512 d[2], o[2];
@@ -650,8 +688,8 @@ LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float
 #pragma GCC unroll 8
     for (int t = 0; t < G / 4; ++t) {
       const __m512i w0 = _mm512_loadu_si512(quads + t * 128), w1 = _mm512_loadu_si512(quads + t * 128 + 64);
-      _mm_prefetch((const char*)(quads + t * 128 + kPrefetchBytes), _MM_HINT_T0);
-      _mm_prefetch((const char*)(quads + t * 128 + 64 + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch((const char*)(quads + t * 128 + span.prefetch), _MM_HINT_T0);
+      _mm_prefetch((const char*)(quads + t * 128 + 64 + span.prefetch), _MM_HINT_T0);
       for (int i = 0; i < MR; ++i) {
         int32_t q4;
         memcpy(&q4, qx + i * K + kg * G + 4 * t, 4);
@@ -671,7 +709,7 @@ LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float
       }
     }
   }
-  q8_store<MR>(tot, c, ldc, ncols, bias);
+  q8_store<MR>(tot, c, ldc, ncols, span.last ? bias : nullptr);
 }
 
 // The same for an int6 panel (ops::LinearWeight Int6): per octet the 6-bit values of quads A and B are put together
@@ -680,13 +718,13 @@ LMKIT_VNNI inline void q8_tile_i8(const int8_t* qx, const float* dx, const float
 // with sx the sums of qx per 16 values (dx stays per 32).
 template <int MR>
 LMKIT_VNNI inline void q8_tile_i6(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                                  float* c, int64_t ldc, int ncols, const float* bias) {
+                                  float* c, int64_t ldc, int ncols, const float* bias, KSpan span) {
   const int64_t nb = K / kQ8Block, ns = K / kI6Sub;
   const __m512i low4 = _mm512_set1_epi8(0x0f), high2 = _mm512_set1_epi8(0x30);
   const __m512 m32 = _mm512_set1_ps(32.0f);
   __m512 tot[MR][2];
-  for (int i = 0; i < MR; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < K; k0 += kI6Group) {
+  q8_begin<MR>(tot, c, ldc, ncols, span.first);
+  for (int64_t k0 = span.begin; k0 < span.end; k0 += kI6Group) {
     const uint8_t* blk = panel + (k0 / kI6Group) * kI6GroupBytes;
     __m512 d[2];
     for (int v = 0; v < 2; ++v) d[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
@@ -696,7 +734,7 @@ LMKIT_VNNI inline void q8_tile_i6(const int8_t* qx, const float* dx, const float
 #pragma GCC unroll 2
       for (int o = 0; o < 2; ++o) {
         const uint8_t* oct = blk + kI6Head + (2 * b + o) * kI6Octet;
-        for (int64_t off = 0; off < kI6Octet; off += 64) _mm_prefetch((const char*)(oct + off + kPrefetchBytes), _MM_HINT_T0);
+        for (int64_t off = 0; off < kI6Octet; off += 64) _mm_prefetch((const char*)(oct + off + span.prefetch), _MM_HINT_T0);
         const __m512i qa = _mm512_loadu_si512(oct), qb = _mm512_loadu_si512(oct + 64), h = _mm512_loadu_si512(oct + 128);
         const __m512i al = _mm512_or_si512(_mm512_and_si512(qa, low4), _mm512_and_si512(_mm512_slli_epi16(h, 4), high2));
         const __m512i ah = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(qa, 4), low4),
@@ -728,7 +766,7 @@ LMKIT_VNNI inline void q8_tile_i6(const int8_t* qx, const float* dx, const float
       }
     }
   }
-  q8_store<MR>(tot, c, ldc, ncols, bias);
+  q8_store<MR>(tot, c, ldc, ncols, span.last ? bias : nullptr);
 }
 
 // BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g (sx then per g values); BITS 6: int6
@@ -736,15 +774,19 @@ LMKIT_VNNI inline void q8_tile_i6(const int8_t* qx, const float* dx, const float
 template <int BITS, int MR = kQ8MR>
 LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K,
                                  const uint8_t* panel, int64_t g, GroupHead head, float* c, int64_t ldc, int ncols,
-                                 const float* bias) {
+                                 const float* bias, KSpan span) {
   if (mr == MR) {
-    if constexpr (BITS == 4) q8_tile<MR>(qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
-    else if constexpr (BITS == 6) q8_tile_i6<MR>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
-    else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
-    else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
-    else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, c, ldc, ncols, bias);
+    if constexpr (BITS == 4) {
+      if (head == GroupHead::Zeros) q8_tile<MR, GroupHead::Zeros>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
+      else if (head == GroupHead::Offsets) q8_tile<MR, GroupHead::Offsets>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
+      else q8_tile<MR, GroupHead::KQuant>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
+    }
+    else if constexpr (BITS == 6) q8_tile_i6<MR>(qx, dx, sx, K, panel, c, ldc, ncols, bias, span);
+    else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, c, ldc, ncols, bias, span);
+    else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, c, ldc, ncols, bias, span);
+    else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, c, ldc, ncols, bias, span);
   } else if constexpr (MR > 1) {
-    q8_tile_n<BITS, MR - 1>(mr, qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
+    q8_tile_n<BITS, MR - 1>(mr, qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias, span);
   }
 }
 
@@ -803,10 +845,10 @@ inline __m256 q8_u8x8(const uint8_t* p) {
 // tot[i][0:32] += this int4 panel's sums (group size g) for rows i < MR.
 template <int MR>
 inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel, int64_t g,
-                       GroupHead head, float (*tot)[kPanel]) {
+                       GroupHead head, float (*tot)[kPanel], KSpan span) {
   const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g, head), hb = i4_head_bytes(head);
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  for (int64_t k0 = 0; k0 < K; k0 += g) {
+  for (int64_t k0 = span.begin; k0 < span.end; k0 += g) {
     const uint8_t* blk = panel + (k0 / g) * gb;
     for (int64_t b = 0; b < g / kQ8Block; ++b) {
       const int64_t kb = (k0 / kQ8Block) + b;
@@ -816,7 +858,7 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
       const uint8_t* quads = blk + hb + b * (kQ8Block / 4) * kI4Quad;
 #pragma GCC unroll 8
       for (int t = 0; t < kQ8Block / 4; ++t) {
-        _mm_prefetch((const char*)(quads + t * kI4Quad + kPrefetchBytes), _MM_HINT_T0);
+        _mm_prefetch((const char*)(quads + t * kI4Quad + span.prefetch), _MM_HINT_T0);
         __m256i xq[MR];
         for (int i = 0; i < MR; ++i) {
           int32_t q4;
@@ -860,11 +902,11 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
 // OFFSETS: + offset * sx, sx the sums of qx per G values) for rows i < MR.
 template <int MR, int G, bool OFFSETS = false>
 inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                       float (*tot)[kPanel]) {
+                       float (*tot)[kPanel], KSpan span) {
   constexpr GroupHead kHead = OFFSETS ? GroupHead::Offsets : GroupHead::Zeros;
   const int64_t nb = K / kQ8Block, ng = K / G, block_bytes = i8_block_bytes(G, kHead), hb = i8_head_bytes(G, kHead);
   const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-  for (int64_t kg = 0; kg < ng; ++kg) {
+  for (int64_t kg = span.begin / G; kg < span.end / G; ++kg) {
     const uint8_t* blk = panel + kg * block_bytes;
     const int64_t kb = kg * G / kQ8Block;
     __m256i acc[MR][4];
@@ -873,8 +915,8 @@ inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64
     const uint8_t* quads = blk + hb;
 #pragma GCC unroll 8
     for (int t = 0; t < G / 4; ++t) {
-      _mm_prefetch((const char*)(quads + t * 128 + kPrefetchBytes), _MM_HINT_T0);
-      _mm_prefetch((const char*)(quads + t * 128 + 64 + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch((const char*)(quads + t * 128 + span.prefetch), _MM_HINT_T0);
+      _mm_prefetch((const char*)(quads + t * 128 + 64 + span.prefetch), _MM_HINT_T0);
       __m256i xq[MR];
       for (int i = 0; i < MR; ++i) {
         int32_t q4;
@@ -908,10 +950,10 @@ inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64
 // one widening.
 template <int MR>
 inline void q8_tile_i6(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                       float (*tot)[kPanel]) {
+                       float (*tot)[kPanel], KSpan span) {
   const int64_t nb = K / kQ8Block, ns = K / kI6Sub;
   const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
-  for (int64_t k0 = 0; k0 < K; k0 += kI6Group) {
+  for (int64_t k0 = span.begin; k0 < span.end; k0 += kI6Group) {
     const uint8_t* blk = panel + (k0 / kI6Group) * kI6GroupBytes;
     for (int64_t b = 0; b < kI6Group / kI6Sub; ++b) {
       __m256i acc[MR][4];
@@ -919,7 +961,7 @@ inline void q8_tile_i6(const int8_t* qx, const float* dx, const float* sx, int64
         for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_si256();
       for (int o = 0; o < 2; ++o) {
         const uint8_t* oct = blk + kI6Head + (2 * b + o) * kI6Octet;
-        for (int64_t off = 0; off < kI6Octet; off += 64) _mm_prefetch((const char*)(oct + off + kPrefetchBytes), _MM_HINT_T0);
+        for (int64_t off = 0; off < kI6Octet; off += 64) _mm_prefetch((const char*)(oct + off + span.prefetch), _MM_HINT_T0);
         const int64_t k = k0 + b * kI6Sub + 8 * o;
         __m256i va[MR], vb[MR];
         for (int i = 0; i < MR; ++i) {
@@ -965,18 +1007,21 @@ inline void q8_tile_i6(const int8_t* qx, const float* dx, const float* sx, int64
 // BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g; BITS 6: int6 panels.
 template <int BITS, int MR = kQ8MR>
 inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                      int64_t g, GroupHead head, float* c, int64_t ldc, int ncols, const float* bias) {
+                      int64_t g, GroupHead head, float* c, int64_t ldc, int ncols, const float* bias, KSpan span) {
   if (mr == MR) {
     alignas(32) float tot[MR][kPanel] = {};
-    if constexpr (BITS == 4) q8_tile_i4<MR>(qx, dx, sx, K, panel, g, head, tot);
-    else if constexpr (BITS == 6) q8_tile_i6<MR>(qx, dx, sx, K, panel, tot);
-    else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, tot);
-    else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, tot);
-    else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, tot);
+    if (!span.first)
+      for (int i = 0; i < MR; ++i) memcpy(tot[i], c + i * ldc, (size_t)ncols * 4);
+    if constexpr (BITS == 4) q8_tile_i4<MR>(qx, dx, sx, K, panel, g, head, tot, span);
+    else if constexpr (BITS == 6) q8_tile_i6<MR>(qx, dx, sx, K, panel, tot, span);
+    else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, tot, span);
+    else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, tot, span);
+    else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, tot, span);
+    const float* b = span.last ? bias : nullptr;
     for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < ncols; ++j) c[i * ldc + j] = bias ? tot[i][j] + bias[j] : tot[i][j];
+      for (int j = 0; j < ncols; ++j) c[i * ldc + j] = b ? tot[i][j] + b[j] : tot[i][j];
   } else if constexpr (MR > 1) {
-    q8_tile_n<BITS, MR - 1>(mr, qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias);
+    q8_tile_n<BITS, MR - 1>(mr, qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias, span);
   }
 }
 #endif
@@ -1009,13 +1054,23 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
         }
     }
   });
-  // no M blocks: a panel's pass over all rows reads M * K bytes of qx, little beside its integer work
+  // No M blocks: a panel's pass over all rows reads M * K bytes of qx, little beside its integer work. With more
+  // than one tile the tiles take the panel kQ8Span k at a time (whole groups), each range read from memory by the
+  // first tile while prefetching the next one, and from L1 by the others: one pass per tile over the whole K had
+  // the first tile wait on memory and the others on the dot products, never both at once.
+  const int64_t unit = BITS == 6 ? kI6Group : g;
+  const int64_t span = M > kQ8MR ? (kQ8Span + unit - 1) / unit * unit : K;
+  const int64_t span_bytes = panel_bytes / (K / unit) * (span / unit);
   for_each_panel(M, N, K, M, bias, [&](int64_t, int64_t, int64_t p, int ncols, const float* bias_tile, float*) {
     const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
-    for_each_tile<kQ8MR>(M, [&](int64_t m, int mr) {
-      q8_tile_n<BITS>(mr, qx + m * K, dx + m * nb, sg + m * ns, K, panel, g, head, out + m * N + p * kPanel, N,
-                      ncols, bias_tile);
-    });
+    for (int64_t k0 = 0; k0 < K; k0 += span) {
+      const int64_t k1 = K - k0 < span ? K : k0 + span;
+      const KSpan ks{k0, k1, span < K ? span_bytes : kPrefetchBytes, k0 == 0, k1 == K};
+      for_each_tile<kQ8MR>(M, [&](int64_t m, int mr) {
+        q8_tile_n<BITS>(mr, qx + m * K, dx + m * nb, sg + m * ns, K, panel, g, head, out + m * N + p * kPanel, N,
+                        ncols, bias_tile, ks);
+      });
+    }
   });
 }
 void linear_int4_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
