@@ -71,8 +71,13 @@ inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_
       const uint32_t* vp = (const uint32_t*)vb + (h * (bs / 2) + off / 2) * hd;
       float* kd = kbuf + j * hd;
       float* vd = vbuf + j * hd;
-      for (int64_t d = 0; d < hd; d += kW) {
-        const int m = hd - d < kW ? (int)(hd - d) : kW;
+      int64_t d = 0;
+      for (; d + kW <= hd; d += kW) {  // whole vectors unmasked: masked 16-bit loads cost Zen 5 ~10% of a step
+        vstore(kd + d, vload_bf16(kr + d));
+        vstore(vd + d, vload_bf16_half(vp + d, (int)(off & 1)));
+      }
+      if (d < hd) {
+        const int m = (int)(hd - d);
         vstore_n(kd + d, vload_bf16_n(kr + d, m), m);
         vstore_n(vd + d, vload_bf16_half_n(vp + d, (int)(off & 1), m), m);
       }

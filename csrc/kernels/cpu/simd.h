@@ -44,10 +44,11 @@ inline V bf16_widen(__m256i h) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_
 inline V vload_bf16(const uint16_t* p) { return bf16_widen(_mm256_loadu_si256((const __m256i*)p)); }
 inline V vload_bf16_n(const uint16_t* p, int n) { return bf16_widen(_mm256_maskz_loadu_epi16(lanes(n), p)); }
 // Lanes i < n: the low (odd = 0) or high (odd = 1) bf16 of the 32-bit word p[i], as fp32 (0 past n).
-inline V vload_bf16_half_n(const uint32_t* p, int odd, int n) {
-  const __m512i w = _mm512_maskz_loadu_epi32(lanes(n), p);
+inline V bf16_half(__m512i w, int odd) {
   return {_mm512_castsi512_ps(odd ? _mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)) : _mm512_slli_epi32(w, 16))};
 }
+inline V vload_bf16_half_n(const uint32_t* p, int odd, int n) { return bf16_half(_mm512_maskz_loadu_epi32(lanes(n), p), odd); }
+inline V vload_bf16_half(const uint32_t* p, int odd) { return bf16_half(_mm512_loadu_si512(p), odd); }
 inline V operator+(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V operator-(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline V operator*(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -140,10 +141,13 @@ inline V bf16_widen(__m128i h) { return {_mm256_castsi256_ps(_mm256_slli_epi32(_
 inline V vload_bf16(const uint16_t* p) { return bf16_widen(_mm_loadu_si128((const __m128i*)p)); }
 inline V vload_bf16_n(const uint16_t* p, int n) { return bf16_widen(load_u16_n(p, n)); }
 // Lanes i < n: the low (odd = 0) or high (odd = 1) bf16 of the 32-bit word p[i], as fp32 (0 past n).
-inline V vload_bf16_half_n(const uint32_t* p, int odd, int n) {
-  const __m256i w = _mm256_maskload_epi32((const int*)p, lanes(n));
+inline V bf16_half(__m256i w, int odd) {
   return {_mm256_castsi256_ps(odd ? _mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)) : _mm256_slli_epi32(w, 16))};
 }
+inline V vload_bf16_half_n(const uint32_t* p, int odd, int n) {
+  return bf16_half(_mm256_maskload_epi32((const int*)p, lanes(n)), odd);
+}
+inline V vload_bf16_half(const uint32_t* p, int odd) { return bf16_half(_mm256_loadu_si256((const __m256i*)p), odd); }
 inline V operator+(V a, V b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline V operator-(V a, V b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline V operator*(V a, V b) { return {_mm256_mul_ps(a.v, b.v)}; }
@@ -276,6 +280,7 @@ inline V vload_bf16_half_n(const uint32_t* p, int odd, int n) {
   }
   return r;
 }
+inline V vload_bf16_half(const uint32_t* p, int odd) { return vload_bf16_half_n(p, odd, kW); }
 inline V operator+(V a, V b) { return {a.v + b.v}; }
 inline V operator-(V a, V b) { return {a.v - b.v}; }
 inline V operator*(V a, V b) { return {a.v * b.v}; }
