@@ -519,8 +519,9 @@ void linear_int6(const float* x, int64_t M, const void* w, int64_t N, int64_t K,
 //   sum_k x[k] w[k, j] ~ dx * (scale_j * sum_k q[k, j] qx[k] - scale_j * zero_j * sum_k qx[k])
 // The only approximation is the rounding of x (relative error ~ 1/254 per value, averaging out over K):
 // the engine's fp32 path stays exact and is chosen with int8_activations=false. Prefill calls take
-// the same kernel (4-row tiles: the nibbles of a quad are unpacked once per 8 dot products), or on an
-// AMX-INT8 CPU the tile kernel of impl_linear_q8_amx.h.
+// the same kernel (AVX-512: 6-row tiles, the nibbles of a quad unpacked once per 12 dot products; a panel
+// shared by several tiles is taken kQ8Span k at a time, see linear_q8), or on an AMX-INT8 CPU the tile kernel
+// of impl_linear_q8_amx.h.
 // The k range of one pass of a tile over its panel: [begin, end), whole groups of the panel; the tile's sums start
 // at zero (first) or from what c holds, and end in c with the bias (last) or without. A tile prefetches its panel
 // `prefetch` bytes ahead of its reads (kPrefetchBytes in a single pass; the next k range's bytes when the tiles of
