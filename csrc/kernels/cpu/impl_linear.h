@@ -585,8 +585,8 @@ template <int MR>
 inline void q8_begin(__m512 (*tot)[2], const float* c, int64_t ldc, int ncols, bool first) {
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < 2; ++v) {
-      const int n = ncols - 16 * v < 0 ? 0 : ncols - 16 * v > 16 ? 16 : ncols - 16 * v;
-      tot[i][v] = first || n == 0 ? _mm512_setzero_ps() : vload_n(c + i * ldc + 16 * v, n).v;
+      const int j = 16 * v, n = ncols - j < 16 ? ncols - j : 16;  // as q8_store
+      tot[i][v] = first || n <= 0 ? _mm512_setzero_ps() : vload_n(c + i * ldc + j, n).v;
     }
 }
 
@@ -1057,9 +1057,9 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
     }
   });
   // No M blocks: a panel's pass over all rows reads M * K bytes of qx, little beside its integer work. With more
-  // than one tile the tiles take the panel kQ8Span k at a time (whole groups), each range read from memory by the
-  // first tile while prefetching the next one, and from L1 by the others: one pass per tile over the whole K had
-  // the first tile wait on memory and the others on the dot products, never both at once.
+  // than one tile the tiles take the panel kQ8Span k at a time (whole groups): the first tile reads a range from
+  // memory, the others from L1, and each prefetches the next range. One pass per tile over the whole K had the
+  // first tile wait on memory and the others on the dot products, never both at once.
   const int64_t unit = BITS == 6 ? kI6Group : g;
   const int64_t span = M > kQ8MR ? (kQ8Span + unit - 1) / unit * unit : K;
   const int64_t span_bytes = panel_bytes / (K / unit) * (span / unit);
