@@ -290,6 +290,7 @@ int main(int argc, char** argv) {
           } else {
             Int4Source src;
             src.num_out = N, src.num_in = K, src.group_size = 32;
+            src.symmetric = fmt == Q4_0;  // zero 8: Symmetric heads, as the GGUF reader gives Q4_0
             src.read_group = [](int64_t g, int64_t, int64_t count, uint8_t* q, uint8_t* z, uint16_t* scales) {
               for (int64_t i = 0; i < 32 * count; ++i) q[i] = (uint8_t)((g * 5 + i) % 16);
               for (int64_t c = 0; c < count; ++c) z[c] = 8, scales[c] = f32_to_f16(0.001f * (1 + (g + c) % 7));
@@ -305,7 +306,8 @@ int main(int argc, char** argv) {
           bytes = (double)w.size_bytes();
           ws.push_back(w);
         }
-        for (int64_t M : {1, 16}) {
+        for (int64_t M : {1, 16, 512}) {  // decode, 16 streams, a 512-token prefill (Q4_0, not the lm_head)
+          if (M == 512 && (fmt != Q4_0 || s.N == 49152)) continue;
           const double t = time_linear_cold(ws, M, N, K);
           std::printf("gguf %-18s %-4s M %2d%s: %8.1f us  %6.1f GB/s  %6.1f GOP/s\n", s.name, fmt_names[fmt],
                       (int)M, ws.size() > 1 ? " (cold)" : "       ", t * 1e6, bytes / t / 1e9, 2.0 * M * N * K / t / 1e9);

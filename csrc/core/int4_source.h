@@ -34,6 +34,9 @@ struct Int4Source {
   // zeros and scales are then ignored. Thread-safe as read_group. At most one of read_offsets and read_kquant.
   std::function<void(int64_t g, int64_t n0, int64_t count, uint16_t* d, uint16_t* dmin, uint8_t* sc, uint8_t* m)>
       read_kquant;
+  // Every zero is 8 (GGUF Q4_0; symmetric GPTQ, AWQ or compressed-tensors checkpoints): the packer then keeps no
+  // zeros (ops::GroupHead::Symmetric) and checks each one read_group gives. Without offsets or K-quant groups only.
+  bool symmetric = false;
   bool has_offsets() const { return read_offsets != nullptr; }
   bool has_kquant() const { return read_kquant != nullptr; }
 };

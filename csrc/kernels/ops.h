@@ -47,9 +47,12 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //       zeros   [32] u8        zero point of (group, column j), 0..15
 //       quads   [g / 4][64] u8 byte i of 32-bit lane j of quad t: q[4t + i, j] | q[4t + i, j + 16] << 4
 //     weight[n, k] = (q[k, n] - zero[k / g, n]) * scale[k / g, n]; one stream per panel, scales inline.
-//     The group head has one of three forms (LinearWeight::group_head, from the source):
-//       Zeros    scales [32] fp16 | zeros [32] u8                          as above (AWQ, GPTQ, GGUF Q4_0)
-//       Offsets  scales [32] fp16 | offsets [32] fp16                      weight = q * scale + offset (GGUF Q4_1)
+//     The group head has one of four forms (LinearWeight::group_head, from the source):
+//       Zeros      scales [32] fp16 | zeros [32] u8                        as above (AWQ, asymmetric GPTQ)
+//       Symmetric  scales [32] fp16                                        every zero 8: weight = (q - 8) * scale
+//                  (GGUF Q4_0, symmetric GPTQ / AWQ / compressed-tensors: 4.5 bits per weight at g = 32, the
+//                  file's size, and no per-column zero in the kernels' sums)
+//       Offsets    scales [32] fp16 | offsets [32] fp16                    weight = q * scale + offset (GGUF Q4_1)
 //       KQuant   d [32] fp16 | dmin [32] fp16 | sc [8][32] u8 | m [8][32] u8
 //                (GGUF Q4_K, g = 256: its super-block; sub-block b of 32 inputs has weight = q * (d * sc[b]) -
 //                dmin * m[b], sc and m its 6-bit values; both products are exact in fp32, so this is lossless at
@@ -88,9 +91,9 @@ constexpr int64_t kLinearInt6Group = 256, kLinearInt6Sub = 16, kLinearInt6OctetB
 constexpr int64_t kLinearInt6HeadBytes = kLinearPanelCols * (2 + kLinearInt6Group / kLinearInt6Sub);
 constexpr int64_t kLinearInt6GroupBytes = kLinearInt6HeadBytes + kLinearInt6Group / 8 * kLinearInt6OctetBytes;
 enum class WeightFormat : uint8_t { Dense, Int4, Int8, Bf16Pairs, Int6 };
-// The group heads above: Int4 has all three; Int8 has Zeros (the plain blocks: scales only, the zero is the
+// The group heads above: Int4 has all four; Int8 has Zeros (the plain blocks: scales only, the zero is the
 // stored 128) and Offsets.
-enum class GroupHead : uint8_t { Zeros, Offsets, KQuant };
+enum class GroupHead : uint8_t { Zeros, Offsets, KQuant, Symmetric };
 struct LinearWeight;
 struct WeightFormatTraits {
   WeightFormat format;
@@ -112,7 +115,7 @@ struct LinearWeight {
   // Dense: the stored dtype; Int4, Int6 and Int8: the scales' (F16; Int8 in blocks of 16: F32); Bf16Pairs: BF16
   DType dtype = DType::F32;
   int32_t group_size = 0;    // Int4: 32 / 64 / 128 along K (KQuant: 256); Int8: 32 or 16; Int6: 256; else 0
-  // Int4 and Int8: the form of the group heads (layouts above). AMX tiles run Int4 Zeros only.
+  // Int4 and Int8: the form of the group heads (layouts above). AMX tiles run Int4 Zeros and Symmetric only.
   GroupHead group_head = GroupHead::Zeros;
   // Int4 only: null, or the order in which the weight takes the layer's inputs (Int4Source::input_perm);
   // ops::linear gathers x by it before the product.

@@ -125,6 +125,7 @@ Int4Source ggml_int4_source(const Tensor& t, const RowOrder& rows, const std::st
   }
   const bool q4_1 = t.dtype == DType::Q4_1;
   const int64_t qs = q4_1 ? 4 : 2;  // where the nibbles start in a block
+  src.symmetric = !q4_1;            // Q4_0: (q - 8) * d
   src.read_group = [t, rows, qs, q4_1](int64_t g, int64_t n0, int64_t count, uint8_t* q, uint8_t* zeros,
                                        uint16_t* scales) {
     for (int64_t c = 0; c < count; ++c) {

@@ -41,6 +41,15 @@ uint8_t nibble(uint32_t word, int64_t i) { return (uint8_t)((word >> (4 * i)) & 
 
 constexpr int kIdentityNibbleOf[8] = {0, 1, 2, 3, 4, 5, 6, 7};
 
+// Whether every zero nibble of a zeros tensor (I32 words of 8, plus word_bias) is 8: a symmetric checkpoint
+// (Int4Source::symmetric). A padding nibble that is not 8 only makes the answer no.
+bool zeros_all_eight(const Tensor& zeros, uint32_t word_bias) {
+  const uint32_t* qz = zeros.ptr<const uint32_t>();
+  for (int64_t i = 0; i < zeros.numel(); ++i)
+    if (qz[i] + word_bias != 0x88888888u) return false;
+  return true;
+}
+
 // AWQ's and GPTQ's zeros I32 [G, N / 8] (output n at nibble nibble_of[n % 8] of word [sg, n / 8], the word plus
 // word_bias first) and scales [G, N]: group sg of outputs n0 .. n0 + count.
 void read_zeros_scales_by_group(const Tensor& zeros, const Tensor& scales, int64_t N, int64_t sg, int64_t n0,
@@ -118,6 +127,7 @@ Int4Source int4_source(const Int4Tensors& t, int64_t N, int64_t K, int64_t group
       check_tensor(values, false, {K, N / 8}, what, names.values);
       check_tensor(zeros, false, {G, N / 8}, what, names.zeros);
       check_tensor(scales, true, {G, N}, what, names.scales);
+      src.symmetric = zeros_all_eight(zeros, 0u);
       src.read_group = [=](int64_t g, int64_t n0, int64_t count, uint8_t* q, uint8_t* z, uint16_t* s) {
         const uint32_t* qw = values.ptr<const uint32_t>();
         read_zeros_scales_by_group(zeros, scales, N, g * kg / gs, n0, count, kAwqNibbleOf, 0u, z, s);
@@ -137,6 +147,7 @@ Int4Source int4_source(const Int4Tensors& t, int64_t N, int64_t K, int64_t group
       check_tensor(scales, true, {G, N}, what, names.scales);
       src.input_perm = order_of_groups(t.g_idx, K, gs, what, names.g_idx);
       const uint32_t zero_bias = t.layout == Int4Layout::Gptq ? 0x11111111u : 0u;  // gptq stores zero - 1
+      src.symmetric = zeros_all_eight(zeros, zero_bias);
       auto perm = src.input_perm;
       src.read_group = [=](int64_t g, int64_t n0, int64_t count, uint8_t* q, uint8_t* z, uint16_t* s) {
         const uint32_t* qw = values.ptr<const uint32_t>();
@@ -153,6 +164,7 @@ Int4Source int4_source(const Int4Tensors& t, int64_t N, int64_t K, int64_t group
       if (!zeros.is_empty()) check_tensor(zeros, false, {(N + 7) / 8, G}, what, names.zeros);
       check_tensor(scales, true, {N, G}, what, names.scales);
       src.input_perm = order_of_groups(t.g_idx, K, gs, what, names.g_idx);
+      src.symmetric = zeros.is_empty() || zeros_all_eight(zeros, 0u);
       auto perm = src.input_perm;
       src.read_group = [=](int64_t g, int64_t n0, int64_t count, uint8_t* q, uint8_t* z, uint16_t* s) {
         const uint32_t* qw = values.ptr<const uint32_t>();

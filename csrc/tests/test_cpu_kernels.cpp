@@ -233,13 +233,15 @@ std::vector<float> linear_f64(const std::vector<float>& x, int64_t M, const std:
   return out;
 }
 
-AwqWeight make_awq(int64_t N, int64_t K, int64_t g) {
+// symmetric: every zero 8 (what GGUF Q4_0 and symmetric GPTQ / compressed-tensors checkpoints hold), which the
+// layout's source reports and the packer turns into zero-less Symmetric heads.
+AwqWeight make_awq(int64_t N, int64_t K, int64_t g, bool symmetric = false) {
   AwqWeight a;
   std::uniform_int_distribution<uint32_t> bits;
   a.qweight.resize(K * N / 8);
   a.qzeros.resize(K / g * N / 8);
   for (auto& x : a.qweight) x = (int32_t)bits(g_rng);
-  for (auto& x : a.qzeros) x = (int32_t)bits(g_rng);
+  for (auto& x : a.qzeros) x = symmetric ? (int32_t)0x88888888u : (int32_t)bits(g_rng);
   std::vector<float> s = randn(K / g * N, 0.02f);
   for (float x : s) a.scales.push_back(f32_to_f16(x));
   const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // nibble i holds column 8c + order[i]
@@ -738,9 +740,12 @@ void test_linear_int4_q8(const char* kernel) {
                           {100, 136, 576, 64}, {300, 33 * 8, 1152, 128}, {700, 64, 256, 32},
                           {1000, 40, 2048, 128}, {20, 72, 1088, 32}};
   for (const Shape& s : shapes)
-    for (bool with_bias : {false, true}) {
-      AwqWeight a = make_awq(s.N, s.K, s.g);
+    for (int variant = 0; variant < 3; ++variant) {  // zeros, zeros + bias, symmetric + bias
+      const bool with_bias = variant > 0, symmetric = variant == 2;
+      AwqWeight a = make_awq(s.N, s.K, s.g, symmetric);
       ops::LinearWeight w = pack_awq(a, (int32_t)s.g);
+      expect(w.group_head == (symmetric ? ops::GroupHead::Symmetric : ops::GroupHead::Zeros),
+             "an AWQ weight packs into Symmetric heads exactly when every zero is 8");
       w.int8_activations = true;
       Weight b = make_weight(DType::F32, s.N, 0);
       std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN);
@@ -752,7 +757,7 @@ void test_linear_int4_q8(const char* kernel) {
       expect_close(out, ref,
                    std::string("linear int4 x int8 (") + kernel + ") g" + std::to_string(s.g) + " M " +
                        std::to_string(s.M) + " N " + std::to_string(s.N) + " K " + std::to_string(s.K) +
-                       (with_bias ? " bias" : ""));
+                       (with_bias ? " bias" : "") + (symmetric ? " symmetric" : ""));
     }
 }
 
@@ -763,19 +768,23 @@ void test_linear_int4() {
   const Shape shapes[] = {{1, 8, 32, 32},     {1, 576, 576, 64},  {2, 40, 96, 32},    {3, 200, 640, 128},
                           {5, 1536, 576, 64}, {12, 72, 256, 128}, {13, 64, 1536, 64}, {25, 96, 576, 32},
                           {40, 200, 384, 128}, {100, 136, 576, 64}, {7, 8, 64, 64}};
-  for (const Shape& s : shapes) {
-    AwqWeight a = make_awq(s.N, s.K, s.g);
-    const ops::LinearWeight w = pack_awq(a, (int32_t)s.g);
-    for (int with_bias = 0; with_bias < 2; ++with_bias) {
-      Weight b = make_weight(DType::F32, s.N, 0);
-      std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN);
-      ops::linear(x.data(), s.M, w, with_bias ? b.t : Tensor{}, out.data());
-      const std::vector<float> ref = linear_f64(x, s.M, a.dense, s.N, s.K, with_bias ? b.f32.data() : nullptr);
-      expect_close(out, ref,
-                   "linear int4 g" + std::to_string(s.g) + " M " + std::to_string(s.M) + " N " + std::to_string(s.N) +
-                       " K " + std::to_string(s.K) + (with_bias ? " bias" : ""));
+  for (const Shape& s : shapes)
+    for (bool symmetric : {false, true}) {
+      AwqWeight a = make_awq(s.N, s.K, s.g, symmetric);
+      const ops::LinearWeight w = pack_awq(a, (int32_t)s.g);
+      expect(w.size_bytes() == (s.N + 31) / 32 * (s.K / s.g) * 32 * ((symmetric ? 2 : 3) + s.g / 2),
+             "int4 panels: per group and column an fp16 scale, a zero unless symmetric, the nibbles");
+      for (int with_bias = 0; with_bias < 2; ++with_bias) {
+        Weight b = make_weight(DType::F32, s.N, 0);
+        std::vector<float> x = randn(s.M * s.K), out(s.M * s.N, NAN);
+        ops::linear(x.data(), s.M, w, with_bias ? b.t : Tensor{}, out.data());
+        const std::vector<float> ref = linear_f64(x, s.M, a.dense, s.N, s.K, with_bias ? b.f32.data() : nullptr);
+        expect_close(out, ref,
+                     "linear int4 g" + std::to_string(s.g) + " M " + std::to_string(s.M) + " N " +
+                         std::to_string(s.N) + " K " + std::to_string(s.K) + (with_bias ? " bias" : "") +
+                         (symmetric ? " symmetric" : ""));
+      }
     }
-  }
   // int8 activations (AVX2 vpmaddubsw or AVX-512 VNNI; under generic the flag changes nothing): within
   // the stated bound of 1e-2 relative to the float64 reference of the unrounded x, and visibly not the fp32
   // path; then against the float64 reference of the quantized operands on every kernel (test_linear_int4_q8)
@@ -828,6 +837,26 @@ void test_linear_int4() {
       expect_close(out, ref, "linear int8 x int8 M " + std::to_string(s.M) + " N " + std::to_string(s.N) + " K " +
                                  std::to_string(s.K), 1e-2);
     }
+  }
+  // a source that says symmetric but gives another zero is refused by name, also from a packing thread (N 1,024:
+  // several panel ranges); the one zero that is not 8 sits in the last group of the last panel
+  {
+    AwqWeight sym = make_awq(1024, 128, 32, true);
+    sym.qzeros.back() = (int32_t)0x88888878u;  // nibble 1 of the last word: column 1016 + 2 (AWQ order)
+    Int4Tensors t;
+    t.layout = Int4Layout::AwqGemm;
+    t.values = sym.qw, t.zeros = sym.qz, t.scales = sym.sc;
+    Int4Source src = int4_source(t, 1024, 128, 32, "test");
+    expect(!src.symmetric, "an AWQ source with one zero other than 8 is not symmetric");
+    src.symmetric = true;
+    std::string msg;
+    try {
+      ops::pack_linear_int4(src);
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    expect(msg.find("symmetric source has zero 7 in group 3, output 1018") != std::string::npos,
+           "the packer names the zero of a symmetric source that is not 8, got: " + msg);
   }
   // shape errors name the tensor
   AwqWeight a = make_awq(64, 128, 64);

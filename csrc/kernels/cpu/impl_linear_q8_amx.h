@@ -7,7 +7,8 @@
 // 16 x 16 tile (kt = 32 or 64 k per instruction): A = qx [16 rows x kt] (s8), B = q - zero [kt x 16 columns]
 // (s8, "VNNI-packed": row r holds k = 4r..4r+3 of 16 columns). The panel's nibble quads are already that
 // layout (lane j of quad t = q[4t + 0..3, j] | q[4t + 0..3, j + 16] << 4): a mask (columns 0-15) or shift +
-// mask (16-31) and a byte subtract of the zero points unpack them. Then per group, in fp32:
+// mask (16-31) and a byte subtract of the zero points (Zeros heads; 8 for Symmetric ones) unpack them. Then per
+// group, in fp32:
 //     out[m, j] += dx[m, group] * scale[group, j] * C[m, j]
 // A block of x per group rather than per 32 (decode's linear_int4_q8) is what makes tiles pay: every block
 // costs a store of the int32 tiles and a pass of vector code over them, which at 32 k per block took most
@@ -32,21 +33,25 @@ constexpr AmxTileConfig kAmxQ8TileConfig64 = {
     1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
 // bq[t][0:64] = q - zero of columns 0-15, bq[t][64:128] of columns 16-31, for the quads t of panel
-// k range [k0, k0 + kc) (whole groups); sc[gi][0:32] = the fp32 scales of each group gi of the range.
-LMKIT_AMX_I8 inline void q8_amx_unpack(const uint8_t* panel, int64_t g, int64_t k0, int64_t kc, int8_t* bq,
-                                       float* sc) {
-  const int64_t gb = i4_group_bytes(g, GroupHead::Zeros);
-  const __m512i low4 = _mm512_set1_epi8(0x0f), spread = _mm512_set1_epi32(0x01010101);
+// k range [k0, k0 + kc) (whole groups); sc[gi][0:32] = the fp32 scales of each group gi of the range. head: Zeros
+// or Symmetric (zero 8).
+LMKIT_AMX_I8 inline void q8_amx_unpack(const uint8_t* panel, int64_t g, GroupHead head, int64_t k0, int64_t kc,
+                                       int8_t* bq, float* sc) {
+  const int64_t gb = i4_group_bytes(g, head), hb = i4_head_bytes(head);
+  const bool sym = head == GroupHead::Symmetric;
+  const __m512i low4 = _mm512_set1_epi8(0x0f), spread = _mm512_set1_epi32(0x01010101), eight = _mm512_set1_epi8(8);
   for (int64_t k = k0; k < k0 + kc; k += g) {
     const uint8_t* blk = panel + (k / g) * gb;
     float* s = sc + (k - k0) / g * kPanel;
     _mm512_storeu_ps(s, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk)));
     _mm512_storeu_ps(s + 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32))));
     // zero point of column j in all 4 bytes of 32-bit lane j
-    const __m512i z0 = _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 64))), spread);
-    const __m512i z1 = _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 80))), spread);
+    const __m512i z0 = sym ? eight
+                           : _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 64))), spread);
+    const __m512i z1 = sym ? eight
+                           : _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 80))), spread);
     for (int64_t t = 0; t < g / 4; ++t) {
-      const __m512i raw = _mm512_loadu_si512(blk + i4_head_bytes(GroupHead::Zeros) + t * kI4Quad);
+      const __m512i raw = _mm512_loadu_si512(blk + hb + t * kI4Quad);
       int8_t* row = bq + ((k - k0) / 4 + t) * 128;
       _mm512_storeu_si512(row, _mm512_sub_epi8(_mm512_and_si512(raw, low4), z0));
       _mm512_storeu_si512(row + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4), z1));
@@ -111,10 +116,10 @@ LMKIT_AMX_I8 inline void q8_amx_block(const int8_t* qx, int64_t ldq, const float
   }
 }
 
-// out = x @ w^T (+ bias) for int4 panels (group size g), x as int8 per group, on AMX tiles.
+// out = x @ w^T (+ bias) for int4 panels (group size g, Zeros or Symmetric heads), x as int8 per group, on AMX tiles.
 LMKIT_AMX_I8 void linear_int4_amx(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,
-                                  const float* bias, float* out) {
-  const int64_t ng = K / g, panel_bytes = K / g * i4_group_bytes(g, GroupHead::Zeros);
+                                  GroupHead head, const float* bias, float* out) {
+  const int64_t ng = K / g, panel_bytes = K / g * i4_group_bytes(g, head);
   const int64_t kt = g < 64 ? g : 64;
   const int64_t Mp = (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * (2 * kAmxRows);
   int64_t mblock = kAmxQ8MBlockBytes / K / (2 * kAmxRows) * (2 * kAmxRows);
@@ -145,7 +150,7 @@ LMKIT_AMX_I8 void linear_int4_amx(const float* x, int64_t M, const void* w, int6
       const uint8_t* panel = (const uint8_t*)w + p * panel_bytes;
       for (int64_t k0 = 0; k0 < K; k0 += kAmxQ8KC) {
         const int64_t kc = K - k0 < kAmxQ8KC ? K - k0 : kAmxQ8KC;
-        q8_amx_unpack(panel, g, k0, kc, bq, sc);
+        q8_amx_unpack(panel, g, head, k0, kc, bq, sc);
         asm volatile("" ::: "memory");
         for (int64_t m = mb; m < me; m += 2 * kAmxRows) {
           const int64_t valid = M - m < 2 * kAmxRows ? M - m : 2 * kAmxRows;  // rows to store

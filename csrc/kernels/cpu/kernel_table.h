@@ -41,9 +41,9 @@ struct KernelTable {
   // out = x @ w^T (+ bias) for int6 panels, int8 activations; nullptr as above
   void (*linear_int6_q8)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias,
                          float* out);
-  // linear_int4_q8 on AMX tiles (AMX-INT8; GroupHead::Zeros only); nullptr where this build has none; dispatch.cpp
-  // calls it only once the process may use the tile registers
-  void (*linear_int4_amx)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,
+  // linear_int4_q8 on AMX tiles (AMX-INT8; GroupHead::Zeros and Symmetric only); nullptr where this build has none;
+  // dispatch.cpp calls it only once the process may use the tile registers
+  void (*linear_int4_amx)(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
                           const float* bias, float* out);
   // out = x @ w^T (+ bias) for bf16 pair panels (pack_linear_bf16): x rounded to bf16, vdpbf16ps; nullptr
   // where this ISA has none; the avx512 one also needs AVX512_BF16 (dispatch.cpp checks)

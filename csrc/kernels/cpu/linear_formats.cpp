@@ -22,12 +22,15 @@ namespace lmkit::ops {
 namespace {
 
 // Bytes of one quantized panel block (ops.h's layouts), for the packers and the traits table alike: an int4 group
-// of g inputs (its head: per column fp16 scale + u8 zero, fp16 scale + fp16 offset, or fp16 d, dmin + 8 x u8 sc, m
-// of a K-quant super-block; then the nibbles), an int8 block of 32 (fp16 scales, or fp32 scales and offsets; then one byte per value) or 16
+// of g inputs (its head: per column fp16 scale + u8 zero, fp16 scale alone (symmetric), fp16 scale + fp16 offset, or
+// fp16 d, dmin + 8 x u8 sc, m of a K-quant super-block; then the nibbles), an int8 block of 32 (fp16 scales, or fp32 scales and offsets; then one byte per value) or 16
 // (fp32 scales).
 constexpr int64_t kInt8Block = 32;
 int64_t int4_head_bytes(GroupHead head) {
-  return kLinearPanelCols * (head == GroupHead::Zeros ? 3 : head == GroupHead::Offsets ? 4 : 20);
+  return kLinearPanelCols * (head == GroupHead::Zeros       ? 3
+                             : head == GroupHead::Symmetric ? 2
+                             : head == GroupHead::Offsets   ? 4
+                                                            : 20);
 }
 int64_t int4_group_bytes(int64_t g, GroupHead head) { return int4_head_bytes(head) + g * kLinearPanelCols / 2; }
 constexpr int64_t kInt8BlockBytes = kLinearPanelCols * 2 + kInt8Block * kLinearPanelCols;
@@ -134,8 +137,11 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
   packed.input_perm = source.input_perm;
   LMKIT_CHECK_ARG(!(source.has_offsets() && source.has_kquant()),
                   "int4: a source has offsets or K-quant groups, not both");
+  LMKIT_CHECK_ARG(!source.symmetric || !(source.has_offsets() || source.has_kquant()),
+                  "int4: a symmetric source has neither offsets nor K-quant groups");
   packed.group_head = source.has_kquant()    ? GroupHead::KQuant
                      : source.has_offsets() ? GroupHead::Offsets
+                     : source.symmetric     ? GroupHead::Symmetric
                                             : GroupHead::Zeros;
   packed.storage = alloc_packed(packed.size_bytes(), "an int4 weight");
   constexpr int64_t P = kLinearPanelCols;
@@ -167,6 +173,11 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
           source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
           source.read_offsets(gi, p * P, count, offsets.data());
           std::memcpy(blk + 2 * P, offsets.data(), 2 * P);
+        } else if (packed.group_head == GroupHead::Symmetric) {
+          source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
+          for (int64_t c = 0; c < count; ++c)
+            LMKIT_CHECK_ARG(zeros[c] == 8, "int4: a symmetric source has zero ", (int)zeros[c], " in group ", gi,
+                            ", output ", p * P + c, " (every zero must be 8)");
         } else {
           source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
           std::memcpy(blk + 2 * P, zeros.data(), P);
@@ -532,11 +543,12 @@ void run_dense(const float* x, int64_t M, const LinearWeight& w, const float* b,
   cpu::active().linear(x, M, w.storage.get(), w.dtype, w.n, w.k, b, out);
 }
 void run_int4(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
-  const bool amx_fits = w.int8_activations && w.group_head == GroupHead::Zeros && M >= kLinearAmxInt8MinRows;
+  const bool amx_fits = w.int8_activations && M >= kLinearAmxInt8MinRows &&
+                        (w.group_head == GroupHead::Zeros || w.group_head == GroupHead::Symmetric);
   const cpu::KernelTable* amx = amx_fits ? cpu::amx_int8_table_in_use() : nullptr;
   const cpu::KernelTable* q8 = w.int8_activations ? cpu::q8_table() : nullptr;
   if (amx != nullptr)
-    amx->linear_int4_amx(x, M, w.storage.get(), w.n, w.k, w.group_size, b, out);
+    amx->linear_int4_amx(x, M, w.storage.get(), w.n, w.k, w.group_size, w.group_head, b, out);
   else if (q8 != nullptr)
     q8->linear_int4_q8(x, M, w.storage.get(), w.n, w.k, w.group_size, w.group_head, b, out);
   else
