@@ -601,11 +601,17 @@ inline void q8_begin(__m512 (*tot)[2], const float* c, int64_t ldc, int ncols, b
 // the block ends as sum_k (q - zero) qx and takes one multiply-add by dx * scale: two fewer floating-point operations
 // per accumulator and block than a correction in fp32, on the ports the dot products use. HEAD Symmetric: they start
 // at -8 * sum_k qx[k], one broadcast per row: no zeros to load and no vpmulld (which takes a dot product's slot;
-// +10% for an L1-resident tile on Zen 5).
-template <int MR, GroupHead HEAD>
+// +10% for an L1-resident tile on Zen 5). GZ (Zeros heads of groups of several blocks, g 64 / 128): the zeros are
+// taken once per group, in fp32,
+//   sum_b dx_b s (A_b - zero sx_b) = sum_b dx_b s A_b - zero s (sum_b dx_b sx_b)
+// with sx then holding sum_b dx_b sx_b per row and group (kQ8GroupZeros, linear_q8): one multiply-add per
+// accumulator and group instead of a vpmulld per block.
+constexpr bool kQ8GroupZeros = true;
+template <int MR, GroupHead HEAD, bool GZ = false>
 LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
                                int64_t g, float* c, int64_t ldc, int ncols, const float* bias, KSpan span) {
-  const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g, HEAD), hb = i4_head_bytes(HEAD);
+  static_assert(!GZ || HEAD == GroupHead::Zeros, "GZ: Zeros heads only");
+  const int64_t nb = K / kQ8Block, ng = K / g, gb = i4_group_bytes(g, HEAD), hb = i4_head_bytes(HEAD);
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   __m512 tot[MR][2];
   q8_begin<MR>(tot, c, ldc, ncols, span.first);
@@ -617,6 +623,7 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
       s[v] = h0[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
       if constexpr (HEAD == GroupHead::Zeros) {
         z[v] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)));
+        if constexpr (GZ) zs[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(z[v]), s[v]);  // zero * scale
       } else if constexpr (HEAD != GroupHead::Symmetric) {
         h1[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 64 + 32 * v)));
         zs[v] = _mm512_sub_ps(_mm512_setzero_ps(), h1[v]);
@@ -631,7 +638,7 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
         }
       __m512i acc[MR][2];
       for (int i = 0; i < MR; ++i) {
-        if constexpr (HEAD == GroupHead::Zeros) {
+        if constexpr (HEAD == GroupHead::Zeros && !GZ) {
           const __m512i nsum = _mm512_set1_epi32(-(int32_t)sx[i * nb + kb]);
           acc[i][0] = _mm512_mullo_epi32(z[0], nsum), acc[i][1] = _mm512_mullo_epi32(z[1], nsum);
         } else if constexpr (HEAD == GroupHead::Symmetric) {
@@ -668,6 +675,11 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
         }
       }
     }
+    if constexpr (GZ)
+      for (int i = 0; i < MR; ++i) {
+        const __m512 gsum = _mm512_set1_ps(sx[i * ng + k0 / g]);
+        for (int v = 0; v < 2; ++v) tot[i][v] = _mm512_fnmadd_ps(zs[v], gsum, tot[i][v]);
+      }
   }
   q8_store<MR>(tot, c, ldc, ncols, span.last ? bias : nullptr);
 }
@@ -790,7 +802,10 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
                                  const float* bias, KSpan span) {
   if (mr == MR) {
     if constexpr (BITS == 4) {
-      if (head == GroupHead::Zeros) q8_tile<MR, GroupHead::Zeros>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
+      if (head == GroupHead::Zeros && g > kQ8Block)
+        q8_tile<MR, GroupHead::Zeros, kQ8GroupZeros>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
+      else if (head == GroupHead::Zeros)
+        q8_tile<MR, GroupHead::Zeros>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else if (head == GroupHead::Symmetric)
         q8_tile<MR, GroupHead::Symmetric>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else if (head == GroupHead::Offsets) q8_tile<MR, GroupHead::Offsets>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
@@ -816,6 +831,7 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
 // to int32 every quad. Exact in the integers, as the VNNI path.
 #define LMKIT_VNNI
 constexpr int kQ8Block = 32;
+constexpr bool kQ8GroupZeros = false;  // q8_tile_i4 takes every head's correction per block in fp32
 constexpr int kQ8MR = 2;  // rows per tile: 2 x 4 int16 accumulators + weights + broadcasts in 16 ymm
 
 inline float q8_hmax(__m256 a) {
@@ -1054,12 +1070,15 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
                               : BITS == 6 ? K / kI6Group * kI6GroupBytes
                                           : K / g * i8_block_bytes(g, head);
   const bool fine = BITS == 6 || (BITS == 8 && g == 16);  // scales per 16 values: their own sums of qx
-  const int64_t ns = fine ? K / 16 : nb;
-  thread_local ScratchBuffer scratch;  // dx, sx (per 32), sums per 16 where fine, then qx
-  float* dx = (float*)scratch.get((size_t)((2 * M * nb + (fine ? M * ns : 0)) * 4 + M * K));
+  // Zeros heads of groups of several blocks on VNNI: sum_b dx_b sx_b per group (q8_tile's GZ)
+  const bool group_zeros = kQ8GroupZeros && BITS == 4 && head == GroupHead::Zeros && g > kQ8Block;
+  const int64_t ns = fine ? K / 16 : group_zeros ? K / g : nb;
+  const bool own = fine || group_zeros;  // the tiles take sums of their own, not sx
+  thread_local ScratchBuffer scratch;  // dx, sx (per 32), then the tiles' own sums where `own`, then qx
+  float* dx = (float*)scratch.get((size_t)((2 * M * nb + (own ? M * ns : 0)) * 4 + M * K));
   float* sx = dx + M * nb;
-  float* sg = fine ? sx + M * nb : sx;  // the sums of qx per block of the weight
-  int8_t* qx = (int8_t*)(sx + M * nb + (fine ? M * ns : 0));
+  float* sg = own ? sx + M * nb : sx;  // the sums the tiles take
+  int8_t* qx = (int8_t*)(sx + M * nb + (own ? M * ns : 0));
   parallel_for(M, grain_for(M), M * K >= (1 << 16), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       q8_quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb);
@@ -1068,6 +1087,12 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
           int32_t sum = 0;
           for (int64_t i = 0; i < 16; ++i) sum += qx[m * K + 16 * b + i];
           sg[m * ns + b] = (float)sum;
+        }
+      if (group_zeros)
+        for (int64_t gi = 0; gi < ns; ++gi) {
+          float sum = 0.0f;
+          for (int64_t b = gi * (g / kQ8Block); b < (gi + 1) * (g / kQ8Block); ++b) sum += dx[m * nb + b] * sx[m * nb + b];
+          sg[m * ns + gi] = sum;
         }
     }
   });
