@@ -16,6 +16,7 @@
 #include "core/check.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/reference.h"
+#include "kernels/cpu/sampling.h"
 #include "kernels/ops.h"
 #include "model/int4_layouts.h"
 
@@ -1368,8 +1369,50 @@ void test_concat_linear() {
   expect(ops::concat_linear({&b}).is_empty(), "concat_linear needs two parts");
 }
 
+// Greedy sampling (plain C++, one build for every ISA) against the definition: the lowest index of the maximum,
+// NaN never chosen (all NaN: 0). Rows of 1 to 49,152 values around the vector blocks of 256 and their tails, the
+// maximum twice (same block, two blocks, block and tail), NaN at and around it, +inf, all -inf, all NaN.
+void test_greedy_sample() {
+  auto reference = [](const std::vector<float>& x) {
+    int32_t best = -1;
+    for (int32_t i = 0; i < (int32_t)x.size(); ++i)
+      if (!std::isnan(x[i]) && (best < 0 || x[i] > x[best])) best = i;
+    return best < 0 ? 0 : best;
+  };
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  std::mt19937_64 rng(1);
+  std::uniform_int_distribution<int> coin(0, 7);
+  int checks = 0, bad = 0;
+  for (int32_t n : {1, 5, 16, 255, 256, 257, 511, 512, 700, 1000, 49152, 49155}) {
+    for (int trial = 0; trial < 40; ++trial) {
+      std::vector<float> x = randn(n);
+      std::uniform_int_distribution<int32_t> at(0, n - 1);
+      const int32_t a = at(g_rng), b = at(g_rng);
+      const int kind = trial % 8;
+      if (kind == 1) x[a] = x[b] = 9.0f;                                   // the maximum twice
+      if (kind == 2) x[a] = NAN, x[b] = 9.0f;                              // NaN beside the maximum
+      if (kind == 3) x[a] = 9.0f, x[(a + 1) % n] = NAN, x[(a + n - 1) % n] = 9.0f;
+      if (kind == 4) x[a] = INFINITY;
+      if (kind == 5) std::fill(x.begin(), x.end(), -INFINITY), x[b] = coin(g_rng) < 4 ? NAN : -INFINITY;
+      if (kind == 6) std::fill(x.begin(), x.end(), NAN);
+      if (kind == 7) x[n - 1] = 9.0f, x[a] = 9.0f;                         // the last value (a tail) ties
+      if (kind == 0 && n > 300) x[256] = 9.0f, x[n - 1] = 9.0f;            // a block's first value and the tail
+      const int32_t want = reference(x);
+      const int32_t got = ops::sample(x.data(), n, greedy, nullptr, 0, 0, nullptr, 0, nullptr, rng, nullptr);
+      ++checks;
+      if (got != want) {
+        ++bad;
+        if (bad <= 5) std::printf("greedy n %d kind %d: got %d, want %d\n", n, kind, got, want);
+      }
+    }
+  }
+  expect(bad == 0, "greedy sampling: the lowest index of the maximum, NaN never (" + std::to_string(checks) + " rows)");
+}
+
 int main() {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // keep every line if a kernel crashes
+  test_greedy_sample();
   for (const char* isa : {"generic", "avx2", "avx512"}) {
     g_isa = isa;
     if (!ops::cpu::force_isa(isa)) {

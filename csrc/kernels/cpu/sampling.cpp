@@ -8,6 +8,9 @@
 #include <unordered_set>
 #include <utility>
 #include <vector>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "kernels/ops.h"
 
@@ -16,11 +19,45 @@ namespace lmkit::ops {
 namespace {
 
 // The lowest index of the maximum; NaN entries never win (all NaN: 0).
-int32_t argmax(const float* x, int32_t n) {
+int32_t argmax_scalar(const float* x, int32_t n) {
   int32_t best = -1;
   for (int32_t i = 0; i < n; ++i)
     if (x[i] == x[i] && (best < 0 || x[i] > x[best])) best = i;
   return best < 0 ? 0 : best;
+}
+
+// The same, a block of kArgmaxBlock at a time: a vector max per block (maxps(x, m) keeps m where x is NaN), the
+// first block whose max is strictly larger than every earlier one's, then the first index of that max in it. The
+// scalar loop's branch per value took ~2% of a 16-stream SmolLM2 step (greedy, 49,152 logits a row) on the
+// engine thread, with the team's other threads waiting.
+constexpr int32_t kArgmaxBlock = 256;
+int32_t argmax(const float* x, int32_t n) {
+#if defined(__SSE2__)
+  float best = -std::numeric_limits<float>::infinity();
+  int32_t best_block = -1;
+  int32_t b0 = 0;
+  for (; b0 + kArgmaxBlock <= n; b0 += kArgmaxBlock) {
+    __m128 m0 = _mm_set1_ps(best), m1 = m0, m2 = m0, m3 = m0;
+    for (int32_t i = b0; i < b0 + kArgmaxBlock; i += 16) {
+      m0 = _mm_max_ps(_mm_loadu_ps(x + i), m0);
+      m1 = _mm_max_ps(_mm_loadu_ps(x + i + 4), m1);
+      m2 = _mm_max_ps(_mm_loadu_ps(x + i + 8), m2);
+      m3 = _mm_max_ps(_mm_loadu_ps(x + i + 12), m3);
+    }
+    alignas(16) float lanes[4];
+    _mm_store_ps(lanes, _mm_max_ps(_mm_max_ps(m0, m1), _mm_max_ps(m2, m3)));
+    const float m = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
+    if (m > best) best = m, best_block = b0;
+  }
+  for (int32_t i = b0; i < n; ++i)  // the tail, value by value
+    if (x[i] > best) best = x[i], best_block = -2 - i;
+  if (best_block <= -2) return -2 - best_block;
+  if (best_block < 0) return argmax_scalar(x, n);  // nothing above -inf: the first value that is not NaN
+  for (int32_t i = best_block;; ++i)
+    if (x[i] == best) return i;
+#else
+  return argmax_scalar(x, n);
+#endif
 }
 
 void apply_penalties(float* logits, int32_t vocab, const SamplingParams& p, const int32_t* history,
