@@ -48,7 +48,7 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //       quads   [g / 4][64] u8 byte i of 32-bit lane j of quad t: q[4t + i, j] | q[4t + i, j + 16] << 4
 //     weight[n, k] = (q[k, n] - zero[k / g, n]) * scale[k / g, n]; one stream per panel, scales inline.
 //     The group head has one of four forms (LinearWeight::group_head, from the source):
-//       Zeros      scales [32] fp16 | zeros [32] u8                        as above (AWQ, asymmetric GPTQ)
+//       Zeros      scales [32] fp16 | zeros [32] u8                        as above (any zero point)
 //       Symmetric  scales [32] fp16                                        every zero 8: weight = (q - 8) * scale
 //                  (GGUF Q4_0, symmetric GPTQ / AWQ / compressed-tensors: 4.5 bits per weight at g = 32, the
 //                  file's size, and no per-column zero in the kernels' sums)

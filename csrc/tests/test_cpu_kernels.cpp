@@ -729,9 +729,10 @@ std::vector<float> quantize_q8(const std::vector<float>& x, int64_t M, int64_t K
 // kLinearAmxInt8MinRows rows on, x per group) against the float64 product of the quantized operands (only
 // the order of fp32 sums differs): decode and prefill row counts,
 // whole and partial 16- and 32-row tiles, K chunks of 512 with a tail, the dot kernel's k spans of 1,024 over a
-// panel shared by several tiles (K 1,152, 1,536, 2,048, and 1,088 in groups of 32), two M blocks (1,000 rows of K 2,048),
-// columns past N, zero rows, NaN-poisoned
-// outputs (every element must be written).
+// panel shared by several tiles (K 1,152, 1,536, 2,048, and 1,088 in groups of 32), M blocks (1,000 rows of K
+// 2,048: two on AMX, eight of the dot kernel's 126 / 128 rows; 127 and 129 rows: a last block of one row),
+// zeros, zeros with a bias, and symmetric heads (every zero 8) without and with one, columns past N, zero rows,
+// NaN-poisoned outputs (every element must be written).
 void test_linear_int4_q8(const char* kernel) {
   struct Shape {
     int64_t M, N, K, g;
@@ -739,10 +740,10 @@ void test_linear_int4_q8(const char* kernel) {
   const Shape shapes[] = {{1, 8, 32, 32},      {3, 200, 640, 128},  {16, 64, 256, 64},  {31, 96, 576, 32},
                           {32, 40, 1152, 128}, {33, 72, 576, 64},   {47, 200, 1536, 64}, {64, 32, 96, 32},
                           {100, 136, 576, 64}, {300, 33 * 8, 1152, 128}, {700, 64, 256, 32},
-                          {1000, 40, 2048, 128}, {20, 72, 1088, 32}};
+                          {1000, 40, 2048, 128}, {20, 72, 1088, 32}, {127, 40, 2048, 64}, {129, 40, 2048, 32}};
   for (const Shape& s : shapes)
-    for (int variant = 0; variant < 3; ++variant) {  // zeros, zeros + bias, symmetric + bias
-      const bool with_bias = variant > 0, symmetric = variant == 2;
+    for (int variant = 0; variant < 4; ++variant) {
+      const bool with_bias = variant % 2 == 1, symmetric = variant >= 2;
       AwqWeight a = make_awq(s.N, s.K, s.g, symmetric);
       ops::LinearWeight w = pack_awq(a, (int32_t)s.g);
       expect(w.group_head == (symmetric ? ops::GroupHead::Symmetric : ops::GroupHead::Zeros),

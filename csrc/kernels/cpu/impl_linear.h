@@ -617,7 +617,7 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
   q8_begin<MR>(tot, c, ldc, ncols, span.first);
   const uint8_t* blk = panel + span.begin / g * gb;
   for (int64_t k0 = span.begin; k0 < span.end; k0 += g, blk += gb) {
-    __m512 s[2], zs[2], h0[2], h1[2];  // zs: minus the offset, or dmin * m; h0, h1: a K-quant head's d and dmin
+    __m512 s[2], zs[2], h0[2], h1[2];  // zs: minus the offset, dmin * m, or (GZ) zero * scale; h0, h1: d, dmin
     __m512i z[2];                      // the zeros
     for (int v = 0; v < 2; ++v) {
       s[v] = h0[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
