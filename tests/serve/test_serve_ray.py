@@ -65,14 +65,17 @@ def ray_cluster():
 
 
 def replica_pids(app: str, deployment: str) -> set[int]:
-    """Process ids of the live replicas of ``deployment`` (Ray titles them ray::ServeReplica:APP:DEPLOYMENT)."""
+    """Process ids of the live replicas of ``deployment``: Ray titles them ray::ServeReplica:APP:DEPLOYMENT when
+    idle and ray::ServeReplica:APP:DEPLOYMENT.METHOD while a method runs (a replica still closing a stream or
+    pushing its metrics)."""
     title = f"ray::ServeReplica:{app}:{deployment}".encode()
     pids = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if f.read().split(b"\0")[0].strip() == title:
+                    name = f.read().split(b"\0")[0].strip()
+                    if name == title or name.startswith(title + b"."):
                         pids.add(int(entry))
             except OSError:
                 pass
