@@ -94,6 +94,18 @@ enum class WeightFormat : uint8_t { Dense, Int4, Int8, Bf16Pairs, Int6 };
 // The group heads above: Int4 has all four; Int8 has Zeros (the plain blocks: scales only, the zero is the
 // stored 128) and Offsets.
 enum class GroupHead : uint8_t { Zeros, Offsets, KQuant, Symmetric };
+// Bytes of an Int4 panel's group head and of a whole group of g inputs (layouts above), for the packer and every
+// ISA's kernels: per column an fp16 scale and a u8 zero (Zeros), the scale alone (Symmetric), scale and fp16 offset
+// (Offsets), or fp16 d, dmin and 8 u8 sc, m (KQuant); then g / 2 bytes of nibbles.
+constexpr int64_t linear_int4_head_bytes(GroupHead head) {
+  return kLinearPanelCols * (head == GroupHead::Zeros       ? 3
+                             : head == GroupHead::Symmetric ? 2
+                             : head == GroupHead::Offsets   ? 4
+                                                            : 20);
+}
+constexpr int64_t linear_int4_group_bytes(int64_t g, GroupHead head) {
+  return linear_int4_head_bytes(head) + g * kLinearPanelCols / 2;
+}
 struct LinearWeight;
 struct WeightFormatTraits {
   WeightFormat format;

@@ -253,13 +253,6 @@ void linear(const float* x, int64_t M, const void* w, DType dt, int64_t N, int64
 constexpr int64_t kI4Quad = 64;      // 4 k x 32 columns of nibbles
 constexpr int64_t kKQuantSub = kLinearKQuantSub;  // inputs of a K-quant sub-block
 constexpr int64_t kKQuantSc = kPanel * 4, kKQuantM = kPanel * 12;  // where a K-quant head's sc and m start
-inline int64_t i4_head_bytes(GroupHead head) {  // per column: 2 B scale + 1 B zero, 2 B, 2 + 2 B, or 2 + 2 + 8 + 8 B
-  return kPanel * (head == GroupHead::Zeros       ? 3
-                   : head == GroupHead::Symmetric ? 2
-                   : head == GroupHead::Offsets   ? 4
-                                                  : 20);
-}
-inline int64_t i4_group_bytes(int64_t g, GroupHead head) { return i4_head_bytes(head) + g / 4 * kI4Quad; }
 // Inputs that share one scale and offset: a K-quant head's sub-block, else the whole group.
 inline int64_t i4_sub_size(int64_t g, GroupHead head) { return head == GroupHead::KQuant ? kKQuantSub : g; }
 
@@ -361,8 +354,8 @@ template <>
 struct QuantPanel<4> {
   static constexpr int64_t kQuad = kI4Quad;
   static constexpr int kRows = 4;
-  static int64_t group_bytes(int64_t g, GroupHead head) { return i4_group_bytes(g, head); }
-  static int64_t head_bytes(int64_t, GroupHead head) { return i4_head_bytes(head); }
+  static int64_t group_bytes(int64_t g, GroupHead head) { return linear_int4_group_bytes(g, head); }
+  static int64_t head_bytes(int64_t, GroupHead head) { return linear_int4_head_bytes(head); }
   static int64_t sub(int64_t g, GroupHead head) { return i4_sub_size(g, head); }
   __attribute__((always_inline)) static void params(const uint8_t* blk, int64_t, GroupHead head, int64_t sb, V s[kNV],
                                                     V nzs[kNV]) {
@@ -611,7 +604,8 @@ template <int MR, GroupHead HEAD, bool GZ = false>
 LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
                                int64_t g, float* c, int64_t ldc, int ncols, const float* bias, KSpan span) {
   static_assert(!GZ || HEAD == GroupHead::Zeros, "GZ: Zeros heads only");
-  const int64_t nb = K / kQ8Block, ng = K / g, gb = i4_group_bytes(g, HEAD), hb = i4_head_bytes(HEAD);
+  const int64_t nb = K / kQ8Block, ng = K / g;
+  const int64_t gb = linear_int4_group_bytes(g, HEAD), hb = linear_int4_head_bytes(HEAD);
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   __m512 tot[MR][2];
   q8_begin<MR>(tot, c, ldc, ncols, span.first);
@@ -877,7 +871,7 @@ inline __m256 q8_u8x8(const uint8_t* p) {
 template <int MR>
 inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel, int64_t g,
                        GroupHead head, float (*tot)[kPanel], KSpan span) {
-  const int64_t nb = K / kQ8Block, gb = i4_group_bytes(g, head), hb = i4_head_bytes(head);
+  const int64_t nb = K / kQ8Block, gb = linear_int4_group_bytes(g, head), hb = linear_int4_head_bytes(head);
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   for (int64_t k0 = span.begin; k0 < span.end; k0 += g) {
     const uint8_t* blk = panel + (k0 / g) * gb;
@@ -1066,7 +1060,7 @@ template <int BITS>
 LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g, GroupHead head,
                           const float* bias, float* out) {
   const int64_t nb = K / kQ8Block;
-  const int64_t panel_bytes = BITS == 4   ? K / g * i4_group_bytes(g, head)
+  const int64_t panel_bytes = BITS == 4   ? K / g * linear_int4_group_bytes(g, head)
                               : BITS == 6 ? K / kI6Group * kI6GroupBytes
                                           : K / g * i8_block_bytes(g, head);
   const bool fine = BITS == 6 || (BITS == 8 && g == 16);  // scales per 16 values: their own sums of qx

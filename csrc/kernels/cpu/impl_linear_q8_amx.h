@@ -37,7 +37,7 @@ constexpr AmxTileConfig kAmxQ8TileConfig64 = {
 // or Symmetric (zero 8).
 LMKIT_AMX_I8 inline void q8_amx_unpack(const uint8_t* panel, int64_t g, GroupHead head, int64_t k0, int64_t kc,
                                        int8_t* bq, float* sc) {
-  const int64_t gb = i4_group_bytes(g, head), hb = i4_head_bytes(head);
+  const int64_t gb = linear_int4_group_bytes(g, head), hb = linear_int4_head_bytes(head);
   const bool sym = head == GroupHead::Symmetric;
   const __m512i low4 = _mm512_set1_epi8(0x0f), spread = _mm512_set1_epi32(0x01010101), eight = _mm512_set1_epi8(8);
   for (int64_t k = k0; k < k0 + kc; k += g) {
@@ -119,7 +119,7 @@ LMKIT_AMX_I8 inline void q8_amx_block(const int8_t* qx, int64_t ldq, const float
 // out = x @ w^T (+ bias) for int4 panels (group size g, Zeros or Symmetric heads), x as int8 per group, on AMX tiles.
 LMKIT_AMX_I8 void linear_int4_amx(const float* x, int64_t M, const void* w, int64_t N, int64_t K, int64_t g,
                                   GroupHead head, const float* bias, float* out) {
-  const int64_t ng = K / g, panel_bytes = K / g * i4_group_bytes(g, head);
+  const int64_t ng = K / g, panel_bytes = K / g * linear_int4_group_bytes(g, head);
   const int64_t kt = g < 64 ? g : 64;
   const int64_t Mp = (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * (2 * kAmxRows);
   int64_t mblock = kAmxQ8MBlockBytes / K / (2 * kAmxRows) * (2 * kAmxRows);

@@ -21,18 +21,10 @@
 namespace lmkit::ops {
 namespace {
 
-// Bytes of one quantized panel block (ops.h's layouts), for the packers and the traits table alike: an int4 group
-// of g inputs (its head: per column fp16 scale + u8 zero, fp16 scale alone (symmetric), fp16 scale + fp16 offset, or
-// fp16 d, dmin + 8 x u8 sc, m of a K-quant super-block; then the nibbles), an int8 block of 32 (fp16 scales, or fp32 scales and offsets; then one byte per value) or 16
-// (fp32 scales).
+// Bytes of one int8 panel block (ops.h's layouts; int4 groups: ops::linear_int4_group_bytes), for the packers
+// and the traits table alike: a block of 32 (fp16 scales, or fp32 scales and offsets; then one byte per value) or
+// 16 (fp32 scales).
 constexpr int64_t kInt8Block = 32;
-int64_t int4_head_bytes(GroupHead head) {
-  return kLinearPanelCols * (head == GroupHead::Zeros       ? 3
-                             : head == GroupHead::Symmetric ? 2
-                             : head == GroupHead::Offsets   ? 4
-                                                            : 20);
-}
-int64_t int4_group_bytes(int64_t g, GroupHead head) { return int4_head_bytes(head) + g * kLinearPanelCols / 2; }
 constexpr int64_t kInt8BlockBytes = kLinearPanelCols * 2 + kInt8Block * kLinearPanelCols;
 constexpr int64_t kInt8FineBytes = kLinearPanelCols * 4 + 16 * kLinearPanelCols;  // a block of 16, fp32 scales
 constexpr int64_t kInt8OffsetBytes = kLinearPanelCols * 8 + kInt8Block * kLinearPanelCols;  // fp32 scales, offsets
@@ -145,8 +137,8 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
                                             : GroupHead::Zeros;
   packed.storage = alloc_packed(packed.size_bytes(), "an int4 weight");
   constexpr int64_t P = kLinearPanelCols;
-  const int64_t head = int4_head_bytes(packed.group_head), pg = packed.group_size;
-  const int64_t group_bytes = int4_group_bytes(pg, packed.group_head), num_panels = (N + P - 1) / P;
+  const int64_t head = linear_int4_head_bytes(packed.group_head), pg = packed.group_size;
+  const int64_t group_bytes = linear_int4_group_bytes(pg, packed.group_head), num_panels = (N + P - 1) / P;
   uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
   auto pack_range = [&](int64_t p0, int64_t p1) {
     std::vector<uint8_t> q(pg * P), zeros(P), sc(P), m(P);
@@ -173,14 +165,13 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
           source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
           source.read_offsets(gi, p * P, count, offsets.data());
           std::memcpy(blk + 2 * P, offsets.data(), 2 * P);
-        } else if (packed.group_head == GroupHead::Symmetric) {
-          source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
-          for (int64_t c = 0; c < count; ++c)
-            LMKIT_CHECK_ARG(zeros[c] == 8, "int4: a symmetric source has zero ", (int)zeros[c], " in group ", gi,
-                            ", output ", p * P + c, " (every zero must be 8)");
         } else {
           source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
-          std::memcpy(blk + 2 * P, zeros.data(), P);
+          if (packed.group_head == GroupHead::Zeros) std::memcpy(blk + 2 * P, zeros.data(), P);
+          else  // Symmetric: no zeros stored, each one checked
+            for (int64_t c = 0; c < count; ++c)
+              LMKIT_CHECK_ARG(zeros[c] == 8, "int4: a symmetric source has zero ", (int)zeros[c], " in group ", gi,
+                              ", output ", p * P + c, " (every zero must be 8)");
         }
         std::memcpy(blk, scales.data(), 2 * P);
         // quads of 4 k: byte i of 32-bit lane j = q[k0 + i, j] | q[k0 + i, j + 16] << 4
@@ -583,7 +574,7 @@ const WeightFormatTraits kWeightFormats[] = {
      pack_linear, [] { return (const char*)nullptr; }, run_dense},
     {WeightFormat::Int4, "int4",
      [](const LinearWeight& w) {
-       return num_panels(w) * (w.k / w.group_size) * int4_group_bytes(w.group_size, w.group_head);
+       return num_panels(w) * (w.k / w.group_size) * linear_int4_group_bytes(w.group_size, w.group_head);
      },
      nullptr, [] { return (const char*)nullptr; }, run_int4},
     {WeightFormat::Int8, "int8",

@@ -34,7 +34,7 @@ constexpr int32_t kArgmaxBlock = 256;
 int32_t argmax(const float* x, int32_t n) {
 #if defined(__SSE2__)
   float best = -std::numeric_limits<float>::infinity();
-  int32_t best_block = -1;
+  int32_t best_block = -1, best_tail = -1;  // the block holding the maximum, or its index in the tail
   int32_t b0 = 0;
   for (; b0 + kArgmaxBlock <= n; b0 += kArgmaxBlock) {
     __m128 m0 = _mm_set1_ps(best), m1 = m0, m2 = m0, m3 = m0;
@@ -50,8 +50,8 @@ int32_t argmax(const float* x, int32_t n) {
     if (m > best) best = m, best_block = b0;
   }
   for (int32_t i = b0; i < n; ++i)  // the tail, value by value
-    if (x[i] > best) best = x[i], best_block = -2 - i;
-  if (best_block <= -2) return -2 - best_block;
+    if (x[i] > best) best = x[i], best_tail = i;
+  if (best_tail >= 0) return best_tail;
   if (best_block < 0) return argmax_scalar(x, n);  // nothing above -inf: the first value that is not NaN
   for (int32_t i = best_block;; ++i)
     if (x[i] == best) return i;
