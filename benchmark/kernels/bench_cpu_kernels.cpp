@@ -421,6 +421,32 @@ int main(int argc, char** argv) {
         ops::cpu::use_amx(true);
       }
     }
+    // prefill of a 1.2B Llama's layer (32/8 heads, head_dim 64) over a bf16 cache in blocks of 64: fp32 FMAs over
+    // converted rows against AVX512_BF16 dot products (and AMX tiles where present)
+    for (int ctx : {512, 2048}) {
+      const int lh = 32, lkv = 8, lhd = 64, bs = 64, num_blocks = ctx / bs;
+      ops::KVLayer kv;
+      kv.bits = 16, kv.num_blocks = num_blocks, kv.num_kv_heads = lkv, kv.block_size = bs, kv.head_dim = lhd;
+      std::vector<uint8_t> kp(kv.block_bytes() * num_blocks), vp(kp.size());
+      kv.k = kp.data(), kv.v = vp.data();
+      std::vector<int32_t> table(num_blocks), slots(ctx);
+      std::iota(table.begin(), table.end(), 0);
+      for (int p = 0; p < ctx; ++p) slots[p] = p;
+      std::vector<float> kr = randn((int64_t)ctx * lkv * lhd), vr = randn(kr.size());
+      ops::kv_write(kv, kr.data(), vr.data(), slots.data(), ctx);
+      ops::AttnSeq seq{0, ctx, ctx, table.data()};
+      std::vector<float> q = randn((int64_t)ctx * lh * lhd), out(q.size());
+      for (const char* path : {"fp32", "bf16", "amx"}) {
+        const bool amx = std::strcmp(path, "amx") == 0, bf16 = std::strcmp(path, "fp32") != 0;
+        if (ops::cpu::use_amx(amx) != amx || ops::cpu::use_bf16_attention(bf16) != bf16) continue;
+        const double t = time_it([&] { ops::paged_attention(q.data(), kv, &seq, 1, lh, 0.125f, 0, out.data()); },
+                                 ctx > 1024 ? 3 : 7);
+        const double flops = 4.0 * lh * lhd * (double)ctx * (ctx + 1) / 2;
+        std::printf("attention KV bf16 %-4s prefill %4d (32/8 heads, hd 64, bs 64): %9.2f ms  %6.1f GFLOP/s\n", path,
+                    ctx, t * 1e3, flops / t / 1e9);
+      }
+      ops::cpu::use_amx(true), ops::cpu::use_bf16_attention(true);
+    }
     // Gemma 2's attention (8/4 heads, head_dim 256): logit soft-capping at 50 against none, fp32 and bf16 KV (bs 64)
     for (int bits : {32, 16}) {
       const int gh = 8, gkv = 4, ghd = 256, bs = 64, ctx = g_smoke ? 128 : 2048, num_blocks = ctx / bs;

@@ -170,6 +170,10 @@ constexpr int64_t kLinearAmxMinRows = 2;
 // at least kLinearAmxInt8MinRows rows (fewer stream the weight, as fast on VNNI).
 bool int8_amx_available();
 constexpr int64_t kLinearAmxInt8MinRows = 32;
+// Int4 Zeros and Symmetric layers with groups of more than 32 quantize x per weight group instead of per 32 values
+// in calls of at least this many rows, on AVX-512 VNNI as on AMX tiles (the floating-point work of each block then
+// runs once per group: prefill ~20% faster); decode steps and small batches keep blocks of 32; AVX2 always does.
+constexpr int64_t kLinearInt8GroupRowsMin = 32;
 // One weight whose output columns are those of parts[0], then parts[1], ... (q/k/v or gate/up run as
 // one call: one thread team, one activation quantization). The panels are copied as they are, so every
 // part but the last needs N % kLinearPanelCols == 0 and all must share K and format; otherwise (or with

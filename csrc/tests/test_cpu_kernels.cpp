@@ -725,8 +725,8 @@ std::vector<float> quantize_q8(const std::vector<float>& x, int64_t M, int64_t K
   return xq;
 }
 
-// AWQ int4 x int8 activations on one kernel ("dot": AVX2 / VNNI, x per 32 values; "amx": AMX-INT8 tiles from
-// kLinearAmxInt8MinRows rows on, x per group) against the float64 product of the quantized operands (only
+// AWQ int4 x int8 activations on one kernel ("dot": AVX2 / VNNI, x per 32 values, on VNNI from
+// kLinearInt8GroupRowsMin rows on per group; "amx": AMX-INT8 tiles from kLinearAmxInt8MinRows rows on, x per group) against the float64 product of the quantized operands (only
 // the order of fp32 sums differs): decode and prefill row counts,
 // whole and partial 16- and 32-row tiles, K chunks of 512 with a tail, the dot kernel's k spans of 1,024 over a
 // panel shared by several tiles (K 1,152, 1,536, 2,048, and 1,088 in groups of 32), M blocks (1,000 rows of K
@@ -754,7 +754,8 @@ void test_linear_int4_q8(const char* kernel) {
       for (int64_t k = 0; k < s.K; ++k) x[(s.M / 2) * s.K + k] = 0.0f;  // a zero row: d = 0
       ops::linear(x.data(), s.M, w, with_bias ? b.t : Tensor{}, out.data());
       const bool tiles = std::strcmp(kernel, "amx") == 0 && s.M >= ops::kLinearAmxInt8MinRows;
-      const std::vector<float> xq = quantize_q8(x, s.M, s.K, tiles ? s.g : 32);
+      const bool vnni_groups = std::strcmp(g_isa, "avx512") == 0 && s.M >= ops::kLinearInt8GroupRowsMin;
+      const std::vector<float> xq = quantize_q8(x, s.M, s.K, tiles || vnni_groups ? s.g : 32);
       const std::vector<float> ref = linear_f64(xq, s.M, a.dense, s.N, s.K, with_bias ? b.f32.data() : nullptr);
       expect_close(out, ref,
                    std::string("linear int4 x int8 (") + kernel + ") g" + std::to_string(s.g) + " M " +
@@ -1063,14 +1064,34 @@ void test_log_sum_exp() {
   expect(throws([&] { ops::log_sum_exp(&x, 1, 0, &out); }), "log_sum_exp rejects an empty row");
 }
 
+const char* g_attn_path = "f32";  // the path use_attention_path chose last
+
+// The paths of attention over a bf16 pool, chosen for the whole process: "f32" (fp32 FMAs over rows converted
+// from bf16: exact over the pool's values), "bf16" (prefill tasks on AVX512_BF16 dot products), "amx" (every
+// task on AMX tiles where head_dim and block_size are multiples of 32, else as "bf16"). False (and "f32" set)
+// where this CPU cannot take the path.
+bool use_attention_path(const char* path) {
+  g_attn_path = path;
+  const bool want_amx = std::strcmp(path, "amx") == 0, want_bf16 = std::strcmp(path, "f32") != 0;
+  const bool amx = ops::cpu::use_amx(want_amx) && ops::bf16_amx_available();
+  const bool bf16 = ops::cpu::use_bf16_attention(want_bf16);
+  if ((want_amx && !amx) || (want_bf16 && !bf16)) {
+    ops::cpu::use_amx(false), ops::cpu::use_bf16_attention(false);
+    g_attn_path = "f32";
+    return false;
+  }
+  return true;
+}
+
 // A pool with several sequences written through kv_write at shuffled blocks; everything else NaN.
 // bits 32: fp32 pool, 16: bf16, 8 / 4: quantized (poison: all bytes 0xff, so an unwritten row's fp16
 // scale, or bf16 value, is NaN). With a sliding window, the blocks no query's window reaches are then freed
 // as the engine will: their table entries set to -1 and their contents poisoned again.
 // Attention options: the bound per output row (each row one head of one query), the scale of q (the scores'
-// scale), whether AMX tiles should have run (then the result must differ from the dot-product path's, which
-// rounds nothing: proof that the tile path was taken), and the logit soft-cap (then the result must also be
-// far from the uncapped attention: proof that the case exercises the cap).
+// scale), whether a path rounding the softmax weights to bf16 should have run (AMX tiles, or AVX512_BF16 dot
+// products for prefill tasks; then the result must differ from the fp32 path's, which rounds nothing: proof
+// that the rounding path was taken), and the logit soft-cap (then the result must also be far from the
+// uncapped attention: proof that the case exercises the cap).
 struct AttnCheck {
   double row_tol = 0;
   float q_scale = 1.0f;
@@ -1159,13 +1180,26 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
     expect(worst <= check.row_tol, "paged_attention per row, q x " + std::to_string(check.q_scale) + " " + full_name + buf);
   }
   if (check.tiles) {
-    std::vector<float> dot(out.size(), NAN);
-    ops::cpu::use_amx(false);
-    ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, dot.data(),
+    std::vector<float> exact(out.size(), NAN);
+    const char* path = g_attn_path;
+    use_attention_path("f32");
+    ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, exact.data(),
                          check.softcap);
-    ops::cpu::use_amx(true);
-    expect(rel_err(out, dot) > 1e-6, "paged_attention " + full_name + ": the AMX tiles ran (result differs from dot)");
+    use_attention_path(path);
+    expect(rel_err(out, exact) > 1e-6, "paged_attention " + full_name + ": the bf16 path ran (result differs from fp32)");
   }
+}
+
+// Whether `path` rounds the softmax weights of some task of this case: AMX tiles take every task (a lone key
+// weighs exactly 1 either way), bf16 dot products the prefill tasks (more than 4 rows: query positions x the
+// group's heads) when head_dim % 16 == 0.
+bool path_rounds(const char* path, int heads, int kv_heads, int hd, int bs, const std::vector<std::pair<int, int>>& q_ctx) {
+  const bool one_key = q_ctx.size() == 1 && q_ctx[0].second == 1;
+  if (std::strcmp(path, "amx") == 0 && hd % 32 == 0 && bs % 32 == 0) return !one_key;
+  if (std::strcmp(path, "f32") == 0 || hd % 16 != 0) return false;
+  for (auto& [ql, cl] : q_ctx)
+    if (ql * (heads / kv_heads) > 4) return true;
+  return false;
 }
 
 // Gemma 2's logit soft-capping (cap 50 at head_dim 256, also cap 5) and sliding windows whose dead blocks are
@@ -1174,14 +1208,14 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
 // (8 threads). Scores up to ~30x unit scale: fp32 scores carry an error that grows with their scale, as above.
 void test_attention_softcap_and_freed_blocks(int threads) {
   for (int bits : {32, 16, 8, 4})
-    for (bool amx : {false, true}) {
-      if ((amx && bits != 16) || ops::cpu::use_amx(amx) != amx) continue;
+    for (const char* path : {"f32", "bf16", "amx"}) {
+      if ((bits != 16 && std::strcmp(path, "f32") != 0) || !use_attention_path(path)) continue;
       for (int bs : {16, 32}) {
         auto run = [&](int heads, int kv_heads, int hd, int window, const std::vector<std::pair<int, int>>& q_ctx,
                        float q_scale, float cap) {
-          const bool tiles = amx && hd % 32 == 0 && bs % 32 == 0;
-          const double tol = tiles ? 5e-3 : 1e-5, row_tol = tiles ? 5e-3 : 1e-5 * std::max(1.0f, q_scale / 4);
-          test_attention_case(heads, kv_heads, hd, bs, window, q_ctx, bits, tol, AttnCheck{row_tol, q_scale, tiles, cap});
+          const bool rounds = bits == 16 && path_rounds(path, heads, kv_heads, hd, bs, q_ctx);
+          const double tol = rounds ? 5e-3 : 1e-5, row_tol = rounds ? 5e-3 : 1e-5 * std::max(1.0f, q_scale / 4);
+          test_attention_case(heads, kv_heads, hd, bs, window, q_ctx, bits, tol, AttnCheck{row_tol, q_scale, rounds, cap});
         };
         run(8, 4, 256, 64, {{1, 300}, {40, 200}, {3, 90}}, 30.0f, 50.0f);  // Gemma 2: decode, chunk, short seq
         run(8, 4, 256, 0, {{1, 150}, {24, 24}}, 30.0f, 50.0f);             // its global layers
@@ -1195,7 +1229,7 @@ void test_attention_softcap_and_freed_blocks(int threads) {
         ops::set_num_threads(threads);
       }
     }
-  ops::cpu::use_amx(true);
+  ops::cpu::use_amx(true), ops::cpu::use_bf16_attention(true);
 
   // the door: a -1 entry of a block some window reaches is refused; one before every window is never read
   ops::KVLayer kv;
@@ -1236,18 +1270,20 @@ void test_attention(int threads) {
   // rounding, attention against the float64 reference over the bf16 values; prefill, decode, split decode.
   // With AMX (head_dim and block_size multiples of 32), every task (16 rows: decode steps and prefill) runs on
   // tiles, rounding the softmax weights to bf16: measured up to 3.0e-3 on a row, held to 5e-3 overall and per
-  // row, also at 20x the scores' scale (q keeps 16 bits of mantissa on the tiles); 1e-5 on the dot path
-  for (bool amx : {false, true}) {
-    if (ops::cpu::use_amx(amx) != amx) continue;
+  // row, also at 20x the scores' scale (q keeps 16 bits of mantissa on the tiles); so do prefill tasks on
+  // AVX512_BF16 dot products ("bf16"); 1e-5 on the fp32 path
+  for (const char* path : {"f32", "bf16", "amx"}) {
+    if (!use_attention_path(path)) {
+      std::printf("skip [%s] attention over a bf16 pool on the %s path: not on this CPU\n", g_isa, path);
+      continue;
+    }
     for (int bs : {2, 6, 32, 64, 96}) {
       auto run = [&](int heads, int kv_heads, int hd, int window, const std::vector<std::pair<int, int>>& q_ctx,
                      float q_scale = 1.0f) {
-        const bool tiles = amx && hd % 32 == 0 && bs % 32 == 0;
-        // fp32 scores carry an error that grows with their scale; a lone key weighs exactly 1 on either path
-        const double tol = tiles ? 5e-3 : 1e-5, row_tol = tiles ? 5e-3 : 1e-5 * std::max(1.0f, q_scale);
-        const bool one_key = q_ctx.size() == 1 && q_ctx[0].second == 1;
-        test_attention_case(heads, kv_heads, hd, bs, window, q_ctx, 16, tol,
-                            AttnCheck{row_tol, q_scale, tiles && !one_key});
+        const bool rounds = path_rounds(path, heads, kv_heads, hd, bs, q_ctx);
+        // fp32 scores carry an error that grows with their scale
+        const double tol = rounds ? 5e-3 : 1e-5, row_tol = rounds ? 5e-3 : 1e-5 * std::max(1.0f, q_scale);
+        test_attention_case(heads, kv_heads, hd, bs, window, q_ctx, 16, tol, AttnCheck{row_tol, q_scale, rounds});
       };
       run(9, 3, 64, 0, {{1, 1}});
       run(9, 3, 64, 0, {{1, 45}, {13, 13}, {5, 100}, {1, 7}, {33, 70}});
@@ -1268,19 +1304,26 @@ void test_attention(int threads) {
       run(9, 3, 64, 0, {{300, 300}});                        // prefill alone: tasks of 16 rows over ~5 positions
       run(9, 3, 64, 100, {{200, 700}, {37, 37}});            // a prefill chunk after cached context, windowed
       run(8, 2, 128, 0, {{150, 400}}, 20.0f);                // prefill at 20x unit scale
+      // prefill tasks of 1, 2 and 3 row vectors, head_dim of 5 and 3 vectors, windows starting at odd keys
+      run(4, 2, 80, 0, {{30, 50}, {9, 9}});
+      run(6, 2, 48, 9, {{25, 60}, {7, 30}});
+      run(8, 8, 64, 0, {{3, 77}, {20, 20}});
+      run(4, 1, 128, 7, {{12, 100}, {5, 40}}, 8.0f);
     }
     // more threads than a decode step has (sequence, kv head) tasks: key splits, some of them empty and unaligned,
     // and splits of multi-position tasks under a window
     ops::set_num_threads(8);
     for (int bs : {32, 6}) {
-      const bool tiles = amx && bs % 32 == 0;
-      const double tol = tiles ? 5e-3 : 1e-5;
-      test_attention_case(9, 3, 64, bs, 0, {{1, 1100}, {1, 3}}, 16, tol, AttnCheck{tol, 1.0f, tiles});
-      test_attention_case(4, 2, 64, bs, 300, {{4, 1100}}, 16, tol, AttnCheck{tol, 1.0f, tiles});
+      for (auto [heads, kv_heads, window, q_ctx] :
+           {std::tuple{9, 3, 0, std::vector<std::pair<int, int>>{{1, 1100}, {1, 3}}}, std::tuple{4, 2, 300, std::vector<std::pair<int, int>>{{4, 1100}}}}) {
+        const bool rounds = path_rounds(path, heads, kv_heads, 64, bs, q_ctx);
+        const double tol = rounds ? 5e-3 : 1e-5;
+        test_attention_case(heads, kv_heads, 64, bs, window, q_ctx, 16, tol, AttnCheck{tol, 1.0f, rounds});
+      }
     }
     ops::set_num_threads(threads);
   }
-  ops::cpu::use_amx(true);
+  ops::cpu::use_amx(true), ops::cpu::use_bf16_attention(true);
   // decode steps, prefill chunks and mixed batches; block sizes not powers of two; ctx not a multiple
   test_attention_case(9, 3, 64, 16, 0, {{1, 1}});
   test_attention_case(9, 3, 64, 16, 0, {{1, 512}});

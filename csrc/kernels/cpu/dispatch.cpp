@@ -184,6 +184,7 @@ const KernelTable* amx_int8_table() {
   return t;
 }
 std::atomic<bool> g_amx_enabled{true};
+std::atomic<bool> g_bf16_attention_enabled{true};
 }  // namespace
 
 const KernelTable* amx_table_in_use() {
@@ -191,6 +192,11 @@ const KernelTable* amx_table_in_use() {
 }
 const KernelTable* amx_int8_table_in_use() {
   return g_amx_enabled.load(std::memory_order_relaxed) ? amx_int8_table() : nullptr;
+}
+
+bool use_bf16_attention(bool enabled) {
+  g_bf16_attention_enabled.store(enabled, std::memory_order_relaxed);
+  return enabled && bf16_table() != nullptr && bf16_table()->paged_attention_bf16 != nullptr;
 }
 
 bool use_amx(bool enabled) {
@@ -320,8 +326,12 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
   const bool tiles_fit = kv.bits == 16 && kv.head_dim % 32 == 0 && kv.block_size % 32 == 0;
   const cpu::KernelTable* amx =
       tiles_fit && cpu::g_amx_enabled.load(std::memory_order_relaxed) ? cpu::amx_table() : nullptr;
+  const cpu::KernelTable* bf16 =
+      kv.bits == 16 && cpu::g_bf16_attention_enabled.load(std::memory_order_relaxed) ? cpu::bf16_table() : nullptr;
   if (amx != nullptr && amx->paged_attention_amx != nullptr)
     amx->paged_attention_amx(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap);
+  else if (bf16 != nullptr && bf16->paged_attention_bf16 != nullptr)
+    bf16->paged_attention_bf16(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap);
   else
     cpu::active().paged_attention(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap);
 }

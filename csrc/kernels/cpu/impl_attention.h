@@ -437,6 +437,17 @@ struct DotDecode {
   }
 };
 
+// The kernel of prefill-shaped tasks (more rows than the Decode kernel takes), as a policy of the task loops
+// below: here transposed score tiles in fp32 (attend_task); impl_attention_bf16.h adds bf16 dot products.
+struct F32Prefill {
+  static void run(int rv, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group, int num_heads,
+                  int64_t rho0, int64_t rho1, float scale, float softcap, int window, float* out) {
+    if (rv == 1) attend_task<1>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
+    else if (rv == 2) attend_task<2>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
+    else attend_task<3>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
+  }
+};
+
 // Decode steps only (every sequence's rows fit one decode task): each (sequence, kv head) task
 // is split over its keys so that all threads have work even for one sequence, then merged.
 template <class Decode>
@@ -478,9 +489,9 @@ inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq
   });
 }
 
-// Tasks (sequence, kv head, row chunk): decode-shaped ones on the Decode kernel, the others as transposed
-// score tiles (attend_task); a Decode kernel with kEveryTask takes every task, prefill rows included.
-template <class Decode>
+// Tasks (sequence, kv head, row chunk): decode-shaped ones on the Decode kernel, the others on the Prefill
+// kernel; a Decode kernel with kEveryTask takes every task, prefill rows included.
+template <class Decode, class Prefill = F32Prefill>
 void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                           int32_t num_heads, float scale, float softcap, int32_t window, float* out) {
   const int group = num_heads / kv.num_kv_heads;
@@ -537,9 +548,7 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
       const int rv = (int)((rho1 - rho0 + kW - 1) / kW);
       if (rho1 - rho0 <= Decode::kMaxRows)
         decode((int)(rho1 - rho0), q, kv, seqs[s], kvh, group, num_heads, rho0, scale, softcap, window, out);
-      else if (rv == 1) attend_task<1>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
-      else if (rv == 2) attend_task<2>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
-      else attend_task<3>(q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
+      else Prefill::run(rv, q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
     }
     decode.end();
   });

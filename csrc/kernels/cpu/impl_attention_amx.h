@@ -1,6 +1,6 @@
 // Paged attention over a bf16 KV cache on AMX tiles (AMX-BF16): every task (up to 16 query rows of one sequence
 // and kv head: a decode step, or 16 rows of a prefill chunk) as two tile products. Textually
-// included by isa_body.h after impl_attention.h and impl_linear_bf16.h (amx_configure); avx512 unit only,
+// included by isa_body.h after impl_attention_bf16.h (exp_for_bf16) and impl_linear_bf16.h (amx_configure); avx512 unit only,
 // called by dispatch.cpp only once the process may use the tiles, for head_dim % 32 == 0 and
 // block_size % 32 == 0 (so that 32 keys never straddle a block).
 //
@@ -50,22 +50,6 @@ LMKIT_AMX inline void transpose16x16(__m512 x[16]) {
     x[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
     x[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xdd);
   }
-}
-
-// e^x for the softmax's x <= 0, to 1e-5 relative (the weights are rounded to bf16 next: 2^-9), 0 below -87:
-// 2^(x log2 e) = 2^n 2^f with |f| <= 1/2, 2^f by a degree-4 polynomial fitted for relative error, 2^n by
-// vscalefps: about half the instructions of simd.h's fp32-accurate vexp, in the kernel's innermost loop.
-LMKIT_AMX inline __m512 exp_for_bf16(__m512 x) {
-  const __m512 floor = _mm512_set1_ps(-87.0f);
-  const __mmask16 live = _mm512_cmp_ps_mask(x, floor, _CMP_GE_OQ);
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, floor), _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(9.5605105e-3f), f, _mm512_set1_ps(5.5917040e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024981e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312197e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999917e-1f));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
 struct AmxDecode {

@@ -599,12 +599,18 @@ inline void q8_begin(__m512 (*tot)[2], const float* c, int64_t ldc, int ncols, b
 //   sum_b dx_b s (A_b - zero sx_b) = sum_b dx_b s A_b - zero s (sum_b dx_b sx_b)
 // with sx then holding sum_b dx_b sx_b per row and group (kQ8GroupZeros, linear_q8): one multiply-add per
 // accumulator and group instead of a vpmulld per block.
+// XG (calls of ops::kLinearInt8GroupRowsMin rows or more, Zeros with GZ or Symmetric heads, g > 32): x quantized
+// per weight group (dx, and sx for Symmetric, per row and group), so that the integer sums run over the whole group
+// and take the floating-point work once per group instead of once per block of 32: that work shares the dot
+// products' ports, and per block it cost a 6-row tile about a quarter of its time (AMX tiles quantize x so too).
 constexpr bool kQ8GroupZeros = true;
-template <int MR, GroupHead HEAD, bool GZ = false>
+constexpr bool kQ8GroupX = true;
+template <int MR, GroupHead HEAD, bool GZ = false, bool XG = false>
 LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
                                int64_t g, float* c, int64_t ldc, int ncols, const float* bias, KSpan span) {
   static_assert(!GZ || HEAD == GroupHead::Zeros, "GZ: Zeros heads only");
-  const int64_t nb = K / kQ8Block, ng = K / g;
+  static_assert(!XG || GZ || HEAD == GroupHead::Symmetric, "XG: Zeros heads with GZ, or Symmetric heads");
+  const int64_t nb = XG ? K / g : K / kQ8Block, ng = K / g;
   const int64_t gb = linear_int4_group_bytes(g, HEAD), hb = linear_int4_head_bytes(HEAD);
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   __m512 tot[MR][2];
@@ -623,6 +629,11 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
         zs[v] = _mm512_sub_ps(_mm512_setzero_ps(), h1[v]);
       }
     }
+    __m512i acc[MR][2];
+    if constexpr (XG)  // a group's sums: for Symmetric from -8 * sum_k qx[k] over the group
+      for (int i = 0; i < MR; ++i)
+        acc[i][0] = acc[i][1] = HEAD == GroupHead::Symmetric ? _mm512_set1_epi32(-8 * (int32_t)sx[i * ng + k0 / g])
+                                                             : _mm512_setzero_si512();
     for (int64_t b = 0; b < g / kQ8Block; ++b) {
       const int64_t kb = k0 / kQ8Block + b;
       if constexpr (HEAD == GroupHead::KQuant)  // sub-block b: d * sc[b], dmin * m[b]
@@ -630,8 +641,7 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
           s[v] = _mm512_mul_ps(h0[v], q8_u8x16(blk + kKQuantSc + b * kPanel + 16 * v));
           zs[v] = _mm512_mul_ps(h1[v], q8_u8x16(blk + kKQuantM + b * kPanel + 16 * v));
         }
-      __m512i acc[MR][2];
-      for (int i = 0; i < MR; ++i) {
+      for (int i = 0; i < MR && !XG; ++i) {
         if constexpr (HEAD == GroupHead::Zeros && !GZ) {
           const __m512i nsum = _mm512_set1_epi32(-(int32_t)sx[i * nb + kb]);
           acc[i][0] = _mm512_mullo_epi32(z[0], nsum), acc[i][1] = _mm512_mullo_epi32(z[1], nsum);
@@ -655,7 +665,7 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
           acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], hi, xq);
         }
       }
-      for (int i = 0; i < MR; ++i) {
+      for (int i = 0; i < MR && !XG; ++i) {
         const __m512 d = _mm512_set1_ps(dx[i * nb + kb]);
         if constexpr (HEAD == GroupHead::Zeros || HEAD == GroupHead::Symmetric) {
           for (int v = 0; v < 2; ++v)
@@ -669,6 +679,12 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
         }
       }
     }
+    if constexpr (XG)
+      for (int i = 0; i < MR; ++i) {
+        const __m512 d = _mm512_set1_ps(dx[i * ng + k0 / g]);
+        for (int v = 0; v < 2; ++v)
+          tot[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][v]), _mm512_mul_ps(d, s[v]), tot[i][v]);
+      }
     if constexpr (GZ)
       for (int i = 0; i < MR; ++i) {
         const __m512 gsum = _mm512_set1_ps(sx[i * ng + k0 / g]);
@@ -790,16 +806,21 @@ LMKIT_VNNI inline void q8_tile_i6(const int8_t* qx, const float* dx, const float
 
 // BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g (sx then per g values); BITS 6: int6
 // panels (sx per 16).
+// xg: x quantized per group (q8_tile's XG; Zeros and Symmetric heads of g > 32 only).
 template <int BITS, int MR = kQ8MR>
 LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K,
-                                 const uint8_t* panel, int64_t g, GroupHead head, float* c, int64_t ldc, int ncols,
-                                 const float* bias, KSpan span) {
+                                 const uint8_t* panel, int64_t g, GroupHead head, bool xg, float* c, int64_t ldc,
+                                 int ncols, const float* bias, KSpan span) {
   if (mr == MR) {
     if constexpr (BITS == 4) {
-      if (head == GroupHead::Zeros && g > kQ8Block)
+      if (head == GroupHead::Zeros && xg)
+        q8_tile<MR, GroupHead::Zeros, true, true>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
+      else if (head == GroupHead::Zeros && g > kQ8Block)
         q8_tile<MR, GroupHead::Zeros, kQ8GroupZeros>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else if (head == GroupHead::Zeros)
         q8_tile<MR, GroupHead::Zeros>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
+      else if (head == GroupHead::Symmetric && xg)
+        q8_tile<MR, GroupHead::Symmetric, false, true>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else if (head == GroupHead::Symmetric)
         q8_tile<MR, GroupHead::Symmetric>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else if (head == GroupHead::Offsets) q8_tile<MR, GroupHead::Offsets>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
@@ -810,7 +831,7 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
     else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, c, ldc, ncols, bias, span);
     else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, c, ldc, ncols, bias, span);
   } else if constexpr (MR > 1) {
-    q8_tile_n<BITS, MR - 1>(mr, qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias, span);
+    q8_tile_n<BITS, MR - 1>(mr, qx, dx, sx, K, panel, g, head, xg, c, ldc, ncols, bias, span);
   }
 }
 
@@ -826,6 +847,7 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
 #define LMKIT_VNNI
 constexpr int kQ8Block = 32;
 constexpr bool kQ8GroupZeros = false;  // q8_tile_i4 takes every head's correction per block in fp32
+constexpr bool kQ8GroupX = false;      // and x per block of 32 in every call
 constexpr int kQ8MR = 2;  // rows per tile: 2 x 4 int16 accumulators + weights + broadcasts in 16 ymm
 
 inline float q8_hmax(__m256 a) {
@@ -860,6 +882,11 @@ inline void q8_quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, fl
     dx[b] = d;
     sx[b] = (float)q8_hsum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
   }
+}
+// linear_q8's call for x per `block` values: here blocks of 32 only (kQ8GroupX is false).
+inline void q8_quantize_blocks(const float* x, int64_t K, int64_t block, int8_t* qx, float* dx, float* sx) {
+  if (block == kQ8Block) q8_quantize_row(x, K, qx, dx, sx);
+  else abort();
 }
 
 // 8 bytes as fp32 lanes.
@@ -1034,7 +1061,8 @@ inline void q8_tile_i6(const int8_t* qx, const float* dx, const float* sx, int64
 // BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g; BITS 6: int6 panels.
 template <int BITS, int MR = kQ8MR>
 inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                      int64_t g, GroupHead head, float* c, int64_t ldc, int ncols, const float* bias, KSpan span) {
+                      int64_t g, GroupHead head, bool /*xg: never here*/, float* c, int64_t ldc, int ncols,
+                      const float* bias, KSpan span) {
   if (mr == MR) {
     alignas(32) float tot[MR][kPanel] = {};
     if (!span.first)
@@ -1048,7 +1076,7 @@ inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < ncols; ++j) c[i * ldc + j] = b ? tot[i][j] + b[j] : tot[i][j];
   } else if constexpr (MR > 1) {
-    q8_tile_n<BITS, MR - 1>(mr, qx, dx, sx, K, panel, g, head, c, ldc, ncols, bias, span);
+    q8_tile_n<BITS, MR - 1>(mr, qx, dx, sx, K, panel, g, head, false, c, ldc, ncols, bias, span);
   }
 }
 #endif
@@ -1064,18 +1092,22 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
                               : BITS == 6 ? K / kI6Group * kI6GroupBytes
                                           : K / g * i8_block_bytes(g, head);
   const bool fine = BITS == 6 || (BITS == 8 && g == 16);  // scales per 16 values: their own sums of qx
+  // prefill-sized calls over Zeros or Symmetric groups of several blocks on VNNI: x per group (q8_tile's XG)
+  const bool xg = kQ8GroupX && BITS == 4 && M >= kLinearInt8GroupRowsMin && g > kQ8Block &&
+                  (head == GroupHead::Zeros || head == GroupHead::Symmetric);
+  const int64_t nx = xg ? K / g : nb;  // x's blocks per row: dx, sx
   // Zeros heads of groups of several blocks on VNNI: sum_b dx_b sx_b per group (q8_tile's GZ)
   const bool group_zeros = kQ8GroupZeros && BITS == 4 && head == GroupHead::Zeros && g > kQ8Block;
-  const int64_t ns = fine ? K / 16 : group_zeros ? K / g : nb;
+  const int64_t ns = fine ? K / 16 : group_zeros ? K / g : nx;
   const bool own = fine || group_zeros;  // the tiles take sums of their own, not sx
-  thread_local ScratchBuffer scratch;  // dx, sx (per 32), then the tiles' own sums where `own`, then qx
-  float* dx = (float*)scratch.get((size_t)((2 * M * nb + (own ? M * ns : 0)) * 4 + M * K));
-  float* sx = dx + M * nb;
-  float* sg = own ? sx + M * nb : sx;  // the sums the tiles take
-  int8_t* qx = (int8_t*)(sx + M * nb + (own ? M * ns : 0));
+  thread_local ScratchBuffer scratch;  // dx, sx (per block of x), then the tiles' own sums where `own`, then qx
+  float* dx = (float*)scratch.get((size_t)((2 * M * nx + (own ? M * ns : 0)) * 4 + M * K));
+  float* sx = dx + M * nx;
+  float* sg = own ? sx + M * nx : sx;  // the sums the tiles take
+  int8_t* qx = (int8_t*)(sx + M * nx + (own ? M * ns : 0));
   parallel_for(M, grain_for(M), M * K >= (1 << 16), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      q8_quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb);
+      q8_quantize_blocks(x + m * K, K, xg ? g : kQ8Block, qx + m * K, dx + m * nx, sx + m * nx);
       if (fine)
         for (int64_t b = 0; b < ns; ++b) {
           int32_t sum = 0;
@@ -1085,7 +1117,7 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
       if (group_zeros)
         for (int64_t gi = 0; gi < ns; ++gi) {
           float sum = 0.0f;
-          for (int64_t b = gi * (g / kQ8Block); b < (gi + 1) * (g / kQ8Block); ++b) sum += dx[m * nb + b] * sx[m * nb + b];
+          for (int64_t b = gi * (nx / ns); b < (gi + 1) * (nx / ns); ++b) sum += dx[m * nx + b] * sx[m * nx + b];
           sg[m * ns + gi] = sum;
         }
     }
@@ -1108,8 +1140,8 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
       const KSpan ks{k0, k1, span < K ? span_bytes : kPrefetchBytes, k0 == 0, k1 == K};
       for_each_tile<kQ8MR>(rows, [&](int64_t m0, int mr) {
         const int64_t m = mb + m0;
-        q8_tile_n<BITS>(mr, qx + m * K, dx + m * nb, sg + m * ns, K, panel, g, head, out + m * N + p * kPanel, N,
-                        ncols, bias_tile, ks);
+        q8_tile_n<BITS>(mr, qx + m * K, dx + m * nx, sg + m * ns, K, panel, g, head, xg, out + m * N + p * kPanel,
+                        N, ncols, bias_tile, ks);
       });
     }
   });

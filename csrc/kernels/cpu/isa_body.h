@@ -13,6 +13,7 @@ namespace {
 #include "kernels/cpu/impl_linear_bf16.h"
 #include "kernels/cpu/impl_linear_q8_amx.h"
 #include "kernels/cpu/impl_attention.h"
+#include "kernels/cpu/impl_attention_bf16.h"
 #include "kernels/cpu/impl_attention_amx.h"
 }  // namespace
 }  // namespace LMKIT_ISA
@@ -25,15 +26,15 @@ namespace {
 #if defined(__AVX512F__) && defined(LMKIT_HAVE_AMX)
 #define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16, &LMKIT_ISA::linear_bf16_amx
 #define LMKIT_ISA_Q8_AMX &LMKIT_ISA::linear_int4_amx
-#define LMKIT_ISA_ATTN_AMX &LMKIT_ISA::paged_attention_amx
+#define LMKIT_ISA_ATTN_AMX &LMKIT_ISA::paged_attention_bf16, &LMKIT_ISA::paged_attention_amx
 #elif defined(__AVX512F__)
 #define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16, nullptr
 #define LMKIT_ISA_Q8_AMX nullptr
-#define LMKIT_ISA_ATTN_AMX nullptr
+#define LMKIT_ISA_ATTN_AMX &LMKIT_ISA::paged_attention_bf16, nullptr
 #else
 #define LMKIT_ISA_BF16 nullptr, nullptr
 #define LMKIT_ISA_Q8_AMX nullptr
-#define LMKIT_ISA_ATTN_AMX nullptr
+#define LMKIT_ISA_ATTN_AMX nullptr, nullptr
 #endif
 
 const KernelTable* LMKIT_ISA_TABLE() {

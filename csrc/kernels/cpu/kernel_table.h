@@ -65,6 +65,11 @@ struct KernelTable {
   // logit_softcap 0: no soft-capping. Reads the block table only over the keys some query's window reaches.
   void (*paged_attention)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                           int32_t num_heads, float scale, int32_t sliding_window, float* out, float logit_softcap);
+  // the same over a bf16 pool (bits 16) with prefill tasks on AVX512_BF16 dot products (P rounded to bf16);
+  // nullptr where this build has none; dispatch.cpp calls it only where the CPU has AVX512_BF16
+  void (*paged_attention_bf16)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
+                               int32_t num_heads, float scale, int32_t sliding_window, float* out,
+                               float logit_softcap);
   // the same over a bf16 pool (bits 16) with every task on AMX tiles; nullptr where this build has none;
   // dispatch.cpp calls it only once the process may use the tiles, for head_dim and block_size % 32 == 0
   void (*paged_attention_amx)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
@@ -86,6 +91,10 @@ bool force_isa(const char* isa);
 // Whether linear layers (bf16 pairs; int4 x int8) and attention over a bf16 KV cache may use AMX tiles
 // (default: yes, where the CPU and OS allow); returns whether some will. For tests and benchmarks.
 bool use_amx(bool enabled);
+// Whether prefill tasks of attention over a bf16 KV cache may use AVX512_BF16 dot products where AMX does not
+// take them (default: yes, where the CPU has them; else fp32 FMAs over converted rows); returns whether they
+// will. For tests and benchmarks.
+bool use_bf16_attention(bool enabled);
 
 // dispatch.cpp's choices of table, for the ops:: entry points defined in other files (linear_formats.cpp).
 const KernelTable& active();              // the table of this CPU (or the one force_isa chose)

@@ -1,0 +1,232 @@
+// Prefill tasks of paged attention over a bf16 KV cache on AVX512_BF16 dot products (vdpbf16ps), for CPUs
+// without AMX (or with the tiles not allowed). Textually included by isa_body.h after impl_attention.h and
+// impl_linear_bf16.h (LMKIT_BF16); avx512 unit only, called by dispatch.cpp only where the CPU has AVX512_BF16.
+//
+// The fp32 prefill task (attend_task) converts every key's K and V row of a chunk into fp32 buffers and runs
+// one FMA per product. Here both products read the cache as it lies, two per instruction:
+//   scores  st[j][0:R] = sum over pairs (d, d + 1) of K_j[d, d + 1] . qt[d, d + 1][0:R]
+//           K_j's pair broadcast as one 32-bit word straight from the cache; qt holds the task's rows as pairs
+//           of d, q in two bf16 parts q = hi + lo (16 bits of mantissa between them, as on AMX tiles), so that
+//           a score carries the error of K's bf16 values only
+//   softmax online over chunks of 32 keys, lane-wise over the rows as attend_task; P rounded to bf16 and
+//           stored as token pairs pp[t][0:R] = (p[2t], p[2t + 1]); l sums those rounded weights
+//   output  o[r][0:hd] += sum over token pairs t of pp[t][r] . V pair row t   (V's token pairs are interleaved
+//           in the cache, ops.h: a pair row of 16 d is one vdpbf16ps operand)
+// Each output row is within ~3e-3 (relative) of the exact attention over the bf16 cache (P's rounding), as on
+// the AMX path. Chunks start at an even key: when the first row's window starts at an odd key, the key before
+// it is read and masked; keys past the last row's position are never scored, and the V halves of keys outside
+// [window start, last position] are zeroed in a staging row (a slot past ctx_len may hold NaN, and 0 * NaN
+// would reach the output).
+#if defined(__AVX512F__)
+constexpr int kBfAttnKeys = 32;  // keys per online-softmax step (16 token pairs)
+constexpr int kBfAttnKeyBlock = 8;  // keys whose scores are computed together (x 3 row vectors x hi, lo)
+
+// e^x for the softmax's x <= 0, to 1e-5 relative (the weights are rounded to bf16 next: 2^-9), 0 below -87:
+// 2^(x log2 e) = 2^n 2^f with |f| <= 1/2, 2^f by a degree-4 polynomial fitted for relative error, 2^n by
+// vscalefps: about half the instructions of simd.h's fp32-accurate vexp, in the kernel's innermost loop.
+inline __m512 exp_for_bf16(__m512 x) {
+  const __m512 floor = _mm512_set1_ps(-87.0f);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, floor, _CMP_GE_OQ);
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, floor), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(9.5605105e-3f), f, _mm512_set1_ps(5.5917040e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024981e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312197e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999917e-1f));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+const uint16_t kZeroBf16Row[kKVQuantMaxHeadDim] = {};
+
+// st[j][v * 16 ..] = K_j . (qh + ql)[:, v * 16 ..] for the kBfAttnKeyBlock keys krow[0..], RV row vectors;
+// qh, ql: [np pairs of d][RV * 16] 32-bit pair words.
+template <int RV>
+LMKIT_BF16 inline void scores_bf16(const uint16_t* const* krow, const uint32_t* qh, const uint32_t* ql, int np,
+                                   float* st) {
+  constexpr int KB = kBfAttnKeyBlock, ld = RV * 16;
+  __m512 acc[KB][RV];
+  for (int j = 0; j < KB; ++j)
+    for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_setzero_ps();
+  const uint32_t* kr[KB];
+  for (int j = 0; j < KB; ++j) kr[j] = (const uint32_t*)krow[j];
+  for (int dp = 0; dp < np; ++dp) {
+    __m512bh h[RV], l[RV];
+    for (int v = 0; v < RV; ++v) {
+      h[v] = (__m512bh)_mm512_loadu_si512(qh + dp * ld + v * 16);
+      l[v] = (__m512bh)_mm512_loadu_si512(ql + dp * ld + v * 16);
+    }
+    for (int j = 0; j < KB; ++j) {
+      const __m512bh kd = (__m512bh)_mm512_set1_epi32((int)kr[j][dp]);
+      for (int v = 0; v < RV; ++v) {
+        acc[j][v] = _mm512_dpbf16_ps(acc[j][v], h[v], kd);
+        acc[j][v] = _mm512_dpbf16_ps(acc[j][v], l[v], kd);
+      }
+    }
+  }
+  for (int j = 0; j < KB; ++j)
+    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(st + j * ld + v * 16, acc[j][v]);
+}
+
+// o[r0 + i][(dv + u) * 16 ..] += sum_t pp[t][r0 + i] . vpr[t][(dv + u) * 16 ..] for i < 4, u < NV; o rows hd apart.
+template <int NV>
+LMKIT_BF16 inline void pv_bf16(const uint32_t* pp, int ld, int r0, const uint32_t* const* vpr, int npairs, int dv,
+                               int hd, float* o) {
+  __m512 acc[4][NV];
+  for (int i = 0; i < 4; ++i)
+    for (int u = 0; u < NV; ++u) acc[i][u] = _mm512_loadu_ps(o + (r0 + i) * hd + (dv + u) * 16);
+  for (int t = 0; t < npairs; ++t) {
+    __m512bh vv[NV];
+    for (int u = 0; u < NV; ++u) vv[u] = (__m512bh)_mm512_loadu_si512(vpr[t] + (dv + u) * 16);
+    for (int i = 0; i < 4; ++i) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pp[t * ld + r0 + i]);
+      for (int u = 0; u < NV; ++u) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], p, vv[u]);
+    }
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int u = 0; u < NV; ++u) _mm512_storeu_ps(o + (r0 + i) * hd + (dv + u) * 16, acc[i][u]);
+}
+
+// Rows [rho0, rho1) of sequence `seq` under kv head `kvh` (as attend_task); head_dim % 16 == 0, bits 16.
+template <int RV>
+LMKIT_BF16 void attend_task_bf16(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
+                                 int num_heads, int64_t rho0, int64_t rho1, float scale, float softcap, int window,
+                                 float* out) {
+  constexpr int ld = RV * 16;
+  const int hd = kv.head_dim, np = hd / 2, nvec = hd / 16;
+  const int64_t bs = kv.block_size, bb = kv.block_bytes();
+  const int rows = (int)(rho1 - rho0), rows4 = (rows + 3) / 4 * 4;
+  alignas(64) uint32_t qt_hi[kKVQuantMaxHeadDim / 2 * ld], qt_lo[kKVQuantMaxHeadDim / 2 * ld];  // [np][ld]
+  alignas(64) float obuf[kAttnMaxTaskFloats + 4 * kKVQuantMaxHeadDim];                         // [rows4][hd]
+  alignas(64) float st[kBfAttnKeys * ld];                                                       // [key][row]
+  alignas(64) uint32_t pp[kBfAttnKeys / 2 * ld];                                                // [pair][row]
+  alignas(64) uint32_t vstage[2][kKVQuantMaxHeadDim];  // boundary pair rows with one token's half zeroed
+  alignas(64) float pos[ld], lo[ld], m[ld], lsum[ld], corr[16];
+  float* orow[kAttnMaxRows];
+  const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
+  for (int r = 0; r < ld; ++r) {
+    const float* qr = kZeroRow;
+    int64_t p = first_pos + (rho0 + rows - 1) / group;  // padding rows: zero q at the last position
+    if (r < rows) {
+      const int64_t rho = rho0 + r, head = (int64_t)kvh * group + rho % group, row = seq.q_row + rho / group;
+      p = first_pos + rho / group;
+      qr = q + (row * num_heads + head) * hd;
+      orow[r] = out + (row * num_heads + head) * hd;
+    }
+    for (int d = 0; d < hd; d += 2) {
+      const uint16_t h0 = bf16_bits(qr[d]), h1 = bf16_bits(qr[d + 1]);
+      const uint16_t l0 = bf16_bits(qr[d] - bfloat_to_float(h0)), l1 = bf16_bits(qr[d + 1] - bfloat_to_float(h1));
+      qt_hi[(d / 2) * ld + r] = (uint32_t)h0 | (uint32_t)h1 << 16;
+      qt_lo[(d / 2) * ld + r] = (uint32_t)l0 | (uint32_t)l1 << 16;
+    }
+    pos[r] = (float)p;
+    lo[r] = window > 0 && p - window + 1 > 0 ? (float)(p - window + 1) : 0.0f;
+    m[r] = kAttnNoMax;
+    lsum[r] = 0.0f;
+  }
+  for (int i = 0; i < rows4 * hd; ++i) obuf[i] = 0.0f;
+
+  // rows are in position order: row 0 has the lowest position and window start, the last row the highest
+  const int64_t key_lo = (int64_t)lo[0], key_hi = (int64_t)pos[rows - 1] + 1;
+  const Scores score(scale, softcap);
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  const __m512i ones = _mm512_set1_epi16(0x3f80);  // bf16 1.0: l += p[2t] + p[2t + 1] by one dot product
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const uint16_t* krow[kBfAttnKeys];
+  const uint32_t* vpr[kBfAttnKeys / 2];
+  for (int64_t c0 = key_lo & ~(int64_t)1; c0 < key_hi; c0 += kBfAttnKeys) {
+    const int n = key_hi - c0 < kBfAttnKeys ? (int)(key_hi - c0) : kBfAttnKeys;
+    const int npairs = (n + 1) / 2, nb = (n + kBfAttnKeyBlock - 1) / kBfAttnKeyBlock;
+    int64_t b = c0 / bs, off = c0 % bs;  // c0 and bs are even: a token pair never straddles a block
+    for (int j = 0; j < n; j += 2) {
+      const char* kb = (const char*)kv.k + (int64_t)seq.block_table[b] * bb;
+      const char* vb = (const char*)kv.v + (int64_t)seq.block_table[b] * bb;
+      krow[j] = (const uint16_t*)kb + ((int64_t)kvh * bs + off) * hd;
+      if (j + 1 < n) krow[j + 1] = krow[j] + hd;
+      vpr[j / 2] = (const uint32_t*)vb + ((int64_t)kvh * (bs / 2) + off / 2) * hd;
+      if ((off += 2) == bs) off = 0, ++b;
+    }
+    for (int j = n; j < nb * kBfAttnKeyBlock; ++j) krow[j] = kZeroBf16Row;
+    const uint32_t keep_odd = 0xffff0000u, keep_even = 0x0000ffffu;
+    if (c0 < key_lo) {  // the first pair's even key lies before every row's window
+      for (int d = 0; d < hd; ++d) vstage[0][d] = vpr[0][d] & keep_odd;
+      vpr[0] = vstage[0];
+    }
+    if (n % 2) {  // the last pair's odd key lies past the last row's position
+      for (int d = 0; d < hd; ++d) vstage[1][d] = vpr[npairs - 1][d] & keep_even;
+      vpr[npairs - 1] = vstage[1];
+    }
+    for (int kb = 0; kb < nb; ++kb)
+      scores_bf16<RV>(krow + kb * kBfAttnKeyBlock, qt_hi, qt_lo, np, st + kb * kBfAttnKeyBlock * ld);
+    score.cap_in_place(st, (int64_t)n * ld);
+    // masking is needed only where the chunk crosses some row's position or window start
+    const bool masked = (float)(c0 + n - 1) > pos[0] || (float)c0 < lo[ld - 1];
+    for (int v = 0; v < RV; ++v) {
+      const __m512 mv = _mm512_load_ps(m + v * 16), pv = _mm512_load_ps(pos + v * 16), lv = _mm512_load_ps(lo + v * 16);
+      __m512 mx = mv;
+      for (int j = 0; j < n; ++j) {
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(st + j * ld + v * 16), score.post.v);
+        if (masked) {
+          const __m512 kp = _mm512_set1_ps((float)(c0 + j));
+          const __mmask16 seen = _mm512_cmp_ps_mask(kp, pv, _CMP_LE_OQ) & _mm512_cmp_ps_mask(kp, lv, _CMP_GE_OQ);
+          s = _mm512_mask_blend_ps(seen, neg_inf, s);
+        }
+        _mm512_storeu_ps(st + j * ld + v * 16, s);
+        mx = _mm512_max_ps(mx, s);
+      }
+      __m512 l = _mm512_load_ps(lsum + v * 16);
+      if (_mm512_cmp_ps_mask(mx, mv, _CMP_GT_OQ)) {  // the running max moved for some rows: rescale l and o
+        const __m512 c = vexp(V{_mm512_sub_ps(mv, mx)}).v;  // exactly 1 where the max stayed
+        _mm512_store_ps(corr, c);
+        l = _mm512_mul_ps(l, c);
+        for (int i = 0; i < 16; ++i) {
+          if (corr[i] == 1.0f || v * 16 + i >= rows4) continue;
+          float* o = obuf + (v * 16 + i) * hd;
+          const __m512 ci = _mm512_set1_ps(corr[i]);
+          for (int dv = 0; dv < nvec; ++dv) _mm512_storeu_ps(o + dv * 16, _mm512_mul_ps(_mm512_loadu_ps(o + dv * 16), ci));
+        }
+        _mm512_store_ps(m + v * 16, mx);
+      }
+      for (int t = 0; t < npairs; ++t) {
+        const __m512 e0 = exp_for_bf16(_mm512_sub_ps(_mm512_loadu_ps(st + 2 * t * ld + v * 16), mx));
+        const __m512 e1 = 2 * t + 1 < n ? exp_for_bf16(_mm512_sub_ps(_mm512_loadu_ps(st + (2 * t + 1) * ld + v * 16), mx))
+                                        : _mm512_setzero_ps();
+        // e0's 16 values then e1's, interleaved into token pairs (e0[r], e1[r]) per 32-bit lane
+        const __m512i packed = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        _mm512_storeu_si512(pp + t * ld + v * 16, packed);
+        l = _mm512_dpbf16_ps(l, (__m512bh)packed, (__m512bh)ones);
+      }
+      _mm512_store_ps(lsum + v * 16, l);
+    }
+    for (int r0 = 0; r0 < rows4; r0 += 4) {
+      int dv = 0;
+      for (; dv + 4 <= nvec; dv += 4) pv_bf16<4>(pp, ld, r0, vpr, npairs, dv, hd, obuf);
+      for (; dv < nvec; ++dv) pv_bf16<1>(pp, ld, r0, vpr, npairs, dv, hd, obuf);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / lsum[r]);
+    for (int dv = 0; dv < nvec; ++dv)
+      _mm512_storeu_ps(orow[r] + dv * 16, _mm512_mul_ps(_mm512_loadu_ps(obuf + r * hd + dv * 16), inv));
+  }
+}
+
+// Prefill tasks of a bf16 pool on dot products (head_dim % 16 == 0; others on attend_task), as a policy of
+// paged_attention_with.
+struct Bf16Prefill {
+  LMKIT_BF16 static void run(int rv, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
+                             int num_heads, int64_t rho0, int64_t rho1, float scale, float softcap, int window,
+                             float* out) {
+    if (kv.head_dim % 16 != 0) return F32Prefill::run(rv, q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
+    if (rv == 1) attend_task_bf16<1>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
+    else if (rv == 2) attend_task_bf16<2>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
+    else attend_task_bf16<3>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
+  }
+};
+
+void paged_attention_bf16(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
+                          float scale, int32_t window, float* out, float softcap) {
+  paged_attention_with<DotDecode, Bf16Prefill>(q, kv, seqs, num_seqs, num_heads, scale, softcap, window, out);
+}
+#endif
