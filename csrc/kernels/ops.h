@@ -132,8 +132,9 @@ struct LinearWeight {
   // Int4 only: null, or the order in which the weight takes the layer's inputs (Int4Source::input_perm);
   // ops::linear gathers x by it before the product.
   std::shared_ptr<const std::vector<int32_t>> input_perm;
-  // Int4, Int6 and Int8: quantize x to int8 per 32 values and use integer dot products where the CPU has them
-  // (AVX2, AVX-512 VNNI; AMX-INT8 tiles in calls of kLinearAmxInt8MinRows rows or more): decode and prefill.
+  // Int4, Int6 and Int8: quantize x to int8 per 32 values (per weight group in the calls kLinearInt8GroupRowsMin
+  // names) and use integer dot products where the CPU has them (AVX2, AVX-512 VNNI; AMX-INT8 tiles in calls of
+  // kLinearAmxInt8MinRows rows or more): decode and prefill.
   // The result differs from the exact fp32 product by the rounding of x (relative error of the output
   // ~3e-3, tested); the integer sums are exact, so every ISA gives the same up to the order of fp32 sums.
   bool int8_activations = false;
@@ -279,8 +280,10 @@ struct AttnSeq {
 //   -1: blocks the engine freed early), i.e. blocks holding only keys below ctx_len - q_len - sliding_window + 1.
 //   out = softmax(s) V with s = scale * q . K^T, or with logit_softcap > 0 s = cap * tanh(scale * q . K^T / cap)
 //   (Gemma 2), computed with an online softmax in fp32.
-//   Over a bf16 pool on AMX tiles (bf16_amx_available), decode-shaped tasks round the softmax weights to bf16
-//   (fp32 sums): up to ~3e-3 relative (per output row) to the exact result over the pool's values.
+//   Over a bf16 pool on AMX tiles (bf16_amx_available: every task, head_dim and block_size % 32 == 0), and
+//   elsewhere on AVX512_BF16 dot products (bf16_dot_available: tasks of more than 4 rows, prompts, head_dim % 16
+//   == 0), the softmax weights are rounded to bf16 (fp32 sums): up to ~3e-3 relative (per output row) to the
+//   exact result over the pool's values. Other tasks and CPUs: fp32 over the pool's values.
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                      int32_t num_heads, float scale, int32_t sliding_window, float* out, float logit_softcap = 0.0f);
 
