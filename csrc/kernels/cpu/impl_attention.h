@@ -98,6 +98,28 @@ inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_
 
 const float kZeroRow[kAttnMaxHeadDim] = {};
 
+// The per-row state of a prefill task over rows [rho0, rho0 + rows): row r's query (returned), its output row
+// orow[r], position pos[r], window start lo[r] (its first key) and online-softmax state m[r], lsum[r]. Rows r >=
+// rows pad the task's row vectors: a zero query at the last row's position, no output row.
+inline const float* task_row(const float* q, const AttnSeq& seq, int kvh, int group, int num_heads, int hd, int window,
+                             int64_t rho0, int rows, int r, float* out, float** orow, float* pos, float* lo, float* m,
+                             float* lsum) {
+  const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
+  const float* qr = kZeroRow;
+  int64_t p = first_pos + (rho0 + rows - 1) / group;
+  if (r < rows) {
+    const int64_t rho = rho0 + r, head = (int64_t)kvh * group + rho % group, row = seq.q_row + rho / group;
+    p = first_pos + rho / group;
+    qr = q + (row * num_heads + head) * hd;
+    orow[r] = out + (row * num_heads + head) * hd;
+  }
+  pos[r] = (float)p;
+  lo[r] = window > 0 && p - window + 1 > 0 ? (float)(p - window + 1) : 0.0f;
+  m[r] = kAttnNoMax;
+  lsum[r] = 0.0f;
+  return qr;
+}
+
 // Vector dv of a head_dim-long row (the last one partial when hd is not a multiple of kW).
 inline V load_hd(const float* row, int dv, int hd) {
   const int rem = hd - dv * kW;
@@ -184,21 +206,9 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
   alignas(64) float pos[ld], lo[ld], m[ld], lsum[ld], corr[kW];
   float* orow[kAttnMaxRows];
   alignas(64) float kdq[kAttnChunk * kKVQuantMaxHeadDim], vdq[kAttnChunk * kKVQuantMaxHeadDim];  // quantized KV
-  const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
   for (int r = 0; r < RV * kW; ++r) {
-    const float* qr = kZeroRow;
-    int64_t p = first_pos + (rho0 + rows - 1) / group;  // padding rows: copies of the last position
-    if (r < rows) {
-      const int64_t rho = rho0 + r, head = (int64_t)kvh * group + rho % group, row = seq.q_row + rho / group;
-      p = first_pos + rho / group;
-      qr = q + (row * num_heads + head) * hd;
-      orow[r] = out + (row * num_heads + head) * hd;
-    }
+    const float* qr = task_row(q, seq, kvh, group, num_heads, hd, window, rho0, rows, r, out, orow, pos, lo, m, lsum);
     for (int d = 0; d < hd; ++d) qt[d * ld + r] = qr[d];
-    pos[r] = (float)p;
-    lo[r] = window > 0 && p - window + 1 > 0 ? (float)(p - window + 1) : 0.0f;
-    m[r] = kAttnNoMax;
-    lsum[r] = 0.0f;
   }
   for (int i = 0; i < rows4 * hdp; ++i) obuf[i] = 0.0f;
 

@@ -103,26 +103,14 @@ LMKIT_BF16 void attend_task_bf16(const float* q, const KVLayer& kv, const AttnSe
   alignas(64) uint32_t vstage[2][kKVQuantMaxHeadDim];  // boundary pair rows with one token's half zeroed
   alignas(64) float pos[ld], lo[ld], m[ld], lsum[ld], corr[16];
   float* orow[kAttnMaxRows];
-  const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
   for (int r = 0; r < ld; ++r) {
-    const float* qr = kZeroRow;
-    int64_t p = first_pos + (rho0 + rows - 1) / group;  // padding rows: zero q at the last position
-    if (r < rows) {
-      const int64_t rho = rho0 + r, head = (int64_t)kvh * group + rho % group, row = seq.q_row + rho / group;
-      p = first_pos + rho / group;
-      qr = q + (row * num_heads + head) * hd;
-      orow[r] = out + (row * num_heads + head) * hd;
-    }
+    const float* qr = task_row(q, seq, kvh, group, num_heads, hd, window, rho0, rows, r, out, orow, pos, lo, m, lsum);
     for (int d = 0; d < hd; d += 2) {
       const uint16_t h0 = bf16_bits(qr[d]), h1 = bf16_bits(qr[d + 1]);
       const uint16_t l0 = bf16_bits(qr[d] - bfloat_to_float(h0)), l1 = bf16_bits(qr[d + 1] - bfloat_to_float(h1));
       qt_hi[(d / 2) * ld + r] = (uint32_t)h0 | (uint32_t)h1 << 16;
       qt_lo[(d / 2) * ld + r] = (uint32_t)l0 | (uint32_t)l1 << 16;
     }
-    pos[r] = (float)p;
-    lo[r] = window > 0 && p - window + 1 > 0 ? (float)(p - window + 1) : 0.0f;
-    m[r] = kAttnNoMax;
-    lsum[r] = 0.0f;
   }
   for (int i = 0; i < rows4 * hd; ++i) obuf[i] = 0.0f;
 
