@@ -159,6 +159,27 @@ const Fmt kGemvFormats[] = {{"F16", DType::F16, false, true, false},   {"BF16", 
                             {"F32", DType::F32, false, false, false},  {"bf16x2", DType::F16, true, true, false},
                             {"amx", DType::F16, true, true, true}};
 
+// A KV pool of `ctx` random keys and values for one sequence, written through kv_write as the model does
+// (rounding or quantizing for bits 16 / 8 / 4), in blocks 0.. of `table` (shuffled when asked).
+struct BenchPool {
+  ops::KVLayer kv;
+  std::vector<uint8_t> kp, vp;
+  std::vector<int32_t> table;
+  BenchPool(int bits, int kv_heads, int hd, int bs, int ctx, bool shuffle) {
+    const int num_blocks = (ctx + bs - 1) / bs;
+    kv.bits = bits, kv.num_blocks = num_blocks, kv.num_kv_heads = kv_heads, kv.block_size = bs, kv.head_dim = hd;
+    kp.resize(kv.block_bytes() * num_blocks), vp.resize(kp.size());
+    kv.k = kp.data(), kv.v = vp.data();
+    table.resize(num_blocks);
+    std::iota(table.begin(), table.end(), 0);
+    if (shuffle) std::shuffle(table.begin(), table.end(), std::mt19937(1));
+    std::vector<int32_t> slots(ctx);
+    for (int p = 0; p < ctx; ++p) slots[p] = table[p / bs] * bs + p % bs;
+    std::vector<float> kr = randn((int64_t)ctx * kv_heads * hd), vr = randn(kr.size());
+    ops::kv_write(kv, kr.data(), vr.data(), slots.data(), ctx);
+  }
+};
+
 int main(int argc, char** argv) {
   const char* isa = argc > 1 && std::strcmp(argv[1], "-") != 0 ? argv[1] : nullptr;  // "-": the CPU's best
   const int threads = argc > 2 ? std::atoi(argv[2]) : 2;
@@ -383,18 +404,9 @@ int main(int argc, char** argv) {
     for (int bits : {32, 8, 16}) {
       const int bs = bits == 16 ? 64 : 16;
       for (int ctx : {64, 160, 512, 2048}) {
-        const int num_blocks = (ctx + bs - 1) / bs;
-        ops::KVLayer kv;
-        kv.bits = bits, kv.num_blocks = num_blocks, kv.num_kv_heads = kv_heads, kv.block_size = bs, kv.head_dim = hd;
-        // the pool filled through kv_write, as the model does (rounding or quantizing for bits 16 / 8)
-        std::vector<uint8_t> kp(kv.block_bytes() * num_blocks), vp(kp.size());
-        kv.k = kp.data(), kv.v = vp.data();
-        std::vector<int32_t> table(num_blocks), slots(ctx);
-        std::iota(table.begin(), table.end(), 0);
-        std::shuffle(table.begin(), table.end(), std::mt19937(1));
-        for (int p = 0; p < ctx; ++p) slots[p] = table[p / bs] * bs + p % bs;
-        std::vector<float> kr = randn((int64_t)ctx * kv_heads * hd), vr = randn(kr.size());
-        ops::kv_write(kv, kr.data(), vr.data(), slots.data(), ctx);
+        const BenchPool pool(bits, kv_heads, hd, bs, ctx, true);
+        const ops::KVLayer& kv = pool.kv;
+        const std::vector<int32_t>& table = pool.table;
         const char* kv_name = bits == 32 ? "fp32" : bits == 16 ? "bf16" : "int8";
         for (bool amx : {false, true}) {
           if ((bits != 16 && amx) || ops::cpu::use_amx(amx) != amx) continue;
@@ -424,17 +436,10 @@ int main(int argc, char** argv) {
     // prefill of a 1.2B Llama's layer (32/8 heads, head_dim 64) over a bf16 cache in blocks of 64: fp32 FMAs over
     // converted rows against AVX512_BF16 dot products (and AMX tiles where present)
     for (int ctx : {512, 2048}) {
-      const int lh = 32, lkv = 8, lhd = 64, bs = 64, num_blocks = ctx / bs;
-      ops::KVLayer kv;
-      kv.bits = 16, kv.num_blocks = num_blocks, kv.num_kv_heads = lkv, kv.block_size = bs, kv.head_dim = lhd;
-      std::vector<uint8_t> kp(kv.block_bytes() * num_blocks), vp(kp.size());
-      kv.k = kp.data(), kv.v = vp.data();
-      std::vector<int32_t> table(num_blocks), slots(ctx);
-      std::iota(table.begin(), table.end(), 0);
-      for (int p = 0; p < ctx; ++p) slots[p] = p;
-      std::vector<float> kr = randn((int64_t)ctx * lkv * lhd), vr = randn(kr.size());
-      ops::kv_write(kv, kr.data(), vr.data(), slots.data(), ctx);
-      ops::AttnSeq seq{0, ctx, ctx, table.data()};
+      const int lh = 32, lhd = 64;
+      const BenchPool pool(16, 8, lhd, 64, ctx, false);
+      const ops::KVLayer& kv = pool.kv;
+      ops::AttnSeq seq{0, ctx, ctx, pool.table.data()};
       std::vector<float> q = randn((int64_t)ctx * lh * lhd), out(q.size());
       for (const char* path : {"fp32", "bf16", "amx"}) {
         const bool amx = std::strcmp(path, "amx") == 0, bf16 = std::strcmp(path, "fp32") != 0;
@@ -449,16 +454,10 @@ int main(int argc, char** argv) {
     }
     // Gemma 2's attention (8/4 heads, head_dim 256): logit soft-capping at 50 against none, fp32 and bf16 KV (bs 64)
     for (int bits : {32, 16}) {
-      const int gh = 8, gkv = 4, ghd = 256, bs = 64, ctx = g_smoke ? 128 : 2048, num_blocks = ctx / bs;
-      ops::KVLayer kv;
-      kv.bits = bits, kv.num_blocks = num_blocks, kv.num_kv_heads = gkv, kv.block_size = bs, kv.head_dim = ghd;
-      std::vector<uint8_t> kp(kv.block_bytes() * num_blocks), vp(kp.size());
-      kv.k = kp.data(), kv.v = vp.data();
-      std::vector<int32_t> table(num_blocks), slots(ctx);
-      std::iota(table.begin(), table.end(), 0);
-      for (int p = 0; p < ctx; ++p) slots[p] = p;
-      std::vector<float> kr = randn((int64_t)ctx * gkv * ghd), vr = randn(kr.size());
-      ops::kv_write(kv, kr.data(), vr.data(), slots.data(), ctx);
+      const int gh = 8, ghd = 256, ctx = g_smoke ? 128 : 2048;
+      const BenchPool pool(bits, 4, ghd, 64, ctx, false);
+      const ops::KVLayer& kv = pool.kv;
+      const std::vector<int32_t>& table = pool.table;
       for (bool amx : {false, true}) {
         if ((bits != 16 && amx) || ops::cpu::use_amx(amx) != amx) continue;
         for (int q_len : {1, 128}) {
