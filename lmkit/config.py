@@ -57,7 +57,8 @@ class EngineConfig:
     int8_activations: bool = True
     """Quantized checkpoints (int4: AWQ, GPTQ, compressed-tensors, GGUF Q4_0/Q4_1/Q4_K; int8: GGUF Q5_0/Q8_0/Q5_K/Q6_K):
     quantize activations to int8 and use integer dot products, in decode (per 32 values; AVX2 / AVX-512 VNNI,
-    llama.cpp's approach) and prefill (on AMX-INT8 CPUs tiles with x per weight group, else the same kernels).
+    llama.cpp's approach) and prefill (int4 groups of 64/128: x per weight group on AVX-512 VNNI and on AMX-INT8
+    tiles; otherwise the decode kernels).
     False: fp32 activations, the exact product of the stored weights (2-5x slower prefill)."""
     awq_int8_activations: bool | None = None
     """Deprecated name of int8_activations (which governs every int4 and int8 layer, not AWQ's only); when set, it
