@@ -43,10 +43,9 @@ a 32-token prompt of pydoc text, 128 greedy new tokens with eos ignored; decode 
 (time of the last token - time of the first), one warm-up run, then the median of --runs runs. TTFT:
 time to the first token of a 512-token prompt, median of --runs after a warm-up. Concurrency: 16
 distinct 32-token prompts submitted at once, 128 tokens each; output tokens / wall time (prefill
-included), one warm-up run, then the median of --runs runs, as the other figures (it was one run: a 1 s batch of
-SmolLM2 moved by +-15% from one run to the next on a shared VM) (lmkit: continuous batching; CTranslate2 and HF:
-one static batch;
-llama.cpp: its C API through llama-cpp-python, all sequences in one llama_decode per step as its
+included), one warm-up run, then the median of --runs runs, as the other figures (a single 1 s batch of SmolLM2
+moved by +-15% from one run to the next on a shared VM) (lmkit: continuous batching; CTranslate2 and HF: one
+static batch; llama.cpp: its C API through llama-cpp-python, all sequences in one llama_decode per step as its
 `batched` example and server do, argmax in numpy). --rounds N runs the whole list N times, interleaved,
 and reports each figure's median over the rounds (and each round's decode ratio to lmkit fp): on a
 shared VM one slow spell otherwise decides a ratio. Even rounds run the list in reverse order, so that no

@@ -148,6 +148,41 @@ struct Scores {
   }
 };
 
+// One chunk of an online softmax over a prefill task's row vector v (lanes v * kW ..): the scores of keys c0 ..
+// c0 + n - 1 in st[j][v * kW ..] (rows ld floats apart) scaled by score.post and, when `masked`, set to -inf for
+// keys after a row's position or before its window, in place; mx = the new running max of each row, m raised to
+// it, and where it moved the rows' sums (l, from lsum) and outputs (obuf rows of hdp floats, rows < rows4)
+// multiplied by exp(old - new). The caller adds the chunk's weights exp(s - mx) to l and o.
+inline void chunk_max(float* st, int ld, int n, int v, int64_t c0, bool masked, const Scores& score, const float* pos,
+                      const float* lo, float* m, const float* lsum, float* obuf, int rows4, int hdp, V& mx, V& l) {
+  const V mv = vload(m + v * kW), pv = vload(pos + v * kW), lv = vload(lo + v * kW), neg_inf = vset1(-INFINITY);
+  mx = mv;
+  for (int j = 0; j < n; ++j) {
+    V s = vload(st + j * ld + v * kW) * score.post;
+    if (masked) {
+      const V kp = vset1((float)(c0 + j));
+      s = vselect_lt(pv, kp, neg_inf, s);  // key after the query
+      s = vselect_lt(kp, lv, neg_inf, s);  // key before the window
+    }
+    vstore(st + j * ld + v * kW, s);
+    mx = vmax(mx, s);
+  }
+  l = vload(lsum + v * kW);
+  if (vany_gt(mx, mv)) {  // the running max moved for some rows: rescale their l and o
+    const V c = vexp(mv - mx);  // exactly 1 where the max stayed
+    alignas(64) float corr[kW];
+    vstore(corr, c);
+    l = l * c;
+    for (int i = 0; i < kW; ++i) {
+      if (corr[i] == 1.0f || v * kW + i >= rows4) continue;
+      float* o = obuf + (v * kW + i) * hdp;
+      const V ci = vset1(corr[i]);
+      for (int dv = 0; dv < hdp / kW; ++dv) vstore(o + dv * kW, vload(o + dv * kW) * ci);
+    }
+    vstore(m + v * kW, mx);
+  }
+}
+
 // st[j][v * kW ..] = K_j . qt[:, v * kW ..] for the kAttnKeyBlock keys krow[0..], RV row vectors.
 template <int RV>
 inline void scores_t(const float* const* krow, const float* qt, int hd, float* st) {
@@ -203,7 +238,7 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
   alignas(64) float obuf[kAttnMaxTaskFloats + 4 * kAttnMaxHeadDim];  // [rows4][hdp]
   alignas(64) float qt[kAttnMaxTaskFloats + kW * kAttnMaxHeadDim];    // [hd][ld]
   alignas(64) float st[kAttnChunk * ld];                                // [key][row]: scores, then p
-  alignas(64) float pos[ld], lo[ld], m[ld], lsum[ld], corr[kW];
+  alignas(64) float pos[ld], lo[ld], m[ld], lsum[ld];
   float* orow[kAttnMaxRows];
   alignas(64) float kdq[kAttnChunk * kKVQuantMaxHeadDim], vdq[kAttnChunk * kKVQuantMaxHeadDim];  // quantized KV
   for (int r = 0; r < RV * kW; ++r) {
@@ -215,7 +250,6 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
   // rows are in position order: row 0 has the lowest position and window start, the last row the highest
   const int64_t key_lo = (int64_t)lo[0], key_hi = (int64_t)pos[rows - 1] + 1;
   const Scores score(scale, softcap);
-  const V neg_inf = vset1(-INFINITY);
   const float* krow[kAttnChunk];
   const float* vrow[kAttnChunk];
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kAttnChunk) {
@@ -227,31 +261,8 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
     // masking is needed only where the chunk crosses some row's position or window start
     const bool masked = (float)(c0 + n - 1) > pos[0] || (float)c0 < lo[RV * kW - 1];
     for (int v = 0; v < RV; ++v) {
-      const V mv = vload(m + v * kW), pv = vload(pos + v * kW), lv = vload(lo + v * kW);
-      V mx = mv;
-      for (int j = 0; j < n; ++j) {
-        V s = vload(st + j * ld + v * kW) * score.post;
-        if (masked) {
-          const V kp = vset1((float)(c0 + j));
-          s = vselect_lt(pv, kp, neg_inf, s);  // key after the query
-          s = vselect_lt(kp, lv, neg_inf, s);  // key before the window
-        }
-        vstore(st + j * ld + v * kW, s);
-        mx = vmax(mx, s);
-      }
-      V l = vload(lsum + v * kW);
-      if (vany_gt(mx, mv)) {  // the running max moved for some rows: rescale their l and o
-        const V c = vexp(mv - mx);
-        vstore(corr, c);
-        l = l * c;
-        for (int i = 0; i < kW; ++i) {
-          if (corr[i] == 1.0f || v * kW + i >= rows4) continue;
-          float* o = obuf + (v * kW + i) * hdp;
-          const V ci = vset1(corr[i]);
-          for (int dv = 0; dv < nvec; ++dv) vstore(o + dv * kW, vload(o + dv * kW) * ci);
-        }
-        vstore(m + v * kW, mx);
-      }
+      V mx, l;
+      chunk_max(st, ld, n, v, c0, masked, score, pos, lo, m, lsum, obuf, rows4, hdp, mx, l);
       for (int j = 0; j < n; ++j) {
         const V p = vexp(vload(st + j * ld + v * kW) - mx);
         vstore(st + j * ld + v * kW, p);

@@ -101,7 +101,7 @@ LMKIT_BF16 void attend_task_bf16(const float* q, const KVLayer& kv, const AttnSe
   alignas(64) float st[kBfAttnKeys * ld];                                                       // [key][row]
   alignas(64) uint32_t pp[kBfAttnKeys / 2 * ld];                                                // [pair][row]
   alignas(64) uint32_t vstage[2][kKVQuantMaxHeadDim];  // boundary pair rows with one token's half zeroed
-  alignas(64) float pos[ld], lo[ld], m[ld], lsum[ld], corr[16];
+  alignas(64) float pos[ld], lo[ld], m[ld], lsum[ld];
   float* orow[kAttnMaxRows];
   for (int r = 0; r < ld; ++r) {
     const float* qr = task_row(q, seq, kvh, group, num_heads, hd, window, rho0, rows, r, out, orow, pos, lo, m, lsum);
@@ -117,7 +117,6 @@ LMKIT_BF16 void attend_task_bf16(const float* q, const KVLayer& kv, const AttnSe
   // rows are in position order: row 0 has the lowest position and window start, the last row the highest
   const int64_t key_lo = (int64_t)lo[0], key_hi = (int64_t)pos[rows - 1] + 1;
   const Scores score(scale, softcap);
-  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   const __m512i ones = _mm512_set1_epi16(0x3f80);  // bf16 1.0: l += p[2t] + p[2t + 1] by one dot product
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -151,31 +150,10 @@ LMKIT_BF16 void attend_task_bf16(const float* q, const KVLayer& kv, const AttnSe
     // masking is needed only where the chunk crosses some row's position or window start
     const bool masked = (float)(c0 + n - 1) > pos[0] || (float)c0 < lo[ld - 1];
     for (int v = 0; v < RV; ++v) {
-      const __m512 mv = _mm512_load_ps(m + v * 16), pv = _mm512_load_ps(pos + v * 16), lv = _mm512_load_ps(lo + v * 16);
-      __m512 mx = mv;
-      for (int j = 0; j < n; ++j) {
-        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(st + j * ld + v * 16), score.post.v);
-        if (masked) {
-          const __m512 kp = _mm512_set1_ps((float)(c0 + j));
-          const __mmask16 seen = _mm512_cmp_ps_mask(kp, pv, _CMP_LE_OQ) & _mm512_cmp_ps_mask(kp, lv, _CMP_GE_OQ);
-          s = _mm512_mask_blend_ps(seen, neg_inf, s);
-        }
-        _mm512_storeu_ps(st + j * ld + v * 16, s);
-        mx = _mm512_max_ps(mx, s);
-      }
-      __m512 l = _mm512_load_ps(lsum + v * 16);
-      if (_mm512_cmp_ps_mask(mx, mv, _CMP_GT_OQ)) {  // the running max moved for some rows: rescale l and o
-        const __m512 c = vexp(V{_mm512_sub_ps(mv, mx)}).v;  // exactly 1 where the max stayed
-        _mm512_store_ps(corr, c);
-        l = _mm512_mul_ps(l, c);
-        for (int i = 0; i < 16; ++i) {
-          if (corr[i] == 1.0f || v * 16 + i >= rows4) continue;
-          float* o = obuf + (v * 16 + i) * hd;
-          const __m512 ci = _mm512_set1_ps(corr[i]);
-          for (int dv = 0; dv < nvec; ++dv) _mm512_storeu_ps(o + dv * 16, _mm512_mul_ps(_mm512_loadu_ps(o + dv * 16), ci));
-        }
-        _mm512_store_ps(m + v * 16, mx);
-      }
+      V vmx, vl;
+      chunk_max(st, ld, n, v, c0, masked, score, pos, lo, m, lsum, obuf, rows4, hd, vmx, vl);
+      const __m512 mx = vmx.v;
+      __m512 l = vl.v;
       for (int t = 0; t < npairs; ++t) {
         const __m512 e0 = exp_for_bf16(_mm512_sub_ps(_mm512_loadu_ps(st + 2 * t * ld + v * 16), mx));
         const __m512 e1 = 2 * t + 1 < n ? exp_for_bf16(_mm512_sub_ps(_mm512_loadu_ps(st + (2 * t + 1) * ld + v * 16), mx))

@@ -26,15 +26,15 @@ namespace {
 #if defined(__AVX512F__) && defined(LMKIT_HAVE_AMX)
 #define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16, &LMKIT_ISA::linear_bf16_amx
 #define LMKIT_ISA_Q8_AMX &LMKIT_ISA::linear_int4_amx
-#define LMKIT_ISA_ATTN_AMX &LMKIT_ISA::paged_attention_bf16, &LMKIT_ISA::paged_attention_amx
+#define LMKIT_ISA_ATTN_BF16 &LMKIT_ISA::paged_attention_bf16, &LMKIT_ISA::paged_attention_amx
 #elif defined(__AVX512F__)
 #define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16, nullptr
 #define LMKIT_ISA_Q8_AMX nullptr
-#define LMKIT_ISA_ATTN_AMX &LMKIT_ISA::paged_attention_bf16, nullptr
+#define LMKIT_ISA_ATTN_BF16 &LMKIT_ISA::paged_attention_bf16, nullptr
 #else
 #define LMKIT_ISA_BF16 nullptr, nullptr
 #define LMKIT_ISA_Q8_AMX nullptr
-#define LMKIT_ISA_ATTN_AMX nullptr, nullptr
+#define LMKIT_ISA_ATTN_BF16 nullptr, nullptr
 #endif
 
 const KernelTable* LMKIT_ISA_TABLE() {
@@ -44,7 +44,7 @@ const KernelTable* LMKIT_ISA_TABLE() {
       &LMKIT_ISA::rope,
       &LMKIT_ISA::silu_mul,   &LMKIT_ISA::gelu_tanh_mul, &LMKIT_ISA::softcap, &LMKIT_ISA::scale,
       &LMKIT_ISA::log_sum_exp, &LMKIT_ISA::kv_write,
-      &LMKIT_ISA::paged_attention, LMKIT_ISA_ATTN_AMX,
+      &LMKIT_ISA::paged_attention, LMKIT_ISA_ATTN_BF16,
   };
   return &table;
 }
