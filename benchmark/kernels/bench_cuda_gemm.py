@@ -1,47 +1,67 @@
-"""W4A16 GEMM of the CUDA backend against fp16 dense GEMM (cuBLAS, as torch.matmul calls it), on the
+"""The CUDA backend's linear kernels against fp16 dense GEMM (cuBLAS, as torch.matmul calls it), on the
 linear shapes of Llama-2-7B, at M = 1, 16, 64, 256 rows (ISSUE 6: Marlin holds ~3.9x up to M 16-32).
 
-    python benchmark/kernels/bench_cuda_gemm.py [--group-size 128] [--csv FILE] [--smoke]
+    python benchmark/kernels/bench_cuda_gemm.py [--group-size 128] [--rows 1 4 16 64 256] [--csv FILE] [--smoke]
 
-Per (shape, M): median time of our int4 linear (GEMV up to 8 rows, tensor-core GEMM above), of our own
-fp16 tensor-core GEMM (wmma) and of torch.matmul fp16 (cuBLAS), the speed-up of int4 over cuBLAS, and the
-int4 kernel's achieved bandwidth (weight bytes read / time) against the measured copy bandwidth.
-Random weights (AWQ tensors of the right shapes); needs a GPU, torch with CUDA and the CUDA build.
+Per (shape, M), the time of one call of:
+  int4 skinny   our int4 linear on the skinny tensor-core kernel (the engine's path up to its int4 skinny rows);
+                alt: the same with the other load schedule (set_skinny_pipeline)
+  int4 other    our int4 linear with the skinny kernel off (GEMV up to 8 rows, WMMA GEMM above)
+  fp16 skinny   our dense fp16 linear on the skinny kernel (the engine's path up to its dense skinny rows), alt
+  cuBLAS fp16   torch.matmul in fp16
+then int4 skinny over cuBLAS, and the bytes of weights each skinny kernel reads per second against the copy
+bandwidth. Every figure is a CUDA graph of many calls, replayed, over enough copies of the weights to be
+several times the L2 cache (each call reads its weights from device memory, as a decode step does), the
+median of the replays divided by the calls. Random weights (AWQ tensors of the right shapes); needs a GPU,
+torch with CUDA and the CUDA build.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import math
 from datetime import date
 from pathlib import Path
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 
 
-def time_ms(fn, repeats: int) -> float:
+def graph_us(calls: list, replays: int) -> float:
+    """Median time of one of `calls` (zero-argument launches on torch's current stream), captured in a graph."""
     import torch
 
-    for _ in range(3):
-        fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in calls[:3]:
+            fn()  # warm-up outside the capture (module load, cuBLAS handles)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
     times = []
-    for _ in range(repeats):
+    for _ in range(replays):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2] * 1e3 / len(calls)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
-    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--csv", type=Path, default=None)
-    ap.add_argument("--smoke", action="store_true", help="one small shape, few repeats")
+    ap.add_argument("--smoke", action="store_true", help="one small shape, few replays")
     args = ap.parse_args(argv)
     import torch
 
@@ -52,45 +72,73 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit("needs a CUDA GPU, torch with CUDA and lmkit built with the CUDA backend")
     shapes = {"small": (512, 1024)} if args.smoke else SHAPES
     rows_list = [1, 16] if args.smoke else args.rows
-    repeats = 3 if args.smoke else args.repeats
+    replays = 3 if args.smoke else args.replays
     bandwidth = cu.measure_copy_bandwidth(1 << 28 if args.smoke else 1 << 30, 10)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     g = args.group_size
-    print(f"{cu.device_name()}, {date.today()}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; int4 group {g}; "
-          f"dense GEMM backend of the engine: {cu.dense_gemm_backend()}")
-    print(f"{'shape':>8}{'M':>5}{'int4 us':>10}{'wmma fp16 us':>14}{'cuBLAS fp16 us':>16}{'int4/cuBLAS':>13}{'int4 GB/s':>11}")
+    saved_rows, saved_pipe = cu.skinny_rows(), cu.skinny_pipeline()
+    print(f"{cu.device_name()}, {date.today()}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; L2 {l2 >> 20} MiB; "
+          f"int4 group {g}; engine's skinny rows (int4, dense) {saved_rows}, pipelined loads {saved_pipe} (alt: the "
+          f"other setting); dense GEMM backend "
+          f"{cu.dense_gemm_backend()}")
+    print(f"{'shape':>8}{'M':>5}{'int4 skinny us':>16}{'alt':>7}{'int4 other us':>15}{'fp16 skinny us':>16}{'alt':>7}"
+          f"{'cuBLAS us':>11}{'int4/cuBLAS':>13}{'int4 GB/s':>11}{'fp16 GB/s':>11}")
     out = []
-    for name, (n, k) in shapes.items():
-        qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32)
-        qzeros = torch.full((k // g, n // 8), 0x77777777, dtype=torch.int32)
-        scales = torch.full((k // g, n), 0.01, dtype=torch.float16)
-        w4 = cu.upload_int4(qweight.numpy(), qzeros.numpy(), scales.numpy(), g, "F16")
-        dense = (torch.rand(n, k) * 0.02 - 0.01).half()
-        wd = cu.upload_dense(dense.numpy(), "F16")
-        dense_gpu = dense.cuda()
-        for m in rows_list:
-            x = torch.randn(m, k, device="cuda").half()
-            y = torch.empty(m, n, device="cuda", dtype=torch.float16)
-            t4 = time_ms(lambda: cu.linear(x.data_ptr(), m, w4, 0, y.data_ptr(), "F16"), repeats)
-            cu.set_dense_gemm_backend("wmma")
-            tw = time_ms(lambda: cu.linear(x.data_ptr(), m, wd, 0, y.data_ptr(), "F16"), repeats)
-            cu.set_dense_gemm_backend("cublas")
-            tc = time_ms(lambda: torch.matmul(x, dense_gpu.T, out=y), repeats)
-            gbs = w4.size_bytes / (t4 * 1e-3) / 1e9
-            row = {"shape": name, "n": n, "k": k, "m": m, "int4_us": t4 * 1e3, "wmma_us": tw * 1e3,
-                   "cublas_us": tc * 1e3, "speedup": tc / t4, "int4_gb_s": gbs}
-            out.append(row)
-            print(f"{name:>8}{m:>5}{row['int4_us']:10.1f}{row['wmma_us']:14.1f}{row['cublas_us']:16.1f}"
-                  f"{row['speedup']:12.2f}x{gbs:11.0f}")
+    big = 1 << 20
+    try:
+        for name, (n, k) in shapes.items():
+            qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32)
+            qzeros = torch.randint(-2**31, 2**31 - 1, (k // g, n // 8), dtype=torch.int32)
+            scales = (torch.rand(k // g, n) * 0.01 + 0.001).to(torch.float16)
+            first = cu.upload_int4(qweight.numpy(), qzeros.numpy(), scales.numpy(), g, "F16")
+            w4 = [first] + [cu.upload_int4(qweight.numpy(), qzeros.numpy(), scales.numpy(), g, "F16")
+                            for _ in range(math.ceil(4 * l2 / first.size_bytes) - 1)]
+            dense = (torch.rand(n, k) * 0.02 - 0.01).half()
+            copies_dense = math.ceil(4 * l2 / (n * k * 2))
+            wd = [cu.upload_dense(dense.numpy(), "F16") for _ in range(copies_dense)]
+            dense_gpu = [dense.cuda() for _ in range(copies_dense)]
+            for m in rows_list:
+                x = torch.randn(m, k, device="cuda").half()
+                y = torch.empty(m, n, device="cuda", dtype=torch.float16)
+
+                def ours(w):
+                    return lambda: cu.linear(x.data_ptr(), m, w, 0, y.data_ptr(), "F16",
+                                             stream=torch.cuda.current_stream().cuda_stream)
+
+                calls = max(24, 2 * len(w4))
+                cu.set_skinny_rows(big, big)
+                t4 = graph_us([ours(w4[i % len(w4)]) for i in range(calls)], replays)
+                td = graph_us([ours(wd[i % len(wd)]) for i in range(max(24, 2 * len(wd)))], replays)
+                cu.set_skinny_pipeline(not saved_pipe)
+                t4b = graph_us([ours(w4[i % len(w4)]) for i in range(calls)], replays)
+                tdb = graph_us([ours(wd[i % len(wd)]) for i in range(max(24, 2 * len(wd)))], replays)
+                cu.set_skinny_pipeline(saved_pipe)
+                cu.set_skinny_rows(0, 0)
+                t4o = graph_us([ours(w4[i % len(w4)]) for i in range(calls)], replays)
+                cu.set_skinny_rows(*saved_rows)
+                tc = graph_us([(lambda d=dense_gpu[i % len(dense_gpu)]: torch.matmul(x, d.T, out=y))
+                               for i in range(max(24, 2 * len(dense_gpu)))], replays)
+                row = {"shape": name, "n": n, "k": k, "m": m, "int4_skinny_us": t4, "int4_skinny_alt_us": t4b,
+                       "int4_other_us": t4o, "fp16_skinny_us": td, "fp16_skinny_alt_us": tdb, "cublas_us": tc,
+                       "speedup": tc / t4,
+                       "int4_gb_s": first.size_bytes / (t4 * 1e-6) / 1e9, "fp16_gb_s": n * k * 2 / (td * 1e-6) / 1e9}
+                out.append(row)
+                print(f"{name:>8}{m:>5}{t4:16.1f}{t4b:7.1f}{t4o:15.1f}{td:16.1f}{tdb:7.1f}{tc:11.1f}{row['speedup']:12.2f}x"
+                      f"{row['int4_gb_s']:11.0f}{row['fp16_gb_s']:11.0f}", flush=True)
+            del w4, wd, dense_gpu
+    finally:
+        cu.set_skinny_rows(*saved_rows)
+        cu.set_skinny_pipeline(saved_pipe)
     if args.csv:
         args.csv.parent.mkdir(parents=True, exist_ok=True)
         new = not args.csv.exists()
         with open(args.csv, "a", newline="") as f:
             w = csv.writer(f)
             if new:
-                w.writerow(["date", "device", "group_size", *out[0].keys()])
+                w.writerow(["date", "device", "group_size", "copy_gb_s", *out[0].keys()])
             for r in out:
-                w.writerow([date.today(), cu.device_name(), g, *(f"{v:.3f}" if isinstance(v, float) else v
-                                                                for v in r.values())])
+                w.writerow([date.today(), cu.device_name(), g, f"{bandwidth / 1e9:.0f}",
+                            *(f"{v:.3f}" if isinstance(v, float) else v for v in r.values())])
     return out
 
 

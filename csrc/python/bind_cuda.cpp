@@ -163,9 +163,15 @@ void bind_cuda(py::module_& parent) {
     const Tensor t = make_view(const_cast<void*>(weight.data()), dt, weight.shape(0), weight.shape(1));
     return cuda::upload_dense(t, act_dtype(act), nullptr);
   });
-  m.def("linear", [](uintptr_t x, int64_t M, const cuda::Linear& w, uintptr_t bias, uintptr_t out, const std::string& act) {
-    cuda::linear(ptr(x), M, w, ptr(bias), ptr(out), act_dtype(act), nullptr);
-  });
+  m.def("linear", [](uintptr_t x, int64_t M, const cuda::Linear& w, uintptr_t bias, uintptr_t out, const std::string& act,
+                     uintptr_t stream) {
+    cuda::linear(ptr(x), M, w, ptr(bias), ptr(out), act_dtype(act), reinterpret_cast<cuda::Stream>(stream));
+  }, py::arg("x"), py::arg("M"), py::arg("w"), py::arg("bias"), py::arg("out"), py::arg("act"), py::arg("stream") = 0,
+     "stream: a cudaStream_t (torch.cuda.current_stream().cuda_stream, e.g. under graph capture); 0 = the default");
+  m.def("set_skinny_rows", &cuda::set_skinny_rows, py::arg("int4_rows"), py::arg("dense_rows"));
+  m.def("skinny_rows", &cuda::skinny_rows);
+  m.def("set_skinny_pipeline", &cuda::set_skinny_pipeline, py::arg("on"));
+  m.def("skinny_pipeline", &cuda::skinny_pipeline);
 
   py::class_<cuda::SampleParams>(m, "SampleParams")
       .def(py::init<>())

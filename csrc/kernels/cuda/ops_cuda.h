@@ -13,6 +13,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "core/dtype.h"
 #include "kernels/ops.h"
@@ -136,11 +137,21 @@ Linear upload_dense(const Tensor& weight, DType act, Stream stream);
 
 // out[M, n] = x[M, k] @ w^T (+ bias[n] act, or null)        x: [M, k] act (row stride k, 16-byte aligned:
 // the kernels load 8 values at a time; K % 8 == 0, and K % 32 == 0 for int4), out: [M, n] act
-// int4: a GEMV kernel for M <= kGemvMaxRows (weights streamed once, dequantized in registers) and a
-// tensor-core GEMM (mma.sync through WMMA, the tile dequantized into shared memory) above.
-// dense: cuBLAS (cublasGemmEx, loaded at run time when libcublas is found) or our own tensor-core GEMM.
+// Up to skinny_rows() rows (int4; dense with K % 32 == 0): the skinny tensor-core kernel (weights streamed
+// once, int4 dequantized in registers, mma.sync with fp32 sums). Above, int4: a GEMV kernel for M <=
+// kGemvMaxRows and a tensor-core GEMM (mma.sync through WMMA, the tile dequantized into shared memory); dense:
+// cuBLAS (cublasGemmEx, loaded at run time when libcublas is found) or our own tensor-core GEMM.
 constexpr int64_t kGemvMaxRows = 8;
+constexpr int64_t kSkinnyInt4Rows = 64, kSkinnyDenseRows = 8;
 void linear(const void* x, int64_t M, const Linear& w, const void* bias, void* out, DType act, Stream stream);
+// The largest M that the skinny kernel takes, (int4, dense); 0 turns it off (tests and benchmarks of the
+// other paths). Process-wide, like set_dense_gemm_backend; a captured decode graph keeps what it captured.
+void set_skinny_rows(int64_t int4_rows, int64_t dense_rows);
+std::pair<int64_t, int64_t> skinny_rows();
+// Whether the skinny kernel loads the next steps' weights while it multiplies the current ones, or (the
+// default: 10-20% faster for int4 on an H200, even for dense) loads twice as many steps, then multiplies them.
+void set_skinny_pipeline(bool on);
+bool skinny_pipeline();
 // Which dense GEMM linear() uses: "cublas" (when libcublas loads) or "wmma" (ours); set_ forces one
 // ("cublas" = use it when available).
 const char* dense_gemm_backend();
