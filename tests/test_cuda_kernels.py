@@ -270,7 +270,7 @@ def test_paged_attention(act, bits, case):
 @pytest.fixture
 def linear_path(request):
     """'skinny': the skinny tensor-core kernel for every M the test uses (pipelined loads), 'skinny-batched'
-    the same kernel loading a batch of steps, then multiplying it; 'other': the GEMV / WMMA / cuBLAS paths."""
+    the same kernel loading a batch of steps, then multiplying it; 'other': the WMMA / cuBLAS paths."""
     saved, saved_pipe = cu.skinny_rows(), cu.skinny_pipeline()
     cu.set_skinny_rows(*((0, 0) if request.param == "other" else (1 << 20, 1 << 20)))
     cu.set_skinny_pipeline(request.param != "skinny-batched")

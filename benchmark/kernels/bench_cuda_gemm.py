@@ -6,7 +6,8 @@ linear shapes of Llama-2-7B, at M = 1, 16, 64, 256 rows (ISSUE 6: Marlin holds ~
 Per (shape, M), the time of one call of:
   int4 skinny   our int4 linear on the skinny tensor-core kernel (the engine's path up to its int4 skinny rows);
                 alt: the same with the other load schedule (set_skinny_pipeline)
-  int4 other    our int4 linear with the skinny kernel off (GEMV up to 8 rows, WMMA GEMM above)
+  int4 other    our int4 linear with the skinny kernel off (the WMMA GEMM; until 2026-11-27 a GEMV up to 8 rows,
+                the figures of RESULTS.md's H200 section)
   fp16 skinny   our dense fp16 linear on the skinny kernel (the engine's path up to its dense skinny rows), alt
   cuBLAS fp16   torch.matmul in fp16
 then int4 skinny over cuBLAS, and the bytes of weights each skinny kernel reads per second against the copy

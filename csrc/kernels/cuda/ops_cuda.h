@@ -138,10 +138,9 @@ Linear upload_dense(const Tensor& weight, DType act, Stream stream);
 // out[M, n] = x[M, k] @ w^T (+ bias[n] act, or null)        x: [M, k] act (row stride k, 16-byte aligned:
 // the kernels load 8 values at a time; K % 8 == 0, and K % 32 == 0 for int4), out: [M, n] act
 // Up to skinny_rows() rows (int4; dense with K % 32 == 0): the skinny tensor-core kernel (weights streamed
-// once, int4 dequantized in registers, mma.sync with fp32 sums). Above, int4: a GEMV kernel for M <=
-// kGemvMaxRows and a tensor-core GEMM (mma.sync through WMMA, the tile dequantized into shared memory); dense:
-// cuBLAS (cublasGemmEx, loaded at run time when libcublas is found) or our own tensor-core GEMM.
-constexpr int64_t kGemvMaxRows = 8;
+// once, int4 dequantized in registers, mma.sync with fp32 sums). Above, int4: a tensor-core GEMM (mma.sync
+// through WMMA, the tile dequantized into shared memory); dense: cuBLAS (cublasGemmEx, loaded at run time when
+// libcublas is found) or the same tensor-core GEMM.
 constexpr int64_t kSkinnyInt4Rows = 64, kSkinnyDenseRows = 8;
 void linear(const void* x, int64_t M, const Linear& w, const void* bias, void* out, DType act, Stream stream);
 // The largest M that the skinny kernel takes, (int4, dense); 0 turns it off (tests and benchmarks of the
