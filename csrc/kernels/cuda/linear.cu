@@ -189,6 +189,8 @@ void linear(const void* x, int64_t M, const Linear& w, const void* bias, void* o
   LMKIT_CHECK_ARG(M >= 0 && w.n > 0 && w.k > 0 && w.k % 8 == 0, op, ": bad shape M=", M, " N=", w.n, " K=", w.k,
                   " (K must be a multiple of 8)");
   LMKIT_CHECK_ARG(!w.is_int4() || w.k % 32 == 0, op, ": int4 weights need K % 32 == 0, got K=", w.k);
+  LMKIT_CHECK_ARG(!w.is_int4() || w.group_size == 32 || w.group_size == 64 || w.group_size == 128, op,
+                  ": int4 group size must be 32, 64 or 128, got ", w.group_size);  // the kernels' group index
   LMKIT_CHECK_ARG(reinterpret_cast<uintptr_t>(x) % 16 == 0, op, ": x must be 16-byte aligned (vector loads)");
   if (M == 0) return;
   cudaStream_t s = as_stream(stream);

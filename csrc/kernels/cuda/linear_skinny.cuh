@@ -61,7 +61,9 @@ __device__ __forceinline__ uint32_t as_u32(typename Pair<T>::type p) {
 // The per-(row, group) constants of the int4 dequantization, as pairs, made with integer operations from the
 // scale's fp16 bits and the zero: fp16 subtracts 1024 + z (0x6400 | z) from 1024 + q (the exponent trick below)
 // and adds -(64 + z) (0xD400 | z << 4) to (1024 + 16 q) / 16; bf16 subtracts 128 + z (0x4300 | z) from 128 + q,
-// its scale rounded from fp16 to bf16.
+// its scale rounded from fp16 to bf16. bf16 thus rounds twice (the scale, then (q - z) * s), where the WMMA
+// GEMM rounds the fp32 product once: within the bf16 bound of the tests, but results move a little when M
+// crosses the skinny rows. Widening to fp32 for the product would cost ~4 instructions per pair.
 struct Int4Consts {
   uint32_t scale, zero, zero_hi;
 };
