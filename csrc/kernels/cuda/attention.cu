@@ -191,9 +191,9 @@ void launch_attention(const void* q, int64_t q_row_stride, const ops::KVLayer& k
   const dim3 grid((unsigned)batch.num_rows, (unsigned)kv.num_kv_heads, (unsigned)plan.num_splits);
   const int threads = 32 * (num_heads / kv.num_kv_heads);
   auto kernel = plan.num_splits > 1 ? attention_kernel<T, E, (E <= 4 ? 4 : 2)> : attention_kernel<T, E, 1>;
-  kernel<<<grid, threads, 0, stream>>>(static_cast<const T*>(q), q_row_stride, kv, batch, num_heads,
-                                                       scale, sliding_window, plan.num_splits,
-                                                       static_cast<float*>(workspace), static_cast<T*>(out));
+  kernel<<<grid, threads, 0, stream>>>(static_cast<const T*>(q), q_row_stride, kv, batch, num_heads, scale,
+                                       sliding_window, plan.num_splits, static_cast<float*>(workspace),
+                                       static_cast<T*>(out));
 }
 
 }  // namespace

@@ -145,6 +145,10 @@ const char* dense_gemm_backend() { return !g_force_wmma && cublas_available() ? 
 
 Linear upload_int4(const HostInt4& w, DType act, Stream stream) {
   check_act(act, "cuda::upload_int4");
+  // the kernels' group index (linear_skinny.cuh's shift, the WMMA tile's 32 values in one group) assumes these;
+  // checked here, where every int4 Linear is made, and not at each call
+  LMKIT_CHECK_ARG(w.group_size == 32 || w.group_size == 64 || w.group_size == 128,
+                  "cuda::upload_int4: int4 group size must be 32, 64 or 128, got ", w.group_size);
   Linear out;
   out.dtype = act, out.group_size = w.group_size, out.n = w.n, out.k = w.k;
   const int64_t groups = w.k / w.group_size;
@@ -189,8 +193,6 @@ void linear(const void* x, int64_t M, const Linear& w, const void* bias, void* o
   LMKIT_CHECK_ARG(M >= 0 && w.n > 0 && w.k > 0 && w.k % 8 == 0, op, ": bad shape M=", M, " N=", w.n, " K=", w.k,
                   " (K must be a multiple of 8)");
   LMKIT_CHECK_ARG(!w.is_int4() || w.k % 32 == 0, op, ": int4 weights need K % 32 == 0, got K=", w.k);
-  LMKIT_CHECK_ARG(!w.is_int4() || w.group_size == 32 || w.group_size == 64 || w.group_size == 128, op,
-                  ": int4 group size must be 32, 64 or 128, got ", w.group_size);  // the kernels' group index
   LMKIT_CHECK_ARG(reinterpret_cast<uintptr_t>(x) % 16 == 0, op, ": x must be 16-byte aligned (vector loads)");
   if (M == 0) return;
   cudaStream_t s = as_stream(stream);

@@ -148,7 +148,7 @@ void linear(const void* x, int64_t M, const Linear& w, const void* bias, void* o
 void set_skinny_rows(int64_t int4_rows, int64_t dense_rows);
 std::pair<int64_t, int64_t> skinny_rows();
 // Whether the skinny kernel loads the next steps' weights while it multiplies the current ones, or (the
-// default: 10-20% faster for int4 on an H200, even for dense) loads twice as many steps, then multiplies them.
+// default: 10-20% faster for int4 on an H200, the same for dense) loads twice as many steps, then multiplies them.
 void set_skinny_pipeline(bool on);
 bool skinny_pipeline();
 // Which dense GEMM linear() uses: "cublas" (when libcublas loads) or "wmma" (ours); set_ forces one
