@@ -270,13 +270,21 @@ def test_paged_attention(act, bits, case):
 @pytest.fixture
 def linear_path(request):
     """'skinny': the skinny tensor-core kernel for every M the test uses (pipelined loads), 'skinny-batched'
-    the same kernel loading a batch of steps, then multiplying it; 'other': the WMMA / cuBLAS paths."""
+    the same kernel loading a batch of steps, then multiplying it; 'other': the skinny kernel off (int4 on the
+    WMMA GEMM, dense on cuBLAS where found); 'wmma' / 'cublas': off, and dense on that GEMM."""
+    path = request.param
     saved, saved_pipe = cu.skinny_rows(), cu.skinny_pipeline()
-    cu.set_skinny_rows(*((0, 0) if request.param == "other" else (1 << 20, 1 << 20)))
-    cu.set_skinny_pipeline(request.param != "skinny-batched")
-    yield request.param
-    cu.set_skinny_rows(*saved)
-    cu.set_skinny_pipeline(saved_pipe)
+    cu.set_skinny_rows(*((1 << 20, 1 << 20) if path.startswith("skinny") else (0, 0)))
+    cu.set_skinny_pipeline(path != "skinny-batched")
+    cu.set_dense_gemm_backend("wmma" if path == "wmma" else "cublas")
+    try:
+        if path == "cublas" and cu.dense_gemm_backend() != "cublas":
+            pytest.skip("libcublas not found")
+        yield path
+    finally:
+        cu.set_dense_gemm_backend("cublas")
+        cu.set_skinny_rows(*saved)
+        cu.set_skinny_pipeline(saved_pipe)
 
 
 def int4_case(act, group_size, M, N, K):
@@ -303,42 +311,32 @@ def test_linear_int4(linear_path, act, group_size, M):
     assert int4_case(act, group_size, M, 200, 384) <= BOUND[act]
 
 
-# K of 5 groups: a last step of 128 k that is partly past K (g 32, 64); K of 2,688: 21 steps over 8 warps,
+# K of "5 groups": a last step of 128 k that is partly past K (g 32, 64); K of 2,688: 21 steps over 8 warps,
 # several loads in flight per warp and a partial last batch; N of 40 / 24 weight rows (AWQ packs 8 a word).
 @pytest.mark.parametrize("linear_path", ["skinny", "skinny-batched"], indirect=True)
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("M,N,k_groups", [(1, 40, 5), (5, 24, 5), (1, 200, 2688), (24, 40, 2688), (130, 24, 2688)])
-def test_linear_int4_skinny_shapes(linear_path, act, group_size, M, N, k_groups):
-    K = k_groups * group_size if k_groups < 100 else k_groups
+@pytest.mark.parametrize("M,N,K", [(1, 40, "5 groups"), (5, 24, "5 groups"), (1, 200, 2688), (24, 40, 2688),
+                                   (130, 24, 2688)])
+def test_linear_int4_skinny_shapes(linear_path, act, group_size, M, N, K):
+    K = 5 * group_size if K == "5 groups" else K
     assert int4_case(act, group_size, M, N, K) <= BOUND[act]
 
 
+@pytest.mark.parametrize("linear_path", ["skinny", "skinny-batched", "wmma", "cublas"], indirect=True)
 @pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("backend", ["skinny", "skinny-batched", "wmma", "cublas"])
 @pytest.mark.parametrize("M,K", [(1, 576), (5, 576), (16, 576), (77, 576), (3, 4160), (8, 584)])
-def test_linear_dense(act, backend, M, K):
+def test_linear_dense(linear_path, act, M, K):
     dt = ACTS[act]
-    saved, saved_pipe = cu.skinny_rows(), cu.skinny_pipeline()
-    cu.set_skinny_rows(*((1 << 20, 1 << 20) if backend.startswith("skinny") else (0, 0)))
-    cu.set_skinny_pipeline(backend != "skinny-batched")
-    cu.set_dense_gemm_backend("wmma" if backend == "wmma" else "cublas")
-    try:
-        if backend == "cublas" and cu.dense_gemm_backend() != "cublas":
-            pytest.skip("libcublas not found")
-        N = 136
-        weight = torch.randn(N, K)
-        w = cu.upload_dense(weight.numpy(), act)
-        x = torch.randn(M, K, device="cuda").to(dt)
-        bias = torch.randn(N, device="cuda").to(dt)
-        out = poisoned(M, N, dtype=dt)
-        run(cu.linear, p(x), M, w, p(bias), p(out), act)  # K = 584: no multiple of 32, the skinny kernel declines
-        ref = x.double() @ weight.to(dt).double().cuda().T + bias.double()
-        assert rel_err(out, ref) <= BOUND[act]
-    finally:
-        cu.set_dense_gemm_backend("cublas")
-        cu.set_skinny_rows(*saved)
-        cu.set_skinny_pipeline(saved_pipe)
+    N = 136
+    weight = torch.randn(N, K)
+    w = cu.upload_dense(weight.numpy(), act)
+    x = torch.randn(M, K, device="cuda").to(dt)
+    bias = torch.randn(N, device="cuda").to(dt)
+    out = poisoned(M, N, dtype=dt)
+    run(cu.linear, p(x), M, w, p(bias), p(out), act)  # K = 584: no multiple of 32, the skinny kernel declines
+    ref = x.double() @ weight.to(dt).double().cuda().T + bias.double()
+    assert rel_err(out, ref) <= BOUND[act]
 
 
 def test_skinny_linear_on_a_stream_and_rows_setting():
