@@ -6,8 +6,7 @@ linear shapes of Llama-2-7B, at M = 1, 16, 64, 256 rows (ISSUE 6: Marlin holds ~
 Per (shape, M), the time of one call of:
   int4 skinny   our int4 linear on the skinny tensor-core kernel (the engine's path up to its int4 skinny rows);
                 alt: the same with the other load schedule (set_skinny_pipeline)
-  int4 other    our int4 linear with the skinny kernel off (the WMMA GEMM; until 2026-11-27 a GEMV up to 8 rows,
-                the figures of RESULTS.md's H200 section)
+  int4 other    our int4 linear with the skinny kernel off (the WMMA GEMM)
   fp16 skinny   our dense fp16 linear on the skinny kernel (the engine's path up to its dense skinny rows), alt
   cuBLAS fp16   torch.matmul in fp16
 then int4 skinny over cuBLAS, and the bytes of weights each skinny kernel reads per second against the copy
@@ -56,6 +55,11 @@ def graph_us(calls: list, replays: int) -> float:
     return sorted(times)[len(times) // 2] * 1e3 / len(calls)
 
 
+def rotation(items: list, make) -> list:
+    """make(item) for 24 calls or two passes over `items`, whichever is more, cycling through them."""
+    return [make(items[i % len(items)]) for i in range(max(24, 2 * len(items)))]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128])
@@ -79,9 +83,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     g = args.group_size
     saved_rows, saved_pipe = cu.skinny_rows(), cu.skinny_pipeline()
     print(f"{cu.device_name()}, {date.today()}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; L2 {l2 >> 20} MiB; "
-          f"int4 group {g}; engine's skinny rows (int4, dense) {saved_rows}, pipelined loads {saved_pipe} (alt: the "
-          f"other setting); dense GEMM backend "
-          f"{cu.dense_gemm_backend()}")
+          f"int4 group {g}; engine's skinny rows (int4, dense) {saved_rows}, pipelined loads {saved_pipe} "
+          f"(alt: the other setting); dense GEMM backend {cu.dense_gemm_backend()}")
     print(f"{'shape':>8}{'M':>5}{'int4 skinny us':>16}{'alt':>7}{'int4 other us':>15}{'fp16 skinny us':>16}{'alt':>7}"
           f"{'cuBLAS us':>11}{'int4/cuBLAS':>13}{'int4 GB/s':>11}{'fp16 GB/s':>11}")
     out = []
@@ -106,19 +109,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     return lambda: cu.linear(x.data_ptr(), m, w, 0, y.data_ptr(), "F16",
                                              stream=torch.cuda.current_stream().cuda_stream)
 
-                calls = max(24, 2 * len(w4))
                 cu.set_skinny_rows(big, big)
-                t4 = graph_us([ours(w4[i % len(w4)]) for i in range(calls)], replays)
-                td = graph_us([ours(wd[i % len(wd)]) for i in range(max(24, 2 * len(wd)))], replays)
+                t4 = graph_us(rotation(w4, ours), replays)
+                td = graph_us(rotation(wd, ours), replays)
                 cu.set_skinny_pipeline(not saved_pipe)
-                t4b = graph_us([ours(w4[i % len(w4)]) for i in range(calls)], replays)
-                tdb = graph_us([ours(wd[i % len(wd)]) for i in range(max(24, 2 * len(wd)))], replays)
+                t4b = graph_us(rotation(w4, ours), replays)
+                tdb = graph_us(rotation(wd, ours), replays)
                 cu.set_skinny_pipeline(saved_pipe)
                 cu.set_skinny_rows(0, 0)
-                t4o = graph_us([ours(w4[i % len(w4)]) for i in range(calls)], replays)
+                t4o = graph_us(rotation(w4, ours), replays)
                 cu.set_skinny_rows(*saved_rows)
-                tc = graph_us([(lambda d=dense_gpu[i % len(dense_gpu)]: torch.matmul(x, d.T, out=y))
-                               for i in range(max(24, 2 * len(dense_gpu)))], replays)
+                tc = graph_us(rotation(dense_gpu, lambda d: lambda: torch.matmul(x, d.T, out=y)), replays)
                 row = {"shape": name, "n": n, "k": k, "m": m, "int4_skinny_us": t4, "int4_skinny_alt_us": t4b,
                        "int4_other_us": t4o, "fp16_skinny_us": td, "fp16_skinny_alt_us": tdb, "cublas_us": tc,
                        "speedup": tc / t4,
