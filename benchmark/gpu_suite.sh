@@ -68,6 +68,14 @@ stage() {  # stage NAME COMMAND...: runs COMMAND, its output into OUT/NAME.log a
   return "$rc"
 }
 
+dummy_model() {  # dummy_model STAGE FOLDER fp16|awq [ARGS...]: the dummy Llama-2-7B in FOLDER, made once
+  local name=$1 folder=$2 kind=$3
+  shift 3
+  [ -f "$folder/config.json" ] ||
+    stage "$name" "$PY" benchmark/make_dummy_model.py "$folder" --shape llama-2-7b \
+      $([ "$kind" = awq ] && echo --awq 128) "$@"
+}
+
 arch() {  # this GPU's compute capability as an nvcc architecture (90 -> 90a: the Hopper paths)
   local cc
   cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '.')
@@ -101,9 +109,7 @@ for s in $STAGES; do
       ;;
     decode)
       for m in fp16 awq; do
-        [ -f build/gpu_suite/llama2-7b-$m/config.json ] ||
-          stage decode "$PY" benchmark/make_dummy_model.py build/gpu_suite/llama2-7b-$m --shape llama-2-7b \
-            $([ $m = awq ] && echo --awq 128)
+        dummy_model decode build/gpu_suite/llama2-7b-$m $m
         stage decode "$PY" benchmark/profile_generation.py --device cuda --model build/gpu_suite/llama2-7b-$m \
           --batch 1 16 --io 128x128 512x256 --csv "$OUT/decode_$m.csv"
       done
@@ -125,9 +131,7 @@ for s in $STAGES; do
       ;;
     profile)
       for m in fp16 awq; do
-        [ -f build/gpu_suite/l2-$m/config.json ] ||
-          stage profile "$PY" benchmark/make_dummy_model.py build/gpu_suite/l2-$m --shape llama-2-7b --layers 2 \
-            $([ $m = awq ] && echo --awq 128)
+        dummy_model profile build/gpu_suite/l2-$m $m --layers 2
         stage profile "$PY" benchmark/profile_generation.py --device cuda --model build/gpu_suite/l2-$m \
           --batch 1 16 --io 128x128 --csv "$OUT/profile_l2_$m.csv"
       done
