@@ -69,9 +69,10 @@ constexpr int kMaxGroup = 16;  // query heads per kv head (warps per CTA) at mos
 // A minimum of 1 block per SM lets ptxas give the 4-key instance its 90 registers (without it: 64 and a
 // spill); 0 is the default, for the one-key instance.
 template <typename T, int E, int kKeys>
-__global__ void __launch_bounds__(32 * kMaxGroup, kKeys > 1 ? 1 : 0) attention_kernel(const T* __restrict__ q, int64_t q_row_stride, ops::KVLayer kv, AttnBatch batch,
-                                 int num_heads, float scale, int sliding_window, int num_splits,
-                                 float* __restrict__ workspace, T* __restrict__ out) {
+__global__ void __launch_bounds__(32 * kMaxGroup, kKeys > 1 ? 1 : 0)
+    attention_kernel(const T* __restrict__ q, int64_t q_row_stride, ops::KVLayer kv, AttnBatch batch, int num_heads,
+                     float scale, int sliding_window, int num_splits, float* __restrict__ workspace,
+                     T* __restrict__ out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int group = num_heads / kv.num_kv_heads;
   const int r = blockIdx.x;
