@@ -726,8 +726,9 @@ std::vector<float> quantize_q8(const std::vector<float>& x, int64_t M, int64_t K
 }
 
 // AWQ int4 x int8 activations on one kernel ("dot": AVX2 / VNNI, x per 32 values, on VNNI from
-// kLinearInt8GroupRowsMin rows on per group; "amx": AMX-INT8 tiles from kLinearAmxInt8MinRows rows on, x per group) against the float64 product of the quantized operands (only
-// the order of fp32 sums differs): decode and prefill row counts,
+// kLinearInt8GroupRowsMin rows on per group; "amx": AMX-INT8 tiles from kLinearAmxInt8MinRows rows on, x per
+// group) against the float64 product of the quantized operands (only the order of fp32 sums differs): decode
+// and prefill row counts,
 // whole and partial 16- and 32-row tiles, K chunks of 512 with a tail, the dot kernel's k spans of 1,024 over a
 // panel shared by several tiles (K 1,152, 1,536, 2,048, and 1,088 in groups of 32), M blocks (1,000 rows of K
 // 2,048: two on AMX, eight of the dot kernel's 126 / 128 rows; 127 and 129 rows: a last block of one row),
