@@ -1254,6 +1254,41 @@ void test_attention_softcap_and_freed_blocks(int threads) {
   expect(throws([&] { attend({0, 1, 2}, 1, 0, NAN); }), "paged_attention refuses a NaN logit_softcap");
 }
 
+// Quantized pools' (scale, zero) pairs at the edges of fp16, byte-exact with the reference quantizer (dtype.h's
+// converters; the kernels convert with F16C where the ISA has it): rows whose range gives a subnormal scale, a
+// zero scale (constant rows), scales and zeros near the largest half, and random scales over 1e-9 .. 1e4. (Past
+// the largest half, where the zero is -inf, the kernels and the reference quantize differently: 255 against 0,
+// both meaningless.)
+void test_kv_write_half_edges() {
+  for (int bits : {8, 4}) {
+    ops::KVLayer kv;
+    kv.bits = bits, kv.num_blocks = 1, kv.num_kv_heads = 1, kv.block_size = 64, kv.head_dim = 32;
+    const int rows = kv.block_size, hd = kv.head_dim;
+    std::vector<float> k((size_t)rows * hd), v(k.size());
+    std::uniform_real_distribution<float> expo(-9.0f, 4.0f);
+    for (int r = 0; r < rows; ++r) {
+      float scale = std::pow(10.0f, expo(g_rng)), offset = 0.0f;
+      if (r == 0) scale = 0.0f, offset = 1.5f;    // constant row: scale 0
+      if (r == 1) scale = 1e-4f;                    // range ~6e-4: a subnormal fp16 scale
+      if (r == 2) scale = 6e-8f, offset = 1e-5f;    // subnormal scale and zero
+      if (r == 3) scale = 2e4f;                     // zero near -65504
+      if (r == 4) scale = 1.0f, offset = 65000.0f;  // zero rounding at the top of the range
+      for (int d = 0; d < hd; ++d) {
+        k[(size_t)r * hd + d] = offset + scale * (float)(d % 7 - 3) * (d % 2 ? 1.0f : 0.37f);
+        v[(size_t)r * hd + d] = offset - scale * (float)((d * 5) % 11 - 5) * 0.21f;
+      }
+    }
+    std::vector<int32_t> slots(rows);
+    std::iota(slots.begin(), slots.end(), 0);
+    std::vector<uint8_t> kp(kv.block_bytes()), vp(kp.size()), kr(kp.size()), vr(kp.size());
+    ops::KVLayer ref = kv;
+    kv.k = kp.data(), kv.v = vp.data(), ref.k = kr.data(), ref.v = vr.data();
+    ops::kv_write(kv, k.data(), v.data(), slots.data(), rows);
+    ops::reference::kv_write(ref, k.data(), v.data(), slots.data(), rows);
+    expect(kp == kr && vp == vr, "kv_write: fp16 scales and zeros at the edges of the range, bits " + std::to_string(bits));
+  }
+}
+
 void test_attention(int threads) {
   // quantized pools: kv_write byte-exact with the reference quantizer, attention against a float64
   // reference over the dequantized values (prefill, decode, split decode, odd block sizes, windows)
@@ -1485,6 +1520,7 @@ int main() {
       test_softcap_scale();
       test_log_sum_exp();
       test_attention(threads);
+      test_kv_write_half_edges();
       test_attention_softcap_and_freed_blocks(threads);
     }
     std::printf("[%s] done\n", isa);

@@ -31,7 +31,7 @@ constexpr int64_t kAttnMinSplitKeys = 128;  // a decode task is split over its k
 
 // out[0:hd] = q * scale + zero of one quantized pool row (ops::KVLayer), in fp32.
 inline void kv_dequant_row(const uint8_t* q, const uint16_t* params, int hd, int bits, float* out) {
-  const float s = f16_to_f32(params[0]), z = f16_to_f32(params[1]);
+  const float s = half_to_float(params[0]), z = half_to_float(params[1]);
   const V vs = vset1(s), vz = vset1(z);
   if (bits == 8) {
     int d = 0;

@@ -197,9 +197,9 @@ inline void kv_quant_row(const float* x, int hd, int bits, uint8_t* dst, uint16_
   float mn = x[0], mx = x[0];
   for (int d = 1; d < hd; ++d) mn = x[d] < mn ? x[d] : mn, mx = x[d] > mx ? x[d] : mx;
   const float qmax = bits == 8 ? 255.0f : 15.0f;
-  params[0] = f32_to_f16((mx - mn) / qmax);
-  params[1] = f32_to_f16(mn);
-  const float s = f16_to_f32(params[0]), z = f16_to_f32(params[1]);
+  params[0] = float_to_half((mx - mn) / qmax);
+  params[1] = float_to_half(mn);
+  const float s = half_to_float(params[0]), z = half_to_float(params[1]);
   uint8_t q[kKVQuantMaxHeadDim];
   for (int d = 0; d < hd; ++d) {
     const float r = s == 0.0f ? 0.0f : nearbyintf((x[d] - z) / s);

@@ -23,6 +23,55 @@ inline float bfloat_to_float(uint16_t h) {
   return f;
 }
 
+// IEEE half <-> fp32 for scalars (own copies of dtype.h's converters, which are not inline-safe here): one
+// F16C instruction where the ISA has it, else the same bit arithmetic; exact for every half, and fp32 -> half
+// rounds to nearest even (a NaN stays a NaN).
+#if defined(__F16C__)
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+inline uint16_t float_to_half(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+#else
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f;
+  uint32_t mant = h & 0x3ff, u;
+  if (exp == 0 && mant == 0) {
+    u = sign;
+  } else if (exp == 0) {  // subnormal: normalise
+    int e = -1;
+    do mant <<= 1, ++e;
+    while (!(mant & 0x400));
+    u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ff) << 13);
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (mant << 13);
+  } else {
+    u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000;
+  const int32_t exp = (int32_t)((x >> 23) & 0xff) - 127 + 15;
+  uint32_t mant = x & 0x7fffff;
+  if (((x >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (mant ? 0x200 : 0));
+  if (exp >= 31) return (uint16_t)(sign | 0x7c00);
+  if (exp <= 0) {
+    if (exp < -10) return (uint16_t)sign;
+    mant |= 0x800000;
+    const uint32_t shift = (uint32_t)(14 - exp), rem = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
+    uint32_t half = mant >> shift;
+    if (rem > mid || (rem == mid && (half & 1))) ++half;
+    return (uint16_t)(sign | half);
+  }
+  uint32_t half = sign | ((uint32_t)exp << 10) | (mant >> 13);
+  const uint32_t rem = mant & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (half & 1))) ++half;
+  return (uint16_t)half;
+}
+#endif
+
 #if defined(__AVX512F__)
 
 constexpr int kW = 16;
@@ -237,28 +286,6 @@ inline V vload_n(const float* p, int n) {
   return r;
 }
 inline void vstore_n(float* p, V a, int n) { memcpy(p, &a.v, (size_t)n * 4); }
-inline float half_to_float(uint16_t h) {  // exact for every input
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, u;
-  if (exp == 0) {
-    if (mant == 0) {
-      u = sign;
-    } else {
-      int e = -1;
-      do {
-        mant <<= 1;
-        ++e;
-      } while (!(mant & 0x400));
-      u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    u = sign | 0x7f800000u | (mant << 13);
-  } else {
-    u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
 inline V vload_f16_n(const uint16_t* p, int n) {
   V r = vzero();
   for (int i = 0; i < n; ++i) r.v[i] = half_to_float(p[i]);
