@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -474,6 +475,34 @@ int main(int argc, char** argv) {
         }
       }
       ops::cpu::use_amx(true);
+    }
+  }
+
+  if (want("attn decode16")) {
+    const int heads = 9, kv_heads = 3, hd = 64;
+    // a decode step of 16 streams, each with a context of its own (SmolLM2's 9/3 heads, hd 64, blocks of 64), over
+    // 8 layers' pools in turn (28-400 MB: mostly read from DRAM, as in a batched long-context decode; the int4
+    // pools of 1,024 tokens fit a 32 MB L3)
+    for (int bits : {32, 16, 8, 4}) {
+      for (int ctx : g_smoke ? std::vector<int>{128} : std::vector<int>{1024, 2048}) {
+        const int streams = 16, layers = g_smoke ? 2 : 8, bs = 64;
+        std::vector<std::unique_ptr<BenchPool>> pools;
+        for (int l = 0; l < layers; ++l) pools.emplace_back(new BenchPool(bits, kv_heads, hd, bs, ctx * streams, true));
+        std::vector<ops::AttnSeq> seqs(streams);
+        for (int i = 0; i < streams; ++i)
+          seqs[i] = ops::AttnSeq{i, 1, ctx, pools[0]->table.data() + (int64_t)i * (ctx / bs)};
+        std::vector<float> q = randn((int64_t)streams * heads * hd), out(q.size());
+        int layer = 0;
+        const double t = time_it([&] {
+          const BenchPool& p = *pools[layer++ % layers];
+          for (int i = 0; i < streams; ++i) seqs[i].block_table = p.table.data() + (int64_t)i * (ctx / bs);
+          ops::paged_attention(q.data(), p.kv, seqs.data(), streams, heads, 0.125f, 0, out.data());
+        }, 41);
+        const double bytes = (double)streams * ctx * kv_heads * 2 * pools[0]->kv.row_bytes();
+        std::printf("attention KV %-4s decode 16 streams x ctx %4d, own KV (9/3 heads, hd 64, bs 64): %8.1f us  "
+                    "%5.1f GB/s of KV rows\n", bits == 32 ? "fp32" : bits == 16 ? "bf16" : bits == 8 ? "int8" : "int4",
+                    ctx, t * 1e6, bytes / t / 1e9);
+      }
     }
   }
 
