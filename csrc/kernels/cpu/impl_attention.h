@@ -59,39 +59,49 @@ inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_
   const int64_t bs = kv.block_size, hd = kv.head_dim, rb = kv.row_bytes(), bb = kv.block_bytes();
   const int64_t params_at = (int64_t)kv.num_kv_heads * bs * rb;
   int64_t b = c0 / bs, off = c0 % bs;
-  for (int j = 0; j < n; ++j) {
+  for (int j = 0; j < n;) {  // a run of keys within one block: rows rb bytes apart
+    const int run = n - j < bs - off ? n - j : (int)(bs - off);
     const char* kb = (const char*)kv.k + (int64_t)table[b] * bb;
     const char* vb = (const char*)kv.v + (int64_t)table[b] * bb;
-    const int64_t row = h * bs + off;
+    const char* k0 = kb + (h * bs + off) * rb;
     if (kv.bits == 32) {
-      krow[j] = (const float*)(kb + row * rb);
-      vrow[j] = (const float*)(vb + row * rb);
+      const char* v0 = vb + (h * bs + off) * rb;
+      for (int i = 0; i < run; ++i) krow[j + i] = (const float*)(k0 + i * rb), vrow[j + i] = (const float*)(v0 + i * rb);
     } else if (kv.bits == 16) {  // bf16: K rows, V rows of a token pair interleaved (ops.h)
-      const uint16_t* kr = (const uint16_t*)(kb + row * rb);
-      const uint32_t* vp = (const uint32_t*)vb + (h * (bs / 2) + off / 2) * hd;
-      float* kd = kbuf + j * hd;
-      float* vd = vbuf + j * hd;
-      int64_t d = 0;
-      for (; d + kW <= hd; d += kW) {  // whole vectors unmasked: masked 16-bit loads cost Zen 5 ~10% of a step
-        vstore(kd + d, vload_bf16(kr + d));
-        vstore(vd + d, vload_bf16_half(vp + d, (int)(off & 1)));
+      const uint32_t* vpairs = (const uint32_t*)vb + h * (bs / 2) * hd;
+      for (int i = 0; i < run; ++i) {
+        const uint16_t* kr = (const uint16_t*)(k0 + i * rb);
+        const int64_t t = off + i;
+        const uint32_t* vp = vpairs + (t >> 1) * hd;
+        const int odd = (int)(t & 1);
+        float* kd = kbuf + (j + i) * hd;
+        float* vd = vbuf + (j + i) * hd;
+        int64_t d = 0;
+        for (; d + kW <= hd; d += kW) {  // whole vectors unmasked: masked 16-bit loads cost Zen 5 ~10% of a step
+          vstore(kd + d, vload_bf16(kr + d));
+          vstore(vd + d, vload_bf16_half(vp + d, odd));
+        }
+        if (d < hd) {
+          const int m = (int)(hd - d);
+          vstore_n(kd + d, vload_bf16_n(kr + d, m), m);
+          vstore_n(vd + d, vload_bf16_half_n(vp + d, odd, m), m);
+        }
+        krow[j + i] = kd;
+        vrow[j + i] = vd;
       }
-      if (d < hd) {
-        const int m = (int)(hd - d);
-        vstore_n(kd + d, vload_bf16_n(kr + d, m), m);
-        vstore_n(vd + d, vload_bf16_half_n(vp + d, (int)(off & 1), m), m);
-      }
-      krow[j] = kd;
-      vrow[j] = vd;
     } else {
-      kv_dequant_row((const uint8_t*)kb + row * rb, (const uint16_t*)(kb + params_at) + 2 * row, (int)hd, kv.bits,
-                     kbuf + j * hd);
-      kv_dequant_row((const uint8_t*)vb + row * rb, (const uint16_t*)(vb + params_at) + 2 * row, (int)hd, kv.bits,
-                     vbuf + j * hd);
-      krow[j] = kbuf + j * hd;
-      vrow[j] = vbuf + j * hd;
+      const int64_t row0 = h * bs + off;
+      const char* v0 = vb + row0 * rb;
+      const uint16_t* kp = (const uint16_t*)(kb + params_at) + 2 * row0;
+      const uint16_t* vp = (const uint16_t*)(vb + params_at) + 2 * row0;
+      for (int i = 0; i < run; ++i) {
+        kv_dequant_row((const uint8_t*)k0 + i * rb, kp + 2 * i, (int)hd, kv.bits, kbuf + (j + i) * hd);
+        kv_dequant_row((const uint8_t*)v0 + i * rb, vp + 2 * i, (int)hd, kv.bits, vbuf + (j + i) * hd);
+        krow[j + i] = kbuf + (j + i) * hd;
+        vrow[j + i] = vbuf + (j + i) * hd;
+      }
     }
-    if (++off == bs) off = 0, ++b;
+    j += run, off = 0, ++b;
   }
   for (int j = n; j < count; ++j) krow[j] = vrow[j] = zero;
 }
