@@ -53,7 +53,7 @@ inline void kv_dequant_row(const uint8_t* q, const uint16_t* params, int hd, int
 // Pool rows of kv head h for keys c0 .. c0 + n - 1 of a sequence into krow[j], vrow[j] (j < n), and
 // `zero` for j in [n, count). fp32 rows are pointed at in place; bf16 and quantized rows are converted
 // into kbuf / vbuf (row j at j * head_dim): only this chunk of keys, never a copy of the cache.
-// The block and offset are stepped, not divided, per key.
+// Keys are walked as runs within a block (rows row_bytes apart): one block-table lookup per run, not per key.
 inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_t c0, int n, int count,
                       const float* zero, const float** krow, const float** vrow, float* kbuf, float* vbuf) {
   const int64_t bs = kv.block_size, hd = kv.head_dim, rb = kv.row_bytes(), bb = kv.block_bytes();
@@ -66,7 +66,8 @@ inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_
     const char* k0 = kb + (h * bs + off) * rb;
     if (kv.bits == 32) {
       const char* v0 = vb + (h * bs + off) * rb;
-      for (int i = 0; i < run; ++i) krow[j + i] = (const float*)(k0 + i * rb), vrow[j + i] = (const float*)(v0 + i * rb);
+      for (int i = 0; i < run; ++i)
+        krow[j + i] = (const float*)(k0 + i * rb), vrow[j + i] = (const float*)(v0 + i * rb);
     } else if (kv.bits == 16) {  // bf16: K rows, V rows of a token pair interleaved (ops.h)
       const uint32_t* vpairs = (const uint32_t*)vb + h * (bs / 2) * hd;
       for (int i = 0; i < run; ++i) {
