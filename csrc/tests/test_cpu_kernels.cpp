@@ -1285,7 +1285,8 @@ void test_kv_write_half_edges() {
     kv.k = kp.data(), kv.v = vp.data(), ref.k = kr.data(), ref.v = vr.data();
     ops::kv_write(kv, k.data(), v.data(), slots.data(), rows);
     ops::reference::kv_write(ref, k.data(), v.data(), slots.data(), rows);
-    expect(kp == kr && vp == vr, "kv_write: fp16 scales and zeros at the edges of the range, bits " + std::to_string(bits));
+    expect(kp == kr && vp == vr,
+           "kv_write: fp16 scales and zeros at the edges of the range, bits " + std::to_string(bits));
   }
 }
 

@@ -59,13 +59,14 @@ inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_
   const int64_t bs = kv.block_size, hd = kv.head_dim, rb = kv.row_bytes(), bb = kv.block_bytes();
   const int64_t params_at = (int64_t)kv.num_kv_heads * bs * rb;
   int64_t b = c0 / bs, off = c0 % bs;
-  for (int j = 0; j < n;) {  // a run of keys within one block: rows rb bytes apart
+  for (int j = 0; j < n;) {
     const int run = n - j < bs - off ? n - j : (int)(bs - off);
     const char* kb = (const char*)kv.k + (int64_t)table[b] * bb;
     const char* vb = (const char*)kv.v + (int64_t)table[b] * bb;
-    const char* k0 = kb + (h * bs + off) * rb;
+    const int64_t row0 = h * bs + off;  // the run's first row
+    const char* k0 = kb + row0 * rb;
+    const char* v0 = vb + row0 * rb;  // (bf16 V is stored by token pairs instead: vpairs)
     if (kv.bits == 32) {
-      const char* v0 = vb + (h * bs + off) * rb;
       for (int i = 0; i < run; ++i)
         krow[j + i] = (const float*)(k0 + i * rb), vrow[j + i] = (const float*)(v0 + i * rb);
     } else if (kv.bits == 16) {  // bf16: K rows, V rows of a token pair interleaved (ops.h)
@@ -91,8 +92,6 @@ inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_
         vrow[j + i] = vd;
       }
     } else {
-      const int64_t row0 = h * bs + off;
-      const char* v0 = vb + row0 * rb;
       const uint16_t* kp = (const uint16_t*)(kb + params_at) + 2 * row0;
       const uint16_t* vp = (const uint16_t*)(vb + params_at) + 2 * row0;
       for (int i = 0; i < run; ++i) {
