@@ -50,12 +50,34 @@ inline void kv_dequant_row(const uint8_t* q, const uint16_t* params, int hd, int
   }
 }
 
+// Prefetch of `run` pool rows from row `row0` of a block, K and V (and a quantized pool's (scale, zero) pairs at
+// start), spread over the reads: upto(x) issues the lines of the rows' first x bytes not issued yet.
+struct KVPrefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t done = 0, bytes = 0;
+  void start(const KVLayer& kv, int32_t block, int64_t row0, int64_t run) {
+    const int64_t rb = kv.row_bytes(), at = (int64_t)block * kv.block_bytes();
+    k = (const char*)kv.k + at + row0 * rb, v = (const char*)kv.v + at + row0 * rb, bytes = run * rb;
+    if (kv.bits <= 8) {
+      const int64_t params = (int64_t)kv.num_kv_heads * kv.block_size * rb + row0 * 4;
+      for (int64_t o = 0; o < run * 4; o += 64) prefetch((const char*)kv.k + at + params + o),
+                                                prefetch((const char*)kv.v + at + params + o);
+    }
+  }
+  void upto(int64_t x) {
+    if (k == nullptr) return;
+    for (x = x < bytes ? x : bytes; done < x; done += 64) prefetch(k + done), prefetch(v + done);
+  }
+};
+
 // Pool rows of kv head h for keys c0 .. c0 + n - 1 of a sequence into krow[j], vrow[j] (j < n), and
 // `zero` for j in [n, count). fp32 rows are pointed at in place; bf16 and quantized rows are converted
 // into kbuf / vbuf (row j at j * head_dim): only this chunk of keys, never a copy of the cache.
 // Keys are walked as runs within a block (rows row_bytes apart): one block-table lookup per run, not per key.
 inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_t c0, int n, int count,
-                      const float* zero, const float** krow, const float** vrow, float* kbuf, float* vbuf) {
+                      const float* zero, const float** krow, const float** vrow, float* kbuf, float* vbuf,
+                      int64_t key_end) {
   const int64_t bs = kv.block_size, hd = kv.head_dim, rb = kv.row_bytes(), bb = kv.block_bytes();
   const int64_t params_at = (int64_t)kv.num_kv_heads * bs * rb;
   int64_t b = c0 / bs, off = c0 % bs;
@@ -65,10 +87,16 @@ inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_
     const char* vb = (const char*)kv.v + (int64_t)table[b] * bb;
     const int64_t row0 = h * bs + off;  // the run's first row
     const char* k0 = kb + row0 * rb;
-    const char* v0 = vb + row0 * rb;  // (bf16 V is stored by token pairs instead: vpairs)
+    const char* v0 = vb + row0 * rb;  // (bf16 V is stored by token pairs instead: vpairs, over the same bytes)
+    // The same rows of the next block (keys bs later) are prefetched as these are read, a line for a line: a
+    // task's blocks lie scattered over the pool, and the hardware prefetcher starts over at each of them.
+    KVPrefetch pf;
+    if ((b + 1) * bs < key_end) pf.start(kv, table[b + 1], row0, run);
     if (kv.bits == 32) {
-      for (int i = 0; i < run; ++i)
+      for (int i = 0; i < run; ++i) {
         krow[j + i] = (const float*)(k0 + i * rb), vrow[j + i] = (const float*)(v0 + i * rb);
+        pf.upto((i + 1) * rb);
+      }
     } else if (kv.bits == 16) {  // bf16: K rows, V rows of a token pair interleaved (ops.h)
       const uint32_t* vpairs = (const uint32_t*)vb + h * (bs / 2) * hd;
       for (int i = 0; i < run; ++i) {
@@ -90,6 +118,7 @@ inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_
         }
         krow[j + i] = kd;
         vrow[j + i] = vd;
+        pf.upto((i + 1) * rb);
       }
     } else {
       const uint16_t* kp = (const uint16_t*)(kb + params_at) + 2 * row0;
@@ -99,6 +128,7 @@ inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_
         kv_dequant_row((const uint8_t*)v0 + i * rb, vp + 2 * i, (int)hd, kv.bits, vbuf + (j + i) * hd);
         krow[j + i] = kbuf + (j + i) * hd;
         vrow[j + i] = vbuf + (j + i) * hd;
+        pf.upto((i + 1) * rb);
       }
     }
     j += run, off = 0, ++b;
@@ -265,7 +295,7 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kAttnChunk) {
     const int n = key_hi - c0 < kAttnChunk ? (int)(key_hi - c0) : kAttnChunk;
     const int nb = (n + kAttnKeyBlock - 1) / kAttnKeyBlock;
-    gather_kv(kv, seq.block_table, kvh, c0, n, nb * kAttnKeyBlock, kZeroRow, krow, vrow, kdq, vdq);
+    gather_kv(kv, seq.block_table, kvh, c0, n, nb * kAttnKeyBlock, kZeroRow, krow, vrow, kdq, vdq, key_hi);
     for (int b = 0; b < nb; ++b) scores_t<RV>(krow + b * kAttnKeyBlock, qt, hd, st + b * kAttnKeyBlock * ld);
     score.cap_in_place(st, (int64_t)n * ld);
     // masking is needed only where the chunk crosses some row's position or window start
@@ -341,7 +371,7 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
   const float* vrow[kW];
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kW) {
     const int n = key_hi - c0 < kW ? (int)(key_hi - c0) : kW;
-    gather_kv(kv, seq.block_table, kvh, c0, n, kW, kZeroRow, krow, vrow, kdq, vdq);
+    gather_kv(kv, seq.block_table, kvh, c0, n, kW, kZeroRow, krow, vrow, kdq, vdq, key_hi);
     V a[G][kW];  // a[r][j]: partial sums of row r . key j (registers for G x 4 of them at a time)
     for (int j0 = 0; j0 < kW; j0 += 4) {
       V acc[G][4];
