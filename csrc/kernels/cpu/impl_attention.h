@@ -453,6 +453,206 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
   }
 }
 
+// A decode-shaped task (G <= 4 rows) over a quantized pool (Bits 8 or 4), its rows widened in registers instead of
+// dequantized into buffers (gather_kv): with k = kq * s + z per row (ops::KVLayer), written k = c * s + z' with the
+// levels centred, c = kq - 2^(Bits - 1), and z' = z + 2^(Bits - 1) s (the middle of the row's range),
+//   q . k_j           = s_j (q . c_j) + z'_j sum(q)                  dot products over the centred levels
+//   sum_j p_j v_j     = sum_j (p_j s_j) cv_j + (sum_j p_j z'_j) 1    the zeros' part a scalar per row (zl)
+// so a key costs the widening of its levels and the fp32 FMAs of attend_task_dot, and nothing is stored. (Centred,
+// neither part is much larger than the result: with the raw levels and the row minimum as zero, both parts were
+// several times larger and cancelled, at several times the fp32 path's rounding error.) Needs
+// head_dim % kW == 0 (Bits 8) or % 2 kW == 0 (Bits 4: a byte holds d in its low nibble and d + head_dim / 2 in its
+// high one); attend_task_dot takes the others. Arguments as attend_task_dot's.
+template <int G, bool Capped, int Bits>
+void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group, int num_heads,
+                           int64_t rho0, float scale, float softcap, int window, float* out, int64_t split_begin = 0,
+                           int64_t split_end = INT64_MAX, float* partial = nullptr) {
+  const int hd = kv.head_dim, nvec = hd / kW;
+  const int64_t bs = kv.block_size, rb = kv.row_bytes(), bb = kv.block_bytes();
+  const int64_t params_at = (int64_t)kv.num_kv_heads * bs * rb;
+  alignas(64) float obuf[4 * kAttnMaxHeadDim];  // [G][hd]: sum_j (p_j s_j) vq_j
+  alignas(64) float qbuf[4 * kAttnMaxHeadDim];  // [G][hd]
+  alignas(64) float pbuf[4 * kW];               // [G][kW]: p_j s_j of V
+  alignas(64) float lsum[4 * kW], zl[4 * kW];   // [G][kW]: sums of p_j and of p_j z_j (V's zeros)
+  alignas(64) uint16_t ks[kW], kz[kW], vs[kW], vz[kW];  // the chunk's (scale, zero) pairs, fp16
+  float* orow[G];
+  float pos[G], lo[G], m[G], qsum[G];
+  const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
+  for (int r = 0; r < G; ++r) {
+    const int64_t rho = rho0 + r, head = (int64_t)kvh * group + rho % group, row = seq.q_row + rho / group;
+    const int64_t p = first_pos + rho / group;
+    const float* qr = q + (row * num_heads + head) * hd;
+    V acc = vzero();
+    for (int dv = 0; dv < nvec; ++dv) {
+      const V x = vload(qr + dv * kW);
+      vstore(qbuf + r * hd + dv * kW, x);
+      vstore(obuf + r * hd + dv * kW, vzero());
+      acc = acc + x;
+    }
+    qsum[r] = vsum(acc);
+    orow[r] = out + (row * num_heads + head) * hd;
+    pos[r] = (float)p;
+    lo[r] = window > 0 && p - window + 1 > 0 ? (float)(p - window + 1) : 0.0f;
+    m[r] = kAttnNoMax;
+    vstore(lsum + r * kW, vzero());
+    vstore(zl + r * kW, vzero());
+  }
+  int64_t key_lo = (int64_t)lo[0], key_hi = (int64_t)pos[G - 1] + 1;
+  key_lo = key_lo > split_begin ? key_lo : split_begin;
+  key_hi = key_hi < split_end ? key_hi : split_end;
+  float iota[kW];
+  for (int j = 0; j < kW; ++j) iota[j] = (float)j;
+  const V viota = vload(iota), neg_inf = vset1(-INFINITY);
+  const Scores score(scale, softcap);
+  const uint8_t* kzero = (const uint8_t*)kZeroRow;  // levels of the keys past the chunk's end: never weighed
+  const V mid = vset1((float)(1 << (Bits - 1)));
+  const uint8_t* krow[kW];
+  const uint8_t* vrow[kW];
+  for (int64_t c0 = key_lo; c0 < key_hi; c0 += kW) {
+    const int n = key_hi - c0 < kW ? (int)(key_hi - c0) : kW;
+    int64_t b = c0 / bs, off = c0 % bs;
+    for (int j = 0; j < n;) {  // runs of keys within a block, as gather_kv, and the next block's rows prefetched
+      const int run = n - j < bs - off ? n - j : (int)(bs - off);
+      const int64_t at = (int64_t)seq.block_table[b] * bb, row0 = kvh * bs + off;
+      const uint8_t* k0 = (const uint8_t*)kv.k + at + row0 * rb;
+      const uint8_t* v0 = (const uint8_t*)kv.v + at + row0 * rb;
+      const uint16_t* kp = (const uint16_t*)((const char*)kv.k + at + params_at) + 2 * row0;
+      const uint16_t* vp = (const uint16_t*)((const char*)kv.v + at + params_at) + 2 * row0;
+      KVPrefetch pf;
+      if ((b + 1) * bs < key_hi) pf.start(kv, seq.block_table[b + 1], row0, run);
+      for (int i = 0; i < run; ++i) {
+        krow[j + i] = k0 + i * rb, vrow[j + i] = v0 + i * rb;
+        ks[j + i] = kp[2 * i], kz[j + i] = kp[2 * i + 1], vs[j + i] = vp[2 * i], vz[j + i] = vp[2 * i + 1];
+        pf.upto((i + 1) * rb);
+      }
+      j += run, off = 0, ++b;
+    }
+    for (int j = n; j < kW; ++j) krow[j] = vrow[j] = kzero, ks[j] = kz[j] = vs[j] = vz[j] = 0;
+    V a[G][kW];  // a[r][j]: partial sums of row r . kq_j (registers for G x 4 of them at a time)
+    for (int j0 = 0; j0 < kW; j0 += 4) {
+      V acc[G][4];
+      for (int r = 0; r < G; ++r)
+        for (int i = 0; i < 4; ++i) acc[r][i] = vzero();
+      if constexpr (Bits == 8) {
+        for (int dv = 0; dv < nvec; ++dv) {
+          V kk[4];
+          for (int i = 0; i < 4; ++i) kk[i] = vload_u8(krow[j0 + i] + dv * kW) - mid;
+          for (int r = 0; r < G; ++r) {
+            const V qv = vload(qbuf + r * hd + dv * kW);
+            for (int i = 0; i < 4; ++i) acc[r][i] = vfma(qv, kk[i], acc[r][i]);
+          }
+        }
+      } else {
+        for (int dv = 0; dv < nvec / 2; ++dv) {
+          V klo[4], khi[4];
+          for (int i = 0; i < 4; ++i) {
+            vload_nibbles(krow[j0 + i] + dv * kW, klo[i], khi[i]);
+            klo[i] = klo[i] - mid, khi[i] = khi[i] - mid;
+          }
+          for (int r = 0; r < G; ++r) {
+            const V ql = vload(qbuf + r * hd + dv * kW), qh = vload(qbuf + r * hd + hd / 2 + dv * kW);
+            for (int i = 0; i < 4; ++i) acc[r][i] = vfma(qh, khi[i], vfma(ql, klo[i], acc[r][i]));
+          }
+        }
+      }
+      for (int r = 0; r < G; ++r)
+        for (int i = 0; i < 4; ++i) a[r][j0 + i] = acc[r][i];
+    }
+    const V kpos = viota + vset1((float)c0);
+    const V kscale = vload_f16(ks), vscale = vload_f16(vs);
+    const V kzero_v = vfma(mid, kscale, vload_f16(kz)), vzero_v = vfma(mid, vscale, vload_f16(vz));
+    for (int r = 0; r < G; ++r) {
+      const V dot = vfma(vhsum(a[r]), kscale, kzero_v * vset1(qsum[r]));
+      V s;
+      if constexpr (Capped) s = score.cap * vtanh(dot * score.mul);
+      else s = dot * score.mul;
+      const float last = pos[r] < (float)(key_hi - 1) ? pos[r] : (float)(key_hi - 1);
+      if ((float)(c0 + kW - 1) > last || (float)c0 < lo[r]) {
+        s = vselect_lt(vset1(last), kpos, neg_inf, s);
+        s = vselect_lt(kpos, vset1(lo[r]), neg_inf, s);
+      }
+      V l = vload(lsum + r * kW), z = vload(zl + r * kW);
+      if (vany_gt(s, vset1(m[r]))) {
+        const float mx = vhmax(s);
+        const V c = vset1(expf(m[r] - mx));
+        l = l * c, z = z * c;
+        float* o = obuf + r * hd;
+        for (int dv = 0; dv < nvec; ++dv) vstore(o + dv * kW, vload(o + dv * kW) * c);
+        m[r] = mx;
+      }
+      const V p = vexp(s - vset1(m[r]));
+      vstore(lsum + r * kW, l + p);
+      vstore(zl + r * kW, vfma(p, vzero_v, z));
+      vstore(pbuf + r * kW, p * vscale);
+    }
+    // o[r] += sum_j (p_j s_j) vq_j, four vectors of head_dim at a time (Bits 4: two from each nibble half)
+    constexpr int kStep = Bits == 8 ? 4 : 2;
+    const int span = Bits == 8 ? nvec : nvec / 2;
+    for (int dv = 0; dv < span; dv += kStep) {
+      const int nv = span - dv < kStep ? span - dv : kStep;
+      if (nv == kStep) {
+        V acc[G][4];
+        for (int r = 0; r < G; ++r)
+          for (int u = 0; u < 4; ++u) {
+            const int d = Bits == 8 ? (dv + u) * kW : (u < 2 ? (dv + u) * kW : hd / 2 + (dv + u - 2) * kW);
+            acc[r][u] = vload(obuf + r * hd + d);
+          }
+        for (int j = 0; j < n; ++j) {
+          V vv[4];
+          if constexpr (Bits == 8) {
+            for (int u = 0; u < 4; ++u) vv[u] = vload_u8(vrow[j] + (dv + u) * kW) - mid;
+          } else {
+            vload_nibbles(vrow[j] + dv * kW, vv[0], vv[2]);
+            vload_nibbles(vrow[j] + (dv + 1) * kW, vv[1], vv[3]);
+            for (int u = 0; u < 4; ++u) vv[u] = vv[u] - mid;
+          }
+          for (int r = 0; r < G; ++r) {
+            const V p = vset1(pbuf[r * kW + j]);
+            for (int u = 0; u < 4; ++u) acc[r][u] = vfma(p, vv[u], acc[r][u]);
+          }
+        }
+        for (int r = 0; r < G; ++r)
+          for (int u = 0; u < 4; ++u) {
+            const int d = Bits == 8 ? (dv + u) * kW : (u < 2 ? (dv + u) * kW : hd / 2 + (dv + u - 2) * kW);
+            vstore(obuf + r * hd + d, acc[r][u]);
+          }
+      } else {
+        for (int u = dv; u < dv + nv; ++u) {  // one vector (Bits 8) or one nibble pair of vectors (Bits 4)
+          V acc[G][2];
+          const int d0 = u * kW, d1 = hd / 2 + u * kW;
+          for (int r = 0; r < G; ++r) {
+            acc[r][0] = vload(obuf + r * hd + d0);
+            if constexpr (Bits == 4) acc[r][1] = vload(obuf + r * hd + d1);
+          }
+          for (int j = 0; j < n; ++j) {
+            V v0, v1;
+            if constexpr (Bits == 8) v0 = vload_u8(vrow[j] + d0) - mid;
+            else vload_nibbles(vrow[j] + d0, v0, v1), v1 = v1 - mid, v0 = v0 - mid;
+            for (int r = 0; r < G; ++r) {
+              const V p = vset1(pbuf[r * kW + j]);
+              acc[r][0] = vfma(p, v0, acc[r][0]);
+              if constexpr (Bits == 4) acc[r][1] = vfma(p, v1, acc[r][1]);
+            }
+          }
+          for (int r = 0; r < G; ++r) {
+            vstore(obuf + r * hd + d0, acc[r][0]);
+            if constexpr (Bits == 4) vstore(obuf + r * hd + d1, acc[r][1]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < G; ++r) {
+    const float l = vsum(vload(lsum + r * kW));
+    const V z = vset1(vsum(vload(zl + r * kW)));  // sum_j p_j z_j: V's zeros, in every d
+    const float* o = obuf + r * hd;
+    float* dst = partial ? partial + r * (hd + 2) + 2 : orow[r];
+    if (partial) dst[-2] = m[r], dst[-1] = l;
+    const V inv = vset1(partial ? 1.0f : 1.0f / l);
+    for (int dv = 0; dv < nvec; ++dv) vstore(dst + dv * kW, (vload(o + dv * kW) + z) * inv);
+  }
+}
+
 // out row = sum_s o_s e^(m_s - m) / sum_s l_s e^(m_s - m), m = max_s m_s, over the splits' partial
 // states (m, l, o[0:hd]) laid out `stride` floats apart.
 inline void attend_merge(const float* partial, int splits, int64_t stride, int hd, float* out) {
@@ -489,11 +689,28 @@ struct DotDecode {
   static void run(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
                   int num_heads, int64_t rho0, float scale, float softcap, int window, float* out,
                   int64_t split_begin, int64_t split_end, float* partial) {
+    if (kv.bits == 8 && kv.head_dim % kW == 0)
+      return run_quant<Capped, 8>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out,
+                                  split_begin, split_end, partial);
+    if (kv.bits == 4 && kv.head_dim % (2 * kW) == 0)
+      return run_quant<Capped, 4>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out,
+                                  split_begin, split_end, partial);
     switch (rows) {
       case 1: return attend_task_dot<1, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
       case 2: return attend_task_dot<2, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
       case 3: return attend_task_dot<3, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
       default: return attend_task_dot<4, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
+    }
+  }
+  template <bool Capped, int Bits>
+  static void run_quant(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
+                        int num_heads, int64_t rho0, float scale, float softcap, int window, float* out,
+                        int64_t split_begin, int64_t split_end, float* partial) {
+    switch (rows) {
+      case 1: return attend_task_dot_quant<1, Capped, Bits>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
+      case 2: return attend_task_dot_quant<2, Capped, Bits>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
+      case 3: return attend_task_dot_quant<3, Capped, Bits>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
+      default: return attend_task_dot_quant<4, Capped, Bits>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
     }
   }
 };
