@@ -325,6 +325,66 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
   }
 }
 
+// The rows of a decode-shaped task (G <= 4: one or a few query positions x the group's heads): row r's query,
+// output row, position, window start and running max, and the keys the task visits: from the first row's window
+// start (or the split's begin) to the last row's position (or the split's end).
+template <int G>
+struct DecodeRows {
+  const float* q[G];
+  float* orow[G];
+  float pos[G], lo[G], m[G];
+  int64_t key_lo, key_hi;
+  V iota;  // 0, 1, .., kW - 1
+  DecodeRows(const float* qs, const AttnSeq& seq, int kvh, int group, int num_heads, int hd, int64_t rho0, int window,
+             float* out, int64_t split_begin, int64_t split_end) {
+    const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
+    for (int r = 0; r < G; ++r) {
+      const int64_t rho = rho0 + r, head = (int64_t)kvh * group + rho % group, row = seq.q_row + rho / group;
+      const int64_t p = first_pos + rho / group;
+      q[r] = qs + (row * num_heads + head) * hd;
+      orow[r] = out + (row * num_heads + head) * hd;
+      pos[r] = (float)p;
+      lo[r] = window > 0 && p - window + 1 > 0 ? (float)(p - window + 1) : 0.0f;
+      m[r] = kAttnNoMax;
+    }
+    key_lo = (int64_t)lo[0] > split_begin ? (int64_t)lo[0] : split_begin;
+    key_hi = (int64_t)pos[G - 1] + 1 < split_end ? (int64_t)pos[G - 1] + 1 : split_end;
+    float j[kW];
+    for (int i = 0; i < kW; ++i) j[i] = (float)i;
+    iota = vload(j);
+  }
+  // The positions of the kW keys from c0.
+  V key_positions(int64_t c0) const { return iota + vset1((float)c0); }
+  // Row r's scores s of the kW keys from c0 (positions kpos) with the keys it may not see set to -inf: past its
+  // position or the split's end, before its window.
+  V mask(V s, int r, int64_t c0, V kpos) const {
+    const float last = pos[r] < (float)(key_hi - 1) ? pos[r] : (float)(key_hi - 1);
+    if ((float)(c0 + kW - 1) > last || (float)c0 < lo[r]) {
+      s = vselect_lt(vset1(last), kpos, vset1(-INFINITY), s);
+      s = vselect_lt(kpos, vset1(lo[r]), vset1(-INFINITY), s);
+    }
+    return s;
+  }
+  // Row r's running max raised to its scores s: the factor exp(old - new) by which the caller scales the row's
+  // sums, 1 where the max stayed.
+  float raise_max(V s, int r) {
+    if (!vany_gt(s, vset1(m[r]))) return 1.0f;
+    const float mx = vhmax(s), c = expf(m[r] - mx);
+    m[r] = mx;
+    return c;
+  }
+  // Row r's output: o[0:hd] + add (in every d) over l into its output row, or with `partial` set, unnormalised
+  // as (m, l, o + add) at partial[r * (hd + 2)] for attend_merge.
+  void finish(int r, const float* o, float l, float add, int hd, float* partial) const {
+    float* dst = partial ? partial + r * (hd + 2) + 2 : orow[r];
+    if (partial) dst[-2] = m[r], dst[-1] = l;
+    const V inv = vset1(partial ? 1.0f : 1.0f / l), a = vset1(add);
+    int dv = 0;
+    for (; (dv + 1) * kW <= hd; ++dv) vstore(dst + dv * kW, (vload(o + dv * kW) + a) * inv);
+    if (dv * kW < hd) vstore_n(dst + dv * kW, (vload(o + dv * kW) + a) * inv, hd - dv * kW);
+  }
+};
+
 // A decode-shaped task (G <= 4 rows, e.g. one query position and the group's heads): the transposed
 // form would waste most of its lanes, so scores are dot products over head_dim instead (4 keys x G
 // rows of vector accumulators), turned into one vector of kW scores per row by a horizontal-sum fold:
@@ -344,28 +404,14 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
   alignas(64) float qbuf[4 * kAttnMaxHeadDim];  // [G][hdp], zero padded
   alignas(64) float pbuf[4 * kW];               // [G][kW] scores, then p
   alignas(64) float lsum[4 * kW];
-  float* orow[G];
-  float pos[G], lo[G], m[G];
   alignas(64) float kdq[kW * kKVQuantMaxHeadDim], vdq[kW * kKVQuantMaxHeadDim];  // quantized KV
-  const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
+  DecodeRows<G> rows(q, seq, kvh, group, num_heads, hd, rho0, window, out, split_begin, split_end);
   for (int r = 0; r < G; ++r) {
-    const int64_t rho = rho0 + r, head = (int64_t)kvh * group + rho % group, row = seq.q_row + rho / group;
-    const int64_t p = first_pos + rho / group;
-    const float* qr = q + (row * num_heads + head) * hd;
-    for (int d = 0; d < hdp; ++d) qbuf[r * hdp + d] = d < hd ? qr[d] : 0.0f;
+    for (int d = 0; d < hdp; ++d) qbuf[r * hdp + d] = d < hd ? rows.q[r][d] : 0.0f;
     for (int d = 0; d < hdp; ++d) obuf[r * hdp + d] = 0.0f;
-    orow[r] = out + (row * num_heads + head) * hd;
-    pos[r] = (float)p;
-    lo[r] = window > 0 && p - window + 1 > 0 ? (float)(p - window + 1) : 0.0f;
-    m[r] = kAttnNoMax;
     vstore(lsum + r * kW, vzero());
   }
-  int64_t key_lo = (int64_t)lo[0], key_hi = (int64_t)pos[G - 1] + 1;
-  key_lo = key_lo > split_begin ? key_lo : split_begin;
-  key_hi = key_hi < split_end ? key_hi : split_end;
-  float iota[kW];
-  for (int j = 0; j < kW; ++j) iota[j] = (float)j;
-  const V viota = vload(iota), neg_inf = vset1(-INFINITY);
+  const int64_t key_lo = rows.key_lo, key_hi = rows.key_hi;
   const Scores score(scale, softcap);
   const float* krow[kW];
   const float* vrow[kW];
@@ -388,27 +434,20 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
       for (int r = 0; r < G; ++r)
         for (int i = 0; i < 4; ++i) a[r][j0 + i] = acc[r][i];
     }
-    const V kpos = viota + vset1((float)c0);
+    const V kpos = rows.key_positions(c0);
     for (int r = 0; r < G; ++r) {
       V s;
       if constexpr (Capped) s = score.cap * vtanh(vhsum(a[r]) * score.mul);
       else s = vhsum(a[r]) * score.mul;
-      // the last key this row may see here: its own position, or the split's end
-      const float last = pos[r] < (float)(key_hi - 1) ? pos[r] : (float)(key_hi - 1);
-      if ((float)(c0 + kW - 1) > last || (float)c0 < lo[r]) {
-        s = vselect_lt(vset1(last), kpos, neg_inf, s);
-        s = vselect_lt(kpos, vset1(lo[r]), neg_inf, s);
-      }
+      s = rows.mask(s, r, c0, kpos);
       V l = vload(lsum + r * kW);
-      if (vany_gt(s, vset1(m[r]))) {
-        const float mx = vhmax(s);
-        const float c = expf(m[r] - mx);
+      const float c = rows.raise_max(s, r);
+      if (c != 1.0f) {
         l = l * vset1(c);
         float* o = obuf + r * hdp;
         for (int dv = 0; dv < nvec; ++dv) vstore(o + dv * kW, vload(o + dv * kW) * vset1(c));
-        m[r] = mx;
       }
-      const V p = vexp(s - vset1(m[r]));
+      const V p = vexp(s - vset1(rows.m[r]));
       vstore(lsum + r * kW, l + p);
       vstore(pbuf + r * kW, p);
     }
@@ -441,16 +480,7 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
       }
     }
   }
-  for (int r = 0; r < G; ++r) {
-    const float l = vsum(vload(lsum + r * kW));
-    const float* o = obuf + r * hdp;
-    float* dst = partial ? partial + r * (hd + 2) + 2 : orow[r];
-    if (partial) dst[-2] = m[r], dst[-1] = l;
-    const V inv = vset1(partial ? 1.0f : 1.0f / l);
-    int dv = 0;
-    for (; (dv + 1) * kW <= hd; ++dv) vstore(dst + dv * kW, vload(o + dv * kW) * inv);
-    if (dv * kW < hd) vstore_n(dst + dv * kW, vload(o + dv * kW) * inv, hd - dv * kW);
-  }
+  for (int r = 0; r < G; ++r) rows.finish(r, obuf + r * hdp, vsum(vload(lsum + r * kW)), 0.0f, hd, partial);
 }
 
 // A decode-shaped task (G <= 4 rows) over a quantized pool (Bits 8 or 4), its rows widened in registers instead of
@@ -475,34 +505,21 @@ void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq
   alignas(64) float pbuf[4 * kW];               // [G][kW]: p_j s_j of V
   alignas(64) float lsum[4 * kW], zl[4 * kW];   // [G][kW]: sums of p_j and of p_j z_j (V's zeros)
   alignas(64) uint16_t ks[kW], kz[kW], vs[kW], vz[kW];  // the chunk's (scale, zero) pairs, fp16
-  float* orow[G];
-  float pos[G], lo[G], m[G], qsum[G];
-  const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
+  float qsum[G];
+  DecodeRows<G> rows(q, seq, kvh, group, num_heads, hd, rho0, window, out, split_begin, split_end);
   for (int r = 0; r < G; ++r) {
-    const int64_t rho = rho0 + r, head = (int64_t)kvh * group + rho % group, row = seq.q_row + rho / group;
-    const int64_t p = first_pos + rho / group;
-    const float* qr = q + (row * num_heads + head) * hd;
     V acc = vzero();
     for (int dv = 0; dv < nvec; ++dv) {
-      const V x = vload(qr + dv * kW);
+      const V x = vload(rows.q[r] + dv * kW);
       vstore(qbuf + r * hd + dv * kW, x);
       vstore(obuf + r * hd + dv * kW, vzero());
       acc = acc + x;
     }
     qsum[r] = vsum(acc);
-    orow[r] = out + (row * num_heads + head) * hd;
-    pos[r] = (float)p;
-    lo[r] = window > 0 && p - window + 1 > 0 ? (float)(p - window + 1) : 0.0f;
-    m[r] = kAttnNoMax;
     vstore(lsum + r * kW, vzero());
     vstore(zl + r * kW, vzero());
   }
-  int64_t key_lo = (int64_t)lo[0], key_hi = (int64_t)pos[G - 1] + 1;
-  key_lo = key_lo > split_begin ? key_lo : split_begin;
-  key_hi = key_hi < split_end ? key_hi : split_end;
-  float iota[kW];
-  for (int j = 0; j < kW; ++j) iota[j] = (float)j;
-  const V viota = vload(iota), neg_inf = vset1(-INFINITY);
+  const int64_t key_lo = rows.key_lo, key_hi = rows.key_hi;
   const Scores score(scale, softcap);
   const uint8_t* kzero = (const uint8_t*)kZeroRow;  // levels of the keys past the chunk's end: never weighed
   const V mid = vset1((float)(1 << (Bits - 1)));
@@ -558,7 +575,7 @@ void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq
       for (int r = 0; r < G; ++r)
         for (int i = 0; i < 4; ++i) a[r][j0 + i] = acc[r][i];
     }
-    const V kpos = viota + vset1((float)c0);
+    const V kpos = rows.key_positions(c0);
     const V kscale = vload_f16(ks), vscale = vload_f16(vs);
     const V kzero_v = vfma(mid, kscale, vload_f16(kz)), vzero_v = vfma(mid, vscale, vload_f16(vz));
     for (int r = 0; r < G; ++r) {
@@ -566,21 +583,16 @@ void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq
       V s;
       if constexpr (Capped) s = score.cap * vtanh(dot * score.mul);
       else s = dot * score.mul;
-      const float last = pos[r] < (float)(key_hi - 1) ? pos[r] : (float)(key_hi - 1);
-      if ((float)(c0 + kW - 1) > last || (float)c0 < lo[r]) {
-        s = vselect_lt(vset1(last), kpos, neg_inf, s);
-        s = vselect_lt(kpos, vset1(lo[r]), neg_inf, s);
-      }
+      s = rows.mask(s, r, c0, kpos);
       V l = vload(lsum + r * kW), z = vload(zl + r * kW);
-      if (vany_gt(s, vset1(m[r]))) {
-        const float mx = vhmax(s);
-        const V c = vset1(expf(m[r] - mx));
+      const float cs = rows.raise_max(s, r);
+      if (cs != 1.0f) {
+        const V c = vset1(cs);
         l = l * c, z = z * c;
         float* o = obuf + r * hd;
         for (int dv = 0; dv < nvec; ++dv) vstore(o + dv * kW, vload(o + dv * kW) * c);
-        m[r] = mx;
       }
-      const V p = vexp(s - vset1(m[r]));
+      const V p = vexp(s - vset1(rows.m[r]));
       vstore(lsum + r * kW, l + p);
       vstore(zl + r * kW, vfma(p, vzero_v, z));
       vstore(pbuf + r * kW, p * vscale);
@@ -642,15 +654,8 @@ void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq
       }
     }
   }
-  for (int r = 0; r < G; ++r) {
-    const float l = vsum(vload(lsum + r * kW));
-    const V z = vset1(vsum(vload(zl + r * kW)));  // sum_j p_j z_j: V's zeros, in every d
-    const float* o = obuf + r * hd;
-    float* dst = partial ? partial + r * (hd + 2) + 2 : orow[r];
-    if (partial) dst[-2] = m[r], dst[-1] = l;
-    const V inv = vset1(partial ? 1.0f : 1.0f / l);
-    for (int dv = 0; dv < nvec; ++dv) vstore(dst + dv * kW, (vload(o + dv * kW) + z) * inv);
-  }
+  for (int r = 0; r < G; ++r)  // plus sum_j p_j z'_j, V's zeros, in every d
+    rows.finish(r, obuf + r * hd, vsum(vload(lsum + r * kW)), vsum(vload(zl + r * kW)), hd, partial);
 }
 
 // out row = sum_s o_s e^(m_s - m) / sum_s l_s e^(m_s - m), m = max_s m_s, over the splits' partial
