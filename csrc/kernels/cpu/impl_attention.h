@@ -16,9 +16,9 @@
 //   st[j][0:R]        = sum_d K_j[d] * qt[d][0:R]        K_j[d] broadcast, 8 keys x R rows at a time
 //   m, l [0:R]        online softmax in fp32, lane-wise over the rows (max over keys is vertical)
 //   o[r][0:hd]       += sum_j st[j][r] * V_j[0:hd]       4 rows x 4 vectors of head_dim at a time
-// Decode tasks (<= 4 rows, attend_task_dot): dot products over head_dim, see there. When a batch of
-// decode steps has fewer tasks than twice the threads, each task is also split over its keys
-// (attend_decode_split) and the partial softmax states are merged (attend_merge).
+// Decode tasks (<= 4 rows, attend_task_dot; attend_task_dot_quant over int8 / int4 pools): dot products over
+// head_dim, see there. When a batch of decode steps has fewer tasks than twice the threads, each task is also
+// split over its keys (attend_decode_split) and the partial softmax states are merged (attend_merge).
 
 constexpr int kAttnKeyBlock = 8;            // keys whose scores are computed together
 constexpr int kAttnChunk = 32;              // keys per online-softmax step
@@ -75,6 +75,7 @@ struct KVPrefetch {
 // `zero` for j in [n, count). fp32 rows are pointed at in place; bf16 and quantized rows are converted
 // into kbuf / vbuf (row j at j * head_dim): only this chunk of keys, never a copy of the cache.
 // Keys are walked as runs within a block (rows row_bytes apart): one block-table lookup per run, not per key.
+// key_end: the end of the task's keys; the next block's rows are prefetched only where it holds some of them.
 inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_t c0, int n, int count,
                       const float* zero, const float** krow, const float** vrow, float* kbuf, float* vbuf,
                       int64_t key_end) {
@@ -349,9 +350,9 @@ struct DecodeRows {
     }
     key_lo = (int64_t)lo[0] > split_begin ? (int64_t)lo[0] : split_begin;
     key_hi = (int64_t)pos[G - 1] + 1 < split_end ? (int64_t)pos[G - 1] + 1 : split_end;
-    float j[kW];
-    for (int i = 0; i < kW; ++i) j[i] = (float)i;
-    iota = vload(j);
+    float lanes_f[kW];
+    for (int i = 0; i < kW; ++i) lanes_f[i] = (float)i;
+    iota = vload(lanes_f);
   }
   // The positions of the kW keys from c0.
   V key_positions(int64_t c0) const { return iota + vset1((float)c0); }
