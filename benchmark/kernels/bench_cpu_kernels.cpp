@@ -481,11 +481,13 @@ int main(int argc, char** argv) {
   if (want("attn decode16")) {
     const int heads = 9, kv_heads = 3, hd = 64;
     // a decode step of 16 streams, each with a context of its own (SmolLM2's 9/3 heads, hd 64, blocks of 64), over
-    // 8 layers' pools in turn (28-400 MB: mostly read from DRAM, as in a batched long-context decode; the int4
-    // pools of 1,024 tokens fit a 32 MB L3)
+    // the pools of 8 layers or more in turn, 1 GB at least: read from DRAM, as in a batched long-context decode,
+    // even where the L3 is large (a Xeon's 300 MB held 8 layers' pools of 2,048 tokens)
     for (int bits : {32, 16, 8, 4}) {
       for (int ctx : g_smoke ? std::vector<int>{128} : std::vector<int>{1024, 2048}) {
-        const int streams = 16, layers = g_smoke ? 2 : 8, bs = 64;
+        const int streams = 16, bs = 64;
+        const double pool_bytes = 2.0 * (double)streams * ctx * kv_heads * (hd * bits / 8 + (bits < 16 ? 4 : 0));
+        const int layers = g_smoke ? 2 : std::max(8, (int)std::ceil(1e9 / pool_bytes));
         std::vector<std::unique_ptr<BenchPool>> pools;
         for (int l = 0; l < layers; ++l) pools.emplace_back(new BenchPool(bits, kv_heads, hd, bs, ctx * streams, true));
         std::vector<ops::AttnSeq> seqs(streams);

@@ -109,8 +109,17 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   const __m512 key_iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 v_lo = _mm512_set1_ps((float)k_lo), v_hi = _mm512_set1_ps((float)k_hi);
+  // A task's blocks lie scattered over the pool, and the hardware prefetcher starts over at each of them: as
+  // 16 keys' K rows (32 keys' V pair rows) are read, the same rows of the next block (keys bs later) are
+  // prefetched, where that block holds some of the task's keys (gather_kv's KVPrefetch, for tiles).
+  const int64_t k_rows_bytes = 16 * hd * 2, v_rows_bytes = kAmxAttnKeys * hd * 2;
   for (int64_t c0 = a0; c0 < k_hi; c0 += 16) {
-    const char* kb = (const char*)kv.k + (int64_t)seq.block_table[c0 / bs] * bb + ((int64_t)kvh * bs + c0 % bs) * hd * 2;
+    const int64_t k_at = ((int64_t)kvh * bs + c0 % bs) * hd * 2;
+    const char* kb = (const char*)kv.k + (int64_t)seq.block_table[c0 / bs] * bb + k_at;
+    if ((c0 / bs + 1) * bs < k_hi) {
+      const char* next = (const char*)kv.k + (int64_t)seq.block_table[c0 / bs + 1] * bb + k_at;
+      for (int64_t o = 0; o < k_rows_bytes; o += 64) prefetch(next + o);
+    }
     _tile_zero(0);
     for (int64_t c = 0; c < hd / 32; ++c) {
       _tile_loadd(1, kb + c * 64, hd * 2);
@@ -170,8 +179,12 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
     _tile_zero(6);
     _tile_zero(7);
     for (int64_t k0 = a0; k0 < k_hi; k0 += kAmxAttnKeys) {
-      const uint32_t* vp = (const uint32_t*)((const char*)kv.v + (int64_t)seq.block_table[k0 / bs] * bb) +
-                           ((int64_t)kvh * (bs / 2) + (k0 % bs) / 2) * hd;
+      const int64_t v_at = ((int64_t)kvh * (bs / 2) + (k0 % bs) / 2) * hd * 4;
+      const uint32_t* vp = (const uint32_t*)((const char*)kv.v + (int64_t)seq.block_table[k0 / bs] * bb + v_at);
+      if (dg == 0 && (k0 / bs + 1) * bs < k_hi) {  // later passes over d find the rows in cache
+        const char* next = (const char*)kv.v + (int64_t)seq.block_table[k0 / bs + 1] * bb + v_at;
+        for (int64_t o = 0; o < v_rows_bytes; o += 64) prefetch(next + o);
+      }
       const int64_t written = seq.ctx_len - k0;  // keys of this step that hold data
       if (written < kAmxAttnKeys) {
         memset(vstage, 0, (size_t)16 * hd * 4);
