@@ -486,7 +486,9 @@ int main(int argc, char** argv) {
     for (int bits : {32, 16, 8, 4}) {
       for (int ctx : g_smoke ? std::vector<int>{128} : std::vector<int>{1024, 2048}) {
         const int streams = 16, bs = 64;
-        const double pool_bytes = 2.0 * (double)streams * ctx * kv_heads * (hd * bits / 8 + (bits < 16 ? 4 : 0));
+        ops::KVLayer shape;  // for its block_bytes(): K and V, plus a quantized pool's (scale, zero) pairs
+        shape.bits = bits, shape.num_kv_heads = kv_heads, shape.block_size = bs, shape.head_dim = hd;
+        const double pool_bytes = 2.0 * (double)shape.block_bytes() * (streams * ctx / bs);
         const int layers = g_smoke ? 2 : std::max(8, (int)std::ceil(1e9 / pool_bytes));
         std::vector<std::unique_ptr<BenchPool>> pools;
         for (int l = 0; l < layers; ++l) pools.emplace_back(new BenchPool(bits, kv_heads, hd, bs, ctx * streams, true));
