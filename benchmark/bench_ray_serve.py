@@ -107,10 +107,11 @@ def ray_cpu_seconds() -> dict[str, float]:
 
 def deploy_app(args, num_cpus: float, replicas) -> None:
     from lmkit import EngineConfig
+    from lmkit.serve import ServerConfig
     from lmkit.serve.ray import build_app, deploy
 
     engine = EngineConfig(num_threads=max(1, int(num_cpus)), **args.engine)
-    deploy(build_app(args.model, engine, replicas=replicas), APP, "/")
+    deploy(build_app(args.model, engine, ServerConfig(stream_interval=args.stream_interval), replicas), APP, "/")
 
 
 def delete_app() -> None:
@@ -211,7 +212,8 @@ def ttft_overhead(args, url: str, nodes: list[set[int]], work: Path, group: Quot
     direct_url = f"http://127.0.0.1:{port}"
     server_args = [f"--{k.replace('_', '-')}={v}" for k, v in args.engine.items()]
     direct = lmkit(["serve", "api_server", *([args.model] if args.model else []), "--host", "127.0.0.1", "--port",
-                    str(port), "--num-threads", str(len(cpus)), "--log-level", "warning", *server_args],
+                    str(port), "--num-threads", str(len(cpus)), "--log-level", "warning",
+                    "--stream-interval", str(args.stream_interval), *server_args],
                    work / "direct.log", cpus, len(cpus), group)
     deploy_app(args, len(cpus), ReplicaConfig(num_cpus_per_replica=len(cpus)))
     try:
@@ -289,6 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ttft-pairs", type=int, default=3)
     ap.add_argument("--engine", default="session_len=4096 cache_max_entry_count=0.3",
                     help="EngineConfig fields of every replica (and the direct api_server), KEY=VALUE ...")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="tokens per streamed chunk of the replicas (and of the direct api_server of the ttft figure)")
     ap.add_argument("--only", nargs="+", choices=["throughput", "ttft", "elasticity"],
                     default=["throughput", "ttft", "elasticity"])
     ap.add_argument("--ray-profile", choices=sorted(RAY_PROFILES), default="lmkit",

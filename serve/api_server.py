@@ -66,8 +66,15 @@ class ServerConfig:
     reasoning_parser: str = "auto"
     """How thinking is marked: qwen3, deepseek_r1; auto: qwen3 where the chat template writes <think> blocks;
     none: the thinking stays in content."""
+    stream_interval: int = 1
+    """Tokens per chunk of a streamed completion (vLLM's and SGLang's --stream-interval): a completion's first
+    token and its end are sent at once, the tokens between in chunks of this many. Larger: less work per
+    token in the server and whatever relays its stream (a Ray replica's transport), a less smooth stream."""
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.stream_interval, int) and self.stream_interval >= 1):
+            raise ValueError(f"stream_interval must be an integer >= 1 (tokens per streamed chunk), got "
+                             f"{self.stream_interval!r}")
         if self.max_waiting_seqs is not None and self.max_waiting_seqs < 0:
             raise ValueError(f"max_waiting_seqs must be >= 0 (0: admit only what runs at once), got "
                              f"{self.max_waiting_seqs}")
@@ -140,7 +147,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
                           config.max_waiting_seqs)
     metrics = ServerMetrics(engine.engine, admission, model_name)
     tool_parser, reasoning = config.parsers(engine.tokenizer.chat_template)
-    serving = OpenAIServing(engine, model_name, metrics, tool_parser, reasoning)
+    serving = OpenAIServing(engine, model_name, metrics, tool_parser, reasoning, config.stream_interval)
     app = FastAPI(title="lmkit api_server", version="0.1.0",
                   description=f"OpenAI-compatible API serving `{model_name}`.")
     app.router.route_class = OffLoopJSONRoute  # request bodies are parsed off the event loop

@@ -51,6 +51,9 @@ MAX_PREFILL_TOKEN_NUM = typer.Option(8192, help=_E["max_prefill_token_num"])
 QUANT_POLICY = typer.Option(0, help=_E["quant_policy"])
 ENABLE_PREFIX_CACHING = typer.Option(False, help=_E["enable_prefix_caching"])
 CHAT_TEMPLATE = typer.Option(None, help="A Jinja chat template file replacing the tokenizer's.")
+STREAM_INTERVAL = typer.Option(1, min=1, help="Tokens per chunk of a streamed completion (its first token and "
+                                              "its end go at once): larger costs the server (and Ray's "
+                                              "transport) less per token, streams less smoothly.")
 MAX_BODY_BYTES = typer.Option(None, help="Larger request bodies get 413 (default: 32 bytes per token of context, at "
                                          "least 1 MiB).", show_default=False)
 MAX_NEW_TOKENS = typer.Option(None, help=_G["max_new_tokens"])
@@ -119,6 +122,7 @@ def api_server(
                                                       "reasoning_content): qwen3, deepseek_r1; auto: qwen3 where "
                                                       "the chat template writes <think> blocks; none: the thinking "
                                                       "stays in content."),
+    stream_interval: int = STREAM_INTERVAL,
     proxy_url: Optional[str] = typer.Option(None, help="Register with this lmkit proxy once ready."),
     proxy_admin_key: Optional[str] = typer.Option(None, help="The proxy's admin key, if it has one."),
     advertise_url: Optional[str] = typer.Option(None, help="URL the proxy should use for this server "
@@ -157,7 +161,7 @@ def api_server(
                                           **_timeouts(header_timeout, body_timeout, drain_timeout)),
                           max_waiting_seqs=max_waiting_seqs, proxy_url=proxy_url, proxy_admin_key=proxy_admin_key,
                           advertise_url=advertise_url, tool_call_parser=tool_call_parser,
-                          reasoning_parser=reasoning_parser)
+                          reasoning_parser=reasoning_parser, stream_interval=stream_interval)
     run_api_server(model, config, server, chat_template=template, log_level=log_level)
 
 
@@ -239,6 +243,7 @@ def ray(
     chat_template: Optional[Path] = CHAT_TEMPLATE,
     tool_call_parser: str = typer.Option("auto", help="As api_server's --tool-call-parser."),
     reasoning_parser: str = typer.Option("auto", help="As api_server's --reasoning-parser."),
+    stream_interval: int = STREAM_INTERVAL,
     log_level: str = LOG_LEVEL,
     device: str = DEVICE,
     dtype: str = DTYPE,
@@ -273,7 +278,8 @@ def ray(
                           gate=GateConfig(api_keys=_keys(api_keys), max_body_bytes=max_body_bytes,
                                           max_concurrent_requests=max_concurrent_requests,
                                           **_timeouts(None, None, drain_timeout)),
-                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                          stream_interval=stream_interval)
     replicas = ReplicaConfig(min_replicas=min_replicas, max_replicas=max_replicas,
                              target_ongoing_requests=target_ongoing_requests,
                              num_cpus_per_replica=num_cpus_per_replica, max_ongoing_requests=max_ongoing_requests,

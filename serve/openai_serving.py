@@ -30,7 +30,7 @@ from lmkit.serve.metrics import ServerMetrics
 from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
 from lmkit.serve.reasoning import ReasoningFormat
 from lmkit.serve.render import ChatRenderer, CompletionRenderer, usage
-from lmkit.serve.stream import Choice, ChoiceEvent, OutputFormat
+from lmkit.serve.stream import Choice, ChoiceEvent, OutputFormat, in_chunks_of
 from lmkit.serve.tools.grammar import tool_call_grammar
 from lmkit.serve.tools.parsers import ToolParser
 from lmkit.structured import StructuredOutput, StructuredOutputError
@@ -72,7 +72,8 @@ class OpenAIServing:
     """Answers /v1/chat/completions, /v1/completions and /v1/models for one AsyncEngine."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics | None = None,
-                 tool_parser: type[ToolParser] | None = None, reasoning: ReasoningFormat | None = None):
+                 tool_parser: type[ToolParser] | None = None, reasoning: ReasoningFormat | None = None,
+                 stream_interval: int = 1):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
@@ -80,6 +81,8 @@ class OpenAIServing:
         """The format of tool calls (None: this model's template has none lmkit knows; tools get a 400)."""
         self.reasoning = reasoning
         """The reasoning format of answers (None: answers are all content)."""
+        self.stream_interval = stream_interval
+        """Tokens per chunk of a streamed completion (its first token and its end are sent at once)."""
         tokenizer = engine.tokenizer
         # Markers that are special tokens must stay in the decoded text for the parsers to read them.
         tool_markers = tool_parser.markers if tool_parser else ()
@@ -357,11 +360,15 @@ class OpenAIServing:
                                             choice.num_tokens, choice.finish_reason or "error")
 
     async def events(self, prepared: Prepared, streams: list[RequestStream], choices: list[Choice],
-                     started_at: float) -> AsyncIterator[ChoiceEvent]:
-        """The request's ChoiceEvents as they happen (``choices`` gather them); an engine error raises APIError."""
+                     started_at: float, tokens_per_event: int = 1) -> AsyncIterator[ChoiceEvent]:
+        """The request's ChoiceEvents as they happen (``choices`` gather them), each with up to
+        ``tokens_per_event`` new tokens of its completion (a stream_interval); an engine error raises APIError."""
         n = prepared.gen.n
         started = [False] * len(choices)
-        async for r in self.responses(streams):
+        responses = self.responses(streams)
+        if tokens_per_event > 1:
+            responses = in_chunks_of(tokens_per_event, responses)
+        async for r in responses:
             c = choices[r.index * n + r.sample_index]
             if r.token_ids and c.first_token_at is None:
                 c.first_token_at = time.perf_counter()
@@ -409,7 +416,7 @@ class OpenAIServing:
             yield chunk(entry)
         loop = asyncio.get_running_loop()
         try:
-            async for event in self.events(prepared, streams, choices, started_at):
+            async for event in self.events(prepared, streams, choices, started_at, self.stream_interval):
                 # a scored prompt's echo (its tokens' logprobs) is built off the event loop, like a whole answer
                 batch = await loop.run_in_executor(self._pool, lines, event) if event.prompt_logprobs else lines(event)
                 for line in batch:

@@ -3,13 +3,17 @@ completion: its content, reasoning and tool-call deltas, tokens and logprobs, an
 finish_reason), which a renderer turns into chat or text-completion chunks, or gathers into one answer.
 Streamed and whole answers are the same events, so they cannot differ.
 
+A stream may send several tokens per chunk (``in_chunks_of``: vLLM's and SGLang's stream interval), which
+cuts a server's per-chunk work (and a Ray replica's per-item transport) at the cost of a less smooth stream.
+
 The text of a chat completion passes through its reasoning parser (thinking -> reasoning) and then its tool
 parser (calls -> tool_calls); a text completion's text passes through untouched.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator
 
 from lmkit.messages import Response
 from lmkit.serve.reasoning import ReasoningFormat, ReasoningParser
@@ -99,3 +103,38 @@ class Choice:
         self.num_tokens = num_tokens
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
+
+
+def merged(earlier: Response, later: Response) -> Response:
+    """Two consecutive Response deltas of one completion as one: their text, tokens and logprobs joined,
+    the rest (counts, finish_reason, error) the later's."""
+    def joined(a: list | None, b: list | None) -> list | None:
+        return None if a is None and b is None else [*(a or ()), *(b or ())]
+
+    return replace(later, text=earlier.text + later.text, token_ids=[*earlier.token_ids, *later.token_ids],
+                   logprobs=joined(earlier.logprobs, later.logprobs),
+                   prompt_logprobs=joined(earlier.prompt_logprobs, later.prompt_logprobs))
+
+
+async def in_chunks_of(tokens: int, responses: AsyncIterator[Response]) -> AsyncIterator[Response]:
+    """``responses`` (deltas of one or more completions) merged per completion until one holds ``tokens``
+    new tokens; a completion's first token and its last Response pass at once, so time to first token and
+    the end of a stream do not wait; what is held when ``responses`` ends comes last. Leaving early closes
+    ``responses`` (which cancels its requests)."""
+    held: dict[tuple[int, int], Response] = {}
+    started: set[tuple[int, int]] = set()
+    try:
+        async for r in responses:
+            key = (r.index, r.sample_index)
+            if key in held:
+                r = merged(held.pop(key), r)
+            if r.finish_reason is not None or len(r.token_ids) >= tokens or (r.token_ids and key not in started):
+                if r.token_ids:
+                    started.add(key)
+                yield r
+            else:
+                held[key] = r
+        for r in held.values():  # a source that ends before its completions do: nothing is lost
+            yield r
+    finally:
+        await responses.aclose()

@@ -264,7 +264,8 @@ def test_a_killed_replica_is_replaced_and_its_streams_end_cleanly(two_replicas):
 
 def test_several_models_behind_the_router(ray_cluster, tiny_llama, slow_llama):
     """Two models in one application under a route prefix, with keys: routed by `model`; /v1/models and
-    /health cover both; /health is open under the prefix too."""
+    /health cover both; /health is open under the prefix too; the replicas stream 3 tokens a chunk (the
+    server config's stream_interval reaches them)."""
     import openai
     from ray import serve
 
@@ -273,7 +274,8 @@ def test_several_models_behind_the_router(ray_cluster, tiny_llama, slow_llama):
     from lmkit.serve.ray import ReplicaConfig, build_app, deploy
 
     app = build_app({"small": str(tiny_llama[0]), "wide": str(slow_llama)}, EngineConfig(**ENGINE),
-                    ServerConfig(gate=GateConfig(api_keys=(KEY,))), ReplicaConfig(num_cpus_per_replica=0.5))
+                    ServerConfig(gate=GateConfig(api_keys=(KEY,)), stream_interval=3),
+                    ReplicaConfig(num_cpus_per_replica=0.5))
     deploy(app, "pair", "/pair")
     url = f"{ray_cluster['url']}/pair"
     try:
@@ -283,9 +285,10 @@ def test_several_models_behind_the_router(ray_cluster, tiny_llama, slow_llama):
         for name in ("small", "wide"):
             r = client.completions.create(model=name, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
             assert r.model == name and r.usage.completion_tokens == 3
-            parts = list(client.completions.create(model=name, prompt="hi", max_tokens=3, stream=True,
+            parts = list(client.completions.create(model=name, prompt="hi", max_tokens=8, stream=True, logprobs=0,
                                                    extra_body={"ignore_eos": True}))
             assert parts[-1].choices[0].finish_reason == "length"
+            assert [len(p.choices[0].logprobs.tokens) for p in parts if p.choices[0].logprobs] == [1, 3, 3, 1]
         with pytest.raises(openai.NotFoundError, match="small.*wide"):
             client.completions.create(model="other", prompt="hi", max_tokens=3)
         missing = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, headers=AUTH, timeout=30)
