@@ -3,11 +3,12 @@ are pinned to their own cores.
 
     python benchmark/bench_ray_serve.py [--model PATH] [--node-cores 0 1] [--rounds 2] [--concurrency 32]
         [--num-prompts 192] [--max-output 256] [--ttft-pairs 3] [--only throughput ttft elasticity]
-        [--node-quota CPUS] [--smoke]
+        [--node-quota CPUS] [--proxy-location HeadOnly|EveryNode] [--ray-profile lmkit|...] [--smoke]
 
-Starts a Ray head (no CPUs: Serve's controller, HTTP proxy and lmkit's router run there, unpinned) and one
-worker node per --node-cores entry, each pinned to its CPUs (taskset-style lists) with that many Ray CPUs,
-so each replica (num_cpus_per_replica = CPUs of a node, one engine thread per CPU) has its node's cores.
+Starts a Ray head (no CPUs: Serve's controller, HTTP proxy and lmkit's router run there, unpinned; Serve's
+proxies on the head only, --proxy-location HeadOnly) and one worker node per --node-cores entry, each pinned to
+its CPUs (taskset-style lists) with that many Ray CPUs, so each replica (num_cpus_per_replica = CPUs of a node,
+one engine thread per CPU) has its node's cores.
 With --node-quota, each worker node (its raylet, agents and replica) also runs in a cgroup of its own limited to
 that many CPUs: on a machine with no core to spare, `--node-quota 0.5` leaves half of each core to what a
 cluster runs elsewhere (the head's GCS, Serve controller and HTTP proxy) and to the load generator, as the
@@ -53,6 +54,7 @@ RAY_PROFILES = {
     "default": {},
     "lmkit": RAY_SERVE_ENV,
     "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
+    "haproxy-throughput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"},
 }
 
 
@@ -298,7 +300,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ray-profile", choices=sorted(RAY_PROFILES), default="lmkit",
                     help="Ray Serve settings of every Ray process (environment variables): lmkit (RAY_SERVE_ENV, "
                          "what lmkit serve ray runs with); default (Ray's); haproxy (HAProxy in front of replicas "
-                         "that serve HTTP themselves)")
+                         "that serve HTTP themselves); haproxy-throughput (that and Ray's throughput-optimized "
+                         "mode)")
+    ap.add_argument("--proxy-location", choices=["HeadOnly", "EveryNode"], default="HeadOnly",
+                    help="where Ray Serve runs its HTTP proxies: HeadOnly (the head node, outside the worker "
+                         "nodes' cores and quotas) or EveryNode (Ray's default: also one on each node with a "
+                         "replica; on one machine they share the port and split the client's connections)")
     ap.add_argument("--node-quota", type=float, default=None,
                     help="CPUs each worker node (and the direct api_server of the ttft figure) may use, a cgroup "
                          "quota on top of its pinning (needs a writable cgroup file system)")
@@ -325,14 +332,15 @@ def main(argv: list[str] | None = None) -> None:
               quota_groups(args.node_quota, [f"node{i}" for i in range(len(nodes))] + ["direct"]))
     quota = f", each limited to {args.node_quota:g} CPUs" if groups else ""
     print(f"lmkit on Ray Serve, {datetime.now():%Y-%m-%d %H:%M}: worker nodes on CPUs {' / '.join(node_specs)}"
-          f"{quota}, engine {args.engine}, Ray Serve settings {args.ray_profile} {RAY_PROFILES[args.ray_profile]}")
+          f"{quota}, engine {args.engine}, Ray Serve settings {args.ray_profile} {RAY_PROFILES[args.ray_profile]}, "
+          f"proxies {args.proxy_location}")
     ray_start(["--head", "--port", str(port), "--num-cpus", "0", "--include-dashboard=false", *common])
     try:
         for i, cpus in enumerate(nodes):
             ray_start(["--address", f"127.0.0.1:{port}", "--num-cpus", str(len(cpus)), *common], cpus,
                       groups[i] if groups else None)
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        serve.start(proxy_location=args.proxy_location, http_options={"host": "127.0.0.1", "port": http_port})
         if "throughput" in args.only:
             throughput(args, url, nodes, work)
         if "ttft" in args.only:
