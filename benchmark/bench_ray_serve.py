@@ -5,10 +5,10 @@ are pinned to their own cores.
         [--num-prompts 192] [--max-output 256] [--ttft-pairs 3] [--only throughput ttft elasticity]
         [--node-quota CPUS] [--proxy-location HeadOnly|EveryNode] [--ray-profile lmkit|...] [--smoke]
 
-Starts a Ray head (no CPUs: Serve's controller, HTTP proxy and lmkit's router run there, unpinned; Serve's
-proxies on the head only, --proxy-location HeadOnly) and one worker node per --node-cores entry, each pinned to
-its CPUs (taskset-style lists) with that many Ray CPUs, so each replica (num_cpus_per_replica = CPUs of a node,
-one engine thread per CPU) has its node's cores.
+Starts a Ray head (no CPUs: Serve's controller, its HTTP proxy and lmkit's router run there, unpinned; with
+--proxy-location HeadOnly, the default, no proxy runs on a worker node) and one worker node per --node-cores
+entry, each pinned to its CPUs (taskset-style lists) with that many Ray CPUs, so each replica
+(num_cpus_per_replica = CPUs of a node, one engine thread per CPU) has its node's cores.
 With --node-quota, each worker node (its raylet, agents and replica) also runs in a cgroup of its own limited to
 that many CPUs: on a machine with no core to spare, `--node-quota 0.5` leaves half of each core to what a
 cluster runs elsewhere (the head's GCS, Serve controller and HTTP proxy) and to the load generator, as the
