@@ -188,25 +188,26 @@ void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* 
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
                      float scale, int32_t sliding_window, float* out, float logit_softcap) {
   const int64_t hd = kv.head_dim, nkv = kv.num_kv_heads, bs = kv.block_size, group = num_heads / nkv;
+  auto window_start = [&](int64_t pos) {  // the first key the query at pos attends to
+    return sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : int64_t{0};
+  };
   for (int32_t si = 0; si < num_seqs; ++si) {
     const AttnSeq& s = seqs[si];
     // Every key and value this sequence's queries read, through kv_value once each (the queries of a group and
     // of a prefill share them): positions from the first query's window start, so no freed block is read.
-    const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, (int64_t)s.ctx_len - s.q_len - sliding_window + 1)
-                                             : 0;
+    const int64_t first = window_start((int64_t)s.ctx_len - s.q_len);
+    auto index = [&](int64_t h, int64_t p, int64_t d) { return ((p - first) * nkv + h) * hd + d; };
     std::vector<double> keys((s.ctx_len - first) * nkv * hd), values(keys.size());
     for (int64_t p = first; p < s.ctx_len; ++p)
       for (int64_t h = 0; h < nkv; ++h)
         for (int64_t d = 0; d < hd; ++d) {
-          keys[((p - first) * nkv + h) * hd + d] = kv_value(kv, false, s.block_table[p / bs], h, p % bs, d);
-          values[((p - first) * nkv + h) * hd + d] = kv_value(kv, true, s.block_table[p / bs], h, p % bs, d);
+          keys[index(h, p, d)] = kv_value(kv, false, s.block_table[p / bs], h, p % bs, d);
+          values[index(h, p, d)] = kv_value(kv, true, s.block_table[p / bs], h, p % bs, d);
         }
-    auto at = [&](bool is_v, int64_t h, int64_t p, int64_t d) {
-      return (is_v ? values : keys)[((p - first) * nkv + h) * hd + d];
-    };
+    auto at = [&](bool is_v, int64_t h, int64_t p, int64_t d) { return (is_v ? values : keys)[index(h, p, d)]; };
     for (int64_t j = 0; j < s.q_len; ++j) {
       const int64_t r = s.q_row + j, pos = (int64_t)s.ctx_len - s.q_len + j;
-      const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
+      const int64_t lo = window_start(pos);
       for (int64_t h = 0; h < num_heads; ++h) {
         const float* qr = q + (r * num_heads + h) * hd;
         std::vector<double> w(pos + 1 - lo);
