@@ -8,13 +8,13 @@ Per cell: `batch` requests of `input` random-vocabulary tokens each, submitted a
 exactly `output` tokens (ignore_eos); first a warm-up cell per batch size (the grid's shortest input, 4 new
 tokens), so that no measured cell pays a one-time cost: on CUDA a batch size's first decode step captures a
 graph, and the first cell to use cuBLAS (a prefill, or logits, over more rows than the skinny kernel takes)
-paid 110-140 ms more TTFT on an H200 with one warm-up cell of 1 x 8 tokens. TTFT: mean over the batch. Decode tok/s:
-the tokens after each request's first, over the time from the last first token to the last token
-(the steady decode phase, every request in the batch). Roofline: a decode step must read the weights
-its forward uses once (as packed: int4 / int8 / fp16; every weight of a dense model, the routed experts of a
-mixture of experts: the engine's `num_weight_bytes_read` over its steps in the cell) plus each sequence's K/V (mean
-context x `Engine.kv_bytes_per_block` / block size), so at bandwidth B the step takes at least
-bytes / B and decode tok/s is at most batch x B / bytes; the fraction is measured / that bound.
+paid 110-140 ms more TTFT on an H200 with one warm-up cell of 1 x 8 tokens. TTFT: mean over the batch. Decode
+tok/s: the tokens after each request's first, over the time from the last first token to the last token (the
+steady decode phase, every request in the batch). Roofline: a decode step must read the weights its forward
+uses once (as packed: int4 / int8 / fp16; every weight of a dense model, the routed experts of a mixture of
+experts: the engine's `num_weight_bytes_read` over its steps in the cell) plus each sequence's K/V (mean
+context x `Engine.kv_bytes_per_block` / block size), so at bandwidth B the step takes at least bytes / B and
+decode tok/s is at most batch x B / bytes; the fraction is measured / that bound.
 B: --bandwidth, else measured here as the copy bandwidth of --threads threads (numpy, 256 MiB
 buffers, read + write bytes counted, best of 5), or on --device cuda as the GPU's device-to-device copy
 bandwidth (1 GiB buffers, timed with CUDA events). With --csv, a PNG of the roofline chart is written
