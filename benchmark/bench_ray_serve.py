@@ -44,7 +44,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_scale_out import cpu_seconds, free_port, lmkit, parse_cpus, run_client, wait_up  # noqa: E402
+from bench_scale_out import (cpu_seconds, free_port, lmkit, parse_cpus, refuse_impossible,  # noqa: E402
+                             run_client, wait_up)
 from cpu_limits import QuotaGroup, confine, quota_groups  # noqa: E402
 
 from lmkit.serve.ray.config import RAY_SERVE_ENV  # noqa: E402
@@ -311,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
                          "quota on top of its pinning (needs a writable cgroup file system)")
     ap.add_argument("--smoke", action="store_true", help="1 round of 8 short requests; 1 TTFT pair")
     args = ap.parse_args(argv)
+    refuse_impossible(ap, args, ["rounds", "concurrency", "num_prompts", "max_output", "ttft_pairs", "stream_interval"])
     args.engine = {k: (float(v) if "." in v else int(v)) for k, v in (kv.split("=") for kv in shlex.split(args.engine))}
     args.client_args = []
     if args.smoke:

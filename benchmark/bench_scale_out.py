@@ -119,6 +119,15 @@ def run_client(args, url: str, label: str, csv_path: Path, procs: dict[str, subp
     return row
 
 
+def refuse_impossible(ap: argparse.ArgumentParser, args: argparse.Namespace, counts: list[str]) -> None:
+    """Refuses a count below 1 and a --node-quota of no CPU at parse time, before any server or cluster starts."""
+    for name in counts:
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.node_quota is not None and args.node_quota <= 0:
+        ap.error(f"--node-quota must be > 0 CPUs, got {args.node_quota}")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF or AWQ folder (default: the bundled SmolLM2)")
@@ -140,6 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "file system)")
     ap.add_argument("--smoke", action="store_true", help="1 round, 4 short fixed-length requests at concurrency 2")
     args = ap.parse_args(argv)
+    refuse_impossible(ap, args, ["rounds", "concurrency", "num_prompts", "max_output"])
     args.client_args = shlex.split(args.client_args)
     if args.smoke:
         args.rounds, args.concurrency, args.num_prompts = 1, 2, 4
