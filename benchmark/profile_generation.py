@@ -6,9 +6,8 @@ memory-bandwidth roofline each cell reaches (LMDeploy's profile_generation, plus
 
 Per cell: `batch` requests of `input` random-vocabulary tokens each, submitted at once, each generating
 exactly `output` tokens (ignore_eos); first a warm-up cell per batch size (the grid's shortest input, 4 new
-tokens), so that no measured cell pays a one-time cost: on CUDA a batch size's first decode step captures a
-graph, and the first cell to use cuBLAS (a prefill, or logits, over more rows than the skinny kernel takes)
-paid 110-140 ms more TTFT on an H200 with one warm-up cell of 1 x 8 tokens. TTFT: mean over the batch. Decode
+tokens), so that no measured cell pays a one-time cost (on CUDA: a batch size's graph capture, cuBLAS's
+first GEMMs for prefill and logits over more rows than the skinny kernel takes). TTFT: mean over the batch. Decode
 tok/s: the tokens after each request's first, over the time from the last first token to the last token (the
 steady decode phase, every request in the batch). Roofline: a decode step must read the weights its forward
 uses once (as packed: int4 / int8 / fp16; every weight of a dense model, the routed experts of a mixture of
@@ -167,8 +166,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     kv_per_token = engine.engine.kv_bytes_per_block / engine.engine.config.cache_block_seq_len
     rows = []
     try:
+        shortest = min(i for i, _ in args.io)
         for b in args.batch:  # warm-up: see the docstring
-            asyncio.run(run_cell(engine, b, min(i for i, _ in args.io), 4, seed=10_000))
+            asyncio.run(run_cell(engine, b, shortest, 4, seed=10_000))
         for b in args.batch:
             for i, o in args.io:
                 before = engine.metrics()
