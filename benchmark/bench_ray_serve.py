@@ -44,8 +44,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_scale_out import (cpu_seconds, free_port, lmkit, parse_cpus, refuse_impossible,  # noqa: E402
-                             run_client, wait_up)
+from bench_scale_out import (cpu_seconds, engine_cpu_seconds, free_port, lmkit, parse_cpus,  # noqa: E402
+                             refuse_impossible, run_client, wait_up)
 from cpu_limits import QuotaGroup, confine, quota_groups  # noqa: E402
 
 from lmkit.serve.ray.config import RAY_SERVE_ENV  # noqa: E402
@@ -54,6 +54,7 @@ APP = "bench"
 RAY_PROFILES = {
     "default": {},
     "lmkit": RAY_SERVE_ENV,
+    "lmkit-actor-calls": {**RAY_SERVE_ENV, "RAY_SERVE_PROXY_USE_GRPC": "0"},
     "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
     "haproxy-throughput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"},
 }
@@ -96,13 +97,14 @@ def kill_orphaned_haproxy() -> None:
 
 
 def ray_cpu_seconds() -> dict[str, float]:
-    """CPU seconds so far of this machine's Ray processes: the bench application's replicas, and Ray's own
-    (GCS, raylets, Serve's controller and HTTP proxy, agents, idle workers)."""
-    totals = {"replicas": 0.0, "ray": 0.0}
+    """CPU seconds so far of this machine's Ray processes: the bench application's replicas (and, of those, their
+    engine threads), and Ray's own (GCS, raylets, Serve's controller and HTTP proxy, agents, idle workers)."""
+    totals = {"replicas": 0.0, "engines": 0.0, "ray": 0.0}
     replica = f"ray::ServeReplica:{APP}:model-".encode()
     for pid, first, cmdline in processes():
         if first.startswith(replica):
             totals["replicas"] += cpu_seconds(pid)
+            totals["engines"] += engine_cpu_seconds(pid)
         elif first.startswith(b"ray::") or b"/site-packages/ray/" in cmdline:
             totals["ray"] += cpu_seconds(pid)
     return totals
@@ -197,11 +199,11 @@ def throughput(args, url: str, nodes: list[set[int]], work: Path) -> list[dict]:
     print(f"\nthroughput through Ray's proxy: concurrency {args.concurrency}, {args.num_prompts} requests per run, "
           f"outputs <= {args.max_output}")
     print(f"{'round':>5}  {'setup':<12}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}"
-          f"{'replicas CPU s':>16}{'Ray CPU s':>11}")
+          f"{'replicas CPU s':>16}{'of it engines':>15}{'Ray CPU s':>11}")
     for row in rows:
         print(f"{row['round']:>5}  {row['setup']:<12}{float(row['request_throughput']):8.3f}"
               f"{float(row['output_tok_s']):11.1f}{float(row['ttft_p50_ms']):8.0f}ms{float(row['tpot_p50_ms']):8.1f}ms"
-              f"{row['cpu_s']['replicas']:16.1f}{row['cpu_s']['ray']:11.1f}")
+              f"{row['cpu_s']['replicas']:16.1f}{row['cpu_s']['engines']:15.1f}{row['cpu_s']['ray']:11.1f}")
     print(f"ratio ({len(nodes)} replicas / 1) per round: " + " ".join(f"{x:.2f}x" for x in ratios)
           + f"; median {statistics.median(ratios):.2f}x")
     return rows
@@ -300,9 +302,10 @@ def main(argv: list[str] | None = None) -> None:
                     default=["throughput", "ttft", "elasticity"])
     ap.add_argument("--ray-profile", choices=sorted(RAY_PROFILES), default="lmkit",
                     help="Ray Serve settings of every Ray process (environment variables): lmkit (RAY_SERVE_ENV, "
-                         "what lmkit serve ray runs with); default (Ray's); haproxy (HAProxy in front of replicas "
-                         "that serve HTTP themselves); haproxy-throughput (that and Ray's throughput-optimized "
-                         "mode)")
+                         "what lmkit serve ray runs with); lmkit-actor-calls (that, but Ray's HTTP proxy calls the "
+                         "replicas as Ray actors, ray 2.60's default); default (Ray's); haproxy (HAProxy in front "
+                         "of replicas that serve HTTP themselves); haproxy-throughput (that and Ray's "
+                         "throughput-optimized mode)")
     ap.add_argument("--proxy-location", choices=["HeadOnly", "EveryNode"], default="HeadOnly",
                     help="where Ray Serve runs its HTTP proxies: HeadOnly (the head node, outside the worker "
                          "nodes' cores and quotas) or EveryNode (Ray's default: also one on each node with a "

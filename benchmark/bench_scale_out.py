@@ -65,6 +65,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def engine_cpu_seconds(pid: int) -> float:
+    """User + system CPU so far of a process's engine threads (its loop and kernel team, named by the engine:
+    ENGINE_THREAD_NAMES); the rest of the process's CPU is its server's (Python, the event loop, Ray's runtime).
+    NaN where /proc is missing."""
+    from lmkit.cpus import ENGINE_THREAD_NAMES
+
+    total = 0.0
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return float("nan")
+    for tid in threads:
+        try:
+            head, fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)
+        except OSError:  # the thread ended
+            continue
+        if head.split("(", 1)[1].startswith(ENGINE_THREAD_NAMES):
+            fields = fields.split()
+            total += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return total
+
+
 def wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
     import urllib.request
 
@@ -107,6 +129,7 @@ def run_client(args, url: str, label: str, csv_path: Path, procs: dict[str, subp
     if args.model:
         cmd += ["--tokenizer", args.model]
     before = {name: cpu_seconds(p.pid) for name, p in procs.items()}
+    engines_before = sum(engine_cpu_seconds(p.pid) for name, p in procs.items() if name.startswith("node"))
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         raise SystemExit(f"profile_serving failed:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
@@ -116,6 +139,8 @@ def run_client(args, url: str, label: str, csv_path: Path, procs: dict[str, subp
         raise SystemExit(f"{label}: {row['num_failed']} requests failed:\n{run.stdout[-2000:]}")
     # (the window also holds the client's start, its tokenizer and workload, while the servers idle)
     row["cpu_s"] = {name: cpu_seconds(p.pid) - before[name] for name, p in procs.items()}
+    row["engines_cpu_s"] = sum(engine_cpu_seconds(p.pid) for name, p in procs.items()
+                               if name.startswith("node")) - engines_before
     return row
 
 
@@ -227,11 +252,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"scale-out through the proxy, {datetime.now():%Y-%m-%d %H:%M}{quota}: concurrency {args.concurrency}, "
           f"{args.num_prompts} requests per run, outputs <= {args.max_output}, api_server {args.server_args!r}")
     print(f"{'round':>5}  {'setup':<28}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}  "
-          + "  ".join(f"{n + ' CPU s':>16}" for n in names))
+          + "  ".join(f"{n + ' CPU s':>16}" for n in names) + f"{'engines CPU s':>15}")
     for row in rows:
         print(f"{row['round']:>5}  {row['setup']:<28}{float(row['request_throughput']):8.3f}"
               f"{float(row['output_tok_s']):11.1f}{float(row['ttft_p50_ms']):8.0f}ms"
-              f"{float(row['tpot_p50_ms']):8.1f}ms  " + "  ".join(f"{row['cpu_s'][n]:16.1f}" for n in names))
+              f"{float(row['tpot_p50_ms']):8.1f}ms  " + "  ".join(f"{row['cpu_s'][n]:16.1f}" for n in names)
+              + f"{row['engines_cpu_s']:15.1f}")
     print(f"ratio ({len(node_cpus)} nodes / one node) per round: " + " ".join(f"{x:.2f}x" for x in ratios)
           + f"; median {statistics.median(ratios):.2f}x")
     if args.csv:

@@ -109,6 +109,26 @@ def test_sharegpt_file_workload(smollm2_path, tmp_path):
     assert len(rows) == 3 and all(",ShareGPT file sg.json," in r for r in rows[1:])
 
 
+def test_benchmark_splits_a_servers_cpu_into_engine_threads_and_the_rest(tiny_llama_pipe):
+    """bench_scale_out / bench_ray_serve's `engines` CPU: the engine's named threads of a process (here this
+    one, running a pipeline) advance while it generates, and never past the process's own CPU."""
+    from lmkit import GenerationConfig
+
+    sys.path.insert(0, str(ROOT / "benchmark"))
+    from bench_scale_out import cpu_seconds, engine_cpu_seconds
+
+    pid = os.getpid()
+    assert engine_cpu_seconds(999_999_999) != engine_cpu_seconds(999_999_999)  # NaN: no such process
+    engines, total = engine_cpu_seconds(pid), cpu_seconds(pid)
+    gen = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    for _ in range(40):  # until the engine threads have run for a few of the kernel's 10 ms ticks
+        tiny_llama_pipe([[1 + i, 2, 3] for i in range(16)], gen)
+        if engine_cpu_seconds(pid) - engines >= 0.05:
+            break
+    engines, total = engine_cpu_seconds(pid) - engines, cpu_seconds(pid) - total
+    assert 0.05 <= engines <= total, (engines, total)
+
+
 def test_benchmark_cpu_quota_confines_a_child_and_its_children():
     """cpu_limits.py (bench_ray_serve / bench_scale_out --node-quota, bench_contention's quota mode): a child
     started with ``confine`` runs pinned and inside a cgroup with the quota, and so does a process it starts

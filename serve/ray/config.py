@@ -11,12 +11,16 @@ from lmkit.config import EngineConfig
 from lmkit.model_path import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 
 
-RAY_SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+RAY_SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+                 "RAY_SERVE_PROXY_USE_GRPC": "1"}
 """The Ray Serve settings lmkit runs with (environment variables of every Ray process: `ray start`'s, the
 pods' of a RayService): Ray's throughput-optimized mode, which runs user code and request routing on the
 replicas' and the proxy's own event loops and drops per-request log lines, with its direct ingress left off
-so that Ray's HTTP proxy stays the entry. It halves what Ray adds to a request's TTFT here (benchmark/
-RESULTS.md). `lmkit serve ray` sets them for the Ray it starts itself."""
+so that Ray's HTTP proxy stays the entry (this halves what Ray adds to a request's TTFT here), and that proxy
+reaching the replicas over their gRPC servers: the mode sends calls between deployments over gRPC but, in ray
+2.60, leaves the HTTP proxy's on Ray actor calls (a streaming generator item per chunk), and gRPC takes about
+a quarter off the CPU a replica spends on Ray per request and off Ray's own (benchmark/RESULTS.md). `lmkit
+serve ray` sets them for the Ray it starts itself."""
 
 
 @dataclass(frozen=True)
