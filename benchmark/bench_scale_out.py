@@ -56,13 +56,21 @@ def parse_cpus(spec: str) -> set[int]:
     return cpus
 
 
+def _stat_cpu(path: str) -> tuple[str, float] | None:
+    """(name, user + system CPU seconds so far) from a /proc stat file (a process's or one of its threads'),
+    None where it is gone."""
+    try:
+        head, tail = Path(path).read_text().rsplit(")", 1)
+    except OSError:
+        return None
+    fields = tail.split()
+    return head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of a process so far (NaN where /proc is missing)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    stat = _stat_cpu(f"/proc/{pid}/stat")
+    return float("nan") if stat is None else stat[1]
 
 
 def engine_cpu_seconds(pid: int) -> float:
@@ -71,20 +79,12 @@ def engine_cpu_seconds(pid: int) -> float:
     NaN where /proc is missing."""
     from lmkit.cpus import ENGINE_THREAD_NAMES
 
-    total = 0.0
     try:
         threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return float("nan")
-    for tid in threads:
-        try:
-            head, fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)
-        except OSError:  # the thread ended
-            continue
-        if head.split("(", 1)[1].startswith(ENGINE_THREAD_NAMES):
-            fields = fields.split()
-            total += (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return total
+    stats = (_stat_cpu(f"/proc/{pid}/task/{tid}/stat") for tid in threads)  # None: the thread ended
+    return sum(cpu for name, cpu in filter(None, stats) if name.startswith(ENGINE_THREAD_NAMES))
 
 
 def wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
@@ -128,8 +128,11 @@ def run_client(args, url: str, label: str, csv_path: Path, procs: dict[str, subp
            "--csv", str(csv_path), "--label", label, *args.client_args]
     if args.model:
         cmd += ["--tokenizer", args.model]
-    before = {name: cpu_seconds(p.pid) for name, p in procs.items()}
-    engines_before = sum(engine_cpu_seconds(p.pid) for name, p in procs.items() if name.startswith("node"))
+
+    def engines() -> float:
+        return sum(engine_cpu_seconds(p.pid) for name, p in procs.items() if name.startswith("node"))
+
+    before, engines_before = {name: cpu_seconds(p.pid) for name, p in procs.items()}, engines()
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         raise SystemExit(f"profile_serving failed:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
@@ -139,8 +142,7 @@ def run_client(args, url: str, label: str, csv_path: Path, procs: dict[str, subp
         raise SystemExit(f"{label}: {row['num_failed']} requests failed:\n{run.stdout[-2000:]}")
     # (the window also holds the client's start, its tokenizer and workload, while the servers idle)
     row["cpu_s"] = {name: cpu_seconds(p.pid) - before[name] for name, p in procs.items()}
-    row["engines_cpu_s"] = sum(engine_cpu_seconds(p.pid) for name, p in procs.items()
-                               if name.startswith("node")) - engines_before
+    row["engines_cpu_s"] = engines() - engines_before
     return row
 
 
