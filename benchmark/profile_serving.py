@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402
+from cli_args import count, positive  # noqa: E402
 from summary import STAT_KEYS, append_csv, summarize  # noqa: E402
 
 
@@ -222,16 +223,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--tokenizer", default=None, help="HF folder for the workload's text (default: bundled SmolLM2)")
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: "
-                                                                       "all at once, capped by concurrency)")
-    ap.add_argument("--num-prompts", type=int, default=None, help="per level (default: max(8, 2 x concurrency))")
+    ap.add_argument("--concurrency", type=count, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--request-rate", type=positive, default=None,
+                    help="Poisson arrivals per second (default: all at once, capped by concurrency)")
+    ap.add_argument("--num-prompts", type=count, default=None, help="per level (default: max(8, 2 x concurrency))")
     ap.add_argument("--workload", choices=["sharegpt", "fixed"], default="sharegpt")
     ap.add_argument("--dataset", type=Path, default=None, help="a ShareGPT JSON file instead of the generator")
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--max-prompt", type=int, default=1024)
-    ap.add_argument("--max-output", type=int, default=1024, help="cap on the drawn output lengths")
+    ap.add_argument("--input-len", type=count, default=128)
+    ap.add_argument("--output-len", type=count, default=128)
+    ap.add_argument("--max-prompt", type=count, default=1024)
+    ap.add_argument("--max-output", type=count, default=1024, help="cap on the drawn output lengths")
     ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of every request (0: greedy, the usual benchmark setting; 1: the "

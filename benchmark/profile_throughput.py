@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402
 from baseline import Baseline, lmkit_location  # noqa: E402
 from bench_decode_prefill import cpu_description  # noqa: E402
+from cli_args import count  # noqa: E402
 from summary import STAT_KEYS, append_csv, summarize  # noqa: E402
 
 RESULT_TAG = "@@profile_throughput_result "
@@ -73,7 +74,6 @@ async def run_level(engine, requests: list, concurrency: int) -> dict:
     peak_kv = 0.0
 
     async def one(req):
-        nonlocal peak_kv
         async with sem:
             gen = GenerationConfig(max_new_tokens=req.output_len, ignore_eos=True)
             start = engine.engine.now()
@@ -263,22 +263,22 @@ def compare(args) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder (default: bundled SmolLM2-135M-Instruct)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=None,
+    ap.add_argument("--concurrency", type=count, nargs="+", default=None,
                     help="levels (default: 1 4 16 64; with --baseline 1 16)")
-    ap.add_argument("--num-prompts", type=int, default=None,
+    ap.add_argument("--num-prompts", type=count, default=None,
                     help="per level (default: 128, the same prompts at every level; fewer let the longest request "
                          "dominate; with --baseline 4 x concurrency, at least 16)")
     ap.add_argument("--workload", choices=["sharegpt", "fixed", "shared-prefix"], default="sharegpt")
     ap.add_argument("--dataset", type=Path, default=None, help="a ShareGPT JSON file instead of the generator")
-    ap.add_argument("--input-len", type=int, default=128, help="fixed: prompt tokens; shared-prefix: suffix tokens")
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--prefix-len", type=int, default=1024)
-    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--input-len", type=count, default=128, help="fixed: prompt tokens; shared-prefix: suffix tokens")
+    ap.add_argument("--output-len", type=count, default=128)
+    ap.add_argument("--prefix-len", type=count, default=1024)
+    ap.add_argument("--max-batch-size", type=count, default=64)
     ap.add_argument("--cache-max-entry-count", type=float, default=0.5)
     ap.add_argument("--enable-prefix-caching", action="store_true")
     ap.add_argument("--quant-policy", type=int, choices=[0, 4, 8], default=0, help="KV cache: 0 fp, 8 int8, 4 int4")
     ap.add_argument("--kv-policy", default=None, help="per-layer KV precision file (lmkit lite calibrate)")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=count, default=None)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="compute dtype (bfloat16: CPU linear layers as bf16 dot products, AVX512_BF16 CPUs)")
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--baseline", action="append", default=[], metavar="PKGDIR[:LABEL]",
                     help="another build's lmkit package folder (see baseline.py): compare this build with it, "
                          "level by level, interleaved; repeatable")
-    ap.add_argument("--rounds", type=int, default=1, help="with --baseline: rounds of every level of every build "
+    ap.add_argument("--rounds", type=count, default=1, help="with --baseline: rounds of every level of every build "
                                                           "(medians over them)")
     ap.add_argument("--smoke", action="store_true", help="a few tiny requests, for tests")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # one level, result on stdout

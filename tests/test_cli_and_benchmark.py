@@ -62,6 +62,19 @@ def _run_script(name: str, *args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+@pytest.mark.parametrize("script, args, says", [
+    ("profile_serving.py", ["--concurrency", "0"], "argument --concurrency: must be >= 1, got 0"),  # hung before
+    ("profile_serving.py", ["--num-prompts", "0"], "argument --num-prompts: must be >= 1, got 0"),  # ran a default
+    ("profile_serving.py", ["--request-rate", "0"], "argument --request-rate: must be a finite number > 0"),
+    ("profile_serving.py", ["--max-output", "many"], "argument --max-output: expected a whole number >= 1"),
+    ("profile_throughput.py", ["--concurrency", "4", "-1"], "argument --concurrency: must be >= 1, got -1"),
+    ("profile_throughput.py", ["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+])
+def test_serving_benchmarks_refuse_impossible_counts_before_they_start(script, args, says):
+    run = _run_script(script, *args)
+    assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]
+
+
 def test_scheduling_benchmarks_smoke(smollm2_path, tmp_path):
     run = _run_script("profile_throughput.py", "--smoke", "--model", str(smollm2_path), "--csv",
                       str(tmp_path / "t.csv"))
