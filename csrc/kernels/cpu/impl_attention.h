@@ -71,68 +71,72 @@ struct KVPrefetch {
   }
 };
 
-// Pool rows of kv head h for keys c0 .. c0 + n - 1 of a sequence into krow[j], vrow[j] (j < n), and
-// `zero` for j in [n, count). fp32 rows are pointed at in place; bf16 and quantized rows are converted
-// into kbuf / vbuf (row j at j * head_dim): only this chunk of keys, never a copy of the cache.
-// Keys are walked as runs within a block (rows row_bytes apart): one block-table lookup per run, not per key.
-// key_end: the end of the task's keys; the next block's rows are prefetched only where it holds some of them.
-inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_t c0, int n, int count,
-                      const float* zero, const float** krow, const float** vrow, float* kbuf, float* vbuf,
-                      int64_t key_end) {
-  const int64_t bs = kv.block_size, hd = kv.head_dim, rb = kv.row_bytes(), bb = kv.block_bytes();
-  const int64_t params_at = (int64_t)kv.num_kv_heads * bs * rb;
+// Walks keys c0 .. c0 + n - 1 of a sequence in kv head h as runs within a block (one block-table lookup per run,
+// not per key), calling row(j, kb, vb, r, t) for each: j its index in the chunk, kb / vb the K and V bases of its
+// block, r its row in the block (rows row_bytes apart), t its token in the block. The same rows of the next block
+// (keys bs later) are prefetched as these are read, a line for a line, where that block holds some of the task's
+// keys (key_end: their end): a task's blocks lie scattered over the pool, and the hardware prefetcher starts over
+// at each of them. The one home of this prefetch policy, for gather_kv and attend_task_dot_quant.
+template <class Row>
+inline void walk_runs(const KVLayer& kv, const int32_t* table, int64_t h, int64_t c0, int n, int64_t key_end,
+                      Row&& row) {
+  const int64_t bs = kv.block_size, rb = kv.row_bytes(), bb = kv.block_bytes();
   int64_t b = c0 / bs, off = c0 % bs;
   for (int j = 0; j < n;) {
     const int run = n - j < bs - off ? n - j : (int)(bs - off);
     const char* kb = (const char*)kv.k + (int64_t)table[b] * bb;
     const char* vb = (const char*)kv.v + (int64_t)table[b] * bb;
     const int64_t row0 = h * bs + off;  // the run's first row
-    const char* k0 = kb + row0 * rb;
-    const char* v0 = vb + row0 * rb;  // (bf16 V is stored by token pairs instead: vpairs, over the same bytes)
-    // The same rows of the next block (keys bs later) are prefetched as these are read, a line for a line: a
-    // task's blocks lie scattered over the pool, and the hardware prefetcher starts over at each of them.
     KVPrefetch pf;
     if ((b + 1) * bs < key_end) pf.start(kv, table[b + 1], row0, run);
-    if (kv.bits == 32) {
-      for (int i = 0; i < run; ++i) {
-        krow[j + i] = (const float*)(k0 + i * rb), vrow[j + i] = (const float*)(v0 + i * rb);
-        pf.upto((i + 1) * rb);
-      }
-    } else if (kv.bits == 16) {  // bf16: K rows, V rows of a token pair interleaved (ops.h)
-      const uint32_t* vpairs = (const uint32_t*)vb + h * (bs / 2) * hd;
-      for (int i = 0; i < run; ++i) {
-        const uint16_t* kr = (const uint16_t*)(k0 + i * rb);
-        const int64_t t = off + i;
-        const uint32_t* vp = vpairs + (t >> 1) * hd;
-        const int odd = (int)(t & 1);
-        float* kd = kbuf + (j + i) * hd;
-        float* vd = vbuf + (j + i) * hd;
-        int64_t d = 0;
-        for (; d + kW <= hd; d += kW) {  // whole vectors unmasked: masked 16-bit loads cost Zen 5 ~10% of a step
-          vstore(kd + d, vload_bf16(kr + d));
-          vstore(vd + d, vload_bf16_half(vp + d, odd));
-        }
-        if (d < hd) {
-          const int m = (int)(hd - d);
-          vstore_n(kd + d, vload_bf16_n(kr + d, m), m);
-          vstore_n(vd + d, vload_bf16_half_n(vp + d, odd, m), m);
-        }
-        krow[j + i] = kd;
-        vrow[j + i] = vd;
-        pf.upto((i + 1) * rb);
-      }
-    } else {
-      const uint16_t* kp = (const uint16_t*)(kb + params_at) + 2 * row0;
-      const uint16_t* vp = (const uint16_t*)(vb + params_at) + 2 * row0;
-      for (int i = 0; i < run; ++i) {
-        kv_dequant_row((const uint8_t*)k0 + i * rb, kp + 2 * i, (int)hd, kv.bits, kbuf + (j + i) * hd);
-        kv_dequant_row((const uint8_t*)v0 + i * rb, vp + 2 * i, (int)hd, kv.bits, vbuf + (j + i) * hd);
-        krow[j + i] = kbuf + (j + i) * hd;
-        vrow[j + i] = vbuf + (j + i) * hd;
-        pf.upto((i + 1) * rb);
-      }
+    for (int i = 0; i < run; ++i) {
+      row(j + i, kb, vb, row0 + i, off + i);
+      pf.upto((i + 1) * rb);
     }
     j += run, off = 0, ++b;
+  }
+}
+
+// Pool rows of kv head h for keys c0 .. c0 + n - 1 of a sequence into krow[j], vrow[j] (j < n), and
+// `zero` for j in [n, count). fp32 rows are pointed at in place; bf16 and quantized rows are converted
+// into kbuf / vbuf (row j at j * head_dim): only this chunk of keys, never a copy of the cache.
+// key_end: the end of the task's keys (walk_runs prefetches the next block only where it holds some of them).
+inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_t c0, int n, int count,
+                      const float* zero, const float** krow, const float** vrow, float* kbuf, float* vbuf,
+                      int64_t key_end) {
+  const int64_t bs = kv.block_size, hd = kv.head_dim, rb = kv.row_bytes();
+  const int64_t params_at = (int64_t)kv.num_kv_heads * bs * rb;
+  if (kv.bits == 32) {
+    walk_runs(kv, table, h, c0, n, key_end, [&](int j, const char* kb, const char* vb, int64_t r, int64_t) {
+      krow[j] = (const float*)(kb + r * rb), vrow[j] = (const float*)(vb + r * rb);
+    });
+  } else if (kv.bits == 16) {  // bf16: K rows, V rows of a token pair interleaved (ops.h), over the same bytes
+    walk_runs(kv, table, h, c0, n, key_end, [&](int j, const char* kb, const char* vb, int64_t r, int64_t t) {
+      const uint16_t* kr = (const uint16_t*)(kb + r * rb);
+      const uint32_t* vp = (const uint32_t*)vb + h * (bs / 2) * hd + (t >> 1) * hd;
+      const int odd = (int)(t & 1);
+      float* kd = kbuf + j * hd;
+      float* vd = vbuf + j * hd;
+      int64_t d = 0;
+      for (; d + kW <= hd; d += kW) {  // whole vectors unmasked: masked 16-bit loads cost Zen 5 ~10% of a step
+        vstore(kd + d, vload_bf16(kr + d));
+        vstore(vd + d, vload_bf16_half(vp + d, odd));
+      }
+      if (d < hd) {
+        const int m = (int)(hd - d);
+        vstore_n(kd + d, vload_bf16_n(kr + d, m), m);
+        vstore_n(vd + d, vload_bf16_half_n(vp + d, odd, m), m);
+      }
+      krow[j] = kd, vrow[j] = vd;
+    });
+  } else {
+    walk_runs(kv, table, h, c0, n, key_end, [&](int j, const char* kb, const char* vb, int64_t r, int64_t) {
+      const uint16_t* kp = (const uint16_t*)(kb + params_at) + 2 * r;
+      const uint16_t* vp = (const uint16_t*)(vb + params_at) + 2 * r;
+      kv_dequant_row((const uint8_t*)(kb + r * rb), kp, (int)hd, kv.bits, kbuf + j * hd);
+      kv_dequant_row((const uint8_t*)(vb + r * rb), vp, (int)hd, kv.bits, vbuf + j * hd);
+      krow[j] = kbuf + j * hd, vrow[j] = vbuf + j * hd;
+    });
   }
   for (int j = n; j < count; ++j) krow[j] = vrow[j] = zero;
 }
@@ -499,7 +503,7 @@ void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq
                            int64_t rho0, float scale, float softcap, int window, float* out, int64_t split_begin = 0,
                            int64_t split_end = INT64_MAX, float* partial = nullptr) {
   const int hd = kv.head_dim, nvec = hd / kW;
-  const int64_t bs = kv.block_size, rb = kv.row_bytes(), bb = kv.block_bytes();
+  const int64_t bs = kv.block_size, rb = kv.row_bytes();
   const int64_t params_at = (int64_t)kv.num_kv_heads * bs * rb;
   alignas(64) float obuf[4 * kAttnMaxHeadDim];  // [G][hd]: sum_j (p_j s_j) vq_j
   alignas(64) float qbuf[4 * kAttnMaxHeadDim];  // [G][hd]
@@ -528,23 +532,12 @@ void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq
   const uint8_t* vrow[kW];
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kW) {
     const int n = key_hi - c0 < kW ? (int)(key_hi - c0) : kW;
-    int64_t b = c0 / bs, off = c0 % bs;
-    for (int j = 0; j < n;) {  // runs of keys within a block, as gather_kv, and the next block's rows prefetched
-      const int run = n - j < bs - off ? n - j : (int)(bs - off);
-      const int64_t at = (int64_t)seq.block_table[b] * bb, row0 = kvh * bs + off;
-      const uint8_t* k0 = (const uint8_t*)kv.k + at + row0 * rb;
-      const uint8_t* v0 = (const uint8_t*)kv.v + at + row0 * rb;
-      const uint16_t* kp = (const uint16_t*)((const char*)kv.k + at + params_at) + 2 * row0;
-      const uint16_t* vp = (const uint16_t*)((const char*)kv.v + at + params_at) + 2 * row0;
-      KVPrefetch pf;
-      if ((b + 1) * bs < key_hi) pf.start(kv, seq.block_table[b + 1], row0, run);
-      for (int i = 0; i < run; ++i) {
-        krow[j + i] = k0 + i * rb, vrow[j + i] = v0 + i * rb;
-        ks[j + i] = kp[2 * i], kz[j + i] = kp[2 * i + 1], vs[j + i] = vp[2 * i], vz[j + i] = vp[2 * i + 1];
-        pf.upto((i + 1) * rb);
-      }
-      j += run, off = 0, ++b;
-    }
+    walk_runs(kv, seq.block_table, kvh, c0, n, key_hi, [&](int j, const char* kb, const char* vb, int64_t r, int64_t) {
+      const uint16_t* kp = (const uint16_t*)(kb + params_at) + 2 * r;
+      const uint16_t* vp = (const uint16_t*)(vb + params_at) + 2 * r;
+      krow[j] = (const uint8_t*)(kb + r * rb), vrow[j] = (const uint8_t*)(vb + r * rb);
+      ks[j] = kp[0], kz[j] = kp[1], vs[j] = vp[0], vz[j] = vp[1];
+    });
     for (int j = n; j < kW; ++j) krow[j] = vrow[j] = kzero, ks[j] = kz[j] = vs[j] = vz[j] = 0;
     V a[G][kW];  // a[r][j]: partial sums of row r . kq_j (registers for G x 4 of them at a time)
     for (int j0 = 0; j0 < kW; j0 += 4) {
@@ -604,12 +597,13 @@ void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq
     for (int dv = 0; dv < span; dv += kStep) {
       const int nv = span - dv < kStep ? span - dv : kStep;
       if (nv == kStep) {
+        // accumulator u's first dimension (Bits 4: u 0, 1 the low nibbles' halves of dv, dv + 1; u 2, 3 the high)
+        auto dim = [&](int u) {
+          return Bits == 8 ? (dv + u) * kW : (u < 2 ? (dv + u) * kW : hd / 2 + (dv + u - 2) * kW);
+        };
         V acc[G][4];
         for (int r = 0; r < G; ++r)
-          for (int u = 0; u < 4; ++u) {
-            const int d = Bits == 8 ? (dv + u) * kW : (u < 2 ? (dv + u) * kW : hd / 2 + (dv + u - 2) * kW);
-            acc[r][u] = vload(obuf + r * hd + d);
-          }
+          for (int u = 0; u < 4; ++u) acc[r][u] = vload(obuf + r * hd + dim(u));
         for (int j = 0; j < n; ++j) {
           V vv[4];
           if constexpr (Bits == 8) {
@@ -625,10 +619,7 @@ void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq
           }
         }
         for (int r = 0; r < G; ++r)
-          for (int u = 0; u < 4; ++u) {
-            const int d = Bits == 8 ? (dv + u) * kW : (u < 2 ? (dv + u) * kW : hd / 2 + (dv + u - 2) * kW);
-            vstore(obuf + r * hd + d, acc[r][u]);
-          }
+          for (int u = 0; u < 4; ++u) vstore(obuf + r * hd + dim(u), acc[r][u]);
       } else {
         for (int u = dv; u < dv + nv; ++u) {  // one vector (Bits 8) or one nibble pair of vectors (Bits 4)
           V acc[G][2];

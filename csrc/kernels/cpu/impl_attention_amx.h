@@ -111,7 +111,7 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
   const __m512 v_lo = _mm512_set1_ps((float)k_lo), v_hi = _mm512_set1_ps((float)k_hi);
   // A task's blocks lie scattered over the pool, and the hardware prefetcher starts over at each of them: as
   // 16 keys' K rows (32 keys' V pair rows) are read, the same rows of the next block (keys bs later) are
-  // prefetched, where that block holds some of the task's keys (gather_kv's KVPrefetch, for tiles).
+  // prefetched, where that block holds some of the task's keys (walk_runs' KVPrefetch, for tiles).
   const int64_t k_rows_bytes = 16 * hd * 2, v_rows_bytes = kAmxAttnKeys * hd * 2;
   for (int64_t c0 = a0; c0 < k_hi; c0 += 16) {
     const int64_t k_at = ((int64_t)kvh * bs + c0 % bs) * hd * 2;
