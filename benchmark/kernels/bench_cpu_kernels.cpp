@@ -167,7 +167,9 @@ struct BenchPool {
   ops::KVLayer kv;
   std::vector<uint8_t> kp, vp;
   std::vector<int32_t> table;
-  BenchPool(int bits, int kv_heads, int hd, int bs, int ctx, bool shuffle) {
+  // rows: the ctx x kv_heads x hd values written as K and as V (default: randn's, which are the same for every
+  // pool, so a caller that builds many pools draws them once and passes them)
+  BenchPool(int bits, int kv_heads, int hd, int bs, int ctx, bool shuffle, const std::vector<float>* rows = nullptr) {
     const int num_blocks = (ctx + bs - 1) / bs;
     kv.bits = bits, kv.num_blocks = num_blocks, kv.num_kv_heads = kv_heads, kv.block_size = bs, kv.head_dim = hd;
     kp.resize(kv.block_bytes() * num_blocks), vp.resize(kp.size());
@@ -177,8 +179,9 @@ struct BenchPool {
     if (shuffle) std::shuffle(table.begin(), table.end(), std::mt19937(1));
     std::vector<int32_t> slots(ctx);
     for (int p = 0; p < ctx; ++p) slots[p] = table[p / bs] * bs + p % bs;
-    std::vector<float> kr = randn((int64_t)ctx * kv_heads * hd), vr = randn(kr.size());
-    ops::kv_write(kv, kr.data(), vr.data(), slots.data(), ctx);
+    const std::vector<float> drawn = rows ? std::vector<float>() : randn((int64_t)ctx * kv_heads * hd);
+    const float* r = rows ? rows->data() : drawn.data();
+    ops::kv_write(kv, r, r, slots.data(), ctx);
   }
 };
 
@@ -494,7 +497,9 @@ int main(int argc, char** argv) {
         const double pool_bytes = 2.0 * (double)shape.block_bytes() * (streams * ctx / bs);
         const int layers = g_smoke ? 2 : std::max(8, (int)std::ceil(1e9 / pool_bytes));
         std::vector<std::unique_ptr<BenchPool>> pools;
-        for (int l = 0; l < layers; ++l) pools.emplace_back(new BenchPool(bits, kv_heads, hd, bs, ctx * streams, true));
+        const std::vector<float> rows = randn((int64_t)ctx * streams * kv_heads * hd);  // drawn once: up to ~300 pools
+        for (int l = 0; l < layers; ++l)
+          pools.emplace_back(new BenchPool(bits, kv_heads, hd, bs, ctx * streams, true, &rows));
         std::vector<ops::AttnSeq> seqs(streams);
         for (int i = 0; i < streams; ++i)
           seqs[i] = ops::AttnSeq{i, 1, ctx, pools[0]->table.data() + (int64_t)i * (ctx / bs)};
