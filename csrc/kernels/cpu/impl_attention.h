@@ -597,7 +597,8 @@ void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq
     for (int dv = 0; dv < span; dv += kStep) {
       const int nv = span - dv < kStep ? span - dv : kStep;
       if (nv == kStep) {
-        // accumulator u's first dimension (Bits 4: u 0, 1 the low nibbles' halves of dv, dv + 1; u 2, 3 the high)
+        // accumulator u's first dimension (Bits 4: u 0, 1 the low nibbles of byte vectors dv, dv + 1, in head_dim's
+        // first half; u 2, 3 their high nibbles, in its second)
         auto dim = [&](int u) {
           return Bits == 8 ? (dv + u) * kW : (u < 2 ? (dv + u) * kW : hd / 2 + (dv + u - 2) * kW);
         };
