@@ -45,7 +45,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_scale_out import (cpu_seconds, engine_cpu_seconds, free_port, lmkit, parse_cpus,  # noqa: E402
-                             refuse_impossible, run_client, wait_up)
+                             run_client, wait_up)
+from cli_args import count, positive  # noqa: E402
 from cpu_limits import QuotaGroup, confine, quota_groups  # noqa: E402
 
 from lmkit.serve.ray.config import RAY_SERVE_ENV  # noqa: E402
@@ -289,14 +290,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=None, help="HF or AWQ folder (default: the bundled SmolLM2)")
     ap.add_argument("--node-cores", nargs="+", default=None, help="one CPU list per worker node (default: the first "
                                                                   "two CPUs this process may use, one each)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--num-prompts", type=int, default=192)
-    ap.add_argument("--max-output", type=int, default=256)
-    ap.add_argument("--ttft-pairs", type=int, default=3)
+    ap.add_argument("--rounds", type=count, default=2)
+    ap.add_argument("--concurrency", type=count, default=32)
+    ap.add_argument("--num-prompts", type=count, default=192)
+    ap.add_argument("--max-output", type=count, default=256)
+    ap.add_argument("--ttft-pairs", type=count, default=3)
     ap.add_argument("--engine", default="session_len=4096 cache_max_entry_count=0.3",
                     help="EngineConfig fields of every replica (and the direct api_server), KEY=VALUE ...")
-    ap.add_argument("--stream-interval", type=int, default=1,
+    ap.add_argument("--stream-interval", type=count, default=1,
                     help="tokens per streamed chunk of the replicas (and of the direct api_server of the ttft figure)")
     ap.add_argument("--only", nargs="+", choices=["throughput", "ttft", "elasticity"],
                     default=["throughput", "ttft", "elasticity"])
@@ -310,12 +311,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="where Ray Serve runs its HTTP proxies: HeadOnly (the head node, outside the worker "
                          "nodes' cores and quotas) or EveryNode (Ray's default: also one on each node with a "
                          "replica; on one machine they share the port and split the client's connections)")
-    ap.add_argument("--node-quota", type=float, default=None,
+    ap.add_argument("--node-quota", type=positive, default=None,
                     help="CPUs each worker node (and the direct api_server of the ttft figure) may use, a cgroup "
                          "quota on top of its pinning (needs a writable cgroup file system)")
     ap.add_argument("--smoke", action="store_true", help="1 round of 8 short requests; 1 TTFT pair")
     args = ap.parse_args(argv)
-    refuse_impossible(ap, args, ["rounds", "concurrency", "num_prompts", "max_output", "ttft_pairs", "stream_interval"])
     args.engine = {k: (float(v) if "." in v else int(v)) for k, v in (kv.split("=") for kv in shlex.split(args.engine))}
     args.client_args = []
     if args.smoke:

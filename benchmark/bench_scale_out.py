@@ -35,6 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from cli_args import count, positive  # noqa: E402
 from cpu_limits import QuotaGroup, confine, quota_groups  # noqa: E402
 from summary import append_csv  # noqa: E402
 
@@ -146,37 +147,27 @@ def run_client(args, url: str, label: str, csv_path: Path, procs: dict[str, subp
     return row
 
 
-def refuse_impossible(ap: argparse.ArgumentParser, args: argparse.Namespace, counts: list[str]) -> None:
-    """Refuses a count below 1 and a --node-quota of no CPU at parse time, before any server or cluster starts."""
-    for name in counts:
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.node_quota is not None and args.node_quota <= 0:
-        ap.error(f"--node-quota must be > 0 CPUs, got {args.node_quota}")
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF or AWQ folder (default: the bundled SmolLM2)")
     ap.add_argument("--node-cores", nargs="+", default=None,
                     help="one CPU list per node (default: one CPU each for two nodes: the first two this "
                          "process may use)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--num-prompts", type=int, default=192,
+    ap.add_argument("--rounds", type=count, default=3)
+    ap.add_argument("--concurrency", type=count, default=32)
+    ap.add_argument("--num-prompts", type=count, default=192,
                     help="per run; at 96 (3 x concurrency 32) the drain at the end, where one node may idle while "
                          "the other finishes, cost the two-node runs ~5%%")
-    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--max-output", type=count, default=256)
     ap.add_argument("--server-args", default="--session-len 4096 --cache-max-entry-count 0.3",
                     help="more api_server options, one string")
     ap.add_argument("--client-args", default="", help="more profile_serving.py options, one string")
     ap.add_argument("--csv", type=Path, default=None, help="append one row per run")
-    ap.add_argument("--node-quota", type=float, default=None,
+    ap.add_argument("--node-quota", type=positive, default=None,
                     help="CPUs each node may use, a cgroup quota on top of its pinning (needs a writable cgroup "
                          "file system)")
     ap.add_argument("--smoke", action="store_true", help="1 round, 4 short fixed-length requests at concurrency 2")
     args = ap.parse_args(argv)
-    refuse_impossible(ap, args, ["rounds", "concurrency", "num_prompts", "max_output"])
     args.client_args = shlex.split(args.client_args)
     if args.smoke:
         args.rounds, args.concurrency, args.num_prompts = 1, 2, 4

@@ -1,6 +1,6 @@
-"""Argument types the benchmarks share, so that an impossible setting (no requests, no concurrency, a rate of
-zero) is refused by argparse with the option's name before any model loads or server starts, instead of hanging
-on a semaphore of 0 or silently falling back to a default."""
+"""Argument types the benchmarks share, so that an impossible setting (no requests, no concurrency, a rate of zero,
+a CPU quota of none) is refused by argparse with the option's name before any model loads or server starts,
+instead of hanging on a semaphore of 0 or silently falling back to a default."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def count(text: str) -> int:
 
 
 def positive(text: str) -> float:
-    """A finite number > 0 (a request rate)."""
+    """A finite number > 0 (a request rate, a CPU quota)."""
     try:
         value = float(text)
     except ValueError:

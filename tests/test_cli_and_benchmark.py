@@ -69,6 +69,9 @@ def _run_script(name: str, *args: str) -> subprocess.CompletedProcess:
     ("profile_serving.py", ["--max-output", "many"], "argument --max-output: expected a whole number >= 1"),
     ("profile_throughput.py", ["--concurrency", "4", "-1"], "argument --concurrency: must be >= 1, got -1"),
     ("profile_throughput.py", ["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+    ("bench_scale_out.py", ["--num-prompts", "0"], "argument --num-prompts: must be >= 1, got 0"),
+    ("bench_scale_out.py", ["--node-quota", "0"], "argument --node-quota: must be a finite number > 0"),
+    ("bench_ray_serve.py", ["--stream-interval", "0"], "argument --stream-interval: must be >= 1, got 0"),
 ])
 def test_serving_benchmarks_refuse_impossible_counts_before_they_start(script, args, says):
     run = _run_script(script, *args)
