@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -345,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
             ray_start(["--address", f"127.0.0.1:{port}", "--num-cpus", str(len(cpus)), *common], cpus,
                       groups[i] if groups else None)
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
+        # SIGTERM runs the clean-up below (Ray's driver otherwise dies on it, leaving its cluster running)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         serve.start(proxy_location=args.proxy_location, http_options={"host": "127.0.0.1", "port": http_port})
         if "throughput" in args.only:
             throughput(args, url, nodes, work)
