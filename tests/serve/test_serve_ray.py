@@ -25,11 +25,18 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 ENGINE = dict(device="cpu", dtype="float32", cache_max_entry_count=256, max_batch_size=8, cache_block_seq_len=16,
               session_len=512, num_threads=1)
 
+CLUSTER_AUTH = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+"""The test cluster's authentication mode, set on its nodes as this process (and `lmkit serve ray`) has it:
+since ray 2.60 a head started where the user has a ~/.ray/auth_token (which any local ``ray.init()`` writes,
+`lmkit serve ray` without --address too) turns token authentication on by itself, while a joining node and
+a driver given an address keep it off, and are refused (InvalidAuthToken)."""
+
+
 def ray_env() -> dict[str, str]:
     """The Ray processes' settings: lmkit's, with autoscaling metrics pushed often (decisions in seconds)."""
     from lmkit.serve.ray import RAY_SERVE_ENV
 
-    return {**RAY_SERVE_ENV, "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    return {**RAY_SERVE_ENV, **CLUSTER_AUTH, "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
             "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
