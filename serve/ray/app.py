@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import threading
-import time
 from typing import Mapping, Sequence
 
 from lmkit import env
@@ -103,50 +102,22 @@ def app_builder(args: dict):
                      take(ReplicaConfig, args.get("replicas")), args.get("chat_template"))
 
 
-FAILED_STARTS_PER_REPLICA = 3
-"""Failed starts of one replica after which ``deploy`` gives up on an application whose other replicas run:
-Ray Serve's own count per replica (RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT) for a deployment none of whose
-replicas has started. Once one has, Ray retries the others' constructors without end and the application
-never leaves DEPLOYING (a second engine whose KV pool does not fit beside the first's)."""
-
-
-def deploy(app, name: str = "lmkit", route_prefix: str = "/", stop: threading.Event | None = None) -> bool:
-    """Runs ``app`` on the connected cluster as ``name``; returns True once it serves. When it cannot start, the
-    application is deleted and the RuntimeError names each failing deployment's own error (Ray's says only
-    that the deployments failed): Ray Serve fails a deployment none of whose replicas starts (a model that does
-    not load); this also gives up when a deployment's replicas run but another has failed to start
-    FAILED_STARTS_PER_REPLICA times, which Ray retries for ever. ``stop`` set while it waits (SIGTERM): the
-    application is deleted and it returns False."""
+def deploy(app, name: str = "lmkit", route_prefix: str = "/") -> None:
+    """``serve.run(app)`` on the connected cluster, waiting until it serves. When it cannot start (a model
+    that does not load), the application is deleted and the RuntimeError names each failing deployment's
+    own error (Ray's says only that the deployments failed)."""
     serve = _ray_serve()
-    serve.run_many([serve.RunTarget(app, name=name, route_prefix=route_prefix)],
-                   wait_for_applications_running=False)
-    failed_starts: dict[str, set[str]] = {}  # deployment -> its distinct failure messages (each names its replica)
-    while True:
+    try:
+        serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+    except Exception as e:
+        causes = []
         status = serve.status().applications.get(name)
-        if status is None:
-            raise RuntimeError(f"Ray Serve application {name!r} was deleted while it started")
-        if status.status == "RUNNING":
-            return True
-        for deployment, details in status.deployments.items():
-            if details.replica_states.get("RUNNING") and (details.message or "").startswith("A replica failed"):
-                failed_starts.setdefault(deployment, set()).add(details.message)
-        stuck = {d for d, messages in failed_starts.items() if len(messages) >= FAILED_STARTS_PER_REPLICA}
-        if status.status == "DEPLOY_FAILED" or stuck:
-            causes = []
-            for deployment, details in status.deployments.items():
-                lines = [line.strip() for line in (details.message or "").splitlines() if line.strip()]
-                if lines and (details.status != "HEALTHY" or deployment in stuck):
-                    running = details.replica_states.get("RUNNING", 0)
-                    how = (f" ({running} replica(s) run; another failed to start {len(failed_starts[deployment])} "
-                           f"times)" if deployment in stuck else "")
-                    causes.append(f"{deployment}{how}: {lines[-1]}")
-            serve.delete(name)
-            raise RuntimeError(f"Ray Serve application {name!r} did not start: "
-                               f"{'; '.join(causes) or status.message}")
-        if stop is not None and stop.is_set():
-            serve.delete(name)
-            return False
-        time.sleep(0.5)
+        for deployment, details in (status.deployments if status else {}).items():
+            lines = [line.strip() for line in (details.message or "").splitlines() if line.strip()]
+            if lines and details.status != "HEALTHY":
+                causes.append(f"{deployment}: {lines[-1]}")
+        serve.delete(name)
+        raise RuntimeError(f"Ray Serve application {name!r} did not start: {'; '.join(causes) or e}") from e
 
 
 def run_ray(models, engine_config: EngineConfig, server_config: ServerConfig, replicas: ReplicaConfig,
@@ -170,9 +141,7 @@ def run_ray(models, engine_config: EngineConfig, server_config: ServerConfig, re
         originals = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
         serve.start(http_options={"host": server_config.host, "port": server_config.port})
         app = build_app(models, engine_config, server_config, replicas, chat_template)
-        if not deploy(app, app_name, route_prefix, stop):
-            log.info("stopped before application %r served: deleted it", app_name)
-            return
+        deploy(app, app_name, route_prefix)
         names = ", ".join(named_models(models))
         log.info("serving %s on Ray Serve at http://%s:%d%s (application %r)", names, server_config.host,
                  server_config.port, route_prefix.rstrip("/"), app_name)

@@ -362,36 +362,6 @@ def test_a_model_that_cannot_load_fails_the_deployment_naming_it(ray_cluster, tm
     assert "broken" not in serve.status().applications
 
 
-def test_a_replica_that_cannot_start_beside_running_ones_fails_the_deployment(ray_cluster, slow_llama):
-    """Once one replica of a deployment runs, Ray Serve retries another's failing constructor for ever and the
-    application never leaves DEPLOYING; deploy gives up after FAILED_STARTS_PER_REPLICA failures, naming the
-    error. Here the second engine's KV pool does not fit in what the first left (lmkit/memory.py): a memory
-    fraction that holds this model's weights, the other engines' records and 16 MiB of KV once, not twice."""
-    from ray import serve
-
-    from lmkit import EngineConfig, env
-    from lmkit.engine import Engine
-    from lmkit.memory import Reservations, memory_limit
-    from lmkit.serve.ray import ReplicaConfig, build_app, deploy
-    from lmkit.serve.ray.app import FAILED_STARTS_PER_REPLICA
-
-    probe = Engine(slow_llama, EngineConfig(**ENGINE))  # the weights' bytes as an engine loads them
-    weight_bytes = probe.kv_pool.weight_bytes
-    probe.close()
-    with Reservations(env.runtime_dir()).lock():
-        others = sum(r.total_bytes for r in Reservations(env.runtime_dir()).live())
-    fraction = (weight_bytes + others + 16 * 2**20) / memory_limit().total_bytes
-    engine = EngineConfig(**{**ENGINE, "cache_max_entry_count": fraction, "max_batch_size": 64})
-    started = time.monotonic()
-    with pytest.raises(RuntimeError, match=rf"model-full \(1 replica\(s\) run; another failed to start "
-                                           rf"{FAILED_STARTS_PER_REPLICA} times\): .*KV pool does not fit"):
-        deploy(build_app({"full": str(slow_llama)}, engine,
-                         replicas=ReplicaConfig(min_replicas=2, max_replicas=2, num_cpus_per_replica=0.5)),
-               "full", "/full")
-    assert time.monotonic() - started < 120
-    assert "full" not in serve.status().applications
-
-
 def test_lmkit_serve_ray_drains_on_sigterm(ray_cluster, slow_llama):
     """`lmkit serve ray` joins the cluster, serves; on SIGTERM its streams in progress complete, the
     application is deleted, and it exits 0."""
