@@ -50,7 +50,7 @@ from bench_scale_out import (cpu_seconds, engine_cpu_seconds, free_port, lmkit, 
 from cli_args import count, positive  # noqa: E402
 from cpu_limits import QuotaGroup, confine, quota_groups  # noqa: E402
 
-from lmkit.serve.ray.config import RAY_SERVE_ENV  # noqa: E402
+from lmkit.serve.ray.config import RAY_SERVE_ENV, cluster_auth_env  # noqa: E402
 
 APP = "bench"
 RAY_PROFILES = {
@@ -65,10 +65,8 @@ RAY_PROFILES = {
 def ray_start(args: list[str], cpus: set[int] | None = None, group: QuotaGroup | None = None) -> None:
     ray_bin = str(Path(sys.executable).parent / "ray")
     preexec = confine(cpus, group)
-    # (with --ray-profile's RAY_SERVE_* variables). The authentication mode is set, as this driver has it: a
-    # head that finds a ~/.ray/auth_token (any local ray.init() writes one) turns tokens on by itself (ray
-    # 2.60), while the worker nodes and this driver, given an address, do not, and are refused.
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    # (with --ray-profile's RAY_SERVE_* variables), and the authentication mode this driver has.
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **cluster_auth_env()}
     done = subprocess.run([ray_bin, "start", *args], capture_output=True, text=True, preexec_fn=preexec, env=env)
     if done.returncode != 0:
         raise SystemExit(f"ray start {' '.join(args)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")

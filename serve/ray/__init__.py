@@ -8,7 +8,8 @@ lmkit.serve.ray:app_builder``), ``run_ray`` for ``lmkit serve ray``; they need t
 from importlib import import_module
 
 _EXPORTS = {
-    "RAY_SERVE_ENV": "lmkit.serve.ray.config", "ReplicaConfig": "lmkit.serve.ray.config", "model_name_of": "lmkit.serve.ray.config",
+    "RAY_SERVE_ENV": "lmkit.serve.ray.config", "cluster_auth_env": "lmkit.serve.ray.config",
+    "ReplicaConfig": "lmkit.serve.ray.config", "model_name_of": "lmkit.serve.ray.config",
     "named_models": "lmkit.serve.ray.config", "app_builder": "lmkit.serve.ray.app",
     "build_app": "lmkit.serve.ray.app", "deploy": "lmkit.serve.ray.app", "run_ray": "lmkit.serve.ray.app",
 }

@@ -16,13 +16,14 @@ import os
 import re
 import signal
 import threading
+import time
 from typing import Mapping, Sequence
 
 from lmkit import env
 from lmkit.config import EngineConfig
 from lmkit.serve.api_server import ServerConfig, default_max_body_bytes
 from lmkit.serve.gate import GateConfig
-from lmkit.serve.ray.config import RAY_SERVE_ENV, ReplicaConfig, named_models
+from lmkit.serve.ray.config import CONSTRUCTOR_RETRIES, RAY_SERVE_ENV, ReplicaConfig, named_models
 
 log = logging.getLogger("lmkit.serve")
 
@@ -102,22 +103,45 @@ def app_builder(args: dict):
                      take(ReplicaConfig, args.get("replicas")), args.get("chat_template"))
 
 
-def deploy(app, name: str = "lmkit", route_prefix: str = "/") -> None:
-    """``serve.run(app)`` on the connected cluster, waiting until it serves. When it cannot start (a model
-    that does not load), the application is deleted and the RuntimeError names each failing deployment's
-    own error (Ray's says only that the deployments failed)."""
+def deploy(app, name: str = "lmkit", route_prefix: str = "/", stop: threading.Event | None = None) -> bool:
+    """Runs ``app`` on the connected cluster as ``name`` and returns True once it serves (as ``serve.run``: the
+    application RUNNING, then Ray's HTTP proxies ready). When it cannot start, the application is deleted and
+    the RuntimeError names each failing deployment's own error (Ray's says only that deployments failed): Ray
+    fails a deployment none of whose replicas starts (a model that does not load); this also gives up on one
+    whose replicas run while another has failed to start CONSTRUCTOR_RETRIES times, which Ray retries for ever
+    (a second engine whose KV pool does not fit beside the first's). ``stop`` set while it waits (SIGTERM):
+    the application is deleted and it returns False."""
     serve = _ray_serve()
-    try:
-        serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
-    except Exception as e:
-        causes = []
+    from ray.serve.context import _get_global_client
+
+    serve.run_many([serve.RunTarget(app, name=name, route_prefix=route_prefix)], wait_for_applications_running=False)
+    failed_starts: dict[str, set[str]] = {}  # deployment -> its distinct failure messages (each names its replica)
+    while True:
         status = serve.status().applications.get(name)
-        for deployment, details in (status.deployments if status else {}).items():
-            lines = [line.strip() for line in (details.message or "").splitlines() if line.strip()]
-            if lines and details.status != "HEALTHY":
-                causes.append(f"{deployment}: {lines[-1]}")
-        serve.delete(name)
-        raise RuntimeError(f"Ray Serve application {name!r} did not start: {'; '.join(causes) or e}") from e
+        if status is None:
+            raise RuntimeError(f"Ray Serve application {name!r} was deleted while it started")
+        if status.status == "RUNNING":
+            # serve.run's last wait: Ray's proxies routing to the application (the default proxy answers at once)
+            _get_global_client().wait_for_proxies_serving(wait_for_applications_running=True)
+            return True
+        for deployment, details in status.deployments.items():
+            if details.replica_states.get("RUNNING") and (details.message or "").startswith("A replica failed"):
+                failed_starts.setdefault(deployment, set()).add(details.message)
+        stuck = {d for d, messages in failed_starts.items() if len(messages) >= CONSTRUCTOR_RETRIES}
+        if status.status == "DEPLOY_FAILED" or stuck:
+            causes = []
+            for deployment, details in status.deployments.items():
+                lines = [line.strip() for line in (details.message or "").splitlines() if line.strip()]
+                if lines and (details.status != "HEALTHY" or deployment in stuck):
+                    how = (f" ({details.replica_states.get('RUNNING', 0)} replica(s) run; another failed to start "
+                           f"{len(failed_starts[deployment])} times)" if deployment in stuck else "")
+                    causes.append(f"{deployment}{how}: {lines[-1]}")
+            serve.delete(name)
+            raise RuntimeError(f"Ray Serve application {name!r} did not start: {'; '.join(causes) or status.message}")
+        if stop is not None and stop.is_set():
+            serve.delete(name)
+            return False
+        time.sleep(0.5)
 
 
 def run_ray(models, engine_config: EngineConfig, server_config: ServerConfig, replicas: ReplicaConfig,
@@ -141,7 +165,9 @@ def run_ray(models, engine_config: EngineConfig, server_config: ServerConfig, re
         originals = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
         serve.start(http_options={"host": server_config.host, "port": server_config.port})
         app = build_app(models, engine_config, server_config, replicas, chat_template)
-        deploy(app, app_name, route_prefix)
+        if not deploy(app, app_name, route_prefix, stop):
+            log.info("stopped before application %r served: deleted it", app_name)
+            return
         names = ", ".join(named_models(models))
         log.info("serving %s on Ray Serve at http://%s:%d%s (application %r)", names, server_config.host,
                  server_config.port, route_prefix.rstrip("/"), app_name)

@@ -3,6 +3,7 @@ import here, so that ``lmkit serve ray --help`` and config checks need neither R
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -21,6 +22,20 @@ reaching the replicas over their gRPC servers: the mode sends calls between depl
 2.60, leaves the HTTP proxy's on Ray actor calls (a streaming generator item per chunk), and gRPC takes about
 a quarter off the CPU a replica spends on Ray per request and off Ray's own (benchmark/RESULTS.md). `lmkit
 serve ray` sets them for the Ray it starts itself."""
+
+
+def cluster_auth_env() -> dict[str, str]:
+    """RAY_AUTH_MODE for the nodes a user or a test starts with `ray start`: the one this process has, else
+    ``disabled``. Since ray 2.60 a head started where the user has a ~/.ray/auth_token (which any local
+    ``ray.init()`` writes, `lmkit serve ray` without --address too) turns token authentication on by itself,
+    while a joining node and a driver given an address keep it off, and are refused (InvalidAuthToken)."""
+    return {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+
+
+CONSTRUCTOR_RETRIES = 3
+"""Failed starts after which a model's deployment is given up: Ray Serve's own rule (max_constructor_retry_count)
+while none of its replicas has started (a model that does not load fails soon); ``deploy`` applies it to a
+replica that keeps failing beside running ones, which Ray would retry for ever."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +86,7 @@ class ReplicaConfig:
                        max_ongoing_requests=self.max_ongoing_requests or 2 * engine.max_batch_size,
                        health_check_period_s=self.health_check_period_s,
                        graceful_shutdown_timeout_s=drain_timeout_s,
-                       max_constructor_retry_count=3)  # a model that cannot load fails the deployment soon
+                       max_constructor_retry_count=CONSTRUCTOR_RETRIES)
         if self.is_autoscaled:
             options["autoscaling_config"] = {
                 "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,

@@ -25,18 +25,12 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 ENGINE = dict(device="cpu", dtype="float32", cache_max_entry_count=256, max_batch_size=8, cache_block_seq_len=16,
               session_len=512, num_threads=1)
 
-CLUSTER_AUTH = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-"""The test cluster's authentication mode, set on its nodes as this process (and `lmkit serve ray`) has it:
-since ray 2.60 a head started where the user has a ~/.ray/auth_token (which any local ``ray.init()`` writes,
-`lmkit serve ray` without --address too) turns token authentication on by itself, while a joining node and
-a driver given an address keep it off, and are refused (InvalidAuthToken)."""
-
 
 def ray_env() -> dict[str, str]:
     """The Ray processes' settings: lmkit's, with autoscaling metrics pushed often (decisions in seconds)."""
-    from lmkit.serve.ray import RAY_SERVE_ENV
+    from lmkit.serve.ray import RAY_SERVE_ENV, cluster_auth_env
 
-    return {**RAY_SERVE_ENV, **CLUSTER_AUTH, "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    return {**RAY_SERVE_ENV, **cluster_auth_env(), "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
             "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
@@ -362,6 +356,36 @@ def test_a_model_that_cannot_load_fails_the_deployment_naming_it(ray_cluster, tm
     assert "broken" not in serve.status().applications
 
 
+def test_a_replica_that_cannot_start_beside_running_ones_fails_the_deployment(ray_cluster, slow_llama):
+    """Once one replica of a deployment runs, Ray Serve retries another's failing constructor for ever and the
+    application never leaves DEPLOYING; deploy gives up after CONSTRUCTOR_RETRIES failures, naming the error.
+    Here the second engine's KV pool does not fit in what the first left (lmkit/memory.py): a memory fraction
+    that holds this model's weights, the other engines' records and 16 MiB of KV once, not twice."""
+    from ray import serve
+
+    from lmkit import EngineConfig, env
+    from lmkit.engine import Engine
+    from lmkit.memory import Reservations, memory_limit
+    from lmkit.serve.ray import ReplicaConfig, build_app, deploy
+    from lmkit.serve.ray.config import CONSTRUCTOR_RETRIES
+
+    probe = Engine(slow_llama, EngineConfig(**ENGINE))  # the weights' bytes as an engine loads them
+    weight_bytes = probe.kv_pool.weight_bytes
+    probe.close()
+    with Reservations(env.runtime_dir()).lock():
+        others = sum(r.total_bytes for r in Reservations(env.runtime_dir()).live())
+    fraction = (weight_bytes + others + 16 * 2**20) / memory_limit().total_bytes
+    engine = EngineConfig(**{**ENGINE, "cache_max_entry_count": fraction, "max_batch_size": 64})
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"model-full \(1 replica\(s\) run; another failed to start "
+                                           rf"{CONSTRUCTOR_RETRIES} times\): .*KV pool does not fit"):
+        deploy(build_app({"full": str(slow_llama)}, engine,
+                         replicas=ReplicaConfig(min_replicas=2, max_replicas=2, num_cpus_per_replica=0.5)),
+               "full", "/full")
+    assert time.monotonic() - started < 120
+    assert "full" not in serve.status().applications
+
+
 def test_lmkit_serve_ray_drains_on_sigterm(ray_cluster, slow_llama):
     """`lmkit serve ray` joins the cluster, serves; on SIGTERM its streams in progress complete, the
     application is deleted, and it exits 0."""
@@ -404,6 +428,34 @@ def test_lmkit_serve_ray_drains_on_sigterm(ray_cluster, slow_llama):
         from ray import serve
 
         assert "cli" not in serve.status().applications  # deleted
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_lmkit_serve_ray_stops_on_sigterm_while_its_replicas_wait_to_start(ray_cluster, slow_llama):
+    """SIGTERM while the application waits for its replicas (here for CPUs the cluster does not have, which Ray
+    waits for without end): the application is deleted and the command exits 0."""
+    from ray import serve
+
+    port = ray_cluster["url"].rsplit(":", 1)[1]
+    proc = lmkit_subprocess("serve", "ray", f"pending={slow_llama}", "--address", ray_cluster["address"], "--port",
+                            port, "--app-name", "pending", "--route-prefix", "/pending", "--num-cpus-per-replica", "8",
+                            "--device", "cpu", "--dtype", "float32", "--session-len", "512", "--log-level", "info")
+    try:
+        def waiting():
+            assert proc.poll() is None, proc.communicate(timeout=10)[1][-3000:]
+            status = serve.status().applications.get("pending")
+            return status is not None and status.status == "DEPLOYING"
+        wait_for(waiting, 120, "application 'pending' deploying")
+        time.sleep(2)  # still waiting: Ray neither starts nor fails a replica it has no CPUs for
+        assert serve.status().applications["pending"].status == "DEPLOYING"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-3000:]
+        assert "stopped before application 'pending' served" in err and "Traceback" not in err, err[-3000:]
+        wait_for(lambda: "pending" not in serve.status().applications, 30, "application 'pending' deleted")
     finally:
         if proc.poll() is None:
             proc.kill()
