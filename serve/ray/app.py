@@ -108,14 +108,31 @@ def deploy(app, name: str = "lmkit", route_prefix: str = "/", stop: threading.Ev
     application RUNNING, then Ray's HTTP proxies ready). When it cannot start, the application is deleted and
     the RuntimeError names each failing deployment's own error (Ray's says only that deployments failed): Ray
     fails a deployment none of whose replicas starts (a model that does not load); this also gives up on one
-    whose replicas run while another has failed to start CONSTRUCTOR_RETRIES times, which Ray retries for ever
-    (a second engine whose KV pool does not fit beside the first's). ``stop`` set while it waits (SIGTERM):
-    the application is deleted and it returns False."""
+    whose replicas run while another has failed to start CONSTRUCTOR_RETRIES times since, which Ray retries for
+    ever (a second engine whose KV pool does not fit beside the first's). ``stop`` set while it waits
+    (SIGTERM): the application is deleted and it returns False."""
     serve = _ray_serve()
+    serve.run_many([serve.RunTarget(app, name=name, route_prefix=route_prefix)], wait_for_applications_running=False)
+    try:
+        serving = _wait_until_serving(serve, name, stop)
+    except Exception as e:
+        if name in serve.status().applications:
+            serve.delete(name)
+        if isinstance(e, RuntimeError):
+            raise
+        raise RuntimeError(f"Ray Serve application {name!r} did not start: {e}") from e
+    if not serving:
+        serve.delete(name)
+    return serving
+
+
+def _wait_until_serving(serve, name: str, stop: threading.Event | None) -> bool:
+    """deploy's wait: True once ``name`` serves, False when ``stop`` is set first; a RuntimeError naming each
+    failing deployment's error when it cannot start."""
     from ray.serve.context import _get_global_client
 
-    serve.run_many([serve.RunTarget(app, name=name, route_prefix=route_prefix)], wait_for_applications_running=False)
-    failed_starts: dict[str, set[str]] = {}  # deployment -> its distinct failure messages (each names its replica)
+    before_running: set[str] = set()  # start failures a deployment showed before any of its replicas ran
+    failed_starts: dict[str, set[str]] = {}  # deployment -> its later distinct failures (each names its replica)
     while True:
         status = serve.status().applications.get(name)
         if status is None:
@@ -125,8 +142,12 @@ def deploy(app, name: str = "lmkit", route_prefix: str = "/", stop: threading.Ev
             _get_global_client().wait_for_proxies_serving(wait_for_applications_running=True)
             return True
         for deployment, details in status.deployments.items():
-            if details.replica_states.get("RUNNING") and (details.message or "").startswith("A replica failed"):
-                failed_starts.setdefault(deployment, set()).add(details.message)
+            message = details.message or ""
+            if message.startswith("A replica failed"):
+                if not details.replica_states.get("RUNNING"):
+                    before_running.add(message)
+                elif message not in before_running:
+                    failed_starts.setdefault(deployment, set()).add(message)
         stuck = {d for d, messages in failed_starts.items() if len(messages) >= CONSTRUCTOR_RETRIES}
         if status.status == "DEPLOY_FAILED" or stuck:
             causes = []
@@ -136,10 +157,8 @@ def deploy(app, name: str = "lmkit", route_prefix: str = "/", stop: threading.Ev
                     how = (f" ({details.replica_states.get('RUNNING', 0)} replica(s) run; another failed to start "
                            f"{len(failed_starts[deployment])} times)" if deployment in stuck else "")
                     causes.append(f"{deployment}{how}: {lines[-1]}")
-            serve.delete(name)
             raise RuntimeError(f"Ray Serve application {name!r} did not start: {'; '.join(causes) or status.message}")
         if stop is not None and stop.is_set():
-            serve.delete(name)
             return False
         time.sleep(0.5)
 

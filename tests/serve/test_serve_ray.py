@@ -377,8 +377,9 @@ def test_a_replica_that_cannot_start_beside_running_ones_fails_the_deployment(ra
     fraction = (weight_bytes + others + 16 * 2**20) / memory_limit().total_bytes
     engine = EngineConfig(**{**ENGINE, "cache_max_entry_count": fraction, "max_batch_size": 64})
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match=rf"model-full \(1 replica\(s\) run; another failed to start "
-                                           rf"{CONSTRUCTOR_RETRIES} times\): .*KV pool does not fit"):
+    # (Ray itself fails the deployment, without the count, when the loser fails 3 times before the winner runs)
+    with pytest.raises(RuntimeError, match=rf"model-full( \(1 replica\(s\) run; another failed to start "
+                                           rf"{CONSTRUCTOR_RETRIES} times\))?: .*KV pool does not fit"):
         deploy(build_app({"full": str(slow_llama)}, engine,
                          replicas=ReplicaConfig(min_replicas=2, max_replicas=2, num_cpus_per_replica=0.5)),
                "full", "/full")
