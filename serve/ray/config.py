@@ -13,15 +13,19 @@ from lmkit.model_path import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
 
 
 RAY_SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
-                 "RAY_SERVE_PROXY_USE_GRPC": "1"}
+                 "RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0"}
 """The Ray Serve settings lmkit runs with (environment variables of every Ray process: `ray start`'s, the
 pods' of a RayService): Ray's throughput-optimized mode, which runs user code and request routing on the
 replicas' and the proxy's own event loops and drops per-request log lines, with its direct ingress left off
 so that Ray's HTTP proxy stays the entry (this halves what Ray adds to a request's TTFT here), and that proxy
 reaching the replicas over their gRPC servers: the mode sends calls between deployments over gRPC but, in ray
 2.60, leaves the HTTP proxy's on Ray actor calls (a streaming generator item per chunk), and gRPC takes about
-a quarter off the CPU a replica spends on Ray per request and off Ray's own (benchmark/RESULTS.md). `lmkit
-serve ray` sets them for the Ray it starts itself."""
+a quarter off the CPU a replica spends on Ray per request and off Ray's own (benchmark/RESULTS.md); and each
+proxy choosing among all replicas by their queues (power of two choices), not first among those on its own
+node: Ray's default fills a proxy's local replica up to max_ongoing_requests (2 x max_batch_size) before the
+others get any, so with a proxy on every node the spread of requests over replicas was the spread of client
+connections over proxies (8 concurrent requests split 1/7 to 4/4 over two replicas; 4/4 or 3/5 without the
+preference). `lmkit serve ray` sets them for the Ray it starts itself."""
 
 
 def cluster_auth_env() -> dict[str, str]:

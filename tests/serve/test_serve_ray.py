@@ -140,7 +140,9 @@ def test_two_replicas_answer_the_openai_client(two_replicas):
     chunks = list(parts)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == greedy
     assert chunks[-1].usage.completion_tokens == 5
-    # concurrent requests spread over both replicas (each answer names its replica)
+    # concurrent requests spread over both replicas by Ray's router (each answer names its replica); both nodes run
+    # a proxy on the one port, so with RAY_SERVE_ENV's local-node preference off the split is not the kernel's
+    # spread of connections over proxies
     replicas: list[str] = []
 
     def one(i: int) -> None:
