@@ -33,7 +33,7 @@ class EngineConfig:
     of float32, so twice the tokens; float32 for an odd cache_block_seq_len or head_dim, or head_dim > 256);
     norms, attention arithmetic and sampling stay float32. Logits then
     differ from float32 by ~1e-2 relative, as in any bf16 engine (SmolLM2's perplexity by less than 0.2%:
-    benchmark/RESULTS.md)."""
+    benchmark/results/cpu-speed.md)."""
     max_batch_size: int = 64
     """Requests running at once at most; more wait in FCFS order."""
     session_len: int | None = None
@@ -140,22 +140,24 @@ class EngineConfig:
         return "bfloat16" if _engine.cpu_bf16_available() else "float32"
 
     def to_engine_config(self, device: str, kv_layer_bits: list[int] | None = None,
-                         binding: CpuBinding | None = None, num_threads: int | None = None):
+                         binding: CpuBinding | None = None, num_threads: int | None = None, num_layers: int = 0):
         """The lmkit._engine.EngineConfig for this config on a resolved device (kv_layer_bits: the
         checked per-layer policy, see lmkit.kv_policy; binding: where the CPU engine's threads run; num_threads:
-        resolved_num_threads when the caller has it already)."""
+        resolved_num_threads when the caller has it already; num_layers: the model's, for a uniform
+        quant_policy). The KV precision's user spellings (quant_policy, kv_policy.json's bits, both 0 / 8 / 4)
+        become the engine's one encoding, a KVQuant per layer, here and nowhere else."""
         from lmkit._ext import _engine
 
         c = _engine.EngineConfig()
         c.device = device
         c.max_batch_size = self.max_batch_size
         c.session_len = self.session_len or 0
-        c.cache_block_seq_len = self.cache_block_seq_len
-        c.cache_max_entry_count = float(self.cache_max_entry_count or AUTO_MEMORY_FRACTION)
+        c.block_size_tokens = self.cache_block_seq_len
         c.max_prefill_token_num = self.max_prefill_token_num
-        c.quant_policy = self.quant_policy
-        if kv_layer_bits:
-            c.kv_layer_bits = list(kv_layer_bits)
+        if not kv_layer_bits and self.quant_policy:
+            assert num_layers > 0, "quant_policy 8 / 4 needs the model's num_layers"
+            kv_layer_bits = [self.quant_policy] * num_layers
+        c.kv_quant = [_engine.KVQuant(int(bits)) for bits in kv_layer_bits or ()]
         c.enable_prefix_caching = self.enable_prefix_caching
         c.int8_activations = bool(self.int8_activations)
         c.bf16_linear = self.resolved_dtype(device) == "bfloat16"

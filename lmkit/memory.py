@@ -1,9 +1,10 @@
 """The KV pool's default size, and the host memory that the lmkit engines of one host share.
 
-A CPU engine sizes its pool here, once its weights are packed and before the pool is allocated:
-lmkit.Engine hands a ``KVPoolSizer`` to lmkit._engine.Engine, which calls it back with what only the C++
-side knows (bytes per KV block, packed weight bytes, the resolved session_len) and allocates the blocks
-it returns::
+Every engine's pool is sized here (the C++ side has no formula of its own), once its weights are packed and
+before the pool is allocated: lmkit.Engine hands a sizer to lmkit._engine.Engine, which calls it back with
+what only the C++ side knows (bytes per KV block, packed weight bytes, the resolved session_len, and on CUDA
+the GPU memory still free) and allocates the blocks it returns. A CUDA engine's pool is a share of free GPU
+memory (plan_cuda_kv_pool); a CPU engine's (``KVPoolSizer``)::
 
     blocks       = cache_max_entry_count, when > 1 (a block count, as given); otherwise
                    min(cap_blocks, budget_bytes // kv_bytes_per_block)
@@ -331,8 +332,9 @@ def unpacked_weight_bytes(spec: "ModelSpec") -> int:
 
 
 class KVPoolSizer:
-    """The ``size_kv_pool`` callback of lmkit._engine.Engine: (kv_bytes_per_block, linear_weight_bytes,
-    session_len) -> blocks, called once on the creating thread; keeps the KVPool it chose in ``kv_pool``."""
+    """The ``size_kv_pool`` callback of a CPU lmkit._engine.Engine: (kv_bytes_per_block, linear_weight_bytes,
+    session_len, device_free_bytes) -> blocks, called once on the creating thread; keeps the KVPool it chose in
+    ``kv_pool``."""
 
     def __init__(self, config: "EngineConfig", unpacked_bytes: int, others: tuple[Reservation, ...],
                  memory: MemoryLimit):
@@ -340,7 +342,8 @@ class KVPoolSizer:
         self.kv_pool: KVPool | None = None
         self.reservation: Reservation | None = None
 
-    def __call__(self, kv_bytes_per_block: int, linear_weight_bytes: int, session_len: int) -> int:
+    def __call__(self, kv_bytes_per_block: int, linear_weight_bytes: int, session_len: int,
+                 device_free_bytes: int = 0) -> int:
         self.kv_pool = plan_kv_pool(self.config, kv_bytes_per_block, linear_weight_bytes + self.unpacked_bytes,
                                     session_len, self.memory, self.others)
         return self.kv_pool.num_blocks
@@ -367,9 +370,38 @@ def reserve_kv_pool(config: "EngineConfig", spec: "ModelSpec") -> Iterator[KVPoo
     log.info("%s", sizer.kv_pool.describe())
 
 
+def plan_cuda_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, session_len: int, free_bytes: int) -> int:
+    """The block count of a CUDA engine's KV pool: cache_max_entry_count when > 1 (a block count); otherwise that
+    fraction (AUTO_MEMORY_FRACTION when None) of the GPU memory free once the weights and workspaces are in, at
+    most what max_batch_size sequences of session_len tokens can use. Raises MemoryBudgetError when that leaves
+    no room for one block."""
+    count = config.cache_max_entry_count
+    fraction = AUTO_MEMORY_FRACTION if count is None else float(count)
+    if fraction > 1:
+        return int(fraction)
+    cap_blocks = config.max_batch_size * math.ceil(session_len / config.cache_block_seq_len)
+    blocks = min(int(fraction * free_bytes) // kv_bytes_per_block, cap_blocks)
+    if blocks < 1:
+        raise MemoryBudgetError(
+            f"cache_max_entry_count={fraction:g} of {format_bytes(free_bytes)} free GPU memory leaves no room for one "
+            f"KV block of {format_bytes(kv_bytes_per_block)}; raise it or pass a block count (> 1)")
+    return min(blocks, 2**31 - 1)
+
+
+class CudaKVPoolSizer:
+    """The ``size_kv_pool`` callback of a CUDA lmkit._engine.Engine (plan_cuda_kv_pool)."""
+
+    def __init__(self, config: "EngineConfig"):
+        self.config = config
+
+    def __call__(self, kv_bytes_per_block: int, linear_weight_bytes: int, session_len: int,
+                 device_free_bytes: int) -> int:
+        return plan_cuda_kv_pool(self.config, kv_bytes_per_block, session_len, device_free_bytes)
+
+
 def log_cuda_kv_pool(cpp, cache_max_entry_count: float | None) -> None:
-    """Logs the start-up line of a CUDA engine (lmkit._engine.Engine), whose backend sized its pool from the
-    GPU's free memory (cache_max_entry_count None: AUTO_MEMORY_FRACTION of it, as EngineConfig passes on)."""
+    """Logs the start-up line of a CUDA engine (lmkit._engine.Engine), whose pool plan_cuda_kv_pool sized from the
+    GPU's free memory (cache_max_entry_count None: AUTO_MEMORY_FRACTION of it)."""
     n, block, per_block = cpp.num_total_blocks, cpp.block_size_tokens, cpp.kv_bytes_per_block
     share = AUTO_MEMORY_FRACTION if cache_max_entry_count is None else cache_max_entry_count
     why = (f"set by cache_max_entry_count={n}" if share > 1 else

@@ -169,7 +169,8 @@ class GenerationConfig:
         from lmkit._ext import _engine
 
         p = _engine.SamplingParams()
-        p.temperature = self.temperature if self.do_sample else 0.0
+        # the engine's one encoding of greedy is temperature 0 (do_sample=False and top_k=1 become it here)
+        p.temperature = self.temperature if self.do_sample and self.top_k != 1 else 0.0
         p.top_k = self.top_k
         p.top_p = self.top_p
         p.min_p = self.min_p

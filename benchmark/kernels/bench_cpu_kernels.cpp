@@ -171,7 +171,7 @@ struct BenchPool {
   // pool, so a caller that builds many pools draws them once and passes them)
   BenchPool(int bits, int kv_heads, int hd, int bs, int ctx, bool shuffle, const std::vector<float>* rows = nullptr) {
     const int num_blocks = (ctx + bs - 1) / bs;
-    kv.bits = bits, kv.num_blocks = num_blocks, kv.num_kv_heads = kv_heads, kv.block_size = bs, kv.head_dim = hd;
+    kv.bits = bits, kv.num_blocks = num_blocks, kv.num_kv_heads = kv_heads, kv.block_size_tokens = bs, kv.head_dim = hd;
     kp.resize(kv.block_bytes() * num_blocks), vp.resize(kp.size());
     kv.k = kp.data(), kv.v = vp.data();
     table.resize(num_blocks);
@@ -493,7 +493,7 @@ int main(int argc, char** argv) {
       for (int ctx : g_smoke ? std::vector<int>{128} : std::vector<int>{1024, 2048}) {
         const int streams = 16, bs = 64;
         ops::KVLayer shape;  // for its block_bytes(): K and V, plus a quantized pool's (scale, zero) pairs
-        shape.bits = bits, shape.num_kv_heads = kv_heads, shape.block_size = bs, shape.head_dim = hd;
+        shape.bits = bits, shape.num_kv_heads = kv_heads, shape.block_size_tokens = bs, shape.head_dim = hd;
         const double pool_bytes = 2.0 * (double)shape.block_bytes() * (streams * ctx / bs);
         const int layers = g_smoke ? 2 : std::max(8, (int)std::ceil(1e9 / pool_bytes));
         std::vector<std::unique_ptr<BenchPool>> pools;

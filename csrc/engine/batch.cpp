@@ -36,9 +36,9 @@ FinishReason StopRules::on_token(const Sequence& seq, int32_t token) const {
   return seq.num_tokens() + 1 >= seq.max_total_tokens ? FinishReason::kLength : FinishReason::kNone;
 }
 
-Batch build_batch(const BatchPlan& plan, int32_t block_size, const StopRules& rules) {
+Batch build_batch(const BatchPlan& plan, int32_t block_size_tokens, const StopRules& rules) {
   Batch b;
-  b.block_size = block_size;
+  b.block_size_tokens = block_size_tokens;
   b.num_tokens = plan.num_tokens;
   b.token_ids.resize(plan.num_tokens);
   b.positions.resize(plan.num_tokens);
@@ -51,7 +51,7 @@ Batch build_batch(const BatchPlan& plan, int32_t block_size, const StopRules& ru
     bs.first_row = row;
     bs.num_rows = s.num_tokens;
     bs.ctx_len = s.start_pos + s.num_tokens;
-    bs.num_blocks = (bs.ctx_len + block_size - 1) / block_size;
+    bs.num_blocks = (bs.ctx_len + block_size_tokens - 1) / block_size_tokens;
     bs.table_offset = (int32_t)b.block_tables.size();
     LMKIT_CHECK((int32_t)seq.block_table.size() >= bs.num_blocks, "sequence ", seq.id,
                 " has too few blocks for its chunk");
@@ -61,11 +61,11 @@ Batch build_batch(const BatchPlan& plan, int32_t block_size, const StopRules& ru
     b.seqs.push_back(bs);
     for (int32_t j = 0; j < s.num_tokens; ++j, ++row) {
       const int32_t pos = s.start_pos + j;
-      const int32_t block = seq.block_table[pos / block_size];
+      const int32_t block = seq.block_table[pos / block_size_tokens];
       LMKIT_CHECK(block >= 0, "sequence ", seq.id, " has no block for position ", pos);
       b.token_ids[row] = seq.tokens[pos];
       b.positions[row] = pos;
-      b.slots[row] = block * block_size + pos % block_size;
+      b.slots[row] = block * block_size_tokens + pos % block_size_tokens;
       const bool is_sample_row = s.is_sampled && j == s.num_tokens - 1;
       // logits of a position are handed out once, also when a preempted sequence recomputes it
       const bool is_output_row = seq.params.output_logits && pos >= seq.num_logit_rows_emitted;

@@ -16,8 +16,8 @@ namespace lmkit {
 
 // One sequence's rows of the fused batch.
 //   rows [first_row, first_row + num_rows) hold positions [ctx_len - num_rows, ctx_len);
-//   block_tables[table_offset, table_offset + num_blocks) map position p to block p / block_size
-//   (num_blocks = ceil(ctx_len / block_size); an entry may be kNoBlock when the scheduler freed a block no
+//   block_tables[table_offset, table_offset + num_blocks) map position p to block p / block_size_tokens
+//   (num_blocks = ceil(ctx_len / block_size_tokens); an entry may be kNoBlock when the scheduler freed a block no
 //   layer's window reaches any more).
 struct BatchSeq {
   int32_t first_row = 0;
@@ -59,8 +59,8 @@ struct PromptLogprobRow {
 
 struct Batch {
   int32_t num_tokens = 0;
-  int32_t block_size = 0;
-  std::vector<int32_t> token_ids, positions, slots;  // [num_tokens]; slot = block id * block_size + offset
+  int32_t block_size_tokens = 0;
+  std::vector<int32_t> token_ids, positions, slots;  // [num_tokens]; slot = block id * block_size_tokens + offset
   std::vector<BatchSeq> seqs;
   std::vector<int32_t> block_tables;                 // every sequence's table, concatenated
   int32_t max_ctx_len = 0;
@@ -114,6 +114,6 @@ class StopRules {
 
 // The step's Batch from the scheduler's plan. Draws one seed from the generator of every sampled,
 // non-greedy sequence (the only change to a sequence here). Throws if a table is too short for its chunk.
-Batch build_batch(const BatchPlan& plan, int32_t block_size, const StopRules& rules);
+Batch build_batch(const BatchPlan& plan, int32_t block_size_tokens, const StopRules& rules);
 
 }  // namespace lmkit

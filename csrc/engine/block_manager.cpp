@@ -196,7 +196,7 @@ void BlockManager::verify() const {
 
 std::string BlockManager::repr() const {
   return detail::concat("BlockManager(total=", num_total_, ", free=", num_free_blocks(), ", cached=",
-                        num_cached_blocks(), ", active=", num_active_blocks(), ", block_size=", block_size_, ")");
+                        num_cached_blocks(), ", active=", num_active_blocks(), ", block_size_tokens=", block_size_, ")");
 }
 
 }  // namespace lmkit

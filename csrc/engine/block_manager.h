@@ -61,7 +61,7 @@ class BlockManager {
   // many blocks went back to the pool (free or cached): a block other sequences still hold is not counted.
   int32_t release_range(std::vector<int32_t>& table, int32_t begin, int32_t end);
 
-  // Prefix cache lookup: finds the blocks holding tokens[0, k * block_size) for the largest k (at most
+  // Prefix cache lookup: finds the blocks holding tokens[0, k * block_size_tokens) for the largest k (at most
   // max_blocks) whose chained keys are present with exactly these tokens, and appends k entries to table:
   // the last min(k, max_live_blocks) blocks, with a reference taken to each, after kNoBlock for the ones
   // before them (confirmed by their tokens like the rest, but not taken: no query of the caller reads
@@ -69,7 +69,7 @@ class BlockManager {
   // *last_key to the key of block k - 1.
   int32_t match_prefix(const int32_t* tokens, int32_t max_blocks, std::vector<int32_t>& table, uint64_t* last_key,
                        int32_t max_live_blocks = INT32_MAX);
-  // Gives active block `block` (now holding exactly `tokens`, block_size of them) the prefix key
+  // Gives active block `block` (now holding exactly `tokens`, block_size_tokens of them) the prefix key
   // block_key(parent_key, tokens) and returns that key. If another block already has the key, this block
   // stays unkeyed (it will be freed, not cached, on release).
   uint64_t publish(int32_t block, uint64_t parent_key, const int32_t* tokens);

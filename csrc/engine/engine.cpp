@@ -11,35 +11,6 @@
 
 namespace lmkit {
 
-int64_t available_host_memory_bytes() {
-  FILE* f = std::fopen("/proc/meminfo", "r");
-  if (!f) return 0;
-  char line[256];
-  long long kb = 0;
-  while (std::fgets(line, sizeof(line), f))
-    if (std::sscanf(line, "MemAvailable: %lld kB", &kb) == 1) break;
-  std::fclose(f);
-  return (int64_t)kb * 1024;
-}
-
-int32_t kv_pool_num_blocks(double cache_max_entry_count, int64_t bytes_per_block, int64_t available_bytes,
-                           int32_t max_batch_size, int32_t session_len, int32_t block_size_tokens) {
-  LMKIT_CHECK_ARG(cache_max_entry_count > 0, "cache_max_entry_count must be > 0, got ", cache_max_entry_count);
-  const int32_t session_blocks = (session_len + block_size_tokens - 1) / block_size_tokens;
-  if (cache_max_entry_count > 1) {
-    const int32_t n = (int32_t)cache_max_entry_count;
-    LMKIT_CHECK_ARG(n >= 1, "cache_max_entry_count block count must be >= 1");
-    return n;
-  }
-  const int64_t budget = (int64_t)(cache_max_entry_count * (double)available_bytes);
-  const int64_t cap = (int64_t)max_batch_size * session_blocks;
-  const int64_t n = std::min<int64_t>(budget / bytes_per_block, cap);
-  LMKIT_CHECK_ARG(n >= 1, "cache_max_entry_count=", cache_max_entry_count, " of ", available_bytes,
-                  " available bytes leaves no room for one KV block of ", bytes_per_block,
-                  " bytes; raise it or pass a block count (> 1)");
-  return (int32_t)std::min<int64_t>(n, INT32_MAX);
-}
-
 Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor)
     : options_(options),
       executor_(std::move(executor)),
@@ -63,7 +34,7 @@ Engine::~Engine() { shutdown(); }
 
 void Engine::submit(int64_t request_id, std::vector<int32_t> prompt, const SamplingParams& params,
                     OutputCallback callback) {
-  params.validate();
+  params.check_invariants();
   LMKIT_CHECK_ARG(!prompt.empty(), "the prompt is empty: give at least one token");
   LMKIT_CHECK_ARG((int32_t)prompt.size() < options_.session_len, "the prompt has ", prompt.size(),
                   " tokens, which leaves no room in session_len=", options_.session_len,

@@ -20,6 +20,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/kv_quant.h"
 #include "engine/batch.h"
 #include "engine/block_manager.h"
 #include "engine/executor.h"
@@ -33,12 +34,9 @@ struct EngineConfig {
   std::string device = "cpu";
   int32_t max_batch_size = 64;
   int32_t session_len = 0;  // 0: the model's max_position_embeddings
-  int32_t cache_block_seq_len = 64;
-  double cache_max_entry_count = 0.8;  // fraction of the memory free after the weights (CUDA; the CPU pool is
-                                       // sized by lmkit/memory.py), or a block count when > 1
+  int32_t block_size_tokens = 64;  // tokens per KV block (lmkit.EngineConfig.cache_block_seq_len)
   int32_t max_prefill_token_num = 8192;
-  int32_t quant_policy = 0;                // KV cache of every layer: 0 fp32, 8 int8, 4 int4
-  std::vector<int32_t> kv_layer_bits;      // per layer 0 / 8 / 4 (a kv_policy file); overrides quant_policy
+  std::vector<KVQuant> kv_quant;  // per layer (from quant_policy or a kv_policy file); empty: kNone everywhere
   bool enable_prefix_caching = false;
   int32_t num_threads = 0;  // CPU threads, 0: all cores
   // CPUs of the engine thread and its kernel team, and of the callback thread (which runs the caller's
@@ -55,7 +53,7 @@ struct EngineOptions {
   int32_t session_len = 4096;
   int32_t block_size_tokens = 64;
   int32_t max_prefill_token_num = 8192;
-  int32_t num_blocks = 0;  // size of the KV pool, decided by the caller (kv_pool_num_blocks)
+  int32_t num_blocks = 0;  // size of the KV pool, decided by the caller (create_engine's KVPoolSizer)
   int64_t kv_bytes_per_block = 0;  // the executor's, for reporting
   int64_t linear_weight_bytes = 0;  // the executor's, for reporting
   bool enable_prefix_caching = false;
@@ -65,13 +63,6 @@ struct EngineOptions {
   std::vector<int32_t> engine_cpus, callback_cpus;  // EngineConfig's (empty: not pinned)
 };
 
-// KV pool size: cache_max_entry_count > 1 is a block count; otherwise that fraction of available_bytes,
-// capped at what max_batch_size sequences of session_len tokens can use. Throws when not even one
-// session fits.
-int32_t kv_pool_num_blocks(double cache_max_entry_count, int64_t bytes_per_block, int64_t available_bytes,
-                           int32_t max_batch_size, int32_t session_len, int32_t block_size_tokens);
-// MemAvailable of /proc/meminfo in bytes (0 when unknown).
-int64_t available_host_memory_bytes();
 
 struct EngineMetrics {
   int32_t num_running = 0;

@@ -6,28 +6,28 @@
 
 namespace lmkit {
 
-void SamplingParams::validate() const {
-  LMKIT_CHECK_ARG(std::isfinite(temperature) && temperature >= 0.0f,
-                  "temperature must be >= 0 (0 means greedy), got ", temperature);
-  LMKIT_CHECK_ARG(top_k >= 0, "top_k must be >= 0 (0 disables it), got ", top_k);
-  LMKIT_CHECK_ARG(std::isfinite(top_p) && top_p > 0.0f && top_p <= 1.0f, "top_p must be in (0, 1], got ", top_p);
-  LMKIT_CHECK_ARG(std::isfinite(min_p) && min_p >= 0.0f && min_p < 1.0f, "min_p must be in [0, 1), got ", min_p);
-  LMKIT_CHECK_ARG(std::isfinite(repetition_penalty) && repetition_penalty > 0.0f,
-                  "repetition_penalty must be > 0 (1 disables it), got ", repetition_penalty);
-  LMKIT_CHECK_ARG(std::isfinite(presence_penalty) && presence_penalty >= -2.0f && presence_penalty <= 2.0f,
-                  "presence_penalty must be in [-2, 2], got ", presence_penalty);
-  LMKIT_CHECK_ARG(std::isfinite(frequency_penalty) && frequency_penalty >= -2.0f && frequency_penalty <= 2.0f,
-                  "frequency_penalty must be in [-2, 2], got ", frequency_penalty);
-  LMKIT_CHECK_ARG(logprobs >= -1 && logprobs <= 20, "logprobs must be in [0, 20] (or -1 for none), got ", logprobs);
-  LMKIT_CHECK_ARG(prompt_logprobs >= -1 && prompt_logprobs <= 20,
-                  "prompt_logprobs must be in [0, 20] (or -1 for none), got ", prompt_logprobs);
-  LMKIT_CHECK_ARG(n >= 1, "n must be >= 1, got ", n);
-  LMKIT_CHECK_ARG(max_new_tokens >= 0, "max_new_tokens must be >= 0 (0: only the prompt is computed), got ",
-                  max_new_tokens);
-  LMKIT_CHECK_ARG(min_new_tokens >= 0 && min_new_tokens <= max_new_tokens,
-                  "min_new_tokens must be in [0, max_new_tokens=", max_new_tokens, "], got ", min_new_tokens);
-  LMKIT_CHECK_ARG(grammar_after_token >= -1, "grammar_after_token must be a token id (or -1: from the start), got ",
-                  grammar_after_token);
+void SamplingParams::check_invariants() const {
+  LMKIT_CHECK(std::isfinite(temperature) && temperature >= 0.0f,
+              "temperature must be >= 0 (0 means greedy), got ", temperature);
+  LMKIT_CHECK(top_k >= 0, "top_k must be >= 0 (0 disables it), got ", top_k);
+  LMKIT_CHECK(std::isfinite(top_p) && top_p > 0.0f && top_p <= 1.0f, "top_p must be in (0, 1], got ", top_p);
+  LMKIT_CHECK(std::isfinite(min_p) && min_p >= 0.0f && min_p < 1.0f, "min_p must be in [0, 1), got ", min_p);
+  LMKIT_CHECK(std::isfinite(repetition_penalty) && repetition_penalty > 0.0f,
+              "repetition_penalty must be > 0 (1 disables it), got ", repetition_penalty);
+  LMKIT_CHECK(std::isfinite(presence_penalty) && presence_penalty >= -2.0f && presence_penalty <= 2.0f,
+              "presence_penalty must be in [-2, 2], got ", presence_penalty);
+  LMKIT_CHECK(std::isfinite(frequency_penalty) && frequency_penalty >= -2.0f && frequency_penalty <= 2.0f,
+              "frequency_penalty must be in [-2, 2], got ", frequency_penalty);
+  LMKIT_CHECK(logprobs >= -1 && logprobs <= 20, "logprobs must be in [0, 20] (or -1 for none), got ", logprobs);
+  LMKIT_CHECK(prompt_logprobs >= -1 && prompt_logprobs <= 20,
+              "prompt_logprobs must be in [0, 20] (or -1 for none), got ", prompt_logprobs);
+  LMKIT_CHECK(n >= 1, "n must be >= 1, got ", n);
+  LMKIT_CHECK(max_new_tokens >= 0, "max_new_tokens must be >= 0 (0: only the prompt is computed), got ",
+              max_new_tokens);
+  LMKIT_CHECK(min_new_tokens >= 0 && min_new_tokens <= max_new_tokens,
+              "min_new_tokens must be in [0, max_new_tokens=", max_new_tokens, "], got ", min_new_tokens);
+  LMKIT_CHECK(grammar_after_token >= -1, "grammar_after_token must be a token id (or -1: from the start), got ",
+              grammar_after_token);
 }
 
 const char* finish_reason_name(FinishReason r) {

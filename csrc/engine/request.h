@@ -13,10 +13,10 @@
 
 namespace lmkit {
 
-// Per-request sampling and stopping parameters. Validated once by validate(); read-only after.
+// Per-request sampling and stopping parameters, read-only once submitted.
 struct SamplingParams {
-  float temperature = 1.0f;         // 0 -> greedy
-  int32_t top_k = 0;                // 0 -> off; 1 -> greedy
+  float temperature = 1.0f;         // 0 -> greedy (the one encoding: lmkit/messages.py maps top_k 1 to it)
+  int32_t top_k = 0;                // 0 -> off
   float top_p = 1.0f;               // (0, 1]
   float min_p = 0.0f;               // [0, 1)
   float repetition_penalty = 1.0f;  // HF semantics: logit > 0 ? logit / p : logit * p over prompt + output
@@ -40,9 +40,10 @@ struct SamplingParams {
   std::shared_ptr<const CompiledGrammar> grammar;
   int32_t grammar_after_token = -1;  // >= 0: the grammar starts after this token is sampled (reasoning's end)
 
-  // Throws InvalidArgument naming the parameter when a value is impossible.
-  void validate() const;
-  bool is_greedy() const { return temperature == 0.0f || top_k == 1; }
+  // Checks the invariants the engine relies on (throws Error). The user's values are validated once, at the
+  // boundary (lmkit.GenerationConfig, lmkit/messages.py): a failure here is a caller's bug, not bad input.
+  void check_invariants() const;
+  bool is_greedy() const { return temperature == 0.0f; }
   // The prompt's own rows are read (logits or logprobs), so every prompt position must be computed.
   bool reads_prompt_rows() const { return output_logits || prompt_logprobs >= 0; }
 };

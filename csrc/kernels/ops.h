@@ -1,7 +1,9 @@
-// The op interface: the model code calls these and nothing else. One dispatch point per op;
-// the CPU backend picks AVX-512 / AVX2+FMA / generic code once, at run time, from what the CPU supports.
+// The CPU kernels' interface: the CPU backend (model/backend_cpu.cpp), the kernel tests and the kernel
+// benchmark call these; a model forward calls the Backend interface (model/backend.h), never these. One
+// dispatch point per op: AVX-512 / AVX2+FMA / generic code is picked once, at run time, from what the CPU
+// supports. (The CUDA kernels, kernels/cuda/ops_cuda.h, share this header's plain types.)
 //
-// Conventions (CPU backend):
+// Conventions:
 //   - activations are fp32, row-major, rows = tokens of the fused batch;
 //   - weights are views in their stored dtype (F32, F16 or BF16) and are converted inside the kernel,
 //     never expanded into fp32 copies of whole matrices;
@@ -164,7 +166,7 @@ bool bf16_dot_available();
 void require_bf16_dot();
 // Whether bf16 pair panels run on AMX tiles here (AMX-BF16, granted to the process by the OS) in calls of
 // at least kLinearAmxMinRows rows (the result is that of the dot-product kernel up to the order of fp32
-// sums), and so does paged_attention's decode over a bf16 KV cache (head_dim, block_size % 32 == 0).
+// sums), and so does paged_attention's decode over a bf16 KV cache (head_dim, block_size_tokens % 32 == 0).
 bool bf16_amx_available();
 constexpr int64_t kLinearAmxMinRows = 2;
 // Whether AWQ int4 layers with int8 activations run on AMX tiles (AMX-INT8, granted by the OS) in calls of
@@ -228,15 +230,15 @@ void scale(float* x, int64_t n, float s);
 void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out, int32_t* argmax = nullptr);
 
 // One layer of the blocked KV pool. k and v each point at num_blocks blocks of block_bytes() bytes:
-//   bits 32 (fp32):    [num_kv_heads, block_size, head_dim] float
-//   bits 16, CPU (bf16, round to nearest even; block_size even):
-//                      k: [num_kv_heads, block_size, head_dim] bf16
-//                      v: [num_kv_heads, block_size / 2, head_dim, 2] bf16: the rows of tokens 2i and 2i + 1
+//   bits 32 (fp32):    [num_kv_heads, block_size_tokens, head_dim] float
+//   bits 16, CPU (bf16, round to nearest even; block_size_tokens even):
+//                      k: [num_kv_heads, block_size_tokens, head_dim] bf16
+//                      v: [num_kv_heads, block_size_tokens / 2, head_dim, 2] bf16: the rows of tokens 2i and 2i + 1
 //                         interleaved, i.e. pair rows of 32-bit words (v[2i][d], v[2i + 1][d]), the operand
 //                         layout of bf16 dot products over the keys (vdpbf16ps, AMX)
-//   bits 16, CUDA:     [num_kv_heads, block_size, head_dim] in the activation dtype (fp16 / bf16), k and v
-//   bits 8 / 4 (int):  [num_kv_heads, block_size, row_bytes()] quantized rows, then
-//                      [num_kv_heads, block_size, 2] fp16 (scale, zero) of each row
+//   bits 16, CUDA:     [num_kv_heads, block_size_tokens, head_dim] in the activation dtype (fp16 / bf16), k and v
+//   bits 8 / 4 (int):  [num_kv_heads, block_size_tokens, row_bytes()] quantized rows, then
+//                      [num_kv_heads, block_size_tokens, 2] fp16 (scale, zero) of each row
 // Quantized rows: per token and KV head, asymmetric over head_dim (lmkit/kv_policy.py gives the exact
 // rounding): scale = fp16((max - min) / (2^bits - 1)), zero = fp16(min), x ~ q * scale + zero.
 // int8: byte d = q[d].  int4: byte d (< head_dim / 2) = q[d] | q[d + head_dim / 2] << 4.
@@ -251,17 +253,17 @@ struct KVLayer {
   int32_t bits = 32;
   int32_t num_blocks = 0;
   int32_t num_kv_heads = 0;
-  int32_t block_size = 0;
+  int32_t block_size_tokens = 0;
   int32_t head_dim = 0;
   LMKIT_HOST_DEVICE bool is_quantized() const { return bits < 16; }
   LMKIT_HOST_DEVICE int64_t row_bytes() const { return (int64_t)head_dim * bits / 8; }
   LMKIT_HOST_DEVICE int64_t block_bytes() const {
-    return (int64_t)num_kv_heads * block_size * (row_bytes() + (is_quantized() ? 4 : 0));
+    return (int64_t)num_kv_heads * block_size_tokens * (row_bytes() + (is_quantized() ? 4 : 0));
   }
 };
 constexpr int kKVQuantMaxHeadDim = 256;  // quantized KV: head_dim even and at most this
 
-// Writes k, v rows ([n, num_kv_heads, head_dim]) into the pool at slots[t] = block_id * block_size + offset.
+// Writes k, v rows ([n, num_kv_heads, head_dim]) into the pool at slots[t] = block_id * block_size_tokens + offset.
 void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n);
 
 // One sequence of the fused batch, as attention sees it.
@@ -269,7 +271,7 @@ struct AttnSeq {
   int32_t q_row = 0;    // first row of this sequence's queries in q / out
   int32_t q_len = 0;    // query rows (prefill chunk length, 1 for a decode step)
   int32_t ctx_len = 0;  // keys in the cache incl. this chunk; query j sits at position ctx_len - q_len + j
-  const int32_t* block_table = nullptr;  // ceil(ctx_len / block_size) block ids, position p -> block p / block_size
+  const int32_t* block_table = nullptr;  // ceil(ctx_len / block_size_tokens) block ids, position p -> block p / block_size_tokens
 };
 
 // Causal paged attention over the blocked KV pool (keys/values of this chunk must already be written).
@@ -280,7 +282,7 @@ struct AttnSeq {
 //   -1: blocks the engine freed early), i.e. blocks holding only keys below ctx_len - q_len - sliding_window + 1.
 //   out = softmax(s) V with s = scale * q . K^T, or with logit_softcap > 0 s = cap * tanh(scale * q . K^T / cap)
 //   (Gemma 2), computed with an online softmax in fp32.
-//   Over a bf16 pool on AMX tiles (bf16_amx_available: every task, head_dim and block_size % 32 == 0), and
+//   Over a bf16 pool on AMX tiles (bf16_amx_available: every task, head_dim and block_size_tokens % 32 == 0), and
 //   elsewhere on AVX512_BF16 dot products (bf16_dot_available: tasks of more than 4 rows, prompts, head_dim % 16
 //   == 0), the softmax weights are rounded to bf16 (fp32 sums): up to ~3e-3 relative (per output row) to the
 //   exact result over the pool's values. Other tasks and CPUs: fp32 over the pool's values.

@@ -15,7 +15,9 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/kv_quant.h"
 #include "engine/batch.h"
+#include "kernels/cpu/sampling.h"
 #include "kernels/ops.h"
 #include "model/model_config.h"
 #include "model/weights.h"
@@ -101,11 +103,11 @@ class Backend {
   virtual void weights_packed(const ModelWeights& weights) { weights.release_linear_pages(); }
 
   // --- KV pool ------------------------------------------------------------------------------------------
-  // The format of each layer's cache: bits as the user asked (32 = the backend's full precision, 8, 4); the
-  // backend resolves full precision to its own (fp32, bf16, the activation dtype). Call once, before
-  // kv_bytes_per_block() and allocate_kv_pool().
-  virtual void configure_kv(const std::vector<int32_t>& layer_bits, int32_t num_kv_heads, int32_t head_dim,
-                            int32_t block_size) = 0;
+  // The format of each layer's cache, as the user asked it (core/kv_quant.h); the backend resolves
+  // KVQuant::kNone to its own full precision (fp32, bf16, the activation dtype) in ops::KVLayer::bits. Call
+  // once, before kv_bytes_per_block() and allocate_kv_pool().
+  virtual void configure_kv(const std::vector<KVQuant>& layer_quant, int32_t num_kv_heads, int32_t head_dim,
+                            int32_t block_size_tokens) = 0;
   virtual int64_t kv_bytes_per_block() const = 0;
   virtual void allocate_kv_pool(int32_t num_blocks) = 0;
 
@@ -178,5 +180,15 @@ std::unique_ptr<Backend> make_cpu_backend(const BackendOptions& options);
 std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& options, DType act, int64_t hidden_size,
                                            int64_t vocab_size);
 #endif
+
+// The CPU sampler's settings of a request (both backends draw on the host through ops::sample).
+inline ops::SamplerParams sampler_params(const SamplingParams& p) {
+  ops::SamplerParams s;
+  s.temperature = p.temperature, s.top_k = p.top_k, s.top_p = p.top_p, s.min_p = p.min_p;
+  s.repetition_penalty = p.repetition_penalty;
+  s.presence_penalty = p.presence_penalty, s.frequency_penalty = p.frequency_penalty;
+  s.logprobs = p.logprobs;
+  return s;
+}
 
 }  // namespace lmkit

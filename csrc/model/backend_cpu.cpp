@@ -117,23 +117,23 @@ class CpuBackend final : public Backend {
     return std::shared_ptr<float>(new float[std::max<int64_t>(rows * cols, 1)], std::default_delete<float[]>());
   }
 
-  void configure_kv(const std::vector<int32_t>& layer_bits, int32_t num_kv_heads, int32_t head_dim,
-                    int32_t block_size) override {
+  void configure_kv(const std::vector<KVQuant>& layer_quant, int32_t num_kv_heads, int32_t head_dim,
+                    int32_t block_size_tokens) override {
     // A packed (bf16 or quantized) KV cache needs an even head_dim, up to the kernels' largest; bf16 V is also
     // stored by token pairs, so its blocks must hold an even number of tokens (ops.h).
     const bool packed_fits = head_dim % 2 == 0 && head_dim <= ops::kKVQuantMaxHeadDim;
     kv_layers_.clear();
     kv_layer_offset_.clear();
     int64_t offset = 0;
-    for (size_t l = 0; l < layer_bits.size(); ++l) {
-      int32_t bits = layer_bits[l];
-      LMKIT_CHECK_ARG(bits == 32 || bits == 8 || bits == 4, "layer ", l, ": KV bits must be 32, 8 or 4, got ", bits);
-      // "full precision" KV is the compute dtype: bf16 where its layout fits, else fp32
-      if (bits == 32 && options_.bf16_linear && packed_fits && block_size % 2 == 0) bits = 16;
+    for (size_t l = 0; l < layer_quant.size(); ++l) {
+      // full precision (KVQuant::kNone) is the compute dtype: bf16 where its layout fits, else fp32
+      int32_t bits = layer_quant[l] == KVQuant::kNone ? 32 : static_cast<int32_t>(layer_quant[l]);
+      LMKIT_CHECK(bits == 32 || bits == 8 || bits == 4, "layer ", l, ": unknown KVQuant ", bits);
+      if (bits == 32 && options_.bf16_linear && packed_fits && block_size_tokens % 2 == 0) bits = 16;
       LMKIT_CHECK_ARG(bits == 32 || packed_fits, "a bf16 or quantized KV cache needs an even head_dim <= ",
                       ops::kKVQuantMaxHeadDim, ", the model has ", head_dim);
       ops::KVLayer kv;
-      kv.bits = bits, kv.num_kv_heads = num_kv_heads, kv.block_size = block_size, kv.head_dim = head_dim;
+      kv.bits = bits, kv.num_kv_heads = num_kv_heads, kv.block_size_tokens = block_size_tokens, kv.head_dim = head_dim;
       kv_layers_.push_back(kv);
       kv_layer_offset_.push_back(offset);
       offset += 2 * kv.block_bytes();
@@ -319,7 +319,7 @@ class CpuBackend final : public Backend {
       row_.assign(lg + i * vocab, lg + (i + 1) * vocab);  // the sampler works in place
       std::mt19937_64 rng(s.seed);
       ops::SampleLogprobs lp;
-      out.tokens[k] = ops::sample(row_.data(), (int32_t)vocab, *s.params, s.history, s.num_history, s.num_prompt,
+      out.tokens[k] = ops::sample(row_.data(), (int32_t)vocab, sampler_params(*s.params), s.history, s.num_history, s.num_prompt,
                                   s.banned.data(), (int32_t)s.banned.size(), s.mask ? s.mask->wait() : nullptr,
                                   rng, s.params->logprobs >= 0 ? &lp : nullptr);
       if (s.params->logprobs >= 0) {

@@ -211,26 +211,26 @@ class CudaBackend final : public Backend {
   }
 
   // --- KV pool ------------------------------------------------------------------------------------------
-  void configure_kv(const std::vector<int32_t>& layer_bits, int32_t num_kv_heads, int32_t head_dim,
-                    int32_t block_size) override {
+  void configure_kv(const std::vector<KVQuant>& layer_quant, int32_t num_kv_heads, int32_t head_dim,
+                    int32_t block_size_tokens) override {
     LMKIT_CHECK_ARG(head_dim % 2 == 0 && head_dim <= ops::kKVQuantMaxHeadDim, "device='cuda' needs an even head_dim ",
                     "of at most ", ops::kKVQuantMaxHeadDim, ", the model has ", head_dim);
     LMKIT_CHECK(num_heads_ > 0, "CudaBackend::prepare() must be called before configure_kv()");
-    block_size_ = block_size;
+    block_size_ = block_size_tokens;
     kv_layers_.clear();
     kv_layer_offset_.assign(1, 0);
-    for (size_t l = 0; l < layer_bits.size(); ++l) {
-      const int32_t bits = layer_bits[l] == 32 ? 16 : layer_bits[l];  // "full precision" is the activation dtype
-      LMKIT_CHECK_ARG(bits == 16 || bits == 8 || bits == 4, "layer ", l, ": KV bits must be 32, 8 or 4, got ",
-                      layer_bits[l]);
+    for (size_t l = 0; l < layer_quant.size(); ++l) {
+      // full precision (KVQuant::kNone) is the activation dtype
+      const int32_t bits = layer_quant[l] == KVQuant::kNone ? 16 : static_cast<int32_t>(layer_quant[l]);
+      LMKIT_CHECK(bits == 16 || bits == 8 || bits == 4, "layer ", l, ": unknown KVQuant ", bits);
       ops::KVLayer kv;
-      kv.bits = bits, kv.num_kv_heads = num_kv_heads, kv.block_size = block_size, kv.head_dim = head_dim;
+      kv.bits = bits, kv.num_kv_heads = num_kv_heads, kv.block_size_tokens = block_size_tokens, kv.head_dim = head_dim;
       kv_layers_.push_back(kv);
       kv_layer_offset_.push_back(kv_layer_offset_.back() + 2 * kv.block_bytes());
     }
     // One attention workspace for every step: the largest any row count up to max_step_tokens needs at the
     // longest context (small: the kernel splits the keys only while rows x heads is small).
-    const int32_t max_ctx = options_.max_blocks_per_seq > 0 ? options_.max_blocks_per_seq * block_size : 1 << 24;
+    const int32_t max_ctx = options_.max_blocks_per_seq > 0 ? options_.max_blocks_per_seq * block_size_tokens : 1 << 24;
     max_attention_ctx_ = max_ctx;
     int64_t bytes = 0;
     for (int32_t r = 1; r <= options_.max_step_tokens; ++r) {
@@ -265,7 +265,7 @@ class CudaBackend final : public Backend {
     LMKIT_CHECK(batch.num_tokens <= options_.max_step_tokens, "step of ", batch.num_tokens,
                 " tokens exceeds the workspace of ", options_.max_step_tokens);
     LMKIT_CHECK(kv_pool_ != nullptr, "allocate_kv_pool() before the first step");
-    LMKIT_CHECK(batch.block_size == block_size_, "a batch of ", batch.block_size, "-token blocks for a pool of ",
+    LMKIT_CHECK(batch.block_size_tokens == block_size_, "a batch of ", batch.block_size_tokens, "-token blocks for a pool of ",
                 block_size_);
     for (int32_t id : batch.token_ids)
       LMKIT_CHECK(id >= 0 && id < vocab_size_, "token id ", id, " is outside the vocabulary (", vocab_size_, ")");
@@ -630,7 +630,7 @@ void CudaBackend::take_logits(const Batch& batch, int64_t first, int64_t n, cons
       if (!in_group(s.logit_index) || (s.params->logprobs < 0 && !s.mask)) continue;
       std::mt19937_64 rng(s.seed);
       ops::SampleLogprobs lp;
-      out.tokens[k] = ops::sample(host_logits_.data() + (s.logit_index - first) * vocab, (int32_t)vocab, *s.params,
+      out.tokens[k] = ops::sample(host_logits_.data() + (s.logit_index - first) * vocab, (int32_t)vocab, sampler_params(*s.params),
                                   s.history, s.num_history, s.num_prompt, s.banned.data(), (int32_t)s.banned.size(),
                                   s.mask ? s.mask->wait() : nullptr, rng, &lp);
       out.logprobs[k].logprob = lp.logprob;
@@ -654,7 +654,7 @@ void CudaBackend::sample_on_gpu(void* logits, int64_t n, int64_t vocab, const st
       const SampleRow& s = batch.samples[sample_of_row[r]];
       const SamplingParams& sp = *s.params;
       cuda::SampleParams& p = params_host_[r];
-      p.temperature = sp.is_greedy() ? 0.0f : sp.temperature;
+      p.temperature = sp.temperature;  // 0: greedy
       p.top_k = sp.top_k, p.top_p = sp.top_p, p.min_p = sp.min_p;
       p.repetition_penalty = sp.repetition_penalty;
       p.presence_penalty = sp.presence_penalty, p.frequency_penalty = sp.frequency_penalty;

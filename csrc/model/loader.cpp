@@ -21,10 +21,8 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   LMKIT_CHECK_ARG(config.device == "cpu", "device='", config.device,
                   "' is not available in this build (built without the CUDA backend); use device='cpu'");
 #endif
-  LMKIT_CHECK_ARG(config.quant_policy == 0 || config.quant_policy == 8 || config.quant_policy == 4, "quant_policy=",
-                  config.quant_policy, " is not one of 0 (fp), 8 (int8 KV), 4 (int4 KV)");
   LMKIT_CHECK_ARG(config.max_batch_size >= 1, "max_batch_size must be >= 1, got ", config.max_batch_size);
-  LMKIT_CHECK_ARG(config.cache_block_seq_len >= 1, "cache_block_seq_len must be >= 1, got ", config.cache_block_seq_len);
+  LMKIT_CHECK_ARG(config.block_size_tokens >= 1, "cache_block_seq_len must be >= 1, got ", config.block_size_tokens);
   LMKIT_CHECK_ARG(config.max_prefill_token_num >= 1, "max_prefill_token_num must be >= 1, got ",
                   config.max_prefill_token_num);
   LMKIT_CHECK_ARG(config.num_threads >= 0, "num_threads must be >= 0, got ", config.num_threads);
@@ -35,7 +33,7 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   options.session_len = config.session_len > 0 ? config.session_len : model.max_position_embeddings;
   LMKIT_CHECK_ARG(options.session_len > 1, "session_len must be > 1 (the model's max_position_embeddings is ",
                   model.max_position_embeddings, ")");
-  options.block_size_tokens = config.cache_block_seq_len;
+  options.block_size_tokens = config.block_size_tokens;
   options.max_prefill_token_num = config.max_prefill_token_num;
   options.vocab_size = model.vocab_size;
   options.eos_token_ids = eos_token_ids;
@@ -48,22 +46,15 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   backend.num_threads = config.num_threads;
   backend.int8_activations = config.int8_activations;
   backend.bf16_linear = config.bf16_linear;
-  backend.max_blocks_per_seq = (options.session_len + config.cache_block_seq_len - 1) / config.cache_block_seq_len;
+  backend.max_blocks_per_seq = (options.session_len + config.block_size_tokens - 1) / config.block_size_tokens;
   backend.cuda_graphs = config.cuda_graphs;
   ModelOptions model_options;
-  model_options.block_size_tokens = config.cache_block_seq_len;
+  model_options.block_size_tokens = config.block_size_tokens;
   model_options.max_step_tokens = backend.max_step_tokens;
-  std::vector<int32_t> policy = config.kv_layer_bits;
-  if (policy.empty()) policy.assign(model.num_layers, config.quant_policy);
-  LMKIT_CHECK_ARG((int32_t)policy.size() == model.num_layers, "the KV policy has ", policy.size(),
-                  " layers, the model has ", model.num_layers, " (a policy calibrated for another model?)");
-  for (int32_t bits : policy) {
-    LMKIT_CHECK_ARG(bits == 0 || bits == 8 || bits == 4, "KV policy entries must be 0, 8 or 4, got ", bits);
-    model_options.kv_bits.push_back(bits == 0 ? 32 : bits);
-  }
+  model_options.kv_quant = config.kv_quant;
   ModelWeights weights = ModelWeights::load(model, sources);
   std::unique_ptr<Backend> device;
-  int64_t available_bytes = 0;  // what cache_max_entry_count is a fraction of (CUDA)
+  int64_t device_free_bytes = 0;  // CUDA: free GPU memory once weights and workspaces are in; CPU: 0
 #ifdef LMKIT_WITH_CUDA
   if (config.device == "cuda") {
     const DType act = weights.embed_tokens.dtype == DType::BF16 ? DType::BF16 : DType::F16;
@@ -76,21 +67,16 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
 #ifdef LMKIT_WITH_CUDA
   if (is_cuda) {
     int64_t total_bytes = 0;
-    cuda::memory_info(&available_bytes, &total_bytes);  // free GPU memory once weights and workspaces are in
+    cuda::memory_info(&device_free_bytes, &total_bytes);
   }
 #endif
-  if (!is_cuda) available_bytes = available_host_memory_bytes();
   options.attention_window_tokens = model.attention_window_tokens();
   options.kv_bytes_per_block = executor->kv_bytes_per_block();
   options.linear_weight_bytes = executor->linear_weight_bytes();
-  if (size_kv_pool) {
-    options.num_blocks = size_kv_pool(options.kv_bytes_per_block, options.linear_weight_bytes, options.session_len);
-    LMKIT_CHECK_ARG(options.num_blocks >= 1, "the KV pool sizer gave ", options.num_blocks, " blocks; it needs >= 1");
-  } else {
-    options.num_blocks =
-        kv_pool_num_blocks(config.cache_max_entry_count, executor->kv_bytes_per_block(), available_bytes,
-                           options.max_batch_size, options.session_len, options.block_size_tokens);
-  }
+  LMKIT_CHECK(size_kv_pool != nullptr, "create_engine needs a KV pool sizer (lmkit/memory.py sizes every pool)");
+  options.num_blocks =
+      size_kv_pool(options.kv_bytes_per_block, options.linear_weight_bytes, options.session_len, device_free_bytes);
+  LMKIT_CHECK_ARG(options.num_blocks >= 1, "the KV pool sizer gave ", options.num_blocks, " blocks; it needs >= 1");
   return std::make_unique<Engine>(options, std::move(executor));
 }
 

@@ -12,18 +12,17 @@
 
 namespace lmkit {
 
-// Sizes the KV pool once the weights are packed and before the pool is allocated (lmkit/memory.py does it
-// for the CPU backend): given the executor's bytes per KV block and packed linear weight bytes and the
-// resolved session_len, returns the number of blocks (>= 1). What it throws ends create_engine.
-using KVPoolSizer =
-    std::function<int32_t(int64_t kv_bytes_per_block, int64_t linear_weight_bytes, int32_t session_len)>;
+// Decides the KV pool's block count once the weights are packed, from what only the C++ side knows: the
+// bytes of one block, the packed linear weights, the resolved session_len and, on CUDA, the GPU memory still
+// free (0 on the CPU). The policy lives in one place, lmkit/memory.py (plan_kv_pool, plan_cuda_kv_pool).
+// What it throws ends create_engine.
+using KVPoolSizer = std::function<int32_t(int64_t kv_bytes_per_block, int64_t linear_weight_bytes,
+                                          int32_t session_len, int64_t device_free_bytes)>;
 
-// Checks the config against the model, maps the weights, sizes the KV pool (size_kv_pool when given, else
-// kv_pool_num_blocks) and starts the engine.
-// Throws InvalidArgument naming the setting when something cannot work (device, quant_policy, sizes).
+// Checks the config against the model, maps the weights, sizes the KV pool through size_kv_pool and starts the
+// engine. Throws InvalidArgument naming the setting when something cannot work (device, sizes).
 std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelConfig& model,
                                       const std::map<std::string, TensorSource>& sources,
-                                      const std::vector<int32_t>& eos_token_ids,
-                                      const KVPoolSizer& size_kv_pool = nullptr);
+                                      const std::vector<int32_t>& eos_token_ids, const KVPoolSizer& size_kv_pool);
 
 }  // namespace lmkit

@@ -70,11 +70,11 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   b.set_embedding(weights.embed_tokens);
   b.weights_packed(weights);
 
-  std::vector<int32_t> kv_bits = options.kv_bits;
-  if (kv_bits.empty()) kv_bits.assign(c.num_layers, 32);
-  LMKIT_CHECK_ARG((int32_t)kv_bits.size() == c.num_layers, "KV precision is given for ", kv_bits.size(),
+  std::vector<KVQuant> kv_quant = options.kv_quant;
+  if (kv_quant.empty()) kv_quant.assign(c.num_layers, KVQuant::kNone);
+  LMKIT_CHECK_ARG((int32_t)kv_quant.size() == c.num_layers, "KV precision is given for ", kv_quant.size(),
                   " layers, the model has ", c.num_layers);
-  b.configure_kv(kv_bits, c.num_kv_heads, c.head_dim, options.block_size_tokens);
+  b.configure_kv(kv_quant, c.num_kv_heads, c.head_dim, options.block_size_tokens);
 
   const int64_t T = options.max_step_tokens, H = c.hidden_size, G = b.max_head_rows();
   LMKIT_CHECK(T > 0, "max_step_tokens must be > 0");

@@ -21,7 +21,7 @@ namespace lmkit {
 struct ModelOptions {
   int32_t block_size_tokens = 64;
   int32_t max_step_tokens = 8192;  // rows of one forward at most (prefill budget + decodes)
-  std::vector<int32_t> kv_bits;    // per layer: 32 (the backend's full precision), 8 or 4; empty: 32
+  std::vector<KVQuant> kv_quant;   // per layer; empty: KVQuant::kNone (the backend's full precision) everywhere
 };
 
 class DecoderModel : public Executor {

@@ -60,6 +60,11 @@ PYBIND11_MODULE(_engine, m) {
   });
 
   bind_cuda(m);
+#ifdef LMKIT_BUILD_DIR
+  m.attr("build_dir") = std::string(LMKIT_BUILD_DIR);  // the CMake build this module came from
+#else
+  m.attr("build_dir") = std::string();
+#endif
   m.def("cpu_isa", &ops::cpu_isa, "Instruction set the CPU kernels picked at run time.");
   m.def("cpu_bf16_available", &ops::bf16_dot_available,
         "Whether this CPU runs the bf16 dot-product kernel of EngineConfig(dtype='bfloat16') (AVX512_BF16).");
@@ -111,16 +116,18 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("norm_topk_prob", &ModelConfig::norm_topk_prob)
       .def_readwrite("layer_moe", &ModelConfig::layer_moe);
 
+  py::enum_<KVQuant>(m, "KVQuant", "A layer's KV-cache precision (core/kv_quant.h)")
+      .value("none", KVQuant::kNone)
+      .value("int8", KVQuant::kInt8)
+      .value("int4", KVQuant::kInt4);
   py::class_<EngineConfig>(m, "EngineConfig")
       .def(py::init<>())
       .def_readwrite("device", &EngineConfig::device)
       .def_readwrite("max_batch_size", &EngineConfig::max_batch_size)
       .def_readwrite("session_len", &EngineConfig::session_len)
-      .def_readwrite("cache_block_seq_len", &EngineConfig::cache_block_seq_len)
-      .def_readwrite("cache_max_entry_count", &EngineConfig::cache_max_entry_count)
+      .def_readwrite("block_size_tokens", &EngineConfig::block_size_tokens)
       .def_readwrite("max_prefill_token_num", &EngineConfig::max_prefill_token_num)
-      .def_readwrite("quant_policy", &EngineConfig::quant_policy)
-      .def_readwrite("kv_layer_bits", &EngineConfig::kv_layer_bits)
+      .def_readwrite("kv_quant", &EngineConfig::kv_quant)
       .def_readwrite("int8_activations", &EngineConfig::int8_activations)
       .def_readwrite("bf16_linear", &EngineConfig::bf16_linear)
       .def_readwrite("cuda_graphs", &EngineConfig::cuda_graphs)
@@ -151,8 +158,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_property(
           "grammar", [](const SamplingParams& p) { return std::const_pointer_cast<CompiledGrammar>(p.grammar); },
           [](SamplingParams& p, std::shared_ptr<CompiledGrammar> g) { p.grammar = std::move(g); })
-      .def_readwrite("grammar_after_token", &SamplingParams::grammar_after_token)
-      .def("validate", &SamplingParams::validate);
+      .def_readwrite("grammar_after_token", &SamplingParams::grammar_after_token);
 
   py::class_<GrammarTokenizer, std::shared_ptr<GrammarTokenizer>>(
       m, "GrammarTokenizer", "One model's vocabulary for llguidance (structured output); see lmkit/structured.py.")
@@ -249,16 +255,15 @@ PYBIND11_MODULE(_engine, m) {
                s.shape = t[3].cast<std::vector<int64_t>>();
                srcs[item.first.cast<std::string>()] = std::move(s);
              }
-             // size_kv_pool(kv_bytes_per_block, linear_weight_bytes, session_len) -> blocks, called once on
-             // this thread after the weights are packed; what it raises propagates. A borrowed handle: the
-             // argument outlives create_engine, and nothing here touches its reference count without the GIL.
-             KVPoolSizer sizer;
-             if (!size_kv_pool.is_none())
-               sizer = [fn = py::handle(size_kv_pool)](int64_t bytes_per_block, int64_t weight_bytes,
-                                                       int32_t session_len) {
-                 py::gil_scoped_acquire gil;
-                 return fn(bytes_per_block, weight_bytes, session_len).cast<int32_t>();
-               };
+             // size_kv_pool(kv_bytes_per_block, linear_weight_bytes, session_len, device_free_bytes) -> blocks
+             // (loader.h's KVPoolSizer), called once on this thread after the weights are packed; what it raises
+             // propagates. A borrowed handle: the argument outlives create_engine, and nothing here touches its
+             // reference count without the GIL.
+             const KVPoolSizer sizer = [fn = py::handle(size_kv_pool)](int64_t bytes_per_block, int64_t weight_bytes,
+                                                                       int32_t session_len, int64_t free_bytes) {
+               py::gil_scoped_acquire gil;
+               return fn(bytes_per_block, weight_bytes, session_len, free_bytes).cast<int32_t>();
+             };
              py::gil_scoped_release release;
              EnginePtr engine(create_engine(config, model, srcs, eos_token_ids, sizer).release());
              engine->set_delivery_scope([](const std::function<void()>& deliver) {
@@ -268,7 +273,7 @@ PYBIND11_MODULE(_engine, m) {
              return engine;
            }),
            py::arg("config"), py::arg("model"), py::arg("sources"), py::arg("eos_token_ids"),
-           py::arg("size_kv_pool") = py::none())
+           py::arg("size_kv_pool"))
       .def("submit", &Engine::submit, py::arg("request_id"), py::arg("prompt"), py::arg("params"),
            py::arg("callback"), py::call_guard<py::gil_scoped_release>(),
            "Queues a request; callback(RequestOutput) runs on the engine's callback thread.")

@@ -47,7 +47,7 @@ DType act_dtype(const std::string& s) {
 template <typename T = void>
 T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 
-// kv: (k_ptr, v_ptr, bits, num_blocks, num_kv_heads, block_size, head_dim)
+// kv: (k_ptr, v_ptr, bits, num_blocks, num_kv_heads, block_size_tokens, head_dim)
 ops::KVLayer kv_layer(const py::tuple& t) {
   ops::KVLayer kv;
   kv.k = ptr(t[0].cast<uintptr_t>());
@@ -55,7 +55,7 @@ ops::KVLayer kv_layer(const py::tuple& t) {
   kv.bits = t[2].cast<int32_t>();
   kv.num_blocks = t[3].cast<int32_t>();
   kv.num_kv_heads = t[4].cast<int32_t>();
-  kv.block_size = t[5].cast<int32_t>();
+  kv.block_size_tokens = t[5].cast<int32_t>();
   kv.head_dim = t[6].cast<int32_t>();
   return kv;
 }
@@ -128,7 +128,7 @@ void bind_cuda(py::module_& parent) {
     cuda::qkv_rope_kv_write(ptr(qkv), ptr(bias), ptr<const int32_t>(positions), ptr<const int32_t>(slots), n,
                             num_heads, ptr<const float>(inv_freq), attention_scaling, kv_layer(kv), act_dtype(act),
                             nullptr);
-  }, "kv: (k_ptr, v_ptr, bits, num_blocks, num_kv_heads, block_size, head_dim); bias 0 = none");
+  }, "kv: (k_ptr, v_ptr, bits, num_blocks, num_kv_heads, block_size_tokens, head_dim); bias 0 = none");
   m.def("attention_workspace_bytes", &cuda::attention_workspace_bytes);
   m.def("paged_attention", [](uintptr_t q, int64_t q_row_stride, const py::tuple& kv, uintptr_t q_start,
                               uintptr_t ctx_lens, uintptr_t block_tables, uintptr_t row_seq, int32_t num_seqs,

@@ -1069,7 +1069,7 @@ const char* g_attn_path = "f32";  // the path use_attention_path chose last
 
 // The paths of attention over a bf16 pool, chosen for the whole process: "f32" (fp32 FMAs over rows converted
 // from bf16: exact over the pool's values), "bf16" (prefill tasks on AVX512_BF16 dot products), "amx" (every
-// task on AMX tiles where head_dim and block_size are multiples of 32, else as "bf16"). False (and "f32" set)
+// task on AMX tiles where head_dim and block_size_tokens are multiples of 32, else as "bf16"). False (and "f32" set)
 // where this CPU cannot take the path.
 bool use_attention_path(const char* path) {
   g_attn_path = path;
@@ -1100,16 +1100,16 @@ struct AttnCheck {
   float softcap = 0.0f;
 };
 
-void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int block_size, int window,
+void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int block_size_tokens, int window,
                          const std::vector<std::pair<int, int>>& q_ctx, int bits = 32, double tol = 1e-5,
                          AttnCheck check = {}) {
   int num_blocks = 3;
-  for (auto& [ql, cl] : q_ctx) num_blocks += (cl + block_size - 1) / block_size;
+  for (auto& [ql, cl] : q_ctx) num_blocks += (cl + block_size_tokens - 1) / block_size_tokens;
   ops::KVLayer kv;
   kv.bits = bits;
   kv.num_blocks = num_blocks;
   kv.num_kv_heads = num_kv_heads;
-  kv.block_size = block_size;
+  kv.block_size_tokens = block_size_tokens;
   kv.head_dim = head_dim;
   // one poisoned guard block before the pool: what a block id of -1 would read
   const int64_t bb = kv.block_bytes(), pool = (num_blocks + 1) * bb;
@@ -1126,19 +1126,19 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
   size_t next_free = 0;
   for (size_t s = 0; s < q_ctx.size(); ++s) {
     const auto [q_len, ctx_len] = q_ctx[s];
-    for (int b = 0; b < (ctx_len + block_size - 1) / block_size; ++b) tables[s].push_back(free_blocks[next_free++]);
+    for (int b = 0; b < (ctx_len + block_size_tokens - 1) / block_size_tokens; ++b) tables[s].push_back(free_blocks[next_free++]);
     seqs[s] = ops::AttnSeq{rows, q_len, ctx_len, tables[s].data()};
     rows += q_len;
     // every position of the context, written the way the engine does (a slot per token)
     std::vector<int32_t> slots(ctx_len);
-    for (int p = 0; p < ctx_len; ++p) slots[p] = tables[s][p / block_size] * block_size + p % block_size;
+    for (int p = 0; p < ctx_len; ++p) slots[p] = tables[s][p / block_size_tokens] * block_size_tokens + p % block_size_tokens;
     std::vector<float> k = randn((int64_t)ctx_len * num_kv_heads * head_dim),
                        v = randn((int64_t)ctx_len * num_kv_heads * head_dim);
     ops::kv_write(kv, k.data(), v.data(), slots.data(), ctx_len);
     ops::reference::kv_write(kv_ref, k.data(), v.data(), slots.data(), ctx_len);
   }
   const std::string name = "bits " + std::to_string(bits) + " heads " + std::to_string(num_heads) + "/" + std::to_string(num_kv_heads) + " hd " +
-                           std::to_string(head_dim) + " bs " + std::to_string(block_size) + " window " +
+                           std::to_string(head_dim) + " bs " + std::to_string(block_size_tokens) + " window " +
                            std::to_string(window) + " seqs " + std::to_string(q_ctx.size()) + " (q_len " +
                            std::to_string(q_ctx[0].first) + ", ctx " + std::to_string(q_ctx[0].second) + ")";
   expect(kpool == kpool_ref && vpool == vpool_ref, "kv_write " + name);
@@ -1146,7 +1146,7 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
   for (size_t s = 0; s < q_ctx.size() && window > 0; ++s) {
     const auto [q_len, ctx_len] = q_ctx[s];
     const int first_key = std::max(0, ctx_len - q_len - window + 1);  // the first query's window start
-    for (int b = 0; b < first_key / block_size; ++b, ++num_freed) {
+    for (int b = 0; b < first_key / block_size_tokens; ++b, ++num_freed) {
       for (std::vector<uint8_t>* p : {&kpool, &vpool, &kpool_ref, &vpool_ref})
         std::fill_n(p->begin() + (tables[s][b] + 1) * bb, bb, 0xff);
       tables[s][b] = -1;
@@ -1234,7 +1234,7 @@ void test_attention_softcap_and_freed_blocks(int threads) {
 
   // the door: a -1 entry of a block some window reaches is refused; one before every window is never read
   ops::KVLayer kv;
-  kv.num_blocks = 4, kv.num_kv_heads = 1, kv.block_size = 4, kv.head_dim = 8;
+  kv.num_blocks = 4, kv.num_kv_heads = 1, kv.block_size_tokens = 4, kv.head_dim = 8;
   std::vector<float> kp(kv.num_blocks * kv.block_bytes() / 4, 0.5f), vp(kp.size(), 0.25f), q(8, 1.0f), out(8);
   kv.k = kp.data(), kv.v = vp.data();
   auto attend = [&](std::vector<int32_t> table, int q_len, int window, float cap = 0.0f) {
@@ -1262,8 +1262,8 @@ void test_attention_softcap_and_freed_blocks(int threads) {
 void test_kv_write_half_edges() {
   for (int bits : {8, 4}) {
     ops::KVLayer kv;
-    kv.bits = bits, kv.num_blocks = 1, kv.num_kv_heads = 1, kv.block_size = 64, kv.head_dim = 32;
-    const int rows = kv.block_size, hd = kv.head_dim;
+    kv.bits = bits, kv.num_blocks = 1, kv.num_kv_heads = 1, kv.block_size_tokens = 64, kv.head_dim = 32;
+    const int rows = kv.block_size_tokens, hd = kv.head_dim;
     std::vector<float> k((size_t)rows * hd), v(k.size());
     std::uniform_real_distribution<float> expo(-9.0f, 4.0f);
     for (int r = 0; r < rows; ++r) {
@@ -1305,7 +1305,7 @@ void test_attention(int threads) {
   }
   // bf16 pools (V stored by token pairs, so even block sizes): kv_write byte-exact with the reference's
   // rounding, attention against the float64 reference over the bf16 values; prefill, decode, split decode.
-  // With AMX (head_dim and block_size multiples of 32), every task (16 rows: decode steps and prefill) runs on
+  // With AMX (head_dim and block_size_tokens multiples of 32), every task (16 rows: decode steps and prefill) runs on
   // tiles, rounding the softmax weights to bf16: measured up to 3.0e-3 on a row, held to 5e-3 overall and per
   // row, also at 20x the scores' scale (q keeps 16 bits of mantissa on the tiles); so do prefill tasks on
   // AVX512_BF16 dot products ("bf16"); 1e-5 on the fp32 path
@@ -1460,7 +1460,7 @@ void test_greedy_sample() {
       if (!std::isnan(x[i]) && (best < 0 || x[i] > x[best])) best = i;
     return best < 0 ? 0 : best;
   };
-  SamplingParams greedy;
+  ops::SamplerParams greedy;
   greedy.temperature = 0.0f;
   std::mt19937_64 rng(1);
   std::uniform_int_distribution<int> coin(0, 7);

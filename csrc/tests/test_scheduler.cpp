@@ -52,10 +52,10 @@ bool conserved(const BlockManager& bm) {
 // their queries reads (p - k < window, or all k <= p without one) is in a live block holding exactly that
 // sequence's fingerprint: a block freed too early, reused while still read, or hit with other content fails.
 struct FakeKV {
-  int32_t block_size, window;
+  int32_t block_size_tokens, window;
   std::vector<std::vector<uint64_t>> slots;
   FakeKV(const BlockManager& bm, int32_t window_tokens)
-      : block_size(bm.block_size_tokens()), window(window_tokens),
+      : block_size_tokens(bm.block_size_tokens()), window(window_tokens),
         slots(bm.num_total_blocks(), std::vector<uint64_t>(bm.block_size_tokens(), 0)) {}
   bool step(const BatchPlan& plan) {
     bool ok = true;
@@ -65,14 +65,14 @@ struct FakeKV {
       uint64_t h = 1;
       for (size_t p = 0; p < fp.size(); ++p) fp[p] = h = h * 1000003u + (uint64_t)seq.tokens[p] + 1;
       for (int32_t p = s.start_pos; p < s.start_pos + s.num_tokens; ++p) {
-        const int32_t id = seq.block_table[p / block_size];
+        const int32_t id = seq.block_table[p / block_size_tokens];
         if (id == kNoBlock) return false;
-        slots[id][p % block_size] = fp[p];
+        slots[id][p % block_size_tokens] = fp[p];
       }
       for (int32_t q = s.start_pos; q < s.start_pos + s.num_tokens; ++q)
         for (int32_t k = window > 0 ? std::max(0, q - window + 1) : 0; k <= q; ++k) {
-          const int32_t id = seq.block_table[k / block_size];
-          ok = ok && id != kNoBlock && slots[id][k % block_size] == fp[k];
+          const int32_t id = seq.block_table[k / block_size_tokens];
+          ok = ok && id != kNoBlock && slots[id][k % block_size_tokens] == fp[k];
         }
     }
     return ok;

@@ -271,15 +271,15 @@ void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out, int32_t* a
 namespace {
 void check_kv(const KVLayer& kv, const char* op) {
   LMKIT_CHECK(kv.k != nullptr && kv.v != nullptr, op, ": KV layer has no k/v storage");
-  LMKIT_CHECK(kv.num_blocks > 0 && kv.num_kv_heads > 0 && kv.block_size > 0, op, ": bad KV layer (blocks ",
-              kv.num_blocks, ", kv heads ", kv.num_kv_heads, ", block_size ", kv.block_size, ")");
+  LMKIT_CHECK(kv.num_blocks > 0 && kv.num_kv_heads > 0 && kv.block_size_tokens > 0, op, ": bad KV layer (blocks ",
+              kv.num_blocks, ", kv heads ", kv.num_kv_heads, ", block_size_tokens ", kv.block_size_tokens, ")");
   LMKIT_CHECK(kv.head_dim > 0 && kv.head_dim <= 1024, op, ": head_dim must be in [1, 1024], got ", kv.head_dim);
   LMKIT_CHECK(kv.bits == 32 || kv.bits == 16 || kv.bits == 8 || kv.bits == 4, op,
               ": KV bits must be 32 (fp32), 16 (bf16), 8 or 4, got ", kv.bits);
   LMKIT_CHECK(kv.bits == 32 || (kv.head_dim % 2 == 0 && kv.head_dim <= kKVQuantMaxHeadDim), op,
               ": a bf16 or quantized KV cache needs an even head_dim <= ", kKVQuantMaxHeadDim, ", got ", kv.head_dim);
-  LMKIT_CHECK(kv.bits != 16 || kv.block_size % 2 == 0, op,
-              ": a bf16 KV cache stores V by token pairs: block_size must be even, got ", kv.block_size);
+  LMKIT_CHECK(kv.bits != 16 || kv.block_size_tokens % 2 == 0, op,
+              ": a bf16 KV cache stores V by token pairs: block_size_tokens must be even, got ", kv.block_size_tokens);
 }
 }  // namespace
 
@@ -288,7 +288,7 @@ void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* 
   LMKIT_CHECK(n >= 0, "kv_write: n must be >= 0, got ", n);
   if (n == 0) return;
   LMKIT_CHECK(k != nullptr && v != nullptr && slots != nullptr, "kv_write: k, v and slots must be non-null");
-  const int64_t num_slots = (int64_t)kv.num_blocks * kv.block_size;
+  const int64_t num_slots = (int64_t)kv.num_blocks * kv.block_size_tokens;
   for (int64_t t = 0; t < n; ++t)
     LMKIT_CHECK(slots[t] < num_slots, "kv_write: slot ", slots[t], " of row ", t, " is outside the pool (",
                 num_slots, " slots)");
@@ -316,14 +316,14 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
     // entries before may be -1, blocks the engine freed, and are never read)
     const int64_t first_pos = (int64_t)a.ctx_len - a.q_len;
     const int64_t first_key = sliding_window > 0 ? std::max<int64_t>(0, first_pos - sliding_window + 1) : 0;
-    const int64_t num_used = ((int64_t)a.ctx_len + kv.block_size - 1) / kv.block_size;
-    for (int64_t b = first_key / kv.block_size; b < num_used; ++b)
+    const int64_t num_used = ((int64_t)a.ctx_len + kv.block_size_tokens - 1) / kv.block_size_tokens;
+    for (int64_t b = first_key / kv.block_size_tokens; b < num_used; ++b)
       LMKIT_CHECK(a.block_table[b] >= 0 && a.block_table[b] < kv.num_blocks, "paged_attention: sequence ", s,
                   " block_table[", b, "] = ", a.block_table[b], " is outside the pool (", kv.num_blocks,
                   " blocks), and keys ", first_key, "..", a.ctx_len - 1, " of its queries' windows need it");
   }
   // the cheap conditions first: amx_table() asks the OS for the tile registers on its first call
-  const bool tiles_fit = kv.bits == 16 && kv.head_dim % 32 == 0 && kv.block_size % 32 == 0;
+  const bool tiles_fit = kv.bits == 16 && kv.head_dim % 32 == 0 && kv.block_size_tokens % 32 == 0;
   const cpu::KernelTable* amx =
       tiles_fit && cpu::g_amx_enabled.load(std::memory_order_relaxed) ? cpu::amx_table() : nullptr;
   const cpu::KernelTable* bf16 =

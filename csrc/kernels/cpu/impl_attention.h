@@ -60,7 +60,7 @@ struct KVPrefetch {
     const int64_t rb = kv.row_bytes(), at = (int64_t)block * kv.block_bytes();
     k = (const char*)kv.k + at + row0 * rb, v = (const char*)kv.v + at + row0 * rb, bytes = run * rb;
     if (kv.bits <= 8) {
-      const int64_t params = (int64_t)kv.num_kv_heads * kv.block_size * rb + row0 * 4;
+      const int64_t params = (int64_t)kv.num_kv_heads * kv.block_size_tokens * rb + row0 * 4;
       for (int64_t o = 0; o < run * 4; o += 64) prefetch((const char*)kv.k + at + params + o),
                                                 prefetch((const char*)kv.v + at + params + o);
     }
@@ -80,7 +80,7 @@ struct KVPrefetch {
 template <class Row>
 inline void walk_runs(const KVLayer& kv, const int32_t* table, int64_t h, int64_t c0, int n, int64_t key_end,
                       Row&& row) {
-  const int64_t bs = kv.block_size, rb = kv.row_bytes(), bb = kv.block_bytes();
+  const int64_t bs = kv.block_size_tokens, rb = kv.row_bytes(), bb = kv.block_bytes();
   int64_t b = c0 / bs, off = c0 % bs;
   for (int j = 0; j < n;) {
     const int run = n - j < bs - off ? n - j : (int)(bs - off);
@@ -104,7 +104,7 @@ inline void walk_runs(const KVLayer& kv, const int32_t* table, int64_t h, int64_
 inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_t c0, int n, int count,
                       const float* zero, const float** krow, const float** vrow, float* kbuf, float* vbuf,
                       int64_t key_end) {
-  const int64_t bs = kv.block_size, hd = kv.head_dim, rb = kv.row_bytes();
+  const int64_t bs = kv.block_size_tokens, hd = kv.head_dim, rb = kv.row_bytes();
   const int64_t params_at = (int64_t)kv.num_kv_heads * bs * rb;
   if (kv.bits == 32) {
     walk_runs(kv, table, h, c0, n, key_end, [&](int j, const char* kb, const char* vb, int64_t r, int64_t) {
@@ -503,7 +503,7 @@ void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq
                            int64_t rho0, float scale, float softcap, int window, float* out, int64_t split_begin = 0,
                            int64_t split_end = INT64_MAX, float* partial = nullptr) {
   const int hd = kv.head_dim, nvec = hd / kW;
-  const int64_t bs = kv.block_size, rb = kv.row_bytes();
+  const int64_t bs = kv.block_size_tokens, rb = kv.row_bytes();
   const int64_t params_at = (int64_t)kv.num_kv_heads * bs * rb;
   alignas(64) float obuf[4 * kAttnMaxHeadDim];  // [G][hd]: sum_j (p_j s_j) vq_j
   alignas(64) float qbuf[4 * kAttnMaxHeadDim];  // [G][hd]

@@ -2,7 +2,7 @@
 // and kv head: a decode step, or 16 rows of a prefill chunk) as two tile products. Textually
 // included by isa_body.h after impl_attention_bf16.h (exp_for_bf16) and impl_linear_bf16.h (amx_configure); avx512 unit only,
 // called by dispatch.cpp only once the process may use the tiles, for head_dim % 32 == 0 and
-// block_size % 32 == 0 (so that 32 keys never straddle a block).
+// block_size_tokens % 32 == 0 (so that 32 keys never straddle a block).
 //
 // A task's R <= 16 rows (query heads x positions) over keys [k_lo, k_hi), in two passes (exact softmax):
 //   scores  S^T[16 keys x 16 rows]  = K[16 keys x 32 d] . Q^T[32 d x 16 rows]   per 32 d, tiles 0 (C) 1 (K) 2 (Q^T)
@@ -65,7 +65,7 @@ struct AmxDecode {
 LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
                                      int group, int num_heads, int64_t rho0, float scale, float softcap, int window,
                                      float* out, int64_t split_begin, int64_t split_end, float* partial) {
-  const int64_t hd = kv.head_dim, bs = kv.block_size, bb = kv.block_bytes();
+  const int64_t hd = kv.head_dim, bs = kv.block_size_tokens, bb = kv.block_bytes();
   const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
   float pos[kAmxAttnRows], lo[kAmxAttnRows];
   float* orow[kAmxAttnRows];
@@ -94,7 +94,7 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
   int64_t k_lo = (int64_t)lo[0], k_hi = (int64_t)pos[R - 1] + 1;  // rows are in position order
   k_lo = k_lo > split_begin ? k_lo : split_begin;
   k_hi = k_hi < split_end ? k_hi : split_end;
-  // aligned start: in k_lo's block (block_size % 32 == 0), so no block before the window's is read
+  // aligned start: in k_lo's block (block_size_tokens % 32 == 0), so no block before the window's is read
   const int64_t a0 = k_lo / kAmxAttnKeys * kAmxAttnKeys;
   const int64_t len = (k_hi - a0 + kAmxAttnKeys - 1) / kAmxAttnKeys * kAmxAttnKeys;       // keys from a0
   thread_local ScratchBuffer s_buf, p_buf;

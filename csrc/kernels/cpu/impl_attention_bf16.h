@@ -94,7 +94,7 @@ LMKIT_BF16 void attend_task_bf16(const float* q, const KVLayer& kv, const AttnSe
                                  float* out) {
   constexpr int ld = RV * 16;
   const int hd = kv.head_dim, np = hd / 2, nvec = hd / 16;
-  const int64_t bs = kv.block_size, bb = kv.block_bytes();
+  const int64_t bs = kv.block_size_tokens, bb = kv.block_bytes();
   const int rows = (int)(rho1 - rho0), rows4 = (rows + 3) / 4 * 4;
   alignas(64) uint32_t qt_hi[kKVQuantMaxHeadDim / 2 * ld], qt_lo[kKVQuantMaxHeadDim / 2 * ld];  // [np][ld]
   alignas(64) float obuf[kAttnMaxTaskFloats + 4 * kKVQuantMaxHeadDim];                         // [rows4][hd]

@@ -213,7 +213,7 @@ inline void kv_quant_row(const float* x, int hd, int bits, uint8_t* dst, uint16_
 }
 
 void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n) {
-  const int64_t hd = kv.head_dim, nkv = kv.num_kv_heads, bs = kv.block_size;
+  const int64_t hd = kv.head_dim, nkv = kv.num_kv_heads, bs = kv.block_size_tokens;
   const int64_t rb = kv.row_bytes(), bb = kv.block_bytes();
   parallel_for(n, grain_for(n), worth_threads(n * nkv * hd * (kv.bits == 32 ? 1 : 16)), [&](int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {

@@ -71,7 +71,7 @@ struct KernelTable {
                                int32_t num_heads, float scale, int32_t sliding_window, float* out,
                                float logit_softcap);
   // the same over a bf16 pool (bits 16) with every task on AMX tiles; nullptr where this build has none;
-  // dispatch.cpp calls it only once the process may use the tiles, for head_dim and block_size % 32 == 0
+  // dispatch.cpp calls it only once the process may use the tiles, for head_dim and block_size_tokens % 32 == 0
   void (*paged_attention_amx)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                               int32_t num_heads, float scale, int32_t sliding_window, float* out,
                               float logit_softcap);

@@ -114,20 +114,20 @@ void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out, int32_t* a
 namespace {
 // Byte offset of pool row (block, head, offset) and of its (scale, zero) pair: the layout of ops.h.
 int64_t kv_row_offset(const KVLayer& kv, int64_t block, int64_t h, int64_t off) {
-  return block * kv.block_bytes() + (h * kv.block_size + off) * kv.row_bytes();
+  return block * kv.block_bytes() + (h * kv.block_size_tokens + off) * kv.row_bytes();
 }
 // bits 16: element d of token `off` of kv head h: K rows [h][off][d]; V rows of a token pair interleaved,
 // [h][off / 2][d][off % 2] (ops.h).
 uint16_t* bf16_element(const KVLayer& kv, bool is_v, int64_t block, int64_t h, int64_t off, int64_t d) {
   uint16_t* b = (uint16_t*)((char*)(is_v ? kv.v : kv.k) + block * kv.block_bytes());
-  const int64_t hd = kv.head_dim, bs = kv.block_size;
+  const int64_t hd = kv.head_dim, bs = kv.block_size_tokens;
   if (!is_v) return b + (h * bs + off) * hd + d;
   return b + ((h * (bs / 2) + off / 2) * hd + d) * 2 + off % 2;
 }
 
 int64_t kv_params_offset(const KVLayer& kv, int64_t block, int64_t h, int64_t off) {
-  return block * kv.block_bytes() + (int64_t)kv.num_kv_heads * kv.block_size * kv.row_bytes() +
-         (h * kv.block_size + off) * 4;
+  return block * kv.block_bytes() + (int64_t)kv.num_kv_heads * kv.block_size_tokens * kv.row_bytes() +
+         (h * kv.block_size_tokens + off) * 4;
 }
 
 void write_row(const KVLayer& kv, bool is_v, int64_t block, int64_t h, int64_t off, const float* x) {
@@ -174,7 +174,7 @@ double kv_value(const KVLayer& kv, bool is_v, int64_t block, int64_t h, int64_t 
 }
 
 void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n) {
-  const int64_t hd = kv.head_dim, nkv = kv.num_kv_heads, bs = kv.block_size;
+  const int64_t hd = kv.head_dim, nkv = kv.num_kv_heads, bs = kv.block_size_tokens;
   for (int64_t t = 0; t < n; ++t) {
     if (slots[t] < 0) continue;
     const int64_t block = slots[t] / bs, offset = slots[t] % bs;
@@ -187,7 +187,7 @@ void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* 
 
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
                      float scale, int32_t sliding_window, float* out, float logit_softcap) {
-  const int64_t hd = kv.head_dim, nkv = kv.num_kv_heads, bs = kv.block_size, group = num_heads / nkv;
+  const int64_t hd = kv.head_dim, nkv = kv.num_kv_heads, bs = kv.block_size_tokens, group = num_heads / nkv;
   auto window_start = [&](int64_t pos) {  // the first key the query at pos attends to
     return sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : int64_t{0};
   };

@@ -60,7 +60,7 @@ int32_t argmax(const float* x, int32_t n) {
 #endif
 }
 
-void apply_penalties(float* logits, int32_t vocab, const SamplingParams& p, const int32_t* history,
+void apply_penalties(float* logits, int32_t vocab, const SamplerParams& p, const int32_t* history,
                      int32_t num_history, int32_t num_prompt, const int32_t* banned, int32_t num_banned) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int32_t i = 0; i < num_banned; ++i)
@@ -140,7 +140,7 @@ std::vector<int32_t> best_prefix(const std::vector<int32_t>& ids, const float* e
 // prefix (order: probability desc, id asc): top-k the k best, which then are the whole distribution (HF's
 // order: top-p measures mass among them); top-p the shortest prefix whose mass reaches top_p; min-p the
 // tokens with p >= min_p * p(best), i.e. e >= min_p. The kept set is drawn from in any order.
-int32_t draw(const float* logits, int32_t vocab, const SamplingParams& p, std::mt19937_64& rng) {
+int32_t draw(const float* logits, int32_t vocab, const SamplerParams& p, std::mt19937_64& rng) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int32_t best = argmax(logits, vocab);
   if (logits[best] == neg_inf) return best;  // everything banned: the lowest id
@@ -224,7 +224,7 @@ void token_logprobs(const float* logits, int32_t vocab, float log_z, int32_t cho
   for (int32_t id : ids) out->top_logprobs.push_back(logits[id] - log_z);
 }
 
-int32_t sample(float* logits, int32_t vocab, const SamplingParams& p, const int32_t* history, int32_t num_history,
+int32_t sample(float* logits, int32_t vocab, const SamplerParams& p, const int32_t* history, int32_t num_history,
                int32_t num_prompt, const int32_t* banned, int32_t num_banned, const uint32_t* allowed,
                std::mt19937_64& rng, SampleLogprobs* logprobs) {
   if (allowed) {

@@ -6,9 +6,21 @@
 #include <random>
 #include <vector>
 
-#include "engine/request.h"
-
 namespace lmkit::ops {
+
+// What the sampler needs of a request's sampling settings (the engine's SamplingParams, engine/request.h,
+// holds them with the rest of a request; the backend copies them here, as the CUDA sampler's SampleParams).
+struct SamplerParams {
+  float temperature = 1.0f;         // 0 -> greedy
+  int32_t top_k = 0;                // 0 -> off
+  float top_p = 1.0f;               // (0, 1]
+  float min_p = 0.0f;               // [0, 1)
+  float repetition_penalty = 1.0f;  // HF semantics: logit > 0 ? logit / p : logit * p over prompt + output
+  float presence_penalty = 0.0f;    // OpenAI semantics over output tokens: logit -= presence * (count > 0)
+  float frequency_penalty = 0.0f;   //                                       logit -= frequency * count
+  int32_t logprobs = -1;            // -1: off; k >= 0: the chosen token's logprob and the k best
+  bool is_greedy() const { return temperature == 0.0f; }
+};
 
 // What sample() reports besides the token, when params.logprobs >= 0.
 struct SampleLogprobs {
@@ -29,9 +41,9 @@ void token_logprobs(const float* logits, int32_t vocab, float log_z, int32_t cho
 //   banned: ids whose logits become -inf (eos and stop ids before min_new_tokens);
 //   allowed: a grammar's token mask (bit i of word i / 32 set = id i allowed), the others become -inf; null: all.
 // Order: allowed, banned, repetition, presence/frequency, [logprobs taken here: log-softmax of the penalised
-// logits, before temperature and filters], temperature, top-k, top-p, min-p. Greedy (temperature 0 or
-// top_k 1) returns the lowest index of the maximum and draws nothing from rng.
-int32_t sample(float* logits, int32_t vocab, const SamplingParams& params, const int32_t* history,
+// logits, before temperature and filters], temperature, top-k, top-p, min-p. Greedy (temperature 0)
+// returns the lowest index of the maximum and draws nothing from rng.
+int32_t sample(float* logits, int32_t vocab, const SamplerParams& params, const int32_t* history,
                int32_t num_history, int32_t num_prompt, const int32_t* banned, int32_t num_banned,
                const uint32_t* allowed, std::mt19937_64& rng, SampleLogprobs* logprobs);
 

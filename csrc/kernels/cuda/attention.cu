@@ -40,7 +40,7 @@ __device__ __forceinline__ void load_row(const ops::KVLayer& kv, const char* blo
     return;
   }
   const uint8_t* q = reinterpret_cast<const uint8_t*>(block) + row * kv.row_bytes();
-  const __half* params = reinterpret_cast<const __half*>(block + (int64_t)kv.num_kv_heads * kv.block_size * kv.row_bytes());
+  const __half* params = reinterpret_cast<const __half*>(block + (int64_t)kv.num_kv_heads * kv.block_size_tokens * kv.row_bytes());
   const float s = __half2float(params[2 * row]), z = __half2float(params[2 * row + 1]);
   if (kv.bits == 8) {
     for (int e = 0; e < E; ++e) out[e] = d0 + e < hd ? (float)q[d0 + e] * s + z : 0.0f;
@@ -111,8 +111,8 @@ __global__ void __launch_bounds__(32 * kMaxGroup, kKeys > 1 ? 1 : 0)
     for (int u = 0; u < kKeys; ++u) {
       const int j = j0 + u;
       if (j < hi) {
-        const int64_t block = table[j / kv.block_size];
-        const int64_t row = (int64_t)kv_head * kv.block_size + j % kv.block_size;
+        const int64_t block = table[j / kv.block_size_tokens];
+        const int64_t row = (int64_t)kv_head * kv.block_size_tokens + j % kv.block_size_tokens;
         load_row<T>(kv, kbase + block * block_bytes, row, d0, E, kr[u]);
         load_row<T>(kv, vbase + block * block_bytes, row, d0, E, vr[u]);
       } else {

@@ -72,13 +72,13 @@ void gather_rows(const void* x, const int32_t* rows, int64_t num_rows, int64_t d
 
 // ---- rotary embedding + KV write ----------------------------------------------------------------
 // The blocked KV pool of one layer on the device: ops::KVLayer with bits 16 (the activation dtype,
-// [num_kv_heads, block_size, head_dim] per block), 8 or 4 (the CPU backend's quantized rows and
+// [num_kv_heads, block_size_tokens, head_dim] per block), 8 or 4 (the CPU backend's quantized rows and
 // (scale, zero) pairs, byte for byte).
 //
 // qkv: [n, (num_heads + 2 num_kv_heads) head_dim] act, q | k | v of each token (the fused projection).
 // In one pass: add bias (qkv_bias: [(num_heads + 2 num_kv_heads) head_dim] act, or null), rotate q and k
 // as ops::rope does (inv_freq: [head_dim / 2] fp32), leave the rotated q in place, and write k, v into
-// the pool at slots[t] = block * block_size + offset (slots[t] < 0: the row is skipped), quantized per
+// the pool at slots[t] = block * block_size_tokens + offset (slots[t] < 0: the row is skipped), quantized per
 // token and head when kv.bits is 8 or 4 with the CPU backend's rounding (lmkit/kv_policy.py).
 void qkv_rope_kv_write(void* qkv, const void* qkv_bias, const int32_t* positions, const int32_t* slots,
                        int64_t n, int32_t num_heads, const float* inv_freq, float attention_scaling,

@@ -12,8 +12,8 @@ constexpr int kMaxPairsPerLane = ops::kKVQuantMaxHeadDim / 2 / 32;  // head_dim 
 template <typename T>
 __device__ __forceinline__ void store_kv_row(const ops::KVLayer& kv, void* pool, int32_t slot, int kv_head, const float* a,
                              const float* b, int half, int lane) {
-  const int64_t block = slot / kv.block_size, off = slot % kv.block_size;
-  const int64_t row = (int64_t)kv_head * kv.block_size + off;
+  const int64_t block = slot / kv.block_size_tokens, off = slot % kv.block_size_tokens;
+  const int64_t row = (int64_t)kv_head * kv.block_size_tokens + off;
   char* base = static_cast<char*>(pool) + block * kv.block_bytes();
   if (kv.bits == 16) {
     T* dst = reinterpret_cast<T*>(base) + row * kv.head_dim;
@@ -42,7 +42,7 @@ __device__ __forceinline__ void store_kv_row(const ops::KVLayer& kv, void* pool,
     }
   }
   if (lane == 0) {
-    __half* params = reinterpret_cast<__half*>(base + (int64_t)kv.num_kv_heads * kv.block_size * kv.row_bytes());
+    __half* params = reinterpret_cast<__half*>(base + (int64_t)kv.num_kv_heads * kv.block_size_tokens * kv.row_bytes());
     params[2 * row] = s16;
     params[2 * row + 1] = z16;
   }
