@@ -175,7 +175,8 @@ class SmoothQuantConfig(LayerwiseQuantConfig):
                           "of them).",
         "rounding": "nearest (default) = round each int8 weight on its own; gptq = error-compensating rounding (GPTQ) "
                     "under the smoothed inputs' second moments, as llm-compressor's W8A8 recipe does (on SmolLM2 it "
-                    "fitted the calibration text: better on Hamlet, worse on held-out pydoc; benchmark/RESULTS.md).",
+                    "fitted the calibration text: better on Hamlet, worse on held-out pydoc; "
+                    "benchmark/results/quantization-quality.md).",
         "propagate": "Input of the next layer: quantized = this layer's output with int8 weights and per-token int8 "
                      "activations (errors are seen downstream), fp = its floating-point output.",
         "eval": "Measure perplexity before and after (on --eval-dataset; the W8A8 checkpoint with its activations "

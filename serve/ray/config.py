@@ -20,7 +20,7 @@ replicas' and the proxy's own event loops and drops per-request log lines, with 
 so that Ray's HTTP proxy stays the entry (this halves what Ray adds to a request's TTFT here), and that proxy
 reaching the replicas over their gRPC servers: the mode sends calls between deployments over gRPC but, in ray
 2.60, leaves the HTTP proxy's on Ray actor calls (a streaming generator item per chunk), and gRPC takes about
-a quarter off the CPU a replica spends on Ray per request and off Ray's own (benchmark/RESULTS.md); and each
+a quarter off the CPU a replica spends on Ray per request and off Ray's own (benchmark/results/ray-serve.md); and each
 proxy choosing among all replicas by their queues (power of two choices), not first among those on its own
 node: Ray's default fills a proxy's local replica up to max_ongoing_requests (2 x max_batch_size) before the
 others get any, so with a proxy on every node the spread of requests over replicas was the spread of client

@@ -4,7 +4,7 @@
 //
 // Why not OpenMP: its barriers spin for a fixed count and then every thread waits for the slowest, so a
 // worker descheduled by another process on its core stalls the whole step for a time slice (a busy
-// neighbour took SmolLM2's decode from 100 to 7 tok/s, benchmark/RESULTS.md "Shared cores"). Here:
+// neighbour took SmolLM2's decode from 100 to 7 tok/s, benchmark/results/cpu-speed.md "Shared cores"). Here:
 //   - work is handed out in chunks from an atomic counter: a late thread delays only the chunk it holds,
 //     and a thread that arrives after the last chunk was taken does nothing;
 //   - the caller waits for the chunks to be done, not for every thread to show up;
