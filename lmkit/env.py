@@ -40,6 +40,12 @@ def build_jobs() -> int:
     return int(os.environ.get("LMKIT_BUILD_JOBS") or os.cpu_count() or 1)
 
 
+def build_tests() -> bool:
+    """``LMKIT_BUILD_TESTS``: ON (or 1) also builds the C++ unit tests beside the extension, in the same CMake
+    build, for ``ctest`` (tests/csrc runs it; read by setup.py). Default OFF."""
+    return os.environ.get("LMKIT_BUILD_TESTS", "OFF").upper() in ("ON", "1", "TRUE", "YES")
+
+
 def runtime_dir() -> Path:
     """``LMKIT_RUNTIME_DIR``: where each engine records the memory it holds (weights + KV pool), so that the
     lmkit processes of one user on one host size their KV pools from what the others left (lmkit/memory.py).

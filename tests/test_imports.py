@@ -43,7 +43,7 @@ def test_pipeline_and_server_modules_import_neither_torch_nor_transformers(tiny_
 
 
 def test_api_server_process_imports_neither_torch_nor_transformers(tiny_llama, tmp_path):
-    from tests.serve.conftest import free_port, wait_healthy
+    from tests.serve.harness import free_port, wait_healthy
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

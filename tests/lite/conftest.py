@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import make_tiny_model
-
-# 8 windows of 64 tokens of pydoc text; scores on 4 of them
-TINY_CALIB = dict(calib_dataset="pydoc", calib_samples=8, calib_seqlen=64, search_samples=4)
+from tests.factories import make_tiny_model
+from tests.helpers import TINY_CALIB
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +22,18 @@ def lite_tiny_qwen2(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lite-qwen2")
     make_tiny_model(folder, "qwen2", intermediate_size=128, tie_word_embeddings=True, dtype="bfloat16")
     return folder
+
+
+@pytest.fixture(scope="module")
+def both_formats(lite_tiny_llama, tmp_path_factory):
+    """lite_tiny_llama quantized once by AWQ (g32) into each format: (AutoAWQ folder, compressed-tensors folder)."""
+    from lmkit.lite.awq import quantize_awq
+    from lmkit.lite.config import AwqConfig
+
+    out = tmp_path_factory.mktemp("formats")
+    for fmt in ("autoawq", "compressed-tensors"):
+        quantize_awq(lite_tiny_llama, AwqConfig(work_dir=out / fmt, w_group_size=32, format=fmt, **TINY_CALIB))
+    return out / "autoawq", out / "compressed-tensors"
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,80 +1,12 @@
-"""Fixtures of the serving tests: real uvicorn servers on loopback ports (in a thread of this process, or
-as `lmkit serve ...` subprocesses), in front of tiny random models."""
+"""Fixtures of the serving tests: real uvicorn servers on loopback ports (tests/serve/harness.py) in front of tiny
+random models."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
-import socket
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
-
-import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY_ENGINE = dict(device="cpu", dtype="float32", cache_max_entry_count=256, max_batch_size=32, cache_block_seq_len=16,
-                   session_len=512, num_threads=1)
-ADMIN_KEY = "admin-secret"
-"""The admin key of the test proxies (their /nodes/* routes are closed without one)."""
-
-
-class ServerThread:
-    """An ASGI app under uvicorn on 127.0.0.1 (a free port), its own event loop on a daemon thread."""
-
-    def __init__(self, app, port: int = 0):
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    access_log=False, lifespan="on"))
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.server.serve())
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} not healthy after {timeout_s} s")
-
-
-def lmkit_subprocess(*args: str, **kwargs) -> subprocess.Popen:
-    """`python -m lmkit ARGS` with one OpenMP thread, its output in a pipe."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "lmkit", *args], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, **kwargs)
+from tests.factories import FAMILIES, make_family_model, make_tiny_model
+from tests.serve.harness import FAMILY_ENGINE, TINY_ENGINE, TOOL_FAMILIES, ServerThread
 
 
 @pytest.fixture(scope="session")
@@ -106,8 +38,6 @@ def client(api_server):
 @pytest.fixture(scope="session")
 def slow_llama(tmp_path_factory):
     """A wider random model (hidden 512, 4 layers: a few ms per step) so that a request takes seconds."""
-    from tests.conftest import make_tiny_model
-
     folder = tmp_path_factory.mktemp("slow-llama")
     make_tiny_model(folder, "llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=4)
@@ -135,60 +65,21 @@ def slow_server(slow_engine):
     server.stop()
 
 
-# A request that takes the slow model seconds: 4 x 480 tokens.
-LONG_COMPLETION = {"model": "tiny", "prompt": "x", "max_tokens": 480, "n": 4, "ignore_eos": True}
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """One api_server per chat family (its tool parser and reasoning parser chosen from its template)."""
+    from lmkit import AsyncEngine, EngineConfig
+    from lmkit.serve import ServerConfig, create_app
 
-
-def leave_long_completion(url: str, stream: bool, started=None, body: dict | None = None,
-                          headers: dict[str, str] | None = None) -> None:
-    """Sends ``body`` (LONG_COMPLETION) to ``url``'s /v1/completions and leaves while it is generated: a
-    stream after its first line; a non-streamed request once ``started()`` says the engine is at work on it
-    (polled), by closing the raw connection. A read timeout instead would leave it to the machine's speed
-    whether the answer had already come (it had, on fast cores). Fails if the answer came before the client
-    left."""
-    body = {**(body or LONG_COMPLETION), "stream": stream}
-    if stream:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=30) as r:
-            assert r.status_code == 200
-            next(r.iter_lines())  # the iterator dropped at once
-        return
-    assert started is not None, "a non-streamed request needs started() to know when to leave"
-    target = httpx.URL(url)
-    payload = json.dumps(body).encode()
-    head = [f"POST {target.path.rstrip('/')}/v1/completions HTTP/1.1", f"Host: {target.host}:{target.port}",
-            "Content-Type: application/json", f"Content-Length: {len(payload)}"]
-    head += [f"{k}: {v}" for k, v in (headers or {}).items()]
-    with socket.create_connection((target.host, target.port), timeout=30) as sock:
-        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
-        deadline = time.monotonic() + 30
-        while not started():
-            assert time.monotonic() < deadline, "the request never started"
-            time.sleep(0.005)
-        sock.setblocking(False)
-        try:
-            answer = sock.recv(65536)
-        except BlockingIOError:
-            answer = None
-        assert answer is None, f"the request was answered before the client left: {answer[:200]!r}"
-
-
-def generating(engine):
-    """started() for leave_long_completion: ``engine`` (an Engine) has generated a token since now."""
-    before = engine.metrics().num_generated_tokens
-    return lambda: engine.metrics().num_generated_tokens > before
-
-
-def in_flight(proxy) -> dict[str, int]:
-    """The proxy's in-flight request count per node (the proxy was started with ``admin_key=ADMIN_KEY``)."""
-    r = httpx.get(f"{proxy.url}/nodes/status", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
-    assert r.status_code == 200, r.text
-    return {n["url"]: n["num_in_flight"] for n in r.json()["nodes"]}
-
-
-def wait_idle(proxy=None, engine=None, timeout_s: float = 5.0) -> None:
-    """Until ``proxy`` has nothing in flight and ``engine`` nothing running or waiting (either may be None)."""
-    deadline = time.monotonic() + timeout_s
-    while (proxy is not None and any(in_flight(proxy).values())) or (
-            engine is not None and engine.metrics().num_running + engine.metrics().num_waiting):
-        assert time.monotonic() < deadline, (proxy and in_flight(proxy), engine and engine.metrics())
-        time.sleep(0.005)
+    made = {}
+    try:
+        for name in [*TOOL_FAMILIES, "deepseek_r1"]:
+            folder = make_family_model(tmp_path_factory.mktemp(name), FAMILIES[name])
+            engine = AsyncEngine(folder, EngineConfig(**FAMILY_ENGINE))
+            made[name] = (engine, ServerThread(create_app(engine, ServerConfig(model_name=name))))
+            made[name][1].engine = engine
+        yield {name: server for name, (_, server) in made.items()}
+    finally:
+        for engine, server in made.values():
+            server.stop()
+            engine.close()

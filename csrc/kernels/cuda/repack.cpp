@@ -1,6 +1,6 @@
 // Host-side repacking of an int4 checkpoint (any layout, read through an Int4Source) into the CUDA backend's
 // int4 layout (ops_cuda.h, Linear).
-// Plain C++, built on every machine, so that the layout is tested where no GPU is (tests/test_cuda_layout.py).
+// Plain C++, built on every machine, so that the layout is tested where no GPU is (tests/kernels/test_cuda_layout.py).
 #include <string.h>
 
 #include <algorithm>

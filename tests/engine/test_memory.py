@@ -1,0 +1,311 @@
+"""The KV pool's default size (lmkit/memory.py): capped by max_batch_size x session_len, else by a memory
+budget shared with the other lmkit engines of the host through records in LMKIT_RUNTIME_DIR."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from contextlib import closing
+
+import pytest
+
+from lmkit import EngineConfig
+from lmkit import memory
+from lmkit.engine import Engine
+from lmkit.memory import MemoryBudgetError, MemoryLimit, Reservations, format_bytes
+
+BLOCK = 16
+SESSION = 100
+SESSION_BLOCKS = math.ceil(SESSION / BLOCK)  # 7
+
+
+@pytest.fixture(autouse=True)
+def runtime_dir(tmp_path, monkeypatch):
+    """Each test has its own records folder: engines of other test processes on this host stay out."""
+    folder = tmp_path / "runtime"
+    monkeypatch.setenv("LMKIT_RUNTIME_DIR", str(folder))
+    return folder
+
+
+def config(**overrides) -> EngineConfig:
+    base = dict(device="cpu", dtype="float32", max_batch_size=4, session_len=SESSION, cache_block_seq_len=BLOCK,
+                num_threads=1)
+    return EngineConfig(**{**base, **overrides})
+
+
+def fake_total(monkeypatch, total_bytes: int) -> None:
+    monkeypatch.setattr(memory, "memory_limit", lambda: MemoryLimit(total_bytes, "test"))
+
+
+def records(folder) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+
+
+@pytest.fixture(scope="module")
+def sizes(tiny_llama, tmp_path_factory):
+    """(weight bytes as loaded, bytes per KV block) of the tiny model at block size BLOCK."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LMKIT_RUNTIME_DIR", str(tmp_path_factory.mktemp("sizes")))
+        with closing(Engine(tiny_llama[0], config(cache_max_entry_count=64))) as e:
+            return e.kv_pool.weight_bytes, e.kv_bytes_per_block
+
+
+def total_for(budget_bytes: float, fraction: float = 0.8) -> int:
+    """A memory total whose fraction is budget_bytes."""
+    return math.ceil(budget_bytes / fraction)
+
+
+def test_default_pool_is_what_max_batch_size_sessions_use(tiny_llama, runtime_dir, caplog):
+    caplog.set_level(logging.INFO, logger="lmkit")
+    with closing(Engine(tiny_llama[0], config())) as e:  # this host's real memory: plenty for the tiny model
+        assert e.num_total_blocks == 4 * SESSION_BLOCKS == 28
+        pool = e.kv_pool
+        assert pool.limited_by == "max_batch_size x session_len"
+        assert pool.kv_bytes_per_block == e.kv_bytes_per_block
+        spec = e.spec  # fp32 tensors read where mapped: embeddings and the 2 x 2 + 1 norms
+        unpacked = (spec.vocab_size * spec.hidden_size + (2 * spec.num_layers + 1) * spec.hidden_size) * 4
+        assert pool.weight_bytes == e.linear_weight_bytes + unpacked
+        assert pool.memory.total_bytes <= memory.memory_limit().total_bytes
+        line = caplog.records[-1].getMessage()
+        assert line.startswith(f"KV pool: 28 blocks x {BLOCK} tokens = {28 * BLOCK} tokens, "
+                               f"{format_bytes(28 * e.kv_bytes_per_block)}"), line
+        assert "limited by max_batch_size x session_len (4 x 100 tokens)" in line, line
+        [record] = records(runtime_dir)
+        assert record["pid"] == os.getpid()
+        assert record["weight_bytes"] == pool.weight_bytes and record["kv_bytes"] == 28 * e.kv_bytes_per_block
+
+
+def test_prefix_caching_has_the_same_cap(tiny_llama):
+    with closing(Engine(tiny_llama[0], config(enable_prefix_caching=True, max_batch_size=3))) as e:
+        assert e.num_total_blocks == 3 * SESSION_BLOCKS == e.kv_pool.cap_blocks
+        assert e.kv_pool.limited_by == "max_batch_size x session_len"
+
+
+def test_a_small_memory_decides_and_the_line_says_why(tiny_llama, sizes, monkeypatch, caplog):
+    weight_bytes, per_block = sizes
+    total = total_for(weight_bytes + 10.5 * per_block)
+    fake_total(monkeypatch, total)
+    caplog.set_level(logging.INFO, logger="lmkit")
+    with closing(Engine(tiny_llama[0], config(max_batch_size=8, cache_max_entry_count=0.8))) as e:
+        assert e.num_total_blocks == 10 == (int(0.8 * total) - weight_bytes) // per_block
+        assert e.kv_pool.limited_by == "memory"
+        line = caplog.records[-1].getMessage()
+    assert line.startswith(f"KV pool: 10 blocks x {BLOCK} tokens = 160 tokens, {format_bytes(10 * per_block)}"), line
+    assert (f"limited by memory: 0.8 x {format_bytes(total)} (test) - {format_bytes(weight_bytes)} weights - 0 B "
+            f"held by other lmkit engines = {format_bytes(int(0.8 * total) - weight_bytes)}") in line, line
+    assert f"max_batch_size x session_len would use {8 * SESSION_BLOCKS} blocks" in line, line
+
+
+def test_a_block_count_is_kept_whatever_the_memory(tiny_llama, sizes, monkeypatch, runtime_dir):
+    fake_total(monkeypatch, sizes[0])  # the weights fit (else the engine refuses to load), no room for the KV
+    with closing(Engine(tiny_llama[0], config(cache_max_entry_count=40))) as e:
+        assert e.num_total_blocks == 40 and e.kv_pool.limited_by == "cache_max_entry_count"
+        assert records(runtime_dir)[0]["kv_bytes"] == 40 * sizes[1]  # others still see it
+
+
+def test_engines_share_the_budget(tiny_llama, sizes, monkeypatch, caplog):
+    weight_bytes, per_block = sizes
+    total = total_for(2 * weight_bytes + (14 + 10.5) * per_block)
+    fake_total(monkeypatch, total)
+    caplog.set_level(logging.INFO, logger="lmkit")
+    a = Engine(tiny_llama[0], config(max_batch_size=2, cache_max_entry_count=0.8))
+    assert a.num_total_blocks == 2 * SESSION_BLOCKS == 14  # capped by its batch
+    with closing(Engine(tiny_llama[0], config(max_batch_size=8, cache_max_entry_count=0.8))) as b:
+        assert b.num_total_blocks == 10  # what a left
+        [other] = b.kv_pool.others
+        assert (other.pid, other.total_bytes) == (os.getpid(), weight_bytes + 14 * per_block)
+        assert 2 * weight_bytes + (a.num_total_blocks + b.num_total_blocks) * per_block <= int(0.8 * total)
+        assert (f"- {format_bytes(weight_bytes + 14 * per_block)} held by other lmkit engines "
+                f"[pid {os.getpid()}: {format_bytes(weight_bytes + 14 * per_block)}") in caplog.records[-1].getMessage()
+        with pytest.raises(MemoryBudgetError) as failed:  # nothing left for a third
+            Engine(tiny_llama[0], config(cache_max_entry_count=0.8))
+    message = str(failed.value)
+    assert f"one sequence of session_len={SESSION} tokens needs {SESSION_BLOCKS} blocks" in message, message
+    assert f"pid {os.getpid()}: {format_bytes(weight_bytes + 14 * per_block)}" in message, message
+    assert "Lower session_len" in message and "block count (> 1)" in message, message
+    a.close()  # its reservation goes with it
+    with closing(Engine(tiny_llama[0], config(max_batch_size=16, cache_max_entry_count=0.8))) as c:
+        assert c.num_total_blocks == (int(0.8 * total) - weight_bytes) // per_block and not c.kv_pool.others
+        assert c.kv_pool.limited_by == "memory"
+
+
+def test_too_little_memory_fails_before_the_pool_naming_the_numbers(tiny_llama, sizes, monkeypatch, runtime_dir):
+    weight_bytes, per_block = sizes
+    total = total_for(weight_bytes + 6.5 * per_block)  # one sequence needs 7 blocks
+    fake_total(monkeypatch, total)
+    with pytest.raises(MemoryBudgetError) as failed:
+        Engine(tiny_llama[0], config(cache_max_entry_count=0.8))
+    message = str(failed.value)
+    assert message.startswith(
+        f"the KV pool does not fit in memory: one sequence of session_len={SESSION} tokens needs {SESSION_BLOCKS} "
+        f"blocks = {format_bytes(SESSION_BLOCKS * per_block)} ({format_bytes(per_block)} per block of {BLOCK} "
+        f"tokens), and cache_max_entry_count leaves {format_bytes(int(0.8 * total) - weight_bytes)}: 0.8 x "
+        f"{format_bytes(total)} (test) - {format_bytes(weight_bytes)} weights"), message
+    assert records(runtime_dir) == []
+    fake_total(monkeypatch, total_for(weight_bytes + 7 * per_block))  # one sequence fits: the lock was released
+    with closing(Engine(tiny_llama[0], config(cache_max_entry_count=0.8))) as e:
+        assert e.num_total_blocks == SESSION_BLOCKS
+
+
+def test_close_and_garbage_collection_remove_the_record(tiny_llama, runtime_dir):
+    e = Engine(tiny_llama[0], config())
+    assert len(records(runtime_dir)) == 1
+    e.close()
+    assert records(runtime_dir) == []
+    e = Engine(tiny_llama[0], config())
+    assert len(records(runtime_dir)) == 1
+    del e
+    gc.collect()
+    assert records(runtime_dir) == []
+
+
+def test_another_process_is_seen_until_it_is_killed(tiny_llama, runtime_dir, monkeypatch):
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            from lmkit import EngineConfig
+            from lmkit.engine import Engine
+            e = Engine({str(tiny_llama[0])!r}, EngineConfig(device="cpu", dtype="float32", max_batch_size=2,
+                                                           session_len={SESSION}, cache_block_seq_len={BLOCK},
+                                                           num_threads=1))
+            print(e.kv_pool.weight_bytes + e.kv_pool.kv_bytes, flush=True)
+            sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ})
+    try:
+        child_bytes = int(child.stdout.readline())
+        with closing(Engine(tiny_llama[0], config())) as e:
+            assert [(r.pid, r.total_bytes) for r in e.kv_pool.others] == [(child.pid, child_bytes)]
+    finally:
+        child.kill()  # no close(): its record stays behind
+        child.wait()
+    assert [r["pid"] for r in records(runtime_dir)] == [child.pid]
+    with closing(Engine(tiny_llama[0], config())) as e:
+        assert e.kv_pool.others == ()
+        assert [r["pid"] for r in records(runtime_dir)] == [os.getpid()]  # the dead one's record was deleted
+
+
+def test_stale_records_are_ignored_and_deleted(runtime_dir):
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(done.stdout)
+    reservations = Reservations(runtime_dir)
+    with reservations.lock():
+        mine = reservations.add(1000, 2000, "live")
+        runtime_dir.joinpath(f"{dead_pid}-1.json").write_text(json.dumps(
+            {"pid": dead_pid, "started": "1", "weight_bytes": 5, "kv_bytes": 5, "model": "dead"}))
+        runtime_dir.joinpath(f"{os.getpid()}-99.json").write_text(json.dumps(  # this pid, another process's start
+            {"pid": os.getpid(), "started": "-1", "weight_bytes": 5, "kv_bytes": 5, "model": "reused pid"}))
+        assert [(r.pid, r.total_bytes, r.model) for r in reservations.live()] == [(os.getpid(), 3000, "live")]
+    assert sorted(p.name for p in runtime_dir.glob("*.json")) == [mine.path.name]
+    mine.remove()
+    assert list(runtime_dir.glob("*.json")) == []
+
+
+def test_memory_limit_reads_cgroups(tmp_path):
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       16384 kB\nMemFree:         1024 kB\n")
+    assert memory.memory_limit(proc, cgroup) == MemoryLimit(16 << 20, "MemTotal")  # no cgroup files
+    # v2: the lowest limit of the process's cgroup and its ancestors ("max": none at that level)
+    (proc / "self" / "cgroup").write_text("0::/a/b\n")
+    (cgroup / "a" / "b").mkdir(parents=True)
+    (cgroup / "a" / "b" / "memory.max").write_text("max\n")
+    (cgroup / "a" / "memory.max").write_text(f"{8 << 20}\n")
+    assert memory.memory_limit(proc, cgroup) == MemoryLimit(8 << 20, f"cgroup limit {cgroup / 'a' / 'memory.max'}")
+    (cgroup / "a" / "b" / "memory.max").write_text(f"{4 << 20}\n")
+    assert memory.memory_limit(proc, cgroup).total_bytes == 4 << 20
+    (cgroup / "a" / "b" / "memory.max").write_text(f"{32 << 20}\n")  # above MemTotal and the parent's
+    assert memory.memory_limit(proc, cgroup).total_bytes == 8 << 20
+    # v1, in a container: the host's path is not mounted, the container's limit is at the root
+    (proc / "self" / "cgroup").write_text("7:cpu,cpuacct:/docker/abc\n5:memory:/docker/abc\n")
+    (cgroup / "memory").mkdir()
+    (cgroup / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # unlimited
+    assert memory.memory_limit(proc, cgroup).total_bytes == 16 << 20
+    (cgroup / "memory" / "memory.limit_in_bytes").write_text(f"{2 << 20}\n")
+    assert memory.memory_limit(proc, cgroup) == MemoryLimit(
+        2 << 20, f"cgroup limit {cgroup / 'memory' / 'memory.limit_in_bytes'}")
+
+
+def test_this_hosts_memory_limit():
+    with open("/proc/meminfo") as f:
+        mem_total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
+    limit = memory.memory_limit()
+    assert 0 < limit.total_bytes <= mem_total, limit
+
+
+def test_auto_takes_half_of_what_is_left_so_a_second_engine_fits(tiny_llama, sizes, monkeypatch, caplog):
+    """The default (cache_max_entry_count None): two engines started one after the other both get a pool (the
+    README's two nodes on one host), the first half of what was left, the second half of the rest."""
+    weight_bytes, per_block = sizes
+    total = total_for(2 * weight_bytes + 200.5 * per_block)
+    fake_total(monkeypatch, total)
+    caplog.set_level(logging.INFO, logger="lmkit")
+    left = int(0.8 * total) - weight_bytes
+    with closing(Engine(tiny_llama[0], config(max_batch_size=64))) as a:
+        assert a.num_total_blocks == (left // 2) // per_block > SESSION_BLOCKS and a.kv_pool.limited_by == "memory"
+        assert "limited by memory: half of (0.8 x" in caplog.records[-1].getMessage()
+        left_b = left - weight_bytes - a.num_total_blocks * per_block
+        with closing(Engine(tiny_llama[0], config(max_batch_size=64))) as b:
+            assert b.num_total_blocks == max((left_b // 2) // per_block, SESSION_BLOCKS)
+            assert 2 * weight_bytes + (a.num_total_blocks + b.num_total_blocks) * per_block <= int(0.8 * total)
+
+
+def test_auto_takes_one_sequence_when_half_is_less(tiny_llama, sizes, monkeypatch):
+    weight_bytes, per_block = sizes
+    fake_total(monkeypatch, total_for(weight_bytes + 9.5 * per_block))  # half is 4 blocks, one sequence 7
+    with closing(Engine(tiny_llama[0], config())) as e:
+        assert e.num_total_blocks == SESSION_BLOCKS
+    fake_total(monkeypatch, total_for(weight_bytes + 6.5 * per_block))  # not even one sequence
+    with pytest.raises(MemoryBudgetError):
+        Engine(tiny_llama[0], config())
+
+
+def test_weights_larger_than_memory_fail_before_loading(tiny_llama, monkeypatch, runtime_dir):
+    """A model whose weights exceed the memory limit is refused before anything is packed, naming both sizes."""
+    from lmkit.models import load_model_spec
+
+    need = memory.checkpoint_weight_bytes(load_model_spec(tiny_llama[0]))
+    fake_total(monkeypatch, need - 1)
+    with pytest.raises(ValueError, match=rf"its weights take {memory.format_bytes(need)} once loaded, more than the "
+                                         rf"{memory.format_bytes(need - 1)} this process may use \(test\)"):
+        Engine(tiny_llama[0], config(cache_max_entry_count=64))
+    assert records(runtime_dir) == []
+
+
+@pytest.mark.parametrize("count, says", [(None, "0.8 of the GPU memory free after the weights (auto)"),
+                                         (0.5, "0.5 of the GPU memory free after the weights, at most"),
+                                         (300, "set by cache_max_entry_count=300")])
+def test_cuda_pool_line_says_what_sized_it(count, says, caplog):
+    """The CUDA engine's start-up line (plan_cuda_kv_pool sized the pool); cache_max_entry_count None is the
+    default, auto, and must not break it (it did on the first GPU run)."""
+    from types import SimpleNamespace
+
+    caplog.set_level(logging.INFO, logger="lmkit")
+    cpp = SimpleNamespace(num_total_blocks=300, block_size_tokens=64, kv_bytes_per_block=1 << 20)
+    memory.log_cuda_kv_pool(cpp, count)
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("KV pool: 300 blocks x 64 tokens = 19200 tokens, 300.0 MiB of GPU memory"), line
+    assert says in line, line
+
+
+def test_cuda_pool_is_a_share_of_free_gpu_memory_capped_by_the_batch():
+    """plan_cuda_kv_pool, what every CUDA engine's create_engine calls back (there is no formula in C++): a block
+    count is kept, a fraction takes that share of the free GPU bytes (auto: AUTO_MEMORY_FRACTION) at most
+    max_batch_size x session_len, and a share without room for one block is refused naming the numbers."""
+    per_block = 1000
+    cap = 4 * SESSION_BLOCKS  # config(): max_batch_size 4, session 100 tokens in blocks of 16
+    assert memory.plan_cuda_kv_pool(config(cache_max_entry_count=5), per_block, SESSION, 0) == 5
+    assert memory.plan_cuda_kv_pool(config(cache_max_entry_count=0.5), per_block, SESSION, 20_999) == 10
+    assert memory.plan_cuda_kv_pool(config(cache_max_entry_count=0.5), per_block, SESSION, 10**9) == cap
+    assert memory.plan_cuda_kv_pool(config(), per_block, SESSION, 10_000) == 8  # 0.8 of it
+    assert memory.plan_cuda_kv_pool(config(), per_block, 2 * SESSION, 10**9) == 4 * math.ceil(2 * SESSION / BLOCK)
+    with pytest.raises(MemoryBudgetError, match=r"cache_max_entry_count=0.5 of 2.0 KiB free GPU memory leaves no "
+                                                r"room for one KV block of 1000 B"):
+        memory.plan_cuda_kv_pool(config(cache_max_entry_count=0.5), per_block, SESSION, 1_999)
+    sizer = memory.CudaKVPoolSizer(config(cache_max_entry_count=0.5))
+    assert sizer(per_block, 123, SESSION, 20_999) == 10  # what the engine calls: the weight bytes play no part

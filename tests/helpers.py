@@ -1,0 +1,161 @@
+"""Assertions and reference math the tests share: relative errors, the engine's logits against an HF reference,
+the KV-block check every engine must pass, HF's greedy decode, fake quantization, hand-unpacked AWQ weights."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+
+from lmkit import EngineConfig
+
+if TYPE_CHECKING:
+    import torch
+
+SMALL_ENGINE = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                            max_batch_size=4)
+"""A small CPU engine with fp32 weights (int8 activations where the CPU has them): engine_logits' default."""
+EXACT_ENGINE = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                            max_batch_size=4, int8_activations=False)
+"""SMALL_ENGINE with fp32 activations: the exact path, held to 1e-4 of HF."""
+TINY_CALIB = dict(calib_dataset="pydoc", calib_samples=8, calib_seqlen=64, search_samples=4)
+"""lmkit lite's calibration small enough to run in seconds: 8 windows of 64 tokens of pydoc text, scores on 4."""
+
+
+def cuda_usable() -> bool:
+    """Whether the engine was built with CUDA and both it and torch see a GPU."""
+    try:
+        import torch
+
+        from lmkit import _engine
+    except ImportError:
+        return False
+    return bool(_engine.cuda.is_built and _engine.cuda.is_available() and torch.cuda.is_available())
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def logits_error(model, ref, prompts, config, new_tokens: int = 5, per_row: bool = True) -> float:
+    """Largest relative error of the engine's logits on ``model`` (a folder or file lmkit loads) against the HF
+    model ``ref`` (fp32) over each prompt and its greedy continuation: of any row, or (per_row False) of any
+    prompt's rows together."""
+    import torch
+
+    from lmkit import GenerationConfig, pipeline
+
+    gen = GenerationConfig(max_new_tokens=new_tokens, output_logits=True, ignore_eos=True)
+    worst = 0.0
+    with pipeline(model, config) as pipe:
+        for p, r in zip(prompts, pipe(prompts, gen)):
+            assert r.error is None, r.error
+            full = p + r.token_ids
+            with torch.no_grad():
+                want = ref(torch.tensor([full])).logits[0, : len(full) - 1].numpy()
+            got = r.logits
+            assert got.shape == want.shape
+            if per_row:
+                err = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+            else:
+                err = np.linalg.norm(got - want) / np.linalg.norm(want)
+            worst = max(worst, float(np.max(err)))
+    return worst
+
+
+def assert_blocks_free(engine, timeout_s: float = 5.0) -> None:
+    """Waits until the engine is idle, then checks every KV block is free and bookkeeping is exact."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = engine.metrics()
+        if (m.num_running == 0 and m.num_waiting == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    engine.check_integrity()
+    m = engine.metrics()
+    assert m.num_running == 0 and m.num_waiting == 0, f"engine not idle: {m.num_running} running, {m.num_waiting} waiting"
+    assert m.num_free_blocks == m.num_total_blocks, (
+        f"KV blocks leaked: {m.num_free_blocks} free of {m.num_total_blocks}")
+
+
+def hf_greedy(model, ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    new = out[0, len(ids):].tolist()
+    if eos is not None and eos in new:
+        new = new[: new.index(eos)]
+    return new
+
+
+def engine_logits(folder: Path, prompts: list[list[int]], config: EngineConfig = SMALL_ENGINE, new_tokens: int = 8):
+    from lmkit import GenerationConfig, pipeline
+
+    gen = GenerationConfig(max_new_tokens=new_tokens, output_logits=True, ignore_eos=True)
+    with pipeline(folder, config) as pipe:
+        return [(p + r.token_ids, r.logits) for p, r in zip(prompts, pipe(prompts, gen))]
+
+
+def check_against(ref, results, tol: float) -> None:
+    import torch
+
+    for full, got in results:
+        with torch.no_grad():
+            expect = ref(torch.tensor([full])).logits[0].numpy()
+        assert got.shape == (len(full) - 1, expect.shape[1])
+        assert rel_err(got, expect[: len(full) - 1]) <= tol
+
+
+def fake_quant(x: "torch.Tensor", bits: int) -> "torch.Tensor":
+    """Per token and head over head_dim, as lmkit/kv_policy.py defines it (fp16 scale and zero)."""
+    import torch
+
+    qmax = float(2**bits - 1)
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    scale = ((hi - lo) / qmax).half().float()
+    zero = lo.half().float()
+    q = torch.where(scale == 0, torch.zeros_like(x), torch.round((x - zero) / scale).clamp(0, qmax))
+    return q * scale + zero
+
+
+def _hand_unpack(packed: "torch.Tensor") -> "torch.Tensor":
+    """int32 [rows, cols/8] -> int64 [rows, cols]: column 8c + order[k] sits at bits 4k of word c."""
+    import torch
+
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    words = packed.long() & 0xFFFFFFFF
+    out = torch.empty(packed.shape[0], packed.shape[1] * 8, dtype=torch.long)
+    for k in range(8):
+        out[:, order[k]::8] = (words >> (4 * k)) & 0xF
+    return out
+
+
+def hand_dequantize(tensors: dict[str, "torch.Tensor"], name: str, group_size: int) -> "torch.Tensor":
+    """float32 [out, in] of AWQ linear ``name`` in ``tensors``, unpacked here by hand: (q - zero) * scale."""
+    q = _hand_unpack(tensors[f"{name}.qweight"])
+    z = _hand_unpack(tensors[f"{name}.qzeros"]).repeat_interleave(group_size, dim=0)
+    s = tensors[f"{name}.scales"].float().repeat_interleave(group_size, dim=0)
+    return ((q - z).float() * s).t()
+
+
+def assert_int4_kl_per_layer(lm, windows: "torch.Tensor", num_layers: int) -> None:
+    """_int4_kl (in batches of 2) equals the KL of the fp model to the model with only layer i's KV at int4,
+    computed here in full, for every layer i (windows [n, len]: KL per predicted token)."""
+    import torch
+
+    from lmkit.lite.kvcalib import _int4_kl, _SilentReporter
+
+    got = _int4_kl(lm, windows, 2, torch.device("cpu"), _SilentReporter())
+    n, length = windows.shape
+    with torch.no_grad():
+        ref = torch.log_softmax(lm(input_ids=windows, kv_bits=[0] * num_layers, use_cache=False).logits[:, :-1], -1)
+        for i in range(num_layers):
+            bits = [4 if j == i else 0 for j in range(num_layers)]
+            q = torch.log_softmax(lm(input_ids=windows, kv_bits=bits, use_cache=False).logits[:, :-1], -1)
+            want = float((ref.exp() * (ref - q)).sum()) / (n * (length - 1))
+            assert got[i] == pytest.approx(want, rel=1e-4), (i, got[i], want)

@@ -1,0 +1,87 @@
+"""Reasoning through the api_server: thinking goes to reasoning_content (and reasoning), never content, split
+alike streamed and whole; chat_template_kwargs reach the template; a structured output starts after the thinking."""
+
+from __future__ import annotations
+
+import json
+
+from tests.serve.harness import client_of, reassemble
+
+
+def test_thinking_is_reasoning_streamed_and_whole(servers):  # noqa: F811
+    """DeepSeek-R1's prompt ends inside <think>: a random answer is reasoning until a </think>, if any."""
+    client = client_of(servers, "deepseek_r1")
+    tokenizer = servers["deepseek_r1"].engine.tokenizer
+    messages = [{"role": "user", "content": "2+2?"}]
+    prompt_ids = tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False)
+    for seed in range(4):
+        body = dict(model="deepseek_r1", messages=messages, max_tokens=40, temperature=1.0, seed=seed)
+        r = client.chat.completions.create(**body)
+        m = r.choices[0].message
+        # the oracle: the same sampling as a text completion of the rendered prompt, split by hand
+        text = client.completions.create(model="deepseek_r1", prompt=prompt_ids, max_tokens=40, temperature=1.0,
+                                         seed=seed).choices[0].text
+        reasoning = m.model_extra["reasoning_content"]
+        assert m.model_extra["reasoning"] == reasoning
+        if "</think>" in text:
+            head, tail = text.split("</think>", 1)
+            assert reasoning == head.lstrip("\n") and (m.content or "") == tail.lstrip("\n")
+        else:
+            assert reasoning == text.lstrip("\n") and not m.content
+        content, calls, finish, streamed_reasoning = reassemble(client.chat.completions.create(**body, stream=True))
+        assert (content, streamed_reasoning, finish) == (m.content or "", reasoning or "", r.choices[0].finish_reason)
+
+
+FORCED = "<think>\nfirst a plan\n</think>\n\nthe answer"
+
+
+def test_reasoning_split_of_a_forced_answer_and_enable_thinking(servers):  # noqa: F811
+    """Qwen3 with enable_thinking false: the template closes the thinking in the prompt (so a grammar starts at
+    once), and an answer that opens <think> anyway is still split."""
+    client = client_of(servers, "qwen3")
+    messages = [{"role": "user", "content": "hi"}]
+    thinking = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=1)
+    off = dict(model="qwen3", messages=messages, max_tokens=60,
+               extra_body={"chat_template_kwargs": {"enable_thinking": False},
+                           "structured_outputs": {"regex": FORCED.replace("\n", "\\n")}})
+    r = client.chat.completions.create(**off)
+    # the template got enable_thinking: its prompt ends with an empty, closed thinking block
+    closed = servers["qwen3"].engine.tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+    assert r.usage.prompt_tokens == thinking.usage.prompt_tokens + len(closed)
+    m = r.choices[0].message
+    assert (m.model_extra["reasoning_content"], m.content) == ("first a plan\n", "the answer")
+    content, _, finish, reasoning = reassemble(client.chat.completions.create(**off, stream=True))
+    assert (reasoning, content, finish) == ("first a plan\n", "the answer", "stop")
+
+
+def test_structured_output_starts_after_the_thinking(servers):  # noqa: F811
+    """With thinking on, the schema applies after </think>: the engine is given that token."""
+    import asyncio
+
+    from lmkit.serve.openai_serving import OpenAIServing
+    from lmkit.serve.protocol import ChatCompletionRequest
+    from lmkit.serve.reasoning import REASONING_FORMATS
+    from lmkit.serve.tools.parsers import HermesParser
+
+    engine = servers["qwen3"].engine
+    serving = OpenAIServing(engine, "qwen3", tool_parser=HermesParser, reasoning=REASONING_FORMATS["qwen3"])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    req = ChatCompletionRequest(model="qwen3", messages=[{"role": "user", "content": "hi"}],
+                                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    prepared = asyncio.run(serving.prepare(req))
+    assert [prepared.gen.structured_output_after_token] == engine.tokenizer.encode("</think>", add_special_tokens=False)
+    off = ChatCompletionRequest(model="qwen3", messages=[{"role": "user", "content": "hi"}],
+                                chat_template_kwargs={"enable_thinking": False},
+                                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert asyncio.run(serving.prepare(off)).gen.structured_output_after_token is None
+    # end to end: whatever the random model thinks, once it writes </think> the rest is the schema's JSON
+    client = client_of(servers, "qwen3")
+    for seed in range(3):
+        r = client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=30, seed=seed, temperature=1.0,
+                                           response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "x", "schema": schema}})
+        m = r.choices[0].message
+        if r.choices[0].finish_reason == "stop":  # the grammar completed after a </think>
+            answer = ((m.model_extra["reasoning_content"] or "") + "</think>" + (m.content or "")).split("</think>")[-1]
+            assert isinstance(json.loads(answer)["a"], int)

@@ -1,0 +1,222 @@
+"""Tool calling through the api_server with the official openai client, on tiny random models that speak the real
+families' formats (their own chat templates): required and named calls are enforced by a grammar (the call
+parses, its arguments validate against the function's parameters), auto calls are parsed, streamed deltas
+reassemble to the whole answer, tool results render back through the template, and bad tool requests are 400s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.serve.harness import TOOL_FAMILIES, client_of, reassemble
+
+jsonschema = pytest.importorskip("jsonschema")
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12},
+    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "unit", "days"], "additionalProperties": False}
+SEARCH = {"type": "object", "properties": {"query": {"type": "string", "maxLength": 20},
+                                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                                                    "maxItems": 2}},
+          "required": ["query", "tags"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "search", "description": "Web search", "parameters": SEARCH}}]
+SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}
+
+
+def ask(family: str, extra_body: dict | None = None, **kw) -> dict:
+    """A chat request offering TOOLS. Qwen3 is asked not to think: its grammar would wait for a </think> that a
+    random model does not write (thinking models: tests/serve/test_reasoning.py)."""
+    extra = dict(extra_body or {})
+    if family == "qwen3":
+        extra["chat_template_kwargs"] = {"enable_thinking": False}
+    return {"model": family, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": TOOLS, "max_tokens": 300, "temperature": 1.0, "extra_body": extra, **kw}
+
+
+def check_calls(message, names=("get_weather", "search")):
+    assert message.tool_calls, message
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert not message.content
+
+
+@pytest.mark.parametrize("family", TOOL_FAMILIES)
+def test_required_calls_parse_and_validate(servers, family):
+    client = client_of(servers, family)
+    for seed in range(6):
+        body = ask(family, tool_choice="required", seed=seed, parallel_tool_calls=False)
+        r = client.chat.completions.create(**body)
+        assert r.choices[0].finish_reason == "tool_calls", r
+        check_calls(r.choices[0].message)
+        assert len(r.choices[0].message.tool_calls) == 1
+        # the same sampling streamed: the deltas reassemble to the whole answer
+        content, calls, finish, _ = reassemble(client.chat.completions.create(**body, stream=True))
+        assert finish == "tool_calls" and not content
+        whole = [{"name": c.function.name, "arguments": c.function.arguments} for c in r.choices[0].message.tool_calls]
+        assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == whole
+
+
+@pytest.mark.parametrize("family", TOOL_FAMILIES)
+def test_parallel_calls(servers, family):
+    """With parallel_tool_calls (the default) a required answer may hold several calls, each valid; streamed
+    they arrive with their own index and id."""
+    client = client_of(servers, family)
+    counts = []
+    for seed in range(8):
+        body = ask(family, tool_choice="required", seed=100 + seed, max_tokens=1500)
+        r = client.chat.completions.create(**body)
+        message = r.choices[0].message
+        if r.choices[0].finish_reason == "length":  # cut short: the calls before the last are complete
+            message.tool_calls = message.tool_calls[:-1]
+            if not message.tool_calls:
+                continue
+        else:
+            assert r.choices[0].finish_reason == "tool_calls"
+            content, calls, _, _ = reassemble(client.chat.completions.create(**body, stream=True))
+            assert [(c["name"], c["arguments"]) for c in calls] == \
+                [(c.function.name, c.function.arguments) for c in message.tool_calls]
+            assert len({c["id"] for c in calls}) == len(calls)
+        check_calls(message)
+        counts.append(len(message.tool_calls))
+    if family == "llama3.1":  # its template renders one call per message: the grammar allows one
+        assert counts and max(counts) == 1, counts
+    elif family != "qwen3_coder" or counts:
+        assert max(counts) > 1, counts
+
+
+@pytest.mark.parametrize("family", TOOL_FAMILIES)
+def test_named_call_and_one_call_only(servers, family):
+    client = client_of(servers, family)
+    for seed in range(3):
+        r = client.chat.completions.create(**ask(family, seed=seed, parallel_tool_calls=False,
+                                                 tool_choice={"type": "function", "function": {"name": "search"}}))
+        message = r.choices[0].message
+        check_calls(message, names=("search",))
+        assert len(message.tool_calls) == 1
+
+
+# What a model of each family writes for one call of search(query="cats", tags=["a"]): forced through the
+# request's own grammar while tool_choice is auto, so that the parser, not a grammar, finds the call.
+_ARGS = '{"query": "cats", "tags": ["a"]}'
+FORCED = {  # (special marker token or None, the text after it)
+    "qwen2.5": (None, '<tool_call>\n{"name": "search", "arguments": ' + _ARGS + '}\n</tool_call>'),
+    "llama3.1": ("<|python_tag|>", '{"name": "search", "parameters": ' + _ARGS + '}'),
+    "mistral": ("[TOOL_CALLS]", '[{"name": "search", "arguments": ' + _ARGS + '}]'),
+    "qwen3_coder": (None, '<tool_call>\n<function=search>\n<parameter=query>\ncats\n</parameter>\n'
+                          '<parameter=tags>\n["a"]\n</parameter>\n</function>\n</tool_call>'),
+}
+FORCED["qwen3"] = FORCED["qwen2.5"]
+
+
+@pytest.mark.parametrize("family", TOOL_FAMILIES)
+def test_auto_parses_a_call_or_returns_text(servers, family):
+    import openai
+
+    client = client_of(servers, family)
+    tokenizer = servers[family].engine.tokenizer  # ids of the special markers
+    marker, text = FORCED[family]
+    lark = f"start: {f'<[{tokenizer.single_token_id(marker)}]> ' if marker else ''}{json.dumps(text)}"
+    body = ask(family, tool_choice="auto", extra_body={"structured_outputs": {"grammar": lark}})
+    r = client.chat.completions.create(**body)
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls", r
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
+        [("search", {"query": "cats", "tags": ["a"]})]
+    assert not message.content
+    content, calls, finish, _ = reassemble(client.chat.completions.create(**body, stream=True))
+    assert finish == "tool_calls" and not content
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("search", {"query": "cats", "tags": ["a"]})]
+    # text that is no call stays content, whole and streamed
+    body = ask(family, tool_choice="auto", extra_body={"structured_outputs": {"regex": "It is sunny \\{ok\\}"}})
+    r = client.chat.completions.create(**body)
+    assert r.choices[0].message.content == "It is sunny {ok}" and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+    assert reassemble(client.chat.completions.create(**body, stream=True))[:3] == ("It is sunny {ok}", [], "stop")
+    with pytest.raises(openai.BadRequestError):  # required and a structured output at once
+        client.chat.completions.create(**ask(family, tool_choice="required",
+                                             response_format={"type": "json_object"}))
+
+
+@pytest.mark.parametrize("family", TOOL_FAMILIES)
+def test_tool_results_render_back_through_the_template(servers, family):
+    """A second turn with the assistant's call and the tool's result (OpenAI's shapes, as an agent sends them)."""
+    client = client_of(servers, family)
+    r = client.chat.completions.create(**ask(family, tool_choice="required", seed=1, parallel_tool_calls=False))
+    call = r.choices[0].message.tool_calls[0]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                r.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    second = client.chat.completions.create(model=family, messages=messages, tools=TOOLS, max_tokens=8,
+                                            extra_body=ask(family)["extra_body"])
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the call and the result are in the prompt: tokens of the call's arguments and of the result at least
+    num_call_tokens = r.usage.completion_tokens
+    assert second.usage.prompt_tokens >= r.usage.prompt_tokens + num_call_tokens // 2 + len('{"temperature": 21}')
+
+
+def test_openai_parse_with_a_strict_pydantic_tool(servers):
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Lookup(BaseModel):
+        """Look up a word."""
+        word: str = Field(max_length=10)
+        limit: int = Field(ge=1, le=5)
+
+    client = client_of(servers, "qwen2.5")
+    r = client.chat.completions.parse(model="qwen2.5", messages=[{"role": "user", "content": "define cat"}],
+                                      tools=[openai.pydantic_function_tool(Lookup)], max_tokens=200,
+                                      tool_choice={"type": "function", "function": {"name": "Lookup"}},
+                                      parallel_tool_calls=False, seed=0)
+    parsed = r.choices[0].message.tool_calls[0].function.parsed_arguments
+    assert isinstance(parsed, Lookup) and 1 <= parsed.limit <= 5
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+
+
+BAD = [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "nonsense"}}}}}]}, "tools[0].function.parameters"),
+    ({"tools": TOOLS + [{"type": "function", "function": {"name": "g", "parameters": {"type": 12}}}]},
+     "tools[2].function.parameters"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+]
+
+
+@pytest.mark.parametrize("extra,param", BAD)
+def test_bad_tool_requests_are_400s_naming_the_field(servers, extra, param):
+    import httpx
+
+    url = f"{servers['qwen2.5'].url}/v1/chat/completions"
+    body = {"model": "qwen2.5", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param), r.json()
+    assert httpx.get(f"{servers['qwen2.5'].url}/health", timeout=10).status_code == 200
+
+
+def test_tools_on_a_model_without_a_tool_format_name_the_fix(api_server):
+    import httpx
+
+    r = httpx.post(f"{api_server.url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "--tool-call-parser" in r.json()["error"]["message"]
+    # tool_choice none: the tools are not offered, the request runs
+    r = httpx.post(f"{api_server.url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "none",
+        "max_tokens": 4})
+    assert r.status_code == 200, r.text
