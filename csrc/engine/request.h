@@ -9,19 +9,14 @@
 #include <string>
 #include <vector>
 
+#include "core/sampler_params.h"
 #include "engine/grammar.h"
 
 namespace lmkit {
 
-// Per-request sampling and stopping parameters, read-only once submitted.
-struct SamplingParams {
-  float temperature = 1.0f;         // 0 -> greedy (the one encoding: lmkit/messages.py maps top_k 1 to it)
-  int32_t top_k = 0;                // 0 -> off
-  float top_p = 1.0f;               // (0, 1]
-  float min_p = 0.0f;               // [0, 1)
-  float repetition_penalty = 1.0f;  // HF semantics: logit > 0 ? logit / p : logit * p over prompt + output
-  float presence_penalty = 0.0f;    // OpenAI semantics over output tokens: logit -= presence * (count > 0)
-  float frequency_penalty = 0.0f;   //                                       logit -= frequency * count
+// Per-request sampling and stopping parameters (the sampler's, core/sampler_params.h, and the rest),
+// read-only once submitted.
+struct SamplingParams : SamplerParams {
   uint64_t seed = 0;
   bool has_seed = false;            // false -> seeded from the engine's random source
   int32_t max_new_tokens = 512;    // 0: only the prompt is computed (to score it: prompt_logprobs)
@@ -29,7 +24,6 @@ struct SamplingParams {
   std::vector<int32_t> stop_token_ids;  // besides the model's eos ids
   bool ignore_eos = false;
   bool output_logits = false;  // return the logits row of every position computed (prompt and output)
-  int32_t logprobs = -1;       // -1: off; k >= 0: each output token's logprob and the k most likely alternatives
   // -1: off; k >= 0: the logprob of every prompt token after the first under the model's raw logits (before
   // penalties and masks) and the k most likely alternatives there. Computed during prefill; such a request
   // takes no prefix-cache hits (the rows of a cached prefix are recomputed).
@@ -43,7 +37,6 @@ struct SamplingParams {
   // Checks the invariants the engine relies on (throws Error). The user's values are validated once, at the
   // boundary (lmkit.GenerationConfig, lmkit/messages.py): a failure here is a caller's bug, not bad input.
   void check_invariants() const;
-  bool is_greedy() const { return temperature == 0.0f; }
   // The prompt's own rows are read (logits or logprobs), so every prompt position must be computed.
   bool reads_prompt_rows() const { return output_logits || prompt_logprobs >= 0; }
 };

@@ -17,7 +17,6 @@
 #include "core/check.h"
 #include "core/kv_quant.h"
 #include "engine/batch.h"
-#include "kernels/cpu/sampling.h"
 #include "kernels/ops.h"
 #include "model/model_config.h"
 #include "model/weights.h"
@@ -180,15 +179,5 @@ std::unique_ptr<Backend> make_cpu_backend(const BackendOptions& options);
 std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& options, DType act, int64_t hidden_size,
                                            int64_t vocab_size);
 #endif
-
-// The CPU sampler's settings of a request (both backends draw on the host through ops::sample).
-inline ops::SamplerParams sampler_params(const SamplingParams& p) {
-  ops::SamplerParams s;
-  s.temperature = p.temperature, s.top_k = p.top_k, s.top_p = p.top_p, s.min_p = p.min_p;
-  s.repetition_penalty = p.repetition_penalty;
-  s.presence_penalty = p.presence_penalty, s.frequency_penalty = p.frequency_penalty;
-  s.logprobs = p.logprobs;
-  return s;
-}
 
 }  // namespace lmkit

@@ -319,7 +319,7 @@ class CpuBackend final : public Backend {
       row_.assign(lg + i * vocab, lg + (i + 1) * vocab);  // the sampler works in place
       std::mt19937_64 rng(s.seed);
       ops::SampleLogprobs lp;
-      out.tokens[k] = ops::sample(row_.data(), (int32_t)vocab, sampler_params(*s.params), s.history, s.num_history, s.num_prompt,
+      out.tokens[k] = ops::sample(row_.data(), (int32_t)vocab, *s.params, s.history, s.num_history, s.num_prompt,
                                   s.banned.data(), (int32_t)s.banned.size(), s.mask ? s.mask->wait() : nullptr,
                                   rng, s.params->logprobs >= 0 ? &lp : nullptr);
       if (s.params->logprobs >= 0) {

@@ -630,7 +630,7 @@ void CudaBackend::take_logits(const Batch& batch, int64_t first, int64_t n, cons
       if (!in_group(s.logit_index) || (s.params->logprobs < 0 && !s.mask)) continue;
       std::mt19937_64 rng(s.seed);
       ops::SampleLogprobs lp;
-      out.tokens[k] = ops::sample(host_logits_.data() + (s.logit_index - first) * vocab, (int32_t)vocab, sampler_params(*s.params),
+      out.tokens[k] = ops::sample(host_logits_.data() + (s.logit_index - first) * vocab, (int32_t)vocab, *s.params,
                                   s.history, s.num_history, s.num_prompt, s.banned.data(), (int32_t)s.banned.size(),
                                   s.mask ? s.mask->wait() : nullptr, rng, &lp);
       out.logprobs[k].logprob = lp.logprob;

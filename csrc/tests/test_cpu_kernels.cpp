@@ -1460,7 +1460,7 @@ void test_greedy_sample() {
       if (!std::isnan(x[i]) && (best < 0 || x[i] > x[best])) best = i;
     return best < 0 ? 0 : best;
   };
-  ops::SamplerParams greedy;
+  SamplerParams greedy;
   greedy.temperature = 0.0f;
   std::mt19937_64 rng(1);
   std::uniform_int_distribution<int> coin(0, 7);

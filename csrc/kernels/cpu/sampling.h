@@ -6,21 +6,9 @@
 #include <random>
 #include <vector>
 
-namespace lmkit::ops {
+#include "core/sampler_params.h"
 
-// What the sampler needs of a request's sampling settings (the engine's SamplingParams, engine/request.h,
-// holds them with the rest of a request; the backend copies them here, as the CUDA sampler's SampleParams).
-struct SamplerParams {
-  float temperature = 1.0f;         // 0 -> greedy
-  int32_t top_k = 0;                // 0 -> off
-  float top_p = 1.0f;               // (0, 1]
-  float min_p = 0.0f;               // [0, 1)
-  float repetition_penalty = 1.0f;  // HF semantics: logit > 0 ? logit / p : logit * p over prompt + output
-  float presence_penalty = 0.0f;    // OpenAI semantics over output tokens: logit -= presence * (count > 0)
-  float frequency_penalty = 0.0f;   //                                       logit -= frequency * count
-  int32_t logprobs = -1;            // -1: off; k >= 0: the chosen token's logprob and the k best
-  bool is_greedy() const { return temperature == 0.0f; }
-};
+namespace lmkit::ops {
 
 // What sample() reports besides the token, when params.logprobs >= 0.
 struct SampleLogprobs {
