@@ -6,8 +6,8 @@ Environment: LMKIT_CUDA=ON|OFF|AUTO, LMKIT_CUDA_ARCHS="80;90a", LMKIT_BUILD_JOBS
 
 The CMake build lives in build/engine-<python tag>/ of the source tree and is kept between installs: a second
 `pip install -e .` (say with the test extra) recompiles only what changed, and with LMKIT_BUILD_TESTS=ON the
-same build also holds the C++ unit tests that tests/csrc runs under ctest. Each step prints one line, and the
-compiler's progress goes to build/engine-<tag>/build.log (`pip install -v` shows it live).
+same build also holds the C++ unit tests that tests/kernels/test_csrc.py runs under ctest. Each step prints one
+line, and the compiler's progress goes to build/engine-<tag>/build.log (`pip install -v` shows it live).
 """
 
 import os

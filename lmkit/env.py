@@ -42,7 +42,7 @@ def build_jobs() -> int:
 
 def build_tests() -> bool:
     """``LMKIT_BUILD_TESTS``: ON (or 1) also builds the C++ unit tests beside the extension, in the same CMake
-    build, for ``ctest`` (tests/csrc runs it; read by setup.py). Default OFF."""
+    build, for ``ctest`` (tests/kernels/test_csrc.py runs it; read by setup.py). Default OFF."""
     return os.environ.get("LMKIT_BUILD_TESTS", "OFF").upper() in ("ON", "1", "TRUE", "YES")
 
 
