@@ -120,7 +120,7 @@ class LmkitLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Requests with the same generation settings run as one batch."""
         groups: dict[tuple, list[int]] = {}
-        prompts, gens = [], []
+        prompts = []
         for i, (context, kwargs) in enumerate(r.args for r in requests):
             kwargs = dict(kwargs or {})
             until = kwargs.pop("until", None) or []

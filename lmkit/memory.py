@@ -219,6 +219,11 @@ class Reservations:
 
 # -- sizing ---------------------------------------------------------------------------------------------------
 
+def cap_blocks(max_batch_size: int, session_len: int, block_size_tokens: int) -> int:
+    """What max_batch_size sequences of session_len tokens can ever use: more KV blocks are never needed."""
+    return max_batch_size * math.ceil(session_len / block_size_tokens)
+
+
 @dataclass(frozen=True)
 class KVPool:
     """How a CPU engine's KV pool was sized (``Engine.kv_pool``): the numbers of its start-up line."""
@@ -245,8 +250,7 @@ class KVPool:
 
     @property
     def cap_blocks(self) -> int:
-        """What max_batch_size sequences of session_len tokens can ever use."""
-        return self.max_batch_size * math.ceil(self.session_len / self.block_size_tokens)
+        return cap_blocks(self.max_batch_size, self.session_len, self.block_size_tokens)
 
     @property
     def others_bytes(self) -> int:
@@ -379,8 +383,8 @@ def plan_cuda_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, session_l
     fraction = AUTO_MEMORY_FRACTION if count is None else float(count)
     if fraction > 1:
         return int(fraction)
-    cap_blocks = config.max_batch_size * math.ceil(session_len / config.cache_block_seq_len)
-    blocks = min(int(fraction * free_bytes) // kv_bytes_per_block, cap_blocks)
+    cap = cap_blocks(config.max_batch_size, session_len, config.cache_block_seq_len)
+    blocks = min(int(fraction * free_bytes) // kv_bytes_per_block, cap)
     if blocks < 1:
         raise MemoryBudgetError(
             f"cache_max_entry_count={fraction:g} of {format_bytes(free_bytes)} free GPU memory leaves no room for one "

@@ -66,6 +66,22 @@ def logits_error(model, ref, prompts, config, new_tokens: int = 5, per_row: bool
     return worst
 
 
+def prefill_logits_vs_transformers(folder, prompt: list[int], config: EngineConfig):
+    """(the engine's, transformers') logits of every prompt position but the last on the checkpoint in ``folder``
+    (an export of lmkit lite, read back by lmkit.lite.checkpoint.load_causal_lm), as fp32 torch tensors."""
+    import torch
+
+    from lmkit import GenerationConfig, pipeline
+    from lmkit.lite.checkpoint import load_causal_lm
+
+    with pipeline(folder, config) as pipe:
+        response = pipe([prompt], GenerationConfig(max_new_tokens=1, output_logits=True, ignore_eos=True))[0]
+    got = torch.from_numpy(np.asarray(response.logits[: len(prompt) - 1], dtype=np.float32))
+    with torch.no_grad():
+        want = load_causal_lm(folder)(input_ids=torch.tensor([prompt])).logits[0, :-1]
+    return got, want
+
+
 def assert_blocks_free(engine, timeout_s: float = 5.0) -> None:
     """Waits until the engine is idle, then checks every KV block is free and bookkeeping is exact."""
     deadline = time.monotonic() + timeout_s

@@ -1491,10 +1491,14 @@ void test_greedy_sample() {
   expect(bad == 0, "greedy sampling: the lowest index of the maximum, NaN never (" + std::to_string(checks) + " rows)");
 }
 
-int main() {
+// test_cpu_kernels [ISA...]: every kernel on each ISA named (generic, avx2, avx512; default all three), so that
+// ctest can run the ISAs side by side as separate tests.
+int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // keep every line if a kernel crashes
   test_greedy_sample();
-  for (const char* isa : {"generic", "avx2", "avx512"}) {
+  std::vector<const char*> isas = {"generic", "avx2", "avx512"};
+  if (argc > 1) isas.assign(argv + 1, argv + argc);
+  for (const char* isa : isas) {
     g_isa = isa;
     if (!ops::cpu::force_isa(isa)) {
       std::printf("skip [%s]: this CPU cannot run it\n", isa);

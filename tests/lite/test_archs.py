@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -32,7 +31,7 @@ from lmkit.models import get_awq_map
 from tests.factories import LITE_ARCH_CASES as CASES
 from tests.factories import LITE_BASE as BASE
 from tests.factories import make_arch_model
-from tests.helpers import TINY_CALIB, assert_int4_kl_per_layer, hand_dequantize
+from tests.helpers import TINY_CALIB, assert_int4_kl_per_layer, hand_dequantize, prefill_logits_vs_transformers
 
 TINY_KV = dict(calib_dataset="pydoc", calib_samples=4, calib_seqlen=64, eval_dataset="pydoc", eval_seqlen=64,
                eval_max_tokens=256, device="cpu")
@@ -135,19 +134,14 @@ def test_engine_perplexity_equals_dequantized_reference(arch):
     (prompt logits of 48 tokens of pydoc: longer than the windows and Phi-4's original context)."""
     from transformers import AutoTokenizer
 
-    from lmkit import EngineConfig, GenerationConfig, pipeline
+    from lmkit import EngineConfig
     from lmkit.lite.ppl import evaluation_tokens
 
     case, _, _, out = arch
     prompt = evaluation_tokens(AutoTokenizer.from_pretrained(out), "pydoc", 48).tolist()
     config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
-                          max_batch_size=4,
-                          int8_activations=False)
-    with pipeline(out, config) as pipe:
-        response = pipe([prompt], GenerationConfig(max_new_tokens=1, output_logits=True, ignore_eos=True))[0]
-    got = torch.from_numpy(np.asarray(response.logits[: len(prompt) - 1], dtype=np.float32))
-    with torch.no_grad():
-        want = load_causal_lm(out)(input_ids=torch.tensor([prompt])).logits[0, :-1]
+                          max_batch_size=4, int8_activations=False)
+    got, want = prefill_logits_vs_transformers(out, prompt, config)
     targets = torch.tensor(prompt[1:]).unsqueeze(1)
 
     def ppl(logits: torch.Tensor) -> float:

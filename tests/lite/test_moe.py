@@ -14,7 +14,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -27,7 +26,7 @@ from lmkit.lite.layerwise import LayerwiseModel
 from lmkit.lite.moe import ExpertLinears
 from tests.factories import MOE_CASES as CASES
 from tests.factories import make_moe_model
-from tests.helpers import TINY_CALIB, hand_dequantize
+from tests.helpers import TINY_CALIB, hand_dequantize, prefill_logits_vs_transformers
 
 def _pydoc_ids(folder: Path, n: int) -> list[int]:
     from transformers import AutoTokenizer
@@ -122,17 +121,13 @@ def test_moe_checkpoint_is_the_autoawq_layout(moe):
 def test_moe_engine_equals_dequantized_reference_and_awq_beats_rtn(moe):
     """The checkpoint's prompt logits through the engine equal the torch dequantized reference's, and AWQ's
     KL to the fp model on pydoc text is below round-to-nearest's."""
-    from lmkit import EngineConfig, GenerationConfig, pipeline
+    from lmkit import EngineConfig
 
     case, source, _, out, rtn = moe
     prompt = _pydoc_ids(out, 48)
     config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
                           int8_activations=False)
-    with pipeline(out, config) as pipe:
-        response = pipe([prompt], GenerationConfig(max_new_tokens=1, output_logits=True, ignore_eos=True))[0]
-    got = torch.from_numpy(np.asarray(response.logits[: len(prompt) - 1], dtype=np.float32))
-    with torch.no_grad():
-        want = load_causal_lm(out)(input_ids=torch.tensor([prompt])).logits[0, :-1]
+    got, want = prefill_logits_vs_transformers(out, prompt, config)
     assert float((got - want).norm() / want.norm()) < 1e-4, case
 
     ids = torch.tensor(_pydoc_ids(source, 512)).view(4, 128)

@@ -6,16 +6,13 @@ from __future__ import annotations
 import pytest
 
 from tests.factories import FAMILIES, make_family_model, make_tiny_model
-from tests.serve.harness import FAMILY_ENGINE, TINY_ENGINE, TOOL_FAMILIES, ServerThread
+from tests.serve.harness import FAMILY_ENGINE, TOOL_FAMILIES, ServerThread, tiny_async_engine
 
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_llama):
-    from lmkit import AsyncEngine, EngineConfig
-
-    engine = AsyncEngine(tiny_llama[0], EngineConfig(**TINY_ENGINE))
-    yield engine
-    engine.close()
+    with tiny_async_engine(tiny_llama[0]) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="session")

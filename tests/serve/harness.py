@@ -11,11 +11,24 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 
 TINY_ENGINE = dict(device="cpu", dtype="float32", cache_max_entry_count=256, max_batch_size=32, cache_block_seq_len=16,
                    session_len=512, num_threads=1)
+
+
+@contextmanager
+def tiny_async_engine(folder):
+    """An AsyncEngine of the model in ``folder`` with TINY_ENGINE's settings, closed on exit."""
+    from lmkit import AsyncEngine, EngineConfig
+
+    engine = AsyncEngine(folder, EngineConfig(**TINY_ENGINE))
+    try:
+        yield engine
+    finally:
+        engine.close()
 ADMIN_KEY = "admin-secret"
 """The admin key of the test proxies (their /nodes/* routes are closed without one)."""
 
@@ -109,6 +122,28 @@ def leave_long_completion(url: str, stream: bool, started=None, body: dict | Non
         except BlockingIOError:
             answer = None
         assert answer is None, f"the request was answered before the client left: {answer[:200]!r}"
+
+
+def streams_in_progress(url: str, model: str, count: int, max_tokens: int, timeout_s: float = 60.0):
+    """``count`` streamed completions of ``max_tokens`` tokens to ``url``, each in a thread; returns once every one
+    has its first line (the work is under way), with the threads (to join) and index -> the stream's non-empty
+    lines (each entry written when its stream ends)."""
+    started = threading.Barrier(count + 1, timeout=60)
+    results: dict[int, list[str]] = {}
+
+    def one(i: int) -> None:
+        body = {"model": model, "prompt": f"p{i}", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout_s) as r:
+            lines = r.iter_lines()
+            seen = [next(lines)]
+            started.wait()
+            results[i] = seen + [line for line in lines if line]
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    started.wait()
+    return threads, results
 
 
 def generating(engine):

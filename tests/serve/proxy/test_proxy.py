@@ -70,12 +70,10 @@ def test_unknown_strategy_lists_known():
 
 @pytest.fixture(scope="module")
 def second_engine(tiny_llama):
-    from lmkit import AsyncEngine, EngineConfig
-    from tests.serve.harness import TINY_ENGINE
+    from tests.serve.harness import tiny_async_engine
 
-    engine = AsyncEngine(tiny_llama[0], EngineConfig(**TINY_ENGINE))
-    yield engine
-    engine.close()
+    with tiny_async_engine(tiny_llama[0]) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -179,13 +177,17 @@ def test_killed_node_is_retried_then_returns(cluster, tiny_llama):
         node_proc.send_signal(signal.SIGKILL)
         node_proc.wait(timeout=10)
         client = proxy_client(proxy)
-        for i in range(12):  # some are routed to the dead node before any health check runs
+        deadline = time.monotonic() + 30
+        i = 0  # some are routed to the dead node (ties are broken at random) or a health check finds it first
+        while i < 12 or status(proxy)[url]["is_up"]:
+            assert time.monotonic() < deadline, "the killed node was never marked down"
             r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": str(i)}],
                                                max_tokens=3, stream=i % 2 == 0)
             if i % 2 == 0:
                 assert any(c.choices and c.choices[0].finish_reason for c in r)
             else:
                 assert r.choices[0].finish_reason in ("stop", "length")
+            i += 1
         dead = status(proxy)[url]
         assert not dead["is_up"] and dead["last_error"]
         node_proc = lmkit_subprocess(*args)

@@ -19,7 +19,8 @@ import pytest
 pytest.importorskip("ray.serve", reason='lmkit.serve.ray needs the ray extra: pip install -e ".[ray]"')
 pytestmark = pytest.mark.slow  # every test here runs on a Ray cluster this module starts (~3 min in all)
 
-from tests.serve.harness import free_port, leave_long_completion, lmkit_subprocess  # noqa: E402
+from tests.serve.harness import (free_port, leave_long_completion, lmkit_subprocess,  # noqa: E402
+                                 streams_in_progress)
 
 KEY = "ray-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -407,21 +408,7 @@ def test_lmkit_serve_ray_drains_on_sigterm(ray_cluster, slow_llama):
             except httpx.HTTPError:
                 return False
         wait_for(ready, 180, "lmkit serve ray answering /health")
-        results: dict[int, list[str]] = {}
-        started = threading.Barrier(4, timeout=60)
-
-        def one(i: int) -> None:
-            body = {"model": "cli", "prompt": f"p{i}", "max_tokens": 200, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=90) as r:
-                lines = r.iter_lines()
-                seen = [next(lines)]
-                started.wait()
-                results[i] = seen + [line for line in lines if line]
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        started.wait()
+        threads, results = streams_in_progress(url, "cli", 3, max_tokens=200, timeout_s=90)
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(timeout=120)
