@@ -74,6 +74,8 @@ class StructuredOutput:
                     schema = json.loads(self.json)
                 except json.JSONDecodeError as e:
                     raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}") from None
+                except RecursionError:
+                    raise StructuredOutputError("the JSON schema is nested too deeply") from None
             else:
                 schema = self.json
             if not isinstance(schema, (dict, bool)):
@@ -86,10 +88,14 @@ class StructuredOutput:
                 return "json_schema", json.dumps(schema, ensure_ascii=False, sort_keys=False)
             except (TypeError, ValueError) as e:
                 raise StructuredOutputError(f"the JSON schema cannot be serialised as JSON: {e}") from None
+            except RecursionError:
+                raise StructuredOutputError("the JSON schema is nested too deeply") from None
         if self.regex is not None:
             return "regex", self.regex
-        if self.choice is not None:
-            return "lark", "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+        if self.choice is not None:  # one terminal, so one lexer DFA: as rule alternatives, each choice is an item
+            # of the parser's first row, which llguidance caps at 2,000 (100,000 choices compile in ~0.6 s so)
+            return "lark", "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                 for c in self.choice)
         assert self.grammar is not None
         if "::=" in self.grammar:  # GBNF / EBNF
             from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -99,6 +105,18 @@ class StructuredOutput:
             except Exception as e:  # the converter raises plain exceptions for grammars it cannot read
                 raise StructuredOutputError(f"the GBNF grammar cannot be converted: {e}") from None
         return "lark", self.grammar
+
+
+_MAX_ERROR_CHARS = 300
+
+
+def grammar_error_summary(message: str) -> str:
+    """llguidance's message for a grammar it refused or a parse that failed, without its internals: the first
+    line (what follows is the parser's state and the lexer's tables), at most _MAX_ERROR_CHARS characters."""
+    first = (message.strip().splitlines() or ["the grammar failed"])[0].strip()
+    if "panicked at" in first:  # a bug of the compiler on this input: its Rust source location says nothing
+        return "the grammar compiler failed on this grammar"
+    return first if len(first) <= _MAX_ERROR_CHARS else first[: _MAX_ERROR_CHARS - 3] + "..."
 
 
 def llguidance_library() -> Path:
@@ -115,8 +133,9 @@ def llguidance_library() -> Path:
 
 
 class GrammarCache:
-    """Compiles constraints for one model's vocabulary and keeps the most recent ones. Thread-safe; compile
-    off the event loop (a large schema takes milliseconds to seconds)."""
+    """Compiles constraints for one model's vocabulary and keeps the most recent ones, and the refusals of the
+    ones llguidance cannot compile. Thread-safe; compile off the event loop (a large schema takes milliseconds to
+    seconds)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int],
                  capacity: int = _GRAMMAR_CACHE_SIZE):
@@ -150,20 +169,30 @@ class GrammarCache:
         from lmkit._ext import _engine
 
         key = constraint.source()
+        try:
+            key[1].encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" in JSON): not text the C API can take
+            raise StructuredOutputError(f"the {key[0].replace('_', ' ')} is not valid Unicode: "
+                                        f"{key[1][e.start:e.end]!r} at character {e.start} is a lone surrogate") from None
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
+        if isinstance(hit, StructuredOutputError):
+            raise StructuredOutputError(str(hit))
+        if hit is not None:
+            return hit
         tokenizer = self._grammar_tokenizer()
         try:
             compiled = _engine.CompiledGrammar(tokenizer, *key)
-        except ValueError as e:
-            raise StructuredOutputError(str(e)) from None
+        except ValueError as e:  # kept like a grammar: a client that sends it again costs no second compile
+            compiled = StructuredOutputError(grammar_error_summary(str(e)))
         with self._lock:
             self.num_compiled += 1
             self._cache[key] = compiled
             self._cache.move_to_end(key)
             while len(self._cache) > self._capacity:
                 self._cache.popitem(last=False)
+        if isinstance(compiled, StructuredOutputError):
+            raise StructuredOutputError(str(compiled))
         return compiled

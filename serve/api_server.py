@@ -11,11 +11,13 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /he
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,10 +26,10 @@ from lmkit.cpus import format_cpu_list, move_other_threads
 from lmkit.engine import AsyncEngine
 from lmkit.serve.admission import Admission, Reservation
 from lmkit.serve.asgi import OffLoopJSONRoute, run_event_loop, serve_app, unless_disconnected
-from lmkit.serve.errors import APIError, install_error_handlers
-from lmkit.serve.gate import Gate, GateConfig, warn_if_exposed
+from lmkit.serve.errors import APIError, error_body, install_error_handlers
+from lmkit.serve.gate import GATE_SCOPE_KEY, Gate, GateConfig, drain_ended_message, warn_if_exposed
 from lmkit.serve.metrics import ServerMetrics
-from lmkit.serve.openai_serving import OpenAIServing
+from lmkit.serve.openai_serving import OpenAIServing, sse
 from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
 from lmkit.serve.reasoning import detect_reasoning_format, reasoning_format
 from lmkit.serve.tools.parsers import detect_tool_parser, tool_parser_class
@@ -114,9 +116,43 @@ def _cancel_all(streams) -> None:
         s.cancel()
 
 
+async def until_drain_ends(lines: AsyncIterator[str], gate: Gate) -> AsyncIterator[str]:
+    """The SSE ``lines`` of a stream, ended by an error event when the server's drain time runs out (the gate's
+    drain_ended) rather than by a cut connection, which a client cannot tell from a network fault. Once the drain
+    has begun each line is raced against that end; a stream that sends nothing from the drain's start to its end
+    is cut as before."""
+    iterator = aiter(lines)
+    while not gate.is_draining:
+        try:
+            line = await anext(iterator)
+        except StopAsyncIteration:
+            return
+        yield line
+    ended = asyncio.ensure_future(gate.drain_ended.wait())
+    try:
+        while True:
+            following = asyncio.ensure_future(anext(iterator))
+            await asyncio.wait({following, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if not following.done():
+                following.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await following
+                yield sse(error_body(503, drain_ended_message(gate.config.drain_timeout_s), None,
+                                     "server_shutting_down"))
+                return
+            try:
+                line = following.result()
+            except StopAsyncIteration:
+                return
+            yield line
+    finally:
+        ended.cancel()
+
+
 class _Streamed(StreamingResponse):
     """An SSE response that, however it ends (finished, client gone, cancelled at shutdown, even before its
-    first chunk), cancels its engine requests and releases its admitted sequences."""
+    first chunk), cancels its engine requests and releases its admitted sequences; at the end of a drain, with
+    an error event (until_drain_ends)."""
 
     def __init__(self, content, streams, reservation: Reservation):
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -124,6 +160,9 @@ class _Streamed(StreamingResponse):
         self.reservation = reservation
 
     async def __call__(self, scope, receive, send) -> None:
+        gate = scope.get(GATE_SCOPE_KEY)
+        if gate is not None:
+            self.body_iterator = until_drain_ends(self.body_iterator, gate)
         try:
             await super().__call__(scope, receive, send)
         finally:

@@ -22,7 +22,8 @@ from fastapi.routing import APIRoute
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import HANDLED_SIGNALS
 
-from lmkit.serve.gate import Gate
+from lmkit.serve.errors import error_response
+from lmkit.serve.gate import GATE_SCOPE_KEY, Gate, drain_ended_message
 
 log = logging.getLogger("lmkit.serve")
 
@@ -36,18 +37,26 @@ async def until_disconnected(request: Request) -> None:
 
 
 async def unless_disconnected(request: Request, work):
-    """Awaits ``work``; cancels it (and so its engine requests) when the client goes away first."""
+    """Awaits ``work``; cancels it (and so its engine requests) when the client goes away first, or when the
+    server's drain time runs out first (the client then gets a 503 naming it)."""
     task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(until_disconnected(request))
+    watches = {asyncio.ensure_future(until_disconnected(request))}
+    gate = request.scope.get(GATE_SCOPE_KEY)
+    if gate is not None:
+        watches.add(asyncio.ensure_future(gate.drain_ended.wait()))
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, *watches}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watch.cancel()
+        for watch in watches:
+            watch.cancel()
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     if task.cancelled():
+        if gate is not None and gate.drain_ended.is_set():
+            return error_response(503, drain_ended_message(gate.config.drain_timeout_s), None,
+                                  "server_shutting_down", {"connection": "close"})
         return Response(status_code=499)  # nobody reads it
     return task.result()
 
@@ -263,7 +272,9 @@ class DrainingServer(uvicorn.Server):
             if self.server_state.tasks:
                 # the drain time is up: their clients are cut off, so the handlers end as when a client
                 # leaves (cancelling their engine requests); uvicorn cancels whatever outlives the grace
-                log.warning("drain over: cutting %d requests still in progress", len(self.server_state.tasks))
+                log.warning("drain over: ending %d requests still in progress", len(self.server_state.tasks))
+                self.gate.drain_ended.set()  # streams end with an error event (api_server.until_drain_ends)
+                await asyncio.wait(set(self.server_state.tasks), timeout=_CLEANUP_GRACE_S)
                 for connection in list(self.server_state.connections):
                     connection.transport.close()
             self.config.timeout_graceful_shutdown = _CLEANUP_GRACE_S

@@ -180,6 +180,11 @@ def proxy(
         False, "--unsafe-open-admin-on-loopback",
         help="Open /nodes/* without a key to clients on this machine (any local process); needs a loopback "
              "--host."),
+    allow_node_network: Optional[List[str]] = typer.Option(
+        None, "--allow-node-network",
+        help="A network (CIDR, repeat for more) nodes may be on although the proxy refuses it by default: "
+             "link-local (169.254.0.0/16, fe80::/10) and cloud metadata addresses, which would hand the host's "
+             "credentials to whoever can add a node."),
     api_keys: Optional[List[str]] = typer.Option(None, help="Bearer tokens clients must send (repeat, or "
                                                             "comma-separated; default: the LMKIT_API_KEYS variable); "
                                                             "none: open. When set, every route but /health and "
@@ -201,6 +206,7 @@ def proxy(
         raise ValueError(f"unknown routing strategy {strategy!r}; known: {', '.join(sorted(STRATEGIES))}")
     config = ProxyConfig(host=host, port=port, strategy=strategy, nodes=tuple(node or ()), admin_key=admin_key,
                          unsafe_open_admin_on_loopback=unsafe_open_admin_on_loopback,
+                         allow_node_networks=tuple(allow_node_network or ()),
                          gate=GateConfig(api_keys=_keys(api_keys), max_body_bytes=max_body_bytes,
                                          max_concurrent_requests=max_concurrent_requests,
                                          **_timeouts(header_timeout, body_timeout, drain_timeout)),

@@ -88,8 +88,8 @@ _SHOW.maxlist = _SHOW.maxtuple = 6
 _SHOW.maxdict = 4
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """The first problem of a failed validation, as OpenAI words it."""
+def validation_error(exc: RequestValidationError, content_type: str | None = None) -> APIError:
+    """The first problem of a failed validation, as OpenAI words it (``content_type``: the request's header)."""
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request body")
@@ -103,6 +103,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
     if kind == "missing" and param is None:
         return APIError(400, "the request body is missing: send a JSON object (Content-Type: application/json)")
+    if param is None:  # the body as a whole: raw bytes when its Content-Type is not JSON's (FastAPI is strict)
+        sent = f"'Content-Type: {content_type}'" if content_type else "no Content-Type header"
+        return APIError(400, f"The request body must be a JSON object sent with 'Content-Type: application/json'; "
+                             f"this request had {sent}.", None, "invalid_content_type")
     if kind == "missing":
         return APIError(400, f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
     shown = _SHOW.repr(first.get("input"))
@@ -122,7 +126,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc, request.headers.get("content-type")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

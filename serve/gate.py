@@ -83,6 +83,16 @@ def warn_if_exposed(host: str, port: int, config: GateConfig) -> bool:
     return True
 
 
+GATE_SCOPE_KEY = "lmkit.gate"  # the ASGI scope's entry of the Gate a request came through (its drain state)
+BEARER_CHALLENGE = (b"www-authenticate", b'Bearer realm="lmkit"')  # RFC 6750: how a 401 says what it wants
+
+
+def drain_ended_message(drain_timeout_s: float) -> str:
+    """What a request still running when the drain time ran out is told (a 503, or a stream's error event)."""
+    return (f"The server shut down before this request finished (its drain time of {drain_timeout_s:g} s ran out): "
+            "send it again, to another server.")
+
+
 async def send_error(send, status: int, message: str, code: str | None = None,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps(error_body(status, message, None, code)).encode()
@@ -125,11 +135,14 @@ class Gate:
         self.num_in_flight = 0
         self.is_draining = False
         """Set when the server begins to shut down: every new request (/health too) gets 503."""
+        self.drain_ended = asyncio.Event()
+        """Set when the drain time is up: streams still running end with an error event (api_server._Streamed)."""
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = route_path(scope)
+        scope[GATE_SCOPE_KEY] = self
         if self.on_response is not None:
             send = self._counting(path, send)
         if self.is_draining:
@@ -140,9 +153,11 @@ class Gate:
             token = bearer_token(scope["headers"])
             if token is None:
                 return await send_error(send, 401, "You didn't provide an API key. Pass it in the Authorization "
-                                                   "header: 'Authorization: Bearer YOUR_KEY'.", "invalid_api_key")
+                                                   "header: 'Authorization: Bearer YOUR_KEY'.", "invalid_api_key",
+                                        [BEARER_CHALLENGE])
             if not any(hmac.compare_digest(token.encode(), key.encode()) for key in config.api_keys):
-                return await send_error(send, 401, "Incorrect API key provided.", "invalid_api_key")
+                return await send_error(send, 401, "Incorrect API key provided.", "invalid_api_key",
+                                        [BEARER_CHALLENGE])
         if scope["method"] in ("POST", "PUT", "PATCH"):
             try:
                 body = await asyncio.wait_for(self._read_body(scope, receive), config.body_timeout_s)

@@ -33,7 +33,7 @@ from lmkit.serve.render import ChatRenderer, CompletionRenderer, usage
 from lmkit.serve.stream import Choice, ChoiceEvent, OutputFormat, in_chunks_of
 from lmkit.serve.tools.grammar import tool_call_grammar
 from lmkit.serve.tools.parsers import ToolParser
-from lmkit.structured import StructuredOutput, StructuredOutputError
+from lmkit.structured import StructuredOutput, StructuredOutputError, grammar_error_summary
 
 AnyRequest = Union[ChatCompletionRequest, CompletionRequest]
 
@@ -53,6 +53,8 @@ class Prepared:
     """gen.structured_output compiled for this engine (None without one)."""
     output: OutputFormat = field(default_factory=OutputFormat)
     """How the answers split into reasoning, content and tool calls (chat)."""
+    constraint_param: str | None = None
+    """The request field the grammar came from (response_format, guided_json, tool_choice, ...)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -153,7 +155,7 @@ class OpenAIServing:
                               f"{session_len} tokens and your request has {longest} input tokens "
                               f"({max_new} + {longest} > {session_len}).", max_name)
         gen = self._checked(req, max_name, lambda: dataclasses.replace(gen, max_new_tokens=max_new))
-        return Prepared(prompt_ids, prompt_texts, gen, self._compiled(gen, constraint_param), output)
+        return Prepared(prompt_ids, prompt_texts, gen, self._compiled(gen, constraint_param), output, constraint_param)
 
     def _compiled(self, gen: GenerationConfig, param: str | None):
         """The request's constraint compiled (cached by its text); a 400 naming ``param`` when llguidance
@@ -343,11 +345,15 @@ class OpenAIServing:
             choices.append(Choice(i, reasoning_parser=reasoning, tool_parser=tools))
         return choices
 
-    def _finish(self, r: Response) -> str:
+    def _finish(self, r: Response, prepared: Prepared) -> str:
         """OpenAI's finish_reason for an engine's last Response, or the APIError it is."""
         if r.finish_reason == "error":
             if r.error_kind == "does_not_fit":
                 raise bad_request(r.error, "max_tokens")
+            if r.error_kind == "grammar":  # the request's grammar cannot go on (too complex for the parser, ...)
+                param = prepared.constraint_param
+                raise bad_request(f"{param}: the structured output failed while generating: "
+                                  f"{grammar_error_summary(r.error)}", param)
             raise internal_error(f"the engine failed a request (prompt {r.index}, completion {r.sample_index}): "
                                  f"{r.error}")
         if r.finish_reason == "cancelled":
@@ -372,7 +378,7 @@ class OpenAIServing:
             c = choices[r.index * n + r.sample_index]
             if r.token_ids and c.first_token_at is None:
                 c.first_token_at = time.perf_counter()
-            event = c.event(r, self._finish(r) if r.finish_reason else None)
+            event = c.event(r, self._finish(r, prepared) if r.finish_reason else None)
             if event.finish_reason:
                 self._record(c, started_at, len(prepared.prompt_ids[r.index]))
             event.is_first = not started[c.index]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import math
 import re
 import time
 from collections import deque
@@ -21,18 +22,22 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from lmkit.serve.proxy.netpolicy import NodeNetworkPolicy
+
 log = logging.getLogger("lmkit.serve.proxy")
 
 _NETLOC = re.compile(r"(?P<host>\[[^\]]*\]|[^:\[\]]*)(?::(?P<port>[0-9]{1,5}))?")
 _DNS_NAME = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)(\.(?!-)[a-z0-9_-]{1,63}(?<!-))*\.?")
 _IPV4 = re.compile(r"[0-9.]+")
 _IPV6 = re.compile(r"\[[0-9a-f:.]+\]")  # no zone (%eth0)
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def normalize_node_url(url: str) -> str:
-    """``scheme://host[:port]`` with scheme http or https, a DNS name or IP address as host, and nothing
-    else (no user, path, query or fragment); lower-cased, without a trailing slash. ValueError naming
-    what is wrong otherwise."""
+    """``scheme://host:port`` with scheme http or https, a DNS name or IP address as host, and nothing
+    else (no user, path, query or fragment), in one spelling per server: lower-cased, the address in its
+    canonical form, a name without its trailing dot, the scheme's default port written out, no trailing
+    slash. ValueError naming what is wrong otherwise."""
     text = url.strip()
 
     def bad(why: str) -> ValueError:
@@ -66,7 +71,20 @@ def normalize_node_url(url: str) -> str:
         raise bad("the host is not a valid name or IP address")
     if port is not None and not 0 < int(port) < 65536:
         raise bad("the port must be in 1..65535")
-    return f"{scheme.lower()}://{host}" + (f":{int(port)}" if port is not None else "")
+    # one spelling per server: the address's canonical text, a name without its root dot, the port always
+    if host.startswith("["):
+        host = f"[{ipaddress.ip_address(host[1:-1]).compressed}]"
+    elif _IPV4.fullmatch(host):
+        host = ipaddress.ip_address(host).compressed
+    else:
+        host = host.rstrip(".")
+    port = int(port) if port is not None else _DEFAULT_PORTS[scheme.lower()]
+    return f"{scheme.lower()}://{host}:{port}"
+
+
+def node_host(url: str) -> str:
+    """The host of a URL as normalize_node_url writes it (an IPv6 address in brackets)."""
+    return url.split("://", 1)[1].rsplit(":", 1)[0]
 
 
 def _is_ip(text: str) -> bool:
@@ -119,16 +137,19 @@ class Node:
 class NodeRegistry:
     """Nodes by URL, with the health checks that move them between up and down."""
 
-    def __init__(self, health_timeout_s: float = 2.0):
+    def __init__(self, health_timeout_s: float = 2.0, policy: NodeNetworkPolicy | None = None):
         self.nodes: dict[str, Node] = {}
         self.health_timeout_s = health_timeout_s
+        self.policy = policy or NodeNetworkPolicy()
 
     def add(self, url: str, api_key: str | None = None, speed: float | None = None) -> Node:
         """Adds a node (down until checked), or updates the key/speed of a known one. ValueError for an
-        invalid url (see normalize_node_url) or speed."""
+        invalid url (see normalize_node_url), an address the network policy refuses, or a speed that is not a
+        finite number > 0."""
         url = normalize_node_url(url)
-        if speed is not None and not speed > 0:
-            raise ValueError(f"speed must be > 0, got {speed!r}")
+        self.policy.check_host(node_host(url))
+        if speed is not None and not (math.isfinite(speed) and speed > 0):
+            raise ValueError(f"speed must be a finite number > 0, got {speed!r}")
         node = self.nodes.get(url)
         if node is None:
             node = self.nodes[url] = Node(url, api_key, speed or 1.0)

@@ -33,8 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from lmkit.serve.asgi import (OffLoopJSONRoute, RelayedResponse, parse_json, run_event_loop, serve_app,
                               unless_disconnected)
 from lmkit.serve.errors import APIError, error_body, error_response, install_error_handlers
-from lmkit.serve.gate import Gate, GateConfig, bearer_token, is_loopback, send_error, warn_if_exposed
-from lmkit.serve.proxy.registry import Node, NodeFailed, NodeRegistry, body_start, normalize_node_url
+from lmkit.serve.gate import BEARER_CHALLENGE, Gate, GateConfig, bearer_token, is_loopback, send_error, warn_if_exposed
+from lmkit.serve.proxy.netpolicy import NodeNetworkPolicy, PolicyResolver
+from lmkit.serve.proxy.registry import Node, NodeFailed, NodeRegistry, body_start, node_host, normalize_node_url
 from lmkit.serve.proxy.strategies import make_strategy
 
 log = logging.getLogger("lmkit.serve.proxy")
@@ -59,6 +60,9 @@ class ProxyConfig:
     """Bearer token that opens /nodes/add, /nodes/remove, /nodes/status; None: they answer 403."""
     unsafe_open_admin_on_loopback: bool = False
     """Open /nodes/* without a key to loopback clients (any process on this machine); host must be loopback."""
+    allow_node_networks: tuple[str, ...] = ()
+    """Networks (CIDR) that nodes may be on although the default refuses them: link-local and cloud metadata
+    addresses (netpolicy.py)."""
     gate: GateConfig = field(default_factory=GateConfig)
     """Client API keys, body size limit, concurrent request limit (of the proxy itself)."""
     health_interval_s: float = 3.0
@@ -75,6 +79,14 @@ class ProxyConfig:
         if self.admin_key is not None and not self.admin_key.strip():
             raise ValueError("--admin-key is empty: give a secret token, or leave it out to close /nodes/*")
         object.__setattr__(self, "nodes", tuple(normalize_node_url(url) for url in self.nodes))
+        policy = self.network_policy
+        for url in self.nodes:
+            policy.check_host(node_host(url))
+
+    @property
+    def network_policy(self) -> NodeNetworkPolicy:
+        """The addresses nodes may have (ValueError naming a malformed allow_node_networks entry)."""
+        return NodeNetworkPolicy.allowing(self.allow_node_networks)
 
 
 class AddNode(BaseModel):
@@ -82,7 +94,7 @@ class AddNode(BaseModel):
 
     url: str
     api_key: str | None = None
-    speed: float | None = Field(default=None, gt=0)
+    speed: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class RemoveNode(BaseModel):
@@ -104,7 +116,7 @@ class Proxy:
 
     def __init__(self, config: ProxyConfig):
         self.config = config
-        self.registry = NodeRegistry(config.health_timeout_s)
+        self.registry = NodeRegistry(config.health_timeout_s, config.network_policy)
         self.strategy = make_strategy(config.strategy)
         for url in config.nodes:
             self.registry.add(url)
@@ -116,7 +128,8 @@ class Proxy:
         # ~230 us with httpx's pure-Python h11 (4,096 streamed tokens at concurrency 8), and on a machine
         # that also runs the nodes that CPU is the engines'
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s)
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)  # no cap: the nodes bound their own load
+        # no cap: the nodes bound their own load; names resolve to addresses the network policy allows only
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, resolver=PolicyResolver(self.registry.policy))
         self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         await self.registry.check_all(self.session)
         self._health_task = asyncio.ensure_future(
@@ -345,7 +358,7 @@ def _admin_door(app, config: ProxyConfig):
             return await app(scope, receive, send)
         if config.admin_key is not None:
             return await send_error(send, 401, "This route needs the proxy's admin key: 'Authorization: Bearer "
-                                               "ADMIN_KEY' (its --admin-key).", "invalid_api_key")
+                                               "ADMIN_KEY' (its --admin-key).", "invalid_api_key", [BEARER_CHALLENGE])
         if config.unsafe_open_admin_on_loopback:
             return await send_error(send, 403, f"The proxy's admin routes are open to loopback clients only "
                                                f"(--unsafe-open-admin-on-loopback), not to {client}; set "

@@ -63,6 +63,7 @@ def _brute_force_mask(pipe, prefix: bytes, full_match, vocab: int) -> np.ndarray
 @pytest.mark.parametrize("constraint, pattern", [
     (StructuredOutput(regex=r"[a-c]{2}-[0-9]{1,3}"), r"[a-c]{2}-[0-9]{1,3}"),
     (StructuredOutput(choice=["yes", "no way", "maybe"]), r"yes|no way|maybe"),
+    (StructuredOutput(choice=["no", "no way", "nope", "maybe"]), r"no|no way|nope|maybe"),  # prefixes of others
 ])
 def test_masks_equal_brute_force(smollm2_pipe, constraint, pattern):
     import regex
@@ -174,6 +175,22 @@ def test_sampled_answers_validate_and_free_rows_are_unchanged(smollm2_pipe):
     smollm2_pipe.engine.check_integrity()
 
 
+def test_a_choice_that_is_a_prefix_of_another_may_end_or_go_on(smollm2_pipe):
+    matcher = smollm2_pipe.engine.compile_grammar(StructuredOutput(choice=["no", "no way"])).matcher()
+    for t in smollm2_pipe.tokenizer.encode("no", add_special_tokens=False):
+        assert matcher.consume(t)
+    assert matcher.is_accepting() and not matcher.is_stopped()
+
+
+def test_many_choices_generate_one_of_them(smollm2_pipe):
+    """5,000 choices (as rule alternatives, 5,001 items in the parser's first row: llguidance refused the first
+    token past 2,000, a 500)."""
+    rng = np.random.default_rng(3)
+    choices = [f"item-{int(rng.integers(10**9))}-{i}" for i in range(5000)]
+    r = smollm2_pipe(ASK, GenerationConfig(max_new_tokens=24, structured_output=StructuredOutput(choice=choices)))
+    assert r.error is None and r.finish_reason == "stop" and r.text in choices, (r.error, r.text)
+
+
 def test_constraint_after_a_token(smollm2_pipe):
     """structured_output_after_token: free text until that token, the grammar after it (reasoning's end)."""
     free = smollm2_pipe(ASK, GenerationConfig(max_new_tokens=3, ignore_eos=True))
@@ -194,8 +211,13 @@ def test_cached_compile_and_bad_constraints(smollm2_pipe):
                        (StructuredOutput(json={"type": "bogus"}), "json_schema"),
                        (StructuredOutput(json={"type": "string", "format": "no-such-format"}), "format"),
                        (StructuredOutput(grammar="start: undefined_rule"), "lark")]:
-        with pytest.raises(StructuredOutputError, match=words):
+        with pytest.raises(StructuredOutputError, match=words) as first:
             engine.compile_grammar(bad)
+        compiled = engine.grammars.num_compiled
+        with pytest.raises(StructuredOutputError) as again:  # a refusal is kept too: no second compile
+            engine.compile_grammar(bad)
+        assert str(again.value) == str(first.value) and engine.grammars.num_compiled == compiled
+        assert "\n" not in str(first.value) and len(str(first.value)) <= 300  # no parser state dump
     with pytest.raises(StructuredOutputError, match="exactly one"):
         StructuredOutput(regex="a", choice=["b"])
     with pytest.raises(StructuredOutputError, match="non-empty"):

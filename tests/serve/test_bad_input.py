@@ -193,6 +193,17 @@ def test_malformed_json(guarded):
     assert_still_serves(guarded)
 
 
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_a_body_that_is_not_sent_as_json_names_its_content_type(guarded, content_type):
+    """curl -d sends form encoding unless told otherwise: the answer names the header to send."""
+    headers = {"Authorization": f"Bearer {KEY}", **({"Content-Type": content_type} if content_type else {})}
+    r = httpx.post(f"{guarded.url}/v1/chat/completions", content=json.dumps(CHAT).encode(), headers=headers,
+                   timeout=30)
+    error = assert_error(r, 400, code="invalid_content_type", match="Content-Type: application/json")
+    assert (content_type or "no Content-Type header") in error["message"], error
+    assert_still_serves(guarded)
+
+
 def test_unknown_model_is_404(guarded):
     assert_error(post(guarded, "/v1/chat/completions", {**CHAT, "model": "gpt-9"}), 404, param="model",
                  code="model_not_found", match="gpt-9")
@@ -202,8 +213,10 @@ def test_unknown_model_is_404(guarded):
 
 
 def test_api_keys(guarded):
-    assert_error(post(guarded, "/v1/chat/completions", CHAT, key=None), 401, code="invalid_api_key")
-    assert_error(post(guarded, "/v1/chat/completions", CHAT, key="wrong"), 401, code="invalid_api_key")
+    for key in (None, "wrong"):
+        r = post(guarded, "/v1/chat/completions", CHAT, key=key)
+        assert_error(r, 401, code="invalid_api_key")
+        assert r.headers["www-authenticate"].startswith("Bearer "), r.headers  # RFC 6750's challenge
     assert_error(httpx.get(f"{guarded.url}/v1/models"), 401)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="wrong", max_retries=0).models.list()

@@ -111,7 +111,7 @@ def test_admin_routes_closed_without_a_key(servers, api_server):
 
     proxy = servers("proxy", admin_key=ADMIN_KEY)
     r = httpx.post(f"{proxy.url}/nodes/add", json={"url": fake.url + "/"}, headers={"Authorization": "Bearer no"})
-    assert r.status_code == 401 and fake.requests == []
+    assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer ") and fake.requests == []
     r = httpx.post(f"{proxy.url}/nodes/add", json={"url": fake.url + "/"}, headers=ADMIN)
     assert r.status_code == 200 and r.json()["is_up"] and r.json()["url"] == fake.url, r.text  # normalised
     assert ("GET", "/health", "") in fake.requests
@@ -136,11 +136,88 @@ def test_node_urls_are_validated(servers, url):
 
 
 def test_node_urls_are_normalised():
+    """One spelling per server, so that one server is one node."""
     from lmkit.serve.proxy import normalize_node_url
 
     assert normalize_node_url(" HTTP://LocalHost:23333/ ") == "http://localhost:23333"
     assert normalize_node_url("https://[::1]:8443") == "https://[::1]:8443"
-    assert normalize_node_url("http://node-a.internal") == "http://node-a.internal"
+    assert normalize_node_url("http://node-a.internal") == "http://node-a.internal:80"
+    for same in ("http://[0:0:0::1]:81", "http://[::0001]:81/", "HTTP://[::1]:081"):
+        assert normalize_node_url(same) == "http://[::1]:81", same
+    assert normalize_node_url("https://node-a.internal.:443") == normalize_node_url("https://NODE-A.internal")
+
+
+def test_one_server_is_one_node_however_it_is_spelled(servers):
+    fake = servers("node")
+    proxy = servers("proxy", admin_key=ADMIN_KEY)
+    port = fake.url.rsplit(":", 1)[1]
+    for url in (fake.url, f"{fake.url}/", f" HTTP://127.0.0.1:{port}/ ", f"http://127.0.0.1:{int(port):05d}"):
+        assert httpx.post(f"{proxy.url}/nodes/add", json={"url": url}, headers=ADMIN).status_code == 200, url
+    status = httpx.get(f"{proxy.url}/nodes/status", headers=ADMIN).json()
+    assert [n["url"] for n in status["nodes"]] == [fake.url], status
+
+
+@pytest.mark.parametrize("url", ["http://169.254.169.254", "http://169.254.170.2:80", "http://[fe80::1]:8000",
+                                 "http://[::ffff:169.254.169.254]:80", "http://[fd00:ec2::254]",
+                                 "http://100.100.100.200", "http://metadata.google.internal",
+                                 "http://METADATA.google.internal.:80", "http://instance-data"])
+def test_link_local_and_metadata_nodes_are_refused(servers, url):
+    """A proxy's admin could otherwise point it at the host's metadata service (server-side request forgery):
+    400 naming why and the flag that opens it; nothing is added."""
+    proxy = servers("proxy", admin_key=ADMIN_KEY)
+    r = httpx.post(f"{proxy.url}/nodes/add", json={"url": url}, headers=ADMIN)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "url", r.text
+    assert "refuses" in r.json()["error"]["message"], r.json()
+    assert httpx.get(f"{proxy.url}/nodes/status", headers=ADMIN).json()["nodes"] == []
+
+
+@pytest.mark.parametrize("speed", ["Infinity", "-Infinity", "NaN", "1e999", "0", "-1"])
+def test_a_node_speed_must_be_a_finite_positive_number(servers, speed):
+    """Python's JSON reads Infinity and NaN: such a speed would take all traffic and break /nodes/status."""
+    fake = servers("node")
+    proxy = servers("proxy", admin_key=ADMIN_KEY)
+    r = httpx.post(f"{proxy.url}/nodes/add", content=f'{{"url": "{fake.url}", "speed": {speed}}}'.encode(),
+                   headers={**ADMIN, "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speed", r.text
+    status = httpx.get(f"{proxy.url}/nodes/status", headers=ADMIN)
+    assert status.status_code == 200 and status.json()["nodes"] == [], status.text
+
+
+def test_allow_node_network_opens_what_the_default_refuses():
+    from lmkit.serve import ProxyConfig
+
+    with pytest.raises(ValueError, match="169.254.0.0/16.*--allow-node-network"):
+        ProxyConfig(nodes=("http://169.254.10.20:8000",))
+    config = ProxyConfig(nodes=("http://169.254.10.20:8000",), allow_node_networks=("169.254.10.0/24",))
+    assert config.nodes == ("http://169.254.10.20:8000",)
+    with pytest.raises(ValueError, match="169.254.169.254.*refuses"):  # the rest of link-local stays closed
+        ProxyConfig(nodes=("http://169.254.169.254",), allow_node_networks=("169.254.10.0/24",))
+    with pytest.raises(ValueError, match="--allow-node-network 'nope': not a network"):
+        ProxyConfig(allow_node_networks=("nope",))
+
+
+def test_names_resolving_to_refused_addresses_are_not_connected_to():
+    """The resolver of the proxy's connections drops the addresses the policy refuses: a name that resolves
+    (or re-resolves, later) only to those is never connected to. Here the policy refuses loopback, so that
+    localhost is such a name."""
+    import ipaddress
+
+    from lmkit.serve.proxy.netpolicy import NodeNetworkPolicy, PolicyResolver
+
+    policy = NodeNetworkPolicy(refused=(ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128")))
+
+    async def resolve(name, policy):
+        resolver = PolicyResolver(policy)
+        try:
+            return await resolver.resolve(name, 80)
+        finally:
+            await resolver.close()
+
+    with pytest.raises(OSError, match="localhost resolves to no address the proxy may use: 127.0.0.1"):
+        asyncio.run(resolve("localhost", policy))
+    assert [r["host"] for r in asyncio.run(resolve("localhost", NodeNetworkPolicy()))] == ["127.0.0.1"]
+    with pytest.raises(OSError, match="metadata service"):
+        asyncio.run(resolve("metadata.google.internal", NodeNetworkPolicy()))
 
 
 def test_start_nodes_are_validated():

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from tests.helpers import assert_blocks_free
-from tests.serve.harness import ADMIN_KEY, LONG_COMPLETION, free_port, lmkit_subprocess, wait_healthy
+from tests.serve.harness import (ADMIN_KEY, LONG_COMPLETION, free_port, lmkit_subprocess, streams_in_progress,
+                                 wait_healthy)
 
 SHORT = {"model": "tiny", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
 # Two waves of the slow engine's batch of 8 x 480 tokens: many seconds, well past a 1 s drain.
@@ -210,25 +211,39 @@ def test_a_stalled_body_gets_408(strict_server, tiny_engine):
 # ---- draining ------------------------------------------------------------------------------------------------
 
 def test_drain_timeout_cancels_what_is_left(slow_engine):
-    """In-process: after start_draining() /health and new requests get 503; a stream still running when
-    the drain time is up is cut, its engine requests cancelled, and serve() returns."""
+    """In-process: after start_draining() /health and new requests get 503; a stream still running when the
+    drain time is up ends with an error event naming it, and a whole answer still running gets a 503 naming it;
+    their engine requests are cancelled, and serve() returns."""
     from lmkit.serve import GateConfig, ServerConfig, create_app
 
-    app = create_app(slow_engine, ServerConfig(model_name="tiny", gate=GateConfig(drain_timeout_s=1.0)))
+    app = create_app(slow_engine, ServerConfig(model_name="tiny", gate=GateConfig(drain_timeout_s=0.5)))
     server = DrainingServerThread(app)
-    try:
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=LONGER, timeout=30) as r:
+    whole: list[httpx.Response] = []
+    try:  # 4 + 4 sequences of 480 tokens: seconds of the slow model's steps, all running at once (max_batch 8)
+        waiting = threading.Thread(target=lambda: whole.append(
+            httpx.post(f"{server.url}/v1/completions", json=LONG_COMPLETION, timeout=30)), daemon=True)
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG_COMPLETION, "stream": True},
+                          timeout=30) as r:
             lines = r.iter_lines()
             next(lines)
+            waiting.start()
+            deadline = time.monotonic() + 10
+            while slow_engine.engine.metrics().num_running < 8:
+                assert time.monotonic() < deadline, "the whole-answer request never started"
+                time.sleep(0.01)
             server.drain()
             started = time.monotonic()
             health = httpx.get(f"{server.url}/health", timeout=5)
             assert health.status_code == 503 and "shutting down" in health.json()["error"]["message"]
             refused = httpx.post(f"{server.url}/v1/completions", json=SHORT, timeout=5)
             assert refused.status_code == 503, refused.text
-            with pytest.raises(httpx.RemoteProtocolError):  # cut mid-stream
-                for _ in lines:
-                    pass
+            rest = [line for line in lines if line]
+        assert rest and "data: [DONE]" not in rest
+        error = json.loads(rest[-1][6:])["error"]
+        assert error["code"] == "server_shutting_down" and "drain time of 0.5 s" in error["message"], error
+        waiting.join(timeout=10)
+        assert whole and whole[0].status_code == 503, whole
+        assert "drain time of 0.5 s" in whole[0].json()["error"]["message"], whole[0].text
         assert time.monotonic() - started < 6.0
         server.thread.join(timeout=10)
         assert not server.thread.is_alive(), "serve() did not return after the drain timeout"
@@ -263,21 +278,7 @@ def test_sigterm_drains_streams_and_exits_0(slow_llama):
     """8 streams in progress at SIGTERM all complete; /health and new requests get 503 at once; exit 0."""
     proc, url = start_api_server(slow_llama)
     try:
-        started = threading.Barrier(9, timeout=60)
-        results: dict[int, list[str]] = {}
-
-        def one(i: int) -> None:
-            body = {"model": "tiny", "prompt": f"p{i}", "max_tokens": 400, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-                lines = r.iter_lines()
-                seen = [next(lines)]
-                started.wait()
-                results[i] = seen + [line for line in lines if line]
-
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(8)]
-        for t in threads:
-            t.start()
-        started.wait()
+        threads, results = streams_in_progress(url, "tiny", 8, max_tokens=400)
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         while (health := httpx.get(f"{url}/health", timeout=5)).status_code != 503:
@@ -306,15 +307,13 @@ def test_short_drain_timeout_cuts_a_long_stream_and_exits_0(slow_llama):
             next(lines)
             proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
-            try:
-                rest = [line for line in lines if line]
-            except httpx.HTTPError:  # cut mid-chunk
-                rest = []
+            rest = [line for line in lines if line]
         assert "data: [DONE]" not in rest
+        assert json.loads(rest[-1][6:])["error"]["code"] == "server_shutting_down", rest[-3:]
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         assert time.monotonic() - signalled < 15.0
-        assert "cutting 1 requests still in progress" in err and "Traceback" not in err, err
+        assert "ending 1 requests still in progress" in err and "Traceback" not in err, err
     finally:
         stop(proc)
 

@@ -128,11 +128,41 @@ def test_vllm_fields_on_both_endpoints(client):
     ({"guided_choice": []}, "guided_choice", ""),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one structured output"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    # were 500s: a lone surrogate (JSON's "\ud800") in a schema, a choice, a regex; a schema nested too deeply
+    ({"guided_json": {"type": "string", "enum": ["a\ud800"]}}, "guided_json", "lone surrogate"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"\udc00": {"type": "string"}}}}}}, "response_format", "lone surrogate"),
+    ({"guided_choice": ["ok", "\udbff"]}, "guided_choice[1]", "lone surrogate"),
+    ({"guided_regex": "a\ud800"}, "guided_regex", "lone surrogate"),
+    ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json", "nested too deeply"),
 ])
 def test_bad_constraints_are_400s(smollm2_server, extra, param, words):
     body = {"model": "smollm2", "messages": ASK, "max_tokens": 5, **extra}
-    r = httpx.post(f"{smollm2_server.url}/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(f"{smollm2_server.url}/v1/chat/completions", content=json.dumps(body).encode(),  # \ud800 as is
+                   headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
     assert httpx.get(f"{smollm2_server.url}/health", timeout=10).status_code == 200
+
+
+def test_a_grammar_that_fails_while_generating_is_a_400_without_internals(smollm2_server):
+    """A grammar of 3,000 rule alternatives compiles, and llguidance's parser refuses its first token (a row of
+    3,001 items, at most 2,000): a 400 naming the field, with llguidance's first line and not its state dump
+    (it was a 500). The same 3,000 strings as guided_choice are one terminal and answer."""
+    choices = [f"w{i}x" for i in range(3000)]
+    grammar = "start: " + " | ".join(json.dumps(c) for c in choices)
+    for stream in (False, True):
+        body = {"model": "smollm2", "messages": ASK, "max_tokens": 8, "guided_grammar": grammar, "stream": stream}
+        r = httpx.post(f"{smollm2_server.url}/v1/chat/completions", json=body, timeout=60)
+        if stream:
+            assert r.status_code == 200
+            error = json.loads([line for line in r.text.splitlines() if line.startswith("data: {")][-1][6:])["error"]
+        else:
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+        assert error["param"] == "guided_grammar" and "max is 2000" in error["message"], error
+        assert "<state>" not in error["message"] and "\n" not in error["message"], error
+    body = {"model": "smollm2", "messages": ASK, "max_tokens": 8, "guided_choice": choices}
+    r = httpx.post(f"{smollm2_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in choices, r.text

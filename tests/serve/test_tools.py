@@ -193,6 +193,11 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+    # a lone surrogate (JSON's "\ud800") in a tool's schema: no UTF-8 encoder takes it (it was a 500)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "enum": ["x\ud800"]}}}}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "\udfff", "parameters": {
+        "type": "object"}}}]}, "tools"),
 ]
 
 
@@ -202,7 +207,8 @@ def test_bad_tool_requests_are_400s_naming_the_field(servers, extra, param):
 
     url = f"{servers['qwen2.5'].url}/v1/chat/completions"
     body = {"model": "qwen2.5", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
-    r = httpx.post(url, json=body, timeout=60)
+    r = httpx.post(url, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
+                   timeout=60)  # json.dumps writes a lone surrogate as its \ud800 escape
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param), r.json()
     assert httpx.get(f"{servers['qwen2.5'].url}/health", timeout=10).status_code == 200
