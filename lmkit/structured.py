@@ -111,12 +111,21 @@ _MAX_ERROR_CHARS = 300
 
 
 def grammar_error_summary(message: str) -> str:
-    """llguidance's message for a grammar it refused or a parse that failed, without its internals: the first
-    line (what follows is the parser's state and the lexer's tables), at most _MAX_ERROR_CHARS characters."""
-    first = (message.strip().splitlines() or ["the grammar failed"])[0].strip()
-    if "panicked at" in first:  # a bug of the compiler on this input: its Rust source location says nothing
+    """llguidance's message for a grammar it refused or a parse that failed, on one line and without its
+    internals: the lines that say what is wrong (not the source excerpts with their carets, nor a parser state),
+    at most _MAX_ERROR_CHARS characters."""
+    if "panicked at" in message:  # a bug of the compiler on this input: its Rust source location says nothing
         return "the grammar compiler failed on this grammar"
-    return first if len(first) <= _MAX_ERROR_CHARS else first[: _MAX_ERROR_CHARS - 3] + "..."
+    message = message.split("<state>")[0].split("<non-verbose/>")[0]
+    said = []
+    for line in message.splitlines():
+        text = line.strip()
+        excerpt = line.startswith(" ") and (text.startswith("^") or "|" in text[:6] or not said[-1:] or
+                                            said[-1].endswith(":"))
+        if text and not excerpt:
+            said.append(text)
+    summary = " ".join(said) or "the grammar failed"
+    return summary if len(summary) <= _MAX_ERROR_CHARS else summary[: _MAX_ERROR_CHARS - 3] + "..."
 
 
 def llguidance_library() -> Path:

@@ -152,6 +152,7 @@ CompiledGrammar::CompiledGrammar(std::shared_ptr<const GrammarTokenizer> tokeniz
   std::memset(&buffer, 0, sizeof(buffer));
   api.constraint_init_set_defaults(&buffer.init, tokenizer_->handle());
   buffer.init.log_stderr_level = 0;  // errors come back as exceptions, not as lines on the server's stderr
+  buffer.init.limits.verbose_errors = false;  // the error, not the parser's state after it (clients read these)
   prototype_ = api.new_matcher(&buffer.init, kind.c_str(), text.c_str());
   const char* error = api.matcher_get_error(prototype_);
   if (!error && api.matcher_compute_mask(prototype_) != 0) error = api.matcher_get_error(prototype_);
