@@ -5,7 +5,8 @@ model, serves it with uvicorn and, when ``proxy_url`` is set, registers with tha
 accepts requests (and unregisters when it begins to shut down). Generation requests are admitted by the
 sequences they run (``Admission``: 429 beyond the engine's batch plus as many waiting).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (liveness), GET /ready
+(readiness: serve/readiness.py), GET /metrics.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from lmkit.serve.asgi import OffLoopJSONRoute, run_event_loop, serve_app, unless
 from lmkit.serve.errors import APIError, error_body, install_error_handlers
 from lmkit.serve.gate import GATE_SCOPE_KEY, Gate, GateConfig, drain_ended_message, warn_if_exposed
 from lmkit.serve.metrics import ServerMetrics
-from lmkit.serve.openai_serving import OpenAIServing, sse
+from lmkit.serve.openai_serving import OpenAIServing, num_prepare_threads, sse
+from lmkit.serve.readiness import Readiness
 from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
 from lmkit.serve.reasoning import detect_reasoning_format, reasoning_format
 from lmkit.serve.tools.parsers import detect_tool_parser, tool_parser_class
@@ -61,7 +63,12 @@ class ServerConfig:
     advertise_url: str | None = None
     """The URL the proxy should use for this server; default: http://HOST:PORT (this host's address for 0.0.0.0)."""
     health_timeout_s: float = 5.0
-    """/health fails when the engine does not answer within this time."""
+    """/health and /ready fail when the engine does not answer within this time."""
+    ready_max_preparing: int | None = None
+    """/ready answers 503 while more requests than this wait for preparation (tokenization, templates); None:
+    four per preparation thread."""
+    ready_stall_s: float = 30.0
+    """/ready answers 503 while the engine holds requests and has not stepped for this many seconds."""
     tool_call_parser: str = "auto"
     """How tool calls are written: hermes, llama3_json, mistral, qwen3_coder; auto: the format the chat template
     teaches; none: requests with tools get a 400."""
@@ -236,12 +243,26 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
     async def completions(body: CompletionRequest, request: Request):
         return await complete(body, request)
 
-    @app.get("/health", summary="200 when the engine answers")
-    async def health() -> Response:
+    async def engine_metrics():
         try:
-            await asyncio.wait_for(asyncio.to_thread(engine.engine.metrics), config.health_timeout_s)
+            return await asyncio.wait_for(asyncio.to_thread(engine.engine.metrics), config.health_timeout_s)
         except Exception as e:  # closed engine, timeout
             raise APIError(503, f"the engine does not answer: {type(e).__name__} {e}") from None
+
+    @app.get("/health", summary="Liveness: 200 when the engine answers")
+    async def health() -> Response:
+        await engine_metrics()
+        return Response(status_code=200)
+
+    readiness = Readiness(config.ready_max_preparing if config.ready_max_preparing is not None
+                          else 4 * num_prepare_threads(), config.ready_stall_s)
+
+    @app.get("/ready", summary="Readiness: 200 when a request would start in reasonable time")
+    async def ready() -> Response:
+        m = await engine_metrics()
+        why = readiness.reason_not_ready(serving.num_preparing, m.num_steps, m.num_running + m.num_waiting)
+        if why is not None:
+            raise APIError(503, f"not ready: {why}", None, "not_ready")
         return Response(status_code=200)
 
     @app.get("/metrics", summary="Prometheus metrics")

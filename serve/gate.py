@@ -21,7 +21,7 @@ ASGIApp = Callable[..., Awaitable[None]]
 log = logging.getLogger("lmkit.serve")
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
-PUBLIC_PATHS = ("/health",)
+PUBLIC_PATHS = ("/health", "/ready")  # probes: liveness and readiness, no key
 """Open without an API key: the probes."""
 
 

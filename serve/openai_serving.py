@@ -96,6 +96,8 @@ class OpenAIServing:
         self._token_text: dict[int, tuple[str, list[int]]] = {}
         # Its own pool: in the loop's default executor, prepares would queue /health's engine probe behind them.
         self._pool = ThreadPoolExecutor(num_prepare_threads(), thread_name_prefix="lmkit-prepare")
+        self.num_preparing = 0
+        """Requests waiting for or in preparation (readiness.py); counted on the event loop."""
         # A text has at least ceil(chars / max_token_chars) tokens: past this many characters no tokenization
         # fits it in the context (session_len - 1 prompt tokens at most, one left to generate).
         self.max_token_chars = max(1, engine.tokenizer.max_token_chars)
@@ -118,7 +120,11 @@ class OpenAIServing:
     async def prepare(self, req: AnyRequest) -> Prepared:
         """Tokenizes the prompt(s) and builds the GenerationConfig, in this server's thread pool (off the event
         loop); raises APIError (400 naming the parameter; 404 for another model)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare, req)
+        self.num_preparing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare, req)
+        finally:
+            self.num_preparing -= 1
 
     def _prepare(self, req: AnyRequest) -> Prepared:
         self.check_model(req.model)

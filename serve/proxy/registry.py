@@ -7,6 +7,8 @@ added --health check passes--> up --request fails before its first byte--> down
   |                             +------------ health check passes -----------+
   +-- a node starts down until its first check passes; /nodes/add checks at once
 ```
+A health check asks the node's /ready (readiness: a node that is alive but saturated or stalled is left alone
+until it catches up) and its /v1/models.
 """
 
 from __future__ import annotations
@@ -189,12 +191,19 @@ class NodeRegistry:
         node.num_failures += 1
 
     async def check(self, node: Node, session: aiohttp.ClientSession) -> bool:
-        """GET /health, then /v1/models; the node is up when both answer."""
+        """GET /ready (/health where a node has no /ready: another OpenAI server), then /v1/models; the node is up
+        when both answer 200."""
         timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
         try:
-            async with session.get(f"{node.url}/health", timeout=timeout) as r:
-                if r.status != 200:
-                    raise NodeFailed(f"/health answered {r.status}", await body_start(r))
+            probe = "/ready"
+            async with session.get(f"{node.url}{probe}", timeout=timeout) as r:
+                status, details = r.status, await body_start(r) if r.status != 200 else ""
+            if status == 404:
+                probe = "/health"
+                async with session.get(f"{node.url}{probe}", timeout=timeout) as r:
+                    status, details = r.status, await body_start(r) if r.status != 200 else ""
+            if status != 200:
+                raise NodeFailed(f"{probe} answered {status}", details)
             async with session.get(f"{node.url}/v1/models", headers=node.headers(), timeout=timeout) as r:
                 if r.status != 200:
                     raise NodeFailed(f"/v1/models answered {r.status}", await body_start(r))

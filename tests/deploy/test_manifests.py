@@ -1,7 +1,7 @@
 """deploy/: the Dockerfiles pass hadolint; every Kubernetes manifest validates against the Kubernetes schema
 (kubernetes-validate's bundled OpenAPI schemas, strict: unknown fields fail), the pod templates inside KubeRay's
-RayService too; the manifests agree with each other and with the image (ports, probes on /health, the drain
-inside the grace period, non-root); the Ray Serve config files build lmkit's application through
+RayService too; the manifests agree with each other and with the image (ports, probes on /health and /ready, the
+drain inside the grace period, non-root); the Ray Serve config files build lmkit's application through
 app_builder."""
 
 from __future__ import annotations
@@ -124,8 +124,12 @@ def test_pods_probe_health_run_as_non_root_and_drain_within_their_grace():
             for container in spec["containers"]:
                 if doc["kind"] == "RayService":
                     continue  # KubeRay probes Ray's own endpoints
-                for probe in ("readinessProbe", "livenessProbe"):
-                    assert container[probe]["httpGet"]["path"] == "/health", (doc["metadata"]["name"], probe)
+                is_proxy = container.get("command", [])[-1:] == ["proxy"]
+                # an api_server is ready (/ready: not saturated, not stalled) and alive (/health) apart; the proxy
+                # has one probe for both
+                assert container["readinessProbe"]["httpGet"]["path"] == ("/health" if is_proxy else "/ready"), (
+                    doc["metadata"]["name"])
+                assert container["livenessProbe"]["httpGet"]["path"] == "/health", doc["metadata"]["name"]
                 drain = GateConfig().drain_timeout_s
                 args = container.get("args", [])
                 if "--drain-timeout" in args:

@@ -22,11 +22,11 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "my private pr
 
 
 class FakeNode:
-    """Looks like an api_server serving `tiny` (/health, /v1/models, an answer to every POST) and records
+    """Looks like an api_server serving `tiny` (/health, /ready, /v1/models, an answer to every POST) and records
     every request it receives as (method, path, body). ``post_status`` != 200: POSTs answer that status with
     SECRET in the body; ``models_status`` != 200: /v1/models does."""
 
-    def __init__(self, post_status: int = 200, models_status: int = 200):
+    def __init__(self, post_status: int = 200, models_status: int = 200, ready_status: int = 200):
         self.requests: list[tuple[str, str, str]] = []
         node = self
 
@@ -49,6 +49,8 @@ class FakeNode:
                 node.requests.append(("GET", self.path, ""))
                 if self.path == "/v1/models" and models_status != 200:
                     return self._answer(models_status, {"error": {"message": SECRET}})
+                if self.path == "/ready" and ready_status != 200:
+                    return self._answer(ready_status, {"error": {"message": "not ready"}})
                 self._answer(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
                              if self.path == "/v1/models" else {})
 
@@ -114,7 +116,7 @@ def test_admin_routes_closed_without_a_key(servers, api_server):
     assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer ") and fake.requests == []
     r = httpx.post(f"{proxy.url}/nodes/add", json={"url": fake.url + "/"}, headers=ADMIN)
     assert r.status_code == 200 and r.json()["is_up"] and r.json()["url"] == fake.url, r.text  # normalised
-    assert ("GET", "/health", "") in fake.requests
+    assert ("GET", "/ready", "") in fake.requests
     r = httpx.get(f"{proxy.url}/nodes/status", headers=ADMIN)
     assert [n["url"] for n in r.json()["nodes"]] == [fake.url]
     assert httpx.post(f"{proxy.url}/nodes/remove", json={"url": fake.url}, headers=ADMIN).status_code == 200
@@ -353,3 +355,17 @@ def test_warning_when_reachable_without_keys(caplog, host, keys, warns):
         assert warn_if_exposed(host, 8000, GateConfig(api_keys=keys)) == warns
     text = caplog.text
     assert (("anyone who can reach" in text and "--api-keys" in text) if warns else text == ""), text
+
+
+@pytest.mark.parametrize("ready_status, is_up", [(503, False), (404, True)])
+def test_the_proxy_asks_a_node_whether_it_is_ready(servers, ready_status, is_up):
+    """A node whose /ready answers 503 (alive, but saturated or stalled) is down for the proxy; a server without a
+    /ready (another OpenAI server: 404) is checked on its /health instead."""
+    fake = servers("node", ready_status=ready_status)
+    proxy = servers("proxy", admin_key=ADMIN_KEY)
+    r = httpx.post(f"{proxy.url}/nodes/add", json={"url": fake.url}, headers=ADMIN)
+    assert r.status_code == 200 and r.json()["is_up"] is is_up, r.text
+    if not is_up:
+        assert r.json()["last_error"] == "health check failed: /ready answered 503", r.json()
+    else:
+        assert ("GET", "/health", "") in fake.requests

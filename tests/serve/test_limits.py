@@ -346,3 +346,61 @@ def test_proxy_header_timeout_and_sigterm_exit_0():
         assert proc.returncode == 0, err
     finally:
         stop(proc)
+
+
+# ---- readiness -----------------------------------------------------------------------------------------------
+
+def test_ready_is_503_while_the_preparation_queue_is_saturated(tiny_engine, monkeypatch):
+    """/ready (no key needed) answers 503 naming why while more requests wait for preparation than the limit,
+    /health stays 200 (alive: nothing to restart), and /ready is 200 again once they are through. The requests
+    are held in preparation by a gate on the server's own _prepare."""
+    from lmkit.serve import GateConfig, ServerConfig, create_app
+    from tests.serve.harness import ServerThread
+
+    app = create_app(tiny_engine, ServerConfig(model_name="tiny", ready_max_preparing=1,
+                                               gate=GateConfig(api_keys=("k",))))
+    serving = app.app.state.serving
+    release = threading.Event()
+    prepare = serving._prepare
+    monkeypatch.setattr(serving, "_prepare", lambda req: release.wait(30) and prepare(req))
+    server = ServerThread(app)
+    answers: list[int] = []
+    try:
+        assert httpx.get(f"{server.url}/ready", timeout=5).status_code == 200
+        threads = [threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{server.url}/v1/completions", json=SHORT, headers={"Authorization": "Bearer k"}, timeout=30).status_code))
+            for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while serving.num_preparing < 2:
+            assert time.monotonic() < deadline, "the requests never reached preparation"
+            time.sleep(0.01)
+        r = httpx.get(f"{server.url}/ready", timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready", r.text
+        assert "preparation queue is saturated: 2 requests" in r.json()["error"]["message"], r.text
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        release.set()
+        for t in threads:
+            t.join(timeout=30)
+        assert answers == [200, 200]
+        assert httpx.get(f"{server.url}/ready", timeout=5).status_code == 200
+    finally:
+        release.set()
+        server.stop()
+    assert_blocks_free(tiny_engine.engine)
+
+
+def test_readiness_sees_a_stalled_engine():
+    """The verdict's rule on the engine's step counter: requests held and no step for stall_s is stalled; a step,
+    or no requests, is not."""
+    from lmkit.serve.readiness import Readiness
+
+    ready = Readiness(max_preparing=4, stall_s=0.05)
+    assert ready.reason_not_ready(0, num_steps=10, num_requests=3) is None
+    time.sleep(0.1)
+    assert "stalled: it holds 3 requests" in ready.reason_not_ready(0, num_steps=10, num_requests=3)
+    assert ready.reason_not_ready(0, num_steps=11, num_requests=3) is None  # it stepped
+    time.sleep(0.1)
+    assert ready.reason_not_ready(0, num_steps=11, num_requests=0) is None  # idle is not stalled
+    assert "saturated: 5 requests" in ready.reason_not_ready(5, num_steps=11, num_requests=0)
