@@ -203,6 +203,38 @@ def test_encode_matches_transformers(pair):
             assert ours.encode(text, add_special_tokens=add) == oracle.encode(text, add_special_tokens=add), (text, add)
 
 
+def test_long_texts_match_transformers_and_leave_the_gil_to_other_threads(pair):
+    """A long text (the batch API's path) tokenizes as transformers does, and while it does another thread of
+    this process runs: a server's event loop answers /health beside a 600k-character prompt."""
+    import threading
+    import time
+
+    ours, oracle, _ = pair
+    rng = random.Random(5)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "é", "🙂", "\n", "  "]
+    text = "".join(rng.choice(words) + " " for _ in range(3000))  # ~14k characters, past the batch threshold
+    for add in (True, False):
+        assert ours.encode(text, add_special_tokens=add) == oracle.encode(text, add_special_tokens=add)
+    ticks, done = [0], threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        time.sleep(0.01)
+        before = ticks[0]
+        ours.encode(text * 45)  # ~600k characters: about half a second of tokenization
+        during = ticks[0] - before
+    finally:
+        done.set()
+        ticker.join()
+    assert during >= 10, f"another thread ran {during} times while a long text was tokenized: the GIL was held"
+
+
 def test_decode_matches_transformers(pair):
     ours, oracle, _ = pair
     rng = random.Random(0)
