@@ -88,6 +88,12 @@ _SHOW.maxlist = _SHOW.maxtuple = 6
 _SHOW.maxdict = 4
 
 
+def _is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type is one FastAPI parses as JSON (application/json, application/*+json)."""
+    kind = (content_type or "").split(";")[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
 def validation_error(exc: RequestValidationError, content_type: str | None = None) -> APIError:
     """The first problem of a failed validation, as OpenAI words it (``content_type``: the request's header)."""
     errors = exc.errors()
@@ -103,10 +109,13 @@ def validation_error(exc: RequestValidationError, content_type: str | None = Non
         return APIError(400, f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
     if kind == "missing" and param is None:
         return APIError(400, "the request body is missing: send a JSON object (Content-Type: application/json)")
-    if param is None:  # the body as a whole: raw bytes when its Content-Type is not JSON's (FastAPI is strict)
+    if param is None and not _is_json(content_type):  # FastAPI reads such a body as raw bytes
         sent = f"'Content-Type: {content_type}'" if content_type else "no Content-Type header"
         return APIError(400, f"The request body must be a JSON object sent with 'Content-Type: application/json'; "
                              f"this request had {sent}.", None, "invalid_content_type")
+    if param is None:  # JSON, but not an object
+        return APIError(400, f"The request body must be a JSON object (got {_SHOW.repr(first.get('input'))}).",
+                        None, "invalid_type")
     if kind == "missing":
         return APIError(400, f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
     shown = _SHOW.repr(first.get("input"))

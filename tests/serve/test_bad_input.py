@@ -188,7 +188,9 @@ def test_a_bug_is_a_500_with_an_error_id_and_no_internals(caplog):
 def test_malformed_json(guarded):
     assert_error(post(guarded, "/v1/chat/completions", content=b'{"model": "tiny", "messages": ['), 400,
                  match="parse the JSON")
-    assert_error(post(guarded, "/v1/chat/completions", content=b"[1, 2]"), 400)
+    error = assert_error(post(guarded, "/v1/chat/completions", content=b"[1, 2]"), 400, code="invalid_type",
+                         match="must be a JSON object (got [1, 2])")
+    assert "Content-Type" not in error["message"], error  # it was sent as JSON
     assert_error(post(guarded, "/v1/chat/completions", content=b""), 400)
     assert_still_serves(guarded)
 
