@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmkit.tokenizer import check_valid_unicode
+
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """How JSON answers are laid out unless a schema says otherwise in its ``x-guidance`` options: on one line,
 spaced as ``json.dumps`` spaces them (what models mostly write). Free whitespace lets a small model fill its
@@ -179,29 +181,25 @@ class GrammarCache:
 
         key = constraint.source()
         try:
-            key[1].encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" in JSON): not text the C API can take
-            raise StructuredOutputError(f"the {key[0].replace('_', ' ')} is not valid Unicode: "
-                                        f"{key[1][e.start:e.end]!r} at character {e.start} is a lone surrogate") from None
+            check_valid_unicode(key[1])
+        except ValueError as e:  # the C API takes UTF-8, which a lone surrogate ("\ud800" in JSON) is not
+            raise StructuredOutputError(f"the {key[0].replace('_', ' ')}: {e}") from None
         with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
+            compiled = self._cache.get(key)
+            if compiled is not None:
                 self._cache.move_to_end(key)
-        if isinstance(hit, StructuredOutputError):
-            raise StructuredOutputError(str(hit))
-        if hit is not None:
-            return hit
-        tokenizer = self._grammar_tokenizer()
-        try:
-            compiled = _engine.CompiledGrammar(tokenizer, *key)
-        except ValueError as e:  # kept like a grammar: a client that sends it again costs no second compile
-            compiled = StructuredOutputError(grammar_error_summary(str(e)))
-        with self._lock:
-            self.num_compiled += 1
-            self._cache[key] = compiled
-            self._cache.move_to_end(key)
-            while len(self._cache) > self._capacity:
-                self._cache.popitem(last=False)
+        if compiled is None:
+            tokenizer = self._grammar_tokenizer()
+            try:
+                compiled = _engine.CompiledGrammar(tokenizer, *key)
+            except ValueError as e:  # kept like a grammar: a client that sends it again costs no second compile
+                compiled = StructuredOutputError(grammar_error_summary(str(e)))
+            with self._lock:
+                self.num_compiled += 1
+                self._cache[key] = compiled
+                self._cache.move_to_end(key)
+                while len(self._cache) > self._capacity:
+                    self._cache.popitem(last=False)
         if isinstance(compiled, StructuredOutputError):
             raise StructuredOutputError(str(compiled))
         return compiled

@@ -164,11 +164,11 @@ def view_source(folder: Path) -> Path:
     return source
 
 
-def view_tensors(folder: Path) -> dict[str, TensorEntry]:
-    """The tensor table of a view folder's GGUF file (``gguf_tensors`` as the view subprocess wrote it)."""
-    source = str(view_source(folder))
+def view_tensors(folder: Path, source: Path) -> dict[str, TensorEntry]:
+    """The tensor table of view folder ``folder`` (``gguf_tensors`` as the view subprocess wrote it), pointing into
+    ``source``, its GGUF file as ``view_source`` checked it."""
     table = json.loads((Path(folder) / TENSORS).read_text())
-    return {name: TensorEntry(source, offset, dtype, tuple(shape)) for name, offset, dtype, shape in table}
+    return {name: TensorEntry(str(source), offset, dtype, tuple(shape)) for name, offset, dtype, shape in table}
 
 
 def gguf_view(path: str | os.PathLike) -> Path:

@@ -164,7 +164,7 @@ def load_model_spec(path: Path) -> ModelSpec:
         gguf = gguf_file.view_source(path)
         if quant is not None:
             raise ValueError(f"{cfg_path}: a GGUF view has a quantization_config")
-        sources = gguf_sources(arch, path, fields.num_layers, fields.num_experts)
+        sources = gguf_sources(arch, path, gguf, fields.num_layers, fields.num_experts)
     else:
         sources = map_tensors(arch, index_folder(path), fields.num_layers, quant, path, fields.num_experts)
     if fields.tie_word_embeddings:
@@ -231,14 +231,14 @@ def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers:
     return sources
 
 
-def gguf_sources(arch: Architecture, view: Path, num_layers: int, num_experts: int = 0) -> dict[str, TensorEntry]:
-    """Engine role -> tensor of the GGUF file of view folder ``view``: the architecture's key map (role -> HF name)
-    through the gguf package's name table (HF name -> GGUF name). Raises ValueError naming the tensors no role
-    takes."""
-    gguf = gguf_file.view_source(view)
+def gguf_sources(arch: Architecture, view: Path, gguf: Path, num_layers: int,
+                 num_experts: int = 0) -> dict[str, TensorEntry]:
+    """Engine role -> tensor of GGUF file ``gguf`` (of view folder ``view``): the architecture's key map (role -> HF
+    name) through the gguf package's name table (HF name -> GGUF name). Raises ValueError naming the tensors no
+    role takes."""
     if num_experts:
         raise gguf_file.GgufError(f"{gguf}: mixture-of-experts GGUF files are not supported yet")
-    tensors = gguf_file.view_tensors(view)
+    tensors = gguf_file.view_tensors(view, gguf)
     hf_names = [k for role, key in arch.key_map.items() for _, k in expanded(role, key, num_layers)]
     gguf_of = gguf_file.hf_to_gguf_names(hf_names, gguf_file.gguf_arch_of_architecture(arch.name), num_layers)
     by_hf = {gguf_name: hf for hf, gguf_name in gguf_of.items()}

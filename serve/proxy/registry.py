@@ -195,13 +195,11 @@ class NodeRegistry:
         when both answer 200."""
         timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
         try:
-            probe = "/ready"
-            async with session.get(f"{node.url}{probe}", timeout=timeout) as r:
-                status, details = r.status, await body_start(r) if r.status != 200 else ""
-            if status == 404:
-                probe = "/health"
+            for probe in ("/ready", "/health"):
                 async with session.get(f"{node.url}{probe}", timeout=timeout) as r:
-                    status, details = r.status, await body_start(r) if r.status != 200 else ""
+                    status, details = r.status, (await body_start(r) if r.status != 200 else "")
+                if status != 404:
+                    break
             if status != 200:
                 raise NodeFailed(f"{probe} answered {status}", details)
             async with session.get(f"{node.url}/v1/models", headers=node.headers(), timeout=timeout) as r:

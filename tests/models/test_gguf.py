@@ -63,14 +63,23 @@ def tokenizer_fields(source: str) -> dict:
                                                "tokenizer.chat_template")}
 
 
-def copy_tokenizer(writer, source: Path, vocab_size: int) -> None:
-    """The tokenizer of a real GGUF file (SmolLM2's: gpt2 BPE, 49152 tokens, chat template) into ``writer``, cut to
-    its first ``vocab_size`` tokens (its special and byte tokens come first) and the merges among them."""
-    f = tokenizer_fields(str(source))
+@functools.lru_cache(maxsize=2)
+def cut_vocabulary(source: str, vocab_size: int) -> tuple[list, list]:
+    """(tokens, merges) of a real GGUF file's tokenizer cut to its first ``vocab_size`` tokens (its special and byte
+    tokens come first) and the merges among them."""
+    f = tokenizer_fields(source)
     tokens = f["tokenizer.ggml.tokens"][:vocab_size]
     known = set(tokens)
     merges = [m for m in f["tokenizer.ggml.merges"] if "".join(m.split(" ")) in known and
               all(part in known for part in m.split(" "))]
+    return tokens, merges
+
+
+def copy_tokenizer(writer, source: Path, vocab_size: int) -> None:
+    """The tokenizer of a real GGUF file (SmolLM2's: gpt2 BPE, 49152 tokens, chat template) into ``writer``, cut to
+    ``vocab_size`` tokens (cut_vocabulary)."""
+    f = tokenizer_fields(str(source))
+    tokens, merges = cut_vocabulary(str(source), vocab_size)
     writer.add_tokenizer_model(f["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(f["tokenizer.ggml.pre"])
     writer.add_token_list(tokens)
