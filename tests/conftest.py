@@ -3,8 +3,11 @@ SmolLM2, GPU tests skipped without a GPU, and a check that every engine gives al
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +16,15 @@ from tests.helpers import assert_blocks_free, cuda_usable
 # The engines of this test session (and the servers it starts as subprocesses, which inherit this) size
 # their KV pools against each other only, not against lmkit servers that happen to run on the host.
 os.environ["LMKIT_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="lmkit-test-runtime-")
+# Under `-n 2` two workers share the cores: torch's reference computations take one thread each (a team of two
+# per worker would only spin against the other worker). lmkit's engines are not affected (their own threads).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Seconds each test file took (setup, call and teardown of its tests), heaviest first: the order files are
+# handed to the workers, so that no worker is left alone with a long file at the end. Refresh it with
+# LMKIT_TEST_DURATIONS_OUT=tests/file_durations.json python -m pytest tests -q -n 2
+FILE_DURATIONS = Path(__file__).with_name("file_durations.json")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,6 +33,35 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA GPU and an engine built with the CUDA backend")
         for item in gpu_items:
             item.add_marker(skip)
+    heaviest_files_first(items)
+
+
+def heaviest_files_first(items) -> None:
+    """Longest first: with --dist loadfile the workers take whole files in collection order. A file missing from
+    FILE_DURATIONS goes after the known ones; the tests of a file keep their order."""
+    try:
+        seconds = json.loads(FILE_DURATIONS.read_text())
+    except (OSError, ValueError):
+        return
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0.0), first[item.nodeid.split("::")[0]]))
+
+
+_file_seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("LMKIT_TEST_DURATIONS_OUT"):
+        _file_seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("LMKIT_TEST_DURATIONS_OUT")
+    if out and not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
+        ranked = sorted(_file_seconds.items(), key=lambda kv: -kv[1])
+        Path(out).write_text(json.dumps({f: round(s, 1) for f, s in ranked}, indent=1) + "\n")
 
 
 @pytest.fixture(scope="session")
