@@ -289,4 +289,31 @@ struct AttnSeq {
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                      int32_t num_heads, float scale, int32_t sliding_window, float* out, float logit_softcap = 0.0f);
 
+// --- Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention) --------------------------------------------
+// One sequence's rows of a recurrent layer, and its state: this layer's part of one slot of the state pool.
+struct RecurrentSeq {
+  int32_t first_row = 0;        // rows [first_row, first_row + num_rows), in order
+  int32_t num_rows = 0;
+  float* conv_state = nullptr;  // [conv_kernel - 1, channels]: the inputs of the rows before first_row, oldest first
+  float* state = nullptr;       // [num_v_heads, k_head_dim, v_head_dim]: each value head's delta-rule matrix S
+};
+
+// Causal depthwise convolution and SiLU, per sequence, in place:
+//   x[t, c] <- silu(sum_j w[j, c] * in[t - K + 1 + j, c])
+// where in[t'] is the input row t' of the sequence, and conv_state's rows before its first row; conv_state then
+// holds the sequence's last K - 1 inputs. x: rows of row_stride floats, channels [0, channels) of each;
+// w: [K, channels] (tap-major); K in [1, 8].
+void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* w, int K, const RecurrentSeq* seqs,
+                   int32_t num_seqs);
+
+// The gated delta rule, per sequence and value head h (reading key head h / (Hv / Hk)), rows in order:
+//   q <- q / sqrt(|q|^2 + 1e-6) / sqrt(Dk),  k <- k / sqrt(|k|^2 + 1e-6)
+//   S <- exp(g[t, h]) S;   u = beta[t, h] (v[t, h] - S^T k);   S <- S + k u^T;   out[t, h] = S^T q
+// q, k: Hk heads of Dk floats at q + t * qkv_stride, k + t * qkv_stride; v: Hv heads of Dv at v + t * qkv_stride;
+// g, beta: [rows, Hv]; out: Hv heads of Dv at out + t * out_stride. S: [Hv, Dk, Dv] (RecurrentSeq::state), in
+// place. Dk, Dv <= 512.
+void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* g,
+                      const float* beta, const RecurrentSeq* seqs, int32_t num_seqs, int num_k_heads, int num_v_heads,
+                      int k_head_dim, int v_head_dim, float* out, int64_t out_stride);
+
 }  // namespace lmkit::ops

@@ -1492,6 +1492,76 @@ void test_greedy_sample() {
 }
 
 // test_cpu_kernels [ISA...]: every kernel on each ISA named (generic, avx2, avx512; default all three), so that
+// Gated DeltaNet: the short convolution and the delta rule against their double references, over sequences of
+// 1, 7 and 33 rows (one row is a decode) sharing one batch, head dims that are not a multiple of the vector
+// width and Qwen3.5's 128, gates near 0 and near 1, NaN-poisoned outputs; then the same rows cut into two calls
+// (a prompt cut into chunks) give the state and outputs of one pass.
+void test_recurrent() {
+  struct Shape { int Hk, Hv, Dk, Dv, K; };
+  for (const Shape sh : {Shape{2, 4, 20, 24, 4}, Shape{1, 2, 128, 128, 4}, Shape{3, 3, 7, 33, 2}}) {
+    const std::vector<int32_t> lens = {1, 7, 33};
+    int32_t rows = 0;
+    for (int32_t n : lens) rows += n;
+    const int64_t key = (int64_t)sh.Hk * sh.Dk, value = (int64_t)sh.Hv * sh.Dv, conv = 2 * key + value;
+    const int64_t stride = conv + 5;  // the fused projection's row carries more (z, b, a) after q | k | v
+    const std::string name = " Hk " + std::to_string(sh.Hk) + " Hv " + std::to_string(sh.Hv) + " Dk " +
+                             std::to_string(sh.Dk) + " Dv " + std::to_string(sh.Dv);
+    std::vector<float> x = randn(rows * stride), w = randn(sh.K * conv, 0.5f);
+    std::vector<float> g(rows * sh.Hv), beta(rows * sh.Hv);
+    std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+    for (int64_t i = 0; i < (int64_t)g.size(); ++i) {
+      const float r = unit(g_rng);  // decay exp(g) near 0, near 1 and between; beta likewise
+      g[i] = i % 3 == 0 ? -20.0f : i % 3 == 1 ? -1e-6f : std::log(0.05f + 0.9f * r);
+      beta[i] = i % 4 == 0 ? 0.001f : i % 4 == 1 ? 0.999f : unit(g_rng);
+    }
+    const int64_t conv_state_n = (int64_t)(sh.K - 1) * conv, state_n = value * sh.Dk;
+    auto seqs_over = [&](std::vector<float>& cs, std::vector<float>& st, const std::vector<int32_t>& first,
+                         const std::vector<int32_t>& n) {
+      std::vector<ops::RecurrentSeq> out(lens.size());
+      for (size_t i = 0; i < lens.size(); ++i)
+        out[i] = {first[i], n[i], cs.data() + i * conv_state_n, st.data() + i * state_n};
+      return out;
+    };
+    std::vector<int32_t> first(lens.size());
+    for (size_t i = 1; i < lens.size(); ++i) first[i] = first[i - 1] + lens[i - 1];
+    const std::vector<float> cs0 = randn(lens.size() * conv_state_n), st0 = randn(lens.size() * state_n, 0.3f);
+
+    // convolution
+    std::vector<float> xr = x, xo = x, csr = cs0, cso = cs0, str = st0, sto = st0;
+    auto sr = seqs_over(csr, str, first, lens), so = seqs_over(cso, sto, first, lens);
+    ops::reference::causal_conv1d(xr.data(), stride, conv, w.data(), sh.K, sr.data(), (int32_t)sr.size());
+    ops::causal_conv1d(xo.data(), stride, conv, w.data(), sh.K, so.data(), (int32_t)so.size());
+    expect_close(xo, xr, "causal_conv1d" + name);
+    expect_close(cso, csr, "causal_conv1d window state" + name);
+    // delta rule on the convolved rows
+    std::vector<float> outr(rows * value), outo(rows * value, NAN);
+    ops::reference::gated_delta_rule(xr.data(), xr.data() + key, xr.data() + 2 * key, stride, g.data(), beta.data(),
+                                     sr.data(), (int32_t)sr.size(), sh.Hk, sh.Hv, sh.Dk, sh.Dv, outr.data(), value);
+    ops::gated_delta_rule(xr.data(), xr.data() + key, xr.data() + 2 * key, stride, g.data(), beta.data(), so.data(),
+                          (int32_t)so.size(), sh.Hk, sh.Hv, sh.Dk, sh.Dv, outo.data(), value);
+    expect_close(outo, outr, "gated_delta_rule" + name, 1e-4);
+    expect_close(sto, str, "gated_delta_rule state" + name, 1e-4);
+
+    // the same rows in two calls, each sequence cut after its first third
+    std::vector<float> xc = x, csc = cs0, stc = st0, outc(rows * value, NAN);
+    std::vector<int32_t> n1(lens.size()), f2(lens.size()), n2(lens.size());
+    for (size_t i = 0; i < lens.size(); ++i) n1[i] = lens[i] / 3, f2[i] = first[i] + n1[i], n2[i] = lens[i] - n1[i];
+    for (const auto& part : {std::make_pair(first, n1), std::make_pair(f2, n2)}) {
+      auto sc = seqs_over(csc, stc, part.first, part.second);
+      ops::causal_conv1d(xc.data(), stride, conv, w.data(), sh.K, sc.data(), (int32_t)sc.size());
+      ops::gated_delta_rule(xc.data(), xc.data() + key, xc.data() + 2 * key, stride, g.data(), beta.data(), sc.data(),
+                            (int32_t)sc.size(), sh.Hk, sh.Hv, sh.Dk, sh.Dv, outc.data(), value);
+    }
+    expect_close(outc, outr, "gated_delta_rule in two chunks" + name, 1e-4);
+    expect_close(stc, str, "gated_delta_rule state after two chunks" + name, 1e-4);
+  }
+  expect(throws([] { ops::gated_delta_rule(nullptr, nullptr, nullptr, 0, nullptr, nullptr, nullptr, 0, 2, 3, 8, 8,
+                                           nullptr, 24); }),
+         "gated_delta_rule rejects value heads that are not a multiple of the key heads");
+  expect(throws([] { ops::causal_conv1d(nullptr, 4, 4, nullptr, 9, nullptr, 0); }),
+         "causal_conv1d rejects a kernel of 9 taps");
+}
+
 // ctest can run the ISAs side by side as separate tests.
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // keep every line if a kernel crashes
@@ -1522,6 +1592,7 @@ int main(int argc, char** argv) {
       test_rope();
       test_silu_mul();
       test_gelu_tanh_mul();
+      test_recurrent();
       test_softcap_scale();
       test_log_sum_exp();
       test_attention(threads);

@@ -336,4 +336,46 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
     cpu::active().paged_attention(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap);
 }
 
+namespace {
+void check_recurrent_seqs(const RecurrentSeq* seqs, int32_t num_seqs, bool needs_conv, bool needs_state,
+                          const char* op) {
+  LMKIT_CHECK(num_seqs >= 0 && (num_seqs == 0 || seqs != nullptr), op, ": ", num_seqs, " sequences at ",
+              (const void*)seqs);
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const RecurrentSeq& r = seqs[s];
+    LMKIT_CHECK(r.first_row >= 0 && r.num_rows >= 0, op, ": sequence ", s, " has rows [", r.first_row, ", +",
+                r.num_rows, ")");
+    LMKIT_CHECK(!needs_conv || r.conv_state != nullptr, op, ": sequence ", s, " has no convolution state");
+    LMKIT_CHECK(!needs_state || r.state != nullptr, op, ": sequence ", s, " has no delta-rule state");
+  }
+}
+}  // namespace
+
+void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* w, int K, const RecurrentSeq* seqs,
+                   int32_t num_seqs) {
+  LMKIT_CHECK(K >= 1 && K <= 8, "causal_conv1d: kernel size must be in [1, 8], got ", K);
+  LMKIT_CHECK(channels > 0 && row_stride >= channels, "causal_conv1d: ", channels, " channels in rows of ",
+              row_stride);
+  check_recurrent_seqs(seqs, num_seqs, K > 1, false, "causal_conv1d");
+  if (num_seqs == 0) return;
+  LMKIT_CHECK(x != nullptr && w != nullptr, "causal_conv1d: x and w must be non-null");
+  cpu::active().causal_conv1d(x, row_stride, channels, w, K, seqs, num_seqs);
+}
+
+void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* g,
+                      const float* beta, const RecurrentSeq* seqs, int32_t num_seqs, int num_k_heads, int num_v_heads,
+                      int k_head_dim, int v_head_dim, float* out, int64_t out_stride) {
+  LMKIT_CHECK(num_k_heads > 0 && num_v_heads > 0 && num_v_heads % num_k_heads == 0, "gated_delta_rule: ",
+              num_v_heads, " value heads must be a positive multiple of ", num_k_heads, " key heads");
+  LMKIT_CHECK(k_head_dim > 0 && k_head_dim <= 512 && v_head_dim > 0 && v_head_dim <= 512,
+              "gated_delta_rule: head dims must be in [1, 512], got ", k_head_dim, " and ", v_head_dim);
+  LMKIT_CHECK(out_stride >= (int64_t)num_v_heads * v_head_dim, "gated_delta_rule: out rows of ", out_stride,
+              " floats hold fewer than ", num_v_heads, " x ", v_head_dim);
+  check_recurrent_seqs(seqs, num_seqs, false, true, "gated_delta_rule");
+  if (num_seqs == 0) return;
+  LMKIT_CHECK(q && k && v && g && beta && out, "gated_delta_rule: q, k, v, g, beta and out must be non-null");
+  cpu::active().gated_delta_rule(q, k, v, qkv_stride, g, beta, seqs, num_seqs, num_k_heads, num_v_heads, k_head_dim,
+                                 v_head_dim, out, out_stride);
+}
+
 }  // namespace lmkit::ops

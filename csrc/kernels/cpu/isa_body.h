@@ -15,6 +15,7 @@ namespace {
 #include "kernels/cpu/impl_attention.h"
 #include "kernels/cpu/impl_attention_bf16.h"
 #include "kernels/cpu/impl_attention_amx.h"
+#include "kernels/cpu/impl_recurrent.h"
 }  // namespace
 }  // namespace LMKIT_ISA
 
@@ -44,7 +45,7 @@ const KernelTable* LMKIT_ISA_TABLE() {
       &LMKIT_ISA::rope,
       &LMKIT_ISA::silu_mul,   &LMKIT_ISA::gelu_tanh_mul, &LMKIT_ISA::softcap, &LMKIT_ISA::scale,
       &LMKIT_ISA::log_sum_exp, &LMKIT_ISA::kv_write,
-      &LMKIT_ISA::paged_attention, LMKIT_ISA_ATTN_BF16,
+      &LMKIT_ISA::paged_attention, &LMKIT_ISA::causal_conv1d, &LMKIT_ISA::gated_delta_rule, LMKIT_ISA_ATTN_BF16,
   };
   return &table;
 }

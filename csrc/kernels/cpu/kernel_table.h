@@ -65,7 +65,13 @@ struct KernelTable {
   // logit_softcap 0: no soft-capping. Reads the block table only over the keys some query's window reaches.
   void (*paged_attention)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                           int32_t num_heads, float scale, int32_t sliding_window, float* out, float logit_softcap);
-  // the same over a bf16 pool (bits 16) with prefill tasks on AVX512_BF16 dot products (P rounded to bf16);
+  // Gated DeltaNet (ops.h): the short convolution and the delta rule, per sequence of the batch
+  void (*causal_conv1d)(float* x, int64_t row_stride, int64_t channels, const float* w, int K,
+                        const RecurrentSeq* seqs, int32_t num_seqs);
+  void (*gated_delta_rule)(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* g,
+                           const float* beta, const RecurrentSeq* seqs, int32_t num_seqs, int num_k_heads,
+                           int num_v_heads, int k_head_dim, int v_head_dim, float* out, int64_t out_stride);
+  // paged_attention over a bf16 pool (bits 16) with prefill tasks on AVX512_BF16 dot products (P rounded to bf16);
   // nullptr where this build has none; dispatch.cpp calls it only where the CPU has AVX512_BF16
   void (*paged_attention_bf16)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                                int32_t num_heads, float scale, int32_t sliding_window, float* out,

@@ -230,4 +230,59 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
   }
 }
 
+void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* w, int K, const RecurrentSeq* seqs,
+                   int32_t num_seqs) {
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const RecurrentSeq& sq = seqs[s];
+    for (int64_t c = 0; c < channels; ++c) {
+      std::vector<double> in;  // the K - 1 inputs before the first row, then the rows
+      for (int j = 0; j + 1 < K; ++j) in.push_back(sq.conv_state[j * channels + c]);
+      for (int32_t t = 0; t < sq.num_rows; ++t) in.push_back(x[(int64_t)(sq.first_row + t) * row_stride + c]);
+      for (int32_t t = 0; t < sq.num_rows; ++t) {
+        double y = 0;
+        for (int j = 0; j < K; ++j) y += (double)w[j * channels + c] * in[t + j];
+        x[(int64_t)(sq.first_row + t) * row_stride + c] = (float)(y / (1.0 + std::exp(-y)));
+      }
+      for (int j = 0; j + 1 < K; ++j) sq.conv_state[j * channels + c] = (float)in[in.size() - (K - 1) + j];
+    }
+  }
+}
+
+void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* g,
+                      const float* beta, const RecurrentSeq* seqs, int32_t num_seqs, int num_k_heads, int num_v_heads,
+                      int k_head_dim, int v_head_dim, float* out, int64_t out_stride) {
+  const int Dk = k_head_dim, Dv = v_head_dim, group = num_v_heads / num_k_heads;
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const RecurrentSeq& sq = seqs[s];
+    for (int h = 0; h < num_v_heads; ++h) {
+      std::vector<double> S(sq.state + (int64_t)h * Dk * Dv, sq.state + (int64_t)(h + 1) * Dk * Dv);
+      for (int32_t t = 0; t < sq.num_rows; ++t) {
+        const int64_t row = sq.first_row + t;
+        const float* qr = q + row * qkv_stride + (int64_t)(h / group) * Dk;
+        const float* kr = k + row * qkv_stride + (int64_t)(h / group) * Dk;
+        const float* vr = v + row * qkv_stride + (int64_t)h * Dv;
+        double nq = 0, nk = 0;
+        for (int d = 0; d < Dk; ++d) nq += (double)qr[d] * qr[d], nk += (double)kr[d] * kr[d];
+        std::vector<double> qn(Dk), kn(Dk);
+        for (int d = 0; d < Dk; ++d)
+          qn[d] = qr[d] / std::sqrt(nq + 1e-6) / std::sqrt((double)Dk), kn[d] = kr[d] / std::sqrt(nk + 1e-6);
+        const double decay = std::exp((double)g[row * num_v_heads + h]), b = beta[row * num_v_heads + h];
+        for (double& x : S) x *= decay;
+        for (int e = 0; e < Dv; ++e) {
+          double kv = 0;
+          for (int d = 0; d < Dk; ++d) kv += S[(int64_t)d * Dv + e] * kn[d];
+          const double u = b * (vr[e] - kv);
+          double o = 0;
+          for (int d = 0; d < Dk; ++d) {
+            S[(int64_t)d * Dv + e] += kn[d] * u;
+            o += S[(int64_t)d * Dv + e] * qn[d];
+          }
+          out[row * out_stride + (int64_t)h * Dv + e] = (float)o;
+        }
+      }
+      for (int64_t i = 0; i < (int64_t)Dk * Dv; ++i) sq.state[(int64_t)h * Dk * Dv + i] = (float)S[i];
+    }
+  }
+}
+
 }  // namespace lmkit::ops::reference

@@ -32,4 +32,11 @@ void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* 
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
                      float scale, int32_t sliding_window, float* out, float logit_softcap = 0.0f);
 
+// Gated DeltaNet (ops.h), in double: the convolution per channel, the delta rule per head, row by row.
+void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* w, int K, const RecurrentSeq* seqs,
+                   int32_t num_seqs);
+void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* g,
+                      const float* beta, const RecurrentSeq* seqs, int32_t num_seqs, int num_k_heads, int num_v_heads,
+                      int k_head_dim, int v_head_dim, float* out, int64_t out_stride);
+
 }  // namespace lmkit::ops::reference
