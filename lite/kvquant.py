@@ -145,6 +145,9 @@ def use_kv_fake_quant_attention(model, hooks=None) -> None:
         from lmkit.models import get_architecture
 
         hooks = get_architecture(model.config.architectures[0]).kv_calib
+        if hooks is None:
+            raise ValueError(f"{model.config.architectures[0]}: fake-quantized KV evaluation is not supported yet "
+                             "(some of its layers are recurrent and keep no K/V)")
     name = KV_FAKE_QUANT_ATTENTION
     if hooks.attention_function != "sdpa":
         name += "__" + hooks.attention_function.replace(".", "_")

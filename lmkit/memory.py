@@ -231,7 +231,7 @@ class KVPool:
     num_blocks: int
     block_size_tokens: int
     kv_bytes_per_block: int
-    limited_by: str  # "cache_max_entry_count" (a block count), "max_batch_size x session_len" or "memory"
+    limited_by: str  # "cache_max_entry_count" (a block count), "max_batch_size x session_len", "memory", "no KV"
     max_batch_size: int
     session_len: int
     fraction: float | None  # cache_max_entry_count when it is a fraction, AUTO_MEMORY_FRACTION when auto
@@ -284,6 +284,8 @@ class KVPool:
                 f"{format_bytes(self.kv_bytes)} ({format_bytes(self.kv_bytes_per_block)} per block); ")
         if self.limited_by == "cache_max_entry_count":
             return head + f"set by cache_max_entry_count={self.num_blocks}"
+        if self.limited_by == "no KV":
+            return head + "no layer keeps K/V (every layer is recurrent): max_batch_size x session_len"
         if self.limited_by == "memory":
             return (head + f"limited by memory: {self.budget_text()}; max_batch_size x session_len would use "
                     f"{self.cap_blocks} blocks")
@@ -303,6 +305,8 @@ def plan_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, weight_bytes: 
                   memory=memory, weight_bytes=weight_bytes, others=tuple(others))
     if not is_auto and count > 1:
         return replace(pool, num_blocks=int(count))
+    if kv_bytes_per_block == 0:  # no layer keeps K/V (every layer recurrent): blocks are bookkeeping only
+        return replace(pool, num_blocks=pool.cap_blocks, limited_by="no KV")
     min_blocks = math.ceil(session_len / config.cache_block_seq_len)
     budget = pool.budget_bytes
     budget_blocks = max(budget, 0) // kv_bytes_per_block
@@ -336,8 +340,9 @@ def unpacked_weight_bytes(spec: "ModelSpec") -> int:
 
 
 class KVPoolSizer:
-    """The ``size_kv_pool`` callback of a CPU lmkit._engine.Engine: (kv_bytes_per_block, linear_weight_bytes,
-    session_len, device_free_bytes) -> blocks, called once on the creating thread; keeps the KVPool it chose in
+    """The ``size_kv_pool`` callback of a CPU lmkit._engine.Engine: (kv_bytes_per_block, resident_bytes,
+    session_len, device_free_bytes) -> blocks, called once on the creating thread (resident_bytes: the packed
+    linear weights and, for a model with recurrent layers, its state pool); keeps the KVPool it chose in
     ``kv_pool``."""
 
     def __init__(self, config: "EngineConfig", unpacked_bytes: int, others: tuple[Reservation, ...],
@@ -346,9 +351,9 @@ class KVPoolSizer:
         self.kv_pool: KVPool | None = None
         self.reservation: Reservation | None = None
 
-    def __call__(self, kv_bytes_per_block: int, linear_weight_bytes: int, session_len: int,
+    def __call__(self, kv_bytes_per_block: int, resident_bytes: int, session_len: int,
                  device_free_bytes: int = 0) -> int:
-        self.kv_pool = plan_kv_pool(self.config, kv_bytes_per_block, linear_weight_bytes + self.unpacked_bytes,
+        self.kv_pool = plan_kv_pool(self.config, kv_bytes_per_block, resident_bytes + self.unpacked_bytes,
                                     session_len, self.memory, self.others)
         return self.kv_pool.num_blocks
 
@@ -398,7 +403,7 @@ class CudaKVPoolSizer:
     def __init__(self, config: "EngineConfig"):
         self.config = config
 
-    def __call__(self, kv_bytes_per_block: int, linear_weight_bytes: int, session_len: int,
+    def __call__(self, kv_bytes_per_block: int, resident_bytes: int, session_len: int,
                  device_free_bytes: int) -> int:
         return plan_cuda_kv_pool(self.config, kv_bytes_per_block, session_len, device_free_bytes)
 

@@ -50,6 +50,11 @@ class EngineMetrics:
     """KV blocks released early: behind every layer's sliding window."""
     num_weight_bytes_read: int
     """Weights the steps' forwards read, summed (a mixture of experts counts the experts each step ran)."""
+    num_total_state_slots: int
+    """Recurrent-state slots (a model with recurrent layers; 0 otherwise): running sequences' and snapshots'."""
+    num_free_state_slots: int
+    num_state_snapshots: int
+    """Slots holding a prefix's state for prefix hits (evicted first when a sequence needs a slot)."""
     ttft_s: list[float] = field(default_factory=list, repr=False)
     inter_token_s: list[float] = field(default_factory=list, repr=False)
 

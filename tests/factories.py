@@ -194,6 +194,7 @@ class Case:
     seed: int
     new: bool = True  # needs the engine of issue 22
     norm_offset: float = 0.0  # Gemma's RMSNorms scale by (1 + w): w is drawn around 0, not 1
+    plain_norms: tuple = ()  # names of the norms that scale by w where the others take (1 + w) (drawn around 1)
     attn_implementation: str | None = None  # "eager" for Gemma 2 (SDPA has no soft-capping)
     hub_layout: Callable[[dict], dict] | None = None  # rewrites config.json after save_pretrained
     expect: dict = field(default_factory=dict)  # attribute -> value HF's config must have after reading the folder
@@ -202,6 +203,9 @@ class Case:
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_attention_heads=4)
+QWEN3_5 = dict(SMALL, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+               rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})
 
 ARCH_CASES: dict[str, Case] = {
     # ---- what the engine runs before issue 22 (must keep passing)
@@ -290,15 +294,28 @@ ARCH_CASES: dict[str, Case] = {
                                                  num_experts_per_tok=2, sliding_window=20), seed=40),
     "olmoe": Case("OlmoeConfig", dict(SMALL, num_hidden_layers=2, num_key_value_heads=2, num_experts=8,
                                       num_experts_per_tok=3), seed=40),
+    # ---- hybrids of recurrent (Gated DeltaNet) and attention layers (issue 62): the default 3:1 pattern, then
+    # every layer of one kind; key heads shared by two value heads, k and v head dims apart
+    "qwen3_5": Case("Qwen3_5TextConfig", dict(QWEN3_5, num_hidden_layers=4), seed=50, norm_offset=1.0,
+                    plain_norms=("linear_attn.norm",),
+                    expect={"layer_types": ["linear_attention"] * 3 + ["full_attention"]}),
+    "qwen3_5_all_linear": Case("Qwen3_5TextConfig", dict(QWEN3_5, num_hidden_layers=2,
+                                                         layer_types=["linear_attention"] * 2),
+                               seed=53, norm_offset=1.0, plain_norms=("linear_attn.norm",)),
+    "qwen3_5_all_full_tied": Case("Qwen3_5TextConfig", dict(QWEN3_5, num_hidden_layers=2, tie_word_embeddings=True,
+                                                            layer_types=["full_attention"] * 2),
+                                  seed=52, norm_offset=1.0, plain_norms=("linear_attn.norm",)),
 }
 
 
-def _init_weights(model, norm_offset: float) -> None:
+def _init_weights(model, norm_offset: float, plain_norms: tuple = ()) -> None:
     """Wider than HF's init so that the logits are not flat: matrices N(0, 1/fan_in), biases N(0, 0.01),
-    norm weights around 1 (Gemma: around 0, its norms scale by 1 + w)."""
+    norm weights around 1 (Gemma: around 0, its norms scale by 1 + w; ``plain_norms`` around 1 in any case)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if any(n in name for n in plain_norms):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "norm" in name:
                 p.copy_(1.0 - norm_offset + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
@@ -324,6 +341,14 @@ def build_case(name: str, folder) -> "torch.nn.Module":
         got = getattr(ref.config, key)
         assert _matches(got, want), f"{name}: HF reads {key}={got!r} from the folder, the case means {want!r}"
     ref.generation_config.eos_token_id = None  # generate exactly NEW_TOKENS, as the engine with ignore_eos
+    return without_cache_unless_attention(ref)
+
+
+def without_cache_unless_attention(ref):
+    """A model whose every layer is recurrent runs without HF's cache, which needs an attention layer
+    (transformers 5.24; tests.helpers.hf_greedy generates by full forwards for it)."""
+    if set(getattr(ref.config, "layer_types", None) or ()) == {"linear_attention"}:
+        ref.config.use_cache = False
     return ref
 
 
@@ -335,7 +360,7 @@ def _write_case(case: Case, folder: Path) -> None:
     torch.manual_seed(case.seed)
     attn = {"attn_implementation": case.attn_implementation} if case.attn_implementation else {}
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn).eval()
-    _init_weights(model, case.norm_offset)
+    _init_weights(model, case.norm_offset, case.plain_norms)
     model.save_pretrained(str(folder))
     write_byte_tokenizer(folder)
     if case.hub_layout is not None:

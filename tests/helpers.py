@@ -95,11 +95,25 @@ def assert_blocks_free(engine, timeout_s: float = 5.0) -> None:
     assert m.num_running == 0 and m.num_waiting == 0, f"engine not idle: {m.num_running} running, {m.num_waiting} waiting"
     assert m.num_free_blocks == m.num_total_blocks, (
         f"KV blocks leaked: {m.num_free_blocks} free of {m.num_total_blocks}")
+    assert m.num_free_state_slots + m.num_state_snapshots == m.num_total_state_slots, (
+        f"state slots leaked: {m.num_free_state_slots} free and {m.num_state_snapshots} snapshots of "
+        f"{m.num_total_state_slots}")
 
 
 def hf_greedy(model, ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+    """HF generate, greedy. A model whose every layer is recurrent (no attention layer) cannot use HF's cache
+    (transformers 5.24: get_seq_length needs an attention layer): its tokens come from full forwards instead."""
     import torch
 
+    if set(getattr(model.config, "layer_types", None) or ["full_attention"]) == {"linear_attention"}:
+        seq = list(ids)
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                seq.append(int(model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+                if seq[-1] == eos:
+                    break
+        new = seq[len(ids):]
+        return new[:-1] if eos is not None and new and new[-1] == eos else new
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)

@@ -53,6 +53,7 @@ Batch build_batch(const BatchPlan& plan, int32_t block_size_tokens, const StopRu
     bs.ctx_len = s.start_pos + s.num_tokens;
     bs.num_blocks = (bs.ctx_len + block_size_tokens - 1) / block_size_tokens;
     bs.table_offset = (int32_t)b.block_tables.size();
+    bs.state_slot = seq.state_slot;
     LMKIT_CHECK((int32_t)seq.block_table.size() >= bs.num_blocks, "sequence ", seq.id,
                 " has too few blocks for its chunk");
     b.block_tables.insert(b.block_tables.end(), seq.block_table.begin(), seq.block_table.begin() + bs.num_blocks);
@@ -91,6 +92,7 @@ Batch build_batch(const BatchPlan& plan, int32_t block_size_tokens, const StopRu
       b.samples.push_back(std::move(r));
     }
   }
+  b.state_copies = plan.state_copies;
   return b;
 }
 

@@ -18,13 +18,16 @@ namespace lmkit {
 //   rows [first_row, first_row + num_rows) hold positions [ctx_len - num_rows, ctx_len);
 //   block_tables[table_offset, table_offset + num_blocks) map position p to block p / block_size_tokens
 //   (num_blocks = ceil(ctx_len / block_size_tokens); an entry may be kNoBlock when the scheduler freed a block no
-//   layer's window reaches any more).
+//   layer's window reaches any more);
+//   state_slot: the recurrent-state slot holding the sequence's state as of position ctx_len - num_rows (-1: the
+//   model has no recurrent layers); a chunk at position 0 starts from the zero state, whatever the slot holds.
 struct BatchSeq {
   int32_t first_row = 0;
   int32_t num_rows = 0;
   int32_t ctx_len = 0;
   int32_t table_offset = 0;
   int32_t num_blocks = 0;
+  int32_t state_slot = -1;
 };
 
 // A row whose logits are sampled. The sampler reads params and history as they are during the step.
@@ -69,6 +72,7 @@ struct Batch {
   std::vector<SampleRow> samples;                    // ordered by logit_index
   std::vector<LogitOutputRow> logit_outputs;         // ordered by logit_index
   std::vector<PromptLogprobRow> prompt_logprob_rows;  // ordered by logit_index
+  std::vector<StateCopy> state_copies;               // recurrent-state slot copies, applied before the forward
 
   bool empty() const { return num_tokens == 0; }
   // Every row is one sequence's single (decode) token and every row's logits are needed.

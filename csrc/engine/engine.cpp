@@ -15,16 +15,22 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor)
     : options_(options),
       executor_(std::move(executor)),
       blocks_(options.num_blocks, options.block_size_tokens),
+      states_(options.num_state_slots),
       scheduler_(SchedulerConfig{options.max_batch_size, options.max_prefill_token_num, options.session_len,
                                  options.enable_prefix_caching, options.attention_window_tokens},
-                 blocks_),
+                 blocks_, &states_),
       stop_rules_(options.eos_token_ids),
       seed_source_(std::random_device{}()) {
   LMKIT_CHECK(executor_ != nullptr, "engine needs an executor");
   LMKIT_CHECK_ARG(options.session_len > 1, "session_len must be > 1, got ", options.session_len);
+  LMKIT_CHECK((options.num_state_slots > 0) == (executor_->state_bytes_per_slot() > 0), "the model ",
+              executor_->state_bytes_per_slot() > 0 ? "has" : "has no", " recurrent state but the engine was given ",
+              options.num_state_slots, " state slots");
   executor_->allocate_kv_pool(options.num_blocks);
+  if (options.num_state_slots > 0) executor_->allocate_state_pool(options.num_state_slots);
   metrics_.num_total_blocks = options.num_blocks;
   metrics_.num_free_blocks = options.num_blocks;
+  metrics_.num_total_state_slots = metrics_.num_free_state_slots = options.num_state_slots;
   published_metrics_ = metrics_;
   callback_thread_ = std::thread([this] { callback_loop(); });
   loop_thread_ = std::thread([this] { loop(); });
@@ -95,6 +101,8 @@ void Engine::publish_metrics() {
   metrics_.num_active_blocks = blocks_.num_active_blocks();
   metrics_.num_preemptions = scheduler_.num_preemptions();
   metrics_.num_cached_blocks = blocks_.num_cached_blocks();
+  metrics_.num_free_state_slots = states_.num_free_slots();
+  metrics_.num_state_snapshots = scheduler_.num_state_snapshots();
   metrics_.num_prefix_query_tokens = scheduler_.num_prefix_query_tokens();
   metrics_.num_prefix_hit_tokens = scheduler_.num_prefix_hit_tokens();
   metrics_.num_window_freed_blocks = scheduler_.num_window_freed_blocks();

@@ -54,6 +54,7 @@ struct EngineOptions {
   int32_t block_size_tokens = 64;
   int32_t max_prefill_token_num = 8192;
   int32_t num_blocks = 0;  // size of the KV pool, decided by the caller (create_engine's KVPoolSizer)
+  int32_t num_state_slots = 0;  // recurrent-state slots (0: the model has no recurrent layers)
   int64_t kv_bytes_per_block = 0;  // the executor's, for reporting
   int64_t linear_weight_bytes = 0;  // the executor's, for reporting
   bool enable_prefix_caching = false;
@@ -71,6 +72,9 @@ struct EngineMetrics {
   int32_t num_free_blocks = 0;
   int32_t num_active_blocks = 0;
   int32_t num_cached_blocks = 0;     // released blocks kept for prefix hits (evictable)
+  int32_t num_total_state_slots = 0;  // recurrent-state slots (0: the model has no recurrent layers)
+  int32_t num_free_state_slots = 0;
+  int32_t num_state_snapshots = 0;   // slots holding a prefix's state for prefix hits (evictable)
   int64_t num_steps = 0;
   int64_t num_prompt_tokens = 0;     // prompt tokens computed (recomputation included)
   int64_t num_generated_tokens = 0;  // tokens sampled
@@ -136,6 +140,7 @@ class Engine {
   std::unique_ptr<Executor> executor_;
   MaskWorker mask_worker_;  // before the scheduler: a sequence's matcher waits for it when destroyed
   BlockManager blocks_;
+  StatePool states_;
   Scheduler scheduler_;
   StopRules stop_rules_;
   std::mt19937_64 seed_source_;

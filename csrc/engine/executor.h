@@ -12,7 +12,8 @@ class Executor {
  public:
   virtual ~Executor() = default;
   // Runs one fused forward over batch and samples its sample rows: returns the tokens, logprobs and the
-  // requested logits rows (StepOutput). Reads batch only; changes nothing but the KV pool rows at batch.slots.
+  // requested logits rows (StepOutput). Reads batch only; changes nothing but the KV pool rows at batch.slots
+  // and the recurrent state of the batch's slots (batch.state_copies first, then each sequence's).
   virtual StepOutput step(const Batch& batch) = 0;
   // Bytes of KV memory one block of the pool takes (all layers, K and V).
   virtual int64_t kv_bytes_per_block() const = 0;
@@ -21,6 +22,10 @@ class Executor {
   virtual int64_t linear_weight_bytes() const = 0;
   // Allocates the pool; called once by the engine before the first step.
   virtual void allocate_kv_pool(int32_t num_blocks) = 0;
+  // Bytes of recurrent state one sequence holds (every recurrent layer's, state_pool.h); 0: the model has none.
+  virtual int64_t state_bytes_per_slot() const { return 0; }
+  // Allocates num_slots state slots; called once by the engine before the first step when the model has state.
+  virtual void allocate_state_pool(int32_t /*num_slots*/) {}
   virtual int32_t vocab_size() const = 0;
   // Called once on the engine's loop thread before its first step (thread pools, device binding).
   virtual void bind_thread() {}

@@ -100,6 +100,12 @@ struct Sequence {
   std::vector<int32_t> block_table;
   int32_t num_keyed_blocks = 0;  // leading blocks published to the prefix cache
   uint64_t last_block_key = 0;   // prefix key of block num_keyed_blocks - 1 (0 before the first)
+  // Recurrent state (a model with recurrent layers, state_pool.h): the slot holding this sequence's state as of
+  // num_computed_tokens (-1: none held), and the slots reserved for the completions it will fork, which get a
+  // copy of its state at the fork position (fork_states_copied once the copy is planned).
+  int32_t state_slot = -1;
+  std::vector<int32_t> fork_state_slots;
+  bool fork_states_copied = false;
   SamplingParams params;
   SeqState state = SeqState::kWaiting;
   int64_t arrival = 0;  // admission order (FCFS); preemption picks the largest

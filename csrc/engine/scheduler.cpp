@@ -6,7 +6,8 @@
 
 namespace lmkit {
 
-Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks) : config_(config), blocks_(blocks) {
+Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks, StatePool* states)
+    : config_(config), blocks_(blocks), states_(states) {
   LMKIT_CHECK(config.max_batch_size > 0, "max_batch_size must be > 0");
   LMKIT_CHECK(config.max_prefill_token_num > 0, "max_prefill_token_num must be > 0");
   LMKIT_CHECK(config.attention_window_tokens >= 0, "attention_window_tokens must be >= 0 (0: no window), got ",
@@ -20,6 +21,11 @@ int32_t Scheduler::num_dead_blocks(const Sequence& seq) const {
   int32_t horizon = seq.num_computed_tokens;  // no future query sits below it
   if (seq.num_forks > 0) horizon = std::min(horizon, (seq.num_prompt_tokens - 1) / bs * bs);  // where forks start
   return std::max(0, (horizon - window + 1) / bs);  // blocks b with (b + 1) * bs <= horizon - window + 1
+}
+
+int32_t Scheduler::fork_position(const Sequence& seq) const {
+  const int32_t bs = blocks_.block_size_tokens();
+  return (seq.num_prompt_tokens - 1) / bs * bs;
 }
 
 int32_t Scheduler::max_live_blocks(const Sequence& seq) const {
@@ -51,6 +57,9 @@ std::string Scheduler::fit_error(const Sequence& seq) const {
   // for each holder); either bound holds, so the smaller does.
   if (config_.attention_window_tokens > 0)
     need = std::min<int64_t>(need, (1 + (int64_t)seq.num_forks) * max_live_blocks(seq));
+  if (has_state() && 1 + seq.num_forks > states_->num_total_slots())
+    return detail::concat("the request's ", 1 + seq.num_forks, " completions need as many recurrent-state slots, but "
+                          "the pool has ", states_->num_total_slots(), "; lower n or raise max_batch_size");
   if (need <= blocks_.num_total_blocks()) return "";
   const std::string window =
       config_.attention_window_tokens > 0
@@ -105,12 +114,14 @@ void Scheduler::fork(Sequence* parent) {
     child->block_table.assign(parent->block_table.begin(), parent->block_table.begin() + shared);
     blocks_.share(child->block_table);  // active -> active, one more reference each
     child->num_computed_tokens = shared * bs;
+    if (has_state()) child->state_slot = parent->fork_state_slots[k - 1];  // its state as of shared * bs
     child->state = SeqState::kRunning;
     child->arrival = next_arrival_++;
     running_.push_back(child.get());
     seqs_.emplace(child->id, std::move(child));
   }
   parent->num_forks = 0;
+  parent->fork_state_slots.clear();
   release_dead_blocks(parent);  // those only its completions needed
 }
 
@@ -128,6 +139,7 @@ std::unique_ptr<Sequence> Scheduler::remove(int64_t id) {
   running_.erase(std::remove(running_.begin(), running_.end(), seq.get()), running_.end());
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), seq.get()), waiting_.end());
   release_blocks(seq.get());
+  release_state(seq.get());
   seq->state = SeqState::kFinished;
   return seq;
 }
@@ -145,8 +157,93 @@ void Scheduler::release_blocks(Sequence* seq) {
   seq->last_block_key = 0;
 }
 
+void Scheduler::release_state(Sequence* seq) {
+  if (seq->state_slot >= 0) states_->release(seq->state_slot);
+  for (int32_t slot : seq->fork_state_slots) states_->release(slot);
+  seq->state_slot = -1;
+  seq->fork_state_slots.clear();
+  seq->fork_states_copied = false;
+}
+
+bool Scheduler::wants_state_at_fork_position(const Sequence& seq) const {
+  return has_state() && (seq.num_forks > 0 || config_.enable_prefix_caching) && fork_position(seq) > 0;
+}
+
+int32_t Scheduler::cap_at_fork_position(const Sequence& seq, int32_t chunk) const {
+  if (!wants_state_at_fork_position(seq) || seq.num_computed_tokens >= fork_position(seq)) return chunk;
+  return std::min(chunk, fork_position(seq) - seq.num_computed_tokens);
+}
+
+int32_t Scheduler::take_slot() {
+  if (states_->num_free_slots() == 0) {
+    LMKIT_CHECK(!snapshots_.empty(), "no state slot to take");
+    auto lru = snapshots_.begin();
+    for (auto it = snapshots_.begin(); it != snapshots_.end(); ++it)
+      if (it->second.last_used < lru->second.last_used) lru = it;
+    states_->release(lru->second.slot);
+    snapshots_.erase(lru);
+  }
+  return states_->allocate();
+}
+
+void Scheduler::plan_fork_state_copies(Sequence* seq, BatchPlan& plan) {
+  // At position 0 the completions start from the zero state like any sequence: nothing to copy.
+  if (!wants_state_at_fork_position(*seq) || seq->num_computed_tokens != fork_position(*seq)) return;
+  if (seq->num_forks > 0 && !seq->fork_states_copied) {
+    for (int32_t slot : seq->fork_state_slots) plan.state_copies.push_back({seq->state_slot, slot});
+    seq->fork_states_copied = true;
+  }
+  const int32_t bs = blocks_.block_size_tokens();
+  if (!config_.enable_prefix_caching || seq->num_keyed_blocks * bs != seq->num_computed_tokens ||
+      snapshots_.count(seq->last_block_key) > 0 || !can_take_slots(1))
+    return;
+  Snapshot snap;
+  snap.slot = take_slot();
+  snap.last_used = ++snapshot_tick_;
+  snap.tokens.assign(seq->tokens.begin(), seq->tokens.begin() + seq->num_computed_tokens);
+  plan.state_copies.push_back({seq->state_slot, snap.slot});
+  snapshots_.emplace(seq->last_block_key, std::move(snap));
+}
+
+int32_t Scheduler::match_prefix_with_state(Sequence* seq) {
+  if (!config_.enable_prefix_caching || seq->params.reads_prompt_rows() || !seq->block_table.empty() ||
+      snapshots_.empty())
+    return -1;
+  const int32_t bs = blocks_.block_size_tokens();
+  const int32_t max_blocks = (seq->num_tokens() - 1) / bs;
+  std::vector<std::pair<int32_t, uint64_t>> candidates;  // (blocks, key) of the snapshots of this prompt's prefixes
+  uint64_t key = 0;
+  for (int32_t j = 1; j <= max_blocks; ++j) {
+    key = block_key(key, seq->tokens.data() + (int64_t)(j - 1) * bs, bs);
+    auto it = snapshots_.find(key);
+    if (it != snapshots_.end() && (int64_t)it->second.tokens.size() == (int64_t)j * bs &&
+        std::equal(it->second.tokens.begin(), it->second.tokens.end(), seq->tokens.begin()))
+      candidates.emplace_back(j, key);
+  }
+  const int32_t window = config_.attention_window_tokens;
+  const int32_t max_live = window > 0 ? (window - 1 + bs - 1) / bs : INT32_MAX;
+  int32_t limit = max_blocks;
+  for (auto c = candidates.rbegin(); c != candidates.rend(); ++c) {
+    if (c->first > limit) continue;
+    uint64_t last = 0;
+    const int32_t hits = blocks_.match_prefix(seq->tokens.data(), c->first, seq->block_table, &last, max_live);
+    if (hits == c->first) {
+      seq->num_computed_tokens = hits * bs;
+      seq->num_keyed_blocks = hits;
+      seq->last_block_key = last;
+      Snapshot& snap = snapshots_.at(c->second);
+      snap.last_used = ++snapshot_tick_;
+      return snap.slot;
+    }
+    release_blocks(seq);  // some of its blocks were evicted: a shorter prefix, if one has a snapshot
+    limit = hits;
+  }
+  return -1;
+}
+
 void Scheduler::match_prefix(Sequence* seq) {
-  if (!config_.enable_prefix_caching || seq->params.reads_prompt_rows() || !seq->block_table.empty()) return;
+  if (!config_.enable_prefix_caching || has_state() || seq->params.reads_prompt_rows() || !seq->block_table.empty())
+    return;
   const int32_t bs = blocks_.block_size_tokens();
   const int32_t max_blocks = (seq->num_tokens() - 1) / bs;
   // A query at a block boundary reads the (W - 1 + bs - 1) / bs blocks before it: the matched ones before
@@ -187,6 +284,7 @@ void Scheduler::advance(const ScheduledSeq& s) {
 void Scheduler::preempt(Sequence* seq) {
   running_.erase(std::remove(running_.begin(), running_.end(), seq), running_.end());
   release_blocks(seq);  // the tokens stay and are recomputed (or found in the prefix cache) on readmission
+  release_state(seq);  // and so is the recurrent state, from position 0
   seq->state = SeqState::kWaiting;
   insert_waiting(seq);
   ++num_preemptions_;
@@ -223,10 +321,11 @@ BatchPlan Scheduler::schedule() {
     if (seq->state != SeqState::kRunning) continue;  // preempted earlier in this loop
     const int32_t pending = seq->num_pending_tokens();
     const bool is_decode = pending == 1;
-    const int32_t chunk = is_decode ? 1 : std::min(pending, budget);
+    const int32_t chunk = is_decode ? 1 : cap_at_fork_position(*seq, std::min(pending, budget));
     if (chunk <= 0) continue;
     if (!reserve(seq, seq->num_computed_tokens + chunk, plan)) continue;
     if (!is_decode) budget -= chunk;
+    plan_fork_state_copies(seq, plan);
     plan.seqs.push_back({seq, seq->num_computed_tokens, chunk, is_last_chunk_sampled(*seq, chunk)});
   }
 
@@ -234,9 +333,17 @@ BatchPlan Scheduler::schedule() {
   while (!waiting_.empty() && budget > 0 &&
          (int32_t)running_.size() + 1 + waiting_.front()->num_forks <= config_.max_batch_size) {
     Sequence* seq = waiting_.front();
+    if (has_state() && !can_take_slots(1 + seq->num_forks)) break;
     match_prefix(seq);
+    // A stateful hit starts from a copy of its snapshot, the most recently used one now: the slots taken below
+    // evict others first, and one spare slot keeps it.
+    int32_t snapshot = has_state() ? match_prefix_with_state(seq) : -1;
+    if (snapshot >= 0 && !can_take_slots(2 + seq->num_forks)) {
+      release_blocks(seq);  // taking the slots would evict that snapshot: from position 0 instead
+      snapshot = -1;
+    }
     const int32_t pending = seq->num_pending_tokens();
-    const int32_t chunk = std::min(pending, budget);
+    const int32_t chunk = cap_at_fork_position(*seq, std::min(pending, budget));
     const int32_t need = blocks_.num_blocks_for(seq->num_computed_tokens + chunk) - (int32_t)seq->block_table.size();
     if (!blocks_.can_allocate(need)) {
       release_blocks(seq);  // hits go back to the cache; try again next step
@@ -245,6 +352,12 @@ BatchPlan Scheduler::schedule() {
     num_prefix_query_tokens_ += seq->num_tokens();
     num_prefix_hit_tokens_ += seq->num_computed_tokens;
     blocks_.allocate(need, seq->block_table);
+    if (has_state()) {
+      seq->state_slot = take_slot();
+      for (int32_t k = 0; k < seq->num_forks; ++k) seq->fork_state_slots.push_back(take_slot());
+      if (snapshot >= 0) plan.state_copies.push_back({snapshot, seq->state_slot});
+      plan_fork_state_copies(seq, plan);  // a hit may start right at the fork position
+    }
     waiting_.pop_front();
     seq->state = SeqState::kRunning;
     running_.insert(std::lower_bound(running_.begin(), running_.end(), seq,
@@ -283,6 +396,24 @@ void Scheduler::verify() const {
       LMKIT_CHECK(b >= 0 && b < blocks_.num_total_blocks(), "sequence ", s.id, " holds block id ", b);
       ++owner[b];
     }
+  }
+  if (states_ != nullptr) {
+    states_->verify();
+    std::vector<int32_t> holders(states_->num_total_slots(), 0);
+    for (const auto& kv : seqs_) {
+      const Sequence& s = *kv.second;
+      const bool running = s.state == SeqState::kRunning;
+      LMKIT_CHECK((s.state_slot >= 0) == (running && has_state()), "sequence ", s.id, " (",
+                  running ? "running" : "waiting", ") holds state slot ", s.state_slot);
+      LMKIT_CHECK((int32_t)s.fork_state_slots.size() == (running && has_state() ? s.num_forks : 0), "sequence ", s.id,
+                  " reserved ", s.fork_state_slots.size(), " state slots for ", s.num_forks, " completions");
+      if (s.state_slot >= 0) ++holders.at(s.state_slot);
+      for (int32_t slot : s.fork_state_slots) ++holders.at(slot);
+    }
+    for (const auto& kv : snapshots_) ++holders.at(kv.second.slot);
+    for (int32_t i = 0; i < states_->num_total_slots(); ++i)
+      LMKIT_CHECK(holders[i] == (states_->is_held(i) ? 1 : 0), "state slot ", i, " has ", holders[i],
+                  " holders but is ", states_->is_held(i) ? "held" : "free");
   }
   for (int32_t b = 0; b < blocks_.num_total_blocks(); ++b)
     LMKIT_CHECK(owner[b] == blocks_.ref_count(b), "block ", b, " has ", blocks_.ref_count(b),

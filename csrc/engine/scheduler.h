@@ -23,6 +23,18 @@
 // The holes are always exactly the first num_dead_blocks() entries. A sequence with completions still to
 // fork keeps the blocks its completions will read: its horizon is min(num_computed_tokens, the first
 // position they compute).
+//
+// Recurrent state (a StatePool with slots: the model has recurrent layers): a running sequence holds a state
+// slot, and one more per completion it will fork, taken at admission (admission waits for them as for
+// blocks) and given back when it stops running (finish, cancel, preemption: recomputed from position 0 like
+// its KV). A parent's prompt chunks stop at its fork position (fork_position()), and the step that computes
+// on from there first copies its state into the reserved slots (BatchPlan::state_copies), so each completion
+// starts at the fork position with the state as of it.
+// With prefix caching, the state is also kept at that position (the last block boundary before the prompt's last
+// token) in a snapshot slot keyed by the prefix (its tokens, compared exactly on a hit), the same way: the chunk
+// stops there and the next step copies the state out first. A prefix hit takes the longest cached prefix that has
+// a snapshot (at most the blocks it found) and starts from a copy of it. Snapshots are a cache: the least
+// recently used one gives its slot up whenever a sequence needs one and none is free.
 #pragma once
 #include <stdint.h>
 
@@ -34,6 +46,7 @@
 
 #include "engine/block_manager.h"
 #include "engine/request.h"
+#include "engine/state_pool.h"
 
 namespace lmkit {
 
@@ -56,8 +69,15 @@ struct ScheduledSeq {
   bool is_sampled = false;  // the chunk reaches the last known token: its logits row is sampled
 };
 
+// Copy the recurrent state of slot src into slot dst before the step's forward.
+struct StateCopy {
+  int32_t src = 0;
+  int32_t dst = 0;
+};
+
 struct BatchPlan {
   std::vector<ScheduledSeq> seqs;  // decodes and prefill chunks, fused into one forward
+  std::vector<StateCopy> state_copies;  // applied before the forward
   int32_t num_tokens = 0;
   int32_t num_prefill_tokens = 0;
   int32_t num_decode_tokens = 0;
@@ -66,7 +86,8 @@ struct BatchPlan {
 
 class Scheduler {
  public:
-  Scheduler(const SchedulerConfig& config, BlockManager& blocks);
+  // states: the recurrent-state slots (nullptr or empty: the model has none).
+  Scheduler(const SchedulerConfig& config, BlockManager& blocks, StatePool* states = nullptr);
 
   // Empty when seq (and the completions it forks) can fit the pool at its token limit; otherwise why it
   // never can. With a window the bound is the most blocks a sequence can hold live (max_live_blocks()).
@@ -99,12 +120,17 @@ class Scheduler {
   int64_t num_prefix_hit_tokens() const { return num_prefix_hit_tokens_; }
   // Blocks that went back to the pool (free or cached) early, because they fell out of the window.
   int64_t num_window_freed_blocks() const { return num_window_freed_blocks_; }
+  int32_t num_state_snapshots() const { return (int32_t)snapshots_.size(); }
   bool has_work() const { return !running_.empty() || !waiting_.empty(); }
   const std::vector<Sequence*>& running() const { return running_; }
 
   // Leading block_table entries of seq that are holes once its computed tokens are advanced: 0 without
   // a window.
   int32_t num_dead_blocks(const Sequence& seq) const;
+  // Where seq's forked completions start computing: the first position of the block holding its last prompt
+  // token (they share the full blocks before it).
+  int32_t fork_position(const Sequence& seq) const;
+  bool has_state() const { return states_ != nullptr && states_->enabled(); }
   // The most blocks seq can hold at once up to its token limit (each completion it forks, as many).
   int32_t max_live_blocks(const Sequence& seq) const;
 
@@ -126,9 +152,23 @@ class Scheduler {
   void match_prefix(Sequence* seq);
   // Releases seq's blocks behind the window (entries [first live, num_dead_blocks)) into holes.
   void release_dead_blocks(Sequence* seq);
+  // Gives back seq's state slot and its completions' reserved ones.
+  void release_state(Sequence* seq);
+  // A stateful sequence's chunk stops at its fork position when completions or a snapshot want the state there;
+  // the step that starts from there copies the state into their slots first.
+  bool wants_state_at_fork_position(const Sequence& seq) const;
+  int32_t cap_at_fork_position(const Sequence& seq, int32_t chunk) const;
+  void plan_fork_state_copies(Sequence* seq, BatchPlan& plan);
+  // A free state slot, taking the least recently used snapshot's when none is free. Requires can_take_slots(1).
+  int32_t take_slot();
+  bool can_take_slots(int32_t n) const { return n <= states_->num_free_slots() + (int32_t)snapshots_.size(); }
+  // A stateful sequence's prefix hit: takes the blocks of the longest cached prefix that has a snapshot and
+  // returns the snapshot's slot (-1: no hit).
+  int32_t match_prefix_with_state(Sequence* seq);
 
   SchedulerConfig config_;
   BlockManager& blocks_;
+  StatePool* states_;
   std::unordered_map<int64_t, std::unique_ptr<Sequence>> seqs_;
   std::vector<Sequence*> running_;  // ordered by arrival, oldest first
   std::deque<Sequence*> waiting_;   // ordered by arrival, oldest first
@@ -138,6 +178,14 @@ class Scheduler {
   int64_t num_prefix_query_tokens_ = 0;
   int64_t num_prefix_hit_tokens_ = 0;
   int64_t num_window_freed_blocks_ = 0;
+  // Recurrent-state snapshots (prefix caching): key of the prefix's last block -> its slot and exact tokens.
+  struct Snapshot {
+    int32_t slot = 0;
+    uint64_t last_used = 0;
+    std::vector<int32_t> tokens;
+  };
+  std::unordered_map<uint64_t, Snapshot> snapshots_;
+  uint64_t snapshot_tick_ = 0;
 };
 
 }  // namespace lmkit

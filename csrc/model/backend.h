@@ -61,6 +61,22 @@ struct AttentionSpec {
   float logit_softcap = 0;               // 0: off
 };
 
+// Everything one recurrent (Gated DeltaNet) layer needs besides its linears.
+struct RecurrentSpec {
+  int32_t index = 0;  // among the model's recurrent layers: which part of a state slot is this layer's
+  int32_t num_k_heads = 0, num_v_heads = 0, k_head_dim = 0, v_head_dim = 0, conv_kernel = 0;
+  const DeviceVector* conv_weight = nullptr;  // [conv_kernel, conv_dim] (tap-major), conv_dim = 2 key + value
+  const DeviceVector* decay_rate = nullptr;   // [Hv]: -exp(A_log)
+  const DeviceVector* dt_bias = nullptr;      // [Hv]
+  const DeviceVector* norm = nullptr;         // [v_head_dim]: the gated RMSNorm's weight
+  float norm_eps = 1e-6f;
+  int64_t key_dim() const { return (int64_t)num_k_heads * k_head_dim; }
+  int64_t value_dim() const { return (int64_t)num_v_heads * v_head_dim; }
+  int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
+  // the fused input projection's width: q | k | v | z | b | a
+  int64_t proj_dim() const { return conv_dim() + value_dim() + 2 * (int64_t)num_v_heads; }
+};
+
 // One mixture-of-experts layer: the router and every expert's gated MLP (gate | up fused, down), packed.
 struct PackedExperts {
   PackedLinear router;                // [num_experts, hidden]
@@ -103,12 +119,23 @@ class Backend {
 
   // --- KV pool ------------------------------------------------------------------------------------------
   // The format of each layer's cache, as the user asked it (core/kv_quant.h); the backend resolves
-  // KVQuant::kNone to its own full precision (fp32, bf16, the activation dtype) in ops::KVLayer::bits. Call
-  // once, before kv_bytes_per_block() and allocate_kv_pool().
-  virtual void configure_kv(const std::vector<KVQuant>& layer_quant, int32_t num_kv_heads, int32_t head_dim,
-                            int32_t block_size_tokens) = 0;
+  // KVQuant::kNone to its own full precision (fp32, bf16, the activation dtype) in ops::KVLayer::bits.
+  // layer_kv_heads: each layer's KV heads, 0 for a layer that keeps no KV (a recurrent one). Call once, before
+  // kv_bytes_per_block() and allocate_kv_pool().
+  virtual void configure_kv(const std::vector<KVQuant>& layer_quant, const std::vector<int32_t>& layer_kv_heads,
+                            int32_t head_dim, int32_t block_size_tokens) = 0;
   virtual int64_t kv_bytes_per_block() const = 0;
   virtual void allocate_kv_pool(int32_t num_blocks) = 0;
+
+  // --- recurrent-state pool (csrc/engine/state_pool.h) ----------------------------------------------------
+  // The model's recurrent layers, in order: call once, before state_bytes_per_slot() and allocate_state_pool().
+  // A slot holds every recurrent layer's state for one sequence. begin_step() applies the batch's state copies,
+  // then zeroes the slot of every sequence whose chunk starts at position 0.
+  virtual void configure_state(const std::vector<RecurrentSpec>& layers) {
+    LMKIT_CHECK(layers.empty(), name(), " backend has no recurrent (Gated DeltaNet) layers");
+  }
+  virtual int64_t state_bytes_per_slot() const { return 0; }
+  virtual void allocate_state_pool(int32_t /*num_slots*/) {}
 
   // --- one step -----------------------------------------------------------------------------------------
   // Uploads batch's integer inputs. Returns the rows the forward runs over: batch.num_tokens, or more when
@@ -134,6 +161,17 @@ class Backend {
   // (q | k | v per row; read and overwritten): q/k norms, RoPE, K/V written at the step's slots, then paged
   // attention of the step's sequences. out: [rows, H hd].
   virtual void attention(void* qkv, int64_t rows, const AttentionSpec& spec, void* out) = 0;
+  // The token mixer of one recurrent layer, from the fused projection proj [rows, spec.proj_dim()] (q | k | v | z |
+  // b | a per row; read and overwritten): the short causal convolution and SiLU over q | k | v, the gated delta
+  // rule (beta = sigmoid(b), decay log g = decay_rate * softplus(a + dt_bias)) on each sequence's state slot, then
+  // the gated RMSNorm per value head, norm(o) * w * silu(z). out: [rows, value_dim] (out_proj not applied).
+  virtual void recurrent_mixer(void* proj, int64_t rows, const RecurrentSpec& spec, void* out) {
+    LMKIT_CHECK(false, name(), " backend has no recurrent (Gated DeltaNet) layers");
+  }
+  // x *= sigmoid(gate)                                                         x, gate: [rows, dim]
+  virtual void sigmoid_gate(void* x, const void* gate, int64_t rows, int64_t dim) {
+    LMKIT_CHECK(false, name(), " backend has no attention output gate");
+  }
   // out[rows, inter] = act(gate) * up from gate_up [rows, 2 inter] (gate | up per row); out may alias gate_up.
   virtual void gated_activation(void* gate_up, int64_t rows, int64_t inter, Activation act, void* out) = 0;
   // Mixture of experts: out[rows, hidden] = sum over each row's top_k experts (router softmax, model/moe_routing.h)

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -37,6 +38,7 @@ class CpuBackend final : public Backend {
   }
   ~CpuBackend() override {
     if (kv_pool_) ::munmap(kv_pool_, kv_pool_bytes_);
+    if (state_pool_) ::munmap(state_pool_, state_pool_bytes_);
   }
   const char* name() const override { return "cpu"; }
 
@@ -117,8 +119,10 @@ class CpuBackend final : public Backend {
     return std::shared_ptr<float>(new float[std::max<int64_t>(rows * cols, 1)], std::default_delete<float[]>());
   }
 
-  void configure_kv(const std::vector<KVQuant>& layer_quant, int32_t num_kv_heads, int32_t head_dim,
-                    int32_t block_size_tokens) override {
+  void configure_kv(const std::vector<KVQuant>& layer_quant, const std::vector<int32_t>& layer_kv_heads,
+                    int32_t head_dim, int32_t block_size_tokens) override {
+    LMKIT_CHECK(layer_kv_heads.size() == layer_quant.size(), "KV heads of ", layer_kv_heads.size(), " layers for ",
+                layer_quant.size());
     // A packed (bf16 or quantized) KV cache needs an even head_dim, up to the kernels' largest; bf16 V is also
     // stored by token pairs, so its blocks must hold an even number of tokens (ops.h).
     const bool packed_fits = head_dim % 2 == 0 && head_dim <= ops::kKVQuantMaxHeadDim;
@@ -133,7 +137,8 @@ class CpuBackend final : public Backend {
       LMKIT_CHECK_ARG(bits == 32 || packed_fits, "a bf16 or quantized KV cache needs an even head_dim <= ",
                       ops::kKVQuantMaxHeadDim, ", the model has ", head_dim);
       ops::KVLayer kv;
-      kv.bits = bits, kv.num_kv_heads = num_kv_heads, kv.block_size_tokens = block_size_tokens, kv.head_dim = head_dim;
+      kv.bits = bits, kv.num_kv_heads = layer_kv_heads[l], kv.block_size_tokens = block_size_tokens;
+      kv.head_dim = head_dim;
       kv_layers_.push_back(kv);
       kv_layer_offset_.push_back(offset);
       offset += 2 * kv.block_bytes();
@@ -145,7 +150,7 @@ class CpuBackend final : public Backend {
 
   void allocate_kv_pool(int32_t num_blocks) override {
     LMKIT_CHECK(kv_pool_ == nullptr, "the KV pool is allocated once");
-    kv_pool_bytes_ = kv_bytes_per_block() * num_blocks;
+    kv_pool_bytes_ = std::max<int64_t>(kv_bytes_per_block(), 1) * num_blocks;  // one byte: no layer keeps K/V
     // Anonymous mapping: pages are committed when first written, lowest block ids first.
     void* p = ::mmap(nullptr, kv_pool_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                      -1, 0);
@@ -161,11 +166,46 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void configure_state(const std::vector<RecurrentSpec>& layers) override {
+    state_layers_ = layers;
+    state_layer_offset_.assign(1, 0);
+    for (const RecurrentSpec& r : layers) {
+      const int64_t floats = (int64_t)(r.conv_kernel - 1) * r.conv_dim() + r.value_dim() * r.k_head_dim;
+      state_layer_offset_.push_back(state_layer_offset_.back() + floats);
+    }
+  }
+  int64_t state_bytes_per_slot() const override { return state_layer_offset_.back() * (int64_t)sizeof(float); }
+  void allocate_state_pool(int32_t num_slots) override {
+    LMKIT_CHECK(state_pool_ == nullptr, "the state pool is allocated once");
+    state_pool_bytes_ = state_bytes_per_slot() * num_slots;
+    if (state_pool_bytes_ == 0) return;
+    void* p = ::mmap(nullptr, state_pool_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                     -1, 0);
+    LMKIT_CHECK(p != MAP_FAILED, "cannot reserve ", state_pool_bytes_, " bytes for the recurrent-state pool (",
+                num_slots, " slots); lower max_batch_size");
+    state_pool_ = static_cast<float*>(p);
+    num_state_slots_ = num_slots;
+  }
+
   int64_t begin_step(const Batch& batch) override {
     LMKIT_CHECK(batch.num_tokens <= options_.max_step_tokens, "step of ", batch.num_tokens,
                 " tokens exceeds the workspace of ", options_.max_step_tokens);
     LMKIT_CHECK(kv_pool_ != nullptr, "allocate_kv_pool() before the first step");
     batch_ = &batch;
+    // recurrent state: copies first (a parent's state into its completions' slots), then a chunk at position 0
+    // starts from zeros
+    const int64_t slot_floats = state_layer_offset_.back();
+    for (const StateCopy& c : batch.state_copies) {
+      LMKIT_CHECK(c.src >= 0 && c.src < num_state_slots_ && c.dst >= 0 && c.dst < num_state_slots_,
+                  "state copy ", c.src, " -> ", c.dst, " outside the pool of ", num_state_slots_, " slots");
+      std::memcpy(state_pool_ + c.dst * slot_floats, state_pool_ + c.src * slot_floats, slot_floats * sizeof(float));
+    }
+    for (const BatchSeq& s : batch.seqs) {
+      if (slot_floats == 0) break;
+      LMKIT_CHECK(s.state_slot >= 0 && s.state_slot < num_state_slots_, "a sequence of a model with recurrent "
+                  "layers has state slot ", s.state_slot, " (", num_state_slots_, " in the pool)");
+      if (s.ctx_len == s.num_rows) std::memset(state_pool_ + s.state_slot * slot_floats, 0, slot_floats * sizeof(float));
+    }
     attn_seqs_.clear();
     for (const BatchSeq& s : batch.seqs) {
       ops::AttnSeq a;
@@ -239,6 +279,50 @@ class CpuBackend final : public Backend {
     ops::kv_write(kv, k, v, batch_->slots.data(), rows);
     ops::paged_attention(q, kv, attn_seqs_.data(), (int32_t)attn_seqs_.size(), a.num_heads, a.scale, a.sliding_window,
                          f32(out), a.logit_softcap);
+  }
+
+  void recurrent_mixer(void* proj, int64_t rows, const RecurrentSpec& r, void* out) override {
+    const int64_t P = r.proj_dim(), KD = r.key_dim(), VD = r.value_dim(), C = r.conv_dim(), Hv = r.num_v_heads;
+    const int64_t slot_floats = state_layer_offset_.back(), layer_offset = state_layer_offset_[r.index];
+    float* x = f32(proj);
+    recurrent_seqs_.clear();
+    for (const BatchSeq& s : batch_->seqs) {
+      float* slot = state_pool_ + s.state_slot * slot_floats + layer_offset;
+      recurrent_seqs_.push_back({s.first_row, s.num_rows, slot, slot + (int64_t)(r.conv_kernel - 1) * C});
+    }
+    const int32_t n = (int32_t)recurrent_seqs_.size();
+    ops::causal_conv1d(x, P, C, f32(r.conv_weight->data.get()), r.conv_kernel, recurrent_seqs_.data(), n);
+    // beta = sigmoid(b), log decay g = -exp(A_log) * softplus(a + dt_bias)
+    gates_.resize(2 * rows * Hv);
+    float* g = gates_.data();
+    float* beta = g + rows * Hv;
+    const float* rate = f32(r.decay_rate->data.get());
+    const float* dt = f32(r.dt_bias->data.get());
+    for (int64_t t = 0; t < rows; ++t) {
+      const float* b = x + t * P + C + VD;
+      const float* a = b + Hv;
+      for (int64_t h = 0; h < Hv; ++h) {
+        const float y = a[h] + dt[h];
+        const float softplus = y > 20.0f ? y : std::log1p(std::exp(y));
+        g[t * Hv + h] = rate[h] * softplus;
+        beta[t * Hv + h] = 1.0f / (1.0f + std::exp(-b[h]));
+      }
+    }
+    ops::gated_delta_rule(x, x + KD, x + 2 * KD, P, g, beta, recurrent_seqs_.data(), n, r.num_k_heads, r.num_v_heads,
+                          r.k_head_dim, r.v_head_dim, f32(out), VD);
+    // gated RMSNorm per value head: norm(o) * w * silu(z)
+    ops::rmsnorm(f32(out), view(*r.norm), r.norm_eps, rows * Hv, r.v_head_dim, f32(out));
+    for (int64_t t = 0; t < rows; ++t) {
+      const float* z = x + t * P + C;
+      float* o = f32(out) + t * VD;
+      for (int64_t i = 0; i < VD; ++i) o[i] *= z[i] / (1.0f + std::exp(-z[i]));
+    }
+  }
+
+  void sigmoid_gate(void* x, const void* gate, int64_t rows, int64_t dim) override {
+    float* o = f32(x);
+    const float* gt = f32(gate);
+    for (int64_t i = 0; i < rows * dim; ++i) o[i] *= 1.0f / (1.0f + std::exp(-gt[i]));
   }
 
   void gated_activation(void* gate_up, int64_t rows, int64_t inter, Activation act, void* out) override {
@@ -388,6 +472,17 @@ class CpuBackend final : public Backend {
   std::vector<int64_t> kv_layer_offset_{0};
   char* kv_pool_ = nullptr;
   int64_t kv_pool_bytes_ = 0;
+
+  // Recurrent-state pool: num_state_slots_ slots of every recurrent layer's state (state_layer_offset_[i]: floats
+  // before layer i's part of a slot: its convolution window [kernel - 1, conv_dim], then its [Hv, Dk, Dv]
+  // matrices), zero-filled on first touch.
+  std::vector<RecurrentSpec> state_layers_;
+  std::vector<int64_t> state_layer_offset_{0};
+  float* state_pool_ = nullptr;
+  int64_t state_pool_bytes_ = 0;
+  int32_t num_state_slots_ = 0;
+  std::vector<ops::RecurrentSeq> recurrent_seqs_;
+  std::vector<float> gates_;
 };
 
 }  // namespace

@@ -124,6 +124,8 @@ class CudaBackend final : public Backend {
     if (c.hidden_act != "silu") missing.push_back("GeGLU (hidden_act='" + c.hidden_act + "')");
     if (c.embed_scale != 1.0f) missing.push_back("the embedding scale");
     if (std::count(c.layer_moe.begin(), c.layer_moe.end(), 1) > 0) missing.push_back("mixture-of-experts layers");
+    if (c.num_recurrent_layers() > 0) missing.push_back("recurrent (Gated DeltaNet) layers");
+    if (c.attn_output_gate) missing.push_back("the attention output gate");
     bool int8_weights = false;  // compressed-tensors int8 (GGUF's int8 blocks are refused with their own message)
     for (const LayerWeights& w : weights.layers)
       for (const LinearTensors* t : w.linears())
@@ -211,8 +213,10 @@ class CudaBackend final : public Backend {
   }
 
   // --- KV pool ------------------------------------------------------------------------------------------
-  void configure_kv(const std::vector<KVQuant>& layer_quant, int32_t num_kv_heads, int32_t head_dim,
-                    int32_t block_size_tokens) override {
+  void configure_kv(const std::vector<KVQuant>& layer_quant, const std::vector<int32_t>& layer_kv_heads,
+                    int32_t head_dim, int32_t block_size_tokens) override {
+    LMKIT_CHECK(layer_kv_heads.size() == layer_quant.size(), "KV heads of ", layer_kv_heads.size(), " layers for ",
+                layer_quant.size());
     LMKIT_CHECK_ARG(head_dim % 2 == 0 && head_dim <= ops::kKVQuantMaxHeadDim, "device='cuda' needs an even head_dim ",
                     "of at most ", ops::kKVQuantMaxHeadDim, ", the model has ", head_dim);
     LMKIT_CHECK(num_heads_ > 0, "CudaBackend::prepare() must be called before configure_kv()");
@@ -224,7 +228,8 @@ class CudaBackend final : public Backend {
       const int32_t bits = layer_quant[l] == KVQuant::kNone ? 16 : static_cast<int32_t>(layer_quant[l]);
       LMKIT_CHECK(bits == 16 || bits == 8 || bits == 4, "layer ", l, ": unknown KVQuant ", bits);
       ops::KVLayer kv;
-      kv.bits = bits, kv.num_kv_heads = num_kv_heads, kv.block_size_tokens = block_size_tokens, kv.head_dim = head_dim;
+      kv.bits = bits, kv.num_kv_heads = layer_kv_heads[l], kv.block_size_tokens = block_size_tokens;
+      kv.head_dim = head_dim;
       kv_layers_.push_back(kv);
       kv_layer_offset_.push_back(kv_layer_offset_.back() + 2 * kv.block_bytes());
     }

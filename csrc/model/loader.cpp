@@ -73,9 +73,15 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   options.attention_window_tokens = model.attention_window_tokens();
   options.kv_bytes_per_block = executor->kv_bytes_per_block();
   options.linear_weight_bytes = executor->linear_weight_bytes();
+  // A model with recurrent layers: one state slot per sequence that can run at once, and with prefix caching as
+  // many again for the snapshots prefix hits start from (engine/scheduler.h). The pool is held beside the
+  // weights, so the KV pool's budget is what is left after both.
+  options.num_state_slots =
+      executor->state_bytes_per_slot() > 0 ? config.max_batch_size * (config.enable_prefix_caching ? 2 : 1) : 0;
+  const int64_t state_pool_bytes = executor->state_bytes_per_slot() * options.num_state_slots;
   LMKIT_CHECK(size_kv_pool != nullptr, "create_engine needs a KV pool sizer (lmkit/memory.py sizes every pool)");
-  options.num_blocks =
-      size_kv_pool(options.kv_bytes_per_block, options.linear_weight_bytes, options.session_len, device_free_bytes);
+  options.num_blocks = size_kv_pool(options.kv_bytes_per_block, options.linear_weight_bytes + state_pool_bytes,
+                                    options.session_len, is_cuda ? device_free_bytes - state_pool_bytes : 0);
   LMKIT_CHECK_ARG(options.num_blocks >= 1, "the KV pool sizer gave ", options.num_blocks, " blocks; it needs >= 1");
   return std::make_unique<Engine>(options, std::move(executor));
 }

@@ -1,6 +1,7 @@
 #include "model/model.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/check.h"
 
@@ -27,11 +28,29 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     const LayerWeights& w = weights.layers[i];
     for (const LinearTensors* t : w.linears()) quantized = quantized || t->is_int4() || t->is_int8();
     Layer l;
-    if (!w.qkv_proj.is_empty())
+    l.input_norm = norm(w.input_norm);
+    l.post_attention_norm = norm(w.post_attention_norm);
+    l.pre_mlp_norm = norm(w.pre_mlp_norm);
+    l.post_mlp_norm = norm(w.post_mlp_norm);
+    if (c.is_recurrent_layer(i)) {
+      l.is_recurrent = true;
+      l.recurrent_in = b.pack_linear({&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a});
+      l.recurrent_out = b.pack_linear({&w.out_proj});
+      const int64_t C = c.linear_conv_dim(), K = c.linear_conv_kernel, HV = c.linear_num_value_heads;
+      std::vector<float> taps(C * K), rate(HV);  // the convolution tap-major: [K, C]
+      for (int64_t ch = 0; ch < C; ++ch)
+        for (int64_t j = 0; j < K; ++j) taps[j * C + ch] = float_value(w.conv1d, ch * K + j);
+      for (int64_t h = 0; h < HV; ++h) rate[h] = -std::exp(float_value(w.a_log, h));
+      l.conv_weight = b.upload_norm(make_view(taps.data(), DType::F32, C * K), 0.0f);
+      l.decay_rate = b.upload_norm(make_view(rate.data(), DType::F32, HV), 0.0f);
+      l.dt_bias = b.upload_norm(w.dt_bias, 0.0f);
+      l.recurrent_norm = b.upload_norm(w.linear_norm, 0.0f);  // a plain weight, whatever the model's other norms
+    } else if (!w.qkv_proj.is_empty())
       l.qkv = b.pack_linear({&w.qkv_proj}, {&w.q_bias, &w.k_bias, &w.v_bias});
     else
       l.qkv = b.pack_linear({&w.q_proj, &w.k_proj, &w.v_proj}, {&w.q_bias, &w.k_bias, &w.v_bias});
-    l.o_proj = b.pack_linear({&w.o_proj});
+    if (!l.is_recurrent) l.o_proj = b.pack_linear({&w.o_proj});
+    if (!w.attn_gate.is_empty()) l.attn_gate = b.pack_linear({&w.attn_gate});
     if (c.is_moe_layer(i)) {
       l.moe.router = b.pack_linear({&w.router});
       for (const LayerWeights::Expert& e : w.experts) {
@@ -43,16 +62,25 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
           w.gate_up_proj.is_empty() ? b.pack_linear({&w.gate_proj, &w.up_proj}) : b.pack_linear({&w.gate_up_proj});
       l.down_proj = b.pack_linear({&w.down_proj});
     }
-    l.input_norm = norm(w.input_norm);
-    l.post_attention_norm = norm(w.post_attention_norm);
-    l.pre_mlp_norm = norm(w.pre_mlp_norm);
-    l.post_mlp_norm = norm(w.post_mlp_norm);
     l.q_norm = norm(w.q_norm);
     l.k_norm = norm(w.k_norm);
     layers_.push_back(std::move(l));
   }
-  for (int32_t i = 0; i < c.num_layers; ++i) {  // after the loop: the spec points into layers_
+  std::vector<RecurrentSpec> recurrent;
+  for (int32_t i = 0; i < c.num_layers; ++i) {  // after the loop: the specs point into layers_
     Layer& l = layers_[i];
+    if (l.is_recurrent) {
+      RecurrentSpec& r = l.recurrent;
+      r.index = (int32_t)recurrent.size();
+      r.num_k_heads = c.linear_num_key_heads, r.num_v_heads = c.linear_num_value_heads;
+      r.k_head_dim = c.linear_key_head_dim, r.v_head_dim = c.linear_value_head_dim;
+      r.conv_kernel = c.linear_conv_kernel;
+      r.conv_weight = &l.conv_weight, r.decay_rate = &l.decay_rate, r.dt_bias = &l.dt_bias;
+      r.norm = &l.recurrent_norm;
+      r.norm_eps = c.rms_norm_eps;
+      recurrent.push_back(r);
+      continue;
+    }
     AttentionSpec& a = l.attention;
     a.layer = i;
     a.num_heads = c.num_heads, a.num_kv_heads = c.num_kv_heads, a.head_dim = c.head_dim;
@@ -74,14 +102,21 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   if (kv_quant.empty()) kv_quant.assign(c.num_layers, KVQuant::kNone);
   LMKIT_CHECK_ARG((int32_t)kv_quant.size() == c.num_layers, "KV precision is given for ", kv_quant.size(),
                   " layers, the model has ", c.num_layers);
-  b.configure_kv(kv_quant, c.num_kv_heads, c.head_dim, options.block_size_tokens);
+  std::vector<int32_t> kv_heads(c.num_layers);
+  for (int32_t i = 0; i < c.num_layers; ++i) kv_heads[i] = c.is_recurrent_layer(i) ? 0 : c.num_kv_heads;
+  b.configure_kv(kv_quant, kv_heads, c.head_dim, options.block_size_tokens);
+  b.configure_state(recurrent);
 
   const int64_t T = options.max_step_tokens, H = c.hidden_size, G = b.max_head_rows();
   LMKIT_CHECK(T > 0, "max_step_tokens must be > 0");
   residual_ = b.allocate_activations(T, H);
   hidden_ = b.allocate_activations(T, H);
-  wide_ = b.allocate_activations(T, std::max<int64_t>(2 * (int64_t)c.intermediate_size, c.q_size() + 2 * c.kv_size()));
-  attn_ = b.allocate_activations(T, c.q_size());
+  int64_t wide = std::max<int64_t>(2 * (int64_t)c.intermediate_size, c.q_size() + 2 * c.kv_size());
+  int64_t mixed = c.q_size();  // the token mixer's output: attention's, or a recurrent layer's (value_dim)
+  for (const RecurrentSpec& r : recurrent) wide = std::max(wide, r.proj_dim()), mixed = std::max(mixed, r.value_dim());
+  wide_ = b.allocate_activations(T, wide);
+  attn_ = b.allocate_activations(T, mixed);
+  if (c.attn_output_gate) gate_ = b.allocate_activations(T, c.q_size());
   head_residual_ = b.allocate_activations(G, H);
   head_hidden_ = b.allocate_activations(G, H);
   logits_ = b.allocate_activations(G, c.vocab_size);
@@ -91,25 +126,45 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
 int64_t DecoderModel::dense_weight_bytes() const {
   int64_t bytes = lm_head_.size_bytes;
   for (const Layer& l : layers_)
-    for (const PackedLinear* w : {&l.qkv, &l.o_proj, &l.gate_up, &l.down_proj}) bytes += w->size_bytes;
+    for (const PackedLinear* w : {&l.qkv, &l.attn_gate, &l.o_proj, &l.gate_up, &l.down_proj, &l.recurrent_in,
+                                  &l.recurrent_out})
+      bytes += w->size_bytes;
   return bytes;
 }
 
 int64_t DecoderModel::linear_weight_bytes() const {
   int64_t bytes = lm_head_.size_bytes;
   for (const Layer& l : layers_) {
-    for (const PackedLinear* w : {&l.qkv, &l.o_proj, &l.gate_up, &l.down_proj, &l.moe.router}) bytes += w->size_bytes;
+    for (const PackedLinear* w : {&l.qkv, &l.attn_gate, &l.o_proj, &l.gate_up, &l.down_proj, &l.moe.router,
+                                  &l.recurrent_in, &l.recurrent_out})
+      bytes += w->size_bytes;
     for (const std::vector<PackedLinear>* ws : {&l.moe.gate_up, &l.moe.down})
       for (const PackedLinear& w : *ws) bytes += w.size_bytes;
   }
   return bytes;
 }
 
+void DecoderModel::mixer_block(int32_t l, int64_t rows, void* h) {
+  if (layers_[l].is_recurrent)
+    recurrent_block(l, rows, h);
+  else
+    attention_block(l, rows, h);
+}
+
 void DecoderModel::attention_block(int32_t l, int64_t rows, void* h) {
   const Layer& w = layers_[l];
   backend_->linear(h, rows, w.qkv, wide_.get());
+  if (!w.attn_gate.is_empty()) backend_->linear(h, rows, w.attn_gate, gate_.get());
   backend_->attention(wide_.get(), rows, w.attention, attn_.get());
+  if (!w.attn_gate.is_empty()) backend_->sigmoid_gate(attn_.get(), gate_.get(), rows, config_.q_size());
   backend_->linear(attn_.get(), rows, w.o_proj, h);
+}
+
+void DecoderModel::recurrent_block(int32_t l, int64_t rows, void* h) {
+  const Layer& w = layers_[l];
+  backend_->linear(h, rows, w.recurrent_in, wide_.get());
+  backend_->recurrent_mixer(wide_.get(), rows, w.recurrent, attn_.get());
+  backend_->linear(attn_.get(), rows, w.recurrent_out, h);
 }
 
 void DecoderModel::mlp_block(int32_t l, int64_t rows, void* h) {

@@ -1,7 +1,7 @@
 // A decoder-only transformer over the backend interface: the weights packed by the backend, the step (Batch
 // in, StepOutput out), the head (final norm, lm_head, soft-cap, sampling) and the layer kinds every family
-// assembles (attention: full or windowed, optional q/k norm, RoPE table or none, soft-cap; gated MLP, dense or a
-// mixture of experts).
+// assembles (token mixers: attention, full or windowed, optional q/k norm, RoPE table or none, soft-cap, output
+// gate; or a recurrent Gated DeltaNet layer over the state pool; gated MLP, dense or a mixture of experts).
 // A family (models/<family>.cpp) writes only forward_layers(), once for every backend, and registers by name
 // in registry.cpp.
 #pragma once
@@ -35,6 +35,8 @@ class DecoderModel : public Executor {
   // Every linear but the experts (and their routers): what each step reads whatever the routing.
   int64_t dense_weight_bytes() const;
   void allocate_kv_pool(int32_t num_blocks) override { backend_->allocate_kv_pool(num_blocks); }
+  int64_t state_bytes_per_slot() const override { return backend_->state_bytes_per_slot(); }
+  void allocate_state_pool(int32_t num_slots) override { backend_->allocate_state_pool(num_slots); }
   int32_t vocab_size() const override { return config_.vocab_size; }
   void bind_thread() override { backend_->bind_thread(); }
   const ModelConfig& config() const { return config_; }
@@ -45,13 +47,22 @@ class DecoderModel : public Executor {
   virtual void forward_layers(int64_t rows) = 0;
 
   struct Layer {
-    PackedLinear qkv, o_proj, gate_up, down_proj;
+    PackedLinear qkv, attn_gate, o_proj, gate_up, down_proj;  // attn_gate: the attention output gate, or empty
     PackedExperts moe;  // a mixture-of-experts layer's MLP (router non-empty), instead of gate_up / down_proj
     DeviceVector input_norm, post_attention_norm, pre_mlp_norm, post_mlp_norm, q_norm, k_norm;
     AttentionSpec attention;
+    // a recurrent layer (is_recurrent) instead of attention: q | k | v | z | b | a in one linear, and out_proj
+    bool is_recurrent = false;
+    PackedLinear recurrent_in, recurrent_out;
+    DeviceVector conv_weight, decay_rate, dt_bias, recurrent_norm;
+    RecurrentSpec recurrent;
   };
+  // h [rows, hidden] -> layer l's token mixer (self-attention, or its recurrent layer) -> h (output linear applied)
+  void mixer_block(int32_t l, int64_t rows, void* h);
   // h [rows, hidden] -> self-attention of layer l -> h (o_proj applied)
   void attention_block(int32_t l, int64_t rows, void* h);
+  // h [rows, hidden] -> the Gated DeltaNet mixer of layer l -> h (out_proj applied)
+  void recurrent_block(int32_t l, int64_t rows, void* h);
   // h [rows, hidden] -> gated MLP of layer l (dense, or its mixture of experts) -> h
   void mlp_block(int32_t l, int64_t rows, void* h);
 
@@ -76,7 +87,7 @@ class DecoderModel : public Executor {
   std::vector<RopeTable> rope_tables_;  // [0] global, [1] local
   ModelWeights weights_;                // keeps the mapped files of views still read (embedding)
   // Workspaces, max_step_tokens rows (wide_: the fused q/k/v output, then gate | up); head: max_head_rows().
-  std::shared_ptr<void> residual_, hidden_, wide_, attn_, head_residual_, head_hidden_, logits_;
+  std::shared_ptr<void> residual_, hidden_, wide_, attn_, gate_, head_residual_, head_hidden_, logits_;
 };
 
 // The family's model for config.family (registry.cpp); InvalidArgument listing the known families otherwise.

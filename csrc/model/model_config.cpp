@@ -41,6 +41,20 @@ void ModelConfig::validate() const {
   }
   LMKIT_CHECK_ARG(layer_moe.empty() || (int32_t)layer_moe.size() == num_layers, a, ": layer_moe has ",
                   layer_moe.size(), " entries for ", num_layers, " layers");
+  LMKIT_CHECK_ARG(layer_recurrent.empty() || (int32_t)layer_recurrent.size() == num_layers, a,
+                  ": layer_recurrent has ", layer_recurrent.size(), " entries for ", num_layers, " layers");
+  if (num_recurrent_layers() > 0) {
+    LMKIT_CHECK_ARG(linear_num_key_heads > 0 && linear_num_value_heads > 0 &&
+                        linear_num_value_heads % linear_num_key_heads == 0,
+                    a, ": linear_num_value_heads (", linear_num_value_heads,
+                    ") must be a positive multiple of linear_num_key_heads (", linear_num_key_heads, ")");
+    LMKIT_CHECK_ARG(linear_key_head_dim > 0 && linear_key_head_dim <= 512 && linear_value_head_dim > 0 &&
+                        linear_value_head_dim <= 512,
+                    a, ": linear attention head dims must be in [1, 512], got ", linear_key_head_dim, " and ",
+                    linear_value_head_dim);
+    LMKIT_CHECK_ARG(linear_conv_kernel >= 1 && linear_conv_kernel <= 8, a,
+                    ": linear_conv_kernel_dim must be in [1, 8], got ", linear_conv_kernel);
+  }
   const bool any_moe = std::any_of(layer_moe.begin(), layer_moe.end(), [](int32_t m) { return m != 0; });
   if (any_moe) {
     LMKIT_CHECK_ARG(num_experts > 0 && num_experts_per_tok > 0 && num_experts_per_tok <= num_experts, a,
@@ -48,6 +62,10 @@ void ModelConfig::validate() const {
     LMKIT_CHECK_ARG(moe_intermediate_size > 0, a, ": moe_intermediate_size must be > 0, got ",
                     moe_intermediate_size);
   }
+}
+
+int32_t ModelConfig::num_recurrent_layers() const {
+  return (int32_t)std::count_if(layer_recurrent.begin(), layer_recurrent.end(), [](int32_t r) { return r != 0; });
 }
 
 float ModelConfig::softmax_scale() const { return attn_scale > 0 ? attn_scale : 1.0f / std::sqrt((float)head_dim); }

@@ -52,6 +52,17 @@ struct ModelConfig {
   int32_t moe_intermediate_size = 0;
   bool norm_topk_prob = false;
   std::vector<int32_t> layer_moe;
+  // Recurrent layers (Gated DeltaNet: Qwen3.5, Qwen3-Next). layer_recurrent[i] 1: layer i mixes tokens by the
+  // gated delta rule over a per-sequence state (linear_* below; no KV cache) instead of self-attention. Empty: none.
+  std::vector<int32_t> layer_recurrent;
+  int32_t linear_num_key_heads = 0;
+  int32_t linear_num_value_heads = 0;
+  int32_t linear_key_head_dim = 0;
+  int32_t linear_value_head_dim = 0;
+  int32_t linear_conv_kernel = 0;  // taps of the short causal convolution over q | k | v
+  // Self-attention with an output gate (Qwen3.5, Qwen3-Next): q_proj holds each head's query rows, then its gate
+  // rows ([heads, 2, head_dim]); the attention output times sigmoid(gate) goes into o_proj.
+  bool attn_output_gate = false;
 
   // Throws InvalidArgument naming the field when the shape is impossible.
   void validate() const;
@@ -63,6 +74,11 @@ struct ModelConfig {
   // it can be freed early.
   int32_t attention_window_tokens() const;
   bool is_moe_layer(int32_t l) const { return !layer_moe.empty() && layer_moe[l] != 0; }
+  bool is_recurrent_layer(int32_t l) const { return !layer_recurrent.empty() && layer_recurrent[l] != 0; }
+  int32_t num_recurrent_layers() const;
+  int32_t linear_key_dim() const { return linear_num_key_heads * linear_key_head_dim; }
+  int32_t linear_value_dim() const { return linear_num_value_heads * linear_value_head_dim; }
+  int32_t linear_conv_dim() const { return 2 * linear_key_dim() + linear_value_dim(); }  // q | k | v
 };
 
 }  // namespace lmkit

@@ -103,6 +103,36 @@ LinearTensors single_tensor_linear(const Tensor& weight, const RowOrder& rows, c
   return t;
 }
 
+namespace {
+
+// The rows `rows` (output n of the result is stored row rows[n]) of an int4 weight, read one stored row at a time.
+Int4Source int4_rows(const Int4Source& source, const RowOrder& rows) {
+  auto base = std::make_shared<Int4Source>(source);
+  Int4Source out = source;
+  out.num_out = (int64_t)rows->size();
+  const int64_t G = source.group_size;
+  out.read_group = [base, rows, G](int64_t g, int64_t n0, int64_t count, uint8_t* q, uint8_t* zeros,
+                                   uint16_t* scales) {
+    std::vector<uint8_t> row_q(G);
+    for (int64_t c = 0; c < count; ++c) {
+      base->read_group(g, (*rows)[n0 + c], 1, row_q.data(), zeros + c, scales + c);
+      for (int64_t r = 0; r < G; ++r) q[r * count + c] = row_q[r];
+    }
+  };
+  if (source.read_offsets)
+    out.read_offsets = [base, rows](int64_t g, int64_t n0, int64_t count, uint16_t* offsets) {
+      for (int64_t c = 0; c < count; ++c) base->read_offsets(g, (*rows)[n0 + c], 1, offsets + c);
+    };
+  if (source.read_kquant)
+    out.read_kquant = [base, rows](int64_t g, int64_t n0, int64_t count, uint16_t* d, uint16_t* dmin, uint8_t* sc,
+                                   uint8_t* m) {
+      for (int64_t c = 0; c < count; ++c) base->read_kquant(g, (*rows)[n0 + c], 1, d + c, dmin + c, sc + c, m + c);
+    };
+  return out;
+}
+
+}  // namespace
+
 ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::string, TensorSource>& sources) {
   config.validate();
   ModelWeights w;
@@ -195,30 +225,7 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   const RowOrder q_rows = config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_heads, D) : nullptr;
   const RowOrder k_rows = config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_kv_heads, D) : nullptr;
   if (w.lm_head.is_empty()) w.lm_head = w.embed_tokens;
-  for (int32_t i = 0; i < config.num_layers; ++i) {
-    const std::string p = "layers." + std::to_string(i) + ".";
-    LayerWeights l;
-    l.input_norm = get(p + "input_norm", {H});
-    l.pre_mlp_norm = get(p + "pre_mlp_norm", {H});
-    l.post_attention_norm = get(p + "post_attention_norm", {H}, is_gemma);
-    l.post_mlp_norm = get(p + "post_mlp_norm", {H}, is_gemma);
-    l.q_norm = get(p + "q_norm", {config.qk_norm_whole ? Q : D}, config.has_qk_norm);
-    l.k_norm = get(p + "k_norm", {config.qk_norm_whole ? KV : D}, config.has_qk_norm);
-    LMKIT_CHECK_ARG(!config.qk_rotary_interleaved || !has(p + "qkv_proj"), config.architecture,
-                    ": interleaved rotary rows need separate q_proj and k_proj");
-    LMKIT_CHECK_ARG(!config.qk_rotary_interleaved || !config.has_qkv_bias, config.architecture,
-                    ": interleaved rotary rows with q/k biases are not supported");
-    if (has(p + "qkv_proj")) {
-      l.qkv_proj = get_linear(p + "qkv_proj", Q + 2 * KV, H);
-    } else {
-      l.q_proj = get_linear(p + "q_proj", Q, H, q_rows);
-      l.k_proj = get_linear(p + "k_proj", KV, H, k_rows);
-      l.v_proj = get_linear(p + "v_proj", KV, H);
-    }
-    l.q_bias = get(p + "q_bias", {Q}, config.has_qkv_bias);
-    l.k_bias = get(p + "k_bias", {KV}, config.has_qkv_bias);
-    l.v_bias = get(p + "v_bias", {KV}, config.has_qkv_bias);
-    l.o_proj = get_linear(p + "o_proj", H, Q);
+  auto load_mlp = [&](int32_t i, const std::string& p, LayerWeights& l) {
     if (config.is_moe_layer(i)) {
       const int64_t E = config.num_experts, MI = config.moe_intermediate_size;
       l.router = get_linear(p + "router", E, H);
@@ -239,7 +246,84 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
       }
       l.down_proj = get_linear(p + "down_proj", H, I);
     }
-    w.layers.push_back(l);
+  };
+  auto load_recurrent = [&](const std::string& p, LayerWeights& l) {
+    const int64_t KD = config.linear_key_dim(), VD = config.linear_value_dim(), HV = config.linear_num_value_heads;
+    const int64_t C = config.linear_conv_dim(), K = config.linear_conv_kernel;
+    l.in_proj_qkv = get_linear(p + "in_proj_qkv", 2 * KD + VD, H);
+    l.in_proj_z = get_linear(p + "in_proj_z", VD, H);
+    l.in_proj_b = get_linear(p + "in_proj_b", HV, H);
+    l.in_proj_a = get_linear(p + "in_proj_a", HV, H);
+    l.out_proj = get_linear(p + "out_proj", H, VD);
+    l.conv1d = get_stored(p + "conv1d");
+    LMKIT_CHECK_ARG(!l.conv1d.is_empty() && l.conv1d.shape[0] == C && l.conv1d.numel() == C * K &&
+                        !dtype_is_block(l.conv1d.dtype),
+                    config.architecture, ": ", p, "conv1d must be a float [", C, ", 1, ", K, "] tensor");
+    l.dt_bias = get(p + "dt_bias", {HV});
+    l.a_log = get(p + "A_log", {HV});
+    l.linear_norm = get(p + "linear_norm", {(int64_t)config.linear_value_head_dim});
+  };
+  for (int32_t i = 0; i < config.num_layers; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    LayerWeights l;
+    l.input_norm = get(p + "input_norm", {H});
+    l.pre_mlp_norm = get(p + "pre_mlp_norm", {H});
+    l.post_attention_norm = get(p + "post_attention_norm", {H}, is_gemma);
+    l.post_mlp_norm = get(p + "post_mlp_norm", {H}, is_gemma);
+    if (config.is_recurrent_layer(i)) {
+      load_recurrent(p, l);
+      load_mlp(i, p, l);
+      w.layers.push_back(std::move(l));
+      continue;
+    }
+    l.q_norm = get(p + "q_norm", {config.qk_norm_whole ? Q : D}, config.has_qk_norm);
+    l.k_norm = get(p + "k_norm", {config.qk_norm_whole ? KV : D}, config.has_qk_norm);
+    LMKIT_CHECK_ARG(!config.qk_rotary_interleaved || !has(p + "qkv_proj"), config.architecture,
+                    ": interleaved rotary rows need separate q_proj and k_proj");
+    LMKIT_CHECK_ARG(!config.qk_rotary_interleaved || !config.has_qkv_bias, config.architecture,
+                    ": interleaved rotary rows with q/k biases are not supported");
+    LMKIT_CHECK_ARG(!config.attn_output_gate || !has(p + "qkv_proj"), config.architecture,
+                    ": an attention output gate needs a separate q_proj");
+    if (config.attn_output_gate) {
+      // q_proj [heads, 2, head_dim] rows: each head's query, then its gate. Split into two [q_size, hidden] weights.
+      auto order = std::make_shared<std::vector<int32_t>>();  // all query rows, then all gate rows
+      for (int32_t part = 0; part < 2; ++part)
+        for (int64_t h = 0; h < config.num_heads; ++h)
+          for (int64_t d = 0; d < D; ++d) order->push_back((int32_t)(h * 2 * D + part * D + d));
+      auto half = [&](int32_t part) {
+        return std::make_shared<std::vector<int32_t>>(order->begin() + part * Q, order->begin() + (part + 1) * Q);
+      };
+      const LinearTensors both = get_linear(p + "q_proj", 2 * Q, H);
+      if (both.is_int4() && !dtype_is_block(both.weight.dtype)) {  // a checkpoint int4 layout: rows read as needed
+        l.q_proj = l.attn_gate = both;
+        l.q_proj.int4_source = int4_rows(both.int4_source, half(0));
+        l.attn_gate.int4_source = int4_rows(both.int4_source, half(1));
+      } else {
+        LMKIT_CHECK_ARG(!both.is_int8() && !dtype_is_block(both.weight.dtype), config.architecture, ": ", p,
+                        "q_proj: an attention output gate with int8 or GGUF weights is not supported yet");
+        w.owned.emplace_back();
+        const Tensor reordered = reorder_rows(both.weight, order, w.owned.back());
+        Tensor q = reordered, gate = reordered;
+        q.shape[0] = gate.shape[0] = Q;
+        gate.data = static_cast<uint8_t*>(reordered.data) + Q * H * dtype_size_bytes(reordered.dtype);
+        l.q_proj = single_tensor_linear(q, nullptr, config.architecture + ": " + p + "q_proj");
+        l.attn_gate = single_tensor_linear(gate, nullptr, config.architecture + ": " + p + "q_proj (gate)");
+      }
+      l.k_proj = get_linear(p + "k_proj", KV, H, k_rows);
+      l.v_proj = get_linear(p + "v_proj", KV, H);
+    } else if (has(p + "qkv_proj")) {
+      l.qkv_proj = get_linear(p + "qkv_proj", Q + 2 * KV, H);
+    } else {
+      l.q_proj = get_linear(p + "q_proj", Q, H, q_rows);
+      l.k_proj = get_linear(p + "k_proj", KV, H, k_rows);
+      l.v_proj = get_linear(p + "v_proj", KV, H);
+    }
+    l.q_bias = get(p + "q_bias", {Q}, config.has_qkv_bias);
+    l.k_bias = get(p + "k_bias", {KV}, config.has_qkv_bias);
+    l.v_bias = get(p + "v_bias", {KV}, config.has_qkv_bias);
+    l.o_proj = get_linear(p + "o_proj", H, Q);
+    load_mlp(i, p, l);
+    w.layers.push_back(std::move(l));
   }
   for (auto& kv : files) w.files.push_back(kv.second);
   return w;

@@ -78,6 +78,7 @@ struct LayerWeights {
   LinearTensors qkv_proj;               // fused [q_size + 2 kv_size, hidden], or empty and then:
   LinearTensors q_proj, k_proj, v_proj; //   [q_size, hidden], [kv_size, hidden] x2
   Tensor q_bias, k_bias, v_bias;        // empty unless has_qkv_bias
+  LinearTensors attn_gate;              // [q_size, hidden]: q_proj's gate rows (attn_output_gate), or empty
   LinearTensors o_proj;                 // [hidden, q_size]
   LinearTensors gate_up_proj;           // fused [2 inter, hidden], or empty and then:
   LinearTensors gate_proj, up_proj;     //   [inter, hidden] x2
@@ -89,9 +90,18 @@ struct LayerWeights {
   };
   LinearTensors router;                 // [num_experts, hidden]
   std::vector<Expert> experts;
+  // A Gated DeltaNet layer (ModelConfig::is_recurrent_layer) has these instead of attention's:
+  LinearTensors in_proj_qkv;            // [2 key_dim + value_dim, hidden]: q | k | v
+  LinearTensors in_proj_z;              // [value_dim, hidden]: the output gate
+  LinearTensors in_proj_b, in_proj_a;   // [Hv, hidden]: beta's and the decay's inputs
+  LinearTensors out_proj;               // [hidden, value_dim]
+  Tensor conv1d;                        // [conv_dim, 1, kernel] (or [conv_dim, kernel]): the short convolution
+  Tensor dt_bias, a_log;                // [Hv]
+  Tensor linear_norm;                   // [v_head_dim]: the gated RMSNorm's weight
   std::vector<const LinearTensors*> linears() const {
     std::vector<const LinearTensors*> all = {&qkv_proj, &q_proj, &k_proj,       &v_proj,  &o_proj,
-                                             &gate_up_proj, &gate_proj, &up_proj, &down_proj, &router};
+                                             &gate_up_proj, &gate_proj, &up_proj, &down_proj, &router,
+                                             &in_proj_qkv, &in_proj_z, &in_proj_b, &in_proj_a, &out_proj};
     for (const Expert& e : experts)
       for (const LinearTensors* t : {&e.gate_proj, &e.up_proj, &e.down_proj}) all.push_back(t);
     return all;
@@ -111,7 +121,9 @@ struct ModelWeights {
   // input_norm, pre_mlp_norm (always), post_attention_norm, post_mlp_norm (family "gemma"), q_norm, k_norm
   // (has_qk_norm), q_proj, k_proj, v_proj or qkv_proj, q_bias, k_bias, v_bias (has_qkv_bias), o_proj,
   // gate_proj, up_proj or gate_up_proj, down_proj; in a mixture-of-experts layer instead router and
-  // "experts.{e}." + gate_proj, up_proj, down_proj for every expert e.
+  // "experts.{e}." + gate_proj, up_proj, down_proj for every expert e; in a recurrent layer instead of the
+  // attention roles in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj, conv1d, dt_bias, A_log, linear_norm.
+  // With attn_output_gate, q_proj is [2 q_size, hidden] (each head's query rows, then its gate rows).
   // An int4 linear (config.int4_layout set) comes as "<role>.values", "<role>.zeros", "<role>.scales" and
   // "<role>.g_idx" (the layout's tensors, model/int4_layouts.h; zeros and g_idx where it has them) instead of
   // "<role>"; linears left dense (modules_to_not_convert, ignore lists) keep the plain role. Linears, the

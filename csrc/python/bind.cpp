@@ -114,7 +114,14 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("num_experts_per_tok", &ModelConfig::num_experts_per_tok)
       .def_readwrite("moe_intermediate_size", &ModelConfig::moe_intermediate_size)
       .def_readwrite("norm_topk_prob", &ModelConfig::norm_topk_prob)
-      .def_readwrite("layer_moe", &ModelConfig::layer_moe);
+      .def_readwrite("layer_moe", &ModelConfig::layer_moe)
+      .def_readwrite("layer_recurrent", &ModelConfig::layer_recurrent)
+      .def_readwrite("linear_num_key_heads", &ModelConfig::linear_num_key_heads)
+      .def_readwrite("linear_num_value_heads", &ModelConfig::linear_num_value_heads)
+      .def_readwrite("linear_key_head_dim", &ModelConfig::linear_key_head_dim)
+      .def_readwrite("linear_value_head_dim", &ModelConfig::linear_value_head_dim)
+      .def_readwrite("linear_conv_kernel", &ModelConfig::linear_conv_kernel)
+      .def_readwrite("attn_output_gate", &ModelConfig::attn_output_gate);
 
   py::enum_<KVQuant>(m, "KVQuant", "A layer's KV-cache precision (core/kv_quant.h)")
       .value("none", KVQuant::kNone)
@@ -231,6 +238,9 @@ PYBIND11_MODULE(_engine, m) {
       .def_readonly("num_free_blocks", &EngineMetrics::num_free_blocks)
       .def_readonly("num_active_blocks", &EngineMetrics::num_active_blocks)
       .def_readonly("num_cached_blocks", &EngineMetrics::num_cached_blocks)
+      .def_readonly("num_total_state_slots", &EngineMetrics::num_total_state_slots)
+      .def_readonly("num_free_state_slots", &EngineMetrics::num_free_state_slots)
+      .def_readonly("num_state_snapshots", &EngineMetrics::num_state_snapshots)
       .def_readonly("num_prefix_query_tokens", &EngineMetrics::num_prefix_query_tokens)
       .def_readonly("num_prefix_hit_tokens", &EngineMetrics::num_prefix_hit_tokens)
       .def_readonly("num_steps", &EngineMetrics::num_steps)
@@ -255,14 +265,14 @@ PYBIND11_MODULE(_engine, m) {
                s.shape = t[3].cast<std::vector<int64_t>>();
                srcs[item.first.cast<std::string>()] = std::move(s);
              }
-             // size_kv_pool(kv_bytes_per_block, linear_weight_bytes, session_len, device_free_bytes) -> blocks
+             // size_kv_pool(kv_bytes_per_block, resident_bytes, session_len, device_free_bytes) -> blocks
              // (loader.h's KVPoolSizer), called once on this thread after the weights are packed; what it raises
              // propagates. A borrowed handle: the argument outlives create_engine, and nothing here touches its
              // reference count without the GIL.
-             const KVPoolSizer sizer = [fn = py::handle(size_kv_pool)](int64_t bytes_per_block, int64_t weight_bytes,
+             const KVPoolSizer sizer = [fn = py::handle(size_kv_pool)](int64_t bytes_per_block, int64_t resident_bytes,
                                                                        int32_t session_len, int64_t free_bytes) {
                py::gil_scoped_acquire gil;
-               return fn(bytes_per_block, weight_bytes, session_len, free_bytes).cast<int32_t>();
+               return fn(bytes_per_block, resident_bytes, session_len, free_bytes).cast<int32_t>();
              };
              py::gil_scoped_release release;
              EnginePtr engine(create_engine(config, model, srcs, eos_token_ids, sizer).release());

@@ -3,6 +3,8 @@
 // every step of a seeded random run with arrivals, growth, finishes and cancellations. With an attention
 // window: blocks behind it go back at the exact step, prefix hits, preemption and forks with holes, a
 // sequence longer than the pool, and a simulated KV pool that proves every key a query reads is its own.
+// With recurrent-state slots: admission waits for slots, every exit gives them back, forks copy the state
+// at their fork position, and a simulated state pool proves every chunk starts from its own sequence's state.
 #include <algorithm>
 #include <memory>
 #include <random>
@@ -607,6 +609,231 @@ TEST(random_windowed_run_reads_only_its_own_keys) {
     EXPECT(sched.num_window_freed_blocks() > 0);
     EXPECT(sched.num_prefix_hit_tokens() > 0);
   }
+}
+
+// A stand-in for the recurrent-state pool: each slot holds (position, fingerprint of tokens[0, position)).
+// step() applies the plan's copies, then checks that each chunk finds its own sequence's state as of its first
+// position (a chunk at 0 starts from the zero state) and advances it.
+struct FakeState {
+  struct Slot {
+    int32_t pos = -1;
+    uint64_t fp = 0;
+  };
+  std::vector<Slot> slots;
+  explicit FakeState(int32_t n) : slots(n) {}
+  static uint64_t fingerprint(const Sequence& seq, int32_t n) {
+    uint64_t h = 7;
+    for (int32_t p = 0; p < n; ++p) h = h * 1000003u + (uint64_t)seq.tokens[p] + 1;
+    return h;
+  }
+  bool step(const BatchPlan& plan) {
+    for (const StateCopy& c : plan.state_copies) slots.at(c.dst) = slots.at(c.src);
+    bool ok = true;
+    for (const ScheduledSeq& s : plan.seqs) {
+      Slot& slot = slots.at(s.seq->state_slot);
+      if (s.start_pos == 0) slot = Slot{0, fingerprint(*s.seq, 0)};
+      ok = ok && slot.pos == s.start_pos && slot.fp == fingerprint(*s.seq, s.start_pos);
+      slot = Slot{s.start_pos + s.num_tokens, fingerprint(*s.seq, s.start_pos + s.num_tokens)};
+    }
+    return ok;
+  }
+};
+
+TEST(state_slots_gate_admission_and_every_exit_gives_them_back) {
+  BlockManager bm(32, 4);
+  StatePool states(2);
+  Scheduler sched({8, 100, 1000, true}, bm, &states);
+  g_sched = &sched;
+  for (int64_t id = 1; id <= 3; ++id) sched.add(make_seq(id, 5, 4));
+  BatchPlan plan = sched.schedule();  // two slots: the third waits although blocks and batch slots are left
+  EXPECT_EQ(plan.seqs.size(), 2u);
+  EXPECT_EQ(plan.seqs[0].seq->state_slot, 0);
+  EXPECT_EQ(plan.seqs[1].seq->state_slot, 1);
+  EXPECT_EQ(sched.num_waiting(), 1);
+  EXPECT_EQ(states.num_free_slots(), 0);
+  sched.verify();
+  advance(plan);
+  sched.remove(1);  // finished or cancelled: its slot is free at once
+  EXPECT_EQ(states.num_free_slots(), 1);
+  plan = sched.schedule();
+  EXPECT_EQ(plan.seqs.size(), 2u);
+  EXPECT_EQ(plan.seqs[1].seq->id, 3);
+  EXPECT_EQ(plan.seqs[1].seq->state_slot, 0);
+  EXPECT_EQ(plan.seqs[1].start_pos, 0);  // the prompt is cached, but no slot was free to keep its state: no hit
+  sched.verify();
+  for (int64_t id : sched.ids()) sched.remove(id);
+  EXPECT_EQ(states.num_free_slots(), 2);
+  EXPECT_EQ(sched.num_prefix_hit_tokens(), 0);
+  // n beyond the slots can never run
+  auto wide = make_seq(9, 5, 4);
+  wide->num_forks = 2;
+  EXPECT(sched.fit_error(*wide).find("state slots") != std::string::npos);
+}
+
+TEST(stateful_fork_stops_at_the_fork_position_and_copies_the_state) {
+  BlockManager bm(16, 4);
+  StatePool states(4);
+  Scheduler sched({8, 100, 1000}, bm, &states);
+  g_sched = &sched;
+  FakeState fake(4);
+  auto parent = make_seq(7, 10, 4);  // fork position 8: the children share blocks 0 1
+  parent->num_forks = 2;
+  sched.add(std::move(parent));
+  BatchPlan plan = sched.schedule();
+  Sequence* p = plan.seqs[0].seq;
+  EXPECT_EQ(plan.seqs[0].num_tokens, 8);  // the chunk stops at the fork position
+  EXPECT(!plan.seqs[0].is_sampled);
+  EXPECT_EQ(p->state_slot, 0);
+  EXPECT_EQ(p->fork_state_slots, (Ids{1, 2}));
+  EXPECT(plan.state_copies.empty());
+  EXPECT(fake.step(plan));
+  advance(plan);
+  plan = sched.schedule();  // from the fork position on: the state is copied into the children's slots first
+  EXPECT_EQ(plan.seqs[0].start_pos, 8);
+  EXPECT_EQ(plan.state_copies.size(), 2u);
+  EXPECT_EQ(plan.state_copies[0].src, 0);
+  EXPECT_EQ(plan.state_copies[0].dst, 1);
+  EXPECT_EQ(plan.state_copies[1].dst, 2);
+  EXPECT(fake.step(plan));
+  sched.advance(plan.seqs[0]);
+  sched.fork(p);
+  p->tokens.push_back(2);
+  sched.verify();
+  std::vector<Sequence*> all = sched.find_request(7);
+  EXPECT_EQ(all.size(), 3u);
+  for (Sequence* s : all)
+    if (s != p) {
+      EXPECT_EQ(s->num_computed_tokens, 8);
+      EXPECT(s->state_slot == 1 || s->state_slot == 2);
+    }
+  plan = sched.schedule();  // the children compute their tails from the copied state; nothing copied again
+  EXPECT(plan.state_copies.empty());
+  EXPECT(fake.step(plan));
+  sched.verify();
+  for (Sequence* s : sched.find_request(7)) sched.remove(s->id);
+  EXPECT_EQ(states.num_free_slots(), 4);
+  EXPECT_EQ(bm.num_free_blocks(), 16);
+}
+
+TEST(stateful_fork_of_a_one_block_prompt_starts_the_children_at_zero) {
+  BlockManager bm(16, 4);
+  StatePool states(3);
+  Scheduler sched({8, 100, 1000}, bm, &states);
+  FakeState fake(3);
+  auto parent = make_seq(7, 3, 4);
+  parent->num_forks = 2;
+  sched.add(std::move(parent));
+  BatchPlan plan = sched.schedule();
+  Sequence* p = plan.seqs[0].seq;
+  EXPECT_EQ(plan.seqs[0].num_tokens, 3);
+  EXPECT(plan.seqs[0].is_sampled);
+  EXPECT(fake.step(plan));
+  sched.advance(plan.seqs[0]);
+  sched.fork(p);
+  p->tokens.push_back(2);
+  plan = sched.schedule();
+  EXPECT(plan.state_copies.empty());
+  EXPECT_EQ(plan.seqs.size(), 3u);
+  EXPECT_EQ(plan.seqs[1].start_pos, 0);
+  EXPECT(fake.step(plan));
+  sched.verify();
+}
+
+TEST(stateful_prefix_hits_start_from_a_snapshot_at_the_last_full_block) {
+  BlockManager bm(32, 4);
+  StatePool states(4);
+  Scheduler sched({2, 100, 1000, true}, bm, &states);
+  g_sched = &sched;
+  FakeState fake(4);
+  std::vector<int32_t> prompt = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14};  // fork position 8: two full blocks before it
+  sched.add(make_seq_tokens(1, prompt, 2));
+  BatchPlan plan = sched.schedule();
+  EXPECT_EQ(plan.seqs[0].num_tokens, 8);  // stops where the state is kept
+  EXPECT(fake.step(plan));
+  advance(plan);
+  plan = sched.schedule();  // the state as of position 8 goes into a snapshot slot before the step goes on
+  EXPECT_EQ(plan.state_copies.size(), 1u);
+  EXPECT_EQ(plan.state_copies[0].src, 0);
+  EXPECT_EQ(plan.state_copies[0].dst, 1);
+  EXPECT_EQ(sched.num_state_snapshots(), 1);
+  EXPECT(fake.step(plan));
+  advance(plan);
+  sched.remove(1);
+  sched.verify();
+  // the same prompt with another tail: a hit of two blocks, starting from a copy of the snapshot
+  std::vector<int32_t> other = prompt;
+  other.back() = 99;
+  sched.add(make_seq_tokens(2, other, 2));
+  plan = sched.schedule();
+  EXPECT_EQ(plan.seqs[0].start_pos, 8);
+  EXPECT_EQ(plan.state_copies.size(), 1u);
+  EXPECT_EQ(plan.state_copies[0].src, 1);
+  EXPECT_EQ(plan.state_copies[0].dst, plan.seqs[0].seq->state_slot);
+  EXPECT(fake.step(plan));
+  EXPECT_EQ(sched.num_prefix_hit_tokens(), 8);
+  advance(plan);
+  sched.verify();
+  // a prompt that differs inside the first block: no hit
+  std::vector<int32_t> third = prompt;
+  third[1] = 77;
+  sched.add(make_seq_tokens(3, third, 2));
+  plan = sched.schedule();
+  EXPECT_EQ(plan.seqs.back().seq->id, 3);
+  EXPECT_EQ(plan.seqs.back().start_pos, 0);
+  EXPECT(fake.step(plan));
+  sched.verify();
+  for (int64_t id : sched.ids()) sched.remove(id);
+  // running sequences take the snapshots' slots when none is free
+  for (int64_t id = 10; id < 12; ++id) sched.add(make_seq(id, 3, 2));
+  plan = sched.schedule();
+  EXPECT_EQ(plan.seqs.size(), 2u);
+  EXPECT(states.num_free_slots() + sched.num_state_snapshots() + 2 == 4);
+  sched.verify();
+}
+
+TEST(random_stateful_run_starts_every_chunk_from_its_own_state) {
+  std::mt19937 rng(4321);
+  BlockManager bm(30, 4);
+  StatePool states(9);
+  Scheduler sched({6, 12, 64, true}, bm, &states);
+  g_sched = &sched;
+  FakeState fake(9);
+  std::vector<int32_t> shared(30);
+  for (int i = 0; i < 30; ++i) shared[i] = 100 + i;
+  int64_t next_id = 1;
+  int finished = 0, forks = 0;
+  for (int step = 0; step < 3000; ++step) {
+    if (rng() % 3 == 0) {
+      const int32_t prompt = 1 + rng() % 30, max_new = 1 + rng() % 30;
+      std::vector<int32_t> toks(prompt);
+      const bool share = rng() % 2;  // half share a prefix: snapshots, hits and evictions happen
+      for (int32_t i = 0; i < prompt; ++i) toks[i] = share ? shared[i] : (int32_t)(rng() % 50);
+      auto s = make_seq_tokens(next_id++, toks, max_new);
+      s->num_forks = rng() % 4 == 0 ? 1 + rng() % 2 : 0;
+      if (sched.fit_error(*s).empty()) sched.add(std::move(s));
+    }
+    BatchPlan plan = sched.schedule();
+    EXPECT(fake.step(plan));
+    for (const ScheduledSeq& s : plan.seqs) {
+      sched.advance(s);
+      if (s.is_sampled && s.seq->num_forks > 0 && s.seq->num_generated_tokens() == 0) sched.fork(s.seq), ++forks;
+      if (s.is_sampled) s.seq->tokens.push_back((int32_t)(rng() % 50));
+    }
+    for (int64_t id : sched.ids()) {
+      Sequence* s = sched.find(id);
+      if (s->num_tokens() >= s->max_total_tokens || rng() % 60 == 0) {
+        sched.remove(id);
+        ++finished;
+      }
+    }
+    sched.verify();
+  }
+  for (int64_t id : sched.ids()) sched.remove(id);
+  EXPECT_EQ(states.num_free_slots() + sched.num_state_snapshots(), 9);
+  EXPECT(sched.num_prefix_hit_tokens() > 0);
+  EXPECT(finished > 100);
+  EXPECT(forks > 20);
+  EXPECT(sched.num_preemptions() > 0);
 }
 
 int main() { return lmkit::testing::run_all(); }

@@ -62,11 +62,23 @@ class ModelFields:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     layer_moe: list[int] = field(default_factory=list)
+    layer_recurrent: list[int] = field(default_factory=list)
+    """Per layer: 1 a recurrent (Gated DeltaNet) layer over a per-sequence state, 0 self-attention; empty: none.
+    Its shape: the linear_* fields (key / value heads and head dims, the short convolution's taps)."""
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    attn_output_gate: bool = False
+    """q_proj holds each head's query and then its gate; the attention output is multiplied by sigmoid(gate)."""
 
     def check(self) -> None:
         """ValueError when the per-layer lists or the rotary dim do not fit the shape."""
-        if self.layer_moe and len(self.layer_moe) != self.num_layers:
-            raise ValueError(f"layer_moe has {len(self.layer_moe)} entries for {self.num_layers} layers")
+        for name in ("layer_moe", "layer_recurrent"):
+            values = getattr(self, name)
+            if values and len(values) != self.num_layers:
+                raise ValueError(f"{name} has {len(values)} entries for {self.num_layers} layers")
         if any(self.layer_moe) and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
                              f"{self.num_experts}]")
@@ -114,7 +126,10 @@ class Architecture:
     """The transformers config class's defaults of the fields read_config reads (checked in the tests)."""
     awq_map: AwqMap | None
     """None: ``lmkit lite awq`` cannot quantize it yet (mixture-of-experts layers); the engine runs it."""
-    kv_calib: KvCalibHooks = KvCalibHooks()
+    kv_calib: KvCalibHooks | None = KvCalibHooks()
+    """None: ``lmkit lite calibrate`` cannot calibrate it yet (layers without K/V); a uniform quant_policy works."""
+    unused_tensors: tuple[str, ...] = ()
+    """Name prefixes of checkpoint tensors the engine leaves unread (a vision tower of a model served for text)."""
 
     def __post_init__(self):
         assert self.family in FAMILIES, f"{self.name}: family {self.family!r} is not one of {FAMILIES}"

@@ -19,7 +19,9 @@ _PLAIN_ENGINE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_l
                         "head_dim", "rms_norm_eps", "norm_weight_offset", "embed_scale", "hidden_act", "attn_scale",
                         "attn_logit_softcap", "final_logit_softcap", "has_qkv_bias", "has_qk_norm", "rotary_dim",
                         "tie_word_embeddings", "max_position_embeddings", "qk_norm_whole", "num_experts",
-                        "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+                        "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "linear_num_key_heads",
+                        "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                        "linear_conv_kernel", "attn_output_gate")
 # checkpoint tensors that are not weights (rotary buffers some exporters save)
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -70,6 +72,7 @@ class ModelSpec(ModelFields):
             layer_rope=list(self.layer_rope),
             layer_sliding_window=list(self.layer_sliding_window),
             layer_moe=list(self.layer_moe),
+            layer_recurrent=list(self.layer_recurrent),
             int4_layout=self.quant.int4_layout if self.quant else "",
             int4_group_size=self.quant.group_size if self.quant and self.quant.bits == 4 else 0,
             qk_rotary_interleaved=self.qk_rotary_interleaved,
@@ -152,7 +155,8 @@ def load_model_spec(path: Path) -> ModelSpec:
     except ValueError as e:
         raise ValueError(f"{cfg_path}: {e}") from None
 
-    eos = _as_id_list(cfg.get("eos_token_id"))
+    text_config = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    eos = _as_id_list(cfg["eos_token_id"] if "eos_token_id" in cfg else text_config.get("eos_token_id"))
     gen_path = path / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.exists() else None
     if gen is not None:
@@ -223,7 +227,8 @@ def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers:
                 if f"{r}.scales" not in sources:
                     raise ValueError(f"{path}: int4 layer {base[:-1]} has {values_name} but no {int4.tensor_names[2]}")
                 used.update(base + extra for extra in int4.extra_suffixes if base + extra in tensors)
-    unknown = sorted(name for name in tensors if name not in used and not name.endswith(_IGNORED_TENSOR_SUFFIXES))
+    unknown = sorted(name for name in tensors if name not in used and not name.endswith(_IGNORED_TENSOR_SUFFIXES)
+                     and not name.startswith(arch.unused_tensors or ("\0",)))
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise ValueError(f"{path}: tensors that lmkit's {arch.name} does not use: {', '.join(unknown[:5])}{more} "

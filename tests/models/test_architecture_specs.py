@@ -308,7 +308,8 @@ def test_config_defaults_are_the_config_classes(tmp_path):
                "Gemma2ForCausalLM": "Gemma2Config", "Gemma3ForCausalLM": "Gemma3TextConfig",
                "Phi3ForCausalLM": "Phi3Config", "SmolLM3ForCausalLM": "SmolLM3Config",
                "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "MixtralForCausalLM": "MixtralConfig",
-               "OlmoeForCausalLM": "OlmoeConfig"}
+               "OlmoeForCausalLM": "OlmoeConfig", "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
+               "Qwen3_5ForConditionalGeneration": "Qwen3_5TextConfig"}
     assert set(classes) == set(ARCHITECTURES)
     for name, arch in ARCHITECTURES.items():
         cls = getattr(transformers, classes[name])
@@ -319,9 +320,14 @@ def test_config_defaults_are_the_config_classes(tmp_path):
         if isinstance(cls.default_theta, dict):  # Gemma 3: global and local
             assert arch.config_defaults["rope_theta"] == cls.default_theta["global"]
             assert arch.config_defaults["rope_local_base_freq"] == cls.default_theta["local"]
-    from lmkit.models import smollm3
+    from lmkit.models import qwen3_5, smollm3
 
     assert smollm3.DEFAULT_THETA == transformers.SmolLM3Config.default_theta
+    # Qwen3.5's defaults that are no dataclass fields (its __post_init__ sets them)
+    qwen = transformers.Qwen3_5TextConfig(num_hidden_layers=8)
+    assert qwen.rope_parameters["partial_rotary_factor"] == qwen3_5.DEFAULTS["partial_rotary_factor"]
+    interval = qwen3_5.DEFAULTS["full_attention_interval"]
+    assert qwen.layer_types == ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(8)]
 
 
 def test_unknown_architecture_lists_the_known_ones():

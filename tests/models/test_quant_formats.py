@@ -25,7 +25,8 @@ import torch
 
 from lmkit import EngineConfig, pipeline
 from tests.factories import ARCH_CASES as CASES
-from tests.factories import build_case, linear_keys, write_compressed_tensors, write_compressed_tensors_int8, write_gptq
+from tests.factories import build_case, linear_keys, without_cache_unless_attention, write_compressed_tensors, \
+    write_compressed_tensors_int8, write_gptq
 from tests.helpers import logits_error
 
 ct = pytest.importorskip("compressed_tensors")
@@ -43,7 +44,8 @@ def engine_vs_reference(out: Path, prompts: list[list[int]], config: EngineConfi
     or (per_row False) of any prompt's rows together."""
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(str(out / "ref"), dtype=torch.float32).eval()
+    ref = without_cache_unless_attention(
+        AutoModelForCausalLM.from_pretrained(str(out / "ref"), dtype=torch.float32).eval())
     return logits_error(out / "int4", ref, prompts, config, new_tokens, per_row)
 
 

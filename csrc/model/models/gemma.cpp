@@ -27,7 +27,7 @@ class GemmaModel final : public DecoderModel {
         b.rmsnorm(x, w.input_norm, eps, rows, H, h);
       else  // x += the previous layer's normed mlp output (in h); h = norm(x)
         b.add_rmsnorm(x, h, w.input_norm, eps, rows, H, h);
-      attention_block(l, rows, h);
+      mixer_block(l, rows, h);
       b.rmsnorm(h, w.post_attention_norm, eps, rows, H, h);
       b.add_rmsnorm(x, h, w.pre_mlp_norm, eps, rows, H, h);
       mlp_block(l, rows, h);

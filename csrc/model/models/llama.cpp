@@ -26,7 +26,7 @@ class LlamaModel final : public DecoderModel {
         b.rmsnorm(x, w.input_norm, c.rms_norm_eps, rows, H, h);
       else  // x += the previous layer's mlp output (in h); h = norm(x)
         b.add_rmsnorm(x, h, w.input_norm, c.rms_norm_eps, rows, H, h);
-      attention_block(l, rows, h);
+      mixer_block(l, rows, h);
       b.add_rmsnorm(x, h, w.pre_mlp_norm, c.rms_norm_eps, rows, H, h);
       mlp_block(l, rows, h);
     }

@@ -1,0 +1,84 @@
+"""Qwen3.5 / Qwen3.6 dense (Qwen3_5ForCausalLM, and the text model of Qwen3_5ForConditionalGeneration): a hybrid of
+recurrent Gated DeltaNet layers and gated full-attention layers (by default three of the first for each one of the
+second). Attention layers: an output gate in q_proj (each head's query rows, then its gate rows), per-head q/k
+RMSNorms, partial RoPE (a quarter of head_dim; Qwen3.5's multimodal RoPE is plain RoPE for text), no KV
+window. Every RMSNorm scales by (1 + w) except the Gated DeltaNet's own output norm (plain w). The MLP is
+Llama's."""
+
+from __future__ import annotations
+
+from lmkit.models.architecture import ROPE_GLOBAL, SILU, Architecture, HfConfig, ModelFields, activation, \
+    global_rope, shape_fields
+from lmkit.models.llama import KEY_MAP as LLAMA_KEY_MAP, QK_NORM_LAYER, layer_keys
+
+NAME = "Qwen3_5ForCausalLM"
+LINEAR_ATTENTION_LAYER = {
+    "in_proj_qkv": "linear_attn.in_proj_qkv.weight",
+    "in_proj_z": "linear_attn.in_proj_z.weight",
+    "in_proj_b": "linear_attn.in_proj_b.weight",
+    "in_proj_a": "linear_attn.in_proj_a.weight",
+    "out_proj": "linear_attn.out_proj.weight",
+    "conv1d": "linear_attn.conv1d.weight",
+    "dt_bias": "linear_attn.dt_bias",
+    "A_log": "linear_attn.A_log",
+    "linear_norm": "linear_attn.norm.weight",
+}
+# Every layer's keys: a layer has either the attention ones or the linear-attention ones (roles absent from a
+# checkpoint are left out; the engine asks each layer for its kind's).
+KEY_MAP = {**LLAMA_KEY_MAP, **layer_keys(QK_NORM_LAYER), **layer_keys(LINEAR_ATTENTION_LAYER)}
+# transformers.Qwen3_5TextConfig's defaults of the fields read here
+DEFAULTS = {"hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False, "head_dim": 256, "attention_bias": False, "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32, "partial_rotary_factor": 0.25, "full_attention_interval": 4}
+LAYER_KINDS = ("linear_attention", "full_attention")
+
+
+def layer_recurrent(c: HfConfig, num_layers: int) -> list[int]:
+    """Per layer 1 for a Gated DeltaNet layer, 0 for full attention: layer_types, else every
+    full_attention_interval-th layer full (transformers' rule)."""
+    interval = int(c.get("full_attention_interval"))
+    types = c.raw.get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention"
+                                         for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in LAYER_KINDS for t in types):
+        raise c.error("layer_types", f"need {num_layers} entries of {', '.join(LAYER_KINDS)}")
+    return [int(t == "linear_attention") for t in types]
+
+
+def read_config(c: HfConfig) -> ModelFields:
+    c.reject("attention_bias", "it puts biases on q/k/v/o_proj (lmkit has q/k/v biases only)")
+    shape = shape_fields(c)
+    rope, rotary_dim = global_rope(c, shape["head_dim"])
+    n = shape["num_layers"]
+    return ModelFields(**shape, hidden_act=activation(c, "hidden_act", SILU), has_qk_norm=True, rope=rope,
+                       rotary_dim=rotary_dim, layer_rope=[ROPE_GLOBAL] * n, layer_sliding_window=[0] * n,
+                       norm_weight_offset=1.0, attn_output_gate=True, layer_recurrent=layer_recurrent(c, n),
+                       linear_num_key_heads=int(c.require("linear_num_key_heads")),
+                       linear_num_value_heads=int(c.require("linear_num_value_heads")),
+                       linear_key_head_dim=int(c.require("linear_key_head_dim")),
+                       linear_value_head_dim=int(c.require("linear_value_head_dim")),
+                       linear_conv_kernel=int(c.require("linear_conv_kernel_dim")))
+
+
+# The AWQ table of the hybrid layers is not written yet: `lmkit lite awq` refuses it by name.
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None, kv_calib=None)
+
+# The checkpoints Qwen ships: Qwen3_5ForConditionalGeneration, the text model under model.language_model and its
+# config under text_config, beside a vision tower (left unread: lmkit serves text) and the multi-token-prediction
+# head (mtp.*: read by nobody yet; speculative decoding will).
+NAME_MULTIMODAL = "Qwen3_5ForConditionalGeneration"
+MULTIMODAL_KEY_MAP = {role: key.replace("model.", "model.language_model.", 1) if key.startswith("model.") else key
+                      for role, key in KEY_MAP.items()}
+
+
+def read_multimodal_config(c: HfConfig) -> ModelFields:
+    text = c.get("text_config")
+    if not isinstance(text, dict):
+        raise c.error("text_config", "it must be the text model's config (a JSON object)")
+    fields = read_config(HfConfig(text, DEFAULTS, c.architecture))
+    fields.tie_word_embeddings = bool(c.raw.get("tie_word_embeddings", fields.tie_word_embeddings))
+    return fields
+
+
+MULTIMODAL_ARCHITECTURE = Architecture(NAME_MULTIMODAL, "llama", MULTIMODAL_KEY_MAP, read_multimodal_config, DEFAULTS,
+                                       None, kv_calib=None, unused_tensors=("model.visual.", "mtp."))
