@@ -100,6 +100,32 @@ def assert_blocks_free(engine, timeout_s: float = 5.0) -> None:
         f"{m.num_total_state_slots}")
 
 
+def run_with_random_cancellations(engine, rng, num_requests: int, max_prompt: int, n_choices=(1, 1, 1, 2)) -> int:
+    """Submits num_requests random requests (prompts of 1 to max_prompt - 1 tokens, up to 11 new tokens, n from
+    n_choices), cancelling a random earlier one (whole, or one completion) after ~30% of them, then waits for every
+    completion's final output (length or cancelled). Returns the completions finished."""
+    from lmkit import GenerationConfig
+
+    queues = []
+    for _ in range(num_requests):
+        gen = GenerationConfig(max_new_tokens=rng.randrange(1, 12), ignore_eos=True, n=rng.choice(list(n_choices)))
+        rid, q = engine.submit_to_queue([rng.randrange(1, 250) for _ in range(rng.randrange(1, max_prompt))], gen)
+        queues.append((rid, q, gen.n))
+        if rng.random() < 0.3:
+            victim = queues[rng.randrange(len(queues))]
+            engine.cancel(victim[0], rng.choice([-1, 0, 1]))
+    finished = 0
+    for rid, q, n in queues:
+        done = 0
+        while done < n:
+            out = q.get(timeout=120)
+            if out.finished:
+                assert out.finish_reason in ("length", "cancelled"), out.error
+                done += 1
+        finished += done
+    return finished
+
+
 def hf_greedy(model, ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
     """HF generate, greedy. A model whose every layer is recurrent (no attention layer) cannot use HF's cache
     (transformers 5.24: get_seq_length needs an attention layer): its tokens come from full forwards instead."""

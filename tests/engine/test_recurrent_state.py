@@ -12,7 +12,7 @@ import pytest
 
 from lmkit import EngineConfig, GenerationConfig, pipeline
 from tests.factories import build_case
-from tests.helpers import assert_blocks_free, hf_greedy
+from tests.helpers import assert_blocks_free, hf_greedy, run_with_random_cancellations
 
 NEW_TOKENS = 20
 
@@ -79,21 +79,7 @@ def test_cancellations_leave_every_state_slot_free(hybrid):
     rng = random.Random(62)
     with pipeline(folder, config(max_prefill_token_num=16, enable_prefix_caching=True)) as pipe:
         engine = pipe.engine
-        queues = []
-        for _ in range(150):
-            gen = GenerationConfig(max_new_tokens=rng.randrange(1, 12), ignore_eos=True, n=rng.choice([1, 1, 2, 3]))
-            rid, q = engine.submit_to_queue([rng.randrange(1, 250) for _ in range(rng.randrange(1, 60))], gen)
-            queues.append((rid, q, gen.n))
-            if rng.random() < 0.3:
-                victim = queues[rng.randrange(len(queues))]
-                engine.cancel(victim[0], rng.choice([-1, 0, 1]))
-        for rid, q, n in queues:
-            done = 0
-            while done < n:
-                out = q.get(timeout=120)
-                if out.finished:
-                    assert out.finish_reason in ("length", "cancelled"), out.error
-                    done += 1
+        run_with_random_cancellations(engine, rng, 150, 60, n_choices=(1, 1, 2, 3))
         engine.check_integrity()
         m = engine.metrics()
         assert m.num_running == 0 and m.num_waiting == 0
