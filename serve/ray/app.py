@@ -11,12 +11,14 @@ deletes it (replicas finish their requests within the drain time) and exits 0.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
 import signal
 import threading
 import time
+import urllib.request
 from typing import Mapping, Sequence
 
 from lmkit import env
@@ -115,6 +117,8 @@ def deploy(app, name: str = "lmkit", route_prefix: str = "/", stop: threading.Ev
     serve.run_many([serve.RunTarget(app, name=name, route_prefix=route_prefix)], wait_for_applications_running=False)
     try:
         serving = _wait_until_serving(serve, name, stop)
+        if serving:
+            _wait_for_route(route_prefix)
     except Exception as e:
         if name in serve.status().applications:
             serve.delete(name)
@@ -124,6 +128,31 @@ def deploy(app, name: str = "lmkit", route_prefix: str = "/", stop: threading.Ev
     if not serving:
         serve.delete(name)
     return serving
+
+
+ROUTE_WAIT_S = 30.0
+
+
+def _wait_for_route(route_prefix: str, timeout_s: float = ROUTE_WAIT_S) -> None:
+    """Until the HTTP proxy lists ``route_prefix`` in its route table (``/-/routes``): Ray's proxies learn routes by
+    long polling, and a request sent as soon as the application runs could get a 404 (seen with two nodes on a
+    busy machine). Returns after timeout_s without one (no HTTP proxy, or a host it cannot reach: requests tell)."""
+    from ray.serve.context import _get_global_client
+
+    config = _get_global_client().http_config
+    if config is None or not getattr(config, "port", None):
+        return
+    host = config.host if config.host not in (None, "", "0.0.0.0", "::") else "127.0.0.1"
+    url = f"http://{host}:{config.port}/-/routes"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (the cluster's own proxy)
+                if route_prefix in json.loads(response.read()):
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
 
 
 def _wait_until_serving(serve, name: str, stop: threading.Event | None) -> bool:
