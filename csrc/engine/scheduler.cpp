@@ -329,9 +329,11 @@ BatchPlan Scheduler::schedule() {
     plan.seqs.push_back({seq, seq->num_computed_tokens, chunk, is_last_chunk_sampled(*seq, chunk)});
   }
 
-  // 2. waiting sequences, FCFS, while slots, budget and blocks last.
-  while (!waiting_.empty() && budget > 0 &&
-         (int32_t)running_.size() + 1 + waiting_.front()->num_forks <= config_.max_batch_size) {
+  // 2. waiting sequences, FCFS, while slots, budget and blocks last. A running parent's completions still to
+  // fork count against max_batch_size already: they join running when its prompt is computed.
+  int32_t batch_slots = (int32_t)running_.size();
+  for (const Sequence* s : running_) batch_slots += s->num_forks;
+  while (!waiting_.empty() && budget > 0 && batch_slots + 1 + waiting_.front()->num_forks <= config_.max_batch_size) {
     Sequence* seq = waiting_.front();
     if (has_state() && !can_take_slots(1 + seq->num_forks)) break;
     match_prefix(seq);
@@ -364,6 +366,7 @@ BatchPlan Scheduler::schedule() {
                                      [](const Sequence* a, const Sequence* b) { return a->arrival < b->arrival; }),
                     seq);
     budget -= chunk;
+    batch_slots += 1 + seq->num_forks;
     plan.seqs.push_back({seq, seq->num_computed_tokens, chunk, is_last_chunk_sampled(*seq, chunk)});
   }
 

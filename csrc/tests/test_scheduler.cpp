@@ -310,6 +310,30 @@ TEST(forked_completions_share_full_prompt_blocks) {
   EXPECT_EQ(bm.num_free_blocks(), 16);
 }
 
+TEST(completions_still_to_fork_count_against_max_batch_size) {
+  BlockManager bm(64, 4);
+  Scheduler sched({4, 4, 1000}, bm);  // 4 running at most, 4 prompt tokens per step
+  g_sched = &sched;
+  auto parent = make_seq(1, 10, 3);  // n = 3: its prompt takes three steps, then two completions join
+  parent->num_forks = 2;
+  sched.add(std::move(parent));
+  for (int64_t id = 2; id <= 5; ++id) sched.add(make_seq(id, 1, 3));
+  int32_t most = 0;
+  for (int step = 0; step < 12 && sched.has_work(); ++step) {
+    BatchPlan plan = sched.schedule();
+    for (const ScheduledSeq& s : plan.seqs) {
+      sched.advance(s);
+      if (s.is_sampled && s.seq->num_forks > 0 && s.seq->num_generated_tokens() == 0) sched.fork(s.seq);
+      if (s.is_sampled) s.seq->tokens.push_back(2);
+    }
+    most = std::max(most, sched.num_running());
+    for (int64_t id : sched.ids())
+      if (sched.find(id)->num_tokens() >= sched.find(id)->max_total_tokens) sched.remove(id);
+    sched.verify();
+  }
+  EXPECT_EQ(most, 4);  // the parent, its two completions and one other: never five
+}
+
 TEST(window_frees_blocks_behind_it_at_the_exact_step) {
   BlockManager bm(8, 4);
   Scheduler sched({8, 100, 1000, false, 6}, bm);  // a query at p reads keys p-5 .. p
