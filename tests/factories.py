@@ -20,6 +20,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from tests.helpers import all_recurrent
+
 TINY_VOCAB = 300  # 256 byte tokens + specials + spare rows
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
 
@@ -347,7 +349,7 @@ def build_case(name: str, folder) -> "torch.nn.Module":
 def without_cache_unless_attention(ref):
     """A model whose every layer is recurrent runs without HF's cache, which needs an attention layer
     (transformers 5.24; tests.helpers.hf_greedy generates by full forwards for it)."""
-    if set(getattr(ref.config, "layer_types", None) or ()) == {"linear_attention"}:
+    if all_recurrent(ref.config):
         ref.config.use_cache = False
     return ref
 

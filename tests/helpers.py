@@ -126,12 +126,17 @@ def run_with_random_cancellations(engine, rng, num_requests: int, max_prompt: in
     return finished
 
 
+def all_recurrent(config) -> bool:
+    """Every layer of the HF config is a recurrent (linear-attention) one: no attention layer, no K/V."""
+    return set(getattr(config, "layer_types", None) or ()) == {"linear_attention"}
+
+
 def hf_greedy(model, ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
     """HF generate, greedy. A model whose every layer is recurrent (no attention layer) cannot use HF's cache
     (transformers 5.24: get_seq_length needs an attention layer): its tokens come from full forwards instead."""
     import torch
 
-    if set(getattr(model.config, "layer_types", None) or ["full_attention"]) == {"linear_attention"}:
+    if all_recurrent(model.config):
         seq = list(ids)
         with torch.no_grad():
             for _ in range(max_new_tokens):

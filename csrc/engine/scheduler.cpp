@@ -186,7 +186,7 @@ int32_t Scheduler::take_slot() {
   return states_->allocate();
 }
 
-void Scheduler::plan_fork_state_copies(Sequence* seq, BatchPlan& plan) {
+void Scheduler::plan_state_copies_at_fork_position(Sequence* seq, BatchPlan& plan) {
   // At position 0 the completions start from the zero state like any sequence: nothing to copy.
   if (!wants_state_at_fork_position(*seq) || seq->num_computed_tokens != fork_position(*seq)) return;
   if (seq->num_forks > 0 && !seq->fork_states_copied) {
@@ -220,8 +220,7 @@ int32_t Scheduler::match_prefix_with_state(Sequence* seq) {
         std::equal(it->second.tokens.begin(), it->second.tokens.end(), seq->tokens.begin()))
       candidates.emplace_back(j, key);
   }
-  const int32_t window = config_.attention_window_tokens;
-  const int32_t max_live = window > 0 ? (window - 1 + bs - 1) / bs : INT32_MAX;
+  const int32_t max_live = max_live_hit_blocks();
   int32_t limit = max_blocks;
   for (auto c = candidates.rbegin(); c != candidates.rend(); ++c) {
     if (c->first > limit) continue;
@@ -241,17 +240,21 @@ int32_t Scheduler::match_prefix_with_state(Sequence* seq) {
   return -1;
 }
 
+int32_t Scheduler::max_live_hit_blocks() const {
+  // A query at a block boundary reads the (W - 1 + bs - 1) / bs blocks before it: the matched ones before
+  // those are dead (num_dead_blocks() at num_computed_tokens = hits * bs) and never taken.
+  const int32_t window = config_.attention_window_tokens, bs = blocks_.block_size_tokens();
+  return window > 0 ? (window - 1 + bs - 1) / bs : INT32_MAX;
+}
+
 void Scheduler::match_prefix(Sequence* seq) {
   if (!config_.enable_prefix_caching || has_state() || seq->params.reads_prompt_rows() || !seq->block_table.empty())
     return;
   const int32_t bs = blocks_.block_size_tokens();
   const int32_t max_blocks = (seq->num_tokens() - 1) / bs;
-  // A query at a block boundary reads the (W - 1 + bs - 1) / bs blocks before it: the matched ones before
-  // those are dead (num_dead_blocks() at num_computed_tokens = hits * bs) and never taken.
-  const int32_t window = config_.attention_window_tokens;
-  const int32_t max_live = window > 0 ? (window - 1 + bs - 1) / bs : INT32_MAX;
   uint64_t key = 0;
-  const int32_t hits = blocks_.match_prefix(seq->tokens.data(), max_blocks, seq->block_table, &key, max_live);
+  const int32_t hits =
+      blocks_.match_prefix(seq->tokens.data(), max_blocks, seq->block_table, &key, max_live_hit_blocks());
   seq->num_computed_tokens = hits * bs;
   seq->num_keyed_blocks = hits;
   seq->last_block_key = key;
@@ -325,7 +328,7 @@ BatchPlan Scheduler::schedule() {
     if (chunk <= 0) continue;
     if (!reserve(seq, seq->num_computed_tokens + chunk, plan)) continue;
     if (!is_decode) budget -= chunk;
-    plan_fork_state_copies(seq, plan);
+    plan_state_copies_at_fork_position(seq, plan);
     plan.seqs.push_back({seq, seq->num_computed_tokens, chunk, is_last_chunk_sampled(*seq, chunk)});
   }
 
@@ -358,7 +361,7 @@ BatchPlan Scheduler::schedule() {
       seq->state_slot = take_slot();
       for (int32_t k = 0; k < seq->num_forks; ++k) seq->fork_state_slots.push_back(take_slot());
       if (snapshot >= 0) plan.state_copies.push_back({snapshot, seq->state_slot});
-      plan_fork_state_copies(seq, plan);  // a hit may start right at the fork position
+      plan_state_copies_at_fork_position(seq, plan);  // a hit may start right at the fork position
     }
     waiting_.pop_front();
     seq->state = SeqState::kRunning;

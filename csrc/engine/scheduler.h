@@ -158,7 +158,9 @@ class Scheduler {
   // the step that starts from there copies the state into their slots first.
   bool wants_state_at_fork_position(const Sequence& seq) const;
   int32_t cap_at_fork_position(const Sequence& seq, int32_t chunk) const;
-  void plan_fork_state_copies(Sequence* seq, BatchPlan& plan);
+  void plan_state_copies_at_fork_position(Sequence* seq, BatchPlan& plan);
+  // Blocks behind the window a prefix hit's first query never reads are not taken: the most it takes live.
+  int32_t max_live_hit_blocks() const;
   // A free state slot, taking the least recently used snapshot's when none is free. Requires can_take_slots(1).
   int32_t take_slot();
   bool can_take_slots(int32_t n) const { return n <= states_->num_free_slots() + (int32_t)snapshots_.size(); }

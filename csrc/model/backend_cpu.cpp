@@ -167,7 +167,6 @@ class CpuBackend final : public Backend {
   }
 
   void configure_state(const std::vector<RecurrentSpec>& layers) override {
-    state_layers_ = layers;
     state_layer_offset_.assign(1, 0);
     for (const RecurrentSpec& r : layers) {
       const int64_t floats = (int64_t)(r.conv_kernel - 1) * r.conv_dim() + r.value_dim() * r.k_head_dim;
@@ -310,13 +309,9 @@ class CpuBackend final : public Backend {
     }
     ops::gated_delta_rule(x, x + KD, x + 2 * KD, P, g, beta, recurrent_seqs_.data(), n, r.num_k_heads, r.num_v_heads,
                           r.k_head_dim, r.v_head_dim, f32(out), VD);
-    // gated RMSNorm per value head: norm(o) * w * silu(z)
+    // gated RMSNorm per value head: norm(o) * w * silu(z), z read in place in each row of proj
     ops::rmsnorm(f32(out), view(*r.norm), r.norm_eps, rows * Hv, r.v_head_dim, f32(out));
-    for (int64_t t = 0; t < rows; ++t) {
-      const float* z = x + t * P + C;
-      float* o = f32(out) + t * VD;
-      for (int64_t i = 0; i < VD; ++i) o[i] *= z[i] / (1.0f + std::exp(-z[i]));
-    }
+    for (int64_t t = 0; t < rows; ++t) ops::silu_mul(x + t * P + C, f32(out) + t * VD, 1, VD, f32(out) + t * VD);
   }
 
   void sigmoid_gate(void* x, const void* gate, int64_t rows, int64_t dim) override {
@@ -476,7 +471,6 @@ class CpuBackend final : public Backend {
   // Recurrent-state pool: num_state_slots_ slots of every recurrent layer's state (state_layer_offset_[i]: floats
   // before layer i's part of a slot: its convolution window [kernel - 1, conv_dim], then its [Hv, Dk, Dv]
   // matrices), zero-filled on first touch.
-  std::vector<RecurrentSpec> state_layers_;
   std::vector<int64_t> state_layer_offset_{0};
   float* state_pool_ = nullptr;
   int64_t state_pool_bytes_ = 0;

@@ -14,7 +14,8 @@ namespace lmkit {
 
 // Decides the KV pool's block count once the weights are packed, from what only the C++ side knows: the
 // bytes of one block, the bytes held beside the pool (the packed linear weights and the recurrent-state pool),
-// the resolved session_len and, on CUDA, the GPU memory still free for it (0 on the CPU). The policy lives in one place, lmkit/memory.py (plan_kv_pool, plan_cuda_kv_pool).
+// the resolved session_len and, on CUDA, the GPU memory still free for it (0 on the CPU). The policy lives in
+// one place, lmkit/memory.py (plan_kv_pool, plan_cuda_kv_pool).
 // What it throws ends create_engine.
 using KVPoolSizer = std::function<int32_t(int64_t kv_bytes_per_block, int64_t resident_bytes,
                                           int32_t session_len, int64_t device_free_bytes)>;

@@ -24,7 +24,7 @@ import torch
 from lmkit import EngineConfig, GenerationConfig, pipeline
 from tests.factories import ARCH_CASES as CASES
 from tests.factories import Case, build_case
-from tests.helpers import fake_quant, hf_greedy
+from tests.helpers import all_recurrent, fake_quant, hf_greedy
 
 NEW_TOKENS = 24  # the 9-token prompt crosses every sliding window below during decode
 SHARED_PREFIX_TOKENS = 40  # > two 16-token KV blocks
@@ -216,7 +216,7 @@ def test_kv_quantized_matches_fake_quant_reference(arch: Built, bits: int):
         with torch.no_grad():
             fp = arch.ref(torch.tensor([full])).logits[0, :-1].numpy()
         bound = 2e-3 if bits == 8 else 1e-2
-        if set(arch.case.kwargs.get("layer_types") or ()) == {"linear_attention"}:
+        if all_recurrent(arch.ref.config):
             # no layer keeps K/V: quant_policy changes nothing, the logits are the fp model's
             err = row_rel_err(r.logits, fp)
             assert err.max() <= REL_TOL, f"{arch.name}: int{bits} KV without a KV layer: rel err {err.max():.3g}"

@@ -116,12 +116,12 @@ inline void for_each_vector(int64_t total, const F& f) {
   });
 }
 
-// silu(g) * u = g * (1 / (1 + exp(-g))) * u, the reciprocal by vrcp (a division costs twice the rest)
+// silu(g) = g * (1 / (1 + exp(-g))), the reciprocal by vrcp (a division costs twice the rest)
+inline V vsilu(V g) { return g * vrcp(vset1(1.0f) + vexp(vzero() - g)); }
+
 void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out) {
-  const V one = vset1(1.0f);
   for_each_vector(n * inter, [=](int64_t i, int r) {
-    const V g = vload_r(gate + i, r), u = vload_r(up + i, r);
-    vstore_r(out + i, g * vrcp(one + vexp(vzero() - g)) * u, r);
+    vstore_r(out + i, vsilu(vload_r(gate + i, r)) * vload_r(up + i, r), r);
   });
 }
 

@@ -11,7 +11,6 @@ void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* 
   int64_t rows = 0;
   for (int32_t s = 0; s < num_seqs; ++s) rows += seqs[s].num_rows;
   parallel_for(num_seqs * runs, 1, worth_threads(rows * channels * K), [&](int64_t i0, int64_t i1) {
-    const V one = vset1(1.0f);
     for (int64_t i = i0; i < i1; ++i) {
       const RecurrentSeq& sq = seqs[i / runs];
       const int64_t c_begin = (i % runs) * kRun, c_end = c_begin + kRun < channels ? c_begin + kRun : channels;
@@ -27,7 +26,7 @@ void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* 
           for (int j = 0; j + 1 < K; ++j) y = vfma(taps[j], hist[j], y);
           for (int j = 0; j + 2 < K; ++j) hist[j] = hist[j + 1];
           if (K > 1) hist[K - 2] = in;
-          vstore_r(row, y * vrcp(one + vexp(vzero() - y)), r);
+          vstore_r(row, vsilu(y), r);
         }
         for (int j = 0; j + 1 < K; ++j) vstore_r(sq.conv_state + j * channels + c, hist[j], r);
       }

@@ -48,7 +48,7 @@ def ray_cluster():
     import ray
     from ray import serve
 
-    port, http_port = free_port(), free_port()
+    port = free_port()
     metrics_ports = [free_port(), free_port()]  # each node's metrics agent (Prometheus text)
     node = ["--num-cpus", "1", "--object-store-memory", str(80 * 2**20), "--disable-usage-stats",
             "--node-ip-address", "127.0.0.1"]
@@ -57,6 +57,9 @@ def ray_cluster():
     try:
         ray_command("start", "--address", f"127.0.0.1:{port}", "--metrics-export-port", str(metrics_ports[1]), *node)
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
+        # picked only now: the two nodes' processes took their ephemeral ports meanwhile (a port picked before
+        # `ray start` was once taken by one of them, and Serve's proxy could not bind it)
+        http_port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         yield {"address": f"127.0.0.1:{port}", "url": f"http://127.0.0.1:{http_port}",
                "metrics": [f"http://127.0.0.1:{p}/metrics" for p in metrics_ports]}
