@@ -208,6 +208,8 @@ SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_attention
 QWEN3_5 = dict(SMALL, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel_dim=4,
                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})
+QWEN3_5_MOE = {**{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}, "num_experts": 6,
+               "num_experts_per_tok": 2, "moe_intermediate_size": 40, "shared_expert_intermediate_size": 56}
 
 ARCH_CASES: dict[str, Case] = {
     # ---- what the engine runs before issue 22 (must keep passing)
@@ -307,6 +309,13 @@ ARCH_CASES: dict[str, Case] = {
     "qwen3_5_all_full_tied": Case("Qwen3_5TextConfig", dict(QWEN3_5, num_hidden_layers=2, tie_word_embeddings=True,
                                                             layer_types=["full_attention"] * 2),
                                   seed=52, norm_offset=1.0, plain_norms=("linear_attn.norm",)),
+    # every MLP a mixture of experts with a gated shared expert (no intermediate_size); Qwen3-Next: its fused,
+    # key-head-grouped input projections, a dense layer (mlp_only_layers) and top-k without renormalizing
+    "qwen3_5_moe": Case("Qwen3_5MoeTextConfig", dict(QWEN3_5_MOE, num_hidden_layers=4), seed=56, norm_offset=1.0,
+                        plain_norms=("linear_attn.norm",), expect={"shared_expert_intermediate_size": 56}),
+    "qwen3_next": Case("Qwen3NextConfig", dict(QWEN3_5_MOE, num_hidden_layers=4, intermediate_size=88,
+                                               mlp_only_layers=[1], norm_topk_prob=False), seed=59, norm_offset=1.0,
+                       plain_norms=("linear_attn.norm",), expect={"mlp_only_layers": [1], "norm_topk_prob": False}),
 }
 
 

@@ -172,6 +172,10 @@ class Backend {
   virtual void sigmoid_gate(void* x, const void* gate, int64_t rows, int64_t dim) {
     LMKIT_CHECK(false, name(), " backend has no attention output gate");
   }
+  // out[r] += sigmoid(gate[r]) * x[r]: a gate of one column per row             out, x: [rows, dim]; gate: [rows, 1]
+  virtual void add_sigmoid_gated(void* out, const void* x, const void* gate, int64_t rows, int64_t dim) {
+    LMKIT_CHECK(false, name(), " backend has no shared experts");
+  }
   // out[rows, inter] = act(gate) * up from gate_up [rows, 2 inter] (gate | up per row); out may alias gate_up.
   virtual void gated_activation(void* gate_up, int64_t rows, int64_t inter, Activation act, void* out) = 0;
   // Mixture of experts: out[rows, hidden] = sum over each row's top_k experts (router softmax, model/moe_routing.h)

@@ -320,6 +320,15 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < rows * dim; ++i) o[i] *= 1.0f / (1.0f + std::exp(-gt[i]));
   }
 
+  void add_sigmoid_gated(void* out, const void* x, const void* gate, int64_t rows, int64_t dim) override {
+    for (int64_t t = 0; t < rows; ++t) {
+      const float s = 1.0f / (1.0f + std::exp(-f32(gate)[t]));
+      const float* src = f32(x) + t * dim;
+      float* dst = f32(out) + t * dim;
+      for (int64_t c = 0; c < dim; ++c) dst[c] += s * src[c];
+    }
+  }
+
   void gated_activation(void* gate_up, int64_t rows, int64_t inter, Activation act, void* out) override {
     auto fn = act == Activation::kSilu ? ops::silu_mul : ops::gelu_tanh_mul;
     float* gu = f32(gate_up);

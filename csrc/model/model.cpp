@@ -57,6 +57,11 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
         l.moe.gate_up.push_back(b.pack_linear({&e.gate_proj, &e.up_proj}));
         l.moe.down.push_back(b.pack_linear({&e.down_proj}));
       }
+      if (c.shared_expert_intermediate_size > 0) {
+        l.shared_gate_up = b.pack_linear({&w.shared_expert.gate_proj, &w.shared_expert.up_proj});
+        l.shared_down = b.pack_linear({&w.shared_expert.down_proj});
+        l.shared_gate = b.pack_linear({&w.shared_expert_gate});
+      }
     } else {
       l.gate_up =
           w.gate_up_proj.is_empty() ? b.pack_linear({&w.gate_proj, &w.up_proj}) : b.pack_linear({&w.gate_up_proj});
@@ -112,10 +117,15 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   residual_ = b.allocate_activations(T, H);
   hidden_ = b.allocate_activations(T, H);
   int64_t wide = std::max<int64_t>(2 * (int64_t)c.intermediate_size, c.q_size() + 2 * c.kv_size());
+  wide = std::max<int64_t>(wide, 2 * (int64_t)c.shared_expert_intermediate_size);
   int64_t mixed = c.q_size();  // the token mixer's output: attention's, or a recurrent layer's (value_dim)
   for (const RecurrentSpec& r : recurrent) wide = std::max(wide, r.proj_dim()), mixed = std::max(mixed, r.value_dim());
   wide_ = b.allocate_activations(T, wide);
   attn_ = b.allocate_activations(T, mixed);
+  if (c.shared_expert_intermediate_size > 0) {
+    shared_ = b.allocate_activations(T, H);
+    shared_gate_ = b.allocate_activations(T, 1);
+  }
   if (c.attn_output_gate) gate_ = b.allocate_activations(T, c.q_size());
   head_residual_ = b.allocate_activations(G, H);
   head_hidden_ = b.allocate_activations(G, H);
@@ -127,17 +137,15 @@ int64_t DecoderModel::dense_weight_bytes() const {
   int64_t bytes = lm_head_.size_bytes;
   for (const Layer& l : layers_)
     for (const PackedLinear* w : {&l.qkv, &l.attn_gate, &l.o_proj, &l.gate_up, &l.down_proj, &l.recurrent_in,
-                                  &l.recurrent_out})
+                                  &l.recurrent_out, &l.shared_gate_up, &l.shared_down, &l.shared_gate})
       bytes += w->size_bytes;
   return bytes;
 }
 
 int64_t DecoderModel::linear_weight_bytes() const {
-  int64_t bytes = lm_head_.size_bytes;
+  int64_t bytes = dense_weight_bytes();
   for (const Layer& l : layers_) {
-    for (const PackedLinear* w : {&l.qkv, &l.attn_gate, &l.o_proj, &l.gate_up, &l.down_proj, &l.moe.router,
-                                  &l.recurrent_in, &l.recurrent_out})
-      bytes += w->size_bytes;
+    bytes += l.moe.router.size_bytes;
     for (const std::vector<PackedLinear>* ws : {&l.moe.gate_up, &l.moe.down})
       for (const PackedLinear& w : *ws) bytes += w.size_bytes;
   }
@@ -169,13 +177,24 @@ void DecoderModel::recurrent_block(int32_t l, int64_t rows, void* h) {
 
 void DecoderModel::mlp_block(int32_t l, int64_t rows, void* h) {
   const Layer& w = layers_[l];
-  if (!w.moe.router.is_empty()) {
-    step_expert_bytes_ += backend_->moe(h, rows, w.moe, moe_spec_, h);
+  if (w.moe.router.is_empty()) {
+    gated_mlp(h, rows, w.gate_up, w.down_proj, config_.intermediate_size, h);
     return;
   }
-  backend_->linear(h, rows, w.gate_up, wide_.get());
-  backend_->gated_activation(wide_.get(), rows, config_.intermediate_size, activation_, wide_.get());
-  backend_->linear(wide_.get(), rows, w.down_proj, h);
+  const bool shared = !w.shared_down.is_empty();
+  if (shared) {  // from h, before the routed experts overwrite it
+    gated_mlp(h, rows, w.shared_gate_up, w.shared_down, config_.shared_expert_intermediate_size, shared_.get());
+    backend_->linear(h, rows, w.shared_gate, shared_gate_.get());
+  }
+  step_expert_bytes_ += backend_->moe(h, rows, w.moe, moe_spec_, h);
+  if (shared) backend_->add_sigmoid_gated(h, shared_.get(), shared_gate_.get(), rows, config_.hidden_size);
+}
+
+void DecoderModel::gated_mlp(const void* h, int64_t rows, const PackedLinear& gate_up, const PackedLinear& down,
+                             int64_t inter, void* out) {
+  backend_->linear(h, rows, gate_up, wide_.get());
+  backend_->gated_activation(wide_.get(), rows, inter, activation_, wide_.get());
+  backend_->linear(wide_.get(), rows, down, out);
 }
 
 void DecoderModel::head(int64_t first, int64_t n) {

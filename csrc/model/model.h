@@ -49,6 +49,8 @@ class DecoderModel : public Executor {
   struct Layer {
     PackedLinear qkv, attn_gate, o_proj, gate_up, down_proj;  // attn_gate: the attention output gate, or empty
     PackedExperts moe;  // a mixture-of-experts layer's MLP (router non-empty), instead of gate_up / down_proj
+    // its shared expert (config shared_expert_intermediate_size), or empty: gate | up, down, and the [1, hidden] gate
+    PackedLinear shared_gate_up, shared_down, shared_gate;
     DeviceVector input_norm, post_attention_norm, pre_mlp_norm, post_mlp_norm, q_norm, k_norm;
     AttentionSpec attention;
     // a recurrent layer (is_recurrent) instead of attention: q | k | v | z | b | a in one linear, and out_proj
@@ -63,8 +65,11 @@ class DecoderModel : public Executor {
   void attention_block(int32_t l, int64_t rows, void* h);
   // h [rows, hidden] -> the Gated DeltaNet mixer of layer l -> h (out_proj applied)
   void recurrent_block(int32_t l, int64_t rows, void* h);
-  // h [rows, hidden] -> gated MLP of layer l (dense, or its mixture of experts) -> h
+  // h [rows, hidden] -> gated MLP of layer l (dense, or its mixture of experts and shared expert) -> h
   void mlp_block(int32_t l, int64_t rows, void* h);
+  // h [rows, hidden] -> the gated MLP gate_up, down (inter wide) -> out; h and out may alias
+  void gated_mlp(const void* h, int64_t rows, const PackedLinear& gate_up, const PackedLinear& down, int64_t inter,
+                 void* out);
 
   Backend& backend() { return *backend_; }
   void* residual() { return residual_.get(); }
@@ -86,8 +91,10 @@ class DecoderModel : public Executor {
   PackedLinear lm_head_;
   std::vector<RopeTable> rope_tables_;  // [0] global, [1] local
   ModelWeights weights_;                // keeps the mapped files of views still read (embedding)
-  // Workspaces, max_step_tokens rows (wide_: the fused q/k/v output, then gate | up); head: max_head_rows().
-  std::shared_ptr<void> residual_, hidden_, wide_, attn_, gate_, head_residual_, head_hidden_, logits_;
+  // Workspaces, max_step_tokens rows (wide_: the fused q/k/v output, then gate | up; shared_: the shared expert's
+  // output and its gate's [rows, 1]); head: max_head_rows().
+  std::shared_ptr<void> residual_, hidden_, wide_, attn_, gate_, shared_, shared_gate_, head_residual_, head_hidden_,
+      logits_;
 };
 
 // The family's model for config.family (registry.cpp); InvalidArgument listing the known families otherwise.

@@ -11,7 +11,6 @@ void ModelConfig::validate() const {
   const std::string& a = architecture;
   LMKIT_CHECK_ARG(vocab_size > 0, a, ": vocab_size must be > 0, got ", vocab_size);
   LMKIT_CHECK_ARG(hidden_size > 0, a, ": hidden_size must be > 0, got ", hidden_size);
-  LMKIT_CHECK_ARG(intermediate_size > 0, a, ": intermediate_size must be > 0, got ", intermediate_size);
   LMKIT_CHECK_ARG(num_layers > 0, a, ": num_hidden_layers must be > 0, got ", num_layers);
   LMKIT_CHECK_ARG(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0, a,
                   ": num_attention_heads (", num_heads, ") must be a positive multiple of num_key_value_heads (",
@@ -41,6 +40,10 @@ void ModelConfig::validate() const {
   }
   LMKIT_CHECK_ARG(layer_moe.empty() || (int32_t)layer_moe.size() == num_layers, a, ": layer_moe has ",
                   layer_moe.size(), " entries for ", num_layers, " layers");
+  bool any_dense = false;  // a layer with the dense MLP of intermediate_size (0 where every layer is MoE)
+  for (int32_t l = 0; l < num_layers; ++l) any_dense = any_dense || !is_moe_layer(l);
+  LMKIT_CHECK_ARG(intermediate_size > 0 || (!any_dense && intermediate_size == 0), a,
+                  ": intermediate_size must be > 0, got ", intermediate_size);
   LMKIT_CHECK_ARG(layer_recurrent.empty() || (int32_t)layer_recurrent.size() == num_layers, a,
                   ": layer_recurrent has ", layer_recurrent.size(), " entries for ", num_layers, " layers");
   if (num_recurrent_layers() > 0) {
@@ -62,6 +65,8 @@ void ModelConfig::validate() const {
     LMKIT_CHECK_ARG(moe_intermediate_size > 0, a, ": moe_intermediate_size must be > 0, got ",
                     moe_intermediate_size);
   }
+  LMKIT_CHECK_ARG(shared_expert_intermediate_size >= 0, a, ": shared_expert_intermediate_size must be >= 0, got ",
+                  shared_expert_intermediate_size);
 }
 
 int32_t ModelConfig::num_recurrent_layers() const {

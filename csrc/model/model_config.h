@@ -52,6 +52,9 @@ struct ModelConfig {
   int32_t moe_intermediate_size = 0;
   bool norm_topk_prob = false;
   std::vector<int32_t> layer_moe;
+  // > 0: every MoE layer also runs a shared expert, a gated MLP of this width every row takes, its output scaled
+  // by sigmoid(shared_expert_gate . x) and added to the routed experts' sum (Qwen3.5-MoE, Qwen3-Next). 0: none.
+  int32_t shared_expert_intermediate_size = 0;
   // Recurrent layers (Gated DeltaNet: Qwen3.5, Qwen3-Next). layer_recurrent[i] 1: layer i mixes tokens by the
   // gated delta rule over a per-sequence state (linear_* below; no KV cache) instead of self-attention. Empty: none.
   std::vector<int32_t> layer_recurrent;

@@ -216,6 +216,37 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   };
 
   auto has = [&](const std::string& role) { return sources.count(role) > 0 || is_int4(role); };
+  // The linear `role` [N, K] read as several: part j is its stored rows parts[j] in that order (together a
+  // permutation of the N rows). A checkpoint int4 layout reads each part's rows as needed; a float weight is
+  // reordered once and each part is a slice of the copy.
+  auto split_linear = [&](const std::string& role, int64_t N, int64_t K,
+                          const std::vector<std::vector<int32_t>>& parts) -> std::vector<LinearTensors> {
+    const LinearTensors whole = get_linear(role, N, K);
+    std::vector<LinearTensors> out;
+    const std::string what = config.architecture + ": " + role;
+    if (whole.is_int4() && !dtype_is_block(whole.weight.dtype)) {
+      for (const std::vector<int32_t>& rows : parts) {
+        out.push_back(whole);
+        out.back().int4_source = int4_rows(whole.int4_source, std::make_shared<std::vector<int32_t>>(rows));
+      }
+      return out;
+    }
+    LMKIT_CHECK_ARG(!whole.is_int8() && !dtype_is_block(whole.weight.dtype), what,
+                    ": splitting a fused projection with int8 or GGUF weights is not supported yet");
+    auto order = std::make_shared<std::vector<int32_t>>();
+    for (const std::vector<int32_t>& rows : parts) order->insert(order->end(), rows.begin(), rows.end());
+    w.owned.emplace_back();
+    const Tensor reordered = reorder_rows(whole.weight, order, w.owned.back());
+    int64_t first = 0;
+    for (const std::vector<int32_t>& rows : parts) {
+      Tensor t = reordered;
+      t.shape[0] = (int64_t)rows.size();
+      t.data = static_cast<uint8_t*>(reordered.data) + first * K * dtype_size_bytes(reordered.dtype);
+      out.push_back(single_tensor_linear(t, nullptr, what));
+      first += (int64_t)rows.size();
+    }
+    return out;
+  };
   const int64_t H = config.hidden_size, I = config.intermediate_size, V = config.vocab_size;
   const int64_t Q = config.q_size(), KV = config.kv_size(), D = config.head_dim;
   const bool is_gemma = config.family == "gemma";
@@ -237,6 +268,12 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
         ex.down_proj = get_linear(x + "down_proj", H, MI);
         l.experts.push_back(std::move(ex));
       }
+      if (const int64_t SI = config.shared_expert_intermediate_size; SI > 0) {
+        l.shared_expert.gate_proj = get_linear(p + "shared_expert.gate_proj", SI, H);
+        l.shared_expert.up_proj = get_linear(p + "shared_expert.up_proj", SI, H);
+        l.shared_expert.down_proj = get_linear(p + "shared_expert.down_proj", H, SI);
+        l.shared_expert_gate = get_linear(p + "shared_expert_gate", 1, H);
+      }
     } else {
       if (has(p + "gate_up_proj")) {
         l.gate_up_proj = get_linear(p + "gate_up_proj", 2 * I, H);
@@ -250,10 +287,33 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   auto load_recurrent = [&](const std::string& p, LayerWeights& l) {
     const int64_t KD = config.linear_key_dim(), VD = config.linear_value_dim(), HV = config.linear_num_value_heads;
     const int64_t C = config.linear_conv_dim(), K = config.linear_conv_kernel;
-    l.in_proj_qkv = get_linear(p + "in_proj_qkv", 2 * KD + VD, H);
-    l.in_proj_z = get_linear(p + "in_proj_z", VD, H);
-    l.in_proj_b = get_linear(p + "in_proj_b", HV, H);
-    l.in_proj_a = get_linear(p + "in_proj_a", HV, H);
+    if (has(p + "in_proj_qkvz")) {
+      // Qwen3-Next: in_proj_qkvz holds per key head g its q rows, k rows, then its r = Hv / Hk value heads' v rows
+      // and z rows; in_proj_ba per key head its r b rows, then r a rows. Read as the q | k | v, z, b, a above.
+      const int64_t HK = config.linear_num_key_heads, DK = config.linear_key_head_dim;
+      const int64_t RV = HV / HK * config.linear_value_head_dim, R = HV / HK, block = 2 * DK + 2 * RV;
+      std::vector<int32_t> q, k, v, z, b, a;
+      auto rows = [](std::vector<int32_t>& to, int64_t first, int64_t n) {
+        for (int64_t r = 0; r < n; ++r) to.push_back((int32_t)(first + r));
+      };
+      for (int64_t g = 0; g < HK; ++g) {
+        rows(q, g * block, DK), rows(k, g * block + DK, DK);
+        rows(v, g * block + 2 * DK, RV), rows(z, g * block + 2 * DK + RV, RV);
+        rows(b, g * 2 * R, R), rows(a, g * 2 * R + R, R);
+      }
+      std::vector<int32_t> qkv = q;
+      qkv.insert(qkv.end(), k.begin(), k.end());
+      qkv.insert(qkv.end(), v.begin(), v.end());
+      std::vector<LinearTensors> qkvz = split_linear(p + "in_proj_qkvz", HK * block, H, {qkv, z});
+      std::vector<LinearTensors> ba = split_linear(p + "in_proj_ba", 2 * HV, H, {b, a});
+      l.in_proj_qkv = std::move(qkvz[0]), l.in_proj_z = std::move(qkvz[1]);
+      l.in_proj_b = std::move(ba[0]), l.in_proj_a = std::move(ba[1]);
+    } else {
+      l.in_proj_qkv = get_linear(p + "in_proj_qkv", 2 * KD + VD, H);
+      l.in_proj_z = get_linear(p + "in_proj_z", VD, H);
+      l.in_proj_b = get_linear(p + "in_proj_b", HV, H);
+      l.in_proj_a = get_linear(p + "in_proj_a", HV, H);
+    }
     l.out_proj = get_linear(p + "out_proj", H, VD);
     l.conv1d = get_stored(p + "conv1d");
     LMKIT_CHECK_ARG(!l.conv1d.is_empty() && l.conv1d.shape[0] == C && l.conv1d.numel() == C * K &&
@@ -286,29 +346,15 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
                     ": an attention output gate needs a separate q_proj");
     if (config.attn_output_gate) {
       // q_proj [heads, 2, head_dim] rows: each head's query, then its gate. Split into two [q_size, hidden] weights.
-      auto order = std::make_shared<std::vector<int32_t>>();  // all query rows, then all gate rows
-      for (int32_t part = 0; part < 2; ++part)
-        for (int64_t h = 0; h < config.num_heads; ++h)
-          for (int64_t d = 0; d < D; ++d) order->push_back((int32_t)(h * 2 * D + part * D + d));
-      auto half = [&](int32_t part) {
-        return std::make_shared<std::vector<int32_t>>(order->begin() + part * Q, order->begin() + (part + 1) * Q);
-      };
-      const LinearTensors both = get_linear(p + "q_proj", 2 * Q, H);
-      if (both.is_int4() && !dtype_is_block(both.weight.dtype)) {  // a checkpoint int4 layout: rows read as needed
-        l.q_proj = l.attn_gate = both;
-        l.q_proj.int4_source = int4_rows(both.int4_source, half(0));
-        l.attn_gate.int4_source = int4_rows(both.int4_source, half(1));
-      } else {
-        LMKIT_CHECK_ARG(!both.is_int8() && !dtype_is_block(both.weight.dtype), config.architecture, ": ", p,
-                        "q_proj: an attention output gate with int8 or GGUF weights is not supported yet");
-        w.owned.emplace_back();
-        const Tensor reordered = reorder_rows(both.weight, order, w.owned.back());
-        Tensor q = reordered, gate = reordered;
-        q.shape[0] = gate.shape[0] = Q;
-        gate.data = static_cast<uint8_t*>(reordered.data) + Q * H * dtype_size_bytes(reordered.dtype);
-        l.q_proj = single_tensor_linear(q, nullptr, config.architecture + ": " + p + "q_proj");
-        l.attn_gate = single_tensor_linear(gate, nullptr, config.architecture + ": " + p + "q_proj (gate)");
-      }
+      std::vector<int32_t> query, gate;
+      for (int64_t h = 0; h < config.num_heads; ++h)
+        for (int64_t d = 0; d < D; ++d) {
+          query.push_back((int32_t)(h * 2 * D + d));
+          gate.push_back((int32_t)(h * 2 * D + D + d));
+        }
+      std::vector<LinearTensors> parts = split_linear(p + "q_proj", 2 * Q, H, {query, gate});
+      l.q_proj = std::move(parts[0]);
+      l.attn_gate = std::move(parts[1]);
       l.k_proj = get_linear(p + "k_proj", KV, H, k_rows);
       l.v_proj = get_linear(p + "v_proj", KV, H);
     } else if (has(p + "qkv_proj")) {

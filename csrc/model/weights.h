@@ -90,6 +90,8 @@ struct LayerWeights {
   };
   LinearTensors router;                 // [num_experts, hidden]
   std::vector<Expert> experts;
+  Expert shared_expert;                 // [shared_inter, hidden] x2, [hidden, shared_inter] (config: > 0), or empty
+  LinearTensors shared_expert_gate;     // [1, hidden]: the shared expert's sigmoid gate
   // A Gated DeltaNet layer (ModelConfig::is_recurrent_layer) has these instead of attention's:
   LinearTensors in_proj_qkv;            // [2 key_dim + value_dim, hidden]: q | k | v
   LinearTensors in_proj_z;              // [value_dim, hidden]: the output gate
@@ -102,6 +104,9 @@ struct LayerWeights {
     std::vector<const LinearTensors*> all = {&qkv_proj, &q_proj, &k_proj,       &v_proj,  &o_proj,
                                              &gate_up_proj, &gate_proj, &up_proj, &down_proj, &router,
                                              &in_proj_qkv, &in_proj_z, &in_proj_b, &in_proj_a, &out_proj};
+    for (const LinearTensors* t :
+         {&shared_expert.gate_proj, &shared_expert.up_proj, &shared_expert.down_proj, &shared_expert_gate})
+      all.push_back(t);
     for (const Expert& e : experts)
       for (const LinearTensors* t : {&e.gate_proj, &e.up_proj, &e.down_proj}) all.push_back(t);
     return all;
@@ -121,7 +126,8 @@ struct ModelWeights {
   // input_norm, pre_mlp_norm (always), post_attention_norm, post_mlp_norm (family "gemma"), q_norm, k_norm
   // (has_qk_norm), q_proj, k_proj, v_proj or qkv_proj, q_bias, k_bias, v_bias (has_qkv_bias), o_proj,
   // gate_proj, up_proj or gate_up_proj, down_proj; in a mixture-of-experts layer instead router and
-  // "experts.{e}." + gate_proj, up_proj, down_proj for every expert e; in a recurrent layer instead of the
+  // "experts.{e}." + gate_proj, up_proj, down_proj for every expert e (and with shared_expert_intermediate_size
+  // "shared_expert." + gate_proj, up_proj, down_proj and shared_expert_gate); in a recurrent layer instead of the
   // attention roles in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj, conv1d, dt_bias, A_log, linear_norm.
   // With attn_output_gate, q_proj is [2 q_size, hidden] (each head's query rows, then its gate rows).
   // An int4 linear (config.int4_layout set) comes as "<role>.values", "<role>.zeros", "<role>.scales" and

@@ -114,6 +114,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("num_experts_per_tok", &ModelConfig::num_experts_per_tok)
       .def_readwrite("moe_intermediate_size", &ModelConfig::moe_intermediate_size)
       .def_readwrite("norm_topk_prob", &ModelConfig::norm_topk_prob)
+      .def_readwrite("shared_expert_intermediate_size", &ModelConfig::shared_expert_intermediate_size)
       .def_readwrite("layer_moe", &ModelConfig::layer_moe)
       .def_readwrite("layer_recurrent", &ModelConfig::layer_recurrent)
       .def_readwrite("linear_num_key_heads", &ModelConfig::linear_num_key_heads)

@@ -62,6 +62,8 @@ class ModelFields:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     layer_moe: list[int] = field(default_factory=list)
+    shared_expert_intermediate_size: int = 0
+    """> 0: each MoE layer also has a shared expert of this width, gated by sigmoid(shared_expert_gate . x)."""
     layer_recurrent: list[int] = field(default_factory=list)
     """Per layer: 1 a recurrent (Gated DeltaNet) layer over a per-sequence state, 0 self-attention; empty: none.
     Its shape: the linear_* fields (key / value heads and head dims, the short convolution's taps)."""

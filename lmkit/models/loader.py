@@ -19,9 +19,9 @@ _PLAIN_ENGINE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_l
                         "head_dim", "rms_norm_eps", "norm_weight_offset", "embed_scale", "hidden_act", "attn_scale",
                         "attn_logit_softcap", "final_logit_softcap", "has_qkv_bias", "has_qk_norm", "rotary_dim",
                         "tie_word_embeddings", "max_position_embeddings", "qk_norm_whole", "num_experts",
-                        "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "linear_num_key_heads",
-                        "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                        "linear_conv_kernel", "attn_output_gate")
+                        "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                        "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+                        "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel", "attn_output_gate")
 # checkpoint tensors that are not weights (rotary buffers some exporters save)
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 

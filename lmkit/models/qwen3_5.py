@@ -67,18 +67,24 @@ ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None,
 # config under text_config, beside a vision tower (left unread: lmkit serves text) and the multi-token-prediction
 # head (mtp.*: read by nobody yet; speculative decoding will).
 NAME_MULTIMODAL = "Qwen3_5ForConditionalGeneration"
-MULTIMODAL_KEY_MAP = {role: key.replace("model.", "model.language_model.", 1) if key.startswith("model.") else key
-                      for role, key in KEY_MAP.items()}
 
 
-def read_multimodal_config(c: HfConfig) -> ModelFields:
-    text = c.get("text_config")
-    if not isinstance(text, dict):
-        raise c.error("text_config", "it must be the text model's config (a JSON object)")
-    fields = read_config(HfConfig(text, DEFAULTS, c.architecture))
-    fields.tie_word_embeddings = bool(c.raw.get("tie_word_embeddings", fields.tie_word_embeddings))
-    return fields
+def multimodal_architecture(name: str, text: Architecture) -> Architecture:
+    """The ``name``ForConditionalGeneration checkpoint of a text architecture ``text``: its tensors under
+    model.language_model, its config under text_config; the vision tower and the MTP head left unread."""
+    key_map = {role: key.replace("model.", "model.language_model.", 1) if key.startswith("model.") else key
+               for role, key in text.key_map.items()}
+
+    def read_multimodal_config(c: HfConfig) -> ModelFields:
+        cfg = c.get("text_config")
+        if not isinstance(cfg, dict):
+            raise c.error("text_config", "it must be the text model's config (a JSON object)")
+        fields = text.read_config(HfConfig(cfg, text.config_defaults, c.architecture))
+        fields.tie_word_embeddings = bool(c.raw.get("tie_word_embeddings", fields.tie_word_embeddings))
+        return fields
+
+    return Architecture(name, text.family, key_map, read_multimodal_config, text.config_defaults, None,
+                        kv_calib=None, unused_tensors=("model.visual.", "mtp."))
 
 
-MULTIMODAL_ARCHITECTURE = Architecture(NAME_MULTIMODAL, "llama", MULTIMODAL_KEY_MAP, read_multimodal_config, DEFAULTS,
-                                       None, kv_calib=None, unused_tensors=("model.visual.", "mtp."))
+MULTIMODAL_ARCHITECTURE = multimodal_architecture(NAME_MULTIMODAL, ARCHITECTURE)

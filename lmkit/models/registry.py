@@ -3,8 +3,8 @@ line here; the engine (loader) and lite (AWQ maps, KV calibration hooks) both re
 
 from __future__ import annotations
 
-from lmkit.models import gemma2, gemma3, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen3, qwen3_5, qwen3_moe, \
-    smollm3
+from lmkit.models import gemma2, gemma3, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen3, qwen3_5, qwen3_5_moe, \
+    qwen3_moe, qwen3_next, smollm3
 from lmkit.models.architecture import Architecture
 from lmkit.models.awq_map import AwqMap
 
@@ -22,6 +22,9 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     olmoe.ARCHITECTURE,
     qwen3_5.ARCHITECTURE,
     qwen3_5.MULTIMODAL_ARCHITECTURE,
+    qwen3_5_moe.ARCHITECTURE,
+    qwen3_5_moe.MULTIMODAL_ARCHITECTURE,
+    qwen3_next.ARCHITECTURE,
 )}
 
 

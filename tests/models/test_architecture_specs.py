@@ -309,7 +309,9 @@ def test_config_defaults_are_the_config_classes(tmp_path):
                "Phi3ForCausalLM": "Phi3Config", "SmolLM3ForCausalLM": "SmolLM3Config",
                "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "MixtralForCausalLM": "MixtralConfig",
                "OlmoeForCausalLM": "OlmoeConfig", "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
-               "Qwen3_5ForConditionalGeneration": "Qwen3_5TextConfig"}
+               "Qwen3_5ForConditionalGeneration": "Qwen3_5TextConfig",
+               "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
+               "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeTextConfig", "Qwen3NextForCausalLM": "Qwen3NextConfig"}
     assert set(classes) == set(ARCHITECTURES)
     for name, arch in ARCHITECTURES.items():
         cls = getattr(transformers, classes[name])

@@ -1,8 +1,9 @@
-"""Qwen3.5 as Qwen ships it: Qwen3_5ForConditionalGeneration, the text model under model.language_model with its
-config under text_config, a vision tower and a multi-token-prediction head beside it. The engine serves the text
-model: its logits equal HF's (the multimodal class, fp32, text input) within 1e-4; the vision and MTP tensors are
-left unread, and a tensor that is neither still fails the load naming it. (The hybrid layers themselves are
-covered per layer kind in tests/models/test_architectures.py and tests/engine/test_recurrent_state.py.)"""
+"""Qwen3.5 as Qwen ships it: Qwen3_5ForConditionalGeneration (and Qwen3_5MoeForConditionalGeneration), the
+text model under model.language_model with its config under text_config, a vision tower and a
+multi-token-prediction head beside it. The engine serves the text model: its logits equal HF's (the multimodal
+class, fp32, text input) within 1e-4; the vision and MTP tensors are left unread, and a tensor that is neither
+still fails the load naming it. (The hybrid layers themselves are covered per layer kind in
+tests/models/test_architectures.py and tests/engine/test_recurrent_state.py.)"""
 
 from __future__ import annotations
 
@@ -14,36 +15,41 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmkit import EngineConfig, GenerationConfig, pipeline
-from tests.factories import QWEN3_5, TOKEN_IDS, _init_weights, write_byte_tokenizer
+from tests.factories import QWEN3_5, QWEN3_5_MOE, TOKEN_IDS, _init_weights, write_byte_tokenizer
 
 VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
               spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
 
 
-@pytest.fixture(scope="module")
-def multimodal(tmp_path_factory):
+def _build_multimodal(folder, config_class: str, text: dict, seed: int):
+    """A ForConditionalGeneration checkpoint of config_class with the MTP tensor Qwen's checkpoints carry
+    (transformers drops it on load), and its fp32 HF model."""
     import transformers
 
-    folder = tmp_path_factory.mktemp("qwen3_5_vl")
-    text = dict(QWEN3_5, num_hidden_layers=4, max_position_embeddings=512, **TOKEN_IDS)
-    config = transformers.Qwen3_5Config(text_config=text, vision_config=VISION)
-    torch.manual_seed(54)
-    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    config = getattr(transformers, config_class)(text_config=text, vision_config=VISION)
+    model_class = getattr(transformers, config_class.replace("Config", "ForConditionalGeneration"))
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
     _init_weights(model, 1.0, ("linear_attn.norm",))
     model.save_pretrained(str(folder))
     write_byte_tokenizer(folder)
-    # the MTP head Qwen's checkpoints carry (transformers drops it on load)
     shard = folder / "model.safetensors"
     tensors = load_file(str(shard))
     tensors["mtp.fc.weight"] = torch.randn(64, 128)
     save_file(tensors, str(shard), metadata={"format": "pt"})
-    ref = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
+    return model_class.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def multimodal(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3_5_vl")
+    ref = _build_multimodal(folder, "Qwen3_5Config", dict(QWEN3_5, num_hidden_layers=4, max_position_embeddings=512,
+                                                          **TOKEN_IDS), seed=54)
     return folder, ref
 
 
-def test_text_logits_match_hf(multimodal):
-    folder, ref = multimodal
-    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+def _assert_text_logits_match_hf(folder, ref, architecture: str):
+    assert json.loads((folder / "config.json").read_text())["architectures"] == [architecture]
     rng = np.random.default_rng(55)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (7, 40)]
     gen = GenerationConfig(max_new_tokens=10, output_logits=True, ignore_eos=True)
@@ -56,6 +62,17 @@ def test_text_logits_match_hf(multimodal):
             want = ref(input_ids=torch.tensor([full])).logits[0, :-1].numpy()
         err = np.linalg.norm(r.logits - want, axis=-1) / np.linalg.norm(want, axis=-1)
         assert err.max() <= 1e-4, f"{len(prompt)}-token prompt: worst row rel err {err.max():.3g}"
+
+
+def test_text_logits_match_hf(multimodal):
+    _assert_text_logits_match_hf(*multimodal, "Qwen3_5ForConditionalGeneration")
+
+
+def test_moe_text_logits_match_hf(tmp_path):
+    """Qwen3.5-MoE as shipped (Qwen3_5MoeForConditionalGeneration): routed and shared experts on every layer."""
+    text = dict(QWEN3_5_MOE, num_hidden_layers=4, max_position_embeddings=512, **TOKEN_IDS)
+    ref = _build_multimodal(tmp_path, "Qwen3_5MoeConfig", text, seed=58)
+    _assert_text_logits_match_hf(tmp_path, ref, "Qwen3_5MoeForConditionalGeneration")
 
 
 def test_a_tensor_of_no_known_part_still_fails_the_load(multimodal, tmp_path):

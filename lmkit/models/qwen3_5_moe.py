@@ -1,0 +1,43 @@
+"""Qwen3.5 / Qwen3.6 mixture of experts (Qwen3_5MoeForCausalLM, and the text model of
+Qwen3_5MoeForConditionalGeneration: Qwen3.5-35B-A3B ... 397B-A17B): Qwen3.5's hybrid of Gated DeltaNet and gated
+full-attention layers (lmkit/models/qwen3_5.py), with every layer's MLP a mixture of experts: a softmax router
+whose top-k probabilities are renormalized to sum 1, and a shared expert every token takes, scaled by
+sigmoid(shared_expert_gate . x) and added to the routed sum. There is no dense MLP (no intermediate_size)."""
+
+from __future__ import annotations
+
+from lmkit.models import qwen3_5
+from lmkit.models.architecture import Architecture, HfConfig, ModelFields
+from lmkit.models.llama import layer_keys
+from lmkit.models.moe import moe_keys
+
+NAME = "Qwen3_5MoeForCausalLM"
+SHARED_EXPERT_LAYER = {
+    "shared_expert.gate_proj": "mlp.shared_expert.gate_proj.weight",
+    "shared_expert.up_proj": "mlp.shared_expert.up_proj.weight",
+    "shared_expert.down_proj": "mlp.shared_expert.down_proj.weight",
+    "shared_expert_gate": "mlp.shared_expert_gate.weight",
+}
+KEY_MAP = {**qwen3_5.KEY_MAP, **moe_keys("mlp"), **layer_keys(SHARED_EXPERT_LAYER)}
+# transformers.Qwen3_5MoeTextConfig's defaults of the fields read here (intermediate_size: it has none, every MLP
+# being a mixture of experts; 0 tells the engine so)
+DEFAULTS = {**qwen3_5.DEFAULTS, "intermediate_size": 0, "num_experts": 256, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
+
+
+def read_config(c: HfConfig) -> ModelFields:
+    fields = qwen3_5.read_config(c)
+    fields.num_experts = int(c.require("num_experts"))
+    fields.num_experts_per_tok = int(c.require("num_experts_per_tok"))
+    fields.moe_intermediate_size = int(c.require("moe_intermediate_size"))
+    fields.shared_expert_intermediate_size = int(c.require("shared_expert_intermediate_size"))
+    if fields.shared_expert_intermediate_size <= 0:
+        raise c.error("shared_expert_intermediate_size", "every Qwen3.5-MoE layer has a shared expert (> 0)")
+    fields.norm_topk_prob = True  # Qwen3_5MoeTopKRouter always renormalizes
+    fields.layer_moe = [1] * fields.num_layers
+    return fields
+
+
+# AWQ and KV calibration have no table for the hybrid layers yet: `lmkit lite` refuses it by name.
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None, kv_calib=None)
+MULTIMODAL_ARCHITECTURE = qwen3_5.multimodal_architecture("Qwen3_5MoeForConditionalGeneration", ARCHITECTURE)

@@ -1,0 +1,47 @@
+"""Qwen3-Next (Qwen3NextForCausalLM, Qwen3-Next-80B-A3B): the forerunner of Qwen3.5-MoE. The same layers
+(lmkit/models/qwen3_5.py, lmkit/models/qwen3_5_moe.py) in another checkpoint layout: each Gated DeltaNet layer's
+input projections are two fused linears grouped by key head (in_proj_qkvz: per key head its q, k, then its value
+heads' v and z rows; in_proj_ba: per key head its value heads' b, then a rows; the loader reads them as
+Qwen3.5's four), and, as in Qwen3-MoE, a layer is sparse unless listed in mlp_only_layers, every
+decoder_sparse_step-th one, its router renormalizing the top-k only with norm_topk_prob. Sparse layers have
+Qwen3.5-MoE's shared expert; dense ones Llama's MLP of intermediate_size."""
+
+from __future__ import annotations
+
+from lmkit.models import qwen3_5, qwen3_5_moe
+from lmkit.models.architecture import Architecture, HfConfig, ModelFields
+from lmkit.models.llama import layer_keys
+from lmkit.models.moe import moe_keys
+
+NAME = "Qwen3NextForCausalLM"
+FUSED_LINEAR_ATTENTION = {
+    "in_proj_qkvz": "linear_attn.in_proj_qkvz.weight",
+    "in_proj_ba": "linear_attn.in_proj_ba.weight",
+}
+KEY_MAP = {**qwen3_5.KEY_MAP, **layer_keys(FUSED_LINEAR_ATTENTION), **moe_keys("mlp"),
+           **layer_keys(qwen3_5_moe.SHARED_EXPERT_LAYER)}
+# transformers.Qwen3NextConfig's defaults of the fields read here
+DEFAULTS = {**qwen3_5.DEFAULTS, "intermediate_size": 5632, "num_experts": 512, "num_experts_per_tok": 10,
+            "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": None}
+
+
+def read_config(c: HfConfig) -> ModelFields:
+    fields = qwen3_5.read_config(c)
+    experts = int(c.require("num_experts"))
+    step = int(c.require("decoder_sparse_step"))
+    dense = set(c.get("mlp_only_layers") or [])
+    fields.layer_moe = [int(i not in dense and experts > 0 and (i + 1) % step == 0) for i in range(fields.num_layers)]
+    if any(fields.layer_moe):
+        fields.num_experts = experts
+        fields.num_experts_per_tok = int(c.require("num_experts_per_tok"))
+        fields.moe_intermediate_size = int(c.require("moe_intermediate_size"))
+        fields.shared_expert_intermediate_size = int(c.require("shared_expert_intermediate_size"))
+        fields.norm_topk_prob = bool(c.get("norm_topk_prob"))
+        if fields.shared_expert_intermediate_size <= 0:
+            raise c.error("shared_expert_intermediate_size", "every Qwen3-Next sparse layer has a shared expert (> 0)")
+    return fields
+
+
+# AWQ and KV calibration have no table for the hybrid layers yet: `lmkit lite` refuses it by name.
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None, kv_calib=None)
