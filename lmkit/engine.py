@@ -25,7 +25,7 @@ from lmkit.messages import GenerationConfig, Response
 from lmkit.metrics import EngineMetrics, LatencyRecorder
 from lmkit.model_path import resolve_model
 from lmkit.kv_policy import load_kv_policy
-from lmkit.memory import CudaKVPoolSizer, KVPool, log_cuda_kv_pool, reserve_kv_pool
+from lmkit.memory import CudaPoolSizer, KVPool, log_cuda_kv_pool, reserve_kv_pool
 from lmkit.models import ModelSpec, load_model_spec
 from lmkit.outputs import CompletionState
 from lmkit.structured import GrammarCache, StructuredOutput
@@ -135,12 +135,12 @@ class Engine:
             n, self.cpu_binding = None, None
         sizing = reserve_kv_pool(self.config, self.spec) if self.device == "cpu" else nullcontext()
         with sizing as sizer:
-            size_kv_pool = sizer if sizer is not None else CudaKVPoolSizer(self.config)
+            size_pools = sizer if sizer is not None else CudaPoolSizer(self.config)
             self._cpp = _engine.Engine(
                 self.config.to_engine_config(self.device, kv_layer_bits, self.cpu_binding, n, self.spec.num_layers),
                 self.spec.to_engine_config(session_len=self.config.session_len or self.spec.max_position_embeddings),
                 sources,
-                self.spec.eos_token_ids, size_kv_pool=size_kv_pool,
+                self.spec.eos_token_ids, size_pools=size_pools,
             )
         self.kv_pool: KVPool | None = sizer.kv_pool if sizer else None
         """How the KV pool was sized, with the numbers of the start-up line (CPU engines; None on CUDA)."""

@@ -2,9 +2,9 @@
 
 Every engine's pool is sized here (the C++ side has no formula of its own), once its weights are packed and
 before the pool is allocated: lmkit.Engine hands a sizer to lmkit._engine.Engine, which calls it back with
-what only the C++ side knows (bytes per KV block, packed weight bytes, the resolved session_len, and on CUDA
-the GPU memory still free) and allocates the blocks it returns. A CUDA engine's pool is a share of free GPU
-memory (plan_cuda_kv_pool); a CPU engine's (``KVPoolSizer``)::
+what only the C++ side knows (bytes per KV block and per recurrent-state slot, packed weight bytes, the resolved
+session_len, and on CUDA the GPU memory still free) and allocates the blocks and slots it returns. A CUDA engine's pool is a share of free GPU
+memory (plan_cuda_kv_pool); a CPU engine's (``PoolSizer``)::
 
     blocks       = cache_max_entry_count, when > 1 (a block count, as given); otherwise
                    min(cap_blocks, budget_bytes // kv_bytes_per_block)
@@ -18,6 +18,14 @@ memory (plan_cuda_kv_pool); a CPU engine's (``KVPoolSizer``)::
 
 The cap holds with prefix caching too: cached blocks are reclaimed before a running sequence waits. A pool
 that cannot hold one sequence of session_len tokens is refused (MemoryBudgetError, naming the numbers).
+
+A model with recurrent layers (Qwen3.5) also has a state pool, sized first (plan_state_slots)::
+
+    state_slots  = min(max_batch_size (x 2 with prefix caching: the snapshots prefix hits start from),
+                       STATE_POOL_SHARE x left_bytes // state_bytes_per_slot)
+
+and its bytes are taken from left_bytes before the KV pool's budget. Fewer slots than max_batch_size cap how many
+sequences run at once (the start-up line says so); no slot at all is refused.
 
 Reservations: every CPU engine records its weights + KV pool bytes in a file ``<pid>-<n>.json`` of
 ``lmkit.env.runtime_dir()``. An engine holds that folder's lock (an flock: the kernel drops it if the holder
@@ -112,7 +120,7 @@ class Reservation:
     pid: int
     started: str | None  # the process's start time (/proc/<pid>/stat): a later process with the same pid is not it
     weight_bytes: int
-    kv_bytes: int
+    kv_bytes: int  # its KV pool and, for a model with recurrent layers, its state pool
     model: str
     path: Path = field(compare=False)
 
@@ -224,6 +232,33 @@ def cap_blocks(max_batch_size: int, session_len: int, block_size_tokens: int) ->
     return max_batch_size * math.ceil(session_len / block_size_tokens)
 
 
+STATE_POOL_SHARE = 0.25
+"""The most of what is left after the weights (left_bytes) a recurrent-state pool may take."""
+
+
+@dataclass(frozen=True)
+class StatePool:
+    """How a model's recurrent-state pool was sized (``KVPool.state``; all 0 for a model without one)."""
+
+    num_slots: int
+    bytes_per_slot: int
+    wanted_slots: int  # max_batch_size, twice that with prefix caching
+    limit_bytes: int  # the share of the memory it may take
+
+    @property
+    def bytes(self) -> int:
+        return self.num_slots * self.bytes_per_slot
+
+    def describe(self) -> str:
+        head = (f"recurrent-state pool: {self.num_slots} slots x {format_bytes(self.bytes_per_slot)} = "
+                f"{format_bytes(self.bytes)}")
+        if self.num_slots == self.wanted_slots:
+            return head + " (a slot per sequence of max_batch_size, and one per prefix-cache snapshot with prefix caching)"
+        return (head + f", limited by memory ({STATE_POOL_SHARE:g} of what is left after the weights: "
+                f"{format_bytes(self.limit_bytes)}; {self.wanted_slots} slots wanted): at most {self.num_slots} "
+                "sequences run at once")
+
+
 @dataclass(frozen=True)
 class KVPool:
     """How a CPU engine's KV pool was sized (``Engine.kv_pool``): the numbers of its start-up line."""
@@ -239,6 +274,7 @@ class KVPool:
     memory: MemoryLimit
     weight_bytes: int  # this engine's weights as loaded
     others: tuple[Reservation, ...]  # the other live engines' records when it was sized
+    state: StatePool = field(default_factory=lambda: StatePool(0, 0, 0, 0))  # taken before the KV budget
 
     @property
     def num_tokens(self) -> int:
@@ -258,10 +294,15 @@ class KVPool:
 
     @property
     def left_bytes(self) -> int | None:
-        """fraction x memory - weights - the others' reservations (None for a block count)."""
+        """fraction x memory - weights - state pool - the others' reservations (None for a block count)."""
         if self.fraction is None:
             return None
-        return int(self.fraction * self.memory.total_bytes) - self.weight_bytes - self.others_bytes
+        return int(self.fraction * self.memory.total_bytes) - self.weight_bytes - self.state.bytes - self.others_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        """The KV pool's and the state pool's bytes: what this engine reserves beside its weights."""
+        return self.kv_bytes + self.state.bytes
 
     @property
     def budget_bytes(self) -> int | None:
@@ -271,15 +312,20 @@ class KVPool:
 
     def budget_text(self) -> str:
         others = f" [{', '.join(r.describe() for r in self.others)}]" if self.others else ""
+        state = f" - {format_bytes(self.state.bytes)} recurrent state" if self.state.bytes else ""
         text = (f"{self.fraction:g} x {format_bytes(self.memory.total_bytes)} ({self.memory.source}) "
-                f"- {format_bytes(self.weight_bytes)} weights - {format_bytes(self.others_bytes)} held by other "
-                f"lmkit engines{others}")
+                f"- {format_bytes(self.weight_bytes)} weights{state} - {format_bytes(self.others_bytes)} held by "
+                f"other lmkit engines{others}")
         if self.is_auto:
             return f"half of ({text}) = {format_bytes(self.budget_bytes)}, leaving room for another engine"
         return f"{text} = {format_bytes(self.budget_bytes)}"
 
     def describe(self) -> str:
-        """The start-up line: blocks, tokens, bytes, and why."""
+        """The start-up line(s): blocks, tokens, bytes, and why; the state pool's first when there is one."""
+        kv = self._describe_kv()
+        return f"{self.state.describe()}\n{kv}" if self.state.num_slots else kv
+
+    def _describe_kv(self) -> str:
         head = (f"KV pool: {self.num_blocks} blocks x {self.block_size_tokens} tokens = {self.num_tokens} tokens, "
                 f"{format_bytes(self.kv_bytes)} ({format_bytes(self.kv_bytes_per_block)} per block); ")
         if self.limited_by == "cache_max_entry_count":
@@ -293,16 +339,37 @@ class KVPool:
                 f"memory allows {self.budget_bytes // self.kv_bytes_per_block} blocks: {self.budget_text()}")
 
 
+def plan_state_slots(config: "EngineConfig", state_bytes_per_slot: int, left_bytes: int) -> StatePool:
+    """The state pool of a model whose recurrent layers keep ``state_bytes_per_slot`` per sequence (module doc);
+    ``left_bytes``: the memory left after the weights. Raises MemoryBudgetError when not one slot fits."""
+    if state_bytes_per_slot <= 0:
+        return StatePool(0, 0, 0, 0)
+    wanted = config.max_batch_size * (2 if config.enable_prefix_caching else 1)
+    limit = int(STATE_POOL_SHARE * max(left_bytes, 0))
+    slots = min(wanted, limit // state_bytes_per_slot)
+    if slots < 1:
+        raise MemoryBudgetError(
+            f"the recurrent-state pool does not fit in memory: one sequence's state takes "
+            f"{format_bytes(state_bytes_per_slot)}, and the pool may take {STATE_POOL_SHARE:g} of the "
+            f"{format_bytes(max(left_bytes, 0))} left after the weights ({format_bytes(limit)}); use a machine with "
+            "more memory, a quantized checkpoint, or restart the other lmkit engines")
+    return StatePool(int(slots), state_bytes_per_slot, wanted, limit)
+
+
 def plan_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, weight_bytes: int, session_len: int,
-                 memory: MemoryLimit, others: tuple[Reservation, ...] = ()) -> KVPool:
-    """The KV pool for ``config`` (module doc). Raises MemoryBudgetError when a fraction leaves less than
-    one sequence of session_len tokens."""
+                 memory: MemoryLimit, others: tuple[Reservation, ...] = (), state_bytes_per_slot: int = 0) -> KVPool:
+    """The KV pool for ``config`` (module doc), and the state pool beside it when ``state_bytes_per_slot``.
+    Raises MemoryBudgetError when a fraction leaves less than one sequence of session_len tokens."""
     count = config.cache_max_entry_count
     is_auto = count is None
     pool = KVPool(num_blocks=0, block_size_tokens=config.cache_block_seq_len, kv_bytes_per_block=kv_bytes_per_block,
                   limited_by="cache_max_entry_count", max_batch_size=config.max_batch_size, session_len=session_len,
                   fraction=AUTO_MEMORY_FRACTION if is_auto else (None if count > 1 else float(count)), is_auto=is_auto,
                   memory=memory, weight_bytes=weight_bytes, others=tuple(others))
+    if state_bytes_per_slot:  # sized from what the weights leave, with the fraction a block count does not give
+        fraction = pool.fraction if pool.fraction is not None else AUTO_MEMORY_FRACTION
+        left = int(fraction * memory.total_bytes) - weight_bytes - pool.others_bytes
+        pool = replace(pool, state=plan_state_slots(config, state_bytes_per_slot, left))
     if not is_auto and count > 1:
         return replace(pool, num_blocks=int(count))
     if kv_bytes_per_block == 0:  # no layer keeps K/V (every layer recurrent): blocks are bookkeeping only
@@ -339,11 +406,10 @@ def unpacked_weight_bytes(spec: "ModelSpec") -> int:
                if role != "lm_head" and "_proj" not in role)
 
 
-class KVPoolSizer:
-    """The ``size_kv_pool`` callback of a CPU lmkit._engine.Engine: (kv_bytes_per_block, resident_bytes,
-    session_len, device_free_bytes) -> blocks, called once on the creating thread (resident_bytes: the packed
-    linear weights and, for a model with recurrent layers, its state pool); keeps the KVPool it chose in
-    ``kv_pool``."""
+class PoolSizer:
+    """The ``size_pools`` callback of a CPU lmkit._engine.Engine: (kv_bytes_per_block, state_bytes_per_slot,
+    linear_weight_bytes, session_len, device_free_bytes) -> (KV blocks, state slots), called once on the creating
+    thread; keeps the KVPool it chose (its state pool in ``kv_pool.state``) in ``kv_pool``."""
 
     def __init__(self, config: "EngineConfig", unpacked_bytes: int, others: tuple[Reservation, ...],
                  memory: MemoryLimit):
@@ -351,15 +417,15 @@ class KVPoolSizer:
         self.kv_pool: KVPool | None = None
         self.reservation: Reservation | None = None
 
-    def __call__(self, kv_bytes_per_block: int, resident_bytes: int, session_len: int,
-                 device_free_bytes: int = 0) -> int:
-        self.kv_pool = plan_kv_pool(self.config, kv_bytes_per_block, resident_bytes + self.unpacked_bytes,
-                                    session_len, self.memory, self.others)
-        return self.kv_pool.num_blocks
+    def __call__(self, kv_bytes_per_block: int, state_bytes_per_slot: int, linear_weight_bytes: int,
+                 session_len: int, device_free_bytes: int = 0) -> tuple[int, int]:
+        self.kv_pool = plan_kv_pool(self.config, kv_bytes_per_block, linear_weight_bytes + self.unpacked_bytes,
+                                    session_len, self.memory, self.others, state_bytes_per_slot)
+        return self.kv_pool.num_blocks, self.kv_pool.state.num_slots
 
 
 @contextmanager
-def reserve_kv_pool(config: "EngineConfig", spec: "ModelSpec") -> Iterator[KVPoolSizer]:
+def reserve_kv_pool(config: "EngineConfig", spec: "ModelSpec") -> Iterator[PoolSizer]:
     """For a CPU engine created inside the block: holds the runtime folder's lock, yields the sizer to hand to
     lmkit._engine.Engine, then records the engine's reservation (``sizer.reservation``; the caller removes it
     when the engine closes) and logs the start-up line. A block that raises records nothing."""
@@ -371,11 +437,11 @@ def reserve_kv_pool(config: "EngineConfig", spec: "ModelSpec") -> Iterator[KVPoo
                          "checkpoint (lmkit lite awq) or a machine with more memory")
     reservations = Reservations(env.runtime_dir())
     with reservations.lock():
-        sizer = KVPoolSizer(config, unpacked_weight_bytes(spec), tuple(reservations.live()), limit)
+        sizer = PoolSizer(config, unpacked_weight_bytes(spec), tuple(reservations.live()), limit)
         yield sizer
         if sizer.kv_pool is None:
             raise RuntimeError("the engine was created without calling its KV pool sizer")
-        sizer.reservation = reservations.add(sizer.kv_pool.weight_bytes, sizer.kv_pool.kv_bytes, str(spec.path))
+        sizer.reservation = reservations.add(sizer.kv_pool.weight_bytes, sizer.kv_pool.pool_bytes, str(spec.path))
     log.info("%s", sizer.kv_pool.describe())
 
 
@@ -397,15 +463,18 @@ def plan_cuda_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, session_l
     return min(blocks, 2**31 - 1)
 
 
-class CudaKVPoolSizer:
-    """The ``size_kv_pool`` callback of a CUDA lmkit._engine.Engine (plan_cuda_kv_pool)."""
+class CudaPoolSizer:
+    """The ``size_pools`` callback of a CUDA lmkit._engine.Engine (plan_cuda_kv_pool; plan_state_slots from the
+    free GPU memory, the CUDA backend refusing recurrent layers today)."""
 
     def __init__(self, config: "EngineConfig"):
         self.config = config
 
-    def __call__(self, kv_bytes_per_block: int, resident_bytes: int, session_len: int,
-                 device_free_bytes: int) -> int:
-        return plan_cuda_kv_pool(self.config, kv_bytes_per_block, session_len, device_free_bytes)
+    def __call__(self, kv_bytes_per_block: int, state_bytes_per_slot: int, linear_weight_bytes: int,
+                 session_len: int, device_free_bytes: int) -> tuple[int, int]:
+        state = plan_state_slots(self.config, state_bytes_per_slot, device_free_bytes)
+        return (plan_cuda_kv_pool(self.config, kv_bytes_per_block, session_len, device_free_bytes - state.bytes),
+                state.num_slots)
 
 
 def log_cuda_kv_pool(cpp, cache_max_entry_count: float | None) -> None:

@@ -53,7 +53,7 @@ struct EngineOptions {
   int32_t session_len = 4096;
   int32_t block_size_tokens = 64;
   int32_t max_prefill_token_num = 8192;
-  int32_t num_blocks = 0;  // size of the KV pool, decided by the caller (create_engine's KVPoolSizer)
+  int32_t num_blocks = 0;  // size of the KV pool, decided by the caller (create_engine's PoolSizer)
   int32_t num_state_slots = 0;  // recurrent-state slots (0: the model has no recurrent layers)
   int64_t kv_bytes_per_block = 0;  // the executor's, for reporting
   int64_t linear_weight_bytes = 0;  // the executor's, for reporting

@@ -59,7 +59,7 @@ std::string Scheduler::fit_error(const Sequence& seq) const {
     need = std::min<int64_t>(need, (1 + (int64_t)seq.num_forks) * max_live_blocks(seq));
   if (has_state() && 1 + seq.num_forks > states_->num_total_slots())
     return detail::concat("the request's ", 1 + seq.num_forks, " completions need as many recurrent-state slots, but "
-                          "the pool has ", states_->num_total_slots(), "; lower n or raise max_batch_size");
+                          "the pool has ", states_->num_total_slots(), " (sized at start-up by max_batch_size and memory); lower n");
   if (need <= blocks_.num_total_blocks()) return "";
   const std::string window =
       config_.attention_window_tokens > 0

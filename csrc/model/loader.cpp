@@ -11,7 +11,7 @@ namespace lmkit {
 std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelConfig& model,
                                       const std::map<std::string, TensorSource>& sources,
                                       const std::vector<int32_t>& eos_token_ids,
-                                      const KVPoolSizer& size_kv_pool) {
+                                      const PoolSizer& size_pools) {
 #ifdef LMKIT_WITH_CUDA
   LMKIT_CHECK_ARG(config.device == "cpu" || config.device == "cuda", "device must be 'cpu' or 'cuda', got '",
                   config.device, "'");
@@ -73,16 +73,17 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   options.attention_window_tokens = model.attention_window_tokens();
   options.kv_bytes_per_block = executor->kv_bytes_per_block();
   options.linear_weight_bytes = executor->linear_weight_bytes();
-  // A model with recurrent layers: one state slot per sequence that can run at once, and with prefix caching as
-  // many again for the snapshots prefix hits start from (engine/scheduler.h). The pool is held beside the
-  // weights, so the KV pool's budget is what is left after both.
-  options.num_state_slots =
-      executor->state_bytes_per_slot() > 0 ? config.max_batch_size * (config.enable_prefix_caching ? 2 : 1) : 0;
-  const int64_t state_pool_bytes = executor->state_bytes_per_slot() * options.num_state_slots;
-  LMKIT_CHECK(size_kv_pool != nullptr, "create_engine needs a KV pool sizer (lmkit/memory.py sizes every pool)");
-  options.num_blocks = size_kv_pool(options.kv_bytes_per_block, options.linear_weight_bytes + state_pool_bytes,
-                                    options.session_len, is_cuda ? device_free_bytes - state_pool_bytes : 0);
-  LMKIT_CHECK_ARG(options.num_blocks >= 1, "the KV pool sizer gave ", options.num_blocks, " blocks; it needs >= 1");
+  // A model with recurrent layers: a state slot per running sequence, and with prefix caching as many again for
+  // the snapshots prefix hits start from (engine/scheduler.h), as far as memory allows (lmkit/memory.py).
+  const int64_t state_bytes = executor->state_bytes_per_slot();
+  LMKIT_CHECK(size_pools != nullptr, "create_engine needs a pool sizer (lmkit/memory.py sizes every pool)");
+  const PoolSizes sizes = size_pools(options.kv_bytes_per_block, state_bytes, options.linear_weight_bytes,
+                                     options.session_len, is_cuda ? device_free_bytes : 0);
+  LMKIT_CHECK_ARG(sizes.num_blocks >= 1, "the pool sizer gave ", sizes.num_blocks, " KV blocks; it needs >= 1");
+  LMKIT_CHECK_ARG(state_bytes > 0 ? sizes.num_state_slots >= 1 : sizes.num_state_slots == 0, "the pool sizer gave ",
+                  sizes.num_state_slots, " state slots for a model with ", state_bytes, " bytes of state per slot");
+  options.num_blocks = sizes.num_blocks;
+  options.num_state_slots = sizes.num_state_slots;
   return std::make_unique<Engine>(options, std::move(executor));
 }
 

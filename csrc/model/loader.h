@@ -12,18 +12,24 @@
 
 namespace lmkit {
 
-// Decides the KV pool's block count once the weights are packed, from what only the C++ side knows: the
-// bytes of one block, the bytes held beside the pool (the packed linear weights and the recurrent-state pool),
-// the resolved session_len and, on CUDA, the GPU memory still free for it (0 on the CPU). The policy lives in
-// one place, lmkit/memory.py (plan_kv_pool, plan_cuda_kv_pool).
-// What it throws ends create_engine.
-using KVPoolSizer = std::function<int32_t(int64_t kv_bytes_per_block, int64_t resident_bytes,
-                                          int32_t session_len, int64_t device_free_bytes)>;
+// The two per-sequence pools: KV blocks, and recurrent-state slots (0 for a model without recurrent layers).
+struct PoolSizes {
+  int32_t num_blocks = 0;
+  int32_t num_state_slots = 0;
+};
 
-// Checks the config against the model, maps the weights, sizes the KV pool through size_kv_pool and starts the
+// Decides both pools once the weights are packed, from what only the C++ side knows: the bytes of one KV block
+// and of one state slot (0: no recurrent layer), the packed linear weights' bytes, the resolved session_len and,
+// on CUDA, the GPU memory still free for them (0 on the CPU). The policy lives in one place, lmkit/memory.py
+// (plan_pools, plan_cuda_pools). What it throws ends create_engine.
+using PoolSizer = std::function<PoolSizes(int64_t kv_bytes_per_block, int64_t state_bytes_per_slot,
+                                          int64_t linear_weight_bytes, int32_t session_len,
+                                          int64_t device_free_bytes)>;
+
+// Checks the config against the model, maps the weights, sizes the pools through size_pools and starts the
 // engine. Throws InvalidArgument naming the setting when something cannot work (device, sizes).
 std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelConfig& model,
                                       const std::map<std::string, TensorSource>& sources,
-                                      const std::vector<int32_t>& eos_token_ids, const KVPoolSizer& size_kv_pool);
+                                      const std::vector<int32_t>& eos_token_ids, const PoolSizer& size_pools);
 
 }  // namespace lmkit

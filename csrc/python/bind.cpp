@@ -254,7 +254,7 @@ PYBIND11_MODULE(_engine, m) {
 
   py::class_<Engine, EnginePtr>(m, "Engine")
       .def(py::init([](const EngineConfig& config, const ModelConfig& model, const py::dict& sources,
-                       const std::vector<int32_t>& eos_token_ids, const py::object& size_kv_pool) {
+                       const std::vector<int32_t>& eos_token_ids, const py::object& size_pools) {
              // sources: role -> (path, offset, dtype, shape)
              std::map<std::string, TensorSource> srcs;
              for (auto item : sources) {
@@ -266,14 +266,17 @@ PYBIND11_MODULE(_engine, m) {
                s.shape = t[3].cast<std::vector<int64_t>>();
                srcs[item.first.cast<std::string>()] = std::move(s);
              }
-             // size_kv_pool(kv_bytes_per_block, resident_bytes, session_len, device_free_bytes) -> blocks
-             // (loader.h's KVPoolSizer), called once on this thread after the weights are packed; what it raises
-             // propagates. A borrowed handle: the argument outlives create_engine, and nothing here touches its
-             // reference count without the GIL.
-             const KVPoolSizer sizer = [fn = py::handle(size_kv_pool)](int64_t bytes_per_block, int64_t resident_bytes,
-                                                                       int32_t session_len, int64_t free_bytes) {
+             // size_pools(kv_bytes_per_block, state_bytes_per_slot, linear_weight_bytes, session_len,
+             // device_free_bytes) -> (blocks, state slots) (loader.h's PoolSizer), called once on this thread after
+             // the weights are packed; what it raises propagates. A borrowed handle: the argument outlives
+             // create_engine, and nothing here touches its reference count without the GIL.
+             const PoolSizer sizer = [fn = py::handle(size_pools)](int64_t bytes_per_block, int64_t state_bytes,
+                                                                   int64_t weight_bytes, int32_t session_len,
+                                                                   int64_t free_bytes) {
                py::gil_scoped_acquire gil;
-               return fn(bytes_per_block, resident_bytes, session_len, free_bytes).cast<int32_t>();
+               const auto sizes = fn(bytes_per_block, state_bytes, weight_bytes, session_len, free_bytes)
+                                      .cast<std::pair<int32_t, int32_t>>();
+               return PoolSizes{sizes.first, sizes.second};
              };
              py::gil_scoped_release release;
              EnginePtr engine(create_engine(config, model, srcs, eos_token_ids, sizer).release());
@@ -284,7 +287,7 @@ PYBIND11_MODULE(_engine, m) {
              return engine;
            }),
            py::arg("config"), py::arg("model"), py::arg("sources"), py::arg("eos_token_ids"),
-           py::arg("size_kv_pool"))
+           py::arg("size_pools"))
       .def("submit", &Engine::submit, py::arg("request_id"), py::arg("prompt"), py::arg("params"),
            py::arg("callback"), py::call_guard<py::gil_scoped_release>(),
            "Queues a request; callback(RequestOutput) runs on the engine's callback thread.")

@@ -307,5 +307,22 @@ def test_cuda_pool_is_a_share_of_free_gpu_memory_capped_by_the_batch():
     with pytest.raises(MemoryBudgetError, match=r"cache_max_entry_count=0.5 of 2.0 KiB free GPU memory leaves no "
                                                 r"room for one KV block of 1000 B"):
         memory.plan_cuda_kv_pool(config(cache_max_entry_count=0.5), per_block, SESSION, 1_999)
-    sizer = memory.CudaKVPoolSizer(config(cache_max_entry_count=0.5))
-    assert sizer(per_block, 123, SESSION, 20_999) == 10  # what the engine calls: the weight bytes play no part
+    sizer = memory.CudaPoolSizer(config(cache_max_entry_count=0.5))
+    assert sizer(per_block, 0, 123, SESSION, 20_999) == (10, 0)  # what the engine calls: the weights play no part
+
+
+def test_state_slots_take_at_most_a_share_of_what_is_left():
+    """plan_state_slots: max_batch_size slots (twice that with prefix caching) while STATE_POOL_SHARE of the
+    memory left after the weights holds them, fewer when it does not, and a refusal naming the numbers when it
+    holds not one; a model without recurrent layers has none."""
+    share = memory.STATE_POOL_SHARE
+    assert memory.plan_state_slots(config(), 0, 10**9).num_slots == 0
+    assert memory.plan_state_slots(config(), 1000, 10**9).num_slots == 4
+    pool = memory.plan_state_slots(config(enable_prefix_caching=True), 1000, 10**9)
+    assert (pool.num_slots, pool.wanted_slots, pool.bytes) == (8, 8, 8000)
+    pool = memory.plan_state_slots(config(enable_prefix_caching=True), 1000, int(5999 / share))
+    assert pool.num_slots == 5 and "at most 5 sequences run at once" in pool.describe()
+    with pytest.raises(MemoryBudgetError, match=r"one sequence's state takes 1000 B"):
+        memory.plan_state_slots(config(), 1000, int(999 / share))
+    with pytest.raises(MemoryBudgetError):
+        memory.plan_state_slots(config(), 1000, -5)

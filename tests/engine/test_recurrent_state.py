@@ -5,6 +5,7 @@ requests and random cancellations leave every state slot free (the autouse leak 
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -91,3 +92,35 @@ def test_cancellations_leave_every_state_slot_free(hybrid):
             pipe.engine.cancel(rid)
         assert_blocks_free(pipe.engine)
         assert pipe.engine.metrics().num_free_state_slots == 8
+
+
+def test_memory_caps_the_state_pool_and_the_running_sequences(hybrid, tmp_path, monkeypatch, caplog):
+    """A host whose memory leaves room for 3 state slots (max_batch_size 8 with prefix caching wants 16): the pool
+    has 3, at most 3 sequences run at once, the six prompts still all give HF's tokens, the start-up line says
+    why, and the engine's reservation counts the state pool."""
+    import logging
+
+    from lmkit import memory
+    from lmkit.memory import MemoryLimit, Reservations
+
+    folder, prompts, expected = hybrid
+    monkeypatch.setenv("LMKIT_RUNTIME_DIR", str(tmp_path / "runtime"))
+    with pipeline(folder, config(enable_prefix_caching=True)) as pipe:
+        pool = pipe.engine.kv_pool
+    per_slot = pool.state.bytes_per_slot
+    assert pool.state.num_slots == 16 and per_slot > 0
+    left = math.ceil(3.5 * per_slot / memory.STATE_POOL_SHARE)  # a quarter of it holds 3 slots
+    total = math.ceil((left + pool.weight_bytes) / 0.5)
+    monkeypatch.setattr(memory, "memory_limit", lambda: MemoryLimit(total, "test"))
+    caplog.set_level(logging.INFO, logger="lmkit")
+    gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    with pipeline(folder, config(enable_prefix_caching=True, cache_max_entry_count=0.5)) as pipe:
+        [record] = Reservations(tmp_path / "runtime").live()
+        assert record.kv_bytes == pipe.engine.kv_pool.kv_bytes + 3 * per_slot
+        got = [r.token_ids for r in pipe(prompts, gen)]
+        m = pipe.engine.metrics()
+        pipe.engine.check_integrity()
+    assert m.num_total_state_slots == 3
+    assert got == expected
+    assert any("recurrent-state pool: 3 slots" in r.getMessage() and "at most 3 sequences run at once" in
+               r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
