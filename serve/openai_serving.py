@@ -40,6 +40,12 @@ AnyRequest = Union[ChatCompletionRequest, CompletionRequest]
 # OpenAI's names of the GenerationConfig fields that have other names there
 _PARAM_OF_FIELD = {"min_new_tokens": "min_tokens", "random_seed": "seed"}
 
+MAX_RENDERED_PROMPT_SCORES = 2_000_000
+"""The most prompt-token scores (a token's logprob and its alternatives count 1 + k) one completion answer may
+render. Echo's logprobs and prompt_logprobs are rendered into every completion of a prompt: n copies of a long
+prompt's would hold a preparation thread and the answer's memory for minutes (8,100 tokens x 21 x n 64 is 11M
+scores, ~270 MB of JSON), while one copy of a whole 32k context with 20 alternatives (688k) passes."""
+
 
 @dataclass
 class Prepared:
@@ -161,7 +167,26 @@ class OpenAIServing:
                               f"{session_len} tokens and your request has {longest} input tokens "
                               f"({max_new} + {longest} > {session_len}).", max_name)
         gen = self._checked(req, max_name, lambda: dataclasses.replace(gen, max_new_tokens=max_new))
+        if isinstance(req, CompletionRequest):
+            self._check_prompt_scores(req, prompt_ids, gen.n)
         return Prepared(prompt_ids, prompt_texts, gen, self._compiled(gen, constraint_param), output, constraint_param)
+
+    @staticmethod
+    def _check_prompt_scores(req: CompletionRequest, prompt_ids: list[list[int]], n: int) -> None:
+        """A 400 when the prompt scores the answer renders (MAX_RENDERED_PROMPT_SCORES) are too many."""
+        per_token = [(k + 1, name) for k, name in ((req.logprobs if req.echo else None, "echo with logprobs"),
+                                                     (req.prompt_logprobs, "prompt_logprobs")) if k is not None]
+        if not per_token:
+            return
+        tokens = sum(len(p) for p in prompt_ids)
+        scores = tokens * n * sum(k for k, _ in per_token)
+        if scores > MAX_RENDERED_PROMPT_SCORES:
+            asked = " and ".join(name for _, name in per_token)
+            raise bad_request(
+                f"{asked} would render {scores:,} prompt-token scores ({tokens:,} prompt tokens x n={n} completions x "
+                f"{' + '.join(str(k) for k, _ in per_token)} per token), more than the {MAX_RENDERED_PROMPT_SCORES:,} "
+                "one answer may hold: the prompt is scored once, so score it with n=1 (and fewer logprobs or a "
+                "shorter prompt), then sample with n > 1 separately", "n" if n > 1 else per_token[0][1].split()[-1])
 
     def _compiled(self, gen: GenerationConfig, param: str | None):
         """The request's constraint compiled (cached by its text); a 400 naming ``param`` when llguidance

@@ -184,6 +184,7 @@ class CompletionRenderer:
 
     def response(self, choices: list[Choice], num_prompt_tokens: int) -> dict:
         out = []
+        echoed, bodies = {}, {}  # per prompt, built once for its n completions
         for c in choices:
             prefix, prompt = self._prefix(c.index), c.index // self.n
             scored = choices[prompt * self.n].prompt_logprobs
@@ -191,13 +192,17 @@ class CompletionRenderer:
             if self.num_logprobs is not None:
                 logprobs = self._logprobs(c.logprobs, c.token_ids, len(prefix))
                 if self.echoes_logprobs:
-                    part = self._logprobs(scored, self.prompt_ids[prompt], 0)
+                    if prompt not in echoed:
+                        echoed[prompt] = self._logprobs(scored, self.prompt_ids[prompt], 0)
+                    part = echoed[prompt]
                     logprobs = {key: part[key] + logprobs[key] for key in part}
             choice = {"index": c.index, "text": prefix + "".join(c.text), "logprobs": logprobs,
                       "finish_reason": c.finish_reason}
             if self.num_prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs_body(scored, self.prompt_ids[prompt],
-                                                                 self.num_prompt_logprobs, self.token_text)
+                if prompt not in bodies:
+                    bodies[prompt] = prompt_logprobs_body(scored, self.prompt_ids[prompt], self.num_prompt_logprobs,
+                                                          self.token_text)
+                choice["prompt_logprobs"] = bodies[prompt]
             out.append(choice)
         return {**self.head, "object": "text_completion", "choices": out,
                 "usage": usage(num_prompt_tokens, choices)}

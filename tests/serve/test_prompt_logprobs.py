@@ -132,3 +132,30 @@ def test_bad_prompt_logprob_requests_name_the_field(api_server, path, body, para
     r = httpx.post(f"{api_server.url}/v1/{path}", json={"model": "tiny", **body}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_prompt_scores_past_the_bound_are_a_400_and_copies_share_one_body(api_server, tiny_engine, monkeypatch):
+    """Echo's logprobs and prompt_logprobs are rendered into each of a prompt's n completions: past
+    MAX_RENDERED_PROMPT_SCORES that is a 400 naming n (the numbers in the message), before any engine work; at the
+    bound it answers, every completion carrying the same scores."""
+    from lmkit.serve import openai_serving
+
+    prompt = prompts(5)[1]  # 33 tokens
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 2, "prompt_logprobs": 1,
+            "n": 4}
+    scores = 33 * 4 * (3 + 2)
+    monkeypatch.setattr(openai_serving, "MAX_RENDERED_PROMPT_SCORES", scores - 1)
+    steps = tiny_engine.engine.metrics().num_steps
+    r = httpx.post(f"{api_server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "n" and f"{scores:,} prompt-token scores" in error["message"], error
+    assert "33 prompt tokens x n=4 completions x 3 + 2 per token" in error["message"], error
+    assert tiny_engine.engine.metrics().num_steps == steps
+    monkeypatch.setattr(openai_serving, "MAX_RENDERED_PROMPT_SCORES", scores)
+    r = httpx.post(f"{api_server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 4 and all(c["prompt_logprobs"] == choices[0]["prompt_logprobs"] for c in choices)
+    assert all(c["logprobs"]["token_logprobs"][:33] == choices[0]["logprobs"]["token_logprobs"][:33] for c in choices)
+    assert_blocks_free(tiny_engine.engine)
