@@ -226,6 +226,11 @@ class Engine:
         wrong with it. Takes milliseconds to seconds on a cache miss: call it off the event loop."""
         return self.grammars.compile(constraint)
 
+    def cached_grammar(self, constraint: StructuredOutput):
+        """``constraint`` compiled when the cache holds it (its refusal raised as compile_grammar raises it), else
+        None. Costs a hash of its text: what a caller checks before queueing a compile."""
+        return self.grammars.cached(constraint)
+
     def submit(self, prompt_ids: list[int], gen_config: GenerationConfig,
                on_output: Callable[[object], None], grammar=None) -> int:
         """Queues one request; returns its id. Raises ValueError for an impossible request. ``grammar``: the

@@ -174,12 +174,15 @@ class GrammarCache:
                     raise StructuredOutputError(str(e)) from None
             return self._tokenizer
 
-    def compile(self, constraint: StructuredOutput):
-        """The compiled grammar of ``constraint`` (an ``_engine.CompiledGrammar``); StructuredOutputError with
-        llguidance's message when it is invalid or uses a feature llguidance does not support."""
-        from lmkit._ext import _engine
+    def cached(self, constraint: StructuredOutput):
+        """The compiled grammar of ``constraint`` when this cache holds it (its refusal raised as compile()
+        raises it), else None: what can be answered without compiling."""
+        compiled = self._lookup(constraint.source())
+        if isinstance(compiled, StructuredOutputError):
+            raise StructuredOutputError(str(compiled))
+        return compiled
 
-        key = constraint.source()
+    def _lookup(self, key: tuple[str, str]):
         try:
             check_valid_unicode(key[1])
         except ValueError as e:  # the C API takes UTF-8, which a lone surrogate ("\ud800" in JSON) is not
@@ -188,6 +191,15 @@ class GrammarCache:
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
+        return compiled
+
+    def compile(self, constraint: StructuredOutput):
+        """The compiled grammar of ``constraint`` (an ``_engine.CompiledGrammar``); StructuredOutputError with
+        llguidance's message when it is invalid or uses a feature llguidance does not support."""
+        from lmkit._ext import _engine
+
+        key = constraint.source()
+        compiled = self._lookup(key)
         if compiled is None:
             tokenizer = self._grammar_tokenizer()
             try:

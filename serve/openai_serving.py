@@ -61,6 +61,9 @@ class Prepared:
     """How the answers split into reasoning, content and tool calls (chat)."""
     constraint_param: str | None = None
     """The request field the grammar came from (response_format, guided_json, tool_choice, ...)."""
+    to_compile: list[tuple[StructuredOutput, str]] = field(default_factory=list)
+    """Constraints (and their request fields) the grammar cache does not hold yet: compiled in the grammar pool
+    before the request goes on (OpenAIServing.prepare); gen.structured_output's becomes ``grammar``."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -102,6 +105,9 @@ class OpenAIServing:
         self._token_text: dict[int, tuple[str, list[int]]] = {}
         # Its own pool: in the loop's default executor, prepares would queue /health's engine probe behind them.
         self._pool = ThreadPoolExecutor(num_prepare_threads(), thread_name_prefix="lmkit-prepare")
+        # Grammar compiles that miss the cache (milliseconds to seconds each) queue in a pool of their own: behind
+        # them, the prepare pool would make every ordinary request wait for another client's schemas.
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="lmkit-grammar")
         self.num_preparing = 0
         """Requests waiting for or in preparation (readiness.py); counted on the event loop."""
         # A text has at least ceil(chars / max_token_chars) tokens: past this many characters no tokenization
@@ -128,7 +134,14 @@ class OpenAIServing:
         loop); raises APIError (400 naming the parameter; 404 for another model)."""
         self.num_preparing += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare, req)
+            loop = asyncio.get_running_loop()
+            prepared = await loop.run_in_executor(self._pool, self._prepare, req)
+            for constraint, param in prepared.to_compile:
+                compiled = await loop.run_in_executor(self._grammar_pool, self._compile, constraint, param)
+                if constraint is prepared.gen.structured_output:
+                    prepared.grammar = compiled
+            prepared.to_compile = []
+            return prepared
         finally:
             self.num_preparing -= 1
 
@@ -145,9 +158,10 @@ class OpenAIServing:
         if constraint is not None:
             gen = dataclasses.replace(gen, structured_output=constraint[0])
         output = OutputFormat()
+        to_compile: list[tuple[StructuredOutput, str]] = []  # what the grammar cache does not hold (prepare())
         if isinstance(req, ChatCompletionRequest):
             param = "messages"
-            ids, output, gen, constraint_param = self._chat(req, gen, constraint_param)
+            ids, output, gen, constraint_param = self._chat(req, gen, constraint_param, to_compile)
             prompt_ids, prompt_texts = [ids], [""]
         else:
             param = "prompt"
@@ -169,7 +183,12 @@ class OpenAIServing:
         gen = self._checked(req, max_name, lambda: dataclasses.replace(gen, max_new_tokens=max_new))
         if isinstance(req, CompletionRequest):
             self._check_prompt_scores(req, prompt_ids, gen.n)
-        return Prepared(prompt_ids, prompt_texts, gen, self._compiled(gen, constraint_param), output, constraint_param)
+        prepared = Prepared(prompt_ids, prompt_texts, gen, None, output, constraint_param, to_compile)
+        if gen.structured_output is not None:
+            prepared.grammar = self._cached(gen.structured_output, constraint_param)
+            if prepared.grammar is None:
+                to_compile.append((gen.structured_output, constraint_param))
+        return prepared
 
     @staticmethod
     def _check_prompt_scores(req: CompletionRequest, prompt_ids: list[list[int]], n: int) -> None:
@@ -188,24 +207,28 @@ class OpenAIServing:
                 "one answer may hold: the prompt is scored once, so score it with n=1 (and fewer logprobs or a "
                 "shorter prompt), then sample with n > 1 separately", "n" if n > 1 else per_token[0][1].split()[-1])
 
-    def _compiled(self, gen: GenerationConfig, param: str | None):
-        """The request's constraint compiled (cached by its text); a 400 naming ``param`` when llguidance
-        refuses it (invalid schema, an unsupported keyword, a regex that does not compile)."""
-        if gen.structured_output is None:
-            return None
-        return self._compile(gen.structured_output, param)
+    def _cached(self, constraint: StructuredOutput, param: str):
+        """The constraint compiled if the grammar cache holds it, else None; a 400 naming ``param`` when it is
+        invalid before any compiling (a lone surrogate) or a refusal the cache holds."""
+        try:
+            return self.engine.engine.cached_grammar(constraint)
+        except StructuredOutputError as e:
+            raise bad_request(f"{param}: {e}", param) from None
 
     def _compile(self, constraint: StructuredOutput, param: str):
+        """The constraint compiled (cached by its text); a 400 naming ``param`` when llguidance refuses it
+        (invalid schema, an unsupported keyword, a regex that does not compile)."""
         try:
             return self.engine.engine.compile_grammar(constraint)
         except StructuredOutputError as e:
             raise bad_request(f"{param}: {e}", param) from None
 
-    def _chat(self, req: ChatCompletionRequest, gen: GenerationConfig,
-              constraint_param: str | None) -> tuple[list[int], OutputFormat, GenerationConfig, str | None]:
+    def _chat(self, req: ChatCompletionRequest, gen: GenerationConfig, constraint_param: str | None,
+              to_compile: list) -> tuple[list[int], OutputFormat, GenerationConfig, str | None]:
         """The chat's prompt ids (its messages, and the tools it offers, rendered by the chat template), how its
         answers split (reasoning, tool calls), and ``gen`` with what they need: the grammar of a required or
-        named tool call, a structured output that starts after the thinking, special-token markers kept."""
+        named tool call, a structured output that starts after the thinking, special-token markers kept. The
+        tools' parameter schemas the grammar cache does not hold go on ``to_compile``."""
         tokenizer = self.engine.engine.tokenizer
         mode = req.tool_choice_mode
         offered = bool(req.tools) and mode != "none"  # tool_choice none: the model is not told of the tools
@@ -214,7 +237,9 @@ class OpenAIServing:
             raise bad_request("tools: this model's chat template has no tool-call format lmkit knows; start the "
                               "server with --tool-call-parser (hermes, llama3_json, mistral, qwen3_coder)", "tools")
         for i, tool in enumerate(req.tools or []):  # every function's parameters is a schema llguidance takes
-            self._compile(StructuredOutput(json=tool.function.parameters_schema), f"tools[{i}].function.parameters")
+            schema, param = StructuredOutput(json=tool.function.parameters_schema), f"tools[{i}].function.parameters"
+            if self._cached(schema, param) is None:
+                to_compile.append((schema, param))
         # The template renders every message's text and name (and text of its own): a bound on the tokens.
         self._check_num_chars(sum(m.num_chars for m in req.messages), "messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if offered else None

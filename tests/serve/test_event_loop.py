@@ -5,6 +5,7 @@ refused (before the tokenizer sees them) and while tokenization and chat-templat
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -174,3 +175,45 @@ def test_default_body_limit_follows_the_context(api_server):
     assert default_max_body_bytes(512) == 2**20 and default_max_body_bytes(131072) == 4 * 2**20
     r = httpx.post(f"{api_server.url}/v1/completions", json={"model": "tiny", "prompt": "x" * 3_900_000}, timeout=60)
     assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"], r.text[:300]
+
+
+def test_grammar_compiles_do_not_hold_up_other_requests(api_server, tiny_engine, monkeypatch):
+    """Grammars the cache does not hold compile in a pool of their own: while more slow compiles wait than there
+    are preparation threads, a plain request still prepares and answers at once, and /health stays fast; then
+    every constrained request answers (and the same grammar again comes from the cache, compiling nothing)."""
+    from lmkit.serve.openai_serving import num_prepare_threads
+
+    engine = tiny_engine.engine
+    release, compiling = threading.Event(), threading.Semaphore(0)
+    original = engine.compile_grammar
+
+    def slow_compile(constraint):
+        if constraint.regex and constraint.regex.startswith("slow"):
+            compiling.release()
+            assert release.wait(60), "the test never released the compiles"
+        return original(constraint)
+
+    monkeypatch.setattr(engine, "compile_grammar", slow_compile)
+    url = f"{api_server.url}/v1/completions"
+
+    def constrained(i: int) -> httpx.Response:
+        body = {"model": "tiny", "prompt": "ab", "max_tokens": 12, "guided_regex": f"slow{i}[a-z]{{1,3}}"}
+        return httpx.post(url, json=body, timeout=60)
+
+    num_slow = num_prepare_threads() + 2
+    with ThreadPoolExecutor(num_slow) as pool, HealthPoller(api_server.url) as health:
+        slow = [pool.submit(constrained, i) for i in range(num_slow)]
+        assert compiling.acquire(timeout=30), "no compile started"
+        started = time.perf_counter()
+        plain = httpx.post(url, json={"model": "tiny", "prompt": "ab", "max_tokens": 3}, timeout=60)
+        plain_s = time.perf_counter() - started
+        waiting = sum(not f.done() for f in slow)
+        release.set()
+        answers = [f.result() for f in slow]
+    assert plain.status_code == 200, plain.text
+    assert waiting == num_slow and plain_s < 10, (waiting, plain_s)
+    assert all(r.status_code == 200 and re.fullmatch(f"slow{i}[a-z]{{1,3}}", r.json()["choices"][0]["text"])
+               for i, r in enumerate(answers)), [r.text for r in answers]
+    health.check("grammar compiles")
+    compiled = engine.grammars.num_compiled
+    assert constrained(0).status_code == 200 and engine.grammars.num_compiled == compiled
