@@ -224,3 +224,18 @@ def test_cached_compile_and_bad_constraints(smollm2_pipe):
         StructuredOutput(choice=[])
     r = smollm2_pipe("hi", GenerationConfig(max_new_tokens=8, structured_output=StructuredOutput(choice=["ok"])))
     assert (r.text, r.finish_reason) == ("ok", "stop")
+
+
+def test_a_schema_past_the_size_bound_is_refused_before_compiling(smollm2_pipe):
+    """MAX_SCHEMA_NODES values (the root, the enum list and its items here) compile; one more is refused naming
+    the bound, before llguidance sees it, and a string schema is counted like a dict."""
+    from lmkit.structured import MAX_SCHEMA_NODES
+
+    engine = smollm2_pipe.engine
+    at_bound = {"enum": list(range(MAX_SCHEMA_NODES - 2))}
+    engine.compile_grammar(StructuredOutput(json=at_bound))
+    compiled = engine.grammars.num_compiled
+    for past in ({"enum": list(range(MAX_SCHEMA_NODES - 1))}, json.dumps({"enum": list(range(MAX_SCHEMA_NODES))})):
+        with pytest.raises(StructuredOutputError, match=f"more than {MAX_SCHEMA_NODES:,} values"):
+            engine.compile_grammar(StructuredOutput(json=past))
+    assert engine.grammars.num_compiled == compiled

@@ -27,6 +27,9 @@ HOSTILE = [
     ("lone surrogate in a schema", "completions",
      {"prompt": "ab", "max_tokens": 2, "guided_json": {"type": "string", "enum": ["a\ud800"]}}, None, 400,
      "guided_json"),
+    ("schema of 5,000 properties", "completions", {"prompt": "ab", "max_tokens": 2, "guided_json": {
+        "type": "object", "properties": {f"p{i}": {"enum": [f"v{i}a", f"v{i}b"]} for i in range(5000)}}}, None, 400,
+     "guided_json"),
     ("schema nested 5,000 deep", "completions",
      {"prompt": "ab", "max_tokens": 2, "guided_json": "[" * 5000 + "]" * 5000}, None, 400, "guided_json"),
     ("n copies of the prompt's scores", "completions",
