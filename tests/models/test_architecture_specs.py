@@ -390,3 +390,19 @@ def test_awq_maps_of_moe_architectures_and_the_refusal_without_one(monkeypatch):
                         dataclasses.replace(get_architecture("OlmoeForCausalLM"), awq_map=None))
     with pytest.raises(ValueError, match="does not quantize OlmoeForCausalLM yet.*LlamaForCausalLM"):
         get_awq_map("OlmoeForCausalLM")
+
+@pytest.mark.parametrize("config_class, architecture, lacks", [
+    ("GptOssConfig", "GptOssForCausalLM", "attention sinks"),
+    ("Gemma4TextConfig", "Gemma4ForCausalLM", "per-layer head dims"),
+    ("Gemma4Config", "Gemma4ForConditionalGeneration", "per-layer embeddings"),
+])
+def test_known_models_lmkit_cannot_run_yet_name_what_they_lack(tmp_path, config_class, architecture, lacks):
+    """gpt-oss and Gemma 4 (transformers' own config.json of each) are refused at load naming the features
+    lmkit lacks for them, not as unknown architectures and never with a wrong answer."""
+    import transformers
+
+    config = getattr(transformers, config_class)()
+    config.architectures = [architecture]
+    config.save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=f"{architecture} is not supported yet: .*{lacks}"):
+        load_model_spec(tmp_path)
