@@ -25,17 +25,23 @@ DEFAULTS = {**qwen3_5.DEFAULTS, "intermediate_size": 0, "num_experts": 256, "num
             "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
 
 
-def read_config(c: HfConfig) -> ModelFields:
-    fields = qwen3_5.read_config(c)
+def read_experts(c: HfConfig, fields: ModelFields, layer_moe: list[int], norm_topk_prob: bool) -> ModelFields:
+    """``fields`` with the MoE layers ``layer_moe`` of config ``c``: routed experts and the shared expert."""
+    fields.layer_moe = layer_moe
     fields.num_experts = int(c.require("num_experts"))
     fields.num_experts_per_tok = int(c.require("num_experts_per_tok"))
     fields.moe_intermediate_size = int(c.require("moe_intermediate_size"))
     fields.shared_expert_intermediate_size = int(c.require("shared_expert_intermediate_size"))
+    fields.norm_topk_prob = norm_topk_prob
     if fields.shared_expert_intermediate_size <= 0:
-        raise c.error("shared_expert_intermediate_size", "every Qwen3.5-MoE layer has a shared expert (> 0)")
-    fields.norm_topk_prob = True  # Qwen3_5MoeTopKRouter always renormalizes
-    fields.layer_moe = [1] * fields.num_layers
+        raise c.error("shared_expert_intermediate_size", "every sparse layer of this family has a shared expert (> 0)")
     return fields
+
+
+def read_config(c: HfConfig) -> ModelFields:
+    fields = qwen3_5.read_config(c)
+    # every layer sparse; Qwen3_5MoeTopKRouter always renormalizes the top-k probabilities
+    return read_experts(c, fields, [1] * fields.num_layers, norm_topk_prob=True)
 
 
 # AWQ and KV calibration have no table for the hybrid layers yet: `lmkit lite` refuses it by name.

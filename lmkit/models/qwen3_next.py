@@ -31,16 +31,10 @@ def read_config(c: HfConfig) -> ModelFields:
     experts = int(c.require("num_experts"))
     step = int(c.require("decoder_sparse_step"))
     dense = set(c.get("mlp_only_layers") or [])
-    fields.layer_moe = [int(i not in dense and experts > 0 and (i + 1) % step == 0) for i in range(fields.num_layers)]
-    if any(fields.layer_moe):
-        fields.num_experts = experts
-        fields.num_experts_per_tok = int(c.require("num_experts_per_tok"))
-        fields.moe_intermediate_size = int(c.require("moe_intermediate_size"))
-        fields.shared_expert_intermediate_size = int(c.require("shared_expert_intermediate_size"))
-        fields.norm_topk_prob = bool(c.get("norm_topk_prob"))
-        if fields.shared_expert_intermediate_size <= 0:
-            raise c.error("shared_expert_intermediate_size", "every Qwen3-Next sparse layer has a shared expert (> 0)")
-    return fields
+    layer_moe = [int(i not in dense and experts > 0 and (i + 1) % step == 0) for i in range(fields.num_layers)]
+    if not any(layer_moe):
+        return fields
+    return qwen3_5_moe.read_experts(c, fields, layer_moe, norm_topk_prob=bool(c.get("norm_topk_prob")))
 
 
 # AWQ and KV calibration have no table for the hybrid layers yet: `lmkit lite` refuses it by name.
