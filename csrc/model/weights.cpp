@@ -260,7 +260,28 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     if (config.is_moe_layer(i)) {
       const int64_t E = config.num_experts, MI = config.moe_intermediate_size;
       l.router = get_linear(p + "router", E, H);
-      for (int64_t e = 0; e < E; ++e) {
+      const bool fused = has(p + "experts.gate_up_proj");
+      if (fused) {
+        // Every expert in two 3D tensors (Qwen3.5-MoE as shipped): gate_up_proj [E, 2 moe_inter, hidden] (each
+        // expert's gate rows, then its up rows) and down_proj [E, hidden, moe_inter]; read as views of expert e.
+        const Tensor gate_up = get(p + "experts.gate_up_proj", {E, 2 * MI, H}, true, DType::F32, false);
+        const Tensor down = get(p + "experts.down_proj", {E, H, MI}, true, DType::F32, false);
+        auto slab = [](const Tensor& t, int64_t first_row, int64_t rows) {
+          Tensor v = t;
+          v.ndim = 2;
+          v.shape[0] = rows, v.shape[1] = t.shape[t.ndim - 1], v.shape[2] = 0;
+          v.data = static_cast<uint8_t*>(t.data) + first_row * v.shape[1] * dtype_size_bytes(t.dtype);
+          return single_tensor_linear(v, nullptr, "");
+        };
+        for (int64_t e = 0; e < E; ++e) {
+          LayerWeights::Expert ex;
+          ex.gate_proj = slab(gate_up, e * 2 * MI, MI);
+          ex.up_proj = slab(gate_up, e * 2 * MI + MI, MI);
+          ex.down_proj = slab(down, e * H, H);
+          l.experts.push_back(std::move(ex));
+        }
+      }
+      for (int64_t e = 0; e < E && !fused; ++e) {
         const std::string x = p + "experts." + std::to_string(e) + ".";
         LayerWeights::Expert ex;
         ex.gate_proj = get_linear(x + "gate_proj", MI, H);

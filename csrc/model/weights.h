@@ -126,7 +126,9 @@ struct ModelWeights {
   // input_norm, pre_mlp_norm (always), post_attention_norm, post_mlp_norm (family "gemma"), q_norm, k_norm
   // (has_qk_norm), q_proj, k_proj, v_proj or qkv_proj, q_bias, k_bias, v_bias (has_qkv_bias), o_proj,
   // gate_proj, up_proj or gate_up_proj, down_proj; in a mixture-of-experts layer instead router and
-  // "experts.{e}." + gate_proj, up_proj, down_proj for every expert e (and with shared_expert_intermediate_size
+  // "experts.{e}." + gate_proj, up_proj, down_proj for every expert e, or all of them in two float tensors,
+  // "experts.gate_up_proj" [experts, 2 moe_inter, hidden] and "experts.down_proj" (and with
+  // shared_expert_intermediate_size
   // "shared_expert." + gate_proj, up_proj, down_proj and shared_expert_gate); in a recurrent layer instead of the
   // attention roles in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj, conv1d, dt_bias, A_log, linear_norm.
   // With attn_output_gate, q_proj is [2 q_size, hidden] (each head's query rows, then its gate rows).

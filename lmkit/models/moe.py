@@ -15,3 +15,13 @@ def moe_keys(block: str, gate: str = "gate_proj", up: str = "up_proj", down: str
         "experts.{e}.up_proj": f"{block}.experts.{{e}}.{up}.weight",
         "experts.{e}.down_proj": f"{block}.experts.{{e}}.{down}.weight",
     })
+
+
+def fused_moe_keys(block: str) -> dict[str, str]:
+    """Engine role -> HF tensor name of an MoE layer whose experts are stored together, as transformers 5 holds
+    them in memory: ``{block}.experts.gate_up_proj`` [experts, 2 moe_inter, hidden] (each expert's gate rows,
+    then its up rows) and ``{block}.experts.down_proj`` [experts, hidden, moe_inter] (Qwen3.5-MoE as shipped)."""
+    return layer_keys({
+        "experts.gate_up_proj": f"{block}.experts.gate_up_proj",
+        "experts.down_proj": f"{block}.experts.down_proj",
+    })

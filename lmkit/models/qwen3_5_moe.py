@@ -9,7 +9,7 @@ from __future__ import annotations
 from lmkit.models import qwen3_5
 from lmkit.models.architecture import Architecture, HfConfig, ModelFields
 from lmkit.models.llama import layer_keys
-from lmkit.models.moe import moe_keys
+from lmkit.models.moe import fused_moe_keys, moe_keys
 
 NAME = "Qwen3_5MoeForCausalLM"
 SHARED_EXPERT_LAYER = {
@@ -18,7 +18,8 @@ SHARED_EXPERT_LAYER = {
     "shared_expert.down_proj": "mlp.shared_expert.down_proj.weight",
     "shared_expert_gate": "mlp.shared_expert_gate.weight",
 }
-KEY_MAP = {**qwen3_5.KEY_MAP, **moe_keys("mlp"), **layer_keys(SHARED_EXPERT_LAYER)}
+# per-expert tensors (what transformers 5.24 saves) or the fused pair Qwen ships
+KEY_MAP = {**qwen3_5.KEY_MAP, **moe_keys("mlp"), **fused_moe_keys("mlp"), **layer_keys(SHARED_EXPERT_LAYER)}
 # transformers.Qwen3_5MoeTextConfig's defaults of the fields read here (intermediate_size: it has none, every MLP
 # being a mixture of experts; 0 tells the engine so)
 DEFAULTS = {**qwen3_5.DEFAULTS, "intermediate_size": 0, "num_experts": 256, "num_experts_per_tok": 8,

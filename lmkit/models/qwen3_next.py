@@ -11,14 +11,14 @@ from __future__ import annotations
 from lmkit.models import qwen3_5, qwen3_5_moe
 from lmkit.models.architecture import Architecture, HfConfig, ModelFields
 from lmkit.models.llama import layer_keys
-from lmkit.models.moe import moe_keys
+from lmkit.models.moe import fused_moe_keys, moe_keys
 
 NAME = "Qwen3NextForCausalLM"
 FUSED_LINEAR_ATTENTION = {
     "in_proj_qkvz": "linear_attn.in_proj_qkvz.weight",
     "in_proj_ba": "linear_attn.in_proj_ba.weight",
 }
-KEY_MAP = {**qwen3_5.KEY_MAP, **layer_keys(FUSED_LINEAR_ATTENTION), **moe_keys("mlp"),
+KEY_MAP = {**qwen3_5.KEY_MAP, **layer_keys(FUSED_LINEAR_ATTENTION), **moe_keys("mlp"), **fused_moe_keys("mlp"),
            **layer_keys(qwen3_5_moe.SHARED_EXPERT_LAYER)}
 # transformers.Qwen3NextConfig's defaults of the fields read here
 DEFAULTS = {**qwen3_5.DEFAULTS, "intermediate_size": 5632, "num_experts": 512, "num_experts_per_tok": 10,

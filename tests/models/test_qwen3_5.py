@@ -102,3 +102,30 @@ def test_lite_tools_refuse_it_by_name(multimodal, tmp_path):
     result = CliRunner().invoke(app, ["lite", "calibrate", str(folder), "--work-dir", str(tmp_path / "out")])
     assert result.exit_code != 0  # the lmkit entry point prints the ValueError as one line (tests/lite/test_cli.py)
     assert "does not calibrate Qwen3_5ForConditionalGeneration yet" in str(result.exception), result.output
+
+
+def test_fused_expert_tensors_load_as_shipped(tmp_path):
+    """Qwen ships Qwen3.5-MoE's experts fused, two 3D tensors per layer (mlp.experts.gate_up_proj [E, 2I, H]: each
+    expert's gate rows then its up rows; mlp.experts.down_proj [E, H, I]), where transformers 5.24 saves one
+    tensor per expert: the same weights either way give HF's logits, and a fused tensor of the wrong shape fails
+    the load naming it."""
+    import shutil
+
+    text = dict(QWEN3_5_MOE, num_hidden_layers=4, max_position_embeddings=512, **TOKEN_IDS)
+    ref = _build_multimodal(tmp_path / "split", "Qwen3_5MoeConfig", text, seed=59)
+    fused = tmp_path / "fused"
+    shutil.copytree(tmp_path / "split", fused)
+    tensors = load_file(str(fused / "model.safetensors"))
+    experts = text["num_experts"]
+    for i in range(text["num_hidden_layers"]):
+        p = f"model.language_model.layers.{i}.mlp.experts"
+        take = lambda name: [tensors.pop(f"{p}.{e}.{name}.weight") for e in range(experts)]  # noqa: E731
+        tensors[f"{p}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(take("gate_proj"),
+                                                                                      take("up_proj"))])
+        tensors[f"{p}.down_proj"] = torch.stack(take("down_proj"))
+    save_file(tensors, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    _assert_text_logits_match_hf(fused, ref, "Qwen3_5MoeForConditionalGeneration")
+    tensors["model.language_model.layers.2.mlp.experts.down_proj"] = torch.zeros(experts, 64, 8)
+    save_file(tensors, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers\.2\.experts\.down_proj' has shape"):
+        pipeline(fused, EngineConfig(device="cpu", cache_max_entry_count=8))
