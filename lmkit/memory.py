@@ -367,8 +367,7 @@ def plan_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, weight_bytes: 
                   fraction=AUTO_MEMORY_FRACTION if is_auto else (None if count > 1 else float(count)), is_auto=is_auto,
                   memory=memory, weight_bytes=weight_bytes, others=tuple(others))
     if state_bytes_per_slot:  # sized from what the weights leave, with the fraction a block count does not give
-        fraction = pool.fraction if pool.fraction is not None else AUTO_MEMORY_FRACTION
-        left = int(fraction * memory.total_bytes) - weight_bytes - pool.others_bytes
+        left = replace(pool, fraction=AUTO_MEMORY_FRACTION if pool.fraction is None else pool.fraction).left_bytes
         pool = replace(pool, state=plan_state_slots(config, state_bytes_per_slot, left))
     if not is_auto and count > 1:
         return replace(pool, num_blocks=int(count))
