@@ -237,6 +237,7 @@ def ray(
     max_ongoing_requests: Optional[int] = typer.Option(None, help=_R["max_ongoing_requests"]),
     upscale_delay: float = typer.Option(ReplicaConfig.upscale_delay_s, help=_R["upscale_delay_s"]),
     downscale_delay: float = typer.Option(ReplicaConfig.downscale_delay_s, help=_R["downscale_delay_s"]),
+    look_back_period: float = typer.Option(ReplicaConfig.look_back_period_s, help=_R["look_back_period_s"]),
     api_keys: Optional[List[str]] = typer.Option(None, help="Accepted Bearer tokens (repeat, or comma-separated; "
                                                             "default: the LMKIT_API_KEYS variable), checked by every "
                                                             "replica as by api_server; none: no authentication."),
@@ -289,7 +290,8 @@ def ray(
     replicas = ReplicaConfig(min_replicas=min_replicas, max_replicas=max_replicas,
                              target_ongoing_requests=target_ongoing_requests,
                              num_cpus_per_replica=num_cpus_per_replica, max_ongoing_requests=max_ongoing_requests,
-                             upscale_delay_s=upscale_delay, downscale_delay_s=downscale_delay)
+                             upscale_delay_s=upscale_delay, downscale_delay_s=downscale_delay,
+                             look_back_period_s=look_back_period)
     run_ray(models or None, config, server, replicas, address=address, app_name=app_name, route_prefix=route_prefix,
             chat_template=template, log_level=log_level)
 

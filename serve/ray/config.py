@@ -62,6 +62,9 @@ class ReplicaConfig:
     """Seconds the load must stay above the target before a replica is added."""
     downscale_delay_s: float = 60.0
     """Seconds the load must stay below the target before a replica is removed."""
+    look_back_period_s: float = 30.0
+    """Seconds of load history each decision averages (Ray Serve's window; keep it above Ray's metrics interval,
+    10 s): shorter reacts to a burst and to its end sooner, longer rides out brief spikes."""
     health_check_period_s: float = 5.0
     """Seconds between health checks of a replica (its engine answers); a replica failing one is replaced."""
 
@@ -71,7 +74,7 @@ class ReplicaConfig:
         if not (isinstance(self.max_replicas, int) and self.max_replicas >= max(1, self.min_replicas)):
             raise ValueError(f"max_replicas must be an integer >= max(1, min_replicas={self.min_replicas}), got "
                              f"{self.max_replicas!r}")
-        for name in ("target_ongoing_requests", "num_cpus_per_replica", "health_check_period_s"):
+        for name in ("target_ongoing_requests", "num_cpus_per_replica", "health_check_period_s", "look_back_period_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("upscale_delay_s", "downscale_delay_s"):
@@ -95,7 +98,8 @@ class ReplicaConfig:
             options["autoscaling_config"] = {
                 "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
                 "initial_replicas": max(1, self.min_replicas), "target_ongoing_requests": self.target_ongoing_requests,
-                "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s}
+                "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
+                "look_back_period_s": self.look_back_period_s}
         else:
             options["num_replicas"] = self.min_replicas
         return options

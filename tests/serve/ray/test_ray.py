@@ -318,7 +318,7 @@ def test_autoscaling_from_1_to_2_replicas_and_back(ray_cluster, slow_llama):
     from lmkit.serve.ray import ReplicaConfig, build_app, deploy
 
     replicas = ReplicaConfig(min_replicas=1, max_replicas=2, target_ongoing_requests=1, num_cpus_per_replica=0.5,
-                             upscale_delay_s=0, downscale_delay_s=2)
+                             upscale_delay_s=0, downscale_delay_s=2, look_back_period_s=11)
     deploy(build_app({"scaled": str(slow_llama)}, EngineConfig(**ENGINE), ServerConfig(), replicas), "scaled",
            "/scaled")
     url = f"{ray_cluster['url']}/scaled"
@@ -430,13 +430,15 @@ def test_lmkit_serve_ray_drains_on_sigterm(ray_cluster, slow_llama):
 
 def test_lmkit_serve_ray_stops_on_sigterm_while_its_replicas_wait_to_start(ray_cluster, slow_llama):
     """SIGTERM while the application waits for its replicas (here for CPUs the cluster does not have, which Ray
-    waits for without end): the application is deleted and the command exits 0."""
+    waits for without end): the application is deleted and the command exits 0. (Ray gives a replica that never
+    started the whole graceful-shutdown time before it kills it, so the delete takes --drain-timeout.)"""
     from ray import serve
 
     port = ray_cluster["url"].rsplit(":", 1)[1]
     proc = lmkit_subprocess("serve", "ray", f"pending={slow_llama}", "--address", ray_cluster["address"], "--port",
                             port, "--app-name", "pending", "--route-prefix", "/pending", "--num-cpus-per-replica", "8",
-                            "--device", "cpu", "--dtype", "float32", "--session-len", "512", "--log-level", "info")
+                            "--device", "cpu", "--dtype", "float32", "--session-len", "512", "--drain-timeout", "2",
+                            "--log-level", "info")
     try:
         def waiting():
             assert proc.poll() is None, proc.communicate(timeout=10)[1][-3000:]
