@@ -84,7 +84,7 @@ void bind_cuda(py::module_& parent) {
   m.def("is_available", []() { return false; });
 #else
   m.attr("is_built") = true;
-  m.attr("archs") = std::string(LMKIT_CUDA_ARCHS_LIST);  // what the build compiled for, e.g. "80,86,89,90a"
+  m.attr("archs") = std::string(LMKIT_CUDA_ARCHS_LIST);  // what the build compiled for, e.g. "80,90a"
   m.def("is_available", &cuda::is_available);
   m.def("device_count", &cuda::device_count);
   m.def("device_name", &cuda::device_name);

@@ -220,11 +220,10 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
         }
         double sum = 0;
         for (double& x : w) sum += (x = std::exp(x - mx));
-        for (int64_t i = 0; i < hd; ++i) {
-          double acc = 0;
-          for (int64_t p = lo; p <= pos; ++p) acc += w[p - lo] * at(true, h / group, p, i);
-          out[(r * num_heads + h) * hd + i] = (float)(acc / sum);
-        }
+        std::vector<double> acc(hd, 0.0);
+        for (int64_t p = lo; p <= pos; ++p)
+          for (int64_t i = 0; i < hd; ++i) acc[i] += w[p - lo] * at(true, h / group, p, i);
+        for (int64_t i = 0; i < hd; ++i) out[(r * num_heads + h) * hd + i] = (float)(acc[i] / sum);
       }
     }
   }
