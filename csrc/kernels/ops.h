@@ -311,9 +311,10 @@ void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* 
 //   S <- exp(g[t, h]) S;   u = beta[t, h] (v[t, h] - S^T k);   S <- S + k u^T;   out[t, h] = S^T q
 // q, k: Hk heads of Dk floats at q + t * qkv_stride, k + t * qkv_stride; v: Hv heads of Dv at v + t * qkv_stride;
 // g, beta: [rows, Hv]; out: Hv heads of Dv at out + t * out_stride. S: [Hv, Dk, Dv] (RecurrentSeq::state), in
-// place. Dk, Dv <= 512.
+// place. Dk, Dv <= 512. Value head h reads key head h / (Hv / Hk) (grouped, as HF stores them), or h % Hk when
+// value_heads_tiled (llama.cpp's GGUF order: every value-indexed tensor permuted so that heads repeat as a tile).
 void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* g,
                       const float* beta, const RecurrentSeq* seqs, int32_t num_seqs, int num_k_heads, int num_v_heads,
-                      int k_head_dim, int v_head_dim, float* out, int64_t out_stride);
+                      int k_head_dim, int v_head_dim, float* out, int64_t out_stride, bool value_heads_tiled);
 
 }  // namespace lmkit::ops

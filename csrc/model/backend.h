@@ -65,6 +65,7 @@ struct AttentionSpec {
 struct RecurrentSpec {
   int32_t index = 0;  // among the model's recurrent layers: which part of a state slot is this layer's
   int32_t num_k_heads = 0, num_v_heads = 0, k_head_dim = 0, v_head_dim = 0, conv_kernel = 0;
+  bool value_heads_tiled = false;  // value head h reads key head h % num_k_heads (GGUF), not h / group (ops.h)
   const DeviceVector* conv_weight = nullptr;  // [conv_kernel, conv_dim] (tap-major), conv_dim = 2 key + value
   const DeviceVector* decay_rate = nullptr;   // [Hv]: -exp(A_log)
   const DeviceVector* dt_bias = nullptr;      // [Hv]

@@ -308,7 +308,7 @@ class CpuBackend final : public Backend {
       }
     }
     ops::gated_delta_rule(x, x + KD, x + 2 * KD, P, g, beta, recurrent_seqs_.data(), n, r.num_k_heads, r.num_v_heads,
-                          r.k_head_dim, r.v_head_dim, f32(out), VD);
+                          r.k_head_dim, r.v_head_dim, f32(out), VD, r.value_heads_tiled);
     // gated RMSNorm per value head: norm(o) * w * silu(z), z read in place in each row of proj
     ops::rmsnorm(f32(out), view(*r.norm), r.norm_eps, rows * Hv, r.v_head_dim, f32(out));
     for (int64_t t = 0; t < rows; ++t) ops::silu_mul(x + t * P + C, f32(out) + t * VD, 1, VD, f32(out) + t * VD);

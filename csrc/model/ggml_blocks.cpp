@@ -83,8 +83,10 @@ void check_block_tensor(const Tensor& t, const RowOrder& rows, const std::string
   const int64_t block = dtype_block_elems(t.dtype);
   LMKIT_CHECK_ARG(t.ndim == 2 && t.shape[0] > 0 && t.shape[1] > 0 && t.shape[1] % block == 0, what, ": a GGUF ",
                   dtype_name(t.dtype), " tensor must be [N, K] with K a multiple of ", block, ", got ", shape_str(t));
-  LMKIT_CHECK_ARG(!rows || (int64_t)rows->size() == t.shape[0], what, ": row order of ", rows ? rows->size() : 0,
-                  " entries for ", t.shape[0], " rows");
+  LMKIT_CHECK_ARG(!rows || (!rows->empty() && (int64_t)rows->size() <= t.shape[0]), what, ": a row selection of ",
+                  rows ? rows->size() : 0, " entries for ", t.shape[0], " rows");
+  if (rows)
+    for (int32_t r : *rows) LMKIT_CHECK_ARG(r >= 0 && r < t.shape[0], what, ": row ", r, " of ", t.shape[0]);
 }
 
 }  // namespace
@@ -104,7 +106,7 @@ Int4Source ggml_int4_source(const Tensor& t, const RowOrder& rows, const std::st
                   dtype_name(t.dtype), " is not a GGUF int4 block type");
   check_block_tensor(t, rows, what);
   Int4Source src;
-  src.num_out = t.shape[0];
+  src.num_out = rows ? (int64_t)rows->size() : t.shape[0];
   src.num_in = t.shape[1];
   src.group_size = kBlock;
   if (t.dtype == DType::Q4_K) {  // group g: sub-block g % 8 of super-block g / 8
@@ -150,7 +152,7 @@ Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::st
                   what, ": ", dtype_name(t.dtype), " is not a GGUF int8-valued block type");
   check_block_tensor(t, rows, what);
   Int8Source src;
-  src.num_out = t.shape[0];
+  src.num_out = rows ? (int64_t)rows->size() : t.shape[0];
   src.num_in = t.shape[1];
   if (t.dtype == DType::Q5_K) {  // block b of 32: sub-block b % 8 of super-block b / 8
     src.read_block_offsets = [t, rows](int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales,

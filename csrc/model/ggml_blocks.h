@@ -26,8 +26,9 @@
 
 namespace lmkit {
 
-// A row order: output n of the layer is stored row (*order)[n]; null: n. (GGUF's llama q/k projections hold each
-// head's rotary pairs interleaved; the loader reads them back in HF's order, ggml_rotary_row_order.)
+// A row order: output n of the layer is stored row (*order)[n]; null: n. Fewer entries than stored rows select
+// those rows (a part of a fused projection, as Qwen3.5's query and gate rows). (GGUF's llama q/k projections hold
+// each head's rotary pairs interleaved; the loader reads them back in HF's order, ggml_rotary_row_order.)
 using RowOrder = std::shared_ptr<const std::vector<int32_t>>;
 
 // The rows of a [num_heads * head_dim, K] projection that llama.cpp's convert_hf_to_gguf.py permuted for its

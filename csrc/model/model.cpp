@@ -40,7 +40,8 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
       std::vector<float> taps(C * K), rate(HV);  // the convolution tap-major: [K, C]
       for (int64_t ch = 0; ch < C; ++ch)
         for (int64_t j = 0; j < K; ++j) taps[j * C + ch] = float_value(w.conv1d, ch * K + j);
-      for (int64_t h = 0; h < HV; ++h) rate[h] = -std::exp(float_value(w.a_log, h));
+      for (int64_t h = 0; h < HV; ++h)
+        rate[h] = c.linear_decay_rate_stored ? float_value(w.a_log, h) : -std::exp(float_value(w.a_log, h));
       l.conv_weight = b.upload_norm(make_view(taps.data(), DType::F32, C * K), 0.0f);
       l.decay_rate = b.upload_norm(make_view(rate.data(), DType::F32, HV), 0.0f);
       l.dt_bias = b.upload_norm(w.dt_bias, 0.0f);
@@ -80,6 +81,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
       r.num_k_heads = c.linear_num_key_heads, r.num_v_heads = c.linear_num_value_heads;
       r.k_head_dim = c.linear_key_head_dim, r.v_head_dim = c.linear_value_head_dim;
       r.conv_kernel = c.linear_conv_kernel;
+      r.value_heads_tiled = c.linear_value_heads_tiled;
       r.conv_weight = &l.conv_weight, r.decay_rate = &l.decay_rate, r.dt_bias = &l.dt_bias;
       r.norm = &l.recurrent_norm;
       r.norm_eps = c.rms_norm_eps;

@@ -63,6 +63,12 @@ struct ModelConfig {
   int32_t linear_key_head_dim = 0;
   int32_t linear_value_head_dim = 0;
   int32_t linear_conv_kernel = 0;  // taps of the short causal convolution over q | k | v
+  // llama.cpp's GGUF layout of these layers: every value-indexed tensor (v rows of in_proj_qkv and conv1d, in_proj_z,
+  // in_proj_b / in_proj_a, A_log, dt_bias, out_proj's columns) in tiled head order, value head h reading key head
+  // h % linear_num_key_heads (HF groups them: h / (value heads per key head)); and the A_log role holding the
+  // decay rate -exp(A_log) itself (its ssm_a).
+  bool linear_value_heads_tiled = false;
+  bool linear_decay_rate_stored = false;
   // Self-attention with an output gate (Qwen3.5, Qwen3-Next): q_proj holds each head's query rows, then its gate
   // rows ([heads, 2, head_dim]); the attention output times sigmoid(gate) goes into o_proj.
   bool attn_output_gate = false;

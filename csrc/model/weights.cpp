@@ -231,8 +231,14 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
       }
       return out;
     }
-    LMKIT_CHECK_ARG(!whole.is_int8() && !dtype_is_block(whole.weight.dtype), what,
-                    ": splitting a fused projection with int8 or GGUF weights is not supported yet");
+    if (dtype_is_block(whole.weight.dtype)) {  // GGUF blocks run along a row: each part reads its own rows
+      for (const std::vector<int32_t>& rows : parts) {
+        out.push_back(single_tensor_linear(whole.weight, std::make_shared<std::vector<int32_t>>(rows), what));
+        out.back().weight.shape[0] = (int64_t)rows.size();
+      }
+      return out;
+    }
+    LMKIT_CHECK_ARG(!whole.is_int8(), what, ": splitting a fused projection with int8 weights is not supported yet");
     auto order = std::make_shared<std::vector<int32_t>>();
     for (const std::vector<int32_t>& rows : parts) order->insert(order->end(), rows.begin(), rows.end());
     w.owned.emplace_back();

@@ -51,7 +51,9 @@ struct LinearTensors {
   bool is_int4() const { return int4_source.read_group != nullptr; }
   bool is_int8() const { return int8_source.is_set(); }
   bool is_empty() const { return weight.is_empty() && !is_int4(); }
-  int64_t num_out() const { return is_int4() ? int4_source.num_out : weight.shape[0]; }
+  int64_t num_out() const {
+    return is_int4() ? int4_source.num_out : is_int8() ? int8_source.num_out : weight.shape[0];
+  }
   int64_t num_in() const { return is_int4() ? int4_source.num_in : weight.shape[1]; }
 };
 

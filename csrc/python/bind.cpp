@@ -122,6 +122,8 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("linear_key_head_dim", &ModelConfig::linear_key_head_dim)
       .def_readwrite("linear_value_head_dim", &ModelConfig::linear_value_head_dim)
       .def_readwrite("linear_conv_kernel", &ModelConfig::linear_conv_kernel)
+      .def_readwrite("linear_value_heads_tiled", &ModelConfig::linear_value_heads_tiled)
+      .def_readwrite("linear_decay_rate_stored", &ModelConfig::linear_decay_rate_stored)
       .def_readwrite("attn_output_gate", &ModelConfig::attn_output_gate);
 
   py::enum_<KVQuant>(m, "KVQuant", "A layer's KV-cache precision (core/kv_quant.h)")

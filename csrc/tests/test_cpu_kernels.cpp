@@ -1550,9 +1550,10 @@ void test_recurrent() {
     // delta rule on the convolved rows
     std::vector<float> outr(rows * value), outo(rows * value, NAN);
     ops::reference::gated_delta_rule(xr.data(), xr.data() + key, xr.data() + 2 * key, stride, g.data(), beta.data(),
-                                     sr.data(), (int32_t)sr.size(), sh.Hk, sh.Hv, sh.Dk, sh.Dv, outr.data(), value);
+                                     sr.data(), (int32_t)sr.size(), sh.Hk, sh.Hv, sh.Dk, sh.Dv, outr.data(), value,
+                                     false);
     ops::gated_delta_rule(xr.data(), xr.data() + key, xr.data() + 2 * key, stride, g.data(), beta.data(), so.data(),
-                          (int32_t)so.size(), sh.Hk, sh.Hv, sh.Dk, sh.Dv, outo.data(), value);
+                          (int32_t)so.size(), sh.Hk, sh.Hv, sh.Dk, sh.Dv, outo.data(), value, false);
     expect_close(outo, outr, "gated_delta_rule" + name, 1e-4);
     expect_close(sto, str, "gated_delta_rule state" + name, 1e-4);
 
@@ -1564,13 +1565,50 @@ void test_recurrent() {
       auto sc = seqs_over(csc, stc, part.first, part.second);
       ops::causal_conv1d(xc.data(), stride, conv, w.data(), sh.K, sc.data(), (int32_t)sc.size());
       ops::gated_delta_rule(xc.data(), xc.data() + key, xc.data() + 2 * key, stride, g.data(), beta.data(), sc.data(),
-                            (int32_t)sc.size(), sh.Hk, sh.Hv, sh.Dk, sh.Dv, outc.data(), value);
+                            (int32_t)sc.size(), sh.Hk, sh.Hv, sh.Dk, sh.Dv, outc.data(), value, false);
     }
     expect_close(outc, outr, "gated_delta_rule in two chunks" + name, 1e-4);
     expect_close(stc, str, "gated_delta_rule state after two chunks" + name, 1e-4);
+
+    // value heads tiled (GGUF): the same inputs with every value-indexed operand moved from grouped head
+    // kh * R + r to tiled head r * Hk + kh give the same outputs and states, moved the same way
+    const int R = sh.Hv / sh.Hk;
+    auto tiled_of = [&](int h) { return (h % R) * sh.Hk + h / R; };  // grouped head -> its tiled position
+    std::vector<float> xt = xr, gt(g.size()), bt(beta.size()), stt(st0.size());
+    for (int64_t t = 0; t < rows; ++t)
+      for (int h = 0; h < sh.Hv; ++h) {
+        const int ht = tiled_of(h);
+        std::copy_n(xr.data() + t * stride + 2 * key + (int64_t)h * sh.Dv, sh.Dv,
+                    xt.data() + t * stride + 2 * key + (int64_t)ht * sh.Dv);
+        gt[t * sh.Hv + ht] = g[t * sh.Hv + h], bt[t * sh.Hv + ht] = beta[t * sh.Hv + h];
+      }
+    const int64_t head_state = (int64_t)sh.Dk * sh.Dv;
+    for (size_t i = 0; i < lens.size(); ++i)
+      for (int h = 0; h < sh.Hv; ++h)
+        std::copy_n(st0.data() + i * state_n + h * head_state, head_state,
+                    stt.data() + i * state_n + tiled_of(h) * head_state);
+    std::vector<float> stt_ref = stt, outt_ref(rows * value), outt(rows * value, NAN), ex(rows * value), est(stt.size());
+    auto st_seqs = seqs_over(csr, stt_ref, first, lens), so_t = seqs_over(csr, stt, first, lens);
+    ops::reference::gated_delta_rule(xt.data(), xt.data() + key, xt.data() + 2 * key, stride, gt.data(), bt.data(),
+                                     st_seqs.data(), (int32_t)st_seqs.size(), sh.Hk, sh.Hv, sh.Dk, sh.Dv,
+                                     outt_ref.data(), value, true);
+    ops::gated_delta_rule(xt.data(), xt.data() + key, xt.data() + 2 * key, stride, gt.data(), bt.data(), so_t.data(),
+                          (int32_t)so_t.size(), sh.Hk, sh.Hv, sh.Dk, sh.Dv, outt.data(), value, true);
+    for (int64_t t = 0; t < rows; ++t)
+      for (int h = 0; h < sh.Hv; ++h)
+        std::copy_n(outr.data() + t * value + (int64_t)h * sh.Dv, sh.Dv,
+                    ex.data() + t * value + (int64_t)tiled_of(h) * sh.Dv);
+    for (size_t i = 0; i < lens.size(); ++i)
+      for (int h = 0; h < sh.Hv; ++h)
+        std::copy_n(str.data() + i * state_n + h * head_state, head_state,
+                    est.data() + i * state_n + tiled_of(h) * head_state);
+    expect_close(outt_ref, ex, "gated_delta_rule reference, value heads tiled" + name, 1e-12);
+    expect_close(stt_ref, est, "gated_delta_rule reference state, value heads tiled" + name, 1e-12);
+    expect_close(outt, ex, "gated_delta_rule value heads tiled" + name, 1e-4);
+    expect_close(stt, est, "gated_delta_rule state, value heads tiled" + name, 1e-4);
   }
   expect(throws([] { ops::gated_delta_rule(nullptr, nullptr, nullptr, 0, nullptr, nullptr, nullptr, 0, 2, 3, 8, 8,
-                                           nullptr, 24); }),
+                                           nullptr, 24, false); }),
          "gated_delta_rule rejects value heads that are not a multiple of the key heads");
   expect(throws([] { ops::causal_conv1d(nullptr, 4, 4, nullptr, 9, nullptr, 0); }),
          "causal_conv1d rejects a kernel of 9 taps");

@@ -38,9 +38,16 @@ _GGUF_ERROR_EXIT = 3  # the view subprocess's exit status for a GgufError (its m
 ENGINE_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)  # the GGML tensor types the engine runs
 # general.architecture -> the HF architecture lmkit serves it as; llama.cpp's converter stores these with q/k rows
 # permuted for its interleaved rotary (the engine reads them back: ModelConfig.qk_rotary_interleaved)
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen35": "Qwen3_5ForCausalLM"}
 QK_INTERLEAVED = frozenset({"llama"})
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen35": "qwen3_5_text"}
+# llama.cpp's Gated DeltaNet hybrids (convert_hf_to_gguf.py; transformers' GGUF loader undoes the same steps): the
+# norms HF scales by (1 + w) stored as 1 + w (the engine reads them with no offset; the gated output norm ssm_norm
+# is plain in both), A_log stored as ssm_a = -exp(A_log), the value heads of every value-indexed tensor tiled
+# (ModelConfig.linear_value_heads_tiled), conv1d squeezed to [channels, taps], dt_bias named ssm_dt.bias, and the
+# multi-token-prediction block written as the layers after the decoder's (blk.{num_hidden_layers}.*).
+HYBRID_LAYOUT = frozenset({"qwen35"})
 
 
 def gguf_arch_of(cfg: dict) -> str:
@@ -125,14 +132,16 @@ def gguf_tensors(reader, path: Path) -> dict[str, TensorEntry]:
 
 
 def hf_to_gguf_names(hf_names, gguf_arch: str, num_layers: int) -> dict[str, str]:
-    """HF tensor name -> GGUF tensor name, by the gguf package's own tensor-name table."""
+    """HF tensor name -> GGUF tensor name, by the gguf package's own tensor-name table (a Gated DeltaNet's
+    dt_bias under the name llama.cpp's converter gives it first, dt_proj.bias)."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     arch = {name: a for a, name in MODEL_ARCH_NAMES.items()}[gguf_arch]
     table = get_tensor_name_map(arch, num_layers)
     out = {}
     for name in hf_names:
-        mapped = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        lookup = name[: -len("dt_bias")] + "dt_proj.bias" if name.endswith("linear_attn.dt_bias") else name
+        mapped = table.get_name(lookup, try_suffixes=(".weight", ".bias"))
         if mapped is not None:
             out[name] = mapped
     return out
@@ -199,7 +208,8 @@ def gguf_view(path: str | os.PathLike) -> Path:
 
 
 def config_from_metadata(reader, path: Path) -> dict:
-    """config.json of the file: the metadata through transformers' GGUF config tables (integrations.ggml)."""
+    """config.json of the file: the metadata through transformers' GGUF config tables (integrations.ggml), or
+    for the architectures it reads by a function of its own (the hybrids), that function."""
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     arch = gguf_architecture(reader, path)
@@ -209,6 +219,8 @@ def config_from_metadata(reader, path: Path) -> dict:
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise GgufError(f"{path}: tensor 'rope_freqs.weight' (llama 3 rope scaling factors) is not supported yet")
+    if arch in HYBRID_LAYOUT:
+        return _hybrid_config(reader, path, arch)
     cfg = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}))
     for key, name in GGUF_CONFIG_MAPPING[arch].items():
         value = _field(reader, f"{arch}.{key}")
@@ -238,6 +250,28 @@ def config_from_metadata(reader, path: Path) -> dict:
         if value is not None:
             cfg[name] = int(value)
     return cfg
+
+
+def _hybrid_config(reader, path: Path, arch: str) -> dict:
+    """config.json of a hybrid's file by transformers' own reader of its metadata (gguf_config_mapping), plus
+    mtp_num_hidden_layers: the multi-token-prediction layers written after the decoder's."""
+    from transformers.integrations.gguf.gguf_config_mapping import GGUF_CONFIG_ARCHS
+
+    metadata = {key: _field(reader, key) for key in reader.fields
+                if key.startswith((f"{arch}.", "general.")) or key.startswith("tokenizer.ggml.")
+                and key.endswith("_token_id")}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    metadata["tokenizer.ggml.tokens"] = len(tokens.data) if tokens is not None else None
+    names = tuple(t.name for t in reader.tensors)
+    try:
+        cfg = GGUF_CONFIG_ARCHS[arch](metadata, names)
+    except (KeyError, TypeError, ZeroDivisionError) as e:
+        raise GgufError(f"{path}: the metadata of this {arch} file is incomplete ({type(e).__name__}: {e})") from None
+    if cfg.get("vocab_size") is None:
+        raise GgufError(f"{path}: the metadata has no tokenizer.ggml.tokens (the vocabulary)")
+    cfg.update(architectures=[ARCHITECTURES[arch]], model_type=MODEL_TYPES[arch],
+               mtp_num_hidden_layers=int(metadata.get(f"{arch}.nextn_predict_layers") or 0))
+    return {k: v for k, v in cfg.items() if v is not None}
 
 
 def write_view(path: Path, out: Path) -> None:

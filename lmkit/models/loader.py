@@ -37,6 +37,8 @@ class ModelSpec(ModelFields):
     quant: WeightQuant | None = None  # how the quantized linears are stored; None: a float checkpoint
     gguf: Path | None = None  # the GGUF file the tensors come from (path is then its view folder, gguf_file.py)
     qk_rotary_interleaved: bool = False  # q/k rows in llama.cpp's interleaved rotary order (GGUF llama files)
+    linear_value_heads_tiled: bool = False  # GGUF qwen35: value-indexed tensors in tiled head order (ModelConfig)
+    linear_decay_rate_stored: bool = False  # GGUF qwen35: the A_log role holds -exp(A_log) (ModelConfig)
     generation_defaults: dict = field(default_factory=dict)
     """GenerationConfig fields the model's generation_config.json sets (see read_generation_defaults)."""
     sources: dict[str, TensorEntry] = field(repr=False, default_factory=dict)
@@ -76,6 +78,8 @@ class ModelSpec(ModelFields):
             int4_layout=self.quant.int4_layout if self.quant else "",
             int4_group_size=self.quant.group_size if self.quant and self.quant.bits == 4 else 0,
             qk_rotary_interleaved=self.qk_rotary_interleaved,
+            linear_value_heads_tiled=self.linear_value_heads_tiled,
+            linear_decay_rate_stored=self.linear_decay_rate_stored,
         )
         return values
 
@@ -164,11 +168,16 @@ def load_model_spec(path: Path) -> ModelSpec:
     generation_defaults = read_generation_defaults(path, cfg, gen)
 
     gguf = None
+    hybrid_layout = False
     if gguf_file.is_view(path):
         gguf = gguf_file.view_source(path)
         if quant is not None:
             raise ValueError(f"{cfg_path}: a GGUF view has a quantization_config")
-        sources = gguf_sources(arch, path, gguf, fields.num_layers, fields.num_experts)
+        sources = gguf_sources(arch, path, gguf, fields.num_layers, fields.num_experts,
+                               int(cfg.get("mtp_num_hidden_layers") or 0))
+        hybrid_layout = gguf_file.gguf_arch_of(cfg) in gguf_file.HYBRID_LAYOUT
+        if hybrid_layout:  # its (1 + w) norms stored as 1 + w (gguf_file.HYBRID_LAYOUT)
+            fields.norm_weight_offset = 0.0
     else:
         sources = map_tensors(arch, index_folder(path), fields.num_layers, quant, path, fields.num_experts)
     if fields.tie_word_embeddings:
@@ -182,6 +191,8 @@ def load_model_spec(path: Path) -> ModelSpec:
         quant=quant,
         gguf=gguf,
         qk_rotary_interleaved=gguf is not None and gguf_file.gguf_arch_of(cfg) in gguf_file.QK_INTERLEAVED,
+        linear_value_heads_tiled=hybrid_layout,
+        linear_decay_rate_stored=hybrid_layout,
         generation_defaults=generation_defaults,
         sources=sources,
     )
@@ -236,14 +247,17 @@ def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers:
     return sources
 
 
-def gguf_sources(arch: Architecture, view: Path, gguf: Path, num_layers: int,
-                 num_experts: int = 0) -> dict[str, TensorEntry]:
+def gguf_sources(arch: Architecture, view: Path, gguf: Path, num_layers: int, num_experts: int = 0,
+                 mtp_layers: int = 0) -> dict[str, TensorEntry]:
     """Engine role -> tensor of GGUF file ``gguf`` (of view folder ``view``): the architecture's key map (role -> HF
-    name) through the gguf package's name table (HF name -> GGUF name). Raises ValueError naming the tensors no
-    role takes."""
+    name) through the gguf package's name table (HF name -> GGUF name). The ``mtp_layers`` blocks after the
+    decoder's (a multi-token-prediction head) are left unread, as in HF folders. Raises ValueError naming the
+    tensors no role takes."""
     if num_experts:
         raise gguf_file.GgufError(f"{gguf}: mixture-of-experts GGUF files are not supported yet")
-    tensors = gguf_file.view_tensors(view, gguf)
+    mtp = tuple(f"blk.{num_layers + i}." for i in range(mtp_layers))
+    tensors = {name: entry for name, entry in gguf_file.view_tensors(view, gguf).items()
+               if not (mtp and name.startswith(mtp))}
     hf_names = [k for role, key in arch.key_map.items() for _, k in expanded(role, key, num_layers)]
     gguf_of = gguf_file.hf_to_gguf_names(hf_names, gguf_file.gguf_arch_of_architecture(arch.name), num_layers)
     by_hf = {gguf_name: hf for hf, gguf_name in gguf_of.items()}

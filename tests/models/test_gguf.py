@@ -416,3 +416,176 @@ def test_lite_tools_refuse_gguf_models(tmp_path):
     for target in (path, resolve_model(path)):
         with pytest.raises(ValueError, match="is a GGUF model: lmkit lite works on a Hugging Face folder"):
             read_config(target)
+
+
+# ---- Gated DeltaNet hybrids (Qwen3.5): llama.cpp's own layout, read by the engine as written
+QWEN35 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4, max_position_embeddings=512,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+"""Two value heads per key head (so the tiled order moves them), value and key head dims apart, every quantized
+matrix's inputs a whole number of 32-blocks, a rotary of 8 dims (transformers' GGUF reader needs three nonzero
+multimodal-rope sections); three Gated DeltaNet layers, then gated full attention."""
+OFFSET_NORMS = ("model.norm.", "input_layernorm.", "post_attention_layernorm.", "q_norm.", "k_norm.")
+
+
+def write_qwen35_gguf(model, out: Path, qtype: str, mtp_layers: int = 1, omit: tuple[str, ...] = ()) -> None:
+    """``model`` (HF Qwen3_5ForCausalLM, fp32) as llama.cpp's convert_hf_to_gguf.py writes a "qwen35" file (the steps
+    transformers' GGUF loader undoes, integrations/gguf/gguf_conversion_mapping.py): norms scaled by (1 + w) stored
+    as 1 + w (not the gated output norm), ssm_a = -exp(A_log), conv1d squeezed, dt_bias as ssm_dt.bias, every
+    value-indexed tensor in tiled head order; plus ``mtp_layers`` blocks of a multi-token-prediction head after the
+    decoder's (random, left unread). 2-D weights in ``qtype`` (conv1d F32), the rest F32; the metadata keys in
+    ``omit`` left out."""
+    cfg = model.config
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    # tiled[i] = grouped[order[i]]: grouped heads kh * R + r go to tiled position r * Hk + kh
+    per_value = np.arange(hv * dv).reshape(hk, hv // hk, dv).transpose(1, 0, 2).reshape(-1)
+    per_head = np.arange(hv).reshape(hk, hv // hk).T.reshape(-1)
+    qk_rows = 2 * hk * dk
+    writer = gguf.GGUFWriter(str(out), "qwen35")
+    layers = cfg.num_hidden_layers
+    rotary = int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"])
+    interval = cfg.layer_types.index("full_attention") + 1  # llama.cpp states the pattern as this interval
+    assert cfg.layer_types == ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                               for i in range(layers)]
+    for key, value in (("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
+                       ("feed_forward_length", cfg.intermediate_size), ("block_count", layers + mtp_layers),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.head_count_kv", cfg.num_key_value_heads), ("attention.key_length", cfg.head_dim),
+                       ("attention.value_length", cfg.head_dim), ("full_attention_interval", interval),
+                       ("ssm.conv_kernel", cfg.linear_conv_kernel_dim), ("ssm.state_size", dk),
+                       ("ssm.group_count", hk), ("ssm.time_step_rank", hv), ("ssm.inner_size", hv * dv),
+                       ("rope.dimension_count", rotary), ("nextn_predict_layers", mtp_layers)):
+        if f"qwen35.{key}" not in omit:
+            writer.add_uint32(f"qwen35.{key}", int(value))
+    writer.add_float32("qwen35.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_float32("qwen35.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    writer.add_array("qwen35.rope.dimension_sections", [rotary // 4, rotary // 8, rotary // 8, 0])
+    copy_tokenizer(writer, smollm2_gguf(), cfg.vocab_size)
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, layers)
+
+    def add(name: str, data: np.ndarray, kind: str = "F32") -> None:
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        qt = gguf.GGMLQuantizationType[kind]
+        stored = data.astype(np.float16) if kind == "F16" else data if kind == "F32" else gguf.quants.quantize(data, qt)
+        writer.add_tensor(name, stored, raw_dtype=qt if kind not in ("F32", "F16") else None)
+
+    for name, param in model.state_dict().items():
+        data = param.detach().numpy().astype(np.float32)
+        lookup = name.replace("linear_attn.dt_bias", "linear_attn.dt_proj.bias")
+        gname = table.get_name(lookup, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, name
+        if name.endswith(tuple(n + "weight" for n in OFFSET_NORMS)):
+            data = data + 1.0
+        if name.endswith("linear_attn.A_log"):
+            data = -np.exp(data)[per_head]
+        elif name.endswith(("linear_attn.dt_bias", "in_proj_a.weight", "in_proj_b.weight")):
+            data = data[per_head]
+        elif name.endswith("in_proj_z.weight"):
+            data = data[per_value]
+        elif name.endswith(("in_proj_qkv.weight", "linear_attn.conv1d.weight")):
+            data = data.reshape(data.shape[0], -1)  # conv1d [C, 1, K] -> [C, K]
+            data = np.concatenate([data[:qk_rows], data[qk_rows:][per_value]])
+        elif name.endswith("linear_attn.out_proj.weight"):
+            data = data[:, per_value]
+        add(gname, data, qtype if data.ndim == 2 and "conv1d" not in name else "F32")
+    rng = np.random.default_rng(7)
+    for i in range(layers, layers + mtp_layers):  # llama.cpp's MTP block: read by no one here
+        add(f"blk.{i}.attn_norm.weight", rng.normal(size=cfg.hidden_size))
+        add(f"blk.{i}.nextn.eh_proj.weight", rng.normal(size=(cfg.hidden_size, 2 * cfg.hidden_size)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def qwen35_model(seed: int, std: float = 0.08):
+    """A tiny random HF Qwen3.5 hybrid (QWEN35) in fp32: matrices N(0, std), the (1 + w) norms' w and the other
+    vectors N(0, 0.3), the plain gated output norm around 1."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**QWEN35), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, std if p.ndim == 2 else 0.3)
+            if "linear_attn.norm" in name:
+                p.add_(1.0)
+    return model
+
+
+def make_qwen35_case(tmp: Path, qtype: str, seed: int, std: float = 0.08):
+    """(gguf file, the HF model it was written from, transformers' own load of the file) for a tiny random Qwen3.5
+    hybrid: transformers' GGUF loader (llama.cpp's steps undone, the blocks dequantized by gguf's kernels) is the
+    reference of the file."""
+    from transformers import AutoModelForCausalLM
+
+    source = qwen35_model(seed, std)
+    path = tmp / f"qwen35-{qtype}.gguf"
+    write_qwen35_gguf(source, path, qtype)
+    read = AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file=path.name, dtype=torch.float32).eval()
+    return path, source, read
+
+
+def test_qwen35_gguf_as_llama_cpp_writes_it(tmp_path):
+    """A "qwen35" file in F32: transformers reads back the very model it was written from (the writer does what
+    llama.cpp does), the engine reads the file as written (norms with no offset, -exp(A_log) as stored, value heads
+    in tiled order, the MTP block skipped) to the same logits, and the view's config names the MTP layers."""
+    path, source, read = make_qwen35_case(tmp_path, "F32", seed=61)
+    prompt = torch.tensor([prompts_for(6)[2]])
+    with torch.no_grad():
+        want, got = source(prompt).logits, read(prompt).logits
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    spec = load_model_spec(resolve_model(path))
+    assert spec.layer_recurrent == [1, 1, 1, 0] and spec.norm_weight_offset == 0.0
+    assert spec.linear_value_heads_tiled and spec.linear_decay_rate_stored and spec.config["mtp_num_hidden_layers"] == 1
+    assert not any(role.startswith("layers.4.") for role in spec.sources)
+    assert engine_vs(path, read, prompts_for(6), EXACT) <= 1e-4
+
+
+def with_q8_activations(model):
+    """``model`` (transformers' load of a "qwen35" file) with every linear's input rounded as the engine's and
+    llama.cpp's int8 activations round it: per block of 32 values, dx = max|x| / 127, q = round half to even (x / dx);
+    out_proj's input in the file's tiled value-head order, the order both compute in (so its blocks hold other
+    values than in HF's grouped order)."""
+    cfg = model.config
+    hk, hv, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    tiled = torch.from_numpy(np.arange(hv * dv).reshape(hk, hv // hk, dv).transpose(1, 0, 2).reshape(-1))
+    grouped = torch.argsort(tiled)
+
+    def q8(x):
+        blocks = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+        amax = blocks.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            rounded = (lambda x: q8(x[..., tiled])[..., grouped]) if name.endswith("out_proj") else q8
+            module.forward = (lambda m, r: lambda x: torch.nn.functional.linear(r(x), m.weight, m.bias))(module, rounded)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0"])
+def test_qwen35_gguf_quantized_logits(qtype, tmp_path):
+    """Quantized "qwen35" files against transformers' GGUF load of the same file on the exact path; with int8
+    activations, against that load with its linears' inputs rounded as the engine rounds them (with_q8_activations:
+    the first rows agree to 1e-5; a rounding that falls the other way, float sums in another order, then lives on in
+    the recurrent state, hence the per-prompt bound)."""
+    path, _, read = make_qwen35_case(tmp_path, qtype, seed=62 + len(qtype), std=0.03)
+    assert engine_vs(path, read, prompts_for(7), EXACT) <= 1e-4
+    if qtype != "F16":
+        assert engine_vs(path, with_q8_activations(read), prompts_for(7), INT8_ACT, per_row=False) <= 1e-2
+
+
+def test_qwen35_gguf_without_its_state_fields_is_refused(tmp_path):
+    """A "qwen35" file whose metadata lacks the Gated DeltaNet shape is refused naming the file and the key, before
+    any memory."""
+    path = tmp_path / "qwen35-broken.gguf"
+    write_qwen35_gguf(qwen35_model(63), path, "F32", omit=("qwen35.ssm.state_size",))
+    with pytest.raises(GgufError, match=r"qwen35-broken\.gguf: the metadata of this qwen35 file is incomplete "
+                                        r"\(KeyError: 'qwen35\.ssm\.state_size'\)"):
+        resolve_model(path)

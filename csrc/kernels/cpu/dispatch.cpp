@@ -364,7 +364,7 @@ void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* 
 
 void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* g,
                       const float* beta, const RecurrentSeq* seqs, int32_t num_seqs, int num_k_heads, int num_v_heads,
-                      int k_head_dim, int v_head_dim, float* out, int64_t out_stride) {
+                      int k_head_dim, int v_head_dim, float* out, int64_t out_stride, bool value_heads_tiled) {
   LMKIT_CHECK(num_k_heads > 0 && num_v_heads > 0 && num_v_heads % num_k_heads == 0, "gated_delta_rule: ",
               num_v_heads, " value heads must be a positive multiple of ", num_k_heads, " key heads");
   LMKIT_CHECK(k_head_dim > 0 && k_head_dim <= 512 && v_head_dim > 0 && v_head_dim <= 512,
@@ -375,7 +375,7 @@ void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qk
   if (num_seqs == 0) return;
   LMKIT_CHECK(q && k && v && g && beta && out, "gated_delta_rule: q, k, v, g, beta and out must be non-null");
   cpu::active().gated_delta_rule(q, k, v, qkv_stride, g, beta, seqs, num_seqs, num_k_heads, num_v_heads, k_head_dim,
-                                 v_head_dim, out, out_stride);
+                                 v_head_dim, out, out_stride, value_heads_tiled);
 }
 
 }  // namespace lmkit::ops

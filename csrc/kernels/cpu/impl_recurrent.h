@@ -46,7 +46,7 @@ inline float dot_n(const float* a, const float* b, int n) {
 // One task per (sequence, value head): its rows in order against its Dk x Dv matrix.
 void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* g,
                       const float* beta, const RecurrentSeq* seqs, int32_t num_seqs, int num_k_heads, int num_v_heads,
-                      int k_head_dim, int v_head_dim, float* out, int64_t out_stride) {
+                      int k_head_dim, int v_head_dim, float* out, int64_t out_stride, bool value_heads_tiled) {
   const int Hv = num_v_heads, Dk = k_head_dim, Dv = v_head_dim, group = num_v_heads / num_k_heads;
   int64_t rows = 0;
   for (int32_t s = 0; s < num_seqs; ++s) rows += seqs[s].num_rows;
@@ -55,7 +55,7 @@ void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qk
     const float q_scale = 1.0f / sqrtf((float)Dk);
     for (int64_t i = i0; i < i1; ++i) {
       const RecurrentSeq& sq = seqs[i / Hv];
-      const int h = (int)(i % Hv), kh = h / group;
+      const int h = (int)(i % Hv), kh = value_heads_tiled ? h % num_k_heads : h / group;
       float* S = sq.state + (int64_t)h * Dk * Dv;
       for (int32_t t = 0; t < sq.num_rows; ++t) {
         const int64_t row = sq.first_row + t;

@@ -70,7 +70,8 @@ struct KernelTable {
                         const RecurrentSeq* seqs, int32_t num_seqs);
   void (*gated_delta_rule)(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* g,
                            const float* beta, const RecurrentSeq* seqs, int32_t num_seqs, int num_k_heads,
-                           int num_v_heads, int k_head_dim, int v_head_dim, float* out, int64_t out_stride);
+                           int num_v_heads, int k_head_dim, int v_head_dim, float* out, int64_t out_stride,
+                           bool value_heads_tiled);
   // paged_attention over a bf16 pool (bits 16) with prefill tasks on AVX512_BF16 dot products (P rounded to bf16);
   // nullptr where this build has none; dispatch.cpp calls it only where the CPU has AVX512_BF16
   void (*paged_attention_bf16)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,

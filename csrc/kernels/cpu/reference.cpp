@@ -249,7 +249,7 @@ void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* 
 
 void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* g,
                       const float* beta, const RecurrentSeq* seqs, int32_t num_seqs, int num_k_heads, int num_v_heads,
-                      int k_head_dim, int v_head_dim, float* out, int64_t out_stride) {
+                      int k_head_dim, int v_head_dim, float* out, int64_t out_stride, bool value_heads_tiled) {
   const int Dk = k_head_dim, Dv = v_head_dim, group = num_v_heads / num_k_heads;
   for (int32_t s = 0; s < num_seqs; ++s) {
     const RecurrentSeq& sq = seqs[s];
@@ -257,8 +257,9 @@ void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qk
       std::vector<double> S(sq.state + (int64_t)h * Dk * Dv, sq.state + (int64_t)(h + 1) * Dk * Dv);
       for (int32_t t = 0; t < sq.num_rows; ++t) {
         const int64_t row = sq.first_row + t;
-        const float* qr = q + row * qkv_stride + (int64_t)(h / group) * Dk;
-        const float* kr = k + row * qkv_stride + (int64_t)(h / group) * Dk;
+        const int64_t kh = value_heads_tiled ? h % num_k_heads : h / group;
+        const float* qr = q + row * qkv_stride + kh * Dk;
+        const float* kr = k + row * qkv_stride + kh * Dk;
         const float* vr = v + row * qkv_stride + (int64_t)h * Dv;
         double nq = 0, nk = 0;
         for (int d = 0; d < Dk; ++d) nq += (double)qr[d] * qr[d], nk += (double)kr[d] * kr[d];

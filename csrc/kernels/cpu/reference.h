@@ -37,6 +37,6 @@ void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* 
                    int32_t num_seqs);
 void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* g,
                       const float* beta, const RecurrentSeq* seqs, int32_t num_seqs, int num_k_heads, int num_v_heads,
-                      int k_head_dim, int v_head_dim, float* out, int64_t out_stride);
+                      int k_head_dim, int v_head_dim, float* out, int64_t out_stride, bool value_heads_tiled);
 
 }  // namespace lmkit::ops::reference
