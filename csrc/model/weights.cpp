@@ -159,7 +159,7 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
                       dtype_name(src.dtype), ", it must be ", dtype_name(want));
     LMKIT_CHECK_ARG(src.shape == shape, config.architecture, ": tensor '", role, "' has shape ", shape_str(src.shape),
                     ", the config implies ", shape_str(shape));
-    LMKIT_CHECK_ARG(!dtype_is_block(src.dtype) || (shape.size() == 2 && shape[1] % dtype_block_elems(src.dtype) == 0),
+    LMKIT_CHECK_ARG(!dtype_is_block(src.dtype) || (shape.size() >= 2 && shape.back() % dtype_block_elems(src.dtype) == 0),
                     config.architecture, ": tensor '", role, "' of ", dtype_name(src.dtype), " blocks has shape ",
                     shape_str(shape), ": its rows must be whole blocks");
     auto& file = files[src.path];
@@ -266,28 +266,34 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     if (config.is_moe_layer(i)) {
       const int64_t E = config.num_experts, MI = config.moe_intermediate_size;
       l.router = get_linear(p + "router", E, H);
-      const bool fused = has(p + "experts.gate_up_proj");
-      if (fused) {
-        // Every expert in two 3D tensors (Qwen3.5-MoE as shipped): gate_up_proj [E, 2 moe_inter, hidden] (each
-        // expert's gate rows, then its up rows) and down_proj [E, hidden, moe_inter]; read as views of expert e.
-        const Tensor gate_up = get(p + "experts.gate_up_proj", {E, 2 * MI, H}, true, DType::F32, false);
-        const Tensor down = get(p + "experts.down_proj", {E, H, MI}, true, DType::F32, false);
-        auto slab = [](const Tensor& t, int64_t first_row, int64_t rows) {
-          Tensor v = t;
-          v.ndim = 2;
-          v.shape[0] = rows, v.shape[1] = t.shape[t.ndim - 1], v.shape[2] = 0;
-          v.data = static_cast<uint8_t*>(t.data) + first_row * v.shape[1] * dtype_size_bytes(t.dtype);
-          return single_tensor_linear(v, nullptr, "");
-        };
+      // Every expert in 3D tensors, read as views of expert e's rows (any dtype, GGUF blocks included: a row is
+      // whole blocks): gate_up_proj [E, 2 moe_inter, hidden] (each expert's gate rows, then its up rows) and
+      // down_proj [E, hidden, moe_inter], Qwen3.5-MoE as shipped; or gate_exps and up_exps [E, moe_inter, hidden]
+      // apart and down_exps [E, hidden, moe_inter], llama.cpp's GGUF files (ffn_gate_exps, ...).
+      const bool fused = has(p + "experts.gate_up_proj"), stacked = has(p + "experts.gate_exps");
+      auto slab = [&](const Tensor& t, int64_t first_row, int64_t rows) {
+        Tensor v = t;
+        v.ndim = 2;
+        v.shape[0] = rows, v.shape[1] = t.shape[t.ndim - 1], v.shape[2] = 0;
+        v.data = static_cast<uint8_t*>(t.data) +
+                 first_row * (v.shape[1] / dtype_block_elems(t.dtype) * dtype_block_bytes(t.dtype));
+        return single_tensor_linear(v, nullptr, config.architecture + ": " + p + "experts");
+      };
+      if (fused || stacked) {
+        const Tensor down = get(p + (fused ? "experts.down_proj" : "experts.down_exps"), {E, H, MI}, true, DType::F32,
+                                true);
+        const Tensor gate_up = fused ? get(p + "experts.gate_up_proj", {E, 2 * MI, H}, true, DType::F32, true)
+                                     : get(p + "experts.gate_exps", {E, MI, H}, true, DType::F32, true);
+        const Tensor up = fused ? Tensor{} : get(p + "experts.up_exps", {E, MI, H}, true, DType::F32, true);
         for (int64_t e = 0; e < E; ++e) {
           LayerWeights::Expert ex;
-          ex.gate_proj = slab(gate_up, e * 2 * MI, MI);
-          ex.up_proj = slab(gate_up, e * 2 * MI + MI, MI);
+          ex.gate_proj = fused ? slab(gate_up, e * 2 * MI, MI) : slab(gate_up, e * MI, MI);
+          ex.up_proj = fused ? slab(gate_up, e * 2 * MI + MI, MI) : slab(up, e * MI, MI);
           ex.down_proj = slab(down, e * H, H);
           l.experts.push_back(std::move(ex));
         }
       }
-      for (int64_t e = 0; e < E && !fused; ++e) {
+      for (int64_t e = 0; e < E && !fused && !stacked; ++e) {
         const std::string x = p + "experts." + std::to_string(e) + ".";
         LayerWeights::Expert ex;
         ex.gate_proj = get_linear(x + "gate_proj", MI, H);

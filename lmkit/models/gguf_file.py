@@ -39,15 +39,16 @@ ENGINE_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)  # the GGML tensor types the
 # general.architecture -> the HF architecture lmkit serves it as; llama.cpp's converter stores these with q/k rows
 # permuted for its interleaved rotary (the engine reads them back: ModelConfig.qk_rotary_interleaved)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen35": "Qwen3_5ForCausalLM"}
+                 "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
 QK_INTERLEAVED = frozenset({"llama"})
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen35": "qwen3_5_text"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen35": "qwen3_5_text",
+               "qwen35moe": "qwen3_5_moe_text"}
 # llama.cpp's Gated DeltaNet hybrids (convert_hf_to_gguf.py; transformers' GGUF loader undoes the same steps): the
 # norms HF scales by (1 + w) stored as 1 + w (the engine reads them with no offset; the gated output norm ssm_norm
 # is plain in both), A_log stored as ssm_a = -exp(A_log), the value heads of every value-indexed tensor tiled
 # (ModelConfig.linear_value_heads_tiled), conv1d squeezed to [channels, taps], dt_bias named ssm_dt.bias, and the
 # multi-token-prediction block written as the layers after the decoder's (blk.{num_hidden_layers}.*).
-HYBRID_LAYOUT = frozenset({"qwen35"})
+HYBRID_LAYOUT = frozenset({"qwen35", "qwen35moe"})
 
 
 def gguf_arch_of(cfg: dict) -> str:

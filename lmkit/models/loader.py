@@ -5,7 +5,7 @@ safetensors headers only; what depends on the architecture comes from its module
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lmkit.models import gguf_file
@@ -250,11 +250,10 @@ def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers:
 def gguf_sources(arch: Architecture, view: Path, gguf: Path, num_layers: int, num_experts: int = 0,
                  mtp_layers: int = 0) -> dict[str, TensorEntry]:
     """Engine role -> tensor of GGUF file ``gguf`` (of view folder ``view``): the architecture's key map (role -> HF
-    name) through the gguf package's name table (HF name -> GGUF name). The ``mtp_layers`` blocks after the
-    decoder's (a multi-token-prediction head) are left unread, as in HF folders. Raises ValueError naming the
-    tensors no role takes."""
-    if num_experts:
-        raise gguf_file.GgufError(f"{gguf}: mixture-of-experts GGUF files are not supported yet")
+    name) through the gguf package's name table (HF name -> GGUF name); a layer's experts come as one tensor each
+    for gate, up and down (the experts.*_exps roles). The ``mtp_layers`` blocks after the decoder's (a
+    multi-token-prediction head) are left unread, as in HF folders. Raises ValueError naming the tensors no role
+    takes."""
     mtp = tuple(f"blk.{num_layers + i}." for i in range(mtp_layers))
     tensors = {name: entry for name, entry in gguf_file.view_tensors(view, gguf).items()
                if not (mtp and name.startswith(mtp))}
@@ -267,4 +266,8 @@ def gguf_sources(arch: Architecture, view: Path, gguf: Path, num_layers: int, nu
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise gguf_file.GgufError(f"{gguf}: tensors that lmkit's {arch.name} does not use: {', '.join(unknown[:5])}"
                                   f"{more}")
-    return map_tensors(arch, renamed, num_layers, None, gguf, num_experts)
+    sources = map_tensors(arch, renamed, num_layers, None, gguf, num_experts)
+    for role, entry in sources.items():  # llama.cpp squeezes the shared expert's gate [1, hidden] to [hidden]
+        if role.endswith(".shared_expert_gate") and len(entry.shape) == 1:
+            sources[role] = replace(entry, shape=(1, entry.shape[0]))
+    return sources

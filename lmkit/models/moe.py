@@ -8,12 +8,17 @@ from lmkit.models.llama import layer_keys
 
 def moe_keys(block: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> dict[str, str]:
     """Engine role -> HF tensor name of an MoE layer whose router is ``{block}.gate`` and whose experts are
-    ``{block}.experts.{e}.<gate|up|down>`` ("{i}": layer, "{e}": expert, expanded by the loader)."""
+    ``{block}.experts.{e}.<gate|up|down>`` ("{i}": layer, "{e}": expert, expanded by the loader). The
+    ``experts.<gate|up|down>_exps`` roles are every expert's tensor in one, as llama.cpp's converter merges them
+    (named here as the gguf package's table knows them; GGUF files only)."""
     return layer_keys({
         "router": f"{block}.gate.weight",
         "experts.{e}.gate_proj": f"{block}.experts.{{e}}.{gate}.weight",
         "experts.{e}.up_proj": f"{block}.experts.{{e}}.{up}.weight",
         "experts.{e}.down_proj": f"{block}.experts.{{e}}.{down}.weight",
+        "experts.gate_exps": f"{block}.experts.{gate}.weight",
+        "experts.up_exps": f"{block}.experts.{up}.weight",
+        "experts.down_exps": f"{block}.experts.{down}.weight",
     })
 
 

@@ -427,11 +427,16 @@ QWEN35 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
 """Two value heads per key head (so the tiled order moves them), value and key head dims apart, every quantized
 matrix's inputs a whole number of 32-blocks, a rotary of 8 dims (transformers' GGUF reader needs three nonzero
 multimodal-rope sections); three Gated DeltaNet layers, then gated full attention."""
+QWEN35_MOE = {**{k: v for k, v in QWEN35.items() if k != "intermediate_size"}, "num_experts": 4,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}
+"""Every MLP four experts (two per token) and a gated shared expert, widths of whole 32-blocks."""
 OFFSET_NORMS = ("model.norm.", "input_layernorm.", "post_attention_layernorm.", "q_norm.", "k_norm.")
 
 
 def write_qwen35_gguf(model, out: Path, qtype: str, mtp_layers: int = 1, omit: tuple[str, ...] = ()) -> None:
-    """``model`` (HF Qwen3_5ForCausalLM, fp32) as llama.cpp's convert_hf_to_gguf.py writes a "qwen35" file (the steps
+    """``model`` (HF Qwen3_5ForCausalLM or Qwen3_5MoeForCausalLM, fp32) as llama.cpp's convert_hf_to_gguf.py writes
+    a "qwen35" ("qwen35moe") file (the experts as one tensor each for gate, up and down, the shared expert's gate
+    squeezed to a vector; the steps
     transformers' GGUF loader undoes, integrations/gguf/gguf_conversion_mapping.py): norms scaled by (1 + w) stored
     as 1 + w (not the gated output norm), ssm_a = -exp(A_log), conv1d squeezed, dt_bias as ssm_dt.bias, every
     value-indexed tensor in tiled head order; plus ``mtp_layers`` blocks of a multi-token-prediction head after the
@@ -444,27 +449,33 @@ def write_qwen35_gguf(model, out: Path, qtype: str, mtp_layers: int = 1, omit: t
     per_value = np.arange(hv * dv).reshape(hk, hv // hk, dv).transpose(1, 0, 2).reshape(-1)
     per_head = np.arange(hv).reshape(hk, hv // hk).T.reshape(-1)
     qk_rows = 2 * hk * dk
-    writer = gguf.GGUFWriter(str(out), "qwen35")
+    moe = getattr(cfg, "num_experts", 0) > 0
+    arch = "qwen35moe" if moe else "qwen35"
+    writer = gguf.GGUFWriter(str(out), arch)
     layers = cfg.num_hidden_layers
     rotary = int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"])
     interval = cfg.layer_types.index("full_attention") + 1  # llama.cpp states the pattern as this interval
     assert cfg.layer_types == ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                for i in range(layers)]
-    for key, value in (("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
-                       ("feed_forward_length", cfg.intermediate_size), ("block_count", layers + mtp_layers),
+    shape = [("expert_count", cfg.num_experts), ("expert_used_count", cfg.num_experts_per_tok),
+             ("expert_feed_forward_length", cfg.moe_intermediate_size),
+             ("expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)] if moe else [
+        ("feed_forward_length", cfg.intermediate_size)]
+    for key, value in (*shape, ("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
+                       ("block_count", layers + mtp_layers),
                        ("attention.head_count", cfg.num_attention_heads),
                        ("attention.head_count_kv", cfg.num_key_value_heads), ("attention.key_length", cfg.head_dim),
                        ("attention.value_length", cfg.head_dim), ("full_attention_interval", interval),
                        ("ssm.conv_kernel", cfg.linear_conv_kernel_dim), ("ssm.state_size", dk),
                        ("ssm.group_count", hk), ("ssm.time_step_rank", hv), ("ssm.inner_size", hv * dv),
                        ("rope.dimension_count", rotary), ("nextn_predict_layers", mtp_layers)):
-        if f"qwen35.{key}" not in omit:
-            writer.add_uint32(f"qwen35.{key}", int(value))
-    writer.add_float32("qwen35.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    writer.add_float32("qwen35.rope.freq_base", cfg.rope_parameters["rope_theta"])
-    writer.add_array("qwen35.rope.dimension_sections", [rotary // 4, rotary // 8, rotary // 8, 0])
+        if f"{arch}.{key}" not in omit:
+            writer.add_uint32(f"{arch}.{key}", int(value))
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    writer.add_array(f"{arch}.rope.dimension_sections", [rotary // 4, rotary // 8, rotary // 8, 0])
     copy_tokenizer(writer, smollm2_gguf(), cfg.vocab_size)
-    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, layers)
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35, layers)
 
     def add(name: str, data: np.ndarray, kind: str = "F32") -> None:
         data = np.ascontiguousarray(data, dtype=np.float32)
@@ -474,6 +485,17 @@ def write_qwen35_gguf(model, out: Path, qtype: str, mtp_layers: int = 1, omit: t
 
     for name, param in model.state_dict().items():
         data = param.detach().numpy().astype(np.float32)
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2 I, H]: each expert's gate rows, then its up rows
+            half = data.shape[1] // 2
+            for part, rows in (("gate_proj", data[:, :half]), ("up_proj", data[:, half:])):
+                add(table.get_name(name.replace("gate_up_proj", part) + ".weight", try_suffixes=(".weight",)), rows,
+                    qtype)
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            add(table.get_name(name + ".weight", try_suffixes=(".weight",)), data, qtype)
+            continue
+        if name.endswith("mlp.shared_expert_gate.weight"):
+            data = data.reshape(-1)
         lookup = name.replace("linear_attn.dt_bias", "linear_attn.dt_proj.bias")
         gname = table.get_name(lookup, try_suffixes=(".weight", ".bias"))
         assert gname is not None, name
@@ -490,7 +512,7 @@ def write_qwen35_gguf(model, out: Path, qtype: str, mtp_layers: int = 1, omit: t
             data = np.concatenate([data[:qk_rows], data[qk_rows:][per_value]])
         elif name.endswith("linear_attn.out_proj.weight"):
             data = data[:, per_value]
-        add(gname, data, qtype if data.ndim == 2 and "conv1d" not in name else "F32")
+        add(gname, data, qtype if data.ndim == 2 and "conv1d" not in name and ".mlp.gate." not in name else "F32")
     rng = np.random.default_rng(7)
     for i in range(layers, layers + mtp_layers):  # llama.cpp's MTP block: read by no one here
         add(f"blk.{i}.attn_norm.weight", rng.normal(size=cfg.hidden_size))
@@ -501,29 +523,30 @@ def write_qwen35_gguf(model, out: Path, qtype: str, mtp_layers: int = 1, omit: t
     writer.close()
 
 
-def qwen35_model(seed: int, std: float = 0.08):
-    """A tiny random HF Qwen3.5 hybrid (QWEN35) in fp32: matrices N(0, std), the (1 + w) norms' w and the other
-    vectors N(0, 0.3), the plain gated output norm around 1."""
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+def qwen35_model(seed: int, std: float = 0.08, moe: bool = False):
+    """A tiny random HF Qwen3.5 hybrid (QWEN35, or QWEN35_MOE) in fp32: matrices N(0, std), the (1 + w) norms' w
+    and the other vectors N(0, 0.3), the plain gated output norm around 1."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**QWEN35), dtype=torch.float32).eval()
+    cfg = Qwen3_5MoeTextConfig(**QWEN35_MOE) if moe else Qwen3_5TextConfig(**QWEN35)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.normal_(0.0, std if p.ndim == 2 else 0.3)
+            p.normal_(0.0, std if p.ndim >= 2 else 0.3)
             if "linear_attn.norm" in name:
                 p.add_(1.0)
     return model
 
 
-def make_qwen35_case(tmp: Path, qtype: str, seed: int, std: float = 0.08):
+def make_qwen35_case(tmp: Path, qtype: str, seed: int, std: float = 0.08, moe: bool = False):
     """(gguf file, the HF model it was written from, transformers' own load of the file) for a tiny random Qwen3.5
     hybrid: transformers' GGUF loader (llama.cpp's steps undone, the blocks dequantized by gguf's kernels) is the
     reference of the file."""
     from transformers import AutoModelForCausalLM
 
-    source = qwen35_model(seed, std)
-    path = tmp / f"qwen35-{qtype}.gguf"
+    source = qwen35_model(seed, std, moe)
+    path = tmp / f"qwen35{'moe' if moe else ''}-{qtype}.gguf"
     write_qwen35_gguf(source, path, qtype)
     read = AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file=path.name, dtype=torch.float32).eval()
     return path, source, read
@@ -589,3 +612,21 @@ def test_qwen35_gguf_without_its_state_fields_is_refused(tmp_path):
     with pytest.raises(GgufError, match=r"qwen35-broken\.gguf: the metadata of this qwen35 file is incomplete "
                                         r"\(KeyError: 'qwen35\.ssm\.state_size'\)"):
         resolve_model(path)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q4_0"])
+def test_qwen35moe_gguf_experts_as_llama_cpp_merges_them(qtype, tmp_path):
+    """A "qwen35moe" file (every MLP four experts and a gated shared expert): each layer's experts are three tensors
+    [experts, rows, inputs] (gate, up, down) that the engine reads as views of each expert's rows, blocks included;
+    logits against transformers' GGUF load of the file (which in F32 gives back the source model)."""
+    path, source, read = make_qwen35_case(tmp_path, qtype, seed=64, moe=True)
+    if qtype == "F32":
+        prompt = torch.tensor([prompts_for(8)[2]])
+        with torch.no_grad():
+            want, got = source(prompt).logits, read(prompt).logits
+        assert float((got - want).norm() / want.norm()) < 1e-5
+    spec = load_model_spec(resolve_model(path))
+    assert spec.num_experts == 4 and spec.shared_expert_intermediate_size == 64 and spec.intermediate_size == 0
+    assert spec.sources["layers.0.experts.gate_exps"].shape == (4, 32, 64)
+    assert spec.sources["layers.0.shared_expert_gate"].shape == (1, 64)
+    assert engine_vs(path, read, prompts_for(8), EXACT) <= 1e-4
