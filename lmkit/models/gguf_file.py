@@ -39,10 +39,15 @@ ENGINE_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)  # the GGML tensor types the
 # general.architecture -> the HF architecture lmkit serves it as; llama.cpp's converter stores these with q/k rows
 # permuted for its interleaved rotary (the engine reads them back: ModelConfig.qk_rotary_interleaved)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
+                 "qwen3moe": "Qwen3MoeForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
+                 "qwen35moe": "Qwen3_5MoeForCausalLM"}
 QK_INTERLEAVED = frozenset({"llama"})
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen35": "qwen3_5_text",
-               "qwen35moe": "qwen3_5_moe_text"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+               "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
+# transformers' GGUF config tables by its own spelling of an architecture, and the keys lmkit reads beyond them
+# (its qwen3_moe table has no expert width: Qwen3MoeConfig's default, 768, would silently apply to every file)
+CONFIG_TABLES = {"qwen3moe": "qwen3_moe"}
+EXTRA_CONFIG_KEYS = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"}}
 # llama.cpp's Gated DeltaNet hybrids (convert_hf_to_gguf.py; transformers' GGUF loader undoes the same steps): the
 # norms HF scales by (1 + w) stored as 1 + w (the engine reads them with no offset; the gated output norm ssm_norm
 # is plain in both), A_log stored as ssm_a = -exp(A_log), the value heads of every value-indexed tensor tiled
@@ -222,11 +227,20 @@ def config_from_metadata(reader, path: Path) -> dict:
         raise GgufError(f"{path}: tensor 'rope_freqs.weight' (llama 3 rope scaling factors) is not supported yet")
     if arch in HYBRID_LAYOUT:
         return _hybrid_config(reader, path, arch)
-    cfg = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}))
-    for key, name in GGUF_CONFIG_MAPPING[arch].items():
+    table = CONFIG_TABLES.get(arch, arch)
+    cfg = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(table, {}))
+    for key, name in {**GGUF_CONFIG_MAPPING[table], **EXTRA_CONFIG_KEYS.get(arch, {})}.items():
         value = _field(reader, f"{arch}.{key}")
         if name is not None and value is not None:
             cfg[name] = value
+    experts = _field(reader, f"{arch}.expert_count")
+    if experts and arch not in EXTRA_CONFIG_KEYS:  # a llama file with experts: Mixtral's
+        raise GgufError(f"{path}: {arch}.expert_count={experts}: {arch} files with experts (Mixtral) are not "
+                        "supported yet; load the HF folder")
+    if cfg.get("num_experts"):
+        if "moe_intermediate_size" not in cfg:
+            raise GgufError(f"{path}: the metadata has no {arch}.expert_feed_forward_length (the experts' width)")
+        cfg.setdefault("intermediate_size", 0)  # every layer's MLP a mixture of experts: no dense width stated
     # llama.cpp's head size: attention.key_length when written, else hidden / heads (Qwen3's class default differs)
     key_length = _field(reader, f"{arch}.attention.key_length")
     if key_length is not None:

@@ -31,20 +31,23 @@ EXACT = EngineConfig(dtype="float32", device="cpu", int8_activations=False, cach
 INT8_ACT = EngineConfig(dtype="float32", device="cpu", int8_activations=True, cache_max_entry_count=64,
                         session_len=256)
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_MOE_ARCH = {"qwen3moe": "qwen3moe"}  # written by write_gguf too, tested on their own
 FULL_VOCAB = 49152  # SmolLM2's
 VOCAB = 1024  # the first 1024 of SmolLM2's tokens: the view's parse and tokenizer conversion take ms, not seconds
 
 
 def tiny_config(arch: str, **extra):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     shape.update(extra)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         shape.setdefault("head_dim", 16)
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](**shape)
+    if arch == "qwen3moe":  # four experts, two per token, renormalized (llama.cpp's qwen3moe always renormalizes)
+        shape = dict(shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3moe": Qwen3MoeConfig}[arch](**shape)
 
 
 def smollm2_gguf() -> Path:
@@ -143,7 +146,7 @@ def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | Non
     """``model`` (HF, fp32) as a GGUF file at ``out``: 2-D weights in ``qtype`` (the embedding in ``embed_type``),
     norms F32. Returns the reference state dict (every tensor as gguf dequantizes the written blocks)."""
     cfg = model.config
-    garch = GGUF_ARCH[arch]
+    garch = {**GGUF_ARCH, **GGUF_MOE_ARCH}[arch]
     writer = gguf.GGUFWriter(str(out), garch)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_block_count(cfg.num_hidden_layers)
@@ -158,9 +161,13 @@ def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | Non
     writer.add_vocab_size(cfg.vocab_size)
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "qwen3moe":
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     copy_tokenizer(writer, smollm2_gguf(), cfg.vocab_size)
     table = gguf.get_tensor_name_map({n: a for a, n in gguf.MODEL_ARCH_NAMES.items()}[garch], cfg.num_hidden_layers)
     reference = {}
@@ -168,6 +175,21 @@ def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | Non
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # llama.cpp writes no output.weight for a tied head
         data = param.detach().numpy().astype(np.float32)
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            # llama.cpp merges each layer's experts into one tensor per gate / up / down ([E, rows, inputs])
+            parts = ([("gate_proj", data[:, : data.shape[1] // 2]), ("up_proj", data[:, data.shape[1] // 2:])]
+                     if name.endswith("gate_up_proj") else [("down_proj", data)])
+            backs = []
+            for part, values in parts:
+                qt = gguf.GGMLQuantizationType[qtype]
+                values = np.ascontiguousarray(values)
+                stored = gguf.quants.quantize(values, qt) if qtype != "F32" else values
+                pname = name.rsplit(".", 1)[0] + f".{part}.weight"
+                writer.add_tensor(table.get_name(pname, try_suffixes=(".weight",)), stored,
+                                  raw_dtype=qt if qtype != "F32" else None)
+                backs.append(gguf.quants.dequantize(stored, qt).reshape(values.shape).astype(np.float32))
+            reference[name] = torch.from_numpy(np.ascontiguousarray(np.concatenate(backs, axis=1)))
+            continue
         gname = table.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, name
         permuted = None
@@ -630,3 +652,39 @@ def test_qwen35moe_gguf_experts_as_llama_cpp_merges_them(qtype, tmp_path):
     assert spec.sources["layers.0.experts.gate_exps"].shape == (4, 32, 64)
     assert spec.sources["layers.0.shared_expert_gate"].shape == (1, 64)
     assert engine_vs(path, read, prompts_for(8), EXACT) <= 1e-4
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_qwen3moe_gguf_logits(qtype, tmp_path):
+    """A "qwen3moe" file (Qwen3-30B-A3B's architecture: q/k norms, four experts merged per layer as llama.cpp
+    writes them, two per token renormalized; every matrix, the router's too, in ``qtype``): logits against the HF
+    model with gguf's dequantized weights; the experts' width read from expert_feed_forward_length."""
+    path, ref = make_case(tmp_path, "qwen3moe", qtype, seed=66)
+    spec = load_model_spec(resolve_model(path))
+    assert (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size) == (4, 2, 32)
+    assert spec.norm_topk_prob and spec.sources["layers.1.experts.down_exps"].dtype == qtype
+    assert engine_vs(path, ref, prompts_for(9), EXACT) <= 1e-4
+
+
+def test_llama_gguf_with_experts_is_refused_by_name(tmp_path):
+    """A "llama" file with experts (how llama.cpp writes Mixtral) is refused naming the key, not misread as Llama."""
+    path, _ = make_case(tmp_path, "llama", "F32", seed=67)
+    reader = gguf.GGUFReader(str(path))
+    mixtral = tmp_path / "mixtral" / "llama-experts.gguf"
+    mixtral.parent.mkdir()
+    writer = gguf.GGUFWriter(str(mixtral), "llama")
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            kind = field.types[0]
+            writer.add_key_value(field.name, field.contents(), kind,
+                                 sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    writer.add_expert_count(8)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GgufError, match=r"llama-experts\.gguf: llama\.expert_count=8: llama files with experts "
+                                        r"\(Mixtral\) are not supported yet"):
+        resolve_model(mixtral)
