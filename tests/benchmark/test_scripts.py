@@ -294,14 +294,23 @@ def test_gpu_suite_script_parses(script):
 
 
 def test_server_hardening_benchmark_smoke(tiny_llama, tmp_path):
-    """bench_server_hardening.py --smoke: a real api_server on the tiny model, its start-up and idle RSS, and
-    /health polled while two oversized prompts are refused; torch is not loaded into the server."""
+    """bench_server_hardening.py --smoke --mix all: a real api_server on the tiny model, its start-up and idle RSS,
+    then each mix (oversized prompts, 100,000 choices, deep and wide schemas, a scoring request) with /health
+    polled and an ordinary request timed beside it: the attacks answered as ``want`` says, the ordinary requests
+    served; torch is not loaded into the server. An unknown mix is refused before anything starts."""
+    want = {"oversized": "{400: 2}", "choices": "{200: 2}", "schema": "{400: 2}",  # choices: one lexer terminal
+            "scoring": "{400: 1}"}  # the tiny model's context is shorter than the scored prompt
     csv_path = tmp_path / "hardening.csv"
-    run = _run_script("bench_server_hardening.py", "--smoke", "--model", str(tiny_llama[0]), "--csv", str(csv_path))
+    run = _run_script("bench_server_hardening.py", "--smoke", "--mix", "all", "--model", str(tiny_llama[0]), "--csv",
+                      str(csv_path))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "torch loaded: False" in run.stdout and "attackers got {4" in run.stdout, run.stdout
-    assert "exit code 0" in run.stdout, run.stdout
-    assert csv_path.read_text().count("\n") == 2
+    assert "torch loaded: False" in run.stdout and "exit code 0" in run.stdout, run.stdout
+    for mix, statuses in want.items():
+        line = next(line for line in run.stdout.splitlines() if line.strip().startswith(f"{mix}:"))
+        assert f"statuses {statuses};" in line and "(0 failed); RSS" in line, line
+    assert csv_path.read_text().count("\n") == 5
+    run = _run_script("bench_server_hardening.py", "--mix", "oversized,nope")
+    assert run.returncode == 2 and "argument --mix: nope: choose from" in run.stderr, run.stderr
 
 
 @pytest.mark.slow
