@@ -239,3 +239,22 @@ def test_a_schema_past_the_size_bound_is_refused_before_compiling(smollm2_pipe):
         with pytest.raises(StructuredOutputError, match=f"more than {MAX_SCHEMA_NODES:,} values"):
             engine.compile_grammar(StructuredOutput(json=past))
     assert engine.grammars.num_compiled == compiled
+
+
+def test_choice_grammar_lists_each_choice_as_itself():
+    """The choices' Lark alternation (built from one json.dumps of the list): exactly one JSON string literal per
+    choice, in order, whatever the choices hold (quotes, '", "' itself, backslashes, newlines, non-ASCII)."""
+    import json
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None)
+    @given(st.lists(st.one_of(st.text(max_size=12), st.sampled_from(['", "', '"', '\\', '\\", \\"', ' | ', 'é"\n'])),
+                    min_size=1, max_size=8))
+    def check(choices):
+        kind, text = StructuredOutput(choice=choices).source()
+        assert kind == "lark" and text.startswith("start: CHOICE\nCHOICE: ")
+        assert text == "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+    check()
