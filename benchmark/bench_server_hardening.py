@@ -214,7 +214,7 @@ async def measure(args) -> dict:
                 latencies, victim, statuses, wall = await attack(session, url, name, mix, attackers,
                                                                  int(args.prompt_mib * 2**20), args.rounds)
                 peak_rss = rss_mib(proc.pid)
-                await asyncio.sleep(2.0)
+                await asyncio.sleep(args.settle_s)
                 ok = [x for x in latencies if x != float("inf")]
                 stats = summarize(ok)
                 served = sorted(x for x in victim if x != float("inf"))
@@ -255,8 +255,9 @@ def main() -> None:
     unknown = [m for m in args.mixes if m not in MIXES]
     if unknown or not args.mixes:
         p.error(f"argument --mix: {', '.join(unknown) or 'nothing'}: choose from {', '.join(MIXES)} or all")
+    args.settle_s = 2.0  # after an attack, before the RSS is read
     if args.smoke:
-        args.attackers, args.prompt_mib, args.rounds = 2, 0.5, 1
+        args.attackers, args.prompt_mib, args.rounds, args.settle_s = 2, 0.5, 1, 0.2
     r = asyncio.run(measure(args))
     cpu = cpu_name()
     label = args.label or "lmkit"
@@ -269,7 +270,7 @@ def main() -> None:
               f"/health p50 {m['health_p50_ms']:.1f} ms, p99 {m['health_p99_ms']:.1f} ms, max "
               f"{m['health_max_ms']:.1f} ms over {m['health_n']} polls ({m['health_failed']} failed); ordinary "
               f"chat p50 {m['victim_p50_ms']:.0f} ms = {m['victim_ratio']:.2f}x idle over {m['victim_n']} "
-              f"({m['victim_failed']} failed); RSS peak {m['peak_rss_mib']:.0f} MiB, 2 s after "
+              f"({m['victim_failed']} failed); RSS peak {m['peak_rss_mib']:.0f} MiB, {args.settle_s:g} s after "
               f"{m['rss_after_mib']:.0f} MiB ({m['rss_after_mib'] / r['idle_rss_mib']:.2f}x idle)")
         rows.append([datetime.now().isoformat(timespec="seconds"), cpu, args.label, args.model, mix, m["attackers"],
                      args.prompt_mib, args.rounds, f"{r['startup_s']:.3f}", f"{r['idle_rss_mib']:.1f}",
