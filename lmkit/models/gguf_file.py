@@ -47,6 +47,9 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe":
 # transformers' GGUF config tables by its own spelling of an architecture, and the keys lmkit reads beyond them
 # (its qwen3_moe table has no expert width: Qwen3MoeConfig's default, 768, would silently apply to every file)
 CONFIG_TABLES = {"qwen3moe": "qwen3_moe"}
+# an architecture whose files with experts are another HF architecture: llama.cpp writes Mixtral as "llama" with
+# expert_count, its experts' width as the feed_forward_length
+WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 EXTRA_CONFIG_KEYS = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"}}
 # llama.cpp's Gated DeltaNet hybrids (convert_hf_to_gguf.py; transformers' GGUF loader undoes the same steps): the
 # norms HF scales by (1 + w) stored as 1 + w (the engine reads them with no offset; the gated output norm ssm_norm
@@ -62,7 +65,7 @@ def gguf_arch_of(cfg: dict) -> str:
 
 
 def gguf_arch_of_architecture(name: str) -> str:
-    return {hf: arch for arch, hf in ARCHITECTURES.items()}[name]
+    return {**{hf: arch for arch, hf in ARCHITECTURES.items()}, **{hf: arch for arch, hf in WITH_EXPERTS.items()}}[name]
 
 
 class GgufError(CorruptCheckpointError):
@@ -234,9 +237,16 @@ def config_from_metadata(reader, path: Path) -> dict:
         if name is not None and value is not None:
             cfg[name] = value
     experts = _field(reader, f"{arch}.expert_count")
-    if experts and arch not in EXTRA_CONFIG_KEYS:  # a llama file with experts: Mixtral's
-        raise GgufError(f"{path}: {arch}.expert_count={experts}: {arch} files with experts (Mixtral) are not "
-                        "supported yet; load the HF folder")
+    hf_arch, model_type = ARCHITECTURES[arch], MODEL_TYPES[arch]
+    if experts and arch in WITH_EXPERTS:  # Mixtral: its class's names for the expert counts
+        used = _field(reader, f"{arch}.expert_used_count")
+        if not used:
+            raise GgufError(f"{path}: {arch}.expert_count={experts} but no {arch}.expert_used_count")
+        cfg.update(num_local_experts=int(experts), num_experts_per_tok=int(used), sliding_window=None)
+        hf_arch, model_type = WITH_EXPERTS[arch], "mixtral"
+    elif experts and arch not in EXTRA_CONFIG_KEYS:
+        raise GgufError(f"{path}: {arch}.expert_count={experts}: {arch} files with experts are not supported yet; "
+                        "load the HF folder")
     if cfg.get("num_experts"):
         if "moe_intermediate_size" not in cfg:
             raise GgufError(f"{path}: the metadata has no {arch}.expert_feed_forward_length (the experts' width)")
@@ -254,8 +264,7 @@ def config_from_metadata(reader, path: Path) -> dict:
     for required in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if required not in cfg:
             raise GgufError(f"{path}: the metadata has no {required} ({arch}.* keys missing)")
-    cfg.update(architectures=[ARCHITECTURES[arch]], model_type=MODEL_TYPES[arch],
-               tie_word_embeddings="output.weight" not in names)
+    cfg.update(architectures=[hf_arch], model_type=model_type, tie_word_embeddings="output.weight" not in names)
     cfg.setdefault("max_position_embeddings", 4096)
     if "head_dim" in cfg and cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"] and arch == "llama":
         raise GgufError(f"{path}: {arch}.rope.dimension_count={cfg['head_dim']} (partial rotary) is not supported")

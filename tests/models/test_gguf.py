@@ -31,13 +31,13 @@ EXACT = EngineConfig(dtype="float32", device="cpu", int8_activations=False, cach
 INT8_ACT = EngineConfig(dtype="float32", device="cpu", int8_activations=True, cache_max_entry_count=64,
                         session_len=256)
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-GGUF_MOE_ARCH = {"qwen3moe": "qwen3moe"}  # written by write_gguf too, tested on their own
+GGUF_MOE_ARCH = {"qwen3moe": "qwen3moe", "mixtral": "llama"}  # written by write_gguf too, tested on their own
 FULL_VOCAB = 49152  # SmolLM2's
 VOCAB = 1024  # the first 1024 of SmolLM2's tokens: the view's parse and tokenizer conversion take ms, not seconds
 
 
 def tiny_config(arch: str, **extra):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -47,7 +47,10 @@ def tiny_config(arch: str, **extra):
         shape.setdefault("head_dim", 16)
     if arch == "qwen3moe":  # four experts, two per token, renormalized (llama.cpp's qwen3moe always renormalizes)
         shape = dict(shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3moe": Qwen3MoeConfig}[arch](**shape)
+    if arch == "mixtral":  # four experts of intermediate_size, two per token
+        shape = dict(shape, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3moe": Qwen3MoeConfig,
+            "mixtral": MixtralConfig}[arch](**shape)
 
 
 def smollm2_gguf() -> Path:
@@ -159,8 +162,11 @@ def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | Non
                                     and cfg.rope_parameters else cfg.rope_theta))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    if arch == "llama":
+    if arch in ("llama", "mixtral"):
         writer.add_rope_dimension_count(head_dim)
+    if arch == "mixtral":
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
     if arch in ("qwen3", "qwen3moe"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -193,7 +199,7 @@ def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | Non
         gname = table.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, name
         permuted = None
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("llama", "mixtral") and name.endswith(("q_proj.weight", "k_proj.weight")):
             permuted = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             data = interleave_rotary(data, permuted)
         kind = "F32"
@@ -666,13 +672,26 @@ def test_qwen3moe_gguf_logits(qtype, tmp_path):
     assert engine_vs(path, ref, prompts_for(9), EXACT) <= 1e-4
 
 
-def test_llama_gguf_with_experts_is_refused_by_name(tmp_path):
-    """A "llama" file with experts (how llama.cpp writes Mixtral) is refused naming the key, not misread as Llama."""
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_mixtral_gguf_logits(qtype, tmp_path):
+    """llama.cpp's Mixtral: a "llama" file with expert_count and expert_used_count (q/k rows interleaved, the
+    experts merged per layer, their width the feed_forward_length) served as MixtralForCausalLM; logits against the
+    HF model with gguf's dequantized weights."""
+    path, ref = make_case(tmp_path, "mixtral", qtype, seed=68, std=0.05)
+    spec = load_model_spec(resolve_model(path))
+    assert spec.architecture.name == "MixtralForCausalLM" and spec.qk_rotary_interleaved
+    assert (spec.num_experts, spec.num_experts_per_tok) == (4, 2) and spec.norm_topk_prob
+    assert spec.sources["layers.0.experts.gate_exps"].dtype == qtype
+    assert engine_vs(path, ref, prompts_for(10), EXACT) <= 1e-4
+
+
+def test_gguf_with_experts_but_no_expert_count_in_use_is_refused(tmp_path):
+    """A "llama" file with expert_count but no expert_used_count is refused naming the key, not misread."""
     path, _ = make_case(tmp_path, "llama", "F32", seed=67)
     reader = gguf.GGUFReader(str(path))
-    mixtral = tmp_path / "mixtral" / "llama-experts.gguf"
-    mixtral.parent.mkdir()
-    writer = gguf.GGUFWriter(str(mixtral), "llama")
+    broken = tmp_path / "broken" / "llama-experts.gguf"
+    broken.parent.mkdir()
+    writer = gguf.GGUFWriter(str(broken), "llama")
     for field in reader.fields.values():
         if not field.name.startswith("GGUF.") and field.name != "general.architecture":
             kind = field.types[0]
@@ -685,6 +704,5 @@ def test_llama_gguf_with_experts_is_refused_by_name(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(GgufError, match=r"llama-experts\.gguf: llama\.expert_count=8: llama files with experts "
-                                        r"\(Mixtral\) are not supported yet"):
-        resolve_model(mixtral)
+    with pytest.raises(GgufError, match=r"llama-experts\.gguf: llama\.expert_count=8 but no llama\.expert_used_count"):
+        resolve_model(broken)
