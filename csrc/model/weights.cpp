@@ -159,7 +159,8 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
                       dtype_name(src.dtype), ", it must be ", dtype_name(want));
     LMKIT_CHECK_ARG(src.shape == shape, config.architecture, ": tensor '", role, "' has shape ", shape_str(src.shape),
                     ", the config implies ", shape_str(shape));
-    LMKIT_CHECK_ARG(!dtype_is_block(src.dtype) || (shape.size() >= 2 && shape.back() % dtype_block_elems(src.dtype) == 0),
+    LMKIT_CHECK_ARG(!dtype_is_block(src.dtype) ||
+                        (shape.size() >= 2 && shape.back() % dtype_block_elems(src.dtype) == 0),
                     config.architecture, ": tensor '", role, "' of ", dtype_name(src.dtype), " blocks has shape ",
                     shape_str(shape), ": its rows must be whole blocks");
     auto& file = files[src.path];
@@ -234,7 +235,6 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     if (dtype_is_block(whole.weight.dtype)) {  // GGUF blocks run along a row: each part reads its own rows
       for (const std::vector<int32_t>& rows : parts) {
         out.push_back(single_tensor_linear(whole.weight, std::make_shared<std::vector<int32_t>>(rows), what));
-        out.back().weight.shape[0] = (int64_t)rows.size();
       }
       return out;
     }

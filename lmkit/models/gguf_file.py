@@ -47,10 +47,10 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe":
 # transformers' GGUF config tables by its own spelling of an architecture, and the keys lmkit reads beyond them
 # (its qwen3_moe table has no expert width: Qwen3MoeConfig's default, 768, would silently apply to every file)
 CONFIG_TABLES = {"qwen3moe": "qwen3_moe"}
+EXTRA_CONFIG_KEYS = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"}}
 # an architecture whose files with experts are another HF architecture: llama.cpp writes Mixtral as "llama" with
 # expert_count, its experts' width as the feed_forward_length
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
-EXTRA_CONFIG_KEYS = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"}}
 # llama.cpp's Gated DeltaNet hybrids (convert_hf_to_gguf.py; transformers' GGUF loader undoes the same steps): the
 # norms HF scales by (1 + w) stored as 1 + w (the engine reads them with no offset; the gated output norm ssm_norm
 # is plain in both), A_log stored as ssm_a = -exp(A_log), the value heads of every value-indexed tensor tiled
@@ -65,7 +65,8 @@ def gguf_arch_of(cfg: dict) -> str:
 
 
 def gguf_arch_of_architecture(name: str) -> str:
-    return {**{hf: arch for arch, hf in ARCHITECTURES.items()}, **{hf: arch for arch, hf in WITH_EXPERTS.items()}}[name]
+    by_hf = {hf: arch for arch, hf in (*ARCHITECTURES.items(), *WITH_EXPERTS.items())}
+    return by_hf[name]
 
 
 class GgufError(CorruptCheckpointError):
@@ -244,7 +245,7 @@ def config_from_metadata(reader, path: Path) -> dict:
             raise GgufError(f"{path}: {arch}.expert_count={experts} but no {arch}.expert_used_count")
         cfg.update(num_local_experts=int(experts), num_experts_per_tok=int(used), sliding_window=None)
         hf_arch, model_type = WITH_EXPERTS[arch], "mixtral"
-    elif experts and arch not in EXTRA_CONFIG_KEYS:
+    elif experts and "num_experts" not in cfg:  # a table that does not read the experts: it would drop them
         raise GgufError(f"{path}: {arch}.expert_count={experts}: {arch} files with experts are not supported yet; "
                         "load the HF folder")
     if cfg.get("num_experts"):
@@ -282,8 +283,8 @@ def _hybrid_config(reader, path: Path, arch: str) -> dict:
     from transformers.integrations.gguf.gguf_config_mapping import GGUF_CONFIG_ARCHS
 
     metadata = {key: _field(reader, key) for key in reader.fields
-                if key.startswith((f"{arch}.", "general.")) or key.startswith("tokenizer.ggml.")
-                and key.endswith("_token_id")}
+                if key.startswith((f"{arch}.", "general."))
+                or (key.startswith("tokenizer.ggml.") and key.endswith("_token_id"))}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     metadata["tokenizer.ggml.tokens"] = len(tokens.data) if tokens is not None else None
     names = tuple(t.name for t in reader.tensors)

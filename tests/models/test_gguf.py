@@ -145,6 +145,19 @@ def random_q5_k_blocks(shape, std: float, rng) -> np.ndarray:
 K_QUANT_BLOCKS = {"Q4_K": random_q4_k_blocks, "Q5_K": random_q5_k_blocks, "Q6_K": random_q6_k_blocks}
 
 
+def merged_experts(name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """(HF name gguf's table knows, values) of the tensors llama.cpp merges a layer's experts into, one per gate /
+    up / down ([experts, rows, inputs]), from transformers' in-memory ``experts.gate_up_proj`` (each expert's gate
+    rows, then its up rows) or ``experts.down_proj``; empty for any other tensor."""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        half = data.shape[1] // 2
+        return [(name.replace("gate_up_proj", "gate_proj.weight"), data[:, :half]),
+                (name.replace("gate_up_proj", "up_proj.weight"), data[:, half:])]
+    if name.endswith("mlp.experts.down_proj"):
+        return [(name + ".weight", data)]
+    return []
+
+
 def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | None = None) -> dict:
     """``model`` (HF, fp32) as a GGUF file at ``out``: 2-D weights in ``qtype`` (the embedding in ``embed_type``),
     norms F32. Returns the reference state dict (every tensor as gguf dequantizes the written blocks)."""
@@ -181,17 +194,13 @@ def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | Non
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # llama.cpp writes no output.weight for a tied head
         data = param.detach().numpy().astype(np.float32)
-        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-            # llama.cpp merges each layer's experts into one tensor per gate / up / down ([E, rows, inputs])
-            parts = ([("gate_proj", data[:, : data.shape[1] // 2]), ("up_proj", data[:, data.shape[1] // 2:])]
-                     if name.endswith("gate_up_proj") else [("down_proj", data)])
+        if experts := merged_experts(name, data):
             backs = []
-            for part, values in parts:
+            for merged, values in experts:
                 qt = gguf.GGMLQuantizationType[qtype]
                 values = np.ascontiguousarray(values)
                 stored = gguf.quants.quantize(values, qt) if qtype != "F32" else values
-                pname = name.rsplit(".", 1)[0] + f".{part}.weight"
-                writer.add_tensor(table.get_name(pname, try_suffixes=(".weight",)), stored,
+                writer.add_tensor(table.get_name(merged, try_suffixes=(".weight",)), stored,
                                   raw_dtype=qt if qtype != "F32" else None)
                 backs.append(gguf.quants.dequantize(stored, qt).reshape(values.shape).astype(np.float32))
             reference[name] = torch.from_numpy(np.ascontiguousarray(np.concatenate(backs, axis=1)))
@@ -513,14 +522,9 @@ def write_qwen35_gguf(model, out: Path, qtype: str, mtp_layers: int = 1, omit: t
 
     for name, param in model.state_dict().items():
         data = param.detach().numpy().astype(np.float32)
-        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2 I, H]: each expert's gate rows, then its up rows
-            half = data.shape[1] // 2
-            for part, rows in (("gate_proj", data[:, :half]), ("up_proj", data[:, half:])):
-                add(table.get_name(name.replace("gate_up_proj", part) + ".weight", try_suffixes=(".weight",)), rows,
-                    qtype)
-            continue
-        if name.endswith("mlp.experts.down_proj"):
-            add(table.get_name(name + ".weight", try_suffixes=(".weight",)), data, qtype)
+        if experts := merged_experts(name, data):
+            for merged, values in experts:
+                add(table.get_name(merged, try_suffixes=(".weight",)), values, qtype)
             continue
         if name.endswith("mlp.shared_expert_gate.weight"):
             data = data.reshape(-1)
@@ -612,10 +616,13 @@ def with_q8_activations(model):
         inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
         return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
 
+    def forward_of(module, rounded):
+        return lambda x: torch.nn.functional.linear(rounded(x), module.weight, module.bias)
+
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
             rounded = (lambda x: q8(x[..., tiled])[..., grouped]) if name.endswith("out_proj") else q8
-            module.forward = (lambda m, r: lambda x: torch.nn.functional.linear(r(x), m.weight, m.bias))(module, rounded)
+            module.forward = forward_of(module, rounded)
     return model
 
 

@@ -254,10 +254,10 @@ void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qk
   for (int32_t s = 0; s < num_seqs; ++s) {
     const RecurrentSeq& sq = seqs[s];
     for (int h = 0; h < num_v_heads; ++h) {
+      const int64_t kh = value_heads_tiled ? h % num_k_heads : h / group;  // the key head value head h reads
       std::vector<double> S(sq.state + (int64_t)h * Dk * Dv, sq.state + (int64_t)(h + 1) * Dk * Dv);
       for (int32_t t = 0; t < sq.num_rows; ++t) {
         const int64_t row = sq.first_row + t;
-        const int64_t kh = value_heads_tiled ? h % num_k_heads : h / group;
         const float* qr = q + row * qkv_stride + kh * Dk;
         const float* kr = k + row * qkv_stride + kh * Dk;
         const float* vr = v + row * qkv_stride + (int64_t)h * Dv;
