@@ -11,6 +11,9 @@ from typing import Literal
 from lmkit.cpus import CpuBinding, parse_cpu_list, usable_cpu_count
 
 
+SUFFIX_STORE_TOKENS = 1 << 16
+"""speculative='suffix': tokens of recently finished answers kept for draft lookup (the oldest dropped first)."""
+
 AUTO_MEMORY_FRACTION = 0.8
 """The share of memory lmkit engines may take together when cache_max_entry_count is None (auto)."""
 
@@ -79,6 +82,20 @@ class EngineConfig:
     cuda_graphs: bool = True
     """CUDA backend: replay decode steps (every row one token, up to 256 rows) as CUDA graphs, one launch
     instead of hundreds. False: launch every kernel, every step."""
+    speculative: Literal["auto", "ngram", "suffix", "off"] = "auto"
+    """Speculative decoding: drafts verified in one step. ngram: drafts from the request's prediction and its own
+    prompt and output (the last tokens looked up where they occurred before); suffix: also from recently finished
+    answers (what a request is proposed then depends on what ran before it); off: one token a step; auto: ngram
+    on the CPU backend for models without recurrent layers, else off (the CUDA backend does not verify drafts
+    yet). Greedy output is the same token for token, sampled output keeps its distribution; each proposer's drafts
+    follow its acceptance (docs/configuration.md, "Speculative decoding")."""
+    num_speculative_tokens: int = 8
+    """Draft tokens one request carries into a step at most (speculative decoding)."""
+    speculative_adaptive: bool = True
+    """Verify a draft only while it pays: the engine times steps of 1 to 64 rows at start-up and takes a draft
+    while it raises a step's expected tokens per second, given each proposer's acceptance (so drafts fade out
+    where rows cost as much as steps: many streams, few cores). False: every proposal is verified, up to
+    num_speculative_tokens (to measure a fixed draft length)."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -110,6 +127,13 @@ class EngineConfig:
         check(self.quant_policy in (0, 4, 8), f"quant_policy must be 0, 4 or 8, got {self.quant_policy!r}")
         check(self.kv_policy is None or isinstance(self.kv_policy, (str, os.PathLike)),
               f"kv_policy must be a path to a kv_policy.json file, got {self.kv_policy!r}")
+        check(self.speculative in ("auto", "ngram", "suffix", "off"),
+              f"speculative must be auto, ngram, suffix or off, got {self.speculative!r}")
+        check(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 64,
+              f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}")
+        check(not (self.device == "cuda" and self.speculative in ("ngram", "suffix")),
+              f"speculative={self.speculative!r} runs on the CPU backend; the CUDA backend does not verify draft "
+              "tokens yet: use speculative='auto' or 'off' with device='cuda'")
         check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
               f"num_threads must be an integer >= 1, got {self.num_threads!r}")
         try:
@@ -139,8 +163,20 @@ class EngineConfig:
 
         return "bfloat16" if _engine.cpu_bf16_available() else "float32"
 
+    def speculates(self, device: str, has_recurrent_state: bool) -> bool:
+        """Whether the engine verifies draft tokens on a resolved device for a model with or without recurrent
+        layers (auto: on the CPU without them); raises ValueError for an explicit ngram it cannot run."""
+        if self.speculative == "off":
+            return False
+        ok = device == "cpu" and not has_recurrent_state
+        if self.speculative != "auto" and not ok:
+            raise ValueError(f"speculative={self.speculative!r} needs the CPU backend and a model without recurrent "
+                             "layers (their state cannot be rolled back yet): use speculative='auto' or 'off'")
+        return ok
+
     def to_engine_config(self, device: str, kv_layer_bits: list[int] | None = None,
-                         binding: CpuBinding | None = None, num_threads: int | None = None, num_layers: int = 0):
+                         binding: CpuBinding | None = None, num_threads: int | None = None, num_layers: int = 0,
+                         speculative: bool = False):
         """The lmkit._engine.EngineConfig for this config on a resolved device (kv_layer_bits: the
         checked per-layer policy, see lmkit.kv_policy; binding: where the CPU engine's threads run; num_threads:
         resolved_num_threads when the caller has it already; num_layers: the model's, for a uniform
@@ -163,6 +199,10 @@ class EngineConfig:
         c.bf16_linear = self.resolved_dtype(device) == "bfloat16"
         c.cuda_graphs = bool(self.cuda_graphs)
         c.num_threads = num_threads or self.resolved_num_threads
+        c.speculative.enabled = speculative
+        c.speculative.max_draft_tokens = self.num_speculative_tokens
+        c.speculative.adaptive = bool(self.speculative_adaptive)
+        c.speculative.answer_store_tokens = SUFFIX_STORE_TOKENS if self.speculative == "suffix" else 0
         if binding is not None and binding.pinned:
             c.engine_cpus = list(binding.engine_cpus)
             c.callback_cpus = list(binding.other_cpus)

@@ -133,11 +133,17 @@ class Engine:
             log.info("CPU backend: %s", self.cpu_binding.describe())
         else:
             n, self.cpu_binding = None, None
+        self.speculative: bool = self.config.speculates(self.device, self.spec.linear_num_value_heads > 0)
+        """Whether the engine verifies draft tokens (EngineConfig.speculative, resolved)."""
+        if self.speculative:
+            log.info("speculative decoding: n-gram and answer lookup, up to %d draft tokens a request",
+                     self.config.num_speculative_tokens)
         sizing = reserve_kv_pool(self.config, self.spec) if self.device == "cpu" else nullcontext()
         with sizing as sizer:
             size_pools = sizer if sizer is not None else CudaPoolSizer(self.config)
             self._cpp = _engine.Engine(
-                self.config.to_engine_config(self.device, kv_layer_bits, self.cpu_binding, n, self.spec.num_layers),
+                self.config.to_engine_config(self.device, kv_layer_bits, self.cpu_binding, n, self.spec.num_layers,
+                                             self.speculative),
                 self.spec.to_engine_config(session_len=self.config.session_len or self.spec.max_position_embeddings),
                 sources,
                 self.spec.eos_token_ids, size_pools=size_pools,
@@ -240,6 +246,8 @@ class Engine:
             raise RuntimeError("the engine is closed")
         gen_config.check_limits(self.spec.vocab_size, self.config.max_batch_size)
         params = gen_config.to_sampling_params()
+        if isinstance(gen_config.prediction, str) and gen_config.prediction and self.speculative:
+            params.prediction = self.tokenizer.encode(gen_config.prediction, add_special_tokens=False)
         if gen_config.structured_output is not None:
             params.grammar = grammar if grammar is not None else self.compile_grammar(gen_config.structured_output)
         request_id = next(self._ids)

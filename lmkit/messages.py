@@ -92,6 +92,17 @@ class GenerationConfig:
     with "stop" once the constraint is complete."""
     structured_output_after_token: int | None = None
     """The constraint starts after this token id is generated (a reasoning model's end of thinking)."""
+    prediction: str | list[int] | None = None
+    """The output expected, mostly (OpenAI's Predicted Outputs: the file a code edit rewrites, the text a rewrite
+    keeps): when the engine speculates, its tokens are proposed as drafts and verified, so the parts the output
+    repeats cost a fraction of a step each; the output itself never depends on it. Text, or token ids."""
+    speculative: bool | None = None
+    """Whether the engine may verify draft tokens for this request when it speculates (EngineConfig.speculative).
+    Greedy output is the same token for token either way, sampled output has the same distribution. None (auto):
+    yes, except for sampling with a random_seed: a verification computes several positions in one step, whose
+    logits differ from one-position steps in the last bits, and a draw from a flat distribution can move to a
+    neighbouring token, so such a request decodes one token a step and the same seed always gives the same
+    text. True: speculate anyway; False: never."""
 
     def __post_init__(self) -> None:
         """Checks every field against what the engine accepts (its SamplingParams holds int32 counts, float32
@@ -144,6 +155,14 @@ class GenerationConfig:
         check(self.structured_output_after_token is None or (_is_int(self.structured_output_after_token)
                                                              and 0 <= self.structured_output_after_token <= _INT32_MAX),
               "structured_output_after_token", f"must be a token id, got {self.structured_output_after_token!r}")
+        check(self.prediction is None or isinstance(self.prediction, str) or
+              (isinstance(self.prediction, (list, tuple)) and all(_is_int(t) and 0 <= t <= _INT32_MAX
+                                                                  for t in self.prediction)),
+              "prediction", f"must be a string or a list of token ids, got {type(self.prediction).__name__}")
+        if isinstance(self.prediction, tuple):
+            self.prediction = list(self.prediction)
+        check(self.speculative is None or isinstance(self.speculative, bool), "speculative",
+              f"must be true, false or None (auto), got {self.speculative!r}")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
               f"must be an integer in [0, 20], got {self.logprobs!r}")
         check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
@@ -160,6 +179,11 @@ class GenerationConfig:
         if after is not None and after >= vocab_size:
             raise GenerationConfigError("structured_output_after_token", f"must be a token id of this model's "
                                                                          f"vocabulary [0, {vocab_size}), got {after}")
+        if isinstance(self.prediction, list):
+            bad = next((i for i, t in enumerate(self.prediction) if t >= vocab_size), None)
+            if bad is not None:
+                raise GenerationConfigError("prediction", f"must be token ids of this model's vocabulary "
+                                                          f"[0, {vocab_size}), got {self.prediction[bad]} at index {bad}")
         if self.n > max_batch_size:
             raise GenerationConfigError("n", f"must not exceed the engine's max_batch_size ({max_batch_size}): all "
                                              f"n completions of a prompt run in one batch, got {self.n}")
@@ -187,6 +211,10 @@ class GenerationConfig:
         p.stop_token_ids = list(self.stop_token_ids)
         p.ignore_eos = self.ignore_eos
         p.output_logits = self.output_logits
+        seeded_sampling = p.temperature > 0 and self.random_seed is not None
+        p.speculate = self.speculative if self.speculative is not None else not seeded_sampling
+        if isinstance(self.prediction, list):
+            p.prediction = self.prediction
         if self.structured_output_after_token is not None:
             p.grammar_after_token = self.structured_output_after_token
         return p

@@ -55,6 +55,12 @@ class EngineMetrics:
     num_free_state_slots: int
     num_state_snapshots: int
     """Slots holding a prefix's state for prefix hits (evicted first when a sequence needs a slot)."""
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    """Speculative decoding, per proposer (DRAFT_SOURCES): draft tokens verified."""
+    num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)
+    """Of those, accepted (kept in the output)."""
+    num_verifications: dict[str, int] = field(default_factory=dict)
+    """Steps of a request that verified drafts of that proposer."""
     ttft_s: list[float] = field(default_factory=list, repr=False)
     inter_token_s: list[float] = field(default_factory=list, repr=False)
 
@@ -68,8 +74,26 @@ class EngineMetrics:
         """Fraction of looked-up prompt tokens served from the prefix cache."""
         return self.num_prefix_hit_tokens / self.num_prefix_query_tokens if self.num_prefix_query_tokens else 0.0
 
+    def mean_accepted_length(self, source: str) -> float:
+        """Draft tokens accepted per verification of a proposer (0 before its first)."""
+        n = self.num_verifications.get(source, 0)
+        return self.num_accepted_draft_tokens.get(source, 0) / n if n else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """Accepted / verified draft tokens over every proposer (0 before any)."""
+        n = sum(self.num_draft_tokens.values())
+        return sum(self.num_accepted_draft_tokens.values()) / n if n else 0.0
+
     @classmethod
     def from_engine(cls, m, latency: LatencyRecorder) -> "EngineMetrics":
         ttft, itl = latency.snapshot()
-        names = [f for f in cls.__dataclass_fields__ if f not in ("ttft_s", "inter_token_s")]
-        return cls(**{n: getattr(m, n) for n in names}, ttft_s=ttft, inter_token_s=itl)
+        per_source = ("num_draft_tokens", "num_accepted_draft_tokens", "num_verifications")
+        names = [f for f in cls.__dataclass_fields__ if f not in ("ttft_s", "inter_token_s") + per_source]
+        sources = {n: dict(zip(DRAFT_SOURCES, getattr(m, n))) for n in per_source}
+        return cls(**{n: getattr(m, n) for n in names}, **sources, ttft_s=ttft, inter_token_s=itl)
+
+
+DRAFT_SOURCES = ("prediction", "ngram", "suffix")
+"""The engine's draft proposers, in its order (engine/speculative.h, DraftSource): the request's predicted output,
+n-gram lookup in the request's own tokens, and in the store of recently finished answers (suffix)."""

@@ -22,9 +22,9 @@ bool StopRules::is_stop(const Sequence& seq, int32_t token) const {
   return !seq.params.ignore_eos && std::find(eos_token_ids_.begin(), eos_token_ids_.end(), token) != eos_token_ids_.end();
 }
 
-std::vector<int32_t> StopRules::banned(const Sequence& seq) const {
+std::vector<int32_t> StopRules::banned(const Sequence& seq, int32_t ahead) const {
   std::vector<int32_t> ids;
-  if (seq.num_generated_tokens() >= seq.params.min_new_tokens) return ids;
+  if (seq.num_generated_tokens() + ahead >= seq.params.min_new_tokens) return ids;
   if (!seq.params.ignore_eos) ids = eos_token_ids_;
   ids.insert(ids.end(), seq.params.stop_token_ids.begin(), seq.params.stop_token_ids.end());
   return ids;
@@ -59,15 +59,25 @@ Batch build_batch(const BatchPlan& plan, int32_t block_size_tokens, const StopRu
     b.block_tables.insert(b.block_tables.end(), seq.block_table.begin(), seq.block_table.begin() + bs.num_blocks);
     b.max_ctx_len = std::max(b.max_ctx_len, bs.ctx_len);
     b.max_blocks_per_seq = std::max(b.max_blocks_per_seq, bs.num_blocks);
+    const int32_t num_drafts = s.num_draft_tokens;
     b.seqs.push_back(bs);
+    LMKIT_CHECK(num_drafts == 0 || (s.is_sampled && s.start_pos + s.num_tokens - num_drafts == seq.num_tokens() &&
+                                    num_drafts <= (int32_t)seq.draft_tokens.size() && !seq.params.output_logits),
+                "sequence ", seq.id, ": ", num_drafts, " draft rows do not follow its last token");
+    if (num_drafts > 0) {
+      seq.verify_tokens.assign(seq.tokens.begin(), seq.tokens.end());
+      seq.verify_tokens.insert(seq.verify_tokens.end(), seq.draft_tokens.begin(), seq.draft_tokens.begin() + num_drafts);
+    }
+    const int32_t* stream = num_drafts > 0 ? seq.verify_tokens.data() : seq.tokens.data();
+    const int32_t first_sample_row = s.num_tokens - 1 - num_drafts;  // the last known token's row
     for (int32_t j = 0; j < s.num_tokens; ++j, ++row) {
       const int32_t pos = s.start_pos + j;
       const int32_t block = seq.block_table[pos / block_size_tokens];
       LMKIT_CHECK(block >= 0, "sequence ", seq.id, " has no block for position ", pos);
-      b.token_ids[row] = seq.tokens[pos];
+      b.token_ids[row] = stream[pos];
       b.positions[row] = pos;
       b.slots[row] = block * block_size_tokens + pos % block_size_tokens;
-      const bool is_sample_row = s.is_sampled && j == s.num_tokens - 1;
+      const bool is_sample_row = s.is_sampled && j >= first_sample_row;
       // logits of a position are handed out once, also when a preempted sequence recomputes it
       const bool is_output_row = seq.params.output_logits && pos >= seq.num_logit_rows_emitted;
       // the row of position pos scores prompt token pos + 1 (also handed out once)
@@ -79,16 +89,17 @@ Batch build_batch(const BatchPlan& plan, int32_t block_size_tokens, const StopRu
       if (is_output_row) b.logit_outputs.push_back(LogitOutputRow{logit_index, i, pos});
       if (is_prompt_row) b.prompt_logprob_rows.push_back(PromptLogprobRow{logit_index, i, pos, seq.tokens[pos + 1], seq.params.prompt_logprobs});
       if (!is_sample_row) continue;
+      const int32_t ahead = j - first_sample_row;  // drafts before this row
       SampleRow r;
       r.logit_index = logit_index;
       r.seq = i;
       r.params = &seq.params;
-      r.history = seq.tokens.data();
-      r.num_history = seq.num_tokens();
+      r.history = stream;
+      r.num_history = seq.num_tokens() + ahead;
       r.num_prompt = seq.num_prompt_tokens;
-      r.banned = rules.banned(seq);
+      r.banned = rules.banned(seq, ahead);
       r.mask = seq.matcher.get();
-      if (!seq.params.is_greedy()) r.seed = seq.rng();  // greedy draws nothing
+      if (!seq.params.is_greedy()) r.seed = seq.sample_seed(seq.num_generated_tokens() + ahead);  // greedy: none
       b.samples.push_back(std::move(r));
     }
   }

@@ -33,7 +33,7 @@ struct BatchSeq {
 // A row whose logits are sampled. The sampler reads params and history as they are during the step.
 struct SampleRow {
   int32_t logit_index = 0;                // into Batch::logit_rows
-  int32_t seq = 0;                        // into Batch::seqs (= the plan's index)
+  int32_t seq = 0;                        // the plan's index of the row's sequence
   const SamplingParams* params = nullptr;
   const int32_t* history = nullptr;       // prompt + generated tokens (penalties)
   int32_t num_history = 0;
@@ -104,8 +104,8 @@ class StopRules {
  public:
   explicit StopRules(std::vector<int32_t> eos_token_ids) : eos_token_ids_(std::move(eos_token_ids)) {}
   // Ids seq must not sample next (eos unless ignore_eos, and stop ids) while it has fewer than
-  // min_new_tokens generated tokens.
-  std::vector<int32_t> banned(const Sequence& seq) const;
+  // min_new_tokens generated tokens; ahead: tokens it will have generated before this one (draft rows).
+  std::vector<int32_t> banned(const Sequence& seq, int32_t ahead = 0) const;
   // What sampling `token` does to seq: kStop (eos or a stop id, not appended), kLength (appended, then the
   // sequence is at its token limit) or kNone (appended).
   FinishReason on_token(const Sequence& seq, int32_t token) const;
@@ -116,8 +116,12 @@ class StopRules {
   std::vector<int32_t> eos_token_ids_;
 };
 
-// The step's Batch from the scheduler's plan. Draws one seed from the generator of every sampled,
-// non-greedy sequence (the only change to a sequence here). Throws if a table is too short for its chunk.
+// The step's Batch from the scheduler's plan; fills verify_tokens of sequences with draft rows (the only change to
+// a sequence here). A chunk with k draft rows ends with k + 1 sample rows: the row of the last known token and one
+// per draft, each with the drafts before it in its history; the engine keeps a draft when the row before it
+// sampled exactly it. A sampled row's seed is the sequence's seed of the generated token it draws
+// (Sequence::sample_seed), so a token is drawn the same whether a verification or a plain step draws it.
+// Throws if a table is too short for its chunk.
 Batch build_batch(const BatchPlan& plan, int32_t block_size_tokens, const StopRules& rules);
 
 }  // namespace lmkit

@@ -20,12 +20,20 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor)
                                  options.enable_prefix_caching, options.attention_window_tokens},
                  blocks_, &states_),
       stop_rules_(options.eos_token_ids),
-      seed_source_(std::random_device{}()) {
+      seed_source_(std::random_device{}()),
+      answers_(options.speculative.enabled ? options.speculative.answer_store_tokens : 0,
+               options.speculative.min_ngram, options.speculative.max_ngram),
+      step_cost_(std::min(options.max_prefill_token_num + options.max_batch_size, 1024)) {
   LMKIT_CHECK(executor_ != nullptr, "engine needs an executor");
   LMKIT_CHECK_ARG(options.session_len > 1, "session_len must be > 1, got ", options.session_len);
   LMKIT_CHECK((options.num_state_slots > 0) == (executor_->state_bytes_per_slot() > 0), "the model ",
               executor_->state_bytes_per_slot() > 0 ? "has" : "has no", " recurrent state but the engine was given ",
               options.num_state_slots, " state slots");
+  LMKIT_CHECK(!options.speculative.enabled || options.num_state_slots == 0, "speculative decoding needs a model "
+              "without recurrent state (its rollback is not built yet)");
+  LMKIT_CHECK(!options.speculative.enabled || (options.speculative.max_draft_tokens >= 1 &&
+                                               options.speculative.max_step_draft_tokens >= 1),
+              "speculative decoding needs max_draft_tokens and max_step_draft_tokens >= 1");
   executor_->allocate_kv_pool(options.num_blocks);
   if (options.num_state_slots > 0) executor_->allocate_state_pool(options.num_state_slots);
   metrics_.num_total_blocks = options.num_blocks;
@@ -73,7 +81,7 @@ void Engine::submit(int64_t request_id, std::vector<int32_t> prompt, const Sampl
     LMKIT_CHECK_ARG(!stopping_, "the engine is shut down");
     LMKIT_CHECK_ARG(live_samples_.count(request_id) == 0, "request id ", request_id, " is already in use");
     seq->id = next_seq_id_++;
-    seq->rng.seed(params.has_seed ? params.seed : seed_source_());
+    seq->seed = params.has_seed ? params.seed : seed_source_();
     live_samples_[request_id] = params.n;
     inbox_new_.push_back(std::move(seq));
   }
@@ -189,6 +197,9 @@ void Engine::end_sample(int64_t request_id) {
 
 void Engine::finish(Sequence* seq, FinishReason reason, const Failure& failure) {
   std::unique_ptr<Sequence> owned = scheduler_.remove(seq->id);
+  if (options_.speculative.enabled && (reason == FinishReason::kStop || reason == FinishReason::kLength) &&
+      owned->num_generated_tokens() > 0)
+    answers_.add(owned->tokens.data() + owned->num_prompt_tokens, owned->num_generated_tokens());
   // Completions not forked yet (the prompt never finished) end with their parent.
   for (int32_t k = 1; k <= owned->num_forks; ++k) post_final(*owned, k, reason, failure);
   flush(*owned, true, reason, failure);
@@ -196,7 +207,102 @@ void Engine::finish(Sequence* seq, FinishReason reason, const Failure& failure) 
   ++metrics_.num_finished_requests;
 }
 
+void Engine::propose_drafts() {
+  const SpeculativeConfig& c = options_.speculative;
+  std::vector<Sequence*> proposing;
+  std::vector<DraftCandidate> candidates;
+  int32_t decode_rows = 0;
+  for (Sequence* seq : scheduler_.running()) {  // oldest first
+    seq->draft_tokens.clear();
+    if (seq->num_pending_tokens() != 1) continue;
+    ++decode_rows;
+    const SamplingParams& p = seq->params;
+    // Drafts for plain decodes only: not under a grammar (its matcher would have to roll back) nor for requests
+    // that read every row's logits.
+    const int32_t room = seq->max_total_tokens - seq->num_tokens();
+    if (!p.speculate || p.grammar || p.output_logits || room <= 0) continue;
+    if (!seq->spec) seq->spec = std::make_unique<SpecState>(c, p.prediction);
+    SpecState& spec = *seq->spec;
+    const int32_t most = std::min(c.max_draft_tokens, room);
+    const int32_t* tokens = seq->tokens.data();
+    const int32_t n = seq->num_tokens();
+    std::vector<int32_t>& drafts = seq->draft_tokens;
+    spec.ngram.index(tokens, n);  // every step, so the index never falls behind
+    // The first proposer with a budget that finds something, in DraftSource order.
+    for (int32_t source = 0; source < kNumDraftSources && drafts.empty(); ++source) {
+      if ((source == kDraftPrediction && !spec.predicted) || (source == kDraftAnswers && answers_.num_tokens() == 0))
+        continue;
+      const int32_t want = spec.draft_budget(source, most);
+      if (want <= 0) continue;
+      seq->draft_source = source;
+      if (source == kDraftPrediction)
+        spec.predicted->propose(tokens, n, seq->num_generated_tokens(), want, drafts);
+      else if (source == kDraftNgram)
+        spec.ngram.lookup(tokens, n, tokens, n, want, drafts);
+      else
+        answers_.lookup(tokens, n, want, drafts);
+    }
+    if (drafts.empty()) continue;
+    proposing.push_back(seq);
+    // every kProbeInterval proposals a few drafts are verified whatever the cost model says, so that neither the
+    // acceptance nor the timings of more rows go stale
+    const bool probe = ++spec.steps_since_probe >= SpecState::kProbeInterval;
+    candidates.push_back({spec.acceptance(seq->draft_source), (int32_t)drafts.size(), probe ? SpecState::kProbeTokens : 0});
+  }
+  if (proposing.empty()) return;
+  // A step with a prompt chunk is dominated by it: its drafts are weighed against the decode rows' cost alone.
+  std::vector<int32_t> take;
+  if (c.adaptive) {
+    take = choose_drafts(candidates, decode_rows, c.max_step_draft_tokens, step_cost_);
+  } else {  // every proposal, oldest sequences first, within the step's draft rows
+    int32_t left = c.max_step_draft_tokens;
+    for (const DraftCandidate& cand : candidates) {
+      take.push_back(std::min(cand.proposed, left));
+      left -= take.back();
+    }
+  }
+  for (size_t i = 0; i < proposing.size(); ++i) {
+    proposing[i]->draft_tokens.resize((size_t)take[i]);
+    if (take[i] > 0) proposing[i]->spec->steps_since_probe = 0;
+  }
+}
+
+int32_t Engine::apply_verification(const ScheduledSeq& s, int32_t first_sample, const StepOutput& out,
+                                   FinishReason& reason, Failure& failure) {
+  Sequence& seq = *s.seq;
+  const int32_t drafts = s.num_draft_tokens;
+  int32_t accepted = 0, rows = 0;
+  for (int32_t j = 0; j <= drafts; ++j) {
+    const int32_t k = first_sample + j;
+    const int32_t t = out.tokens[k];
+    ++metrics_.num_generated_tokens;
+    rows = j + 1;  // row j's input stands: the last known token, or draft j - 1, kept
+    reason = stop_rules_.on_token(seq, t);
+    if (reason != FinishReason::kStop) {
+      seq.tokens.push_back(t);
+      seq.pending_token_ids.push_back(t);
+      if (seq.params.logprobs >= 0) {
+        const TokenLogprobs& lp = out.logprobs[k];
+        seq.pending_logprobs.push_back(lp.logprob);
+        seq.pending_top_ids.insert(seq.pending_top_ids.end(), lp.top_ids.begin(), lp.top_ids.end());
+        seq.pending_top_logprobs.insert(seq.pending_top_logprobs.end(), lp.top_logprobs.begin(), lp.top_logprobs.end());
+      }
+      reason = advance_grammar(seq, t, reason, failure);
+    }
+    const bool agrees = j < drafts && t == seq.draft_tokens[j];
+    accepted += agrees ? 1 : 0;
+    if (reason != FinishReason::kNone || !agrees) break;
+  }
+  const int src = seq.draft_source;
+  metrics_.num_draft_tokens[src] += drafts;
+  metrics_.num_accepted_draft_tokens[src] += accepted;
+  ++metrics_.num_verifications[src];
+  if (seq.spec) seq.spec->record(src, drafts, accepted);
+  return rows;
+}
+
 void Engine::run_step() {
+  if (options_.speculative.enabled) propose_drafts();
   BatchPlan plan = scheduler_.schedule();
   if (plan.empty()) return;
   for (const ScheduledSeq& s : plan.seqs)
@@ -256,14 +362,27 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
                                            lp.top_logprobs.end());
     seq.num_prompt_logprobs_emitted = batch.prompt_logprob_rows[r].position + 2;
   }
-  std::vector<int32_t> sample_of(plan.seqs.size(), -1);  // plan index -> its sample row
-  for (size_t k = 0; k < batch.samples.size(); ++k) sample_of[batch.samples[k].seq] = (int32_t)k;
+  std::vector<int32_t> sample_of(plan.seqs.size(), -1);  // plan index -> its (first) sample row
+  for (size_t k = batch.samples.size(); k-- > 0;) sample_of[batch.samples[k].seq] = (int32_t)k;
   std::vector<Sequence*> done;
   std::vector<FinishReason> reasons;
   std::vector<Failure> failures;
   for (size_t i = 0; i < plan.seqs.size(); ++i) {
     const ScheduledSeq& s = plan.seqs[i];
     Sequence& seq = *s.seq;
+    if (s.num_draft_tokens > 0) {  // a verification: the kept rows decide how far the sequence computed
+      FinishReason reason = FinishReason::kNone;
+      Failure failure;
+      scheduler_.advance(s, apply_verification(s, sample_of[i], out, reason, failure));
+      if (reason != FinishReason::kNone) {
+        done.push_back(&seq);
+        reasons.push_back(reason);
+        failures.push_back(std::move(failure));
+      } else {
+        flush(seq, false, FinishReason::kNone, {});
+      }
+      continue;
+    }
     scheduler_.advance(s);
     if (s.is_sampled && seq.num_forks > 0 && seq.num_generated_tokens() == 0) scheduler_.fork(&seq);
     if (sample_of[i] < 0) {
@@ -303,10 +422,59 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
   for (size_t i = 0; i < done.size(); ++i) finish(done[i], reasons[i], failures[i]);
 }
 
+void Engine::calibrate_step_cost() {
+  // One sequence of R rows at positions [0, R) in the pool's first blocks (free: no request has arrived), every
+  // row's logits sampled greedily, as a verification's are: the second of two runs is timed.
+  const int32_t bs = options_.block_size_tokens;
+  const int32_t most = std::min({kCalibrationRows, options_.num_blocks * bs,
+                                 options_.max_prefill_token_num + options_.max_batch_size});
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  const std::vector<int32_t> history((size_t)most, 0);
+  for (int32_t rows : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64}) {
+    if (rows > most) break;
+    Batch b;
+    b.num_tokens = rows;
+    b.block_size_tokens = bs;
+    const int32_t blocks = (rows + bs - 1) / bs;
+    for (int32_t i = 0; i < blocks; ++i) b.block_tables.push_back(i);
+    b.seqs.push_back(BatchSeq{0, rows, rows, 0, blocks, -1});
+    b.max_ctx_len = rows;
+    b.max_blocks_per_seq = blocks;
+    for (int32_t j = 0; j < rows; ++j) {
+      b.token_ids.push_back(0);
+      b.positions.push_back(j);
+      b.slots.push_back(j);
+      b.logit_rows.push_back(j);
+      SampleRow r;
+      r.logit_index = j;
+      r.params = &greedy;
+      r.history = history.data();
+      r.num_history = j + 1;
+      r.num_prompt = 1;
+      b.samples.push_back(std::move(r));
+    }
+    double seconds = 0;
+    for (int run = 0; run < 2; ++run) {
+      const double start = now_seconds();
+      executor_->step(b);
+      seconds = now_seconds() - start;
+    }
+    step_cost_.record(rows, seconds);
+  }
+}
+
 void Engine::loop() {
   name_this_thread("lmkit-engine");
   pin_this_thread(options_.engine_cpus);  // before bind_thread: the kernel team it starts inherits the CPUs
   executor_->bind_thread();
+  if (options_.speculative.enabled && options_.speculative.adaptive) {
+    try {
+      calibrate_step_cost();
+    } catch (const std::exception& e) {  // then only probes verify drafts
+      std::fprintf(stderr, "lmkit: timing steps for speculative decoding failed: %s\n", e.what());
+    }
+  }
   for (;;) {
     std::vector<std::unique_ptr<Sequence>> arrivals;
     std::vector<std::pair<int64_t, int32_t>> cancels;

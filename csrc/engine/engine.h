@@ -45,6 +45,7 @@ struct EngineConfig {
   bool int8_activations = true;  // int4 / int8 layers: int8 activations, integer dot products (decode and prefill)
   bool bf16_linear = false;          // CPU backend: dense linear layers as bf16 dot products (dtype='bfloat16')
   bool cuda_graphs = true;           // CUDA backend: decode steps replayed as CUDA graphs
+  SpeculativeConfig speculative;     // draft tokens verified in one step (engine/speculative.h); CPU backend
 };
 
 // What the engine runs with, derived from EngineConfig and the model.
@@ -62,6 +63,7 @@ struct EngineOptions {
   std::vector<int32_t> eos_token_ids;
   int32_t attention_window_tokens = 0;  // > 0: every layer attends within this window (blocks behind it are freed)
   std::vector<int32_t> engine_cpus, callback_cpus;  // EngineConfig's (empty: not pinned)
+  SpeculativeConfig speculative;  // enabled only for a model without recurrent state (create_engine)
 };
 
 
@@ -84,6 +86,12 @@ struct EngineMetrics {
   int64_t num_prefix_hit_tokens = 0;    // of those, tokens whose K/V were reused
   int64_t num_window_freed_blocks = 0;  // blocks released early: behind every layer's sliding window
   int64_t num_weight_bytes_read = 0;    // weights the steps' forwards read, summed (StepOutput)
+  // Speculative decoding, per proposer (DraftSource, engine/speculative.h): draft tokens verified, of those
+  // accepted, and verifications (a sequence's step with drafts).
+  static constexpr int kDraftSources = kNumDraftSources;
+  int64_t num_draft_tokens[kDraftSources] = {};
+  int64_t num_accepted_draft_tokens[kDraftSources] = {};
+  int64_t num_verifications[kDraftSources] = {};
 };
 
 class Engine {
@@ -124,6 +132,17 @@ class Engine {
   void apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& out);
   // Creates seq's grammar matcher once its grammar starts and requests its first mask.
   void start_grammar(Sequence& seq);
+  // Speculative decoding: draft tokens for the running decodes that take them (Sequence::draft_tokens).
+  void propose_drafts();
+  // Times forwards of 1 to kCalibrationRows rows into step_cost_, once, on the loop thread before the first request:
+  // the costs the adaptive rule weighs drafts with stay the same for the engine's life, so a request's drafts (and
+  // the arithmetic of its steps) do not depend on how fast earlier steps happened to run.
+  void calibrate_step_cost();
+  static constexpr int32_t kCalibrationRows = 64;
+  // Applies the sample rows of a chunk with draft rows: keeps the drafts up to the first one its row's sample
+  // disagrees with, then that sample (or, all accepted, the last row's): returns the rows whose input stands.
+  int32_t apply_verification(const ScheduledSeq& s, int32_t first_sample, const StepOutput& out,
+                             FinishReason& reason, Failure& failure);
   // After seq sampled `token` (appended): advances its grammar. Returns kStop when the grammar is complete,
   // kError (failure set) when it refuses the token, else `reason`; requests the next mask if seq goes on.
   FinishReason advance_grammar(Sequence& seq, int32_t token, FinishReason reason, Failure& failure);
@@ -144,6 +163,8 @@ class Engine {
   Scheduler scheduler_;
   StopRules stop_rules_;
   std::mt19937_64 seed_source_;
+  AnswerStore answers_;  // finished answers, for draft lookup
+  StepCost step_cost_;   // seconds of a step by row count (calibrate_step_cost), for choose_drafts
 
   // inbox (any thread -> loop)
   mutable std::mutex inbox_mu_;

@@ -5,12 +5,12 @@
 
 #include <functional>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "core/sampler_params.h"
 #include "engine/grammar.h"
+#include "engine/speculative.h"
 
 namespace lmkit {
 
@@ -33,6 +33,8 @@ struct SamplingParams : SamplerParams {
   // ("stop") when the grammar is complete. Null: free text.
   std::shared_ptr<const CompiledGrammar> grammar;
   int32_t grammar_after_token = -1;  // >= 0: the grammar starts after this token is sampled (reasoning's end)
+  bool speculate = true;  // false: this request never carries draft tokens (an engine with speculation off: none do)
+  std::vector<int32_t> prediction;  // the expected output (a rewrite's source): a draft source when speculating
 
   // Checks the invariants the engine relies on (throws Error). The user's values are validated once, at the
   // boundary (lmkit.GenerationConfig, lmkit/messages.py): a failure here is a caller's bug, not bad input.
@@ -109,7 +111,16 @@ struct Sequence {
   SamplingParams params;
   SeqState state = SeqState::kWaiting;
   int64_t arrival = 0;  // admission order (FCFS); preemption picks the largest
-  std::mt19937_64 rng;  // one draw per sampled step seeds that step's sampler (build_batch)
+  // The seed of this completion's draws (the request's seed, or the engine's random source; a forked completion's is
+  // derived from its parent's and its index): generated token i is drawn with sample_seed(i), whichever step draws it
+  // (a plain one, a verification of drafts, a recomputation after preemption).
+  uint64_t seed = 0;
+  uint64_t sample_seed(int32_t index) const {
+    uint64_t z = seed + 0x9E3779B97F4A7C15ull * (uint64_t)(index + 1);  // SplitMix64 of (seed, index)
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
   std::shared_ptr<OutputCallback> callback;  // released on the callback thread only
   // Pending output accumulated in a step, flushed to the callback thread at its end.
   std::vector<int32_t> pending_token_ids;
@@ -129,6 +140,13 @@ struct Sequence {
   // (computed while the next forward runs).
   std::unique_ptr<GrammarMatcher> matcher;
   bool grammar_after_token_seen = false;
+  // Speculative decoding (engine/speculative.h): the proposers' state, and the draft tokens proposed for the next
+  // step (positions num_tokens() ...; the scheduler may take fewer: ScheduledSeq::num_draft_tokens), by which
+  // proposer; verify_tokens = tokens + drafts while a step verifies them (the sampler's history of each row).
+  std::unique_ptr<SpecState> spec;
+  std::vector<int32_t> draft_tokens;
+  int32_t draft_source = 0;
+  std::vector<int32_t> verify_tokens;
 
   int32_t num_tokens() const { return (int32_t)tokens.size(); }
   int32_t num_pending_tokens() const { return num_tokens() - num_computed_tokens; }

@@ -109,7 +109,7 @@ void Scheduler::fork(Sequence* parent) {
     child->params = parent->params;
     child->num_prompt_logprobs_emitted = parent->num_prompt_logprobs_emitted;  // the prompt is scored once
     child->callback = parent->callback;
-    child->rng.seed(parent->rng());  // deterministic given the parent's seed
+    child->seed = parent->sample_seed(-1 - k);  // deterministic given the parent's seed, distinct per completion
     // the parent held the blocks a query at shared * bs reads, so the child's holes are its dead blocks
     child->block_table.assign(parent->block_table.begin(), parent->block_table.begin() + shared);
     blocks_.share(child->block_table);  // active -> active, one more reference each
@@ -268,9 +268,20 @@ void Scheduler::release_dead_blocks(Sequence* seq) {
   num_window_freed_blocks_ += blocks_.release_range(seq->block_table, first, dead);  // active -> cached|free
 }
 
-void Scheduler::advance(const ScheduledSeq& s) {
+void Scheduler::advance(const ScheduledSeq& s, int32_t num_kept) {
   Sequence* seq = s.seq;
-  seq->num_computed_tokens += s.num_tokens;
+  LMKIT_CHECK(num_kept >= 0 && num_kept <= s.num_tokens && (num_kept == s.num_tokens || s.num_draft_tokens > 0),
+              "sequence ", seq->id, ": ", num_kept, " of ", s.num_tokens, " rows kept");
+  seq->num_computed_tokens += num_kept;
+  LMKIT_CHECK(seq->num_computed_tokens <= seq->num_tokens(), "sequence ", seq->id, " computed ",
+              seq->num_computed_tokens, " of ", seq->num_tokens(), " tokens");
+  if (s.num_draft_tokens > 0) {  // the rejected drafts' blocks past the last token (never keyed, never shared)
+    const int32_t keep = blocks_.num_blocks_for(seq->num_tokens());
+    if ((int32_t)seq->block_table.size() > keep) {
+      blocks_.release_range(seq->block_table, keep, (int32_t)seq->block_table.size());
+      seq->block_table.resize(keep);
+    }
+  }
   const int32_t bs = blocks_.block_size_tokens();
   // Publish first, so a block is keyed (cached, not free) when the window releases it. A hole's key still
   // chains: it needs the parent key and the tokens, not the block.
@@ -308,6 +319,23 @@ bool Scheduler::reserve(Sequence* seq, int32_t num_tokens, const BatchPlan& plan
   return true;
 }
 
+int32_t Scheduler::reserve_drafts(Sequence* seq, int32_t budget) {
+  // Drafts stay within the tokens the sequence may still generate (when all are kept the last row's sample is
+  // past the limit and dropped), the budget, and the blocks free now: they never preempt.
+  const int32_t room = seq->max_total_tokens - seq->num_tokens();
+  int32_t drafts = std::min({(int32_t)seq->draft_tokens.size(), std::max(budget, 0), std::max(room, 0)});
+  if (drafts <= 0) return 0;
+  const int32_t bs = blocks_.block_size_tokens();
+  const int32_t need = blocks_.num_blocks_for(seq->num_tokens() + drafts) - (int32_t)seq->block_table.size();
+  if (need > 0 && !blocks_.can_allocate(need)) {
+    drafts = std::min(drafts, (int32_t)seq->block_table.size() * bs - seq->num_tokens());
+    if (drafts <= 0) return 0;
+  } else if (need > 0) {
+    blocks_.allocate(need, seq->block_table);
+  }
+  return drafts;
+}
+
 // A chunk that reaches the last known token is sampled, unless the sequence may not grow (max_new_tokens 0:
 // only its prompt is computed).
 bool Scheduler::is_last_chunk_sampled(const Sequence& seq, int32_t chunk) {
@@ -329,7 +357,10 @@ BatchPlan Scheduler::schedule() {
     if (!reserve(seq, seq->num_computed_tokens + chunk, plan)) continue;
     if (!is_decode) budget -= chunk;
     plan_state_copies_at_fork_position(seq, plan);
-    plan.seqs.push_back({seq, seq->num_computed_tokens, chunk, is_last_chunk_sampled(*seq, chunk)});
+    const bool sampled = is_last_chunk_sampled(*seq, chunk);
+    const int32_t drafts = is_decode && sampled ? reserve_drafts(seq, budget) : 0;
+    budget -= drafts;
+    plan.seqs.push_back({seq, seq->num_computed_tokens, chunk + drafts, sampled, drafts});
   }
 
   // 2. waiting sequences, FCFS, while slots, budget and blocks last. A running parent's completions still to
@@ -375,6 +406,7 @@ BatchPlan Scheduler::schedule() {
 
   for (const ScheduledSeq& s : plan.seqs) {
     plan.num_tokens += s.num_tokens;
+    plan.num_draft_tokens += s.num_draft_tokens;
     if (s.seq->num_pending_tokens() == 1)
       plan.num_decode_tokens += 1;
     else

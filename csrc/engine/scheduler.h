@@ -2,7 +2,8 @@
 // Host-only; hands the model runner a plain BatchPlan.
 //
 // One step (schedule()):
-//   1. running sequences, oldest first: a decode takes 1 token, a partly prefilled prompt the next chunk
+//   1. running sequences, oldest first: a decode takes 1 token (and its draft tokens, as far as the prefill
+//      token budget and free blocks allow: drafts never preempt), a partly prefilled prompt the next chunk
 //      under the prefill token budget; when the pool cannot grow a sequence, the newest running sequence
 //      is preempted (blocks freed, recomputed later from its tokens, output unchanged);
 //   2. waiting sequences in FCFS order are admitted while blocks, batch slots and budget last; admission
@@ -67,6 +68,9 @@ struct ScheduledSeq {
   int32_t start_pos = 0;
   int32_t num_tokens = 0;
   bool is_sampled = false;  // the chunk reaches the last known token: its logits row is sampled
+  // A decode's draft tokens (Sequence::draft_tokens) after its last known token: the chunk's last rows, each
+  // sampled too (speculative decoding verifies them; engine/speculative.h).
+  int32_t num_draft_tokens = 0;
 };
 
 // Copy the recurrent state of slot src into slot dst before the step's forward.
@@ -81,6 +85,7 @@ struct BatchPlan {
   int32_t num_tokens = 0;
   int32_t num_prefill_tokens = 0;
   int32_t num_decode_tokens = 0;
+  int32_t num_draft_tokens = 0;
   bool empty() const { return seqs.empty(); }
 };
 
@@ -111,7 +116,11 @@ class Scheduler {
   BatchPlan schedule();
   // After a step ran: seq's num_computed_tokens += s.num_tokens; newly full blocks join the prefix cache;
   // then, with a window, blocks no future query can read go back to the pool (holes in the table).
-  void advance(const ScheduledSeq& s);
+  void advance(const ScheduledSeq& s) { advance(s, s.num_tokens); }
+  // The same when only the chunk's first num_kept rows stand (a verification rejected the drafts after them;
+  // the accepted ones are appended to seq's tokens already): their K/V is kept, the rejected rows' is
+  // overwritten when those positions are computed again, and blocks past the sequence's tokens go back.
+  void advance(const ScheduledSeq& s, int32_t num_kept);
 
   int32_t num_running() const { return (int32_t)running_.size(); }
   int32_t num_waiting() const { return (int32_t)waiting_.size(); }
@@ -145,6 +154,8 @@ class Scheduler {
   // (never one already in plan) when short. False if seq itself had to be preempted.
   bool reserve(Sequence* seq, int32_t num_tokens, const BatchPlan& plan);
   void preempt(Sequence* seq);
+  // How many of decode seq's draft tokens join its chunk (their blocks allocated).
+  int32_t reserve_drafts(Sequence* seq, int32_t budget);
   void insert_waiting(Sequence* seq);
   void release_blocks(Sequence* seq);
   // Reuses cached blocks for seq's leading full blocks (never its last token: it must be computed); with a

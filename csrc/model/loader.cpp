@@ -84,6 +84,12 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
                   sizes.num_state_slots, " state slots for a model with ", state_bytes, " bytes of state per slot");
   options.num_blocks = sizes.num_blocks;
   options.num_state_slots = sizes.num_state_slots;
+  options.speculative = config.speculative;
+  LMKIT_CHECK_ARG(!config.speculative.enabled || !is_cuda, "speculative decoding runs on the CPU backend; the CUDA "
+                  "backend does not verify draft tokens yet: use speculative='off' with device='cuda'");
+  LMKIT_CHECK_ARG(!config.speculative.enabled || state_bytes == 0, "speculative decoding does not run models with "
+                  "recurrent layers yet (", model.architecture, ": their state would need rolling back): use "
+                  "speculative='off'");
   return std::make_unique<Engine>(options, std::move(executor));
 }
 

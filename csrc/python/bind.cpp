@@ -130,6 +130,15 @@ PYBIND11_MODULE(_engine, m) {
       .value("none", KVQuant::kNone)
       .value("int8", KVQuant::kInt8)
       .value("int4", KVQuant::kInt4);
+  py::class_<SpeculativeConfig>(m, "SpeculativeConfig", "Speculative decoding (engine/speculative.h)")
+      .def(py::init<>())
+      .def_readwrite("enabled", &SpeculativeConfig::enabled)
+      .def_readwrite("max_draft_tokens", &SpeculativeConfig::max_draft_tokens)
+      .def_readwrite("min_ngram", &SpeculativeConfig::min_ngram)
+      .def_readwrite("max_ngram", &SpeculativeConfig::max_ngram)
+      .def_readwrite("max_step_draft_tokens", &SpeculativeConfig::max_step_draft_tokens)
+      .def_readwrite("adaptive", &SpeculativeConfig::adaptive)
+      .def_readwrite("answer_store_tokens", &SpeculativeConfig::answer_store_tokens);
   py::class_<EngineConfig>(m, "EngineConfig")
       .def(py::init<>())
       .def_readwrite("device", &EngineConfig::device)
@@ -144,7 +153,8 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("enable_prefix_caching", &EngineConfig::enable_prefix_caching)
       .def_readwrite("num_threads", &EngineConfig::num_threads)
       .def_readwrite("engine_cpus", &EngineConfig::engine_cpus)
-      .def_readwrite("callback_cpus", &EngineConfig::callback_cpus);
+      .def_readwrite("callback_cpus", &EngineConfig::callback_cpus)
+      .def_readwrite("speculative", &EngineConfig::speculative);
 
   py::class_<SamplingParams>(m, "SamplingParams")
       .def(py::init<>())
@@ -168,7 +178,9 @@ PYBIND11_MODULE(_engine, m) {
       .def_property(
           "grammar", [](const SamplingParams& p) { return std::const_pointer_cast<CompiledGrammar>(p.grammar); },
           [](SamplingParams& p, std::shared_ptr<CompiledGrammar> g) { p.grammar = std::move(g); })
-      .def_readwrite("grammar_after_token", &SamplingParams::grammar_after_token);
+      .def_readwrite("grammar_after_token", &SamplingParams::grammar_after_token)
+      .def_readwrite("speculate", &SamplingParams::speculate)
+      .def_readwrite("prediction", &SamplingParams::prediction);
 
   py::class_<GrammarTokenizer, std::shared_ptr<GrammarTokenizer>>(
       m, "GrammarTokenizer", "One model's vocabulary for llguidance (structured output); see lmkit/structured.py.")
@@ -252,7 +264,13 @@ PYBIND11_MODULE(_engine, m) {
       .def_readonly("num_preemptions", &EngineMetrics::num_preemptions)
       .def_readonly("num_window_freed_blocks", &EngineMetrics::num_window_freed_blocks)
       .def_readonly("num_weight_bytes_read", &EngineMetrics::num_weight_bytes_read)
-      .def_readonly("num_finished_requests", &EngineMetrics::num_finished_requests);
+      .def_readonly("num_finished_requests", &EngineMetrics::num_finished_requests)
+      .def_property_readonly("num_draft_tokens", [](const EngineMetrics& m) {
+        return std::vector<int64_t>(m.num_draft_tokens, m.num_draft_tokens + EngineMetrics::kDraftSources); })
+      .def_property_readonly("num_accepted_draft_tokens", [](const EngineMetrics& m) {
+        return std::vector<int64_t>(m.num_accepted_draft_tokens, m.num_accepted_draft_tokens + EngineMetrics::kDraftSources); })
+      .def_property_readonly("num_verifications", [](const EngineMetrics& m) {
+        return std::vector<int64_t>(m.num_verifications, m.num_verifications + EngineMetrics::kDraftSources); });
 
   py::class_<Engine, EnginePtr>(m, "Engine")
       .def(py::init([](const EngineConfig& config, const ModelConfig& model, const py::dict& sources,

@@ -24,7 +24,7 @@ Sequence make_seq(int64_t id, Ids tokens, Ids table) {
   s.num_prompt_tokens = (int32_t)s.tokens.size();
   s.max_total_tokens = 100;
   s.block_table = std::move(table);
-  s.rng.seed(7);
+  s.seed = 7;
   return s;
 }
 
@@ -84,21 +84,49 @@ TEST(batch_logit_outputs_once_and_bans) {
   EXPECT(rules.banned(a).empty());
 }
 
-TEST(batch_seeds_come_from_the_sequence_generator) {
+TEST(batch_seeds_are_the_seed_of_the_token_each_row_draws) {
   Sequence a = make_seq(1, {1, 2}, {0});
   a.params.temperature = 0.8f;
   Sequence greedy = make_seq(2, {1, 2}, {1});
   greedy.params.temperature = 0.0f;
-  std::mt19937_64 expected(7);
   BatchPlan plan;
   plan.seqs.push_back(ScheduledSeq{&a, 0, 2, true});
   plan.seqs.push_back(ScheduledSeq{&greedy, 0, 2, true});
   plan.num_tokens = 4;
   Batch batch = build_batch(plan, 4, StopRules({}));
-  EXPECT_EQ(batch.samples[0].seed, expected());
+  EXPECT_EQ(batch.samples[0].seed, a.sample_seed(0));
   EXPECT_EQ(batch.samples[1].seed, 0u);  // greedy draws nothing
-  std::mt19937_64 untouched(7);
-  EXPECT_EQ(greedy.rng(), untouched());
+  EXPECT(a.sample_seed(0) != a.sample_seed(1));
+  Sequence b = make_seq(3, {1, 2}, {0});
+  b.seed = 8;
+  EXPECT(b.sample_seed(0) != a.sample_seed(0));
+}
+
+TEST(batch_draft_rows_are_sampled_with_the_drafts_before_them) {
+  // prompt 5 6 7, generated 8 (pending), drafts 9 10: rows at positions 3, 4, 5 feed 8, 9, 10
+  Sequence a = make_seq(1, {5, 6, 7}, {0, 1});
+  a.tokens.push_back(8);
+  a.num_computed_tokens = 3;
+  a.params.temperature = 0.5f;
+  a.params.min_new_tokens = 2;
+  a.draft_tokens = {9, 10, 11};  // the scheduler took two
+  BatchPlan plan;
+  plan.seqs.push_back(ScheduledSeq{&a, 3, 3, true, 2});
+  plan.num_tokens = 3;
+  Batch batch = build_batch(plan, 4, StopRules({0}));
+  EXPECT_EQ(batch.token_ids, (Ids{8, 9, 10}));
+  EXPECT_EQ(batch.positions, (Ids{3, 4, 5}));
+  EXPECT_EQ(batch.samples.size(), 3u);
+  for (int32_t j = 0; j < 3; ++j) {
+    const SampleRow& r = batch.samples[j];
+    EXPECT_EQ(r.num_history, 4 + j);  // the drafts before the row count as generated
+    EXPECT_EQ(r.history[3 + j], 8 + j);
+    EXPECT_EQ(r.seed, a.sample_seed(1 + j));  // the row draws generated token 1 + j
+    EXPECT_EQ(r.banned.size(), j == 0 ? 1u : 0u);  // eos banned until 2 tokens are generated
+  }
+  // drafts that do not follow the last token are a bug
+  plan.seqs[0] = ScheduledSeq{&a, 2, 3, true, 2};
+  EXPECT_THROWS(build_batch(plan, 4, StopRules({0})));
 }
 
 TEST(stop_rules) {

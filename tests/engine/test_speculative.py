@@ -1,0 +1,265 @@
+"""Speculative decoding (engine/speculative.h): greedy output token for token the same with and without it, for
+every proposer and family, with chunked prefill, prefix-cache hits, preemption, n > 1, structured output and
+cancellations in flight; sampled output keeps its distribution (chi-square against the float64 reference); a
+proposer that is always wrong costs only probes; every KV block comes back."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from lmkit import EngineConfig, GenerationConfig, StructuredOutput, pipeline
+from tests.engine.test_sampling import reference_distribution
+from tests.factories import build_case
+from tests.helpers import assert_blocks_free, run_with_random_cancellations
+
+BASE = dict(device="cpu", dtype="float32", cache_max_entry_count=96, cache_block_seq_len=16, max_batch_size=8)
+FIXED = dict(speculative_adaptive=False)  # every proposal verified: the tests see every path, whatever steps cost
+
+
+def corrupted(tokens: list[int], every: int, rng) -> list[int]:
+    """tokens with every ``every``-th one replaced: a prediction right in runs and wrong between them."""
+    out = list(tokens)
+    for i in range(every - 1, len(out), every):
+        out[i] = int((out[i] + 1 + rng.integers(0, 200)) % 256)
+    return out
+
+
+def submit_all(engine, prompts, gens) -> list[tuple[list[int], list[float]]]:
+    """Every prompt with its own GenerationConfig, all in flight at once: each completion's (tokens, logprobs),
+    in order of prompt, then completion."""
+    gens = gens if isinstance(gens, list) else [gens] * len(prompts)
+    queues = [(engine.submit_to_queue(list(p), g)[1], g.n) for p, g in zip(prompts, gens)]
+    out = []
+    for q, n in queues:
+        got = {i: ([], []) for i in range(n)}
+        done = 0
+        while done < n:
+            o = q.get(timeout=120)
+            got[o.sample_index][0].extend(o.token_ids)
+            got[o.sample_index][1].extend(round(x, 4) for x in o.logprobs)
+            if o.finished:
+                assert o.finish_reason in ("length", "stop"), o.error
+                done += 1
+        out += [got[i] for i in range(n)]
+    return out
+
+
+def generate(folder, config: EngineConfig, prompts, gens) -> tuple[list[list[int]], object]:
+    with pipeline(folder, config) as pipe:
+        out = [tokens for tokens, _ in submit_all(pipe.engine, prompts, gens)]
+        pipe.engine.check_integrity()
+        return out, pipe.engine.metrics()
+
+
+def periodic_prompts(rng, n: int) -> list[list[int]]:
+    """Prompts that repeat themselves (n-gram lookup finds continuations in them) and plain random ones."""
+    prompts = []
+    for i in range(n):
+        unit = rng.integers(0, 256, size=int(rng.integers(3, 9))).tolist()
+        prompts.append((unit * 12)[: int(rng.integers(20, 60))] if i % 2 == 0 else
+                       rng.integers(0, 256, size=int(rng.integers(5, 40))).tolist())
+    return prompts
+
+
+@pytest.mark.parametrize("case", ["llama32_tied", "mistral_window", "qwen3", "gemma2", "gemma3", "phi3",
+                                  "qwen3_moe", "mixtral_window"])
+def test_greedy_is_identical_with_every_proposer(tmp_path, case):
+    """Each family (dense, windowed, soft-capped, MoE): the same greedy tokens with speculation off, with n-gram
+    lookup alone, and with a prediction that is right in runs of 4 and wrong between them (so drafts are accepted
+    and rejected at every offset); the drafts were verified, some kept and some not."""
+    build_case(case, tmp_path)
+    rng = np.random.default_rng(3)
+    prompts = periodic_prompts(rng, 6)
+    gen = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    expected, _ = generate(tmp_path, EngineConfig(**BASE, speculative="off"), prompts, gen)
+    got, m = generate(tmp_path, EngineConfig(**BASE, **FIXED, speculative="ngram"), prompts, gen)
+    assert got == expected
+    predicted = [GenerationConfig(max_new_tokens=40, ignore_eos=True, prediction=corrupted(e, 5, rng))
+                 for e in expected]
+    got, m = generate(tmp_path, EngineConfig(**BASE, **FIXED, speculative="ngram", num_speculative_tokens=6), prompts,
+                      predicted)
+    assert got == expected
+    accepted, proposed = m.num_accepted_draft_tokens["prediction"], m.num_draft_tokens["prediction"]
+    assert 0 < accepted < proposed, (accepted, proposed)
+    assert m.mean_accepted_length("prediction") > 1.0
+
+
+def test_suffix_proposes_earlier_answers(tiny_llama):
+    """speculative='suffix': a second request whose answer repeats an earlier one takes its drafts from the store of
+    finished answers (most of them kept); the tokens are those of speculation off; 'ngram' keeps no store."""
+    folder, _ = tiny_llama
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, 256, size=20).tolist() for _ in range(3)]
+    gen = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    expected, _ = generate(folder, EngineConfig(**BASE, speculative="off"), prompts, gen)
+    with pipeline(folder, EngineConfig(**BASE, **FIXED, speculative="suffix")) as pipe:
+        first = [tokens for tokens, _ in submit_all(pipe.engine, prompts, gen)]
+        again = [tokens for tokens, _ in submit_all(pipe.engine, prompts, gen)]
+        m = pipe.engine.metrics()
+    assert first == again == expected
+    assert m.num_accepted_draft_tokens["suffix"] > 0.7 * 3 * 47, m.num_accepted_draft_tokens
+    with pipeline(folder, EngineConfig(**BASE, **FIXED, speculative="ngram")) as pipe:
+        submit_all(pipe.engine, prompts, gen)
+        submit_all(pipe.engine, prompts, gen)
+        assert pipe.engine.metrics().num_draft_tokens["suffix"] == 0
+
+
+def test_hybrid_models_refuse_ngram_by_name_and_auto_turns_it_off(tmp_path):
+    build_case("qwen3_5", tmp_path)
+    for mode in ("ngram", "suffix"):
+        with pytest.raises(ValueError, match="recurrent layers"):
+            pipeline(tmp_path, EngineConfig(**BASE, speculative=mode))
+    with pipeline(tmp_path, EngineConfig(**BASE)) as pipe:
+        assert not pipe.engine.speculative
+        pipe([1, 2, 3], GenerationConfig(max_new_tokens=4))
+
+
+def test_cuda_refuses_ngram_by_name():
+    with pytest.raises(ValueError, match="CUDA backend does not verify"):
+        EngineConfig(device="cuda", speculative="ngram")
+
+
+def test_chunked_prefill_prefix_hits_preemption_and_n(tiny_llama):
+    """A pool too small for all requests (preemption and recomputation), prefix caching, prompts longer than the
+    step budget, n = 3 completions with seeds, penalties and logprobs: the tokens and logprobs of speculation off."""
+    folder, _ = tiny_llama
+    rng = np.random.default_rng(5)
+    doc = (rng.integers(0, 256, size=7).tolist() * 10)[:64]
+    prompts = [doc + p for p in periodic_prompts(rng, 6)]
+    gens = [GenerationConfig(max_new_tokens=48, ignore_eos=True, n=3 if i == 0 else 1, logprobs=2,
+                             repetition_penalty=1.3 if i == 1 else 1.0, min_new_tokens=10 if i == 2 else 0,
+                             prediction=None if i % 2 else (doc * 2)[:50])
+            for i in range(len(prompts))]
+    base = dict(BASE, cache_max_entry_count=20, max_prefill_token_num=24, max_batch_size=6, enable_prefix_caching=True)
+
+    def run(spec: str):
+        with pipeline(folder, EngineConfig(**base, **(FIXED if spec != "off" else {}), speculative=spec)) as pipe:
+            out = submit_all(pipe.engine, prompts, gens)
+            m = pipe.engine.metrics()
+            pipe.engine.check_integrity()
+        return out, m
+
+    expected, m0 = run("off")
+    got, m = run("ngram")
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    # a verification step computes several rows of a sequence at once: its logits differ in the last bits
+    for (_, lp), (_, lp0) in zip(got, expected):
+        np.testing.assert_allclose(lp, lp0, atol=3e-4)
+    assert m0.num_preemptions > 0 and m.num_prefix_hit_tokens > 0
+    assert sum(m.num_accepted_draft_tokens.values()) > 0
+
+
+def test_structured_output_and_opt_out_take_no_drafts(tiny_llama):
+    """A grammar-constrained request and one with speculative=False decode one token a step (no drafts), beside
+    speculating ones, with the output of speculation off."""
+    folder, _ = tiny_llama
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    choice = GenerationConfig(max_new_tokens=12, structured_output=StructuredOutput(choice=["abcabcabc", "xyz"]))
+    out_out = GenerationConfig(max_new_tokens=20, ignore_eos=True, speculative=False, prediction=prompt)
+    plain = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    expected, _ = generate(folder, EngineConfig(**BASE, speculative="off"), [prompt] * 3, [choice, out_out, plain])
+    with pipeline(folder, EngineConfig(**BASE, **FIXED, speculative="ngram")) as pipe:
+        assert [pipe(prompt, g).token_ids for g in (choice, out_out)] == expected[:2]
+        m = pipe.engine.metrics()
+        assert sum(m.num_verifications.values()) == 0
+        assert pipe(prompt, plain).token_ids == expected[2]
+
+
+def test_cancellations_in_flight_leave_nothing_behind(tiny_llama):
+    folder, _ = tiny_llama
+    with pipeline(folder, EngineConfig(**BASE, **FIXED, speculative="suffix")) as pipe:
+        run_with_random_cancellations(pipe.engine, random.Random(9), num_requests=40, max_prompt=40)
+        assert sum(pipe.engine.metrics().num_verifications.values()) > 0
+        assert_blocks_free(pipe.engine)
+        pipe.engine.check_integrity()
+
+
+def test_an_always_wrong_proposer_costs_only_probes(tiny_llama):
+    """A prediction that is never right: after its first rejections it stops proposing and probes every 16 steps
+    (the other proposers go on by their own acceptance)."""
+    folder, _ = tiny_llama
+    prompt = [9, 10, 11, 12]
+    gen = GenerationConfig(max_new_tokens=200, ignore_eos=True)
+    expected, _ = generate(folder, EngineConfig(**BASE, speculative="off"), [prompt], gen)
+    wrong = [(t + 7) % 256 for t in expected[0]]  # every token wrong (realignment on it never matches either)
+    got, m = generate(folder, EngineConfig(**BASE, **FIXED, speculative="ngram"), [prompt],
+                      GenerationConfig(max_new_tokens=200, ignore_eos=True, prediction=wrong))
+    assert got == expected
+    assert m.num_accepted_draft_tokens["prediction"] == 0
+    # 4 + 4 + 2 + 2 drafts until its acceptance falls under the threshold, then probes of 2
+    assert m.num_verifications["prediction"] <= 4 + 200 // 16, m.num_verifications
+    assert m.num_draft_tokens["prediction"] <= 12 + 2 * (200 // 16), m.num_draft_tokens
+
+
+@pytest.mark.parametrize("filters", [dict(temperature=0.5), dict(temperature=0.6, top_p=0.8),
+                                     dict(temperature=0.5, top_k=12, min_p=0.05)],
+                         ids=["temperature", "top_p", "top_k+min_p"])
+def test_verified_samples_keep_the_distribution(tiny_llama_pipe, tiny_llama, filters):
+    """The second token of completions whose first token is f, with the prediction [f, d]: every such token was
+    drawn by a verification (d kept when the row's draw is d, which happens with probability p(d); otherwise the
+    draw is the token), and their frequencies match the float64 reference of p(. | prompt, f) (chi-square,
+    p > 1e-4; seeded, so fixed once it passes)."""
+    folder, _ = tiny_llama
+    prompt = [66, 67, 68]  # a prompt whose first token is likely at these temperatures (p(f) 0.25-0.4)
+    first = tiny_llama_pipe(prompt, GenerationConfig(max_new_tokens=1, output_logits=True)).logits[-1]
+    f = int(np.argmax(first))
+    logits = tiny_llama_pipe(prompt + [f], GenerationConfig(max_new_tokens=1, output_logits=True)).logits[-1]
+    expect = reference_distribution(logits, **filters)
+    d = int(np.argsort(-expect)[1])  # the second most likely: kept often, rejected often
+    # 32 completions at a time: each gets its draft within the engine's 32 draft rows a step
+    with pipeline(folder, EngineConfig(**{**BASE, "max_batch_size": 32}, **FIXED, speculative="ngram")) as pipe:
+        second = []
+        for seed in range(320):
+            gen = GenerationConfig(max_new_tokens=2, do_sample=True, n=32, random_seed=seed, ignore_eos=True,
+                                   prediction=[f, d], speculative=True, **filters)
+            second += [o.token_ids[1] for o in pipe(prompt, gen) if o.token_ids[0] == f]
+        m = pipe.engine.metrics()
+    assert m.num_verifications["prediction"] == len(second)
+    assert 0 < m.num_accepted_draft_tokens["prediction"] < len(second)
+    draws = len(second)
+    assert draws > 2000, draws
+    counts = np.bincount(second, minlength=len(expect))
+    assert counts[expect == 0].sum() == 0
+    support = expect > 0
+    rare = support & (expect * draws < 5)
+    obs = np.append(counts[support & ~rare], counts[rare].sum())
+    exp = np.append(expect[support & ~rare], expect[rare].sum()) * draws
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat, dof = float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+    limit = dof * (1 - 2 / (9 * dof) + 3.719 * (2 / (9 * dof)) ** 0.5) ** 3
+    assert stat < limit, (filters, stat, dof)
+
+
+def test_seeded_sampling_decodes_one_token_a_step_unless_asked(tiny_llama):
+    """A seeded sampled request takes no drafts by default (the same seed gives the same text whatever ran
+    before); with speculative=True it does, and its draws keep their seeds by position (most tokens the same)."""
+    folder, _ = tiny_llama
+    rng = np.random.default_rng(21)
+    prompts = periodic_prompts(rng, 4)
+    gens = [GenerationConfig(max_new_tokens=30, do_sample=True, temperature=0.8, top_p=0.9, random_seed=s, n=2,
+                             ignore_eos=True) for s in range(4)]
+    expected, _ = generate(folder, EngineConfig(**BASE, speculative="off"), prompts, gens)
+    predicted = [GenerationConfig(**{**g.__dict__, "prediction": corrupted(expected[2 * i], 3, rng)})
+                 for i, g in enumerate(gens)]
+    got, m = generate(folder, EngineConfig(**BASE, **FIXED, speculative="ngram"), prompts, predicted)
+    assert got == expected
+    assert sum(m.num_verifications.values()) == 0
+    forced = [GenerationConfig(**{**g.__dict__, "speculative": True}) for g in predicted]
+    got, m = generate(folder, EngineConfig(**BASE, **FIXED, speculative="ngram"), prompts, forced)
+    assert 0 < m.num_accepted_draft_tokens["prediction"] < m.num_draft_tokens["prediction"]
+
+
+def test_adaptive_default_speculates_where_it_pays(tiny_llama):
+    """The default engine (speculative auto, adaptive): on a tiny model a step's extra rows cost little, so the
+    drafts of repetitive prompts are verified and kept; the greedy tokens are those of speculation off."""
+    folder, _ = tiny_llama
+    rng = np.random.default_rng(31)
+    prompts = [p for p in periodic_prompts(rng, 8)][::2]  # the repeating ones
+    gen = GenerationConfig(max_new_tokens=64, ignore_eos=True)
+    expected, _ = generate(folder, EngineConfig(**BASE, speculative="off"), prompts, gen)
+    got, m = generate(folder, EngineConfig(**BASE), prompts, gen)
+    assert got == expected
+    assert m.num_accepted_draft_tokens["ngram"] > 0, m
