@@ -50,6 +50,8 @@ CACHE_MAX_ENTRY_COUNT = typer.Option(None, help=_E["cache_max_entry_count"])
 MAX_PREFILL_TOKEN_NUM = typer.Option(8192, help=_E["max_prefill_token_num"])
 QUANT_POLICY = typer.Option(0, help=_E["quant_policy"])
 ENABLE_PREFIX_CACHING = typer.Option(False, help=_E["enable_prefix_caching"])
+SPECULATIVE = typer.Option("auto", help=_E["speculative"])
+NUM_SPECULATIVE_TOKENS = typer.Option(8, help=_E["num_speculative_tokens"])
 CHAT_TEMPLATE = typer.Option(None, help="A Jinja chat template file replacing the tokenizer's.")
 STREAM_INTERVAL = typer.Option(1, min=1, help="Tokens per chunk of a streamed completion (its first token and "
                                               "its end go at once): larger costs the server (and Ray's "
@@ -83,13 +85,15 @@ def _timeouts(header: Optional[float], body: Optional[float], drain: Optional[fl
 def engine_config(device: str, max_batch_size: int, session_len: Optional[int], cache_block_seq_len: int,
                   cache_max_entry_count: Optional[float], max_prefill_token_num: int, quant_policy: int,
                   kv_policy: Optional[Path], enable_prefix_caching: bool, num_threads: Optional[int],
-                  dtype: str = "auto", cpu_binding: str = "auto") -> EngineConfig:
+                  dtype: str = "auto", cpu_binding: str = "auto", speculative: str = "auto",
+                  num_speculative_tokens: int = 8) -> EngineConfig:
     return EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size, session_len=session_len,
                         cache_block_seq_len=cache_block_seq_len, cache_max_entry_count=cache_max_entry_count,
                         max_prefill_token_num=max_prefill_token_num, quant_policy=quant_policy,
                         kv_policy=str(kv_policy) if kv_policy is not None else None,
                         enable_prefix_caching=enable_prefix_caching, num_threads=num_threads,
-                        cpu_binding=cpu_binding)
+                        cpu_binding=cpu_binding, speculative=speculative,
+                        num_speculative_tokens=num_speculative_tokens)
 
 
 @app.command("api_server")
@@ -139,6 +143,8 @@ def api_server(
     kv_policy: Optional[Path] = typer.Option(None, help="Per-layer KV precision file (kv_policy.json from "
                                                         "`lmkit lite calibrate`)."),
     enable_prefix_caching: bool = ENABLE_PREFIX_CACHING,
+    speculative: str = SPECULATIVE,
+    num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
     cpu_binding: str = typer.Option("auto", help=_E["cpu_binding"]),
 ) -> None:
@@ -148,7 +154,7 @@ def api_server(
 
     config = engine_config(device, max_batch_size, session_len, cache_block_seq_len, cache_max_entry_count,
                            max_prefill_token_num, quant_policy, kv_policy, enable_prefix_caching, num_threads, dtype,
-                           cpu_binding)
+                           cpu_binding, speculative, num_speculative_tokens)
     template = None
     if chat_template is not None:
         if not chat_template.is_file():
@@ -261,6 +267,8 @@ def ray(
     max_prefill_token_num: int = MAX_PREFILL_TOKEN_NUM,
     quant_policy: int = QUANT_POLICY,
     enable_prefix_caching: bool = ENABLE_PREFIX_CACHING,
+    speculative: str = SPECULATIVE,
+    num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"] + " On Ray: default "
                                                                                 "--num-cpus-per-replica."),
 ) -> None:
@@ -275,7 +283,8 @@ def ray(
     from lmkit.serve.ray import run_ray
 
     config = engine_config(device, max_batch_size, session_len, cache_block_seq_len, cache_max_entry_count,
-                           max_prefill_token_num, quant_policy, None, enable_prefix_caching, num_threads, dtype)
+                           max_prefill_token_num, quant_policy, None, enable_prefix_caching, num_threads, dtype,
+                           speculative=speculative, num_speculative_tokens=num_speculative_tokens)
     template = None
     if chat_template is not None:
         if not chat_template.is_file():

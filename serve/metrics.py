@@ -59,6 +59,17 @@ class _EngineCollector:
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        drafts = [
+            ("lmkit_spec_draft_tokens", "Speculative draft tokens verified, per proposer", m.num_draft_tokens),
+            ("lmkit_spec_accepted_tokens", "Speculative draft tokens accepted (kept in the output), per proposer",
+             m.num_accepted_draft_tokens),
+            ("lmkit_spec_verifications", "Request steps that verified drafts, per proposer", m.num_verifications),
+        ]
+        for name, doc, per_source in drafts:
+            family = CounterMetricFamily(name, doc, labels=["proposer"])
+            for source, value in per_source.items():
+                family.add_metric([source], value)
+            yield family
 
 
 GATEWAY_METRICS = {

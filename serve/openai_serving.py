@@ -331,7 +331,20 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output, n=req.n, logprobs=req.num_logprobs,
             prompt_logprobs=req.num_prompt_logprobs,
             ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+            prediction=self._prediction_ids(req), speculative=req.speculative,
         )
+
+    def _prediction_ids(self, req: AnyRequest) -> list[int] | None:
+        """The request's predicted output as token ids (tokenized here, in preparation, off the event loop), or
+        None when it gave none or the engine does not speculate."""
+        if req.prediction is None or not self.engine.engine.speculative:
+            return None
+        text = req.prediction.text
+        self._check_num_chars(len(text), "prediction")
+        try:
+            return self.engine.engine.tokenizer.encode(text, add_special_tokens=False) or None
+        except ValueError as e:
+            raise bad_request(str(e), "prediction") from None
 
     def submit(self, prepared: Prepared) -> list[RequestStream]:
         streams: list[RequestStream] = []

@@ -219,6 +219,20 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": text or text parts}``, the answer expected
+    (mostly): its tokens become speculative drafts; the answer never depends on it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["content"]
+    content: Union[Text, Annotated[list[TextPart], Field(min_length=1, max_length=MAX_MESSAGE_PARTS)]]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
@@ -252,6 +266,9 @@ class SamplingFields(BaseModel):
     answer (not streamed)."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prediction: Prediction | None = None
+    speculative: bool | None = None
+    """lmkit's: false decodes this request one token a step even when the server speculates (GenerationConfig)."""
     # structured output, vLLM's names (the chat endpoint also takes OpenAI's response_format)
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | bool | Text | None = None

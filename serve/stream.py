@@ -118,7 +118,8 @@ def merged(earlier: Response, later: Response) -> Response:
 
 async def in_chunks_of(tokens: int, responses: AsyncIterator[Response]) -> AsyncIterator[Response]:
     """``responses`` (deltas of one or more completions) merged per completion until one holds ``tokens``
-    new tokens; a completion's first token and its last Response pass at once, so time to first token and
+    new tokens or more (a speculative step delivers several at once); a completion's first token and its last
+    Response pass at once, so time to first token and
     the end of a stream do not wait; what is held when ``responses`` ends comes last. Leaving early closes
     ``responses`` (which cancels its requests)."""
     held: dict[tuple[int, int], Response] = {}

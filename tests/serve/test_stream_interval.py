@@ -34,8 +34,9 @@ def sse_chunks(url: str, path: str, body: dict) -> list[dict]:
 
 
 def test_completion_chunks_hold_the_interval_and_the_same_text(chunked_server, api_server):
-    """n=2, 11 tokens each: per completion the chunks carry 1, 4, 4 and 2 tokens (the last with its
-    finish_reason); the texts and logprobs equal the one-token-per-chunk stream's and the whole answer's."""
+    """n=2, 11 tokens each: per completion the first chunk carries 1 token, the others at least 4 (a speculative
+    step may deliver several tokens at once) but the last (with its finish_reason); the texts and logprobs equal
+    the stream without an interval's and the whole answer's."""
     body = {"model": "tiny", "prompt": "once upon", "max_tokens": 11, "n": 2, "temperature": 0, "ignore_eos": True,
             "logprobs": 1, "stream": True}
     chunked = sse_chunks(chunked_server.url, "/v1/completions", body)
@@ -44,10 +45,10 @@ def test_completion_chunks_hold_the_interval_and_the_same_text(chunked_server, a
     for index in range(2):
         mine = [c["choices"][0] for c in chunked if c["choices"] and c["choices"][0]["index"] == index]
         sizes = [len(c["logprobs"]["tokens"]) for c in mine if c["logprobs"]]
-        assert sizes == [1, 4, 4, 2], sizes
+        assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 11, sizes
         assert mine[-1]["finish_reason"] == "length" and all(c["finish_reason"] is None for c in mine[:-1])
         ones = [c["choices"][0] for c in single if c["choices"] and c["choices"][0]["index"] == index]
-        assert [len(c["logprobs"]["tokens"]) for c in ones if c["logprobs"]] == [1] * 11
+        assert sum(len(c["logprobs"]["tokens"]) for c in ones if c["logprobs"]) == 11
         text = "".join(c["text"] for c in mine)
         assert text == "".join(c["text"] for c in ones) == whole["choices"][index]["text"]
         logprobs = [lp for c in mine for lp in c["logprobs"]["token_logprobs"]]
@@ -55,8 +56,9 @@ def test_completion_chunks_hold_the_interval_and_the_same_text(chunked_server, a
 
 
 def test_chat_stream_usage_counts_the_interval(chunked_server):
-    """A chat stream with logprobs and continuous usage: its chunks carry 1, then 4, 4, 4, then the last token
-    (the random model's bytes are no text until the end: the logprobs show each chunk's tokens)."""
+    """A chat stream with logprobs and continuous usage: its chunks carry 1, then at least 4 each, then the rest
+    (the random model's bytes are no text until the end: the logprobs show each chunk's tokens), and the usage of
+    each chunk counts the tokens sent so far."""
     import openai
 
     client = openai.OpenAI(base_url=f"{chunked_server.url}/v1", api_key="none", max_retries=0, timeout=60)
@@ -66,8 +68,9 @@ def test_chat_stream_usage_counts_the_interval(chunked_server):
     chunks = list(client.chat.completions.create(
         **request, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}))
     with_tokens = [c for c in chunks if c.choices and c.choices[0].logprobs]
-    assert [len(c.choices[0].logprobs.content) for c in with_tokens] == [1, 4, 4, 4, 1]
-    assert [c.usage.completion_tokens for c in with_tokens] == [1, 5, 9, 13, 14]
+    sizes = [len(c.choices[0].logprobs.content) for c in with_tokens]
+    assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 14, sizes
+    assert [c.usage.completion_tokens for c in with_tokens] == [sum(sizes[:i + 1]) for i in range(len(sizes))]
     assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 14
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     streamed = [t.token for c in with_tokens for t in c.choices[0].logprobs.content]
