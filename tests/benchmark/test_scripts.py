@@ -173,6 +173,17 @@ def test_peers_benchmark_smoke(smollm2_path):
     assert "8/8" in run.stdout, run.stdout  # HF's greedy tokens match the engine's for all 8 smoke tokens
 
 
+def test_speculative_benchmark_smoke(smollm2_path):
+    """bench_speculative.py --smoke: speculation off and on in worker processes over every workload and a small
+    concurrency sweep; the drafts were verified and the table has every row."""
+    run = _run_script("bench_speculative.py", "--smoke", "--model", str(smollm2_path), "--threads", "1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    for line in ("| lmkit off tok/s |", "| lmkit ngram tok/s |", "| lmkit ngram / lmkit off |", "| ngram / off |"):
+        assert line in out, out
+    assert "prompts token for token the same" in out and "accepted {" in out, out
+
+
 def test_peers_benchmark_names_an_unknown_gguf_type():
     run = _run_script("bench_peers.py", "--gguf", "q4_0,q5_x", "--smoke")
     assert run.returncode == 2 and "unknown type(s) q5_x" in run.stderr and "q4_k_m" in run.stderr, run.stderr
