@@ -165,8 +165,11 @@ def worker_llama_cpp(job: dict) -> dict:
 
     draft = (LlamaPromptLookupDecoding(num_pred_tokens=job["lookup_tokens"], max_ngram_size=job["lookup_ngram"])
              if job["speculative"] == "ngram" else None)
+    # with a draft model llama-cpp-python keeps every position's logits (its scores buffer is n_batch rows
+    # otherwise, which a verification past position 512 overruns)
     llm = llama_cpp.Llama(job["gguf"], n_ctx=4096, n_batch=512, n_threads=job["threads"],
-                          n_threads_batch=job["threads"], verbose=False, draft_model=draft)
+                          n_threads_batch=job["threads"], verbose=False, draft_model=draft,
+                          logits_all=draft is not None)
     eos = llm.token_eos()
     result = {"workloads": {}, "tokens": {}, "sweep": {}}
     for name, items in job["workloads"].items():

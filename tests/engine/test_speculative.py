@@ -107,7 +107,7 @@ def test_suffix_proposes_earlier_answers(tiny_llama):
         assert pipe.engine.metrics().num_draft_tokens["suffix"] == 0
 
 
-def test_hybrid_models_refuse_ngram_by_name_and_auto_turns_it_off(tmp_path):
+def test_hybrid_models_refuse_ngram_by_name(tmp_path):
     build_case("qwen3_5", tmp_path)
     for mode in ("ngram", "suffix"):
         with pytest.raises(ValueError, match="recurrent layers"):
@@ -252,14 +252,16 @@ def test_seeded_sampling_decodes_one_token_a_step_unless_asked(tiny_llama):
     assert 0 < m.num_accepted_draft_tokens["prediction"] < m.num_draft_tokens["prediction"]
 
 
-def test_adaptive_default_speculates_where_it_pays(tiny_llama):
-    """The default engine (speculative auto, adaptive): on a tiny model a step's extra rows cost little, so the
-    drafts of repetitive prompts are verified and kept; the greedy tokens are those of speculation off."""
+def test_adaptive_speculates_where_it_pays(tiny_llama):
+    """ngram with the default adaptive rule: on a tiny model a step's extra rows cost little, so the drafts of
+    repetitive prompts are verified and kept; the greedy tokens are those of speculation off. auto is off."""
     folder, _ = tiny_llama
     rng = np.random.default_rng(31)
     prompts = [p for p in periodic_prompts(rng, 8)][::2]  # the repeating ones
     gen = GenerationConfig(max_new_tokens=64, ignore_eos=True)
     expected, _ = generate(folder, EngineConfig(**BASE, speculative="off"), prompts, gen)
-    got, m = generate(folder, EngineConfig(**BASE), prompts, gen)
+    got, m = generate(folder, EngineConfig(**BASE, speculative="ngram"), prompts, gen)
     assert got == expected
     assert m.num_accepted_draft_tokens["ngram"] > 0, m
+    _, m = generate(folder, EngineConfig(**BASE), prompts, gen)
+    assert sum(m.num_verifications.values()) == 0

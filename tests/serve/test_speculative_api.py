@@ -11,15 +11,18 @@ from tests.serve.harness import ServerThread
 
 
 @pytest.fixture(scope="module")
-def smollm2_server(smollm2_pipe):
-    """The bundled model (fp32: the same tokens with and without drafts), whose answers are text a prediction can
-    give back (a random byte model's are not valid UTF-8)."""
-    from lmkit import AsyncEngine
+def smollm2_server(smollm2_path):
+    """The bundled model speculating (fp32: the same tokens with and without drafts), whose answers are text a
+    prediction can give back (a random byte model's are not valid UTF-8)."""
+    from lmkit import AsyncEngine, EngineConfig
     from lmkit.serve import ServerConfig, create_app
 
-    server = ServerThread(create_app(AsyncEngine(engine=smollm2_pipe.engine), ServerConfig(model_name="smollm2")))
+    engine = AsyncEngine(smollm2_path, EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64,
+                                                    max_batch_size=4, session_len=1024, speculative="ngram"))
+    server = ServerThread(create_app(engine, ServerConfig(model_name="smollm2")))
     yield server
     server.stop()
+    engine.close()
 
 
 def chat(url: str, **extra) -> dict:
