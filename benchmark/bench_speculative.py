@@ -29,7 +29,6 @@ import importlib.util
 import inspect
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,9 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_prefill import cpu_description  # noqa: E402
 
 CHAT = [
     "Explain why the sky is blue to a ten-year-old.",
@@ -106,6 +108,13 @@ def rewrite_prompts(n: int) -> list[str]:
 
 # ---------------------------------------------------------------- workers (one engine each, own process)
 
+def decode_rate(stamp_lists: list[list[float]]) -> float:
+    """Decode tokens/s over answers given as each token's arrival time: (tokens - 1) / (last - first), summed."""
+    tokens = sum(len(s) - 1 for s in stamp_lists if len(s) > 1)
+    seconds = sum(s[-1] - s[0] for s in stamp_lists if len(s) > 1)
+    return tokens / seconds if seconds > 0 else 0.0
+
+
 def stamps_lmkit(engine, prompt_ids, gen):
     _, q = engine.submit_to_queue(prompt_ids, gen)
     tokens, stamps = [], []
@@ -128,15 +137,13 @@ def worker_lmkit(job: dict) -> dict:
         warm = GenerationConfig(max_new_tokens=8)
         stamps_lmkit(engine, job["workloads"]["chat"][0]["ids"], warm)
         for name, items in job["workloads"].items():
-            n_tok, secs, toks = 0, 0.0, []
+            toks, timed = [], []
             for item in items:
                 gen = GenerationConfig(max_new_tokens=job["new_tokens"], prediction=item.get("prediction"))
                 tokens, stamps = stamps_lmkit(engine, item["ids"], gen)
                 toks.append(tokens)
-                if len(tokens) > 1:
-                    n_tok += len(tokens) - 1
-                    secs += stamps[-1] - stamps[0]
-            result["workloads"][name] = n_tok / secs if secs > 0 else 0.0
+                timed.append(stamps)
+            result["workloads"][name] = decode_rate(timed)
             result["tokens"][name] = toks
         chat = [item["ids"] for item in job["workloads"]["chat"]]
         for level in job["concurrency"]:
@@ -175,7 +182,7 @@ def worker_llama_cpp(job: dict) -> dict:
     for name, items in job["workloads"].items():
         if name == "code+prediction":
             continue  # no prediction input
-        n_tok, secs, toks = 0, 0.0, []
+        toks, timed = [], []
         for item in items:
             llm.reset()
             tokens, stamps = [], []
@@ -187,10 +194,8 @@ def worker_llama_cpp(job: dict) -> dict:
                 if len(tokens) == job["new_tokens"]:
                     break
             toks.append(tokens)
-            if len(tokens) > 1:
-                n_tok += len(tokens) - 1
-                secs += stamps[-1] - stamps[0]
-        result["workloads"][name] = n_tok / secs if secs > 0 else 0.0
+            timed.append(stamps)
+        result["workloads"][name] = decode_rate(timed)
         result["tokens"][name] = toks
     llm.close()
     return result
@@ -228,16 +233,6 @@ def run_worker(kind: str, job: dict) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main(argv=None) -> int:
@@ -295,7 +290,7 @@ def main(argv=None) -> int:
         return statistics.median(vals) if vals else float("nan")
 
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"# bench_speculative {when}: {cpu_name()}, {args.threads} threads, {model.name}"
+    print(f"# bench_speculative {when}: {cpu_description()}, {args.threads} threads, {model.name}"
           f"{f', GGUF {gguf.name}' if gguf else ''}, {args.new_tokens} new tokens, {args.rounds} round(s), "
           f"medians over rounds\n")
     names = list(workloads)

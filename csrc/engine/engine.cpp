@@ -367,6 +367,16 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
   std::vector<Sequence*> done;
   std::vector<FinishReason> reasons;
   std::vector<Failure> failures;
+  // A sampled sequence either ends (after the loop: finishing removes it from the scheduler) or sends what it has.
+  auto settle = [&](Sequence& seq, FinishReason reason, Failure&& failure) {
+    if (reason != FinishReason::kNone) {
+      done.push_back(&seq);
+      reasons.push_back(reason);
+      failures.push_back(std::move(failure));
+    } else {
+      flush(seq, false, FinishReason::kNone, {});
+    }
+  };
   for (size_t i = 0; i < plan.seqs.size(); ++i) {
     const ScheduledSeq& s = plan.seqs[i];
     Sequence& seq = *s.seq;
@@ -374,13 +384,7 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
       FinishReason reason = FinishReason::kNone;
       Failure failure;
       scheduler_.advance(s, apply_verification(s, sample_of[i], out, reason, failure));
-      if (reason != FinishReason::kNone) {
-        done.push_back(&seq);
-        reasons.push_back(reason);
-        failures.push_back(std::move(failure));
-      } else {
-        flush(seq, false, FinishReason::kNone, {});
-      }
+      settle(seq, reason, std::move(failure));
       continue;
     }
     scheduler_.advance(s);
@@ -411,13 +415,7 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
       }
     }
     if (reason != FinishReason::kStop) reason = advance_grammar(seq, t, reason, failure);
-    if (reason != FinishReason::kNone) {
-      done.push_back(&seq);
-      reasons.push_back(reason);
-      failures.push_back(std::move(failure));
-    } else {
-      flush(seq, false, FinishReason::kNone, {});
-    }
+    settle(seq, reason, std::move(failure));
   }
   for (size_t i = 0; i < done.size(); ++i) finish(done[i], reasons[i], failures[i]);
 }

@@ -121,6 +121,11 @@ def test_sampled_distribution_matches_the_reference(tiny_llama_pipe, filters):
     tokens = [o.token_ids[0] for seed in range(250)
               for o in pipe(prompt, GenerationConfig(max_new_tokens=1, do_sample=True, n=16, random_seed=seed,
                                                      ignore_eos=True, **filters))]
+    assert_draws_follow(tokens, expect, filters)
+
+
+def assert_draws_follow(tokens: list[int], expect: np.ndarray, label) -> None:
+    """Nothing drawn outside the support of ``expect`` and a chi-square test of the draws against it (p > 1e-4)."""
     draws = len(tokens)
     counts = np.bincount(tokens, minlength=len(expect))
     assert counts[expect == 0].sum() == 0
@@ -133,7 +138,7 @@ def test_sampled_distribution_matches_the_reference(tiny_llama_pipe, filters):
     stat, dof = float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
     # the chi-square quantile at p = 1e-4 (z = 3.719), Wilson-Hilferty: exact to ~1% for dof >= 3
     limit = dof * (1 - 2 / (9 * dof) + 3.719 * (2 / (9 * dof)) ** 0.5) ** 3
-    assert stat < limit, (filters, stat, dof)
+    assert stat < limit, (label, stat, dof)
 
 
 def test_tiny_temperature_is_greedy(tiny_llama_pipe):
