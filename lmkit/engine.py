@@ -246,13 +246,18 @@ class Engine:
             raise RuntimeError("the engine is closed")
         gen_config.check_limits(self.spec.vocab_size, self.config.max_batch_size)
         params = gen_config.to_sampling_params()
-        if isinstance(gen_config.prediction, str) and gen_config.prediction and self.speculative:
-            params.prediction = self.tokenizer.encode(gen_config.prediction, add_special_tokens=False)
+        if isinstance(gen_config.prediction, str):
+            params.prediction = self.prediction_ids(gen_config.prediction)
         if gen_config.structured_output is not None:
             params.grammar = grammar if grammar is not None else self.compile_grammar(gen_config.structured_output)
         request_id = next(self._ids)
         self._cpp.submit(request_id, list(prompt_ids), params, on_output)
         return request_id
+
+    def prediction_ids(self, text: str) -> list[int]:
+        """A predicted output's token ids (GenerationConfig.prediction), none when the engine does not speculate;
+        ValueError for text that is not valid Unicode. Callers on an event loop tokenize here beforehand, off it."""
+        return self.tokenizer.encode(text, add_special_tokens=False) if text and self.speculative else []
 
     def submit_to_queue(self, prompt_ids: list[int], gen_config: GenerationConfig) -> tuple[int, "queue.SimpleQueue"]:
         """submit() whose outputs land in the returned thread-safe queue."""

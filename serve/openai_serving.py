@@ -337,12 +337,12 @@ class OpenAIServing:
     def _prediction_ids(self, req: AnyRequest) -> list[int] | None:
         """The request's predicted output as token ids (tokenized here, in preparation, off the event loop), or
         None when it gave none or the engine does not speculate."""
-        if req.prediction is None or not self.engine.engine.speculative:
+        if req.prediction is None:
             return None
         text = req.prediction.text
         self._check_num_chars(len(text), "prediction")
         try:
-            return self.engine.engine.tokenizer.encode(text, add_special_tokens=False) or None
+            return self.engine.engine.prediction_ids(text) or None
         except ValueError as e:
             raise bad_request(str(e), "prediction") from None
 

@@ -267,6 +267,21 @@ void Engine::propose_drafts() {
   }
 }
 
+FinishReason Engine::take_token(Sequence& seq, int32_t token, const TokenLogprobs& logprobs, Failure& failure) {
+  ++metrics_.num_generated_tokens;
+  const FinishReason reason = stop_rules_.on_token(seq, token);
+  if (reason == FinishReason::kStop) return reason;  // a stop token is not part of the output
+  seq.tokens.push_back(token);
+  seq.pending_token_ids.push_back(token);
+  if (seq.params.logprobs >= 0) {
+    seq.pending_logprobs.push_back(logprobs.logprob);
+    seq.pending_top_ids.insert(seq.pending_top_ids.end(), logprobs.top_ids.begin(), logprobs.top_ids.end());
+    seq.pending_top_logprobs.insert(seq.pending_top_logprobs.end(), logprobs.top_logprobs.begin(),
+                                    logprobs.top_logprobs.end());
+  }
+  return advance_grammar(seq, token, reason, failure);
+}
+
 int32_t Engine::apply_verification(const ScheduledSeq& s, int32_t first_sample, const StepOutput& out,
                                    FinishReason& reason, Failure& failure) {
   Sequence& seq = *s.seq;
@@ -275,20 +290,8 @@ int32_t Engine::apply_verification(const ScheduledSeq& s, int32_t first_sample, 
   for (int32_t j = 0; j <= drafts; ++j) {
     const int32_t k = first_sample + j;
     const int32_t t = out.tokens[k];
-    ++metrics_.num_generated_tokens;
     rows = j + 1;  // row j's input stands: the last known token, or draft j - 1, kept
-    reason = stop_rules_.on_token(seq, t);
-    if (reason != FinishReason::kStop) {
-      seq.tokens.push_back(t);
-      seq.pending_token_ids.push_back(t);
-      if (seq.params.logprobs >= 0) {
-        const TokenLogprobs& lp = out.logprobs[k];
-        seq.pending_logprobs.push_back(lp.logprob);
-        seq.pending_top_ids.insert(seq.pending_top_ids.end(), lp.top_ids.begin(), lp.top_ids.end());
-        seq.pending_top_logprobs.insert(seq.pending_top_logprobs.end(), lp.top_logprobs.begin(), lp.top_logprobs.end());
-      }
-      reason = advance_grammar(seq, t, reason, failure);
-    }
+    reason = take_token(seq, t, out.logprobs[k], failure);
     const bool agrees = j < drafts && t == seq.draft_tokens[j];
     accepted += agrees ? 1 : 0;
     if (reason != FinishReason::kNone || !agrees) break;
@@ -400,21 +403,8 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
       continue;
     }
     const int32_t k = sample_of[i];
-    const int32_t t = out.tokens[k];
-    ++metrics_.num_generated_tokens;
-    FinishReason reason = stop_rules_.on_token(seq, t);
     Failure failure;
-    if (reason != FinishReason::kStop) {  // a stop token is not part of the output
-      seq.tokens.push_back(t);
-      seq.pending_token_ids.push_back(t);
-      if (seq.params.logprobs >= 0) {
-        TokenLogprobs& lp = out.logprobs[k];
-        seq.pending_logprobs.push_back(lp.logprob);
-        seq.pending_top_ids.insert(seq.pending_top_ids.end(), lp.top_ids.begin(), lp.top_ids.end());
-        seq.pending_top_logprobs.insert(seq.pending_top_logprobs.end(), lp.top_logprobs.begin(), lp.top_logprobs.end());
-      }
-    }
-    if (reason != FinishReason::kStop) reason = advance_grammar(seq, t, reason, failure);
+    const FinishReason reason = take_token(seq, out.tokens[k], out.logprobs[k], failure);
     settle(seq, reason, std::move(failure));
   }
   for (size_t i = 0; i < done.size(); ++i) finish(done[i], reasons[i], failures[i]);

@@ -139,6 +139,9 @@ class Engine {
   // the arithmetic of its steps) do not depend on how fast earlier steps happened to run.
   void calibrate_step_cost();
   static constexpr int32_t kCalibrationRows = 64;
+  // seq sampled `token`: the stop rules (a stop token is not appended), its logprobs, its grammar (failure set
+  // when the grammar refuses it). Returns how seq ends, kNone when it goes on.
+  FinishReason take_token(Sequence& seq, int32_t token, const TokenLogprobs& logprobs, Failure& failure);
   // Applies the sample rows of a chunk with draft rows: keeps the drafts up to the first one its row's sample
   // disagrees with, then that sample (or, all accepted, the last row's): returns the rows whose input stands.
   int32_t apply_verification(const ScheduledSeq& s, int32_t first_sample, const StepOutput& out,
