@@ -20,7 +20,8 @@ namespace lmkit {
 //   (num_blocks = ceil(ctx_len / block_size_tokens); an entry may be kNoBlock when the scheduler freed a block no
 //   layer's window reaches any more);
 //   state_slot: the recurrent-state slot holding the sequence's state as of position ctx_len - num_rows (-1: the
-//   model has no recurrent layers); a chunk at position 0 starts from the zero state, whatever the slot holds.
+//   model has no recurrent layers); a chunk at position 0 starts from the zero state, whatever the slot holds;
+//   num_draft_rows: its last rows are draft tokens to verify (each scored as its decode step would be).
 struct BatchSeq {
   int32_t first_row = 0;
   int32_t num_rows = 0;
@@ -28,6 +29,7 @@ struct BatchSeq {
   int32_t table_offset = 0;
   int32_t num_blocks = 0;
   int32_t state_slot = -1;
+  int32_t num_draft_rows = 0;
 };
 
 // A row whose logits are sampled. The sampler reads params and history as they are during the step.

@@ -134,8 +134,8 @@ struct LinearWeight {
   // Int4 only: null, or the order in which the weight takes the layer's inputs (Int4Source::input_perm);
   // ops::linear gathers x by it before the product.
   std::shared_ptr<const std::vector<int32_t>> input_perm;
-  // Int4, Int6 and Int8: quantize x to int8 per 32 values (per weight group in the calls kLinearInt8GroupRowsMin
-  // names) and use integer dot products where the CPU has them (AVX2, AVX-512 VNNI; AMX-INT8 tiles in calls of
+  // Int4, Int6 and Int8: quantize x to int8 per 32 values (per weight group for some Int4 layers, below) and use
+  // integer dot products where the CPU has them (AVX2, AVX-512 VNNI; AMX-INT8 tiles in calls of
   // kLinearAmxInt8MinRows rows or more): decode and prefill.
   // The result differs from the exact fp32 product by the rounding of x (relative error of the output
   // ~3e-3, tested); the integer sums are exact, so every ISA gives the same up to the order of fp32 sums.
@@ -173,10 +173,10 @@ constexpr int64_t kLinearAmxMinRows = 2;
 // at least kLinearAmxInt8MinRows rows (fewer stream the weight, as fast on VNNI).
 bool int8_amx_available();
 constexpr int64_t kLinearAmxInt8MinRows = 32;
-// Int4 Zeros and Symmetric layers with groups of more than 32 quantize x per weight group instead of per 32 values
-// in calls of at least this many rows, on AVX-512 VNNI as on AMX tiles (the floating-point work of each block then
-// runs once per group: prefill ~20% faster); decode steps and small batches keep blocks of 32; AVX2 always does.
-constexpr int64_t kLinearInt8GroupRowsMin = 32;
+// Int4 Zeros and Symmetric layers with groups of more than 32 quantize x per weight group instead of per 32
+// values on AVX-512 VNNI and AMX tiles, in every call (the floating-point work of each block runs once per group:
+// prefill ~20% faster; and a row is quantized the same way whatever the batch); AVX2 keeps blocks of 32.
+
 // One weight whose output columns are those of parts[0], then parts[1], ... (q/k/v or gate/up run as
 // one call: one thread team, one activation quantization). The panels are copied as they are, so every
 // part but the last needs N % kLinearPanelCols == 0 and all must share K and format; otherwise (or with
@@ -272,6 +272,9 @@ struct AttnSeq {
   int32_t q_len = 0;    // query rows (prefill chunk length, 1 for a decode step)
   int32_t ctx_len = 0;  // keys in the cache incl. this chunk; query j sits at position ctx_len - q_len + j
   const int32_t* block_table = nullptr;  // ceil(ctx_len / block_size_tokens) block ids, position p -> block p / block_size_tokens
+  // The last num_decode_rows query rows (<= q_len) each attend as a decode step at their position would, bit for bit
+  // (speculative decoding's draft rows); the rows before them as the chunk they form alone.
+  int32_t num_decode_rows = 0;
 };
 
 // Causal paged attention over the blocked KV pool (keys/values of this chunk must already be written).
@@ -286,6 +289,7 @@ struct AttnSeq {
 //   elsewhere on AVX512_BF16 dot products (bf16_dot_available: tasks of more than 4 rows, prompts, head_dim % 16
 //   == 0), the softmax weights are rounded to bf16 (fp32 sums): up to ~3e-3 relative (per output row) to the
 //   exact result over the pool's values. Other tasks and CPUs: fp32 over the pool's values.
+//   Batch-invariant: a sequence's rows do not depend on the other sequences of the call, nor on the threads.
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                      int32_t num_heads, float scale, int32_t sliding_window, float* out, float logit_softcap = 0.0f);
 

@@ -739,8 +739,7 @@ std::vector<float> quantize_q8(const std::vector<float>& x, int64_t M, int64_t K
   return xq;
 }
 
-// AWQ int4 x int8 activations on one kernel ("dot": AVX2 / VNNI, x per 32 values, on VNNI from
-// kLinearInt8GroupRowsMin rows on per group; "amx": AMX-INT8 tiles from kLinearAmxInt8MinRows rows on, x per
+// AWQ int4 x int8 activations on one kernel ("dot": AVX2 x per 32 values, VNNI per group; "amx": AMX-INT8 tiles from kLinearAmxInt8MinRows rows on, x per
 // group) against the float64 product of the quantized operands (only the order of fp32 sums differs): decode
 // and prefill row counts,
 // whole and partial 16- and 32-row tiles, K chunks of 512 with a tail, the dot kernel's k spans of 1,024 over a
@@ -769,7 +768,7 @@ void test_linear_int4_q8(const char* kernel) {
       for (int64_t k = 0; k < s.K; ++k) x[(s.M / 2) * s.K + k] = 0.0f;  // a zero row: d = 0
       ops::linear(x.data(), s.M, w, with_bias ? b.t : Tensor{}, out.data());
       const bool tiles = std::strcmp(kernel, "amx") == 0 && s.M >= ops::kLinearAmxInt8MinRows;
-      const bool vnni_groups = std::strcmp(g_isa, "avx512") == 0 && s.M >= ops::kLinearInt8GroupRowsMin;
+      const bool vnni_groups = std::strcmp(g_isa, "avx512") == 0;
       const std::vector<float> xq = quantize_q8(x, s.M, s.K, tiles || vnni_groups ? s.g : 32);
       const std::vector<float> ref = linear_f64(xq, s.M, a.dense, s.N, s.K, with_bias ? b.f32.data() : nullptr);
       expect_close(out, ref,
@@ -1615,6 +1614,108 @@ void test_recurrent() {
 }
 
 // ctest can run the ISAs side by side as separate tests.
+// Batch invariance, which speculative decoding's exactness rests on (a draft row must score as its decode step
+// would): a row of x gives the same bits alone and in a call of any height, at any place in it, for every linear
+// format and kernel this ISA runs (AMX tiles off: they take calls of several rows); paged_attention gives a
+// sequence's rows the same bits whatever else the call holds and at any thread count, and a decode row
+// (AttnSeq::num_decode_rows) the bits of its own decode step.
+bool same_bits(const float* a, const float* b, int64_t n) { return std::memcmp(a, b, sizeof(float) * (size_t)n) == 0; }
+
+void test_batch_invariance() {
+  ops::cpu::use_amx(false);
+  const int64_t N = 104, K = 640, M = 40;  // N: a partial last panel
+  std::vector<std::pair<std::string, ops::LinearWeight>> ws;
+  for (DType dt : {DType::F32, DType::F16, DType::BF16}) {
+    const Weight w = make_weight(dt, N, K);
+    ws.emplace_back(std::string("dense ") + (dt == DType::F32 ? "f32" : dt == DType::F16 ? "f16" : "bf16"),
+                    ops::pack_linear(w.t));
+    if (dt == DType::F32) {
+      ops::LinearWeight i8 = ops::pack_linear_int8(w.t);
+      ws.emplace_back("int8", i8);
+      if (ops::int8_dot_available()) {
+        i8.int8_activations = true;
+        ws.emplace_back("int8 x int8", i8);
+      }
+      if (ops::bf16_dot_available()) ws.emplace_back("bf16 pairs", ops::pack_linear_bf16(w.t));
+    }
+  }
+  for (int64_t g : {32, 128})
+    for (bool symmetric : {false, true}) {
+      ops::LinearWeight w = pack_awq(make_awq(N, K, g, symmetric), g);
+      const std::string name = "int4 g" + std::to_string(g) + (symmetric ? " symmetric" : "");
+      ws.emplace_back(name, w);
+      if (ops::int8_dot_available()) {
+        w.int8_activations = true;
+        ws.emplace_back(name + " x int8", w);
+      }
+    }
+  const Weight bias = make_weight(DType::F32, N, 0);
+  const std::vector<float> x = randn(M * K);
+  for (auto& [name, w] : ws) {
+    std::vector<float> full(M * N, NAN);
+    ops::linear(x.data(), M, w, bias.t, full.data());
+    for (auto [r0, m] : std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {7, 1}, {39, 1}, {3, 2}, {5, 3}, {1, 12},
+                                                                 {2, 13}, {9, 31}, {0, 33}}) {
+      std::vector<float> part(m * N, NAN);
+      ops::linear(x.data() + r0 * K, m, w, bias.t, part.data());
+      expect(same_bits(part.data(), full.data() + r0 * N, m * N),
+             "linear " + name + ": rows " + std::to_string(r0) + ".." + std::to_string(r0 + m) + " of a call of " +
+                 std::to_string(M) + " give the bits of a call of " + std::to_string(m));
+    }
+  }
+  ops::cpu::use_amx(true);
+
+  // attention: one target sequence (chunk of 2 rows + 4 decode rows, keys crossing the 256-key segments), alone,
+  // among others, at other thread counts, and each decode row as its own decode step
+  for (int bits : {32, 16, 8})
+    for (int window : {0, 300}) {
+      const int num_heads = 9, nkv = 3, hd = 64, bs = 16, ctx = 600, q_len = 6, d = 4;
+      ops::KVLayer kv;
+      kv.bits = bits, kv.num_kv_heads = nkv, kv.block_size_tokens = bs, kv.head_dim = hd;
+      kv.num_blocks = 3 * ((ctx + bs - 1) / bs);
+      std::vector<uint8_t> kpool(kv.num_blocks * kv.block_bytes(), 0xff), vpool(kpool.size(), 0xff);
+      kv.k = kpool.data(), kv.v = vpool.data();
+      std::vector<int32_t> blocks(kv.num_blocks);
+      std::iota(blocks.begin(), blocks.end(), 0);
+      std::shuffle(blocks.begin(), blocks.end(), g_rng);
+      const int per_seq = (ctx + bs - 1) / bs;
+      for (int s = 0; s < 3; ++s) {  // three sequences of ctx keys: the target, and two others
+        std::vector<int32_t> slots(ctx);
+        for (int p = 0; p < ctx; ++p) slots[p] = blocks[s * per_seq + p / bs] * bs + p % bs;
+        const std::vector<float> k = randn((int64_t)ctx * nkv * hd), v = randn((int64_t)ctx * nkv * hd);
+        ops::kv_write(kv, k.data(), v.data(), slots.data(), ctx);
+      }
+      const int32_t* table = blocks.data();
+      const std::vector<float> q = randn((int64_t)(q_len + 40) * num_heads * hd);
+      const int64_t row_floats = (int64_t)num_heads * hd;
+      const float scale = 0.125f;
+      auto run = [&](std::vector<ops::AttnSeq> seqs, int threads) {
+        int32_t rows = 0;
+        for (const ops::AttnSeq& a : seqs) rows = std::max(rows, a.q_row + a.q_len);
+        std::vector<float> out(rows * row_floats, NAN);
+        ops::set_num_threads(threads);
+        ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, out.data());
+        ops::set_num_threads(g_threads);
+        return out;
+      };
+      ops::AttnSeq target{0, q_len, ctx, table, d};
+      const std::vector<float> alone = run({target}, 1);
+      const std::string name = "attention bits " + std::to_string(bits) + " window " + std::to_string(window);
+      // among a decode step and a prefill chunk of other sequences, rows placed after the target's
+      const std::vector<float> among = run({ops::AttnSeq{q_len, 1, 500, table + per_seq},
+                                            target, ops::AttnSeq{q_len + 1, 30, 300, table + 2 * per_seq}}, 3);
+      expect(same_bits(alone.data(), among.data(), q_len * row_floats), name + ": a sequence among others, on 3 threads");
+      for (int j = 0; j < d; ++j) {  // decode row j: the decode step at position ctx - d + j
+        const int32_t row = q_len - d + j;
+        const std::vector<float> step = run({ops::AttnSeq{row, 1, ctx - d + j + 1, table}}, 2);
+        expect(same_bits(alone.data() + row * row_floats, step.data() + row * row_floats, row_floats),
+               name + ": decode row " + std::to_string(j) + " as its decode step");
+      }
+      const std::vector<float> chunk = run({ops::AttnSeq{0, q_len - d, ctx - d, table}}, 2);
+      expect(same_bits(alone.data(), chunk.data(), (q_len - d) * row_floats), name + ": the rows before, as their chunk");
+    }
+}
+
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // keep every line if a kernel crashes
   test_greedy_sample();
@@ -1650,6 +1751,7 @@ int main(int argc, char** argv) {
       test_attention(threads);
       test_kv_write_half_edges();
       test_attention_softcap_and_freed_blocks(threads);
+      test_batch_invariance();
     }
     std::printf("[%s] done\n", isa);
   }

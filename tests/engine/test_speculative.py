@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from lmkit import EngineConfig, GenerationConfig, StructuredOutput, pipeline
+from lmkit._ext import _engine
 from tests.engine.test_sampling import assert_draws_follow, reference_distribution
 from tests.factories import build_case
 from tests.helpers import assert_blocks_free, run_with_random_cancellations
@@ -85,6 +86,35 @@ def test_greedy_is_identical_with_every_proposer(tmp_path, case):
     accepted, proposed = m.num_accepted_draft_tokens["prediction"], m.num_draft_tokens["prediction"]
     assert 0 < accepted < proposed, (accepted, proposed)
     assert m.mean_accepted_length("prediction") > 1.0
+
+
+NO_AMX = pytest.mark.skipif(_engine.cpu_amx_available(), reason="AMX tiles sum multi-row calls in another order")
+FAST_PATHS = [pytest.param("bfloat16", marks=[NO_AMX, pytest.mark.skipif(
+    not _engine.cpu_bf16_available(), reason="bf16 dot products need AVX512_BF16")]), "gguf"]
+
+
+@pytest.mark.parametrize("path", FAST_PATHS)
+def test_greedy_is_identical_on_the_fast_paths(path):
+    """The bundled SmolLM2 on bf16 dot products (dtype bfloat16, the default on AVX512_BF16 CPUs) and as the shipped
+    Q4_1 GGUF on int8 activations: the kernels are batch-invariant (a draft row scores as its decode step would,
+    csrc/tests/test_cpu_kernels.cpp), so greedy output is token for token the same with speculation, with drafts
+    accepted and rejected, alone and batched."""
+    from lmkit.model_path import default_gguf_path, default_model_dir
+
+    model = default_model_dir() if path == "bfloat16" else default_gguf_path()
+    config = dict(device="cpu", dtype="bfloat16" if path == "bfloat16" else "auto", max_batch_size=8)
+    rng = np.random.default_rng(11)
+    prompts = periodic_prompts(rng, 4)
+    gen = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    expected, _ = generate(model, EngineConfig(**config, speculative="off"), prompts, gen)
+    predicted = [GenerationConfig(max_new_tokens=48, ignore_eos=True, prediction=corrupted(e, 6, rng))
+                 for e in expected]
+    got, m = generate(model, EngineConfig(**config, **FIXED, speculative="ngram"), prompts, predicted)
+    assert got == expected
+    assert 0 < m.num_accepted_draft_tokens["prediction"] < m.num_draft_tokens["prediction"]
+    alone = [generate(model, EngineConfig(**config, **FIXED, speculative="ngram"), [p], g)[0][0]
+             for p, g in zip(prompts[:2], predicted[:2])]
+    assert alone == expected[:2]
 
 
 def test_suffix_proposes_earlier_answers(tiny_llama):
@@ -223,23 +253,29 @@ def test_verified_samples_keep_the_distribution(tiny_llama_pipe, tiny_llama, fil
     assert_draws_follow(second, expect, filters)
 
 
-def test_seeded_sampling_decodes_one_token_a_step_unless_asked(tiny_llama):
-    """A seeded sampled request takes no drafts by default (the same seed gives the same text whatever ran
-    before); with speculative=True it does, and its draws keep their seeds by position (most tokens the same)."""
+@NO_AMX  # there a seeded request speculates only when asked (GenerationConfig.speculative)
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not _engine.cpu_bf16_available(), reason="bf16 dot products need AVX512_BF16"))])
+def test_seeded_sampling_gives_the_same_text_with_drafts(tiny_llama, dtype):
+    """A seeded sampled request takes drafts by default and gives the text it gives without them, token for token
+    (its draws are seeded by position and a verified row's logits are its one-token step's to the bit);
+    speculative=False takes none."""
     folder, _ = tiny_llama
     rng = np.random.default_rng(21)
     prompts = periodic_prompts(rng, 4)
+    config = {**BASE, "dtype": dtype}
     gens = [GenerationConfig(max_new_tokens=30, do_sample=True, temperature=0.8, top_p=0.9, random_seed=s, n=2,
                              ignore_eos=True) for s in range(4)]
-    expected, _ = generate(folder, EngineConfig(**BASE, speculative="off"), prompts, gens)
+    expected, _ = generate(folder, EngineConfig(**config, speculative="off"), prompts, gens)
     predicted = [GenerationConfig(**{**g.__dict__, "prediction": corrupted(expected[2 * i], 3, rng)})
                  for i, g in enumerate(gens)]
-    got, m = generate(folder, EngineConfig(**BASE, **FIXED, speculative="ngram"), prompts, predicted)
+    got, m = generate(folder, EngineConfig(**config, **FIXED, speculative="ngram"), prompts, predicted)
+    assert got == expected
+    assert 0 < m.num_accepted_draft_tokens["prediction"] < m.num_draft_tokens["prediction"]
+    opted_out = [GenerationConfig(**{**g.__dict__, "speculative": False}) for g in predicted]
+    got, m = generate(folder, EngineConfig(**config, **FIXED, speculative="ngram"), prompts, opted_out)
     assert got == expected
     assert sum(m.num_verifications.values()) == 0
-    forced = [GenerationConfig(**{**g.__dict__, "speculative": True}) for g in predicted]
-    got, m = generate(folder, EngineConfig(**BASE, **FIXED, speculative="ngram"), prompts, forced)
-    assert 0 < m.num_accepted_draft_tokens["prediction"] < m.num_draft_tokens["prediction"]
 
 
 def test_adaptive_speculates_where_it_pays(tiny_llama):

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "core/check.h"
 #include "kernels/cpu/kernel_table.h"
@@ -310,6 +311,8 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
     const AttnSeq& a = seqs[s];
     LMKIT_CHECK(a.q_len >= 0 && a.q_row >= 0 && a.q_len <= a.ctx_len, "paged_attention: sequence ", s,
                 " has q_len ", a.q_len, ", q_row ", a.q_row, ", ctx_len ", a.ctx_len, " (need 0 <= q_len <= ctx_len)");
+    LMKIT_CHECK(a.num_decode_rows >= 0 && a.num_decode_rows <= a.q_len, "paged_attention: sequence ", s, " has ",
+                a.num_decode_rows, " decode rows of its ", a.q_len);
     if (a.q_len == 0) continue;
     LMKIT_CHECK(a.block_table != nullptr, "paged_attention: sequence ", s, " has no block table");
     // the blocks some query's window reaches: keys from the first query's window start to ctx_len - 1 (the
@@ -321,6 +324,23 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
       LMKIT_CHECK(a.block_table[b] >= 0 && a.block_table[b] < kv.num_blocks, "paged_attention: sequence ", s,
                   " block_table[", b, "] = ", a.block_table[b], " is outside the pool (", kv.num_blocks,
                   " blocks), and keys ", first_key, "..", a.ctx_len - 1, " of its queries' windows need it");
+  }
+  // decode rows: each a one-row sequence at its position, the rows before them one chunk
+  thread_local std::vector<AttnSeq> split;
+  if (std::any_of(seqs, seqs + num_seqs, [](const AttnSeq& a) { return a.num_decode_rows > 0; })) {
+    split.clear();
+    for (int32_t s = 0; s < num_seqs; ++s) {
+      AttnSeq chunk = seqs[s];
+      const int32_t d = chunk.num_decode_rows;
+      chunk.q_len -= d;
+      chunk.ctx_len -= d;
+      chunk.num_decode_rows = 0;
+      if (chunk.q_len > 0 || d == 0) split.push_back(chunk);
+      for (int32_t j = 0; j < d; ++j) split.push_back(AttnSeq{chunk.q_row + chunk.q_len + j, 1, chunk.ctx_len + j + 1,
+                                                              chunk.block_table, 0});
+    }
+    seqs = split.data();
+    num_seqs = (int32_t)split.size();
   }
   // the cheap conditions first: amx_table() asks the OS for the tile registers on its first call
   const bool tiles_fit = kv.bits == 16 && kv.head_dim % 32 == 0 && kv.block_size_tokens % 32 == 0;

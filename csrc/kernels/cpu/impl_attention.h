@@ -17,8 +17,8 @@
 //   m, l [0:R]        online softmax in fp32, lane-wise over the rows (max over keys is vertical)
 //   o[r][0:hd]       += sum_j st[j][r] * V_j[0:hd]       4 rows x 4 vectors of head_dim at a time
 // Decode tasks (<= 4 rows, attend_task_dot; attend_task_dot_quant over int8 / int4 pools): dot products over
-// head_dim, see there. When a batch of decode steps has fewer tasks than twice the threads, each task is also
-// split over its keys (attend_decode_split) and the partial softmax states are merged (attend_merge).
+// head_dim, see there. A decode task whose keys cross a multiple of kAttnSplitKeys is split there over its keys and
+// the partial softmax states are merged (attend_merge): fixed segments, so that no row depends on its batch.
 
 constexpr int kAttnKeyBlock = 8;            // keys whose scores are computed together
 constexpr int kAttnChunk = 32;              // keys per online-softmax step
@@ -27,7 +27,7 @@ constexpr int kAttnMaxRows = kAttnRowVecs * kW;
 constexpr int kAttnMaxHeadDim = 1024;       // checked at the door
 constexpr int kAttnMaxTaskFloats = 8192;    // R * padded head_dim: the task's output rows stay in L1
 constexpr float kAttnNoMax = -1e30f;        // running max before any key: finite, so exp(-inf - m) = 0
-constexpr int64_t kAttnMinSplitKeys = 128;  // a decode task is split over its keys only this coarsely
+constexpr int64_t kAttnSplitKeys = 256;     // decode tasks are split over their keys at multiples of this position
 
 // out[0:hd] = q * scale + zero of one quantized pool row (ops::KVLayer), in fp32.
 inline void kv_dequant_row(const uint8_t* q, const uint16_t* params, int hd, int bits, float* out) {
@@ -724,111 +724,111 @@ struct F32Prefill {
   }
 };
 
-// Decode steps only (every sequence's rows fit one decode task): each (sequence, kv head) task
-// is split over its keys so that all threads have work even for one sequence, then merged.
-template <class Decode>
-inline void attend_decode_split(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
-                                int32_t num_heads, float scale, float softcap, int32_t window, int splits,
-                                float* out) {
-  const int group = num_heads / kv.num_kv_heads, hd = kv.head_dim, nkv = kv.num_kv_heads;
-  const int64_t stride = hd + 2, per_task = Decode::kMaxRows * stride;
-  const int64_t num_tasks = (int64_t)num_seqs * nkv;
-  thread_local ScratchBuffer buffer;
-  float* scratch = (float*)buffer.get(sizeof(float) * (size_t)(num_tasks * splits * per_task));
-  parallel_for(num_tasks * splits, 1, true, [&](int64_t j0, int64_t j1) {
-    Decode decode;
-    decode.begin();
-    for (int64_t job = j0; job < j1; ++job) {
-      const int64_t task = job / splits;
-      const int s = (int)(task / nkv), kvh = (int)(task % nkv), sp = (int)(job % splits);
-      const AttnSeq& seq = seqs[s];
-      const int rows = seq.q_len * group;
-      if (rows == 0) continue;
-      // the task's keys: from the first row's window start to the last row's position
-      const int64_t last = (int64_t)seq.ctx_len - 1, first = last - (seq.q_len - 1);
-      const int64_t begin = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0, count = last + 1 - begin;
-      const int64_t b = begin + count * sp / splits, e = begin + count * (sp + 1) / splits;
-      decode(rows, q, kv, seq, kvh, group, num_heads, 0, scale, softcap, window, out, b, e, scratch + job * per_task);
-    }
-    decode.end();
-  });
-  parallel_for(num_tasks, grain_for(num_tasks), true, [&](int64_t t0, int64_t t1) {
-    for (int64_t task = t0; task < t1; ++task) {
-      const int s = (int)(task / nkv), kvh = (int)(task % nkv);
-      const AttnSeq& seq = seqs[s];
-      for (int r = 0; r < seq.q_len * group; ++r) {
-        const int64_t row = seq.q_row + r / group, head = (int64_t)kvh * group + r % group;
-        attend_merge(scratch + task * splits * per_task + r * stride, splits, per_task, hd,
-                     out + (row * num_heads + head) * hd);
-      }
-    }
-  });
-}
+// One unit of paged_attention_with's work: rows [rho0, rho1) of sequence s under kv head kvh over keys
+// [key_begin, key_end), its output in place or (partial >= 0) as partial softmax states at scratch + partial.
+struct AttnJob {
+  int32_t s, kvh;
+  int64_t rho0, rho1, key_begin, key_end, partial;
+};
+// A decode-shaped task split over key segments: its `rows` rows' partial states, nseg per row, from `partial` on.
+struct AttnMerge {
+  int32_t s, kvh, rows, nseg;
+  int64_t partial;
+};
 
-// Tasks (sequence, kv head, row chunk): decode-shaped ones on the Decode kernel, the others on the Prefill
-// kernel; a Decode kernel with kEveryTask takes every task, prefill rows included.
+// Tasks (sequence, kv head, row chunk): decode-shaped ones (all of a sequence's rows in one task of at most
+// Decode::kMaxRows rows) on the Decode kernel, the others on the Prefill kernel (a Decode kernel with kEveryTask
+// takes those too, in chunks of kMaxRows rows). A decode-shaped task whose keys cross a multiple of
+// kAttnSplitKeys is split there into jobs over key segments (so that one long sequence keeps every thread busy),
+// and attend_merge combines their partial states. The segments are fixed positions, not a share of the threads:
+// a row's result depends on its own keys only, never on the batch around it (batch-invariant, as the linear
+// kernels: speculative decoding's draft rows then score exactly as their decode steps would).
 template <class Decode, class Prefill = F32Prefill>
 void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                           int32_t num_heads, float scale, float softcap, int32_t window, float* out) {
-  const int group = num_heads / kv.num_kv_heads;
-  const int hdp = (kv.head_dim + kW - 1) / kW * kW;
-  // decode steps with fewer tasks than twice the threads: split long contexts over the keys
-  const int nt = ::lmkit::ops::cpu::team_threads();
-  bool all_decode = nt > 1;
-  int64_t max_keys = 0;  // keys a task visits: the context, or the first row's window onwards
-  for (int s = 0; s < num_seqs && all_decode; ++s) {
-    all_decode = seqs[s].q_len * group <= Decode::kMaxRows;
-    const int64_t in_window = (int64_t)window + seqs[s].q_len - 1;
-    const int64_t keys = window > 0 && in_window < seqs[s].ctx_len ? in_window : seqs[s].ctx_len;
-    max_keys = keys > max_keys ? keys : max_keys;
-  }
-  const int64_t base_tasks = (int64_t)num_seqs * kv.num_kv_heads;
-  if (all_decode && base_tasks < 2 * nt) {
-    int64_t splits = (2 * nt + base_tasks - 1) / base_tasks;
-    splits = splits < max_keys / kAttnMinSplitKeys ? splits : max_keys / kAttnMinSplitKeys;
-    if (splits > 1)
-      return attend_decode_split<Decode>(q, kv, seqs, num_seqs, num_heads, scale, softcap, window, (int)splits, out);
-  }
+  const int group = num_heads / kv.num_kv_heads, nkv = kv.num_kv_heads, hd = kv.head_dim;
+  const int hdp = (hd + kW - 1) / kW * kW;
   int rows_per_task = kAttnMaxTaskFloats / hdp / 4 * 4;
   rows_per_task = rows_per_task > kAttnMaxRows ? kAttnMaxRows : rows_per_task < 4 ? 4 : rows_per_task;
   if (Decode::kEveryTask) rows_per_task = Decode::kMaxRows;  // prefill rows too, in tasks of kMaxRows
-  // tasks: (sequence, kv head, row chunk); starts[s] = first task index of sequence s
-  int64_t starts_stack[257];
-  int64_t* starts = num_seqs < 257 ? starts_stack : (int64_t*)malloc(sizeof(int64_t) * (num_seqs + 1));
-  if (starts == nullptr) abort();
-  starts[0] = 0;
+  const int64_t stride = hd + 2, per_task = Decode::kMaxRows * stride;  // partial states: (m, l, o) per row
+  int64_t num_jobs = 0, num_merges = 0;
   for (int s = 0; s < num_seqs; ++s) {
-    const int64_t chunks = ((int64_t)seqs[s].q_len * group + rows_per_task - 1) / rows_per_task;
-    starts[s + 1] = starts[s] + chunks * kv.num_kv_heads;
+    const AttnSeq& a = seqs[s];
+    const int64_t rows = (int64_t)a.q_len * group;
+    if (rows == 0) continue;
+    if (rows <= Decode::kMaxRows) {
+      const int64_t last = a.ctx_len - 1, first = last - (a.q_len - 1);
+      const int64_t begin = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0;
+      const int64_t nseg = last / kAttnSplitKeys - begin / kAttnSplitKeys + 1;
+      num_jobs += nseg * nkv;
+      num_merges += nseg > 1 ? nkv : 0;
+    } else {
+      num_jobs += (rows + rows_per_task - 1) / rows_per_task * nkv;
+    }
   }
-  const int64_t num_tasks = starts[num_seqs];
-  // small chunks of tasks: the policy's begin() / end() (AMX: the tile config) run once per chunk
-  parallel_for(num_tasks, grain_for(num_tasks, 8), num_tasks > 1, [&](int64_t t0, int64_t t1) {
+  thread_local ScratchBuffer job_buffer, partial_buffer;
+  AttnJob* jobs = (AttnJob*)job_buffer.get(sizeof(AttnJob) * (size_t)num_jobs + sizeof(AttnMerge) * (size_t)num_merges);
+  AttnMerge* merges = (AttnMerge*)(jobs + num_jobs);
+  int64_t nj = 0, nm = 0, partial_floats = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    const AttnSeq& a = seqs[s];
+    const int64_t rows = (int64_t)a.q_len * group;
+    if (rows == 0) continue;
+    if (rows <= Decode::kMaxRows) {
+      const int64_t last = a.ctx_len - 1, first = last - (a.q_len - 1);
+      const int64_t begin = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0;
+      const int64_t seg0 = begin / kAttnSplitKeys, nseg = last / kAttnSplitKeys - seg0 + 1;
+      for (int kvh = 0; kvh < nkv; ++kvh) {
+        if (nseg == 1) {
+          jobs[nj++] = AttnJob{s, kvh, 0, rows, 0, INT64_MAX, -1};
+          continue;
+        }
+        merges[nm++] = AttnMerge{s, kvh, (int32_t)rows, (int32_t)nseg, partial_floats};
+        for (int64_t j = 0; j < nseg; ++j) {
+          const int64_t b = (seg0 + j) * kAttnSplitKeys, e = b + kAttnSplitKeys;
+          jobs[nj++] = AttnJob{s, kvh, 0, rows, b > begin ? b : begin, e < last + 1 ? e : last + 1,
+                               partial_floats + j * per_task};
+        }
+        partial_floats += nseg * per_task;
+      }
+    } else {  // later chunks see more keys: hand them out first
+      const int64_t chunks = (rows + rows_per_task - 1) / rows_per_task;
+      for (int64_t c = chunks - 1; c >= 0; --c)
+        for (int kvh = 0; kvh < nkv; ++kvh) {
+          const int64_t rho0 = c * rows_per_task, rho1 = rho0 + rows_per_task < rows ? rho0 + rows_per_task : rows;
+          jobs[nj++] = AttnJob{s, kvh, rho0, rho1, 0, INT64_MAX, -1};
+        }
+    }
+  }
+  float* partial = (float*)partial_buffer.get(sizeof(float) * (size_t)partial_floats);
+  // small chunks of jobs: the policy's begin() / end() (AMX: the tile config) run once per chunk
+  parallel_for(num_jobs, grain_for(num_jobs, 8), num_jobs > 1, [&](int64_t j0, int64_t j1) {
     Decode decode;
     decode.begin();
-    for (int64_t task = t0; task < t1; ++task) {
-      int s = 0;  // binary search: the sequence holding this task
-      for (int lo_s = 0, hi_s = num_seqs - 1; lo_s <= hi_s;) {
-        const int mid = (lo_s + hi_s) / 2;
-        if (starts[mid] <= task) s = mid, lo_s = mid + 1;
-        else hi_s = mid - 1;
-      }
-      const int64_t local = task - starts[s];
-      const int64_t chunks = (starts[s + 1] - starts[s]) / kv.num_kv_heads;
-      // later chunks of a sequence see more keys: hand them out first
-      const int64_t chunk = chunks - 1 - local / kv.num_kv_heads;
-      const int kvh = (int)(local % kv.num_kv_heads);
-      const int64_t total_rows = (int64_t)seqs[s].q_len * group;
-      const int64_t rho0 = chunk * rows_per_task;
-      const int64_t rho1 = rho0 + rows_per_task < total_rows ? rho0 + rows_per_task : total_rows;
-      const int rv = (int)((rho1 - rho0 + kW - 1) / kW);
-      if (rho1 - rho0 <= Decode::kMaxRows)
-        decode((int)(rho1 - rho0), q, kv, seqs[s], kvh, group, num_heads, rho0, scale, softcap, window, out);
-      else Prefill::run(rv, q, kv, seqs[s], kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
+    for (int64_t j = j0; j < j1; ++j) {
+      const AttnJob& job = jobs[j];
+      const int rows = (int)(job.rho1 - job.rho0);
+      if (rows <= Decode::kMaxRows)
+        decode(rows, q, kv, seqs[job.s], job.kvh, group, num_heads, job.rho0, scale, softcap, window, out,
+               job.key_begin, job.key_end, job.partial >= 0 ? partial + job.partial : nullptr);
+      else
+        Prefill::run((rows + kW - 1) / kW, q, kv, seqs[job.s], job.kvh, group, num_heads, job.rho0, job.rho1, scale,
+                     softcap, window, out);
     }
     decode.end();
   });
-  if (starts != starts_stack) free(starts);
+  if (num_merges == 0) return;
+  parallel_for(num_merges, grain_for(num_merges), num_merges > 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const AttnMerge& mg = merges[m];
+      const AttnSeq& seq = seqs[mg.s];
+      for (int r = 0; r < mg.rows; ++r) {
+        const int64_t row = seq.q_row + r / group, head = (int64_t)mg.kvh * group + r % group;
+        attend_merge(partial + mg.partial + r * stride, mg.nseg, per_task, hd, out + (row * num_heads + head) * hd);
+      }
+    }
+  });
 }
 
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,

@@ -59,56 +59,49 @@ constexpr int64_t kQ8MBlockBytes = 1 << 18;      // qx rows (K bytes each) of on
 template <int MR>
 constexpr int kPassNV = (kW == 8 && MR > 2) ? 2 : kNV;
 
-// c[i, 0:ncols] = (first ? bias : c[i, :]) + x[i, 0:kc] . panel[0:kc, 0:ncols] for i < MR.
+// c[i, 0:ncols] = (first ? 0 : c[i, :]) + x[i, 0:kc] . panel[0:kc, 0:ncols] (+ bias when last) for i < MR.
+// Batch-invariant: each (row, column) is one FMA chain over k in order, whatever MR, and a K block continues the
+// chain of the block before it (c holds its exact partial sum, the bias comes last), so a row's result is the same
+// bits in a tile of any height, alone or among others, straight from the panel or from a converted K block
+// (conversions of f16 / bf16 / quantized weights to fp32 are exact). Speculative decoding relies on it: a sequence's
+// draft rows must score as its plain decode rows would. The cost: one chain per accumulator leaves 1-2-row tiles
+// latency-bound on a panel in cache; a panel streaming from memory (decode) is bandwidth-bound either way.
 template <int DT, int MR, bool PF>
 inline void panel_tile(const float* x, int64_t ldx, const void* panel, int64_t kc, float* c, int64_t ldc,
-                       int ncols, bool first, const float* bias) {
+                       int ncols, bool first, bool last, const float* bias) {
   constexpr int64_t row_bytes = kPanel * kElemBytes<DT>;
   constexpr int NVP = kPassNV<MR>;
-  // One row's chains are NVP FMAs long per k: for MR <= 2 split k in two to hide the FMA latency.
-  constexpr int KU = MR <= 2 ? 2 : 1;
   const char* pb = (const char*)panel;
   for (int v0 = 0; v0 < kNV && v0 * kW < ncols; v0 += NVP) {
-    V acc[KU][MR][NVP];
-    for (int u = 0; u < KU; ++u)
-      for (int i = 0; i < MR; ++i)
-        for (int v = 0; v < NVP; ++v) acc[u][i][v] = vzero();
-    int64_t k = 0;
-    for (; k + KU <= kc; k += KU) {
-#pragma GCC unroll 2
-      for (int u = 0; u < KU; ++u) {
-        const char* row = pb + (k + u) * row_bytes;
-        if constexpr (PF)
-          if (v0 == 0)
-            for (int64_t off = 0; off < row_bytes; off += 64) prefetch(row + kPrefetchBytes + off);
-        V b[NVP];
-        for (int v = 0; v < NVP; ++v) b[v] = wload<DT>(row, (v0 + v) * kW);
-#pragma GCC unroll 16
-        for (int i = 0; i < MR; ++i) {
-          const V a = vset1(x[i * ldx + k + u]);
-          for (int v = 0; v < NVP; ++v) acc[u][i][v] = vfma(a, b[v], acc[u][i][v]);
-        }
+    V acc[MR][NVP];
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < NVP; ++v) {
+        const int j = (v0 + v) * kW, n = ncols - j < kW ? ncols - j : kW;
+        acc[i][v] = first || n <= 0 ? vzero() : n == kW ? vload(c + i * ldc + j) : vload_n(c + i * ldc + j, n);
       }
-    }
-    for (; k < kc; ++k) {
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < kc; ++k) {
       const char* row = pb + k * row_bytes;
+      if constexpr (PF)
+        if (v0 == 0)
+          for (int64_t off = 0; off < row_bytes; off += 64) prefetch(row + kPrefetchBytes + off);
       V b[NVP];
       for (int v = 0; v < NVP; ++v) b[v] = wload<DT>(row, (v0 + v) * kW);
+#pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
         const V a = vset1(x[i * ldx + k]);
-        for (int v = 0; v < NVP; ++v) acc[0][i][v] = vfma(a, b[v], acc[0][i][v]);
+        for (int v = 0; v < NVP; ++v) acc[i][v] = vfma(a, b[v], acc[i][v]);
       }
     }
     for (int i = 0; i < MR; ++i) {
       float* ci = c + i * ldc;
       for (int v = 0; v < NVP; ++v) {
-        V sum = acc[0][i][v];
-        for (int u = 1; u < KU; ++u) sum = sum + acc[u][i][v];
+        V sum = acc[i][v];
         const int j = (v0 + v) * kW, n = ncols - j < kW ? ncols - j : kW;
         if (n <= 0) break;
-        const V base = first ? (bias ? vload(bias + j) : vzero()) : (n == kW ? vload(ci + j) : vload_n(ci + j, n));
-        if (n == kW) vstore(ci + j, sum + base);
-        else vstore_n(ci + j, sum + base, n);
+        if (last && bias) sum = sum + vload(bias + j);
+        if (n == kW) vstore(ci + j, sum);
+        else vstore_n(ci + j, sum, n);
       }
     }
   }
@@ -116,9 +109,9 @@ inline void panel_tile(const float* x, int64_t ldx, const void* panel, int64_t k
 
 template <int DT, bool PF, int MR = kMRMax>
 inline void panel_tile_n(int mr, const float* x, int64_t ldx, const void* panel, int64_t kc, float* c, int64_t ldc,
-                         int ncols, bool first, const float* bias) {
-  if (mr == MR) panel_tile<DT, MR, PF>(x, ldx, panel, kc, c, ldc, ncols, first, bias);
-  else if constexpr (MR > 1) panel_tile_n<DT, PF, MR - 1>(mr, x, ldx, panel, kc, c, ldc, ncols, first, bias);
+                         int ncols, bool first, bool last, const float* bias) {
+  if (mr == MR) panel_tile<DT, MR, PF>(x, ldx, panel, kc, c, ldc, ncols, first, last, bias);
+  else if constexpr (MR > 1) panel_tile_n<DT, PF, MR - 1>(mr, x, ldx, panel, kc, c, ldc, ncols, first, last, bias);
 }
 
 // fn(m, mr) over `rows` rows in tiles of nearly equal height mr <= MRMAX (16 rows at 12: 8 + 8).
@@ -136,9 +129,9 @@ inline void for_each_tile(int64_t rows, Fn&& fn) {
 // PF: prefetch the panel ahead (it streams from memory; not for a converted block already in L1).
 template <int DT, bool PF, int MRMAX = kMRMax>
 inline void panel_rows(const float* x, int64_t ldx, int64_t rows, const void* panel, int64_t kc, float* c,
-                       int64_t ldc, int ncols, bool first, const float* bias) {
+                       int64_t ldc, int ncols, bool first, bool last, const float* bias) {
   for_each_tile<MRMAX>(rows, [&](int64_t m, int mr) {
-    panel_tile_n<DT, PF, MRMAX>(mr, x + m * ldx, ldx, panel, kc, c + m * ldc, ldc, ncols, first, bias);
+    panel_tile_n<DT, PF, MRMAX>(mr, x + m * ldx, ldx, panel, kc, c + m * ldc, ldc, ncols, first, last, bias);
   });
 }
 
@@ -202,9 +195,55 @@ inline void for_each_panel(int64_t M, int64_t N, int64_t K, int64_t mblock, cons
   });
 }
 
+// c[0 : NP * 32] = x[0:K] . NP adjacent panels (+ bias) for one row: NP * kNV FMA chains in flight where a 1-row
+// panel_tile has kNV (latency-bound on Zen 5 with kNV = 2), each output still one chain over k in order (the same
+// bits as panel_tile's). The last panel holds ncols_last columns.
+template <int DT, int NP>
+inline void row_panels(const float* x, const char* panel, int64_t panel_bytes, int64_t K, float* c, int ncols_last,
+                       const float* bias) {
+  constexpr int64_t row_bytes = kPanel * kElemBytes<DT>;
+  V acc[NP][kNV];
+  for (int q = 0; q < NP; ++q)
+    for (int v = 0; v < kNV; ++v) acc[q][v] = vzero();
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < K; ++k) {
+    const V a = vset1(x[k]);
+    for (int q = 0; q < NP; ++q) {
+      const char* row = panel + q * panel_bytes + k * row_bytes;
+      for (int64_t off = 0; off < row_bytes; off += 64) prefetch(row + kPrefetchBytes + off);
+      for (int v = 0; v < kNV; ++v) acc[q][v] = vfma(a, wload<DT>(row, v * kW), acc[q][v]);
+    }
+  }
+  for (int q = 0; q < NP; ++q)
+    for (int v = 0; v < kNV; ++v) {
+      const int j = v * kW, ncols = q == NP - 1 ? ncols_last : kPanel, n = ncols - j < kW ? ncols - j : kW;
+      if (n <= 0) break;
+      V sum = acc[q][v];
+      if (bias) sum = sum + vload(bias + q * kPanel + j);
+      if (n == kW) vstore(c + q * kPanel + j, sum);
+      else vstore_n(c + q * kPanel + j, sum, n);
+    }
+}
+
 template <int DT>
 void linear_dt(const float* x, int64_t M, const void* w, int64_t N, int64_t K, const float* bias, float* out) {
   const int64_t panel_bytes = K * kPanel * kElemBytes<DT>;
+  if (M == 1) {  // one row: panels two at a time (row_panels)
+    const int64_t np = (N + kPanel - 1) / kPanel, pairs = (np + 1) / 2;
+    parallel_for(pairs, grain_for(pairs), N * K >= (1 << 15), [&](int64_t a, int64_t b) {
+      alignas(64) float bias_tile[2 * kPanel];
+      for (int64_t pp = a; pp < b; ++pp) {
+        const int64_t p = 2 * pp, count = np - p < 2 ? np - p : 2;
+        const int ncols_last = (int)(N - (p + count - 1) * kPanel < kPanel ? N - (p + count - 1) * kPanel : kPanel);
+        if (bias != nullptr)
+          for (int64_t j = 0; j < count * kPanel; ++j) bias_tile[j] = p * kPanel + j < N ? bias[p * kPanel + j] : 0.0f;
+        const char* panel = (const char*)w + p * panel_bytes;
+        if (count == 2) row_panels<DT, 2>(x, panel, panel_bytes, K, out + p * kPanel, ncols_last, bias ? bias_tile : nullptr);
+        else row_panels<DT, 1>(x, panel, panel_bytes, K, out + p * kPanel, ncols_last, bias ? bias_tile : nullptr);
+      }
+    });
+    return;
+  }
   const int64_t mblock = m_block_rows(K);
   const bool convert = DT != (int)DType::F32 && (M < mblock ? M : mblock) >= kConvertMinRows;
   for_each_panel(M, N, K, mblock, bias, [&](int64_t mb, int64_t rows, int64_t p, int ncols, const float* bias_tile,
@@ -212,14 +251,14 @@ void linear_dt(const float* x, int64_t M, const void* w, int64_t N, int64_t K, c
     const char* panel = (const char*)w + p * panel_bytes;
     float* c = out + mb * N + p * kPanel;
     if (!convert) {  // fp32 panels, or too few rows to pay for converting: straight from the panel
-      panel_rows<DT, true, kMRTall>(x + mb * K, K, rows, panel, K, c, N, ncols, true, bias_tile);
+      panel_rows<DT, true, kMRTall>(x + mb * K, K, rows, panel, K, c, N, ncols, true, true, bias_tile);
       return;
     }
     for (int64_t k0 = 0; k0 < K; k0 += kKC) {
       const int64_t kc = K - k0 < kKC ? K - k0 : kKC;
       convert_panel<DT>(panel, k0, kc, bp);
       panel_rows<(int)DType::F32, false, kMRTall>(x + mb * K + k0, K, rows, bp, kc, c, N, ncols, k0 == 0,
-                                                   bias_tile);
+                                                   k0 + kc == K, bias_tile);
     }
   });
 }
@@ -399,16 +438,15 @@ struct QuantPanel<6> {
   }
 };
 
-// c[i, 0:ncols] = bias + x[i, 0:K] . W_panel for i < MR, dequantizing in registers (groups of g along K).
+// c[i, 0:ncols] = bias + x[i, 0:K] . W_panel for i < MR, dequantizing in registers (groups of g along K); one FMA
+// chain per accumulator, as panel_tile (batch-invariant: the same bits as the converted path's panel_tile).
 template <int BITS, int MR>
 inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, int64_t g, GroupHead head,
                         float* c, int64_t ldc, int ncols, const float* bias) {
   using P = QuantPanel<BITS>;
-  constexpr int KU = MR <= 2 ? 2 : 1;  // hide the FMA latency of short chains
-  V acc[KU][MR][kNV];
-  for (int u = 0; u < KU; ++u)
-    for (int i = 0; i < MR; ++i)
-      for (int v = 0; v < kNV; ++v) acc[u][i][v] = vzero();
+  V acc[MR][kNV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < kNV; ++v) acc[i][v] = vzero();
   const int64_t gb = P::group_bytes(g, head), hb = P::head_bytes(g, head), sub = P::sub(g, head);
   for (int64_t k0 = 0; k0 < K; k0 += g) {
     const uint8_t* blk = panel + (k0 / g) * gb;
@@ -418,16 +456,14 @@ inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64
       if (t % (sub / R) == 0) P::params(blk, g, head, R * t / sub, s, nzs);
       const uint8_t* quad = blk + hb + t * P::kQuad;
       for (int64_t off = 0; off < P::kQuad; off += 64) prefetch(quad + off + kPrefetchBytes);
-      for (int r0 = 0; r0 < R; r0 += KU) {
 #pragma GCC unroll 2
-        for (int u = 0; u < KU; ++u) {
-          V w[kNV];
-          P::row(quad, r0 + u, s, nzs, w);
+      for (int r = 0; r < R; ++r) {
+        V w[kNV];
+        P::row(quad, r, s, nzs, w);
 #pragma GCC unroll 16
-          for (int i = 0; i < MR; ++i) {
-            const V a = vset1(x[i * ldx + k0 + R * t + r0 + u]);
-            for (int v = 0; v < kNV; ++v) acc[u][i][v] = vfma(a, w[v], acc[u][i][v]);
-          }
+        for (int i = 0; i < MR; ++i) {
+          const V a = vset1(x[i * ldx + k0 + R * t + r]);
+          for (int v = 0; v < kNV; ++v) acc[i][v] = vfma(a, w[v], acc[i][v]);
         }
       }
     }
@@ -435,8 +471,7 @@ inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64
   for (int i = 0; i < MR; ++i) {
     float* ci = c + i * ldc;
     for (int v = 0; v < kNV; ++v) {
-      V sum = acc[0][i][v];
-      for (int u = 1; u < KU; ++u) sum = sum + acc[u][i][v];
+      V sum = acc[i][v];
       const int j = v * kW, n = ncols - j < kW ? ncols - j : kW;
       if (n <= 0) break;
       if (bias) sum = sum + vload(bias + j);
@@ -495,7 +530,8 @@ void linear_qpanels(const float* x, int64_t M, const void* w, int64_t N, int64_t
     for (int64_t k0 = 0; k0 < K; k0 += kcb) {
       const int64_t kc = K - k0 < kcb ? K - k0 : kcb;
       qpanel_convert<BITS>(panel, g, head, k0, kc, bp);
-      panel_rows<(int)DType::F32, false, kMRTall>(xb + k0, K, rows, bp, kc, c, N, ncols, k0 == 0, bias_tile);
+      panel_rows<(int)DType::F32, false, kMRTall>(xb + k0, K, rows, bp, kc, c, N, ncols, k0 == 0, k0 + kc == K,
+                                                   bias_tile);
     }
   });
 }
@@ -599,7 +635,7 @@ inline void q8_begin(__m512 (*tot)[2], const float* c, int64_t ldc, int ncols, b
 //   sum_b dx_b s (A_b - zero sx_b) = sum_b dx_b s A_b - zero s (sum_b dx_b sx_b)
 // with sx then holding sum_b dx_b sx_b per row and group (kQ8GroupZeros, linear_q8): one multiply-add per
 // accumulator and group instead of a vpmulld per block.
-// XG (calls of ops::kLinearInt8GroupRowsMin rows or more, Zeros with GZ or Symmetric heads, g > 32): x quantized
+// XG (Zeros with GZ or Symmetric heads, g > 32, in every call: ops.h): x quantized
 // per weight group (dx, and sx for Symmetric, per row and group), so that the integer sums run over the whole group
 // and take the floating-point work once per group instead of once per block of 32: that work shares the dot
 // products' ports, and per block it cost a 6-row tile about a quarter of its time (AMX tiles quantize x so too).
@@ -1092,9 +1128,9 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
                               : BITS == 6 ? K / kI6Group * kI6GroupBytes
                                           : K / g * i8_block_bytes(g, head);
   const bool fine = BITS == 6 || (BITS == 8 && g == 16);  // scales per 16 values: their own sums of qx
-  // prefill-sized calls over Zeros or Symmetric groups of several blocks on VNNI: x per group (q8_tile's XG)
-  const bool xg = kQ8GroupX && BITS == 4 && M >= kLinearInt8GroupRowsMin && g > kQ8Block &&
-                  (head == GroupHead::Zeros || head == GroupHead::Symmetric);
+  // Zeros or Symmetric groups of several blocks on VNNI: x per group (q8_tile's XG), in every call whatever M, so
+  // that a row quantizes the same way alone and in a batch
+  const bool xg = kQ8GroupX && BITS == 4 && g > kQ8Block && (head == GroupHead::Zeros || head == GroupHead::Symmetric);
   const int64_t nx = xg ? K / g : nb;  // x's blocks per row: dx, sx
   // Zeros heads of groups of several blocks on VNNI: sum_b dx_b sx_b per group (q8_tile's GZ)
   const bool group_zeros = kQ8GroupZeros && BITS == 4 && head == GroupHead::Zeros && g > kQ8Block;

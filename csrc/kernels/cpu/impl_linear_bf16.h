@@ -14,60 +14,52 @@
 constexpr int kBfMR = 12;       // rows per tile: 24 zmm accumulators + 2 panel vectors + 1 broadcast
 constexpr int64_t kBfKC = 128;  // pair rows per K block: 128 x 128 B = 16 KiB of panel, reused from L1
 
-// c[i, 0:ncols] = (first ? bias : c[i, :]) + sum over pair rows [r0, r0 + rc) for i < MR.
+// c[i, 0:ncols] = (first ? 0 : c[i, :]) + sum over pair rows [r0, r0 + rc) (+ bias when last) for i < MR: one
+// vdpbf16ps chain per accumulator over the pair rows in order, a K block continuing the block before it, so that
+// a row's result is the same bits in a tile of any height and under any K blocking (batch-invariant, as
+// impl_linear.h's panel_tile).
 template <int MR>
 LMKIT_BF16 inline void bf16_tile(const uint32_t* xp, int64_t ldx, const uint8_t* panel, int64_t r0, int64_t rc,
-                                 float* c, int64_t ldc, int ncols, bool first, const float* bias) {
-  constexpr int KU = MR <= 2 ? 2 : 1;  // two chains per column vector for short tiles (latency)
-  __m512 acc[KU][MR][2];
-  for (int u = 0; u < KU; ++u)
-    for (int i = 0; i < MR; ++i) acc[u][i][0] = acc[u][i][1] = _mm512_setzero_ps();
+                                 float* c, int64_t ldc, int ncols, bool first, bool last, const float* bias) {
+  __m512 acc[MR][2];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < 2; ++v) {
+      const int j = 16 * v, n = ncols - j < 16 ? ncols - j : 16;
+      acc[i][v] = first || n <= 0 ? _mm512_setzero_ps()
+                                  : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), c + i * ldc + j);
+    }
   const uint8_t* rows = panel + r0 * 128;
   const uint32_t* xr = xp + r0;
-  int64_t r = 0;
-  for (; r + KU <= rc; r += KU) {
 #pragma GCC unroll 2
-    for (int u = 0; u < KU; ++u) {
-      const uint8_t* row = rows + (r + u) * 128;
-      _mm_prefetch((const char*)(row + kPrefetchBytes), _MM_HINT_T0);
-      _mm_prefetch((const char*)(row + 64 + kPrefetchBytes), _MM_HINT_T0);
-      const __m512bh b0 = (__m512bh)_mm512_loadu_si512(row), b1 = (__m512bh)_mm512_loadu_si512(row + 64);
-#pragma GCC unroll 12
-      for (int i = 0; i < MR; ++i) {
-        const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xr[i * ldx + r + u]);
-        acc[u][i][0] = _mm512_dpbf16_ps(acc[u][i][0], a, b0);
-        acc[u][i][1] = _mm512_dpbf16_ps(acc[u][i][1], a, b1);
-      }
-    }
-  }
-  for (; r < rc; ++r) {
+  for (int64_t r = 0; r < rc; ++r) {
     const uint8_t* row = rows + r * 128;
+    _mm_prefetch((const char*)(row + kPrefetchBytes), _MM_HINT_T0);
+    _mm_prefetch((const char*)(row + 64 + kPrefetchBytes), _MM_HINT_T0);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(row), b1 = (__m512bh)_mm512_loadu_si512(row + 64);
+#pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xr[i * ldx + r]);
-      acc[0][i][0] = _mm512_dpbf16_ps(acc[0][i][0], a, b0);
-      acc[0][i][1] = _mm512_dpbf16_ps(acc[0][i][1], a, b1);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
     }
   }
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < 2; ++v) {
       const int j = 16 * v, n = ncols - j < 16 ? ncols - j : 16;
       if (n <= 0) break;
-      __m512 sum = acc[0][i][v];
-      for (int u = 1; u < KU; ++u) sum = _mm512_add_ps(sum, acc[u][i][v]);
       const __mmask16 mask = (__mmask16)((1u << n) - 1);
-      float* ci = c + i * ldc + j;
-      const __m512 base = first ? (bias ? _mm512_maskz_loadu_ps(mask, bias + j) : _mm512_setzero_ps())
-                                : _mm512_maskz_loadu_ps(mask, ci);
-      _mm512_mask_storeu_ps(ci, mask, _mm512_add_ps(sum, base));
+      __m512 sum = acc[i][v];
+      if (last && bias) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias + j));
+      _mm512_mask_storeu_ps(c + i * ldc + j, mask, sum);
     }
 }
 
 template <int MR = kBfMR>
 LMKIT_BF16 inline void bf16_tile_n(int mr, const uint32_t* xp, int64_t ldx, const uint8_t* panel, int64_t r0,
-                                   int64_t rc, float* c, int64_t ldc, int ncols, bool first, const float* bias) {
-  if (mr == MR) bf16_tile<MR>(xp, ldx, panel, r0, rc, c, ldc, ncols, first, bias);
-  else if constexpr (MR > 1) bf16_tile_n<MR - 1>(mr, xp, ldx, panel, r0, rc, c, ldc, ncols, first, bias);
+                                   int64_t rc, float* c, int64_t ldc, int ncols, bool first, bool last,
+                                   const float* bias) {
+  if (mr == MR) bf16_tile<MR>(xp, ldx, panel, r0, rc, c, ldc, ncols, first, last, bias);
+  else if constexpr (MR > 1) bf16_tile_n<MR - 1>(mr, xp, ldx, panel, r0, rc, c, ldc, ncols, first, last, bias);
 }
 
 // Row x[0:K] -> R = ceil(K / 2) pairs of bf16 (round to nearest even; a zero pads an odd K).
@@ -103,7 +95,7 @@ LMKIT_BF16 void linear_bf16(const float* x, int64_t M, const void* w, int64_t N,
       const int64_t rc = R - r0 < kc ? R - r0 : kc;
       for_each_tile<kBfMR>(rows, [&](int64_t m, int mr) {
         bf16_tile_n(mr, xp + (mb + m) * R, R, panel, r0, rc, out + (mb + m) * N + p * kPanel, N, ncols, r0 == 0,
-                    bias_tile);
+                    r0 + rc == R, bias_tile);
       });
     }
   });
