@@ -244,8 +244,8 @@ void Engine::propose_drafts() {
     }
     if (drafts.empty()) continue;
     proposing.push_back(seq);
-    // every kProbeInterval proposals a few drafts are verified whatever the cost model says, so that neither the
-    // acceptance nor the timings of more rows go stale
+    // every kProbeInterval proposals a few drafts are verified whatever their expected worth (in a step where their
+    // rows cost little: choose_drafts), so that neither the acceptance nor the timings of more rows go stale
     const bool probe = ++spec.steps_since_probe >= SpecState::kProbeInterval;
     candidates.push_back({spec.acceptance(seq->draft_source), (int32_t)drafts.size(), probe ? SpecState::kProbeTokens : 0});
   }

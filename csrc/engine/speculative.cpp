@@ -181,16 +181,18 @@ std::vector<int32_t> choose_drafts(const std::vector<DraftCandidate>& candidates
   std::vector<float> next_gain(n);  // the worth of each sequence's next draft: a^(taken + 1)
   double tokens = std::max(decode_rows, 1);
   int32_t rows = std::max(decode_rows, 1), extra = 0;
+  const bool measured = cost.seconds(1) > 0.0;
+  const double probe_limit = cost.seconds(rows) * (1.0 + kProbeStepCost);  // unmeasured: every probe
   for (size_t i = 0; i < n; ++i) {
     const DraftCandidate& c = candidates[i];
     next_gain[i] = c.acceptance;
-    const int32_t probe = std::min({c.at_least, c.proposed, max_rows - extra});
+    int32_t probe = std::max(std::min({c.at_least, c.proposed, max_rows - extra}), 0);
+    if (probe > 0 && measured && cost.seconds(rows + extra + probe) > probe_limit) probe = 0;
     for (int32_t j = 0; j < probe; ++j) tokens += next_gain[i], next_gain[i] *= c.acceptance;
-    take[i] = std::max(probe, 0);
-    extra += take[i];
+    take[i] = probe;
+    extra += probe;
   }
   rows += extra;
-  const bool measured = cost.seconds(1) > 0.0;
   while (extra < max_rows && measured) {
     size_t best = n;
     for (size_t i = 0; i < n; ++i)

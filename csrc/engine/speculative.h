@@ -153,8 +153,12 @@ struct DraftCandidate {
 };
 
 // Which drafts a step verifies; decode_rows: the rows the step has without drafts. Returns how many of each
-// candidate's drafts to keep: the probes, then drafts best first (the j-th draft of a sequence is worth a^j
-// expected tokens) while the expected tokens per second of the step grow, within max_rows draft rows in all.
+// candidate's drafts to keep: the probes (while all of them add at most kProbeStepCost to the step's measured
+// time: a probe is cheap exploration where rows cost little, and where the step is compute-bound, as for many
+// streams on few cores, it waits for a cheaper step), then drafts best first (the j-th draft of a sequence is
+// worth a^j expected tokens) while the expected tokens per second of the step grow, within max_rows draft rows
+// in all.
+constexpr double kProbeStepCost = 0.05;
 std::vector<int32_t> choose_drafts(const std::vector<DraftCandidate>& candidates, int32_t decode_rows,
                                    int32_t max_rows, const StepCost& cost);
 

@@ -154,7 +154,10 @@ TEST(drafts_are_taken_while_they_pay) {
   // batch 1, acceptance 0.9: all 8 drafts pay on the flat cost, none on the steep one (but a probe's)
   EXPECT_EQ(choose_drafts(C{{0.9f, 8, 0}}, 1, 32, flat), (Ids{8}));
   EXPECT_EQ(choose_drafts(C{{0.9f, 8, 0}}, 1, 32, steep), (Ids{0}));
-  EXPECT_EQ(choose_drafts(C{{0.9f, 8, 2}}, 1, 32, steep), (Ids{2}));
+  // probes: taken where their rows cost little (2 rows: 4% of the step), not where a row costs a step
+  EXPECT_EQ(choose_drafts(C{{0.0f, 8, 2}}, 1, 32, flat), (Ids{2}));
+  EXPECT_EQ(choose_drafts(C{{0.0f, 8, 2}}, 1, 32, steep), (Ids{0}));
+  EXPECT_EQ(choose_drafts(C{{0.0f, 8, 2}, {0.0f, 8, 2}}, 2, 32, flat), (Ids{2, 0}));  // both: 8%, so one
   // a poor proposer gets fewer than a good one; the step's draft rows are capped
   const Ids both = choose_drafts(C{{0.9f, 8, 0}, {0.2f, 8, 0}}, 2, 32, flat);
   EXPECT(both[0] == 8 && both[1] < 3);
