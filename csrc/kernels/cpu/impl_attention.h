@@ -735,6 +735,17 @@ struct AttnMerge {
   int32_t s, kvh, rows, nseg;
   int64_t partial;
 };
+// The keys [begin, last] a decode-shaped task of sequence a visits (from its first row's window start to its last
+// row's position), in nseg segments of kAttnSplitKeys from segment seg0 on.
+struct DecodeKeys {
+  int64_t begin, last, seg0, nseg;
+  DecodeKeys(const AttnSeq& a, int window) : last(a.ctx_len - 1) {
+    const int64_t first = last - (a.q_len - 1);
+    begin = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0;
+    seg0 = begin / kAttnSplitKeys;
+    nseg = last / kAttnSplitKeys - seg0 + 1;
+  }
+};
 
 // Tasks (sequence, kv head, row chunk): decode-shaped ones (all of a sequence's rows in one task of at most
 // Decode::kMaxRows rows) on the Decode kernel, the others on the Prefill kernel (a Decode kernel with kEveryTask
@@ -758,9 +769,7 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
     const int64_t rows = (int64_t)a.q_len * group;
     if (rows == 0) continue;
     if (rows <= Decode::kMaxRows) {
-      const int64_t last = a.ctx_len - 1, first = last - (a.q_len - 1);
-      const int64_t begin = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0;
-      const int64_t nseg = last / kAttnSplitKeys - begin / kAttnSplitKeys + 1;
+      const int64_t nseg = DecodeKeys(a, window).nseg;
       num_jobs += nseg * nkv;
       num_merges += nseg > 1 ? nkv : 0;
     } else {
@@ -776,9 +785,8 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
     const int64_t rows = (int64_t)a.q_len * group;
     if (rows == 0) continue;
     if (rows <= Decode::kMaxRows) {
-      const int64_t last = a.ctx_len - 1, first = last - (a.q_len - 1);
-      const int64_t begin = window > 0 && first - window + 1 > 0 ? first - window + 1 : 0;
-      const int64_t seg0 = begin / kAttnSplitKeys, nseg = last / kAttnSplitKeys - seg0 + 1;
+      const DecodeKeys keys(a, window);
+      const int64_t begin = keys.begin, last = keys.last, seg0 = keys.seg0, nseg = keys.nseg;
       for (int kvh = 0; kvh < nkv; ++kvh) {
         if (nseg == 1) {
           jobs[nj++] = AttnJob{s, kvh, 0, rows, 0, INT64_MAX, -1};
