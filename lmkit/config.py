@@ -85,10 +85,10 @@ class EngineConfig:
     speculative: Literal["auto", "ngram", "suffix", "off"] = "auto"
     """Speculative decoding: drafts verified in one step. ngram: drafts from the request's prediction and its own
     prompt and output (the last tokens looked up where they occurred before); suffix: also from recently finished
-    answers (what a request is proposed then depends on what ran before it); off: one token a step. auto: ngram on
-    the CPU backend, off where it cannot run or is not exact yet (the CUDA backend, models with recurrent layers,
-    CPUs with AMX tiles). Greedy and seeded output is the same token for token as without it, sampled output keeps
-    its distribution; each proposer's drafts follow its acceptance and what a step's rows cost
+    answers (what a request is proposed then depends on what ran before it); off, and auto for now: one token a
+    step (auto turns ngram on once its speed-ups hold in every run: docs/configuration.md). Greedy and seeded
+    output is the same token for token as without it (not yet on CPUs with AMX tiles), sampled output keeps its
+    distribution; each proposer's drafts follow its acceptance and what a step's rows cost
     (docs/configuration.md, "Speculative decoding")."""
     num_speculative_tokens: int = 8
     """Draft tokens one request carries into a step at most (speculative decoding)."""
@@ -166,15 +166,10 @@ class EngineConfig:
 
     def speculates(self, device: str, has_recurrent_state: bool) -> bool:
         """Whether the engine verifies draft tokens on a resolved device for a model with or without recurrent
-        layers; raises ValueError for an explicit ngram / suffix it cannot run."""
-        if self.speculative == "off":
+        layers (auto: not yet); raises ValueError for an explicit ngram / suffix it cannot run."""
+        if self.speculative in ("off", "auto"):  # auto: off until its figures hold run after run
             return False
         ok = device == "cpu" and not has_recurrent_state
-        if self.speculative == "auto":
-            from lmkit._ext import _engine
-
-            # AMX tiles take multi-row calls in another order than the one-row kernels: not exact there yet
-            return ok and not _engine.cpu_amx_available()
         if not ok:
             raise ValueError(f"speculative={self.speculative!r} needs the CPU backend and a model without recurrent "
                              "layers (their state cannot be rolled back yet): use speculative='off'")

@@ -280,8 +280,7 @@ def test_seeded_sampling_gives_the_same_text_with_drafts(tiny_llama, dtype):
 
 def test_adaptive_speculates_where_it_pays(tiny_llama):
     """ngram with the default adaptive rule: on a tiny model a step's extra rows cost little, so the drafts of
-    repetitive prompts are verified and kept; the greedy tokens are those of speculation off. auto is ngram (but on
-    CPUs with AMX tiles, where it is off)."""
+    repetitive prompts are verified and kept; the greedy tokens are those of speculation off. auto is off."""
     folder, _ = tiny_llama
     rng = np.random.default_rng(31)
     prompts = [p for p in periodic_prompts(rng, 8)][::2]  # the repeating ones
@@ -290,6 +289,5 @@ def test_adaptive_speculates_where_it_pays(tiny_llama):
     got, m = generate(folder, EngineConfig(**BASE, speculative="ngram"), prompts, gen)
     assert got == expected
     assert m.num_accepted_draft_tokens["ngram"] > 0, m
-    got, m = generate(folder, EngineConfig(**BASE), prompts, gen)
-    assert got == expected
-    assert (sum(m.num_verifications.values()) == 0) == _engine.cpu_amx_available()
+    _, m = generate(folder, EngineConfig(**BASE), prompts, gen)
+    assert sum(m.num_verifications.values()) == 0
