@@ -61,6 +61,9 @@ Batch build_batch(const BatchPlan& plan, int32_t block_size_tokens, const StopRu
     b.max_blocks_per_seq = std::max(b.max_blocks_per_seq, bs.num_blocks);
     const int32_t num_drafts = s.num_draft_tokens;
     bs.num_draft_rows = num_drafts;
+    bs.prefill = s.start_pos < seq.num_prompt_tokens;
+    const int32_t generated_rows = bs.ctx_len - std::max(s.start_pos, seq.num_prompt_tokens);
+    bs.num_decode_rows = s.num_tokens > 1 ? std::max(0, generated_rows) : 0;
     b.seqs.push_back(bs);
     LMKIT_CHECK(num_drafts == 0 || (s.is_sampled && s.start_pos + s.num_tokens - num_drafts == seq.num_tokens() &&
                                     num_drafts <= (int32_t)seq.draft_tokens.size() && !seq.params.output_logits),

@@ -21,7 +21,11 @@ namespace lmkit {
 //   layer's window reaches any more);
 //   state_slot: the recurrent-state slot holding the sequence's state as of position ctx_len - num_rows (-1: the
 //   model has no recurrent layers); a chunk at position 0 starts from the zero state, whatever the slot holds;
-//   num_draft_rows: its last rows are draft tokens to verify (each scored as its decode step would be).
+//   num_draft_rows: its last rows are draft tokens to verify (each scored as its decode step would be);
+//   prefill, num_decode_rows: how attention sees the rows (ops::AttnSeq) so that a row gives the same bits however
+//   the sequence's tokens were cut into steps: rows of prompt tokens on the prefill kernel whatever their number
+//   (prefill), and, in a chunk of more than one row, the rows of generated tokens (computed again after a
+//   preemption) and draft rows each as the decode step it was or would be (the last num_decode_rows rows).
 struct BatchSeq {
   int32_t first_row = 0;
   int32_t num_rows = 0;
@@ -30,6 +34,8 @@ struct BatchSeq {
   int32_t num_blocks = 0;
   int32_t state_slot = -1;
   int32_t num_draft_rows = 0;
+  bool prefill = false;
+  int32_t num_decode_rows = 0;
 };
 
 // A row whose logits are sampled. The sampler reads params and history as they are during the step.

@@ -275,6 +275,9 @@ struct AttnSeq {
   // The last num_decode_rows query rows (<= q_len) each attend as a decode step at their position would, bit for bit
   // (speculative decoding's draft rows); the rows before them as the chunk they form alone.
   int32_t num_decode_rows = 0;
+  // Prompt rows (or rows computed again): all of them on the prefill kernel whatever their number, so that a row's
+  // result does not depend on how its prompt was cut into chunks (a chunk of few rows would be decode-shaped).
+  bool prefill = false;
 };
 
 // Causal paged attention over the blocked KV pool (keys/values of this chunk must already be written).

@@ -212,7 +212,8 @@ class CpuBackend final : public Backend {
       a.q_len = s.num_rows;
       a.ctx_len = s.ctx_len;
       a.block_table = batch.block_tables.data() + s.table_offset;
-      a.num_decode_rows = s.num_draft_rows;
+      a.num_decode_rows = s.num_decode_rows;
+      a.prefill = s.prefill;
       attn_seqs_.push_back(a);
     }
     return batch.num_tokens;

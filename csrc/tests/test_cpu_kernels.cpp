@@ -1713,6 +1713,25 @@ void test_batch_invariance() {
       }
       const std::vector<float> chunk = run({ops::AttnSeq{0, q_len - d, ctx - d, table}}, 2);
       expect(same_bits(alone.data(), chunk.data(), (q_len - d) * row_floats), name + ": the rows before, as their chunk");
+      // prompt rows (AttnSeq::prefill): the last 40 positions as one chunk, and cut into chunks of 1, 2, 3, 11 and
+      // 23 rows (a chunk of few rows would be decode-shaped): the same bits (AMX tiles off, as for the linears)
+      ops::cpu::use_amx(false);
+      const int P = 40;
+      const std::vector<float> whole = run({ops::AttnSeq{0, P, ctx, table, 0, true}}, 2);
+      std::vector<ops::AttnSeq> pieces;
+      for (int at = 0, k = 0; at < P; ++k) {
+        const int len = std::min(P - at, std::vector<int>{1, 2, 3, 11, 23}[k % 5]);
+        pieces.push_back(ops::AttnSeq{at, len, ctx - P + at + len, table, 0, true});
+        at += len;
+      }
+      for (const ops::AttnSeq& piece : pieces) {
+        const std::vector<float> part = run({piece}, 3);
+        expect(same_bits(whole.data() + piece.q_row * row_floats, part.data() + piece.q_row * row_floats,
+                         piece.q_len * row_floats),
+               name + ": prompt rows " + std::to_string(piece.q_row) + "+" + std::to_string(piece.q_len) +
+                   " as a chunk of their own");
+      }
+      ops::cpu::use_amx(true);
     }
 }
 

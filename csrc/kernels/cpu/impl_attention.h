@@ -297,8 +297,11 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
   const Scores score(scale, softcap);
   const float* krow[kAttnChunk];
   const float* vrow[kAttnChunk];
-  for (int64_t c0 = key_lo; c0 < key_hi; c0 += kAttnChunk) {
-    const int n = key_hi - c0 < kAttnChunk ? (int)(key_hi - c0) : kAttnChunk;
+  // Chunks end at multiples of kAttnChunk (the first from key_lo): a row's keys fall into the same chunks whatever
+  // the task's first row, so a prompt row's bits do not depend on how the prompt was chunked (with a window too).
+  for (int64_t c0 = key_lo, c1; c0 < key_hi; c0 = c1) {
+    c1 = (c0 / kAttnChunk + 1) * kAttnChunk < key_hi ? (c0 / kAttnChunk + 1) * kAttnChunk : key_hi;
+    const int n = (int)(c1 - c0);
     const int nb = (n + kAttnKeyBlock - 1) / kAttnKeyBlock;
     gather_kv(kv, seq.block_table, kvh, c0, n, nb * kAttnKeyBlock, kZeroRow, krow, vrow, kdq, vdq, key_hi);
     for (int b = 0; b < nb; ++b) scores_t<RV>(krow + b * kAttnKeyBlock, qt, hd, st + b * kAttnKeyBlock * ld);
@@ -729,6 +732,7 @@ struct F32Prefill {
 struct AttnJob {
   int32_t s, kvh;
   int64_t rho0, rho1, key_begin, key_end, partial;
+  bool prefill;  // on the Prefill kernel (or a kEveryTask Decode kernel over all keys), whatever its rows
 };
 // A decode-shaped task split over key segments: its `rows` rows' partial states, nseg per row, from `partial` on.
 struct AttnMerge {
@@ -748,8 +752,9 @@ struct DecodeKeys {
 };
 
 // Tasks (sequence, kv head, row chunk): decode-shaped ones (all of a sequence's rows in one task of at most
-// Decode::kMaxRows rows) on the Decode kernel, the others on the Prefill kernel (a Decode kernel with kEveryTask
-// takes those too, in chunks of kMaxRows rows). A decode-shaped task whose keys cross a multiple of
+// Decode::kMaxRows rows, not AttnSeq::prefill) on the Decode kernel, the others on the Prefill kernel whatever their
+// rows, also the last few rows of a long chunk (a Decode kernel with kEveryTask takes those too, in chunks of
+// kMaxRows rows): so a prompt row gives the same bits however its prompt was chunked. A decode-shaped task whose keys cross a multiple of
 // kAttnSplitKeys is split there into jobs over key segments (so that one long sequence keeps every thread busy),
 // and attend_merge combines their partial states. The segments are fixed positions, not a share of the threads:
 // a row's result depends on its own keys only, never on the batch around it (batch-invariant, as the linear
@@ -768,7 +773,7 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
     const AttnSeq& a = seqs[s];
     const int64_t rows = (int64_t)a.q_len * group;
     if (rows == 0) continue;
-    if (rows <= Decode::kMaxRows) {
+    if (rows <= Decode::kMaxRows && !a.prefill) {
       const int64_t nseg = DecodeKeys(a, window).nseg;
       num_jobs += nseg * nkv;
       num_merges += nseg > 1 ? nkv : 0;
@@ -784,19 +789,19 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
     const AttnSeq& a = seqs[s];
     const int64_t rows = (int64_t)a.q_len * group;
     if (rows == 0) continue;
-    if (rows <= Decode::kMaxRows) {
+    if (rows <= Decode::kMaxRows && !a.prefill) {
       const DecodeKeys keys(a, window);
       const int64_t begin = keys.begin, last = keys.last, seg0 = keys.seg0, nseg = keys.nseg;
       for (int kvh = 0; kvh < nkv; ++kvh) {
         if (nseg == 1) {
-          jobs[nj++] = AttnJob{s, kvh, 0, rows, 0, INT64_MAX, -1};
+          jobs[nj++] = AttnJob{s, kvh, 0, rows, 0, INT64_MAX, -1, false};
           continue;
         }
         merges[nm++] = AttnMerge{s, kvh, (int32_t)rows, (int32_t)nseg, partial_floats};
         for (int64_t j = 0; j < nseg; ++j) {
           const int64_t b = (seg0 + j) * kAttnSplitKeys, e = b + kAttnSplitKeys;
           jobs[nj++] = AttnJob{s, kvh, 0, rows, b > begin ? b : begin, e < last + 1 ? e : last + 1,
-                               partial_floats + j * per_task};
+                               partial_floats + j * per_task, false};
         }
         partial_floats += nseg * per_task;
       }
@@ -805,7 +810,7 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
       for (int64_t c = chunks - 1; c >= 0; --c)
         for (int kvh = 0; kvh < nkv; ++kvh) {
           const int64_t rho0 = c * rows_per_task, rho1 = rho0 + rows_per_task < rows ? rho0 + rows_per_task : rows;
-          jobs[nj++] = AttnJob{s, kvh, rho0, rho1, 0, INT64_MAX, -1};
+          jobs[nj++] = AttnJob{s, kvh, rho0, rho1, 0, INT64_MAX, -1, true};
         }
     }
   }
@@ -817,7 +822,7 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
     for (int64_t j = j0; j < j1; ++j) {
       const AttnJob& job = jobs[j];
       const int rows = (int)(job.rho1 - job.rho0);
-      if (rows <= Decode::kMaxRows)
+      if (!job.prefill || Decode::kEveryTask)
         decode(rows, q, kv, seqs[job.s], job.kvh, group, num_heads, job.rho0, scale, softcap, window, out,
                job.key_begin, job.key_end, job.partial >= 0 ? partial + job.partial : nullptr);
       else

@@ -122,8 +122,11 @@ LMKIT_BF16 void attend_task_bf16(const float* q, const KVLayer& kv, const AttnSe
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const uint16_t* krow[kBfAttnKeys];
   const uint32_t* vpr[kBfAttnKeys / 2];
-  for (int64_t c0 = key_lo & ~(int64_t)1; c0 < key_hi; c0 += kBfAttnKeys) {
-    const int n = key_hi - c0 < kBfAttnKeys ? (int)(key_hi - c0) : kBfAttnKeys;
+  // Chunks end at multiples of kBfAttnKeys (the first from key_lo's pair): the same for a row whatever the task's
+  // first row (see attend_task).
+  for (int64_t c0 = key_lo & ~(int64_t)1, c1; c0 < key_hi; c0 = c1) {
+    c1 = (c0 / kBfAttnKeys + 1) * kBfAttnKeys < key_hi ? (c0 / kBfAttnKeys + 1) * kBfAttnKeys : key_hi;
+    const int n = (int)(c1 - c0);
     const int npairs = (n + 1) / 2, nb = (n + kBfAttnKeyBlock - 1) / kBfAttnKeyBlock;
     int64_t b = c0 / bs, off = c0 % bs;  // c0 and bs are even: a token pair never straddles a block
     for (int j = 0; j < n; j += 2) {
