@@ -137,7 +137,8 @@ def measure(args) -> dict:
     engine = AsyncEngine(args.model, EngineConfig(
         device=args.device, max_batch_size=args.max_batch_size, cache_max_entry_count=args.cache_max_entry_count,
         enable_prefix_caching=args.enable_prefix_caching, num_threads=args.threads, session_len=4096,
-        quant_policy=args.quant_policy, kv_policy=args.kv_policy, dtype=args.dtype))
+        quant_policy=args.quant_policy, kv_policy=args.kv_policy, dtype=args.dtype,
+        **({} if args.decode_slowdown is None else {"decode_slowdown": args.decode_slowdown})))
     kv = f"kv_policy {Path(args.kv_policy).name}" if args.kv_policy else \
         {0: "fp16/bf16" if args.device == "cuda" else "bf16" if args.dtype == "bfloat16" else "fp32", 8: "int8",
          4: "int4"}[args.quant_policy]  # dtype bfloat16 keeps K/V in bf16 where the layout fits (even sizes)
@@ -279,6 +280,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--quant-policy", type=int, choices=[0, 4, 8], default=0, help="KV cache: 0 fp, 8 int8, 4 int4")
     ap.add_argument("--kv-policy", default=None, help="per-layer KV precision file (lmkit lite calibrate)")
     ap.add_argument("--threads", type=count, default=None)
+    ap.add_argument("--decode-slowdown", type=float, default=None,
+                    help="EngineConfig.decode_slowdown (prompt pacing; 0: off); default: the engine's")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="compute dtype (bfloat16: CPU linear layers as bf16 dot products, AVX512_BF16 CPUs)")

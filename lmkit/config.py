@@ -53,6 +53,13 @@ class EngineConfig:
     numbers; the size chosen, and why, is logged at start (logger "lmkit")."""
     max_prefill_token_num: int = 8192
     """Prompt tokens processed per step at most; longer prompts are split into chunks."""
+    decode_slowdown: float = 1.75
+    """Prompt pacing: while requests decode, a step's prompt tokens are sized from measured step times so that
+    decodes keep at least 1 / decode_slowdown of their speed beside a long prompt (1.75: 57%); a request's first
+    chunk, and a prompt whose rest is at most 0.25 s of work, go at once; with nothing decoding a step takes about
+    0.1 s of prompt tokens (at least 128), so a request arriving during a long prompt waits one short step, and a
+    short prompt goes before a long one. Always within max_prefill_token_num. 0: no pacing (each step takes up to
+    max_prefill_token_num prompt tokens, first come first served)."""
     quant_policy: Literal[0, 4, 8] = 0
     """KV cache precision of every layer: 0 float, 8 int8, 4 int4."""
     kv_policy: str | None = None
@@ -125,6 +132,9 @@ class EngineConfig:
               f"got {self.cache_max_entry_count!r}")
         check(isinstance(self.max_prefill_token_num, int) and self.max_prefill_token_num >= 1,
               f"max_prefill_token_num must be an integer >= 1, got {self.max_prefill_token_num!r}")
+        check(isinstance(self.decode_slowdown, (int, float)) and not isinstance(self.decode_slowdown, bool)
+              and (self.decode_slowdown == 0 or 1 < self.decode_slowdown < float("inf")),
+              f"decode_slowdown must be 0 (no pacing) or a number > 1, got {self.decode_slowdown!r}")
         check(self.quant_policy in (0, 4, 8), f"quant_policy must be 0, 4 or 8, got {self.quant_policy!r}")
         check(self.kv_policy is None or isinstance(self.kv_policy, (str, os.PathLike)),
               f"kv_policy must be a path to a kv_policy.json file, got {self.kv_policy!r}")
@@ -191,6 +201,7 @@ class EngineConfig:
         c.session_len = self.session_len or 0
         c.block_size_tokens = self.cache_block_seq_len
         c.max_prefill_token_num = self.max_prefill_token_num
+        c.decode_slowdown = float(self.decode_slowdown)
         if not kv_layer_bits and self.quant_policy:
             assert num_layers > 0, "quant_policy 8 / 4 needs the model's num_layers"
             kv_layer_bits = [self.quant_policy] * num_layers

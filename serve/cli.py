@@ -48,6 +48,8 @@ SESSION_LEN = typer.Option(None, help=_E["session_len"])
 CACHE_BLOCK_SEQ_LEN = typer.Option(64, help=_E["cache_block_seq_len"])
 CACHE_MAX_ENTRY_COUNT = typer.Option(None, help=_E["cache_max_entry_count"])
 MAX_PREFILL_TOKEN_NUM = typer.Option(8192, help=_E["max_prefill_token_num"])
+DECODE_SLOWDOWN = typer.Option(1.75, help="Prompt pacing: decodes keep at least 1 / this of their speed beside "
+                                              "long prompts (0: off; see EngineConfig.decode_slowdown).")
 QUANT_POLICY = typer.Option(0, help=_E["quant_policy"])
 ENABLE_PREFIX_CACHING = typer.Option(False, help=_E["enable_prefix_caching"])
 SPECULATIVE = typer.Option("auto", help=_E["speculative"])
@@ -86,14 +88,14 @@ def engine_config(device: str, max_batch_size: int, session_len: Optional[int], 
                   cache_max_entry_count: Optional[float], max_prefill_token_num: int, quant_policy: int,
                   kv_policy: Optional[Path], enable_prefix_caching: bool, num_threads: Optional[int],
                   dtype: str = "auto", cpu_binding: str = "auto", speculative: str = "auto",
-                  num_speculative_tokens: int = 8) -> EngineConfig:
+                  num_speculative_tokens: int = 8, decode_slowdown: float = 1.75) -> EngineConfig:
     return EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size, session_len=session_len,
                         cache_block_seq_len=cache_block_seq_len, cache_max_entry_count=cache_max_entry_count,
                         max_prefill_token_num=max_prefill_token_num, quant_policy=quant_policy,
                         kv_policy=str(kv_policy) if kv_policy is not None else None,
                         enable_prefix_caching=enable_prefix_caching, num_threads=num_threads,
                         cpu_binding=cpu_binding, speculative=speculative,
-                        num_speculative_tokens=num_speculative_tokens)
+                        num_speculative_tokens=num_speculative_tokens, decode_slowdown=decode_slowdown)
 
 
 @app.command("api_server")
@@ -139,6 +141,7 @@ def api_server(
     cache_block_seq_len: int = CACHE_BLOCK_SEQ_LEN,
     cache_max_entry_count: Optional[float] = CACHE_MAX_ENTRY_COUNT,
     max_prefill_token_num: int = MAX_PREFILL_TOKEN_NUM,
+    decode_slowdown: float = DECODE_SLOWDOWN,
     quant_policy: int = QUANT_POLICY,
     kv_policy: Optional[Path] = typer.Option(None, help="Per-layer KV precision file (kv_policy.json from "
                                                         "`lmkit lite calibrate`)."),
@@ -154,7 +157,7 @@ def api_server(
 
     config = engine_config(device, max_batch_size, session_len, cache_block_seq_len, cache_max_entry_count,
                            max_prefill_token_num, quant_policy, kv_policy, enable_prefix_caching, num_threads, dtype,
-                           cpu_binding, speculative, num_speculative_tokens)
+                           cpu_binding, speculative, num_speculative_tokens, decode_slowdown)
     template = None
     if chat_template is not None:
         if not chat_template.is_file():
@@ -265,6 +268,7 @@ def ray(
     cache_block_seq_len: int = CACHE_BLOCK_SEQ_LEN,
     cache_max_entry_count: Optional[float] = CACHE_MAX_ENTRY_COUNT,
     max_prefill_token_num: int = MAX_PREFILL_TOKEN_NUM,
+    decode_slowdown: float = DECODE_SLOWDOWN,
     quant_policy: int = QUANT_POLICY,
     enable_prefix_caching: bool = ENABLE_PREFIX_CACHING,
     speculative: str = SPECULATIVE,
@@ -284,7 +288,8 @@ def ray(
 
     config = engine_config(device, max_batch_size, session_len, cache_block_seq_len, cache_max_entry_count,
                            max_prefill_token_num, quant_policy, None, enable_prefix_caching, num_threads, dtype,
-                           speculative=speculative, num_speculative_tokens=num_speculative_tokens)
+                           speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                           decode_slowdown=decode_slowdown)
     template = None
     if chat_template is not None:
         if not chat_template.is_file():

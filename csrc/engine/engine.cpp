@@ -23,7 +23,8 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor)
       seed_source_(std::random_device{}()),
       answers_(options.speculative.enabled ? options.speculative.answer_store_tokens : 0,
                options.speculative.min_ngram, options.speculative.max_ngram),
-      step_cost_(std::min(options.max_prefill_token_num + options.max_batch_size, 1024)) {
+      step_cost_(std::min(options.max_prefill_token_num + options.max_batch_size, 1024)),
+      pacer_(options.max_prefill_token_num, options.decode_slowdown) {
   LMKIT_CHECK(executor_ != nullptr, "engine needs an executor");
   LMKIT_CHECK_ARG(options.session_len > 1, "session_len must be > 1, got ", options.session_len);
   LMKIT_CHECK((options.num_state_slots > 0) == (executor_->state_bytes_per_slot() > 0), "the model ",
@@ -306,7 +307,13 @@ int32_t Engine::apply_verification(const ScheduledSeq& s, int32_t first_sample, 
 
 void Engine::run_step() {
   if (options_.speculative.enabled) propose_drafts();
-  BatchPlan plan = scheduler_.schedule();
+  PromptCaps caps;
+  if (pacer_.enabled()) {
+    int32_t decoding = 0;
+    for (const Sequence* s : scheduler_.running()) decoding += s->num_pending_tokens() == 1 ? 1 : 0;
+    caps = PromptCaps{pacer_.cap(0), pacer_.cap(std::max(decoding, 1)), pacer_.chunk_tokens(), pacer_.finish_tokens(), true};
+  }
+  BatchPlan plan = scheduler_.schedule(caps);
   if (plan.empty()) return;
   for (const ScheduledSeq& s : plan.seqs)
     if (s.is_sampled) start_grammar(*s.seq);  // its mask is computed while the forward runs
@@ -314,7 +321,9 @@ void Engine::run_step() {
   Batch batch;
   try {
     batch = build_batch(plan, options_.block_size_tokens, stop_rules_);
+    const double start = now_seconds();
     out = executor_->step(batch);
+    pacer_.record(plan.num_decode_tokens + plan.num_draft_tokens, plan.num_prefill_tokens, now_seconds() - start);
   } catch (const std::exception& e) {
     for (const ScheduledSeq& s : plan.seqs) finish(s.seq, FinishReason::kError, {ErrorKind::kInternal, std::string("step failed: ") + e.what()});
     return;

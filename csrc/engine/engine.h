@@ -24,6 +24,7 @@
 #include "engine/batch.h"
 #include "engine/block_manager.h"
 #include "engine/executor.h"
+#include "engine/prompt_pacer.h"
 #include "engine/request.h"
 #include "engine/scheduler.h"
 
@@ -36,6 +37,7 @@ struct EngineConfig {
   int32_t session_len = 0;  // 0: the model's max_position_embeddings
   int32_t block_size_tokens = 64;  // tokens per KV block (lmkit.EngineConfig.cache_block_seq_len)
   int32_t max_prefill_token_num = 8192;
+  double decode_slowdown = 1.75;  // prompt pacing (engine/prompt_pacer.h); 0: off
   std::vector<KVQuant> kv_quant;  // per layer (from quant_policy or a kv_policy file); empty: kNone everywhere
   bool enable_prefix_caching = false;
   int32_t num_threads = 0;  // CPU threads, 0: all cores
@@ -54,6 +56,7 @@ struct EngineOptions {
   int32_t session_len = 4096;
   int32_t block_size_tokens = 64;
   int32_t max_prefill_token_num = 8192;
+  double decode_slowdown = 0;  // prompt pacing (engine/prompt_pacer.h); 0: off
   int32_t num_blocks = 0;  // size of the KV pool, decided by the caller (create_engine's PoolSizer)
   int32_t num_state_slots = 0;  // recurrent-state slots (0: the model has no recurrent layers)
   int64_t kv_bytes_per_block = 0;  // the executor's, for reporting
@@ -168,6 +171,7 @@ class Engine {
   std::mt19937_64 seed_source_;
   AnswerStore answers_;  // finished answers, for draft lookup
   StepCost step_cost_;   // seconds of a step by row count (calibrate_step_cost), for choose_drafts
+  PromptPacer pacer_;    // sizes each step's prompt tokens from the step times
 
   // inbox (any thread -> loop)
   mutable std::mutex inbox_mu_;

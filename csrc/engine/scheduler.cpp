@@ -342,32 +342,76 @@ bool Scheduler::is_last_chunk_sampled(const Sequence& seq, int32_t chunk) {
   return chunk == seq.num_pending_tokens() && seq.num_tokens() < seq.max_total_tokens;
 }
 
-BatchPlan Scheduler::schedule() {
+BatchPlan Scheduler::schedule(const PromptCaps& caps) {
   BatchPlan plan;
-  int32_t budget = config_.max_prefill_token_num;
+  int32_t budget = config_.max_prefill_token_num;  // rows besides one per decode: prompt tokens and drafts
+  int32_t num_decoding = 0;
+  int32_t batch_slots = 0;  // a running parent's completions still to fork count against max_batch_size already
+  for (const Sequence* s : running_) {
+    num_decoding += s->num_pending_tokens() == 1 ? 1 : 0;
+    batch_slots += 1 + s->num_forks;
+  }
+  int32_t prompt_budget = std::min(budget, num_decoding > 0 ? caps.beside_decodes : caps.alone);
+  // Beside decodes, whatever the cap: a prompt whose remaining tokens fit in what is left of caps.finish, and an
+  // admission's first chunk (up to caps.chunk of it).
+  int32_t free_budget = num_decoding > 0 ? std::min(budget, caps.finish) : 0;
+  auto allowance = [&](int32_t pending, bool admitting) {
+    const int32_t free = pending <= free_budget ? pending : admitting ? std::min(caps.chunk, free_budget) : 0;
+    return std::min(budget, std::max(prompt_budget, free));
+  };
+  auto spend = [&](int32_t chunk) {
+    budget -= chunk;
+    prompt_budget = std::max(0, std::min(prompt_budget - chunk, budget));
+    free_budget = std::max(0, free_budget - chunk);
+  };
+  // Paced: the fewest prompt tokens to compute among the running prompts after each one, and the head of the
+  // queue's (INT32_MAX: none) when it can be admitted in this step (a batch slot, state slots, and blocks for
+  // its first chunk without a prefix hit, so that a prompt which gives way to it never does so for nothing).
+  std::vector<int32_t> shorter_after;
+  int32_t head_tokens = INT32_MAX;
+  if (caps.paced) {
+    const Sequence* head = waiting_.empty() ? nullptr : waiting_.front();
+    if (head && allowance(head->num_tokens(), true) > 0 &&
+        batch_slots + 1 + head->num_forks <= config_.max_batch_size &&
+        (!has_state() || can_take_slots(1 + head->num_forks)) &&
+        blocks_.can_allocate(blocks_.num_blocks_for(std::min(head->num_tokens(), allowance(head->num_tokens(), true)))))
+      head_tokens = head->num_tokens();
+    shorter_after.assign(running_.size(), head_tokens);
+    int32_t fewest = head_tokens;
+    for (size_t i = running_.size(); i-- > 0;) {
+      shorter_after[i] = fewest;
+      const int32_t pending = running_[i]->num_pending_tokens();
+      if (pending > 1) fewest = std::min(fewest, pending);
+    }
+  }
 
   // 1. running sequences, oldest first. Iterate over a snapshot: preemption shrinks running_ from the back.
   std::vector<Sequence*> snapshot = running_;
-  for (Sequence* seq : snapshot) {
+  for (size_t i = 0; i < snapshot.size(); ++i) {
+    Sequence* seq = snapshot[i];
     if (seq->state != SeqState::kRunning) continue;  // preempted earlier in this loop
     const int32_t pending = seq->num_pending_tokens();
     const bool is_decode = pending == 1;
-    const int32_t chunk = is_decode ? 1 : cap_at_fork_position(*seq, std::min(pending, budget));
+    if (!is_decode && caps.paced && shorter_after[i] < pending) continue;  // a shorter prompt goes first
+    const int32_t chunk = is_decode ? 1 : cap_at_fork_position(*seq, std::min(pending, allowance(pending, false)));
     if (chunk <= 0) continue;
     if (!reserve(seq, seq->num_computed_tokens + chunk, plan)) continue;
-    if (!is_decode) budget -= chunk;
+    if (!is_decode) spend(chunk);
     plan_state_copies_at_fork_position(seq, plan);
     const bool sampled = is_last_chunk_sampled(*seq, chunk);
-    const int32_t drafts = is_decode && sampled ? reserve_drafts(seq, budget) : 0;
+    // (a parent whose completions are still to fork takes none: they fork from its first sample row)
+    const int32_t drafts = is_decode && sampled && seq->num_forks == 0 ? reserve_drafts(seq, budget) : 0;
     budget -= drafts;
+    prompt_budget = std::min(prompt_budget, budget);
+    free_budget = std::min(free_budget, budget);
     plan.seqs.push_back({seq, seq->num_computed_tokens, chunk + drafts, sampled, drafts});
   }
 
-  // 2. waiting sequences, FCFS, while slots, budget and blocks last. A running parent's completions still to
-  // fork count against max_batch_size already: they join running when its prompt is computed.
-  int32_t batch_slots = (int32_t)running_.size();
+  // 2. waiting sequences, FCFS, while slots, budget, prompt cap and blocks last.
+  batch_slots = (int32_t)running_.size();  // less the sequences preempted above
   for (const Sequence* s : running_) batch_slots += s->num_forks;
-  while (!waiting_.empty() && budget > 0 && batch_slots + 1 + waiting_.front()->num_forks <= config_.max_batch_size) {
+  while (!waiting_.empty() && (prompt_budget > 0 || free_budget > 0) &&
+         batch_slots + 1 + waiting_.front()->num_forks <= config_.max_batch_size) {
     Sequence* seq = waiting_.front();
     if (has_state() && !can_take_slots(1 + seq->num_forks)) break;
     match_prefix(seq);
@@ -379,9 +423,9 @@ BatchPlan Scheduler::schedule() {
       snapshot = -1;
     }
     const int32_t pending = seq->num_pending_tokens();
-    const int32_t chunk = cap_at_fork_position(*seq, std::min(pending, budget));
+    const int32_t chunk = cap_at_fork_position(*seq, std::min(pending, allowance(pending, true)));
     const int32_t need = blocks_.num_blocks_for(seq->num_computed_tokens + chunk) - (int32_t)seq->block_table.size();
-    if (!blocks_.can_allocate(need)) {
+    if (chunk <= 0 || !blocks_.can_allocate(need)) {
       release_blocks(seq);  // hits go back to the cache; try again next step
       break;
     }
@@ -399,7 +443,7 @@ BatchPlan Scheduler::schedule() {
     running_.insert(std::lower_bound(running_.begin(), running_.end(), seq,
                                      [](const Sequence* a, const Sequence* b) { return a->arrival < b->arrival; }),
                     seq);
-    budget -= chunk;
+    spend(chunk);
     batch_slots += 1 + seq->num_forks;
     plan.seqs.push_back({seq, seq->num_computed_tokens, chunk, is_last_chunk_sampled(*seq, chunk)});
   }

@@ -4,10 +4,11 @@
 // One step (schedule()):
 //   1. running sequences, oldest first: a decode takes 1 token (and its draft tokens, as far as the prefill
 //      token budget and free blocks allow: drafts never preempt), a partly prefilled prompt the next chunk
-//      under the prefill token budget; when the pool cannot grow a sequence, the newest running sequence
-//      is preempted (blocks freed, recomputed later from its tokens, output unchanged);
-//   2. waiting sequences in FCFS order are admitted while blocks, batch slots and budget last; admission
-//      never skips ahead of the head of the queue. With prefix caching, an admitted sequence first takes
+//      under the prefill token budget and the step's prompt cap (PromptCaps); when the pool cannot grow a
+//      sequence, the newest running sequence is preempted (blocks freed, recomputed later from its tokens,
+//      output unchanged);
+//   2. waiting sequences in FCFS order are admitted while blocks, batch slots, budget and prompt cap last;
+//      admission never skips ahead of the head of the queue. With prefix caching, an admitted sequence first takes
 //      the cached blocks of its longest matching prefix and computes only the rest.
 // A sequence that could never fit (its token limit beyond the pool) is refused by add().
 //
@@ -73,6 +74,22 @@ struct ScheduledSeq {
   int32_t num_draft_tokens = 0;
 };
 
+// The prompt tokens a step may take (engine/prompt_pacer.h sizes them from measured step times), below the
+// token budget: `alone` when no running sequence decodes, `beside_decodes` when some do. Beside decodes, whatever
+// `beside_decodes` is, a step may take up to `finish` tokens for prompts that end within them, and for the first
+// chunk (up to `chunk` tokens) of requests it admits: a request starts at once and a short prompt ends at once;
+// only the middle of a long prompt waits for the cap. Paced, the shortest
+// prompt goes first: a running prompt takes no token in a step where a shorter one takes them (a later running
+// prompt with fewer tokens to compute, or the head of the queue when it can be admitted now), so a short request
+// is not queued behind a long prompt.
+struct PromptCaps {
+  int32_t alone = INT32_MAX;
+  int32_t beside_decodes = INT32_MAX;
+  int32_t chunk = 0;
+  int32_t finish = 0;
+  bool paced = false;
+};
+
 // Copy the recurrent state of slot src into slot dst before the step's forward.
 struct StateCopy {
   int32_t src = 0;
@@ -113,7 +130,7 @@ class Scheduler {
   std::vector<int64_t> ids() const;
 
   // Builds the next step's plan; allocates the blocks it needs, preempting when short.
-  BatchPlan schedule();
+  BatchPlan schedule(const PromptCaps& caps = PromptCaps{});
   // After a step ran: seq's num_computed_tokens += s.num_tokens; newly full blocks join the prefix cache;
   // then, with a window, blocks no future query can read go back to the pool (holes in the table).
   void advance(const ScheduledSeq& s) { advance(s, s.num_tokens); }

@@ -25,6 +25,8 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   LMKIT_CHECK_ARG(config.block_size_tokens >= 1, "cache_block_seq_len must be >= 1, got ", config.block_size_tokens);
   LMKIT_CHECK_ARG(config.max_prefill_token_num >= 1, "max_prefill_token_num must be >= 1, got ",
                   config.max_prefill_token_num);
+  LMKIT_CHECK_ARG(config.decode_slowdown == 0 || config.decode_slowdown > 1,
+                  "decode_slowdown must be 0 (no pacing) or > 1, got ", config.decode_slowdown);
   LMKIT_CHECK_ARG(config.num_threads >= 0, "num_threads must be >= 0, got ", config.num_threads);
   model.validate();
 
@@ -35,6 +37,7 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
                   model.max_position_embeddings, ")");
   options.block_size_tokens = config.block_size_tokens;
   options.max_prefill_token_num = config.max_prefill_token_num;
+  options.decode_slowdown = config.decode_slowdown;
   options.vocab_size = model.vocab_size;
   options.eos_token_ids = eos_token_ids;
   options.enable_prefix_caching = config.enable_prefix_caching;

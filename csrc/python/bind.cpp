@@ -146,6 +146,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("session_len", &EngineConfig::session_len)
       .def_readwrite("block_size_tokens", &EngineConfig::block_size_tokens)
       .def_readwrite("max_prefill_token_num", &EngineConfig::max_prefill_token_num)
+      .def_readwrite("decode_slowdown", &EngineConfig::decode_slowdown)
       .def_readwrite("kv_quant", &EngineConfig::kv_quant)
       .def_readwrite("int8_activations", &EngineConfig::int8_activations)
       .def_readwrite("bf16_linear", &EngineConfig::bf16_linear)

@@ -155,6 +155,161 @@ TEST(chunked_prefill_respects_budget_and_runs_with_decodes) {
   sched.verify();
 }
 
+TEST(paced_prompts_take_the_cap_beside_decodes_and_alone) {
+  BlockManager bm(64, 4);
+  Scheduler sched({8, 100, 1000}, bm);
+  g_sched = &sched;
+  const PromptCaps caps{8, 3, 0, 0, true};
+  sched.add(make_seq(1, 2, 3));
+  advance(sched.schedule(caps));  // seq 1's prompt alone; it decodes from now on
+  sched.add(make_seq(2, 20, 1));
+  BatchPlan plan = sched.schedule(caps);  // beside a decode: 3 prompt tokens
+  EXPECT_EQ(plan.num_decode_tokens, 1);
+  EXPECT_EQ(plan.seqs[1].seq->id, 2);
+  EXPECT_EQ(plan.seqs[1].num_tokens, 3);
+  EXPECT_EQ(plan.seqs[1].seq->block_table, (Ids{1}));  // blocks for the chunk only: [0] is seq 1's
+  advance(plan);
+  plan = sched.schedule(PromptCaps{8, 0, 0, 0, true});  // no credit: a decode-only step, the prompt waits
+  EXPECT_EQ(plan.seqs.size(), 1u);
+  EXPECT_EQ(plan.num_prefill_tokens, 0);
+  advance(plan);
+  plan = sched.schedule(caps);  // seq 1 takes its last token: decode, then 3 more of seq 2
+  EXPECT_EQ(plan.seqs[1].num_tokens, 3);
+  EXPECT_EQ(plan.seqs[1].start_pos, 3);
+  advance(plan);
+  sched.remove(1);
+  plan = sched.schedule(caps);  // alone: 8
+  EXPECT_EQ(plan.seqs.size(), 1u);
+  EXPECT_EQ(plan.seqs[0].start_pos, 6);
+  EXPECT_EQ(plan.seqs[0].num_tokens, 8);
+  advance(plan);
+  plan = sched.schedule(caps);
+  EXPECT_EQ(plan.seqs[0].num_tokens, 6);
+  EXPECT(plan.seqs[0].is_sampled);
+  sched.verify();
+}
+
+TEST(paced_beside_decodes_requests_start_and_short_prompts_end_without_credit) {
+  BlockManager bm(64, 4);
+  Scheduler sched({8, 100, 1000}, bm);
+  g_sched = &sched;
+  sched.add(make_seq(1, 2, 20));
+  advance(sched.schedule(PromptCaps{8, 0, 0, 0, true}));  // seq 1 decodes from now on
+  sched.add(make_seq(2, 30, 1));
+  sched.add(make_seq(3, 5, 1));
+  const PromptCaps no_credit{8, 0, 6, 6, true};
+  BatchPlan plan = sched.schedule(no_credit);  // no credit, but seq 2 starts: a first chunk of 6, all of it
+  EXPECT_EQ(plan.seqs.size(), 2u);
+  EXPECT_EQ(plan.seqs[1].seq->id, 2);
+  EXPECT_EQ(plan.seqs[1].num_tokens, 6);
+  EXPECT_EQ(sched.num_waiting(), 1);
+  advance(plan);
+  plan = sched.schedule(no_credit);  // seq 2's middle waits for credit; seq 3 (shorter) starts and ends
+  EXPECT_EQ(plan.seqs.size(), 2u);
+  EXPECT_EQ(plan.seqs[1].seq->id, 3);
+  EXPECT_EQ(plan.seqs[1].num_tokens, 5);
+  EXPECT(plan.seqs[1].is_sampled);
+  advance(plan);
+  sched.add(make_seq(4, 4, 1));
+  sched.add(make_seq(5, 4, 1));
+  plan = sched.schedule(no_credit);  // one chunk's worth in a step: seq 4's 4, then the 2 left start seq 5
+  EXPECT_EQ(plan.seqs.size(), 4u);
+  EXPECT_EQ(plan.seqs[2].seq->id, 4);
+  EXPECT_EQ(plan.seqs[2].num_tokens, 4);
+  EXPECT_EQ(plan.seqs[3].seq->id, 5);
+  EXPECT_EQ(plan.seqs[3].num_tokens, 2);
+  advance(plan);
+  plan = sched.schedule(no_credit);  // seq 5's last 2 fit: it ends; seq 2 (24 left) still waits
+  EXPECT_EQ(plan.num_prefill_tokens, 2);
+  EXPECT_EQ(sched.find(2)->num_computed_tokens, 6);
+  advance(plan);
+  plan = sched.schedule(PromptCaps{8, 0, 6, 24, true});  // seq 2's 24 fit in `finish`: it ends in one step
+  EXPECT_EQ(plan.num_prefill_tokens, 24);
+  EXPECT(plan.seqs[1].seq->id == 2 && plan.seqs[1].num_tokens == 24 && plan.seqs[1].is_sampled);
+  advance(plan);
+  sched.verify();
+}
+
+TEST(paced_a_short_prompt_goes_before_a_long_one) {
+  BlockManager bm(64, 4);
+  Scheduler sched({8, 100, 1000}, bm);
+  g_sched = &sched;
+  const PromptCaps caps{6, 6, 0, 0, true};
+  sched.add(make_seq(1, 40, 2));
+  advance(sched.schedule(caps));  // 6 of 40
+  sched.add(make_seq(2, 4, 2));   // arrives while the long prompt is computed
+  BatchPlan plan = sched.schedule(caps);  // the head is shorter than what seq 1 has left: it goes first
+  EXPECT_EQ(plan.seqs.size(), 1u);
+  EXPECT_EQ(plan.seqs[0].seq->id, 2);
+  EXPECT_EQ(plan.seqs[0].num_tokens, 4);
+  EXPECT(plan.seqs[0].is_sampled);
+  advance(plan);
+  plan = sched.schedule(caps);  // seq 2 decodes beside seq 1's next chunk
+  EXPECT_EQ(plan.seqs.size(), 2u);
+  EXPECT_EQ(plan.seqs[0].seq->id, 1);
+  EXPECT_EQ(plan.seqs[0].start_pos, 6);
+  EXPECT_EQ(plan.seqs[0].num_tokens, 6);
+  advance(plan);
+  // A running prompt with fewer tokens left goes first too: seq 3's 10 tokens take two steps of 6.
+  sched.remove(2);
+  sched.add(make_seq(3, 10, 2));
+  plan = sched.schedule(caps);
+  EXPECT_EQ(plan.seqs.size(), 1u);
+  EXPECT_EQ(plan.seqs[0].seq->id, 3);
+  EXPECT_EQ(plan.seqs[0].num_tokens, 6);
+  advance(plan);
+  plan = sched.schedule(caps);  // 4 left of seq 3 < 28 of seq 1
+  EXPECT_EQ(plan.seqs.size(), 1u);
+  EXPECT_EQ(plan.seqs[0].seq->id, 3);
+  EXPECT_EQ(plan.seqs[0].num_tokens, 4);
+  advance(plan);
+  plan = sched.schedule(caps);  // seq 3 decodes, seq 1 goes on
+  EXPECT_EQ(plan.seqs.size(), 2u);
+  EXPECT_EQ(plan.seqs[0].seq->id, 1);
+  EXPECT_EQ(plan.seqs[0].start_pos, 12);
+  // Unpaced the same caps keep FCFS: the running prompt takes them first.
+  BlockManager bm2(64, 4);
+  Scheduler fcfs({8, 100, 1000}, bm2);
+  g_sched = &fcfs;
+  fcfs.add(make_seq(1, 40, 2));
+  advance(fcfs.schedule(PromptCaps{6, 6, 0, 0, false}));
+  fcfs.add(make_seq(2, 4, 2));
+  plan = fcfs.schedule(PromptCaps{6, 6, 0, 0, false});
+  EXPECT_EQ(plan.seqs.size(), 1u);
+  EXPECT_EQ(plan.seqs[0].seq->id, 1);
+  sched.verify();
+  fcfs.verify();
+}
+
+TEST(paced_a_long_prompt_never_gives_way_to_a_head_that_cannot_start) {
+  for (const int32_t pool : {12, 13}) {  // 12: no block for the head; 13: one
+    BlockManager bm(pool, 4);
+    Scheduler sched({8, 100, 1000}, bm);
+    g_sched = &sched;
+    sched.add(make_seq(1, 47, 1));  // 48 tokens: 12 blocks
+    advance(sched.schedule(PromptCaps{45, 45, 0, 0, true}));  // 45 computed: all 12 blocks taken, 2 tokens left
+    sched.add(make_seq(2, 1, 1));   // shorter, but its one block is there only in the larger pool
+    BatchPlan plan = sched.schedule(PromptCaps{8, 8, 0, 0, true});
+    EXPECT_EQ(plan.seqs.size(), 1u);
+    EXPECT_EQ(plan.seqs[0].seq->id, pool == 12 ? 1 : 2);
+    EXPECT_EQ(sched.num_preemptions(), 0);
+    sched.verify();
+  }
+  // No batch slot for the head: the running prompt goes on.
+  BlockManager bm(64, 4);
+  Scheduler sched({1, 100, 1000}, bm);
+  g_sched = &sched;
+  const PromptCaps caps{8, 8, 0, 0, true};
+  sched.add(make_seq(1, 40, 2));
+  advance(sched.schedule(caps));
+  sched.add(make_seq(2, 2, 1));
+  BatchPlan plan = sched.schedule(caps);
+  EXPECT_EQ(plan.seqs.size(), 1u);
+  EXPECT_EQ(plan.seqs[0].seq->id, 1);
+  EXPECT_EQ(plan.seqs[0].num_tokens, 8);
+  sched.verify();
+}
+
 TEST(waits_when_blocks_are_short_and_never_skips_the_head) {
   BlockManager bm(4, 4);
   Scheduler sched({8, 100, 1000}, bm);
@@ -589,6 +744,58 @@ TEST(random_run_conserves_blocks_every_step) {
   EXPECT(sched.num_prefix_hit_tokens() > 0);
   EXPECT(finished > 100);
   EXPECT(sched.num_preemptions() > 0);
+}
+
+TEST(random_paced_run_conserves_blocks_and_drains) {
+  std::mt19937 rng(99);
+  BlockManager bm(40, 4);
+  Scheduler sched({6, 24, 64, true}, bm);
+  g_sched = &sched;
+  int64_t next_id = 1;
+  int finished = 0;
+  auto step = [&](const PromptCaps& caps) {
+    BatchPlan plan = sched.schedule(caps);
+    int32_t prefill = 0, decodes = 0;
+    for (const ScheduledSeq& s : plan.seqs) {
+      EXPECT((int32_t)s.seq->block_table.size() * 4 >= s.start_pos + s.num_tokens);
+      if (s.seq->num_pending_tokens() > 1)
+        prefill += s.num_tokens;
+      else
+        ++decodes;
+    }
+    // Before the step some sequence decoded or none did: the prompt tokens stay within that cap (or the whole-
+    // prompt allowance beside decodes), and always within the budget.
+    EXPECT(prefill <= 24);
+    EXPECT(prefill <= std::max({caps.alone, caps.beside_decodes, caps.finish}));
+    advance(plan);
+    for (int64_t id : sched.ids()) {
+      Sequence* s = sched.find(id);
+      if (s->num_tokens() >= s->max_total_tokens || rng() % 80 == 0) {
+        sched.remove(id);
+        ++finished;
+      }
+    }
+    sched.verify();
+    EXPECT(conserved(bm));
+    return plan;
+  };
+  for (int i = 0; i < 3000; ++i) {
+    if (rng() % 3 == 0) {
+      auto s = make_seq(next_id++, 1 + rng() % 40, 1 + rng() % 30);
+      if (sched.fit_error(*s).empty()) sched.add(std::move(s));
+    }
+    step(PromptCaps{1 + (int32_t)(rng() % 24), (int32_t)(rng() % 12), (int32_t)(rng() % 12), (int32_t)(rng() % 30),
+                    true});
+  }
+  // No more arrivals: with any positive caps everything ends, and no step with work is empty.
+  int32_t steps = 0;
+  while (sched.has_work() && steps < 2000) {
+    EXPECT(!step(PromptCaps{1 + (int32_t)(rng() % 24), 1 + (int32_t)(rng() % 12), 0, 0, true}).empty());
+    ++steps;
+  }
+  EXPECT(!sched.has_work());
+  EXPECT(finished > 100);
+  EXPECT_EQ(bm.num_free_blocks() + bm.num_cached_blocks(), 40);
 }
 
 TEST(random_windowed_run_reads_only_its_own_keys) {

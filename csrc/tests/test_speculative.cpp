@@ -215,6 +215,31 @@ TEST(drafts_take_only_free_blocks_and_never_preempt) {
   sched.verify();
 }
 
+TEST(a_parent_still_to_fork_takes_no_drafts) {
+  // Its prompt's last token alone (a chunk cut there): a decode-shaped step, but its completions fork from that
+  // row's sample, so no drafts join it; its completions take them later.
+  BlockManager bm(8, 4);
+  Scheduler sched(SchedulerConfig{4, 64, 64, false, 0}, bm);
+  auto parent = make_seq(1, Ids{1, 2, 3, 4, 5}, 6);
+  parent->num_forks = 1;
+  sched.add(std::move(parent));
+  BatchPlan plan = sched.schedule(PromptCaps{4, 4, 0, 0, true});  // 4 of 5 prompt tokens
+  sched.advance(plan.seqs[0]);
+  Sequence* seq = sched.find(1);
+  seq->draft_tokens = {6, 7};
+  plan = sched.schedule();
+  EXPECT_EQ(plan.seqs[0].num_tokens, 1);
+  EXPECT(plan.seqs[0].is_sampled);
+  EXPECT_EQ(plan.seqs[0].num_draft_tokens, 0);
+  sched.advance(plan.seqs[0]);
+  sched.fork(seq);
+  seq->tokens.push_back(6);
+  plan = sched.schedule();  // forked: the parent decodes with its drafts now
+  EXPECT_EQ(plan.seqs[0].seq, seq);
+  EXPECT_EQ(plan.seqs[0].num_draft_tokens, 2);
+  sched.verify();
+}
+
 TEST(drafts_stay_within_the_token_limit) {
   BlockManager bm(8, 4);
   Scheduler sched(SchedulerConfig{4, 64, 64, false, 0}, bm);

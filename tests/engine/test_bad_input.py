@@ -138,6 +138,7 @@ def test_values_the_binding_cannot_hold_never_reach_it(tiny_llama_pipe):
         (dict(device="cuda", dtype="float32"), "CUDA backend computes in float16"),
         (dict(device="cuda", dtype="bfloat16"), "CUDA backend computes in float16"),
         (dict(dtype="float16"), "dtype must be auto, float32 or bfloat16"),
+        *[(dict(decode_slowdown=bad), "decode_slowdown") for bad in (1.0, 0.5, -1, float("inf"), float("nan"), True)],
     ],
 )
 def test_impossible_engine_config(kwargs, match):

@@ -247,7 +247,9 @@ def test_verified_samples_keep_the_distribution(tiny_llama_pipe, tiny_llama, fil
                                    prediction=[f, d], speculative=True, **filters)
             second += [o.token_ids[1] for o in pipe(prompt, gen) if o.token_ids[0] == f]
         m = pipe.engine.metrics()
-    assert m.num_verifications["prediction"] == len(second)
+    # every such second token was drawn by a verification; a completion whose prompt's last token was computed
+    # alone (prompt pacing cut its chunk there) may also have verified [f, d] from that row
+    assert m.num_verifications["prediction"] >= len(second)
     assert 0 < m.num_accepted_draft_tokens["prediction"] < len(second)
     assert len(second) > 2000, len(second)
     assert_draws_follow(second, expect, filters)
