@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,6 +47,18 @@ MAX_RENDERED_PROMPT_SCORES = 2_000_000
 render. Echo's logprobs and prompt_logprobs are rendered into every completion of a prompt: n copies of a long
 prompt's would hold a preparation thread and the answer's memory for minutes (8,100 tokens x 21 x n 64 is 11M
 scores, ~270 MB of JSON), while one copy of a whole 32k context with 20 alternatives (688k) passes."""
+
+
+GRAMMAR_NICE = 10
+
+
+def lower_priority(nice: int = GRAMMAR_NICE) -> None:
+    """Raises the calling thread's nice value to `nice` (Linux: per thread; elsewhere, or where refused, nothing)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    except (AttributeError, OSError):
+        pass
 
 
 @dataclass
@@ -106,8 +120,10 @@ class OpenAIServing:
         # Its own pool: in the loop's default executor, prepares would queue /health's engine probe behind them.
         self._pool = ThreadPoolExecutor(num_prepare_threads(), thread_name_prefix="lmkit-prepare")
         # Grammar compiles that miss the cache (milliseconds to seconds each) queue in a pool of their own: behind
-        # them, the prepare pool would make every ordinary request wait for another client's schemas.
-        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="lmkit-grammar")
+        # them, the prepare pool would make every ordinary request wait for another client's schemas. Its thread
+        # runs at a lower priority: where it shares cores with the engine, a client's compiles take the CPU the
+        # running requests leave, not half of theirs.
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="lmkit-grammar", initializer=lower_priority)
         self.num_preparing = 0
         """Requests waiting for or in preparation (readiness.py); counted on the event loop."""
         # A text has at least ceil(chars / max_token_chars) tokens: past this many characters no tokenization

@@ -5,6 +5,7 @@ refused (before the tokenizer sees them) and while tokenization and chat-templat
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -178,16 +179,19 @@ def test_default_body_limit_follows_the_context(api_server):
 
 
 def test_grammar_compiles_do_not_hold_up_other_requests(api_server, tiny_engine, monkeypatch):
-    """Grammars the cache does not hold compile in a pool of their own: while more slow compiles wait than there
-    are preparation threads, a plain request still prepares and answers at once, and /health stays fast; then
-    every constrained request answers (and the same grammar again comes from the cache, compiling nothing)."""
-    from lmkit.serve.openai_serving import num_prepare_threads
+    """Grammars the cache does not hold compile in a pool of their own, at a lower priority than the engine (nice
+    GRAMMAR_NICE): while more slow compiles wait than there are preparation threads, a plain request still prepares
+    and answers at once, and /health stays fast; then every constrained request answers (and the same grammar
+    again comes from the cache, compiling nothing)."""
+    from lmkit.serve.openai_serving import GRAMMAR_NICE, num_prepare_threads
 
     engine = tiny_engine.engine
     release, compiling = threading.Event(), threading.Semaphore(0)
     original = engine.compile_grammar
+    nices = []
 
     def slow_compile(constraint):
+        nices.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         if constraint.regex and constraint.regex.startswith("slow"):
             compiling.release()
             assert release.wait(60), "the test never released the compiles"
@@ -217,3 +221,4 @@ def test_grammar_compiles_do_not_hold_up_other_requests(api_server, tiny_engine,
     health.check("grammar compiles")
     compiled = engine.grammars.num_compiled
     assert constrained(0).status_code == 200 and engine.grammars.num_compiled == compiled
+    assert nices and min(nices) >= GRAMMAR_NICE, nices
