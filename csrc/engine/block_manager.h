@@ -75,6 +75,8 @@ class BlockManager {
   uint64_t publish(int32_t block, uint64_t parent_key, const int32_t* tokens);
 
   int32_t ref_count(int32_t block) const { return blocks_[block].ref_count; }
+  // The free blocks (no holder, no prefix key), lowest id first.
+  std::vector<int32_t> free_block_ids() const { return std::vector<int32_t>(free_.begin(), free_.end()); }
   bool has_key(int32_t block) const { return blocks_[block].has_key; }
 
   // Throws lmkit::Error when the state is inconsistent (a bug).

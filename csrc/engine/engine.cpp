@@ -311,10 +311,12 @@ void Engine::run_step() {
   if (pacer_.enabled()) {
     int32_t decoding = 0;
     for (const Sequence* s : scheduler_.running()) decoding += s->num_pending_tokens() == 1 ? 1 : 0;
-    caps = PromptCaps{pacer_.cap(0), pacer_.cap(std::max(decoding, 1)), pacer_.chunk_tokens(), pacer_.finish_tokens(), true};
+    caps = PromptCaps{pacer_.cap(0), pacer_.cap(std::max(decoding, 1)), pacer_.chunk_tokens(), pacer_.finish_tokens(),
+                      true};
   }
   BatchPlan plan = scheduler_.schedule(caps);
   if (plan.empty()) return;
+  memory_released_ = false;
   for (const ScheduledSeq& s : plan.seqs)
     if (s.is_sampled) start_grammar(*s.seq);  // its mask is computed while the forward runs
   StepOutput out;
@@ -332,6 +334,17 @@ void Engine::run_step() {
   metrics_.num_prompt_tokens += plan.num_prefill_tokens;
   metrics_.num_weight_bytes_read += out.weight_bytes_read;
   apply_step(plan, batch, out);
+}
+
+void Engine::release_idle_memory() {
+  std::lock_guard<std::mutex> state(state_mu_);
+  if (scheduler_.has_work()) return;
+  try {
+    executor_->release_idle_memory(blocks_.free_block_ids());
+  } catch (const std::exception& e) {  // advice to the OS: a failure costs memory, not correctness
+    std::fprintf(stderr, "lmkit: releasing idle memory failed: %s\n", e.what());
+  }
+  memory_released_ = true;
 }
 
 void Engine::start_grammar(Sequence& seq) {
@@ -478,9 +491,13 @@ void Engine::loop() {
     bool stop = false;
     {
       std::unique_lock<std::mutex> lock(inbox_mu_);
-      inbox_cv_.wait(lock, [&] {
-        return stopping_ || !inbox_new_.empty() || !inbox_cancel_.empty() || scheduler_.has_work();
-      });
+      auto ready = [&] { return stopping_ || !inbox_new_.empty() || !inbox_cancel_.empty() || scheduler_.has_work(); };
+      if (!memory_released_ && !ready() && !inbox_cv_.wait_for(lock, kIdleRelease, ready)) {
+        lock.unlock();
+        release_idle_memory();
+        lock.lock();
+      }
+      inbox_cv_.wait(lock, ready);
       arrivals.swap(inbox_new_);
       cancels.swap(inbox_cancel_);
       stop = stopping_;

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <chrono>
 #include <memory>
 #include <functional>
 #include <mutex>
@@ -142,6 +143,11 @@ class Engine {
   // the arithmetic of its steps) do not depend on how fast earlier steps happened to run.
   void calibrate_step_cost();
   static constexpr int32_t kCalibrationRows = 64;
+  // After kIdleRelease with nothing to do, the pages of the free KV blocks and of the step's scratch go back to the
+  // OS (Executor::release_idle_memory), once per idle spell: a long prompt's memory does not stay resident.
+  void release_idle_memory();
+  static constexpr std::chrono::milliseconds kIdleRelease{1000};
+  bool memory_released_ = true;  // nothing ran since the last release (or since start)
   // seq sampled `token`: the stop rules (a stop token is not appended), its logprobs, its grammar (failure set
   // when the grammar refuses it). Returns how seq ends, kNone when it goes on.
   FinishReason take_token(Sequence& seq, int32_t token, const TokenLogprobs& logprobs, Failure& failure);

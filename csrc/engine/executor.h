@@ -4,6 +4,8 @@
 #pragma once
 #include <stdint.h>
 
+#include <vector>
+
 #include "engine/batch.h"
 
 namespace lmkit {
@@ -29,6 +31,10 @@ class Executor {
   virtual int32_t vocab_size() const = 0;
   // Called once on the engine's loop thread before its first step (thread pools, device binding).
   virtual void bind_thread() {}
+  // Called on the loop thread when the engine has been idle a while: gives the memory of what holds nothing
+  // back to the OS (the pages of the free KV blocks `free_blocks`, which no sequence or prefix holds, and the
+  // step's scratch). Contents there are dead; the next step touches the pages again.
+  virtual void release_idle_memory(const std::vector<int32_t>& /*free_blocks*/) {}
 };
 
 }  // namespace lmkit

@@ -127,6 +127,8 @@ class Backend {
                             int32_t head_dim, int32_t block_size_tokens) = 0;
   virtual int64_t kv_bytes_per_block() const = 0;
   virtual void allocate_kv_pool(int32_t num_blocks) = 0;
+  // Executor::release_idle_memory: the pages of the free KV blocks and of the activations and scratch.
+  virtual void release_idle_memory(const std::vector<int32_t>& /*free_blocks*/) {}
 
   // --- recurrent-state pool (csrc/engine/state_pool.h) ----------------------------------------------------
   // The model's recurrent layers, in order: call once, before state_bytes_per_slot() and allocate_state_pool().

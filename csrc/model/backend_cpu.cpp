@@ -1,6 +1,8 @@
 // The CPU backend: fp32 activations (bf16 dot products for dense layers with bf16_linear), weights packed
 // into the kernels' panels (kernels/ops.h), the KV pool in one anonymous mapping, the sampler on the host.
+#include <malloc.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -116,7 +118,46 @@ class CpuBackend final : public Backend {
   void set_embedding(const Tensor& table) override { embedding_ = table; }
 
   std::shared_ptr<void> allocate_activations(int64_t rows, int64_t cols) override {
-    return std::shared_ptr<float>(new float[std::max<int64_t>(rows * cols, 1)], std::default_delete<float[]>());
+    const int64_t bytes = std::max<int64_t>(rows * cols, 1) * (int64_t)sizeof(float);
+    if (bytes < kMappedActivationBytes)
+      return std::shared_ptr<float>(new float[std::max<int64_t>(rows * cols, 1)], std::default_delete<float[]>());
+    // Large workspaces get their own mapping: pages committed as steps touch rows, returned when idle.
+    void* p =
+        ::mmap(nullptr, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    LMKIT_CHECK(p != MAP_FAILED, "cannot map ", bytes, " bytes of activations");
+    mapped_activations_.emplace_back(p, bytes);
+    return std::shared_ptr<void>(p, [this, bytes](void* q) {  // the model frees them before its backend
+      mapped_activations_.erase(std::remove(mapped_activations_.begin(), mapped_activations_.end(),
+                                            std::make_pair(q, bytes)),
+                                mapped_activations_.end());
+      ::munmap(q, (size_t)bytes);
+    });
+  }
+
+  void release_idle_memory(const std::vector<int32_t>& free_blocks) override {
+    const int64_t page = ::sysconf(_SC_PAGESIZE);
+    auto drop = [page](char* begin, char* end) {  // the whole pages inside [begin, end)
+      const uintptr_t b = ((uintptr_t)begin + page - 1) / page * page, e = (uintptr_t)end / page * page;
+      if (e > b) ::madvise((void*)b, e - b, MADV_DONTNEED);
+    };
+    if (kv_pool_ != nullptr)
+      for (size_t i = 0; i < free_blocks.size();) {  // runs of consecutive free ids, in every layer's K and V
+        size_t j = i + 1;
+        while (j < free_blocks.size() && free_blocks[j] == free_blocks[j - 1] + 1) ++j;
+        for (const ops::KVLayer& kv : kv_layers_) {
+          const int64_t bb = kv.block_bytes();
+          for (char* base : {(char*)kv.k, (char*)kv.v})
+            drop(base + free_blocks[i] * bb, base + (free_blocks[j - 1] + 1) * bb);
+        }
+        i = j;
+      }
+    for (const auto& [p, bytes] : mapped_activations_) drop((char*)p, (char*)p + bytes);
+    for (std::vector<float>* v : {&q_, &k_, &v_, &scratch_, &row_, &moe_logits_, &moe_sum_, &moe_x_, &moe_gate_up_,
+                                  &moe_y_, &gates_})
+      std::vector<float>().swap(*v);
+#ifdef __GLIBC__
+    ::malloc_trim(0);  // what the process freed (rendered answers, step outputs) back to the OS too
+#endif
   }
 
   void configure_kv(const std::vector<KVQuant>& layer_quant, const std::vector<int32_t>& layer_kv_heads,
@@ -462,7 +503,9 @@ class CpuBackend final : public Backend {
     }
   }
 
+  static constexpr int64_t kMappedActivationBytes = 1 << 20;
   BackendOptions options_;
+  std::vector<std::pair<void*, int64_t>> mapped_activations_;  // (mapping, bytes): released when idle
   std::vector<std::shared_ptr<CpuLinear>> packed_;  // what pack_linear / pack_lm_head made, until weights_packed
   Tensor embedding_;
   const Batch* batch_ = nullptr;

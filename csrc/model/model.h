@@ -39,6 +39,9 @@ class DecoderModel : public Executor {
   void allocate_state_pool(int32_t num_slots) override { backend_->allocate_state_pool(num_slots); }
   int32_t vocab_size() const override { return config_.vocab_size; }
   void bind_thread() override { backend_->bind_thread(); }
+  void release_idle_memory(const std::vector<int32_t>& free_blocks) override {
+    backend_->release_idle_memory(free_blocks);
+  }
   const ModelConfig& config() const { return config_; }
 
  protected:

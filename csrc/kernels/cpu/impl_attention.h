@@ -754,11 +754,11 @@ struct DecodeKeys {
 // Tasks (sequence, kv head, row chunk): decode-shaped ones (all of a sequence's rows in one task of at most
 // Decode::kMaxRows rows, not AttnSeq::prefill) on the Decode kernel, the others on the Prefill kernel whatever their
 // rows, also the last few rows of a long chunk (a Decode kernel with kEveryTask takes those too, in chunks of
-// kMaxRows rows): so a prompt row gives the same bits however its prompt was chunked. A decode-shaped task whose keys cross a multiple of
-// kAttnSplitKeys is split there into jobs over key segments (so that one long sequence keeps every thread busy),
-// and attend_merge combines their partial states. The segments are fixed positions, not a share of the threads:
-// a row's result depends on its own keys only, never on the batch around it (batch-invariant, as the linear
-// kernels: speculative decoding's draft rows then score exactly as their decode steps would).
+// kMaxRows rows): so a prompt row gives the same bits however its prompt was chunked. A decode-shaped task whose
+// keys cross a multiple of kAttnSplitKeys is split there into jobs over key segments (one long sequence keeps every
+// thread busy), and attend_merge combines their partial states. The segments are fixed positions, not a share of
+// the threads: a row's result depends on its own keys only, never on the batch around it (batch-invariant, as the
+// linear kernels: speculative decoding's draft rows then score exactly as their decode steps would).
 template <class Decode, class Prefill = F32Prefill>
 void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                           int32_t num_heads, float scale, float softcap, int32_t window, float* out) {
