@@ -308,12 +308,8 @@ int32_t Engine::apply_verification(const ScheduledSeq& s, int32_t first_sample, 
 void Engine::run_step() {
   if (options_.speculative.enabled) propose_drafts();
   PromptCaps caps;
-  if (pacer_.enabled()) {
-    int32_t decoding = 0;
-    for (const Sequence* s : scheduler_.running()) decoding += s->num_pending_tokens() == 1 ? 1 : 0;
-    caps = PromptCaps{pacer_.cap(0), pacer_.cap(std::max(decoding, 1)), pacer_.chunk_tokens(), pacer_.finish_tokens(),
-                      true};
-  }
+  if (pacer_.enabled())  // the scheduler picks alone or beside_decodes: it knows whether any running sequence decodes
+    caps = PromptCaps{pacer_.cap(false), pacer_.cap(true), pacer_.chunk_tokens(), pacer_.finish_tokens(), true};
   BatchPlan plan = scheduler_.schedule(caps);
   if (plan.empty()) return;
   memory_released_ = false;

@@ -56,10 +56,10 @@ int32_t PromptPacer::finish_tokens() const {
   return (int32_t)std::max(1.0, std::min(n, (double)max_tokens_));
 }
 
-int32_t PromptPacer::cap(int32_t decode_rows) const {
+int32_t PromptPacer::cap(bool beside_decodes) const {
   if (!enabled()) return max_tokens_;
   // A chunk once the credit pays for it; none: a decode-only step (the first measures D).
-  if (decode_rows > 0) return decode_seconds_ > 0 && credit_ >= chunk_seconds() ? chunk_tokens() : 0;
+  if (beside_decodes) return decode_seconds_ > 0 && credit_ >= chunk_seconds() ? chunk_tokens() : 0;
   const double c = token_seconds();
   if (c == 0) return std::min(kMinAloneTokens, max_tokens_);
   if (decode_seconds_ > 0 && since_decode_ < kGraceSeconds) return std::max(1, chunk_tokens() / 4);

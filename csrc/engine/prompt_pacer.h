@@ -17,8 +17,8 @@
 //   - with nothing decoding, about kAloneStepSeconds of prompt tokens a step, never under kMinAloneTokens (the
 //     GEMMs stay efficient: chunks of 128+ tokens cost a long prompt no time on the CPU kernels), so a request
 //     arriving during a long prompt waits one short step, not the whole prompt; for kGraceSeconds of steps after
-//     the last decode, chunks stay the size they have beside decodes (a client that sends its next request
-//     when an answer ends finds a short step in flight).
+//     the last decode, a quarter of a chunk beside decodes (a client that sends its next request when an answer
+//     ends finds a short step in flight).
 // D is an average of decode-only steps, the cost of a prompt token (c) one of (T - D) / n over the steps with
 // prompt tokens, weighted by n. Until D is known a step beside decodes takes no prompt token (it measures D).
 // slowdown 0 turns pacing off: the caps are the token budget.
@@ -43,8 +43,8 @@ class PromptPacer {
   bool enabled() const { return slowdown_ > 0; }
   // After a step ran: its decode rows (drafts included), its prompt tokens and its wall time.
   void record(int32_t decode_rows, int32_t prompt_tokens, double seconds);
-  // Prompt tokens the next step may take at most: decode_rows > 0: beside that many decode rows; 0: alone.
-  int32_t cap(int32_t decode_rows) const;
+  // Prompt tokens the next step may take at most, beside decodes or with none running.
+  int32_t cap(bool beside_decodes) const;
   // The tokens of one chunk beside decodes whatever the credit (0 until D is known): PromptCaps::chunk.
   int32_t chunk_tokens() const;
   // The tokens of kFinishSeconds of prompt work (at least a chunk; 0 until D is known): PromptCaps::finish.

@@ -371,10 +371,9 @@ BatchPlan Scheduler::schedule(const PromptCaps& caps) {
   int32_t head_tokens = INT32_MAX;
   if (caps.paced) {
     const Sequence* head = waiting_.empty() ? nullptr : waiting_.front();
-    if (head && allowance(head->num_tokens(), true) > 0 &&
-        batch_slots + 1 + head->num_forks <= config_.max_batch_size &&
-        (!has_state() || can_take_slots(1 + head->num_forks)) &&
-        blocks_.can_allocate(blocks_.num_blocks_for(std::min(head->num_tokens(), allowance(head->num_tokens(), true)))))
+    const int32_t first = head ? std::min(head->num_tokens(), allowance(head->num_tokens(), true)) : 0;
+    if (first > 0 && batch_slots + 1 + head->num_forks <= config_.max_batch_size &&
+        (!has_state() || can_take_slots(1 + head->num_forks)) && blocks_.can_allocate(blocks_.num_blocks_for(first)))
       head_tokens = head->num_tokens();
     shorter_after.assign(running_.size(), head_tokens);
     int32_t fewest = head_tokens;

@@ -27,21 +27,21 @@ TEST(off_the_caps_are_the_token_budget) {
   PromptPacer pacer(8192, 0);
   EXPECT(!pacer.enabled());
   pacer.record(1, 0, 0.01);
-  EXPECT_EQ(pacer.cap(1), 8192);
-  EXPECT_EQ(pacer.cap(0), 8192);
+  EXPECT_EQ(pacer.cap(true), 8192);
+  EXPECT_EQ(pacer.cap(false), 8192);
 }
 
 TEST(beside_decodes_nothing_until_a_decode_step_was_timed) {
   PromptPacer pacer(8192, 2.0);
-  EXPECT_EQ(pacer.cap(3), 0);
-  EXPECT_EQ(pacer.cap(0), PromptPacer::kMinAloneTokens);  // alone, before any timing
+  EXPECT_EQ(pacer.cap(true), 0);
+  EXPECT_EQ(pacer.cap(false), PromptPacer::kMinAloneTokens);  // alone, before any timing
   pacer.record(3, 0, 0.010);
   EXPECT(pacer.decode_seconds() > 0);
-  EXPECT_EQ(pacer.cap(3), 0);  // D known; credit for one decode step, not for a chunk of kStepsPerChunk
+  EXPECT_EQ(pacer.cap(true), 0);  // D known; credit for one decode step, not for a chunk of kStepsPerChunk
   for (int i = 1; i < PromptPacer::kStepsPerChunk; ++i) pacer.record(3, 0, 0.010);
-  EXPECT_EQ(pacer.cap(3), PromptPacer::kFirstTokens);  // a chunk paid for; the cost of a token not known yet
+  EXPECT_EQ(pacer.cap(true), PromptPacer::kFirstTokens);  // a chunk paid for; the cost of a token not known yet
   PromptPacer small(8, 2.0);
-  EXPECT_EQ(small.cap(0), 8);  // always within the token budget
+  EXPECT_EQ(small.cap(false), 8);  // always within the token budget
 }
 
 TEST(decodes_beside_a_long_prompt_keep_the_speed_asked_and_the_prompt_moves) {
@@ -53,7 +53,7 @@ TEST(decodes_beside_a_long_prompt_keep_the_speed_asked_and_the_prompt_moves) {
     double seconds = 0, prompt_seconds = 0;
     int64_t steps = 0;
     while (pending > 0 && steps < 1000000) {
-      const int32_t n = std::min(pacer.cap(1), pending);
+      const int32_t n = std::min(pacer.cap(true), pending);
       const double t = cost.step(1, n);
       pacer.record(1, n, t);
       pending -= n;
@@ -83,20 +83,20 @@ TEST(a_chunk_beside_decodes_waits_for_credit) {
   const double debt = pacer.credit_seconds();
   EXPECT(debt < 0);
   int32_t waited = 0;
-  while (pacer.cap(1) == 0 && waited < 100) {  // decode-only steps repay it, (slowdown - 1) D each, and pay
+  while (pacer.cap(true) == 0 && waited < 100) {  // decode-only steps repay it, (slowdown - 1) D each, and pay
     pacer.record(1, 0, cost.step(1, 0));       // for the next chunk before it is taken
     ++waited;
   }
   const double d = cost.step(1, 0);
   EXPECT(std::fabs(debt - (8 * d - 205e-3 + d)) < 1e-9);
   EXPECT_EQ(waited, (int32_t)std::ceil((8 * d - debt) / d - 1e-9));
-  EXPECT_EQ(pacer.cap(0), std::max(1, pacer.chunk_tokens() / 4));  // nothing decodes, a moment after a decode
+  EXPECT_EQ(pacer.cap(false), std::max(1, pacer.chunk_tokens() / 4));  // nothing decodes, a moment after a decode
   pacer.record(0, 10, cost.step(0, 10));
   EXPECT(pacer.credit_seconds() <= 0);  // a step with nothing decoding ends what was banked
   for (int i = 0; i < 7; ++i) pacer.record(1, 0, d);
-  EXPECT_EQ(pacer.cap(1), 0);  // so the next answer starts with none: 8 decode steps before a chunk
+  EXPECT_EQ(pacer.cap(true), 0);  // so the next answer starts with none: 8 decode steps before a chunk
   pacer.record(1, 0, d);
-  EXPECT(pacer.cap(1) > 0);
+  EXPECT(pacer.cap(true) > 0);
 }
 
 TEST(alone_steps_take_about_the_alone_time_and_never_under_the_floor) {
@@ -105,10 +105,10 @@ TEST(alone_steps_take_about_the_alone_time_and_never_under_the_floor) {
     cost.token = token;
     PromptPacer pacer(100000, 2.0);
     for (int i = 0; i < 20; ++i) {
-      const int32_t n = pacer.cap(0);
+      const int32_t n = pacer.cap(false);
       pacer.record(0, n, cost.step(0, n));
     }
-    const int32_t n = pacer.cap(0);
+    const int32_t n = pacer.cap(false);
     const int32_t expect = std::max<int32_t>(PromptPacer::kMinAloneTokens,
                                              (int32_t)(PromptPacer::kAloneStepSeconds / token));
     EXPECT(n >= PromptPacer::kMinAloneTokens);
@@ -124,11 +124,11 @@ TEST(after_the_last_decode_chunks_stay_small_for_the_grace_period) {
   const int32_t beside =
       (int32_t)std::floor(PromptPacer::kStepsPerChunk * pacer.decode_seconds() / pacer.token_seconds());
   EXPECT_EQ(pacer.chunk_tokens(), beside);
-  EXPECT_EQ(pacer.cap(0), beside / 4);  // nothing decodes now, but a decode ran a moment ago: a quarter chunk
+  EXPECT_EQ(pacer.cap(false), beside / 4);  // nothing decodes now, but a decode ran a moment ago: a quarter chunk
   double since = 0;
   int32_t steps = 0;
-  while (pacer.cap(0) < PromptPacer::kMinAloneTokens && steps < 1000) {
-    const int32_t n = pacer.cap(0);
+  while (pacer.cap(false) < PromptPacer::kMinAloneTokens && steps < 1000) {
+    const int32_t n = pacer.cap(false);
     const double t = cost.step(0, n);
     pacer.record(0, n, t);
     since += t;
