@@ -28,6 +28,16 @@ MAX_SCHEMA_NODES = 10_000
 compiling, which takes seconds for a schema of this size (5,000 enum properties, 25,000 values: 4.2 s on a
 Zen 1 core) and is refused by llguidance past ~15,000 properties only after the work."""
 
+MAX_GRAMMAR_CHARS = 256 * 1024
+"""The most characters of a regex, or of a grammar outside its ``%json`` schemas (each of those is a JSON schema,
+held to MAX_SCHEMA_NODES). llguidance recurses once per link of a chain of rules or groups; the compile's thread
+has a 512 MiB stack (csrc/engine/grammar.h), and the deepest 256 KiB grammar found needs 128-256 MiB."""
+
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+"""How long a compile may take before its caller gets a StructuredOutputError (within the size limits above the
+slowest found take ~2 s on a Zen 5 core). llguidance cannot be interrupted: an overdue compile finishes on its
+thread, its result dropped, and the next compile for the same model waits for it, so there is one at a time."""
+
 _GRAMMAR_CACHE_SIZE = 256
 """Compiled grammars kept per engine (a compiled JSON schema takes ~100 KB to a few MB)."""
 
@@ -68,6 +78,9 @@ class StructuredOutput:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise StructuredOutputError(f"{name} must be a non-empty string")
+        if self.regex is not None and len(self.regex) > MAX_GRAMMAR_CHARS:
+            raise StructuredOutputError(f"the regex has {len(self.regex):,} characters, more than the "
+                                        f"{MAX_GRAMMAR_CHARS:,} allowed")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise StructuredOutputError("json must be a JSON schema: a dict or its JSON text")
 
@@ -113,11 +126,43 @@ class StructuredOutput:
         if "::=" in self.grammar:  # GBNF / EBNF
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
+            _check_lark_size(self.grammar)  # the converter's work grows with it
             try:
-                return "lark", gbnf_to_lark(self.grammar)
+                lark = gbnf_to_lark(self.grammar)
             except Exception as e:  # the converter raises plain exceptions for grammars it cannot read
                 raise StructuredOutputError(f"the GBNF grammar cannot be converted: {e}") from None
-        return "lark", self.grammar
+        else:
+            lark = self.grammar
+        _check_lark_size(lark)
+        return "lark", lark
+
+
+def _check_lark_size(text: str) -> None:
+    """Raises StructuredOutputError when ``text`` has more than MAX_GRAMMAR_CHARS characters outside its
+    ``%json`` schemas, or one of those has more than MAX_SCHEMA_NODES values."""
+    if len(text) <= MAX_GRAMMAR_CHARS and "%json" not in text:
+        return
+    decoder = json.JSONDecoder()
+    outside = at = 0
+    while (found := text.find("%json", at)) >= 0:
+        outside += found - at
+        start = found + len("%json")
+        while start < len(text) and text[start] in " \t\r\n":
+            start += 1
+        try:
+            schema, at = decoder.raw_decode(text, start)
+        except (json.JSONDecodeError, RecursionError):  # not a schema: counted as Lark, llguidance says why
+            outside += start - found
+            at = start
+            continue
+        if _count_values(schema, MAX_SCHEMA_NODES) > MAX_SCHEMA_NODES:
+            raise StructuredOutputError(f"a %json schema of the grammar has more than {MAX_SCHEMA_NODES:,} values "
+                                        "(objects, arrays and scalars)")
+    outside += len(text) - at
+    if outside > MAX_GRAMMAR_CHARS:
+        where = " outside its %json schemas" if outside < len(text) else ""
+        raise StructuredOutputError(f"the grammar has {outside:,} characters{where}, more than the "
+                                    f"{MAX_GRAMMAR_CHARS:,} allowed")
 
 
 def _count_values(value, limit: int) -> int:
@@ -174,8 +219,10 @@ class GrammarCache:
     seconds)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int],
-                 capacity: int = _GRAMMAR_CACHE_SIZE):
+                 capacity: int = _GRAMMAR_CACHE_SIZE, compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S):
         self._tokenizer_json = tokenizer_json
+        self.compile_timeout_s = compile_timeout_s
+        """Seconds a compile may take before it is refused (0: no limit); see GRAMMAR_COMPILE_TIMEOUT_S."""
         self._vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._capacity = capacity
@@ -220,7 +267,8 @@ class GrammarCache:
 
     def compile(self, constraint: StructuredOutput):
         """The compiled grammar of ``constraint`` (an ``_engine.CompiledGrammar``); StructuredOutputError with
-        llguidance's message when it is invalid or uses a feature llguidance does not support."""
+        llguidance's message when it is invalid or uses a feature llguidance does not support, or when it takes
+        longer than compile_timeout_s to compile (refusals are cached too: sent again, it costs nothing)."""
         from lmkit._ext import _engine
 
         key = constraint.source()
@@ -228,7 +276,7 @@ class GrammarCache:
         if compiled is None:
             tokenizer = self._grammar_tokenizer()
             try:
-                compiled = _engine.CompiledGrammar(tokenizer, *key)
+                compiled = _engine.CompiledGrammar(tokenizer, *key, timeout_s=self.compile_timeout_s)
             except ValueError as e:  # kept like a grammar: a client that sends it again costs no second compile
                 compiled = StructuredOutputError(grammar_error_summary(str(e)))
             with self._lock:

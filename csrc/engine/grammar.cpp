@@ -4,9 +4,12 @@
 #include "engine/grammar.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
 
+#include <chrono>
 #include <cstring>
 #include <map>
+#include <sstream>
 
 #include "core/check.h"
 
@@ -137,31 +140,120 @@ GrammarTokenizer::GrammarTokenizer(const std::string& library, const std::string
 }
 
 GrammarTokenizer::~GrammarTokenizer() {
+  wait_overdue();  // they read tok_
   if (tok_) api_->free_tokenizer(tok_);
 }
 
 std::string GrammarTokenizer::version() const { return api_->get_version ? api_->get_version() : ""; }
 
+// One compile: llguidance's new_matcher and first mask, on a thread of its own (a deep stack; a caller that can
+// stop waiting). The thread owns nothing it could outlive: the destructor joins it.
+struct GrammarCompile {
+  const LlgApi* api = nullptr;
+  ConstraintInitBuffer init;
+  std::string kind, text;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;               // guarded by mu
+  LlgMatcher* matcher = nullptr;   // the result (guarded by mu): owned here until taken
+  std::string error;               // llguidance's message when it refused the grammar
+  pthread_t thread{};
+  bool joinable = false;
+
+  void run() {
+    LlgMatcher* m = api->new_matcher(&init.init, kind.c_str(), text.c_str());
+    const char* e = api->matcher_get_error(m);
+    if (!e && api->matcher_compute_mask(m) != 0) e = api->matcher_get_error(m);
+    std::string message = e ? e : "";
+    if (e) {
+      api->free_matcher(m);
+      m = nullptr;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      matcher = m;
+      error = std::move(message);
+      done = true;
+    }
+    cv.notify_all();
+  }
+
+  static void* trampoline(void* self) {
+    static_cast<GrammarCompile*>(self)->run();
+    return nullptr;
+  }
+
+  // Starts the thread (a smaller stack, then the calling thread, where the address space is short).
+  void start() {
+    for (size_t stack : {CompiledGrammar::kCompileStackBytes, CompiledGrammar::kCompileStackBytes / 8}) {
+      pthread_attr_t attr;
+      pthread_attr_init(&attr);
+      pthread_attr_setstacksize(&attr, stack);
+      joinable = pthread_create(&thread, &attr, &GrammarCompile::trampoline, this) == 0;
+      pthread_attr_destroy(&attr);
+      if (joinable) return;
+    }
+    run();
+  }
+
+  // True when the compile ended within timeout_s (<= 0: waits for it).
+  bool wait(double timeout_s) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (timeout_s <= 0) {
+      cv.wait(lock, [&] { return done; });
+      return true;
+    }
+    return cv.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return done; });
+  }
+
+  ~GrammarCompile() {
+    if (joinable) pthread_join(thread, nullptr);
+    if (matcher) api->free_matcher(matcher);
+  }
+};
+
+void GrammarTokenizer::keep_overdue(std::shared_ptr<GrammarCompile> compile) const {
+  std::lock_guard<std::mutex> lock(overdue_mu_);
+  overdue_.push_back(std::move(compile));
+}
+
+void GrammarTokenizer::wait_overdue() const {
+  std::vector<std::shared_ptr<GrammarCompile>> overdue;
+  {
+    std::lock_guard<std::mutex> lock(overdue_mu_);
+    overdue.swap(overdue_);
+  }
+  overdue.clear();  // each destructor joins its thread
+}
+
 CompiledGrammar::CompiledGrammar(std::shared_ptr<const GrammarTokenizer> tokenizer, const std::string& kind,
-                                 const std::string& text)
+                                 const std::string& text, double timeout_s)
     : tokenizer_(std::move(tokenizer)) {
   LMKIT_CHECK_ARG(kind == "json_schema" || kind == "regex" || kind == "lark", "grammar kind must be json_schema, "
                   "regex or lark, got '", kind, "'");
-  const LlgApi& api = tokenizer_->api();
-  ConstraintInitBuffer buffer;
-  std::memset(&buffer, 0, sizeof(buffer));
-  api.constraint_init_set_defaults(&buffer.init, tokenizer_->handle());
-  buffer.init.log_stderr_level = 0;  // errors come back as exceptions, not as lines on the server's stderr
-  buffer.init.limits.verbose_errors = false;  // the error, not the parser's state after it (clients read these)
-  prototype_ = api.new_matcher(&buffer.init, kind.c_str(), text.c_str());
-  const char* error = api.matcher_get_error(prototype_);
-  if (!error && api.matcher_compute_mask(prototype_) != 0) error = api.matcher_get_error(prototype_);
-  if (error) {
-    std::string message = error;
-    api.free_matcher(prototype_);
-    prototype_ = nullptr;
-    throw InvalidArgument("invalid " + kind + ": " + message);
+  LMKIT_CHECK_ARG(timeout_s >= 0 && timeout_s < 1e9, "timeout_s must be >= 0 (0: no deadline), got ", timeout_s);
+  tokenizer_->wait_overdue();
+  auto compile = std::make_shared<GrammarCompile>();
+  compile->api = &tokenizer_->api();
+  std::memset(&compile->init, 0, sizeof(compile->init));
+  compile->api->constraint_init_set_defaults(&compile->init.init, tokenizer_->handle());
+  compile->init.init.log_stderr_level = 0;  // errors come back as exceptions, not as lines on the server's stderr
+  compile->init.init.limits.verbose_errors = false;  // the error, not the parser's state after it (clients read these)
+  compile->kind = kind;
+  compile->text = text;
+  compile->start();
+  if (!compile->wait(timeout_s)) {
+    tokenizer_->keep_overdue(std::move(compile));
+    std::ostringstream what;
+    what << "compiling the " << (kind == "json_schema" ? "JSON schema" : kind == "regex" ? "regex" : "grammar")
+         << " took longer than " << timeout_s << " s: make it smaller or simpler";
+    throw InvalidArgument(what.str());
   }
+  std::lock_guard<std::mutex> lock(compile->mu);
+  if (!compile->matcher) throw InvalidArgument("invalid " + kind + ": " + compile->error);
+  prototype_ = compile->matcher;
+  compile->matcher = nullptr;
 }
 
 CompiledGrammar::~CompiledGrammar() {

@@ -5,7 +5,8 @@
 //
 //   GrammarTokenizer   one model's vocabulary as llguidance sees it (built once per engine, ~1 s for 150k ids)
 //   CompiledGrammar    a parsed grammar: the prototype every request's matcher is cloned from (cached by the
-//                      caller, keyed by grammar text)
+//                      caller, keyed by grammar text); compiled on a thread of its own with a deep stack and a
+//                      deadline (GrammarCompile)
 //   GrammarMatcher     one sequence's state: consume(token) on the loop thread; its next mask is computed by
 //                      the MaskWorker while the step's forward runs, and the sampler waits for it (wait())
 //   MaskWorker         one thread that computes masks in submission order
@@ -27,6 +28,7 @@ namespace lmkit {
 struct LlgApi;        // the C entry points (grammar.cpp)
 struct LlgTokenizer;  // llguidance's opaque handles
 struct LlgMatcher;
+struct GrammarCompile;  // one compile on its own thread (grammar.cpp)
 
 // A token mask computed beside the forward; the sampler reads it through wait() (batch.h SampleRow::mask).
 class TokenMask {
@@ -54,10 +56,18 @@ class GrammarTokenizer {
   // llguidance's version string (e.g. "llguidance@1.9.1 ...").
   std::string version() const;
 
+  // Compiles whose caller stopped waiting at its deadline and that still run: kept here so that the next
+  // compile for this vocabulary first waits for them (one overdue compile at a time, never a pile of them)
+  // and the destructor joins them before the vocabulary they read is freed.
+  void keep_overdue(std::shared_ptr<GrammarCompile> compile) const;
+  void wait_overdue() const;
+
  private:
   std::shared_ptr<const LlgApi> api_;
   LlgTokenizer* tok_ = nullptr;
   int32_t vocab_size_ = 0;
+  mutable std::mutex overdue_mu_;
+  mutable std::vector<std::shared_ptr<GrammarCompile>> overdue_;
 };
 
 class CompiledGrammar {
@@ -65,9 +75,17 @@ class CompiledGrammar {
   // kind: "json_schema" | "regex" | "lark"; text: the schema (JSON text), the regex or the grammar.
   // Parses the grammar and computes its first mask (what a request would wait for first: the lexer's
   // first states are built here, once). Throws InvalidArgument with llguidance's message when the grammar
-  // is invalid or uses what llguidance does not support.
+  // is invalid or uses what llguidance does not support, and when compiling it takes longer than
+  // timeout_s seconds (> 0; 0: no deadline). llguidance cannot be interrupted: an overdue compile runs to
+  // its end on its thread, its result dropped (see GrammarTokenizer::keep_overdue).
+  //
+  // The compile runs on a thread with a kCompileStackBytes stack: llguidance recurses once per link of a
+  // chain of rules or groups (a 3,000-rule chain overflows an 8 MiB stack and kills the process), so the
+  // caller bounds the grammar's size (lmkit/structured.py MAX_GRAMMAR_CHARS: 256 KiB of Lark needs at most
+  // ~256 MiB) and the stack is sized past that.
   CompiledGrammar(std::shared_ptr<const GrammarTokenizer> tokenizer, const std::string& kind,
-                  const std::string& text);
+                  const std::string& text, double timeout_s = 0);
+  static constexpr size_t kCompileStackBytes = size_t(512) << 20;  // address space; pages touched as needed
   ~CompiledGrammar();
   CompiledGrammar(const CompiledGrammar&) = delete;
   CompiledGrammar& operator=(const CompiledGrammar&) = delete;

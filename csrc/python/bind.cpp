@@ -193,8 +193,9 @@ PYBIND11_MODULE(_engine, m) {
 
   py::class_<CompiledGrammar, std::shared_ptr<CompiledGrammar>>(m, "CompiledGrammar",
                                                                 "A parsed grammar, ready to constrain requests.")
-      .def(py::init<std::shared_ptr<const GrammarTokenizer>, const std::string&, const std::string&>(),
-           py::arg("tokenizer"), py::arg("kind"), py::arg("text"), py::call_guard<py::gil_scoped_release>())
+      .def(py::init<std::shared_ptr<const GrammarTokenizer>, const std::string&, const std::string&, double>(),
+           py::arg("tokenizer"), py::arg("kind"), py::arg("text"), py::arg("timeout_s") = 0.0,
+           py::call_guard<py::gil_scoped_release>())
       .def("matcher", [](std::shared_ptr<CompiledGrammar> g) { return std::make_unique<GrammarMatcher>(g, nullptr); },
            "A matcher in the start state, its masks computed on the calling thread (what the engine's sampler "
            "applies; for tests and tools).");

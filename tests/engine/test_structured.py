@@ -241,6 +241,90 @@ def test_a_schema_past_the_size_bound_is_refused_before_compiling(smollm2_pipe):
     assert engine.grammars.num_compiled == compiled
 
 
+def _rule_chain(rules: int, groups: int) -> str:
+    """Lark whose rules each hold the next inside ``groups`` nested parentheses: llguidance recurses once per link."""
+    import itertools
+    import string
+
+    names = ["".join(p) for n in (1, 2, 3, 4) for p in itertools.product(string.ascii_lowercase, repeat=n)]
+    return "start:a\n" + "".join(f"{names[i]}:{'(' * groups}{names[i + 1]}{')' * groups}\n" for i in range(rules)) + \
+        f'{names[rules]}:"end"'
+
+
+def test_the_deepest_grammar_within_the_size_bound_compiles_and_generates(smollm2_pipe):
+    """A chain of rules is compiled by recursion in llguidance: 3,000 links overflowed the calling thread's 8 MiB
+    stack and killed the process (SIGSEGV). The compile runs on a thread of its own with a deep stack: the
+    deepest grammar found within MAX_GRAMMAR_CHARS (its links 20 groups deep) compiles here, on the calling
+    thread, and constrains a generation; one character more of it is refused before compiling."""
+    from lmkit.structured import MAX_GRAMMAR_CHARS
+
+    engine = smollm2_pipe.engine
+    deep = _rule_chain(5491, 20)
+    assert MAX_GRAMMAR_CHARS - 48 < len(deep) <= MAX_GRAMMAR_CHARS  # one rule more would not fit
+    r = smollm2_pipe("hi", GenerationConfig(max_new_tokens=8, structured_output=StructuredOutput(grammar=deep)))
+    assert (r.text, r.finish_reason) == ("end", "stop")
+    compiled = engine.grammars.num_compiled
+    with pytest.raises(StructuredOutputError, match=f"more than the {MAX_GRAMMAR_CHARS:,} allowed"):
+        engine.compile_grammar(StructuredOutput(grammar=deep + " " * (MAX_GRAMMAR_CHARS + 1 - len(deep))))
+    assert engine.grammars.num_compiled == compiled
+
+
+def test_grammar_and_regex_sizes_are_bounded_before_compiling(smollm2_pipe):
+    """A regex or a grammar past MAX_GRAMMAR_CHARS (GBNF before its conversion too) is refused naming the bound;
+    a grammar's %json schemas do not count toward it but each is held to MAX_SCHEMA_NODES."""
+    from lmkit.structured import MAX_GRAMMAR_CHARS, MAX_SCHEMA_NODES
+
+    engine = smollm2_pipe.engine
+    compiled = engine.grammars.num_compiled
+    long_words = [f"{i:06d}" * 8 for i in range(6000)]  # 6,001 values, ~330 KB of JSON
+    schema = json.dumps({"enum": long_words})
+    assert len(schema) > MAX_GRAMMAR_CHARS
+    engine.compile_grammar(StructuredOutput(grammar=f"start: %json {schema}"))
+    assert engine.grammars.num_compiled == compiled + 1
+    too_many = json.dumps({"enum": list(range(MAX_SCHEMA_NODES))})
+    refusals = [
+        (dict(regex="a" * (MAX_GRAMMAR_CHARS + 1)), "regex has 262,145 characters"),
+        (dict(grammar='start: "' + "a" * MAX_GRAMMAR_CHARS + '"'), "grammar has 262,153 characters,"),
+        (dict(grammar='root ::= "' + "a" * MAX_GRAMMAR_CHARS + '"'), "grammar has 262,155 characters,"),
+        (dict(grammar=f"start: %json {too_many}"), f"more than {MAX_SCHEMA_NODES:,} values"),
+        (dict(grammar=f'start: %json {schema} | "' + "b" * MAX_GRAMMAR_CHARS + '"'),
+         "characters outside its %json schemas"),
+    ]
+    for fields, words in refusals:
+        with pytest.raises(StructuredOutputError, match=words):
+            engine.compile_grammar(StructuredOutput(**fields))
+    assert engine.grammars.num_compiled == compiled + 1
+
+
+def test_a_compile_past_its_deadline_is_refused_and_runs_alone(smollm2_pipe):
+    """A compile that takes longer than compile_timeout_s is refused at the deadline (llguidance cannot be
+    stopped: it ends on its thread), the refusal is cached, and the next compile waits for the overdue one, so
+    one runs at a time; dropping the cache joins what still runs."""
+    import gc
+    import time
+
+    from lmkit.structured import GrammarCache
+
+    e = smollm2_pipe.engine
+    cache = GrammarCache(e.tokenizer.to_json(), e.spec.vocab_size, e.spec.eos_token_ids, compile_timeout_s=0.02)
+    cache.compile(StructuredOutput(regex="[ab]"))  # the vocabulary, outside the deadline's test
+    slow = StructuredOutput(grammar=_rule_chain(14_000, 5))  # ~0.4-1 s to compile
+    started = time.perf_counter()
+    with pytest.raises(StructuredOutputError, match="took longer than 0.02 s: make it smaller or simpler"):
+        cache.compile(slow)
+    assert time.perf_counter() - started < 0.3
+    with pytest.raises(StructuredOutputError, match="took longer"):  # cached: no second compile
+        cache.compile(slow)
+    assert cache.num_compiled == 2
+    assert cache.compile(StructuredOutput(regex="[cd]")) is not None  # after the overdue one ends
+    with pytest.raises(StructuredOutputError, match="took longer"):
+        cache.compile(StructuredOutput(grammar=_rule_chain(13_999, 5)))
+    del cache
+    gc.collect()  # joins the overdue compile before its vocabulary is freed (a crash here otherwise)
+    r = smollm2_pipe("hi", GenerationConfig(max_new_tokens=4, structured_output=StructuredOutput(choice=["ok"])))
+    assert r.text == "ok"
+
+
 def test_choice_grammar_lists_each_choice_as_itself():
     """The choices' Lark alternation (built from one json.dumps of the list): exactly one JSON string literal per
     choice, in order, whatever the choices hold (quotes, '", "' itself, backslashes, newlines, non-ASCII)."""

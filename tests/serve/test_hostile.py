@@ -17,6 +17,7 @@ from tests.serve.test_event_loop import HealthPoller
 
 CHOICES = [f"c{i}x{i * 7919 % 10007}" for i in range(20_000)]
 RULES = "start: " + " | ".join(json.dumps(f"w{i}x") for i in range(3000))
+CHAIN = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(6000)) + 'r6000: "end"'  # killed the server
 
 # (name, path, raw body, headers, status, the error's param); bodies are bytes so that a lone surrogate goes as is
 HOSTILE = [
@@ -24,6 +25,9 @@ HOSTILE = [
     ("20,000 choices", "completions", {"prompt": "ab", "max_tokens": 12, "guided_choice": CHOICES}, None, 200, None),
     ("3,000 rule alternatives", "completions", {"prompt": "ab", "max_tokens": 4, "guided_grammar": RULES}, None, 400,
      "guided_grammar"),
+    ("6,000-rule chain", "completions", {"prompt": "ab", "max_tokens": 4, "guided_grammar": CHAIN}, None, 200, None),
+    ("300,000-character regex", "completions", {"prompt": "ab", "max_tokens": 2, "guided_regex": "a" * 300_000}, None,
+     400, "guided_regex"),
     ("lone surrogate in a schema", "completions",
      {"prompt": "ab", "max_tokens": 2, "guided_json": {"type": "string", "enum": ["a\ud800"]}}, None, 400,
      "guided_json"),
