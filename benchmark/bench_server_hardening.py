@@ -1,7 +1,7 @@
 """What a hostile or careless client costs an api_server: its start-up time, its idle memory, and how long
 `/health` and an ordinary chat request take while clients send what issue 63 found hurting it.
 
-    python benchmark/bench_server_hardening.py [--model smollm2] [--mix oversized,choices,schema,scoring]
+    python benchmark/bench_server_hardening.py [--model smollm2] [--mix oversized,choices,schema,scoring,copies]
         [--attackers 4] [--prompt-mib 3.9] [--rounds 3] [--pythonpath DIR] [--server-args "..."]
         [--label NAME] [--csv FILE] [--smoke]
 
@@ -14,14 +14,16 @@ of lmkit, e.g. an older tree, runs instead), and measures:
 - under each mix (``--mix``, comma-separated), ``--attackers`` clients at once, ``--rounds`` times, while a
   poller asks /health every 20 ms and a victim sends an ordinary chat request ("Hi", 16 tokens) again and again:
   the pollers' latency p50 / p99 / max, the victim's median latency against its median on the idle server
-  (target <= 2x), the attackers' statuses and wall time, and the RSS two seconds after the attack
-  (target: within 10% of idle). Mixes:
+  (target <= 2x), the attackers' statuses and wall time, the RSS's peak (sampled with each poll) and two seconds
+  after the attack (target: within 10% of idle). Mixes:
   - ``oversized``: a ``--prompt-mib`` MiB prompt that cannot fit the context (half to /v1/completions, half to
     /v1/chat/completions; a correct server answers 400);
   - ``choices``: ``guided_choice`` with 100,000 strings (0.9 MB, within the body limit; 400 past the choice bound);
   - ``schema``: ``guided_json`` given as a string nested 1,000 deep, and a JSON schema of 20,000 properties;
   - ``scoring``: an 8,100-token prompt scored with ``echo`` and ``logprobs: 20`` (one attacker per round: the
-    work bound of one request; pass ``--server-args "--session-len 8192"``).
+    work bound of one request; pass ``--server-args "--session-len 8192"``);
+  - ``copies``: the same prompt and scores into ``n: 5`` completions, the most one answer may render
+    (1.7M scores, an 85 MB answer; one attacker per round, ``--session-len 8192``).
 
 Run it on two trees in one session to compare (the CPU named in the output and the CSV).
 """
@@ -47,7 +49,8 @@ sys.path.insert(0, str(HERE))
 from summary import append_csv, summarize  # noqa: E402
 
 HEALTH_POLL_S = 0.02
-MIXES = ("oversized", "choices", "schema", "scoring")
+MIXES = ("oversized", "choices", "schema", "scoring", "copies")
+ONE_ATTACKER = ("scoring", "copies")
 VICTIM = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 
 
@@ -121,10 +124,10 @@ def attack_requests(mix: str, model_name: str, prompt_bytes: int) -> list[tuple[
         deep = "[" * 1000 + "]" * 1000
         wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(20_000)}}
         return [("/v1/chat/completions", chat(guided_json=deep)), ("/v1/chat/completions", chat(guided_json=wide))]
-    if mix == "scoring":
+    if mix in ONE_ATTACKER:
         prompt = "All work and no play makes Jack a dull boy. " * 740  # ~8,100 SmolLM2 tokens
         return [("/v1/completions", {"model": model_name, "prompt": prompt, "max_tokens": 1, "echo": True,
-                                     "logprobs": 20})]
+                                     "logprobs": 20, "n": 5 if mix == "copies" else 1})]
     raise ValueError(f"unknown mix {mix!r}: one of {', '.join(MIXES)}")
 
 
@@ -140,14 +143,17 @@ async def timed_post(session, url: str, body: dict, timeout_s: float = 600) -> t
         return type(e).__name__, time.perf_counter() - started
 
 
-async def attack(session, url: str, model_name: str, mix: str, attackers: int, prompt_bytes: int, rounds: int):
-    """(/health latencies (s), the victim's latencies (s), the attackers' statuses, the attack's wall seconds)."""
+async def attack(session, url: str, pid: int, model_name: str, mix: str, attackers: int, prompt_bytes: int,
+                 rounds: int):
+    """(/health latencies (s), the victim's latencies (s), the attackers' statuses, the attack's wall seconds, the
+    server's highest RSS sampled at each poll (MiB))."""
     import aiohttp
 
     requests = attack_requests(mix, model_name, prompt_bytes)
     statuses: Counter = Counter()
     latencies: list[float] = []
     victim: list[float] = []
+    rss = [rss_mib(pid)]
     done = asyncio.Event()
 
     async def one(i: int) -> None:
@@ -165,6 +171,7 @@ async def attack(session, url: str, model_name: str, mix: str, attackers: int, p
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 ok = False
             latencies.append(time.perf_counter() - started if ok else float("inf"))
+            rss.append(rss_mib(pid))
             await asyncio.sleep(HEALTH_POLL_S)
 
     async def ordinary() -> None:
@@ -179,7 +186,7 @@ async def attack(session, url: str, model_name: str, mix: str, attackers: int, p
     wall = time.perf_counter() - started
     done.set()
     await asyncio.gather(*side)
-    return latencies, victim, statuses, wall
+    return latencies, victim, statuses, wall, max(rss)
 
 
 async def model_name_of(session, url: str) -> str:
@@ -210,10 +217,9 @@ async def measure(args) -> dict:
                 idle_victim.append(seconds)
             idle_victim_s = sorted(idle_victim)[2]
             for mix in args.mixes:
-                attackers = 1 if mix == "scoring" else args.attackers
-                latencies, victim, statuses, wall = await attack(session, url, name, mix, attackers,
-                                                                 int(args.prompt_mib * 2**20), args.rounds)
-                peak_rss = rss_mib(proc.pid)
+                attackers = 1 if mix in ONE_ATTACKER else args.attackers
+                latencies, victim, statuses, wall, peak_rss = await attack(
+                    session, url, proc.pid, name, mix, attackers, int(args.prompt_mib * 2**20), args.rounds)
                 await asyncio.sleep(args.settle_s)
                 ok = [x for x in latencies if x != float("inf")]
                 stats = summarize(ok)
@@ -242,7 +248,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="model folder or smollm2 (the bundled model)")
     p.add_argument("--mix", default="oversized", help=f"comma-separated, of {', '.join(MIXES)}, or all")
-    p.add_argument("--attackers", type=int, default=4, help="attack requests sent at once (scoring: 1)")
+    p.add_argument("--attackers", type=int, default=4, help="attack requests sent at once (scoring, copies: 1)")
     p.add_argument("--prompt-mib", type=float, default=3.9, help="size of each oversized prompt")
     p.add_argument("--rounds", type=int, default=3, help="attack waves")
     p.add_argument("--pythonpath", default=None, help="PYTHONPATH of the lmkit copy to run (default: installed)")

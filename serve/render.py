@@ -1,16 +1,140 @@
 """The two renderers of the event stream (serve/stream.py): ChoiceEvents as OpenAI chat completion chunks or text
-completion chunks, and gathered Choices as their whole answers."""
+completion chunks, and gathered Choices as their whole answers.
+
+Per-token scores are the bulk of an answer that has them (an 8,100-token prompt echoed with 20 alternatives into
+5 completions encodes to 85 MB, 1.9 s of json.dumps holding the GIL): they are LazyLists, made item by item as
+encode_pieces writes the answer in pieces of PIECE_CHARS, so that neither the answer nor its Python objects are
+ever held whole and the interpreter is never held for long."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 from lmkit.serve.stream import Choice, ChoiceEvent
 
 TokenText = Callable[[int], tuple[str, list[int]]]
 """token id -> (its text, its bytes)"""
+
+PIECE_CHARS = 1 << 16
+"""Characters of JSON per piece of an answer encoded in pieces (~1 ms of encoding each)."""
+
+
+class LazyList:
+    """A JSON list whose items are made when it is encoded (``item(i)`` for i in 0..count-1). ``shared``: the
+    list goes into several completions of one answer (a prompt's scores into each of its n): each item's text
+    is kept once made, so that the copies cost one making (and one copy's text), not n."""
+
+    __slots__ = ("count", "item", "text")
+
+    def __init__(self, count: int, item: Callable[[int], Any], shared: bool = False):
+        self.count = count
+        self.item = item
+        self.text: Callable[[int], str] = (_kept_texts(count, item) if shared else lambda i: dumps(item(i)))
+        """The JSON text of item i."""
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[Any]:
+        return map(self.item, range(self.count))
+
+    def __add__(self, other: list | LazyList) -> LazyList:
+        return _concat(self, other)
+
+    def __radd__(self, other: list) -> LazyList:
+        return _concat(other, self)
+
+
+def _kept_texts(count: int, item: Callable[[int], Any]) -> Callable[[int], str]:
+    texts: list[str | None] = [None] * count
+
+    def text(i: int) -> str:
+        t = texts[i]
+        if t is None:
+            t = texts[i] = dumps(item(i))
+        return t
+
+    return text
+
+
+def _concat(a: list | LazyList, b: list | LazyList) -> LazyList:
+    n = len(a)
+    item_a, text_a = (a.item, a.text) if isinstance(a, LazyList) else (a.__getitem__, lambda i: dumps(a[i]))
+    item_b, text_b = (b.item, b.text) if isinstance(b, LazyList) else (b.__getitem__, lambda i: dumps(b[i]))
+    joined = LazyList(n + len(b), lambda i: item_a(i) if i < n else item_b(i - n))
+    joined.text = lambda i: text_a(i) if i < n else text_b(i - n)
+    return joined
+
+
+MIN_LOGPROB = -9999.0
+"""What a logprob of -inf (a token a grammar or a logit bias ruled out) is written as: JSON has no infinity,
+and OpenAI and vLLM write this."""
+
+
+def logprob(value: float) -> float:
+    return value if value > MIN_LOGPROB else MIN_LOGPROB
+
+
+def _made(value: Any) -> list:
+    if isinstance(value, LazyList):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=_made).encode
+"""JSON text as Starlette's JSONResponse writes it; LazyLists made whole (small ones: a streamed chunk's). One
+encoder: json.dumps with arguments builds one per call."""
+
+
+def _has_lazy(value: Any) -> bool:
+    if isinstance(value, LazyList):
+        return True
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return any(_has_lazy(v) for v in items if isinstance(v, (dict, list, LazyList)))
+
+
+def _fragments(value: Any) -> Iterator[str]:
+    """JSON text of ``value``: a LazyList item by item (its items are plain values), a dict or list that holds a
+    LazyList part by part, anything else in one piece."""
+    if isinstance(value, LazyList):
+        text = value.text
+        for i in range(value.count):
+            yield ("," if i else "[") + text(i)
+        yield "]" if value.count else "[]"
+    elif isinstance(value, dict) and _has_lazy(value):
+        sep = "{"
+        for key, v in value.items():
+            yield sep + dumps(key) + ":"
+            yield from _fragments(v)
+            sep = ","
+        yield "}"
+    elif isinstance(value, list) and _has_lazy(value):
+        sep = "["
+        for v in value:
+            yield sep
+            yield from _fragments(v)
+            sep = ","
+        yield "]"
+    else:
+        yield dumps(value)
+
+
+def encode_pieces(value: Any, piece_chars: int | None = None) -> Iterator[str]:
+    """``dumps(value)`` in pieces of about ``piece_chars`` (PIECE_CHARS; concatenated, the same text), each made
+    only when asked for (see _fragments)."""
+    piece_chars = piece_chars or PIECE_CHARS
+    pieces, size = [], 0
+    for fragment in _fragments(value):
+        pieces.append(fragment)
+        size += len(fragment)
+        if size >= piece_chars:
+            yield "".join(pieces)
+            pieces, size = [], 0
+    if pieces:
+        yield "".join(pieces)
 
 
 def usage(num_prompt_tokens: int, choices: list[Choice]) -> dict:
@@ -20,20 +144,20 @@ def usage(num_prompt_tokens: int, choices: list[Choice]) -> dict:
 
 
 def prompt_logprobs_body(entries: list[dict[int, float] | None], prompt_ids: list[int], num_top: int,
-                         token_text: TokenText) -> list[dict | None]:
+                         token_text: TokenText, shared: bool = False) -> LazyList:
     """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}
     for the token (first) and the ``num_top`` most likely alternatives. rank counts from 1; the prompt's token
     has its rank where it is one of the alternatives, else null (the engine ranks only the top)."""
-    out: list[dict | None] = []
-    for t, entry in zip(prompt_ids, entries):
+    def item(k: int) -> dict | None:
+        entry, t = entries[k], prompt_ids[k]
         if entry is None:
-            out.append(None)
-            continue
+            return None
         best = [i for i, _ in sorted(entry.items(), key=lambda kv: -kv[1])][:num_top]
         rank = {i: r + 1 for r, i in enumerate(best)}
-        out.append({str(i): {"logprob": entry[i], "rank": rank.get(i), "decoded_token": token_text(i)[0]}
-                    for i in dict.fromkeys([t, *best])})
-    return out
+        return {str(i): {"logprob": logprob(entry[i]), "rank": rank.get(i), "decoded_token": token_text(i)[0]}
+                for i in dict.fromkeys([t, *best])}
+
+    return LazyList(min(len(entries), len(prompt_ids)), item, shared)
 
 
 class ChatRenderer:
@@ -56,14 +180,15 @@ class ChatRenderer:
         return []
 
     def _logprobs(self, entries: list[dict[int, float]], token_ids: list[int]) -> dict:
-        out = []
-        for t, entry in zip(token_ids, entries):
+        def item(k: int) -> dict:
+            t, entry = token_ids[k], entries[k]
             text, raw = self.token_text(t)
             best = sorted(entry.items(), key=lambda kv: -kv[1])[:self.top]
-            out.append({"token": text, "logprob": entry[t], "bytes": raw,
-                        "top_logprobs": [{"token": self.token_text(i)[0], "logprob": lp,
-                                          "bytes": self.token_text(i)[1]} for i, lp in best]})
-        return {"content": out, "refusal": None}
+            return {"token": text, "logprob": logprob(entry[t]), "bytes": raw,
+                    "top_logprobs": [{"token": self.token_text(i)[0], "logprob": logprob(lp),
+                                      "bytes": self.token_text(i)[1]} for i, lp in best]}
+
+        return {"content": LazyList(min(len(token_ids), len(entries)), item), "refusal": None}
 
     def chunks(self, e: ChoiceEvent) -> list[dict]:
         """The choice entries of one event (each becomes one chunk)."""
@@ -138,20 +263,21 @@ class CompletionRenderer:
         the likelier one's value stays."""
         top: dict[str, float] = {}
         for i, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:self.num_logprobs]:
-            top.setdefault(self.token_text(i)[0], lp)
+            top.setdefault(self.token_text(i)[0], logprob(lp))
         return top
 
-    def _logprobs(self, entries: list[dict[int, float] | None], token_ids: list[int], offset: int) -> dict:
+    def _logprobs(self, entries: list[dict[int, float] | None], token_ids: list[int], offset: int,
+                  shared: bool = False) -> dict:
         """The legacy logprobs of token_ids from text offset ``offset``; an entry None (a prompt's first token,
         echoed) gives a null logprob and top."""
-        tokens, token_logprobs, tops, offsets = [], [], [], []
+        tokens, token_logprobs, offsets = [], [], []
         for t, entry in zip(token_ids, entries):
             text = self.token_text(t)[0]
             tokens.append(text)
-            token_logprobs.append(None if entry is None else entry[t])
-            tops.append(None if entry is None else self._top(entry))
+            token_logprobs.append(None if entry is None else logprob(entry[t]))
             offsets.append(offset)
             offset += len(text)
+        tops = LazyList(len(tokens), lambda k: None if entries[k] is None else self._top(entries[k]), shared)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def prelude(self, choices: list[Choice]) -> list[dict]:
@@ -170,7 +296,8 @@ class CompletionRenderer:
             scored = self.scored.setdefault(prompt, [])
             scored.extend(e.prompt_logprobs)
             if len(scored) == len(self.prompt_ids[prompt]):  # scored whole: the echo of each of its completions
-                part = self._logprobs(scored, self.prompt_ids[prompt], 0)  # the echo's tokens count from 0
+                # the echo's tokens count from 0; its n copies share their texts
+                part = self._logprobs(scored, self.prompt_ids[prompt], 0, shared=self.n > 1)
                 out += [{"index": i, "text": self._prefix(i), "logprobs": part, "finish_reason": None}
                         for i in range(prompt * self.n, (prompt + 1) * self.n)]
         logprobs = None
@@ -193,7 +320,7 @@ class CompletionRenderer:
                 logprobs = self._logprobs(c.logprobs, c.token_ids, len(prefix))
                 if self.echoes_logprobs:
                     if prompt not in echoed:
-                        echoed[prompt] = self._logprobs(scored, self.prompt_ids[prompt], 0)
+                        echoed[prompt] = self._logprobs(scored, self.prompt_ids[prompt], 0, shared=self.n > 1)
                     part = echoed[prompt]
                     logprobs = {key: part[key] + logprobs[key] for key in part}
             choice = {"index": c.index, "text": prefix + "".join(c.text), "logprobs": logprobs,
@@ -201,7 +328,7 @@ class CompletionRenderer:
             if self.num_prompt_logprobs is not None:
                 if prompt not in bodies:
                     bodies[prompt] = prompt_logprobs_body(scored, self.prompt_ids[prompt], self.num_prompt_logprobs,
-                                                          self.token_text)
+                                                          self.token_text, shared=self.n > 1)
                 choice["prompt_logprobs"] = bodies[prompt]
             out.append(choice)
         return {**self.head, "object": "text_completion", "choices": out,

@@ -306,11 +306,11 @@ def test_gpu_suite_script_parses(script):
 
 def test_server_hardening_benchmark_smoke(tiny_llama, tmp_path):
     """bench_server_hardening.py --smoke --mix all: a real api_server on the tiny model, its start-up and idle RSS,
-    then each mix (oversized prompts, 100,000 choices, deep and wide schemas, a scoring request) with /health
+    then each mix (oversized prompts, 100,000 choices, deep and wide schemas, scoring requests) with /health
     polled and an ordinary request timed beside it: the attacks answered as ``want`` says, the ordinary requests
     served; torch is not loaded into the server. An unknown mix is refused before anything starts."""
     want = {"oversized": "{400: 2}", "choices": "{200: 2}", "schema": "{400: 2}",  # choices: one lexer terminal
-            "scoring": "{400: 1}"}  # the tiny model's context is shorter than the scored prompt
+            "scoring": "{400: 1}", "copies": "{400: 1}"}  # the tiny model's context is shorter than the prompt
     csv_path = tmp_path / "hardening.csv"
     run = _run_script("bench_server_hardening.py", "--smoke", "--mix", "all", "--model", str(tiny_llama[0]), "--csv",
                       str(csv_path))
@@ -319,7 +319,7 @@ def test_server_hardening_benchmark_smoke(tiny_llama, tmp_path):
     for mix, statuses in want.items():
         line = next(line for line in run.stdout.splitlines() if line.strip().startswith(f"{mix}:"))
         assert f"statuses {statuses};" in line and "(0 failed); RSS" in line, line
-    assert csv_path.read_text().count("\n") == 5
+    assert csv_path.read_text().count("\n") == 6
     run = _run_script("bench_server_hardening.py", "--mix", "oversized,nope")
     assert run.returncode == 2 and "argument --mix: nope: choose from" in run.stderr, run.stderr
 

@@ -159,3 +159,27 @@ def test_prompt_scores_past_the_bound_are_a_400_and_copies_share_one_body(api_se
     assert len(choices) == 4 and all(c["prompt_logprobs"] == choices[0]["prompt_logprobs"] for c in choices)
     assert all(c["logprobs"]["token_logprobs"][:33] == choices[0]["logprobs"]["token_logprobs"][:33] for c in choices)
     assert_blocks_free(tiny_engine.engine)
+
+
+def test_a_large_scored_answer_is_streamed_in_pieces_beside_a_fast_health(api_server, tiny_engine):
+    """511 prompt tokens echoed with 20 alternatives and scored with 20 (prompt_logprobs) into 24 completions:
+    ~515,000 scores, 21 MB of JSON. Encoded whole it held the GIL in one json.dumps (/health's slowest probe
+    0.47-0.53 s on Zen 5); in pieces it streams (no Content-Length) while /health stays fast (38 ms), and the
+    copies are equal."""
+    from tests.serve.test_event_loop import HealthPoller
+
+    prompt = np.random.default_rng(6).integers(0, 256, size=511).tolist()
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 20, "prompt_logprobs": 20,
+            "n": 24}
+    with HealthPoller(api_server.url) as health:
+        r = httpx.post(f"{api_server.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and "content-length" not in r.headers, (r.status_code, r.headers)
+    assert len(r.content) > 10_000_000
+    choices = r.json()["choices"]
+    assert len(choices) == 24 and len(choices[0]["prompt_logprobs"]) == 511
+    first = choices[0]
+    for c in choices[1:]:
+        assert c["prompt_logprobs"] == first["prompt_logprobs"]
+        assert c["logprobs"]["top_logprobs"][:511] == first["logprobs"]["top_logprobs"][:511]
+    health.check("a 21 MB scored answer", limit_s=0.4)
+    assert_blocks_free(tiny_engine.engine)

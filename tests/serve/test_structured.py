@@ -166,3 +166,38 @@ def test_a_grammar_that_fails_while_generating_is_a_400_without_internals(smollm
     body = {"model": "smollm2", "messages": ASK, "max_tokens": 8, "guided_choice": choices}
     r = httpx.post(f"{smollm2_server.url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in choices, r.text
+
+
+def test_logprobs_of_tokens_a_grammar_rules_out_are_minus_9999(smollm2_server):
+    """Under a grammar that allows two answers, most of the 20 alternatives have probability zero: the engine
+    reports -inf, which JSON cannot hold (the whole answer was a 500, the stream's chunks held -Infinity).
+    They are -9999.0, as OpenAI and vLLM write them, whole and streamed, chat and completions."""
+    url = smollm2_server.url
+    bodies = {"chat/completions": {"messages": ASK, "logprobs": True, "top_logprobs": 20},
+              "completions": {"prompt": "Answer yes or no:", "logprobs": 20, "echo": True}}
+    for path, extra in bodies.items():
+        for stream in (False, True):
+            body = {"model": "smollm2", "max_tokens": 4, "guided_choice": ["yes", "no"], "stream": stream, **extra}
+            r = httpx.post(f"{url}/v1/{path}", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            texts = [line[6:] for line in r.text.splitlines() if line.startswith("data: {")] if stream else [r.text]
+            values: list[float] = []
+            for text in texts:  # strict JSON: no -Infinity
+                logprobs_of(json.loads(text, parse_constant=lambda c: pytest.fail(f"{path}: {c}")), values)
+            assert values and min(values) == -9999.0 and max(values) <= 0.0, (path, stream, values[:40])
+
+
+def logprobs_of(value, out: list[float]) -> None:
+    """Every logprob in an answer: chat's {"logprob": x} and the legacy top_logprobs' {text: x} maps."""
+    if isinstance(value, dict):
+        for key, v in value.items():
+            if key == "logprob" or (key == "token_logprobs" and isinstance(v, list)):
+                out += [x for x in (v if isinstance(v, list) else [v]) if x is not None]
+            elif key == "top_logprobs" and isinstance(v, list) and v and not any(
+                    isinstance(t, dict) and "logprob" in t for t in v):
+                out += [x for t in v if t for x in t.values()]
+            else:
+                logprobs_of(v, out)
+    elif isinstance(value, list):
+        for v in value:
+            logprobs_of(v, out)
