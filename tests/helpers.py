@@ -220,3 +220,39 @@ def assert_int4_kl_per_layer(lm, windows: "torch.Tensor", num_layers: int) -> No
             q = torch.log_softmax(lm(input_ids=windows, kv_bits=bits, use_cache=False).logits[:, :-1], -1)
             want = float((ref.exp() * (ref - q)).sum()) / (n * (length - 1))
             assert got[i] == pytest.approx(want, rel=1e-4), (i, got[i], want)
+
+
+def reference_distribution(logits: np.ndarray, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    """HF's order, in float64: temperature, top-k (the k best become the distribution), top-p over what
+    is left (the smallest best-first prefix whose mass reaches top_p), min-p against the best token."""
+    x = logits.astype(np.float64) / temperature
+    order = sorted(range(len(x)), key=lambda i: (-x[i], i))
+    if top_k > 0:
+        order = order[:top_k]
+    p = np.exp(x[order] - x[order[0]])
+    p /= p.sum()
+    keep = len(order)
+    if top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)
+    if min_p > 0.0:
+        keep = min(keep, int(np.sum(p >= min_p * p[0])))
+    out = np.zeros(len(x))
+    out[order[:keep]] = p[:keep] / p[:keep].sum()
+    return out
+
+
+def assert_draws_follow(tokens: list[int], expect: np.ndarray, label) -> None:
+    """Nothing drawn outside the support of ``expect`` and a chi-square test of the draws against it (p > 1e-4)."""
+    draws = len(tokens)
+    counts = np.bincount(tokens, minlength=len(expect))
+    assert counts[expect == 0].sum() == 0
+    support = expect > 0
+    # pool the rare tokens (expected count < 5) into one cell, as the chi-square test needs
+    rare = support & (expect * draws < 5)
+    obs = np.append(counts[support & ~rare], counts[rare].sum())
+    exp = np.append(expect[support & ~rare], expect[rare].sum()) * draws
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat, dof = float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+    # the chi-square quantile at p = 1e-4 (z = 3.719), Wilson-Hilferty: exact to ~1% for dof >= 3
+    limit = dof * (1 - 2 / (9 * dof) + 3.719 * (2 / (9 * dof)) ** 0.5) ** 3
+    assert stat < limit, (label, stat, dof)

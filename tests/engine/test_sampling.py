@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from lmkit import GenerationConfig
+from tests.helpers import assert_draws_follow, reference_distribution
 
 
 def test_seeded_sampling_is_reproducible(tiny_llama_pipe):
@@ -88,25 +89,6 @@ def test_filters_shape_the_distribution(tiny_llama_pipe):
     assert len(first_tokens(temperature=5.0)) > 10
 
 
-def reference_distribution(logits: np.ndarray, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
-    """HF's order, in float64: temperature, top-k (the k best become the distribution), top-p over what
-    is left (the smallest best-first prefix whose mass reaches top_p), min-p against the best token."""
-    x = logits.astype(np.float64) / temperature
-    order = sorted(range(len(x)), key=lambda i: (-x[i], i))
-    if top_k > 0:
-        order = order[:top_k]
-    p = np.exp(x[order] - x[order[0]])
-    p /= p.sum()
-    keep = len(order)
-    if top_p < 1.0:
-        keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)
-    if min_p > 0.0:
-        keep = min(keep, int(np.sum(p >= min_p * p[0])))
-    out = np.zeros(len(x))
-    out[order[:keep]] = p[:keep] / p[:keep].sum()
-    return out
-
-
 @pytest.mark.parametrize("filters", [dict(temperature=0.4), dict(top_k=20), dict(temperature=0.5, top_p=0.6),
                                      dict(top_k=50, top_p=0.8), dict(top_p=0.9, min_p=0.1)],
                          ids=["temperature", "top_k", "top_p", "top_k+top_p", "top_p+min_p"])
@@ -122,23 +104,6 @@ def test_sampled_distribution_matches_the_reference(tiny_llama_pipe, filters):
               for o in pipe(prompt, GenerationConfig(max_new_tokens=1, do_sample=True, n=16, random_seed=seed,
                                                      ignore_eos=True, **filters))]
     assert_draws_follow(tokens, expect, filters)
-
-
-def assert_draws_follow(tokens: list[int], expect: np.ndarray, label) -> None:
-    """Nothing drawn outside the support of ``expect`` and a chi-square test of the draws against it (p > 1e-4)."""
-    draws = len(tokens)
-    counts = np.bincount(tokens, minlength=len(expect))
-    assert counts[expect == 0].sum() == 0
-    support = expect > 0
-    # pool the rare tokens (expected count < 5) into one cell, as the chi-square test needs
-    rare = support & (expect * draws < 5)
-    obs = np.append(counts[support & ~rare], counts[rare].sum())
-    exp = np.append(expect[support & ~rare], expect[rare].sum()) * draws
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    stat, dof = float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
-    # the chi-square quantile at p = 1e-4 (z = 3.719), Wilson-Hilferty: exact to ~1% for dof >= 3
-    limit = dof * (1 - 2 / (9 * dof) + 3.719 * (2 / (9 * dof)) ** 0.5) ** 3
-    assert stat < limit, (label, stat, dof)
 
 
 def test_tiny_temperature_is_greedy(tiny_llama_pipe):

@@ -12,9 +12,9 @@ import pytest
 
 from lmkit import EngineConfig, GenerationConfig, StructuredOutput, pipeline
 from lmkit._ext import _engine
-from tests.engine.test_sampling import assert_draws_follow, reference_distribution
 from tests.factories import build_case
-from tests.helpers import assert_blocks_free, run_with_random_cancellations
+from tests.helpers import (assert_blocks_free, assert_draws_follow, reference_distribution,
+                           run_with_random_cancellations)
 
 BASE = dict(device="cpu", dtype="float32", cache_max_entry_count=96, cache_block_seq_len=16, max_batch_size=8)
 FIXED = dict(speculative_adaptive=False)  # every proposal verified: the tests see every path, whatever steps cost

@@ -14,50 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.serve.harness import HealthPoller
+
 BIG_CHARS = 3_900_000
-
-
-class HealthPoller:
-    """Polls GET /health on a thread until stopped; keeps (latency_s, status) of every probe."""
-
-    def __init__(self, url: str, interval_s: float = 0.01):
-        self.url = url
-        self.interval_s = interval_s
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=10) as http:
-            while not self._stop.is_set():
-                started = time.perf_counter()
-                try:
-                    status = http.get(f"{self.url}/health").status_code
-                except httpx.HTTPError:
-                    status = -1
-                self.samples.append((time.perf_counter() - started, status))
-                time.sleep(self.interval_s)
-
-    def __enter__(self) -> "HealthPoller":
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while len(self.samples) < 3:
-            assert time.monotonic() < deadline, "/health did not answer before the load started"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        time.sleep(0.2)  # a few probes after the load
-        self._stop.set()
-        self._thread.join(timeout=15)
-
-    def check(self, label: str, limit_s: float = 1.0) -> None:
-        """Every probe answered 200, the slowest within ``limit_s`` (generous for a loaded 2-core machine)."""
-        latencies = sorted(s for s, _ in self.samples)
-        p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
-        print(f"\n{label}: {len(latencies)} /health probes, p99 {p99 * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms")
-        assert all(status == 200 for _, status in self.samples), [st for _, st in self.samples if st != 200]
-        assert latencies[-1] < limit_s, f"/health took {latencies[-1]:.2f} s under load (p99 {p99:.3f} s)"
 
 
 def post_all(url: str, requests: list[tuple[str, bytes]]) -> list[httpx.Response]:

@@ -16,7 +16,7 @@ import httpx
 
 from tests.helpers import assert_blocks_free
 from tests.serve.hostile_client import send
-from tests.serve.test_event_loop import HealthPoller
+from tests.serve.harness import HealthPoller
 
 CHOICES = [f"c{i}x{i * 7919 % 10007}" for i in range(20_000)]
 RULES = "start: " + " | ".join(json.dumps(f"w{i}x") for i in range(3000))

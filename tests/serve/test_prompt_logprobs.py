@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import assert_blocks_free
+from tests.serve.harness import HealthPoller
 
 
 def hf_rows(tiny_llama, ids: list[int]) -> np.ndarray:
@@ -166,7 +167,6 @@ def test_a_large_scored_answer_is_streamed_in_pieces_beside_a_fast_health(api_se
     ~515,000 scores, 21 MB of JSON. Encoded whole it held the GIL in one json.dumps (/health's slowest probe
     0.47-0.53 s on Zen 5); in pieces it streams (no Content-Length) while /health stays fast (38 ms), and the
     copies are equal."""
-    from tests.serve.test_event_loop import HealthPoller
 
     prompt = np.random.default_rng(6).integers(0, 256, size=511).tolist()
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 20, "prompt_logprobs": 20,
