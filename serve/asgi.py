@@ -16,13 +16,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
-from fastapi import Request
+from fastapi import HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import HANDLED_SIGNALS
 
-from lmkit.serve.errors import error_response
+from lmkit.serve.errors import APIError, error_response, validation_error
 from lmkit.serve.gate import GATE_SCOPE_KEY, Gate, drain_ended_message
 
 log = logging.getLogger("lmkit.serve")
@@ -101,21 +102,56 @@ async def parse_json(body: bytes):
     return await asyncio.get_running_loop().run_in_executor(_JSON_POOL, _loads_without_gc, body)
 
 
+class BodyRefused(HTTPException):
+    """A body that failed its route's validation on the JSON thread; ``error`` is its answer (errors.py answers
+    it: FastAPI passes an HTTPException raised while it reads a body on, where it would make any other a 400
+    "There was an error parsing the body")."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.status, error.message)
+        self.error = error
+
+
+def _parse_and_validate(body: bytes, field, content_type: str | None):
+    """The body parsed and, given its route's body ``field``, validated (its model, which FastAPI then takes as
+    it is); BodyRefused with the answer FastAPI's validation would have given."""
+    data = _loads_without_gc(body)
+    if field is None:
+        return data
+    errors: list = []
+    try:
+        value, errors = field.validate(data, {}, loc=("body",))
+    except APIError as e:  # a model validator's own answer
+        value, refused = None, e
+    else:
+        refused = validation_error(RequestValidationError(errors), content_type) if errors else None
+    if refused is None:
+        return value
+    del data, errors  # freed here, not on the event loop with the exception's frame (~80 ms for 800 k lists)
+    raise BodyRefused(refused)
+
+
 class _OffLoopJSONRequest(Request):
+    body_field = None  # the route's (set per route)
+
     async def json(self):
         if not hasattr(self, "_json"):
-            self._json = await parse_json(await self.body())
+            body = await self.body()
+            self._json = await asyncio.get_running_loop().run_in_executor(
+                _JSON_POOL, _parse_and_validate, body, self.body_field, self.headers.get("content-type"))
         return self._json
 
 
 class OffLoopJSONRoute(APIRoute):
-    """A FastAPI route whose JSON body is parsed by ``parse_json`` (FastAPI parses it on the event loop)."""
+    """A FastAPI route whose JSON body is parsed and validated on the JSON thread (FastAPI does both on the
+    event loop: a 1 MiB body of 200,000 one-token prompts takes ~35 ms to parse and ~70 ms to refuse)."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
+        request_class = type("_RouteRequest", (_OffLoopJSONRequest,), {"body_field": self.body_field})
 
         async def off_loop(request: Request):
-            return await handler(_OffLoopJSONRequest(request.scope, request.receive))
+            return await handler(request_class(request.scope, request.receive))
 
         return off_loop
 

@@ -139,6 +139,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(getattr(exc, "error", None), APIError):  # asgi.BodyRefused: validated on the JSON thread
+            return exc.error.response()
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
             message = f"Invalid URL ({request.method} {request.url.path})"
