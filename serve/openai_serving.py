@@ -30,7 +30,8 @@ from lmkit.serve.errors import APIError, bad_request, error_body, internal_error
 from lmkit.serve.metrics import ServerMetrics
 from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
 from lmkit.serve.reasoning import ReasoningFormat
-from lmkit.serve.render import ChatRenderer, CompletionRenderer, dumps, encode_pieces, usage
+from lmkit.serve.encoding import dumps, encode_pieces
+from lmkit.serve.render import ChatRenderer, CompletionRenderer, usage
 from lmkit.serve.stream import Choice, ChoiceEvent, OutputFormat, in_chunks_of
 from lmkit.serve.tools.grammar import tool_call_grammar
 from lmkit.serve.tools.parsers import ToolParser
@@ -478,7 +479,7 @@ class OpenAIServing:
         return choices
 
     async def response(self, req: AnyRequest, prepared: Prepared, choices: list[Choice]) -> responses.Response:
-        """The whole answer, encoded in pieces (render.encode_pieces) in this server's thread pool, off the event
+        """The whole answer, encoded in pieces (encoding.encode_pieces) in this server's thread pool, off the event
         loop: one piece is sent with its length, more are streamed as they are made, so that an answer of
         per-token scores (85 MB for an 8,100-token prompt echoed with 20 alternatives into 5 completions) is
         never held whole and holds the interpreter ~1 ms at a time."""

@@ -1,4 +1,4 @@
-"""serve/render.py's encoding of answers in pieces: the pieces joined are exactly the text Starlette's JSONResponse
+"""serve/encoding.py's answers in pieces: the pieces joined are exactly the text Starlette's JSONResponse
 writes for the same answer made whole (json.dumps, compact), for any nesting of dicts, lists and LazyLists
 (concatenated either way), and a LazyList's items are made only as the pieces are asked for."""
 
@@ -9,7 +9,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmkit.serve.render import MIN_LOGPROB, LazyList, dumps, encode_pieces, logprob
+from lmkit.serve.encoding import LazyList, dumps, encode_pieces
+from lmkit.serve.render import MIN_LOGPROB, logprob
 
 
 def whole(value):
