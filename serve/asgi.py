@@ -16,14 +16,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
-from fastapi import HTTPException, Request
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import HANDLED_SIGNALS
 
-from lmkit.serve.errors import APIError, error_response, validation_error
+from lmkit.serve.errors import APIError, BodyRefused, error_response, validation_error
 from lmkit.serve.gate import GATE_SCOPE_KEY, Gate, drain_ended_message
 
 log = logging.getLogger("lmkit.serve")
@@ -102,16 +102,6 @@ async def parse_json(body: bytes):
     return await asyncio.get_running_loop().run_in_executor(_JSON_POOL, _loads_without_gc, body)
 
 
-class BodyRefused(HTTPException):
-    """A body that failed its route's validation on the JSON thread; ``error`` is its answer (errors.py answers
-    it: FastAPI passes an HTTPException raised while it reads a body on, where it would make any other a 400
-    "There was an error parsing the body")."""
-
-    def __init__(self, error: APIError):
-        super().__init__(error.status, error.message)
-        self.error = error
-
-
 def _parse_and_validate(body: bytes, field, content_type: str | None):
     """The body parsed and, given its route's body ``field``, validated (its model, which FastAPI then takes as
     it is); BodyRefused with the answer FastAPI's validation would have given."""
@@ -132,7 +122,9 @@ def _parse_and_validate(body: bytes, field, content_type: str | None):
 
 
 class _OffLoopJSONRequest(Request):
-    body_field = None  # the route's (set per route)
+    def __init__(self, request: Request, body_field):
+        super().__init__(request.scope, request.receive)
+        self.body_field = body_field  # the route's: what the body is validated against
 
     async def json(self):
         if not hasattr(self, "_json"):
@@ -148,10 +140,9 @@ class OffLoopJSONRoute(APIRoute):
 
     def get_route_handler(self):
         handler = super().get_route_handler()
-        request_class = type("_RouteRequest", (_OffLoopJSONRequest,), {"body_field": self.body_field})
 
         async def off_loop(request: Request):
-            return await handler(request_class(request.scope, request.receive))
+            return await handler(_OffLoopJSONRequest(request, self.body_field))
 
         return off_loop
 

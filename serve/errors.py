@@ -126,6 +126,16 @@ def validation_error(exc: RequestValidationError, content_type: str | None = Non
                     "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
 
 
+class BodyRefused(StarletteHTTPException):
+    """A body that failed its route's validation on the JSON thread (serve/asgi.py); ``error`` is its answer.
+    An HTTPException because FastAPI passes those on while it reads a body, where it would make any other
+    exception a 400 "There was an error parsing the body"."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.status, error.message)
+        self.error = error
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error the app can raise leaves as an OpenAI error body with the right status."""
 
@@ -139,7 +149,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if isinstance(getattr(exc, "error", None), APIError):  # asgi.BodyRefused: validated on the JSON thread
+        if isinstance(exc, BodyRefused):
             return exc.error.response()
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:

@@ -19,7 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Union
+from typing import AsyncIterator, Callable, Iterator, Union
 
 from fastapi import responses
 
@@ -495,21 +495,17 @@ class OpenAIServing:
 
         async def rest() -> AsyncIterator[str]:
             yield first
-            piece = second
-            while piece is not None:
+            yield second
+            async for piece in self._made_in_pool(pieces):
                 yield piece
-                piece = await loop.run_in_executor(self._pool, next, pieces, None)
 
         return responses.StreamingResponse(rest(), media_type="application/json")
 
-    async def _sse_pieces(self, body: dict) -> AsyncIterator[str]:
-        """One SSE event of ``body`` in pieces made in the thread pool (a scored prompt's echo)."""
+    async def _made_in_pool(self, pieces: Iterator[str]) -> AsyncIterator[str]:
+        """The rest of ``pieces`` (encoding.encode_pieces), each made in the thread pool."""
         loop = asyncio.get_running_loop()
-        pieces = encode_pieces(body)
-        yield "data: "
         while (piece := await loop.run_in_executor(self._pool, next, pieces, None)) is not None:
             yield piece
-        yield "\n\n"
 
     async def stream(self, req: AnyRequest, prepared: Prepared, streams: list[RequestStream],
                      started_at: float) -> AsyncIterator[str]:
@@ -527,14 +523,19 @@ class OpenAIServing:
 
         for entry in renderer.prelude(choices):
             yield sse(chunk_body(entry))
+        loop = asyncio.get_running_loop()
         try:
             async for event in self.events(prepared, streams, choices, started_at, self.stream_interval):
-                for entry in renderer.chunks(event):
-                    if event.prompt_logprobs:  # a scored prompt's echo: encoded in pieces, off the event loop
-                        async for piece in self._sse_pieces(chunk_body(entry)):
-                            yield piece
-                    else:
+                if not event.prompt_logprobs:
+                    for entry in renderer.chunks(event):
                         yield sse(chunk_body(entry))
+                    continue
+                # a scored prompt's echo: built and encoded in pieces in the thread pool, off the event loop
+                for entry in await loop.run_in_executor(self._pool, renderer.chunks, event):
+                    yield "data: "
+                    async for piece in self._made_in_pool(encode_pieces(chunk_body(entry))):
+                        yield piece
+                    yield "\n\n"
         except APIError as e:
             yield sse(error_body(e.status, e.message, e.param, e.code))
             return

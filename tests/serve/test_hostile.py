@@ -1,9 +1,9 @@
 """The hostile inputs of issue 63, scaled to run in seconds, sent together by several clients at one server while
 /health is polled and an ordinary request is timed: every one gets its status and names its field (no 500, no
 library internals), /health stays fast and the ordinary request within 2x its idle latency (plus a second of
-slack for a loaded 2-core CI machine). The hostile clients run in processes of their own (hostile_client.py):
-as 22 threads of the server's process they took turns at its GIL with /health and measured themselves (p99
-300-380 ms alone, each input 10-20 ms on its own); benchmark/bench_server_hardening.py measures from outside."""
+slack for a loaded 2-core CI machine). The hostile clients run in processes of their own (hostile_client.py), so
+that the probes measure the server, not the clients' turns at its GIL; benchmark/bench_server_hardening.py
+measures from outside."""
 
 from __future__ import annotations
 
