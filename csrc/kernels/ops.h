@@ -220,6 +220,10 @@ void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, floa
 // out[t, j] = gelu_tanh(gate[t, j]) * up[t, j]     (GeGLU; gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
 //                                                   torch's gelu(approximate='tanh')); out may alias gate or up.
 void gelu_tanh_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
+// out[t, j] = g sigmoid(alpha g) (u + 1), g = min(gate[t, j], limit), u = clamp(up[t, j], -limit, limit)
+//                                                  (gpt-oss's clamped SwiGLU); out may alias gate or up; limit > 0.
+void clamped_swiglu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float alpha, float limit,
+                        float* out);
 // x[i] = cap * tanh(x[i] / cap) for i < n, in place (Gemma 2's final logit soft-capping); cap > 0.
 void softcap(float* x, int64_t n, float cap);
 // x[i] *= s for i < n, in place.
@@ -287,14 +291,16 @@ struct AttnSeq {
 //   block_table entries of blocks wholly outside every query's window are never read nor checked (they may be
 //   -1: blocks the engine freed early), i.e. blocks holding only keys below ctx_len - q_len - sliding_window + 1.
 //   out = softmax(s) V with s = scale * q . K^T, or with logit_softcap > 0 s = cap * tanh(scale * q . K^T / cap)
-//   (Gemma 2), computed with an online softmax in fp32.
+//   (Gemma 2), computed with an online softmax in fp32. sinks (nullptr: none): [num_heads], a logit per query head
+//   that joins each row's softmax and carries no value (gpt-oss): out = softmax([s, sink])[keys] V.
 //   Over a bf16 pool on AMX tiles (bf16_amx_available: every task, head_dim and block_size_tokens % 32 == 0), and
 //   elsewhere on AVX512_BF16 dot products (bf16_dot_available: tasks of more than 4 rows, prompts, head_dim % 16
 //   == 0), the softmax weights are rounded to bf16 (fp32 sums): up to ~3e-3 relative (per output row) to the
 //   exact result over the pool's values. Other tasks and CPUs: fp32 over the pool's values.
 //   Batch-invariant: a sequence's rows do not depend on the other sequences of the call, nor on the threads.
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
-                     int32_t num_heads, float scale, int32_t sliding_window, float* out, float logit_softcap = 0.0f);
+                     int32_t num_heads, float scale, int32_t sliding_window, float* out, float logit_softcap = 0.0f,
+                     const float* sinks = nullptr);
 
 // --- Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention) --------------------------------------------
 // One sequence's rows of a recurrent layer, and its state: this layer's part of one slot of the state pool.

@@ -989,6 +989,32 @@ void test_silu_mul() {
   }
 }
 
+// gpt-oss's clamped SwiGLU against its definition in double: values on both sides of the clamps (gate past
+// limit, up past +-limit), extremes, aliasing; and far from the unclamped SwiGLU (proof the clamps ran).
+void test_clamped_swiglu_mul() {
+  for (int64_t inter : {1, 15, 1536, 1537}) {
+    const int64_t n = 5;
+    std::vector<float> g = randn(n * inter, 6.0f), u = randn(n * inter, 6.0f), out(n * inter, NAN), ref(n * inter);
+    if (inter > 100) g[3] = -100.0f, g[4] = 100.0f, g[5] = 7.0f, g[6] = 0.0f, u[7] = 1e30f, u[8] = -1e30f, g[9] = -1e30f;
+    ops::reference::clamped_swiglu_mul(g.data(), u.data(), n, inter, 1.702f, 7.0f, ref.data());
+    ops::clamped_swiglu_mul(g.data(), u.data(), n, inter, 1.702f, 7.0f, out.data());
+    const std::string name = " inter " + std::to_string(inter);
+    expect_close(out, ref, "clamped_swiglu_mul" + name);
+    if (inter > 100) {
+      std::vector<float> plain(n * inter);
+      ops::reference::silu_mul(g.data(), u.data(), n, inter, plain.data());
+      expect(rel_err(out, plain) > 0.1, "clamped_swiglu_mul" + name + ": far from the plain SwiGLU");
+    }
+    std::vector<float> g2 = g, u2 = u;
+    ops::clamped_swiglu_mul(g2.data(), u.data(), n, inter, 1.702f, 7.0f, g2.data());
+    ops::clamped_swiglu_mul(g.data(), u2.data(), n, inter, 1.702f, 7.0f, u2.data());
+    expect(g2 == out, "clamped_swiglu_mul out = gate" + name);
+    expect(u2 == out, "clamped_swiglu_mul out = up" + name);
+  }
+  expect(throws([] { float x = 0; ops::clamped_swiglu_mul(&x, &x, 1, 1, 1.702f, 0.0f, &x); }),
+         "clamped_swiglu_mul refuses limit 0");
+}
+
 // GeGLU against torch's definition in double; per element within 1e-6 of |gate * up| (where the tanh form
 // itself cancels, for gate << 0, only that absolute bound means anything); extremes, aliasing, threads.
 void test_gelu_tanh_mul() {
@@ -1105,12 +1131,14 @@ bool use_attention_path(const char* path) {
 // scale), whether a path rounding the softmax weights to bf16 should have run (AMX tiles, or AVX512_BF16 dot
 // products for prefill tasks; then the result must differ from the fp32 path's, which rounds nothing: proof
 // that the rounding path was taken), and the logit soft-cap (then the result must also be far from the
-// uncapped attention: proof that the case exercises the cap).
+// uncapped attention: proof that the case exercises the cap), and attention sinks (a random logit per head, some
+// above the scores, some below; then the result must be far from the sinkless one).
 struct AttnCheck {
   double row_tol = 0;
   float q_scale = 1.0f;
   bool tiles = false;
   float softcap = 0.0f;
+  bool sinks = false;
 };
 
 void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int block_size_tokens, int window,
@@ -1166,16 +1194,32 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
     }
   }
   const std::string full_name = name + (num_freed ? " freed " + std::to_string(num_freed) : "") +
-                                (check.softcap > 0 ? " softcap " + std::to_string((int)check.softcap) : "");
+                                (check.softcap > 0 ? " softcap " + std::to_string((int)check.softcap) : "") +
+                                (check.sinks ? " sinks" : "");
 
   std::vector<float> q = randn((int64_t)rows * num_heads * head_dim), out(q.size(), NAN), ref(q.size());
   for (float& x : q) x *= check.q_scale;
   const float scale = 1.0f / std::sqrt((float)head_dim);
+  std::vector<float> sink_logits;
+  if (check.sinks) {
+    // about the log of the keys' summed weights (so that the sink takes a share of it), spread either way
+    int longest = 1;
+    for (auto& [ql, cl] : q_ctx) longest = std::max(longest, window > 0 ? std::min(cl, window) : cl);
+    sink_logits = randn(num_heads);
+    for (float& x : sink_logits) x = x * 3.0f * std::max(1.0f, check.q_scale / 4) + std::log((float)longest);
+  }
+  const float* sinks = check.sinks ? sink_logits.data() : nullptr;
   ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, out.data(),
-                       check.softcap);
+                       check.softcap, sinks);
   ops::reference::paged_attention(q.data(), kv_ref, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window,
-                                  ref.data(), check.softcap);
+                                  ref.data(), check.softcap, sinks);
   expect_close(out, ref, "paged_attention " + full_name, tol);
+  if (check.sinks) {
+    std::vector<float> sinkless(q.size());
+    ops::reference::paged_attention(q.data(), kv_ref, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window,
+                                    sinkless.data(), check.softcap);
+    expect(rel_err(out, sinkless) > 10 * tol, "paged_attention " + full_name + ": far from the sinkless result");
+  }
   if (check.softcap > 0) {
     std::vector<float> uncapped(q.size());
     ops::reference::paged_attention(q.data(), kv_ref, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window,
@@ -1198,7 +1242,7 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
     const char* path = g_attn_path;
     use_attention_path("f32");
     ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, exact.data(),
-                         check.softcap);
+                         check.softcap, sinks);
     use_attention_path(path);
     expect(rel_err(out, exact) > 1e-6, "paged_attention " + full_name + ": the bf16 path ran (result differs from fp32)");
   }
@@ -1265,6 +1309,33 @@ void test_attention_softcap_and_freed_blocks(int threads) {
   expect(throws([&] { attend({-1, 1, 2}, 1, 0); }), "paged_attention refuses a freed block without a window");
   expect(throws([&] { attend({0, 1, 2}, 1, 0, -1.0f); }), "paged_attention refuses a negative logit_softcap");
   expect(throws([&] { attend({0, 1, 2}, 1, 0, NAN); }), "paged_attention refuses a NaN logit_softcap");
+}
+
+// gpt-oss's attention sinks (a logit per query head in every row's softmax, no value), with its alternating
+// windows, on every KV format and every path: decode tasks, prefill chunks after cached context, decode key splits
+// (8 threads), where a split's partial states are merged (the sink joins the merge once).
+void test_attention_sinks(int threads) {
+  for (int bits : {32, 16, 8, 4})
+    for (const char* path : {"f32", "bf16", "amx"}) {
+      if ((bits != 16 && std::strcmp(path, "f32") != 0) || !use_attention_path(path)) continue;
+      for (int bs : {16, 32}) {
+        auto run = [&](int heads, int kv_heads, int hd, int window, const std::vector<std::pair<int, int>>& q_ctx,
+                       float q_scale) {
+          const bool rounds = bits == 16 && path_rounds(path, heads, kv_heads, hd, bs, q_ctx);
+          const double tol = rounds ? 5e-3 : 1e-5, row_tol = rounds ? 5e-3 : 1e-5 * std::max(1.0f, q_scale / 4);
+          test_attention_case(heads, kv_heads, hd, bs, window, q_ctx, bits, tol,
+                              AttnCheck{row_tol, q_scale, rounds, 0.0f, true});
+        };
+        run(8, 2, 64, 32, {{1, 300}, {40, 200}, {3, 90}}, 4.0f);  // gpt-oss's sliding layers (window 128 there)
+        run(8, 2, 64, 0, {{1, 150}, {24, 24}, {2, 2}}, 4.0f);     // its full layers
+        run(4, 1, 128, 0, {{1, 1}, {30, 30}}, 1.0f);               // a lone key beside the sink
+        ops::set_num_threads(8);  // decode key splits
+        run(8, 2, 64, 0, {{1, 1100}}, 4.0f);
+        run(4, 2, 64, 300, {{2, 900}, {1, 40}}, 4.0f);
+        ops::set_num_threads(threads);
+      }
+    }
+  ops::cpu::use_amx(true), ops::cpu::use_bf16_attention(true);
 }
 
 // Quantized pools' (scale, zero) pairs at the edges of fp16, byte-exact with the reference quantizer (dtype.h's
@@ -1764,12 +1835,14 @@ int main(int argc, char** argv) {
       test_rope();
       test_silu_mul();
       test_gelu_tanh_mul();
+      test_clamped_swiglu_mul();
       test_recurrent();
       test_softcap_scale();
       test_log_sum_exp();
       test_attention(threads);
       test_kv_write_half_edges();
       test_attention_softcap_and_freed_blocks(threads);
+      test_attention_sinks(threads);
       test_batch_invariance();
     }
     std::printf("[%s] done\n", isa);

@@ -247,6 +247,16 @@ void gelu_tanh_mul(const float* gate, const float* up, int64_t n, int64_t inter,
   cpu::active().gelu_tanh_mul(gate, up, n, inter, out);
 }
 
+void clamped_swiglu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float alpha, float limit,
+                        float* out) {
+  LMKIT_CHECK(n >= 0 && inter >= 0, "clamped_swiglu_mul: bad shape [", n, ", ", inter, "]");
+  LMKIT_CHECK(limit > 0.0f && std::isfinite(alpha), "clamped_swiglu_mul: limit must be > 0, got ", limit);
+  if (n == 0 || inter == 0) return;
+  LMKIT_CHECK(gate != nullptr && up != nullptr && out != nullptr,
+              "clamped_swiglu_mul: gate, up and out must be non-null");
+  cpu::active().clamped_swiglu_mul(gate, up, n, inter, alpha, limit, out);
+}
+
 void softcap(float* x, int64_t n, float cap) {
   LMKIT_CHECK(cap > 0.0f && std::isfinite(cap), "softcap: cap must be finite and > 0, got ", cap);
   LMKIT_CHECK(n >= 0, "softcap: n must be >= 0, got ", n);
@@ -297,7 +307,7 @@ void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* 
 }
 
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
-                     float scale, int32_t sliding_window, float* out, float logit_softcap) {
+                     float scale, int32_t sliding_window, float* out, float logit_softcap, const float* sinks) {
   check_kv(kv, "paged_attention");
   LMKIT_CHECK(logit_softcap >= 0.0f && std::isfinite(logit_softcap),
               "paged_attention: logit_softcap must be 0 (off) or finite and > 0, got ", logit_softcap);
@@ -349,11 +359,11 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
   const cpu::KernelTable* bf16 =
       kv.bits == 16 && cpu::g_bf16_attention_enabled.load(std::memory_order_relaxed) ? cpu::bf16_table() : nullptr;
   if (amx != nullptr && amx->paged_attention_amx != nullptr)
-    amx->paged_attention_amx(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap);
+    amx->paged_attention_amx(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap, sinks);
   else if (bf16 != nullptr && bf16->paged_attention_bf16 != nullptr)
-    bf16->paged_attention_bf16(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap);
+    bf16->paged_attention_bf16(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap, sinks);
   else
-    cpu::active().paged_attention(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap);
+    cpu::active().paged_attention(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap, sinks);
 }
 
 namespace {

@@ -165,6 +165,11 @@ inline const float* task_row(const float* q, const AttnSeq& seq, int kvh, int gr
   return qr;
 }
 
+// An attention sink's share of a row's softmax (gpt-oss: a learned logit per query head that joins every row's
+// softmax and carries no value): exp(sink - m), added to the row's sum l of exp(s - m) over its keys; 0 without
+// sinks. The row's output o / (l + exp(sink - m)) is then exactly softmax([s, sink]) V over the keys' part.
+inline float sink_weight(const float* sinks, int64_t head, float m) { return sinks ? expf(sinks[head] - m) : 0.0f; }
+
 // Vector dv of a head_dim-long row (the last one partial when hd is not a multiple of kW).
 inline V load_hd(const float* row, int dv, int hd) {
   const int rem = hd - dv * kW;
@@ -276,7 +281,7 @@ inline void pv_block(const float* st, int ld, int r0, const float* const* vrow, 
 // Rows [rho0, rho1) of sequence `seq` under kv head `kvh`; RV = row vectors (rows <= RV * kW).
 template <int RV>
 void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group, int num_heads,
-                 int64_t rho0, int64_t rho1, float scale, float softcap, int window, float* out) {
+                 int64_t rho0, int64_t rho1, float scale, float softcap, const float* sinks, int window, float* out) {
   constexpr int ld = RV * kW;  // rows <= ld, and rows * hdp <= kAttnMaxTaskFloats
   const int hd = kv.head_dim, nvec = (hd + kW - 1) / kW, hdp = nvec * kW;
   const int rows = (int)(rho1 - rho0), rows4 = (rows + 3) / 4 * 4;
@@ -325,7 +330,8 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
     }
   }
   for (int r = 0; r < rows; ++r) {
-    const V inv = vset1(1.0f / lsum[r]);
+    const int64_t head = (int64_t)kvh * group + (rho0 + r) % group;
+    const V inv = vset1(1.0f / (lsum[r] + sink_weight(sinks, head, m[r])));
     const float* o = obuf + r * hdp;
     int dv = 0;
     for (; (dv + 1) * kW <= hd; ++dv) vstore(orow[r] + dv * kW, vload(o + dv * kW) * inv);
@@ -341,10 +347,11 @@ struct DecodeRows {
   const float* q[G];
   float* orow[G];
   float pos[G], lo[G], m[G];
+  float sink[G];  // the row's head's attention sink, -inf without
   int64_t key_lo, key_hi;
   V iota;  // 0, 1, .., kW - 1
   DecodeRows(const float* qs, const AttnSeq& seq, int kvh, int group, int num_heads, int hd, int64_t rho0, int window,
-             float* out, int64_t split_begin, int64_t split_end) {
+             const float* sinks, float* out, int64_t split_begin, int64_t split_end) {
     const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
     for (int r = 0; r < G; ++r) {
       const int64_t rho = rho0 + r, head = (int64_t)kvh * group + rho % group, row = seq.q_row + rho / group;
@@ -354,6 +361,7 @@ struct DecodeRows {
       pos[r] = (float)p;
       lo[r] = window > 0 && p - window + 1 > 0 ? (float)(p - window + 1) : 0.0f;
       m[r] = kAttnNoMax;
+      sink[r] = sinks ? sinks[head] : -INFINITY;
     }
     key_lo = (int64_t)lo[0] > split_begin ? (int64_t)lo[0] : split_begin;
     key_hi = (int64_t)pos[G - 1] + 1 < split_end ? (int64_t)pos[G - 1] + 1 : split_end;
@@ -381,12 +389,12 @@ struct DecodeRows {
     m[r] = mx;
     return c;
   }
-  // Row r's output: o[0:hd] + add (in every d) over l into its output row, or with `partial` set, unnormalised
-  // as (m, l, o + add) at partial[r * (hd + 2)] for attend_merge.
+  // Row r's output: o[0:hd] + add (in every d) over l (and its sink's weight) into its output row, or with
+  // `partial` set, unnormalised as (m, l, o + add) at partial[r * (hd + 2)] for attend_merge (which adds the sink).
   void finish(int r, const float* o, float l, float add, int hd, float* partial) const {
     float* dst = partial ? partial + r * (hd + 2) + 2 : orow[r];
     if (partial) dst[-2] = m[r], dst[-1] = l;
-    const V inv = vset1(partial ? 1.0f : 1.0f / l), a = vset1(add);
+    const V inv = vset1(partial ? 1.0f : 1.0f / (l + expf(sink[r] - m[r]))), a = vset1(add);
     int dv = 0;
     for (; (dv + 1) * kW <= hd; ++dv) vstore(dst + dv * kW, (vload(o + dv * kW) + a) * inv);
     if (dv * kW < hd) vstore_n(dst + dv * kW, (vload(o + dv * kW) + a) * inv, hd - dv * kW);
@@ -405,7 +413,7 @@ struct DecodeRows {
 // between capped and plain scores costs uncapped calls the tanh too, once if-converted).
 template <int G, bool Capped>
 void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group, int num_heads,
-                     int64_t rho0, float scale, float softcap, int window, float* out, int64_t split_begin = 0,
+                     int64_t rho0, float scale, float softcap, const float* sinks, int window, float* out, int64_t split_begin = 0,
                      int64_t split_end = INT64_MAX, float* partial = nullptr) {
   const int hd = kv.head_dim, nvec = (hd + kW - 1) / kW, hdp = nvec * kW;
   alignas(64) float obuf[4 * kAttnMaxHeadDim];  // [G][hdp]
@@ -413,7 +421,7 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
   alignas(64) float pbuf[4 * kW];               // [G][kW] scores, then p
   alignas(64) float lsum[4 * kW];
   alignas(64) float kdq[kW * kKVQuantMaxHeadDim], vdq[kW * kKVQuantMaxHeadDim];  // quantized KV
-  DecodeRows<G> rows(q, seq, kvh, group, num_heads, hd, rho0, window, out, split_begin, split_end);
+  DecodeRows<G> rows(q, seq, kvh, group, num_heads, hd, rho0, window, sinks, out, split_begin, split_end);
   for (int r = 0; r < G; ++r) {
     for (int d = 0; d < hdp; ++d) qbuf[r * hdp + d] = d < hd ? rows.q[r][d] : 0.0f;
     for (int d = 0; d < hdp; ++d) obuf[r * hdp + d] = 0.0f;
@@ -503,7 +511,7 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
 // high one); attend_task_dot takes the others. Arguments as attend_task_dot's.
 template <int G, bool Capped, int Bits>
 void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group, int num_heads,
-                           int64_t rho0, float scale, float softcap, int window, float* out, int64_t split_begin = 0,
+                           int64_t rho0, float scale, float softcap, const float* sinks, int window, float* out, int64_t split_begin = 0,
                            int64_t split_end = INT64_MAX, float* partial = nullptr) {
   const int hd = kv.head_dim, nvec = hd / kW;
   const int64_t bs = kv.block_size_tokens, rb = kv.row_bytes();
@@ -514,7 +522,7 @@ void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq
   alignas(64) float lsum[4 * kW], zl[4 * kW];   // [G][kW]: sums of p_j and of p_j z_j (V's zeros)
   alignas(64) uint16_t ks[kW], kz[kW], vs[kW], vz[kW];  // the chunk's (scale, zero) pairs, fp16
   float qsum[G];
-  DecodeRows<G> rows(q, seq, kvh, group, num_heads, hd, rho0, window, out, split_begin, split_end);
+  DecodeRows<G> rows(q, seq, kvh, group, num_heads, hd, rho0, window, sinks, out, split_begin, split_end);
   for (int r = 0; r < G; ++r) {
     V acc = vzero();
     for (int dv = 0; dv < nvec; ++dv) {
@@ -654,12 +662,12 @@ void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq
     rows.finish(r, obuf + r * hd, vsum(vload(lsum + r * kW)), vsum(vload(zl + r * kW)), hd, partial);
 }
 
-// out row = sum_s o_s e^(m_s - m) / sum_s l_s e^(m_s - m), m = max_s m_s, over the splits' partial
-// states (m, l, o[0:hd]) laid out `stride` floats apart.
-inline void attend_merge(const float* partial, int splits, int64_t stride, int hd, float* out) {
+// out row = sum_s o_s e^(m_s - m) / (sum_s l_s e^(m_s - m) + e^(sink - m)), m = max_s m_s, over the splits'
+// partial states (m, l, o[0:hd]) laid out `stride` floats apart; sink -inf: none.
+inline void attend_merge(const float* partial, int splits, int64_t stride, int hd, float sink, float* out) {
   float mx = kAttnNoMax;
   for (int s = 0; s < splits; ++s) mx = partial[s * stride] > mx ? partial[s * stride] : mx;
-  float l = 0.0f;
+  float l = expf(sink - mx);
   for (int s = 0; s < splits; ++s) l += partial[s * stride + 1] * expf(partial[s * stride] - mx);
   for (int dv = 0; dv * kW < hd; ++dv) {
     const int n = hd - dv * kW < kW ? hd - dv * kW : kW;
@@ -679,39 +687,39 @@ struct DotDecode {
   void begin() {}
   void end() {}
   void operator()(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
-                  int num_heads, int64_t rho0, float scale, float softcap, int window, float* out,
+                  int num_heads, int64_t rho0, float scale, float softcap, const float* sinks, int window, float* out,
                   int64_t split_begin = 0, int64_t split_end = INT64_MAX, float* partial = nullptr) {
-    if (softcap > 0.0f) return run<true>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out,
+    if (softcap > 0.0f) return run<true>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out,
                                          split_begin, split_end, partial);
-    run<false>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end,
+    run<false>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin, split_end,
                partial);
   }
   template <bool Capped>
   static void run(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
-                  int num_heads, int64_t rho0, float scale, float softcap, int window, float* out,
+                  int num_heads, int64_t rho0, float scale, float softcap, const float* sinks, int window, float* out,
                   int64_t split_begin, int64_t split_end, float* partial) {
     if (kv.bits == 8 && kv.head_dim % kW == 0)
-      return run_quant<Capped, 8>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out,
+      return run_quant<Capped, 8>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out,
                                   split_begin, split_end, partial);
     if (kv.bits == 4 && kv.head_dim % (2 * kW) == 0)
-      return run_quant<Capped, 4>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out,
+      return run_quant<Capped, 4>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out,
                                   split_begin, split_end, partial);
     switch (rows) {
-      case 1: return attend_task_dot<1, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
-      case 2: return attend_task_dot<2, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
-      case 3: return attend_task_dot<3, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
-      default: return attend_task_dot<4, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
+      case 1: return attend_task_dot<1, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin, split_end, partial);
+      case 2: return attend_task_dot<2, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin, split_end, partial);
+      case 3: return attend_task_dot<3, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin, split_end, partial);
+      default: return attend_task_dot<4, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin, split_end, partial);
     }
   }
   template <bool Capped, int Bits>
   static void run_quant(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
-                        int num_heads, int64_t rho0, float scale, float softcap, int window, float* out,
+                        int num_heads, int64_t rho0, float scale, float softcap, const float* sinks, int window, float* out,
                         int64_t split_begin, int64_t split_end, float* partial) {
     switch (rows) {
-      case 1: return attend_task_dot_quant<1, Capped, Bits>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
-      case 2: return attend_task_dot_quant<2, Capped, Bits>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
-      case 3: return attend_task_dot_quant<3, Capped, Bits>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
-      default: return attend_task_dot_quant<4, Capped, Bits>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, window, out, split_begin, split_end, partial);
+      case 1: return attend_task_dot_quant<1, Capped, Bits>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin, split_end, partial);
+      case 2: return attend_task_dot_quant<2, Capped, Bits>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin, split_end, partial);
+      case 3: return attend_task_dot_quant<3, Capped, Bits>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin, split_end, partial);
+      default: return attend_task_dot_quant<4, Capped, Bits>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin, split_end, partial);
     }
   }
 };
@@ -720,10 +728,10 @@ struct DotDecode {
 // below: here transposed score tiles in fp32 (attend_task); impl_attention_bf16.h adds bf16 dot products.
 struct F32Prefill {
   static void run(int rv, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group, int num_heads,
-                  int64_t rho0, int64_t rho1, float scale, float softcap, int window, float* out) {
-    if (rv == 1) attend_task<1>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
-    else if (rv == 2) attend_task<2>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
-    else attend_task<3>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
+                  int64_t rho0, int64_t rho1, float scale, float softcap, const float* sinks, int window, float* out) {
+    if (rv == 1) attend_task<1>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, sinks, window, out);
+    else if (rv == 2) attend_task<2>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, sinks, window, out);
+    else attend_task<3>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, sinks, window, out);
   }
 };
 
@@ -761,7 +769,7 @@ struct DecodeKeys {
 // linear kernels: speculative decoding's draft rows then score exactly as their decode steps would).
 template <class Decode, class Prefill = F32Prefill>
 void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
-                          int32_t num_heads, float scale, float softcap, int32_t window, float* out) {
+                          int32_t num_heads, float scale, float softcap, const float* sinks, int32_t window, float* out) {
   const int group = num_heads / kv.num_kv_heads, nkv = kv.num_kv_heads, hd = kv.head_dim;
   const int hdp = (hd + kW - 1) / kW * kW;
   int rows_per_task = kAttnMaxTaskFloats / hdp / 4 * 4;
@@ -823,11 +831,11 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
       const AttnJob& job = jobs[j];
       const int rows = (int)(job.rho1 - job.rho0);
       if (!job.prefill || Decode::kEveryTask)
-        decode(rows, q, kv, seqs[job.s], job.kvh, group, num_heads, job.rho0, scale, softcap, window, out,
+        decode(rows, q, kv, seqs[job.s], job.kvh, group, num_heads, job.rho0, scale, softcap, sinks, window, out,
                job.key_begin, job.key_end, job.partial >= 0 ? partial + job.partial : nullptr);
       else
         Prefill::run((rows + kW - 1) / kW, q, kv, seqs[job.s], job.kvh, group, num_heads, job.rho0, job.rho1, scale,
-                     softcap, window, out);
+                     softcap, sinks, window, out);
     }
     decode.end();
   });
@@ -838,13 +846,15 @@ void paged_attention_with(const float* q, const KVLayer& kv, const AttnSeq* seqs
       const AttnSeq& seq = seqs[mg.s];
       for (int r = 0; r < mg.rows; ++r) {
         const int64_t row = seq.q_row + r / group, head = (int64_t)mg.kvh * group + r % group;
-        attend_merge(partial + mg.partial + r * stride, mg.nseg, per_task, hd, out + (row * num_heads + head) * hd);
+        attend_merge(partial + mg.partial + r * stride, mg.nseg, per_task, hd, sinks ? sinks[head] : -INFINITY,
+                     out + (row * num_heads + head) * hd);
       }
     }
   });
 }
 
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
-                     float scale, int32_t window, float* out, float softcap) {
-  paged_attention_with<DotDecode>(q, kv, seqs, num_seqs, num_heads, scale, softcap, window, out);
+                     float scale, int32_t window, float* out, float softcap,
+                          const float* sinks) {
+  paged_attention_with<DotDecode>(q, kv, seqs, num_seqs, num_heads, scale, softcap, sinks, window, out);
 }

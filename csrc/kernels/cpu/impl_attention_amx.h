@@ -58,12 +58,12 @@ struct AmxDecode {
   LMKIT_AMX void begin() { amx_configure(); }
   LMKIT_AMX void end() { _tile_release(); }
   LMKIT_AMX void operator()(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
-                            int num_heads, int64_t rho0, float scale, float softcap, int window, float* out,
+                            int num_heads, int64_t rho0, float scale, float softcap, const float* sinks, int window, float* out,
                             int64_t split_begin = 0, int64_t split_end = INT64_MAX, float* partial = nullptr);
 };
 
 LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
-                                     int group, int num_heads, int64_t rho0, float scale, float softcap, int window,
+                                     int group, int num_heads, int64_t rho0, float scale, float softcap, const float* sinks, int window,
                                      float* out, int64_t split_begin, int64_t split_end, float* partial) {
   const int64_t hd = kv.head_dim, bs = kv.block_size_tokens, bb = kv.block_bytes();
   const int64_t first_pos = (int64_t)seq.ctx_len - seq.q_len;
@@ -216,13 +216,15 @@ LMKIT_AMX void AmxDecode::operator()(int R, const float* q, const KVLayer& kv, c
   for (int r = 0; r < R; ++r) {
     float* dst = partial ? partial + r * (hd + 2) + 2 : orow[r];
     if (partial) dst[-2] = m[r], dst[-1] = l[r];
-    const __m512 inv = _mm512_set1_ps(partial ? 1.0f : 1.0f / l[r]);
+    const int64_t head = (int64_t)kvh * group + (rho0 + r) % group;
+    const __m512 inv = _mm512_set1_ps(partial ? 1.0f : 1.0f / (l[r] + sink_weight(sinks, head, m[r])));
     for (int64_t d = 0; d < hd; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(obuf + r * hd + d), inv));
   }
 }
 
 LMKIT_AMX void paged_attention_amx(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
-                                   int32_t num_heads, float scale, int32_t window, float* out, float softcap) {
-  paged_attention_with<AmxDecode>(q, kv, seqs, num_seqs, num_heads, scale, softcap, window, out);
+                                   int32_t num_heads, float scale, int32_t window, float* out, float softcap,
+                          const float* sinks) {
+  paged_attention_with<AmxDecode>(q, kv, seqs, num_seqs, num_heads, scale, softcap, sinks, window, out);
 }
 #endif

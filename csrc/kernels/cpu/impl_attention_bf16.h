@@ -90,7 +90,7 @@ LMKIT_BF16 inline void pv_bf16(const uint32_t* pp, int ld, int r0, const uint32_
 // Rows [rho0, rho1) of sequence `seq` under kv head `kvh` (as attend_task); head_dim % 16 == 0, bits 16.
 template <int RV>
 LMKIT_BF16 void attend_task_bf16(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
-                                 int num_heads, int64_t rho0, int64_t rho1, float scale, float softcap, int window,
+                                 int num_heads, int64_t rho0, int64_t rho1, float scale, float softcap, const float* sinks, int window,
                                  float* out) {
   constexpr int ld = RV * 16;
   const int hd = kv.head_dim, np = hd / 2, nvec = hd / 16;
@@ -175,7 +175,8 @@ LMKIT_BF16 void attend_task_bf16(const float* q, const KVLayer& kv, const AttnSe
     }
   }
   for (int r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.0f / lsum[r]);
+    const int64_t head = (int64_t)kvh * group + (rho0 + r) % group;
+    const __m512 inv = _mm512_set1_ps(1.0f / (lsum[r] + sink_weight(sinks, head, m[r])));
     for (int dv = 0; dv < nvec; ++dv)
       _mm512_storeu_ps(orow[r] + dv * 16, _mm512_mul_ps(_mm512_loadu_ps(obuf + r * hd + dv * 16), inv));
   }
@@ -185,17 +186,18 @@ LMKIT_BF16 void attend_task_bf16(const float* q, const KVLayer& kv, const AttnSe
 // paged_attention_with.
 struct Bf16Prefill {
   LMKIT_BF16 static void run(int rv, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
-                             int num_heads, int64_t rho0, int64_t rho1, float scale, float softcap, int window,
+                             int num_heads, int64_t rho0, int64_t rho1, float scale, float softcap, const float* sinks, int window,
                              float* out) {
-    if (kv.head_dim % 16 != 0) return F32Prefill::run(rv, q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
-    if (rv == 1) attend_task_bf16<1>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
-    else if (rv == 2) attend_task_bf16<2>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
-    else attend_task_bf16<3>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, window, out);
+    if (kv.head_dim % 16 != 0) return F32Prefill::run(rv, q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, sinks, window, out);
+    if (rv == 1) attend_task_bf16<1>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, sinks, window, out);
+    else if (rv == 2) attend_task_bf16<2>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, sinks, window, out);
+    else attend_task_bf16<3>(q, kv, seq, kvh, group, num_heads, rho0, rho1, scale, softcap, sinks, window, out);
   }
 };
 
 void paged_attention_bf16(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
-                          float scale, int32_t window, float* out, float softcap) {
-  paged_attention_with<DotDecode, Bf16Prefill>(q, kv, seqs, num_seqs, num_heads, scale, softcap, window, out);
+                          float scale, int32_t window, float* out, float softcap,
+                          const float* sinks) {
+  paged_attention_with<DotDecode, Bf16Prefill>(q, kv, seqs, num_seqs, num_heads, scale, softcap, sinks, window, out);
 }
 #endif

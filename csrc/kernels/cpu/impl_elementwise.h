@@ -135,6 +135,17 @@ void gelu_tanh_mul(const float* gate, const float* up, int64_t n, int64_t inter,
   });
 }
 
+// gpt-oss's clamped SwiGLU: g = min(gate, limit), u = clamp(up, -limit, limit), out = g sigmoid(alpha g) (u + 1);
+// the sigmoid by vrcp, as vsilu
+void clamped_swiglu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float alpha, float limit,
+                        float* out) {
+  const V one = vset1(1.0f), va = vset1(alpha), hi = vset1(limit), lo = vset1(-limit);
+  for_each_vector(n * inter, [=](int64_t i, int r) {
+    const V g = vmin(vload_r(gate + i, r), hi), u = vmin(vmax(vload_r(up + i, r), lo), hi);
+    vstore_r(out + i, g * vrcp(one + vexp(vzero() - g * va)) * (u + one), r);
+  });
+}
+
 // x = cap * tanh(x / cap), 1 / cap taken once (cap > 0, checked at the door)
 void softcap(float* x, int64_t n, float cap) {
   const V vcap = vset1(cap), inv = vset1(1.0f / cap);

@@ -43,7 +43,7 @@ const KernelTable* LMKIT_ISA_TABLE() {
       LMKIT_ISA_NAME,         &LMKIT_ISA::embedding, &LMKIT_ISA::rmsnorm, &LMKIT_ISA::add_rmsnorm,
       &LMKIT_ISA::linear,     &LMKIT_ISA::linear_int4, &LMKIT_ISA::linear_int8, &LMKIT_ISA::linear_int6, LMKIT_ISA_Q8, LMKIT_ISA_Q8_AMX, LMKIT_ISA_BF16,
       &LMKIT_ISA::rope,
-      &LMKIT_ISA::silu_mul,   &LMKIT_ISA::gelu_tanh_mul, &LMKIT_ISA::softcap, &LMKIT_ISA::scale,
+      &LMKIT_ISA::silu_mul,   &LMKIT_ISA::gelu_tanh_mul, &LMKIT_ISA::clamped_swiglu_mul, &LMKIT_ISA::softcap, &LMKIT_ISA::scale,
       &LMKIT_ISA::log_sum_exp, &LMKIT_ISA::kv_write,
       &LMKIT_ISA::paged_attention, &LMKIT_ISA::causal_conv1d, &LMKIT_ISA::gated_delta_rule, LMKIT_ISA_ATTN_BF16,
   };

@@ -58,13 +58,16 @@ struct KernelTable {
                int head_dim, const float* inv_freq, float attention_scaling, int rotary_dim);
   void (*silu_mul)(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
   void (*gelu_tanh_mul)(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
+  void (*clamped_swiglu_mul)(const float* gate, const float* up, int64_t n, int64_t inter, float alpha, float limit,
+                             float* out);
   void (*softcap)(float* x, int64_t n, float cap);  // cap > 0
   void (*scale)(float* x, int64_t n, float s);
   void (*log_sum_exp)(const float* x, int64_t rows, int64_t n, float* out, int32_t* argmax);
   void (*kv_write)(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n);
   // logit_softcap 0: no soft-capping. Reads the block table only over the keys some query's window reaches.
   void (*paged_attention)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
-                          int32_t num_heads, float scale, int32_t sliding_window, float* out, float logit_softcap);
+                          int32_t num_heads, float scale, int32_t sliding_window, float* out, float logit_softcap,
+                          const float* sinks);
   // Gated DeltaNet (ops.h): the short convolution and the delta rule, per sequence of the batch
   void (*causal_conv1d)(float* x, int64_t row_stride, int64_t channels, const float* w, int K,
                         const RecurrentSeq* seqs, int32_t num_seqs);
@@ -76,12 +79,12 @@ struct KernelTable {
   // nullptr where this build has none; dispatch.cpp calls it only where the CPU has AVX512_BF16
   void (*paged_attention_bf16)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                                int32_t num_heads, float scale, int32_t sliding_window, float* out,
-                               float logit_softcap);
+                               float logit_softcap, const float* sinks);
   // the same over a bf16 pool (bits 16) with every task on AMX tiles; nullptr where this build has none;
   // dispatch.cpp calls it only once the process may use the tiles, for head_dim and block_size_tokens % 32 == 0
   void (*paged_attention_amx)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                               int32_t num_heads, float scale, int32_t sliding_window, float* out,
-                              float logit_softcap);
+                              float logit_softcap, const float* sinks);
 };
 
 // Tables of the instruction sets compiled into this build (isa_*.cpp). Call only when the CPU has the ISA.

@@ -85,6 +85,15 @@ void gelu_tanh_mul(const float* gate, const float* up, int64_t n, int64_t inter,
   }
 }
 
+void clamped_swiglu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float alpha, float limit,
+                        float* out) {
+  for (int64_t i = 0; i < n * inter; ++i) {
+    const double g = std::min((double)gate[i], (double)limit);
+    const double u = std::max(-(double)limit, std::min((double)up[i], (double)limit));
+    out[i] = (float)(g / (1.0 + std::exp(-(double)alpha * g)) * (u + 1.0));
+  }
+}
+
 void softcap(float* x, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) x[i] = (float)(cap * std::tanh((double)x[i] / cap));
 }
@@ -186,7 +195,7 @@ void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* 
 }
 
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
-                     float scale, int32_t sliding_window, float* out, float logit_softcap) {
+                     float scale, int32_t sliding_window, float* out, float logit_softcap, const float* sinks) {
   const int64_t hd = kv.head_dim, nkv = kv.num_kv_heads, bs = kv.block_size_tokens, group = num_heads / nkv;
   auto window_start = [&](int64_t pos) {  // the first key the query at pos attends to
     return sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : int64_t{0};
@@ -218,7 +227,9 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
           w[p - lo] = logit_softcap > 0 ? logit_softcap * std::tanh(d * scale / logit_softcap) : d * scale;
           mx = std::max(mx, w[p - lo]);
         }
-        double sum = 0;
+        // the sink: one more logit in the softmax, with no value
+        if (sinks) mx = std::max(mx, (double)sinks[h]);
+        double sum = sinks ? std::exp((double)sinks[h] - mx) : 0.0;
         for (double& x : w) sum += (x = std::exp(x - mx));
         std::vector<double> acc(hd, 0.0);
         for (int64_t p = lo; p <= pos; ++p)

@@ -20,6 +20,8 @@ void rope(float* q, float* k, const int32_t* positions, int64_t n, int num_heads
 void silu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
 // gelu_tanh in the tanh form of the definition (torch's gelu(approximate='tanh')), in double.
 void gelu_tanh_mul(const float* gate, const float* up, int64_t n, int64_t inter, float* out);
+void clamped_swiglu_mul(const float* gate, const float* up, int64_t n, int64_t inter, float alpha, float limit,
+                        float* out);
 void softcap(float* x, int64_t n, float cap);
 void scale(float* x, int64_t n, float s);
 void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out, int32_t* argmax = nullptr);
@@ -27,10 +29,11 @@ void log_sum_exp(const float* x, int64_t rows, int64_t n, float* out, int32_t* a
 double kv_value(const KVLayer& kv, bool is_v, int64_t block, int64_t h, int64_t off, int64_t d);
 // Quantizes (bits 8 / 4) straight from the definition in ops.h.
 void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n);
-// Plain two-pass softmax in double (not online), straight from the definition; reads the block table only at
-// the positions a query's window reaches.
+// Plain two-pass softmax in double (not online), straight from the definition (sinks: one more logit per head, with
+// no value); reads the block table only at the positions a query's window reaches.
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
-                     float scale, int32_t sliding_window, float* out, float logit_softcap = 0.0f);
+                     float scale, int32_t sliding_window, float* out, float logit_softcap = 0.0f,
+                     const float* sinks = nullptr);
 
 // Gated DeltaNet (ops.h), in double: the convolution per channel, the delta rule per head, row by row.
 void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* w, int K, const RecurrentSeq* seqs,
