@@ -211,6 +211,9 @@ QWEN3_5 = dict(SMALL, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2
 QWEN3_5_MOE = {**{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}, "num_experts": 6,
                "num_experts_per_tok": 2, "moe_intermediate_size": 40, "shared_expert_intermediate_size": 56}
 
+GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 128}
+
 ARCH_CASES: dict[str, Case] = {
     # ---- what the engine runs before issue 22 (must keep passing)
     "llama31_rope": Case("LlamaConfig", dict(SMALL, num_hidden_layers=2, num_key_value_heads=2,
@@ -316,6 +319,13 @@ ARCH_CASES: dict[str, Case] = {
     "qwen3_next": Case("Qwen3NextConfig", dict(QWEN3_5_MOE, num_hidden_layers=4, intermediate_size=88,
                                                mlp_only_layers=[1], norm_topk_prob=False), seed=59, norm_offset=1.0,
                        plain_norms=("linear_attn.norm",), expect={"mlp_only_layers": [1], "norm_topk_prob": False}),
+    # gpt-oss (issue 62): attention sinks, q/k/v/o biases, alternating windows, yarn RoPE; every MLP 4 biased experts
+    # (top 2) with the clamped SwiGLU, its limit low enough that the clamps cut
+    "gpt_oss": Case("GptOssConfig", dict(SMALL, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                         num_local_experts=4, num_experts_per_tok=2, sliding_window=20,
+                                         swiglu_limit=1.5, rope_parameters=GPT_OSS_ROPE),
+                    seed=60, attn_implementation="eager",
+                    expect={"layer_types": ["sliding_attention", "full_attention"] * 2}),
 }
 
 

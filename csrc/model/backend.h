@@ -45,7 +45,9 @@ struct RopeTable {
   float attention_scaling = 1.0f;
 };
 
-enum class Activation : int32_t { kSilu = 0, kGeluTanh = 1 };  // of the gated MLP: act(gate) * up
+// Of the gated MLP: act(gate) * up, or gpt-oss's clamped SwiGLU (ModelConfig::hidden_act; its constants are the
+// config's swiglu_alpha and swiglu_limit, which the backend reads in prepare()).
+enum class Activation : int32_t { kSilu = 0, kGeluTanh = 1, kClampedSwiglu = 2 };
 
 // Everything one attention layer needs besides its linears.
 struct AttentionSpec {
@@ -59,6 +61,7 @@ struct AttentionSpec {
   float scale = 0;                       // softmax scale of q . k
   int32_t sliding_window = 0;            // 0: full attention
   float logit_softcap = 0;               // 0: off
+  const DeviceVector* sinks = nullptr;   // [num_heads]: a logit per query head in each row's softmax (gpt-oss)
 };
 
 // Everything one recurrent (Gated DeltaNet) layer needs besides its linears.

@@ -44,6 +44,10 @@ class CpuBackend final : public Backend {
   }
   const char* name() const override { return "cpu"; }
 
+  void prepare(const ModelConfig& config, const ModelWeights& /*weights*/) override {
+    swiglu_alpha_ = config.swiglu_alpha, swiglu_limit_ = config.swiglu_limit;
+  }
+
   PackedLinear pack_linear(const std::vector<const LinearTensors*>& parts,
                            const std::vector<const Tensor*>& biases) override {
     auto impl = std::make_shared<CpuLinear>();
@@ -320,7 +324,8 @@ class CpuBackend final : public Backend {
     const ops::KVLayer& kv = kv_layers_[a.layer];
     ops::kv_write(kv, k, v, batch_->slots.data(), rows);
     ops::paged_attention(q, kv, attn_seqs_.data(), (int32_t)attn_seqs_.size(), a.num_heads, a.scale, a.sliding_window,
-                         f32(out), a.logit_softcap);
+                         f32(out), a.logit_softcap,
+                         a.sinks ? static_cast<const float*>(a.sinks->data.get()) : nullptr);
   }
 
   void recurrent_mixer(void* proj, int64_t rows, const RecurrentSpec& r, void* out) override {
@@ -373,10 +378,15 @@ class CpuBackend final : public Backend {
   }
 
   void gated_activation(void* gate_up, int64_t rows, int64_t inter, Activation act, void* out) override {
-    auto fn = act == Activation::kSilu ? ops::silu_mul : ops::gelu_tanh_mul;
     float* gu = f32(gate_up);
     // Row by row: row t's output [t I, (t + 1) I) ends before its input starts at 2 t I, so out may alias gate_up.
-    for (int64_t t = 0; t < rows; ++t) fn(gu + 2 * t * inter, gu + (2 * t + 1) * inter, 1, inter, f32(out) + t * inter);
+    for (int64_t t = 0; t < rows; ++t) {
+      const float *g = gu + 2 * t * inter, *u = g + inter;
+      float* o = f32(out) + t * inter;
+      if (act == Activation::kClampedSwiglu) ops::clamped_swiglu_mul(g, u, 1, inter, swiglu_alpha_, swiglu_limit_, o);
+      else if (act == Activation::kGeluTanh) ops::gelu_tanh_mul(g, u, 1, inter, o);
+      else ops::silu_mul(g, u, 1, inter, o);
+    }
   }
 
   // Router logits for all rows, then each expert's rows gathered (ordered by expert), gate | up of every active
@@ -513,6 +523,7 @@ class CpuBackend final : public Backend {
   std::vector<float> q_, k_, v_, scratch_, row_;
   ExpertRouting routing_;
   std::vector<float> moe_logits_, moe_sum_, moe_x_, moe_gate_up_, moe_y_;
+  float swiglu_alpha_ = 0.0f, swiglu_limit_ = 0.0f;  // Activation::kClampedSwiglu's constants (prepare)
   std::vector<ops::LinearJob> gate_up_jobs_, down_jobs_;
 
   // KV pool: per layer, K then V, each num_blocks blocks in that layer's format (ops::KVLayer), lazily

@@ -121,11 +121,13 @@ class CudaBackend final : public Backend {
     if (std::count(c.layer_rope.begin(), c.layer_rope.end(), 0) > 0) missing.push_back("layers without RoPE");
     if (c.attn_logit_softcap > 0) missing.push_back("attention logit soft-capping");
     if (c.final_logit_softcap > 0) missing.push_back("final logit soft-capping");
-    if (c.hidden_act != "silu") missing.push_back("GeGLU (hidden_act='" + c.hidden_act + "')");
+    if (c.hidden_act != "silu") missing.push_back("the " + c.hidden_act + " activation (hidden_act)");
     if (c.embed_scale != 1.0f) missing.push_back("the embedding scale");
     if (std::count(c.layer_moe.begin(), c.layer_moe.end(), 1) > 0) missing.push_back("mixture-of-experts layers");
     if (c.num_recurrent_layers() > 0) missing.push_back("recurrent (Gated DeltaNet) layers");
     if (c.attn_output_gate) missing.push_back("the attention output gate");
+    if (c.attention_sinks) missing.push_back("attention sinks");
+    if (c.has_o_bias) missing.push_back("an o_proj bias");
     bool int8_weights = false;  // compressed-tensors int8 (GGUF's int8 blocks are refused with their own message)
     for (const LayerWeights& w : weights.layers)
       for (const LinearTensors* t : w.linears())

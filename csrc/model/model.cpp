@@ -14,7 +14,9 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   c.validate();
   Backend& b = *backend_;
   b.prepare(c, weights);
-  activation_ = c.hidden_act == "gelu_tanh" ? Activation::kGeluTanh : Activation::kSilu;
+  activation_ = c.hidden_act == "gelu_tanh"        ? Activation::kGeluTanh
+                : c.hidden_act == "clamped_swiglu" ? Activation::kClampedSwiglu
+                                                   : Activation::kSilu;
   moe_spec_.top_k = c.num_experts_per_tok;
   moe_spec_.renormalize = c.norm_topk_prob;
   moe_spec_.inter = c.moe_intermediate_size;
@@ -50,13 +52,14 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
       l.qkv = b.pack_linear({&w.qkv_proj}, {&w.q_bias, &w.k_bias, &w.v_bias});
     else
       l.qkv = b.pack_linear({&w.q_proj, &w.k_proj, &w.v_proj}, {&w.q_bias, &w.k_bias, &w.v_bias});
-    if (!l.is_recurrent) l.o_proj = b.pack_linear({&w.o_proj});
+    if (!l.is_recurrent) l.o_proj = b.pack_linear({&w.o_proj}, {&w.o_bias});
+    if (!w.sinks.is_empty()) l.sinks = b.upload_norm(w.sinks, 0.0f);  // a plain vector, whatever the norms' offset
     if (!w.attn_gate.is_empty()) l.attn_gate = b.pack_linear({&w.attn_gate});
     if (c.is_moe_layer(i)) {
-      l.moe.router = b.pack_linear({&w.router});
+      l.moe.router = b.pack_linear({&w.router}, {&w.router_bias});
       for (const LayerWeights::Expert& e : w.experts) {
-        l.moe.gate_up.push_back(b.pack_linear({&e.gate_proj, &e.up_proj}));
-        l.moe.down.push_back(b.pack_linear({&e.down_proj}));
+        l.moe.gate_up.push_back(b.pack_linear({&e.gate_proj, &e.up_proj}, {&e.gate_bias, &e.up_bias}));
+        l.moe.down.push_back(b.pack_linear({&e.down_proj}, {&e.down_bias}));
       }
       if (c.shared_expert_intermediate_size > 0) {
         l.shared_gate_up = b.pack_linear({&w.shared_expert.gate_proj, &w.shared_expert.up_proj});
@@ -99,6 +102,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     a.scale = c.softmax_scale();
     a.sliding_window = c.layer_sliding_window[i];
     a.logit_softcap = c.attn_logit_softcap;
+    a.sinks = l.sinks.is_empty() ? nullptr : &l.sinks;
   }
   final_norm_ = norm(weights.final_norm);
   lm_head_ = b.pack_lm_head(weights.lm_head, quantized);

@@ -55,6 +55,7 @@ class DecoderModel : public Executor {
     // its shared expert (config shared_expert_intermediate_size), or empty: gate | up, down, and the [1, hidden] gate
     PackedLinear shared_gate_up, shared_down, shared_gate;
     DeviceVector input_norm, post_attention_norm, pre_mlp_norm, post_mlp_norm, q_norm, k_norm;
+    DeviceVector sinks;  // the attention sinks (config attention_sinks), or empty
     AttentionSpec attention;
     // a recurrent layer (is_recurrent) instead of attention: q | k | v | z | b | a in one linear, and out_proj
     bool is_recurrent = false;

@@ -23,8 +23,11 @@ void ModelConfig::validate() const {
   LMKIT_CHECK_ARG(inv_freq_local.empty() || inv_freq_local.size() == inv_freq.size(), a,
                   ": the local rope table has ", inv_freq_local.size(), " entries, the global one ", inv_freq.size());
   LMKIT_CHECK_ARG(rms_norm_eps > 0, a, ": rms_norm_eps must be > 0");
-  LMKIT_CHECK_ARG(hidden_act == "silu" || hidden_act == "gelu_tanh", a, ": hidden_act '", hidden_act,
-                  "' is not supported (silu, gelu_tanh)");
+  LMKIT_CHECK_ARG(hidden_act == "silu" || hidden_act == "gelu_tanh" || hidden_act == "clamped_swiglu", a,
+                  ": hidden_act '", hidden_act, "' is not supported (silu, gelu_tanh, clamped_swiglu)");
+  LMKIT_CHECK_ARG(hidden_act != "clamped_swiglu" || (swiglu_limit > 0 && std::isfinite(swiglu_limit) &&
+                                                     std::isfinite(swiglu_alpha)),
+                  a, ": the clamped SwiGLU needs a finite swiglu_limit > 0, got ", swiglu_limit);
   LMKIT_CHECK_ARG(std::isfinite(attn_scale) && attn_scale >= 0, a, ": attn_scale must be >= 0");
   LMKIT_CHECK_ARG(attn_logit_softcap >= 0 && final_logit_softcap >= 0, a, ": soft-caps must be >= 0");
   LMKIT_CHECK_ARG((int32_t)layer_rope.size() == num_layers, a, ": layer_rope has ", layer_rope.size(),

@@ -21,11 +21,15 @@ struct ModelConfig {
   float rms_norm_eps = 1e-6f;
   float norm_weight_offset = 0.0f;  // every RMSNorm scales by (offset + w): Gemma's (1 + w) norms
   float embed_scale = 1.0f;         // embeddings times this (Gemma: sqrt(hidden_size))
-  std::string hidden_act = "silu";  // gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+  std::string hidden_act = "silu";  // gated MLP: "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "clamped_swiglu" (gpt-oss:
+                                    // g = min(gate, limit), u = clamp(up, +-limit), g sigmoid(alpha g) (u + 1))
+  float swiglu_alpha = 0.0f, swiglu_limit = 0.0f;  // clamped_swiglu's constants
   float attn_scale = 0.0f;          // softmax scale of q . k; 0: 1 / sqrt(head_dim)
   float attn_logit_softcap = 0.0f;  // > 0: scores = cap * tanh(scores / cap)
   float final_logit_softcap = 0.0f; // > 0: logits = cap * tanh(logits / cap)
   bool has_qkv_bias = false;
+  bool has_o_bias = false;          // o_proj has a bias (gpt-oss)
+  bool attention_sinks = false;     // a learned logit per query head joins each row's softmax (gpt-oss: "sinks")
   bool has_qk_norm = false;         // RMSNorm of q and k before RoPE: per head over head_dim, or
   bool qk_norm_whole = false;       //   over the whole q / k projection (OLMoE: weights [q_size], [kv_size])
   int32_t rotary_dim = 0;           // dims of a head RoPE rotates; 0: head_dim
@@ -52,6 +56,11 @@ struct ModelConfig {
   int32_t moe_intermediate_size = 0;
   bool norm_topk_prob = false;
   std::vector<int32_t> layer_moe;
+  // gpt-oss's experts: the router and every expert's gate | up and down have biases, and gate and up rows alternate
+  // in the checkpoint (gate j, up j, gate j + 1, ...), stored as transformers holds them ([E, hidden, 2 moe_inter]
+  // and [E, moe_inter, hidden], inputs first) or in MXFP4 as shipped (model/mxfp4.h).
+  bool moe_biases = false;
+  bool experts_interleaved = false;
   // > 0: every MoE layer also runs a shared expert, a gated MLP of this width every row takes, its output scaled
   // by sigmoid(shared_expert_gate . x) and added to the routed experts' sum (Qwen3.5-MoE, Qwen3-Next). 0: none.
   int32_t shared_expert_intermediate_size = 0;

@@ -5,11 +5,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 
 #include "core/check.h"
+#include "model/mxfp4.h"
 
 namespace lmkit {
 
@@ -262,10 +264,108 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   const RowOrder q_rows = config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_heads, D) : nullptr;
   const RowOrder k_rows = config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_kv_heads, D) : nullptr;
   if (w.lm_head.is_empty()) w.lm_head = w.embed_tokens;
+  // gpt-oss's experts (ModelConfig::experts_interleaved): gate j and up j in rows (MXFP4) or columns (float) 2j and
+  // 2j + 1. MXFP4 is read in place through row orders; a float checkpoint ([E, hidden, 2 moe_inter] and [E, moe_inter,
+  // hidden], inputs first, as transformers holds them) is transposed once into [E, 2 moe_inter, hidden] (gate rows,
+  // then up rows) and [E, hidden, moe_inter] copies in its own dtype. Biases are F32 copies, gate's and up's apart.
+  auto load_interleaved_experts = [&](const std::string& p, LayerWeights& l) {
+    const int64_t E = config.num_experts, MI = config.moe_intermediate_size;
+    const std::string what = config.architecture + ": " + p + "experts";
+    auto gate_rows = std::make_shared<std::vector<int32_t>>(), up_rows = std::make_shared<std::vector<int32_t>>();
+    for (int64_t j = 0; j < MI; ++j) gate_rows->push_back((int32_t)(2 * j)), up_rows->push_back((int32_t)(2 * j + 1));
+    std::vector<float> gu_bias, down_bias;
+    if (config.moe_biases) {
+      const Tensor gb = get(p + "experts.gate_up_bias", {E, 2 * MI}), db = get(p + "experts.down_bias", {E, H});
+      for (int64_t i = 0; i < E * 2 * MI; ++i) gu_bias.push_back(float_value(gb, i));
+      for (int64_t i = 0; i < E * H; ++i) down_bias.push_back(float_value(db, i));
+    }
+    auto owned_f32 = [&](const float* src, int64_t n) {  // an F32 tensor [n] owned by the weights
+      auto buf = std::shared_ptr<float>(new float[n], std::default_delete<float[]>());
+      std::copy(src, src + n, buf.get());
+      w.owned.push_back(buf);
+      return make_view(buf.get(), DType::F32, n);
+    };
+    const bool mxfp4 = has(p + "experts.gate_up_proj_blocks");
+    Tensor gu_blocks, gu_scales, dn_blocks, dn_scales, gu_t, dn_t;
+    if (mxfp4) {
+      LMKIT_CHECK_ARG(H % 32 == 0 && MI % 32 == 0, what, ": MXFP4 needs hidden and moe_intermediate_size % 32 == 0");
+      gu_blocks = get(p + "experts.gate_up_proj_blocks", {E, 2 * MI, H / 32, 16}, true, DType::U8);
+      gu_scales = get(p + "experts.gate_up_proj_scales", {E, 2 * MI, H / 32}, true, DType::U8);
+      dn_blocks = get(p + "experts.down_proj_blocks", {E, H, MI / 32, 16}, true, DType::U8);
+      dn_scales = get(p + "experts.down_proj_scales", {E, H, MI / 32}, true, DType::U8);
+    } else {
+      const Tensor gu = get(p + "experts.gate_up_proj", {E, H, 2 * MI}), dn = get(p + "experts.down_proj", {E, MI, H});
+      const int64_t es = dtype_size_bytes(gu.dtype);
+      LMKIT_CHECK_ARG(dn.dtype == gu.dtype, what, ": gate_up_proj and down_proj differ in dtype");
+      auto copy = std::shared_ptr<uint8_t>(new uint8_t[(size_t)(E * 3 * MI * H * es)], std::default_delete<uint8_t[]>());
+      w.owned.push_back(copy);
+      uint8_t* gu_out = copy.get();  // [E, 2 MI, H]: expert e's gate rows, then its up rows
+      uint8_t* dn_out = copy.get() + E * 2 * MI * H * es;  // [E, H, MI]
+      const uint8_t* gu_in = static_cast<const uint8_t*>(gu.data);
+      const uint8_t* dn_in = static_cast<const uint8_t*>(dn.data);
+      for (int64_t e = 0; e < E; ++e) {
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t c = 0; c < 2 * MI; ++c) {
+            const int64_t row = c % 2 ? MI + c / 2 : c / 2;
+            std::memcpy(gu_out + ((e * 2 * MI + row) * H + h) * es, gu_in + ((e * H + h) * 2 * MI + c) * es, es);
+          }
+        for (int64_t i = 0; i < MI; ++i)
+          for (int64_t h = 0; h < H; ++h)
+            std::memcpy(dn_out + ((e * H + h) * MI + i) * es, dn_in + ((e * MI + i) * H + h) * es, es);
+      }
+      gu_t = gu, dn_t = dn;
+      gu_t.ndim = dn_t.ndim = 2;
+      gu_t.shape[0] = MI, gu_t.shape[1] = H, gu_t.shape[2] = 0;  // one expert's gate (or up) rows
+      dn_t.shape[0] = H, dn_t.shape[1] = MI, dn_t.shape[2] = 0;
+      gu_t.data = gu_out, dn_t.data = dn_out;
+    }
+    auto slice = [](Tensor t, int64_t e, int64_t rows_per_expert) {  // expert e's rows of a 3D or 4D tensor
+      int64_t row_bytes = dtype_size_bytes(t.dtype);
+      for (int d = 2; d < t.ndim; ++d) row_bytes *= t.shape[d];
+      t.data = static_cast<uint8_t*>(t.data) + e * rows_per_expert * row_bytes;
+      for (int d = 1; d < t.ndim; ++d) t.shape[d - 1] = t.shape[d];
+      t.shape[--t.ndim] = 0;
+      return t;
+    };
+    for (int64_t e = 0; e < E; ++e) {
+      LayerWeights::Expert ex;
+      if (mxfp4) {
+        const Tensor gb = slice(gu_blocks, e, 2 * MI), gs = slice(gu_scales, e, 2 * MI);
+        ex.gate_proj.int8_source = mxfp4_int8_source(gb, gs, gate_rows, what + ".gate_up_proj");
+        ex.up_proj.int8_source = mxfp4_int8_source(gb, gs, up_rows, what + ".gate_up_proj");
+        ex.gate_proj.weight = ex.up_proj.weight = gb;  // what release_linear_pages drops once packed
+        ex.down_proj.int8_source =
+            mxfp4_int8_source(slice(dn_blocks, e, H), slice(dn_scales, e, H), nullptr, what + ".down_proj");
+        ex.down_proj.weight = slice(dn_blocks, e, H);
+      } else {
+        Tensor g = gu_t, u = gu_t, d = dn_t;
+        const int64_t es = dtype_size_bytes(gu_t.dtype);
+        g.data = static_cast<uint8_t*>(gu_t.data) + e * 2 * MI * H * es;
+        u.data = static_cast<uint8_t*>(g.data) + MI * H * es;
+        d.data = static_cast<uint8_t*>(dn_t.data) + e * H * MI * es;
+        ex.gate_proj = single_tensor_linear(g, nullptr, what);
+        ex.up_proj = single_tensor_linear(u, nullptr, what);
+        ex.down_proj = single_tensor_linear(d, nullptr, what);
+      }
+      if (config.moe_biases) {
+        std::vector<float> gate(MI), up(MI);
+        for (int64_t j = 0; j < MI; ++j) gate[j] = gu_bias[e * 2 * MI + 2 * j], up[j] = gu_bias[e * 2 * MI + 2 * j + 1];
+        ex.gate_bias = owned_f32(gate.data(), MI);
+        ex.up_bias = owned_f32(up.data(), MI);
+        ex.down_bias = owned_f32(down_bias.data() + e * H, H);
+      }
+      l.experts.push_back(std::move(ex));
+    }
+  };
   auto load_mlp = [&](int32_t i, const std::string& p, LayerWeights& l) {
     if (config.is_moe_layer(i)) {
       const int64_t E = config.num_experts, MI = config.moe_intermediate_size;
       l.router = get_linear(p + "router", E, H);
+      l.router_bias = get(p + "router_bias", {E}, config.moe_biases);
+      if (config.experts_interleaved) {
+        load_interleaved_experts(p, l);
+        return;
+      }
       // Every expert in 3D tensors, read as views of expert e's rows (any dtype, GGUF blocks included: a row is
       // whole blocks): gate_up_proj [E, 2 moe_inter, hidden] (each expert's gate rows, then its up rows) and
       // down_proj [E, hidden, moe_inter], Qwen3.5-MoE as shipped; or gate_exps and up_exps [E, moe_inter, hidden]
@@ -401,6 +501,8 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     l.k_bias = get(p + "k_bias", {KV}, config.has_qkv_bias);
     l.v_bias = get(p + "v_bias", {KV}, config.has_qkv_bias);
     l.o_proj = get_linear(p + "o_proj", H, Q);
+    l.o_bias = get(p + "o_bias", {H}, config.has_o_bias);
+    l.sinks = get(p + "sinks", {(int64_t)config.num_heads}, config.attention_sinks);
     load_mlp(i, p, l);
     w.layers.push_back(std::move(l));
   }

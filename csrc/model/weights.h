@@ -47,14 +47,14 @@ struct LinearTensors {
   Int4Tensors int4;   // layout None unless a checkpoint int4 layout
   Int4Source int4_source;  // int4 layouts, Q4_0, Q4_1
   Tensor int8_scales;       // compressed-tensors int8: weight_scale [out, 1] or [out, groups] (weight is the int8)
-  Int8Source int8_source;  // Q5_0, Q8_0, Q5_K, Q6_K, compressed-tensors int8
+  Int8Source int8_source;  // Q5_0, Q8_0, Q5_K, Q6_K, compressed-tensors int8, MXFP4 (weight: its blocks)
   bool is_int4() const { return int4_source.read_group != nullptr; }
   bool is_int8() const { return int8_source.is_set(); }
-  bool is_empty() const { return weight.is_empty() && !is_int4(); }
+  bool is_empty() const { return weight.is_empty() && !is_int4() && !is_int8(); }
   int64_t num_out() const {
     return is_int4() ? int4_source.num_out : is_int8() ? int8_source.num_out : weight.shape[0];
   }
-  int64_t num_in() const { return is_int4() ? int4_source.num_in : weight.shape[1]; }
+  int64_t num_in() const { return is_int4() ? int4_source.num_in : is_int8() ? int8_source.num_in : weight.shape[1]; }
 };
 
 // A linear stored as one tensor: F32/F16/BF16, or GGUF blocks read through the matching source; its outputs in
@@ -80,6 +80,8 @@ struct LayerWeights {
   LinearTensors qkv_proj;               // fused [q_size + 2 kv_size, hidden], or empty and then:
   LinearTensors q_proj, k_proj, v_proj; //   [q_size, hidden], [kv_size, hidden] x2
   Tensor q_bias, k_bias, v_bias;        // empty unless has_qkv_bias
+  Tensor o_bias;                        // [hidden] when has_o_bias
+  Tensor sinks;                         // [num_heads] when attention_sinks
   LinearTensors attn_gate;              // [q_size, hidden]: q_proj's gate rows (attn_output_gate), or empty
   LinearTensors o_proj;                 // [hidden, q_size]
   LinearTensors gate_up_proj;           // fused [2 inter, hidden], or empty and then:
@@ -89,8 +91,10 @@ struct LayerWeights {
   struct Expert {
     LinearTensors gate_proj, up_proj;   // [moe_inter, hidden] x2
     LinearTensors down_proj;            // [hidden, moe_inter]
+    Tensor gate_bias, up_bias, down_bias;  // moe_biases: [moe_inter] x2, [hidden] (F32 copies); else empty
   };
   LinearTensors router;                 // [num_experts, hidden]
+  Tensor router_bias;                   // [num_experts] when moe_biases
   std::vector<Expert> experts;
   Expert shared_expert;                 // [shared_inter, hidden] x2, [hidden, shared_inter] (config: > 0), or empty
   LinearTensors shared_expert_gate;     // [1, hidden]: the shared expert's sigmoid gate
@@ -121,7 +125,7 @@ struct ModelWeights {
   Tensor lm_head;       // [vocab, hidden]; the embedding when tied
   std::vector<LayerWeights> layers;
   std::vector<std::shared_ptr<MappedFile>> files;  // keep the mappings alive
-  std::vector<std::shared_ptr<void>> owned;        // row-reordered copies (GGUF llama q/k in a float dtype)
+  std::vector<std::shared_ptr<void>> owned;        // reordered copies (GGUF llama q/k in a float dtype, gpt-oss experts)
   int64_t size_bytes = 0;
 
   // Roles: "embed_tokens", "norm", "lm_head" (optional when tied), and per layer i "layers.{i}." +
@@ -134,6 +138,11 @@ struct ModelWeights {
   // "shared_expert." + gate_proj, up_proj, down_proj and shared_expert_gate); in a recurrent layer instead of the
   // attention roles in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj, conv1d, dt_bias, A_log, linear_norm.
   // With attn_output_gate, q_proj is [2 q_size, hidden] (each head's query rows, then its gate rows).
+  // gpt-oss (experts_interleaved): "experts.gate_up_proj" [E, hidden, 2 moe_inter] and "experts.down_proj"
+  // [E, moe_inter, hidden] (inputs first, gate and up columns alternating), or in MXFP4 "experts.gate_up_proj_blocks"
+  // [E, 2 moe_inter, hidden / 32, 16] U8 with "experts.gate_up_proj_scales" [E, 2 moe_inter, hidden / 32] U8 (rows
+  // alternating) and "experts.down_proj_blocks" / "_scales"; "experts.gate_up_bias" [E, 2 moe_inter] (alternating)
+  // and "experts.down_bias" [E, hidden] with moe_biases, as "router_bias"; "o_bias" (has_o_bias), "sinks".
   // An int4 linear (config.int4_layout set) comes as "<role>.values", "<role>.zeros", "<role>.scales" and
   // "<role>.g_idx" (the layout's tensors, model/int4_layouts.h; zeros and g_idx where it has them) instead of
   // "<role>"; linears left dense (modules_to_not_convert, ignore lists) keep the plain role. Linears, the

@@ -124,7 +124,13 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("linear_conv_kernel", &ModelConfig::linear_conv_kernel)
       .def_readwrite("linear_value_heads_tiled", &ModelConfig::linear_value_heads_tiled)
       .def_readwrite("linear_decay_rate_stored", &ModelConfig::linear_decay_rate_stored)
-      .def_readwrite("attn_output_gate", &ModelConfig::attn_output_gate);
+      .def_readwrite("attn_output_gate", &ModelConfig::attn_output_gate)
+      .def_readwrite("swiglu_alpha", &ModelConfig::swiglu_alpha)
+      .def_readwrite("swiglu_limit", &ModelConfig::swiglu_limit)
+      .def_readwrite("has_o_bias", &ModelConfig::has_o_bias)
+      .def_readwrite("attention_sinks", &ModelConfig::attention_sinks)
+      .def_readwrite("moe_biases", &ModelConfig::moe_biases)
+      .def_readwrite("experts_interleaved", &ModelConfig::experts_interleaved);
 
   py::enum_<KVQuant>(m, "KVQuant", "A layer's KV-cache precision (core/kv_quant.h)")
       .value("none", KVQuant::kNone)

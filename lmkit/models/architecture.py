@@ -45,13 +45,18 @@ class ModelFields:
     """Per layer: 0 no RoPE, 1 the global table, 2 the local one."""
     layer_sliding_window: list[int] = field(default_factory=list)
     """Per layer: 0 full attention, w > 0: a query at p attends keys k with p - k < w."""
-    hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (GeGLU) | "clamped_swiglu" (gpt-oss, the constants below)
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
     norm_weight_offset: float = 0.0  # every RMSNorm scales by (offset + w)
     embed_scale: float = 1.0
     attn_scale: float = 0.0  # 0: 1 / sqrt(head_dim)
     attn_logit_softcap: float = 0.0
     final_logit_softcap: float = 0.0
     has_qkv_bias: bool = False
+    has_o_bias: bool = False
+    attention_sinks: bool = False
+    """A learned logit per query head joins each row's softmax (gpt-oss)."""
     has_qk_norm: bool = False
     qk_norm_whole: bool = False
     """The q/k norms are over the whole q / k projection (OLMoE), not per head."""
@@ -62,6 +67,10 @@ class ModelFields:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     layer_moe: list[int] = field(default_factory=list)
+    moe_biases: bool = False
+    """The router and the experts' linears have biases (gpt-oss)."""
+    experts_interleaved: bool = False
+    """The experts' gate and up rows alternate, stored as gpt-oss ships them (MXFP4) or as transformers holds them."""
     shared_expert_intermediate_size: int = 0
     """> 0: each MoE layer also has a shared expert of this width, gated by sigmoid(shared_expert_gate . x)."""
     layer_recurrent: list[int] = field(default_factory=list)

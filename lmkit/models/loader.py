@@ -21,7 +21,9 @@ _PLAIN_ENGINE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_l
                         "tie_word_embeddings", "max_position_embeddings", "qk_norm_whole", "num_experts",
                         "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                         "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
-                        "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel", "attn_output_gate")
+                        "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel", "attn_output_gate",
+                        "swiglu_alpha", "swiglu_limit", "has_o_bias", "attention_sinks", "moe_biases",
+                        "experts_interleaved")
 # checkpoint tensors that are not weights (rotary buffers some exporters save)
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 

@@ -171,7 +171,14 @@ def _compressed_tensors_int8(scheme: dict, at: str, fmt: str) -> WeightQuant:
     return WeightQuant("int8", group, "compressed-tensors", _INT8_NAMES, bits=8, activations=activations)
 
 
-_READERS = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors}
+def _mxfp4(qc: dict, where: str) -> None:
+    """MXFP4 (gpt-oss as shipped): only the experts are quantized, as ``*_blocks`` / ``*_scales`` tensors their
+    architecture's key map names (lmkit/models/gpt_oss.py); every other linear is a float one. An architecture without
+    those roles refuses the blocks as tensors it does not use."""
+    return None
+
+
+_READERS = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors, "mxfp4": _mxfp4}
 
 
 def weight_quant(cfg: dict, cfg_path: Path) -> WeightQuant | None:

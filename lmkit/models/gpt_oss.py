@@ -1,0 +1,58 @@
+"""gpt-oss (GptOssForCausalLM, gpt-oss-20b / 120b): a pre-norm decoder whose attention has q/k/v/o biases and a
+learned sink logit per head (attention sinks), alternating sliding-window (128) and full layers, yarn RoPE; every
+MLP a mixture of experts (32 / 128, top 4): a router with a bias whose top-k logits are softmaxed, experts with
+biases and the clamped SwiGLU ((clamp(up) + 1) * g sigmoid(1.702 g), g = min(gate, 7)), gate and up interleaved.
+Experts as shipped in MXFP4 (``*_blocks`` / ``*_scales``) or as transformers holds them in a float dtype."""
+
+from __future__ import annotations
+
+from lmkit.models.architecture import ROPE_GLOBAL, SILU, Architecture, HfConfig, ModelFields, global_rope, \
+    layer_types, shape_fields, windows_of
+from lmkit.models.llama import MODEL_KEYS, PRE_NORM_LAYER, QKV_BIAS_LAYER, layer_keys
+
+NAME = "GptOssForCausalLM"
+ATTENTION_LAYER = {role: key for role, key in PRE_NORM_LAYER.items() if not key.startswith("mlp.")}
+EXPERTS = "mlp.experts."
+MOE_LAYER = {
+    "router": "mlp.router.weight",
+    "router_bias": "mlp.router.bias",
+    "experts.gate_up_proj": EXPERTS + "gate_up_proj",  # [E, hidden, 2 inter], gate and up columns interleaved
+    "experts.down_proj": EXPERTS + "down_proj",  # [E, inter, hidden]
+    "experts.gate_up_proj_blocks": EXPERTS + "gate_up_proj_blocks",  # MXFP4 [E, 2 inter, hidden / 32, 16]
+    "experts.gate_up_proj_scales": EXPERTS + "gate_up_proj_scales",
+    "experts.down_proj_blocks": EXPERTS + "down_proj_blocks",
+    "experts.down_proj_scales": EXPERTS + "down_proj_scales",
+    "experts.gate_up_bias": EXPERTS + "gate_up_proj_bias",
+    "experts.down_bias": EXPERTS + "down_proj_bias",
+}
+KEY_MAP = {**MODEL_KEYS, **layer_keys({**ATTENTION_LAYER, **QKV_BIAS_LAYER, "o_bias": "self_attn.o_proj.bias",
+                                       "sinks": "self_attn.sinks", **MOE_LAYER})}
+# transformers.GptOssConfig's defaults of the fields read here (its rope_parameters default: yarn, below)
+DEFAULTS = {"hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False, "sliding_window": 128, "num_local_experts": 128, "num_experts_per_tok": 4,
+            "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True, "head_dim": 64,
+            "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 4096}}
+
+
+def read_config(c: HfConfig) -> ModelFields:
+    if c.get("hidden_act") not in SILU:
+        raise c.error("hidden_act", "gpt-oss's experts use the clamped SwiGLU of silu")
+    if not c.get("attention_bias"):
+        raise c.error("attention_bias", "gpt-oss's q/k/v/o projections have biases")
+    shape = shape_fields(c)
+    rope, rotary_dim = global_rope(c, shape["head_dim"], default_theta=150000.0)
+    n = shape["num_layers"]
+    # GptOssConfig: sliding layers first, alternating
+    types = layer_types(c, n, lambda i: "sliding_attention" if (i + 1) % 2 else "full_attention")
+    experts = int(c.get("num_local_experts") if "num_experts" not in c.raw else c.raw["num_experts"])
+    return ModelFields(**shape, hidden_act="clamped_swiglu", rope=rope, rotary_dim=rotary_dim,
+                       layer_rope=[ROPE_GLOBAL] * n, layer_sliding_window=windows_of(types, c.get("sliding_window")),
+                       has_qkv_bias=True, has_o_bias=True, attention_sinks=True, num_experts=experts,
+                       num_experts_per_tok=int(c.get("num_experts_per_tok")),
+                       moe_intermediate_size=shape["intermediate_size"], norm_topk_prob=True, layer_moe=[1] * n,
+                       moe_biases=True, experts_interleaved=True, swiglu_alpha=float(c.get("swiglu_alpha")),
+                       swiglu_limit=float(c.get("swiglu_limit")))
+
+
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None, kv_calib=None)
