@@ -33,8 +33,8 @@ from lmkit.serve.metrics import ServerMetrics
 from lmkit.serve.openai_serving import OpenAIServing, num_prepare_threads, sse
 from lmkit.serve.readiness import Readiness
 from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
-from lmkit.serve.reasoning import detect_reasoning_format, reasoning_format
-from lmkit.serve.tools.parsers import detect_tool_parser, tool_parser_class
+from lmkit.serve.reasoning import HarmonyFormat, detect_reasoning_format, reasoning_format
+from lmkit.serve.tools.parsers import OpenAIToolParser, detect_tool_parser, tool_parser_class
 
 log = logging.getLogger("lmkit.serve")
 
@@ -102,6 +102,9 @@ class ServerConfig:
             reasoning = detect_reasoning_format(chat_template)
         else:
             reasoning = None if self.reasoning_parser == "none" else reasoning_format(self.reasoning_parser)
+        if tools is OpenAIToolParser and not isinstance(reasoning, HarmonyFormat):
+            raise ValueError("--tool-call-parser openai reads the calls --reasoning-parser openai_gptoss passes on "
+                             "(gpt-oss's harmony channels): use both, or leave both on auto")
         return tools, reasoning
 
     @property

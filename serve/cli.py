@@ -122,12 +122,14 @@ def api_server(
     drain_timeout: Optional[float] = _DRAIN_TIMEOUT,
     chat_template: Optional[Path] = CHAT_TEMPLATE,
     tool_call_parser: str = typer.Option("auto", help="How the model writes tool calls: hermes, llama3_json, "
-                                                      "mistral, qwen3_coder; auto: the format its chat template "
-                                                      "teaches; none: requests with tools get a 400."),
+                                                      "mistral, qwen3_coder, openai (gpt-oss); auto: the format "
+                                                      "its chat template teaches; none: requests with tools get a "
+                                                      "400."),
     reasoning_parser: str = typer.Option("auto", help="How the model marks its thinking (sent as "
-                                                      "reasoning_content): qwen3, deepseek_r1; auto: qwen3 where "
-                                                      "the chat template writes <think> blocks; none: the thinking "
-                                                      "stays in content."),
+                                                      "reasoning_content): qwen3, deepseek_r1, openai_gptoss; auto: "
+                                                      "qwen3 where the chat template writes <think> blocks, "
+                                                      "openai_gptoss where it writes harmony channels; none: the "
+                                                      "thinking stays in content."),
     stream_interval: int = STREAM_INTERVAL,
     proxy_url: Optional[str] = typer.Option(None, help="Register with this lmkit proxy once ready."),
     proxy_admin_key: Optional[str] = typer.Option(None, help="The proxy's admin key, if it has one."),

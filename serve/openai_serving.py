@@ -29,11 +29,11 @@ from lmkit.messages import GenerationConfig, GenerationConfigError, Response
 from lmkit.serve.errors import APIError, bad_request, error_body, internal_error
 from lmkit.serve.metrics import ServerMetrics
 from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
-from lmkit.serve.reasoning import ReasoningFormat
+from lmkit.serve.reasoning import HarmonyFormat, ReasoningFormat
 from lmkit.serve.encoding import dumps, encode_pieces
 from lmkit.serve.render import ChatRenderer, CompletionRenderer, usage
 from lmkit.serve.stream import Choice, ChoiceEvent, OutputFormat, in_chunks_of
-from lmkit.serve.tools.grammar import tool_call_grammar
+from lmkit.serve.tools.grammar import harmony_answer_grammar, tool_call_grammar
 from lmkit.serve.tools.parsers import ToolParser
 from lmkit.structured import StructuredOutput, StructuredOutputError, grammar_error_summary
 
@@ -270,6 +270,10 @@ class OpenAIServing:
         reasoning = self.reasoning
         output = OutputFormat(reasoning, bool(reasoning and reasoning.starts_inside(text)), parser,
                               {t.function.name: t.function.parameters_schema for t in req.tools or []})
+        if isinstance(reasoning, HarmonyFormat) and gen.structured_output is not None and \
+                gen.structured_output.grammar is None:  # gpt-oss answers in its final channel, after any analysis
+            lark = harmony_answer_grammar(gen.structured_output, tokenizer.single_token_id)
+            gen = dataclasses.replace(gen, structured_output=StructuredOutput(grammar=lark))
         if offered and mode in ("required", "named"):
             if gen.structured_output is not None:
                 raise bad_request("give either a structured output or tool_choice 'required' (or a named "

@@ -31,7 +31,7 @@ class OutputFormat:
     tools: dict = field(default_factory=dict)
 
     def parsers(self) -> tuple[ReasoningParser | None, ToolParser | None]:
-        reasoning = ReasoningParser(self.reasoning, self.starts_in_reasoning) if self.reasoning else None
+        reasoning = self.reasoning.new_parser(self.starts_in_reasoning) if self.reasoning else None
         return reasoning, self.tool_parser(self.tools) if self.tool_parser else None
 
 

@@ -1,6 +1,7 @@
 """Grammars that make a model call tools (``tool_choice: "required"`` or a named function): the call is written
 in its family's format, names one of the allowed functions, and its arguments validate against that function's
-``parameters`` (llguidance's ``%json``). Lark text for lmkit.structured.StructuredOutput(grammar=...).
+``parameters`` (llguidance's ``%json``); and gpt-oss's structured answers in its harmony channels. Lark text for
+lmkit.structured.StructuredOutput(grammar=...).
 """
 
 from __future__ import annotations
@@ -8,9 +9,10 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from lmkit.serve.tools.parsers import (HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser,
-                                       ToolParser)
-from lmkit.structured import JSON_LAYOUT
+from lmkit.serve.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START
+from lmkit.serve.tools.parsers import (HermesParser, Llama3JsonParser, MistralParser, OpenAIToolParser,
+                                       Qwen3CoderParser, ToolParser)
+from lmkit.structured import JSON_LAYOUT, StructuredOutput
 
 
 _NL = "\n"  # (a name: f-string expressions cannot hold a backslash)
@@ -39,6 +41,8 @@ def tool_call_grammar(parser: type[ToolParser], tools: dict[str, dict], parallel
     parallel = parallel and parser.supports_parallel
     if parser is Qwen3CoderParser:
         return _qwen3_coder_grammar(tools, parallel)
+    if parser is OpenAIToolParser:
+        return _harmony_grammar(tools, special_token_id)
     key = "parameters" if parser is Llama3JsonParser else "arguments"
     objects = "call_object: " + " | ".join(f"call_{i}" for i in range(len(names))) + "\n" + "".join(
         f"call_{i}: {_json_rule(_call_object(name, tools[name], key))}\n" for i, name in enumerate(names))
@@ -57,6 +61,39 @@ def tool_call_grammar(parser: type[ToolParser], tools: dict[str, dict], parallel
         more = f' ({_lark_string(", ")} call_object)*' if parallel else ""
         return f'start: {marker} "[" call_object{more} "]"\n{objects}'
     raise ValueError(f"no grammar for the {parser.name} tool call format")
+
+
+def _harmony_grammar(tools: dict[str, dict], special_token_id: Callable[[str], int | None]) -> str:
+    """gpt-oss: an optional analysis message (its reasoning, any text up to <|end|>), then one call's message,
+    ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`` (the answer ends there; the
+    template renders one call per message). Its markers are special tokens."""
+    channel, message, end, start, constrain = (_token_rule(m, special_token_id)
+                                               for m in (CHANNEL, MESSAGE, END, START, CONSTRAIN))
+    calls = " | ".join(f'{_lark_string(f"commentary to=functions.{name} ")} {constrain} "json" {message} '
+                       f"{_json_rule(schema)}" for name, schema in tools.items())
+    return (f"start: analysis? {channel} call\n"
+            f'analysis: {channel} "analysis" {message} thinking {end} {start} "assistant"\n'
+            f"thinking: /(.|\\n)*/\n"
+            f"call: {calls}\n")
+
+
+def harmony_answer_grammar(output: StructuredOutput, special_token_id: Callable[[str], int | None]) -> str:
+    """gpt-oss's answer to a structured output (a JSON schema or object, a regex, a choice): an optional analysis
+    message, then the final channel's message in that form, as the model was trained to answer. (A grammar of the
+    user's own is not wrapped: it applies from the answer's first token, harmony markers and all.)"""
+    kind, text = output.source()
+    if kind == "json_schema":
+        answer, extra = f"%json {text}", ""
+    elif kind == "regex":
+        answer, extra = "/" + text.replace("/", "\\/") + "/", ""
+    else:  # a choice: its one terminal, renamed
+        assert output.choice is not None, "only choices come as Lark here"
+        answer, extra = "ANSWER", "ANSWER: " + text.split("CHOICE: ", 1)[1] + "\n"
+    channel, message, end, start = (_token_rule(m, special_token_id) for m in (CHANNEL, MESSAGE, END, START))
+    return (f'start: analysis? {channel} "final" {message} answer\n'
+            f'analysis: {channel} "analysis" {message} thinking {end} {start} "assistant"\n'
+            f"thinking: /(.|\\n)*/\n"
+            f"answer: {answer}\n{extra}")
 
 
 def _token_rule(text: str, special_token_id: Callable[[str], int | None]) -> str:

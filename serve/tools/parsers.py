@@ -7,6 +7,8 @@ Formats:
                 ``<|python_tag|>``), several separated by ``;``
   mistral       ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, or ``[TOOL_CALLS]name[ARGS]{...}`` repeated
   qwen3_coder   ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>...</function>\\n</tool_call>``
+  openai        gpt-oss (harmony): ``<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>``
+                ``{...}<|call|>``, as the harmony reasoning parser passes a call's message on (serve/reasoning.py)
 
 A call's name is sent once, then its arguments as fragments of the model's JSON (joined, they are exactly the
 arguments of the whole answer). Text that only begins a marker is held back until it is decided, so markup
@@ -20,7 +22,7 @@ import secrets
 import string
 from dataclasses import dataclass
 
-from lmkit.serve.reasoning import held_prefix
+from lmkit.serve.reasoning import CALL, CHANNEL, CONSTRAIN, END, FUNCTIONS, MESSAGE, RETURN, START, held_prefix
 from lmkit.serve.tools.json_reader import CallReader
 
 _WS = " \t\r\n"
@@ -380,8 +382,48 @@ class Qwen3CoderParser(ToolParser):
             return json.dumps(text, ensure_ascii=False)
 
 
+class OpenAIToolParser(ToolParser):
+    """Tool calls of gpt-oss (``openai``, vLLM's name), in the canonical form the harmony reasoning parser
+    (``openai_gptoss``) passes on: it reads nothing without that parser (the server refuses the pair apart)."""
+
+    name = "openai"
+    markers = (START, CHANNEL, MESSAGE, CONSTRAIN, END, RETURN, CALL)
+    supports_parallel = False  # the template renders one call per assistant message
+    opening = f"{START}assistant to={FUNCTIONS}"
+
+    def _step(self, final: bool) -> bool:
+        if self.state == "text":
+            if not self._text_until(self.opening, final, strip_after_call=False):
+                return False
+            self.state = "header"
+            return True
+        if self.state == "header":
+            at = self._buffer.find(MESSAGE)
+            if at < 0:
+                if final:  # a header cut short: nothing was sent, it stays text
+                    self._content.append(self.opening + self._buffer)
+                    self._buffer, self.state = "", "text"
+                return False
+            name = self._buffer[:at].split(CHANNEL, 1)[0].split()[0] if self._buffer[:at].strip() else ""
+            self._buffer = self._buffer[at + len(MESSAGE):]
+            self._start_call(name)
+            self.state = "arguments"
+            return True
+        at = self._buffer.find(CALL)  # arguments, up to <|call|>
+        if at >= 0:
+            self._add_arguments(self._buffer[:at])
+            self._buffer, self.state = self._buffer[at + len(CALL):], "text"
+            if not self.calls[-1].arguments:
+                self._add_arguments("{}")
+            return True
+        keep = 0 if final else held_prefix(self._buffer, CALL)
+        self._add_arguments(self._buffer[:len(self._buffer) - keep])
+        self._buffer = self._buffer[len(self._buffer) - keep:]
+        return False
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser)}
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser, OpenAIToolParser)}
 
 
 def tool_parser_class(name: str) -> type[ToolParser]:
@@ -393,6 +435,8 @@ def tool_parser_class(name: str) -> type[ToolParser]:
 def detect_tool_parser(chat_template: str | None) -> type[ToolParser] | None:
     """The tool-call format a chat template teaches its model, from the markers it writes."""
     t = chat_template or ""
+    if CHANNEL in t and CALL in t:
+        return OpenAIToolParser
     if "<function=" in t and "<parameter=" in t:
         return Qwen3CoderParser
     if "<tool_call>" in t:

@@ -85,3 +85,62 @@ def test_structured_output_starts_after_the_thinking(servers):  # noqa: F811
         if r.choices[0].finish_reason == "stop":  # the grammar completed after a </think>
             answer = ((m.model_extra["reasoning_content"] or "") + "</think>" + (m.content or "")).split("</think>")[-1]
             assert isinstance(json.loads(answer)["a"], int)
+
+
+def test_harmony_channels_of_a_forced_answer(servers):  # noqa: F811
+    """gpt-oss: an answer in harmony's analysis and final channels (its markers special tokens, forced by a grammar)
+    is split into reasoning and content, streamed and whole; the markers never reach either, and the text
+    completion of the same prompt shows them only when asked (skip_special_tokens false)."""
+    client = client_of(servers, "gpt_oss")
+    tokenizer = servers["gpt_oss"].engine.tokenizer
+    ch, msg, end, start = (f"<[{tokenizer.single_token_id(m)}]>"
+                           for m in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>"))
+    lark = (f'start: {ch} "analysis" {msg} "first a plan" {end} {start} "assistant" {ch} "final" {msg} '
+            f'"the answer"')
+    body = dict(model="gpt_oss", messages=[{"role": "user", "content": "hi"}], max_tokens=60,
+                extra_body={"structured_outputs": {"grammar": lark}})
+    r = client.chat.completions.create(**body)
+    m = r.choices[0].message
+    assert (m.model_extra["reasoning_content"], m.content, r.choices[0].finish_reason) == \
+        ("first a plan", "the answer", "stop")
+    content, _, finish, reasoning = reassemble(client.chat.completions.create(**body, stream=True))
+    assert (reasoning, content, finish) == ("first a plan", "the answer", "stop")
+    prompt = tokenizer.render_chat([{"role": "user", "content": "hi"}])
+    assert prompt.endswith("<|start|>assistant")
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    plain = client.completions.create(model="gpt_oss", prompt=ids, max_tokens=60,
+                                      extra_body={"structured_outputs": {"grammar": lark}}).choices[0].text
+    raw = client.completions.create(model="gpt_oss", prompt=ids, max_tokens=60,
+                                    extra_body={"structured_outputs": {"grammar": lark},
+                                                "skip_special_tokens": False}).choices[0].text
+    assert plain == "analysisfirst a planassistantfinalthe answer"
+    assert raw == "<|channel|>analysis<|message|>first a plan<|end|><|start|>assistant<|channel|>final<|message|>" \
+                  "the answer"
+
+
+def test_harmony_structured_answer_is_the_final_channel(servers):  # noqa: F811
+    """gpt-oss with a JSON schema, a regex or a choice: the engine's grammar lets it reason in the analysis channel
+    first and puts the form on the final channel's message, so content is the form and reasoning the analysis,
+    streamed and whole."""
+    client = client_of(servers, "gpt_oss")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    forms = [dict(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}),
+             dict(extra_body={"structured_outputs": {"regex": "[a-c]{3}/[0-9]"}}),
+             dict(extra_body={"structured_outputs": {"choice": ["yes", "no"]}})]
+    checks = [lambda c: 0 <= json.loads(c)["n"] <= 9, lambda c: len(c) == 5 and c[3] == "/",
+              lambda c: c in ("yes", "no")]
+    reasoned = 0
+    for form, check in zip(forms, checks):
+        for seed in range(3):
+            body = dict(model="gpt_oss", messages=[{"role": "user", "content": "a number?"}], max_tokens=3000,
+                        temperature=1.0, seed=seed, **form)
+            r = client.chat.completions.create(**body)
+            m = r.choices[0].message
+            assert r.choices[0].finish_reason == "stop" and check(m.content), r
+            reasoning = m.model_extra.get("reasoning_content") or ""
+            assert "<|" not in reasoning and "<|" not in m.content
+            reasoned += bool(reasoning)
+            content, _, finish, streamed = reassemble(client.chat.completions.create(**body, stream=True))
+            assert (content, streamed, finish) == (m.content, reasoning, "stop")
+    assert reasoned > 0  # some answers reasoned first (a random model takes the analysis channel about half the time)

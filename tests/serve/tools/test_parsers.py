@@ -31,6 +31,11 @@ CASES = [  # (parser, text, content, [(name, arguments as JSON value)])
                     '</function>\n</tool_call>', "Sure.\n",
      [("run", {"code": 'if a < b:\n    print("</param")', "n": 3, "opts": {"v": [1]}})]),
     ("qwen3_coder", "<tool_call>\n<function=run>\n</function>\n</tool_call>", "", [("run", {})]),
+    ("openai", 'A preamble.<|start|>assistant to=functions.run<|channel|>commentary json<|message|>{"code": "x<|"}'
+               "<|call|>", "A preamble.", [("run", {"code": "x<|"})]),
+    ("openai", "<|start|>assistant to=functions.run<|channel|>commentary json<|message|><|call|>", "", [("run", {})]),
+    ("openai", "<|start|>assistant to=functions.run<|channel|>comm",
+     "<|start|>assistant to=functions.run<|channel|>comm", []),
 ]
 
 
@@ -75,6 +80,20 @@ REASONING = [  # (format, prompt, answer, reasoning, content)
     ("deepseek_r1", "x", "plan</think>\n\nanswer", "plan", "answer"),
     ("deepseek_r1", "x", "<think>\nplan</think>answer", "plan", "answer"),
     ("deepseek_r1", "x", "\n\nplan", "plan", ""),
+    # harmony (gpt-oss): the prompt ends with <|start|>assistant; analysis is reasoning, final and preambles content
+    ("openai_gptoss", "<|start|>assistant", "<|channel|>analysis<|message|>plan a<b<|end|><|start|>assistant"
+     "<|channel|>final<|message|>answer <|end of it<|return|>", "plan a<b", "answer <|end of it"),
+    ("openai_gptoss", "<|start|>assistant", "<|channel|>final<|message|>just this", "", "just this"),
+    ("openai_gptoss", "<|start|>assistant", "<|channel|>analysis<|message|>cut sho", "cut sho", ""),
+    ("openai_gptoss", "<|start|>assistant", "<|channel|>commentary<|message|>Looking it up.<|end|>"
+     "<|start|>assistant<|channel|>final<|message|>Done.<|return|>", "", "Looking it up.Done."),
+    ("openai_gptoss", "<|start|>assistant", "no harmony header at all", "", "no harmony header at all"),
+    # a call (recipient after or before the channel) goes on to the content in the tool parser's canonical form
+    ("openai_gptoss", "<|start|>assistant", "<|channel|>analysis<|message|>need f<|end|><|start|>assistant<|channel|>"
+     'commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>', "need f",
+     '<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{"a": 1}<|call|>'),
+    ("openai_gptoss", "<|start|>assistant", ' to=functions.g<|channel|>commentary json<|message|>{"b": "<|"}',
+     "", '<|start|>assistant to=functions.g<|channel|>commentary json<|message|>{"b": "<|"}<|call|>'),
 ]
 
 
@@ -89,3 +108,21 @@ def test_reasoning_splits_alike_streamed_and_whole(fmt, prompt, answer, reasonin
             a, b = p.feed(piece, final=k == len(pieces) - 1)
             r, c = r + a, c + b
         assert (r, c) == (reasoning, content)
+
+
+def test_harmony_reasoning_then_tool_parser_streamed_and_whole():
+    """gpt-oss's answer through both parsers as the server chains them (reasoning first, its content to the tool
+    parser): reasoning, a preamble, then one call, alike for every split."""
+    answer = ("<|channel|>analysis<|message|>User wants code run.<|end|><|start|>assistant<|channel|>commentary"
+              "<|message|>Running it.<|end|><|start|>assistant<|channel|>commentary to=functions.run <|constrain|>json"
+              '<|message|>{"code": "print(1)", "n": 2}<|call|>')
+    for step in (1, 2, 3, 7, len(answer)):
+        harmony, tools = REASONING_FORMATS["openai_gptoss"].parser("<|start|>assistant"), TOOL_PARSERS["openai"](RUN)
+        reasoning, content, args = "", "", ""
+        pieces = [answer[i:i + step] for i in range(0, len(answer), step)]
+        for k, piece in enumerate(pieces):
+            r, c = harmony.feed(piece, final=k == len(pieces) - 1)
+            c, deltas = tools.feed(c, final=k == len(pieces) - 1)
+            reasoning, content, args = reasoning + r, content + c, args + "".join(d.arguments for d in deltas)
+        assert (reasoning, content) == ("User wants code run.", "Running it.")
+        assert [c.name for c in tools.calls] == ["run"] and json.loads(args) == {"code": "print(1)", "n": 2}
