@@ -6,13 +6,13 @@
 
 namespace lmkit {
 
-// Q4_0, Q4_1, Q5_0, Q8_0 (blocks of 32 values), Q4_K, Q5_K, Q6_K (super-blocks of 256): GGUF (llama.cpp) block types,
+// Q4_0, Q4_1, Q5_0, Q8_0, MXFP4 (blocks of 32 values), Q4_K, Q5_K, Q6_K (super-blocks of 256): GGUF (llama.cpp) block types,
 // stored
 // as they are in the file and read through model/ggml_blocks.h; a tensor of them has its logical shape, its rows whole
 // blocks (dtype_block_*).
 enum class DType : int32_t {
   F32 = 0, F16 = 1, BF16 = 2, I32 = 3, I8 = 4, U8 = 5, Q4_0 = 6, Q4_1 = 7, Q8_0 = 8, Q5_0 = 9, Q4_K = 10, Q6_K = 11,
-  Q5_K = 12
+  Q5_K = 12, MXFP4 = 13
 };
 
 inline int dtype_size_bytes(DType t) {
@@ -29,7 +29,7 @@ inline int dtype_size_bytes(DType t) {
 
 inline bool dtype_is_block(DType t) {
   return t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q5_0 || t == DType::Q8_0 || t == DType::Q4_K ||
-         t == DType::Q5_K || t == DType::Q6_K;
+         t == DType::Q5_K || t == DType::Q6_K || t == DType::MXFP4;
 }
 // Values per block (1 for the element types) and bytes per block.
 inline int dtype_block_elems(DType t) {
@@ -44,6 +44,7 @@ inline int dtype_block_bytes(DType t) {
     case DType::Q4_K: return 144;  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
     case DType::Q5_K: return 176;  // as Q4_K, with 32 bytes of fifth bits between the scales and the nibbles
     case DType::Q6_K: return 210;  // 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d
+    case DType::MXFP4: return 17;  // e8m0 scale, 16 bytes of e2m1 nibbles
     default: return dtype_size_bytes(t);
   }
 }
@@ -63,6 +64,7 @@ inline const char* dtype_name(DType t) {
     case DType::Q4_K: return "Q4_K";
     case DType::Q5_K: return "Q5_K";
     case DType::Q6_K: return "Q6_K";
+    case DType::MXFP4: return "MXFP4";
   }
   return "?";
 }

@@ -413,16 +413,28 @@ class CpuBackend final : public Backend {
       bytes += w.gate_up[e].size_bytes + w.down[e].size_bytes;
       const CpuLinear& gu = *static_cast<const CpuLinear*>(w.gate_up[e].impl.get());
       const CpuLinear& dn = *static_cast<const CpuLinear*>(w.down[e].impl.get());
-      grouped = grouped && gu.parts.size() == 1 && gu.bias.empty() && dn.parts.size() == 1 && dn.bias.empty();
+      grouped = grouped && gu.parts.size() == 1 && dn.parts.size() == 1;
       gate_up_jobs_.push_back({moe_x_.data() + first * H, m, &gu.parts[0], moe_gate_up_.data() + first * 2 * I});
       down_jobs_.push_back({moe_gate_up_.data() + first * I, m, &dn.parts[0], moe_y_.data() + first * H});
     }
     // gate | up that could not be joined into one weight (an intermediate size not a multiple of the panel
     // width) run expert by expert through linear(), which interleaves the parts
+    // (grouped: without the experts' biases, added after over each expert's rows, gpt-oss's)
     auto run = [&](std::vector<ops::LinearJob>& jobs, const std::vector<PackedLinear>& ws) {
-      if (grouped) return ops::linear_group(jobs.data(), (int64_t)jobs.size());
-      for (int32_t e = 0, i = 0; e < (int32_t)E; ++e)
-        if (routing_.count(e) > 0) linear(jobs[i].x, jobs[i].M, ws[e], jobs[i].out), ++i;
+      if (!grouped) {
+        for (int32_t e = 0, i = 0; e < (int32_t)E; ++e)
+          if (routing_.count(e) > 0) linear(jobs[i].x, jobs[i].M, ws[e], jobs[i].out), ++i;
+        return;
+      }
+      ops::linear_group(jobs.data(), (int64_t)jobs.size());
+      for (int32_t e = 0, i = 0; e < (int32_t)E; ++e) {
+        if (routing_.count(e) == 0) continue;
+        const std::vector<float>& bias = static_cast<const CpuLinear*>(ws[e].impl.get())->bias;
+        const ops::LinearJob& job = jobs[i++];
+        if (bias.empty()) continue;
+        for (int64_t r = 0; r < job.M; ++r)
+          for (int64_t j = 0; j < (int64_t)bias.size(); ++j) job.out[r * (int64_t)bias.size() + j] += bias[j];
+      }
     };
     run(gate_up_jobs_, w.gate_up);
     gated_activation(moe_gate_up_.data(), n, I, spec.act, moe_gate_up_.data());  // [n, I] packed in place

@@ -10,6 +10,7 @@ namespace lmkit {
 namespace {
 
 constexpr int64_t kBlock = 32;
+constexpr int8_t kTwiceE2m1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // MXFP4 codes x 2
 
 uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
@@ -148,8 +149,7 @@ Int4Source ggml_int4_source(const Tensor& t, const RowOrder& rows, const std::st
 }
 
 Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::string& what) {
-  LMKIT_CHECK_ARG(t.dtype == DType::Q8_0 || t.dtype == DType::Q5_0 || t.dtype == DType::Q5_K || t.dtype == DType::Q6_K,
-                  what, ": ", dtype_name(t.dtype), " is not a GGUF int8-valued block type");
+  LMKIT_CHECK_ARG(dtype_is_int8_block(t.dtype), what, ": ", dtype_name(t.dtype), " is not a GGUF int8-valued block type");
   check_block_tensor(t, rows, what);
   Int8Source src;
   src.num_out = rows ? (int64_t)rows->size() : t.shape[0];
@@ -164,6 +164,19 @@ Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::st
         scales[c] = f16_to_f32(load_u16(blk)) * sc;  // both exact: an fp16 value times a 6-bit integer
         offsets[c] = -(f16_to_f32(load_u16(blk + 2)) * m);
         q5k_values(blk, b % 8, q + c, count);
+      }
+    };
+    return src;
+  }
+  if (t.dtype == DType::MXFP4) {  // block b of 16: half b % 2 of block b / 2 (value j in nibble j % 16, low first)
+    src.read_block16 = [t, rows, what](int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales) {
+      for (int64_t c = 0; c < count; ++c) {
+        const uint8_t* blk = block_at(t, stored_row(rows, n0 + c), b / 2);
+        LMKIT_CHECK_ARG(blk[0] != 255, what, ": MXFP4 block ", b / 2, " of row ", stored_row(rows, n0 + c),
+                        " has the NaN scale (255)");
+        scales[c] = std::ldexp(1.0f, (int)blk[0] - 128);
+        const int shift = (int)(b % 2) * 4;
+        for (int64_t l = 0; l < 16; ++l) q[l * count + c] = kTwiceE2m1[(blk[1 + l] >> shift) & 15];
       }
     };
     return src;
@@ -199,7 +212,7 @@ void ggml_dequantize_row(const Tensor& t, int64_t row, float* out) {
   LMKIT_CHECK(dtype_is_block(t.dtype) && t.ndim == 2 && row >= 0 && row < t.shape[0], "ggml_dequantize_row: bad call");
   // through the readers the packers take: each block type's values have one definition
   const int64_t K = t.shape[1];
-  if (t.dtype == DType::Q8_0 || t.dtype == DType::Q5_0 || t.dtype == DType::Q5_K || t.dtype == DType::Q6_K) {
+  if (dtype_is_int8_block(t.dtype)) {
     const Int8Source src = ggml_int8_source(t, nullptr, "embedding");
     const int64_t block = src.read_block16 ? 16 : kBlock;
     for (int64_t b = 0; b < K / block; ++b) {

@@ -92,8 +92,7 @@ LinearTensors single_tensor_linear(const Tensor& weight, const RowOrder& rows, c
                                    std::vector<std::shared_ptr<void>>* owned) {
   LinearTensors t;
   t.weight = weight;
-  if (weight.dtype == DType::Q8_0 || weight.dtype == DType::Q5_0 || weight.dtype == DType::Q5_K ||
-      weight.dtype == DType::Q6_K) {
+  if (dtype_is_int8_block(weight.dtype)) {
     t.int8_source = ggml_int8_source(weight, rows, what);
   } else if (dtype_is_block(weight.dtype)) {
     t.int4_source = ggml_int4_source(weight, rows, what);
@@ -152,7 +151,7 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     if (want == DType::F32 && blocks_ok)
       LMKIT_CHECK_ARG(is_float(src.dtype) || dtype_is_block(src.dtype), config.architecture, ": tensor '", role,
                       "' has dtype ", dtype_name(src.dtype),
-                      "; only F32, F16, BF16, Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K and Q8_0 are supported");
+                      "; only F32, F16, BF16, Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0 and MXFP4 are supported");
     else if (want == DType::F32)
       LMKIT_CHECK_ARG(is_float(src.dtype), config.architecture, ": tensor '", role, "' has dtype ",
                       dtype_name(src.dtype), "; only F32, F16 and BF16 weights are supported");
@@ -264,6 +263,18 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   const RowOrder q_rows = config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_heads, D) : nullptr;
   const RowOrder k_rows = config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_kv_heads, D) : nullptr;
   if (w.lm_head.is_empty()) w.lm_head = w.embed_tokens;
+  auto owned_f32 = [&](const float* src, int64_t n) {  // an F32 tensor [n] owned by the weights
+    auto buf = std::shared_ptr<float>(new float[n], std::default_delete<float[]>());
+    std::copy(src, src + n, buf.get());
+    w.owned.push_back(buf);
+    return make_view(buf.get(), DType::F32, n);
+  };
+  // Row e of a bias [E, n] (any float dtype) as an F32 tensor [n] of its own.
+  auto bias_row = [&](const Tensor& t, int64_t e, int64_t n) {
+    std::vector<float> row(n);
+    for (int64_t j = 0; j < n; ++j) row[j] = float_value(t, e * n + j);
+    return owned_f32(row.data(), n);
+  };
   // gpt-oss's experts (ModelConfig::experts_interleaved): gate j and up j in rows (MXFP4) or columns (float) 2j and
   // 2j + 1. MXFP4 is read in place through row orders; a float checkpoint ([E, hidden, 2 moe_inter] and [E, moe_inter,
   // hidden], inputs first, as transformers holds them) is transposed once into [E, 2 moe_inter, hidden] (gate rows,
@@ -279,12 +290,6 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
       for (int64_t i = 0; i < E * 2 * MI; ++i) gu_bias.push_back(float_value(gb, i));
       for (int64_t i = 0; i < E * H; ++i) down_bias.push_back(float_value(db, i));
     }
-    auto owned_f32 = [&](const float* src, int64_t n) {  // an F32 tensor [n] owned by the weights
-      auto buf = std::shared_ptr<float>(new float[n], std::default_delete<float[]>());
-      std::copy(src, src + n, buf.get());
-      w.owned.push_back(buf);
-      return make_view(buf.get(), DType::F32, n);
-    };
     const bool mxfp4 = has(p + "experts.gate_up_proj_blocks");
     Tensor gu_blocks, gu_scales, dn_blocks, dn_scales, gu_t, dn_t;
     if (mxfp4) {
@@ -347,7 +352,7 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
         ex.up_proj = single_tensor_linear(u, nullptr, what);
         ex.down_proj = single_tensor_linear(d, nullptr, what);
       }
-      if (config.moe_biases) {
+      if (config.moe_biases) {  // gate and up alternate in the checkpoint's [E, 2 MI]
         std::vector<float> gate(MI), up(MI);
         for (int64_t j = 0; j < MI; ++j) gate[j] = gu_bias[e * 2 * MI + 2 * j], up[j] = gu_bias[e * 2 * MI + 2 * j + 1];
         ex.gate_bias = owned_f32(gate.data(), MI);
@@ -385,11 +390,23 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
         const Tensor gate_up = fused ? get(p + "experts.gate_up_proj", {E, 2 * MI, H}, true, DType::F32, true)
                                      : get(p + "experts.gate_exps", {E, MI, H}, true, DType::F32, true);
         const Tensor up = fused ? Tensor{} : get(p + "experts.up_exps", {E, MI, H}, true, DType::F32, true);
+        // stacked with biases (gpt-oss's GGUF files: llama.cpp splits its gate and up apart)
+        const bool biased = stacked && config.moe_biases;
+        const Tensor gate_bias = biased ? get(p + "experts.gate_exps_bias", {E, MI}) : Tensor{};
+        const Tensor up_bias = biased ? get(p + "experts.up_exps_bias", {E, MI}) : Tensor{};
+        const Tensor down_bias = biased ? get(p + "experts.down_exps_bias", {E, H}) : Tensor{};
+        LMKIT_CHECK_ARG(!config.moe_biases || stacked, config.architecture, ": ", p,
+                        "experts with biases come as gate_exps, up_exps and down_exps");
         for (int64_t e = 0; e < E; ++e) {
           LayerWeights::Expert ex;
           ex.gate_proj = fused ? slab(gate_up, e * 2 * MI, MI) : slab(gate_up, e * MI, MI);
           ex.up_proj = fused ? slab(gate_up, e * 2 * MI + MI, MI) : slab(up, e * MI, MI);
           ex.down_proj = slab(down, e * H, H);
+          if (biased) {
+            ex.gate_bias = bias_row(gate_bias, e, MI);
+            ex.up_bias = bias_row(up_bias, e, MI);
+            ex.down_bias = bias_row(down_bias, e, H);
+          }
           l.experts.push_back(std::move(ex));
         }
       }

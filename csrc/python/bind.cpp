@@ -33,6 +33,7 @@ DType parse_dtype(const std::string& s) {
   if (s == "Q4_K") return DType::Q4_K;
   if (s == "Q5_K") return DType::Q5_K;
   if (s == "Q6_K") return DType::Q6_K;
+  if (s == "MXFP4") return DType::MXFP4;
   throw InvalidArgument("unsupported tensor dtype " + s);
 }
 

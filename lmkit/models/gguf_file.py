@@ -40,10 +40,10 @@ ENGINE_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)  # the GGML tensor types the
 # permuted for its interleaved rotary (the engine reads them back: ModelConfig.qk_rotary_interleaved)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3moe": "Qwen3MoeForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
-                 "qwen35moe": "Qwen3_5MoeForCausalLM"}
+                 "qwen35moe": "Qwen3_5MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 QK_INTERLEAVED = frozenset({"llama"})
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-               "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
+               "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "gpt-oss": "gpt_oss"}
 # transformers' GGUF config tables by its own spelling of an architecture, and the keys lmkit reads beyond them
 # (its qwen3_moe table has no expert width: Qwen3MoeConfig's default, 768, would silently apply to every file)
 CONFIG_TABLES = {"qwen3moe": "qwen3_moe"}
@@ -143,7 +143,7 @@ def gguf_tensors(reader, path: Path) -> dict[str, TensorEntry]:
 
 def hf_to_gguf_names(hf_names, gguf_arch: str, num_layers: int) -> dict[str, str]:
     """HF tensor name -> GGUF tensor name, by the gguf package's own tensor-name table (a Gated DeltaNet's
-    dt_bias under the name llama.cpp's converter gives it first, dt_proj.bias)."""
+    dt_bias under the name llama.cpp's converter gives it first, dt_proj.bias; gpt-oss's sinks with .weight)."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     arch = {name: a for a, name in MODEL_ARCH_NAMES.items()}[gguf_arch]
@@ -152,6 +152,8 @@ def hf_to_gguf_names(hf_names, gguf_arch: str, num_layers: int) -> dict[str, str
     for name in hf_names:
         lookup = name[: -len("dt_bias")] + "dt_proj.bias" if name.endswith("linear_attn.dt_bias") else name
         mapped = table.get_name(lookup, try_suffixes=(".weight", ".bias"))
+        if mapped is not None and name.endswith("self_attn.sinks"):  # llama.cpp's converter writes attn_sinks.weight
+            mapped += ".weight"
         if mapped is not None:
             out[name] = mapped
     return out
@@ -223,6 +225,8 @@ def config_from_metadata(reader, path: Path) -> dict:
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     arch = gguf_architecture(reader, path)
+    if arch == "gpt-oss":
+        return _gpt_oss_config(reader, path)
     for key in reader.fields:
         if key.startswith(f"{arch}.rope.scaling.") and _field(reader, key) not in (None, "none", 0, 0.0, 1.0):
             raise GgufError(f"{path}: {key}={_field(reader, key)!r}: rope scaling in GGUF files is not supported yet")
@@ -297,6 +301,46 @@ def _hybrid_config(reader, path: Path, arch: str) -> dict:
     cfg.update(architectures=[ARCHITECTURES[arch]], model_type=MODEL_TYPES[arch],
                mtp_num_hidden_layers=int(metadata.get(f"{arch}.nextn_predict_layers") or 0))
     return {k: v for k, v in cfg.items() if v is not None}
+
+
+def _gpt_oss_config(reader, path: Path) -> dict:
+    """config.json of a gpt-oss file as llama.cpp's converter writes it (GptOssModel): the usual shape keys, the
+    sliding window, the experts' width and yarn's factor and original context (its betas and truncation are gpt-oss's
+    own, which llama.cpp also assumes); transformers has no GGUF table for it."""
+    arch = "gpt-oss"
+
+    def need(key: str):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise GgufError(f"{path}: the metadata has no {arch}.{key}")
+        return value
+
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling != "yarn":
+        raise GgufError(f"{path}: {arch}.rope.scaling.type={scaling!r}: gpt-oss files use yarn")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise GgufError(f"{path}: the metadata has no tokenizer.ggml.tokens (the vocabulary)")
+    names = {t.name for t in reader.tensors}
+    cfg = dict(architectures=[ARCHITECTURES[arch]], model_type=MODEL_TYPES[arch], vocab_size=len(tokens.data),
+               hidden_size=int(need("embedding_length")), num_hidden_layers=int(need("block_count")),
+               intermediate_size=int(need("expert_feed_forward_length")),
+               num_attention_heads=int(need("attention.head_count")),
+               num_key_value_heads=int(need("attention.head_count_kv")), head_dim=int(need("attention.key_length")),
+               rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+               max_position_embeddings=int(need("context_length")), num_local_experts=int(need("expert_count")),
+               num_experts_per_tok=int(need("expert_used_count")), sliding_window=int(need("attention.sliding_window")),
+               tie_word_embeddings="output.weight" not in names, attention_bias=True,
+               rope_parameters={"rope_type": "yarn", "rope_theta": float(need("rope.freq_base")),
+                                "factor": float(need("rope.scaling.factor")),
+                                "original_max_position_embeddings": int(need("rope.scaling.original_context_length")),
+                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})
+    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("pad_token_id", "padding_token_id")):
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        if value is not None:
+            cfg[name] = int(value)
+    return cfg
 
 
 def write_view(path: Path, out: Path) -> None:

@@ -2,7 +2,8 @@
 learned sink logit per head (attention sinks), alternating sliding-window (128) and full layers, yarn RoPE; every
 MLP a mixture of experts (32 / 128, top 4): a router with a bias whose top-k logits are softmaxed, experts with
 biases and the clamped SwiGLU ((clamp(up) + 1) * g sigmoid(1.702 g), g = min(gate, 7)), gate and up interleaved.
-Experts as shipped in MXFP4 (``*_blocks`` / ``*_scales``) or as transformers holds them in a float dtype."""
+Experts as shipped in MXFP4 (``*_blocks`` / ``*_scales``), as transformers holds them in a float dtype, or as
+llama.cpp's GGUF files hold them (gate, up and down apart, MXFP4 blocks of its own layout: lmkit/models/gguf_file.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ MOE_LAYER = {
     "experts.down_proj_scales": EXPERTS + "down_proj_scales",
     "experts.gate_up_bias": EXPERTS + "gate_up_proj_bias",
     "experts.down_bias": EXPERTS + "down_proj_bias",
+    # llama.cpp's GGUF files: gate and up apart, each as one tensor of every expert ([E, inter, hidden], MXFP4 or
+    # float), named as the gguf package's table knows them
+    "experts.gate_exps": EXPERTS + "gate_proj.weight",
+    "experts.up_exps": EXPERTS + "up_proj.weight",
+    "experts.down_exps": EXPERTS + "down_proj.weight",
+    "experts.gate_exps_bias": EXPERTS + "gate_proj.bias",
+    "experts.up_exps_bias": EXPERTS + "up_proj.bias",
+    "experts.down_exps_bias": EXPERTS + "down_proj.bias",
 }
 KEY_MAP = {**MODEL_KEYS, **layer_keys({**ATTENTION_LAYER, **QKV_BIAS_LAYER, "o_bias": "self_attn.o_proj.bias",
                                        "sinks": "self_attn.sinks", **MOE_LAYER})}

@@ -180,6 +180,7 @@ def load_model_spec(path: Path) -> ModelSpec:
         hybrid_layout = gguf_file.gguf_arch_of(cfg) in gguf_file.HYBRID_LAYOUT
         if hybrid_layout:  # its (1 + w) norms stored as 1 + w (gguf_file.HYBRID_LAYOUT)
             fields.norm_weight_offset = 0.0
+        fields.experts_interleaved = False  # llama.cpp splits gpt-oss's gate and up apart
     else:
         sources = map_tensors(arch, index_folder(path), fields.num_layers, quant, path, fields.num_experts)
     if fields.tie_word_embeddings:

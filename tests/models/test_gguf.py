@@ -713,3 +713,112 @@ def test_gguf_with_experts_but_no_expert_count_in_use_is_refused(tmp_path):
     writer.close()
     with pytest.raises(GgufError, match=r"llama-experts\.gguf: llama\.expert_count=8 but no llama\.expert_used_count"):
         resolve_model(broken)
+
+
+# ---- gpt-oss: llama.cpp's "gpt-oss" files (convert_hf_to_gguf.py's GptOssModel)
+
+GPT_OSS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=20,
+               max_position_embeddings=512,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})
+
+
+def write_gpt_oss_gguf(model, out: Path, expert_type: str) -> None:
+    """``model`` (HF GptOssForCausalLM, fp32) as llama.cpp writes a "gpt-oss" file: the experts' gate and up split
+    apart (even and odd rows of gate_up), every expert's weight as one [E, out, in] tensor in ``expert_type``
+    (MXFP4 as the hub's blocks become: ggml's own layout, by gguf's quantizer), their biases split likewise, the
+    sinks as attn_sinks.weight; the rest F32. Rewrites the model's experts in place to what gguf's dequantizer reads
+    back, so that the model is the file's reference."""
+    cfg = model.config
+    arch, layers = "gpt-oss", cfg.num_hidden_layers
+    writer = gguf.GGUFWriter(str(out), arch)
+    rope = cfg.rope_parameters
+    for key, value in (("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
+                       ("block_count", layers), ("feed_forward_length", cfg.intermediate_size),
+                       ("expert_feed_forward_length", cfg.intermediate_size),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.head_count_kv", cfg.num_key_value_heads), ("attention.key_length", cfg.head_dim),
+                       ("attention.value_length", cfg.head_dim), ("expert_count", cfg.num_local_experts),
+                       ("expert_used_count", cfg.num_experts_per_tok), ("attention.sliding_window", cfg.sliding_window),
+                       ("rope.scaling.original_context_length", rope["original_max_position_embeddings"])):
+        writer.add_uint32(f"{arch}.{key}", int(value))
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
+    writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+    writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+    copy_tokenizer(writer, smollm2_gguf(), cfg.vocab_size)
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, layers)
+    qt = gguf.GGMLQuantizationType[expert_type]
+
+    def add_experts(name: str, data: np.ndarray) -> np.ndarray:
+        """Writes [E, out, in] ``data``; returns what gguf reads back."""
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        if expert_type == "F32":
+            writer.add_tensor(name, data)
+            return data
+        stored = gguf.quants.quantize(data, qt)
+        writer.add_tensor(name, stored, raw_dtype=qt)
+        return gguf.quants.dequantize(stored, qt).reshape(data.shape)
+
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            ex, blk = layer.mlp.experts, f"blk.{i}"
+            gate_up = ex.gate_up_proj.numpy().transpose(0, 2, 1)  # [E, 2 inter, hidden], gate and up alternating
+            read = np.empty_like(gate_up)
+            read[:, 0::2] = add_experts(f"{blk}.ffn_gate_exps.weight", gate_up[:, 0::2])
+            read[:, 1::2] = add_experts(f"{blk}.ffn_up_exps.weight", gate_up[:, 1::2])
+            ex.gate_up_proj.copy_(torch.from_numpy(read.transpose(0, 2, 1).copy()))
+            down = add_experts(f"{blk}.ffn_down_exps.weight", ex.down_proj.numpy().transpose(0, 2, 1))
+            ex.down_proj.copy_(torch.from_numpy(down.transpose(0, 2, 1).copy()))
+            bias = ex.gate_up_proj_bias.numpy()
+            writer.add_tensor(f"{blk}.ffn_gate_exps.bias", np.ascontiguousarray(bias[:, 0::2]))
+            writer.add_tensor(f"{blk}.ffn_up_exps.bias", np.ascontiguousarray(bias[:, 1::2]))
+            writer.add_tensor(f"{blk}.ffn_down_exps.bias", ex.down_proj_bias.numpy().copy())
+            writer.add_tensor(f"{blk}.attn_sinks.weight", layer.self_attn.sinks.numpy().copy())
+    for name, param in model.state_dict().items():
+        if ".mlp.experts." in name or name.endswith("self_attn.sinks"):
+            continue
+        gname = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, name
+        writer.add_tensor(gname, param.detach().numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def gpt_oss_model(seed: int):
+    """A tiny random HF gpt-oss in fp32 (eager attention: its sinks): matrices N(0, 1/fan_in), biases and sinks
+    N(0, 0.3), norms around 1."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(GptOssConfig(**GPT_OSS), dtype=torch.float32,
+                                             attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 1 or name.endswith("bias"):
+                p.normal_(0.0, 0.3)
+            else:
+                p.copy_(torch.randn_like(p) * p.shape[-2 if ".experts." in name else -1] ** -0.5)
+    return model
+
+
+@pytest.mark.parametrize("expert_type", ["MXFP4", "F32"])
+def test_gpt_oss_gguf_as_llama_cpp_writes_it(expert_type, tmp_path):
+    """A "gpt-oss" file (experts apart and in MXFP4 blocks of ggml's layout, or F32): the view's config reads
+    llama.cpp's keys (yarn, the window, the experts' width), the engine reads every tensor where llama.cpp puts it
+    and gives the logits of the HF model whose experts are what gguf's dequantizer reads from the file."""
+    model = gpt_oss_model(seed=71)
+    path = tmp_path / f"gpt-oss-{expert_type}.gguf"
+    write_gpt_oss_gguf(model, path, expert_type)
+    spec = load_model_spec(resolve_model(path))
+    assert spec.architecture.name == "GptOssForCausalLM" and not spec.experts_interleaved
+    # (the file has no key for the clamp: llama.cpp's gpt-oss graph and transformers' config both take 7)
+    assert spec.layer_sliding_window == [20, 0, 20, 0] and (spec.swiglu_alpha, spec.swiglu_limit) == (1.702, 7.0)
+    assert {role.split(".", 2)[2] for role in spec.sources if role.startswith("layers.0.")} >= {
+        "sinks", "o_bias", "router_bias", "experts.gate_exps", "experts.up_exps_bias", "experts.down_exps"}
+    assert engine_vs(path, model, prompts_for(7), EXACT) <= 1e-4
