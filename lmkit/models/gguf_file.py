@@ -340,6 +340,13 @@ def _gpt_oss_config(reader, path: Path) -> dict:
         value = _field(reader, f"tokenizer.ggml.{key}")
         if value is not None:
             cfg[name] = int(value)
+    # harmony ends an answer with <|return|> and a tool call with <|call|> (llama.cpp's vocabulary counts both as
+    # end of generation by their text; the file names one eos): both stop, beside the file's own
+    words = [str(t) for t in tokens.contents()] if hasattr(tokens, "contents") else []
+    stops = [words.index(t) for t in ("<|return|>", "<|call|>") if t in words]
+    eos = [cfg["eos_token_id"]] if "eos_token_id" in cfg else []
+    if stops:
+        cfg["eos_token_id"] = eos + [i for i in stops if i not in eos]
     return cfg
 
 

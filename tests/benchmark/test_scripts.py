@@ -336,3 +336,13 @@ def test_startup_benchmark_times_a_cold_and_a_warm_gguf_start():
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["model"].endswith(".gguf") and len(result["warm_s"]) == 1
     assert 0 < result["warm_median_s"] < result["first_s"], result
+
+
+def test_gpt_oss_benchmark_smoke(tmp_path):
+    """bench_gpt_oss.py --smoke: a tiny gpt-oss GGUF (MXFP4 experts, as llama.cpp lays them out) written into
+    LMKIT_CACHE and served by lmkit in a worker process; the table has its row and no error."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench_gpt_oss.py"), "--smoke"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, LMKIT_CACHE=str(tmp_path)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "| lmkit GGUF MXFP4 |" in run.stdout and "error" not in run.stdout, run.stdout
+    assert (tmp_path / "peers" / "tiny-2l-mxfp4.gguf").is_file()

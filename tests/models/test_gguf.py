@@ -747,7 +747,19 @@ def write_gpt_oss_gguf(model, out: Path, expert_type: str) -> None:
     writer.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
     writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
     writer.add_string(f"{arch}.rope.scaling.type", "yarn")
-    copy_tokenizer(writer, smollm2_gguf(), cfg.vocab_size)
+    # SmolLM2's tokenizer with its last two tokens renamed to harmony's stops (and the merges that made them dropped)
+    f = tokenizer_fields(str(smollm2_gguf()))
+    tokens, merges = cut_vocabulary(str(smollm2_gguf()), cfg.vocab_size)
+    tokens, renamed = list(tokens), set(tokens[-2:])
+    tokens[-2:] = ["<|return|>", "<|call|>"]
+    writer.add_tokenizer_model(f["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(f["tokenizer.ggml.pre"])
+    writer.add_token_list(tokens)
+    writer.add_token_types(f["tokenizer.ggml.token_type"][:cfg.vocab_size])
+    writer.add_token_merges([m for m in merges if "".join(m.split(" ")) not in renamed
+                             and not renamed & set(m.split(" "))])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
     table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, layers)
     qt = gguf.GGMLQuantizationType[expert_type]
 
@@ -821,4 +833,5 @@ def test_gpt_oss_gguf_as_llama_cpp_writes_it(expert_type, tmp_path):
     assert spec.layer_sliding_window == [20, 0, 20, 0] and (spec.swiglu_alpha, spec.swiglu_limit) == (1.702, 7.0)
     assert {role.split(".", 2)[2] for role in spec.sources if role.startswith("layers.0.")} >= {
         "sinks", "o_bias", "router_bias", "experts.gate_exps", "experts.up_exps_bias", "experts.down_exps"}
+    assert spec.eos_token_ids == [2, VOCAB - 2, VOCAB - 1]  # the file's eos, then <|return|> and <|call|>
     assert engine_vs(path, model, prompts_for(7), EXACT) <= 1e-4
