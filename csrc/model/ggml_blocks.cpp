@@ -4,13 +4,13 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "model/mxfp4.h"
 
 namespace lmkit {
 
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int8_t kTwiceE2m1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // MXFP4 codes x 2
 
 uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
@@ -168,19 +168,7 @@ Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::st
     };
     return src;
   }
-  if (t.dtype == DType::MXFP4) {  // block b of 16: half b % 2 of block b / 2 (value j in nibble j % 16, low first)
-    src.read_block16 = [t, rows, what](int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales) {
-      for (int64_t c = 0; c < count; ++c) {
-        const uint8_t* blk = block_at(t, stored_row(rows, n0 + c), b / 2);
-        LMKIT_CHECK_ARG(blk[0] != 255, what, ": MXFP4 block ", b / 2, " of row ", stored_row(rows, n0 + c),
-                        " has the NaN scale (255)");
-        scales[c] = std::ldexp(1.0f, (int)blk[0] - 128);
-        const int shift = (int)(b % 2) * 4;
-        for (int64_t l = 0; l < 16; ++l) q[l * count + c] = kTwiceE2m1[(blk[1 + l] >> shift) & 15];
-      }
-    };
-    return src;
-  }
+  if (t.dtype == DType::MXFP4) return mxfp4_ggml_int8_source(t, rows, what);
   if (t.dtype == DType::Q6_K) {  // block b of 16: sub-block b % 16 of super-block b / 16
     src.read_block16 = [t, rows](int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales) {
       for (int64_t c = 0; c < count; ++c) {

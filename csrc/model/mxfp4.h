@@ -1,8 +1,14 @@
-// OCP MXFP4, the format gpt-oss ships its experts in: per block of 32 inputs along a row, 16 bytes of e2m1 codes
-// (value 2j in byte j's low nibble, 2j + 1 in its high one; codes 0..7 = 0, 0.5, 1, 1.5, 2, 3, 4, 6, codes 8..15 the
-// same negated) and one e8m0 scale byte e (2^(e - 127); 255 is NaN), in two tensors: blocks [N, K / 32, 16] and
-// scales [N, K / 32]. Twice an e2m1 value is an integer in -12..12, so a block is exactly int8 values times
-// 2^(e - 128): it is read as the int8 kernels' blocks of 16 inputs with fp32 scales, lossless.
+// OCP MXFP4, the format gpt-oss ships its experts in: per block of 32 inputs along a row, 16 bytes of e2m1 codes (codes
+// 0..7 = 0, 0.5, 1, 1.5, 2, 3, 4, 6, codes 8..15 the same negated) and one e8m0 scale byte e (2^(e - 127); 255 is NaN).
+// Two layouts of the same numbers:
+//   HF (the hub's checkpoints): blocks [N, K / 32, 16] and scales [N, K / 32] apart; value 2j in byte j's low nibble,
+//     2j + 1 in its high one.
+//   GGUF (llama.cpp's MXFP4 type): 17-byte blocks, e then 16 bytes; value j in the low nibble of byte j % 16 for
+//     j < 16, the high one for j >= 16.
+// Twice an e2m1 value is an integer in -12..12, so a block is exactly int8 values times 2^(e - 128): read as the int8
+// kernels' blocks of 16 inputs with fp32 scales (10 bits a weight where the file has 4.25), lossless. (The int6
+// panels, 6.56 bits, would hold them too where the block scales of a 256-input super-block lie within 2^6, but
+// gpt-oss's rows of 2880 inputs are no whole super-blocks: a 4-bit MXFP4 kernel is the way to its bytes.)
 #pragma once
 #include <stdint.h>
 
@@ -14,12 +20,12 @@
 
 namespace lmkit {
 
-// The int8 source of an MXFP4 weight [N, K] (blocks [N, K / 32, 16] U8, scales [N, K / 32] U8; views of one expert's
-// rows), its outputs in `rows` order (null: stored order). Throws InvalidArgument naming `what` for shapes that do
-// not fit, and when a block read has the NaN scale (255).
+// The int8 source of an MXFP4 weight [N, K] in HF's layout (blocks [N, K / 32, 16] U8, scales [N, K / 32] U8; views of
+// one expert's rows), its outputs in `rows` order (null: stored order). Throws InvalidArgument naming `what` for shapes
+// that do not fit, and when a block read has the NaN scale (255).
 Int8Source mxfp4_int8_source(const Tensor& blocks, const Tensor& scales, const RowOrder& rows, const std::string& what);
 
-// Value j of stored row n of an MXFP4 weight, as fp32 (for tests and the float64 references).
-float mxfp4_value(const Tensor& blocks, const Tensor& scales, int64_t n, int64_t j);
+// The same of a GGUF MXFP4 tensor t ([N, K], 17-byte blocks).
+Int8Source mxfp4_ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::string& what);
 
 }  // namespace lmkit

@@ -38,14 +38,11 @@ def to_mxfp4(w: torch.Tensor, rng: np.random.Generator) -> tuple[torch.Tensor, t
     return blocks.contiguous(), (exp[..., 0] + 127).to(torch.uint8).contiguous()
 
 
-@pytest.fixture(scope="module")
-def mxfp4_model(tmp_path_factory):
-    """(MXFP4 folder, HF fp32 reference with the experts transformers dequantizes from its blocks)."""
+def write_mxfp4(fp, ref, folder) -> None:
+    """The float gpt-oss folder ``fp`` (HF model ``ref``) with its experts rounded to MXFP4 into ``folder``, and
+    ``ref``'s experts set to what transformers' own dequantizer makes of the written blocks."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    fp = tmp_path_factory.mktemp("gpt_oss_fp")
-    ref = build_case("gpt_oss", fp)
-    folder = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     for f in fp.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, folder / f.name)
@@ -65,6 +62,15 @@ def mxfp4_model(tmp_path_factory):
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (folder / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture(scope="module")
+def mxfp4_model(tmp_path_factory):
+    """(MXFP4 folder, HF fp32 reference with the experts transformers dequantizes from its blocks)."""
+    fp = tmp_path_factory.mktemp("gpt_oss_fp")
+    ref = build_case("gpt_oss", fp)
+    folder = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    write_mxfp4(fp, ref, folder)
     return folder, ref
 
 
@@ -110,3 +116,4 @@ def test_mxfp4_nan_scale_is_refused_by_name(mxfp4_model, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(Exception, match=r"layers\.2\.experts\.down_proj.*NaN scale"):
         open_pipeline(tmp_path)
+
