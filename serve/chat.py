@@ -1,9 +1,11 @@
 """`lmkit chat`: a terminal chat with a local model. Multi-turn history, streamed answers rendered with
 rich, /reset and /exit; Ctrl-C stops the current answer (its engine request is cancelled) and the chat
-goes on. ``prompt=...`` answers one message on stdout and returns (for scripts)."""
+goes on. ``prompt=...`` answers one message on stdout and returns (for scripts). A model that answers in harmony
+channels (gpt-oss) has its analysis shown as reasoning (dim; on stderr with ``prompt``) and only its answer kept."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 
@@ -13,16 +15,32 @@ from lmkit.messages import GenerationConfig
 HELP = "/reset clears the history, /exit quits, Ctrl-C stops the current answer"
 
 
+def channels_of(pipe, gen: GenerationConfig):
+    """(gen, parser): for a model whose chat template writes harmony channels (gpt-oss), ``gen`` keeping the special
+    tokens and a parser of the channels (its ``feed`` gives (reasoning, answer) deltas); else (gen, None)."""
+    from lmkit.serve.reasoning import HarmonyFormat, detect_reasoning_format
+
+    fmt = detect_reasoning_format(pipe.tokenizer.chat_template)
+    if not isinstance(fmt, HarmonyFormat):
+        return gen, None
+    return dataclasses.replace(gen, skip_special_tokens=False), fmt.new_parser(False)
+
+
 def _stream(pipe, messages: list[dict], gen: GenerationConfig, on_text) -> tuple[str, str | None]:
-    """Streams one answer into ``on_text``; returns (text, finish_reason). KeyboardInterrupt cancels it."""
+    """Streams one answer into ``on_text(answer so far, answer delta, reasoning delta)``; returns (answer,
+    finish_reason). KeyboardInterrupt cancels it."""
+    gen, channels = channels_of(pipe, gen)
     parts: list[str] = []
     finish = None
     responses = pipe.stream_infer(messages, gen)
     try:
         for r in responses:
-            if r.text:
-                parts.append(r.text)
-                on_text("".join(parts), r.text)
+            text, reasoning = r.text, ""
+            if channels is not None:
+                reasoning, text = channels.feed(text, final=r.finish_reason is not None)
+            if text or reasoning:
+                parts.append(text)
+                on_text("".join(parts), text, reasoning)
             if r.finish_reason == "error":
                 raise RuntimeError(r.error)
             finish = r.finish_reason or finish
@@ -45,19 +63,27 @@ def run_chat(model: str | None = None, engine_config: EngineConfig | None = None
     with pipeline(model, engine_config) as pipe:
         gen = gen_config or pipe.engine.default_generation_config()  # the model's generation_config.json
         if prompt is not None:
-            def write(_, delta):
+            thought = []
+
+            def write(_, delta, reasoning):
+                sys.stderr.write(reasoning)
+                thought.append(reasoning)
                 sys.stdout.write(delta)
                 sys.stdout.flush()
 
             _stream(pipe, base + [{"role": "user", "content": prompt}], gen, write)
             sys.stdout.write("\n")
+            if any(thought):
+                sys.stderr.write("\n")
             return 0
         return _interactive(pipe, gen, base, Console(), err)
 
 
 def _interactive(pipe, gen: GenerationConfig, base: list[dict], console, err) -> int:
+    from rich.console import Group
     from rich.live import Live
     from rich.markdown import Markdown
+    from rich.text import Text
 
     # A shell starts background jobs with SIGINT ignored, and Python then leaves it ignored: Ctrl-C would
     # never reach the answer it is meant to stop. The chat is interactive, so it takes Ctrl-C back.
@@ -87,9 +113,15 @@ def _interactive(pipe, gen: GenerationConfig, base: list[dict], console, err) ->
         history.append({"role": "user", "content": text})
         console.print("[bold blue]assistant>[/bold blue]")
         stopped = False
+        thinking = Text(style="dim italic")
+
+        def show(full, _, reasoning):
+            thinking.append(reasoning)
+            live.update(Group(thinking, Markdown(full)) if thinking else Markdown(full))
+
         with Live(Markdown(""), console=console, refresh_per_second=12, vertical_overflow="visible") as live:
             try:
-                answer, finish = _stream(pipe, history, gen, lambda full, _: live.update(Markdown(full)))
+                answer, finish = _stream(pipe, history, gen, show)
             except KeyboardInterrupt:
                 stopped = True
                 answer, finish = "", None

@@ -90,25 +90,38 @@ def run_generate(model: str | Path | None, prompt: str, engine_config: EngineCon
                  gen_config: GenerationConfig | None = None, raw: bool = False) -> int:
     """Streams the answer to ``prompt`` to stdout, then a line of figures on stderr; returns the exit status.
     ``prompt`` goes as a user turn through the model's chat template, or as plain text to continue with ``raw``
-    or for a model without a chat template. ``gen_config`` None: the model's generation defaults."""
+    or for a model without a chat template. ``gen_config`` None: the model's generation defaults. A model that
+    answers in harmony channels (gpt-oss) has its analysis channel written to stderr, its answer to stdout."""
     from lmkit import pipeline
+
+    from lmkit.serve.chat import channels_of
 
     with pipeline(model, engine_config) as pipe:
         chat = not raw and pipe.tokenizer.has_chat_template
+        gen, channels = channels_of(pipe, gen_config or pipe.engine.default_generation_config()) if chat else \
+            (gen_config, None)
         start = time.perf_counter()
         first = None
         n = prompt_len = 0
-        for r in pipe.stream_infer([{"role": "user", "content": prompt}] if chat else prompt, gen_config):
+        thought = False
+        for r in pipe.stream_infer([{"role": "user", "content": prompt}] if chat else prompt, gen):
             if first is None and r.token_ids:
                 first = time.perf_counter()
             n, prompt_len = r.generate_token_len, r.input_token_len
-            sys.stdout.write(r.text)
+            text = r.text
+            if channels is not None:  # gpt-oss: its analysis channel to stderr, its answer to stdout
+                reasoning, text = channels.feed(text, final=r.finish_reason is not None)
+                sys.stderr.write(reasoning)
+                thought = thought or bool(reasoning)
+            sys.stdout.write(text)
             sys.stdout.flush()
             if r.finish_reason == "error":
                 typer.echo(f"\nerror: {r.error}", err=True)
                 return 1
         end = time.perf_counter()
         sys.stdout.write("\n")
+        if thought:
+            sys.stderr.write("\n")
         decode = (n - 1) / (end - first) if first and n > 1 and end > first else float("nan")
         typer.echo(f"[{n} tokens for a {prompt_len}-token {'chat' if chat else 'raw'} prompt, first after "
                    f"{((first or end) - start) * 1e3:.0f} ms, {decode:.1f} tok/s decode]", err=True)
