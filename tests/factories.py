@@ -605,7 +605,9 @@ def linear_keys(folder: Path, group: int, out_multiple: int = 1) -> set[str]:
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         present = set(f.keys())
         shapes = {k: f.get_slice(k).get_shape() for k in keys & present}
-    return {k for k, (n, m) in shapes.items() if m % (group or 32) == 0 and n % out_multiple == 0}
+    # 2-D only: the experts stored together ([E, ...], gpt-oss's, Qwen3.5-MoE's) stay as they are
+    return {k for k, shape in shapes.items() if len(shape) == 2 and shape[1] % (group or 32) == 0 and
+            shape[0] % out_multiple == 0}
 
 
 def quantized_linears(tensors: dict, keys: set[str], packed: dict, ref: dict):

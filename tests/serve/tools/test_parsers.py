@@ -126,3 +126,52 @@ def test_harmony_reasoning_then_tool_parser_streamed_and_whole():
             reasoning, content, args = reasoning + r, content + c, args + "".join(d.arguments for d in deltas)
         assert (reasoning, content) == ("User wants code run.", "Running it.")
         assert [c.name for c in tools.calls] == ["run"] and json.loads(args) == {"code": "print(1)", "n": 2}
+
+
+MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
+
+
+def _harmony_split(text: str, cuts: list[int]) -> tuple[str, str]:
+    parser = REASONING_FORMATS["openai_gptoss"].parser("<|start|>assistant")
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    out = [parser.feed(p, final=k == len(pieces) - 1) for k, p in enumerate(pieces)]
+    return "".join(r for r, _ in out), "".join(c for _, c in out)
+
+
+def test_harmony_messages_split_alike_at_any_cut():
+    """Any sequence of analysis / final / commentary messages, their bodies any text without whole markers (parts of
+    them included): reasoning is the analysis bodies, content the others', however the text is cut into pieces."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    body = st.lists(st.sampled_from(list("ab <|>\n") + ["<|en", "d|>", "<|ca", "ll", "<|start", "|>"]), max_size=12) \
+        .map("".join).filter(lambda t: not any(m in t for m in MARKERS))
+    message = st.tuples(st.sampled_from(["analysis", "final", "commentary"]), body,
+                        st.sampled_from(["<|end|>", "<|return|>"]))
+
+    @hypothesis.settings(max_examples=300, deadline=None)
+    @hypothesis.given(st.lists(message, min_size=1, max_size=4), st.data())
+    def check(messages, data):
+        text = "<|start|>assistant".join(f"<|channel|>{ch}<|message|>{b}{end}" for ch, b, end in messages)
+        reasoning = "".join(b for ch, b, _ in messages if ch == "analysis")
+        content = "".join(b for ch, b, _ in messages if ch != "analysis")
+        cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, len(text) - 1)), max_size=6))))
+        assert _harmony_split(text, []) == (reasoning, content)
+        assert _harmony_split(text, [c for c in cuts if c < len(text)]) == (reasoning, content)
+
+    check()
+
+
+def test_harmony_parser_takes_any_text():
+    """Text that is no harmony at all (any characters, markers anywhere) never raises, and streamed equals whole."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    text = st.lists(st.sampled_from([*MARKERS, "analysis", "final", " to=functions.f", "x", "<|", "\n"]), max_size=16)
+
+    @hypothesis.settings(max_examples=300, deadline=None)
+    @hypothesis.given(text, st.data())
+    def check(parts, data):
+        whole = "".join(parts)
+        cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, len(whole) - 1)), max_size=5))))
+        assert _harmony_split(whole, [c for c in cuts if c < len(whole)]) == _harmony_split(whole, [])
+
+    check()
