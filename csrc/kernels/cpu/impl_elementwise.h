@@ -1,5 +1,5 @@
-// Row-wise and element-wise ops: embedding, rmsnorm, add_rmsnorm, rope, silu_mul, gelu_tanh_mul, softcap,
-// scale, log_sum_exp, kv_write.
+// Row-wise and element-wise ops: embedding, rmsnorm, add_rmsnorm, rope, silu_mul, gelu_tanh_mul, clamped_swiglu_mul,
+// softcap, scale, log_sum_exp, kv_write.
 // Textually included by isa_body.h inside the ISA namespace (see simd.h); written once for every ISA.
 
 // Threads for an op touching `work` elements: small ops stay on the calling thread.
