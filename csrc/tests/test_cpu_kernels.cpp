@@ -1260,34 +1260,45 @@ bool path_rounds(const char* path, int heads, int kv_heads, int hd, int bs, cons
   return false;
 }
 
-// Gemma 2's logit soft-capping (cap 50 at head_dim 256, also cap 5) and sliding windows whose dead blocks are
-// freed (-1 in the table, NaN in the pool), on every KV format and every path: decode tasks (dot products, or
-// AMX tiles over a bf16 pool), prefill chunks after cached context (transposed tiles, or AMX), decode key splits
-// (8 threads). Scores up to ~30x unit scale: fp32 scores carry an error that grows with their scale, as above.
-void test_attention_softcap_and_freed_blocks(int threads) {
+// cases(run) on every KV format and every attention path of this CPU, blocks of 16 and 32 tokens, where
+// run(heads, kv_heads, head_dim, window, q_ctx, q_scale, cap, sinks) checks one case at the path's tolerance: fp32
+// scores carry an error that grows with their scale, as above; the bf16-rounding paths ~3e-3.
+template <class Cases>
+void on_every_pool_and_path(Cases&& cases) {
   for (int bits : {32, 16, 8, 4})
     for (const char* path : {"f32", "bf16", "amx"}) {
       if ((bits != 16 && std::strcmp(path, "f32") != 0) || !use_attention_path(path)) continue;
       for (int bs : {16, 32}) {
         auto run = [&](int heads, int kv_heads, int hd, int window, const std::vector<std::pair<int, int>>& q_ctx,
-                       float q_scale, float cap) {
+                       float q_scale, float cap, bool sinks) {
           const bool rounds = bits == 16 && path_rounds(path, heads, kv_heads, hd, bs, q_ctx);
           const double tol = rounds ? 5e-3 : 1e-5, row_tol = rounds ? 5e-3 : 1e-5 * std::max(1.0f, q_scale / 4);
-          test_attention_case(heads, kv_heads, hd, bs, window, q_ctx, bits, tol, AttnCheck{row_tol, q_scale, rounds, cap});
+          test_attention_case(heads, kv_heads, hd, bs, window, q_ctx, bits, tol,
+                              AttnCheck{row_tol, q_scale, rounds, cap, sinks});
         };
-        run(8, 4, 256, 64, {{1, 300}, {40, 200}, {3, 90}}, 30.0f, 50.0f);  // Gemma 2: decode, chunk, short seq
-        run(8, 4, 256, 0, {{1, 150}, {24, 24}}, 30.0f, 50.0f);             // its global layers
-        run(4, 1, 128, 0, {{1, 200}, {30, 30}}, 10.0f, 5.0f);              // hard capping
-        run(4, 2, 64, 50, {{1, 500}, {100, 400}, {64, 64}, {2, 77}}, 1.0f, 0.0f);  // windows alone
-        run(2, 1, 96, 33, {{150, 150}}, 8.0f, 20.0f);                     // prefill alone, windowed
-        ops::set_num_threads(8);  // decode key splits (over the window's keys: 2-4 splits of >= 128 keys)
-        run(8, 4, 256, 400, {{1, 1100}}, 30.0f, 50.0f);
-        run(4, 2, 64, 300, {{2, 900}, {1, 40}}, 8.0f, 20.0f);
-        run(4, 2, 64, 600, {{1, 1000}}, 1.0f, 0.0f);
-        ops::set_num_threads(threads);
+        cases(run);
       }
     }
   ops::cpu::use_amx(true), ops::cpu::use_bf16_attention(true);
+}
+
+// Gemma 2's logit soft-capping (cap 50 at head_dim 256, also cap 5) and sliding windows whose dead blocks are
+// freed (-1 in the table, NaN in the pool), on every KV format and every path: decode tasks (dot products, or
+// AMX tiles over a bf16 pool), prefill chunks after cached context (transposed tiles, or AMX), decode key splits
+// (8 threads). Scores up to ~30x unit scale.
+void test_attention_softcap_and_freed_blocks(int threads) {
+  on_every_pool_and_path([&](auto& run) {
+    run(8, 4, 256, 64, {{1, 300}, {40, 200}, {3, 90}}, 30.0f, 50.0f, false);  // Gemma 2: decode, chunk, short seq
+    run(8, 4, 256, 0, {{1, 150}, {24, 24}}, 30.0f, 50.0f, false);             // its global layers
+    run(4, 1, 128, 0, {{1, 200}, {30, 30}}, 10.0f, 5.0f, false);              // hard capping
+    run(4, 2, 64, 50, {{1, 500}, {100, 400}, {64, 64}, {2, 77}}, 1.0f, 0.0f, false);  // windows alone
+    run(2, 1, 96, 33, {{150, 150}}, 8.0f, 20.0f, false);                     // prefill alone, windowed
+    ops::set_num_threads(8);  // decode key splits (over the window's keys: 2-4 splits of >= 128 keys)
+    run(8, 4, 256, 400, {{1, 1100}}, 30.0f, 50.0f, false);
+    run(4, 2, 64, 300, {{2, 900}, {1, 40}}, 8.0f, 20.0f, false);
+    run(4, 2, 64, 600, {{1, 1000}}, 1.0f, 0.0f, false);
+    ops::set_num_threads(threads);
+  });
 
   // the door: a -1 entry of a block some window reaches is refused; one before every window is never read
   ops::KVLayer kv;
@@ -1315,27 +1326,15 @@ void test_attention_softcap_and_freed_blocks(int threads) {
 // windows, on every KV format and every path: decode tasks, prefill chunks after cached context, decode key splits
 // (8 threads), where a split's partial states are merged (the sink joins the merge once).
 void test_attention_sinks(int threads) {
-  for (int bits : {32, 16, 8, 4})
-    for (const char* path : {"f32", "bf16", "amx"}) {
-      if ((bits != 16 && std::strcmp(path, "f32") != 0) || !use_attention_path(path)) continue;
-      for (int bs : {16, 32}) {
-        auto run = [&](int heads, int kv_heads, int hd, int window, const std::vector<std::pair<int, int>>& q_ctx,
-                       float q_scale) {
-          const bool rounds = bits == 16 && path_rounds(path, heads, kv_heads, hd, bs, q_ctx);
-          const double tol = rounds ? 5e-3 : 1e-5, row_tol = rounds ? 5e-3 : 1e-5 * std::max(1.0f, q_scale / 4);
-          test_attention_case(heads, kv_heads, hd, bs, window, q_ctx, bits, tol,
-                              AttnCheck{row_tol, q_scale, rounds, 0.0f, true});
-        };
-        run(8, 2, 64, 32, {{1, 300}, {40, 200}, {3, 90}}, 4.0f);  // gpt-oss's sliding layers (window 128 there)
-        run(8, 2, 64, 0, {{1, 150}, {24, 24}, {2, 2}}, 4.0f);     // its full layers
-        run(4, 1, 128, 0, {{1, 1}, {30, 30}}, 1.0f);               // a lone key beside the sink
-        ops::set_num_threads(8);  // decode key splits
-        run(8, 2, 64, 0, {{1, 1100}}, 4.0f);
-        run(4, 2, 64, 300, {{2, 900}, {1, 40}}, 4.0f);
-        ops::set_num_threads(threads);
-      }
-    }
-  ops::cpu::use_amx(true), ops::cpu::use_bf16_attention(true);
+  on_every_pool_and_path([&](auto& run) {
+    run(8, 2, 64, 32, {{1, 300}, {40, 200}, {3, 90}}, 4.0f, 0.0f, true);  // gpt-oss's sliding layers (window 128)
+    run(8, 2, 64, 0, {{1, 150}, {24, 24}, {2, 2}}, 4.0f, 0.0f, true);     // its full layers
+    run(4, 1, 128, 0, {{1, 1}, {30, 30}}, 1.0f, 0.0f, true);               // a lone key beside the sink
+    ops::set_num_threads(8);  // decode key splits
+    run(8, 2, 64, 0, {{1, 1100}}, 4.0f, 0.0f, true);
+    run(4, 2, 64, 300, {{2, 900}, {1, 40}}, 4.0f, 0.0f, true);
+    ops::set_num_threads(threads);
+  });
 }
 
 // Quantized pools' (scale, zero) pairs at the edges of fp16, byte-exact with the reference quantizer (dtype.h's
