@@ -338,11 +338,22 @@ def test_startup_benchmark_times_a_cold_and_a_warm_gguf_start():
     assert 0 < result["warm_median_s"] < result["first_s"], result
 
 
-def test_gpt_oss_benchmark_smoke(tmp_path):
-    """bench_gpt_oss.py --smoke: a tiny gpt-oss GGUF (MXFP4 experts, as llama.cpp lays them out) written into
-    LMKIT_CACHE and served by lmkit in a worker process; the table has its row and no error."""
-    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench_gpt_oss.py"), "--smoke"],
+@pytest.mark.parametrize("family, weights, layers", [("gpt-oss", "MXFP4", 2), ("qwen35", "Q4_0", 4)])
+def test_families_benchmark_smoke(tmp_path, family, weights, layers):
+    """bench_families.py --smoke: a tiny file of the family (as llama.cpp lays it out) written into LMKIT_CACHE and
+    served by lmkit in a worker process; the table has its row and no error."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench_families.py"), "--family", family, "--smoke"],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, LMKIT_CACHE=str(tmp_path)))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "| lmkit GGUF MXFP4 |" in run.stdout and "error" not in run.stdout, run.stdout
-    assert (tmp_path / "peers" / "tiny-2l-mxfp4.gguf").is_file()
+    assert f"| lmkit GGUF {weights} |" in run.stdout and "error" not in run.stdout, run.stdout
+    assert (tmp_path / "peers" / f"tiny-{layers}l-{weights.lower()}.gguf").is_file()
+
+
+def test_families_benchmark_contexts_smoke(tmp_path):
+    """bench_families.py --family qwen35 --contexts: lmkit's decode after prompts of two lengths, on the tiny hybrid
+    and its all-attention twin, both rows in the table."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench_families.py"), "--family", "qwen35",
+                          "--smoke", "--contexts", "64,128"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, LMKIT_CACHE=str(tmp_path)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "| hybrid |" in run.stdout and "| all-attention |" in run.stdout and "error" not in run.stdout, run.stdout
