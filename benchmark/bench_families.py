@@ -216,14 +216,16 @@ def run_worker(row: str, path: Path, w: Workload, threads: int, *extra: str) -> 
     return {"error": f"the worker exited with {proc.returncode}, no result"}
 
 
-def run_contexts(path: Path, contexts: list[int], threads: int) -> dict:
-    """lmkit's batch-1 decode tok/s (32 greedy tokens, prefill excluded) after a random prompt of each length."""
+def run_contexts(path: Path, contexts: list[int], threads: int, quant_policy: int = 0) -> dict:
+    """lmkit's batch-1 decode tok/s (32 greedy tokens, prefill excluded) after a random prompt of each length, its KV
+    cache in the precision of ``quant_policy`` (0: the dtype's, 8 / 4: int8 / int4)."""
     from bench_peers import lmkit_greedy_figures
 
     from lmkit import EngineConfig, GenerationConfig, pipeline
 
     rng = np.random.default_rng(2)
-    config = EngineConfig(device="cpu", num_threads=threads, max_batch_size=1, session_len=max(contexts) + 128)
+    config = EngineConfig(device="cpu", num_threads=threads, max_batch_size=1, session_len=max(contexts) + 128,
+                          quant_policy=quant_policy)
     out = {}
     with pipeline(path, config) as pipe:
         lmkit_greedy_figures(pipe, rng.integers(100, 40000, size=32).tolist(), 8, 1)  # warm-up
@@ -242,7 +244,7 @@ def worker_main(args) -> int:
     w = Workload(**json.loads(Path(args.workload_file).read_text()))
     try:
         if args.worker == "contexts":
-            result = run_contexts(args.file, [int(c) for c in args.contexts.split(",")], w.threads)
+            result = run_contexts(args.file, [int(c) for c in args.contexts.split(",")], w.threads, args.quant_policy)
         else:
             result = run_lmkit(args.file, w) if args.worker.startswith("lmkit") else run_llama_cpp(args.file, w)
         result.pop("tokens", None)
@@ -267,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="every row this many times, interleaved")
     ap.add_argument("--contexts", default=None, metavar="N,N",
                     help="qwen35: lmkit's decode after prompts of these lengths, hybrid and all-attention files")
+    ap.add_argument("--quant-policy", type=int, choices=[0, 4, 8], default=0,
+                    help="with --contexts: lmkit's KV cache precision (0: the dtype's; 8 / 4: int8 / int4)")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape, a few tokens, lmkit only: seconds")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workload-file", default=None, help=argparse.SUPPRESS)
@@ -294,12 +298,14 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--contexts compares the qwen35 hybrid with its all-attention twin")
         files = {"hybrid": path, "all-attention": made({**shape, "interval": 1}, "-attention")}
         w = workload(args, 1000)
+        kv = {0: "KV in the dtype's precision", 8: "int8 KV", 4: "int4 KV"}[args.quant_policy]
         print(f"{shape['name']} shape, {args.layers} of {shape['layers']} layers; {cpu_description()}; {args.threads} "
-              f"threads; lmkit batch-1 decode tok/s (32 tokens) after a prompt of N tokens")
+              f"threads; {kv}; lmkit batch-1 decode tok/s (32 tokens) after a prompt of N tokens")
         print("| file | " + " | ".join(args.contexts.split(",")) + " | last / first |\n|---|" +
               "---:|" * (len(args.contexts.split(",")) + 1))
         for label, f in files.items():
-            r = run_worker("contexts", f, w, args.threads, "--contexts", args.contexts)
+            r = run_worker("contexts", f, w, args.threads, "--contexts", args.contexts, "--quant-policy",
+                           str(args.quant_policy))
             if "error" in r:
                 print(f"| {label} | error: {r['error']} |")
                 continue

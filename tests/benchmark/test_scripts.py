@@ -350,10 +350,11 @@ def test_families_benchmark_smoke(tmp_path, family, weights, layers):
 
 
 def test_families_benchmark_contexts_smoke(tmp_path):
-    """bench_families.py --family qwen35 --contexts: lmkit's decode after prompts of two lengths, on the tiny hybrid
-    and its all-attention twin, both rows in the table."""
+    """bench_families.py --family qwen35 --contexts (int8 KV): lmkit's decode after prompts of two lengths, on the
+    tiny hybrid and its all-attention twin, both rows in the table."""
     run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench_families.py"), "--family", "qwen35",
-                          "--smoke", "--contexts", "64,128"],
+                          "--smoke", "--contexts", "64,128", "--quant-policy", "8"],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, LMKIT_CACHE=str(tmp_path)))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| hybrid |" in run.stdout and "| all-attention |" in run.stdout and "error" not in run.stdout, run.stdout
+    assert "int8 KV" in run.stdout, run.stdout
