@@ -283,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     args.layers = args.layers or shape["default_layers"]
     if not 1 <= args.layers <= shape["layers"]:
         ap.error(f"--layers must be in [1, {shape['layers']}]")
-    def made(shape: dict, label: str = "") -> Path:
-        path = args.file or peers_dir() / f"{shape['name']}{label}-{args.layers}l-{WEIGHTS[args.family].lower()}.gguf"
+    def made(shape: dict, label: str = "") -> Path:  # --file names the family's file, not the all-attention twin
+        path = (not label and args.file) or \
+            peers_dir() / f"{shape['name']}{label}-{args.layers}l-{WEIGHTS[args.family].lower()}.gguf"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_suffix(".partial")

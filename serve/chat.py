@@ -26,18 +26,32 @@ def channels_of(pipe, gen: GenerationConfig):
     return dataclasses.replace(gen, skip_special_tokens=False), fmt.new_parser(False)
 
 
-def _stream(pipe, messages: list[dict], gen: GenerationConfig, on_text) -> tuple[str, str | None]:
-    """Streams one answer into ``on_text(answer so far, answer delta, reasoning delta)``; returns (answer,
-    finish_reason). KeyboardInterrupt cancels it."""
-    gen, channels = channels_of(pipe, gen)
-    parts: list[str] = []
-    finish = None
-    responses = pipe.stream_infer(messages, gen)
+def answer_deltas(pipe, prompt, gen: GenerationConfig | None, split: bool = True):
+    """(response, answer delta, reasoning delta) of each response streamed for ``prompt`` (chat messages, or text);
+    with ``split``, a model that answers in harmony channels has them split (channels_of), else it is all answer.
+    ``gen`` None: the model's generation defaults. Closing the generator cancels the request."""
+    channels = None
+    if split:
+        gen, channels = channels_of(pipe, gen or pipe.engine.default_generation_config())
+    responses = pipe.stream_infer(prompt, gen)
     try:
         for r in responses:
             text, reasoning = r.text, ""
             if channels is not None:
                 reasoning, text = channels.feed(text, final=r.finish_reason is not None)
+            yield r, text, reasoning
+    finally:
+        responses.close()  # cancels the engine request when we leave early
+
+
+def _stream(pipe, messages: list[dict], gen: GenerationConfig, on_text) -> tuple[str, str | None]:
+    """Streams one answer into ``on_text(answer so far, answer delta, reasoning delta)``; returns (answer,
+    finish_reason). KeyboardInterrupt cancels it."""
+    parts: list[str] = []
+    finish = None
+    deltas = answer_deltas(pipe, messages, gen)
+    try:
+        for r, text, reasoning in deltas:
             if text or reasoning:
                 parts.append(text)
                 on_text("".join(parts), text, reasoning)
@@ -45,7 +59,7 @@ def _stream(pipe, messages: list[dict], gen: GenerationConfig, on_text) -> tuple
                 raise RuntimeError(r.error)
             finish = r.finish_reason or finish
     finally:
-        responses.close()  # cancels the engine request when we leave early
+        deltas.close()
     return "".join(parts), finish
 
 

@@ -5,7 +5,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -263,32 +262,32 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   const RowOrder q_rows = config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_heads, D) : nullptr;
   const RowOrder k_rows = config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_kv_heads, D) : nullptr;
   if (w.lm_head.is_empty()) w.lm_head = w.embed_tokens;
-  auto owned_f32 = [&](const float* src, int64_t n) {  // an F32 tensor [n] owned by the weights
-    auto buf = std::shared_ptr<float>(new float[n], std::default_delete<float[]>());
-    std::copy(src, src + n, buf.get());
-    w.owned.push_back(buf);
-    return make_view(buf.get(), DType::F32, n);
-  };
-  // Row e of a bias [E, n] (any float dtype) as an F32 tensor [n] of its own.
-  auto bias_row = [&](const Tensor& t, int64_t e, int64_t n) {
-    std::vector<float> row(n);
-    for (int64_t j = 0; j < n; ++j) row[j] = float_value(t, e * n + j);
-    return owned_f32(row.data(), n);
+  // Expert e's part of a tensor stacked over the experts ([E, ...] -> [...]), a view.
+  auto expert_view = [](Tensor t, int64_t e) {
+    int64_t bytes = dtype_size_bytes(t.dtype);
+    for (int d = 1; d < t.ndim; ++d) bytes *= t.shape[d];
+    t.data = static_cast<uint8_t*>(t.data) + e * bytes;
+    for (int d = 1; d < t.ndim; ++d) t.shape[d - 1] = t.shape[d];
+    t.shape[--t.ndim] = 0;
+    return t;
   };
   // gpt-oss's experts (ModelConfig::experts_interleaved): gate j and up j in rows (MXFP4) or columns (float) 2j and
   // 2j + 1. MXFP4 is read in place through row orders; a float checkpoint ([E, hidden, 2 moe_inter] and [E, moe_inter,
   // hidden], inputs first, as transformers holds them) is transposed once into [E, 2 moe_inter, hidden] (gate rows,
-  // then up rows) and [E, hidden, moe_inter] copies in its own dtype. Biases are F32 copies, gate's and up's apart.
+  // then up rows) and [E, hidden, moe_inter] copies in its own dtype. Gate's and up's biases are F32 copies, apart.
   auto load_interleaved_experts = [&](const std::string& p, LayerWeights& l) {
     const int64_t E = config.num_experts, MI = config.moe_intermediate_size;
     const std::string what = config.architecture + ": " + p + "experts";
     auto gate_rows = std::make_shared<std::vector<int32_t>>(), up_rows = std::make_shared<std::vector<int32_t>>();
     for (int64_t j = 0; j < MI; ++j) gate_rows->push_back((int32_t)(2 * j)), up_rows->push_back((int32_t)(2 * j + 1));
-    std::vector<float> gu_bias, down_bias;
+    const Tensor gu_bias = get(p + "experts.gate_up_bias", {E, 2 * MI}, config.moe_biases);
+    const Tensor down_bias = get(p + "experts.down_bias", {E, H}, config.moe_biases);
+    // gate's and up's biases apart, each [E * MI] (they alternate in the checkpoint's [E, 2 MI])
+    std::shared_ptr<float> biases;
     if (config.moe_biases) {
-      const Tensor gb = get(p + "experts.gate_up_bias", {E, 2 * MI}), db = get(p + "experts.down_bias", {E, H});
-      for (int64_t i = 0; i < E * 2 * MI; ++i) gu_bias.push_back(float_value(gb, i));
-      for (int64_t i = 0; i < E * H; ++i) down_bias.push_back(float_value(db, i));
+      biases = std::shared_ptr<float>(new float[2 * E * MI], std::default_delete<float[]>());
+      w.owned.push_back(biases);
+      for (int64_t i = 0; i < 2 * E * MI; ++i) biases.get()[i % 2 * E * MI + i / 2] = float_value(gu_bias, i);
     }
     const bool mxfp4 = has(p + "experts.gate_up_proj_blocks");
     Tensor gu_blocks, gu_scales, dn_blocks, dn_scales, gu_t, dn_t;
@@ -324,24 +323,16 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
       dn_t.shape[0] = H, dn_t.shape[1] = MI, dn_t.shape[2] = 0;
       gu_t.data = gu_out, dn_t.data = dn_out;
     }
-    auto slice = [](Tensor t, int64_t e, int64_t rows_per_expert) {  // expert e's rows of a 3D or 4D tensor
-      int64_t row_bytes = dtype_size_bytes(t.dtype);
-      for (int d = 2; d < t.ndim; ++d) row_bytes *= t.shape[d];
-      t.data = static_cast<uint8_t*>(t.data) + e * rows_per_expert * row_bytes;
-      for (int d = 1; d < t.ndim; ++d) t.shape[d - 1] = t.shape[d];
-      t.shape[--t.ndim] = 0;
-      return t;
-    };
     for (int64_t e = 0; e < E; ++e) {
       LayerWeights::Expert ex;
       if (mxfp4) {
-        const Tensor gb = slice(gu_blocks, e, 2 * MI), gs = slice(gu_scales, e, 2 * MI);
+        const Tensor gb = expert_view(gu_blocks, e), gs = expert_view(gu_scales, e);
         ex.gate_proj.int8_source = mxfp4_int8_source(gb, gs, gate_rows, what + ".gate_up_proj");
         ex.up_proj.int8_source = mxfp4_int8_source(gb, gs, up_rows, what + ".gate_up_proj");
         ex.gate_proj.weight = ex.up_proj.weight = gb;  // what release_linear_pages drops once packed
+        ex.down_proj.weight = expert_view(dn_blocks, e);
         ex.down_proj.int8_source =
-            mxfp4_int8_source(slice(dn_blocks, e, H), slice(dn_scales, e, H), nullptr, what + ".down_proj");
-        ex.down_proj.weight = slice(dn_blocks, e, H);
+            mxfp4_int8_source(ex.down_proj.weight, expert_view(dn_scales, e), nullptr, what + ".down_proj");
       } else {
         Tensor g = gu_t, u = gu_t, d = dn_t;
         const int64_t es = dtype_size_bytes(gu_t.dtype);
@@ -352,12 +343,10 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
         ex.up_proj = single_tensor_linear(u, nullptr, what);
         ex.down_proj = single_tensor_linear(d, nullptr, what);
       }
-      if (config.moe_biases) {  // gate and up alternate in the checkpoint's [E, 2 MI]
-        std::vector<float> gate(MI), up(MI);
-        for (int64_t j = 0; j < MI; ++j) gate[j] = gu_bias[e * 2 * MI + 2 * j], up[j] = gu_bias[e * 2 * MI + 2 * j + 1];
-        ex.gate_bias = owned_f32(gate.data(), MI);
-        ex.up_bias = owned_f32(up.data(), MI);
-        ex.down_bias = owned_f32(down_bias.data() + e * H, H);
+      if (config.moe_biases) {
+        ex.gate_bias = make_view(biases.get() + e * MI, DType::F32, MI);
+        ex.up_bias = make_view(biases.get() + (E + e) * MI, DType::F32, MI);
+        ex.down_bias = expert_view(down_bias, e);
       }
       l.experts.push_back(std::move(ex));
     }
@@ -403,9 +392,9 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
           ex.up_proj = fused ? slab(gate_up, e * 2 * MI + MI, MI) : slab(up, e * MI, MI);
           ex.down_proj = slab(down, e * H, H);
           if (biased) {
-            ex.gate_bias = bias_row(gate_bias, e, MI);
-            ex.up_bias = bias_row(up_bias, e, MI);
-            ex.down_bias = bias_row(down_bias, e, H);
+            ex.gate_bias = expert_view(gate_bias, e);
+            ex.up_bias = expert_view(up_bias, e);
+            ex.down_bias = expert_view(down_bias, e);
           }
           l.experts.push_back(std::move(ex));
         }

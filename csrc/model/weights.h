@@ -91,7 +91,7 @@ struct LayerWeights {
   struct Expert {
     LinearTensors gate_proj, up_proj;   // [moe_inter, hidden] x2
     LinearTensors down_proj;            // [hidden, moe_inter]
-    Tensor gate_bias, up_bias, down_bias;  // moe_biases: [moe_inter] x2, [hidden] (F32 copies); else empty
+    Tensor gate_bias, up_bias, down_bias;  // moe_biases: [moe_inter] x2, [hidden]; else empty
   };
   LinearTensors router;                 // [num_experts, hidden]
   Tensor router_bias;                   // [num_experts] when moe_biases

@@ -93,26 +93,21 @@ def run_generate(model: str | Path | None, prompt: str, engine_config: EngineCon
     or for a model without a chat template. ``gen_config`` None: the model's generation defaults. A model that
     answers in harmony channels (gpt-oss) has its analysis channel written to stderr, its answer to stdout."""
     from lmkit import pipeline
-
-    from lmkit.serve.chat import channels_of
+    from lmkit.serve.chat import answer_deltas
 
     with pipeline(model, engine_config) as pipe:
         chat = not raw and pipe.tokenizer.has_chat_template
-        gen, channels = channels_of(pipe, gen_config or pipe.engine.default_generation_config()) if chat else \
-            (gen_config, None)
         start = time.perf_counter()
         first = None
         n = prompt_len = 0
         thought = False
-        for r in pipe.stream_infer([{"role": "user", "content": prompt}] if chat else prompt, gen):
+        for r, text, reasoning in answer_deltas(pipe, [{"role": "user", "content": prompt}] if chat else prompt,
+                                                gen_config, split=chat):
             if first is None and r.token_ids:
                 first = time.perf_counter()
             n, prompt_len = r.generate_token_len, r.input_token_len
-            text = r.text
-            if channels is not None:  # gpt-oss: its analysis channel to stderr, its answer to stdout
-                reasoning, text = channels.feed(text, final=r.finish_reason is not None)
-                sys.stderr.write(reasoning)
-                thought = thought or bool(reasoning)
+            sys.stderr.write(reasoning)  # gpt-oss: its analysis channel to stderr, its answer to stdout
+            thought = thought or bool(reasoning)
             sys.stdout.write(text)
             sys.stdout.flush()
             if r.finish_reason == "error":

@@ -273,11 +273,7 @@ def config_from_metadata(reader, path: Path) -> dict:
     cfg.setdefault("max_position_embeddings", 4096)
     if "head_dim" in cfg and cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"] and arch == "llama":
         raise GgufError(f"{path}: {arch}.rope.dimension_count={cfg['head_dim']} (partial rotary) is not supported")
-    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                      ("pad_token_id", "padding_token_id")):
-        value = _field(reader, f"tokenizer.ggml.{key}")
-        if value is not None:
-            cfg[name] = int(value)
+    cfg.update(_token_ids(reader))
     return cfg
 
 
@@ -301,6 +297,17 @@ def _hybrid_config(reader, path: Path, arch: str) -> dict:
     cfg.update(architectures=[ARCHITECTURES[arch]], model_type=MODEL_TYPES[arch],
                mtp_num_hidden_layers=int(metadata.get(f"{arch}.nextn_predict_layers") or 0))
     return {k: v for k, v in cfg.items() if v is not None}
+
+
+def _token_ids(reader) -> dict:
+    """bos_token_id, eos_token_id and pad_token_id as the file's tokenizer.ggml.* metadata states them."""
+    ids = {}
+    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("pad_token_id", "padding_token_id")):
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        if value is not None:
+            ids[name] = int(value)
+    return ids
 
 
 def _gpt_oss_config(reader, path: Path) -> dict:
@@ -335,14 +342,10 @@ def _gpt_oss_config(reader, path: Path) -> dict:
                                 "factor": float(need("rope.scaling.factor")),
                                 "original_max_position_embeddings": int(need("rope.scaling.original_context_length")),
                                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})
-    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                      ("pad_token_id", "padding_token_id")):
-        value = _field(reader, f"tokenizer.ggml.{key}")
-        if value is not None:
-            cfg[name] = int(value)
+    cfg.update(_token_ids(reader))
     # harmony ends an answer with <|return|> and a tool call with <|call|> (llama.cpp's vocabulary counts both as
     # end of generation by their text; the file names one eos): both stop, beside the file's own
-    words = [str(t) for t in tokens.contents()] if hasattr(tokens, "contents") else []
+    words = tokens.contents()
     stops = [words.index(t) for t in ("<|return|>", "<|call|>") if t in words]
     eos = [cfg["eos_token_id"]] if "eos_token_id" in cfg else []
     if stops:

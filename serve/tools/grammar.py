@@ -63,37 +63,42 @@ def tool_call_grammar(parser: type[ToolParser], tools: dict[str, dict], parallel
     raise ValueError(f"no grammar for the {parser.name} tool call format")
 
 
+def _harmony_markers(special_token_id: Callable[[str], int | None]) -> dict[str, str]:
+    """harmony's markers (special tokens) as Lark rules, by their text."""
+    return {m: _token_rule(m, special_token_id) for m in (CHANNEL, MESSAGE, END, START, CONSTRAIN)}
+
+
+def _harmony(answer_rule: str, t: dict[str, str]) -> str:
+    """gpt-oss's answer as Lark: an optional analysis message (its reasoning, any text up to <|end|>), then one
+    message, ``answer_rule`` (the rule ``answer``: what follows its <|channel|>); ``t``: _harmony_markers."""
+    return (f"start: analysis? {t[CHANNEL]} answer\n"
+            f'analysis: {t[CHANNEL]} "analysis" {t[MESSAGE]} thinking {t[END]} {t[START]} "assistant"\n'
+            f"thinking: /(.|\\n)*/\n{answer_rule}")
+
+
 def _harmony_grammar(tools: dict[str, dict], special_token_id: Callable[[str], int | None]) -> str:
-    """gpt-oss: an optional analysis message (its reasoning, any text up to <|end|>), then one call's message,
-    ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`` (the answer ends there; the
-    template renders one call per message). Its markers are special tokens."""
-    channel, message, end, start, constrain = (_token_rule(m, special_token_id)
-                                               for m in (CHANNEL, MESSAGE, END, START, CONSTRAIN))
-    calls = " | ".join(f'{_lark_string(f"commentary to=functions.{name} ")} {constrain} "json" {message} '
+    """gpt-oss's call: after any analysis, one call's message ``<|channel|>commentary to=functions.NAME
+    <|constrain|>json<|message|>{...}`` (the answer ends there; the template renders one call per message)."""
+    t = _harmony_markers(special_token_id)
+    calls = " | ".join(f'{_lark_string(f"commentary to=functions.{name} ")} {t[CONSTRAIN]} "json" {t[MESSAGE]} '
                        f"{_json_rule(schema)}" for name, schema in tools.items())
-    return (f"start: analysis? {channel} call\n"
-            f'analysis: {channel} "analysis" {message} thinking {end} {start} "assistant"\n'
-            f"thinking: /(.|\\n)*/\n"
-            f"call: {calls}\n")
+    return _harmony(f"answer: {calls}\n", t)
 
 
 def harmony_answer_grammar(output: StructuredOutput, special_token_id: Callable[[str], int | None]) -> str:
-    """gpt-oss's answer to a structured output (a JSON schema or object, a regex, a choice): an optional analysis
-    message, then the final channel's message in that form, as the model was trained to answer. (A grammar of the
-    user's own is not wrapped: it applies from the answer's first token, harmony markers and all.)"""
+    """gpt-oss's answer to a structured output (a JSON schema or object, a regex, a choice): after any analysis, the
+    final channel's message in that form, as the model was trained to answer. (A grammar of the user's own is not
+    wrapped: it applies from the answer's first token, harmony markers and all.)"""
     kind, text = output.source()
     if kind == "json_schema":
-        answer, extra = f"%json {text}", ""
+        form, extra = f"%json {text}", ""
     elif kind == "regex":
-        answer, extra = "/" + text.replace("/", "\\/") + "/", ""
+        form, extra = "/" + text.replace("/", "\\/") + "/", ""
     else:  # a choice: its one terminal, renamed
         assert output.choice is not None, "only choices come as Lark here"
-        answer, extra = "ANSWER", "ANSWER: " + text.split("CHOICE: ", 1)[1] + "\n"
-    channel, message, end, start = (_token_rule(m, special_token_id) for m in (CHANNEL, MESSAGE, END, START))
-    return (f'start: analysis? {channel} "final" {message} answer\n'
-            f'analysis: {channel} "analysis" {message} thinking {end} {start} "assistant"\n'
-            f"thinking: /(.|\\n)*/\n"
-            f"answer: {answer}\n{extra}")
+        form, extra = "FORM", "FORM: " + text.split("CHOICE: ", 1)[1] + "\n"
+    t = _harmony_markers(special_token_id)
+    return _harmony(f'answer: "final" {t[MESSAGE]} {form}\n{extra}', t)
 
 
 def _token_rule(text: str, special_token_id: Callable[[str], int | None]) -> str:
