@@ -4,7 +4,8 @@
 //
 //   weight[n, j] = (q[j, n] - zero[j / group_size, n]) * scale[j / group_size, n]     n < num_out, j < num_in
 //   (or q[j, n] * scale + offset[j / group_size, n] where the source has offsets, or
-//    q[j, n] * d[g, n] * sc[g, n] - dmin[g, n] * m[g, n], g = j / group_size, where it has K-quant groups)
+//    q[j, n] * d[g, n] * sc[g, n] - dmin[g, n] * m[g, n], g = j / group_size, where it has K-quant groups, or
+//    e2m1(q[j, n]) * 2^(e[g, n] - 127) where it has MXFP4 groups)
 //   layer output[n] = sum_j weight[n, j] * x[input_perm[j]]     (x[j] when input_perm is empty)
 //
 // input_perm makes act-order checkpoints (GPTQ desc_act, whose g_idx scatters a group's inputs) contiguous in
@@ -34,11 +35,17 @@ struct Int4Source {
   // zeros and scales are then ignored. Thread-safe as read_group. At most one of read_offsets and read_kquant.
   std::function<void(int64_t g, int64_t n0, int64_t count, uint16_t* d, uint16_t* dmin, uint8_t* sc, uint8_t* m)>
       read_kquant;
+  // Set for MXFP4 groups (group_size 32): read_group's q are e2m1 codes (weight = e2m1(q) * 2^(e - 127); codes
+  // 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6 and 8..15 the same negated), its zeros and scales ignored; e[c] is the e8m0
+  // scale byte of group g, output n0 + c (the NaN 255 refused by the reader). Thread-safe as read_group; never with
+  // offsets or K-quant groups.
+  std::function<void(int64_t g, int64_t n0, int64_t count, uint8_t* e)> read_e8m0;
   // Every zero is 8 (GGUF Q4_0; symmetric GPTQ, AWQ or compressed-tensors checkpoints): the packer then keeps no
   // zeros (ops::GroupHead::Symmetric) and checks each one read_group gives. Without offsets or K-quant groups only.
   bool symmetric = false;
   bool has_offsets() const { return read_offsets != nullptr; }
   bool has_kquant() const { return read_kquant != nullptr; }
+  bool has_e8m0() const { return read_e8m0 != nullptr; }
 };
 
 // An int8 weight as a checkpoint stores it (GGUF Q8_0, Q5_0): weight[n, j] = q[j, n] * scale[j / 32, n], q in

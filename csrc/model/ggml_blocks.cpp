@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "kernels/ops.h"
 #include "model/mxfp4.h"
 
 namespace lmkit {
@@ -103,9 +104,10 @@ RowOrder ggml_rotary_row_order(int64_t num_heads, int64_t head_dim) {
 }
 
 Int4Source ggml_int4_source(const Tensor& t, const RowOrder& rows, const std::string& what) {
-  LMKIT_CHECK_ARG(t.dtype == DType::Q4_0 || t.dtype == DType::Q4_1 || t.dtype == DType::Q4_K, what, ": ",
-                  dtype_name(t.dtype), " is not a GGUF int4 block type");
+  LMKIT_CHECK_ARG(t.dtype == DType::Q4_0 || t.dtype == DType::Q4_1 || t.dtype == DType::Q4_K || t.dtype == DType::MXFP4,
+                  what, ": ", dtype_name(t.dtype), " is not a GGUF int4 block type");
   check_block_tensor(t, rows, what);
+  if (t.dtype == DType::MXFP4) return mxfp4_ggml_source(t, rows, what);
   Int4Source src;
   src.num_out = rows ? (int64_t)rows->size() : t.shape[0];
   src.num_in = t.shape[1];
@@ -168,7 +170,6 @@ Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::st
     };
     return src;
   }
-  if (t.dtype == DType::MXFP4) return mxfp4_ggml_int8_source(t, rows, what);
   if (t.dtype == DType::Q6_K) {  // block b of 16: sub-block b % 16 of super-block b / 16
     src.read_block16 = [t, rows](int64_t b, int64_t n0, int64_t count, int8_t* q, float* scales) {
       for (int64_t c = 0; c < count; ++c) {
@@ -225,6 +226,12 @@ void ggml_dequantize_row(const Tensor& t, int64_t row, float* out) {
     uint16_t scale = 0;
     src.read_group(g, row, 1, q, &zero, &scale);
     float s = f16_to_f32(scale), o = -(float)zero * s;  // value = q * s + o, every term exact
+    if (src.has_e8m0()) {  // twice the e2m1 value times 2^(e - 128): exact
+      uint8_t e;
+      src.read_e8m0(g, row, 1, &e);
+      for (int64_t j = 0; j < kBlock; ++j) out[g * kBlock + j] = std::ldexp((float)ops::kE2m1Twice[q[j]], (int)e - 128);
+      continue;
+    }
     if (src.has_kquant()) {
       uint16_t d, dmin;
       uint8_t sc, m;

@@ -11,8 +11,8 @@
 //         value = q5 * d * sc_i - dmin * m_i, q5 = nibble | bit i of qh << 4           -> int8 blocks with offsets
 //   Q6_K: super-blocks of 256: ql[128], qh[64], int8 sc[16], d fp16; sub-block i (16 values)
 //         value = (q6 - 32) * d * sc_i                                               -> int8 blocks of 16
-//   MXFP4: e e8m0, qs[16]           value j = e2m1(nibble_j) * 2^(e - 127)            -> int8 blocks of 16:
-//         twice an e2m1 value, -12..12, with the fp32 scale 2^(e - 128) (model/mxfp4.h, with HF's layout)
+//   MXFP4: e e8m0, qs[16]           value j = e2m1(nibble_j) * 2^(e - 127)            -> int4, MXFP4 heads
+//         (model/mxfp4.h, with HF's layout)
 // nibble_j = qs[j] & 15 for j < 16, qs[j - 16] >> 4 for j >= 16. Each is lossless in the kernels' layouts (Q5_0
 // widened to 8 bits: 8.5 bits per weight instead of 5.5, the price of running on the int8 kernels; Q5_K's q5 as
 // int8 values with d * sc and -dmin * m as fp32 scale and offset, both exact).
@@ -39,12 +39,11 @@ RowOrder ggml_rotary_row_order(int64_t num_heads, int64_t head_dim);
 
 // The block types read as int8 values (the rest as int4).
 inline bool dtype_is_int8_block(DType t) {
-  return t == DType::Q8_0 || t == DType::Q5_0 || t == DType::Q5_K || t == DType::Q6_K || t == DType::MXFP4;
+  return t == DType::Q8_0 || t == DType::Q5_0 || t == DType::Q5_K || t == DType::Q6_K;
 }
 
-// Sources of a block tensor t ([N, K], dtype Q4_0 / Q4_1 / Q4_K for int4, Q5_0 / Q8_0 / Q5_K / Q6_K / MXFP4 for int8; K
-// whole blocks). Throw
-// InvalidArgument naming `what` when the dtype or shape does not fit.
+// Sources of a block tensor t ([N, K], dtype Q4_0 / Q4_1 / Q4_K / MXFP4 for int4, Q5_0 / Q8_0 / Q5_K / Q6_K for int8;
+// K whole blocks). Throw InvalidArgument naming `what` when the dtype or shape does not fit.
 Int4Source ggml_int4_source(const Tensor& t, const RowOrder& rows, const std::string& what);
 Int8Source ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::string& what);
 

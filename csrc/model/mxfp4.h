@@ -5,10 +5,8 @@
 //     2j + 1 in its high one.
 //   GGUF (llama.cpp's MXFP4 type): 17-byte blocks, e then 16 bytes; value j in the low nibble of byte j % 16 for
 //     j < 16, the high one for j >= 16.
-// Twice an e2m1 value is an integer in -12..12, so a block is exactly int8 values times 2^(e - 128): read as the int8
-// kernels' blocks of 16 inputs with fp32 scales (10 bits a weight where the file has 4.25), lossless. (The int6
-// panels, 6.56 bits, would hold them too where the block scales of a 256-input super-block lie within 2^6, but
-// gpt-oss's rows of 2880 inputs are no whole super-blocks: a 4-bit MXFP4 kernel is the way to its bytes.)
+// Both are read as an int4 source with MXFP4 groups (core/int4_source.h): the kernels keep the codes and scales as
+// they are (ops::GroupHead::Mxfp4, 4.25 bits a weight, the file's size).
 #pragma once
 #include <stdint.h>
 
@@ -20,12 +18,12 @@
 
 namespace lmkit {
 
-// The int8 source of an MXFP4 weight [N, K] in HF's layout (blocks [N, K / 32, 16] U8, scales [N, K / 32] U8; views of
+// The source of an MXFP4 weight [N, K] in HF's layout (blocks [N, K / 32, 16] U8, scales [N, K / 32] U8; views of
 // one expert's rows), its outputs in `rows` order (null: stored order). Throws InvalidArgument naming `what` for shapes
 // that do not fit, and when a block read has the NaN scale (255).
-Int8Source mxfp4_int8_source(const Tensor& blocks, const Tensor& scales, const RowOrder& rows, const std::string& what);
+Int4Source mxfp4_source(const Tensor& blocks, const Tensor& scales, const RowOrder& rows, const std::string& what);
 
 // The same of a GGUF MXFP4 tensor t ([N, K], 17-byte blocks).
-Int8Source mxfp4_ggml_int8_source(const Tensor& t, const RowOrder& rows, const std::string& what);
+Int4Source mxfp4_ggml_source(const Tensor& t, const RowOrder& rows, const std::string& what);
 
 }  // namespace lmkit

@@ -123,6 +123,10 @@ Int4Source int4_rows(const Int4Source& source, const RowOrder& rows) {
     out.read_offsets = [base, rows](int64_t g, int64_t n0, int64_t count, uint16_t* offsets) {
       for (int64_t c = 0; c < count; ++c) base->read_offsets(g, (*rows)[n0 + c], 1, offsets + c);
     };
+  if (source.read_e8m0)
+    out.read_e8m0 = [base, rows](int64_t g, int64_t n0, int64_t count, uint8_t* e) {
+      for (int64_t c = 0; c < count; ++c) base->read_e8m0(g, (*rows)[n0 + c], 1, e + c);
+    };
   if (source.read_kquant)
     out.read_kquant = [base, rows](int64_t g, int64_t n0, int64_t count, uint16_t* d, uint16_t* dmin, uint8_t* sc,
                                    uint8_t* m) {
@@ -327,12 +331,12 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
       LayerWeights::Expert ex;
       if (mxfp4) {
         const Tensor gb = expert_view(gu_blocks, e), gs = expert_view(gu_scales, e);
-        ex.gate_proj.int8_source = mxfp4_int8_source(gb, gs, gate_rows, what + ".gate_up_proj");
-        ex.up_proj.int8_source = mxfp4_int8_source(gb, gs, up_rows, what + ".gate_up_proj");
+        ex.gate_proj.int4_source = mxfp4_source(gb, gs, gate_rows, what + ".gate_up_proj");
+        ex.up_proj.int4_source = mxfp4_source(gb, gs, up_rows, what + ".gate_up_proj");
         ex.gate_proj.weight = ex.up_proj.weight = gb;  // what release_linear_pages drops once packed
         ex.down_proj.weight = expert_view(dn_blocks, e);
-        ex.down_proj.int8_source =
-            mxfp4_int8_source(ex.down_proj.weight, expert_view(dn_scales, e), nullptr, what + ".down_proj");
+        ex.down_proj.int4_source =
+            mxfp4_source(ex.down_proj.weight, expert_view(dn_scales, e), nullptr, what + ".down_proj");
       } else {
         Tensor g = gu_t, u = gu_t, d = dn_t;
         const int64_t es = dtype_size_bytes(gu_t.dtype);

@@ -45,9 +45,9 @@ class MappedFile {
 struct LinearTensors {
   Tensor weight;      // [out, in] F32/F16/BF16, or GGUF blocks (ggml_blocks.h); empty for an int4 layout
   Int4Tensors int4;   // layout None unless a checkpoint int4 layout
-  Int4Source int4_source;  // int4 layouts, Q4_0, Q4_1
+  Int4Source int4_source;  // int4 layouts, Q4_0, Q4_1, Q4_K, MXFP4 (weight: its blocks)
   Tensor int8_scales;       // compressed-tensors int8: weight_scale [out, 1] or [out, groups] (weight is the int8)
-  Int8Source int8_source;  // Q5_0, Q8_0, Q5_K, Q6_K, compressed-tensors int8, MXFP4 (weight: its blocks)
+  Int8Source int8_source;  // Q5_0, Q8_0, Q5_K, Q6_K, compressed-tensors int8
   bool is_int4() const { return int4_source.read_group != nullptr; }
   bool is_int8() const { return int8_source.is_set(); }
   bool is_empty() const { return weight.is_empty() && !is_int4() && !is_int8(); }

@@ -19,6 +19,7 @@
 #include "kernels/cpu/sampling.h"
 #include "kernels/ops.h"
 #include "model/int4_layouts.h"
+#include "model/mxfp4.h"
 
 using namespace lmkit;
 
@@ -882,6 +883,121 @@ void test_linear_int4() {
   expect(throws([&] { pack_awq_tensors(a.qw, a.sc, a.sc, 64); }), "the AWQ layout rejects F16 qzeros");
 }
 
+// MXFP4 (gpt-oss's experts, ops::GroupHead::Mxfp4) in HF's layout and in GGUF's: random codes, scales around 2^-6 with
+// the edge bytes e = 0, 1 (below fp32's normal range: read as 0) and 2 placed in some blocks, a whole block of
+// code 8 (-0); read through model/mxfp4.h's sources with and without a row order (a fused gate/up's rows). Against
+// the float64 product of the format's definition (e2m1(code) * 2^(e - 127)): the fp32 path within 1e-5, int8
+// activations within 1e-5 of the float64 product of the rounded x (blocks of 32) and 1e-2 of the exact one; the two
+// layouts pack to the same bytes (4.25 bits a weight); one row gives the same bits alone and in a call of 40; the
+// NaN scale (255) is refused naming the tensor; NaN-poisoned outputs.
+struct Mxfp4Weight {
+  std::vector<uint8_t> blocks, scales, ggml;  // HF [N, K / 32, 16] and [N, K / 32]; GGUF [N, K / 32, 17]
+  std::vector<double> dense;                  // [N, K] (rows in stored order)
+  Tensor hf_blocks, hf_scales, ggml_t;
+};
+Mxfp4Weight make_mxfp4(int64_t N, int64_t K) {
+  Mxfp4Weight a;
+  const int64_t nb = K / 32;
+  a.blocks.resize(N * nb * 16), a.scales.resize(N * nb), a.ggml.resize(N * nb * 17), a.dense.resize(N * K);
+  for (auto& b : a.blocks) b = (uint8_t)(g_rng() >> 56);
+  for (auto& e : a.scales) e = (uint8_t)(121 + g_rng() % 7);  // values up to 6 * 2^-3
+  const uint8_t edges[] = {0, 1, 2};
+  for (int i = 0; i < 3 && i < N * nb; ++i) a.scales[(i * 7919) % (N * nb)] = edges[i];
+  if (N * nb > 4) std::fill(a.blocks.begin() + 16 * 3, a.blocks.begin() + 16 * 4, 0x88);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* q = &a.blocks[(n * nb + b) * 16];
+      uint8_t* g = &a.ggml[(n * nb + b) * 17];
+      g[0] = a.scales[n * nb + b];
+      for (int i = 0; i < 32; ++i) {
+        const int code = i % 2 ? q[i / 2] >> 4 : q[i / 2] & 15;  // HF: value 2j low nibble, 2j + 1 high
+        g[1 + i % 16] |= (uint8_t)(i < 16 ? code : code << 4);    // GGUF: value j in byte j % 16, high for j >= 16
+        a.dense[n * K + 32 * b + i] = std::ldexp((double)ops::kE2m1Twice[code] / 2.0, g[0] - 127);
+      }
+    }
+  a.hf_blocks = make_view(a.blocks.data(), DType::U8, N, nb, 16);
+  a.hf_scales = make_view(a.scales.data(), DType::U8, N, nb);
+  a.ggml_t = make_view(a.ggml.data(), DType::MXFP4, N, K);
+  return a;
+}
+
+void test_linear_mxfp4() {
+  struct Shape {
+    int64_t M, N, K;
+  };
+  const Shape shapes[] = {{1, 8, 32},     {1, 96, 2880},  {2, 40, 96},     {5, 200, 640},   {13, 64, 1536},
+                          {25, 96, 576},  {40, 72, 384},  {100, 136, 576}, {300, 40, 1152}, {7, 33, 2880}};
+  const bool q8_runs = ops::int8_dot_available();
+  for (const Shape& s : shapes) {
+    Mxfp4Weight a = make_mxfp4(s.N, s.K);
+    const std::string name = "linear mxfp4 M " + std::to_string(s.M) + " N " + std::to_string(s.N) + " K " +
+                             std::to_string(s.K);
+    ops::LinearWeight w = ops::pack_linear_int4(mxfp4_source(a.hf_blocks, a.hf_scales, nullptr, "t"));
+    const ops::LinearWeight wg = ops::pack_linear_int4(mxfp4_ggml_source(a.ggml_t, nullptr, "t"));
+    expect(w.group_head == ops::GroupHead::Mxfp4 && w.group_size == 32 &&
+               w.size_bytes() == (s.N + 31) / 32 * 32 * s.K / 32 * 17,
+           name + ": MXFP4 heads, 4.25 bits a weight");
+    expect(wg.size_bytes() == w.size_bytes() &&
+               std::memcmp(wg.storage.get(), w.storage.get(), (size_t)w.size_bytes()) == 0,
+           name + ": HF's and GGUF's layouts pack to the same bytes");
+    Weight b = make_weight(DType::F32, s.N, 0);
+    std::vector<float> x = randn(s.M * s.K, 4.0f);
+    for (int with_bias = 0; with_bias < 2; ++with_bias)
+      for (bool int8_x : {false, true}) {
+        if (int8_x && !q8_runs) continue;
+        w.int8_activations = int8_x;
+        std::vector<float> out(s.M * s.N, NAN);
+        ops::linear(x.data(), s.M, w, with_bias ? b.t : Tensor{}, out.data());
+        const float* bias = with_bias ? b.f32.data() : nullptr;
+        const std::string what = name + (with_bias ? " bias" : "") + (int8_x ? " int8 x" : "");
+        if (!int8_x) {
+          expect_close(out, linear_f64(x, s.M, a.dense, s.N, s.K, bias), what);
+          continue;
+        }
+        expect_close(out, linear_f64(quantize_q8(x, s.M, s.K, 32), s.M, a.dense, s.N, s.K, bias), what);
+        if (s.K >= 256)  // the 1e-2 bound is statistical: a row of one block misses it by chance
+          expect_close(out, linear_f64(x, s.M, a.dense, s.N, s.K, bias), what + " (unrounded x)", 1e-2);
+      }
+    for (bool int8_x : {false, true}) {  // batch-invariant: row 0 alone gives the bits it gives in the call
+      if (s.M < 2 || (int8_x && !q8_runs)) continue;
+      w.int8_activations = int8_x;
+      std::vector<float> all(s.M * s.N), one(s.N);
+      ops::linear(x.data(), s.M, w, Tensor{}, all.data());
+      ops::linear(x.data(), 1, w, Tensor{}, one.data());
+      expect(std::memcmp(all.data(), one.data(), one.size() * 4) == 0, name + (int8_x ? " int8 x" : "") +
+                                                                            ": a row alone = the same row in the call");
+    }
+  }
+  // a row order: outputs are stored rows 2j + 1 (the up rows of gpt-oss's interleaved gate_up)
+  {
+    const int64_t N = 64, K = 320;
+    Mxfp4Weight a = make_mxfp4(N, K);
+    auto rows = std::make_shared<std::vector<int32_t>>();
+    std::vector<double> dense;
+    for (int32_t j = 0; j < N / 2; ++j) {
+      rows->push_back(2 * j + 1);
+      dense.insert(dense.end(), a.dense.begin() + (2 * j + 1) * K, a.dense.begin() + (2 * j + 2) * K);
+    }
+    const ops::LinearWeight w = ops::pack_linear_int4(mxfp4_source(a.hf_blocks, a.hf_scales, rows, "t"));
+    std::vector<float> x = randn(3 * K), out(3 * N / 2, NAN);
+    ops::linear(x.data(), 3, w, Tensor{}, out.data());
+    expect_close(out, linear_f64(x, 3, dense, N / 2, K, nullptr), "linear mxfp4 with a row order");
+  }
+  // the NaN scale: refused with the tensor, row and block named
+  {
+    Mxfp4Weight a = make_mxfp4(40, 96);
+    a.scales[37 * 3 + 2] = 255;
+    std::string msg;
+    try {
+      ops::pack_linear_int4(mxfp4_source(a.hf_blocks, a.hf_scales, nullptr, "layers.0.experts.down_proj"));
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    expect(msg.find("layers.0.experts.down_proj: MXFP4 row 37 block 2 has the NaN scale (255)") != std::string::npos,
+           "an MXFP4 NaN scale is refused by name, got: " + msg);
+  }
+}
+
 void test_linear_bf16_kernel(const char* kernel);
 
 // bf16 pair panels (dtype='bfloat16'): against the double reference of the bf16-rounded x and weight
@@ -1207,6 +1323,9 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
     for (auto& [ql, cl] : q_ctx) longest = std::max(longest, window > 0 ? std::min(cl, window) : cl);
     sink_logits = randn(num_heads);
     for (float& x : sink_logits) x = x * 3.0f * std::max(1.0f, check.q_scale / 4) + std::log((float)longest);
+    // one head's sink well above its keys, so that the result is far from the sinkless one whatever the draw (all
+    // heads' sinks drawn low left it within 10x the bound once in a run of 2026-12-03)
+    sink_logits[0] = std::log((float)longest) + 4.0f * std::max(1.0f, check.q_scale / 4);
   }
   const float* sinks = check.sinks ? sink_logits.data() : nullptr;
   ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, out.data(),
@@ -1825,6 +1944,7 @@ int main(int argc, char** argv) {
       test_linear();
       test_linear_int4();
       test_linear_gguf_blocks();
+      test_linear_mxfp4();
       test_kquant_source_checks();
       test_weight_format_traits();
       test_gather_weights();

@@ -289,6 +289,8 @@ void linear(const float* x, int64_t M, const void* w, DType dt, int64_t N, int64
 //                         d [32] fp16 | dmin [32] fp16 | sc [8][32] u8 | m [8][32] u8 | quads;
 //                         sub-block b: w = q * (d * sc[b]) - dmin * m[b]   (both products exact in fp32: so is w)
 //                         4.625 bits per weight, the file's 4.5 but for sc and m in whole bytes
+//   Mxfp4 (OCP MXFP4, g = 32):  f [32] u8 | quads;   w = e2m1x2[q] * 2^(f - 127)   (a table lookup of the code,
+//                         exact in fp32: twice an e2m1 value is an integer in -12..12)
 constexpr int64_t kI4Quad = 64;      // 4 k x 32 columns of nibbles
 constexpr int64_t kKQuantSub = kLinearKQuantSub;  // inputs of a K-quant sub-block
 constexpr int64_t kKQuantSc = kPanel * 4, kKQuantM = kPanel * 12;  // where a K-quant head's sc and m start
@@ -299,6 +301,10 @@ inline int64_t i4_sub_size(int64_t g, GroupHead head) { return head == GroupHead
 __attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, GroupHead head, int64_t sb, V s[kNV],
                                                            V nzs[kNV]) {
   for (int v = 0; v < kNV; ++v) {
+    if (head == GroupHead::Mxfp4) {
+      s[v] = vload_exp2(blk + v * kW), nzs[v] = vzero();
+      continue;
+    }
     s[v] = vload_f16((const uint16_t*)blk + v * kW);
     if (head == GroupHead::Zeros) {
       nzs[v] = vzero() - s[v] * vload_u8(blk + kPanel * 2 + v * kW);
@@ -313,8 +319,14 @@ __attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, G
     }
   }
 }
-// The 32 dequantized weights of k = 4t + i of a quad.
-__attribute__((always_inline)) inline void i4_row(const uint8_t* quad, int i, const V s[kNV], const V nzs[kNV], V w[kNV]) {
+// The 32 dequantized weights of k = 4t + i of a quad (Mxfp4 heads: the codes' twice-e2m1 values times the scale).
+__attribute__((always_inline)) inline void i4_row(const uint8_t* quad, int i, GroupHead head, const V s[kNV],
+                                                  const V nzs[kNV], V w[kNV]) {
+  if (head == GroupHead::Mxfp4) {
+    for (int h = 0; h < kNV / 2; ++h) vload_dword_e2m1(quad + h * kW * 4, 8 * i, w[h], w[h + kNV / 2]);
+    for (int v = 0; v < kNV; ++v) w[v] = w[v] * s[v];
+    return;
+  }
   for (int h = 0; h < kNV / 2; ++h) vload_dword_nibbles(quad + h * kW * 4, 8 * i, w[h], w[h + kNV / 2]);
   for (int v = 0; v < kNV; ++v) w[v] = vfma(w[v], s[v], nzs[v]);
 }
@@ -400,9 +412,9 @@ struct QuantPanel<4> {
                                                     V nzs[kNV]) {
     i4_group_params(blk, head, sb, s, nzs);
   }
-  __attribute__((always_inline)) static void row(const uint8_t* quad, int i, const V s[kNV], const V nzs[kNV],
-                                                 V w[kNV]) {
-    i4_row(quad, i, s, nzs, w);
+  __attribute__((always_inline)) static void row(const uint8_t* quad, int i, GroupHead head, const V s[kNV],
+                                                 const V nzs[kNV], V w[kNV]) {
+    i4_row(quad, i, head, s, nzs, w);
   }
 };
 template <>
@@ -416,8 +428,8 @@ struct QuantPanel<8> {
                                                     V nzs[kNV]) {
     i8_block_params(blk, g, head, s, nzs);
   }
-  __attribute__((always_inline)) static void row(const uint8_t* quad, int i, const V s[kNV], const V nzs[kNV],
-                                                 V w[kNV]) {
+  __attribute__((always_inline)) static void row(const uint8_t* quad, int i, GroupHead, const V s[kNV],
+                                                 const V nzs[kNV], V w[kNV]) {
     i8_row(quad, i, s, nzs, w);
   }
 };
@@ -432,8 +444,8 @@ struct QuantPanel<6> {
                                                     V nzs[kNV]) {
     i6_sub_params(blk, sb, s, nzs);
   }
-  __attribute__((always_inline)) static void row(const uint8_t* octet, int i, const V s[kNV], const V nzs[kNV],
-                                                 V w[kNV]) {
+  __attribute__((always_inline)) static void row(const uint8_t* octet, int i, GroupHead, const V s[kNV],
+                                                 const V nzs[kNV], V w[kNV]) {
     i6_row(octet, i, s, nzs, w);
   }
 };
@@ -459,7 +471,7 @@ inline void qpanel_tile(const float* x, int64_t ldx, const uint8_t* panel, int64
 #pragma GCC unroll 2
       for (int r = 0; r < R; ++r) {
         V w[kNV];
-        P::row(quad, r, s, nzs, w);
+        P::row(quad, r, head, s, nzs, w);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) {
           const V a = vset1(x[i * ldx + k0 + R * t + r]);
@@ -499,7 +511,7 @@ inline void qpanel_convert(const uint8_t* panel, int64_t g, GroupHead head, int6
     for (int64_t r = 0; r < g; ++r) {
       if (r % sub == 0) P::params(blk, g, head, r / sub, s, nzs);
       V w[kNV];
-      P::row(blk + hb + r / P::kRows * P::kQuad, (int)(r % P::kRows), s, nzs, w);
+      P::row(blk + hb + r / P::kRows * P::kQuad, (int)(r % P::kRows), head, s, nzs, w);
       for (int v = 0; v < kNV; ++v) vstore(bp + (k - k0 + r) * kPanel + v * kW, w[v]);
     }
   }
@@ -641,6 +653,12 @@ inline void q8_begin(__m512 (*tot)[2], const float* c, int64_t ldc, int ncols, b
 // products' ports, and per block it cost a 6-row tile about a quarter of its time (AMX tiles quantize x so too).
 constexpr bool kQ8GroupZeros = true;
 constexpr bool kQ8GroupX = true;
+// HEAD Mxfp4: a byte shuffle maps each code to its twice-e2m1 value plus kE2m1Offset (0..24, an unsigned operand of
+// vpdpbusd), and the sums start at -kE2m1Offset * sum_k qx[k], as Symmetric's at -8 * sum_k qx[k].
+constexpr int32_t kE2m1Offset = 12;
+inline __m512i e2m1_offset_table() {
+  return _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+}
 template <int MR, GroupHead HEAD, bool GZ = false, bool XG = false>
 LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
                                int64_t g, float* c, int64_t ldc, int ncols, const float* bias, KSpan span) {
@@ -648,7 +666,7 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
   static_assert(!XG || GZ || HEAD == GroupHead::Symmetric, "XG: Zeros heads with GZ, or Symmetric heads");
   const int64_t nb = XG ? K / g : K / kQ8Block, ng = K / g;
   const int64_t gb = linear_int4_group_bytes(g, HEAD), hb = linear_int4_head_bytes(HEAD);
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i low4 = _mm512_set1_epi8(0x0f), e2m1 = e2m1_offset_table();
   __m512 tot[MR][2];
   q8_begin<MR>(tot, c, ldc, ncols, span.first);
   const uint8_t* blk = panel + span.begin / g * gb;
@@ -656,6 +674,11 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
     __m512 s[2], zs[2], h0[2], h1[2];  // zs: minus the offset, dmin * m, or (GZ) zero * scale; h0, h1: d, dmin
     __m512i z[2];                      // the zeros
     for (int v = 0; v < 2; ++v) {
+      if constexpr (HEAD == GroupHead::Mxfp4) {  // 2^(f - 127) from the fp32 exponent fields
+        s[v] = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 16 * v))), 23));
+        continue;
+      }
       s[v] = h0[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
       if constexpr (HEAD == GroupHead::Zeros) {
         z[v] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)));
@@ -683,6 +706,8 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
           acc[i][0] = _mm512_mullo_epi32(z[0], nsum), acc[i][1] = _mm512_mullo_epi32(z[1], nsum);
         } else if constexpr (HEAD == GroupHead::Symmetric) {
           acc[i][0] = acc[i][1] = _mm512_set1_epi32(-8 * (int32_t)sx[i * nb + kb]);
+        } else if constexpr (HEAD == GroupHead::Mxfp4) {
+          acc[i][0] = acc[i][1] = _mm512_set1_epi32(-kE2m1Offset * (int32_t)sx[i * nb + kb]);
         } else {
           acc[i][0] = acc[i][1] = _mm512_setzero_si512();
         }
@@ -692,7 +717,8 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
       for (int t = 0; t < kQ8Block / 4; ++t) {
         const __m512i raw = _mm512_loadu_si512(quads + t * kI4Quad);
         _mm_prefetch((const char*)(quads + t * kI4Quad + span.prefetch), _MM_HINT_T0);
-        const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        if constexpr (HEAD == GroupHead::Mxfp4) lo = _mm512_shuffle_epi8(e2m1, lo), hi = _mm512_shuffle_epi8(e2m1, hi);
         for (int i = 0; i < MR; ++i) {
           int32_t q4;
           memcpy(&q4, qx + i * K + kb * kQ8Block + 4 * t, 4);
@@ -703,7 +729,7 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
       }
       for (int i = 0; i < MR && !XG; ++i) {
         const __m512 d = _mm512_set1_ps(dx[i * nb + kb]);
-        if constexpr (HEAD == GroupHead::Zeros || HEAD == GroupHead::Symmetric) {
+        if constexpr (HEAD == GroupHead::Zeros || HEAD == GroupHead::Symmetric || HEAD == GroupHead::Mxfp4) {
           for (int v = 0; v < 2; ++v)
             tot[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][v]), _mm512_mul_ps(d, s[v]), tot[i][v]);
         } else {
@@ -859,6 +885,7 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
         q8_tile<MR, GroupHead::Symmetric, false, true>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else if (head == GroupHead::Symmetric)
         q8_tile<MR, GroupHead::Symmetric>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
+      else if (head == GroupHead::Mxfp4) q8_tile<MR, GroupHead::Mxfp4>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else if (head == GroupHead::Offsets) q8_tile<MR, GroupHead::Offsets>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else q8_tile<MR, GroupHead::KQuant>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
     }
@@ -930,12 +957,15 @@ inline __m256 q8_u8x8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-// tot[i][0:32] += this int4 panel's sums (group size g) for rows i < MR.
-template <int MR>
+// tot[i][0:32] += this int4 panel's sums (group size g) for rows i < MR. E2M1 (Mxfp4 heads): a byte shuffle maps each
+// code to its twice-e2m1 value w (-12..12), and vpmaddubsw(|w|, sign(qx, w)) sums w * qx (pairs <= 3,048: the 8 quads
+// of a block sum exactly in int16, as the int4 ones); no zero to correct for.
+template <int MR, bool E2M1>
 inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel, int64_t g,
                        GroupHead head, float (*tot)[kPanel], KSpan span) {
   const int64_t nb = K / kQ8Block, gb = linear_int4_group_bytes(g, head), hb = linear_int4_head_bytes(head);
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const __m256i e2m1 = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
   for (int64_t k0 = span.begin; k0 < span.end; k0 += g) {
     const uint8_t* blk = panel + (k0 / g) * gb;
     for (int64_t b = 0; b < g / kQ8Block; ++b) {
@@ -956,6 +986,15 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
         for (int h = 0; h < 2; ++h) {
           const __m256i raw = _mm256_loadu_si256((const __m256i*)(quads + t * kI4Quad + 32 * h));
           const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+          if constexpr (E2M1) {
+            const __m256i wl = _mm256_shuffle_epi8(e2m1, lo), wh = _mm256_shuffle_epi8(e2m1, hi);
+            const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
+            for (int i = 0; i < MR; ++i) {
+              acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(al, _mm256_sign_epi8(xq[i], wl)));
+              acc[i][h + 2] = _mm256_add_epi16(acc[i][h + 2], _mm256_maddubs_epi16(ah, _mm256_sign_epi8(xq[i], wh)));
+            }
+            continue;
+          }
           for (int i = 0; i < MR; ++i) {
             acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(lo, xq[i]));
             acc[i][h + 2] = _mm256_add_epi16(acc[i][h + 2], _mm256_maddubs_epi16(hi, xq[i]));
@@ -963,6 +1002,16 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
         }
       }
       for (int v = 0; v < 4; ++v) {
+        if constexpr (E2M1) {  // 2^(f - 127) from the fp32 exponent fields
+          const __m256 s = _mm256_castsi256_ps(
+              _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 8 * v))), 23));
+          for (int i = 0; i < MR; ++i) {
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][v], ones));
+            _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), dot,
+                                                             _mm256_loadu_ps(tot[i] + 8 * v)));
+          }
+          continue;
+        }
         __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v))), zs;
         if (head == GroupHead::Zeros) {  // zs: zero * scale, 8 * scale, minus the offset, or dmin * m
           zs = _mm256_mul_ps(s, q8_u8x8(blk + 64 + 8 * v));
@@ -1103,7 +1152,10 @@ inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx
     alignas(32) float tot[MR][kPanel] = {};
     if (!span.first)
       for (int i = 0; i < MR; ++i) memcpy(tot[i], c + i * ldc, (size_t)ncols * 4);
-    if constexpr (BITS == 4) q8_tile_i4<MR>(qx, dx, sx, K, panel, g, head, tot, span);
+    if constexpr (BITS == 4) {
+      if (head == GroupHead::Mxfp4) q8_tile_i4<MR, true>(qx, dx, sx, K, panel, g, head, tot, span);
+      else q8_tile_i4<MR, false>(qx, dx, sx, K, panel, g, head, tot, span);
+    }
     else if constexpr (BITS == 6) q8_tile_i6<MR>(qx, dx, sx, K, panel, tot, span);
     else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, tot, span);
     else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, tot, span);

@@ -120,6 +120,8 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
   LMKIT_CHECK_ARG(!source.has_kquant() || (g == kLinearKQuantSub && K % kLinearKQuantGroup == 0),
                   "int4: K-quant groups are sub-blocks of 32 inputs in super-blocks of 256, got group_size ", g,
                   " and ", K, " inputs");
+  LMKIT_CHECK_ARG(!source.has_e8m0() || (g == 32 && !source.has_offsets() && !source.has_kquant() && !source.symmetric),
+                  "int4: MXFP4 groups are 32 inputs with an e8m0 scale alone, got group_size ", g);
   LinearWeight packed;
   packed.format = WeightFormat::Int4;
   packed.dtype = DType::F16;
@@ -132,6 +134,7 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
   LMKIT_CHECK_ARG(!source.symmetric || !(source.has_offsets() || source.has_kquant()),
                   "int4: a symmetric source has neither offsets nor K-quant groups");
   packed.group_head = source.has_kquant()    ? GroupHead::KQuant
+                     : source.has_e8m0()    ? GroupHead::Mxfp4
                      : source.has_offsets() ? GroupHead::Offsets
                      : source.symmetric     ? GroupHead::Symmetric
                                             : GroupHead::Zeros;
@@ -161,6 +164,10 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
             std::memcpy(blk + (12 + sb) * P, m.data(), P);
           }
           std::memcpy(blk + 2 * P, dmin.data(), 2 * P);
+        } else if (packed.group_head == GroupHead::Mxfp4) {  // f = e - 1, the fp32 exponent field of 2^(e - 128)
+          source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
+          source.read_e8m0(gi, p * P, count, sc.data());
+          for (int64_t c = 0; c < P; ++c) blk[c] = c < count && sc[c] > 1 ? (uint8_t)(sc[c] - 1) : 0;
         } else if (packed.group_head == GroupHead::Offsets) {
           source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
           source.read_offsets(gi, p * P, count, offsets.data());
@@ -173,7 +180,7 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
               LMKIT_CHECK_ARG(zeros[c] == 8, "int4: a symmetric source has zero ", (int)zeros[c], " in group ", gi,
                               ", output ", p * P + c, " (every zero must be 8)");
         }
-        std::memcpy(blk, scales.data(), 2 * P);
+        if (packed.group_head != GroupHead::Mxfp4) std::memcpy(blk, scales.data(), 2 * P);
         // quads of 4 k: byte i of 32-bit lane j = q[k0 + i, j] | q[k0 + i, j + 16] << 4
         for (int64_t r = 0; r < pg; ++r)
           for (int64_t j = 0; j < P / 2; ++j) {

@@ -23,6 +23,8 @@ HostInt4 repack_int4(const Int4Source& source) {
                   "the group size ", g);
   LMKIT_CHECK_ARG(!source.has_offsets() && !source.has_kquant(), "int4 groups with float offsets (GGUF Q4_1, Q4_K) "
                   "are not supported by the CUDA backend yet; run them with device='cpu'");
+  LMKIT_CHECK_ARG(!source.has_e8m0(), "MXFP4 weights are not supported by the CUDA backend yet; run them with "
+                  "device='cpu'");
   LMKIT_CHECK_ARG(!source.input_perm, "act-order int4 checkpoints (GPTQ desc_act, compressed-tensors actorder "
                   "'group') are not supported by the CUDA backend yet; use device='cpu'");
   const int64_t G = K / g;
