@@ -7,8 +7,8 @@ tokens/s, TTFT of a long prompt, and output tokens/s of concurrent streams.
 The files, random weights, SmolLM2's 49,152-token vocabulary, written by the gguf package as llama.cpp's
 convert_hf_to_gguf.py lays the family out, made once under LMKIT_CACHE/peers/ (or --file):
   gpt-oss  gpt-oss-20b's shape (hidden 2880, 32 experts of 2880 of which 4 per token, 64 query and 8 KV heads of 64,
-           alternating 128-token windows, yarn) with the first --layers (default 4) of its 24 layers (memory: lmkit
-           holds MXFP4 experts as int8 blocks, 10 bits a weight): experts in MXFP4 (random codes, scales around
+           alternating 128-token windows, yarn) with the first --layers (default 4) of its 24 layers (both hold the
+           MXFP4 experts at the file's 4.25 bits a weight): experts in MXFP4 (random codes, scales around
            2^-6), attention, router and embeddings F16, norms, biases and sinks F32.
   qwen35   the Qwen3.5 hybrid of transformers' Qwen3_5TextConfig defaults (hidden 4096, MLP 12288, 3 Gated DeltaNet
            layers to 1 gated attention layer; 16 / 4 heads of 256, a quarter rotary; 16 key and 32 value heads of 128

@@ -282,15 +282,15 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (want("gguf")) {  // GGUF K-quant panels at the 1.2B Llama's shapes: Q4_K (int4 super-blocks), Q6_K (int6)
+  if (want("gguf")) {  // GGUF panels at the 1.2B Llama's shapes: Q4_0, Q4_K (int4 super-blocks), Q6_K (int6), MXFP4
     struct S {
       const char* name;
       int64_t N, K;
     };
     std::mt19937 rng(11);
-    enum Fmt { Q4_0, Q4_K, Q6_K };
-    static const char* const fmt_names[] = {"Q4_0", "Q4_K", "Q6_K"};
-    for (Fmt fmt : {Q4_0, Q4_K, Q6_K})
+    enum Fmt { Q4_0, Q4_K, Q6_K, MXFP4 };
+    static const char* const fmt_names[] = {"Q4_0", "Q4_K", "Q6_K", "MXFP4"};
+    for (Fmt fmt : {Q4_0, Q4_K, Q6_K, MXFP4})
       for (S s : {S{"qkv 3072x2048", 3072, 2048}, S{"gate_up 16384x2048", 16384, 2048},
                   S{"down 2048x8192", 2048, 8192}, S{"lm_head 1.2b", 49152, 2048}}) {
         if (!ops::int8_dot_available()) break;
@@ -323,6 +323,10 @@ int main(int argc, char** argv) {
               for (int64_t i = 0; i < 32 * count; ++i) q[i] = (uint8_t)((g * 5 + i) % 16);
               for (int64_t c = 0; c < count; ++c) z[c] = 8, scales[c] = f32_to_f16(0.001f * (1 + (g + c) % 7));
             };
+            if (fmt == MXFP4)  // e2m1 codes, e8m0 scales around 2^-7
+              src.read_e8m0 = [](int64_t g, int64_t, int64_t count, uint8_t* e) {
+                for (int64_t c = 0; c < count; ++c) e[c] = (uint8_t)(118 + (g + c) % 5);
+              };
             if (fmt == Q4_K) src.read_kquant = [](int64_t g, int64_t, int64_t count, uint16_t* d, uint16_t* dmin, uint8_t* sc,
                                  uint8_t* m) {
               for (int64_t c = 0; c < count; ++c)
@@ -458,6 +462,22 @@ int main(int argc, char** argv) {
                     ctx, t * 1e3, flops / t / 1e9);
       }
       ops::cpu::use_amx(true), ops::cpu::use_bf16_attention(true);
+    }
+    // a lone long decode at Qwen3.5's attention shape (16/4 heads, head_dim 256, blocks of 64): the "flat in the
+    // context" figure of a hybrid model hangs on it; KV bytes read per call against the time (GB/s)
+    for (int bits : {16, 8}) {
+      for (int ctx : {1024, 8192, 32768}) {
+        if (g_smoke && ctx > 1024) continue;
+        const int qh = 16, qkv = 4, qhd = 256;
+        const BenchPool pool(bits, qkv, qhd, 64, ctx, true);
+        ops::AttnSeq seq{0, 1, ctx, pool.table.data()};
+        std::vector<float> q = randn(qh * qhd), out(q.size());
+        const double t = time_it([&] { ops::paged_attention(q.data(), pool.kv, &seq, 1, qh, 0.0625f, 0, out.data()); },
+                                 ctx > 8192 ? 21 : 101);
+        const double bytes = (double)pool.kv.block_bytes() * 2 * ((ctx + 63) / 64);
+        std::printf("attention KV %-4s long decode ctx %5d (16/4 heads, hd 256, bs 64): %9.1f us  %6.1f GB/s  %6.1f GFLOP/s\n",
+                    bits == 16 ? "bf16" : "int8", ctx, t * 1e6, bytes / t / 1e9, 4.0 * qh * qhd * ctx / t / 1e9);
+      }
     }
     // Gemma 2's attention (8/4 heads, head_dim 256): logit soft-capping at 50 against none, fp32 and bf16 KV (bs 64)
     for (int bits : {32, 16}) {
