@@ -1323,9 +1323,10 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
     for (auto& [ql, cl] : q_ctx) longest = std::max(longest, window > 0 ? std::min(cl, window) : cl);
     sink_logits = randn(num_heads);
     for (float& x : sink_logits) x = x * 3.0f * std::max(1.0f, check.q_scale / 4) + std::log((float)longest);
-    // one head's sink well above its keys, so that the result is far from the sinkless one whatever the draw (all
-    // heads' sinks drawn low left it within 10x the bound once in a run of 2026-12-03)
-    sink_logits[0] = std::log((float)longest) + 4.0f * std::max(1.0f, check.q_scale / 4);
+    // one head's sink above the log of its keys' summed weights (at most the largest score, below 5 q_scale, plus
+    // the log of their number), so that the result is far from the sinkless one whatever the draw (all heads'
+    // sinks drawn low left it within 10x the bound once in a run of 2026-12-03)
+    sink_logits[0] = std::log((float)longest) + 4.0f + 5.0f * check.q_scale;
   }
   const float* sinks = check.sinks ? sink_logits.data() : nullptr;
   ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, out.data(),
@@ -1368,12 +1369,13 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
 }
 
 // Whether `path` rounds the softmax weights of some task of this case: AMX tiles take every task (a lone key
-// weighs exactly 1 either way), bf16 dot products the prefill tasks (more than 4 rows: query positions x the
-// group's heads) when head_dim % 16 == 0.
+// weighs exactly 1 either way), bf16 dot products the decode tasks (at most 4 rows: query positions x the group's
+// heads) when head_dim % 32 == 0, and the prefill tasks when head_dim % 16 == 0.
 bool path_rounds(const char* path, int heads, int kv_heads, int hd, int bs, const std::vector<std::pair<int, int>>& q_ctx) {
   const bool one_key = q_ctx.size() == 1 && q_ctx[0].second == 1;
   if (std::strcmp(path, "amx") == 0 && hd % 32 == 0 && bs % 32 == 0) return !one_key;
   if (std::strcmp(path, "f32") == 0 || hd % 16 != 0) return false;
+  if (hd % 32 == 0 && !one_key) return true;
   for (auto& [ql, cl] : q_ctx)
     if (ql * (heads / kv_heads) > 4) return true;
   return false;

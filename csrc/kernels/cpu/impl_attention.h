@@ -16,9 +16,10 @@
 //   st[j][0:R]        = sum_d K_j[d] * qt[d][0:R]        K_j[d] broadcast, 8 keys x R rows at a time
 //   m, l [0:R]        online softmax in fp32, lane-wise over the rows (max over keys is vertical)
 //   o[r][0:hd]       += sum_j st[j][r] * V_j[0:hd]       4 rows x 4 vectors of head_dim at a time
-// Decode tasks (<= 4 rows, attend_task_dot; attend_task_dot_quant over int8 / int4 pools): dot products over
-// head_dim, see there. A decode task whose keys cross a multiple of kAttnSplitKeys is split there over its keys and
-// the partial softmax states are merged (attend_merge): fixed segments, so that no row depends on its batch.
+// Decode tasks (<= 4 rows, attend_task_dot; attend_task_dot_quant over int8 / int4 pools; attend_task_dot_bf16 over
+// bf16 pools on AVX512_BF16, impl_attention_bf16.h): dot products over head_dim, see there. A decode task whose keys
+// cross a multiple of kAttnSplitKeys is split there over its keys and the partial softmax states are merged
+// (attend_merge): fixed segments, so that no row depends on its batch.
 
 constexpr int kAttnKeyBlock = 8;            // keys whose scores are computed together
 constexpr int kAttnChunk = 32;              // keys per online-softmax step
@@ -74,9 +75,10 @@ struct KVPrefetch {
 // Walks keys c0 .. c0 + n - 1 of a sequence in kv head h as runs within a block (one block-table lookup per run,
 // not per key), calling row(j, kb, vb, r, t) for each: j its index in the chunk, kb / vb the K and V bases of its
 // block, r its row in the block (rows row_bytes apart), t its token in the block. The same rows of the next block
-// (keys bs later) are prefetched as these are read, a line for a line, where that block holds some of the task's
-// keys (key_end: their end): a task's blocks lie scattered over the pool, and the hardware prefetcher starts over
-// at each of them. The one home of this prefetch policy, for gather_kv and attend_task_dot_quant.
+// (keys bs later) are prefetched as these are read, a line for a line, where that block holds keys before key_end
+// (the task's end, or past it where a decode split's successor reads on): a task's blocks lie scattered over the
+// pool, and the hardware prefetcher starts over at each of them. The one home of this prefetch policy, for
+// gather_kv and attend_task_dot_quant.
 template <class Row>
 inline void walk_runs(const KVLayer& kv, const int32_t* table, int64_t h, int64_t c0, int n, int64_t key_end,
                       Row&& row) {
@@ -100,7 +102,7 @@ inline void walk_runs(const KVLayer& kv, const int32_t* table, int64_t h, int64_
 // Pool rows of kv head h for keys c0 .. c0 + n - 1 of a sequence into krow[j], vrow[j] (j < n), and
 // `zero` for j in [n, count). fp32 rows are pointed at in place; bf16 and quantized rows are converted
 // into kbuf / vbuf (row j at j * head_dim): only this chunk of keys, never a copy of the cache.
-// key_end: the end of the task's keys (walk_runs prefetches the next block only where it holds some of them).
+// key_end: where walk_runs stops prefetching the next block (the end of the keys the task or its successors read).
 inline void gather_kv(const KVLayer& kv, const int32_t* table, int64_t h, int64_t c0, int n, int count,
                       const float* zero, const float** krow, const float** vrow, float* kbuf, float* vbuf,
                       int64_t key_end) {
@@ -371,6 +373,9 @@ struct DecodeRows {
   }
   // The positions of the kW keys from c0.
   V key_positions(int64_t c0) const { return iota + vset1((float)c0); }
+  // The end of the keys the rows see, past the split's end: the bound of a split's prefetch, which runs on into the
+  // next split's first block (the same thread's next job, most often; read cold, it cost a lone 32k decode 10-15%).
+  int64_t seq_end() const { return (int64_t)pos[G - 1] + 1; }
   // Row r's scores s of the kW keys from c0 (positions kpos) with the keys it may not see set to -inf: past its
   // position or the split's end, before its window.
   V mask(V s, int r, int64_t c0, V kpos) const {
@@ -433,7 +438,7 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
   const float* vrow[kW];
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kW) {
     const int n = key_hi - c0 < kW ? (int)(key_hi - c0) : kW;
-    gather_kv(kv, seq.block_table, kvh, c0, n, kW, kZeroRow, krow, vrow, kdq, vdq, key_hi);
+    gather_kv(kv, seq.block_table, kvh, c0, n, kW, kZeroRow, krow, vrow, kdq, vdq, rows.seq_end());
     V a[G][kW];  // a[r][j]: partial sums of row r . key j (registers for G x 4 of them at a time)
     for (int j0 = 0; j0 < kW; j0 += 4) {
       V acc[G][4];
@@ -543,7 +548,7 @@ void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq
   const uint8_t* vrow[kW];
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kW) {
     const int n = key_hi - c0 < kW ? (int)(key_hi - c0) : kW;
-    walk_runs(kv, seq.block_table, kvh, c0, n, key_hi, [&](int j, const char* kb, const char* vb, int64_t r, int64_t) {
+    walk_runs(kv, seq.block_table, kvh, c0, n, rows.seq_end(), [&](int j, const char* kb, const char* vb, int64_t r, int64_t) {
       const uint16_t* kp = (const uint16_t*)(kb + params_at) + 2 * r;
       const uint16_t* vp = (const uint16_t*)(vb + params_at) + 2 * r;
       krow[j] = (const uint8_t*)(kb + r * rb), vrow[j] = (const uint8_t*)(vb + r * rb);

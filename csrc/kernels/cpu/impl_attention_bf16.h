@@ -1,4 +1,5 @@
-// Prefill tasks of paged attention over a bf16 KV cache on AVX512_BF16 dot products (vdpbf16ps), for CPUs
+// Paged attention over a bf16 KV cache on AVX512_BF16 dot products (vdpbf16ps): prefill tasks, and decode tasks
+// (attend_task_dot_bf16, below), for CPUs
 // without AMX (or with the tiles not allowed). Textually included by isa_body.h after impl_attention.h and
 // impl_linear_bf16.h (LMKIT_BF16); avx512 unit only, called by dispatch.cpp only where the CPU has AVX512_BF16.
 //
@@ -182,6 +183,164 @@ LMKIT_BF16 void attend_task_bf16(const float* q, const KVLayer& kv, const AttnSe
   }
 }
 
+// o[r][(dv + u) * 16 ..] += sum_t pp[r][t] . vpr[t][(dv + u) * 16 ..] for r < G, u < NV (o rows hd apart; pp rows of
+// 8 token-pair words), prefetching vfut[t]'s same lines.
+template <int G, int NV>
+LMKIT_BF16 inline void pv_rows_bf16(const uint32_t* pp, const uint32_t* const* vpr, const uint32_t* const* vfut,
+                                    int npairs, int dv, int hd, float* o) {
+  __m512 acc[G][NV];
+  for (int r = 0; r < G; ++r)
+    for (int u = 0; u < NV; ++u) acc[r][u] = _mm512_loadu_ps(o + r * hd + (dv + u) * 16);
+  for (int t = 0; t < npairs; ++t) {
+    __m512bh vv[NV];
+    for (int u = 0; u < NV; ++u) {
+      vv[u] = (__m512bh)_mm512_loadu_si512(vpr[t] + (dv + u) * 16);
+      prefetch(vfut[t] + (dv + u) * 16);
+    }
+    for (int r = 0; r < G; ++r) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pp[r * 8 + t]);
+      for (int u = 0; u < NV; ++u) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], p, vv[u]);
+    }
+  }
+  for (int r = 0; r < G; ++r)
+    for (int u = 0; u < NV; ++u) _mm512_storeu_ps(o + r * hd + (dv + u) * 16, acc[r][u]);
+}
+
+constexpr int kBfDecodePrefetchKeys = 64;  // a block of the engine's default size
+// A decode-shaped task (G <= 4 rows) over a bf16 pool on dot products, head_dim % 32 == 0. attend_task_dot converts
+// each chunk's K and V rows into fp32 buffers (32 KB for 16 keys at head_dim 256: the step's other data then leaves
+// L1) and runs an FMA per product; here both products read the cache as it lies:
+//   scores  a[r][j] = sum over 32-d vectors of K_j . (qh + ql)[r]: vdpbf16ps of K's row with q's two bf16 parts (a
+//           score carries the error of K's bf16 values only, as the prefill kernel's), folded to 16 scores per row
+//   softmax online over chunks of 16 keys as attend_task_dot (masks, running max, splits, sinks); P rounded to bf16,
+//           l the sum of the rounded weights
+//   output  o[r] += sum over token pairs of (p[2t], p[2t + 1]) . V pair row t (the cache's interleaved token pairs)
+// Chunks start at an even key: a task whose first key is odd (a window start) reads the key before it, written
+// and masked; a chunk's last pair whose second key lies past the task's keys takes a staging row with that half
+// zeroed (the slot may be unwritten: NaN). Within ~3e-3 of the exact attention over the bf16 cache, as the other
+// bf16 paths. Batch-invariant as attend_task_dot: a row's chunks and splits depend on its own keys only.
+template <int G, bool Capped>
+LMKIT_BF16 void attend_task_dot_bf16(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
+                                     int num_heads, int64_t rho0, float scale, float softcap, const float* sinks,
+                                     int window, float* out, int64_t split_begin, int64_t split_end, float* partial) {
+  const int hd = kv.head_dim, nq = hd / 32, nvec = hd / 16;
+  const int64_t bs = kv.block_size_tokens, bb = kv.block_bytes();
+  alignas(64) uint16_t qh[4 * kKVQuantMaxHeadDim], ql[4 * kKVQuantMaxHeadDim];  // [G][hd] bf16 parts of q
+  alignas(64) float obuf[4 * kKVQuantMaxHeadDim];                                // [G][hd]
+  alignas(64) uint32_t pp[4 * 8];                                                 // [G][8 token pairs]
+  alignas(64) uint32_t vstage[kKVQuantMaxHeadDim];
+  alignas(64) float lsum[4];
+  DecodeRows<G> rows(q, seq, kvh, group, num_heads, hd, rho0, window, sinks, out, split_begin, split_end);
+  for (int r = 0; r < G; ++r) {
+    for (int d = 0; d < hd; ++d) {
+      const uint16_t h = bf16_bits(rows.q[r][d]);
+      qh[r * hd + d] = h, ql[r * hd + d] = bf16_bits(rows.q[r][d] - bfloat_to_float(h));
+      obuf[r * hd + d] = 0.0f;
+    }
+    lsum[r] = 0.0f;
+  }
+  const int64_t key_lo = rows.key_lo, key_hi = rows.key_hi, pf_hi = rows.seq_end();
+  const Scores score(scale, softcap);
+  const uint16_t* krow[kW];
+  const uint16_t* kfut[kW];
+  const uint32_t* vpr[kW / 2];
+  const uint32_t* vfut[kW / 2];
+  auto k_row = [&](int64_t c) {
+    return (const uint16_t*)((const char*)kv.k + (int64_t)seq.block_table[c / bs] * bb) + (kvh * bs + c % bs) * hd;
+  };
+  auto v_pair = [&](int64_t c) {  // c even
+    return (const uint32_t*)((const char*)kv.v + (int64_t)seq.block_table[c / bs] * bb) + (kvh * (bs / 2) + c % bs / 2) * hd;
+  };
+  for (int64_t c0 = key_lo & ~(int64_t)1; c0 < key_hi; c0 += kW) {
+    const int n = key_hi - c0 < kW ? (int)(key_hi - c0) : kW, npairs = (n + 1) / 2;
+    for (int j = 0; j < kW; ++j) krow[j] = j < n ? k_row(c0 + j) : kZeroBf16Row;
+    for (int t = 0; t < npairs; ++t) vpr[t] = v_pair(c0 + 2 * t);
+    if (n % 2) {  // the last pair's second key lies past the task's keys
+      for (int d = 0; d < hd; ++d) vstage[d] = vpr[npairs - 1][d] & 0x0000ffffu;
+      vpr[npairs - 1] = vstage;
+    }
+    // the rows kBfDecodePrefetchKeys keys on, prefetched a line for a line as these are read (blocks scatter over the
+    // pool, and the hardware prefetcher starts over at each), past the split's end (DecodeRows::seq_end); rows past
+    // the sequence's keys prefetch this chunk's again
+    for (int j = 0; j < kW; ++j)
+      kfut[j] = c0 + kBfDecodePrefetchKeys + j < pf_hi ? k_row(c0 + kBfDecodePrefetchKeys + j) : krow[j];
+    for (int t = 0; t < npairs; ++t)
+      vfut[t] = c0 + kBfDecodePrefetchKeys + 2 * t < pf_hi ? v_pair(c0 + kBfDecodePrefetchKeys + 2 * t) : vpr[t];
+    V a[G][kW];
+    for (int j0 = 0; j0 < kW; j0 += 4) {
+      __m512 acc[G][4];
+      for (int r = 0; r < G; ++r)
+        for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+      for (int dv = 0; dv < nq; ++dv) {
+        __m512bh kk[4];
+        for (int i = 0; i < 4; ++i) {
+          kk[i] = (__m512bh)_mm512_loadu_si512(krow[j0 + i] + dv * 32);
+          prefetch(kfut[j0 + i] + dv * 32);
+        }
+        for (int r = 0; r < G; ++r) {
+          const __m512bh h = (__m512bh)_mm512_loadu_si512(qh + r * hd + dv * 32);
+          const __m512bh l = (__m512bh)_mm512_loadu_si512(ql + r * hd + dv * 32);
+          for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[r][i], h, kk[i]), l, kk[i]);
+        }
+      }
+      for (int r = 0; r < G; ++r)
+        for (int i = 0; i < 4; ++i) a[r][j0 + i].v = acc[r][i];
+    }
+    const V kpos = rows.key_positions(c0);
+    for (int r = 0; r < G; ++r) {
+      V s;
+      if constexpr (Capped) s = score.cap * vtanh(vhsum(a[r]) * score.mul);
+      else s = vhsum(a[r]) * score.mul;
+      s = rows.mask(s, r, c0, kpos);
+      const float c = rows.raise_max(s, r);
+      if (c != 1.0f) {
+        lsum[r] *= c;
+        float* o = obuf + r * hd;
+        for (int dv = 0; dv < nvec; ++dv) _mm512_storeu_ps(o + dv * 16, _mm512_mul_ps(_mm512_loadu_ps(o + dv * 16), _mm512_set1_ps(c)));
+      }
+      const __m256bh pb = _mm512_cvtneps_pbh(exp_for_bf16(_mm512_sub_ps(s.v, _mm512_set1_ps(rows.m[r]))));
+      _mm256_store_si256((__m256i*)(pp + r * 8), (__m256i)pb);  // word t = (p[2t], p[2t + 1])
+      lsum[r] += _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)pb), 16)));
+    }
+    int dv = 0;
+    for (; dv + 4 <= nvec; dv += 4) pv_rows_bf16<G, 4>(pp, vpr, vfut, npairs, dv, hd, obuf);
+    if (dv < nvec) pv_rows_bf16<G, 2>(pp, vpr, vfut, npairs, dv, hd, obuf);  // nvec is even
+  }
+  for (int r = 0; r < G; ++r) rows.finish(r, obuf + r * hd, lsum[r], 0.0f, hd, partial);
+}
+
+// Decode-shaped tasks of a bf16 pool on dot products (head_dim % 32 == 0; others on attend_task_dot), as a policy of
+// paged_attention_with.
+struct Bf16Decode {
+  static constexpr int kMaxRows = 4;
+  static constexpr bool kEveryTask = false;
+  void begin() {}
+  void end() {}
+  LMKIT_BF16 void operator()(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
+                             int num_heads, int64_t rho0, float scale, float softcap, const float* sinks, int window,
+                             float* out, int64_t split_begin = 0, int64_t split_end = INT64_MAX,
+                             float* partial = nullptr) {
+    if (kv.head_dim % 32 != 0)
+      return DotDecode()(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out,
+                         split_begin, split_end, partial);
+    if (softcap > 0.0f) return run<true>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window,
+                                         out, split_begin, split_end, partial);
+    run<false>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin,
+               split_end, partial);
+  }
+  template <bool Capped>
+  LMKIT_BF16 static void run(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
+                             int num_heads, int64_t rho0, float scale, float softcap, const float* sinks, int window,
+                             float* out, int64_t split_begin, int64_t split_end, float* partial) {
+    switch (rows) {
+      case 1: return attend_task_dot_bf16<1, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin, split_end, partial);
+      case 2: return attend_task_dot_bf16<2, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin, split_end, partial);
+      case 3: return attend_task_dot_bf16<3, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin, split_end, partial);
+      default: return attend_task_dot_bf16<4, Capped>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin, split_end, partial);
+    }
+  }
+};
+
 // Prefill tasks of a bf16 pool on dot products (head_dim % 16 == 0; others on attend_task), as a policy of
 // paged_attention_with.
 struct Bf16Prefill {
@@ -198,6 +357,6 @@ struct Bf16Prefill {
 void paged_attention_bf16(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs, int32_t num_heads,
                           float scale, int32_t window, float* out, float softcap,
                           const float* sinks) {
-  paged_attention_with<DotDecode, Bf16Prefill>(q, kv, seqs, num_seqs, num_heads, scale, softcap, sinks, window, out);
+  paged_attention_with<Bf16Decode, Bf16Prefill>(q, kv, seqs, num_seqs, num_heads, scale, softcap, sinks, window, out);
 }
 #endif
