@@ -43,7 +43,8 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //   Dense (pack_linear): k-major inside a panel, in the stored dtype (F32 / F16 / BF16):
 //       data[(p * K + k) * kLinearPanelCols + j] = weight[p * kLinearPanelCols + j, k]
 //     so that one k step of a panel is one contiguous row: no horizontal sums, one stream per thread.
-//   Int4 (pack_linear_int4 from any int4 checkpoint layout; dtype F16 = the scales): per panel, K / group_size
+//   Int4 (pack_linear_int4 from any int4 checkpoint layout; dtype F16 = the scales, but for Mxfp4 heads' u8
+//     exponents): per panel, K / group_size
 //     group blocks of
 //       scales  [32] fp16      scale of (group, column j)
 //       zeros   [32] u8        zero point of (group, column j), 0..15
@@ -134,7 +135,8 @@ const WeightFormatTraits& weight_format_traits(WeightFormat format);
 
 struct LinearWeight {
   WeightFormat format = WeightFormat::Dense;
-  // Dense: the stored dtype; Int4, Int6 and Int8: the scales' (F16; Int8 in blocks of 16: F32); Bf16Pairs: BF16
+  // Dense: the stored dtype; Int4, Int6 and Int8: the scales' (F16; Int8 in blocks of 16: F32; Int4 Mxfp4 heads hold
+  // u8 exponents, dtype F16 all the same); Bf16Pairs: BF16
   DType dtype = DType::F32;
   int32_t group_size = 0;    // Int4: 32 / 64 / 128 along K (KQuant: 256; Mxfp4: 32); Int8: 32 or 16; Int6: 256; else 0
   // Int4 and Int8: the form of the group heads (layouts above). AMX tiles run Int4 Zeros and Symmetric only.
@@ -302,9 +304,10 @@ struct AttnSeq {
 //   (Gemma 2), computed with an online softmax in fp32. sinks (nullptr: none): [num_heads], a logit per query head
 //   that joins each row's softmax and carries no value (gpt-oss): out = softmax([s, sink])[keys] V.
 //   Over a bf16 pool on AMX tiles (bf16_amx_available: every task, head_dim and block_size_tokens % 32 == 0), and
-//   elsewhere on AVX512_BF16 dot products (bf16_dot_available: tasks of more than 4 rows, prompts, head_dim % 16
-//   == 0), the softmax weights are rounded to bf16 (fp32 sums): up to ~3e-3 relative (per output row) to the
-//   exact result over the pool's values. Other tasks and CPUs: fp32 over the pool's values.
+//   elsewhere on AVX512_BF16 dot products (bf16_dot_available: tasks of more than 4 rows and prompts where head_dim
+//   % 16 == 0, decode tasks where head_dim % 32 == 0), the softmax weights are rounded to bf16 (fp32 sums): up to
+//   ~3e-3 relative (per output row; tested at 5e-3) to the exact result over the pool's values. Other tasks and
+//   CPUs: fp32 over the pool's values.
 //   Batch-invariant: a sequence's rows do not depend on the other sequences of the call, nor on the threads.
 void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                      int32_t num_heads, float scale, int32_t sliding_window, float* out, float logit_softcap = 0.0f,

@@ -12,7 +12,7 @@
 //   Q6_K: super-blocks of 256: ql[128], qh[64], int8 sc[16], d fp16; sub-block i (16 values)
 //         value = (q6 - 32) * d * sc_i                                               -> int8 blocks of 16
 //   MXFP4: e e8m0, qs[16]           value j = e2m1(nibble_j) * 2^(e - 127)            -> int4, MXFP4 heads
-//         (model/mxfp4.h, with HF's layout)
+//         (model/mxfp4.h, with HF's layout; exact but for e <= 1, weights below 2^-123, read as 0)
 // nibble_j = qs[j] & 15 for j < 16, qs[j - 16] >> 4 for j >= 16. Each is lossless in the kernels' layouts (Q5_0
 // widened to 8 bits: 8.5 bits per weight instead of 5.5, the price of running on the int8 kernels; Q5_K's q5 as
 // int8 values with d * sc and -dmin * m as fp32 scale and offset, both exact).

@@ -5,8 +5,9 @@
 //     2j + 1 in its high one.
 //   GGUF (llama.cpp's MXFP4 type): 17-byte blocks, e then 16 bytes; value j in the low nibble of byte j % 16 for
 //     j < 16, the high one for j >= 16.
-// Both are read as an int4 source with MXFP4 groups (core/int4_source.h): the kernels keep the codes and scales as
-// they are (ops::GroupHead::Mxfp4, 4.25 bits a weight, the file's size).
+// Both are read as an int4 source with MXFP4 groups (core/int4_source.h): the kernels keep the codes as they are and
+// each scale byte as the fp32 exponent field of its halved value (ops::GroupHead::Mxfp4, 4.25 bits a weight, the
+// file's size; exact but for e <= 1, weights below 2^-123, read as 0).
 #pragma once
 #include <stdint.h>
 

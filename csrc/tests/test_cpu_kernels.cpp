@@ -1245,7 +1245,7 @@ bool use_attention_path(const char* path) {
 // as the engine will: their table entries set to -1 and their contents poisoned again.
 // Attention options: the bound per output row (each row one head of one query), the scale of q (the scores'
 // scale), whether a path rounding the softmax weights to bf16 should have run (AMX tiles, or AVX512_BF16 dot
-// products for prefill tasks; then the result must differ from the fp32 path's, which rounds nothing: proof
+// products: path_rounds; then the result must differ from the fp32 path's, which rounds nothing: proof
 // that the rounding path was taken), and the logit soft-cap (then the result must also be far from the
 // uncapped attention: proof that the case exercises the cap), and attention sinks (a random logit per head, some
 // above the scores, some below; then the result must be far from the sinkless one).

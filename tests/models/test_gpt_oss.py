@@ -1,5 +1,5 @@
 """gpt-oss's experts in MXFP4 as shipped (``*_blocks`` / ``*_scales``, quantization_config quant_method mxfp4): the
-engine reads the blocks in place (exact int8 blocks of 16 with fp32 scales) and must give the logits of HF fp32 with
+engine packs the codes and scales as they are (int4 panels with MXFP4 heads, 4.25 bits a weight) and must give the logits of HF fp32 with
 the experts that transformers' own MXFP4 dequantizer (``convert_moe_packed_tensors``) makes of the same bytes.
 
 The float model is tests/factories.py's ``gpt_oss`` case (its attention sinks, windows and clamped SwiGLU are

@@ -78,7 +78,8 @@ struct KVPrefetch {
 // (keys bs later) are prefetched as these are read, a line for a line, where that block holds keys before key_end
 // (the task's end, or past it where a decode split's successor reads on): a task's blocks lie scattered over the
 // pool, and the hardware prefetcher starts over at each of them. The one home of this prefetch policy, for
-// gather_kv and attend_task_dot_quant.
+// gather_kv and attend_task_dot_quant (attend_task_dot_bf16 and the AMX tasks read the pool in their own order and
+// prefetch beside their own reads).
 template <class Row>
 inline void walk_runs(const KVLayer& kv, const int32_t* table, int64_t h, int64_t c0, int n, int64_t key_end,
                       Row&& row) {
