@@ -387,6 +387,17 @@ struct DecodeRows {
     }
     return s;
   }
+  // Row r's scores of the kW keys from c0 (positions kpos) from their dot products q . k: scaled or capped (Scores),
+  // masked (mask), and its running max raised to them: c the factor by which the caller scales the row's sums.
+  template <bool Capped>
+  V scores(V dot, int r, int64_t c0, V kpos, const Scores& score, float& c) {
+    V s;
+    if constexpr (Capped) s = score.cap * vtanh(dot * score.mul);
+    else s = dot * score.mul;
+    s = mask(s, r, c0, kpos);
+    c = raise_max(s, r);
+    return s;
+  }
   // Row r's running max raised to its scores s: the factor exp(old - new) by which the caller scales the row's
   // sums, 1 where the max stayed.
   float raise_max(V s, int r) {
@@ -458,12 +469,9 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
     }
     const V kpos = rows.key_positions(c0);
     for (int r = 0; r < G; ++r) {
-      V s;
-      if constexpr (Capped) s = score.cap * vtanh(vhsum(a[r]) * score.mul);
-      else s = vhsum(a[r]) * score.mul;
-      s = rows.mask(s, r, c0, kpos);
+      float c;
+      const V s = rows.template scores<Capped>(vhsum(a[r]), r, c0, kpos, score, c);
       V l = vload(lsum + r * kW);
-      const float c = rows.raise_max(s, r);
       if (c != 1.0f) {
         l = l * vset1(c);
         float* o = obuf + r * hdp;
@@ -590,13 +598,10 @@ void attend_task_dot_quant(const float* q, const KVLayer& kv, const AttnSeq& seq
     const V kscale = vload_f16(ks), vscale = vload_f16(vs);
     const V kzero_v = vfma(mid, kscale, vload_f16(kz)), vzero_v = vfma(mid, vscale, vload_f16(vz));
     for (int r = 0; r < G; ++r) {
-      const V dot = vfma(vhsum(a[r]), kscale, kzero_v * vset1(qsum[r]));
-      V s;
-      if constexpr (Capped) s = score.cap * vtanh(dot * score.mul);
-      else s = dot * score.mul;
-      s = rows.mask(s, r, c0, kpos);
+      float cs;
+      const V s = rows.template scores<Capped>(vfma(vhsum(a[r]), kscale, kzero_v * vset1(qsum[r])), r, c0, kpos,
+                                               score, cs);
       V l = vload(lsum + r * kW), z = vload(zl + r * kW);
-      const float cs = rows.raise_max(s, r);
       if (cs != 1.0f) {
         const V c = vset1(cs);
         l = l * c, z = z * c;

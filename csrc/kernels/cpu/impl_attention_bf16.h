@@ -288,11 +288,8 @@ LMKIT_BF16 void attend_task_dot_bf16(const float* q, const KVLayer& kv, const At
     }
     const V kpos = rows.key_positions(c0);
     for (int r = 0; r < G; ++r) {
-      V s;
-      if constexpr (Capped) s = score.cap * vtanh(vhsum(a[r]) * score.mul);
-      else s = vhsum(a[r]) * score.mul;
-      s = rows.mask(s, r, c0, kpos);
-      const float c = rows.raise_max(s, r);
+      float c;
+      const V s = rows.template scores<Capped>(vhsum(a[r]), r, c0, kpos, score, c);
       if (c != 1.0f) {
         lsum[r] *= c;
         float* o = obuf + r * hd;
