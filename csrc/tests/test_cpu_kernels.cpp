@@ -895,6 +895,13 @@ struct Mxfp4Weight {
   std::vector<double> dense;                  // [N, K] (rows in stored order)
   Tensor hf_blocks, hf_scales, ggml_t;
 };
+// OCP e2m1 from its fields (sign, 2-bit exponent with bias 1, 1-bit mantissa; exponent 0: subnormal), not from the
+// kernels' table.
+double e2m1_value(int code) {
+  const int e = (code >> 1) & 3, m = code & 1;
+  const double magnitude = e == 0 ? 0.5 * m : std::ldexp(1.0 + 0.5 * m, e - 1);
+  return code & 8 ? -magnitude : magnitude;
+}
 Mxfp4Weight make_mxfp4(int64_t N, int64_t K) {
   Mxfp4Weight a;
   const int64_t nb = K / 32;
@@ -912,7 +919,7 @@ Mxfp4Weight make_mxfp4(int64_t N, int64_t K) {
       for (int i = 0; i < 32; ++i) {
         const int code = i % 2 ? q[i / 2] >> 4 : q[i / 2] & 15;  // HF: value 2j low nibble, 2j + 1 high
         g[1 + i % 16] |= (uint8_t)(i < 16 ? code : code << 4);    // GGUF: value j in byte j % 16, high for j >= 16
-        a.dense[n * K + 32 * b + i] = std::ldexp((double)ops::kE2m1Twice[code] / 2.0, g[0] - 127);
+        a.dense[n * K + 32 * b + i] = e2m1_value(code) * std::ldexp(1.0, g[0] - 127);
       }
     }
   a.hf_blocks = make_view(a.blocks.data(), DType::U8, N, nb, 16);

@@ -657,7 +657,8 @@ constexpr bool kQ8GroupX = true;
 // vpdpbusd), and the sums start at -kE2m1Offset * sum_k qx[k], as Symmetric's at -8 * sum_k qx[k].
 constexpr int32_t kE2m1Offset = 12;
 inline __m512i e2m1_offset_table() {
-  return _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  return _mm512_broadcast_i32x4(
+      _mm_add_epi8(_mm_loadu_si128((const __m128i*)kE2m1Twice), _mm_set1_epi8((char)kE2m1Offset)));
 }
 template <int MR, GroupHead HEAD, bool GZ = false, bool XG = false>
 LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
@@ -674,9 +675,8 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
     __m512 s[2], zs[2], h0[2], h1[2];  // zs: minus the offset, dmin * m, or (GZ) zero * scale; h0, h1: d, dmin
     __m512i z[2];                      // the zeros
     for (int v = 0; v < 2; ++v) {
-      if constexpr (HEAD == GroupHead::Mxfp4) {  // 2^(f - 127) from the fp32 exponent fields
-        s[v] = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 16 * v))), 23));
+      if constexpr (HEAD == GroupHead::Mxfp4) {
+        s[v] = vload_exp2(blk + 16 * v).v;
         continue;
       }
       s[v] = h0[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
@@ -965,7 +965,7 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
                        GroupHead head, float (*tot)[kPanel], KSpan span) {
   const int64_t nb = K / kQ8Block, gb = linear_int4_group_bytes(g, head), hb = linear_int4_head_bytes(head);
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  const __m256i e2m1 = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+  const __m256i e2m1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kE2m1Twice));
   for (int64_t k0 = span.begin; k0 < span.end; k0 += g) {
     const uint8_t* blk = panel + (k0 / g) * gb;
     for (int64_t b = 0; b < g / kQ8Block; ++b) {
@@ -1002,9 +1002,8 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
         }
       }
       for (int v = 0; v < 4; ++v) {
-        if constexpr (E2M1) {  // 2^(f - 127) from the fp32 exponent fields
-          const __m256 s = _mm256_castsi256_ps(
-              _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + 8 * v))), 23));
+        if constexpr (E2M1) {
+          const __m256 s = vload_exp2(blk + 8 * v).v;
           for (int i = 0; i < MR; ++i) {
             const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][v], ones));
             _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), dot,

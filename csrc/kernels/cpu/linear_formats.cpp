@@ -144,7 +144,7 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
   const int64_t group_bytes = linear_int4_group_bytes(pg, packed.group_head), num_panels = (N + P - 1) / P;
   uint8_t* dst = static_cast<uint8_t*>(packed.storage.get());
   auto pack_range = [&](int64_t p0, int64_t p1) {
-    std::vector<uint8_t> q(pg * P), zeros(P), sc(P), m(P);
+    std::vector<uint8_t> q(pg * P), zeros(P), sc(P), m(P), e8m0(P);
     std::vector<uint16_t> scales(P), offsets(P), dmin(P), d0(P), dmin0(P);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t count = std::min(P, N - p * P);  // columns past count: zero heads (q is not read)
@@ -166,8 +166,8 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
           std::memcpy(blk + 2 * P, dmin.data(), 2 * P);
         } else if (packed.group_head == GroupHead::Mxfp4) {  // f = e - 1, the fp32 exponent field of 2^(e - 128)
           source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
-          source.read_e8m0(gi, p * P, count, sc.data());
-          for (int64_t c = 0; c < P; ++c) blk[c] = c < count && sc[c] > 1 ? (uint8_t)(sc[c] - 1) : 0;
+          source.read_e8m0(gi, p * P, count, e8m0.data());
+          for (int64_t c = 0; c < P; ++c) blk[c] = c < count && e8m0[c] > 1 ? (uint8_t)(e8m0[c] - 1) : 0;
         } else if (packed.group_head == GroupHead::Offsets) {
           source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
           source.read_offsets(gi, p * P, count, offsets.data());

@@ -141,9 +141,9 @@ inline V vload_dword_byte(const uint8_t* p, int shift) {
   return {_mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(255)))};
 }
 // kW 32-bit lanes at p: lo = e2m1x2((lane >> shift) & 15), hi = e2m1x2((lane >> (shift + 4)) & 15), twice the e2m1 value
-// of an MXFP4 code (0, 1, 2, 3, 4, 6, 8, 12, then the same negated).
+// of an MXFP4 code (ops.h's kE2m1Twice, where code 8, -0, is 0: the same sums).
 inline void vload_dword_e2m1(const uint8_t* p, int shift, V& lo, V& hi) {
-  const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, -0.0f, -1, -2, -3, -4, -6, -8, -12);
+  const __m512 lut = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)kE2m1Twice)));
   const __m512i d = _mm512_srl_epi32(_mm512_loadu_si512(p), _mm_cvtsi32_si128(shift));
   lo.v = _mm512_permutexvar_ps(d, lut);  // the index's low 4 bits
   hi.v = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), lut);
@@ -259,7 +259,7 @@ inline V vload_dword_byte(const uint8_t* p, int shift) {
   return {_mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(255)))};
 }
 inline void vload_dword_e2m1(const uint8_t* p, int shift, V& lo, V& hi) {  // magnitude by the low 3 bits, sign bit 3
-  const __m256 lut = _mm256_setr_ps(0, 1, 2, 3, 4, 6, 8, 12);
+  const __m256 lut = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)kE2m1Twice)));
   const __m256i d = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i*)p), _mm_cvtsi32_si128(shift));
   const __m256i d4 = _mm256_srli_epi32(d, 4), sign = _mm256_set1_epi32((int)0x80000000u);
   lo.v = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, d), _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 28), sign)));
@@ -379,11 +379,10 @@ inline V vload_dword_byte(const uint8_t* p, int shift) {
   return r;
 }
 inline void vload_dword_e2m1(const uint8_t* p, int shift, V& lo, V& hi) {
-  static const float lut[16] = {0, 1, 2, 3, 4, 6, 8, 12, -0.0f, -1, -2, -3, -4, -6, -8, -12};
   for (int i = 0; i < 4; ++i) {
     uint32_t d;
     memcpy(&d, p + 4 * i, 4);
-    lo.v[i] = lut[(d >> shift) & 15], hi.v[i] = lut[(d >> (shift + 4)) & 15];
+    lo.v[i] = (float)kE2m1Twice[(d >> shift) & 15], hi.v[i] = (float)kE2m1Twice[(d >> (shift + 4)) & 15];
   }
 }
 inline V vload_exp2(const uint8_t* p) {
