@@ -8,6 +8,7 @@ The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -248,7 +249,8 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, console) -> dict:
         GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos_ids,
                          pad_token_id=config.pad_token_id).save_pretrained(out_dir)
         _finish_tokenizer_config(out_dir, tokenizer.chat_template, config.max_position_embeddings)
-    return {"package": DEFAULT_PACKAGE, "transformers": transformers.__version__, "torch": torch.__version__}
+    return {"package": DEFAULT_PACKAGE, "transformers": transformers.__version__, "torch": torch.__version__,
+            "gguf": importlib.metadata.version("gguf")}
 
 
 @contextlib.contextmanager

