@@ -630,13 +630,28 @@ def with_q8_activations(model):
 @pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0"])
 def test_qwen35_gguf_quantized_logits(qtype, tmp_path):
     """Quantized "qwen35" files against transformers' GGUF load of the same file on the exact path; with int8
-    activations, against that load with its linears' inputs rounded as the engine rounds them (with_q8_activations:
-    the first rows agree to 1e-5; a rounding that falls the other way, float sums in another order, then lives on in
-    the recurrent state, hence the per-prompt bound)."""
+    activations, against that load with its linears' inputs rounded as the engine rounds them (with_q8_activations):
+    rows agree to 1e-5 (each prompt's first row always; unrounded inputs would be ~1e-2 off there) until a rounding
+    falls the other way (float sums in another order: which row, if any, depends on the CPU's kernels); that
+    difference then lives on in the recurrent state, hence the per-prompt bound of 3e-2 (Q8_0, AMX Xeon: rows
+    2e-7 until a flip at row 4 of the 13-token prompt, 1.1e-2 after it)."""
+    from lmkit import GenerationConfig, pipeline
+
     path, _, read = make_qwen35_case(tmp_path, qtype, seed=62 + len(qtype), std=0.03)
     assert engine_vs(path, read, prompts_for(7), EXACT) <= 1e-4
-    if qtype != "F16":
-        assert engine_vs(path, with_q8_activations(read), prompts_for(7), INT8_ACT, per_row=False) <= 1e-2
+    if qtype == "F16":
+        return
+    ref = with_q8_activations(read)
+    gen = GenerationConfig(max_new_tokens=5, output_logits=True, ignore_eos=True)
+    with pipeline(path, INT8_ACT) as pipe:
+        for prompt, r in zip(prompts_for(7), pipe(prompts_for(7), gen)):
+            full = prompt + r.token_ids
+            with torch.no_grad():
+                want = ref(torch.tensor([full])).logits[0, :-1].numpy()
+            rows = np.linalg.norm(r.logits - want, axis=-1) / np.linalg.norm(want, axis=-1)
+            whole = float(np.linalg.norm(r.logits - want) / np.linalg.norm(want))
+            assert rows[0] <= 1e-5 and whole <= 3e-2, (
+                f"{len(prompt)}-token prompt: first row {rows[0]:.3g}, all rows {whole:.3g}; rows {rows}")
 
 
 def test_qwen35_gguf_without_its_state_fields_is_refused(tmp_path):
