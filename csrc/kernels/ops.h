@@ -275,7 +275,7 @@ struct KVLayer {
     return (int64_t)num_kv_heads * block_size_tokens * (row_bytes() + (is_quantized() ? 4 : 0));
   }
 };
-constexpr int kKVQuantMaxHeadDim = 256;  // quantized KV: head_dim even and at most this
+constexpr int kKVQuantMaxHeadDim = 512;  // a bf16 or quantized KV pool: head_dim even and at most this (Gemma 4: 512)
 
 // Writes k, v rows ([n, num_kv_heads, head_dim]) into the pool at slots[t] = block_id * block_size_tokens + offset.
 void kv_write(const KVLayer& kv, const float* k, const float* v, const int32_t* slots, int64_t n);

@@ -1421,6 +1421,7 @@ void test_attention_softcap_and_freed_blocks(int threads) {
     run(4, 1, 128, 0, {{1, 200}, {30, 30}}, 10.0f, 5.0f, false);              // hard capping
     run(4, 2, 64, 50, {{1, 500}, {100, 400}, {64, 64}, {2, 77}}, 1.0f, 0.0f, false);  // windows alone
     run(2, 1, 96, 33, {{150, 150}}, 8.0f, 20.0f, false);                     // prefill alone, windowed
+    run(8, 2, 512, 0, {{1, 300}, {24, 24}}, 30.0f, 50.0f, false);           // Gemma 4's global layers
     ops::set_num_threads(8);  // decode key splits (over the window's keys: 2-4 splits of >= 128 keys)
     run(8, 4, 256, 400, {{1, 1100}}, 30.0f, 50.0f, false);
     run(4, 2, 64, 300, {{2, 900}, {1, 40}}, 8.0f, 20.0f, false);
@@ -1511,6 +1512,7 @@ void test_attention(int threads) {
     test_attention_case(4, 2, 80, 6, 0, {{2, 50}, {1, 33}, {2, 2}}, bits);
     test_attention_case(8, 1, 72, 12, 4, {{30, 30}, {1, 99}}, bits);
     test_attention_case(2, 1, 256, 16, 0, {{20, 20}, {1, 40}}, bits);
+    test_attention_case(4, 1, 512, 16, 0, {{20, 20}, {1, 300}}, bits);  // Gemma 4's global layers
     test_attention_case(6, 2, 24, 1, 0, {{10, 10}, {2, 37}}, bits);
     test_attention_case(9, 3, 64, 16, 0, {{1, 700}}, bits);
   }
@@ -1547,7 +1549,8 @@ void test_attention(int threads) {
       run(16, 2, 128, 0, {{2, 129}, {1, 1}});
       run(2, 2, 32, 0, {{1, 90}, {1, 3}});                   // one row per task
       run(4, 1, 64, 5, {{4, 40}, {0, 10}, {3, 33}});         // per-row windows inside a task; a sequence with no query
-      for (int hd : {32, 160, 192, 224}) run(4, 2, hd, 0, {{1, 70}, {3, 41}});
+      for (int hd : {32, 160, 192, 224, 512}) run(4, 2, hd, 0, {{1, 70}, {3, 41}});  // 512: Gemma 4's global layers
+      run(8, 1, 512, 0, {{1, 600}, {40, 90}});
       run(8, 2, 128, 0, {{1, 45}, {1, 300}, {2, 1000}}, 20.0f);  // scores at 20x unit scale
       run(9, 3, 64, 0, {{300, 300}});                        // prefill alone: tasks of 16 rows over ~5 positions
       run(9, 3, 64, 100, {{200, 700}, {37, 37}});            // a prefill chunk after cached context, windowed

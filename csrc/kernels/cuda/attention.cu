@@ -210,8 +210,8 @@ void paged_attention(const void* q, int64_t q_row_stride, const ops::KVLayer& kv
                      Stream stream) {
   const char* op = "cuda::paged_attention";
   LMKIT_CHECK_ARG(kv.bits == 16 || kv.bits == 8 || kv.bits == 4, op, ": KV bits must be 16, 8 or 4, got ", kv.bits);
-  LMKIT_CHECK_ARG(kv.head_dim > 0 && kv.head_dim % 2 == 0 && kv.head_dim <= ops::kKVQuantMaxHeadDim, op,
-                  ": head_dim must be even and at most ", ops::kKVQuantMaxHeadDim, ", got ", kv.head_dim);
+  LMKIT_CHECK_ARG(kv.head_dim > 0 && kv.head_dim % 2 == 0 && kv.head_dim <= kCudaMaxHeadDim, op,
+                  ": head_dim must be even and at most ", kCudaMaxHeadDim, ", got ", kv.head_dim);
   LMKIT_CHECK_ARG(num_heads > 0 && kv.num_kv_heads > 0 && num_heads % kv.num_kv_heads == 0, op, ": num_heads ",
                   num_heads, " must be a multiple of num_kv_heads ", kv.num_kv_heads);
   LMKIT_CHECK_ARG(num_heads / kv.num_kv_heads <= kMaxGroup, op, ": at most ", kMaxGroup,

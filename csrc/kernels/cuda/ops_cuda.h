@@ -142,6 +142,7 @@ Linear upload_dense(const Tensor& weight, DType act, Stream stream);
 // through WMMA, the tile dequantized into shared memory); dense: cuBLAS (cublasGemmEx, loaded at run time when
 // libcublas is found) or the same tensor-core GEMM.
 constexpr int64_t kSkinnyInt4Rows = 64, kSkinnyDenseRows = 8;
+constexpr int kCudaMaxHeadDim = 256;  // the KV pool's and attention's largest head_dim on the GPU (the CPU's: 512)
 void linear(const void* x, int64_t M, const Linear& w, const void* bias, void* out, DType act, Stream stream);
 // The largest M that the skinny kernel takes, (int4, dense); 0 turns it off (tests and benchmarks of the
 // other paths). Process-wide, like set_dense_gemm_backend; a captured decode graph keeps what it captured.

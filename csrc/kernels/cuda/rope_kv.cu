@@ -7,7 +7,7 @@
 namespace lmkit::cuda {
 namespace {
 
-constexpr int kMaxPairsPerLane = ops::kKVQuantMaxHeadDim / 2 / 32;  // head_dim <= 256
+constexpr int kMaxPairsPerLane = kCudaMaxHeadDim / 2 / 32;  // head_dim <= 256
 
 template <typename T>
 __device__ __forceinline__ void store_kv_row(const ops::KVLayer& kv, void* pool, int32_t slot, int kv_head, const float* a,
@@ -96,8 +96,8 @@ void qkv_rope_kv_write(void* qkv, const void* qkv_bias, const int32_t* positions
                        DType act, Stream stream) {
   LMKIT_CHECK_ARG(kv.bits == 16 || kv.bits == 8 || kv.bits == 4, "cuda::qkv_rope_kv_write: KV bits must be 16, 8 or 4, got ",
                   kv.bits);
-  LMKIT_CHECK_ARG(kv.head_dim > 0 && kv.head_dim % 2 == 0 && kv.head_dim <= ops::kKVQuantMaxHeadDim,
-                  "cuda::qkv_rope_kv_write: head_dim must be even and at most ", ops::kKVQuantMaxHeadDim, ", got ",
+  LMKIT_CHECK_ARG(kv.head_dim > 0 && kv.head_dim % 2 == 0 && kv.head_dim <= kCudaMaxHeadDim,
+                  "cuda::qkv_rope_kv_write: head_dim must be even and at most ", kCudaMaxHeadDim, ", got ",
                   kv.head_dim);
   LMKIT_CHECK_ARG(num_heads > 0 && kv.num_kv_heads > 0 && num_heads % kv.num_kv_heads == 0,
                   "cuda::qkv_rope_kv_write: num_heads ", num_heads, " must be a multiple of num_kv_heads ", kv.num_kv_heads);
