@@ -197,6 +197,8 @@ class Case:
     new: bool = True  # needs the engine of issue 22
     norm_offset: float = 0.0  # Gemma's RMSNorms scale by (1 + w): w is drawn around 0, not 1
     plain_norms: tuple = ()  # names of the norms that scale by w where the others take (1 + w) (drawn around 1)
+    unit_scores: bool = False  # softmax scale 1 (Gemma 4): q/k norm weights around head_dim**-0.25, so that q . k
+    #                            has unit variance as 1/sqrt(head_dim)-scaled models' scores do
     attn_implementation: str | None = None  # "eager" for Gemma 2 (SDPA has no soft-capping)
     hub_layout: Callable[[dict], dict] | None = None  # rewrites config.json after save_pretrained
     expect: dict = field(default_factory=dict)  # attribute -> value HF's config must have after reading the folder
@@ -326,15 +328,31 @@ ARCH_CASES: dict[str, Case] = {
                                          swiglu_limit=1.5, rope_parameters=GPT_OSS_ROPE),
                     seed=60, attn_implementation="eager",
                     expect={"layer_types": ["sliding_attention", "full_attention"] * 2}),
+    # Gemma 4 (issue 62): global layers of the real models' head_dim 512 beside narrow sliding ones, proportional RoPE
+    # (a quarter of the global layers' angles rotate), plain-w norms, a weightless value norm, a stored scalar per layer, the final soft-cap; then
+    # its attention_k_eq_v form (the global layers' values are their keys, one KV head) alternating, untied
+    "gemma4": Case("Gemma4TextConfig", dict(SMALL, num_hidden_layers=6, num_key_value_heads=2, head_dim=16,
+                                            global_head_dim=512, hidden_size_per_layer_input=0, sliding_window=20,
+                                            final_logit_softcapping=8.0), seed=70, unit_scores=True,
+                   expect={"layer_types": ["sliding_attention"] * 5 + ["full_attention"]}),
+    "gemma4_k_eq_v": Case("Gemma4TextConfig", dict(SMALL, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                                   global_head_dim=32, num_global_key_value_heads=1,
+                                                   attention_k_eq_v=True, hidden_size_per_layer_input=0,
+                                                   sliding_window=20, tie_word_embeddings=False,
+                                                   layer_types=["sliding_attention", "full_attention"] * 2),
+                          seed=77, unit_scores=True),
 }
 
 
-def _init_weights(model, norm_offset: float, plain_norms: tuple = ()) -> None:
+def _init_weights(model, norm_offset: float, plain_norms: tuple = (), unit_scores: bool = False) -> None:
     """Wider than HF's init so that the logits are not flat: matrices N(0, 1/fan_in), biases N(0, 0.01),
-    norm weights around 1 (Gemma: around 0, its norms scale by 1 + w; ``plain_norms`` around 1 in any case)."""
+    norm weights around 1 (Gemma: around 0, its norms scale by 1 + w; ``plain_norms`` around 1 in any case;
+    ``unit_scores``: q/k norms around head_dim**-0.25, see Case)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if any(n in name for n in plain_norms):
+            if unit_scores and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(p.shape[-1] ** -0.25 * (1.0 + 0.1 * torch.randn_like(p)))
+            elif any(n in name for n in plain_norms):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif "norm" in name:
                 p.copy_(1.0 - norm_offset + 0.1 * torch.randn_like(p))
@@ -342,6 +360,9 @@ def _init_weights(model, norm_offset: float, plain_norms: tuple = ()) -> None:
                 p.copy_(0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+        for name, b in model.named_buffers():  # Gemma 4's per-layer output scalars (stored, not parameters)
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand_like(b))
 
 
 def _matches(value, want) -> bool:
@@ -381,7 +402,7 @@ def _write_case(case: Case, folder: Path) -> None:
     torch.manual_seed(case.seed)
     attn = {"attn_implementation": case.attn_implementation} if case.attn_implementation else {}
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn).eval()
-    _init_weights(model, case.norm_offset, case.plain_norms)
+    _init_weights(model, case.norm_offset, case.plain_norms, case.unit_scores)
     model.save_pretrained(str(folder))
     write_byte_tokenizer(folder)
     if case.hub_layout is not None:

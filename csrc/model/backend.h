@@ -62,6 +62,7 @@ struct AttentionSpec {
   int32_t sliding_window = 0;            // 0: full attention
   float logit_softcap = 0;               // 0: off
   const DeviceVector* sinks = nullptr;   // [num_heads]: a logit per query head in each row's softmax (gpt-oss)
+  const DeviceVector* v_norm = nullptr;  // [head_dim] ones: v = v / rms(v) per head before the cache (Gemma 4)
 };
 
 // Everything one recurrent (Gated DeltaNet) layer needs besides its linears.
@@ -124,10 +125,10 @@ class Backend {
   // --- KV pool ------------------------------------------------------------------------------------------
   // The format of each layer's cache, as the user asked it (core/kv_quant.h); the backend resolves
   // KVQuant::kNone to its own full precision (fp32, bf16, the activation dtype) in ops::KVLayer::bits.
-  // layer_kv_heads: each layer's KV heads, 0 for a layer that keeps no KV (a recurrent one). Call once, before
-  // kv_bytes_per_block() and allocate_kv_pool().
+  // layer_kv_heads: each layer's KV heads, 0 for a layer that keeps no KV (a recurrent one); layer_head_dim: each
+  // layer's head_dim. Call once, before kv_bytes_per_block() and allocate_kv_pool().
   virtual void configure_kv(const std::vector<KVQuant>& layer_quant, const std::vector<int32_t>& layer_kv_heads,
-                            int32_t head_dim, int32_t block_size_tokens) = 0;
+                            const std::vector<int32_t>& layer_head_dim, int32_t block_size_tokens) = 0;
   virtual int64_t kv_bytes_per_block() const = 0;
   virtual void allocate_kv_pool(int32_t num_blocks) = 0;
   // Executor::release_idle_memory: the pages of the free KV blocks and of the activations and scratch.
@@ -196,6 +197,10 @@ class Backend {
   virtual void gather_logit_rows(const void* x, int64_t first, int64_t n, int64_t dim, void* out) = 0;
   // x = cap * tanh(x / cap)                                                     x: [rows, dim]
   virtual void softcap(void* x, int64_t rows, int64_t dim, float cap) = 0;
+  // x *= s                                                                      x: [rows, dim]
+  virtual void scale(void* x, int64_t rows, int64_t dim, float s) {
+    LMKIT_CHECK(false, name(), " backend has no per-layer output scalars");
+  }
   // Consumes the logits [n, vocab] of logit rows [first, first + n): samples batch's sample rows among them,
   // copies its logit_outputs among them into out and scores its prompt_logprob_rows
   // (take_prompt_logprobs).

@@ -165,22 +165,24 @@ class CpuBackend final : public Backend {
   }
 
   void configure_kv(const std::vector<KVQuant>& layer_quant, const std::vector<int32_t>& layer_kv_heads,
-                    int32_t head_dim, int32_t block_size_tokens) override {
-    LMKIT_CHECK(layer_kv_heads.size() == layer_quant.size(), "KV heads of ", layer_kv_heads.size(), " layers for ",
+                    const std::vector<int32_t>& layer_head_dim, int32_t block_size_tokens) override {
+    LMKIT_CHECK(layer_kv_heads.size() == layer_quant.size() && layer_head_dim.size() == layer_quant.size(),
+                "KV heads of ", layer_kv_heads.size(), " and head dims of ", layer_head_dim.size(), " layers for ",
                 layer_quant.size());
-    // A packed (bf16 or quantized) KV cache needs an even head_dim, up to the kernels' largest; bf16 V is also
-    // stored by token pairs, so its blocks must hold an even number of tokens (ops.h).
-    const bool packed_fits = head_dim % 2 == 0 && head_dim <= ops::kKVQuantMaxHeadDim;
     kv_layers_.clear();
     kv_layer_offset_.clear();
     int64_t offset = 0;
     for (size_t l = 0; l < layer_quant.size(); ++l) {
+      // A packed (bf16 or quantized) KV cache needs an even head_dim, up to the kernels' largest; bf16 V is also
+      // stored by token pairs, so its blocks must hold an even number of tokens (ops.h).
+      const int32_t head_dim = layer_head_dim[l];
+      const bool packed_fits = head_dim % 2 == 0 && head_dim <= ops::kKVQuantMaxHeadDim;
       // full precision (KVQuant::kNone) is the compute dtype: bf16 where its layout fits, else fp32
       int32_t bits = layer_quant[l] == KVQuant::kNone ? 32 : static_cast<int32_t>(layer_quant[l]);
       LMKIT_CHECK(bits == 32 || bits == 8 || bits == 4, "layer ", l, ": unknown KVQuant ", bits);
       if (bits == 32 && options_.bf16_linear && packed_fits && block_size_tokens % 2 == 0) bits = 16;
       LMKIT_CHECK_ARG(bits == 32 || packed_fits, "a bf16 or quantized KV cache needs an even head_dim <= ",
-                      ops::kKVQuantMaxHeadDim, ", the model has ", head_dim);
+                      ops::kKVQuantMaxHeadDim, ", layer ", l, " has ", head_dim);
       ops::KVLayer kv;
       kv.bits = bits, kv.num_kv_heads = layer_kv_heads[l], kv.block_size_tokens = block_size_tokens;
       kv.head_dim = head_dim;
@@ -318,6 +320,7 @@ class CpuBackend final : public Backend {
     else if (a.q_norm) ops::rmsnorm(q, view(*a.q_norm), a.norm_eps, rows * a.num_heads, a.head_dim, q);
     if (a.k_norm && a.norm_whole) ops::rmsnorm(k, view(*a.k_norm), a.norm_eps, rows, KV, k);
     else if (a.k_norm) ops::rmsnorm(k, view(*a.k_norm), a.norm_eps, rows * a.num_kv_heads, a.head_dim, k);
+    if (a.v_norm) ops::rmsnorm(v, view(*a.v_norm), a.norm_eps, rows * a.num_kv_heads, a.head_dim, v);
     if (a.rope)
       ops::rope(q, k, batch_->positions.data(), rows, a.num_heads, a.num_kv_heads, a.head_dim,
                 static_cast<const float*>(a.rope->inv_freq.get()), a.rope->attention_scaling, a.rope->rotary_dim);
@@ -456,6 +459,7 @@ class CpuBackend final : public Backend {
   }
 
   void softcap(void* x, int64_t rows, int64_t dim, float cap) override { ops::softcap(f32(x), rows * dim, cap); }
+  void scale(void* x, int64_t rows, int64_t dim, float s) override { ops::scale(f32(x), rows * dim, s); }
 
   void take_logits(const Batch& batch, int64_t first, int64_t n, const void* logits, int64_t vocab,
                    StepOutput& out) override {

@@ -128,6 +128,11 @@ class CudaBackend final : public Backend {
     if (c.attn_output_gate) missing.push_back("the attention output gate");
     if (c.attention_sinks) missing.push_back("attention sinks");
     if (c.has_o_bias) missing.push_back("an o_proj bias");
+    if (!c.layer_head_dim.empty() || !c.layer_num_kv_heads.empty())
+      missing.push_back("per-layer head dims and KV heads");
+    if (!c.layer_v_from_k.empty()) missing.push_back("values taken from k_proj (attention_k_eq_v)");
+    if (c.has_v_norm) missing.push_back("the value norm");
+    if (c.has_layer_scalar) missing.push_back("per-layer output scalars");
     bool int8_weights = false;  // compressed-tensors int8 (GGUF's int8 blocks are refused with their own message)
     for (const LayerWeights& w : weights.layers)
       for (const LinearTensors* t : w.linears())
@@ -142,8 +147,8 @@ class CudaBackend final : public Backend {
                     "needs hidden_size, intermediate_size and num_heads * head_dim to be multiples of 8; ",
                     c.architecture, " has ", c.hidden_size, ", ", c.intermediate_size, ", ", c.q_size(),
                     "; use device='cpu'");
-    LMKIT_CHECK_ARG(c.head_dim <= ops::kKVQuantMaxHeadDim, "device='cuda' needs head_dim <= ",
-                    ops::kKVQuantMaxHeadDim, ", ", c.architecture, " has ", c.head_dim, "; use device='cpu'");
+    LMKIT_CHECK_ARG(c.head_dim <= cuda::kCudaMaxHeadDim, "device='cuda' needs head_dim <= ",
+                    cuda::kCudaMaxHeadDim, ", ", c.architecture, " has ", c.head_dim, "; use device='cpu'");
     LMKIT_CHECK_ARG(c.num_heads / c.num_kv_heads <= kMaxQueryHeadsPerKVHead, "device='cuda' supports at most ",
                     kMaxQueryHeadsPerKVHead, " query heads per KV head, ", c.architecture, " has ",
                     c.num_heads / c.num_kv_heads, "; use device='cpu'");
@@ -216,11 +221,16 @@ class CudaBackend final : public Backend {
 
   // --- KV pool ------------------------------------------------------------------------------------------
   void configure_kv(const std::vector<KVQuant>& layer_quant, const std::vector<int32_t>& layer_kv_heads,
-                    int32_t head_dim, int32_t block_size_tokens) override {
-    LMKIT_CHECK(layer_kv_heads.size() == layer_quant.size(), "KV heads of ", layer_kv_heads.size(), " layers for ",
+                    const std::vector<int32_t>& layer_head_dim, int32_t block_size_tokens) override {
+    LMKIT_CHECK(layer_kv_heads.size() == layer_quant.size() && layer_head_dim.size() == layer_quant.size(),
+                "KV heads of ", layer_kv_heads.size(), " and head dims of ", layer_head_dim.size(), " layers for ",
                 layer_quant.size());
-    LMKIT_CHECK_ARG(head_dim % 2 == 0 && head_dim <= ops::kKVQuantMaxHeadDim, "device='cuda' needs an even head_dim ",
-                    "of at most ", ops::kKVQuantMaxHeadDim, ", the model has ", head_dim);
+    LMKIT_CHECK(std::all_of(layer_head_dim.begin(), layer_head_dim.end(),
+                            [&](int32_t d) { return d == layer_head_dim[0]; }),
+                "device='cuda' needs one head_dim for every layer");
+    const int32_t head_dim = layer_head_dim.empty() ? 0 : layer_head_dim[0];
+    LMKIT_CHECK_ARG(head_dim % 2 == 0 && head_dim <= cuda::kCudaMaxHeadDim, "device='cuda' needs an even head_dim ",
+                    "of at most ", cuda::kCudaMaxHeadDim, ", the model has ", head_dim);
     LMKIT_CHECK(num_heads_ > 0, "CudaBackend::prepare() must be called before configure_kv()");
     block_size_ = block_size_tokens;
     kv_layers_.clear();

@@ -73,6 +73,11 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     }
     l.q_norm = norm(w.q_norm);
     l.k_norm = norm(w.k_norm);
+    if (c.has_v_norm && !l.is_recurrent) {  // an RMSNorm without weight: ones, whatever the norms' offset
+      const std::vector<float> ones(c.head_dim_of(i), 1.0f);
+      l.v_norm = b.upload_norm(make_view((void*)ones.data(), DType::F32, (int64_t)ones.size()), 0.0f);
+    }
+    if (c.has_layer_scalar) l.scalar = float_value(w.layer_scalar, 0);
     layers_.push_back(std::move(l));
   }
   std::vector<RecurrentSpec> recurrent;
@@ -93,16 +98,17 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     }
     AttentionSpec& a = l.attention;
     a.layer = i;
-    a.num_heads = c.num_heads, a.num_kv_heads = c.num_kv_heads, a.head_dim = c.head_dim;
+    a.num_heads = c.num_heads, a.num_kv_heads = c.kv_heads_of(i), a.head_dim = c.head_dim_of(i);
     a.q_norm = l.q_norm.is_empty() ? nullptr : &l.q_norm;
     a.k_norm = l.k_norm.is_empty() ? nullptr : &l.k_norm;
     a.norm_whole = c.qk_norm_whole;
     a.norm_eps = c.rms_norm_eps;
     a.rope = c.layer_rope[i] == 0 ? nullptr : &rope_tables_[c.layer_rope[i] - 1];
-    a.scale = c.softmax_scale();
+    a.scale = c.softmax_scale(i);
     a.sliding_window = c.layer_sliding_window[i];
     a.logit_softcap = c.attn_logit_softcap;
     a.sinks = l.sinks.is_empty() ? nullptr : &l.sinks;
+    a.v_norm = l.v_norm.is_empty() ? nullptr : &l.v_norm;
   }
   final_norm_ = norm(weights.final_norm);
   lm_head_ = b.pack_lm_head(weights.lm_head, quantized);
@@ -113,18 +119,21 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   if (kv_quant.empty()) kv_quant.assign(c.num_layers, KVQuant::kNone);
   LMKIT_CHECK_ARG((int32_t)kv_quant.size() == c.num_layers, "KV precision is given for ", kv_quant.size(),
                   " layers, the model has ", c.num_layers);
-  std::vector<int32_t> kv_heads(c.num_layers);
-  for (int32_t i = 0; i < c.num_layers; ++i) kv_heads[i] = c.is_recurrent_layer(i) ? 0 : c.num_kv_heads;
-  b.configure_kv(kv_quant, kv_heads, c.head_dim, options.block_size_tokens);
+  std::vector<int32_t> kv_heads(c.num_layers), head_dims(c.num_layers);
+  for (int32_t i = 0; i < c.num_layers; ++i) {
+    kv_heads[i] = c.is_recurrent_layer(i) ? 0 : c.kv_heads_of(i);
+    head_dims[i] = c.head_dim_of(i);
+  }
+  b.configure_kv(kv_quant, kv_heads, head_dims, options.block_size_tokens);
   b.configure_state(recurrent);
 
   const int64_t T = options.max_step_tokens, H = c.hidden_size, G = b.max_head_rows();
   LMKIT_CHECK(T > 0, "max_step_tokens must be > 0");
   residual_ = b.allocate_activations(T, H);
   hidden_ = b.allocate_activations(T, H);
-  int64_t wide = std::max<int64_t>(2 * (int64_t)c.intermediate_size, c.q_size() + 2 * c.kv_size());
+  int64_t wide = std::max<int64_t>(2 * (int64_t)c.intermediate_size, c.max_qkv_size());
   wide = std::max<int64_t>(wide, 2 * (int64_t)c.shared_expert_intermediate_size);
-  int64_t mixed = c.q_size();  // the token mixer's output: attention's, or a recurrent layer's (value_dim)
+  int64_t mixed = c.max_q_size();  // the token mixer's output: attention's, or a recurrent layer's (value_dim)
   for (const RecurrentSpec& r : recurrent) wide = std::max(wide, r.proj_dim()), mixed = std::max(mixed, r.value_dim());
   wide_ = b.allocate_activations(T, wide);
   attn_ = b.allocate_activations(T, mixed);
@@ -132,7 +141,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     shared_ = b.allocate_activations(T, H);
     shared_gate_ = b.allocate_activations(T, 1);
   }
-  if (c.attn_output_gate) gate_ = b.allocate_activations(T, c.q_size());
+  if (c.attn_output_gate) gate_ = b.allocate_activations(T, c.max_q_size());
   head_residual_ = b.allocate_activations(G, H);
   head_hidden_ = b.allocate_activations(G, H);
   logits_ = b.allocate_activations(G, c.vocab_size);
@@ -170,7 +179,7 @@ void DecoderModel::attention_block(int32_t l, int64_t rows, void* h) {
   backend_->linear(h, rows, w.qkv, wide_.get());
   if (!w.attn_gate.is_empty()) backend_->linear(h, rows, w.attn_gate, gate_.get());
   backend_->attention(wide_.get(), rows, w.attention, attn_.get());
-  if (!w.attn_gate.is_empty()) backend_->sigmoid_gate(attn_.get(), gate_.get(), rows, config_.q_size());
+  if (!w.attn_gate.is_empty()) backend_->sigmoid_gate(attn_.get(), gate_.get(), rows, config_.q_size_of(l));
   backend_->linear(attn_.get(), rows, w.o_proj, h);
 }
 

@@ -56,6 +56,8 @@ class DecoderModel : public Executor {
     PackedLinear shared_gate_up, shared_down, shared_gate;
     DeviceVector input_norm, post_attention_norm, pre_mlp_norm, post_mlp_norm, q_norm, k_norm;
     DeviceVector sinks;  // the attention sinks (config attention_sinks), or empty
+    DeviceVector v_norm;  // ones of head_dim (config has_v_norm), or empty
+    float scalar = 1.0f;  // the residual stream times this after the layer (config has_layer_scalar)
     AttentionSpec attention;
     // a recurrent layer (is_recurrent) instead of attention: q | k | v | z | b | a in one linear, and out_proj
     bool is_recurrent = false;

@@ -18,9 +18,21 @@ void ModelConfig::validate() const {
   LMKIT_CHECK_ARG(head_dim > 0 && head_dim % 2 == 0, a, ": head_dim must be even and > 0, got ", head_dim);
   LMKIT_CHECK_ARG(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0, a,
                   ": the rotary dimension must be even and at most head_dim (", head_dim, "), got ", rotary_dim);
-  LMKIT_CHECK_ARG((int32_t)inv_freq.size() == rotary_dims() / 2, a, ": rope inv_freq has ", inv_freq.size(),
-                  " entries, rotary_dim / 2 = ", rotary_dims() / 2);
-  LMKIT_CHECK_ARG(inv_freq_local.empty() || inv_freq_local.size() == inv_freq.size(), a,
+  for (const std::vector<int32_t>* v : {&layer_head_dim, &layer_num_kv_heads, &layer_v_from_k})
+    LMKIT_CHECK_ARG(v->empty() || (int32_t)v->size() == num_layers, a, ": a per-layer attention list has ", v->size(),
+                    " entries for ", num_layers, " layers");
+  for (int32_t l = 0; l < num_layers; ++l) {
+    const int32_t hd = head_dim_of(l), kvh = kv_heads_of(l);
+    LMKIT_CHECK_ARG(hd > 0 && hd % 2 == 0, a, ": layer ", l, " head_dim must be even and > 0, got ", hd);
+    LMKIT_CHECK_ARG(kvh > 0 && num_heads % kvh == 0, a, ": layer ", l, " num_attention_heads (", num_heads,
+                    ") must be a positive multiple of its KV heads (", kvh, ")");
+  }
+  // Without per-layer head dims the global table covers rotary_dim; with them each table covers at most the head
+  // dims of the layers that use it (Gemma 4: 256 local, 512 global with zero frequencies past its rotated part).
+  if (layer_head_dim.empty())
+    LMKIT_CHECK_ARG((int32_t)inv_freq.size() == rotary_dims() / 2, a, ": rope inv_freq has ", inv_freq.size(),
+                    " entries, rotary_dim / 2 = ", rotary_dims() / 2);
+  LMKIT_CHECK_ARG(!layer_head_dim.empty() || inv_freq_local.empty() || inv_freq_local.size() == inv_freq.size(), a,
                   ": the local rope table has ", inv_freq_local.size(), " entries, the global one ", inv_freq.size());
   LMKIT_CHECK_ARG(rms_norm_eps > 0, a, ": rms_norm_eps must be > 0");
   LMKIT_CHECK_ARG(hidden_act == "silu" || hidden_act == "gelu_tanh" || hidden_act == "clamped_swiglu", a,
@@ -40,6 +52,9 @@ void ModelConfig::validate() const {
     LMKIT_CHECK_ARG(layer_rope[l] != 2 || !inv_freq_local.empty(), a, ": layer ", l,
                     " uses the local rope table, which is empty");
     LMKIT_CHECK_ARG(layer_sliding_window[l] >= 0, a, ": layer ", l, " sliding window must be >= 0");
+    const std::vector<float>& table = layer_rope[l] == 2 ? inv_freq_local : inv_freq;
+    LMKIT_CHECK_ARG(layer_rope[l] == 0 || (int32_t)table.size() * 2 <= head_dim_of(l), a, ": layer ", l,
+                    " rope table rotates ", table.size() * 2, " dims of a head of ", head_dim_of(l));
   }
   LMKIT_CHECK_ARG(layer_moe.empty() || (int32_t)layer_moe.size() == num_layers, a, ": layer_moe has ",
                   layer_moe.size(), " entries for ", num_layers, " layers");
@@ -76,7 +91,21 @@ int32_t ModelConfig::num_recurrent_layers() const {
   return (int32_t)std::count_if(layer_recurrent.begin(), layer_recurrent.end(), [](int32_t r) { return r != 0; });
 }
 
-float ModelConfig::softmax_scale() const { return attn_scale > 0 ? attn_scale : 1.0f / std::sqrt((float)head_dim); }
+float ModelConfig::softmax_scale(int32_t l) const {
+  return attn_scale > 0 ? attn_scale : 1.0f / std::sqrt((float)head_dim_of(l));
+}
+
+int32_t ModelConfig::max_q_size() const {
+  int32_t widest = q_size();
+  for (int32_t l = 0; l < num_layers; ++l) widest = std::max(widest, q_size_of(l));
+  return widest;
+}
+
+int32_t ModelConfig::max_qkv_size() const {
+  int32_t widest = q_size() + 2 * kv_size();
+  for (int32_t l = 0; l < num_layers; ++l) widest = std::max(widest, q_size_of(l) + 2 * kv_size_of(l));
+  return widest;
+}
 
 int32_t ModelConfig::attention_window_tokens() const {
   int32_t window = 0;

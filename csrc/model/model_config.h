@@ -81,13 +81,31 @@ struct ModelConfig {
   // Self-attention with an output gate (Qwen3.5, Qwen3-Next): q_proj holds each head's query rows, then its gate
   // rows ([heads, 2, head_dim]); the attention output times sigmoid(gate) goes into o_proj.
   bool attn_output_gate = false;
+  // Per-layer attention shapes (Gemma 4: head_dim 256 on sliding layers, 512 and fewer KV heads on global ones).
+  // layer_head_dim[l] / layer_num_kv_heads[l]: layer l's (empty: head_dim / num_kv_heads on every layer).
+  // layer_v_from_k[l] 1: layer l has no v_proj, its values are k_proj's output before k's norm and RoPE
+  // (Gemma 4's attention_k_eq_v). has_v_norm: v = v / rms(v) per head, no weight, before the cache (Gemma 4).
+  // has_layer_scalar: each layer ends by multiplying the residual stream by its stored scalar (Gemma 4).
+  std::vector<int32_t> layer_head_dim;
+  std::vector<int32_t> layer_num_kv_heads;
+  std::vector<int32_t> layer_v_from_k;
+  bool has_v_norm = false;
+  bool has_layer_scalar = false;
 
   // Throws InvalidArgument naming the field when the shape is impossible.
   void validate() const;
   int32_t q_size() const { return num_heads * head_dim; }
   int32_t kv_size() const { return num_kv_heads * head_dim; }
   int32_t rotary_dims() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
-  float softmax_scale() const;
+  // layer l's attention shape (the per-layer lists, else the model's)
+  int32_t head_dim_of(int32_t l) const { return layer_head_dim.empty() ? head_dim : layer_head_dim[l]; }
+  int32_t kv_heads_of(int32_t l) const { return layer_num_kv_heads.empty() ? num_kv_heads : layer_num_kv_heads[l]; }
+  int32_t q_size_of(int32_t l) const { return num_heads * head_dim_of(l); }
+  int32_t kv_size_of(int32_t l) const { return kv_heads_of(l) * head_dim_of(l); }
+  bool v_from_k(int32_t l) const { return !layer_v_from_k.empty() && layer_v_from_k[l] != 0; }
+  int32_t max_q_size() const;    // the widest layer's q_size_of
+  int32_t max_qkv_size() const;  // the widest layer's q_size_of + 2 kv_size_of
+  float softmax_scale(int32_t l) const;
   // The window every layer attends within when all layers are windowed (the largest), else 0: blocks behind
   // it can be freed early.
   int32_t attention_window_tokens() const;

@@ -258,13 +258,16 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     return out;
   };
   const int64_t H = config.hidden_size, I = config.intermediate_size, V = config.vocab_size;
-  const int64_t Q = config.q_size(), KV = config.kv_size(), D = config.head_dim;
   const bool is_gemma = config.family == "gemma";
   w.embed_tokens = get("embed_tokens", {V, H}, true, DType::F32, true);
   w.final_norm = get("norm", {H});
   w.lm_head = get("lm_head", {V, H}, !config.tie_word_embeddings, DType::F32, true);
-  const RowOrder q_rows = config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_heads, D) : nullptr;
-  const RowOrder k_rows = config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_kv_heads, D) : nullptr;
+  LMKIT_CHECK_ARG(!config.qk_rotary_interleaved || config.layer_head_dim.empty(), config.architecture,
+                  ": interleaved rotary rows with per-layer head dims are not supported");
+  const RowOrder q_rows =
+      config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_heads, config.head_dim) : nullptr;
+  const RowOrder k_rows =
+      config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_kv_heads, config.head_dim) : nullptr;
   if (w.lm_head.is_empty()) w.lm_head = w.embed_tokens;
   // Expert e's part of a tensor stacked over the experts ([E, ...] -> [...]), a view.
   auto expert_view = [](Tensor t, int64_t e) {
@@ -479,8 +482,13 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
       w.layers.push_back(std::move(l));
       continue;
     }
+    l.layer_scalar = get(p + "layer_scalar", {1}, config.has_layer_scalar);
+    // this layer's attention shape (Gemma 4's global layers are wider than its sliding ones)
+    const int64_t Q = config.q_size_of(i), KV = config.kv_size_of(i), D = config.head_dim_of(i);
     l.q_norm = get(p + "q_norm", {config.qk_norm_whole ? Q : D}, config.has_qk_norm);
     l.k_norm = get(p + "k_norm", {config.qk_norm_whole ? KV : D}, config.has_qk_norm);
+    LMKIT_CHECK_ARG(!config.v_from_k(i) || (!config.has_qkv_bias && !config.attn_output_gate), config.architecture,
+                    ": values taken from k_proj go with neither q/k/v biases nor an output gate");
     LMKIT_CHECK_ARG(!config.qk_rotary_interleaved || !has(p + "qkv_proj"), config.architecture,
                     ": interleaved rotary rows need separate q_proj and k_proj");
     LMKIT_CHECK_ARG(!config.qk_rotary_interleaved || !config.has_qkv_bias, config.architecture,
@@ -502,6 +510,12 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
       l.v_proj = get_linear(p + "v_proj", KV, H);
     } else if (has(p + "qkv_proj")) {
       l.qkv_proj = get_linear(p + "qkv_proj", Q + 2 * KV, H);
+    } else if (config.v_from_k(i)) {  // the values are k_proj's output: one weight read twice
+      LMKIT_CHECK_ARG(!has(p + "v_proj"), config.architecture, ": ", p, "v_proj is present on a layer whose values "
+                      "are its keys (attention_k_eq_v)");
+      l.q_proj = get_linear(p + "q_proj", Q, H, q_rows);
+      l.k_proj = get_linear(p + "k_proj", KV, H, k_rows);
+      l.v_proj = get_linear(p + "k_proj", KV, H);
     } else {
       l.q_proj = get_linear(p + "q_proj", Q, H, q_rows);
       l.k_proj = get_linear(p + "k_proj", KV, H, k_rows);

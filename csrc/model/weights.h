@@ -82,6 +82,7 @@ struct LayerWeights {
   Tensor q_bias, k_bias, v_bias;        // empty unless has_qkv_bias
   Tensor o_bias;                        // [hidden] when has_o_bias
   Tensor sinks;                         // [num_heads] when attention_sinks
+  Tensor layer_scalar;                  // [1] when has_layer_scalar: the residual stream times it after the layer
   LinearTensors attn_gate;              // [q_size, hidden]: q_proj's gate rows (attn_output_gate), or empty
   LinearTensors o_proj;                 // [hidden, q_size]
   LinearTensors gate_up_proj;           // fused [2 inter, hidden], or empty and then:

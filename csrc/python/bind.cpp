@@ -130,6 +130,11 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("swiglu_limit", &ModelConfig::swiglu_limit)
       .def_readwrite("has_o_bias", &ModelConfig::has_o_bias)
       .def_readwrite("attention_sinks", &ModelConfig::attention_sinks)
+      .def_readwrite("layer_head_dim", &ModelConfig::layer_head_dim)
+      .def_readwrite("layer_num_kv_heads", &ModelConfig::layer_num_kv_heads)
+      .def_readwrite("layer_v_from_k", &ModelConfig::layer_v_from_k)
+      .def_readwrite("has_v_norm", &ModelConfig::has_v_norm)
+      .def_readwrite("has_layer_scalar", &ModelConfig::has_layer_scalar)
       .def_readwrite("moe_biases", &ModelConfig::moe_biases)
       .def_readwrite("experts_interleaved", &ModelConfig::experts_interleaved);
 

@@ -83,10 +83,20 @@ class ModelFields:
     linear_conv_kernel: int = 0
     attn_output_gate: bool = False
     """q_proj holds each head's query and then its gate; the attention output is multiplied by sigmoid(gate)."""
+    layer_head_dim: list[int] = field(default_factory=list)
+    """Per layer: its head_dim (Gemma 4: global layers are wider); empty: head_dim everywhere."""
+    layer_num_kv_heads: list[int] = field(default_factory=list)
+    """Per layer: its KV heads; empty: num_kv_heads everywhere."""
+    layer_v_from_k: list[int] = field(default_factory=list)
+    """Per layer: 1 when it has no v_proj and its values are k_proj's output (Gemma 4's attention_k_eq_v)."""
+    has_v_norm: bool = False
+    """A weightless RMSNorm on each value head before the cache (Gemma 4)."""
+    has_layer_scalar: bool = False
+    """Each layer's output (the residual stream) times its stored layer_scalar (Gemma 4)."""
 
     def check(self) -> None:
         """ValueError when the per-layer lists or the rotary dim do not fit the shape."""
-        for name in ("layer_moe", "layer_recurrent"):
+        for name in ("layer_moe", "layer_recurrent", "layer_head_dim", "layer_num_kv_heads", "layer_v_from_k"):
             values = getattr(self, name)
             if values and len(values) != self.num_layers:
                 raise ValueError(f"{name} has {len(values)} entries for {self.num_layers} layers")
@@ -99,7 +109,7 @@ class ModelFields:
                 raise ValueError(f"{name} has {len(values)} entries for {self.num_layers} layers")
         if ROPE_LOCAL in self.layer_rope and self.rope_local is None:
             raise ValueError("a layer uses the local rotary table but there is none")
-        if self.rope.inv_freq.shape != ((self.rotary_dim or self.head_dim) // 2,):
+        if not self.layer_head_dim and self.rope.inv_freq.shape != ((self.rotary_dim or self.head_dim) // 2,):
             raise ValueError(f"inv_freq has {self.rope.inv_freq.size} entries for rotary dim "
                              f"{self.rotary_dim or self.head_dim}")
 

@@ -23,7 +23,7 @@ _PLAIN_ENGINE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_l
                         "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
                         "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel", "attn_output_gate",
                         "swiglu_alpha", "swiglu_limit", "has_o_bias", "attention_sinks", "moe_biases",
-                        "experts_interleaved")
+                        "experts_interleaved", "has_v_norm", "has_layer_scalar")
 # checkpoint tensors that are not weights (rotary buffers some exporters save)
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -77,6 +77,9 @@ class ModelSpec(ModelFields):
             layer_sliding_window=list(self.layer_sliding_window),
             layer_moe=list(self.layer_moe),
             layer_recurrent=list(self.layer_recurrent),
+            layer_head_dim=list(self.layer_head_dim),
+            layer_num_kv_heads=list(self.layer_num_kv_heads),
+            layer_v_from_k=list(self.layer_v_from_k),
             int4_layout=self.quant.int4_layout if self.quant else "",
             int4_group_size=self.quant.group_size if self.quant and self.quant.bits == 4 else 0,
             qk_rotary_interleaved=self.qk_rotary_interleaved,

@@ -69,9 +69,11 @@ ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None,
 NAME_MULTIMODAL = "Qwen3_5ForConditionalGeneration"
 
 
-def multimodal_architecture(name: str, text: Architecture) -> Architecture:
+def multimodal_architecture(name: str, text: Architecture, unused: tuple[str, ...] = ("model.visual.", "mtp.")) \
+        -> Architecture:
     """The ``name``ForConditionalGeneration checkpoint of a text architecture ``text``: its tensors under
-    model.language_model, its config under text_config; the vision tower and the MTP head left unread."""
+    model.language_model, its config under text_config; the tensors under ``unused`` (Qwen: the vision tower and
+    the MTP head) left unread."""
     key_map = {role: key.replace("model.", "model.language_model.", 1) if key.startswith("model.") else key
                for role, key in text.key_map.items()}
 
@@ -84,7 +86,7 @@ def multimodal_architecture(name: str, text: Architecture) -> Architecture:
         return fields
 
     return Architecture(name, text.family, key_map, read_multimodal_config, text.config_defaults, None,
-                        kv_calib=None, unused_tensors=("model.visual.", "mtp."))
+                        kv_calib=None, unused_tensors=unused)
 
 
 MULTIMODAL_ARCHITECTURE = multimodal_architecture(NAME_MULTIMODAL, ARCHITECTURE)

@@ -3,7 +3,7 @@ line here; the engine (loader) and lite (AWQ maps, KV calibration hooks) both re
 
 from __future__ import annotations
 
-from lmkit.models import gemma2, gemma3, gpt_oss, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen3, qwen3_5, \
+from lmkit.models import gemma2, gemma3, gemma4, gpt_oss, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen3, qwen3_5, \
     qwen3_5_moe, qwen3_moe, qwen3_next, smollm3
 from lmkit.models.architecture import Architecture
 from lmkit.models.awq_map import AwqMap
@@ -26,17 +26,13 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (
     qwen3_5_moe.MULTIMODAL_ARCHITECTURE,
     qwen3_next.ARCHITECTURE,
     gpt_oss.ARCHITECTURE,
+    gemma4.ARCHITECTURE,
+    gemma4.MULTIMODAL_ARCHITECTURE,
 )}
 
 
 # Architectures users bring that lmkit knows and cannot run yet: what each lacks, named at load (issue 62).
-NOT_YET: dict[str, str] = {
-    "Gemma4ForCausalLM": "Gemma 4 needs per-layer head dims and KV heads, partial RoPE on its global layers and, on "
-                         "the E-models, cross-layer KV sharing and per-layer embeddings, none of which lmkit has yet",
-    "Gemma4ForConditionalGeneration": "Gemma 4 needs per-layer head dims and KV heads, partial RoPE on its global "
-                                      "layers and, on the E-models, cross-layer KV sharing and per-layer embeddings, "
-                                      "none of which lmkit has yet",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def get_architecture(name: str) -> Architecture:

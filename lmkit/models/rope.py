@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 # rope types whose pretraining length HF reads from original_max_position_embeddings
 _NEEDS_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
 
@@ -59,7 +59,10 @@ def standard_rope_parameters(params: dict | None, cfg: dict, default_theta: floa
 
 
 def rotary_dim_of(params: dict, head_dim: int) -> int:
-    """int(head_dim * partial_rotary_factor), as HF; ValueError unless even and within the head."""
+    """int(head_dim * partial_rotary_factor), as HF; ValueError unless even and within the head. Proportional
+    RoPE (Gemma 4) spans the whole head: its unrotated part has zero frequencies."""
+    if params.get("rope_type") == "proportional":
+        return head_dim
     dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
     if dim <= 0 or dim % 2 or dim > head_dim:
         raise ValueError(f"partial_rotary_factor={params.get('partial_rotary_factor')!r} gives rotary dim {dim} of "
@@ -102,6 +105,12 @@ def rope_table(params: dict, head_dim: int, max_position_embeddings: int) -> Rop
         smoothed = ((f32(1) - smooth) * scaled / f32(factor) + smooth * scaled).astype(f32)
         is_medium = ~(wavelen < f32(high_wavelen)) & ~(wavelen > f32(low_wavelen))
         return RopeTable(np.where(is_medium, smoothed, scaled).astype(f32), 1.0)
+    if rope_type == "proportional":  # the first partial_rotary_factor of the head's angles rotate, the rest do not
+        angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        exponents = np.arange(0, 2 * angles, 2, dtype=np.int64).astype(f32) / f32(head_dim)
+        rotated = _recip((np.float64(f32(base)) ** exponents.astype(np.float64)).astype(f32))
+        table = np.concatenate([rotated, np.zeros(head_dim // 2 - angles, dtype=f32)])
+        return RopeTable((table / f32(params.get("factor", 1.0))).astype(f32), 1.0)
     if rope_type == "yarn":
         return _yarn(params, dim, base, max_position_embeddings)
     return _longrope(params, dim, base, max_position_embeddings)

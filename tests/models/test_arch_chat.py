@@ -44,6 +44,12 @@ FORMATS = {
                          "{{ '<start_of_turn>' + role + '\\n' + m['content'] | trim + '<end_of_turn>\\n' }}"
                          "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}",
                          ("<start_of_turn>", "<end_of_turn>"), "<end_of_turn>", bos_on_encode=True),
+    # Gemma 4: <bos> from the template, turns between <|turn> and <turn|> (its tool and thinking markup aside)
+    "gemma4": ChatFormat("{{ bos_token }}{%- for m in messages -%}"
+                         "{%- set role = 'model' if m['role'] == 'assistant' else m['role'] -%}"
+                         "{{ '<|turn>' + role + '\\n' + m['content'] | trim + '<turn|>\\n' }}"
+                         "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|turn>model\\n' }}{%- endif -%}",
+                         ("<|turn>", "<turn|>"), "<turn|>", bos_on_encode=True),
     # Phi-3 / Phi-4-mini: <|role|>content<|end|>
     "phi3_longrope_partial": ChatFormat("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}"
                                         "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}",

@@ -334,7 +334,8 @@ def test_config_defaults_are_the_config_classes(tmp_path):
                "Qwen3_5ForConditionalGeneration": "Qwen3_5TextConfig",
                "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
                "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeTextConfig", "Qwen3NextForCausalLM": "Qwen3NextConfig",
-               "GptOssForCausalLM": "GptOssConfig"}
+               "GptOssForCausalLM": "GptOssConfig", "Gemma4ForCausalLM": "Gemma4TextConfig",
+               "Gemma4ForConditionalGeneration": "Gemma4TextConfig"}
     assert set(classes) == set(ARCHITECTURES)
     for name, arch in ARCHITECTURES.items():
         cls = getattr(transformers, classes[name])
@@ -357,6 +358,11 @@ def test_config_defaults_are_the_config_classes(tmp_path):
     assert qwen.rope_parameters["partial_rotary_factor"] == qwen3_5.DEFAULTS["partial_rotary_factor"]
     interval = qwen3_5.DEFAULTS["full_attention_interval"]
     assert qwen.layer_types == ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(8)]
+    # Gemma 4's from its __post_init__: the global layers' head_dim and both layer types' rope
+    from lmkit.models import gemma4
+
+    g4 = transformers.Gemma4TextConfig(num_hidden_layers=6)
+    assert g4.per_layer_config[5].head_dim == gemma4.GLOBAL_HEAD_DIM and g4.rope_parameters == gemma4.DEFAULT_ROPE
 
 
 def test_unknown_architecture_lists_the_known_ones():
@@ -418,17 +424,22 @@ def test_awq_maps_of_moe_architectures_and_the_refusal_without_one(monkeypatch):
     with pytest.raises(ValueError, match="does not quantize OlmoeForCausalLM yet.*LlamaForCausalLM"):
         get_awq_map("OlmoeForCausalLM")
 
-@pytest.mark.parametrize("config_class, architecture, lacks", [
-    ("Gemma4TextConfig", "Gemma4ForCausalLM", "per-layer head dims"),
-    ("Gemma4Config", "Gemma4ForConditionalGeneration", "per-layer embeddings"),
+@pytest.mark.parametrize("config_class, architecture, kwargs, lacks", [
+    ("Gemma4TextConfig", "Gemma4ForCausalLM", {}, "per-layer embeddings"),  # the class default: an E-model
+    ("Gemma4Config", "Gemma4ForConditionalGeneration", {}, "per-layer embeddings"),
+    ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(hidden_size_per_layer_input=0, num_kv_shared_layers=2),
+     "cross-layer KV sharing"),
+    ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(hidden_size_per_layer_input=0, enable_moe_block=True,
+                                                   num_experts=4, top_k_experts=2, moe_intermediate_size=8),
+     "the MoE block"),
 ])
-def test_known_models_lmkit_cannot_run_yet_name_what_they_lack(tmp_path, config_class, architecture, lacks):
-    """gpt-oss and Gemma 4 (transformers' own config.json of each) are refused at load naming the features
-    lmkit lacks for them, not as unknown architectures and never with a wrong answer."""
+def test_models_lmkit_cannot_run_yet_name_what_they_lack(tmp_path, config_class, architecture, kwargs, lacks):
+    """The Gemma 4 variants lmkit lacks a part for (transformers' own config.json of each) are refused at load
+    naming that part, never run to a wrong answer."""
     import transformers
 
-    config = getattr(transformers, config_class)()
+    config = getattr(transformers, config_class)(**kwargs)
     config.architectures = [architecture]
     config.save_pretrained(str(tmp_path))
-    with pytest.raises(ValueError, match=f"{architecture} is not supported yet: .*{lacks}"):
+    with pytest.raises(ValueError, match=f"not supported for {architecture}: gemma4: {lacks}"):
         load_model_spec(tmp_path)

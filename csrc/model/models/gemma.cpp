@@ -1,7 +1,8 @@
-// Gemma 2 and Gemma 3 (text): norms before and after each block, embeddings scaled by sqrt(hidden), GeGLU,
-// (1 + w) norms (ModelConfig::norm_weight_offset), soft-capping and alternating windows as data.
+// Gemma 2, 3 and 4 (text): norms before and after each block, embeddings scaled by sqrt(hidden), GeGLU,
+// (1 + w) norms (ModelConfig::norm_weight_offset; Gemma 4: plain w), soft-capping and alternating windows as data;
+// Gemma 4's per-layer head dims, value norm and shared k/v are the attention's (AttentionSpec).
 //   x = embed(ids) * sqrt(hidden)
-//   per layer:  x += post_norm(attention(norm(x)));  x += post_norm(mlp(norm(x)))
+//   per layer:  x += post_norm(attention(norm(x)));  x += post_norm(mlp(norm(x)));  x *= scalar (Gemma 4)
 #include "model/models/families.h"
 
 namespace lmkit {
@@ -32,6 +33,10 @@ class GemmaModel final : public DecoderModel {
       b.add_rmsnorm(x, h, w.pre_mlp_norm, eps, rows, H, h);
       mlp_block(l, rows, h);
       b.rmsnorm(h, w.post_mlp_norm, eps, rows, H, h);
+      if (w.scalar != 1.0f) {  // (x + h) * s, the add still deferred: both parts scaled
+        b.scale(x, rows, H, w.scalar);
+        b.scale(h, rows, H, w.scalar);
+      }
     }
   }
 };

@@ -1,0 +1,119 @@
+"""Gemma 4 text (Gemma4ForCausalLM, model_type gemma4_text; and the text model of Gemma4ForConditionalGeneration):
+Gemma 3's layer with plain-w RMSNorms, a weightless RMSNorm on the values, softmax scale 1 (the q/k norms do the
+scaling), and each layer's output times a stored scalar (layer_scalar). Sliding layers (five per global one by
+default) have head_dim and default RoPE; global layers are wider (global_head_dim, by default 512) with
+proportional RoPE (only the first partial_rotary_factor of the angles rotate), and with attention_k_eq_v have
+num_global_key_value_heads KV heads whose values are the keys (no v_proj). Final logits soft-capped.
+
+Refused by name: the E-models' per-layer embeddings (hidden_size_per_layer_input) and cross-layer KV sharing
+(num_kv_shared_layers), the 26B-A4B's MoE block (enable_moe_block) and bidirectional attention.
+
+config.json layouts: transformers >= 5.25 saves the global layers' shape as per_layer_config ({"5": {"head_dim":
+512, "num_key_value_heads": 4}}); the hub's files (written by the release's transformers) as global_head_dim and
+num_global_key_value_heads; both are read.
+"""
+
+from __future__ import annotations
+
+from lmkit.models.architecture import GELU_TANH, ROPE_GLOBAL, ROPE_LOCAL, Architecture, HfConfig, ModelFields, \
+    activation, gemma_embed_scale, layer_type_rope, layer_types, shape_fields, softcap, windows_of
+from lmkit.models.gemma2 import KEY_MAP as GEMMA2_KEY_MAP
+from lmkit.models.llama import QK_NORM_LAYER, layer_keys
+from lmkit.models.qwen3_5 import multimodal_architecture
+
+NAME = "Gemma4ForCausalLM"
+KEY_MAP = {**GEMMA2_KEY_MAP, **layer_keys(QK_NORM_LAYER), **layer_keys({"layer_scalar": "layer_scalar"})}
+# transformers.Gemma4TextConfig's defaults of the fields read here (global_head_dim: its __post_init__'s default)
+DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True, "head_dim": 256, "attention_bias": False, "sliding_window": 512,
+            "final_logit_softcapping": None, "use_bidirectional_attention": None, "hidden_size_per_layer_input": 256,
+            "attention_k_eq_v": False, "num_kv_shared_layers": 0, "enable_moe_block": False,
+            "use_double_wide_mlp": False}
+GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig.__post_init__'s default of global_head_dim
+DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+
+
+def _refuse_unsupported(c: HfConfig) -> None:
+    if c.get("hidden_size_per_layer_input"):
+        raise c.error("hidden_size_per_layer_input", "gemma4: per-layer embeddings (the E2B/E4B models) are not "
+                                                     "supported")
+    if c.get("num_kv_shared_layers"):
+        raise c.error("num_kv_shared_layers", "gemma4: cross-layer KV sharing (the E2B/E4B models) is not supported")
+    if c.get("enable_moe_block"):
+        raise c.error("enable_moe_block", "gemma4: the MoE block (dense MLP beside routed experts, 26B-A4B) is not "
+                                          "supported yet")
+    c.reject("attention_bias", "the q/k/v/o linears have biases")
+    c.reject("use_bidirectional_attention", "lmkit runs causal attention only")
+
+
+def _global_layer_shape(c: HfConfig, types: list[str], head_dim: int, kv_heads: int) -> tuple[list[int], list[int]]:
+    """Per layer (head_dim, KV heads): per_layer_config's overrides when the file has them, else global_head_dim
+    and (with attention_k_eq_v) num_global_key_value_heads on the full_attention layers, as the config class."""
+    n = len(types)
+    dims, heads = [head_dim] * n, [kv_heads] * n
+    per_layer = c.raw.get("per_layer_config")
+    if per_layer is not None:
+        if not isinstance(per_layer, dict):
+            raise c.error("per_layer_config", "it must map layer indices to head_dim / num_key_value_heads")
+        for key, override in per_layer.items():
+            if not (str(key).isdigit() and int(key) < n and isinstance(override, dict)) or \
+                    set(override) - {"head_dim", "num_key_value_heads"}:
+                raise c.error("per_layer_config", f"entry {key!r}: lmkit reads layer indices < {n} with head_dim "
+                                                  "and num_key_value_heads")
+            dims[int(key)] = int(override.get("head_dim", head_dim))
+            heads[int(key)] = int(override.get("num_key_value_heads", kv_heads))
+        return dims, heads
+    global_dim = int(c.raw.get("global_head_dim", GLOBAL_HEAD_DIM))
+    global_heads = c.raw.get("num_global_key_value_heads") if c.get("attention_k_eq_v") else None
+    for i, t in enumerate(types):
+        if t == "full_attention":
+            dims[i] = global_dim
+            heads[i] = int(global_heads) if global_heads is not None else kv_heads
+    return dims, heads
+
+
+def read_config(c: HfConfig) -> ModelFields:
+    if c.raw.get("model_type", "gemma4_text") != "gemma4_text":
+        raise c.error("model_type", "lmkit serves the Gemma 4 text model (model_type gemma4_text)")
+    _refuse_unsupported(c)
+    shape = shape_fields(c)
+    n, head_dim, kv_heads = shape["num_layers"], shape["head_dim"], shape["num_kv_heads"]
+    types = layer_types(c, n, lambda i: "sliding_attention" if (i + 1) % 6 else "full_attention")
+    types[-1] = "full_attention"  # Gemma4TextConfig forces it (with a warning)
+    dims, heads = _global_layer_shape(c, types, head_dim, kv_heads)
+    global_dims = {d for d, t in zip(dims, types) if t == "full_attention"}
+    local_dims = {d for d, t in zip(dims, types) if t == "sliding_attention"}
+    if len(global_dims) > 1 or len(local_dims) > 1:
+        raise c.error("per_layer_config", "lmkit needs one head_dim per layer type (one rotary table each)")
+    params = c.raw.get("rope_parameters") or DEFAULT_ROPE
+    if not isinstance(params, dict) or not all(isinstance(params.get(t), dict) for t in set(types)):
+        raise c.error("rope_parameters", "it must hold one dict per layer type")
+    rope, _ = layer_type_rope(c, global_dims.pop(), params["full_attention"], 1_000_000.0)
+    rope_local = None
+    if local_dims:
+        rope_local, _ = layer_type_rope(c, local_dims.pop(), params["sliding_attention"], 10_000.0)
+    k_eq_v = bool(c.get("attention_k_eq_v"))
+    return ModelFields(**shape, hidden_act=activation(c, "hidden_activation", GELU_TANH),
+                       embed_scale=gemma_embed_scale(shape["hidden_size"]), attn_scale=1.0, has_qk_norm=True,
+                       rope=rope, rope_local=rope_local,
+                       layer_rope=[ROPE_LOCAL if t == "sliding_attention" else ROPE_GLOBAL for t in types],
+                       layer_sliding_window=windows_of(types, c.get("sliding_window")),
+                       final_logit_softcap=softcap(c.get("final_logit_softcapping")),
+                       layer_head_dim=dims if len(set(dims)) > 1 else [],
+                       layer_num_kv_heads=heads if len(set(heads)) > 1 else [],
+                       layer_v_from_k=[int(k_eq_v and t == "full_attention") for t in types] if k_eq_v else [],
+                       has_v_norm=True, has_layer_scalar=True)
+
+
+# AWQ (a v_proj-less global layer, plain-w norms) and KV calibration (per-layer head dims) are not written yet:
+# lite refuses Gemma 4 by name; the engine runs it in fp32/bf16 and from int4 checkpoints of other tools.
+ARCHITECTURE = Architecture(NAME, "gemma", KEY_MAP, read_config, DEFAULTS, None, kv_calib=None)
+
+# The checkpoints Google ships: Gemma4ForConditionalGeneration, the text model under model.language_model and its
+# config under text_config, beside vision and audio towers (left unread: lmkit serves text).
+NAME_MULTIMODAL = "Gemma4ForConditionalGeneration"
+MULTIMODAL_ARCHITECTURE = multimodal_architecture(
+    NAME_MULTIMODAL, ARCHITECTURE,
+    unused=("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio."))
