@@ -341,6 +341,13 @@ ARCH_CASES: dict[str, Case] = {
                                                    sliding_window=20, tie_word_embeddings=False,
                                                    layer_types=["sliding_attention", "full_attention"] * 2),
                           seed=77, unit_scores=True),
+    # the 26B-A4B's form: every layer's dense MLP beside 4 routed experts (top 2), the router on its own scaled norm
+    "gemma4_moe": Case("Gemma4TextConfig", dict(SMALL, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                                global_head_dim=32, hidden_size_per_layer_input=0, sliding_window=20,
+                                                enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                                moe_intermediate_size=24, final_logit_softcapping=8.0,
+                                                layer_types=["sliding_attention", "full_attention"] * 2),
+                       seed=80, unit_scores=True),
 }
 
 
@@ -350,7 +357,9 @@ def _init_weights(model, norm_offset: float, plain_norms: tuple = (), unit_score
     ``unit_scores``: q/k norms around head_dim**-0.25, see Case)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if unit_scores and name.endswith(("q_norm.weight", "k_norm.weight")):
+            if name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's router: scales around 1
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif unit_scores and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(p.shape[-1] ** -0.25 * (1.0 + 0.1 * torch.randn_like(p)))
             elif any(n in name for n in plain_norms):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))

@@ -87,6 +87,7 @@ struct PackedExperts {
   PackedLinear router;                // [num_experts, hidden]
   std::vector<PackedLinear> gate_up;  // per expert [2 inter, hidden]
   std::vector<PackedLinear> down;     // per expert [hidden, inter]
+  DeviceVector expert_scale;          // [num_experts]: each expert's routing weight times this (Gemma 4), or empty
 };
 struct MoeSpec {
   int32_t top_k = 0;
@@ -187,9 +188,11 @@ class Backend {
   virtual void gated_activation(void* gate_up, int64_t rows, int64_t inter, Activation act, void* out) = 0;
   // Mixture of experts: out[rows, hidden] = sum over each row's top_k experts (router softmax, model/moe_routing.h)
   // of weight * expert(x); every active expert runs once over all the rows routed to it. out may alias x.
+  // router_x: the router's input when it is not x (Gemma 4), else nullptr.
   // A backend without it refuses MoE models in prepare().
   // Returns the bytes of the weights it read (the router and the experts it ran).
-  virtual int64_t moe(const void* x, int64_t rows, const PackedExperts& experts, const MoeSpec& spec, void* out) {
+  virtual int64_t moe(const void* x, int64_t rows, const PackedExperts& experts, const MoeSpec& spec, void* out,
+                      const void* router_x = nullptr) {
     LMKIT_CHECK(false, name(), " backend has no mixture-of-experts layers");
     return 0;
   }

@@ -396,12 +396,19 @@ class CpuBackend final : public Backend {
   // expert in one linear_group, act(gate) * up over all of them, down in one linear_group, and each output
   // row added into the sum with its router weight. One thread team per projection splits the panels of all
   // active experts among the threads: across experts and across an expert's columns, every weight read once.
-  int64_t moe(const void* x, int64_t rows, const PackedExperts& w, const MoeSpec& spec, void* out) override {
+  int64_t moe(const void* x, int64_t rows, const PackedExperts& w, const MoeSpec& spec, void* out,
+              const void* router_x = nullptr) override {
     const int64_t H = w.router.k, E = w.router.n, I = spec.inter;
     int64_t bytes = w.router.size_bytes;
     moe_logits_.resize(rows * E);
-    linear(x, rows, w.router, moe_logits_.data());
+    linear(router_x != nullptr ? router_x : x, rows, w.router, moe_logits_.data());
     route_top_k(moe_logits_.data(), rows, (int32_t)E, spec.top_k, spec.renormalize, routing_);
+    if (!w.expert_scale.is_empty()) {  // each expert's weights times its scale, after the renormalization
+      const float* scale = static_cast<const float*>(w.expert_scale.data.get());
+      for (int32_t e = 0; e < (int32_t)E; ++e)
+        for (int64_t j = routing_.offsets[e]; j < routing_.offsets[e] + routing_.count(e); ++j)
+          routing_.weights[j] *= scale[e];
+    }
     const int64_t n = (int64_t)routing_.rows.size();  // (row, expert) pairs, grouped by expert
     moe_x_.resize(n * H);
     for (int64_t j = 0; j < n; ++j)

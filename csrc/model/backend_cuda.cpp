@@ -133,6 +133,7 @@ class CudaBackend final : public Backend {
     if (!c.layer_v_from_k.empty()) missing.push_back("values taken from k_proj (attention_k_eq_v)");
     if (c.has_v_norm) missing.push_back("the value norm");
     if (c.has_layer_scalar) missing.push_back("per-layer output scalars");
+    if (c.moe_beside_mlp) missing.push_back("an MLP beside the experts");
     bool int8_weights = false;  // compressed-tensors int8 (GGUF's int8 blocks are refused with their own message)
     for (const LayerWeights& w : weights.layers)
       for (const LinearTensors* t : w.linears())

@@ -55,6 +55,20 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     if (!l.is_recurrent) l.o_proj = b.pack_linear({&w.o_proj}, {&w.o_bias});
     if (!w.sinks.is_empty()) l.sinks = b.upload_norm(w.sinks, 0.0f);  // a plain vector, whatever the norms' offset
     if (!w.attn_gate.is_empty()) l.attn_gate = b.pack_linear({&w.attn_gate});
+    if (c.is_moe_layer(i) && c.moe_beside_mlp) {  // Gemma 4: the dense MLP beside the experts, and their norms
+      l.gate_up =
+          w.gate_up_proj.is_empty() ? b.pack_linear({&w.gate_proj, &w.up_proj}) : b.pack_linear({&w.gate_up_proj});
+      l.down_proj = b.pack_linear({&w.down_proj});
+      l.post_mlp_norm_1 = norm(w.post_mlp_norm_1);
+      l.pre_moe_norm = norm(w.pre_moe_norm);
+      l.post_moe_norm = norm(w.post_moe_norm);
+      // the router's input: a weightless norm times scale times hidden^-0.5 (HF's order: one rounding apart)
+      const float root = 1.0f / std::sqrt((float)c.hidden_size);
+      std::vector<float> router_w(c.hidden_size);
+      for (int64_t j = 0; j < c.hidden_size; ++j) router_w[j] = float_value(w.router_scale, j) * root;
+      l.router_norm = b.upload_norm(make_view(router_w.data(), DType::F32, c.hidden_size), 0.0f);
+      l.moe.expert_scale = b.upload_norm(w.expert_scale, 0.0f);  // a plain vector, whatever the norms' offset
+    }
     if (c.is_moe_layer(i)) {
       l.moe.router = b.pack_linear({&w.router}, {&w.router_bias});
       for (const LayerWeights::Expert& e : w.experts) {
@@ -142,6 +156,10 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     shared_gate_ = b.allocate_activations(T, 1);
   }
   if (c.attn_output_gate) gate_ = b.allocate_activations(T, c.max_q_size());
+  if (c.moe_beside_mlp) {
+    moe_in_ = b.allocate_activations(T, H);
+    router_in_ = b.allocate_activations(T, H);
+  }
   head_residual_ = b.allocate_activations(G, H);
   head_hidden_ = b.allocate_activations(G, H);
   logits_ = b.allocate_activations(G, c.vocab_size);
@@ -203,6 +221,19 @@ void DecoderModel::mlp_block(int32_t l, int64_t rows, void* h) {
   }
   step_expert_bytes_ += backend_->moe(h, rows, w.moe, moe_spec_, h);
   if (shared) backend_->add_sigmoid_gated(h, shared_.get(), shared_gate_.get(), rows, config_.hidden_size);
+}
+
+void DecoderModel::mlp_beside_experts_block(int32_t l, int64_t rows, const void* x, void* h) {
+  const Layer& w = layers_[l];
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size;
+  gated_mlp(h, rows, w.gate_up, w.down_proj, c.intermediate_size, h);
+  backend_->rmsnorm(h, w.post_mlp_norm_1, c.rms_norm_eps, rows, H, h);
+  backend_->rmsnorm(x, w.pre_moe_norm, c.rms_norm_eps, rows, H, moe_in_.get());
+  backend_->rmsnorm(x, w.router_norm, c.rms_norm_eps, rows, H, router_in_.get());
+  step_expert_bytes_ += backend_->moe(moe_in_.get(), rows, w.moe, moe_spec_, moe_in_.get(), router_in_.get());
+  backend_->rmsnorm(moe_in_.get(), w.post_moe_norm, c.rms_norm_eps, rows, H, moe_in_.get());
+  backend_->add_rmsnorm(h, moe_in_.get(), w.post_mlp_norm, c.rms_norm_eps, rows, H, h);  // h += experts; norm
 }
 
 void DecoderModel::gated_mlp(const void* h, int64_t rows, const PackedLinear& gate_up, const PackedLinear& down,

@@ -57,6 +57,9 @@ class DecoderModel : public Executor {
     DeviceVector input_norm, post_attention_norm, pre_mlp_norm, post_mlp_norm, q_norm, k_norm;
     DeviceVector sinks;  // the attention sinks (config attention_sinks), or empty
     DeviceVector v_norm;  // ones of head_dim (config has_v_norm), or empty
+    // moe_beside_mlp (Gemma 4): the dense MLP's output norm, the experts' input and output norms, and the router's
+    // input norm (its scale / sqrt(hidden) as the weight)
+    DeviceVector post_mlp_norm_1, pre_moe_norm, post_moe_norm, router_norm;
     float scalar = 1.0f;  // the residual stream times this after the layer (config has_layer_scalar)
     AttentionSpec attention;
     // a recurrent layer (is_recurrent) instead of attention: q | k | v | z | b | a in one linear, and out_proj
@@ -73,6 +76,9 @@ class DecoderModel : public Executor {
   void recurrent_block(int32_t l, int64_t rows, void* h);
   // h [rows, hidden] -> gated MLP of layer l (dense, or its mixture of experts and shared expert) -> h
   void mlp_block(int32_t l, int64_t rows, void* h);
+  // Gemma 4's MoE layer (config moe_beside_mlp): x [rows, hidden] the residual stream, h = pre_mlp_norm(x) ->
+  // h = post_mlp_norm(post_mlp_norm_1(mlp(h)) + post_moe_norm(experts(pre_moe_norm(x), routed on router_norm(x))))
+  void mlp_beside_experts_block(int32_t l, int64_t rows, const void* x, void* h);
   // h [rows, hidden] -> the gated MLP gate_up, down (inter wide) -> out; h and out may alias
   void gated_mlp(const void* h, int64_t rows, const PackedLinear& gate_up, const PackedLinear& down, int64_t inter,
                  void* out);
@@ -98,9 +104,10 @@ class DecoderModel : public Executor {
   std::vector<RopeTable> rope_tables_;  // [0] global, [1] local
   ModelWeights weights_;                // keeps the mapped files of views still read (embedding)
   // Workspaces, max_step_tokens rows (wide_: the fused q/k/v output, then gate | up; shared_: the shared expert's
-  // output and its gate's [rows, 1]); head: max_head_rows().
-  std::shared_ptr<void> residual_, hidden_, wide_, attn_, gate_, shared_, shared_gate_, head_residual_, head_hidden_,
-      logits_;
+  // output and its gate's [rows, 1]; moe_in_, router_in_: Gemma 4's experts' and router's inputs); head:
+  // max_head_rows().
+  std::shared_ptr<void> residual_, hidden_, wide_, attn_, gate_, shared_, shared_gate_, moe_in_, router_in_,
+      head_residual_, head_hidden_, logits_;
 };
 
 // The family's model for config.family (registry.cpp); InvalidArgument listing the known families otherwise.

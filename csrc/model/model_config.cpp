@@ -83,6 +83,8 @@ void ModelConfig::validate() const {
     LMKIT_CHECK_ARG(moe_intermediate_size > 0, a, ": moe_intermediate_size must be > 0, got ",
                     moe_intermediate_size);
   }
+  LMKIT_CHECK_ARG(!moe_beside_mlp || (any_moe && intermediate_size > 0 && family == "gemma"), a,
+                  ": the MLP beside the experts needs MoE layers, an intermediate_size and the gemma family");
   LMKIT_CHECK_ARG(shared_expert_intermediate_size >= 0, a, ": shared_expert_intermediate_size must be >= 0, got ",
                   shared_expert_intermediate_size);
 }

@@ -91,6 +91,10 @@ struct ModelConfig {
   std::vector<int32_t> layer_v_from_k;
   bool has_v_norm = false;
   bool has_layer_scalar = false;
+  // Gemma 4's MoE layers: the dense MLP (intermediate_size) and the routed experts both run, the experts on their
+  // own norm of the layer's input and routed on a weightless norm of it times the router's scale vector / sqrt(hidden);
+  // each expert's routing weight times its per_expert_scale; post-norms on both, summed, then post_mlp_norm.
+  bool moe_beside_mlp = false;
 
   // Throws InvalidArgument naming the field when the shape is impossible.
   void validate() const;

@@ -358,7 +358,24 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
       l.experts.push_back(std::move(ex));
     }
   };
+  auto load_dense_mlp = [&](const std::string& p, LayerWeights& l) {
+    if (has(p + "gate_up_proj")) {
+      l.gate_up_proj = get_linear(p + "gate_up_proj", 2 * I, H);
+    } else {
+      l.gate_proj = get_linear(p + "gate_proj", I, H);
+      l.up_proj = get_linear(p + "up_proj", I, H);
+    }
+    l.down_proj = get_linear(p + "down_proj", H, I);
+  };
   auto load_mlp = [&](int32_t i, const std::string& p, LayerWeights& l) {
+    if (config.is_moe_layer(i) && config.moe_beside_mlp) {  // Gemma 4: the dense MLP too, and the block's norms
+      load_dense_mlp(p, l);
+      l.post_mlp_norm_1 = get(p + "post_mlp_norm_1", {H});
+      l.pre_moe_norm = get(p + "pre_moe_norm", {H});
+      l.post_moe_norm = get(p + "post_moe_norm", {H});
+      l.router_scale = get(p + "router_scale", {H});
+      l.expert_scale = get(p + "expert_scale", {(int64_t)config.num_experts});
+    }
     if (config.is_moe_layer(i)) {
       const int64_t E = config.num_experts, MI = config.moe_intermediate_size;
       l.router = get_linear(p + "router", E, H);
@@ -421,13 +438,7 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
         l.shared_expert_gate = get_linear(p + "shared_expert_gate", 1, H);
       }
     } else {
-      if (has(p + "gate_up_proj")) {
-        l.gate_up_proj = get_linear(p + "gate_up_proj", 2 * I, H);
-      } else {
-        l.gate_proj = get_linear(p + "gate_proj", I, H);
-        l.up_proj = get_linear(p + "up_proj", I, H);
-      }
-      l.down_proj = get_linear(p + "down_proj", H, I);
+      load_dense_mlp(p, l);
     }
   };
   auto load_recurrent = [&](const std::string& p, LayerWeights& l) {

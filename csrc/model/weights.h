@@ -83,6 +83,9 @@ struct LayerWeights {
   Tensor o_bias;                        // [hidden] when has_o_bias
   Tensor sinks;                         // [num_heads] when attention_sinks
   Tensor layer_scalar;                  // [1] when has_layer_scalar: the residual stream times it after the layer
+  // moe_beside_mlp (Gemma 4): the dense MLP's output norm, the experts' input and output norms, the router's input
+  // scale [hidden] and each expert's output scale [num_experts]
+  Tensor post_mlp_norm_1, pre_moe_norm, post_moe_norm, router_scale, expert_scale;
   LinearTensors attn_gate;              // [q_size, hidden]: q_proj's gate rows (attn_output_gate), or empty
   LinearTensors o_proj;                 // [hidden, q_size]
   LinearTensors gate_up_proj;           // fused [2 inter, hidden], or empty and then:

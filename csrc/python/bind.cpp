@@ -135,6 +135,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("layer_v_from_k", &ModelConfig::layer_v_from_k)
       .def_readwrite("has_v_norm", &ModelConfig::has_v_norm)
       .def_readwrite("has_layer_scalar", &ModelConfig::has_layer_scalar)
+      .def_readwrite("moe_beside_mlp", &ModelConfig::moe_beside_mlp)
       .def_readwrite("moe_biases", &ModelConfig::moe_biases)
       .def_readwrite("experts_interleaved", &ModelConfig::experts_interleaved);
 

@@ -93,6 +93,8 @@ class ModelFields:
     """A weightless RMSNorm on each value head before the cache (Gemma 4)."""
     has_layer_scalar: bool = False
     """Each layer's output (the residual stream) times its stored layer_scalar (Gemma 4)."""
+    moe_beside_mlp: bool = False
+    """MoE layers run the dense MLP and the experts side by side, each with its own norms (Gemma 4's MoE block)."""
 
     def check(self) -> None:
         """ValueError when the per-layer lists or the rotary dim do not fit the shape."""

@@ -5,8 +5,13 @@ default) have head_dim and default RoPE; global layers are wider (global_head_di
 proportional RoPE (only the first partial_rotary_factor of the angles rotate), and with attention_k_eq_v have
 num_global_key_value_heads KV heads whose values are the keys (no v_proj). Final logits soft-capped.
 
+The MoE model (26B-A4B, enable_moe_block): every layer runs its dense MLP and its routed experts (GeGLU, top-k of a
+softmax renormalized, then times each expert's per_expert_scale) side by side on the layer's input; the router reads
+a weightless norm of it times router.scale / sqrt(hidden), the experts their own norm; the two outputs are normed,
+summed, and normed again.
+
 Refused by name: the E-models' per-layer embeddings (hidden_size_per_layer_input) and cross-layer KV sharing
-(num_kv_shared_layers), the 26B-A4B's MoE block (enable_moe_block) and bidirectional attention.
+(num_kv_shared_layers), and bidirectional attention.
 
 config.json layouts: transformers >= 5.25 saves the global layers' shape as per_layer_config ({"5": {"head_dim":
 512, "num_key_value_heads": 4}}); the hub's files (written by the release's transformers) as global_head_dim and
@@ -22,13 +27,24 @@ from lmkit.models.llama import QK_NORM_LAYER, layer_keys
 from lmkit.models.qwen3_5 import multimodal_architecture
 
 NAME = "Gemma4ForCausalLM"
-KEY_MAP = {**GEMMA2_KEY_MAP, **layer_keys(QK_NORM_LAYER), **layer_keys({"layer_scalar": "layer_scalar"})}
+MOE_LAYER = {
+    "router": "router.proj.weight",
+    "router_scale": "router.scale",
+    "expert_scale": "router.per_expert_scale",
+    "experts.gate_up_proj": "experts.gate_up_proj",  # [E, 2 moe_inter, hidden]: each expert's gate rows, then up rows
+    "experts.down_proj": "experts.down_proj",  # [E, hidden, moe_inter]
+    "post_mlp_norm_1": "post_feedforward_layernorm_1.weight",
+    "pre_moe_norm": "pre_feedforward_layernorm_2.weight",
+    "post_moe_norm": "post_feedforward_layernorm_2.weight",
+}
+KEY_MAP = {**GEMMA2_KEY_MAP, **layer_keys(QK_NORM_LAYER),
+           **layer_keys({"layer_scalar": "layer_scalar", **MOE_LAYER})}
 # transformers.Gemma4TextConfig's defaults of the fields read here (global_head_dim: its __post_init__'s default)
 DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
             "tie_word_embeddings": True, "head_dim": 256, "attention_bias": False, "sliding_window": 512,
             "final_logit_softcapping": None, "use_bidirectional_attention": None, "hidden_size_per_layer_input": 256,
             "attention_k_eq_v": False, "num_kv_shared_layers": 0, "enable_moe_block": False,
-            "use_double_wide_mlp": False}
+            "use_double_wide_mlp": False, "num_experts": None, "top_k_experts": None, "moe_intermediate_size": None}
 GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig.__post_init__'s default of global_head_dim
 DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
@@ -41,9 +57,6 @@ def _refuse_unsupported(c: HfConfig) -> None:
                                                      "supported")
     if c.get("num_kv_shared_layers"):
         raise c.error("num_kv_shared_layers", "gemma4: cross-layer KV sharing (the E2B/E4B models) is not supported")
-    if c.get("enable_moe_block"):
-        raise c.error("enable_moe_block", "gemma4: the MoE block (dense MLP beside routed experts, 26B-A4B) is not "
-                                          "supported yet")
     c.reject("attention_bias", "the q/k/v/o linears have biases")
     c.reject("use_bidirectional_attention", "lmkit runs causal attention only")
 
@@ -95,7 +108,12 @@ def read_config(c: HfConfig) -> ModelFields:
     if local_dims:
         rope_local, _ = layer_type_rope(c, local_dims.pop(), params["sliding_attention"], 10_000.0)
     k_eq_v = bool(c.get("attention_k_eq_v"))
-    return ModelFields(**shape, hidden_act=activation(c, "hidden_activation", GELU_TANH),
+    moe = {}
+    if c.get("enable_moe_block"):
+        experts, top_k = int(c.require("num_experts")), int(c.require("top_k_experts"))
+        moe = dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(c.require(
+            "moe_intermediate_size")), norm_topk_prob=True, layer_moe=[1] * n, moe_beside_mlp=True)
+    return ModelFields(**moe,**shape, hidden_act=activation(c, "hidden_activation", GELU_TANH),
                        embed_scale=gemma_embed_scale(shape["hidden_size"]), attn_scale=1.0, has_qk_norm=True,
                        rope=rope, rope_local=rope_local,
                        layer_rope=[ROPE_LOCAL if t == "sliding_attention" else ROPE_GLOBAL for t in types],

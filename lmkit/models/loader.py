@@ -23,7 +23,7 @@ _PLAIN_ENGINE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_l
                         "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
                         "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel", "attn_output_gate",
                         "swiglu_alpha", "swiglu_limit", "has_o_bias", "attention_sinks", "moe_biases",
-                        "experts_interleaved", "has_v_norm", "has_layer_scalar")
+                        "experts_interleaved", "has_v_norm", "has_layer_scalar", "moe_beside_mlp")
 # checkpoint tensors that are not weights (rotary buffers some exporters save)
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 

@@ -429,9 +429,6 @@ def test_awq_maps_of_moe_architectures_and_the_refusal_without_one(monkeypatch):
     ("Gemma4Config", "Gemma4ForConditionalGeneration", {}, "per-layer embeddings"),
     ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(hidden_size_per_layer_input=0, num_kv_shared_layers=2),
      "cross-layer KV sharing"),
-    ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(hidden_size_per_layer_input=0, enable_moe_block=True,
-                                                   num_experts=4, top_k_experts=2, moe_intermediate_size=8),
-     "the MoE block"),
 ])
 def test_models_lmkit_cannot_run_yet_name_what_they_lack(tmp_path, config_class, architecture, kwargs, lacks):
     """The Gemma 4 variants lmkit lacks a part for (transformers' own config.json of each) are refused at load

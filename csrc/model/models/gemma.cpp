@@ -1,6 +1,7 @@
 // Gemma 2, 3 and 4 (text): norms before and after each block, embeddings scaled by sqrt(hidden), GeGLU,
 // (1 + w) norms (ModelConfig::norm_weight_offset; Gemma 4: plain w), soft-capping and alternating windows as data;
-// Gemma 4's per-layer head dims, value norm and shared k/v are the attention's (AttentionSpec).
+// Gemma 4's per-layer head dims, value norm and shared k/v are the attention's (AttentionSpec); its MoE layers
+// run the dense MLP and the experts side by side (DecoderModel::mlp_beside_experts_block).
 //   x = embed(ids) * sqrt(hidden)
 //   per layer:  x += post_norm(attention(norm(x)));  x += post_norm(mlp(norm(x)));  x *= scalar (Gemma 4)
 #include "model/models/families.h"
@@ -31,8 +32,12 @@ class GemmaModel final : public DecoderModel {
       mixer_block(l, rows, h);
       b.rmsnorm(h, w.post_attention_norm, eps, rows, H, h);
       b.add_rmsnorm(x, h, w.pre_mlp_norm, eps, rows, H, h);
-      mlp_block(l, rows, h);
-      b.rmsnorm(h, w.post_mlp_norm, eps, rows, H, h);
+      if (c.moe_beside_mlp && c.is_moe_layer(l)) {
+        mlp_beside_experts_block(l, rows, x, h);  // post_mlp_norm applied
+      } else {
+        mlp_block(l, rows, h);
+        b.rmsnorm(h, w.post_mlp_norm, eps, rows, H, h);
+      }
       if (w.scalar != 1.0f) {  // (x + h) * s, the add still deferred: both parts scaled
         b.scale(x, rows, H, w.scalar);
         b.scale(h, rows, H, w.scalar);
