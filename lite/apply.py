@@ -33,6 +33,8 @@ def can_absorb(layer: nn.Module, group: SmoothGroup) -> bool:
     """True when ``group.prev`` can take the division by per-channel scales of the group's input by its
     shape: a linear whose output size equals that input size (not v -> o under GQA), a fused linear
     wider than it (on its last rows), or a norm with a per-channel weight of that size."""
+    if not group.fold:
+        return False
     prev = layer.get_submodule(group.prev)
     size = input_features(layer, group)
     if isinstance(prev, nn.Linear):

@@ -62,6 +62,8 @@ def decomposed_layer(layer: nn.Module, awq_map: AwqMap, kwargs: dict, x: torch.T
     searches call them; must equal ``layer(x, **kwargs)``."""
     for norm, block in awq_map.residual_blocks:
         x = x + block_function(layer, awq_map, block, kwargs)(layer.get_submodule(norm)(x))
+    if awq_map.layer_scalar is not None:  # Gemma 4: the layer's output times a stored scalar
+        x = x * getattr(layer, awq_map.layer_scalar)
     return x
 
 

@@ -244,8 +244,9 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
     architecture = architecture_of(read_config(source), source)
     hooks = get_architecture(architecture).kv_calib  # the policy is for lmkit's engine: refuse what it cannot run
     if hooks is None:
-        raise ValueError(f"lmkit lite calibrate does not calibrate {architecture} yet (some of its layers are "
-                         "recurrent and keep no K/V); serve it with a uniform quant_policy=8 or 4 instead")
+        raise ValueError(f"lmkit lite calibrate does not calibrate {architecture} yet (its fake-quantized attention "
+                         "is not written: recurrent layers, attention sinks or Gemma 4's per-layer head dims); serve "
+                         "it with a uniform quant_policy=8 or 4 instead")
     policy_path = _policy_path(config.work_dir, config.overwrite)
 
     reporter.phase(f"tokenizing {config.calib_dataset} (calibration) and {config.eval_dataset} (evaluation)")

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lmkit.lite.moe import checkpoint_name, layer_awq_map, unfuse_experts
-from lmkit.models import AwqMap, get_awq_map
+from lmkit.models import AwqMap, get_architecture, get_awq_map
 from lmkit.models.safetensors_index import index_folder
 
 LayerKwargs = dict[str, Any]
@@ -101,6 +101,10 @@ class LayerwiseModel:
         raw = read_config(self.folder)
         self.architecture = architecture_of(raw, self.folder)
         self.awq_map: AwqMap = get_awq_map(self.architecture)
+        if get_architecture(self.architecture).model_fields(raw).moe_beside_mlp:
+            raise ValueError(f"lmkit lite does not quantize {self.architecture}'s MoE block (routed experts beside the "
+                             "dense MLP, Gemma 4 26B-A4B) yet; it quantizes the dense Gemma 4 models. The engine runs "
+                             "this one in fp16/bf16/fp32")
         self.entries = index_folder(self.folder)
         check_not_quantized(raw, self.entries, self.folder)
         self.config = AutoConfig.from_pretrained(self.folder)
@@ -207,7 +211,7 @@ class LayerwiseModel:
                 self.last = last
 
             def forward(self, hidden_states, *args, **kwargs):
-                if args:
+                if any(a is not None for a in args):  # Gemma 4 passes its per-layer input (None here) by position
                     raise RuntimeError("decoder layers are expected to get their arguments by keyword")
                 recorded.append({k: v for k, v in kwargs.items() if k not in ("past_key_values", "use_cache")})
                 if self.last:

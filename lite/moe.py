@@ -122,7 +122,7 @@ def layer_awq_map(awq_map: AwqMap, layer: nn.Module) -> AwqMap:
     layout = awq_map.moe
     count = num_experts(layer, layout) if layout is not None else None
     if count is None:
-        return awq_map
+        return _present(awq_map, layer)
     block = layout.block
     shared = SmoothGroup(layout.norm,
                          tuple(expert_linear_name(layout, e, w) for e in range(count) for w in (0, 1)),
@@ -131,6 +131,25 @@ def layer_awq_map(awq_map: AwqMap, layer: nn.Module) -> AwqMap:
                                    expert_linear_name(layout, e, 2)) for e in range(count))
     attention = tuple(g for g in awq_map.groups if g.prev in ATTENTION_PREVS)
     return dataclasses.replace(awq_map, groups=attention + (shared,) + per_expert)
+
+
+def _present(awq_map: AwqMap, layer: nn.Module) -> AwqMap:
+    """``awq_map`` with the linears this layer lacks left out (Gemma 4's global layers with attention_k_eq_v: no
+    v_proj), and the groups left empty dropped."""
+    def has(name: str) -> bool:
+        try:
+            layer.get_submodule(name)
+            return True
+        except AttributeError:
+            return False
+
+    groups = []
+    for g in awq_map.groups:
+        linears = tuple(n for n in g.linears if has(n))
+        if linears:
+            groups.append(g if linears == g.linears else dataclasses.replace(g, linears=linears))
+    return awq_map if len(groups) == len(awq_map.groups) and all(
+        a is b for a, b in zip(groups, awq_map.groups)) else dataclasses.replace(awq_map, groups=tuple(groups))
 
 
 def expert_of(layout: MoeLayout, name: str) -> int | None:

@@ -14,7 +14,9 @@ multiplies the linears' input columns by ``s``, which leaves the fp function unc
     mlp.up_proj              -> down_proj                    loss: output of down_proj
 
 Every quantized linear appears in exactly one group; a group whose ``prev`` cannot absorb the scale
-(shape mismatch) is still quantized and clipped, just not smoothed. A ``prev`` that is a fused linear
+(shape mismatch, or ``fold=False``: a norm between them) is still quantized and clipped, just not smoothed. A
+layer that lacks some of a group's linears (Gemma 4's global layers without v_proj) leaves them out
+(lmkit.lite.moe.layer_awq_map). A ``prev`` that is a fused linear
 wider than the group's input (Phi-3 ``mlp.gate_up_proj -> mlp.down_proj``, ``self_attn.qkv_proj ->
 self_attn.o_proj``) takes the scale on its LAST rows (the up half, the v rows), as AutoAWQ does.
 
@@ -47,6 +49,9 @@ class SmoothGroup:
     # the module whose input is the group's input, for the statistics (None: linears[0]; an MoE group: its
     # block, since one expert sees only the rows routed to it)
     input_of: str | None = None
+    # False: prev's output is not the linears' input as it is (Gemma 4's v_proj -> a per-head norm -> o_proj):
+    # the group is quantized and clipped, never smoothed
+    fold: bool = True
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,8 @@ class AwqMap:
     embed_tokens: str = "model.embed_tokens"
     # the sparse MLP of mixture-of-experts layers; ``groups`` then describe the layers without one
     moe: MoeLayout | None = None
+    # a buffer of the decoder layer its output is multiplied by (Gemma 4: layer_scalar), or None
+    layer_scalar: str | None = None
 
     def __hash__(self) -> int:  # post_norms is a dict; the name identifies the table
         return hash(self.architecture)

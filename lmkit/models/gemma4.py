@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from lmkit.models.architecture import GELU_TANH, ROPE_GLOBAL, ROPE_LOCAL, Architecture, HfConfig, ModelFields, \
     activation, gemma_embed_scale, layer_type_rope, layer_types, shape_fields, softcap, windows_of
+from lmkit.models.awq_map import AwqMap, SmoothGroup
 from lmkit.models.gemma2 import KEY_MAP as GEMMA2_KEY_MAP
 from lmkit.models.llama import QK_NORM_LAYER, layer_keys
 from lmkit.models.qwen3_5 import multimodal_architecture
@@ -125,9 +126,25 @@ def read_config(c: HfConfig) -> ModelFields:
                        has_v_norm=True, has_layer_scalar=True)
 
 
-# AWQ (a v_proj-less global layer, plain-w norms) and KV calibration (per-layer head dims) are not written yet:
-# lite refuses Gemma 4 by name; the engine runs it in fp32/bf16 and from int4 checkpoints of other tools.
-ARCHITECTURE = Architecture(NAME, "gemma", KEY_MAP, read_config, DEFAULTS, None, kv_calib=None)
+def gemma4_awq_map(name: str) -> AwqMap:
+    """Gemma's layer with plain-w norms and the output times layer_scalar. v_proj's output goes through a
+    per-head norm before o_proj: o_proj is quantized and clipped, never smoothed; a global layer with
+    attention_k_eq_v has no v_proj (its group is q, k). The MoE form's experts are not in the table: lite refuses
+    it (lmkit.lite.layerwise)."""
+    groups = (
+        SmoothGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+        SmoothGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj", fold=False),
+        SmoothGroup("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+        SmoothGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+    )
+    return AwqMap(name, groups, (("input_layernorm", "self_attn"), ("pre_feedforward_layernorm", "mlp")),
+                  post_norms={"self_attn": "post_attention_layernorm", "mlp": "post_feedforward_layernorm"},
+                  layer_scalar="layer_scalar")
+
+
+# KV calibration (per-layer head dims, the value norm) is not written yet: `lmkit lite calibrate` refuses Gemma 4 by
+# name; a uniform quant_policy works in the engine.
+ARCHITECTURE = Architecture(NAME, "gemma", KEY_MAP, read_config, DEFAULTS, gemma4_awq_map(NAME), kv_calib=None)
 
 # The checkpoints Google ships: Gemma4ForConditionalGeneration, the text model under model.language_model and its
 # config under text_config, beside vision and audio towers (left unread: lmkit serves text).
