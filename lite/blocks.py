@@ -10,6 +10,7 @@ runner over them, and the tensors outside the layers that a checkpoint carries o
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -29,6 +30,8 @@ def dense_linears(awq_map: AwqMap) -> list[str]:
     dense = ["lm_head"]
     if awq_map.moe is not None:
         dense.append(f"re:.*{awq_map.moe.block}\\.{awq_map.moe.router}$")
+    for name in sorted({n for group in awq_map.groups for n in group.dense}):  # Qwen3.5's gate inputs b and a
+        dense.append("re:.*" + re.escape(name) + "$")
     return dense
 
 

@@ -134,12 +134,12 @@ def layer_awq_map(awq_map: AwqMap, layer: nn.Module) -> AwqMap:
 
 
 def _present(awq_map: AwqMap, layer: nn.Module) -> AwqMap:
-    """``awq_map`` with the linears this layer lacks left out (Gemma 4's global layers with attention_k_eq_v: no
-    v_proj), and the groups left empty dropped."""
+    """``awq_map`` with what this layer lacks left out: linears (Gemma 4's global layers with attention_k_eq_v: no
+    v_proj), then the groups left empty, and the residual blocks it does not have (a Qwen3.5 layer has self_attn or
+    linear_attn)."""
     def has(name: str) -> bool:
         try:
-            layer.get_submodule(name)
-            return True
+            return isinstance(layer.get_submodule(name), nn.Module)
         except AttributeError:
             return False
 
@@ -147,9 +147,14 @@ def _present(awq_map: AwqMap, layer: nn.Module) -> AwqMap:
     for g in awq_map.groups:
         linears = tuple(n for n in g.linears if has(n))
         if linears:
-            groups.append(g if linears == g.linears else dataclasses.replace(g, linears=linears))
-    return awq_map if len(groups) == len(awq_map.groups) and all(
-        a is b for a, b in zip(groups, awq_map.groups)) else dataclasses.replace(awq_map, groups=tuple(groups))
+            dense = tuple(n for n in g.dense if has(n))
+            groups.append(g if (linears, dense) == (g.linears, g.dense) else
+                          dataclasses.replace(g, linears=linears, dense=dense))
+    blocks = tuple((norm, block) for norm, block in awq_map.residual_blocks if has(block))
+    if blocks == awq_map.residual_blocks and len(groups) == len(awq_map.groups) and all(
+            a is b for a, b in zip(groups, awq_map.groups)):
+        return awq_map
+    return dataclasses.replace(awq_map, groups=tuple(groups), residual_blocks=blocks)
 
 
 def expert_of(layout: MoeLayout, name: str) -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from lmkit.models.architecture import ROPE_GLOBAL, SILU, Architecture, HfConfig, ModelFields, activation, \
     global_rope, shape_fields
+from lmkit.models.awq_map import AwqMap, SmoothGroup
 from lmkit.models.llama import KEY_MAP as LLAMA_KEY_MAP, QK_NORM_LAYER, layer_keys
 
 NAME = "Qwen3_5ForCausalLM"
@@ -60,8 +61,26 @@ def read_config(c: HfConfig) -> ModelFields:
                        linear_conv_kernel=int(c.require("linear_conv_kernel_dim")))
 
 
-# The AWQ table of the hybrid layers is not written yet: `lmkit lite awq` refuses it by name.
-ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None, kv_calib=None)
+def qwen3_5_awq_map(name: str) -> AwqMap:
+    """A layer of either kind: input_layernorm -> self_attn (q with its gate rows, k, v; v -> o where the shapes
+    allow: the output gate multiplies channel by channel) or -> linear_attn (in_proj_qkv and in_proj_z quantized;
+    in_proj_b and in_proj_a, the inputs of beta and the decay, take the scale and stay in fp16, as routers do).
+    out_proj is clipped, never smoothed: a short convolution, SiLU, the delta rule and a per-head gated norm lie
+    between in_proj_qkv and it. Norms scale by (1 + w). (lmkit.lite.moe.layer_awq_map keeps each layer's kind.)"""
+    groups = (
+        SmoothGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+        SmoothGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+        SmoothGroup("input_layernorm", ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"), "linear_attn",
+                    dense=("linear_attn.in_proj_b", "linear_attn.in_proj_a")),
+        SmoothGroup("linear_attn.norm", ("linear_attn.out_proj",), "linear_attn.out_proj", fold=False),
+        SmoothGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+        SmoothGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+    )
+    return AwqMap(name, groups, (("input_layernorm", "self_attn"), ("input_layernorm", "linear_attn"),
+                                 ("post_attention_layernorm", "mlp")), norm_weight_offset=1.0)
+
+
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, qwen3_5_awq_map(NAME), kv_calib=None)
 
 # The checkpoints Qwen ships: Qwen3_5ForConditionalGeneration, the text model under model.language_model and its
 # config under text_config, beside a vision tower (left unread: lmkit serves text) and the multi-token-prediction
