@@ -249,7 +249,7 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
         tensors.update(outer_tensors(lw))
         export.save_tensors(tensors, temp_dir)
         del tensors
-        dense = dense_linears(lw.awq_map) if config.format == "compressed-tensors" else None
+        dense = dense_linears(lw.awq_map, lw.arch.unused_tensors) if config.format == "compressed-tensors" else None
         export.write_config(source, temp_dir, export.quantization_config(config.w_group_size, dense, config.format))
         export.copy_side_files(source, temp_dir)
         phase_seconds["export"] = time.perf_counter() - t

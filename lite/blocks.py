@@ -24,10 +24,12 @@ from lmkit.models import AwqMap
 CHUNK_TOKENS = 4096  # tokens per forward chunk of the layer passes
 
 
-def dense_linears(awq_map: AwqMap) -> list[str]:
-    """The linear modules a checkpoint keeps in fp16, as compressed-tensors' ``ignore`` names them: the lm_head
-    and an MoE layer's router."""
+def dense_linears(awq_map: AwqMap, unused: tuple[str, ...] = ()) -> list[str]:
+    """The linear modules a checkpoint keeps in fp16, as compressed-tensors' ``ignore`` names them: the lm_head,
+    an MoE layer's router, a group's dense readers, and what lies under the ``unused`` prefixes (the vision tower
+    of a multimodal checkpoint, Architecture.unused_tensors)."""
     dense = ["lm_head"]
+    dense += ["re:" + re.escape(prefix) + ".*" for prefix in unused]
     if awq_map.moe is not None:
         dense.append(f"re:.*{awq_map.moe.block}\\.{awq_map.moe.router}$")
     for name in sorted({n for group in awq_map.groups for n in group.dense}):  # Qwen3.5's gate inputs b and a
@@ -255,8 +257,9 @@ def calibration_inputs(model: LayerwiseModel, config) -> tuple[torch.Tensor, int
 
 
 def outer_tensors(model: LayerwiseModel) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors outside the decoder layers (embeddings, final norm, lm_head), floats as fp16."""
-    prefix = model.awq_map.layers + "."
+    """The checkpoint's tensors outside the decoder layers (embeddings, final norm, lm_head; a multimodal
+    checkpoint's vision tower), floats as fp16."""
+    prefix = model.arch.to_checkpoint(model.awq_map.layers + ".")
     tensors = {}
     for name in model.entries:
         if not name.startswith(prefix):

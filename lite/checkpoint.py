@@ -135,8 +135,8 @@ def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]
 
 def load_causal_lm(folder: Path, device: torch.device | str = "cpu", quantize_activations: bool = True):
     """An fp32, eval-mode ``transformers`` causal LM of ``folder`` (fp, AWQ GEMM, compressed-tensors int4 or int8,
-    with the scheme's dynamic per-token activation quantization where it has one), sdpa attention (eager where
-    transformers has no sdpa for the architecture: Gemma 2's soft-capping). ``quantize_activations`` False: the
+    with the scheme's dynamic per-token activation quantization where it has one; a multimodal checkpoint: its text
+    model), sdpa attention (eager where transformers has no sdpa for the architecture: Gemma 2's soft-capping). ``quantize_activations`` False: the
     dequantized weights only.
 
     Raises ValueError when tensors are missing or left over.
@@ -150,12 +150,21 @@ def load_causal_lm(folder: Path, device: torch.device | str = "cpu", quantize_ac
     folder = Path(folder)
     architecture = architecture_of(read_config(folder), folder)
     state, settings = read_state_dict(folder)
-    awq_map = get_architecture(architecture).awq_map
-    if awq_map is not None and awq_map.moe is not None:  # per-expert linears -> transformers' 3D experts
-        state = stack_experts(state, awq_map.moe, awq_map.layers + ".")
+    arch = get_architecture(architecture)
+    awq_map = arch.awq_map
     config = AutoConfig.from_pretrained(folder)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are dequantized here; transformers must not re-quantize
+    quantized_names = {n[: -len(".weight_scale")] for n in index_folder(folder) if n.endswith(".weight_scale")}
+    if arch.text_prefix != "model.":  # a multimodal checkpoint: its text model, tied as the checkpoint is
+        tied = getattr(config, "tie_word_embeddings", None)
+        config = config.get_text_config()
+        if tied is not None:
+            config.tie_word_embeddings = tied
+        state = {text: t for name, t in state.items() if (text := arch.from_checkpoint(name)) is not None}
+        quantized_names = {text for n in quantized_names if (text := arch.from_checkpoint(n)) is not None}
+    if awq_map is not None and awq_map.moe is not None:  # per-expert linears -> transformers' 3D experts
+        state = stack_experts(state, awq_map.moe, awq_map.layers + ".")
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_implementation(config))
     model = model.float()
@@ -168,8 +177,7 @@ def load_causal_lm(folder: Path, device: torch.device | str = "cpu", quantize_ac
     if tied:
         model.tie_weights()
     if quantize_activations and settings is not None and settings.get("quant_method") == "compressed-tensors":
-        quantized = {n[: -len(".weight_scale")] for n in index_folder(folder) if n.endswith(".weight_scale")}
-        fake_quantize_inputs(model, quantized, _ct_scheme(settings))
+        fake_quantize_inputs(model, quantized_names, _ct_scheme(settings))
     return model.to(device).eval()
 
 

@@ -102,7 +102,8 @@ def convert_checkpoint(source: str | Path, work_dir: str | Path, checkpoint_form
     source_format = checkpoint_format_of(settings)
     if source_format == checkpoint_format:
         raise ValueError(f"{source} is already a {checkpoint_format} checkpoint")
-    awq_map = get_architecture(architecture_of(config, source)).awq_map
+    arch = get_architecture(architecture_of(config, source))
+    awq_map = arch.awq_map
     entries = index_folder(source)
     read = tensor_reader(entries)
 
@@ -149,7 +150,7 @@ def convert_checkpoint(source: str | Path, work_dir: str | Path, checkpoint_form
         # compressed-tensors names the Linear modules it leaves dense (`ignore`); AutoAWQ readers go by the tensors
         dense = None
         if checkpoint_format == "compressed-tensors":
-            dense = dense_linears(awq_map)
+            dense = dense_linears(awq_map, arch.unused_tensors)
             dense += [m for m in settings.get("modules_to_not_convert") or [] if m not in dense]
         config["quantization_config"] = export.quantization_config(group_size, dense, checkpoint_format)
         (temp_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -101,13 +101,19 @@ class LayerwiseModel:
         raw = read_config(self.folder)
         self.architecture = architecture_of(raw, self.folder)
         self.awq_map: AwqMap = get_awq_map(self.architecture)
-        if get_architecture(self.architecture).model_fields(raw).moe_beside_mlp:
+        self.arch = get_architecture(self.architecture)  # a multimodal checkpoint: the text model, its names mapped
+        if self.arch.model_fields(raw).moe_beside_mlp:
             raise ValueError(f"lmkit lite does not quantize {self.architecture}'s MoE block (routed experts beside the "
                              "dense MLP, Gemma 4 26B-A4B) yet; it quantizes the dense Gemma 4 models. The engine runs "
                              "this one in fp16/bf16/fp32")
         self.entries = index_folder(self.folder)
         check_not_quantized(raw, self.entries, self.folder)
         self.config = AutoConfig.from_pretrained(self.folder)
+        if self.arch.text_prefix != "model.":  # the text CausalLM of text_config, tied as the checkpoint is
+            tied = getattr(self.config, "tie_word_embeddings", None)
+            self.config = self.config.get_text_config()
+            if tied is not None:
+                self.config.tie_word_embeddings = tied
         with torch.device("meta"):
             self.skeleton = AutoModelForCausalLM.from_config(self.config,
                                                              attn_implementation=attention_implementation(self.config))
@@ -128,6 +134,7 @@ class LayerwiseModel:
         return int(getattr(self.config, "max_position_embeddings", 0) or 0)
 
     def layer_prefix(self, index: int) -> str:
+        """Decoder layer ``index``'s module path in the text model (checkpoint names: ``checkpoint_name``)."""
         return f"{self.awq_map.layers}.{index}."
 
     def layer_awq_map(self, index: int) -> AwqMap:
@@ -136,7 +143,7 @@ class LayerwiseModel:
 
     def checkpoint_name(self, index: int, name: str) -> str:
         """The checkpoint's name of module path ``name`` of decoder layer ``index`` (Mixtral's block_sparse_moe)."""
-        return self.layer_prefix(index) + checkpoint_name(self.awq_map.moe, name)
+        return self.arch.to_checkpoint(self.layer_prefix(index) + checkpoint_name(self.awq_map.moe, name))
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """Every quantized linear of every layer -> (out_features, in_features), from the meta skeleton."""
@@ -171,7 +178,7 @@ class LayerwiseModel:
                 self.skeleton._init_weights(module.get_submodule(name.rpartition(".")[0]))
         state = {}
         for name, _ in meta_module.state_dict().items():
-            stored = prefix + checkpoint_name(self.awq_map.moe, name)
+            stored = self.arch.to_checkpoint(prefix + checkpoint_name(self.awq_map.moe, name))
             tensor = self.read_tensor(stored)
             if not tensor.is_floating_point():
                 raise ValueError(f"{self.folder}: tensor {stored} is {tensor.dtype}, expected a float weight")

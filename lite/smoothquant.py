@@ -281,7 +281,8 @@ def quantize_smooth_quant(model: str | Path | None, config: SmoothQuantConfig, r
         tensors.update(outer_tensors(lw))
         export.save_tensors(tensors, temp_dir)
         del tensors
-        export.write_config(source, temp_dir, export.w8a8_quantization_config(dense_linears(lw.awq_map)))
+        export.write_config(source, temp_dir,
+                            export.w8a8_quantization_config(dense_linears(lw.awq_map, lw.arch.unused_tensors)))
         export.copy_side_files(source, temp_dir)
         phase_seconds["export"] = time.perf_counter() - t
         lw.close()

@@ -798,3 +798,62 @@ def write_sharegpt_file(path: Path, num_valid: int = 6) -> list[tuple[str, str]]
               {"id": "no-value", "conversations": [{"from": "human"}, {"from": "gpt", "value": "x y z w v"}]}]
     path.write_text(json.dumps(convs))
     return valid
+
+
+# ---- the multimodal checkpoints vendors ship (the text model under model.language_model, a vision tower beside)
+
+QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+GEMMA4_VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=16)
+
+
+def write_qwen3_5_multimodal(folder: Path, config_class: str, text: dict, seed: int):
+    """A Qwen3_5(Moe)ForConditionalGeneration checkpoint of ``config_class`` (Qwen3_5Config, Qwen3_5MoeConfig) with
+    the MTP tensor Qwen's checkpoints carry (transformers drops it on load); returns its fp32 HF model."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    config = getattr(transformers, config_class)(text_config=text, vision_config=QWEN3_5_VISION)
+    model_class = getattr(transformers, config_class.replace("Config", "ForConditionalGeneration"))
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    _init_weights(model, 1.0, ("linear_attn.norm",))
+    model.save_pretrained(str(folder))
+    write_byte_tokenizer(folder)
+    shard = folder / "model.safetensors"
+    tensors = load_file(str(shard))
+    tensors["mtp.fc.weight"] = torch.randn(64, 128)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return model_class.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def _gemma4_hub_layout(text: dict) -> dict:
+    """text_config as the hub's files have it: the global layers' shape as global_head_dim (and
+    num_global_key_value_heads), no per_layer_config."""
+    per_layer = text.pop("per_layer_config")
+    (global_shape,) = {json.dumps(v, sort_keys=True) for v in per_layer.values()}
+    shape = json.loads(global_shape)
+    text["global_head_dim"] = shape["head_dim"]
+    if "num_key_value_heads" in shape:
+        text["num_global_key_value_heads"] = shape["num_key_value_heads"]
+    return text
+
+
+def write_gemma4_multimodal(folder: Path, case: str, seed: int):
+    """A Gemma4ForConditionalGeneration checkpoint whose text model is ARCH_CASES[case]'s, its text_config in the hub's
+    layout (_gemma4_hub_layout); returns its fp32 HF model."""
+    import transformers
+
+    text = dict(ARCH_CASES[case].kwargs, max_position_embeddings=512, **{**TOKEN_IDS, "pad_token_id": 0})
+    config = transformers.Gemma4Config(text_config=text, vision_config=GEMMA4_VISION)
+    torch.manual_seed(seed)
+    model = transformers.Gemma4ForConditionalGeneration(config).eval()
+    _init_weights(model, 0.0, unit_scores=True)
+    model.save_pretrained(str(folder))
+    write_byte_tokenizer(folder)
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["text_config"] = _gemma4_hub_layout(cfg["text_config"])
+    path.write_text(json.dumps(cfg, indent=2))
+    return transformers.Gemma4ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()

@@ -153,6 +153,21 @@ class Architecture:
     """None: ``lmkit lite calibrate`` cannot calibrate it yet (layers without K/V); a uniform quant_policy works."""
     unused_tensors: tuple[str, ...] = ()
     """Name prefixes of checkpoint tensors the engine leaves unread (a vision tower of a model served for text)."""
+    text_prefix: str = "model."
+    """Where the text model's tensors live in checkpoints ("model.language_model." in a multimodal one); lite works
+    on the text model (its transformers CausalLM of text_config) and writes back under these names."""
+
+    def to_checkpoint(self, name: str) -> str:
+        """A text CausalLM's tensor or module name (model.layers.0..., lm_head) as this checkpoint names it."""
+        return self.text_prefix + name[len("model."):] if name.startswith("model.") else name
+
+    def from_checkpoint(self, name: str) -> str | None:
+        """The text CausalLM's name of a checkpoint tensor; None for one outside the text model (a vision tower)."""
+        if name.startswith(self.text_prefix):
+            return "model." + name[len(self.text_prefix):]
+        if name.startswith("model.") or name.startswith(self.unused_tensors or ("\0",)):
+            return None
+        return name
 
     def __post_init__(self):
         assert self.family in FAMILIES, f"{self.name}: family {self.family!r} is not one of {FAMILIES}"

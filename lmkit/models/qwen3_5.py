@@ -7,6 +7,8 @@ Llama's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from lmkit.models.architecture import ROPE_GLOBAL, SILU, Architecture, HfConfig, ModelFields, activation, \
     global_rope, shape_fields
 from lmkit.models.awq_map import AwqMap, SmoothGroup
@@ -92,7 +94,8 @@ def multimodal_architecture(name: str, text: Architecture, unused: tuple[str, ..
         -> Architecture:
     """The ``name``ForConditionalGeneration checkpoint of a text architecture ``text``: its tensors under
     model.language_model, its config under text_config; the tensors under ``unused`` (Qwen: the vision tower and
-    the MTP head) left unread."""
+    the MTP head) left unread by the engine, carried over as they are by lite (which quantizes the text model with
+    ``text``'s AWQ table)."""
     key_map = {role: key.replace("model.", "model.language_model.", 1) if key.startswith("model.") else key
                for role, key in text.key_map.items()}
 
@@ -104,8 +107,9 @@ def multimodal_architecture(name: str, text: Architecture, unused: tuple[str, ..
         fields.tie_word_embeddings = bool(c.raw.get("tie_word_embeddings", fields.tie_word_embeddings))
         return fields
 
-    return Architecture(name, text.family, key_map, read_multimodal_config, text.config_defaults, None,
-                        kv_calib=None, unused_tensors=unused)
+    awq_map = None if text.awq_map is None else dataclasses.replace(text.awq_map, architecture=name)
+    return Architecture(name, text.family, key_map, read_multimodal_config, text.config_defaults, awq_map,
+                        kv_calib=None, unused_tensors=unused, text_prefix="model.language_model.")
 
 
 MULTIMODAL_ARCHITECTURE = multimodal_architecture(NAME_MULTIMODAL, ARCHITECTURE)

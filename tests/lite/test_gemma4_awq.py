@@ -1,8 +1,9 @@
 """lmkit lite awq on Gemma 4 (dense), as a tiny random model with attention_k_eq_v (its global layers have no
 v_proj and 32-wide heads beside the sliding layers' 16), plain-w norms, a value norm and a stored scalar per layer. The layer-wise decomposition reproduces HF's layers (checked inside the quantizer), the
 saved smoothing scales leave the fp model unchanged, o_proj is never smoothed (a per-head norm sits between v_proj
-and it), and the checkpoint's logits through the engine equal the dequantized torch reference. The MoE form and
-KV calibration are refused by name."""
+and it), and the checkpoint's logits through the engine equal the dequantized torch reference; so for the checkpoint Google
+ships (Gemma4ForConditionalGeneration: the text model quantized under model.language_model, the vision tower carried
+over in fp16). The MoE form and KV calibration are refused by name."""
 
 from __future__ import annotations
 
@@ -19,14 +20,17 @@ from lmkit.lite.config import AwqConfig, KvCalibConfig
 from lmkit.lite.kvcalib import calibrate_kv
 from lmkit.lite.moe import layer_awq_map
 from lmkit.models import get_awq_map
-from tests.factories import ARCH_CASES, Case, _write_case
+from tests.factories import ARCH_CASES, Case, _write_case, write_gemma4_multimodal
 from tests.helpers import TINY_CALIB, prefill_logits_vs_transformers
 
 
-@pytest.fixture(scope="module")
-def quantized(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["text", "multimodal"])
+def quantized(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("gemma4-awq")
-    _write_case(ARCH_CASES["gemma4_k_eq_v"], folder / "fp")
+    if request.param:
+        write_gemma4_multimodal(folder / "fp", "gemma4_k_eq_v", seed=75)
+    else:
+        _write_case(ARCH_CASES["gemma4_k_eq_v"], folder / "fp")
     result = quantize_awq(folder / "fp", AwqConfig(work_dir=folder / "awq", w_group_size=32, format="autoawq",
                                                    **TINY_CALIB), keep_pseudo_quantized=True)
     return folder / "fp", result, folder / "awq"
@@ -35,13 +39,17 @@ def quantized(tmp_path_factory):
 @torch.no_grad()
 def test_smoothing_leaves_the_model_unchanged_and_skips_o_proj(quantized):
     source, result, out = quantized
-    awq_map = get_awq_map("Gemma4ForCausalLM")
+    config = json.loads((source / "config.json").read_text())
+    multimodal = "text_config" in config
+    awq_map = get_awq_map(config["architectures"][0])
     tensors = load_file(out / "model.safetensors")
-    types = json.loads((source / "config.json").read_text())["layer_types"]
+    types = (config["text_config"] if multimodal else config)["layer_types"]
+    prefix = "model.language_model.layers" if multimodal else "model.layers"
+    assert not multimodal or any(n.startswith("model.vision_tower.") for n in tensors)
     for i, kind in enumerate(types):  # a global layer (attention_k_eq_v) has no v_proj, quantized or not
-        has_v = any(n.startswith(f"model.layers.{i}.self_attn.v_proj.") for n in tensors)
+        has_v = any(n.startswith(f"{prefix}.{i}.self_attn.v_proj.") for n in tensors)
         assert has_v == (kind == "sliding_attention"), (i, kind)
-        assert f"model.layers.{i}.self_attn.o_proj.qweight" in tensors
+        assert f"{prefix}.{i}.self_attn.o_proj.qweight" in tensors
     model = load_causal_lm(source)
     ids = torch.randint(0, 250, (2, 48), generator=torch.Generator().manual_seed(1))
     fp_logits = model(input_ids=ids).logits
@@ -74,7 +82,7 @@ def test_engine_logits_equal_the_dequantized_reference(quantized):
 
 def test_moe_form_and_kv_calibration_are_refused_by_name(quantized, tmp_path):
     _, _, out = quantized
-    with pytest.raises(ValueError, match="does not calibrate Gemma4ForCausalLM yet"):
+    with pytest.raises(ValueError, match="does not calibrate Gemma4For(CausalLM|ConditionalGeneration) yet"):
         calibrate_kv(out, KvCalibConfig(work_dir=tmp_path / "kv", calib_dataset="pydoc", calib_samples=4,
                                         calib_seqlen=32, eval_dataset="pydoc", eval_seqlen=32, eval_max_tokens=64,
                                         device="cpu"))

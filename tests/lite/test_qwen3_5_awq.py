@@ -3,7 +3,9 @@ gated-attention layer. Each layer's AWQ map is its kind's (lmkit.lite.moe.layer_
 decomposition reproduces HF's layers (checked inside the quantizer); the saved smoothing scales leave the fp model
 unchanged; in_proj_b / in_proj_a (beta's and the decay's inputs) stay fp16 and out_proj is never smoothed; the
 checkpoint's logits through the engine equal the dequantized torch reference, in the AutoAWQ layout and in
-compressed-tensors (with its ignore list)."""
+compressed-tensors (with its ignore list); and so for the checkpoint Qwen ships (Qwen3_5ForConditionalGeneration:
+the text model quantized under model.language_model, the vision tower and the MTP head carried over in fp16 and
+named in the ignore list)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from lmkit.lite.checkpoint import load_causal_lm
 from lmkit.lite.config import AwqConfig
 from lmkit.lite.moe import layer_awq_map
 from lmkit.models import get_awq_map
-from tests.factories import QWEN3_5, Case, _write_case
+from tests.factories import QWEN3_5, TOKEN_IDS, Case, _write_case, write_qwen3_5_multimodal
 from tests.helpers import TINY_CALIB, prefill_logits_vs_transformers
 
 # value heads of 16 (64 values): every linear's inputs a multiple of the 32-wide groups
@@ -27,25 +29,37 @@ CASE = Case("Qwen3_5TextConfig", dict(QWEN3_5, num_hidden_layers=4, linear_value
             norm_offset=1.0, plain_norms=("linear_attn.norm",))
 
 
-@pytest.fixture(scope="module", params=["autoawq", "compressed-tensors"])
+@pytest.fixture(scope="module", params=[("autoawq", False), ("compressed-tensors", False), ("compressed-tensors", True)],
+                ids=["autoawq", "compressed-tensors", "multimodal"])
 def quantized(request, tmp_path_factory):
+    fmt, multimodal = request.param
     folder = tmp_path_factory.mktemp("qwen3_5-awq")
-    _write_case(CASE, folder / "fp")
-    result = quantize_awq(folder / "fp", AwqConfig(work_dir=folder / "awq", w_group_size=32, format=request.param,
-                                                   **TINY_CALIB), keep_pseudo_quantized=True)
-    return request.param, folder / "fp", result, folder / "awq"
+    if multimodal:
+        write_qwen3_5_multimodal(folder / "fp", "Qwen3_5Config", dict(CASE.kwargs, max_position_embeddings=512,
+                                                                     **TOKEN_IDS), seed=58)
+    else:
+        _write_case(CASE, folder / "fp")
+    quantize_awq(folder / "fp", AwqConfig(work_dir=folder / "awq", w_group_size=32, format=fmt, **TINY_CALIB))
+    return fmt, multimodal, folder / "fp", folder / "awq"
 
 
 @torch.no_grad()
 def test_smoothing_leaves_the_model_unchanged(quantized):
-    fmt, source, _, out = quantized
-    awq_map = get_awq_map("Qwen3_5ForCausalLM")
+    fmt, multimodal, source, out = quantized
+    architecture = "Qwen3_5ForConditionalGeneration" if multimodal else "Qwen3_5ForCausalLM"
+    awq_map = get_awq_map(architecture)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [architecture]
     names = set(load_file(out / "model.safetensors"))
     suffix = "qweight" if fmt == "autoawq" else "weight_packed"
-    types = json.loads((source / "config.json").read_text())["layer_types"]
+    text = config["text_config"] if multimodal else config
+    types = text["layer_types"]
     assert types == ["linear_attention"] * 3 + ["full_attention"]
+    if multimodal:  # carried over as they are
+        assert "mtp.fc.weight" in names and any(n.startswith("model.visual.") for n in names)
+        assert not any(n.startswith("model.visual.") and n.endswith(suffix) for n in names)
     for i, kind in enumerate(types):
-        p = f"model.layers.{i}."
+        p = f"model.language_model.layers.{i}." if multimodal else f"model.layers.{i}."
         quantized_names = ([p + f"linear_attn.{n}.{suffix}" for n in ("in_proj_qkv", "in_proj_z", "out_proj")]
                            if kind == "linear_attention" else
                            [p + f"self_attn.{n}_proj.{suffix}" for n in "qkvo"])
@@ -53,8 +67,9 @@ def test_smoothing_leaves_the_model_unchanged(quantized):
         if kind == "linear_attention":  # fp16, as stored
             assert {p + "linear_attn.in_proj_b.weight", p + "linear_attn.in_proj_a.weight"} <= names
     if fmt == "compressed-tensors":
-        ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+        ignore = config["quantization_config"]["ignore"]
         assert r"re:.*linear_attn\.in_proj_b$" in ignore and r"re:.*linear_attn\.in_proj_a$" in ignore
+        assert (r"re:model\.visual\..*" in ignore) == multimodal
     model = load_causal_lm(source)
     ids = torch.randint(0, 250, (2, 48), generator=torch.Generator().manual_seed(1))
     fp_logits = model(input_ids=ids).logits

@@ -14,45 +14,11 @@ import torch
 
 from lmkit import EngineConfig, GenerationConfig, pipeline
 from lmkit.models.loader import load_model_spec
-from tests.factories import ARCH_CASES, TOKEN_IDS, _init_weights, write_byte_tokenizer
-
-VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-              num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=16)
-
-
-def _hub_layout(text: dict) -> dict:
-    """text_config as the hub's files have it: the global layers' shape as global_head_dim (and
-    num_global_key_value_heads), no per_layer_config."""
-    per_layer = text.pop("per_layer_config")
-    (global_shape,) = {json.dumps(v, sort_keys=True) for v in per_layer.values()}
-    shape = json.loads(global_shape)
-    text["global_head_dim"] = shape["head_dim"]
-    if "num_key_value_heads" in shape:
-        text["num_global_key_value_heads"] = shape["num_key_value_heads"]
-    return text
-
-
-def _build(folder, case: str, seed: int):
-    """A Gemma4ForConditionalGeneration checkpoint whose text model is ARCH_CASES[case]'s, and its fp32 HF model."""
-    import transformers
-
-    text = dict(ARCH_CASES[case].kwargs, max_position_embeddings=512, **{**TOKEN_IDS, "pad_token_id": 0})
-    config = transformers.Gemma4Config(text_config=text, vision_config=VISION)
-    torch.manual_seed(seed)
-    model = transformers.Gemma4ForConditionalGeneration(config).eval()
-    _init_weights(model, 0.0, unit_scores=True)
-    model.save_pretrained(str(folder))
-    write_byte_tokenizer(folder)
-    path = folder / "config.json"
-    cfg = json.loads(path.read_text())
-    cfg["text_config"] = _hub_layout(cfg["text_config"])
-    path.write_text(json.dumps(cfg, indent=2))
-    return transformers.Gemma4ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
-
+from tests.factories import ARCH_CASES, write_gemma4_multimodal
 
 @pytest.mark.parametrize("case, seed", [("gemma4", 73), ("gemma4_k_eq_v", 74), ("gemma4_moe", 81)])
 def test_text_logits_match_hf(tmp_path, case, seed):
-    ref = _build(tmp_path, case, seed)
+    ref = write_gemma4_multimodal(tmp_path, case, seed)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["Gemma4ForConditionalGeneration"] and "global_head_dim" in cfg["text_config"]
     spec = load_model_spec(tmp_path)

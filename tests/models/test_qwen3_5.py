@@ -15,35 +15,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmkit import EngineConfig, GenerationConfig, pipeline
-from tests.factories import QWEN3_5, QWEN3_5_MOE, TOKEN_IDS, _init_weights, write_byte_tokenizer
-
-VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
-              spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
-
-
-def _build_multimodal(folder, config_class: str, text: dict, seed: int):
-    """A ForConditionalGeneration checkpoint of config_class with the MTP tensor Qwen's checkpoints carry
-    (transformers drops it on load), and its fp32 HF model."""
-    import transformers
-
-    config = getattr(transformers, config_class)(text_config=text, vision_config=VISION)
-    model_class = getattr(transformers, config_class.replace("Config", "ForConditionalGeneration"))
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
-    _init_weights(model, 1.0, ("linear_attn.norm",))
-    model.save_pretrained(str(folder))
-    write_byte_tokenizer(folder)
-    shard = folder / "model.safetensors"
-    tensors = load_file(str(shard))
-    tensors["mtp.fc.weight"] = torch.randn(64, 128)
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    return model_class.from_pretrained(str(folder), dtype=torch.float32).eval()
-
+from tests.factories import QWEN3_5, QWEN3_5_MOE, TOKEN_IDS, write_qwen3_5_multimodal
 
 @pytest.fixture(scope="module")
 def multimodal(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_5_vl")
-    ref = _build_multimodal(folder, "Qwen3_5Config", dict(QWEN3_5, num_hidden_layers=4, max_position_embeddings=512,
+    ref = write_qwen3_5_multimodal(folder, "Qwen3_5Config", dict(QWEN3_5, num_hidden_layers=4, max_position_embeddings=512,
                                                           **TOKEN_IDS), seed=54)
     return folder, ref
 
@@ -71,7 +48,7 @@ def test_text_logits_match_hf(multimodal):
 def test_moe_text_logits_match_hf(tmp_path):
     """Qwen3.5-MoE as shipped (Qwen3_5MoeForConditionalGeneration): routed and shared experts on every layer."""
     text = dict(QWEN3_5_MOE, num_hidden_layers=4, max_position_embeddings=512, **TOKEN_IDS)
-    ref = _build_multimodal(tmp_path, "Qwen3_5MoeConfig", text, seed=58)
+    ref = write_qwen3_5_multimodal(tmp_path, "Qwen3_5MoeConfig", text, seed=58)
     _assert_text_logits_match_hf(tmp_path, ref, "Qwen3_5MoeForConditionalGeneration")
 
 
@@ -89,16 +66,17 @@ def test_a_tensor_of_no_known_part_still_fails_the_load(multimodal, tmp_path):
         pipeline(copy, EngineConfig(device="cpu", cache_max_entry_count=8))
 
 
-def test_lite_tools_refuse_it_by_name(multimodal, tmp_path):
-    """AWQ and KV calibration have no table for the hybrid layers yet: both say so before any work, naming it."""
+def test_lite_tools_refuse_what_they_lack_by_name(multimodal, tmp_path):
+    """KV calibration has no fake-quantized Gated DeltaNet layers, AWQ no table for the hybrid MoE: both say so
+    before any work, naming the architecture. (AWQ of this checkpoint: tests/lite/test_qwen3_5_awq.py.)"""
     from typer.testing import CliRunner
 
     from lmkit.cli.main import app
     from lmkit.models import get_awq_map
 
     folder, _ = multimodal
-    with pytest.raises(ValueError, match="does not quantize Qwen3_5ForConditionalGeneration yet"):
-        get_awq_map("Qwen3_5ForConditionalGeneration")
+    with pytest.raises(ValueError, match="does not quantize Qwen3_5MoeForConditionalGeneration yet"):
+        get_awq_map("Qwen3_5MoeForConditionalGeneration")
     result = CliRunner().invoke(app, ["lite", "calibrate", str(folder), "--work-dir", str(tmp_path / "out")])
     assert result.exit_code != 0  # the lmkit entry point prints the ValueError as one line (tests/lite/test_cli.py)
     assert "does not calibrate Qwen3_5ForConditionalGeneration yet" in str(result.exception), result.output
@@ -112,7 +90,7 @@ def test_fused_expert_tensors_load_as_shipped(tmp_path):
     import shutil
 
     text = dict(QWEN3_5_MOE, num_hidden_layers=4, max_position_embeddings=512, **TOKEN_IDS)
-    ref = _build_multimodal(tmp_path / "split", "Qwen3_5MoeConfig", text, seed=59)
+    ref = write_qwen3_5_multimodal(tmp_path / "split", "Qwen3_5MoeConfig", text, seed=59)
     fused = tmp_path / "fused"
     shutil.copytree(tmp_path / "split", fused)
     tensors = load_file(str(fused / "model.safetensors"))
