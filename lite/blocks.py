@@ -32,6 +32,8 @@ def dense_linears(awq_map: AwqMap, unused: tuple[str, ...] = ()) -> list[str]:
     dense += ["re:" + re.escape(prefix) + ".*" for prefix in unused]
     if awq_map.moe is not None:
         dense.append(f"re:.*{awq_map.moe.block}\\.{awq_map.moe.router}$")
+        if awq_map.moe.shared_expert_gate is not None:
+            dense.append(f"re:.*{awq_map.moe.block}\\.{awq_map.moe.shared_expert_gate}$")
     for name in sorted({n for group in awq_map.groups for n in group.dense}):  # Qwen3.5's gate inputs b and a
         dense.append("re:.*" + re.escape(name) + "$")
     return dense

@@ -179,12 +179,32 @@ class LayerwiseModel:
         state = {}
         for name, _ in meta_module.state_dict().items():
             stored = self.arch.to_checkpoint(prefix + checkpoint_name(self.awq_map.moe, name))
-            tensor = self.read_tensor(stored)
+            tensor = self.read_tensor(stored) if stored in self.entries else self._expert_of_stacked(stored)
             if not tensor.is_floating_point():
                 raise ValueError(f"{self.folder}: tensor {stored} is {tensor.dtype}, expected a float weight")
             state[name] = tensor.to(device=self.device, dtype=torch.float32)
         module.load_state_dict(state, strict=True)
         return module.float().eval()
+
+    def _expert_of_stacked(self, name: str) -> torch.Tensor:
+        """An expert linear's weight (``...experts.{e}.{gate | up | down}.weight``) from a checkpoint that stacks its
+        block's experts (Qwen3.5-MoE as shipped: ``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``
+        [E, H, I]); ValueError naming ``name`` when neither form is there."""
+        layout = self.awq_map.moe
+        marker = f".{layout.experts}." if layout is not None else None
+        if marker is None or marker not in name or not name.endswith(".weight"):
+            return self.read_tensor(name)  # raises, naming it
+        base, rest = name.rsplit(marker, 1)
+        e, linear, _ = rest.split(".", 2)
+        which = layout.expert_linears.index(linear) if linear in layout.expert_linears else -1
+        stacked = f"{base}.{layout.experts}." + ("down_proj" if which == 2 else "gate_up_proj")
+        if not e.isdigit() or which < 0 or stacked not in self.entries:
+            return self.read_tensor(name)
+        tensor = self.read_tensor(stacked)[int(e)]
+        if which == 2:
+            return tensor
+        inter = tensor.shape[0] // 2
+        return tensor[:inter] if which == 0 else tensor[inter:]
 
     def load_layer(self, index: int) -> nn.Module:
         """Decoder layer ``index`` in fp32 on the device (a fresh module each call)."""

@@ -24,7 +24,7 @@ from torch import nn
 
 from lmkit.models import AwqMap, MoeLayout, SmoothGroup
 
-ATTENTION_PREVS = ("input_layernorm", "self_attn.v_proj")  # the dense groups a sparse layer keeps
+ATTENTION_PREVS = ("input_layernorm", "self_attn.v_proj", "linear_attn.norm")  # the dense groups a sparse layer keeps
 
 
 class _Expert(nn.Module):
@@ -124,13 +124,19 @@ def layer_awq_map(awq_map: AwqMap, layer: nn.Module) -> AwqMap:
     if count is None:
         return _present(awq_map, layer)
     block = layout.block
-    shared = SmoothGroup(layout.norm,
-                         tuple(expert_linear_name(layout, e, w) for e in range(count) for w in (0, 1)),
-                         block, dense=(f"{block}.{layout.router}",), input_of=block)
+    linears = tuple(expert_linear_name(layout, e, w) for e in range(count) for w in (0, 1))
+    dense = (f"{block}.{layout.router}",)
+    extra = ()
+    if layout.shared_expert is not None:  # Qwen3.5-MoE: the shared expert reads the block's input too
+        mlp = f"{block}.{layout.shared_expert}"
+        linears += (f"{mlp}.gate_proj", f"{mlp}.up_proj")
+        dense += (f"{block}.{layout.shared_expert_gate}",)
+        extra = (SmoothGroup(f"{mlp}.up_proj", (f"{mlp}.down_proj",), f"{mlp}.down_proj"),)
+    shared = SmoothGroup(layout.norm, linears, block, dense=dense, input_of=block)
     per_expert = tuple(SmoothGroup(expert_linear_name(layout, e, 1), (expert_linear_name(layout, e, 2),),
                                    expert_linear_name(layout, e, 2)) for e in range(count))
     attention = tuple(g for g in awq_map.groups if g.prev in ATTENTION_PREVS)
-    return dataclasses.replace(awq_map, groups=attention + (shared,) + per_expert)
+    return _present(dataclasses.replace(awq_map, groups=attention + (shared,) + extra + per_expert), layer)
 
 
 def _present(awq_map: AwqMap, layer: nn.Module) -> AwqMap:
@@ -183,6 +189,9 @@ def stack_experts(state: dict[str, torch.Tensor], layout: MoeLayout, layers_pref
     for name, value in state.items():
         if name.startswith(layers_prefix) and marker in name:
             block_prefix, rest = name.split(marker, 1)
+            if not rest.split(".", 1)[0].isdigit():  # stacked already (Qwen3.5-MoE as Qwen ships it)
+                out[name.replace(ckpt, f".{layout.block}.", 1)] = value
+                continue
             e, linear, suffix = rest.split(".", 2)
             if suffix != "weight" or linear not in layout.expert_linears:
                 raise ValueError(f"unexpected expert tensor {name}")

@@ -857,3 +857,20 @@ def write_gemma4_multimodal(folder: Path, case: str, seed: int):
     cfg["text_config"] = _gemma4_hub_layout(cfg["text_config"])
     path.write_text(json.dumps(cfg, indent=2))
     return transformers.Gemma4ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def fuse_qwen3_5_experts(folder: Path, num_layers: int, num_experts: int) -> dict:
+    """Rewrites a Qwen3_5MoeForConditionalGeneration checkpoint's per-expert tensors (what transformers saves) as the
+    two stacked tensors per layer Qwen ships (mlp.experts.gate_up_proj [E, 2I, H]: each expert's gate rows then its up
+    rows; mlp.experts.down_proj [E, H, I]); returns the tensors written."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    for i in range(num_layers):
+        p = f"model.language_model.layers.{i}.mlp.experts"
+        take = lambda name: [tensors.pop(f"{p}.{e}.{name}.weight") for e in range(num_experts)]  # noqa: E731
+        tensors[f"{p}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(take("gate_proj"),
+                                                                                      take("up_proj"))])
+        tensors[f"{p}.down_proj"] = torch.stack(take("down_proj"))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return tensors

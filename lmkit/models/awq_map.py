@@ -66,6 +66,10 @@ class MoeLayout:
     experts: str = "experts"
     expert_linears: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
     norm: str = "post_attention_layernorm"
+    # a shared expert every token takes (Qwen3.5-MoE: an MLP in the block, scaled by sigmoid of a one-output linear):
+    # its gate and up join the block's group, its up -> down is one more group; the gate linear stays fp
+    shared_expert: str | None = None
+    shared_expert_gate: str | None = None
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,11 @@ sigmoid(shared_expert_gate . x) and added to the routed sum. There is no dense M
 
 from __future__ import annotations
 
+import dataclasses
+
 from lmkit.models import qwen3_5
 from lmkit.models.architecture import Architecture, HfConfig, ModelFields
+from lmkit.models.awq_map import MoeLayout
 from lmkit.models.llama import layer_keys
 from lmkit.models.moe import fused_moe_keys, moe_keys
 
@@ -45,6 +48,9 @@ def read_config(c: HfConfig) -> ModelFields:
     return read_experts(c, fields, [1] * fields.num_layers, norm_topk_prob=True)
 
 
-# AWQ and KV calibration have no table for the hybrid layers yet: `lmkit lite` refuses it by name.
-ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None, kv_calib=None)
+# AWQ: Qwen3.5's table with the sparse block (the shared expert beside the routed ones, lmkit.lite.moe); KV
+# calibration has no fake-quantized Gated DeltaNet layers yet: `lmkit lite calibrate` refuses it by name.
+AWQ_MAP = dataclasses.replace(qwen3_5.qwen3_5_awq_map(NAME), moe=MoeLayout(
+    shared_expert="shared_expert", shared_expert_gate="shared_expert_gate"))
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, AWQ_MAP, kv_calib=None)
 MULTIMODAL_ARCHITECTURE = qwen3_5.multimodal_architecture("Qwen3_5MoeForConditionalGeneration", ARCHITECTURE)

@@ -5,7 +5,9 @@ unchanged; in_proj_b / in_proj_a (beta's and the decay's inputs) stay fp16 and o
 checkpoint's logits through the engine equal the dequantized torch reference, in the AutoAWQ layout and in
 compressed-tensors (with its ignore list); and so for the checkpoint Qwen ships (Qwen3_5ForConditionalGeneration:
 the text model quantized under model.language_model, the vision tower and the MTP head carried over in fp16 and
-named in the ignore list)."""
+named in the ignore list). The MoE form (Qwen3_5MoeForCausalLM; as shipped, its experts stacked in two tensors per
+layer): every routed expert's linears and the shared expert's in int4, the router and the shared expert's gate in
+fp16, through the engine within 1e-4 of the dequantized reference."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from lmkit.lite.checkpoint import load_causal_lm
 from lmkit.lite.config import AwqConfig
 from lmkit.lite.moe import layer_awq_map
 from lmkit.models import get_awq_map
-from tests.factories import QWEN3_5, TOKEN_IDS, Case, _write_case, write_qwen3_5_multimodal
+from tests.factories import QWEN3_5, QWEN3_5_MOE, TOKEN_IDS, Case, _write_case, fuse_qwen3_5_experts, \
+    write_qwen3_5_multimodal
 from tests.helpers import TINY_CALIB, prefill_logits_vs_transformers
 
 # value heads of 16 (64 values): every linear's inputs a multiple of the 32-wide groups
@@ -91,6 +94,45 @@ def test_engine_logits_equal_the_dequantized_reference(quantized):
 
     _, _, _, out = quantized
     prompt = torch.randint(0, 250, (48,), generator=torch.Generator().manual_seed(2)).tolist()
+    config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                          max_batch_size=4, int8_activations=False)
+    got, want = prefill_logits_vs_transformers(out, prompt, config)
+    assert float((got - want).norm() / want.norm()) < 1e-4
+
+
+MOE_TEXT = dict(QWEN3_5_MOE, num_hidden_layers=4, linear_value_head_dim=16, moe_intermediate_size=32,
+                shared_expert_intermediate_size=64)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["moe", "moe-as-shipped"])
+def quantized_moe(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3_5_moe-awq")
+    if request.param:  # Qwen3_5MoeForConditionalGeneration, experts stacked
+        write_qwen3_5_multimodal(folder / "fp", "Qwen3_5MoeConfig", dict(MOE_TEXT, max_position_embeddings=512,
+                                                                        **TOKEN_IDS), seed=60)
+        fuse_qwen3_5_experts(folder / "fp", MOE_TEXT["num_hidden_layers"], MOE_TEXT["num_experts"])
+    else:
+        _write_case(Case("Qwen3_5MoeTextConfig", MOE_TEXT, seed=61, norm_offset=1.0,
+                         plain_norms=("linear_attn.norm",)), folder / "fp")
+    quantize_awq(folder / "fp", AwqConfig(work_dir=folder / "awq", w_group_size=32, format="compressed-tensors",
+                                          **TINY_CALIB))
+    return request.param, folder / "awq"
+
+
+def test_moe_checkpoint_through_the_engine(quantized_moe):
+    from lmkit import EngineConfig
+
+    multimodal, out = quantized_moe
+    names = set(load_file(out / "model.safetensors"))
+    p = "model.language_model.layers" if multimodal else "model.layers"
+    for i in range(MOE_TEXT["num_hidden_layers"]):
+        for e in range(MOE_TEXT["num_experts"]):
+            assert all(f"{p}.{i}.mlp.experts.{e}.{w}_proj.weight_packed" in names for w in ("gate", "up", "down"))
+        assert f"{p}.{i}.mlp.shared_expert.down_proj.weight_packed" in names
+        assert {f"{p}.{i}.mlp.gate.weight", f"{p}.{i}.mlp.shared_expert_gate.weight"} <= names  # fp16
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert r"re:.*mlp\.shared_expert_gate$" in ignore and r"re:.*mlp\.gate$" in ignore
+    prompt = torch.randint(0, 250, (48,), generator=torch.Generator().manual_seed(3)).tolist()
     config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
                           max_batch_size=4, int8_activations=False)
     got, want = prefill_logits_vs_transformers(out, prompt, config)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmkit import EngineConfig, GenerationConfig, pipeline
-from tests.factories import QWEN3_5, QWEN3_5_MOE, TOKEN_IDS, write_qwen3_5_multimodal
+from tests.factories import QWEN3_5, QWEN3_5_MOE, TOKEN_IDS, fuse_qwen3_5_experts, write_qwen3_5_multimodal
 
 @pytest.fixture(scope="module")
 def multimodal(tmp_path_factory):
@@ -67,16 +67,16 @@ def test_a_tensor_of_no_known_part_still_fails_the_load(multimodal, tmp_path):
 
 
 def test_lite_tools_refuse_what_they_lack_by_name(multimodal, tmp_path):
-    """KV calibration has no fake-quantized Gated DeltaNet layers, AWQ no table for the hybrid MoE: both say so
-    before any work, naming the architecture. (AWQ of this checkpoint: tests/lite/test_qwen3_5_awq.py.)"""
+    """KV calibration has no fake-quantized Gated DeltaNet layers, AWQ no table for Qwen3-Next's fused projections:
+    both say so before any work, naming the architecture. (AWQ of Qwen3.5: tests/lite/test_qwen3_5_awq.py.)"""
     from typer.testing import CliRunner
 
     from lmkit.cli.main import app
     from lmkit.models import get_awq_map
 
     folder, _ = multimodal
-    with pytest.raises(ValueError, match="does not quantize Qwen3_5MoeForConditionalGeneration yet"):
-        get_awq_map("Qwen3_5MoeForConditionalGeneration")
+    with pytest.raises(ValueError, match="does not quantize Qwen3NextForCausalLM yet"):
+        get_awq_map("Qwen3NextForCausalLM")
     result = CliRunner().invoke(app, ["lite", "calibrate", str(folder), "--work-dir", str(tmp_path / "out")])
     assert result.exit_code != 0  # the lmkit entry point prints the ValueError as one line (tests/lite/test_cli.py)
     assert "does not calibrate Qwen3_5ForConditionalGeneration yet" in str(result.exception), result.output
@@ -93,15 +93,8 @@ def test_fused_expert_tensors_load_as_shipped(tmp_path):
     ref = write_qwen3_5_multimodal(tmp_path / "split", "Qwen3_5MoeConfig", text, seed=59)
     fused = tmp_path / "fused"
     shutil.copytree(tmp_path / "split", fused)
-    tensors = load_file(str(fused / "model.safetensors"))
     experts = text["num_experts"]
-    for i in range(text["num_hidden_layers"]):
-        p = f"model.language_model.layers.{i}.mlp.experts"
-        take = lambda name: [tensors.pop(f"{p}.{e}.{name}.weight") for e in range(experts)]  # noqa: E731
-        tensors[f"{p}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(take("gate_proj"),
-                                                                                      take("up_proj"))])
-        tensors[f"{p}.down_proj"] = torch.stack(take("down_proj"))
-    save_file(tensors, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    tensors = fuse_qwen3_5_experts(fused, text["num_hidden_layers"], experts)
     _assert_text_logits_match_hf(fused, ref, "Qwen3_5MoeForConditionalGeneration")
     tensors["model.language_model.layers.2.mlp.experts.down_proj"] = torch.zeros(experts, 64, 8)
     save_file(tensors, str(fused / "model.safetensors"), metadata={"format": "pt"})
