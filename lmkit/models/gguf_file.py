@@ -40,10 +40,10 @@ ENGINE_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)  # the GGML tensor types the
 # permuted for its interleaved rotary (the engine reads them back: ModelConfig.qk_rotary_interleaved)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3moe": "Qwen3MoeForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
-                 "qwen35moe": "Qwen3_5MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+                 "qwen35moe": "Qwen3_5MoeForCausalLM", "gpt-oss": "GptOssForCausalLM", "gemma4": "Gemma4ForCausalLM"}
 QK_INTERLEAVED = frozenset({"llama"})
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-               "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "gpt-oss": "gpt_oss"}
+               "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "gpt-oss": "gpt_oss", "gemma4": "gemma4_text"}
 # transformers' GGUF config tables by its own spelling of an architecture, and the keys lmkit reads beyond them
 # (its qwen3_moe table has no expert width: Qwen3MoeConfig's default, 768, would silently apply to every file)
 CONFIG_TABLES = {"qwen3moe": "qwen3_moe"}
@@ -154,6 +154,15 @@ def hf_to_gguf_names(hf_names, gguf_arch: str, num_layers: int) -> dict[str, str
         mapped = table.get_name(lookup, try_suffixes=(".weight", ".bias"))
         if mapped is not None and name.endswith("self_attn.sinks"):  # llama.cpp's converter writes attn_sinks.weight
             mapped += ".weight"
+        if gguf_arch == "gemma4":  # llama.cpp's Gemma4Model: the router's two scale vectors under the tensors they
+            # scale, and ".weight" after the names of parameters that have none in HF (layer_scalar, the experts)
+            layer = name.split(".layers.")[1].split(".")[0] if ".layers." in name else None
+            if name.endswith("router.scale"):
+                mapped = f"blk.{layer}.ffn_gate_inp.scale"
+            elif name.endswith("router.per_expert_scale"):
+                mapped = f"blk.{layer}.ffn_down_exps.scale"
+            elif mapped is not None and not mapped.endswith((".weight", ".bias")):
+                mapped += ".weight"
         if mapped is not None:
             out[name] = mapped
     return out
@@ -227,6 +236,8 @@ def config_from_metadata(reader, path: Path) -> dict:
     arch = gguf_architecture(reader, path)
     if arch == "gpt-oss":
         return _gpt_oss_config(reader, path)
+    if arch == "gemma4":
+        return _gemma4_config(reader, path)
     for key in reader.fields:
         if key.startswith(f"{arch}.rope.scaling.") and _field(reader, key) not in (None, "none", 0, 0.0, 1.0):
             raise GgufError(f"{path}: {key}={_field(reader, key)!r}: rope scaling in GGUF files is not supported yet")
@@ -351,6 +362,82 @@ def _gpt_oss_config(reader, path: Path) -> dict:
     if stops:
         cfg["eos_token_id"] = eos + [i for i in stops if i not in eos]
     return cfg
+
+
+def _gemma4_config(reader, path: Path) -> dict:
+    """config.json of a Gemma 4 file as llama.cpp's converter writes it (Gemma4Model): the global layers' head size
+    as attention.key_length (the sliding ones' as key_length_swa), the layer kinds as a per-layer bool array
+    (sliding_window_pattern), KV heads as a scalar or a per-layer array, the global layers' proportional RoPE as a
+    rope_freqs tensor (1 on the rotated angles, 1e30 on the others), attention_k_eq_v as full layers without
+    attn_v, the MoE block as the expert counts. Read back into the HF config's fields (per_layer_config for the
+    global layers' shape); what lmkit cannot run (per-layer embeddings, KV sharing) is refused at load by name."""
+    import numpy as np
+
+    arch = "gemma4"
+
+    def need(key: str):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise GgufError(f"{path}: the metadata has no {arch}.{key}")
+        return value
+
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise GgufError(f"{path}: the metadata has no tokenizer.ggml.tokens (the vocabulary)")
+    names = {t.name for t in reader.tensors}
+    n = int(need("block_count"))
+    pattern = need("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != n:
+        raise GgufError(f"{path}: {arch}.attention.sliding_window_pattern must hold one bool per layer ({n})")
+    types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    ff = need("feed_forward_length")
+    if isinstance(ff, list):
+        raise GgufError(f"{path}: {arch}.feed_forward_length per layer (use_double_wide_mlp, the E-models' KV-shared "
+                        "layers) is not supported")
+    head_dim, global_dim = int(need("attention.key_length_swa")), int(need("attention.key_length"))
+    kv = need("attention.head_count_kv")
+    kv_of = [int(kv[i]) for i in range(n)] if isinstance(kv, list) else [int(kv)] * n
+    sliding_kv = {kv_of[i] for i, t in enumerate(types) if t == "sliding_attention"} or {kv_of[0]}
+    if len(sliding_kv) != 1:
+        raise GgufError(f"{path}: {arch}.attention.head_count_kv differs between sliding layers: {sorted(sliding_kv)}")
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    without_v = [i for i in full if f"blk.{i}.attn_v.weight" not in names]
+    if without_v and without_v != full:
+        raise GgufError(f"{path}: layers {without_v} have no attn_v but global layers {sorted(set(full) - set(without_v))} "
+                        "do: attention_k_eq_v is all global layers or none")
+    rotated = 1.0
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None and global_dim:
+        values = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
+        if values.size != global_dim // 2 or not np.all((values == 1.0) | (values >= 1e29)):
+            raise GgufError(f"{path}: rope_freqs.weight must hold {global_dim // 2} factors of 1 or 1e30 (Gemma 4's "
+                            "proportional RoPE)")
+        rotated = float(np.count_nonzero(values == 1.0) * 2) / global_dim
+    swa_rot = _field(reader, f"{arch}.rope.dimension_count_swa")
+    sliding_rope = {"rope_type": "default", "rope_theta": float(need("rope.freq_base_swa"))}
+    if swa_rot is not None and int(swa_rot) != head_dim:
+        sliding_rope["partial_rotary_factor"] = int(swa_rot) / head_dim
+    cfg = dict(architectures=[ARCHITECTURES[arch]], model_type=MODEL_TYPES[arch], vocab_size=len(tokens.data),
+               hidden_size=int(need("embedding_length")), num_hidden_layers=n, intermediate_size=int(ff),
+               num_attention_heads=int(need("attention.head_count")), num_key_value_heads=sliding_kv.pop(),
+               head_dim=head_dim, rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+               max_position_embeddings=int(need("context_length")),
+               sliding_window=int(need("attention.sliding_window")), layer_types=types,
+               per_layer_config={str(i): {"head_dim": global_dim, "num_key_value_heads": kv_of[i]} for i in full},
+               attention_k_eq_v=bool(without_v),
+               hidden_size_per_layer_input=int(_field(reader, f"{arch}.embedding_length_per_layer_input", 0) or 0),
+               num_kv_shared_layers=int(_field(reader, f"{arch}.attention.shared_kv_layers", 0) or 0),
+               final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping"),
+               tie_word_embeddings="output.weight" not in names,
+               rope_parameters={"sliding_attention": sliding_rope,
+                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": rotated,
+                                                   "rope_theta": float(need("rope.freq_base"))}})
+    experts = _field(reader, f"{arch}.expert_count")
+    if experts:
+        cfg.update(enable_moe_block=True, num_experts=int(experts), top_k_experts=int(need("expert_used_count")),
+                   moe_intermediate_size=int(need("expert_feed_forward_length")))
+    cfg.update(_token_ids(reader))
+    return {k: v for k, v in cfg.items() if v is not None}
 
 
 def write_view(path: Path, out: Path) -> None:

@@ -261,8 +261,10 @@ def gguf_sources(arch: Architecture, view: Path, gguf: Path, num_layers: int, nu
     multi-token-prediction head) are left unread, as in HF folders. Raises ValueError naming the tensors no role
     takes."""
     mtp = tuple(f"blk.{num_layers + i}." for i in range(mtp_layers))
+    # Gemma 4's rope_freqs (its proportional RoPE's factors) is read into the view's config (gguf_file._gemma4_config)
+    folded = {"rope_freqs.weight"} if gguf_file.gguf_arch_of_architecture(arch.name) == "gemma4" else set()
     tensors = {name: entry for name, entry in gguf_file.view_tensors(view, gguf).items()
-               if not (mtp and name.startswith(mtp))}
+               if not (mtp and name.startswith(mtp)) and name not in folded}
     hf_names = [k for role, key in arch.key_map.items() for _, k in expanded(role, key, num_layers)]
     gguf_of = gguf_file.hf_to_gguf_names(hf_names, gguf_file.gguf_arch_of_architecture(arch.name), num_layers)
     by_hf = {gguf_name: hf for hf, gguf_name in gguf_of.items()}

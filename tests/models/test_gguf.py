@@ -850,3 +850,101 @@ def test_gpt_oss_gguf_as_llama_cpp_writes_it(expert_type, tmp_path):
         "sinks", "o_bias", "router_bias", "experts.gate_exps", "experts.up_exps_bias", "experts.down_exps"}
     assert spec.eos_token_ids == [2, VOCAB - 2, VOCAB - 1]  # the file's eos, then <|return|> and <|call|>
     assert engine_vs(path, model, prompts_for(7), EXACT) <= 1e-4
+
+
+# ---- Gemma 4 ("gemma4"), as llama.cpp's converter (Gemma4Model) writes it
+
+def write_gemma4_gguf(model, out: Path, qtype: str) -> None:
+    """``model`` (HF Gemma4ForCausalLM, fp32) as llama.cpp writes a "gemma4" file: the sliding layers' head size as
+    key_length_swa and the global ones' as key_length, the layer kinds as a bool per layer, KV heads per layer when
+    the global layers have their own count, the global layers' proportional RoPE as a rope_freqs tensor (1 on the
+    rotated angles, 1e30 past them), no attn_v on attention_k_eq_v layers, norms and the embedding as they are,
+    layer_scalar as layer_output_scale.weight, the router's scales as ffn_gate_inp.scale and ffn_down_exps.scale,
+    the experts stacked as ffn_gate_up_exps / ffn_down_exps; SmolLM2's tokenizer cut to the vocabulary. Matrices in
+    ``qtype`` (rewritten in the model to what gguf's dequantizer reads back, so that the model is the file's
+    reference), the rest F32."""
+    cfg = model.config
+    arch, n = "gemma4", cfg.num_hidden_layers
+    types = cfg.layer_types
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    global_dim, head_dim = cfg.per_layer_config[full[0]].head_dim, cfg.per_layer_config[sliding[0]].head_dim
+    kv = [cfg.per_layer_config[i].num_key_value_heads for i in range(n)]
+    writer = gguf.GGUFWriter(str(out), arch)
+    for key, value in (("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
+                       ("block_count", n), ("feed_forward_length", cfg.intermediate_size),
+                       ("attention.head_count", cfg.num_attention_heads), ("attention.key_length", global_dim),
+                       ("attention.value_length", global_dim), ("attention.key_length_swa", head_dim),
+                       ("attention.value_length_swa", head_dim), ("rope.dimension_count", global_dim),
+                       ("rope.dimension_count_swa", head_dim), ("attention.sliding_window", cfg.sliding_window),
+                       ("attention.shared_kv_layers", 0), ("embedding_length_per_layer_input", 0)):
+        writer.add_uint32(f"{arch}.{key}", int(value))
+    if len(set(kv)) > 1:
+        writer.add_array(f"{arch}.attention.head_count_kv", kv)
+    else:
+        writer.add_uint32(f"{arch}.attention.head_count_kv", kv[0])
+    writer.add_array(f"{arch}.attention.sliding_window_pattern", [t == "sliding_attention" for t in types])
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_float32(f"{arch}.rope.freq_base_swa", cfg.rope_parameters["sliding_attention"]["rope_theta"])
+    if cfg.final_logit_softcapping:
+        writer.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+    if cfg.enable_moe_block:
+        writer.add_uint32(f"{arch}.expert_count", cfg.num_experts)
+        writer.add_uint32(f"{arch}.expert_used_count", cfg.top_k_experts)
+        writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
+    copy_tokenizer(writer, smollm2_gguf(), cfg.vocab_size)
+    rotated = int(global_dim * cfg.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    writer.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (global_dim // 2 - rotated),
+                                                    dtype=np.float32))
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, n)
+    qt = gguf.GGMLQuantizationType[qtype]
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:  # the embedding's: llama.cpp writes no output
+                continue
+            data = param.detach().numpy().astype(np.float32)
+            layer = name.split(".layers.")[1].split(".")[0] if ".layers." in name else None
+            if name.endswith("router.scale"):
+                gname = f"blk.{layer}.ffn_gate_inp.scale"
+            elif name.endswith("router.per_expert_scale"):
+                gname = f"blk.{layer}.ffn_down_exps.scale"
+            else:
+                gname = table.get_name(name, try_suffixes=(".weight", ".bias"))
+                assert gname is not None, name
+                if not gname.endswith(".weight"):
+                    gname += ".weight"  # layer_scalar, the stacked experts
+            if qtype != "F32" and data.ndim >= 2 and data.shape[-1] % 32 == 0 and "embed" not in name \
+                    and "ffn_gate_inp" not in gname:  # (the MoE case's experts are 24 wide: F32)
+                stored = gguf.quants.quantize(data, qt)
+                writer.add_tensor(gname, stored, raw_dtype=qt)
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, qt).reshape(data.shape).copy()))
+            else:
+                writer.add_tensor(gname, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("case, qtype", [("gemma4", "Q8_0"), ("gemma4_k_eq_v", "Q8_0"), ("gemma4_moe", "Q8_0"),
+                                         ("gemma4_moe", "F32")])
+def test_gemma4_gguf_as_llama_cpp_writes_it(case, qtype, tmp_path):
+    """A "gemma4" file of each tiny Gemma 4 (global head_dim 512; attention_k_eq_v; the MoE block): the view's config
+    reads llama.cpp's keys back into the HF fields (per-layer head dims and KV heads, proportional RoPE from
+    rope_freqs), the engine reads every tensor where llama.cpp puts it, and its logits are the HF model's (with the
+    file's Q8_0 matrices) within 1e-4."""
+    from tests.factories import build_case
+
+    model = build_case(case, tmp_path / "hf")
+    path = tmp_path / f"{case}.gguf"
+    write_gemma4_gguf(model, path, qtype)
+    spec = load_model_spec(resolve_model(path))
+    ref = load_model_spec(tmp_path / "hf")
+    assert spec.architecture.name == "Gemma4ForCausalLM"
+    for name in ("layer_head_dim", "layer_num_kv_heads", "layer_v_from_k", "layer_rope", "layer_sliding_window",
+                 "layer_moe", "final_logit_softcap", "num_experts", "moe_beside_mlp"):
+        assert getattr(spec, name) == getattr(ref, name), name
+    assert np.array_equal(spec.rope.inv_freq, ref.rope.inv_freq)
+    assert np.array_equal(spec.rope_local.inv_freq, ref.rope_local.inv_freq)
+    assert engine_vs(path, model, prompts_for(9, 320), EXACT) <= 1e-4
