@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from lmkit.models import qwen3_5, qwen3_5_moe
 from lmkit.models.architecture import Architecture, HfConfig, ModelFields
+from lmkit.models.awq_map import AwqMap, MoeLayout, SmoothGroup
 from lmkit.models.llama import layer_keys
 from lmkit.models.moe import fused_moe_keys, moe_keys
 
@@ -37,5 +38,22 @@ def read_config(c: HfConfig) -> ModelFields:
     return qwen3_5_moe.read_experts(c, fields, layer_moe, norm_topk_prob=bool(c.get("norm_topk_prob")))
 
 
-# AWQ and KV calibration have no table for the hybrid layers yet: `lmkit lite` refuses it by name.
-ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None, kv_calib=None)
+def qwen3_next_awq_map(name: str) -> AwqMap:
+    """Qwen3.5's table (lmkit/models/qwen3_5.py) over the fused projections: in_proj_qkvz quantized, in_proj_ba
+    (beta's and the decay's inputs) taking the scale in fp16; sparse layers with Qwen3.5-MoE's shared expert, dense
+    ones (mlp_only_layers) Llama's MLP groups."""
+    groups = (
+        SmoothGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+        SmoothGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+        SmoothGroup("input_layernorm", ("linear_attn.in_proj_qkvz",), "linear_attn", dense=("linear_attn.in_proj_ba",)),
+        SmoothGroup("linear_attn.norm", ("linear_attn.out_proj",), "linear_attn.out_proj", fold=False),
+        SmoothGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+        SmoothGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+    )
+    return AwqMap(name, groups, (("input_layernorm", "self_attn"), ("input_layernorm", "linear_attn"),
+                                 ("post_attention_layernorm", "mlp")), norm_weight_offset=1.0,
+                  moe=MoeLayout(shared_expert="shared_expert", shared_expert_gate="shared_expert_gate"))
+
+
+# KV calibration has no fake-quantized Gated DeltaNet layers yet: `lmkit lite calibrate` refuses it by name.
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, qwen3_next_awq_map(NAME), kv_calib=None)

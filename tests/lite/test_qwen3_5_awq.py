@@ -7,7 +7,8 @@ compressed-tensors (with its ignore list); and so for the checkpoint Qwen ships 
 the text model quantized under model.language_model, the vision tower and the MTP head carried over in fp16 and
 named in the ignore list). The MoE form (Qwen3_5MoeForCausalLM; as shipped, its experts stacked in two tensors per
 layer): every routed expert's linears and the shared expert's in int4, the router and the shared expert's gate in
-fp16, through the engine within 1e-4 of the dequantized reference."""
+fp16, through the engine within 1e-4 of the dequantized reference; and Qwen3-Next (fused in_proj_qkvz / in_proj_ba,
+a dense layer among the sparse ones) likewise."""
 
 from __future__ import annotations
 
@@ -104,10 +105,13 @@ MOE_TEXT = dict(QWEN3_5_MOE, num_hidden_layers=4, linear_value_head_dim=16, moe_
                 shared_expert_intermediate_size=64)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["moe", "moe-as-shipped"])
+@pytest.fixture(scope="module", params=[False, True, "next"], ids=["moe", "moe-as-shipped", "qwen3-next"])
 def quantized_moe(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_5_moe-awq")
-    if request.param:  # Qwen3_5MoeForConditionalGeneration, experts stacked
+    if request.param == "next":  # one dense layer (mlp_only_layers) among the sparse ones
+        _write_case(Case("Qwen3NextConfig", dict(MOE_TEXT, intermediate_size=96, mlp_only_layers=[1]), seed=62,
+                         norm_offset=1.0, plain_norms=("linear_attn.norm",)), folder / "fp")
+    elif request.param:  # Qwen3_5MoeForConditionalGeneration, experts stacked
         write_qwen3_5_multimodal(folder / "fp", "Qwen3_5MoeConfig", dict(MOE_TEXT, max_position_embeddings=512,
                                                                         **TOKEN_IDS), seed=60)
         fuse_qwen3_5_experts(folder / "fp", MOE_TEXT["num_hidden_layers"], MOE_TEXT["num_experts"])
@@ -122,10 +126,16 @@ def quantized_moe(request, tmp_path_factory):
 def test_moe_checkpoint_through_the_engine(quantized_moe):
     from lmkit import EngineConfig
 
-    multimodal, out = quantized_moe
+    kind, out = quantized_moe
     names = set(load_file(out / "model.safetensors"))
-    p = "model.language_model.layers" if multimodal else "model.layers"
+    p = "model.language_model.layers" if kind is True else "model.layers"
     for i in range(MOE_TEXT["num_hidden_layers"]):
+        if kind == "next" and i == 1:  # the dense layer
+            assert f"{p}.{i}.mlp.down_proj.weight_packed" in names
+            continue
+        if kind == "next" and i < 3:
+            assert f"{p}.{i}.linear_attn.in_proj_qkvz.weight_packed" in names
+            assert f"{p}.{i}.linear_attn.in_proj_ba.weight" in names
         for e in range(MOE_TEXT["num_experts"]):
             assert all(f"{p}.{i}.mlp.experts.{e}.{w}_proj.weight_packed" in names for w in ("gate", "up", "down"))
         assert f"{p}.{i}.mlp.shared_expert.down_proj.weight_packed" in names
