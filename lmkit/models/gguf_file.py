@@ -321,17 +321,23 @@ def _token_ids(reader) -> dict:
     return ids
 
 
+def _needed(reader, path: Path, arch: str):
+    """key -> the value of metadata key ``{arch}.{key}``; GgufError naming it when the file has none."""
+    def need(key: str):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise GgufError(f"{path}: the metadata has no {arch}.{key}")
+        return value
+    return need
+
+
 def _gpt_oss_config(reader, path: Path) -> dict:
     """config.json of a gpt-oss file as llama.cpp's converter writes it (GptOssModel): the usual shape keys, the
     sliding window, the experts' width and yarn's factor and original context (its betas and truncation are gpt-oss's
     own, which llama.cpp also assumes); transformers has no GGUF table for it."""
     arch = "gpt-oss"
 
-    def need(key: str):
-        value = _field(reader, f"{arch}.{key}")
-        if value is None:
-            raise GgufError(f"{path}: the metadata has no {arch}.{key}")
-        return value
+    need = _needed(reader, path, arch)
 
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling != "yarn":
@@ -375,11 +381,7 @@ def _gemma4_config(reader, path: Path) -> dict:
 
     arch = "gemma4"
 
-    def need(key: str):
-        value = _field(reader, f"{arch}.{key}")
-        if value is None:
-            raise GgufError(f"{path}: the metadata has no {arch}.{key}")
-        return value
+    need = _needed(reader, path, arch)
 
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None:

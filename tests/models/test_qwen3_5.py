@@ -9,36 +9,26 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lmkit import EngineConfig, GenerationConfig, pipeline
+from lmkit import EngineConfig, pipeline
 from tests.factories import QWEN3_5, QWEN3_5_MOE, TOKEN_IDS, fuse_qwen3_5_experts, write_qwen3_5_multimodal
+from tests.helpers import assert_text_logits_match_hf
+
 
 @pytest.fixture(scope="module")
 def multimodal(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_5_vl")
-    ref = write_qwen3_5_multimodal(folder, "Qwen3_5Config", dict(QWEN3_5, num_hidden_layers=4, max_position_embeddings=512,
-                                                          **TOKEN_IDS), seed=54)
+    ref = write_qwen3_5_multimodal(folder, "Qwen3_5Config", dict(QWEN3_5, num_hidden_layers=4,
+                                                                 max_position_embeddings=512, **TOKEN_IDS), seed=54)
     return folder, ref
 
 
 def _assert_text_logits_match_hf(folder, ref, architecture: str):
     assert json.loads((folder / "config.json").read_text())["architectures"] == [architecture]
-    rng = np.random.default_rng(55)
-    prompts = [rng.integers(0, 256, size=n).tolist() for n in (7, 40)]
-    gen = GenerationConfig(max_new_tokens=10, output_logits=True, ignore_eos=True)
-    with pipeline(folder, EngineConfig(device="cpu", dtype="float32", cache_max_entry_count=32,
-                                       cache_block_seq_len=16, max_batch_size=4, session_len=256)) as pipe:
-        responses = pipe(prompts, gen)
-    for prompt, r in zip(prompts, responses):
-        full = prompt + r.token_ids
-        with torch.no_grad():
-            want = ref(input_ids=torch.tensor([full])).logits[0, :-1].numpy()
-        err = np.linalg.norm(r.logits - want, axis=-1) / np.linalg.norm(want, axis=-1)
-        assert err.max() <= 1e-4, f"{len(prompt)}-token prompt: worst row rel err {err.max():.3g}"
+    assert_text_logits_match_hf(folder, ref, 55)
 
 
 def test_text_logits_match_hf(multimodal):
