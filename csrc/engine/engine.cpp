@@ -430,16 +430,13 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
 
 void Engine::calibrate_step_cost() {
   // One sequence of R rows at positions [0, R) in the pool's first blocks (free: no request has arrived), every
-  // row's logits sampled greedily, as a verification's are: a warm-up run, then the faster of two timed runs (a
-  // neighbour's burst slows one run, not the step: a step measured slow would keep its drafts off for good), and no
-  // row count costs less than a smaller one (what is left of the noise).
+  // row's logits sampled greedily, as a verification's are: the second of two runs is timed.
   const int32_t bs = options_.block_size_tokens;
   const int32_t most = std::min({kCalibrationRows, options_.num_blocks * bs,
                                  options_.max_prefill_token_num + options_.max_batch_size});
   SamplingParams greedy;
   greedy.temperature = 0.0f;
   const std::vector<int32_t> history((size_t)most, 0);
-  double previous = 0;  // the largest time so far (row counts ascend)
   for (int32_t rows : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64}) {
     if (rows > most) break;
     Batch b;
@@ -463,16 +460,13 @@ void Engine::calibrate_step_cost() {
       r.num_prompt = 1;
       b.samples.push_back(std::move(r));
     }
-    executor_->step(b);
     double seconds = 0;
     for (int run = 0; run < 2; ++run) {
       const double start = now_seconds();
       executor_->step(b);
-      const double took = now_seconds() - start;
-      seconds = run == 0 ? took : std::min(seconds, took);
+      seconds = now_seconds() - start;
     }
-    previous = std::max(previous, seconds);
-    step_cost_.record(rows, previous);
+    step_cost_.record(rows, seconds);
   }
 }
 
