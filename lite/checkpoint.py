@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from lmkit.lite.layerwise import architecture_of, attention_implementation, read_config
+from lmkit.lite.layerwise import architecture_of, attention_implementation, read_config, text_model_config
 from lmkit.lite.quantizer import NUM_BITS, unpack_awq_gemm
 from lmkit.models.safetensors_index import index_folder
 
@@ -156,11 +156,8 @@ def load_causal_lm(folder: Path, device: torch.device | str = "cpu", quantize_ac
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are dequantized here; transformers must not re-quantize
     quantized_names = {n[: -len(".weight_scale")] for n in index_folder(folder) if n.endswith(".weight_scale")}
-    if arch.text_prefix != "model.":  # a multimodal checkpoint: its text model, tied as the checkpoint is
-        tied = getattr(config, "tie_word_embeddings", None)
-        config = config.get_text_config()
-        if tied is not None:
-            config.tie_word_embeddings = tied
+    config = text_model_config(config, arch)
+    if arch.text_prefix != "model.":  # a multimodal checkpoint: its text model's tensors, named as transformers does
         state = {text: t for name, t in state.items() if (text := arch.from_checkpoint(name)) is not None}
         quantized_names = {text for n in quantized_names if (text := arch.from_checkpoint(n)) is not None}
     if awq_map is not None and awq_map.moe is not None:  # per-expert linears -> transformers' 3D experts

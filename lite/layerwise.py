@@ -77,6 +77,18 @@ def _get(module: nn.Module, path: str) -> nn.Module:
     return module.get_submodule(path)
 
 
+def text_model_config(config, arch):
+    """The transformers config lite builds its CausalLM from: ``config`` itself, or for a multimodal checkpoint
+    (``arch.text_prefix``: the text model under model.language_model) its text_config, tied as the checkpoint is."""
+    if arch.text_prefix == "model.":
+        return config
+    tied = getattr(config, "tie_word_embeddings", None)
+    config = config.get_text_config()
+    if tied is not None:
+        config.tie_word_embeddings = tied
+    return config
+
+
 def attention_implementation(config) -> str:
     """The transformers attention the torch reference runs: "sdpa" where transformers supports it for the
     architecture, else "eager" (Gemma 2: sdpa cannot soft-cap attention logits)."""
@@ -108,12 +120,7 @@ class LayerwiseModel:
                              "this one in fp16/bf16/fp32")
         self.entries = index_folder(self.folder)
         check_not_quantized(raw, self.entries, self.folder)
-        self.config = AutoConfig.from_pretrained(self.folder)
-        if self.arch.text_prefix != "model.":  # the text CausalLM of text_config, tied as the checkpoint is
-            tied = getattr(self.config, "tie_word_embeddings", None)
-            self.config = self.config.get_text_config()
-            if tied is not None:
-                self.config.tie_word_embeddings = tied
+        self.config = text_model_config(AutoConfig.from_pretrained(self.folder), self.arch)
         with torch.device("meta"):
             self.skeleton = AutoModelForCausalLM.from_config(self.config,
                                                              attn_implementation=attention_implementation(self.config))

@@ -149,18 +149,11 @@ def _present(awq_map: AwqMap, layer: nn.Module) -> AwqMap:
         except AttributeError:
             return False
 
-    groups = []
-    for g in awq_map.groups:
-        linears = tuple(n for n in g.linears if has(n))
-        if linears:
-            dense = tuple(n for n in g.dense if has(n))
-            groups.append(g if (linears, dense) == (g.linears, g.dense) else
-                          dataclasses.replace(g, linears=linears, dense=dense))
+    groups = tuple(dataclasses.replace(g, linears=tuple(n for n in g.linears if has(n)),
+                                       dense=tuple(n for n in g.dense if has(n)))
+                   for g in awq_map.groups if any(has(n) for n in g.linears))
     blocks = tuple((norm, block) for norm, block in awq_map.residual_blocks if has(block))
-    if blocks == awq_map.residual_blocks and len(groups) == len(awq_map.groups) and all(
-            a is b for a, b in zip(groups, awq_map.groups)):
-        return awq_map
-    return dataclasses.replace(awq_map, groups=tuple(groups), residual_blocks=blocks)
+    return dataclasses.replace(awq_map, groups=groups, residual_blocks=blocks)
 
 
 def expert_of(layout: MoeLayout, name: str) -> int | None:

@@ -55,10 +55,12 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     if (!l.is_recurrent) l.o_proj = b.pack_linear({&w.o_proj}, {&w.o_bias});
     if (!w.sinks.is_empty()) l.sinks = b.upload_norm(w.sinks, 0.0f);  // a plain vector, whatever the norms' offset
     if (!w.attn_gate.is_empty()) l.attn_gate = b.pack_linear({&w.attn_gate});
-    if (c.is_moe_layer(i) && c.moe_beside_mlp) {  // Gemma 4: the dense MLP beside the experts, and their norms
+    if (!c.is_moe_layer(i) || c.moe_beside_mlp) {  // the dense MLP (Gemma 4's MoE layers keep it beside the experts)
       l.gate_up =
           w.gate_up_proj.is_empty() ? b.pack_linear({&w.gate_proj, &w.up_proj}) : b.pack_linear({&w.gate_up_proj});
       l.down_proj = b.pack_linear({&w.down_proj});
+    }
+    if (c.is_moe_layer(i) && c.moe_beside_mlp) {  // Gemma 4: the norms around the two, the router's scales
       l.post_mlp_norm_1 = norm(w.post_mlp_norm_1);
       l.pre_moe_norm = norm(w.pre_moe_norm);
       l.post_moe_norm = norm(w.post_moe_norm);
@@ -80,10 +82,6 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
         l.shared_down = b.pack_linear({&w.shared_expert.down_proj});
         l.shared_gate = b.pack_linear({&w.shared_expert_gate});
       }
-    } else {
-      l.gate_up =
-          w.gate_up_proj.is_empty() ? b.pack_linear({&w.gate_proj, &w.up_proj}) : b.pack_linear({&w.gate_up_proj});
-      l.down_proj = b.pack_linear({&w.down_proj});
     }
     l.q_norm = norm(w.q_norm);
     l.k_norm = norm(w.k_norm);

@@ -106,10 +106,8 @@ def rope_table(params: dict, head_dim: int, max_position_embeddings: int) -> Rop
         is_medium = ~(wavelen < f32(high_wavelen)) & ~(wavelen > f32(low_wavelen))
         return RopeTable(np.where(is_medium, smoothed, scaled).astype(f32), 1.0)
     if rope_type == "proportional":  # the first partial_rotary_factor of the head's angles rotate, the rest do not
-        angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
-        exponents = np.arange(0, 2 * angles, 2, dtype=np.int64).astype(f32) / f32(head_dim)
-        rotated = _recip((np.float64(f32(base)) ** exponents.astype(np.float64)).astype(f32))
-        table = np.concatenate([rotated, np.zeros(head_dim // 2 - angles, dtype=f32)])
+        angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)  # (dim is head_dim here)
+        table = np.concatenate([inv_freq[:angles], np.zeros(head_dim // 2 - angles, dtype=f32)])
         return RopeTable((table / f32(params.get("factor", 1.0))).astype(f32), 1.0)
     if rope_type == "yarn":
         return _yarn(params, dim, base, max_position_embeddings)
