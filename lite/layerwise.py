@@ -114,10 +114,16 @@ class LayerwiseModel:
         self.architecture = architecture_of(raw, self.folder)
         self.awq_map: AwqMap = get_awq_map(self.architecture)
         self.arch = get_architecture(self.architecture)  # a multimodal checkpoint: the text model, its names mapped
-        if self.arch.model_fields(raw).moe_beside_mlp:
+        fields = self.arch.model_fields(raw)
+        if fields.moe_beside_mlp:
             raise ValueError(f"lmkit lite does not quantize {self.architecture}'s MoE block (routed experts beside the "
                              "dense MLP, Gemma 4 26B-A4B) yet; it quantizes the dense Gemma 4 models. The engine runs "
                              "this one in fp16/bf16/fp32")
+        if fields.per_layer_input_size or fields.layer_kv_source:
+            raise ValueError(f"lmkit lite does not quantize {self.architecture}'s E-model form (per-layer embeddings, "
+                             "layers reading earlier layers' KV: Gemma 4 E2B/E4B) yet: its layer-wise pass carries "
+                             "neither; it quantizes the dense Gemma 4 models. The engine runs this one in "
+                             "fp16/bf16/fp32")
         self.entries = index_folder(self.folder)
         check_not_quantized(raw, self.entries, self.folder)
         self.config = text_model_config(AutoConfig.from_pretrained(self.folder), self.arch)

@@ -51,7 +51,8 @@ enum class Activation : int32_t { kSilu = 0, kGeluTanh = 1, kClampedSwiglu = 2 }
 
 // Everything one attention layer needs besides its linears.
 struct AttentionSpec {
-  int32_t layer = 0;              // KV pool layer
+  int32_t layer = 0;              // KV pool layer (another layer's when reads_shared_kv)
+  bool reads_shared_kv = false;   // qkv holds only q [rows, H hd]: the cache of `layer` is read, nothing written
   int32_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   const DeviceVector* q_norm = nullptr;  // RMSNorm before RoPE (nullptr: none): per head, or over the
   const DeviceVector* k_norm = nullptr;  //   whole q / k projection when norm_whole (OLMoE)
@@ -118,6 +119,10 @@ class Backend {
   virtual RopeTable upload_rope(const std::vector<float>& inv_freq, float attention_scaling) = 0;
   // The embedding table, read by embedding(); may be the lm_head's tensor (tied).
   virtual void set_embedding(const Tensor& table) = 0;
+  // The per-layer embedding table [vocab, layers * P] (config per_layer_input_size P > 0): a view kept as given
+  virtual void set_per_layer_embedding(const Tensor& table) {
+    LMKIT_CHECK(table.is_empty(), name(), " backend has no per-layer embeddings");
+  }
   // An activation workspace of rows x cols.
   virtual std::shared_ptr<void> allocate_activations(int64_t rows, int64_t cols) = 0;
   // The packed weights are in: release what the backend no longer reads from the mapped files.
@@ -158,6 +163,20 @@ class Backend {
 
   // out = table[step ids] * scale                                              out: [rows, hidden]
   virtual void embedding(int64_t rows, int64_t hidden, float scale, void* out) = 0;
+  // Per-layer embeddings (Gemma 4's E-models): out = (out + per_layer_table[step ids] * scale) * mix, the table from
+  // set_per_layer_embedding                                                     out: [rows, dim]
+  virtual void add_per_layer_embedding(int64_t rows, int64_t dim, float scale, float mix, void* out) {
+    LMKIT_CHECK(false, name(), " backend has no per-layer embeddings");
+  }
+  // x += y                                                                       x, y: [rows, dim]
+  virtual void add(void* x, const void* y, int64_t rows, int64_t dim) {
+    LMKIT_CHECK(false, name(), " backend has no per-layer embeddings");
+  }
+  // gate[r] = act(gate[r]) * x[r x_stride + x_first ...] (act: silu or gelu_tanh)     gate: [rows, dim]
+  virtual void gated_product(void* gate, const void* x, int64_t x_first, int64_t x_stride, int64_t rows, int64_t dim,
+                             Activation act) {
+    LMKIT_CHECK(false, name(), " backend has no per-layer embeddings");
+  }
   // out = x / rms(x) * w (w from upload_norm)                                  x, out: [rows, dim]; may alias
   virtual void rmsnorm(const void* x, const DeviceVector& w, float eps, int64_t rows, int64_t dim, void* out) = 0;
   // residual += x; out = rmsnorm(residual) * w
@@ -167,7 +186,8 @@ class Backend {
   virtual void linear(const void* x, int64_t rows, const PackedLinear& w, void* out) = 0;
   // Self-attention of one layer over the KV pool, from the fused projection qkv [rows, (H + 2 KVH) hd]
   // (q | k | v per row; read and overwritten): q/k norms, RoPE, K/V written at the step's slots, then paged
-  // attention of the step's sequences. out: [rows, H hd].
+  // attention of the step's sequences. out: [rows, H hd]. With spec.reads_shared_kv qkv is q alone, over the
+  // cache an earlier layer wrote this step.
   virtual void attention(void* qkv, int64_t rows, const AttentionSpec& spec, void* out) = 0;
   // The token mixer of one recurrent layer, from the fused projection proj [rows, spec.proj_dim()] (q | k | v | z |
   // b | a per row; read and overwritten): the short causal convolution and SiLU over q | k | v, the gated delta

@@ -120,6 +120,7 @@ class CpuBackend final : public Backend {
   }
 
   void set_embedding(const Tensor& table) override { embedding_ = table; }
+  void set_per_layer_embedding(const Tensor& table) override { per_layer_embedding_ = table; }
 
   std::shared_ptr<void> allocate_activations(int64_t rows, int64_t cols) override {
     const int64_t bytes = std::max<int64_t>(rows * cols, 1) * (int64_t)sizeof(float);
@@ -268,6 +269,24 @@ class CpuBackend final : public Backend {
   int64_t num_logit_rows() const override { return (int64_t)batch_->logit_rows.size(); }
   int64_t max_head_rows() const override { return kHeadRows; }
 
+  void add_per_layer_embedding(int64_t rows, int64_t dim, float scale, float mix, void* out) override {
+    const Tensor& t = per_layer_embedding_;
+    LMKIT_CHECK(t.ndim == 2 && t.shape[1] == dim, "per-layer embedding table not set");
+    per_layer_rows_.resize(rows * dim);
+    float* e = per_layer_rows_.data();
+    if (dtype_is_block(t.dtype)) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int32_t id = batch_->token_ids[r];
+        LMKIT_CHECK(id >= 0 && id < t.shape[0], "per-layer embedding: token id ", id, " out of range");
+        ggml_dequantize_row(t, id, e + r * dim);
+      }
+    } else {
+      ops::embedding(t, batch_->token_ids.data(), rows, e);
+    }
+    float* o = f32(out);
+    for (int64_t i = 0; i < rows * dim; ++i) o[i] = (o[i] + e[i] * scale) * mix;
+  }
+
   void embedding(int64_t rows, int64_t hidden, float scale, void* out) override {
     LMKIT_CHECK(embedding_.ndim == 2 && embedding_.shape[1] == hidden, "embedding table not set");
     if (dtype_is_block(embedding_.dtype)) {  // GGUF blocks: each row dequantized as it is looked up
@@ -314,7 +333,18 @@ class CpuBackend final : public Backend {
 
   void attention(void* qkv, int64_t rows, const AttentionSpec& a, void* out) override {
     const int64_t Q = (int64_t)a.num_heads * a.head_dim, KV = (int64_t)a.num_kv_heads * a.head_dim;
-    float *q, *k, *v;
+    float *q, *k = nullptr, *v = nullptr;
+    if (a.reads_shared_kv) {  // q only; K/V are the source layer's, already in the cache
+      q = f32(qkv);
+      if (a.q_norm) ops::rmsnorm(q, view(*a.q_norm), a.norm_eps, rows * a.num_heads, a.head_dim, q);
+      if (a.rope)
+        ops::rope(q, nullptr, batch_->positions.data(), rows, a.num_heads, 0, a.head_dim,
+                  static_cast<const float*>(a.rope->inv_freq.get()), a.rope->attention_scaling, a.rope->rotary_dim);
+      ops::paged_attention(q, kv_layers_[a.layer], attn_seqs_.data(), (int32_t)attn_seqs_.size(), a.num_heads, a.scale,
+                           a.sliding_window, f32(out), a.logit_softcap,
+                           a.sinks ? static_cast<const float*>(a.sinks->data.get()) : nullptr);
+      return;
+    }
     split_qkv(f32(qkv), rows, Q, KV, q, k, v);
     if (a.q_norm && a.norm_whole) ops::rmsnorm(q, view(*a.q_norm), a.norm_eps, rows, Q, q);
     else if (a.q_norm) ops::rmsnorm(q, view(*a.q_norm), a.norm_eps, rows * a.num_heads, a.head_dim, q);
@@ -466,6 +496,21 @@ class CpuBackend final : public Backend {
   }
 
   void softcap(void* x, int64_t rows, int64_t dim, float cap) override { ops::softcap(f32(x), rows * dim, cap); }
+  void add(void* x, const void* y, int64_t rows, int64_t dim) override {
+    float* a = f32(x);
+    const float* b = static_cast<const float*>(y);
+    for (int64_t i = 0; i < rows * dim; ++i) a[i] += b[i];
+  }
+  void gated_product(void* gate, const void* x, int64_t x_first, int64_t x_stride, int64_t rows, int64_t dim,
+                     Activation act) override {
+    LMKIT_CHECK(act == Activation::kGeluTanh || act == Activation::kSilu, "gated_product: silu or gelu_tanh");
+    for (int64_t t = 0; t < rows; ++t) {
+      float* g = f32(gate) + t * dim;
+      const float* u = static_cast<const float*>(x) + t * x_stride + x_first;
+      if (act == Activation::kGeluTanh) ops::gelu_tanh_mul(g, u, 1, dim, g);
+      else ops::silu_mul(g, u, 1, dim, g);
+    }
+  }
   void scale(void* x, int64_t rows, int64_t dim, float s) override { ops::scale(f32(x), rows * dim, s); }
 
   void take_logits(const Batch& batch, int64_t first, int64_t n, const void* logits, int64_t vocab,
@@ -541,6 +586,8 @@ class CpuBackend final : public Backend {
   std::vector<std::pair<void*, int64_t>> mapped_activations_;  // (mapping, bytes): released when idle
   std::vector<std::shared_ptr<CpuLinear>> packed_;  // what pack_linear / pack_lm_head made, until weights_packed
   Tensor embedding_;
+  Tensor per_layer_embedding_;
+  std::vector<float> per_layer_rows_;  // the step's rows of per_layer_embedding_
   const Batch* batch_ = nullptr;
   std::vector<ops::AttnSeq> attn_seqs_;
   std::vector<float> q_, k_, v_, scratch_, row_;

@@ -134,6 +134,9 @@ class CudaBackend final : public Backend {
     if (c.has_v_norm) missing.push_back("the value norm");
     if (c.has_layer_scalar) missing.push_back("per-layer output scalars");
     if (c.moe_beside_mlp) missing.push_back("an MLP beside the experts");
+    if (!c.layer_kv_source.empty()) missing.push_back("cross-layer KV sharing");
+    if (!c.layer_intermediate_size.empty()) missing.push_back("per-layer MLP widths");
+    if (c.per_layer_input_size > 0) missing.push_back("per-layer embeddings");
     bool int8_weights = false;  // compressed-tensors int8 (GGUF's int8 blocks are refused with their own message)
     for (const LayerWeights& w : weights.layers)
       for (const LinearTensors* t : w.linears())

@@ -48,7 +48,9 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
       l.decay_rate = b.upload_norm(make_view(rate.data(), DType::F32, HV), 0.0f);
       l.dt_bias = b.upload_norm(w.dt_bias, 0.0f);
       l.recurrent_norm = b.upload_norm(w.linear_norm, 0.0f);  // a plain weight, whatever the model's other norms
-    } else if (!w.qkv_proj.is_empty())
+    } else if (c.reads_shared_kv(i))  // q alone: its K/V are layer kv_source(i)'s
+      l.qkv = b.pack_linear({&w.q_proj});
+    else if (!w.qkv_proj.is_empty())
       l.qkv = b.pack_linear({&w.qkv_proj}, {&w.q_bias, &w.k_bias, &w.v_bias});
     else
       l.qkv = b.pack_linear({&w.q_proj, &w.k_proj, &w.v_proj}, {&w.q_bias, &w.k_bias, &w.v_bias});
@@ -85,7 +87,12 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     }
     l.q_norm = norm(w.q_norm);
     l.k_norm = norm(w.k_norm);
-    if (c.has_v_norm && !l.is_recurrent) {  // an RMSNorm without weight: ones, whatever the norms' offset
+    if (c.per_layer_input_size > 0) {
+      l.ple_gate = b.pack_linear({&w.per_layer_input_gate});
+      l.ple_proj = b.pack_linear({&w.per_layer_projection});
+      l.ple_norm = norm(w.post_per_layer_input_norm);
+    }
+    if (c.has_v_norm && !l.is_recurrent && !c.reads_shared_kv(i)) {  // an RMSNorm without weight: ones, whatever the norms' offset
       const std::vector<float> ones(c.head_dim_of(i), 1.0f);
       l.v_norm = b.upload_norm(make_view((void*)ones.data(), DType::F32, (int64_t)ones.size()), 0.0f);
     }
@@ -109,7 +116,8 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
       continue;
     }
     AttentionSpec& a = l.attention;
-    a.layer = i;
+    a.layer = c.kv_source(i);
+    a.reads_shared_kv = c.reads_shared_kv(i);
     a.num_heads = c.num_heads, a.num_kv_heads = c.kv_heads_of(i), a.head_dim = c.head_dim_of(i);
     a.q_norm = l.q_norm.is_empty() ? nullptr : &l.q_norm;
     a.k_norm = l.k_norm.is_empty() ? nullptr : &l.k_norm;
@@ -125,6 +133,11 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   final_norm_ = norm(weights.final_norm);
   lm_head_ = b.pack_lm_head(weights.lm_head, quantized);
   b.set_embedding(weights.embed_tokens);
+  if (c.per_layer_input_size > 0) {
+    b.set_per_layer_embedding(weights.embed_tokens_per_layer);
+    ple_model_proj_ = b.pack_linear({&weights.per_layer_model_projection});
+    ple_proj_norm_ = norm(weights.per_layer_projection_norm);
+  }
   b.weights_packed(weights);
 
   std::vector<KVQuant> kv_quant = options.kv_quant;
@@ -133,7 +146,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
                   " layers, the model has ", c.num_layers);
   std::vector<int32_t> kv_heads(c.num_layers), head_dims(c.num_layers);
   for (int32_t i = 0; i < c.num_layers; ++i) {
-    kv_heads[i] = c.is_recurrent_layer(i) ? 0 : c.kv_heads_of(i);
+    kv_heads[i] = c.is_recurrent_layer(i) || c.reads_shared_kv(i) ? 0 : c.kv_heads_of(i);
     head_dims[i] = c.head_dim_of(i);
   }
   b.configure_kv(kv_quant, kv_heads, head_dims, options.block_size_tokens);
@@ -143,7 +156,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   LMKIT_CHECK(T > 0, "max_step_tokens must be > 0");
   residual_ = b.allocate_activations(T, H);
   hidden_ = b.allocate_activations(T, H);
-  int64_t wide = std::max<int64_t>(2 * (int64_t)c.intermediate_size, c.max_qkv_size());
+  int64_t wide = std::max<int64_t>(2 * (int64_t)c.max_intermediate_size(), c.max_qkv_size());
   wide = std::max<int64_t>(wide, 2 * (int64_t)c.shared_expert_intermediate_size);
   int64_t mixed = c.max_q_size();  // the token mixer's output: attention's, or a recurrent layer's (value_dim)
   for (const RecurrentSpec& r : recurrent) wide = std::max(wide, r.proj_dim()), mixed = std::max(mixed, r.value_dim());
@@ -158,6 +171,10 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     moe_in_ = b.allocate_activations(T, H);
     router_in_ = b.allocate_activations(T, H);
   }
+  if (c.per_layer_input_size > 0) {
+    ple_ = b.allocate_activations(T, (int64_t)c.num_layers * c.per_layer_input_size);
+    ple_gate_ = b.allocate_activations(T, c.per_layer_input_size);
+  }
   head_residual_ = b.allocate_activations(G, H);
   head_hidden_ = b.allocate_activations(G, H);
   logits_ = b.allocate_activations(G, c.vocab_size);
@@ -165,10 +182,11 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
 }
 
 int64_t DecoderModel::dense_weight_bytes() const {
-  int64_t bytes = lm_head_.size_bytes;
+  int64_t bytes = lm_head_.size_bytes + ple_model_proj_.size_bytes;
   for (const Layer& l : layers_)
     for (const PackedLinear* w : {&l.qkv, &l.attn_gate, &l.o_proj, &l.gate_up, &l.down_proj, &l.recurrent_in,
-                                  &l.recurrent_out, &l.shared_gate_up, &l.shared_down, &l.shared_gate})
+                                  &l.recurrent_out, &l.shared_gate_up, &l.shared_down, &l.shared_gate, &l.ple_gate,
+                                  &l.ple_proj})
       bytes += w->size_bytes;
   return bytes;
 }
@@ -209,7 +227,7 @@ void DecoderModel::recurrent_block(int32_t l, int64_t rows, void* h) {
 void DecoderModel::mlp_block(int32_t l, int64_t rows, void* h) {
   const Layer& w = layers_[l];
   if (w.moe.router.is_empty()) {
-    gated_mlp(h, rows, w.gate_up, w.down_proj, config_.intermediate_size, h);
+    gated_mlp(h, rows, w.gate_up, w.down_proj, config_.intermediate_of(l), h);
     return;
   }
   const bool shared = !w.shared_down.is_empty();
@@ -225,13 +243,33 @@ void DecoderModel::mlp_beside_experts_block(int32_t l, int64_t rows, const void*
   const Layer& w = layers_[l];
   const ModelConfig& c = config_;
   const int64_t H = c.hidden_size;
-  gated_mlp(h, rows, w.gate_up, w.down_proj, c.intermediate_size, h);
+  gated_mlp(h, rows, w.gate_up, w.down_proj, c.intermediate_of(l), h);
   backend_->rmsnorm(h, w.post_mlp_norm_1, c.rms_norm_eps, rows, H, h);
   backend_->rmsnorm(x, w.pre_moe_norm, c.rms_norm_eps, rows, H, moe_in_.get());
   backend_->rmsnorm(x, w.router_norm, c.rms_norm_eps, rows, H, router_in_.get());
   step_expert_bytes_ += backend_->moe(moe_in_.get(), rows, w.moe, moe_spec_, moe_in_.get(), router_in_.get());
   backend_->rmsnorm(moe_in_.get(), w.post_moe_norm, c.rms_norm_eps, rows, H, moe_in_.get());
   backend_->add_rmsnorm(h, moe_in_.get(), w.post_mlp_norm, c.rms_norm_eps, rows, H, h);  // h += experts; norm
+}
+
+void DecoderModel::per_layer_inputs(int64_t rows, const void* x) {
+  const ModelConfig& c = config_;
+  const int64_t P = c.per_layer_input_size, LP = (int64_t)c.num_layers * P;
+  backend_->linear(x, rows, ple_model_proj_, ple_.get());
+  backend_->scale(ple_.get(), rows, LP, 1.0f / std::sqrt((float)c.hidden_size));
+  backend_->rmsnorm(ple_.get(), ple_proj_norm_, c.rms_norm_eps, rows * c.num_layers, P, ple_.get());
+  backend_->add_per_layer_embedding(rows, LP, std::sqrt((float)P), (float)std::sqrt(0.5), ple_.get());
+}
+
+void DecoderModel::per_layer_input_block(int32_t l, int64_t rows, void* x, void* h) {
+  const ModelConfig& c = config_;
+  const Layer& w = layers_[l];
+  const int64_t P = c.per_layer_input_size, H = c.hidden_size;
+  backend_->add(x, h, rows, H);
+  backend_->linear(x, rows, w.ple_gate, ple_gate_.get());
+  backend_->gated_product(ple_gate_.get(), ple_.get(), l * P, c.num_layers * P, rows, P, activation_);
+  backend_->linear(ple_gate_.get(), rows, w.ple_proj, h);
+  backend_->rmsnorm(h, w.ple_norm, c.rms_norm_eps, rows, H, h);
 }
 
 void DecoderModel::gated_mlp(const void* h, int64_t rows, const PackedLinear& gate_up, const PackedLinear& down,

@@ -61,6 +61,9 @@ class DecoderModel : public Executor {
     // input norm (its scale / sqrt(hidden) as the weight)
     DeviceVector post_mlp_norm_1, pre_moe_norm, post_moe_norm, router_norm;
     float scalar = 1.0f;  // the residual stream times this after the layer (config has_layer_scalar)
+    // per-layer embeddings (config per_layer_input_size): the gate, the projection back and its norm, or empty
+    PackedLinear ple_gate, ple_proj;
+    DeviceVector ple_norm;
     AttentionSpec attention;
     // a recurrent layer (is_recurrent) instead of attention: q | k | v | z | b | a in one linear, and out_proj
     bool is_recurrent = false;
@@ -79,6 +82,12 @@ class DecoderModel : public Executor {
   // Gemma 4's MoE layer (config moe_beside_mlp): x [rows, hidden] the residual stream, h = pre_mlp_norm(x) ->
   // h = post_mlp_norm(post_mlp_norm_1(mlp(h)) + post_moe_norm(experts(pre_moe_norm(x), routed on router_norm(x))))
   void mlp_beside_experts_block(int32_t l, int64_t rows, const void* x, void* h);
+  // Per-layer embeddings (config per_layer_input_size P): from the scaled embeddings x [rows, hidden], every
+  // layer's input ple_ [rows, layers, P] = (norm(proj(x) / sqrt(hidden)) + table[ids] * sqrt(P)) / sqrt(2).
+  void per_layer_inputs(int64_t rows, const void* x);
+  // The end of layer l with per-layer embeddings: x += h (the block output still pending), then
+  // h = norm(proj(act(gate(x)) * ple_[:, l])), pending in turn.
+  void per_layer_input_block(int32_t l, int64_t rows, void* x, void* h);
   // h [rows, hidden] -> the gated MLP gate_up, down (inter wide) -> out; h and out may alias
   void gated_mlp(const void* h, int64_t rows, const PackedLinear& gate_up, const PackedLinear& down, int64_t inter,
                  void* out);
@@ -101,13 +110,15 @@ class DecoderModel : public Executor {
   int64_t step_expert_bytes_ = 0;  // routers and experts the current step ran
   DeviceVector final_norm_;
   PackedLinear lm_head_;
+  PackedLinear ple_model_proj_;  // per-layer embeddings: the projection of the scaled embeddings, and its norm
+  DeviceVector ple_proj_norm_;
   std::vector<RopeTable> rope_tables_;  // [0] global, [1] local
   ModelWeights weights_;                // keeps the mapped files of views still read (embedding)
   // Workspaces, max_step_tokens rows (wide_: the fused q/k/v output, then gate | up; shared_: the shared expert's
   // output and its gate's [rows, 1]; moe_in_, router_in_: Gemma 4's experts' and router's inputs); head:
   // max_head_rows().
   std::shared_ptr<void> residual_, hidden_, wide_, attn_, gate_, shared_, shared_gate_, moe_in_, router_in_,
-      head_residual_, head_hidden_, logits_;
+      head_residual_, head_hidden_, logits_, ple_, ple_gate_;
 };
 
 // The family's model for config.family (registry.cpp); InvalidArgument listing the known families otherwise.

@@ -85,6 +85,27 @@ void ModelConfig::validate() const {
   }
   LMKIT_CHECK_ARG(!moe_beside_mlp || (any_moe && intermediate_size > 0 && family == "gemma"), a,
                   ": the MLP beside the experts needs MoE layers, an intermediate_size and the gemma family");
+  for (const std::vector<int32_t>* v : {&layer_kv_source, &layer_intermediate_size})
+    LMKIT_CHECK_ARG(v->empty() || (int32_t)v->size() == num_layers, a, ": a per-layer list has ", v->size(),
+                    " entries for ", num_layers, " layers");
+  for (int32_t l = 0; l < num_layers; ++l) {
+    const int32_t s = kv_source(l);
+    LMKIT_CHECK_ARG(s >= 0 && s <= l, a, ": layer ", l, " reads the KV cache of layer ", s, ", not an earlier one");
+    if (s == l) continue;
+    LMKIT_CHECK_ARG(!reads_shared_kv(s) && !is_recurrent_layer(s) && !is_recurrent_layer(l), a, ": layer ", l,
+                    " reads the KV cache of layer ", s, ", which keeps none of its own");
+    LMKIT_CHECK_ARG(head_dim_of(s) == head_dim_of(l) && kv_heads_of(s) == kv_heads_of(l) &&
+                        layer_sliding_window[s] == layer_sliding_window[l] && layer_rope[s] == layer_rope[l],
+                    a, ": layer ", l, " reads the KV cache of layer ", s, ", whose head dim, KV heads, window or "
+                    "rotary table differ");
+    LMKIT_CHECK_ARG(!v_from_k(l), a, ": layer ", l, " reads another layer's KV cache and takes values from k_proj");
+  }
+  for (int32_t l = 0; l < num_layers; ++l)
+    LMKIT_CHECK_ARG((is_moe_layer(l) && !moe_beside_mlp) || intermediate_of(l) > 0, a, ": layer ", l,
+                    " intermediate size must be > 0, got ", intermediate_of(l));
+  LMKIT_CHECK_ARG(per_layer_input_size >= 0, a, ": hidden_size_per_layer_input must be >= 0, got ",
+                  per_layer_input_size);
+  LMKIT_CHECK_ARG(per_layer_input_size == 0 || family == "gemma", a, ": per-layer embeddings need the gemma family");
   LMKIT_CHECK_ARG(shared_expert_intermediate_size >= 0, a, ": shared_expert_intermediate_size must be >= 0, got ",
                   shared_expert_intermediate_size);
 }
@@ -100,6 +121,12 @@ float ModelConfig::softmax_scale(int32_t l) const {
 int32_t ModelConfig::max_q_size() const {
   int32_t widest = q_size();
   for (int32_t l = 0; l < num_layers; ++l) widest = std::max(widest, q_size_of(l));
+  return widest;
+}
+
+int32_t ModelConfig::max_intermediate_size() const {
+  int32_t widest = intermediate_size;
+  for (int32_t l = 0; l < num_layers; ++l) widest = std::max(widest, intermediate_of(l));
   return widest;
 }
 

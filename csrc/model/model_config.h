@@ -95,6 +95,18 @@ struct ModelConfig {
   // own norm of the layer's input and routed on a weightless norm of it times the router's scale vector / sqrt(hidden);
   // each expert's routing weight times its per_expert_scale; post-norms on both, summed, then post_mlp_norm.
   bool moe_beside_mlp = false;
+  // Cross-layer KV sharing (Gemma 4's E-models): layer_kv_source[l] is the layer whose KV cache layer l reads; l
+  // itself when it keeps its own. A layer reading another's has only q_proj (no k/v projections, no k norm) and
+  // no KV of its own; its source is an earlier layer of the same attention shape, window and rotary table.
+  // Empty: every layer its own.
+  std::vector<int32_t> layer_kv_source;
+  // Per layer: its dense MLP's width (Gemma 4's use_double_wide_mlp: the KV-sharing layers' are twice as wide).
+  // Empty: intermediate_size everywhere.
+  std::vector<int32_t> layer_intermediate_size;
+  // Per-layer embeddings (Gemma 4's E-models), per_layer_input_size P > 0: a second table [vocab, layers * P] and
+  // a projection of the scaled embeddings give each layer a P-wide input, ple = (norm(proj(x) / sqrt(hidden)) +
+  // table[id] * sqrt(P)) / sqrt(2) per layer slice; each layer ends with x += norm(proj(act(gate(x)) * ple_l)).
+  int32_t per_layer_input_size = 0;
 
   // Throws InvalidArgument naming the field when the shape is impossible.
   void validate() const;
@@ -107,6 +119,12 @@ struct ModelConfig {
   int32_t q_size_of(int32_t l) const { return num_heads * head_dim_of(l); }
   int32_t kv_size_of(int32_t l) const { return kv_heads_of(l) * head_dim_of(l); }
   bool v_from_k(int32_t l) const { return !layer_v_from_k.empty() && layer_v_from_k[l] != 0; }
+  int32_t kv_source(int32_t l) const { return layer_kv_source.empty() ? l : layer_kv_source[l]; }
+  bool reads_shared_kv(int32_t l) const { return kv_source(l) != l; }
+  int32_t intermediate_of(int32_t l) const {
+    return layer_intermediate_size.empty() ? intermediate_size : layer_intermediate_size[l];
+  }
+  int32_t max_intermediate_size() const;
   int32_t max_q_size() const;    // the widest layer's q_size_of
   int32_t max_qkv_size() const;  // the widest layer's q_size_of + 2 kv_size_of
   float softmax_scale(int32_t l) const;

@@ -257,7 +257,7 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     }
     return out;
   };
-  const int64_t H = config.hidden_size, I = config.intermediate_size, V = config.vocab_size;
+  const int64_t H = config.hidden_size, V = config.vocab_size;
   const bool is_gemma = config.family == "gemma";
   w.embed_tokens = get("embed_tokens", {V, H}, true, DType::F32, true);
   w.final_norm = get("norm", {H});
@@ -269,6 +269,12 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   const RowOrder k_rows =
       config.qk_rotary_interleaved ? ggml_rotary_row_order(config.num_kv_heads, config.head_dim) : nullptr;
   if (w.lm_head.is_empty()) w.lm_head = w.embed_tokens;
+  const int64_t P = config.per_layer_input_size, LP = (int64_t)config.num_layers * P;
+  if (P > 0) {
+    w.embed_tokens_per_layer = get("embed_tokens_per_layer", {V, LP}, true, DType::F32, true);
+    w.per_layer_model_projection = get_linear("per_layer_model_projection", LP, H);
+    w.per_layer_projection_norm = get("per_layer_projection_norm", {P});
+  }
   // Expert e's part of a tensor stacked over the experts ([E, ...] -> [...]), a view.
   auto expert_view = [](Tensor t, int64_t e) {
     int64_t bytes = dtype_size_bytes(t.dtype);
@@ -358,7 +364,8 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
       l.experts.push_back(std::move(ex));
     }
   };
-  auto load_dense_mlp = [&](const std::string& p, LayerWeights& l) {
+  auto load_dense_mlp = [&](int32_t i, const std::string& p, LayerWeights& l) {
+    const int64_t I = config.intermediate_of(i);
     if (has(p + "gate_up_proj")) {
       l.gate_up_proj = get_linear(p + "gate_up_proj", 2 * I, H);
     } else {
@@ -369,7 +376,7 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
   };
   auto load_mlp = [&](int32_t i, const std::string& p, LayerWeights& l) {
     if (config.is_moe_layer(i) && config.moe_beside_mlp) {  // Gemma 4: the dense MLP too, and the block's norms
-      load_dense_mlp(p, l);
+      load_dense_mlp(i, p, l);
       l.post_mlp_norm_1 = get(p + "post_mlp_norm_1", {H});
       l.pre_moe_norm = get(p + "pre_moe_norm", {H});
       l.post_moe_norm = get(p + "post_moe_norm", {H});
@@ -438,7 +445,7 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
         l.shared_expert_gate = get_linear(p + "shared_expert_gate", 1, H);
       }
     } else {
-      load_dense_mlp(p, l);
+      load_dense_mlp(i, p, l);
     }
   };
   auto load_recurrent = [&](const std::string& p, LayerWeights& l) {
@@ -497,7 +504,8 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     // this layer's attention shape (Gemma 4's global layers are wider than its sliding ones)
     const int64_t Q = config.q_size_of(i), KV = config.kv_size_of(i), D = config.head_dim_of(i);
     l.q_norm = get(p + "q_norm", {config.qk_norm_whole ? Q : D}, config.has_qk_norm);
-    l.k_norm = get(p + "k_norm", {config.qk_norm_whole ? KV : D}, config.has_qk_norm);
+    const bool shared_kv = config.reads_shared_kv(i);  // its K/V are layer kv_source(i)'s: q only
+    l.k_norm = get(p + "k_norm", {config.qk_norm_whole ? KV : D}, config.has_qk_norm && !shared_kv);
     LMKIT_CHECK_ARG(!config.v_from_k(i) || (!config.has_qkv_bias && !config.attn_output_gate), config.architecture,
                     ": values taken from k_proj go with neither q/k/v biases nor an output gate");
     LMKIT_CHECK_ARG(!config.qk_rotary_interleaved || !has(p + "qkv_proj"), config.architecture,
@@ -506,7 +514,11 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
                     ": interleaved rotary rows with q/k biases are not supported");
     LMKIT_CHECK_ARG(!config.attn_output_gate || !has(p + "qkv_proj"), config.architecture,
                     ": an attention output gate needs a separate q_proj");
-    if (config.attn_output_gate) {
+    if (shared_kv) {
+      LMKIT_CHECK_ARG(!config.has_qkv_bias && !config.attn_output_gate && !has(p + "qkv_proj"), config.architecture,
+                      ": a layer reading another's KV cache has a plain q_proj (no bias, gate or fused qkv)");
+      l.q_proj = get_linear(p + "q_proj", Q, H, q_rows);
+    } else if (config.attn_output_gate) {
       // q_proj [heads, 2, head_dim] rows: each head's query, then its gate. Split into two [q_size, hidden] weights.
       std::vector<int32_t> query, gate;
       for (int64_t h = 0; h < config.num_heads; ++h)
@@ -539,6 +551,11 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     l.o_bias = get(p + "o_bias", {H}, config.has_o_bias);
     l.sinks = get(p + "sinks", {(int64_t)config.num_heads}, config.attention_sinks);
     load_mlp(i, p, l);
+    if (P > 0) {
+      l.per_layer_input_gate = get_linear(p + "per_layer_input_gate", P, H);
+      l.per_layer_projection = get_linear(p + "per_layer_projection", H, P);
+      l.post_per_layer_input_norm = get(p + "post_per_layer_input_norm", {H});
+    }
     w.layers.push_back(std::move(l));
   }
   for (auto& kv : files) w.files.push_back(kv.second);

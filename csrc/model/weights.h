@@ -110,10 +110,15 @@ struct LayerWeights {
   Tensor conv1d;                        // [conv_dim, 1, kernel] (or [conv_dim, kernel]): the short convolution
   Tensor dt_bias, a_log;                // [Hv]
   Tensor linear_norm;                   // [v_head_dim]: the gated RMSNorm's weight
+  // Per-layer embeddings (config per_layer_input_size P > 0): the layer's gate [P, hidden] and projection
+  // [hidden, P] and the norm [hidden] after it
+  LinearTensors per_layer_input_gate, per_layer_projection;
+  Tensor post_per_layer_input_norm;
   std::vector<const LinearTensors*> linears() const {
     std::vector<const LinearTensors*> all = {&qkv_proj, &q_proj, &k_proj,       &v_proj,  &o_proj,
                                              &gate_up_proj, &gate_proj, &up_proj, &down_proj, &router,
-                                             &in_proj_qkv, &in_proj_z, &in_proj_b, &in_proj_a, &out_proj};
+                                             &in_proj_qkv, &in_proj_z, &in_proj_b, &in_proj_a, &out_proj,
+                                             &per_layer_input_gate, &per_layer_projection};
     for (const LinearTensors* t :
          {&shared_expert.gate_proj, &shared_expert.up_proj, &shared_expert.down_proj, &shared_expert_gate})
       all.push_back(t);
@@ -127,6 +132,11 @@ struct ModelWeights {
   Tensor embed_tokens;  // [vocab, hidden]
   Tensor final_norm;    // [hidden]
   Tensor lm_head;       // [vocab, hidden]; the embedding when tied
+  // per_layer_input_size P > 0: the per-layer table [vocab, layers * P], the scaled embeddings' projection
+  // [layers * P, hidden] and the norm [P] of each layer's slice of it
+  Tensor embed_tokens_per_layer;
+  LinearTensors per_layer_model_projection;
+  Tensor per_layer_projection_norm;
   std::vector<LayerWeights> layers;
   std::vector<std::shared_ptr<MappedFile>> files;  // keep the mappings alive
   std::vector<std::shared_ptr<void>> owned;        // reordered copies (GGUF llama q/k in a float dtype, gpt-oss experts)
@@ -147,6 +157,9 @@ struct ModelWeights {
   // [E, 2 moe_inter, hidden / 32, 16] U8 with "experts.gate_up_proj_scales" [E, 2 moe_inter, hidden / 32] U8 (rows
   // alternating) and "experts.down_proj_blocks" / "_scales"; "experts.gate_up_bias" [E, 2 moe_inter] (alternating)
   // and "experts.down_bias" [E, hidden] with moe_biases, as "router_bias"; "o_bias" (has_o_bias), "sinks".
+  // A layer reading another's KV cache (layer_kv_source) has q_proj and q_norm, no k/v roles. Per-layer
+  // embeddings: "embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm" and per layer
+  // "per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm".
   // An int4 linear (config.int4_layout set) comes as "<role>.values", "<role>.zeros", "<role>.scales" and
   // "<role>.g_idx" (the layout's tensors, model/int4_layouts.h; zeros and g_idx where it has them) instead of
   // "<role>"; linears left dense (modules_to_not_convert, ignore lists) keep the plain role. Linears, the

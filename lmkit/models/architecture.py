@@ -95,10 +95,18 @@ class ModelFields:
     """Each layer's output (the residual stream) times its stored layer_scalar (Gemma 4)."""
     moe_beside_mlp: bool = False
     """MoE layers run the dense MLP and the experts side by side, each with its own norms (Gemma 4's MoE block)."""
+    layer_kv_source: list[int] = field(default_factory=list)
+    """Per layer: the layer whose KV cache it reads (itself, or an earlier layer: Gemma 4's cross-layer KV sharing,
+    a reading layer has q_proj alone); empty: every layer its own."""
+    layer_intermediate_size: list[int] = field(default_factory=list)
+    """Per layer: its dense MLP's width (Gemma 4's use_double_wide_mlp); empty: intermediate_size everywhere."""
+    per_layer_input_size: int = 0
+    """> 0: per-layer embeddings of this width per layer (Gemma 4's E-models: hidden_size_per_layer_input)."""
 
     def check(self) -> None:
         """ValueError when the per-layer lists or the rotary dim do not fit the shape."""
-        for name in ("layer_moe", "layer_recurrent", "layer_head_dim", "layer_num_kv_heads", "layer_v_from_k"):
+        for name in ("layer_moe", "layer_recurrent", "layer_head_dim", "layer_num_kv_heads", "layer_v_from_k",
+                     "layer_kv_source", "layer_intermediate_size"):
             values = getattr(self, name)
             if values and len(values) != self.num_layers:
                 raise ValueError(f"{name} has {len(values)} entries for {self.num_layers} layers")

@@ -10,8 +10,12 @@ softmax renormalized, then times each expert's per_expert_scale) side by side on
 a weightless norm of it times router.scale / sqrt(hidden), the experts their own norm; the two outputs are normed,
 summed, and normed again.
 
-Refused by name: the E-models' per-layer embeddings (hidden_size_per_layer_input) and cross-layer KV sharing
-(num_kv_shared_layers), and bidirectional attention.
+The E-models (E2B, E4B): per-layer embeddings (hidden_size_per_layer_input P: a second table [vocab, layers * P]
+and a projection of the scaled embeddings give each layer a P-wide input, which ends the layer with a gated
+projection back to hidden, normed and added); the last num_kv_shared_layers layers have no k/v projections and
+read the KV cache of the last earlier layer of their type (kv_sharing_modes), their MLP twice as wide with
+use_double_wide_mlp. use_bidirectional_attention "vision" (the shipped checkpoints') makes image tokens attend both
+ways: text, all lmkit serves, stays causal; "all" is refused by name.
 
 config.json layouts: transformers >= 5.25 saves the global layers' shape as per_layer_config ({"5": {"head_dim":
 512, "num_key_value_heads": 4}}); the hub's files (written by the release's transformers) as global_head_dim and
@@ -38,12 +42,19 @@ MOE_LAYER = {
     "pre_moe_norm": "pre_feedforward_layernorm_2.weight",
     "post_moe_norm": "post_feedforward_layernorm_2.weight",
 }
-KEY_MAP = {**GEMMA2_KEY_MAP, **layer_keys(QK_NORM_LAYER),
-           **layer_keys({"layer_scalar": "layer_scalar", **MOE_LAYER})}
+PER_LAYER_EMBEDDING = {"embed_tokens_per_layer": "model.embed_tokens_per_layer.weight",
+                       "per_layer_model_projection": "model.per_layer_model_projection.weight",
+                       "per_layer_projection_norm": "model.per_layer_projection_norm.weight"}
+PER_LAYER_EMBEDDING_LAYER = {"per_layer_input_gate": "per_layer_input_gate.weight",
+                             "per_layer_projection": "per_layer_projection.weight",
+                             "post_per_layer_input_norm": "post_per_layer_input_norm.weight"}
+KEY_MAP = {**GEMMA2_KEY_MAP, **PER_LAYER_EMBEDDING, **layer_keys(QK_NORM_LAYER),
+           **layer_keys({"layer_scalar": "layer_scalar", **MOE_LAYER, **PER_LAYER_EMBEDDING_LAYER})}
 # transformers.Gemma4TextConfig's defaults of the fields read here (global_head_dim: its __post_init__'s default)
 DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
             "tie_word_embeddings": True, "head_dim": 256, "attention_bias": False, "sliding_window": 512,
             "final_logit_softcapping": None, "use_bidirectional_attention": None, "hidden_size_per_layer_input": 256,
+            "vocab_size_per_layer_input": 262_144,
             "attention_k_eq_v": False, "num_kv_shared_layers": 0, "enable_moe_block": False,
             "use_double_wide_mlp": False, "num_experts": None, "top_k_experts": None, "moe_intermediate_size": None}
 GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig.__post_init__'s default of global_head_dim
@@ -53,13 +64,10 @@ DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_0
 
 
 def _refuse_unsupported(c: HfConfig) -> None:
-    if c.get("hidden_size_per_layer_input"):
-        raise c.error("hidden_size_per_layer_input", "gemma4: per-layer embeddings (the E2B/E4B models) are not "
-                                                     "supported")
-    if c.get("num_kv_shared_layers"):
-        raise c.error("num_kv_shared_layers", "gemma4: cross-layer KV sharing (the E2B/E4B models) is not supported")
     c.reject("attention_bias", "the q/k/v/o linears have biases")
-    c.reject("use_bidirectional_attention", "lmkit runs causal attention only")
+    if c.get("use_bidirectional_attention") not in (None, "vision"):  # "vision": image tokens only; text is causal
+        raise c.error("use_bidirectional_attention", "gemma4: bidirectional attention over text ('all') is not "
+                                                     "supported: lmkit runs causal attention")
 
 
 def _global_layer_shape(c: HfConfig, types: list[str], head_dim: int, kv_heads: int) -> tuple[list[int], list[int]]:
@@ -109,12 +117,13 @@ def read_config(c: HfConfig) -> ModelFields:
     if local_dims:
         rope_local, _ = layer_type_rope(c, local_dims.pop(), params["sliding_attention"], 10_000.0)
     k_eq_v = bool(c.get("attention_k_eq_v"))
+    e_model = _e_model_fields(c, types, int(shape["vocab_size"]), int(shape["intermediate_size"]))
     moe = {}
     if c.get("enable_moe_block"):
         experts, top_k = int(c.require("num_experts")), int(c.require("top_k_experts"))
         moe = dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(c.require(
             "moe_intermediate_size")), norm_topk_prob=True, layer_moe=[1] * n, moe_beside_mlp=True)
-    return ModelFields(**moe,**shape, hidden_act=activation(c, "hidden_activation", GELU_TANH),
+    return ModelFields(**moe, **shape, **e_model, hidden_act=activation(c, "hidden_activation", GELU_TANH),
                        embed_scale=gemma_embed_scale(shape["hidden_size"]), attn_scale=1.0, has_qk_norm=True,
                        rope=rope, rope_local=rope_local,
                        layer_rope=[ROPE_LOCAL if t == "sliding_attention" else ROPE_GLOBAL for t in types],
@@ -124,6 +133,42 @@ def read_config(c: HfConfig) -> ModelFields:
                        layer_num_kv_heads=heads if len(set(heads)) > 1 else [],
                        layer_v_from_k=[int(k_eq_v and t == "full_attention") for t in types] if k_eq_v else [],
                        has_v_norm=True, has_layer_scalar=True)
+
+
+def kv_sources(c: HfConfig, types: list[str]) -> list[int]:
+    """Per layer, the layer whose KV cache it reads (transformers' kv_sharing_modes): the last num_kv_shared_layers
+    layers read the last earlier layer of their own type; every other layer its own."""
+    n, shared = len(types), int(c.get("num_kv_shared_layers") or 0)
+    if not 0 <= shared < n:
+        raise c.error("num_kv_shared_layers", f"gemma4: num_kv_shared_layers must be in [0, num_hidden_layers = "
+                                              f"{n}): some layer must keep its own KV cache")
+    first = n - shared
+    last_of = {t: i for i, t in enumerate(types[:first])}
+    sources = list(range(n))
+    for i in range(first, n):
+        if types[i] not in last_of:
+            raise c.error("num_kv_shared_layers", f"gemma4: layer {i} ({types[i]}) shares the KV cache of no "
+                                                  "earlier layer of its type")
+        sources[i] = last_of[types[i]]
+    return sources
+
+
+def _e_model_fields(c: HfConfig, types: list[str], vocab: int, inter: int) -> dict:
+    """The E-models' fields: per-layer embeddings, KV sources, the KV-sharing layers' doubled MLP."""
+    fields = {}
+    per_layer = int(c.get("hidden_size_per_layer_input") or 0)
+    if per_layer:
+        ple_vocab = int(c.get("vocab_size_per_layer_input"))
+        if ple_vocab != vocab:
+            raise c.error("vocab_size_per_layer_input", f"gemma4: lmkit needs the per-layer embeddings' vocabulary "
+                                                        f"to be vocab_size ({vocab}), got {ple_vocab}")
+        fields["per_layer_input_size"] = per_layer
+    sources = kv_sources(c, types)
+    if sources != list(range(len(types))):
+        fields["layer_kv_source"] = sources
+        if c.get("use_double_wide_mlp"):
+            fields["layer_intermediate_size"] = [inter * (2 if s != i else 1) for i, s in enumerate(sources)]
+    return fields
 
 
 def gemma4_awq_map(name: str) -> AwqMap:

@@ -376,7 +376,8 @@ def _gemma4_config(reader, path: Path) -> dict:
     (sliding_window_pattern), KV heads as a scalar or a per-layer array, the global layers' proportional RoPE as a
     rope_freqs tensor (1 on the rotated angles, 1e30 on the others), attention_k_eq_v as full layers without
     attn_v, the MoE block as the expert counts. Read back into the HF config's fields (per_layer_config for the
-    global layers' shape); what lmkit cannot run (per-layer embeddings, KV sharing) is refused at load by name."""
+    global layers' shape). The E-models' files (per-layer embeddings, KV sharing) are refused by name: lmkit runs
+    those from their HF folder."""
     import numpy as np
 
     arch = "gemma4"
@@ -392,10 +393,12 @@ def _gemma4_config(reader, path: Path) -> dict:
     if not isinstance(pattern, list) or len(pattern) != n:
         raise GgufError(f"{path}: {arch}.attention.sliding_window_pattern must hold one bool per layer ({n})")
     types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    if _field(reader, f"{arch}.embedding_length_per_layer_input") or _field(reader, f"{arch}.attention.shared_kv_layers"):
+        raise GgufError(f"{path}: a Gemma 4 E-model file (per-layer embeddings, KV-sharing layers) is not read from "
+                        "GGUF yet; lmkit runs the E-models from their HF folder")
     ff = need("feed_forward_length")
     if isinstance(ff, list):
-        raise GgufError(f"{path}: {arch}.feed_forward_length per layer (use_double_wide_mlp, the E-models' KV-shared "
-                        "layers) is not supported")
+        raise GgufError(f"{path}: {arch}.feed_forward_length per layer (use_double_wide_mlp) is not supported")
     head_dim, global_dim = int(need("attention.key_length_swa")), int(need("attention.key_length"))
     kv = need("attention.head_count_kv")
     kv_of = [int(kv[i]) for i in range(n)] if isinstance(kv, list) else [int(kv)] * n
@@ -427,8 +430,7 @@ def _gemma4_config(reader, path: Path) -> dict:
                sliding_window=int(need("attention.sliding_window")), layer_types=types,
                per_layer_config={str(i): {"head_dim": global_dim, "num_key_value_heads": kv_of[i]} for i in full},
                attention_k_eq_v=bool(without_v),
-               hidden_size_per_layer_input=int(_field(reader, f"{arch}.embedding_length_per_layer_input", 0) or 0),
-               num_kv_shared_layers=int(_field(reader, f"{arch}.attention.shared_kv_layers", 0) or 0),
+               hidden_size_per_layer_input=0,
                final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping"),
                tie_word_embeddings="output.weight" not in names,
                rope_parameters={"sliding_attention": sliding_rope,

@@ -23,7 +23,8 @@ _PLAIN_ENGINE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_l
                         "shared_expert_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
                         "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel", "attn_output_gate",
                         "swiglu_alpha", "swiglu_limit", "has_o_bias", "attention_sinks", "moe_biases",
-                        "experts_interleaved", "has_v_norm", "has_layer_scalar", "moe_beside_mlp")
+                        "experts_interleaved", "has_v_norm", "has_layer_scalar", "moe_beside_mlp",
+                        "per_layer_input_size")
 # checkpoint tensors that are not weights (rotary buffers some exporters save)
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -80,6 +81,8 @@ class ModelSpec(ModelFields):
             layer_head_dim=list(self.layer_head_dim),
             layer_num_kv_heads=list(self.layer_num_kv_heads),
             layer_v_from_k=list(self.layer_v_from_k),
+            layer_kv_source=list(self.layer_kv_source),
+            layer_intermediate_size=list(self.layer_intermediate_size),
             int4_layout=self.quant.int4_layout if self.quant else "",
             int4_group_size=self.quant.group_size if self.quant and self.quant.bits == 4 else 0,
             qk_rotary_interleaved=self.qk_rotary_interleaved,

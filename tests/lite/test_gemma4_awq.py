@@ -3,7 +3,7 @@ v_proj and 32-wide heads beside the sliding layers' 16), plain-w norms, a value 
 saved smoothing scales leave the fp model unchanged, o_proj is never smoothed (a per-head norm sits between v_proj
 and it), and the checkpoint's logits through the engine equal the dequantized torch reference; so for the checkpoint Google
 ships (Gemma4ForConditionalGeneration: the text model quantized under model.language_model, the vision tower carried
-over in fp16). The MoE form and KV calibration are refused by name."""
+over in fp16). The MoE and E-model forms and KV calibration are refused by name."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_engine_logits_equal_the_dequantized_reference(quantized):
     assert float((got - want).norm() / want.norm()) < 1e-4
 
 
-def test_moe_form_and_kv_calibration_are_refused_by_name(quantized, tmp_path):
+def test_moe_and_e_model_forms_and_kv_calibration_are_refused_by_name(quantized, tmp_path):
     _, _, out = quantized
     with pytest.raises(ValueError, match="does not calibrate Gemma4For(CausalLM|ConditionalGeneration) yet"):
         calibrate_kv(out, KvCalibConfig(work_dir=tmp_path / "kv", calib_dataset="pydoc", calib_samples=4,
@@ -89,3 +89,6 @@ def test_moe_form_and_kv_calibration_are_refused_by_name(quantized, tmp_path):
     _write_case(Case("Gemma4TextConfig", ARCH_CASES["gemma4_moe"].kwargs, seed=1), tmp_path / "moe")
     with pytest.raises(ValueError, match="does not quantize Gemma4ForCausalLM's MoE block"):
         quantize_awq(tmp_path / "moe", AwqConfig(work_dir=tmp_path / "awq", w_group_size=32, **TINY_CALIB))
+    _write_case(Case("Gemma4TextConfig", ARCH_CASES["gemma4_e"].kwargs, seed=1), tmp_path / "e")
+    with pytest.raises(ValueError, match="does not quantize Gemma4ForCausalLM's E-model form"):
+        quantize_awq(tmp_path / "e", AwqConfig(work_dir=tmp_path / "awq-e", w_group_size=32, **TINY_CALIB))

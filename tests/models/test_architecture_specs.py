@@ -425,10 +425,11 @@ def test_awq_maps_of_moe_architectures_and_the_refusal_without_one(monkeypatch):
         get_awq_map("OlmoeForCausalLM")
 
 @pytest.mark.parametrize("config_class, architecture, kwargs, lacks", [
-    ("Gemma4TextConfig", "Gemma4ForCausalLM", {}, "per-layer embeddings"),  # the class default: an E-model
-    ("Gemma4Config", "Gemma4ForConditionalGeneration", {}, "per-layer embeddings"),
-    ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(hidden_size_per_layer_input=0, num_kv_shared_layers=2),
-     "cross-layer KV sharing"),
+    ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(use_bidirectional_attention="all"), "bidirectional attention"),
+    ("Gemma4Config", "Gemma4ForConditionalGeneration", dict(text_config=dict(use_bidirectional_attention="all")),
+     "bidirectional attention"),
+    ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(num_hidden_layers=4, num_kv_shared_layers=4),
+     "num_kv_shared_layers"),
 ])
 def test_models_lmkit_cannot_run_yet_name_what_they_lack(tmp_path, config_class, architecture, kwargs, lacks):
     """The Gemma 4 variants lmkit lacks a part for (transformers' own config.json of each) are refused at load

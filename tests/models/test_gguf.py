@@ -854,7 +854,7 @@ def test_gpt_oss_gguf_as_llama_cpp_writes_it(expert_type, tmp_path):
 
 # ---- Gemma 4 ("gemma4"), as llama.cpp's converter (Gemma4Model) writes it
 
-def write_gemma4_gguf(model, out: Path, qtype: str) -> None:
+def write_gemma4_gguf(model, out: Path, qtype: str, e_model_keys: tuple = ()) -> None:
     """``model`` (HF Gemma4ForCausalLM, fp32) as llama.cpp writes a "gemma4" file: the sliding layers' head size as
     key_length_swa and the global ones' as key_length, the layer kinds as a bool per layer, KV heads per layer when
     the global layers have their own count, the global layers' proportional RoPE as a rope_freqs tensor (1 on the
@@ -862,7 +862,7 @@ def write_gemma4_gguf(model, out: Path, qtype: str) -> None:
     layer_scalar as layer_output_scale.weight, the router's scales as ffn_gate_inp.scale and ffn_down_exps.scale,
     the experts stacked as ffn_gate_up_exps / ffn_down_exps; SmolLM2's tokenizer cut to the vocabulary. Matrices in
     ``qtype`` (rewritten in the model to what gguf's dequantizer reads back, so that the model is the file's
-    reference), the rest F32."""
+    reference), the rest F32. ``e_model_keys``: (key, value) written after the others (an E-model's)."""
     cfg = model.config
     arch, n = "gemma4", cfg.num_hidden_layers
     types = cfg.layer_types
@@ -871,13 +871,15 @@ def write_gemma4_gguf(model, out: Path, qtype: str) -> None:
     global_dim, head_dim = cfg.per_layer_config[full[0]].head_dim, cfg.per_layer_config[sliding[0]].head_dim
     kv = [cfg.per_layer_config[i].num_key_value_heads for i in range(n)]
     writer = gguf.GGUFWriter(str(out), arch)
-    for key, value in (("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
+    for key, value in {**dict((
+                       ("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
                        ("block_count", n), ("feed_forward_length", cfg.intermediate_size),
                        ("attention.head_count", cfg.num_attention_heads), ("attention.key_length", global_dim),
                        ("attention.value_length", global_dim), ("attention.key_length_swa", head_dim),
                        ("attention.value_length_swa", head_dim), ("rope.dimension_count", global_dim),
                        ("rope.dimension_count_swa", head_dim), ("attention.sliding_window", cfg.sliding_window),
-                       ("attention.shared_kv_layers", 0), ("embedding_length_per_layer_input", 0)):
+                       ("attention.shared_kv_layers", 0), ("embedding_length_per_layer_input", 0))),
+                       **dict(e_model_keys)}.items():
         writer.add_uint32(f"{arch}.{key}", int(value))
     if len(set(kv)) > 1:
         writer.add_array(f"{arch}.attention.head_count_kv", kv)
@@ -948,3 +950,15 @@ def test_gemma4_gguf_as_llama_cpp_writes_it(case, qtype, tmp_path):
     assert np.array_equal(spec.rope.inv_freq, ref.rope.inv_freq)
     assert np.array_equal(spec.rope_local.inv_freq, ref.rope_local.inv_freq)
     assert engine_vs(path, model, prompts_for(9, 320), EXACT) <= 1e-4
+
+
+@pytest.mark.parametrize("key", ["attention.shared_kv_layers", "embedding_length_per_layer_input"])
+def test_gemma4_e_model_gguf_is_refused_by_name(key, tmp_path):
+    """llama.cpp's files of the E-models (per-layer embeddings, KV-sharing layers) are refused at load naming what
+    lmkit does not read from GGUF (it runs those models from their HF folder), never run without those parts."""
+    from tests.factories import build_case
+
+    path = tmp_path / "e.gguf"
+    write_gemma4_gguf(build_case("gemma4", tmp_path / "hf"), path, "F32", e_model_keys=((key, 2),))
+    with pytest.raises(GgufError, match="Gemma 4 E-model file"):
+        load_model_spec(resolve_model(path))
