@@ -70,11 +70,11 @@ class ServerConfig:
     ready_stall_s: float = 30.0
     """/ready answers 503 while the engine holds requests and has not stepped for this many seconds."""
     tool_call_parser: str = "auto"
-    """How tool calls are written: hermes, llama3_json, mistral, qwen3_coder; auto: the format the chat template
-    teaches; none: requests with tools get a 400."""
+    """How tool calls are written: hermes, llama3_json, mistral, qwen3_coder, openai (gpt-oss), gemma4; auto: the
+    format the chat template teaches; none: requests with tools get a 400."""
     reasoning_parser: str = "auto"
-    """How thinking is marked: qwen3, deepseek_r1; auto: qwen3 where the chat template writes <think> blocks;
-    none: the thinking stays in content."""
+    """How thinking is marked: qwen3, deepseek_r1, openai_gptoss, gemma4; auto: the one the chat template writes
+    (serve/reasoning.py detect_reasoning_format); none: the thinking stays in content."""
     stream_interval: int = 1
     """Tokens per chunk of a streamed completion (vLLM's and SGLang's --stream-interval): a completion's first
     token and its end are sent at once, the tokens between in chunks of this many. Larger: less work per

@@ -122,13 +122,14 @@ def api_server(
     drain_timeout: Optional[float] = _DRAIN_TIMEOUT,
     chat_template: Optional[Path] = CHAT_TEMPLATE,
     tool_call_parser: str = typer.Option("auto", help="How the model writes tool calls: hermes, llama3_json, "
-                                                      "mistral, qwen3_coder, openai (gpt-oss); auto: the format "
+                                                      "mistral, qwen3_coder, openai (gpt-oss), gemma4; auto: the format "
                                                       "its chat template teaches; none: requests with tools get a "
                                                       "400."),
     reasoning_parser: str = typer.Option("auto", help="How the model marks its thinking (sent as "
-                                                      "reasoning_content): qwen3, deepseek_r1, openai_gptoss; auto: "
-                                                      "qwen3 where the chat template writes <think> blocks, "
-                                                      "openai_gptoss where it writes harmony channels; none: the "
+                                                      "reasoning_content): qwen3, deepseek_r1, openai_gptoss, gemma4; "
+                                                      "auto: qwen3 where the chat template writes <think> blocks, "
+                                                      "openai_gptoss where it writes harmony channels, gemma4 where "
+                                                      "it writes Gemma 4's thought channel; none: the "
                                                       "thinking stays in content."),
     stream_interval: int = STREAM_INTERVAL,
     proxy_url: Optional[str] = typer.Option(None, help="Register with this lmkit proxy once ready."),

@@ -34,7 +34,7 @@ from lmkit.serve.encoding import dumps, encode_pieces
 from lmkit.serve.render import ChatRenderer, CompletionRenderer, usage
 from lmkit.serve.stream import Choice, ChoiceEvent, OutputFormat, in_chunks_of
 from lmkit.serve.tools.grammar import harmony_answer_grammar, tool_call_grammar
-from lmkit.serve.tools.parsers import ToolParser
+from lmkit.serve.tools.parsers import TOOL_PARSERS, ToolParser
 from lmkit.structured import StructuredOutput, StructuredOutputError, grammar_error_summary
 
 AnyRequest = Union[ChatCompletionRequest, CompletionRequest]
@@ -251,7 +251,7 @@ class OpenAIServing:
         parser = self.tool_parser if offered else None
         if offered and parser is None:
             raise bad_request("tools: this model's chat template has no tool-call format lmkit knows; start the "
-                              "server with --tool-call-parser (hermes, llama3_json, mistral, qwen3_coder)", "tools")
+                              f"server with --tool-call-parser ({', '.join(sorted(TOOL_PARSERS))})", "tools")
         for i, tool in enumerate(req.tools or []):  # every function's parameters is a schema llguidance takes
             schema, param = StructuredOutput(json=tool.function.parameters_schema), f"tools[{i}].function.parameters"
             if self._cached(schema, param) is None:

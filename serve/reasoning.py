@@ -1,6 +1,6 @@
 """Reasoning parsers: a thinking model's ``<think>...</think>`` block goes to ``reasoning_content``, the rest to
 ``content``, as the text streams (``--reasoning-parser``); gpt-oss's harmony channels likewise (``openai_gptoss``,
-below).
+below), and Gemma 4's thought channel (``gemma4``).
 
 Where the thinking starts is read from the rendered prompt, so streamed and whole answers split alike: a prompt
 that ends inside an open ``<think>`` (DeepSeek-R1 distills, Qwen3 thinking-2507 templates) starts the answer in
@@ -211,8 +211,16 @@ class HarmonyParser:
         return ("reasoning" if channel == "analysis" else "content"), ""
 
 
+# ---- Gemma 4 ---------------------------------------------------------------------------------------------------
+# Gemma 4 thinks in a channel, ``<|channel>thought\n...<channel|>``, then answers. Its template turns thinking on
+# with <|think|> in the system turn (enable_thinking); off, the generation prompt ends with an empty channel
+# (``<|turn>model\n<|channel>thought\n<channel|>``), which starts the answer in content.
+GEMMA4_CHANNEL, GEMMA4_CHANNEL_END = "<|channel>", "<channel|>"
+
 REASONING_FORMATS = {f.name: f for f in (ReasoningFormat("qwen3"),
-                                         ReasoningFormat("deepseek_r1", always_starts_inside=True), HarmonyFormat())}
+                                         ReasoningFormat("deepseek_r1", always_starts_inside=True), HarmonyFormat(),
+                                         ReasoningFormat("gemma4", start=GEMMA4_CHANNEL + "thought",
+                                                         end=GEMMA4_CHANNEL_END))}
 
 
 def reasoning_format(name: str) -> ReasoningFormat:
@@ -222,8 +230,10 @@ def reasoning_format(name: str) -> ReasoningFormat:
 
 
 def detect_reasoning_format(chat_template: str | None) -> ReasoningFormat | None:
-    """The reasoning format a chat template speaks: ``openai_gptoss`` where it writes harmony channels,
-    ``qwen3`` where it writes ``<think>`` blocks."""
+    """The reasoning format a chat template speaks: ``openai_gptoss`` where it writes harmony channels, ``gemma4``
+    where it writes Gemma 4's thought channel, ``qwen3`` where it writes ``<think>`` blocks."""
+    if chat_template and GEMMA4_CHANNEL in chat_template and GEMMA4_CHANNEL_END in chat_template:
+        return REASONING_FORMATS["gemma4"]
     if chat_template and CHANNEL in chat_template and MESSAGE in chat_template:
         return REASONING_FORMATS["openai_gptoss"]
     if chat_template and "<think>" in chat_template and "</think>" in chat_template:

@@ -10,8 +10,8 @@ import json
 from typing import Callable
 
 from lmkit.serve.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START
-from lmkit.serve.tools.parsers import (HermesParser, Llama3JsonParser, MistralParser, OpenAIToolParser,
-                                       Qwen3CoderParser, ToolParser)
+from lmkit.serve.tools.parsers import (GEMMA4_QUOTE, Gemma4ToolParser, HermesParser, Llama3JsonParser,
+                                       MistralParser, OpenAIToolParser, Qwen3CoderParser, ToolParser)
 from lmkit.structured import JSON_LAYOUT, StructuredOutput
 
 
@@ -43,6 +43,8 @@ def tool_call_grammar(parser: type[ToolParser], tools: dict[str, dict], parallel
         return _qwen3_coder_grammar(tools, parallel)
     if parser is OpenAIToolParser:
         return _harmony_grammar(tools, special_token_id)
+    if parser is Gemma4ToolParser:
+        return _Gemma4Grammar(special_token_id).calls(tools, parallel)
     key = "parameters" if parser is Llama3JsonParser else "arguments"
     objects = "call_object: " + " | ".join(f"call_{i}" for i in range(len(names))) + "\n" + "".join(
         f"call_{i}: {_json_rule(_call_object(name, tools[name], key))}\n" for i, name in enumerate(names))
@@ -137,3 +139,95 @@ def _qwen3_coder_grammar(tools: dict[str, dict], parallel: bool) -> str:
             f'{_lark_string("</tool_call>")}')
     start = f'start: call{" (" + _lark_string(_NL) + " call)*" if parallel else ""}'
     return "\n".join([start, call, *rules]) + "\n"
+
+
+class _Gemma4Grammar:
+    """Gemma 4's calls, ``<|tool_call>call:NAME{key:value,...}<tool_call|>``, in its value syntax (bare keys,
+    strings between <|"|> marks, bare numbers): an object's properties in the schema's order, the optional ones
+    may be left out; a string's enum and length enforced, a number's or boolean's schema by %json; arrays by their
+    items' schema and item counts; a value of no known type any Gemma value."""
+
+    def __init__(self, special_token_id: Callable[[str], int | None]):
+        self.quote = _token_rule(GEMMA4_QUOTE, special_token_id)
+        self.quote_special = special_token_id(GEMMA4_QUOTE) is not None
+        self.start = _token_rule(Gemma4ToolParser.start, special_token_id)
+        self.end = _token_rule(Gemma4ToolParser.end, special_token_id)
+        self.rules: list[str] = []
+
+    def calls(self, tools: dict[str, dict], parallel: bool) -> str:
+        functions = []
+        for i, (name, schema) in enumerate(tools.items()):
+            functions.append(f"f_{i}")
+            self.rules.append(f"f_{i}: {_lark_string(Gemma4ToolParser.prefix + name)} {self._object(schema, f'f{i}')}")
+        call = f"call: {self.start} ({' | '.join(functions)}) {self.end}"
+        self.rules.append('gvalue: gstring | /-?[0-9][0-9.eE+-]*/ | "true" | "false" | "null" | '
+                          '"{" (gkey ":" gvalue ("," gkey ":" gvalue)*)? "}" | "[" (gvalue ("," gvalue)*)? "]"')
+        self.rules.append("gkey: /[A-Za-z_][A-Za-z0-9_.-]*/")
+        self.rules.append(f"gstring: {self._string('gtext', None, None)}")
+        return "\n".join([f"start: call{'+' if parallel else ''}", call, *self.rules]) + "\n"
+
+    def _string(self, rule: str, low: int | None, high: int | None) -> str:
+        """A string value: its text (rule ``rule``) between quote marks."""
+        repeat = f"{{{low or 0},{int(high)}}}" if high is not None else ("*" if not low else f"{{{low},}}")
+        if self.quote_special:  # text cannot hold the special token: it ends where the mark comes
+            self.rules.append(f"{rule}: /(.|\\n){repeat}/")
+            return f"{self.quote} {rule} {self.quote}"
+        self.rules.append(f"{rule}[lazy]: /(.|\\n){repeat}<\\|\"\\|>/")
+        return f"{self.quote} {rule}"
+
+    def _value(self, schema, name: str) -> str:
+        schema = schema if isinstance(schema, dict) else {}
+        kind = schema.get("type")
+        if kind == "string" and isinstance(schema.get("enum"), list):
+            return f"{self.quote} ({' | '.join(_lark_string(str(v)) for v in schema['enum'])}) {self.quote}"
+        if kind == "string":
+            return self._string(f"t_{name}", schema.get("minLength"), schema.get("maxLength"))
+        if kind in ("integer", "number", "boolean", "null"):
+            return _json_rule(schema)
+        if kind == "object" or (kind is None and isinstance(schema.get("properties"), dict)):
+            return self._object(schema, name)
+        if kind == "array":
+            item = f"i_{name}"
+            self.rules.append(f"{item}: {self._value(schema.get('items'), name + '_i')}")
+            low, high = int(schema.get("minItems", 0)), schema.get("maxItems")
+            high = None if high is None else max(int(high), low)
+            if high == 0:
+                return '"[" "]"'
+            # item ("," item) x (low - 1), then up to high - low more, each optional after the one before
+            required = " ".join([item] + [f'"," {item}'] * (max(low, 1) - 1))
+            extra = max(high - max(low, 1), 0) if high is not None else None
+            more = f'("," {item})*' if extra is None else \
+                "".join(f'("," {item} ' for _ in range(extra)) + ")?" * extra
+            items = f"{required} {more}".strip()
+            return f'"[" {items if low > 0 else f"({items})?"} "]"'
+        return "gvalue"
+
+    def _object(self, schema: dict, name: str) -> str:
+        """``{key:value,...}``: each property in order, the optional ones may be left out (chains of rules, so that
+        a comma stands only between two present properties); no properties: any Gemma object."""
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else None
+        if properties is None:
+            return '"{" (gkey ":" gvalue ("," gkey ":" gvalue)*)? "}"'
+        required = set(schema.get("required") or [])
+        keys = list(properties)
+        for k, key in enumerate(keys):
+            self.rules.append(f"p_{name}_{k}: {_lark_string(key + ':')} {self._value(properties[key], f'{name}_{k}')}")
+
+        def rest(k: int) -> str:
+            if k == len(keys):
+                return ""
+            item = f'"," p_{name}_{k}'
+            head = item if keys[k] in required else f"({item})?"
+            return f"{head} {rest(k + 1)}".strip()
+
+        def first(k: int) -> str | None:
+            if k == len(keys):
+                return None
+            present = f"p_{name}_{k} {rest(k + 1)}".strip()
+            if keys[k] in required:
+                return present
+            other = first(k + 1)
+            return f"({present})?" if other is None else f"({present} | {other})"
+
+        body = first(0)
+        return f'"{{" {body} "}}"' if body else '"{" "}"'

@@ -9,6 +9,8 @@ Formats:
   qwen3_coder   ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>...</function>\\n</tool_call>``
   openai        gpt-oss (harmony): ``<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>``
                 ``{...}<|call|>``, as the harmony reasoning parser passes a call's message on (serve/reasoning.py)
+  gemma4        Gemma 4: ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>``, repeated (Gemma's value
+                syntax: bare keys, strings between <|"|> marks), each call given out whole
 
 A call's name is sent once, then its arguments as fragments of the model's JSON (joined, they are exactly the
 arguments of the whole answer). Text that only begins a marker is held back until it is decided, so markup
@@ -422,8 +424,137 @@ class OpenAIToolParser(ToolParser):
         return False
 
 
+GEMMA4_QUOTE = '<|"|>'  # Gemma 4's string delimiter (a special token)
+
+
+class GemmaValueError(ValueError):
+    pass
+
+
+def gemma_to_json(text: str) -> object:
+    """A value in Gemma 4's call syntax as Python: ``{key:value,...}`` with bare keys (or quoted ones), strings
+    between ``<|"|>`` marks (anything inside, quotes and braces included), ``[...]`` lists, bare numbers, ``true``,
+    ``false`` and ``null``; a bare word that is none of these is a string. GemmaValueError when it is no value."""
+    value, end = _gemma_value(text, _skip(text, 0))
+    if _skip(text, end) != len(text):
+        raise GemmaValueError(f"text after the value at {end}")
+    return value
+
+
+def _skip(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def _gemma_string(text: str, i: int) -> tuple[str, int]:
+    end = text.find(GEMMA4_QUOTE, i + len(GEMMA4_QUOTE))
+    if end < 0:
+        raise GemmaValueError("an unclosed string")
+    return text[i + len(GEMMA4_QUOTE):end], end + len(GEMMA4_QUOTE)
+
+
+def _gemma_value(text: str, i: int) -> tuple[object, int]:
+    if text.startswith(GEMMA4_QUOTE, i):
+        return _gemma_string(text, i)
+    if i < len(text) and text[i] in "{[":
+        close, items, i = "}" if text[i] == "{" else "]", [], _skip(text, i + 1)
+        while i < len(text) and text[i] != close:
+            if close == "}":
+                if text.startswith(GEMMA4_QUOTE, i):
+                    key, i = _gemma_string(text, i)
+                else:
+                    colon = text.find(":", i)
+                    if colon < 0:
+                        raise GemmaValueError("a key without a value")
+                    key, i = text[i:colon].strip(), colon
+                i = _skip(text, i)
+                if not text.startswith(":", i):
+                    raise GemmaValueError("a key without a value")
+                value, i = _gemma_value(text, _skip(text, i + 1))
+                items.append((key, value))
+            else:
+                value, i = _gemma_value(text, i)
+                items.append(value)
+            i = _skip(text, i)
+            if text.startswith(",", i):
+                i = _skip(text, i + 1)
+            elif not text.startswith(close, i):
+                raise GemmaValueError(f"expected , or {close} at {i}")
+        if i >= len(text):
+            raise GemmaValueError(f"an unclosed {close}")
+        return (dict(items) if close == "}" else items), i + 1
+    end = i
+    while end < len(text) and text[end] not in ",}]" and not text.startswith(GEMMA4_QUOTE, end):
+        end += 1
+    word = text[i:end].strip()
+    if not word:
+        raise GemmaValueError(f"no value at {i}")
+    try:
+        return json.loads(word), end
+    except ValueError:
+        return word, end
+
+
+class Gemma4ToolParser(ToolParser):
+    """Gemma 4's calls: ``<|tool_call>call:NAME{key:value,...}<tool_call|>``, repeated, in Gemma's own value syntax
+    (gemma_to_json), given as JSON arguments. A call goes out whole once closed (its name and arguments in one
+    delta): one that does not parse is given back as the text it was. The ``<|tool_response>`` a model writes after
+    its calls (the template's cue for the results) is layout."""
+
+    name = "gemma4"
+    start, end, prefix, response = "<|tool_call>", "<tool_call|>", "call:", "<|tool_response>"
+    markers = (start, end, GEMMA4_QUOTE, response)
+
+    def _step(self, final: bool) -> bool:
+        if self.state == "text":
+            if self.calls:  # after the calls: whitespace and the results' cue are layout
+                self._buffer = self._buffer.lstrip(_WS)
+                if self._buffer.startswith(self.response):
+                    self._buffer = self._buffer[len(self.response):]
+                elif not final and self.response.startswith(self._buffer) and self._buffer:
+                    return False
+            if not self._text_until(self.start, final):
+                return False
+            self.state = "call"
+            return True
+        at = self._call_end()  # call: held until it closes
+        if at < 0:
+            if final:  # cut short: nothing was sent, it stays text
+                self._content.append(self.start + self._buffer)
+                self._buffer, self.state = "", "text"
+            return False
+        body, self._buffer = self._buffer[:at], self._buffer[at + len(self.end):]
+        self.state = "text"
+        brace = body.find("{")
+        name = body[len(self.prefix):brace].strip() if body.startswith(self.prefix) and brace > 0 else ""
+        try:
+            arguments = gemma_to_json(body[brace:]) if name else None
+        except GemmaValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            self._content.append(self.start + body + self.end)
+            return True
+        self._start_call(name)
+        self._add_arguments(json.dumps(arguments, ensure_ascii=False))
+        return True
+
+    def _call_end(self) -> int:
+        """Where the closing tag is in the buffer, outside the call's strings; -1 while it has not come."""
+        i = 0
+        while True:
+            end, quote = self._buffer.find(self.end, i), self._buffer.find(GEMMA4_QUOTE, i)
+            if quote < 0 or 0 <= end < quote:
+                return end
+            close = self._buffer.find(GEMMA4_QUOTE, quote + len(GEMMA4_QUOTE))
+            if close < 0:
+                return -1
+            i = close + len(GEMMA4_QUOTE)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser, OpenAIToolParser)}
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser, OpenAIToolParser,
+                        Gemma4ToolParser)}
 
 
 def tool_parser_class(name: str) -> type[ToolParser]:
@@ -437,6 +568,8 @@ def detect_tool_parser(chat_template: str | None) -> type[ToolParser] | None:
     t = chat_template or ""
     if CHANNEL in t and CALL in t:
         return OpenAIToolParser
+    if Gemma4ToolParser.start in t and Gemma4ToolParser.end in t:
+        return Gemma4ToolParser
     if "<function=" in t and "<parameter=" in t:
         return Qwen3CoderParser
     if "<tool_call>" in t:

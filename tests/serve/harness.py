@@ -170,7 +170,7 @@ def wait_idle(proxy=None, engine=None, timeout_s: float = 5.0) -> None:
 
 # ---- the chat families' servers (the `servers` fixture of tests/serve/conftest.py)
 
-TOOL_FAMILIES = ["qwen2.5", "qwen3", "llama3.1", "mistral", "qwen3_coder", "gpt_oss"]
+TOOL_FAMILIES = ["qwen2.5", "qwen3", "llama3.1", "mistral", "qwen3_coder", "gpt_oss", "gemma4"]
 FAMILY_ENGINE = dict(device="cpu", max_batch_size=8, cache_max_entry_count=256, cache_block_seq_len=16,
                      session_len=4096)
 

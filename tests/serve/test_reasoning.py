@@ -144,3 +144,42 @@ def test_harmony_structured_answer_is_the_final_channel(servers):  # noqa: F811
             content, _, finish, streamed = reassemble(client.chat.completions.create(**body, stream=True))
             assert (content, streamed, finish) == (m.content, reasoning, "stop")
     assert reasoned > 0  # some answers reasoned first (a random model takes the analysis channel about half the time)
+
+
+def test_gemma4_thought_channel_of_a_forced_answer(servers):  # noqa: F811
+    """Gemma 4: with enable_thinking the system turn says <|think|> and a schema applies after <channel|>; off (the
+    template's default) the prompt ends with an empty channel and a grammar starts at once. An answer's thought
+    channel (its markers special tokens; forced by a grammar, with thinking off, where the grammar starts at once)
+    is reasoning, the rest content, streamed and whole."""
+    import asyncio
+
+    from lmkit.serve.openai_serving import OpenAIServing
+    from lmkit.serve.protocol import ChatCompletionRequest
+    from lmkit.serve.reasoning import REASONING_FORMATS
+    from lmkit.serve.tools.parsers import Gemma4ToolParser
+
+    client = client_of(servers, "gemma4")
+    tokenizer = servers["gemma4"].engine.tokenizer
+    messages = [{"role": "user", "content": "hi"}]
+    on = tokenizer.render_chat(messages, template_kwargs={"enable_thinking": True})
+    assert "<|think|>" in on and on.endswith("<|turn>model\n")
+    assert tokenizer.render_chat(messages).endswith("<|turn>model\n<|channel>thought\n<channel|>")
+    channel, end = (f"<[{tokenizer.single_token_id(m)}]>" for m in ("<|channel>", "<channel|>"))
+    lark = f'start: {channel} "thought\\nfirst a plan\\n" {end} "the answer"'
+    body = dict(model="gemma4", messages=messages, max_tokens=60, extra_body={"structured_outputs": {"grammar": lark}})
+    r = client.chat.completions.create(**body)
+    m = r.choices[0].message
+    assert (m.model_extra["reasoning_content"], m.content, r.choices[0].finish_reason) == \
+        ("first a plan\n", "the answer", "stop")
+    content, _, finish, reasoning = reassemble(client.chat.completions.create(**body, stream=True))
+    assert (reasoning, content, finish) == ("first a plan\n", "the answer", "stop")
+    engine = servers["gemma4"].engine
+    serving = OpenAIServing(engine, "gemma4", tool_parser=Gemma4ToolParser, reasoning=REASONING_FORMATS["gemma4"])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    thinking = ChatCompletionRequest(model="gemma4", messages=messages, response_format=fmt,
+                                     chat_template_kwargs={"enable_thinking": True})
+    assert asyncio.run(serving.prepare(thinking)).gen.structured_output_after_token == \
+        tokenizer.single_token_id("<channel|>")
+    plain = ChatCompletionRequest(model="gemma4", messages=messages, response_format=fmt)
+    assert asyncio.run(serving.prepare(plain)).gen.structured_output_after_token is None

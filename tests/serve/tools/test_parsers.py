@@ -36,6 +36,15 @@ CASES = [  # (parser, text, content, [(name, arguments as JSON value)])
     ("openai", "<|start|>assistant to=functions.run<|channel|>commentary json<|message|><|call|>", "", [("run", {})]),
     ("openai", "<|start|>assistant to=functions.run<|channel|>comm",
      "<|start|>assistant to=functions.run<|channel|>comm", []),
+    # Gemma 4: its value syntax (bare keys, <|"|> strings holding anything), calls repeated, the results' cue after
+    ("gemma4", 'On it.<|tool_call>call:run{code:<|"|>if a < b: print("}<tool_call|>")<|"|>,n:3,opts:{v:[1,<|"|>x'
+               '<|"|>,true],w:null}}<tool_call|><|tool_call>call:run{}<tool_call|><|tool_response>', "On it.",
+     [("run", {"code": 'if a < b: print("}<tool_call|>")', "n": 3, "opts": {"v": [1, "x", True], "w": None}}),
+      ("run", {})]),
+    ("gemma4", "<|tool_call>call:run{code:<|\"|>unclosed}<tool_call|> and more",
+     "<|tool_call>call:run{code:<|\"|>unclosed}<tool_call|> and more", []),
+    ("gemma4", "<|tool_call>call:run{n:1", "<|tool_call>call:run{n:1", []),
+    ("gemma4", "no call {here: 1} <|tool", "no call {here: 1} <|tool", []),
 ]
 
 
@@ -88,6 +97,10 @@ REASONING = [  # (format, prompt, answer, reasoning, content)
     ("openai_gptoss", "<|start|>assistant", "<|channel|>commentary<|message|>Looking it up.<|end|>"
      "<|start|>assistant<|channel|>final<|message|>Done.<|return|>", "", "Looking it up.Done."),
     ("openai_gptoss", "<|start|>assistant", "no harmony header at all", "", "no harmony header at all"),
+    # Gemma 4: thinking on, the answer opens the thought channel; off, the prompt ends with an empty one
+    ("gemma4", "<|turn>model\n", "<|channel>thought\nplan a<b\n<channel|>the answer", "plan a<b\n", "the answer"),
+    ("gemma4", "<|turn>model\n<|channel>thought\n<channel|>", "just <|channel>this", "", "just <|channel>this"),
+    ("gemma4", "<|turn>model\n", "<|channel>thought\ncut sh", "cut sh", ""),
     # a call (recipient after or before the channel) goes on to the content in the tool parser's canonical form
     ("openai_gptoss", "<|start|>assistant", "<|channel|>analysis<|message|>need f<|end|><|start|>assistant<|channel|>"
      'commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>', "need f",
@@ -175,3 +188,29 @@ def test_harmony_parser_takes_any_text():
         assert _harmony_split(whole, [c for c in cuts if c < len(whole)]) == _harmony_split(whole, [])
 
     check()
+
+
+GEMMA4_SCHEMAS = [  # optional-only properties, a nested object, arrays of objects, untyped values, no properties
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}},
+    {"type": "object", "properties": {"o": {"type": "object", "properties": {"x": {"type": "number"}},
+                                            "required": ["x"]},
+                                      "l": {"type": "array", "items": {"type": "object"}, "minItems": 1,
+                                            "maxItems": 3},
+                                      "z": {}}, "required": ["o", "z"]},
+    {"type": "object"},
+]
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["special-quotes", "text-quotes"])
+def test_gemma4_call_grammars_compile(special):
+    """Gemma 4's call grammar (its value syntax) is valid Lark for llguidance for every schema shape, with its
+    markers as special tokens or as text."""
+    import llguidance
+
+    from lmkit.serve.tools.grammar import tool_call_grammar
+
+    ids = {'<|"|>': 7, "<|tool_call>": 8, "<tool_call|>": 9}
+    tools = {f"f{i}": schema for i, schema in enumerate(GEMMA4_SCHEMAS)}
+    lark = tool_call_grammar(TOOL_PARSERS["gemma4"], tools, True, lambda t: ids.get(t) if special else None)
+    assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", lark)) == ""
+    assert ("<[7]>" in lark) == special
