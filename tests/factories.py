@@ -348,10 +348,10 @@ ARCH_CASES: dict[str, Case] = {
                                                 moe_intermediate_size=24, final_logit_softcapping=8.0,
                                                 layer_types=["sliding_attention", "full_attention"] * 2),
                        seed=80, unit_scores=True),
-    # the E-models' form (E2B, E4B): per-layer embeddings of 8 per layer; the last two layers read the KV caches of
+    # the E-models' form (E2B, E4B): per-layer embeddings of 32 per layer; the last two layers read the KV caches of
     # layers 2 (sliding) and 3 (global) and have MLPs twice as wide; image tokens bidirectional as shipped (text causal)
     "gemma4_e": Case("Gemma4TextConfig", dict(SMALL, num_hidden_layers=6, num_key_value_heads=2, head_dim=16,
-                                              global_head_dim=32, hidden_size_per_layer_input=8,
+                                              global_head_dim=32, hidden_size_per_layer_input=32,
                                               vocab_size_per_layer_input=320, num_kv_shared_layers=2,
                                               use_double_wide_mlp=True, sliding_window=20,
                                               use_bidirectional_attention="vision",
@@ -623,7 +623,7 @@ def rtn_checkpoint(src: Path, out: Path, group_size: int) -> Path:
 
 
 LINEAR_ROLES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
-                "down_proj")
+                "down_proj", "per_layer_input_gate", "per_layer_projection")
 
 
 def linear_keys(folder: Path, group: int, out_multiple: int = 1) -> set[str]:
