@@ -17,6 +17,9 @@
                                     smallest m within the limit (m = all layers is fp: always within)
     4. write     kv_policy.json (lmkit.kv_policy) with the statistics the policy was chosen from
 
+A hybrid's recurrent layers (Gated DeltaNet: Qwen3.5, Qwen3-Next) keep no KV cache: steps 1 and 3 run over the
+attention layers only, and the policy writes the others as 0.
+
 Every policy returned was measured: its perplexity on the evaluation text is within the budget (the
 search assumes perplexity grows with k and shrinks with m; where it does not, it may stop short).
 Calibration and evaluation text never overlap: calibration documents sharing text with the evaluation
@@ -153,7 +156,8 @@ def _int4_kl(lm, windows: torch.Tensor, batch_size: int, device, reporter: Repor
     kl = [0.0] * num_layers
     count = 0
     batches = windows.split(batch_size)
-    reporter.start_steps("int4 KV one layer at a time", len(batches) * num_layers)
+    kv_layers = attention_layers(lm, hooks)
+    reporter.start_steps("int4 KV one layer at a time", len(batches) * len(kv_layers))
     for batch in batches:
         inputs: list[tuple[torch.Tensor, dict]] = []  # per layer: (hidden states in, keyword arguments)
         handles = [layer.register_forward_pre_hook(lambda m, args, kwargs: inputs.append((args[0], kwargs)),
@@ -166,7 +170,7 @@ def _int4_kl(lm, windows: torch.Tensor, batch_size: int, device, reporter: Repor
         ref = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [b, seq - 1, vocab]: predicted positions
         ref_p = ref.exp()
         del logits
-        for i in range(num_layers):
+        for i in kv_layers:  # (a layer without attention has no KV to quantize: its KL stays 0)
             bits = [4 if j == i else 0 for j in range(num_layers)]
             hidden = inputs[i][0]
             for j in range(i, num_layers):
@@ -176,6 +180,11 @@ def _int4_kl(lm, windows: torch.Tensor, batch_size: int, device, reporter: Repor
             reporter.step_done()
         count += ref.shape[0] * ref.shape[1]
     return [v / count for v in kl]
+
+
+def attention_layers(lm, hooks) -> list[int]:
+    """The decoder layers with attention, the ones with a KV cache (a hybrid's recurrent layers have none)."""
+    return [i for i, layer in enumerate(lm.get_submodule(hooks.layers)) if hasattr(layer, hooks.attention)]
 
 
 def choose_policy(order_int4: list[int], order_fp: list[int], ppl_of, limit: float,
@@ -245,7 +254,7 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
     hooks = get_architecture(architecture).kv_calib  # the policy is for lmkit's engine: refuse what it cannot run
     if hooks is None:
         raise ValueError(f"lmkit lite calibrate does not calibrate {architecture} yet (its fake-quantized attention "
-                         "is not written: recurrent layers, attention sinks or Gemma 4's per-layer head dims); serve "
+                         "is not written: attention sinks, or Gemma 4's per-layer head dims and value norm); serve "
                          "it with a uniform quant_policy=8 or 4 instead")
     policy_path = _policy_path(config.work_dir, config.overwrite)
 
@@ -298,12 +307,24 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
             search.append({"layers": list(layers), "ppl": cache[key]})
         return cache[key]
 
-    ppl = {"fp": ppl_of([0] * num_layers), "int8": ppl_of([8] * num_layers), "int4": ppl_of([4] * num_layers)}
+    # the search runs over the layers with a KV cache; the others are written as 0 (nothing to quantize)
+    kv_layers = attention_layers(lm, hooks)
+
+    def on_kv_layers(bits: list[int]) -> list[int]:
+        full = [0] * num_layers
+        for i, b in zip(kv_layers, bits):
+            full[i] = b
+        return full
+
+    n = len(kv_layers)
+    ppl = {"fp": ppl_of([0] * num_layers), "int8": ppl_of(on_kv_layers([8] * n)),
+           "int4": ppl_of(on_kv_layers([4] * n))}
     limit = ppl["fp"] * (1 + config.max_ppl_increase)
-    order_int4 = sorted(range(num_layers), key=lambda i: (int4_kl[i] if int4_kl else 0.0,
-                                                          layer_errors[i]["int4"], i))
-    order_fp = sorted(range(num_layers), key=lambda i: (-layer_errors[i]["int8"], i))
-    layers = choose_policy(order_int4, order_fp, ppl_of, limit, ppl["int8"], ppl["int4"])
+    order_int4 = sorted(range(n), key=lambda k: (int4_kl[kv_layers[k]] if int4_kl else 0.0,
+                                                 layer_errors[kv_layers[k]]["int4"], k))
+    order_fp = sorted(range(n), key=lambda k: (-layer_errors[kv_layers[k]]["int8"], k))
+    layers = on_kv_layers(choose_policy(order_int4, order_fp, lambda bits: ppl_of(on_kv_layers(bits)), limit,
+                                        ppl["int8"], ppl["int4"]))
     ppl["policy"] = ppl_of(layers)
     if ppl["policy"] > limit:
         raise RuntimeError(f"internal error: the chosen KV policy has perplexity {ppl['policy']:.4f} over the "

@@ -86,6 +86,7 @@ class KvErrorProbe:
         self.sum_sq_ref = [0.0] * num_layers
         self.sum_sq_err = [dict.fromkeys(PROBE_VARIANTS, 0.0) for _ in range(num_layers)]
         self.num_tokens = 0
+        self.first_layer: int | None = None
 
     def observe(self, attend: Callable, module, query, key, value, attention_mask, kwargs) -> torch.Tensor:
         """The fp attention output of ``module`` (pre-o_proj, as ``attend`` returns it); accumulates errors."""
@@ -101,12 +102,14 @@ class KvErrorProbe:
         for name, (k_bits, v_bits) in PROBE_VARIANTS.items():
             _, block = block_output(k_bits, v_bits)
             self.sum_sq_err[layer][name] += float((block.double() - fp_block.double()).square().sum())
-        if layer == 0:
+        if self.first_layer is None:  # the first layer with attention (a hybrid's layer 0 may be recurrent)
+            self.first_layer = layer
+        if layer == self.first_layer:
             self.num_tokens += query.shape[0] * query.shape[2]
         return fp_out
 
     def errors(self) -> list[dict[str, float]]:
-        """Per layer: variant -> relative error of the attention block output."""
+        """Per layer: variant -> relative error of the attention block output (0 for a layer without attention)."""
         if not self.num_tokens:
             raise RuntimeError("the KV error probe observed no tokens")
         return [{name: (err / ref) ** 0.5 if ref > 0 else 0.0 for name, err in errs.items()}

@@ -82,7 +82,7 @@ def qwen3_5_awq_map(name: str) -> AwqMap:
                                  ("post_attention_layernorm", "mlp")), norm_weight_offset=1.0)
 
 
-ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, qwen3_5_awq_map(NAME), kv_calib=None)
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, qwen3_5_awq_map(NAME))
 
 # The checkpoints Qwen ships: Qwen3_5ForConditionalGeneration, the text model under model.language_model and its
 # config under text_config, beside a vision tower (left unread: lmkit serves text) and the multi-token-prediction
@@ -109,7 +109,7 @@ def multimodal_architecture(name: str, text: Architecture, unused: tuple[str, ..
 
     awq_map = None if text.awq_map is None else dataclasses.replace(text.awq_map, architecture=name)
     return Architecture(name, text.family, key_map, read_multimodal_config, text.config_defaults, awq_map,
-                        kv_calib=None, unused_tensors=unused, text_prefix="model.language_model.")
+                        kv_calib=text.kv_calib, unused_tensors=unused, text_prefix="model.language_model.")
 
 
 MULTIMODAL_ARCHITECTURE = multimodal_architecture(NAME_MULTIMODAL, ARCHITECTURE)

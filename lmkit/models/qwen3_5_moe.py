@@ -52,5 +52,5 @@ def read_config(c: HfConfig) -> ModelFields:
 # calibration has no fake-quantized Gated DeltaNet layers yet: `lmkit lite calibrate` refuses it by name.
 AWQ_MAP = dataclasses.replace(qwen3_5.qwen3_5_awq_map(NAME), moe=MoeLayout(
     shared_expert="shared_expert", shared_expert_gate="shared_expert_gate"))
-ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, AWQ_MAP, kv_calib=None)
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, AWQ_MAP)
 MULTIMODAL_ARCHITECTURE = qwen3_5.multimodal_architecture("Qwen3_5MoeForConditionalGeneration", ARCHITECTURE)

@@ -56,4 +56,4 @@ def qwen3_next_awq_map(name: str) -> AwqMap:
 
 
 # KV calibration has no fake-quantized Gated DeltaNet layers yet: `lmkit lite calibrate` refuses it by name.
-ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, qwen3_next_awq_map(NAME), kv_calib=None)
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, qwen3_next_awq_map(NAME))

@@ -1,0 +1,70 @@
+"""lmkit lite calibrate on a Gated DeltaNet hybrid (Qwen3.5: three recurrent layers for one gated-attention layer):
+only the attention layer has a KV cache. The fake-quantized attention leaves the recurrent layers as they are, the
+one-layer-at-a-time int4 KL runs on the attention layer alone (the recurrent layers' stay 0) and equals full
+passes, and the policy search runs over the attention layers: the recurrent layers are written as 0 and the
+engine serves the policy, within the budget, as Qwen ships the model (Qwen3_5ForConditionalGeneration) too."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lmkit import EngineConfig, GenerationConfig, pipeline
+from lmkit.kv_policy import load_kv_policy
+from lmkit.lite.checkpoint import load_causal_lm
+from lmkit.lite.config import KvCalibConfig
+from lmkit.lite.kvcalib import calibrate_kv
+from lmkit.lite.kvquant import use_kv_fake_quant_attention
+from tests.factories import QWEN3_5, TOKEN_IDS, Case, _write_case, write_qwen3_5_multimodal
+from tests.helpers import assert_int4_kl_per_layer
+
+CASE = Case("Qwen3_5TextConfig", dict(QWEN3_5, num_hidden_layers=4), seed=61, norm_offset=1.0,
+            plain_norms=("linear_attn.norm",))
+TINY_KV = dict(calib_dataset="pydoc", calib_samples=4, calib_seqlen=64, eval_dataset="pydoc", eval_seqlen=64,
+               eval_max_tokens=256, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3_5-kv") / "fp"
+    _write_case(CASE, folder)
+    return folder
+
+
+@torch.no_grad()
+def test_fake_quant_touches_the_attention_layer_only(hybrid):
+    lm = load_causal_lm(hybrid)
+    ids = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(3))
+    plain = lm(input_ids=ids).logits
+    use_kv_fake_quant_attention(lm)
+    assert lm.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert torch.equal(lm(input_ids=ids, kv_bits=[0] * 4, use_cache=False).logits, plain)
+    assert torch.equal(lm(input_ids=ids, kv_bits=[4, 4, 4, 0], use_cache=False).logits, plain)  # no KV there
+    assert not torch.equal(lm(input_ids=ids, kv_bits=[0, 0, 0, 4], use_cache=False).logits, plain)
+    windows = torch.randint(0, 250, (3, 32), generator=torch.Generator().manual_seed(4))
+    assert_int4_kl_per_layer(lm, windows, 4)
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["text", "multimodal"])
+def test_calibration_policy_of_a_hybrid_is_served(hybrid, multimodal, tmp_path):
+    source = hybrid
+    if multimodal:
+        source = tmp_path / "mm"
+        write_qwen3_5_multimodal(source, "Qwen3_5Config", dict(CASE.kwargs, max_position_embeddings=512, **TOKEN_IDS),
+                                 seed=62)
+    result = calibrate_kv(source, KvCalibConfig(work_dir=tmp_path / "kv", max_ppl_increase=0.01, **TINY_KV))
+    assert result.layers[:3] == [0, 0, 0] and result.layers[3] in (0, 4, 8)
+    assert result.layer_int4_kl[:3] == [0.0, 0.0, 0.0] and result.layer_int4_kl[3] > 0
+    assert all(e == {k: 0.0 for k in e} for e in result.layer_errors[:3])
+    assert 0 < result.layer_errors[3]["int8"] < result.layer_errors[3]["int4"]
+    assert result.ppl["policy"] <= result.ppl_limit
+    assert all(set(e["layers"][:3]) == {0} for e in result.search)  # the search moved the attention layer only
+    doc = json.loads(result.policy_path.read_text())
+    assert doc["model"]["architecture"] == ("Qwen3_5ForConditionalGeneration" if multimodal else "Qwen3_5ForCausalLM")
+    assert load_kv_policy(result.policy_path, num_layers=4, num_kv_heads=2, head_dim=16) == result.layers
+    with pipeline(str(source), EngineConfig(device="cpu", dtype="float32", kv_policy=str(result.policy_path),
+                                            session_len=256)) as pipe:
+        r = pipe([[1, 5, 9, 33, 70]], GenerationConfig(max_new_tokens=4, ignore_eos=True))[0]
+    assert len(r.token_ids) == 4
