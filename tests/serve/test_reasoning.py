@@ -8,6 +8,16 @@ import json
 from tests.serve.harness import client_of, reassemble
 
 
+def assert_split_alike(client, body: dict, reasoning: str, content: str) -> None:
+    """The chat completion of ``body`` (an answer forced to stop) splits into ``reasoning`` and ``content``, whole
+    and streamed."""
+    r = client.chat.completions.create(**body)
+    m = r.choices[0].message
+    assert (m.model_extra["reasoning_content"], m.content, r.choices[0].finish_reason) == (reasoning, content, "stop")
+    got_content, _, finish, got_reasoning = reassemble(client.chat.completions.create(**body, stream=True))
+    assert (got_reasoning, got_content, finish) == (reasoning, content, "stop")
+
+
 def test_thinking_is_reasoning_streamed_and_whole(servers):  # noqa: F811
     """DeepSeek-R1's prompt ends inside <think>: a random answer is reasoning until a </think>, if any."""
     client = client_of(servers, "deepseek_r1")
@@ -99,12 +109,7 @@ def test_harmony_channels_of_a_forced_answer(servers):  # noqa: F811
             f'"the answer"')
     body = dict(model="gpt_oss", messages=[{"role": "user", "content": "hi"}], max_tokens=60,
                 extra_body={"structured_outputs": {"grammar": lark}})
-    r = client.chat.completions.create(**body)
-    m = r.choices[0].message
-    assert (m.model_extra["reasoning_content"], m.content, r.choices[0].finish_reason) == \
-        ("first a plan", "the answer", "stop")
-    content, _, finish, reasoning = reassemble(client.chat.completions.create(**body, stream=True))
-    assert (reasoning, content, finish) == ("first a plan", "the answer", "stop")
+    assert_split_alike(client, body, "first a plan", "the answer")
     prompt = tokenizer.render_chat([{"role": "user", "content": "hi"}])
     assert prompt.endswith("<|start|>assistant")
     ids = tokenizer.encode(prompt, add_special_tokens=False)
@@ -167,12 +172,7 @@ def test_gemma4_thought_channel_of_a_forced_answer(servers):  # noqa: F811
     channel, end = (f"<[{tokenizer.single_token_id(m)}]>" for m in ("<|channel>", "<channel|>"))
     lark = f'start: {channel} "thought\\nfirst a plan\\n" {end} "the answer"'
     body = dict(model="gemma4", messages=messages, max_tokens=60, extra_body={"structured_outputs": {"grammar": lark}})
-    r = client.chat.completions.create(**body)
-    m = r.choices[0].message
-    assert (m.model_extra["reasoning_content"], m.content, r.choices[0].finish_reason) == \
-        ("first a plan\n", "the answer", "stop")
-    content, _, finish, reasoning = reassemble(client.chat.completions.create(**body, stream=True))
-    assert (reasoning, content, finish) == ("first a plan\n", "the answer", "stop")
+    assert_split_alike(client, body, "first a plan\n", "the answer")
     engine = servers["gemma4"].engine
     serving = OpenAIServing(engine, "gemma4", tool_parser=Gemma4ToolParser, reasoning=REASONING_FORMATS["gemma4"])
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
