@@ -90,12 +90,11 @@ class KvCalibResult:
         return sum(b == bits for b in self.layers)
 
 
-def model_description(config, architecture: str) -> dict:
-    """The ``model`` block of kv_policy.json from an HF config."""
-    num_heads = int(config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    return {"architecture": architecture, "num_layers": int(config.num_hidden_layers),
-            "num_kv_heads": int(getattr(config, "num_key_value_heads", None) or num_heads), "head_dim": int(head_dim)}
+def model_description(fields, architecture: str) -> dict:
+    """The ``model`` block of kv_policy.json from the engine's fields of the model (lmkit.models ModelFields): the
+    shape the engine checks a policy against (Gemma 4: the sliding layers' head_dim and KV heads, the spec's)."""
+    return {"architecture": architecture, "num_layers": int(fields.num_layers), "num_kv_heads": int(fields.num_kv_heads),
+            "head_dim": int(fields.head_dim)}
 
 
 def _policy_path(work_dir: Path, overwrite: bool) -> Path:
@@ -254,8 +253,13 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
     hooks = get_architecture(architecture).kv_calib  # the policy is for lmkit's engine: refuse what it cannot run
     if hooks is None:
         raise ValueError(f"lmkit lite calibrate does not calibrate {architecture} yet (its fake-quantized attention "
-                         "is not written: attention sinks, or Gemma 4's per-layer head dims and value norm); serve "
+                         "is not written); serve "
                          "it with a uniform quant_policy=8 or 4 instead")
+    fields = get_architecture(architecture).model_fields(read_config(source))
+    if fields.layer_kv_source:
+        raise ValueError(f"lmkit lite calibrate does not calibrate {architecture}'s layers that read earlier layers' "
+                         "KV cache (Gemma 4 E2B/E4B: one cache, two layers' precision) yet; serve it with a uniform "
+                         "quant_policy=8 or 4 instead")
     policy_path = _policy_path(config.work_dir, config.overwrite)
 
     reporter.phase(f"tokenizing {config.calib_dataset} (calibration) and {config.eval_dataset} (evaluation)")
@@ -274,7 +278,7 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
     reporter.phase("loading the model")
     lm = load_causal_lm(source, device)
     use_kv_fake_quant_attention(lm, hooks)
-    description = model_description(lm.config, architecture)
+    description = model_description(fields, architecture)
     num_layers = description["num_layers"]
     max_seqlen = int(getattr(lm.config, "max_position_embeddings", 0) or 0)
     seqlen = min(config.calib_seqlen, max_seqlen) if max_seqlen else config.calib_seqlen

@@ -24,8 +24,8 @@ num_global_key_value_heads; both are read.
 
 from __future__ import annotations
 
-from lmkit.models.architecture import GELU_TANH, ROPE_GLOBAL, ROPE_LOCAL, Architecture, HfConfig, ModelFields, \
-    activation, gemma_embed_scale, layer_type_rope, layer_types, shape_fields, softcap, windows_of
+from lmkit.models.architecture import GELU_TANH, ROPE_GLOBAL, ROPE_LOCAL, Architecture, HfConfig, KvCalibHooks, \
+    ModelFields, activation, gemma_embed_scale, layer_type_rope, layer_types, shape_fields, softcap, windows_of
 from lmkit.models.awq_map import AwqMap, SmoothGroup
 from lmkit.models.gemma2 import KEY_MAP as GEMMA2_KEY_MAP
 from lmkit.models.llama import QK_NORM_LAYER, layer_keys
@@ -187,9 +187,10 @@ def gemma4_awq_map(name: str) -> AwqMap:
                   layer_scalar="layer_scalar")
 
 
-# KV calibration (per-layer head dims, the value norm) is not written yet: `lmkit lite calibrate` refuses Gemma 4 by
-# name; a uniform quant_policy works in the engine.
-ARCHITECTURE = Architecture(NAME, "gemma", KEY_MAP, read_config, DEFAULTS, gemma4_awq_map(NAME), kv_calib=None)
+# KV calibration: transformers' attention functions see K after its norm and RoPE and V after its norm, where the
+# engine quantizes them; the final soft-cap after the head. (The E-models' KV sharing is refused by lite.kvcalib.)
+KV_CALIB = KvCalibHooks(final_logit_softcap="final_logit_softcapping")
+ARCHITECTURE = Architecture(NAME, "gemma", KEY_MAP, read_config, DEFAULTS, gemma4_awq_map(NAME), KV_CALIB)
 
 # The checkpoints Google ships: Gemma4ForConditionalGeneration, the text model under model.language_model and its
 # config under text_config, beside vision and audio towers (left unread: lmkit serves text).

@@ -7,8 +7,8 @@ llama.cpp's GGUF files hold them (gate, up and down apart, MXFP4 blocks of its o
 
 from __future__ import annotations
 
-from lmkit.models.architecture import ROPE_GLOBAL, SILU, Architecture, HfConfig, ModelFields, global_rope, \
-    layer_types, shape_fields, windows_of
+from lmkit.models.architecture import ROPE_GLOBAL, SILU, Architecture, HfConfig, KvCalibHooks, ModelFields, \
+    global_rope, layer_types, shape_fields, windows_of
 from lmkit.models.llama import MODEL_KEYS, PRE_NORM_LAYER, QKV_BIAS_LAYER, layer_keys
 
 NAME = "GptOssForCausalLM"
@@ -64,4 +64,7 @@ def read_config(c: HfConfig) -> ModelFields:
                        swiglu_limit=float(c.get("swiglu_limit")))
 
 
-ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None, kv_calib=None)
+# KV calibration through its own eager attention (sdpa has no sinks: the attention passes them as s_aux)
+KV_CALIB = KvCalibHooks(attention_function="transformers.models.gpt_oss.modeling_gpt_oss.eager_attention_forward",
+                        attention_mask="eager")
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None, kv_calib=KV_CALIB)

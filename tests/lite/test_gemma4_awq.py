@@ -3,7 +3,7 @@ v_proj and 32-wide heads beside the sliding layers' 16), plain-w norms, a value 
 saved smoothing scales leave the fp model unchanged, o_proj is never smoothed (a per-head norm sits between v_proj
 and it), and the checkpoint's logits through the engine equal the dequantized torch reference; so for the checkpoint Google
 ships (Gemma4ForConditionalGeneration: the text model quantized under model.language_model, the vision tower carried
-over in fp16). The MoE and E-model forms and KV calibration are refused by name."""
+over in fp16); its KV calibration writes a policy the engine reads. The MoE and E-model forms are refused by name."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from lmkit.lite.apply import fold_scales
 from lmkit.lite.awq import quantize_awq
 from lmkit.lite.checkpoint import load_causal_lm
 from lmkit.lite.config import AwqConfig, KvCalibConfig
+from lmkit.kv_policy import load_kv_policy
 from lmkit.lite.kvcalib import calibrate_kv
 from lmkit.lite.moe import layer_awq_map
-from lmkit.models import get_awq_map
+from lmkit.models import get_awq_map, load_model_spec
 from tests.factories import ARCH_CASES, Case, _write_case, write_gemma4_multimodal
 from tests.helpers import TINY_CALIB, prefill_logits_vs_transformers
 
@@ -80,12 +81,15 @@ def test_engine_logits_equal_the_dequantized_reference(quantized):
     assert float((got - want).norm() / want.norm()) < 1e-4
 
 
-def test_moe_and_e_model_forms_and_kv_calibration_are_refused_by_name(quantized, tmp_path):
+def test_kv_calibration_of_the_checkpoint_and_the_forms_lite_refuses(quantized, tmp_path):
+    """The AWQ checkpoint calibrates (a policy the engine's reader takes: per-layer head dims as the spec has them);
+    the MoE and E-model forms are refused by name."""
     _, _, out = quantized
-    with pytest.raises(ValueError, match="does not calibrate Gemma4For(CausalLM|ConditionalGeneration) yet"):
-        calibrate_kv(out, KvCalibConfig(work_dir=tmp_path / "kv", calib_dataset="pydoc", calib_samples=4,
-                                        calib_seqlen=32, eval_dataset="pydoc", eval_seqlen=32, eval_max_tokens=64,
-                                        device="cpu"))
+    result = calibrate_kv(out, KvCalibConfig(work_dir=tmp_path / "kv", calib_dataset="pydoc", calib_samples=4,
+                                             calib_seqlen=32, eval_dataset="pydoc", eval_seqlen=32,
+                                             eval_max_tokens=64, device="cpu"))
+    spec = load_model_spec(out)
+    assert load_kv_policy(result.policy_path, spec.num_layers, spec.num_kv_heads, spec.head_dim) == result.layers
     _write_case(Case("Gemma4TextConfig", ARCH_CASES["gemma4_moe"].kwargs, seed=1), tmp_path / "moe")
     with pytest.raises(ValueError, match="does not quantize Gemma4ForCausalLM's MoE block"):
         quantize_awq(tmp_path / "moe", AwqConfig(work_dir=tmp_path / "awq", w_group_size=32, **TINY_CALIB))

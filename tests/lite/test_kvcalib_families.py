@@ -1,8 +1,11 @@
-"""lmkit lite calibrate on a Gated DeltaNet hybrid (Qwen3.5: three recurrent layers for one gated-attention layer):
-only the attention layer has a KV cache. The fake-quantized attention leaves the recurrent layers as they are, the
+"""lmkit lite calibrate on the 2026 families. A Gated DeltaNet hybrid (Qwen3.5: three recurrent layers for one
+gated-attention layer): only the attention layer has a KV cache. The fake-quantized attention leaves the recurrent layers as they are, the
 one-layer-at-a-time int4 KL runs on the attention layer alone (the recurrent layers' stay 0) and equals full
 passes, and the policy search runs over the attention layers: the recurrent layers are written as 0 and the
-engine serves the policy, within the budget, as Qwen ships the model (Qwen3_5ForConditionalGeneration) too."""
+engine serves the policy, within the budget, as Qwen ships the model (Qwen3_5ForConditionalGeneration) too.
+gpt-oss (sinks, through its own eager attention) and Gemma 4 (per-layer head dims, the value norm, k = v, the MoE
+block): fake quantization at 0 bits is the model itself, the one-layer KL equals full passes, and the policy is
+served; the E-models (KV sharing) are refused by name."""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from lmkit.lite.checkpoint import load_causal_lm
 from lmkit.lite.config import KvCalibConfig
 from lmkit.lite.kvcalib import calibrate_kv
 from lmkit.lite.kvquant import use_kv_fake_quant_attention
-from tests.factories import QWEN3_5, TOKEN_IDS, Case, _write_case, write_qwen3_5_multimodal
+from lmkit.models import get_architecture
+from tests.factories import ARCH_CASES, QWEN3_5, TOKEN_IDS, Case, _write_case, write_qwen3_5_multimodal
 from tests.helpers import assert_int4_kl_per_layer
 
 CASE = Case("Qwen3_5TextConfig", dict(QWEN3_5, num_hidden_layers=4), seed=61, norm_offset=1.0,
@@ -68,3 +72,30 @@ def test_calibration_policy_of_a_hybrid_is_served(hybrid, multimodal, tmp_path):
                                             session_len=256)) as pipe:
         r = pipe([[1, 5, 9, 33, 70]], GenerationConfig(max_new_tokens=4, ignore_eos=True))[0]
     assert len(r.token_ids) == 4
+
+
+@pytest.mark.parametrize("case", ["gpt_oss", "gemma4", "gemma4_k_eq_v", "gemma4_moe"])
+def test_calibration_of_sinks_and_gemma4(case, tmp_path):
+    source = tmp_path / "fp"
+    _write_case(ARCH_CASES[case], source)
+    lm = load_causal_lm(source)
+    n = lm.config.num_hidden_layers
+    ids = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = lm(input_ids=ids).logits
+        use_kv_fake_quant_attention(lm, get_architecture(lm.config.architectures[0]).kv_calib)
+        assert torch.equal(lm(input_ids=ids, kv_bits=[0] * n, use_cache=False).logits, plain)
+        assert not torch.equal(lm(input_ids=ids, kv_bits=[4] * n, use_cache=False).logits, plain)
+    assert_int4_kl_per_layer(lm, torch.randint(0, 250, (3, 32), generator=torch.Generator().manual_seed(6)), n)
+    result = calibrate_kv(source, KvCalibConfig(work_dir=tmp_path / "kv", max_ppl_increase=0.01, **TINY_KV))
+    assert result.ppl["policy"] <= result.ppl_limit and len(result.layers) == n
+    assert all(0 < e["int8"] < e["int4"] for e in result.layer_errors)
+    with pipeline(str(source), EngineConfig(device="cpu", dtype="float32", kv_policy=str(result.policy_path),
+                                            session_len=256)) as pipe:
+        assert len(pipe([[1, 5, 9, 33, 70]], GenerationConfig(max_new_tokens=4, ignore_eos=True))[0].token_ids) == 4
+
+
+def test_kv_sharing_is_refused_by_name(tmp_path):
+    _write_case(ARCH_CASES["gemma4_e"], tmp_path / "e")
+    with pytest.raises(ValueError, match="does not calibrate Gemma4ForCausalLM's layers that read earlier layers' KV"):
+        calibrate_kv(tmp_path / "e", KvCalibConfig(work_dir=tmp_path / "kv", **TINY_KV))
