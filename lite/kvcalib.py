@@ -93,8 +93,8 @@ class KvCalibResult:
 def model_description(fields, architecture: str) -> dict:
     """The ``model`` block of kv_policy.json from the engine's fields of the model (lmkit.models ModelFields): the
     shape the engine checks a policy against (Gemma 4: the sliding layers' head_dim and KV heads, the spec's)."""
-    return {"architecture": architecture, "num_layers": int(fields.num_layers), "num_kv_heads": int(fields.num_kv_heads),
-            "head_dim": int(fields.head_dim)}
+    return {"architecture": architecture, "num_layers": int(fields.num_layers),
+            "num_kv_heads": int(fields.num_kv_heads), "head_dim": int(fields.head_dim)}
 
 
 def _policy_path(work_dir: Path, overwrite: bool) -> Path:

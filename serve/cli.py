@@ -122,9 +122,9 @@ def api_server(
     drain_timeout: Optional[float] = _DRAIN_TIMEOUT,
     chat_template: Optional[Path] = CHAT_TEMPLATE,
     tool_call_parser: str = typer.Option("auto", help="How the model writes tool calls: hermes, llama3_json, "
-                                                      "mistral, qwen3_coder, openai (gpt-oss), gemma4; auto: the format "
-                                                      "its chat template teaches; none: requests with tools get a "
-                                                      "400."),
+                                                      "mistral, qwen3_coder, openai (gpt-oss), gemma4; auto: the "
+                                                      "format its chat template teaches; none: requests with tools "
+                                                      "get a 400."),
     reasoning_parser: str = typer.Option("auto", help="How the model marks its thinking (sent as "
                                                       "reasoning_content): qwen3, deepseek_r1, openai_gptoss, gemma4; "
                                                       "auto: qwen3 where the chat template writes <think> blocks, "

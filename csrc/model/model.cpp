@@ -92,7 +92,9 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
       l.ple_proj = b.pack_linear({&w.per_layer_projection});
       l.ple_norm = norm(w.post_per_layer_input_norm);
     }
-    if (c.has_v_norm && !l.is_recurrent && !c.reads_shared_kv(i)) {  // an RMSNorm without weight: ones, whatever the norms' offset
+    // the value norm, an RMSNorm without weight: ones, whatever the norms' offset (none on a layer reading
+    // another's KV)
+    if (c.has_v_norm && !l.is_recurrent && !c.reads_shared_kv(i)) {
       const std::vector<float> ones(c.head_dim_of(i), 1.0f);
       l.v_norm = b.upload_norm(make_view((void*)ones.data(), DType::F32, (int64_t)ones.size()), 0.0f);
     }

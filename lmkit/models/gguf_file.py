@@ -393,7 +393,8 @@ def _gemma4_config(reader, path: Path) -> dict:
     if not isinstance(pattern, list) or len(pattern) != n:
         raise GgufError(f"{path}: {arch}.attention.sliding_window_pattern must hold one bool per layer ({n})")
     types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    if _field(reader, f"{arch}.embedding_length_per_layer_input") or _field(reader, f"{arch}.attention.shared_kv_layers"):
+    e_model_keys = ("embedding_length_per_layer_input", "attention.shared_kv_layers")
+    if any(_field(reader, f"{arch}.{key}") for key in e_model_keys):
         raise GgufError(f"{path}: a Gemma 4 E-model file (per-layer embeddings, KV-sharing layers) is not read from "
                         "GGUF yet; lmkit runs the E-models from their HF folder")
     ff = need("feed_forward_length")

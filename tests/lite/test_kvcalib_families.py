@@ -1,8 +1,8 @@
 """lmkit lite calibrate on the 2026 families. A Gated DeltaNet hybrid (Qwen3.5: three recurrent layers for one
-gated-attention layer): only the attention layer has a KV cache. The fake-quantized attention leaves the recurrent layers as they are, the
-one-layer-at-a-time int4 KL runs on the attention layer alone (the recurrent layers' stay 0) and equals full
-passes, and the policy search runs over the attention layers: the recurrent layers are written as 0 and the
-engine serves the policy, within the budget, as Qwen ships the model (Qwen3_5ForConditionalGeneration) too.
+gated-attention layer): only the attention layer has a KV cache. The fake-quantized attention leaves the recurrent
+layers as they are, the one-layer-at-a-time int4 KL runs on the attention layer alone (the recurrent layers' stay 0)
+and equals full passes, and the policy search runs over the attention layers: the recurrent layers are written as 0
+and the engine serves the policy, within the budget, as Qwen ships the model (Qwen3_5ForConditionalGeneration) too.
 gpt-oss (sinks, through its own eager attention) and Gemma 4 (per-layer head dims, the value norm, k = v, the MoE
 block): fake quantization at 0 bits is the model itself, the one-layer KL equals full passes, and the policy is
 served; the E-models (KV sharing) are refused by name."""
