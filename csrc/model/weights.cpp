@@ -475,8 +475,20 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     } else {
       l.in_proj_qkv = get_linear(p + "in_proj_qkv", 2 * KD + VD, H);
       l.in_proj_z = get_linear(p + "in_proj_z", VD, H);
-      l.in_proj_b = get_linear(p + "in_proj_b", HV, H);
-      l.in_proj_a = get_linear(p + "in_proj_a", HV, H);
+      if (has(p + "in_proj_ba")) {  // llama.cpp's qwen3next files: q | k | v and z apart, b and a still fused
+        const int64_t HK = config.linear_num_key_heads, R = HV / HK;
+        std::vector<int32_t> b, a;
+        for (int64_t g = 0; g < HK; ++g)
+          for (int64_t r = 0; r < R; ++r) {
+            b.push_back((int32_t)(g * 2 * R + r));
+            a.push_back((int32_t)(g * 2 * R + R + r));
+          }
+        std::vector<LinearTensors> ba = split_linear(p + "in_proj_ba", 2 * HV, H, {b, a});
+        l.in_proj_b = std::move(ba[0]), l.in_proj_a = std::move(ba[1]);
+      } else {
+        l.in_proj_b = get_linear(p + "in_proj_b", HV, H);
+        l.in_proj_a = get_linear(p + "in_proj_a", HV, H);
+      }
     }
     l.out_proj = get_linear(p + "out_proj", H, VD);
     l.conv1d = get_stored(p + "conv1d");

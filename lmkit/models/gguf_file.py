@@ -40,10 +40,12 @@ ENGINE_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)  # the GGML tensor types the
 # permuted for its interleaved rotary (the engine reads them back: ModelConfig.qk_rotary_interleaved)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3moe": "Qwen3MoeForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
-                 "qwen35moe": "Qwen3_5MoeForCausalLM", "gpt-oss": "GptOssForCausalLM", "gemma4": "Gemma4ForCausalLM"}
+                 "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
+                 "gpt-oss": "GptOssForCausalLM", "gemma4": "Gemma4ForCausalLM"}
 QK_INTERLEAVED = frozenset({"llama"})
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-               "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "gpt-oss": "gpt_oss", "gemma4": "gemma4_text"}
+               "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",
+               "gpt-oss": "gpt_oss", "gemma4": "gemma4_text"}
 # transformers' GGUF config tables by its own spelling of an architecture, and the keys lmkit reads beyond them
 # (its qwen3_moe table has no expert width: Qwen3MoeConfig's default, 768, would silently apply to every file)
 CONFIG_TABLES = {"qwen3moe": "qwen3_moe"}
@@ -53,10 +55,13 @@ EXTRA_CONFIG_KEYS = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediat
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's Gated DeltaNet hybrids (convert_hf_to_gguf.py; transformers' GGUF loader undoes the same steps): the
 # norms HF scales by (1 + w) stored as 1 + w (the engine reads them with no offset; the gated output norm ssm_norm
-# is plain in both), A_log stored as ssm_a = -exp(A_log), the value heads of every value-indexed tensor tiled
-# (ModelConfig.linear_value_heads_tiled), conv1d squeezed to [channels, taps], dt_bias named ssm_dt.bias, and the
-# multi-token-prediction block written as the layers after the decoder's (blk.{num_hidden_layers}.*).
-HYBRID_LAYOUT = frozenset({"qwen35", "qwen35moe"})
+# is plain in both), A_log stored as ssm_a = -exp(A_log), conv1d squeezed to [channels, taps], dt_bias named
+# ssm_dt.bias; Qwen3.5's files also the value heads of every value-indexed tensor tiled
+# (ModelConfig.linear_value_heads_tiled) and the multi-token-prediction block written as the layers after the
+# decoder's (blk.{num_hidden_layers}.*). Qwen3-Next's keep HF's grouped heads: in_proj_qkvz as it is (ssm_in, older
+# files) or split into q | k | v (attn_qkv) and z (attn_gate), in_proj_ba as it is (ssm_ba).
+HYBRID_LAYOUT = frozenset({"qwen35", "qwen35moe", "qwen3next"})
+TILED_VALUE_HEADS = frozenset({"qwen35", "qwen35moe"})
 
 
 def gguf_arch_of(cfg: dict) -> str:
@@ -238,6 +243,8 @@ def config_from_metadata(reader, path: Path) -> dict:
         return _gpt_oss_config(reader, path)
     if arch == "gemma4":
         return _gemma4_config(reader, path)
+    if arch == "qwen3next":
+        return _qwen3next_config(reader, path)
     for key in reader.fields:
         if key.startswith(f"{arch}.rope.scaling.") and _field(reader, key) not in (None, "none", 0, 0.0, 1.0):
             raise GgufError(f"{path}: {key}={_field(reader, key)!r}: rope scaling in GGUF files is not supported yet")
@@ -308,6 +315,42 @@ def _hybrid_config(reader, path: Path, arch: str) -> dict:
     cfg.update(architectures=[ARCHITECTURES[arch]], model_type=MODEL_TYPES[arch],
                mtp_num_hidden_layers=int(metadata.get(f"{arch}.nextn_predict_layers") or 0))
     return {k: v for k, v in cfg.items() if v is not None}
+
+
+def _qwen3next_config(reader, path: Path) -> dict:
+    """config.json of a Qwen3-Next file as llama.cpp's converter writes it (Qwen3NextModel; transformers has no GGUF
+    table for it): Qwen3.5's keys without the rope sections and the MTP layers; every layer sparse, its top-k
+    weights renormalized (llama.cpp's graph for this architecture), the shared expert's width its own key."""
+    arch = "qwen3next"
+    need = _needed(reader, path, arch)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise GgufError(f"{path}: the metadata has no tokenizer.ggml.tokens (the vocabulary)")
+    names = {t.name for t in reader.tensors}
+    head_dim, value_heads = int(need("attention.key_length")), int(need("ssm.time_step_rank"))
+    if value_heads <= 0 or head_dim <= 0:
+        raise GgufError(f"{path}: {arch}.ssm.time_step_rank and {arch}.attention.key_length must be > 0")
+    cfg = dict(architectures=[ARCHITECTURES[arch]], model_type=MODEL_TYPES[arch], vocab_size=len(tokens.data),
+               hidden_size=int(need("embedding_length")), num_hidden_layers=int(need("block_count")),
+               num_attention_heads=int(need("attention.head_count")),
+               num_key_value_heads=int(need("attention.head_count_kv")), head_dim=head_dim,
+               rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+               max_position_embeddings=int(need("context_length")),
+               full_attention_interval=int(_field(reader, f"{arch}.full_attention_interval", 4)),
+               linear_conv_kernel_dim=int(need("ssm.conv_kernel")), linear_key_head_dim=int(need("ssm.state_size")),
+               linear_num_key_heads=int(need("ssm.group_count")), linear_num_value_heads=value_heads,
+               linear_value_head_dim=int(need("ssm.inner_size")) // value_heads,
+               intermediate_size=int(_field(reader, f"{arch}.feed_forward_length", 0) or 0),
+               num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+               moe_intermediate_size=int(need("expert_feed_forward_length")),
+               shared_expert_intermediate_size=int(_field(reader, f"{arch}.expert_shared_feed_forward_length", 0)
+                                                   or 0),
+               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+               tie_word_embeddings="output.weight" not in names,
+               rope_parameters={"rope_type": "default", "rope_theta": float(need("rope.freq_base")),
+                                "partial_rotary_factor": int(need("rope.dimension_count")) / head_dim})
+    cfg.update(_token_ids(reader))
+    return cfg
 
 
 def _token_ids(reader) -> dict:

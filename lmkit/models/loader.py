@@ -200,7 +200,7 @@ def load_model_spec(path: Path) -> ModelSpec:
         quant=quant,
         gguf=gguf,
         qk_rotary_interleaved=gguf is not None and gguf_file.gguf_arch_of(cfg) in gguf_file.QK_INTERLEAVED,
-        linear_value_heads_tiled=hybrid_layout,
+        linear_value_heads_tiled=gguf is not None and gguf_file.gguf_arch_of(cfg) in gguf_file.TILED_VALUE_HEADS,
         linear_decay_rate_stored=hybrid_layout,
         generation_defaults=generation_defaults,
         sources=sources,

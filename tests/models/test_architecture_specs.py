@@ -210,10 +210,10 @@ def test_awq_map_and_kv_hooks_name_hf_modules(case, built):
     folder, model = built(case)
     arch = load_model_spec(folder).architecture
     awq = arch.awq_map
-    if awq is None:  # lite cannot quantize nor calibrate it yet, and says so by name (gpt-oss)
+    if awq is None:  # lite cannot quantize it yet, and says so by name (gpt-oss); it calibrates its KV cache
         with pytest.raises(ValueError, match=f"does not quantize {arch.name} yet"):
             get_awq_map(arch.name)
-        assert arch.kv_calib is None
+        check_kv_hooks(arch.kv_calib, model)
         return
     assert get_awq_map(arch.name) is awq
     layer = _module(model, awq.layers)[0]
@@ -229,10 +229,16 @@ def test_awq_map_and_kv_hooks_name_hf_modules(case, built):
     _module(layer, awq.attention)
     assert sorted(awq.linears) == sorted(n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear))
     assert set(awq.no_clip) <= set(awq.linears)
-    # the KV-calibration hooks
-    hooks = arch.kv_calib
-    attn = _module(_module(model, hooks.layers)[0], hooks.attention)
-    assert attn.layer_idx == 0 and isinstance(_module(attn, hooks.o_proj), torch.nn.Linear)
+    check_kv_hooks(arch.kv_calib, model)
+
+
+def check_kv_hooks(hooks, model) -> None:
+    """The KV-calibration hooks name the model's modules (the first layer with attention: a hybrid's first is
+    recurrent)."""
+    layers = _module(model, hooks.layers)
+    i, layer = next((i, layer) for i, layer in enumerate(layers) if hasattr(layer, hooks.attention))
+    attn = _module(layer, hooks.attention)
+    assert attn.layer_idx == i and isinstance(_module(attn, hooks.o_proj), torch.nn.Linear)
     _module(model, hooks.final_norm), _module(model, hooks.lm_head)
     if "." in hooks.attention_function:
         import importlib

@@ -584,6 +584,112 @@ def make_qwen35_case(tmp: Path, qtype: str, seed: int, std: float = 0.08, moe: b
     return path, source, read
 
 
+def write_qwen3next_gguf(model, out: Path, qtype: str, legacy: bool = False) -> None:
+    """``model`` (HF Qwen3NextForCausalLM, fp32, every layer sparse) as llama.cpp's convert_hf_to_gguf.py writes a
+    "qwen3next" file (Qwen3NextModel): norms scaled by (1 + w) stored as 1 + w (not the gated output norm), ssm_a =
+    -exp(A_log), conv1d squeezed, dt_bias as ssm_dt.bias, the experts merged as write_qwen35_gguf's, the value heads
+    in HF's grouped order; in_proj_qkvz split per key head into q | k | v (attn_qkv) and z (attn_gate), or with
+    ``legacy`` as it is (ssm_in, the older converter's); in_proj_ba as it is (ssm_ba). Matrices in ``qtype`` (those
+    whose rows are whole blocks), the rest F32."""
+    cfg = model.config
+    hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    arch, layers = "qwen3next", cfg.num_hidden_layers
+    writer = gguf.GGUFWriter(str(out), arch)
+    interval = cfg.layer_types.index("full_attention") + 1
+    for key, value in (("expert_count", cfg.num_experts), ("expert_used_count", cfg.num_experts_per_tok),
+                       ("expert_feed_forward_length", cfg.moe_intermediate_size),
+                       ("expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size),
+                       ("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
+                       ("block_count", layers), ("feed_forward_length", cfg.intermediate_size),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.head_count_kv", cfg.num_key_value_heads), ("attention.key_length", cfg.head_dim),
+                       ("attention.value_length", cfg.head_dim), ("full_attention_interval", interval),
+                       ("ssm.conv_kernel", cfg.linear_conv_kernel_dim), ("ssm.state_size", dk),
+                       ("ssm.group_count", hk), ("ssm.time_step_rank", hv), ("ssm.inner_size", hv * dv),
+                       ("rope.dimension_count", int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))):
+        writer.add_uint32(f"{arch}.{key}", int(value))
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    copy_tokenizer(writer, smollm2_gguf(), cfg.vocab_size)
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, layers)
+
+    def add(name: str, data: np.ndarray, kind: str) -> None:  # matrices whose rows are no whole blocks stay F32
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        kind = kind if data.shape[-1] % 32 == 0 else "F32"
+        qt = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, data if kind == "F32" else gguf.quants.quantize(data, qt),
+                          raw_dtype=None if kind == "F32" else qt)
+
+    for name, param in model.state_dict().items():
+        data = param.detach().numpy().astype(np.float32)
+        if experts := merged_experts(name, data):
+            for merged, values in experts:
+                add(table.get_name(merged, try_suffixes=(".weight",)), values, qtype)
+            continue
+        layer = name.split(".layers.")[1].split(".")[0] if ".layers." in name else None
+        if name.endswith("in_proj_qkvz.weight") and not legacy:  # per key head [q, k, v, z] -> q | k | v, z
+            per_head = data.reshape(hk, 2 * dk + 2 * (hv // hk) * dv, -1)
+            q, k = per_head[:, :dk], per_head[:, dk:2 * dk]
+            v, z = per_head[:, 2 * dk:2 * dk + (hv // hk) * dv], per_head[:, 2 * dk + (hv // hk) * dv:]
+            qkv = np.concatenate([x.reshape(-1, data.shape[1]) for x in (q, k, v)])
+            add(f"blk.{layer}.attn_qkv.weight", qkv, qtype)
+            add(f"blk.{layer}.attn_gate.weight", z.reshape(-1, data.shape[1]), qtype)
+            continue
+        if name.endswith("mlp.shared_expert_gate.weight"):
+            data = data.reshape(-1)
+        gname = table.get_name(name.replace("linear_attn.dt_bias", "linear_attn.dt_proj.bias"),
+                               try_suffixes=(".weight", ".bias"))
+        assert gname is not None, name
+        if name.endswith(tuple(n + "weight" for n in OFFSET_NORMS)):
+            data = data + 1.0
+        if name.endswith("linear_attn.A_log"):
+            data = -np.exp(data)
+        elif name.endswith("linear_attn.conv1d.weight"):
+            data = data.reshape(data.shape[0], -1)
+        add(gname, data, qtype if data.ndim == 2 and "conv1d" not in name and ".mlp.gate." not in name else "F32")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("legacy, qtype", [(False, "F32"), (True, "F32"), (False, "Q8_0")])
+def test_qwen3next_gguf_as_llama_cpp_writes_it(legacy, qtype, tmp_path):
+    """A "qwen3next" file of a tiny Qwen3-Next (every layer sparse with its shared expert, as llama.cpp's graph has
+    them): the view's config reads llama.cpp's keys back, the engine reads every tensor where llama.cpp puts it
+    (in_proj_qkvz split into attn_qkv and attn_gate, or whole as the older ssm_in; in_proj_ba whole), and its logits
+    are the HF model's (with the file's Q8_0 matrices) within 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.factories import ARCH_CASES, Case, _write_case
+
+    kwargs = {k: v for k, v in ARCH_CASES["qwen3_next"].kwargs.items()
+              if k not in ("mlp_only_layers", "norm_topk_prob")}  # llama.cpp's graph: every layer sparse, renormed
+    _write_case(Case("Qwen3NextConfig", kwargs, seed=63, norm_offset=1.0, plain_norms=("linear_attn.norm",)),
+                tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    if qtype != "F32":  # the reference holds what the file will: every quantized matrix's rows rounded by blocks
+        qt = gguf.GGMLQuantizationType[qtype]
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.ndim >= 2 and p.shape[-1] % 32 == 0 and "conv1d" not in name and ".mlp.gate." not in name \
+                        and "shared_expert_gate" not in name:
+                    data = p.detach().numpy().astype(np.float32)
+                    p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(data, qt), qt)
+                                             .reshape(data.shape).copy()))
+    path = tmp_path / "qwen3next.gguf"
+    write_qwen3next_gguf(model, path, qtype, legacy)
+    spec = load_model_spec(resolve_model(path))
+    ref = load_model_spec(tmp_path / "hf")
+    assert spec.architecture.name == "Qwen3NextForCausalLM" and spec.norm_weight_offset == 0.0
+    for name in ("layer_recurrent", "layer_moe", "num_experts", "shared_expert_intermediate_size", "norm_topk_prob",
+                 "linear_num_value_heads", "linear_value_head_dim", "rotary_dim"):
+        assert getattr(spec, name) == getattr(ref, name), name
+    assert not spec.linear_value_heads_tiled and spec.linear_decay_rate_stored
+    assert engine_vs(path, model, prompts_for(11, 320), EXACT) <= 1e-4
+
+
 def test_qwen35_gguf_as_llama_cpp_writes_it(tmp_path):
     """A "qwen35" file in F32: transformers reads back the very model it was written from (the writer does what
     llama.cpp does), the engine reads the file as written (norms with no offset, -exp(A_log) as stored, value heads
