@@ -170,6 +170,17 @@ def wait_idle(proxy=None, engine=None, timeout_s: float = 5.0) -> None:
 
 # ---- the chat families' servers (the `servers` fixture of tests/serve/conftest.py)
 
+# tool schemas of every shape Gemma 4's call grammar writes (serve/tools/grammar.py _Gemma4Grammar)
+GEMMA4_SCHEMAS = [  # optional-only properties, a nested object, arrays of objects, untyped values, no properties
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}},
+    {"type": "object", "properties": {"o": {"type": "object", "properties": {"x": {"type": "number"}},
+                                            "required": ["x"]},
+                                      "l": {"type": "array", "items": {"type": "object"}, "minItems": 1,
+                                            "maxItems": 3},
+                                      "z": {}}, "required": ["o", "z"]},
+    {"type": "object"},
+]
+
 TOOL_FAMILIES = ["qwen2.5", "qwen3", "llama3.1", "mistral", "qwen3_coder", "gpt_oss", "gemma4"]
 FAMILY_ENGINE = dict(device="cpu", max_batch_size=8, cache_max_entry_count=256, cache_block_seq_len=16,
                      session_len=4096)

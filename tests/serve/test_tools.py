@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.serve.harness import TOOL_FAMILIES, client_of, reassemble
+from tests.serve.harness import GEMMA4_SCHEMAS, TOOL_FAMILIES, client_of, reassemble
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -247,8 +247,6 @@ def test_tools_on_a_model_without_a_tool_format_name_the_fix(api_server):
 def test_gemma4_required_calls_of_nested_schemas(servers):
     """Gemma 4's grammar writes its own value syntax for every schema shape (optional-only properties, a nested
     object, arrays of objects, untyped values): each required call parses to arguments the schema validates."""
-    from tests.serve.tools.test_parsers import GEMMA4_SCHEMAS
-
     client = client_of(servers, "gemma4")
     done = []
     for i, schema in enumerate(GEMMA4_SCHEMAS):

@@ -9,6 +9,7 @@ import pytest
 
 from lmkit.serve.reasoning import REASONING_FORMATS
 from lmkit.serve.tools.parsers import TOOL_PARSERS
+from tests.serve.harness import GEMMA4_SCHEMAS
 
 RUN = {"run": {"type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"},
                                                 "opts": {"type": "object"}}}}
@@ -188,17 +189,6 @@ def test_harmony_parser_takes_any_text():
         assert _harmony_split(whole, [c for c in cuts if c < len(whole)]) == _harmony_split(whole, [])
 
     check()
-
-
-GEMMA4_SCHEMAS = [  # optional-only properties, a nested object, arrays of objects, untyped values, no properties
-    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}},
-    {"type": "object", "properties": {"o": {"type": "object", "properties": {"x": {"type": "number"}},
-                                            "required": ["x"]},
-                                      "l": {"type": "array", "items": {"type": "object"}, "minItems": 1,
-                                            "maxItems": 3},
-                                      "z": {}}, "required": ["o", "z"]},
-    {"type": "object"},
-]
 
 
 @pytest.mark.parametrize("special", [True, False], ids=["special-quotes", "text-quotes"])
