@@ -960,7 +960,36 @@ def test_gpt_oss_gguf_as_llama_cpp_writes_it(expert_type, tmp_path):
 
 # ---- Gemma 4 ("gemma4"), as llama.cpp's converter (Gemma4Model) writes it
 
-def write_gemma4_gguf(model, out: Path, qtype: str, e_model_keys: tuple = ()) -> None:
+# Gemma 4's tokenizer as llama.cpp writes it (tokenizer.ggml.model "gemma4": sentencepiece pieces with merges,
+# byte-fallback tokens, the turn markers as control tokens): a tiny one, from these merges over these characters
+GEMMA4_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|channel>", "<channel|>")
+GEMMA4_CHARS = ("\u2581", "h", "e", "l", "o", "w", "r", "d", "i", "!")
+GEMMA4_MERGES = (("\u2581", "h"), ("\u2581", "w"), ("e", "l"), ("l", "o"), ("\u2581h", "el"), ("\u2581hel", "lo"),
+                 ("o", "r"), ("\u2581w", "or"), ("l", "d"), ("\u2581wor", "ld"), ("h", "i"), ("\u2581", "hi"))
+
+
+def gemma4_tokenizer(writer, vocab_size: int) -> None:
+    """GEMMA4_SPECIALS (control), the 256 byte tokens, GEMMA4_CHARS, the GEMMA4_MERGES' pieces, then unused pieces
+    up to ``vocab_size``; <bos> 2, <eos> 1, the Gemma 4 chat template (tests/fixtures)."""
+    from tests.factories import TEMPLATES
+
+    pieces = list(GEMMA4_CHARS) + [a + b for a, b in GEMMA4_MERGES]
+    tokens = [*GEMMA4_SPECIALS, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [3] * len(GEMMA4_SPECIALS) + [6] * 256 + [1] * len(pieces)
+    tokens += [f"<unused{i}>" for i in range(vocab_size - len(tokens))]
+    types += [5] * (vocab_size - len(types))
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges([f"{a} {b}" for a, b in GEMMA4_MERGES])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template((TEMPLATES / "gemma4.jinja").read_text())
+
+
+def write_gemma4_gguf(model, out: Path, qtype: str, e_model_keys: tuple = (), gemma4_vocab: bool = False) -> None:
     """``model`` (HF Gemma4ForCausalLM, fp32) as llama.cpp writes a "gemma4" file: the sliding layers' head size as
     key_length_swa and the global ones' as key_length, the layer kinds as a bool per layer, KV heads per layer when
     the global layers have their own count, the global layers' proportional RoPE as a rope_freqs tensor (1 on the
@@ -968,7 +997,8 @@ def write_gemma4_gguf(model, out: Path, qtype: str, e_model_keys: tuple = ()) ->
     layer_scalar as layer_output_scale.weight, the router's scales as ffn_gate_inp.scale and ffn_down_exps.scale,
     the experts stacked as ffn_gate_up_exps / ffn_down_exps; SmolLM2's tokenizer cut to the vocabulary. Matrices in
     ``qtype`` (rewritten in the model to what gguf's dequantizer reads back, so that the model is the file's
-    reference), the rest F32. ``e_model_keys``: (key, value) written after the others (an E-model's)."""
+    reference), the rest F32. ``e_model_keys``: (key, value) written after the others (an E-model's);
+    ``gemma4_vocab``: a vocabulary of llama.cpp's "gemma4" tokenizer type (gemma4_tokenizer) instead of SmolLM2's."""
     cfg = model.config
     arch, n = "gemma4", cfg.num_hidden_layers
     types = cfg.layer_types
@@ -1001,7 +1031,10 @@ def write_gemma4_gguf(model, out: Path, qtype: str, e_model_keys: tuple = ()) ->
         writer.add_uint32(f"{arch}.expert_count", cfg.num_experts)
         writer.add_uint32(f"{arch}.expert_used_count", cfg.top_k_experts)
         writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
-    copy_tokenizer(writer, smollm2_gguf(), cfg.vocab_size)
+    if gemma4_vocab:
+        gemma4_tokenizer(writer, cfg.vocab_size)
+    else:
+        copy_tokenizer(writer, smollm2_gguf(), cfg.vocab_size)
     rotated = int(global_dim * cfg.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
     writer.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (global_dim // 2 - rotated),
                                                     dtype=np.float32))
@@ -1055,6 +1088,32 @@ def test_gemma4_gguf_as_llama_cpp_writes_it(case, qtype, tmp_path):
         assert getattr(spec, name) == getattr(ref, name), name
     assert np.array_equal(spec.rope.inv_freq, ref.rope.inv_freq)
     assert np.array_equal(spec.rope_local.inv_freq, ref.rope_local.inv_freq)
+    assert engine_vs(path, model, prompts_for(9, 320), EXACT) <= 1e-4
+
+
+def test_gemma4_gguf_with_its_own_tokenizer(tmp_path):
+    """A "gemma4" file with llama.cpp's "gemma4" tokenizer type: the view's tokenizer is transformers' GGUF
+    conversion of it (same ids for text, byte fallback, the turn markers as single tokens), adds no BOS on plain
+    encodes (the template writes <bos>: transformers follows the reference there, where llama.cpp forces one), and
+    the chat template renders one <bos>; the model serves as from SmolLM2's vocabulary."""
+    from transformers import AutoTokenizer
+
+    from lmkit.tokenizer import Tokenizer
+    from tests.factories import build_case
+
+    model = build_case("gemma4", tmp_path / "hf")
+    path = tmp_path / "gemma4.gguf"
+    write_gemma4_gguf(model, path, "F32", gemma4_vocab=True)
+    view = resolve_model(path)
+    ours = Tokenizer(view)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ("hello world", " hello  wow!", "hi hello\n\u00e9", "<|turn>user\nhi<turn|>"):
+        want = theirs(text, add_special_tokens=True)["input_ids"]
+        assert ours.encode(text) == want, text
+        assert 2 not in want  # no BOS on a plain encode
+    assert ours.encode("<|turn>")[0] == 4 and len(ours.encode("\u00e9")) == 2  # a control token; two byte tokens
+    ids = ours.encode(ours.render_chat([{"role": "user", "content": "hello"}]), add_special_tokens=False)
+    assert ids[0] == 2 and ids.count(2) == 1
     assert engine_vs(path, model, prompts_for(9, 320), EXACT) <= 1e-4
 
 
