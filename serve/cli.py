@@ -127,9 +127,7 @@ def api_server(
                                                       "get a 400."),
     reasoning_parser: str = typer.Option("auto", help="How the model marks its thinking (sent as "
                                                       "reasoning_content): qwen3, deepseek_r1, openai_gptoss, gemma4; "
-                                                      "auto: qwen3 where the chat template writes <think> blocks, "
-                                                      "openai_gptoss where it writes harmony channels, gemma4 where "
-                                                      "it writes Gemma 4's thought channel; none: the "
+                                                      "auto: the one the chat template writes; none: the "
                                                       "thinking stays in content."),
     stream_interval: int = STREAM_INTERVAL,
     proxy_url: Optional[str] = typer.Option(None, help="Register with this lmkit proxy once ready."),
