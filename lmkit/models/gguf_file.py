@@ -323,9 +323,7 @@ def _qwen3next_config(reader, path: Path) -> dict:
     weights renormalized (llama.cpp's graph for this architecture), the shared expert's width its own key."""
     arch = "qwen3next"
     need = _needed(reader, path, arch)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is None:
-        raise GgufError(f"{path}: the metadata has no tokenizer.ggml.tokens (the vocabulary)")
+    tokens = _vocabulary(reader, path)
     names = {t.name for t in reader.tensors}
     head_dim, value_heads = int(need("attention.key_length")), int(need("ssm.time_step_rank"))
     if value_heads <= 0 or head_dim <= 0:
@@ -351,6 +349,14 @@ def _qwen3next_config(reader, path: Path) -> dict:
                                 "partial_rotary_factor": int(need("rope.dimension_count")) / head_dim})
     cfg.update(_token_ids(reader))
     return cfg
+
+
+def _vocabulary(reader, path: Path):
+    """The file's tokenizer.ggml.tokens field; GgufError when it has none."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise GgufError(f"{path}: the metadata has no tokenizer.ggml.tokens (the vocabulary)")
+    return tokens
 
 
 def _token_ids(reader) -> dict:
@@ -385,9 +391,7 @@ def _gpt_oss_config(reader, path: Path) -> dict:
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling != "yarn":
         raise GgufError(f"{path}: {arch}.rope.scaling.type={scaling!r}: gpt-oss files use yarn")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is None:
-        raise GgufError(f"{path}: the metadata has no tokenizer.ggml.tokens (the vocabulary)")
+    tokens = _vocabulary(reader, path)
     names = {t.name for t in reader.tensors}
     cfg = dict(architectures=[ARCHITECTURES[arch]], model_type=MODEL_TYPES[arch], vocab_size=len(tokens.data),
                hidden_size=int(need("embedding_length")), num_hidden_layers=int(need("block_count")),
@@ -427,9 +431,7 @@ def _gemma4_config(reader, path: Path) -> dict:
 
     need = _needed(reader, path, arch)
 
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is None:
-        raise GgufError(f"{path}: the metadata has no tokenizer.ggml.tokens (the vocabulary)")
+    tokens = _vocabulary(reader, path)
     names = {t.name for t in reader.tensors}
     n = int(need("block_count"))
     pattern = need("attention.sliding_window_pattern")

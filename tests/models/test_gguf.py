@@ -145,6 +145,23 @@ def random_q5_k_blocks(shape, std: float, rng) -> np.ndarray:
 K_QUANT_BLOCKS = {"Q4_K": random_q4_k_blocks, "Q5_K": random_q5_k_blocks, "Q6_K": random_q6_k_blocks}
 
 
+def add_stored(writer, name: str, data: np.ndarray, kind: str) -> None:
+    """``data`` into ``writer`` as GGML type ``kind`` (F32, F16 or a block type, quantized by the gguf package)."""
+    data = np.ascontiguousarray(data, dtype=np.float32)
+    qt = gguf.GGMLQuantizationType[kind]
+    stored = data.astype(np.float16) if kind == "F16" else data if kind == "F32" else gguf.quants.quantize(data, qt)
+    writer.add_tensor(name, stored, raw_dtype=qt if kind not in ("F32", "F16") else None)
+
+
+def add_merged_experts(add, table, name: str, data: np.ndarray, qtype: str) -> bool:
+    """Whether ``name`` is a layer's experts, then written (``add(gguf name, values, kind)``) as llama.cpp merges
+    them (merged_experts), their names by the gguf package's ``table``."""
+    experts = merged_experts(name, data)
+    for merged, values in experts:
+        add(table.get_name(merged, try_suffixes=(".weight",)), values, qtype)
+    return bool(experts)
+
+
 def merged_experts(name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
     """(HF name gguf's table knows, values) of the tensors llama.cpp merges a layer's experts into, one per gate /
     up / down ([experts, rows, inputs]), from transformers' in-memory ``experts.gate_up_proj`` (each expert's gate
@@ -515,16 +532,11 @@ def write_qwen35_gguf(model, out: Path, qtype: str, mtp_layers: int = 1, omit: t
     table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35, layers)
 
     def add(name: str, data: np.ndarray, kind: str = "F32") -> None:
-        data = np.ascontiguousarray(data, dtype=np.float32)
-        qt = gguf.GGMLQuantizationType[kind]
-        stored = data.astype(np.float16) if kind == "F16" else data if kind == "F32" else gguf.quants.quantize(data, qt)
-        writer.add_tensor(name, stored, raw_dtype=qt if kind not in ("F32", "F16") else None)
+        add_stored(writer, name, data, kind)
 
     for name, param in model.state_dict().items():
         data = param.detach().numpy().astype(np.float32)
-        if experts := merged_experts(name, data):
-            for merged, values in experts:
-                add(table.get_name(merged, try_suffixes=(".weight",)), values, qtype)
+        if add_merged_experts(add, table, name, data, qtype):
             continue
         if name.endswith("mlp.shared_expert_gate.weight"):
             data = data.reshape(-1)
@@ -615,17 +627,11 @@ def write_qwen3next_gguf(model, out: Path, qtype: str, legacy: bool = False) -> 
     table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, layers)
 
     def add(name: str, data: np.ndarray, kind: str) -> None:  # matrices whose rows are no whole blocks stay F32
-        data = np.ascontiguousarray(data, dtype=np.float32)
-        kind = kind if data.shape[-1] % 32 == 0 else "F32"
-        qt = gguf.GGMLQuantizationType[kind]
-        writer.add_tensor(name, data if kind == "F32" else gguf.quants.quantize(data, qt),
-                          raw_dtype=None if kind == "F32" else qt)
+        add_stored(writer, name, data, kind if data.shape[-1] % 32 == 0 else "F32")
 
     for name, param in model.state_dict().items():
         data = param.detach().numpy().astype(np.float32)
-        if experts := merged_experts(name, data):
-            for merged, values in experts:
-                add(table.get_name(merged, try_suffixes=(".weight",)), values, qtype)
+        if add_merged_experts(add, table, name, data, qtype):
             continue
         layer = name.split(".layers.")[1].split(".")[0] if ".layers." in name else None
         if name.endswith("in_proj_qkvz.weight") and not legacy:  # per key head [q, k, v, z] -> q | k | v, z
