@@ -249,13 +249,14 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
     start = time.perf_counter()
     source = resolve_model(model)
     device = resolve_device(config.device)
-    architecture = architecture_of(read_config(source), source)
+    raw = read_config(source)
+    architecture = architecture_of(raw, source)
     hooks = get_architecture(architecture).kv_calib  # the policy is for lmkit's engine: refuse what it cannot run
     if hooks is None:
         raise ValueError(f"lmkit lite calibrate does not calibrate {architecture} yet (its fake-quantized attention "
                          "is not written); serve "
                          "it with a uniform quant_policy=8 or 4 instead")
-    fields = get_architecture(architecture).model_fields(read_config(source))
+    fields = get_architecture(architecture).model_fields(raw)
     if fields.layer_kv_source:
         raise ValueError(f"lmkit lite calibrate does not calibrate {architecture}'s layers that read earlier layers' "
                          "KV cache (Gemma 4 E2B/E4B: one cache, two layers' precision) yet; serve it with a uniform "
