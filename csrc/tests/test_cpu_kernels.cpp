@@ -1057,6 +1057,19 @@ void test_linear_bf16_kernel(const char* kernel) {
                                  std::to_string(s.N) + " K " + std::to_string(s.K) + (with_bias ? " bias" : "");
         expect_close(out, ref, name);
         if (s.K >= 15) expect(rel_err(out, exact) > 1e-4, name + ": rounds to bf16");
+        // bit for bit the same after a call of other rows (scratch, stack and tiles hold someone else's values)
+        std::vector<float> other = randn((s.M + 37) * s.K), other_out((s.M + 37) * s.N), again(out.size(), NAN);
+        ops::linear(other.data(), s.M + 37, packed, b.t, other_out.data());
+        ops::linear(x.data(), s.M, packed, b.t, again.data());
+        expect(std::memcmp(again.data(), out.data(), out.size() * 4) == 0, name + ": the same bits on a second call");
+        // rows come out alike in a call of fewer rows (on AMX, of at least kLinearAmxMinRows: a single row takes the
+        // dot-product kernel, which rounds its pairs' sums differently)
+        const int64_t h = s.M / 2;
+        if (h > 0 && (std::strcmp(kernel, "amx") != 0 || s.M - h >= ops::kLinearAmxMinRows)) {
+          std::vector<float> tail((s.M - h) * s.N, NAN);
+          ops::linear(x.data() + h * s.K, s.M - h, packed, b.t, tail.data());
+          expect(std::memcmp(tail.data(), out.data() + h * s.N, tail.size() * 4) == 0, name + ": rows alike in fewer");
+        }
       }
 }
 

@@ -42,6 +42,55 @@ def test_chunked_prefill_and_small_batches_keep_greedy_output(tiny_llama):
     assert got == expected
 
 
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "awq"])
+def test_logits_do_not_depend_on_batching_or_chunking(tmp_path, weights):
+    """Bit for bit, a request's logits are the same taken whole, in prompt chunks of 1 and 5 tokens (prompt pacing
+    sizes chunks from measured times), beside other requests of other lengths, and after them: a seed samples
+    the same answer whatever else the engine did. AMX tiles are switched off: they take calls of 2+ rows (bf16)
+    or 32+ rows (AWQ int8) and round differently from the one-row kernels (~1 ulp), so on an AMX CPU results
+    depend on batching by that much (csrc/kernels/cpu/README.md)."""
+    from lmkit import _engine
+
+    if weights == "bfloat16" and not _engine.cpu_bf16_available():
+        pytest.skip("this CPU has no AVX512_BF16")
+    _engine.cpu_use_amx(False)
+    try:
+        _check_batch_invariance(tmp_path, weights)
+    finally:
+        _engine.cpu_use_amx(True)
+
+
+def _check_batch_invariance(tmp_path, weights: str) -> None:
+    from tests.factories import make_tiny_model, rtn_checkpoint
+
+    folder = tmp_path / "fp32"
+    make_tiny_model(folder, "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    if weights == "awq":
+        folder = rtn_checkpoint(folder, tmp_path / "awq", group_size=32)
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, 256, size=77).tolist()
+    others = [rng.integers(0, 256, size=n).tolist() for n in (5, 40, 130)]
+    gen = GenerationConfig(max_new_tokens=24, ignore_eos=True, output_logits=True)
+
+    def config(**kw) -> EngineConfig:
+        return EngineConfig(dtype="bfloat16" if weights == "bfloat16" else "float32", device="cpu",
+                            cache_max_entry_count=64, cache_block_seq_len=32, max_batch_size=8, decode_slowdown=0,
+                            **kw)
+
+    with pipeline(folder, config()) as pipe:
+        whole = pipe(prompt, gen)
+        runs = {"beside others": pipe([*others, prompt], gen)[-1], "after them": pipe(prompt, gen)}
+    for chunk in (1, 5):
+        with pipeline(folder, config(max_prefill_token_num=chunk)) as pipe:
+            runs[f"in chunks of {chunk}"] = pipe(prompt, gen)
+    expected = np.asarray(whole.logits)
+    for name, got in runs.items():
+        logits = np.asarray(got.logits)
+        same = np.array_equal(logits, expected)
+        assert same, f"{name}: logits differ by up to {np.abs(logits - expected).max()}"
+        assert got.token_ids == whole.token_ids, name
+
+
 def test_eos_stops_and_is_not_in_output(tiny_llama, tiny_llama_pipe):
     folder, ref = tiny_llama
     rng = np.random.default_rng(9)
