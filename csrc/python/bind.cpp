@@ -77,9 +77,6 @@ PYBIND11_MODULE(_engine, m) {
   m.def("cpu_use_amx", &ops::cpu::use_amx, py::arg("enabled"),
         "Whether linear layers and attention may use AMX tiles (default: yes, where the CPU allows), for every engine "
         "of the process; returns whether some will. For tests and benchmarks: the paths without tiles.");
-  m.def("cpu_use_bf16_attention", &ops::cpu::use_bf16_attention, py::arg("enabled"),
-        "Whether attention over a bf16 KV cache may use AVX512_BF16 dot products where AMX does not take it "
-        "(default: yes); returns whether it will. For tests and benchmarks.");
   m.def("cpu_set_spin_us", &ops::cpu::set_spin_us,
         "How long idle kernel threads poll before they sleep, in microseconds (default 50), for every team of the "
         "process; for benchmarks.");
