@@ -16,7 +16,8 @@ from lmkit.serve.ray.config import ReplicaConfig
 
 # rich_markup_mode=None: click's plain help, whole option names at any width (see lmkit/cli/main.py)
 app = typer.Typer(help="Serve models over HTTP: an OpenAI-compatible api_server, a proxy in front of many, and "
-                       "replicas on Ray Serve.",
+                       "replicas on Ray Serve. `lmkit serve MODEL [OPTIONS]` is `lmkit serve api_server MODEL "
+                       "[OPTIONS]`.",
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 _E = EngineConfig.field_help()  # the first sentences of EngineConfig's field docstrings
@@ -43,11 +44,13 @@ _DRAIN_TIMEOUT = typer.Option(None, help="On SIGTERM or SIGINT, new requests and
 LOG_LEVEL = typer.Option("info", help="debug | info | warning | error")
 DEVICE = typer.Option("auto", help=_E["device"])
 DTYPE = typer.Option("auto", help=_E["dtype"])
-MAX_BATCH_SIZE = typer.Option(64, help=_E["max_batch_size"])
-SESSION_LEN = typer.Option(None, help=_E["session_len"])
+MAX_BATCH_SIZE = typer.Option(64, "--max-batch-size", "--max-num-seqs", help=_E["max_batch_size"])
+SESSION_LEN = typer.Option(None, "--session-len", "--max-model-len", help=_E["session_len"])
 CACHE_BLOCK_SEQ_LEN = typer.Option(64, help=_E["cache_block_seq_len"])
-CACHE_MAX_ENTRY_COUNT = typer.Option(None, help=_E["cache_max_entry_count"])
-MAX_PREFILL_TOKEN_NUM = typer.Option(8192, help=_E["max_prefill_token_num"])
+CACHE_MAX_ENTRY_COUNT = typer.Option(None, "--cache-max-entry-count", "--gpu-memory-utilization",
+                                     help=_E["cache_max_entry_count"])
+MAX_PREFILL_TOKEN_NUM = typer.Option(8192, "--max-prefill-token-num", "--max-num-batched-tokens",
+                                     help=_E["max_prefill_token_num"])
 DECODE_SLOWDOWN = typer.Option(1.75, help="Prompt pacing: decodes keep at least 1 / this of their speed beside "
                                               "long prompts (0: off; see EngineConfig.decode_slowdown).")
 QUANT_POLICY = typer.Option(0, help=_E["quant_policy"])
@@ -55,6 +58,8 @@ ENABLE_PREFIX_CACHING = typer.Option(False, help=_E["enable_prefix_caching"])
 SPECULATIVE = typer.Option("auto", help=_E["speculative"])
 NUM_SPECULATIVE_TOKENS = typer.Option(8, help=_E["num_speculative_tokens"])
 CHAT_TEMPLATE = typer.Option(None, help="A Jinja chat template file replacing the tokenizer's.")
+AUTO_TOOL_CHOICE = typer.Option(False, "--enable-auto-tool-choice",
+                                help="Accepted for vLLM's command lines: tool_choice auto is always on.")
 STREAM_INTERVAL = typer.Option(1, min=1, help="Tokens per chunk of a streamed completion (its first token and "
                                               "its end go at once): larger costs the server (and Ray's "
                                               "transport) less per token, streams less smoothly.")
@@ -104,11 +109,13 @@ def api_server(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (127.0.0.1: this machine only; 0.0.0.0: "
                                                "every interface, then set --api-keys)."),
     port: int = typer.Option(23333, help="TCP port."),
-    model_name: Optional[str] = typer.Option(None, help="Name clients pass as `model` (default: the folder's name)."),
-    api_keys: Optional[List[str]] = typer.Option(None, help="Accepted Bearer tokens (repeat, or comma-separated; "
-                                                            "default: the LMKIT_API_KEYS variable); none: no "
-                                                            "authentication. When set, every route but /health needs "
-                                                            "one: the API, /metrics, /openapi.json, /docs, /redoc."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", "--served-model-name",
+                                             help="Name clients pass as `model` (default: the folder's name)."),
+    api_keys: Optional[List[str]] = typer.Option(None, "--api-keys", "--api-key",
+                                                 help="Accepted Bearer tokens (repeat, or comma-separated; default: "
+                                                      "the LMKIT_API_KEYS variable); none: no authentication. When "
+                                                      "set, every route but /health needs one: the API, /metrics, "
+                                                      "/openapi.json, /docs, /redoc."),
     public_metrics: bool = typer.Option(False, "--public-metrics", help="Serve /metrics without an API key even "
                                                                         "when --api-keys is set (for a scraper)."),
     max_concurrent_requests: Optional[int] = typer.Option(None, help="Generation requests in flight at most; "
@@ -125,6 +132,7 @@ def api_server(
                                                       "mistral, qwen3_coder, openai (gpt-oss), gemma4; auto: the "
                                                       "format its chat template teaches; none: requests with tools "
                                                       "get a 400."),
+    enable_auto_tool_choice: bool = AUTO_TOOL_CHOICE,
     reasoning_parser: str = typer.Option("auto", help="How the model marks its thinking (sent as "
                                                       "reasoning_content): qwen3, deepseek_r1, openai_gptoss, gemma4; "
                                                       "auto: the one the chat template writes; none: the "
@@ -195,10 +203,11 @@ def proxy(
         help="A network (CIDR, repeat for more) nodes may be on although the proxy refuses it by default: "
              "link-local (169.254.0.0/16, fe80::/10) and cloud metadata addresses, which would hand the host's "
              "credentials to whoever can add a node."),
-    api_keys: Optional[List[str]] = typer.Option(None, help="Bearer tokens clients must send (repeat, or "
-                                                            "comma-separated; default: the LMKIT_API_KEYS variable); "
-                                                            "none: open. When set, every route but /health and "
-                                                            "/nodes/* needs one (/openapi.json, /docs, /redoc too)."),
+    api_keys: Optional[List[str]] = typer.Option(None, "--api-keys", "--api-key",
+                                                 help="Bearer tokens clients must send (repeat, or comma-separated; "
+                                                      "default: the LMKIT_API_KEYS variable); none: open. When set, "
+                                                      "every route but /health and /nodes/* needs one "
+                                                      "(/openapi.json, /docs, /redoc too)."),
     max_concurrent_requests: Optional[int] = typer.Option(None, help="Requests in flight at most; more get 429."),
     max_body_bytes: Optional[int] = typer.Option(None, help="Larger request bodies get 413 (default 4 MiB).",
                                                  show_default=False),
@@ -248,9 +257,10 @@ def ray(
     upscale_delay: float = typer.Option(ReplicaConfig.upscale_delay_s, help=_R["upscale_delay_s"]),
     downscale_delay: float = typer.Option(ReplicaConfig.downscale_delay_s, help=_R["downscale_delay_s"]),
     look_back_period: float = typer.Option(ReplicaConfig.look_back_period_s, help=_R["look_back_period_s"]),
-    api_keys: Optional[List[str]] = typer.Option(None, help="Accepted Bearer tokens (repeat, or comma-separated; "
-                                                            "default: the LMKIT_API_KEYS variable), checked by every "
-                                                            "replica as by api_server; none: no authentication."),
+    api_keys: Optional[List[str]] = typer.Option(None, "--api-keys", "--api-key",
+                                                 help="Accepted Bearer tokens (repeat, or comma-separated; "
+                                                      "default: the LMKIT_API_KEYS variable), checked by every "
+                                                      "replica as by api_server; none: no authentication."),
     max_concurrent_requests: Optional[int] = typer.Option(None, help="Generation requests in flight at most per "
                                                                      "replica; more get 429."),
     max_body_bytes: Optional[int] = MAX_BODY_BYTES,
@@ -259,6 +269,7 @@ def ray(
                                                              "this many seconds. Default 30."),
     chat_template: Optional[Path] = CHAT_TEMPLATE,
     tool_call_parser: str = typer.Option("auto", help="As api_server's --tool-call-parser."),
+    enable_auto_tool_choice: bool = AUTO_TOOL_CHOICE,
     reasoning_parser: str = typer.Option("auto", help="As api_server's --reasoning-parser."),
     stream_interval: int = STREAM_INTERVAL,
     log_level: str = LOG_LEVEL,

@@ -337,13 +337,11 @@ class OpenAIServing:
 
     def _gen_config(self, req: AnyRequest, max_new: int) -> GenerationConfig:
         """The request's sampling over the model's generation_config.json defaults (as vLLM's
-        ``--generation-config auto``): a field the request leaves out takes the model's value."""
+        ``--generation-config auto``): a field the request leaves out takes the model's value, and a model whose
+        file does not ask to sample is greedy, as in `lmkit generate` and pipeline() (ModelSpec.generation_config)."""
         engine = self.engine.engine
-        temperature = req.temperature
-        if temperature is None and not engine.generation_defaults.get("do_sample"):
-            temperature = 1.0  # OpenAI's default where the model's file does not ask to sample
         return engine.default_generation_config(
-            max_new_tokens=max_new, min_new_tokens=req.min_tokens, temperature=temperature,
+            max_new_tokens=max_new, min_new_tokens=req.min_tokens, temperature=req.temperature,
             top_k=None if req.top_k is None else max(0, req.top_k), top_p=req.top_p, min_p=req.min_p,
             repetition_penalty=req.repetition_penalty, random_seed=None if req.seed is None else req.seed % 2**64,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,

@@ -47,6 +47,12 @@ class _ModelPromptCommand(TyperCommand):
 _E = EngineConfig.field_help()
 
 
+def names_a_model(arg: str) -> bool:
+    """Whether a lone argument of `lmkit generate` is a model rather than a prompt: an existing file or folder,
+    a name ending in .gguf, or one word with a slash (a relative path or an owner/name hub id)."""
+    return Path(arg).expanduser().exists() or arg.lower().endswith(".gguf") or ("/" in arg and not arg.split()[1:])
+
+
 @app.command(cls=_ModelPromptCommand)
 def generate(
     ctx: typer.Context,
@@ -72,8 +78,9 @@ def generate(
     if prompt is None:
         if model is None:
             ctx.fail("Missing argument 'PROMPT'.")
-        if (Path(model) / "config.json").is_file():
-            ctx.fail(f"Missing argument 'PROMPT': {model} is a model folder; the prompt goes after it.")
+        if names_a_model(model):
+            ctx.fail(f"Missing argument 'PROMPT': {model!r} names a model (a path, a .gguf file or a hub id); the "
+                     f"prompt goes after it. To send it as the prompt: lmkit generate smollm2 {model!r}")
         model, prompt = None, model
     try:
         path = resolve_model(model)
@@ -126,9 +133,18 @@ def run_generate(model: str | Path | None, prompt: str, engine_config: EngineCon
     return 0
 
 
+def serve_model_first(args: list[str]) -> list[str]:
+    """``lmkit serve MODEL [OPTIONS]`` (as ``vllm serve MODEL``) and ``lmkit serve --OPTION ...`` are
+    ``lmkit serve api_server ...``; ``lmkit serve`` alone and ``lmkit serve --help`` show the group's help."""
+    if len(args) < 2 or args[0] != "serve" or args[1] in ("--help", "-h"):
+        return args
+    commands = {c.name or c.callback.__name__ for c in serve_app.registered_commands}
+    return args if args[1] in commands else ["serve", "api_server", *args[1:]]
+
+
 def main() -> None:
     try:
-        app(standalone_mode=True)
+        app(args=serve_model_first(sys.argv[1:]), standalone_mode=True)
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # user-facing problems: no traceback
         typer.echo(f"error: {e}", err=True)
         sys.exit(1)

@@ -62,11 +62,13 @@ def test_generate_sends_a_chat_turn_unless_raw(tiny_llama, tiny_llama_pipe):
 
 
 def test_generate_argument_errors(tiny_llama, tmp_path):
-    """One argument is the prompt; a model folder alone, a missing model, or no prompt are clear usage errors."""
+    """One argument is the prompt; a model (a path, a .gguf name, a hub id) alone, a missing model, or no prompt are
+    clear usage errors."""
     run = lmkit("generate")
     assert run.returncode == 2 and "Missing argument 'PROMPT'" in run.stderr
-    run = lmkit("generate", str(tiny_llama[0]))
-    assert run.returncode == 2 and "is a model folder; the prompt goes after it" in run.stderr
+    for alone in (str(tiny_llama[0]), str(tmp_path / "no" / "such" / "folder"), "model.gguf", "Owner/name"):
+        run = lmkit("generate", alone)  # a path or a hub id alone is a model without a prompt, never a prompt
+        assert run.returncode == 2 and "names a model" in run.stderr and "the prompt goes after it" in run.stderr
     run = lmkit("generate", str(tmp_path / "missing"), "hello")
     assert run.returncode == 1 and "does not exist" in run.stderr and "lmkit generate [MODEL] PROMPT" in run.stderr
     assert "Traceback" not in run.stderr

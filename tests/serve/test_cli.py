@@ -1,5 +1,5 @@
-"""`lmkit chat` (one-shot --prompt, interactive with /reset and /exit, Ctrl-C stopping only the answer) and the
-serving benchmarks' --smoke modes against real servers."""
+"""`lmkit chat` (one-shot --prompt, interactive with /reset and /exit, Ctrl-C stopping only the answer), `lmkit
+serve MODEL` with vLLM's flag names, and the serving benchmarks' --smoke modes against real servers."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.factories import make_tiny_model, write_sharegpt_file
+from tests.serve.harness import free_port, lmkit_subprocess, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "100"}
@@ -135,3 +137,46 @@ def test_serve_ray_without_ray_says_what_to_install(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert 'pip install -e ".[ray]"' in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_vllm_flag_names_reach_lmkits_settings(monkeypatch):
+    """vLLM's names for what lmkit has set the same fields as lmkit's own: --max-model-len, --served-model-name,
+    --api-key, --max-num-seqs, --max-num-batched-tokens, --gpu-memory-utilization; --enable-auto-tool-choice is
+    accepted (auto is always on)."""
+    from typer.testing import CliRunner
+
+    import lmkit.serve.api_server as api_server
+    from lmkit.cli.main import app, serve_model_first
+
+    seen = {}
+    monkeypatch.setattr(api_server, "run_api_server", lambda model, engine, server, **kw: seen.update(
+        model=model, engine=engine, server=server))
+    args = ["serve", "some/model", "--max-model-len", "320", "--served-model-name", "alias", "--api-key", "k1",
+            "--max-num-seqs", "3", "--max-num-batched-tokens", "256", "--gpu-memory-utilization", "0.5",
+            "--enable-auto-tool-choice"]
+    result = CliRunner().invoke(app, serve_model_first(args))
+    assert result.exit_code == 0, result.output
+    engine, server = seen["engine"], seen["server"]
+    assert seen["model"] == "some/model" and server.model_name == "alias" and server.gate.api_keys == ("k1",)
+    assert (engine.session_len, engine.max_batch_size, engine.max_prefill_token_num,
+            engine.cache_max_entry_count) == (320, 3, 256, 0.5)
+
+
+def test_serve_model_starts_the_api_server(tiny_llama):
+    """`lmkit serve MODEL` starts the api_server (as `vllm serve MODEL`), here with vLLM's flag names."""
+    port = free_port()
+    proc = lmkit_subprocess("serve", str(tiny_llama[0]), "--port", str(port), "--num-threads", "1", "--dtype",
+                            "float32", "--max-model-len", "320", "--served-model-name", "alias", "--api-key", "k1",
+                            "--cache-max-entry-count", "64")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc=proc)
+        assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+        models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k1"}, timeout=10).json()["data"]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [("alias", 320)]
+        r = httpx.post(f"{url}/v1/completions", json={"model": "alias", "prompt": "x" * 400, "max_tokens": 2},
+                       headers={"Authorization": "Bearer k1"}, timeout=30)
+        assert r.status_code == 400 and "320" in r.text, r.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

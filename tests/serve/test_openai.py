@@ -206,6 +206,16 @@ def test_sampling_fields_accepted(client, temperature):
     assert r.usage.completion_tokens == 4
 
 
+def test_request_without_sampling_is_greedy_for_a_model_that_sets_none(client, tiny_llama_pipe):
+    """One rule for the server, the CLI and pipeline(): a model whose files ask for no sampling answers greedily
+    when a request sets no sampling field, whatever its seed."""
+    messages = [{"role": "user", "content": "say something"}]
+    answers = {client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, seed=seed,
+                                              extra_body={"ignore_eos": True}).choices[0].message.content
+               for seed in (1, 2, 3)}
+    assert answers == {engine_text(tiny_llama_pipe, messages, 12)}
+
+
 def test_request_fields_left_out_take_the_models_generation_config(tmp_path):
     """As vLLM's --generation-config auto: a model whose generation_config.json samples (temperature 0.7,
     top_k 5) and caps answers at 6 tokens gets those for a request that leaves the fields out, exactly what
