@@ -19,8 +19,11 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import AsyncIterator, Callable, Hashable, Union
 
+import numpy as np
+
 from lmkit.config import EngineConfig
 from lmkit.cpus import CpuBinding, cpu_budget, plan_binding
+from lmkit.embedding import PoolingConfig
 from lmkit.messages import GenerationConfig, Response
 from lmkit.metrics import EngineMetrics, LatencyRecorder
 from lmkit.model_path import resolve_model
@@ -154,6 +157,7 @@ class Engine:
             log_cuda_kv_pool(self._cpp, self.config.cache_max_entry_count)
 
         self._grammars: GrammarCache | None = None
+        self._pooling: PoolingConfig | None = None
         self._grammars_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
@@ -253,6 +257,46 @@ class Engine:
         request_id = next(self._ids)
         self._cpp.submit(request_id, list(prompt_ids), params, on_output)
         return request_id
+
+    @property
+    def pooling(self) -> PoolingConfig:
+        """How this model's embeddings pool and normalize (its sentence-transformers files; lmkit.embedding).
+        Raises PoolingConfigError for files that ask for what lmkit does not compute."""
+        if self._pooling is None:
+            self._pooling = PoolingConfig.of_model(self.model_path)
+        return self._pooling
+
+    def submit_embedding(self, prompt_ids: list[int], on_output: Callable[[object], None],
+                         pooling: str | None = None) -> int:
+        """Queues one prompt to be computed without generating; its one (finished) output carries ``embedding``,
+        the final hidden states pooled (``pooling``: last | mean | first, default the model's) and not yet
+        normalized (PoolingConfig.finish). Returns the request id. Raises ValueError for an impossible prompt."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        if not prompt_ids:
+            raise ValueError("an embedding needs at least one token")
+        params = _import_extension().SamplingParams()
+        params.max_new_tokens = 0
+        params.speculate = False
+        params.pooling = pooling or self.pooling.pooling
+        request_id = next(self._ids)
+        self._cpp.submit(request_id, list(prompt_ids), params, on_output)
+        return request_id
+
+    def embed(self, prompts: list[Prompt], dimensions: int | None = None) -> list[np.ndarray]:
+        """One embedding (float32, the model's pooling and normalization; its first ``dimensions`` values) per
+        prompt: text, chat messages or token ids, computed together. Raises ValueError for an impossible prompt,
+        RuntimeError when the engine fails one."""
+        ids = [self.encode(p) for p in prompts]
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        request_ids = {self.submit_embedding(p, outputs.put): i for i, p in enumerate(ids)}
+        vectors: list = [None] * len(ids)
+        for _ in ids:
+            out = outputs.get()
+            if out.embedding is None:
+                raise RuntimeError(f"embedding {request_ids[out.request_id]} failed: {out.error or out.finish_reason}")
+            vectors[request_ids[out.request_id]] = self.pooling.finish(out.embedding, dimensions)
+        return vectors
 
     def prediction_ids(self, text: str) -> list[int]:
         """A predicted output's token ids (GenerationConfig.prediction), none when the engine does not speculate;
@@ -407,6 +451,34 @@ class AsyncEngine:
                 yield response
         finally:
             self._streams.pop(key, None)
+
+    async def embed(self, prompt_ids: list[list[int]], dimensions: int | None = None,
+                    max_in_flight: int | None = None) -> list[np.ndarray]:
+        """Engine.embed of token ids for asyncio: the prompts are computed together, at most ``max_in_flight`` in
+        the engine at once (default: all; the next goes in as one finishes); cancelling the caller cancels those
+        in the engine. Raises ValueError for an impossible prompt, RuntimeError for a failure."""
+        engine, loop = self.engine, asyncio.get_running_loop()
+        window = max(1, max_in_flight or len(prompt_ids))
+        finished: asyncio.Queue = asyncio.Queue()
+        in_engine: dict[int, int] = {}  # request id -> prompt index
+        vectors: list = [None] * len(prompt_ids)
+        following = 0
+        try:
+            while following < len(prompt_ids) or in_engine:
+                while following < len(prompt_ids) and len(in_engine) < window:
+                    request_id = engine.submit_embedding(
+                        prompt_ids[following], lambda out: loop.call_soon_threadsafe(finished.put_nowait, out))
+                    in_engine[request_id] = following
+                    following += 1
+                out = await finished.get()
+                index = in_engine.pop(out.request_id)
+                if out.embedding is None:
+                    raise RuntimeError(f"the engine failed embedding {index}: {out.error or out.finish_reason}")
+                vectors[index] = engine.pooling.finish(out.embedding, dimensions)
+        finally:
+            for request_id in in_engine:
+                engine.cancel(request_id)
+        return vectors
 
     async def abort(self, request_id: Hashable) -> None:
         """Cancels a running generate() by its request_id; unknown ids are ignored."""

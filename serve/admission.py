@@ -54,16 +54,15 @@ class Admission:
         return (f"{self.max_num_seqs} sequences at once (max_batch_size {self.max_batch_size} + max_waiting_seqs "
                 f"{self.max_waiting_seqs})")
 
-    def admit(self, num_prompts: int, n: int) -> Reservation:
-        """Reserves ``num_prompts * n`` sequences. Raises APIError 400 (naming ``n``, or ``prompt`` when
-        n is 1) for a request larger than the limit, 429 with Retry-After when the limit is reached now.
-        The caller releases the returned Reservation when the request ends."""
+    def admit(self, num_prompts: int, n: int, param: str = "prompt") -> Reservation:
+        """Reserves ``num_prompts * n`` sequences. Raises APIError 400 (naming ``n``, or ``param``, the prompts'
+        field, when n is 1) for a request larger than the limit, 429 with Retry-After when the limit is reached
+        now. The caller releases the returned Reservation when the request ends."""
         num_seqs = num_prompts * n
         if num_seqs > self.max_num_seqs:
-            param = "n" if n > 1 else "prompt"
             raise APIError(400, f"This request runs {num_seqs} sequences ({num_prompts} prompts x n={n}), more than "
                                 f"this server admits: {self._limit()}. Lower n or send fewer prompts per request.",
-                           param, "invalid_value")
+                           "n" if n > 1 else param, "invalid_value")
         if self.num_seqs + num_seqs > self.max_num_seqs:
             raise APIError(429, f"The server is busy: {self.num_seqs} sequences in progress, this request adds "
                                 f"{num_seqs} (prompts x n), the limit is {self._limit()}. Retry after "

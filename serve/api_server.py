@@ -27,6 +27,7 @@ from lmkit.cpus import format_cpu_list, move_other_threads
 from lmkit.engine import AsyncEngine
 from lmkit.serve.admission import Admission, Reservation
 from lmkit.serve.asgi import OffLoopJSONRoute, run_event_loop, serve_app, unless_disconnected
+from lmkit.serve.embeddings import DetokenizeRequest, EmbeddingRequest, EmbeddingServing, TokenizeRequest
 from lmkit.serve.errors import APIError, error_body, install_error_handlers
 from lmkit.serve.gate import GATE_SCOPE_KEY, Gate, GateConfig, drain_ended_message, warn_if_exposed
 from lmkit.serve.metrics import ServerMetrics
@@ -249,6 +250,23 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
     @app.post("/v1/completions", summary="Text completion (OpenAI legacy)")
     async def completions(body: CompletionRequest, request: Request):
         return await complete(body, request)
+
+    embedding = EmbeddingServing(serving, admission)
+
+    @app.post("/v1/embeddings", summary="Embeddings of texts or token ids (OpenAI)")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        async def run():
+            return JSONResponse(await embedding.embeddings(body))
+
+        return await unless_disconnected(request, run())
+
+    @app.post("/tokenize", summary="Token ids of a text or chat (vLLM)")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        return JSONResponse(await embedding.tokenize(body))
+
+    @app.post("/detokenize", summary="Text of token ids (vLLM)")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(await embedding.detokenize(body))
 
     async def engine_metrics():
         try:

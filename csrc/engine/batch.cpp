@@ -6,14 +6,26 @@
 
 namespace lmkit {
 
-StepOutput StepOutput::for_batch(const Batch& batch, int32_t vocab_size) {
+StepOutput StepOutput::for_batch(const Batch& batch, int32_t vocab_size, int32_t hidden_size) {
   StepOutput out;
   out.vocab_size = vocab_size;
+  out.hidden_size = hidden_size;
+  out.hidden.assign(batch.hidden_outputs.size() * (size_t)hidden_size, 0.0f);
   out.tokens.assign(batch.samples.size(), -1);
   out.logprobs.resize(batch.samples.size());
   out.logits.assign(batch.logit_outputs.size() * (size_t)vocab_size, 0.0f);
   out.prompt_logprobs.resize(batch.prompt_logprob_rows.size());
   return out;
+}
+
+bool Batch::needs_logits(int64_t first, int64_t n) const {
+  if (hidden_outputs.empty()) return true;
+  const int64_t real = std::min<int64_t>(first + n, (int64_t)logit_rows.size()) - first;
+  if (real < n) return true;
+  int64_t only_pooled = 0;
+  for (const HiddenOutputRow& r : hidden_outputs)
+    only_pooled += r.hidden_only && r.logit_index >= first && r.logit_index < first + n;
+  return only_pooled < n;
 }
 
 bool StopRules::is_stop(const Sequence& seq, int32_t token) const {
@@ -87,9 +99,13 @@ Batch build_batch(const BatchPlan& plan, int32_t block_size_tokens, const StopRu
       // the row of position pos scores prompt token pos + 1 (also handed out once)
       const bool is_prompt_row = seq.params.prompt_logprobs >= 0 && pos + 1 < seq.num_prompt_tokens &&
                                  pos + 1 >= seq.num_prompt_logprobs_emitted;
-      if (!is_sample_row && !is_output_row && !is_prompt_row) continue;
+      // a pooled position is added once, also when a preempted sequence recomputes it
+      const bool is_hidden_row = pos >= seq.num_pooled_positions && seq.params.pools(pos, seq.num_prompt_tokens);
+      if (!is_sample_row && !is_output_row && !is_prompt_row && !is_hidden_row) continue;
       const int32_t logit_index = (int32_t)b.logit_rows.size();
       b.logit_rows.push_back(row);
+      if (is_hidden_row)
+        b.hidden_outputs.push_back({logit_index, i, pos, !is_sample_row && !is_output_row && !is_prompt_row});
       if (is_output_row) b.logit_outputs.push_back(LogitOutputRow{logit_index, i, pos});
       if (is_prompt_row) b.prompt_logprob_rows.push_back(PromptLogprobRow{logit_index, i, pos, seq.tokens[pos + 1], seq.params.prompt_logprobs});
       if (!is_sample_row) continue;

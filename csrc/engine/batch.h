@@ -68,6 +68,15 @@ struct PromptLogprobRow {
   int32_t num_top = 0;
 };
 
+// A prompt row whose final hidden state (after the final norm) is pooled (SamplingParams::pooling): copied into
+// StepOutput::hidden. hidden_only: nothing reads the row's logits.
+struct HiddenOutputRow {
+  int32_t logit_index = 0;
+  int32_t seq = 0;
+  int32_t position = 0;
+  bool hidden_only = false;
+};
+
 struct Batch {
   int32_t num_tokens = 0;
   int32_t block_size_tokens = 0;
@@ -80,11 +89,15 @@ struct Batch {
   std::vector<SampleRow> samples;                    // ordered by logit_index
   std::vector<LogitOutputRow> logit_outputs;         // ordered by logit_index
   std::vector<PromptLogprobRow> prompt_logprob_rows;  // ordered by logit_index
+  std::vector<HiddenOutputRow> hidden_outputs;       // ordered by logit_index
   std::vector<StateCopy> state_copies;               // recurrent-state slot copies, applied before the forward
 
   bool empty() const { return num_tokens == 0; }
   // Every row is one sequence's single (decode) token and every row's logits are needed.
   bool is_decode_only() const { return (int32_t)seqs.size() == num_tokens && (int32_t)logit_rows.size() == num_tokens; }
+  // Whether any of logit rows [first, first + n) has its logits read (a row only pooled has not); rows past
+  // logit_rows (a backend's padding) count as read.
+  bool needs_logits(int64_t first, int64_t n) const;
 };
 
 // The logprobs of one sampled token (when its params ask for them).
@@ -99,11 +112,13 @@ struct StepOutput {
   std::vector<TokenLogprobs> logprobs;     // [samples]: filled where params->logprobs >= 0
   std::vector<float> logits;               // [logit_outputs, vocab]
   std::vector<TokenLogprobs> prompt_logprobs;  // [prompt_logprob_rows]
+  std::vector<float> hidden;               // [hidden_outputs, hidden_size]: final hidden states, after the norm
+  int32_t hidden_size = 0;
   int32_t vocab_size = 0;
   int64_t weight_bytes_read = 0;           // weights the forward streamed (a mixture of experts: those it ran)
 
-  // Sized for batch: tokens -1, logits zero.
-  static StepOutput for_batch(const Batch& batch, int32_t vocab_size);
+  // Sized for batch: tokens -1, logits and hidden states zero.
+  static StepOutput for_batch(const Batch& batch, int32_t vocab_size, int32_t hidden_size = 0);
 };
 
 // Every token-level stop rule of the engine, in one place: eos and stop ids (not part of the output), their

@@ -171,6 +171,11 @@ void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const Fail
   out.error = failure.message;
   out.error_kind = failure.kind;
   out.num_prompt_tokens = seq.num_prompt_tokens;
+  if (finished && reason != FinishReason::kError && reason != FinishReason::kCancelled && !seq.pooled_sum.empty()) {
+    const double count = seq.params.pooling == Pooling::kMean ? seq.num_prompt_tokens : 1;
+    out.embedding.resize(seq.pooled_sum.size());
+    for (size_t c = 0; c < seq.pooled_sum.size(); ++c) out.embedding[c] = (float)(seq.pooled_sum[c] / count);
+  }
   post(finished ? std::move(seq.callback) : seq.callback, std::move(out));
 }
 
@@ -373,6 +378,14 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
     seq.pending_logits.insert(seq.pending_logits.end(), src, src + V);
     ++seq.pending_logit_rows;
     seq.num_logit_rows_emitted = row.position + 1;
+  }
+  for (size_t r = 0; r < batch.hidden_outputs.size(); ++r) {
+    const HiddenOutputRow& row = batch.hidden_outputs[r];
+    Sequence& seq = *plan.seqs[row.seq].seq;
+    const float* src = out.hidden.data() + r * (size_t)out.hidden_size;
+    seq.pooled_sum.resize((size_t)out.hidden_size, 0.0);
+    for (int32_t c = 0; c < out.hidden_size; ++c) seq.pooled_sum[c] += src[c];
+    seq.num_pooled_positions = row.position + 1;
   }
   for (size_t r = 0; r < batch.prompt_logprob_rows.size(); ++r) {
     Sequence& seq = *plan.seqs[batch.prompt_logprob_rows[r].seq].seq;

@@ -26,6 +26,7 @@ void SamplingParams::check_invariants() const {
               max_new_tokens);
   LMKIT_CHECK(min_new_tokens >= 0 && min_new_tokens <= max_new_tokens,
               "min_new_tokens must be in [0, max_new_tokens=", max_new_tokens, "], got ", min_new_tokens);
+  LMKIT_CHECK(pooling == Pooling::kNone || n == 1, "pooling (an embedding) takes n = 1, got ", n);
   LMKIT_CHECK(grammar_after_token >= -1, "grammar_after_token must be a token id (or -1: from the start), got ",
               grammar_after_token);
 }

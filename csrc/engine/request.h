@@ -14,6 +14,10 @@
 
 namespace lmkit {
 
+// How a request's prompt becomes one vector (an embedding): the final hidden state (after the model's final norm)
+// of its last token, the mean over its tokens, or its first token's.
+enum class Pooling : int32_t { kNone = 0, kLast = 1, kMean = 2, kFirst = 3 };
+
 // Per-request sampling and stopping parameters (the sampler's, core/sampler_params.h, and the rest),
 // read-only once submitted.
 struct SamplingParams : SamplerParams {
@@ -35,12 +39,23 @@ struct SamplingParams : SamplerParams {
   int32_t grammar_after_token = -1;  // >= 0: the grammar starts after this token is sampled (reasoning's end)
   bool speculate = true;  // false: this request never carries draft tokens (an engine with speculation off: none do)
   std::vector<int32_t> prediction;  // the expected output (a rewrite's source): a draft source when speculating
+  // != kNone: the prompt's final hidden states pooled into one vector, handed out with the request's last output
+  // (RequestOutput::embedding); with max_new_tokens 0 nothing is generated. n must be 1.
+  Pooling pooling = Pooling::kNone;
 
   // Checks the invariants the engine relies on (throws Error). The user's values are validated once, at the
   // boundary (lmkit.GenerationConfig, lmkit/messages.py): a failure here is a caller's bug, not bad input.
   void check_invariants() const;
   // The prompt's own rows are read (logits or logprobs), so every prompt position must be computed.
-  bool reads_prompt_rows() const { return output_logits || prompt_logprobs >= 0; }
+  bool reads_prompt_rows() const {
+    return output_logits || prompt_logprobs >= 0 || pooling == Pooling::kMean || pooling == Pooling::kFirst;
+  }
+  // Whether prompt position pos (of num_prompt) goes into the pooled vector.
+  bool pools(int32_t pos, int32_t num_prompt) const {
+    return pooling == Pooling::kMean ? pos < num_prompt
+         : pooling == Pooling::kLast ? pos == num_prompt - 1
+         : pooling == Pooling::kFirst && pos == 0;
+  }
 };
 
 enum class FinishReason : int32_t { kNone = 0, kStop = 1, kLength = 2, kError = 3, kCancelled = 4 };
@@ -81,6 +96,7 @@ struct RequestOutput {
   int32_t first_prompt_logprob_token = 0;
   int32_t num_prompt_top = 0;
   double emitted_at = 0;  // Engine::now_seconds() when the step that produced this output ended
+  std::vector<float> embedding;  // [hidden]: the pooled prompt (SamplingParams::pooling), on the finished output
 };
 
 using OutputCallback = std::function<void(RequestOutput&&)>;
@@ -133,6 +149,10 @@ struct Sequence {
   std::vector<float> pending_prompt_logprobs;
   std::vector<int32_t> pending_prompt_top_ids;
   std::vector<float> pending_prompt_top_logprobs;
+  // Pooling: the sum of the final hidden states of prompt positions [0, num_pooled_positions) that pool (kept across
+  // preemption: a recomputed position is not added again).
+  std::vector<double> pooled_sum;
+  int32_t num_pooled_positions = 0;
   int32_t num_prompt_logprobs_emitted = 1;  // prompt tokens [1, n) have had their logprobs handed out (kept
                                             // across preemption; token 0 has none)
   // The grammar's state (params.grammar): created when the grammar starts (at once, or after

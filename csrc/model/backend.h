@@ -229,6 +229,10 @@ class Backend {
   // (take_prompt_logprobs).
   virtual void take_logits(const Batch& batch, int64_t first, int64_t n, const void* logits, int64_t vocab,
                            StepOutput& out) = 0;
+  // Copies the final hidden states [n, hidden] of logit rows [first, first + n) that are batch's hidden_outputs
+  // into out.hidden (as float).
+  virtual void take_hidden(const Batch& batch, int64_t first, int64_t n, const void* hidden, int64_t dim,
+                           StepOutput& out) = 0;
 
   // Called once on the engine's loop thread (thread pools, device binding).
   virtual void bind_thread() {}

@@ -539,6 +539,14 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void take_hidden(const Batch& batch, int64_t first, int64_t n, const void* hidden, int64_t dim,
+                   StepOutput& out) override {
+    for (size_t r = 0; r < batch.hidden_outputs.size(); ++r) {
+      const int64_t i = batch.hidden_outputs[r].logit_index - first;
+      if (i >= 0 && i < n) std::memcpy(out.hidden.data() + r * dim, f32(hidden) + i * dim, dim * sizeof(float));
+    }
+  }
+
   void bind_thread() override {
     const int hw = (int)std::thread::hardware_concurrency();
     ops::set_num_threads(options_.num_threads > 0 ? options_.num_threads : hw > 0 ? hw : 1);

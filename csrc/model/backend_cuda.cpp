@@ -394,6 +394,23 @@ class CudaBackend final : public Backend {
   void take_logits(const Batch& batch, int64_t first, int64_t n, const void* logits, int64_t vocab,
                    StepOutput& out) override;
 
+  void take_hidden(const Batch& batch, int64_t first, int64_t n, const void* hidden, int64_t dim,
+                   StepOutput& out) override {
+    bool any = false;
+    for (const HiddenOutputRow& r : batch.hidden_outputs)
+      any = any || (r.logit_index >= first && r.logit_index < first + n);
+    if (!any) return;
+    host_hidden_raw_.resize((size_t)(n * dim));
+    cuda::copy_to_host(host_hidden_raw_.data(), hidden, n * dim * 2, stream_);
+    cuda::synchronize(stream_);
+    for (size_t r = 0; r < batch.hidden_outputs.size(); ++r) {
+      const int64_t i = batch.hidden_outputs[r].logit_index - first;
+      if (i < 0 || i >= n) continue;
+      for (int64_t c = 0; c < dim; ++c)
+        out.hidden[r * dim + c] = act_to_float(host_hidden_raw_[(size_t)(i * dim + c)], act_);
+    }
+  }
+
   void bind_thread() override { cuda::set_device(device_); }
 
  private:
@@ -477,7 +494,7 @@ class CudaBackend final : public Backend {
   int64_t penalty_capacity_ = 0;
   std::vector<cuda::SampleParams> params_host_;
   std::vector<int32_t> penalty_host_, sampled_host_;
-  std::vector<uint16_t> host_logits_raw_;
+  std::vector<uint16_t> host_logits_raw_, host_hidden_raw_;
   std::vector<float> host_logits_;
 };
 

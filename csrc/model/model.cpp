@@ -281,20 +281,22 @@ void DecoderModel::gated_mlp(const void* h, int64_t rows, const PackedLinear& ga
   backend_->linear(wide_.get(), rows, down, out);
 }
 
-void DecoderModel::head(int64_t first, int64_t n) {
+void DecoderModel::head(int64_t first, int64_t n, bool logits) {
   if (n == 0) return;
   const int64_t H = config_.hidden_size;
   backend_->gather_logit_rows(residual_.get(), first, n, H, head_residual_.get());
   backend_->gather_logit_rows(hidden_.get(), first, n, H, head_hidden_.get());
   backend_->add_rmsnorm(head_residual_.get(), head_hidden_.get(), final_norm_, config_.rms_norm_eps, n, H,
                         head_hidden_.get());
+  if (!logits) return;
   backend_->linear(head_hidden_.get(), n, lm_head_, logits_.get());
   if (config_.final_logit_softcap > 0)
     backend_->softcap(logits_.get(), n, config_.vocab_size, config_.final_logit_softcap);
 }
 
 StepOutput DecoderModel::step(const Batch& batch) {
-  StepOutput out = StepOutput::for_batch(batch, config_.vocab_size);
+  const int64_t H = config_.hidden_size;
+  StepOutput out = StepOutput::for_batch(batch, config_.vocab_size, (int32_t)H);
   if (batch.empty()) return out;
   const int64_t rows = backend_->begin_step(batch);
   step_expert_bytes_ = 0;
@@ -302,12 +304,14 @@ StepOutput DecoderModel::step(const Batch& batch) {
   const bool one_head = L <= G;  // the head runs inside the step's device work (a graph replays both)
   backend_->execute([&] {
     forward_layers(rows);
-    if (one_head) head(0, L);
+    if (one_head) head(0, L, batch.needs_logits(0, L));
   });
   for (int64_t first = 0; first < L; first += G) {
     const int64_t n = std::min(G, L - first);
-    if (!one_head) head(first, n);
-    backend_->take_logits(batch, first, n, logits_.get(), config_.vocab_size, out);
+    const bool logits = batch.needs_logits(first, n);  // rows only pooled skip the lm_head
+    if (!one_head) head(first, n, logits);
+    if (!batch.hidden_outputs.empty()) backend_->take_hidden(batch, first, n, head_hidden_.get(), H, out);
+    if (logits) backend_->take_logits(batch, first, n, logits_.get(), config_.vocab_size, out);
   }
   out.weight_bytes_read = dense_weight_bytes() + step_expert_bytes_;
   return out;

@@ -100,8 +100,9 @@ class DecoderModel : public Executor {
   std::vector<Layer> layers_;
 
  private:
-  // Final norm, lm_head and soft-cap of logit rows [first, first + n): logits_ [n, vocab].
-  void head(int64_t first, int64_t n);
+  // Final norm of logit rows [first, first + n) into head_hidden_ [n, hidden], then (with logits) the lm_head and
+  // soft-cap: logits_ [n, vocab].
+  void head(int64_t first, int64_t n, bool logits);
 
   std::unique_ptr<Backend> backend_;
   ModelOptions options_;

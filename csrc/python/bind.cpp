@@ -20,6 +20,8 @@ void bind_cuda(py::module_& parent);  // bind_cuda.cpp: the lmkit._engine.cuda s
 
 namespace {
 
+const char* const kPoolingNames[] = {"none", "last", "mean", "first"};  // by Pooling value
+
 DType parse_dtype(const std::string& s) {
   if (s == "F32") return DType::F32;
   if (s == "F16") return DType::F16;
@@ -201,7 +203,15 @@ PYBIND11_MODULE(_engine, m) {
           [](SamplingParams& p, std::shared_ptr<CompiledGrammar> g) { p.grammar = std::move(g); })
       .def_readwrite("grammar_after_token", &SamplingParams::grammar_after_token)
       .def_readwrite("speculate", &SamplingParams::speculate)
-      .def_readwrite("prediction", &SamplingParams::prediction);
+      .def_readwrite("prediction", &SamplingParams::prediction)
+      .def_property(
+          "pooling", [](const SamplingParams& p) { return std::string(kPoolingNames[(int)p.pooling]); },
+          [](SamplingParams& p, const std::string& name) {
+            for (int i = 0; i < 4; ++i)
+              if (name == kPoolingNames[i]) return void(p.pooling = (Pooling)i);
+            throw py::value_error("pooling must be none, last, mean or first, got " + name);
+          },
+          "The prompt pooled into one vector (RequestOutput.embedding): none, last, mean or first.");
 
   py::class_<GrammarTokenizer, std::shared_ptr<GrammarTokenizer>>(
       m, "GrammarTokenizer", "One model's vocabulary for llguidance (structured output); see lmkit/structured.py.")
@@ -260,6 +270,12 @@ PYBIND11_MODULE(_engine, m) {
       .def_readonly("error", &RequestOutput::error)
       .def_property_readonly("error_kind", [](const RequestOutput& o) { return error_kind_name(o.error_kind); })
       .def_readonly("num_prompt_tokens", &RequestOutput::num_prompt_tokens)
+      .def_property_readonly("embedding", [](const RequestOutput& o) -> py::object {
+        if (o.embedding.empty()) return py::none();
+        py::array_t<float> a((py::ssize_t)o.embedding.size());
+        std::memcpy(a.mutable_data(), o.embedding.data(), o.embedding.size() * sizeof(float));
+        return a;
+      })
       .def_property_readonly("logits", [](const RequestOutput& o) -> py::object {
         if (o.num_logit_rows == 0) return py::none();
         const py::ssize_t rows = o.num_logit_rows, vocab = (py::ssize_t)(o.logits.size() / o.num_logit_rows);

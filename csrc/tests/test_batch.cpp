@@ -290,4 +290,38 @@ TEST(batch_prompt_logprob_rows_once) {
   EXPECT_EQ(out.prompt_logprobs.size(), 3u);
 }
 
+TEST(batch_pooled_rows_once_and_without_logits) {
+  // mean pooling of a 6-token prompt, chunk of positions 1..5 unsampled (max_new_tokens 0); position 1 was pooled
+  // before a preemption: rows of positions 2..5 are pooled, none needs logits
+  Sequence a = make_seq(1, {10, 11, 12, 13, 14, 15}, {4, 8});
+  a.params.pooling = Pooling::kMean;
+  a.num_pooled_positions = 2;
+  // last-token pooling beside it, its last prompt row also sampled (the row needs its logits)
+  Sequence b = make_seq(2, {20, 21, 22}, {5});
+  b.params.pooling = Pooling::kLast;
+  BatchPlan plan;
+  plan.seqs.push_back(ScheduledSeq{&a, 1, 5, false});
+  plan.seqs.push_back(ScheduledSeq{&b, 0, 3, true});
+  plan.num_tokens = 8;
+  Batch batch = build_batch(plan, 4, StopRules({0}));
+  EXPECT(batch.logit_rows == (Ids{1, 2, 3, 4, 7}));
+  EXPECT_EQ(batch.hidden_outputs.size(), 5u);
+  for (int32_t k = 0; k < 4; ++k) {
+    EXPECT_EQ(batch.hidden_outputs[k].position, 2 + k);
+    EXPECT(batch.hidden_outputs[k].hidden_only);
+  }
+  EXPECT_EQ(batch.hidden_outputs[4].position, 2);
+  EXPECT(!batch.hidden_outputs[4].hidden_only);
+  EXPECT(!batch.needs_logits(0, 4));  // the mean-pooled rows alone skip the lm_head
+  EXPECT(batch.needs_logits(0, 5));
+  EXPECT(batch.needs_logits(4, 1));
+  EXPECT(batch.needs_logits(3, 4));  // rows past logit_rows (a backend's padding) count as read
+  StepOutput out = StepOutput::for_batch(batch, 32, 6);
+  EXPECT_EQ(out.hidden.size(), 30u);
+  SamplingParams none;
+  EXPECT(!none.pools(0, 1) && !none.reads_prompt_rows());
+  b.params.pooling = Pooling::kFirst;
+  EXPECT(b.params.pools(0, 3) && !b.params.pools(2, 3) && b.params.reads_prompt_rows());
+}
+
 int main() { return lmkit::testing::run_all(); }
