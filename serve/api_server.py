@@ -72,8 +72,9 @@ class ServerConfig:
     ready_stall_s: float = 30.0
     """/ready answers 503 while the engine holds requests and has not stepped for this many seconds."""
     tool_call_parser: str = "auto"
-    """How tool calls are written: hermes, llama3_json, mistral, qwen3_coder, openai (gpt-oss), gemma4; auto: the
-    format the chat template teaches; none: requests with tools get a 400."""
+    """How tool calls are written: hermes, llama3_json, mistral, qwen3_coder, openai (gpt-oss), gemma4, generic
+    (JSON taught by a system message: serve/tools/generic.py); auto: the format the chat template teaches, else
+    generic; none: requests with tools get a 400."""
     reasoning_parser: str = "auto"
     """How thinking is marked: qwen3, deepseek_r1, openai_gptoss, gemma4; auto: the one the chat template writes
     (serve/reasoning.py detect_reasoning_format); none: the thinking stays in content."""

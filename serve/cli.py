@@ -76,7 +76,8 @@ REPETITION_PENALTY = typer.Option(None, help=_G["repetition_penalty"])
 SEED = typer.Option(None, help=_G["random_seed"])
 
 
-def model_sampling(path, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed) -> GenerationConfig:
+def model_sampling(path, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
+                   seed) -> GenerationConfig:
     """The model's generation defaults (its generation_config.json) with the sampling options given on top."""
     from lmkit.models import load_model_spec
 
@@ -131,8 +132,9 @@ def api_server(
     drain_timeout: Optional[float] = _DRAIN_TIMEOUT,
     chat_template: Optional[Path] = CHAT_TEMPLATE,
     tool_call_parser: str = typer.Option("auto", help="How the model writes tool calls: hermes, llama3_json, "
-                                                      "mistral, qwen3_coder, openai (gpt-oss), gemma4; auto: the "
-                                                      "format its chat template teaches; none: requests with tools "
+                                                      "mistral, qwen3_coder, openai (gpt-oss), gemma4, generic (JSON "
+                                                      "taught by a system message); auto: the format its chat "
+                                                      "template teaches, else generic; none: requests with tools "
                                                       "get a 400."),
     enable_auto_tool_choice: bool = AUTO_TOOL_CHOICE,
     reasoning_parser: str = typer.Option("auto", help="How the model marks its thinking (sent as "

@@ -103,7 +103,8 @@ class OpenAIServing:
         self.model_name = model_name
         self.metrics = metrics
         self.tool_parser = tool_parser
-        """The format of tool calls (None: this model's template has none lmkit knows; tools get a 400)."""
+        """The format of tool calls, which also writes the history's calls and results into the prompt (None:
+        the server reads no tool calls; tools get a 400)."""
         self.reasoning = reasoning
         """The reasoning format of answers (None: answers are all content)."""
         self.stream_interval = stream_interval
@@ -243,15 +244,18 @@ class OpenAIServing:
               to_compile: list) -> tuple[list[int], OutputFormat, GenerationConfig, str | None]:
         """The chat's prompt ids (its messages, and the tools it offers, rendered by the chat template), how its
         answers split (reasoning, tool calls), and ``gen`` with what they need: the grammar of a required or
-        named tool call, a structured output that starts after the thinking, special-token markers kept. The
-        tools' parameter schemas the grammar cache does not hold go on ``to_compile``."""
+        named tool call (of any answer with tools, where the format constrains_auto: a call, or an answer that
+        holds the request's own JSON structured output), a structured output that starts after the thinking,
+        special-token markers kept. The tools' parameter schemas the grammar cache does not hold go on
+        ``to_compile``."""
         tokenizer = self.engine.engine.tokenizer
         mode = req.tool_choice_mode
         offered = bool(req.tools) and mode != "none"  # tool_choice none: the model is not told of the tools
         parser = self.tool_parser if offered else None
         if offered and parser is None:
-            raise bad_request("tools: this model's chat template has no tool-call format lmkit knows; start the "
-                              f"server with --tool-call-parser ({', '.join(sorted(TOOL_PARSERS))})", "tools")
+            raise bad_request("tools: this server reads no tool calls (--tool-call-parser none); start it with "
+                              "--tool-call-parser auto (the chat template's format, else generic) or one of "
+                              f"{', '.join(sorted(TOOL_PARSERS))}", "tools")
         for i, tool in enumerate(req.tools or []):  # every function's parameters is a schema llguidance takes
             schema, param = StructuredOutput(json=tool.function.parameters_schema), f"tools[{i}].function.parameters"
             if self._cached(schema, param) is None:
@@ -259,9 +263,13 @@ class OpenAIServing:
         # The template renders every message's text and name (and text of its own): a bound on the tokens.
         self._check_num_chars(sum(m.num_chars for m in req.messages), "messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if offered else None
-        try:
-            text = tokenizer.render_chat([m.template_data() for m in req.messages], tools=tools,
-                                         template_kwargs=req.chat_template_kwargs)
+
+        def render(messages: list[dict], definitions: list[dict] | None) -> str:
+            return tokenizer.render_chat(messages, tools=definitions, template_kwargs=req.chat_template_kwargs)
+
+        try:  # the server's tool format writes the offered tools, and the history's calls and results
+            text = (self.tool_parser or ToolParser).render_prompt(render, [m.template_data() for m in req.messages],
+                                                                  tools)
             ids = tokenizer.encode(text, add_special_tokens=False)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
@@ -274,13 +282,24 @@ class OpenAIServing:
                 gen.structured_output.grammar is None:  # gpt-oss answers in its final channel, after any analysis
             lark = harmony_answer_grammar(gen.structured_output, tokenizer.single_token_id)
             gen = dataclasses.replace(gen, structured_output=StructuredOutput(grammar=lark))
-        if offered and mode in ("required", "named"):
+        forced = offered and mode in ("required", "named")
+        if forced or (offered and parser.constrains_auto):
+            answer = None  # the request's own JSON structured output, held as the answer of a constrains_auto format
             if gen.structured_output is not None:
-                raise bad_request("give either a structured output or tool_choice 'required' (or a named "
-                                  "function), not both", constraint_param)
-            lark = tool_call_grammar(parser, req.called_tools(), req.parallel_tool_calls, tokenizer.single_token_id)
+                if forced:
+                    raise bad_request("give either a structured output or tool_choice 'required' (or a named "
+                                      "function), not both", constraint_param)
+                kind, answer = gen.structured_output.source()
+                if kind != "json_schema":
+                    raise bad_request(f"{constraint_param}: with tools in the generic tool format, the answer can "
+                                      "hold a JSON schema or json_object only; give a regex, choice or grammar "
+                                      "without tools, or with tool_choice none", constraint_param)
+                output = dataclasses.replace(output, tool_parser=parser.with_json_answers())
+            lark = tool_call_grammar(parser, req.called_tools(), req.parallel_tool_calls, tokenizer.single_token_id,
+                                     required=forced, answer_schema=answer)
             gen = dataclasses.replace(gen, structured_output=StructuredOutput(grammar=lark))
-            constraint_param = "tool_choice"
+            if answer is None:
+                constraint_param = "tool_choice" if forced else "tools"
         if gen.structured_output is not None and reasoning is not None and reasoning.thinks_after(text):
             if self._reasoning_end_id is None:
                 raise bad_request(f"{constraint_param}: the structured output would start after the thinking, but "

@@ -1,6 +1,7 @@
 """Grammars that make a model call tools (``tool_choice: "required"`` or a named function): the call is written
 in its family's format, names one of the allowed functions, and its arguments validate against that function's
-``parameters`` (llguidance's ``%json``); and gpt-oss's structured answers in its harmony channels. Lark text for
+``parameters`` (llguidance's ``%json``); the generic format's answers, a call or a response, with any tool_choice;
+and gpt-oss's structured answers in its harmony channels. Lark text for
 lmkit.structured.StructuredOutput(grammar=...).
 """
 
@@ -10,8 +11,10 @@ import json
 from typing import Callable
 
 from lmkit.serve.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START
-from lmkit.serve.tools.parsers import (GEMMA4_QUOTE, Gemma4ToolParser, HermesParser, Llama3JsonParser,
-                                       MistralParser, OpenAIToolParser, Qwen3CoderParser, ToolParser)
+from lmkit.serve.tools.generic import CALLS_KEY, RESPONSE_KEY
+from lmkit.serve.tools.parsers import (GEMMA4_QUOTE, Gemma4ToolParser, GenericToolParser, HermesParser,
+                                       Llama3JsonParser, MistralParser, OpenAIToolParser, Qwen3CoderParser,
+                                       ToolParser)
 from lmkit.structured import JSON_LAYOUT, StructuredOutput
 
 
@@ -33,12 +36,17 @@ def _json_rule(schema: dict) -> str:
 
 
 def tool_call_grammar(parser: type[ToolParser], tools: dict[str, dict], parallel: bool,
-                      special_token_id: Callable[[str], int | None]) -> str:
+                      special_token_id: Callable[[str], int | None], required: bool = True,
+                      answer_schema: str | None = None) -> str:
     """Lark for one or more calls (``parallel``, where the family's template can render them back) of ``tools``
-    (name -> parameters schema) in ``parser``'s format.
-    ``special_token_id(text)`` is the id of a special token (Mistral's markers), None when the vocabulary lacks it."""
+    (name -> parameters schema) in ``parser``'s format; not ``required`` (``tool_choice: "auto"``, for a format
+    that ``constrains_auto``): a call or an answer, the answer JSON of ``answer_schema`` (a JSON schema's text)
+    when given. ``special_token_id(text)`` is the id of a special token (Mistral's markers), None when the
+    vocabulary lacks it."""
     names = list(tools)
     parallel = parallel and parser.supports_parallel
+    if issubclass(parser, GenericToolParser):
+        return generic_grammar(tools, parallel, required, answer_schema)
     if parser is Qwen3CoderParser:
         return _qwen3_coder_grammar(tools, parallel)
     if parser is OpenAIToolParser:
@@ -63,6 +71,23 @@ def tool_call_grammar(parser: type[ToolParser], tools: dict[str, dict], parallel
         more = f' ({_lark_string(", ")} call_object)*' if parallel else ""
         return f'start: {marker} "[" call_object{more} "]"\n{objects}'
     raise ValueError(f"no grammar for the {parser.name} tool call format")
+
+
+def generic_grammar(tools: dict[str, dict], parallel: bool, required: bool, answer_schema: str | None = None) -> str:
+    """The generic format (generic.py): ``{"tool_calls": [call, ...]}`` (one call unless ``parallel``), each call
+    ``{"name": ..., "arguments": ...}`` of one of ``tools`` (name -> parameters schema); unless ``required``,
+    ``{"response": ...}`` instead, a string or a value of ``answer_schema`` (a JSON schema's text). Laid out as
+    JSON_LAYOUT lays JSON out."""
+    objects = "call_object: " + " | ".join(f"call_{i}" for i in range(len(tools))) + "\n" + "".join(
+        f"call_{i}: {_json_rule(_call_object(name, schema, 'arguments'))}\n"
+        for i, (name, schema) in enumerate(tools.items()))
+    more = f" ({_lark_string(', ')} call_object)*" if parallel else ""
+    calls = f'calls: {_lark_string("{" + json.dumps(CALLS_KEY) + ": [")} call_object{more} {_lark_string("]}")}\n'
+    if required:
+        return f"start: calls\n{calls}{objects}"
+    value = answer_schema if answer_schema is not None else '{"type": "string"}'
+    response = f'response: {_lark_string("{" + json.dumps(RESPONSE_KEY) + ": ")} %json {value} {_lark_string("}")}\n'
+    return f"start: calls | response\n{calls}{response}{objects}"
 
 
 def _harmony_markers(special_token_id: Callable[[str], int | None]) -> dict[str, str]:

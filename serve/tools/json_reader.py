@@ -160,3 +160,70 @@ class CallReader:
                 self.on_arguments(text)
         self._streaming = False
         self.done = self._bare
+
+
+class StringReader:
+    """The text of one JSON string as it streams in, read from after its opening quote. ``feed(text, final)``
+    returns (the decoded text, how many characters of ``text`` it used); ``done`` once the closing quote is used
+    (what follows it is not). An escape is decoded once it is whole (json.loads), a surrogate pair as one
+    character; a lone surrogate becomes U+FFFD and an invalid escape stays as written. An escape cut short by
+    ``final`` is dropped (half a character)."""
+
+    def __init__(self):
+        self.done = False
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, int]:
+        out: list[str] = []
+        i = 0
+        while i < len(text) and not self.done:
+            ch = text[i]
+            if ch == '"':
+                self.done = True
+                i += 1
+            elif ch != "\\":
+                j = i
+                while j < len(text) and text[j] not in '"\\':
+                    j += 1
+                out.append(text[i:j])
+                i = j
+            else:
+                size = _escape_size(text, i)
+                if size is None:  # not whole yet
+                    if final:
+                        i = len(text)
+                    break
+                out.append(_decode_escape(text[i:i + size]))
+                i += size
+        return "".join(out), i
+
+
+_HEX = set("0123456789abcdefABCDEF")
+
+
+def _escape_size(text: str, i: int) -> int | None:
+    """Characters of the escape at ``text[i]`` (a backslash); None while the text ends before that is known."""
+    if i + 1 >= len(text):
+        return None
+    if text[i + 1] != "u":
+        return 2
+    digits = text[i + 2:i + 6]
+    if not all(c in _HEX for c in digits):
+        return 2  # invalid: kept as written
+    if len(digits) < 4:
+        return None
+    if not 0xD800 <= int(digits, 16) < 0xDC00:
+        return 6
+    after = text[i + 6:i + 12]  # a high surrogate: one character with the low surrogate that follows, if any
+    if not "\\u".startswith(after[:2]) or not all(c in _HEX for c in after[2:]):
+        return 6
+    if len(after) < 6:
+        return None
+    return 12 if 0xDC00 <= int(after[2:], 16) < 0xE000 else 6
+
+
+def _decode_escape(escape: str) -> str:
+    try:
+        text = json.loads(f'"{escape}"')
+    except ValueError:
+        return escape
+    return "".join("\ufffd" if 0xD800 <= ord(c) < 0xE000 else c for c in text)

@@ -1,176 +1,33 @@
-"""Tool-call parsers: the text of one completion, as it streams, split into content and OpenAI tool-call deltas
-(``--tool-call-parser``, or the one the chat template speaks).
+"""Tool-call parsers, one per format (``--tool-call-parser``, or the one the chat template speaks), and the
+registry that names them. What they share (the streaming contract, the call and delta shapes): base.py.
 
 Formats:
   hermes        Qwen2.5, Qwen3, Hermes: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, repeated
   llama3_json   Llama 3.1-3.3: the answer is ``{"name": ..., "parameters": {...}}`` (after an optional
                 ``<|python_tag|>``), several separated by ``;``
   mistral       ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, or ``[TOOL_CALLS]name[ARGS]{...}`` repeated
-  qwen3_coder   ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>...</function>\\n</tool_call>``
+  qwen3_coder   Qwen3-Coder, Qwen3.5: ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>...``
+                ``</function>\\n</tool_call>``, repeated
   openai        gpt-oss (harmony): ``<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>``
                 ``{...}<|call|>``, as the harmony reasoning parser passes a call's message on (serve/reasoning.py)
   gemma4        Gemma 4: ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>``, repeated (Gemma's value
                 syntax: bare keys, strings between <|"|> marks), each call given out whole
-
-A call's name is sent once, then its arguments as fragments of the model's JSON (joined, they are exactly the
-arguments of the whole answer). Text that only begins a marker is held back until it is decided, so markup
-never reaches ``content``; a call that does not parse (in ``auto``) is given back as the text it was.
+  generic       any other template: ``{"tool_calls": [{"name": ..., "arguments": {...}}]}`` or
+                ``{"response": "..."}``, taught by a system message and held to by a grammar (generic.py)
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-import string
-from dataclasses import dataclass
 
 from lmkit.serve.reasoning import CALL, CHANNEL, CONSTRAIN, END, FUNCTIONS, MESSAGE, RETURN, START, held_prefix
-from lmkit.serve.tools.json_reader import CallReader
+from lmkit.serve.tools.base import WS, ToolCall, ToolCallDelta, ToolParser, merge_deltas
+from lmkit.serve.tools.generic import GenericToolParser
 
-_WS = " \t\r\n"
-
-
-@dataclass
-class ToolCallDelta:
-    """A piece of one tool call: the first piece of each call has its id and name."""
-
-    index: int
-    arguments: str = ""
-    id: str | None = None
-    name: str | None = None
-
-    def chunk(self) -> dict:
-        """OpenAI's ``delta.tool_calls`` item."""
-        if self.name is None:
-            return {"index": self.index, "function": {"arguments": self.arguments}}
-        return {"index": self.index, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass
-class ToolCall:
-    """A whole call, as the non-streamed answer carries it."""
-
-    id: str
-    name: str
-    arguments: str = ""
-
-    def message(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def merge_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
-    """Joins consecutive argument fragments of the same call (one chunk per call and step)."""
-    out: list[ToolCallDelta] = []
-    for d in deltas:
-        if out and out[-1].index == d.index and d.name is None:
-            out[-1].arguments += d.arguments
-        else:
-            out.append(ToolCallDelta(d.index, d.arguments, d.id, d.name))
-    return out
-
-
-class ToolParser:
-    """One completion's tool calls. ``feed(text, final)`` returns (content delta, tool-call deltas)."""
-
-    name = ""
-    markers: tuple[str, ...] = ()
-    """The format's marker texts (decoding keeps them where they are special tokens)."""
-    supports_parallel = True
-    """Whether the family's template can render several calls in one assistant message."""
-    id_alphabet = string.ascii_letters + string.digits
-
-    def __init__(self, tools: dict[str, dict]):
-        self.tools = tools  # name -> parameters schema
-        self.calls: list[ToolCall] = []
-        self._buffer = ""
-        self._content: list[str] = []
-        self._deltas: list[ToolCallDelta] = []
-        self.state = "text"
-
-    @classmethod
-    def new_call_id(cls) -> str:
-        return "call_" + "".join(secrets.choice(cls.id_alphabet) for _ in range(24))
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
-        self._buffer += text
-        while self._step(final):
-            pass
-        if final:
-            self._finish()
-        content, deltas = "".join(self._content), merge_deltas(self._deltas)
-        self._content, self._deltas = [], []
-        return content, deltas
-
-    # ---- for the formats ------------------------------------------------------------------------------------
-
-    def _step(self, final: bool) -> bool:
-        """Consumes what it can of self._buffer; True when it should be called again."""
-        raise NotImplementedError
-
-    def _finish(self) -> None:
-        """The answer ended: what is still held is content (a call cut short stays as sent)."""
-        if self._buffer and not (self.calls and self.state != "text"):
-            self._content.append(self._buffer)
-        self._buffer = ""
-
-    def _text_until(self, marker: str, final: bool, strip_after_call: bool = True) -> bool:
-        """Content up to ``marker`` (True: found and consumed), holding back a possible start of it."""
-        if strip_after_call and self.calls:  # between and after calls, whitespace is layout, not content
-            self._buffer = self._buffer.lstrip(_WS)
-        at = self._buffer.find(marker)
-        if at >= 0:
-            self._content.append(self._buffer[:at])
-            self._buffer = self._buffer[at + len(marker):]
-            return True
-        keep = 0 if final else held_prefix(self._buffer, marker)
-        self._content.append(self._buffer[:len(self._buffer) - keep])
-        self._buffer = self._buffer[len(self._buffer) - keep:]
-        return False
-
-    def _expect(self, marker: str, final: bool) -> bool | None:
-        """Skips whitespace, then consumes ``marker``: True when consumed, None when undecided, False when other
-        text is there."""
-        self._buffer = self._buffer.lstrip(_WS)
-        if self._buffer.startswith(marker):
-            self._buffer = self._buffer[len(marker):]
-            return True
-        if not final and marker.startswith(self._buffer):
-            return None
-        return False
-
-    def _start_call(self, name: str) -> None:
-        call = ToolCall(self.new_call_id(), name)
-        self.calls.append(call)
-        self._deltas.append(ToolCallDelta(len(self.calls) - 1, "", call.id, name))
-
-    def _add_arguments(self, fragment: str) -> None:
-        if fragment:
-            self.calls[-1].arguments += fragment
-            self._deltas.append(ToolCallDelta(len(self.calls) - 1, fragment))
-
-    def _start_reading(self, state: str) -> None:
-        """Enters ``state``, in which _read_call reads a new JSON call."""
-        self.state, self._reader = state, CallReader(self._start_call, self._add_arguments)
-
-    def _read_call(self, prefix: str, done_state: str, failed_state: str) -> bool:
-        """Feeds the buffer to the call being read. Returns False while it needs more text; then enters
-        ``done_state``, or ``failed_state`` when the text is no call (given back as content, after ``prefix``,
-        unless the call was already sent) and returns True."""
-        reader = self._reader
-        used = reader.feed(self._buffer)
-        self._buffer = self._buffer[used:]
-        if reader.failed:
-            if reader.name is None:
-                self._content.append(prefix + reader.raw)
-            self.state = failed_state
-        elif reader.done:
-            if reader.arguments is None:
-                self._add_arguments("{}")
-            self.state = done_state
-        else:
-            return False
-        return True
+__all__ = ["ToolCall", "ToolCallDelta", "ToolParser", "merge_deltas", "HermesParser", "Llama3JsonParser",
+           "MistralParser", "Qwen3CoderParser", "OpenAIToolParser", "Gemma4ToolParser", "GenericToolParser",
+           "GEMMA4_QUOTE", "gemma_to_json", "TOOL_PARSERS", "tool_parser_class", "detect_tool_parser"]
 
 
 class HermesParser(ToolParser):
@@ -205,12 +62,16 @@ class Llama3JsonParser(ToolParser):
 
     def _step(self, final: bool) -> bool:
         if self.state == "start":
-            found = self._expect(self.python_tag, final)
-            if found is None:
+            if self._expect(self.python_tag, final) is None:
                 return False
-            if not self._buffer and not final:
+            self.state = "answer"
+            return True
+        if self.state == "answer":  # a call when it opens with {, else content (whitespace and all)
+            rest = self._buffer.lstrip(WS)
+            if not rest and not final:
                 return False
-            if self._buffer.startswith("{"):
+            if rest.startswith("{"):
+                self._buffer = rest
                 self._start_reading("call")
             else:
                 self.state = "content"
@@ -227,7 +88,7 @@ class Llama3JsonParser(ToolParser):
         if found:
             self._start_reading("call")
         else:
-            self.state = "content"
+            self._buffer, self.state = self._buffer.lstrip(WS), "content"  # the whitespace after a call is layout
         return True
 
 
@@ -247,7 +108,7 @@ class MistralParser(ToolParser):
             self.state = "after_marker"
             return True
         if self.state == "after_marker":
-            self._buffer = self._buffer.lstrip(_WS)
+            self._buffer = self._buffer.lstrip(WS)
             if not self._buffer:
                 return False
             if self._buffer.startswith("["):
@@ -285,11 +146,13 @@ class MistralParser(ToolParser):
 
 
 class Qwen3CoderParser(ToolParser):
-    """XML calls; each parameter's text is converted by the function's parameter schema (a string stays text,
-    other types are read as JSON, falling back to the text), and string values stream as they are written."""
+    """XML calls; each parameter's text, up to the first ``</parameter>`` (one line break on either side is
+    layout), is converted by the function's parameter schema (a string stays text, other types are read as JSON,
+    falling back to the text), and string values stream as they are written."""
 
     name = "qwen3_coder"
     start, end = "<tool_call>", "</tool_call>"
+    param_end = "</parameter>"
     markers = (start, end)
 
     def _step(self, final: bool) -> bool:
@@ -298,20 +161,18 @@ class Qwen3CoderParser(ToolParser):
                 return False
             self.state = "function"
             return True
-        if self.state == "function":
-            found = self._expect("<function=", final)
-            if found is None:
-                return False
-            at = self._buffer.find(">") if found else -1
-            if found and at < 0 and not final:
-                self._buffer = "<function=" + self._buffer
-                return False
-            if not found or at < 0:
-                self._content.append(self.start + self._buffer)
-                self._buffer, self.state = "", "text"
-                return False
-            self._start_call(self._buffer[:at].strip())
-            self._buffer = self._buffer[at + 1:]
+        if self.state == "function":  # <function=NAME>, else <tool_call> was text
+            head = "<function="
+            rest = self._buffer.lstrip(WS)
+            at = rest.find(">", len(head)) if rest.startswith(head) else -1
+            if at < 0:
+                if not final and (head.startswith(rest) or rest.startswith(head)):
+                    return False
+                self._content.append(self.start)
+                self.state = "text"
+                return True
+            self._start_call(rest[len(head):at].strip())
+            self._buffer = rest[at + 1:]
             self.state, self._num_params = "parameter", 0
             return True
         if self.state == "parameter":
@@ -345,23 +206,22 @@ class Qwen3CoderParser(ToolParser):
                 self._buffer = self._buffer[1:]
             self.state = "value"
             return True
-        if self.state == "value":
-            marker = "\n</parameter>"
-            at = self._buffer.find(marker)
-            alt = self._buffer.find("</parameter>")
-            if at < 0 and alt >= 0:
-                at, marker = alt, "</parameter>"
-            piece = self._buffer if at < 0 else self._buffer[:at]
-            keep = 0 if (at >= 0 or final) else held_prefix(piece, marker)
-            piece = piece[:len(piece) - keep]
-            self._buffer = self._buffer[len(piece):]
+        if self.state == "value":  # up to the first </parameter>, less the line break before it (layout)
+            at = self._buffer.find(self.param_end)
+            if at >= 0:
+                piece = self._buffer[:at - 1] if self._buffer[:at].endswith("\n") else self._buffer[:at]
+                self._buffer = self._buffer[at + len(self.param_end):]
+            else:
+                keep = 0 if final else max(held_prefix(self._buffer, "\n" + self.param_end),
+                                           held_prefix(self._buffer, self.param_end))
+                piece = self._buffer[:len(self._buffer) - keep]
+                self._buffer = self._buffer[len(piece):]
             if self._is_text:
                 self._add_arguments(json.dumps(piece, ensure_ascii=False)[1:-1])
             else:
                 self._value += piece
             if at < 0:
                 return False
-            self._buffer = self._buffer[len(marker):]
             self._add_arguments('"' if self._is_text else self._json_value(self._value))
             self.state = "parameter"
             return True
@@ -442,7 +302,7 @@ def gemma_to_json(text: str) -> object:
 
 
 def _skip(text: str, i: int) -> int:
-    while i < len(text) and text[i] in _WS:
+    while i < len(text) and text[i] in WS:
         i += 1
     return i
 
@@ -508,11 +368,12 @@ class Gemma4ToolParser(ToolParser):
 
     def _step(self, final: bool) -> bool:
         if self.state == "text":
-            if self.calls:  # after the calls: whitespace and the results' cue are layout
-                self._buffer = self._buffer.lstrip(_WS)
+            if self._in_layout:  # right after a call: whitespace and the results' cue are layout
+                self._buffer = self._buffer.lstrip(WS)
                 if self._buffer.startswith(self.response):
                     self._buffer = self._buffer[len(self.response):]
-                elif not final and self.response.startswith(self._buffer) and self._buffer:
+                    return True
+                if not final and self._buffer and self.response.startswith(self._buffer):
                     return False
             if not self._text_until(self.start, final):
                 return False
@@ -554,7 +415,7 @@ class Gemma4ToolParser(ToolParser):
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser, OpenAIToolParser,
-                        Gemma4ToolParser)}
+                        Gemma4ToolParser, GenericToolParser)}
 
 
 def tool_parser_class(name: str) -> type[ToolParser]:
@@ -563,8 +424,9 @@ def tool_parser_class(name: str) -> type[ToolParser]:
     return TOOL_PARSERS[name]
 
 
-def detect_tool_parser(chat_template: str | None) -> type[ToolParser] | None:
-    """The tool-call format a chat template teaches its model, from the markers it writes."""
+def detect_tool_parser(chat_template: str | None) -> type[ToolParser]:
+    """The tool-call format a chat template teaches its model, from the markers it writes; ``generic`` where it
+    teaches none lmkit knows (or there is no template)."""
     t = chat_template or ""
     if CHANNEL in t and CALL in t:
         return OpenAIToolParser
@@ -578,4 +440,4 @@ def detect_tool_parser(chat_template: str | None) -> type[ToolParser] | None:
         return MistralParser
     if "<|python_tag|>" in t or ('"parameters"' in t and "ipython" in t):
         return Llama3JsonParser
-    return None
+    return GenericToolParser

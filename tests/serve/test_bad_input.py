@@ -78,7 +78,6 @@ def assert_healthy(server) -> None:
     ({**CHAT, "top_p": 0}, "top_p", "greater than 0"),
     ({**CHAT, "top_logprobs": 3}, "top_logprobs", "requires logprobs"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "only allowed when 'stream'"),
-    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "--tool-call-parser"),
     ({**CHAT, "min_tokens": 10}, "min_tokens", "must not exceed"),
     ({k: v for k, v in CHAT.items() if k != "model"}, "model", "Missing required parameter"),
 ])

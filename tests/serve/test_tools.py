@@ -230,18 +230,25 @@ def test_bad_tool_requests_are_400s_naming_the_field(servers, extra, param):
     assert httpx.get(f"{servers['qwen2.5'].url}/health", timeout=10).status_code == 200
 
 
-def test_tools_on_a_model_without_a_tool_format_name_the_fix(api_server):
+def test_tools_on_a_server_that_reads_no_tool_calls_name_the_fix(tiny_engine):
+    """--tool-call-parser none: tools are refused with the fix named (a model without a known format gets the
+    generic one: tests/serve/tools/test_generic_api.py)."""
     import httpx
 
-    r = httpx.post(f"{api_server.url}/v1/chat/completions", timeout=60, json={
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "max_tokens": 4})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-    assert "--tool-call-parser" in r.json()["error"]["message"]
-    # tool_choice none: the tools are not offered, the request runs
-    r = httpx.post(f"{api_server.url}/v1/chat/completions", timeout=60, json={
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "none",
-        "max_tokens": 4})
-    assert r.status_code == 200, r.text
+    from lmkit.serve import ServerConfig, create_app
+    from tests.serve.harness import ServerThread
+
+    server = ServerThread(create_app(tiny_engine, ServerConfig(model_name="tiny", tool_call_parser="none")))
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "max_tokens": 4}
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        assert "--tool-call-parser" in r.json()["error"]["message"]
+        # tool_choice none: the tools are not offered, the request runs
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={**body, "tool_choice": "none"})
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
 
 
 def test_gemma4_required_calls_of_nested_schemas(servers):

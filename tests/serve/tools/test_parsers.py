@@ -46,6 +46,36 @@ CASES = [  # (parser, text, content, [(name, arguments as JSON value)])
      "<|tool_call>call:run{code:<|\"|>unclosed}<tool_call|> and more", []),
     ("gemma4", "<|tool_call>call:run{n:1", "<|tool_call>call:run{n:1", []),
     ("gemma4", "no call {here: 1} <|tool", "no call {here: 1} <|tool", []),
+    # text after a call keeps its own whitespace, wherever the stream is cut; only the whitespace right after the
+    # call (and Gemma 4's results cue there) is layout
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n  a  b\t c \n', "a  b\t c \n", [("f", {})]),
+    ("gemma4", "<|tool_call>call:run{}<tool_call|>\n<|tool_response> x  <|tool_response>", "x  <|tool_response>",
+     [("run", {})]),
+    ("qwen3_coder", "<tool_call>\n<function=run>\n<parameter=code>\na</parameter>\n<parameter=n>\n\n2\n\n</parameter>\n"
+                    "</function>\n</tool_call>  then  text", "then  text", [("run", {"code": "a", "n": 2})]),
+    ("llama3_json", "<|python_tag|><|python_tag|>; {}", "<|python_tag|>; {}", []),  # the tag is read once
+    ("qwen3_coder", "<tool_call>\n<function=abc", "<tool_call>\n<function=abc", []),  # no call: text as written
+    ("qwen3_coder", "a <tool_call>\n<tool_call>\n<function=run>\n</function>\n</tool_call>", "a <tool_call>\n",
+     [("run", {})]),
+    # generic: one JSON object, a call or a response; anything else is content as written
+    ("generic", ' {"tool_calls": [{"name": "f", "arguments": {"q": "a}\\"]", "n": [1]}}, '
+                '{"arguments": {}, "name": "g"}]} ', "", [("f", {"q": 'a}"]', "n": [1]}), ("g", {})]),
+    ("generic", '{"tool_calls": [{"name": "f"}]}\n  more  text', "more  text", [("f", {})]),
+    ("generic", '{"response": "Hi \\"you\\"\\n\\u00e9\\ud83d\\ude00\\ud800x\\\\u \\/ <tool_call>"}',
+     'Hi "you"\né\U0001F600\ufffdx\\u / <tool_call>', []),
+    ("generic", '{ "response" : "" }', "", []),
+    ("generic", '{"response": "cut sh', "cut sh", []),
+    ("generic", '{"response": "cut in an escape \\ud83d\\ude', "cut in an escape ", []),
+    ("generic", "plain text {not json}", "plain text {not json}", []),
+    ("generic", '  {"other": 1}', '  {"other": 1}', []),
+    ("generic", '{"tool_calls": 5}', '{"tool_calls": 5}', []),
+    ("generic", '{"response": 5}', '{"response": 5}', []),
+    ("generic", '{"tool_calls": [{"arguments": {}}]}', '{"tool_calls": [{"arguments": {}}]}', []),
+    ("generic", '{"tool_calls": [{"na', '{"tool_calls": [{"na', []),
+    ("generic", '{"tool_calls": [{"name": "f", "arguments": {}}, oops]}', " oops]}", [("f", {})]),
+    ("generic", '{"tool_calls": [{"name": "f", "arguments": {}}, {"x": 1}]}', ' {"x": 1}]}', [("f", {})]),
+    ("generic", '{"tool_ca', '{"tool_ca', []),
+    ("generic", "", "", []),
 ]
 
 
@@ -72,6 +102,37 @@ def test_every_split_parses_alike(name, text, content, calls):
     assert [(c.name, c.arguments) for c in parser.calls] == whole_calls
     for step in (1, 2, 3, 5, 8):
         assert run(TOOL_PARSERS[name], text, list(range(step, len(text), step)))[:2] == (whole_content, whole_calls)
+
+
+SOUP = {  # each format's markers and fragments of its calls, to be put together in any order
+    "hermes": ["<tool_call>", "</tool_call>", '{"name": "run", "arguments": {"code": "a"}}', '{"name": "run"',
+               ', "arguments": ', '{"n": 1}', "{", "}", '"'],
+    "llama3_json": ["<|python_tag|>", '{"name": "run", "parameters": {"code": "a"}}', "; ", "{", "}"],
+    "mistral": ["[TOOL_CALLS]", "[ARGS]", "[", "]", '{"name": "run", "arguments": {}}', ", ", "run", '{"n": 1}'],
+    "qwen3_coder": ["<tool_call>", "</tool_call>", "<function=run>", "</function>", "<parameter=code>",
+                    "<parameter=n>", "</parameter>", "1", "<", ">"],
+    "gemma4": ["<|tool_call>", "<tool_call|>", "call:run", "{", "}", '<|"|>', "code:", ",", "<|tool_response>"],
+    "generic": ['{"tool_calls": [', '{"response": "', '{"name": "run", "arguments": {"n": 1}}', ", ", "]", "}",
+                '"', "\\", "u00e9"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SOUP))
+def test_any_text_of_markers_splits_alike(name):
+    """Any text made of a format's markers and call fragments, with whitespace and other text between: however
+    it is cut, the content and calls streamed are those of the whole text (and nothing raises)."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    text = st.lists(st.sampled_from(SOUP[name] + [" ", "\n", "x"]), max_size=12).map("".join)
+
+    @hypothesis.settings(max_examples=200, deadline=None)
+    @hypothesis.given(text, st.data())
+    def check(whole, data):
+        cuts = data.draw(st.lists(st.integers(1, max(1, len(whole) - 1)), max_size=6).map(sorted))
+        expected = run(TOOL_PARSERS[name], whole, [])[:2]
+        assert run(TOOL_PARSERS[name], whole, [c for c in dict.fromkeys(cuts) if c < len(whole)])[:2] == expected
+
+    check()
 
 
 def test_mistral_ids_are_nine_alphanumerics():
