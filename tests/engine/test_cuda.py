@@ -109,6 +109,29 @@ def test_awq_matches_the_cpu_backend(group, tmp_path):
         assert rel_err(got[: len(full) - 1], want) <= 6e-3
 
 
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_embeddings_match_hf(pooling, tmp_path):
+    """Pooled final hidden states (take_hidden: fp16 rows copied out) against HF's fp64 last_hidden_state pooled
+    the same way; 300 tokens pool over several head groups, the lm_head skipped for them."""
+    from lmkit.embedding import PoolingConfig
+    from lmkit.engine import Engine
+
+    ref = make_tiny_model(tmp_path / "m", "llama").model.to(torch.float64)
+    prompts = [list(range(3, 300)), [5, 9, 200, 17], [3]]
+    engine = Engine(tmp_path / "m", GPU)
+    try:
+        engine._pooling = PoolingConfig(pooling, normalize=True)
+        got = engine.embed(prompts)
+        assert_blocks_free(engine)
+    finally:
+        engine.close()
+    for ids, vector in zip(prompts, got):
+        with torch.no_grad():
+            h = ref(torch.tensor([ids])).last_hidden_state[0].numpy()
+        want = h[-1] if pooling == "last" else h.mean(0)
+        assert np.abs(vector - want / np.linalg.norm(want)).max() <= 5e-3, ids[:3]
+
+
 def test_smollm2_greedy_agrees_with_the_cpu_backend(smollm2):
     prompts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
                "List three colours:", "Once upon a time", "The theory of relativity says",
