@@ -5,7 +5,8 @@ model, serves it with uvicorn and, when ``proxy_url`` is set, registers with tha
 accepts requests (and unregisters when it begins to shut down). Generation requests are admitted by the
 sequences they run (``Admission``: 429 beyond the engine's batch plus as many waiting).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (liveness), GET /ready
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (and GET, DELETE
+/v1/responses/{id}: serve/responses.py), GET /v1/models, GET /health (liveness), GET /ready
 (readiness: serve/readiness.py), GET /metrics, GET / (the chat page: serve/web).
 """
 
@@ -35,9 +36,10 @@ from lmkit.serve.openai_serving import OpenAIServing, num_prepare_threads, sse
 from lmkit.serve.readiness import Readiness
 from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
 from lmkit.serve.reasoning import HarmonyFormat, detect_reasoning_format, reasoning_format
+from lmkit.serve.responses import ResponsesRequest, ResponsesServing
 from lmkit.serve.tools.parsers import OpenAIToolParser, detect_tool_parser, tool_parser_class
-
 from lmkit.serve.web import add_web_ui
+
 log = logging.getLogger("lmkit.serve")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -85,6 +87,13 @@ class ServerConfig:
     web_ui: bool = True
     """Serve the chat page (serve/web) at GET /, open without an API key (it asks the user for one); False: /
     answers 404."""
+    responses_store_max_bytes: int = 0
+    """Memory (approximate bytes of input and output) for keeping /v1/responses answers, so that a request may
+    continue one by previous_response_id (and GET or DELETE it), least recently used evicted first; 0: none kept."""
+    otlp_traces_endpoint: str | None = None
+    """Send an OpenTelemetry span per generation and embedding request to this OTLP/HTTP collector URL
+    (http://HOST:4318, or the whole URL of its /v1/traces), as vLLM's --otlp-traces-endpoint (serve/tracing.py;
+    needs pip install -e ".[otel]"); None: no tracing."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.stream_interval, int) and self.stream_interval >= 1):
@@ -97,6 +106,9 @@ class ServerConfig:
             tool_parser_class(self.tool_call_parser)
         if self.reasoning_parser not in ("auto", "none"):
             reasoning_format(self.reasoning_parser)
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"otlp_traces_endpoint must be an OTLP/HTTP URL, http(s)://HOST:PORT[/v1/traces], got "
+                             f"{self.otlp_traces_endpoint!r}")
 
     def parsers(self, chat_template: str | None):
         """(tool parser class, reasoning format) for a model with this chat template."""
@@ -203,8 +215,17 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
     metrics = ServerMetrics(engine.engine, admission, model_name)
     tool_parser, reasoning = config.parsers(engine.tokenizer.chat_template)
     serving = OpenAIServing(engine, model_name, metrics, tool_parser, reasoning, config.stream_interval)
+    tracing = None
+    if config.otlp_traces_endpoint is not None:
+        try:  # opentelemetry is imported only when tracing is on
+            from lmkit.serve.tracing import RequestTracing
+        except ImportError as e:
+            raise RuntimeError(f'otlp_traces_endpoint needs OpenTelemetry: pip install -e ".[otel]" ({e})') from None
+        tracing = RequestTracing(config.otlp_traces_endpoint, model_name)
     app = FastAPI(title="lmkit api_server", version="0.1.0",
-                  description=f"OpenAI-compatible API serving `{model_name}`.")
+                  description=f"OpenAI-compatible API serving `{model_name}`.",
+                  **({"telemetry": tracing.telemetry, "lifespan": tracing.lifespan} if tracing else {}))
+    app.state.tracing = tracing
     app.router.route_class = OffLoopJSONRoute  # request bodies are parsed off the event loop
     app.state.serving = serving
     app.state.admission = admission
@@ -214,35 +235,40 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
     async def models() -> JSONResponse:
         return JSONResponse(serving.models())
 
-    async def complete(body, request: Request):
-        """One OpenAI completion request: SSE when body.stream, else one JSON body (cancelled when the
-        client disconnects first). Its sequences are admitted first (429 beyond the limit) and released
-        when it ends, however it ends."""
+    async def complete(body, request: Request, handler=serving):
+        """One OpenAI completion request, answered by ``handler`` (OpenAIServing, or ResponsesServing for
+        /v1/responses): SSE when body.stream, else one JSON body (cancelled when the client disconnects first).
+        Its sequences are admitted first (429 beyond the limit) and released when it ends, however it ends."""
         started_at = time.perf_counter()
         num_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
         reservation = admission.admit(num_prompts, body.n)
         try:
-            prepared = await serving.prepare(body)
-            streams = serving.submit(prepared)
+            prepared = await handler.prepare(body)
+            streams = handler.submit(prepared)
         except BaseException:
             reservation.release()
             raise
+        choices = handler.new_choices(prepared)
+        request_trace = tracing.generation(body, prepared, choices) if tracing is not None else None
         if body.stream:
-            return _Streamed(serving.stream(body, prepared, streams, started_at), streams, reservation)
+            lines = handler.stream(body, prepared, streams, started_at, choices)
+            return _Streamed(lines if request_trace is None else request_trace.until_end(lines), streams, reservation)
 
         async def run():
             try:
-                choices = await serving.collect(prepared, streams, started_at)
+                await handler.collect(prepared, streams, started_at, choices)
             except APIError as e:
                 return e.response()
             finally:
                 _cancel_all(streams)
-            return await serving.response(body, prepared, choices)
+            return await handler.response(body, prepared, choices)
 
         try:
             return await unless_disconnected(request, run())
         finally:
             reservation.release()
+            if request_trace is not None:
+                request_trace.end()
 
     @app.post("/v1/chat/completions", summary="Chat completion (OpenAI)")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -252,12 +278,29 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
     async def completions(body: CompletionRequest, request: Request):
         return await complete(body, request)
 
+    responding = ResponsesServing(serving, config.responses_store_max_bytes)
+
+    @app.post("/v1/responses", summary="Model response (OpenAI Responses API)")
+    async def create_response(body: ResponsesRequest, request: Request):
+        return await complete(body, request, responding)
+
+    @app.get("/v1/responses/{response_id}", summary="A kept response (--responses-store-max-bytes)")
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responding.retrieve(response_id))
+
+    @app.delete("/v1/responses/{response_id}", summary="Forget a kept response")
+    async def delete_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responding.delete(response_id))
+
     embedding = EmbeddingServing(serving, admission)
 
     @app.post("/v1/embeddings", summary="Embeddings of texts or token ids (OpenAI)")
     async def embeddings(body: EmbeddingRequest, request: Request):
         async def run():
-            return JSONResponse(await embedding.embeddings(body))
+            answer = await embedding.embeddings(body)
+            if tracing is not None:
+                tracing.embedded(answer)
+            return JSONResponse(answer)
 
         return await unless_disconnected(request, run())
 

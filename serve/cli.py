@@ -147,6 +147,14 @@ def api_server(
     advertise_url: Optional[str] = typer.Option(None, help="URL the proxy should use for this server "
                                                            "(default http://HOST:PORT)."),
     no_web_ui: bool = _NO_WEB_UI,
+    responses_store_max_bytes: int = typer.Option(0, help="Memory (approximate bytes) for keeping /v1/responses "
+                                                          "answers, so that a request may continue one by "
+                                                          "previous_response_id; least recently used evicted first. "
+                                                          "0: none kept."),
+    otlp_traces_endpoint: Optional[str] = typer.Option(
+        None, help="Send an OpenTelemetry span per generation and embedding request to this OTLP/HTTP collector "
+                   "(http://HOST:4318, or its whole /v1/traces URL), as vLLM's option; needs pip install -e "
+                   "\".[otel]\". Default: no tracing."),
     log_level: str = LOG_LEVEL,
     device: str = DEVICE,
     dtype: str = DTYPE,
@@ -184,7 +192,9 @@ def api_server(
                                           **_timeouts(header_timeout, body_timeout, drain_timeout)),
                           max_waiting_seqs=max_waiting_seqs, proxy_url=proxy_url, proxy_admin_key=proxy_admin_key,
                           advertise_url=advertise_url, tool_call_parser=tool_call_parser,
-                          reasoning_parser=reasoning_parser, stream_interval=stream_interval, web_ui=not no_web_ui)
+                          reasoning_parser=reasoning_parser, stream_interval=stream_interval, web_ui=not no_web_ui,
+                          otlp_traces_endpoint=otlp_traces_endpoint,
+                          responses_store_max_bytes=responses_store_max_bytes)
     run_api_server(model, config, server, chat_template=template, log_level=log_level)
 
 

@@ -20,7 +20,7 @@ ASGIApp = Callable[..., Awaitable[None]]
 
 log = logging.getLogger("lmkit.serve")
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 PUBLIC_PATHS = ("/health", "/ready")  # probes: liveness and readiness, no key
 """Open without an API key: the probes."""
 PAGE_PATHS = ("/",)

@@ -78,6 +78,8 @@ class Prepared:
     to_compile: list[tuple[StructuredOutput, str]] = field(default_factory=list)
     """Constraints (and their request fields) the grammar cache does not hold yet: compiled in the grammar pool
     before the request goes on (OpenAIServing.prepare); gen.structured_output's becomes ``grammar``."""
+    response_id: str | None = None
+    """The answer's id (chatcmpl-..., cmpl-...), once OpenAIServing.renderer has made it."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -437,11 +439,15 @@ class OpenAIServing:
         return hit
 
     def renderer(self, req: AnyRequest, prepared: Prepared) -> ChatRenderer | CompletionRenderer:
+        """The answer's renderer; sets prepared.response_id to the answer's id."""
         if isinstance(req, ChatCompletionRequest):
-            return ChatRenderer(self.model_name, self._token, req.logprobs, req.top_logprobs or 0,
-                                prepared.output.reasoning is not None, prepared.prompt_ids, req.prompt_logprobs)
-        return CompletionRenderer(self.model_name, self._token, req.logprobs, prepared.prompt_texts,
-                                  prepared.gen.n, req.echo, prepared.prompt_ids, req.prompt_logprobs)
+            renderer = ChatRenderer(self.model_name, self._token, req.logprobs, req.top_logprobs or 0,
+                                    prepared.output.reasoning is not None, prepared.prompt_ids, req.prompt_logprobs)
+        else:
+            renderer = CompletionRenderer(self.model_name, self._token, req.logprobs, prepared.prompt_texts,
+                                          prepared.gen.n, req.echo, prepared.prompt_ids, req.prompt_logprobs)
+        prepared.response_id = renderer.head["id"]
+        return renderer
 
     @staticmethod
     def new_choices(prepared: Prepared) -> list[Choice]:
@@ -492,9 +498,10 @@ class OpenAIServing:
             if not event.is_empty or event.is_first:
                 yield event
 
-    async def collect(self, prepared: Prepared, streams: list[RequestStream], started_at: float) -> list[Choice]:
-        """Runs every completion to its end (non-streaming)."""
-        choices = self.new_choices(prepared)
+    async def collect(self, prepared: Prepared, streams: list[RequestStream], started_at: float,
+                      choices: list[Choice] | None = None) -> list[Choice]:
+        """Runs every completion to its end (non-streaming), gathered in ``choices`` (default: new_choices)."""
+        choices = self.new_choices(prepared) if choices is None else choices
         async for _ in self.events(prepared, streams, choices, started_at):
             pass
         return choices
@@ -528,11 +535,12 @@ class OpenAIServing:
         while (piece := await loop.run_in_executor(self._pool, next, pieces, None)) is not None:
             yield piece
 
-    async def stream(self, req: AnyRequest, prepared: Prepared, streams: list[RequestStream],
-                     started_at: float) -> AsyncIterator[str]:
-        """SSE lines of a streamed completion (chat or text), as OpenAI sends them; [DONE] last."""
+    async def stream(self, req: AnyRequest, prepared: Prepared, streams: list[RequestStream], started_at: float,
+                     choices: list[Choice] | None = None) -> AsyncIterator[str]:
+        """SSE lines of a streamed completion (chat or text), as OpenAI sends them; [DONE] last. The completions
+        are gathered in ``choices`` (default: new_choices)."""
         renderer = self.renderer(req, prepared)
-        choices = self.new_choices(prepared)
+        choices = self.new_choices(prepared) if choices is None else choices
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 

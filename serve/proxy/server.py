@@ -309,6 +309,10 @@ def create_proxy_app(config: ProxyConfig | None = None) -> Gate:
     async def completions(request: Request):
         return await unless_disconnected(request, proxy.forward("/v1/completions", await request.body()))
 
+    @app.post("/v1/responses", summary="Model response (Responses API), routed to a node")
+    async def responses(request: Request):
+        return await unless_disconnected(request, proxy.forward("/v1/responses", await request.body()))
+
     @app.post("/v1/embeddings", summary="Embeddings, routed to a node")
     async def embeddings(request: Request):
         return await unless_disconnected(request, proxy.forward("/v1/embeddings", await request.body()))
