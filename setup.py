@@ -160,7 +160,7 @@ setup(
         # lmkit serve api_server --otlp-traces-endpoint: OpenTelemetry spans of requests over OTLP/HTTP, the server
         # span FastAPI's native telemetry (FastAPI(telemetry=...), its `exclude` setting)
         "otel": ["opentelemetry-sdk==1.45.2", "opentelemetry-exporter-otlp-proto-http==1.45.2", "fastapi>=0.165"],
-        "peers": ["ctranslate2", "sentencepiece", "torch==2.13.0", "matplotlib"],
+        "peers": ["ctranslate2", "sentencepiece", "torch==2.13.0", "matplotlib", "sentence-transformers==6.2.0"],
     },
     entry_points={"console_scripts": ["lmkit=lmkit.cli.main:main"]},
     zip_safe=False,

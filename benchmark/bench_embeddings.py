@@ -2,6 +2,7 @@
 last token's final hidden state, normalized) side by side with sentence-transformers encoding the same texts
 with the same model, pooling and normalization, in one run on the same machine.
 
+    pip install -e ".[peers]"    # sentence-transformers
     python benchmark/bench_embeddings.py [--model smollm2] [--lengths 128 512] [--num-texts 64]
         [--threads 2] [--rounds 3] [--csv benchmark/results/embeddings.csv] [--smoke]
 
@@ -15,7 +16,6 @@ over rounds), and the least cosine similarity between each side's vector of a te
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import time
 from datetime import datetime
@@ -27,6 +27,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_server_hardening import cpu_name  # noqa: E402
 from summary import append_csv  # noqa: E402
+
+
+CSV_HEADER = ["date", "cpu", "model", "threads", "tokens", "texts", "side", "texts_per_s", "tokens_per_s", "min_cos"]
 
 
 def texts(tokenizer, num: int, length: int) -> list[str]:
@@ -75,8 +78,6 @@ def st_side(model: Path, dtype: str, threads: int, batch: list[str], rounds: int
     st = SentenceTransformer(modules=[word, pooling, Normalize()], device="cpu")
     with torch.inference_mode():
         seconds, vectors = timed(lambda b: st.encode(b, batch_size=batch_size, convert_to_numpy=True), batch, rounds)
-    del st
-    gc.collect()
     return seconds, vectors.astype(np.float32)
 
 
@@ -101,7 +102,7 @@ def main() -> None:
     dtypes = ["float32"] if args.smoke else ["float32", "bfloat16"]
     stamp = datetime.now().strftime("%Y-%m-%d %H:%M")
     print(f"# {cpu_name()}, {model.name}, {args.threads} threads, {args.num_texts} texts, {stamp}")
-    print(f"{'tokens':>6} {'side':<22} {'texts/s':>8} {'tokens/s':>9} {'min cos':>8}")
+    print(f"{'tokens':>6} {'side':<30} {'texts/s':>8} {'tokens/s':>9} {'min cos':>8}")
     for length in args.lengths:
         batch = texts(tokenizer, args.num_texts, length)
         rows = []
@@ -111,16 +112,14 @@ def main() -> None:
             reference = vectors if reference is None else reference
             rows.append((f"lmkit {dtype}", seconds, vectors))
             seconds, vectors = st_side(model, dtype, args.threads, batch, args.rounds, args.st_batch_size)
-            rows.append((f"sentence-transformers {dtype}"[:22], seconds, vectors))
+            rows.append((f"sentence-transformers {dtype}", seconds, vectors))
         for side, seconds, vectors in rows:
             cos = float(np.min(np.sum(vectors * reference, axis=1)))  # both normalized
             texts_s, tokens_s = len(batch) / seconds, tokens / seconds
-            print(f"{length:>6} {side:<22} {texts_s:>8.1f} {tokens_s:>9.0f} {cos:>8.5f}")
+            print(f"{length:>6} {side:<30} {texts_s:>8.1f} {tokens_s:>9.0f} {cos:>8.5f}")
             if args.csv is not None:
-                append_csv(args.csv, {"date": stamp, "cpu": cpu_name(), "model": model.name,
-                                      "threads": args.threads, "tokens": length, "texts": len(batch),
-                                      "side": side, "texts_per_s": round(texts_s, 2),
-                                      "tokens_per_s": round(tokens_s), "min_cos": round(cos, 6)})
+                append_csv(args.csv, CSV_HEADER, [[stamp, cpu_name(), model.name, args.threads, length, len(batch),
+                                                   side, round(texts_s, 2), round(tokens_s), round(cos, 6)]])
         if args.smoke:
             assert all(float(np.min(np.sum(v * reference, axis=1))) > 0.999 for _, _, v in rows), rows
 

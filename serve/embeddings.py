@@ -9,7 +9,6 @@ client that leaves cancels the inputs not yet computed.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from typing import Annotated, Literal, Union
 
@@ -86,9 +85,6 @@ class EmbeddingServing:
         if name is not None:
             self.serving.check_model(name)
 
-    async def _in_pool(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.serving._pool, fn, *args)
-
     # ---- /v1/embeddings ------------------------------------------------------------------------------
     def _prepare(self, req: EmbeddingRequest) -> list[list[int]]:
         """Each input's token ids, checked; a 400 naming ``input`` or ``dimensions``."""
@@ -105,7 +101,7 @@ class EmbeddingServing:
         ids: list[list[int]] = []
         for i, item in enumerate(req.inputs()):
             if isinstance(item, str):
-                self.serving._check_num_chars(len(item), "input")
+                self.serving.check_num_chars(len(item), "input")
                 try:
                     item_ids = engine.encode(item)
                 except ValueError as e:
@@ -126,7 +122,7 @@ class EmbeddingServing:
     async def embeddings(self, req: EmbeddingRequest) -> dict:
         self.serving.num_preparing += 1
         try:
-            ids = await self._in_pool(self._prepare, req)
+            ids = await self.serving.in_pool(self._prepare, req)
         finally:
             self.serving.num_preparing -= 1
         # at most a batch of them in the engine at once, the next as one finishes: any number of inputs fits
@@ -153,10 +149,10 @@ class EmbeddingServing:
         tokenizer = engine.tokenizer
         try:
             if req.prompt is not None:
-                self.serving._check_num_chars(len(req.prompt), "prompt")
+                self.serving.check_num_chars(len(req.prompt), "prompt")
                 ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
             else:
-                self.serving._check_num_chars(sum(m.num_chars for m in req.messages), "messages")
+                self.serving.check_num_chars(sum(m.num_chars for m in req.messages), "messages")
                 text = tokenizer.render_chat([m.template_data() for m in req.messages],
                                              add_generation_prompt=req.add_generation_prompt)
                 ids = tokenizer.encode(text, add_special_tokens=False)
@@ -173,10 +169,10 @@ class EmbeddingServing:
         return {"prompt": self.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     async def tokenize(self, req: TokenizeRequest) -> dict:
-        return await self._in_pool(self._tokenize, req)
+        return await self.serving.in_pool(self._tokenize, req)
 
     async def detokenize(self, req: DetokenizeRequest) -> dict:
-        return await self._in_pool(self._detokenize, req)
+        return await self.serving.in_pool(self._detokenize, req)
 
 
 def _encode(vector: np.ndarray, encoding_format: str) -> Union[list[float], str]:

@@ -263,7 +263,7 @@ class OpenAIServing:
             if self._cached(schema, param) is None:
                 to_compile.append((schema, param))
         # The template renders every message's text and name (and text of its own): a bound on the tokens.
-        self._check_num_chars(sum(m.num_chars for m in req.messages), "messages")
+        self.check_num_chars(sum(m.num_chars for m in req.messages), "messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if offered else None
 
         def render(messages: list[dict], definitions: list[dict] | None) -> str:
@@ -312,11 +312,15 @@ class OpenAIServing:
             gen = dataclasses.replace(gen, skip_special_tokens=False)  # the parsers read them
         return ids, output, gen, constraint_param
 
+    async def in_pool(self, fn, *args):
+        """``fn(*args)`` in this server's preparation pool, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     def _too_long(self, param: str, what: str) -> APIError:
         return bad_request(f"This model's maximum context length is {self.engine.engine.session_len} tokens. "
                            f"However, {what}. Please reduce the length of the {param}.", param)
 
-    def _check_num_chars(self, num_chars: int, param: str) -> None:
+    def check_num_chars(self, num_chars: int, param: str) -> None:
         """Refuses a text that no tokenization fits in the context, before it is tokenized (or rendered)."""
         if num_chars > self.max_prompt_chars:
             min_tokens = -(-num_chars // self.max_token_chars)
@@ -324,7 +328,7 @@ class OpenAIServing:
                                         f"(no token of this model is longer than {self.max_token_chars} characters)")
 
     def _text_ids(self, text: str) -> list[int]:
-        self._check_num_chars(len(text), "prompt")
+        self.check_num_chars(len(text), "prompt")
         try:
             return self.engine.engine.encode(text)
         except ValueError as e:
@@ -379,7 +383,7 @@ class OpenAIServing:
         if req.prediction is None:
             return None
         text = req.prediction.text
-        self._check_num_chars(len(text), "prediction")
+        self.check_num_chars(len(text), "prediction")
         try:
             return self.engine.engine.prediction_ids(text) or None
         except ValueError as e:

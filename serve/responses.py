@@ -15,7 +15,6 @@ server is given a size (ServerConfig.responses_store_max_bytes); a response with
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
@@ -320,11 +319,9 @@ class ResponsesServing:
         if body.previous_response_id is not None:
             entry = self._previous(body.previous_response_id)
             history, history_bytes = entry.messages, entry.num_chat_bytes
-        loop = asyncio.get_running_loop()
         self.serving.num_preparing += 1
         try:
-            chat, messages, num_bytes, settings = await loop.run_in_executor(self.serving._pool, self._chat, body,
-                                                                             history, history_bytes)
+            chat, messages, num_bytes, settings = await self.serving.in_pool(self._chat, body, history, history_bytes)
         finally:
             self.serving.num_preparing -= 1
         try:
@@ -395,7 +392,7 @@ class ResponsesServing:
     async def response(self, body: ResponsesRequest, p: PreparedResponse, choices: list[Choice]) -> responses.Response:
         """The Response of a collected completion, encoded in the preparation pool."""
         final = self._final(p, choices[0])
-        content = await asyncio.get_running_loop().run_in_executor(self.serving._pool, dumps, final)
+        content = await self.serving.in_pool(dumps, final)
         return responses.Response(content, media_type="application/json")
 
     async def stream(self, body: ResponsesRequest, p: PreparedResponse, streams: list[RequestStream],
