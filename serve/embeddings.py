@@ -13,27 +13,21 @@ import base64
 from typing import Annotated, Literal, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Field
 
 from lmkit.embedding import PoolingConfigError
 from lmkit.engine import first_id_outside
 from lmkit.serve.admission import Admission
 from lmkit.serve.errors import APIError, bad_request
-from lmkit.serve.protocol import MAX_PROMPTS, ChatMessage, Text, _first_item_kind
-
-EmbeddingInput = Annotated[Union[Annotated[Text, Tag("Text")],
-                                 Annotated[list[Text], Field(max_length=MAX_PROMPTS), Tag("Texts")],
-                                 Annotated[list[int], Tag("TokenIds")],
-                                 Annotated[list[list[int]], Field(max_length=MAX_PROMPTS), Tag("TokenIdLists")]],
-                           Discriminator(_first_item_kind)]
-
+from lmkit.serve.protocol import ChatMessage, Prompt, Text
 
 class EmbeddingRequest(BaseModel):
     """POST /v1/embeddings"""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     model: Text
-    input: EmbeddingInput
+    input: Prompt
+    """A text, texts (2,048 at most), token ids or lists of them, as a completion's prompt."""
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     """The first this many values of each vector (Matryoshka models), normalized again where the model

@@ -32,6 +32,17 @@ def client(api_server):
     return openai.OpenAI(base_url=f"{api_server.url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_pipe):
+    """The bundled SmolLM2 served as `smollm2` (the engine of smollm2_pipe)."""
+    from lmkit import AsyncEngine
+    from lmkit.serve import ServerConfig, create_app
+
+    server = ServerThread(create_app(AsyncEngine(engine=smollm2_pipe.engine), ServerConfig(model_name="smollm2")))
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def slow_llama(tmp_path_factory):
     """A wider random model (hidden 512, 4 layers: a few ms per step) so that a request takes seconds."""

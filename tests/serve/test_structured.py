@@ -11,7 +11,6 @@ from typing import Literal
 import httpx
 import pytest
 
-from tests.serve.harness import ServerThread
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
@@ -31,16 +30,6 @@ CATALOG = {
     "additionalProperties": False,
 }
 ASK = [{"role": "user", "content": "Give one film as JSON with title, year, genre and cast."}]
-
-
-@pytest.fixture(scope="module")
-def smollm2_server(smollm2_pipe):
-    from lmkit import AsyncEngine
-    from lmkit.serve import ServerConfig, create_app
-
-    server = ServerThread(create_app(AsyncEngine(engine=smollm2_pipe.engine), ServerConfig(model_name="smollm2")))
-    yield server
-    server.stop()
 
 
 @pytest.fixture()

@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from tests.serve.harness import ServerThread, reassemble
+from tests.serve.harness import reassemble
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
@@ -27,16 +27,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "search", "description": "Web search", "parameters": SEARCH}}]
 SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def smollm2_server(smollm2_pipe):
-    from lmkit import AsyncEngine
-    from lmkit.serve import ServerConfig, create_app
-
-    server = ServerThread(create_app(AsyncEngine(engine=smollm2_pipe.engine), ServerConfig(model_name="smollm2")))
-    yield server
-    server.stop()
 
 
 @pytest.fixture()
