@@ -395,6 +395,11 @@ class RequestStream:
     def finished(self) -> bool:
         return all(s.finished for s in self._states)
 
+    @property
+    def states(self) -> list[CompletionState]:
+        """Each completion's state (its text, tokens and timing so far)."""
+        return self._states
+
     def cancel(self) -> None:
         if not self.finished:
             self.engine.cancel(self.request_id)

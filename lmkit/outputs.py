@@ -16,6 +16,8 @@ class Timing:
     """Engine-clock timestamps of one completion (seconds, lmkit._engine.now())."""
 
     submitted_at: float
+    scheduled_at: float | None = None
+    """When the engine planned the completion's first step: the end of its wait in the engine's queue."""
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
 
@@ -105,6 +107,8 @@ class CompletionState:
         Sets self.finished; self.stopped_by_string tells the caller to cancel the engine request."""
         if self.finished:
             return None
+        if self.timing.scheduled_at is None and out.scheduled_at > 0:
+            self.timing.scheduled_at = out.scheduled_at
         token_ids: list[int] = []
         logprobs: list[dict[int, float]] | None = [] if out.num_top or out.logprobs else None
         end = None

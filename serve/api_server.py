@@ -249,7 +249,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> Gate:
             reservation.release()
             raise
         choices = handler.new_choices(prepared)
-        request_trace = tracing.generation(body, prepared, choices) if tracing is not None else None
+        request_trace = tracing.generation(body, prepared, choices, streams) if tracing is not None else None
         if body.stream:
             lines = handler.stream(body, prepared, streams, started_at, choices)
             return _Streamed(lines if request_trace is None else request_trace.until_end(lines), streams, reservation)

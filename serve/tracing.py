@@ -8,16 +8,17 @@ The SERVER span of a request is FastAPI's native telemetry on this server's own 
 /v1/embeddings; no other route is traced), from its arrival to the last byte of its answer (a stream's last
 event), child of the W3C ``traceparent`` the client sent, with HTTP's attributes (method, route, status; ERROR
 for a 5xx). The route adds vLLM's attributes (``gen_ai.request.*``, ``gen_ai.usage.*``, ``gen_ai.latency.*`` in
-seconds) and, for a generation the engine ran, three child spans, its phases on the server's clock:
+seconds) and, for a generation the engine ran, four child spans, its phases on the server's clock:
 
-    arrival ── prepare ──> submitted ── prefill ──> first token ── decode ──> end
-    (body, admission,        (the engine's wait for a batch slot   (every completion's tokens; a whole
-     tokenization, template,  and KV blocks, then the prompt's       answer's encoding; the end is the
-     grammar compile)         forward: the engine reports no         stream's last event)
-                              time between the two)
+    arrival ── prepare ──> submitted ── queue ──> scheduled ── prefill ──> first token ── decode ──> end
+    (body, admission,        (the engine's wait for a   (the prompt's      (every completion's tokens; a
+     tokenization, template,  batch slot and KV blocks:  forward, in        whole answer's encoding; the end
+     grammar compile)         until its first step is    chunks)            is the stream's last event)
+                              planned)
 
-``gen_ai.latency.time_in_queue`` is the prepare phase (the time before the engine has the request),
-``time_in_model_prefill`` the prefill phase, ``time_to_first_token`` their sum. Spans go to a
+``gen_ai.latency.time_in_queue`` is the queue phase (RequestOutput.scheduled_at, the engine's clock, taken to the
+server's), ``lmkit.latency.time_in_prepare`` the prepare phase, ``time_in_model_prefill`` the prefill phase,
+``time_to_first_token`` the three together. Spans go to a
 BatchSpanProcessor, whose own thread encodes and sends them: the event loop only starts and ends spans.
 ``OTEL_EXPORTER_OTLP_*`` variables configure the exporter as usual (headers, timeout, compression) and
 ``OTEL_SERVICE_NAME`` names the service (default ``lmkit``).
@@ -38,6 +39,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind
 
+from lmkit.engine import Engine
 from lmkit.serve.gate import route_path
 from lmkit.serve.protocol import ChatCompletionRequest
 
@@ -89,14 +91,15 @@ class RequestTracing:
         """Exports the ended spans now (blocking: call it off the event loop); False when time ran out."""
         return self.provider.force_flush(int(timeout_s * 1000))
 
-    def generation(self, body, prepared, choices) -> "GenerationTrace | None":
+    def generation(self, body, prepared, choices, streams=()) -> "GenerationTrace | None":
         """The trace of the current request, a generation the engine has just been given (``body``: the
         ChatCompletionRequest or CompletionRequest; ``prepared``: its openai_serving.Prepared; ``choices``: its
-        stream.Choice, filled as it runs); None outside a traced request."""
+        stream.Choice, filled as it runs; ``streams``: its engine requests, lmkit.engine.RequestStream, whose
+        timing says when the engine first scheduled them); None outside a traced request."""
         span = trace.get_current_span()
         if not span.is_recording() or span.attributes.get("http.route") not in TRACED_ROUTES:
             return None
-        return GenerationTrace(self._tracer, span, self.model_name, body, prepared, choices)
+        return GenerationTrace(self._tracer, span, self.model_name, body, prepared, choices, streams)
 
     def embedded(self, answer: dict) -> None:
         """Adds an embedding answer (the /v1/embeddings body) to the current request's span."""
@@ -112,12 +115,14 @@ class GenerationTrace:
     ``end()`` (once; later calls do nothing) once the answer is made, before its last byte is sent: FastAPI ends
     the span then."""
 
-    def __init__(self, tracer: trace.Tracer, span, model_name: str, body, prepared, choices):
+    def __init__(self, tracer: trace.Tracer, span, model_name: str, body, prepared, choices, streams=()):
         self._tracer = tracer
         self.span = span
         self.prepared = prepared
         self.choices = choices
+        self.streams = streams
         self.submitted_at = time.perf_counter()
+        self._engine_offset = self.submitted_at - Engine.now()  # the engine's clock -> perf_counter seconds
         self._epoch_ns = time.time_ns() - int(self.submitted_at * 1e9)  # perf_counter seconds -> epoch ns
         self._ended = False
         gen = prepared.gen
@@ -142,22 +147,29 @@ class GenerationTrace:
         started_ns, submitted_ns = self.span.start_time, self._ns(self.submitted_at)
         choices = self.choices
         first = min((c.first_token_at for c in choices if c.first_token_at is not None), default=None)
+        scheduled = min((s.timing.scheduled_at for stream in self.streams for s in stream.states
+                         if s.timing.scheduled_at is not None), default=None)
         attributes = {
             "gen_ai.usage.completion_tokens": sum(c.num_tokens for c in choices),
             "gen_ai.usage.num_sequences": len(choices),
             # "abort": a completion that did not finish (the client left, an error, the server stopped it)
             "gen_ai.response.finish_reasons": [c.finish_reason or "abort" for c in choices],
-            "gen_ai.latency.time_in_queue": (submitted_ns - started_ns) / 1e9,
             "gen_ai.latency.e2e": (ended_ns - started_ns) / 1e9}
         if self.prepared.response_id is not None:
             attributes["gen_ai.request.id"] = self.prepared.response_id
         phases = [("prepare", started_ns, submitted_ns)]
+        queued_ns = submitted_ns  # the end of the engine's queue: its first step for the request was planned
+        if scheduled is not None:
+            queued_ns = min(max(submitted_ns, self._ns(scheduled + self._engine_offset)), ended_ns)
+            phases.append(("queue", submitted_ns, queued_ns))
+        attributes.update({"lmkit.latency.time_in_prepare": (submitted_ns - started_ns) / 1e9,
+                           "gen_ai.latency.time_in_queue": (queued_ns - submitted_ns) / 1e9})
         if first is not None:
-            first_ns = self._ns(first)
+            first_ns = max(self._ns(first), queued_ns)
             attributes.update({"gen_ai.latency.time_to_first_token": (first_ns - started_ns) / 1e9,
-                               "gen_ai.latency.time_in_model_prefill": (first_ns - submitted_ns) / 1e9,
+                               "gen_ai.latency.time_in_model_prefill": (first_ns - queued_ns) / 1e9,
                                "gen_ai.latency.time_in_model_decode": (ended_ns - first_ns) / 1e9})
-            phases += [("prefill", submitted_ns, first_ns), ("decode", first_ns, ended_ns)]
+            phases += [("prefill", queued_ns, first_ns), ("decode", first_ns, ended_ns)]
         self.span.set_attributes(attributes)
         parent = trace.set_span_in_context(self.span)
         for name, start_ns, end_ns in phases:

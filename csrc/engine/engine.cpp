@@ -153,6 +153,7 @@ void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const Fail
   out.request_id = seq.request_id;
   out.sample_index = seq.sample_index;
   out.emitted_at = now_seconds();
+  out.scheduled_at = seq.scheduled_at;
   out.token_ids.swap(seq.pending_token_ids);
   out.logprobs.swap(seq.pending_logprobs);
   out.top_ids.swap(seq.pending_top_ids);
@@ -190,6 +191,7 @@ void Engine::post_final(const Sequence& seq, int32_t sample_index, FinishReason 
   out.error_kind = failure.kind;
   out.num_prompt_tokens = seq.num_prompt_tokens;
   out.emitted_at = now_seconds();
+  out.scheduled_at = seq.scheduled_at;
   post(seq.callback, std::move(out));
   end_sample(seq.request_id);
   ++metrics_.num_finished_requests;
@@ -318,6 +320,9 @@ void Engine::run_step() {
   BatchPlan plan = scheduler_.schedule(caps);
   if (plan.empty()) return;
   memory_released_ = false;
+  const double planned_at = now_seconds();
+  for (const ScheduledSeq& s : plan.seqs)
+    if (s.seq->scheduled_at == 0) s.seq->scheduled_at = planned_at;
   for (const ScheduledSeq& s : plan.seqs)
     if (s.is_sampled) start_grammar(*s.seq);  // its mask is computed while the forward runs
   StepOutput out;

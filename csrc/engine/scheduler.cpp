@@ -108,6 +108,7 @@ void Scheduler::fork(Sequence* parent) {
     child->max_total_tokens = parent->max_total_tokens;
     child->params = parent->params;
     child->num_prompt_logprobs_emitted = parent->num_prompt_logprobs_emitted;  // the prompt is scored once
+    child->scheduled_at = parent->scheduled_at;  // queued with its parent
     child->callback = parent->callback;
     child->seed = parent->sample_seed(-1 - k);  // deterministic given the parent's seed, distinct per completion
     // the parent held the blocks a query at shared * bs reads, so the child's holes are its dead blocks

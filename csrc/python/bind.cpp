@@ -254,6 +254,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_readonly("request_id", &RequestOutput::request_id)
       .def_readonly("sample_index", &RequestOutput::sample_index)
       .def_readonly("emitted_at", &RequestOutput::emitted_at)
+      .def_readonly("scheduled_at", &RequestOutput::scheduled_at)
       .def_readonly("logprobs", &RequestOutput::logprobs)
       .def_readonly("num_top", &RequestOutput::num_top)
       .def_readonly("top_ids", &RequestOutput::top_ids)

@@ -130,19 +130,20 @@ def request_span(spans: list[dict]) -> tuple[dict, dict[str, dict]]:
 
 
 def check_phases(server: dict, children: dict[str, dict]) -> None:
-    """prepare, prefill, decode tile the request's span in order, and the latencies agree with them."""
-    assert set(children) == {"prepare", "prefill", "decode"}
-    prepare, prefill, decode = children["prepare"], children["prefill"], children["decode"]
+    """prepare, queue, prefill, decode tile the request's span in order, and the latencies agree with them."""
+    assert set(children) == {"prepare", "queue", "prefill", "decode"}
+    prepare, queue, prefill, decode = (children[name] for name in ("prepare", "queue", "prefill", "decode"))
     assert all(c["kind"] == INTERNAL for c in children.values())
-    assert server["start"] == prepare["start"] <= prepare["end"] == prefill["start"] <= prefill["end"]
-    assert prefill["end"] == decode["start"] <= decode["end"] <= server["end"]
+    assert server["start"] == prepare["start"] <= prepare["end"] == queue["start"] <= queue["end"]
+    assert queue["end"] == prefill["start"] <= prefill["end"] == decode["start"] <= decode["end"] <= server["end"]
     a = server["attributes"]
-    assert 0 < a["gen_ai.latency.time_in_queue"] <= a["gen_ai.latency.time_to_first_token"] <= a["gen_ai.latency.e2e"]
-    assert a["gen_ai.latency.time_in_queue"] == pytest.approx((prepare["end"] - prepare["start"]) / 1e9, abs=1e-6)
-    assert a["gen_ai.latency.time_in_model_prefill"] == pytest.approx((prefill["end"] - prefill["start"]) / 1e9,
-                                                                      abs=1e-6)
+    assert 0 < a["lmkit.latency.time_in_prepare"] <= a["gen_ai.latency.time_to_first_token"] <= a["gen_ai.latency.e2e"]
+    for name, phase in (("lmkit.latency.time_in_prepare", prepare), ("gen_ai.latency.time_in_queue", queue),
+                        ("gen_ai.latency.time_in_model_prefill", prefill)):
+        assert a[name] == pytest.approx((phase["end"] - phase["start"]) / 1e9, abs=1e-6), name
     assert a["gen_ai.latency.time_to_first_token"] == pytest.approx(
-        a["gen_ai.latency.time_in_queue"] + a["gen_ai.latency.time_in_model_prefill"], abs=1e-6)
+        a["lmkit.latency.time_in_prepare"] + a["gen_ai.latency.time_in_queue"]
+        + a["gen_ai.latency.time_in_model_prefill"], abs=1e-6)
     assert a["gen_ai.latency.time_in_model_decode"] == pytest.approx((decode["end"] - decode["start"]) / 1e9, abs=1e-6)
     assert a["gen_ai.latency.e2e"] <= (server["end"] - server["start"]) / 1e9
 
@@ -154,7 +155,7 @@ def test_a_chat_completion_is_one_span_under_the_callers_trace(traced):
             "top_p": 0.9, "ignore_eos": True}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"traceparent": header}, timeout=30)
     assert r.status_code == 200, r.text
-    span, children = request_span(spans_of(app, receiver, trace_id, 4))
+    span, children = request_span(spans_of(app, receiver, trace_id, 5))
     assert span["parent_span_id"] == parent_id and span["name"] == "POST /v1/chat/completions"
     assert span["service"] == "lmkit" and span["status"] != STATUS_ERROR
     a = span["attributes"]
@@ -183,7 +184,7 @@ def test_a_streamed_completion_with_n_2_is_traced_to_its_last_event(traced):
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     first = json.loads(lines[0].removeprefix("data: "))
-    span, children = request_span(spans_of(app, receiver, trace_id, 4))
+    span, children = request_span(spans_of(app, receiver, trace_id, 5))
     assert span["parent_span_id"] == parent_id and span["name"] == "POST /v1/completions"
     a = span["attributes"]
     assert a["gen_ai.operation.name"] == "text_completion" and a["lmkit.request.stream"] is True
@@ -191,6 +192,37 @@ def test_a_streamed_completion_with_n_2_is_traced_to_its_last_event(traced):
     assert a["gen_ai.usage.completion_tokens"] == 14 and a["gen_ai.usage.num_sequences"] == 2
     assert a["gen_ai.response.finish_reasons"] == ["length", "length"]
     check_phases(span, children)
+
+
+def test_a_request_behind_a_full_batch_spends_its_wait_in_the_queue_phase(slow_llama):
+    """max_batch_size 1 and a long completion running: the next request's queue phase holds its wait for the
+    batch slot (the engine's scheduled_at), not its prefill."""
+    from lmkit import AsyncEngine, EngineConfig
+    from lmkit.serve import ServerConfig, create_app
+
+    engine = AsyncEngine(slow_llama, EngineConfig(**{**TINY_ENGINE, "max_batch_size": 1}))
+    receiver = OTLPReceiver()
+    app = create_app(engine, ServerConfig(model_name="tiny", otlp_traces_endpoint=receiver.url,
+                                          max_waiting_seqs=1))
+    server = ServerThread(app)
+    try:
+        long = {"model": "tiny", "prompt": "x", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)  # the long one is running
+            header, trace_id, _ = traceparent()
+            body = {"model": "tiny", "prompt": "y", "max_tokens": 2, "ignore_eos": True}
+            second = httpx.post(f"{server.url}/v1/completions", json=body, headers={"traceparent": header},
+                                timeout=60)
+            assert second.status_code == 200, second.text
+        span, children = request_span(spans_of(app, receiver, trace_id, 5))
+        check_phases(span, children)
+        a = span["attributes"]
+        assert a["gen_ai.latency.time_in_queue"] > 5 * a["gen_ai.latency.time_in_model_prefill"], a
+    finally:
+        server.stop()
+        receiver.server.shutdown()
+        engine.close()
 
 
 def test_without_traceparent_a_request_starts_a_trace_and_embeddings_are_traced(traced):
