@@ -4,11 +4,11 @@ OpenTelemetry Collector). Imported only when tracing is on: a server without it 
 exporter (FastAPI itself imports the OpenTelemetry API, which does nothing without a provider).
 
 The SERVER span of a request is FastAPI's native telemetry on this server's own TracerProvider
-(``FastAPI(telemetry=RequestTracing.telemetry)``): ``POST /v1/chat/completions`` (/v1/completions,
-/v1/embeddings; no other route is traced), from its arrival to the last byte of its answer (a stream's last
-event), child of the W3C ``traceparent`` the client sent, with HTTP's attributes (method, route, status; ERROR
-for a 5xx). The route adds vLLM's attributes (``gen_ai.request.*``, ``gen_ai.usage.*``, ``gen_ai.latency.*`` in
-seconds) and, for a generation the engine ran, four child spans, its phases on the server's clock:
+(``FastAPI(telemetry=RequestTracing.telemetry)``): ``POST /v1/chat/completions`` (/v1/completions, /v1/responses,
+/v1/embeddings; no other route is traced), from its arrival to the last byte of its answer (a stream's last event),
+child of the W3C ``traceparent`` the client sent, with HTTP's attributes (method, route, status; ERROR for a 5xx).
+The route adds vLLM's attributes (``gen_ai.request.*``, ``gen_ai.usage.*``, ``gen_ai.latency.*`` in seconds) and,
+for a generation the engine ran, four child spans, its phases on the server's clock:
 
     arrival ── prepare ──> submitted ── queue ──> scheduled ── prefill ──> first token ── decode ──> end
     (body, admission,        (the engine's wait for a   (the prompt's      (every completion's tokens; a
@@ -41,9 +41,9 @@ from opentelemetry.trace import SpanKind
 
 from lmkit.engine import Engine
 from lmkit.serve.gate import route_path
-from lmkit.serve.protocol import ChatCompletionRequest
+from lmkit.serve.protocol import CompletionRequest
 
-TRACED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+TRACED_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"})
 """The routes whose POSTs are traced."""
 
 
@@ -93,7 +93,8 @@ class RequestTracing:
 
     def generation(self, body, prepared, choices, streams=()) -> "GenerationTrace | None":
         """The trace of the current request, a generation the engine has just been given (``body``: the
-        ChatCompletionRequest or CompletionRequest; ``prepared``: its openai_serving.Prepared; ``choices``: its
+        ChatCompletionRequest, CompletionRequest or ResponsesRequest; ``prepared``: its openai_serving.Prepared
+        (responses.PreparedResponse); ``choices``: its
         stream.Choice, filled as it runs; ``streams``: its engine requests, lmkit.engine.RequestStream, whose
         timing says when the engine first scheduled them); None outside a traced request."""
         span = trace.get_current_span()
@@ -127,7 +128,7 @@ class GenerationTrace:
         self._ended = False
         gen = prepared.gen
         span.set_attributes({
-            "gen_ai.operation.name": "chat" if isinstance(body, ChatCompletionRequest) else "text_completion",
+            "gen_ai.operation.name": "text_completion" if isinstance(body, CompletionRequest) else "chat",
             "gen_ai.request.model": model_name, "gen_ai.response.model": model_name,
             "gen_ai.request.max_tokens": gen.max_new_tokens, "gen_ai.request.temperature": gen.temperature,
             "gen_ai.request.top_p": gen.top_p, "gen_ai.request.n": gen.n, "lmkit.request.stream": body.stream,

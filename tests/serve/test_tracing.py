@@ -194,6 +194,20 @@ def test_a_streamed_completion_with_n_2_is_traced_to_its_last_event(traced):
     check_phases(span, children)
 
 
+def test_a_response_is_traced_as_a_chat(traced):
+    server, app, receiver = traced
+    header, trace_id, parent_id = traceparent()
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, "ignore_eos": True}
+    r = httpx.post(f"{server.url}/v1/responses", json=body, headers={"traceparent": header}, timeout=30)
+    assert r.status_code == 200, r.text
+    span, children = request_span(spans_of(app, receiver, trace_id, 5))
+    assert span["parent_span_id"] == parent_id and span["name"] == "POST /v1/responses"
+    a = span["attributes"]
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.id"] == r.json()["id"]
+    assert a["gen_ai.usage.completion_tokens"] == r.json()["usage"]["output_tokens"] == 4
+    check_phases(span, children)
+
+
 def test_a_request_behind_a_full_batch_spends_its_wait_in_the_queue_phase(slow_llama):
     """max_batch_size 1 and a long completion running: the next request's queue phase holds its wait for the
     batch slot (the engine's scheduled_at), not its prefill."""
