@@ -19,7 +19,7 @@ from lmkit.embedding import PoolingConfigError
 from lmkit.engine import first_id_outside
 from lmkit.serve.admission import Admission
 from lmkit.serve.errors import APIError, bad_request
-from lmkit.serve.protocol import ChatMessage, Prompt, Text
+from lmkit.serve.protocol import ChatMessage, Prompt, Text, prompt_items
 
 class EmbeddingRequest(BaseModel):
     """POST /v1/embeddings"""
@@ -36,14 +36,7 @@ class EmbeddingRequest(BaseModel):
 
     def inputs(self) -> list[Union[str, list[int]]]:
         """The texts or token-id lists to embed, each non-empty (a 400 naming ``input`` otherwise)."""
-        value = self.input
-        items: list = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else list(value)
-        if not items:
-            raise bad_request("input is empty: give a string, a list of strings or token ids", "input")
-        for i, item in enumerate(items):
-            if len(item) == 0:
-                raise bad_request(f"input {i} is empty", "input")
-        return items
+        return prompt_items(self.input, "input")
 
 
 class TokenizeRequest(BaseModel):
@@ -94,23 +87,8 @@ class EmbeddingServing:
                               "dimensions")
         ids: list[list[int]] = []
         for i, item in enumerate(req.inputs()):
-            if isinstance(item, str):
-                self.serving.check_num_chars(len(item), "input")
-                try:
-                    item_ids = engine.encode(item)
-                except ValueError as e:
-                    raise bad_request(f"input {i}: {e}", "input") from None
-            else:
-                bad = first_id_outside(item, engine.spec.vocab_size)
-                if bad is not None:
-                    raise bad_request(f"input {i} has token id {item[bad]} outside the vocabulary "
-                                      f"[0, {engine.spec.vocab_size})", "input")
-                item_ids = list(item)
-            if len(item_ids) >= engine.session_len:
-                raise bad_request(f"This model's maximum context length is {engine.session_len} tokens. However, "
-                                  f"input {i} has {len(item_ids)} tokens. Please reduce the length of the input.",
-                                  "input")
-            ids.append(item_ids)
+            item_ids = self.serving.text_ids(item, "input", f"input {i}") if isinstance(item, str) else item
+            ids.append(self.serving.checked_ids(item_ids, "input", f"input {i}"))
         return ids
 
     async def embeddings(self, req: EmbeddingRequest) -> dict:

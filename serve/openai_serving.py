@@ -186,7 +186,7 @@ class OpenAIServing:
             param = "prompt"
             prompt_ids, prompt_texts = [], []
             for item in req.prompts():
-                ids = self._text_ids(item) if isinstance(item, str) else self._checked_ids(item)
+                ids = self.text_ids(item) if isinstance(item, str) else self.checked_ids(item)
                 prompt_ids.append(ids)
                 prompt_texts.append((item if isinstance(item, str) else
                                      engine.tokenizer.decode(item, skip_special_tokens=False)) if req.echo else "")
@@ -327,22 +327,26 @@ class OpenAIServing:
             raise self._too_long(param, f"your {param} has {num_chars} characters, at least {min_tokens} tokens "
                                         f"(no token of this model is longer than {self.max_token_chars} characters)")
 
-    def _text_ids(self, text: str) -> list[int]:
-        self.check_num_chars(len(text), "prompt")
+    def text_ids(self, text: str, param: str = "prompt", name: str | None = None) -> list[int]:
+        """The token ids of a prompt text (special tokens added); a 400 naming ``param`` for a text no
+        tokenization fits in the context, or that is not valid Unicode. ``name``: the text in messages (default
+        ``param``)."""
+        self.check_num_chars(len(text), param)
         try:
             return self.engine.engine.encode(text)
         except ValueError as e:
-            raise bad_request(str(e), "prompt") from None
+            raise bad_request(f"{name}: {e}" if name else str(e), param) from None
 
-    def _checked_ids(self, ids: list[int]) -> list[int]:
-        """Token ids as given, once they fit the context and the model's vocabulary."""
-        engine = self.engine.engine
+    def checked_ids(self, ids: list[int], param: str = "prompt", name: str | None = None) -> list[int]:
+        """Token ids as given, once they fit the context and the model's vocabulary (a 400 naming ``param``;
+        ``name``: the ids in messages, default ``param``)."""
+        engine, name = self.engine.engine, name or param
         if len(ids) >= engine.session_len:
-            raise self._too_long("prompt", f"your prompt has {len(ids)} tokens")
+            raise self._too_long(param, f"your {name} has {len(ids)} tokens")
         vocab = engine.spec.vocab_size
         bad = first_id_outside(ids, vocab)
         if bad is not None:
-            raise bad_request(f"prompt has token id {ids[bad]} outside the vocabulary [0, {vocab})", "prompt")
+            raise bad_request(f"{name} has token id {ids[bad]} outside the vocabulary [0, {vocab})", param)
         return list(ids)
 
     def _checked(self, req: AnyRequest, max_name: str, build: Callable[[], GenerationConfig]) -> GenerationConfig:

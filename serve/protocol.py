@@ -419,6 +419,22 @@ Prompt = Annotated[Union[Annotated[Text, Tag("Text")],
                    Discriminator(_first_item_kind)]
 
 
+def prompt_items(value, param: str) -> list[Union[str, list[int]]]:
+    """The strings or token-id lists of a Prompt ``value``, each non-empty (a 400 naming ``param`` otherwise)."""
+    if isinstance(value, str):
+        items: list = [value]
+    elif value and isinstance(value[0], int):  # the union's tag: every item is an int
+        items = [value]
+    else:
+        items = list(value)
+    if not items:
+        raise bad_request(f"{param} is empty: give a string, a list of strings or token ids", param)
+    for i, item in enumerate(items):
+        if len(item) == 0:
+            raise bad_request(f"{param} {i} is empty", param)
+    return items
+
+
 class CompletionRequest(SamplingFields):
     """POST /v1/completions"""
 
@@ -457,16 +473,4 @@ class CompletionRequest(SamplingFields):
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompts of this request: a batch of strings or token-id lists, each non-empty."""
-        p = self.prompt
-        if isinstance(p, str):
-            items: list = [p]
-        elif p and isinstance(p[0], int):  # the union's tag: every item is an int
-            items = [p]
-        else:
-            items = list(p)
-        if not items:
-            raise bad_request("prompt is empty: give a string, a list of strings or token ids", "prompt")
-        for i, item in enumerate(items):
-            if len(item) == 0:
-                raise bad_request(f"prompt {i} is empty", "prompt")
-        return items
+        return prompt_items(self.prompt, "prompt")
