@@ -286,16 +286,23 @@ class Engine:
     def embed(self, prompts: list[Prompt], dimensions: int | None = None) -> list[np.ndarray]:
         """One embedding (float32, the model's pooling and normalization; its first ``dimensions`` values) per
         prompt: text, chat messages or token ids, computed together. Raises ValueError for an impossible prompt,
-        RuntimeError when the engine fails one."""
+        RuntimeError when the engine fails one (the others are then cancelled)."""
         ids = [self.encode(p) for p in prompts]
         outputs: queue.SimpleQueue = queue.SimpleQueue()
-        request_ids = {self.submit_embedding(p, outputs.put): i for i, p in enumerate(ids)}
+        in_engine: dict[int, int] = {}  # request id -> prompt index
         vectors: list = [None] * len(ids)
-        for _ in ids:
-            out = outputs.get()
-            if out.embedding is None:
-                raise RuntimeError(f"embedding {request_ids[out.request_id]} failed: {out.error or out.finish_reason}")
-            vectors[request_ids[out.request_id]] = self.pooling.finish(out.embedding, dimensions)
+        try:
+            for i, p in enumerate(ids):
+                in_engine[self.submit_embedding(p, outputs.put)] = i
+            while in_engine:
+                out = outputs.get()
+                index = in_engine.pop(out.request_id)
+                if out.embedding is None:
+                    raise RuntimeError(f"embedding {index} failed: {out.error or out.finish_reason}")
+                vectors[index] = self.pooling.finish(out.embedding, dimensions)
+        finally:
+            for request_id in in_engine:
+                self.cancel(request_id)
         return vectors
 
     def prediction_ids(self, text: str) -> list[int]:
