@@ -5,6 +5,7 @@ them unchanged; a model's sentence-transformers files choose the pooling; no blo
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 
 import numpy as np
@@ -21,7 +22,7 @@ PROMPTS = ["hello world", "a much longer text, " * 15, "x"]
 
 def hf_pooled(ref, ids: list[int], pooling: str, normalize: bool) -> np.ndarray:
     """HF's final hidden states (after the final norm) of ``ids`` in float64, pooled and normalized."""
-    model = ref.model.to(torch.float64)
+    model = copy.deepcopy(ref.model).to(torch.float64)  # the fixture's reference stays fp32
     with torch.no_grad():
         h = model(torch.tensor([ids])).last_hidden_state[0].numpy()
     v = {"last": h[-1], "mean": h.mean(0), "first": h[0]}[pooling]

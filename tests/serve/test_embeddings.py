@@ -5,6 +5,7 @@ a client that leaves cancels its inputs; the proxy routes embeddings."""
 from __future__ import annotations
 
 import base64
+import copy
 import time
 
 import httpx
@@ -23,7 +24,7 @@ def test_embeddings_equal_the_engine_and_hf(client, tiny_engine, tiny_llama):
     ids = [engine.encode(t) for t in texts]
     assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
     expected = engine.embed(texts)
-    ref = tiny_llama[1].model.to(torch.float64)
+    ref = copy.deepcopy(tiny_llama[1].model).to(torch.float64)  # the session's reference stays fp32
     for d, want, prompt_ids in zip(r.data, expected, ids):
         got = np.array(d.embedding, dtype=np.float32)
         assert np.array_equal(got, want)  # JSON floats round trip float32 exactly
