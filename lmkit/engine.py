@@ -46,19 +46,40 @@ def _import_extension():
     return _engine
 
 
-def _resolve_device(device: str, _engine) -> str:
-    """cpu, or cuda when asked for and usable. ``auto`` stays on the CPU while the CUDA backend is opt-in
-    (csrc/kernels/cuda/README.md: correct on an H100, not yet fast); ask for ``device='cuda'`` to use it. (When
-    ``auto`` moves to CUDA, ``dtype='bfloat16'`` must keep it on the CPU: that dtype is the CPU backend's.)"""
-    if device in ("cpu", "auto"):
-        return "cpu"
+def _resolve_device(config: EngineConfig, _engine) -> tuple[str, str]:
+    """(device, why): cpu or cuda, and for ``auto`` the reason it chose the CPU ("" otherwise). ``auto`` is CUDA
+    where the extension has the CUDA backend, a GPU is usable and the settings are not the CPU backend's
+    (dtype other than auto, speculative ngram / suffix); Engine falls back to the CPU as well when the CUDA
+    backend refuses the model at load or it does not fit. ``cuda`` raises ValueError naming what is missing."""
+    device = config.device
+    if device == "cpu":
+        return "cpu", ""
     if not _engine.cuda.is_built:
-        raise ValueError("device='cuda' but lmkit._engine was built without the CUDA backend (no CUDA toolkit at "
-                         "install time, or LMKIT_CUDA=OFF); reinstall with nvcc on PATH, or use device='cpu'")
-    if not _engine.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA GPU is usable here (no driver or no device); use device='cpu'")
-    _load_cublas(_engine)
-    return "cuda"
+        why = ("lmkit._engine was built without the CUDA backend (no CUDA toolkit at install time, or "
+               "LMKIT_CUDA=OFF)")
+    elif not _engine.cuda.is_available():
+        why = "no CUDA GPU is usable here (no driver or no device)"
+    elif device == "auto" and config.dtype != "auto":
+        why = f"dtype={config.dtype!r} is the CPU backend's"
+    elif device == "auto" and config.speculative in ("ngram", "suffix"):
+        why = f"speculative={config.speculative!r} runs on the CPU backend"
+    else:
+        _load_cublas(_engine)
+        return "cuda", ""
+    if device == "cuda":
+        fix = "reinstall with nvcc on PATH, or use device='cpu'" if not _engine.cuda.is_built else "use device='cpu'"
+        raise ValueError(f"device='cuda' but {why}; {fix}")
+    return "cpu", why
+
+
+def _cuda_refusal(e: Exception) -> str | None:
+    """The reason in a CUDA backend's refusal of a model at load (an op or weight format without kernels, not
+    enough device memory), or None for any other error: device='auto' falls back to the CPU for these."""
+    text = str(e)
+    refused = isinstance(e, ValueError) and any(k in text for k in ("device='cuda'", "by the CUDA backend",
+                                                                     "of GPU memory"))
+    no_memory = isinstance(e, RuntimeError) and "lmkit (CUDA): cannot allocate" in text
+    return text if refused or no_memory else None
 
 
 def _load_cublas(_engine) -> None:
@@ -111,16 +132,43 @@ class Engine:
         self.model_path = resolve_model(model)
         self.spec: ModelSpec = load_model_spec(self.model_path)
         self.tokenizer = Tokenizer(self.model_path, chat_template=chat_template)
-        self.device = _resolve_device(self.config.device, _engine)
         sources = {role: entry.as_source() for role, entry in self.spec.sources.items()}
         kv_layer_bits = None
         if self.config.kv_policy is not None:
             kv_layer_bits = load_kv_policy(self.config.kv_policy, self.spec.num_layers, self.spec.num_kv_heads,
                                            self.spec.head_dim)
-        # CPU: the pool is sized in lmkit/memory.py against the host's memory and the other lmkit engines',
-        # and this engine's reservation is recorded until close(); CUDA: the backend sizes it from free GPU memory.
         if self.spec.quant is not None:
             log.info("weights: %s", self.spec.quant.describe())
+        device, why = _resolve_device(self.config, _engine)
+        if why:
+            log.info("device='auto': the CPU backend, since %s", why)
+        try:
+            sizer = self._start(device, _engine, sources, kv_layer_bits)
+        except (ValueError, RuntimeError) as e:
+            why = _cuda_refusal(e) if device == "cuda" and self.config.device == "auto" else None
+            if why is None:
+                raise
+            log.warning("device='auto': the CPU backend, since the CUDA backend refused the model: %s", why)
+            sizer = self._start("cpu", _engine, sources, kv_layer_bits)
+        self.kv_pool: KVPool | None = sizer.kv_pool if sizer else None
+        """How the KV pool was sized, with the numbers of the start-up line (CPU engines; None on CUDA)."""
+        if sizer is None:
+            log_cuda_kv_pool(self._cpp, self.config.cache_max_entry_count)
+
+        self._grammars: GrammarCache | None = None
+        self._pooling: PoolingConfig | None = None
+        self._grammars_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shut_down, self._cpp, sizer.reservation if sizer else None)
+        self.latency = LatencyRecorder()
+        Engine._live.add(self)
+
+    def _start(self, device: str, _engine, sources: dict, kv_layer_bits: list[int] | None):
+        """Makes self._cpp on a resolved device; returns the CPU pool's sizer (None on CUDA)."""
+        self.device = device
+        # CPU: the pool is sized in lmkit/memory.py against the host's memory and the other lmkit engines',
+        # and this engine's reservation is recorded until close(); CUDA: the backend sizes it from free GPU memory.
         if self.device == "cpu":
             n = self.config.resolved_num_threads
             threads = (f"{n} thread{'s' * (n > 1)} (num_threads)" if self.config.num_threads else
@@ -151,19 +199,7 @@ class Engine:
                 sources,
                 self.spec.eos_token_ids, size_pools=size_pools,
             )
-        self.kv_pool: KVPool | None = sizer.kv_pool if sizer else None
-        """How the KV pool was sized, with the numbers of the start-up line (CPU engines; None on CUDA)."""
-        if sizer is None:
-            log_cuda_kv_pool(self._cpp, self.config.cache_max_entry_count)
-
-        self._grammars: GrammarCache | None = None
-        self._pooling: PoolingConfig | None = None
-        self._grammars_lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._closed = False
-        self._finalizer = weakref.finalize(self, _shut_down, self._cpp, sizer.reservation if sizer else None)
-        self.latency = LatencyRecorder()
-        Engine._live.add(self)
+        return sizer
 
     @classmethod
     def live_engines(cls) -> list["Engine"]:

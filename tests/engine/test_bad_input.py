@@ -209,6 +209,25 @@ def test_cuda_device_without_a_gpu_is_a_clear_error(tiny_llama):
         pipeline(tiny_llama[0], EngineConfig(device="cuda"))
 
 
+def test_auto_device_without_a_gpu_runs_on_the_cpu_and_says_why(tiny_llama, caplog):
+    """device='auto' (the default) where the CUDA backend is not built or no GPU is usable: the CPU engine, one
+    log line naming why (tests/engine/test_cuda.py checks auto on a GPU and its fallback for refused models)."""
+    import logging
+
+    from tests.helpers import cuda_usable
+
+    if cuda_usable():
+        pytest.skip("a GPU is usable here")
+    with caplog.at_level(logging.INFO, logger="lmkit"):
+        with pipeline(tiny_llama[0], EngineConfig(cache_max_entry_count=32)) as pipe:
+            assert pipe.engine.device == "cpu"
+            assert len(pipe([1, 2, 3], GenerationConfig(max_new_tokens=3, ignore_eos=True)).token_ids) == 3
+    said = [r.getMessage() for r in caplog.records if "device='auto'" in r.getMessage()]
+    assert said in (["device='auto': the CPU backend, since no CUDA GPU is usable here (no driver or no device)"],
+                    ["device='auto': the CPU backend, since lmkit._engine was built without the CUDA backend (no "
+                     "CUDA toolkit at install time, or LMKIT_CUDA=OFF)"]), said
+
+
 def test_deprecated_int8_activations_name_still_works():
     """awq_int8_activations (the old name: it governs every int4 and int8 layer) sets int8_activations, warning."""
     with pytest.warns(DeprecationWarning, match="use int8_activations"):

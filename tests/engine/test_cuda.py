@@ -199,3 +199,48 @@ def test_architectures_without_cuda_kernels_are_refused_at_load(case, missing, t
     want = rf"device='cuda' does not support {arch} yet: .*{re.escape(missing)}.* no CUDA kernel; use device='cpu'"
     with pytest.raises(ValueError, match=want):
         pipeline(tmp_path / case, GPU)
+
+
+def test_auto_device_picks_cuda_and_matches_hf(tmp_path, caplog):
+    """device='auto' (the default) runs on the GPU where one is usable, with the same logits as device='cuda'."""
+    ref = make_tiny_model(tmp_path / "m")
+    auto = dataclasses.replace(GPU, device="auto")
+    with pipeline(tmp_path / "m", auto) as pipe:
+        assert pipe.engine.device == "cuda"
+    assert not [r for r in caplog.records if "device='auto'" in r.getMessage()]
+    check_against(ref, engine_logits(tmp_path / "m", PROMPTS, auto), 5e-3)
+
+
+@pytest.mark.parametrize("case, why", [
+    ("smollm3", "layers without RoPE"),
+    ("gemma2", "attention logit soft-capping"),
+])
+def test_auto_device_falls_back_to_the_cpu_for_a_refused_model(case, why, tmp_path, caplog):
+    """A model the CUDA backend refuses at load runs on the CPU under device='auto', with one warning naming why;
+    the CPU engine it falls back to is whole (same greedy tokens as device='cpu', no blocks left behind)."""
+    import logging
+
+    from tests.factories import build_case
+
+    build_case(case, tmp_path / case)
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="lmkit"):
+        with pipeline(tmp_path / case, dataclasses.replace(CPU_EXACT, device="auto")) as pipe:
+            assert pipe.engine.device == "cpu"
+            got = [r.token_ids for r in pipe(PROMPTS, gen)]
+            assert_blocks_free(pipe.engine)
+    said = [r.getMessage() for r in caplog.records if "device='auto'" in r.getMessage()]
+    assert len(said) == 1 and "the CUDA backend refused the model" in said[0] and why in said[0], said
+    with pipeline(tmp_path / case, CPU_EXACT) as pipe:
+        assert got == [r.token_ids for r in pipe(PROMPTS, gen)]
+
+
+def test_auto_device_keeps_cpu_settings_on_the_cpu(tmp_path, caplog):
+    """dtype='float32' is the CPU backend's: device='auto' stays on the CPU and says so."""
+    import logging
+
+    make_tiny_model(tmp_path / "m")
+    with caplog.at_level(logging.INFO, logger="lmkit"):
+        with pipeline(tmp_path / "m", dataclasses.replace(CPU_EXACT, device="auto", dtype="float32")) as pipe:
+            assert pipe.engine.device == "cpu"
+    assert any("device='auto': the CPU backend, since dtype='float32'" in r.getMessage() for r in caplog.records)
