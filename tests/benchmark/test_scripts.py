@@ -296,6 +296,20 @@ def test_hf_generate_peer_smoke(tmp_path):
     assert fields["engine"] == "hf-transformers" and float(fields["output_tok_s"]) > 0
 
 
+@pytest.mark.slow
+def test_compiled_hf_peer_smoke(tmp_path):
+    """bench_peer_gpu.py --smoke (the GPU suite's compiled-HF peer, here eager on the CPU) on the tiny dummy model:
+    both sides decode the same prompt to the same greedy tokens."""
+    folder = tmp_path / "dummy"
+    assert _run_script("make_dummy_model.py", str(folder), "--shape", "tiny").returncode == 0
+    run = _run_script("bench_peer_gpu.py", "--model", str(folder), "--smoke", "--csv", str(tmp_path / "peer.csv"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "agree on the first 4 of 4 greedy tokens" in run.stdout, run.stdout
+    rows = list(csv.DictReader((tmp_path / "peer.csv").open()))
+    assert [r["side"] for r in rows] == ["lmkit fp16", "HF eager (static cache)"]
+    assert all(float(r["decode_tok_s"]) > 0 for r in rows) and float(rows[1]["vs_hf"]) == 1.0
+
+
 @pytest.mark.parametrize("script", ["gpu_suite.sh", "gpu_carry.sh"])
 def test_gpu_suite_script_parses(script):
     """benchmark/gpu_suite.sh runs only on GPU machines (gpu_carry.sh packs for them, downloading): here they must
