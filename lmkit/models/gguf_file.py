@@ -423,8 +423,10 @@ def _gemma4_config(reader, path: Path) -> dict:
     (sliding_window_pattern), KV heads as a scalar or a per-layer array, the global layers' proportional RoPE as a
     rope_freqs tensor (1 on the rotated angles, 1e30 on the others), attention_k_eq_v as full layers without
     attn_v, the MoE block as the expert counts. Read back into the HF config's fields (per_layer_config for the
-    global layers' shape). The E-models' files (per-layer embeddings, KV sharing) are refused by name: lmkit runs
-    those from their HF folder."""
+    global layers' shape). The E-models' (E2B, E4B): embedding_length_per_layer_input (0 on the others) with the
+    per-layer tensors as HF's under gguf's names (per_layer_token_embd [vocab rows, layers * P], not cut to the
+    vocabulary as token_embd is), attention.shared_kv_layers (0 on the others; the sharing layers have no attn_k /
+    attn_v), and use_double_wide_mlp as feed_forward_length per layer (the sharing layers' twice the others')."""
     import numpy as np
 
     arch = "gemma4"
@@ -438,13 +440,19 @@ def _gemma4_config(reader, path: Path) -> dict:
     if not isinstance(pattern, list) or len(pattern) != n:
         raise GgufError(f"{path}: {arch}.attention.sliding_window_pattern must hold one bool per layer ({n})")
     types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    e_model_keys = ("embedding_length_per_layer_input", "attention.shared_kv_layers")
-    if any(_field(reader, f"{arch}.{key}") for key in e_model_keys):
-        raise GgufError(f"{path}: a Gemma 4 E-model file (per-layer embeddings, KV-sharing layers) is not read from "
-                        "GGUF yet; lmkit runs the E-models from their HF folder")
-    ff = need("feed_forward_length")
-    if isinstance(ff, list):
-        raise GgufError(f"{path}: {arch}.feed_forward_length per layer (use_double_wide_mlp) is not supported")
+    shared = int(_field(reader, f"{arch}.attention.shared_kv_layers") or 0)
+    ff, double_wide = need("feed_forward_length"), False
+    if isinstance(ff, list):  # use_double_wide_mlp: the last `shared` layers' MLP twice as wide
+        ff, first = [int(x) for x in ff], int(ff[0]) if ff else 0
+        if len(ff) != n or ff not in ([first] * n, [first] * (n - shared) + [2 * first] * shared):
+            raise GgufError(f"{path}: {arch}.feed_forward_length per layer must be one width, or with "
+                            f"use_double_wide_mlp twice it on the last {shared} (KV-sharing) layers; got {ff}")
+        double_wide, ff = ff != [first] * n, first
+    per_layer = int(_field(reader, f"{arch}.embedding_length_per_layer_input") or 0)
+    ple_table = next((t for t in reader.tensors if t.name == "per_layer_token_embd.weight"), None)
+    if per_layer and ple_table is None:
+        raise GgufError(f"{path}: {arch}.embedding_length_per_layer_input={per_layer} but the file has no "
+                        "per_layer_token_embd.weight")
     head_dim, global_dim = int(need("attention.key_length_swa")), int(need("attention.key_length"))
     kv = need("attention.head_count_kv")
     kv_of = [int(kv[i]) for i in range(n)] if isinstance(kv, list) else [int(kv)] * n
@@ -452,10 +460,11 @@ def _gemma4_config(reader, path: Path) -> dict:
     if len(sliding_kv) != 1:
         raise GgufError(f"{path}: {arch}.attention.head_count_kv differs between sliding layers: {sorted(sliding_kv)}")
     full = [i for i, t in enumerate(types) if t == "full_attention"]
-    without_v = [i for i in full if f"blk.{i}.attn_v.weight" not in names]
-    if without_v and without_v != full:
-        raise GgufError(f"{path}: layers {without_v} have no attn_v but global layers {sorted(set(full) - set(without_v))} "
-                        "do: attention_k_eq_v is all global layers or none")
+    own_kv = [i for i in full if i < n - shared]  # the KV-sharing layers have neither attn_k nor attn_v
+    without_v = [i for i in own_kv if f"blk.{i}.attn_v.weight" not in names]
+    if without_v and without_v != own_kv:
+        raise GgufError(f"{path}: layers {without_v} have no attn_v but global layers "
+                        f"{sorted(set(own_kv) - set(without_v))} do: attention_k_eq_v is all global layers or none")
     rotated = 1.0
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None and global_dim:
@@ -476,7 +485,9 @@ def _gemma4_config(reader, path: Path) -> dict:
                sliding_window=int(need("attention.sliding_window")), layer_types=types,
                per_layer_config={str(i): {"head_dim": global_dim, "num_key_value_heads": kv_of[i]} for i in full},
                attention_k_eq_v=bool(without_v),
-               hidden_size_per_layer_input=0,
+               hidden_size_per_layer_input=per_layer,
+               vocab_size_per_layer_input=int(ple_table.shape[-1]) if per_layer else None,
+               num_kv_shared_layers=shared, use_double_wide_mlp=double_wide,
                final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping"),
                tie_word_embeddings="output.weight" not in names,
                rope_parameters={"sliding_attention": sliding_rope,

@@ -995,16 +995,21 @@ def gemma4_tokenizer(writer, vocab_size: int) -> None:
     writer.add_chat_template((TEMPLATES / "gemma4.jinja").read_text())
 
 
-def write_gemma4_gguf(model, out: Path, qtype: str, e_model_keys: tuple = (), gemma4_vocab: bool = False) -> None:
+def write_gemma4_gguf(model, out: Path, qtype: str, overrides: tuple = (), gemma4_vocab: bool = False,
+                      quantize_embeddings: bool = False) -> None:
     """``model`` (HF Gemma4ForCausalLM, fp32) as llama.cpp writes a "gemma4" file: the sliding layers' head size as
     key_length_swa and the global ones' as key_length, the layer kinds as a bool per layer, KV heads per layer when
     the global layers have their own count, the global layers' proportional RoPE as a rope_freqs tensor (1 on the
     rotated angles, 1e30 past them), no attn_v on attention_k_eq_v layers, norms and the embedding as they are,
     layer_scalar as layer_output_scale.weight, the router's scales as ffn_gate_inp.scale and ffn_down_exps.scale,
-    the experts stacked as ffn_gate_up_exps / ffn_down_exps; SmolLM2's tokenizer cut to the vocabulary. Matrices in
-    ``qtype`` (rewritten in the model to what gguf's dequantizer reads back, so that the model is the file's
-    reference), the rest F32. ``e_model_keys``: (key, value) written after the others (an E-model's);
-    ``gemma4_vocab``: a vocabulary of llama.cpp's "gemma4" tokenizer type (gemma4_tokenizer) instead of SmolLM2's."""
+    the experts stacked as ffn_gate_up_exps / ffn_down_exps; SmolLM2's tokenizer cut to the vocabulary. An E-model's
+    per-layer embedding width and KV-sharing layer count as embedding_length_per_layer_input and
+    attention.shared_kv_layers (0 on the others), use_double_wide_mlp as feed_forward_length per layer, its per-layer
+    tensors under gguf's names as they are (the sharing layers have no k/v in HF, so none in the file). Matrices in
+    ``qtype`` (F16, or blocks rewritten in the model to what gguf's dequantizer reads back, so that the model is the
+    file's reference; the embedding tables too with ``quantize_embeddings``), the rest F32. ``overrides``: (key,
+    value) written instead of the converter's (an int or a list); ``gemma4_vocab``: a vocabulary of llama.cpp's
+    "gemma4" tokenizer type (gemma4_tokenizer) instead of SmolLM2's."""
     cfg = model.config
     arch, n = "gemma4", cfg.num_hidden_layers
     types = cfg.layer_types
@@ -1012,17 +1017,25 @@ def write_gemma4_gguf(model, out: Path, qtype: str, e_model_keys: tuple = (), ge
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     global_dim, head_dim = cfg.per_layer_config[full[0]].head_dim, cfg.per_layer_config[sliding[0]].head_dim
     kv = [cfg.per_layer_config[i].num_key_value_heads for i in range(n)]
+    shared = cfg.num_kv_shared_layers or 0
+    ff = cfg.intermediate_size
+    if cfg.use_double_wide_mlp:  # the converter's feed_forward_length per layer
+        ff = [ff] * (n - shared) + [2 * ff] * shared
     writer = gguf.GGUFWriter(str(out), arch)
     for key, value in {**dict((
                        ("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
-                       ("block_count", n), ("feed_forward_length", cfg.intermediate_size),
+                       ("block_count", n), ("feed_forward_length", ff),
                        ("attention.head_count", cfg.num_attention_heads), ("attention.key_length", global_dim),
                        ("attention.value_length", global_dim), ("attention.key_length_swa", head_dim),
                        ("attention.value_length_swa", head_dim), ("rope.dimension_count", global_dim),
                        ("rope.dimension_count_swa", head_dim), ("attention.sliding_window", cfg.sliding_window),
-                       ("attention.shared_kv_layers", 0), ("embedding_length_per_layer_input", 0))),
-                       **dict(e_model_keys)}.items():
-        writer.add_uint32(f"{arch}.{key}", int(value))
+                       ("attention.shared_kv_layers", shared),
+                       ("embedding_length_per_layer_input", cfg.hidden_size_per_layer_input or 0))),
+                       **dict(overrides)}.items():
+        if isinstance(value, list):
+            writer.add_array(f"{arch}.{key}", [int(v) for v in value])
+        else:
+            writer.add_uint32(f"{arch}.{key}", int(value))
     if len(set(kv)) > 1:
         writer.add_array(f"{arch}.attention.head_count_kv", kv)
     else:
@@ -1061,11 +1074,17 @@ def write_gemma4_gguf(model, out: Path, qtype: str, e_model_keys: tuple = (), ge
                 assert gname is not None, name
                 if not gname.endswith(".weight"):
                     gname += ".weight"  # layer_scalar, the stacked experts
-            if qtype != "F32" and data.ndim >= 2 and data.shape[-1] % 32 == 0 and "embed" not in name \
-                    and "ffn_gate_inp" not in gname:  # (the MoE case's experts are 24 wide: F32)
-                stored = gguf.quants.quantize(data, qt)
-                writer.add_tensor(gname, stored, raw_dtype=qt)
-                param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, qt).reshape(data.shape).copy()))
+            if qtype != "F32" and data.ndim >= 2 and data.shape[-1] % 32 == 0 and "ffn_gate_inp" not in gname \
+                    and (quantize_embeddings or "embed" not in name):  # (the MoE case's experts are 24 wide: F32)
+                if qtype == "F16":
+                    stored = data.astype(np.float16)
+                    writer.add_tensor(gname, stored)
+                    back = stored.astype(np.float32)
+                else:
+                    stored = gguf.quants.quantize(data, qt)
+                    writer.add_tensor(gname, stored, raw_dtype=qt)
+                    back = gguf.quants.dequantize(stored, qt).reshape(data.shape)
+                param.copy_(torch.from_numpy(np.ascontiguousarray(back)))
             else:
                 writer.add_tensor(gname, data)
     writer.write_header_to_file()
@@ -1123,13 +1142,43 @@ def test_gemma4_gguf_with_its_own_tokenizer(tmp_path):
     assert engine_vs(path, model, prompts_for(9, 320), EXACT) <= 1e-4
 
 
-@pytest.mark.parametrize("key", ["attention.shared_kv_layers", "embedding_length_per_layer_input"])
-def test_gemma4_e_model_gguf_is_refused_by_name(key, tmp_path):
-    """llama.cpp's files of the E-models (per-layer embeddings, KV-sharing layers) are refused at load naming what
-    lmkit does not read from GGUF (it runs those models from their HF folder), never run without those parts."""
+@pytest.mark.parametrize("qtype, embeddings", [("F32", False), ("F16", True), ("Q8_0", False), ("Q8_0", True)])
+def test_gemma4_e_model_gguf_as_llama_cpp_writes_it(qtype, embeddings, tmp_path):
+    """A "gemma4" file of the tiny E-model (per-layer embeddings, the last 2 of 6 layers reading earlier layers' KV
+    cache with no k/v of their own, use_double_wide_mlp): the view's config reads llama.cpp's keys back into the HF
+    fields, the engine finds the per-layer tensors under gguf's names, and its logits are the HF folder's (with the
+    file's rounding: F16, Q8_0 matrices, the embedding tables too where ``embeddings``) within 1e-4."""
+    from tests.factories import build_case
+
+    model = build_case("gemma4_e", tmp_path / "hf")
+    path = tmp_path / f"gemma4_e-{qtype}.gguf"
+    write_gemma4_gguf(model, path, qtype, quantize_embeddings=embeddings)
+    spec = load_model_spec(resolve_model(path))
+    ref = load_model_spec(tmp_path / "hf")
+    for name in ("per_layer_input_size", "layer_kv_source", "layer_intermediate_size", "intermediate_size",
+                 "layer_head_dim", "layer_num_kv_heads", "layer_rope", "layer_sliding_window", "final_logit_softcap",
+                 "vocab_size"):
+        assert getattr(spec, name) == getattr(ref, name), name
+    assert spec.per_layer_input_size == 32 and spec.layer_kv_source == [0, 1, 2, 3, 2, 3]
+    assert spec.layer_intermediate_size == [96] * 4 + [192] * 2
+    assert set(spec.sources) == set(ref.sources) - {"lm_head"}
+    table = spec.sources["embed_tokens_per_layer"]
+    assert table.shape == (320, 6 * 32) and table.dtype == (qtype if embeddings else "F32")
+    assert engine_vs(path, model, prompts_for(9, 320), EXACT) <= 1e-4
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ((("feed_forward_length", [96, 96, 96, 96, 192, 96]),), "feed_forward_length per layer"),
+    ((("feed_forward_length", [96, 96, 96, 96, 96]),), "feed_forward_length per layer"),
+    ((("attention.shared_kv_layers", 6), ("feed_forward_length", 96)), "num_kv_shared_layers"),
+])
+def test_gemma4_e_model_gguf_inconsistent_keys_are_refused(overrides, match, tmp_path):
+    """An E-model file whose keys disagree with each other fails at load naming the key, never runs with a guessed
+    layout: feed_forward_length per layer other than one width or twice it on the KV-sharing layers, or not one
+    per layer; every layer sharing a KV cache."""
     from tests.factories import build_case
 
     path = tmp_path / "e.gguf"
-    write_gemma4_gguf(build_case("gemma4", tmp_path / "hf"), path, "F32", e_model_keys=((key, 2),))
-    with pytest.raises(GgufError, match="Gemma 4 E-model file"):
+    write_gemma4_gguf(build_case("gemma4_e", tmp_path / "hf"), path, "F32", overrides=overrides)
+    with pytest.raises(ValueError, match=match):
         load_model_spec(resolve_model(path))
