@@ -17,7 +17,7 @@ from torch import nn
 
 from lmkit.lite.apply import can_absorb, fold_scales, input_features
 from lmkit.lite.layerwise import LayerwiseModel
-from lmkit.lite.moe import expert_of
+from lmkit.lite.moe import PER_LAYER_INPUT_BLOCK, expert_of
 from lmkit.lite.observer import GroupInputObserver, InputStats
 from lmkit.models import AwqMap
 
@@ -31,10 +31,12 @@ def dense_linears(awq_map: AwqMap, unused: tuple[str, ...] = ()) -> list[str]:
     dense = ["lm_head"]
     dense += ["re:" + re.escape(prefix) + ".*" for prefix in unused]
     if awq_map.moe is not None:
-        dense.append(f"re:.*{awq_map.moe.block}\\.{awq_map.moe.router}$")
+        dense.append("re:.*" + re.escape(awq_map.moe.path(awq_map.moe.router)) + "$")
         if awq_map.moe.shared_expert_gate is not None:
             dense.append(f"re:.*{awq_map.moe.block}\\.{awq_map.moe.shared_expert_gate}$")
     for name in sorted({n for group in awq_map.groups for n in group.dense}):  # Qwen3.5's gate inputs b and a
+        dense.append("re:.*" + re.escape(name) + "$")
+    for name in awq_map.fp_linears:  # Gemma 4's per-layer-input linears
         dense.append("re:.*" + re.escape(name) + "$")
     return dense
 
@@ -60,7 +62,10 @@ def block_function(layer: nn.Module, awq_map: AwqMap, name: str, kwargs: dict):
     post = awq_map.post_norms.get(_residual_block_of(awq_map, name))
     norm = layer.get_submodule(post) if post else nn.Identity()
     if name == awq_map.attention:
-        return lambda x: norm(first_output(module(hidden_states=x, **kwargs)))
+        attention_kwargs = {k: v for k, v in kwargs.items() if k != "per_layer_input"}
+        return lambda x: norm(first_output(module(hidden_states=x, **attention_kwargs)))
+    if name == PER_LAYER_INPUT_BLOCK:  # Gemma 4's E-models: the layer's per-layer input, in its kwargs
+        return lambda x: norm(module(x, kwargs["per_layer_input"]))
     return lambda x: norm(first_output(module(x)))
 
 
@@ -75,28 +80,56 @@ def decomposed_layer(layer: nn.Module, awq_map: AwqMap, kwargs: dict, x: torch.T
 
 
 class LayerRunner:
-    """Runs one decoder layer over all calibration windows in chunks, with per-batch-size layer kwargs."""
+    """Runs one decoder layer over all calibration windows in chunks, with per-batch-size layer kwargs; for Gemma 4's
+    E-models also each window's per-layer input (``LayerwiseModel.per_layer_inputs``) and the keys and values a layer
+    stores for later layers to read (kept per window from its last run: with --propagate quantized, the quantized
+    layer's)."""
 
     def __init__(self, model: LayerwiseModel, seqlen: int):
         self.model = model
         self.seqlen = seqlen
         self.chunk = max(1, CHUNK_TOKENS // seqlen)
         self._kwargs: dict[int, list[dict]] = {}
+        self._shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # layer type -> K, V of every window
 
-    def kwargs(self, index: int, batch_size: int) -> dict:
+    def kwargs(self, index: int, batch_size: int, start: int = 0) -> dict:
+        """Layer ``index``'s kwargs for windows [start, start + batch_size)."""
         if batch_size not in self._kwargs:
             self._kwargs[batch_size] = self.model.capture_layer_kwargs(batch_size, self.seqlen)
-        return self._kwargs[batch_size][index]
+        kwargs = dict(self._kwargs[batch_size][index])
+        end = start + batch_size
+        if self.model.per_layer_inputs is not None:
+            kwargs["per_layer_input"] = self.model.per_layer_inputs[start:end, :, index].to(self.model.device)
+        sharing = self.model.kv_sharing(index)
+        if sharing is not None:
+            role, layer_type = sharing
+            shared = {}
+            if role == "reuse":
+                if layer_type not in self._shared_kv:
+                    raise RuntimeError(f"layer {index} reads the {layer_type} KV no earlier layer stored")
+                k, v = self._shared_kv[layer_type]
+                shared[layer_type] = (k[start:end], v[start:end])
+            kwargs["shared_kv_states"] = shared
+        return kwargs
 
     @torch.no_grad()
     def run(self, layer: nn.Module, index: int, x: torch.Tensor, out: torch.Tensor,
             observer: GroupInputObserver | None = None) -> None:
         """out[i] = layer(x[i]) for every window (``out`` may be ``x``: computed chunk by chunk)."""
+        sharing = self.model.kv_sharing(index)
         for start in range(0, x.shape[0], self.chunk):
             end = min(start + self.chunk, x.shape[0])
             if observer is not None:
-                observer.begin_chunk(start)
-            out[start:end] = first_output(layer(x[start:end], **self.kwargs(index, end - start)))
+                observer.begin_chunk(start, x.shape[1])
+            kwargs = self.kwargs(index, end - start, start)
+            out[start:end] = first_output(layer(x[start:end], **kwargs))
+            if sharing is not None and sharing[0] == "store":  # what the layer stored, for the layers that read it
+                k, v = kwargs["shared_kv_states"][sharing[1]]
+                if start == 0:
+                    self._shared_kv[sharing[1]] = (k.new_empty(x.shape[0], *k.shape[1:]),
+                                                   v.new_empty(x.shape[0], *v.shape[1:]))
+                self._shared_kv[sharing[1]][0][start:end] = k
+                self._shared_kv[sharing[1]][1][start:end] = v
 
 
 def check_tolerance(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
@@ -187,13 +220,13 @@ def can_fold_expert(layer: nn.Module, awq_map: AwqMap, group, name: str) -> bool
     if not can_absorb(layer, group):
         return False
     layout = awq_map.moe
-    experts = layer.get_submodule(f"{layout.block}.{layout.experts}")
+    experts = layer.get_submodule(layout.path(layout.experts))
     e = expert_of(layout, group.linears[0])
     gate, up, down = (experts.linear(e, w) for w in range(3))
     x = torch.randn(16, gate.in_features, generator=torch.Generator().manual_seed(0)).to(gate.weight)
 
     def expert() -> torch.Tensor:
-        return down(experts.act_fn(gate(x)) * up(x))
+        return down(experts.glu(gate(x), up(x)))
 
     err, tol = _trial_fold_error(layer, awq_map, group, expert, expert())
     if math.isfinite(err) and err <= 10 * tol:
@@ -218,10 +251,10 @@ def cover_experts(layer: nn.Module, awq_map: AwqMap, stats: list[InputStats], mi
     of rows or none. ``group_size``: of the stats' per-group moments. Returns the report entry (tokens per
     expert, those handled so)."""
     layout = awq_map.moe
-    shared = next(i for i, group in enumerate(awq_map.groups) if group.input_of == layout.block)
+    shared = next(i for i, group in enumerate(awq_map.groups) if group.input_of == layout.shared_input)
     x = stats[shared].sample_input
     x = x.reshape(-1, x.shape[-1])
-    experts = layer.get_submodule(f"{layout.block}.{layout.experts}")
+    experts = layer.get_submodule(layout.path(layout.experts))
     tokens, union = [], []
     for i, group in enumerate(awq_map.groups):
         if not is_expert_group(awq_map, group):
@@ -231,7 +264,7 @@ def cover_experts(layer: nn.Module, awq_map: AwqMap, stats: list[InputStats], mi
         if stats[i].num_tokens >= min_tokens:
             continue
         union.append(e)
-        h = experts.act_fn(experts.linear(e, 0)(x)) * experts.linear(e, 1)(x)
+        h = experts.glu(experts.linear(e, 0)(x), experts.linear(e, 1)(x))
         old = stats[i]
         rebuilt = InputStats(torch.zeros_like(old.abs_sum), None if old.moments is None else torch.zeros_like(old.moments),
                              None if old.hessian is None else torch.zeros_like(old.hessian))

@@ -162,8 +162,9 @@ def load_causal_lm(folder: Path, device: torch.device | str = "cpu", quantize_ac
         quantized_names = {text for n in quantized_names if (text := arch.from_checkpoint(n)) is not None}
     if awq_map is not None and awq_map.moe is not None:  # per-expert linears -> transformers' 3D experts
         state = stack_experts(state, awq_map.moe, awq_map.layers + ".")
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_implementation(config))
+    with no_init_weights():  # fp32 buffers too: ones computed at construction in the saved dtype (fp16) stay rounded
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_implementation(config),
+                                                 dtype=torch.float32)
     model = model.float()
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = bool(getattr(config, "tie_word_embeddings", False))

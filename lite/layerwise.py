@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmkit.lite.moe import checkpoint_name, layer_awq_map, unfuse_experts
+from lmkit.lite.moe import (add_per_layer_input_block, checkpoint_name, layer_awq_map, unfuse_experts,
+                            with_per_layer_input)
 from lmkit.models import AwqMap, get_architecture, get_awq_map
 from lmkit.models.safetensors_index import index_folder
 
@@ -55,9 +56,12 @@ def architecture_of(config: dict, folder: Path) -> str:
     return names[0]
 
 
-def check_not_quantized(config: dict, tensor_names, folder: Path) -> None:
-    """AlreadyQuantizedError when the config or the tensors say the checkpoint is quantized."""
+def check_not_quantized(config: dict, tensor_names, folder: Path, moe=None) -> None:
+    """AlreadyQuantizedError when the config or the tensors say the checkpoint is quantized; gpt-oss's MXFP4 experts
+    as shipped (``moe``: its layout, interleaved) are not: lite dequantizes them to float, calibrates, requantizes."""
     qc = config.get("quantization_config")
+    if qc and moe is not None and moe.interleaved and isinstance(qc, dict) and qc.get("quant_method") == "mxfp4":
+        qc = None
     if qc:
         method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
         raise AlreadyQuantizedError(
@@ -114,27 +118,29 @@ class LayerwiseModel:
         self.architecture = architecture_of(raw, self.folder)
         self.awq_map: AwqMap = get_awq_map(self.architecture)
         self.arch = get_architecture(self.architecture)  # a multimodal checkpoint: the text model, its names mapped
-        fields = self.arch.model_fields(raw)
-        if fields.moe_beside_mlp:
-            raise ValueError(f"lmkit lite does not quantize {self.architecture}'s MoE block (routed experts beside the "
-                             "dense MLP, Gemma 4 26B-A4B) yet; it quantizes the dense Gemma 4 models. The engine runs "
-                             "this one in fp16/bf16/fp32")
-        if fields.per_layer_input_size or fields.layer_kv_source:
-            raise ValueError(f"lmkit lite does not quantize {self.architecture}'s E-model form (per-layer embeddings, "
-                             "layers reading earlier layers' KV: Gemma 4 E2B/E4B) yet: its layer-wise pass carries "
-                             "neither; it quantizes the dense Gemma 4 models. The engine runs this one in "
-                             "fp16/bf16/fp32")
+        self.arch.model_fields(raw)  # config.json as the engine reads it: ValueError naming a field it cannot serve
         self.entries = index_folder(self.folder)
-        check_not_quantized(raw, self.entries, self.folder)
-        self.config = text_model_config(AutoConfig.from_pretrained(self.folder), self.arch)
+        check_not_quantized(raw, self.entries, self.folder, self.awq_map.moe)
+        config = AutoConfig.from_pretrained(self.folder)
+        if hasattr(config, "quantization_config"):  # gpt-oss's MXFP4: read and dequantized here, not by transformers
+            del config.quantization_config
+        self.config = text_model_config(config, self.arch)
         with torch.device("meta"):
-            self.skeleton = AutoModelForCausalLM.from_config(self.config,
+            # fp32: buffers computed at construction (Gemma's embedding scale) are not rounded to the saved dtype
+            self.skeleton = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32,
                                                              attn_implementation=attention_implementation(self.config))
         self.layers: nn.ModuleList = _get(self.skeleton, self.awq_map.layers)
         if self.awq_map.moe is not None:  # experts as one linear per expert, as the checkpoint has them
             for layer in self.layers:
                 unfuse_experts(layer, self.awq_map.moe)
+        for layer in self.layers:
+            add_per_layer_input_block(layer)
+        # Gemma 4 E-models: the per-layer inputs [windows, seq, layers, P] of the last windows ``embed`` embedded
+        self.per_layer_inputs: torch.Tensor | None = None
         self._handles: dict[str, Any] = {}
+        # gpt-oss: one layer's stacked expert tensors as stored; the last expert's float weight (gate and up share it)
+        self._stacked: dict[str, torch.Tensor] = {}
+        self._expert: tuple[str, int, torch.Tensor] | None = None
 
     # -- shapes -------------------------------------------------------------------------------------
     @property
@@ -152,7 +158,17 @@ class LayerwiseModel:
 
     def layer_awq_map(self, index: int) -> AwqMap:
         """The AWQ map of decoder layer ``index`` (a sparse layer's groups name its experts; lite.moe)."""
-        return layer_awq_map(self.awq_map, self.layers[index])
+        return with_per_layer_input(layer_awq_map(self.awq_map, self.layers[index]), self.layers[index])
+
+    def kv_sharing(self, index: int) -> tuple[str, str] | None:
+        """Gemma 4 E-models: ("store" | "reuse", layer type) when decoder layer ``index`` stores its keys and values
+        for later layers or reads an earlier layer's (transformers' kv_sharing_modes); else None."""
+        attention = getattr(self.layers[index], "self_attn", None)
+        if getattr(attention, "is_kv_shared_layer", False):
+            return "reuse", attention.layer_type
+        if getattr(attention, "store_full_length_kv", False):
+            return "store", attention.layer_type
+        return None
 
     def checkpoint_name(self, index: int, name: str) -> str:
         """The checkpoint's name of module path ``name`` of decoder layer ``index`` (Mixtral's block_sparse_moe)."""
@@ -205,6 +221,8 @@ class LayerwiseModel:
         [E, H, I]); ValueError naming ``name`` when neither form is there."""
         layout = self.awq_map.moe
         marker = f".{layout.experts}." if layout is not None else None
+        if layout is not None and layout.interleaved and marker in name:
+            return self._expert_of_interleaved(name)
         if marker is None or marker not in name or not name.endswith(".weight"):
             return self.read_tensor(name)  # raises, naming it
         base, rest = name.rsplit(marker, 1)
@@ -219,6 +237,49 @@ class LayerwiseModel:
         inter = tensor.shape[0] // 2
         return tensor[:inter] if which == 0 else tensor[inter:]
 
+    def _expert_of_interleaved(self, name: str) -> torch.Tensor:
+        """gpt-oss: expert e's gate / up / down weight or bias ``...experts.{e}.{linear}.{weight | bias}`` out of the
+        block's gate_up_proj [E, H, 2I] (gate and up columns interleaved) and down_proj [E, I, H], float or MXFP4
+        (``*_blocks`` / ``*_scales``: dequantized by transformers' own converter), and their biases."""
+        layout = self.awq_map.moe
+        base, rest = name.rsplit(f".{layout.experts}.", 1)
+        e, linear, suffix = rest.split(".", 2)
+        which = layout.expert_linears.index(linear) if linear in layout.expert_linears else -1
+        if not e.isdigit() or which < 0 or suffix not in ("weight", "bias"):
+            return self.read_tensor(name)  # raises, naming it
+        stacked = f"{base}.{layout.experts}." + ("down_proj" if which == 2 else "gate_up_proj")
+        if suffix == "bias":
+            tensor = self.read_tensor(stacked + "_bias")[int(e)]
+        else:
+            tensor = self._float_expert(stacked, int(e)).t()  # [in, out] -> [out, in], as nn.Linear holds it
+        return tensor if which == 2 else tensor[which::2]
+
+    def _float_expert(self, stacked: str, e: int) -> torch.Tensor:
+        """Expert ``e``'s float [in, out] of gpt-oss's stacked experts ``stacked`` (float, or MXFP4 dequantized by
+        transformers' own converter, one expert at a time); the layer's stored tensors are read once."""
+        if self._expert is not None and self._expert[:2] == (stacked, e):
+            return self._expert[2]
+        layer = stacked.rsplit(".", 3)[0]
+        if any(not name.startswith(layer + ".") for name in self._stacked):  # a new layer: drop the last one's
+            self._stacked.clear()
+
+        def stored(name: str) -> torch.Tensor:
+            if name not in self._stacked:
+                self._stacked[name] = self.read_tensor(name)
+            return self._stacked[name]
+
+        if stacked in self.entries:
+            tensor = stored(stacked)[e].float()
+        elif stacked + "_blocks" in self.entries:
+            from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+            blocks, scales = stored(stacked + "_blocks")[e:e + 1], stored(stacked + "_scales")[e:e + 1]
+            tensor = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)[0]
+        else:
+            return self.read_tensor(stacked)  # raises, naming it
+        self._expert = (stacked, e, tensor)
+        return tensor
+
     def load_layer(self, index: int) -> nn.Module:
         """Decoder layer ``index`` in fp32 on the device (a fresh module each call)."""
         return self._materialise(self.layers[index], self.layer_prefix(index))
@@ -228,7 +289,33 @@ class LayerwiseModel:
         """Token embeddings (fp32) [batch, seq, hidden] of ``input_ids`` [batch, seq], as the model's own
         embedding module computes them (Gemma: scaled by sqrt(hidden_size))."""
         module = self._materialise(_get(self.skeleton, self.awq_map.embed_tokens), self.awq_map.embed_tokens + ".")
-        return module(input_ids.to(self.device))
+        embeds = module(input_ids.to(self.device))
+        self.per_layer_inputs = self._per_layer_inputs(input_ids.to(self.device), embeds)
+        return embeds
+
+    @torch.no_grad()
+    def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor | None:
+        """Gemma 4 E-models: each layer's per-layer input [batch, seq, layers, P] as the text model computes it
+        (its get_per_layer_inputs and project_per_layer_inputs), the table's rows read one by one (E2B's table is
+        262144 x 8960); None for any other model."""
+        base_name = self.awq_map.layers.rsplit(".", 1)[0]
+        base = _get(self.skeleton, base_name)
+        per_layer = int(getattr(base, "hidden_size_per_layer_input", 0) or 0)
+        if not per_layer:
+            return None
+        from safetensors import safe_open
+
+        table = self.arch.to_checkpoint(f"{base_name}.embed_tokens_per_layer.weight")
+        ids, inverse = input_ids.unique(return_inverse=True)
+        with safe_open(self.entries[table].path, framework="pt") as f:
+            rows = f.get_slice(table)
+            values = torch.cat([rows[i:i + 1] for i in ids.tolist()]).to(self.device, torch.float32)
+        shape = (*input_ids.shape, self.num_layers, per_layer)
+        tokens = (values[inverse] * base.embed_tokens_per_layer.scalar_embed_scale).reshape(shape)
+        projection = self._materialise(base.per_layer_model_projection, f"{base_name}.per_layer_model_projection.")
+        norm = self._materialise(base.per_layer_projection_norm, f"{base_name}.per_layer_projection_norm.")
+        projected = norm((projection(embeds) * base.per_layer_model_projection_scale).reshape(shape))
+        return (projected + tokens) * base.per_layer_input_scale
 
     # -- layer arguments ----------------------------------------------------------------------------
     def capture_layer_kwargs(self, batch_size: int, seqlen: int) -> list[LayerKwargs]:
@@ -237,7 +324,8 @@ class LayerwiseModel:
         base = _get(self.skeleton, self.awq_map.layers.rsplit(".", 1)[0])
         embed_name = self.awq_map.embed_tokens.rsplit(".", 1)[1]
         real_embed = nn.Embedding(1, self.config.hidden_size, device=self.device)  # ids below are all 0
-        saved = {"embed": getattr(base, embed_name), "layers": list(self.layers)}
+        saved = {"embed": getattr(base, embed_name), "layers": list(self.layers),
+                 "per_layer": getattr(base, "hidden_size_per_layer_input", None)}
         recorded: list[LayerKwargs] = []
         rotary_name = "rotary_emb" if hasattr(base, "rotary_emb") else None
         saved_rotary = getattr(base, rotary_name) if rotary_name else None
@@ -253,13 +341,17 @@ class LayerwiseModel:
             def forward(self, hidden_states, *args, **kwargs):
                 if any(a is not None for a in args):  # Gemma 4 passes its per-layer input (None here) by position
                     raise RuntimeError("decoder layers are expected to get their arguments by keyword")
-                recorded.append({k: v for k, v in kwargs.items() if k not in ("past_key_values", "use_cache")})
+                # Gemma 4's shared KV: None (read only by the layers that share KV; LayerRunner gives them their own)
+                recorded.append({k: (None if k == "shared_kv_states" else v) for k, v in kwargs.items()
+                                 if k not in ("past_key_values", "use_cache")})
                 if self.last:
                     raise _Stop
                 return hidden_states
 
         try:
             setattr(base, embed_name, real_embed)
+            if saved["per_layer"]:  # Gemma 4 E-models: LayerRunner gives each window its per-layer input
+                base.hidden_size_per_layer_input = 0
             if rotary_name:
                 with torch.device(self.device):  # rotary tables are computed at construction
                     setattr(base, rotary_name, type(saved_rotary)(config=self.config))
@@ -273,6 +365,8 @@ class LayerwiseModel:
                 pass
         finally:
             setattr(base, embed_name, saved["embed"])
+            if saved["per_layer"]:
+                base.hidden_size_per_layer_input = saved["per_layer"]
             for i, layer in enumerate(saved["layers"]):
                 self.layers[i] = layer
             if rotary_name:

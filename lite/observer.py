@@ -92,6 +92,7 @@ class GroupInputObserver:
         self.group_size = group_size
         self.with_moments = with_moments
         self.first_sequence = 0
+        self.seqlen = 0  # tokens per sequence (begin_chunk): a block's flattened input [rows, in] is kept by sequence
         self.stats: list[InputStats] = []
         self._handles = []
         for group in awq_map.groups:
@@ -104,14 +105,17 @@ class GroupInputObserver:
             hessian = torch.zeros(in_features, in_features, device=weight.device) if with_hessian else None
             stats = InputStats(torch.zeros(in_features, device=weight.device), moments, hessian)
             self.stats.append(stats)
-            self._handles.append(source.register_forward_hook(self._hook(stats)))
+            self._handles.append(source.register_forward_hook(self._hook(stats, group.input_of is not None)))
 
-    def begin_chunk(self, first_sequence: int) -> None:
+    def begin_chunk(self, first_sequence: int, seqlen: int = 0) -> None:
         self.first_sequence = first_sequence
+        self.seqlen = seqlen
 
-    def _hook(self, stats: InputStats):
+    def _hook(self, stats: InputStats, every_token: bool = False):
         def hook(module, args, output):
             x = args[0].detach()
+            if every_token and x.dim() == 2 and self.seqlen:  # Gemma 4's experts read every token, flattened
+                x = x.view(-1, self.seqlen, x.shape[-1])
             stats.accumulate(x.reshape(-1, x.shape[-1]).float(), self.group_size)
             keep = self.num_samples - self.first_sequence
             if keep > 0 and x.dim() == 2:  # an expert's linear: the rows routed to it, all of this chunk's

@@ -387,7 +387,8 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
       const int64_t E = config.num_experts, MI = config.moe_intermediate_size;
       l.router = get_linear(p + "router", E, H);
       l.router_bias = get(p + "router_bias", {E}, config.moe_biases);
-      if (config.experts_interleaved) {
+      // gpt-oss as lite awq writes it: one int4 linear per expert, gate and up apart (read below, biases too)
+      if (config.experts_interleaved && !has(p + "experts.0.gate_proj")) {
         load_interleaved_experts(p, l);
         return;
       }
@@ -436,6 +437,11 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
         ex.gate_proj = get_linear(x + "gate_proj", MI, H);
         ex.up_proj = get_linear(x + "up_proj", MI, H);
         ex.down_proj = get_linear(x + "down_proj", H, MI);
+        if (config.moe_biases) {
+          ex.gate_bias = get(x + "gate_bias", {MI});
+          ex.up_bias = get(x + "up_bias", {MI});
+          ex.down_bias = get(x + "down_bias", {H});
+        }
         l.experts.push_back(std::move(ex));
       }
       if (const int64_t SI = config.shared_expert_intermediate_size; SI > 0) {

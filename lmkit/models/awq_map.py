@@ -70,6 +70,28 @@ class MoeLayout:
     # its gate and up join the block's group, its up -> down is one more group; the gate linear stays fp
     shared_expert: str | None = None
     shared_expert_gate: str | None = None
+    # gpt-oss: transformers holds the experts as gate_up_proj [E, H, 2I] (inputs first, gate and up columns
+    # interleaved) and down_proj [E, I, H], each with a bias, and gates them with the clamped SwiGLU; checkpoints
+    # (as lite writes them, and the engine) as one biased linear per expert, gate and up apart
+    interleaved: bool = False
+    # False: up -> down is not smoothed (quantized and clipped only): gpt-oss's clamped SwiGLU clamps up's output,
+    # so a scale folded out of up's rows would not come back through the activation unchanged
+    smooth_down: bool = True
+    # Gemma 4's MoE form: the experts (``block`` "": the decoder layer's own ``experts`` and ``router``) run beside
+    # the dense MLP on the same residual. The router reads the residual through its own norm, the experts through
+    # ``norm``: the dense groups stay, the experts' gate/up group folds into ``norm`` alone (the router does not read
+    # its output), and lite.moe adds the layer's combined feed-forward as one residual block
+    beside_mlp: bool = False
+
+    def path(self, name: str) -> str:
+        """Module path of ``name`` in the sparse block, inside a decoder layer (``block`` "": the layer itself)."""
+        return f"{self.block}.{name}" if self.block else name
+
+    @property
+    def shared_input(self) -> str:
+        """The module whose input is the input of every expert's gate and up: the sparse block, or (beside_mlp) the
+        experts themselves."""
+        return self.path(self.experts) if self.beside_mlp else self.block
 
 
 @dataclass(frozen=True)
@@ -95,6 +117,8 @@ class AwqMap:
     moe: MoeLayout | None = None
     # a buffer of the decoder layer its output is multiplied by (Gemma 4: layer_scalar), or None
     layer_scalar: str | None = None
+    # linears (module names, in a layer or outside) the checkpoint keeps in fp16, in no group
+    fp_linears: tuple[str, ...] = ()
 
     def __hash__(self) -> int:  # post_norms is a dict; the name identifies the table
         return hash(self.architecture)

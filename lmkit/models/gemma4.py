@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from lmkit.models.architecture import GELU_TANH, ROPE_GLOBAL, ROPE_LOCAL, Architecture, HfConfig, KvCalibHooks, \
     ModelFields, activation, gemma_embed_scale, layer_type_rope, layer_types, shape_fields, softcap, windows_of
-from lmkit.models.awq_map import AwqMap, SmoothGroup
+from lmkit.models.awq_map import AwqMap, MoeLayout, SmoothGroup
 from lmkit.models.gemma2 import KEY_MAP as GEMMA2_KEY_MAP
 from lmkit.models.llama import QK_NORM_LAYER, layer_keys
 from lmkit.models.qwen3_5 import multimodal_architecture
@@ -38,6 +38,10 @@ MOE_LAYER = {
     "expert_scale": "router.per_expert_scale",
     "experts.gate_up_proj": "experts.gate_up_proj",  # [E, 2 moe_inter, hidden]: each expert's gate rows, then up rows
     "experts.down_proj": "experts.down_proj",  # [E, hidden, moe_inter]
+    # lmkit lite awq's checkpoints: one int4 linear per expert (lmkit.lite.moe)
+    "experts.{e}.gate_proj": "experts.{e}.gate_proj.weight",
+    "experts.{e}.up_proj": "experts.{e}.up_proj.weight",
+    "experts.{e}.down_proj": "experts.{e}.down_proj.weight",
     "post_mlp_norm_1": "post_feedforward_layernorm_1.weight",
     "pre_moe_norm": "pre_feedforward_layernorm_2.weight",
     "post_moe_norm": "post_feedforward_layernorm_2.weight",
@@ -174,8 +178,10 @@ def _e_model_fields(c: HfConfig, types: list[str], vocab: int, inter: int) -> di
 def gemma4_awq_map(name: str) -> AwqMap:
     """Gemma's layer with plain-w norms and the output times layer_scalar. v_proj's output goes through a
     per-head norm before o_proj: o_proj is quantized and clipped, never smoothed; a global layer with
-    attention_k_eq_v has no v_proj (its group is q, k). The MoE form's experts are not in the table: lite refuses
-    it (lmkit.lite.layerwise)."""
+    attention_k_eq_v has no v_proj (its group is q, k). The MoE form (26B-A4B): the dense MLP's groups as here, every
+    expert's gate and up on pre_feedforward_layernorm_2, each expert's up -> down (lmkit.lite.moe, beside_mlp); the
+    router (proj, scale, per-expert scale) stays fp16, as AutoAWQ and llm-compressor leave routers: it reads the
+    residual through its own weightless norm, so no smoothing scale reaches it."""
     groups = (
         SmoothGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
         SmoothGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj", fold=False),
@@ -184,7 +190,14 @@ def gemma4_awq_map(name: str) -> AwqMap:
     )
     return AwqMap(name, groups, (("input_layernorm", "self_attn"), ("pre_feedforward_layernorm", "mlp")),
                   post_norms={"self_attn": "post_attention_layernorm", "mlp": "post_feedforward_layernorm"},
-                  layer_scalar="layer_scalar")
+                  layer_scalar="layer_scalar",
+                  # E-models: the per-layer-input gate and projection stay fp16 (small: 2 x hidden x 256 a layer of
+                  # E2B's, and read in no group: the gate's input is the un-normed residual, nothing folds into it;
+                  # the projection's input is gated by the activation), as are the per-layer embedding table and
+                  # its model projection outside the layers (a table lookup, and one projection per token)
+                  fp_linears=("per_layer_input_gate", "per_layer_projection", "per_layer_model_projection"),
+                  moe=MoeLayout(block="", checkpoint_block="", router="router.proj",
+                                norm="pre_feedforward_layernorm_2", beside_mlp=True))
 
 
 # KV calibration: transformers' attention functions see K after its norm and RoPE and V after its norm, where the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from lmkit.models.architecture import ROPE_GLOBAL, SILU, Architecture, HfConfig, KvCalibHooks, ModelFields, \
     global_rope, layer_types, shape_fields, windows_of
+from lmkit.models.awq_map import PRE_NORM_GROUPS, PRE_NORM_RESIDUALS, AwqMap, MoeLayout
 from lmkit.models.llama import MODEL_KEYS, PRE_NORM_LAYER, QKV_BIAS_LAYER, layer_keys
 
 NAME = "GptOssForCausalLM"
@@ -33,6 +34,13 @@ MOE_LAYER = {
     "experts.gate_exps_bias": EXPERTS + "gate_proj.bias",
     "experts.up_exps_bias": EXPERTS + "up_proj.bias",
     "experts.down_exps_bias": EXPERTS + "down_proj.bias",
+    # lmkit lite awq's checkpoints: one int4 linear per expert, gate and up apart, each with its bias (lmkit.lite.moe)
+    "experts.{e}.gate_proj": EXPERTS + "{e}.gate_proj.weight",
+    "experts.{e}.up_proj": EXPERTS + "{e}.up_proj.weight",
+    "experts.{e}.down_proj": EXPERTS + "{e}.down_proj.weight",
+    "experts.{e}.gate_bias": EXPERTS + "{e}.gate_proj.bias",
+    "experts.{e}.up_bias": EXPERTS + "{e}.up_proj.bias",
+    "experts.{e}.down_bias": EXPERTS + "{e}.down_proj.bias",
 }
 KEY_MAP = {**MODEL_KEYS, **layer_keys({**ATTENTION_LAYER, **QKV_BIAS_LAYER, "o_bias": "self_attn.o_proj.bias",
                                        "sinks": "self_attn.sinks", **MOE_LAYER})}
@@ -67,4 +75,11 @@ def read_config(c: HfConfig) -> ModelFields:
 # KV calibration through its own eager attention (sdpa has no sinks: the attention passes them as s_aux)
 KV_CALIB = KvCalibHooks(attention_function="transformers.models.gpt_oss.modeling_gpt_oss.eager_attention_forward",
                         attention_mask="eager")
-ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, None, kv_calib=KV_CALIB)
+# AWQ: the pre-norm attention groups (q/k/v/o biases quantize as AutoAWQ's linears keep them: fp16 beside the int4
+# weight; the sinks are per-head logits, not a linear: fp16) and every MLP sparse: each expert's gate and up in one
+# group on post_attention_layernorm, the router (with its bias) taking the scale in fp16, as AutoAWQ and
+# llm-compressor leave routers; each expert's down quantized and clipped but not smoothed (MoeLayout.smooth_down).
+# MXFP4 experts are dequantized to float for calibration and requantized to int4 g{group size}.
+AWQ_MAP = AwqMap(NAME, tuple(g for g in PRE_NORM_GROUPS if g.prev in ("input_layernorm", "self_attn.v_proj")),
+                 PRE_NORM_RESIDUALS, moe=MoeLayout(router="router", interleaved=True, smooth_down=False))
+ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, AWQ_MAP, kv_calib=KV_CALIB)

@@ -56,15 +56,6 @@ def test_a_tensor_of_no_known_part_still_fails_the_load(multimodal, tmp_path):
         pipeline(copy, EngineConfig(device="cpu", cache_max_entry_count=8))
 
 
-def test_lite_awq_refuses_gpt_oss_by_name():
-    """AWQ has no table for gpt-oss (its experts ship in 4 bits) and says so, naming the architecture. (AWQ of the
-    hybrids: tests/lite/test_qwen3_5_awq.py; their KV calibration, and gpt-oss's: tests/lite/test_kvcalib_families.py.)"""
-    from lmkit.models import get_awq_map
-
-    with pytest.raises(ValueError, match="does not quantize GptOssForCausalLM yet"):
-        get_awq_map("GptOssForCausalLM")
-
-
 def test_fused_expert_tensors_load_as_shipped(tmp_path):
     """Qwen ships Qwen3.5-MoE's experts fused, two 3D tensors per layer (mlp.experts.gate_up_proj [E, 2I, H]: each
     expert's gate rows then its up rows; mlp.experts.down_proj [E, H, I]), where transformers 5.24 saves one
