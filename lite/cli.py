@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from lmkit.config import help_text
-from lmkit.lite.config import AwqConfig, EvalConfig, KvCalibConfig, PplConfig, SmoothQuantConfig
+from lmkit.lite.config import AwqConfig, EvalConfig, KlConfig, KvCalibConfig, PplConfig, SmoothQuantConfig
 from lmkit.model_path import MODEL_HELP
 
 # rich_markup_mode=None: click's plain help, whole option names at any width (see lmkit/cli/main.py)
@@ -21,8 +21,8 @@ app = typer.Typer(help="Compression: AWQ int4 weights, SmoothQuant W8A8 int8, a 
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 # --help gives the first sentences of the configs' HELP texts (help_text); the HELP texts are the contract
-_A, _P, _K, _E, _S = ({name: help_text(doc) for name, doc in c.HELP.items()}
-                      for c in (AwqConfig, PplConfig, KvCalibConfig, EvalConfig, SmoothQuantConfig))
+_A, _P, _K, _E, _S, _KL = ({name: help_text(doc) for name, doc in c.HELP.items()}
+                           for c in (AwqConfig, PplConfig, KvCalibConfig, EvalConfig, SmoothQuantConfig, KlConfig))
 _AD = {f.name: f.default for f in fields(AwqConfig)}  # the options' defaults are the config's
 _SD = {f.name: f.default for f in fields(SmoothQuantConfig)}
 
@@ -267,7 +267,7 @@ def ppl(
 def eval_(
     models: Optional[list[str]] = typer.Argument(None, metavar="MODEL...", show_default=False,
                                                  help=MODEL_HELP + " Several: scored side by side."),
-    tasks: str = typer.Option(",".join(EvalConfig.tasks), help=_E["tasks"], show_default=False),
+    tasks: Optional[str] = typer.Option(None, help=_E["tasks"], show_default=False),
     limit: Optional[int] = typer.Option(None, help=_E["limit"]),
     num_fewshot: Optional[int] = typer.Option(None, help=_E["num_fewshot"]),
     include_path: Optional[list[str]] = typer.Option(None, help=_E["include_path"]),
@@ -275,22 +275,47 @@ def eval_(
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
     max_batch_size: int = typer.Option(EvalConfig.max_batch_size, help=_E["max_batch_size"]),
     seed: int = typer.Option(EvalConfig.seed, help=_E["seed"]),
+    kl: bool = typer.Option(False, "--kl", help=_KL["kl"]),
+    kl_dataset: str = typer.Option(KlConfig.dataset, help=_KL["dataset"]),
+    kl_seqlen: int = typer.Option(KlConfig.seqlen, help=_KL["seqlen"]),
+    kl_max_tokens: int = typer.Option(KlConfig.max_tokens, help=_KL["max_tokens"]),
     output: Optional[Path] = typer.Option(None, help="Also write the scores as JSON to this file."),
 ) -> None:
-    """Task accuracy of MODEL(s) through lm-evaluation-harness, scored by lmkit's engine (fp vs AWQ vs RTN)."""
+    """Task accuracy of MODEL(s) through lm-evaluation-harness, scored by lmkit's engine (fp vs AWQ vs RTN), and
+    with --kl the KL divergence of each from the first."""
     import json
 
     from rich.console import Console
+
+    models = models or [None]
+    if kl and len(models) < 2:
+        raise typer.BadParameter("--kl compares models with the first: name at least two MODELs")
+    kl_config = KlConfig(dataset=kl_dataset, seqlen=kl_seqlen, max_tokens=kl_max_tokens, dtype=dtype,
+                         num_threads=num_threads) if kl else None
+    config = None
+    if tasks is not None or not kl:
+        config = EvalConfig(tasks=_task_names(tasks) if tasks is not None else EvalConfig.tasks, limit=limit,
+                            num_fewshot=num_fewshot, include_path=tuple(include_path or ()), dtype=dtype,
+                            num_threads=num_threads, max_batch_size=max_batch_size, seed=seed)
+    out = Console(highlight=False)
+    err = Console(stderr=True, highlight=False)
+    report: dict = {}
+    if config is not None:
+        report.update(_eval_tasks(models, config, out, err))
+    if kl_config is not None:
+        report["kl"] = _eval_kl(models, kl_config, out, err)
+    if output is not None:
+        output.write_text(json.dumps(report, indent=2))
+
+
+def _eval_tasks(models: list, config: EvalConfig, out, err) -> dict:
+    """lm-eval's scores of each model, side by side and paired against the first; the JSON report's part."""
     from rich.table import Table
 
     from lmkit.lite.evaluate import compare_table, evaluate_tasks, paired_table
 
-    config = EvalConfig(tasks=_task_names(tasks), limit=limit, num_fewshot=num_fewshot,
-                        include_path=tuple(include_path or ()), dtype=dtype, num_threads=num_threads,
-                        max_batch_size=max_batch_size, seed=seed)
-    err = Console(stderr=True, highlight=False)
     results = []
-    for model in models or [None]:
+    for model in models:
         with err.status(f"lm-eval {', '.join(config.tasks)} on {model or 'smollm2'}"):
             results.append(evaluate_tasks(model, config))
     table = Table(title=f"lm-eval through lmkit's engine ({config.dtype})", title_justify="left")
@@ -298,7 +323,7 @@ def eval_(
         table.add_column(column)
     for row in compare_table(results):
         table.add_row(*row)
-    Console(highlight=False).print(table)
+    out.print(table)
     paired = paired_table(results) if len(results) > 1 else []
     if paired:
         table = Table(title=f"minus {results[0].model}, per document (paired standard error)", title_justify="left")
@@ -306,10 +331,30 @@ def eval_(
             table.add_column(column)
         for row in paired:
             table.add_row(*row)
-        Console(highlight=False).print(table)
-    if output is not None:
-        output.write_text(json.dumps({"settings": {**config.__dict__}, "results": [r.as_dict() for r in results],
-                                      "paired_vs_first": paired}, indent=2))
+        out.print(table)
+    return {"settings": {**config.__dict__}, "results": [r.as_dict() for r in results], "paired_vs_first": paired}
+
+
+def _eval_kl(models: list, config: KlConfig, out, err) -> list[dict]:
+    """The KL divergence of each later model from the first, as a table; the JSON report's part."""
+    from rich.table import Table
+
+    from lmkit.lite.kl import kl_divergence
+
+    results = []
+    for model in models[1:]:
+        with err.status(f"KL divergence of {model} from {models[0] or 'smollm2'} on {config.dataset}"):
+            results.append(kl_divergence(models[0], model, config))
+    first = results[0]
+    table = Table(title=f"KL divergence from {first.reference} ({first.positions} positions of {config.dataset}, "
+                        f"windows of {config.seqlen}, lmkit's engine in {config.dtype})", title_justify="left")
+    for column in ["model", "mean KL", "median", "p99", "max", "same top token", "ppl", "ppl of the first"]:
+        table.add_column(column)
+    for r in results:
+        table.add_row(r.model, f"{r.mean_kl:.5f} ± {r.mean_kl_stderr:.5f}", f"{r.median_kl:.5f}", f"{r.p99_kl:.4f}",
+                      f"{r.max_kl:.4f}", f"{100 * r.same_top1:.2f}%", f"{r.ppl_model:.4f}", f"{r.ppl_reference:.4f}")
+    out.print(table)
+    return [r.as_dict() for r in results]
 
 
 class StepReporter(ProgressReporter):

@@ -288,6 +288,35 @@ class PplConfig:
 
 
 @dataclass(frozen=True)
+class KlConfig:
+    """How ``kl_divergence`` compares two models' next-token distributions on held-out text (lite/kl.py)."""
+
+    dataset: str = "hamlet"
+    seqlen: int = 512
+    max_tokens: int = 2048
+    dtype: str = "float32"
+    num_threads: int | None = None
+
+    HELP = {
+        "kl": "Also measure each MODEL's KL divergence from the first one's next-token distributions (llama.cpp's "
+              "--kl-divergence: mean, median, p99, max, same top token, perplexities) on --kl-dataset; without "
+              "--tasks, only this.",
+        "dataset": "Held-out text of the KL measure: hamlet, pydoc, wikitext2 (hub), or a .txt/.jsonl/.json file "
+                   "or folder.",
+        "seqlen": "Tokens per window of the KL measure (disjoint windows).",
+        "max_tokens": "The KL measure reads the first N tokens of the text (0 = all).",
+    }
+
+    def __post_init__(self):
+        if self.seqlen < 2:
+            raise ValueError(f"--kl-seqlen must be >= 2, got {self.seqlen}")
+        if self.max_tokens < 0:
+            raise ValueError(f"--kl-max-tokens must be >= 0, got {self.max_tokens}")
+        if self.dtype not in ("float32", "bfloat16", "auto"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
 class KvCalibConfig:
     """How ``calibrate_kv`` chooses the per-layer KV cache precision (kv_policy.json) of a model."""
 
