@@ -42,6 +42,7 @@ from lmkit.lite.gptq import gptq_quantize
 from lmkit.lite.layerwise import LayerwiseModel
 from lmkit.lite.observer import GroupInputObserver
 from lmkit.lite.quantizer import PACK_NUM, SUPPORTED_GROUP_SIZES, QuantizedWeight, quantize
+from lmkit.lite.requirements import require_quantizer
 from lmkit.lite.search import refine_quantization, search_clip, search_scale, shrink_grid
 from lmkit.lite.progress import Reporter, SilentReporter, evaluate_before_after, report_json
 from lmkit.lite.threads import torch_threads
@@ -210,6 +211,7 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
     from lmkit.model_path import resolve_model
 
     reporter = reporter or SilentReporter()
+    require_quantizer("awq", config)
     start = time.perf_counter()
     phase_seconds: dict[str, float] = {}
     source = resolve_model(model)

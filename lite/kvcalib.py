@@ -41,6 +41,7 @@ import torch
 from lmkit.lite.calib import CalibrationDataError, mixed_windows
 from lmkit.lite.config import KvCalibConfig, resolve_device
 from lmkit.lite.corpora import calibration_corpora, drop_shared_text, evaluation_corpus
+from lmkit.lite.requirements import require_quantizer
 
 POLICY_FILE = "kv_policy.json"
 
@@ -246,6 +247,7 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
     from lmkit.models import get_architecture
 
     reporter = reporter or _SilentReporter()
+    require_quantizer("calibrate", config)
     start = time.perf_counter()
     source = resolve_model(model)
     device = resolve_device(config.device)

