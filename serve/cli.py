@@ -206,7 +206,8 @@ def proxy(
     node: Optional[List[str]] = typer.Option(None, help="A node known at start, http(s)://HOST[:PORT] (repeat for "
                                                         "more)."),
     strategy: str = typer.Option("min_expected_latency",
-                                 help="random | min_expected_latency | min_observed_latency"),
+                                 help="random | min_expected_latency | min_observed_latency | prefix (the node "
+                                      "that holds the request's prefix, bounded by load)"),
     admin_key: Optional[str] = typer.Option(None, help="Bearer token that opens /nodes/add, /nodes/remove, "
                                                        "/nodes/status; without it they answer 403."),
     unsafe_open_admin_on_loopback: bool = typer.Option(

@@ -55,7 +55,7 @@ class ProxyConfig:
     """Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface)."""
     port: int = 8000
     strategy: str = "min_expected_latency"
-    """random | min_expected_latency | min_observed_latency"""
+    """random | min_expected_latency | min_observed_latency | prefix (lmkit.serve.proxy.strategies)"""
     nodes: tuple[str, ...] = ()
     """Node URLs known at start, http(s)://HOST[:PORT] (more register with POST /nodes/add)."""
     admin_key: str | None = None
@@ -163,12 +163,15 @@ class Proxy:
             nodes = [n for n in self.registry.candidates(model) if n.url not in tried]
             if not nodes:
                 break
-            node = self.strategy.choose(nodes)
+            node = self.strategy.choose(nodes, payload) if getattr(self.strategy, "uses_request", False) \
+                else self.strategy.choose(nodes)
             tried.add(node.url)
             try:
                 return await self._try_node(node, path, body)
             except NodeFailed as e:
                 errors.append(str(e))
+                if hasattr(self.strategy, "forget"):  # down: whatever it cached may be gone when it returns
+                    self.strategy.forget(node.url)
             except _Refused as e:
                 last_refusal = e
             except _NodeBroken as e:

@@ -6,14 +6,24 @@
 - ``min_observed_latency``: the lowest recent first-byte latency times (in_flight + 1). A node with no
   observation yet gets an optimistic prior (the best latency seen on any node, 0 when none), so a new
   node is tried at once instead of never.
+- ``prefix``: the node most likely to hold the request's prefix in its KV cache (cache-aware routing, as
+  SGLang's router does), bounded by load. The proxy keeps, per node, an approximate view of the prefixes it sent
+  there: the request's leading text (chat messages, prompt or input) cut into chunks of CHUNK_CHARS characters,
+  each chunk's key a hash chained over the chunks before it, in a bounded LRU set per node. A request goes to the
+  node holding the longest run of its leading keys when that run covers at least MIN_MATCH of them and that node
+  is not overloaded (at most MAX_EXTRA_IN_FLIGHT requests in flight more than the least busy node); otherwise, and
+  for requests without text, as ``min_expected_latency`` does. The chosen node's view then holds the request's keys.
 
 Ties are broken at random, so equal nodes share the load.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
-from typing import Callable
+from collections import OrderedDict
+from typing import Any, Callable
 
 from lmkit.serve.proxy.registry import Node
 
@@ -64,7 +74,112 @@ class MinObservedLatency:
         return _pick_min(tied, lambda n: n.num_in_flight, self.rng)  # no observations yet: fewest in flight
 
 
-STRATEGIES = {cls.name: cls for cls in (RandomStrategy, MinExpectedLatency, MinObservedLatency)}
+CHUNK_CHARS = 256
+"""Characters per prefix key: a system prompt of 2,000 tokens (~8,000 characters) is ~30 keys."""
+MIN_MATCH = 0.5
+"""Share of a request's keys a node must hold for the request to follow them (SGLang's cache_threshold)."""
+MAX_EXTRA_IN_FLIGHT = 8
+"""A node holding the prefix takes the request only while it has at most this many requests in flight more than
+the least busy node: one hot prefix cannot pin every request on one node."""
+MAX_KEYS = 512
+"""Keys per request at most (the first 128 K characters decide): the work on the event loop stays under a
+millisecond however large the body."""
+VIEW_KEYS = 1 << 18
+"""Keys remembered per node (LRU): 2^18 chunks of 256 characters, ~64 M characters of distinct prefixes."""
+
+
+def request_text(payload: Any) -> str:
+    """The leading text of an OpenAI request that decides which KV blocks it can reuse: the chat messages (role
+    and content, in order), else the completion prompt, else the input; "" when it has none."""
+    if not isinstance(payload, dict):
+        return ""
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        parts, size = [], 0
+        for m in messages:
+            if size >= MAX_KEYS * CHUNK_CHARS:
+                break
+            if isinstance(m, dict):
+                content = m.get("content")
+                text = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
+                parts.append(f"\x1e{m.get('role')}\x1f{text}")
+                size += len(parts[-1])
+        return "".join(parts)
+    for field in ("prompt", "input"):
+        value = payload.get(field)
+        if isinstance(value, str):
+            return value
+        if value is not None:
+            return json.dumps(value)
+    return ""
+
+
+def prefix_keys(text: str, chunk: int = CHUNK_CHARS) -> list[bytes]:
+    """One key per whole chunk of ``text`` (a trailing partial chunk has none), each a hash of the previous key
+    and the chunk: equal keys at position i mean equal text up to (i + 1) * chunk characters."""
+    keys, previous = [], b""
+    for start in range(0, min(len(text), MAX_KEYS * chunk) - chunk + 1, chunk):
+        previous = hashlib.blake2b(previous + text[start:start + chunk].encode("utf-8", "surrogatepass"),
+                                   digest_size=12).digest()
+        keys.append(previous)
+    return keys
+
+
+class PrefixView:
+    """The prefix keys sent to one node, most recent last, at most ``capacity``."""
+
+    def __init__(self, capacity: int = VIEW_KEYS):
+        self.capacity = capacity
+        self.keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def match(self, keys: list[bytes]) -> int:
+        """How many of ``keys``, from the first, this node was sent."""
+        n = 0
+        for k in keys:
+            if k not in self.keys:
+                break
+            n += 1
+        return n
+
+    def add(self, keys: list[bytes]) -> None:
+        for k in keys:
+            self.keys[k] = None
+            self.keys.move_to_end(k)
+        while len(self.keys) > self.capacity:
+            self.keys.popitem(last=False)
+
+
+class PrefixAffinity:
+    name = "prefix"
+    uses_request = True
+
+    def __init__(self, rng: random.Random | None = None):
+        self.rng = rng or random.Random()
+        self.fallback = MinExpectedLatency(self.rng)
+        self.views: dict[str, PrefixView] = {}
+
+    def choose(self, nodes: list[Node], payload: Any = None) -> Node:
+        keys = prefix_keys(request_text(payload))
+        if not keys:
+            return self.fallback.choose(nodes)
+        matched = [self.views[n.url].match(keys) if n.url in self.views else 0 for n in nodes]
+        best = max(matched)
+        least_busy = min(n.num_in_flight for n in nodes)
+        holders = [n for n, m in zip(nodes, matched)
+                   if m == best and n.num_in_flight <= least_busy + MAX_EXTRA_IN_FLIGHT]
+        if best >= MIN_MATCH * len(keys) and holders:
+            node = self.fallback.choose(holders)
+        else:
+            node = self.fallback.choose(nodes)
+        self.views.setdefault(node.url, PrefixView()).add(keys)
+        return node
+
+    def forget(self, url: str) -> None:
+        """A node that went down lost its cache (a restart): its view goes too."""
+        self.views.pop(url, None)
+
+
+STRATEGIES = {cls.name: cls for cls in (RandomStrategy, MinExpectedLatency, MinObservedLatency, PrefixAffinity)}
 
 
 def make_strategy(name: str, rng: random.Random | None = None):

@@ -61,8 +61,57 @@ def test_min_observed_latency_tries_new_nodes():
     assert fresh == {"p": 50}  # nothing observed anywhere: fewest in flight
 
 
+def chat(system: str, user: str) -> dict:
+    return {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+
+
+def test_prefix_follows_the_prefix_and_spreads_the_rest():
+    from lmkit.serve.proxy.strategies import CHUNK_CHARS
+
+    strategy = make_strategy("prefix", random.Random(0))
+    nodes = [node("a"), node("b"), node("c")]
+    tenants = [f"tenant {t}: " + "you are a careful assistant. " * 60 for t in range(9)]  # ~1,800 characters
+    first = {t: strategy.choose(nodes, chat(p, "hi")).url for t, p in enumerate(tenants)}
+    assert len(set(first.values())) > 1  # nothing cached yet: spread by load (ties at random)
+    for turn in range(3):
+        for t, p in enumerate(tenants):
+            assert strategy.choose(nodes, chat(p, f"question {turn}")).url == first[t]
+    # a short request (no whole chunk) and one without text go by load, as min_expected_latency
+    nodes[0].num_in_flight = nodes[1].num_in_flight = 1
+    assert strategy.choose(nodes, chat("x", "y")) is nodes[2]
+    assert strategy.choose(nodes, {"model": "m"}) is nodes[2]
+    assert len(chat(tenants[0], "q")["messages"][0]["content"]) > 4 * CHUNK_CHARS
+
+
+def test_prefix_is_bounded_by_load():
+    strategy = make_strategy("prefix", random.Random(0))
+    hot, other = node("hot"), node("other")
+    system = "the one system prompt everyone shares. " * 40
+    assert strategy.choose([hot, other], chat(system, "1")) in (hot, other)
+    holder = hot if strategy.views.get("hot") else other
+    spare = other if holder is hot else hot
+    holder.num_in_flight = 8  # 8 more than the other: still the holder
+    assert strategy.choose([hot, other], chat(system, "2")) is holder
+    holder.num_in_flight = 9  # 9 more: the load bound sends it elsewhere, and that node learns the prefix
+    assert strategy.choose([hot, other], chat(system, "3")) is spare
+    assert strategy.views[spare.url].match(list(strategy.views[holder.url].keys)) > 0
+
+
+def test_prefix_keys_chain_the_text():
+    from lmkit.serve.proxy.strategies import CHUNK_CHARS, MAX_KEYS, prefix_keys, request_text
+
+    a, b = "x" * (3 * CHUNK_CHARS + 10), "x" * (2 * CHUNK_CHARS) + "y" + "x" * CHUNK_CHARS
+    ka, kb = prefix_keys(a), prefix_keys(b)
+    assert len(ka) == 3 and ka[:2] == kb[:2] and ka[2] != kb[2]
+    assert len(prefix_keys("z" * (CHUNK_CHARS * (MAX_KEYS + 50)))) == MAX_KEYS
+    assert request_text({"prompt": "abc"}) == "abc" and request_text({"input": ["a", "b"]}) == '["a", "b"]'
+    assert request_text([1, 2]) == "" and request_text({"model": "m"}) == ""
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert "hi" in request_text(parts)
+
+
 def test_unknown_strategy_lists_known():
-    with pytest.raises(ValueError, match="min_expected_latency.*min_observed_latency.*random"):
+    with pytest.raises(ValueError, match="min_expected_latency.*min_observed_latency.*prefix.*random"):
         make_strategy("round_robin")
 
 
@@ -210,3 +259,43 @@ def test_killed_node_is_retried_then_returns(cluster, tiny_llama):
     while url in status(proxy):
         assert time.monotonic() < deadline, "the stopped node did not unregister"
         time.sleep(0.1)
+
+
+def test_prefix_strategy_keeps_each_tenant_on_the_node_that_caches_it(tiny_llama):
+    """Three api_servers with their own engines behind a proxy with --strategy prefix: each tenant (its own long
+    system prompt) lands on one node turn after turn, and that node serves the prompt from its prefix cache."""
+    from contextlib import ExitStack
+
+    from lmkit import AsyncEngine, EngineConfig
+    from lmkit.serve import ProxyConfig, ServerConfig, create_app, create_proxy_app
+    from tests.serve.harness import TINY_ENGINE
+
+    with ExitStack() as stack:
+        engines = [AsyncEngine(tiny_llama[0], EngineConfig(**TINY_ENGINE, enable_prefix_caching=True))
+                   for _ in range(3)]
+        for e in engines:
+            stack.callback(e.close)
+        servers = [ServerThread(create_app(e, ServerConfig(model_name="tiny"))) for e in engines]
+        for s in servers:
+            stack.callback(s.stop)
+        proxy = ServerThread(create_proxy_app(ProxyConfig(nodes=tuple(s.url for s in servers), admin_key=ADMIN,
+                                                          strategy="prefix", health_interval_s=0.5)))
+        stack.callback(proxy.stop)
+        engine_of = {s.url: e for s, e in zip(servers, engines)}
+        client = proxy_client(proxy)
+        used = set()
+        for tenant in range(4):
+            system = f"Tenant {tenant}. " + "Answer briefly and cite the manual. " * 9  # ~330 characters
+            nodes = []
+            for turn in range(3):
+                before = {u: n["num_requests"] for u, n in status(proxy).items()}
+                hits = {u: e.metrics().num_prefix_hit_tokens for u, e in engine_of.items()}
+                client.chat.completions.create(model="tiny", max_tokens=2, temperature=0, messages=[
+                    {"role": "system", "content": system}, {"role": "user", "content": f"question {turn}"}])
+                (url,) = [u for u, n in status(proxy).items() if n["num_requests"] > before[u]]
+                nodes.append(url)
+                if turn:  # the system prompt's blocks were cached by the turn before, on this node
+                    assert engine_of[url].metrics().num_prefix_hit_tokens - hits[url] >= 16 * 10
+            assert len(set(nodes)) == 1, nodes
+            used.add(nodes[0])
+        assert len(used) >= 2  # tenants without a cached prefix went by load
