@@ -310,6 +310,19 @@ def test_compiled_hf_peer_smoke(tmp_path):
     assert all(float(r["decode_tok_s"]) > 0 for r in rows) and float(rows[1]["vs_hf"]) == 1.0
 
 
+@pytest.mark.slow
+def test_prefix_routing_benchmark_smoke(smollm2_path, tmp_path):
+    """bench_prefix_routing.py --smoke: two api_servers behind three proxies, both loads, the ratios printed."""
+    run = _run_script("bench_prefix_routing.py", "--smoke", "--model", str(smollm2_path), "--csv",
+                      str(tmp_path / "r.csv"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "median over 1 rounds: TTFT" in run.stdout, run.stdout
+    rows = list(csv.DictReader((tmp_path / "r.csv").open()))
+    assert [r["routing"] for r in rows] == ["prefix", "min_expected_latency", "one node", "prefix",
+                                            "min_expected_latency"]
+    assert all(float(r["req_s"]) > 0 for r in rows)
+
+
 @pytest.mark.parametrize("script", ["gpu_suite.sh", "gpu_carry.sh"])
 def test_gpu_suite_script_parses(script):
     """benchmark/gpu_suite.sh runs only on GPU machines (gpu_carry.sh packs for them, downloading): here they must
