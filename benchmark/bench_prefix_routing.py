@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_scale_out import free_port, lmkit, wait_up  # noqa: E402
+from bench_scale_out import free_port, lmkit, nodes_up, wait_up  # noqa: E402
 from cli_args import count  # noqa: E402
 from summary import append_csv  # noqa: E402
 
@@ -141,6 +141,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             proxies[label] = f"http://127.0.0.1:{port}"
         for url, proc in zip([*nodes, *proxies.values()], procs):
             wait_up(url + "/health", proc)
+        for label, url in proxies.items():  # a proxy's first health checks may have run before its nodes were up
+            deadline, want = time.monotonic() + 120, 1 if label == "one node" else len(nodes)
+            while nodes_up(url) < want:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{url}: {nodes_up(url)} of {want} nodes up after 120 s")
+                time.sleep(0.2)
         for n in nodes:  # warm-up: each node's first requests pay one-time costs
             asyncio.run(run_load(n, make_load("distinct", argparse.Namespace(**{**vars(args), "tenants": 1,
                                                                                 "per_tenant": 2}), -1, words), args))

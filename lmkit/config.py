@@ -23,9 +23,9 @@ class EngineConfig:
     """Engine settings. Measured values (such as the number of KV blocks) are engine state, not config."""
 
     device: Literal["cpu", "cuda", "auto"] = "auto"
-    """Where to run: cpu, cuda, or auto: the CUDA backend where the extension has it, a GPU is usable and the model
-    runs there, else the CPU with one log line naming why (no CUDA build or GPU, dtype other than auto, speculative
-    ngram / suffix, a model the CUDA backend refuses at load or that does not fit; csrc/kernels/cuda/README.md)."""
+    """Where to run: cpu, cuda, or auto (the GPU where usable, else the CPU, logging why). auto falls back to the CPU
+    without a CUDA build or GPU, for dtype other than auto or speculative ngram / suffix, and for a model the CUDA
+    backend refuses at load or that does not fit (csrc/kernels/cuda/README.md)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype. auto: on the CPU bfloat16 where the CPU has AVX512_BF16 (below), else float32 (the choice
     is logged at start); the CUDA backend computes in float16 (bfloat16 when the checkpoint is bf16). float32:
