@@ -62,6 +62,9 @@ struct EngineOptions {
   int32_t num_state_slots = 0;  // recurrent-state slots (0: the model has no recurrent layers)
   int64_t kv_bytes_per_block = 0;  // the executor's, for reporting
   int64_t linear_weight_bytes = 0;  // the executor's, for reporting
+  // The multi-token-prediction head the executor holds, loaded but not run (Executor::mtp_num_layers), for reporting
+  int32_t mtp_num_layers = 0;
+  int64_t mtp_weight_bytes = 0;
   bool enable_prefix_caching = false;
   int32_t vocab_size = 0;
   std::vector<int32_t> eos_token_ids;

@@ -22,6 +22,10 @@ class Executor {
   // Bytes of weights one decode step reads (every linear layer and the lm_head, as packed): with the
   // KV bytes, the memory traffic that bounds decode speed (benchmark/profile_generation.py's roofline).
   virtual int64_t linear_weight_bytes() const = 0;
+  // The multi-token-prediction head's decoder layers the executor holds (0: none) and their bytes as stored: loaded
+  // for a future MTP proposer, read by no step yet, so not in linear_weight_bytes.
+  virtual int32_t mtp_num_layers() const { return 0; }
+  virtual int64_t mtp_weight_bytes() const { return 0; }
   // Allocates the pool; called once by the engine before the first step.
   virtual void allocate_kv_pool(int32_t num_blocks) = 0;
   // Bytes of recurrent state one sequence holds (every recurrent layer's, state_pool.h); 0: the model has none.

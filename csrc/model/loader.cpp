@@ -76,6 +76,8 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   options.attention_window_tokens = model.attention_window_tokens();
   options.kv_bytes_per_block = executor->kv_bytes_per_block();
   options.linear_weight_bytes = executor->linear_weight_bytes();
+  options.mtp_num_layers = executor->mtp_num_layers();
+  options.mtp_weight_bytes = executor->mtp_weight_bytes();
   // A model with recurrent layers: a state slot per running sequence, and with prefix caching as many again for
   // the snapshots prefix hits start from (engine/scheduler.h), as far as memory allows (lmkit/memory.py).
   const int64_t state_bytes = executor->state_bytes_per_slot();

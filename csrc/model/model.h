@@ -32,6 +32,8 @@ class DecoderModel : public Executor {
   StepOutput step(const Batch& batch) override;
   int64_t kv_bytes_per_block() const override { return backend_->kv_bytes_per_block(); }
   int64_t linear_weight_bytes() const override;
+  int32_t mtp_num_layers() const override { return (int32_t)weights_.mtp.layers.size(); }
+  int64_t mtp_weight_bytes() const override { return weights_.mtp.size_bytes; }
   // Every linear but the experts (and their routers): what each step reads whatever the routing.
   int64_t dense_weight_bytes() const;
   void allocate_kv_pool(int32_t num_blocks) override { backend_->allocate_kv_pool(num_blocks); }

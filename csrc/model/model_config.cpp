@@ -62,6 +62,9 @@ void ModelConfig::validate() const {
   for (int32_t l = 0; l < num_layers; ++l) any_dense = any_dense || !is_moe_layer(l);
   LMKIT_CHECK_ARG(intermediate_size > 0 || (!any_dense && intermediate_size == 0), a,
                   ": intermediate_size must be > 0, got ", intermediate_size);
+  LMKIT_CHECK_ARG(mtp_num_layers >= 0, a, ": mtp_num_hidden_layers must be >= 0, got ", mtp_num_layers);
+  LMKIT_CHECK_ARG(mtp_num_layers == 0 || mtp_shape_layer() >= 0, a,
+                  ": an MTP head needs a full-attention layer to take its shape from; every layer is recurrent");
   LMKIT_CHECK_ARG(layer_recurrent.empty() || (int32_t)layer_recurrent.size() == num_layers, a,
                   ": layer_recurrent has ", layer_recurrent.size(), " entries for ", num_layers, " layers");
   if (num_recurrent_layers() > 0) {
@@ -143,6 +146,12 @@ int32_t ModelConfig::attention_window_tokens() const {
     window = std::max(window, w);
   }
   return window;
+}
+
+int32_t ModelConfig::mtp_shape_layer() const {
+  for (int32_t l = num_layers - 1; l >= 0; --l)
+    if (!is_recurrent_layer(l)) return l;
+  return -1;
 }
 
 }  // namespace lmkit

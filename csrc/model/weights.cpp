@@ -505,8 +505,8 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     l.a_log = get(p + "A_log", {HV});
     l.linear_norm = get(p + "linear_norm", {(int64_t)config.linear_value_head_dim});
   };
-  for (int32_t i = 0; i < config.num_layers; ++i) {
-    const std::string p = "layers." + std::to_string(i) + ".";
+  // The roles under p of a layer shaped as layer i (an MTP layer's are those of mtp_shape_layer()).
+  auto load_layer = [&](int32_t i, const std::string& p) -> LayerWeights {
     LayerWeights l;
     l.input_norm = get(p + "input_norm", {H});
     l.pre_mlp_norm = get(p + "pre_mlp_norm", {H});
@@ -515,8 +515,7 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     if (config.is_recurrent_layer(i)) {
       load_recurrent(p, l);
       load_mlp(i, p, l);
-      w.layers.push_back(std::move(l));
-      continue;
+      return l;
     }
     l.layer_scalar = get(p + "layer_scalar", {1}, config.has_layer_scalar);
     // this layer's attention shape (Gemma 4's global layers are wider than its sliding ones)
@@ -574,8 +573,28 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
       l.per_layer_projection = get_linear(p + "per_layer_projection", H, P);
       l.post_per_layer_input_norm = get(p + "post_per_layer_input_norm", {H});
     }
-    w.layers.push_back(std::move(l));
+    return l;
+  };
+  for (int32_t i = 0; i < config.num_layers; ++i)
+    w.layers.push_back(load_layer(i, "layers." + std::to_string(i) + "."));
+  // The MTP head: every tensor required once the config names its layers (Qwen ships them with every checkpoint;
+  // one missing means a damaged or trimmed file), counted apart from the model's bytes.
+  const int64_t model_bytes = w.size_bytes;
+  try {
+    if (config.mtp_num_layers > 0) {
+      w.mtp.fc = get_linear("mtp.fc", H, 2 * H);
+      w.mtp.pre_fc_norm_embedding = get("mtp.pre_fc_norm_embedding", {H});
+      w.mtp.pre_fc_norm_hidden = get("mtp.pre_fc_norm_hidden", {H});
+      w.mtp.norm = get("mtp.norm", {H});
+    }
+    for (int32_t j = 0; j < config.mtp_num_layers; ++j)
+      w.mtp.layers.push_back(load_layer(config.mtp_shape_layer(), "mtp.layers." + std::to_string(j) + "."));
+  } catch (const InvalidArgument& e) {
+    LMKIT_CHECK_ARG(false, "the multi-token-prediction head (config mtp_num_hidden_layers = ", config.mtp_num_layers,
+                    "): ", e.what(), "; a checkpoint without it needs mtp_num_hidden_layers = 0");
   }
+  w.mtp.size_bytes = w.size_bytes - model_bytes;
+  w.size_bytes = model_bytes;
   for (auto& kv : files) w.files.push_back(kv.second);
   return w;
 }

@@ -128,6 +128,19 @@ struct LayerWeights {
   }
 };
 
+// The multi-token-prediction head (ModelConfig::mtp_num_layers > 0; Qwen3.5, Qwen3-Next), loaded and not run yet.
+// A proposer drafts the token after next from the next token t and the main model's last hidden state h (before its
+// final norm): x = fc([pre_fc_norm_embedding(embed(t)); pre_fc_norm_hidden(h)]), then each layer (full gated
+// attention with its own KV cache, the MLP or MoE of the main model's full-attention layers), then norm, then the
+// main model's lm_head.
+struct MtpWeights {
+  LinearTensors fc;                                   // [hidden, 2 hidden]: inputs the embedding's half, then h's
+  Tensor pre_fc_norm_embedding, pre_fc_norm_hidden;   // [hidden] x2
+  Tensor norm;                                        // [hidden], before the shared lm_head
+  std::vector<LayerWeights> layers;                   // mtp_num_layers, shaped as ModelConfig::mtp_shape_layer()
+  int64_t size_bytes = 0;                             // of every tensor above as stored (not in ModelWeights')
+};
+
 struct ModelWeights {
   Tensor embed_tokens;  // [vocab, hidden]
   Tensor final_norm;    // [hidden]
@@ -138,6 +151,7 @@ struct ModelWeights {
   LinearTensors per_layer_model_projection;
   Tensor per_layer_projection_norm;
   std::vector<LayerWeights> layers;
+  MtpWeights mtp;
   std::vector<std::shared_ptr<MappedFile>> files;  // keep the mappings alive
   std::vector<std::shared_ptr<void>> owned;        // reordered copies (GGUF llama q/k in a float dtype, gpt-oss experts)
   int64_t size_bytes = 0;
@@ -160,6 +174,8 @@ struct ModelWeights {
   // A layer reading another's KV cache (layer_kv_source) has q_proj and q_norm, no k/v roles. Per-layer
   // embeddings: "embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm" and per layer
   // "per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm".
+  // MTP head (mtp_num_layers > 0): "mtp.fc", "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.norm" and
+  // per MTP layer j "mtp.layers.{j}." + a full-attention layer's roles (above), all required.
   // An int4 linear (config.int4_layout set) comes as "<role>.values", "<role>.zeros", "<role>.scales" and
   // "<role>.g_idx" (the layout's tensors, model/int4_layouts.h; zeros and g_idx where it has them) instead of
   // "<role>"; linears left dense (modules_to_not_convert, ignore lists) keep the plain role. Linears, the
@@ -167,8 +183,9 @@ struct ModelWeights {
   static ModelWeights load(const ModelConfig& config, const std::map<std::string, TensorSource>& sources);
 
   // Once a backend has packed the linear layers (and the lm_head) into buffers of its own, their file pages
-  // leave this process's resident memory (MADV_DONTNEED on the read-only private mapping: a later read
-  // refaults from the file, so a view that is still read, such as a tied embedding, stays valid).
+  // leave this process's resident memory (MADV_DONTNEED on the read-only private mapping: a later read refaults
+  // from the file, so a view that is still read, such as a tied embedding, stays valid). The MTP head's are kept:
+  // its reordered copies (w.owned) would read back as zeros.
   void release_linear_pages() const;
 };
 

@@ -142,6 +142,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("layer_kv_source", &ModelConfig::layer_kv_source)
       .def_readwrite("layer_intermediate_size", &ModelConfig::layer_intermediate_size)
       .def_readwrite("per_layer_input_size", &ModelConfig::per_layer_input_size)
+      .def_readwrite("mtp_num_layers", &ModelConfig::mtp_num_layers)
       .def_readwrite("has_v_norm", &ModelConfig::has_v_norm)
       .def_readwrite("has_layer_scalar", &ModelConfig::has_layer_scalar)
       .def_readwrite("moe_beside_mlp", &ModelConfig::moe_beside_mlp)
@@ -358,6 +359,8 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("num_total_blocks", [](const Engine& e) { return e.options().num_blocks; })
       .def_property_readonly("kv_bytes_per_block", [](const Engine& e) { return e.options().kv_bytes_per_block; })
       .def_property_readonly("linear_weight_bytes", [](const Engine& e) { return e.options().linear_weight_bytes; })
+      .def_property_readonly("mtp_num_layers", [](const Engine& e) { return e.options().mtp_num_layers; })
+      .def_property_readonly("mtp_weight_bytes", [](const Engine& e) { return e.options().mtp_weight_bytes; })
       .def_property_readonly("session_len", [](const Engine& e) { return e.options().session_len; })
       .def_property_readonly("block_size_tokens", [](const Engine& e) { return e.options().block_size_tokens; });
 }

@@ -102,6 +102,9 @@ class ModelFields:
     """Per layer: its dense MLP's width (Gemma 4's use_double_wide_mlp); empty: intermediate_size everywhere."""
     per_layer_input_size: int = 0
     """> 0: per-layer embeddings of this width per layer (Gemma 4's E-models: hidden_size_per_layer_input)."""
+    mtp_num_layers: int = 0
+    """Decoder layers of a multi-token-prediction head (config mtp_num_hidden_layers; checkpoint mtp.*): the engine
+    loads them beside the model, for speculative decoding to run (Engine.mtp_num_layers); 0: none."""
 
     def check(self) -> None:
         """ValueError when the per-layer lists or the rotary dim do not fit the shape."""
@@ -160,7 +163,8 @@ class Architecture:
     kv_calib: KvCalibHooks | None = KvCalibHooks()
     """None: ``lmkit lite calibrate`` cannot calibrate it yet (layers without K/V); a uniform quant_policy works."""
     unused_tensors: tuple[str, ...] = ()
-    """Name prefixes of checkpoint tensors the engine leaves unread (a vision tower of a model served for text)."""
+    """Name prefixes of checkpoint tensors outside the text model (a vision tower of a model served for text, Qwen's
+    MTP head): lite carries them over as they are; the engine reads those its key map names and leaves the rest."""
     text_prefix: str = "model."
     """Where the text model's tensors live in checkpoints ("model.language_model." in a multimodal one); lite works
     on the text model (its transformers CausalLM of text_config) and writes back under these names."""

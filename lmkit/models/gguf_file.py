@@ -173,6 +173,33 @@ def hf_to_gguf_names(hf_names, gguf_arch: str, num_layers: int) -> dict[str, str
     return out
 
 
+# llama.cpp's names of the MTP head's own tensors in its first block (blk.{num_layers}): its converter renames mtp.fc,
+# the two pre-fc norms and mtp.norm to eh_proj, enorm, hnorm and shared_head.norm of that layer (gguf's NEXTN_*
+# tensors; their norms, (1 + w) ones, stored as 1 + w like the model's), writes a copy into every MTP block, and the
+# MTP layers' own tensors as blocks num_layers + j under the decoder's names.
+NEXTN_HEAD = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+              "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
+# copies of the model's embedding and lm_head some files carry in the MTP blocks (Qwen's head shares them)
+NEXTN_SHARED = ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight")
+
+
+def mtp_to_gguf_names(hf_names, gguf_arch: str, num_layers: int, mtp_layers: int) -> tuple[dict[str, str], set[str]]:
+    """The MTP head's checkpoint names (mtp.*) among ``hf_names`` -> their GGUF names in llama.cpp's nextn blocks
+    (blk.{num_layers + j}); and the GGUF names of those blocks left unread (the head's copies in blocks past the
+    first, NEXTN_SHARED)."""
+    out = {}
+    blocks = [f"blk.{num_layers + j}." for j in range(mtp_layers)]
+    layer_names = [n for n in hf_names if n.startswith("mtp.layers.") and int(n.split(".")[2]) < mtp_layers]
+    decoder_names = {f"model.layers.{num_layers + int(n.split('.')[2])}.{n.split('.', 3)[3]}": n for n in layer_names}
+    for model_name, gguf_name in hf_to_gguf_names(decoder_names, gguf_arch, num_layers + mtp_layers).items():
+        out[decoder_names[model_name]] = gguf_name
+    if mtp_layers:
+        out.update({hf: blocks[0] + name for hf, name in NEXTN_HEAD.items() if hf in hf_names})
+    skipped = {b + name for b in blocks for name in NEXTN_SHARED} | {
+        b + name for b in blocks[1:] for name in NEXTN_HEAD.values()}
+    return out, skipped
+
+
 # ------------------------------------------------------------------------------------------ the view folder
 def view_dir(path: Path) -> Path:
     """Where the view of GGUF file ``path`` lives (keyed by its absolute path, size and modification time)."""

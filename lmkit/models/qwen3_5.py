@@ -26,9 +26,29 @@ LINEAR_ATTENTION_LAYER = {
     "A_log": "linear_attn.A_log",
     "linear_norm": "linear_attn.norm.weight",
 }
+MTP_HEAD = {
+    "mtp.fc": "mtp.fc.weight",
+    "mtp.pre_fc_norm_embedding": "mtp.pre_fc_norm_embedding.weight",
+    "mtp.pre_fc_norm_hidden": "mtp.pre_fc_norm_hidden.weight",
+    "mtp.norm": "mtp.norm.weight",
+}
+
+
+def mtp_keys(key_map: dict[str, str]) -> dict[str, str]:
+    """The multi-token-prediction head's keys (mtp.*, as Qwen ships them beside the model in every Qwen3.5 and
+    Qwen3-Next checkpoint; vLLM's and SGLang's qwen3_5_mtp / qwen3_next_mtp read the same names): mtp.fc [hidden,
+    2 hidden] over [pre_fc_norm_embedding(embedding); pre_fc_norm_hidden(hidden)], mtp.norm, and per MTP layer
+    mtp.layers.{i}. + a full-attention layer's tensors of ``key_map`` (its attention, and its MLP or experts); "{i}"
+    runs over the MTP layers (ModelFields.mtp_num_layers, which the engine reads)."""
+    layers = {f"mtp.{role}": "mtp." + key[len("model."):] for role, key in key_map.items()
+              if key.startswith("model.layers.{i}.") and ".linear_attn." not in key}
+    return {**MTP_HEAD, **layers}
+
+
 # Every layer's keys: a layer has either the attention ones or the linear-attention ones (roles absent from a
-# checkpoint are left out; the engine asks each layer for its kind's).
-KEY_MAP = {**LLAMA_KEY_MAP, **layer_keys(QK_NORM_LAYER), **layer_keys(LINEAR_ATTENTION_LAYER)}
+# checkpoint are left out; the engine asks each layer for its kind's); and the MTP head's.
+TEXT_KEY_MAP = {**LLAMA_KEY_MAP, **layer_keys(QK_NORM_LAYER), **layer_keys(LINEAR_ATTENTION_LAYER)}
+KEY_MAP = {**TEXT_KEY_MAP, **mtp_keys(TEXT_KEY_MAP)}
 # transformers.Qwen3_5TextConfig's defaults of the fields read here
 DEFAULTS = {"hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
             "tie_word_embeddings": False, "head_dim": 256, "attention_bias": False, "linear_conv_kernel_dim": 4,
@@ -60,7 +80,17 @@ def read_config(c: HfConfig) -> ModelFields:
                        linear_num_value_heads=int(c.require("linear_num_value_heads")),
                        linear_key_head_dim=int(c.require("linear_key_head_dim")),
                        linear_value_head_dim=int(c.require("linear_value_head_dim")),
-                       linear_conv_kernel=int(c.require("linear_conv_kernel_dim")))
+                       linear_conv_kernel=int(c.require("linear_conv_kernel_dim")),
+                       mtp_num_layers=mtp_num_layers(c))
+
+
+def mtp_num_layers(c: HfConfig) -> int:
+    """The MTP head's layers: mtp_num_hidden_layers as Qwen's config.json files carry it (transformers' config
+    classes do not know the field, and drop mtp.* on load); 0 when absent."""
+    n = c.raw.get("mtp_num_hidden_layers") or 0
+    if not isinstance(n, int) or n < 0:
+        raise c.error("mtp_num_hidden_layers", "it must be a count of layers (>= 0)")
+    return n
 
 
 def qwen3_5_awq_map(name: str) -> AwqMap:
@@ -86,7 +116,7 @@ ARCHITECTURE = Architecture(NAME, "llama", KEY_MAP, read_config, DEFAULTS, qwen3
 
 # The checkpoints Qwen ships: Qwen3_5ForConditionalGeneration, the text model under model.language_model and its
 # config under text_config, beside a vision tower (left unread: lmkit serves text) and the multi-token-prediction
-# head (mtp.*: read by nobody yet; speculative decoding will).
+# head (mtp.*: loaded by the engine through the key map, run by nobody yet; lite carries it over as it is).
 NAME_MULTIMODAL = "Qwen3_5ForConditionalGeneration"
 
 
@@ -94,8 +124,8 @@ def multimodal_architecture(name: str, text: Architecture, unused: tuple[str, ..
         -> Architecture:
     """The ``name``ForConditionalGeneration checkpoint of a text architecture ``text``: its tensors under
     model.language_model, its config under text_config; the tensors under ``unused`` (Qwen: the vision tower and
-    the MTP head) left unread by the engine, carried over as they are by lite (which quantizes the text model with
-    ``text``'s AWQ table)."""
+    the MTP head) outside the text model, carried over as they are by lite (which quantizes the text model with
+    ``text``'s AWQ table); the engine reads those of them its key map names (the MTP head, mtp_keys)."""
     key_map = {role: key.replace("model.", "model.language_model.", 1) if key.startswith("model.") else key
                for role, key in text.key_map.items()}
 

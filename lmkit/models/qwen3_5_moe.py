@@ -22,7 +22,9 @@ SHARED_EXPERT_LAYER = {
     "shared_expert_gate": "mlp.shared_expert_gate.weight",
 }
 # per-expert tensors (what transformers 5.24 saves) or the fused pair Qwen ships
-KEY_MAP = {**qwen3_5.KEY_MAP, **moe_keys("mlp"), **fused_moe_keys("mlp"), **layer_keys(SHARED_EXPERT_LAYER)}
+TEXT_KEY_MAP = {**qwen3_5.TEXT_KEY_MAP, **moe_keys("mlp"), **fused_moe_keys("mlp"),
+                **layer_keys(SHARED_EXPERT_LAYER)}
+KEY_MAP = {**TEXT_KEY_MAP, **qwen3_5.mtp_keys(TEXT_KEY_MAP)}
 # transformers.Qwen3_5MoeTextConfig's defaults of the fields read here (intermediate_size: it has none, every MLP
 # being a mixture of experts; 0 tells the engine so)
 DEFAULTS = {**qwen3_5.DEFAULTS, "intermediate_size": 0, "num_experts": 256, "num_experts_per_tok": 8,

@@ -19,8 +19,10 @@ FUSED_LINEAR_ATTENTION = {
     "in_proj_qkvz": "linear_attn.in_proj_qkvz.weight",
     "in_proj_ba": "linear_attn.in_proj_ba.weight",
 }
-KEY_MAP = {**qwen3_5.KEY_MAP, **layer_keys(FUSED_LINEAR_ATTENTION), **moe_keys("mlp"), **fused_moe_keys("mlp"),
-           **layer_keys(qwen3_5_moe.SHARED_EXPERT_LAYER)}
+TEXT_KEY_MAP = {**qwen3_5.TEXT_KEY_MAP, **layer_keys(FUSED_LINEAR_ATTENTION), **moe_keys("mlp"),
+                **fused_moe_keys("mlp"), **layer_keys(qwen3_5_moe.SHARED_EXPERT_LAYER)}
+# with the MTP head Qwen ships (mtp.*, qwen3_5.mtp_keys): one layer shaped as the last full-attention one
+KEY_MAP = {**TEXT_KEY_MAP, **qwen3_5.mtp_keys(TEXT_KEY_MAP)}
 # transformers.Qwen3NextConfig's defaults of the fields read here
 DEFAULTS = {**qwen3_5.DEFAULTS, "intermediate_size": 5632, "num_experts": 512, "num_experts_per_tok": 10,
             "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,

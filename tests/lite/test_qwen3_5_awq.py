@@ -24,8 +24,8 @@ from lmkit.lite.checkpoint import load_causal_lm
 from lmkit.lite.config import AwqConfig
 from lmkit.lite.moe import layer_awq_map
 from lmkit.models import get_awq_map
-from tests.factories import QWEN3_5, QWEN3_5_MOE, TOKEN_IDS, Case, _write_case, fuse_qwen3_5_experts, \
-    write_qwen3_5_multimodal
+from tests.factories import QWEN3_5, QWEN3_5_MOE, TOKEN_IDS, Case, _write_case, add_mtp_head, \
+    fuse_qwen3_5_experts, write_qwen3_5_multimodal
 from tests.helpers import TINY_CALIB, prefill_logits_vs_transformers
 
 # value heads of 16 (64 values): every linear's inputs a multiple of the 32-wide groups
@@ -41,6 +41,7 @@ def quantized(request, tmp_path_factory):
     if multimodal:
         write_qwen3_5_multimodal(folder / "fp", "Qwen3_5Config", dict(CASE.kwargs, max_position_embeddings=512,
                                                                      **TOKEN_IDS), seed=58)
+        add_mtp_head(folder / "fp")  # the whole head, config mtp_num_hidden_layers = 1
     else:
         _write_case(CASE, folder / "fp")
     quantize_awq(folder / "fp", AwqConfig(work_dir=folder / "awq", w_group_size=32, format=fmt, **TINY_CALIB))
@@ -99,6 +100,21 @@ def test_engine_logits_equal_the_dequantized_reference(quantized):
                           max_batch_size=4, int8_activations=False)
     got, want = prefill_logits_vs_transformers(out, prompt, config)
     assert float((got - want).norm() / want.norm()) < 1e-4
+
+
+def test_the_mtp_head_carried_over_loads_in_the_engine(quantized):
+    """The checkpoint Qwen ships keeps its MTP head through lite as it was (not quantized): the engine holds its one
+    layer, exactly the bytes of the mtp.* tensors written."""
+    from lmkit import EngineConfig, pipeline
+
+    _, multimodal, _, out = quantized
+    if not multimodal:
+        pytest.skip("only the multimodal checkpoint carries an MTP head")
+    mtp = {k: t for k, t in load_file(out / "model.safetensors").items() if k.startswith("mtp.")}
+    assert "mtp.layers.0.self_attn.q_proj.weight" in mtp and not any(k.endswith("weight_packed") for k in mtp)
+    with pipeline(out, EngineConfig(device="cpu", cache_max_entry_count=8, session_len=256)) as pipe:
+        assert pipe.engine.mtp_num_layers == 1
+        assert pipe.engine.mtp_weight_bytes == sum(t.numel() * t.element_size() for t in mtp.values())
 
 
 MOE_TEXT = dict(QWEN3_5_MOE, num_hidden_layers=4, linear_value_head_dim=16, moe_intermediate_size=32,

@@ -494,7 +494,7 @@ def write_qwen35_gguf(model, out: Path, qtype: str, mtp_layers: int = 1, omit: t
     transformers' GGUF loader undoes, integrations/gguf/gguf_conversion_mapping.py): norms scaled by (1 + w) stored
     as 1 + w (not the gated output norm), ssm_a = -exp(A_log), conv1d squeezed, dt_bias as ssm_dt.bias, every
     value-indexed tensor in tiled head order; plus ``mtp_layers`` blocks of a multi-token-prediction head after the
-    decoder's (random, left unread). 2-D weights in ``qtype`` (conv1d F32), the rest F32; the metadata keys in
+    decoder's (random: its layer shaped as the last full-attention one, and the head's nextn tensors). 2-D weights in ``qtype`` (conv1d F32), the rest F32; the metadata keys in
     ``omit`` left out."""
     cfg = model.config
     hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
@@ -529,13 +529,20 @@ def write_qwen35_gguf(model, out: Path, qtype: str, mtp_layers: int = 1, omit: t
     writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
     writer.add_array(f"{arch}.rope.dimension_sections", [rotary // 4, rotary // 8, rotary // 8, 0])
     copy_tokenizer(writer, smollm2_gguf(), cfg.vocab_size)
-    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35, layers)
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35, layers + mtp_layers)
 
     def add(name: str, data: np.ndarray, kind: str = "F32") -> None:
         add_stored(writer, name, data, kind)
 
-    for name, param in model.state_dict().items():
-        data = param.detach().numpy().astype(np.float32)
+    # the MTP layers as llama.cpp writes them: blocks layers + i under the decoder's names, random, shaped as the last
+    # full-attention layer (their head's own tensors follow the loop)
+    rng = np.random.default_rng(7)
+    state = {name: param.detach().numpy().astype(np.float32) for name, param in model.state_dict().items()}
+    last = f"model.layers.{interval * (layers // interval) - 1}."
+    for i in range(layers, layers + mtp_layers):
+        state.update({f"model.layers.{i}." + name[len(last):]: rng.normal(size=data.shape) * 0.1
+                      for name, data in list(state.items()) if name.startswith(last)})
+    for name, data in state.items():
         if add_merged_experts(add, table, name, data, qtype):
             continue
         if name.endswith("mlp.shared_expert_gate.weight"):
@@ -557,10 +564,10 @@ def write_qwen35_gguf(model, out: Path, qtype: str, mtp_layers: int = 1, omit: t
         elif name.endswith("linear_attn.out_proj.weight"):
             data = data[:, per_value]
         add(gname, data, qtype if data.ndim == 2 and "conv1d" not in name and ".mlp.gate." not in name else "F32")
-    rng = np.random.default_rng(7)
-    for i in range(layers, layers + mtp_layers):  # llama.cpp's MTP block: read by no one here
-        add(f"blk.{i}.attn_norm.weight", rng.normal(size=cfg.hidden_size))
-        add(f"blk.{i}.nextn.eh_proj.weight", rng.normal(size=(cfg.hidden_size, 2 * cfg.hidden_size)))
+    for i in range(layers, layers + mtp_layers):  # the head's tensors, in every MTP block (llama.cpp's nextn.*)
+        add(f"blk.{i}.nextn.eh_proj.weight", rng.normal(size=(cfg.hidden_size, 2 * cfg.hidden_size)), qtype)
+        for norm in ("enorm", "hnorm", "shared_head_norm"):
+            add(f"blk.{i}.nextn.{norm}.weight", 1.0 + rng.normal(size=cfg.hidden_size) * 0.1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -699,7 +706,8 @@ def test_qwen3next_gguf_as_llama_cpp_writes_it(legacy, qtype, tmp_path):
 def test_qwen35_gguf_as_llama_cpp_writes_it(tmp_path):
     """A "qwen35" file in F32: transformers reads back the very model it was written from (the writer does what
     llama.cpp does), the engine reads the file as written (norms with no offset, -exp(A_log) as stored, value heads
-    in tiled order, the MTP block skipped) to the same logits, and the view's config names the MTP layers."""
+    in tiled order) to the same logits, and the view's config names the MTP layers, which the engine loads apart
+    (assert_mtp_block_loaded)."""
     path, source, read = make_qwen35_case(tmp_path, "F32", seed=61)
     prompt = torch.tensor([prompts_for(6)[2]])
     with torch.no_grad():
@@ -709,7 +717,17 @@ def test_qwen35_gguf_as_llama_cpp_writes_it(tmp_path):
     assert spec.layer_recurrent == [1, 1, 1, 0] and spec.norm_weight_offset == 0.0
     assert spec.linear_value_heads_tiled and spec.linear_decay_rate_stored and spec.config["mtp_num_hidden_layers"] == 1
     assert not any(role.startswith("layers.4.") for role in spec.sources)
+    assert spec.sources["mtp.fc"].shape == (64, 128) and spec.sources["mtp.layers.0.q_proj"].shape == (256, 64)
     assert engine_vs(path, read, prompts_for(6), EXACT) <= 1e-4
+    assert_mtp_block_loaded(path, 4)
+
+
+def assert_mtp_block_loaded(path: Path, num_layers: int) -> None:
+    """The engine on GGUF ``path`` holds its one MTP layer (llama.cpp's block ``num_layers``), counting exactly that
+    block's bytes as stored."""
+    block = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if t.name.startswith(f"blk.{num_layers}."))
+    with pipeline(path, EngineConfig(device="cpu", cache_max_entry_count=8, session_len=256)) as pipe:
+        assert (pipe.engine.mtp_num_layers, pipe.engine.mtp_weight_bytes) == (1, block)
 
 
 def with_q8_activations(model):
@@ -791,6 +809,8 @@ def test_qwen35moe_gguf_experts_as_llama_cpp_merges_them(qtype, tmp_path):
     assert spec.num_experts == 4 and spec.shared_expert_intermediate_size == 64 and spec.intermediate_size == 0
     assert spec.sources["layers.0.experts.gate_exps"].shape == (4, 32, 64)
     assert spec.sources["layers.0.shared_expert_gate"].shape == (1, 64)
+    assert spec.sources["mtp.layers.0.experts.gate_exps"].shape == (4, 32, 64)
+    assert_mtp_block_loaded(path, 4)
     assert engine_vs(path, read, prompts_for(8), EXACT) <= 1e-4
 
 

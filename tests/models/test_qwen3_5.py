@@ -1,8 +1,9 @@
 """Qwen3.5 as Qwen ships it: Qwen3_5ForConditionalGeneration (and Qwen3_5MoeForConditionalGeneration), the
 text model under model.language_model with its config under text_config, a vision tower and a
 multi-token-prediction head beside it. The engine serves the text model: its logits equal HF's (the multimodal
-class, fp32, text input) within 1e-4; the vision and MTP tensors are left unread, and a tensor that is neither
-still fails the load naming it. (The hybrid layers themselves are covered per layer kind in
+class, fp32, text input) within 1e-4; the vision tensors are left unread (so is an MTP tensor whose config names no
+MTP layers; the head itself: tests/models/test_qwen3_5_mtp.py), and a tensor that is neither still fails the load
+naming it. (The hybrid layers themselves are covered per layer kind in
 tests/models/test_architectures.py and tests/engine/test_recurrent_state.py.)"""
 
 from __future__ import annotations
