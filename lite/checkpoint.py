@@ -1,11 +1,11 @@
-"""The reference reader: any HF folder (fp, AWQ "GEMM" int4, compressed-tensors pack-quantized int4 or
-int-quantized / naive-quantized int8, written by lmkit or another tool) -> an fp32 ``transformers`` model. AWQ
-linears are unpacked and dequantized in torch, W[o, i] = (q[i, o] - zero[i / g, o]) * scale[i / g, o];
-compressed-tensors linears by that library's own decompressor: both independently of lmkit's engine. A
-compressed-tensors scheme with dynamic input activations (W8A8) gets them too: each quantized linear's input
-goes through compressed-tensors' own fake quantization first, so the reference computes what the checkpoint
-declares. A mixture of experts' per-expert linears are stacked into
-transformers' 3D expert tensors (lmkit.lite.moe).
+"""The reference reader: any HF folder (fp, AWQ "GEMM" int4, compressed-tensors pack-quantized int4,
+int-quantized / naive-quantized int8, float-quantized / naive-quantized FP8 E4M3, written by lmkit or another tool)
+-> an fp32 ``transformers`` model. AWQ linears are unpacked and dequantized in torch, W[o, i] = (q[i, o] -
+zero[i / g, o]) * scale[i / g, o]; compressed-tensors linears by that library's own decompressor: both independently
+of lmkit's engine. A compressed-tensors scheme with dynamic input activations (W8A8, FP8_DYNAMIC) gets them too: each
+quantized linear's input goes through compressed-tensors' own fake quantization first, so the reference computes
+what the checkpoint declares. A mixture of experts' per-expert linears are stacked into transformers' 3D expert
+tensors (lmkit.lite.moe).
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ AWQ_SUFFIXES = (".qweight", ".qzeros", ".scales")
 
 CT_SUFFIXES = (".weight_zero_point", ".weight_scale", ".weight_shape", ".weight_g_idx")
 CT_INT_FORMATS = ("int-quantized", "naive-quantized")  # int8 weights stored as int8 ``.weight``
+CT_NAIVE_FORMATS = (*CT_INT_FORMATS, "float-quantized")  # 8-bit weights stored as such: int8, or FP8 E4M3
 
 
 def quantization_settings(config: dict) -> dict | None:
     """The checked ``quantization_config`` of a checkpoint this reader dequantizes (AWQ GEMM, compressed-tensors
-    pack-quantized, int-quantized or naive-quantized), None for an fp checkpoint.
+    pack-quantized, int-quantized, naive-quantized or float-quantized), None for an fp checkpoint.
 
     Raises ValueError for quantization this reader does not understand.
     """
@@ -35,12 +36,12 @@ def quantization_settings(config: dict) -> dict | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
-    if method == "compressed-tensors" and str(qc.get("format", "")).lower() in ("pack-quantized", *CT_INT_FORMATS):
+    if method == "compressed-tensors" and str(qc.get("format", "")).lower() in ("pack-quantized", *CT_NAIVE_FORMATS):
         return qc
     version = str(qc.get("version", "gemm")).lower()
     if method != "awq" or version != "gemm" or int(qc.get("bits", qc.get("w_bit", 0))) != NUM_BITS:
         raise ValueError(f"unsupported quantization_config {qc}: this reader handles AWQ GEMM 4-bit and "
-                         f"compressed-tensors pack-quantized, {' and '.join(CT_INT_FORMATS)} only")
+                         f"compressed-tensors pack-quantized, {', '.join(CT_NAIVE_FORMATS)} only")
     if not qc.get("zero_point", True):
         raise ValueError("AWQ checkpoints without zero points are not supported")
     return qc
@@ -57,7 +58,8 @@ def _ct_scheme(settings: dict):
 
 
 def _ct_compressor(is_int: bool):
-    """compressed-tensors' own compressor class of a format: int-quantized / naive-quantized, or pack-quantized."""
+    """compressed-tensors' own compressor class of a format: int-quantized / naive-quantized / float-quantized (one
+    decompression: weight times scale), or pack-quantized."""
     if is_int:
         from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
 
@@ -92,7 +94,7 @@ def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]
 
     is_ct = settings is not None and settings.get("quant_method") == "compressed-tensors"
     scheme = _ct_scheme(settings) if is_ct else None
-    ct_int = is_ct and str(settings.get("format", "")).lower() in CT_INT_FORMATS
+    ct_int = is_ct and str(settings.get("format", "")).lower() in CT_NAIVE_FORMATS
     ct_marker = ".weight" if ct_int else ".weight_packed"  # a compressed-tensors linear's quantized weight
     state: dict[str, torch.Tensor] = {}
     for name in entries:

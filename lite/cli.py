@@ -1,6 +1,6 @@
 """``lmkit lite ...``: each command is a thin typer wrapper over one typed function
 (``quantize_awq(model, AwqConfig)``, ``quantize_smooth_quant(model, SmoothQuantConfig)``,
-``evaluate_perplexity(model, PplConfig)``, ``calibrate_kv(model, KvCalibConfig)``); rich renders progress on stderr and the summary on stdout."""
+``quantize_fp8(model, Fp8Config)``, ``evaluate_perplexity(model, PplConfig)``, ``calibrate_kv(model, KvCalibConfig)``); rich renders progress on stderr and the summary on stdout."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from typing import Optional
 import typer
 
 from lmkit.config import help_text
-from lmkit.lite.config import AwqConfig, EvalConfig, KlConfig, KvCalibConfig, PplConfig, SmoothQuantConfig
+from lmkit.lite.config import AwqConfig, EvalConfig, Fp8Config, KlConfig, KvCalibConfig, PplConfig, SmoothQuantConfig
 from lmkit.model_path import MODEL_HELP
 
 # rich_markup_mode=None: click's plain help, whole option names at any width (see lmkit/cli/main.py)
-app = typer.Typer(help="Compression: AWQ int4 weights, SmoothQuant W8A8 int8, a calibrated int8/int4 KV cache "
-                       "policy, and perplexity to measure what they cost.",
+app = typer.Typer(help="Compression: AWQ int4 weights, SmoothQuant W8A8 int8, FP8 E4M3 weights, a calibrated "
+                       "int8/int4 KV cache policy, and perplexity to measure what they cost.",
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 # --help gives the first sentences of the configs' HELP texts (help_text); the HELP texts are the contract
@@ -25,6 +25,8 @@ _A, _P, _K, _E, _S, _KL = ({name: help_text(doc) for name, doc in c.HELP.items()
                            for c in (AwqConfig, PplConfig, KvCalibConfig, EvalConfig, SmoothQuantConfig, KlConfig))
 _AD = {f.name: f.default for f in fields(AwqConfig)}  # the options' defaults are the config's
 _SD = {f.name: f.default for f in fields(SmoothQuantConfig)}
+_F = {name: help_text(doc) for name, doc in Fp8Config.HELP.items()}
+_FD = {f.name: f.default for f in fields(Fp8Config)}
 
 
 def _mib(num_bytes: int) -> str:
@@ -66,8 +68,8 @@ class RichReporter(ProgressReporter):
 
     def layer_done(self, index: int, report: dict) -> None:
         smoothed = [g for g in report.get("groups", []) if g.get("smoothed")]  # AWQ's and SmoothQuant's reports
-        self.progress.update(self.task, advance=1,
-                             description=f"layer {index} ({len(smoothed)} groups smoothed)")
+        done = f" ({len(smoothed)} groups smoothed)" if "groups" in report else ""  # lite fp8 smooths nothing
+        self.progress.update(self.task, advance=1, description=f"layer {index}{done}")
         experts = report.get("experts")
         if experts and experts["searched_on_all_tokens"]:  # said, not silently handled
             tokens = experts["tokens_per_expert"]
@@ -228,6 +230,34 @@ def smooth_quant(
     table.add_row("calibration", f"{config.calib_samples} x {config.calib_seqlen} tokens of {config.calib_dataset} "
                                  f"(seed {config.seed}); {config.rounding} rounding")
     _add_result_rows(table, result)
+    Console(highlight=False).print(table)
+
+
+@app.command("fp8")
+def fp8(
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=MODEL_HELP),
+    work_dir: Path = typer.Option(..., "--work-dir", help=_F["work_dir"]),
+    scheme: str = typer.Option(_FD["scheme"], help=_F["scheme"]),
+    device: str = typer.Option(_FD["device"], help=_F["device"]),
+    overwrite: bool = typer.Option(False, "--overwrite", help=_F["overwrite"]),
+) -> None:
+    """Quantize MODEL to FP8 E4M3 weights into --work-dir (compressed-tensors, llm-compressor's FP8_DYNAMIC or FP8
+    weight-only; round to nearest, no calibration)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from lmkit.lite.fp8 import quantize_fp8
+
+    config = Fp8Config(work_dir=work_dir, scheme=scheme, device=device, overwrite=overwrite)
+    with RichReporter(Console(stderr=True, highlight=False)) as reporter:
+        result = quantize_fp8(model, config, reporter)
+    table = Table(title=f"FP8 E4M3 ({result.scheme}) -> {result.work_dir}", show_header=False, title_justify="left")
+    table.add_row("source", str(result.source))
+    table.add_row("format", f"compressed-tensors {result.format}: {result.num_linears} linears in "
+                            f"{result.num_layers} layers, scales per output channel")
+    table.add_row("time", f"{result.seconds:.1f} s")
+    table.add_row("size", f"{_mib(result.size_before_bytes)} -> {_mib(result.size_after_bytes)} "
+                          f"({result.size_before_bytes / max(result.size_after_bytes, 1):.2f}x smaller)")
     Console(highlight=False).print(table)
 
 

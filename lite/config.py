@@ -205,6 +205,34 @@ class SmoothQuantConfig(LayerwiseQuantConfig):
         return tuple(k / self.num_grid for k in range(self.num_grid + 1))
 
 
+FP8_SCHEMES = ("dynamic", "weight-only")
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """How ``quantize_fp8`` turns a floating-point checkpoint into a compressed-tensors FP8 E4M3 one (round to
+    nearest, no calibration)."""
+
+    work_dir: Path
+    scheme: str = "dynamic"
+    device: str = "auto"
+    overwrite: bool = False
+
+    HELP = {
+        "work_dir": "Output folder: the FP8 checkpoint, compressed-tensors (written to a temp folder, renamed into "
+                    "place at the end).",
+        "scheme": "dynamic = llm-compressor's FP8_DYNAMIC (E4M3 weights per output channel, input activations FP8 "
+                  "dynamic per token: format float-quantized); weight-only = E4M3 weights per output channel, "
+                  "activations left in float (format naive-quantized).",
+        "device": "Where the weights are rounded: auto (cuda when torch sees a GPU), cpu, cuda, cuda:N.",
+        "overwrite": "Replace a non-empty --work-dir.",
+    }
+
+    def __post_init__(self):
+        if self.scheme not in FP8_SCHEMES:
+            raise ValueError(f"--scheme must be one of {', '.join(FP8_SCHEMES)}, got {self.scheme!r}")
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """How ``evaluate_tasks`` scores a checkpoint on lm-evaluation-harness tasks through lmkit's engine."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from lmkit.lite import export
-from lmkit.lite.checkpoint import AWQ_SUFFIXES, CT_INT_FORMATS, CT_SUFFIXES, quantization_settings, tensor_reader
+from lmkit.lite.checkpoint import AWQ_SUFFIXES, CT_NAIVE_FORMATS, CT_SUFFIXES, quantization_settings, tensor_reader
 from lmkit.lite.config import CHECKPOINT_FORMATS
 from lmkit.lite.layerwise import architecture_of, read_config
 from lmkit.lite.quantizer import NUM_BITS, QuantizedWeight, unpack_awq_gemm
@@ -96,9 +96,11 @@ def convert_checkpoint(source: str | Path, work_dir: str | Path, checkpoint_form
     if settings is None:
         raise ValueError(f"{source} holds no int4 quantization_config (an fp checkpoint): quantize it with "
                          f"`lmkit lite awq {source} --format {checkpoint_format}`")
-    if str(settings.get("format", "")).lower() in CT_INT_FORMATS:
-        raise ValueError(f"{source} is an int8 checkpoint (compressed-tensors {settings['format']}): lmkit converts "
-                         "between its int4 formats only; int8 stays compressed-tensors, which lmkit serves as it is")
+    if str(settings.get("format", "")).lower() in CT_NAIVE_FORMATS:
+        kind = "FP8" if any(str((g.get("weights") or {}).get("type", "")).lower() == "float"
+                            for g in (settings.get("config_groups") or {}).values()) else "int8"
+        raise ValueError(f"{source} is an {kind} checkpoint (compressed-tensors {settings['format']}): lmkit converts "
+                         f"between its int4 formats only; {kind} stays compressed-tensors, which lmkit serves as it is")
     source_format = checkpoint_format_of(settings)
     if source_format == checkpoint_format:
         raise ValueError(f"{source} is already a {checkpoint_format} checkpoint")

@@ -24,12 +24,14 @@ import numpy as np
 from lmkit.config import EngineConfig
 from lmkit.cpus import CpuBinding, cpu_budget, plan_binding
 from lmkit.embedding import PoolingConfig
+from lmkit.env import cache_dir
 from lmkit.messages import GenerationConfig, Response
 from lmkit.metrics import EngineMetrics, LatencyRecorder
 from lmkit.model_path import resolve_model
 from lmkit.kv_policy import load_kv_policy
 from lmkit.memory import CudaPoolSizer, KVPool, log_cuda_kv_pool, reserve_kv_pool
 from lmkit.models import ModelSpec, load_model_spec
+from lmkit.models.fp8 import dense_sources as fp8_dense_sources
 from lmkit.outputs import CompletionState
 from lmkit.structured import GrammarCache, StructuredOutput
 from lmkit.tokenizer import Tokenizer
@@ -190,7 +192,12 @@ class Engine:
             log.info("speculative decoding: n-gram and answer lookup, up to %d draft tokens a request",
                      self.config.num_speculative_tokens)
         sizing = reserve_kv_pool(self.config, self.spec) if self.device == "cpu" else nullcontext()
-        with sizing as sizer:
+        # FP8 weights: decoded once into the dense dtype the backend computes in (lmkit/models/fp8.py)
+        dense = "BF16" if self.device != "cpu" or self.config.resolved_dtype("cpu") == "bfloat16" else "F32"
+        quant = self.spec.quant
+        fp8 = fp8_dense_sources(sources, self.spec.sources, quant.fp8_scales, dense, cache_dir() / "fp8") \
+            if quant is not None and quant.layout == "fp8" else nullcontext(sources)
+        with fp8 as sources, sizing as sizer:  # decoded before the runtime folder's lock is taken
             size_pools = sizer if sizer is not None else CudaPoolSizer(self.config)
             self._cpp = _engine.Engine(
                 self.config.to_engine_config(self.device, kv_layer_bits, self.cpu_binding, n, self.spec.num_layers,
@@ -199,6 +206,10 @@ class Engine:
                 sources,
                 self.spec.eos_token_ids, size_pools=size_pools,
             )
+        if self._cpp.mtp_num_layers:
+            n_mtp = self._cpp.mtp_num_layers
+            log.info("MTP head: %d layer%s loaded, %.1f MiB (unused until speculative decoding)", n_mtp,
+                     "s" * (n_mtp > 1), self._cpp.mtp_weight_bytes / 2**20)
         return sizer
 
     @classmethod
@@ -223,6 +234,18 @@ class Engine:
     def linear_weight_bytes(self) -> int:
         """Bytes of weights every decode step reads (all linear layers and the lm_head, as packed)."""
         return self._cpp.linear_weight_bytes
+
+    @property
+    def mtp_num_layers(self) -> int:
+        """Decoder layers of the model's multi-token-prediction head the engine holds (0: none); loaded beside the
+        model for speculative decoding, run by no step yet."""
+        return self._cpp.mtp_num_layers
+
+    @property
+    def mtp_weight_bytes(self) -> int:
+        """Bytes of the MTP head's tensors as stored (mapped, not packed; not in linear_weight_bytes, which counts
+        what every decode step reads)."""
+        return self._cpp.mtp_weight_bytes
 
     @property
     def generation_defaults(self) -> dict:

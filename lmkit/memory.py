@@ -394,8 +394,9 @@ def plan_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, weight_bytes: 
 
 def checkpoint_weight_bytes(spec: "ModelSpec") -> int:
     """Bytes of every tensor the engine loads, as stored (what the weights take once packed, within a few
-    percent: the CPU backend packs dense layers in their stored dtype and AWQ int4 as int4)."""
-    return sum(e.nbytes for e in spec.sources.values())
+    percent: the CPU backend packs dense layers in their stored dtype and AWQ int4 as int4; FP8 weights are decoded
+    at load into bf16 or fp32: counted as bf16, the least they take)."""
+    return sum(e.nbytes * (2 if e.dtype == "F8_E4M3" else 1) for e in spec.sources.values())
 
 
 def unpacked_weight_bytes(spec: "ModelSpec") -> int:

@@ -888,3 +888,135 @@ def fuse_qwen3_5_experts(folder: Path, num_layers: int, num_experts: int) -> dic
         tensors[f"{p}.down_proj"] = torch.stack(take("down_proj"))
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return tensors
+
+
+def _fp8_scale_shape(strategy: str, shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    """(rows, columns) of weight one FP8 scale covers."""
+    n, k = shape
+    return (n, k) if strategy == "tensor" else (1, k) if strategy == "channel" else block
+
+
+def _fp8_block_amax(w: torch.Tensor, cover: tuple[int, int]) -> torch.Tensor:
+    """max |w| per ``cover`` block [ceil(N / bn), ceil(K / bk)] (partial blocks at the edges)."""
+    n, k = w.shape
+    bn, bk = cover
+    padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, dtype=w.dtype)
+    padded[:n, :k] = w.abs()
+    return padded.reshape(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk).amax(dim=(1, 3))
+
+
+def fp8_reference(q: torch.Tensor, scales: torch.Tensor, cover: tuple[int, int]) -> torch.Tensor:
+    """float32 weight of an FP8 E4M3 tensor (decoded by torch's float8_e4m3fn) times its scales, in float64."""
+    n, k = q.shape
+    bn, bk = cover
+    s = scales.to(torch.float64).reshape(-(-n // bn), -(-k // bk))
+    full = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (q.to(torch.float64) * full).float()
+
+
+def write_compressed_tensors_fp8(src: Path, out: Path, *, strategy: str = "channel", activations: bool = True,
+                                 block: tuple[int, int] = (128, 128), scale_dtype=torch.float32) -> Path:
+    """compressed-tensors FP8 E4M3 weights (llm-compressor's FP8_DYNAMIC with ``activations``, its FP8 weight-only
+    scheme without), scales per ``strategy`` (tensor, channel, block) from compressed-tensors' calculate_qparams,
+    compressed by its own Float/NaiveQuantizationCompressor: ``out``/fp8, and ``out``/ref: fp32 weights decoded
+    through torch's float8_e4m3fn times the scales in float64. The router, embeddings and lm_head stay dense
+    (``ignore``)."""
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor, \
+        NaiveQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file
+
+    args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy,
+                            block_structure=list(block) if strategy == "block" else None)
+    acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts if activations else None)
+    compressor = FloatQuantizationCompressor if activations else NaiveQuantizationCompressor
+    tensors = load_file(str(src / "model.safetensors"))
+    packed, ref = {}, {}
+    for name, w in quantized_linears(tensors, linear_keys(src, 1), packed, ref):
+        cover = _fp8_scale_shape(strategy, tuple(w.shape), block)
+        amax = _fp8_block_amax(w.float(), cover)
+        scale, zp = calculate_qparams(-amax, amax, args)
+        if strategy == "tensor":
+            scale, zp = scale.reshape(1), zp.reshape(1)
+        elif strategy == "channel":
+            scale, zp = scale.reshape(-1, 1), zp.reshape(-1, 1)
+        scale = scale.to(scale_dtype)
+        sd = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
+        assert sd["weight"].dtype == torch.float8_e4m3fn, sd["weight"].dtype
+        base = name[: -len("weight")]
+        for part, t in sd.items():
+            packed[base + part] = t.contiguous()
+        ref[name] = fp8_reference(sd["weight"], sd["weight_scale"], cover)
+    ignore = sorted(name[: -len(".weight")] for name, t in packed.items()
+                    if name.endswith(".weight") and t.ndim == 2 and t.is_floating_point()
+                    and t.dtype != torch.float8_e4m3fn)
+    fmt = "float-quantized" if activations else "naive-quantized"
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
+                            ignore=ignore).model_dump()
+    qc["quant_method"] = "compressed-tensors"
+    copy_folder(src, out / "fp8", packed, qc)
+    copy_folder(src, out / "ref", ref, None)
+    return out
+
+
+def write_fp8_block_vendor(src: Path, out: Path, *, block: tuple[int, int] = (128, 128),
+                           keep_dense: tuple[str, ...] = ()) -> Path:
+    """The vendor FP8 form (Qwen3-*-FP8, DeepSeek-V3; transformers' FineGrainedFP8), written by hand: per linear an
+    F8_E4M3 ``weight`` (w / scale rounded by torch's cast to float8_e4m3fn) and an fp32 ``weight_scale_inv`` per
+    ``block`` (amax / 448: a multiplier despite its name), config ``quant_method: fp8`` with
+    ``weight_block_size``; linears whose name contains one of ``keep_dense`` stay bf16 as
+    ``modules_to_not_convert``. ``out``/fp8 and ``out``/ref (fp32 dequantized in float64)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    packed, ref = {}, {}
+    dense = []
+    for name, w in quantized_linears(tensors, linear_keys(src, 1), packed, ref):
+        if any(d in name for d in keep_dense):
+            packed[name] = w.to(torch.bfloat16)
+            ref[name] = packed[name].float()
+            dense.append(name[: -len(".weight")])
+            continue
+        n, k = w.shape
+        bn, bk = block
+        scale = _fp8_block_amax(w.float(), block) / 448.0
+        full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        q = (w.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        packed[name] = q
+        packed[name[: -len("weight")] + "weight_scale_inv"] = scale.float().contiguous()
+        ref[name] = fp8_reference(q, scale, block)
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block),
+          "modules_to_not_convert": sorted(dense) or None}
+    copy_folder(src, out / "fp8", packed, qc)
+    copy_folder(src, out / "ref", ref, None)
+    return out
+
+
+def add_mtp_head(folder, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Writes a one-layer MTP head into checkpoint ``folder`` (config mtp_num_hidden_layers = 1, in text_config when
+    the checkpoint has one): mtp.fc [H, 2H], the three norms [H], and mtp.layers.0.* shaped as the model's last
+    full-attention layer's tensors, random bf16. Returns the mtp.* tensors written."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    text = cfg.get("text_config", cfg)
+    text["mtp_num_hidden_layers"] = 1
+    path.write_text(json.dumps(cfg, indent=2))
+    shard = folder / "model.safetensors"
+    tensors = {k: v for k, v in load_file(str(shard)).items() if not k.startswith("mtp.")}
+    prefix = "model.language_model.layers." if "text_config" in cfg else "model.layers."
+    last = max(i for i, kind in enumerate(text["layer_types"]) if kind == "full_attention")
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16)  # noqa: E731
+    H = text["hidden_size"]
+    mtp = {"mtp.fc.weight": rand(H, 2 * H), "mtp.pre_fc_norm_embedding.weight": rand(H),
+           "mtp.pre_fc_norm_hidden.weight": rand(H), "mtp.norm.weight": rand(H)}
+    for name, t in tensors.items():
+        if name.startswith(f"{prefix}{last}."):
+            mtp["mtp.layers.0." + name[len(f"{prefix}{last}."):]] = rand(*t.shape)
+    assert any(".self_attn.q_proj." in k for k in mtp) and any(".mlp." in k for k in mtp), sorted(mtp)
+    save_file({**tensors, **mtp}, str(shard), metadata={"format": "pt"})
+    return mtp

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lmkit.models import gguf_file
+from lmkit.models.fp8 import check_fp8_sources
 from lmkit.models.architecture import Architecture, ModelFields
 from lmkit.models.quant_config import WeightQuant, weight_quant
 from lmkit.models.registry import get_architecture
@@ -24,7 +25,7 @@ _PLAIN_ENGINE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_l
                         "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel", "attn_output_gate",
                         "swiglu_alpha", "swiglu_limit", "has_o_bias", "attention_sinks", "moe_biases",
                         "experts_interleaved", "has_v_norm", "has_layer_scalar", "moe_beside_mlp",
-                        "per_layer_input_size")
+                        "per_layer_input_size", "mtp_num_layers")
 # checkpoint tensors that are not weights (rotary buffers some exporters save)
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -189,6 +190,7 @@ def load_model_spec(path: Path) -> ModelSpec:
         fields.experts_interleaved = False  # llama.cpp splits gpt-oss's gate and up apart
     else:
         sources = map_tensors(arch, index_folder(path), fields.num_layers, quant, path, fields.num_experts)
+        check_fp8_sources(sources, quant.fp8_scales if quant is not None and quant.layout == "fp8" else None, path)
     if fields.tie_word_embeddings:
         sources.pop("lm_head", None)  # HF uses the embedding even when a copy was saved
     return ModelSpec(
@@ -219,9 +221,9 @@ def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers:
                 path: Path, num_experts: int = 0) -> dict[str, TensorEntry]:
     """Engine role -> checkpoint tensor by the architecture's key map. An int4 linear (``<module>.qweight`` etc.,
     the layout's tensor names in ``quant``, in place of ``<module>.weight``) maps to ``<role>.values``,
-    ``.zeros``, ``.scales`` and ``.g_idx``; an int8 one keeps its int8 ``<module>.weight`` as ``<role>`` and adds
-    ``<module>.weight_scale`` as ``<role>.scales``. Raises ValueError naming the tensors no role takes (rotary
-    buffers aside): a weight lmkit would silently drop."""
+    ``.zeros``, ``.scales`` and ``.g_idx``; an int8 or FP8 one keeps its ``<module>.weight`` as ``<role>`` and adds
+    ``<module>.weight_scale`` (FP8 vendor form: ``weight_scale_inv``) as ``<role>.scales``. Raises ValueError naming
+    the tensors no role takes (rotary buffers aside): a weight lmkit would silently drop."""
     sources: dict[str, TensorEntry] = {}
     used: set[str] = set()
     int4 = quant if quant is not None and quant.bits == 4 else None
@@ -236,8 +238,9 @@ def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers:
                 if scale is not None and scale in tensors:
                     sources[f"{r}.scales"] = tensors[scale]
                     used.add(scale)
-                elif int8 and tensors[k].dtype == "I8":
-                    raise ValueError(f"{path}: int8 layer {k[: -len('.weight')]} has no {int8.tensor_names[2]}")
+                elif int8 and tensors[k].dtype in ("I8", "F8_E4M3"):
+                    kind = "int8" if tensors[k].dtype == "I8" else "FP8"
+                    raise ValueError(f"{path}: {kind} layer {k[: -len('.weight')]} has no {int8.tensor_names[2]}")
             elif int4 and k.endswith(".weight") and k[: -len("weight")] + values_name in tensors:
                 base = k[: -len("weight")]
                 for part, name in zip(("values", "zeros", "scales", "g_idx"), int4.tensor_names):
@@ -260,16 +263,18 @@ def gguf_sources(arch: Architecture, view: Path, gguf: Path, num_layers: int, nu
                  mtp_layers: int = 0) -> dict[str, TensorEntry]:
     """Engine role -> tensor of GGUF file ``gguf`` (of view folder ``view``): the architecture's key map (role -> HF
     name) through the gguf package's name table (HF name -> GGUF name); a layer's experts come as one tensor each
-    for gate, up and down (the experts.*_exps roles). The ``mtp_layers`` blocks after the decoder's (a
-    multi-token-prediction head) are left unread, as in HF folders. Raises ValueError naming the tensors no role
-    takes."""
-    mtp = tuple(f"blk.{num_layers + i}." for i in range(mtp_layers))
-    # Gemma 4's rope_freqs (its proportional RoPE's factors) is read into the view's config (gguf_file._gemma4_config)
-    folded = {"rope_freqs.weight"} if gguf_file.gguf_arch_of_architecture(arch.name) == "gemma4" else set()
-    tensors = {name: entry for name, entry in gguf_file.view_tensors(view, gguf).items()
-               if not (mtp and name.startswith(mtp)) and name not in folded}
+    for gate, up and down (the experts.*_exps roles). The ``mtp_layers`` blocks after the decoder's (llama.cpp's
+    nextn blocks of a multi-token-prediction head) are read as the mtp.* roles (gguf_file.mtp_to_gguf_names).
+    Raises ValueError naming the tensors no role takes."""
+    gguf_arch = gguf_file.gguf_arch_of_architecture(arch.name)
     hf_names = [k for role, key in arch.key_map.items() for _, k in expanded(role, key, num_layers)]
-    gguf_of = gguf_file.hf_to_gguf_names(hf_names, gguf_file.gguf_arch_of_architecture(arch.name), num_layers)
+    gguf_of = gguf_file.hf_to_gguf_names([n for n in hf_names if not n.startswith("mtp.")], gguf_arch, num_layers)
+    mtp_of, skipped = gguf_file.mtp_to_gguf_names(hf_names, gguf_arch, num_layers, mtp_layers)
+    gguf_of.update(mtp_of)
+    # Gemma 4's rope_freqs (its proportional RoPE's factors) is read into the view's config (gguf_file._gemma4_config)
+    folded = {"rope_freqs.weight"} if gguf_arch == "gemma4" else set()
+    tensors = {name: entry for name, entry in gguf_file.view_tensors(view, gguf).items()
+               if name not in folded and name not in skipped}
     by_hf = {gguf_name: hf for hf, gguf_name in gguf_of.items()}
     renamed = {by_hf[name]: entry for name, entry in tensors.items() if name in by_hf}
     unknown = sorted(name for name in tensors if name not in by_hf)

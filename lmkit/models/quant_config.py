@@ -1,8 +1,9 @@
 """A checkpoint's ``quantization_config`` -> how its linears' weights are quantized: an int4 layout
 (csrc/model/int4_layouts.h: AutoAWQ GEMM, GPTQ v1/v2, compressed-tensors pack-quantized) and its group size, or
 compressed-tensors int8 (W8A8 / W8A16: int8 ``weight`` and a float ``weight_scale`` per channel or group, read
-by csrc/model/weights.cpp into the int8 kernels' blocks). Every field the engine cannot serve fails here,
-naming it, before any tensor is read."""
+by csrc/model/weights.cpp into the int8 kernels' blocks), or FP8 E4M3 (compressed-tensors ``float-quantized`` and the
+vendor ``quant_method: fp8`` with ``weight_scale_inv`` per block: dequantized at load, lmkit/models/fp8.py). Every
+field the engine cannot serve fails here, naming it, before any tensor is read."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ KERNEL_GROUP_SIZES = (32, 64, 128)  # groups the int4 kernels run; larger checkp
 class WeightQuant:
     """How a checkpoint's quantized linears are stored."""
 
-    layout: str  # int4: "awq", "gptq", "gptq_v2", "pack_quantized"; int8: "int8"
+    layout: str  # int4: "awq", "gptq", "gptq_v2", "pack_quantized"; int8: "int8"; FP8 E4M3: "fp8"
     group_size: int  # along the inputs; 0: one group per row (per-channel)
     method: str  # quantization_config.quant_method as written (for messages and the start-up line)
     # int4: the checkpoint's tensor names of one linear ("<module>.<name>"), handed to the engine as the roles
@@ -28,6 +29,8 @@ class WeightQuant:
     extra_suffixes: tuple[str, ...] = ()
     bits: int = 4
     activations: str = ""  # what the checkpoint says of activations: "" (weight-only) or "int8 per token, dynamic"
+    # fp8: what one weight scale covers: "tensor", "channel" or (rows, columns) of a block (lmkit/models/fp8.py)
+    fp8_scales: str | tuple[int, int] = ""
 
     @property
     def int4_layout(self) -> str:
@@ -35,6 +38,11 @@ class WeightQuant:
         return self.layout if self.bits == 4 else ""
 
     def describe(self) -> str:
+        if self.layout == "fp8":
+            scales = (f"per {self.fp8_scales}" if isinstance(self.fp8_scales, str) else
+                      f"per {self.fp8_scales[0]}x{self.fp8_scales[1]} block")
+            acts = f"; activations {self.activations}, not applied on the CPU" if self.activations else ""
+            return f"{self.method} fp8 e4m3, scales {scales} (dequantized at load{acts})"
         group = "per-channel" if self.group_size == 0 else f"g{self.group_size}"
         acts = f", activations {self.activations}" if self.activations else ""
         return f"{self.method} int{self.bits} {group} ({self.layout} layout{acts})"
@@ -109,6 +117,8 @@ def _compressed_tensors(qc: dict, where: str) -> WeightQuant:
         raise ValueError(f"{at}.targets={targets!r} is not supported; lmkit serves schemes that target 'Linear'")
     if weights.get("dynamic"):
         raise ValueError(f"{at}.weights.dynamic=true is not supported for weights")
+    if fmt == "float-quantized" or (fmt == "naive-quantized" and str(weights.get("type", "")).lower() == "float"):
+        return _compressed_tensors_fp8(scheme, at, fmt)
     if fmt in _INT8_FORMATS:
         return _compressed_tensors_int8(scheme, at, fmt)
     acts = scheme.get("input_activations")
@@ -171,6 +181,67 @@ def _compressed_tensors_int8(scheme: dict, at: str, fmt: str) -> WeightQuant:
     return WeightQuant("int8", group, "compressed-tensors", _INT8_NAMES, bits=8, activations=activations)
 
 
+_FP8_NAMES = ("weight", None, "weight_scale", None)
+
+
+def _compressed_tensors_fp8(scheme: dict, at: str, fmt: str) -> WeightQuant:
+    """compressed-tensors FP8 E4M3 weights (llm-compressor's FP8_DYNAMIC, FP8 weight-only and FP8_BLOCK): symmetric,
+    ``weight_scale`` per tensor, channel or block; activations none or FP8 dynamic per token (not applied on the CPU:
+    the weights are dequantized at load and activations run in the compute dtype)."""
+    weights = scheme.get("weights") or {}
+    if str(weights.get("type", "")).lower() != "float" or int(weights.get("num_bits", 0)) != 8:
+        raise ValueError(f"{at}.weights: {weights.get('num_bits')}-bit {weights.get('type')} is not supported with "
+                         f"format {fmt!r}; lmkit serves 8-bit float (FP8 E4M3) weights there")
+    if not weights.get("symmetric", True):
+        raise ValueError(f"{at}.weights.symmetric=false is not supported; FP8 weights must be symmetric")
+    strategy = str(weights.get("strategy", "")).lower()
+    if strategy in ("tensor", "channel"):
+        cover: str | tuple[int, int] = strategy
+    elif strategy == "block" and _is_block(weights.get("block_structure")):
+        cover = tuple(int(b) for b in weights["block_structure"])
+    else:
+        raise ValueError(f"{at}.weights.strategy={strategy!r} (block_structure {weights.get('block_structure')!r}) "
+                         "is not supported for FP8; use 'tensor', 'channel' or 'block' with [rows, columns]")
+    acts = scheme.get("input_activations")
+    activations = ""
+    if acts:
+        if str(acts.get("type", "")).lower() != "float" or int(acts.get("num_bits", 0)) != 8:
+            raise ValueError(f"{at}.input_activations: {acts.get('num_bits')}-bit {acts.get('type')} is not "
+                             "supported with FP8 weights; lmkit serves FP8 weights with FP8 dynamic or no activation "
+                             "quantization")
+        if acts.get("dynamic") is not True:
+            raise ValueError(f"{at}.input_activations.dynamic={acts.get('dynamic')!r} (static FP8 activation scales, "
+                             "input_scale) is not supported; use a dynamic scheme (llm-compressor FP8_DYNAMIC)")
+        activations = f"fp8 per {str(acts.get('strategy', 'token')).lower()}, dynamic"
+    return WeightQuant("fp8", 0, "compressed-tensors", _FP8_NAMES, bits=8, activations=activations,
+                       fp8_scales=cover)
+
+
+def _is_block(block) -> bool:
+    return (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block))
+
+
+def _fp8(qc: dict, where: str) -> WeightQuant:
+    """The vendor FP8 form (Qwen3-*-FP8, DeepSeek-V3; transformers' FineGrainedFP8): E4M3 ``weight`` with a
+    ``weight_scale_inv`` per ``weight_block_size`` block (a multiplier despite its name: W = q * scale_inv),
+    activations dynamic (not applied on the CPU); ``modules_to_not_convert`` are stored in bf16/fp16 and load as
+    dense layers."""
+    fmt = str(qc.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise ValueError(f"{where}.fmt={qc.get('fmt')!r} is not supported; lmkit serves FP8 E4M3 weights only")
+    scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+    if scheme != "dynamic":
+        raise ValueError(f"{where}.activation_scheme={qc.get('activation_scheme')!r} (static FP8 activation scales, "
+                         "input_scale) is not supported; lmkit serves activation_scheme 'dynamic'")
+    block = qc.get("weight_block_size")
+    if not _is_block(block):
+        raise ValueError(f"{where}.weight_block_size={block!r} is not supported; lmkit serves FP8 checkpoints "
+                         "with weight_scale_inv per block, e.g. [128, 128]")
+    return WeightQuant("fp8", 0, "fp8", ("weight", None, "weight_scale_inv", None), bits=8,
+                       activations="fp8 per token group, dynamic", fp8_scales=(int(block[0]), int(block[1])))
+
+
 def _mxfp4(qc: dict, where: str) -> None:
     """MXFP4 (gpt-oss as shipped): only the experts are quantized, as ``*_blocks`` / ``*_scales`` tensors their
     architecture's key map names (lmkit/models/gpt_oss.py); every other linear is a float one. An architecture without
@@ -178,7 +249,7 @@ def _mxfp4(qc: dict, where: str) -> None:
     return None
 
 
-_READERS = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors, "mxfp4": _mxfp4}
+_READERS = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors, "mxfp4": _mxfp4, "fp8": _fp8}
 
 
 def weight_quant(cfg: dict, cfg_path: Path) -> WeightQuant | None:
