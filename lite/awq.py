@@ -36,7 +36,7 @@ from torch import nn
 
 from lmkit.lite import export
 from lmkit.lite.blocks import (Discard, LayerRunner, block_function, calibration_inputs, cover_experts, dense_linears,
-                               fold_chosen, foldable_groups, is_expert_group, layer_other_tensors, outer_tensors)
+                               fold_chosen, foldable_groups, is_expert_group, layer_other_tensors, write_checkpoint)
 from lmkit.lite.config import AwqConfig, resolve_device
 from lmkit.lite.gptq import gptq_quantize
 from lmkit.lite.layerwise import LayerwiseModel
@@ -248,12 +248,8 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
 
         t = time.perf_counter()
         reporter.phase("writing the checkpoint")
-        tensors.update(outer_tensors(lw))
-        export.save_tensors(tensors, temp_dir)
-        del tensors
         dense = dense_linears(lw.awq_map, lw.arch.unused_tensors) if config.format == "compressed-tensors" else None
-        export.write_config(source, temp_dir, export.quantization_config(config.w_group_size, dense, config.format))
-        export.copy_side_files(source, temp_dir)
+        write_checkpoint(lw, tensors, temp_dir, export.quantization_config(config.w_group_size, dense, config.format))
         phase_seconds["export"] = time.perf_counter() - t
         lw.close()
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from lmkit.lite import export
 from lmkit.lite.apply import can_absorb, fold_scales, input_features
 from lmkit.lite.layerwise import LayerwiseModel
 from lmkit.lite.moe import PER_LAYER_INPUT_BLOCK, expert_of
@@ -289,6 +291,17 @@ def calibration_inputs(model: LayerwiseModel, config) -> tuple[torch.Tensor, int
     windows = mixed_windows(tokenizer, calibration_corpora(config.calib_dataset), config.calib_samples, seqlen,
                             config.seed)
     return model.embed(windows), seqlen
+
+
+def write_checkpoint(model: LayerwiseModel, tensors: dict[str, torch.Tensor], folder: Path,
+                     quant_config: dict) -> None:
+    """The quantizers' common end: ``tensors`` (the layers', emptied once written) and the model's outer ones
+    as safetensors shards in ``folder``, config.json with ``quant_config``, the tokenizer and other side files."""
+    tensors.update(outer_tensors(model))
+    export.save_tensors(tensors, folder)
+    tensors.clear()
+    export.write_config(model.folder, folder, quant_config)
+    export.copy_side_files(model.folder, folder)
 
 
 def outer_tensors(model: LayerwiseModel) -> dict[str, torch.Tensor]:

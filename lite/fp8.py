@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from lmkit.lite import export
-from lmkit.lite.blocks import dense_linears, layer_other_tensors, outer_tensors
+from lmkit.lite.blocks import dense_linears, layer_other_tensors, write_checkpoint
 from lmkit.lite.config import Fp8Config, resolve_device
 from lmkit.lite.layerwise import LayerwiseModel
 from lmkit.lite.progress import Reporter, SilentReporter
@@ -142,12 +142,8 @@ def quantize_fp8(model: str | Path | None, config: Fp8Config, reporter: Reporter
 
         t = time.perf_counter()
         reporter.phase("writing the checkpoint")
-        tensors.update(outer_tensors(lw))
-        export.save_tensors(tensors, temp_dir)
-        del tensors
-        export.write_config(source, temp_dir,
-                            fp8_quantization_config(config.scheme, dense_linears(lw.awq_map, lw.arch.unused_tensors)))
-        export.copy_side_files(source, temp_dir)
+        write_checkpoint(lw, tensors, temp_dir,
+                         fp8_quantization_config(config.scheme, dense_linears(lw.awq_map, lw.arch.unused_tensors)))
         phase_seconds["export"] = time.perf_counter() - t
         lw.close()
 

@@ -38,7 +38,7 @@ from torch import nn
 
 from lmkit.lite import export
 from lmkit.lite.blocks import (Discard, LayerRunner, block_function, calibration_inputs, cover_experts, dense_linears,
-                               fold_chosen, foldable_groups, is_expert_group, layer_other_tensors, outer_tensors)
+                               fold_chosen, foldable_groups, is_expert_group, layer_other_tensors, write_checkpoint)
 from lmkit.lite.config import SmoothQuantConfig, resolve_device
 from lmkit.lite.gptq import gptq_quantize_int8
 from lmkit.lite.int8 import Int8Weight, fake_quant_tokens, quantize_int8
@@ -280,12 +280,8 @@ def quantize_smooth_quant(model: str | Path | None, config: SmoothQuantConfig, r
 
         t = time.perf_counter()
         reporter.phase("writing the checkpoint")
-        tensors.update(outer_tensors(lw))
-        export.save_tensors(tensors, temp_dir)
-        del tensors
-        export.write_config(source, temp_dir,
-                            export.w8a8_quantization_config(dense_linears(lw.awq_map, lw.arch.unused_tensors)))
-        export.copy_side_files(source, temp_dir)
+        write_checkpoint(lw, tensors, temp_dir,
+                         export.w8a8_quantization_config(dense_linears(lw.awq_map, lw.arch.unused_tensors)))
         phase_seconds["export"] = time.perf_counter() - t
         lw.close()
 
