@@ -1,5 +1,10 @@
 """The one module that imports the C++ extension: everything else takes it from here,
-``from lmkit._ext import _engine``, so that a missing build fails with one message that names the fix."""
+``from lmkit._ext import _engine``, so that a missing build fails with one message that names the fix (and an
+unknown ``LMKIT_CPU_ISA``, which the engine would ignore, with one that names the choices)."""
+
+from lmkit.env import cpu_isa_cap
+
+cpu_isa_cap()
 
 try:
     from lmkit import _engine

@@ -24,7 +24,7 @@ import numpy as np
 from lmkit.config import EngineConfig
 from lmkit.cpus import CpuBinding, cpu_budget, plan_binding
 from lmkit.embedding import PoolingConfig
-from lmkit.env import cache_dir
+from lmkit.env import cache_dir, cpu_isa_cap
 from lmkit.messages import GenerationConfig, Response
 from lmkit.metrics import EngineMetrics, LatencyRecorder
 from lmkit.model_path import resolve_model
@@ -177,8 +177,10 @@ class Engine:
                        f"{n} thread{'s' * (n > 1)} (the CPUs of cpu_binding)"
                        if self.config.binding_cpus is not None else cpu_budget().describe())
             dtype = self.config.resolved_dtype("cpu")
-            why = (" (dtype='auto': this CPU has AVX512_BF16)" if dtype == "bfloat16" else
-                   " (dtype='auto': this CPU has no AVX512_BF16)") if self.config.dtype == "auto" else ""
+            capped = cpu_isa_cap()
+            why = ("" if self.config.dtype != "auto" else " (dtype='auto': this CPU has AVX512_BF16)"
+                   if dtype == "bfloat16" else f" (dtype='auto': LMKIT_CPU_ISA={capped} caps the kernels)"
+                   if capped and capped != "avx512" else " (dtype='auto': this CPU has no AVX512_BF16)")
             log.info("CPU backend: %s, %s kernels, %s compute%s", threads, _engine.cpu_isa(), dtype, why)
             # raises ValueError naming them when an explicit list has CPUs outside the affinity mask
             self.cpu_binding: CpuBinding | None = plan_binding(n, self.config.cpu_binding)

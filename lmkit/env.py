@@ -61,3 +61,17 @@ def runtime_dir() -> Path:
 
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     return Path(base) / f"lmkit-{os.getuid()}"
+
+
+CPU_ISAS = ("avx512", "avx2", "generic")
+
+
+def cpu_isa_cap() -> str | None:
+    """``LMKIT_CPU_ISA``: avx512, avx2 or generic caps the CPU kernels' instruction set (read by the C++ engine
+    when it picks its first kernel; checked here first), as oneDNN's ``ONEDNN_MAX_CPU_ISA`` does: an AVX-512
+    machine then runs, and measures, what an AVX2-only CPU runs (no VNNI, no AVX512_BF16, no AMX). Unset: the
+    CPU's best. Raises ValueError naming the choices for any other value."""
+    value = os.environ.get("LMKIT_CPU_ISA")
+    if value is not None and value not in CPU_ISAS:
+        raise ValueError(f"LMKIT_CPU_ISA={value!r}: use one of {', '.join(CPU_ISAS)} (or unset it for the CPU's best)")
+    return value

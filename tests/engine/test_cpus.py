@@ -214,3 +214,52 @@ def test_engine_threads_run_on_their_cpus_and_the_rest_move_off(tiny_llama):
     for name, allowed in r["after"]:
         if name in ("lmkit-engine", "lmkit-worker"):
             assert allowed == two, (name, allowed)
+
+
+# ---------------------------------------------------------------------------------------------- LMKIT_CPU_ISA
+_CAPPED_RUN = """
+import json, sys
+from lmkit import EngineConfig, GenerationConfig, pipeline
+from lmkit._ext import _engine
+folder = sys.argv[1]
+cfg = EngineConfig(device="cpu", num_threads=1, cache_max_entry_count=32, cache_block_seq_len=16)
+prompt = [5, 9, 14, 3, 77, 21, 8, 40, 2, 61, 33, 7, 19, 4, 88, 12, 6, 50]
+with pipeline(folder, cfg) as pipe:
+    r = pipe([prompt], GenerationConfig(max_new_tokens=4, output_logits=True, ignore_eos=True))[0]
+print(json.dumps({"isa": _engine.cpu_isa(), "bf16": _engine.cpu_bf16_available(),
+                  "amx": _engine.cpu_amx_available(), "amx_int8": _engine.cpu_amx_int8_available(),
+                  "dtype": cfg.resolved_dtype("cpu"), "tokens": prompt + r.token_ids, "logits": r.logits.tolist()}))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+def test_lmkit_cpu_isa_caps_the_kernels(isa, tiny_llama):
+    """LMKIT_CPU_ISA=avx2|generic makes the engine run what a CPU with only that ISA runs: that kernel table, no
+    AVX512_BF16 (dtype auto -> float32), no AMX, and logits still those of HF fp32."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from lmkit._ext import _engine
+    from tests.helpers import rel_err
+
+    if isa == "avx2" and _engine.cpu_isa() == "generic":
+        pytest.skip("this CPU has no AVX2")
+    env = dict(os.environ, LMKIT_CPU_ISA=isa)
+    out = subprocess.run([sys.executable, "-c", _CAPPED_RUN, str(tiny_llama[0])], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (got["isa"], got["bf16"], got["amx"], got["amx_int8"], got["dtype"]) == (isa, False, False, False,
+                                                                                      "float32")
+    with torch.no_grad():
+        expect = tiny_llama[1](torch.tensor([got["tokens"]])).logits[0].numpy()
+    assert rel_err(np.array(got["logits"]), expect[:len(got["tokens"]) - 1]) <= 1e-4
+
+
+def test_lmkit_cpu_isa_refuses_an_unknown_value():
+    out = subprocess.run([sys.executable, "-c", "import lmkit._ext"], env=dict(os.environ, LMKIT_CPU_ISA="avx3"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "LMKIT_CPU_ISA='avx3': use one of avx512, avx2, generic" in out.stderr

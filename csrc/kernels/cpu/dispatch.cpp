@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -22,8 +23,29 @@ namespace lmkit::ops {
 namespace cpu {
 namespace {
 
+// The widest ISA this process may use: LMKIT_CPU_ISA (avx512, avx2 or generic, read once) caps what the CPU
+// has, as oneDNN's ONEDNN_MAX_CPU_ISA and CTranslate2's CT2_FORCE_CPU_ISA do, so that an AVX-512 machine can
+// run (and measure) what an AVX2-only CPU runs: its tables, no VNNI, no AVX512_BF16, no AMX. Unset or unknown:
+// no cap (lmkit/_ext.py refuses an unknown value before the engine loads).
+int isa_rank(const char* isa) {
+  if (std::strcmp(isa, "generic") == 0) return 0;
+  if (std::strcmp(isa, "avx2") == 0) return 1;
+  return 2;  // avx512 and its extensions
+}
+int isa_ceiling() {
+  static const int ceiling = [] {
+    const char* env = std::getenv("LMKIT_CPU_ISA");
+    if (env == nullptr) return 2;
+    for (const char* isa : {"generic", "avx2", "avx512"})
+      if (std::strcmp(env, isa) == 0) return isa_rank(isa);
+    return 2;
+  }();
+  return ceiling;
+}
+
 bool can_run(const char* isa) {
   if (std::strcmp(isa, "generic") == 0) return true;
+  if (isa_rank(isa) > isa_ceiling()) return false;
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   // __builtin_cpu_supports also checks that the OS saves the wider registers (XCR0).
