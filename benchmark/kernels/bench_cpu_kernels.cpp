@@ -6,6 +6,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 #include <immintrin.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <ctime>
@@ -406,6 +407,43 @@ int main(int argc, char** argv) {
       }
       ops::cpu::use_amx(true);
     }
+  }
+
+  if (want("q4prefill")) {  // GGUF Q4_0 / Q4_1 (int4 groups of 32) x int8 activations: prompt rows and 16 streams
+    struct S {
+      const char* name;
+      int64_t N, K;
+    };
+    for (bool offsets : {false, true})
+      for (S s : {S{"smol gate_up 3072x576", 3072, 576}, S{"smol down 576x1536", 576, 1536},
+                  S{"smol qkv 960x576", 960, 576}, S{"1.2b gate_up 16384x2048", 16384, 2048},
+                  S{"1.2b down 2048x8192", 2048, 8192}}) {
+        if (!ops::int8_dot_available()) break;
+        if (g_smoke && s.N != 960) continue;
+        Int4Source src;
+        src.num_out = s.N, src.num_in = s.K, src.group_size = 32;
+        src.symmetric = !offsets;  // Q4_0: zero 8; Q4_1: an fp16 offset per group
+        src.read_group = [](int64_t g, int64_t, int64_t count, uint8_t* q, uint8_t* z, uint16_t* scales) {
+          for (int64_t i = 0; i < 32 * count; ++i) q[i] = (uint8_t)((g * 5 + i) % 16);
+          for (int64_t c = 0; c < count; ++c) z[c] = 8, scales[c] = f32_to_f16(0.001f * (1 + (g + c) % 7));
+        };
+        if (offsets)
+          src.read_offsets = [](int64_t g, int64_t, int64_t count, uint16_t* o) {
+            for (int64_t c = 0; c < count; ++c) o[c] = f32_to_f16(-0.004f * (1 + (g + c) % 5));
+          };
+        ops::LinearWeight w = ops::pack_linear_int4(src);
+        w.int8_activations = true;
+        for (int64_t M : {16, 64, 512}) {
+          if (s.N > 10000 && M != 512) continue;
+          std::vector<float> x = randn(M * s.K);
+          const size_t out_bytes = (size_t)(M * s.N) * 4;
+          float* out = (float*)mmap(nullptr, out_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+          const double t = time_it([&] { ops::linear(x.data(), M, w, Tensor{}, out); }, s.N > 10000 ? 5 : 21);
+          munmap(out, out_bytes);
+          std::printf("q4prefill %-24s %s M %3d: %8.3f ms  %6.1f GOP/s\n", s.name, offsets ? "Q4_1" : "Q4_0", (int)M,
+                      t * 1e3, 2.0 * M * s.N * s.K / t / 1e9);
+        }
+      }
   }
 
   if (want("attn")) {

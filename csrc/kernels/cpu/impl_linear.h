@@ -909,9 +909,10 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
 // to int32 every quad. Exact in the integers, as the VNNI path.
 #define LMKIT_VNNI
 constexpr int kQ8Block = 32;
-constexpr bool kQ8GroupZeros = false;  // q8_tile_i4 takes every head's correction per block in fp32
+constexpr bool kQ8GroupZeros = false;  // the int4 tiles take every head's correction per block in fp32
 constexpr bool kQ8GroupX = false;      // and x per block of 32 in every call
-constexpr int kQ8MR = 2;  // rows per tile: 2 x 4 int16 accumulators + weights + broadcasts in 16 ymm
+constexpr int kQ8MR = 4;  // rows per tile: int4 tiles take 4 rows x 16 columns at a time (8 int16 accumulators),
+                          // the int8, int6 and MXFP4 ones 2 rows x 32 columns, twice
 
 inline float q8_hmax(__m256 a) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -957,12 +958,12 @@ inline __m256 q8_u8x8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-// tot[i][0:32] += this int4 panel's sums (group size g) for rows i < MR. E2M1 (Mxfp4 heads): a byte shuffle maps each
-// code to its twice-e2m1 value w (-12..12), and vpmaddubsw(|w|, sign(qx, w)) sums w * qx (pairs <= 3,048: the 8 quads
-// of a block sum exactly in int16, as the int4 ones); no zero to correct for.
-template <int MR, bool E2M1>
-inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel, int64_t g,
-                       GroupHead head, float (*tot)[kPanel], KSpan span) {
+// tot[i][0:32] += this MXFP4 panel's sums (groups of 32) for rows i < MR: a byte shuffle maps each code to its
+// twice-e2m1 value w (-12..12), and vpmaddubsw(|w|, sign(qx, w)) sums w * qx (pairs <= 3,048: the 8 quads of a block
+// sum exactly in int16, as the int4 ones); no zero to correct for. The other int4 heads: q8_tile_i4_half.
+template <int MR>
+inline void q8_tile_mxfp4(const int8_t* qx, const float* dx, int64_t K, const uint8_t* panel, int64_t g,
+                          GroupHead head, float (*tot)[kPanel], KSpan span) {
   const int64_t nb = K / kQ8Block, gb = linear_int4_group_bytes(g, head), hb = linear_int4_head_bytes(head);
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   const __m256i e2m1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kE2m1Twice));
@@ -986,50 +987,83 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
         for (int h = 0; h < 2; ++h) {
           const __m256i raw = _mm256_loadu_si256((const __m256i*)(quads + t * kI4Quad + 32 * h));
           const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-          if constexpr (E2M1) {
-            const __m256i wl = _mm256_shuffle_epi8(e2m1, lo), wh = _mm256_shuffle_epi8(e2m1, hi);
-            const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
-            for (int i = 0; i < MR; ++i) {
-              acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(al, _mm256_sign_epi8(xq[i], wl)));
-              acc[i][h + 2] = _mm256_add_epi16(acc[i][h + 2], _mm256_maddubs_epi16(ah, _mm256_sign_epi8(xq[i], wh)));
-            }
-            continue;
-          }
+          const __m256i wl = _mm256_shuffle_epi8(e2m1, lo), wh = _mm256_shuffle_epi8(e2m1, hi);
+          const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
           for (int i = 0; i < MR; ++i) {
-            acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(lo, xq[i]));
-            acc[i][h + 2] = _mm256_add_epi16(acc[i][h + 2], _mm256_maddubs_epi16(hi, xq[i]));
+            acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(al, _mm256_sign_epi8(xq[i], wl)));
+            acc[i][h + 2] = _mm256_add_epi16(acc[i][h + 2], _mm256_maddubs_epi16(ah, _mm256_sign_epi8(xq[i], wh)));
           }
         }
       }
       for (int v = 0; v < 4; ++v) {
-        if constexpr (E2M1) {
-          const __m256 s = vload_exp2(blk + 8 * v).v;
-          for (int i = 0; i < MR; ++i) {
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][v], ones));
-            _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), dot,
-                                                             _mm256_loadu_ps(tot[i] + 8 * v)));
-          }
-          continue;
-        }
-        __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v))), zs;
-        if (head == GroupHead::Zeros) {  // zs: zero * scale, 8 * scale, minus the offset, or dmin * m
-          zs = _mm256_mul_ps(s, q8_u8x8(blk + 64 + 8 * v));
-        } else if (head == GroupHead::Symmetric) {
-          zs = _mm256_mul_ps(s, _mm256_set1_ps(8.0f));
-        } else {
-          const __m256 h1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)));
-          if (head == GroupHead::Offsets) {
-            zs = _mm256_sub_ps(_mm256_setzero_ps(), h1);
-          } else {  // sub-block b: d * sc[b], dmin * m[b]
-            s = _mm256_mul_ps(s, q8_u8x8(blk + kKQuantSc + b * kPanel + 8 * v));
-            zs = _mm256_mul_ps(h1, q8_u8x8(blk + kKQuantM + b * kPanel + 8 * v));
-          }
-        }
+        const __m256 s = vload_exp2(blk + 8 * v).v;
         for (int i = 0; i < MR; ++i) {
           const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][v], ones));
-          const __m256 f = _mm256_fnmadd_ps(zs, _mm256_set1_ps(sx[i * nb + kb]), _mm256_mul_ps(s, dot));
-          _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + kb]), f,
+          _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), dot,
                                                            _mm256_loadu_ps(tot[i] + 8 * v)));
+        }
+      }
+    }
+  }
+}
+
+// tot[i][0:32] += this int4 panel's sums (group size g, every head but Mxfp4) for rows i < MR (up to 4), a half panel
+// at a time: half h of a quad is 8 lanes whose low nibbles are columns 8h..8h+7 and high nibbles 16+8h.., so a block
+// of 32 k is 8 quads x (1 load, 3 ops to unpack, per row 2 vpmaddubsw + 2 vpaddw) into 2 int16 accumulators per
+// row, then per row and 8 columns s * dx * (dot - zero * sx) in fp32. Four rows keep 8 accumulators, the two nibble
+// vectors, the mask and a broadcast of x in registers; 2 rows x 32 columns (8 accumulators, 4 weight vectors) left
+// GCC too few and it spilled most of them (1.5x slower). The empty asm keeps each accumulator one chain in a
+// register (GCC otherwise re-associates the unrolled int16 adds into trees of temporaries, and spills).
+template <int MR>
+inline void q8_tile_i4_half(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
+                            int64_t g, GroupHead head, float (*tot)[kPanel], KSpan span) {
+  const int64_t nb = K / kQ8Block, gb = linear_int4_group_bytes(g, head), hb = linear_int4_head_bytes(head);
+  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  for (int64_t k0 = span.begin; k0 < span.end; k0 += g) {
+    const uint8_t* blk = panel + (k0 / g) * gb;
+    for (int64_t b = 0; b < g / kQ8Block; ++b) {
+      const int64_t kb = (k0 / kQ8Block) + b;
+      const uint8_t* quads = blk + hb + b * (kQ8Block / 4) * kI4Quad;
+      const int8_t* xb = qx + kb * kQ8Block;
+      for (int h = 0; h < 2; ++h) {
+        __m256i acc[MR][2];
+        for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int t = 0; t < kQ8Block / 4; ++t) {
+          if (h == 0) _mm_prefetch((const char*)(quads + t * kI4Quad + span.prefetch), _MM_HINT_T0);
+          const __m256i raw = _mm256_loadu_si256((const __m256i*)(quads + t * kI4Quad + 32 * h));
+          const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+          for (int i = 0; i < MR; ++i) {
+            int32_t q4;
+            memcpy(&q4, xb + i * K + 4 * t, 4);
+            const __m256i xq = _mm256_set1_epi32(q4);
+            acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(lo, xq));
+            acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(hi, xq));
+            __asm__("" : "+x"(acc[i][0]), "+x"(acc[i][1]));
+          }
+        }
+        for (int n = 0; n < 2; ++n) {
+          const int v = h + 2 * n;  // the 8 columns of this accumulator: 8v..8v+7
+          __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v))), zs;
+          if (head == GroupHead::Zeros) {  // zs: zero * scale, 8 * scale, minus the offset, or dmin * m
+            zs = _mm256_mul_ps(s, q8_u8x8(blk + 64 + 8 * v));
+          } else if (head == GroupHead::Symmetric) {
+            zs = _mm256_mul_ps(s, _mm256_set1_ps(8.0f));
+          } else {
+            const __m256 h1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)));
+            if (head == GroupHead::Offsets) {
+              zs = _mm256_sub_ps(_mm256_setzero_ps(), h1);
+            } else {  // sub-block b: d * sc[b], dmin * m[b]
+              s = _mm256_mul_ps(s, q8_u8x8(blk + kKQuantSc + b * kPanel + 8 * v));
+              zs = _mm256_mul_ps(h1, q8_u8x8(blk + kKQuantM + b * kPanel + 8 * v));
+            }
+          }
+          for (int i = 0; i < MR; ++i) {
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][n], ones));
+            const __m256 f = _mm256_fnmadd_ps(zs, _mm256_set1_ps(sx[i * nb + kb]), _mm256_mul_ps(s, dot));
+            _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + kb]), f,
+                                                             _mm256_loadu_ps(tot[i] + 8 * v)));
+          }
         }
       }
     }
@@ -1143,6 +1177,17 @@ inline void q8_tile_i6(const int8_t* qx, const float* dx, const float* sx, int64
 }
 
 // BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g; BITS 6: int6 panels.
+// The 2-row tiles of the int8, int6 and MXFP4 panels (sx: sums of qx per 16 values for int6 and int8 g16, else 32).
+template <int BITS, int MR>
+inline void q8_tile_rows(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
+                         int64_t g, GroupHead head, float (*tot)[kPanel], KSpan span) {
+  if constexpr (BITS == 4) q8_tile_mxfp4<MR>(qx, dx, K, panel, g, head, tot, span);
+  else if constexpr (BITS == 6) q8_tile_i6<MR>(qx, dx, sx, K, panel, tot, span);
+  else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, tot, span);
+  else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, tot, span);
+  else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, tot, span);
+}
+
 template <int BITS, int MR = kQ8MR>
 inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
                       int64_t g, GroupHead head, bool /*xg: never here*/, float* c, int64_t ldc, int ncols,
@@ -1151,14 +1196,16 @@ inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx
     alignas(32) float tot[MR][kPanel] = {};
     if (!span.first)
       for (int i = 0; i < MR; ++i) memcpy(tot[i], c + i * ldc, (size_t)ncols * 4);
-    if constexpr (BITS == 4) {
-      if (head == GroupHead::Mxfp4) q8_tile_i4<MR, true>(qx, dx, sx, K, panel, g, head, tot, span);
-      else q8_tile_i4<MR, false>(qx, dx, sx, K, panel, g, head, tot, span);
+    if (BITS == 4 && head != GroupHead::Mxfp4) {
+      q8_tile_i4_half<MR>(qx, dx, sx, K, panel, g, head, tot, span);
+    } else {  // 2-row tiles: rows [r, r + 2), and a last single one
+      const int64_t ns = BITS == 6 || (BITS == 8 && g == 16) ? K / 16 : K / kQ8Block;  // sx per row
+      for (int r = 0; r < MR; r += 2) {
+        if (MR - r == 1) q8_tile_rows<BITS, 1>(qx + r * K, dx + r * (K / kQ8Block), sx + r * ns, K, panel, g, head,
+                                               tot + r, span);
+        else q8_tile_rows<BITS, 2>(qx + r * K, dx + r * (K / kQ8Block), sx + r * ns, K, panel, g, head, tot + r, span);
+      }
     }
-    else if constexpr (BITS == 6) q8_tile_i6<MR>(qx, dx, sx, K, panel, tot, span);
-    else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, tot, span);
-    else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, tot, span);
-    else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, tot, span);
     const float* b = span.last ? bias : nullptr;
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < ncols; ++j) c[i * ldc + j] = b ? tot[i][j] + b[j] : tot[i][j];
