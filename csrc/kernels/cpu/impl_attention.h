@@ -236,26 +236,34 @@ inline void chunk_max(float* st, int ld, int n, int v, int64_t c0, bool masked, 
   }
 }
 
-// st[j][v * kW ..] = K_j . qt[:, v * kW ..] for the kAttnKeyBlock keys krow[0..], RV row vectors.
+// Registers of the ISA's vectors: 32 on AVX-512, 16 on AVX2 and in the generic unit (SSE2 on x86-64).
+constexpr int kVecRegs = kW == 16 ? 32 : 16;
+
+// st[j][v * kW ..] = K_j . qt[:, v * kW ..] for the kAttnKeyBlock keys krow[0..], RV row vectors: KS keys at a
+// time, so that the KS x RV accumulators, the RV query vectors and a broadcast fit the registers (with 16, 8 x 3
+// accumulators spilled on every d). Each score is the same sum over d in the same order whatever KS.
 template <int RV>
 inline void scores_t(const float* const* krow, const float* qt, int hd, float* st) {
   constexpr int KB = kAttnKeyBlock, ld = RV * kW;
-  V acc[KB][RV];
-  for (int j = 0; j < KB; ++j)
-    for (int v = 0; v < RV; ++v) acc[j][v] = vzero();
-  const float* kr[KB];
-  for (int j = 0; j < KB; ++j) kr[j] = krow[j];
-  for (int d = 0; d < hd; ++d) {
-    V qv[RV];
-    for (int v = 0; v < RV; ++v) qv[v] = vload(qt + d * ld + v * kW);
+  constexpr int KS = kVecRegs == 32 || RV == 1 ? KB : KB / 2;
+  for (int j0 = 0; j0 < KB; j0 += KS) {
+    V acc[KS][RV];
+    for (int j = 0; j < KS; ++j)
+      for (int v = 0; v < RV; ++v) acc[j][v] = vzero();
+    const float* kr[KS];
+    for (int j = 0; j < KS; ++j) kr[j] = krow[j0 + j];
+    for (int d = 0; d < hd; ++d) {
+      V qv[RV];
+      for (int v = 0; v < RV; ++v) qv[v] = vload(qt + d * ld + v * kW);
 #pragma GCC unroll 8
-    for (int j = 0; j < KB; ++j) {
-      const V kd = vset1(kr[j][d]);
-      for (int v = 0; v < RV; ++v) acc[j][v] = vfma(kd, qv[v], acc[j][v]);
+      for (int j = 0; j < KS; ++j) {
+        const V kd = vset1(kr[j][d]);
+        for (int v = 0; v < RV; ++v) acc[j][v] = vfma(kd, qv[v], acc[j][v]);
+      }
     }
+    for (int j = 0; j < KS; ++j)
+      for (int v = 0; v < RV; ++v) vstore(st + (j0 + j) * ld + v * kW, acc[j][v]);
   }
-  for (int j = 0; j < KB; ++j)
-    for (int v = 0; v < RV; ++v) vstore(st + j * ld + v * kW, acc[j][v]);
 }
 
 // o[r0 + i][dv * kW ..] += sum_j st[j][r0 + i] * V_j[dv * kW ..] for i < 4, NV vectors of head_dim;
@@ -326,9 +334,12 @@ void attend_task(const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh,
       }
       vstore(lsum + v * kW, l);
     }
+    // 4 rows x PV vectors of head_dim: 4 x PV accumulators and PV values of V in registers (4 x 4 + 4 spilled on
+    // 16); the same sums in the same order whatever PV
+    constexpr int PV = kVecRegs == 32 ? 4 : 2;
     for (int r0 = 0; r0 < rows4; r0 += 4) {
       int dv = 0;
-      for (; dv + 4 <= nvec; dv += 4) pv_block<4>(st, ld, r0, vrow, n, dv, hd, obuf, hdp);
+      for (; dv + PV <= nvec; dv += PV) pv_block<PV>(st, ld, r0, vrow, n, dv, hd, obuf, hdp);
       for (; dv < nvec; ++dv) pv_block<1>(st, ld, r0, vrow, n, dv, hd, obuf, hdp);
     }
   }
