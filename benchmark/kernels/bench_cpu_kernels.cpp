@@ -446,6 +446,20 @@ int main(int argc, char** argv) {
       }
   }
 
+  if (want("q8prefill")) {  // int8 panels (GGUF Q8_0: SmolLM2's tied lm_head) x int8 activations, 16 streams
+    if (ops::int8_dot_available()) {
+      const int64_t N = g_smoke ? 960 : 49152, K = 576;
+      ops::LinearWeight w = ops::pack_linear_int8(make_weight(DType::F32, N, K).t);
+      w.int8_activations = true;
+      for (int64_t M : {16, 64}) {
+        std::vector<float> x = randn(M * K), out(M * N);
+        const double t = time_it([&] { ops::linear(x.data(), M, w, Tensor{}, out.data()); }, 11);
+        std::printf("q8prefill smol lm_head %lldx576 Q8_0 M %3d: %8.3f ms  %6.1f GOP/s\n", (long long)N, (int)M,
+                    t * 1e3, 2.0 * M * N * K / t / 1e9);
+      }
+    }
+  }
+
   if (want("attn")) {
     // fp32 and int8 caches in blocks of 16; the bf16 cache of dtype='bfloat16' in the engine's default blocks of
     // 64, on the dot path and, where the CPU has AMX-BF16, on tiles

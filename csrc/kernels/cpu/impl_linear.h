@@ -1071,47 +1071,49 @@ inline void q8_tile_i4_half(const int8_t* qx, const float* dx, const float* sx, 
 }
 
 // tot[i][0:32] += this int8 panel's sums (layout as the AVX-512 path's q8_tile_i8, blocks of G, offset heads when
-// OFFSETS: + offset * sx, sx the sums of qx per G values) for rows i < MR.
+// OFFSETS: + offset * sx, sx the sums of qx per G values) for rows i < MR (up to 4), half a panel (16 columns:
+// vectors 2h and 2h + 1) at a time, as q8_tile_i4_half and for the same reason: 8 int32 accumulators, 2 weights and
+// their magnitudes, a broadcast of x and a temporary fit the 16 registers, where 2 rows x 32 columns spilled (+18%).
 template <int MR, int G, bool OFFSETS = false>
 inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                       float (*tot)[kPanel], KSpan span) {
+                            float (*tot)[kPanel], KSpan span) {
   constexpr GroupHead kHead = OFFSETS ? GroupHead::Offsets : GroupHead::Zeros;
   const int64_t nb = K / kQ8Block, ng = K / G, block_bytes = i8_block_bytes(G, kHead), hb = i8_head_bytes(G, kHead);
   const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
   for (int64_t kg = span.begin / G; kg < span.end / G; ++kg) {
     const uint8_t* blk = panel + kg * block_bytes;
     const int64_t kb = kg * G / kQ8Block;
-    __m256i acc[MR][4];
-    for (int i = 0; i < MR; ++i)
-      for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_si256();
     const uint8_t* quads = blk + hb;
-#pragma GCC unroll 8
-    for (int t = 0; t < G / 4; ++t) {
-      _mm_prefetch((const char*)(quads + t * 128 + span.prefetch), _MM_HINT_T0);
-      _mm_prefetch((const char*)(quads + t * 128 + 64 + span.prefetch), _MM_HINT_T0);
-      __m256i xq[MR];
-      for (int i = 0; i < MR; ++i) {
-        int32_t q4;
-        memcpy(&q4, qx + i * K + kg * G + 4 * t, 4);
-        xq[i] = _mm256_set1_epi32(q4);
+    const int8_t* xg = qx + kg * G;
+    for (int h = 0; h < 2; ++h) {
+      __m256i acc[MR][2];
+      for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int t = 0; t < G / 4; ++t) {
+        _mm_prefetch((const char*)(quads + t * 128 + 64 * h + span.prefetch), _MM_HINT_T0);
+        const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(quads + t * 128 + 64 * h)), flip);
+        const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(quads + t * 128 + 64 * h + 32)), flip);
+        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+        for (int i = 0; i < MR; ++i) {
+          int32_t q4;
+          memcpy(&q4, xg + i * K + 4 * t, 4);
+          const __m256i xq = _mm256_set1_epi32(q4);
+          acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xq, w0)), ones));
+          acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xq, w1)), ones));
+          __asm__("" : "+x"(acc[i][0]), "+x"(acc[i][1]));
+        }
       }
-      for (int v = 0; v < 4; ++v) {  // 32 bytes at 32 v: lanes of columns 8v..8v+7
-        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(quads + t * 128 + 32 * v)), flip);
-        const __m256i aw = _mm256_abs_epi8(w);
-        for (int i = 0; i < MR; ++i)
-          acc[i][v] = _mm256_add_epi32(acc[i][v],
-                                       _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xq[i], w)), ones));
-      }
-    }
-    for (int v = 0; v < 4; ++v) {
-      const __m256 d = G == 16 || OFFSETS ? _mm256_loadu_ps((const float*)blk + 8 * v)
-                                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v)));
-      for (int i = 0; i < MR; ++i) {
-        __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][v]), d);
-        if constexpr (OFFSETS)
-          f = _mm256_fmadd_ps(_mm256_loadu_ps((const float*)blk + kPanel + 8 * v), _mm256_set1_ps(sx[i * ng + kg]), f);
-        _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + kb]), f,
-                                                         _mm256_loadu_ps(tot[i] + 8 * v)));
+      for (int n = 0; n < 2; ++n) {
+        const int v = 2 * h + n;  // columns 8v..8v+7
+        const __m256 d = G == 16 || OFFSETS ? _mm256_loadu_ps((const float*)blk + 8 * v)
+                                            : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v)));
+        for (int i = 0; i < MR; ++i) {
+          __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][n]), d);
+          if constexpr (OFFSETS)
+            f = _mm256_fmadd_ps(_mm256_loadu_ps((const float*)blk + kPanel + 8 * v), _mm256_set1_ps(sx[i * ng + kg]), f);
+          _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + kb]), f,
+                                                           _mm256_loadu_ps(tot[i] + 8 * v)));
+        }
       }
     }
   }
@@ -1177,15 +1179,12 @@ inline void q8_tile_i6(const int8_t* qx, const float* dx, const float* sx, int64
 }
 
 // BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g; BITS 6: int6 panels.
-// The 2-row tiles of the int8, int6 and MXFP4 panels (sx: sums of qx per 16 values for int6 and int8 g16, else 32).
+// The 2-row tiles of the int6 and MXFP4 panels (sx: sums of qx per 16 values for int6).
 template <int BITS, int MR>
 inline void q8_tile_rows(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
                          int64_t g, GroupHead head, float (*tot)[kPanel], KSpan span) {
   if constexpr (BITS == 4) q8_tile_mxfp4<MR>(qx, dx, K, panel, g, head, tot, span);
-  else if constexpr (BITS == 6) q8_tile_i6<MR>(qx, dx, sx, K, panel, tot, span);
-  else if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, tot, span);
-  else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, tot, span);
-  else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, tot, span);
+  else q8_tile_i6<MR>(qx, dx, sx, K, panel, tot, span);
 }
 
 template <int BITS, int MR = kQ8MR>
@@ -1196,10 +1195,14 @@ inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx
     alignas(32) float tot[MR][kPanel] = {};
     if (!span.first)
       for (int i = 0; i < MR; ++i) memcpy(tot[i], c + i * ldc, (size_t)ncols * 4);
-    if (BITS == 4 && head != GroupHead::Mxfp4) {
+    if constexpr (BITS == 8) {
+      if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, tot, span);
+      else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, tot, span);
+      else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, tot, span);
+    } else if (BITS == 4 && head != GroupHead::Mxfp4) {
       q8_tile_i4_half<MR>(qx, dx, sx, K, panel, g, head, tot, span);
-    } else {  // 2-row tiles: rows [r, r + 2), and a last single one
-      const int64_t ns = BITS == 6 || (BITS == 8 && g == 16) ? K / 16 : K / kQ8Block;  // sx per row
+    } else {  // int6 and MXFP4: 2-row tiles, rows [r, r + 2), and a last single one
+      const int64_t ns = BITS == 6 ? K / 16 : K / kQ8Block;  // sx per row
       for (int r = 0; r < MR; r += 2) {
         if (MR - r == 1) q8_tile_rows<BITS, 1>(qx + r * K, dx + r * (K / kQ8Block), sx + r * ns, K, panel, g, head,
                                                tot + r, span);
