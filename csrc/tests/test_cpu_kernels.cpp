@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -251,12 +252,13 @@ std::vector<float> linear_f64(const std::vector<float>& x, int64_t M, const std:
 
 // symmetric: every zero 8 (what GGUF Q4_0 and symmetric GPTQ / compressed-tensors checkpoints hold), which the
 // layout's source reports and the packer turns into zero-less Symmetric heads.
-AwqWeight make_awq(int64_t N, int64_t K, int64_t g, bool symmetric = false) {
+// fill: every word of qweight (8 nibbles) this value instead of random bits.
+AwqWeight make_awq(int64_t N, int64_t K, int64_t g, bool symmetric = false, std::optional<uint32_t> fill = {}) {
   AwqWeight a;
   std::uniform_int_distribution<uint32_t> bits;
   a.qweight.resize(K * N / 8);
   a.qzeros.resize(K / g * N / 8);
-  for (auto& x : a.qweight) x = (int32_t)bits(g_rng);
+  for (auto& x : a.qweight) x = (int32_t)(fill ? *fill : bits(g_rng));
   for (auto& x : a.qzeros) x = symmetric ? (int32_t)0x88888888u : (int32_t)bits(g_rng);
   std::vector<float> s = randn(K / g * N, 0.02f);
   for (float x : s) a.scales.push_back(f32_to_f16(x));
@@ -776,6 +778,23 @@ void test_linear_int4_q8(const char* kernel) {
                    std::string("linear int4 x int8 (") + kernel + ") g" + std::to_string(s.g) + " M " +
                        std::to_string(s.M) + " N " + std::to_string(s.N) + " K " + std::to_string(s.K) +
                        (with_bias ? " bias" : "") + (symmetric ? " symmetric" : ""));
+    }
+  // The integer sums at their extremes: every q 0 or 15 (q - 8 = -8 or 7: the AVX2 Symmetric tiles start at -8 x
+  // x's pair sums and must land back in int16), or alternating, against rows of qx all +127 or all -127, and a row
+  // of mixed signs; 5 rows: a 4-row tile and a single one
+  for (uint32_t fill : {0x00000000u, 0xffffffffu, 0xf0f0f0f0u})
+    for (bool symmetric : {true, false}) {
+      const int64_t M = 5, N = 64, K = 256, g = 32;
+      const AwqWeight a = make_awq(N, K, g, symmetric, fill);
+      ops::LinearWeight w = pack_awq(a, g);
+      w.int8_activations = true;
+      std::vector<float> x(M * K), out(M * N, NAN);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) x[m * K + k] = m == 4 ? (k % 3 == 0 ? -1.0f : 1.0f) : (m % 2 ? -1.0f : 1.0f);
+      ops::linear(x.data(), M, w, Tensor{}, out.data());
+      const std::vector<float> ref = linear_f64(quantize_q8(x, M, K, 32), M, a.dense, N, K, nullptr);
+      expect_close(out, ref, std::string("linear int4 x int8 (") + kernel + ") at the integer extremes, words " +
+                                 std::to_string(fill) + (symmetric ? " symmetric" : ""));
     }
 }
 

@@ -584,6 +584,7 @@ struct KSpan {
 constexpr int kQ8Block = 32;
 constexpr int kQ8MR = 6;  // rows per tile: 6 x (2 int32 + 2 fp32 accumulators) + operands in 32 zmm (4 rows: 10%
                           // slower at 16 streams, 8: spills)
+constexpr bool kQ8SymmetricInit = false;  // see the AVX2 section
 
 // Row x[0:K] -> qx[0:K] and, per block of `block` values (a multiple of 16: 32 here, the weight's group on
 // AMX tiles), dx[K / block] and, unless sx is nullptr, sx[K / block] (the block's sum of qx, as float).
@@ -911,8 +912,12 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
 constexpr int kQ8Block = 32;
 constexpr bool kQ8GroupZeros = false;  // the int4 tiles take every head's correction per block in fp32
 constexpr bool kQ8GroupX = false;      // and x per block of 32 in every call
-constexpr int kQ8MR = 4;  // rows per tile: int4 tiles take 4 rows x 16 columns at a time (8 int16 accumulators),
-                          // the int8, int6 and MXFP4 ones 2 rows x 32 columns, twice
+constexpr int kQ8MR = 4;  // rows per tile: int4 and int8 tiles take 4 rows x 16 columns at a time (8 accumulators),
+                          // the int6 and MXFP4 ones 2 rows x 32 columns, twice
+// Symmetric int4 heads (GGUF Q4_0): the tiles start each block's int16 sums at -8 x x's pair sums
+// (q8_symmetric_init) instead of subtracting 8 * scale * sum(x) per column in fp32 (a mul and an FMA per 8 columns,
+// row and block: 5% of a Q4_0 prefill)
+constexpr bool kQ8SymmetricInit = true;
 
 inline float q8_hmax(__m256 a) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -1014,7 +1019,7 @@ inline void q8_tile_mxfp4(const int8_t* qx, const float* dx, int64_t K, const ui
 // vectors, the mask and a broadcast of x in registers; 2 rows x 32 columns (8 accumulators, 4 weight vectors) left
 // GCC too few and it spilled most of them (1.5x slower). The empty asm keeps each accumulator one chain in a
 // register (GCC otherwise re-associates the unrolled int16 adds into trees of temporaries, and spills).
-template <int MR>
+template <int MR, bool SYMMETRIC>
 inline void q8_tile_i4_half(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
                             int64_t g, GroupHead head, float (*tot)[kPanel], KSpan span) {
   const int64_t nb = K / kQ8Block, gb = linear_int4_group_bytes(g, head), hb = linear_int4_head_bytes(head);
@@ -1027,7 +1032,11 @@ inline void q8_tile_i4_half(const int8_t* qx, const float* dx, const float* sx, 
       const int8_t* xb = qx + kb * kQ8Block;
       for (int h = 0; h < 2; ++h) {
         __m256i acc[MR][2];
-        for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+        for (int i = 0; i < MR; ++i) {
+          int32_t init = 0;  // SYMMETRIC: sx holds q8_symmetric_init's int32s
+          if constexpr (SYMMETRIC) memcpy(&init, sx + i * nb + kb, 4);
+          acc[i][0] = acc[i][1] = _mm256_set1_epi32(init);
+        }
 #pragma GCC unroll 8
         for (int t = 0; t < kQ8Block / 4; ++t) {
           if (h == 0) _mm_prefetch((const char*)(quads + t * kI4Quad + span.prefetch), _MM_HINT_T0);
@@ -1045,10 +1054,16 @@ inline void q8_tile_i4_half(const int8_t* qx, const float* dx, const float* sx, 
         for (int n = 0; n < 2; ++n) {
           const int v = h + 2 * n;  // the 8 columns of this accumulator: 8v..8v+7
           __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v))), zs;
-          if (head == GroupHead::Zeros) {  // zs: zero * scale, 8 * scale, minus the offset, or dmin * m
+          if constexpr (SYMMETRIC) {  // the sums are already of (q - 8) qx
+            for (int i = 0; i < MR; ++i) {
+              const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][n], ones));
+              _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), dot,
+                                                               _mm256_loadu_ps(tot[i] + 8 * v)));
+            }
+            continue;
+          }
+          if (head == GroupHead::Zeros) {  // zs: zero * scale, minus the offset, or dmin * m
             zs = _mm256_mul_ps(s, q8_u8x8(blk + 64 + 8 * v));
-          } else if (head == GroupHead::Symmetric) {
-            zs = _mm256_mul_ps(s, _mm256_set1_ps(8.0f));
           } else {
             const __m256 h1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)));
             if (head == GroupHead::Offsets) {
@@ -1200,7 +1215,8 @@ inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx
       else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, tot, span);
       else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, tot, span);
     } else if (BITS == 4 && head != GroupHead::Mxfp4) {
-      q8_tile_i4_half<MR>(qx, dx, sx, K, panel, g, head, tot, span);
+      if (head == GroupHead::Symmetric) q8_tile_i4_half<MR, true>(qx, dx, sx, K, panel, g, head, tot, span);
+      else q8_tile_i4_half<MR, false>(qx, dx, sx, K, panel, g, head, tot, span);
     } else {  // int6 and MXFP4: 2-row tiles, rows [r, r + 2), and a last single one
       const int64_t ns = BITS == 6 ? K / 16 : K / kQ8Block;  // sx per row
       for (int r = 0; r < MR; r += 2) {
@@ -1219,6 +1235,22 @@ inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx
 #endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
+// Per block of 32 of a quantized row qx: the int16 pair (-8 x the sum of qx[k] with k % 4 in {0, 1}, -8 x that with
+// k % 4 in {2, 3}) as one int32 (its bits stored in init[b], a float slot), which is what a tile's vpmaddubsw sums
+// start at in every 32-bit lane (int16 lane 0 of a column sums those k, lane 1 these), so that they end at
+// sum (q - 8) qx: |.| <= 16 x 8 x 127 per lane, exact in int16 (the wrapping sums on the way come back).
+inline void q8_symmetric_init(const int8_t* qx, int64_t K, float* init) {
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256i p = _mm256_maddubs_epi16(ones, _mm256_loadu_si256((const __m256i*)(qx + 32 * b)));  // qx[2j] + qx[2j + 1]
+    p = _mm256_add_epi16(p, _mm256_permute2x128_si256(p, p, 1));
+    p = _mm256_add_epi16(p, _mm256_shuffle_epi32(p, 0x4e));
+    p = _mm256_add_epi16(p, _mm256_shuffle_epi32(p, 0xb1));
+    const int32_t v = _mm256_cvtsi256_si32(_mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(p, 3)));
+    memcpy(init + b, &v, 4);
+  }
+}
+
 // out = x @ w^T (+ bias) with int8 activations over int4 (BITS 4, groups of g), int8 (BITS 8, blocks of g = 32
 // or 16) or int6 (BITS 6, super-blocks of 256) panels; K % 32 == 0.
 template <int BITS>
@@ -1235,8 +1267,10 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
   const int64_t nx = xg ? K / g : nb;  // x's blocks per row: dx, sx
   // Zeros heads of groups of several blocks on VNNI: sum_b dx_b sx_b per group (q8_tile's GZ)
   const bool group_zeros = kQ8GroupZeros && BITS == 4 && head == GroupHead::Zeros && g > kQ8Block;
+  // Symmetric int4 heads on AVX2: q8_symmetric_init's int32s per block
+  const bool symmetric_init = kQ8SymmetricInit && BITS == 4 && head == GroupHead::Symmetric;
   const int64_t ns = fine ? K / 16 : group_zeros ? K / g : nx;
-  const bool own = fine || group_zeros;  // the tiles take sums of their own, not sx
+  const bool own = fine || group_zeros || symmetric_init;  // the tiles take sums of their own, not sx
   thread_local ScratchBuffer scratch;  // dx, sx (per block of x), then the tiles' own sums where `own`, then qx
   float* dx = (float*)scratch.get((size_t)((2 * M * nx + (own ? M * ns : 0)) * 4 + M * K));
   float* sx = dx + M * nx;
@@ -1251,6 +1285,7 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
           for (int64_t i = 0; i < 16; ++i) sum += qx[m * K + 16 * b + i];
           sg[m * ns + b] = (float)sum;
         }
+      if (symmetric_init) q8_symmetric_init(qx + m * K, K, sg + m * ns);
       if (group_zeros)
         for (int64_t gi = 0; gi < ns; ++gi) {
           float sum = 0.0f;
