@@ -21,6 +21,7 @@
 // cross a multiple of kAttnSplitKeys is split there over its keys and the partial softmax states are merged
 // (attend_merge): fixed segments, so that no row depends on its batch.
 
+constexpr int kVecRegs = kW == 16 ? 32 : 16;  // vector registers: AVX-512 32; AVX2 and the generic unit 16
 constexpr int kAttnKeyBlock = 8;            // keys whose scores are computed together
 constexpr int kAttnChunk = 32;              // keys per online-softmax step
 constexpr int kAttnRowVecs = 3;             // row vectors per task: R <= 3 * kW
@@ -235,9 +236,6 @@ inline void chunk_max(float* st, int ld, int n, int v, int64_t c0, bool masked, 
     vstore(m + v * kW, mx);
   }
 }
-
-// Registers of the ISA's vectors: 32 on AVX-512, 16 on AVX2 and in the generic unit (SSE2 on x86-64).
-constexpr int kVecRegs = kW == 16 ? 32 : 16;
 
 // st[j][v * kW ..] = K_j . qt[:, v * kW ..] for the kAttnKeyBlock keys krow[0..], RV row vectors: KS keys at a
 // time, so that the KS x RV accumulators, the RV query vectors and a broadcast fit the registers (with 16, 8 x 3
@@ -462,21 +460,25 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kW) {
     const int n = key_hi - c0 < kW ? (int)(key_hi - c0) : kW;
     gather_kv(kv, seq.block_table, kvh, c0, n, kW, kZeroRow, krow, vrow, kdq, vdq, rows.seq_end());
-    V a[G][kW];  // a[r][j]: partial sums of row r . key j (registers for G x 4 of them at a time)
-    for (int j0 = 0; j0 < kW; j0 += 4) {
-      V acc[G][4];
+    // a[r][j]: partial sums of row r . key j, in registers for G x KJ of them at a time (KJ keys and a query vector
+    // beside them: 4 keys where 32 registers hold them, and on 16 for up to 2 rows; else 2). Each sum runs over
+    // head_dim in the same order whatever KJ.
+    constexpr int KJ = kVecRegs == 32 || G <= 2 ? 4 : 2;
+    V a[G][kW];
+    for (int j0 = 0; j0 < kW; j0 += KJ) {
+      V acc[G][KJ];
       for (int r = 0; r < G; ++r)
-        for (int i = 0; i < 4; ++i) acc[r][i] = vzero();
+        for (int i = 0; i < KJ; ++i) acc[r][i] = vzero();
       for (int dv = 0; dv < nvec; ++dv) {
-        V kk[4];
-        for (int i = 0; i < 4; ++i) kk[i] = load_hd(krow[j0 + i], dv, hd);
+        V kk[KJ];
+        for (int i = 0; i < KJ; ++i) kk[i] = load_hd(krow[j0 + i], dv, hd);
         for (int r = 0; r < G; ++r) {
           const V qv = vload(qbuf + r * hdp + dv * kW);
-          for (int i = 0; i < 4; ++i) acc[r][i] = vfma(qv, kk[i], acc[r][i]);
+          for (int i = 0; i < KJ; ++i) acc[r][i] = vfma(qv, kk[i], acc[r][i]);
         }
       }
       for (int r = 0; r < G; ++r)
-        for (int i = 0; i < 4; ++i) a[r][j0 + i] = acc[r][i];
+        for (int i = 0; i < KJ; ++i) a[r][j0 + i] = acc[r][i];
     }
     const V kpos = rows.key_positions(c0);
     for (int r = 0; r < G; ++r) {
@@ -492,22 +494,24 @@ void attend_task_dot(const float* q, const KVLayer& kv, const AttnSeq& seq, int 
       vstore(lsum + r * kW, l + p);
       vstore(pbuf + r * kW, p);
     }
-    for (int dv = 0; dv < nvec; dv += 4) {
-      const int nv = nvec - dv < 4 ? nvec - dv : 4;
-      if (nv == 4 && (dv + 4) * kW <= hd) {
-        V acc[G][4];
+    // G x PU output vectors in registers, PU values of V beside them (4 on 32 registers, 2 on 16)
+    constexpr int PU = kVecRegs == 32 ? 4 : 2;
+    for (int dv = 0; dv < nvec; dv += PU) {
+      const int nv = nvec - dv < PU ? nvec - dv : PU;
+      if (nv == PU && (dv + PU) * kW <= hd) {
+        V acc[G][PU];
         for (int r = 0; r < G; ++r)
-          for (int u = 0; u < 4; ++u) acc[r][u] = vload(obuf + r * hdp + (dv + u) * kW);
+          for (int u = 0; u < PU; ++u) acc[r][u] = vload(obuf + r * hdp + (dv + u) * kW);
         for (int j = 0; j < n; ++j) {
-          V vv[4];
-          for (int u = 0; u < 4; ++u) vv[u] = vload(vrow[j] + (dv + u) * kW);
+          V vv[PU];
+          for (int u = 0; u < PU; ++u) vv[u] = vload(vrow[j] + (dv + u) * kW);
           for (int r = 0; r < G; ++r) {
             const V p = vset1(pbuf[r * kW + j]);
-            for (int u = 0; u < 4; ++u) acc[r][u] = vfma(p, vv[u], acc[r][u]);
+            for (int u = 0; u < PU; ++u) acc[r][u] = vfma(p, vv[u], acc[r][u]);
           }
         }
         for (int r = 0; r < G; ++r)
-          for (int u = 0; u < 4; ++u) vstore(obuf + r * hdp + (dv + u) * kW, acc[r][u]);
+          for (int u = 0; u < PU; ++u) vstore(obuf + r * hdp + (dv + u) * kW, acc[r][u]);
       } else {
         for (int u = dv; u < dv + nv; ++u) {
           V acc[G];
