@@ -1,6 +1,6 @@
 #!/bin/bash
 # Builds the CPU kernels with the per-file flags of CMakeLists.txt plus the benchmark, then runs it.
-#   benchmark/kernels/run.sh [isa: avx512|avx2|generic] [threads] [only: bw|gemv|gemv576|gemv1.2b|gguf|gemm|awq|attn|decode16|elem]
+#   benchmark/kernels/run.sh [isa: avx512|avx2|generic] [threads] [only: bw|gemv|gemv576|gemv1.2b|gguf|gemm|awq|q4prefill|q8prefill|attn|decode16|elem]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${LMKIT_BENCH_BUILD:-/tmp/lmkit_bench_kernels}

@@ -912,8 +912,8 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
 constexpr int kQ8Block = 32;
 constexpr bool kQ8GroupZeros = false;  // the int4 tiles take every head's correction per block in fp32
 constexpr bool kQ8GroupX = false;      // and x per block of 32 in every call
-constexpr int kQ8MR = 4;  // rows per tile: int4 and int8 tiles take 4 rows x 16 columns at a time (8 accumulators),
-                          // the int6 and MXFP4 ones 2 rows x 32 columns, twice
+constexpr int kQ8MR = 4;  // rows per tile: int4, int8 and int6 tiles take 4 rows x 16 columns at a time (8
+                          // accumulators), the MXFP4 one 2 rows x 32 columns, twice
 // Symmetric int4 heads (GGUF Q4_0): the tiles start each block's int16 sums at -8 x x's pair sums
 // (q8_symmetric_init) instead of subtracting 8 * scale * sum(x) per column in fp32 (a mul and an FMA per 8 columns,
 // row and block: 5% of a Q4_0 prefill)
@@ -963,9 +963,9 @@ inline __m256 q8_u8x8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-// tot[i][0:32] += this MXFP4 panel's sums (groups of 32) for rows i < MR: a byte shuffle maps each code to its
-// twice-e2m1 value w (-12..12), and vpmaddubsw(|w|, sign(qx, w)) sums w * qx (pairs <= 3,048: the 8 quads of a block
-// sum exactly in int16, as the int4 ones); no zero to correct for. The other int4 heads: q8_tile_i4_half.
+// tot[i][0:32] += this MXFP4 panel's sums (groups of 32) for rows i < MR (up to 4), half a panel at a time as
+// q8_tile_i4_half: a byte shuffle maps each code to its twice-e2m1 value w (-12..12), and vpmaddubsw(|w|, sign(qx, w))
+// sums w * qx (pairs <= 3,048: the 8 quads of a block sum exactly in int16, as the int4 ones); no zero to correct for.
 template <int MR>
 inline void q8_tile_mxfp4(const int8_t* qx, const float* dx, int64_t K, const uint8_t* panel, int64_t g,
                           GroupHead head, float (*tot)[kPanel], KSpan span) {
@@ -976,36 +976,35 @@ inline void q8_tile_mxfp4(const int8_t* qx, const float* dx, int64_t K, const ui
     const uint8_t* blk = panel + (k0 / g) * gb;
     for (int64_t b = 0; b < g / kQ8Block; ++b) {
       const int64_t kb = (k0 / kQ8Block) + b;
-      __m256i acc[MR][4];
-      for (int i = 0; i < MR; ++i)
-        for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_si256();
       const uint8_t* quads = blk + hb + b * (kQ8Block / 4) * kI4Quad;
+      const int8_t* xb = qx + kb * kQ8Block;
+      for (int h = 0; h < 2; ++h) {
+        __m256i acc[MR][2];
+        for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-      for (int t = 0; t < kQ8Block / 4; ++t) {
-        _mm_prefetch((const char*)(quads + t * kI4Quad + span.prefetch), _MM_HINT_T0);
-        __m256i xq[MR];
-        for (int i = 0; i < MR; ++i) {
-          int32_t q4;
-          memcpy(&q4, qx + i * K + kb * kQ8Block + 4 * t, 4);
-          xq[i] = _mm256_set1_epi32(q4);
-        }
-        for (int h = 0; h < 2; ++h) {
+        for (int t = 0; t < kQ8Block / 4; ++t) {
+          if (h == 0) _mm_prefetch((const char*)(quads + t * kI4Quad + span.prefetch), _MM_HINT_T0);
           const __m256i raw = _mm256_loadu_si256((const __m256i*)(quads + t * kI4Quad + 32 * h));
-          const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-          const __m256i wl = _mm256_shuffle_epi8(e2m1, lo), wh = _mm256_shuffle_epi8(e2m1, hi);
+          const __m256i wl = _mm256_shuffle_epi8(e2m1, _mm256_and_si256(raw, low4));
+          const __m256i wh = _mm256_shuffle_epi8(e2m1, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
           const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
           for (int i = 0; i < MR; ++i) {
-            acc[i][h] = _mm256_add_epi16(acc[i][h], _mm256_maddubs_epi16(al, _mm256_sign_epi8(xq[i], wl)));
-            acc[i][h + 2] = _mm256_add_epi16(acc[i][h + 2], _mm256_maddubs_epi16(ah, _mm256_sign_epi8(xq[i], wh)));
+            int32_t q4;
+            memcpy(&q4, xb + i * K + 4 * t, 4);
+            const __m256i xq = _mm256_set1_epi32(q4);
+            acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(al, _mm256_sign_epi8(xq, wl)));
+            acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(ah, _mm256_sign_epi8(xq, wh)));
+            __asm__("" : "+x"(acc[i][0]), "+x"(acc[i][1]));
           }
         }
-      }
-      for (int v = 0; v < 4; ++v) {
-        const __m256 s = vload_exp2(blk + 8 * v).v;
-        for (int i = 0; i < MR; ++i) {
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][v], ones));
-          _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), dot,
-                                                           _mm256_loadu_ps(tot[i] + 8 * v)));
+        for (int n = 0; n < 2; ++n) {
+          const int v = h + 2 * n;  // columns 8v..8v+7
+          const __m256 s = vload_exp2(blk + 8 * v).v;
+          for (int i = 0; i < MR; ++i) {
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][n], ones));
+            _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), dot,
+                                                             _mm256_loadu_ps(tot[i] + 8 * v)));
+          }
         }
       }
     }
@@ -1135,31 +1134,26 @@ inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64
 }
 
 // tot[i][0:32] += this int6 panel's sums (layout as the AVX-512 path's q8_tile_i6; sx the sums of qx per 16) for
-// rows i < MR. Per octet the products of quads A and B sum exactly in int16 (u <= 63: 4 x 63 x 128 = 32,256) before
-// one widening.
+// rows i < MR (up to 4), half a panel (lanes 8hf..8hf+7: columns 8hf.. from the low nibbles, 16 + 8hf.. from the high
+// ones) at a time, as q8_tile_i4_half (2 rows x 32 columns spilled: 6% slower). Per octet the products of quads A and
+// B sum exactly in int16 (u <= 63: 4 x 63 x 128 = 32,256) before one widening.
 template <int MR>
 inline void q8_tile_i6(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                       float (*tot)[kPanel], KSpan span) {
+                            float (*tot)[kPanel], KSpan span) {
   const int64_t nb = K / kQ8Block, ns = K / kI6Sub;
   const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
   for (int64_t k0 = span.begin; k0 < span.end; k0 += kI6Group) {
     const uint8_t* blk = panel + (k0 / kI6Group) * kI6GroupBytes;
     for (int64_t b = 0; b < kI6Group / kI6Sub; ++b) {
-      __m256i acc[MR][4];
-      for (int i = 0; i < MR; ++i)
-        for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_si256();
-      for (int o = 0; o < 2; ++o) {
-        const uint8_t* oct = blk + kI6Head + (2 * b + o) * kI6Octet;
-        for (int64_t off = 0; off < kI6Octet; off += 64) _mm_prefetch((const char*)(oct + off + span.prefetch), _MM_HINT_T0);
-        const int64_t k = k0 + b * kI6Sub + 8 * o;
-        __m256i va[MR], vb[MR];
-        for (int i = 0; i < MR; ++i) {
-          int32_t xa, xb;
-          memcpy(&xa, qx + i * K + k, 4);
-          memcpy(&xb, qx + i * K + k + 4, 4);
-          va[i] = _mm256_set1_epi32(xa), vb[i] = _mm256_set1_epi32(xb);
-        }
-        for (int hf = 0; hf < 2; ++hf) {  // lanes 0-7, 8-15
+      const int64_t kb = (k0 + b * kI6Sub) / kQ8Block, ks = (k0 + b * kI6Sub) / kI6Sub;
+      for (int hf = 0; hf < 2; ++hf) {
+        __m256i acc[MR][2];
+        for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+        for (int o = 0; o < 2; ++o) {
+          const uint8_t* oct = blk + kI6Head + (2 * b + o) * kI6Octet;
+          if (hf == 0)
+            for (int64_t off = 0; off < kI6Octet; off += 64) _mm_prefetch((const char*)(oct + off + span.prefetch), _MM_HINT_T0);
+          const int64_t k = k0 + b * kI6Sub + 8 * o;
           const __m256i qa = _mm256_loadu_si256((const __m256i*)(oct + 32 * hf));
           const __m256i qb = _mm256_loadu_si256((const __m256i*)(oct + 64 + 32 * hf));
           const __m256i h = _mm256_loadu_si256((const __m256i*)(oct + 128 + 32 * hf));
@@ -1170,23 +1164,28 @@ inline void q8_tile_i6(const int8_t* qx, const float* dx, const float* sx, int64
           const __m256i bh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
                                              _mm256_and_si256(_mm256_srli_epi16(h, 2), high2));
           for (int i = 0; i < MR; ++i) {
-            const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(al, va[i]), _mm256_maddubs_epi16(bl, vb[i]));
-            const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(ah, va[i]), _mm256_maddubs_epi16(bh, vb[i]));
-            acc[i][hf] = _mm256_add_epi32(acc[i][hf], _mm256_madd_epi16(lo, ones));
-            acc[i][hf + 2] = _mm256_add_epi32(acc[i][hf + 2], _mm256_madd_epi16(hi, ones));
+            int32_t xa, xb;
+            memcpy(&xa, qx + i * K + k, 4);
+            memcpy(&xb, qx + i * K + k + 4, 4);
+            const __m256i va = _mm256_set1_epi32(xa), vb = _mm256_set1_epi32(xb);
+            const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(al, va), _mm256_maddubs_epi16(bl, vb));
+            const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(ah, va), _mm256_maddubs_epi16(bh, vb));
+            acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(lo, ones));
+            acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(hi, ones));
+            __asm__("" : "+x"(acc[i][0]), "+x"(acc[i][1]));
           }
         }
-      }
-      const int64_t kb = (k0 + b * kI6Sub) / kQ8Block, ks = (k0 + b * kI6Sub) / kI6Sub;
-      for (int v = 0; v < 4; ++v) {  // columns 8v..8v+7
-        const __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v))),
-                                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                           _mm_loadl_epi64((const __m128i*)(blk + kPanel * 2 + b * kPanel + 8 * v)))));
-        for (int i = 0; i < MR; ++i) {
-          const __m256 f = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), _mm256_set1_ps(sx[i * ns + ks]),
-                                            _mm256_cvtepi32_ps(acc[i][v]));
-          _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), f,
-                                                           _mm256_loadu_ps(tot[i] + 8 * v)));
+        for (int n = 0; n < 2; ++n) {
+          const int v = hf + 2 * n;  // columns 8v..8v+7
+          const __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v))),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                             _mm_loadl_epi64((const __m128i*)(blk + kPanel * 2 + b * kPanel + 8 * v)))));
+          for (int i = 0; i < MR; ++i) {
+            const __m256 f = _mm256_fnmadd_ps(_mm256_set1_ps(32.0f), _mm256_set1_ps(sx[i * ns + ks]),
+                                              _mm256_cvtepi32_ps(acc[i][n]));
+            _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), f,
+                                                             _mm256_loadu_ps(tot[i] + 8 * v)));
+          }
         }
       }
     }
@@ -1194,14 +1193,6 @@ inline void q8_tile_i6(const int8_t* qx, const float* dx, const float* sx, int64
 }
 
 // BITS 4: int4 panels with group size g; BITS 8: int8 panels of blocks of g; BITS 6: int6 panels.
-// The 2-row tiles of the int6 and MXFP4 panels (sx: sums of qx per 16 values for int6).
-template <int BITS, int MR>
-inline void q8_tile_rows(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                         int64_t g, GroupHead head, float (*tot)[kPanel], KSpan span) {
-  if constexpr (BITS == 4) q8_tile_mxfp4<MR>(qx, dx, K, panel, g, head, tot, span);
-  else q8_tile_i6<MR>(qx, dx, sx, K, panel, tot, span);
-}
-
 template <int BITS, int MR = kQ8MR>
 inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
                       int64_t g, GroupHead head, bool /*xg: never here*/, float* c, int64_t ldc, int ncols,
@@ -1214,16 +1205,14 @@ inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx
       if (g == 16) q8_tile_i8<MR, 16>(qx, dx, sx, K, panel, tot, span);
       else if (head == GroupHead::Offsets) q8_tile_i8<MR, 32, true>(qx, dx, sx, K, panel, tot, span);
       else q8_tile_i8<MR, 32>(qx, dx, sx, K, panel, tot, span);
-    } else if (BITS == 4 && head != GroupHead::Mxfp4) {
-      if (head == GroupHead::Symmetric) q8_tile_i4_half<MR, true>(qx, dx, sx, K, panel, g, head, tot, span);
-      else q8_tile_i4_half<MR, false>(qx, dx, sx, K, panel, g, head, tot, span);
-    } else {  // int6 and MXFP4: 2-row tiles, rows [r, r + 2), and a last single one
-      const int64_t ns = BITS == 6 ? K / 16 : K / kQ8Block;  // sx per row
-      for (int r = 0; r < MR; r += 2) {
-        if (MR - r == 1) q8_tile_rows<BITS, 1>(qx + r * K, dx + r * (K / kQ8Block), sx + r * ns, K, panel, g, head,
-                                               tot + r, span);
-        else q8_tile_rows<BITS, 2>(qx + r * K, dx + r * (K / kQ8Block), sx + r * ns, K, panel, g, head, tot + r, span);
-      }
+    } else if constexpr (BITS == 6) {
+      q8_tile_i6<MR>(qx, dx, sx, K, panel, tot, span);
+    } else if (head == GroupHead::Mxfp4) {
+      q8_tile_mxfp4<MR>(qx, dx, K, panel, g, head, tot, span);
+    } else if (head == GroupHead::Symmetric) {
+      q8_tile_i4_half<MR, true>(qx, dx, sx, K, panel, g, head, tot, span);
+    } else {
+      q8_tile_i4_half<MR, false>(qx, dx, sx, K, panel, g, head, tot, span);
     }
     const float* b = span.last ? bias : nullptr;
     for (int i = 0; i < MR; ++i)
