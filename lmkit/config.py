@@ -76,6 +76,15 @@ class EngineConfig:
     wins, with a DeprecationWarning."""
     enable_prefix_caching: bool = False
     """Reuse the KV blocks of identical prompt prefixes."""
+    kv_cache_dir: str | None = None
+    """A local directory keeping prefix blocks evicted from the KV pool (CPU backend, with enable_prefix_caching).
+    A prompt whose prefix left the pool reads its blocks back instead of recomputing them, also after a restart.
+    Several lmkit processes of a host may share it; files of another model, tokenizer, dtype or KV policy are never
+    read. Models with recurrent layers are not supported. None: no disk store (docs/configuration.md, "Disk
+    store")."""
+    kv_cache_disk_gib: float = 16.0
+    """Size cap of kv_cache_dir in GiB (all models' files together): beyond it the least recently used files are
+    removed."""
     num_threads: int | None = None
     """CPU threads for the kernels. Default: the CPUs this process may use: its affinity mask, capped by its
     cgroup's CPU quota rounded up (a container's --cpus, a pod's cpu limit; lmkit/cpus.py), and by the CPUs
@@ -146,6 +155,17 @@ class EngineConfig:
         check(not (self.device == "cuda" and self.speculative in ("ngram", "suffix")),
               f"speculative={self.speculative!r} runs on the CPU backend; the CUDA backend does not verify draft "
               "tokens yet: use speculative='auto' or 'off' with device='cuda'")
+        check(self.kv_cache_dir is None or (isinstance(self.kv_cache_dir, (str, os.PathLike))
+                                            and str(self.kv_cache_dir) != ""),
+              f"kv_cache_dir must be a directory path, got {self.kv_cache_dir!r}")
+        check(isinstance(self.kv_cache_disk_gib, (int, float)) and not isinstance(self.kv_cache_disk_gib, bool)
+              and 0 < self.kv_cache_disk_gib < float("inf"),
+              f"kv_cache_disk_gib must be a number > 0, got {self.kv_cache_disk_gib!r}")
+        check(self.kv_cache_dir is None or self.enable_prefix_caching,
+              "kv_cache_dir keeps evicted prefix-cache blocks: it needs enable_prefix_caching=True")
+        check(not (self.kv_cache_dir is not None and self.device == "cuda"),
+              "kv_cache_dir (the disk store) runs on the CPU backend; the CUDA backend has no host tier yet: leave "
+              "kv_cache_dir unset with device='cuda'")
         check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1),
               f"num_threads must be an integer >= 1, got {self.num_threads!r}")
         try:
@@ -188,12 +208,13 @@ class EngineConfig:
 
     def to_engine_config(self, device: str, kv_layer_bits: list[int] | None = None,
                          binding: CpuBinding | None = None, num_threads: int | None = None, num_layers: int = 0,
-                         speculative: bool = False):
+                         speculative: bool = False, kv_cache_identity: str = ""):
         """The lmkit._engine.EngineConfig for this config on a resolved device (kv_layer_bits: the
         checked per-layer policy, see lmkit.kv_policy; binding: where the CPU engine's threads run; num_threads:
         resolved_num_threads when the caller has it already; num_layers: the model's, for a uniform
-        quant_policy). The KV precision's user spellings (quant_policy, kv_policy.json's bits, both 0 / 8 / 4)
-        become the engine's one encoding, a KVQuant per layer, here and nowhere else."""
+        quant_policy; kv_cache_identity: what the disk store's blocks mean, lmkit.kv_store.store_identity). The KV
+        precision's user spellings (quant_policy, kv_policy.json's bits, both 0 / 8 / 4) become the engine's one
+        encoding, a KVQuant per layer, here and nowhere else."""
         from lmkit._ext import _engine
 
         c = _engine.EngineConfig()
@@ -216,6 +237,10 @@ class EngineConfig:
         c.speculative.max_draft_tokens = self.num_speculative_tokens
         c.speculative.adaptive = bool(self.speculative_adaptive)
         c.speculative.answer_store_tokens = SUFFIX_STORE_TOKENS if self.speculative == "suffix" else 0
+        if self.kv_cache_dir is not None:
+            c.kv_cache_dir = os.path.abspath(os.fspath(self.kv_cache_dir))
+            c.kv_cache_disk_bytes = int(self.kv_cache_disk_gib * 2**30)
+            c.kv_cache_identity = kv_cache_identity
         if binding is not None and binding.pinned:
             c.engine_cpus = list(binding.engine_cpus)
             c.callback_cpus = list(binding.other_cpus)

@@ -27,6 +27,7 @@ from lmkit.embedding import PoolingConfig
 from lmkit.env import cache_dir, cpu_isa_cap
 from lmkit.messages import GenerationConfig, Response
 from lmkit.metrics import EngineMetrics, LatencyRecorder
+from lmkit.kv_store import store_identity
 from lmkit.model_path import resolve_model
 from lmkit.kv_policy import load_kv_policy
 from lmkit.memory import CudaPoolSizer, KVPool, log_cuda_kv_pool, reserve_kv_pool
@@ -65,6 +66,8 @@ def _resolve_device(config: EngineConfig, _engine) -> tuple[str, str]:
         why = f"dtype={config.dtype!r} is the CPU backend's"
     elif device == "auto" and config.speculative in ("ngram", "suffix"):
         why = f"speculative={config.speculative!r} runs on the CPU backend"
+    elif device == "auto" and config.kv_cache_dir is not None:
+        why = "kv_cache_dir (the disk store) runs on the CPU backend"
     else:
         _load_cublas(_engine)
         return "cuda", ""
@@ -199,11 +202,15 @@ class Engine:
         quant = self.spec.quant
         fp8 = fp8_dense_sources(sources, self.spec.sources, quant.fp8_scales, dense, cache_dir() / "fp8") \
             if quant is not None and quant.layout == "fp8" else nullcontext(sources)
+        identity = ""
+        if self.config.kv_cache_dir is not None:
+            identity = store_identity(self.spec, self.config, self.device, kv_layer_bits, _engine.cpu_isa())
+            log.info("KV disk store: %s, up to %g GiB", self.config.kv_cache_dir, self.config.kv_cache_disk_gib)
         with fp8 as sources, sizing as sizer:  # decoded before the runtime folder's lock is taken
             size_pools = sizer if sizer is not None else CudaPoolSizer(self.config)
             self._cpp = _engine.Engine(
                 self.config.to_engine_config(self.device, kv_layer_bits, self.cpu_binding, n, self.spec.num_layers,
-                                             self.speculative),
+                                             self.speculative, identity),
                 self.spec.to_engine_config(session_len=self.config.session_len or self.spec.max_position_embeddings),
                 sources,
                 self.spec.eos_token_ids, size_pools=size_pools,
@@ -383,6 +390,11 @@ class Engine:
     def metrics(self) -> EngineMetrics:
         """A snapshot of the engine's counters and recent latencies."""
         return EngineMetrics.from_engine(self._cpp.metrics(), self.latency)
+
+    def flush_kv_store(self) -> None:
+        """Writes the KV pool's cached blocks not yet in the disk store (kv_cache_dir) and waits until they are on
+        disk; a no-op without one. The engine does this by itself when idle and when it shuts down."""
+        self._cpp.flush_kv_store()
 
     def check_integrity(self) -> None:
         """Raises RuntimeError if KV blocks are not conserved (free + cached + active == total, owners exact)."""

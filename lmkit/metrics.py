@@ -55,6 +55,29 @@ class EngineMetrics:
     num_free_state_slots: int
     num_state_snapshots: int
     """Slots holding a prefix's state for prefix hits (evicted first when a sequence needs a slot)."""
+    has_kv_store: bool = False
+    """Whether the engine has a disk store (EngineConfig.kv_cache_dir); the num_store_* counters are 0 otherwise."""
+    num_store_lookups: int = 0
+    """Admissions whose prefix chain went on past the pool and asked the disk store."""
+    num_store_missed_lookups: int = 0
+    """Of those, the ones that found nothing there."""
+    num_store_hit_tokens: int = 0
+    """Prompt tokens whose K/V were read back from the disk store (counted in num_prefix_hit_tokens too)."""
+    num_store_read_blocks: int = 0
+    num_store_read_bytes: int = 0
+    num_store_written_blocks: int = 0
+    """Block files written (a block already on disk is not written again)."""
+    num_store_written_bytes: int = 0
+    num_store_dropped_blocks: int = 0
+    """Evicted blocks not written: the writer's queue was full, or writing was paused after an error."""
+    num_store_ignored_files: int = 0
+    """Corrupt, truncated or foreign files found in the store (never served; removed)."""
+    num_store_write_errors: int = 0
+    """Writes that failed (a full disk, permissions): each pauses writing for a while."""
+    num_store_evicted_files: int = 0
+    """Files removed to keep the directory within kv_cache_disk_gib."""
+    num_store_bytes: int = 0
+    """The store directory's size as its writer last measured it (every model's files)."""
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     """Speculative decoding, per proposer (DRAFT_SOURCES): draft tokens verified."""
     num_accepted_draft_tokens: dict[str, int] = field(default_factory=dict)
@@ -73,6 +96,11 @@ class EngineMetrics:
     def prefix_hit_rate(self) -> float:
         """Fraction of looked-up prompt tokens served from the prefix cache."""
         return self.num_prefix_hit_tokens / self.num_prefix_query_tokens if self.num_prefix_query_tokens else 0.0
+
+    @property
+    def store_hit_rate(self) -> float:
+        """Fraction of looked-up prompt tokens read back from the disk store (a part of prefix_hit_rate)."""
+        return self.num_store_hit_tokens / self.num_prefix_query_tokens if self.num_prefix_query_tokens else 0.0
 
     def mean_accepted_length(self, source: str) -> float:
         """Draft tokens accepted per verification of a proposer (0 before its first)."""

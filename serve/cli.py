@@ -57,6 +57,9 @@ DECODE_SLOWDOWN = typer.Option(1.75, help="Prompt pacing: decodes keep at least 
                                               "long prompts (0: off; see EngineConfig.decode_slowdown).")
 QUANT_POLICY = typer.Option(0, help=_E["quant_policy"])
 ENABLE_PREFIX_CACHING = typer.Option(False, help=_E["enable_prefix_caching"])
+KV_CACHE_DIR = typer.Option(None, help=_E["kv_cache_dir"])
+KV_CACHE_DISK_GIB = typer.Option(EngineConfig.__dataclass_fields__["kv_cache_disk_gib"].default,
+                                 help=_E["kv_cache_disk_gib"])
 SPECULATIVE = typer.Option("auto", help=_E["speculative"])
 NUM_SPECULATIVE_TOKENS = typer.Option(8, help=_E["num_speculative_tokens"])
 CHAT_TEMPLATE = typer.Option(None, help="A Jinja chat template file replacing the tokenizer's.")
@@ -96,14 +99,18 @@ def engine_config(device: str, max_batch_size: int, session_len: Optional[int], 
                   cache_max_entry_count: Optional[float], max_prefill_token_num: int, quant_policy: int,
                   kv_policy: Optional[Path], enable_prefix_caching: bool, num_threads: Optional[int],
                   dtype: str = "auto", cpu_binding: str = "auto", speculative: str = "auto",
-                  num_speculative_tokens: int = 8, decode_slowdown: float = 1.75) -> EngineConfig:
+                  num_speculative_tokens: int = 8, decode_slowdown: float = 1.75, kv_cache_dir: Optional[Path] = None,
+                  kv_cache_disk_gib: Optional[float] = None) -> EngineConfig:
+    store = {} if kv_cache_dir is None else {"kv_cache_dir": str(kv_cache_dir)}
+    if kv_cache_disk_gib is not None:
+        store["kv_cache_disk_gib"] = kv_cache_disk_gib
     return EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size, session_len=session_len,
                         cache_block_seq_len=cache_block_seq_len, cache_max_entry_count=cache_max_entry_count,
                         max_prefill_token_num=max_prefill_token_num, quant_policy=quant_policy,
                         kv_policy=str(kv_policy) if kv_policy is not None else None,
                         enable_prefix_caching=enable_prefix_caching, num_threads=num_threads,
                         cpu_binding=cpu_binding, speculative=speculative,
-                        num_speculative_tokens=num_speculative_tokens, decode_slowdown=decode_slowdown)
+                        num_speculative_tokens=num_speculative_tokens, decode_slowdown=decode_slowdown, **store)
 
 
 @app.command("api_server")
@@ -168,6 +175,8 @@ def api_server(
     kv_policy: Optional[Path] = typer.Option(None, help="Per-layer KV precision file (kv_policy.json from "
                                                         "`lmkit lite calibrate`)."),
     enable_prefix_caching: bool = ENABLE_PREFIX_CACHING,
+    kv_cache_dir: Optional[Path] = KV_CACHE_DIR,
+    kv_cache_disk_gib: float = KV_CACHE_DISK_GIB,
     speculative: str = SPECULATIVE,
     num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
@@ -179,7 +188,8 @@ def api_server(
 
     config = engine_config(device, max_batch_size, session_len, cache_block_seq_len, cache_max_entry_count,
                            max_prefill_token_num, quant_policy, kv_policy, enable_prefix_caching, num_threads, dtype,
-                           cpu_binding, speculative, num_speculative_tokens, decode_slowdown)
+                           cpu_binding, speculative, num_speculative_tokens, decode_slowdown, kv_cache_dir,
+                           kv_cache_disk_gib)
     template = None
     if chat_template is not None:
         if not chat_template.is_file():
@@ -300,6 +310,8 @@ def ray(
     decode_slowdown: float = DECODE_SLOWDOWN,
     quant_policy: int = QUANT_POLICY,
     enable_prefix_caching: bool = ENABLE_PREFIX_CACHING,
+    kv_cache_dir: Optional[Path] = KV_CACHE_DIR,
+    kv_cache_disk_gib: float = KV_CACHE_DISK_GIB,
     speculative: str = SPECULATIVE,
     num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"] + " On Ray: default "
@@ -318,7 +330,8 @@ def ray(
     config = engine_config(device, max_batch_size, session_len, cache_block_seq_len, cache_max_entry_count,
                            max_prefill_token_num, quant_policy, None, enable_prefix_caching, num_threads, dtype,
                            speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-                           decode_slowdown=decode_slowdown)
+                           decode_slowdown=decode_slowdown, kv_cache_dir=kv_cache_dir,
+                           kv_cache_disk_gib=kv_cache_disk_gib)
     template = None
     if chat_template is not None:
         if not chat_template.is_file():

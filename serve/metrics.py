@@ -43,6 +43,10 @@ class _EngineCollector:
             ("lmkit_kv_blocks_cached", "KV blocks kept by the prefix cache", m.num_cached_blocks),
             ("lmkit_prefix_cache_hit_rate", "Fraction of looked-up prompt tokens found in the prefix cache",
              m.prefix_hit_rate),
+            ("lmkit_kv_store_hit_rate", "Fraction of looked-up prompt tokens read back from the KV disk store "
+             "(part of lmkit_prefix_cache_hit_rate; 0 without --kv-cache-dir)", m.store_hit_rate),
+            ("lmkit_kv_store_bytes", "Bytes of the KV disk store's directory, as its writer last measured it",
+             m.num_store_bytes),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
@@ -56,6 +60,22 @@ class _EngineCollector:
              m.num_window_freed_blocks),
             ("lmkit_weight_bytes_read", "Weight bytes the engine steps read (a mixture of experts: the experts "
              "its routing ran)", m.num_weight_bytes_read),
+            ("lmkit_kv_store_lookups", "Admissions whose prefix went on past the KV pool and asked the disk store",
+             m.num_store_lookups),
+            ("lmkit_kv_store_missed_lookups", "Disk store lookups that found nothing", m.num_store_missed_lookups),
+            ("lmkit_kv_store_hits_tokens", "Prompt tokens read back from the KV disk store", m.num_store_hit_tokens),
+            ("lmkit_kv_store_read_blocks", "KV blocks read back from the disk store", m.num_store_read_blocks),
+            ("lmkit_kv_store_read_bytes", "Bytes read from the KV disk store", m.num_store_read_bytes),
+            ("lmkit_kv_store_written_blocks", "KV blocks written to the disk store", m.num_store_written_blocks),
+            ("lmkit_kv_store_written_bytes", "Bytes written to the KV disk store", m.num_store_written_bytes),
+            ("lmkit_kv_store_dropped_blocks", "Evicted KV blocks not written (writer queue full, or writing paused)",
+             m.num_store_dropped_blocks),
+            ("lmkit_kv_store_ignored_files", "Corrupt, truncated or foreign disk store files ignored (and removed)",
+             m.num_store_ignored_files),
+            ("lmkit_kv_store_write_errors", "Disk store writes that failed (full disk, permissions)",
+             m.num_store_write_errors),
+            ("lmkit_kv_store_evicted_files", "Disk store files removed to stay within its size cap",
+             m.num_store_evicted_files),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

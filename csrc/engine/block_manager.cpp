@@ -64,11 +64,19 @@ void BlockManager::allocate(int32_t num_blocks, std::vector<int32_t>& table) {
     } else {
       id = lru_.begin()->second;  // cached -> active: evict the least recently released
       lru_.erase(lru_.begin());
+      if (on_evict_) on_evict_(id, blocks_[id].key, blocks_[id].tokens);
       drop_key(id);
     }
     blocks_[id].ref_count = 1;
     table.push_back(id);
   }
+}
+
+std::vector<int32_t> BlockManager::cached_block_ids() const {
+  std::vector<int32_t> ids;
+  ids.reserve(lru_.size());
+  for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) ids.push_back(it->second);
+  return ids;
 }
 
 void BlockManager::share(const std::vector<int32_t>& table) {

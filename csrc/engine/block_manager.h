@@ -17,6 +17,7 @@
 #pragma once
 #include <stdint.h>
 
+#include <functional>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -48,7 +49,8 @@ class BlockManager {
   bool can_allocate(int32_t num_blocks) const { return num_blocks <= num_available_blocks(); }
 
   // free|cached -> active: appends num_blocks ids to table, lowest free ids first, then evicting cached
-  // blocks least recently released first. Requires can_allocate(num_blocks).
+  // blocks least recently released first (each evicted block is shown to the eviction listener first, while it
+  // still holds its K/V). Requires can_allocate(num_blocks).
   void allocate(int32_t num_blocks, std::vector<int32_t>& table);
   // active -> active: one more reference to every block of table (a forked sequence shares them); holes
   // (kNoBlock) are skipped.
@@ -73,6 +75,15 @@ class BlockManager {
   // block_key(parent_key, tokens) and returns that key. If another block already has the key, this block
   // stays unkeyed (it will be freed, not cached, on release).
   uint64_t publish(int32_t block, uint64_t parent_key, const int32_t* tokens);
+
+  // Called by allocate() for each cached block it evicts, before the block changes hands: its id, prefix key and
+  // tokens (the disk store copies it out here, engine/kv_store.h).
+  using EvictionListener = std::function<void(int32_t block, uint64_t key, const std::vector<int32_t>& tokens)>;
+  void set_eviction_listener(EvictionListener listener) { on_evict_ = std::move(listener); }
+  // The cached blocks, most recently released first.
+  std::vector<int32_t> cached_block_ids() const;
+  uint64_t key_of(int32_t block) const { return blocks_[block].key; }
+  const std::vector<int32_t>& tokens_of(int32_t block) const { return blocks_[block].tokens; }
 
   int32_t ref_count(int32_t block) const { return blocks_[block].ref_count; }
   // The free blocks (no holder, no prefix key), lowest id first.
@@ -103,6 +114,7 @@ class BlockManager {
   std::set<std::pair<uint64_t, int32_t>> lru_;       // cached blocks by (released_at, id)
   std::unordered_map<uint64_t, int32_t> key_to_block_;
   uint64_t tick_ = 0;
+  EvictionListener on_evict_;
 };
 
 }  // namespace lmkit

@@ -37,6 +37,7 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor)
               "speculative decoding needs max_draft_tokens and max_step_draft_tokens >= 1");
   executor_->allocate_kv_pool(options.num_blocks);
   if (options.num_state_slots > 0) executor_->allocate_state_pool(options.num_state_slots);
+  if (!options.kv_cache_dir.empty()) start_store();
   metrics_.num_total_blocks = options.num_blocks;
   metrics_.num_free_blocks = options.num_blocks;
   metrics_.num_total_state_slots = metrics_.num_free_state_slots = options.num_state_slots;
@@ -98,9 +99,120 @@ void Engine::cancel(int64_t request_id, int32_t sample_index) {
   inbox_cv_.notify_one();
 }
 
+namespace {
+
+// The scheduler's view of the disk store: a block is read into the pool through the executor.
+class StoreTier : public PrefixTier {
+ public:
+  StoreTier(KVStore& store, Executor& executor, std::unordered_set<uint64_t>& persisted)
+      : store_(store), executor_(executor), persisted_(persisted) {}
+  bool contains(uint64_t key) override { return store_.contains(key); }
+  bool load(uint64_t key, const int32_t* tokens, int32_t block) override {
+    if (block == kNoBlock) return store_.read(key, tokens, nullptr);
+    buffer_.resize((size_t)store_.config().block_bytes);
+    if (!store_.read(key, tokens, buffer_.data())) return false;
+    executor_.write_kv_block(block, buffer_.data());
+    persisted_.insert(key);  // on disk: no need to write it when it leaves the pool again
+    return true;
+  }
+
+ private:
+  KVStore& store_;
+  Executor& executor_;
+  std::unordered_set<uint64_t>& persisted_;
+  std::vector<char> buffer_;
+};
+
+}  // namespace
+
+void Engine::start_store() {
+  const EngineOptions& o = options_;
+  LMKIT_CHECK_ARG(o.enable_prefix_caching, "kv_cache_dir needs enable_prefix_caching=True (the disk store keeps "
+                  "prefix-cache blocks)");
+  LMKIT_CHECK_ARG(o.num_state_slots == 0, "kv_cache_dir: models with recurrent layers are not supported by the "
+                  "disk store (their prefix hits start from state snapshots, which it does not keep); leave "
+                  "kv_cache_dir unset");
+  LMKIT_CHECK_ARG(executor_->can_copy_kv_blocks(), "kv_cache_dir: this backend cannot copy KV blocks to host memory "
+                  "(the disk store runs on the CPU backend); leave kv_cache_dir unset");
+  LMKIT_CHECK_ARG(o.kv_cache_disk_bytes > 0, "kv_cache_disk_gib must be > 0, got ", o.kv_cache_disk_bytes, " bytes");
+  KVStoreConfig c;
+  c.dir = o.kv_cache_dir;
+  c.max_bytes = o.kv_cache_disk_bytes;
+  c.block_size_tokens = o.block_size_tokens;
+  c.block_bytes = executor_->kv_bytes_per_block();
+  // One prefill chunk may evict hundreds of blocks at once: the queue holds kQueuedStoreBytes of them (at least 8).
+  c.max_queued_blocks = (int32_t)std::clamp<int64_t>(kQueuedStoreBytes / std::max<int64_t>(c.block_bytes, 1), 8, 4096);
+  // What the bytes mean: the caller's identity (weights, tokenizer, dtype, KV policy) and the layout as the
+  // executor has it, with the store's format version.
+  const std::string identity = detail::concat(o.kv_cache_identity, "|block_size_tokens=", o.block_size_tokens,
+                                              "|kv_bytes_per_block=", c.block_bytes, "|vocab_size=", o.vocab_size,
+                                              "|format=", kKVStoreFormatVersion);
+  c.identity = checksum64(identity.data(), identity.size());
+  store_ = std::make_unique<KVStore>(c);
+  store_tier_ = std::make_unique<StoreTier>(*store_, *executor_, persisted_keys_);
+  scheduler_.set_prefix_tier(store_tier_.get());
+  blocks_.set_eviction_listener([this](int32_t block, uint64_t key, const std::vector<int32_t>& tokens) {
+    on_evict(block, key, tokens);
+  });
+  metrics_.has_kv_store = true;
+}
+
+void Engine::on_evict(int32_t block, uint64_t key, const std::vector<int32_t>& tokens) {
+  if (persisted_keys_.erase(key)) return;  // on disk already
+  std::vector<char> buffer = store_->acquire_buffer(false, true);  // never waits: a full queue drops the block
+  if (!buffer.empty()) copy_to_store(block, key, tokens, std::move(buffer));
+}
+
+void Engine::copy_to_store(int32_t block, uint64_t key, const std::vector<int32_t>& tokens, std::vector<char> buffer) {
+  try {
+    executor_->read_kv_block(block, buffer.data());
+  } catch (...) {
+    store_->abandon(std::move(buffer));  // the queue's slot goes back; the caller's step sees the error
+    throw;
+  }
+  store_->put(key, tokens.data(), std::move(buffer));
+}
+
+bool Engine::persist_cached_blocks(bool wait, double deadline, int32_t max_blocks) {
+  std::lock_guard<std::mutex> state(state_mu_);
+  int32_t num_copied = 0;
+  for (int32_t id : blocks_.cached_block_ids()) {  // most recently released first: a prompt's head before its tail
+    const uint64_t key = blocks_.key_of(id);
+    if (persisted_keys_.count(key)) continue;
+    if ((deadline > 0 && now_seconds() > deadline) || num_copied++ == max_blocks) return true;
+    std::vector<char> buffer = store_->acquire_buffer(wait, false);
+    if (buffer.empty()) return store_->counters().is_writing;  // the queue is full: later; writing paused: stop
+    copy_to_store(id, key, blocks_.tokens_of(id), std::move(buffer));
+    persisted_keys_.insert(key);
+  }
+  return false;
+}
+
 EngineMetrics Engine::metrics() const {
-  std::lock_guard<std::mutex> lock(metrics_mu_);  // not state_mu_: that one is held for a whole step
-  return published_metrics_;
+  EngineMetrics m;
+  {
+    std::lock_guard<std::mutex> lock(metrics_mu_);  // not state_mu_: that one is held for a whole step
+    m = published_metrics_;
+  }
+  if (store_) {  // the writer's counters move while the loop sleeps: read them now
+    const KVStoreCounters c = store_->counters();
+    m.num_store_read_blocks = c.num_read_blocks;
+    m.num_store_read_bytes = c.num_read_bytes;
+    m.num_store_written_blocks = c.num_written_blocks;
+    m.num_store_written_bytes = c.num_written_bytes;
+    m.num_store_dropped_blocks = c.num_dropped_blocks;
+    m.num_store_ignored_files = c.num_ignored_files;
+    m.num_store_write_errors = c.num_write_errors;
+    m.num_store_evicted_files = c.num_evicted_files;
+    m.num_store_bytes = c.bytes_on_disk;
+  }
+  return m;
+}
+
+void Engine::flush_kv_store() {
+  if (!store_) return;
+  while (persist_cached_blocks(false)) std::this_thread::sleep_for(kPersistPause);
+  store_->flush();
 }
 
 void Engine::publish_metrics() {
@@ -115,6 +227,9 @@ void Engine::publish_metrics() {
   metrics_.num_prefix_query_tokens = scheduler_.num_prefix_query_tokens();
   metrics_.num_prefix_hit_tokens = scheduler_.num_prefix_hit_tokens();
   metrics_.num_window_freed_blocks = scheduler_.num_window_freed_blocks();
+  metrics_.num_store_lookups = scheduler_.num_tier_lookups();
+  metrics_.num_store_missed_lookups = scheduler_.num_tier_missed_lookups();
+  metrics_.num_store_hit_tokens = scheduler_.num_tier_hit_tokens();
   {
     std::lock_guard<std::mutex> lock(metrics_mu_);
     published_metrics_ = metrics_;
@@ -511,6 +626,15 @@ void Engine::loop() {
         release_idle_memory();
         lock.lock();
       }
+      // Idle: the cached blocks not yet on disk go to the store's writer, a few at a time (as far as its queue has
+      // room), so that a request arriving meanwhile waits for a few block copies at most.
+      while (store_ && memory_released_ && !ready()) {
+        lock.unlock();
+        const bool more = persist_cached_blocks(false, 0, kPersistBatchBlocks);
+        lock.lock();
+        if (!more) break;
+        inbox_cv_.wait_for(lock, kPersistPause, ready);
+      }
       inbox_cv_.wait(lock, ready);
       arrivals.swap(inbox_new_);
       cancels.swap(inbox_cancel_);
@@ -543,6 +667,16 @@ void Engine::loop() {
       for (Sequence* s : all) finish(s, FinishReason::kError, {ErrorKind::kInternal, e.what()});
     }
     publish_metrics();
+  }
+  if (store_) {  // the pool's cached blocks survive a restart: written (waiting for the writer) before the loop ends
+    try {
+      if (persist_cached_blocks(true, now_seconds() + kShutdownPersistSeconds))
+        std::fprintf(stderr, "lmkit: shutdown: the KV pool's cached blocks not written to the disk store within %g s "
+                     "are left out\n", kShutdownPersistSeconds);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "lmkit: writing the KV pool's cached blocks to the disk store failed: %s\n", e.what());
+    }
+    store_->close();
   }
   publish_metrics();
   {

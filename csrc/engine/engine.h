@@ -19,12 +19,14 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "core/kv_quant.h"
 #include "engine/batch.h"
 #include "engine/block_manager.h"
 #include "engine/executor.h"
+#include "engine/kv_store.h"
 #include "engine/prompt_pacer.h"
 #include "engine/request.h"
 #include "engine/scheduler.h"
@@ -49,6 +51,12 @@ struct EngineConfig {
   bool bf16_linear = false;          // CPU backend: dense linear layers as bf16 dot products (dtype='bfloat16')
   bool cuda_graphs = true;           // CUDA backend: decode steps replayed as CUDA graphs
   SpeculativeConfig speculative;     // draft tokens verified in one step (engine/speculative.h); CPU backend
+  // The disk store of evicted prefix blocks (engine/kv_store.h; CPU backend, prefix caching, no recurrent state):
+  // its directory (empty: none), its size cap, and what the blocks' bytes mean besides the layout the engine knows
+  // (model weights, tokenizer, dtype, KV policy: lmkit/kv_store.py writes it).
+  std::string kv_cache_dir;
+  int64_t kv_cache_disk_bytes = 0;
+  std::string kv_cache_identity;
 };
 
 // What the engine runs with, derived from EngineConfig and the model.
@@ -71,6 +79,9 @@ struct EngineOptions {
   int32_t attention_window_tokens = 0;  // > 0: every layer attends within this window (blocks behind it are freed)
   std::vector<int32_t> engine_cpus, callback_cpus;  // EngineConfig's (empty: not pinned)
   SpeculativeConfig speculative;  // enabled only for a model without recurrent state (create_engine)
+  std::string kv_cache_dir;  // EngineConfig's (empty: no disk store)
+  int64_t kv_cache_disk_bytes = 0;
+  std::string kv_cache_identity;
 };
 
 
@@ -93,6 +104,22 @@ struct EngineMetrics {
   int64_t num_prefix_hit_tokens = 0;    // of those, tokens whose K/V were reused
   int64_t num_window_freed_blocks = 0;  // blocks released early: behind every layer's sliding window
   int64_t num_weight_bytes_read = 0;    // weights the steps' forwards read, summed (StepOutput)
+  // The disk store (engine/kv_store.h; all 0 without one): admissions that looked there (their chain went on past
+  // the pool), those that found nothing, prompt tokens read back (also in num_prefix_hit_tokens), and the store's
+  // counters (KVStoreCounters).
+  bool has_kv_store = false;
+  int64_t num_store_lookups = 0;
+  int64_t num_store_missed_lookups = 0;
+  int64_t num_store_hit_tokens = 0;
+  int64_t num_store_read_blocks = 0;
+  int64_t num_store_read_bytes = 0;
+  int64_t num_store_written_blocks = 0;
+  int64_t num_store_written_bytes = 0;
+  int64_t num_store_dropped_blocks = 0;
+  int64_t num_store_ignored_files = 0;
+  int64_t num_store_write_errors = 0;
+  int64_t num_store_evicted_files = 0;
+  int64_t num_store_bytes = 0;
   // Speculative decoding, per proposer (DraftSource, engine/speculative.h): draft tokens verified, of those
   // accepted, and verifications (a sequence's step with drafts).
   static constexpr int kDraftSources = kNumDraftSources;
@@ -116,6 +143,9 @@ class Engine {
   // reason "cancelled"; its blocks are free within one step. Unknown or finished ids are ignored.
   void cancel(int64_t request_id, int32_t sample_index = -1);
   EngineMetrics metrics() const;
+  // The disk store (no-op without one): copies the pool's cached blocks not yet on disk out to its writer and waits
+  // until every queued block is written. Any thread; the loop does the same by itself when idle and at shutdown.
+  void flush_kv_store();
   // Checks free + cached + active == total and that every block's reference count equals the number of
   // sequences holding it. Throws on violation.
   void check_integrity() const;
@@ -162,6 +192,20 @@ class Engine {
   // kError (failure set) when it refuses the token, else `reason`; requests the next mask if seq goes on.
   FinishReason advance_grammar(Sequence& seq, int32_t token, FinishReason reason, Failure& failure);
   void publish_metrics();  // caller holds state_mu_
+  // The disk store: a cached block evicted from the pool is copied out for the writer (BlockManager's eviction
+  // listener); while idle, and at shutdown, cached blocks not yet on disk are copied out too, so that they survive a
+  // restart. persist_cached_blocks() queues what the writer has room for (all, waiting for room, with wait), at most
+  // max_blocks of them and until `deadline` when > 0 (engine seconds), and returns whether some are left; it takes
+  // state_mu_. on_evict runs inside a step's schedule() (BlockManager's eviction listener), under state_mu_.
+  void start_store();
+  void on_evict(int32_t block, uint64_t key, const std::vector<int32_t>& tokens);
+  // Copies pool block `block` into buffer (from KVStore::acquire_buffer) and queues it for the writer.
+  void copy_to_store(int32_t block, uint64_t key, const std::vector<int32_t>& tokens, std::vector<char> buffer);
+  bool persist_cached_blocks(bool wait, double deadline = 0, int32_t max_blocks = INT32_MAX);
+  static constexpr int32_t kPersistBatchBlocks = 8;  // blocks one idle pass copies out
+  static constexpr double kShutdownPersistSeconds = 30;  // a shutdown waits this long at most for the writes
+  static constexpr std::chrono::milliseconds kPersistPause{5};
+  static constexpr int64_t kQueuedStoreBytes = int64_t(256) << 20;  // copies of blocks waiting for the writer
   void finish(Sequence* seq, FinishReason reason, const Failure& failure = {});
   void flush(Sequence& seq, bool finished, FinishReason reason, const Failure& failure);
   void post(std::shared_ptr<OutputCallback> cb, RequestOutput&& out);
@@ -181,6 +225,9 @@ class Engine {
   AnswerStore answers_;  // finished answers, for draft lookup
   StepCost step_cost_;   // seconds of a step by row count (calibrate_step_cost), for choose_drafts
   PromptPacer pacer_;    // sizes each step's prompt tokens from the step times
+  std::unique_ptr<KVStore> store_;             // the disk store, or none
+  std::unique_ptr<PrefixTier> store_tier_;     // the scheduler's view of it
+  std::unordered_set<uint64_t> persisted_keys_;  // pool-cached blocks this process wrote or read (skip them)
 
   // inbox (any thread -> loop)
   mutable std::mutex inbox_mu_;

@@ -28,6 +28,12 @@ class Executor {
   virtual int64_t mtp_weight_bytes() const { return 0; }
   // Allocates the pool; called once by the engine before the first step.
   virtual void allocate_kv_pool(int32_t num_blocks) = 0;
+  // Whether read_kv_block() / write_kv_block() work (the disk store needs them: engine/kv_store.h).
+  virtual bool can_copy_kv_blocks() const { return false; }
+  // Copies KV block `block` (every layer's K and V, with their scales: kv_bytes_per_block() bytes) to host memory dst
+  // / from host memory src, in one layout that round-trips. Called on the loop thread between steps.
+  virtual void read_kv_block(int32_t /*block*/, void* /*dst*/) const {}
+  virtual void write_kv_block(int32_t /*block*/, const void* /*src*/) {}
   // Bytes of recurrent state one sequence holds (every recurrent layer's, state_pool.h); 0: the model has none.
   virtual int64_t state_bytes_per_slot() const { return 0; }
   // Allocates num_slots state slots; called once by the engine before the first step when the model has state.

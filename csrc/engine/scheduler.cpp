@@ -259,6 +259,75 @@ void Scheduler::match_prefix(Sequence* seq) {
   seq->num_computed_tokens = hits * bs;
   seq->num_keyed_blocks = hits;
   seq->last_block_key = key;
+  if (tier_ != nullptr) match_tier(seq, max_blocks);
+}
+
+void Scheduler::match_tier(Sequence* seq, int32_t max_blocks) {
+  const int32_t k = seq->num_keyed_blocks;  // the pool's hits: blocks [0, k)
+  if (k >= max_blocks) return;
+  ++num_tier_lookups_;
+  const int32_t bs = blocks_.block_size_tokens();
+  const int32_t* tokens = seq->tokens.data();
+  std::vector<uint64_t> keys;  // of blocks [k, k + n) that the tier may hold
+  for (uint64_t key = seq->last_block_key; k + (int32_t)keys.size() < max_blocks;) {
+    key = block_key(key, tokens + (int64_t)(k + keys.size()) * bs, bs);
+    if (!tier_->contains(key)) break;
+    keys.push_back(key);
+  }
+  // After the extension the live blocks are the last max_live of [0, k + n) (all of them without a window): the
+  // fresh ones among them take pool blocks, and one block stays for the first chunk.
+  const int32_t max_live = max_live_hit_blocks();
+  int32_t n = (int32_t)keys.size();
+  const int32_t spare = blocks_.num_available_blocks() - 1;
+  if (std::min(n, max_live) > spare) n = std::max(0, spare);
+  if (n == 0) {
+    ++num_tier_missed_lookups_;
+    return;
+  }
+  const int32_t first_live = max_live == INT32_MAX ? 0 : std::max(0, k + n - max_live);
+  // the pool's hits now behind the window become holes (active -> cached)
+  if (first_live > 0) blocks_.release_range(seq->block_table, 0, std::min(first_live, k));
+  uint64_t parent = seq->last_block_key;
+  int32_t loaded = 0;
+  for (int32_t i = k; i < k + n; ++i, ++loaded) {
+    const int32_t* block_tokens = tokens + (int64_t)i * bs;
+    const uint64_t key = keys[i - k];
+    if (i < first_live) {  // a hole: confirmed, not read
+      if (!tier_->load(key, block_tokens, kNoBlock)) break;
+      seq->block_table.push_back(kNoBlock);
+    } else {
+      blocks_.allocate(1, seq->block_table);  // free|cached -> active
+      const int32_t id = seq->block_table.back();
+      if (!tier_->load(key, block_tokens, id)) {
+        std::vector<int32_t> unread{id};
+        blocks_.release(unread);  // active -> free: it never got a key
+        seq->block_table.pop_back();
+        break;
+      }
+      blocks_.publish(id, parent, block_tokens);
+    }
+    parent = key;
+  }
+  if (loaded < n && first_live > 0) {
+    // The chain ended early where the window had turned entries into holes the shorter chain needs live: start
+    // over from the pool alone (the blocks read so far are cached now, so the pool finds them).
+    release_blocks(seq);
+    seq->num_computed_tokens = seq->num_keyed_blocks = 0;
+    uint64_t key = 0;
+    const int32_t hits =
+        blocks_.match_prefix(seq->tokens.data(), max_blocks, seq->block_table, &key, max_live_hit_blocks());
+    num_tier_hit_tokens_ += (int64_t)std::max(0, hits - k) * bs;
+    if (hits <= k) ++num_tier_missed_lookups_;
+    seq->num_computed_tokens = hits * bs;
+    seq->num_keyed_blocks = hits;
+    seq->last_block_key = key;
+    return;
+  }
+  if (loaded == 0) ++num_tier_missed_lookups_;
+  num_tier_hit_tokens_ += (int64_t)loaded * bs;
+  seq->num_keyed_blocks = k + loaded;
+  seq->num_computed_tokens = (k + loaded) * bs;
+  seq->last_block_key = parent;
 }
 
 void Scheduler::release_dead_blocks(Sequence* seq) {

@@ -52,6 +52,19 @@
 
 namespace lmkit {
 
+// A second tier behind the pool's prefix cache: blocks evicted from the pool that can be read back (the disk store,
+// engine/kv_store.h, through the engine). When a sequence's prefix chain ends in the pool, the scheduler continues
+// it here and reads the blocks into freshly allocated ones, which then count as computed.
+class PrefixTier {
+ public:
+  virtual ~PrefixTier() = default;
+  // Whether the tier may hold the block keyed `key` (a cheap check; load() confirms).
+  virtual bool contains(uint64_t key) = 0;
+  // Fills pool block `block` (block >= 0) with the tier's copy of the block keyed `key` holding exactly `tokens`,
+  // or, with block kNoBlock, only confirms that the tier holds it. False: not usable (the chain ends there).
+  virtual bool load(uint64_t key, const int32_t* tokens, int32_t block) = 0;
+};
+
 struct SchedulerConfig {
   int32_t max_batch_size = 64;          // running sequences at most
   int32_t max_prefill_token_num = 8192;  // prompt tokens per step at most
@@ -147,6 +160,13 @@ class Scheduler {
   // Blocks that went back to the pool (free or cached) early, because they fell out of the window.
   int64_t num_window_freed_blocks() const { return num_window_freed_blocks_; }
   int32_t num_state_snapshots() const { return (int32_t)snapshots_.size(); }
+  // The second tier (nullptr: none): admissions continue their prefix chains there (prefix caching, no state).
+  void set_prefix_tier(PrefixTier* tier) { tier_ = tier; }
+  // Admissions whose chain went on past the pool and asked the tier, those that found nothing there, and the
+  // prompt tokens read back from it (counted in num_prefix_hit_tokens too).
+  int64_t num_tier_lookups() const { return num_tier_lookups_; }
+  int64_t num_tier_missed_lookups() const { return num_tier_missed_lookups_; }
+  int64_t num_tier_hit_tokens() const { return num_tier_hit_tokens_; }
   bool has_work() const { return !running_.empty() || !waiting_.empty(); }
   const std::vector<Sequence*>& running() const { return running_; }
 
@@ -178,6 +198,9 @@ class Scheduler {
   // Reuses cached blocks for seq's leading full blocks (never its last token: it must be computed); with a
   // window the matched blocks behind it are holes from the start.
   void match_prefix(Sequence* seq);
+  // After the pool's hits (seq's first num_keyed_blocks blocks, of at most max_blocks), the chain continued in the
+  // tier: the blocks found are read into fresh blocks (as far as the pool has them to spare) and published.
+  void match_tier(Sequence* seq, int32_t max_blocks);
   // Releases seq's blocks behind the window (entries [first live, num_dead_blocks)) into holes.
   void release_dead_blocks(Sequence* seq);
   // Gives back seq's state slot and its completions' reserved ones.
@@ -208,6 +231,8 @@ class Scheduler {
   int64_t num_prefix_query_tokens_ = 0;
   int64_t num_prefix_hit_tokens_ = 0;
   int64_t num_window_freed_blocks_ = 0;
+  PrefixTier* tier_ = nullptr;
+  int64_t num_tier_lookups_ = 0, num_tier_missed_lookups_ = 0, num_tier_hit_tokens_ = 0;
   // Recurrent-state snapshots (prefix caching): key of the prefix's last block -> its slot and exact tokens.
   struct Snapshot {
     int32_t slot = 0;

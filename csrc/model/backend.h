@@ -137,6 +137,14 @@ class Backend {
                             const std::vector<int32_t>& layer_head_dim, int32_t block_size_tokens) = 0;
   virtual int64_t kv_bytes_per_block() const = 0;
   virtual void allocate_kv_pool(int32_t num_blocks) = 0;
+  // Executor::read_kv_block / write_kv_block (the disk store); a backend without them says so here.
+  virtual bool can_copy_kv_blocks() const { return false; }
+  virtual void read_kv_block(int32_t /*block*/, void* /*dst*/) const {
+    LMKIT_CHECK(false, name(), " backend cannot copy KV blocks to host memory");
+  }
+  virtual void write_kv_block(int32_t /*block*/, const void* /*src*/) {
+    LMKIT_CHECK(false, name(), " backend cannot copy KV blocks from host memory");
+  }
   // Executor::release_idle_memory: the pages of the free KV blocks and of the activations and scratch.
   virtual void release_idle_memory(const std::vector<int32_t>& /*free_blocks*/) {}
 

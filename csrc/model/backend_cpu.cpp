@@ -214,6 +214,33 @@ class CpuBackend final : public Backend {
     }
   }
 
+  // One block's bytes: layer 0's K, layer 0's V, layer 1's K, ... (each with its scales), kv_bytes_per_block() in all.
+  bool can_copy_kv_blocks() const override { return true; }
+  void read_kv_block(int32_t block, void* dst) const override {
+    LMKIT_CHECK(kv_pool_ != nullptr && block >= 0 && block < kv_layers_[0].num_blocks, "read_kv_block(", block,
+                ") outside the pool");
+    char* out = static_cast<char*>(dst);
+    for (const ops::KVLayer& kv : kv_layers_) {
+      const int64_t bb = kv.block_bytes();
+      for (const void* base : {kv.k, kv.v}) {
+        std::memcpy(out, static_cast<const char*>(base) + block * bb, (size_t)bb);
+        out += bb;
+      }
+    }
+  }
+  void write_kv_block(int32_t block, const void* src) override {
+    LMKIT_CHECK(kv_pool_ != nullptr && block >= 0 && block < kv_layers_[0].num_blocks, "write_kv_block(", block,
+                ") outside the pool");
+    const char* in = static_cast<const char*>(src);
+    for (ops::KVLayer& kv : kv_layers_) {
+      const int64_t bb = kv.block_bytes();
+      for (void* base : {kv.k, kv.v}) {
+        std::memcpy(static_cast<char*>(base) + block * bb, in, (size_t)bb);
+        in += bb;
+      }
+    }
+  }
+
   void configure_state(const std::vector<RecurrentSpec>& layers) override {
     state_layer_offset_.assign(1, 0);
     for (const RecurrentSpec& r : layers) {

@@ -43,6 +43,9 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   options.enable_prefix_caching = config.enable_prefix_caching;
   options.engine_cpus = config.engine_cpus;
   options.callback_cpus = config.callback_cpus;
+  options.kv_cache_dir = config.kv_cache_dir;
+  options.kv_cache_disk_bytes = config.kv_cache_disk_bytes;
+  options.kv_cache_identity = config.kv_cache_identity;
 
   BackendOptions backend;
   backend.max_step_tokens = config.max_prefill_token_num + config.max_batch_size;

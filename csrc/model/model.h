@@ -37,6 +37,9 @@ class DecoderModel : public Executor {
   // Every linear but the experts (and their routers): what each step reads whatever the routing.
   int64_t dense_weight_bytes() const;
   void allocate_kv_pool(int32_t num_blocks) override { backend_->allocate_kv_pool(num_blocks); }
+  bool can_copy_kv_blocks() const override { return backend_->can_copy_kv_blocks(); }
+  void read_kv_block(int32_t block, void* dst) const override { backend_->read_kv_block(block, dst); }
+  void write_kv_block(int32_t block, const void* src) override { backend_->write_kv_block(block, src); }
   int64_t state_bytes_per_slot() const override { return backend_->state_bytes_per_slot(); }
   void allocate_state_pool(int32_t num_slots) override { backend_->allocate_state_pool(num_slots); }
   int32_t vocab_size() const override { return config_.vocab_size; }

@@ -178,7 +178,10 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("num_threads", &EngineConfig::num_threads)
       .def_readwrite("engine_cpus", &EngineConfig::engine_cpus)
       .def_readwrite("callback_cpus", &EngineConfig::callback_cpus)
-      .def_readwrite("speculative", &EngineConfig::speculative);
+      .def_readwrite("speculative", &EngineConfig::speculative)
+      .def_readwrite("kv_cache_dir", &EngineConfig::kv_cache_dir)
+      .def_readwrite("kv_cache_disk_bytes", &EngineConfig::kv_cache_disk_bytes)
+      .def_readwrite("kv_cache_identity", &EngineConfig::kv_cache_identity);
 
   py::class_<SamplingParams>(m, "SamplingParams")
       .def(py::init<>())
@@ -305,6 +308,19 @@ PYBIND11_MODULE(_engine, m) {
       .def_readonly("num_window_freed_blocks", &EngineMetrics::num_window_freed_blocks)
       .def_readonly("num_weight_bytes_read", &EngineMetrics::num_weight_bytes_read)
       .def_readonly("num_finished_requests", &EngineMetrics::num_finished_requests)
+      .def_readonly("has_kv_store", &EngineMetrics::has_kv_store)
+      .def_readonly("num_store_lookups", &EngineMetrics::num_store_lookups)
+      .def_readonly("num_store_missed_lookups", &EngineMetrics::num_store_missed_lookups)
+      .def_readonly("num_store_hit_tokens", &EngineMetrics::num_store_hit_tokens)
+      .def_readonly("num_store_read_blocks", &EngineMetrics::num_store_read_blocks)
+      .def_readonly("num_store_read_bytes", &EngineMetrics::num_store_read_bytes)
+      .def_readonly("num_store_written_blocks", &EngineMetrics::num_store_written_blocks)
+      .def_readonly("num_store_written_bytes", &EngineMetrics::num_store_written_bytes)
+      .def_readonly("num_store_dropped_blocks", &EngineMetrics::num_store_dropped_blocks)
+      .def_readonly("num_store_ignored_files", &EngineMetrics::num_store_ignored_files)
+      .def_readonly("num_store_write_errors", &EngineMetrics::num_store_write_errors)
+      .def_readonly("num_store_evicted_files", &EngineMetrics::num_store_evicted_files)
+      .def_readonly("num_store_bytes", &EngineMetrics::num_store_bytes)
       .def_property_readonly("num_draft_tokens", [](const EngineMetrics& m) {
         return std::vector<int64_t>(m.num_draft_tokens, m.num_draft_tokens + EngineMetrics::kDraftSources); })
       .def_property_readonly("num_accepted_draft_tokens", [](const EngineMetrics& m) {
@@ -355,6 +371,8 @@ PYBIND11_MODULE(_engine, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("metrics", &Engine::metrics, py::call_guard<py::gil_scoped_release>())
       .def("check_integrity", &Engine::check_integrity, py::call_guard<py::gil_scoped_release>())
+      .def("flush_kv_store", &Engine::flush_kv_store, py::call_guard<py::gil_scoped_release>(),
+           "Writes the pool's cached blocks not yet in the disk store and waits for the writer (no-op without one).")
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_total_blocks", [](const Engine& e) { return e.options().num_blocks; })
       .def_property_readonly("kv_bytes_per_block", [](const Engine& e) { return e.options().kv_bytes_per_block; })

@@ -32,6 +32,14 @@ def _run_script(name: str, *args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+@pytest.mark.slow
+def test_kv_store_benchmark_smoke(smollm2_path):
+    run = _run_script("bench_kv_store.py", "--smoke", "--model", str(smollm2_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "disk store after restart" in run.stdout and "speed ratio (store / no store)" in run.stdout
+    assert "same first token: True" in run.stdout, run.stdout
+
+
 @pytest.mark.parametrize("script, args, says", [
     ("profile_serving.py", ["--concurrency", "0"], "argument --concurrency: must be >= 1, got 0"),  # hung before
     ("profile_serving.py", ["--num-prompts", "0"], "argument --num-prompts: must be >= 1, got 0"),  # ran a default
