@@ -963,12 +963,22 @@ inline __m256 q8_u8x8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-// tot[i][0:32] += this MXFP4 panel's sums (groups of 32) for rows i < MR (up to 4), half a panel at a time as
-// q8_tile_i4_half: a byte shuffle maps each code to its twice-e2m1 value w (-12..12), and vpmaddubsw(|w|, sign(qx, w))
-// sums w * qx (pairs <= 3,048: the 8 quads of a block sum exactly in int16, as the int4 ones); no zero to correct for.
-template <int MR>
-inline void q8_tile_mxfp4(const int8_t* qx, const float* dx, int64_t K, const uint8_t* panel, int64_t g,
-                          GroupHead head, float (*tot)[kPanel], KSpan span) {
+// The int4 panels' heads as the AVX2 tiles take them: an offset or zero corrected in fp32 per block (Zeros, Offsets,
+// KQuant), Symmetric (Q4_0: the sums start at -8 x x's pair sums, q8_symmetric_init), or MXFP4 codes.
+enum class I4Tile { Affine, Symmetric, Mxfp4 };
+
+// tot[i][0:32] += this int4 panel's sums (group size g) for rows i < MR (up to 4), a half panel at a time: half h of
+// a quad is 8 lanes whose low nibbles are columns 8h..8h+7 and high nibbles 16+8h.., so a block of 32 k is 8 quads x
+// (1 load, 3 ops to unpack, per row 2 vpmaddubsw + 2 vpaddw) into 2 int16 accumulators per row, then per row and 8
+// columns s * dx * (dot - zero * sx) in fp32. Four rows keep 8 accumulators, the two nibble vectors, the mask and
+// a broadcast of x in registers; 2 rows x 32 columns (8 accumulators, 4 weight vectors) left GCC too few and it
+// spilled most of them (1.5x slower). The empty asm keeps each accumulator one chain in a register (GCC otherwise
+// re-associates the unrolled int16 adds into trees of temporaries, and spills).
+// MXFP4: a byte shuffle maps each code to its twice-e2m1 value w (-12..12) and vpmaddubsw(|w|, sign(qx, w)) sums
+// w * qx (pairs <= 3,048: a block sums exactly in int16 too); no zero, the scale a power of two per group.
+template <int MR, I4Tile KIND>
+inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
+                       int64_t g, GroupHead head, float (*tot)[kPanel], KSpan span) {
   const int64_t nb = K / kQ8Block, gb = linear_int4_group_bytes(g, head), hb = linear_int4_head_bytes(head);
   const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   const __m256i e2m1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kE2m1Twice));
@@ -980,60 +990,9 @@ inline void q8_tile_mxfp4(const int8_t* qx, const float* dx, int64_t K, const ui
       const int8_t* xb = qx + kb * kQ8Block;
       for (int h = 0; h < 2; ++h) {
         __m256i acc[MR][2];
-        for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int t = 0; t < kQ8Block / 4; ++t) {
-          if (h == 0) _mm_prefetch((const char*)(quads + t * kI4Quad + span.prefetch), _MM_HINT_T0);
-          const __m256i raw = _mm256_loadu_si256((const __m256i*)(quads + t * kI4Quad + 32 * h));
-          const __m256i wl = _mm256_shuffle_epi8(e2m1, _mm256_and_si256(raw, low4));
-          const __m256i wh = _mm256_shuffle_epi8(e2m1, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
-          const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
-          for (int i = 0; i < MR; ++i) {
-            int32_t q4;
-            memcpy(&q4, xb + i * K + 4 * t, 4);
-            const __m256i xq = _mm256_set1_epi32(q4);
-            acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(al, _mm256_sign_epi8(xq, wl)));
-            acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(ah, _mm256_sign_epi8(xq, wh)));
-            __asm__("" : "+x"(acc[i][0]), "+x"(acc[i][1]));
-          }
-        }
-        for (int n = 0; n < 2; ++n) {
-          const int v = h + 2 * n;  // columns 8v..8v+7
-          const __m256 s = vload_exp2(blk + 8 * v).v;
-          for (int i = 0; i < MR; ++i) {
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][n], ones));
-            _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), dot,
-                                                             _mm256_loadu_ps(tot[i] + 8 * v)));
-          }
-        }
-      }
-    }
-  }
-}
-
-// tot[i][0:32] += this int4 panel's sums (group size g, every head but Mxfp4) for rows i < MR (up to 4), a half panel
-// at a time: half h of a quad is 8 lanes whose low nibbles are columns 8h..8h+7 and high nibbles 16+8h.., so a block
-// of 32 k is 8 quads x (1 load, 3 ops to unpack, per row 2 vpmaddubsw + 2 vpaddw) into 2 int16 accumulators per
-// row, then per row and 8 columns s * dx * (dot - zero * sx) in fp32. Four rows keep 8 accumulators, the two nibble
-// vectors, the mask and a broadcast of x in registers; 2 rows x 32 columns (8 accumulators, 4 weight vectors) left
-// GCC too few and it spilled most of them (1.5x slower). The empty asm keeps each accumulator one chain in a
-// register (GCC otherwise re-associates the unrolled int16 adds into trees of temporaries, and spills).
-template <int MR, bool SYMMETRIC>
-inline void q8_tile_i4_half(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                            int64_t g, GroupHead head, float (*tot)[kPanel], KSpan span) {
-  const int64_t nb = K / kQ8Block, gb = linear_int4_group_bytes(g, head), hb = linear_int4_head_bytes(head);
-  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  for (int64_t k0 = span.begin; k0 < span.end; k0 += g) {
-    const uint8_t* blk = panel + (k0 / g) * gb;
-    for (int64_t b = 0; b < g / kQ8Block; ++b) {
-      const int64_t kb = (k0 / kQ8Block) + b;
-      const uint8_t* quads = blk + hb + b * (kQ8Block / 4) * kI4Quad;
-      const int8_t* xb = qx + kb * kQ8Block;
-      for (int h = 0; h < 2; ++h) {
-        __m256i acc[MR][2];
         for (int i = 0; i < MR; ++i) {
-          int32_t init = 0;  // SYMMETRIC: sx holds q8_symmetric_init's int32s
-          if constexpr (SYMMETRIC) memcpy(&init, sx + i * nb + kb, 4);
+          int32_t init = 0;  // Symmetric: sx holds q8_symmetric_init's int32s
+          if constexpr (KIND == I4Tile::Symmetric) memcpy(&init, sx + i * nb + kb, 4);
           acc[i][0] = acc[i][1] = _mm256_set1_epi32(init);
         }
 #pragma GCC unroll 8
@@ -1041,19 +1000,33 @@ inline void q8_tile_i4_half(const int8_t* qx, const float* dx, const float* sx, 
           if (h == 0) _mm_prefetch((const char*)(quads + t * kI4Quad + span.prefetch), _MM_HINT_T0);
           const __m256i raw = _mm256_loadu_si256((const __m256i*)(quads + t * kI4Quad + 32 * h));
           const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-          for (int i = 0; i < MR; ++i) {
-            int32_t q4;
-            memcpy(&q4, xb + i * K + 4 * t, 4);
-            const __m256i xq = _mm256_set1_epi32(q4);
-            acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(lo, xq));
-            acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(hi, xq));
-            __asm__("" : "+x"(acc[i][0]), "+x"(acc[i][1]));
+          if constexpr (KIND == I4Tile::Mxfp4) {
+            const __m256i wl = _mm256_shuffle_epi8(e2m1, lo), wh = _mm256_shuffle_epi8(e2m1, hi);
+            const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
+            for (int i = 0; i < MR; ++i) {
+              int32_t q4;
+              memcpy(&q4, xb + i * K + 4 * t, 4);
+              const __m256i xq = _mm256_set1_epi32(q4);
+              acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(al, _mm256_sign_epi8(xq, wl)));
+              acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(ah, _mm256_sign_epi8(xq, wh)));
+              __asm__("" : "+x"(acc[i][0]), "+x"(acc[i][1]));
+            }
+          } else {
+            for (int i = 0; i < MR; ++i) {
+              int32_t q4;
+              memcpy(&q4, xb + i * K + 4 * t, 4);
+              const __m256i xq = _mm256_set1_epi32(q4);
+              acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(lo, xq));
+              acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(hi, xq));
+              __asm__("" : "+x"(acc[i][0]), "+x"(acc[i][1]));
+            }
           }
         }
         for (int n = 0; n < 2; ++n) {
           const int v = h + 2 * n;  // the 8 columns of this accumulator: 8v..8v+7
-          __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v))), zs;
-          if constexpr (SYMMETRIC) {  // the sums are already of (q - 8) qx
+          if constexpr (KIND != I4Tile::Affine) {  // the sums are already of the weights' values
+            const __m256 s = KIND == I4Tile::Mxfp4 ? vload_exp2(blk + 8 * v).v
+                                                   : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v)));
             for (int i = 0; i < MR; ++i) {
               const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][n], ones));
               _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), dot,
@@ -1061,6 +1034,7 @@ inline void q8_tile_i4_half(const int8_t* qx, const float* dx, const float* sx, 
             }
             continue;
           }
+          __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v))), zs;
           if (head == GroupHead::Zeros) {  // zs: zero * scale, minus the offset, or dmin * m
             zs = _mm256_mul_ps(s, q8_u8x8(blk + 64 + 8 * v));
           } else {
@@ -1086,11 +1060,11 @@ inline void q8_tile_i4_half(const int8_t* qx, const float* dx, const float* sx, 
 
 // tot[i][0:32] += this int8 panel's sums (layout as the AVX-512 path's q8_tile_i8, blocks of G, offset heads when
 // OFFSETS: + offset * sx, sx the sums of qx per G values) for rows i < MR (up to 4), half a panel (16 columns:
-// vectors 2h and 2h + 1) at a time, as q8_tile_i4_half and for the same reason: 8 int32 accumulators, 2 weights and
+// vectors 2h and 2h + 1) at a time, as q8_tile_i4 and for the same reason: 8 int32 accumulators, 2 weights and
 // their magnitudes, a broadcast of x and a temporary fit the 16 registers, where 2 rows x 32 columns spilled (+18%).
 template <int MR, int G, bool OFFSETS = false>
 inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                            float (*tot)[kPanel], KSpan span) {
+                       float (*tot)[kPanel], KSpan span) {
   constexpr GroupHead kHead = OFFSETS ? GroupHead::Offsets : GroupHead::Zeros;
   const int64_t nb = K / kQ8Block, ng = K / G, block_bytes = i8_block_bytes(G, kHead), hb = i8_head_bytes(G, kHead);
   const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
@@ -1135,7 +1109,7 @@ inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64
 
 // tot[i][0:32] += this int6 panel's sums (layout as the AVX-512 path's q8_tile_i6; sx the sums of qx per 16) for
 // rows i < MR (up to 4), half a panel (lanes 8hf..8hf+7: columns 8hf.. from the low nibbles, 16 + 8hf.. from the high
-// ones) at a time, as q8_tile_i4_half (2 rows x 32 columns spilled: 6% slower). Per octet the products of quads A and
+// ones) at a time, as q8_tile_i4 (2 rows x 32 columns spilled: 6% slower). Per octet the products of quads A and
 // B sum exactly in int16 (u <= 63: 4 x 63 x 128 = 32,256) before one widening.
 template <int MR>
 inline void q8_tile_i6(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
@@ -1208,11 +1182,11 @@ inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx
     } else if constexpr (BITS == 6) {
       q8_tile_i6<MR>(qx, dx, sx, K, panel, tot, span);
     } else if (head == GroupHead::Mxfp4) {
-      q8_tile_mxfp4<MR>(qx, dx, K, panel, g, head, tot, span);
+      q8_tile_i4<MR, I4Tile::Mxfp4>(qx, dx, sx, K, panel, g, head, tot, span);
     } else if (head == GroupHead::Symmetric) {
-      q8_tile_i4_half<MR, true>(qx, dx, sx, K, panel, g, head, tot, span);
+      q8_tile_i4<MR, I4Tile::Symmetric>(qx, dx, sx, K, panel, g, head, tot, span);
     } else {
-      q8_tile_i4_half<MR, false>(qx, dx, sx, K, panel, g, head, tot, span);
+      q8_tile_i4<MR, I4Tile::Affine>(qx, dx, sx, K, panel, g, head, tot, span);
     }
     const float* b = span.last ? bias : nullptr;
     for (int i = 0; i < MR; ++i)
