@@ -172,9 +172,14 @@ def test_prompt_logprobs_benchmark_smoke(smollm2_path):
 @pytest.mark.slow
 def test_peers_benchmark_smoke(smollm2_path):
     """bench_peers.py --smoke: lmkit fp and HF side by side in worker processes, two interleaved rounds,
-    table printed."""
-    run = _run_script("bench_peers.py", "--smoke", "--model", str(smollm2_path), "--threads", "1", "--rounds", "2")
+    table printed; --cpu-isa avx2 caps the engines (the header names the kernels the workers ran)."""
+    from lmkit._ext import _engine
+
+    run = _run_script("bench_peers.py", "--smoke", "--model", str(smollm2_path), "--threads", "1", "--rounds", "2",
+                      "--cpu-isa", "avx2")
     assert run.returncode == 0, run.stderr[-2000:]
+    isa = "generic" if _engine.cpu_isa() == "generic" else "avx2"  # a cap, not a floor
+    assert f"({isa})," in run.stdout, run.stdout
     assert "lmkit fp" in run.stdout and "HF fp32" in run.stdout
     assert "medians of 2 rounds" in run.stdout and "vs fp per round" in run.stdout, run.stdout
     assert "error" not in run.stdout, run.stdout
