@@ -180,10 +180,11 @@ class Engine:
                        f"{n} thread{'s' * (n > 1)} (the CPUs of cpu_binding)"
                        if self.config.binding_cpus is not None else cpu_budget().describe())
             dtype = self.config.resolved_dtype("cpu")
-            capped = cpu_isa_cap()
-            why = ("" if self.config.dtype != "auto" else " (dtype='auto': this CPU has AVX512_BF16)"
-                   if dtype == "bfloat16" else f" (dtype='auto': LMKIT_CPU_ISA={capped} caps the kernels)"
-                   if capped and capped != "avx512" else " (dtype='auto': this CPU has no AVX512_BF16)")
+            capped, why = cpu_isa_cap(), ""
+            if self.config.dtype == "auto":
+                why = (" (dtype='auto': this CPU has AVX512_BF16)" if dtype == "bfloat16" else
+                       f" (dtype='auto': LMKIT_CPU_ISA={capped} caps the kernels)" if capped in ("avx2", "generic")
+                       else " (dtype='auto': this CPU has no AVX512_BF16)")
             log.info("CPU backend: %s, %s kernels, %s compute%s", threads, _engine.cpu_isa(), dtype, why)
             # raises ValueError naming them when an explicit list has CPUs outside the affinity mask
             self.cpu_binding: CpuBinding | None = plan_binding(n, self.config.cpu_binding)

@@ -33,13 +33,7 @@ int isa_rank(const char* isa) {
   return 2;  // avx512 and its extensions
 }
 int isa_ceiling() {
-  static const int ceiling = [] {
-    const char* env = std::getenv("LMKIT_CPU_ISA");
-    if (env == nullptr) return 2;
-    for (const char* isa : {"generic", "avx2", "avx512"})
-      if (std::strcmp(env, isa) == 0) return isa_rank(isa);
-    return 2;
-  }();
+  static const int ceiling = std::getenv("LMKIT_CPU_ISA") ? isa_rank(std::getenv("LMKIT_CPU_ISA")) : 2;
   return ceiling;
 }
 

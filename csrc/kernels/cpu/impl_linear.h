@@ -1113,7 +1113,7 @@ inline void q8_tile_i8(const int8_t* qx, const float* dx, const float* sx, int64
 // B sum exactly in int16 (u <= 63: 4 x 63 x 128 = 32,256) before one widening.
 template <int MR>
 inline void q8_tile_i6(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
-                            float (*tot)[kPanel], KSpan span) {
+                       float (*tot)[kPanel], KSpan span) {
   const int64_t nb = K / kQ8Block, ns = K / kI6Sub;
   const __m256i low4 = _mm256_set1_epi8(0x0f), high2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
   for (int64_t k0 = span.begin; k0 < span.end; k0 += kI6Group) {
