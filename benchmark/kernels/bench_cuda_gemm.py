@@ -1,12 +1,13 @@
 """The CUDA backend's linear kernels against fp16 dense GEMM (cuBLAS, as torch.matmul calls it), on the
-linear shapes of Llama-2-7B, at M = 1, 16, 64, 256 rows (ISSUE 6: Marlin holds ~3.9x up to M 16-32).
+linear shapes of Llama-2-7B, at M = 1 to 256 rows (ISSUE 6: Marlin holds ~3.9x up to M 16-32).
 
-    python benchmark/kernels/bench_cuda_gemm.py [--group-size 128] [--rows 1 4 16 64 256] [--csv FILE] [--smoke]
+    python benchmark/kernels/bench_cuda_gemm.py [--group-size 128] [--rows 1 4 16 32 64 128 256] [--csv FILE] [--smoke]
 
 Per (shape, M), the time of one call of:
   int4 skinny   our int4 linear on the skinny tensor-core kernel (the engine's path up to its int4 skinny rows);
                 alt: the same with the other load schedule (set_skinny_pipeline)
-  int4 other    our int4 linear with the skinny kernel off (the WMMA GEMM)
+  int4 other    our int4 linear with the skinny kernel off (dequantized, then cuBLAS; the WMMA GEMM without
+                cuBLAS): the engine's path above its int4 skinny rows
   fp16 skinny   our dense fp16 linear on the skinny kernel (the engine's path up to its dense skinny rows), alt
   cuBLAS fp16   torch.matmul in fp16
 then int4 skinny over cuBLAS, and the bytes of weights each skinny kernel reads per second against the copy
@@ -27,11 +28,17 @@ from pathlib import Path
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 
 
+_SIDE = []
+
+
 def graph_us(calls: list, replays: int) -> float:
-    """Median time of one of `calls` (zero-argument launches on torch's current stream), captured in a graph."""
+    """Median time of one of `calls` (zero-argument launches on torch's current stream), captured in a graph on
+    the stream they warmed up on (linear()'s int4 scratch is per stream, made outside a capture)."""
     import torch
 
-    side = torch.cuda.Stream()
+    if not _SIDE:
+        _SIDE.append(torch.cuda.Stream())
+    side = _SIDE[0]
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for fn in calls[:3]:
@@ -39,7 +46,7 @@ def graph_us(calls: list, replays: int) -> float:
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         for fn in calls:
             fn()
     graph.replay()
@@ -63,7 +70,7 @@ def rotation(items: list, make) -> list:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256])
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--csv", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="one small shape, few replays")

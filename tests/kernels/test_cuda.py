@@ -66,22 +66,27 @@ def test_embedding(act, table_dtype):
     torch.testing.assert_close(out, table[ids.long()].float().to(ACTS[act]), rtol=0, atol=0)
 
 
+# dims: 16-byte vectors held in registers (576: one per thread or none, 4096: two, 8192: four, the widest),
+# and the scalar loop (8200: too wide; 100: not a multiple of 8)
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("fused", [False, True])
-def test_rmsnorm(act, fused):
+@pytest.mark.parametrize("dim,weight_dtype", [(576, "act"), (4096, "F32"), (8192, "act"), (8200, "act"), (100, "F32")])
+def test_rmsnorm(act, fused, dim, weight_dtype):
     dt = ACTS[act]
-    rows, dim = 13, 576
+    rows = 13
+    wdt = dt if weight_dtype == "act" else torch.float32
+    weight_dtype = act if weight_dtype == "act" else weight_dtype
     x = torch.randn(rows, dim, device="cuda").to(dt)
-    w = (1 + 0.1 * torch.randn(dim, device="cuda")).to(dt)
+    w = (1 + 0.1 * torch.randn(dim, device="cuda")).to(wdt)
     residual = torch.randn(rows, dim, device="cuda").to(dt)
     out = poisoned(rows, dim, dtype=dt)
     if fused:
         ref_res = (residual.double() + x.double()).to(dt)
-        run(cu.add_rmsnorm, p(residual), p(x), p(w), act, 1e-5, rows, dim, p(out), act)
+        run(cu.add_rmsnorm, p(residual), p(x), p(w), weight_dtype, 1e-5, rows, dim, p(out), act)
         torch.testing.assert_close(residual, ref_res, rtol=0, atol=0)
         src = ref_res.double()
     else:
-        run(cu.rmsnorm, p(x), p(w), act, 1e-5, rows, dim, p(out), act)
+        run(cu.rmsnorm, p(x), p(w), weight_dtype, 1e-5, rows, dim, p(out), act)
         src = x.double()
     ref = src / torch.sqrt(src.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
     assert finite_rel_err(out, ref) <= BOUND[act]
@@ -270,8 +275,8 @@ def test_paged_attention(act, bits, case):
 @pytest.fixture
 def linear_path(request):
     """'skinny': the skinny tensor-core kernel for every M the test uses (pipelined loads), 'skinny-batched'
-    the same kernel loading a batch of steps, then multiplying it; 'other': the skinny kernel off (int4 on the
-    WMMA GEMM, dense on cuBLAS where found); 'wmma' / 'cublas': off, and dense on that GEMM."""
+    the same kernel loading a batch of steps, then multiplying it; 'other': the skinny kernel off (cuBLAS where
+    found, int4 dequantized first); 'wmma' / 'cublas': off, and every weight on that GEMM."""
     path = request.param
     saved, saved_pipe = cu.skinny_rows(), cu.skinny_pipeline()
     cu.set_skinny_rows(*((1 << 20, 1 << 20) if path.startswith("skinny") else (0, 0)))
@@ -302,7 +307,7 @@ def int4_case(act, group_size, M, N, K):
     return finite_rel_err(out, ref)
 
 
-@pytest.mark.parametrize("linear_path", ["skinny", "skinny-batched", "other"], indirect=True)
+@pytest.mark.parametrize("linear_path", ["skinny", "skinny-batched", "other", "wmma"], indirect=True)
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("M", [1, 3, 8, 9, 64, 100])
@@ -337,6 +342,43 @@ def test_linear_dense(linear_path, act, M, K):
     run(cu.linear, p(x), M, w, p(bias), p(out), act)  # K = 584: no multiple of 32, the skinny kernel declines
     ref = x.double() @ weight.to(dt).double().cuda().T + bias.double()
     assert finite_rel_err(out, ref) <= BOUND[act]
+
+
+@pytest.mark.parametrize("linear_path", ["cublas"], indirect=True)
+@pytest.mark.parametrize("act", ACTS)
+def test_linear_int4_dequantized_in_blocks(linear_path, act):
+    # 4,200 x 8,192 int4 weights are 69 MB as fp16, over the 64 MiB scratch: two blocks of rows, the second
+    # written into out's columns 2,112.. (cuBLAS's row stride of out = N)
+    assert int4_case(act, 128, 100, 4200, 8192) <= BOUND[act]
+
+
+@pytest.mark.parametrize("linear_path", ["cublas"], indirect=True)
+def test_linear_int4_dequantized_under_graph_capture(linear_path):
+    # A stream that ran the dequantizing path eagerly has its scratch: the capture records the same path. A
+    # stream that never did cannot allocate under capture: the captured call takes the WMMA GEMM instead.
+    from lmkit.lite.quantizer import pack_awq_gemm, quantize
+
+    M, N, K = 96, 320, 512
+    qw = quantize(torch.randn(N, K), 64)
+    packed = pack_awq_gemm(qw)
+    w = cu.upload_int4(packed["qweight"].numpy(), packed["qzeros"].numpy(), packed["scales"].numpy(), 64, "F16")
+    x = torch.randn(M, K, device="cuda").half()
+    for eager_first in (True, False):
+        stream = torch.cuda.Stream()
+        out = poisoned(M, N, dtype=torch.float16)
+        if eager_first:
+            with torch.cuda.stream(stream):
+                cu.linear(p(x), M, w, 0, p(out), "F16", stream=stream.cuda_stream)
+            stream.synchronize()
+        out.fill_(float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            cu.linear(p(x), M, w, 0, p(out), "F16", stream=stream.cuda_stream)
+        x.copy_(torch.randn(M, K, device="cuda").half())  # the replay reads the new x
+        ref = x.double() @ qw.dequantize().double().cuda().T
+        graph.replay()
+        torch.cuda.synchronize()
+        assert finite_rel_err(out, ref) <= BOUND["F16"], eager_first
 
 
 def test_skinny_linear_on_a_stream_and_rows_setting():

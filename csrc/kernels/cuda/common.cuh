@@ -63,6 +63,9 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return warp_max(v);
 }
 
+// Frees the int4 dequantization scratch of a stream (linear.cu); destroy_stream calls it.
+void release_dequant_scratch(Stream stream);
+
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline void check_act(DType act, const char* op) {

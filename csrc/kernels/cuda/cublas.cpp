@@ -76,9 +76,12 @@ bool load_cublas(const std::string& path) {
   return open_locked(path.c_str());
 }
 
-void cublas_gemm(const void* x, const void* w, void* out, int64_t M, int64_t N, int64_t K, DType act, void* stream) {
+void cublas_gemm(const void* x, const void* w, void* out, int64_t M, int64_t N, int64_t K, DType act, void* stream,
+                 int64_t ldo) {
   LMKIT_CHECK(cublas_available(), "cuBLAS is not loaded");
-  LMKIT_CHECK_ARG(M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX, "cuBLAS GEMM: dimensions beyond int32");
+  if (ldo == 0) ldo = N;
+  LMKIT_CHECK_ARG(M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX && ldo <= INT32_MAX && ldo >= N,
+                  "cuBLAS GEMM: dimensions beyond int32 or out's row stride under N");
   const int type = act == DType::F16 ? kR16F : kR16BF;
   const float alpha = 1.0f, beta = 0.0f;
   std::lock_guard<std::mutex> lock(g_mutex);  // one handle: its stream is per call
@@ -90,7 +93,7 @@ void cublas_gemm(const void* x, const void* w, void* out, int64_t M, int64_t N, 
   // Column-major view: out^T [N, M] = W [N, K] (stored as K x N, transposed) x x^T [K, M].
   if (status == 0)
     status = g_cublas.gemm_ex(g_cublas.handle, kOpT, kOpN, (int)N, (int)M, (int)K, &alpha, w, type, (int)K, x, type,
-                              (int)K, &beta, out, type, (int)N, kCompute32F, kGemmDefault);
+                              (int)K, &beta, out, type, (int)ldo, kCompute32F, kGemmDefault);
   LMKIT_CHECK(status == 0, "cublasGemmEx failed with status ", status, " (M=", M, " N=", N, " K=", K, ")");
 }
 

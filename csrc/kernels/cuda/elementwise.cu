@@ -48,6 +48,70 @@ __global__ void rmsnorm_kernel(T* residual, const T* x, const W* __restrict__ we
     o[j] = from_float<T>(to_float(src[j]) * inv * to_float(weight[j]));
 }
 
+// The same for rows of dim % 8 == 0 up to kRowThreads * 8 * kNormVecs with 16-byte aligned rows: each thread
+// loads all its 16-byte vectors (x and residual) before the first use and keeps the sums in registers for the
+// scaling. The loop above waits on each load in turn: one row of 4096 took 8.4 us at batch 1 (H200, ncu).
+constexpr int kNormVecs = 4;
+
+template <typename T, typename W>
+__global__ void __launch_bounds__(kRowThreads) rmsnorm_vec_kernel(T* residual, const T* x, const W* __restrict__ weight,
+                                                                  float eps, int64_t dim, T* out) {
+  __shared__ float scratch[32];
+  const int64_t r = blockIdx.x;
+  const int vecs = (int)(dim / 8);
+  const uint4* xr = reinterpret_cast<const uint4*>(x + r * dim);
+  uint4* rr = residual ? reinterpret_cast<uint4*>(residual + r * dim) : nullptr;
+  uint4 v[kNormVecs], res[kNormVecs];
+#pragma unroll
+  for (int i = 0; i < kNormVecs; ++i) {
+    const int j = threadIdx.x + i * kRowThreads;
+    v[i] = res[i] = make_uint4(0, 0, 0, 0);
+    if (j < vecs) {
+      v[i] = xr[j];
+      if (rr) res[i] = rr[j];
+    }
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kNormVecs; ++i) {
+    const int j = threadIdx.x + i * kRowThreads;
+    T* e = reinterpret_cast<T*>(&v[i]);
+    const T* q = reinterpret_cast<const T*>(&res[i]);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      float a = to_float(e[k]);
+      if (rr) {
+        e[k] = from_float<T>(to_float(q[k]) + a);  // the sum as stored, as the loop above
+        a = to_float(e[k]);
+      }
+      ss += a * a;
+    }
+    if (rr && j < vecs) rr[j] = v[i];
+  }
+  ss = block_sum(ss, scratch);
+  const float inv = rsqrtf(ss / (float)dim + eps);
+  uint4* o = reinterpret_cast<uint4*>(out + r * dim);
+#pragma unroll
+  for (int i = 0; i < kNormVecs; ++i) {
+    const int j = threadIdx.x + i * kRowThreads;
+    if (j >= vecs) continue;
+    T* e = reinterpret_cast<T*>(&v[i]);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) e[k] = from_float<T>(to_float(e[k]) * inv * to_float(weight[8 * j + k]));
+    o[j] = v[i];
+  }
+}
+
+template <typename T, typename W>
+void launch_rmsnorm(T* residual, const T* x, const W* weight, float eps, int64_t rows, int64_t dim, T* out,
+                    cudaStream_t s) {
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (dim % 8 == 0 && dim <= kRowThreads * 8 * kNormVecs && aligned(x) && aligned(out) && aligned(residual))
+    rmsnorm_vec_kernel<T, W><<<(unsigned)rows, kRowThreads, 0, s>>>(residual, x, weight, eps, dim, out);
+  else
+    rmsnorm_kernel<T, W><<<(unsigned)rows, kRowThreads, 0, s>>>(residual, x, weight, eps, dim, out);
+}
+
 template <typename T>
 __global__ void silu_mul_kernel(const T* __restrict__ gate_up, int64_t n, int64_t inter, T* __restrict__ out) {
   const int64_t total = n * inter;
@@ -96,8 +160,8 @@ void rmsnorm(const void* x, const void* weight, DType weight_dtype, float eps, i
     using T = decltype(t);
     dispatch_float(weight_dtype, "cuda::rmsnorm weight", [&](auto w) {
       using W = decltype(w);
-      rmsnorm_kernel<T, W><<<(unsigned)rows, kRowThreads, 0, as_stream(stream)>>>(
-          nullptr, static_cast<const T*>(x), static_cast<const W*>(weight), eps, dim, static_cast<T*>(out));
+      launch_rmsnorm<T, W>(nullptr, static_cast<const T*>(x), static_cast<const W*>(weight), eps, rows, dim,
+                           static_cast<T*>(out), as_stream(stream));
     });
   });
   LMKIT_CUDA_LAUNCHED("cuda::rmsnorm");
@@ -111,9 +175,8 @@ void add_rmsnorm(void* residual, const void* x, const void* weight, DType weight
     using T = decltype(t);
     dispatch_float(weight_dtype, "cuda::add_rmsnorm weight", [&](auto w) {
       using W = decltype(w);
-      rmsnorm_kernel<T, W><<<(unsigned)rows, kRowThreads, 0, as_stream(stream)>>>(
-          static_cast<T*>(residual), static_cast<const T*>(x), static_cast<const W*>(weight), eps, dim,
-          static_cast<T*>(out));
+      launch_rmsnorm<T, W>(static_cast<T*>(residual), static_cast<const T*>(x), static_cast<const W*>(weight), eps,
+                           rows, dim, static_cast<T*>(out), as_stream(stream));
     });
   });
   LMKIT_CUDA_LAUNCHED("cuda::add_rmsnorm");

@@ -2,13 +2,19 @@
 //
 //   int4 up to 64 rows, dense   the skinny tensor-core kernel (linear_skinny.cuh; set_skinny_rows): weights
 //   up to 8 with K % 32 == 0    streamed once, int4 dequantized in registers, mma.sync with fp32 sums.
-//   int4 / dense, larger M      gemm_kernel: 64 x 64 output tile per CTA of 4 warps, K in steps of 32; the
+//   int4, larger M, cuBLAS      the weight dequantized to the activation dtype, a block of rows at a time, into
+//   found                       a per-stream scratch of kDequantScratchBytes, then cublasGemmEx into those
+//                               columns of out (dequantize-then-GEMM: one extra pass over the weight, paid
+//                               back from a few dozen rows on), then the bias.
+//   dense, cuBLAS found         cublasGemmEx (cublas.cpp), then the bias.
+//   otherwise                   gemm_kernel: 64 x 64 output tile per CTA of 4 warps, K in steps of 32; the
 //                               weight tile is dequantized (int4) or copied (dense) into shared memory and
 //                               multiplied on tensor cores through WMMA (mma.sync m16n16k16, fp32 accumulate).
-//   dense, cuBLAS found         cublasGemmEx (cublas.cpp), then the bias.
 // Dense weights are [N, K] in the activation dtype; the int4 layout is in ops_cuda.h.
 #include <mma.h>
 
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "kernels/cuda/common.cuh"
@@ -107,6 +113,13 @@ __global__ void add_bias_kernel(T* out, const T* __restrict__ bias, int64_t M, i
 }
 
 template <typename T>
+void add_bias(void* out, const void* bias, int64_t M, int64_t N, cudaStream_t s) {
+  if (!bias) return;
+  add_bias_kernel<T><<<(unsigned)std::min<int64_t>(ceil_div(M * N, 256), 65535), 256, 0, s>>>(
+      static_cast<T*>(out), static_cast<const T*>(bias), M, N);
+}
+
+template <typename T>
 void launch_gemm(const void* x, int64_t M, const Linear& w, const void* bias, void* out, cudaStream_t s) {
   const dim3 grid((unsigned)ceil_div(w.n, kBN), (unsigned)ceil_div(M, kBM));
   const T* xt = static_cast<const T*>(x);
@@ -120,6 +133,82 @@ void launch_gemm(const void* x, int64_t M, const Linear& w, const void* bias, vo
   else
     gemm_kernel<T, false><<<grid, kGemmThreads, 0, s>>>(xt, static_cast<const T*>(w.data.get()), nullptr, nullptr,
                                                         nullptr, bt, M, w.n, w.k, 0, ot);
+}
+
+// ---- int4: dequantize, then cuBLAS ----------------------------------------------------------------
+constexpr int64_t kDequantScratchBytes = 64 << 20;
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Rows [n0, n0 + rows) of an int4 weight as T [rows, K]: a thread per 32 consecutive k (one 16-byte load of
+// words, one group since group_size >= 32), w = (q - zero) * scale in fp32 rounded once to T, as the WMMA tile.
+// Measured on an H200 at ~1.8 TB/s of 4.2 (2026-12-04): a thread's four 16-byte stores land 64 bytes apart
+// across the warp; a thread per word (a warp's stores 512 contiguous bytes) is the next step (README).
+template <typename T>
+__global__ void dequant_int4_kernel(const uint4* __restrict__ qweight, const uint16_t* __restrict__ scales,
+                                    const uint8_t* __restrict__ zeros, int64_t n0, int64_t rows, int64_t K,
+                                    int group_shift, T* __restrict__ out) {
+  const int64_t chunks = K / 32, groups = chunks >> group_shift, total = rows * chunks;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / chunks, c = i - r * chunks, n = n0 + r;
+    const uint4 q = __ldcs(qweight + n * chunks + c);
+    const int64_t gi = n * groups + (c >> group_shift);
+    const float s = __half2float(__ushort_as_half(scales[gi])), z = (float)zeros[gi];
+    uint4* dst = reinterpret_cast<uint4*>(out + r * K + c * 32);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t w = word_of(q, j);
+      auto v = [&](int i) { return ((float)((w >> (4 * i)) & 15u) - z) * s; };
+      dst[j] = make_uint4(pack2<T>(v(0), v(1)), pack2<T>(v(2), v(3)), pack2<T>(v(4), v(5)), pack2<T>(v(6), v(7)));
+    }
+  }
+}
+
+// The scratch of each stream (made at upload_int4 for the uploading stream, so that the KV pool sized after
+// the weights leaves room for it, else at the first use outside a graph capture); freed by destroy_stream.
+std::mutex g_scratch_mutex;
+std::unordered_map<cudaStream_t, std::shared_ptr<void>> g_scratch;
+
+void* dequant_scratch(cudaStream_t s, bool may_allocate) {
+  std::lock_guard<std::mutex> lock(g_scratch_mutex);
+  auto it = g_scratch.find(s);
+  if (it != g_scratch.end()) return it->second.get();
+  if (!may_allocate) return nullptr;
+  return (g_scratch[s] = allocate(kDequantScratchBytes)).get();
+}
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  LMKIT_CUDA_OK(cudaStreamIsCapturing(s, &status), "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// out[:, n0 : n0 + rows] for blocks of rows that fit the scratch, each dequantized then multiplied by cuBLAS.
+template <typename T>
+void launch_dequant_gemm(const void* x, int64_t M, const Linear& w, void* out, void* scratch, DType act,
+                         cudaStream_t s) {
+  const int group_shift = w.group_size == 128 ? 2 : w.group_size == 64 ? 1 : 0;
+  const int64_t max_rows = std::max<int64_t>(16, kDequantScratchBytes / (w.k * 2) / 16 * 16);
+  const int64_t blocks = ceil_div(w.n, max_rows), rows_per = ceil_div(ceil_div(w.n, blocks), 16) * 16;
+  for (int64_t n0 = 0; n0 < w.n; n0 += rows_per) {
+    const int64_t rows = std::min(rows_per, w.n - n0), total = rows * (w.k / 32);
+    dequant_int4_kernel<T><<<(unsigned)std::min<int64_t>(ceil_div(total, 256), 1 << 20), 256, 0, s>>>(
+        static_cast<const uint4*>(w.data.get()), static_cast<const uint16_t*>(w.scales.get()),
+        static_cast<const uint8_t*>(w.zeros.get()), n0, rows, w.k, group_shift, static_cast<T*>(scratch));
+    LMKIT_CUDA_LAUNCHED("cuda::linear (int4 dequantization)");
+    cublas_gemm(x, scratch, static_cast<T*>(out) + n0, M, rows, w.k, act, s, w.n);
+  }
 }
 
 bool g_force_wmma = false;
@@ -158,8 +247,14 @@ Linear upload_int4(const HostInt4& w, DType act, Stream stream) {
   copy_to_device(out.data.get(), w.qweight.get(), w.n * w.k / 2, stream);
   copy_to_device(out.scales.get(), w.scales.get(), w.n * groups * 2, stream);
   copy_to_device(out.zeros.get(), w.zeros.get(), w.n * groups, stream);
+  if (!g_force_wmma && cublas_available()) dequant_scratch(as_stream(stream), true);  // see g_scratch
   synchronize(stream);  // the host buffers may go once this returns
   return out;
+}
+
+void release_dequant_scratch(Stream stream) {
+  std::lock_guard<std::mutex> lock(g_scratch_mutex);
+  g_scratch.erase(as_stream(stream));
 }
 
 Linear upload_dense(const Tensor& weight, DType act, Stream stream) {
@@ -198,17 +293,18 @@ void linear(const void* x, int64_t M, const Linear& w, const void* bias, void* o
   cudaStream_t s = as_stream(stream);
   dispatch_act(act, op, [&](auto t) {
     using T = decltype(t);
+    void* scratch = nullptr;
     if (w.is_int4() && M <= g_skinny_int4_rows) {
       launch_mma_linear<T, true>(x, M, w, bias, out, g_skinny_pipeline, s);
+    } else if (w.is_int4() && !g_force_wmma && cublas_available() &&
+               (scratch = dequant_scratch(s, !capturing(s))) != nullptr) {
+      launch_dequant_gemm<T>(x, M, w, out, scratch, act, s);
+      add_bias<T>(out, bias, M, w.n, s);
     } else if (!w.is_int4() && M <= g_skinny_dense_rows && w.k % 32 == 0) {
       launch_mma_linear<T, false>(x, M, w, bias, out, g_skinny_pipeline, s);
     } else if (!w.is_int4() && !g_force_wmma && cublas_available()) {
       cublas_gemm(x, w.data.get(), out, M, w.n, w.k, act, stream);
-      if (bias) {
-        const int64_t total = M * w.n;
-        add_bias_kernel<T><<<(unsigned)std::min<int64_t>(ceil_div(total, 256), 65535), 256, 0, s>>>(
-            static_cast<T*>(out), static_cast<const T*>(bias), M, w.n);
-      }
+      add_bias<T>(out, bias, M, w.n, s);
     } else {
       launch_gemm<T>(x, M, w, bias, out, s);
     }

@@ -138,9 +138,10 @@ Linear upload_dense(const Tensor& weight, DType act, Stream stream);
 // out[M, n] = x[M, k] @ w^T (+ bias[n] act, or null)        x: [M, k] act (row stride k, 16-byte aligned:
 // the kernels load 8 values at a time; K % 8 == 0, and K % 32 == 0 for int4), out: [M, n] act
 // Up to skinny_rows() rows (int4; dense with K % 32 == 0): the skinny tensor-core kernel (weights streamed
-// once, int4 dequantized in registers, mma.sync with fp32 sums). Above, int4: a tensor-core GEMM (mma.sync
-// through WMMA, the tile dequantized into shared memory); dense: cuBLAS (cublasGemmEx, loaded at run time when
-// libcublas is found) or the same tensor-core GEMM.
+// once, int4 dequantized in registers, mma.sync with fp32 sums). Above: cuBLAS (cublasGemmEx, loaded at run
+// time when libcublas is found; int4 weights dequantized first, a block of rows at a time, into a 64 MiB
+// scratch per stream, made by upload_int4 for its stream), or without cuBLAS a tensor-core GEMM (mma.sync
+// through WMMA, an int4 tile dequantized into shared memory).
 constexpr int64_t kSkinnyInt4Rows = 64, kSkinnyDenseRows = 8;
 constexpr int kCudaMaxHeadDim = 256;  // the KV pool's and attention's largest head_dim on the GPU (the CPU's: 512)
 void linear(const void* x, int64_t M, const Linear& w, const void* bias, void* out, DType act, Stream stream);

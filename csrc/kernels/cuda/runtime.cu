@@ -94,7 +94,9 @@ Stream create_stream() {
   return s;
 }
 void destroy_stream(Stream stream) {
-  if (stream) cudaStreamDestroy(as_stream(stream));
+  if (!stream) return;
+  cudaStreamDestroy(as_stream(stream));
+  release_dequant_scratch(stream);  // cudaFree waits for the stream's work
 }
 
 void begin_capture(Stream stream) {
