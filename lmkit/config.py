@@ -27,8 +27,9 @@ class EngineConfig:
     without a CUDA build or GPU, for dtype other than auto or speculative ngram / suffix, and for a model the CUDA
     backend refuses at load or that does not fit (csrc/kernels/cuda/README.md)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Compute dtype. auto: on the CPU bfloat16 where the CPU has AVX512_BF16 (below), else float32 (the choice
-    is logged at start); the CUDA backend computes in float16 (bfloat16 when the checkpoint is bf16). float32:
+    """Compute dtype. auto: on the CPU bfloat16 where the CPU has AVX512_BF16 (below), else float32 with the KV
+    cache at quant_policy 0 in bfloat16 (half the bytes attention reads and twice the tokens, as llama.cpp's fp16
+    cache; a bf16 value widens to float32 by a shift on any CPU) (the choice is logged at start); the CUDA backend computes in float16 (bfloat16 when the checkpoint is bf16). float32:
     the CPU backend computes in float32 whatever the stored weight dtype (the exact path). bfloat16 (CPUs with
     AVX512_BF16: Intel Cooper Lake / Sapphire Rapids, AMD Zen 4 and later): dense linear layers round weights
     (once, at load) and activations to bfloat16 and sum products in float32 (vdpbf16ps), up to twice the
@@ -62,7 +63,8 @@ class EngineConfig:
     short prompt goes before a long one. Always within max_prefill_token_num. 0: no pacing (each step takes up to
     max_prefill_token_num prompt tokens, first come first served)."""
     quant_policy: Literal[0, 4, 8] = 0
-    """KV cache precision of every layer: 0 float, 8 int8, 4 int4."""
+    """KV cache precision of every layer: 0 full precision (on the CPU bfloat16, or float32 with dtype float32; on
+    CUDA the activation dtype), 8 int8, 4 int4."""
     kv_policy: str | None = None
     """Per-layer KV precision file (kv_policy.json from `lmkit lite calibrate`); overrides quant_policy."""
     int8_activations: bool = True
@@ -195,6 +197,11 @@ class EngineConfig:
 
         return "bfloat16" if _engine.cpu_bf16_available() else "float32"
 
+    def resolved_kv_bf16(self, device: str) -> bool:
+        """Whether the CPU backend keeps a full-precision KV cache in bfloat16 (where its layout allows): with
+        bfloat16 compute, and with dtype auto where the CPU computes in float32; dtype float32 keeps it float32."""
+        return device == "cpu" and (self.dtype == "auto" or self.resolved_dtype(device) == "bfloat16")
+
     def speculates(self, device: str, has_recurrent_state: bool) -> bool:
         """Whether the engine verifies draft tokens on a resolved device for a model with or without recurrent
         layers (auto: not yet); raises ValueError for an explicit ngram / suffix it cannot run."""
@@ -231,6 +238,7 @@ class EngineConfig:
         c.enable_prefix_caching = self.enable_prefix_caching
         c.int8_activations = bool(self.int8_activations)
         c.bf16_linear = self.resolved_dtype(device) == "bfloat16"
+        c.bf16_kv = self.resolved_kv_bf16(device)
         c.cuda_graphs = bool(self.cuda_graphs)
         c.num_threads = num_threads or self.resolved_num_threads
         c.speculative.enabled = speculative

@@ -185,7 +185,8 @@ class Engine:
                 why = (" (dtype='auto': this CPU has AVX512_BF16)" if dtype == "bfloat16" else
                        f" (dtype='auto': LMKIT_CPU_ISA={capped} caps the kernels)" if capped in ("avx2", "generic")
                        else " (dtype='auto': this CPU has no AVX512_BF16)")
-            log.info("CPU backend: %s, %s kernels, %s compute%s", threads, _engine.cpu_isa(), dtype, why)
+            kv = " and bfloat16 KV" if dtype == "float32" and self.config.resolved_kv_bf16("cpu") else ""
+            log.info("CPU backend: %s, %s kernels, %s compute%s%s", threads, _engine.cpu_isa(), dtype, kv, why)
             # raises ValueError naming them when an explicit list has CPUs outside the affinity mask
             self.cpu_binding: CpuBinding | None = plan_binding(n, self.config.cpu_binding)
             """Where the engine's threads run (lmkit.cpus.CpuBinding; None on CUDA)."""

@@ -257,6 +257,7 @@ struct BackendOptions {
   int32_t num_threads = 0;           // CPU: 0 = all cores
   bool int8_activations = true;  // CPU: int4 and int8 layers (any layout) with int8 activations (decode and prefill)
   bool bf16_linear = false;          // CPU: dense linear layers (and full-precision KV) as bf16
+  bool bf16_kv = false;              // CPU: full-precision KV as bf16 with float32 linear layers too
   int32_t max_blocks_per_seq = 0;    // CUDA: ceil(session_len / block size), the graphs' fixed tables
   bool cuda_graphs = true;           // CUDA: decode steps as CUDA graphs
 };

@@ -178,10 +178,11 @@ class CpuBackend final : public Backend {
       // stored by token pairs, so its blocks must hold an even number of tokens (ops.h).
       const int32_t head_dim = layer_head_dim[l];
       const bool packed_fits = head_dim % 2 == 0 && head_dim <= ops::kKVQuantMaxHeadDim;
-      // full precision (KVQuant::kNone) is the compute dtype: bf16 where its layout fits, else fp32
+      // full precision (KVQuant::kNone) is bf16 with bf16 compute or bf16_kv where its layout fits, else fp32
       int32_t bits = layer_quant[l] == KVQuant::kNone ? 32 : static_cast<int32_t>(layer_quant[l]);
       LMKIT_CHECK(bits == 32 || bits == 8 || bits == 4, "layer ", l, ": unknown KVQuant ", bits);
-      if (bits == 32 && options_.bf16_linear && packed_fits && block_size_tokens % 2 == 0) bits = 16;
+      const bool bf16 = options_.bf16_linear || options_.bf16_kv;
+      if (bits == 32 && bf16 && packed_fits && block_size_tokens % 2 == 0) bits = 16;
       LMKIT_CHECK_ARG(bits == 32 || packed_fits, "a bf16 or quantized KV cache needs an even head_dim <= ",
                       ops::kKVQuantMaxHeadDim, ", layer ", l, " has ", head_dim);
       ops::KVLayer kv;

@@ -77,8 +77,9 @@ def test_affinity_mask_sets_the_engine_default():
 
 
 def test_dtype_auto_is_bf16_exactly_where_the_cpu_has_it_and_says_so(tiny_llama, caplog):
-    """dtype='auto' computes in bfloat16 on CPUs with AVX512_BF16 and in float32 elsewhere; the start-up log
-    names the choice and why; explicit dtypes are kept; CUDA keeps auto (its backend picks)."""
+    """dtype='auto' computes in bfloat16 on CPUs with AVX512_BF16 and in float32 elsewhere, with a bf16 KV cache
+    either way (dtype float32 keeps fp32 K/V); the start-up log names the choice and why; explicit dtypes are
+    kept; CUDA keeps auto (its backend picks)."""
     import logging
 
     from lmkit import EngineConfig
@@ -89,11 +90,17 @@ def test_dtype_auto_is_bf16_exactly_where_the_cpu_has_it_and_says_so(tiny_llama,
     assert EngineConfig().resolved_dtype("cpu") == expect
     assert EngineConfig(dtype="float32").resolved_dtype("cpu") == "float32"
     assert EngineConfig(device="cuda").resolved_dtype("cuda") == "auto"
+    assert EngineConfig().resolved_kv_bf16("cpu") and not EngineConfig().resolved_kv_bf16("cuda")
+    assert not EngineConfig(dtype="float32").resolved_kv_bf16("cpu")
     with caplog.at_level(logging.INFO, logger="lmkit"):
         engine = Engine(tiny_llama[0], EngineConfig(device="cpu", cache_max_entry_count=32, num_threads=1))
         engine.close()
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU backend:"))
-    assert f"{expect} compute (dtype='auto': this CPU has {'' if expect == 'bfloat16' else 'no '}AVX512_BF16)" in line
+    kv = "" if expect == "bfloat16" else " and bfloat16 KV"
+    why = ("LMKIT_CPU_ISA=" + os.environ["LMKIT_CPU_ISA"] + " caps the kernels" if expect == "float32" and
+           os.environ.get("LMKIT_CPU_ISA") in ("avx2", "generic") else
+           f"this CPU has {'' if expect == 'bfloat16' else 'no '}AVX512_BF16")
+    assert f"{expect} compute{kv} (dtype='auto': {why})" in line, line
 
 
 # ---------------------------------------------------------------------------------------------- cpu_binding
@@ -221,21 +228,23 @@ _CAPPED_RUN = """
 import json, sys
 from lmkit import EngineConfig, GenerationConfig, pipeline
 from lmkit._ext import _engine
-folder = sys.argv[1]
-cfg = EngineConfig(device="cpu", num_threads=1, cache_max_entry_count=32, cache_block_seq_len=16)
+folder, dtype = sys.argv[1], sys.argv[2]
+cfg = EngineConfig(device="cpu", num_threads=1, cache_max_entry_count=32, cache_block_seq_len=16, dtype=dtype)
 prompt = [5, 9, 14, 3, 77, 21, 8, 40, 2, 61, 33, 7, 19, 4, 88, 12, 6, 50]
 with pipeline(folder, cfg) as pipe:
     r = pipe([prompt], GenerationConfig(max_new_tokens=4, output_logits=True, ignore_eos=True))[0]
 print(json.dumps({"isa": _engine.cpu_isa(), "bf16": _engine.cpu_bf16_available(),
                   "amx": _engine.cpu_amx_available(), "amx_int8": _engine.cpu_amx_int8_available(),
-                  "dtype": cfg.resolved_dtype("cpu"), "tokens": prompt + r.token_ids, "logits": r.logits.tolist()}))
+                  "dtype": cfg.resolved_dtype("cpu"), "kv_bytes_per_block": pipe.engine.kv_bytes_per_block,
+                  "tokens": prompt + r.token_ids, "logits": r.logits.tolist()}))
 """
 
 
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_lmkit_cpu_isa_caps_the_kernels(isa, tiny_llama):
     """LMKIT_CPU_ISA=avx2|generic makes the engine run what a CPU with only that ISA runs: that kernel table, no
-    AVX512_BF16 (dtype auto -> float32), no AMX, and logits still those of HF fp32."""
+    AVX512_BF16 (dtype auto -> float32 compute), no AMX, and logits those of HF fp32: to 1e-4 with dtype float32;
+    with dtype auto the KV cache is bf16 (half the bytes a block) and the logits within a bf16 cache's distance."""
     import json
 
     import numpy as np
@@ -247,15 +256,19 @@ def test_lmkit_cpu_isa_caps_the_kernels(isa, tiny_llama):
     if isa == "avx2" and _engine.cpu_isa() == "generic":
         pytest.skip("this CPU has no AVX2")
     env = dict(os.environ, LMKIT_CPU_ISA=isa)
-    out = subprocess.run([sys.executable, "-c", _CAPPED_RUN, str(tiny_llama[0])], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert (got["isa"], got["bf16"], got["amx"], got["amx_int8"], got["dtype"]) == (isa, False, False, False,
-                                                                                      "float32")
-    with torch.no_grad():
-        expect = tiny_llama[1](torch.tensor([got["tokens"]])).logits[0].numpy()
-    assert rel_err(np.array(got["logits"]), expect[:len(got["tokens"]) - 1]) <= 1e-4
+    runs = {}
+    for dtype in ("float32", "auto"):
+        out = subprocess.run([sys.executable, "-c", _CAPPED_RUN, str(tiny_llama[0]), dtype], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got = runs[dtype] = json.loads(out.stdout.strip().splitlines()[-1])
+        assert (got["isa"], got["bf16"], got["amx"], got["amx_int8"], got["dtype"]) == (isa, False, False, False,
+                                                                                          "float32")
+        with torch.no_grad():
+            expect = tiny_llama[1](torch.tensor([got["tokens"]])).logits[0].numpy()
+        err = rel_err(np.array(got["logits"]), expect[:len(got["tokens"]) - 1])
+        assert err <= (1e-4 if dtype == "float32" else 1e-2), (dtype, err)
+    assert runs["auto"]["kv_bytes_per_block"] * 2 == runs["float32"]["kv_bytes_per_block"]
 
 
 def test_lmkit_cpu_isa_refuses_an_unknown_value():

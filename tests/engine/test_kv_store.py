@@ -59,7 +59,9 @@ def kv_configs():
     from lmkit._ext import _engine
 
     bf16 = pytest.mark.skipif(not _engine.cpu_bf16_available(), reason="bf16 KV needs a CPU with AVX512_BF16")
-    return [pytest.param(dict(), id="fp32"), pytest.param(dict(dtype="bfloat16"), id="bf16", marks=bf16),
+    # auto: bf16 compute and KV where the CPU has AVX512_BF16, else float32 compute over a bf16 KV cache
+    return [pytest.param(dict(dtype="float32"), id="fp32"), pytest.param(dict(), id="auto"),
+            pytest.param(dict(dtype="bfloat16"), id="bf16", marks=bf16),
             pytest.param(dict(quant_policy=8), id="int8"), pytest.param(dict(quant_policy=4), id="int4")]
 
 

@@ -114,7 +114,7 @@ def test_bfloat16_engine_and_no_file_left(llama, tmp_path, monkeypatch):
     out = write_compressed_tensors_fp8(llama, tmp_path / "ct")
     auto = EngineConfig(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4,
                         session_len=512, int8_activations=False)
-    bf16 = auto.resolved_dtype("cpu") == "bfloat16"  # this CPU has AVX512_BF16
+    bf16 = auto.resolved_kv_bf16("cpu")  # bf16 compute and KV, or (no AVX512_BF16) a bf16 KV cache
     assert engine_vs_reference(out, prompts_for(3), auto) <= (3e-2 if bf16 else REL_TOL)
     assert not list((tmp_path / "cache" / "lmkit" / "fp8").iterdir())
 
