@@ -29,8 +29,9 @@ class EngineConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype. auto: on the CPU bfloat16 where the CPU has AVX512_BF16 (below), else float32 with the KV
     cache at quant_policy 0 in bfloat16 (half the bytes attention reads and twice the tokens, as llama.cpp's fp16
-    cache; a bf16 value widens to float32 by a shift on any CPU) (the choice is logged at start); the CUDA backend computes in float16 (bfloat16 when the checkpoint is bf16). float32:
-    the CPU backend computes in float32 whatever the stored weight dtype (the exact path). bfloat16 (CPUs with
+    cache; a bf16 value widens to float32 by a shift on any CPU); the choice is logged at start; the CUDA backend
+    computes in float16 (bfloat16 when the checkpoint is bf16). float32: the CPU backend computes in float32
+    whatever the stored weight dtype, K/V included (the exact path). bfloat16 (CPUs with
     AVX512_BF16: Intel Cooper Lake / Sapphire Rapids, AMD Zen 4 and later): dense linear layers round weights
     (once, at load) and activations to bfloat16 and sum products in float32 (vdpbf16ps), up to twice the
     speed of compute-bound steps (prefill, large batches), on AMX tiles where the CPU has AMX-BF16 (Sapphire

@@ -70,7 +70,8 @@ def test_embedding(act, table_dtype):
 # and the scalar loop (8200: too wide; 100: not a multiple of 8)
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("dim,weight_dtype", [(576, "act"), (4096, "F32"), (8192, "act"), (8200, "act"), (100, "F32")])
+@pytest.mark.parametrize("dim,weight_dtype",
+                         [(576, "act"), (4096, "F32"), (8192, "act"), (8200, "act"), (100, "F32")])
 def test_rmsnorm(act, fused, dim, weight_dtype):
     dt = ACTS[act]
     rows = 13
