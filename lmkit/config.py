@@ -88,6 +88,10 @@ class EngineConfig:
     kv_cache_disk_gib: float = 16.0
     """Size cap of kv_cache_dir in GiB (all models' files together): beyond it the least recently used files are
     removed."""
+    kv_cache_read_mib_per_step: float = 64.0
+    """KV read back from kv_cache_dir per step at most while other requests run (MiB): a long prefix on disk is read
+    over several steps, theirs going on in between, instead of holding them up for the whole read (a 16k-token
+    prefix took 1-2.6 s on 2 cores). Alone, a request reads all of it at once. 0: no cap."""
     num_threads: int | None = None
     """CPU threads for the kernels. Default: the CPUs this process may use: its affinity mask, capped by its
     cgroup's CPU quota rounded up (a container's --cpus, a pod's cpu limit; lmkit/cpus.py), and by the CPUs
@@ -164,6 +168,10 @@ class EngineConfig:
         check(isinstance(self.kv_cache_disk_gib, (int, float)) and not isinstance(self.kv_cache_disk_gib, bool)
               and 0 < self.kv_cache_disk_gib < float("inf"),
               f"kv_cache_disk_gib must be a number > 0, got {self.kv_cache_disk_gib!r}")
+        check(isinstance(self.kv_cache_read_mib_per_step, (int, float))
+              and not isinstance(self.kv_cache_read_mib_per_step, bool)
+              and 0 <= self.kv_cache_read_mib_per_step < float("inf"),
+              f"kv_cache_read_mib_per_step must be a number >= 0, got {self.kv_cache_read_mib_per_step!r}")
         check(self.kv_cache_dir is None or self.enable_prefix_caching,
               "kv_cache_dir keeps evicted prefix-cache blocks: it needs enable_prefix_caching=True")
         check(not (self.kv_cache_dir is not None and self.device == "cuda"),
@@ -249,6 +257,7 @@ class EngineConfig:
         if self.kv_cache_dir is not None:
             c.kv_cache_dir = os.path.abspath(os.fspath(self.kv_cache_dir))
             c.kv_cache_disk_bytes = int(self.kv_cache_disk_gib * 2**30)
+            c.kv_cache_read_bytes_per_step = int(self.kv_cache_read_mib_per_step * 2**20)
             c.kv_cache_identity = kv_cache_identity
         if binding is not None and binding.pinned:
             c.engine_cpus = list(binding.engine_cpus)

@@ -135,6 +135,8 @@ void Engine::start_store() {
   LMKIT_CHECK_ARG(executor_->can_copy_kv_blocks(), "kv_cache_dir: this backend cannot copy KV blocks to host memory "
                   "(the disk store runs on the CPU backend); leave kv_cache_dir unset");
   LMKIT_CHECK_ARG(o.kv_cache_disk_bytes > 0, "kv_cache_disk_gib must be > 0, got ", o.kv_cache_disk_bytes, " bytes");
+  LMKIT_CHECK_ARG(o.kv_cache_read_bytes_per_step >= 0, "kv_cache_read_mib_per_step must be >= 0, got ",
+                  o.kv_cache_read_bytes_per_step, " bytes");
   KVStoreConfig c;
   c.dir = o.kv_cache_dir;
   c.max_bytes = o.kv_cache_disk_bytes;
@@ -150,7 +152,10 @@ void Engine::start_store() {
   c.identity = checksum64(identity.data(), identity.size());
   store_ = std::make_unique<KVStore>(c);
   store_tier_ = std::make_unique<StoreTier>(*store_, *executor_, persisted_keys_);
-  scheduler_.set_prefix_tier(store_tier_.get());
+  // 0: no cap; else at least one block a step
+  const int32_t read_blocks = o.kv_cache_read_bytes_per_step == 0 ? 0 : (int32_t)std::clamp<int64_t>(
+      o.kv_cache_read_bytes_per_step / std::max<int64_t>(c.block_bytes, 1), 1, INT32_MAX);
+  scheduler_.set_prefix_tier(store_tier_.get(), read_blocks);
   blocks_.set_eviction_listener([this](int32_t block, uint64_t key, const std::vector<int32_t>& tokens) {
     on_evict(block, key, tokens);
   });

@@ -58,6 +58,7 @@ struct EngineConfig {
   std::string kv_cache_dir;
   int64_t kv_cache_disk_bytes = 0;
   std::string kv_cache_identity;
+  int64_t kv_cache_read_bytes_per_step = 64 << 20;  // disk store: read back per step at most while others run
 };
 
 // What the engine runs with, derived from EngineConfig and the model.
@@ -83,6 +84,7 @@ struct EngineOptions {
   std::string kv_cache_dir;  // EngineConfig's (empty: no disk store)
   int64_t kv_cache_disk_bytes = 0;
   std::string kv_cache_identity;
+  int64_t kv_cache_read_bytes_per_step = 64 << 20;
 };
 
 

@@ -248,9 +248,9 @@ int32_t Scheduler::max_live_hit_blocks() const {
   return window > 0 ? (window - 1 + bs - 1) / bs : INT32_MAX;
 }
 
-void Scheduler::match_prefix(Sequence* seq) {
+bool Scheduler::match_prefix(Sequence* seq) {
   if (!config_.enable_prefix_caching || has_state() || seq->params.reads_prompt_rows() || !seq->block_table.empty())
-    return;
+    return false;
   const int32_t bs = blocks_.block_size_tokens();
   const int32_t max_blocks = (seq->num_tokens() - 1) / bs;
   uint64_t key = 0;
@@ -259,12 +259,12 @@ void Scheduler::match_prefix(Sequence* seq) {
   seq->num_computed_tokens = hits * bs;
   seq->num_keyed_blocks = hits;
   seq->last_block_key = key;
-  if (tier_ != nullptr) match_tier(seq, max_blocks);
+  return tier_ != nullptr && match_tier(seq, max_blocks);
 }
 
-void Scheduler::match_tier(Sequence* seq, int32_t max_blocks) {
+bool Scheduler::match_tier(Sequence* seq, int32_t max_blocks) {
   const int32_t k = seq->num_keyed_blocks;  // the pool's hits: blocks [0, k)
-  if (k >= max_blocks) return;
+  if (k >= max_blocks) return false;
   ++num_tier_lookups_;
   const int32_t bs = blocks_.block_size_tokens();
   const int32_t* tokens = seq->tokens.data();
@@ -282,7 +282,14 @@ void Scheduler::match_tier(Sequence* seq, int32_t max_blocks) {
   if (std::min(n, max_live) > spare) n = std::max(0, spare);
   if (n == 0) {
     ++num_tier_missed_lookups_;
-    return;
+    return false;
+  }
+  // While others run, a step reads a bounded share, so that their steps do not wait on a long read (without a
+  // window only: with one, the holes' bookkeeping below reads a chain in one pass).
+  bool more = false;
+  if (max_tier_blocks_per_step_ > 0 && max_live == INT32_MAX && !running_.empty() && n > max_tier_blocks_per_step_) {
+    n = max_tier_blocks_per_step_;
+    more = true;
   }
   const int32_t first_live = max_live == INT32_MAX ? 0 : std::max(0, k + n - max_live);
   // the pool's hits now behind the window become holes (active -> cached)
@@ -321,13 +328,14 @@ void Scheduler::match_tier(Sequence* seq, int32_t max_blocks) {
     seq->num_computed_tokens = hits * bs;
     seq->num_keyed_blocks = hits;
     seq->last_block_key = key;
-    return;
+    return false;
   }
   if (loaded == 0) ++num_tier_missed_lookups_;
   num_tier_hit_tokens_ += (int64_t)loaded * bs;
   seq->num_keyed_blocks = k + loaded;
   seq->num_computed_tokens = (k + loaded) * bs;
   seq->last_block_key = parent;
+  return more && loaded == n;  // a block that failed to read ends the chain: no more to wait for
 }
 
 void Scheduler::release_dead_blocks(Sequence* seq) {
@@ -483,7 +491,10 @@ BatchPlan Scheduler::schedule(const PromptCaps& caps) {
          batch_slots + 1 + waiting_.front()->num_forks <= config_.max_batch_size) {
     Sequence* seq = waiting_.front();
     if (has_state() && !can_take_slots(1 + seq->num_forks)) break;
-    match_prefix(seq);
+    if (match_prefix(seq)) {
+      release_blocks(seq);  // the blocks read stay cached: the next step's match finds them and reads on
+      break;
+    }
     // A stateful hit starts from a copy of its snapshot, the most recently used one now: the slots taken below
     // evict others first, and one spare slot keeps it.
     int32_t snapshot = has_state() ? match_prefix_with_state(seq) : -1;

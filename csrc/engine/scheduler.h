@@ -161,7 +161,13 @@ class Scheduler {
   int64_t num_window_freed_blocks() const { return num_window_freed_blocks_; }
   int32_t num_state_snapshots() const { return (int32_t)snapshots_.size(); }
   // The second tier (nullptr: none): admissions continue their prefix chains there (prefix caching, no state).
-  void set_prefix_tier(PrefixTier* tier) { tier_ = tier; }
+  // max_blocks_per_step > 0: while other sequences run, an admission reads at most that many blocks from the
+  // tier in a step and waits at the head of the queue for the rest (the blocks read are cached in the pool
+  // meanwhile), so a long prefix read back from disk does not hold up their steps; 0: all at once.
+  void set_prefix_tier(PrefixTier* tier, int32_t max_blocks_per_step = 0) {
+    tier_ = tier;
+    max_tier_blocks_per_step_ = max_blocks_per_step;
+  }
   // Admissions whose chain went on past the pool and asked the tier, those that found nothing there, and the
   // prompt tokens read back from it (counted in num_prefix_hit_tokens too).
   int64_t num_tier_lookups() const { return num_tier_lookups_; }
@@ -196,11 +202,13 @@ class Scheduler {
   void insert_waiting(Sequence* seq);
   void release_blocks(Sequence* seq);
   // Reuses cached blocks for seq's leading full blocks (never its last token: it must be computed); with a
-  // window the matched blocks behind it are holes from the start.
-  void match_prefix(Sequence* seq);
+  // window the matched blocks behind it are holes from the start. True when the tier holds more of seq's prefix
+  // than this step read (set_prefix_tier's max_blocks_per_step): admit it in a later step.
+  bool match_prefix(Sequence* seq);
   // After the pool's hits (seq's first num_keyed_blocks blocks, of at most max_blocks), the chain continued in the
-  // tier: the blocks found are read into fresh blocks (as far as the pool has them to spare) and published.
-  void match_tier(Sequence* seq, int32_t max_blocks);
+  // tier: the blocks found are read into fresh blocks (as far as the pool has them to spare, and up to
+  // max_tier_blocks_per_step_ while others run) and published. True when blocks were left to read.
+  bool match_tier(Sequence* seq, int32_t max_blocks);
   // Releases seq's blocks behind the window (entries [first live, num_dead_blocks)) into holes.
   void release_dead_blocks(Sequence* seq);
   // Gives back seq's state slot and its completions' reserved ones.
@@ -232,6 +240,7 @@ class Scheduler {
   int64_t num_prefix_hit_tokens_ = 0;
   int64_t num_window_freed_blocks_ = 0;
   PrefixTier* tier_ = nullptr;
+  int32_t max_tier_blocks_per_step_ = 0;
   int64_t num_tier_lookups_ = 0, num_tier_missed_lookups_ = 0, num_tier_hit_tokens_ = 0;
   // Recurrent-state snapshots (prefix caching): key of the prefix's last block -> its slot and exact tokens.
   struct Snapshot {

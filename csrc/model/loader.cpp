@@ -45,6 +45,7 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   options.callback_cpus = config.callback_cpus;
   options.kv_cache_dir = config.kv_cache_dir;
   options.kv_cache_disk_bytes = config.kv_cache_disk_bytes;
+  options.kv_cache_read_bytes_per_step = config.kv_cache_read_bytes_per_step;
   options.kv_cache_identity = config.kv_cache_identity;
 
   BackendOptions backend;

@@ -182,6 +182,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("speculative", &EngineConfig::speculative)
       .def_readwrite("kv_cache_dir", &EngineConfig::kv_cache_dir)
       .def_readwrite("kv_cache_disk_bytes", &EngineConfig::kv_cache_disk_bytes)
+      .def_readwrite("kv_cache_read_bytes_per_step", &EngineConfig::kv_cache_read_bytes_per_step)
       .def_readwrite("kv_cache_identity", &EngineConfig::kv_cache_identity);
 
   py::class_<SamplingParams>(m, "SamplingParams")

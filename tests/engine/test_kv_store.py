@@ -79,6 +79,37 @@ def test_blocks_read_back_give_the_cold_run_tokens(tiny_llama, tmp_path, kv):
     assert m1.num_store_written_blocks > 0 and m1.has_kv_store
 
 
+@pytest.mark.parametrize("read_mib", [1e-6, 0])
+def test_a_long_read_goes_a_share_a_step_while_others_run(tiny_llama, tmp_path, read_mib):
+    """The document's 12 blocks on disk, a fresh pool, and another request running beside the second turn: with a
+    read cap of one block a step (1e-6 MiB rounds up to a block) the turn reads its prefix over many steps, the
+    other request's steps going on; uncapped, all at once. Either way the tokens are a cold run's and every block
+    read is a hit."""
+    folder, _ = tiny_llama
+    doc, _ = prompts()
+    turn2, fresh = doc + [7, 8, 9], prompts(seed=1)[1][0]  # fresh: none of its blocks on disk
+    gen = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    store = tmp_path / "store"
+    evict_and_return(folder, store)  # the document's blocks are on disk
+    config = EngineConfig(**{**BASE, "cache_max_entry_count": 48}, enable_prefix_caching=True,  # room for both
+                          kv_cache_dir=str(store), kv_cache_read_mib_per_step=read_mib)
+    with pipeline(folder, config) as p:
+        beside, second = p([fresh, turn2], gen)  # `beside` is admitted first, then the second turn
+        m = p.engine.metrics()
+        p.engine.check_integrity()
+    assert second.token_ids == pipeline_tokens(folder, turn2, gen)
+    assert beside.token_ids == pipeline_tokens(folder, fresh, gen)
+    assert m.num_store_hit_tokens == 12 * 16 and m.num_prefix_hit_tokens == 12 * 16, m
+    # lookups that found blocks: one a step while capped (`beside`'s own lookup found none)
+    assert m.num_store_read_blocks == 12 and m.num_store_missed_lookups == 1, m
+    assert m.num_store_lookups - m.num_store_missed_lookups == (12 if read_mib else 1), m
+
+
+def pipeline_tokens(folder, prompt: list[int], gen: GenerationConfig) -> list[int]:
+    with pipeline(folder, EngineConfig(**BASE)) as p:
+        return p(prompt, gen).token_ids
+
+
 @pytest.mark.parametrize("case", ["mistral-sliding-window", "moe"])
 def test_windowed_and_moe_models(tmp_path, case):
     from tests.factories import make_moe_model, make_tiny_model
@@ -282,6 +313,7 @@ def test_metrics_are_exported(tiny_llama, tmp_path):
     (dict(kv_cache_dir="/tmp/x", enable_prefix_caching=True, device="cuda"), "runs on the CPU backend"),
     (dict(kv_cache_dir="/tmp/x", enable_prefix_caching=True, kv_cache_disk_gib=0), "kv_cache_disk_gib must be"),
     (dict(kv_cache_dir="", enable_prefix_caching=True), "kv_cache_dir must be a directory path"),
+    (dict(kv_cache_read_mib_per_step=-1), "kv_cache_read_mib_per_step must be a number >= 0"),
 ])
 def test_bad_settings_are_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
