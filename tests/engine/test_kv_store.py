@@ -88,10 +88,11 @@ def test_a_long_read_goes_a_share_a_step_while_others_run(tiny_llama, tmp_path, 
     folder, _ = tiny_llama
     doc, _ = prompts()
     turn2, fresh = doc + [7, 8, 9], prompts(seed=1)[1][0]  # fresh: none of its blocks on disk
-    gen = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    # `beside` decodes for 290 steps: still running when the turn is admitted, however late the turn is submitted
+    gen = GenerationConfig(max_new_tokens=290, ignore_eos=True)
     store = tmp_path / "store"
     evict_and_return(folder, store)  # the document's blocks are on disk
-    config = EngineConfig(**{**BASE, "cache_max_entry_count": 48}, enable_prefix_caching=True,  # room for both
+    config = EngineConfig(**{**BASE, "cache_max_entry_count": 80}, enable_prefix_caching=True,  # room for both
                           kv_cache_dir=str(store), kv_cache_read_mib_per_step=read_mib)
     with pipeline(folder, config) as p:
         beside, second = p([fresh, turn2], gen)  # `beside` is admitted first, then the second turn
@@ -106,7 +107,7 @@ def test_a_long_read_goes_a_share_a_step_while_others_run(tiny_llama, tmp_path, 
 
 
 def pipeline_tokens(folder, prompt: list[int], gen: GenerationConfig) -> list[int]:
-    with pipeline(folder, EngineConfig(**BASE)) as p:
+    with pipeline(folder, EngineConfig(**{**BASE, "cache_max_entry_count": 80})) as p:
         return p(prompt, gen).token_ids
 
 
