@@ -31,9 +31,9 @@ def prompts(seed: int = 0) -> tuple[list[int], list[list[int]]]:
     return doc, [rng.integers(0, 256, size=150).tolist() for _ in range(3)]
 
 
-def cold(folder, prompt: list[int], **config) -> list[int]:
+def cold(folder, prompt: list[int], gen: GenerationConfig = GEN, **config) -> list[int]:
     with pipeline(folder, EngineConfig(**{**BASE, **config})) as pipe:
-        return pipe(prompt, GEN).token_ids
+        return pipe(prompt, gen).token_ids
 
 
 def evict_and_return(folder, store: Path, **config):
@@ -98,17 +98,12 @@ def test_a_long_read_goes_a_share_a_step_while_others_run(tiny_llama, tmp_path, 
         beside, second = p([fresh, turn2], gen)  # `beside` is admitted first, then the second turn
         m = p.engine.metrics()
         p.engine.check_integrity()
-    assert second.token_ids == pipeline_tokens(folder, turn2, gen)
-    assert beside.token_ids == pipeline_tokens(folder, fresh, gen)
+    assert second.token_ids == cold(folder, turn2, gen, cache_max_entry_count=80)
+    assert beside.token_ids == cold(folder, fresh, gen, cache_max_entry_count=80)
     assert m.num_store_hit_tokens == 12 * 16 and m.num_prefix_hit_tokens == 12 * 16, m
     # lookups that found blocks: one a step while capped (`beside`'s own lookup found none)
     assert m.num_store_read_blocks == 12 and m.num_store_missed_lookups == 1, m
     assert m.num_store_lookups - m.num_store_missed_lookups == (12 if read_mib else 1), m
-
-
-def pipeline_tokens(folder, prompt: list[int], gen: GenerationConfig) -> list[int]:
-    with pipeline(folder, EngineConfig(**{**BASE, "cache_max_entry_count": 80})) as p:
-        return p(prompt, gen).token_ids
 
 
 @pytest.mark.parametrize("case", ["mistral-sliding-window", "moe"])

@@ -175,30 +175,31 @@ __global__ void dequant_int4_kernel(const uint4* __restrict__ qweight, const uin
   }
 }
 
-// The scratch of each stream (made at upload_int4 for the uploading stream, so that the KV pool sized after
-// the weights leaves room for it, else at the first use outside a graph capture); freed by destroy_stream.
-std::mutex g_scratch_mutex;
-std::unordered_map<cudaStream_t, std::shared_ptr<void>> g_scratch;
-
-void* dequant_scratch(cudaStream_t s, bool may_allocate) {
-  std::lock_guard<std::mutex> lock(g_scratch_mutex);
-  auto it = g_scratch.find(s);
-  if (it != g_scratch.end()) return it->second.get();
-  if (!may_allocate) return nullptr;
-  return (g_scratch[s] = allocate(kDequantScratchBytes)).get();
-}
-
 bool capturing(cudaStream_t s) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   LMKIT_CUDA_OK(cudaStreamIsCapturing(s, &status), "cudaStreamIsCapturing");
   return status != cudaStreamCaptureStatusNone;
 }
 
+// The scratch of each stream (made at upload_int4 for the uploading stream, so that the KV pool sized after
+// the weights leaves room for it, else at the first use outside a graph capture); freed by destroy_stream.
+// nullptr: none yet and the stream is capturing (no allocation there).
+std::mutex g_scratch_mutex;
+std::unordered_map<cudaStream_t, std::shared_ptr<void>> g_scratch;
+
+void* dequant_scratch(cudaStream_t s) {
+  std::lock_guard<std::mutex> lock(g_scratch_mutex);
+  auto it = g_scratch.find(s);
+  if (it != g_scratch.end()) return it->second.get();
+  if (capturing(s)) return nullptr;
+  return (g_scratch[s] = allocate(kDequantScratchBytes)).get();
+}
+
 // out[:, n0 : n0 + rows] for blocks of rows that fit the scratch, each dequantized then multiplied by cuBLAS.
 template <typename T>
 void launch_dequant_gemm(const void* x, int64_t M, const Linear& w, void* out, void* scratch, DType act,
                          cudaStream_t s) {
-  const int group_shift = w.group_size == 128 ? 2 : w.group_size == 64 ? 1 : 0;
+  const int group_shift = group_shift_of(w);
   const int64_t max_rows = std::max<int64_t>(16, kDequantScratchBytes / (w.k * 2) / 16 * 16);
   const int64_t blocks = ceil_div(w.n, max_rows), rows_per = ceil_div(ceil_div(w.n, blocks), 16) * 16;
   for (int64_t n0 = 0; n0 < w.n; n0 += rows_per) {
@@ -247,7 +248,7 @@ Linear upload_int4(const HostInt4& w, DType act, Stream stream) {
   copy_to_device(out.data.get(), w.qweight.get(), w.n * w.k / 2, stream);
   copy_to_device(out.scales.get(), w.scales.get(), w.n * groups * 2, stream);
   copy_to_device(out.zeros.get(), w.zeros.get(), w.n * groups, stream);
-  if (!g_force_wmma && cublas_available()) dequant_scratch(as_stream(stream), true);  // see g_scratch
+  if (!g_force_wmma && cublas_available()) dequant_scratch(as_stream(stream));  // see g_scratch
   synchronize(stream);  // the host buffers may go once this returns
   return out;
 }
@@ -297,7 +298,7 @@ void linear(const void* x, int64_t M, const Linear& w, const void* bias, void* o
     if (w.is_int4() && M <= g_skinny_int4_rows) {
       launch_mma_linear<T, true>(x, M, w, bias, out, g_skinny_pipeline, s);
     } else if (w.is_int4() && !g_force_wmma && cublas_available() &&
-               (scratch = dequant_scratch(s, !capturing(s))) != nullptr) {
+               (scratch = dequant_scratch(s)) != nullptr) {
       launch_dequant_gemm<T>(x, M, w, out, scratch, act, s);
       add_bias<T>(out, bias, M, w.n, s);
     } else if (!w.is_int4() && M <= g_skinny_dense_rows && w.k % 32 == 0) {

@@ -255,11 +255,14 @@ __global__ void __launch_bounds__(kMmaWarps * 32)
   }
 }
 
+// An int4 weight's group size (32, 64 or 128: upload_int4 checks) as a shift: group_size / 32 = 1 << shift.
+inline int group_shift_of(const Linear& w) { return w.group_size == 128 ? 2 : w.group_size == 64 ? 1 : 0; }
+
 template <typename T, bool kInt4, int MT>
 void launch_mma_linear(const void* x, int64_t M, const Linear& w, const void* bias, void* out, bool pipeline,
                        cudaStream_t s) {
   const dim3 grid((unsigned)ceil_div(w.n, 16), (unsigned)ceil_div(M, 8 * MT));
-  const int group_shift = w.group_size == 128 ? 2 : w.group_size == 64 ? 1 : 0;  // group_size / 32 = 1 << shift
+  const int group_shift = group_shift_of(w);
   auto kernel = pipeline ? mma_linear_kernel<T, kInt4, MT, true> : mma_linear_kernel<T, kInt4, MT, false>;
   kernel<<<grid, kMmaWarps * 32, 0, s>>>(static_cast<const T*>(x), w.data.get(),
                                          static_cast<const uint16_t*>(w.scales.get()),
