@@ -211,16 +211,14 @@ class EngineConfig:
         bfloat16 compute, and with dtype auto where the CPU computes in float32; dtype float32 keeps it float32."""
         return device == "cpu" and (self.dtype == "auto" or self.resolved_dtype(device) == "bfloat16")
 
-    def speculates(self, device: str, has_recurrent_state: bool) -> bool:
-        """Whether the engine verifies draft tokens on a resolved device for a model with or without recurrent
-        layers (auto: not yet); raises ValueError for an explicit ngram / suffix it cannot run."""
+    def speculates(self, device: str) -> bool:
+        """Whether the engine verifies draft tokens on a resolved device (auto: not yet); raises ValueError for an
+        explicit ngram / suffix it cannot run."""
         if self.speculative in ("off", "auto"):  # auto: off until its figures hold run after run
             return False
-        ok = device == "cpu" and not has_recurrent_state
-        if not ok:
-            raise ValueError(f"speculative={self.speculative!r} needs the CPU backend and a model without recurrent "
-                             "layers (their state cannot be rolled back yet): use speculative='off'")
-        return ok
+        if device != "cpu":
+            raise ValueError(f"speculative={self.speculative!r} needs the CPU backend: use speculative='off'")
+        return True
 
     def to_engine_config(self, device: str, kv_layer_bits: list[int] | None = None,
                          binding: CpuBinding | None = None, num_threads: int | None = None, num_layers: int = 0,

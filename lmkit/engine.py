@@ -193,12 +193,12 @@ class Engine:
             log.info("CPU backend: %s", self.cpu_binding.describe())
         else:
             n, self.cpu_binding = None, None
-        self.speculative: bool = self.config.speculates(self.device, self.spec.linear_num_value_heads > 0)
+        self.speculative: bool = self.config.speculates(self.device)
         """Whether the engine verifies draft tokens (EngineConfig.speculative, resolved)."""
         if self.speculative:
             log.info("speculative decoding: n-gram and answer lookup, up to %d draft tokens a request",
                      self.config.num_speculative_tokens)
-        sizing = reserve_kv_pool(self.config, self.spec) if self.device == "cpu" else nullcontext()
+        sizing = reserve_kv_pool(self.config, self.spec, self.speculative) if self.device == "cpu" else nullcontext()
         # FP8 weights: decoded once into the dense dtype the backend computes in (lmkit/models/fp8.py)
         dense = "BF16" if self.device != "cpu" or self.config.resolved_dtype("cpu") == "bfloat16" else "F32"
         quant = self.spec.quant

@@ -23,9 +23,12 @@ A model with recurrent layers (Qwen3.5) also has a state pool, sized first (plan
 
     state_slots  = min(max_batch_size (x 2 with prefix caching: the snapshots prefix hits start from),
                        STATE_POOL_SHARE x left_bytes // state_bytes_per_slot)
+    draft_slots  = min(DRAFT_STATE_SEQUENCES x num_speculative_tokens,   speculative decoding's checkpoints
+                       what is left of that share after state_slots)
 
 and its bytes are taken from left_bytes before the KV pool's budget. Fewer slots than max_batch_size cap how many
-sequences run at once (the start-up line says so); no slot at all is refused.
+sequences run at once (the start-up line says so); no slot at all is refused. Fewer draft slots than wanted cap
+how many drafts of a stateful model a step verifies.
 
 Reservations: every CPU engine records its weights + KV pool bytes in a file ``<pid>-<n>.json`` of
 ``lmkit.env.runtime_dir()``. An engine holds that folder's lock (an flock: the kernel drops it if the holder
@@ -234,29 +237,39 @@ def cap_blocks(max_batch_size: int, session_len: int, block_size_tokens: int) ->
 
 STATE_POOL_SHARE = 0.25
 """The most of what is left after the weights (left_bytes) a recurrent-state pool may take."""
+DRAFT_STATE_SEQUENCES = 2
+"""Speculative decoding on a model with recurrent layers: every draft row of a step needs a slot for the state as of
+it (the rollback's checkpoint); the pool keeps as many as this many sequences' full drafts take."""
 
 
 @dataclass(frozen=True)
 class StatePool:
     """How a model's recurrent-state pool was sized (``KVPool.state``; all 0 for a model without one)."""
 
-    num_slots: int
+    num_slots: int  # for sequences and prefix-cache snapshots
     bytes_per_slot: int
     wanted_slots: int  # max_batch_size, twice that with prefix caching
     limit_bytes: int  # the share of the memory it may take
+    num_draft_slots: int = 0  # besides those, speculative decoding's checkpoints
+    wanted_draft_slots: int = 0
 
     @property
     def bytes(self) -> int:
-        return self.num_slots * self.bytes_per_slot
+        return (self.num_slots + self.num_draft_slots) * self.bytes_per_slot
 
     def describe(self) -> str:
-        head = (f"recurrent-state pool: {self.num_slots} slots x {format_bytes(self.bytes_per_slot)} = "
-                f"{format_bytes(self.bytes)}")
+        slots = self.num_slots + self.num_draft_slots
+        text = f"recurrent-state pool: {slots} slots x {format_bytes(self.bytes_per_slot)} = {format_bytes(self.bytes)}"
         if self.num_slots == self.wanted_slots:
-            return head + " (a slot per sequence of max_batch_size, and one per prefix-cache snapshot with prefix caching)"
-        return (head + f", limited by memory ({STATE_POOL_SHARE:g} of what is left after the weights: "
-                f"{format_bytes(self.limit_bytes)}; {self.wanted_slots} slots wanted): at most {self.num_slots} "
-                "sequences run at once")
+            text += " (a slot per sequence of max_batch_size, and one per prefix-cache snapshot with prefix caching)"
+        else:
+            text += (f", limited by memory ({STATE_POOL_SHARE:g} of what is left after the weights: "
+                     f"{format_bytes(self.limit_bytes)}; {self.wanted_slots} slots wanted): at most {self.num_slots} "
+                     "sequences run at once")
+        if self.wanted_draft_slots:
+            text += (f"; {self.num_draft_slots} of them ({self.wanted_draft_slots} wanted) keep the state as of each "
+                     "draft token a step verifies (speculative decoding)")
+        return text
 
 
 @dataclass(frozen=True)
@@ -339,9 +352,11 @@ class KVPool:
                 f"memory allows {self.budget_bytes // self.kv_bytes_per_block} blocks: {self.budget_text()}")
 
 
-def plan_state_slots(config: "EngineConfig", state_bytes_per_slot: int, left_bytes: int) -> StatePool:
+def plan_state_slots(config: "EngineConfig", state_bytes_per_slot: int, left_bytes: int,
+                     speculative: bool = False) -> StatePool:
     """The state pool of a model whose recurrent layers keep ``state_bytes_per_slot`` per sequence (module doc);
-    ``left_bytes``: the memory left after the weights. Raises MemoryBudgetError when not one slot fits."""
+    ``left_bytes``: the memory left after the weights; ``speculative``: the engine verifies drafts (it then wants
+    checkpoint slots). Raises MemoryBudgetError when not one slot fits."""
     if state_bytes_per_slot <= 0:
         return StatePool(0, 0, 0, 0)
     wanted = config.max_batch_size * (2 if config.enable_prefix_caching else 1)
@@ -353,12 +368,16 @@ def plan_state_slots(config: "EngineConfig", state_bytes_per_slot: int, left_byt
             f"{format_bytes(state_bytes_per_slot)}, and the pool may take {STATE_POOL_SHARE:g} of the "
             f"{format_bytes(max(left_bytes, 0))} left after the weights ({format_bytes(limit)}); use a machine with "
             "more memory, a quantized checkpoint, or restart the other lmkit engines")
-    return StatePool(int(slots), state_bytes_per_slot, wanted, limit)
+    wanted_drafts = DRAFT_STATE_SEQUENCES * config.num_speculative_tokens if speculative else 0
+    drafts = min(wanted_drafts, (limit - slots * state_bytes_per_slot) // state_bytes_per_slot)
+    return StatePool(int(slots), state_bytes_per_slot, wanted, limit, int(drafts), wanted_drafts)
 
 
 def plan_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, weight_bytes: int, session_len: int,
-                 memory: MemoryLimit, others: tuple[Reservation, ...] = (), state_bytes_per_slot: int = 0) -> KVPool:
-    """The KV pool for ``config`` (module doc), and the state pool beside it when ``state_bytes_per_slot``.
+                 memory: MemoryLimit, others: tuple[Reservation, ...] = (), state_bytes_per_slot: int = 0,
+                 speculative: bool = False) -> KVPool:
+    """The KV pool for ``config`` (module doc), and the state pool beside it when ``state_bytes_per_slot``
+    (with draft checkpoint slots when ``speculative``).
     Raises MemoryBudgetError when a fraction leaves less than one sequence of session_len tokens."""
     count = config.cache_max_entry_count
     is_auto = count is None
@@ -368,7 +387,7 @@ def plan_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, weight_bytes: 
                   memory=memory, weight_bytes=weight_bytes, others=tuple(others))
     if state_bytes_per_slot:  # sized from what the weights leave, with the fraction a block count does not give
         left = replace(pool, fraction=AUTO_MEMORY_FRACTION if pool.fraction is None else pool.fraction).left_bytes
-        pool = replace(pool, state=plan_state_slots(config, state_bytes_per_slot, left))
+        pool = replace(pool, state=plan_state_slots(config, state_bytes_per_slot, left, speculative))
     if not is_auto and count > 1:
         return replace(pool, num_blocks=int(count))
     if kv_bytes_per_block == 0:  # no layer keeps K/V (every layer recurrent): blocks are bookkeeping only
@@ -408,27 +427,30 @@ def unpacked_weight_bytes(spec: "ModelSpec") -> int:
 
 class PoolSizer:
     """The ``size_pools`` callback of a CPU lmkit._engine.Engine: (kv_bytes_per_block, state_bytes_per_slot,
-    linear_weight_bytes, session_len, device_free_bytes) -> (KV blocks, state slots), called once on the creating
-    thread; keeps the KVPool it chose (its state pool in ``kv_pool.state``) in ``kv_pool``."""
+    linear_weight_bytes, session_len, device_free_bytes) -> (KV blocks, state slots, draft checkpoint slots),
+    called once on the creating thread; keeps the KVPool it chose (its state pool in ``kv_pool.state``) in
+    ``kv_pool``. speculative: the engine verifies drafts."""
 
     def __init__(self, config: "EngineConfig", unpacked_bytes: int, others: tuple[Reservation, ...],
-                 memory: MemoryLimit):
+                 memory: MemoryLimit, speculative: bool = False):
         self.config, self.unpacked_bytes, self.others, self.memory = config, unpacked_bytes, others, memory
+        self.speculative = speculative
         self.kv_pool: KVPool | None = None
         self.reservation: Reservation | None = None
 
     def __call__(self, kv_bytes_per_block: int, state_bytes_per_slot: int, linear_weight_bytes: int,
-                 session_len: int, device_free_bytes: int = 0) -> tuple[int, int]:
+                 session_len: int, device_free_bytes: int = 0) -> tuple[int, int, int]:
         self.kv_pool = plan_kv_pool(self.config, kv_bytes_per_block, linear_weight_bytes + self.unpacked_bytes,
-                                    session_len, self.memory, self.others, state_bytes_per_slot)
-        return self.kv_pool.num_blocks, self.kv_pool.state.num_slots
+                                    session_len, self.memory, self.others, state_bytes_per_slot, self.speculative)
+        return self.kv_pool.num_blocks, self.kv_pool.state.num_slots, self.kv_pool.state.num_draft_slots
 
 
 @contextmanager
-def reserve_kv_pool(config: "EngineConfig", spec: "ModelSpec") -> Iterator[PoolSizer]:
-    """For a CPU engine created inside the block: holds the runtime folder's lock, yields the sizer to hand to
-    lmkit._engine.Engine, then records the engine's reservation (``sizer.reservation``; the caller removes it
-    when the engine closes) and logs the start-up line. A block that raises records nothing."""
+def reserve_kv_pool(config: "EngineConfig", spec: "ModelSpec", speculative: bool = False) -> Iterator[PoolSizer]:
+    """For a CPU engine created inside the block (``speculative``: it verifies drafts): holds the runtime folder's
+    lock, yields the sizer to hand to lmkit._engine.Engine, then records the engine's reservation
+    (``sizer.reservation``; the caller removes it when the engine closes) and logs the start-up line. A block that
+    raises records nothing."""
     limit = memory_limit()
     need = checkpoint_weight_bytes(spec)
     if need > limit.total_bytes:  # before anything is packed or mapped in: the OOM killer would answer otherwise
@@ -437,7 +459,7 @@ def reserve_kv_pool(config: "EngineConfig", spec: "ModelSpec") -> Iterator[PoolS
                          "checkpoint (lmkit lite awq) or a machine with more memory")
     reservations = Reservations(env.runtime_dir())
     with reservations.lock():
-        sizer = PoolSizer(config, unpacked_weight_bytes(spec), tuple(reservations.live()), limit)
+        sizer = PoolSizer(config, unpacked_weight_bytes(spec), tuple(reservations.live()), limit, speculative)
         yield sizer
         if sizer.kv_pool is None:
             raise RuntimeError("the engine was created without calling its KV pool sizer")
@@ -471,10 +493,10 @@ class CudaPoolSizer:
         self.config = config
 
     def __call__(self, kv_bytes_per_block: int, state_bytes_per_slot: int, linear_weight_bytes: int,
-                 session_len: int, device_free_bytes: int) -> tuple[int, int]:
-        state = plan_state_slots(self.config, state_bytes_per_slot, device_free_bytes)
+                 session_len: int, device_free_bytes: int) -> tuple[int, int, int]:
+        state = plan_state_slots(self.config, state_bytes_per_slot, device_free_bytes)  # no drafts on CUDA
         return (plan_cuda_kv_pool(self.config, kv_bytes_per_block, session_len, device_free_bytes - state.bytes),
-                state.num_slots)
+                state.num_slots, 0)
 
 
 def log_cuda_kv_pool(cpp, cache_max_entry_count: float | None) -> None:

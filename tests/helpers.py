@@ -100,15 +100,19 @@ def assert_blocks_free(engine, timeout_s: float = 5.0) -> None:
         f"{m.num_total_state_slots}")
 
 
-def run_with_random_cancellations(engine, rng, num_requests: int, max_prompt: int, n_choices=(1, 1, 1, 2)) -> int:
+def run_with_random_cancellations(engine, rng, num_requests: int, max_prompt: int, n_choices=(1, 1, 1, 2),
+                                  predictions: bool = False) -> int:
     """Submits num_requests random requests (prompts of 1 to max_prompt - 1 tokens, up to 11 new tokens, n from
-    n_choices), cancelling a random earlier one (whole, or one completion) after ~30% of them, then waits for every
+    n_choices; with predictions, half of them predict 8 random tokens: drafts a speculating engine verifies),
+    cancelling a random earlier one (whole, or one completion) after ~30% of them, then waits for every
     completion's final output (length or cancelled). Returns the completions finished."""
     from lmkit import GenerationConfig
 
     queues = []
     for _ in range(num_requests):
-        gen = GenerationConfig(max_new_tokens=rng.randrange(1, 12), ignore_eos=True, n=rng.choice(list(n_choices)))
+        prediction = [rng.randrange(1, 250) for _ in range(8)] if predictions and rng.random() < 0.5 else None
+        gen = GenerationConfig(max_new_tokens=rng.randrange(1, 12), ignore_eos=True, n=rng.choice(list(n_choices)),
+                               prediction=prediction)
         rid, q = engine.submit_to_queue([rng.randrange(1, 250) for _ in range(rng.randrange(1, max_prompt))], gen)
         queues.append((rid, q, gen.n))
         if rng.random() < 0.3:

@@ -76,10 +76,17 @@ Batch build_batch(const BatchPlan& plan, int32_t block_size_tokens, const StopRu
     bs.prefill = s.start_pos < seq.num_prompt_tokens;
     const int32_t generated_rows = bs.ctx_len - std::max(s.start_pos, seq.num_prompt_tokens);
     bs.num_decode_rows = s.num_tokens > 1 ? std::max(0, generated_rows) : 0;
-    b.seqs.push_back(bs);
     LMKIT_CHECK(num_drafts == 0 || (s.is_sampled && s.start_pos + s.num_tokens - num_drafts == seq.num_tokens() &&
                                     num_drafts <= (int32_t)seq.draft_tokens.size() && !seq.params.output_logits),
                 "sequence ", seq.id, ": ", num_drafts, " draft rows do not follow its last token");
+    if (!seq.draft_state_slots.empty()) {  // a stateful verification: the state as of each row before a draft
+      LMKIT_CHECK((int32_t)seq.draft_state_slots.size() == num_drafts, "sequence ", seq.id, " holds ",
+                  seq.draft_state_slots.size(), " draft checkpoints for ", num_drafts, " draft rows");
+      bs.checkpoint_offset = (int32_t)b.state_checkpoints.size();
+      bs.num_checkpoints = num_drafts;
+      b.state_checkpoints.insert(b.state_checkpoints.end(), seq.draft_state_slots.begin(), seq.draft_state_slots.end());
+    }
+    b.seqs.push_back(bs);
     if (num_drafts > 0) {
       seq.verify_tokens.assign(seq.tokens.begin(), seq.tokens.end());
       seq.verify_tokens.insert(seq.verify_tokens.end(), seq.draft_tokens.begin(), seq.draft_tokens.begin() + num_drafts);
@@ -119,6 +126,7 @@ Batch build_batch(const BatchPlan& plan, int32_t block_size_tokens, const StopRu
       r.num_prompt = seq.num_prompt_tokens;
       r.banned = rules.banned(seq, ahead);
       r.mask = seq.matcher.get();
+      r.mask_row = ahead;
       if (!seq.params.is_greedy()) r.seed = seq.sample_seed(seq.num_generated_tokens() + ahead);  // greedy: none
       b.samples.push_back(std::move(r));
     }

@@ -22,6 +22,8 @@ namespace lmkit {
 //   state_slot: the recurrent-state slot holding the sequence's state as of position ctx_len - num_rows (-1: the
 //   model has no recurrent layers); a chunk at position 0 starts from the zero state, whatever the slot holds;
 //   num_draft_rows: its last rows are draft tokens to verify (each scored as its decode step would be);
+//   num_checkpoints: the state as of each of its first num_checkpoints rows is also left in slot
+//   state_checkpoints[checkpoint_offset + t] (a stateful verification: one per draft row, for the rollback);
 //   prefill, num_decode_rows: how attention sees the rows (ops::AttnSeq) so that a row gives the same bits however
 //   the sequence's tokens were cut into steps: rows of prompt tokens on the prefill kernel whatever their number
 //   (prefill), and, in a chunk of more than one row, the rows of generated tokens (computed again after a
@@ -34,6 +36,8 @@ struct BatchSeq {
   int32_t num_blocks = 0;
   int32_t state_slot = -1;
   int32_t num_draft_rows = 0;
+  int32_t checkpoint_offset = 0;
+  int32_t num_checkpoints = 0;
   bool prefill = false;
   int32_t num_decode_rows = 0;
 };
@@ -49,6 +53,7 @@ struct SampleRow {
   std::vector<int32_t> banned;            // ids that must not be sampled now (StopRules::banned)
   uint64_t seed = 0;                      // the generator of this draw (drawn from the sequence's own)
   const TokenMask* mask = nullptr;        // the grammar's allowed tokens (wait() before sampling); null: all
+  int32_t mask_row = 0;                   // which of its masks: the drafts before this row (TokenMask::wait)
 };
 
 // A logits row the caller asked for (output_logits): copied into StepOutput::logits.
@@ -91,6 +96,7 @@ struct Batch {
   std::vector<PromptLogprobRow> prompt_logprob_rows;  // ordered by logit_index
   std::vector<HiddenOutputRow> hidden_outputs;       // ordered by logit_index
   std::vector<StateCopy> state_copies;               // recurrent-state slot copies, applied before the forward
+  std::vector<int32_t> state_checkpoints;            // the sequences' checkpoint slots (BatchSeq::num_checkpoints)
 
   bool empty() const { return num_tokens == 0; }
   // Every row is one sequence's single (decode) token and every row's logits are needed.

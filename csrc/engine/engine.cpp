@@ -17,7 +17,8 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor)
       blocks_(options.num_blocks, options.block_size_tokens),
       states_(options.num_state_slots),
       scheduler_(SchedulerConfig{options.max_batch_size, options.max_prefill_token_num, options.session_len,
-                                 options.enable_prefix_caching, options.attention_window_tokens},
+                                 options.enable_prefix_caching, options.attention_window_tokens,
+                                 options.num_draft_state_slots},
                  blocks_, &states_),
       stop_rules_(options.eos_token_ids),
       seed_source_(std::random_device{}()),
@@ -30,8 +31,8 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor)
   LMKIT_CHECK((options.num_state_slots > 0) == (executor_->state_bytes_per_slot() > 0), "the model ",
               executor_->state_bytes_per_slot() > 0 ? "has" : "has no", " recurrent state but the engine was given ",
               options.num_state_slots, " state slots");
-  LMKIT_CHECK(!options.speculative.enabled || options.num_state_slots == 0, "speculative decoding needs a model "
-              "without recurrent state (its rollback is not built yet)");
+  LMKIT_CHECK(options.num_draft_state_slots == 0 || options.speculative.enabled, "draft checkpoint slots without "
+              "speculative decoding");
   LMKIT_CHECK(!options.speculative.enabled || (options.speculative.max_draft_tokens >= 1 &&
                                                options.speculative.max_step_draft_tokens >= 1),
               "speculative decoding needs max_draft_tokens and max_step_draft_tokens >= 1");
@@ -345,10 +346,9 @@ void Engine::propose_drafts() {
     if (seq->num_pending_tokens() != 1) continue;
     ++decode_rows;
     const SamplingParams& p = seq->params;
-    // Drafts for plain decodes only: not under a grammar (its matcher would have to roll back) nor for requests
-    // that read every row's logits.
+    // Not for requests that read every row's logits.
     const int32_t room = seq->max_total_tokens - seq->num_tokens();
-    if (!p.speculate || p.grammar || p.output_logits || room <= 0) continue;
+    if (!p.speculate || p.output_logits || room <= 0) continue;
     if (!seq->spec) seq->spec = std::make_unique<SpecState>(c, p.prediction);
     SpecState& spec = *seq->spec;
     const int32_t most = std::min(c.max_draft_tokens, room);
@@ -370,6 +370,7 @@ void Engine::propose_drafts() {
       else
         answers_.lookup(tokens, n, want, drafts);
     }
+    if (p.grammar) cut_drafts_to_grammar(*seq);
     if (drafts.empty()) continue;
     proposing.push_back(seq);
     // every kProbeInterval proposals a few drafts are verified whatever their expected worth (in a step where their
@@ -395,7 +396,17 @@ void Engine::propose_drafts() {
   }
 }
 
-FinishReason Engine::take_token(Sequence& seq, int32_t token, const TokenLogprobs& logprobs, Failure& failure) {
+void Engine::cut_drafts_to_grammar(Sequence& seq) {
+  std::vector<int32_t>& drafts = seq.draft_tokens;
+  if (seq.matcher) {
+    drafts.resize((size_t)seq.matcher->num_valid(drafts.data(), (int32_t)drafts.size()));
+  } else if (seq.params.grammar_after_token >= 0) {  // the row after the start token would need the grammar's mask
+    drafts.erase(std::find(drafts.begin(), drafts.end(), seq.params.grammar_after_token), drafts.end());
+  }
+}
+
+FinishReason Engine::take_token(Sequence& seq, int32_t token, const TokenLogprobs& logprobs, Failure& failure,
+                                bool next_mask) {
   ++metrics_.num_generated_tokens;
   const FinishReason reason = stop_rules_.on_token(seq, token);
   if (reason == FinishReason::kStop) return reason;  // a stop token is not part of the output
@@ -407,7 +418,7 @@ FinishReason Engine::take_token(Sequence& seq, int32_t token, const TokenLogprob
     seq.pending_top_logprobs.insert(seq.pending_top_logprobs.end(), logprobs.top_logprobs.begin(),
                                     logprobs.top_logprobs.end());
   }
-  return advance_grammar(seq, token, reason, failure);
+  return advance_grammar(seq, token, reason, failure, next_mask);
 }
 
 int32_t Engine::apply_verification(const ScheduledSeq& s, int32_t first_sample, const StepOutput& out,
@@ -419,11 +430,12 @@ int32_t Engine::apply_verification(const ScheduledSeq& s, int32_t first_sample, 
     const int32_t k = first_sample + j;
     const int32_t t = out.tokens[k];
     rows = j + 1;  // row j's input stands: the last known token, or draft j - 1, kept
-    reason = take_token(seq, t, out.logprobs[k], failure);
+    reason = take_token(seq, t, out.logprobs[k], failure, false);
     const bool agrees = j < drafts && t == seq.draft_tokens[j];
     accepted += agrees ? 1 : 0;
     if (reason != FinishReason::kNone || !agrees) break;
   }
+  if (reason == FinishReason::kNone && seq.matcher) seq.matcher->request_mask();  // after the last token only
   const int src = seq.draft_source;
   metrics_.num_draft_tokens[src] += drafts;
   metrics_.num_accepted_draft_tokens[src] += accepted;
@@ -443,8 +455,11 @@ void Engine::run_step() {
   const double planned_at = now_seconds();
   for (const ScheduledSeq& s : plan.seqs)
     if (s.seq->scheduled_at == 0) s.seq->scheduled_at = planned_at;
-  for (const ScheduledSeq& s : plan.seqs)
+  for (const ScheduledSeq& s : plan.seqs) {
     if (s.is_sampled) start_grammar(*s.seq);  // its mask is computed while the forward runs
+    if (s.num_draft_tokens > 0 && s.seq->matcher)  // and the mask after each draft
+      s.seq->matcher->request_draft_masks(s.seq->draft_tokens.data(), s.num_draft_tokens);
+  }
   StepOutput out;
   Batch batch;
   try {
@@ -480,7 +495,8 @@ void Engine::start_grammar(Sequence& seq) {
   seq.matcher->request_mask();
 }
 
-FinishReason Engine::advance_grammar(Sequence& seq, int32_t token, FinishReason reason, Failure& failure) {
+FinishReason Engine::advance_grammar(Sequence& seq, int32_t token, FinishReason reason, Failure& failure,
+                                     bool next_mask) {
   if (!seq.matcher) {
     if (seq.params.grammar && token == seq.params.grammar_after_token) seq.grammar_after_token_seen = true;
     return reason;
@@ -490,7 +506,7 @@ FinishReason Engine::advance_grammar(Sequence& seq, int32_t token, FinishReason 
     return FinishReason::kError;
   }
   if (seq.matcher->is_stopped()) return FinishReason::kStop;  // complete: nothing but an eos could follow
-  if (reason == FinishReason::kNone) seq.matcher->request_mask();
+  if (reason == FinishReason::kNone && next_mask) seq.matcher->request_mask();
   return reason;
 }
 
@@ -567,8 +583,8 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
 }
 
 void Engine::calibrate_step_cost() {
-  // One sequence of R rows at positions [0, R) in the pool's first blocks (free: no request has arrived), every
-  // row's logits sampled greedily, as a verification's are: the second of two runs is timed.
+  // One sequence of R rows at positions [0, R) in the pool's first blocks and state slots (free: no request has
+  // arrived), every row's logits sampled greedily, as a verification's are: the second of two runs is timed.
   const int32_t bs = options_.block_size_tokens;
   const int32_t most = std::min({kCalibrationRows, options_.num_blocks * bs,
                                  options_.max_prefill_token_num + options_.max_batch_size});
@@ -582,7 +598,13 @@ void Engine::calibrate_step_cost() {
     b.block_size_tokens = bs;
     const int32_t blocks = (rows + bs - 1) / bs;
     for (int32_t i = 0; i < blocks; ++i) b.block_tables.push_back(i);
-    b.seqs.push_back(BatchSeq{0, rows, rows, 0, blocks, -1});
+    BatchSeq seq{0, rows, rows, 0, blocks, -1};
+    if (options_.num_state_slots > 0) {  // slot 0, and checkpoints in the next ones as a verification takes them
+      seq.state_slot = 0;
+      seq.num_checkpoints = std::min(rows - 1, options_.num_draft_state_slots);
+      for (int32_t t = 0; t < seq.num_checkpoints; ++t) b.state_checkpoints.push_back(1 + t);
+    }
+    b.seqs.push_back(seq);
     b.max_ctx_len = rows;
     b.max_blocks_per_seq = blocks;
     for (int32_t j = 0; j < rows; ++j) {

@@ -70,6 +70,8 @@ struct EngineOptions {
   double decode_slowdown = 0;  // prompt pacing (engine/prompt_pacer.h); 0: off
   int32_t num_blocks = 0;  // size of the KV pool, decided by the caller (create_engine's PoolSizer)
   int32_t num_state_slots = 0;  // recurrent-state slots (0: the model has no recurrent layers)
+  // of those, kept for speculative decoding's checkpoints (SchedulerConfig::num_draft_state_slots)
+  int32_t num_draft_state_slots = 0;
   int64_t kv_bytes_per_block = 0;  // the executor's, for reporting
   int64_t linear_weight_bytes = 0;  // the executor's, for reporting
   // The multi-token-prediction head the executor holds, loaded but not run (Executor::mtp_num_layers), for reporting
@@ -80,7 +82,7 @@ struct EngineOptions {
   std::vector<int32_t> eos_token_ids;
   int32_t attention_window_tokens = 0;  // > 0: every layer attends within this window (blocks behind it are freed)
   std::vector<int32_t> engine_cpus, callback_cpus;  // EngineConfig's (empty: not pinned)
-  SpeculativeConfig speculative;  // enabled only for a model without recurrent state (create_engine)
+  SpeculativeConfig speculative;  // CPU backend (create_engine)
   std::string kv_cache_dir;  // EngineConfig's (empty: no disk store)
   int64_t kv_cache_disk_bytes = 0;
   std::string kv_cache_identity;
@@ -185,15 +187,22 @@ class Engine {
   static constexpr std::chrono::milliseconds kIdleRelease{1000};
   bool memory_released_ = true;  // nothing ran since the last release (or since start)
   // seq sampled `token`: the stop rules (a stop token is not appended), its logprobs, its grammar (failure set
-  // when the grammar refuses it). Returns how seq ends, kNone when it goes on.
-  FinishReason take_token(Sequence& seq, int32_t token, const TokenLogprobs& logprobs, Failure& failure);
+  // when the grammar refuses it; next_mask: the grammar's next mask requested if seq goes on). Returns how seq
+  // ends, kNone when it goes on.
+  FinishReason take_token(Sequence& seq, int32_t token, const TokenLogprobs& logprobs, Failure& failure,
+                          bool next_mask = true);
   // Applies the sample rows of a chunk with draft rows: keeps the drafts up to the first one its row's sample
   // disagrees with, then that sample (or, all accepted, the last row's): returns the rows whose input stands.
   int32_t apply_verification(const ScheduledSeq& s, int32_t first_sample, const StepOutput& out,
                              FinishReason& reason, Failure& failure);
   // After seq sampled `token` (appended): advances its grammar. Returns kStop when the grammar is complete,
-  // kError (failure set) when it refuses the token, else `reason`; requests the next mask if seq goes on.
-  FinishReason advance_grammar(Sequence& seq, int32_t token, FinishReason reason, Failure& failure);
+  // kError (failure set) when it refuses the token, else `reason`; requests the next mask if seq goes on (and
+  // next_mask: a verification asks once, after its last token).
+  FinishReason advance_grammar(Sequence& seq, int32_t token, FinishReason reason, Failure& failure,
+                               bool next_mask = true);
+  // A grammar-constrained decode's drafts: cut to those its grammar allows in a row (before the grammar starts:
+  // to those before its start token).
+  void cut_drafts_to_grammar(Sequence& seq);
   void publish_metrics();  // caller holds state_mu_
   // The disk store: a cached block evicted from the pool is copied out for the writer (BlockManager's eviction
   // listener); while idle, and at shutdown, cached blocks not yet on disk are copied out too, so that they survive a

@@ -74,6 +74,8 @@ struct LlgApi {
   int32_t (*matcher_compute_mask_into)(LlgMatcher*, uint32_t*, size_t) = nullptr;
   size_t (*matcher_get_mask_byte_size)(const LlgMatcher*) = nullptr;
   int32_t (*matcher_consume_token)(LlgMatcher*, uint32_t) = nullptr;
+  int32_t (*matcher_validate_tokens)(LlgMatcher*, const uint32_t*, size_t) = nullptr;
+  int32_t (*matcher_rollback)(LlgMatcher*, size_t) = nullptr;
   bool (*matcher_is_accepting)(LlgMatcher*) = nullptr;
   bool (*matcher_is_stopped)(const LlgMatcher*) = nullptr;
   LlgMatcher* (*clone_matcher)(const LlgMatcher*) = nullptr;
@@ -106,6 +108,8 @@ struct LlgApi {
     sym(api->matcher_compute_mask_into, "llg_matcher_compute_mask_into");
     sym(api->matcher_get_mask_byte_size, "llg_matcher_get_mask_byte_size");
     sym(api->matcher_consume_token, "llg_matcher_consume_token");
+    sym(api->matcher_validate_tokens, "llg_matcher_validate_tokens");
+    sym(api->matcher_rollback, "llg_matcher_rollback");
     sym(api->matcher_is_accepting, "llg_matcher_is_accepting");
     sym(api->matcher_is_stopped, "llg_matcher_is_stopped");
     sym(api->clone_matcher, "llg_clone_matcher");
@@ -278,10 +282,32 @@ GrammarMatcher::~GrammarMatcher() {
 
 void GrammarMatcher::compute() {
   const LlgApi& api = grammar_->tokenizer().api();
-  if (api.matcher_compute_mask_into(matcher_, mask_.data(), mask_.size() * 4) != 0) {
-    failed_ = true;
-    std::fill(mask_.begin(), mask_.end(), 0u);
+  if (!mask_current_) {
+    if (api.matcher_compute_mask_into(matcher_, mask_.data(), mask_.size() * 4) != 0) {
+      failed_ = true;
+      std::fill(mask_.begin(), mask_.end(), 0u);
+    }
+    mask_current_ = true;
   }
+  if (drafts_.empty()) return;
+  // Each draft consumed, the mask after it computed; then back to where the matcher was. A draft the grammar
+  // refuses (never: the engine proposes only num_valid ones) leaves the rows after it the mask before it.
+  const size_t words = mask_.size();
+  const int32_t n = (int32_t)drafts_.size();
+  draft_masks_.resize((size_t)n * words);
+  int32_t consumed = 0;
+  for (int32_t j = 0; j < n; ++j) {
+    uint32_t* out = draft_masks_.data() + (size_t)j * words;
+    const uint32_t* before = j == 0 ? mask_.data() : out - words;
+    const bool ok = consumed == j && drafts_[j] >= 0 && (size_t)drafts_[j] < words * 32 &&
+                    api.matcher_consume_token(matcher_, (uint32_t)drafts_[j]) == 0 &&
+                    api.matcher_compute_mask_into(matcher_, out, words * 4) == 0;
+    consumed += ok ? 1 : 0;
+    if (!ok) std::copy(before, before + words, out);
+  }
+  if (consumed > 0 && api.matcher_rollback(matcher_, (size_t)consumed) != 0) failed_ = true;
+  num_draft_masks_ = n;
+  drafts_.clear();
 }
 
 void GrammarMatcher::request_mask() {
@@ -291,15 +317,35 @@ void GrammarMatcher::request_mask() {
     compute();
 }
 
-const uint32_t* GrammarMatcher::wait() const {
+int32_t GrammarMatcher::num_valid(const int32_t* drafts, int32_t n) {
+  wait();
+  std::vector<uint32_t> ids;
+  for (int32_t j = 0; j < n && drafts[j] >= 0 && (size_t)drafts[j] < mask_.size() * 32; ++j) ids.push_back(drafts[j]);
+  if (ids.empty() || failed_) return 0;
+  const int32_t valid = grammar_->tokenizer().api().matcher_validate_tokens(matcher_, ids.data(), ids.size());
+  return valid < 0 ? 0 : valid;
+}
+
+void GrammarMatcher::request_draft_masks(const int32_t* drafts, int32_t n) {
+  wait();  // the worker's job reads drafts_
+  drafts_.assign(drafts, drafts + n);
+  num_draft_masks_ = 0;
+  request_mask();
+}
+
+const uint32_t* GrammarMatcher::wait(int32_t row) const {
   if (worker_) worker_->wait(this);
-  return mask_.data();
+  if (row <= 0) return mask_.data();
+  LMKIT_CHECK(row <= num_draft_masks_, "grammar mask of draft row ", row, " asked, ", num_draft_masks_, " computed");
+  return draft_masks_.data() + (size_t)(row - 1) * mask_.size();
 }
 
 bool GrammarMatcher::consume(int32_t token) {
   wait();
   const LlgApi& api = grammar_->tokenizer().api();
   if (token < 0 || (size_t)token >= mask_.size() * 32) return false;
+  mask_current_ = false;
+  num_draft_masks_ = 0;
   return api.matcher_consume_token(matcher_, (uint32_t)token) == 0;
 }
 

@@ -8,7 +8,9 @@
 //                      caller, keyed by grammar text); compiled on a thread of its own with a deep stack and a
 //                      deadline (GrammarCompile)
 //   GrammarMatcher     one sequence's state: consume(token) on the loop thread; its next mask is computed by
-//                      the MaskWorker while the step's forward runs, and the sampler waits for it (wait())
+//                      the MaskWorker while the step's forward runs, and the sampler waits for it (wait()); with
+//                      draft tokens (speculative decoding), also the mask after each draft: the worker consumes
+//                      the drafts, computes their masks and rolls the matcher back
 //   MaskWorker         one thread that computes masks in submission order
 //
 // Mask layout: bit i of word i / 32 set = token i allowed; ceil(vocab / 32) words.
@@ -34,8 +36,9 @@ struct GrammarCompile;  // one compile on its own thread (grammar.cpp)
 class TokenMask {
  public:
   virtual ~TokenMask() = default;
-  // Blocks until the mask of the next token is ready: ceil(vocab / 32) words, bit set = allowed.
-  virtual const uint32_t* wait() const = 0;
+  // Blocks until the mask of the next token is ready: ceil(vocab / 32) words, bit set = allowed. row j > 0: the
+  // mask after the first j draft tokens (GrammarMatcher::request_draft_masks).
+  virtual const uint32_t* wait(int32_t row = 0) const = 0;
 };
 
 class GrammarTokenizer {
@@ -113,7 +116,12 @@ class GrammarMatcher : public TokenMask {
 
   // Starts computing the mask of the next token (on the worker; synchronously without one).
   void request_mask();
-  const uint32_t* wait() const override;
+  // How many of drafts[0, n) the grammar allows in a row from here (the matcher unchanged).
+  int32_t num_valid(const int32_t* drafts, int32_t n);
+  // Starts computing the mask after each of drafts[0, j], j < n (rows 1..n of wait()), drafts the grammar allows
+  // (num_valid); the matcher is rolled back to where it was. Call after the mask of the next token was requested.
+  void request_draft_masks(const int32_t* drafts, int32_t n);
+  const uint32_t* wait(int32_t row = 0) const override;
   // Advances by a sampled token; false (see error()) when the grammar does not allow it.
   bool consume(int32_t token);
   // The grammar accepts what was consumed (an eos may end it here).
@@ -124,12 +132,16 @@ class GrammarMatcher : public TokenMask {
 
  private:
   friend class MaskWorker;
-  void compute();  // the worker's job: fills mask_
+  void compute();  // the worker's job: fills mask_, then the draft masks asked for
 
   std::shared_ptr<const CompiledGrammar> grammar_;
   MaskWorker* worker_;
   LlgMatcher* matcher_ = nullptr;
   std::vector<uint32_t> mask_;
+  bool mask_current_ = false;  // mask_ is the next token's (false once a token is consumed)
+  std::vector<int32_t> drafts_;  // the draft tokens whose masks the worker's job computes (then none)
+  std::vector<uint32_t> draft_masks_;  // [row - 1] the mask after drafts [0, row), each mask_.size() words
+  int32_t num_draft_masks_ = 0;
   bool pending_ = false;  // guarded by the worker's mutex
   bool failed_ = false;   // compute_mask failed (error() says why)
 };

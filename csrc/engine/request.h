@@ -125,6 +125,9 @@ struct Sequence {
   int32_t state_slot = -1;
   std::vector<int32_t> fork_state_slots;
   bool fork_states_copied = false;
+  // During a step that verifies j drafts: j slots where the step leaves the state as of each of its first j rows
+  // (the checkpoints a rejection rolls back to; Scheduler::settle_draft_states).
+  std::vector<int32_t> draft_state_slots;
   SamplingParams params;
   SeqState state = SeqState::kWaiting;
   int64_t arrival = 0;  // admission order (FCFS); preemption picks the largest

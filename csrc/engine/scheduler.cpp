@@ -12,6 +12,11 @@ Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks, StateP
   LMKIT_CHECK(config.max_prefill_token_num > 0, "max_prefill_token_num must be > 0");
   LMKIT_CHECK(config.attention_window_tokens >= 0, "attention_window_tokens must be >= 0 (0: no window), got ",
               config.attention_window_tokens);
+  LMKIT_CHECK(config.num_draft_state_slots == 0 ||
+                  (config.num_draft_state_slots > 0 && states != nullptr &&
+                   config.num_draft_state_slots < states->num_total_slots()),
+              "num_draft_state_slots (", config.num_draft_state_slots, ") must leave slots of the state pool (",
+              states ? states->num_total_slots() : 0, ") for sequences");
 }
 
 int32_t Scheduler::num_dead_blocks(const Sequence& seq) const {
@@ -57,9 +62,9 @@ std::string Scheduler::fit_error(const Sequence& seq) const {
   // for each holder); either bound holds, so the smaller does.
   if (config_.attention_window_tokens > 0)
     need = std::min<int64_t>(need, (1 + (int64_t)seq.num_forks) * max_live_blocks(seq));
-  if (has_state() && 1 + seq.num_forks > states_->num_total_slots())
+  if (has_state() && 1 + seq.num_forks > num_sequence_slots())
     return detail::concat("the request's ", 1 + seq.num_forks, " completions need as many recurrent-state slots, but "
-                          "the pool has ", states_->num_total_slots(), " (sized at start-up by max_batch_size and memory); lower n");
+                          "the pool has ", num_sequence_slots(), " (sized at start-up by max_batch_size and memory); lower n");
   if (need <= blocks_.num_total_blocks()) return "";
   const std::string window =
       config_.attention_window_tokens > 0
@@ -164,6 +169,17 @@ void Scheduler::release_state(Sequence* seq) {
   seq->state_slot = -1;
   seq->fork_state_slots.clear();
   seq->fork_states_copied = false;
+  settle_draft_states(seq, 0);
+}
+
+void Scheduler::settle_draft_states(Sequence* seq, int32_t num_kept) {
+  std::vector<int32_t>& drafts = seq->draft_state_slots;
+  // Row num_kept - 1 is the last that stands; the state as of it is checkpoint num_kept - 1, or the slot itself
+  // when every draft was kept (the slot holds the state as of the step's last row).
+  if (num_kept >= 1 && num_kept - 1 < (int32_t)drafts.size()) std::swap(seq->state_slot, drafts[num_kept - 1]);
+  for (int32_t slot : drafts) states_->release(slot);
+  num_held_draft_slots_ -= (int32_t)drafts.size();
+  drafts.clear();
 }
 
 bool Scheduler::wants_state_at_fork_position(const Sequence& seq) const {
@@ -176,7 +192,7 @@ int32_t Scheduler::cap_at_fork_position(const Sequence& seq, int32_t chunk) cons
 }
 
 int32_t Scheduler::take_slot() {
-  if (states_->num_free_slots() == 0) {
+  if (num_free_sequence_slots() == 0) {
     LMKIT_CHECK(!snapshots_.empty(), "no state slot to take");
     auto lru = snapshots_.begin();
     for (auto it = snapshots_.begin(); it != snapshots_.end(); ++it)
@@ -353,6 +369,7 @@ void Scheduler::advance(const ScheduledSeq& s, int32_t num_kept) {
   seq->num_computed_tokens += num_kept;
   LMKIT_CHECK(seq->num_computed_tokens <= seq->num_tokens(), "sequence ", seq->id, " computed ",
               seq->num_computed_tokens, " of ", seq->num_tokens(), " tokens");
+  if (!seq->draft_state_slots.empty()) settle_draft_states(seq, num_kept);
   if (s.num_draft_tokens > 0) {  // the rejected drafts' blocks past the last token (never keyed, never shared)
     const int32_t keep = blocks_.num_blocks_for(seq->num_tokens());
     if ((int32_t)seq->block_table.size() > keep) {
@@ -399,9 +416,11 @@ bool Scheduler::reserve(Sequence* seq, int32_t num_tokens, const BatchPlan& plan
 
 int32_t Scheduler::reserve_drafts(Sequence* seq, int32_t budget) {
   // Drafts stay within the tokens the sequence may still generate (when all are kept the last row's sample is
-  // past the limit and dropped), the budget, and the blocks free now: they never preempt.
+  // past the limit and dropped), the budget, and the blocks (and, with recurrent state, checkpoint slots) free
+  // now: they never preempt.
   const int32_t room = seq->max_total_tokens - seq->num_tokens();
   int32_t drafts = std::min({(int32_t)seq->draft_tokens.size(), std::max(budget, 0), std::max(room, 0)});
+  if (has_state()) drafts = std::min(drafts, config_.num_draft_state_slots - num_held_draft_slots_);
   if (drafts <= 0) return 0;
   const int32_t bs = blocks_.block_size_tokens();
   const int32_t need = blocks_.num_blocks_for(seq->num_tokens() + drafts) - (int32_t)seq->block_table.size();
@@ -410,6 +429,11 @@ int32_t Scheduler::reserve_drafts(Sequence* seq, int32_t budget) {
     if (drafts <= 0) return 0;
   } else if (need > 0) {
     blocks_.allocate(need, seq->block_table);
+  }
+  if (has_state()) {  // from the slots kept for checkpoints: free, whatever sequences and snapshots hold
+    LMKIT_CHECK(seq->draft_state_slots.empty(), "sequence ", seq->id, " holds draft checkpoints from a past step");
+    for (int32_t j = 0; j < drafts; ++j) seq->draft_state_slots.push_back(states_->allocate());
+    num_held_draft_slots_ += drafts;
   }
   return drafts;
 }
@@ -562,6 +586,7 @@ void Scheduler::verify() const {
   if (states_ != nullptr) {
     states_->verify();
     std::vector<int32_t> holders(states_->num_total_slots(), 0);
+    int32_t held_drafts = 0;
     for (const auto& kv : seqs_) {
       const Sequence& s = *kv.second;
       const bool running = s.state == SeqState::kRunning;
@@ -571,7 +596,13 @@ void Scheduler::verify() const {
                   " reserved ", s.fork_state_slots.size(), " state slots for ", s.num_forks, " completions");
       if (s.state_slot >= 0) ++holders.at(s.state_slot);
       for (int32_t slot : s.fork_state_slots) ++holders.at(slot);
+      for (int32_t slot : s.draft_state_slots) ++holders.at(slot);
+      held_drafts += (int32_t)s.draft_state_slots.size();
     }
+    LMKIT_CHECK(held_drafts == num_held_draft_slots_ && held_drafts <= config_.num_draft_state_slots &&
+                    num_free_sequence_slots() >= 0,
+                held_drafts, " draft checkpoints held, ", num_held_draft_slots_, " counted, ",
+                config_.num_draft_state_slots, " kept for them, ", states_->num_free_slots(), " slots free");
     for (const auto& kv : snapshots_) ++holders.at(kv.second.slot);
     for (int32_t i = 0; i < states_->num_total_slots(); ++i)
       LMKIT_CHECK(holders[i] == (states_->is_held(i) ? 1 : 0), "state slot ", i, " has ", holders[i],

@@ -37,6 +37,10 @@
 // stops there and the next step copies the state out first. A prefix hit takes the longest cached prefix that has
 // a snapshot (at most the blocks it found) and starts from a copy of it. Snapshots are a cache: the least
 // recently used one gives its slot up whenever a sequence needs one and none is free.
+// Speculative decoding: a decode with k draft rows also takes k checkpoint slots (from the num_draft_state_slots
+// kept for them; fewer drafts when fewer are free), where the step leaves the state as of each of its first k rows
+// (Sequence::draft_state_slots). advance() keeps the one as of the last row that stands: it becomes the sequence's
+// slot (no copy), and the others, the old slot among them when a draft was rejected, go back.
 #pragma once
 #include <stdint.h>
 
@@ -74,6 +78,10 @@ struct SchedulerConfig {
   // p - k < attention_window_tokens), so blocks behind the window are freed early; 0: no window (the model
   // has a layer of full attention).
   int32_t attention_window_tokens = 0;
+  // Of the state pool's slots, those kept for speculative decoding's checkpoints (a model with recurrent layers):
+  // a decode's j-th draft row needs one for the state as of it, held during the step only; sequences and snapshots
+  // never take them.
+  int32_t num_draft_state_slots = 0;
 };
 
 // One sequence's share of a step: tokens[start_pos, start_pos + num_tokens) are fed.
@@ -211,8 +219,11 @@ class Scheduler {
   bool match_tier(Sequence* seq, int32_t max_blocks);
   // Releases seq's blocks behind the window (entries [first live, num_dead_blocks)) into holes.
   void release_dead_blocks(Sequence* seq);
-  // Gives back seq's state slot and its completions' reserved ones.
+  // Gives back seq's state slot, its completions' reserved ones and its draft checkpoints.
   void release_state(Sequence* seq);
+  // After a verification of which the first num_kept rows stand: the checkpoint as of the last of them becomes
+  // seq's state slot (when a draft was rejected); the other slots go back.
+  void settle_draft_states(Sequence* seq, int32_t num_kept);
   // A stateful sequence's chunk stops at its fork position when completions or a snapshot want the state there;
   // the step that starts from there copies the state into their slots first.
   bool wants_state_at_fork_position(const Sequence& seq) const;
@@ -222,7 +233,13 @@ class Scheduler {
   int32_t max_live_hit_blocks() const;
   // A free state slot, taking the least recently used snapshot's when none is free. Requires can_take_slots(1).
   int32_t take_slot();
-  bool can_take_slots(int32_t n) const { return n <= states_->num_free_slots() + (int32_t)snapshots_.size(); }
+  bool can_take_slots(int32_t n) const { return n <= num_free_sequence_slots() + (int32_t)snapshots_.size(); }
+  // Free slots less those kept for draft checkpoints (never negative: drafts take only the slots kept for them).
+  int32_t num_free_sequence_slots() const {
+    return states_->num_free_slots() - (config_.num_draft_state_slots - num_held_draft_slots_);
+  }
+  // Slots for sequences and snapshots: the pool less those kept for draft checkpoints.
+  int32_t num_sequence_slots() const { return states_->num_total_slots() - config_.num_draft_state_slots; }
   // A stateful sequence's prefix hit: takes the blocks of the longest cached prefix that has a snapshot and
   // returns the snapshot's slot (-1: no hit).
   int32_t match_prefix_with_state(Sequence* seq);
@@ -250,6 +267,7 @@ class Scheduler {
   };
   std::unordered_map<uint64_t, Snapshot> snapshots_;
   uint64_t snapshot_tick_ = 0;
+  int32_t num_held_draft_slots_ = 0;  // draft checkpoints held (during a step only)
 };
 
 }  // namespace lmkit

@@ -320,13 +320,19 @@ struct RecurrentSeq {
   int32_t num_rows = 0;
   float* conv_state = nullptr;  // [conv_kernel - 1, channels]: the inputs of the rows before first_row, oldest first
   float* state = nullptr;       // [num_v_heads, k_head_dim, v_head_dim]: each value head's delta-rule matrix S
+  // Checkpoints (speculative decoding's rollback): the state as of the end of row t, for t < num_checkpoints, is
+  // also written to conv_checkpoints[t] (the window, laid out as conv_state) and state_checkpoints[t] (as state),
+  // bit for bit what a call ending at row t leaves in conv_state / state. num_checkpoints <= num_rows.
+  int32_t num_checkpoints = 0;
+  float* const* conv_checkpoints = nullptr;
+  float* const* state_checkpoints = nullptr;
 };
 
 // Causal depthwise convolution and SiLU, per sequence, in place:
 //   x[t, c] <- silu(sum_j w[j, c] * in[t - K + 1 + j, c])
 // where in[t'] is the input row t' of the sequence, and conv_state's rows before its first row; conv_state then
-// holds the sequence's last K - 1 inputs. x: rows of row_stride floats, channels [0, channels) of each;
-// w: [K, channels] (tap-major); K in [1, 8].
+// holds the sequence's last K - 1 inputs (and conv_checkpoints[t] its K - 1 inputs up to row t). x: rows of
+// row_stride floats, channels [0, channels) of each; w: [K, channels] (tap-major); K in [1, 8].
 void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* w, int K, const RecurrentSeq* seqs,
                    int32_t num_seqs);
 
@@ -335,7 +341,7 @@ void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* 
 //   S <- exp(g[t, h]) S;   u = beta[t, h] (v[t, h] - S^T k);   S <- S + k u^T;   out[t, h] = S^T q
 // q, k: Hk heads of Dk floats at q + t * qkv_stride, k + t * qkv_stride; v: Hv heads of Dv at v + t * qkv_stride;
 // g, beta: [rows, Hv]; out: Hv heads of Dv at out + t * out_stride. S: [Hv, Dk, Dv] (RecurrentSeq::state), in
-// place. Dk, Dv <= 512. Value head h reads key head h / (Hv / Hk) (grouped, as HF stores them), or h % Hk when
+// place; S after row t also in state_checkpoints[t] (t < num_checkpoints). Dk, Dv <= 512. Value head h reads key head h / (Hv / Hk) (grouped, as HF stores them), or h % Hk when
 // value_heads_tiled (llama.cpp's GGUF order: every value-indexed tensor permuted so that heads repeat as a tile).
 void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qkv_stride, const float* g,
                       const float* beta, const RecurrentSeq* seqs, int32_t num_seqs, int num_k_heads, int num_v_heads,

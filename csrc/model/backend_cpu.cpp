@@ -275,10 +275,21 @@ class CpuBackend final : public Backend {
                   "state copy ", c.src, " -> ", c.dst, " outside the pool of ", num_state_slots_, " slots");
       std::memcpy(state_pool_ + c.dst * slot_floats, state_pool_ + c.src * slot_floats, slot_floats * sizeof(float));
     }
+    LMKIT_CHECK(slot_floats > 0 || batch.state_checkpoints.empty(), "state checkpoints for a model without "
+                "recurrent layers");
     for (const BatchSeq& s : batch.seqs) {
       if (slot_floats == 0) break;
       LMKIT_CHECK(s.state_slot >= 0 && s.state_slot < num_state_slots_, "a sequence of a model with recurrent "
                   "layers has state slot ", s.state_slot, " (", num_state_slots_, " in the pool)");
+      LMKIT_CHECK(s.num_checkpoints >= 0 && s.num_checkpoints < s.num_rows && s.checkpoint_offset >= 0 &&
+                      s.checkpoint_offset + s.num_checkpoints <= (int64_t)batch.state_checkpoints.size(),
+                  "a sequence of ", s.num_rows, " rows has checkpoints [", s.checkpoint_offset, ", +",
+                  s.num_checkpoints, ") of ", batch.state_checkpoints.size());
+      for (int32_t t = 0; t < s.num_checkpoints; ++t) {
+        const int32_t c = batch.state_checkpoints[s.checkpoint_offset + t];
+        LMKIT_CHECK(c >= 0 && c < num_state_slots_ && c != s.state_slot, "checkpoint slot ", c, " (the sequence's: ",
+                    s.state_slot, ", ", num_state_slots_, " in the pool)");
+      }
       if (s.ctx_len == s.num_rows) std::memset(state_pool_ + s.state_slot * slot_floats, 0, slot_floats * sizeof(float));
     }
     attn_seqs_.clear();
@@ -393,10 +404,23 @@ class CpuBackend final : public Backend {
     const int64_t P = r.proj_dim(), KD = r.key_dim(), VD = r.value_dim(), C = r.conv_dim(), Hv = r.num_v_heads;
     const int64_t slot_floats = state_layer_offset_.back(), layer_offset = state_layer_offset_[r.index];
     float* x = f32(proj);
+    const int64_t conv_floats = (int64_t)(r.conv_kernel - 1) * C;
     recurrent_seqs_.clear();
+    // this layer's part of each checkpoint slot (pointers into a vector sized first: it does not move)
+    checkpoint_ptrs_.resize(2 * batch_->state_checkpoints.size());
+    float** conv_ptrs = checkpoint_ptrs_.data();
+    float** state_ptrs = conv_ptrs + batch_->state_checkpoints.size();
+    for (size_t i = 0; i < batch_->state_checkpoints.size(); ++i) {
+      conv_ptrs[i] = state_pool_ + batch_->state_checkpoints[i] * slot_floats + layer_offset;
+      state_ptrs[i] = conv_ptrs[i] + conv_floats;
+    }
     for (const BatchSeq& s : batch_->seqs) {
       float* slot = state_pool_ + s.state_slot * slot_floats + layer_offset;
-      recurrent_seqs_.push_back({s.first_row, s.num_rows, slot, slot + (int64_t)(r.conv_kernel - 1) * C});
+      ops::RecurrentSeq rs{s.first_row, s.num_rows, slot, slot + conv_floats};
+      rs.num_checkpoints = s.num_checkpoints;
+      rs.conv_checkpoints = conv_ptrs + s.checkpoint_offset;
+      rs.state_checkpoints = state_ptrs + s.checkpoint_offset;
+      recurrent_seqs_.push_back(rs);
     }
     const int32_t n = (int32_t)recurrent_seqs_.size();
     ops::causal_conv1d(x, P, C, f32(r.conv_weight->data.get()), r.conv_kernel, recurrent_seqs_.data(), n);
@@ -557,7 +581,7 @@ class CpuBackend final : public Backend {
       std::mt19937_64 rng(s.seed);
       ops::SampleLogprobs lp;
       out.tokens[k] = ops::sample(row_.data(), (int32_t)vocab, *s.params, s.history, s.num_history, s.num_prompt,
-                                  s.banned.data(), (int32_t)s.banned.size(), s.mask ? s.mask->wait() : nullptr,
+                                  s.banned.data(), (int32_t)s.banned.size(), s.mask ? s.mask->wait(s.mask_row) : nullptr,
                                   rng, s.params->logprobs >= 0 ? &lp : nullptr);
       if (s.params->logprobs >= 0) {
         out.logprobs[k].logprob = lp.logprob;
@@ -647,6 +671,7 @@ class CpuBackend final : public Backend {
   int64_t state_pool_bytes_ = 0;
   int32_t num_state_slots_ = 0;
   std::vector<ops::RecurrentSeq> recurrent_seqs_;
+  std::vector<float*> checkpoint_ptrs_;  // a recurrent layer's part of each checkpoint slot: conv, then state
   std::vector<float> gates_;
 };
 

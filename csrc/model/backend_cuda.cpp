@@ -670,7 +670,7 @@ void CudaBackend::take_logits(const Batch& batch, int64_t first, int64_t n, cons
       ops::SampleLogprobs lp;
       out.tokens[k] = ops::sample(host_logits_.data() + (s.logit_index - first) * vocab, (int32_t)vocab, *s.params,
                                   s.history, s.num_history, s.num_prompt, s.banned.data(), (int32_t)s.banned.size(),
-                                  s.mask ? s.mask->wait() : nullptr, rng, &lp);
+                                  s.mask ? s.mask->wait(s.mask_row) : nullptr, rng, &lp);
       out.logprobs[k].logprob = lp.logprob;
       out.logprobs[k].top_ids = std::move(lp.top_ids);
       out.logprobs[k].top_logprobs = std::move(lp.top_logprobs);

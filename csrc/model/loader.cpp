@@ -93,13 +93,15 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   LMKIT_CHECK_ARG(state_bytes > 0 ? sizes.num_state_slots >= 1 : sizes.num_state_slots == 0, "the pool sizer gave ",
                   sizes.num_state_slots, " state slots for a model with ", state_bytes, " bytes of state per slot");
   options.num_blocks = sizes.num_blocks;
-  options.num_state_slots = sizes.num_state_slots;
+  LMKIT_CHECK_ARG(sizes.num_draft_state_slots >= 0 && (sizes.num_draft_state_slots == 0 ||
+                                                        (state_bytes > 0 && config.speculative.enabled)),
+                  "the pool sizer gave ", sizes.num_draft_state_slots, " draft checkpoint slots (they need speculative "
+                  "decoding and a model with recurrent layers)");
+  options.num_state_slots = sizes.num_state_slots + sizes.num_draft_state_slots;
+  options.num_draft_state_slots = sizes.num_draft_state_slots;
   options.speculative = config.speculative;
   LMKIT_CHECK_ARG(!config.speculative.enabled || !is_cuda, "speculative decoding runs on the CPU backend; the CUDA "
                   "backend does not verify draft tokens yet: use speculative='off' with device='cuda'");
-  LMKIT_CHECK_ARG(!config.speculative.enabled || state_bytes == 0, "speculative decoding does not run models with "
-                  "recurrent layers yet (", model.architecture, ": their state would need rolling back): use "
-                  "speculative='off'");
   return std::make_unique<Engine>(options, std::move(executor));
 }
 

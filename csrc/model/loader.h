@@ -15,7 +15,8 @@ namespace lmkit {
 // The two per-sequence pools: KV blocks, and recurrent-state slots (0 for a model without recurrent layers).
 struct PoolSizes {
   int32_t num_blocks = 0;
-  int32_t num_state_slots = 0;
+  int32_t num_state_slots = 0;  // for sequences and prefix-cache snapshots
+  int32_t num_draft_state_slots = 0;  // besides those, for speculative decoding's checkpoints
 };
 
 // Decides both pools once the weights are packed, from what only the C++ side knows: the bytes of one KV block

@@ -124,6 +124,18 @@ TEST(batch_draft_rows_are_sampled_with_the_drafts_before_them) {
     EXPECT_EQ(r.seed, a.sample_seed(1 + j));  // the row draws generated token 1 + j
     EXPECT_EQ(r.banned.size(), j == 0 ? 1u : 0u);  // eos banned until 2 tokens are generated
   }
+  EXPECT_EQ(batch.seqs[0].num_checkpoints, 0);  // no recurrent state: no checkpoints
+  EXPECT(batch.state_checkpoints.empty());
+  // with recurrent state: a checkpoint slot per draft row, the state as of rows 0 and 1
+  a.state_slot = 4;
+  a.draft_state_slots = {7, 2};
+  batch = build_batch(plan, 4, StopRules({0}));
+  EXPECT_EQ(batch.seqs[0].num_checkpoints, 2);
+  EXPECT_EQ(batch.seqs[0].checkpoint_offset, 0);
+  EXPECT_EQ(batch.state_checkpoints, (Ids{7, 2}));
+  a.draft_state_slots = {7};  // a checkpoint short is a bug
+  EXPECT_THROWS(build_batch(plan, 4, StopRules({0})));
+  a.draft_state_slots.clear();
   // drafts that do not follow the last token are a bug
   plan.seqs[0] = ScheduledSeq{&a, 2, 3, true, 2};
   EXPECT_THROWS(build_batch(plan, 4, StopRules({0})));

@@ -1846,6 +1846,93 @@ void test_recurrent() {
          "causal_conv1d rejects a kernel of 9 taps");
 }
 
+// Checkpoints (speculative decoding's rollback): the state after each checkpointed row, written during a call over
+// many rows, is bit for bit what a call over the rows up to it leaves (so a rolled-back sequence continues as if the
+// rejected rows never ran), and within 1e-4 of the double reference's checkpoints; the call's outputs and final
+// state do not change. Checkpoint buffers start NaN-poisoned.
+void test_recurrent_checkpoints() {
+  struct Shape { int Hk, Hv, Dk, Dv, K; };
+  for (const Shape sh : {Shape{2, 4, 20, 24, 4}, Shape{1, 2, 128, 128, 4}, Shape{3, 3, 7, 33, 1}}) {
+    const std::vector<int32_t> lens = {1, 9, 33}, checkpoints = {1, 8, 3};
+    int32_t rows = 0;
+    for (int32_t n : lens) rows += n;
+    const int64_t key = (int64_t)sh.Hk * sh.Dk, value = (int64_t)sh.Hv * sh.Dv, conv = 2 * key + value;
+    const int64_t stride = conv + 3, conv_n = (int64_t)(sh.K - 1) * conv, state_n = value * sh.Dk;
+    const std::string name = " Hk " + std::to_string(sh.Hk) + " Hv " + std::to_string(sh.Hv) + " Dk " +
+                             std::to_string(sh.Dk) + " Dv " + std::to_string(sh.Dv) + " K " + std::to_string(sh.K);
+    const std::vector<float> x0 = randn(rows * stride), w = randn(sh.K * conv, 0.5f);
+    std::vector<float> g(rows * sh.Hv), beta(rows * sh.Hv);
+    std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+    for (int64_t i = 0; i < (int64_t)g.size(); ++i) g[i] = std::log(0.05f + 0.9f * unit(g_rng)), beta[i] = unit(g_rng);
+    const std::vector<float> cs0 = randn(lens.size() * conv_n), st0 = randn(lens.size() * state_n, 0.3f);
+    std::vector<int32_t> first(lens.size());
+    for (size_t i = 1; i < lens.size(); ++i) first[i] = first[i - 1] + lens[i - 1];
+
+    // One call over every row, with checkpoints (kernel, and the double reference), and without.
+    struct Run {
+      std::vector<float> x, cs, st, out, cc, sc;  // cc / sc: the checkpoints, [seq][t] at (offset + t) * n
+      std::vector<float*> cp, sp;
+    };
+    int32_t total = 0;
+    for (int32_t c : checkpoints) total += c;
+    auto run = [&](bool reference, bool with_checkpoints) {
+      Run r{x0, cs0, st0, std::vector<float>(rows * value, NAN), std::vector<float>(std::max<int64_t>(total * conv_n, 1), NAN),
+            std::vector<float>(total * state_n, NAN), {}, {}};
+      std::vector<ops::RecurrentSeq> seqs(lens.size());
+      for (int32_t t = 0; t < total; ++t) r.cp.push_back(r.cc.data() + t * conv_n), r.sp.push_back(r.sc.data() + t * state_n);
+      int32_t offset = 0;
+      for (size_t i = 0; i < lens.size(); ++i) {
+        seqs[i] = {first[i], lens[i], r.cs.data() + i * conv_n, r.st.data() + i * state_n};
+        if (with_checkpoints)
+          seqs[i].num_checkpoints = checkpoints[i], seqs[i].conv_checkpoints = r.cp.data() + offset,
+          seqs[i].state_checkpoints = r.sp.data() + offset;
+        offset += checkpoints[i];
+      }
+      float* x = r.x.data();
+      if (reference) {
+        ops::reference::causal_conv1d(x, stride, conv, w.data(), sh.K, seqs.data(), (int32_t)seqs.size());
+        ops::reference::gated_delta_rule(x, x + key, x + 2 * key, stride, g.data(), beta.data(), seqs.data(),
+                                         (int32_t)seqs.size(), sh.Hk, sh.Hv, sh.Dk, sh.Dv, r.out.data(), value, false);
+      } else {
+        ops::causal_conv1d(x, stride, conv, w.data(), sh.K, seqs.data(), (int32_t)seqs.size());
+        ops::gated_delta_rule(x, x + key, x + 2 * key, stride, g.data(), beta.data(), seqs.data(), (int32_t)seqs.size(),
+                              sh.Hk, sh.Hv, sh.Dk, sh.Dv, r.out.data(), value, false);
+      }
+      return r;
+    };
+    const Run ck = run(false, true), plain = run(false, false), ref = run(true, true);
+    expect(std::memcmp(ck.out.data(), plain.out.data(), ck.out.size() * 4) == 0 &&
+               std::memcmp(ck.st.data(), plain.st.data(), ck.st.size() * 4) == 0 &&
+               std::memcmp(ck.cs.data(), plain.cs.data(), ck.cs.size() * 4) == 0,
+           "recurrent checkpoints leave the outputs and final state as they were" + name);
+    expect_close(ck.sc, ref.sc, "gated_delta_rule checkpoints vs the reference" + name, 1e-4);
+    if (sh.K > 1) expect_close(ck.cc, ref.cc, "causal_conv1d checkpoints vs the reference" + name, 1e-6);
+
+    // Each checkpoint against a call over its sequence's rows up to it, alone.
+    int32_t offset = 0, exact = 0;
+    for (size_t i = 0; i < lens.size(); ++i) {
+      for (int32_t t = 0; t < checkpoints[i]; ++t) {
+        std::vector<float> x = x0, cs(cs0.begin() + i * conv_n, cs0.begin() + (i + 1) * conv_n),
+                           st(st0.begin() + i * state_n, st0.begin() + (i + 1) * state_n), out(rows * value);
+        ops::RecurrentSeq one{first[i], t + 1, cs.data(), st.data()};
+        ops::causal_conv1d(x.data(), stride, conv, w.data(), sh.K, &one, 1);
+        ops::gated_delta_rule(x.data(), x.data() + key, x.data() + 2 * key, stride, g.data(), beta.data(), &one, 1,
+                              sh.Hk, sh.Hv, sh.Dk, sh.Dv, out.data(), value, false);
+        const bool same = std::memcmp(st.data(), ck.sc.data() + (offset + t) * state_n, state_n * 4) == 0 &&
+                          (conv_n == 0 || std::memcmp(cs.data(), ck.cc.data() + (offset + t) * conv_n, conv_n * 4) == 0);
+        exact += same ? 1 : 0;
+      }
+      offset += checkpoints[i];
+    }
+    expect(exact == total, "recurrent checkpoints: " + std::to_string(exact) + " of " + std::to_string(total) +
+                               " bit for bit the state of a call ending there" + name);
+  }
+  ops::RecurrentSeq too_many{0, 2, nullptr, nullptr};
+  too_many.num_checkpoints = 3;
+  expect(throws([&] { ops::causal_conv1d(nullptr, 4, 4, nullptr, 1, &too_many, 1); }),
+         "causal_conv1d rejects more checkpoints than rows");
+}
+
 // ctest can run the ISAs side by side as separate tests.
 // Batch invariance, which speculative decoding's exactness rests on (a draft row must score as its decode step
 // would): a row of x gives the same bits alone and in a call of any height, at any place in it, for every linear
@@ -2000,6 +2087,7 @@ int main(int argc, char** argv) {
       test_gelu_tanh_mul();
       test_clamped_swiglu_mul();
       test_recurrent();
+      test_recurrent_checkpoints();
       test_softcap_scale();
       test_log_sum_exp();
       test_attention(threads);

@@ -901,6 +901,68 @@ TEST(state_slots_gate_admission_and_every_exit_gives_them_back) {
   EXPECT(sched.fit_error(*wide).find("state slots") != std::string::npos);
 }
 
+// Speculative decoding on a model with recurrent state: a decode's drafts take checkpoint slots from those kept for
+// them (never from the sequences' share, and fewer drafts when fewer are free); after a verification the checkpoint
+// of the last row kept becomes the sequence's slot and every other slot goes back; an exit mid-step frees them too.
+TEST(draft_checkpoints_come_from_their_own_slots_and_the_kept_one_becomes_the_state) {
+  BlockManager bm(32, 4);
+  StatePool states(5);
+  Scheduler sched({8, 100, 1000, false, 0, 2}, bm, &states);  // 3 slots for sequences, 2 for checkpoints
+  g_sched = &sched;
+  for (int64_t id = 1; id <= 4; ++id) sched.add(make_seq(id, 5, 20));
+  BatchPlan plan = sched.schedule();
+  EXPECT_EQ(plan.seqs.size(), 3u);  // the fourth waits: the kept slots are not for sequences
+  EXPECT_EQ(states.num_free_slots(), 2);
+  advance(plan);
+  Sequence* a = plan.seqs[0].seq;
+  Sequence* b = plan.seqs[1].seq;
+  a->draft_tokens = {3, 4, 5};
+  b->draft_tokens = {6, 7};
+  plan = sched.schedule();
+  EXPECT_EQ(plan.seqs[0].num_draft_tokens, 2);  // as many as checkpoint slots are free
+  EXPECT_EQ(plan.seqs[1].num_draft_tokens, 0);
+  EXPECT_EQ(a->draft_state_slots.size(), 2u);
+  EXPECT_EQ(states.num_free_slots(), 0);
+  sched.verify();
+  const int32_t slot = a->state_slot, second = a->draft_state_slots[1];
+  // rows 0 and 1 stand (draft 3 kept, draft 4 rejected): the state as of row 1 is the second checkpoint
+  a->tokens.push_back(3);
+  a->tokens.push_back(9);
+  sched.advance(plan.seqs[0], 2);
+  for (size_t i = 1; i < plan.seqs.size(); ++i) {
+    sched.advance(plan.seqs[i]);
+    plan.seqs[i].seq->tokens.push_back(2);
+  }
+  EXPECT_EQ(a->state_slot, second);
+  EXPECT(a->draft_state_slots.empty());
+  EXPECT(!states.is_held(slot));
+  EXPECT_EQ(states.num_free_slots(), 2);
+  sched.verify();
+  // every draft kept: the slot holds the state as of the last row already
+  a->draft_tokens = {9, 9};
+  plan = sched.schedule();
+  EXPECT_EQ(plan.seqs[0].num_draft_tokens, 2);
+  a->tokens.insert(a->tokens.end(), {9, 9, 1});
+  sched.advance(plan.seqs[0], 3);
+  EXPECT_EQ(a->state_slot, second);
+  EXPECT_EQ(states.num_free_slots(), 2);
+  for (size_t i = 1; i < plan.seqs.size(); ++i) {
+    sched.advance(plan.seqs[i]);
+    plan.seqs[i].seq->tokens.push_back(2);
+  }
+  // a sequence that ends mid-step gives its checkpoints back with its slot
+  a->draft_tokens.clear();
+  b->draft_tokens = {1, 1};
+  plan = sched.schedule();
+  EXPECT_EQ(b->draft_state_slots.size(), 2u);
+  sched.remove(b->id);
+  EXPECT_EQ(states.num_free_slots(), 3);
+  sched.verify();
+  for (int64_t id : sched.ids()) sched.remove(id);
+  EXPECT_EQ(states.num_free_slots(), 5);
+  sched.verify();
+}
+
 TEST(stateful_fork_stops_at_the_fork_position_and_copies_the_state) {
   BlockManager bm(16, 4);
   StatePool states(4);

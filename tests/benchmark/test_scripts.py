@@ -197,6 +197,15 @@ def test_speculative_benchmark_smoke(smollm2_path):
     assert "prompts token for token the same" in out and "accepted {" in out, out
 
 
+def test_hybrid_speculative_benchmark_smoke(tmp_path):
+    """bench_speculative_hybrid.py --smoke: a tiny Qwen3.5 hybrid with drafts all kept, partly rejected (rolled back)
+    and adaptively refused: every row's tokens are speculation off's (the script exits 1 otherwise)."""
+    run = _run_script("bench_speculative_hybrid.py", "--smoke", "--folder", str(tmp_path / "model"), "--threads", "1")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    for row in ("| off |", "| all kept |", "| every 4th wrong |", "| wrong, adaptive |"):
+        assert row in run.stdout and run.stdout.split(row)[1].split("\n")[0].endswith("| yes |"), run.stdout
+
+
 def test_peers_benchmark_names_an_unknown_gguf_type():
     run = _run_script("bench_peers.py", "--gguf", "q4_0,q5_x", "--smoke")
     assert run.returncode == 2 and "unknown type(s) q5_x" in run.stderr and "q4_k_m" in run.stderr, run.stderr

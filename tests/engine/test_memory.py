@@ -308,7 +308,7 @@ def test_cuda_pool_is_a_share_of_free_gpu_memory_capped_by_the_batch():
                                                 r"room for one KV block of 1000 B"):
         memory.plan_cuda_kv_pool(config(cache_max_entry_count=0.5), per_block, SESSION, 1_999)
     sizer = memory.CudaPoolSizer(config(cache_max_entry_count=0.5))
-    assert sizer(per_block, 0, 123, SESSION, 20_999) == (10, 0)  # what the engine calls: the weights play no part
+    assert sizer(per_block, 0, 123, SESSION, 20_999) == (10, 0, 0)  # what the engine calls: the weights play no part
 
 
 def test_state_slots_take_at_most_a_share_of_what_is_left():
@@ -326,6 +326,20 @@ def test_state_slots_take_at_most_a_share_of_what_is_left():
         memory.plan_state_slots(config(), 1000, int(999 / share))
     with pytest.raises(MemoryBudgetError):
         memory.plan_state_slots(config(), 1000, -5)
+
+
+def test_speculation_adds_checkpoint_slots_within_the_share():
+    """A speculating engine's state pool also keeps DRAFT_STATE_SEQUENCES x num_speculative_tokens slots for the
+    state as of each draft row, counted in its bytes, after the sequences' slots within the same share."""
+    share = memory.STATE_POOL_SHARE
+    wanted = memory.DRAFT_STATE_SEQUENCES * 3
+    pool = memory.plan_state_slots(config(num_speculative_tokens=3), 1000, 10**9, speculative=True)
+    assert (pool.num_slots, pool.num_draft_slots, pool.bytes) == (4, wanted, (4 + wanted) * 1000)
+    assert f"{4 + wanted} slots" in pool.describe() and f"{wanted} of them ({wanted} wanted)" in pool.describe()
+    pool = memory.plan_state_slots(config(num_speculative_tokens=3), 1000, int(5999 / share), speculative=True)
+    assert (pool.num_slots, pool.num_draft_slots) == (4, 1)
+    assert memory.plan_state_slots(config(num_speculative_tokens=3), 1000, 10**9).num_draft_slots == 0
+    assert memory.plan_state_slots(config(), 0, 10**9, speculative=True).bytes == 0
 
 
 IDLE_RELEASE = textwrap.dedent("""

@@ -13,7 +13,7 @@ import pytest
 from lmkit import EngineConfig, GenerationConfig, StructuredOutput, pipeline
 from lmkit._ext import _engine
 from tests.factories import build_case
-from tests.helpers import (assert_blocks_free, assert_draws_follow, reference_distribution,
+from tests.helpers import (assert_blocks_free, assert_draws_follow, hf_greedy, reference_distribution,
                            run_with_random_cancellations)
 
 BASE = dict(device="cpu", dtype="float32", cache_max_entry_count=96, cache_block_seq_len=16, max_batch_size=8)
@@ -137,14 +137,77 @@ def test_suffix_proposes_earlier_answers(tiny_llama):
         assert pipe.engine.metrics().num_draft_tokens["suffix"] == 0
 
 
-def test_hybrid_models_refuse_ngram_by_name(tmp_path):
+HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+
+
+@pytest.mark.parametrize("case", HYBRIDS)
+def test_hybrid_models_roll_their_state_back(tmp_path, capfd, case):
+    """Gated DeltaNet hybrids: a rejected draft's row ran through the recurrent layers, and the sequence goes on from
+    the checkpoint of its last row kept. Greedy tokens are HF's (transformers fp32) with a prediction right in runs
+    of 4 and wrong between them (drafts kept and rejected at every offset, four sequences in a step), and with
+    the adaptive rule (its step timings run on a state slot and checkpoints); the pool has a checkpoint slot per
+    draft of two sequences, and every slot is free after."""
+    ref = build_case(case, tmp_path)
+    rng = np.random.default_rng(62)
+    prompts = periodic_prompts(rng, 4)
+    expected = [hf_greedy(ref, p, 32, None) for p in prompts]
+    predicted = [GenerationConfig(max_new_tokens=32, ignore_eos=True, prediction=corrupted(e, 5, rng))
+                 for e in expected]
+    got, m = generate(tmp_path, EngineConfig(**BASE, **FIXED, speculative="ngram", num_speculative_tokens=6), prompts,
+                      predicted)
+    assert got == expected
+    accepted, proposed = m.num_accepted_draft_tokens["prediction"], m.num_draft_tokens["prediction"]
+    assert 0 < accepted < proposed, (accepted, proposed)
+    assert m.num_total_state_slots == BASE["max_batch_size"] + 2 * 6 == m.num_free_state_slots
+    got, m = generate(tmp_path, EngineConfig(**BASE, speculative="ngram"), prompts, predicted)
+    assert got == expected
+    assert "timing steps for speculative decoding failed" not in capfd.readouterr().err
+
+
+def test_hybrid_drafts_with_chunked_prefill_prefix_hits_preemption_and_n(tmp_path):
+    """A hybrid in a pool too small for all requests (preemption recomputes the state), prefix caching (the same
+    prompts twice: the second round's hits start from snapshots, beside the checkpoint slots), prompts longer than
+    the step budget, n = 3 seeded completions, penalties and logprobs: the tokens of speculation off, drafts kept
+    and rejected."""
     build_case("qwen3_5", tmp_path)
-    for mode in ("ngram", "suffix"):
-        with pytest.raises(ValueError, match="recurrent layers"):
-            pipeline(tmp_path, EngineConfig(**BASE, speculative=mode))
-    with pipeline(tmp_path, EngineConfig(**BASE)) as pipe:
-        assert not pipe.engine.speculative
-        pipe([1, 2, 3], GenerationConfig(max_new_tokens=4))
+    rng = np.random.default_rng(63)
+    doc = (rng.integers(0, 256, size=7).tolist() * 10)[:48]
+    prompts = [doc + p for p in periodic_prompts(rng, 6)]
+    base = dict(BASE, cache_max_entry_count=20, max_prefill_token_num=24, max_batch_size=6, enable_prefix_caching=True)
+
+    def run(spec: str, gens):
+        with pipeline(tmp_path, EngineConfig(**base, **(FIXED if spec != "off" else {}), speculative=spec)) as pipe:
+            out = submit_all(pipe.engine, prompts, gens)
+            out += submit_all(pipe.engine, prompts, gens)  # again: hits on the snapshots of the first round
+            m = pipe.engine.metrics()
+            pipe.engine.check_integrity()
+        return [tokens for tokens, _ in out], m
+
+    gens = [GenerationConfig(max_new_tokens=40, ignore_eos=True, n=3 if i == 0 else 1, logprobs=2,
+                             repetition_penalty=1.3 if i == 1 else 1.0, min_new_tokens=10 if i == 2 else 0,
+                             do_sample=i == 0, random_seed=5, temperature=0.7)
+            for i in range(len(prompts))]
+    expected, m0 = run("off", gens)
+    predicted = [GenerationConfig(**{**g.__dict__, "prediction": corrupted(expected[i + 2 * (i > 0)], 4, rng)})
+                 for i, g in enumerate(gens)]
+    got, m = run("ngram", predicted)
+    assert got == expected
+    assert m0.num_preemptions > 0 and m.num_preemptions > 0 and m.num_prefix_hit_tokens > 0
+    assert 0 < m.num_accepted_draft_tokens["prediction"] < m.num_draft_tokens["prediction"]
+
+
+def test_hybrid_cancellations_in_flight_free_every_checkpoint(tmp_path):
+    """Random cancellations (whole requests or one completion, waiting, mid-prefill or verifying drafts) of a
+    speculating hybrid: every block, state slot and checkpoint slot comes back."""
+    build_case("qwen3_5", tmp_path)
+    with pipeline(tmp_path, EngineConfig(**BASE, **FIXED, speculative="ngram")) as pipe:
+        run_with_random_cancellations(pipe.engine, random.Random(10), num_requests=40, max_prompt=40,
+                                      predictions=True)
+        m = pipe.engine.metrics()
+        assert m.num_verifications["prediction"] > 0
+        assert m.num_free_state_slots == m.num_total_state_slots
+        assert_blocks_free(pipe.engine)
+        pipe.engine.check_integrity()
 
 
 def test_cuda_refuses_ngram_by_name():
@@ -182,17 +245,45 @@ def test_chunked_prefill_prefix_hits_preemption_and_n(tiny_llama):
     assert sum(m.num_accepted_draft_tokens.values()) > 0
 
 
-def test_structured_output_and_opt_out_take_no_drafts(tiny_llama):
-    """A grammar-constrained request and one with speculative=False decode one token a step (no drafts), beside
-    speculating ones, with the output of speculation off."""
+def test_structured_output_verifies_the_drafts_its_grammar_allows(tiny_llama):
+    """Grammar-constrained requests take drafts: each draft row samples under the grammar's mask after the drafts
+    before it (the matcher consumes them on the mask worker and rolls back), drafts the grammar refuses are cut
+    before they are verified, and the output is speculation off's, greedy and seeded, token for token (a row
+    sampled under another row's mask would draw another token, or one the grammar refuses)."""
     folder, _ = tiny_llama
     prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
-    choice = GenerationConfig(max_new_tokens=12, structured_output=StructuredOutput(choice=["abcabcabc", "xyz"]))
-    out_out = GenerationConfig(max_new_tokens=20, ignore_eos=True, speculative=False, prediction=prompt)
+    regex = StructuredOutput(regex="(ab|cd|ef){12,24}x")
+    schema = StructuredOutput(json={"type": "object", "properties": {"k": {"type": "array", "items": {
+        "type": "integer"}, "maxItems": 6}}, "required": ["k"], "additionalProperties": False})
+    gens = [GenerationConfig(max_new_tokens=40, structured_output=regex),
+            GenerationConfig(max_new_tokens=40, structured_output=schema),
+            GenerationConfig(max_new_tokens=40, structured_output=regex, do_sample=True, temperature=0.9,
+                             random_seed=3)]
+    expected, _ = generate(folder, EngineConfig(**BASE, speculative="off"), [prompt] * 3, gens)
+    with pipeline(folder, EngineConfig(**BASE)) as pipe:
+        a, c, e = (pipe.engine.tokenizer.encode(ch, add_special_tokens=False)[0] for ch in "ace")
+
+    def half_right(tokens):  # every 3rd pair start swapped for another: allowed, then the pair's second refused
+        return [(c if t == a else a) if i % 3 == 2 and t in (a, c, e) else t for i, t in enumerate(tokens)]
+    for predictions in ([list(e) for e in expected], [half_right(e) for e in expected]):
+        predicted = [GenerationConfig(**{**g.__dict__, "prediction": pred}) for g, pred in zip(gens, predictions)]
+        got, m = generate(folder, EngineConfig(**BASE, **FIXED, speculative="ngram"), [prompt] * 3, predicted)
+        assert got == expected
+        assert m.num_accepted_draft_tokens["prediction"] > 20, m.num_accepted_draft_tokens
+    assert m.num_accepted_draft_tokens["prediction"] < m.num_draft_tokens["prediction"]
+
+
+def test_opt_out_and_logits_take_no_drafts(tiny_llama):
+    """A request with speculative=False and one that reads every row's logits decode one token a step, beside a
+    speculating one, with the output of speculation off."""
+    folder, _ = tiny_llama
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    opted_out = GenerationConfig(max_new_tokens=20, ignore_eos=True, speculative=False, prediction=prompt)
+    logits = GenerationConfig(max_new_tokens=20, ignore_eos=True, output_logits=True, prediction=prompt)
     plain = GenerationConfig(max_new_tokens=20, ignore_eos=True)
-    expected, _ = generate(folder, EngineConfig(**BASE, speculative="off"), [prompt] * 3, [choice, out_out, plain])
+    expected, _ = generate(folder, EngineConfig(**BASE, speculative="off"), [prompt] * 3, [opted_out, logits, plain])
     with pipeline(folder, EngineConfig(**BASE, **FIXED, speculative="ngram")) as pipe:
-        assert [pipe(prompt, g).token_ids for g in (choice, out_out)] == expected[:2]
+        assert [pipe(prompt, g).token_ids for g in (opted_out, logits)] == expected[:2]
         m = pipe.engine.metrics()
         assert sum(m.num_verifications.values()) == 0
         assert pipe(prompt, plain).token_ids == expected[2]

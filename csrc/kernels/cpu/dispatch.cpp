@@ -393,6 +393,12 @@ void check_recurrent_seqs(const RecurrentSeq* seqs, int32_t num_seqs, bool needs
                 r.num_rows, ")");
     LMKIT_CHECK(!needs_conv || r.conv_state != nullptr, op, ": sequence ", s, " has no convolution state");
     LMKIT_CHECK(!needs_state || r.state != nullptr, op, ": sequence ", s, " has no delta-rule state");
+    LMKIT_CHECK(r.num_checkpoints >= 0 && r.num_checkpoints <= r.num_rows, op, ": sequence ", s, " has ",
+                r.num_checkpoints, " checkpoints for ", r.num_rows, " rows");
+    for (int32_t t = 0; t < r.num_checkpoints; ++t)
+      LMKIT_CHECK((!needs_conv || (r.conv_checkpoints != nullptr && r.conv_checkpoints[t] != nullptr)) &&
+                      (!needs_state || (r.state_checkpoints != nullptr && r.state_checkpoints[t] != nullptr)),
+                  op, ": sequence ", s, " has no memory for checkpoint ", t);
   }
 }
 }  // namespace

@@ -1,5 +1,5 @@
 // Recurrent layers: Gated DeltaNet's short causal convolution and gated delta rule (ops.h), each sequence's rows
-// in order with its state carried in place. Both are one step per row (the recurrent form), for prompt rows as
+// in order with its state carried in place (and copied out after each checkpointed row). Both are one step per row (the recurrent form), for prompt rows as
 // for decode rows: per row and value head the delta rule reads and writes the Dk x Dv matrix twice (decay and
 // S^T k, then the update and S^T q), a few flops per weight-row byte, so a layer's time stays in its linears.
 
@@ -27,6 +27,8 @@ void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* 
           for (int j = 0; j + 2 < K; ++j) hist[j] = hist[j + 1];
           if (K > 1) hist[K - 2] = in;
           vstore_r(row, vsilu(y), r);
+          if (t < sq.num_checkpoints)
+            for (int j = 0; j + 1 < K; ++j) vstore_r(sq.conv_checkpoints[t] + j * channels + c, hist[j], r);
         }
         for (int j = 0; j + 1 < K; ++j) vstore_r(sq.conv_state + j * channels + c, hist[j], r);
       }
@@ -104,6 +106,8 @@ void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qk
         }
         float* dst = out + row * out_stride + (int64_t)h * Dv;
         for (int e = 0; e < Dv; ++e) dst[e] = o[e];
+        if (t < sq.num_checkpoints)
+          memcpy(sq.state_checkpoints[t] + (int64_t)h * Dk * Dv, S, (size_t)Dk * Dv * sizeof(float));
       }
     }
   });

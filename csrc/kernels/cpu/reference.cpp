@@ -252,6 +252,8 @@ void causal_conv1d(float* x, int64_t row_stride, int64_t channels, const float* 
         double y = 0;
         for (int j = 0; j < K; ++j) y += (double)w[j * channels + c] * in[t + j];
         x[(int64_t)(sq.first_row + t) * row_stride + c] = (float)(y / (1.0 + std::exp(-y)));
+        for (int j = 0; j + 1 < K && t < sq.num_checkpoints; ++j)  // the K - 1 inputs up to row t
+          sq.conv_checkpoints[t][j * channels + c] = (float)in[t + 1 + j];
       }
       for (int j = 0; j + 1 < K; ++j) sq.conv_state[j * channels + c] = (float)in[in.size() - (K - 1) + j];
     }
@@ -290,6 +292,8 @@ void gated_delta_rule(const float* q, const float* k, const float* v, int64_t qk
           }
           out[row * out_stride + (int64_t)h * Dv + e] = (float)o;
         }
+        for (int64_t i = 0; i < (int64_t)Dk * Dv && t < sq.num_checkpoints; ++i)
+          sq.state_checkpoints[t][(int64_t)h * Dk * Dv + i] = (float)S[i];
       }
       for (int64_t i = 0; i < (int64_t)Dk * Dv; ++i) sq.state[(int64_t)h * Dk * Dv + i] = (float)S[i];
     }
