@@ -11,6 +11,8 @@ Workloads (chat prompts through the model's template, greedy, eos ends an answer
   rewrite   a Shakespeare passage and "repeat it with thou/thee/thy modernised" (a rewrite with small changes)
   chat      sixteen open questions (ShareGPT-like: explanations, lists, stories, advice): nothing to copy
   code+prediction  the code prompts with the original function as the request's prediction (Predicted Outputs)
+  json      the document prompts answered as JSON under a schema ({"quotes": [up to 4 strings]}): structured
+            output, each draft row under the grammar's mask (lmkit only)
 
 Rows (each in its own subprocess, --threads threads, one after another; rounds alternate the order):
   lmkit off / lmkit ngram        the HF folder (--model, default the bundled SmolLM2-135M-Instruct), dtype auto
@@ -58,6 +60,11 @@ CHAT = [
     "Suggest a name for a bakery and explain why.",
     "How can I improve my sleep?",
 ]
+
+
+QUOTES_SCHEMA = {"type": "object", "properties": {"quotes": {"type": "array", "items": {"type": "string"},
+                                                             "maxItems": 4}},
+                 "required": ["quotes"], "additionalProperties": False}
 
 
 def code_prompts(n: int) -> list[tuple[str, str]]:
@@ -127,7 +134,7 @@ def stamps_lmkit(engine, prompt_ids, gen):
 
 
 def worker_lmkit(job: dict) -> dict:
-    from lmkit import EngineConfig, GenerationConfig
+    from lmkit import EngineConfig, GenerationConfig, StructuredOutput
     from lmkit.engine import Engine
 
     engine = Engine(job["model"], EngineConfig(speculative=job["speculative"], num_threads=job["threads"],
@@ -139,7 +146,9 @@ def worker_lmkit(job: dict) -> dict:
         for name, items in job["workloads"].items():
             toks, timed = [], []
             for item in items:
-                gen = GenerationConfig(max_new_tokens=job["new_tokens"], prediction=item.get("prediction"))
+                schema = StructuredOutput(json=item["schema"]) if "schema" in item else None
+                gen = GenerationConfig(max_new_tokens=job["new_tokens"], prediction=item.get("prediction"),
+                                       structured_output=schema)
                 tokens, stamps = stamps_lmkit(engine, item["ids"], gen)
                 toks.append(tokens)
                 timed.append(stamps)
@@ -180,8 +189,8 @@ def worker_llama_cpp(job: dict) -> dict:
     eos = llm.token_eos()
     result = {"workloads": {}, "tokens": {}, "sweep": {}}
     for name, items in job["workloads"].items():
-        if name == "code+prediction":
-            continue  # no prediction input
+        if name in ("code+prediction", "json"):
+            continue  # no prediction input; grammars not measured here
         toks, timed = [], []
         for item in items:
             llm.reset()
@@ -220,6 +229,10 @@ def build_workloads(model: Path, args) -> dict:
         "document": [{"ids": chat(p)} for p in document_prompts(n)],
         "rewrite": [{"ids": chat(p)} for p in rewrite_prompts(n)],
         "chat": [{"ids": chat(p)} for p in CHAT[: max(n, 4) if args.smoke else len(CHAT)]],
+        "json": [{"ids": chat(p.replace("Answer by quoting the relevant sentences of the document.",
+                                        'Answer as JSON: {"quotes": [the relevant sentences of the document, '
+                                        "quoted exactly]}.")), "schema": QUOTES_SCHEMA}
+                 for p in document_prompts(n)],
     }
 
 

@@ -398,6 +398,7 @@ void Engine::propose_drafts() {
 
 void Engine::cut_drafts_to_grammar(Sequence& seq) {
   std::vector<int32_t>& drafts = seq.draft_tokens;
+  start_grammar(seq);  // when its start token came last step: its matcher is made in the step after that
   if (seq.matcher) {
     drafts.resize((size_t)seq.matcher->num_valid(drafts.data(), (int32_t)drafts.size()));
   } else if (seq.params.grammar_after_token >= 0) {  // the row after the start token would need the grammar's mask

@@ -249,17 +249,23 @@ def test_structured_output_verifies_the_drafts_its_grammar_allows(tiny_llama):
     """Grammar-constrained requests take drafts: each draft row samples under the grammar's mask after the drafts
     before it (the matcher consumes them on the mask worker and rolls back), drafts the grammar refuses are cut
     before they are verified, and the output is speculation off's, greedy and seeded, token for token (a row
-    sampled under another row's mask would draw another token, or one the grammar refuses)."""
+    sampled under another row's mask would draw another token, or one the grammar refuses); a grammar that starts
+    after a token takes no draft past it until its matcher starts."""
     folder, _ = tiny_llama
     prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
     regex = StructuredOutput(regex="(ab|cd|ef){12,24}x")
     schema = StructuredOutput(json={"type": "object", "properties": {"k": {"type": "array", "items": {
         "type": "integer"}, "maxItems": 6}}, "required": ["k"], "additionalProperties": False})
+    free, _ = generate(folder, EngineConfig(**BASE, speculative="off"), [prompt],
+                       GenerationConfig(max_new_tokens=8, ignore_eos=True))
     gens = [GenerationConfig(max_new_tokens=40, structured_output=regex),
             GenerationConfig(max_new_tokens=40, structured_output=schema),
             GenerationConfig(max_new_tokens=40, structured_output=regex, do_sample=True, temperature=0.9,
-                             random_seed=3)]
-    expected, _ = generate(folder, EngineConfig(**BASE, speculative="off"), [prompt] * 3, gens)
+                             random_seed=3),
+            # free text until its 4th token, the grammar after it (reasoning's end): drafts stop at that token
+            GenerationConfig(max_new_tokens=40, structured_output=regex, structured_output_after_token=free[0][3])]
+    expected, _ = generate(folder, EngineConfig(**BASE, speculative="off"), [prompt] * 4, gens)
+    assert free[0][3] in expected[3] and len(expected[3]) > 20
     with pipeline(folder, EngineConfig(**BASE)) as pipe:
         a, c, e = (pipe.engine.tokenizer.encode(ch, add_special_tokens=False)[0] for ch in "ace")
 
@@ -267,7 +273,7 @@ def test_structured_output_verifies_the_drafts_its_grammar_allows(tiny_llama):
         return [(c if t == a else a) if i % 3 == 2 and t in (a, c, e) else t for i, t in enumerate(tokens)]
     for predictions in ([list(e) for e in expected], [half_right(e) for e in expected]):
         predicted = [GenerationConfig(**{**g.__dict__, "prediction": pred}) for g, pred in zip(gens, predictions)]
-        got, m = generate(folder, EngineConfig(**BASE, **FIXED, speculative="ngram"), [prompt] * 3, predicted)
+        got, m = generate(folder, EngineConfig(**BASE, **FIXED, speculative="ngram"), [prompt] * 4, predicted)
         assert got == expected
         assert m.num_accepted_draft_tokens["prediction"] > 20, m.num_accepted_draft_tokens
     assert m.num_accepted_draft_tokens["prediction"] < m.num_draft_tokens["prediction"]
