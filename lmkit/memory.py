@@ -26,7 +26,9 @@ A model with recurrent layers (Qwen3.5) also has a state pool, sized first (plan
     draft_slots  = min(DRAFT_STATE_SEQUENCES x num_speculative_tokens,   speculative decoding's checkpoints
                        what is left of that share after state_slots)
 
-and its bytes are taken from left_bytes before the KV pool's budget. Fewer slots than max_batch_size cap how many
+and its bytes are taken from left_bytes before the KV pool's budget, as are those of the disk store's queue
+(kv_cache_dir: store_queue_blocks, the evicted blocks' copies waiting for its writer). Fewer slots than
+max_batch_size cap how many
 sequences run at once (the start-up line says so); no slot at all is refused. Fewer draft slots than wanted cap
 how many drafts of a stateful model a step verifies.
 
@@ -237,6 +239,9 @@ def cap_blocks(max_batch_size: int, session_len: int, block_size_tokens: int) ->
 
 STATE_POOL_SHARE = 0.25
 """The most of what is left after the weights (left_bytes) a recurrent-state pool may take."""
+STORE_QUEUE_BYTES = 256 * 2**20
+"""The disk store (kv_cache_dir): the copies of evicted blocks waiting for its writer take this at most (a prefill
+chunk may evict hundreds of blocks at once; store_queue_blocks)."""
 DRAFT_STATE_SEQUENCES = 2
 """Speculative decoding on a model with recurrent layers: every draft row of a step needs a slot for the state as of
 it (the rollback's checkpoint); the pool keeps as many as this many sequences' full drafts take."""
@@ -288,6 +293,11 @@ class KVPool:
     weight_bytes: int  # this engine's weights as loaded
     others: tuple[Reservation, ...]  # the other live engines' records when it was sized
     state: StatePool = field(default_factory=lambda: StatePool(0, 0, 0, 0))  # taken before the KV budget
+    store_queue_blocks: int = 0  # the disk store's queue (kv_cache_dir), taken before the KV budget too
+
+    @property
+    def store_queue_bytes(self) -> int:
+        return self.store_queue_blocks * self.kv_bytes_per_block
 
     @property
     def num_tokens(self) -> int:
@@ -307,15 +317,18 @@ class KVPool:
 
     @property
     def left_bytes(self) -> int | None:
-        """fraction x memory - weights - state pool - the others' reservations (None for a block count)."""
+        """fraction x memory - weights - state pool - disk store queue - the others' reservations (None for a block
+        count)."""
         if self.fraction is None:
             return None
-        return int(self.fraction * self.memory.total_bytes) - self.weight_bytes - self.state.bytes - self.others_bytes
+        return (int(self.fraction * self.memory.total_bytes) - self.weight_bytes - self.state.bytes
+                - self.store_queue_bytes - self.others_bytes)
 
     @property
     def pool_bytes(self) -> int:
-        """The KV pool's and the state pool's bytes: what this engine reserves beside its weights."""
-        return self.kv_bytes + self.state.bytes
+        """The KV pool's, the state pool's and the disk store queue's bytes: what this engine reserves beside its
+        weights."""
+        return self.kv_bytes + self.state.bytes + self.store_queue_bytes
 
     @property
     def budget_bytes(self) -> int | None:
@@ -326,6 +339,8 @@ class KVPool:
     def budget_text(self) -> str:
         others = f" [{', '.join(r.describe() for r in self.others)}]" if self.others else ""
         state = f" - {format_bytes(self.state.bytes)} recurrent state" if self.state.bytes else ""
+        if self.store_queue_blocks:
+            state += f" - {format_bytes(self.store_queue_bytes)} disk store queue"
         text = (f"{self.fraction:g} x {format_bytes(self.memory.total_bytes)} ({self.memory.source}) "
                 f"- {format_bytes(self.weight_bytes)} weights{state} - {format_bytes(self.others_bytes)} held by "
                 f"other lmkit engines{others}")
@@ -334,9 +349,14 @@ class KVPool:
         return f"{text} = {format_bytes(self.budget_bytes)}"
 
     def describe(self) -> str:
-        """The start-up line(s): blocks, tokens, bytes, and why; the state pool's first when there is one."""
-        kv = self._describe_kv()
-        return f"{self.state.describe()}\n{kv}" if self.state.num_slots else kv
+        """The start-up line(s): blocks, tokens, bytes, and why; the state pool's first when there is one, the disk
+        store queue's last."""
+        lines = [self.state.describe()] if self.state.num_slots else []
+        lines.append(self._describe_kv())
+        if self.store_queue_blocks:
+            lines.append(f"disk store queue: up to {self.store_queue_blocks} evicted blocks = "
+                         f"{format_bytes(self.store_queue_bytes)} waiting for the writer (kv_cache_dir)")
+        return "\n".join(lines)
 
     def _describe_kv(self) -> str:
         head = (f"KV pool: {self.num_blocks} blocks x {self.block_size_tokens} tokens = {self.num_tokens} tokens, "
@@ -350,6 +370,11 @@ class KVPool:
                     f"{self.cap_blocks} blocks")
         return (head + f"limited by max_batch_size x session_len ({self.max_batch_size} x {self.session_len} tokens); "
                 f"memory allows {self.budget_bytes // self.kv_bytes_per_block} blocks: {self.budget_text()}")
+
+
+def store_queue_blocks(kv_bytes_per_block: int) -> int:
+    """The disk store's queue: STORE_QUEUE_BYTES of blocks, at least 8 and at most 4,096."""
+    return min(4096, max(8, STORE_QUEUE_BYTES // max(kv_bytes_per_block, 1)))
 
 
 def plan_state_slots(config: "EngineConfig", state_bytes_per_slot: int, left_bytes: int,
@@ -385,6 +410,8 @@ def plan_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, weight_bytes: 
                   limited_by="cache_max_entry_count", max_batch_size=config.max_batch_size, session_len=session_len,
                   fraction=AUTO_MEMORY_FRACTION if is_auto else (None if count > 1 else float(count)), is_auto=is_auto,
                   memory=memory, weight_bytes=weight_bytes, others=tuple(others))
+    if config.kv_cache_dir is not None:
+        pool = replace(pool, store_queue_blocks=store_queue_blocks(kv_bytes_per_block))
     if state_bytes_per_slot:  # sized from what the weights leave, with the fraction a block count does not give
         left = replace(pool, fraction=AUTO_MEMORY_FRACTION if pool.fraction is None else pool.fraction).left_bytes
         pool = replace(pool, state=plan_state_slots(config, state_bytes_per_slot, left, speculative))
@@ -427,8 +454,8 @@ def unpacked_weight_bytes(spec: "ModelSpec") -> int:
 
 class PoolSizer:
     """The ``size_pools`` callback of a CPU lmkit._engine.Engine: (kv_bytes_per_block, state_bytes_per_slot,
-    linear_weight_bytes, session_len, device_free_bytes) -> (KV blocks, state slots, draft checkpoint slots),
-    called once on the creating thread; keeps the KVPool it chose (its state pool in ``kv_pool.state``) in
+    linear_weight_bytes, session_len, device_free_bytes) -> (KV blocks, state slots, draft checkpoint slots,
+    disk-store queue blocks), called once on the creating thread; keeps the KVPool it chose (its state pool in ``kv_pool.state``) in
     ``kv_pool``. speculative: the engine verifies drafts."""
 
     def __init__(self, config: "EngineConfig", unpacked_bytes: int, others: tuple[Reservation, ...],
@@ -439,10 +466,11 @@ class PoolSizer:
         self.reservation: Reservation | None = None
 
     def __call__(self, kv_bytes_per_block: int, state_bytes_per_slot: int, linear_weight_bytes: int,
-                 session_len: int, device_free_bytes: int = 0) -> tuple[int, int, int]:
+                 session_len: int, device_free_bytes: int = 0) -> tuple[int, int, int, int]:
         self.kv_pool = plan_kv_pool(self.config, kv_bytes_per_block, linear_weight_bytes + self.unpacked_bytes,
                                     session_len, self.memory, self.others, state_bytes_per_slot, self.speculative)
-        return self.kv_pool.num_blocks, self.kv_pool.state.num_slots, self.kv_pool.state.num_draft_slots
+        pool = self.kv_pool
+        return pool.num_blocks, pool.state.num_slots, pool.state.num_draft_slots, pool.store_queue_blocks
 
 
 @contextmanager
@@ -493,10 +521,10 @@ class CudaPoolSizer:
         self.config = config
 
     def __call__(self, kv_bytes_per_block: int, state_bytes_per_slot: int, linear_weight_bytes: int,
-                 session_len: int, device_free_bytes: int) -> tuple[int, int, int]:
-        state = plan_state_slots(self.config, state_bytes_per_slot, device_free_bytes)  # no drafts on CUDA
+                 session_len: int, device_free_bytes: int) -> tuple[int, int, int, int]:
+        state = plan_state_slots(self.config, state_bytes_per_slot, device_free_bytes)  # no drafts, no disk store
         return (plan_cuda_kv_pool(self.config, kv_bytes_per_block, session_len, device_free_bytes - state.bytes),
-                state.num_slots, 0)
+                state.num_slots, 0, 0)
 
 
 def log_cuda_kv_pool(cpp, cache_max_entry_count: float | None) -> None:

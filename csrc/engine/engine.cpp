@@ -143,8 +143,8 @@ void Engine::start_store() {
   c.max_bytes = o.kv_cache_disk_bytes;
   c.block_size_tokens = o.block_size_tokens;
   c.block_bytes = executor_->kv_bytes_per_block();
-  // One prefill chunk may evict hundreds of blocks at once: the queue holds kQueuedStoreBytes of them (at least 8).
-  c.max_queued_blocks = (int32_t)std::clamp<int64_t>(kQueuedStoreBytes / std::max<int64_t>(c.block_bytes, 1), 8, 4096);
+  // One prefill chunk may evict hundreds of blocks at once: the queue's size is the pool sizer's (counted in memory)
+  c.max_queued_blocks = o.kv_cache_queue_blocks;
   // What the bytes mean: the caller's identity (weights, tokenizer, dtype, KV policy) and the layout as the
   // executor has it, with the store's format version.
   const std::string identity = detail::concat(o.kv_cache_identity, "|block_size_tokens=", o.block_size_tokens,

@@ -84,6 +84,7 @@ struct EngineOptions {
   std::vector<int32_t> engine_cpus, callback_cpus;  // EngineConfig's (empty: not pinned)
   SpeculativeConfig speculative;  // CPU backend (create_engine)
   std::string kv_cache_dir;  // EngineConfig's (empty: no disk store)
+  int32_t kv_cache_queue_blocks = 0;  // evicted blocks' copies waiting for the store's writer at most (lmkit/memory.py)
   int64_t kv_cache_disk_bytes = 0;
   std::string kv_cache_identity;
   int64_t kv_cache_read_bytes_per_step = 64 << 20;
@@ -217,7 +218,6 @@ class Engine {
   static constexpr int32_t kPersistBatchBlocks = 8;  // blocks one idle pass copies out
   static constexpr double kShutdownPersistSeconds = 30;  // a shutdown waits this long at most for the writes
   static constexpr std::chrono::milliseconds kPersistPause{5};
-  static constexpr int64_t kQueuedStoreBytes = int64_t(256) << 20;  // copies of blocks waiting for the writer
   void finish(Sequence* seq, FinishReason reason, const Failure& failure = {});
   void flush(Sequence& seq, bool finished, FinishReason reason, const Failure& failure);
   void post(std::shared_ptr<OutputCallback> cb, RequestOutput&& out);

@@ -97,6 +97,10 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
                                                         (state_bytes > 0 && config.speculative.enabled)),
                   "the pool sizer gave ", sizes.num_draft_state_slots, " draft checkpoint slots (they need speculative "
                   "decoding and a model with recurrent layers)");
+  LMKIT_CHECK_ARG(config.kv_cache_dir.empty() ? sizes.num_store_queue_blocks == 0 : sizes.num_store_queue_blocks >= 1,
+                  "the pool sizer gave a disk-store queue of ", sizes.num_store_queue_blocks, " blocks (kv_cache_dir ",
+                  config.kv_cache_dir.empty() ? "unset" : "set", ")");
+  options.kv_cache_queue_blocks = sizes.num_store_queue_blocks;
   options.num_state_slots = sizes.num_state_slots + sizes.num_draft_state_slots;
   options.num_draft_state_slots = sizes.num_draft_state_slots;
   options.speculative = config.speculative;

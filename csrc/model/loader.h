@@ -17,9 +17,10 @@ struct PoolSizes {
   int32_t num_blocks = 0;
   int32_t num_state_slots = 0;  // for sequences and prefix-cache snapshots
   int32_t num_draft_state_slots = 0;  // besides those, for speculative decoding's checkpoints
+  int32_t num_store_queue_blocks = 0;  // the disk store's queue: evicted blocks' copies waiting for its writer
 };
 
-// Decides both pools once the weights are packed, from what only the C++ side knows: the bytes of one KV block
+// Decides the pools once the weights are packed, from what only the C++ side knows: the bytes of one KV block
 // and of one state slot (0: no recurrent layer), the packed linear weights' bytes, the resolved session_len and,
 // on CUDA, the GPU memory still free for them (0 on the CPU). The policy lives in one place, lmkit/memory.py
 // (plan_pools, plan_cuda_pools). What it throws ends create_engine.

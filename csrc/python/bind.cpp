@@ -345,16 +345,17 @@ PYBIND11_MODULE(_engine, m) {
                srcs[item.first.cast<std::string>()] = std::move(s);
              }
              // size_pools(kv_bytes_per_block, state_bytes_per_slot, linear_weight_bytes, session_len,
-             // device_free_bytes) -> (blocks, state slots, draft checkpoint slots) (loader.h's PoolSizer), called
-             // once on this thread after the weights are packed; what it raises propagates. A borrowed handle: the
-             // argument outlives create_engine, and nothing here touches its reference count without the GIL.
+             // device_free_bytes) -> (blocks, state slots, draft checkpoint slots, disk-store queue blocks)
+             // (loader.h's PoolSizer), called once on this thread after the weights are packed; what it raises
+             // propagates. A borrowed handle: the argument outlives create_engine, and nothing here touches its
+             // reference count without the GIL.
              const PoolSizer sizer = [fn = py::handle(size_pools)](int64_t bytes_per_block, int64_t state_bytes,
                                                                    int64_t weight_bytes, int32_t session_len,
                                                                    int64_t free_bytes) {
                py::gil_scoped_acquire gil;
                const auto sizes = fn(bytes_per_block, state_bytes, weight_bytes, session_len, free_bytes)
-                                      .cast<std::tuple<int32_t, int32_t, int32_t>>();
-               return PoolSizes{std::get<0>(sizes), std::get<1>(sizes), std::get<2>(sizes)};
+                                      .cast<std::tuple<int32_t, int32_t, int32_t, int32_t>>();
+               return PoolSizes{std::get<0>(sizes), std::get<1>(sizes), std::get<2>(sizes), std::get<3>(sizes)};
              };
              py::gil_scoped_release release;
              EnginePtr engine(create_engine(config, model, srcs, eos_token_ids, sizer).release());

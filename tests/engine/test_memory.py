@@ -102,6 +102,27 @@ def test_a_small_memory_decides_and_the_line_says_why(tiny_llama, sizes, monkeyp
     assert f"max_batch_size x session_len would use {8 * SESSION_BLOCKS} blocks" in line, line
 
 
+def test_the_disk_stores_queue_comes_out_of_the_budget(tiny_llama, sizes, monkeypatch, caplog, runtime_dir,
+                                                       tmp_path):
+    """kv_cache_dir: the copies of evicted blocks waiting for the store's writer (STORE_QUEUE_BYTES, 8 to 4,096
+    blocks) are taken before the KV budget, counted in the engine's reservation and named in the start-up line."""
+    assert memory.store_queue_blocks(2**20) == 256
+    assert memory.store_queue_blocks(2**30) == 8 and memory.store_queue_blocks(100) == 4096
+    weight_bytes, per_block = sizes
+    queue = memory.store_queue_blocks(per_block) * per_block
+    total = total_for(weight_bytes + queue + 10.5 * per_block)
+    fake_total(monkeypatch, total)
+    caplog.set_level(logging.INFO, logger="lmkit")
+    with closing(Engine(tiny_llama[0], config(max_batch_size=8, cache_max_entry_count=0.8, enable_prefix_caching=True,
+                                              kv_cache_dir=tmp_path / "kv"))) as e:
+        assert e.num_total_blocks == 10 == (int(0.8 * total) - weight_bytes - queue) // per_block
+        assert e.kv_pool.store_queue_bytes == queue
+        assert records(runtime_dir)[0]["kv_bytes"] == 10 * per_block + queue
+    lines = [r.getMessage() for r in caplog.records if "KV pool:" in r.getMessage()][-1]
+    assert f"- {format_bytes(queue)} disk store queue" in lines, lines
+    assert f"disk store queue: up to {memory.store_queue_blocks(per_block)} evicted blocks" in lines, lines
+
+
 def test_a_block_count_is_kept_whatever_the_memory(tiny_llama, sizes, monkeypatch, runtime_dir):
     fake_total(monkeypatch, sizes[0])  # the weights fit (else the engine refuses to load), no room for the KV
     with closing(Engine(tiny_llama[0], config(cache_max_entry_count=40))) as e:
@@ -308,7 +329,7 @@ def test_cuda_pool_is_a_share_of_free_gpu_memory_capped_by_the_batch():
                                                 r"room for one KV block of 1000 B"):
         memory.plan_cuda_kv_pool(config(cache_max_entry_count=0.5), per_block, SESSION, 1_999)
     sizer = memory.CudaPoolSizer(config(cache_max_entry_count=0.5))
-    assert sizer(per_block, 0, 123, SESSION, 20_999) == (10, 0, 0)  # what the engine calls: the weights play no part
+    assert sizer(per_block, 0, 123, SESSION, 20_999) == (10, 0, 0, 0)  # what the engine calls: the weights play no part
 
 
 def test_state_slots_take_at_most_a_share_of_what_is_left():
