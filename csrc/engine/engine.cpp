@@ -381,10 +381,12 @@ void Engine::propose_drafts() {
   if (proposing.empty()) return;
   // A step with a prompt chunk is dominated by it: its drafts are weighed against the decode rows' cost alone.
   std::vector<int32_t> take;
+  // a model with recurrent state: no more draft rows than checkpoint slots
+  const int32_t max_rows = std::min(c.max_step_draft_tokens, scheduler_.num_free_draft_slots());
   if (c.adaptive) {
-    take = choose_drafts(candidates, decode_rows, c.max_step_draft_tokens, step_cost_);
+    take = choose_drafts(candidates, decode_rows, max_rows, step_cost_);
   } else {  // every proposal, oldest sequences first, within the step's draft rows
-    int32_t left = c.max_step_draft_tokens;
+    int32_t left = max_rows;
     for (const DraftCandidate& cand : candidates) {
       take.push_back(std::min(cand.proposed, left));
       left -= take.back();
@@ -398,6 +400,7 @@ void Engine::propose_drafts() {
 
 void Engine::cut_drafts_to_grammar(Sequence& seq) {
   std::vector<int32_t>& drafts = seq.draft_tokens;
+  if (drafts.empty()) return;  // (num_valid waits for the next mask: only when there is something to check)
   start_grammar(seq);  // when its start token came last step: its matcher is made in the step after that
   if (seq.matcher) {
     drafts.resize((size_t)seq.matcher->num_valid(drafts.data(), (int32_t)drafts.size()));

@@ -84,7 +84,7 @@ struct EngineOptions {
   std::vector<int32_t> engine_cpus, callback_cpus;  // EngineConfig's (empty: not pinned)
   SpeculativeConfig speculative;  // CPU backend (create_engine)
   std::string kv_cache_dir;  // EngineConfig's (empty: no disk store)
-  int32_t kv_cache_queue_blocks = 0;  // evicted blocks' copies waiting for the store's writer at most (lmkit/memory.py)
+  int32_t kv_cache_queue_blocks = 8;  // evicted blocks' copies waiting for the store's writer at most (lmkit/memory.py)
   int64_t kv_cache_disk_bytes = 0;
   std::string kv_cache_identity;
   int64_t kv_cache_read_bytes_per_step = 64 << 20;

@@ -75,7 +75,6 @@ struct LlgApi {
   size_t (*matcher_get_mask_byte_size)(const LlgMatcher*) = nullptr;
   int32_t (*matcher_consume_token)(LlgMatcher*, uint32_t) = nullptr;
   int32_t (*matcher_validate_tokens)(LlgMatcher*, const uint32_t*, size_t) = nullptr;
-  int32_t (*matcher_rollback)(LlgMatcher*, size_t) = nullptr;
   bool (*matcher_is_accepting)(LlgMatcher*) = nullptr;
   bool (*matcher_is_stopped)(const LlgMatcher*) = nullptr;
   LlgMatcher* (*clone_matcher)(const LlgMatcher*) = nullptr;
@@ -109,7 +108,6 @@ struct LlgApi {
     sym(api->matcher_get_mask_byte_size, "llg_matcher_get_mask_byte_size");
     sym(api->matcher_consume_token, "llg_matcher_consume_token");
     sym(api->matcher_validate_tokens, "llg_matcher_validate_tokens");
-    sym(api->matcher_rollback, "llg_matcher_rollback");
     sym(api->matcher_is_accepting, "llg_matcher_is_accepting");
     sym(api->matcher_is_stopped, "llg_matcher_is_stopped");
     sym(api->clone_matcher, "llg_clone_matcher");
@@ -290,22 +288,24 @@ void GrammarMatcher::compute() {
     mask_current_ = true;
   }
   if (drafts_.empty()) return;
-  // Each draft consumed, the mask after it computed; then back to where the matcher was. A draft the grammar
-  // refuses (never: the engine proposes only num_valid ones) leaves the rows after it the mask before it.
+  // Each draft consumed by a copy of the matcher, the mask after it computed: the sequence's own matcher never
+  // sees a draft (an error puts a matcher in an error state for good, and a validated draft may still be refused:
+  // llguidance's validation of several tokens can skip a length limit). From a draft the copy refuses, or whose
+  // mask fails, on, rows take the mask before it: their draft is rejected there, and their samples dropped.
   const size_t words = mask_.size();
   const int32_t n = (int32_t)drafts_.size();
   draft_masks_.resize((size_t)n * words);
-  int32_t consumed = 0;
+  LlgMatcher* copy = api.clone_matcher(matcher_);
+  bool ok = copy != nullptr;
   for (int32_t j = 0; j < n; ++j) {
     uint32_t* out = draft_masks_.data() + (size_t)j * words;
     const uint32_t* before = j == 0 ? mask_.data() : out - words;
-    const bool ok = consumed == j && drafts_[j] >= 0 && (size_t)drafts_[j] < words * 32 &&
-                    api.matcher_consume_token(matcher_, (uint32_t)drafts_[j]) == 0 &&
-                    api.matcher_compute_mask_into(matcher_, out, words * 4) == 0;
-    consumed += ok ? 1 : 0;
+    ok = ok && drafts_[j] >= 0 && (size_t)drafts_[j] < words * 32 &&
+         api.matcher_consume_token(copy, (uint32_t)drafts_[j]) == 0 &&
+         api.matcher_compute_mask_into(copy, out, words * 4) == 0;
     if (!ok) std::copy(before, before + words, out);
   }
-  if (consumed > 0 && api.matcher_rollback(matcher_, (size_t)consumed) != 0) failed_ = true;
+  if (copy) api.free_matcher(copy);
   num_draft_masks_ = n;
   drafts_.clear();
 }

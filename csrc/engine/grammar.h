@@ -10,7 +10,7 @@
 //   GrammarMatcher     one sequence's state: consume(token) on the loop thread; its next mask is computed by
 //                      the MaskWorker while the step's forward runs, and the sampler waits for it (wait()); with
 //                      draft tokens (speculative decoding), also the mask after each draft: the worker consumes
-//                      the drafts, computes their masks and rolls the matcher back
+//                      the drafts on a copy of the matcher and computes their masks
 //   MaskWorker         one thread that computes masks in submission order
 //
 // Mask layout: bit i of word i / 32 set = token i allowed; ceil(vocab / 32) words.
@@ -119,7 +119,8 @@ class GrammarMatcher : public TokenMask {
   // How many of drafts[0, n) the grammar allows in a row from here (the matcher unchanged).
   int32_t num_valid(const int32_t* drafts, int32_t n);
   // Starts computing the mask after each of drafts[0, j], j < n (rows 1..n of wait()), drafts the grammar allows
-  // (num_valid); the matcher is rolled back to where it was. Call after the mask of the next token was requested.
+  // (num_valid), on a copy of the matcher (this one is left as it is). Call after the next token's mask was
+  // requested.
   void request_draft_masks(const int32_t* drafts, int32_t n);
   const uint32_t* wait(int32_t row = 0) const override;
   // Advances by a sampled token; false (see error()) when the grammar does not allow it.

@@ -168,6 +168,10 @@ class Scheduler {
   // Blocks that went back to the pool (free or cached) early, because they fell out of the window.
   int64_t num_window_freed_blocks() const { return num_window_freed_blocks_; }
   int32_t num_state_snapshots() const { return (int32_t)snapshots_.size(); }
+  // Draft rows the next step can checkpoint (a model with recurrent state; INT32_MAX without).
+  int32_t num_free_draft_slots() const {
+    return has_state() ? config_.num_draft_state_slots - num_held_draft_slots_ : INT32_MAX;
+  }
   // The second tier (nullptr: none): admissions continue their prefix chains there (prefix caching, no state).
   // max_blocks_per_step > 0: while other sequences run, an admission reads at most that many blocks from the
   // tier in a step and waits at the head of the queue for the rest (the blocks read are cached in the pool
