@@ -37,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_prefill import cpu_description  # noqa: E402
+from bench_speculative import decode_rate, stamps_lmkit  # noqa: E402
 
 SHAPE = dict(hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
              linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -68,15 +69,8 @@ def make_model(folder: Path, layers: int, smoke: bool) -> Path:
 
 def decode(engine, prompt: list[int], gen) -> tuple[list[int], float]:
     """Greedy tokens and decode tokens/s (tokens after the first over the time from the first to the last)."""
-    _, q = engine.submit_to_queue(prompt, gen)
-    tokens, stamps = [], []
-    while True:
-        o = q.get(timeout=600)
-        tokens += list(o.token_ids)
-        stamps += [o.emitted_at] * len(o.token_ids)
-        if o.finished:
-            break
-    return tokens, (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    tokens, stamps = stamps_lmkit(engine, prompt, gen)
+    return tokens, decode_rate([stamps])
 
 
 def main(argv=None) -> int:

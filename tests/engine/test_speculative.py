@@ -55,6 +55,19 @@ def generate(folder, config: EngineConfig, prompts, gens) -> tuple[list[list[int
         return out, pipe.engine.metrics()
 
 
+def verify_corrupted_predictions(folder, prompts, expected, new_tokens: int, rng):
+    """expected again with each prompt's expected tokens as its prediction, right in runs of 4 and wrong between
+    them (drafts kept and rejected at every offset), every proposal verified; returns (metrics, the configs)."""
+    predicted = [GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True, prediction=corrupted(e, 5, rng))
+                 for e in expected]
+    got, m = generate(folder, EngineConfig(**BASE, **FIXED, speculative="ngram", num_speculative_tokens=6), prompts,
+                      predicted)
+    assert got == expected
+    accepted, proposed = m.num_accepted_draft_tokens["prediction"], m.num_draft_tokens["prediction"]
+    assert 0 < accepted < proposed, (accepted, proposed)
+    return m, predicted
+
+
 def periodic_prompts(rng, n: int) -> list[list[int]]:
     """Prompts that repeat themselves (n-gram lookup finds continuations in them) and plain random ones."""
     prompts = []
@@ -78,13 +91,7 @@ def test_greedy_is_identical_with_every_proposer(tmp_path, case):
     expected, _ = generate(tmp_path, EngineConfig(**BASE, speculative="off"), prompts, gen)
     got, m = generate(tmp_path, EngineConfig(**BASE, **FIXED, speculative="ngram"), prompts, gen)
     assert got == expected
-    predicted = [GenerationConfig(max_new_tokens=40, ignore_eos=True, prediction=corrupted(e, 5, rng))
-                 for e in expected]
-    got, m = generate(tmp_path, EngineConfig(**BASE, **FIXED, speculative="ngram", num_speculative_tokens=6), prompts,
-                      predicted)
-    assert got == expected
-    accepted, proposed = m.num_accepted_draft_tokens["prediction"], m.num_draft_tokens["prediction"]
-    assert 0 < accepted < proposed, (accepted, proposed)
+    m, _ = verify_corrupted_predictions(tmp_path, prompts, expected, 40, rng)
     assert m.mean_accepted_length("prediction") > 1.0
 
 
@@ -151,13 +158,7 @@ def test_hybrid_models_roll_their_state_back(tmp_path, capfd, case):
     rng = np.random.default_rng(62)
     prompts = periodic_prompts(rng, 4)
     expected = [hf_greedy(ref, p, 32, None) for p in prompts]
-    predicted = [GenerationConfig(max_new_tokens=32, ignore_eos=True, prediction=corrupted(e, 5, rng))
-                 for e in expected]
-    got, m = generate(tmp_path, EngineConfig(**BASE, **FIXED, speculative="ngram", num_speculative_tokens=6), prompts,
-                      predicted)
-    assert got == expected
-    accepted, proposed = m.num_accepted_draft_tokens["prediction"], m.num_draft_tokens["prediction"]
-    assert 0 < accepted < proposed, (accepted, proposed)
+    m, predicted = verify_corrupted_predictions(tmp_path, prompts, expected, 32, rng)
     assert m.num_total_state_slots == BASE["max_batch_size"] + 2 * 6 == m.num_free_state_slots
     got, m = generate(tmp_path, EngineConfig(**BASE, speculative="ngram"), prompts, predicted)
     assert got == expected
