@@ -151,27 +151,28 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// Rows [n0, n0 + rows) of an int4 weight as T [rows, K]: a thread per 32 consecutive k (one 16-byte load of
-// words, one group since group_size >= 32), w = (q - zero) * scale in fp32 rounded once to T, as the WMMA tile.
-// Measured on an H200 at ~1.8 TB/s of 4.2 (2026-12-04): a thread's four 16-byte stores land 64 bytes apart
-// across the warp; a thread per word (a warp's stores 512 contiguous bytes) is the next step (README).
+// Rows [n0, n0 + rows) of an int4 weight as T [rows, K]: a thread per 32-bit word (8 consecutive k, in one group
+// since group_size >= 32), w = (q - zero) * scale in fp32 rounded once to T, as the WMMA tile. A warp reads 128
+// contiguous bytes of words and writes 512 contiguous bytes of T (one 16-byte store a thread); the scale and
+// zero of a group are the same address for the warp's threads. 32-bit indices: the scratch bounds rows * K / 8
+// (kDequantScratchBytes / 16 words). The first version, a thread per 32 k with four stores 64 bytes apart across
+// the warp, ran at ~1.8 TB/s of the H200's 4.2 (2026-12-04).
 template <typename T>
-__global__ void dequant_int4_kernel(const uint4* __restrict__ qweight, const uint16_t* __restrict__ scales,
-                                    const uint8_t* __restrict__ zeros, int64_t n0, int64_t rows, int64_t K,
+__global__ void dequant_int4_kernel(const uint32_t* __restrict__ qwords, const uint16_t* __restrict__ scales,
+                                    const uint8_t* __restrict__ zeros, int64_t n0, uint32_t rows, uint32_t K,
                                     int group_shift, T* __restrict__ out) {
-  const int64_t chunks = K / 32, groups = chunks >> group_shift, total = rows * chunks;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = i / chunks, c = i - r * chunks, n = n0 + r;
-    const uint4 q = __ldcs(qweight + n * chunks + c);
-    const int64_t gi = n * groups + (c >> group_shift);
-    const float s = __half2float(__ushort_as_half(scales[gi])), z = (float)zeros[gi];
-    uint4* dst = reinterpret_cast<uint4*>(out + r * K + c * 32);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t w = word_of(q, j);
-      auto v = [&](int i) { return ((float)((w >> (4 * i)) & 15u) - z) * s; };
-      dst[j] = make_uint4(pack2<T>(v(0), v(1)), pack2<T>(v(2), v(3)), pack2<T>(v(4), v(5)), pack2<T>(v(6), v(7)));
-    }
+  const uint32_t words = K / 8, groups = (K / 32) >> group_shift, total = rows * words;
+  const uint32_t* q = qwords + n0 * words;
+  const uint16_t* sc = scales + n0 * groups;
+  const uint8_t* zr = zeros + n0 * groups;
+  uint4* dst = reinterpret_cast<uint4*>(out);  // word i of the rows block -> its 8 values, 16 bytes
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+    const uint32_t r = i / words, kw = i - r * words;
+    const uint32_t w = __ldcs(q + i);
+    const uint32_t gi = r * groups + (kw >> (2 + group_shift));  // 4 words a 32-k chunk
+    const float s = __half2float(__ushort_as_half(sc[gi])), z = (float)zr[gi];
+    auto v = [&](int j) { return ((float)((w >> (4 * j)) & 15u) - z) * s; };
+    dst[i] = make_uint4(pack2<T>(v(0), v(1)), pack2<T>(v(2), v(3)), pack2<T>(v(4), v(5)), pack2<T>(v(6), v(7)));
   }
 }
 
@@ -203,10 +204,11 @@ void launch_dequant_gemm(const void* x, int64_t M, const Linear& w, void* out, v
   const int64_t max_rows = std::max<int64_t>(16, kDequantScratchBytes / (w.k * 2) / 16 * 16);
   const int64_t blocks = ceil_div(w.n, max_rows), rows_per = ceil_div(ceil_div(w.n, blocks), 16) * 16;
   for (int64_t n0 = 0; n0 < w.n; n0 += rows_per) {
-    const int64_t rows = std::min(rows_per, w.n - n0), total = rows * (w.k / 32);
+    const int64_t rows = std::min(rows_per, w.n - n0), total = rows * (w.k / 8);
     dequant_int4_kernel<T><<<(unsigned)std::min<int64_t>(ceil_div(total, 256), 1 << 20), 256, 0, s>>>(
-        static_cast<const uint4*>(w.data.get()), static_cast<const uint16_t*>(w.scales.get()),
-        static_cast<const uint8_t*>(w.zeros.get()), n0, rows, w.k, group_shift, static_cast<T*>(scratch));
+        static_cast<const uint32_t*>(w.data.get()), static_cast<const uint16_t*>(w.scales.get()),
+        static_cast<const uint8_t*>(w.zeros.get()), n0, (uint32_t)rows, (uint32_t)w.k, group_shift,
+        static_cast<T*>(scratch));
     LMKIT_CUDA_LAUNCHED("cuda::linear (int4 dequantization)");
     cublas_gemm(x, scratch, static_cast<T*>(out) + n0, M, rows, w.k, act, s, w.n);
   }
