@@ -784,6 +784,30 @@ def test_qwen35_gguf_quantized_logits(qtype, tmp_path):
                 f"{len(prompt)}-token prompt: first row {rows[0]:.3g}, all rows {whole:.3g}; rows {rows}")
 
 
+def test_qwen35_gguf_speculates_exactly(tmp_path):
+    """A Q8_0 "qwen35" file (value heads tiled as llama.cpp writes them) on int8 activations, the default for GGUF:
+    with every generated token as its prediction but every 4th wrong, drafts are kept and rejected and the
+    recurrent state rolls back to the checkpoint of the last row kept; greedy tokens are those of speculation off,
+    and every state and checkpoint slot is free after."""
+    from dataclasses import replace
+
+    path, _, _ = make_qwen35_case(tmp_path, "Q8_0", seed=65, std=0.03)
+    prompts = prompts_for(8)
+    gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    with pipeline(path, INT8_ACT) as pipe:
+        expected = [r.token_ids for r in pipe(prompts, gen)]
+    predicted = [GenerationConfig(max_new_tokens=24, ignore_eos=True,
+                                  prediction=[(t + 1) % VOCAB if i % 4 == 3 else t for i, t in enumerate(e)])
+                 for e in expected]
+    with pipeline(path, replace(INT8_ACT, speculative="ngram", speculative_adaptive=False)) as pipe:
+        got = [pipe(p, g).token_ids for p, g in zip(prompts, predicted)]
+        m = pipe.engine.metrics()
+        pipe.engine.check_integrity()
+    assert got == expected
+    assert 0 < m.num_accepted_draft_tokens["prediction"] < m.num_draft_tokens["prediction"], m
+    assert m.num_free_state_slots == m.num_total_state_slots
+
+
 def test_qwen35_gguf_without_its_state_fields_is_refused(tmp_path):
     """A "qwen35" file whose metadata lacks the Gated DeltaNet shape is refused naming the file and the key, before
     any memory."""
