@@ -112,8 +112,9 @@ class EngineConfig:
     answers (what a request is proposed then depends on what ran before it); off, and auto for now: one token a
     step (auto turns ngram on once its speed-ups hold in every run: docs/configuration.md). Greedy and seeded
     output is the same token for token as without it (not yet on CPUs with AMX tiles), sampled output keeps its
-    distribution; each proposer's drafts follow its acceptance and what a step's rows cost
-    (docs/configuration.md, "Speculative decoding")."""
+    distribution; each proposer's drafts follow its acceptance and what a step's rows cost. Hybrids (Qwen3.5,
+    Qwen3-Next) roll their recurrent state back to per-draft checkpoints, and a grammar's drafts are sampled
+    under its mask after the drafts before them (docs/configuration.md, "Speculative decoding")."""
     num_speculative_tokens: int = 8
     """Draft tokens one request carries into a step at most (speculative decoding)."""
     speculative_adaptive: bool = True
