@@ -392,10 +392,7 @@ void Engine::propose_drafts() {
       left -= take.back();
     }
   }
-  for (size_t i = 0; i < proposing.size(); ++i) {
-    proposing[i]->draft_tokens.resize((size_t)take[i]);
-    if (take[i] > 0) proposing[i]->spec->steps_since_probe = 0;
-  }
+  for (size_t i = 0; i < proposing.size(); ++i) proposing[i]->draft_tokens.resize((size_t)take[i]);
 }
 
 void Engine::cut_drafts_to_grammar(Sequence& seq) {
@@ -444,7 +441,10 @@ int32_t Engine::apply_verification(const ScheduledSeq& s, int32_t first_sample, 
   metrics_.num_draft_tokens[src] += drafts;
   metrics_.num_accepted_draft_tokens[src] += accepted;
   ++metrics_.num_verifications[src];
-  if (seq.spec) seq.spec->record(src, drafts, accepted);
+  if (seq.spec) {
+    seq.spec->record(src, drafts, accepted);
+    seq.spec->steps_since_probe = 0;  // (here, not when chosen: the scheduler may cut chosen drafts to none)
+  }
   return rows;
 }
 
