@@ -300,7 +300,7 @@ void GrammarMatcher::compute() {
   for (int32_t j = 0; j < n; ++j) {
     uint32_t* out = draft_masks_.data() + (size_t)j * words;
     const uint32_t* before = j == 0 ? mask_.data() : out - words;
-    ok = ok && drafts_[j] >= 0 && (size_t)drafts_[j] < words * 32 &&
+    ok = ok && in_vocab(drafts_[j]) &&
          api.matcher_consume_token(copy, (uint32_t)drafts_[j]) == 0 &&
          api.matcher_compute_mask_into(copy, out, words * 4) == 0;
     if (!ok) std::copy(before, before + words, out);
@@ -320,7 +320,7 @@ void GrammarMatcher::request_mask() {
 int32_t GrammarMatcher::num_valid(const int32_t* drafts, int32_t n) {
   wait();
   std::vector<uint32_t> ids;
-  for (int32_t j = 0; j < n && drafts[j] >= 0 && (size_t)drafts[j] < mask_.size() * 32; ++j) ids.push_back(drafts[j]);
+  for (int32_t j = 0; j < n && in_vocab(drafts[j]); ++j) ids.push_back(drafts[j]);
   if (ids.empty() || failed_) return 0;
   const int32_t valid = grammar_->tokenizer().api().matcher_validate_tokens(matcher_, ids.data(), ids.size());
   return valid < 0 ? 0 : valid;
@@ -343,7 +343,7 @@ const uint32_t* GrammarMatcher::wait(int32_t row) const {
 bool GrammarMatcher::consume(int32_t token) {
   wait();
   const LlgApi& api = grammar_->tokenizer().api();
-  if (token < 0 || (size_t)token >= mask_.size() * 32) return false;
+  if (!in_vocab(token)) return false;
   mask_current_ = false;
   num_draft_masks_ = 0;
   return api.matcher_consume_token(matcher_, (uint32_t)token) == 0;

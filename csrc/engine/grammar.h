@@ -134,6 +134,7 @@ class GrammarMatcher : public TokenMask {
  private:
   friend class MaskWorker;
   void compute();  // the worker's job: fills mask_, then the draft masks asked for
+  bool in_vocab(int32_t token) const { return token >= 0 && (size_t)token < mask_.size() * 32; }  // a mask's bits
 
   std::shared_ptr<const CompiledGrammar> grammar_;
   MaskWorker* worker_;

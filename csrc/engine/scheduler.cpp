@@ -419,8 +419,8 @@ int32_t Scheduler::reserve_drafts(Sequence* seq, int32_t budget) {
   // past the limit and dropped), the budget, and the blocks (and, with recurrent state, checkpoint slots) free
   // now: they never preempt.
   const int32_t room = seq->max_total_tokens - seq->num_tokens();
-  int32_t drafts = std::min({(int32_t)seq->draft_tokens.size(), std::max(budget, 0), std::max(room, 0)});
-  if (has_state()) drafts = std::min(drafts, config_.num_draft_state_slots - num_held_draft_slots_);
+  int32_t drafts = std::min({(int32_t)seq->draft_tokens.size(), std::max(budget, 0), std::max(room, 0),
+                              num_free_draft_slots()});
   if (drafts <= 0) return 0;
   const int32_t bs = blocks_.block_size_tokens();
   const int32_t need = blocks_.num_blocks_for(seq->num_tokens() + drafts) - (int32_t)seq->block_table.size();
