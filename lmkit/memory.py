@@ -28,9 +28,8 @@ A model with recurrent layers (Qwen3.5) also has a state pool, sized first (plan
 
 and its bytes are taken from left_bytes before the KV pool's budget, as are those of the disk store's queue
 (kv_cache_dir: store_queue_blocks, the evicted blocks' copies waiting for its writer). Fewer slots than
-max_batch_size cap how many
-sequences run at once (the start-up line says so); no slot at all is refused. Fewer draft slots than wanted cap
-how many drafts of a stateful model a step verifies.
+max_batch_size cap how many sequences run at once (the start-up line says so); no slot at all is refused. Fewer
+draft slots than wanted cap how many drafts of a stateful model a step verifies.
 
 Reservations: every CPU engine records its weights + KV pool bytes in a file ``<pid>-<n>.json`` of
 ``lmkit.env.runtime_dir()``. An engine holds that folder's lock (an flock: the kernel drops it if the holder
