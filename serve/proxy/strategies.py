@@ -11,8 +11,10 @@
   there: the request's leading text (chat messages, prompt or input) cut into chunks of CHUNK_CHARS characters,
   each chunk's key a hash chained over the chunks before it, in a bounded LRU set per node. A request goes to the
   node holding the longest run of its leading keys when that run covers at least MIN_MATCH of them and that node
-  is not overloaded (at most MAX_EXTRA_IN_FLIGHT requests in flight more than the least busy node); otherwise, and
-  for requests without text, as ``min_expected_latency`` does. The chosen node's view then holds the request's keys.
+  is not overloaded (at most MAX_EXTRA_IN_FLIGHT requests in flight more than the least busy node); otherwise to the
+  least loaded node (as ``min_expected_latency``) and, among equally loaded ones, the one holding the fewest keys
+  (SGLang's rule: a new prefix goes where cache is freest, so tenants spread instead of sharing one node's cache).
+  Requests without text go as ``min_expected_latency`` does. The chosen node's view then holds the request's keys.
 
 Ties are broken at random, so equal nodes share the load.
 """
@@ -170,7 +172,10 @@ class PrefixAffinity:
         if best >= MIN_MATCH * len(keys) and holders:
             node = self.fallback.choose(holders)
         else:
-            node = self.fallback.choose(nodes)
+            load = [(n.num_in_flight + 1) / n.speed for n in nodes]
+            least = min(load)
+            idle = [n for n, x in zip(nodes, load) if x <= least * (1 + 1e-9)]
+            node = _pick_min(idle, lambda n: len(self.views[n.url].keys) if n.url in self.views else 0, self.rng)
         self.views.setdefault(node.url, PrefixView()).add(keys)
         return node
 
