@@ -7,8 +7,10 @@ file under ``cache_dir()/gguf`` (``gguf_view``): config.json from the metadata b
 tokenizer.json by transformers' GGUF tokenizer conversion, tokenizer_config.json with the chat template,
 ``gguf_tensors.json`` (the file's tensor table: where each tensor's bytes are) and ``lmkit_gguf.json`` pointing back
 at the file. The folder is written by a subprocess (transformers' tokenizer conversion imports torch, which the engine
-and the servers must not), and it is the only process that parses the file's metadata (the ``gguf`` package's reader
-takes seconds over a vocabulary of 50k-150k strings): a later start reads the view, a stat and two small JSON files.
+and the servers must not), or in this process where torch is loaded already (conversion, ``lmkit.lite``, a notebook:
+the subprocess would only import it again, ~3 s); that writer is the only one to parse the file's metadata (the
+``gguf`` package's reader takes seconds over a vocabulary of 50k-150k strings): a later start reads the view, a
+stat and two small JSON files.
 
 Supported: the architectures of ``ARCHITECTURES`` and the tensor types of ``ENGINE_TYPES``; anything else fails
 naming the architecture, or the type and the tensor, before the engine commits any memory.
@@ -233,24 +235,35 @@ def view_tensors(folder: Path, source: Path) -> dict[str, TensorEntry]:
     return {name: TensorEntry(str(source), offset, dtype, tuple(shape)) for name, offset, dtype, shape in table}
 
 
-def gguf_view(path: str | os.PathLike) -> Path:
-    """The view folder of GGUF file ``path`` (made once, by a subprocess; atomically renamed into place).
-    GgufError naming the field, type or tensor for a file lmkit cannot serve."""
+def gguf_view(path: str | os.PathLike, in_process: bool | None = None) -> Path:
+    """The view folder of GGUF file ``path`` (made once; atomically renamed into place). ``in_process``: write it
+    here rather than in a subprocess; None: here exactly when torch is loaded already. GgufError naming the field,
+    type or tensor for a file lmkit cannot serve."""
     path = Path(path).expanduser().resolve()
     _check_magic(path)
     target = view_dir(path)
     if is_view(target):
         return target
+    if in_process is None:
+        in_process = "torch" in sys.modules
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        done = subprocess.run([sys.executable, "-m", "lmkit.models.gguf_file", str(path), str(work)],
-                              capture_output=True, text=True)
-        if done.returncode == _GGUF_ERROR_EXIT:
-            raise GgufError(done.stderr.strip())
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise GgufError(f"{path}: reading its config and tokenizer failed: {last}")
+        if in_process:
+            try:
+                write_view(path, work)
+            except (GgufError, CorruptCheckpointError):
+                raise
+            except Exception as e:  # the subprocess's last line, as below
+                raise GgufError(f"{path}: reading its config and tokenizer failed: {type(e).__name__}: {e}") from e
+        else:
+            done = subprocess.run([sys.executable, "-m", "lmkit.models.gguf_file", str(path), str(work)],
+                                  capture_output=True, text=True)
+            if done.returncode == _GGUF_ERROR_EXIT:
+                raise GgufError(done.stderr.strip())
+            if done.returncode != 0:
+                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                raise GgufError(f"{path}: reading its config and tokenizer failed: {last}")
         with contextlib.suppress(OSError):
             os.replace(work, target)  # a concurrent maker may have won: its view is as good
         if not is_view(target):
@@ -529,7 +542,7 @@ def _gemma4_config(reader, path: Path) -> dict:
 
 
 def write_view(path: Path, out: Path) -> None:
-    """Writes the view folder of GGUF file ``path`` into ``out`` (the subprocess's work; imports transformers).
+    """Writes the view folder of GGUF file ``path`` into ``out`` (imports transformers, and with it torch).
     The cheap checks first: a file lmkit cannot serve fails before the tokenizer conversion."""
     reader = _reader(path)
     gguf_architecture(reader, path)

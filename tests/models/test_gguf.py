@@ -352,9 +352,15 @@ def test_files_quantized_by_llama_cpp(ftype, tmp_path):
 
 
 @pytest.mark.slow
-def test_gguf_view_config_and_tokenizer(tmp_path):
+@pytest.mark.parametrize("in_process", [False, True], ids=["subprocess", "in_process"])
+def test_gguf_view_config_and_tokenizer(tmp_path, in_process):
+    """The view folder, written by a subprocess (a process without torch, as the servers are) or here (torch is
+    loaded: the default in this process)."""
+    from lmkit.models.gguf_file import gguf_view
+
     path, _ = make_case(tmp_path, "llama", "Q4_0", seed=3, vocab_size=FULL_VOCAB)
-    folder = resolve_model(path)
+    folder = gguf_view(path, in_process=in_process)
+    assert resolve_model(path) == folder
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["hidden_size"] == 64
     assert cfg["num_key_value_heads"] == 2 and cfg["tie_word_embeddings"] is False
@@ -394,21 +400,25 @@ def test_shipped_smollm2_q4_1_answers(tmp_path):
 
 # ---- files lmkit cannot serve: a clear error, before any memory is committed
 
-def test_bad_gguf_files(tmp_path):
+@pytest.mark.parametrize("in_process", [False, True], ids=["subprocess", "in_process"])
+def test_bad_gguf_files(tmp_path, in_process):
+    from lmkit.models.gguf_file import gguf_view
+
     path, _ = make_case(tmp_path, "llama", "Q4_0", seed=4)
     data = path.read_bytes()
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(data[: len(data) - 1000])
     with pytest.raises(GgufError, match="truncated"):
-        resolve_model(truncated)
+        gguf_view(truncated, in_process=in_process)
     wrong = tmp_path / "wrong.gguf"
     wrong.write_bytes(b"GGML" + data[4:])
     with pytest.raises(GgufError, match="not a GGUF file"):
-        resolve_model(wrong)
+        gguf_view(wrong, in_process=in_process)
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(data[:4] + b"\xff" * 64)
     with pytest.raises(GgufError):
-        resolve_model(garbage)
+        gguf_view(garbage, in_process=in_process)
+    assert not list((tmp_path / "cache" / "gguf").glob("*"))  # no view, no work folder left behind
 
 
 def test_gguf_unsupported_type_names_type_and_tensor(tmp_path):
