@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from lmkit.lite.int8 import Int8Weight, int8_scales
@@ -27,6 +28,7 @@ from lmkit.lite.int8 import QMAX as INT8_MAX
 from lmkit.lite.quantizer import MAX_INT, QuantizedWeight, quantize_params
 
 BLOCK_COLUMNS = 128  # lazy-update block; a multiple of every supported group size
+INNER_COLUMNS = 16  # lazy-update block inside it; divides every supported group size
 
 # (group index, the block being rounded [out, cols], the group's first column in it) -> (scale, zero) [out]
 GroupParams = Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -47,27 +49,41 @@ def _round_columns(w: torch.Tensor, u: torch.Tensor, group_size: int, params: Gr
                    q_max: int) -> torch.Tensor:
     """Integers [out, in] (float32) of ``w`` [out, in] rounded column by column as in the module docstring:
     q = clamp(round(w / scale) + zero, q_min, q_max), each group's (scale, zero) from ``params`` when its
-    first column is reached. ``w`` is updated in place."""
+    first column is reached. ``w`` is left as it was.
+
+    The column loop is the sequential part, so it runs on numpy rows (a column of ``w`` is a row of its
+    transpose: ~1 us an operation where a torch call costs several) and pushes each column's error only onto
+    the rest of its INNER_COLUMNS; each inner and each BLOCK_COLUMNS block then hands its errors on at once
+    (a matrix product), the lazy batch updates of GPTQ's reference code. A group starts on an inner block's
+    boundary, so ``params`` sees its columns with every earlier column's error applied."""
     out_features, in_features = w.shape
-    q = torch.zeros(out_features, in_features, device=w.device)
+    wt = w.detach().t().contiguous().numpy()  # [in, out]: a copy; row c is column c of w
+    ut = u.detach().float().contiguous().numpy()  # upper triangular [in, in]
+    qt = np.empty_like(wt)
     s = z = None
     for b0 in range(0, in_features, BLOCK_COLUMNS):
         b1 = min(b0 + BLOCK_COLUMNS, in_features)
-        block = w[:, b0:b1].clone()
-        errors = torch.zeros_like(block)
-        ub = u[b0:b1, b0:b1]
-        for j in range(b1 - b0):
-            column = b0 + j
-            if column % group_size == 0:
-                s, z = params(column // group_size, block, j)
-            col = block[:, j]
-            qc = (torch.round(col / s) + z).clamp_(q_min, q_max)
-            q[:, column] = qc
-            err = (col - (qc - z) * s) / ub[j, j]
-            block[:, j:] -= err.unsqueeze(1) * ub[j, j:].unsqueeze(0)
-            errors[:, j] = err
-        w[:, b1:] -= errors @ u[b0:b1, b1:]
-    return q
+        errors = np.empty((b1 - b0, out_features), dtype=np.float32)
+        for i0 in range(b0, b1, INNER_COLUMNS):
+            i1 = min(i0 + INNER_COLUMNS, b1)
+            for c in range(i0, i1):
+                if c % group_size == 0:
+                    scale, zero = params(c // group_size, torch.from_numpy(wt[b0:b1]).t(), c - b0)
+                    s, z = scale.float().contiguous().numpy(), zero.float().contiguous().numpy()
+                col = wt[c]
+                qc = np.rint(col / s)
+                qc += z
+                np.clip(qc, q_min, q_max, out=qc)
+                qt[c] = qc
+                err = (col - (qc - z) * s) / ut[c, c]
+                errors[c - b0] = err
+                if c + 1 < i1:
+                    wt[c + 1:i1] -= np.outer(ut[c, c + 1:i1], err)
+            if i1 < b1:
+                wt[i1:b1] -= ut[i0:i1, i1:b1].T @ errors[i0 - b0:i1 - b0]
+        if b1 < in_features:
+            wt[b1:] -= ut[b0:b1, b1:].T @ errors
+    return torch.from_numpy(qt).t().contiguous()
 
 
 @torch.no_grad()
@@ -81,7 +97,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
     """
     w = weight.detach().float().clone()
     out_features, in_features = w.shape
-    if in_features % group_size or BLOCK_COLUMNS % group_size:
+    if in_features % group_size or BLOCK_COLUMNS % group_size or group_size % INNER_COLUMNS:
         raise ValueError(f"group size {group_size} must divide {in_features} and {BLOCK_COLUMNS}")
     u = _inverse_factor(w, hessian, damp)
     num_groups = in_features // group_size

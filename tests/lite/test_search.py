@@ -95,3 +95,52 @@ def test_gptq_rounding_lowers_output_error():
         return float((x @ (qw.dequantize() - w).t()).pow(2).mean())
 
     assert out_err(gptq) < 0.95 * out_err(rtn)
+
+
+def _gptq_float64(w: torch.Tensor, hessian: torch.Tensor, group_size: int, q_min: int, q_max: int,
+                  group_params, damp: float = 0.01) -> torch.Tensor:
+    """GPTQ as its module docstring states it, column by column in float64, each column's error pushed onto every
+    later column at once (no lazy blocks): the integers [out, in]."""
+    w = w.double().clone()
+    h = hessian.double().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += torch.eye(h.shape[0], dtype=torch.float64) * (damp * float(torch.diag(h).mean()))
+    u = torch.linalg.cholesky(torch.linalg.inv(h), upper=True)
+    q = torch.zeros_like(w)
+    for c in range(w.shape[1]):
+        if c % group_size == 0:
+            scale, zero = (t.double() for t in group_params(w[:, c:c + group_size]))
+        q[:, c] = (torch.round(w[:, c] / scale) + zero).clamp(q_min, q_max)
+        err = (w[:, c] - (q[:, c] - zero) * scale) / u[c, c]
+        w[:, c + 1:] -= err.unsqueeze(1) * u[c, c + 1:].unsqueeze(0)
+    return q
+
+
+def test_gptq_matches_a_float64_reference_without_lazy_blocks():
+    """int4 in groups of 32 over 320 input channels (three lazy blocks, the last one partial; a dead channel) and
+    int8 per row: the integers of the float64 reference, but for the rare weight near a rounding tie."""
+    from lmkit.lite.gptq import gptq_quantize, gptq_quantize_int8
+    from lmkit.lite.int8 import QMAX, int8_scales
+    from lmkit.lite.quantizer import MAX_INT, quantize_params
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(40, 320, generator=g)
+    mix = torch.eye(320) + 0.7 * torch.randn(320, 320, generator=g) / 320**0.5
+    x = torch.randn(3000, 320, generator=g) @ mix * (1 + 3 * torch.rand(320, generator=g))
+    x[:, 5] = 0.0  # a channel no token reaches
+    hessian = x.t() @ x
+
+    def int4_params(members):
+        scale, zero = quantize_params(members.amin(dim=1).float(), members.amax(dim=1).float())
+        return scale.float(), zero
+
+    got = gptq_quantize(w, hessian, 32)
+    ref = _gptq_float64(w, hessian, 32, 0, MAX_INT, int4_params)
+    assert float((got.q.float() == ref.float()).float().mean()) > 0.995
+    scales = int8_scales(w)
+    got8 = gptq_quantize_int8(w, hessian)
+    ref8 = _gptq_float64(w, hessian, w.shape[1], -QMAX, QMAX, lambda m: (scales.float(), torch.zeros(40)))
+    assert float((got8.q.float() == ref8.float()).float().mean()) > 0.995
+    assert torch.all(got.dequantize()[:, 5] == 0) and torch.all(got8.q[:, 5] == 0)  # the dead channel
