@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +71,13 @@ class AwqResult:
     pseudo_quantized: dict[str, torch.Tensor] | None = None
 
 
-def check_group_size(shapes: dict[str, tuple[int, int]], group_size: int) -> None:
-    """ValueError naming the first linear whose input size ``group_size`` does not divide, and the
-    supported group sizes that divide every linear; also checks output sizes pack into int32."""
+def check_group_size(shapes: dict[str, tuple[int, int]], group_size: int) -> int:
+    """``group_size``, or for 0 the largest supported size that divides every linear's input. ValueError naming
+    the first linear whose input size ``group_size`` does not divide, and the supported group sizes that divide
+    every linear; also checks output sizes pack into int32."""
+    if group_size == 0:
+        working = [g for g in SUPPORTED_GROUP_SIZES if all(i % g == 0 for _, i in shapes.values())]
+        group_size = max(working, default=SUPPORTED_GROUP_SIZES[0])  # none: the message below says so
     for name, (out_features, in_features) in shapes.items():
         if out_features % PACK_NUM:
             raise ValueError(f"{name} has {out_features} output channels, not a multiple of {PACK_NUM}: "
@@ -85,6 +89,7 @@ def check_group_size(shapes: dict[str, tuple[int, int]], group_size: int) -> Non
                                     "of this model, so it cannot be quantized in this format")
             raise ValueError(f"--w-group-size {group_size} does not divide the {in_features} input channels of "
                              f"{name} ({in_features} / {group_size} = {in_features / group_size:g}); {hint}")
+    return group_size
 
 
 @torch.no_grad()
@@ -220,7 +225,7 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
     t = time.perf_counter()
     reporter.phase("reading the model")
     lw = LayerwiseModel(source, device)
-    check_group_size(lw.linear_shapes(), config.w_group_size)
+    config = replace(config, w_group_size=check_group_size(lw.linear_shapes(), config.w_group_size))
     temp_dir = export.prepare_work_dir(config.work_dir, config.overwrite)
     try:
         x = None

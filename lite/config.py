@@ -89,13 +89,20 @@ class LayerwiseQuantConfig:
 
 @dataclass(frozen=True)
 class AwqConfig(LayerwiseQuantConfig):
-    """How ``quantize_awq`` turns a floating-point checkpoint into an AWQ int4 one."""
+    """How ``quantize_awq`` turns a floating-point checkpoint into an AWQ int4 one. The calibration and search
+    defaults are sized for a 2-core CPU (SmolLM2 in under 5 minutes): 64 windows of 512 tokens (about what
+    AutoAWQ's default, 128 pileval samples cut into 512-token blocks, calibrates on), scales scored on 4 of them
+    over 10 exponents; on SmolLM2 their held-out perplexity is that of 128 windows, 8 and 20 within the
+    run-to-run spread (benchmark/results/quantization-quality.md)."""
 
-    w_group_size: int = 128
+    calib_samples: int = 64
+    calib_seqlen: int = 512
+    search_samples: int = 4
+    w_group_size: int = 0
     format: str = "compressed-tensors"
     search_scale: bool = True
     clip: bool = True
-    num_grid: int = 20
+    num_grid: int = 10
     scale_form: str = "duo"
     clip_grid: int = 11
     clip_max_shrink: float = 0.5
@@ -106,7 +113,9 @@ class AwqConfig(LayerwiseQuantConfig):
     HELP = {
         **LayerwiseQuantConfig.HELP,
         "work_dir": "Output folder: the AWQ checkpoint (written to a temp folder, renamed into place at the end).",
-        "w_group_size": "Input channels per (scale, zero) group: 32, 64 or 128; must divide every quantized layer.",
+        "w_group_size": "Input channels per (scale, zero) group: 32, 64 or 128, dividing every quantized layer; 0 = "
+                        "the largest that does (128 where it divides every layer, as AutoAWQ and LMDeploy default; "
+                        "SmolLM2's 576 channels: 64).",
         "format": "Checkpoint format: compressed-tensors (llm-compressor's pack-quantized W4A16, what vLLM and SGLang "
                   "load) or autoawq (AutoAWQ GEMM: qweight/qzeros/scales, what LMDeploy's TurboMind loads); lmkit "
                   "serves both and `lmkit lite convert` moves a checkpoint between them.",
@@ -130,8 +139,8 @@ class AwqConfig(LayerwiseQuantConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.w_group_size not in SUPPORTED_GROUP_SIZES:
-            raise ValueError(f"--w-group-size must be one of {', '.join(map(str, SUPPORTED_GROUP_SIZES))}, "
+        if self.w_group_size not in (0, *SUPPORTED_GROUP_SIZES):
+            raise ValueError(f"--w-group-size must be one of {', '.join(map(str, SUPPORTED_GROUP_SIZES))} or 0 (auto), "
                              f"got {self.w_group_size}")
         if self.format not in CHECKPOINT_FORMATS:
             raise ValueError(f"--format must be one of {', '.join(CHECKPOINT_FORMATS)}, got {self.format!r}")

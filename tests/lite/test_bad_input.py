@@ -62,7 +62,7 @@ def test_group_size_that_does_not_divide_names_layer_and_working_sizes(tmp_path)
 
 
 def test_unsupported_group_size_value(tmp_path):
-    with pytest.raises(ValueError, match="--w-group-size must be one of 32, 64, 128, got 48"):
+    with pytest.raises(ValueError, match=r"--w-group-size must be one of 32, 64, 128 or 0 \(auto\), got 48"):
         AwqConfig(work_dir=tmp_path / "out", w_group_size=48)
 
 

@@ -34,10 +34,13 @@ def test_cli_awq_then_ppl(lite_tiny_llama, tmp_path):
 
 
 def test_cli_rtn_flag(lite_tiny_llama, tmp_path):
+    """--rtn, and no --w-group-size: the largest supported size that divides every layer (inputs of 64 and 128)."""
     result = CliRunner().invoke(app, ["lite", "awq", str(lite_tiny_llama), "--work-dir", str(tmp_path / "rtn"),
-                                      "--w-group-size", "64", "--rtn"])
+                                      "--rtn"])
     assert result.exit_code == 0, result.output
     assert "RTN int4" in result.output
+    qc = json.loads((tmp_path / "rtn" / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_0"]["weights"]["group_size"] == 64
 
 
 @pytest.mark.slow
