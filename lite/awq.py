@@ -45,7 +45,7 @@ from lmkit.lite.quantizer import PACK_NUM, SUPPORTED_GROUP_SIZES, QuantizedWeigh
 from lmkit.lite.requirements import require_quantizer
 from lmkit.lite.search import refine_quantization, search_clip, search_scale, shrink_grid
 from lmkit.lite.progress import Reporter, SilentReporter, evaluate_before_after, report_json
-from lmkit.lite.threads import torch_threads
+from lmkit.lite.threads import elementwise_threads, torch_threads
 from lmkit.models import AwqMap
 
 
@@ -144,8 +144,7 @@ def _process_layer(model: LayerwiseModel, runner: LayerRunner | None, index: int
         seconds["scale_search"] += time.perf_counter() - t
 
         t = time.perf_counter()
-        with torch_threads(1):  # small batched products and element-wise work (see lmkit.lite.threads)
-            quantized.update(_quantize_calibrated(layer, awq_map, observer.stats, config, prefix, clips_out))
+        quantized.update(_quantize_calibrated(layer, awq_map, observer.stats, config, prefix, clips_out))
         seconds["clip_search"] += time.perf_counter() - t
         del observer
 
@@ -177,29 +176,36 @@ def _quantize_calibrated(layer: nn.Module, awq_map: AwqMap, stats: list, config:
                          clips_out: dict) -> dict[str, QuantizedWeight]:
     """Clip search (and least-squares refinement) per linear from the observed input moments, then int4."""
     grid = shrink_grid(config.clip_grid, config.clip_max_shrink)
-    g = config.w_group_size
     quantized = {}
     for group, group_stats in zip(awq_map.groups, stats):
         for name in group.linears:
             weight = layer.get_submodule(name).weight
-            w_min = w_max = None
-            if config.clip and (name not in awq_map.no_clip or config.clip_qk):
-                w_min, w_max = search_clip(weight, group_stats.moments, g, grid)
-                clips_out[prefix + name + ".min"] = w_min
-                clips_out[prefix + name + ".max"] = w_max
-            if config.rounding == "gptq":
-                ratio_min = ratio_max = None
-                if w_min is not None:
-                    full = weight.float().view(weight.shape[0], -1, g)
-                    full_min, full_max = full.amin(dim=2), full.amax(dim=2)
-                    ratio_min = torch.where(full_min < 0, w_min / full_min, torch.ones_like(w_min))
-                    ratio_max = torch.where(full_max > 0, w_max / full_max, torch.ones_like(w_max))
-                quantized[name] = gptq_quantize(weight, group_stats.hessian, g, ratio_min, ratio_max)
-            elif config.refine:
-                quantized[name] = refine_quantization(weight, group_stats.moments, g, w_min, w_max)
-            else:
-                quantized[name] = quantize(weight, g, w_min, w_max)
+            with torch_threads(elementwise_threads(weight.numel())):  # see lmkit.lite.threads
+                quantized[name] = _quantize_linear(weight, group_stats, config, prefix + name, grid, clips_out,
+                                                   clip=config.clip and (name not in awq_map.no_clip or config.clip_qk))
     return quantized
+
+
+def _quantize_linear(weight: torch.Tensor, group_stats, config: AwqConfig, name: str, grid: torch.Tensor,
+                     clips_out: dict, clip: bool) -> QuantizedWeight:
+    """One linear's clip search (into ``clips_out`` under ``name``) and its int4 by the configured rounding."""
+    g = config.w_group_size
+    w_min = w_max = None
+    if clip:
+        w_min, w_max = search_clip(weight, group_stats.moments, g, grid)
+        clips_out[name + ".min"] = w_min
+        clips_out[name + ".max"] = w_max
+    if config.rounding == "gptq":
+        ratio_min = ratio_max = None
+        if w_min is not None:
+            full = weight.float().view(weight.shape[0], -1, g)
+            full_min, full_max = full.amin(dim=2), full.amax(dim=2)
+            ratio_min = torch.where(full_min < 0, w_min / full_min, torch.ones_like(w_min))
+            ratio_max = torch.where(full_max > 0, w_max / full_max, torch.ones_like(w_max))
+        return gptq_quantize(weight, group_stats.hessian, g, ratio_min, ratio_max)
+    if config.refine:
+        return refine_quantization(weight, group_stats.moments, g, w_min, w_max)
+    return quantize(weight, g, w_min, w_max)
 
 
 def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter | None = None,

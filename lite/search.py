@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lmkit.lite.quantizer import MAX_INT, QuantizedWeight, quantize
-from lmkit.lite.threads import torch_threads
+from lmkit.lite.threads import elementwise_threads, torch_threads
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,10 @@ def search_scale(block: Callable[[torch.Tensor], torch.Tensor], linears: list[nn
     originals = [lin.weight.data.clone() for lin in linears]
     w_mean = weight_group_mean(originals, group_size)
     reference = block(x)
+    threads = elementwise_threads(max(w.numel() for w in originals))
 
     def score(scales: torch.Tensor | None) -> float:
-        with torch_threads(1):  # element-wise work (see lmkit.lite.threads)
+        with torch_threads(threads):  # element-wise work (see lmkit.lite.threads)
             for lin, w in zip(linears, originals):
                 if scales is None:
                     lin.weight.data = quantize(w, group_size).dequantize()

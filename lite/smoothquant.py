@@ -46,7 +46,7 @@ from lmkit.lite.layerwise import LayerwiseModel
 from lmkit.lite.observer import GroupInputObserver
 from lmkit.lite.progress import Reporter, SilentReporter, evaluate_before_after, report_json
 from lmkit.lite.requirements import require_quantizer
-from lmkit.lite.threads import torch_threads
+from lmkit.lite.threads import elementwise_threads, torch_threads
 
 REPORT_DIR = "smooth_quant"  # the scales and report.json, beside the weights
 INPUT_MULTIPLE = 32  # lmkit's int8 kernels take a row's inputs in blocks of 32 (csrc/model/weights.cpp)
@@ -108,7 +108,7 @@ def w8a8_linears(linears: list[nn.Linear], scales: torch.Tensor | None, weights:
 
     handles = [lin.register_forward_pre_hook(hook) for lin in linears]
     try:
-        with torch_threads(1):  # element-wise work (see lmkit.lite.threads)
+        with torch_threads(elementwise_threads(max(w.numel() for w in originals))):  # see lmkit.lite.threads
             for i, (lin, w) in enumerate(zip(linears, originals)):
                 if weights is not None:
                     lin.weight.data = weights[i].dequantize().to(w.device)
@@ -206,10 +206,10 @@ def _process_layer(model: LayerwiseModel, runner: LayerRunner, index: int, x: to
 
     t = time.perf_counter()
     quantized: dict[str, Int8Weight] = {}
-    with torch_threads(1):  # column-by-column updates (see lmkit.lite.threads)
-        for group, stats in zip(awq_map.groups, observer.stats):
-            for linear_name in group.linears:
-                weight = layer.get_submodule(linear_name).weight
+    for group, stats in zip(awq_map.groups, observer.stats):
+        for linear_name in group.linears:
+            weight = layer.get_submodule(linear_name).weight
+            with torch_threads(elementwise_threads(weight.numel())):  # see lmkit.lite.threads
                 quantized[linear_name] = (gptq_quantize_int8(weight, stats.hessian) if config.rounding == "gptq"
                                           else quantize_int8(weight))
     del observer

@@ -144,3 +144,12 @@ def test_gptq_matches_a_float64_reference_without_lazy_blocks():
     ref8 = _gptq_float64(w, hessian, w.shape[1], -QMAX, QMAX, lambda m: (scales.float(), torch.zeros(40)))
     assert float((got8.q.float() == ref8.float()).float().mean()) > 0.995
     assert torch.all(got.dequantize()[:, 5] == 0) and torch.all(got8.q[:, 5] == 0)  # the dead channel
+
+
+def test_element_wise_passes_take_threads_by_weight_size():
+    """One thread over a weight that fits the caches (SmolLM2's largest, 1536 x 576), all of torch's over a large
+    one (an 8B model's down_proj)."""
+    from lmkit.lite.threads import elementwise_threads, torch_threads
+
+    with torch_threads(2):
+        assert elementwise_threads(1536 * 576) == 1 and elementwise_threads(4096 * 14336) == 2
