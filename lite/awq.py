@@ -77,7 +77,12 @@ def check_group_size(shapes: dict[str, tuple[int, int]], group_size: int) -> int
     every linear; also checks output sizes pack into int32."""
     if group_size == 0:
         working = [g for g in SUPPORTED_GROUP_SIZES if all(i % g == 0 for _, i in shapes.values())]
-        group_size = max(working, default=SUPPORTED_GROUP_SIZES[0])  # none: the message below says so
+        if not working:
+            name, (_, in_features) = next((n, s) for n, s in shapes.items() if s[1] % SUPPORTED_GROUP_SIZES[0])
+            raise ValueError(f"none of the group sizes {', '.join(map(str, SUPPORTED_GROUP_SIZES))} divides every "
+                             f"quantized layer of this model ({name} has {in_features} input channels), so it cannot "
+                             "be quantized in this format")
+        group_size = max(working)
     for name, (out_features, in_features) in shapes.items():
         if out_features % PACK_NUM:
             raise ValueError(f"{name} has {out_features} output channels, not a multiple of {PACK_NUM}: "

@@ -92,8 +92,8 @@ class AwqConfig(LayerwiseQuantConfig):
     """How ``quantize_awq`` turns a floating-point checkpoint into an AWQ int4 one. The calibration and search
     defaults are sized for a 2-core CPU (SmolLM2 in under 5 minutes): 64 windows of 512 tokens (about what
     AutoAWQ's default, 128 pileval samples cut into 512-token blocks, calibrates on), scales scored on 4 of them
-    over 10 exponents; on SmolLM2 their held-out perplexity is that of 128 windows, 8 and 20 within the
-    run-to-run spread (benchmark/results/quantization-quality.md)."""
+    over 10 exponents; on SmolLM2 their held-out perplexity is within 0.3 of that of 128 windows, 8 and 20, on
+    both held-out texts (benchmark/results/quantization-quality.md)."""
 
     calib_samples: int = 64
     calib_seqlen: int = 512

@@ -55,10 +55,14 @@ def _round_columns(w: torch.Tensor, u: torch.Tensor, group_size: int, params: Gr
     transpose: ~1 us an operation where a torch call costs several) and pushes each column's error only onto
     the rest of its INNER_COLUMNS; each inner and each BLOCK_COLUMNS block then hands its errors on at once
     (a matrix product), the lazy batch updates of GPTQ's reference code. A group starts on an inner block's
-    boundary, so ``params`` sees its columns with every earlier column's error applied."""
+    boundary, so ``params`` sees its columns with every earlier column's error applied. On a GPU the loop runs
+    on the CPU all the same (its operations are too small for kernel launches): ``params`` gets the block on
+    ``w``'s device, and the integers go back there. Its matrix products run on numpy's BLAS threads, which
+    lmkit.lite.threads does not set."""
     out_features, in_features = w.shape
-    wt = w.detach().t().contiguous().numpy()  # [in, out]: a copy; row c is column c of w
-    ut = u.detach().float().contiguous().numpy()  # upper triangular [in, in]
+    device = w.device
+    wt = np.array(w.detach().t().cpu().numpy(), dtype=np.float32, order="C")  # [in, out], a copy: row c = column c
+    ut = u.detach().float().cpu().contiguous().numpy()  # upper triangular [in, in]
     qt = np.empty_like(wt)
     s = z = None
     for b0 in range(0, in_features, BLOCK_COLUMNS):
@@ -68,8 +72,8 @@ def _round_columns(w: torch.Tensor, u: torch.Tensor, group_size: int, params: Gr
             i1 = min(i0 + INNER_COLUMNS, b1)
             for c in range(i0, i1):
                 if c % group_size == 0:
-                    scale, zero = params(c // group_size, torch.from_numpy(wt[b0:b1]).t(), c - b0)
-                    s, z = scale.float().contiguous().numpy(), zero.float().contiguous().numpy()
+                    scale, zero = params(c // group_size, torch.from_numpy(wt[b0:b1]).t().to(device), c - b0)
+                    s, z = scale.float().cpu().contiguous().numpy(), zero.float().cpu().contiguous().numpy()
                 col = wt[c]
                 qc = np.rint(col / s)
                 qc += z
@@ -83,7 +87,7 @@ def _round_columns(w: torch.Tensor, u: torch.Tensor, group_size: int, params: Gr
                 wt[i1:b1] -= ut[i0:i1, i1:b1].T @ errors[i0 - b0:i1 - b0]
         if b1 < in_features:
             wt[b1:] -= ut[b0:b1, b1:].T @ errors
-    return torch.from_numpy(qt).t().contiguous()
+    return torch.from_numpy(qt).t().contiguous().to(device)
 
 
 @torch.no_grad()
@@ -98,7 +102,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
     w = weight.detach().float().clone()
     out_features, in_features = w.shape
     if in_features % group_size or BLOCK_COLUMNS % group_size or group_size % INNER_COLUMNS:
-        raise ValueError(f"group size {group_size} must divide {in_features} and {BLOCK_COLUMNS}")
+        raise ValueError(f"group size {group_size} must divide {in_features} and {BLOCK_COLUMNS} and be a multiple "
+                         f"of {INNER_COLUMNS}")
     u = _inverse_factor(w, hessian, damp)
     num_groups = in_features // group_size
     scales = torch.zeros(out_features, num_groups, dtype=torch.float16, device=w.device)

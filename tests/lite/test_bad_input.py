@@ -168,3 +168,13 @@ def test_packages_not_needed_are_not_asked_for(lite_tiny_llama, tmp_path, monkey
     quantize_awq(lite_tiny_llama, AwqConfig(work_dir=tmp_path / "out", format="autoawq", calib_samples=0,
                                             w_group_size=32))
     assert (tmp_path / "out" / COMPLETE_MARKER).exists()
+
+
+def test_no_group_size_divides_every_layer():
+    """The automatic group size (0) when none of 32/64/128 divides a layer: the error names the layer."""
+    from lmkit.lite.awq import check_group_size
+
+    assert check_group_size({"a": (32, 192), "b": (32, 128)}, 0) == 64
+    with pytest.raises(ValueError, match=r"none of the group sizes 32, 64, 128 divides every quantized layer .*\(b has "
+                                         r"48 input channels\)"):
+        check_group_size({"a": (32, 96), "b": (32, 48)}, 0)

@@ -4,6 +4,7 @@ search never scores worse than no smoothing and leaves the module unchanged."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -153,3 +154,17 @@ def test_element_wise_passes_take_threads_by_weight_size():
 
     with torch_threads(2):
         assert elementwise_threads(1536 * 576) == 1 and elementwise_threads(4096 * 14336) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA GPU")
+def test_gptq_on_a_gpu_gives_the_cpus_integers():
+    """lite on --device cuda: the weight, the Hessian and the clip ratios on the GPU, the column loop on the CPU."""
+    from lmkit.lite.gptq import gptq_quantize
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 256, generator=g)
+    x = torch.randn(1000, 256, generator=g) * (1 + 3 * torch.rand(256, generator=g))
+    ratio = 0.8 + 0.2 * torch.rand(64, 4, generator=g)
+    cpu = gptq_quantize(w, x.t() @ x, 64, ratio, ratio)
+    gpu = gptq_quantize(w.cuda(), (x.t() @ x).cuda(), 64, ratio.cuda(), ratio.cuda())
+    assert gpu.q.device.type == "cuda" and float((gpu.q.cpu() == cpu.q).float().mean()) > 0.99

@@ -27,7 +27,7 @@ def test_awq_beats_rtn_on_held_out_text(smollm2_path, tmp_path):
     ppl_config = PplConfig(dataset="hamlet", seqlen=512, max_tokens=2048)
     rtn = quantize_awq(smollm2_path, AwqConfig(work_dir=tmp_path / "rtn", calib_samples=0))
     assert rtn.group_size == 64  # the default: the largest size that divides SmolLM2's 576 channels
-    # a small calibration and coarse grids (defaults: 128 x 512 tokens, 20 scale points, 11 x 11 clip factors):
+    # a small calibration and coarse grids (defaults: 64 x 512 tokens, 10 scale points, 11 x 11 clip factors):
     # 171 s on one Zen 1 core, perplexity 26.97 against RTN's 30.33 (16 x 256 tokens, 4 search samples and grids
     # of 10 / 6: 311 s, 27.93)
     awq = quantize_awq(smollm2_path, AwqConfig(work_dir=tmp_path / "awq", w_group_size=64, calib_samples=8,
