@@ -228,7 +228,7 @@ def test_chunked_prefill_prefix_hits_preemption_and_n(tiny_llama):
                              repetition_penalty=1.3 if i == 1 else 1.0, min_new_tokens=10 if i == 2 else 0,
                              prediction=None if i % 2 else (doc * 2)[:50])
             for i in range(len(prompts))]
-    base = dict(BASE, cache_max_entry_count=16, max_prefill_token_num=24, max_batch_size=6, enable_prefix_caching=True)
+    base = dict(BASE, cache_max_entry_count=20, max_prefill_token_num=24, max_batch_size=6, enable_prefix_caching=True)
 
     def run(spec: str):
         with pipeline(folder, EngineConfig(**base, **(FIXED if spec != "off" else {}), speculative=spec)) as pipe:
