@@ -75,8 +75,8 @@ def check_group_size(shapes: dict[str, tuple[int, int]], group_size: int) -> int
     """``group_size``, or for 0 the largest supported size that divides every linear's input. ValueError naming
     the first linear whose input size ``group_size`` does not divide, and the supported group sizes that divide
     every linear; also checks output sizes pack into int32."""
+    working = [g for g in SUPPORTED_GROUP_SIZES if all(i % g == 0 for _, i in shapes.values())]
     if group_size == 0:
-        working = [g for g in SUPPORTED_GROUP_SIZES if all(i % g == 0 for _, i in shapes.values())]
         if not working:
             name, (_, in_features) = next((n, s) for n, s in shapes.items() if s[1] % SUPPORTED_GROUP_SIZES[0])
             raise ValueError(f"none of the group sizes {', '.join(map(str, SUPPORTED_GROUP_SIZES))} divides every "
@@ -88,7 +88,6 @@ def check_group_size(shapes: dict[str, tuple[int, int]], group_size: int) -> int
             raise ValueError(f"{name} has {out_features} output channels, not a multiple of {PACK_NUM}: "
                              "it cannot be packed in the AWQ GEMM format")
         if in_features % group_size:
-            working = [g for g in SUPPORTED_GROUP_SIZES if all(i % g == 0 for _, i in shapes.values())]
             hint = (f"group sizes that divide every quantized layer of this model: {', '.join(map(str, working))}"
                     if working else f"none of {', '.join(map(str, SUPPORTED_GROUP_SIZES))} divides every layer "
                                     "of this model, so it cannot be quantized in this format")

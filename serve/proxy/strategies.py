@@ -30,10 +30,20 @@ from typing import Any, Callable
 from lmkit.serve.proxy.registry import Node
 
 
-def _pick_min(nodes: list[Node], score: Callable[[Node], float], rng: random.Random) -> Node:
+def _lowest(nodes: list[Node], score: Callable[[Node], float]) -> list[Node]:
+    """The nodes of the lowest ``score`` (equal within rounding)."""
     scores = [score(n) for n in nodes]
     best = min(scores)
-    return rng.choice([n for n, s in zip(nodes, scores) if s <= best * (1 + 1e-9)])
+    return [n for n, s in zip(nodes, scores) if s <= best * (1 + 1e-9)]
+
+
+def _pick_min(nodes: list[Node], score: Callable[[Node], float], rng: random.Random) -> Node:
+    return rng.choice(_lowest(nodes, score))
+
+
+def _expected_latency(n: Node) -> float:
+    """min_expected_latency's score: requests in flight per unit of speed, counting the new one."""
+    return (n.num_in_flight + 1) / n.speed
 
 
 class RandomStrategy:
@@ -53,7 +63,7 @@ class MinExpectedLatency:
         self.rng = rng or random.Random()
 
     def choose(self, nodes: list[Node]) -> Node:
-        return _pick_min(nodes, lambda n: (n.num_in_flight + 1) / n.speed, self.rng)
+        return _pick_min(nodes, _expected_latency, self.rng)
 
 
 class MinObservedLatency:
@@ -70,10 +80,7 @@ class MinObservedLatency:
             latency = n.observed_latency_s if n.observed_latency_s is not None else prior
             return latency * (n.num_in_flight + 1)
 
-        scores = [expected(n) for n in nodes]
-        best = min(scores)
-        tied = [n for n, s in zip(nodes, scores) if s <= best * (1 + 1e-9)]
-        return _pick_min(tied, lambda n: n.num_in_flight, self.rng)  # no observations yet: fewest in flight
+        return _pick_min(_lowest(nodes, expected), lambda n: n.num_in_flight, self.rng)  # no observations yet: fewest in flight
 
 
 CHUNK_CHARS = 256
@@ -172,10 +179,8 @@ class PrefixAffinity:
         if best >= MIN_MATCH * len(keys) and holders:
             node = self.fallback.choose(holders)
         else:
-            load = [(n.num_in_flight + 1) / n.speed for n in nodes]
-            least = min(load)
-            idle = [n for n, x in zip(nodes, load) if x <= least * (1 + 1e-9)]
-            node = _pick_min(idle, lambda n: len(self.views[n.url].keys) if n.url in self.views else 0, self.rng)
+            node = _pick_min(_lowest(nodes, _expected_latency),
+                             lambda n: len(self.views[n.url].keys) if n.url in self.views else 0, self.rng)
         self.views.setdefault(node.url, PrefixView()).add(keys)
         return node
 
