@@ -19,6 +19,11 @@ of how often real drafts are right, so the rows fix acceptance instead, with the
 A random network falls into loops that n-gram lookup predicts, so the n-gram proposer adds drafts of its own where
 the prediction proposes none (counted apart in the table).
 
+The model carries a random multi-token-prediction head (mtp.*, as Qwen3.5 ships one), so a row prices
+speculative='mtp' where its drafts are (almost) never right:
+  mtp, adaptive   the head runs after every step (its K/V stay complete) and drafts until its misses switch it off,
+                  then probes: what the head costs where it does not pay (what it gains needs trained weights)
+
 Batch-1 decode tokens/s after a 256-token random prompt (prefill excluded), greedy, eos ignored; each row's tokens
 must equal the off row's. One process, rows one after another, rounds alternating their order; medians.
 """
@@ -60,11 +65,43 @@ def make_model(folder: Path, layers: int, smoke: bool) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder))
+    add_random_mtp_head(folder, layers)
     from lmkit.model_path import default_model_dir
 
     for name in ("tokenizer.json", "tokenizer_config.json"):  # SmolLM2's, whose vocabulary the shape takes
         shutil.copy(default_model_dir() / name, folder / name)
     return folder
+
+
+def add_random_mtp_head(folder: Path, layers: int) -> None:
+    """A one-layer MTP head as Qwen3.5 ships it (mtp.fc, its norms, mtp.layers.0.* shaped as the last full-attention
+    layer), random: HF's initialisation (normal, std 0.02; norms zero, i.e. (1 + w) = 1)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["mtp_num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    shard = folder / "model.safetensors"
+    tensors = load_file(str(shard))
+    last = max(i for i, kind in enumerate(cfg["layer_types"]) if kind == "full_attention")
+    prefix = f"model.layers.{last}."
+    g = torch.Generator().manual_seed(1)
+    hidden = cfg["hidden_size"]
+
+    def like(shape, norm: bool):
+        return torch.zeros(shape, dtype=torch.bfloat16) if norm else \
+            (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    mtp = {"mtp.fc.weight": like((hidden, 2 * hidden), False)}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{name}.weight"] = like((hidden,), True)
+    for name, t in tensors.items():
+        if name.startswith(prefix):
+            mtp["mtp.layers.0." + name[len(prefix):]] = like(tuple(t.shape), "norm" in name)
+    save_file({**tensors, **mtp}, str(shard), metadata={"format": "pt"})
 
 
 def decode(engine, prompt: list[int], gen) -> tuple[list[int], float]:
@@ -87,7 +124,7 @@ def main(argv=None) -> int:
     from lmkit import EngineConfig, GenerationConfig, env
     from lmkit.engine import Engine
 
-    name = f"qwen3.5-hybrid-{'smoke' if args.smoke else 'h1024'}-{args.layers}l"
+    name = f"qwen3.5-hybrid-{'smoke' if args.smoke else 'h1024'}-{args.layers}l-mtp"
     folder = make_model(args.folder or env.cache_dir() / "peers" / name, args.layers, args.smoke)
     vocab = SHAPE["vocab_size"]
     prompt = np.random.default_rng(7).integers(3, vocab, size=256).tolist()
@@ -103,6 +140,7 @@ def main(argv=None) -> int:
         "all kept": (dict(speculative="ngram", speculative_adaptive=False), exact),
         "every 4th wrong": (dict(speculative="ngram", speculative_adaptive=False), every_4th),
         "wrong, adaptive": (dict(speculative="ngram"), wrong),
+        "mtp, adaptive": (dict(speculative="mtp"), None),
     }
     rates: dict[str, list[float]] = {r: [] for r in rows}
     same: dict[str, bool] = {}
@@ -117,7 +155,7 @@ def main(argv=None) -> int:
             rates[row].append(rate)
             same[row] = same.get(row, True) and tokens == exact
             drafts[row] = {src: (m.num_draft_tokens[src], m.num_accepted_draft_tokens[src])
-                           for src in ("prediction", "ngram") if m.num_draft_tokens[src]}
+                           for src in ("prediction", "ngram", "mtp") if m.num_draft_tokens[src]}
     off = statistics.median(rates["off"])
     print(f"# {cpu_description()}, {args.threads} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"# {name}: {folder}; 256-token prompt, {args.new_tokens} new tokens, {args.rounds} rounds")

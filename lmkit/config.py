@@ -24,7 +24,7 @@ class EngineConfig:
 
     device: Literal["cpu", "cuda", "auto"] = "auto"
     """Where to run: cpu, cuda, or auto (the GPU where usable, else the CPU, logging why). auto falls back to the CPU
-    without a CUDA build or GPU, for dtype other than auto or speculative ngram / suffix, and for a model the CUDA
+    without a CUDA build or GPU, for dtype other than auto or speculative ngram / suffix / mtp, and for a model the CUDA
     backend refuses at load or that does not fit (csrc/kernels/cuda/README.md)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype. auto: on the CPU bfloat16 where the CPU has AVX512_BF16 (below), else float32 with the KV
@@ -106,10 +106,12 @@ class EngineConfig:
     cuda_graphs: bool = True
     """CUDA backend: replay decode steps (every row one token, up to 256 rows) as CUDA graphs, one launch
     instead of hundreds. False: launch every kernel, every step."""
-    speculative: Literal["auto", "ngram", "suffix", "off"] = "auto"
+    speculative: Literal["auto", "ngram", "suffix", "mtp", "off"] = "auto"
     """Speculative decoding: drafts verified in one step. ngram: drafts from the request's prediction and its own
     prompt and output (the last tokens looked up where they occurred before); suffix: also from recently finished
-    answers (what a request is proposed then depends on what ran before it); off, and auto for now: one token a
+    answers (what a request is proposed then depends on what ran before it); mtp: one draft a step from the model's
+    multi-token-prediction head (Qwen3.5/3.6, Qwen3-Next ship one; its layer's K/V take one more layer of the KV
+    pool), and the request's prediction where it gives one; off, and auto for now: one token a
     step (auto turns ngram on once its speed-ups hold in every run: docs/configuration.md). Greedy and seeded
     output is the same token for token as without it (not yet on CPUs with AMX tiles), sampled output keeps its
     distribution; each proposer's drafts follow its acceptance and what a step's rows cost. Hybrids (Qwen3.5,
@@ -156,11 +158,11 @@ class EngineConfig:
         check(self.quant_policy in (0, 4, 8), f"quant_policy must be 0, 4 or 8, got {self.quant_policy!r}")
         check(self.kv_policy is None or isinstance(self.kv_policy, (str, os.PathLike)),
               f"kv_policy must be a path to a kv_policy.json file, got {self.kv_policy!r}")
-        check(self.speculative in ("auto", "ngram", "suffix", "off"),
-              f"speculative must be auto, ngram, suffix or off, got {self.speculative!r}")
+        check(self.speculative in ("auto", "ngram", "suffix", "mtp", "off"),
+              f"speculative must be auto, ngram, suffix, mtp or off, got {self.speculative!r}")
         check(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 64,
               f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}")
-        check(not (self.device == "cuda" and self.speculative in ("ngram", "suffix")),
+        check(not (self.device == "cuda" and self.speculative in ("ngram", "suffix", "mtp")),
               f"speculative={self.speculative!r} runs on the CPU backend; the CUDA backend does not verify draft "
               "tokens yet: use speculative='auto' or 'off' with device='cuda'")
         check(self.kv_cache_dir is None or (isinstance(self.kv_cache_dir, (str, os.PathLike))
@@ -253,6 +255,7 @@ class EngineConfig:
         c.speculative.max_draft_tokens = self.num_speculative_tokens
         c.speculative.adaptive = bool(self.speculative_adaptive)
         c.speculative.answer_store_tokens = SUFFIX_STORE_TOKENS if self.speculative == "suffix" else 0
+        c.speculative.mtp = self.speculative == "mtp"
         if self.kv_cache_dir is not None:
             c.kv_cache_dir = os.path.abspath(os.fspath(self.kv_cache_dir))
             c.kv_cache_disk_bytes = int(self.kv_cache_disk_gib * 2**30)

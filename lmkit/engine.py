@@ -52,7 +52,7 @@ def _import_extension():
 def _resolve_device(config: EngineConfig, _engine) -> tuple[str, str]:
     """(device, why): cpu or cuda, and for ``auto`` the reason it chose the CPU ("" otherwise). ``auto`` is CUDA
     where the extension has the CUDA backend, a GPU is usable and the settings are not the CPU backend's
-    (dtype other than auto, speculative ngram / suffix); Engine falls back to the CPU as well when the CUDA
+    (dtype other than auto, speculative ngram / suffix / mtp); Engine falls back to the CPU as well when the CUDA
     backend refuses the model at load or it does not fit. ``cuda`` raises ValueError naming what is missing."""
     device = config.device
     if device == "cpu":
@@ -64,7 +64,7 @@ def _resolve_device(config: EngineConfig, _engine) -> tuple[str, str]:
         why = "no CUDA GPU is usable here (no driver or no device)"
     elif device == "auto" and config.dtype != "auto":
         why = f"dtype={config.dtype!r} is the CPU backend's"
-    elif device == "auto" and config.speculative in ("ngram", "suffix"):
+    elif device == "auto" and config.speculative in ("ngram", "suffix", "mtp"):
         why = f"speculative={config.speculative!r} runs on the CPU backend"
     elif device == "auto" and config.kv_cache_dir is not None:
         why = "kv_cache_dir (the disk store) runs on the CPU backend"
@@ -195,7 +195,13 @@ class Engine:
             n, self.cpu_binding = None, None
         self.speculative: bool = self.config.speculates(self.device)
         """Whether the engine verifies draft tokens (EngineConfig.speculative, resolved)."""
-        if self.speculative:
+        if self.speculative and self.config.speculative == "mtp":
+            if not self.spec.mtp_num_layers:
+                raise ValueError(f"speculative='mtp' needs a model with a multi-token-prediction head (config "
+                                 f"mtp_num_hidden_layers > 0 and its mtp.* tensors: Qwen3.5/3.6, Qwen3-Next); "
+                                 f"{self.spec.architecture.name} here has none: use speculative='ngram'")
+            log.info("speculative decoding: the model's MTP head, one draft token a request and step")
+        elif self.speculative:
             log.info("speculative decoding: n-gram and answer lookup, up to %d draft tokens a request",
                      self.config.num_speculative_tokens)
         sizing = reserve_kv_pool(self.config, self.spec, self.speculative) if self.device == "cpu" else nullcontext()
@@ -219,8 +225,10 @@ class Engine:
             )
         if self._cpp.mtp_num_layers:
             n_mtp = self._cpp.mtp_num_layers
-            log.info("MTP head: %d layer%s loaded, %.1f MiB (unused until speculative decoding)", n_mtp,
-                     "s" * (n_mtp > 1), self._cpp.mtp_weight_bytes / 2**20)
+            use = "drafting (speculative='mtp')" if self.config.speculative == "mtp" else \
+                "unused: speculative='mtp' drafts with it"
+            log.info("MTP head: %d layer%s loaded, %.1f MiB (%s)", n_mtp, "s" * (n_mtp > 1),
+                     self._cpp.mtp_weight_bytes / 2**20, use)
         return sizer
 
     @classmethod

@@ -281,3 +281,23 @@ def assert_text_logits_match_hf(folder, ref, seed: int, label: str = "") -> None
             want = ref(input_ids=torch.tensor([full])).logits[0, :-1].numpy()
         err = np.linalg.norm(r.logits - want, axis=-1) / np.linalg.norm(want, axis=-1)
         assert err.max() <= 1e-4, f"{label}{len(prompt)}-token prompt: worst row rel err {err.max():.3g}"
+
+
+def submit_all(engine, prompts, gens) -> list[tuple[list[int], list[float]]]:
+    """Every prompt with its own GenerationConfig, all in flight at once: each completion's (tokens, logprobs),
+    in order of prompt, then completion."""
+    gens = gens if isinstance(gens, list) else [gens] * len(prompts)
+    queues = [(engine.submit_to_queue(list(p), g)[1], g.n) for p, g in zip(prompts, gens)]
+    out = []
+    for q, n in queues:
+        got = {i: ([], []) for i in range(n)}
+        done = 0
+        while done < n:
+            o = q.get(timeout=120)
+            got[o.sample_index][0].extend(o.token_ids)
+            got[o.sample_index][1].extend(round(x, 4) for x in o.logprobs)
+            if o.finished:
+                assert o.finish_reason in ("length", "stop"), o.error
+                done += 1
+        out += [got[i] for i in range(n)]
+    return out

@@ -97,6 +97,7 @@ struct Batch {
   std::vector<HiddenOutputRow> hidden_outputs;       // ordered by logit_index
   std::vector<StateCopy> state_copies;               // recurrent-state slot copies, applied before the forward
   std::vector<int32_t> state_checkpoints;            // the sequences' checkpoint slots (BatchSeq::num_checkpoints)
+  bool stateless = false;  // no recurrent layer runs (the MTP head's pass): state slots are neither read nor zeroed
 
   bool empty() const { return num_tokens == 0; }
   // Every row is one sequence's single (decode) token and every row's logits are needed.

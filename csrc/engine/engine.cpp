@@ -36,6 +36,9 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor)
   LMKIT_CHECK(!options.speculative.enabled || (options.speculative.max_draft_tokens >= 1 &&
                                                options.speculative.max_step_draft_tokens >= 1),
               "speculative decoding needs max_draft_tokens and max_step_draft_tokens >= 1");
+  mtp_ = options.speculative.enabled && options.speculative.mtp;
+  LMKIT_CHECK(!mtp_ || executor_->runs_mtp(), "speculative='mtp' with an executor that does not run its MTP head");
+  mtp_greedy_.temperature = 0.0f;
   executor_->allocate_kv_pool(options.num_blocks);
   if (options.num_state_slots > 0) executor_->allocate_state_pool(options.num_state_slots);
   if (!options.kv_cache_dir.empty()) start_store();
@@ -360,13 +363,18 @@ void Engine::propose_drafts() {
     for (int32_t source = 0; source < kNumDraftSources && drafts.empty(); ++source) {
       if ((source == kDraftPrediction && !spec.predicted) || (source == kDraftAnswers && answers_.num_tokens() == 0))
         continue;
+      if (c.mtp ? (source == kDraftNgram || source == kDraftAnswers) : source == kDraftMtp) continue;
       const int32_t want = spec.draft_budget(source, most);
       if (want <= 0) continue;
+      // (the head drafted for this length exactly when this budget was to be > 0: SpecState::will_propose)
+      if (source == kDraftMtp && seq->mtp_draft_at != n) continue;
       seq->draft_source = source;
       if (source == kDraftPrediction)
         spec.predicted->propose(tokens, n, seq->num_generated_tokens(), want, drafts);
       else if (source == kDraftNgram)
         spec.ngram.lookup(tokens, n, tokens, n, want, drafts);
+      else if (source == kDraftMtp)
+        drafts.push_back(seq->mtp_draft);
       else
         answers_.lookup(tokens, n, want, drafts);
     }
@@ -478,7 +486,87 @@ void Engine::run_step() {
   ++metrics_.num_steps;
   metrics_.num_prompt_tokens += plan.num_prefill_tokens;
   metrics_.num_weight_bytes_read += out.weight_bytes_read;
+  std::vector<MtpRows> rows;
+  if (mtp_) rows = mtp_rows(plan, batch);
   apply_step(plan, batch, out);
+  if (mtp_) run_mtp(batch, rows);
+}
+
+std::vector<Engine::MtpRows> Engine::mtp_rows(const BatchPlan& plan, const Batch& batch) const {
+  std::vector<MtpRows> rows;
+  for (size_t i = 0; i < plan.seqs.size(); ++i) {
+    const BatchSeq& bs = batch.seqs[i];
+    rows.push_back({plan.seqs[i].seq, (int32_t)i, bs.ctx_len - bs.num_rows});
+  }
+  return rows;
+}
+
+void Engine::run_mtp(const Batch& batch, const std::vector<MtpRows>& rows) {
+  std::unordered_set<const Sequence*> live;
+  for (const Sequence* seq : scheduler_.running()) live.insert(seq);
+  const int32_t bs = batch.block_size_tokens;
+  Batch mb;
+  mb.block_size_tokens = bs;
+  mb.stateless = true;
+  std::vector<int32_t> hidden_rows;
+  std::vector<Sequence*> seqs;
+  for (const MtpRows& r : rows) {
+    if (!live.count(r.seq)) continue;  // finished by this step
+    Sequence& seq = *r.seq;
+    const BatchSeq& src = batch.seqs[r.batch_seq];
+    // the rows the step kept (a verification's accepted ones), each with the token after it known
+    const int32_t kept = std::min({src.num_rows, seq.num_computed_tokens - r.start, seq.num_tokens() - 1 - r.start});
+    if (kept <= 0) continue;
+    BatchSeq ms;
+    ms.first_row = mb.num_tokens;
+    ms.num_rows = kept;
+    ms.ctx_len = r.start + kept;
+    ms.table_offset = (int32_t)mb.block_tables.size();
+    ms.num_blocks = (ms.ctx_len + bs - 1) / bs;
+    ms.prefill = src.prefill;
+    ms.num_decode_rows = std::min(src.num_decode_rows, kept);
+    mb.block_tables.insert(mb.block_tables.end(), batch.block_tables.begin() + src.table_offset,
+                           batch.block_tables.begin() + src.table_offset + ms.num_blocks);
+    for (int32_t j = 0; j < kept; ++j) {
+      mb.token_ids.push_back(seq.tokens[(size_t)(r.start + j + 1)]);
+      mb.positions.push_back(batch.positions[(size_t)(src.first_row + j)]);
+      mb.slots.push_back(batch.slots[(size_t)(src.first_row + j)]);
+      hidden_rows.push_back(src.first_row + j);
+    }
+    mb.num_tokens += kept;
+    mb.max_ctx_len = std::max(mb.max_ctx_len, ms.ctx_len);
+    mb.max_blocks_per_seq = std::max(mb.max_blocks_per_seq, ms.num_blocks);
+    // a draft for a sequence that decodes next and takes one from the head
+    const SamplingParams& p = seq.params;
+    const bool drafts = seq.num_pending_tokens() == 1 && p.speculate && !p.output_logits &&
+                        seq.max_total_tokens > seq.num_tokens() && (!seq.spec || seq.spec->will_propose(kDraftMtp));
+    if (drafts) {
+      SampleRow row;
+      row.logit_index = (int32_t)mb.logit_rows.size();
+      row.seq = (int32_t)mb.seqs.size();
+      row.params = &mtp_greedy_;
+      row.history = seq.tokens.data();
+      row.num_history = seq.num_tokens();
+      row.num_prompt = seq.num_prompt_tokens;
+      mb.logit_rows.push_back(ms.first_row + kept - 1);
+      mb.samples.push_back(std::move(row));
+    }
+    mb.seqs.push_back(ms);
+    seqs.push_back(&seq);
+  }
+  if (mb.empty()) return;
+  StepOutput out;
+  try {
+    out = executor_->mtp_step(mb, hidden_rows);
+  } catch (const std::exception& e) {
+    for (Sequence* seq : seqs) finish(seq, FinishReason::kError, {ErrorKind::kInternal, std::string("MTP head failed: ") + e.what()});
+    return;
+  }
+  for (size_t k = 0; k < mb.samples.size(); ++k) {
+    Sequence& seq = *seqs[(size_t)mb.samples[k].seq];
+    seq.mtp_draft = out.tokens[k];
+    seq.mtp_draft_at = seq.num_tokens();
+  }
 }
 
 void Engine::release_idle_memory() {

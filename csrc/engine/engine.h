@@ -177,6 +177,17 @@ class Engine {
   void start_grammar(Sequence& seq);
   // Speculative decoding: draft tokens for the running decodes that take them (Sequence::draft_tokens).
   void propose_drafts();
+  // speculative='mtp', after a step: the MTP head over the rows the step kept of the sequences still running (each
+  // row with the token after it, so its K/V in the head's pool layer stay complete), and a draft of the next token
+  // for those that decode next and take drafts (Sequence::mtp_draft). Before: what each scheduled sequence's rows
+  // were (mtp_rows: plan order), taken before apply_step may finish it.
+  struct MtpRows {
+    Sequence* seq = nullptr;
+    int32_t batch_seq = 0;  // index into the step's Batch::seqs
+    int32_t start = 0;      // the position of the chunk's first row
+  };
+  std::vector<MtpRows> mtp_rows(const BatchPlan& plan, const Batch& batch) const;
+  void run_mtp(const Batch& batch, const std::vector<MtpRows>& rows);
   // Times forwards of 1 to kCalibrationRows rows into step_cost_, once, on the loop thread before the first request:
   // the costs the adaptive rule weighs drafts with stay the same for the engine's life, so a request's drafts (and
   // the arithmetic of its steps) do not depend on how fast earlier steps happened to run.
@@ -236,6 +247,8 @@ class Engine {
   std::mt19937_64 seed_source_;
   AnswerStore answers_;  // finished answers, for draft lookup
   StepCost step_cost_;   // seconds of a step by row count (calibrate_step_cost), for choose_drafts
+  bool mtp_ = false;     // speculative='mtp': the executor runs its MTP head after each step (run_mtp)
+  SamplingParams mtp_greedy_;  // the MTP head's drafts: its argmax
   PromptPacer pacer_;    // sizes each step's prompt tokens from the step times
   std::unique_ptr<KVStore> store_;             // the disk store, or none
   std::unique_ptr<PrefixTier> store_tier_;     // the scheduler's view of it

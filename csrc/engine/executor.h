@@ -4,6 +4,7 @@
 #pragma once
 #include <stdint.h>
 
+#include <stdexcept>
 #include <vector>
 
 #include "engine/batch.h"
@@ -22,10 +23,20 @@ class Executor {
   // Bytes of weights one decode step reads (every linear layer and the lm_head, as packed): with the
   // KV bytes, the memory traffic that bounds decode speed (benchmark/profile_generation.py's roofline).
   virtual int64_t linear_weight_bytes() const = 0;
-  // The multi-token-prediction head's decoder layers the executor holds (0: none) and their bytes as stored: loaded
-  // for a future MTP proposer, read by no step yet, so not in linear_weight_bytes.
+  // The multi-token-prediction head's decoder layers the executor holds (0: none) and their bytes as stored (not in
+  // linear_weight_bytes: a step reads them only when the head runs).
   virtual int32_t mtp_num_layers() const { return 0; }
   virtual int64_t mtp_weight_bytes() const { return 0; }
+  // Whether the executor runs its MTP head (speculative='mtp'): then every step keeps its rows' final hidden states
+  // and mtp_step may follow it.
+  virtual bool runs_mtp() const { return false; }
+  // The MTP head over the rows of the step just run: row r of batch (the next token after a position of that step,
+  // at that position, with its KV slot; batch.stateless) reads the final hidden state of the step's row
+  // hidden_rows[r], writes the head's K/V at its slot, and batch's sample rows are sampled from the head's logits (a
+  // draft of the token after next). Changes nothing else.
+  virtual StepOutput mtp_step(const Batch& /*batch*/, const std::vector<int32_t>& /*hidden_rows*/) {
+    throw std::logic_error("this executor has no multi-token-prediction head");
+  }
   // Allocates the pool; called once by the engine before the first step.
   virtual void allocate_kv_pool(int32_t num_blocks) = 0;
   // Whether read_kv_block() / write_kv_block() work (the disk store needs them: engine/kv_store.h).

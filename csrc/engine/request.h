@@ -172,6 +172,9 @@ struct Sequence {
   std::vector<int32_t> draft_tokens;
   int32_t draft_source = 0;
   std::vector<int32_t> verify_tokens;
+  // The MTP head's draft of the token at position mtp_draft_at (= num_tokens() when it was drafted; stale otherwise).
+  int32_t mtp_draft = -1;
+  int32_t mtp_draft_at = -1;
 
   int32_t num_tokens() const { return (int32_t)tokens.size(); }
   int32_t num_pending_tokens() const { return num_tokens() - num_computed_tokens; }

@@ -38,6 +38,9 @@ struct SpeculativeConfig {
   int32_t max_step_draft_tokens = 32;  // draft rows of one step at most (all sequences)
   bool adaptive = true;  // drafts only while they pay (choose_drafts); false: every proposal, up to the limits
   int32_t answer_store_tokens = 0;  // finished answers kept for lookup (tokens, oldest dropped first); 0: none
+  // Drafts from the model's multi-token-prediction head (speculative='mtp') instead of the n-gram and answer lookups:
+  // after every step the head drafts one token per decoding sequence (Engine::run_mtp).
+  bool mtp = false;
 };
 
 // An index of one token stream's n-grams (min_ngram..max_ngram tokens): for each, the position right after its
@@ -88,8 +91,11 @@ class AnswerStore {
   NgramIndex index_;
 };
 
-// The proposers, in the order they are asked (the first that proposes wins) and as metrics count them.
-enum DraftSource : int32_t { kDraftPrediction = 0, kDraftNgram = 1, kDraftAnswers = 2, kNumDraftSources = 3 };
+// The proposers, in the order they are asked (the first that proposes wins) and as metrics count them. With
+// SpeculativeConfig::mtp the MTP head takes the n-gram and answer lookups' place.
+enum DraftSource : int32_t {
+  kDraftPrediction = 0, kDraftNgram = 1, kDraftAnswers = 2, kDraftMtp = 3, kNumDraftSources = 4
+};
 
 // A request's predicted output and where the sequence last aligned with it.
 class PredictionLookup {
@@ -121,14 +127,18 @@ struct SpecState {
   std::unique_ptr<PredictionLookup> predicted;  // null: the request gave no prediction
   // Per proposer, decayed counts of drafts kept and drafts examined (kept, plus the first rejected one): the
   // per-token acceptance is their ratio.
-  float kept[kNumDraftSources] = {3.0f, 3.0f, 3.0f};
-  float examined[kNumDraftSources] = {4.0f, 4.0f, 4.0f};  // an optimistic 0.75 to start: the first drafts get tried
+  float kept[kNumDraftSources] = {3.0f, 3.0f, 3.0f, 3.0f};
+  float examined[kNumDraftSources] = {4.0f, 4.0f, 4.0f, 4.0f};  // an optimistic 0.75 to start: the first drafts get tried
   int32_t idle_steps[kNumDraftSources] = {};  // steps since the proposer was last asked while switched off
   int32_t steps_since_probe = 0;  // proposals since drafts were last verified (see choose_drafts' probes)
   float acceptance(int32_t source) const { return kept[source] / examined[source]; }
   // How many draft tokens `source` may propose now: max_tokens, or 0 while it is switched off (counting the steps
   // until its next probe, which may propose kProbeTokens).
   int32_t draft_budget(int32_t source, int32_t max_tokens);
+  // Whether the next draft_budget(source, ...) will be > 0 (the MTP head drafts only for sequences that take it).
+  bool will_propose(int32_t source) const {
+    return acceptance(source) >= kOffBelow || idle_steps[source] + 1 >= kProbeInterval;
+  }
   // After a verification of `source`'s drafts: accepted of proposed were kept.
   void record(int32_t source, int32_t proposed, int32_t accepted);
 };

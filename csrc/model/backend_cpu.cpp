@@ -278,7 +278,7 @@ class CpuBackend final : public Backend {
     LMKIT_CHECK(slot_floats > 0 || batch.state_checkpoints.empty(), "state checkpoints for a model without "
                 "recurrent layers");
     for (const BatchSeq& s : batch.seqs) {
-      if (slot_floats == 0) break;
+      if (slot_floats == 0 || batch.stateless) break;
       LMKIT_CHECK(s.state_slot >= 0 && s.state_slot < num_state_slots_, "a sequence of a model with recurrent "
                   "layers has state slot ", s.state_slot, " (", num_state_slots_, " in the pool)");
       LMKIT_CHECK(s.num_checkpoints >= 0 && s.num_checkpoints < s.num_rows && s.checkpoint_offset >= 0 &&
@@ -545,6 +545,17 @@ class CpuBackend final : public Backend {
   void gather_logit_rows(const void* x, int64_t first, int64_t n, int64_t dim, void* out) override {
     for (int64_t i = 0; i < n; ++i)
       std::memcpy(f32(out) + i * dim, f32(x) + (int64_t)batch_->logit_rows[first + i] * dim, dim * sizeof(float));
+  }
+
+  void gather_rows(const void* x, const int32_t* rows, int64_t n, int64_t dim, void* out) override {
+    for (int64_t i = 0; i < n; ++i)
+      std::memcpy(f32(out) + i * dim, f32(x) + (int64_t)rows[i] * dim, dim * sizeof(float));
+  }
+  void concat_columns(const void* a, const void* b, int64_t rows, int64_t dim, void* out) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(f32(out) + r * 2 * dim, f32(a) + r * dim, dim * sizeof(float));
+      std::memcpy(f32(out) + r * 2 * dim + dim, f32(b) + r * dim, dim * sizeof(float));
+    }
   }
 
   void softcap(void* x, int64_t rows, int64_t dim, float cap) override { ops::softcap(f32(x), rows * dim, cap); }

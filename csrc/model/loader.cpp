@@ -60,6 +60,7 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   model_options.block_size_tokens = config.block_size_tokens;
   model_options.max_step_tokens = backend.max_step_tokens;
   model_options.kv_quant = config.kv_quant;
+  model_options.mtp = config.speculative.enabled && config.speculative.mtp;
   ModelWeights weights = ModelWeights::load(model, sources);
   std::unique_ptr<Backend> device;
   int64_t device_free_bytes = 0;  // CUDA: free GPU memory once weights and workspaces are in; CPU: 0

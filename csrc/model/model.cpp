@@ -26,9 +26,8 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   if (!c.inv_freq_local.empty()) rope_tables_.push_back(b.upload_rope(c.inv_freq_local, c.attention_scaling_local));
   auto norm = [&](const Tensor& t) { return t.is_empty() ? DeviceVector{} : b.upload_norm(t, offset); };
   bool quantized = false;
-  for (int32_t i = 0; i < c.num_layers; ++i) {
-    const LayerWeights& w = weights.layers[i];
-    for (const LinearTensors* t : w.linears()) quantized = quantized || t->is_int4() || t->is_int8();
+  // Layer i's weights packed (the MTP head's layer: shaped as config layer i = mtp_shape_layer())
+  auto pack_layer = [&](const LayerWeights& w, int32_t i) {
     Layer l;
     l.input_norm = norm(w.input_norm);
     l.post_attention_norm = norm(w.post_attention_norm);
@@ -99,8 +98,40 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
       l.v_norm = b.upload_norm(make_view((void*)ones.data(), DType::F32, (int64_t)ones.size()), 0.0f);
     }
     if (c.has_layer_scalar) l.scalar = float_value(w.layer_scalar, 0);
-    layers_.push_back(std::move(l));
+    return l;
+  };
+  for (int32_t i = 0; i < c.num_layers; ++i) {
+    for (const LinearTensors* t : weights.layers[i].linears()) quantized = quantized || t->is_int4() || t->is_int8();
+    layers_.push_back(pack_layer(weights.layers[i], i));
   }
+  const int32_t mtp_shape = c.mtp_shape_layer();
+  if (options.mtp) {
+    LMKIT_CHECK_ARG(c.mtp_num_layers > 0 && !weights.mtp.layers.empty(), c.architecture,
+                    ": speculative='mtp' needs a multi-token-prediction head (config mtp_num_hidden_layers > 0 and "
+                    "the checkpoint's mtp.* tensors: Qwen3.5/3.6, Qwen3-Next); this model has none");
+    mtp_layer_ = pack_layer(weights.mtp.layers[0], mtp_shape);
+    mtp_fc_ = b.pack_linear({&weights.mtp.fc});
+    mtp_norm_embedding_ = norm(weights.mtp.pre_fc_norm_embedding);
+    mtp_norm_hidden_ = norm(weights.mtp.pre_fc_norm_hidden);
+    mtp_norm_ = norm(weights.mtp.norm);
+  }
+  // Layer l (config layer i) attends over KV pool layer kv_layer (after the loop: the specs point into the Layer)
+  auto set_attention_spec = [&](Layer& l, int32_t i, int32_t kv_layer) {
+    AttentionSpec& a = l.attention;
+    a.layer = kv_layer;
+    a.reads_shared_kv = c.reads_shared_kv(i);
+    a.num_heads = c.num_heads, a.num_kv_heads = c.kv_heads_of(i), a.head_dim = c.head_dim_of(i);
+    a.q_norm = l.q_norm.is_empty() ? nullptr : &l.q_norm;
+    a.k_norm = l.k_norm.is_empty() ? nullptr : &l.k_norm;
+    a.norm_whole = c.qk_norm_whole;
+    a.norm_eps = c.rms_norm_eps;
+    a.rope = c.layer_rope[i] == 0 ? nullptr : &rope_tables_[c.layer_rope[i] - 1];
+    a.scale = c.softmax_scale(i);
+    a.sliding_window = c.layer_sliding_window[i];
+    a.logit_softcap = c.attn_logit_softcap;
+    a.sinks = l.sinks.is_empty() ? nullptr : &l.sinks;
+    a.v_norm = l.v_norm.is_empty() ? nullptr : &l.v_norm;
+  };
   std::vector<RecurrentSpec> recurrent;
   for (int32_t i = 0; i < c.num_layers; ++i) {  // after the loop: the specs point into layers_
     Layer& l = layers_[i];
@@ -117,21 +148,9 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
       recurrent.push_back(r);
       continue;
     }
-    AttentionSpec& a = l.attention;
-    a.layer = c.kv_source(i);
-    a.reads_shared_kv = c.reads_shared_kv(i);
-    a.num_heads = c.num_heads, a.num_kv_heads = c.kv_heads_of(i), a.head_dim = c.head_dim_of(i);
-    a.q_norm = l.q_norm.is_empty() ? nullptr : &l.q_norm;
-    a.k_norm = l.k_norm.is_empty() ? nullptr : &l.k_norm;
-    a.norm_whole = c.qk_norm_whole;
-    a.norm_eps = c.rms_norm_eps;
-    a.rope = c.layer_rope[i] == 0 ? nullptr : &rope_tables_[c.layer_rope[i] - 1];
-    a.scale = c.softmax_scale(i);
-    a.sliding_window = c.layer_sliding_window[i];
-    a.logit_softcap = c.attn_logit_softcap;
-    a.sinks = l.sinks.is_empty() ? nullptr : &l.sinks;
-    a.v_norm = l.v_norm.is_empty() ? nullptr : &l.v_norm;
+    set_attention_spec(l, i, c.kv_source(i));
   }
+  if (options.mtp) set_attention_spec(mtp_layer_, mtp_shape, c.num_layers);  // its KV: the pool's last layer
   final_norm_ = norm(weights.final_norm);
   lm_head_ = b.pack_lm_head(weights.lm_head, quantized);
   b.set_embedding(weights.embed_tokens);
@@ -150,6 +169,11 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   for (int32_t i = 0; i < c.num_layers; ++i) {
     kv_heads[i] = c.is_recurrent_layer(i) || c.reads_shared_kv(i) ? 0 : c.kv_heads_of(i);
     head_dims[i] = c.head_dim_of(i);
+  }
+  if (options.mtp) {  // the MTP layer's K/V: one more pool layer, shaped and stored as its shape layer's
+    kv_quant.push_back(kv_quant[mtp_shape]);
+    kv_heads.push_back(c.kv_heads_of(mtp_shape));
+    head_dims.push_back(c.head_dim_of(mtp_shape));
   }
   b.configure_kv(kv_quant, kv_heads, head_dims, options.block_size_tokens);
   b.configure_state(recurrent);
@@ -176,6 +200,10 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   if (c.per_layer_input_size > 0) {
     ple_ = b.allocate_activations(T, (int64_t)c.num_layers * c.per_layer_input_size);
     ple_gate_ = b.allocate_activations(T, c.per_layer_input_size);
+  }
+  if (options.mtp) {
+    mtp_hidden_ = b.allocate_activations(T, H);  // the main step's final hidden states, every row
+    mtp_cat_ = b.allocate_activations(T, 2 * H);
   }
   head_residual_ = b.allocate_activations(G, H);
   head_hidden_ = b.allocate_activations(G, H);
@@ -210,8 +238,9 @@ void DecoderModel::mixer_block(int32_t l, int64_t rows, void* h) {
     attention_block(l, rows, h);
 }
 
-void DecoderModel::attention_block(int32_t l, int64_t rows, void* h) {
-  const Layer& w = layers_[l];
+void DecoderModel::attention_block(int32_t l, int64_t rows, void* h) { attention_block(layers_[l], l, rows, h); }
+
+void DecoderModel::attention_block(const Layer& w, int32_t l, int64_t rows, void* h) {
   backend_->linear(h, rows, w.qkv, wide_.get());
   if (!w.attn_gate.is_empty()) backend_->linear(h, rows, w.attn_gate, gate_.get());
   backend_->attention(wide_.get(), rows, w.attention, attn_.get());
@@ -226,8 +255,9 @@ void DecoderModel::recurrent_block(int32_t l, int64_t rows, void* h) {
   backend_->linear(attn_.get(), rows, w.recurrent_out, h);
 }
 
-void DecoderModel::mlp_block(int32_t l, int64_t rows, void* h) {
-  const Layer& w = layers_[l];
+void DecoderModel::mlp_block(int32_t l, int64_t rows, void* h) { mlp_block(layers_[l], l, rows, h); }
+
+void DecoderModel::mlp_block(const Layer& w, int32_t l, int64_t rows, void* h) {
   if (w.moe.router.is_empty()) {
     gated_mlp(h, rows, w.gate_up, w.down_proj, config_.intermediate_of(l), h);
     return;
@@ -284,10 +314,14 @@ void DecoderModel::gated_mlp(const void* h, int64_t rows, const PackedLinear& ga
 void DecoderModel::head(int64_t first, int64_t n, bool logits) {
   if (n == 0) return;
   const int64_t H = config_.hidden_size;
-  backend_->gather_logit_rows(residual_.get(), first, n, H, head_residual_.get());
-  backend_->gather_logit_rows(hidden_.get(), first, n, H, head_hidden_.get());
-  backend_->add_rmsnorm(head_residual_.get(), head_hidden_.get(), final_norm_, config_.rms_norm_eps, n, H,
-                        head_hidden_.get());
+  if (options_.mtp) {  // every row's final norm is in mtp_hidden_ already (step)
+    backend_->gather_logit_rows(mtp_hidden_.get(), first, n, H, head_hidden_.get());
+  } else {
+    backend_->gather_logit_rows(residual_.get(), first, n, H, head_residual_.get());
+    backend_->gather_logit_rows(hidden_.get(), first, n, H, head_hidden_.get());
+    backend_->add_rmsnorm(head_residual_.get(), head_hidden_.get(), final_norm_, config_.rms_norm_eps, n, H,
+                          head_hidden_.get());
+  }
   if (!logits) return;
   backend_->linear(head_hidden_.get(), n, lm_head_, logits_.get());
   if (config_.final_logit_softcap > 0)
@@ -304,6 +338,10 @@ StepOutput DecoderModel::step(const Batch& batch) {
   const bool one_head = L <= G;  // the head runs inside the step's device work (a graph replays both)
   backend_->execute([&] {
     forward_layers(rows);
+    // the MTP head reads every row's final hidden state (mtp_step, after this step's tokens are known)
+    if (options_.mtp)
+      backend_->add_rmsnorm(residual_.get(), hidden_.get(), final_norm_, config_.rms_norm_eps, rows, H,
+                            mtp_hidden_.get());
     if (one_head) head(0, L, batch.needs_logits(0, L));
   });
   for (int64_t first = 0; first < L; first += G) {
@@ -314,6 +352,47 @@ StepOutput DecoderModel::step(const Batch& batch) {
     if (logits) backend_->take_logits(batch, first, n, logits_.get(), config_.vocab_size, out);
   }
   out.weight_bytes_read = dense_weight_bytes() + step_expert_bytes_;
+  return out;
+}
+
+StepOutput DecoderModel::mtp_step(const Batch& batch, const std::vector<int32_t>& hidden_rows) {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  StepOutput out = StepOutput::for_batch(batch, (int32_t)V, (int32_t)H);
+  if (batch.empty()) return out;
+  LMKIT_CHECK(options_.mtp, "mtp_step on a model built without its MTP head (ModelOptions::mtp)");
+  LMKIT_CHECK(batch.stateless && batch.state_copies.empty(), "the MTP head's batch must leave the recurrent state alone");
+  LMKIT_CHECK((int64_t)hidden_rows.size() == batch.num_tokens, "mtp_step: ", hidden_rows.size(), " hidden rows for ",
+              batch.num_tokens, " tokens");
+  Backend& b = *backend_;
+  const int64_t rows = b.begin_step(batch);
+  LMKIT_CHECK(rows == batch.num_tokens, "the MTP head runs unpadded steps");
+  void* x = residual_.get();
+  void* h = hidden_.get();
+  // x = fc([norm_e(embed(next token)); norm_h(main model's final hidden state)])
+  b.embedding(rows, H, c.embed_scale, x);
+  b.rmsnorm(x, mtp_norm_embedding_, c.rms_norm_eps, rows, H, x);
+  b.gather_rows(mtp_hidden_.get(), hidden_rows.data(), rows, H, h);
+  b.rmsnorm(h, mtp_norm_hidden_, c.rms_norm_eps, rows, H, h);
+  b.concat_columns(x, h, rows, H, mtp_cat_.get());
+  b.linear(mtp_cat_.get(), rows, mtp_fc_, x);
+  // its decoder layer, as the model's full-attention layers run (models/llama.cpp), over the pool's MTP layer
+  const int32_t s = c.mtp_shape_layer();
+  b.rmsnorm(x, mtp_layer_.input_norm, c.rms_norm_eps, rows, H, h);
+  attention_block(mtp_layer_, s, rows, h);
+  b.add_rmsnorm(x, h, mtp_layer_.pre_mlp_norm, c.rms_norm_eps, rows, H, h);
+  mlp_block(mtp_layer_, s, rows, h);
+  // x + h, the MTP norm, the shared lm_head, sampled as the batch asks
+  const int64_t L = b.num_logit_rows(), G = b.max_head_rows();
+  for (int64_t first = 0; first < L; first += G) {
+    const int64_t n = std::min(G, L - first);
+    b.gather_logit_rows(x, first, n, H, head_residual_.get());
+    b.gather_logit_rows(h, first, n, H, head_hidden_.get());
+    b.add_rmsnorm(head_residual_.get(), head_hidden_.get(), mtp_norm_, c.rms_norm_eps, n, H, head_hidden_.get());
+    b.linear(head_hidden_.get(), n, lm_head_, logits_.get());
+    if (c.final_logit_softcap > 0) b.softcap(logits_.get(), n, V, c.final_logit_softcap);
+    b.take_logits(batch, first, n, logits_.get(), V, out);
+  }
   return out;
 }
 

@@ -21,6 +21,9 @@ namespace lmkit {
 struct ModelOptions {
   int32_t block_size_tokens = 64;
   int32_t max_step_tokens = 8192;  // rows of one forward at most (prefill budget + decodes)
+  // Run the multi-token-prediction head (speculative='mtp'): its layer's K/V as the pool's last layer, and every
+  // step's final hidden states kept for mtp_step.
+  bool mtp = false;
   std::vector<KVQuant> kv_quant;   // per layer; empty: KVQuant::kNone (the backend's full precision) everywhere
 };
 
@@ -30,6 +33,8 @@ class DecoderModel : public Executor {
                const ModelOptions& options);
 
   StepOutput step(const Batch& batch) override;
+  StepOutput mtp_step(const Batch& batch, const std::vector<int32_t>& hidden_rows) override;
+  bool runs_mtp() const override { return options_.mtp; }
   int64_t kv_bytes_per_block() const override { return backend_->kv_bytes_per_block(); }
   int64_t linear_weight_bytes() const override;
   int32_t mtp_num_layers() const override { return (int32_t)weights_.mtp.layers.size(); }
@@ -80,10 +85,12 @@ class DecoderModel : public Executor {
   void mixer_block(int32_t l, int64_t rows, void* h);
   // h [rows, hidden] -> self-attention of layer l -> h (o_proj applied)
   void attention_block(int32_t l, int64_t rows, void* h);
+  void attention_block(const Layer& w, int32_t l, int64_t rows, void* h);  // layer w shaped as config layer l
   // h [rows, hidden] -> the Gated DeltaNet mixer of layer l -> h (out_proj applied)
   void recurrent_block(int32_t l, int64_t rows, void* h);
   // h [rows, hidden] -> gated MLP of layer l (dense, or its mixture of experts and shared expert) -> h
   void mlp_block(int32_t l, int64_t rows, void* h);
+  void mlp_block(const Layer& w, int32_t l, int64_t rows, void* h);
   // Gemma 4's MoE layer (config moe_beside_mlp): x [rows, hidden] the residual stream, h = pre_mlp_norm(x) ->
   // h = post_mlp_norm(post_mlp_norm_1(mlp(h)) + post_moe_norm(experts(pre_moe_norm(x), routed on router_norm(x))))
   void mlp_beside_experts_block(int32_t l, int64_t rows, const void* x, void* h);
@@ -118,6 +125,13 @@ class DecoderModel : public Executor {
   PackedLinear lm_head_;
   PackedLinear ple_model_proj_;  // per-layer embeddings: the projection of the scaled embeddings, and its norm
   DeviceVector ple_proj_norm_;
+  // The MTP head (options_.mtp): its decoder layer (config mtp_shape_layer()'s shape, KV pool layer num_layers),
+  // fc, its three norms; mtp_hidden_ [max_step_tokens, hidden]: the last step's final hidden states, every row;
+  // mtp_cat_ [max_step_tokens, 2 hidden]: fc's input
+  Layer mtp_layer_;
+  PackedLinear mtp_fc_;
+  DeviceVector mtp_norm_embedding_, mtp_norm_hidden_, mtp_norm_;
+  std::shared_ptr<void> mtp_hidden_, mtp_cat_;
   std::vector<RopeTable> rope_tables_;  // [0] global, [1] local
   ModelWeights weights_;                // keeps the mapped files of views still read (embedding)
   // Workspaces, max_step_tokens rows (wide_: the fused q/k/v output, then gate | up; shared_: the shared expert's

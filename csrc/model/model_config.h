@@ -108,8 +108,8 @@ struct ModelConfig {
   // table[id] * sqrt(P)) / sqrt(2) per layer slice; each layer ends with x += norm(proj(act(gate(x)) * ple_l)).
   int32_t per_layer_input_size = 0;
   // A multi-token-prediction head (Qwen3.5, Qwen3-Next: config mtp_num_hidden_layers, checkpoint mtp.*): this many
-  // decoder layers after the model's, each shaped as its last full-attention layer (ModelWeights::mtp). Loaded and
-  // kept, not run: speculative decoding will propose with it. 0: none.
+  // decoder layers after the model's, each shaped as its last full-attention layer (ModelWeights::mtp). Loaded; run
+  // by speculative='mtp' (its first layer drafts one token a step: DecoderModel::mtp_step). 0: none.
   int32_t mtp_num_layers = 0;
   // The main layer whose attention and MLP shape the MTP layers take: the last full-attention one.
   int32_t mtp_shape_layer() const;

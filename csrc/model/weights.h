@@ -128,11 +128,11 @@ struct LayerWeights {
   }
 };
 
-// The multi-token-prediction head (ModelConfig::mtp_num_layers > 0; Qwen3.5, Qwen3-Next), loaded and not run yet.
-// A proposer drafts the token after next from the next token t and the main model's last hidden state h (before its
-// final norm): x = fc([pre_fc_norm_embedding(embed(t)); pre_fc_norm_hidden(h)]), then each layer (full gated
-// attention with its own KV cache, the MLP or MoE of the main model's full-attention layers), then norm, then the
-// main model's lm_head.
+// The multi-token-prediction head (ModelConfig::mtp_num_layers > 0; Qwen3.5, Qwen3-Next). It drafts the token after
+// next from the next token t and the main model's final hidden state h (after its final norm, the lm_head's input,
+// as vLLM's Qwen3-Next MTP reads it): x = fc([pre_fc_norm_embedding(embed(t)); pre_fc_norm_hidden(h)]), then a
+// layer (full gated attention with its own KV cache, the MLP or MoE of the main model's full-attention layers), then
+// norm, then the main model's lm_head (DecoderModel::mtp_step).
 struct MtpWeights {
   LinearTensors fc;                                   // [hidden, 2 hidden]: inputs the embedding's half, then h's
   Tensor pre_fc_norm_embedding, pre_fc_norm_hidden;   // [hidden] x2

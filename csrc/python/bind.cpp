@@ -161,7 +161,8 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("max_ngram", &SpeculativeConfig::max_ngram)
       .def_readwrite("max_step_draft_tokens", &SpeculativeConfig::max_step_draft_tokens)
       .def_readwrite("adaptive", &SpeculativeConfig::adaptive)
-      .def_readwrite("answer_store_tokens", &SpeculativeConfig::answer_store_tokens);
+      .def_readwrite("answer_store_tokens", &SpeculativeConfig::answer_store_tokens)
+      .def_readwrite("mtp", &SpeculativeConfig::mtp);
   py::class_<EngineConfig>(m, "EngineConfig")
       .def(py::init<>())
       .def_readwrite("device", &EngineConfig::device)

@@ -104,7 +104,7 @@ class ModelFields:
     """> 0: per-layer embeddings of this width per layer (Gemma 4's E-models: hidden_size_per_layer_input)."""
     mtp_num_layers: int = 0
     """Decoder layers of a multi-token-prediction head (config mtp_num_hidden_layers; checkpoint mtp.*): the engine
-    loads them beside the model, for speculative decoding to run (Engine.mtp_num_layers); 0: none."""
+    loads them beside the model; speculative="mtp" drafts with them (Engine.mtp_num_layers); 0: none."""
 
     def check(self) -> None:
         """ValueError when the per-layer lists or the rotary dim do not fit the shape."""

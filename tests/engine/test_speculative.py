@@ -14,7 +14,7 @@ from lmkit import EngineConfig, GenerationConfig, StructuredOutput, pipeline
 from lmkit._ext import _engine
 from tests.factories import build_case
 from tests.helpers import (assert_blocks_free, assert_draws_follow, hf_greedy, reference_distribution,
-                           run_with_random_cancellations)
+                           run_with_random_cancellations, submit_all)
 
 BASE = dict(device="cpu", dtype="float32", cache_max_entry_count=96, cache_block_seq_len=16, max_batch_size=8)
 FIXED = dict(speculative_adaptive=False)  # every proposal verified: the tests see every path, whatever steps cost
@@ -25,26 +25,6 @@ def corrupted(tokens: list[int], every: int, rng) -> list[int]:
     out = list(tokens)
     for i in range(every - 1, len(out), every):
         out[i] = int((out[i] + 1 + rng.integers(0, 200)) % 256)
-    return out
-
-
-def submit_all(engine, prompts, gens) -> list[tuple[list[int], list[float]]]:
-    """Every prompt with its own GenerationConfig, all in flight at once: each completion's (tokens, logprobs),
-    in order of prompt, then completion."""
-    gens = gens if isinstance(gens, list) else [gens] * len(prompts)
-    queues = [(engine.submit_to_queue(list(p), g)[1], g.n) for p, g in zip(prompts, gens)]
-    out = []
-    for q, n in queues:
-        got = {i: ([], []) for i in range(n)}
-        done = 0
-        while done < n:
-            o = q.get(timeout=120)
-            got[o.sample_index][0].extend(o.token_ids)
-            got[o.sample_index][1].extend(round(x, 4) for x in o.logprobs)
-            if o.finished:
-                assert o.finish_reason in ("length", "stop"), o.error
-                done += 1
-        out += [got[i] for i in range(n)]
     return out
 
 
