@@ -156,7 +156,7 @@ def worker_lmkit(job: dict) -> dict:
             result["tokens"][name] = toks
         chat = [item["ids"] for item in job["workloads"]["chat"]]
         for level in job["concurrency"]:
-            gen = GenerationConfig(max_new_tokens=128, ignore_eos=True)
+            gen = GenerationConfig(max_new_tokens=job["sweep_tokens"], ignore_eos=True)
             t0 = time.perf_counter()
             queues = [engine.submit_to_queue(chat[i % len(chat)], gen)[1] for i in range(level)]
             total = 0
@@ -216,7 +216,7 @@ def build_workloads(model: Path, args) -> dict:
     from lmkit.tokenizer import Tokenizer
 
     tok = Tokenizer(model)
-    n = 2 if args.smoke else args.prompts
+    n = 1 if args.smoke else args.prompts
 
     def chat(text: str) -> list[int]:
         return tok.apply_chat_template([{"role": "user", "content": text}])
@@ -228,7 +228,7 @@ def build_workloads(model: Path, args) -> dict:
                             for p, pred in code],
         "document": [{"ids": chat(p)} for p in document_prompts(n)],
         "rewrite": [{"ids": chat(p)} for p in rewrite_prompts(n)],
-        "chat": [{"ids": chat(p)} for p in CHAT[: max(n, 4) if args.smoke else len(CHAT)]],
+        "chat": [{"ids": chat(p)} for p in CHAT[: 2 if args.smoke else len(CHAT)]],
         "json": [{"ids": chat(p.replace("Answer by quoting the relevant sentences of the document.",
                                         'Answer as JSON: {"quotes": [the relevant sentences of the document, '
                                         "quoted exactly]}.")), "schema": QUOTES_SCHEMA}
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lookup-tokens", type=int, default=10, help="llama.cpp: draft tokens per lookup")
     ap.add_argument("--lookup-ngram", type=int, default=3, help="llama.cpp: longest n-gram it matches")
     ap.add_argument("--no-peers", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="two prompts a workload, 32 tokens, one round")
+    ap.add_argument("--smoke", action="store_true", help="one prompt a workload (two chats), 16 tokens, one round")
     ap.add_argument("--worker", nargs=2, metavar=("KIND", "JOB"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -274,10 +274,11 @@ def main(argv=None) -> int:
     model = Path(resolve_model(args.model)) if args.model else Path(resolve_model(None))
     gguf = args.gguf or (default_gguf_path() if args.model is None else None)
     if args.smoke:
-        args.new_tokens, args.rounds, args.concurrency = 32, 1, "1,4"
+        args.new_tokens, args.rounds, args.concurrency = 16, 1, "1,2"
     levels = [int(x) for x in args.concurrency.split(",") if x]
     workloads = build_workloads(model, args)
     base = dict(workloads=workloads, new_tokens=args.new_tokens, threads=args.threads,
+                sweep_tokens=16 if args.smoke else 128,
                 lookup_tokens=args.lookup_tokens, lookup_ngram=args.lookup_ngram)
     rows = [("lmkit off", "lmkit", dict(base, model=str(model), speculative="off", concurrency=levels)),
             ("lmkit ngram", "lmkit", dict(base, model=str(model), speculative="ngram", concurrency=levels))]
