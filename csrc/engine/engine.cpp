@@ -366,8 +366,12 @@ void Engine::propose_drafts() {
       if (c.mtp ? (source == kDraftNgram || source == kDraftAnswers) : source == kDraftMtp) continue;
       const int32_t want = spec.draft_budget(source, most);
       if (want <= 0) continue;
-      // (the head drafted for this length exactly when this budget was to be > 0: SpecState::will_propose)
-      if (source == kDraftMtp && seq->mtp_draft_at != n) continue;
+      // the head drafted for this length exactly when this budget was to be > 0 (SpecState::will_propose), unless the
+      // sequence sat out the last step: then a probe waits for the next draft
+      if (source == kDraftMtp && seq->mtp_draft_at != n) {
+        if (spec.acceptance(source) < SpecState::kOffBelow) spec.idle_steps[source] = SpecState::kProbeInterval - 1;
+        continue;
+      }
       seq->draft_source = source;
       if (source == kDraftPrediction)
         spec.predicted->propose(tokens, n, seq->num_generated_tokens(), want, drafts);
@@ -474,11 +478,12 @@ void Engine::run_step() {
   }
   StepOutput out;
   Batch batch;
+  double step_seconds = 0;
   try {
     batch = build_batch(plan, options_.block_size_tokens, stop_rules_);
     const double start = now_seconds();
     out = executor_->step(batch);
-    pacer_.record(plan.num_decode_tokens + plan.num_draft_tokens, plan.num_prefill_tokens, now_seconds() - start);
+    step_seconds = now_seconds() - start;
   } catch (const std::exception& e) {
     for (const ScheduledSeq& s : plan.seqs) finish(s.seq, FinishReason::kError, {ErrorKind::kInternal, std::string("step failed: ") + e.what()});
     return;
@@ -488,8 +493,10 @@ void Engine::run_step() {
   metrics_.num_weight_bytes_read += out.weight_bytes_read;
   std::vector<MtpRows> rows;
   if (mtp_) rows = mtp_rows(plan, batch);
-  apply_step(plan, batch, out);
-  if (mtp_) run_mtp(batch, rows);
+  std::vector<Ending> endings = apply_step(plan, batch, out);
+  if (mtp_) step_seconds += run_mtp(batch, rows, endings);
+  pacer_.record(plan.num_decode_tokens + plan.num_draft_tokens, plan.num_prefill_tokens, step_seconds);
+  for (Ending& e : endings) finish(e.seq, e.reason, e.failure);
 }
 
 std::vector<Engine::MtpRows> Engine::mtp_rows(const BatchPlan& plan, const Batch& batch) const {
@@ -501,9 +508,11 @@ std::vector<Engine::MtpRows> Engine::mtp_rows(const BatchPlan& plan, const Batch
   return rows;
 }
 
-void Engine::run_mtp(const Batch& batch, const std::vector<MtpRows>& rows) {
-  std::unordered_set<const Sequence*> live;
+double Engine::run_mtp(const Batch& batch, const std::vector<MtpRows>& rows, const std::vector<Ending>& endings) {
+  const double start = now_seconds();
+  std::unordered_set<const Sequence*> live, ending;  // (the step neither admits nor frees a sequence)
   for (const Sequence* seq : scheduler_.running()) live.insert(seq);
+  for (const Ending& e : endings) ending.insert(e.seq);
   const int32_t bs = batch.block_size_tokens;
   Batch mb;
   mb.block_size_tokens = bs;
@@ -511,7 +520,7 @@ void Engine::run_mtp(const Batch& batch, const std::vector<MtpRows>& rows) {
   std::vector<int32_t> hidden_rows;
   std::vector<Sequence*> seqs;
   for (const MtpRows& r : rows) {
-    if (!live.count(r.seq)) continue;  // finished by this step
+    if (!live.count(r.seq)) continue;
     Sequence& seq = *r.seq;
     const BatchSeq& src = batch.seqs[r.batch_seq];
     // the rows the step kept (a verification's accepted ones), each with the token after it known
@@ -538,7 +547,7 @@ void Engine::run_mtp(const Batch& batch, const std::vector<MtpRows>& rows) {
     mb.max_blocks_per_seq = std::max(mb.max_blocks_per_seq, ms.num_blocks);
     // a draft for a sequence that decodes next and takes one from the head
     const SamplingParams& p = seq.params;
-    const bool drafts = seq.num_pending_tokens() == 1 && p.speculate && !p.output_logits &&
+    const bool drafts = !ending.count(&seq) && seq.num_pending_tokens() == 1 && p.speculate && !p.output_logits &&
                         seq.max_total_tokens > seq.num_tokens() && (!seq.spec || seq.spec->will_propose(kDraftMtp));
     if (drafts) {
       SampleRow row;
@@ -554,19 +563,20 @@ void Engine::run_mtp(const Batch& batch, const std::vector<MtpRows>& rows) {
     mb.seqs.push_back(ms);
     seqs.push_back(&seq);
   }
-  if (mb.empty()) return;
+  if (mb.empty()) return 0;
   StepOutput out;
   try {
     out = executor_->mtp_step(mb, hidden_rows);
-  } catch (const std::exception& e) {
-    for (Sequence* seq : seqs) finish(seq, FinishReason::kError, {ErrorKind::kInternal, std::string("MTP head failed: ") + e.what()});
-    return;
+  } catch (const std::exception& e) {  // the step's own output stands: only no drafts come of it
+    std::fprintf(stderr, "lmkit: the MTP head's pass failed (no drafts this step): %s\n", e.what());
+    return now_seconds() - start;
   }
   for (size_t k = 0; k < mb.samples.size(); ++k) {
     Sequence& seq = *seqs[(size_t)mb.samples[k].seq];
     seq.mtp_draft = out.tokens[k];
     seq.mtp_draft_at = seq.num_tokens();
   }
+  return now_seconds() - start;
 }
 
 void Engine::release_idle_memory() {
@@ -602,7 +612,7 @@ FinishReason Engine::advance_grammar(Sequence& seq, int32_t token, FinishReason 
   return reason;
 }
 
-void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& out) {
+std::vector<Engine::Ending> Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& out) {
   const int64_t V = out.vocab_size;
   for (size_t r = 0; r < batch.logit_outputs.size(); ++r) {
     const LogitOutputRow& row = batch.logit_outputs[r];
@@ -671,7 +681,9 @@ void Engine::apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& o
     const FinishReason reason = take_token(seq, out.tokens[k], out.logprobs[k], failure);
     settle(seq, reason, std::move(failure));
   }
-  for (size_t i = 0; i < done.size(); ++i) finish(done[i], reasons[i], failures[i]);
+  std::vector<Ending> endings;
+  for (size_t i = 0; i < done.size(); ++i) endings.push_back({done[i], reasons[i], std::move(failures[i])});
+  return endings;
 }
 
 void Engine::calibrate_step_cost() {

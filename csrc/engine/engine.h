@@ -74,7 +74,8 @@ struct EngineOptions {
   int32_t num_draft_state_slots = 0;
   int64_t kv_bytes_per_block = 0;  // the executor's, for reporting
   int64_t linear_weight_bytes = 0;  // the executor's, for reporting
-  // The multi-token-prediction head the executor holds, loaded but not run (Executor::mtp_num_layers), for reporting
+  // The multi-token-prediction head the executor holds (Executor::mtp_num_layers; run with speculative='mtp'), for
+  // reporting
   int32_t mtp_num_layers = 0;
   int64_t mtp_weight_bytes = 0;
   bool enable_prefix_caching = false;
@@ -171,23 +172,30 @@ class Engine {
   void loop();
   void callback_loop();
   void run_step();
-  // Applies a step's output to its sequences: logits rows, sampled tokens and every stop rule (StopRules).
-  void apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& out);
+  // Applies a step's output to its sequences: logits rows, sampled tokens and every stop rule (StopRules). Returns
+  // the sequences that end, with why, for the caller to finish (after the MTP head's pass over their rows).
+  struct Ending {
+    Sequence* seq;
+    FinishReason reason;
+    Failure failure;
+  };
+  std::vector<Ending> apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& out);
   // Creates seq's grammar matcher once its grammar starts and requests its first mask.
   void start_grammar(Sequence& seq);
   // Speculative decoding: draft tokens for the running decodes that take them (Sequence::draft_tokens).
   void propose_drafts();
-  // speculative='mtp', after a step: the MTP head over the rows the step kept of the sequences still running (each
-  // row with the token after it, so its K/V in the head's pool layer stay complete), and a draft of the next token
-  // for those that decode next and take drafts (Sequence::mtp_draft). Before: what each scheduled sequence's rows
-  // were (mtp_rows: plan order), taken before apply_step may finish it.
+  // speculative='mtp', after a step: the MTP head over the rows the step kept (each row with the token after it, so
+  // that its K/V in the head's pool layer are complete for later drafts, prefix hits and recomputation: also those of
+  // the sequences that end with this step, finished after it), and a draft of the next token for those that decode
+  // next and take drafts (Sequence::mtp_draft). mtp_rows: what each scheduled sequence's rows were (plan order).
+  // Returns the seconds it took.
   struct MtpRows {
     Sequence* seq = nullptr;
     int32_t batch_seq = 0;  // index into the step's Batch::seqs
     int32_t start = 0;      // the position of the chunk's first row
   };
   std::vector<MtpRows> mtp_rows(const BatchPlan& plan, const Batch& batch) const;
-  void run_mtp(const Batch& batch, const std::vector<MtpRows>& rows);
+  double run_mtp(const Batch& batch, const std::vector<MtpRows>& rows, const std::vector<Ending>& endings);
   // Times forwards of 1 to kCalibrationRows rows into step_cost_, once, on the loop thread before the first request:
   // the costs the adaptive rule weighs drafts with stay the same for the engine's life, so a request's drafts (and
   // the arithmetic of its steps) do not depend on how fast earlier steps happened to run.

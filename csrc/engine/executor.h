@@ -23,8 +23,8 @@ class Executor {
   // Bytes of weights one decode step reads (every linear layer and the lm_head, as packed): with the
   // KV bytes, the memory traffic that bounds decode speed (benchmark/profile_generation.py's roofline).
   virtual int64_t linear_weight_bytes() const = 0;
-  // The multi-token-prediction head's decoder layers the executor holds (0: none) and their bytes as stored (not in
-  // linear_weight_bytes: a step reads them only when the head runs).
+  // The multi-token-prediction head's decoder layers the executor holds (0: none) and their bytes as stored (in
+  // linear_weight_bytes, as packed, only when the head runs: runs_mtp).
   virtual int32_t mtp_num_layers() const { return 0; }
   virtual int64_t mtp_weight_bytes() const { return 0; }
   // Whether the executor runs its MTP head (speculative='mtp'): then every step keeps its rows' final hidden states

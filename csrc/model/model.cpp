@@ -204,6 +204,8 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   if (options.mtp) {
     mtp_hidden_ = b.allocate_activations(T, H);  // the main step's final hidden states, every row
     mtp_cat_ = b.allocate_activations(T, 2 * H);
+    mtp_attn_ = b.allocate_activations(G, c.q_size_of(mtp_shape));
+    if (c.attn_output_gate) mtp_gate_ = b.allocate_activations(G, c.q_size_of(mtp_shape));
   }
   head_residual_ = b.allocate_activations(G, H);
   head_hidden_ = b.allocate_activations(G, H);
@@ -223,6 +225,14 @@ int64_t DecoderModel::dense_weight_bytes() const {
 
 int64_t DecoderModel::linear_weight_bytes() const {
   int64_t bytes = dense_weight_bytes();
+  if (options_.mtp) {  // the head's layer and fc, which every step runs
+    for (const PackedLinear* w : {&mtp_fc_, &mtp_layer_.qkv, &mtp_layer_.attn_gate, &mtp_layer_.o_proj,
+                                  &mtp_layer_.gate_up, &mtp_layer_.down_proj, &mtp_layer_.shared_gate_up,
+                                  &mtp_layer_.shared_down, &mtp_layer_.shared_gate, &mtp_layer_.moe.router})
+      bytes += w->size_bytes;
+    for (const std::vector<PackedLinear>* ws : {&mtp_layer_.moe.gate_up, &mtp_layer_.moe.down})
+      for (const PackedLinear& w : *ws) bytes += w.size_bytes;
+  }
   for (const Layer& l : layers_) {
     bytes += l.moe.router.size_bytes;
     for (const std::vector<PackedLinear>* ws : {&l.moe.gate_up, &l.moe.down})
@@ -376,20 +386,32 @@ StepOutput DecoderModel::mtp_step(const Batch& batch, const std::vector<int32_t>
   b.rmsnorm(h, mtp_norm_hidden_, c.rms_norm_eps, rows, H, h);
   b.concat_columns(x, h, rows, H, mtp_cat_.get());
   b.linear(mtp_cat_.get(), rows, mtp_fc_, x);
-  // its decoder layer, as the model's full-attention layers run (models/llama.cpp), over the pool's MTP layer
+  // its decoder layer, as the model's full-attention layers run (models/llama.cpp), over the pool's MTP layer: the
+  // attention of every row (their K/V are what later drafts attend to), the rest only for the rows whose logits are
+  // drawn (the layer's output anywhere else is read by nothing)
   const int32_t s = c.mtp_shape_layer();
-  b.rmsnorm(x, mtp_layer_.input_norm, c.rms_norm_eps, rows, H, h);
-  attention_block(mtp_layer_, s, rows, h);
-  b.add_rmsnorm(x, h, mtp_layer_.pre_mlp_norm, c.rms_norm_eps, rows, H, h);
-  mlp_block(mtp_layer_, s, rows, h);
-  // x + h, the MTP norm, the shared lm_head, sampled as the batch asks
-  const int64_t L = b.num_logit_rows(), G = b.max_head_rows();
+  const Layer& w = mtp_layer_;
+  b.rmsnorm(x, w.input_norm, c.rms_norm_eps, rows, H, h);
+  b.linear(h, rows, w.qkv, wide_.get());
+  b.attention(wide_.get(), rows, w.attention, attn_.get());
+  const int64_t L = b.num_logit_rows(), G = b.max_head_rows(), Q = c.q_size_of(s);
+  void* xr = head_residual_.get();
+  void* hr = head_hidden_.get();
   for (int64_t first = 0; first < L; first += G) {
     const int64_t n = std::min(G, L - first);
-    b.gather_logit_rows(x, first, n, H, head_residual_.get());
-    b.gather_logit_rows(h, first, n, H, head_hidden_.get());
-    b.add_rmsnorm(head_residual_.get(), head_hidden_.get(), mtp_norm_, c.rms_norm_eps, n, H, head_hidden_.get());
-    b.linear(head_hidden_.get(), n, lm_head_, logits_.get());
+    b.gather_logit_rows(x, first, n, H, xr);
+    b.gather_logit_rows(attn_.get(), first, n, Q, mtp_attn_.get());
+    if (!w.attn_gate.is_empty()) {
+      b.gather_logit_rows(h, first, n, H, hr);
+      b.linear(hr, n, w.attn_gate, mtp_gate_.get());
+      b.sigmoid_gate(mtp_attn_.get(), mtp_gate_.get(), n, Q);
+    }
+    b.linear(mtp_attn_.get(), n, w.o_proj, hr);
+    b.add_rmsnorm(xr, hr, w.pre_mlp_norm, c.rms_norm_eps, n, H, hr);
+    mlp_block(w, s, n, hr);
+    // x + h, the MTP norm, the shared lm_head, sampled as the batch asks
+    b.add_rmsnorm(xr, hr, mtp_norm_, c.rms_norm_eps, n, H, hr);
+    b.linear(hr, n, lm_head_, logits_.get());
     if (c.final_logit_softcap > 0) b.softcap(logits_.get(), n, V, c.final_logit_softcap);
     b.take_logits(batch, first, n, logits_.get(), V, out);
   }

@@ -127,11 +127,12 @@ class DecoderModel : public Executor {
   DeviceVector ple_proj_norm_;
   // The MTP head (options_.mtp): its decoder layer (config mtp_shape_layer()'s shape, KV pool layer num_layers),
   // fc, its three norms; mtp_hidden_ [max_step_tokens, hidden]: the last step's final hidden states, every row;
-  // mtp_cat_ [max_step_tokens, 2 hidden]: fc's input
+  // mtp_cat_ [max_step_tokens, 2 hidden]: fc's input; mtp_attn_, mtp_gate_ [max_head_rows, q]: the attention
+  // output and gate of the rows whose logits are drawn
   Layer mtp_layer_;
   PackedLinear mtp_fc_;
   DeviceVector mtp_norm_embedding_, mtp_norm_hidden_, mtp_norm_;
-  std::shared_ptr<void> mtp_hidden_, mtp_cat_;
+  std::shared_ptr<void> mtp_hidden_, mtp_cat_, mtp_attn_, mtp_gate_;
   std::vector<RopeTable> rope_tables_;  // [0] global, [1] local
   ModelWeights weights_;                // keeps the mapped files of views still read (embedding)
   // Workspaces, max_step_tokens rows (wide_: the fused q/k/v output, then gate | up; shared_: the shared expert's

@@ -613,6 +613,9 @@ void ModelWeights::release_linear_pages() const {
   };
   for (const LayerWeights& l : layers)
     for (const LinearTensors* t : l.linears()) release_linear(*t);
+  for (const LayerWeights& l : mtp.layers)  // packed when the head runs, else never read
+    for (const LinearTensors* t : l.linears()) release_linear(*t);
+  release_linear(mtp.fc);
   release(lm_head);
 }
 

@@ -137,11 +137,41 @@ def test_mtp_drafts_are_the_heads_argmax(kind, tmp_path):
         assert m.num_draft_tokens["ngram"] == 0 and m.num_draft_tokens["suffix"] == 0
         pipe.engine.check_integrity()
     assert total >= 4  # the drafts were right often enough for the counts to tell the head's argmax
+    # all four at once: one prefill step and then decode steps of four sequences (the head's batch of several)
+    walks = [walk(p + a, len(p), reference_drafts(model, tensors, p + a)) for p, a in zip(prompts, expected)]
+    with pipeline(tmp_path, EngineConfig(**BASE, **FIXED, speculative="mtp", decode_slowdown=0)) as pipe:
+        assert [r.token_ids for r in pipe(prompts, gen)] == expected
+        m = pipe.engine.metrics()
+    assert (m.num_verifications["mtp"], m.num_accepted_draft_tokens["mtp"]) == tuple(map(sum, zip(*walks)))
+
+
+def test_prefix_hits_carry_the_heads_kv(tmp_path):
+    """A later request whose prompt continues an earlier one's (with the token it answered: the head's K/V at a
+    block's last row read the token after it) starts from its cached blocks and drafts exactly as the reference
+    does over its whole sequence. (The earlier request ends with its prefill, and the engine still writes the
+    head's K/V of its rows; this random head's attention hardly reads far positions, so leaving them unwritten
+    does not show here: the check is that hits read the right blocks of the head's layer.)"""
+    model, tensors = mtp_model(tmp_path, "dense", seed=86)
+    rng = np.random.default_rng(87)
+    first = rng.integers(0, 256, size=32).tolist()  # two blocks of 16
+    gen = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    config = EngineConfig(**BASE, **FIXED, speculative="mtp", decode_slowdown=0, enable_prefix_caching=True)
+    with pipeline(tmp_path, config) as pipe:
+        token = pipe([first], GenerationConfig(max_new_tokens=1, ignore_eos=True))[0].token_ids
+        second = first + token + rng.integers(0, 256, size=7).tolist()
+        before = pipe.engine.metrics()
+        answer = pipe([second], gen)[0].token_ids
+        m = pipe.engine.metrics()
+    assert m.num_prefix_hit_tokens - before.num_prefix_hit_tokens >= 16  # (a hybrid's hit: where a state snapshot is)
+    got = (m.num_verifications["mtp"] - before.num_verifications["mtp"],
+           m.num_accepted_draft_tokens["mtp"] - before.num_accepted_draft_tokens["mtp"])
+    assert got == walk(second + answer, len(second), reference_drafts(model, tensors, second + answer))
 
 
 def test_mtp_drafts_with_chunked_prefill_prefix_hits_preemption_and_n(tmp_path):
-    """A pool that preempts, prefix caching (the head's K/V come back with the blocks), prompts longer than the
-    step budget, n = 3 seeded completions, penalties and logprobs: the tokens of speculation off."""
+    """A pool that preempts, prefix caching, prompts longer than the step budget, n = 3 seeded completions,
+    penalties and logprobs: the tokens of speculation off (what the head drafts, right or wrong, never changes
+    them; that its K/V come back with prefix hits: test_prefix_hits_carry_the_heads_kv)."""
     mtp_model(tmp_path, "dense", seed=82)
     rng = np.random.default_rng(83)
     doc = rng.integers(0, 256, size=48).tolist()
