@@ -133,6 +133,27 @@ TEST(adaptive_switch_turns_a_proposer_off_and_probes) {
   EXPECT_EQ(s.draft_budget(kDraftNgram, 8), 8);  // the other proposer goes on
 }
 
+// The MTP head drafts after a step only for sequences whose next draft_budget will be > 0 (Engine::run_mtp):
+// will_propose must predict it exactly, through switch-offs, probes and recoveries.
+TEST(will_propose_predicts_the_next_budget) {
+  SpeculativeConfig c;
+  SpecState s(c, {});
+  std::mt19937 rng(3);
+  int probes = 0, on = 0;
+  for (int step = 0; step < 2000; ++step) {
+    const bool predicted = s.will_propose(kDraftMtp);
+    const int32_t budget = s.draft_budget(kDraftMtp, 1);
+    EXPECT_EQ(predicted, budget > 0);
+    if (budget > 0) {
+      ++(s.acceptance(kDraftMtp) < SpecState::kOffBelow ? probes : on);
+      // long runs of misses (switched off) and of hits (switched on again)
+      const bool hit = (step / 200) % 2 == 1 ? rng() % 10 < 8 : rng() % 20 == 0;
+      s.record(kDraftMtp, 1, hit ? 1 : 0);
+    }
+  }
+  EXPECT(probes > 10 && on > 100);
+}
+
 TEST(step_cost_interpolates_and_extrapolates) {
   StepCost cost(64);
   EXPECT(cost.seconds(4) == 0.0);
