@@ -734,10 +734,17 @@ def test_qwen35_gguf_as_llama_cpp_writes_it(tmp_path):
 
 def assert_mtp_block_loaded(path: Path, num_layers: int) -> None:
     """The engine on GGUF ``path`` holds its one MTP layer (llama.cpp's block ``num_layers``), counting exactly that
-    block's bytes as stored."""
+    block's bytes as stored, and drafts with it (speculative='mtp', every draft verified): the tokens of speculation
+    off."""
     block = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if t.name.startswith(f"blk.{num_layers}."))
-    with pipeline(path, EngineConfig(device="cpu", cache_max_entry_count=8, session_len=256)) as pipe:
+    base = dict(device="cpu", cache_max_entry_count=8, session_len=256)
+    gen = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    with pipeline(path, EngineConfig(**base)) as pipe:
         assert (pipe.engine.mtp_num_layers, pipe.engine.mtp_weight_bytes) == (1, block)
+        plain = [r.token_ids for r in pipe(prompts_for(7), gen)]
+    with pipeline(path, EngineConfig(**base, speculative="mtp", speculative_adaptive=False)) as pipe:
+        assert [r.token_ids for r in pipe(prompts_for(7), gen)] == plain
+        assert pipe.engine.metrics().num_verifications["mtp"] > 0
 
 
 def with_q8_activations(model):
