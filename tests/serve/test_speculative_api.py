@@ -1,6 +1,6 @@
 """Speculative decoding through the OpenAI API: a chat completion with OpenAI's `prediction` (Predicted Outputs)
 answers as one without it, its drafts are verified and counted in /metrics per proposer; `speculative: false`
-opts out; a malformed prediction is a 400 naming it."""
+opts out; a malformed prediction is a 400 naming it; a Qwen3.5 model's MTP head drafts behind the server too."""
 
 from __future__ import annotations
 
@@ -70,3 +70,31 @@ def test_malformed_prediction_is_a_400(api_server):
     r = httpx.post(f"{api_server.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "speculative": "yes"},
                    timeout=30)
     assert r.status_code == 400
+
+
+def test_mtp_head_drafts_behind_the_server(tmp_path):
+    """A tiny Qwen3.5 with an MTP head served with speculative='mtp': a greedy completion answers as the server
+    without speculation does, and /metrics counts the head's verifications (proposer mtp)."""
+    from lmkit import AsyncEngine, EngineConfig
+    from lmkit.serve import ServerConfig, create_app
+    from tests.factories import QWEN3_5, TOKEN_IDS, add_mtp_head, write_qwen3_5_multimodal
+
+    write_qwen3_5_multimodal(tmp_path, "Qwen3_5Config", dict(QWEN3_5, num_hidden_layers=4, max_position_embeddings=512,
+                                                             **TOKEN_IDS), seed=90)
+    add_mtp_head(tmp_path, 91)
+    body = {"model": "q", "prompt": [5, 17, 99, 3, 42, 8], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    texts = {}
+    for spec in ("off", "mtp"):
+        engine = AsyncEngine(tmp_path, EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=32,
+                                                    session_len=256, speculative=spec, speculative_adaptive=False))
+        server = ServerThread(create_app(engine, ServerConfig(model_name="q")))
+        try:
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            texts[spec] = r.json()["choices"][0]["text"]
+            counters = spec_counters(server.url)
+        finally:
+            server.stop()
+            engine.close()
+    assert texts["mtp"] == texts["off"]
+    assert counters[("lmkit_spec_verifications", "mtp")] > 0, counters
