@@ -366,6 +366,7 @@ def chat(
     session_len: Optional[int] = SESSION_LEN,
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
     dtype: str = typer.Option(EngineConfig.dtype, help=_E["dtype"]),
+    speculative: str = SPECULATIVE,
 ) -> None:
     """Chat with a model in the terminal (multi-turn, streamed); Ctrl-C stops an answer, /reset, /exit. Sampling
     options left out take the model's values from its generation_config.json (greedy when it sets none)."""
@@ -374,5 +375,6 @@ def chat(
 
     path = resolve_model(model)
     gen = model_sampling(path, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed)
-    raise typer.Exit(run_chat(str(path), EngineConfig(session_len=session_len, num_threads=num_threads, dtype=dtype),
+    raise typer.Exit(run_chat(str(path), EngineConfig(session_len=session_len, num_threads=num_threads, dtype=dtype,
+                                                      speculative=speculative),
                               gen, system=system, prompt=prompt))

@@ -72,6 +72,7 @@ def generate(
     seed: Optional[int] = SEED,
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
     dtype: str = typer.Option(EngineConfig.dtype, help=_E["dtype"]),
+    speculative: str = typer.Option(EngineConfig.speculative, help=_E["speculative"]),
 ) -> None:
     """Answer one prompt on stdout (streamed; a line of figures follows on stderr). Sampling options left out take
     the model's values from its generation_config.json (greedy when it sets none)."""
@@ -90,7 +91,8 @@ def generate(
         raise type(e)(f"{e} (MODEL comes first: lmkit generate [MODEL] PROMPT; quote a prompt with spaces)") \
             from None
     gen = model_sampling(path, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed)
-    raise typer.Exit(run_generate(path, prompt, EngineConfig(num_threads=num_threads, dtype=dtype), gen, raw=raw))
+    raise typer.Exit(run_generate(path, prompt, EngineConfig(num_threads=num_threads, dtype=dtype,
+                                                             speculative=speculative), gen, raw=raw))
 
 
 def run_generate(model: str | Path | None, prompt: str, engine_config: EngineConfig | None = None,

@@ -51,7 +51,8 @@ def test_generate_sends_a_chat_turn_unless_raw(tiny_llama, tiny_llama_pipe):
 
     gen = GenerationConfig(max_new_tokens=6)
     messages = [{"role": "user", "content": "hello"}]
-    for extra, prompt, kind in (((), messages, "chat"), (("--raw",), "hello", "raw")):
+    for extra, prompt, kind in (((), messages, "chat"), (("--raw",), "hello", "raw"),
+                                (("--speculative", "ngram"), messages, "chat")):  # drafts: the same greedy text
         run = lmkit("generate", str(tiny_llama[0]), "hello", "--max-new-tokens", "6", "--temperature", "0", *extra)
         assert run.returncode == 0, run.stderr
         assert run.stdout == tiny_llama_pipe(prompt, gen).text + "\n"
@@ -71,6 +72,8 @@ def test_generate_argument_errors(tiny_llama, tmp_path):
         assert run.returncode == 2 and "names a model" in run.stderr and "the prompt goes after it" in run.stderr
     run = lmkit("generate", str(tmp_path / "missing"), "hello")
     assert run.returncode == 1 and "does not exist" in run.stderr and "lmkit generate [MODEL] PROMPT" in run.stderr
+    run = lmkit("generate", str(tiny_llama[0]), "hello", "--speculative", "mtp")  # a model without an MTP head
+    assert run.returncode == 1 and "speculative='mtp' needs a model with a multi-token-prediction head" in run.stderr
     assert "Traceback" not in run.stderr
 
 
