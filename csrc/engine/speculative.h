@@ -127,8 +127,9 @@ struct SpecState {
   std::unique_ptr<PredictionLookup> predicted;  // null: the request gave no prediction
   // Per proposer, decayed counts of drafts kept and drafts examined (kept, plus the first rejected one): the
   // per-token acceptance is their ratio.
+  // an optimistic 0.75 to start: the first drafts get tried
   float kept[kNumDraftSources] = {3.0f, 3.0f, 3.0f, 3.0f};
-  float examined[kNumDraftSources] = {4.0f, 4.0f, 4.0f, 4.0f};  // an optimistic 0.75 to start: the first drafts get tried
+  float examined[kNumDraftSources] = {4.0f, 4.0f, 4.0f, 4.0f};
   int32_t idle_steps[kNumDraftSources] = {};  // steps since the proposer was last asked while switched off
   int32_t steps_since_probe = 0;  // proposals since drafts were last verified (see choose_drafts' probes)
   float acceptance(int32_t source) const { return kept[source] / examined[source]; }

@@ -227,7 +227,7 @@ class Backend {
   // out[i] = x[logit_rows[first + i]] for i < n                                 x: [rows, dim], out: [n, dim]
   virtual void gather_logit_rows(const void* x, int64_t first, int64_t n, int64_t dim, void* out) = 0;
   // The multi-token-prediction head's inputs (DecoderModel::mtp_step):
-  // out[i] = x[rows[i]] for i < n                                               x: [>= max rows + 1, dim], out: [n, dim]
+  // out[i] = x[rows[i]] for i < n                                          x: [>= max rows + 1, dim], out: [n, dim]
   virtual void gather_rows(const void* x, const int32_t* rows, int64_t n, int64_t dim, void* out) {
     LMKIT_CHECK(false, name(), " backend does not run multi-token-prediction heads");
   }

@@ -371,7 +371,8 @@ StepOutput DecoderModel::mtp_step(const Batch& batch, const std::vector<int32_t>
   StepOutput out = StepOutput::for_batch(batch, (int32_t)V, (int32_t)H);
   if (batch.empty()) return out;
   LMKIT_CHECK(options_.mtp, "mtp_step on a model built without its MTP head (ModelOptions::mtp)");
-  LMKIT_CHECK(batch.stateless && batch.state_copies.empty(), "the MTP head's batch must leave the recurrent state alone");
+  LMKIT_CHECK(batch.stateless && batch.state_copies.empty(),
+              "the MTP head's batch must leave the recurrent state alone");
   LMKIT_CHECK((int64_t)hidden_rows.size() == batch.num_tokens, "mtp_step: ", hidden_rows.size(), " hidden rows for ",
               batch.num_tokens, " tokens");
   Backend& b = *backend_;

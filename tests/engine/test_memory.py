@@ -398,8 +398,8 @@ IDLE_RELEASE = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def wide_kv_llama(tmp_path_factory):
-    """A 2-layer Llama whose K/V take about SmolLM2-135M's bytes a token (48 KV heads of 64 a layer: 24 KB in bf16) for a
-    tenth of its prefill's compute."""
+    """A 2-layer Llama whose K/V take about SmolLM2-135M's bytes a token (48 KV heads of 64 a layer: 24 KB in
+    bf16) for a tenth of its prefill's compute."""
     import torch
     import transformers
 

@@ -42,7 +42,8 @@ def _check_mtp_head(base, tmp_path, ref, seed: int, caplog):
         assert pipe.engine.mtp_num_layers == 1
         assert pipe.engine.mtp_weight_bytes == stored_bytes(mtp)
         assert pipe.engine.linear_weight_bytes == linear_bytes
-    assert any("MTP head: 1 layer loaded" in r.getMessage() and "unused: speculative='mtp' drafts with it" in r.getMessage()
+    assert any("MTP head: 1 layer loaded" in r.getMessage()
+               and "unused: speculative='mtp' drafts with it" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert_text_logits_match_hf(folder, ref, seed)
     return folder, mtp
