@@ -200,6 +200,24 @@ def test_mtp_drafts_with_chunked_prefill_prefix_hits_preemption_and_n(tmp_path):
     assert 0 < m.num_accepted_draft_tokens["mtp"] < m.num_draft_tokens["mtp"]
 
 
+@pytest.mark.parametrize("settings", [dict(dtype="bfloat16"), dict(dtype="float32", quant_policy=8),
+                                      dict(dtype="bfloat16", quant_policy=4)], ids=["bf16", "int8-kv", "bf16-int4-kv"])
+def test_mtp_drafts_on_the_fast_paths(settings, tmp_path):
+    """bf16 compute and int8 / int4 KV (the head's pool layer stored as its shape layer's), a MoE head: the tokens
+    of speculation off, with drafts kept."""
+    mtp_model(tmp_path, "moe", seed=88)
+    rng = np.random.default_rng(89)
+    prompts = [rng.integers(0, 256, size=int(n)).tolist() for n in (5, 23, 40, 9)]
+    gen = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    outs = {}
+    for spec in ("off", "mtp"):
+        with pipeline(tmp_path, EngineConfig(**{**BASE, **settings}, **FIXED, speculative=spec)) as pipe:
+            outs[spec] = [r.token_ids for r in pipe(prompts, gen)]
+            m = pipe.engine.metrics()
+    assert outs["mtp"] == outs["off"]
+    assert m.num_accepted_draft_tokens["mtp"] > 0
+
+
 def test_mtp_cancellations_in_flight_free_every_block_and_slot(tmp_path):
     mtp_model(tmp_path, "dense", seed=84)
     with pipeline(tmp_path, EngineConfig(**BASE, **FIXED, speculative="mtp")) as pipe:
