@@ -104,17 +104,24 @@ def test_engine_logits_equal_the_dequantized_reference(quantized):
 
 def test_the_mtp_head_carried_over_loads_in_the_engine(quantized):
     """The checkpoint Qwen ships keeps its MTP head through lite as it was (not quantized): the engine holds its one
-    layer, exactly the bytes of the mtp.* tensors written."""
-    from lmkit import EngineConfig, pipeline
+    layer, exactly the bytes of the mtp.* tensors written, and drafts with it beside the int4 layers
+    (speculative='mtp', every draft verified): the tokens of speculation off."""
+    from lmkit import EngineConfig, GenerationConfig, pipeline
 
     _, multimodal, _, out = quantized
     if not multimodal:
         pytest.skip("only the multimodal checkpoint carries an MTP head")
     mtp = {k: t for k, t in load_file(out / "model.safetensors").items() if k.startswith("mtp.")}
     assert "mtp.layers.0.self_attn.q_proj.weight" in mtp and not any(k.endswith("weight_packed") for k in mtp)
-    with pipeline(out, EngineConfig(device="cpu", cache_max_entry_count=8, session_len=256)) as pipe:
+    base = dict(device="cpu", cache_max_entry_count=8, session_len=256)
+    prompts, gen = [[5, 9, 200, 31, 7], [88] * 12], GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    with pipeline(out, EngineConfig(**base)) as pipe:
         assert pipe.engine.mtp_num_layers == 1
         assert pipe.engine.mtp_weight_bytes == sum(t.numel() * t.element_size() for t in mtp.values())
+        plain = [r.token_ids for r in pipe(prompts, gen)]
+    with pipeline(out, EngineConfig(**base, speculative="mtp", speculative_adaptive=False)) as pipe:
+        assert [r.token_ids for r in pipe(prompts, gen)] == plain
+        assert pipe.engine.metrics().num_verifications["mtp"] > 0
 
 
 MOE_TEXT = dict(QWEN3_5_MOE, num_hidden_layers=4, linear_value_head_dim=16, moe_intermediate_size=32,
