@@ -199,13 +199,12 @@ def test_speculative_benchmark_smoke(smollm2_path):
 
 def test_hybrid_speculative_benchmark_smoke(tmp_path):
     """bench_speculative_hybrid.py --smoke: a tiny Qwen3.5 hybrid with drafts all kept, partly rejected (rolled back)
-    and adaptively refused, and its random MTP head drafting: every row's tokens are speculation off's (the script
-    exits 1 otherwise)."""
+    and adaptively refused, and its random MTP head (whose drafts the adaptive rule may take or not, as the step
+    timings say): every row's tokens are speculation off's (the script exits 1 otherwise)."""
     run = _run_script("bench_speculative_hybrid.py", "--smoke", "--folder", str(tmp_path / "model"), "--threads", "1")
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     for row in ("| off |", "| all kept |", "| every 4th wrong |", "| wrong, adaptive |", "| mtp, adaptive |"):
         assert row in run.stdout and run.stdout.split(row)[1].split("\n")[0].endswith("| yes |"), run.stdout
-    assert "| mtp " in run.stdout.split("| mtp, adaptive |")[1].split("\n")[0], run.stdout  # the head drafted
 
 
 def test_peers_benchmark_names_an_unknown_gguf_type():
