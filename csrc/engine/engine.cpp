@@ -491,27 +491,15 @@ void Engine::run_step() {
   ++metrics_.num_steps;
   metrics_.num_prompt_tokens += plan.num_prefill_tokens;
   metrics_.num_weight_bytes_read += out.weight_bytes_read;
-  std::vector<MtpRows> rows;
-  if (mtp_) rows = mtp_rows(plan, batch);
   std::vector<Ending> endings = apply_step(plan, batch, out);
-  if (mtp_) step_seconds += run_mtp(batch, rows, endings);
+  if (mtp_) step_seconds += run_mtp(plan, batch, endings);
   pacer_.record(plan.num_decode_tokens + plan.num_draft_tokens, plan.num_prefill_tokens, step_seconds);
   for (Ending& e : endings) finish(e.seq, e.reason, e.failure);
 }
 
-std::vector<Engine::MtpRows> Engine::mtp_rows(const BatchPlan& plan, const Batch& batch) const {
-  std::vector<MtpRows> rows;
-  for (size_t i = 0; i < plan.seqs.size(); ++i) {
-    const BatchSeq& bs = batch.seqs[i];
-    rows.push_back({plan.seqs[i].seq, (int32_t)i, bs.ctx_len - bs.num_rows});
-  }
-  return rows;
-}
-
-double Engine::run_mtp(const Batch& batch, const std::vector<MtpRows>& rows, const std::vector<Ending>& endings) {
+double Engine::run_mtp(const BatchPlan& plan, const Batch& batch, const std::vector<Ending>& endings) {
   const double start = now_seconds();
-  std::unordered_set<const Sequence*> live, ending;  // (the step neither admits nor frees a sequence)
-  for (const Sequence* seq : scheduler_.running()) live.insert(seq);
+  std::unordered_set<const Sequence*> ending;
   for (const Ending& e : endings) ending.insert(e.seq);
   const int32_t bs = batch.block_size_tokens;
   Batch mb;
@@ -519,17 +507,17 @@ double Engine::run_mtp(const Batch& batch, const std::vector<MtpRows>& rows, con
   mb.stateless = true;
   std::vector<int32_t> hidden_rows;
   std::vector<Sequence*> seqs;
-  for (const MtpRows& r : rows) {
-    if (!live.count(r.seq)) continue;
-    Sequence& seq = *r.seq;
-    const BatchSeq& src = batch.seqs[r.batch_seq];
+  for (size_t i = 0; i < plan.seqs.size(); ++i) {  // (apply_step finished none of them: the caller does, after)
+    Sequence& seq = *plan.seqs[i].seq;
+    const BatchSeq& src = batch.seqs[i];
+    const int32_t start = src.ctx_len - src.num_rows;  // the chunk's first position
     // the rows the step kept (a verification's accepted ones), each with the token after it known
-    const int32_t kept = std::min({src.num_rows, seq.num_computed_tokens - r.start, seq.num_tokens() - 1 - r.start});
+    const int32_t kept = std::min({src.num_rows, seq.num_computed_tokens - start, seq.num_tokens() - 1 - start});
     if (kept <= 0) continue;
     BatchSeq ms;
     ms.first_row = mb.num_tokens;
     ms.num_rows = kept;
-    ms.ctx_len = r.start + kept;
+    ms.ctx_len = start + kept;
     ms.table_offset = (int32_t)mb.block_tables.size();
     ms.num_blocks = (ms.ctx_len + bs - 1) / bs;
     ms.prefill = src.prefill;
@@ -537,7 +525,7 @@ double Engine::run_mtp(const Batch& batch, const std::vector<MtpRows>& rows, con
     mb.block_tables.insert(mb.block_tables.end(), batch.block_tables.begin() + src.table_offset,
                            batch.block_tables.begin() + src.table_offset + ms.num_blocks);
     for (int32_t j = 0; j < kept; ++j) {
-      mb.token_ids.push_back(seq.tokens[(size_t)(r.start + j + 1)]);
+      mb.token_ids.push_back(seq.tokens[(size_t)(start + j + 1)]);
       mb.positions.push_back(batch.positions[(size_t)(src.first_row + j)]);
       mb.slots.push_back(batch.slots[(size_t)(src.first_row + j)]);
       hidden_rows.push_back(src.first_row + j);

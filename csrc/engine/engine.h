@@ -187,15 +187,8 @@ class Engine {
   // speculative='mtp', after a step: the MTP head over the rows the step kept (each row with the token after it, so
   // that its K/V in the head's pool layer are complete for later drafts, prefix hits and recomputation: also those of
   // the sequences that end with this step, finished after it), and a draft of the next token for those that decode
-  // next and take drafts (Sequence::mtp_draft). mtp_rows: what each scheduled sequence's rows were (plan order).
-  // Returns the seconds it took.
-  struct MtpRows {
-    Sequence* seq = nullptr;
-    int32_t batch_seq = 0;  // index into the step's Batch::seqs
-    int32_t start = 0;      // the position of the chunk's first row
-  };
-  std::vector<MtpRows> mtp_rows(const BatchPlan& plan, const Batch& batch) const;
-  double run_mtp(const Batch& batch, const std::vector<MtpRows>& rows, const std::vector<Ending>& endings);
+  // next and take drafts (Sequence::mtp_draft). Returns the seconds it took.
+  double run_mtp(const BatchPlan& plan, const Batch& batch, const std::vector<Ending>& endings);
   // Times forwards of 1 to kCalibrationRows rows into step_cost_, once, on the loop thread before the first request:
   // the costs the adaptive rule weighs drafts with stay the same for the engine's life, so a request's drafts (and
   // the arithmetic of its steps) do not depend on how fast earlier steps happened to run.

@@ -543,8 +543,7 @@ class CpuBackend final : public Backend {
   }
 
   void gather_logit_rows(const void* x, int64_t first, int64_t n, int64_t dim, void* out) override {
-    for (int64_t i = 0; i < n; ++i)
-      std::memcpy(f32(out) + i * dim, f32(x) + (int64_t)batch_->logit_rows[first + i] * dim, dim * sizeof(float));
+    gather_rows(x, batch_->logit_rows.data() + first, n, dim, out);
   }
 
   void gather_rows(const void* x, const int32_t* rows, int64_t n, int64_t dim, void* out) override {

@@ -213,31 +213,32 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
   weights_ = std::move(weights);  // the mappings stay alive for views still read (embedding, norms)
 }
 
+int64_t DecoderModel::Layer::dense_bytes() const {
+  int64_t bytes = 0;
+  for (const PackedLinear* w : {&qkv, &attn_gate, &o_proj, &gate_up, &down_proj, &recurrent_in, &recurrent_out,
+                                &shared_gate_up, &shared_down, &shared_gate, &ple_gate, &ple_proj})
+    bytes += w->size_bytes;
+  return bytes;
+}
+
+int64_t DecoderModel::Layer::expert_bytes() const {
+  int64_t bytes = moe.router.size_bytes;
+  for (const std::vector<PackedLinear>* ws : {&moe.gate_up, &moe.down})
+    for (const PackedLinear& w : *ws) bytes += w.size_bytes;
+  return bytes;
+}
+
 int64_t DecoderModel::dense_weight_bytes() const {
   int64_t bytes = lm_head_.size_bytes + ple_model_proj_.size_bytes;
-  for (const Layer& l : layers_)
-    for (const PackedLinear* w : {&l.qkv, &l.attn_gate, &l.o_proj, &l.gate_up, &l.down_proj, &l.recurrent_in,
-                                  &l.recurrent_out, &l.shared_gate_up, &l.shared_down, &l.shared_gate, &l.ple_gate,
-                                  &l.ple_proj})
-      bytes += w->size_bytes;
+  for (const Layer& l : layers_) bytes += l.dense_bytes();
   return bytes;
 }
 
 int64_t DecoderModel::linear_weight_bytes() const {
   int64_t bytes = dense_weight_bytes();
-  if (options_.mtp) {  // the head's layer and fc, which every step runs
-    for (const PackedLinear* w : {&mtp_fc_, &mtp_layer_.qkv, &mtp_layer_.attn_gate, &mtp_layer_.o_proj,
-                                  &mtp_layer_.gate_up, &mtp_layer_.down_proj, &mtp_layer_.shared_gate_up,
-                                  &mtp_layer_.shared_down, &mtp_layer_.shared_gate, &mtp_layer_.moe.router})
-      bytes += w->size_bytes;
-    for (const std::vector<PackedLinear>* ws : {&mtp_layer_.moe.gate_up, &mtp_layer_.moe.down})
-      for (const PackedLinear& w : *ws) bytes += w.size_bytes;
-  }
-  for (const Layer& l : layers_) {
-    bytes += l.moe.router.size_bytes;
-    for (const std::vector<PackedLinear>* ws : {&l.moe.gate_up, &l.moe.down})
-      for (const PackedLinear& w : *ws) bytes += w.size_bytes;
-  }
+  for (const Layer& l : layers_) bytes += l.expert_bytes();
+  if (options_.mtp)  // the head's fc and layer, which every step runs
+    bytes += mtp_fc_.size_bytes + mtp_layer_.dense_bytes() + mtp_layer_.expert_bytes();
   return bytes;
 }
 
@@ -248,9 +249,8 @@ void DecoderModel::mixer_block(int32_t l, int64_t rows, void* h) {
     attention_block(l, rows, h);
 }
 
-void DecoderModel::attention_block(int32_t l, int64_t rows, void* h) { attention_block(layers_[l], l, rows, h); }
-
-void DecoderModel::attention_block(const Layer& w, int32_t l, int64_t rows, void* h) {
+void DecoderModel::attention_block(int32_t l, int64_t rows, void* h) {
+  const Layer& w = layers_[l];
   backend_->linear(h, rows, w.qkv, wide_.get());
   if (!w.attn_gate.is_empty()) backend_->linear(h, rows, w.attn_gate, gate_.get());
   backend_->attention(wide_.get(), rows, w.attention, attn_.get());

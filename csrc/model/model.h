@@ -80,17 +80,19 @@ class DecoderModel : public Executor {
     PackedLinear recurrent_in, recurrent_out;
     DeviceVector conv_weight, decay_rate, dt_bias, recurrent_norm;
     RecurrentSpec recurrent;
+    // Bytes of its linears as packed: all but the experts and their router (what every step reads), and those.
+    int64_t dense_bytes() const;
+    int64_t expert_bytes() const;
   };
   // h [rows, hidden] -> layer l's token mixer (self-attention, or its recurrent layer) -> h (output linear applied)
   void mixer_block(int32_t l, int64_t rows, void* h);
   // h [rows, hidden] -> self-attention of layer l -> h (o_proj applied)
   void attention_block(int32_t l, int64_t rows, void* h);
-  void attention_block(const Layer& w, int32_t l, int64_t rows, void* h);  // layer w shaped as config layer l
   // h [rows, hidden] -> the Gated DeltaNet mixer of layer l -> h (out_proj applied)
   void recurrent_block(int32_t l, int64_t rows, void* h);
   // h [rows, hidden] -> gated MLP of layer l (dense, or its mixture of experts and shared expert) -> h
   void mlp_block(int32_t l, int64_t rows, void* h);
-  void mlp_block(const Layer& w, int32_t l, int64_t rows, void* h);
+  void mlp_block(const Layer& w, int32_t l, int64_t rows, void* h);  // layer w shaped as config layer l
   // Gemma 4's MoE layer (config moe_beside_mlp): x [rows, hidden] the residual stream, h = pre_mlp_norm(x) ->
   // h = post_mlp_norm(post_mlp_norm_1(mlp(h)) + post_moe_norm(experts(pre_moe_norm(x), routed on router_norm(x))))
   void mlp_beside_experts_block(int32_t l, int64_t rows, const void* x, void* h);
