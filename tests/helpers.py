@@ -301,3 +301,20 @@ def submit_all(engine, prompts, gens) -> list[tuple[list[int], list[float]]]:
                 done += 1
         out += [got[i] for i in range(n)]
     return out
+
+
+def speculation_keeps_tokens(folder, settings: dict, prompts, gen, speculative: str, check_plain=None):
+    """Decodes ``prompts`` with an engine of ``settings`` (EngineConfig fields) without speculation (handed to
+    ``check_plain`` when given) and with ``speculative``, every draft verified; asserts the same tokens and returns
+    the speculating engine's metrics."""
+    from lmkit import pipeline
+
+    outs = {}
+    for spec in ("off", speculative):
+        with pipeline(folder, EngineConfig(**settings, speculative=spec, speculative_adaptive=False)) as pipe:
+            if spec == "off" and check_plain is not None:
+                check_plain(pipe.engine)
+            outs[spec] = [r.token_ids for r in pipe(prompts, gen)]
+            metrics = pipe.engine.metrics()
+    assert outs[speculative] == outs["off"]
+    return metrics
