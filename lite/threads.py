@@ -3,7 +3,8 @@
 Large matrix products scale with threads. Element-wise passes (quantize, the clip grid) over a small weight do
 not: it sits in cache, each pass takes microseconds, and on a shared machine an OpenMP barrier waiting for a
 descheduled thread makes them 10x slower. Over a large weight they are bound by memory and do scale (the clip
-search of an 8B model's down_proj, 4096 x 14336, on 2 Zen 4 cores: 159 s on one thread, 93 s on two). The searches therefore run element-wise work on ``elementwise_threads`` and matmul work on all threads.
+search of an 8B model's down_proj, 4096 x 14336, on 2 Zen 4 cores: 159 s on one thread, 93 s on two). The
+searches therefore run element-wise work on ``elementwise_threads`` and matmul work on all threads.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ class MinObservedLatency:
             latency = n.observed_latency_s if n.observed_latency_s is not None else prior
             return latency * (n.num_in_flight + 1)
 
-        return _pick_min(_lowest(nodes, expected), lambda n: n.num_in_flight, self.rng)  # no observations yet: fewest in flight
+        # ties (no observations yet): the fewest in flight
+        return _pick_min(_lowest(nodes, expected), lambda n: n.num_in_flight, self.rng)
 
 
 CHUNK_CHARS = 256
