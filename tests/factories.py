@@ -738,6 +738,67 @@ def write_compressed_tensors_int8(src: Path, out: Path, *, group: int = 0, activ
     return write_with_compressor(src, out, scheme, IntQuantizationCompressor, fmt, group, scale_dtype)
 
 
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 codes 0..7; 8..15 the same negated (OCP MX spec)
+
+
+def fp4_reference(packed: torch.Tensor, scale: torch.Tensor, block: int, global_scale=None) -> torch.Tensor:
+    """float32 weight [N, K] of an FP4 tensor decoded in float64 from the format's definition: e2m1 codes two a byte
+    (value 2j in byte j's low nibble), times its block's scale (NVFP4: an E4M3 scale decoded by torch's float8_e4m3fn,
+    divided by the global scale; MXFP4: an e8m0 exponent, 2^(e - 127))."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float64)
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1).long()
+    if scale.dtype == torch.uint8:
+        s = torch.pow(torch.tensor(2.0, dtype=torch.float64), scale.to(torch.float64) - 127)
+    else:
+        s = scale.to(torch.float64) / float(global_scale)
+    return (table[codes] * s.repeat_interleave(block, dim=1)).float()
+
+
+def write_compressed_tensors_fp4(src: Path, out: Path, *, fmt: str = "nvfp4", activations: bool = False) -> Path:
+    """compressed-tensors FP4 weights as llm-compressor's presets write them (``fmt`` nvfp4: NVFP4A16, or NVFP4 with
+    ``activations``, E4M3 scales per 16 inputs under a per-tensor global scale, with an input_global_scale per
+    linear as its calibration leaves one; mxfp4: MXFP4A16 / MXFP4, e8m0 scales per 32), qparams from
+    compressed-tensors' own generate_gparam and calculate_qparams, written by its NVFP4 / MXFP4 packed compressor:
+    ``out``/fp4, and ``out``/ref: fp32 weights decoded in float64 (fp4_reference). The router, embeddings and lm_head
+    stay dense (``ignore``)."""
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+    from safetensors.torch import load_file
+
+    nv = fmt == "nvfp4"
+    scheme = preset_name_to_scheme(("NVFP4" if nv else "MXFP4") + ("" if activations else "A16"), ["Linear"])
+    compressor = NVFP4PackedCompressor if nv else MXFP4PackedCompressor
+    block = scheme.weights.group_size
+    tensors = load_file(str(src / "model.safetensors"))
+    packed, ref = {}, {}
+    for name, w in quantized_linears(tensors, linear_keys(src, 32), packed, ref):
+        n, k = w.shape
+        wf = w.float()
+        grouped = wf.reshape(n, k // block, block)
+        gscale = generate_gparam(wf.amin(), wf.amax()) if nv else None
+        scale, zp = calculate_qparams(grouped.amin(-1), grouped.amax(-1), scheme.weights, global_scale=gscale)
+        sd = {"weight": w, "weight_scale": scale, "weight_zero_point": zp}
+        if nv:
+            sd["weight_global_scale"] = gscale
+        sd = compressor.compress(sd, scheme)
+        if nv and activations:
+            sd["input_global_scale"] = torch.tensor([448.0 * 6.0 / 4.0])
+        base = name[: -len("weight")]
+        for part, t in sd.items():
+            packed[base + part] = t.contiguous()
+        ref[name] = fp4_reference(sd["weight_packed"], sd["weight_scale"], block, gscale)
+    ignore = sorted(name[: -len(".weight")] for name, t in packed.items()
+                    if name.endswith(".weight") and t.ndim == 2 and t.is_floating_point())
+    qc = QuantizationConfig(config_groups={"group_0": scheme}, format=f"{fmt}-pack-quantized",
+                            quantization_status="compressed", ignore=ignore).model_dump()
+    qc["quant_method"] = "compressed-tensors"
+    copy_folder(src, out / "fp4", packed, qc)
+    copy_folder(src, out / "ref", ref, None)
+    return out
+
+
 def as_int32_words(words: np.ndarray) -> torch.Tensor:
     """int64 values taken modulo 2^32 as int32 (the bit patterns a checkpoint stores)."""
     return torch.from_numpy((words & 0xFFFFFFFF).astype(np.uint32).view(np.int32).copy())

@@ -5,7 +5,8 @@
 //   weight[n, j] = (q[j, n] - zero[j / group_size, n]) * scale[j / group_size, n]     n < num_out, j < num_in
 //   (or q[j, n] * scale + offset[j / group_size, n] where the source has offsets, or
 //    q[j, n] * d[g, n] * sc[g, n] - dmin[g, n] * m[g, n], g = j / group_size, where it has K-quant groups, or
-//    e2m1(q[j, n]) * 2^(e[g, n] - 127) where it has MXFP4 groups)
+//    e2m1(q[j, n]) * 2^(e[g, n] - 127) where it has MXFP4 groups, or
+//    e2m1(q[j, n]) * scale[g, n] / nvfp4_global_scale where it has NVFP4 groups)
 //   layer output[n] = sum_j weight[n, j] * x[input_perm[j]]     (x[j] when input_perm is empty)
 //
 // input_perm makes act-order checkpoints (GPTQ desc_act, whose g_idx scatters a group's inputs) contiguous in
@@ -21,7 +22,7 @@ namespace lmkit {
 
 struct Int4Source {
   int64_t num_out = 0, num_in = 0;  // the weight is [num_out, num_in]
-  int32_t group_size = 0;           // 32, 64 or 128; divides num_in
+  int32_t group_size = 0;           // 32, 64 or 128 (NVFP4: 16); divides num_in
   std::shared_ptr<const std::vector<int32_t>> input_perm;  // null, or num_in distinct input indices
   // Reads group g (inputs [g * group_size, (g + 1) * group_size) in the order above) for outputs
   // [n0, n0 + count): q[r * count + c] = q of input g * group_size + r, output n0 + c (0..15);
@@ -40,12 +41,18 @@ struct Int4Source {
   // scale byte of group g, output n0 + c (the NaN 255 refused by the reader). Thread-safe as read_group; never with
   // offsets or K-quant groups.
   std::function<void(int64_t g, int64_t n0, int64_t count, uint8_t* e)> read_e8m0;
+  // Nonzero for NVFP4 groups (group_size 16): read_group's q are e2m1 codes (as MXFP4's) and its scales each block's
+  // FP8 E4M3 scale as fp16 bits (exact: E4M3's values are fp16 values), its zeros ignored; every weight is divided by
+  // this, the tensor's global scale (compressed-tensors' weight_global_scale; positive and finite). Never with
+  // offsets, K-quant or MXFP4 groups.
+  float nvfp4_global_scale = 0.0f;
   // Every zero is 8 (GGUF Q4_0; symmetric GPTQ, AWQ or compressed-tensors checkpoints): the packer then keeps no
   // zeros (ops::GroupHead::Symmetric) and checks each one read_group gives. Without offsets or K-quant groups only.
   bool symmetric = false;
   bool has_offsets() const { return read_offsets != nullptr; }
   bool has_kquant() const { return read_kquant != nullptr; }
   bool has_e8m0() const { return read_e8m0 != nullptr; }
+  bool has_nvfp4() const { return nvfp4_global_scale != 0.0f; }
 };
 
 // An int8 weight as a checkpoint stores it (GGUF Q8_0, Q5_0): weight[n, j] = q[j, n] * scale[j / 32, n], q in

@@ -50,7 +50,7 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //       zeros   [32] u8        zero point of (group, column j), 0..15
 //       quads   [g / 4][64] u8 byte i of 32-bit lane j of quad t: q[4t + i, j] | q[4t + i, j + 16] << 4
 //     weight[n, k] = (q[k, n] - zero[k / g, n]) * scale[k / g, n]; one stream per panel, scales inline.
-//     The group head has one of five forms (LinearWeight::group_head, from the source):
+//     The group head has one of six forms (LinearWeight::group_head, from the source):
 //       Zeros      scales [32] fp16 | zeros [32] u8                        as above (any zero point)
 //       Symmetric  scales [32] fp16                                        every zero 8: weight = (q - 8) * scale
 //                  (GGUF Q4_0, symmetric GPTQ / AWQ / compressed-tensors: 4.5 bits per weight at g = 32, the
@@ -65,6 +65,11 @@ void add_rmsnorm(float* residual, const float* x, const Tensor& weight, float ep
 //                {0, 1, 2, 3, 4, 6, 8, 12, -0, -1, -2, -3, -4, -6, -8, -12} (integers) and f = e - 1 the fp32
 //                exponent field of the file's e8m0 scale halved (2^(e - 128)); 4.25 bits per weight, the file's
 //                size; lossless except that f = 0 (e <= 1: every weight of the block below 2^-123) reads as scale 0
+//       Nvfp4    s [2][32] fp16                                          (NVFP4: compressed-tensors
+//                nvfp4-pack-quantized; g = 32, two NVFP4 blocks of 16 inputs) sub-block b (inputs 16b..16b + 15)
+//                has weight = e2m1x2[q] * s[b] * output_scale, s[b] the block's E4M3 scale (exact in fp16) and
+//                output_scale = 1 / (2 * global_scale) the tensor's, applied once to each output; 5 bits per
+//                weight (the file's 4.5 but for the scales in fp16), lossless
 //   Int8 (pack_linear_int8 from a float weight; llama.cpp's Q8_0 and Q5_0 in our panels; dtype F16): per panel,
 //     K / 32 blocks (group_size 32) of
 //       scales  [32] fp16      d of (block, column j): max |w| / 127 over the block's 32 values
@@ -99,20 +104,22 @@ constexpr int64_t kLinearInt6Group = 256, kLinearInt6Sub = 16, kLinearInt6OctetB
 constexpr int64_t kLinearInt6HeadBytes = kLinearPanelCols * (2 + kLinearInt6Group / kLinearInt6Sub);
 constexpr int64_t kLinearInt6GroupBytes = kLinearInt6HeadBytes + kLinearInt6Group / 8 * kLinearInt6OctetBytes;
 enum class WeightFormat : uint8_t { Dense, Int4, Int8, Bf16Pairs, Int6 };
-// The group heads above: Int4 has all five; Int8 has Zeros (the plain blocks: scales only, the zero is the
+// The group heads above: Int4 has all six; Int8 has Zeros (the plain blocks: scales only, the zero is the
 // stored 128) and Offsets.
-enum class GroupHead : uint8_t { Zeros, Offsets, KQuant, Symmetric, Mxfp4 };
+enum class GroupHead : uint8_t { Zeros, Offsets, KQuant, Symmetric, Mxfp4, Nvfp4 };
 // Bytes of an Int4 panel's group head and of a whole group of g inputs (layouts above), for the packer and every
 // ISA's kernels: per column an fp16 scale and a u8 zero (Zeros), the scale alone (Symmetric), scale and fp16 offset
-// (Offsets), fp16 d, dmin and 8 u8 sc, m (KQuant), or a u8 exponent (Mxfp4); then g / 2 bytes of nibbles.
+// (Offsets), fp16 d, dmin and 8 u8 sc, m (KQuant), a u8 exponent (Mxfp4), or two fp16 scales (Nvfp4); then g / 2
+// bytes of nibbles.
 constexpr int64_t linear_int4_head_bytes(GroupHead head) {
   return kLinearPanelCols * (head == GroupHead::Zeros       ? 3
                              : head == GroupHead::Symmetric ? 2
                              : head == GroupHead::Offsets   ? 4
                              : head == GroupHead::Mxfp4     ? 1
+                             : head == GroupHead::Nvfp4     ? 4
                                                             : 20);
 }
-// The twice-e2m1 value of each MXFP4 code (Mxfp4 heads), for the packers, kernels and references.
+// The twice-e2m1 value of each MXFP4 / NVFP4 code (Mxfp4 and Nvfp4 heads), for the packers, kernels and references.
 constexpr int8_t kE2m1Twice[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 constexpr int64_t linear_int4_group_bytes(int64_t g, GroupHead head) {
   return linear_int4_head_bytes(head) + g * kLinearPanelCols / 2;
@@ -138,12 +145,15 @@ struct LinearWeight {
   // Dense: the stored dtype; Int4, Int6 and Int8: the scales' (F16; Int8 in blocks of 16: F32; Int4 Mxfp4 heads hold
   // u8 exponents, dtype F16 all the same); Bf16Pairs: BF16
   DType dtype = DType::F32;
-  int32_t group_size = 0;    // Int4: 32 / 64 / 128 along K (KQuant: 256; Mxfp4: 32); Int8: 32 or 16; Int6: 256; else 0
+  // Int4: 32 / 64 / 128 along K (KQuant: 256; Mxfp4, Nvfp4: 32); Int8: 32 or 16; Int6: 256; else 0
+  int32_t group_size = 0;
   // Int4 and Int8: the form of the group heads (layouts above). AMX tiles run Int4 Zeros and Symmetric only.
   GroupHead group_head = GroupHead::Zeros;
   // Int4 only: null, or the order in which the weight takes the layer's inputs (Int4Source::input_perm);
   // ops::linear gathers x by it before the product.
   std::shared_ptr<const std::vector<int32_t>> input_perm;
+  // Int4 Nvfp4 heads: the factor of every output (1 / (2 * the tensor's NVFP4 global scale)); else 1.
+  float output_scale = 1.0f;
   // Int4, Int6 and Int8: quantize x to int8 per 32 values (per weight group for some Int4 layers, below) and use
   // integer dot products where the CPU has them (AVX2, AVX-512 VNNI; AMX-INT8 tiles in calls of
   // kLinearAmxInt8MinRows rows or more): decode and prefill.

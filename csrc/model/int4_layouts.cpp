@@ -1,10 +1,13 @@
 #include "model/int4_layouts.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <vector>
 
 #include "core/check.h"
+#include "core/dtype.h"
+#include "model/mxfp4.h"
 
 namespace lmkit {
 
@@ -87,13 +90,77 @@ std::shared_ptr<const std::vector<int32_t>> order_of_groups(const Tensor& g_idx,
   return perm;
 }
 
+// The fp16 bits of an FP8 E4M3 byte's value (exact: E4M3's normal and subnormal values are fp16 normals).
+uint16_t e4m3_f16_bits(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const float magnitude = e == 0 ? std::ldexp((float)m, -9) : std::ldexp((float)(8 + m), e - 10);
+  return f32_to_f16(b & 0x80 ? -magnitude : magnitude);
+}
+
+void check_u8(const Tensor& t, const std::vector<int64_t>& shape, const std::string& what, const char* name) {
+  LMKIT_CHECK_ARG(!t.is_empty(), what, ": no '", name, "' tensor");
+  LMKIT_CHECK_ARG(t.dtype == DType::U8, what, ".", name, " has dtype ", dtype_name(t.dtype), "; it must be U8");
+  LMKIT_CHECK_ARG(t.ndim == 2 && t.shape[0] == shape[0] && t.shape[1] == shape[1], what, ".", name, " has shape ",
+                  shape_str(t), "; the layer's shape implies ", shape_str(shape));
+}
+
+// compressed-tensors' FP4 layouts (int4_layouts.h): MXFP4 through model/mxfp4.h's reader of HF's layout (the
+// same bytes), NVFP4 here.
+Int4Source fp4_source(const Int4Tensors& t, int64_t N, int64_t K, int64_t group_size, const std::string& what) {
+  const bool nv = t.layout == Int4Layout::Nvfp4PackQuantized;
+  const int64_t B = nv ? 16 : 32;
+  LMKIT_CHECK_ARG(N > 0 && K > 0 && group_size == B && K % 32 == 0, what, ": an ", nv ? "NVFP4" : "MXFP4",
+                  " layer [", N, ", ", K, "] with group_size ", group_size, ": the format's blocks are ", B,
+                  " inputs and in_features must be a multiple of 32");
+  check_u8(t.values, {N, K / 2}, what, "weight_packed");
+  check_u8(t.scales, {N, K / B}, what, "weight_scale");
+  if (!nv) {
+    Tensor blocks = t.values;
+    blocks.ndim = 3;
+    blocks.shape[1] = K / 32, blocks.shape[2] = 16;
+    return mxfp4_source(blocks, t.scales, nullptr, what);
+  }
+  const Tensor& global = t.global_scale;
+  LMKIT_CHECK_ARG(!global.is_empty(), what, ": no 'weight_global_scale' tensor (NVFP4 has one per weight)");
+  LMKIT_CHECK_ARG(global.numel() == 1 && (global.dtype == DType::F32 || global.dtype == DType::F16 ||
+                                          global.dtype == DType::BF16),
+                  what, ".weight_global_scale must be one F32, F16 or BF16 value, got ", dtype_name(global.dtype), " ",
+                  shape_str(global));
+  const float gscale = float_value(global, 0);
+  LMKIT_CHECK_ARG(std::isfinite(gscale) && gscale > 0.0f, what, ".weight_global_scale is ", gscale,
+                  "; it must be positive and finite");
+  Int4Source src;
+  src.num_out = N;
+  src.num_in = K;
+  src.group_size = 16;
+  src.nvfp4_global_scale = gscale;
+  const Tensor values = t.values, scales = t.scales;
+  src.read_group = [=](int64_t g, int64_t n0, int64_t count, uint8_t* q, uint8_t* z, uint16_t* s) {
+    const uint8_t* packed = values.ptr<const uint8_t>();
+    const uint8_t* sc = scales.ptr<const uint8_t>();
+    for (int64_t c = 0; c < count; ++c) {
+      const int64_t n = n0 + c;
+      const uint8_t b = sc[n * (K / 16) + g];
+      LMKIT_CHECK_ARG((b & 0x7f) != 0x7f, what, ".weight_scale[", n, ", ", g, "] is NaN (E4M3 byte ", (int)b, ")");
+      s[c] = e4m3_f16_bits(b), z[c] = 0;
+      for (int64_t r = 0; r < 16; ++r) {
+        const uint8_t byte = packed[n * (K / 2) + (16 * g + r) / 2];
+        q[r * count + c] = r % 2 ? byte >> 4 : byte & 15;
+      }
+    }
+  };
+  return src;
+}
+
 }  // namespace
 
 Int4Layout parse_int4_layout(const std::string& name) {
   if (name.empty()) return Int4Layout::None;
-  for (Int4Layout l : {Int4Layout::AwqGemm, Int4Layout::Gptq, Int4Layout::GptqV2, Int4Layout::PackQuantized})
+  for (Int4Layout l : {Int4Layout::AwqGemm, Int4Layout::Gptq, Int4Layout::GptqV2, Int4Layout::PackQuantized,
+                       Int4Layout::Mxfp4PackQuantized, Int4Layout::Nvfp4PackQuantized})
     if (name == int4_layout_name(l)) return l;
-  LMKIT_CHECK_ARG(false, "unknown int4 layout '", name, "'; known: awq, gptq, gptq_v2, pack_quantized");
+  LMKIT_CHECK_ARG(false, "unknown int4 layout '", name, "'; known: awq, gptq, gptq_v2, pack_quantized, "
+                  "mxfp4_pack_quantized, nvfp4_pack_quantized");
   return Int4Layout::None;
 }
 
@@ -104,11 +171,15 @@ const char* int4_layout_name(Int4Layout layout) {
     case Int4Layout::Gptq: return "gptq";
     case Int4Layout::GptqV2: return "gptq_v2";
     case Int4Layout::PackQuantized: return "pack_quantized";
+    case Int4Layout::Mxfp4PackQuantized: return "mxfp4_pack_quantized";
+    case Int4Layout::Nvfp4PackQuantized: return "nvfp4_pack_quantized";
   }
   return "?";
 }
 
 Int4Source int4_source(const Int4Tensors& t, int64_t N, int64_t K, int64_t group_size, const std::string& what) {
+  if (t.layout == Int4Layout::Mxfp4PackQuantized || t.layout == Int4Layout::Nvfp4PackQuantized)
+    return fp4_source(t, N, K, group_size, what);
   const TensorNames names = names_of(t.layout);
   const int64_t gs = group_size > 0 ? group_size : K;
   LMKIT_CHECK_ARG(N > 0 && K > 0 && gs % 32 == 0 && K % gs == 0, what, ": an int4 layer (", int4_layout_name(t.layout),
@@ -182,6 +253,8 @@ Int4Source int4_source(const Int4Tensors& t, int64_t N, int64_t K, int64_t group
       };
       break;
     }
+    case Int4Layout::Mxfp4PackQuantized:
+    case Int4Layout::Nvfp4PackQuantized:  // fp4_source above
     case Int4Layout::None: LMKIT_CHECK_ARG(false, what, ": not an int4 layer");
   }
   return src;

@@ -11,7 +11,12 @@
 //   PackQuantized (compressed-tensors "pack-quantized", int4):  weight_packed I32 [N, K / 8] packed along K,
 //       values q + 8;  weight_zero_point I32 [N / 8, G] packed along N, values z + 8 (asymmetric; absent when
 //       symmetric: zero 8);  weight_scale [N, G];  weight_g_idx I32 [K] (optional, actorder "group").
-// Every layout: weight[n, k] = (q - zero) * scale with q, zero in 0..15 after the offsets above. Scales in
+//   Mxfp4PackQuantized, Nvfp4PackQuantized (compressed-tensors "mxfp4-pack-quantized", "nvfp4-pack-quantized"):
+//       weight_packed U8 [N, K / 2], e2m1 codes, value 2j in byte j's low nibble and 2j + 1 in its high one;
+//       weight_scale [N, K / B]: MXFP4 (B = 32) U8 e8m0 exponents (read as model/mxfp4.h's HF layout), NVFP4
+//       (B = 16) FP8 E4M3 bytes (safetensors F8_E4M3, handed over as U8); NVFP4's weight_global_scale [1]:
+//       weight[n, k] = e2m1(q) * e4m3(scale) / global_scale.
+// The integer layouts: weight[n, k] = (q - zero) * scale with q, zero in 0..15 after the offsets above. Scales in
 // BF16 / F32 are rounded to fp16 (exact for BF16 scales in fp16's normal range). Groups larger than 128
 // (a whole row: per-channel) become groups of 128, 64 or 32 that repeat the scale and zero: lossless.
 #pragma once
@@ -22,21 +27,23 @@
 
 namespace lmkit {
 
-enum class Int4Layout : uint8_t { None, AwqGemm, Gptq, GptqV2, PackQuantized };
+enum class Int4Layout : uint8_t { None, AwqGemm, Gptq, GptqV2, PackQuantized, Mxfp4PackQuantized, Nvfp4PackQuantized };
 
-// "" -> None, "awq", "gptq", "gptq_v2", "pack_quantized"; throws InvalidArgument listing them otherwise.
+// "" -> None, "awq", "gptq", "gptq_v2", "pack_quantized", "mxfp4_pack_quantized", "nvfp4_pack_quantized"; throws
+// InvalidArgument listing them otherwise.
 Int4Layout parse_int4_layout(const std::string& name);
 const char* int4_layout_name(Int4Layout layout);
 // One int4 linear as stored (views into the checkpoint's tensors named above; lmkit.models hands them over as
-// the roles "<linear>.values", ".zeros", ".scales", ".g_idx"); zeros and g_idx may be empty where the layout
-// allows.
+// the roles "<linear>.values", ".zeros", ".scales", ".g_idx", ".global_scale"); zeros, g_idx and global_scale may be
+// empty where the layout allows.
 struct Int4Tensors {
   Int4Layout layout = Int4Layout::None;
-  Tensor values, zeros, scales, g_idx;
+  Tensor values, zeros, scales, g_idx, global_scale;
 };
 
 // The reader of a linear [num_out, num_in] stored as `t`, its checkpoint's group size `group_size` (0: one
-// group per row). Checks every tensor's dtype and shape, the group size (a multiple of 32) and the g_idx groups
+// group per row). Checks every tensor's dtype and shape, the group size (a multiple of 32; the FP4 layouts: their
+// block) and the g_idx groups
 // (each of exactly group_size inputs); throws InvalidArgument naming `what` (the linear's role) and the tensor.
 Int4Source int4_source(const Int4Tensors& t, int64_t num_out, int64_t num_in, int64_t group_size,
                        const std::string& what);

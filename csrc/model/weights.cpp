@@ -216,6 +216,7 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::map<std::s
     t.int4.zeros = get_stored(role + ".zeros");
     t.int4.scales = get_stored(role + ".scales");
     t.int4.g_idx = get_stored(role + ".g_idx");
+    t.int4.global_scale = get_stored(role + ".global_scale");
     t.int4_source = int4_source(t.int4, N, K, config.int4_group_size, config.architecture + ": " + role);
     return t;
   };

@@ -1024,6 +1024,146 @@ void test_linear_mxfp4() {
   }
 }
 
+// NVFP4 (compressed-tensors nvfp4-pack-quantized, ops::GroupHead::Nvfp4) read through model/int4_layouts.h's reader:
+// random codes, random FP8 E4M3 block scales with the edge bytes 0, 1 (the least subnormal), 0x80 (-0), 0x7e (448) and
+// a negative scale placed in some blocks, a global scale that is no power of two. Against the float64 product of the
+// format's definition (e2m1(code) * e4m3(scale) / global, both decoded from their bit fields here): the fp32 path
+// within 1e-5, int8 activations within 1e-5 of the float64 product of the rounded x (blocks of 32) and 1e-2 of the
+// exact one; 5 bits a weight; a row alone gives the bits it gives in a call; compressed-tensors' MXFP4 layout packs to
+// the bytes of gpt-oss's (the same numbers); NaN scales, a global scale of 0 and a wrong group size are refused by
+// name; NaN-poisoned outputs.
+double e4m3_value(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const double magnitude = e == 0 ? m / 8.0 * std::ldexp(1.0, -6) : (1.0 + m / 8.0) * std::ldexp(1.0, e - 7);
+  return b & 0x80 ? -magnitude : magnitude;
+}
+struct Nvfp4Weight {
+  std::vector<uint8_t> packed, scales;  // [N, K / 2], [N, K / 16]
+  float global = 37.3f;
+  std::vector<double> dense;  // [N, K]
+  Tensor values, scale_t, global_t;
+};
+Nvfp4Weight make_nvfp4(int64_t N, int64_t K) {
+  Nvfp4Weight a;
+  a.packed.resize(N * K / 2), a.scales.resize(N * K / 16), a.dense.resize(N * K);
+  for (auto& b : a.packed) b = (uint8_t)(g_rng() >> 56);
+  for (auto& b : a.scales) b = (uint8_t)(40 + g_rng() % 40);  // exponent fields 5..9: 0.25 .. 7.5
+  const uint8_t edges[] = {0x00, 0x01, 0x80, 0x7e, 0xc3};
+  for (int i = 0; i < 5 && i < N * K / 16; ++i) a.scales[(i * 7919) % (N * K / 16)] = edges[i];
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      const uint8_t byte = a.packed[n * (K / 2) + k / 2];
+      const int code = k % 2 ? byte >> 4 : byte & 15;
+      a.dense[n * K + k] = e2m1_value(code) * e4m3_value(a.scales[n * (K / 16) + k / 16]) / (double)a.global;
+    }
+  a.values = make_view(a.packed.data(), DType::U8, N, K / 2);
+  a.scale_t = make_view(a.scales.data(), DType::U8, N, K / 16);
+  a.global_t = make_view(&a.global, DType::F32, 1);
+  return a;
+}
+Int4Source nvfp4_source(const Nvfp4Weight& a, int64_t N, int64_t K, const std::string& what, int64_t group = 16) {
+  Int4Tensors t;
+  t.layout = Int4Layout::Nvfp4PackQuantized;
+  t.values = a.values, t.scales = a.scale_t, t.global_scale = a.global_t;
+  return int4_source(t, N, K, group, what);
+}
+
+void test_linear_nvfp4() {
+  struct Shape {
+    int64_t M, N, K;
+  };
+  const Shape shapes[] = {{1, 8, 32},     {1, 96, 2880},  {2, 40, 96},     {5, 200, 640},   {13, 64, 1536},
+                          {25, 96, 576},  {40, 72, 384},  {100, 136, 576}, {300, 40, 1152}, {7, 33, 2880}};
+  const bool q8_runs = ops::int8_dot_available();
+  for (const Shape& s : shapes) {
+    Nvfp4Weight a = make_nvfp4(s.N, s.K);
+    const std::string name = "linear nvfp4 M " + std::to_string(s.M) + " N " + std::to_string(s.N) + " K " +
+                             std::to_string(s.K);
+    ops::LinearWeight w = ops::pack_linear_int4(nvfp4_source(a, s.N, s.K, "t"));
+    expect(w.group_head == ops::GroupHead::Nvfp4 && w.group_size == 32 &&
+               w.size_bytes() == (s.N + 31) / 32 * 32 * s.K * 5 / 8 && w.output_scale == 0.5f / a.global,
+           name + ": NVFP4 heads, 5 bits a weight, the global scale as the outputs' factor");
+    Weight b = make_weight(DType::F32, s.N, 0);
+    std::vector<float> x = randn(s.M * s.K, 4.0f);
+    for (int with_bias = 0; with_bias < 2; ++with_bias)
+      for (bool int8_x : {false, true}) {
+        if (int8_x && !q8_runs) continue;
+        w.int8_activations = int8_x;
+        std::vector<float> out(s.M * s.N, NAN);
+        ops::linear(x.data(), s.M, w, with_bias ? b.t : Tensor{}, out.data());
+        const float* bias = with_bias ? b.f32.data() : nullptr;
+        const std::string what = name + (with_bias ? " bias" : "") + (int8_x ? " int8 x" : "");
+        if (!int8_x) {
+          expect_close(out, linear_f64(x, s.M, a.dense, s.N, s.K, bias), what);
+          continue;
+        }
+        expect_close(out, linear_f64(quantize_q8(x, s.M, s.K, 32), s.M, a.dense, s.N, s.K, bias), what);
+        if (s.K >= 256)  // the 1e-2 bound is statistical: a row of one block misses it by chance
+          expect_close(out, linear_f64(x, s.M, a.dense, s.N, s.K, bias), what + " (unrounded x)", 1e-2);
+      }
+    for (bool int8_x : {false, true}) {  // batch-invariant: row 0 alone gives the bits it gives in the call
+      if (s.M < 2 || (int8_x && !q8_runs)) continue;
+      w.int8_activations = int8_x;
+      std::vector<float> all(s.M * s.N), one(s.N);
+      ops::linear(x.data(), s.M, w, Tensor{}, all.data());
+      ops::linear(x.data(), 1, w, Tensor{}, one.data());
+      expect(std::memcmp(all.data(), one.data(), one.size() * 4) == 0, name + (int8_x ? " int8 x" : "") +
+                                                                            ": a row alone = the same row in the call");
+    }
+  }
+  // in a group of jobs (panels split over threads, no bias there): the same outputs as alone
+  {
+    Nvfp4Weight a = make_nvfp4(96, 256);
+    const ops::LinearWeight w = ops::pack_linear_int4(nvfp4_source(a, 96, 256, "t"));
+    std::vector<float> x = randn(3 * 256), alone(3 * 96), grouped(3 * 96, NAN);
+    ops::linear(x.data(), 3, w, Tensor{}, alone.data());
+    const ops::LinearJob job{x.data(), 3, &w, grouped.data()};
+    ops::linear_group(&job, 1);
+    expect(std::memcmp(alone.data(), grouped.data(), alone.size() * 4) == 0, "linear nvfp4 in linear_group");
+  }
+  // compressed-tensors' MXFP4 (weight_packed [N, K / 2], weight_scale [N, K / 32]) packs as gpt-oss's HF layout
+  {
+    const int64_t N = 40, K = 320;
+    Mxfp4Weight a = make_mxfp4(N, K);
+    Int4Tensors t;
+    t.layout = Int4Layout::Mxfp4PackQuantized;
+    t.values = make_view(a.blocks.data(), DType::U8, N, K / 2), t.scales = a.hf_scales;
+    const ops::LinearWeight ct = ops::pack_linear_int4(int4_source(t, N, K, 32, "t"));
+    const ops::LinearWeight hf = ops::pack_linear_int4(mxfp4_source(a.hf_blocks, a.hf_scales, nullptr, "t"));
+    expect(ct.group_head == ops::GroupHead::Mxfp4 && ct.size_bytes() == hf.size_bytes() &&
+               std::memcmp(ct.storage.get(), hf.storage.get(), (size_t)hf.size_bytes()) == 0,
+           "compressed-tensors' MXFP4 packs to the bytes of gpt-oss's layout");
+  }
+  // refusals, by name
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  {
+    Nvfp4Weight a = make_nvfp4(40, 96);
+    a.scales[37 * 6 + 2] = 0xff;
+    const std::string msg =
+        message([&] { ops::pack_linear_int4(nvfp4_source(a, 40, 96, "layers.0.mlp.down_proj")); });
+    expect(msg.find("layers.0.mlp.down_proj.weight_scale[37, 2] is NaN") != std::string::npos,
+           "an NVFP4 NaN scale is refused by name, got: " + msg);
+    a.global = 0.0f;
+    const std::string zero = message([&] { nvfp4_source(a, 40, 96, "q_proj"); });
+    expect(zero.find("q_proj.weight_global_scale is 0") != std::string::npos,
+           "an NVFP4 global scale of 0 is refused by name, got: " + zero);
+    a.global = 1.0f;
+    const std::string group = message([&] { nvfp4_source(a, 40, 96, "q_proj", 32); });
+    expect(group.find("the format's blocks are 16 inputs") != std::string::npos,
+           "an NVFP4 layer with group size 32 is refused, got: " + group);
+    const std::string shape = message([&] { nvfp4_source(a, 40, 128, "q_proj"); });
+    expect(shape.find("q_proj.weight_packed has shape") != std::string::npos,
+           "an NVFP4 layer of another shape is refused naming the tensor, got: " + shape);
+  }
+}
+
 void test_linear_bf16_kernel(const char* kernel);
 
 // bf16 pair panels (dtype='bfloat16'): against the double reference of the bf16-rounded x and weight
@@ -2076,6 +2216,7 @@ int main(int argc, char** argv) {
       test_linear_int4();
       test_linear_gguf_blocks();
       test_linear_mxfp4();
+      test_linear_nvfp4();
       test_kquant_source_checks();
       test_weight_format_traits();
       test_gather_weights();

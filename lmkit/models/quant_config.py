@@ -31,6 +31,9 @@ class WeightQuant:
     activations: str = ""  # what the checkpoint says of activations: "" (weight-only) or "int8 per token, dynamic"
     # fp8: what one weight scale covers: "tensor", "channel" or (rows, columns) of a block (lmkit/models/fp8.py)
     fp8_scales: str | tuple[int, int] = ""
+    # int4 NVFP4: the checkpoint's name of a linear's one global scale ("<module>.<name>"), handed to the engine as
+    # the role "<linear>.global_scale"
+    global_scale_name: str | None = None
 
     @property
     def int4_layout(self) -> str:
@@ -43,11 +46,15 @@ class WeightQuant:
                       f"per {self.fp8_scales[0]}x{self.fp8_scales[1]} block")
             acts = f"; activations {self.activations}, not applied on the CPU" if self.activations else ""
             return f"{self.method} fp8 e4m3, scales {scales} (dequantized at load{acts})"
+        if self.layout in _FP4_LAYOUTS:
+            acts = f"; activations {self.activations}, not applied on the CPU" if self.activations else ""
+            return f"{self.method} {_FP4_LAYOUTS[self.layout]} (e2m1 weights, scales per {self.group_size}{acts})"
         group = "per-channel" if self.group_size == 0 else f"g{self.group_size}"
         acts = f", activations {self.activations}" if self.activations else ""
         return f"{self.method} int{self.bits} {group} ({self.layout} layout{acts})"
 
 
+_FP4_LAYOUTS = {"mxfp4_pack_quantized": "mxfp4", "nvfp4_pack_quantized": "nvfp4"}  # engine layout -> format
 _AWQ_NAMES = ("qweight", "qzeros", "scales", None)
 _GPTQ_NAMES = ("qweight", "qzeros", "scales", "g_idx")
 _PACKED_NAMES = ("weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx")
@@ -121,6 +128,8 @@ def _compressed_tensors(qc: dict, where: str) -> WeightQuant:
         return _compressed_tensors_fp8(scheme, at, fmt)
     if fmt in _INT8_FORMATS:
         return _compressed_tensors_int8(scheme, at, fmt)
+    if fmt in ("mxfp4-pack-quantized", "nvfp4-pack-quantized"):
+        return _compressed_tensors_fp4(scheme, at, fmt)
     acts = scheme.get("input_activations")
     if acts:
         raise ValueError(f"{at}.input_activations is set ({acts.get('num_bits')}-bit {acts.get('type')}) with format "
@@ -128,7 +137,8 @@ def _compressed_tensors(qc: dict, where: str) -> WeightQuant:
                          f"({', '.join(_INT8_FORMATS)}) compressed-tensors checkpoints")
     if fmt != "pack-quantized":
         raise ValueError(f"{at}: format {fmt!r} is not supported; lmkit serves compressed-tensors "
-                         f"'pack-quantized' int4 and {', '.join(repr(f) for f in _INT8_FORMATS)} int8 weights")
+                         f"'pack-quantized' int4, 'mxfp4-pack-quantized' and 'nvfp4-pack-quantized' fp4, "
+                         f"{', '.join(repr(f) for f in _INT8_FORMATS)} int8 and 'float-quantized' fp8 weights")
     if str(weights.get("type", "int")).lower() != "int" or int(weights.get("num_bits", 0)) != 4:
         raise ValueError(f"{at}.weights: {weights.get('num_bits')}-bit {weights.get('type')} is not supported; "
                          "pack-quantized checkpoints must be 4-bit int")
@@ -141,6 +151,37 @@ def _compressed_tensors(qc: dict, where: str) -> WeightQuant:
         raise ValueError(f"{at}.weights.strategy={strategy!r} is not supported; use 'group' or 'channel'")
     return WeightQuant("pack_quantized", group, "compressed-tensors", _PACKED_NAMES,
                        extra_suffixes=("weight_shape",))
+
+
+def _compressed_tensors_fp4(scheme: dict, at: str, fmt: str) -> WeightQuant:
+    """compressed-tensors FP4 weights (llm-compressor's NVFP4A16 / NVFP4 and MXFP4A16 / MXFP4 presets): e2m1 codes
+    packed two a byte, symmetric; NVFP4 with an FP8 E4M3 scale per 16 inputs and a global scale per tensor, MXFP4
+    with an e8m0 scale per 32. FP4 activations, where the scheme has them, are not applied on the CPU (activations
+    run in the compute dtype, or int8 with int8_activations)."""
+    nv = fmt == "nvfp4-pack-quantized"
+    name, block, strategy = ("NVFP4", 16, "tensor_group") if nv else ("MXFP4", 32, "group")
+    weights = scheme.get("weights") or {}
+    if str(weights.get("type", "")).lower() != "float" or int(weights.get("num_bits", 0)) != 4:
+        raise ValueError(f"{at}.weights: {weights.get('num_bits')}-bit {weights.get('type')} is not supported with "
+                         f"format {fmt!r}; it holds 4-bit float (e2m1) weights")
+    if not weights.get("symmetric", True):
+        raise ValueError(f"{at}.weights.symmetric=false is not supported; {name} weights are symmetric")
+    if str(weights.get("strategy", "")).lower() != strategy or int(weights.get("group_size") or 0) != block:
+        raise ValueError(f"{at}.weights: strategy {weights.get('strategy')!r} with group_size "
+                         f"{weights.get('group_size')!r} is not {name}; it has strategy {strategy!r} and group_size "
+                         f"{block}")
+    acts = scheme.get("input_activations")
+    activations = ""
+    if acts:
+        if str(acts.get("type", "")).lower() != "float" or int(acts.get("num_bits", 0)) != 4:
+            raise ValueError(f"{at}.input_activations: {acts.get('num_bits')}-bit {acts.get('type')} is not "
+                             f"supported with {name} weights; lmkit serves them with fp4 or no activation "
+                             "quantization")
+        activations = f"fp4 per {acts.get('group_size')}, dynamic"
+    layout = "nvfp4_pack_quantized" if nv else "mxfp4_pack_quantized"
+    return WeightQuant(layout, block, "compressed-tensors", ("weight_packed", None, "weight_scale", None),
+                       extra_suffixes=("weight_shape", "input_global_scale"), activations=activations,
+                       global_scale_name="weight_global_scale" if nv else None)
 
 
 _INT8_FORMATS = ("int-quantized", "naive-quantized")  # int8 weights stored as int8 tensors (llm-compressor W8A8)

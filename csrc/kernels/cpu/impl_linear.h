@@ -291,11 +291,16 @@ void linear(const float* x, int64_t M, const void* w, DType dt, int64_t N, int64
 //                         4.625 bits per weight, the file's 4.5 but for sc and m in whole bytes
 //   Mxfp4 (OCP MXFP4, g = 32):  f [32] u8 | quads;   w = e2m1x2[q] * 2^(f - 127)   (a table lookup of the code,
 //                         exact in fp32: twice an e2m1 value is an integer in -12..12)
+//   Nvfp4 (NVFP4, g = 32: two blocks of 16):  s [2][32] fp16 | quads;   sub-block b: w = e2m1x2[q] * s[b] (exact in
+//                         fp32; the tensor's output_scale is applied to the layer's outputs by the caller)
 constexpr int64_t kI4Quad = 64;      // 4 k x 32 columns of nibbles
 constexpr int64_t kKQuantSub = kLinearKQuantSub;  // inputs of a K-quant sub-block
 constexpr int64_t kKQuantSc = kPanel * 4, kKQuantM = kPanel * 12;  // where a K-quant head's sc and m start
+constexpr int64_t kNvfp4Sub = 16;  // inputs of an NVFP4 block (half an Nvfp4 group)
 // Inputs that share one scale and offset: a K-quant head's sub-block, else the whole group.
-inline int64_t i4_sub_size(int64_t g, GroupHead head) { return head == GroupHead::KQuant ? kKQuantSub : g; }
+inline int64_t i4_sub_size(int64_t g, GroupHead head) {
+  return head == GroupHead::KQuant ? kKQuantSub : head == GroupHead::Nvfp4 ? kNvfp4Sub : g;
+}
 
 // Sub-block sb's scale and -zero * scale (its offset; -dmin * m) per column vector.
 __attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, GroupHead head, int64_t sb, V s[kNV],
@@ -303,6 +308,10 @@ __attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, G
   for (int v = 0; v < kNV; ++v) {
     if (head == GroupHead::Mxfp4) {
       s[v] = vload_exp2(blk + v * kW), nzs[v] = vzero();
+      continue;
+    }
+    if (head == GroupHead::Nvfp4) {
+      s[v] = vload_f16((const uint16_t*)blk + sb * kPanel + v * kW), nzs[v] = vzero();
       continue;
     }
     s[v] = vload_f16((const uint16_t*)blk + v * kW);
@@ -319,10 +328,11 @@ __attribute__((always_inline)) inline void i4_group_params(const uint8_t* blk, G
     }
   }
 }
-// The 32 dequantized weights of k = 4t + i of a quad (Mxfp4 heads: the codes' twice-e2m1 values times the scale).
+// The 32 dequantized weights of k = 4t + i of a quad (Mxfp4 and Nvfp4 heads: the codes' twice-e2m1 values times the
+// scale).
 __attribute__((always_inline)) inline void i4_row(const uint8_t* quad, int i, GroupHead head, const V s[kNV],
                                                   const V nzs[kNV], V w[kNV]) {
-  if (head == GroupHead::Mxfp4) {
+  if (head == GroupHead::Mxfp4 || head == GroupHead::Nvfp4) {
     for (int h = 0; h < kNV / 2; ++h) vload_dword_e2m1(quad + h * kW * 4, 8 * i, w[h], w[h + kNV / 2]);
     for (int v = 0; v < kNV; ++v) w[v] = w[v] * s[v];
     return;
@@ -585,6 +595,7 @@ constexpr int kQ8Block = 32;
 constexpr int kQ8MR = 6;  // rows per tile: 6 x (2 int32 + 2 fp32 accumulators) + operands in 32 zmm (4 rows: 10%
                           // slower at 16 streams, 8: spills)
 constexpr bool kQ8SymmetricInit = false;  // see the AVX2 section
+constexpr bool kQ8Nvfp4Sums = true;       // the NVFP4 tile's sums start at -kE2m1Offset x x's sums per 16
 
 // Row x[0:K] -> qx[0:K] and, per block of `block` values (a multiple of 16: 32 here, the weight's group on
 // AMX tiles), dx[K / block] and, unless sx is nullptr, sx[K / block] (the block's sum of qx, as float).
@@ -656,6 +667,8 @@ constexpr bool kQ8GroupZeros = true;
 constexpr bool kQ8GroupX = true;
 // HEAD Mxfp4: a byte shuffle maps each code to its twice-e2m1 value plus kE2m1Offset (0..24, an unsigned operand of
 // vpdpbusd), and the sums start at -kE2m1Offset * sum_k qx[k], as Symmetric's at -8 * sum_k qx[k].
+// HEAD Nvfp4: the same codes in two blocks of 16 per group, each with its own scale: sx then holds the sums of qx
+// per 16, and the sums of the first block are taken into tot after its 4 quads and start again for the second.
 constexpr int32_t kE2m1Offset = 12;
 inline __m512i e2m1_offset_table() {
   return _mm512_broadcast_i32x4(
@@ -666,7 +679,7 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
                                int64_t g, float* c, int64_t ldc, int ncols, const float* bias, KSpan span) {
   static_assert(!GZ || HEAD == GroupHead::Zeros, "GZ: Zeros heads only");
   static_assert(!XG || GZ || HEAD == GroupHead::Symmetric, "XG: Zeros heads with GZ, or Symmetric heads");
-  const int64_t nb = XG ? K / g : K / kQ8Block, ng = K / g;
+  const int64_t nb = XG ? K / g : K / kQ8Block, ng = K / g, n16 = K / kNvfp4Sub;
   const int64_t gb = linear_int4_group_bytes(g, HEAD), hb = linear_int4_head_bytes(HEAD);
   const __m512i low4 = _mm512_set1_epi8(0x0f), e2m1 = e2m1_offset_table();
   __m512 tot[MR][2];
@@ -681,6 +694,10 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
         continue;
       }
       s[v] = h0[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32 * v)));
+      if constexpr (HEAD == GroupHead::Nvfp4) {  // h1: the second block's scales
+        h1[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 64 + 32 * v)));
+        continue;
+      }
       if constexpr (HEAD == GroupHead::Zeros) {
         z[v] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)));
         if constexpr (GZ) zs[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(z[v]), s[v]);  // zero * scale
@@ -709,6 +726,8 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
           acc[i][0] = acc[i][1] = _mm512_set1_epi32(-8 * (int32_t)sx[i * nb + kb]);
         } else if constexpr (HEAD == GroupHead::Mxfp4) {
           acc[i][0] = acc[i][1] = _mm512_set1_epi32(-kE2m1Offset * (int32_t)sx[i * nb + kb]);
+        } else if constexpr (HEAD == GroupHead::Nvfp4) {
+          acc[i][0] = acc[i][1] = _mm512_set1_epi32(-kE2m1Offset * (int32_t)sx[i * n16 + 2 * kb]);
         } else {
           acc[i][0] = acc[i][1] = _mm512_setzero_si512();
         }
@@ -716,10 +735,19 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
       const uint8_t* quads = blk + hb + b * (kQ8Block / 4) * kI4Quad;
 #pragma GCC unroll 8
       for (int t = 0; t < kQ8Block / 4; ++t) {
+        if constexpr (HEAD == GroupHead::Nvfp4)
+          if (t == kNvfp4Sub / 4)  // the first block's sums into tot; the second's start
+            for (int i = 0; i < MR; ++i) {
+              const __m512 d = _mm512_set1_ps(dx[i * nb + kb]);
+              for (int v = 0; v < 2; ++v)
+                tot[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][v]), _mm512_mul_ps(d, s[v]), tot[i][v]);
+              acc[i][0] = acc[i][1] = _mm512_set1_epi32(-kE2m1Offset * (int32_t)sx[i * n16 + 2 * kb + 1]);
+            }
         const __m512i raw = _mm512_loadu_si512(quads + t * kI4Quad);
         _mm_prefetch((const char*)(quads + t * kI4Quad + span.prefetch), _MM_HINT_T0);
         __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-        if constexpr (HEAD == GroupHead::Mxfp4) lo = _mm512_shuffle_epi8(e2m1, lo), hi = _mm512_shuffle_epi8(e2m1, hi);
+        if constexpr (HEAD == GroupHead::Mxfp4 || HEAD == GroupHead::Nvfp4)
+          lo = _mm512_shuffle_epi8(e2m1, lo), hi = _mm512_shuffle_epi8(e2m1, hi);
         for (int i = 0; i < MR; ++i) {
           int32_t q4;
           memcpy(&q4, qx + i * K + kb * kQ8Block + 4 * t, 4);
@@ -733,6 +761,9 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
         if constexpr (HEAD == GroupHead::Zeros || HEAD == GroupHead::Symmetric || HEAD == GroupHead::Mxfp4) {
           for (int v = 0; v < 2; ++v)
             tot[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][v]), _mm512_mul_ps(d, s[v]), tot[i][v]);
+        } else if constexpr (HEAD == GroupHead::Nvfp4) {
+          for (int v = 0; v < 2; ++v)
+            tot[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][v]), _mm512_mul_ps(d, h1[v]), tot[i][v]);
         } else {
           const __m512 sum = _mm512_set1_ps(sx[i * nb + kb]);
           for (int v = 0; v < 2; ++v) {
@@ -887,6 +918,8 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
       else if (head == GroupHead::Symmetric)
         q8_tile<MR, GroupHead::Symmetric>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else if (head == GroupHead::Mxfp4) q8_tile<MR, GroupHead::Mxfp4>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
+      else if (head == GroupHead::Nvfp4)
+        q8_tile<MR, GroupHead::Nvfp4>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else if (head == GroupHead::Offsets) q8_tile<MR, GroupHead::Offsets>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else q8_tile<MR, GroupHead::KQuant>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
     }
@@ -918,6 +951,7 @@ constexpr int kQ8MR = 4;  // rows per tile: int4, int8 and int6 tiles take 4 row
 // (q8_symmetric_init) instead of subtracting 8 * scale * sum(x) per column in fp32 (a mul and an FMA per 8 columns,
 // row and block: 5% of a Q4_0 prefill)
 constexpr bool kQ8SymmetricInit = true;
+constexpr bool kQ8Nvfp4Sums = false;  // the NVFP4 tile multiplies signed values (as MXFP4's): no sums of x
 
 inline float q8_hmax(__m256 a) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -965,7 +999,7 @@ inline __m256 q8_u8x8(const uint8_t* p) {
 
 // The int4 panels' heads as the AVX2 tiles take them: an offset or zero corrected in fp32 per block (Zeros, Offsets,
 // KQuant), Symmetric (Q4_0: the sums start at -8 x x's pair sums, q8_symmetric_init), or MXFP4 codes.
-enum class I4Tile { Affine, Symmetric, Mxfp4 };
+enum class I4Tile { Affine, Symmetric, Mxfp4, Nvfp4 };
 
 // tot[i][0:32] += this int4 panel's sums (group size g) for rows i < MR (up to 4), a half panel at a time: half h of
 // a quad is 8 lanes whose low nibbles are columns 8h..8h+7 and high nibbles 16+8h.., so a block of 32 k is 8 quads x
@@ -976,6 +1010,8 @@ enum class I4Tile { Affine, Symmetric, Mxfp4 };
 // re-associates the unrolled int16 adds into trees of temporaries, and spills).
 // MXFP4: a byte shuffle maps each code to its twice-e2m1 value w (-12..12) and vpmaddubsw(|w|, sign(qx, w)) sums
 // w * qx (pairs <= 3,048: a block sums exactly in int16 too); no zero, the scale a power of two per group.
+// NVFP4: the same codes in two blocks of 16 per group, each with its fp16 scale: the first block's sums are taken
+// into tot after its 4 quads and the accumulators start again for the second.
 template <int MR, I4Tile KIND>
 inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
                        int64_t g, GroupHead head, float (*tot)[kPanel], KSpan span) {
@@ -995,12 +1031,29 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
           if constexpr (KIND == I4Tile::Symmetric) memcpy(&init, sx + i * nb + kb, 4);
           acc[i][0] = acc[i][1] = _mm256_set1_epi32(init);
         }
+        // tot[i][8v..8v + 7] += dx * s * the sums (v = h, h + 2), s the fp16 scales at byte `at` of the group
+        auto take_fp16 = [&](int64_t at) {
+          for (int n = 0; n < 2; ++n) {
+            const int v = h + 2 * n;
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + at + 16 * v)));
+            for (int i = 0; i < MR; ++i) {
+              const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][n], ones));
+              _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), dot,
+                                                               _mm256_loadu_ps(tot[i] + 8 * v)));
+            }
+          }
+        };
 #pragma GCC unroll 8
         for (int t = 0; t < kQ8Block / 4; ++t) {
+          if constexpr (KIND == I4Tile::Nvfp4)
+            if (t == kNvfp4Sub / 4) {  // the first block's sums into tot; the second's start at zero
+              take_fp16(0);
+              for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+            }
           if (h == 0) _mm_prefetch((const char*)(quads + t * kI4Quad + span.prefetch), _MM_HINT_T0);
           const __m256i raw = _mm256_loadu_si256((const __m256i*)(quads + t * kI4Quad + 32 * h));
           const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-          if constexpr (KIND == I4Tile::Mxfp4) {
+          if constexpr (KIND == I4Tile::Mxfp4 || KIND == I4Tile::Nvfp4) {
             const __m256i wl = _mm256_shuffle_epi8(e2m1, lo), wh = _mm256_shuffle_epi8(e2m1, hi);
             const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
             for (int i = 0; i < MR; ++i) {
@@ -1021,6 +1074,10 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
               __asm__("" : "+x"(acc[i][0]), "+x"(acc[i][1]));
             }
           }
+        }
+        if constexpr (KIND == I4Tile::Nvfp4) {  // the second block's scales
+          take_fp16(2 * kPanel);
+          continue;
         }
         for (int n = 0; n < 2; ++n) {
           const int v = h + 2 * n;  // the 8 columns of this accumulator: 8v..8v+7
@@ -1183,6 +1240,8 @@ inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, const float* sx
       q8_tile_i6<MR>(qx, dx, sx, K, panel, tot, span);
     } else if (head == GroupHead::Mxfp4) {
       q8_tile_i4<MR, I4Tile::Mxfp4>(qx, dx, sx, K, panel, g, head, tot, span);
+    } else if (head == GroupHead::Nvfp4) {
+      q8_tile_i4<MR, I4Tile::Nvfp4>(qx, dx, sx, K, panel, g, head, tot, span);
     } else if (head == GroupHead::Symmetric) {
       q8_tile_i4<MR, I4Tile::Symmetric>(qx, dx, sx, K, panel, g, head, tot, span);
     } else {
@@ -1223,7 +1282,8 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
   const int64_t panel_bytes = BITS == 4   ? K / g * linear_int4_group_bytes(g, head)
                               : BITS == 6 ? K / kI6Group * kI6GroupBytes
                                           : K / g * i8_block_bytes(g, head);
-  const bool fine = BITS == 6 || (BITS == 8 && g == 16);  // scales per 16 values: their own sums of qx
+  // scales per 16 values: their own sums of qx (the AVX2 NVFP4 tile takes none: it sums the weights' signed values)
+  const bool fine = BITS == 6 || (BITS == 8 && g == 16) || (kQ8Nvfp4Sums && BITS == 4 && head == GroupHead::Nvfp4);
   // Zeros or Symmetric groups of several blocks on VNNI: x per group (q8_tile's XG), in every call whatever M, so
   // that a row quantizes the same way alone and in a batch
   const bool xg = kQ8GroupX && BITS == 4 && g > kQ8Block && (head == GroupHead::Zeros || head == GroupHead::Symmetric);

@@ -112,7 +112,8 @@ void gather_inputs(const float* x, int64_t M, const std::vector<int32_t>& perm, 
 
 LinearWeight pack_linear_int4(const Int4Source& source) {
   const int64_t N = source.num_out, K = source.num_in, g = source.group_size;
-  LMKIT_CHECK_ARG(g == 32 || g == 64 || g == 128, "int4: group_size must be 32, 64 or 128, got ", g);
+  LMKIT_CHECK_ARG(g == 32 || g == 64 || g == 128 || (g == 16 && source.has_nvfp4()),
+                  "int4: group_size must be 32, 64 or 128 (16 for NVFP4), got ", g);
   LMKIT_CHECK_ARG(N > 0 && K > 0 && K % g == 0, "int4: in_features ", K, " is not a multiple of group_size ", g);
   LMKIT_CHECK_ARG(source.read_group != nullptr, "int4: the source has no reader");
   LMKIT_CHECK_ARG(!source.input_perm || (int64_t)source.input_perm->size() == K, "int4: input_perm has ",
@@ -122,10 +123,16 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
                   " and ", K, " inputs");
   LMKIT_CHECK_ARG(!source.has_e8m0() || (g == 32 && !source.has_offsets() && !source.has_kquant() && !source.symmetric),
                   "int4: MXFP4 groups are 32 inputs with an e8m0 scale alone, got group_size ", g);
+  LMKIT_CHECK_ARG(!source.has_nvfp4() || (g == 16 && K % 32 == 0 && std::isfinite(source.nvfp4_global_scale) &&
+                                           source.nvfp4_global_scale > 0.0f && !source.has_e8m0() &&
+                                           !source.has_offsets() && !source.has_kquant() && !source.symmetric),
+                  "int4: NVFP4 groups are 16 inputs (in rows of a multiple of 32) with a scale alone and a positive "
+                  "global scale, got group_size ", g, ", ", K, " inputs, global scale ", source.nvfp4_global_scale);
   LinearWeight packed;
   packed.format = WeightFormat::Int4;
   packed.dtype = DType::F16;
-  packed.group_size = (int32_t)(source.has_kquant() ? kLinearKQuantGroup : g);  // a packed group: one head
+  // a packed group: one head (a K-quant super-block; two NVFP4 blocks)
+  packed.group_size = (int32_t)(source.has_kquant() ? kLinearKQuantGroup : source.has_nvfp4() ? 2 * g : g);
   packed.n = N;
   packed.k = K;
   packed.input_perm = source.input_perm;
@@ -135,9 +142,11 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
                   "int4: a symmetric source has neither offsets nor K-quant groups");
   packed.group_head = source.has_kquant()    ? GroupHead::KQuant
                      : source.has_e8m0()    ? GroupHead::Mxfp4
+                     : source.has_nvfp4()   ? GroupHead::Nvfp4
                      : source.has_offsets() ? GroupHead::Offsets
                      : source.symmetric     ? GroupHead::Symmetric
                                             : GroupHead::Zeros;
+  if (source.has_nvfp4()) packed.output_scale = 0.5f / source.nvfp4_global_scale;  // e2m1x2 is twice e2m1
   packed.storage = alloc_packed(packed.size_bytes(), "an int4 weight");
   constexpr int64_t P = kLinearPanelCols;
   const int64_t head = linear_int4_head_bytes(packed.group_head), pg = packed.group_size;
@@ -168,6 +177,11 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
           source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
           source.read_e8m0(gi, p * P, count, e8m0.data());
           for (int64_t c = 0; c < P; ++c) blk[c] = c < count && e8m0[c] > 1 ? (uint8_t)(e8m0[c] - 1) : 0;
+        } else if (packed.group_head == GroupHead::Nvfp4) {  // s [2]: the two source blocks' scales
+          for (int64_t sb = 0; sb < 2; ++sb) {
+            source.read_group(2 * gi + sb, p * P, count, q.data() + sb * g * count, zeros.data(), scales.data());
+            std::memcpy(blk + sb * 2 * P, scales.data(), 2 * P);
+          }
         } else if (packed.group_head == GroupHead::Offsets) {
           source.read_group(gi, p * P, count, q.data(), zeros.data(), scales.data());
           source.read_offsets(gi, p * P, count, offsets.data());
@@ -180,7 +194,8 @@ LinearWeight pack_linear_int4(const Int4Source& source) {
               LMKIT_CHECK_ARG(zeros[c] == 8, "int4: a symmetric source has zero ", (int)zeros[c], " in group ", gi,
                               ", output ", p * P + c, " (every zero must be 8)");
         }
-        if (packed.group_head != GroupHead::Mxfp4) std::memcpy(blk, scales.data(), 2 * P);
+        if (packed.group_head != GroupHead::Mxfp4 && packed.group_head != GroupHead::Nvfp4)
+          std::memcpy(blk, scales.data(), 2 * P);
         // quads of 4 k: byte i of 32-bit lane j = q[k0 + i, j] | q[k0 + i, j + 16] << 4
         for (int64_t r = 0; r < pg; ++r)
           for (int64_t j = 0; j < P / 2; ++j) {
@@ -243,7 +258,8 @@ LinearWeight concat_linear(const std::vector<const LinearWeight*>& parts) {
     LMKIT_CHECK(!w.is_empty(), "concat_linear: part ", i, " is empty");
     const bool same = w.format == first.format && w.k == first.k && w.dtype == first.dtype &&
                       w.group_size == first.group_size && w.int8_activations == first.int8_activations &&
-                      w.group_head == first.group_head && same_perm(w.input_perm, first.input_perm);
+                      w.group_head == first.group_head && w.output_scale == first.output_scale &&
+                      same_perm(w.input_perm, first.input_perm);
     if (!same || (i + 1 < parts.size() && w.n % kLinearPanelCols != 0)) return {};
     fused.n += w.n;
   }
@@ -541,6 +557,14 @@ void run_dense(const float* x, int64_t M, const LinearWeight& w, const float* b,
   cpu::active().linear(x, M, w.storage.get(), w.dtype, w.n, w.k, b, out);
 }
 void run_int4(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
+  if (w.output_scale != 1.0f) {  // NVFP4's global scale: once per output, then the bias
+    LinearWeight unscaled = w;
+    unscaled.output_scale = 1.0f;
+    run_int4(x, M, unscaled, nullptr, out);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t n = 0; n < w.n; ++n) out[r * w.n + n] = out[r * w.n + n] * w.output_scale + (b ? b[n] : 0.0f);
+    return;
+  }
   const bool amx_fits = w.int8_activations && M >= kLinearAmxInt8MinRows &&
                         (w.group_head == GroupHead::Zeros || w.group_head == GroupHead::Symmetric);
   const cpu::KernelTable* amx = amx_fits ? cpu::amx_int8_table_in_use() : nullptr;

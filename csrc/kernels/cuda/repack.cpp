@@ -17,14 +17,14 @@ int64_t Linear::size_bytes() const {
 
 HostInt4 repack_int4(const Int4Source& source) {
   const int64_t N = source.num_out, K = source.num_in, g = source.group_size;
+  LMKIT_CHECK_ARG(!source.has_e8m0() && !source.has_nvfp4(), "MXFP4 and NVFP4 weights are not supported by the "
+                  "CUDA backend yet; run them with device='cpu'");
   LMKIT_CHECK_ARG(g == 32 || g == 64 || g == 128, "int4 group size must be 32, 64 or 128 for the CUDA backend, got ",
                   g);
   LMKIT_CHECK_ARG(N > 0 && K > 0 && K % g == 0, "int4 weight [", N, ", ", K, "]: in_features is not a multiple of ",
                   "the group size ", g);
   LMKIT_CHECK_ARG(!source.has_offsets() && !source.has_kquant(), "int4 groups with float offsets (GGUF Q4_1, Q4_K) "
                   "are not supported by the CUDA backend yet; run them with device='cpu'");
-  LMKIT_CHECK_ARG(!source.has_e8m0(), "MXFP4 weights are not supported by the CUDA backend yet; run them with "
-                  "device='cpu'");
   LMKIT_CHECK_ARG(!source.input_perm, "act-order int4 checkpoints (GPTQ desc_act, compressed-tensors actorder "
                   "'group') are not supported by the CUDA backend yet; use device='cpu'");
   const int64_t G = K / g;

@@ -1,0 +1,161 @@
+"""FP4 checkpoints on the CPU engine, their e2m1 codes kept as they are in int4 panels with their block scales
+(ops.h's Mxfp4 and Nvfp4 group heads), held to references that decode the format independently of lmkit (e2m1 from
+the OCP table, NVFP4's E4M3 scales by torch's float8_e4m3fn over the global scale, MXFP4's as 2^(e - 127), in
+float64; tests/factories.py fp4_reference):
+
+- compressed-tensors ``nvfp4-pack-quantized`` (llm-compressor's NVFP4A16 and NVFP4) and ``mxfp4-pack-quantized``
+  (MXFP4A16, MXFP4), written by the library's own compressors; several families (biases, fused projections, Gemma's
+  norms, experts one by one);
+- transformers' ``from_pretrained`` of the same folder on the CPU where it loads it;
+- configs and tensors we cannot serve are refused naming the field or tensor.
+
+The engine's logits on the exact path (fp32 compute, fp32 activations) must match within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmkit import EngineConfig, pipeline
+from tests.factories import ARCH_CASES as CASES
+from tests.factories import build_case, make_tiny_model, without_cache_unless_attention, write_compressed_tensors_fp4
+from tests.helpers import logits_error
+
+ct = pytest.importorskip("compressed_tensors")
+
+EXACT = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                     max_batch_size=4, session_len=512, int8_activations=False)
+REL_TOL = 1e-4
+
+
+def prompts_for(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=n).tolist() for n in (1, 11, 45)]
+
+
+def engine_vs_reference(out: Path, prompts, config: EngineConfig = EXACT, per_row: bool = True) -> float:
+    """Largest relative error of the engine's logits on ``out``/fp4 against HF fp32 on ``out``/ref."""
+    from transformers import AutoModelForCausalLM
+
+    ref = without_cache_unless_attention(
+        AutoModelForCausalLM.from_pretrained(str(out / "ref"), dtype=torch.float32).eval())
+    return logits_error(out / "fp4", ref, prompts, config, per_row=per_row)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """A Llama of linears whose inputs are no power of two: hidden 192, intermediate 320, k/v 64 rows."""
+    folder = tmp_path_factory.mktemp("llama")
+    make_tiny_model(folder, "llama", hidden_size=192, intermediate_size=320, num_attention_heads=3,
+                    num_key_value_heads=1)
+    return folder
+
+
+@pytest.mark.parametrize("fmt, activations", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False),
+                                               ("mxfp4", True)])
+def test_compressed_tensors_fp4(llama, tmp_path, fmt, activations):
+    out = write_compressed_tensors_fp4(llama, tmp_path, fmt=fmt, activations=activations)
+    assert engine_vs_reference(out, prompts_for(1)) <= REL_TOL
+    with pipeline(out / "fp4", EXACT) as pipe:
+        quant = pipe.engine.spec.quant
+        assert quant.layout == f"{fmt}_pack_quantized" and quant.group_size == (16 if fmt == "nvfp4" else 32)
+        assert quant.describe().startswith(f"compressed-tensors {fmt} (e2m1 weights")
+        assert ("fp4 per" in quant.describe()) == activations
+
+
+@pytest.mark.parametrize("case", ["qwen2", "phi3", "gemma3", "qwen3_moe"])
+def test_nvfp4_every_family(case, tmp_path, tmp_path_factory):
+    """Biases (Qwen2), fused qkv / gate_up read as parts (Phi-3), Gemma's norms, experts one by one beside a dense
+    router (Qwen3-MoE): NVFP4A16 against HF fp32 on the decoded weights."""
+    src = tmp_path_factory.mktemp(case)
+    build_case(case, src)
+    out = write_compressed_tensors_fp4(src, tmp_path)
+    assert engine_vs_reference(out, prompts_for(CASES[case].seed)) <= REL_TOL
+
+
+def test_int8_activations(llama, tmp_path):
+    """The default int8-activation path on the NVFP4 and MXFP4 tiles: within the bound the int4 formats keep
+    (tests/models/test_quant_formats.py: the rounding of activations and of the int8 lm_head)."""
+    default = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                           max_batch_size=4, session_len=512)
+    for fmt in ("nvfp4", "mxfp4"):
+        out = write_compressed_tensors_fp4(llama, tmp_path / fmt, fmt=fmt)
+        err = engine_vs_reference(out, prompts_for(2), default, per_row=False)
+        assert 0 < err <= 3e-2, (fmt, err)
+
+
+@pytest.mark.parametrize("fmt, bound", [("mxfp4", REL_TOL), ("nvfp4", 2e-2)])
+def test_transformers_loads_the_same_folder(llama, tmp_path, fmt, bound):
+    """transformers' from_pretrained of the folder on the CPU, decompressed by compressed-tensors (dequantize: its
+    compressed forward is for GPUs), is the model the engine runs: exactly for MXFP4 (power-of-two scales), and for
+    NVFP4 within the rounding of compressed-tensors' decompression, which divides each E4M3 scale by the global
+    scale and multiplies in bf16 (its weights 1.7e-3 from the format's definition here; the engine's fp16 scales
+    and fp32 global factor keep them exact, as the 1e-4 bound of test_compressed_tensors_fp4 shows)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    out = write_compressed_tensors_fp4(llama, tmp_path, fmt=fmt)
+    hf = AutoModelForCausalLM.from_pretrained(str(out / "fp4"), dtype=torch.float32,
+                                              quantization_config=CompressedTensorsConfig(dequantize=True))
+    hf = hf.float().eval()  # compressed-tensors decompresses NVFP4 into bf16 tensors
+    assert logits_error(out / "fp4", hf, prompts_for(3), EXACT) <= bound
+
+
+# ---- what is refused, naming the field or tensor
+
+def _edit_config(folder: Path, edit) -> None:
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    edit(cfg["quantization_config"]["config_groups"]["group_0"])
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("group_size", 32, "strategy 'tensor_group' with group_size 32 is not NVFP4"),
+    ("type", "int", "4-bit int is not supported with format 'nvfp4-pack-quantized'"),
+    ("symmetric", False, "weights.symmetric=false"),
+])
+def test_unservable_nvfp4_configs(llama, tmp_path, field, value, message):
+    out = write_compressed_tensors_fp4(llama, tmp_path)
+    _edit_config(out / "fp4", lambda group: group["weights"].update({field: value}))
+    with pytest.raises(ValueError, match=message):
+        pipeline(out / "fp4", EXACT)
+
+
+def test_broken_nvfp4_tensors_name_the_tensor(llama, tmp_path):
+    """A missing global scale, a global scale of 0, a NaN block scale, a packed weight of the wrong shape: each
+    refused naming the tensor, nothing served."""
+    from safetensors.torch import load_file, save_file
+
+    out = write_compressed_tensors_fp4(llama, tmp_path)
+    st = out / "fp4" / "model.safetensors"
+    good = load_file(str(st))
+    key = "model.layers.0.self_attn.q_proj."
+
+    def broken(**changes):
+        tensors = dict(good)
+        for name, value in changes.items():
+            if value is None:
+                tensors.pop(key + name)
+            else:
+                tensors[key + name] = value
+        save_file(tensors, str(st))
+
+    broken(weight_global_scale=None)
+    with pytest.raises(ValueError, match="NVFP4 layer model.layers.0.self_attn.q_proj has no weight_global_scale"):
+        pipeline(out / "fp4", EXACT)
+    broken(weight_global_scale=torch.zeros(1))
+    with pytest.raises(ValueError, match=r"layers.0.q_proj.weight_global_scale is 0; it must be positive"):
+        pipeline(out / "fp4", EXACT)
+    nan = good[key + "weight_scale"].view(torch.uint8).clone()
+    nan[5, 3] = 0x7F
+    broken(weight_scale=nan.view(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match=r"layers.0.q_proj.weight_scale\[5, 3\] is NaN"):
+        pipeline(out / "fp4", EXACT)
+    broken(weight_packed=good[key + "weight_packed"][:, :-16].contiguous())
+    with pytest.raises(ValueError, match=r"layers.0.q_proj.weight_packed has shape \[192, 80\]"):
+        pipeline(out / "fp4", EXACT)
