@@ -1,5 +1,6 @@
 """The reference reader: any HF folder (fp, AWQ "GEMM" int4, compressed-tensors pack-quantized int4,
-int-quantized / naive-quantized int8, float-quantized / naive-quantized FP8 E4M3, written by lmkit or another tool)
+int-quantized / naive-quantized int8, float-quantized / naive-quantized FP8 E4M3, nvfp4- / mxfp4-pack-quantized FP4,
+written by lmkit or another tool)
 -> an fp32 ``transformers`` model. AWQ linears are unpacked and dequantized in torch, W[o, i] = (q[i, o] -
 zero[i / g, o]) * scale[i / g, o]; compressed-tensors linears by that library's own decompressor: both independently
 of lmkit's engine. A compressed-tensors scheme with dynamic input activations (W8A8, FP8_DYNAMIC) gets them too: each
@@ -21,9 +22,11 @@ from lmkit.models.safetensors_index import index_folder
 AWQ_SUFFIXES = (".qweight", ".qzeros", ".scales")
 
 
-CT_SUFFIXES = (".weight_zero_point", ".weight_scale", ".weight_shape", ".weight_g_idx")
+CT_SUFFIXES = (".weight_zero_point", ".weight_scale", ".weight_shape", ".weight_g_idx", ".weight_global_scale",
+               ".input_global_scale")
 CT_INT_FORMATS = ("int-quantized", "naive-quantized")  # int8 weights stored as int8 ``.weight``
 CT_NAIVE_FORMATS = (*CT_INT_FORMATS, "float-quantized")  # 8-bit weights stored as such: int8, or FP8 E4M3
+CT_FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")  # e2m1 codes packed two a byte
 
 
 def quantization_settings(config: dict) -> dict | None:
@@ -36,12 +39,13 @@ def quantization_settings(config: dict) -> dict | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
-    if method == "compressed-tensors" and str(qc.get("format", "")).lower() in ("pack-quantized", *CT_NAIVE_FORMATS):
+    if method == "compressed-tensors" and str(qc.get("format", "")).lower() in ("pack-quantized", *CT_NAIVE_FORMATS,
+                                                                                 *CT_FP4_FORMATS):
         return qc
     version = str(qc.get("version", "gemm")).lower()
     if method != "awq" or version != "gemm" or int(qc.get("bits", qc.get("w_bit", 0))) != NUM_BITS:
         raise ValueError(f"unsupported quantization_config {qc}: this reader handles AWQ GEMM 4-bit and "
-                         f"compressed-tensors pack-quantized, {', '.join(CT_NAIVE_FORMATS)} only")
+                         f"compressed-tensors pack-quantized, {', '.join(CT_NAIVE_FORMATS + CT_FP4_FORMATS)} only")
     if not qc.get("zero_point", True):
         raise ValueError("AWQ checkpoints without zero points are not supported")
     return qc
@@ -57,13 +61,17 @@ def _ct_scheme(settings: dict):
     return next(iter(groups.values()))
 
 
-def _ct_compressor(is_int: bool):
+def _ct_compressor(fmt: str):
     """compressed-tensors' own compressor class of a format: int-quantized / naive-quantized / float-quantized (one
-    decompression: weight times scale), or pack-quantized."""
-    if is_int:
+    decompression: weight times scale), pack-quantized, or the FP4 formats' (registered under their names)."""
+    if fmt in CT_NAIVE_FORMATS:
         from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
 
         return IntQuantizationCompressor
+    if fmt in CT_FP4_FORMATS:
+        from compressed_tensors.compressors import BaseCompressor
+
+        return BaseCompressor.get_value_from_registry(fmt)
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 
     return PackedQuantizationCompressor
@@ -94,7 +102,8 @@ def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]
 
     is_ct = settings is not None and settings.get("quant_method") == "compressed-tensors"
     scheme = _ct_scheme(settings) if is_ct else None
-    ct_int = is_ct and str(settings.get("format", "")).lower() in CT_NAIVE_FORMATS
+    ct_format = str(settings.get("format", "")).lower() if is_ct else ""
+    ct_int = ct_format in CT_NAIVE_FORMATS
     ct_marker = ".weight" if ct_int else ".weight_packed"  # a compressed-tensors linear's quantized weight
     state: dict[str, torch.Tensor] = {}
     for name in entries:
@@ -114,7 +123,8 @@ def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]
                 raise ValueError(f"{folder}: {name} has no matching {ct_marker[1:]}")
             local = {s[1:]: read(base + s) for s in (ct_marker, *CT_SUFFIXES) if base + s in entries}
             local["weight_scale"] = local["weight_scale"].float()  # dequantize in fp32
-            state[base + ".weight"] = _ct_compressor(ct_int).decompress(local, scheme)["weight"].float()
+            local.pop("input_global_scale", None)  # FP4 activations' calibration: no part of the weight
+            state[base + ".weight"] = _ct_compressor(ct_format).decompress(local, scheme)["weight"].float()
         elif is_ct and name.endswith(ct_marker) and name[: -len(ct_marker)] + ".weight_scale" in entries:
             pass  # the quantized weight: dequantized with its scale above
         elif is_ct and name.endswith(".weight_packed"):

@@ -1,6 +1,7 @@
 """``lmkit lite ...``: each command is a thin typer wrapper over one typed function
 (``quantize_awq(model, AwqConfig)``, ``quantize_smooth_quant(model, SmoothQuantConfig)``,
-``quantize_fp8(model, Fp8Config)``, ``evaluate_perplexity(model, PplConfig)``, ``calibrate_kv(model, KvCalibConfig)``); rich renders progress on stderr and the summary on stdout."""
+``quantize_fp8(model, Fp8Config)``, ``quantize_fp4(model, Fp4Config)``, ``evaluate_perplexity(model, PplConfig)``,
+``calibrate_kv(model, KvCalibConfig)``); rich renders progress on stderr and the summary on stdout."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Optional
 import typer
 
 from lmkit.config import help_text
-from lmkit.lite.config import AwqConfig, EvalConfig, Fp8Config, KlConfig, KvCalibConfig, PplConfig, SmoothQuantConfig
+from lmkit.lite.config import AwqConfig, EvalConfig, Fp4Config, Fp8Config, KlConfig, KvCalibConfig, PplConfig, \
+    SmoothQuantConfig
 from lmkit.model_path import MODEL_HELP
 
 # rich_markup_mode=None: click's plain help, whole option names at any width (see lmkit/cli/main.py)
@@ -27,6 +29,8 @@ _AD = {f.name: f.default for f in fields(AwqConfig)}  # the options' defaults ar
 _SD = {f.name: f.default for f in fields(SmoothQuantConfig)}
 _F = {name: help_text(doc) for name, doc in Fp8Config.HELP.items()}
 _FD = {f.name: f.default for f in fields(Fp8Config)}
+_F4 = {name: help_text(doc) for name, doc in Fp4Config.HELP.items()}
+_F4D = {f.name: f.default for f in fields(Fp4Config)}
 
 
 def _mib(num_bytes: int) -> str:
@@ -255,6 +259,36 @@ def fp8(
     table.add_row("source", str(result.source))
     table.add_row("format", f"compressed-tensors {result.format}: {result.num_linears} linears in "
                             f"{result.num_layers} layers, scales per output channel")
+    table.add_row("time", f"{result.seconds:.1f} s")
+    table.add_row("size", f"{_mib(result.size_before_bytes)} -> {_mib(result.size_after_bytes)} "
+                          f"({result.size_before_bytes / max(result.size_after_bytes, 1):.2f}x smaller)")
+    Console(highlight=False).print(table)
+
+
+@app.command("fp4")
+def fp4(
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help=MODEL_HELP),
+    work_dir: Path = typer.Option(..., "--work-dir", help=_F4["work_dir"]),
+    format: str = typer.Option(_F4D["format"], "--format", help=_F4["format"]),
+    device: str = typer.Option(_F4D["device"], help=_F4["device"]),
+    overwrite: bool = typer.Option(False, "--overwrite", help=_F4["overwrite"]),
+) -> None:
+    """Quantize MODEL to FP4 weights into --work-dir (compressed-tensors, llm-compressor's NVFP4A16 or MXFP4A16;
+    round to nearest, no calibration)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from lmkit.lite.fp4 import quantize_fp4
+
+    config = Fp4Config(work_dir=work_dir, format=format, device=device, overwrite=overwrite)
+    with RichReporter(Console(stderr=True, highlight=False)) as reporter:
+        result = quantize_fp4(model, config, reporter)
+    scales = "an E4M3 scale per 16 inputs, a global scale per linear" if result.scheme == "nvfp4" else \
+        "an e8m0 scale per 32 inputs"
+    table = Table(title=f"FP4 {result.scheme} -> {result.work_dir}", show_header=False, title_justify="left")
+    table.add_row("source", str(result.source))
+    table.add_row("format", f"compressed-tensors {result.format}: {result.num_linears} linears in "
+                            f"{result.num_layers} layers, {scales}")
     table.add_row("time", f"{result.seconds:.1f} s")
     table.add_row("size", f"{_mib(result.size_before_bytes)} -> {_mib(result.size_after_bytes)} "
                           f"({result.size_before_bytes / max(result.size_after_bytes, 1):.2f}x smaller)")

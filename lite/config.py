@@ -242,6 +242,34 @@ class Fp8Config:
             raise ValueError(f"--scheme must be one of {', '.join(FP8_SCHEMES)}, got {self.scheme!r}")
 
 
+FP4_FORMATS = ("nvfp4", "mxfp4")
+
+
+@dataclass(frozen=True)
+class Fp4Config:
+    """How ``quantize_fp4`` turns a floating-point checkpoint into a compressed-tensors FP4 one (round to nearest,
+    no calibration, weights only)."""
+
+    work_dir: Path
+    format: str = "nvfp4"
+    device: str = "auto"
+    overwrite: bool = False
+
+    HELP = {
+        "work_dir": "Output folder: the FP4 checkpoint, compressed-tensors (written to a temp folder, renamed into "
+                    "place at the end).",
+        "format": "nvfp4 = llm-compressor's NVFP4A16 (e2m1 weights, an FP8 E4M3 scale per 16 inputs under a "
+                  "global scale per tensor: format nvfp4-pack-quantized); mxfp4 = MXFP4A16 (an e8m0 scale per 32: "
+                  "mxfp4-pack-quantized). Activations stay in float.",
+        "device": "Where the weights are rounded: auto (cuda when torch sees a GPU), cpu, cuda, cuda:N.",
+        "overwrite": "Replace a non-empty --work-dir.",
+    }
+
+    def __post_init__(self):
+        if self.format not in FP4_FORMATS:
+            raise ValueError(f"--format must be one of {', '.join(FP4_FORMATS)}, got {self.format!r}")
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """How ``evaluate_tasks`` scores a checkpoint on lm-evaluation-harness tasks through lmkit's engine."""

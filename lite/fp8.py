@@ -1,12 +1,8 @@
 """``lmkit lite fp8``: a floating-point checkpoint -> compressed-tensors FP8 E4M3, round to nearest (no calibration),
-in llm-compressor's layout:
+in llm-compressor's layout, through lite/rtn.py's loop (every linear of the model's table; the rest in fp16):
 
-    layer by layer (LayerwiseModel, fp32): every linear of the model's table (lmkit/models/: the same linears
-    ``lite awq`` / ``smooth_quant`` quantize, MoE experts one by one)
-        weight_scale = max|W[n, :]| / 448 per output channel   (compressed-tensors' calculate_qparams, FP8 args)
-        weight       = E4M3(W / weight_scale)                    (its Float/NaiveQuantizationCompressor.compress)
-    the lm_head, MoE routers and every other tensor: fp16, as ``lite smooth_quant`` writes them; ``ignore`` names
-    the dense linears
+    weight_scale = max|W[n, :]| / 448 per output channel   (compressed-tensors' calculate_qparams, FP8 args)
+    weight       = E4M3(W / weight_scale)                    (its Float/NaiveQuantizationCompressor.compress)
     scheme dynamic:     format float-quantized, input activations FP8 dynamic per token (FP8_DYNAMIC)
     scheme weight-only: format naive-quantized, no activation quantization
 
@@ -16,37 +12,17 @@ registered for that format. lmkit's CPU engine dequantizes the weights at load (
 
 from __future__ import annotations
 
-import shutil
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from lmkit.lite import export
-from lmkit.lite.blocks import dense_linears, layer_other_tensors, write_checkpoint
-from lmkit.lite.config import Fp8Config, resolve_device
-from lmkit.lite.layerwise import LayerwiseModel
-from lmkit.lite.progress import Reporter, SilentReporter
+from lmkit.lite.config import Fp8Config
+from lmkit.lite.progress import Reporter
 from lmkit.lite.requirements import require
+from lmkit.lite.rtn import REQUIRED, RtnResult, write_rounded
 
 NUM_BITS = 8
-
-
-@dataclass
-class Fp8Result:
-    """What ``quantize_fp8`` did."""
-
-    work_dir: Path
-    source: Path
-    scheme: str  # Fp8Config.scheme
-    format: str  # the compressed-tensors format written
-    num_layers: int
-    num_linears: int
-    seconds: float
-    size_before_bytes: int
-    size_after_bytes: int
-    phase_seconds: dict[str, float] = field(default_factory=dict)
+Fp8Result = RtnResult  # what quantize_fp8 did
 
 
 def fp8_scheme(scheme: str):
@@ -100,59 +76,14 @@ def fp8_linear_tensors(name: str, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def quantize_fp8(model: str | Path | None, config: Fp8Config, reporter: Reporter | None = None) -> Fp8Result:
     """Quantize the HF checkpoint ``model`` (a folder, a hub id, or None/"smollm2" for the bundled SmolLM2) to FP8
-    E4M3 and write it to ``config.work_dir`` as compressed-tensors (the scheme's format).
+    E4M3 and write it to ``config.work_dir`` as compressed-tensors (the scheme's format; lite/rtn.py's loop).
 
     Nothing is written to ``work_dir`` unless the whole checkpoint is finished (temp folder, marker last, rename).
     Raises ValueError / FileNotFoundError naming the problem (missing model, unsupported architecture, already
     quantized input, work dir).
     """
-    from lmkit.model_path import resolve_model
-
-    reporter = reporter or SilentReporter()
-    require("fp8", {"torch": "the quantization math", "transformers": "reading the model",
-                    "compressed_tensors": "writing compressed-tensors checkpoints"})
-    start = time.perf_counter()
-    phase_seconds: dict[str, float] = {}
-    source = resolve_model(model)
-    device = resolve_device(config.device)
+    require("fp8", REQUIRED)
     scheme = fp8_scheme(config.scheme)
-
-    t = time.perf_counter()
-    reporter.phase("reading the model")
-    lw = LayerwiseModel(source, device)
-    temp_dir = export.prepare_work_dir(config.work_dir, config.overwrite)
-    try:
-        phase_seconds["prepare"] = time.perf_counter() - t
-        t = time.perf_counter()
-        tensors: dict[str, torch.Tensor] = {}
-        num_linears = 0
-        reporter.start_layers(lw.num_layers)
-        for index in range(lw.num_layers):
-            layer = lw.load_layer(index)
-            awq_map = lw.layer_awq_map(index)
-            for name in awq_map.linears:
-                linear = layer.get_submodule(name)
-                tensors.update(fp8_linear_tensors(lw.checkpoint_name(index, name), linear.weight, linear.bias,
-                                                  scheme))
-                num_linears += 1
-            tensors.update(layer_other_tensors(lw, index, layer, awq_map))
-            del layer
-            reporter.layer_done(index, {"layer": index, "linears": len(awq_map.linears)})
-        phase_seconds["layers"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        reporter.phase("writing the checkpoint")
-        write_checkpoint(lw, tensors, temp_dir,
-                         fp8_quantization_config(config.scheme, dense_linears(lw.awq_map, lw.arch.unused_tensors)))
-        phase_seconds["export"] = time.perf_counter() - t
-        lw.close()
-
-        result = Fp8Result(work_dir=Path(config.work_dir).expanduser().absolute(), source=source,
-                           scheme=config.scheme, format=fp8_format(scheme), num_layers=lw.num_layers,
-                           num_linears=num_linears, seconds=time.perf_counter() - start,
-                           size_before_bytes=export.folder_bytes(source),
-                           size_after_bytes=export.folder_bytes(temp_dir), phase_seconds=phase_seconds)
-        export.publish(temp_dir, config.work_dir, {"kind": "fp8", "scheme": config.scheme, "source": str(source)})
-        return result
-    finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)  # gone already after a successful publish
+    return write_rounded(model, config.work_dir, config.overwrite, config.device, "fp8", config.scheme,
+                         fp8_format(scheme), lambda name, weight, bias: fp8_linear_tensors(name, weight, bias, scheme),
+                         lambda dense: fp8_quantization_config(config.scheme, dense), reporter)
