@@ -85,5 +85,7 @@ def quantize_fp8(model: str | Path | None, config: Fp8Config, reporter: Reporter
     require("fp8", REQUIRED)
     scheme = fp8_scheme(config.scheme)
     return write_rounded(model, config.work_dir, config.overwrite, config.device, "fp8", config.scheme,
-                         fp8_format(scheme), lambda name, weight, bias: fp8_linear_tensors(name, weight, bias, scheme),
+                         fp8_format(scheme),
+                         lambda name, local, linears: fp8_linear_tensors(name, linears[local].weight,
+                                                                         linears[local].bias, scheme),
                          lambda dense: fp8_quantization_config(config.scheme, dense), reporter)

@@ -27,8 +27,9 @@ from lmkit.lite.requirements import require
 # what every data-free writer needs, named at once before any work (lite/requirements.py)
 REQUIRED = {"torch": "the quantization math", "transformers": "reading the model",
             "compressed_tensors": "writing compressed-tensors checkpoints"}
-# (checkpoint name of a linear without ".weight", its weight, its bias or None) -> the checkpoint's tensors of it
-LinearTensors = Callable[[str, torch.Tensor, "torch.Tensor | None"], "dict[str, torch.Tensor]"]
+# (checkpoint name of a linear without ".weight", its name in the layer, the layer's linears by those names) -> the
+# checkpoint's tensors of it
+LinearTensors = Callable[[str, str, "dict[str, torch.nn.Module]"], "dict[str, torch.Tensor]"]
 
 
 @dataclass
@@ -79,9 +80,9 @@ def write_rounded(model: str | Path | None, work_dir: Path, overwrite: bool, dev
         for index in range(lw.num_layers):
             layer = lw.load_layer(index)
             awq_map = lw.layer_awq_map(index)
+            linears = {name: layer.get_submodule(name) for name in awq_map.linears}
             for name in awq_map.linears:
-                linear = layer.get_submodule(name)
-                tensors.update(linear_tensors(lw.checkpoint_name(index, name), linear.weight, linear.bias))
+                tensors.update(linear_tensors(lw.checkpoint_name(index, name), name, linears))
                 num_linears += 1
             tensors.update(layer_other_tensors(lw, index, layer, awq_map))
             del layer

@@ -440,8 +440,13 @@ def plan_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, weight_bytes: 
 def checkpoint_weight_bytes(spec: "ModelSpec") -> int:
     """Bytes of every tensor the engine loads, as stored (what the weights take once packed, within a few
     percent: the CPU backend packs dense layers in their stored dtype and AWQ int4 as int4; FP8 weights are decoded
-    at load into bf16 or fp32: counted as bf16, the least they take)."""
-    return sum(e.nbytes * (2 if e.dtype == "F8_E4M3" else 1) for e in spec.sources.values())
+    at load into bf16 or fp32: counted as bf16, the least they take; NVFP4's one-byte block scales are packed as
+    fp16: counted twice)."""
+    def packed(role: str, e) -> int:
+        doubled = e.dtype == "F8_E4M3" or (role.endswith(".scales") and f"{role[:-7]}.global_scale" in spec.sources)
+        return e.nbytes * (2 if doubled else 1)
+
+    return sum(packed(role, e) for role, e in spec.sources.items())
 
 
 def unpacked_weight_bytes(spec: "ModelSpec") -> int:

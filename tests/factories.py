@@ -754,10 +754,13 @@ def fp4_reference(packed: torch.Tensor, scale: torch.Tensor, block: int, global_
     return (table[codes] * s.repeat_interleave(block, dim=1)).float()
 
 
-def write_compressed_tensors_fp4(src: Path, out: Path, *, fmt: str = "nvfp4", activations: bool = False) -> Path:
+def write_compressed_tensors_fp4(src: Path, out: Path, *, fmt: str = "nvfp4", activations: bool = False,
+                                 fused_global: bool = True) -> Path:
     """compressed-tensors FP4 weights as llm-compressor's presets write them (``fmt`` nvfp4: NVFP4A16, or NVFP4 with
-    ``activations``, E4M3 scales per 16 inputs under a per-tensor global scale, with an input_global_scale per
-    linear as its calibration leaves one; mxfp4: MXFP4A16 / MXFP4, e8m0 scales per 32), qparams from
+    ``activations``, E4M3 scales per 16 inputs under a per-tensor global scale, the least of q/k/v's and of
+    gate/up's for each of them unless not ``fused_global`` (llm-compressor's update_fused_layer_weight_global_scales),
+    with an input_global_scale per linear as its calibration leaves one; mxfp4: MXFP4A16 / MXFP4, e8m0 scales per
+    32), qparams from
     compressed-tensors' own generate_gparam and calculate_qparams, written by its NVFP4 / MXFP4 packed compressor:
     ``out``/fp4, and ``out``/ref: fp32 weights decoded in float64 (fp4_reference). The router, embeddings and lm_head
     stay dense (``ignore``)."""
@@ -772,12 +775,21 @@ def write_compressed_tensors_fp4(src: Path, out: Path, *, fmt: str = "nvfp4", ac
     compressor = NVFP4PackedCompressor if nv else MXFP4PackedCompressor
     block = scheme.weights.group_size
     tensors = load_file(str(src / "model.safetensors"))
+    keys = linear_keys(src, 32)
+
+    def global_scale(name: str) -> torch.Tensor:
+        groups = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")) if fused_global else ()
+        head, leaf = name[: -len(".weight")].rsplit(".", 1)
+        group = next((g for g in groups if leaf in g), (leaf,))
+        members = [tensors[m].float() for m in (f"{head}.{g}.weight" for g in group) if m in keys]
+        return torch.min(torch.cat([generate_gparam(m.amin(), m.amax()) for m in members])).reshape([1])
+
     packed, ref = {}, {}
-    for name, w in quantized_linears(tensors, linear_keys(src, 32), packed, ref):
+    for name, w in quantized_linears(tensors, keys, packed, ref):
         n, k = w.shape
         wf = w.float()
         grouped = wf.reshape(n, k // block, block)
-        gscale = generate_gparam(wf.amin(), wf.amax()) if nv else None
+        gscale = global_scale(name) if nv else None
         scale, zp = calculate_qparams(grouped.amin(-1), grouped.amax(-1), scheme.weights, global_scale=gscale)
         sd = {"weight": w, "weight_scale": scale, "weight_zero_point": zp}
         if nv:

@@ -1041,7 +1041,7 @@ struct Nvfp4Weight {
   std::vector<uint8_t> packed, scales;  // [N, K / 2], [N, K / 16]
   float global = 37.3f;
   std::vector<double> dense;  // [N, K]
-  Tensor values, scale_t, global_t;
+  Tensor values, scale_t;
 };
 Nvfp4Weight make_nvfp4(int64_t N, int64_t K) {
   Nvfp4Weight a;
@@ -1058,13 +1058,13 @@ Nvfp4Weight make_nvfp4(int64_t N, int64_t K) {
     }
   a.values = make_view(a.packed.data(), DType::U8, N, K / 2);
   a.scale_t = make_view(a.scales.data(), DType::U8, N, K / 16);
-  a.global_t = make_view(&a.global, DType::F32, 1);
   return a;
 }
 Int4Source nvfp4_source(const Nvfp4Weight& a, int64_t N, int64_t K, const std::string& what, int64_t group = 16) {
   Int4Tensors t;
   t.layout = Int4Layout::Nvfp4PackQuantized;
-  t.values = a.values, t.scales = a.scale_t, t.global_scale = a.global_t;
+  t.values = a.values, t.scales = a.scale_t;
+  t.global_scale = make_view(const_cast<float*>(&a.global), DType::F32, 1);
   return int4_source(t, N, K, group, what);
 }
 

@@ -221,7 +221,7 @@ def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers:
                 path: Path, num_experts: int = 0) -> dict[str, TensorEntry]:
     """Engine role -> checkpoint tensor by the architecture's key map. An int4 linear (``<module>.qweight`` etc.,
     the layout's tensor names in ``quant``, in place of ``<module>.weight``) maps to ``<role>.values``,
-    ``.zeros``, ``.scales`` and ``.g_idx`` (NVFP4: ``.global_scale`` too, its E4M3 scales as U8 bytes); an int8
+    ``.zeros``, ``.scales`` and ``.g_idx`` (NVFP4: ``.global_scale`` too; FP4 scales as U8 bytes); an int8
     or FP8 one keeps its ``<module>.weight`` as ``<role>`` and adds ``<module>.weight_scale`` (FP8 vendor form:
     ``weight_scale_inv``) as ``<role>.scales``. Raises ValueError naming
     the tensors no role takes (rotary buffers aside): a weight lmkit would silently drop."""
@@ -250,7 +250,7 @@ def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers:
                         used.add(base + name)
                 if f"{r}.scales" not in sources:
                     raise ValueError(f"{path}: int4 layer {base[:-1]} has {values_name} but no {int4.tensor_names[2]}")
-                if sources[f"{r}.scales"].dtype == "F8_E4M3" and int4.global_scale_name:  # NVFP4: decoded in C++
+                if sources[f"{r}.scales"].dtype == int4.scale_bytes_dtype:  # FP4 scales: bytes decoded in C++
                     sources[f"{r}.scales"] = replace(sources[f"{r}.scales"], dtype="U8")
                 if int4.global_scale_name:
                     name = base + int4.global_scale_name

@@ -34,6 +34,9 @@ class WeightQuant:
     # int4 NVFP4: the checkpoint's name of a linear's one global scale ("<module>.<name>"), handed to the engine as
     # the role "<linear>.global_scale"
     global_scale_name: str | None = None
+    # int4 FP4: the safetensors dtype its one-byte scales may be stored as besides U8 (NVFP4: F8_E4M3; MXFP4:
+    # F8_E8M0), handed to the engine as the bytes they are
+    scale_bytes_dtype: str = ""
 
     @property
     def int4_layout(self) -> str:
@@ -166,6 +169,8 @@ def _compressed_tensors_fp4(scheme: dict, at: str, fmt: str) -> WeightQuant:
                          f"format {fmt!r}; it holds 4-bit float (e2m1) weights")
     if not weights.get("symmetric", True):
         raise ValueError(f"{at}.weights.symmetric=false is not supported; {name} weights are symmetric")
+    if weights.get("actorder"):
+        raise ValueError(f"{at}.weights.actorder={weights['actorder']!r} is not supported for {name}")
     if str(weights.get("strategy", "")).lower() != strategy or int(weights.get("group_size") or 0) != block:
         raise ValueError(f"{at}.weights: strategy {weights.get('strategy')!r} with group_size "
                          f"{weights.get('group_size')!r} is not {name}; it has strategy {strategy!r} and group_size "
@@ -181,7 +186,8 @@ def _compressed_tensors_fp4(scheme: dict, at: str, fmt: str) -> WeightQuant:
     layout = "nvfp4_pack_quantized" if nv else "mxfp4_pack_quantized"
     return WeightQuant(layout, block, "compressed-tensors", ("weight_packed", None, "weight_scale", None),
                        extra_suffixes=("weight_shape", "input_global_scale"), activations=activations,
-                       global_scale_name="weight_global_scale" if nv else None)
+                       global_scale_name="weight_global_scale" if nv else None,
+                       scale_bytes_dtype="F8_E4M3" if nv else "F8_E8M0")
 
 
 _INT8_FORMATS = ("int-quantized", "naive-quantized")  # int8 weights stored as int8 tensors (llm-compressor W8A8)

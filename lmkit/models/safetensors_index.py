@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1}  # FP8: E4M3 served, E5M2 refused by name (lmkit/models/fp8.py)
+                "F8_E4M3": 1, "F8_E5M2": 1,  # FP8: E4M3 served, E5M2 refused by name (lmkit/models/fp8.py)
+                "F8_E8M0": 1}  # MXFP4's scales (lmkit/models/loader.py), refused as weights (fp8.py)
 # GGUF block types the engine runs (lmkit/models/gguf_file.py): values per block, bytes per block
 BLOCK_TYPES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144),
                "Q5_K": (256, 176), "Q6_K": (256, 210), "MXFP4": (32, 17)}

@@ -78,6 +78,22 @@ def test_nvfp4_every_family(case, tmp_path, tmp_path_factory):
     assert engine_vs_reference(out, prompts_for(CASES[case].seed)) <= REL_TOL
 
 
+@pytest.mark.parametrize("case", ["qwen2", "qwen3_moe"])
+def test_nvfp4_global_scales_apart(case, tmp_path, tmp_path_factory):
+    """Each linear with a global scale of its own (a writer that does not share them over q/k/v and gate/up, as
+    llm-compressor does for vLLM): the fused projections cannot be one weight (their outputs' factors differ) and
+    run as parts, a MoE's experts one by one; the same 1e-4."""
+    src = tmp_path_factory.mktemp(case)
+    build_case(case, src)
+    out = write_compressed_tensors_fp4(src, tmp_path, fused_global=False)
+    from safetensors import safe_open
+
+    with safe_open(str(out / "fp4" / "model.safetensors"), "pt") as f:
+        q, k = (f.get_tensor(f"model.layers.0.self_attn.{p}_proj.weight_global_scale") for p in "qk")
+    assert q != k
+    assert engine_vs_reference(out, prompts_for(CASES[case].seed + 1)) <= REL_TOL
+
+
 def test_int8_activations(llama, tmp_path):
     """The default int8-activation path on the NVFP4 and MXFP4 tiles: within the bound the int4 formats keep
     (tests/models/test_quant_formats.py: the rounding of activations and of the int8 lm_head)."""
@@ -114,8 +130,22 @@ def _edit_config(folder: Path, edit) -> None:
     path.write_text(json.dumps(cfg))
 
 
+def test_mxfp4_scales_stored_as_e8m0(llama, tmp_path):
+    """MXFP4 scales stored as safetensors F8_E8M0 (torch's float8_e8m0fnu) rather than U8: the same bytes, the same
+    model."""
+    from safetensors.torch import load_file, save_file
+
+    out = write_compressed_tensors_fp4(llama, tmp_path, fmt="mxfp4")
+    st = out / "fp4" / "model.safetensors"
+    tensors = load_file(str(st))
+    save_file({k: v.view(torch.float8_e8m0fnu) if k.endswith("weight_scale") else v for k, v in tensors.items()},
+              str(st))
+    assert engine_vs_reference(out, prompts_for(6)) <= REL_TOL
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("group_size", 32, "strategy 'tensor_group' with group_size 32 is not NVFP4"),
+    ("actorder", "group", "weights.actorder='group' is not supported for NVFP4"),
     ("type", "int", "4-bit int is not supported with format 'nvfp4-pack-quantized'"),
     ("symmetric", False, "weights.symmetric=false"),
 ])
