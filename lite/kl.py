@@ -73,7 +73,7 @@ def _engine(model: str | Path | None, config: KlConfig):
                                         speculative="off"))
 
 
-def _logits(pipe, ids: list[int]) -> np.ndarray:
+def window_logits(pipe, ids: list[int]) -> np.ndarray:
     """[len(ids), vocab] logits: row i is the distribution of the token after ids[i]."""
     from lmkit import GenerationConfig
 
@@ -107,7 +107,7 @@ def kl_divergence(reference: str | Path | None, model: str | Path, config: KlCon
             ids = stream[begin:begin + config.seqlen]
             following = stream[begin + 1:begin + len(ids) + 1]  # the last window's last token has none
             targets = np.array(following + [-1] * (len(ids) - len(following)), dtype=np.int64)
-            kl, top, a, b = window_stats(_logits(ref_pipe, ids), _logits(model_pipe, ids), targets)
+            kl, top, a, b = window_stats(window_logits(ref_pipe, ids), window_logits(model_pipe, ids), targets)
             kls.append(kl)
             same.append(top)
             nll_ref, nll_got, windows = nll_ref + a, nll_got + b, windows + 1

@@ -207,6 +207,32 @@ def test_hybrid_speculative_benchmark_smoke(tmp_path):
         assert row in run.stdout and run.stdout.split(row)[1].split("\n")[0].endswith("| yes |"), run.stdout
 
 
+def test_fp4_benchmark_smoke(tmp_path):
+    """bench_fp4.py --smoke on a tiny Llama: the dense model and its NVFP4 form (written by lmkit lite fp4) side by
+    side, one row each."""
+    from tests.factories import make_tiny_model
+
+    make_tiny_model(tmp_path / "tiny", "llama", intermediate_size=128)
+    run = _run_script("bench_fp4.py", "--smoke", "--model", str(tmp_path / "tiny"), "--forms", "dense,nvfp4",
+                      "--work-dir", str(tmp_path / "work"), "--threads", "1")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    for form in ("| dense |", "| nvfp4 |"):
+        assert form in run.stdout, run.stdout
+    assert (tmp_path / "work" / "nvfp4-tiny" / "config.json").exists()
+
+
+def test_gguf_kl_benchmark_smoke():
+    """bench_gguf_kl.py on the shipped Q4_1 GGUF, one window of 32 tokens: lmkit's default and variant rows (and
+    llama.cpp's where llama-cpp-python is installed) against the fp model; the exact path's KL is ~0."""
+    run = _run_script("bench_gguf_kl.py", "--gguf", "shipped", "--tokens", "32", "--seqlen", "32", "--variants",
+                      "--threads", "1")
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    rows = {line.split(" | ")[1]: line for line in run.stdout.splitlines() if line.startswith("| Q4_1 (shipped)")}
+    assert {"lmkit (defaults)", "lmkit float32, fp32 activations"} <= set(rows), run.stdout
+    exact = float(rows["lmkit float32, fp32 activations"].split(" | ")[2].split()[0])
+    assert exact < 1e-3, run.stdout  # the shipped file holds the fp model's own Q4_1-rounded weights
+
+
 def test_peers_benchmark_names_an_unknown_gguf_type():
     run = _run_script("bench_peers.py", "--gguf", "q4_0,q5_x", "--smoke")
     assert run.returncode == 2 and "unknown type(s) q5_x" in run.stderr and "q4_k_m" in run.stderr, run.stderr
