@@ -13,6 +13,8 @@ the others go on):
                             compute on CPUs with AVX512_BF16, else fp32)
   lmkit AWQ int4            --awq FOLDER (an AutoAWQ GEMM checkpoint); --quant-policy 8/4 sets its KV cache
   lmkit W8A8 int8           --w8a8 FOLDER (a compressed-tensors int8 checkpoint), int8 activations
+  lmkit int8 (at load)      --int8-at-load: the HF folder with EngineConfig(quantization="int8"), its projections
+                            and lm_head rounded to int8 per 32 inputs as it loads, int8 activations
   lmkit GGUF TYPE           the GGUF file of the llama.cpp TYPE row that follows it, served in place by lmkit
                             (default settings: int8 activations, as llama.cpp): the same bytes in both engines
   llama.cpp Q4_1            the F16 GGUF below quantized to Q4_1 (llama_model_quantize): the same weights
@@ -292,11 +294,12 @@ def redirect_fd2(path: Path):
 
 # ---------------------------------------------------------------- engines (each runs in a worker process)
 
-def run_lmkit(model: Path, w: Workload, quant_policy: int = 0) -> dict:
+def run_lmkit(model: Path, w: Workload, quant_policy: int = 0, quantization: str = "none") -> dict:
     from lmkit import EngineConfig, pipeline
 
     config = EngineConfig(device="cpu", num_threads=w.threads, max_batch_size=max(1, len(w.batch_ids)),
-                          session_len=context_tokens(w), cache_max_entry_count=256, quant_policy=quant_policy)
+                          session_len=context_tokens(w), cache_max_entry_count=256, quant_policy=quant_policy,
+                          quantization=quantization)
     with pipeline(model, config) as pipe:
         out = lmkit_greedy_figures(pipe, w.prompt_ids, w.new_tokens, w.runs, w.batch_ids, w.long_ids)
     out["lmkit_location"] = lmkit_location()
@@ -564,6 +567,8 @@ class Engine:
         model = args.model_path
         if self.kind == "lmkit fp":
             return run_lmkit(model, w)
+        if self.kind == "lmkit int8 (at load)":
+            return run_lmkit(model, w, quantization="int8")
         if self.kind.startswith("lmkit AWQ"):
             return run_lmkit(Path(args.awq).expanduser().resolve(), w, args.quant_policy)
         if self.kind.startswith("lmkit W8A8"):
@@ -592,6 +597,8 @@ def engines(args) -> list[Engine]:
         ours.append(Engine(f"lmkit AWQ int4{kv}", f"AWQ int4 {Path(args.awq).name}", ("lmkit",), ""))
     if args.w8a8:
         ours.append(Engine(f"lmkit W8A8 int8{kv}", f"W8A8 int8 {Path(args.w8a8).name}", ("lmkit",), ""))
+    if args.int8_at_load:
+        ours.append(Engine("lmkit int8 (at load)", "fp16 rounded to int8 at load", ("lmkit",), ""))
     rows = []
     for e in ours:  # each baseline row right after this build's
         rows += [e] + [Engine(b.row_name(e.name), e.weights, e.needs, e.install, b) for b in args.baselines]
@@ -791,6 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--awq", default=None, help="an AWQ checkpoint folder of the same model: adds the lmkit AWQ row")
     ap.add_argument("--w8a8", default=None,
                     help="a compressed-tensors W8A8 int8 folder of the same model: adds the lmkit W8A8 row")
+    ap.add_argument("--int8-at-load", action="store_true",
+                    help="adds the lmkit int8 (at load) row: the HF folder with EngineConfig(quantization='int8')")
     ap.add_argument("--quant-policy", type=int, choices=[0, 4, 8], default=0,
                     help="KV cache of the lmkit AWQ row: 0 fp, 8 int8, 4 int4")
     ap.add_argument("--gguf", default="q4_1,f16", type=lambda v: v.lower().split(","),

@@ -52,8 +52,9 @@ def _import_extension():
 def _resolve_device(config: EngineConfig, _engine) -> tuple[str, str]:
     """(device, why): cpu or cuda, and for ``auto`` the reason it chose the CPU ("" otherwise). ``auto`` is CUDA
     where the extension has the CUDA backend, a GPU is usable and the settings are not the CPU backend's
-    (dtype other than auto, speculative ngram / suffix / mtp); Engine falls back to the CPU as well when the CUDA
-    backend refuses the model at load or it does not fit. ``cuda`` raises ValueError naming what is missing."""
+    (dtype other than auto, speculative ngram / suffix / mtp, quantization); Engine falls back to the CPU as well
+    when the CUDA backend refuses the model at load or it does not fit. ``cuda`` raises ValueError naming what is
+    missing."""
     device = config.device
     if device == "cpu":
         return "cpu", ""
@@ -68,6 +69,8 @@ def _resolve_device(config: EngineConfig, _engine) -> tuple[str, str]:
         why = f"speculative={config.speculative!r} runs on the CPU backend"
     elif device == "auto" and config.kv_cache_dir is not None:
         why = "kv_cache_dir (the disk store) runs on the CPU backend"
+    elif device == "auto" and config.quantization != "none":
+        why = f"quantization={config.quantization!r} runs on the CPU backend"
     else:
         _load_cublas(_engine)
         return "cuda", ""
@@ -144,6 +147,12 @@ class Engine:
                                            self.spec.head_dim)
         if self.spec.quant is not None:
             log.info("weights: %s", self.spec.quant.describe())
+            if self.config.quantization != "none":
+                raise ValueError(f"quantization={self.config.quantization!r} rounds a float checkpoint's weights at "
+                                 f"load, and {self.model_path} is quantized already ({self.spec.quant.describe()}): "
+                                 "leave quantization='none'")
+        elif self.config.quantization == "int8":
+            log.info("weights: rounded to int8 per 32 inputs at load (quantization='int8')")
         device, why = _resolve_device(self.config, _engine)
         if why:
             log.info("device='auto': the CPU backend, since %s", why)

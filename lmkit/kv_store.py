@@ -60,7 +60,8 @@ def store_identity(spec, config, device: str, kv_layer_bits: list[int] | None, c
             h.update((folder / name).read_bytes())
     bits = list(kv_layer_bits) if kv_layer_bits else [config.quant_policy] * spec.num_layers
     settings = dict(device=device, dtype=config.resolved_dtype(device), int8_activations=bool(config.int8_activations),
-                    kv_layer_bits=bits, kv_bf16=config.resolved_kv_bf16(device), cpu_isa=cpu_isa, lmkit=__version__,
+                    quantization=config.quantization, kv_layer_bits=bits, kv_bf16=config.resolved_kv_bf16(device),
+                    cpu_isa=cpu_isa, lmkit=__version__,
                     num_layers=spec.num_layers, mtp_layer=config.speculative == "mtp")  # the MTP head's K/V in blocks
     h.update(json.dumps(settings, sort_keys=True).encode())
     return h.hexdigest()

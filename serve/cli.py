@@ -56,6 +56,7 @@ MAX_PREFILL_TOKEN_NUM = typer.Option(8192, "--max-prefill-token-num", "--max-num
 DECODE_SLOWDOWN = typer.Option(1.75, help="Prompt pacing: decodes keep at least 1 / this of their speed beside "
                                               "long prompts (0: off; see EngineConfig.decode_slowdown).")
 QUANT_POLICY = typer.Option(0, help=_E["quant_policy"])
+QUANTIZATION = typer.Option("none", help=_E["quantization"])
 ENABLE_PREFIX_CACHING = typer.Option(False, help=_E["enable_prefix_caching"])
 KV_CACHE_DIR = typer.Option(None, help=_E["kv_cache_dir"])
 KV_CACHE_DISK_GIB = typer.Option(EngineConfig.__dataclass_fields__["kv_cache_disk_gib"].default,
@@ -100,7 +101,7 @@ def engine_config(device: str, max_batch_size: int, session_len: Optional[int], 
                   kv_policy: Optional[Path], enable_prefix_caching: bool, num_threads: Optional[int],
                   dtype: str = "auto", cpu_binding: str = "auto", speculative: str = "auto",
                   num_speculative_tokens: int = 8, decode_slowdown: float = 1.75, kv_cache_dir: Optional[Path] = None,
-                  kv_cache_disk_gib: Optional[float] = None) -> EngineConfig:
+                  kv_cache_disk_gib: Optional[float] = None, quantization: str = "none") -> EngineConfig:
     store = {} if kv_cache_dir is None else {"kv_cache_dir": str(kv_cache_dir)}
     if kv_cache_disk_gib is not None:
         store["kv_cache_disk_gib"] = kv_cache_disk_gib
@@ -110,7 +111,8 @@ def engine_config(device: str, max_batch_size: int, session_len: Optional[int], 
                         kv_policy=str(kv_policy) if kv_policy is not None else None,
                         enable_prefix_caching=enable_prefix_caching, num_threads=num_threads,
                         cpu_binding=cpu_binding, speculative=speculative,
-                        num_speculative_tokens=num_speculative_tokens, decode_slowdown=decode_slowdown, **store)
+                        num_speculative_tokens=num_speculative_tokens, decode_slowdown=decode_slowdown,
+                        quantization=quantization, **store)
 
 
 @app.command("api_server")
@@ -174,6 +176,7 @@ def api_server(
     quant_policy: int = QUANT_POLICY,
     kv_policy: Optional[Path] = typer.Option(None, help="Per-layer KV precision file (kv_policy.json from "
                                                         "`lmkit lite calibrate`)."),
+    quantization: str = QUANTIZATION,
     enable_prefix_caching: bool = ENABLE_PREFIX_CACHING,
     kv_cache_dir: Optional[Path] = KV_CACHE_DIR,
     kv_cache_disk_gib: float = KV_CACHE_DISK_GIB,
@@ -189,7 +192,7 @@ def api_server(
     config = engine_config(device, max_batch_size, session_len, cache_block_seq_len, cache_max_entry_count,
                            max_prefill_token_num, quant_policy, kv_policy, enable_prefix_caching, num_threads, dtype,
                            cpu_binding, speculative, num_speculative_tokens, decode_slowdown, kv_cache_dir,
-                           kv_cache_disk_gib)
+                           kv_cache_disk_gib, quantization)
     template = None
     if chat_template is not None:
         if not chat_template.is_file():
@@ -309,6 +312,7 @@ def ray(
     max_prefill_token_num: int = MAX_PREFILL_TOKEN_NUM,
     decode_slowdown: float = DECODE_SLOWDOWN,
     quant_policy: int = QUANT_POLICY,
+    quantization: str = QUANTIZATION,
     enable_prefix_caching: bool = ENABLE_PREFIX_CACHING,
     kv_cache_dir: Optional[Path] = KV_CACHE_DIR,
     kv_cache_disk_gib: float = KV_CACHE_DISK_GIB,
@@ -331,7 +335,7 @@ def ray(
                            max_prefill_token_num, quant_policy, None, enable_prefix_caching, num_threads, dtype,
                            speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                            decode_slowdown=decode_slowdown, kv_cache_dir=kv_cache_dir,
-                           kv_cache_disk_gib=kv_cache_disk_gib)
+                           kv_cache_disk_gib=kv_cache_disk_gib, quantization=quantization)
     template = None
     if chat_template is not None:
         if not chat_template.is_file():
@@ -367,6 +371,7 @@ def chat(
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
     dtype: str = typer.Option(EngineConfig.dtype, help=_E["dtype"]),
     speculative: str = SPECULATIVE,
+    quantization: str = QUANTIZATION,
 ) -> None:
     """Chat with a model in the terminal (multi-turn, streamed); Ctrl-C stops an answer, /reset, /exit. Sampling
     options left out take the model's values from its generation_config.json (greedy when it sets none)."""
@@ -376,5 +381,5 @@ def chat(
     path = resolve_model(model)
     gen = model_sampling(path, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed)
     raise typer.Exit(run_chat(str(path), EngineConfig(session_len=session_len, num_threads=num_threads, dtype=dtype,
-                                                      speculative=speculative),
+                                                      speculative=speculative, quantization=quantization),
                               gen, system=system, prompt=prompt))

@@ -50,6 +50,7 @@ struct EngineConfig {
   bool int8_activations = true;  // int4 / int8 layers: int8 activations, integer dot products (decode and prefill)
   bool bf16_linear = false;          // CPU backend: dense linear layers as bf16 dot products (dtype='bfloat16')
   bool bf16_kv = false;              // CPU backend: a full-precision KV cache as bf16 (bf16_linear implies it)
+  bool int8_weights = false;         // CPU backend: dense projections and lm_head as int8 per 32 (quantization="int8")
   bool cuda_graphs = true;           // CUDA backend: decode steps replayed as CUDA graphs
   SpeculativeConfig speculative;     // draft tokens verified in one step (engine/speculative.h); CPU backend
   // The disk store of evicted prefix blocks (engine/kv_store.h; CPU backend, prefix caching, no recurrent state):

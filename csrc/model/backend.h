@@ -108,9 +108,11 @@ class Backend {
   // fit its memory.
   virtual void prepare(const ModelConfig& /*config*/, const ModelWeights& /*weights*/) {}
   // One linear layer whose output columns are those of parts[0], parts[1], ... (q | k | v, gate | up: one call),
-  // with the concatenated biases when given (empty tensors: no bias). Parts may be dense or int4.
+  // with the concatenated biases when given (empty tensors: no bias). Parts may be dense or int4. projection: one
+  // of the model's attention, MLP or expert projections, whose dense parts BackendOptions::int8_weights rounds
+  // (routers, gates and small projections stay as stored).
   virtual PackedLinear pack_linear(const std::vector<const LinearTensors*>& parts,
-                                   const std::vector<const Tensor*>& biases = {}) = 0;
+                                   const std::vector<const Tensor*>& biases = {}, bool projection = false) = 0;
   // The lm_head ([vocab, hidden] float, or GGUF blocks); quantized: the model's layers are int4 / int8 (the CPU
   // backend then runs a float head as int8 when it runs int4 layers with int8 activations).
   virtual PackedLinear pack_lm_head(const Tensor& weight, bool quantized) = 0;
@@ -267,6 +269,9 @@ struct BackendOptions {
   bool int8_activations = true;  // CPU: int4 and int8 layers (any layout) with int8 activations (decode and prefill)
   bool bf16_linear = false;          // CPU: dense linear layers (and full-precision KV) as bf16
   bool bf16_kv = false;              // CPU: full-precision KV as bf16 with float32 linear layers too
+  // CPU: the dense projections (pack_linear's projection) and the lm_head as int8 per 32 inputs (llama.cpp's Q8_0
+  // numerics), run with int8 activations where int8_activations is set (EngineConfig.quantization="int8")
+  bool int8_weights = false;
   int32_t max_blocks_per_seq = 0;    // CUDA: ceil(session_len / block size), the graphs' fixed tables
   bool cuda_graphs = true;           // CUDA: decode steps as CUDA graphs
 };

@@ -48,12 +48,12 @@ class CpuBackend final : public Backend {
     swiglu_alpha_ = config.swiglu_alpha, swiglu_limit_ = config.swiglu_limit;
   }
 
-  PackedLinear pack_linear(const std::vector<const LinearTensors*>& parts,
-                           const std::vector<const Tensor*>& biases) override {
+  PackedLinear pack_linear(const std::vector<const LinearTensors*>& parts, const std::vector<const Tensor*>& biases,
+                           bool projection) override {
     auto impl = std::make_shared<CpuLinear>();
     PackedLinear out;
     for (const LinearTensors* t : parts) {
-      ops::LinearWeight w = pack_part(*t);
+      ops::LinearWeight w = pack_part(*t, projection && options_.int8_weights);
       LMKIT_CHECK(out.k == 0 || out.k == w.k, "fused linear parts differ in input size");
       out.k = w.k;
       out.n += w.n;
@@ -83,8 +83,8 @@ class CpuBackend final : public Backend {
     // values too, as llama.cpp's Q8_0 output does: half the bytes of fp16 at negligible error. A GGUF head runs
     // in its own blocks.
     auto impl = std::make_shared<CpuLinear>();
-    const bool int8 =
-        quantized && options_.int8_activations && ops::int8_dot_available() && weight.shape[1] % 32 == 0;
+    const bool int8 = (quantized || options_.int8_weights) && options_.int8_activations && ops::int8_dot_available() &&
+                      weight.shape[1] % 32 == 0;
     if (dtype_is_block(weight.dtype))
       impl->parts.push_back(pack_part(single_tensor_linear(weight, nullptr, "lm_head")));
     else
@@ -624,11 +624,15 @@ class CpuBackend final : public Backend {
     head.int8_activations = true;
     return head;
   }
-  // One stored linear in its kernel's layout: int4 (checkpoint layouts, GGUF Q4_0/Q4_1), int8 (GGUF Q5_0/Q8_0), dense;
-  // the quantized ones with int8 activations where the engine asks for them (else the exact fp32 product).
-  ops::LinearWeight pack_part(const LinearTensors& t) const {
-    if (!t.is_int4() && !t.is_int8()) return pack_dense(t.weight);
-    ops::LinearWeight w = t.is_int4() ? ops::pack_linear_int4(t.int4_source) : ops::pack_linear_int8(t.int8_source);
+  // One stored linear in its kernel's layout: int4 (checkpoint layouts, GGUF Q4_0/Q4_1), int8 (GGUF Q5_0/Q8_0; a float
+  // weight rounded per 32 inputs where `int8`, BackendOptions::int8_weights), dense; the quantized ones with int8
+  // activations where the engine asks for them (else the exact fp32 product of the stored weights).
+  ops::LinearWeight pack_part(const LinearTensors& t, bool int8 = false) const {
+    const bool dense = !t.is_int4() && !t.is_int8();
+    if (dense && !(int8 && !dtype_is_block(t.weight.dtype) && t.weight.shape[1] % 32 == 0)) return pack_dense(t.weight);
+    ops::LinearWeight w = t.is_int4() ? ops::pack_linear_int4(t.int4_source)
+                          : t.is_int8() ? ops::pack_linear_int8(t.int8_source)
+                                        : ops::pack_linear_int8(t.weight);
     w.int8_activations = options_.int8_activations;
     return w;
   }

@@ -175,8 +175,8 @@ class CudaBackend final : public Backend {
   }
 
   // --- load time ---------------------------------------------------------------------------------------
-  PackedLinear pack_linear(const std::vector<const LinearTensors*>& parts,
-                           const std::vector<const Tensor*>& biases) override {
+  PackedLinear pack_linear(const std::vector<const LinearTensors*>& parts, const std::vector<const Tensor*>& biases,
+                           bool /*projection: int8_weights is a CPU option*/) override {
     auto impl = std::make_shared<CudaLinear>();
     impl->w = upload_joined(parts);
     std::vector<const Tensor*> present;

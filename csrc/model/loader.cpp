@@ -54,6 +54,7 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   backend.int8_activations = config.int8_activations;
   backend.bf16_linear = config.bf16_linear;
   backend.bf16_kv = config.bf16_kv;
+  backend.int8_weights = config.int8_weights;
   backend.max_blocks_per_seq = (options.session_len + config.block_size_tokens - 1) / config.block_size_tokens;
   backend.cuda_graphs = config.cuda_graphs;
   ModelOptions model_options;

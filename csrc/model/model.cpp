@@ -36,7 +36,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     if (c.is_recurrent_layer(i)) {
       l.is_recurrent = true;
       l.recurrent_in = b.pack_linear({&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a});
-      l.recurrent_out = b.pack_linear({&w.out_proj});
+      l.recurrent_out = b.pack_linear({&w.out_proj}, {}, true);
       const int64_t C = c.linear_conv_dim(), K = c.linear_conv_kernel, HV = c.linear_num_value_heads;
       std::vector<float> taps(C * K), rate(HV);  // the convolution tap-major: [K, C]
       for (int64_t ch = 0; ch < C; ++ch)
@@ -48,18 +48,18 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
       l.dt_bias = b.upload_norm(w.dt_bias, 0.0f);
       l.recurrent_norm = b.upload_norm(w.linear_norm, 0.0f);  // a plain weight, whatever the model's other norms
     } else if (c.reads_shared_kv(i))  // q alone: its K/V are layer kv_source(i)'s
-      l.qkv = b.pack_linear({&w.q_proj});
+      l.qkv = b.pack_linear({&w.q_proj}, {}, true);
     else if (!w.qkv_proj.is_empty())
-      l.qkv = b.pack_linear({&w.qkv_proj}, {&w.q_bias, &w.k_bias, &w.v_bias});
+      l.qkv = b.pack_linear({&w.qkv_proj}, {&w.q_bias, &w.k_bias, &w.v_bias}, true);
     else
-      l.qkv = b.pack_linear({&w.q_proj, &w.k_proj, &w.v_proj}, {&w.q_bias, &w.k_bias, &w.v_bias});
-    if (!l.is_recurrent) l.o_proj = b.pack_linear({&w.o_proj}, {&w.o_bias});
+      l.qkv = b.pack_linear({&w.q_proj, &w.k_proj, &w.v_proj}, {&w.q_bias, &w.k_bias, &w.v_bias}, true);
+    if (!l.is_recurrent) l.o_proj = b.pack_linear({&w.o_proj}, {&w.o_bias}, true);
     if (!w.sinks.is_empty()) l.sinks = b.upload_norm(w.sinks, 0.0f);  // a plain vector, whatever the norms' offset
     if (!w.attn_gate.is_empty()) l.attn_gate = b.pack_linear({&w.attn_gate});
     if (!c.is_moe_layer(i) || c.moe_beside_mlp) {  // the dense MLP (Gemma 4's MoE layers keep it beside the experts)
-      l.gate_up =
-          w.gate_up_proj.is_empty() ? b.pack_linear({&w.gate_proj, &w.up_proj}) : b.pack_linear({&w.gate_up_proj});
-      l.down_proj = b.pack_linear({&w.down_proj});
+      l.gate_up = w.gate_up_proj.is_empty() ? b.pack_linear({&w.gate_proj, &w.up_proj}, {}, true)
+                                            : b.pack_linear({&w.gate_up_proj}, {}, true);
+      l.down_proj = b.pack_linear({&w.down_proj}, {}, true);
     }
     if (c.is_moe_layer(i) && c.moe_beside_mlp) {  // Gemma 4: the norms around the two, the router's scales
       l.post_mlp_norm_1 = norm(w.post_mlp_norm_1);
@@ -75,12 +75,12 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     if (c.is_moe_layer(i)) {
       l.moe.router = b.pack_linear({&w.router}, {&w.router_bias});
       for (const LayerWeights::Expert& e : w.experts) {
-        l.moe.gate_up.push_back(b.pack_linear({&e.gate_proj, &e.up_proj}, {&e.gate_bias, &e.up_bias}));
-        l.moe.down.push_back(b.pack_linear({&e.down_proj}, {&e.down_bias}));
+        l.moe.gate_up.push_back(b.pack_linear({&e.gate_proj, &e.up_proj}, {&e.gate_bias, &e.up_bias}, true));
+        l.moe.down.push_back(b.pack_linear({&e.down_proj}, {&e.down_bias}, true));
       }
       if (c.shared_expert_intermediate_size > 0) {
-        l.shared_gate_up = b.pack_linear({&w.shared_expert.gate_proj, &w.shared_expert.up_proj});
-        l.shared_down = b.pack_linear({&w.shared_expert.down_proj});
+        l.shared_gate_up = b.pack_linear({&w.shared_expert.gate_proj, &w.shared_expert.up_proj}, {}, true);
+        l.shared_down = b.pack_linear({&w.shared_expert.down_proj}, {}, true);
         l.shared_gate = b.pack_linear({&w.shared_expert_gate});
       }
     }

@@ -174,6 +174,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("kv_quant", &EngineConfig::kv_quant)
       .def_readwrite("int8_activations", &EngineConfig::int8_activations)
       .def_readwrite("bf16_linear", &EngineConfig::bf16_linear)
+      .def_readwrite("int8_weights", &EngineConfig::int8_weights)
       .def_readwrite("bf16_kv", &EngineConfig::bf16_kv)
       .def_readwrite("cuda_graphs", &EngineConfig::cuda_graphs)
       .def_readwrite("enable_prefix_caching", &EngineConfig::enable_prefix_caching)

@@ -73,6 +73,7 @@ def generate(
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
     dtype: str = typer.Option(EngineConfig.dtype, help=_E["dtype"]),
     speculative: str = typer.Option(EngineConfig.speculative, help=_E["speculative"]),
+    quantization: str = typer.Option(EngineConfig.quantization, help=_E["quantization"]),
 ) -> None:
     """Answer one prompt on stdout (streamed; a line of figures follows on stderr). Sampling options left out take
     the model's values from its generation_config.json (greedy when it sets none)."""
@@ -92,7 +93,8 @@ def generate(
             from None
     gen = model_sampling(path, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed)
     raise typer.Exit(run_generate(path, prompt, EngineConfig(num_threads=num_threads, dtype=dtype,
-                                                             speculative=speculative), gen, raw=raw))
+                                                             speculative=speculative, quantization=quantization),
+                                  gen, raw=raw))
 
 
 def run_generate(model: str | Path | None, prompt: str, engine_config: EngineConfig | None = None,

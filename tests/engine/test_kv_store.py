@@ -207,14 +207,15 @@ def test_an_idle_engine_writes_its_cached_blocks(tiny_llama, tmp_path):
 
 
 def test_kv_settings_are_part_of_the_identity(tiny_llama, tmp_path):
-    """Blocks written with float32 K/V are never read by an int8-KV engine (or a bf16 one) on the same directory."""
+    """Blocks written with float32 K/V are never read by an int8-KV engine (or a bf16 one, or one whose weights are
+    rounded to int8 at load) on the same directory."""
     folder, _ = tiny_llama
     store = tmp_path / "store"
     doc, _ = prompts()
     turn2 = doc + [7, 8, 9]
     with pipeline(folder, EngineConfig(**BASE, enable_prefix_caching=True, kv_cache_dir=str(store))) as pipe:
         pipe(doc, GEN)
-    for other in (dict(quant_policy=8), dict(quant_policy=8, cache_block_seq_len=32)):
+    for other in (dict(quant_policy=8), dict(quant_policy=8, cache_block_seq_len=32), dict(quantization="int8")):
         with pipeline(folder, EngineConfig(**{**BASE, **other}, enable_prefix_caching=True,
                                            kv_cache_dir=str(store))) as pipe:
             assert pipe(turn2, GEN).token_ids == cold(folder, turn2, **other)

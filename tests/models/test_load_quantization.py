@@ -1,0 +1,100 @@
+"""EngineConfig(quantization="int8"): a float checkpoint's attention, MLP and expert projections (and, with int8
+activations, its lm_head) rounded to int8 per 32 inputs as it loads, held to HF fp32 on the same checkpoint whose
+projections a torch reimplementation of the rule rounds (llama.cpp's Q8_0: d = fp16(max|w| / 127) per 32 inputs,
+q = w / d rounded half to even, clamped to +-127): routers, gates and embeddings stay as stored.
+
+The engine's logits on the exact path (fp32 compute, fp32 activations) must match within 1e-4.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lmkit import EngineConfig, pipeline
+from tests.factories import ARCH_CASES as CASES
+from tests.factories import build_case, copy_folder, make_tiny_model, without_cache_unless_attention, \
+    write_compressed_tensors
+from tests.helpers import logits_error
+
+EXACT = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                     max_batch_size=4, session_len=512, int8_activations=False, quantization="int8")
+PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "qkv_proj.weight",
+               "gate_proj.weight", "up_proj.weight", "down_proj.weight", "gate_up_proj.weight")
+
+
+def q8_0_rounded(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] rounded as llama.cpp's Q8_0 rounds it, back in float32."""
+    n, k = w.shape
+    blocks = w.float().reshape(n, k // 32, 32)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).to(torch.float16).float()
+    q = torch.where(d == 0, torch.zeros_like(blocks), torch.clamp(torch.round(blocks / d), -127, 127))
+    return (q * d).reshape(n, k)
+
+
+def rounded_reference(src, out):
+    """HF fp32 of ``src`` with every projection rounded by q8_0_rounded (a copy in ``out``)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    tensors = load_file(str(src / "model.safetensors"))
+    rounded = {name: q8_0_rounded(t) if name.endswith(PROJECTIONS) and t.ndim == 2 and t.shape[1] % 32 == 0
+               else t for name, t in tensors.items()}
+    assert any(not torch.equal(rounded[n], tensors[n]) for n in tensors)
+    copy_folder(src, out, rounded, None)
+    return without_cache_unless_attention(AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval())
+
+
+def prompts_for(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=n).tolist() for n in (1, 11, 45)]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    make_tiny_model(folder, "llama", hidden_size=192, intermediate_size=320, num_attention_heads=3,
+                    num_key_value_heads=1)
+    return folder
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "phi3", "gemma3", "qwen3_moe"])
+def test_projections_rounded_as_q8_0(case, llama, tmp_path, tmp_path_factory):
+    """Biases (Qwen2), fused qkv / gate_up (Phi-3), Gemma's norms, experts one by one beside a router that stays
+    as stored (Qwen3-MoE): the engine against HF fp32 on the rounded projections, 1e-4."""
+    if case == "llama":
+        src = llama
+    else:
+        src = tmp_path_factory.mktemp(case)
+        build_case(case, src)
+    ref = rounded_reference(src, tmp_path / "ref")
+    seed = CASES[case].seed if case in CASES else 1
+    assert logits_error(src, ref, prompts_for(seed), EXACT) <= 1e-4
+
+
+def test_int8_activations_and_bytes(llama, tmp_path):
+    """The default int8 activations (and the lm_head in int8 with them): within the bound the int8 checkpoints keep;
+    the packed linears take about a quarter of the fp32 ones' bytes."""
+    default = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
+                           max_batch_size=4, session_len=512, quantization="int8")
+    err = logits_error(llama, rounded_reference(llama, tmp_path / "ref"), prompts_for(2), default, per_row=False)
+    assert 0 < err <= 3e-2
+    sizes = {}
+    for quantization in ("none", "int8"):
+        config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, session_len=512,
+                              quantization=quantization)
+        with pipeline(llama, config) as pipe:
+            sizes[quantization] = pipe.engine.linear_weight_bytes
+    assert sizes["int8"] < 0.3 * sizes["none"], sizes
+
+
+def test_what_is_refused(llama, tmp_path):
+    """A checkpoint quantized already, a quantization lmkit has no kernels for, and the GPU: refused by name."""
+    with pytest.raises(ValueError, match="quantization must be none or int8, got 'int4'"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="quantization='int8' runs on the CPU backend"):
+        EngineConfig(device="cuda", quantization="int8")
+    out = write_compressed_tensors(llama, tmp_path, group=64, symmetric=True)
+    with pytest.raises(ValueError, match="is quantized already .*leave quantization='none'"):
+        pipeline(out / "int4", EngineConfig(device="cpu", quantization="int8"))
