@@ -297,9 +297,10 @@ def redirect_fd2(path: Path):
 def run_lmkit(model: Path, w: Workload, quant_policy: int = 0, quantization: str = "none") -> dict:
     from lmkit import EngineConfig, pipeline
 
+    at_load = {} if quantization == "none" else {"quantization": quantization}  # a --baseline build may lack it
     config = EngineConfig(device="cpu", num_threads=w.threads, max_batch_size=max(1, len(w.batch_ids)),
                           session_len=context_tokens(w), cache_max_entry_count=256, quant_policy=quant_policy,
-                          quantization=quantization)
+                          **at_load)
     with pipeline(model, config) as pipe:
         out = lmkit_greedy_figures(pipe, w.prompt_ids, w.new_tokens, w.runs, w.batch_ids, w.long_ids)
     out["lmkit_location"] = lmkit_location()

@@ -122,6 +122,8 @@ def read_state_dict(folder: Path) -> tuple[dict[str, torch.Tensor], dict | None]
             if base + ct_marker not in entries:
                 raise ValueError(f"{folder}: {name} has no matching {ct_marker[1:]}")
             local = {s[1:]: read(base + s) for s in (ct_marker, *CT_SUFFIXES) if base + s in entries}
+            if local["weight_scale"].dtype == torch.float8_e8m0fnu:  # MXFP4 exponents stored as F8_E8M0: their bytes
+                local["weight_scale"] = local["weight_scale"].view(torch.uint8)
             local["weight_scale"] = local["weight_scale"].float()  # dequantize in fp32
             local.pop("input_global_scale", None)  # FP4 activations' calibration: no part of the weight
             state[base + ".weight"] = _ct_compressor(ct_format).decompress(local, scheme)["weight"].float()

@@ -151,6 +151,11 @@ class Engine:
                 raise ValueError(f"quantization={self.config.quantization!r} rounds a float checkpoint's weights at "
                                  f"load, and {self.model_path} is quantized already ({self.spec.quant.describe()}): "
                                  "leave quantization='none'")
+        elif self.config.quantization != "none" and self.spec.config.get("quantization_config"):
+            raise ValueError(f"quantization={self.config.quantization!r} rounds a float checkpoint's weights at "
+                             f"load, and {self.model_path} declares a quantization_config (quant_method "
+                             f"{self.spec.config['quantization_config'].get('quant_method')!r}): leave "
+                             "quantization='none'")
         elif self.config.quantization == "int8":
             log.info("weights: rounded to int8 per 32 inputs at load (quantization='int8')")
         device, why = _resolve_device(self.config, _engine)

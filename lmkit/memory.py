@@ -437,12 +437,15 @@ def plan_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, weight_bytes: 
     return replace(pool, num_blocks=pool.cap_blocks, limited_by="max_batch_size x session_len")
 
 
-def checkpoint_weight_bytes(spec: "ModelSpec") -> int:
+def checkpoint_weight_bytes(spec: "ModelSpec", int8_at_load: bool = False) -> int:
     """Bytes of every tensor the engine loads, as stored (what the weights take once packed, within a few
     percent: the CPU backend packs dense layers in their stored dtype and AWQ int4 as int4; FP8 weights are decoded
     at load into bf16 or fp32: counted as bf16, the least they take; NVFP4's one-byte block scales are packed as
-    fp16: counted twice)."""
+    fp16: counted twice). ``int8_at_load`` (EngineConfig.quantization="int8"): float projections count as int8 with
+    an fp16 scale per 32 values."""
     def packed(role: str, e) -> int:
+        if int8_at_load and "_proj" in role and e.dtype in ("F32", "F16", "BF16") and len(e.shape) == 2:
+            return e.shape[0] * e.shape[1] * 17 // 16
         doubled = e.dtype == "F8_E4M3" or (role.endswith(".scales") and f"{role[:-7]}.global_scale" in spec.sources)
         return e.nbytes * (2 if doubled else 1)
 
@@ -484,7 +487,7 @@ def reserve_kv_pool(config: "EngineConfig", spec: "ModelSpec", speculative: bool
     (``sizer.reservation``; the caller removes it when the engine closes) and logs the start-up line. A block that
     raises records nothing."""
     limit = memory_limit()
-    need = checkpoint_weight_bytes(spec)
+    need = checkpoint_weight_bytes(spec, int8_at_load=config.quantization == "int8")
     if need > limit.total_bytes:  # before anything is packed or mapped in: the OOM killer would answer otherwise
         raise ValueError(f"{spec.path}: its weights take {format_bytes(need)} once loaded, more than the "
                          f"{format_bytes(limit.total_bytes)} this process may use ({limit.source}); use a quantized "

@@ -55,7 +55,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
       l.qkv = b.pack_linear({&w.q_proj, &w.k_proj, &w.v_proj}, {&w.q_bias, &w.k_bias, &w.v_bias}, true);
     if (!l.is_recurrent) l.o_proj = b.pack_linear({&w.o_proj}, {&w.o_bias}, true);
     if (!w.sinks.is_empty()) l.sinks = b.upload_norm(w.sinks, 0.0f);  // a plain vector, whatever the norms' offset
-    if (!w.attn_gate.is_empty()) l.attn_gate = b.pack_linear({&w.attn_gate});
+    if (!w.attn_gate.is_empty()) l.attn_gate = b.pack_linear({&w.attn_gate}, {}, true);  // q_proj's gate rows
     if (!c.is_moe_layer(i) || c.moe_beside_mlp) {  // the dense MLP (Gemma 4's MoE layers keep it beside the experts)
       l.gate_up = w.gate_up_proj.is_empty() ? b.pack_linear({&w.gate_proj, &w.up_proj}, {}, true)
                                             : b.pack_linear({&w.gate_up_proj}, {}, true);

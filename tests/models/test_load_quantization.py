@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from lmkit import EngineConfig, pipeline
 from tests.factories import ARCH_CASES as CASES
@@ -35,7 +36,6 @@ def q8_0_rounded(w: torch.Tensor) -> torch.Tensor:
 
 def rounded_reference(src, out):
     """HF fp32 of ``src`` with every projection rounded by q8_0_rounded (a copy in ``out``)."""
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     tensors = load_file(str(src / "model.safetensors"))
@@ -98,3 +98,24 @@ def test_what_is_refused(llama, tmp_path):
     out = write_compressed_tensors(llama, tmp_path, group=64, symmetric=True)
     with pytest.raises(ValueError, match="is quantized already .*leave quantization='none'"):
         pipeline(out / "int4", EngineConfig(device="cpu", quantization="int8"))
+    # a config that declares a quantization lmkit reads per tensor (gpt-oss's MXFP4 experts): refused too
+    declared = tmp_path / "declared"
+    copy_folder(llama, declared, load_file(str(llama / "model.safetensors")), {"quant_method": "mxfp4"})
+    with pytest.raises(ValueError, match="declares a quantization_config \\(quant_method 'mxfp4'\\)"):
+        pipeline(declared, EngineConfig(device="cpu", quantization="int8"))
+
+
+def test_the_memory_check_counts_int8_projections(llama):
+    """The check before loading counts the float projections at their int8 size: near what the engine packs."""
+    from lmkit.memory import checkpoint_weight_bytes
+    from lmkit.models.loader import load_model_spec
+
+    spec = load_model_spec(llama)
+    full, int8 = checkpoint_weight_bytes(spec), checkpoint_weight_bytes(spec, int8_at_load=True)
+    config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, session_len=512,
+                          int8_activations=False, quantization="int8")
+    with pipeline(llama, config) as pipe:
+        packed = pipe.engine.linear_weight_bytes
+    projections = sum(e.nbytes for role, e in spec.sources.items() if "_proj" in role)
+    assert int8 < full and full - int8 == pytest.approx(projections * (1 - 17 / 64), rel=1e-6)
+    assert int8 >= packed  # the estimate covers the packed linears (and the rest, as stored)
