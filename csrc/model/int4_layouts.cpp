@@ -107,12 +107,16 @@ void check_u8(const Tensor& t, const std::vector<int64_t>& shape, const std::str
 // compressed-tensors' FP4 layouts (int4_layouts.h): MXFP4 through model/mxfp4.h's reader of HF's layout (the
 // same bytes), NVFP4 here.
 Int4Source fp4_source(const Int4Tensors& t, int64_t N, int64_t K, int64_t group_size, const std::string& what) {
-  const bool nv = t.layout == Int4Layout::Nvfp4PackQuantized;
+  const bool modelopt = t.layout == Int4Layout::Nvfp4ModelOpt;
+  const bool nv = t.layout == Int4Layout::Nvfp4PackQuantized || modelopt;
+  // the checkpoint's names, for messages
+  const char* values_name = modelopt ? "weight" : "weight_packed";
+  const char* global_name = modelopt ? "weight_scale_2" : "weight_global_scale";
   const int64_t B = nv ? 16 : 32;
   LMKIT_CHECK_ARG(N > 0 && K > 0 && group_size == B && K % 32 == 0, what, ": an ", nv ? "NVFP4" : "MXFP4",
                   " layer [", N, ", ", K, "] with group_size ", group_size, ": the format's blocks are ", B,
                   " inputs and in_features must be a multiple of 32");
-  check_u8(t.values, {N, K / 2}, what, "weight_packed");
+  check_u8(t.values, {N, K / 2}, what, values_name);
   check_u8(t.scales, {N, K / B}, what, "weight_scale");
   if (!nv) {
     Tensor blocks = t.values;
@@ -121,14 +125,17 @@ Int4Source fp4_source(const Int4Tensors& t, int64_t N, int64_t K, int64_t group_
     return mxfp4_source(blocks, t.scales, nullptr, what);
   }
   const Tensor& global = t.global_scale;
-  LMKIT_CHECK_ARG(!global.is_empty(), what, ": no 'weight_global_scale' tensor (NVFP4 has one per weight)");
+  LMKIT_CHECK_ARG(!global.is_empty(), what, ": no '", global_name, "' tensor (NVFP4 has one per weight)");
   LMKIT_CHECK_ARG(global.numel() == 1 && (global.dtype == DType::F32 || global.dtype == DType::F16 ||
                                           global.dtype == DType::BF16),
-                  what, ".weight_global_scale must be one F32, F16 or BF16 value, got ", dtype_name(global.dtype), " ",
+                  what, ".", global_name, " must be one F32, F16 or BF16 value, got ", dtype_name(global.dtype), " ",
                   shape_str(global));
-  const float gscale = float_value(global, 0);
-  LMKIT_CHECK_ARG(std::isfinite(gscale) && gscale > 0.0f, what, ".weight_global_scale is ", gscale,
+  const float stored = float_value(global, 0);
+  LMKIT_CHECK_ARG(std::isfinite(stored) && stored > 0.0f, what, ".", global_name, " is ", stored,
                   "; it must be positive and finite");
+  const float gscale = modelopt ? 1.0f / stored : stored;  // ModelOpt's is a multiplier
+  LMKIT_CHECK_ARG(std::isfinite(gscale) && gscale > 0.0f, what, ".", global_name, " is ", stored,
+                  ": its reciprocal is out of fp32's range");
   Int4Source src;
   src.num_out = N;
   src.num_in = K;
@@ -157,10 +164,10 @@ Int4Source fp4_source(const Int4Tensors& t, int64_t N, int64_t K, int64_t group_
 Int4Layout parse_int4_layout(const std::string& name) {
   if (name.empty()) return Int4Layout::None;
   for (Int4Layout l : {Int4Layout::AwqGemm, Int4Layout::Gptq, Int4Layout::GptqV2, Int4Layout::PackQuantized,
-                       Int4Layout::Mxfp4PackQuantized, Int4Layout::Nvfp4PackQuantized})
+                       Int4Layout::Mxfp4PackQuantized, Int4Layout::Nvfp4PackQuantized, Int4Layout::Nvfp4ModelOpt})
     if (name == int4_layout_name(l)) return l;
   LMKIT_CHECK_ARG(false, "unknown int4 layout '", name, "'; known: awq, gptq, gptq_v2, pack_quantized, "
-                  "mxfp4_pack_quantized, nvfp4_pack_quantized");
+                  "mxfp4_pack_quantized, nvfp4_pack_quantized, nvfp4_modelopt");
   return Int4Layout::None;
 }
 
@@ -173,12 +180,14 @@ const char* int4_layout_name(Int4Layout layout) {
     case Int4Layout::PackQuantized: return "pack_quantized";
     case Int4Layout::Mxfp4PackQuantized: return "mxfp4_pack_quantized";
     case Int4Layout::Nvfp4PackQuantized: return "nvfp4_pack_quantized";
+    case Int4Layout::Nvfp4ModelOpt: return "nvfp4_modelopt";
   }
   return "?";
 }
 
 Int4Source int4_source(const Int4Tensors& t, int64_t N, int64_t K, int64_t group_size, const std::string& what) {
-  if (t.layout == Int4Layout::Mxfp4PackQuantized || t.layout == Int4Layout::Nvfp4PackQuantized)
+  if (t.layout == Int4Layout::Mxfp4PackQuantized || t.layout == Int4Layout::Nvfp4PackQuantized ||
+      t.layout == Int4Layout::Nvfp4ModelOpt)
     return fp4_source(t, N, K, group_size, what);
   const TensorNames names = names_of(t.layout);
   const int64_t gs = group_size > 0 ? group_size : K;
@@ -254,7 +263,8 @@ Int4Source int4_source(const Int4Tensors& t, int64_t N, int64_t K, int64_t group
       break;
     }
     case Int4Layout::Mxfp4PackQuantized:
-    case Int4Layout::Nvfp4PackQuantized:  // fp4_source above
+    case Int4Layout::Nvfp4PackQuantized:
+    case Int4Layout::Nvfp4ModelOpt:  // fp4_source above
     case Int4Layout::None: LMKIT_CHECK_ARG(false, what, ": not an int4 layer");
   }
   return src;

@@ -16,6 +16,9 @@
 //       weight_scale [N, K / B]: MXFP4 (B = 32) U8 e8m0 exponents (read as model/mxfp4.h's HF layout), NVFP4
 //       (B = 16) FP8 E4M3 bytes (safetensors F8_E4M3, handed over as U8); NVFP4's weight_global_scale [1]:
 //       weight[n, k] = e2m1(q) * e4m3(scale) / global_scale.
+//   Nvfp4ModelOpt (NVIDIA ModelOpt's NVFP4, quant_method modelopt): the same bytes as weight U8 [N, K / 2] and
+//       weight_scale F8_E4M3 [N, K / 16], with weight_scale_2 [1] a multiplier: weight = e2m1 * e4m3 * weight_scale_2
+//       (read as the global scale 1 / weight_scale_2: within fp32's rounding of the reciprocal).
 // The integer layouts: weight[n, k] = (q - zero) * scale with q, zero in 0..15 after the offsets above. Scales in
 // BF16 / F32 are rounded to fp16 (exact for BF16 scales in fp16's normal range). Groups larger than 128
 // (a whole row: per-channel) become groups of 128, 64 or 32 that repeat the scale and zero: lossless.
@@ -27,10 +30,12 @@
 
 namespace lmkit {
 
-enum class Int4Layout : uint8_t { None, AwqGemm, Gptq, GptqV2, PackQuantized, Mxfp4PackQuantized, Nvfp4PackQuantized };
+enum class Int4Layout : uint8_t {
+  None, AwqGemm, Gptq, GptqV2, PackQuantized, Mxfp4PackQuantized, Nvfp4PackQuantized, Nvfp4ModelOpt
+};
 
-// "" -> None, "awq", "gptq", "gptq_v2", "pack_quantized", "mxfp4_pack_quantized", "nvfp4_pack_quantized"; throws
-// InvalidArgument listing them otherwise.
+// "" -> None, "awq", "gptq", "gptq_v2", "pack_quantized", "mxfp4_pack_quantized", "nvfp4_pack_quantized",
+// "nvfp4_modelopt"; throws InvalidArgument listing them otherwise.
 Int4Layout parse_int4_layout(const std::string& name);
 const char* int4_layout_name(Int4Layout layout);
 // One int4 linear as stored (views into the checkpoint's tensors named above; lmkit.models hands them over as

@@ -42,8 +42,8 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   int32_t max_position_embeddings = 0;
   // An int4 checkpoint (dense layers allowed): its layout's name (model/int4_layouts.h: "awq", "gptq", "gptq_v2",
-  // "pack_quantized", "mxfp4_pack_quantized", "nvfp4_pack_quantized"; "" for none) and its group size along the
-  // inputs (0: one group per row; the FP4 layouts: their block, 32 or 16).
+  // "pack_quantized", "mxfp4_pack_quantized", "nvfp4_pack_quantized", "nvfp4_modelopt"; "" for none) and its group
+  // size along the inputs (0: one group per row; the FP4 layouts: their block, 32 or 16).
   std::string int4_layout;
   int32_t int4_group_size = 0;
   // q_proj / k_proj rows hold each head's rotary pairs interleaved (llama.cpp's GGUF "llama" files): the loader

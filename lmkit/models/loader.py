@@ -230,9 +230,11 @@ def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers:
     int4 = quant if quant is not None and quant.bits == 4 else None
     int8 = quant if quant is not None and quant.bits == 8 else None
     values_name = int4.tensor_names[0] if int4 else None
+    # ModelOpt's NVFP4 keeps its codes under ``weight`` (U8): the int4 path below, not a dense weight
+    codes_in_weight = int4 is not None and values_name == "weight"
     for role, key in arch.key_map.items():
         for r, k in expanded(role, key, num_layers, num_experts):
-            if k in tensors:
+            if k in tensors and not (codes_in_weight and tensors[k].dtype == "U8"):
                 sources[r] = tensors[k]
                 used.add(k)
                 scale = k[: -len("weight")] + int8.tensor_names[2] if int8 and k.endswith(".weight") else None
@@ -256,7 +258,8 @@ def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers:
                     name = base + int4.global_scale_name
                     if name not in tensors:
                         raise ValueError(f"{path}: NVFP4 layer {base[:-1]} has no {int4.global_scale_name}")
-                    sources[f"{r}.global_scale"] = tensors[name]
+                    entry = tensors[name]  # ModelOpt's is a scalar: one value, as the engine reads it
+                    sources[f"{r}.global_scale"] = replace(entry, shape=(1,)) if not entry.shape else entry
                     used.add(name)
                 used.update(base + extra for extra in int4.extra_suffixes if base + extra in tensors)
     unknown = sorted(name for name in tensors if name not in used and not name.endswith(_IGNORED_TENSOR_SUFFIXES)

@@ -57,7 +57,8 @@ class WeightQuant:
         return f"{self.method} int{self.bits} {group} ({self.layout} layout{acts})"
 
 
-_FP4_LAYOUTS = {"mxfp4_pack_quantized": "mxfp4", "nvfp4_pack_quantized": "nvfp4"}  # engine layout -> format
+# engine layout -> format
+_FP4_LAYOUTS = {"mxfp4_pack_quantized": "mxfp4", "nvfp4_pack_quantized": "nvfp4", "nvfp4_modelopt": "nvfp4"}
 _AWQ_NAMES = ("qweight", "qzeros", "scales", None)
 _GPTQ_NAMES = ("qweight", "qzeros", "scales", "g_idx")
 _PACKED_NAMES = ("weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx")
@@ -289,6 +290,27 @@ def _fp8(qc: dict, where: str) -> WeightQuant:
                        activations="fp8 per token group, dynamic", fp8_scales=(int(block[0]), int(block[1])))
 
 
+_MODELOPT_NVFP4 = {"NVFP4": "fp4 per 16, dynamic", "W4A16_NVFP4": ""}  # quant_algo -> its activations
+
+
+def _modelopt(qc: dict, where: str) -> WeightQuant:
+    """NVIDIA ModelOpt's NVFP4 (its unified HF export: Llama/Qwen/DeepSeek *-FP4 checkpoints): per linear ``weight``
+    U8 (e2m1 codes two a byte, as compressed-tensors' weight_packed), ``weight_scale`` E4M3 per 16 inputs and
+    ``weight_scale_2`` a per-tensor multiplier (compressed-tensors' 1 / weight_global_scale); ``input_scale`` (its
+    static FP4 activation scale) and FP8 KV scales are not applied on the CPU; ``ignore`` / ``exclude_modules``
+    layers are stored in bf16 and load as dense layers."""
+    algo = str(qc.get("quant_algo", "")).upper()
+    if algo not in _MODELOPT_NVFP4:
+        raise ValueError(f"{where}.quant_algo={qc.get('quant_algo')!r} is not supported; lmkit serves ModelOpt's "
+                         f"{', '.join(_MODELOPT_NVFP4)} checkpoints (FP8 ones: use their compressed-tensors form)")
+    group = qc.get("group_size", 16)
+    if int(group) != 16:
+        raise ValueError(f"{where}.group_size={group!r} is not NVFP4's 16")
+    return WeightQuant("nvfp4_modelopt", 16, "modelopt", ("weight", None, "weight_scale", None),
+                       extra_suffixes=("input_scale", "k_scale", "v_scale"), activations=_MODELOPT_NVFP4[algo],
+                       global_scale_name="weight_scale_2", scale_bytes_dtype="F8_E4M3")
+
+
 def _mxfp4(qc: dict, where: str) -> None:
     """MXFP4 (gpt-oss as shipped): only the experts are quantized, as ``*_blocks`` / ``*_scales`` tensors their
     architecture's key map names (lmkit/models/gpt_oss.py); every other linear is a float one. An architecture without
@@ -296,7 +318,23 @@ def _mxfp4(qc: dict, where: str) -> None:
     return None
 
 
-_READERS = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors, "mxfp4": _mxfp4, "fp8": _fp8}
+_READERS = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors, "mxfp4": _mxfp4, "fp8": _fp8,
+            "modelopt": _modelopt}
+
+
+def _hf_quant_config(folder: Path) -> dict | None:
+    """ModelOpt's older exports keep their quantization in hf_quant_config.json only ({"quantization": {...}}):
+    as a quantization_config of quant_method modelopt, or None where the folder has none."""
+    import json
+
+    path = folder / "hf_quant_config.json"
+    if not path.is_file():
+        return None
+    try:
+        quantization = json.loads(path.read_text()).get("quantization")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a ModelOpt quantization file ({e})") from None
+    return {"quant_method": "modelopt", **quantization} if isinstance(quantization, dict) else None
 
 
 def weight_quant(cfg: dict, cfg_path: Path) -> WeightQuant | None:
@@ -304,7 +342,7 @@ def weight_quant(cfg: dict, cfg_path: Path) -> WeightQuant | None:
 
     Raises ValueError naming the field this engine cannot serve.
     """
-    qc = cfg.get("quantization_config") or cfg.get("compression_config")
+    qc = cfg.get("quantization_config") or cfg.get("compression_config") or _hf_quant_config(cfg_path.parent)
     if not qc:
         return None
     where = f"{cfg_path}: quantization_config"

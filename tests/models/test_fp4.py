@@ -6,6 +6,8 @@ float64; tests/factories.py fp4_reference):
 - compressed-tensors ``nvfp4-pack-quantized`` (llm-compressor's NVFP4A16 and NVFP4) and ``mxfp4-pack-quantized``
   (MXFP4A16, MXFP4), written by the library's own compressors; several families (biases, fused projections, Gemma's
   norms, experts one by one);
+- NVIDIA ModelOpt's NVFP4 form (quant_method modelopt: ``weight`` U8, ``weight_scale_2`` a multiplier), written by
+  hand to the layout compressed-tensors' own ModelOptNvfp4Converter reads (checked through it);
 - transformers' ``from_pretrained`` of the same folder on the CPU where it loads it;
 - configs and tensors we cannot serve are refused naming the field or tensor.
 
@@ -23,7 +25,8 @@ import torch
 
 from lmkit import EngineConfig, pipeline
 from tests.factories import ARCH_CASES as CASES
-from tests.factories import build_case, make_tiny_model, without_cache_unless_attention, write_compressed_tensors_fp4
+from tests.factories import build_case, fp4_reference, make_tiny_model, without_cache_unless_attention, \
+    write_compressed_tensors_fp4
 from tests.helpers import logits_error
 
 ct = pytest.importorskip("compressed_tensors")
@@ -191,4 +194,107 @@ def test_broken_nvfp4_tensors_name_the_tensor(llama, tmp_path):
         pipeline(out / "fp4", EXACT)
     broken(weight_packed=good[key + "weight_packed"][:, :-16].contiguous())
     with pytest.raises(ValueError, match=r"layers.0.q_proj.weight_packed has shape \[192, 80\]"):
+        pipeline(out / "fp4", EXACT)
+
+
+# ---- NVIDIA ModelOpt's NVFP4 form (quant_method modelopt): the same codes and block scales, weight_scale_2 a
+# multiplier
+
+
+def write_modelopt_nvfp4(src: Path, out: Path, *, in_config: bool = True) -> Path:
+    """``out``/fp4 in ModelOpt's NVFP4 layout, written by hand from compressed-tensors' own NVFP4 checkpoint of
+    ``src`` (tests/factories.py) as its ModelOptNvfp4Converter reads it backwards: weight_packed -> weight (U8),
+    weight_scale as is (E4M3), 1 / weight_global_scale -> weight_scale_2 (F32, a scalar), an input_scale scalar per
+    linear; quantization_config quant_method modelopt, quant_algo NVFP4 in config.json (``in_config``) or, as older
+    exports do, only in hf_quant_config.json. ``out``/ref: fp32 weights decoded in float64 with weight_scale_2 as a
+    multiplier."""
+    from safetensors.torch import load_file, save_file
+
+    write_compressed_tensors_fp4(src, out / "ct")
+    tensors = load_file(str(out / "ct" / "fp4" / "model.safetensors"))
+    modelopt, ref = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(".weight_packed"):
+            base = name[: -len(".weight_packed")]
+            multiplier = (1.0 / tensors[base + ".weight_global_scale"].double()).float().reshape(())
+            modelopt[base + ".weight"] = t
+            modelopt[base + ".weight_scale"] = tensors[base + ".weight_scale"]
+            modelopt[base + ".weight_scale_2"] = multiplier
+            modelopt[base + ".input_scale"] = torch.tensor(0.01)
+            ref[base + ".weight"] = fp4_reference(t, tensors[base + ".weight_scale"], 16,
+                                                  1.0 / multiplier.double().item())
+        elif not name.endswith((".weight_scale", ".weight_global_scale")):
+            modelopt[name] = ref[name] = t
+    qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+          "ignore": ["lm_head"], "producer": {"name": "modelopt", "version": "0.37.0"}}
+    folder = out / "fp4"
+    folder.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    save_file(modelopt, str(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    if in_config:
+        cfg["quantization_config"] = qc
+    else:
+        (folder / "hf_quant_config.json").write_text(json.dumps(
+            {"producer": qc["producer"], "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                                                         "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (out / "ref").mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (out / "ref" / f.name).write_bytes(f.read_bytes())
+    save_file(ref, str(out / "ref" / "model.safetensors"))
+    return out
+
+
+def test_modelopt_layout_is_what_compressed_tensors_converts():
+    """The hand-written ModelOpt tensors, through compressed-tensors' own ModelOptNvfp4Converter, are the
+    compressed-tensors NVFP4 tensors they came from (the global scale within fp32's rounding of a reciprocal)."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 96) * 0.05
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    g = generate_gparam(w.amin(), w.amax())
+    scale, zp = calculate_qparams(w.reshape(64, 6, 16).amin(-1), w.reshape(64, 6, 16).amax(-1), scheme.weights,
+                                  global_scale=g)
+    ct_tensors = NVFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp,
+                                                 "weight_global_scale": g}, scheme)
+    modelopt = {"model.layers.0.mlp.down_proj.weight": ct_tensors["weight_packed"],
+                "model.layers.0.mlp.down_proj.weight_scale": ct_tensors["weight_scale"],
+                "model.layers.0.mlp.down_proj.weight_scale_2": (1.0 / g.double()).float().reshape(()),
+                "model.layers.0.mlp.down_proj.input_scale": torch.tensor(0.01)}
+    back = ModelOptNvfp4Converter(targets=["re:.*down_proj$"]).process(dict(modelopt))
+    base = "model.layers.0.mlp.down_proj."
+    assert torch.equal(back[base + "weight_packed"], ct_tensors["weight_packed"])
+    assert torch.equal(back[base + "weight_scale"].view(torch.uint8), ct_tensors["weight_scale"].view(torch.uint8))
+    torch.testing.assert_close(back[base + "weight_global_scale"].reshape(1).float(), g, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("in_config", [True, False])
+def test_modelopt_nvfp4(llama, tmp_path, in_config):
+    """ModelOpt's NVFP4 (config.json's quantization_config, or only hf_quant_config.json as older exports): the
+    engine against HF fp32 on the float64 decoding, 1e-4; its FP4 activations named, not applied."""
+    out = write_modelopt_nvfp4(llama, tmp_path, in_config=in_config)
+    assert engine_vs_reference(out, prompts_for(7)) <= REL_TOL
+    with pipeline(out / "fp4", EXACT) as pipe:
+        quant = pipe.engine.spec.quant
+        assert quant.layout == "nvfp4_modelopt" and quant.describe().startswith("modelopt nvfp4 (e2m1 weights")
+        assert "fp4 per 16" in quant.describe()
+
+
+@pytest.mark.parametrize("algo, message", [("FP8", "quant_algo='FP8' is not supported"),
+                                           ("MIXED_PRECISION", "quant_algo='MIXED_PRECISION' is not supported")])
+def test_modelopt_algorithms_not_read(llama, tmp_path, algo, message):
+    out = write_modelopt_nvfp4(llama, tmp_path)
+    path = out / "fp4" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["quantization_config"]["quant_algo"] = algo
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
         pipeline(out / "fp4", EXACT)
