@@ -25,6 +25,31 @@ TINY_CALIB = dict(calib_dataset="pydoc", calib_samples=8, calib_seqlen=64, searc
 """lmkit lite's calibration small enough to run in seconds: 8 windows of 64 tokens of pydoc text, scores on 4."""
 
 
+def random_prompts(seed: int, lengths: tuple[int, ...] = (1, 11, 45)) -> list[list[int]]:
+    """Random token prompts (ids below 256) of these lengths, drawn from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=n).tolist() for n in lengths]
+
+
+def tensor_rewriter(st: Path, key: str):
+    """(the tensors of safetensors file ``st``, rewrite): rewrite(name=tensor, ...) writes ``st`` back as it is now
+    with ``key + name`` replaced (None: left out), for checks that a broken checkpoint is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    good = load_file(str(st))
+
+    def rewrite(**changes) -> None:
+        tensors = dict(good)
+        for name, value in changes.items():
+            if value is None:
+                tensors.pop(key + name)
+            else:
+                tensors[key + name] = value
+        save_file(tensors, str(st))
+
+    return good, rewrite
+
+
 def cuda_usable() -> bool:
     """Whether the engine was built with CUDA and both it and torch see a GPU."""
     try:

@@ -947,13 +947,48 @@ Mxfp4Weight make_mxfp4(int64_t N, int64_t K) {
   return a;
 }
 
+// The checks of an FP4 weight w (MXFP4 / NVFP4 heads) of [N, K] whose float64 values are `dense`, on M random rows:
+// with and without a bias, the fp32 path within 1e-5 of the float64 product; int8 activations (where the CPU has
+// them) within 1e-5 of the float64 product of the rounded x (blocks of 32) and 1e-2 of the exact one; a row alone
+// gives the bits it gives in the call (both paths); NaN-poisoned outputs.
+void expect_fp4_linear(ops::LinearWeight& w, const std::vector<double>& dense, int64_t M, int64_t N, int64_t K,
+                       const std::string& name) {
+  const bool q8_runs = ops::int8_dot_available();
+  Weight b = make_weight(DType::F32, N, 0);
+  std::vector<float> x = randn(M * K, 4.0f);
+  for (int with_bias = 0; with_bias < 2; ++with_bias)
+    for (bool int8_x : {false, true}) {
+      if (int8_x && !q8_runs) continue;
+      w.int8_activations = int8_x;
+      std::vector<float> out(M * N, NAN);
+      ops::linear(x.data(), M, w, with_bias ? b.t : Tensor{}, out.data());
+      const float* bias = with_bias ? b.f32.data() : nullptr;
+      const std::string what = name + (with_bias ? " bias" : "") + (int8_x ? " int8 x" : "");
+      if (!int8_x) {
+        expect_close(out, linear_f64(x, M, dense, N, K, bias), what);
+        continue;
+      }
+      expect_close(out, linear_f64(quantize_q8(x, M, K, 32), M, dense, N, K, bias), what);
+      if (K >= 256)  // the 1e-2 bound is statistical: a row of one block misses it by chance
+        expect_close(out, linear_f64(x, M, dense, N, K, bias), what + " (unrounded x)", 1e-2);
+    }
+  for (bool int8_x : {false, true}) {  // batch-invariant: row 0 alone gives the bits it gives in the call
+    if (M < 2 || (int8_x && !q8_runs)) continue;
+    w.int8_activations = int8_x;
+    std::vector<float> all(M * N), one(N);
+    ops::linear(x.data(), M, w, Tensor{}, all.data());
+    ops::linear(x.data(), 1, w, Tensor{}, one.data());
+    expect(std::memcmp(all.data(), one.data(), one.size() * 4) == 0,
+           name + (int8_x ? " int8 x" : "") + ": a row alone = the same row in the call");
+  }
+}
+
 void test_linear_mxfp4() {
   struct Shape {
     int64_t M, N, K;
   };
   const Shape shapes[] = {{1, 8, 32},     {1, 96, 2880},  {2, 40, 96},     {5, 200, 640},   {13, 64, 1536},
                           {25, 96, 576},  {40, 72, 384},  {100, 136, 576}, {300, 40, 1152}, {7, 33, 2880}};
-  const bool q8_runs = ops::int8_dot_available();
   for (const Shape& s : shapes) {
     Mxfp4Weight a = make_mxfp4(s.N, s.K);
     const std::string name = "linear mxfp4 M " + std::to_string(s.M) + " N " + std::to_string(s.N) + " K " +
@@ -966,33 +1001,7 @@ void test_linear_mxfp4() {
     expect(wg.size_bytes() == w.size_bytes() &&
                std::memcmp(wg.storage.get(), w.storage.get(), (size_t)w.size_bytes()) == 0,
            name + ": HF's and GGUF's layouts pack to the same bytes");
-    Weight b = make_weight(DType::F32, s.N, 0);
-    std::vector<float> x = randn(s.M * s.K, 4.0f);
-    for (int with_bias = 0; with_bias < 2; ++with_bias)
-      for (bool int8_x : {false, true}) {
-        if (int8_x && !q8_runs) continue;
-        w.int8_activations = int8_x;
-        std::vector<float> out(s.M * s.N, NAN);
-        ops::linear(x.data(), s.M, w, with_bias ? b.t : Tensor{}, out.data());
-        const float* bias = with_bias ? b.f32.data() : nullptr;
-        const std::string what = name + (with_bias ? " bias" : "") + (int8_x ? " int8 x" : "");
-        if (!int8_x) {
-          expect_close(out, linear_f64(x, s.M, a.dense, s.N, s.K, bias), what);
-          continue;
-        }
-        expect_close(out, linear_f64(quantize_q8(x, s.M, s.K, 32), s.M, a.dense, s.N, s.K, bias), what);
-        if (s.K >= 256)  // the 1e-2 bound is statistical: a row of one block misses it by chance
-          expect_close(out, linear_f64(x, s.M, a.dense, s.N, s.K, bias), what + " (unrounded x)", 1e-2);
-      }
-    for (bool int8_x : {false, true}) {  // batch-invariant: row 0 alone gives the bits it gives in the call
-      if (s.M < 2 || (int8_x && !q8_runs)) continue;
-      w.int8_activations = int8_x;
-      std::vector<float> all(s.M * s.N), one(s.N);
-      ops::linear(x.data(), s.M, w, Tensor{}, all.data());
-      ops::linear(x.data(), 1, w, Tensor{}, one.data());
-      expect(std::memcmp(all.data(), one.data(), one.size() * 4) == 0, name + (int8_x ? " int8 x" : "") +
-                                                                            ": a row alone = the same row in the call");
-    }
+    expect_fp4_linear(w, a.dense, s.M, s.N, s.K, name);
   }
   // a row order: outputs are stored rows 2j + 1 (the up rows of gpt-oss's interleaved gate_up)
   {
@@ -1074,7 +1083,6 @@ void test_linear_nvfp4() {
   };
   const Shape shapes[] = {{1, 8, 32},     {1, 96, 2880},  {2, 40, 96},     {5, 200, 640},   {13, 64, 1536},
                           {25, 96, 576},  {40, 72, 384},  {100, 136, 576}, {300, 40, 1152}, {7, 33, 2880}};
-  const bool q8_runs = ops::int8_dot_available();
   for (const Shape& s : shapes) {
     Nvfp4Weight a = make_nvfp4(s.N, s.K);
     const std::string name = "linear nvfp4 M " + std::to_string(s.M) + " N " + std::to_string(s.N) + " K " +
@@ -1083,33 +1091,7 @@ void test_linear_nvfp4() {
     expect(w.group_head == ops::GroupHead::Nvfp4 && w.group_size == 32 &&
                w.size_bytes() == (s.N + 31) / 32 * 32 * s.K * 5 / 8 && w.output_scale == 0.5f / a.global,
            name + ": NVFP4 heads, 5 bits a weight, the global scale as the outputs' factor");
-    Weight b = make_weight(DType::F32, s.N, 0);
-    std::vector<float> x = randn(s.M * s.K, 4.0f);
-    for (int with_bias = 0; with_bias < 2; ++with_bias)
-      for (bool int8_x : {false, true}) {
-        if (int8_x && !q8_runs) continue;
-        w.int8_activations = int8_x;
-        std::vector<float> out(s.M * s.N, NAN);
-        ops::linear(x.data(), s.M, w, with_bias ? b.t : Tensor{}, out.data());
-        const float* bias = with_bias ? b.f32.data() : nullptr;
-        const std::string what = name + (with_bias ? " bias" : "") + (int8_x ? " int8 x" : "");
-        if (!int8_x) {
-          expect_close(out, linear_f64(x, s.M, a.dense, s.N, s.K, bias), what);
-          continue;
-        }
-        expect_close(out, linear_f64(quantize_q8(x, s.M, s.K, 32), s.M, a.dense, s.N, s.K, bias), what);
-        if (s.K >= 256)  // the 1e-2 bound is statistical: a row of one block misses it by chance
-          expect_close(out, linear_f64(x, s.M, a.dense, s.N, s.K, bias), what + " (unrounded x)", 1e-2);
-      }
-    for (bool int8_x : {false, true}) {  // batch-invariant: row 0 alone gives the bits it gives in the call
-      if (s.M < 2 || (int8_x && !q8_runs)) continue;
-      w.int8_activations = int8_x;
-      std::vector<float> all(s.M * s.N), one(s.N);
-      ops::linear(x.data(), s.M, w, Tensor{}, all.data());
-      ops::linear(x.data(), 1, w, Tensor{}, one.data());
-      expect(std::memcmp(all.data(), one.data(), one.size() * 4) == 0, name + (int8_x ? " int8 x" : "") +
-                                                                            ": a row alone = the same row in the call");
-    }
+    expect_fp4_linear(w, a.dense, s.M, s.N, s.K, name);
   }
   // in a group of jobs (panels split over threads, no bias there): the same outputs as alone
   {

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -19,17 +18,12 @@ from lmkit.lite.config import Fp4Config
 from lmkit.lite.export import WorkDirError
 from lmkit.lite.fp4 import fp4_quantization_config, quantize_fp4
 from tests.factories import MOE_CASES, fp4_reference, make_moe_model, make_tiny_model, write_compressed_tensors_fp4
-from tests.helpers import logits_error
+from tests.helpers import logits_error, random_prompts
 
 ct = pytest.importorskip("compressed_tensors")
 
 EXACT = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
                      max_batch_size=4, session_len=512, int8_activations=False)
-
-
-def prompts(seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size=n).tolist() for n in (1, 11, 45)]
 
 
 @pytest.fixture(scope="module", params=["nvfp4", "mxfp4"])
@@ -93,12 +87,12 @@ def test_engine_runs_the_format_as_defined(written, tmp_path):
 
     fmt, out, _ = written
     ref = AutoModelForCausalLM.from_pretrained(str(decoded_folder(out, tmp_path / "ref")), dtype=torch.float32)
-    assert logits_error(out, ref.eval(), prompts(1), EXACT) <= 1e-4
+    assert logits_error(out, ref.eval(), random_prompts(1), EXACT) <= 1e-4
     bound = 2e-2 if fmt == "nvfp4" else 1e-4
-    assert logits_error(out, load_causal_lm(out), prompts(2), EXACT) <= bound
+    assert logits_error(out, load_causal_lm(out), random_prompts(2), EXACT) <= bound
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
                                               quantization_config=CompressedTensorsConfig(dequantize=True))
-    assert logits_error(out, hf.float().eval(), prompts(3), EXACT) <= bound
+    assert logits_error(out, hf.float().eval(), random_prompts(3), EXACT) <= bound
 
 
 def test_moe_experts_and_router(tmp_path):
@@ -118,7 +112,7 @@ def test_moe_experts_and_router(tmp_path):
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(str(decoded_folder(out, tmp_path / "ref")), dtype=torch.float32)
-    assert logits_error(out, ref.eval(), prompts(4), EXACT) <= 1e-4
+    assert logits_error(out, ref.eval(), random_prompts(4), EXACT) <= 1e-4
 
 
 def test_cli_and_bad_input(written, lite_tiny_llama, tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -17,7 +16,7 @@ from lmkit.lite.config import Fp8Config
 from lmkit.lite.export import COMPLETE_MARKER, WorkDirError
 from lmkit.lite.fp8 import fp8_quantization_config, fp8_scheme, quantize_fp8
 from tests.factories import MOE_CASES, make_moe_model
-from tests.helpers import logits_error
+from tests.helpers import logits_error, random_prompts
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor  # noqa: E402
@@ -25,11 +24,6 @@ from compressed_tensors.quantization.lifecycle.helpers import disable_quantizati
 
 EXACT = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
                      max_batch_size=4, session_len=512, int8_activations=False)
-
-
-def prompts(seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size=n).tolist() for n in (1, 11, 45)]
 
 
 def _hf(folder, quantize_activations: bool = False):
@@ -93,18 +87,18 @@ def test_engine_and_transformers_agree(dynamic, lite_tiny_llama):
     from transformers import AutoModelForCausalLM
 
     out, _ = dynamic
-    assert logits_error(out, _hf(out), prompts(1), EXACT) <= 1e-4
-    assert logits_error(out, _hf(out, quantize_activations=True), prompts(1), EXACT) <= 0.3
+    assert logits_error(out, _hf(out), random_prompts(1), EXACT) <= 1e-4
+    assert logits_error(out, _hf(out, quantize_activations=True), random_prompts(1), EXACT) <= 0.3
     source = AutoModelForCausalLM.from_pretrained(str(lite_tiny_llama), dtype=torch.float32).eval()
-    assert logits_error(out, source, prompts(1), EXACT, per_row=False) <= 0.1
+    assert logits_error(out, source, random_prompts(1), EXACT, per_row=False) <= 0.1
 
 
 def test_lite_reference_reads_it(dynamic):
     """lite's torch reference (``lite ppl`` / ``lite eval``) reads the folder: its weights are the engine's, and
     with the scheme's FP8 per-token activations it computes what transformers' own loading does."""
     out, _ = dynamic
-    assert logits_error(out, load_causal_lm(out, quantize_activations=False), prompts(3), EXACT) <= 1e-4
-    ids = torch.tensor([prompts(3)[2]])
+    assert logits_error(out, load_causal_lm(out, quantize_activations=False), random_prompts(3), EXACT) <= 1e-4
+    ids = torch.tensor([random_prompts(3)[2]])
     with torch.no_grad():
         ours = load_causal_lm(out)(ids).logits
         theirs = _hf(out, quantize_activations=True)(ids).logits
@@ -127,7 +121,7 @@ def test_weight_only_and_moe_routers(tmp_path):
         dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
     assert dtypes["model.layers.0.mlp.experts.3.up_proj.weight"] == "F8_E4M3"
     assert dtypes["model.layers.0.mlp.gate.weight"] == "F16"
-    assert logits_error(out, _hf(out), prompts(2), EXACT) <= 1e-4
+    assert logits_error(out, _hf(out), random_prompts(2), EXACT) <= 1e-4
 
 
 def test_cli_and_bad_input(dynamic, lite_tiny_llama, tmp_path):

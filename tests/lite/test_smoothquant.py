@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -26,7 +25,7 @@ from lmkit.lite.int8 import QMAX, fake_quant_tokens, quantize_int8
 from lmkit.lite.layerwise import AlreadyQuantizedError
 from lmkit.lite.smoothquant import REPORT_DIR, quantize_smooth_quant, smoothing_scales
 from tests.factories import MOE_CASES, make_arch_model, make_moe_model, make_tiny_model
-from tests.helpers import TINY_CALIB, logits_error
+from tests.helpers import TINY_CALIB, logits_error, random_prompts
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor  # noqa: E402
@@ -41,11 +40,6 @@ TINY = dict(TINY_CALIB, device="cpu")
 
 def _name(value) -> str:
     return str(getattr(value, "value", value))  # an enum or its value, by compressed-tensors' version
-
-
-def prompts(seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size=n).tolist() for n in (1, 11, 45)]
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +154,9 @@ def test_checkpoint_is_compressed_tensors_int8(smoothed, lite_tiny_llama):
 def test_engine_serves_it(smoothed):
     out, _ = smoothed
     weights_only = load_causal_lm(out, quantize_activations=False)
-    assert logits_error(out, weights_only, prompts(3), EXACT) <= 1e-4
+    assert logits_error(out, weights_only, random_prompts(3), EXACT) <= 1e-4
     # the default engine quantizes activations per 32 values (finer than the checkpoint's per token)
-    assert logits_error(out, weights_only, prompts(4), DEFAULT, per_row=False) <= 3e-2
+    assert logits_error(out, weights_only, random_prompts(4), DEFAULT, per_row=False) <= 3e-2
 
 
 def _build(case: str, folder):
@@ -186,7 +180,7 @@ def test_every_family(case, tmp_path):
     out = tmp_path / "w8a8"
     result = quantize_smooth_quant(src, SmoothQuantConfig(work_dir=out, **TINY))
     assert any(g["smoothed"] for layer in result.layers for g in layer["groups"])
-    assert logits_error(out, load_causal_lm(out, quantize_activations=False), prompts(7), EXACT) <= 1e-4
+    assert logits_error(out, load_causal_lm(out, quantize_activations=False), random_prompts(7), EXACT) <= 1e-4
 
 
 def _with_outlier_channels(folder, channels=(3, 17, 40), factor=40.0):
@@ -205,7 +199,7 @@ def test_smoothing_beats_plain_w8a8_on_outlier_channels(tmp_path):
     src = tmp_path / "outliers"
     make_tiny_model(src, "llama", intermediate_size=128)
     _with_outlier_channels(src)
-    ids = torch.tensor(prompts(5)[2:])
+    ids = torch.tensor(random_prompts(5)[2:])
     with torch.no_grad():
         want = load_causal_lm(src)(input_ids=ids).logits
 
@@ -233,7 +227,7 @@ def test_smoothing_beats_plain_w8a8_on_outlier_channels(tmp_path):
     assert all(torch.equal(state[n + ".weight"], plain.get_submodule(n).weight) for n in names)
     print(f"relative logit error: SmoothQuant {smooth:.4f}, plain W8A8 {unsmoothed:.4f}")
     assert smooth < 0.5 * unsmoothed, (smooth, unsmoothed)
-    assert logits_error(out, load_causal_lm(out, quantize_activations=False), prompts(6), EXACT) <= 1e-4
+    assert logits_error(out, load_causal_lm(out, quantize_activations=False), random_prompts(6), EXACT) <= 1e-4
 
 
 def test_given_alpha_is_used_everywhere(lite_tiny_llama, tmp_path):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,18 +26,13 @@ from lmkit import EngineConfig, pipeline
 from tests.factories import ARCH_CASES as CASES
 from tests.factories import build_case, fp4_reference, make_tiny_model, without_cache_unless_attention, \
     write_compressed_tensors_fp4
-from tests.helpers import logits_error
+from tests.helpers import logits_error, random_prompts, tensor_rewriter
 
 ct = pytest.importorskip("compressed_tensors")
 
 EXACT = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
                      max_batch_size=4, session_len=512, int8_activations=False)
 REL_TOL = 1e-4
-
-
-def prompts_for(seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size=n).tolist() for n in (1, 11, 45)]
 
 
 def engine_vs_reference(out: Path, prompts, config: EngineConfig = EXACT, per_row: bool = True) -> float:
@@ -63,7 +57,7 @@ def llama(tmp_path_factory) -> Path:
                                                ("mxfp4", True)])
 def test_compressed_tensors_fp4(llama, tmp_path, fmt, activations):
     out = write_compressed_tensors_fp4(llama, tmp_path, fmt=fmt, activations=activations)
-    assert engine_vs_reference(out, prompts_for(1)) <= REL_TOL
+    assert engine_vs_reference(out, random_prompts(1)) <= REL_TOL
     with pipeline(out / "fp4", EXACT) as pipe:
         quant = pipe.engine.spec.quant
         assert quant.layout == f"{fmt}_pack_quantized" and quant.group_size == (16 if fmt == "nvfp4" else 32)
@@ -78,7 +72,7 @@ def test_nvfp4_every_family(case, tmp_path, tmp_path_factory):
     src = tmp_path_factory.mktemp(case)
     build_case(case, src)
     out = write_compressed_tensors_fp4(src, tmp_path)
-    assert engine_vs_reference(out, prompts_for(CASES[case].seed)) <= REL_TOL
+    assert engine_vs_reference(out, random_prompts(CASES[case].seed)) <= REL_TOL
 
 
 @pytest.mark.parametrize("case", ["qwen2", "qwen3_moe"])
@@ -94,7 +88,7 @@ def test_nvfp4_global_scales_apart(case, tmp_path, tmp_path_factory):
     with safe_open(str(out / "fp4" / "model.safetensors"), "pt") as f:
         q, k = (f.get_tensor(f"model.layers.0.self_attn.{p}_proj.weight_global_scale") for p in "qk")
     assert q != k
-    assert engine_vs_reference(out, prompts_for(CASES[case].seed + 1)) <= REL_TOL
+    assert engine_vs_reference(out, random_prompts(CASES[case].seed + 1)) <= REL_TOL
 
 
 def test_int8_activations(llama, tmp_path):
@@ -104,7 +98,7 @@ def test_int8_activations(llama, tmp_path):
                            max_batch_size=4, session_len=512)
     for fmt in ("nvfp4", "mxfp4"):
         out = write_compressed_tensors_fp4(llama, tmp_path / fmt, fmt=fmt)
-        err = engine_vs_reference(out, prompts_for(2), default, per_row=False)
+        err = engine_vs_reference(out, random_prompts(2), default, per_row=False)
         assert 0 < err <= 3e-2, (fmt, err)
 
 
@@ -121,7 +115,7 @@ def test_transformers_loads_the_same_folder(llama, tmp_path, fmt, bound):
     hf = AutoModelForCausalLM.from_pretrained(str(out / "fp4"), dtype=torch.float32,
                                               quantization_config=CompressedTensorsConfig(dequantize=True))
     hf = hf.float().eval()  # compressed-tensors decompresses NVFP4 into bf16 tensors
-    assert logits_error(out / "fp4", hf, prompts_for(3), EXACT) <= bound
+    assert logits_error(out / "fp4", hf, random_prompts(3), EXACT) <= bound
 
 
 # ---- what is refused, naming the field or tensor
@@ -143,10 +137,10 @@ def test_mxfp4_scales_stored_as_e8m0(llama, tmp_path):
     tensors = load_file(str(st))
     save_file({k: v.view(torch.float8_e8m0fnu) if k.endswith("weight_scale") else v for k, v in tensors.items()},
               str(st))
-    assert engine_vs_reference(out, prompts_for(6)) <= REL_TOL
+    assert engine_vs_reference(out, random_prompts(6)) <= REL_TOL
     from lmkit.lite.checkpoint import load_causal_lm  # lite's torch reference reads the exponents as bytes too
 
-    assert logits_error(out / "fp4", load_causal_lm(out / "fp4"), prompts_for(6), EXACT) <= REL_TOL
+    assert logits_error(out / "fp4", load_causal_lm(out / "fp4"), random_prompts(6), EXACT) <= REL_TOL
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -165,21 +159,10 @@ def test_unservable_nvfp4_configs(llama, tmp_path, field, value, message):
 def test_broken_nvfp4_tensors_name_the_tensor(llama, tmp_path):
     """A missing global scale, a global scale of 0, a NaN block scale, a packed weight of the wrong shape: each
     refused naming the tensor, nothing served."""
-    from safetensors.torch import load_file, save_file
-
     out = write_compressed_tensors_fp4(llama, tmp_path)
     st = out / "fp4" / "model.safetensors"
-    good = load_file(str(st))
     key = "model.layers.0.self_attn.q_proj."
-
-    def broken(**changes):
-        tensors = dict(good)
-        for name, value in changes.items():
-            if value is None:
-                tensors.pop(key + name)
-            else:
-                tensors[key + name] = value
-        save_file(tensors, str(st))
+    good, broken = tensor_rewriter(st, key)
 
     broken(weight_global_scale=None)
     with pytest.raises(ValueError, match="NVFP4 layer model.layers.0.self_attn.q_proj has no weight_global_scale"):
@@ -281,7 +264,7 @@ def test_modelopt_nvfp4(llama, tmp_path, in_config):
     """ModelOpt's NVFP4 (config.json's quantization_config, or only hf_quant_config.json as older exports): the
     engine against HF fp32 on the float64 decoding, 1e-4; its FP4 activations named, not applied."""
     out = write_modelopt_nvfp4(llama, tmp_path, in_config=in_config)
-    assert engine_vs_reference(out, prompts_for(7)) <= REL_TOL
+    assert engine_vs_reference(out, random_prompts(7)) <= REL_TOL
     with pipeline(out / "fp4", EXACT) as pipe:
         quant = pipe.engine.spec.quant
         assert quant.layout == "nvfp4_modelopt" and quant.describe().startswith("modelopt nvfp4 (e2m1 weights")

@@ -25,7 +25,7 @@ from lmkit import EngineConfig, pipeline
 from tests.factories import ARCH_CASES as CASES
 from tests.factories import build_case, linear_keys, make_tiny_model, without_cache_unless_attention, \
     write_compressed_tensors_fp8, write_fp8_block_vendor
-from tests.helpers import logits_error
+from tests.helpers import logits_error, random_prompts, tensor_rewriter
 
 ct = pytest.importorskip("compressed_tensors")
 
@@ -33,10 +33,6 @@ EXACT = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, ca
                      max_batch_size=4, session_len=512, int8_activations=False)
 REL_TOL = 1e-4
 
-
-def prompts_for(seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size=n).tolist() for n in (1, 11, 45)]
 
 
 def engine_vs_reference(out: Path, prompts, config: EngineConfig = EXACT) -> float:
@@ -77,7 +73,7 @@ def llama(tmp_path_factory) -> Path:
 def test_compressed_tensors_fp8(odd_llama, tmp_path, strategy, activations, scale_dtype):
     out = write_compressed_tensors_fp8(odd_llama, tmp_path, strategy=strategy, activations=activations,
                                        scale_dtype=scale_dtype)
-    assert engine_vs_reference(out, prompts_for(1)) <= REL_TOL
+    assert engine_vs_reference(out, random_prompts(1)) <= REL_TOL
     with pipeline(out / "fp8", EXACT) as pipe:
         quant = pipe.engine.spec.quant
         assert quant.layout == "fp8" and quant.fp8_scales == (strategy if strategy != "block" else (128, 128))
@@ -92,7 +88,7 @@ def test_compressed_tensors_fp8_every_family(case, tmp_path, tmp_path_factory):
     build_case(case, src)
     assert linear_keys(src, 1)
     out = write_compressed_tensors_fp8(src, tmp_path)
-    assert engine_vs_reference(out, prompts_for(CASES[case].seed)) <= REL_TOL
+    assert engine_vs_reference(out, random_prompts(CASES[case].seed)) <= REL_TOL
 
 
 def test_transformers_loads_the_same_folder(llama, tmp_path):
@@ -104,7 +100,7 @@ def test_transformers_loads_the_same_folder(llama, tmp_path):
     out = write_compressed_tensors_fp8(llama, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(str(out / "fp8"), dtype=torch.float32).eval()
     hf.apply(disable_quantization)
-    assert logits_error(out / "fp8", hf, prompts_for(2), EXACT) <= REL_TOL
+    assert logits_error(out / "fp8", hf, random_prompts(2), EXACT) <= REL_TOL
 
 
 def test_bfloat16_engine_and_no_file_left(llama, tmp_path, monkeypatch):
@@ -115,7 +111,7 @@ def test_bfloat16_engine_and_no_file_left(llama, tmp_path, monkeypatch):
     auto = EngineConfig(device="cpu", cache_max_entry_count=64, cache_block_seq_len=16, max_batch_size=4,
                         session_len=512, int8_activations=False)
     bf16 = auto.resolved_kv_bf16("cpu")  # bf16 compute and KV, or (no AVX512_BF16) a bf16 KV cache
-    assert engine_vs_reference(out, prompts_for(3), auto) <= (3e-2 if bf16 else REL_TOL)
+    assert engine_vs_reference(out, random_prompts(3), auto) <= (3e-2 if bf16 else REL_TOL)
     assert not list((tmp_path / "cache" / "lmkit" / "fp8").iterdir())
 
 
@@ -125,7 +121,7 @@ def test_vendor_fp8_blocks(odd_llama, tmp_path):
     """Partial blocks at every edge (k/v 64 rows, 320 and 192 columns), down_proj kept in bf16
     (modules_to_not_convert)."""
     out = write_fp8_block_vendor(odd_llama, tmp_path, keep_dense=("down_proj",))
-    assert engine_vs_reference(out, prompts_for(4)) <= REL_TOL
+    assert engine_vs_reference(out, random_prompts(4)) <= REL_TOL
     with pipeline(out / "fp8", EXACT) as pipe:
         assert pipe.engine.spec.quant.fp8_scales == (128, 128)
         dtypes = {role: e.dtype for role, e in pipe.engine.spec.sources.items() if role.endswith("_proj")}
@@ -139,7 +135,7 @@ def test_vendor_fp8_against_transformers(llama, tmp_path):
 
     out = write_fp8_block_vendor(llama, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(str(out / "fp8"), dtype=torch.float32).eval()
-    assert logits_error(out / "fp8", hf, prompts_for(5), EXACT) <= REL_TOL
+    assert logits_error(out / "fp8", hf, random_prompts(5), EXACT) <= REL_TOL
 
 
 # ---- what is refused, naming the field or tensor
@@ -193,21 +189,12 @@ def test_unservable_vendor_fp8_configs(odd_llama, tmp_path, edit, message):
 def test_broken_fp8_tensors_name_the_tensor(odd_llama, tmp_path):
     """A missing scale, a scale of the wrong shape, a NaN or infinite scale, NaN weight codes, E5M2 weights, FP8
     weights without an FP8 config: each refused naming the tensor, nothing served."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     out = write_compressed_tensors_fp8(odd_llama, tmp_path)
     st = out / "fp8" / "model.safetensors"
-    good = load_file(str(st))
     key = "model.layers.0.self_attn.q_proj."
-
-    def broken(**changes):
-        tensors = dict(good)
-        for name, value in changes.items():
-            if value is None:
-                tensors.pop(key + name)
-            else:
-                tensors[key + name] = value
-        save_file(tensors, str(st))
+    good, broken = tensor_rewriter(st, key)
 
     broken(weight_scale=None)
     with pytest.raises(ValueError, match="FP8 layer model.layers.0.self_attn.q_proj has no weight_scale"):

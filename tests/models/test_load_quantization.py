@@ -8,7 +8,6 @@ The engine's logits on the exact path (fp32 compute, fp32 activations) must matc
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -17,7 +16,7 @@ from lmkit import EngineConfig, pipeline
 from tests.factories import ARCH_CASES as CASES
 from tests.factories import build_case, copy_folder, make_tiny_model, without_cache_unless_attention, \
     write_compressed_tensors
-from tests.helpers import logits_error
+from tests.helpers import logits_error, random_prompts
 
 EXACT = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
                      max_batch_size=4, session_len=512, int8_activations=False, quantization="int8")
@@ -46,11 +45,6 @@ def rounded_reference(src, out):
     return without_cache_unless_attention(AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval())
 
 
-def prompts_for(seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size=n).tolist() for n in (1, 11, 45)]
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama")
@@ -70,7 +64,7 @@ def test_projections_rounded_as_q8_0(case, llama, tmp_path, tmp_path_factory):
         build_case(case, src)
     ref = rounded_reference(src, tmp_path / "ref")
     seed = CASES[case].seed if case in CASES else 1
-    assert logits_error(src, ref, prompts_for(seed), EXACT) <= 1e-4
+    assert logits_error(src, ref, random_prompts(seed), EXACT) <= 1e-4
 
 
 def test_int8_activations_and_bytes(llama, tmp_path):
@@ -78,7 +72,7 @@ def test_int8_activations_and_bytes(llama, tmp_path):
     the packed linears take about a quarter of the fp32 ones' bytes."""
     default = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
                            max_batch_size=4, session_len=512, quantization="int8")
-    err = logits_error(llama, rounded_reference(llama, tmp_path / "ref"), prompts_for(2), default, per_row=False)
+    err = logits_error(llama, rounded_reference(llama, tmp_path / "ref"), random_prompts(2), default, per_row=False)
     assert 0 < err <= 3e-2
     sizes = {}
     for quantization in ("none", "int8"):

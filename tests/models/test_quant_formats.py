@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,7 +26,7 @@ from lmkit import EngineConfig, pipeline
 from tests.factories import ARCH_CASES as CASES
 from tests.factories import build_case, linear_keys, without_cache_unless_attention, write_compressed_tensors, \
     write_compressed_tensors_int8, write_gptq
-from tests.helpers import logits_error
+from tests.helpers import logits_error, random_prompts, tensor_rewriter
 
 ct = pytest.importorskip("compressed_tensors")
 
@@ -47,11 +46,6 @@ def engine_vs_reference(out: Path, prompts: list[list[int]], config: EngineConfi
     ref = without_cache_unless_attention(
         AutoModelForCausalLM.from_pretrained(str(out / "ref"), dtype=torch.float32).eval())
     return logits_error(out / "int4", ref, prompts, config, new_tokens, per_row)
-
-
-def prompts_for(seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size=n).tolist() for n in (1, 11, 45)]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +71,7 @@ def test_every_architecture_loads_int4_formats(case, fmt, cases, tmp_path):
         out = write_compressed_tensors(src, tmp_path, group=32, symmetric=False)
     else:
         out = write_gptq(src, tmp_path, group=32, symmetric=False, act_order=True, checkpoint_format="gptq")
-    assert engine_vs_reference(out, prompts_for(CASES[case].seed)) <= REL_TOL
+    assert engine_vs_reference(out, random_prompts(CASES[case].seed)) <= REL_TOL
 
 
 @pytest.fixture(scope="module")
@@ -100,15 +94,15 @@ def test_compressed_tensors_groups_and_symmetry(llama, tmp_path, group, symmetri
     with safe_open(str(out / "int4" / "model.safetensors"), "pt") as f:
         has_zp = any(k.endswith("weight_zero_point") for k in f.keys())
     assert has_zp == (not symmetric)  # symmetric checkpoints carry no zero points: the engine reads zero 8
-    assert engine_vs_reference(out, prompts_for(group)) <= REL_TOL
+    assert engine_vs_reference(out, random_prompts(group)) <= REL_TOL
 
 
 def test_compressed_tensors_fp16_and_fp32_scales(llama, tmp_path):
     out = write_compressed_tensors(llama, tmp_path / "f16", group=64, symmetric=False, scale_dtype=torch.float16)
-    assert engine_vs_reference(out, prompts_for(3)) <= REL_TOL
+    assert engine_vs_reference(out, random_prompts(3)) <= REL_TOL
     # fp32 scales are rounded to fp16 by the packer: within the rounding of the scales (2^-11 relative)
     out = write_compressed_tensors(llama, tmp_path / "f32", group=64, symmetric=False, scale_dtype=torch.float32)
-    assert engine_vs_reference(out, prompts_for(4)) <= 2e-3
+    assert engine_vs_reference(out, random_prompts(4)) <= 2e-3
 
 
 @pytest.mark.parametrize("group, symmetric, act_order, checkpoint_format", [
@@ -118,7 +112,7 @@ def test_compressed_tensors_fp16_and_fp32_scales(llama, tmp_path):
 def test_gptq_layouts(llama, tmp_path, group, symmetric, act_order, checkpoint_format):
     out = write_gptq(llama, tmp_path, group=group, symmetric=symmetric, act_order=act_order,
                      checkpoint_format=checkpoint_format, seed=group)
-    assert engine_vs_reference(out, prompts_for(group + 1)) <= REL_TOL
+    assert engine_vs_reference(out, random_prompts(group + 1)) <= REL_TOL
 
 
 def test_int8_activations_on_int4_formats(llama, tmp_path):
@@ -129,8 +123,8 @@ def test_int8_activations_on_int4_formats(llama, tmp_path):
     ct_out = write_compressed_tensors(llama, tmp_path / "ct", group=128, symmetric=True)
     gptq_out = write_gptq(llama, tmp_path / "gptq", group=128, symmetric=False, act_order=True,
                           checkpoint_format="gptq")
-    assert engine_vs_reference(ct_out, prompts_for(5), default, per_row=False) <= 3e-2
-    assert engine_vs_reference(gptq_out, prompts_for(6), default, per_row=False) <= 3e-2
+    assert engine_vs_reference(ct_out, random_prompts(5), default, per_row=False) <= 3e-2
+    assert engine_vs_reference(gptq_out, random_prompts(6), default, per_row=False) <= 3e-2
 
 
 # ---- checkpoints the engine cannot serve: a clear error naming the field, before any tensor is read
@@ -185,21 +179,10 @@ def test_unservable_compressed_tensors_configs(llama, tmp_path, edit, message):
 def test_broken_int4_tensors_name_the_tensor(llama, tmp_path):
     """A g_idx whose groups are not of group_size inputs, a scale of the wrong shape, a missing scale: each
     refused with the layer and tensor named, and nothing served."""
-    from safetensors.torch import load_file, save_file
-
     out = write_gptq(llama, tmp_path, group=64, symmetric=False, act_order=True, checkpoint_format="gptq")
     st = out / "int4" / "model.safetensors"
-    good = load_file(str(st))
     key = "model.layers.0.self_attn.q_proj."
-
-    def broken(**changes):
-        tensors = dict(good)
-        for name, value in changes.items():
-            if value is None:
-                tensors.pop(key + name)
-            else:
-                tensors[key + name] = value
-        save_file(tensors, str(st))
+    good, broken = tensor_rewriter(st, key)
 
     g_idx = good[key + "g_idx"].clone()
     g_idx[g_idx == 1] = 0  # group 0 gets 128 inputs, group 1 none
@@ -224,7 +207,7 @@ def test_int8_weights_every_family(case, cases, tmp_path):
     if not linear_keys(src, 0):
         pytest.skip(f"{case}: no linear has in_features divisible by 32")
     out = write_compressed_tensors_int8(src, tmp_path)
-    assert engine_vs_reference(out, prompts_for(CASES[case].seed)) <= REL_TOL
+    assert engine_vs_reference(out, random_prompts(CASES[case].seed)) <= REL_TOL
 
 
 @pytest.mark.parametrize("group, scale_dtype, activations, fmt", [
@@ -235,7 +218,7 @@ def test_int8_weights_every_family(case, cases, tmp_path):
 def test_int8_scales_groups_and_formats(llama, tmp_path, group, scale_dtype, activations, fmt):
     out = write_compressed_tensors_int8(llama, tmp_path, group=group, scale_dtype=scale_dtype, activations=activations,
                                         fmt=fmt)
-    assert engine_vs_reference(out, prompts_for(8)) <= REL_TOL
+    assert engine_vs_reference(out, random_prompts(8)) <= REL_TOL
     with pipeline(out / "int4", EXACT) as pipe:
         assert pipe.engine.spec.quant.bits == 8
         assert ("dynamic" in pipe.engine.spec.quant.describe()) == activations
@@ -247,7 +230,7 @@ def test_int8_with_int8_activations(llama, tmp_path):
     out = write_compressed_tensors_int8(llama, tmp_path)
     default = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
                            max_batch_size=4, session_len=512)
-    assert engine_vs_reference(out, prompts_for(9), default, per_row=False) <= 3e-2  # as the int4 formats
+    assert engine_vs_reference(out, random_prompts(9), default, per_row=False) <= 3e-2  # as the int4 formats
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import assert_blocks_free
+from tests.helpers import assert_blocks_free, random_prompts
 from tests.serve.harness import HealthPoller
 
 
@@ -19,10 +19,6 @@ def hf_rows(tiny_llama, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return torch.log_softmax(tiny_llama[1](torch.tensor([ids])).logits[0].double(), dim=-1).numpy()
 
-
-def prompts(seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size=n).tolist() for n in (9, 33)]
 
 
 def check_echo(choice: dict, prompt: list[int], rows: np.ndarray, num_new: int) -> None:
@@ -36,7 +32,7 @@ def check_echo(choice: dict, prompt: list[int], rows: np.ndarray, num_new: int) 
 
 
 def test_echo_logprobs_match_hf(client, tiny_llama, tiny_engine):
-    batch = prompts(1)
+    batch = random_prompts(1, (9, 33))
     r = client.completions.create(model="tiny", prompt=batch, max_tokens=1, logprobs=1, echo=True, temperature=0,
                                   seed=1234)
     for choice in r.choices:
@@ -50,7 +46,7 @@ def test_echo_logprobs_match_hf(client, tiny_llama, tiny_engine):
 
 
 def test_max_tokens_zero_echo_scores_only_the_prompt(api_server, tiny_llama, tiny_engine):
-    prompt = prompts(2)[1]
+    prompt = random_prompts(2, (9, 33))[1]
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 3}
     r = httpx.post(f"{api_server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
@@ -63,7 +59,7 @@ def test_max_tokens_zero_echo_scores_only_the_prompt(api_server, tiny_llama, tin
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_streamed_echo_equals_whole(api_server, n):
-    body = {"model": "tiny", "prompt": prompts(3), "max_tokens": 5, "echo": True, "logprobs": 2, "n": n,
+    body = {"model": "tiny", "prompt": random_prompts(3, (9, 33)), "max_tokens": 5, "echo": True, "logprobs": 2, "n": n,
             "temperature": 0, "ignore_eos": True}
     whole = httpx.post(f"{api_server.url}/v1/completions", json=body, timeout=60).json()
     texts: dict[int, str] = {}
@@ -93,7 +89,7 @@ def test_streamed_echo_equals_whole(api_server, n):
 
 
 def test_vllm_prompt_logprobs_on_completions_and_chat(api_server, tiny_llama, tiny_engine):
-    prompt = prompts(4)[0]
+    prompt = random_prompts(4, (9, 33))[0]
     r = httpx.post(f"{api_server.url}/v1/completions", timeout=60,
                    json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2})
     assert r.status_code == 200, r.text
@@ -141,7 +137,7 @@ def test_prompt_scores_past_the_bound_are_a_400_and_copies_share_one_body(api_se
     bound it answers, every completion carrying the same scores."""
     from lmkit.serve import openai_serving
 
-    prompt = prompts(5)[1]  # 33 tokens
+    prompt = random_prompts(5, (9, 33))[1]  # 33 tokens
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 2, "prompt_logprobs": 1,
             "n": 4}
     scores = 33 * 4 * (3 + 2)
