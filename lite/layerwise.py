@@ -43,7 +43,13 @@ def read_config(folder: Path) -> dict:
                          "safetensors in floating point); give it the model's HF checkpoint instead (lmkit serves "
                          "the GGUF file as it is)")
     try:
-        return json.loads((folder / "config.json").read_text())
+        config = json.loads((folder / "config.json").read_text())
+        if "quantization_config" not in config and (folder / "hf_quant_config.json").is_file():
+            # ModelOpt's older exports declare their quantization there only: an already quantized checkpoint
+            quantization = json.loads((folder / "hf_quant_config.json").read_text()).get("quantization")
+            quantization = quantization if isinstance(quantization, dict) else {}
+            config["quantization_config"] = {"quant_method": "modelopt", **quantization}
+        return config
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{folder}/config.json cannot be read: {e}") from None
 

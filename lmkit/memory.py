@@ -437,6 +437,13 @@ def plan_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, weight_bytes: 
     return replace(pool, num_blocks=pool.cap_blocks, limited_by="max_batch_size x session_len")
 
 
+# the roles EngineConfig.quantization="int8" rounds (csrc/model/model.cpp's pack_linear(..., projection = true)): the
+# attention, MLP and expert projections, per expert or stacked ([E, N, K]; GGUF's *_exps), not the recurrent layers'
+# input projections, routers, gates or per-layer projections
+_ROUNDED_AT_LOAD = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
+                    "gate_up_proj", "out_proj", "gate_exps", "up_exps", "down_exps")
+
+
 def checkpoint_weight_bytes(spec: "ModelSpec", int8_at_load: bool = False) -> int:
     """Bytes of every tensor the engine loads, as stored (what the weights take once packed, within a few
     percent: the CPU backend packs dense layers in their stored dtype and AWQ int4 as int4; FP8 weights are decoded
@@ -444,8 +451,9 @@ def checkpoint_weight_bytes(spec: "ModelSpec", int8_at_load: bool = False) -> in
     fp16: counted twice). ``int8_at_load`` (EngineConfig.quantization="int8"): float projections count as int8 with
     an fp16 scale per 32 values."""
     def packed(role: str, e) -> int:
-        if int8_at_load and "_proj" in role and e.dtype in ("F32", "F16", "BF16") and len(e.shape) == 2:
-            return e.shape[0] * e.shape[1] * 17 // 16
+        if int8_at_load and role.rsplit(".", 1)[-1] in _ROUNDED_AT_LOAD and e.dtype in ("F32", "F16", "BF16") \
+                and len(e.shape) >= 2 and e.shape[-1] % 32 == 0:
+            return e.nbytes // {"F32": 4, "F16": 2, "BF16": 2}[e.dtype] * 17 // 16
         doubled = e.dtype == "F8_E4M3" or (role.endswith(".scales") and f"{role[:-7]}.global_scale" in spec.sources)
         return e.nbytes * (2 if doubled else 1)
 

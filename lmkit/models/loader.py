@@ -262,6 +262,8 @@ def map_tensors(arch: Architecture, tensors: dict[str, TensorEntry], num_layers:
                     sources[f"{r}.global_scale"] = replace(entry, shape=(1,)) if not entry.shape else entry
                     used.add(name)
                 used.update(base + extra for extra in int4.extra_suffixes if base + extra in tensors)
+    if int4 is not None and int4.layout == "nvfp4_modelopt":  # its KV / activation scales, also of layers it excluded
+        used.update(name for name in tensors if name.endswith(tuple("." + s for s in int4.extra_suffixes)))
     unknown = sorted(name for name in tensors if name not in used and not name.endswith(_IGNORED_TENSOR_SUFFIXES)
                      and not name.startswith(arch.unused_tensors or ("\0",)))
     if unknown:

@@ -304,7 +304,7 @@ def _modelopt(qc: dict, where: str) -> WeightQuant:
         raise ValueError(f"{where}.quant_algo={qc.get('quant_algo')!r} is not supported; lmkit serves ModelOpt's "
                          f"{', '.join(_MODELOPT_NVFP4)} checkpoints (FP8 ones: use their compressed-tensors form)")
     group = qc.get("group_size", 16)
-    if int(group) != 16:
+    if not isinstance(group, int) or isinstance(group, bool) or group != 16:
         raise ValueError(f"{where}.group_size={group!r} is not NVFP4's 16")
     return WeightQuant("nvfp4_modelopt", 16, "modelopt", ("weight", None, "weight_scale", None),
                        extra_suffixes=("input_scale", "k_scale", "v_scale"), activations=_MODELOPT_NVFP4[algo],
@@ -331,8 +331,8 @@ def _hf_quant_config(folder: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        quantization = json.loads(path.read_text()).get("quantization")
-    except (json.JSONDecodeError, AttributeError) as e:
+        quantization = json.loads(path.read_text(encoding="utf-8")).get("quantization")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise ValueError(f"{path}: not a ModelOpt quantization file ({e})") from None
     return {"quant_method": "modelopt", **quantization} if isinstance(quantization, dict) else None
 
@@ -342,10 +342,12 @@ def weight_quant(cfg: dict, cfg_path: Path) -> WeightQuant | None:
 
     Raises ValueError naming the field this engine cannot serve.
     """
-    qc = cfg.get("quantization_config") or cfg.get("compression_config") or _hf_quant_config(cfg_path.parent)
+    qc = cfg.get("quantization_config") or cfg.get("compression_config")
+    where = f"{cfg_path}: quantization_config"
+    if not qc:
+        qc, where = _hf_quant_config(cfg_path.parent), f"{cfg_path.parent / 'hf_quant_config.json'}: quantization"
     if not qc:
         return None
-    where = f"{cfg_path}: quantization_config"
     method = str(qc.get("quant_method", "")).lower()
     reader = _READERS.get(method)
     if reader is None:

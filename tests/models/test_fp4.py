@@ -271,13 +271,37 @@ def test_modelopt_nvfp4(llama, tmp_path, in_config):
         assert "fp4 per 16" in quant.describe()
 
 
+def test_modelopt_scales_of_excluded_layers_and_lite(llama, tmp_path):
+    """A ModelOpt folder whose attention stays bf16 but keeps its FP8 KV scales loads (the scales are not applied);
+    lmkit lite refuses a folder whose quantization is declared in hf_quant_config.json only, as quantized."""
+    from safetensors.torch import load_file, save_file
+
+    from lmkit.lite import Fp4Config, quantize_fp4
+
+    out = write_modelopt_nvfp4(llama, tmp_path, in_config=False)
+    st = out / "fp4" / "model.safetensors"
+    tensors = load_file(str(st))
+    base = "model.layers.0.self_attn.k_proj."
+    tensors[base + "weight"] = load_file(str(out / "ref" / "model.safetensors"))[base + "weight"]
+    for name in ("weight_scale", "weight_scale_2", "input_scale"):
+        del tensors[base + name]
+    tensors[base + "k_scale"] = torch.tensor(1.0)
+    save_file(tensors, str(st))
+    assert engine_vs_reference(out, random_prompts(8)) <= REL_TOL
+    with pytest.raises(ValueError, match="already quantized|quantization_config"):
+        quantize_fp4(out / "fp4", Fp4Config(work_dir=tmp_path / "again", device="cpu"))
+
+
 @pytest.mark.parametrize("algo, message", [("FP8", "quant_algo='FP8' is not supported"),
-                                           ("MIXED_PRECISION", "quant_algo='MIXED_PRECISION' is not supported")])
+                                           ("MIXED_PRECISION", "quant_algo='MIXED_PRECISION' is not supported"),
+                                           ("NVFP4-null-group", "group_size=None is not NVFP4's 16")])
 def test_modelopt_algorithms_not_read(llama, tmp_path, algo, message):
     out = write_modelopt_nvfp4(llama, tmp_path)
     path = out / "fp4" / "config.json"
     cfg = json.loads(path.read_text())
-    cfg["quantization_config"]["quant_algo"] = algo
+    cfg["quantization_config"]["quant_algo"] = algo.split("-")[0]
+    if algo.endswith("null-group"):
+        cfg["quantization_config"]["group_size"] = None
     path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=message):
         pipeline(out / "fp4", EXACT)

@@ -34,7 +34,6 @@ EXACT = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, ca
 REL_TOL = 1e-4
 
 
-
 def engine_vs_reference(out: Path, prompts, config: EngineConfig = EXACT) -> float:
     """Largest relative error of the engine's logits on ``out``/fp8 against HF fp32 on ``out``/ref."""
     from transformers import AutoModelForCausalLM

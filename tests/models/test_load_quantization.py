@@ -113,3 +113,24 @@ def test_the_memory_check_counts_int8_projections(llama):
     projections = sum(e.nbytes for role, e in spec.sources.items() if "_proj" in role)
     assert int8 < full and full - int8 == pytest.approx(projections * (1 - 17 / 64), rel=1e-6)
     assert int8 >= packed  # the estimate covers the packed linears (and the rest, as stored)
+
+
+def test_the_memory_check_counts_what_the_engine_rounds():
+    """Stacked experts ([E, N, K]) and GGUF's *_exps count at their int8 size; the recurrent layers' input
+    projections, per-layer projections and routers as stored, as the engine packs them."""
+    from types import SimpleNamespace
+
+    from lmkit.memory import checkpoint_weight_bytes
+    from lmkit.models.safetensors_index import TensorEntry
+
+    def entry(dtype, *shape):
+        return TensorEntry(path="x", offset=0, dtype=dtype, shape=tuple(shape))
+
+    rounded = {"layers.0.q_proj": entry("BF16", 64, 128), "layers.0.experts.gate_up_proj": entry("BF16", 8, 256, 128),
+               "layers.1.experts.down_exps": entry("F16", 8, 128, 128), "layers.0.experts.3.up_proj": entry("F32", 64, 96)}
+    kept = {"layers.2.in_proj_qkv": entry("BF16", 192, 128), "layers.0.per_layer_projection": entry("BF16", 64, 128),
+            "layers.0.router": entry("BF16", 8, 128), "layers.0.q_norm": entry("BF16", 64),
+            "layers.0.o_proj": entry("BF16", 64, 48)}  # 48 inputs: no whole block of 32, stays as stored
+    spec = SimpleNamespace(sources={**rounded, **kept})
+    numel = 64 * 128 + 8 * 256 * 128 + 8 * 128 * 128 + 64 * 96
+    assert checkpoint_weight_bytes(spec, int8_at_load=True) == numel * 17 // 16 + sum(e.nbytes for e in kept.values())

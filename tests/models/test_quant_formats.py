@@ -246,24 +246,17 @@ def test_unservable_int8_configs(llama, tmp_path, edit, message):
 
 
 def test_broken_int8_tensors_name_the_tensor(llama, tmp_path):
-    from safetensors.torch import load_file, save_file
-
     out = write_compressed_tensors_int8(llama, tmp_path)
-    st = out / "int4" / "model.safetensors"
-    good = load_file(str(st))
     key = "model.layers.0.self_attn.q_proj."
-    tensors = dict(good)
-    tensors.pop(key + "weight_scale")
-    save_file(tensors, str(st))
+    good, broken = tensor_rewriter(out / "int4" / "model.safetensors", key)
+    broken(weight_scale=None)
     with pytest.raises(ValueError, match=r"int8 layer model.layers.0.self_attn.q_proj has no weight_scale"):
         pipeline(out / "int4", EXACT)
-    tensors[key + "weight_scale"] = good[key + "weight_scale"][:-1].contiguous()
-    save_file(tensors, str(st))
+    broken(weight_scale=good[key + "weight_scale"][:-1].contiguous())
     with pytest.raises(ValueError, match=r"q_proj: weight_scale has shape \[255, 1\]"):
         pipeline(out / "int4", EXACT)
     bad = good[key + "weight_scale"].clone()
     bad[3] = float("inf")
-    tensors[key + "weight_scale"] = bad
-    save_file(tensors, str(st))
+    broken(weight_scale=bad)
     with pytest.raises(ValueError, match=r"q_proj: weight_scale 3 is not finite"):
         pipeline(out / "int4", EXACT)

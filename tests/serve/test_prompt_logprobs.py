@@ -20,7 +20,6 @@ def hf_rows(tiny_llama, ids: list[int]) -> np.ndarray:
         return torch.log_softmax(tiny_llama[1](torch.tensor([ids])).logits[0].double(), dim=-1).numpy()
 
 
-
 def check_echo(choice: dict, prompt: list[int], rows: np.ndarray, num_new: int) -> None:
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(prompt) + num_new
