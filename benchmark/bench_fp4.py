@@ -7,7 +7,8 @@ Hamlet (lite/kl.py: mean KL, same top token, perplexity).
     python benchmark/bench_fp4.py --model llama-1.2b ...   # make_dummy_model's 1.2B Llama shape, random weights
 
 The forms, each written once into --work-dir by lmkit lite (data-free, round to nearest, so that only the format
-differs): dense (the checkpoint, dtype auto: bf16 compute where the CPU has AVX512_BF16), fp8 (lite fp8,
+differs): dense (the checkpoint, dtype auto: bf16 compute where the CPU has AVX512_BF16), int8 (the dense checkpoint
+with EngineConfig(quantization="int8"): rounded to int8 per 32 as it loads, nothing written), fp8 (lite fp8,
 weight-only: decoded to the compute dtype at load), int4 (lite awq --rtn, group 32: 4.625 bits), nvfp4 and mxfp4
 (lite fp4). The engines run with their defaults (int8 activations on the quantized forms). Rounds are interleaved
 (every form once per round) and the best of --repeats within a round is kept; the table gives the median over
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_prefill import cpu_description, prompt_ids  # noqa: E402
 from summary import append_csv  # noqa: E402
 
-FORMS = ("dense", "fp8", "int4", "nvfp4", "mxfp4")
+FORMS = ("dense", "int8", "fp8", "int4", "nvfp4", "mxfp4")
 
 
 def source_model(name: str, work_dir: Path) -> Path:
@@ -51,7 +52,7 @@ def make_form(form: str, source: Path, work_dir: Path) -> tuple[Path, float]:
     """The folder of ``form`` (written by lmkit lite unless it is there) and the seconds writing it took."""
     from lmkit.lite.export import COMPLETE_MARKER
 
-    if form == "dense":
+    if form in ("dense", "int8"):
         return source, 0.0
     out = work_dir / f"{form}-{source.name}"
     if (out / COMPLETE_MARKER).exists():
@@ -72,11 +73,13 @@ def make_form(form: str, source: Path, work_dir: Path) -> tuple[Path, float]:
     return out, time.perf_counter() - start
 
 
-def bench_form(folder: Path, threads: int, new_tokens: int, prefill_len: int, repeats: int) -> dict:
+def bench_form(folder: Path, threads: int, new_tokens: int, prefill_len: int, repeats: int,
+               quantization: str = "none") -> dict:
     from lmkit import EngineConfig, GenerationConfig, pipeline
 
     config = EngineConfig(device="cpu", num_threads=threads, max_batch_size=4, speculative="off",
-                          session_len=max(2048, prefill_len + 16), cache_max_entry_count=prefill_len // 64 + 64)
+                          session_len=max(2048, prefill_len + 16), cache_max_entry_count=prefill_len // 64 + 64,
+                          quantization=quantization)
     with pipeline(folder, config) as pipe:
         ids = prompt_ids(pipe.tokenizer, prefill_len)
         short = ids[:16]
@@ -95,12 +98,23 @@ def bench_form(folder: Path, threads: int, new_tokens: int, prefill_len: int, re
                 "weight_mib": pipe.engine.linear_weight_bytes / 2**20}
 
 
-def kl_of(dense: Path, folder: Path, max_tokens: int, threads: int) -> dict:
-    from lmkit.lite.config import KlConfig
-    from lmkit.lite.kl import kl_divergence
+def kl_of(dense: Path, folder: Path, max_tokens: int, threads: int, quantization: str = "none") -> dict:
+    """KL of ``folder`` (with ``quantization`` at load) from ``dense``, both in lmkit float32 / dtype auto."""
+    if quantization == "none":
+        from lmkit.lite.config import KlConfig
+        from lmkit.lite.kl import kl_divergence
 
-    r = kl_divergence(dense, folder, KlConfig(max_tokens=max_tokens, dtype="auto", num_threads=threads))
-    return {"mean_kl": r.mean_kl, "same_top1": r.same_top1, "ppl": r.ppl_model, "ppl_dense": r.ppl_reference}
+        r = kl_divergence(dense, folder, KlConfig(max_tokens=max_tokens, dtype="auto", num_threads=threads))
+        return {"mean_kl": r.mean_kl, "same_top1": r.same_top1, "ppl": r.ppl_model, "ppl_dense": r.ppl_reference}
+    from bench_gguf_kl import Tally, lmkit_logits, windows
+
+    wins = windows(dense, max_tokens, 512)
+    tally = Tally()
+    for (_, targets), ref, got in zip(wins, lmkit_logits(dense, wins, threads, 512),
+                                      lmkit_logits(folder, wins, threads, 512, quantization=quantization)):
+        tally.add(ref, got, targets)
+    t = tally.row()
+    return {"mean_kl": t["mean_kl"], "same_top1": t["same_top1"], "ppl": t["ppl"], "ppl_dense": t["ppl_fp"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {form: [] for form in forms}
     for r in range(args.rounds):
         for form in forms:
-            runs[form].append(bench_form(folders[form], args.threads, args.new_tokens, args.prefill, args.repeats))
+            runs[form].append(bench_form(folders[form], args.threads, args.new_tokens, args.prefill, args.repeats,
+                                         "int8" if form == "int8" else "none"))
             print(f"# round {r + 1} {form}: {json.dumps(runs[form][-1])}", flush=True)
-    kl = {form: kl_of(source, folders[form], args.kl_tokens, args.threads) for form in forms if form != "dense"} \
-        if not args.no_kl else {}
+    kl = {form: kl_of(source, folders[form], args.kl_tokens, args.threads, "int8" if form == "int8" else "none")
+          for form in forms if form != "dense"} if not args.no_kl else {}
 
     print(f"\n{cpu_description()}, {args.threads} threads, {source.name}, {date.today()}; median of {args.rounds} "
           f"round(s), best of {args.repeats} each; decode of {args.new_tokens} tokens, TTFT of {args.prefill}")
