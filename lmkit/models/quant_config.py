@@ -1,9 +1,10 @@
 """A checkpoint's ``quantization_config`` -> how its linears' weights are quantized: an int4 layout
-(csrc/model/int4_layouts.h: AutoAWQ GEMM, GPTQ v1/v2, compressed-tensors pack-quantized) and its group size, or
-compressed-tensors int8 (W8A8 / W8A16: int8 ``weight`` and a float ``weight_scale`` per channel or group, read
-by csrc/model/weights.cpp into the int8 kernels' blocks), or FP8 E4M3 (compressed-tensors ``float-quantized`` and the
-vendor ``quant_method: fp8`` with ``weight_scale_inv`` per block: dequantized at load, lmkit/models/fp8.py). Every
-field the engine cannot serve fails here, naming it, before any tensor is read."""
+(csrc/model/int4_layouts.h: AutoAWQ GEMM, GPTQ v1/v2, compressed-tensors pack-quantized; the FP4 ones:
+compressed-tensors nvfp4- / mxfp4-pack-quantized and NVIDIA ModelOpt's NVFP4, also read from hf_quant_config.json)
+and its group size, or compressed-tensors int8 (W8A8 / W8A16: int8 ``weight`` and a float ``weight_scale`` per
+channel or group, read by csrc/model/weights.cpp into the int8 kernels' blocks), or FP8 E4M3 (compressed-tensors
+``float-quantized`` and the vendor ``quant_method: fp8`` with ``weight_scale_inv`` per block: dequantized at load,
+lmkit/models/fp8.py). Every field the engine cannot serve fails here, naming it, before any tensor is read."""
 
 from __future__ import annotations
 
