@@ -76,10 +76,10 @@ class EngineConfig:
     False: fp32 activations, the exact product of the stored weights (2-5x slower prefill)."""
     quantization: Literal["none", "int8"] = "none"
     """Round a float checkpoint's projections to int8 per 32 inputs as it loads (CPU backend). "int8": every
-    attention, MLP and expert projection (llama.cpp's Q8_0 numerics: an fp16 scale max|w| / 127, round half to
-    even), and the lm_head too where int8_activations runs: ~half the bytes of bf16 and the int8 kernels' prefill,
-    for a KL from the float model about Q8_0's (SmolLM2: mean 0.004 on Hamlet). Routers, gates, the embedding and
-    the recurrent layers' input projections stay as stored. "none": the weights as stored. A checkpoint with a
+    attention, MLP, expert and Gated DeltaNet projection (llama.cpp's Q8_0 numerics: an fp16 scale max|w| / 127,
+    round half to even), and the lm_head too where int8_activations runs: ~half the bytes of bf16 and the int8
+    kernels' prefill, for a KL from the float model about Q8_0's (SmolLM2: mean 0.004 on Hamlet). Routers, gates,
+    the embedding and per-layer projections stay as stored. "none": the weights as stored. A checkpoint with a
     quantization_config (int4, int8, FP8, FP4, gpt-oss's MXFP4) is refused; GGUF files: their F16/BF16/F32
     tensors only."""
     awq_int8_activations: bool | None = None

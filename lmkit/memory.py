@@ -438,10 +438,11 @@ def plan_kv_pool(config: "EngineConfig", kv_bytes_per_block: int, weight_bytes: 
 
 
 # the roles EngineConfig.quantization="int8" rounds (csrc/model/model.cpp's pack_linear(..., projection = true)): the
-# attention, MLP and expert projections, per expert or stacked ([E, N, K]; GGUF's *_exps), not the recurrent layers'
-# input projections, routers, gates or per-layer projections
+# attention, MLP and expert projections, per expert or stacked ([E, N, K]; GGUF's *_exps), and the Gated DeltaNet
+# layers' input and output projections; not routers, gates or per-layer projections
 _ROUNDED_AT_LOAD = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
-                    "gate_up_proj", "out_proj", "gate_exps", "up_exps", "down_exps")
+                    "gate_up_proj", "out_proj", "gate_exps", "up_exps", "down_exps", "in_proj_qkv", "in_proj_z",
+                    "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba")
 
 
 def checkpoint_weight_bytes(spec: "ModelSpec", int8_at_load: bool = False) -> int:

@@ -109,8 +109,8 @@ class Backend {
   virtual void prepare(const ModelConfig& /*config*/, const ModelWeights& /*weights*/) {}
   // One linear layer whose output columns are those of parts[0], parts[1], ... (q | k | v, gate | up: one call),
   // with the concatenated biases when given (empty tensors: no bias). Parts may be dense or int4. projection: one
-  // of the model's attention, MLP or expert projections, whose dense parts BackendOptions::int8_weights rounds
-  // (routers, gates and small projections stay as stored).
+  // of the model's attention, MLP, expert or Gated DeltaNet projections, whose dense parts
+  // BackendOptions::int8_weights rounds (routers, gates and per-layer projections stay as stored).
   virtual PackedLinear pack_linear(const std::vector<const LinearTensors*>& parts,
                                    const std::vector<const Tensor*>& biases = {}, bool projection = false) = 0;
   // The lm_head ([vocab, hidden] float, or GGUF blocks); quantized: the model's layers are int4 / int8 (the CPU

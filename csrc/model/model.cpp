@@ -35,7 +35,7 @@ DecoderModel::DecoderModel(const ModelConfig& config, ModelWeights weights, std:
     l.post_mlp_norm = norm(w.post_mlp_norm);
     if (c.is_recurrent_layer(i)) {
       l.is_recurrent = true;
-      l.recurrent_in = b.pack_linear({&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a});
+      l.recurrent_in = b.pack_linear({&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a}, {}, true);
       l.recurrent_out = b.pack_linear({&w.out_proj}, {}, true);
       const int64_t C = c.linear_conv_dim(), K = c.linear_conv_kernel, HV = c.linear_num_value_heads;
       std::vector<float> taps(C * K), rate(HV);  // the convolution tap-major: [K, C]

@@ -21,7 +21,8 @@ from tests.helpers import logits_error, random_prompts
 EXACT = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
                      max_batch_size=4, session_len=512, int8_activations=False, quantization="int8")
 PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "qkv_proj.weight",
-               "gate_proj.weight", "up_proj.weight", "down_proj.weight", "gate_up_proj.weight")
+               "gate_proj.weight", "up_proj.weight", "down_proj.weight", "gate_up_proj.weight", "out_proj.weight",
+               "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
 
 
 def q8_0_rounded(w: torch.Tensor) -> torch.Tensor:
@@ -53,10 +54,11 @@ def llama(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "phi3", "gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "phi3", "gemma3", "qwen3_moe", "qwen3_5"])
 def test_projections_rounded_as_q8_0(case, llama, tmp_path, tmp_path_factory):
     """Biases (Qwen2), fused qkv / gate_up (Phi-3), Gemma's norms, experts one by one beside a router that stays
-    as stored (Qwen3-MoE): the engine against HF fp32 on the rounded projections, 1e-4."""
+    as stored (Qwen3-MoE), Gated DeltaNet projections and a gated q_proj (Qwen3.5): the engine against HF fp32 on
+    the rounded projections, 1e-4."""
     if case == "llama":
         src = llama
     else:
@@ -116,8 +118,8 @@ def test_the_memory_check_counts_int8_projections(llama):
 
 
 def test_the_memory_check_counts_what_the_engine_rounds():
-    """Stacked experts ([E, N, K]) and GGUF's *_exps count at their int8 size; the recurrent layers' input
-    projections, per-layer projections and routers as stored, as the engine packs them."""
+    """Stacked experts ([E, N, K]), GGUF's *_exps and the Gated DeltaNet projections count at their int8 size;
+    per-layer projections, routers and odd-sized projections as stored, as the engine packs them."""
     from types import SimpleNamespace
 
     from lmkit.memory import checkpoint_weight_bytes
@@ -127,10 +129,11 @@ def test_the_memory_check_counts_what_the_engine_rounds():
         return TensorEntry(path="x", offset=0, dtype=dtype, shape=tuple(shape))
 
     rounded = {"layers.0.q_proj": entry("BF16", 64, 128), "layers.0.experts.gate_up_proj": entry("BF16", 8, 256, 128),
-               "layers.1.experts.down_exps": entry("F16", 8, 128, 128), "layers.0.experts.3.up_proj": entry("F32", 64, 96)}
-    kept = {"layers.2.in_proj_qkv": entry("BF16", 192, 128), "layers.0.per_layer_projection": entry("BF16", 64, 128),
+               "layers.1.experts.down_exps": entry("F16", 8, 128, 128),
+               "layers.0.experts.3.up_proj": entry("F32", 64, 96), "layers.2.in_proj_qkv": entry("BF16", 192, 128)}
+    kept = {"layers.0.per_layer_projection": entry("BF16", 64, 128),
             "layers.0.router": entry("BF16", 8, 128), "layers.0.q_norm": entry("BF16", 64),
             "layers.0.o_proj": entry("BF16", 64, 48)}  # 48 inputs: no whole block of 32, stays as stored
     spec = SimpleNamespace(sources={**rounded, **kept})
-    numel = 64 * 128 + 8 * 256 * 128 + 8 * 128 * 128 + 64 * 96
+    numel = 64 * 128 + 8 * 256 * 128 + 8 * 128 * 128 + 64 * 96 + 192 * 128
     assert checkpoint_weight_bytes(spec, int8_at_load=True) == numel * 17 // 16 + sum(e.nbytes for e in kept.values())
