@@ -24,7 +24,7 @@ import torch
 
 from lmkit import EngineConfig, pipeline
 from tests.factories import ARCH_CASES as CASES
-from tests.factories import build_case, fp4_reference, make_tiny_model, without_cache_unless_attention, \
+from tests.factories import build_case, copy_folder, fp4_reference, without_cache_unless_attention, \
     write_compressed_tensors_fp4
 from tests.helpers import logits_error, random_prompts, tensor_rewriter
 
@@ -44,19 +44,10 @@ def engine_vs_reference(out: Path, prompts, config: EngineConfig = EXACT, per_ro
     return logits_error(out / "fp4", ref, prompts, config, per_row=per_row)
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    """A Llama of linears whose inputs are no power of two: hidden 192, intermediate 320, k/v 64 rows."""
-    folder = tmp_path_factory.mktemp("llama")
-    make_tiny_model(folder, "llama", hidden_size=192, intermediate_size=320, num_attention_heads=3,
-                    num_key_value_heads=1)
-    return folder
-
-
 @pytest.mark.parametrize("fmt, activations", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False),
                                                ("mxfp4", True)])
-def test_compressed_tensors_fp4(llama, tmp_path, fmt, activations):
-    out = write_compressed_tensors_fp4(llama, tmp_path, fmt=fmt, activations=activations)
+def test_compressed_tensors_fp4(odd_llama, tmp_path, fmt, activations):
+    out = write_compressed_tensors_fp4(odd_llama, tmp_path, fmt=fmt, activations=activations)
     assert engine_vs_reference(out, random_prompts(1)) <= REL_TOL
     with pipeline(out / "fp4", EXACT) as pipe:
         quant = pipe.engine.spec.quant
@@ -91,19 +82,19 @@ def test_nvfp4_global_scales_apart(case, tmp_path, tmp_path_factory):
     assert engine_vs_reference(out, random_prompts(CASES[case].seed + 1)) <= REL_TOL
 
 
-def test_int8_activations(llama, tmp_path):
+def test_int8_activations(odd_llama, tmp_path):
     """The default int8-activation path on the NVFP4 and MXFP4 tiles: within the bound the int4 formats keep
     (tests/models/test_quant_formats.py: the rounding of activations and of the int8 lm_head)."""
     default = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
                            max_batch_size=4, session_len=512)
     for fmt in ("nvfp4", "mxfp4"):
-        out = write_compressed_tensors_fp4(llama, tmp_path / fmt, fmt=fmt)
+        out = write_compressed_tensors_fp4(odd_llama, tmp_path / fmt, fmt=fmt)
         err = engine_vs_reference(out, random_prompts(2), default, per_row=False)
         assert 0 < err <= 3e-2, (fmt, err)
 
 
 @pytest.mark.parametrize("fmt, bound", [("mxfp4", REL_TOL), ("nvfp4", 2e-2)])
-def test_transformers_loads_the_same_folder(llama, tmp_path, fmt, bound):
+def test_transformers_loads_the_same_folder(odd_llama, tmp_path, fmt, bound):
     """transformers' from_pretrained of the folder on the CPU, decompressed by compressed-tensors (dequantize: its
     compressed forward is for GPUs), is the model the engine runs: exactly for MXFP4 (power-of-two scales), and for
     NVFP4 within the rounding of compressed-tensors' decompression, which divides each E4M3 scale by the global
@@ -111,7 +102,7 @@ def test_transformers_loads_the_same_folder(llama, tmp_path, fmt, bound):
     and fp32 global factor keep them exact, as the 1e-4 bound of test_compressed_tensors_fp4 shows)."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    out = write_compressed_tensors_fp4(llama, tmp_path, fmt=fmt)
+    out = write_compressed_tensors_fp4(odd_llama, tmp_path, fmt=fmt)
     hf = AutoModelForCausalLM.from_pretrained(str(out / "fp4"), dtype=torch.float32,
                                               quantization_config=CompressedTensorsConfig(dequantize=True))
     hf = hf.float().eval()  # compressed-tensors decompresses NVFP4 into bf16 tensors
@@ -127,12 +118,12 @@ def _edit_config(folder: Path, edit) -> None:
     path.write_text(json.dumps(cfg))
 
 
-def test_mxfp4_scales_stored_as_e8m0(llama, tmp_path):
+def test_mxfp4_scales_stored_as_e8m0(odd_llama, tmp_path):
     """MXFP4 scales stored as safetensors F8_E8M0 (torch's float8_e8m0fnu) rather than U8: the same bytes, the same
     model."""
     from safetensors.torch import load_file, save_file
 
-    out = write_compressed_tensors_fp4(llama, tmp_path, fmt="mxfp4")
+    out = write_compressed_tensors_fp4(odd_llama, tmp_path, fmt="mxfp4")
     st = out / "fp4" / "model.safetensors"
     tensors = load_file(str(st))
     save_file({k: v.view(torch.float8_e8m0fnu) if k.endswith("weight_scale") else v for k, v in tensors.items()},
@@ -149,17 +140,17 @@ def test_mxfp4_scales_stored_as_e8m0(llama, tmp_path):
     ("type", "int", "4-bit int is not supported with format 'nvfp4-pack-quantized'"),
     ("symmetric", False, "weights.symmetric=false"),
 ])
-def test_unservable_nvfp4_configs(llama, tmp_path, field, value, message):
-    out = write_compressed_tensors_fp4(llama, tmp_path)
+def test_unservable_nvfp4_configs(odd_llama, tmp_path, field, value, message):
+    out = write_compressed_tensors_fp4(odd_llama, tmp_path)
     _edit_config(out / "fp4", lambda group: group["weights"].update({field: value}))
     with pytest.raises(ValueError, match=message):
         pipeline(out / "fp4", EXACT)
 
 
-def test_broken_nvfp4_tensors_name_the_tensor(llama, tmp_path):
+def test_broken_nvfp4_tensors_name_the_tensor(odd_llama, tmp_path):
     """A missing global scale, a global scale of 0, a NaN block scale, a packed weight of the wrong shape: each
     refused naming the tensor, nothing served."""
-    out = write_compressed_tensors_fp4(llama, tmp_path)
+    out = write_compressed_tensors_fp4(odd_llama, tmp_path)
     st = out / "fp4" / "model.safetensors"
     key = "model.layers.0.self_attn.q_proj."
     good, broken = tensor_rewriter(st, key)
@@ -191,7 +182,7 @@ def write_modelopt_nvfp4(src: Path, out: Path, *, in_config: bool = True) -> Pat
     linear; quantization_config quant_method modelopt, quant_algo NVFP4 in config.json (``in_config``) or, as older
     exports do, only in hf_quant_config.json. ``out``/ref: fp32 weights decoded in float64 with weight_scale_2 as a
     multiplier."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     write_compressed_tensors_fp4(src, out / "ct")
     tensors = load_file(str(out / "ct" / "fp4" / "model.safetensors"))
@@ -210,25 +201,12 @@ def write_modelopt_nvfp4(src: Path, out: Path, *, in_config: bool = True) -> Pat
             modelopt[name] = ref[name] = t
     qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
           "ignore": ["lm_head"], "producer": {"name": "modelopt", "version": "0.37.0"}}
-    folder = out / "fp4"
-    folder.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name != "model.safetensors":
-            (folder / f.name).write_bytes(f.read_bytes())
-    save_file(modelopt, str(folder / "model.safetensors"))
-    cfg = json.loads((folder / "config.json").read_text())
-    if in_config:
-        cfg["quantization_config"] = qc
-    else:
-        (folder / "hf_quant_config.json").write_text(json.dumps(
+    copy_folder(src, out / "fp4", modelopt, qc if in_config else None)
+    if not in_config:
+        (out / "fp4" / "hf_quant_config.json").write_text(json.dumps(
             {"producer": qc["producer"], "quantization": {"quant_algo": "NVFP4", "group_size": 16,
                                                          "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}}))
-    (folder / "config.json").write_text(json.dumps(cfg))
-    (out / "ref").mkdir()
-    for f in src.iterdir():
-        if f.name != "model.safetensors":
-            (out / "ref" / f.name).write_bytes(f.read_bytes())
-    save_file(ref, str(out / "ref" / "model.safetensors"))
+    copy_folder(src, out / "ref", ref, None)
     return out
 
 
@@ -260,10 +238,10 @@ def test_modelopt_layout_is_what_compressed_tensors_converts():
 
 
 @pytest.mark.parametrize("in_config", [True, False])
-def test_modelopt_nvfp4(llama, tmp_path, in_config):
+def test_modelopt_nvfp4(odd_llama, tmp_path, in_config):
     """ModelOpt's NVFP4 (config.json's quantization_config, or only hf_quant_config.json as older exports): the
     engine against HF fp32 on the float64 decoding, 1e-4; its FP4 activations named, not applied."""
-    out = write_modelopt_nvfp4(llama, tmp_path, in_config=in_config)
+    out = write_modelopt_nvfp4(odd_llama, tmp_path, in_config=in_config)
     assert engine_vs_reference(out, random_prompts(7)) <= REL_TOL
     with pipeline(out / "fp4", EXACT) as pipe:
         quant = pipe.engine.spec.quant
@@ -271,14 +249,14 @@ def test_modelopt_nvfp4(llama, tmp_path, in_config):
         assert "fp4 per 16" in quant.describe()
 
 
-def test_modelopt_scales_of_excluded_layers_and_lite(llama, tmp_path):
+def test_modelopt_scales_of_excluded_layers_and_lite(odd_llama, tmp_path):
     """A ModelOpt folder whose attention stays bf16 but keeps its FP8 KV scales loads (the scales are not applied);
     lmkit lite refuses a folder whose quantization is declared in hf_quant_config.json only, as quantized."""
     from safetensors.torch import load_file, save_file
 
     from lmkit.lite import Fp4Config, quantize_fp4
 
-    out = write_modelopt_nvfp4(llama, tmp_path, in_config=False)
+    out = write_modelopt_nvfp4(odd_llama, tmp_path, in_config=False)
     st = out / "fp4" / "model.safetensors"
     tensors = load_file(str(st))
     base = "model.layers.0.self_attn.k_proj."
@@ -295,8 +273,8 @@ def test_modelopt_scales_of_excluded_layers_and_lite(llama, tmp_path):
 @pytest.mark.parametrize("algo, message", [("FP8", "quant_algo='FP8' is not supported"),
                                            ("MIXED_PRECISION", "quant_algo='MIXED_PRECISION' is not supported"),
                                            ("NVFP4-null-group", "group_size=None is not NVFP4's 16")])
-def test_modelopt_algorithms_not_read(llama, tmp_path, algo, message):
-    out = write_modelopt_nvfp4(llama, tmp_path)
+def test_modelopt_algorithms_not_read(odd_llama, tmp_path, algo, message):
+    out = write_modelopt_nvfp4(odd_llama, tmp_path)
     path = out / "fp4" / "config.json"
     cfg = json.loads(path.read_text())
     cfg["quantization_config"]["quant_algo"] = algo.split("-")[0]

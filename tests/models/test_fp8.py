@@ -23,7 +23,7 @@ import torch
 
 from lmkit import EngineConfig, pipeline
 from tests.factories import ARCH_CASES as CASES
-from tests.factories import build_case, linear_keys, make_tiny_model, without_cache_unless_attention, \
+from tests.factories import build_case, linear_keys, without_cache_unless_attention, \
     write_compressed_tensors_fp8, write_fp8_block_vendor
 from tests.helpers import logits_error, random_prompts, tensor_rewriter
 
@@ -41,24 +41,6 @@ def engine_vs_reference(out: Path, prompts, config: EngineConfig = EXACT) -> flo
     ref = without_cache_unless_attention(
         AutoModelForCausalLM.from_pretrained(str(out / "ref"), dtype=torch.float32).eval())
     return logits_error(out / "fp8", ref, prompts, config)
-
-
-@pytest.fixture(scope="module")
-def odd_llama(tmp_path_factory) -> Path:
-    """A Llama whose linears are no whole number of 128x128 blocks: hidden 192, intermediate 320, k/v 64 rows."""
-    folder = tmp_path_factory.mktemp("odd-llama")
-    make_tiny_model(folder, "llama", hidden_size=192, intermediate_size=320, num_attention_heads=3,
-                    num_key_value_heads=1)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    """A Llama of whole 128x128 blocks: hidden 256, intermediate 384."""
-    folder = tmp_path_factory.mktemp("llama")
-    make_tiny_model(folder, "llama", hidden_size=256, intermediate_size=384, num_attention_heads=4,
-                    num_key_value_heads=2)
-    return folder
 
 
 # ---- compressed-tensors FP8 (llm-compressor's FP8_DYNAMIC / FP8 weight-only / FP8_BLOCK)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from lmkit import EngineConfig, pipeline
 from tests.factories import ARCH_CASES as CASES
-from tests.factories import build_case, copy_folder, make_tiny_model, without_cache_unless_attention, \
+from tests.factories import build_case, copy_folder, without_cache_unless_attention, \
     write_compressed_tensors
 from tests.helpers import logits_error, random_prompts
 
@@ -46,21 +46,13 @@ def rounded_reference(src, out):
     return without_cache_unless_attention(AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval())
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama")
-    make_tiny_model(folder, "llama", hidden_size=192, intermediate_size=320, num_attention_heads=3,
-                    num_key_value_heads=1)
-    return folder
-
-
 @pytest.mark.parametrize("case", ["llama", "qwen2", "phi3", "gemma3", "qwen3_moe", "qwen3_5"])
-def test_projections_rounded_as_q8_0(case, llama, tmp_path, tmp_path_factory):
+def test_projections_rounded_as_q8_0(case, odd_llama, tmp_path, tmp_path_factory):
     """Biases (Qwen2), fused qkv / gate_up (Phi-3), Gemma's norms, experts one by one beside a router that stays
     as stored (Qwen3-MoE), Gated DeltaNet projections and a gated q_proj (Qwen3.5): the engine against HF fp32 on
     the rounded projections, 1e-4."""
     if case == "llama":
-        src = llama
+        src = odd_llama
     else:
         src = tmp_path_factory.mktemp(case)
         build_case(case, src)
@@ -69,48 +61,49 @@ def test_projections_rounded_as_q8_0(case, llama, tmp_path, tmp_path_factory):
     assert logits_error(src, ref, random_prompts(seed), EXACT) <= 1e-4
 
 
-def test_int8_activations_and_bytes(llama, tmp_path):
+def test_int8_activations_and_bytes(odd_llama, tmp_path):
     """The default int8 activations (and the lm_head in int8 with them): within the bound the int8 checkpoints keep;
     the packed linears take about a quarter of the fp32 ones' bytes."""
     default = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
                            max_batch_size=4, session_len=512, quantization="int8")
-    err = logits_error(llama, rounded_reference(llama, tmp_path / "ref"), random_prompts(2), default, per_row=False)
+    ref = rounded_reference(odd_llama, tmp_path / "ref")
+    err = logits_error(odd_llama, ref, random_prompts(2), default, per_row=False)
     assert 0 < err <= 3e-2
     sizes = {}
     for quantization in ("none", "int8"):
         config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, session_len=512,
                               quantization=quantization)
-        with pipeline(llama, config) as pipe:
+        with pipeline(odd_llama, config) as pipe:
             sizes[quantization] = pipe.engine.linear_weight_bytes
     assert sizes["int8"] < 0.3 * sizes["none"], sizes
 
 
-def test_what_is_refused(llama, tmp_path):
+def test_what_is_refused(odd_llama, tmp_path):
     """A checkpoint quantized already, a quantization lmkit has no kernels for, and the GPU: refused by name."""
     with pytest.raises(ValueError, match="quantization must be none or int8, got 'int4'"):
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="quantization='int8' runs on the CPU backend"):
         EngineConfig(device="cuda", quantization="int8")
-    out = write_compressed_tensors(llama, tmp_path, group=64, symmetric=True)
+    out = write_compressed_tensors(odd_llama, tmp_path, group=64, symmetric=True)
     with pytest.raises(ValueError, match="is quantized already .*leave quantization='none'"):
         pipeline(out / "int4", EngineConfig(device="cpu", quantization="int8"))
     # a config that declares a quantization lmkit reads per tensor (gpt-oss's MXFP4 experts): refused too
     declared = tmp_path / "declared"
-    copy_folder(llama, declared, load_file(str(llama / "model.safetensors")), {"quant_method": "mxfp4"})
+    copy_folder(odd_llama, declared, load_file(str(odd_llama / "model.safetensors")), {"quant_method": "mxfp4"})
     with pytest.raises(ValueError, match="declares a quantization_config \\(quant_method 'mxfp4'\\)"):
         pipeline(declared, EngineConfig(device="cpu", quantization="int8"))
 
 
-def test_the_memory_check_counts_int8_projections(llama):
+def test_the_memory_check_counts_int8_projections(odd_llama):
     """The check before loading counts the float projections at their int8 size: near what the engine packs."""
     from lmkit.memory import checkpoint_weight_bytes
     from lmkit.models.loader import load_model_spec
 
-    spec = load_model_spec(llama)
+    spec = load_model_spec(odd_llama)
     full, int8 = checkpoint_weight_bytes(spec), checkpoint_weight_bytes(spec, int8_at_load=True)
     config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, session_len=512,
                           int8_activations=False, quantization="int8")
-    with pipeline(llama, config) as pipe:
+    with pipeline(odd_llama, config) as pipe:
         packed = pipe.engine.linear_weight_bytes
     projections = sum(e.nbytes for role, e in spec.sources.items() if "_proj" in role)
     assert int8 < full and full - int8 == pytest.approx(projections * (1 - 17 / 64), rel=1e-6)

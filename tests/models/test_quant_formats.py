@@ -74,17 +74,6 @@ def test_every_architecture_loads_int4_formats(case, fmt, cases, tmp_path):
     assert engine_vs_reference(out, random_prompts(CASES[case].seed)) <= REL_TOL
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> Path:
-    """A Llama whose every linear fits groups of 128: hidden 256, intermediate 384."""
-    from tests.factories import make_tiny_model
-
-    folder = tmp_path_factory.mktemp("llama")
-    make_tiny_model(folder, "llama", hidden_size=256, intermediate_size=384, num_attention_heads=4,
-                    num_key_value_heads=2)
-    return folder
-
-
 @pytest.mark.parametrize("group, symmetric", [(32, True), (64, False), (128, True), (128, False), (0, False)])
 def test_compressed_tensors_groups_and_symmetry(llama, tmp_path, group, symmetric):
     out = write_compressed_tensors(llama, tmp_path, group=group, symmetric=symmetric)
