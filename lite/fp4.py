@@ -24,8 +24,7 @@ import torch
 
 from lmkit.lite.config import Fp4Config
 from lmkit.lite.progress import Reporter
-from lmkit.lite.requirements import require
-from lmkit.lite.rtn import REQUIRED, RtnResult, write_rounded
+from lmkit.lite.rtn import RtnResult, write_rounded
 
 Fp4Result = RtnResult  # what quantize_fp4 did
 PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}  # Fp4Config.format -> compressed-tensors' preset scheme
@@ -106,7 +105,6 @@ def quantize_fp4(model: str | Path | None, config: Fp4Config, reporter: Reporter
     Raises ValueError / FileNotFoundError naming the problem (missing model, unsupported architecture, already
     quantized input, a linear of inputs that are no multiple of 32, work dir).
     """
-    require("fp4", REQUIRED)
     return write_rounded(model, config.work_dir, config.overwrite, config.device, "fp4", config.format,
                          f"{config.format}-pack-quantized",
                          lambda name, local, linears: fp4_linear_tensors(

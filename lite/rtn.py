@@ -38,7 +38,7 @@ class RtnResult:
 
     work_dir: Path
     source: Path
-    scheme: str  # the writer's scheme (Fp8Config.scheme, Fp4Config's format and scheme)
+    scheme: str  # the writer's scheme (Fp8Config.scheme; Fp4Config.format)
     format: str  # the compressed-tensors format written
     num_layers: int
     num_linears: int

@@ -104,8 +104,8 @@ void check_u8(const Tensor& t, const std::vector<int64_t>& shape, const std::str
                   shape_str(t), "; the layer's shape implies ", shape_str(shape));
 }
 
-// compressed-tensors' FP4 layouts (int4_layouts.h): MXFP4 through model/mxfp4.h's reader of HF's layout (the
-// same bytes), NVFP4 here.
+// The FP4 layouts (int4_layouts.h): compressed-tensors' MXFP4 through model/mxfp4.h's reader of HF's layout (the
+// same bytes); compressed-tensors' and ModelOpt's NVFP4 here.
 Int4Source fp4_source(const Int4Tensors& t, int64_t N, int64_t K, int64_t group_size, const std::string& what) {
   const bool modelopt = t.layout == Int4Layout::Nvfp4ModelOpt;
   const bool nv = t.layout == Int4Layout::Nvfp4PackQuantized || modelopt;

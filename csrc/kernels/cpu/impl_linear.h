@@ -1031,11 +1031,12 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
           if constexpr (KIND == I4Tile::Symmetric) memcpy(&init, sx + i * nb + kb, 4);
           acc[i][0] = acc[i][1] = _mm256_set1_epi32(init);
         }
-        // tot[i][8v..8v + 7] += dx * s * the sums (v = h, h + 2), s the fp16 scales at byte `at` of the group
-        auto take_fp16 = [&](int64_t at) {
+        // tot[i][8v..8v + 7] += dx * s_of(v) * the sums (v = h, h + 2), for the kinds whose sums are of the
+        // weights' values (all but Affine); fp16_at(at): the fp16 scales at byte `at` of the group
+        auto take = [&](auto s_of) {
           for (int n = 0; n < 2; ++n) {
             const int v = h + 2 * n;
-            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + at + 16 * v)));
+            const __m256 s = s_of(v);
             for (int i = 0; i < MR; ++i) {
               const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][n], ones));
               _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), dot,
@@ -1043,11 +1044,14 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
             }
           }
         };
+        auto fp16_at = [&](int64_t at) {
+          return [&, at](int v) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + at + 16 * v))); };
+        };
 #pragma GCC unroll 8
         for (int t = 0; t < kQ8Block / 4; ++t) {
           if constexpr (KIND == I4Tile::Nvfp4)
             if (t == kNvfp4Sub / 4) {  // the first block's sums into tot; the second's start at zero
-              take_fp16(0);
+              take(fp16_at(0));
               for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
             }
           if (h == 0) _mm_prefetch((const char*)(quads + t * kI4Quad + span.prefetch), _MM_HINT_T0);
@@ -1076,21 +1080,15 @@ inline void q8_tile_i4(const int8_t* qx, const float* dx, const float* sx, int64
           }
         }
         if constexpr (KIND == I4Tile::Nvfp4) {  // the second block's scales
-          take_fp16(2 * kPanel);
-          continue;
+          take(fp16_at(2 * kPanel));
+        } else if constexpr (KIND == I4Tile::Mxfp4) {
+          take([&](int v) { return vload_exp2(blk + 8 * v).v; });
+        } else if constexpr (KIND == I4Tile::Symmetric) {
+          take(fp16_at(0));
         }
+        if constexpr (KIND != I4Tile::Affine) continue;
         for (int n = 0; n < 2; ++n) {
           const int v = h + 2 * n;  // the 8 columns of this accumulator: 8v..8v+7
-          if constexpr (KIND != I4Tile::Affine) {  // the sums are already of the weights' values
-            const __m256 s = KIND == I4Tile::Mxfp4 ? vload_exp2(blk + 8 * v).v
-                                                   : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v)));
-            for (int i = 0; i < MR; ++i) {
-              const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][n], ones));
-              _mm256_storeu_ps(tot[i] + 8 * v, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx[i * nb + kb]), s), dot,
-                                                               _mm256_loadu_ps(tot[i] + 8 * v)));
-            }
-            continue;
-          }
           __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16 * v))), zs;
           if (head == GroupHead::Zeros) {  // zs: zero * scale, minus the offset, or dmin * m
             zs = _mm256_mul_ps(s, q8_u8x8(blk + 64 + 8 * v));
