@@ -517,24 +517,26 @@ int main(int argc, char** argv) {
     }
     // a lone long decode at Qwen3.5's attention shape (16/4 heads, head_dim 256, blocks of 64): the "flat in the
     // context" figure of a hybrid model hangs on it; KV bytes read per call against the time (GB/s)
-    // (bf16: on AVX512_BF16 dot products, and with them off on fp32 FMAs over converted rows)
-    for (int bits : {16, 8}) {
+    // (bf16: on AVX512_BF16 dot products; int8 / int4: on VNNI dot products; and with those off on fp32 FMAs over
+    // converted rows)
+    for (int bits : {16, 8, 4}) {
       for (int ctx : {1024, 8192, 32768}) {
         if (g_smoke && ctx > 1024) continue;
         const int qh = 16, qkv = 4, qhd = 256;
         const BenchPool pool(bits, qkv, qhd, 64, ctx, true);
         ops::AttnSeq seq{0, 1, ctx, pool.table.data()};
         std::vector<float> q = randn(qh * qhd), out(q.size());
-        for (bool bf16 : {true, false}) {
-          if ((bits != 16 && !bf16) || ops::cpu::use_bf16_attention(bf16) != bf16) continue;
+        for (bool dot : {true, false}) {
+          const bool on = bits == 16 ? ops::cpu::use_bf16_attention(dot) : ops::cpu::use_int8_attention(dot);
+          if (on != dot) continue;
           const double t = time_it([&] { ops::paged_attention(q.data(), pool.kv, &seq, 1, qh, 0.0625f, 0, out.data()); },
                                    ctx > 8192 ? 21 : 101);
           const double bytes = (double)pool.kv.block_bytes() * 2 * ((ctx + 63) / 64);
           std::printf("attention KV %-4s%-9s long decode ctx %5d (16/4 heads, hd 256, bs 64): %9.1f us  %6.1f GB/s\n",
-                      bits == 16 ? "bf16" : "int8", bits != 16 ? "" : bf16 ? " bf16 dot" : " fp32", ctx, t * 1e6,
-                      bytes / t / 1e9);
+                      bits == 16 ? "bf16" : bits == 8 ? "int8" : "int4",
+                      !dot ? " fp32" : bits == 16 ? " bf16 dot" : " vnni", ctx, t * 1e6, bytes / t / 1e9);
         }
-        ops::cpu::use_bf16_attention(true);
+        ops::cpu::use_bf16_attention(true), ops::cpu::use_int8_attention(true);
       }
     }
     // Gemma 2's attention (8/4 heads, head_dim 256): logit soft-capping at 50 against none, fp32 and bf16 KV (bs 64)

@@ -1382,22 +1382,33 @@ void test_log_sum_exp() {
 }
 
 const char* g_attn_path = "f32";  // the path use_attention_path chose last
+// The "int8" path's bound at unit scale: q in 16-bit fixed point (2^-15 of its largest value) moves the scores, and
+// the output rows by up to 1.7e-4 (measured 2026-12-05, the worst row of a case with sinks; 5.4e-5 on a whole case),
+// ~25x below what the pool's own 8-bit rounding does to them
+constexpr double kInt8PathTol = 4e-4;
 
-// The paths of attention over a bf16 pool, chosen for the whole process: "f32" (fp32 FMAs over rows converted
-// from bf16: exact over the pool's values), "bf16" (prefill tasks on AVX512_BF16 dot products), "amx" (every
-// task on AMX tiles where head_dim and block_size_tokens are multiples of 32, else as "bf16"). False (and "f32" set)
-// where this CPU cannot take the path.
+// The paths of attention, chosen for the whole process: "f32" (fp32 FMAs over rows converted from bf16 or widened
+// from int8 / int4 levels: exact over the pool's values), "bf16" (a bf16 pool's prefill and decode tasks on
+// AVX512_BF16 dot products), "amx" (a bf16 pool's every task on AMX tiles where head_dim and block_size_tokens are
+// multiples of 32, else as "bf16"), "int8" (an int8 / int4 pool's decode tasks on VNNI integer dot products). False
+// (and "f32" set) where this CPU cannot take the path.
 bool use_attention_path(const char* path) {
   g_attn_path = path;
-  const bool want_amx = std::strcmp(path, "amx") == 0, want_bf16 = std::strcmp(path, "f32") != 0;
+  const bool want_amx = std::strcmp(path, "amx") == 0, want_int8 = std::strcmp(path, "int8") == 0;
+  const bool want_bf16 = want_amx || std::strcmp(path, "bf16") == 0;
   const bool amx = ops::cpu::use_amx(want_amx) && ops::bf16_amx_available();
-  const bool bf16 = ops::cpu::use_bf16_attention(want_bf16);
-  if ((want_amx && !amx) || (want_bf16 && !bf16)) {
-    ops::cpu::use_amx(false), ops::cpu::use_bf16_attention(false);
+  const bool bf16 = ops::cpu::use_bf16_attention(want_bf16), int8 = ops::cpu::use_int8_attention(want_int8);
+  if ((want_amx && !amx) || (want_bf16 && !bf16) || (want_int8 && !int8)) {
+    ops::cpu::use_amx(false), ops::cpu::use_bf16_attention(false), ops::cpu::use_int8_attention(false);
     g_attn_path = "f32";
     return false;
   }
   return true;
+}
+
+// Every attention path back to its default (on where the CPU has it).
+void default_attention_paths() {
+  ops::cpu::use_amx(true), ops::cpu::use_bf16_attention(true), ops::cpu::use_int8_attention(true);
 }
 
 // A pool with several sequences written through kv_write at shuffled blocks; everything else NaN.
@@ -1548,20 +1559,23 @@ bool path_rounds(const char* path, int heads, int kv_heads, int hd, int bs, cons
 template <class Cases>
 void on_every_pool_and_path(Cases&& cases) {
   for (int bits : {32, 16, 8, 4})
-    for (const char* path : {"f32", "bf16", "amx"}) {
-      if ((bits != 16 && std::strcmp(path, "f32") != 0) || !use_attention_path(path)) continue;
+    for (const char* path : {"f32", "bf16", "amx", "int8"}) {
+      const bool f32 = std::strcmp(path, "f32") == 0, int8 = std::strcmp(path, "int8") == 0;
+      if ((bits == 32 && !f32) || (bits == 16 && int8) || (bits <= 8 && !f32 && !int8) || !use_attention_path(path))
+        continue;
       for (int bs : {16, 32}) {
         auto run = [&](int heads, int kv_heads, int hd, int window, const std::vector<std::pair<int, int>>& q_ctx,
                        float q_scale, float cap, bool sinks) {
           const bool rounds = bits == 16 && path_rounds(path, heads, kv_heads, hd, bs, q_ctx);
-          const double tol = rounds ? 5e-3 : 1e-5, row_tol = rounds ? 5e-3 : 1e-5 * std::max(1.0f, q_scale / 4);
+          const double unit = int8 ? kInt8PathTol : 1e-5;  // both grow with the scores' scale
+          const double tol = rounds ? 5e-3 : unit, row_tol = rounds ? 5e-3 : unit * std::max(1.0f, q_scale / 4);
           test_attention_case(heads, kv_heads, hd, bs, window, q_ctx, bits, tol,
                               AttnCheck{row_tol, q_scale, rounds, cap, sinks});
         };
         cases(run);
       }
     }
-  ops::cpu::use_amx(true), ops::cpu::use_bf16_attention(true);
+  default_attention_paths();
 }
 
 // Gemma 2's logit soft-capping (cap 50 at head_dim 256, also cap 5) and sliding windows whose dead blocks are
@@ -1658,18 +1672,29 @@ void test_kv_write_half_edges() {
 
 void test_attention(int threads) {
   // quantized pools: kv_write byte-exact with the reference quantizer, attention against a float64
-  // reference over the dequantized values (prefill, decode, split decode, odd block sizes, windows)
-  for (int bits : {8, 4}) {
-    test_attention_case(9, 3, 64, 16, 0, {{1, 1}}, bits);
-    test_attention_case(9, 3, 64, 7, 0, {{1, 45}, {13, 13}, {5, 100}, {1, 7}, {33, 70}}, bits);
-    test_attention_case(9, 3, 64, 5, 17, {{1, 45}, {40, 40}, {6, 51}}, bits);
-    test_attention_case(4, 2, 80, 6, 0, {{2, 50}, {1, 33}, {2, 2}}, bits);
-    test_attention_case(8, 1, 72, 12, 4, {{30, 30}, {1, 99}}, bits);
-    test_attention_case(2, 1, 256, 16, 0, {{20, 20}, {1, 40}}, bits);
-    test_attention_case(4, 1, 512, 16, 0, {{20, 20}, {1, 300}}, bits);  // Gemma 4's global layers
-    test_attention_case(6, 2, 24, 1, 0, {{10, 10}, {2, 37}}, bits);
-    test_attention_case(9, 3, 64, 16, 0, {{1, 700}}, bits);
+  // reference over the dequantized values (prefill, decode, split decode, odd block sizes, windows), on fp32 FMAs
+  // and on VNNI dot products (decode tasks; its fixed points at 2^-16 of the largest value)
+  for (const char* path : {"f32", "int8"}) {
+    if (!use_attention_path(path)) {
+      std::printf("skip [%s] attention over an int8 / int4 pool on the %s path: not on this CPU\n", g_isa, path);
+      continue;
+    }
+    const double tol = std::strcmp(path, "f32") == 0 ? 1e-5 : kInt8PathTol;
+    for (int bits : {8, 4}) {
+      test_attention_case(9, 3, 64, 16, 0, {{1, 1}}, bits, tol);
+      test_attention_case(9, 3, 64, 7, 0, {{1, 45}, {13, 13}, {5, 100}, {1, 7}, {33, 70}}, bits, tol);
+      test_attention_case(9, 3, 64, 5, 17, {{1, 45}, {40, 40}, {6, 51}}, bits, tol);
+      test_attention_case(4, 2, 80, 6, 0, {{2, 50}, {1, 33}, {2, 2}}, bits, tol);
+      test_attention_case(8, 1, 72, 12, 4, {{30, 30}, {1, 99}}, bits, tol);
+      test_attention_case(2, 1, 256, 16, 0, {{20, 20}, {1, 40}}, bits, tol);
+      test_attention_case(4, 1, 512, 16, 0, {{20, 20}, {1, 300}}, bits, tol);  // Gemma 4's global layers
+      test_attention_case(16, 4, 256, 64, 0, {{1, 900}, {2, 77}, {1, 3}}, bits, tol);  // Qwen3.5's shape
+      test_attention_case(8, 2, 128, 16, 9, {{1, 70}, {1, 3}}, bits, tol);
+      test_attention_case(6, 2, 24, 1, 0, {{10, 10}, {2, 37}}, bits, tol);
+      test_attention_case(9, 3, 64, 16, 0, {{1, 700}}, bits, tol);
+    }
   }
+  default_attention_paths();
   // bf16 pools (V stored by token pairs, so even block sizes): kv_write byte-exact with the reference's
   // rounding, attention against the float64 reference over the bf16 values; prefill, decode, split decode.
   // With AMX (head_dim and block_size_tokens multiples of 32), every task (16 rows: decode steps and prefill) runs on
@@ -1728,7 +1753,7 @@ void test_attention(int threads) {
     }
     ops::set_num_threads(threads);
   }
-  ops::cpu::use_amx(true), ops::cpu::use_bf16_attention(true);
+  default_attention_paths();
   // decode steps, prefill chunks and mixed batches; block sizes not powers of two; ctx not a multiple
   test_attention_case(9, 3, 64, 16, 0, {{1, 1}});
   test_attention_case(9, 3, 64, 16, 0, {{1, 512}});

@@ -202,6 +202,7 @@ const KernelTable* amx_int8_table() {
 }
 std::atomic<bool> g_amx_enabled{true};
 std::atomic<bool> g_bf16_attention_enabled{true};
+std::atomic<bool> g_int8_attention_enabled{true};
 }  // namespace
 
 const KernelTable* amx_table_in_use() {
@@ -214,6 +215,19 @@ const KernelTable* amx_int8_table_in_use() {
 bool use_bf16_attention(bool enabled) {
   g_bf16_attention_enabled.store(enabled, std::memory_order_relaxed);
   return enabled && bf16_table() != nullptr && bf16_table()->paged_attention_bf16 != nullptr;
+}
+
+// The table with the VNNI attention kernel over int8 / int4 pools: the active one when it is the avx512 table and
+// the CPU has VNNI (an AVX2 cap or force_isa("avx2") runs the fp32 kernel), else nullptr.
+const KernelTable* int8_attention_table() {
+  static const bool has_vnni = can_run("avx512vnni");
+  const KernelTable& t = active();
+  return has_vnni && t.paged_attention_q8 != nullptr && std::strcmp(t.name, "avx512") == 0 ? &t : nullptr;
+}
+
+bool use_int8_attention(bool enabled) {
+  g_int8_attention_enabled.store(enabled, std::memory_order_relaxed);
+  return enabled && int8_attention_table() != nullptr;
 }
 
 bool use_amx(bool enabled) {
@@ -374,7 +388,12 @@ void paged_attention(const float* q, const KVLayer& kv, const AttnSeq* seqs, int
       tiles_fit && cpu::g_amx_enabled.load(std::memory_order_relaxed) ? cpu::amx_table() : nullptr;
   const cpu::KernelTable* bf16 =
       kv.bits == 16 && cpu::g_bf16_attention_enabled.load(std::memory_order_relaxed) ? cpu::bf16_table() : nullptr;
-  if (amx != nullptr && amx->paged_attention_amx != nullptr)
+  const cpu::KernelTable* int8 = kv.bits <= 8 && cpu::g_int8_attention_enabled.load(std::memory_order_relaxed)
+                                     ? cpu::int8_attention_table()
+                                     : nullptr;
+  if (int8 != nullptr)
+    int8->paged_attention_q8(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap, sinks);
+  else if (amx != nullptr && amx->paged_attention_amx != nullptr)
     amx->paged_attention_amx(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap, sinks);
   else if (bf16 != nullptr && bf16->paged_attention_bf16 != nullptr)
     bf16->paged_attention_bf16(q, kv, seqs, num_seqs, num_heads, scale, sliding_window, out, logit_softcap, sinks);

@@ -15,6 +15,7 @@ namespace {
 #include "kernels/cpu/impl_attention.h"
 #include "kernels/cpu/impl_attention_bf16.h"
 #include "kernels/cpu/impl_attention_amx.h"
+#include "kernels/cpu/impl_attention_q8.h"
 #include "kernels/cpu/impl_recurrent.h"
 }  // namespace
 }  // namespace LMKIT_ISA
@@ -27,15 +28,16 @@ namespace {
 #if defined(__AVX512F__) && defined(LMKIT_HAVE_AMX)
 #define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16, &LMKIT_ISA::linear_bf16_amx
 #define LMKIT_ISA_Q8_AMX &LMKIT_ISA::linear_int4_amx
-#define LMKIT_ISA_ATTN_BF16 &LMKIT_ISA::paged_attention_bf16, &LMKIT_ISA::paged_attention_amx
+#define LMKIT_ISA_ATTN_EXT \
+  &LMKIT_ISA::paged_attention_bf16, &LMKIT_ISA::paged_attention_amx, &LMKIT_ISA::paged_attention_q8
 #elif defined(__AVX512F__)
 #define LMKIT_ISA_BF16 &LMKIT_ISA::linear_bf16, nullptr
 #define LMKIT_ISA_Q8_AMX nullptr
-#define LMKIT_ISA_ATTN_BF16 &LMKIT_ISA::paged_attention_bf16, nullptr
+#define LMKIT_ISA_ATTN_EXT &LMKIT_ISA::paged_attention_bf16, nullptr, &LMKIT_ISA::paged_attention_q8
 #else
 #define LMKIT_ISA_BF16 nullptr, nullptr
 #define LMKIT_ISA_Q8_AMX nullptr
-#define LMKIT_ISA_ATTN_BF16 nullptr, nullptr
+#define LMKIT_ISA_ATTN_EXT nullptr, nullptr, nullptr
 #endif
 
 const KernelTable* LMKIT_ISA_TABLE() {
@@ -45,7 +47,7 @@ const KernelTable* LMKIT_ISA_TABLE() {
       &LMKIT_ISA::rope,
       &LMKIT_ISA::silu_mul,   &LMKIT_ISA::gelu_tanh_mul, &LMKIT_ISA::clamped_swiglu_mul, &LMKIT_ISA::softcap, &LMKIT_ISA::scale,
       &LMKIT_ISA::log_sum_exp, &LMKIT_ISA::kv_write,
-      &LMKIT_ISA::paged_attention, &LMKIT_ISA::causal_conv1d, &LMKIT_ISA::gated_delta_rule, LMKIT_ISA_ATTN_BF16,
+      &LMKIT_ISA::paged_attention, &LMKIT_ISA::causal_conv1d, &LMKIT_ISA::gated_delta_rule, LMKIT_ISA_ATTN_EXT,
   };
   return &table;
 }

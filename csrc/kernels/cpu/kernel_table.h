@@ -85,6 +85,11 @@ struct KernelTable {
   void (*paged_attention_amx)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
                               int32_t num_heads, float scale, int32_t sliding_window, float* out,
                               float logit_softcap, const float* sinks);
+  // paged_attention over an int8 / int4 pool (bits 8, 4) with decode tasks on VNNI integer dot products; nullptr
+  // where this build has none; dispatch.cpp calls it only where the CPU has AVX512-VNNI and this table is active
+  void (*paged_attention_q8)(const float* q, const KVLayer& kv, const AttnSeq* seqs, int32_t num_seqs,
+                             int32_t num_heads, float scale, int32_t sliding_window, float* out,
+                             float logit_softcap, const float* sinks);
 };
 
 // Tables of the instruction sets compiled into this build (isa_*.cpp). Call only when the CPU has the ISA.
@@ -105,11 +110,16 @@ bool use_amx(bool enabled);
 // take them (default: yes, where the CPU has them; else fp32 FMAs over converted rows); returns whether they
 // will. For tests and benchmarks.
 bool use_bf16_attention(bool enabled);
+// Whether decode tasks of attention over an int8 / int4 KV cache may use VNNI integer dot products (default: yes,
+// where the CPU has them and the avx512 table is active; else fp32 FMAs over widened levels); returns whether they
+// will. For tests and benchmarks.
+bool use_int8_attention(bool enabled);
 
 // dispatch.cpp's choices of table, for the ops:: entry points defined in other files (linear_formats.cpp).
 const KernelTable& active();              // the table of this CPU (or the one force_isa chose)
 const KernelTable* q8_table();            // int8-activation kernels (AVX2, or AVX-512 with VNNI), else nullptr
 const KernelTable* bf16_table();          // bf16 dot-product kernels (AVX512_BF16), else nullptr
+const KernelTable* int8_attention_table();  // VNNI attention over int8 / int4 pools (avx512 active), else nullptr
 const KernelTable* amx_table_in_use();    // AMX tiles for bf16 linear layers, when allowed (use_amx), else nullptr
 const KernelTable* amx_int8_table_in_use();  // AMX tiles for int4 x int8 linear layers, when allowed, else nullptr
 // Throws naming op and what unless w is a non-empty F32/F16/BF16 tensor on the CPU.
