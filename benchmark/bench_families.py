@@ -240,7 +240,10 @@ def run_contexts(path: Path, contexts: list[int], threads: int, quant_policy: in
                         raise RuntimeError(f"a prompt of {n} tokens: {r.error}")
                     stamps.extend([time.perf_counter()] * len(r.token_ids))
                 speeds[n].append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-    return {str(n): statistics.median(v) for n, v in speeds.items()}
+    # each round's last / first as well: the lengths of one round run seconds apart, in one of this VM's speed
+    # modes, where the medians of rounds can mix modes
+    ratios = [speeds[contexts[-1]][i] / speeds[contexts[0]][i] for i in range(rounds)]
+    return {**{str(n): statistics.median(v) for n, v in speeds.items()}, "ratios": ratios}
 
 
 def worker_main(args) -> int:
@@ -307,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{shape['name']} shape, {args.layers} of {shape['layers']} layers; {cpu_description()}; {args.threads} "
               f"threads; {kv}; lmkit batch-1 decode tok/s (32 tokens) after a prompt of N tokens, median of "
               f"{args.rounds} rounds")
-        print("| file | " + " | ".join(args.contexts.split(",")) + " | last / first |\n|---|" +
-              "---:|" * (len(args.contexts.split(",")) + 1))
+        print("| file | " + " | ".join(args.contexts.split(",")) + " | last / first | rounds' last / first |\n|---|" +
+              "---:|" * (len(args.contexts.split(",")) + 1) + "---|")
         for label, f in files.items():
             r = run_worker("contexts", f, w, args.threads, "--contexts", args.contexts, "--quant-policy",
                            str(args.quant_policy), "--rounds", str(args.rounds))
@@ -316,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {label} | error: {r['error']} |")
                 continue
             speeds = [r[c] for c in args.contexts.split(",")]
-            print(f"| {label} | " + " | ".join(f"{x:.1f}" for x in speeds) + f" | {speeds[-1] / speeds[0]:.2f}x |")
+            rounds = ", ".join(f"{x:.2f}x" for x in r["ratios"])
+            print(f"| {label} | " + " | ".join(f"{x:.1f}" for x in speeds) + f" | {speeds[-1] / speeds[0]:.2f}x | "
+                  f"{rounds} (median {statistics.median(r['ratios']):.2f}x) |")
         return 0
     import importlib.util
 
