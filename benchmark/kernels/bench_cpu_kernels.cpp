@@ -584,16 +584,22 @@ int main(int argc, char** argv) {
         for (int i = 0; i < streams; ++i)
           seqs[i] = ops::AttnSeq{i, 1, ctx, pools[0]->table.data() + (int64_t)i * (ctx / bs)};
         std::vector<float> q = randn((int64_t)streams * heads * hd), out(q.size());
-        int layer = 0;
-        const double t = time_it([&] {
-          const BenchPool& p = *pools[layer++ % layers];
-          for (int i = 0; i < streams; ++i) seqs[i].block_table = p.table.data() + (int64_t)i * (ctx / bs);
-          ops::paged_attention(q.data(), p.kv, seqs.data(), streams, heads, 0.125f, 0, out.data());
-        }, 41);
-        const double bytes = (double)streams * ctx * kv_heads * 2 * pools[0]->kv.row_bytes();
-        std::printf("attention KV %-4s decode 16 streams x ctx %4d, own KV (9/3 heads, hd 64, bs 64): %8.1f us  "
-                    "%5.1f GB/s of KV rows\n", bits == 32 ? "fp32" : bits == 16 ? "bf16" : bits == 8 ? "int8" : "int4",
-                    ctx, t * 1e6, bytes / t / 1e9);
+        // int8 / int4: on VNNI dot products where the CPU has them (int4 needs head_dim % 128: not here), then fp32
+        for (bool dot : {true, false}) {
+          if (bits > 8 && !dot) continue;
+          if (bits <= 8 && ops::cpu::use_int8_attention(dot) != dot) continue;
+          int layer = 0;
+          const double t = time_it([&] {
+            const BenchPool& p = *pools[layer++ % layers];
+            for (int i = 0; i < streams; ++i) seqs[i].block_table = p.table.data() + (int64_t)i * (ctx / bs);
+            ops::paged_attention(q.data(), p.kv, seqs.data(), streams, heads, 0.125f, 0, out.data());
+          }, 41);
+          const double bytes = (double)streams * ctx * kv_heads * 2 * pools[0]->kv.row_bytes();
+          std::printf("attention KV %-4s%-5s decode 16 streams x ctx %4d, own KV (9/3 heads, hd 64, bs 64): %8.1f us  "
+                      "%5.1f GB/s of KV rows\n", bits == 32 ? "fp32" : bits == 16 ? "bf16" : bits == 8 ? "int8" : "int4",
+                      bits > 8 ? "" : dot ? " vnni" : " fp32", ctx, t * 1e6, bytes / t / 1e9);
+        }
+        ops::cpu::use_int8_attention(true);
       }
     }
   }
