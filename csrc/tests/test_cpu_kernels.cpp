@@ -1382,10 +1382,19 @@ void test_log_sum_exp() {
 }
 
 const char* g_attn_path = "f32";  // the path use_attention_path chose last
-// The "int8" path's bound at unit scale: q in 16-bit fixed point (2^-15 of its largest value) moves the scores, and
-// the output rows by up to 1.7e-4 (measured 2026-12-05, the worst row of a case with sinks; 5.4e-5 on a whole case),
-// ~25x below what the pool's own 8-bit rounding does to them
+// The "int8" path's bound at unit scale: q in 16-bit fixed point (steps of 2^-15 of its largest value) moves the
+// scores, and the output rows by up to 1.7e-4 (measured 2026-12-05, the worst row of a case with sinks; 5.4e-5 on a
+// whole case), ~25x below what the pool's own 8-bit rounding does to them
 constexpr double kInt8PathTol = 4e-4;
+
+// Whether the "int8" path's VNNI kernel takes some task of this case: a decode-shaped one (at most 4 rows: query
+// positions x the group's heads) with more than one key over a pool whose head_dim it takes.
+bool int8_path_runs(int bits, int heads, int kv_heads, int hd, const std::vector<std::pair<int, int>>& q_ctx) {
+  if (bits > 8 || hd % (bits == 8 ? 64 : 128) != 0) return false;
+  for (auto& [ql, cl] : q_ctx)
+    if (ql > 0 && ql * (heads / kv_heads) <= 4 && cl > 1) return true;
+  return false;
+}
 
 // The paths of attention, chosen for the whole process: "f32" (fp32 FMAs over rows converted from bf16 or widened
 // from int8 / int4 levels: exact over the pool's values), "bf16" (a bf16 pool's prefill and decode tasks on
@@ -1411,20 +1420,21 @@ void default_attention_paths() {
   ops::cpu::use_amx(true), ops::cpu::use_bf16_attention(true), ops::cpu::use_int8_attention(true);
 }
 
-// A pool with several sequences written through kv_write at shuffled blocks; everything else NaN.
-// bits 32: fp32 pool, 16: bf16, 8 / 4: quantized (poison: all bytes 0xff, so an unwritten row's fp16
-// scale, or bf16 value, is NaN). With a sliding window, the blocks no query's window reaches are then freed
-// as the engine will: their table entries set to -1 and their contents poisoned again.
-// Attention options: the bound per output row (each row one head of one query), the scale of q (the scores'
-// scale), whether a path rounding the softmax weights to bf16 should have run (AMX tiles, or AVX512_BF16 dot
-// products: path_rounds; then the result must differ from the fp32 path's, which rounds nothing: proof
-// that the rounding path was taken), and the logit soft-cap (then the result must also be far from the
-// uncapped attention: proof that the case exercises the cap), and attention sinks (a random logit per head, some
-// above the scores, some below; then the result must be far from the sinkless one).
+// A pool with several sequences written through kv_write at shuffled blocks; everything else NaN. bits 32: fp32
+// pool, 16: bf16, 8 / 4: quantized (poison: all bytes 0xff, so an unwritten row's fp16 scale, or bf16 value, is
+// NaN). With a sliding window, the blocks no query's window reaches are then freed as the engine will: their table
+// entries set to -1 and their contents poisoned again.
+// Attention options: the bound per output row (each row one head of one query), the scale of q (the scores' scale),
+// whether a path other than fp32 should have run (one rounding the softmax weights to bf16: AMX tiles, or
+// AVX512_BF16 dot products, path_rounds; or the int8 path's fixed points, int8_path_runs; then the result must
+// differ from the fp32 path's, which rounds nothing: proof that the other path was taken), and the logit soft-cap
+// (then the result must also be far from the uncapped attention: proof that the case exercises the cap), and
+// attention sinks (a random logit per head, some above the scores, some below; then the result must be far from the
+// sinkless one).
 struct AttnCheck {
   double row_tol = 0;
   float q_scale = 1.0f;
-  bool tiles = false;
+  bool other_path = false;
   float softcap = 0.0f;
   bool sinks = false;
 };
@@ -1529,14 +1539,16 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
     std::snprintf(buf, sizeof(buf), " (worst row %.3g)", worst);
     expect(worst <= check.row_tol, "paged_attention per row, q x " + std::to_string(check.q_scale) + " " + full_name + buf);
   }
-  if (check.tiles) {
+  if (check.other_path) {
     std::vector<float> exact(out.size(), NAN);
     const char* path = g_attn_path;
     use_attention_path("f32");
     ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, exact.data(),
                          check.softcap, sinks);
     use_attention_path(path);
-    expect(rel_err(out, exact) > 1e-6, "paged_attention " + full_name + ": the bf16 path ran (result differs from fp32)");
+    const double moved = std::strcmp(path, "int8") == 0 ? 1e-7 : 1e-6;
+    expect(rel_err(out, exact) > moved,
+           "paged_attention " + full_name + ": the " + path + " path ran (result differs from fp32)");
   }
 }
 
@@ -1567,10 +1579,11 @@ void on_every_pool_and_path(Cases&& cases) {
         auto run = [&](int heads, int kv_heads, int hd, int window, const std::vector<std::pair<int, int>>& q_ctx,
                        float q_scale, float cap, bool sinks) {
           const bool rounds = bits == 16 && path_rounds(path, heads, kv_heads, hd, bs, q_ctx);
-          const double unit = int8 ? kInt8PathTol : 1e-5;  // both grow with the scores' scale
+          const double unit = int8 ? kInt8PathTol : 1e-5;  // a row's bound grows with the scores' scale
           const double tol = rounds ? 5e-3 : unit, row_tol = rounds ? 5e-3 : unit * std::max(1.0f, q_scale / 4);
+          const bool other = rounds || (int8 && int8_path_runs(bits, heads, kv_heads, hd, q_ctx));
           test_attention_case(heads, kv_heads, hd, bs, window, q_ctx, bits, tol,
-                              AttnCheck{row_tol, q_scale, rounds, cap, sinks});
+                              AttnCheck{row_tol, q_scale, other, cap, sinks});
         };
         cases(run);
       }
@@ -1679,19 +1692,27 @@ void test_attention(int threads) {
       std::printf("skip [%s] attention over an int8 / int4 pool on the %s path: not on this CPU\n", g_isa, path);
       continue;
     }
-    const double tol = std::strcmp(path, "f32") == 0 ? 1e-5 : kInt8PathTol;
+    const bool int8 = std::strcmp(path, "int8") == 0;
+    const double tol = int8 ? kInt8PathTol : 1e-5;
     for (int bits : {8, 4}) {
-      test_attention_case(9, 3, 64, 16, 0, {{1, 1}}, bits, tol);
-      test_attention_case(9, 3, 64, 7, 0, {{1, 45}, {13, 13}, {5, 100}, {1, 7}, {33, 70}}, bits, tol);
-      test_attention_case(9, 3, 64, 5, 17, {{1, 45}, {40, 40}, {6, 51}}, bits, tol);
-      test_attention_case(4, 2, 80, 6, 0, {{2, 50}, {1, 33}, {2, 2}}, bits, tol);
-      test_attention_case(8, 1, 72, 12, 4, {{30, 30}, {1, 99}}, bits, tol);
-      test_attention_case(2, 1, 256, 16, 0, {{20, 20}, {1, 40}}, bits, tol);
-      test_attention_case(4, 1, 512, 16, 0, {{20, 20}, {1, 300}}, bits, tol);  // Gemma 4's global layers
-      test_attention_case(16, 4, 256, 64, 0, {{1, 900}, {2, 77}, {1, 3}}, bits, tol);  // Qwen3.5's shape
-      test_attention_case(8, 2, 128, 16, 9, {{1, 70}, {1, 3}}, bits, tol);
-      test_attention_case(6, 2, 24, 1, 0, {{10, 10}, {2, 37}}, bits, tol);
-      test_attention_case(9, 3, 64, 16, 0, {{1, 700}}, bits, tol);
+      auto run = [&](int heads, int kv_heads, int hd, int bs, int window,
+                     const std::vector<std::pair<int, int>>& q_ctx) {
+        const bool vnni = int8 && int8_path_runs(bits, heads, kv_heads, hd, q_ctx);  // then it must differ from fp32
+        test_attention_case(heads, kv_heads, hd, bs, window, q_ctx, bits, tol, AttnCheck{0, 1.0f, vnni});
+      };
+      run(9, 3, 64, 16, 0, {{1, 1}});
+      run(9, 3, 64, 7, 0, {{1, 45}, {13, 13}, {5, 100}, {1, 7}, {33, 70}});
+      run(9, 3, 64, 5, 17, {{1, 45}, {40, 40}, {6, 51}});
+      run(4, 2, 80, 6, 0, {{2, 50}, {1, 33}, {2, 2}});
+      run(8, 1, 72, 12, 4, {{30, 30}, {1, 99}});
+      run(2, 1, 256, 16, 0, {{20, 20}, {1, 40}});
+      run(4, 1, 512, 16, 0, {{20, 20}, {1, 300}});  // Gemma 4's global layers
+      run(16, 4, 256, 64, 0, {{1, 900}, {2, 77}, {1, 3}});  // Qwen3.5's shape
+      run(8, 2, 128, 16, 9, {{1, 70}, {1, 3}});
+      run(4, 4, 128, 16, 0, {{1, 300}, {1, 2}});    // one row a task
+      run(6, 2, 128, 32, 40, {{1, 300}, {1, 9}});   // three rows a task, windowed
+      run(6, 2, 24, 1, 0, {{10, 10}, {2, 37}});
+      run(9, 3, 64, 16, 0, {{1, 700}});
     }
   }
   default_attention_paths();

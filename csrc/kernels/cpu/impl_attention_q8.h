@@ -19,20 +19,24 @@
 // ~2e-4 of the exact attention over the pool's dequantized values (the fp32 path's ~1e-6; the pool's own rounding
 // moves it by ~4e-3). Needs head_dim % 64 == 0 (Bits 8) or % 128 == 0 (Bits 4: a byte holds d in its low nibble and
 // d + head_dim / 2 in its high one); DotDecode takes the others, and a task whose query is not finite (its fixed
-// point has no scale). Batch-invariant as attend_task_dot: a row's fixed points and steps depend on its own q and
-// keys only, so a verification row of speculative decoding scores as its decode step would.
+// point has no scale; its task-mates with it, so a non-finite row moves its group's rows onto that path). Batch-
+// invariant as attend_task_dot: a row's fixed points depend on its own q and keys, and the 32-key steps start at the
+// task's first key (its first row's window start, or its split's begin), so a one-position task (a decode step, and
+// each of speculative decoding's verification rows, which the dispatch gives tasks of their own) scores the same
+// whatever the batch around it.
 #if defined(__AVX512F__)
 constexpr int kQ8QMax = 32512;  // 127 x 256: qh in [-127, 127]
 constexpr int kQ8WMax = 65280;  // 255 x 256: wh in [0, 255]
 constexpr int kQ8PrefetchKeys = 64;  // a block of the engine's default size
 constexpr int kQ8StepKeys = 32;      // keys an online-softmax step: two vectors of scores, one fixed point of w
+constexpr float kQ8Tiny = 1e-30f;    // a fixed point's largest value below this: all zeros (its inverse overflows)
 
 // Finite x[0:hd] (hd % 16 == 0) -> qh, ql (int8) with x ~= a (256 qh + ql), ql in [-128, 127]; returns a.
 LMKIT_VNNI inline float q8_fixed16(const float* x, int hd, int8_t* qh, int8_t* ql) {
   __m512 m = _mm512_setzero_ps();
   for (int d = 0; d < hd; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + d)));
   const float amax = _mm512_reduce_max_ps(m);
-  const float a = amax > 0.0f ? amax / (float)kQ8QMax : 1.0f;
+  const float a = amax > kQ8Tiny ? amax / (float)kQ8QMax : 1.0f;  // a tinier row: Q = 0 (1 / a would overflow)
   const __m512 inv = _mm512_set1_ps(1.0f / a);
   const __m512i top = _mm512_set1_epi32(kQ8QMax), bottom = _mm512_set1_epi32(-kQ8QMax);
   for (int d = 0; d < hd; d += 16) {
@@ -193,11 +197,12 @@ LMKIT_VNNI void attend_task_dot_q8(const float* q, const KVLayer& kv, const Attn
       const V m = vset1(rows.m[r]), p0 = vexp(s[r][0] - m), p1 = vexp(s[r][1] - m);
       vstore(lsum + r * kW, l + p0 + p1);
       vstore(zl + r * kW, vfma(p1, vzero1, vfma(p0, vzero0, z)));
-      // w = p s in 16-bit fixed point, b = max w / kQ8WMax (0: no weight in this step)
+      // w = p s in 16-bit fixed point, b = max w / kQ8WMax (0: no weight in this step, or under kQ8Tiny of the
+      // running max's 1); V's scales are >= 0 (kv_write's (max - min) / levels)
       const V w0 = p0 * vscale0, w1 = p1 * vscale1;
       const float wmax = vhmax(vmax(w0, w1));
-      wb[r] = wmax > 0.0f ? wmax / (float)kQ8WMax : 0.0f;
-      const V inv = vset1(wmax > 0.0f ? 1.0f / wb[r] : 0.0f);
+      wb[r] = wmax > kQ8Tiny ? wmax / (float)kQ8WMax : 0.0f;
+      const V inv = vset1(wmax > kQ8Tiny ? 1.0f / wb[r] : 0.0f);
       for (int hv = 0; hv < 2; ++hv) {
         const __m512i W = _mm512_min_epi32(
             _mm512_max_epi32(_mm512_cvtps_epi32(((hv ? w1 : w0) * inv).v), _mm512_setzero_si512()),
@@ -228,8 +233,9 @@ LMKIT_VNNI void attend_task_dot_q8(const float* q, const KVLayer& kv, const Attn
           __m512i x[2 * NH];
           for (int h = 0; h < NH; ++h) q8_interleave(v, h0 + h, x[2 * h], x[2 * h + 1]);
           for (int r = 0; r < G; ++r) {
-            const __m512i bh = _mm512_set1_epi32(*(const int32_t*)(wh + r * KC + 4 * g));
-            const __m512i bl = _mm512_set1_epi32(*(const int32_t*)(wl + r * KC + 4 * g));
+            int32_t h4, l4;  // the 4 keys' parts as one 32-bit word
+            memcpy(&h4, wh + r * KC + 4 * g, 4), memcpy(&l4, wl + r * KC + 4 * g, 4);
+            const __m512i bh = _mm512_set1_epi32(h4), bl = _mm512_set1_epi32(l4);
             for (int u = 0; u < 2 * NH; ++u)
               sh[r][u] = _mm512_dpbusd_epi32(sh[r][u], bh, x[u]), sl[r][u] = _mm512_dpbusd_epi32(sl[r][u], bl, x[u]);
           }
