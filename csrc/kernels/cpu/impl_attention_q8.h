@@ -31,10 +31,17 @@ constexpr int kQ8PrefetchKeys = 64;  // a block of the engine's default size
 constexpr int kQ8StepKeys = 32;      // keys an online-softmax step: two vectors of scores, one fixed point of w
 constexpr float kQ8Tiny = 1e-30f;    // a fixed point's largest value below this: all zeros (its inverse overflows)
 
-// Finite x[0:hd] (hd % 16 == 0) -> qh, ql (int8) with x ~= a (256 qh + ql), ql in [-128, 127]; returns a.
+// x[0:hd] (hd % 16 == 0) -> qh, ql (int8) with x ~= a (256 qh + ql), ql in [-128, 127]; returns a, or 0 (qh, ql
+// unwritten) where x is not finite.
 LMKIT_VNNI inline float q8_fixed16(const float* x, int hd, int8_t* qh, int8_t* ql) {
   __m512 m = _mm512_setzero_ps();
-  for (int d = 0; d < hd; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + d)));
+  __mmask16 bad = 0;
+  for (int d = 0; d < hd; d += 16) {
+    const __m512 v = _mm512_loadu_ps(x + d);
+    bad |= _mm512_fpclass_ps_mask(v, 0x99);  // NaN, +-inf
+    m = _mm512_max_ps(m, _mm512_abs_ps(v));
+  }
+  if (bad) return 0.0f;
   const float amax = _mm512_reduce_max_ps(m);
   const float a = amax > kQ8Tiny ? amax / (float)kQ8QMax : 1.0f;  // a tinier row: Q = 0 (1 / a would overflow)
   const __m512 inv = _mm512_set1_ps(1.0f / a);
@@ -87,8 +94,11 @@ LMKIT_VNNI void attend_task_dot_q8(const float* q, const KVLayer& kv, const Attn
   alignas(64) uint16_t ks[KC], kz[KC], vs[KC], vz[KC];  // the step's (scale, zero) pairs, fp16
   float qa[G], qsum[G], wb[G];
   DecodeRows<G> rows(q, seq, kvh, group, num_heads, hd, rho0, window, sinks, out, split_begin, split_end);
+  for (int r = 0; r < G; ++r)  // a row that is not finite: the task on the fp32 kernel (its fixed point has no scale)
+    if ((qa[r] = q8_fixed16(rows.q[r], hd, qh + r * hd, ql + r * hd)) == 0.0f)
+      return attend_task_dot_quant<G, Capped, Bits>(q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks,
+                                                    window, out, split_begin, split_end, partial);
   for (int r = 0; r < G; ++r) {
-    qa[r] = q8_fixed16(rows.q[r], hd, qh + r * hd, ql + r * hd);
     V sum = vzero();
     for (int d = 0; d < hd; d += kW) sum = sum + vload(rows.q[r] + d), vstore(obuf + r * hd + d, vzero());
     qsum[r] = vsum(sum);
@@ -270,8 +280,8 @@ struct RowsOf {  // a task's row count as a type (no standard library in an ISA 
   static constexpr int kRows = G;
 };
 
-// Decode-shaped tasks of an int8 / int4 pool on VNNI (head_dim % 64, or % 128 for int4; others on DotDecode), as a
-// policy of paged_attention_with.
+// Decode-shaped tasks of an int8 / int4 pool on VNNI (head_dim % 64, or % 128 for int4; others on DotDecode, and
+// tasks with a query row that is not finite on attend_task_dot_quant), as a policy of paged_attention_with.
 struct Q8Decode {
   static constexpr int kMaxRows = 4;
   static constexpr bool kEveryTask = false;
@@ -282,7 +292,7 @@ struct Q8Decode {
                              float* out, int64_t split_begin = 0, int64_t split_end = INT64_MAX,
                              float* partial = nullptr) {
     const bool fits = (kv.bits == 8 && kv.head_dim % 64 == 0) || (kv.bits == 4 && kv.head_dim % 128 == 0);
-    if (fits && finite_rows(rows, q, seq, kvh, group, num_heads, kv.head_dim, rho0)) {
+    if (fits) {
       if (softcap > 0.0f) return run<true>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks,
                                            window, out, split_begin, split_end, partial);
       return run<false>(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out,
@@ -290,17 +300,6 @@ struct Q8Decode {
     }
     DotDecode()(rows, q, kv, seq, kvh, group, num_heads, rho0, scale, softcap, sinks, window, out, split_begin,
                 split_end, partial);
-  }
-  // Whether the task's query rows are finite (q8_fixed16 has a scale for them); hd % 16 == 0.
-  static bool finite_rows(int rows, const float* q, const AttnSeq& seq, int kvh, int group, int num_heads, int hd,
-                          int64_t rho0) {
-    __mmask16 bad = 0;
-    for (int r = 0; r < rows; ++r) {
-      const int64_t rho = rho0 + r, head = (int64_t)kvh * group + rho % group, row = seq.q_row + rho / group;
-      const float* x = q + (row * num_heads + head) * hd;
-      for (int d = 0; d < hd; d += 16) bad |= _mm512_fpclass_ps_mask(_mm512_loadu_ps(x + d), 0x99);  // NaN, +-inf
-    }
-    return bad == 0;
   }
   template <bool Capped>
   LMKIT_VNNI static void run(int rows, const float* q, const KVLayer& kv, const AttnSeq& seq, int kvh, int group,
