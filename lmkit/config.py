@@ -114,17 +114,22 @@ class EngineConfig:
     cuda_graphs: bool = True
     """CUDA backend: replay decode steps (every row one token, up to 256 rows) as CUDA graphs, one launch
     instead of hundreds. False: launch every kernel, every step."""
-    speculative: Literal["auto", "ngram", "suffix", "mtp", "off"] = "auto"
+    speculative: Literal["auto", "ngram", "suffix", "mtp", "draft", "off"] = "auto"
     """Speculative decoding: drafts verified in one step. ngram: drafts from the request's prediction and its own
     prompt and output (the last tokens looked up where they occurred before); suffix: also from recently finished
     answers (what a request is proposed then depends on what ran before it); mtp: one draft a step from the model's
     multi-token-prediction head (Qwen3.5/3.6, Qwen3-Next ship one; its layer's K/V take one more layer of the KV
-    pool), and the request's prediction where it gives one; off, and auto for now: one token a
+    pool), and the request's prediction where it gives one; draft: drafts decoded greedily by draft_model, a smaller
+    model with the same tokenizer (and the request's prediction where it gives one); off, and auto for now: one token a
     step (auto turns ngram on once its speed-ups hold in every run: docs/configuration.md). Greedy and seeded
     output is the same token for token as without it (not yet on CPUs with AMX tiles), sampled output keeps its
     distribution; each proposer's drafts follow its acceptance and what a step's rows cost. Hybrids (Qwen3.5,
     Qwen3-Next) roll their recurrent state back to per-draft checkpoints, and a grammar's drafts are sampled
     under its mask after the drafts before them (docs/configuration.md, "Speculative decoding")."""
+    draft_model: str | os.PathLike | None = None
+    """speculative='draft': the draft model (a folder, a .gguf file, a hub id or a bundled name as for the model; an
+    attention-only model whose tokenizer is the model's), run by the same engine with a KV pool of its own (as many
+    blocks as the model's, counted in the memory budget). Given with speculative='auto', it means 'draft'."""
     num_speculative_tokens: int = 8
     """Draft tokens one request carries into a step at most (speculative decoding)."""
     speculative_adaptive: bool = True
@@ -170,11 +175,22 @@ class EngineConfig:
               "(lmkit lite awq) or leave quantization='none'")
         check(self.kv_policy is None or isinstance(self.kv_policy, (str, os.PathLike)),
               f"kv_policy must be a path to a kv_policy.json file, got {self.kv_policy!r}")
-        check(self.speculative in ("auto", "ngram", "suffix", "mtp", "off"),
-              f"speculative must be auto, ngram, suffix, mtp or off, got {self.speculative!r}")
+        check(self.speculative in ("auto", "ngram", "suffix", "mtp", "draft", "off"),
+              f"speculative must be auto, ngram, suffix, mtp, draft or off, got {self.speculative!r}")
+        check(self.draft_model is None or (isinstance(self.draft_model, (str, os.PathLike))
+                                           and str(self.draft_model) != ""),
+              f"draft_model must be a model (a path, a hub id or a bundled name), got {self.draft_model!r}")
+        if self.draft_model is not None and self.speculative == "auto":
+            object.__setattr__(self, "speculative", "draft")
+        check(self.speculative != "draft" or self.draft_model is not None,
+              "speculative='draft' needs draft_model: a smaller model with the same tokenizer (e.g. "
+              "draft_model='Qwen/Qwen3-0.6B' for a Qwen3 model)")
+        check(self.draft_model is None or self.speculative == "draft",
+              f"draft_model is given but speculative={self.speculative!r}: use speculative='draft' (or leave it "
+              "auto) to draft with it, or leave draft_model out")
         check(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 64,
               f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}")
-        check(not (self.device == "cuda" and self.speculative in ("ngram", "suffix", "mtp")),
+        check(not (self.device == "cuda" and self.speculative in ("ngram", "suffix", "mtp", "draft")),
               f"speculative={self.speculative!r} runs on the CPU backend; the CUDA backend does not verify draft "
               "tokens yet: use speculative='auto' or 'off' with device='cuda'")
         check(self.kv_cache_dir is None or (isinstance(self.kv_cache_dir, (str, os.PathLike))
@@ -269,6 +285,7 @@ class EngineConfig:
         c.speculative.adaptive = bool(self.speculative_adaptive)
         c.speculative.answer_store_tokens = SUFFIX_STORE_TOKENS if self.speculative == "suffix" else 0
         c.speculative.mtp = self.speculative == "mtp"
+        c.speculative.draft_model = speculative and self.speculative == "draft"
         if self.kv_cache_dir is not None:
             c.kv_cache_dir = os.path.abspath(os.fspath(self.kv_cache_dir))
             c.kv_cache_disk_bytes = int(self.kv_cache_disk_gib * 2**30)

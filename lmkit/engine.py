@@ -215,10 +215,12 @@ class Engine:
                                  f"mtp_num_hidden_layers > 0 and its mtp.* tensors: Qwen3.5/3.6, Qwen3-Next); "
                                  f"{self.spec.architecture.name} here has none: use speculative='ngram'")
             log.info("speculative decoding: the model's MTP head, one draft token a request and step")
-        elif self.speculative:
+        elif self.speculative and self.config.speculative != "draft":
             log.info("speculative decoding: n-gram and answer lookup, up to %d draft tokens a request",
                      self.config.num_speculative_tokens)
-        sizing = reserve_kv_pool(self.config, self.spec, self.speculative) if self.device == "cpu" else nullcontext()
+        draft = self._draft_model() if self.speculative and self.config.speculative == "draft" else None
+        sizing = reserve_kv_pool(self.config, self.spec, self.speculative, draft[0] if draft else None) \
+            if self.device == "cpu" else nullcontext()
         # FP8 weights: decoded once into the dense dtype the backend computes in (lmkit/models/fp8.py)
         dense = "BF16" if self.device != "cpu" or self.config.resolved_dtype("cpu") == "bfloat16" else "F32"
         quant = self.spec.quant
@@ -230,12 +232,15 @@ class Engine:
             log.info("KV disk store: %s, up to %g GiB", self.config.kv_cache_dir, self.config.kv_cache_disk_gib)
         with fp8 as sources, sizing as sizer:  # decoded before the runtime folder's lock is taken
             size_pools = sizer if sizer is not None else CudaPoolSizer(self.config)
+            session_len = self.config.session_len or self.spec.max_position_embeddings
             self._cpp = _engine.Engine(
                 self.config.to_engine_config(self.device, kv_layer_bits, self.cpu_binding, n, self.spec.num_layers,
                                              self.speculative, identity),
-                self.spec.to_engine_config(session_len=self.config.session_len or self.spec.max_position_embeddings),
+                self.spec.to_engine_config(session_len=session_len),
                 sources,
                 self.spec.eos_token_ids, size_pools=size_pools,
+                draft_model=draft[0].to_engine_config(session_len=session_len) if draft else None,
+                draft_sources=draft[1] if draft else None,
             )
         if self._cpp.mtp_num_layers:
             n_mtp = self._cpp.mtp_num_layers
@@ -244,6 +249,23 @@ class Engine:
             log.info("MTP head: %d layer%s loaded, %.1f MiB (%s)", n_mtp, "s" * (n_mtp > 1),
                      self._cpp.mtp_weight_bytes / 2**20, use)
         return sizer
+
+    def _draft_model(self) -> tuple[ModelSpec, dict]:
+        """speculative='draft': the draft model's spec and weight sources, checked against the model's tokenizer."""
+        path = resolve_model(self.config.draft_model)
+        spec = load_model_spec(path)
+        if spec.quant is not None and spec.quant.layout == "fp8":
+            raise ValueError(f"the draft model {path} has FP8 weights, which a draft model cannot load yet: draft "
+                             "with a bf16, AWQ/GPTQ int4 or GGUF model")
+        mine, theirs = self.tokenizer.vocab(), Tokenizer(path).vocab()
+        if mine != theirs:
+            differ = sum(1 for text, i in mine.items() if theirs.get(text) != i) + len(theirs.keys() - mine.keys())
+            raise ValueError(f"the draft model {path} has another tokenizer than {self.model_path} ({differ} of "
+                             f"{len(mine)} tokens differ in id or are missing): speculative='draft' needs a draft "
+                             "model with the same tokenizer (the same family's smaller model)")
+        log.info("speculative decoding: draft model %s (%s, %d layers), up to %d draft tokens a request", path,
+                 spec.architecture.name, spec.num_layers, self.config.num_speculative_tokens)
+        return spec, {role: entry.as_source() for role, entry in spec.sources.items()}
 
     @classmethod
     def live_engines(cls) -> list["Engine"]:

@@ -490,20 +490,24 @@ class PoolSizer:
 
 
 @contextmanager
-def reserve_kv_pool(config: "EngineConfig", spec: "ModelSpec", speculative: bool = False) -> Iterator[PoolSizer]:
-    """For a CPU engine created inside the block (``speculative``: it verifies drafts): holds the runtime folder's
-    lock, yields the sizer to hand to lmkit._engine.Engine, then records the engine's reservation
-    (``sizer.reservation``; the caller removes it when the engine closes) and logs the start-up line. A block that
-    raises records nothing."""
+def reserve_kv_pool(config: "EngineConfig", spec: "ModelSpec", speculative: bool = False,
+                    draft: "ModelSpec | None" = None) -> Iterator[PoolSizer]:
+    """For a CPU engine created inside the block (``speculative``: it verifies drafts; ``draft``: its draft model's
+    spec, whose weights count with the model's): holds the runtime folder's lock, yields the sizer to hand to
+    lmkit._engine.Engine, then records the engine's reservation (``sizer.reservation``; the caller removes it when
+    the engine closes) and logs the start-up line. A block that raises records nothing."""
     limit = memory_limit()
-    need = checkpoint_weight_bytes(spec, int8_at_load=config.quantization == "int8")
+    models = (spec,) if draft is None else (spec, draft)
+    need = sum(checkpoint_weight_bytes(m, int8_at_load=config.quantization == "int8") for m in models)
     if need > limit.total_bytes:  # before anything is packed or mapped in: the OOM killer would answer otherwise
-        raise ValueError(f"{spec.path}: its weights take {format_bytes(need)} once loaded, more than the "
+        with_draft = f" with the draft model {draft.path}" if draft is not None else ""
+        raise ValueError(f"{spec.path}{with_draft}: its weights take {format_bytes(need)} once loaded, more than the "
                          f"{format_bytes(limit.total_bytes)} this process may use ({limit.source}); use a quantized "
                          "checkpoint (lmkit lite awq) or a machine with more memory")
     reservations = Reservations(env.runtime_dir())
     with reservations.lock():
-        sizer = PoolSizer(config, unpacked_weight_bytes(spec), tuple(reservations.live()), limit, speculative)
+        sizer = PoolSizer(config, sum(unpacked_weight_bytes(m) for m in models), tuple(reservations.live()), limit,
+                          speculative)
         yield sizer
         if sizer.kv_pool is None:
             raise RuntimeError("the engine was created without calling its KV pool sizer")

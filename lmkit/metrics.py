@@ -122,7 +122,7 @@ class EngineMetrics:
         return cls(**{n: getattr(m, n) for n in names}, **sources, ttft_s=ttft, inter_token_s=itl)
 
 
-DRAFT_SOURCES = ("prediction", "ngram", "suffix", "mtp")
+DRAFT_SOURCES = ("prediction", "ngram", "suffix", "mtp", "draft")
 """The engine's draft proposers, in its order (engine/speculative.h, DraftSource): the request's predicted output,
-n-gram lookup in the request's own tokens, and in the store of recently finished answers (suffix), and the model's
-multi-token-prediction head (mtp)."""
+n-gram lookup in the request's own tokens, and in the store of recently finished answers (suffix), the model's
+multi-token-prediction head (mtp) and a draft model (draft)."""

@@ -80,6 +80,10 @@ class Tokenizer:
         """Base vocabulary plus added tokens (``len()`` of transformers' tokenizer)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        """Token text -> id, added tokens included."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self._chat_template)

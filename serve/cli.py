@@ -63,6 +63,7 @@ KV_CACHE_DISK_GIB = typer.Option(EngineConfig.__dataclass_fields__["kv_cache_dis
                                  help=_E["kv_cache_disk_gib"])
 SPECULATIVE = typer.Option("auto", help=_E["speculative"])
 NUM_SPECULATIVE_TOKENS = typer.Option(8, help=_E["num_speculative_tokens"])
+DRAFT_MODEL = typer.Option(None, help=_E["draft_model"], show_default=False)
 CHAT_TEMPLATE = typer.Option(None, help="A Jinja chat template file replacing the tokenizer's.")
 AUTO_TOOL_CHOICE = typer.Option(False, "--enable-auto-tool-choice",
                                 help="Accepted for vLLM's command lines: tool_choice auto is always on.")
@@ -101,7 +102,8 @@ def engine_config(device: str, max_batch_size: int, session_len: Optional[int], 
                   kv_policy: Optional[Path], enable_prefix_caching: bool, num_threads: Optional[int],
                   dtype: str = "auto", cpu_binding: str = "auto", speculative: str = "auto",
                   num_speculative_tokens: int = 8, decode_slowdown: float = 1.75, kv_cache_dir: Optional[Path] = None,
-                  kv_cache_disk_gib: Optional[float] = None, quantization: str = "none") -> EngineConfig:
+                  kv_cache_disk_gib: Optional[float] = None, quantization: str = "none",
+                  draft_model: Optional[str] = None) -> EngineConfig:
     store = {} if kv_cache_dir is None else {"kv_cache_dir": str(kv_cache_dir)}
     if kv_cache_disk_gib is not None:
         store["kv_cache_disk_gib"] = kv_cache_disk_gib
@@ -111,7 +113,8 @@ def engine_config(device: str, max_batch_size: int, session_len: Optional[int], 
                         kv_policy=str(kv_policy) if kv_policy is not None else None,
                         enable_prefix_caching=enable_prefix_caching, num_threads=num_threads,
                         cpu_binding=cpu_binding, speculative=speculative,
-                        num_speculative_tokens=num_speculative_tokens, decode_slowdown=decode_slowdown,
+                        num_speculative_tokens=num_speculative_tokens, draft_model=draft_model,
+                        decode_slowdown=decode_slowdown,
                         quantization=quantization, **store)
 
 
@@ -182,6 +185,7 @@ def api_server(
     kv_cache_disk_gib: float = KV_CACHE_DISK_GIB,
     speculative: str = SPECULATIVE,
     num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
+    draft_model: Optional[str] = DRAFT_MODEL,
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
     cpu_binding: str = typer.Option("auto", help=_E["cpu_binding"]),
 ) -> None:
@@ -192,7 +196,7 @@ def api_server(
     config = engine_config(device, max_batch_size, session_len, cache_block_seq_len, cache_max_entry_count,
                            max_prefill_token_num, quant_policy, kv_policy, enable_prefix_caching, num_threads, dtype,
                            cpu_binding, speculative, num_speculative_tokens, decode_slowdown, kv_cache_dir,
-                           kv_cache_disk_gib, quantization)
+                           kv_cache_disk_gib, quantization, draft_model)
     template = None
     if chat_template is not None:
         if not chat_template.is_file():
@@ -318,6 +322,7 @@ def ray(
     kv_cache_disk_gib: float = KV_CACHE_DISK_GIB,
     speculative: str = SPECULATIVE,
     num_speculative_tokens: int = NUM_SPECULATIVE_TOKENS,
+    draft_model: Optional[str] = DRAFT_MODEL,
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"] + " On Ray: default "
                                                                                 "--num-cpus-per-replica."),
 ) -> None:
@@ -335,7 +340,7 @@ def ray(
                            max_prefill_token_num, quant_policy, None, enable_prefix_caching, num_threads, dtype,
                            speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                            decode_slowdown=decode_slowdown, kv_cache_dir=kv_cache_dir,
-                           kv_cache_disk_gib=kv_cache_disk_gib, quantization=quantization)
+                           kv_cache_disk_gib=kv_cache_disk_gib, quantization=quantization, draft_model=draft_model)
     template = None
     if chat_template is not None:
         if not chat_template.is_file():
@@ -371,6 +376,7 @@ def chat(
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
     dtype: str = typer.Option(EngineConfig.dtype, help=_E["dtype"]),
     speculative: str = SPECULATIVE,
+    draft_model: Optional[str] = DRAFT_MODEL,
     quantization: str = QUANTIZATION,
 ) -> None:
     """Chat with a model in the terminal (multi-turn, streamed); Ctrl-C stops an answer, /reset, /exit. Sampling
@@ -381,5 +387,6 @@ def chat(
     path = resolve_model(model)
     gen = model_sampling(path, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed)
     raise typer.Exit(run_chat(str(path), EngineConfig(session_len=session_len, num_threads=num_threads, dtype=dtype,
-                                                      speculative=speculative, quantization=quantization),
+                                                      speculative=speculative, quantization=quantization,
+                                                      draft_model=draft_model),
                               gen, system=system, prompt=prompt))

@@ -11,7 +11,7 @@
 
 namespace lmkit {
 
-Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor)
+Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor, std::unique_ptr<DraftModel> draft)
     : options_(options),
       executor_(std::move(executor)),
       blocks_(options.num_blocks, options.block_size_tokens),
@@ -39,6 +39,10 @@ Engine::Engine(const EngineOptions& options, std::unique_ptr<Executor> executor)
   mtp_ = options.speculative.enabled && options.speculative.mtp;
   LMKIT_CHECK(!mtp_ || executor_->runs_mtp(), "speculative='mtp' with an executor that does not run its MTP head");
   mtp_greedy_.temperature = 0.0f;
+  draft_ = std::move(draft);
+  LMKIT_CHECK((draft_ != nullptr) == (options.speculative.enabled && options.speculative.draft_model),
+              "speculative='draft' needs a draft model, and a draft model needs speculative='draft'");
+  LMKIT_CHECK(!(mtp_ && draft_), "speculative='mtp' and a draft model exclude each other");
   executor_->allocate_kv_pool(options.num_blocks);
   if (options.num_state_slots > 0) executor_->allocate_state_pool(options.num_state_slots);
   if (!options.kv_cache_dir.empty()) start_store();
@@ -249,6 +253,11 @@ void Engine::publish_metrics() {
 void Engine::check_integrity() const {
   std::lock_guard<std::mutex> lock(state_mu_);
   scheduler_.verify();
+  if (draft_) {
+    draft_->check_integrity();
+    for (int64_t id : draft_->state_ids())
+      LMKIT_CHECK(scheduler_.find(id) != nullptr, "the draft model holds a state of sequence ", id, ", which ended");
+  }
 }
 
 void Engine::post_release(std::shared_ptr<OutputCallback> cb) {
@@ -329,6 +338,7 @@ void Engine::end_sample(int64_t request_id) {
 
 void Engine::finish(Sequence* seq, FinishReason reason, const Failure& failure) {
   std::unique_ptr<Sequence> owned = scheduler_.remove(seq->id);
+  if (draft_) draft_->release(owned->id);
   if (options_.speculative.enabled && (reason == FinishReason::kStop || reason == FinishReason::kLength) &&
       owned->num_generated_tokens() > 0)
     answers_.add(owned->tokens.data() + owned->num_prompt_tokens, owned->num_generated_tokens());
@@ -341,7 +351,8 @@ void Engine::finish(Sequence* seq, FinishReason reason, const Failure& failure) 
 
 void Engine::propose_drafts() {
   const SpeculativeConfig& c = options_.speculative;
-  std::vector<Sequence*> proposing;
+  std::vector<Sequence*> proposing, modelled;  // modelled: those the draft model drafts for (run_draft_model)
+  std::vector<int32_t> model_want;
   std::vector<DraftCandidate> candidates;
   int32_t decode_rows = 0;
   for (Sequence* seq : scheduler_.running()) {  // oldest first
@@ -363,9 +374,17 @@ void Engine::propose_drafts() {
     for (int32_t source = 0; source < kNumDraftSources && drafts.empty(); ++source) {
       if ((source == kDraftPrediction && !spec.predicted) || (source == kDraftAnswers && answers_.num_tokens() == 0))
         continue;
-      if (c.mtp ? (source == kDraftNgram || source == kDraftAnswers) : source == kDraftMtp) continue;
+      if (source == kDraftMtp ? !c.mtp : source == kDraftModel ? !c.draft_model
+                                 : (c.mtp || c.draft_model) && (source == kDraftNgram || source == kDraftAnswers))
+        continue;
       const int32_t want = spec.draft_budget(source, most);
       if (want <= 0) continue;
+      if (source == kDraftModel) {  // drafted below, with the others the draft model drafts for
+        seq->draft_source = source;
+        modelled.push_back(seq);
+        model_want.push_back(want);
+        break;
+      }
       // the head drafted for this length exactly when this budget was to be > 0 (SpecState::will_propose), unless the
       // sequence sat out the last step: then a probe waits for the next draft
       if (source == kDraftMtp && seq->mtp_draft_at != n) {
@@ -390,6 +409,18 @@ void Engine::propose_drafts() {
     const bool probe = ++spec.steps_since_probe >= SpecState::kProbeInterval;
     candidates.push_back({spec.acceptance(seq->draft_source), (int32_t)drafts.size(), probe ? SpecState::kProbeTokens : 0});
   }
+  if (!modelled.empty()) {
+    for (Sequence* seq : modelled) start_grammar(*seq);  // its drafts are sampled under its masks
+    run_draft_model(modelled, model_want, decode_rows);
+    for (Sequence* seq : modelled) {
+      if (seq->params.grammar) cut_drafts_to_grammar(*seq);
+      if (seq->draft_tokens.empty()) continue;
+      proposing.push_back(seq);
+      const bool probe = ++seq->spec->steps_since_probe >= SpecState::kProbeInterval;
+      candidates.push_back({seq->spec->acceptance(kDraftModel), (int32_t)seq->draft_tokens.size(),
+                            probe ? SpecState::kProbeTokens : 0});
+    }
+  }
   if (proposing.empty()) return;
   // A step with a prompt chunk is dominated by it: its drafts are weighed against the decode rows' cost alone.
   std::vector<int32_t> take;
@@ -405,6 +436,41 @@ void Engine::propose_drafts() {
     }
   }
   for (size_t i = 0; i < proposing.size(); ++i) proposing[i]->draft_tokens.resize((size_t)take[i]);
+}
+
+void Engine::run_draft_model(const std::vector<Sequence*>& seqs, const std::vector<int32_t>& want,
+                             int32_t decode_rows) {
+  const SpeculativeConfig& c = options_.speculative;
+  std::vector<int32_t> take(want);
+  if (c.adaptive) {  // as many as pay, the draft model's passes counted (its probes: the first proposals after
+                     // kProbeInterval, as in propose_drafts)
+    std::vector<DraftCandidate> candidates;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const SpecState& spec = *seqs[i]->spec;
+      const bool probe = spec.steps_since_probe + 1 >= SpecState::kProbeInterval;
+      candidates.push_back({spec.acceptance(kDraftModel), want[i], probe ? SpecState::kProbeTokens : 0});
+    }
+    const int32_t max_rows = std::min(c.max_step_draft_tokens, scheduler_.num_free_draft_slots());
+    take = choose_model_drafts(candidates, decode_rows, max_rows, step_cost_, draft_->pass_cost());
+  }
+  std::vector<const Sequence*> drafting;  // (a sequence that takes none now catches up when it next drafts)
+  std::vector<Sequence*> of;
+  std::vector<int32_t> max_tokens;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    if (take[i] <= 0) continue;
+    drafting.push_back(seqs[i]);
+    of.push_back(seqs[i]);
+    max_tokens.push_back(take[i]);
+  }
+  if (drafting.empty()) return;
+  std::vector<std::vector<int32_t>> drafts;
+  try {
+    draft_->propose(drafting, max_tokens, drafts);
+  } catch (const std::exception& e) {  // the step goes on without drafts
+    std::fprintf(stderr, "lmkit: the draft model's pass failed (no drafts this step): %s\n", e.what());
+    return;
+  }
+  for (size_t i = 0; i < of.size(); ++i) of[i]->draft_tokens = std::move(drafts[i]);
 }
 
 void Engine::cut_drafts_to_grammar(Sequence& seq) {
@@ -729,6 +795,7 @@ void Engine::loop() {
   if (options_.speculative.enabled && options_.speculative.adaptive) {
     try {
       calibrate_step_cost();
+      if (draft_) draft_->calibrate();
     } catch (const std::exception& e) {  // then only probes verify drafts
       std::fprintf(stderr, "lmkit: timing steps for speculative decoding failed: %s\n", e.what());
     }

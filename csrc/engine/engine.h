@@ -25,6 +25,7 @@
 #include "core/kv_quant.h"
 #include "engine/batch.h"
 #include "engine/block_manager.h"
+#include "engine/draft_model.h"
 #include "engine/executor.h"
 #include "engine/kv_store.h"
 #include "engine/prompt_pacer.h"
@@ -138,7 +139,8 @@ struct EngineMetrics {
 
 class Engine {
  public:
-  Engine(const EngineOptions& options, std::unique_ptr<Executor> executor);
+  // draft: speculative='draft''s draft model (SpeculativeConfig::draft_model), else null.
+  Engine(const EngineOptions& options, std::unique_ptr<Executor> executor, std::unique_ptr<DraftModel> draft = nullptr);
   ~Engine();  // shutdown()
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -217,6 +219,9 @@ class Engine {
   // A grammar-constrained decode's drafts: cut to those its grammar allows in a row (before the grammar starts:
   // to those before its start token).
   void cut_drafts_to_grammar(Sequence& seq);
+  // speculative='draft': the draft model's drafts for seqs (each wanting up to want[i]; decode_rows: the step's rows
+  // without drafts), as many as pay (choose_model_drafts, or all with adaptive off) into their draft_tokens.
+  void run_draft_model(const std::vector<Sequence*>& seqs, const std::vector<int32_t>& want, int32_t decode_rows);
   void publish_metrics();  // caller holds state_mu_
   // The disk store: a cached block evicted from the pool is copied out for the writer (BlockManager's eviction
   // listener); while idle, and at shutdown, cached blocks not yet on disk are copied out too, so that they survive a
@@ -250,6 +255,7 @@ class Engine {
   AnswerStore answers_;  // finished answers, for draft lookup
   StepCost step_cost_;   // seconds of a step by row count (calibrate_step_cost), for choose_drafts
   bool mtp_ = false;     // speculative='mtp': the executor runs its MTP head after each step (run_mtp)
+  std::unique_ptr<DraftModel> draft_;  // speculative='draft': the draft model, else null
   SamplingParams mtp_greedy_;  // the MTP head's drafts: its argmax
   PromptPacer pacer_;    // sizes each step's prompt tokens from the step times
   std::unique_ptr<KVStore> store_;             // the disk store, or none

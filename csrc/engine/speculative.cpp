@@ -175,7 +175,7 @@ double StepCost::seconds(int32_t rows) const {
 }
 
 std::vector<int32_t> choose_drafts(const std::vector<DraftCandidate>& candidates, int32_t decode_rows,
-                                   int32_t max_rows, const StepCost& cost) {
+                                   int32_t max_rows, const StepCost& cost, double fixed_seconds) {
   const size_t n = candidates.size();
   std::vector<int32_t> take(n, 0);
   std::vector<float> next_gain(n);  // the worth of each sequence's next draft: a^(taken + 1)
@@ -199,13 +199,73 @@ std::vector<int32_t> choose_drafts(const std::vector<DraftCandidate>& candidates
       if (take[i] < candidates[i].proposed && (best == n || next_gain[i] > next_gain[best])) best = i;
     if (best == n) break;
     const double gain = next_gain[best];
-    // take it while tokens per second grow: (tokens + gain) / T(rows + 1) > tokens / T(rows)
-    if ((tokens + gain) * cost.seconds(rows) <= tokens * cost.seconds(rows + 1)) break;
+    // take it while tokens per second grow: (tokens + gain) / (T(rows + 1) + F) > tokens / (T(rows) + F)
+    if ((tokens + gain) * (cost.seconds(rows) + fixed_seconds) <= tokens * (cost.seconds(rows + 1) + fixed_seconds))
+      break;
     tokens += gain;
     ++rows, ++extra, ++take[best];
     next_gain[best] *= candidates[best].acceptance;
   }
   return take;
+}
+
+namespace {
+
+// Seconds of the draft model's passes for drafts take (pass j over the sequences drafting j or more tokens).
+double draft_pass_seconds(const std::vector<int32_t>& take, const StepCost& draft_cost) {
+  double seconds = 0;
+  for (int32_t depth = 1;; ++depth) {
+    int32_t rows = 0;
+    for (int32_t t : take) rows += t >= depth ? 1 : 0;
+    if (rows == 0) return seconds;
+    seconds += draft_cost.seconds(rows);
+  }
+}
+
+}  // namespace
+
+std::vector<int32_t> choose_model_drafts(const std::vector<DraftCandidate>& candidates, int32_t decode_rows,
+                                         int32_t max_rows, const StepCost& cost, const StepCost& draft_cost) {
+  const size_t n = candidates.size();
+  bool probes = false;
+  int32_t deepest = 0;
+  for (const DraftCandidate& c : candidates) {
+    probes = probes || std::min(c.at_least, c.proposed) > 0;
+    deepest = std::max(deepest, c.proposed);
+  }
+  if (!(cost.seconds(1) > 0.0) || !(draft_cost.seconds(1) > 0.0)) {  // unmeasured: the probes only
+    std::vector<int32_t> take(n, 0);
+    int32_t left = max_rows;
+    for (size_t i = 0; i < n; ++i) {
+      take[i] = std::max(std::min({candidates[i].at_least, candidates[i].proposed, left}), 0);
+      left -= take[i];
+    }
+    return take;
+  }
+  const int32_t base_rows = std::max(decode_rows, 1);
+  std::vector<int32_t> best(n, 0);
+  double best_rate = probes ? -1.0 : (double)base_rows / cost.seconds(base_rows);  // no drafts (unless a probe)
+  std::vector<DraftCandidate> capped(candidates);
+  for (int32_t depth = 1; depth <= deepest; ++depth) {
+    std::vector<int32_t> full(n);  // every candidate drafting as deep as it may: the passes choose_drafts weighs
+    for (size_t i = 0; i < n; ++i) {
+      capped[i].proposed = std::min(candidates[i].proposed, std::max(depth, std::min(candidates[i].at_least,
+                                                                                      candidates[i].proposed)));
+      full[i] = capped[i].proposed;
+    }
+    const std::vector<int32_t> take =
+        choose_drafts(capped, decode_rows, max_rows, cost, draft_pass_seconds(full, draft_cost));
+    double tokens = base_rows;
+    int32_t rows = base_rows;
+    for (size_t i = 0; i < n; ++i) {
+      float gain = candidates[i].acceptance;
+      for (int32_t j = 0; j < take[i]; ++j) tokens += gain, gain *= candidates[i].acceptance;
+      rows += take[i];
+    }
+    const double rate = tokens / (cost.seconds(rows) + draft_pass_seconds(take, draft_cost));
+    if (rate > best_rate) best_rate = rate, best = take;
+  }
+  return best;
 }
 
 }  // namespace lmkit

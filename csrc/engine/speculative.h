@@ -41,6 +41,9 @@ struct SpeculativeConfig {
   // Drafts from the model's multi-token-prediction head (speculative='mtp') instead of the n-gram and answer lookups:
   // after every step the head drafts one token per decoding sequence (Engine::run_mtp).
   bool mtp = false;
+  // Drafts from a draft model (speculative='draft', engine/draft_model.h) instead of the n-gram and answer lookups:
+  // before a step it decodes greedily as many tokens ahead as the step takes (create_engine's draft).
+  bool draft_model = false;
 };
 
 // An index of one token stream's n-grams (min_ngram..max_ngram tokens): for each, the position right after its
@@ -92,9 +95,10 @@ class AnswerStore {
 };
 
 // The proposers, in the order they are asked (the first that proposes wins) and as metrics count them. With
-// SpeculativeConfig::mtp the MTP head takes the n-gram and answer lookups' place.
+// SpeculativeConfig::mtp the MTP head, with SpeculativeConfig::draft_model the draft model, takes the n-gram and
+// answer lookups' place.
 enum DraftSource : int32_t {
-  kDraftPrediction = 0, kDraftNgram = 1, kDraftAnswers = 2, kDraftMtp = 3, kNumDraftSources = 4
+  kDraftPrediction = 0, kDraftNgram = 1, kDraftAnswers = 2, kDraftMtp = 3, kDraftModel = 4, kNumDraftSources = 5
 };
 
 // A request's predicted output and where the sequence last aligned with it.
@@ -128,8 +132,8 @@ struct SpecState {
   // Per proposer, decayed counts of drafts kept and drafts examined (kept, plus the first rejected one): the
   // per-token acceptance is their ratio.
   // an optimistic 0.75 to start: the first drafts get tried
-  float kept[kNumDraftSources] = {3.0f, 3.0f, 3.0f, 3.0f};
-  float examined[kNumDraftSources] = {4.0f, 4.0f, 4.0f, 4.0f};
+  float kept[kNumDraftSources] = {3.0f, 3.0f, 3.0f, 3.0f, 3.0f};
+  float examined[kNumDraftSources] = {4.0f, 4.0f, 4.0f, 4.0f, 4.0f};
   int32_t idle_steps[kNumDraftSources] = {};  // steps since the proposer was last asked while switched off
   int32_t steps_since_probe = 0;  // proposals since drafts were last verified (see choose_drafts' probes)
   float acceptance(int32_t source) const { return kept[source] / examined[source]; }
@@ -168,9 +172,16 @@ struct DraftCandidate {
 // time: a probe is cheap exploration where rows cost little, and where the step is compute-bound, as for many
 // streams on few cores, it waits for a cheaper step), then drafts best first (the j-th draft of a sequence is
 // worth a^j expected tokens) while the expected tokens per second of the step grow, within max_rows draft rows
-// in all.
+// in all. fixed_seconds: what the step costs besides its forward, whatever its rows (a draft model's passes).
 constexpr double kProbeStepCost = 0.05;
 std::vector<int32_t> choose_drafts(const std::vector<DraftCandidate>& candidates, int32_t decode_rows,
-                                   int32_t max_rows, const StepCost& cost);
+                                   int32_t max_rows, const StepCost& cost, double fixed_seconds = 0);
+
+// The drafts of a draft model's candidates (proposed: how many it may draft): as choose_drafts, with the draft
+// model's passes in the step's cost (a step whose drafts reach depth d runs d passes, pass j over the sequences
+// drafting j or more tokens: draft_cost by those rows), for the depth whose step gives the most expected tokens per
+// second (none when drafting does not pay and no candidate probes).
+std::vector<int32_t> choose_model_drafts(const std::vector<DraftCandidate>& candidates, int32_t decode_rows,
+                                         int32_t max_rows, const StepCost& cost, const StepCost& draft_cost);
 
 }  // namespace lmkit

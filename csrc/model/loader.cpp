@@ -11,7 +11,7 @@ namespace lmkit {
 std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelConfig& model,
                                       const std::map<std::string, TensorSource>& sources,
                                       const std::vector<int32_t>& eos_token_ids,
-                                      const PoolSizer& size_pools) {
+                                      const PoolSizer& size_pools, const DraftSpec* draft) {
 #ifdef LMKIT_WITH_CUDA
   LMKIT_CHECK_ARG(config.device == "cpu" || config.device == "cuda", "device must be 'cpu' or 'cuda', got '",
                   config.device, "'");
@@ -80,6 +80,25 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
     cuda::memory_info(&device_free_bytes, &total_bytes);
   }
 #endif
+  // speculative='draft': the draft model on the same backend options, without a KV policy or an MTP head
+  LMKIT_CHECK_ARG(config.speculative.enabled && config.speculative.draft_model ? draft != nullptr : draft == nullptr,
+                  "a draft model goes with speculative='draft' (and speculative='draft' needs one)");
+  LMKIT_CHECK_ARG(!draft || !is_cuda, "speculative='draft' runs on the CPU backend: use speculative='off' with "
+                  "device='cuda'");
+  std::unique_ptr<Executor> draft_executor;
+  if (draft) {
+    draft->model.validate();
+    ModelOptions draft_options;
+    draft_options.block_size_tokens = config.block_size_tokens;
+    draft_options.max_step_tokens = backend.max_step_tokens;
+    draft_executor = make_model(draft->model, ModelWeights::load(draft->model, draft->sources),
+                                make_cpu_backend(backend), draft_options);
+    LMKIT_CHECK_ARG(draft_executor->state_bytes_per_slot() == 0, "the draft model (", draft->model.family,
+                    ") has recurrent layers, whose state a draft cannot roll back yet: draft with an attention-only "
+                    "model");
+  }
+  const int64_t draft_kv_bytes = draft_executor ? draft_executor->kv_bytes_per_block() : 0;
+  const int64_t draft_weight_bytes = draft_executor ? draft_executor->linear_weight_bytes() : 0;
   options.attention_window_tokens = model.attention_window_tokens();
   options.kv_bytes_per_block = executor->kv_bytes_per_block();
   options.linear_weight_bytes = executor->linear_weight_bytes();
@@ -89,8 +108,9 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   // the snapshots prefix hits start from (engine/scheduler.h), as far as memory allows (lmkit/memory.py).
   const int64_t state_bytes = executor->state_bytes_per_slot();
   LMKIT_CHECK(size_pools != nullptr, "create_engine needs a pool sizer (lmkit/memory.py sizes every pool)");
-  const PoolSizes sizes = size_pools(options.kv_bytes_per_block, state_bytes, options.linear_weight_bytes,
-                                     options.session_len, is_cuda ? device_free_bytes : 0);
+  const PoolSizes sizes = size_pools(options.kv_bytes_per_block + draft_kv_bytes, state_bytes,
+                                     options.linear_weight_bytes + draft_weight_bytes, options.session_len,
+                                     is_cuda ? device_free_bytes : 0);
   LMKIT_CHECK_ARG(sizes.num_blocks >= 1, "the pool sizer gave ", sizes.num_blocks, " KV blocks; it needs >= 1");
   LMKIT_CHECK_ARG(state_bytes > 0 ? sizes.num_state_slots >= 1 : sizes.num_state_slots == 0, "the pool sizer gave ",
                   sizes.num_state_slots, " state slots for a model with ", state_bytes, " bytes of state per slot");
@@ -108,7 +128,11 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   options.speculative = config.speculative;
   LMKIT_CHECK_ARG(!config.speculative.enabled || !is_cuda, "speculative decoding runs on the CPU backend; the CUDA "
                   "backend does not verify draft tokens yet: use speculative='off' with device='cuda'");
-  return std::make_unique<Engine>(options, std::move(executor));
+  std::unique_ptr<DraftModel> draft_model;
+  if (draft_executor)
+    draft_model = std::make_unique<DraftModel>(std::move(draft_executor), sizes.num_blocks, config.block_size_tokens,
+                                               backend.max_step_tokens, model.vocab_size);
+  return std::make_unique<Engine>(options, std::move(executor), std::move(draft_model));
 }
 
 }  // namespace lmkit

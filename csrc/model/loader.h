@@ -28,10 +28,19 @@ using PoolSizer = std::function<PoolSizes(int64_t kv_bytes_per_block, int64_t st
                                           int64_t linear_weight_bytes, int32_t session_len,
                                           int64_t device_free_bytes)>;
 
+// speculative='draft''s draft model: its config and weight sources (a model with the target's tokenizer).
+struct DraftSpec {
+  ModelConfig model;
+  std::map<std::string, TensorSource> sources;
+};
+
 // Checks the config against the model, maps the weights, sizes the pools through size_pools and starts the
-// engine. Throws InvalidArgument naming the setting when something cannot work (device, sizes).
+// engine. Throws InvalidArgument naming the setting when something cannot work (device, sizes). draft: the draft
+// model of config.speculative.draft_model (else null), built on the same backend options, its KV pool of as many
+// blocks as the model's (size_pools sees a block's bytes and the linear weights' bytes of both together).
 std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelConfig& model,
                                       const std::map<std::string, TensorSource>& sources,
-                                      const std::vector<int32_t>& eos_token_ids, const PoolSizer& size_pools);
+                                      const std::vector<int32_t>& eos_token_ids, const PoolSizer& size_pools,
+                                      const DraftSpec* draft = nullptr);
 
 }  // namespace lmkit

@@ -162,7 +162,8 @@ PYBIND11_MODULE(_engine, m) {
       .def_readwrite("max_step_draft_tokens", &SpeculativeConfig::max_step_draft_tokens)
       .def_readwrite("adaptive", &SpeculativeConfig::adaptive)
       .def_readwrite("answer_store_tokens", &SpeculativeConfig::answer_store_tokens)
-      .def_readwrite("mtp", &SpeculativeConfig::mtp);
+      .def_readwrite("mtp", &SpeculativeConfig::mtp)
+      .def_readwrite("draft_model", &SpeculativeConfig::draft_model);
   py::class_<EngineConfig>(m, "EngineConfig")
       .def(py::init<>())
       .def_readwrite("device", &EngineConfig::device)
@@ -334,17 +335,30 @@ PYBIND11_MODULE(_engine, m) {
 
   py::class_<Engine, EnginePtr>(m, "Engine")
       .def(py::init([](const EngineConfig& config, const ModelConfig& model, const py::dict& sources,
-                       const std::vector<int32_t>& eos_token_ids, const py::object& size_pools) {
+                       const std::vector<int32_t>& eos_token_ids, const py::object& size_pools,
+                       const py::object& draft_model, const py::object& draft_sources) {
              // sources: role -> (path, offset, dtype, shape)
-             std::map<std::string, TensorSource> srcs;
-             for (auto item : sources) {
-               auto t = item.second.cast<py::tuple>();
-               TensorSource s;
-               s.path = t[0].cast<std::string>();
-               s.offset = t[1].cast<int64_t>();
-               s.dtype = parse_dtype(t[2].cast<std::string>());
-               s.shape = t[3].cast<std::vector<int64_t>>();
-               srcs[item.first.cast<std::string>()] = std::move(s);
+             auto to_sources = [](const py::dict& sources) {
+               std::map<std::string, TensorSource> srcs;
+               for (auto item : sources) {
+                 auto t = item.second.cast<py::tuple>();
+                 TensorSource s;
+                 s.path = t[0].cast<std::string>();
+                 s.offset = t[1].cast<int64_t>();
+                 s.dtype = parse_dtype(t[2].cast<std::string>());
+                 s.shape = t[3].cast<std::vector<int64_t>>();
+                 srcs[item.first.cast<std::string>()] = std::move(s);
+               }
+               return srcs;
+             };
+             const std::map<std::string, TensorSource> srcs = to_sources(sources);
+             // speculative='draft': the draft model's config and sources, both or neither
+             std::unique_ptr<DraftSpec> draft;
+             if (!draft_model.is_none() || !draft_sources.is_none()) {
+               if (draft_model.is_none() || draft_sources.is_none())
+                 throw py::value_error("draft_model and draft_sources go together");
+               draft = std::make_unique<DraftSpec>(
+                   DraftSpec{draft_model.cast<ModelConfig>(), to_sources(draft_sources.cast<py::dict>())});
              }
              // size_pools(kv_bytes_per_block, state_bytes_per_slot, linear_weight_bytes, session_len,
              // device_free_bytes) -> (blocks, state slots, draft checkpoint slots, disk-store queue blocks)
@@ -360,7 +374,7 @@ PYBIND11_MODULE(_engine, m) {
                return PoolSizes{std::get<0>(sizes), std::get<1>(sizes), std::get<2>(sizes), std::get<3>(sizes)};
              };
              py::gil_scoped_release release;
-             EnginePtr engine(create_engine(config, model, srcs, eos_token_ids, sizer).release());
+             EnginePtr engine(create_engine(config, model, srcs, eos_token_ids, sizer, draft.get()).release());
              engine->set_delivery_scope([](const std::function<void()>& deliver) {
                py::gil_scoped_acquire gil;  // once per batch; the per-call acquires inside nest cheaply
                deliver();
@@ -368,7 +382,7 @@ PYBIND11_MODULE(_engine, m) {
              return engine;
            }),
            py::arg("config"), py::arg("model"), py::arg("sources"), py::arg("eos_token_ids"),
-           py::arg("size_pools"))
+           py::arg("size_pools"), py::arg("draft_model") = py::none(), py::arg("draft_sources") = py::none())
       .def("submit", &Engine::submit, py::arg("request_id"), py::arg("prompt"), py::arg("params"),
            py::arg("callback"), py::call_guard<py::gil_scoped_release>(),
            "Queues a request; callback(RequestOutput) runs on the engine's callback thread.")

@@ -188,6 +188,35 @@ TEST(drafts_are_taken_while_they_pay) {
   EXPECT_EQ(choose_drafts(C{{0.9f, 8, 0}, {0.1f, 3, 2}}, 2, 32, StepCost(64)), (Ids{0, 2}));
 }
 
+TEST(a_draft_model_drafts_while_its_passes_pay) {
+  StepCost flat(64), steep(64), cheap(64), dear(64);
+  for (int r = 1; r <= 32; ++r) {
+    flat.record(r, 1.0 + 0.02 * r);  // the target: bandwidth-bound
+    steep.record(r, 1.0 * r);        // compute-bound
+    cheap.record(r, 0.05);           // draft passes of 5% of a target step
+    dear.record(r, 1.0);             // as dear as a target step
+  }
+  using C = std::vector<DraftCandidate>;
+  // acceptance 0.9 and cheap passes: deep drafts (each pass 5%: the expected tokens per second peak near depth 8)
+  const Ids deep = choose_model_drafts(C{{0.9f, 8, 0}}, 1, 32, flat, cheap);
+  EXPECT(deep[0] >= 6);
+  // passes as dear as a step: (1 + 0.9 + ...) / (1.02 d + d) never beats 1 / 1.02
+  EXPECT_EQ(choose_model_drafts(C{{0.9f, 8, 0}}, 1, 32, flat, dear), (Ids{0}));
+  // a compute-bound target: none
+  EXPECT_EQ(choose_model_drafts(C{{0.9f, 8, 0}}, 1, 32, steep, cheap), (Ids{0}));
+  // a probe is taken even where drafting does not pay, at its depth
+  EXPECT_EQ(choose_model_drafts(C{{0.0f, 8, 2}}, 1, 32, flat, dear), (Ids{2}));
+  // a poor proposer's sequence drafts less deep than a good one's
+  const Ids two = choose_model_drafts(C{{0.9f, 8, 0}, {0.3f, 8, 0}}, 2, 32, flat, cheap);
+  EXPECT(two[0] >= 4 && two[1] < two[0]);
+  // nothing measured: only probes
+  EXPECT_EQ(choose_model_drafts(C{{0.9f, 8, 0}, {0.1f, 3, 2}}, 2, 32, flat, StepCost(64)), (Ids{0, 2}));
+  // the depth that pays best, not the first that pays: passes of 30% a step pay only from depth 2 on
+  StepCost mid(64);
+  for (int r = 1; r <= 32; ++r) mid.record(r, 0.3);
+  EXPECT(choose_model_drafts(C{{0.95f, 8, 0}}, 1, 32, flat, mid)[0] >= 2);
+}
+
 TEST(drafts_join_a_decode_within_the_budget_and_rejected_blocks_go_back) {
   BlockManager bm(8, 4);
   Scheduler sched(SchedulerConfig{4, 6, 64, false, 0}, bm);

@@ -73,6 +73,7 @@ def generate(
     num_threads: Optional[int] = typer.Option(None, help=_E["num_threads"]),
     dtype: str = typer.Option(EngineConfig.dtype, help=_E["dtype"]),
     speculative: str = typer.Option(EngineConfig.speculative, help=_E["speculative"]),
+    draft_model: Optional[str] = typer.Option(None, help=_E["draft_model"], show_default=False),
     quantization: str = typer.Option(EngineConfig.quantization, help=_E["quantization"]),
 ) -> None:
     """Answer one prompt on stdout (streamed; a line of figures follows on stderr). Sampling options left out take
@@ -93,7 +94,8 @@ def generate(
             from None
     gen = model_sampling(path, max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed)
     raise typer.Exit(run_generate(path, prompt, EngineConfig(num_threads=num_threads, dtype=dtype,
-                                                             speculative=speculative, quantization=quantization),
+                                                             speculative=speculative, quantization=quantization,
+                                                             draft_model=draft_model),
                                   gen, raw=raw))
 
 

@@ -187,14 +187,19 @@ def test_peers_benchmark_smoke(smollm2_path):
 
 
 def test_speculative_benchmark_smoke(smollm2_path):
-    """bench_speculative.py --smoke: speculation off and on in worker processes over every workload and a small
-    concurrency sweep; the drafts were verified and the table has every row."""
-    run = _run_script("bench_speculative.py", "--smoke", "--model", str(smollm2_path), "--threads", "1")
+    """bench_speculative.py --smoke: speculation off, n-gram and a draft model (the model itself) in worker processes
+    over every workload and a small concurrency sweep; the drafts were verified, the draft model's tokens are those
+    of speculation off and the table has every row."""
+    run = _run_script("bench_speculative.py", "--smoke", "--model", str(smollm2_path), "--threads", "1",
+                      "--draft-model", str(smollm2_path))
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
-    for line in ("| lmkit off tok/s |", "| lmkit ngram tok/s |", "| lmkit ngram / lmkit off |", "| ngram / off |"):
+    for line in ("| lmkit off tok/s |", "| lmkit ngram tok/s |", "| lmkit ngram / lmkit off |", "| ngram / off |",
+                 "| lmkit draft tok/s |", "| lmkit draft / lmkit off |", "| draft / off |"):
         assert line in out, out
     assert "prompts token for token the same" in out and "accepted {" in out, out
+    same = re.search(r"lmkit draft vs lmkit off: (\d+)/(\d+) prompts", out)
+    assert same and same.group(1) == same.group(2), out
 
 
 def test_hybrid_speculative_benchmark_smoke(tmp_path):

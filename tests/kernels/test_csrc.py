@@ -42,7 +42,8 @@ def ctest(build: Path, *args: str) -> str:
 
 def test_ctest_engine_units_pass():
     out = ctest(engine_build(), "-E", KERNEL_TESTS)
-    for name in ("test_block_manager", "test_scheduler", "test_batch", "test_moe", "test_thread_pool"):
+    for name in ("test_block_manager", "test_scheduler", "test_batch", "test_moe", "test_thread_pool",
+                 "test_speculative", "test_draft_model"):
         assert name in out, f"{name} did not run: {out[-2000:]}"
 
 

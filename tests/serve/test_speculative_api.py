@@ -58,7 +58,7 @@ def test_prediction_gives_the_same_answer_and_is_counted(smollm2_server):
     after = spec_counters(url)
     key = ("lmkit_spec_accepted_tokens", "prediction")
     assert after[key] > before.get(key, 0), (before, after)
-    assert {proposer for _, proposer in after} == {"prediction", "ngram", "suffix", "mtp"}
+    assert {proposer for _, proposer in after} == {"prediction", "ngram", "suffix", "mtp", "draft"}
 
 
 def test_malformed_prediction_is_a_400(api_server):

@@ -1,0 +1,266 @@
+#include "engine/draft_model.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "core/check.h"
+
+namespace lmkit {
+
+namespace {
+
+double seconds_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+constexpr int32_t kCalibrationRows[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64};
+
+}  // namespace
+
+DraftModel::DraftModel(std::unique_ptr<Executor> executor, int32_t num_blocks, int32_t block_size_tokens,
+                       int32_t max_rows, int32_t target_vocab)
+    : executor_(std::move(executor)),
+      blocks_(num_blocks, block_size_tokens),
+      max_rows_(max_rows),
+      target_vocab_(target_vocab),
+      pass_cost_(64) {
+  LMKIT_CHECK(executor_ != nullptr, "a draft model needs an executor");
+  LMKIT_CHECK(executor_->state_bytes_per_slot() == 0, "a draft model with recurrent layers is not supported");
+  LMKIT_CHECK(max_rows >= 1 && num_blocks >= 1, "a draft model needs rows and blocks");
+  greedy_.temperature = 0.0f;
+  masks_fit_ = executor_->vocab_size() <= target_vocab;
+  executor_->allocate_kv_pool(num_blocks);
+}
+
+bool DraftModel::reserve(State& st, int32_t end, const std::vector<int64_t>& busy) {
+  const int32_t need = blocks_.num_blocks_for(end) - (int32_t)st.table.size();
+  if (need <= 0) return true;
+  if (!blocks_.can_allocate(need)) {  // idle states (sequences not drafting now) give their blocks back first
+    for (auto it = states_.begin(); it != states_.end() && !blocks_.can_allocate(need);) {
+      if (&it->second != &st && std::find(busy.begin(), busy.end(), it->first) == busy.end()) {
+        blocks_.release(it->second.table);
+        it = states_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (!blocks_.can_allocate(need)) return false;
+  }
+  blocks_.allocate(need, st.table);
+  return true;
+}
+
+void DraftModel::publish(State& st, const int32_t* tokens) {
+  const int32_t bs = blocks_.block_size_tokens();
+  for (; st.published < st.computed / bs; ++st.published)
+    st.key = blocks_.publish(st.table[(size_t)st.published], st.key, tokens + (int64_t)st.published * bs);
+}
+
+void DraftModel::propose(const std::vector<const Sequence*>& seqs, const std::vector<int32_t>& max_tokens,
+                         std::vector<std::vector<int32_t>>& drafts) {
+  const int32_t bs = blocks_.block_size_tokens();
+  const size_t n = seqs.size();
+  drafts.assign(n, {});
+  std::vector<int64_t> busy;
+  for (const Sequence* seq : seqs) busy.push_back(seq->id);
+  std::vector<State*> states(n, nullptr);
+  std::vector<int32_t> want(n, 0);  // drafts each sequence decodes this time (0: catch-up only, or nothing)
+  // Pass 1: each sequence's catch-up rows [computed, n), the last one sampled.
+  Batch batch;
+  batch.block_size_tokens = bs;
+  std::vector<int32_t> pass_seq;  // batch sequence -> index into seqs
+  std::vector<int32_t> catch_up(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const Sequence& seq = *seqs[i];
+    const int32_t total = seq.num_tokens();
+    State& st = states_[seq.id];
+    states[i] = &st;
+    // the drafts the target kept since the last pass: their K/V are the sequence's own now
+    int32_t kept = 0;
+    while (kept < (int32_t)st.written.size() && st.computed + kept < total &&
+           st.written[(size_t)kept] == seq.tokens[(size_t)(st.computed + kept)])
+      ++kept;
+    st.computed = std::min(st.computed + kept, total - 1);  // (at least the last token's row: it gives the draft)
+    st.written.clear();
+    if (st.table.empty()) {  // a new state: the draft pool's prefix cache first
+      st.computed = bs * blocks_.match_prefix(seq.tokens.data(), (total - 1) / bs, st.table, &st.key);
+      st.published = st.computed / bs;
+    }
+    const int32_t left = max_rows_ - batch.num_tokens;
+    if (left <= 0) continue;
+    int32_t rows = std::min(total - st.computed, left);
+    want[i] = rows == total - st.computed ? std::max(max_tokens[i], 0) : 0;
+    // room for the catch-up and for the drafts' inputs: positions [0, total - 1 + want)
+    if (!reserve(st, st.computed + rows, busy)) {
+      want[i] = 0;
+      continue;
+    }
+    if (want[i] > 1 && !reserve(st, total - 1 + want[i], busy))
+      want[i] = std::max(1, (int32_t)st.table.size() * bs - total + 1);
+    catch_up[i] = rows;
+    BatchSeq bsq;
+    bsq.first_row = batch.num_tokens;
+    bsq.num_rows = rows;
+    bsq.ctx_len = st.computed + rows;
+    bsq.table_offset = (int32_t)batch.block_tables.size();
+    bsq.num_blocks = blocks_.num_blocks_for(bsq.ctx_len);
+    bsq.prefill = st.computed < seq.num_prompt_tokens;
+    bsq.num_decode_rows = rows > 1 ? std::max(0, bsq.ctx_len - std::max(st.computed, seq.num_prompt_tokens)) : 0;
+    batch.block_tables.insert(batch.block_tables.end(), st.table.begin(), st.table.begin() + bsq.num_blocks);
+    for (int32_t p = st.computed; p < bsq.ctx_len; ++p) {
+      batch.token_ids.push_back(seq.tokens[(size_t)p]);
+      batch.positions.push_back(p);
+      batch.slots.push_back(st.table[(size_t)(p / bs)] * bs + p % bs);
+    }
+    batch.num_tokens += rows;
+    batch.max_ctx_len = std::max(batch.max_ctx_len, bsq.ctx_len);
+    batch.max_blocks_per_seq = std::max(batch.max_blocks_per_seq, bsq.num_blocks);
+    if (want[i] > 0) {
+      SampleRow row;
+      row.logit_index = (int32_t)batch.logit_rows.size();
+      row.seq = (int32_t)batch.seqs.size();
+      row.params = &greedy_;
+      row.history = seq.tokens.data();
+      row.num_history = total;
+      row.num_prompt = seq.num_prompt_tokens;
+      if (seq.matcher && masks_fit_) row.mask = seq.matcher.get();  // the grammar's mask of the next token
+      batch.logit_rows.push_back(bsq.first_row + rows - 1);
+      batch.samples.push_back(std::move(row));
+    }
+    batch.seqs.push_back(bsq);
+    pass_seq.push_back((int32_t)i);
+  }
+  if (batch.empty()) return;
+  StepOutput out = executor_->step(batch);
+  for (size_t b = 0; b < batch.seqs.size(); ++b) {
+    const int32_t i = pass_seq[b];
+    states[(size_t)i]->computed += catch_up[(size_t)i];
+    publish(*states[(size_t)i], seqs[(size_t)i]->tokens.data());
+  }
+  for (size_t k = 0; k < batch.samples.size(); ++k) {
+    const int32_t i = pass_seq[(size_t)batch.samples[k].seq];
+    const int32_t t = out.tokens[k];
+    if (t >= 0 && t < target_vocab_) drafts[(size_t)i].push_back(t);
+  }
+  // Passes 2, 3, ...: one row each for the sequences that take another draft, its input the draft before.
+  for (int32_t depth = 2;; ++depth) {
+    Batch next;
+    next.block_size_tokens = bs;
+    std::vector<int32_t> rows_of;
+    for (size_t i = 0; i < n; ++i) {
+      if (want[i] < depth || (int32_t)drafts[i].size() != depth - 1) continue;
+      const Sequence& seq = *seqs[i];
+      State& st = *states[i];
+      // a grammar's mask after the drafts so far (none past a draft it refuses, or that ends it: an eos)
+      GrammarMatcher* matcher = masks_fit_ ? seq.matcher.get() : nullptr;
+      if (matcher && matcher->num_valid(drafts[i].data(), depth - 1) < depth - 1) continue;
+      if (matcher) matcher->request_draft_masks(drafts[i].data(), depth - 1);
+      const int32_t p = seq.num_tokens() + depth - 2;  // the position of draft depth - 1
+      BatchSeq bsq;
+      bsq.first_row = next.num_tokens;
+      bsq.num_rows = 1;
+      bsq.ctx_len = p + 1;
+      bsq.table_offset = (int32_t)next.block_tables.size();
+      bsq.num_blocks = blocks_.num_blocks_for(p + 1);
+      next.block_tables.insert(next.block_tables.end(), st.table.begin(), st.table.begin() + bsq.num_blocks);
+      next.token_ids.push_back(drafts[i].back());
+      next.positions.push_back(p);
+      next.slots.push_back(st.table[(size_t)(p / bs)] * bs + p % bs);
+      SampleRow row;
+      row.logit_index = (int32_t)next.logit_rows.size();
+      row.seq = (int32_t)next.seqs.size();
+      row.params = &greedy_;
+      row.history = seq.tokens.data();  // (greedy: the history is never read)
+      row.num_history = seq.num_tokens();
+      row.num_prompt = seq.num_prompt_tokens;
+      row.mask = matcher;
+      row.mask_row = depth - 1;
+      next.logit_rows.push_back(next.num_tokens);
+      next.samples.push_back(std::move(row));
+      next.num_tokens += 1;
+      next.max_ctx_len = std::max(next.max_ctx_len, bsq.ctx_len);
+      next.max_blocks_per_seq = std::max(next.max_blocks_per_seq, bsq.num_blocks);
+      next.seqs.push_back(bsq);
+      rows_of.push_back((int32_t)i);
+    }
+    if (next.empty()) break;
+    const StepOutput o = executor_->step(next);
+    for (size_t k = 0; k < rows_of.size(); ++k) {
+      const size_t i = (size_t)rows_of[k];
+      states[i]->written.push_back(drafts[i].back());
+      const int32_t t = o.tokens[k];
+      if (t >= 0 && t < target_vocab_) drafts[i].push_back(t);
+    }
+  }
+  for (size_t i = 0; i < n; ++i)
+    if ((int32_t)drafts[i].size() > want[i]) drafts[i].resize((size_t)want[i]);
+}
+
+void DraftModel::release(int64_t seq_id) {
+  auto it = states_.find(seq_id);
+  if (it == states_.end()) return;
+  blocks_.release(it->second.table);
+  states_.erase(it);
+}
+
+void DraftModel::calibrate() {
+  // Single-token rows of as many sequences at position 0, each in a block of its own (free: no request has
+  // arrived), every row sampled greedily as a draft pass samples: the second of two runs is timed.
+  const int32_t bs = blocks_.block_size_tokens();
+  const int32_t most = std::min(max_rows_, blocks_.num_free_blocks());
+  const std::vector<int32_t> history(1, 0);
+  for (int32_t rows : kCalibrationRows) {
+    if (rows > most) break;
+    Batch b;
+    b.block_size_tokens = bs;
+    b.max_ctx_len = 1;
+    b.max_blocks_per_seq = 1;
+    for (int32_t j = 0; j < rows; ++j) {
+      b.seqs.push_back(BatchSeq{j, 1, 1, j, 1, -1});
+      b.block_tables.push_back(j);
+      b.token_ids.push_back(0);
+      b.positions.push_back(0);
+      b.slots.push_back(j * bs);
+      b.logit_rows.push_back(j);
+      SampleRow r;
+      r.logit_index = j;
+      r.seq = j;
+      r.params = &greedy_;
+      r.history = history.data();
+      r.num_history = 1;
+      r.num_prompt = 1;
+      b.samples.push_back(std::move(r));
+    }
+    b.num_tokens = rows;
+    double seconds = 0;
+    for (int run = 0; run < 2; ++run) {
+      const double start = seconds_now();
+      executor_->step(b);
+      seconds = seconds_now() - start;
+    }
+    pass_cost_.record(rows, seconds);
+  }
+}
+
+std::vector<int64_t> DraftModel::state_ids() const {
+  std::vector<int64_t> ids;
+  for (const auto& kv : states_) ids.push_back(kv.first);
+  return ids;
+}
+
+void DraftModel::check_integrity() const {
+  blocks_.verify();
+  std::vector<int32_t> refs((size_t)blocks_.num_total_blocks(), 0);
+  for (const auto& kv : states_) {
+    const State& st = kv.second;
+    LMKIT_CHECK(st.computed >= 0 && st.computed <= (int32_t)st.table.size() * blocks_.block_size_tokens(),
+                "draft state of sequence ", kv.first, " computed ", st.computed, " past its ", st.table.size(),
+                " blocks");
+    for (int32_t b : st.table) ++refs[(size_t)b];
+  }
+  for (int32_t b = 0; b < blocks_.num_total_blocks(); ++b)
+    LMKIT_CHECK(refs[(size_t)b] == blocks_.ref_count(b), "draft block ", b, " has ", blocks_.ref_count(b),
+                " references, the draft states hold ", refs[(size_t)b]);
+}
+
+}  // namespace lmkit

@@ -1,0 +1,78 @@
+// speculative='draft': a smaller model with the target's tokenizer drafts tokens by greedy decoding, run by the same
+// engine on its loop thread (the same kernel team), with a KV pool and block manager of its own.
+//
+// Each sequence has a draft state: a block table in the draft pool and how many of its positions hold K/V of the
+// sequence's own tokens (`computed`); the positions after those hold K/V of the drafts it decoded last time, whose
+// inputs it remembers (`written`). Before a step, propose() takes a sequence whose tokens [0, n) are known (n - 1
+// pending, in no KV yet): the drafts the target kept since then count as computed (their inputs equal the tokens),
+// one pass over positions [computed, n) (the catch-up: usually the last token, or two; the whole prompt the first
+// time, after a prefix-cache hit in the draft pool's own cache) samples the first draft, and each further pass
+// decodes one draft more for every sequence that takes it. Nothing of the target's state is touched: a draft state
+// lives until the sequence ends (release()), a fork starts its own from the draft pool's prefix cache, and a draft
+// pool that runs out only means fewer drafts (idle states are given back first). A grammar-constrained sequence's
+// drafts are sampled under its masks (the next token's, then after each draft before), so that they are drafts the
+// grammar allows.
+#pragma once
+#include <stdint.h>
+
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/block_manager.h"
+#include "engine/executor.h"
+#include "engine/grammar.h"
+#include "engine/request.h"
+#include "engine/speculative.h"
+
+namespace lmkit {
+
+class DraftModel {
+ public:
+  // executor: the draft model, its KV pool not allocated yet (here: num_blocks blocks of block_size_tokens);
+  // max_rows: rows of one forward at most (its workspaces); target_vocab: a draft id at or past it ends the drafts.
+  DraftModel(std::unique_ptr<Executor> executor, int32_t num_blocks, int32_t block_size_tokens, int32_t max_rows,
+             int32_t target_vocab);
+
+  // Drafts for each seqs[i] (one pending token) up to max_tokens[i] tokens: the draft model's greedy continuation of
+  // its tokens, into drafts[i]. Fewer where the draft pool has no room, where the catch-up of a long prompt does not
+  // fit this pass's max_rows (it goes on next time, with no drafts now) or where a draft falls outside the target's
+  // vocabulary. Throws what the executor throws (drafts then empty; the states stay consistent).
+  void propose(const std::vector<const Sequence*>& seqs, const std::vector<int32_t>& max_tokens,
+               std::vector<std::vector<int32_t>>& drafts);
+  // Gives back sequence seq_id's draft state (its blocks become cached or free). Unknown ids are ignored.
+  void release(int64_t seq_id);
+  // Times passes of 1 to 64 single-token rows into pass_cost() (once, before the first request).
+  void calibrate();
+  // Seconds of one draft pass by its rows (calibrate(); 0 before it).
+  const StepCost& pass_cost() const { return pass_cost_; }
+  // Throws when the draft pool's bookkeeping is inconsistent (block states, references against the tables).
+  void check_integrity() const;
+  std::vector<int64_t> state_ids() const;
+  int32_t num_free_blocks() const { return blocks_.num_available_blocks(); }
+  Executor& executor() { return *executor_; }
+
+ private:
+  struct State {
+    std::vector<int32_t> table;    // draft-pool blocks of positions [0, table.size() * block size)
+    int32_t computed = 0;          // positions [0, computed) hold K/V of the sequence's tokens
+    std::vector<int32_t> written;  // inputs of positions [computed, computed + written.size()): drafts decoded
+    int32_t published = 0;         // full blocks given a prefix key (the draft pool's own prefix cache)
+    uint64_t key = 0;              // the key of block published - 1
+  };
+  // Room in st's table for positions [0, end): allocates what is missing, giving back idle states (not in `busy`)
+  // when the pool is short. Returns whether it all fits.
+  bool reserve(State& st, int32_t end, const std::vector<int64_t>& busy);
+  void publish(State& st, const int32_t* tokens);
+
+  std::unique_ptr<Executor> executor_;
+  BlockManager blocks_;
+  int32_t max_rows_;
+  int32_t target_vocab_;
+  bool masks_fit_ = false;  // the draft's logits are no wider than a grammar's masks (the target's vocabulary)
+  SamplingParams greedy_;
+  StepCost pass_cost_;
+  std::unordered_map<int64_t, State> states_;  // by Sequence::id
+};
+
+}  // namespace lmkit
