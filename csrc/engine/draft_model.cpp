@@ -18,12 +18,13 @@ constexpr int32_t kCalibrationRows[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64
 }  // namespace
 
 DraftModel::DraftModel(std::unique_ptr<Executor> executor, int32_t num_blocks, int32_t block_size_tokens,
-                       int32_t max_rows, int32_t target_vocab)
+                       int32_t max_rows, int32_t target_vocab, std::vector<int32_t> eos_token_ids)
     : executor_(std::move(executor)),
       blocks_(num_blocks, block_size_tokens),
       max_rows_(max_rows),
       target_vocab_(target_vocab),
-      pass_cost_(64) {
+      eos_token_ids_(std::move(eos_token_ids)),
+      pass_cost_(std::min(max_rows, 1024)) {
   LMKIT_CHECK(executor_ != nullptr, "a draft model needs an executor");
   LMKIT_CHECK(executor_->state_bytes_per_slot() == 0, "a draft model with recurrent layers is not supported");
   LMKIT_CHECK(max_rows >= 1 && num_blocks >= 1, "a draft model needs rows and blocks");
@@ -82,6 +83,10 @@ void DraftModel::propose(const std::vector<const Sequence*>& seqs, const std::ve
       ++kept;
     st.computed = std::min(st.computed + kept, total - 1);  // (at least the last token's row: it gives the draft)
     st.written.clear();
+    // an id past the draft's vocabulary (a larger target's padding, or a request's own ids): no drafts from here on
+    const int32_t vocab = executor_->vocab_size();
+    if (std::any_of(seq.tokens.begin() + st.computed, seq.tokens.end(), [vocab](int32_t t) { return t >= vocab; }))
+      continue;
     if (st.table.empty()) {  // a new state: the draft pool's prefix cache first
       st.computed = bs * blocks_.match_prefix(seq.tokens.data(), (total - 1) / bs, st.table, &st.key);
       st.published = st.computed / bs;
@@ -142,16 +147,20 @@ void DraftModel::propose(const std::vector<const Sequence*>& seqs, const std::ve
     const int32_t t = out.tokens[k];
     if (t >= 0 && t < target_vocab_) drafts[(size_t)i].push_back(t);
   }
+  // no draft after an end of sequence: the verification would stop there
+  auto ended = [this](const std::vector<int32_t>& d) {
+    return !d.empty() && std::find(eos_token_ids_.begin(), eos_token_ids_.end(), d.back()) != eos_token_ids_.end();
+  };
   // Passes 2, 3, ...: one row each for the sequences that take another draft, its input the draft before.
   for (int32_t depth = 2;; ++depth) {
     Batch next;
     next.block_size_tokens = bs;
     std::vector<int32_t> rows_of;
     for (size_t i = 0; i < n; ++i) {
-      if (want[i] < depth || (int32_t)drafts[i].size() != depth - 1) continue;
+      if (want[i] < depth || (int32_t)drafts[i].size() != depth - 1 || ended(drafts[i])) continue;
       const Sequence& seq = *seqs[i];
       State& st = *states[i];
-      // a grammar's mask after the drafts so far (none past a draft it refuses, or that ends it: an eos)
+      // a grammar's mask after the drafts so far (none past a draft it refuses)
       GrammarMatcher* matcher = masks_fit_ ? seq.matcher.get() : nullptr;
       if (matcher && matcher->num_valid(drafts[i].data(), depth - 1) < depth - 1) continue;
       if (matcher) matcher->request_draft_masks(drafts[i].data(), depth - 1);

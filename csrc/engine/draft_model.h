@@ -30,14 +30,16 @@ namespace lmkit {
 class DraftModel {
  public:
   // executor: the draft model, its KV pool not allocated yet (here: num_blocks blocks of block_size_tokens);
-  // max_rows: rows of one forward at most (its workspaces); target_vocab: a draft id at or past it ends the drafts.
+  // max_rows: rows of one forward at most (its workspaces); target_vocab: a draft id at or past it ends the drafts;
+  // eos_token_ids: a draft of one of them is the last.
   DraftModel(std::unique_ptr<Executor> executor, int32_t num_blocks, int32_t block_size_tokens, int32_t max_rows,
-             int32_t target_vocab);
+             int32_t target_vocab, std::vector<int32_t> eos_token_ids = {});
 
   // Drafts for each seqs[i] (one pending token) up to max_tokens[i] tokens: the draft model's greedy continuation of
   // its tokens, into drafts[i]. Fewer where the draft pool has no room, where the catch-up of a long prompt does not
-  // fit this pass's max_rows (it goes on next time, with no drafts now) or where a draft falls outside the target's
-  // vocabulary. Throws what the executor throws (drafts then empty; the states stay consistent).
+  // fit this pass's max_rows (it goes on next time, with no drafts now), where a draft falls outside the target's
+  // vocabulary or follows an end of sequence, and none where the sequence has an id outside the draft model's. Throws
+  // what the executor throws (the caller then drops the drafts; the states stay consistent).
   void propose(const std::vector<const Sequence*>& seqs, const std::vector<int32_t>& max_tokens,
                std::vector<std::vector<int32_t>>& drafts);
   // Gives back sequence seq_id's draft state (its blocks become cached or free). Unknown ids are ignored.
@@ -69,6 +71,7 @@ class DraftModel {
   BlockManager blocks_;
   int32_t max_rows_;
   int32_t target_vocab_;
+  std::vector<int32_t> eos_token_ids_;
   bool masks_fit_ = false;  // the draft's logits are no wider than a grammar's masks (the target's vocabulary)
   SamplingParams greedy_;
   StepCost pass_cost_;

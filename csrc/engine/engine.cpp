@@ -349,7 +349,7 @@ void Engine::finish(Sequence* seq, FinishReason reason, const Failure& failure) 
   ++metrics_.num_finished_requests;
 }
 
-void Engine::propose_drafts() {
+double Engine::propose_drafts() {
   const SpeculativeConfig& c = options_.speculative;
   std::vector<Sequence*> proposing, modelled;  // modelled: those the draft model drafts for (run_draft_model)
   std::vector<int32_t> model_want;
@@ -383,6 +383,7 @@ void Engine::propose_drafts() {
         seq->draft_source = source;
         modelled.push_back(seq);
         model_want.push_back(want);
+        ++spec.steps_since_probe;  // a proposal (its probe: run_draft_model)
         break;
       }
       // the head drafted for this length exactly when this budget was to be > 0 (SpecState::will_propose), unless the
@@ -409,23 +410,22 @@ void Engine::propose_drafts() {
     const bool probe = ++spec.steps_since_probe >= SpecState::kProbeInterval;
     candidates.push_back({spec.acceptance(seq->draft_source), (int32_t)drafts.size(), probe ? SpecState::kProbeTokens : 0});
   }
-  if (!modelled.empty()) {
+  // a model with recurrent state: no more draft rows than checkpoint slots
+  int32_t max_rows = std::min(c.max_step_draft_tokens, scheduler_.num_free_draft_slots());
+  double seconds = 0;
+  if (!modelled.empty()) {  // the draft model's drafts are final once drawn: its passes are spent
+    const double start = now_seconds();
     for (Sequence* seq : modelled) start_grammar(*seq);  // its drafts are sampled under its masks
-    run_draft_model(modelled, model_want, decode_rows);
+    run_draft_model(modelled, model_want, decode_rows, max_rows);
     for (Sequence* seq : modelled) {
       if (seq->params.grammar) cut_drafts_to_grammar(*seq);
-      if (seq->draft_tokens.empty()) continue;
-      proposing.push_back(seq);
-      const bool probe = ++seq->spec->steps_since_probe >= SpecState::kProbeInterval;
-      candidates.push_back({seq->spec->acceptance(kDraftModel), (int32_t)seq->draft_tokens.size(),
-                            probe ? SpecState::kProbeTokens : 0});
+      max_rows -= (int32_t)seq->draft_tokens.size();
     }
+    seconds = now_seconds() - start;
   }
-  if (proposing.empty()) return;
+  if (proposing.empty()) return seconds;
   // A step with a prompt chunk is dominated by it: its drafts are weighed against the decode rows' cost alone.
   std::vector<int32_t> take;
-  // a model with recurrent state: no more draft rows than checkpoint slots
-  const int32_t max_rows = std::min(c.max_step_draft_tokens, scheduler_.num_free_draft_slots());
   if (c.adaptive) {
     take = choose_drafts(candidates, decode_rows, max_rows, step_cost_);
   } else {  // every proposal, oldest sequences first, within the step's draft rows
@@ -436,22 +436,27 @@ void Engine::propose_drafts() {
     }
   }
   for (size_t i = 0; i < proposing.size(); ++i) proposing[i]->draft_tokens.resize((size_t)take[i]);
+  return seconds;
 }
 
 void Engine::run_draft_model(const std::vector<Sequence*>& seqs, const std::vector<int32_t>& want,
-                             int32_t decode_rows) {
-  const SpeculativeConfig& c = options_.speculative;
-  std::vector<int32_t> take(want);
-  if (c.adaptive) {  // as many as pay, the draft model's passes counted (its probes: the first proposals after
-                     // kProbeInterval, as in propose_drafts)
+                             int32_t decode_rows, int32_t max_rows) {
+  std::vector<int32_t> take(seqs.size(), 0);
+  if (options_.speculative.adaptive) {  // as many as pay, the draft model's passes counted, and the probes (every
+                                        // kProbeInterval proposals, as for the other proposers)
     std::vector<DraftCandidate> candidates;
     for (size_t i = 0; i < seqs.size(); ++i) {
       const SpecState& spec = *seqs[i]->spec;
-      const bool probe = spec.steps_since_probe + 1 >= SpecState::kProbeInterval;
+      const bool probe = spec.steps_since_probe >= SpecState::kProbeInterval;
       candidates.push_back({spec.acceptance(kDraftModel), want[i], probe ? SpecState::kProbeTokens : 0});
     }
-    const int32_t max_rows = std::min(c.max_step_draft_tokens, scheduler_.num_free_draft_slots());
     take = choose_model_drafts(candidates, decode_rows, max_rows, step_cost_, draft_->pass_cost());
+  } else {  // every proposal, oldest sequences first, within the step's draft rows
+    int32_t left = max_rows;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      take[i] = std::max(std::min(want[i], left), 0);
+      left -= take[i];
+    }
   }
   std::vector<const Sequence*> drafting;  // (a sequence that takes none now catches up when it next drafts)
   std::vector<Sequence*> of;
@@ -527,7 +532,8 @@ int32_t Engine::apply_verification(const ScheduledSeq& s, int32_t first_sample, 
 }
 
 void Engine::run_step() {
-  if (options_.speculative.enabled) propose_drafts();
+  // the draft model's passes count with the step's forward for the pacer
+  const double draft_seconds = options_.speculative.enabled ? propose_drafts() : 0.0;
   PromptCaps caps;
   if (pacer_.enabled())  // the scheduler picks alone or beside_decodes: it knows whether any running sequence decodes
     caps = PromptCaps{pacer_.cap(false), pacer_.cap(true), pacer_.chunk_tokens(), pacer_.finish_tokens(), true};
@@ -544,12 +550,12 @@ void Engine::run_step() {
   }
   StepOutput out;
   Batch batch;
-  double step_seconds = 0;
+  double step_seconds = draft_seconds;
   try {
     batch = build_batch(plan, options_.block_size_tokens, stop_rules_);
     const double start = now_seconds();
     out = executor_->step(batch);
-    step_seconds = now_seconds() - start;
+    step_seconds += now_seconds() - start;
   } catch (const std::exception& e) {
     for (const ScheduledSeq& s : plan.seqs) finish(s.seq, FinishReason::kError, {ErrorKind::kInternal, std::string("step failed: ") + e.what()});
     return;

@@ -185,8 +185,9 @@ class Engine {
   std::vector<Ending> apply_step(const BatchPlan& plan, const Batch& batch, StepOutput& out);
   // Creates seq's grammar matcher once its grammar starts and requests its first mask.
   void start_grammar(Sequence& seq);
-  // Speculative decoding: draft tokens for the running decodes that take them (Sequence::draft_tokens).
-  void propose_drafts();
+  // Speculative decoding: draft tokens for the running decodes that take them (Sequence::draft_tokens). Returns the
+  // seconds the draft model's passes took (0 without one).
+  double propose_drafts();
   // speculative='mtp', after a step: the MTP head over the rows the step kept (each row with the token after it, so
   // that its K/V in the head's pool layer are complete for later drafts, prefix hits and recomputation: also those of
   // the sequences that end with this step, finished after it), and a draft of the next token for those that decode
@@ -220,8 +221,10 @@ class Engine {
   // to those before its start token).
   void cut_drafts_to_grammar(Sequence& seq);
   // speculative='draft': the draft model's drafts for seqs (each wanting up to want[i]; decode_rows: the step's rows
-  // without drafts), as many as pay (choose_model_drafts, or all with adaptive off) into their draft_tokens.
-  void run_draft_model(const std::vector<Sequence*>& seqs, const std::vector<int32_t>& want, int32_t decode_rows);
+  // without drafts), as many as pay (choose_model_drafts, or all with adaptive off, oldest first) within max_rows in
+  // all, into their draft_tokens.
+  void run_draft_model(const std::vector<Sequence*>& seqs, const std::vector<int32_t>& want, int32_t decode_rows,
+                       int32_t max_rows);
   void publish_metrics();  // caller holds state_mu_
   // The disk store: a cached block evicted from the pool is copied out for the writer (BlockManager's eviction
   // listener); while idle, and at shutdown, cached blocks not yet on disk are copied out too, so that they survive a

@@ -66,10 +66,10 @@ Ids chain(const Ids& tokens, int32_t count) {
 struct Fixture {
   RuleExecutor* exec;
   std::unique_ptr<DraftModel> draft;
-  Fixture(int32_t blocks, int32_t block_size, int32_t max_rows, int32_t target_vocab = kVocab) {
+  Fixture(int32_t blocks, int32_t block_size, int32_t max_rows, int32_t target_vocab = kVocab, Ids eos = {}) {
     auto e = std::make_unique<RuleExecutor>();
     exec = e.get();
-    draft = std::make_unique<DraftModel>(std::move(e), blocks, block_size, max_rows, target_vocab);
+    draft = std::make_unique<DraftModel>(std::move(e), blocks, block_size, max_rows, target_vocab, eos);
   }
   std::vector<Ids> propose(const std::vector<const Sequence*>& seqs, const Ids& most) {
     std::vector<Ids> drafts;
@@ -222,6 +222,22 @@ TEST(drafts_end_at_an_id_past_the_targets_vocabulary_and_failures_keep_states_co
   f.draft->check_integrity();
   f.exec->fail = false;
   EXPECT_EQ(f.propose({a.get()}, Ids{2})[0], below_8(chain(a->tokens, 2)));
+}
+
+TEST(drafts_stop_after_an_eos_and_an_id_past_the_drafts_vocabulary_stops_only_its_sequence) {
+  const Ids tokens{1, 2, 3};
+  const Ids full = chain(tokens, 6);
+  Fixture f(8, 4, 64, 64, Ids{full[2]});  // target vocabulary 64; the third draft is an eos
+  auto a = make_seq(1, tokens, 3);
+  auto b = make_seq(2, Ids{4, 20, 5}, 3);  // 20: no embedding row in the draft model's 16
+  const std::vector<Ids> drafts = f.propose({a.get(), b.get()}, Ids{6, 6});
+  EXPECT_EQ(drafts[0], Ids(full.begin(), full.begin() + 3));  // up to the eos, included
+  EXPECT(drafts[1].empty());
+  EXPECT_EQ(f.exec->passes[0].size(), (size_t)3);  // a's rows only
+  EXPECT_EQ(f.exec->passes.size(), (size_t)3);
+  f.draft->release(1);
+  f.draft->release(2);
+  f.draft->check_integrity();
 }
 
 int main() { return lmkit::testing::run_all(); }

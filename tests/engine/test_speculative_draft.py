@@ -222,3 +222,96 @@ def test_refusals_name_what_to_fix(tmp_path):
     build_case("qwen3_next", hybrid)
     with pytest.raises(ValueError, match="recurrent layers"):
         pipeline(target, EngineConfig(**BASE, draft_model=str(hybrid)))
+
+
+def test_adaptive_probes_a_draft_model_that_misses(tmp_path):
+    """The default adaptive rule, end to end: a draft model that is never right (its lm_head gives one of two ids the
+    target never picks) is switched off after its first misses and probed with 2 drafts every 16 proposals for as
+    long as the request runs, each probe a verification. (Where drafts pay: choose_model_drafts' units in
+    csrc/tests/test_speculative.cpp, and benchmark/bench_speculative.py on SmolLM2.)"""
+    target, draft, _ = draft_pair(tmp_path, "truncated", seed=100)
+    rng = np.random.default_rng(101)
+    prompts = [rng.integers(0, 256, size=int(n)).tolist() for n in (7, 30)]
+    gen = GenerationConfig(max_new_tokens=160, ignore_eos=True)
+    with pipeline(target, EngineConfig(**BASE, speculative="off")) as pipe:
+        expected = [r.token_ids for r in pipe(prompts, gen)]
+    tensors = load_file(str(draft / "model.safetensors"))
+    never = [t for t in range(LIVE_TOKENS, 256) if all(t not in e for e in expected)][:2]
+    head = tensors["lm_head.weight"]
+    u = torch.randn(head.shape[1])
+    head[:] = 0
+    head[never[0]], head[never[1]] = u, -u  # whatever the hidden state, one of the two is the argmax
+    save_file(tensors, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    with pipeline(target, EngineConfig(**BASE, draft_model=str(draft), num_threads=1)) as pipe:
+        for prompt, answer in zip(prompts, expected):  # one at a time: each one's probes
+            before = pipe.engine.metrics()
+            assert pipe([prompt], gen)[0].token_ids == answer
+            verifications, drafted, accepted = counts(pipe.engine.metrics(), before)
+            assert accepted == 0
+            # switched off after its first misses, then a probe every 16 proposals over the 159 steps after the first
+            assert 159 // 17 - 1 <= verifications <= 159 // 16 + 4, verifications
+            assert drafted <= 2 * verifications + 8 * 4
+
+
+@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_5_moe", "qwen3_moe"])
+def test_hybrid_and_moe_models_keep_their_tokens(tmp_path, case):
+    """A dense Llama of the same tokenizer drafts for a Gated DeltaNet hybrid (a rejected draft's recurrent state
+    rolls back to its checkpoint), a hybrid MoE and a mixture of experts: the tokens of speculation off, with
+    prefix hits, n = 2 and sampling, and no block or state slot held after."""
+    import transformers
+
+    target = tmp_path / "target"
+    build_case(case, target)
+    vocab = transformers.AutoConfig.from_pretrained(str(target)).get_text_config().vocab_size
+    draft = tmp_path / "draft"
+    make_tiny_model(draft, "llama", seed=102, vocab_size=vocab, num_hidden_layers=1)
+    for folder in (target, draft):
+        if "lm_head.weight" in load_file(str(folder / "model.safetensors")):
+            cut_lm_head(folder)
+    rng = np.random.default_rng(103)
+    doc = rng.integers(0, 256, size=20).tolist()
+    prompts = [doc + rng.integers(0, 256, size=int(n)).tolist() for n in (3, 14, 25)]
+    gens = [GenerationConfig(max_new_tokens=30, ignore_eos=True, n=2 if i == 0 else 1, do_sample=i == 1,
+                             random_seed=7, temperature=0.8) for i in range(len(prompts))]
+    settings = dict(BASE, enable_prefix_caching=True)
+
+    def run(spec: dict):
+        with pipeline(target, EngineConfig(**settings, **FIXED, **spec)) as pipe:
+            out = submit_all(pipe.engine, prompts, gens) + submit_all(pipe.engine, prompts, gens)
+            m = pipe.engine.metrics()
+            pipe.engine.check_integrity()
+            assert m.num_active_blocks == 0 and m.num_free_state_slots + m.num_state_snapshots == m.num_total_state_slots
+        return out, m
+
+    expected, _ = run(dict(speculative="off"))
+    got, m = run(dict(draft_model=str(draft), num_speculative_tokens=K))
+    assert got == expected
+    assert m.num_accepted_draft_tokens["draft"] < m.num_draft_tokens["draft"]  # drafts rejected (a hybrid: rolled back)
+    if case.startswith("qwen3_5"):  # and kept (its state going on from a checkpoint)
+        assert m.num_accepted_draft_tokens["draft"] > 0
+
+
+def test_vocabularies_of_other_sizes(tmp_path):
+    """The same tokenizer, other embedding sizes: a draft with fewer rows than the target (a request with an id past
+    them drafts nothing, the others go on) and one with more (its drafts past the target's vocabulary are cut, and a
+    grammar's masks, as wide as the target's vocabulary, are not applied to its wider logits): the tokens of
+    speculation off."""
+    target = tmp_path / "target"
+    make_tiny_model(target, "llama", seed=104, num_hidden_layers=2, vocab_size=300)
+    cut_lm_head(target)
+    rng = np.random.default_rng(105)
+    prompts = [rng.integers(0, 256, size=12).tolist(), rng.integers(0, 256, size=9).tolist() + [290]]
+    regex = StructuredOutput(regex="(ab|cd){4,9}x")
+    gens = [GenerationConfig(max_new_tokens=30, ignore_eos=True), GenerationConfig(max_new_tokens=30, ignore_eos=True),
+            GenerationConfig(max_new_tokens=30, structured_output=regex)]
+    prompts.append([65, 66])
+    with pipeline(target, EngineConfig(**BASE, speculative="off")) as pipe:
+        expected = submit_all(pipe.engine, prompts, gens)
+    for rows in (280, 320):
+        draft = tmp_path / f"draft{rows}"
+        make_tiny_model(draft, "llama", seed=104, num_hidden_layers=1, vocab_size=rows)
+        cut_lm_head(draft)
+        with pipeline(target, EngineConfig(**BASE, **FIXED, draft_model=str(draft), num_speculative_tokens=K)) as pipe:
+            assert submit_all(pipe.engine, prompts, gens) == expected
+            assert pipe.engine.metrics().num_draft_tokens["draft"] > 0
+            pipe.engine.check_integrity()
