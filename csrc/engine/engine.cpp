@@ -383,7 +383,6 @@ double Engine::propose_drafts() {
         seq->draft_source = source;
         modelled.push_back(seq);
         model_want.push_back(want);
-        ++spec.steps_since_probe;  // a proposal (its probe: run_draft_model)
         break;
       }
       // the head drafted for this length exactly when this budget was to be > 0 (SpecState::will_propose), unless the
@@ -442,13 +441,14 @@ double Engine::propose_drafts() {
 void Engine::run_draft_model(const std::vector<Sequence*>& seqs, const std::vector<int32_t>& want,
                              int32_t decode_rows, int32_t max_rows) {
   std::vector<int32_t> take(seqs.size(), 0);
-  if (options_.speculative.adaptive) {  // as many as pay, the draft model's passes counted, and the probes (every
-                                        // kProbeInterval proposals, as for the other proposers)
+  if (options_.speculative.adaptive) {  // as many as pay, the draft model's passes counted, and the probes: a
+    // switched-off draft model's budget (SpecState::draft_budget), every kProbeInterval proposals. (No probe of one
+    // that is on: its passes' timings are fixed at start, and its acceptance waits for the steps where it pays.)
     std::vector<DraftCandidate> candidates;
     for (size_t i = 0; i < seqs.size(); ++i) {
       const SpecState& spec = *seqs[i]->spec;
-      const bool probe = spec.steps_since_probe >= SpecState::kProbeInterval;
-      candidates.push_back({spec.acceptance(kDraftModel), want[i], probe ? SpecState::kProbeTokens : 0});
+      const bool probe = spec.acceptance(kDraftModel) < SpecState::kOffBelow;
+      candidates.push_back({spec.acceptance(kDraftModel), want[i], probe ? want[i] : 0});
     }
     take = choose_model_drafts(candidates, decode_rows, max_rows, step_cost_, draft_->pass_cost());
   } else {  // every proposal, oldest sequences first, within the step's draft rows

@@ -1,6 +1,7 @@
 #include "engine/speculative.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/check.h"
 
@@ -209,61 +210,58 @@ std::vector<int32_t> choose_drafts(const std::vector<DraftCandidate>& candidates
   return take;
 }
 
-namespace {
-
-// Seconds of the draft model's passes for drafts take (pass j over the sequences drafting j or more tokens).
-double draft_pass_seconds(const std::vector<int32_t>& take, const StepCost& draft_cost) {
-  double seconds = 0;
-  for (int32_t depth = 1;; ++depth) {
-    int32_t rows = 0;
-    for (int32_t t : take) rows += t >= depth ? 1 : 0;
-    if (rows == 0) return seconds;
-    seconds += draft_cost.seconds(rows);
-  }
-}
-
-}  // namespace
-
 std::vector<int32_t> choose_model_drafts(const std::vector<DraftCandidate>& candidates, int32_t decode_rows,
                                          int32_t max_rows, const StepCost& cost, const StepCost& draft_cost) {
   const size_t n = candidates.size();
-  bool probes = false;
-  int32_t deepest = 0;
-  for (const DraftCandidate& c : candidates) {
-    probes = probes || std::min(c.at_least, c.proposed) > 0;
-    deepest = std::max(deepest, c.proposed);
+  // the probes first, within the step's draft rows: always taken (a proposer switched off comes back only so)
+  std::vector<int32_t> take(n, 0);
+  int32_t rows = std::max(decode_rows, 1), left = max_rows, deepest = 0;
+  double tokens = rows;
+  for (size_t i = 0; i < n; ++i) {
+    take[i] = std::max(std::min({candidates[i].at_least, candidates[i].proposed, left}), 0);
+    left -= take[i];
+    rows += take[i];
+    float gain = candidates[i].acceptance;
+    for (int32_t j = 0; j < take[i]; ++j) tokens += gain, gain *= candidates[i].acceptance;
+    deepest = std::max(deepest, candidates[i].proposed);
   }
-  if (!(cost.seconds(1) > 0.0) || !(draft_cost.seconds(1) > 0.0)) {  // unmeasured: the probes only
-    std::vector<int32_t> take(n, 0);
-    int32_t left = max_rows;
-    for (size_t i = 0; i < n; ++i) {
-      take[i] = std::max(std::min({candidates[i].at_least, candidates[i].proposed, left}), 0);
-      left -= take[i];
-    }
-    return take;
-  }
-  const int32_t base_rows = std::max(decode_rows, 1);
-  std::vector<int32_t> best(n, 0);
-  double best_rate = probes ? -1.0 : (double)base_rows / cost.seconds(base_rows);  // no drafts (unless a probe)
-  std::vector<DraftCandidate> capped(candidates);
+  if (!(cost.seconds(1) > 0.0) || !(draft_cost.seconds(1) > 0.0)) return take;  // unmeasured: the probes only
+  // pass j runs over the sequences drafting j or more tokens: its rows, depth by depth
+  std::vector<int32_t> at_depth((size_t)deepest + 2, 0);
+  for (int32_t t : take)
+    for (int32_t j = 1; j <= t; ++j) ++at_depth[(size_t)j];
+  auto rate = [&](double tok, int32_t r) {
+    double passes = 0;
+    for (int32_t j = 1; j <= deepest && at_depth[(size_t)j] > 0; ++j) passes += draft_cost.seconds(at_depth[(size_t)j]);
+    return tok / (cost.seconds(r) + passes);
+  };
+  std::vector<int32_t> best = take;
+  double best_rate = rate(tokens, rows);
+  // Then, for each depth d, the sequences by acceptance, best first: the first k of them drafting d tokens (or as
+  // many as they propose), for the d and k whose step gives the most expected tokens per second.
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return candidates[a].acceptance > candidates[b].acceptance;
+  });
+  const std::vector<int32_t> probes = take;
+  const std::vector<int32_t> probe_depths = at_depth;
+  const double probe_tokens = tokens;
+  const int32_t probe_rows = rows, probe_left = left;
   for (int32_t depth = 1; depth <= deepest; ++depth) {
-    std::vector<int32_t> full(n);  // every candidate drafting as deep as it may: the passes choose_drafts weighs
-    for (size_t i = 0; i < n; ++i) {
-      capped[i].proposed = std::min(candidates[i].proposed, std::max(depth, std::min(candidates[i].at_least,
-                                                                                      candidates[i].proposed)));
-      full[i] = capped[i].proposed;
+    take = probes, at_depth = probe_depths, tokens = probe_tokens, rows = probe_rows, left = probe_left;
+    for (size_t i : order) {
+      const int32_t want = std::min({candidates[i].proposed, depth, take[i] + left});
+      if (want <= take[i]) continue;
+      double gain = std::pow((double)candidates[i].acceptance, (double)(take[i] + 1));
+      for (int32_t j = take[i] + 1; j <= want; ++j) {
+        tokens += gain, gain *= candidates[i].acceptance;
+        ++at_depth[(size_t)j];
+      }
+      rows += want - take[i], left -= want - take[i], take[i] = want;
+      const double r = rate(tokens, rows);
+      if (r > best_rate) best_rate = r, best = take;
     }
-    const std::vector<int32_t> take =
-        choose_drafts(capped, decode_rows, max_rows, cost, draft_pass_seconds(full, draft_cost));
-    double tokens = base_rows;
-    int32_t rows = base_rows;
-    for (size_t i = 0; i < n; ++i) {
-      float gain = candidates[i].acceptance;
-      for (int32_t j = 0; j < take[i]; ++j) tokens += gain, gain *= candidates[i].acceptance;
-      rows += take[i];
-    }
-    const double rate = tokens / (cost.seconds(rows) + draft_pass_seconds(take, draft_cost));
-    if (rate > best_rate) best_rate = rate, best = take;
   }
   return best;
 }

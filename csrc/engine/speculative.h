@@ -177,10 +177,11 @@ constexpr double kProbeStepCost = 0.05;
 std::vector<int32_t> choose_drafts(const std::vector<DraftCandidate>& candidates, int32_t decode_rows,
                                    int32_t max_rows, const StepCost& cost, double fixed_seconds = 0);
 
-// The drafts of a draft model's candidates (proposed: how many it may draft): as choose_drafts, with the draft
-// model's passes in the step's cost (a step whose drafts reach depth d runs d passes, pass j over the sequences
-// drafting j or more tokens: draft_cost by those rows), for the depth whose step gives the most expected tokens per
-// second (none when drafting does not pay and no candidate probes).
+// The drafts of a draft model's candidates (proposed: how many it may draft; at_least: a probe's): the probes
+// whatever they cost (only a switched-off proposer probes: its only way back), then, weighing the verification rows
+// and the draft model's passes (pass j runs over the sequences drafting j or more tokens: draft_cost by those rows),
+// the depth d and the number k of sequences, best acceptance first, each drafting up to d tokens, whose step gives
+// the most expected tokens per second; none beyond the probes where no such step beats one without drafts.
 std::vector<int32_t> choose_model_drafts(const std::vector<DraftCandidate>& candidates, int32_t decode_rows,
                                          int32_t max_rows, const StepCost& cost, const StepCost& draft_cost);
 

@@ -211,6 +211,15 @@ TEST(a_draft_model_drafts_while_its_passes_pay) {
   EXPECT(two[0] >= 4 && two[1] < two[0]);
   // nothing measured: only probes
   EXPECT_EQ(choose_model_drafts(C{{0.9f, 8, 0}, {0.1f, 3, 2}}, 2, 32, flat, StepCost(64)), (Ids{0, 2}));
+  // 32 streams on a compute-bound step: none, but the two switched-off sequences' probes (a draft kept 0.8 of the
+  // time adds less than the step's 0.89 tokens a row)
+  C many(32, DraftCandidate{0.8f, 8, 0});
+  many[3] = many[20] = DraftCandidate{0.05f, 2, 2};
+  Ids probes(32, 0);
+  probes[3] = probes[20] = 2;
+  StepCost steep64(64);
+  for (int r = 1; r <= 64; ++r) steep64.record(r, 1.0 * r);
+  EXPECT_EQ(choose_model_drafts(many, 32, 32, steep64, cheap), probes);
   // the depth that pays best, not the first that pays: with passes of 30% of a step depth 1 pays (1.95 tokens in
   // 1.34 steps) and depth 8 most (7.39 in 3.58)
   StepCost mid(64);
