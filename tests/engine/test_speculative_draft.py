@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmkit import EngineConfig, GenerationConfig, StructuredOutput, pipeline
-from tests.factories import build_case, make_tiny_model
+from tests.factories import build_case, make_tiny_model, write_fp8_block_vendor
 from tests.helpers import hf_greedy, run_with_random_cancellations, submit_all
 
 BASE = dict(device="cpu", dtype="float32", cache_max_entry_count=96, cache_block_seq_len=16, max_batch_size=8,
@@ -217,6 +217,10 @@ def test_refusals_name_what_to_fix(tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="another tokenizer"):
         pipeline(target, EngineConfig(**BASE, draft_model=str(other)))
+    # FP8 weights
+    write_fp8_block_vendor(draft, tmp_path / "fp8", block=(16, 16))
+    with pytest.raises(ValueError, match="FP8 weights, which a draft model cannot load yet"):
+        pipeline(target, EngineConfig(**BASE, draft_model=str(tmp_path / "fp8" / "fp8")))
     # a draft with recurrent layers
     hybrid = tmp_path / "hybrid"
     build_case("qwen3_next", hybrid)
