@@ -343,3 +343,23 @@ def speculation_keeps_tokens(folder, settings: dict, prompts, gen, speculative: 
             metrics = pipe.engine.metrics()
     assert outs[speculative] == outs["off"]
     return metrics
+
+
+# A pool that preempts, prefix caching and prompts longer than the step budget (EngineConfig fields; with BASE-like
+# settings), for spec_stress_requests
+SPEC_STRESS_POOL = dict(cache_max_entry_count=16, max_prefill_token_num=24, max_batch_size=6,
+                        enable_prefix_caching=True)
+
+
+def spec_stress_requests(rng) -> tuple[list[list[int]], list]:
+    """Six prompts sharing a 48-token document and their GenerationConfigs: n = 3 seeded completions, penalties,
+    min_new_tokens, sampling and logprobs (speculative decoding's stress case, with SPEC_STRESS_POOL)."""
+    from lmkit import GenerationConfig
+
+    doc = rng.integers(0, 256, size=48).tolist()
+    prompts = [doc + rng.integers(0, 256, size=int(rng.integers(5, 40))).tolist() for _ in range(6)]
+    gens = [GenerationConfig(max_new_tokens=40, ignore_eos=True, n=3 if i == 0 else 1, logprobs=2,
+                             repetition_penalty=1.3 if i == 1 else 1.0, min_new_tokens=10 if i == 2 else 0,
+                             do_sample=i in (0, 3), random_seed=5, temperature=0.7)
+            for i in range(len(prompts))]
+    return prompts, gens

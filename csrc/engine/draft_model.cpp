@@ -71,6 +71,7 @@ void DraftModel::propose(const std::vector<const Sequence*>& seqs, const std::ve
   batch.block_size_tokens = bs;
   std::vector<int32_t> pass_seq;  // batch sequence -> index into seqs
   std::vector<int32_t> catch_up(n, 0);
+  std::vector<uint64_t> starting;  // the first uncached block's key of each new state caught up in this pass
   for (size_t i = 0; i < n; ++i) {
     const Sequence& seq = *seqs[i];
     const int32_t total = seq.num_tokens();
@@ -90,6 +91,13 @@ void DraftModel::propose(const std::vector<const Sequence*>& seqs, const std::ve
     if (st.table.empty()) {  // a new state: the draft pool's prefix cache first
       st.computed = bs * blocks_.match_prefix(seq.tokens.data(), (total - 1) / bs, st.table, &st.key);
       st.published = st.computed / bs;
+      // a prompt another sequence computes from the same block in this pass (the completions of an n > 1 request):
+      // its blocks are in the prefix cache next time, so this one waits for them
+      if (total - 1 >= st.computed + bs) {
+        const uint64_t next = block_key(st.key, seq.tokens.data() + st.computed, bs);
+        if (std::find(starting.begin(), starting.end(), next) != starting.end()) continue;
+        starting.push_back(next);
+      }
     }
     const int32_t left = max_rows_ - batch.num_tokens;
     if (left <= 0) continue;

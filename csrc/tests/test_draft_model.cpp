@@ -130,6 +130,22 @@ TEST(first_drafts_catch_up_the_whole_sequence_then_one_row_a_pass) {
   EXPECT_EQ(f.draft->num_free_blocks(), 8);
 }
 
+TEST(completions_of_one_prompt_compute_it_once) {
+  Fixture f(16, 4, 64);
+  const Ids prompt{1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  auto a = make_seq(1, prompt, 10), b = make_seq(2, prompt, 10), c = make_seq(3, Ids{1, 2, 3, 9}, 4);
+  std::vector<Ids> drafts = f.propose({a.get(), b.get(), c.get()}, Ids{2, 2, 2});
+  EXPECT_EQ(drafts[0], chain(prompt, 2));
+  EXPECT(drafts[1].empty());  // b waits for a's blocks; c's first block differs: it goes on
+  EXPECT_EQ(drafts[2], chain(c->tokens, 2));
+  EXPECT_EQ(f.exec->passes[0].size(), (size_t)(10 + 4));
+  f.exec->passes.clear();
+  drafts = f.propose({b.get()}, Ids{2});  // b: positions 8 and 9 only (a published blocks 0 and 1)
+  EXPECT_EQ(drafts[0], chain(prompt, 2));
+  EXPECT_EQ(f.exec->passes[0].size(), (size_t)2);
+  EXPECT_EQ(f.exec->passes[0][0].position, 8);
+}
+
 TEST(several_sequences_share_each_pass_and_stop_at_their_own_depth) {
   Fixture f(16, 4, 64);
   auto a = make_seq(1, Ids{1, 2, 3}, 2), b = make_seq(2, Ids{4, 5, 6, 7, 8}, 5), c = make_seq(3, Ids{9}, 1);

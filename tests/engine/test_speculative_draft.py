@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from lmkit import EngineConfig, GenerationConfig, StructuredOutput, pipeline
 from tests.factories import build_case, make_tiny_model, write_fp8_block_vendor
-from tests.helpers import hf_greedy, run_with_random_cancellations, submit_all
+from tests.helpers import (SPEC_STRESS_POOL, hf_greedy, run_with_random_cancellations, spec_stress_requests,
+                           submit_all)
 
 BASE = dict(device="cpu", dtype="float32", cache_max_entry_count=96, cache_block_seq_len=16, max_batch_size=8,
             decode_slowdown=0)
@@ -143,13 +144,8 @@ def test_chunked_prefill_prefix_hits_preemption_n_and_sampling(tmp_path):
     logprobs: the tokens of speculation off, and no block or draft state held once all have ended."""
     target, draft, _ = draft_pair(tmp_path, "truncated", seed=94)
     rng = np.random.default_rng(95)
-    doc = rng.integers(0, 256, size=48).tolist()
-    prompts = [doc + rng.integers(0, 256, size=int(rng.integers(5, 40))).tolist() for _ in range(6)]
-    base = dict(BASE, cache_max_entry_count=16, max_prefill_token_num=24, max_batch_size=6, enable_prefix_caching=True)
-    gens = [GenerationConfig(max_new_tokens=40, ignore_eos=True, n=3 if i == 0 else 1, logprobs=2,
-                             repetition_penalty=1.3 if i == 1 else 1.0, min_new_tokens=10 if i == 2 else 0,
-                             do_sample=i in (0, 3), random_seed=5, temperature=0.7)
-            for i in range(len(prompts))]
+    prompts, gens = spec_stress_requests(rng)
+    base = dict(BASE, **SPEC_STRESS_POOL)
 
     def run(spec: dict):
         with pipeline(target, EngineConfig(**base, **FIXED, **spec)) as pipe:
@@ -288,7 +284,8 @@ def test_hybrid_and_moe_models_keep_their_tokens(tmp_path, case):
             out = submit_all(pipe.engine, prompts, gens) + submit_all(pipe.engine, prompts, gens)
             m = pipe.engine.metrics()
             pipe.engine.check_integrity()
-            assert m.num_active_blocks == 0 and m.num_free_state_slots + m.num_state_snapshots == m.num_total_state_slots
+            assert m.num_active_blocks == 0
+            assert m.num_free_state_slots + m.num_state_snapshots == m.num_total_state_slots
         return out, m
 
     expected, _ = run(dict(speculative="off"))

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from lmkit import EngineConfig, GenerationConfig, pipeline
 from lmkit._ext import _engine
 from tests.factories import QWEN3_5, QWEN3_5_MOE, TOKEN_IDS, add_mtp_head, build_case, write_qwen3_5_multimodal
-from tests.helpers import assert_blocks_free, run_with_random_cancellations, speculation_keeps_tokens, submit_all
+from tests.helpers import (SPEC_STRESS_POOL, assert_blocks_free, run_with_random_cancellations, spec_stress_requests,
+                           speculation_keeps_tokens, submit_all)
 
 BASE = dict(device="cpu", dtype="float32", cache_max_entry_count=96, cache_block_seq_len=16, max_batch_size=8)
 FIXED = dict(speculative_adaptive=False)  # every proposal verified, whatever steps cost
@@ -175,13 +176,8 @@ def test_mtp_drafts_with_chunked_prefill_prefix_hits_preemption_and_n(tmp_path):
     them; that its K/V come back with prefix hits: test_prefix_hits_carry_the_heads_kv)."""
     mtp_model(tmp_path, "dense", seed=82)
     rng = np.random.default_rng(83)
-    doc = rng.integers(0, 256, size=48).tolist()
-    prompts = [doc + rng.integers(0, 256, size=int(rng.integers(5, 40))).tolist() for _ in range(6)]
-    base = dict(BASE, cache_max_entry_count=16, max_prefill_token_num=24, max_batch_size=6, enable_prefix_caching=True)
-    gens = [GenerationConfig(max_new_tokens=40, ignore_eos=True, n=3 if i == 0 else 1, logprobs=2,
-                             repetition_penalty=1.3 if i == 1 else 1.0, min_new_tokens=10 if i == 2 else 0,
-                             do_sample=i in (0, 3), random_seed=5, temperature=0.7)
-            for i in range(len(prompts))]
+    prompts, gens = spec_stress_requests(rng)
+    base = dict(BASE, **SPEC_STRESS_POOL)
 
     def run(spec: str):
         with pipeline(tmp_path, EngineConfig(**base, **FIXED, speculative=spec)) as pipe:
