@@ -38,11 +38,13 @@ def ppl_dict(result) -> dict | None:
 
 
 def evaluate_before_after(result, config, source: Path, checkpoint: Path, label: str, reporter: Reporter) -> None:
-    """Sets ``result``'s ppl_before/ppl_after (``config.eval``) and tasks_before/tasks_after (``config.eval_tasks``):
-    the source against the finished ``checkpoint`` (called ``label`` in the progress line). ``config`` has the
-    eval_* fields and device of AwqConfig / SmoothQuantConfig."""
+    """Sets ``result``'s ppl_before/ppl_after and kl (``config.eval``: the checkpoint's next-token distributions
+    against the source's, llama.cpp's --kl-divergence measure, on the same text and windows) and
+    tasks_before/tasks_after (``config.eval_tasks``): the source against the finished ``checkpoint`` (called
+    ``label`` in the progress line). ``config`` has the eval_* fields and device of AwqConfig / SmoothQuantConfig."""
     if config.eval:
-        from lmkit.lite.config import PplConfig
+        from lmkit.lite.config import KlConfig, PplConfig
+        from lmkit.lite.kl import kl_divergence
         from lmkit.lite.ppl import evaluate_perplexity
 
         ppl_config = PplConfig(dataset=config.eval_dataset, seqlen=config.eval_seqlen,
@@ -51,6 +53,9 @@ def evaluate_before_after(result, config, source: Path, checkpoint: Path, label:
         result.ppl_before = evaluate_perplexity(source, ppl_config)
         reporter.phase(f"perplexity of the {label} checkpoint on {config.eval_dataset}")
         result.ppl_after = evaluate_perplexity(checkpoint, ppl_config)
+        reporter.phase(f"KL divergence of the {label} checkpoint from the source on {config.eval_dataset}")
+        result.kl = kl_divergence(source, checkpoint, KlConfig(dataset=config.eval_dataset, seqlen=config.eval_seqlen,
+                                                               max_tokens=config.eval_max_tokens))
     if config.eval_tasks:
         from lmkit.lite.config import EvalConfig
         from lmkit.lite.evaluate import evaluate_tasks
@@ -70,7 +75,28 @@ def report_json(result, config, calib_seqlen: int) -> dict:
         "phase_seconds": {k: round(v, 2) for k, v in result.phase_seconds.items()},
         "size_before_bytes": result.size_before_bytes, "size_after_bytes": result.size_after_bytes,
         "ppl_before": ppl_dict(result.ppl_before), "ppl_after": ppl_dict(result.ppl_after),
+        # (measured on the checkpoint before it moved to work_dir)
+        "kl": dict(result.kl.as_dict(), model=str(result.work_dir)) if result.kl else None,
         "tasks_before": result.tasks_before.as_dict() if result.tasks_before else None,
         "tasks_after": result.tasks_after.as_dict() if result.tasks_after else None,
+        "task_differences": task_differences(result.tasks_before, result.tasks_after),
         "layers": result.layers,
     }
+
+
+def task_differences(before, after) -> list[dict] | None:
+    """report.json's paired differences of two TaskResults (after - before per task and metric, over the documents
+    both scored: the difference, its standard error and the documents), or None without tasks."""
+    if before is None or after is None:
+        return None
+    from lmkit.lite.evaluate import paired_difference
+
+    rows = []
+    for task, metrics in before.metrics.items():
+        for metric in metrics:
+            d = paired_difference(before, after, task, metric)
+            rows.append({"task": task, "metric": metric, "before": metrics[metric][0],
+                         "after": after.metrics.get(task, {}).get(metric, (None,))[0],
+                         "difference": d[0] if d else None, "stderr": d[1] if d else None,
+                         "documents": d[2] if d else 0})
+    return rows

@@ -67,6 +67,7 @@ class SmoothQuantResult:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     ppl_before: Any = None  # PplResult when config.eval
     ppl_after: Any = None
+    kl: Any = None  # KlResult of the checkpoint against the source when config.eval
     tasks_before: Any = None  # TaskResult when config.eval_tasks
     tasks_after: Any = None
     layers: list[dict] = field(default_factory=list)

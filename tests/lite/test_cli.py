@@ -25,6 +25,13 @@ def test_cli_awq_then_ppl(lite_tiny_llama, tmp_path):
     assert qc["format"] == "pack-quantized" and qc["config_groups"]["group_0"]["weights"]["group_size"] == 32
     report = json.loads((out / "awq" / "report.json").read_text())
     assert report["ppl_before"]["ppl"] > 1 and report["ppl_after"]["ppl"] > 1
+    # the checkpoint's next-token distributions against the source's (lite/kl.py), on the same text
+    kl = report["kl"]
+    assert kl["reference"] == str(lite_tiny_llama) and kl["model"] == str(out) and kl["dataset"] == "pydoc"
+    assert kl["positions"] > 0 and 0 < kl["mean_kl"] < kl["max_kl"] and 0 < kl["same_top1"] <= 1
+    assert kl["ppl_reference"] > 1 and kl["ppl_model"] > 1
+    assert "KL from the source" in result.output and "same top token" in result.output
+    assert report["task_differences"] is None  # (no --tasks)
 
     result = runner.invoke(app, ["lite", "ppl", str(out), "--dataset", "pydoc", "--seqlen", "64",
                                  "--max-tokens", "256"])

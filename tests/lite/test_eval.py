@@ -188,3 +188,10 @@ def test_awq_eval_tasks_go_into_the_report(lite_tiny_llama, tmp_path, monkeypatc
     assert set(before["metrics"]["lmkit_pydoc_nextword"]) == {"acc", "perplexity"}
     # the quantized model scores differently (RTN int4 of a random model moves every logprob)
     assert before["metrics"]["lmkit_pydoc_nextword"]["perplexity"] != after["metrics"]["lmkit_pydoc_nextword"]["perplexity"]
+    # the paired differences: acc is per document (mean-aggregated); after - before as the two tables give it
+    diffs = {d["metric"]: d for d in report["task_differences"] if d["task"] == "lmkit_pydoc_nextword"}
+    acc = diffs["acc"]
+    assert acc["documents"] == 8 and acc["stderr"] is not None
+    assert abs(acc["difference"] - (after["metrics"]["lmkit_pydoc_nextword"]["acc"]["value"]
+                                    - before["metrics"]["lmkit_pydoc_nextword"]["acc"]["value"])) < 1e-9
+    assert acc["before"] == before["metrics"]["lmkit_pydoc_nextword"]["acc"]["value"]
