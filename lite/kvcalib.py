@@ -19,6 +19,9 @@
 
 A hybrid's recurrent layers (Gated DeltaNet: Qwen3.5, Qwen3-Next) keep no KV cache: steps 1 and 3 run over the
 attention layers only, and the policy writes the others as 0.
+Gemma 4's E-models' last layers read an earlier layer's KV cache (one cache, its precision): the search runs over
+the layers with a cache of their own, the one-layer int4 KL quantizes a cache for every layer that reads it, and the
+policy writes a reading layer with its source's bits.
 
 Every policy returned was measured: its perplexity on the evaluation text is within the budget (the
 search assumes perplexity grows with k and shrinks with m; where it does not, it may stop short).
@@ -146,21 +149,27 @@ def _head(lm, hooks, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _int4_kl(lm, windows: torch.Tensor, batch_size: int, device, reporter: Reporter, hooks=None) -> list[float]:
+def _int4_kl(lm, windows: torch.Tensor, batch_size: int, device, reporter: Reporter, hooks=None,
+             sources: list[int] | None = None) -> list[float]:
     """Per layer: mean KL(p_fp || p_q) in nats per predicted token over ``windows`` [n, seqlen] when only
-    that layer's KV is int4. The layers before it compute what they compute in fp, so each run starts
-    from the fp input of that layer (recorded with the arguments HF passes to every decoder layer)."""
+    that layer's KV is int4 (``sources``: the layer whose KV cache each layer reads, Gemma 4's E-models; a layer's
+    int4 cache is then int4 for the layers that read it too, and those have no KL of their own). The layers before
+    it compute what they compute in fp, so each run starts from the fp input of that layer (recorded with the
+    arguments HF passes to every decoder layer; runs in layer order, so a cache an earlier layer shares was last
+    written from its fp input)."""
     hooks = hooks or _hooks_of(lm)
     layers = lm.get_submodule(hooks.layers)
     num_layers = len(layers)
+    sources = sources or list(range(num_layers))
     kl = [0.0] * num_layers
     count = 0
     batches = windows.split(batch_size)
-    kv_layers = attention_layers(lm, hooks)
+    kv_layers = kv_cache_layers(lm, hooks, sources)
     reporter.start_steps("int4 KV one layer at a time", len(batches) * len(kv_layers))
     for batch in batches:
-        inputs: list[tuple[torch.Tensor, dict]] = []  # per layer: (hidden states in, keyword arguments)
-        handles = [layer.register_forward_pre_hook(lambda m, args, kwargs: inputs.append((args[0], kwargs)),
+        # per layer: (positional arguments: the hidden states in first, Gemma 4's per-layer input next; keywords)
+        inputs: list[tuple[tuple, dict]] = []
+        handles = [layer.register_forward_pre_hook(lambda m, args, kwargs: inputs.append((args, kwargs)),
                                                    with_kwargs=True) for layer in layers]
         try:
             logits = lm(input_ids=batch.to(device), kv_bits=[0] * num_layers, use_cache=False).logits
@@ -171,10 +180,10 @@ def _int4_kl(lm, windows: torch.Tensor, batch_size: int, device, reporter: Repor
         ref_p = ref.exp()
         del logits
         for i in kv_layers:  # (a layer without attention has no KV to quantize: its KL stays 0)
-            bits = [4 if j == i else 0 for j in range(num_layers)]
-            hidden = inputs[i][0]
+            bits = [4 if sources[j] == i else 0 for j in range(num_layers)]
+            hidden = inputs[i][0][0]
             for j in range(i, num_layers):
-                hidden = layers[j](hidden, **{**inputs[j][1], "kv_bits": bits})
+                hidden = layers[j](hidden, *inputs[j][0][1:], **{**inputs[j][1], "kv_bits": bits})
             q = torch.log_softmax(_head(lm, hooks, hidden)[:, :-1].float(), dim=-1)
             kl[i] += float((ref_p * (ref - q)).sum())
             reporter.step_done()
@@ -183,8 +192,13 @@ def _int4_kl(lm, windows: torch.Tensor, batch_size: int, device, reporter: Repor
 
 
 def attention_layers(lm, hooks) -> list[int]:
-    """The decoder layers with attention, the ones with a KV cache (a hybrid's recurrent layers have none)."""
+    """The decoder layers with attention (a hybrid's recurrent layers have none)."""
     return [i for i, layer in enumerate(lm.get_submodule(hooks.layers)) if hasattr(layer, hooks.attention)]
+
+
+def kv_cache_layers(lm, hooks, sources: list[int]) -> list[int]:
+    """The layers with a KV cache of their own: attention layers that read no earlier layer's (``sources``)."""
+    return [i for i in attention_layers(lm, hooks) if sources[i] == i]
 
 
 def choose_policy(order_int4: list[int], order_fp: list[int], ppl_of, limit: float,
@@ -259,10 +273,6 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
                          "is not written); serve "
                          "it with a uniform quant_policy=8 or 4 instead")
     fields = get_architecture(architecture).model_fields(raw)
-    if fields.layer_kv_source:
-        raise ValueError(f"lmkit lite calibrate does not calibrate {architecture}'s layers that read earlier layers' "
-                         "KV cache (Gemma 4 E2B/E4B: one cache, two layers' precision) yet; serve it with a uniform "
-                         "quant_policy=8 or 4 instead")
     policy_path = _policy_path(config.work_dir, config.overwrite)
 
     reporter.phase(f"tokenizing {config.calib_dataset} (calibration) and {config.eval_dataset} (evaluation)")
@@ -287,6 +297,9 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
     seqlen = min(config.calib_seqlen, max_seqlen) if max_seqlen else config.calib_seqlen
     windows = mixed_windows(tokenizer, calib_corpora, config.calib_samples, seqlen, config.seed)
 
+    # the layer whose KV cache each layer reads: its own, or (Gemma 4's E-models) an earlier layer's, whose precision
+    # it then has (one cache)
+    sources = list(fields.layer_kv_source) or list(range(num_layers))
     phase_seconds = {"prepare": time.perf_counter() - start}
     t = time.perf_counter()
     layer_errors, num_calib_tokens = _attention_errors(lm, windows, config.batch_size, device, reporter, hooks)
@@ -294,7 +307,8 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
     int4_kl = None
     if config.sensitivity_samples:
         t = time.perf_counter()
-        int4_kl = _int4_kl(lm, windows[:config.sensitivity_samples], config.batch_size, device, reporter, hooks)
+        int4_kl = _int4_kl(lm, windows[:config.sensitivity_samples], config.batch_size, device, reporter, hooks,
+                           sources)
         phase_seconds["int4_kl"] = time.perf_counter() - t
     t = time.perf_counter()
 
@@ -314,14 +328,15 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
             search.append({"layers": list(layers), "ppl": cache[key]})
         return cache[key]
 
-    # the search runs over the layers with a KV cache; the others are written as 0 (nothing to quantize)
-    kv_layers = attention_layers(lm, hooks)
+    # the search runs over the layers with a KV cache of their own; a layer that reads another's cache is written with
+    # that layer's bits (the engine keeps one cache), the others as 0 (nothing to quantize)
+    kv_layers = kv_cache_layers(lm, hooks, sources)
 
     def on_kv_layers(bits: list[int]) -> list[int]:
         full = [0] * num_layers
         for i, b in zip(kv_layers, bits):
             full[i] = b
-        return full
+        return [full[sources[i]] for i in range(num_layers)]
 
     n = len(kv_layers)
     ppl = {"fp": ppl_of([0] * num_layers), "int8": ppl_of(on_kv_layers([8] * n)),

@@ -233,19 +233,25 @@ def hand_dequantize(tensors: dict[str, "torch.Tensor"], name: str, group_size: i
     return ((q - z).float() * s).t()
 
 
-def assert_int4_kl_per_layer(lm, windows: "torch.Tensor", num_layers: int) -> None:
+def assert_int4_kl_per_layer(lm, windows: "torch.Tensor", num_layers: int, sources: list[int] | None = None) -> None:
     """_int4_kl (in batches of 2) equals the KL of the fp model to the model with only layer i's KV at int4,
-    computed here in full, for every layer i (windows [n, len]: KL per predicted token)."""
+    computed here in full, for every layer i (windows [n, len]: KL per predicted token); sources: the layer whose
+    KV cache each layer reads (Gemma 4's E-models: a cache at int4 for every layer reading it; a reading layer has
+    no KL of its own)."""
     import torch
 
     from lmkit.lite.kvcalib import _int4_kl, _SilentReporter
 
-    got = _int4_kl(lm, windows, 2, torch.device("cpu"), _SilentReporter())
+    sources = sources or list(range(num_layers))
+    got = _int4_kl(lm, windows, 2, torch.device("cpu"), _SilentReporter(), sources=sources)
     n, length = windows.shape
     with torch.no_grad():
         ref = torch.log_softmax(lm(input_ids=windows, kv_bits=[0] * num_layers, use_cache=False).logits[:, :-1], -1)
         for i in range(num_layers):
-            bits = [4 if j == i else 0 for j in range(num_layers)]
+            if sources[i] != i:
+                assert got[i] == 0.0, (i, got[i])
+                continue
+            bits = [4 if sources[j] == i else 0 for j in range(num_layers)]
             q = torch.log_softmax(lm(input_ids=windows, kv_bits=bits, use_cache=False).logits[:, :-1], -1)
             want = float((ref.exp() * (ref - q)).sum()) / (n * (length - 1))
             assert got[i] == pytest.approx(want, rel=1e-4), (i, got[i], want)

@@ -5,7 +5,7 @@ and equals full passes, and the policy search runs over the attention layers: th
 and the engine serves the policy, within the budget, as Qwen ships the model (Qwen3_5ForConditionalGeneration) too.
 gpt-oss (sinks, through its own eager attention) and Gemma 4 (per-layer head dims, the value norm, k = v, the MoE
 block): fake quantization at 0 bits is the model itself, the one-layer KL equals full passes, and the policy is
-served; the E-models (KV sharing) are refused by name."""
+served; the E-models (KV sharing): one precision per cache, its readers' too."""
 
 from __future__ import annotations
 
@@ -95,7 +95,36 @@ def test_calibration_of_sinks_and_gemma4(case, tmp_path):
         assert len(pipe([[1, 5, 9, 33, 70]], GenerationConfig(max_new_tokens=4, ignore_eos=True))[0].token_ids) == 4
 
 
-def test_kv_sharing_is_refused_by_name(tmp_path):
-    _write_case(ARCH_CASES["gemma4_e"], tmp_path / "e")
-    with pytest.raises(ValueError, match="does not calibrate Gemma4ForCausalLM's layers that read earlier layers' KV"):
-        calibrate_kv(tmp_path / "e", KvCalibConfig(work_dir=tmp_path / "kv", **TINY_KV))
+def test_kv_sharing_layers_take_their_sources_precision(tmp_path):
+    """Gemma 4's E-model form (per-layer inputs; the last layers read an earlier layer's KV cache): a cache's
+    precision is its layer's and every reader's. The fake quantization of a source's cache changes its readers (their
+    attention reads it), the one-layer int4 KL of a source (its readers' caches int4 with it) equals full passes, the
+    search moves only the layers with a cache of their own, the policy writes each reader with its source's bits,
+    stays within the budget, and the engine serves it."""
+    source = tmp_path / "e"
+    _write_case(ARCH_CASES["gemma4_e"], source)
+    lm = load_causal_lm(source)
+    n = lm.config.num_hidden_layers
+    sources = get_architecture(lm.config.architectures[0]).model_fields(
+        json.loads((source / "config.json").read_text())).layer_kv_source
+    readers = [i for i in range(n) if sources[i] != i]
+    assert readers and all(sources[i] < i for i in readers)
+    ids = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        plain = lm(input_ids=ids).logits
+        use_kv_fake_quant_attention(lm, get_architecture(lm.config.architectures[0]).kv_calib)
+        assert torch.equal(lm(input_ids=ids, kv_bits=[0] * n, use_cache=False).logits, plain)
+        # a reader quantizes what it reads from its source's cache: bits on a reader alone change the output
+        only_reader = [4 if i == readers[-1] else 0 for i in range(n)]
+        assert not torch.equal(lm(input_ids=ids, kv_bits=only_reader, use_cache=False).logits, plain)
+    assert_int4_kl_per_layer(lm, torch.randint(0, 250, (3, 32), generator=torch.Generator().manual_seed(8)), n,
+                             sources)
+    result = calibrate_kv(source, KvCalibConfig(work_dir=tmp_path / "kv", max_ppl_increase=0.01, **TINY_KV))
+    assert len(result.layers) == n and result.ppl["policy"] <= result.ppl_limit
+    assert all(result.layers[i] == result.layers[sources[i]] for i in range(n))
+    assert all(result.layer_int4_kl[i] == 0.0 for i in readers)
+    for entry in result.search:  # every measured policy kept one precision per cache
+        assert all(entry["layers"][i] == entry["layers"][sources[i]] for i in range(n))
+    with pipeline(str(source), EngineConfig(device="cpu", dtype="float32", kv_policy=str(result.policy_path),
+                                            session_len=256)) as pipe:
+        assert len(pipe([[1, 5, 9, 33, 70]], GenerationConfig(max_new_tokens=4, ignore_eos=True))[0].token_ids) == 4
