@@ -18,12 +18,14 @@ constexpr int32_t kCalibrationRows[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64
 }  // namespace
 
 DraftModel::DraftModel(std::unique_ptr<Executor> executor, int32_t num_blocks, int32_t block_size_tokens,
-                       int32_t max_rows, int32_t target_vocab, std::vector<int32_t> eos_token_ids)
+                       int32_t max_rows, int32_t target_vocab, std::vector<int32_t> eos_token_ids,
+                       bool prefix_caching)
     : executor_(std::move(executor)),
       blocks_(num_blocks, block_size_tokens),
       max_rows_(max_rows),
       target_vocab_(target_vocab),
       eos_token_ids_(std::move(eos_token_ids)),
+      prefix_caching_(prefix_caching),
       pass_cost_(std::min(max_rows, 1024)) {
   LMKIT_CHECK(executor_ != nullptr, "a draft model needs an executor");
   LMKIT_CHECK(executor_->state_bytes_per_slot() == 0, "a draft model with recurrent layers is not supported");
@@ -52,6 +54,7 @@ bool DraftModel::reserve(State& st, int32_t end, const std::vector<int64_t>& bus
 }
 
 void DraftModel::publish(State& st, const int32_t* tokens) {
+  if (!prefix_caching_) return;  // (then no block has a key: released blocks are free)
   const int32_t bs = blocks_.block_size_tokens();
   for (; st.published < st.computed / bs; ++st.published)
     st.key = blocks_.publish(st.table[(size_t)st.published], st.key, tokens + (int64_t)st.published * bs);
@@ -93,7 +96,7 @@ void DraftModel::propose(const std::vector<const Sequence*>& seqs, const std::ve
       st.published = st.computed / bs;
       // a prompt another sequence computes from the same block in this pass (the completions of an n > 1 request):
       // its blocks are in the prefix cache next time, so this one waits for them
-      if (total - 1 >= st.computed + bs) {
+      if (prefix_caching_ && total - 1 >= st.computed + bs) {
         const uint64_t next = block_key(st.key, seq.tokens.data() + st.computed, bs);
         if (std::find(starting.begin(), starting.end(), next) != starting.end()) continue;
         starting.push_back(next);

@@ -6,7 +6,7 @@
 // inputs it remembers (`written`). Before a step, propose() takes a sequence whose tokens [0, n) are known (n - 1
 // pending, in no KV yet): the drafts the target kept since then count as computed (their inputs equal the tokens),
 // one pass over positions [computed, n) (the catch-up: usually the last token, or two; the whole prompt the first
-// time, after a prefix-cache hit in the draft pool's own cache) samples the first draft, and each further pass
+// time, after a prefix-cache hit in the draft pool's own cache, kept as the engine's pool keeps one) samples the first draft, and each further pass
 // decodes one draft more for every sequence that takes it. Nothing of the target's state is touched: a draft state
 // lives until the sequence ends (release()), a fork starts its own from the draft pool's prefix cache, and a draft
 // pool that runs out only means fewer drafts (idle states are given back first). A grammar-constrained sequence's
@@ -31,9 +31,10 @@ class DraftModel {
  public:
   // executor: the draft model, its KV pool not allocated yet (here: num_blocks blocks of block_size_tokens);
   // max_rows: rows of one forward at most (its workspaces); target_vocab: a draft id at or past it ends the drafts;
-  // eos_token_ids: a draft of one of them is the last.
+  // eos_token_ids: a draft of one of them is the last; prefix_caching: the draft pool keeps the blocks of ended
+  // sequences for prefix hits (as the engine's pool does with enable_prefix_caching), else they are free at once.
   DraftModel(std::unique_ptr<Executor> executor, int32_t num_blocks, int32_t block_size_tokens, int32_t max_rows,
-             int32_t target_vocab, std::vector<int32_t> eos_token_ids = {});
+             int32_t target_vocab, std::vector<int32_t> eos_token_ids = {}, bool prefix_caching = true);
 
   // Drafts for each seqs[i] (one pending token) up to max_tokens[i] tokens: the draft model's greedy continuation of
   // its tokens, into drafts[i]. Fewer where the draft pool has no room, where the catch-up of a long prompt does not
@@ -48,6 +49,8 @@ class DraftModel {
   void calibrate();
   // Seconds of one draft pass by its rows (calibrate(); 0 before it).
   const StepCost& pass_cost() const { return pass_cost_; }
+  // Gives the pages of the draft pool's free blocks and of the draft's scratch back to the OS (Executor's).
+  void release_idle_memory() { executor_->release_idle_memory(blocks_.free_block_ids()); }
   // Throws when the draft pool's bookkeeping is inconsistent (block states, references against the tables).
   void check_integrity() const;
   std::vector<int64_t> state_ids() const;
@@ -72,6 +75,7 @@ class DraftModel {
   int32_t max_rows_;
   int32_t target_vocab_;
   std::vector<int32_t> eos_token_ids_;
+  bool prefix_caching_;
   bool masks_fit_ = false;  // the draft's logits are no wider than a grammar's masks (the target's vocabulary)
   SamplingParams greedy_;
   StepCost pass_cost_;

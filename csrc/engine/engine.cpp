@@ -644,6 +644,7 @@ void Engine::release_idle_memory() {
   if (scheduler_.has_work()) return;
   try {
     executor_->release_idle_memory(blocks_.free_block_ids());
+    if (draft_) draft_->release_idle_memory();
   } catch (const std::exception& e) {  // advice to the OS: a failure costs memory, not correctness
     std::fprintf(stderr, "lmkit: releasing idle memory failed: %s\n", e.what());
   }

@@ -131,7 +131,8 @@ std::unique_ptr<Engine> create_engine(const EngineConfig& config, const ModelCon
   std::unique_ptr<DraftModel> draft_model;
   if (draft_executor)
     draft_model = std::make_unique<DraftModel>(std::move(draft_executor), sizes.num_blocks, config.block_size_tokens,
-                                               backend.max_step_tokens, model.vocab_size, eos_token_ids);
+                                               backend.max_step_tokens, model.vocab_size, eos_token_ids,
+                                               config.enable_prefix_caching);
   return std::make_unique<Engine>(options, std::move(executor), std::move(draft_model));
 }
 

@@ -66,10 +66,12 @@ Ids chain(const Ids& tokens, int32_t count) {
 struct Fixture {
   RuleExecutor* exec;
   std::unique_ptr<DraftModel> draft;
-  Fixture(int32_t blocks, int32_t block_size, int32_t max_rows, int32_t target_vocab = kVocab, Ids eos = {}) {
+  Fixture(int32_t blocks, int32_t block_size, int32_t max_rows, int32_t target_vocab = kVocab, Ids eos = {},
+          bool prefix_caching = true) {
     auto e = std::make_unique<RuleExecutor>();
     exec = e.get();
-    draft = std::make_unique<DraftModel>(std::move(e), blocks, block_size, max_rows, target_vocab, eos);
+    draft = std::make_unique<DraftModel>(std::move(e), blocks, block_size, max_rows, target_vocab, eos,
+                                         prefix_caching);
   }
   std::vector<Ids> propose(const std::vector<const Sequence*>& seqs, const Ids& most) {
     std::vector<Ids> drafts;
@@ -144,6 +146,24 @@ TEST(completions_of_one_prompt_compute_it_once) {
   EXPECT_EQ(drafts[0], chain(prompt, 2));
   EXPECT_EQ(f.exec->passes[0].size(), (size_t)2);
   EXPECT_EQ(f.exec->passes[0][0].position, 8);
+}
+
+TEST(without_prefix_caching_nothing_is_kept_and_completions_do_not_wait) {
+  Fixture f(16, 4, 64, kVocab, {}, false);
+  const Ids prompt{1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  auto a = make_seq(1, prompt, 10), b = make_seq(2, prompt, 10);
+  const std::vector<Ids> drafts = f.propose({a.get(), b.get()}, Ids{2, 2});
+  EXPECT_EQ(drafts[0], chain(prompt, 2));
+  EXPECT_EQ(drafts[1], chain(prompt, 2));  // each computes the prompt
+  EXPECT_EQ(f.exec->passes[0].size(), (size_t)20);
+  f.draft->release(1);
+  f.draft->release(2);
+  f.draft->check_integrity();
+  EXPECT_EQ(f.draft->num_free_blocks(), 16);
+  auto c = make_seq(3, prompt, 10);
+  f.exec->passes.clear();
+  f.propose({c.get()}, Ids{1});
+  EXPECT_EQ(f.exec->passes[0].size(), (size_t)10);  // no hit
 }
 
 TEST(several_sequences_share_each_pass_and_stop_at_their_own_depth) {
