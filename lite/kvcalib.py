@@ -342,9 +342,12 @@ def calibrate_kv(model: str | Path | None, config: KvCalibConfig, reporter: Repo
     ppl = {"fp": ppl_of([0] * num_layers), "int8": ppl_of(on_kv_layers([8] * n)),
            "int4": ppl_of(on_kv_layers([4] * n))}
     limit = ppl["fp"] * (1 + config.max_ppl_increase)
+    def cache_error(i: int, variant: str) -> float:  # a cache's error: its layer's and its readers' (root sum of squares)
+        return math.sqrt(sum(layer_errors[j][variant] ** 2 for j in range(num_layers) if sources[j] == i))
+
     order_int4 = sorted(range(n), key=lambda k: (int4_kl[kv_layers[k]] if int4_kl else 0.0,
-                                                 layer_errors[kv_layers[k]]["int4"], k))
-    order_fp = sorted(range(n), key=lambda k: (-layer_errors[kv_layers[k]]["int8"], k))
+                                                 cache_error(kv_layers[k], "int4"), k))
+    order_fp = sorted(range(n), key=lambda k: (-cache_error(kv_layers[k], "int8"), k))
     layers = on_kv_layers(choose_policy(order_int4, order_fp, lambda bits: ppl_of(on_kv_layers(bits)), limit,
                                         ppl["int8"], ppl["int4"]))
     ppl["policy"] = ppl_of(layers)

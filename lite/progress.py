@@ -54,8 +54,13 @@ def evaluate_before_after(result, config, source: Path, checkpoint: Path, label:
         reporter.phase(f"perplexity of the {label} checkpoint on {config.eval_dataset}")
         result.ppl_after = evaluate_perplexity(checkpoint, ppl_config)
         reporter.phase(f"KL divergence of the {label} checkpoint from the source on {config.eval_dataset}")
-        result.kl = kl_divergence(source, checkpoint, KlConfig(dataset=config.eval_dataset, seqlen=config.eval_seqlen,
-                                                               max_tokens=config.eval_max_tokens))
+        try:  # (lmkit's CPU engine runs both; a model it refuses loses the measure, never the checkpoint)
+            result.kl = kl_divergence(source, checkpoint, KlConfig(dataset=config.eval_dataset,
+                                                                   seqlen=config.eval_seqlen,
+                                                                   max_tokens=config.eval_max_tokens))
+        except (ValueError, RuntimeError, MemoryError) as e:
+            result.kl = KlFailure(f"{type(e).__name__}: {e}")
+            reporter.phase(f"KL divergence not measured: {result.kl.error}")
     if config.eval_tasks:
         from lmkit.lite.config import EvalConfig
         from lmkit.lite.evaluate import evaluate_tasks
@@ -67,6 +72,16 @@ def evaluate_before_after(result, config, source: Path, checkpoint: Path, label:
         result.tasks_after = evaluate_tasks(checkpoint, eval_config)
 
 
+class KlFailure:
+    """What stopped --eval's KL measure (the checkpoint is written all the same)."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+    def as_dict(self) -> dict:
+        return {"error": self.error}
+
+
 def report_json(result, config, calib_seqlen: int) -> dict:
     """report.json of a quantizer's run: settings, timings, sizes, before/after quality, per-layer reports."""
     return {
@@ -76,7 +91,8 @@ def report_json(result, config, calib_seqlen: int) -> dict:
         "size_before_bytes": result.size_before_bytes, "size_after_bytes": result.size_after_bytes,
         "ppl_before": ppl_dict(result.ppl_before), "ppl_after": ppl_dict(result.ppl_after),
         # (measured on the checkpoint before it moved to work_dir)
-        "kl": dict(result.kl.as_dict(), model=str(result.work_dir)) if result.kl else None,
+        "kl": None if result.kl is None else result.kl.as_dict() if isinstance(result.kl, KlFailure)
+        else dict(result.kl.as_dict(), model=str(result.work_dir)),
         "tasks_before": result.tasks_before.as_dict() if result.tasks_before else None,
         "tasks_after": result.tasks_after.as_dict() if result.tasks_after else None,
         "task_differences": task_differences(result.tasks_before, result.tasks_after),

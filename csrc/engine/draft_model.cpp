@@ -87,19 +87,22 @@ void DraftModel::propose(const std::vector<const Sequence*>& seqs, const std::ve
       ++kept;
     st.computed = std::min(st.computed + kept, total - 1);  // (at least the last token's row: it gives the draft)
     st.written.clear();
-    // an id past the draft's vocabulary (a larger target's padding, or a request's own ids): no drafts from here on
-    const int32_t vocab = executor_->vocab_size();
-    if (std::any_of(seq.tokens.begin() + st.computed, seq.tokens.end(), [vocab](int32_t t) { return t >= vocab; }))
-      continue;
+    if (!can_draft(seq)) continue;
+    bool first_block = false;  // a new state that computes a block no cache holds yet, from first_key
+    uint64_t first_key = 0;
     if (st.table.empty()) {  // a new state: the draft pool's prefix cache first
       st.computed = bs * blocks_.match_prefix(seq.tokens.data(), (total - 1) / bs, st.table, &st.key);
       st.published = st.computed / bs;
       // a prompt another sequence computes from the same block in this pass (the completions of an n > 1 request):
-      // its blocks are in the prefix cache next time, so this one waits for them
+      // its blocks are in the prefix cache next time, so this one waits for them, as a new state again then
       if (prefix_caching_ && total - 1 >= st.computed + bs) {
-        const uint64_t next = block_key(st.key, seq.tokens.data() + st.computed, bs);
-        if (std::find(starting.begin(), starting.end(), next) != starting.end()) continue;
-        starting.push_back(next);
+        first_key = block_key(st.key, seq.tokens.data() + st.computed, bs);
+        if (std::find(starting.begin(), starting.end(), first_key) != starting.end()) {
+          blocks_.release(st.table);
+          st = State{};
+          continue;
+        }
+        first_block = true;
       }
     }
     const int32_t left = max_rows_ - batch.num_tokens;
@@ -111,6 +114,7 @@ void DraftModel::propose(const std::vector<const Sequence*>& seqs, const std::ve
       want[i] = 0;
       continue;
     }
+    if (first_block && rows >= bs) starting.push_back(first_key);  // it computes that block now
     if (want[i] > 1 && !reserve(st, total - 1 + want[i], busy))
       want[i] = std::max(1, (int32_t)st.table.size() * bs - total + 1);
     catch_up[i] = rows;
@@ -214,6 +218,18 @@ void DraftModel::propose(const std::vector<const Sequence*>& seqs, const std::ve
   }
   for (size_t i = 0; i < n; ++i)
     if ((int32_t)drafts[i].size() > want[i]) drafts[i].resize((size_t)want[i]);
+}
+
+bool DraftModel::can_draft(const Sequence& seq) {
+  State& st = states_[seq.id];
+  const int32_t vocab = executor_->vocab_size();
+  for (; !st.stuck && st.scanned < seq.num_tokens(); ++st.scanned)
+    if (seq.tokens[(size_t)st.scanned] >= vocab) {  // never again: its blocks go back at once
+      blocks_.release(st.table);
+      st = State{};
+      st.stuck = true;
+    }
+  return !st.stuck;
 }
 
 void DraftModel::release(int64_t seq_id) {

@@ -43,6 +43,9 @@ class DraftModel {
   // what the executor throws (the caller then drops the drafts; the states stay consistent).
   void propose(const std::vector<const Sequence*>& seqs, const std::vector<int32_t>& max_tokens,
                std::vector<std::vector<int32_t>>& drafts);
+  // Whether the draft model can draft for seq: not once seq holds an id past the draft's vocabulary (a larger
+  // target's padding, or a request's own ids; its draft state's blocks then go back). Scans only tokens not seen yet.
+  bool can_draft(const Sequence& seq);
   // Gives back sequence seq_id's draft state (its blocks become cached or free). Unknown ids are ignored.
   void release(int64_t seq_id);
   // Times passes of 1 to 64 single-token rows into pass_cost() (once, before the first request).
@@ -64,6 +67,8 @@ class DraftModel {
     std::vector<int32_t> written;  // inputs of positions [computed, computed + written.size()): drafts decoded
     int32_t published = 0;         // full blocks given a prefix key (the draft pool's own prefix cache)
     uint64_t key = 0;              // the key of block published - 1
+    int32_t scanned = 0;           // tokens can_draft() has looked at
+    bool stuck = false;            // the sequence holds an id past the draft's vocabulary
   };
   // Room in st's table for positions [0, end): allocates what is missing, giving back idle states (not in `busy`)
   // when the pool is short. Returns whether it all fits.

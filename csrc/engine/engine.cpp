@@ -377,6 +377,7 @@ double Engine::propose_drafts() {
       if (source == kDraftMtp ? !c.mtp : source == kDraftModel ? !c.draft_model
                                  : (c.mtp || c.draft_model) && (source == kDraftNgram || source == kDraftAnswers))
         continue;
+      if (source == kDraftModel && !draft_->can_draft(*seq)) continue;  // (it takes no rows then)
       const int32_t want = spec.draft_budget(source, most);
       if (want <= 0) continue;
       if (source == kDraftModel) {  // drafted below, with the others the draft model drafts for

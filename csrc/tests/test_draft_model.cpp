@@ -148,6 +148,25 @@ TEST(completions_of_one_prompt_compute_it_once) {
   EXPECT_EQ(f.exec->passes[0][0].position, 8);
 }
 
+TEST(completions_past_a_cached_block_wait_as_new_states) {
+  Fixture f(16, 4, 64);
+  const Ids prompt{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13};
+  auto doc = make_seq(1, Ids{1, 2, 3, 4, 5, 6}, 6);  // caches block 0 (tokens 1..4)
+  f.propose({doc.get()}, Ids{1});
+  f.draft->release(1);
+  auto a = make_seq(2, prompt, 13), b = make_seq(3, prompt, 13);
+  f.exec->passes.clear();
+  std::vector<Ids> drafts = f.propose({a.get(), b.get()}, Ids{1, 1});
+  EXPECT_EQ(f.exec->passes[0].size(), (size_t)(13 - 4));  // a alone, from block 1 on
+  EXPECT(drafts[1].empty());
+  f.exec->passes.clear();
+  drafts = f.propose({b.get()}, Ids{1});  // b: blocks 0-2 from the cache, positions 12 on
+  EXPECT_EQ(f.exec->passes[0].size(), (size_t)1);
+  EXPECT_EQ(f.exec->passes[0][0].position, 12);
+  EXPECT_EQ(drafts[0], chain(prompt, 1));
+  f.draft->check_integrity();
+}
+
 TEST(without_prefix_caching_nothing_is_kept_and_completions_do_not_wait) {
   Fixture f(16, 4, 64, kVocab, {}, false);
   const Ids prompt{1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
@@ -271,9 +290,11 @@ TEST(drafts_stop_after_an_eos_and_an_id_past_the_drafts_vocabulary_stops_only_it
   EXPECT(drafts[1].empty());
   EXPECT_EQ(f.exec->passes[0].size(), (size_t)3);  // a's rows only
   EXPECT_EQ(f.exec->passes.size(), (size_t)3);
+  EXPECT(!f.draft->can_draft(*b) && f.draft->can_draft(*a));
   f.draft->release(1);
-  f.draft->release(2);
   f.draft->check_integrity();
+  EXPECT_EQ(f.draft->num_free_blocks(), 8);  // b's state holds no block
+  f.draft->release(2);
 }
 
 int main() { return lmkit::testing::run_all(); }

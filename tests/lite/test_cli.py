@@ -59,3 +59,22 @@ def test_cli_errors_are_one_line(tmp_path):
     run = subprocess.run([sys.executable, "-m", "lmkit", "lite", "awq", "smollm2", "--work-dir", str(tmp_path / "o"),
                           "--w-group-size", "48"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "--w-group-size must be one of 32, 64, 128" in run.stderr
+
+
+def test_a_failed_kl_measure_keeps_the_checkpoint(lite_tiny_llama, tmp_path, monkeypatch):
+    """--eval's KL runs both models in lmkit's engine: if it fails (a model the engine refuses, memory), the
+    checkpoint is written all the same and the report says why the measure is missing."""
+    import lmkit.lite.kl
+
+    def refuse(*args, **kwargs):
+        raise ValueError("the engine refused it")
+
+    monkeypatch.setattr(lmkit.lite.kl, "kl_divergence", refuse)
+    out = tmp_path / "rtn"
+    result = CliRunner().invoke(app, ["lite", "awq", str(lite_tiny_llama), "--work-dir", str(out), "--rtn",
+                                      "--w-group-size", "32", "--eval", "--eval-dataset", "pydoc"])
+    assert result.exit_code == 0, result.output
+    assert "not measured: ValueError: the engine refused it" in " ".join(result.output.split())
+    report = json.loads((out / "awq" / "report.json").read_text())
+    assert report["kl"] == {"error": "ValueError: the engine refused it"} and report["ppl_after"]["ppl"] > 1
+    assert (out / "config.json").exists()
