@@ -176,8 +176,10 @@ def _add_result_rows(table, result) -> None:
         before, after = result.ppl_before, result.ppl_after
         table.add_row("perplexity", f"{before.ppl:.3f} -> {after.ppl:.3f} ({after.ppl / before.ppl - 1:+.1%}) on "
                                     f"{before.num_tokens} tokens of {before.dataset}")
+    from lmkit.lite.progress import KlFailure
+
     kl = result.kl
-    if kl is not None and hasattr(kl, "error"):
+    if isinstance(kl, KlFailure):
         table.add_row("KL from the source", f"not measured: {kl.error}")
     elif kl is not None:
         table.add_row("KL from the source", f"mean {kl.mean_kl:.5f} ± {kl.mean_kl_stderr:.5f} (p99 {kl.p99_kl:.4f}), "

@@ -135,4 +135,45 @@ Batch build_batch(const BatchPlan& plan, int32_t block_size_tokens, const StopRu
   return b;
 }
 
+int32_t append_rows(Batch& b, const int32_t* table, int32_t start, const int32_t* inputs, int32_t rows, bool prefill,
+                    int32_t decode_rows) {
+  const int32_t bs = b.block_size_tokens;
+  BatchSeq seq;
+  seq.first_row = b.num_tokens;
+  seq.num_rows = rows;
+  seq.ctx_len = start + rows;
+  seq.table_offset = (int32_t)b.block_tables.size();
+  seq.num_blocks = (seq.ctx_len + bs - 1) / bs;
+  seq.prefill = prefill;
+  seq.num_decode_rows = decode_rows;
+  b.block_tables.insert(b.block_tables.end(), table, table + seq.num_blocks);
+  for (int32_t j = 0; j < rows; ++j) {
+    const int32_t p = start + j;
+    b.token_ids.push_back(inputs[j]);
+    b.positions.push_back(p);
+    b.slots.push_back(table[p / bs] * bs + p % bs);
+  }
+  b.num_tokens += rows;
+  b.max_ctx_len = std::max(b.max_ctx_len, seq.ctx_len);
+  b.max_blocks_per_seq = std::max(b.max_blocks_per_seq, seq.num_blocks);
+  b.seqs.push_back(seq);
+  return (int32_t)b.seqs.size() - 1;
+}
+
+void sample_last_row(Batch& b, int32_t index, const SamplingParams* params, const int32_t* history,
+                     int32_t num_history, int32_t num_prompt, const TokenMask* mask, int32_t mask_row) {
+  const BatchSeq& seq = b.seqs[(size_t)index];
+  SampleRow row;
+  row.logit_index = (int32_t)b.logit_rows.size();
+  row.seq = index;
+  row.params = params;
+  row.history = history;
+  row.num_history = num_history;
+  row.num_prompt = num_prompt;
+  row.mask = mask;
+  row.mask_row = mask_row;
+  b.logit_rows.push_back(seq.first_row + seq.num_rows - 1);
+  b.samples.push_back(std::move(row));
+}
+
 }  // namespace lmkit

@@ -146,6 +146,17 @@ class StopRules {
   std::vector<int32_t> eos_token_ids_;
 };
 
+// Appends one sequence's rows to b: positions [start, start + rows) with inputs[0, rows), its K/V in the blocks of
+// table (position p in table[p / block size]); prefill and decode_rows as BatchSeq's. Returns its index in b.seqs.
+// (The passes beside a step: the MTP head's, the draft model's.)
+int32_t append_rows(Batch& b, const int32_t* table, int32_t start, const int32_t* inputs, int32_t rows,
+                    bool prefill = false, int32_t decode_rows = 0);
+
+// Samples b's sequence `index` at its last row with `params` (history: the tokens its penalties read), under mask row
+// mask_row of `mask` when given.
+void sample_last_row(Batch& b, int32_t index, const SamplingParams* params, const int32_t* history,
+                     int32_t num_history, int32_t num_prompt, const TokenMask* mask = nullptr, int32_t mask_row = 0);
+
 // The step's Batch from the scheduler's plan; fills verify_tokens of sequences with draft rows (the only change to
 // a sequence here). A chunk with k draft rows ends with k + 1 sample rows: the row of the last known token and one
 // per draft, each with the drafts before it in its history; the engine keeps a draft when the row before it

@@ -1,17 +1,12 @@
 #include "engine/draft_model.h"
 
 #include <algorithm>
-#include <chrono>
 
 #include "core/check.h"
 
 namespace lmkit {
 
 namespace {
-
-double seconds_now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 constexpr int32_t kCalibrationRows[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64};
 
@@ -118,36 +113,13 @@ void DraftModel::propose(const std::vector<const Sequence*>& seqs, const std::ve
     if (want[i] > 1 && !reserve(st, total - 1 + want[i], busy))
       want[i] = std::max(1, (int32_t)st.table.size() * bs - total + 1);
     catch_up[i] = rows;
-    BatchSeq bsq;
-    bsq.first_row = batch.num_tokens;
-    bsq.num_rows = rows;
-    bsq.ctx_len = st.computed + rows;
-    bsq.table_offset = (int32_t)batch.block_tables.size();
-    bsq.num_blocks = blocks_.num_blocks_for(bsq.ctx_len);
-    bsq.prefill = st.computed < seq.num_prompt_tokens;
-    bsq.num_decode_rows = rows > 1 ? std::max(0, bsq.ctx_len - std::max(st.computed, seq.num_prompt_tokens)) : 0;
-    batch.block_tables.insert(batch.block_tables.end(), st.table.begin(), st.table.begin() + bsq.num_blocks);
-    for (int32_t p = st.computed; p < bsq.ctx_len; ++p) {
-      batch.token_ids.push_back(seq.tokens[(size_t)p]);
-      batch.positions.push_back(p);
-      batch.slots.push_back(st.table[(size_t)(p / bs)] * bs + p % bs);
-    }
-    batch.num_tokens += rows;
-    batch.max_ctx_len = std::max(batch.max_ctx_len, bsq.ctx_len);
-    batch.max_blocks_per_seq = std::max(batch.max_blocks_per_seq, bsq.num_blocks);
-    if (want[i] > 0) {
-      SampleRow row;
-      row.logit_index = (int32_t)batch.logit_rows.size();
-      row.seq = (int32_t)batch.seqs.size();
-      row.params = &greedy_;
-      row.history = seq.tokens.data();
-      row.num_history = total;
-      row.num_prompt = seq.num_prompt_tokens;
-      if (seq.matcher && masks_fit_) row.mask = seq.matcher.get();  // the grammar's mask of the next token
-      batch.logit_rows.push_back(bsq.first_row + rows - 1);
-      batch.samples.push_back(std::move(row));
-    }
-    batch.seqs.push_back(bsq);
+    const int32_t end = st.computed + rows;
+    const int32_t index = append_rows(batch, st.table.data(), st.computed, seq.tokens.data() + st.computed, rows,
+                                      st.computed < seq.num_prompt_tokens,
+                                      rows > 1 ? std::max(0, end - std::max(st.computed, seq.num_prompt_tokens)) : 0);
+    if (want[i] > 0)  // under the grammar's mask of the next token, where the request has one
+      sample_last_row(batch, index, &greedy_, seq.tokens.data(), total, seq.num_prompt_tokens,
+                      masks_fit_ ? seq.matcher.get() : nullptr);
     pass_seq.push_back((int32_t)i);
   }
   if (batch.empty()) return;
@@ -180,31 +152,9 @@ void DraftModel::propose(const std::vector<const Sequence*>& seqs, const std::ve
       if (matcher && matcher->num_valid(drafts[i].data(), depth - 1) < depth - 1) continue;
       if (matcher) matcher->request_draft_masks(drafts[i].data(), depth - 1);
       const int32_t p = seq.num_tokens() + depth - 2;  // the position of draft depth - 1
-      BatchSeq bsq;
-      bsq.first_row = next.num_tokens;
-      bsq.num_rows = 1;
-      bsq.ctx_len = p + 1;
-      bsq.table_offset = (int32_t)next.block_tables.size();
-      bsq.num_blocks = blocks_.num_blocks_for(p + 1);
-      next.block_tables.insert(next.block_tables.end(), st.table.begin(), st.table.begin() + bsq.num_blocks);
-      next.token_ids.push_back(drafts[i].back());
-      next.positions.push_back(p);
-      next.slots.push_back(st.table[(size_t)(p / bs)] * bs + p % bs);
-      SampleRow row;
-      row.logit_index = (int32_t)next.logit_rows.size();
-      row.seq = (int32_t)next.seqs.size();
-      row.params = &greedy_;
-      row.history = seq.tokens.data();  // (greedy: the history is never read)
-      row.num_history = seq.num_tokens();
-      row.num_prompt = seq.num_prompt_tokens;
-      row.mask = matcher;
-      row.mask_row = depth - 1;
-      next.logit_rows.push_back(next.num_tokens);
-      next.samples.push_back(std::move(row));
-      next.num_tokens += 1;
-      next.max_ctx_len = std::max(next.max_ctx_len, bsq.ctx_len);
-      next.max_blocks_per_seq = std::max(next.max_blocks_per_seq, bsq.num_blocks);
-      next.seqs.push_back(bsq);
+      const int32_t index = append_rows(next, st.table.data(), p, &drafts[i].back(), 1);
+      sample_last_row(next, index, &greedy_, seq.tokens.data(), seq.num_tokens(), seq.num_prompt_tokens, matcher,
+                      depth - 1);
       rows_of.push_back((int32_t)i);
     }
     if (next.empty()) break;
@@ -244,37 +194,14 @@ void DraftModel::calibrate() {
   // arrived), every row sampled greedily as a draft pass samples: the second of two runs is timed.
   const int32_t bs = blocks_.block_size_tokens();
   const int32_t most = std::min(max_rows_, blocks_.num_free_blocks());
-  const std::vector<int32_t> history(1, 0);
+  const int32_t zero = 0;
   for (int32_t rows : kCalibrationRows) {
     if (rows > most) break;
     Batch b;
     b.block_size_tokens = bs;
-    b.max_ctx_len = 1;
-    b.max_blocks_per_seq = 1;
-    for (int32_t j = 0; j < rows; ++j) {
-      b.seqs.push_back(BatchSeq{j, 1, 1, j, 1, -1});
-      b.block_tables.push_back(j);
-      b.token_ids.push_back(0);
-      b.positions.push_back(0);
-      b.slots.push_back(j * bs);
-      b.logit_rows.push_back(j);
-      SampleRow r;
-      r.logit_index = j;
-      r.seq = j;
-      r.params = &greedy_;
-      r.history = history.data();
-      r.num_history = 1;
-      r.num_prompt = 1;
-      b.samples.push_back(std::move(r));
-    }
-    b.num_tokens = rows;
-    double seconds = 0;
-    for (int run = 0; run < 2; ++run) {
-      const double start = seconds_now();
-      executor_->step(b);
-      seconds = seconds_now() - start;
-    }
-    pass_cost_.record(rows, seconds);
+    for (int32_t j = 0; j < rows; ++j)
+      sample_last_row(b, append_rows(b, &j, 0, &zero, 1), &greedy_, &zero, 1, 1);
+    pass_cost_.record(rows, timed_step(*executor_, b));
   }
 }
 

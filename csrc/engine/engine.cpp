@@ -7,6 +7,7 @@
 #include <exception>
 
 #include "core/check.h"
+#include "core/clock.h"
 #include "core/threads.h"
 
 namespace lmkit {
@@ -274,9 +275,7 @@ void Engine::post(std::shared_ptr<OutputCallback> cb, RequestOutput&& out) {
   outbox_.emplace_back(std::move(cb), std::move(out));
 }
 
-double Engine::now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double Engine::now_seconds() { return steady_seconds(); }
 
 void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const Failure& failure) {
   if (!finished && seq.pending_token_ids.empty() && seq.pending_logit_rows == 0 &&
@@ -425,49 +424,36 @@ double Engine::propose_drafts() {
   }
   if (proposing.empty()) return seconds;
   // A step with a prompt chunk is dominated by it: its drafts are weighed against the decode rows' cost alone.
-  std::vector<int32_t> take;
-  if (c.adaptive) {
-    take = choose_drafts(candidates, decode_rows, max_rows, step_cost_);
-  } else {  // every proposal, oldest sequences first, within the step's draft rows
-    int32_t left = max_rows;
-    for (const DraftCandidate& cand : candidates) {
-      take.push_back(std::min(cand.proposed, left));
-      left -= take.back();
-    }
-  }
+  // (adaptive off: every proposal, oldest sequences first, within the step's draft rows)
+  const std::vector<int32_t> take = c.adaptive ? choose_drafts(candidates, decode_rows, max_rows, step_cost_)
+                                               : take_in_order(candidates, max_rows);
   for (size_t i = 0; i < proposing.size(); ++i) proposing[i]->draft_tokens.resize((size_t)take[i]);
   return seconds;
 }
 
 void Engine::run_draft_model(const std::vector<Sequence*>& seqs, const std::vector<int32_t>& want,
                              int32_t decode_rows, int32_t max_rows) {
-  std::vector<int32_t> take(seqs.size(), 0);
-  if (options_.speculative.adaptive) {  // as many as pay, the draft model's passes counted, and the probes: a
-    // switched-off draft model's budget (SpecState::draft_budget), every kProbeInterval proposals. (No probe of one
-    // that is on: its passes' timings are fixed at start, and its acceptance waits for the steps where it pays.)
-    std::vector<DraftCandidate> candidates;
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      const SpecState& spec = *seqs[i]->spec;
-      const bool probe = spec.acceptance(kDraftModel) < SpecState::kOffBelow;
-      candidates.push_back({spec.acceptance(kDraftModel), want[i], probe ? want[i] : 0});
-    }
-    take = choose_model_drafts(candidates, decode_rows, max_rows, step_cost_, draft_->pass_cost());
-  } else {  // every proposal, oldest sequences first, within the step's draft rows
-    int32_t left = max_rows;
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      take[i] = std::max(std::min(want[i], left), 0);
-      left -= take[i];
-    }
+  // as many as pay, the draft model's passes counted, and the probes: a switched-off draft model's budget
+  // (SpecState::draft_budget), every kProbeInterval proposals. (No probe of one that is on: its passes' timings are
+  // fixed at start, and its acceptance waits for the steps where it pays.) Adaptive off: every proposal, oldest first.
+  std::vector<DraftCandidate> candidates;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const SpecState& spec = *seqs[i]->spec;
+    const bool probe = spec.acceptance(kDraftModel) < SpecState::kOffBelow;
+    candidates.push_back({spec.acceptance(kDraftModel), want[i], probe ? want[i] : 0});
   }
-  std::vector<const Sequence*> drafting;  // (a sequence that takes none now catches up when it next drafts)
-  std::vector<Sequence*> of;
+  const std::vector<int32_t> take =
+      options_.speculative.adaptive
+          ? choose_model_drafts(candidates, decode_rows, max_rows, step_cost_, draft_->pass_cost())
+          : take_in_order(candidates, max_rows);
+  std::vector<Sequence*> of;  // (a sequence that takes none now catches up when it next drafts)
   std::vector<int32_t> max_tokens;
   for (size_t i = 0; i < seqs.size(); ++i) {
     if (take[i] <= 0) continue;
-    drafting.push_back(seqs[i]);
     of.push_back(seqs[i]);
     max_tokens.push_back(take[i]);
   }
+  const std::vector<const Sequence*> drafting(of.begin(), of.end());
   if (drafting.empty()) return;
   std::vector<std::vector<int32_t>> drafts;
   try {
@@ -574,9 +560,8 @@ double Engine::run_mtp(const BatchPlan& plan, const Batch& batch, const std::vec
   const double start = now_seconds();
   std::unordered_set<const Sequence*> ending;
   for (const Ending& e : endings) ending.insert(e.seq);
-  const int32_t bs = batch.block_size_tokens;
   Batch mb;
-  mb.block_size_tokens = bs;
+  mb.block_size_tokens = batch.block_size_tokens;
   mb.stateless = true;
   std::vector<int32_t> hidden_rows;
   std::vector<Sequence*> seqs;
@@ -587,41 +572,17 @@ double Engine::run_mtp(const BatchPlan& plan, const Batch& batch, const std::vec
     // the rows the step kept (a verification's accepted ones), each with the token after it known
     const int32_t kept = std::min({src.num_rows, seq.num_computed_tokens - start, seq.num_tokens() - 1 - start});
     if (kept <= 0) continue;
-    BatchSeq ms;
-    ms.first_row = mb.num_tokens;
-    ms.num_rows = kept;
-    ms.ctx_len = start + kept;
-    ms.table_offset = (int32_t)mb.block_tables.size();
-    ms.num_blocks = (ms.ctx_len + bs - 1) / bs;
-    ms.prefill = src.prefill;
-    ms.num_decode_rows = std::min(src.num_decode_rows, kept);
-    mb.block_tables.insert(mb.block_tables.end(), batch.block_tables.begin() + src.table_offset,
-                           batch.block_tables.begin() + src.table_offset + ms.num_blocks);
-    for (int32_t j = 0; j < kept; ++j) {
-      mb.token_ids.push_back(seq.tokens[(size_t)(start + j + 1)]);
-      mb.positions.push_back(batch.positions[(size_t)(src.first_row + j)]);
-      mb.slots.push_back(batch.slots[(size_t)(src.first_row + j)]);
-      hidden_rows.push_back(src.first_row + j);
-    }
-    mb.num_tokens += kept;
-    mb.max_ctx_len = std::max(mb.max_ctx_len, ms.ctx_len);
-    mb.max_blocks_per_seq = std::max(mb.max_blocks_per_seq, ms.num_blocks);
+    // row p reads the token at p + 1, at p's slot (the step's)
+    const int32_t index = append_rows(mb, batch.block_tables.data() + src.table_offset, start,
+                                      seq.tokens.data() + start + 1, kept, src.prefill,
+                                      std::min(src.num_decode_rows, kept));
+    for (int32_t j = 0; j < kept; ++j) hidden_rows.push_back(src.first_row + j);
     // a draft for a sequence that decodes next and takes one from the head
     const SamplingParams& p = seq.params;
     const bool drafts = !ending.count(&seq) && seq.num_pending_tokens() == 1 && p.speculate && !p.output_logits &&
                         seq.max_total_tokens > seq.num_tokens() && (!seq.spec || seq.spec->will_propose(kDraftMtp));
-    if (drafts) {
-      SampleRow row;
-      row.logit_index = (int32_t)mb.logit_rows.size();
-      row.seq = (int32_t)mb.seqs.size();
-      row.params = &mtp_greedy_;
-      row.history = seq.tokens.data();
-      row.num_history = seq.num_tokens();
-      row.num_prompt = seq.num_prompt_tokens;
-      mb.logit_rows.push_back(ms.first_row + kept - 1);
-      mb.samples.push_back(std::move(row));
-    }
-    mb.seqs.push_back(ms);
+    if (drafts)
+      sample_last_row(mb, index, &mtp_greedy_, seq.tokens.data(), seq.num_tokens(), seq.num_prompt_tokens);
     seqs.push_back(&seq);
   }
   if (mb.empty()) return 0;
@@ -786,13 +747,7 @@ void Engine::calibrate_step_cost() {
       r.num_prompt = 1;
       b.samples.push_back(std::move(r));
     }
-    double seconds = 0;
-    for (int run = 0; run < 2; ++run) {
-      const double start = now_seconds();
-      executor_->step(b);
-      seconds = now_seconds() - start;
-    }
-    step_cost_.record(rows, seconds);
+    step_cost_.record(rows, timed_step(*executor_, b));
   }
 }
 

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "core/clock.h"
 #include "engine/batch.h"
 
 namespace lmkit {
@@ -57,5 +58,14 @@ class Executor {
   // step's scratch). Contents there are dead; the next step touches the pages again.
   virtual void release_idle_memory(const std::vector<int32_t>& /*free_blocks*/) {}
 };
+
+// Seconds of executor.step(batch), the second of two runs (the first warms caches and pages): how speculative
+// decoding's step timings are taken (Engine::calibrate_step_cost, DraftModel::calibrate).
+inline double timed_step(Executor& executor, const Batch& batch) {
+  executor.step(batch);
+  const double start = steady_seconds();
+  executor.step(batch);
+  return steady_seconds() - start;
+}
 
 }  // namespace lmkit

@@ -17,6 +17,7 @@
 #include <functional>
 
 #include "core/check.h"
+#include "core/clock.h"
 #include "core/threads.h"
 
 namespace lmkit {
@@ -42,10 +43,6 @@ struct FileHeader {
   uint64_t header_checksum;  // of the 56 bytes before it
 };
 static_assert(sizeof(FileHeader) == 64, "the store's file header is 64 bytes");
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
 constexpr uint64_t P1 = 11400714785074694791ull, P2 = 14029467366897019727ull, P3 = 1609587929392839161ull,
@@ -138,7 +135,7 @@ std::string KVStore::path_of(uint64_t key) const {
 std::vector<char> KVStore::acquire_buffer(bool wait, bool count_drop) {
   std::unique_lock<std::mutex> lock(mu_);
   auto room = [&] { return closing_ || num_in_flight_ < config_.max_queued_blocks; };
-  const bool paused = now_seconds() < paused_until_;
+  const bool paused = steady_seconds() < paused_until_;
   if (!paused && wait) room_cv_.wait(lock, room);
   if (paused || closing_ || !room()) {
     if (count_drop) num_dropped_blocks_.fetch_add(1, std::memory_order_relaxed);
@@ -267,7 +264,7 @@ KVStoreCounters KVStore::counters() const {
   c.num_evicted_files = num_evicted_files_.load(std::memory_order_relaxed);
   c.bytes_on_disk = bytes_on_disk_.load(std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(mu_);
-  c.is_writing = now_seconds() >= paused_until_;
+  c.is_writing = steady_seconds() >= paused_until_;
   return c;
 }
 
@@ -292,7 +289,7 @@ void KVStore::writer_loop() {
     }
     const bool paused = [&] {
       std::lock_guard<std::mutex> lock(mu_);
-      return now_seconds() < paused_until_;
+      return steady_seconds() < paused_until_;
     }();
     if (paused) num_dropped_blocks_.fetch_add(1, std::memory_order_relaxed);
     else write_file(job);
@@ -315,7 +312,7 @@ void KVStore::pause_writing(int err) {
   std::fprintf(stderr, "lmkit: kv store: writing to %s failed (%s); not writing for %g s\n", config_.dir.c_str(),
                std::strerror(err), config_.write_pause_seconds);
   std::lock_guard<std::mutex> lock(mu_);
-  paused_until_ = now_seconds() + config_.write_pause_seconds;
+  paused_until_ = steady_seconds() + config_.write_pause_seconds;
 }
 
 void KVStore::write_file(Job& job) {

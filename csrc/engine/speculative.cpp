@@ -210,6 +210,15 @@ std::vector<int32_t> choose_drafts(const std::vector<DraftCandidate>& candidates
   return take;
 }
 
+std::vector<int32_t> take_in_order(const std::vector<DraftCandidate>& candidates, int32_t max_rows) {
+  std::vector<int32_t> take;
+  for (const DraftCandidate& c : candidates) {
+    take.push_back(std::max(std::min(c.proposed, max_rows), 0));
+    max_rows -= take.back();
+  }
+  return take;
+}
+
 std::vector<int32_t> choose_model_drafts(const std::vector<DraftCandidate>& candidates, int32_t decode_rows,
                                          int32_t max_rows, const StepCost& cost, const StepCost& draft_cost) {
   const size_t n = candidates.size();

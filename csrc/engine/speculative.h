@@ -177,6 +177,9 @@ constexpr double kProbeStepCost = 0.05;
 std::vector<int32_t> choose_drafts(const std::vector<DraftCandidate>& candidates, int32_t decode_rows,
                                    int32_t max_rows, const StepCost& cost, double fixed_seconds = 0);
 
+// With the adaptive rule off: every proposal, the first candidates first, within max_rows draft rows in all.
+std::vector<int32_t> take_in_order(const std::vector<DraftCandidate>& candidates, int32_t max_rows);
+
 // The drafts of a draft model's candidates (proposed: how many it may draft; at_least: a probe's): the probes
 // whatever they cost (only a switched-off proposer probes: its only way back), then, weighing the verification rows
 // and the draft model's passes (pass j runs over the sequences drafting j or more tokens: draft_cost by those rows),
