@@ -318,5 +318,11 @@ class DrainingServer(uvicorn.Server):
 async def serve_app(app: Gate, host: str, port: int, log_level: str = "info", on_ready=None,
                     on_shutdown=None) -> None:
     """Runs ``app`` under uvicorn until a signal has drained it (see DrainingServer); ``on_ready()`` runs
-    once the socket accepts, ``on_shutdown()`` when the server begins to shut down."""
+    once the socket accepts, ``on_shutdown()`` when the server begins to shut down.
+
+    What the process holds before it serves (modules, tokenizer, templates, the app) lives as long as it does,
+    so it is frozen out of the collector's reach: a full collection with SmolLM2 loaded stops every thread for
+    ~30 ms, frozen for well under 1 ms."""
+    gc.collect()
+    gc.freeze()
     await DrainingServer(app, host, port, log_level, on_ready, on_shutdown).serve()

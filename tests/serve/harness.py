@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import socket
@@ -235,6 +236,10 @@ class HealthPoller:
                 time.sleep(self.interval_s)
 
     def __enter__(self) -> "HealthPoller":
+        # A served process freezes its startup heap (serve_app); this one holds every test's objects, and a full
+        # collection of a pytest worker stops the server threads in it for 0.4-0.8 s: frozen while probing.
+        gc.collect()
+        gc.freeze()
         self._thread.start()
         deadline = time.monotonic() + 10
         while len(self.samples) < 3:
@@ -246,6 +251,7 @@ class HealthPoller:
         time.sleep(0.2)  # a few probes after the load
         self._stop.set()
         self._thread.join(timeout=15)
+        gc.unfreeze()
 
     def check(self, label: str, limit_s: float = 1.0) -> None:
         """Every probe answered 200, the slowest within ``limit_s`` (generous for a loaded 2-core machine)."""
