@@ -378,12 +378,15 @@ IDLE_RELEASE = textwrap.dedent("""
     probe = np.random.default_rng(1).integers(3, 256, 300).tolist()
     long = np.random.default_rng(2).integers(3, 256, 6000).tolist()
 
-    def run(ids, **kw):
+    def run(ids, **kw):  # every output's tokens (how a step's verification splits them is the pacer's choice)
         _, q = engine.submit_to_queue(ids, GenerationConfig(max_new_tokens=4, ignore_eos=True, logprobs=2, **kw))
+        tokens, logprobs = [], []
         while True:
             out = q.get()
+            tokens += out.token_ids
+            logprobs += out.logprobs
             if out.finish_reason:
-                return [out.token_ids, out.logprobs]
+                return tokens, logprobs
 
     first = run(probe)
     time.sleep(2.5)
@@ -394,7 +397,8 @@ IDLE_RELEASE = textwrap.dedent("""
     after = rss()
     again = run(probe)
     engine.close()
-    print(json.dumps({"idle": idle, "busy": busy, "after": after, "same": first == again}))
+    print(json.dumps({"idle": idle, "busy": busy, "after": after, "tokens": [first[0], again[0]],
+                      "logprob_error": max(abs(a - b) for a, b in zip(first[1], again[1]))}))
 """)
 
 
@@ -432,4 +436,7 @@ def test_an_idle_engine_gives_a_long_prompts_memory_back(wide_kv_llama, draft):
     assert added > (200 << 20 if draft else 100 << 20), r  # (the draft's pool holds the prompt's K/V too)
     # (the draft: 4% here; 20% when its pool kept the ended prompt's blocks cached without prefix caching)
     assert r["after"] - r["idle"] < added / (8 if draft else 3), r
-    assert r["same"], r
+    # the same tokens; their logprobs exactly so, or with drafts within float32's rounding of rows that a
+    # verification computes in another step's shape (the draft's catch-up may take one step or two)
+    assert r["tokens"][0] == r["tokens"][1] and len(r["tokens"][0]) == 4, r
+    assert r["logprob_error"] <= (1e-5 if draft else 0.0), r
