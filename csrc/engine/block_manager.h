@@ -71,6 +71,8 @@ class BlockManager {
   // *last_key to the key of block k - 1.
   int32_t match_prefix(const int32_t* tokens, int32_t max_blocks, std::vector<int32_t>& table, uint64_t* last_key,
                        int32_t max_live_blocks = INT32_MAX);
+  // How many blocks match_prefix(tokens, max_blocks, ...) from the first block would find, touching nothing.
+  int32_t num_prefix_blocks(const int32_t* tokens, int32_t max_blocks) const;
   // Gives active block `block` (now holding exactly `tokens`, block_size_tokens of them) the prefix key
   // block_key(parent_key, tokens) and returns that key. If another block already has the key, this block
   // stays unkeyed (it will be freed, not cached, on release).
@@ -102,6 +104,9 @@ class BlockManager {
     uint64_t released_at = 0;     // LRU tick while cached
     std::vector<int32_t> tokens;  // the keyed content, for exact confirmation of hits
   };
+  // The blocks holding tokens[0, k * block size) after the block keyed parent (0: from the first), k <= max_blocks,
+  // into hits; returns the key of the last one found (parent when none).
+  uint64_t find_prefix(const int32_t* tokens, int32_t max_blocks, uint64_t parent, std::vector<int32_t>* hits) const;
   void take(int32_t id);  // any state -> active (+1 reference)
   void drop(int32_t id);  // -1 reference; active -> cached|free at the last one
   void touch(int32_t id);  // cached -> cached, most recently released

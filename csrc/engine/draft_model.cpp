@@ -9,6 +9,7 @@ namespace lmkit {
 namespace {
 
 constexpr int32_t kCalibrationRows[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64};
+constexpr int32_t kContextCalibrationRows = 256;
 
 }  // namespace
 
@@ -76,11 +77,7 @@ void DraftModel::propose(const std::vector<const Sequence*>& seqs, const std::ve
     State& st = states_[seq.id];
     states[i] = &st;
     // the drafts the target kept since the last pass: their K/V are the sequence's own now
-    int32_t kept = 0;
-    while (kept < (int32_t)st.written.size() && st.computed + kept < total &&
-           st.written[(size_t)kept] == seq.tokens[(size_t)(st.computed + kept)])
-      ++kept;
-    st.computed = std::min(st.computed + kept, total - 1);  // (at least the last token's row: it gives the draft)
+    st.computed = std::min(st.computed + kept_drafts(st, seq), total - 1);  // (at least the last token's row: it gives the draft)
     st.written.clear();
     if (!can_draft(seq)) continue;
     bool first_block = false;  // a new state that computes a block no cache holds yet, from first_key
@@ -170,6 +167,26 @@ void DraftModel::propose(const std::vector<const Sequence*>& seqs, const std::ve
     if ((int32_t)drafts[i].size() > want[i]) drafts[i].resize((size_t)want[i]);
 }
 
+int32_t DraftModel::kept_drafts(const State& st, const Sequence& seq) {
+  int32_t kept = 0;
+  while (kept < (int32_t)st.written.size() && st.computed + kept < seq.num_tokens() &&
+         st.written[(size_t)kept] == seq.tokens[(size_t)(st.computed + kept)])
+    ++kept;
+  return kept;
+}
+
+int32_t DraftModel::rows_behind(const Sequence& seq) const {
+  const int32_t total = seq.num_tokens();
+  const auto it = states_.find(seq.id);
+  int32_t computed = 0;
+  if (it != states_.end() && !it->second.table.empty())
+    computed = it->second.computed + kept_drafts(it->second, seq);
+  else if (prefix_caching_)  // a new state starts from the draft pool's prefix cache
+    computed = blocks_.block_size_tokens() *
+               blocks_.num_prefix_blocks(seq.tokens.data(), (total - 1) / blocks_.block_size_tokens());
+  return std::max(total - computed, 1);
+}
+
 bool DraftModel::can_draft(const Sequence& seq) {
   State& st = states_[seq.id];
   const int32_t vocab = executor_->vocab_size();
@@ -203,6 +220,15 @@ void DraftModel::calibrate() {
       sample_last_row(b, append_rows(b, &j, 0, &zero, 1), &greedy_, &zero, 1, 1);
     pass_cost_.record(rows, timed_step(*executor_, b));
   }
+  // One sequence's rows [0, R) in the first blocks, its last row sampled: a catch-up's shape.
+  const int32_t rows = std::min({kContextCalibrationRows, max_rows_, bs * blocks_.num_free_blocks()});
+  if (rows < 2) return;
+  std::vector<int32_t> table((size_t)blocks_.num_blocks_for(rows)), inputs((size_t)rows, 0);
+  for (size_t j = 0; j < table.size(); ++j) table[j] = (int32_t)j;
+  Batch b;
+  b.block_size_tokens = bs;
+  sample_last_row(b, append_rows(b, table.data(), 0, inputs.data(), rows, true), &greedy_, inputs.data(), rows, rows);
+  seconds_per_context_row_ = timed_step(*executor_, b) / rows;
 }
 
 std::vector<int64_t> DraftModel::state_ids() const {

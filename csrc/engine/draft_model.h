@@ -48,10 +48,17 @@ class DraftModel {
   bool can_draft(const Sequence& seq);
   // Gives back sequence seq_id's draft state (its blocks become cached or free). Unknown ids are ignored.
   void release(int64_t seq_id);
-  // Times passes of 1 to 64 single-token rows into pass_cost() (once, before the first request).
+  // Rows the next propose() for seq runs before its first draft: its tokens whose K/V its draft state lacks (one or
+  // two for a sequence that drafted last step; for one without a state, or whose state was given back, its context
+  // past what the draft pool's prefix cache holds).
+  int32_t rows_behind(const Sequence& seq) const;
+  // Times passes of 1 to 64 single-token rows into pass_cost() and a pass over one sequence's first rows into
+  // catch_up_seconds() (once, before the first request).
   void calibrate();
   // Seconds of one draft pass by its rows (calibrate(); 0 before it).
   const StepCost& pass_cost() const { return pass_cost_; }
+  // Seconds of a pass over `rows` rows of one sequence's context (calibrate(); 0 before it).
+  double catch_up_seconds(int32_t rows) const { return rows * seconds_per_context_row_; }
   // Gives the pages of the draft pool's free blocks and of the draft's scratch back to the OS (Executor's).
   void release_idle_memory() { executor_->release_idle_memory(blocks_.free_block_ids()); }
   // Throws when the draft pool's bookkeeping is inconsistent (block states, references against the tables).
@@ -73,6 +80,8 @@ class DraftModel {
   // Room in st's table for positions [0, end): allocates what is missing, giving back idle states (not in `busy`)
   // when the pool is short. Returns whether it all fits.
   bool reserve(State& st, int32_t end, const std::vector<int64_t>& busy);
+  // How many of the drafts st wrote the sequence holds as its own tokens now (their K/V are its own).
+  static int32_t kept_drafts(const State& st, const Sequence& seq);
   void publish(State& st, const int32_t* tokens);
 
   std::unique_ptr<Executor> executor_;
@@ -84,6 +93,7 @@ class DraftModel {
   bool masks_fit_ = false;  // the draft's logits are no wider than a grammar's masks (the target's vocabulary)
   SamplingParams greedy_;
   StepCost pass_cost_;
+  double seconds_per_context_row_ = 0;
   std::unordered_map<int64_t, State> states_;  // by Sequence::id
 };
 

@@ -436,21 +436,33 @@ void Engine::run_draft_model(const std::vector<Sequence*>& seqs, const std::vect
   // as many as pay, the draft model's passes counted, and the probes: a switched-off draft model's budget
   // (SpecState::draft_budget), every kProbeInterval proposals. (No probe of one that is on: its passes' timings are
   // fixed at start, and its acceptance waits for the steps where it pays.) Adaptive off: every proposal, oldest first.
+  // A sequence whose draft state is far behind (a new request's prompt) drafts once its catch-up pays
+  // (worth_catching_up): until then it is not a candidate.
+  const bool adaptive = options_.speculative.adaptive;
   std::vector<DraftCandidate> candidates;
+  std::vector<Sequence*> listed;
   for (size_t i = 0; i < seqs.size(); ++i) {
     const SpecState& spec = *seqs[i]->spec;
-    const bool probe = spec.acceptance(kDraftModel) < SpecState::kOffBelow;
-    candidates.push_back({spec.acceptance(kDraftModel), want[i], probe ? want[i] : 0});
+    const float acceptance = spec.acceptance(kDraftModel);
+    if (adaptive) {
+      const Sequence& seq = *seqs[i];
+      const double saving = draft_saving_per_token(acceptance, want[i], step_cost_, draft_->pass_cost());
+      if (!worth_catching_up(draft_->catch_up_seconds(draft_->rows_behind(seq) - 1), saving,
+                             seq.num_generated_tokens(), seq.max_total_tokens - seq.num_tokens()))
+        continue;
+    }
+    const bool probe = acceptance < SpecState::kOffBelow;
+    candidates.push_back({acceptance, want[i], probe ? want[i] : 0});
+    listed.push_back(seqs[i]);
   }
   const std::vector<int32_t> take =
-      options_.speculative.adaptive
-          ? choose_model_drafts(candidates, decode_rows, max_rows, step_cost_, draft_->pass_cost())
-          : take_in_order(candidates, max_rows);
+      adaptive ? choose_model_drafts(candidates, decode_rows, max_rows, step_cost_, draft_->pass_cost())
+               : take_in_order(candidates, max_rows);
   std::vector<Sequence*> of;  // (a sequence that takes none now catches up when it next drafts)
   std::vector<int32_t> max_tokens;
-  for (size_t i = 0; i < seqs.size(); ++i) {
+  for (size_t i = 0; i < listed.size(); ++i) {
     if (take[i] <= 0) continue;
-    of.push_back(seqs[i]);
+    of.push_back(listed[i]);
     max_tokens.push_back(take[i]);
   }
   const std::vector<const Sequence*> drafting(of.begin(), of.end());

@@ -275,4 +275,23 @@ std::vector<int32_t> choose_model_drafts(const std::vector<DraftCandidate>& cand
   return best;
 }
 
+double draft_saving_per_token(float acceptance, int32_t max_depth, const StepCost& cost, const StepCost& draft_cost) {
+  const double one = cost.seconds(1), pass = draft_cost.seconds(1);
+  if (!(one > 0.0) || !(pass > 0.0)) return -1.0;
+  const double a = std::min(std::max((double)acceptance, 0.0), 1.0);
+  double best = 0.0, tokens = 1.0, gain = 1.0;
+  for (int32_t d = 1; d <= max_depth; ++d) {
+    gain *= a;
+    tokens += gain;
+    best = std::max(best, one - (cost.seconds(1 + d) + d * pass) / tokens);
+  }
+  return best;
+}
+
+bool worth_catching_up(double catch_up_seconds, double saving, int32_t generated, int32_t left) {
+  if (saving < 0.0 || catch_up_seconds <= std::max(saving, 0.0)) return true;
+  if (saving == 0.0 || (double)left * saving < catch_up_seconds) return false;
+  return (double)generated * saving >= catch_up_seconds;
+}
+
 }  // namespace lmkit

@@ -188,4 +188,16 @@ std::vector<int32_t> take_in_order(const std::vector<DraftCandidate>& candidates
 std::vector<int32_t> choose_model_drafts(const std::vector<DraftCandidate>& candidates, int32_t decode_rows,
                                          int32_t max_rows, const StepCost& cost, const StepCost& draft_cost);
 
+// Seconds a draft model saves per token of a sequence decoding alone, at the best depth up to max_depth: a step of
+// one row against a verification of d drafts and d draft passes, over the 1 + a + ... + a^d tokens it gives (a: the
+// per-token acceptance). 0 where no depth saves anything; -1 while either cost is unmeasured.
+double draft_saving_per_token(float acceptance, int32_t max_depth, const StepCost& cost, const StepCost& draft_cost);
+
+// Whether a sequence should pay a draft model's catch-up over its context (catch_up_seconds) now, so that it
+// drafts from its next token on: the ski-rental rule. It does once the tokens it has generated without drafts would
+// have saved as much (saving seconds each), so that a catch-up never costs more than the drafts it lets through
+// save, however long the answer turns out, while a short context (a catch-up that costs a token's saving or less)
+// drafts at once; never where even its `left` tokens at most could not repay it. A saving of -1 (unmeasured): at once.
+bool worth_catching_up(double catch_up_seconds, double saving, int32_t generated, int32_t left);
+
 }  // namespace lmkit

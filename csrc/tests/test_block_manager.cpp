@@ -78,6 +78,9 @@ TEST(released_keyed_blocks_are_cached_and_hit) {
   EXPECT_EQ(bm.num_free_blocks(), 3);
   EXPECT_EQ(bm.num_active_blocks(), 0);
   bm.verify();
+  EXPECT_EQ(bm.num_prefix_blocks(toks.data(), 3), 3);  // counted, nothing taken
+  EXPECT_EQ(bm.num_prefix_blocks(toks.data(), 2), 2);
+  EXPECT_EQ(bm.num_cached_blocks(), 3);
   Ids b;
   uint64_t key = 0;
   EXPECT_EQ(bm.match_prefix(toks.data(), 3, b, &key), 3);
@@ -89,6 +92,7 @@ TEST(released_keyed_blocks_are_cached_and_hit) {
   other[5] = 7;
   Ids c;
   key = 0;
+  EXPECT_EQ(bm.num_prefix_blocks(other.data(), 3), 1);
   EXPECT_EQ(bm.match_prefix(other.data(), 3, c, &key), 1);
   EXPECT_EQ(c, (Ids{0}));
   EXPECT_EQ(bm.ref_count(0), 2);

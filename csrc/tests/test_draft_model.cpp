@@ -3,7 +3,9 @@
 // verification, the draft pool's prefix cache, a pool that runs short, long catch-ups cut at max_rows, drafts past the
 // target's vocabulary, and states given back.
 #include <algorithm>
+#include <chrono>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "engine/draft_model.h"
@@ -26,6 +28,8 @@ class RuleExecutor final : public Executor {
  public:
   StepOutput step(const Batch& batch) override {
     if (fail) throw std::runtime_error("scripted failure");
+    if (seconds_per_row > 0)
+      std::this_thread::sleep_for(std::chrono::duration<double>(seconds_per_row * batch.num_tokens));
     StepOutput out = StepOutput::for_batch(batch, kVocab);
     for (size_t k = 0; k < batch.samples.size(); ++k) {
       const int32_t r = batch.logit_rows[(size_t)batch.samples[k].logit_index];
@@ -45,6 +49,7 @@ class RuleExecutor final : public Executor {
   std::vector<Ids> tables;
   int32_t num_blocks = 0;
   bool fail = false;
+  double seconds_per_row = 0;  // each pass sleeps this long per row
 };
 
 std::unique_ptr<Sequence> make_seq(int64_t id, Ids tokens, int32_t num_prompt) {
@@ -87,6 +92,7 @@ TEST(first_drafts_catch_up_the_whole_sequence_then_one_row_a_pass) {
   Fixture f(8, 4, 64);
   EXPECT_EQ(f.exec->num_blocks, 8);
   auto seq = make_seq(1, Ids{3, 1, 4, 1, 5, 9}, 5);  // 5 prompt tokens and one generated, pending
+  EXPECT_EQ(f.draft->rows_behind(*seq), 6);
   const std::vector<Ids> drafts = f.propose({seq.get()}, Ids{3});
   EXPECT_EQ(drafts[0], chain(seq->tokens, 3));
   EXPECT_EQ(f.exec->passes.size(), (size_t)3);
@@ -108,6 +114,7 @@ TEST(first_drafts_catch_up_the_whole_sequence_then_one_row_a_pass) {
   // catch-up is position 7 alone, whose input is the new token
   seq->tokens.push_back(drafts[0][0]);
   seq->tokens.push_back((drafts[0][1] + 1) % kVocab);
+  EXPECT_EQ(f.draft->rows_behind(*seq), 1);
   f.exec->passes.clear();
   const std::vector<Ids> next = f.propose({seq.get()}, Ids{2});
   EXPECT_EQ(f.exec->passes[0].size(), (size_t)1);
@@ -119,6 +126,7 @@ TEST(first_drafts_catch_up_the_whole_sequence_then_one_row_a_pass) {
   seq->tokens.push_back(next[0][0]);
   seq->tokens.push_back(next[0][1]);
   seq->tokens.push_back(7);
+  EXPECT_EQ(f.draft->rows_behind(*seq), 2);
   f.exec->passes.clear();
   f.propose({seq.get()}, Ids{1});
   EXPECT_EQ(f.exec->passes.size(), (size_t)1);
@@ -130,6 +138,22 @@ TEST(first_drafts_catch_up_the_whole_sequence_then_one_row_a_pass) {
   f.draft->check_integrity();
   EXPECT(f.draft->state_ids().empty());
   EXPECT_EQ(f.draft->num_free_blocks(), 8);
+}
+
+TEST(calibration_times_single_rows_and_a_context_pass) {
+  Fixture f(64, 4, 128);
+  f.exec->seconds_per_row = 2e-4;
+  f.draft->calibrate();
+  // the last pass: one sequence's rows [0, 128) (max_rows) in blocks 0..31, its last row sampled
+  const std::vector<Row>& last = f.exec->passes.back();
+  EXPECT_EQ(last.size(), (size_t)128);
+  EXPECT_EQ(last.back().position, 127);
+  EXPECT_EQ(f.exec->tables.back().size(), (size_t)32);
+  // (sleeps bound the timings from below)
+  EXPECT(f.draft->catch_up_seconds(100) >= 100 * 2e-4);
+  EXPECT(f.draft->pass_cost().seconds(8) >= 8 * 2e-4);
+  EXPECT(f.draft->state_ids().empty());
+  EXPECT_EQ(f.draft->num_free_blocks(), 64);
 }
 
 TEST(completions_of_one_prompt_compute_it_once) {
@@ -206,6 +230,8 @@ TEST(the_draft_pools_prefix_cache_serves_a_second_sequence) {
   auto a = make_seq(1, prompt, 9);
   f.propose({a.get()}, Ids{2});
   auto b = make_seq(2, Ids{1, 2, 3, 4, 5, 6, 7, 8, 11, 12}, 9);  // the same first two blocks
+  EXPECT_EQ(f.draft->rows_behind(*b), 2);  // (looked up, not taken: the pool is as it was)
+  f.draft->check_integrity();
   f.exec->passes.clear();
   const std::vector<Ids> drafts = f.propose({b.get()}, Ids{1});
   EXPECT_EQ(f.exec->passes[0].size(), (size_t)2);  // positions 8 and 9 only

@@ -227,6 +227,25 @@ TEST(a_draft_model_drafts_while_its_passes_pay) {
   EXPECT_EQ(choose_model_drafts(C{{0.95f, 8, 0}}, 1, 32, flat, mid), (Ids{8}));
 }
 
+TEST(a_long_catch_up_waits_until_the_tokens_without_drafts_would_have_paid_for_it) {
+  StepCost flat(64), cheap(64), dear(64);
+  for (int r = 1; r <= 32; ++r) flat.record(r, 1.0 + 0.02 * r), cheap.record(r, 0.05), dear.record(r, 1.0);
+  // acceptance 0.9, passes of 5%: depth 8 gives 6.13 tokens in 1.18 + 0.4 steps: 1.02 - 1.58 / 6.13 = 0.762 saved
+  const double saving = draft_saving_per_token(0.9f, 8, flat, cheap);
+  EXPECT(std::fabs(saving - (1.02 - 1.58 / ((1 - std::pow(0.9, 9)) / 0.1))) < 1e-5);  // (0.9f)
+  EXPECT_EQ(draft_saving_per_token(0.9f, 8, flat, dear), 0.0);  // passes as dear as a step never save
+  EXPECT_EQ(draft_saving_per_token(0.0f, 8, flat, cheap), 0.0);
+  EXPECT_EQ(draft_saving_per_token(0.9f, 8, flat, StepCost(64)), -1.0);  // unmeasured
+  // a catch-up of 10 steps with 0.5 saved a token: after 20 tokens without drafts, not before
+  EXPECT(!worth_catching_up(10.0, 0.5, 19, 100));
+  EXPECT(worth_catching_up(10.0, 0.5, 20, 100));
+  EXPECT(!worth_catching_up(10.0, 0.5, 40, 19));  // 19 tokens left could not repay it
+  EXPECT(worth_catching_up(0.4, 0.5, 1, 100));    // a short context: at once
+  EXPECT(worth_catching_up(0.0, 0.0, 1, 100));    // a state one row behind: as drafting as before
+  EXPECT(!worth_catching_up(10.0, 0.0, 1000, 1000));
+  EXPECT(worth_catching_up(10.0, -1.0, 1, 100));  // unmeasured: at once
+}
+
 TEST(drafts_join_a_decode_within_the_budget_and_rejected_blocks_go_back) {
   BlockManager bm(8, 4);
   Scheduler sched(SchedulerConfig{4, 6, 64, false, 0}, bm);

