@@ -437,8 +437,10 @@ void Engine::run_draft_model(const std::vector<Sequence*>& seqs, const std::vect
   // (SpecState::draft_budget), every kProbeInterval proposals. (No probe of one that is on: its passes' timings are
   // fixed at start, and its acceptance waits for the steps where it pays.) Adaptive off: every proposal, oldest first.
   // A sequence whose draft state is far behind (a new request's prompt) drafts once its catch-up pays
-  // (worth_catching_up): until then it is not a candidate.
+  // (worth_catching_up, priced at the catch-up of what it had before it generated, at the acceptance of the draft
+  // model's recent verifications): until then it is not a candidate.
   const bool adaptive = options_.speculative.adaptive;
+  const float expected = model_kept_ / model_examined_;
   std::vector<DraftCandidate> candidates;
   std::vector<Sequence*> listed;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -446,9 +448,11 @@ void Engine::run_draft_model(const std::vector<Sequence*>& seqs, const std::vect
     const float acceptance = spec.acceptance(kDraftModel);
     if (adaptive) {
       const Sequence& seq = *seqs[i];
-      const double saving = draft_saving_per_token(acceptance, want[i], step_cost_, draft_->pass_cost());
-      if (!worth_catching_up(draft_->catch_up_seconds(draft_->rows_behind(seq) - 1), saving,
-                             seq.num_generated_tokens(), seq.max_total_tokens - seq.num_tokens()))
+      const double saving = draft_saving_per_token(expected, want[i], step_cost_, draft_->pass_cost());
+      const int32_t generated = seq.num_generated_tokens();
+      const int32_t behind = std::max(draft_->rows_behind(seq) - 1 - generated, 0);
+      if (!worth_catching_up(draft_->catch_up_seconds(behind), saving, generated,
+                             seq.max_total_tokens - seq.num_tokens()))
         continue;
     }
     const bool probe = acceptance < SpecState::kOffBelow;
@@ -523,6 +527,11 @@ int32_t Engine::apply_verification(const ScheduledSeq& s, int32_t first_sample, 
   metrics_.num_draft_tokens[src] += drafts;
   metrics_.num_accepted_draft_tokens[src] += accepted;
   ++metrics_.num_verifications[src];
+  if (src == kDraftModel) {
+    constexpr float kDecay = 0.95f;  // about the last twenty verifications count
+    model_kept_ = kDecay * model_kept_ + (float)accepted;
+    model_examined_ = kDecay * model_examined_ + (float)(accepted + (accepted < drafts ? 1 : 0));
+  }
   if (seq.spec) {
     seq.spec->record(src, drafts, accepted);
     seq.spec->steps_since_probe = 0;  // (here, not when chosen: the scheduler may cut chosen drafts to none)

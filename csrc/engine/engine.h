@@ -257,6 +257,9 @@ class Engine {
   std::mt19937_64 seed_source_;
   AnswerStore answers_;  // finished answers, for draft lookup
   StepCost step_cost_;   // seconds of a step by row count (calibrate_step_cost), for choose_drafts
+  // The draft model's per-token acceptance over every sequence's verifications (decayed counts, from an optimistic
+  // 0.75): what a sequence that has not drafted yet expects of it (run_draft_model's catch-up rule).
+  float model_kept_ = 3.0f, model_examined_ = 4.0f;
   bool mtp_ = false;     // speculative='mtp': the executor runs its MTP head after each step (run_mtp)
   std::unique_ptr<DraftModel> draft_;  // speculative='draft': the draft model, else null
   SamplingParams mtp_greedy_;  // the MTP head's drafts: its argmax

@@ -291,7 +291,7 @@ double draft_saving_per_token(float acceptance, int32_t max_depth, const StepCos
 bool worth_catching_up(double catch_up_seconds, double saving, int32_t generated, int32_t left) {
   if (saving < 0.0 || catch_up_seconds <= std::max(saving, 0.0)) return true;
   if (saving == 0.0 || (double)left * saving < catch_up_seconds) return false;
-  return (double)generated * saving >= catch_up_seconds;
+  return (double)generated * saving >= kCatchUpRent * catch_up_seconds;
 }
 
 }  // namespace lmkit

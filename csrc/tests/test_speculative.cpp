@@ -227,7 +227,7 @@ TEST(a_draft_model_drafts_while_its_passes_pay) {
   EXPECT_EQ(choose_model_drafts(C{{0.95f, 8, 0}}, 1, 32, flat, mid), (Ids{8}));
 }
 
-TEST(a_long_catch_up_waits_until_the_tokens_without_drafts_would_have_paid_for_it) {
+TEST(a_long_catch_up_waits_until_the_tokens_without_drafts_would_have_saved_a_quarter_of_it) {
   StepCost flat(64), cheap(64), dear(64);
   for (int r = 1; r <= 32; ++r) flat.record(r, 1.0 + 0.02 * r), cheap.record(r, 0.05), dear.record(r, 1.0);
   // acceptance 0.9, passes of 5%: depth 8 gives 6.13 tokens in 1.18 + 0.4 steps: 1.02 - 1.58 / 6.13 = 0.762 saved
@@ -236,9 +236,9 @@ TEST(a_long_catch_up_waits_until_the_tokens_without_drafts_would_have_paid_for_i
   EXPECT_EQ(draft_saving_per_token(0.9f, 8, flat, dear), 0.0);  // passes as dear as a step never save
   EXPECT_EQ(draft_saving_per_token(0.0f, 8, flat, cheap), 0.0);
   EXPECT_EQ(draft_saving_per_token(0.9f, 8, flat, StepCost(64)), -1.0);  // unmeasured
-  // a catch-up of 10 steps with 0.5 saved a token: after 20 tokens without drafts, not before
-  EXPECT(!worth_catching_up(10.0, 0.5, 19, 100));
-  EXPECT(worth_catching_up(10.0, 0.5, 20, 100));
+  // a catch-up of 10 steps with 0.5 saved a token: once 5 tokens without drafts would have saved a quarter of it
+  EXPECT(!worth_catching_up(10.0, 0.5, 4, 100));
+  EXPECT(worth_catching_up(10.0, 0.5, 5, 100));
   EXPECT(!worth_catching_up(10.0, 0.5, 40, 19));  // 19 tokens left could not repay it
   EXPECT(worth_catching_up(0.4, 0.5, 1, 100));    // a short context: at once
   EXPECT(worth_catching_up(0.0, 0.0, 1, 100));    // a state one row behind: as drafting as before
