@@ -129,32 +129,33 @@ int32_t BlockManager::release_range(std::vector<int32_t>& table, int32_t begin, 
   return num_returned;
 }
 
-uint64_t BlockManager::find_prefix(const int32_t* tokens, int32_t max_blocks, uint64_t parent,
-                                   std::vector<int32_t>* hits) const {
-  for (int32_t k = 0; k < max_blocks; ++k) {
+int32_t BlockManager::find_prefix(const int32_t* tokens, int32_t max_blocks, uint64_t* parent,
+                                  std::vector<int32_t>* hits) const {
+  int32_t k = 0;
+  for (; k < max_blocks; ++k) {
     const int32_t* block_tokens = tokens + (int64_t)k * block_size_;
-    const uint64_t key = block_key(parent, block_tokens, block_size_);
+    const uint64_t key = block_key(*parent, block_tokens, block_size_);
     auto it = key_to_block_.find(key);
     if (it == key_to_block_.end()) break;
     const Block& b = blocks_[it->second];
     if (!std::equal(b.tokens.begin(), b.tokens.end(), block_tokens)) break;  // hash collision
-    hits->push_back(it->second);
-    parent = key;
+    if (hits != nullptr) hits->push_back(it->second);
+    *parent = key;
   }
-  return parent;
+  return k;
 }
 
 int32_t BlockManager::num_prefix_blocks(const int32_t* tokens, int32_t max_blocks) const {
-  std::vector<int32_t> hits;
-  find_prefix(tokens, max_blocks, 0, &hits);
-  return (int32_t)hits.size();
+  uint64_t parent = 0;
+  return find_prefix(tokens, max_blocks, &parent, nullptr);
 }
 
 int32_t BlockManager::match_prefix(const int32_t* tokens, int32_t max_blocks, std::vector<int32_t>& table,
                                    uint64_t* last_key, int32_t max_live_blocks) {
   LMKIT_CHECK(max_live_blocks >= 0, "match_prefix() with max_live_blocks ", max_live_blocks);
   std::vector<int32_t> hits;
-  const uint64_t parent = find_prefix(tokens, max_blocks, *last_key, &hits);
+  uint64_t parent = *last_key;
+  find_prefix(tokens, max_blocks, &parent, &hits);
   const int32_t matched = (int32_t)hits.size();
   const int32_t num_holes = std::max(0, matched - max_live_blocks);
   for (int32_t i = num_holes - 1; i >= 0; --i) touch(hits[i]);  // the first block ends newest, as after release()

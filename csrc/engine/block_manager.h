@@ -104,9 +104,9 @@ class BlockManager {
     uint64_t released_at = 0;     // LRU tick while cached
     std::vector<int32_t> tokens;  // the keyed content, for exact confirmation of hits
   };
-  // The blocks holding tokens[0, k * block size) after the block keyed parent (0: from the first), k <= max_blocks,
-  // into hits; returns the key of the last one found (parent when none).
-  uint64_t find_prefix(const int32_t* tokens, int32_t max_blocks, uint64_t parent, std::vector<int32_t>* hits) const;
+  // How many blocks (k <= max_blocks) hold tokens[0, k * block size) after the block keyed *parent (0: from the
+  // first): their ids into hits (when not null), the last one's key into *parent (unchanged when none).
+  int32_t find_prefix(const int32_t* tokens, int32_t max_blocks, uint64_t* parent, std::vector<int32_t>* hits) const;
   void take(int32_t id);  // any state -> active (+1 reference)
   void drop(int32_t id);  // -1 reference; active -> cached|free at the last one
   void touch(int32_t id);  // cached -> cached, most recently released

@@ -76,8 +76,9 @@ void DraftModel::propose(const std::vector<const Sequence*>& seqs, const std::ve
     const int32_t total = seq.num_tokens();
     State& st = states_[seq.id];
     states[i] = &st;
-    // the drafts the target kept since the last pass: their K/V are the sequence's own now
-    st.computed = std::min(st.computed + kept_drafts(st, seq), total - 1);  // (at least the last token's row: it gives the draft)
+    // the drafts the target kept since the last pass: their K/V are the sequence's own now (the last token's row
+    // at least is computed: it gives the first draft)
+    st.computed = std::min(st.computed + kept_drafts(st, seq), total - 1);
     st.written.clear();
     if (!can_draft(seq)) continue;
     bool first_block = false;  // a new state that computes a block no cache holds yet, from first_key

@@ -437,25 +437,30 @@ void Engine::run_draft_model(const std::vector<Sequence*>& seqs, const std::vect
   // (SpecState::draft_budget), every kProbeInterval proposals. (No probe of one that is on: its passes' timings are
   // fixed at start, and its acceptance waits for the steps where it pays.) Adaptive off: every proposal, oldest first.
   // A sequence whose draft state is far behind (a new request's prompt) drafts once its catch-up pays
-  // (worth_catching_up, priced at the catch-up of what it had before it generated, at the acceptance of the draft
-  // model's recent verifications): until then it is not a candidate.
+  // (worth_catching_up, priced at the catch-up of the context before its answer, at the acceptance of the draft
+  // model's recent verifications): until then it is not a candidate. Every kProbeInterval-th sequence refused goes on
+  // all the same, so that this acceptance is measured again even while every catch-up waits; a sequence's own probe
+  // (its draft model switched off) goes on whatever its catch-up costs.
   const bool adaptive = options_.speculative.adaptive;
   const float expected = model_kept_ / model_examined_;
   std::vector<DraftCandidate> candidates;
   std::vector<Sequence*> listed;
   for (size_t i = 0; i < seqs.size(); ++i) {
-    const SpecState& spec = *seqs[i]->spec;
+    Sequence& seq = *seqs[i];
+    SpecState& spec = *seq.spec;
     const float acceptance = spec.acceptance(kDraftModel);
-    if (adaptive) {
-      const Sequence& seq = *seqs[i];
+    const bool probe = acceptance < SpecState::kOffBelow;
+    if (adaptive && !probe) {
       const double saving = draft_saving_per_token(expected, want[i], step_cost_, draft_->pass_cost());
       const int32_t generated = seq.num_generated_tokens();
       const int32_t behind = std::max(draft_->rows_behind(seq) - 1 - generated, 0);
       if (!worth_catching_up(draft_->catch_up_seconds(behind), saving, generated,
-                             seq.max_total_tokens - seq.num_tokens()))
-        continue;
+                             seq.max_total_tokens - seq.num_tokens())) {
+        const bool first = !spec.catch_up_refused;
+        spec.catch_up_refused = true;
+        if (!first || ++refused_catch_ups_ % SpecState::kProbeInterval != 0) continue;
+      }
     }
-    const bool probe = acceptance < SpecState::kOffBelow;
     candidates.push_back({acceptance, want[i], probe ? want[i] : 0});
     listed.push_back(seqs[i]);
   }

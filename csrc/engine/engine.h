@@ -260,6 +260,7 @@ class Engine {
   // The draft model's per-token acceptance over every sequence's verifications (decayed counts, from an optimistic
   // 0.75): what a sequence that has not drafted yet expects of it (run_draft_model's catch-up rule).
   float model_kept_ = 3.0f, model_examined_ = 4.0f;
+  int32_t refused_catch_ups_ = 0;  // sequences whose catch-up was refused (every kProbeInterval-th goes on)
   bool mtp_ = false;     // speculative='mtp': the executor runs its MTP head after each step (run_mtp)
   std::unique_ptr<DraftModel> draft_;  // speculative='draft': the draft model, else null
   SamplingParams mtp_greedy_;  // the MTP head's drafts: its argmax

@@ -136,6 +136,7 @@ struct SpecState {
   float examined[kNumDraftSources] = {4.0f, 4.0f, 4.0f, 4.0f, 4.0f};
   int32_t idle_steps[kNumDraftSources] = {};  // steps since the proposer was last asked while switched off
   int32_t steps_since_probe = 0;  // proposals since drafts were last verified (see choose_drafts' probes)
+  bool catch_up_refused = false;  // the draft model's catch-up was refused (counted once: Engine::run_draft_model)
   float acceptance(int32_t source) const { return kept[source] / examined[source]; }
   // How many draft tokens `source` may propose now: max_tokens, or 0 while it is switched off (counting the steps
   // until its next probe, which may propose kProbeTokens).
@@ -196,12 +197,11 @@ double draft_saving_per_token(float acceptance, int32_t max_depth, const StepCos
 // Whether a sequence should pay a draft model's catch-up over its context (catch_up_seconds) now, so that it
 // drafts from its next token on: a rent-or-buy rule. It does once the tokens it has generated without drafts would
 // have saved kCatchUpRent of it (saving seconds each): an answer shorter than that never pays for a catch-up, and
-// against catching up at once (what vLLM and llama.cpp do) one of any length loses at most kCatchUpRent of a
-// catch-up. A short context (a catch-up that costs a token's saving or less) drafts at once; never where even its
-// `left` tokens at most could not repay the catch-up. A saving of -1 (unmeasured): at once.
-// (kCatchUpRent: SmolLM2 drafted by its Q4_1 copy, bench_speculative's workloads: 1 waited too long on answers of
-// 100-256 tokens, 20-25% below catching up at once; 0.25 kept those within noise and the JSON answers of 7-100 tokens
-// after 170-440-token prompts at speculation off's rate, where catching up at once gave 0.6-0.86x.)
+// against catching up at once (what vLLM and llama.cpp do) one of any length loses about kCatchUpRent of a catch-up
+// (about: the caller prices it, and the pass also covers the tokens generated meanwhile). A short context (a
+// catch-up that costs a token's saving or less) drafts at once; never where even its `left` tokens at most could not
+// repay the catch-up. A saving of -1 (unmeasured): at once. (kCatchUpRent: benchmark/results/speculative.md, "The
+// catch-up waits until it pays".)
 constexpr double kCatchUpRent = 0.25;
 bool worth_catching_up(double catch_up_seconds, double saving, int32_t generated, int32_t left);
 

@@ -398,7 +398,8 @@ IDLE_RELEASE = textwrap.dedent("""
     again = run(probe)
     engine.close()
     print(json.dumps({"idle": idle, "busy": busy, "after": after, "tokens": [first[0], again[0]],
-                      "logprob_error": max(abs(a - b) for a, b in zip(first[1], again[1]))}))
+                      "logprobs": [len(first[1]), len(again[1])],
+                      "logprob_error": max((abs(a - b) for a, b in zip(first[1], again[1])), default=0.0)}))
 """)
 
 
@@ -438,5 +439,5 @@ def test_an_idle_engine_gives_a_long_prompts_memory_back(wide_kv_llama, draft):
     assert r["after"] - r["idle"] < added / (8 if draft else 3), r
     # the same tokens; their logprobs exactly so, or with drafts within float32's rounding of rows that a
     # verification computes in another step's shape (the draft's catch-up may take one step or two)
-    assert r["tokens"][0] == r["tokens"][1] and len(r["tokens"][0]) == 4, r
+    assert r["tokens"][0] == r["tokens"][1] and len(r["tokens"][0]) == 4 and r["logprobs"] == [4, 4], r
     assert r["logprob_error"] <= (1e-5 if draft else 0.0), r

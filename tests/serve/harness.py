@@ -243,7 +243,10 @@ class HealthPoller:
         self._thread.start()
         deadline = time.monotonic() + 10
         while len(self.samples) < 3:
-            assert time.monotonic() < deadline, "/health did not answer before the load started"
+            if time.monotonic() > deadline:
+                self._stop.set()
+                gc.unfreeze()
+                raise AssertionError("/health did not answer before the load started")
             time.sleep(0.01)
         return self
 
