@@ -133,10 +133,17 @@ def deploy(app, name: str = "lmkit", route_prefix: str = "/", stop: threading.Ev
 ROUTE_WAIT_S = 30.0
 
 
+ROUTE_CONFIRMATIONS = 10
+"""Answers in a row that list the route: each on a new connection, so that where several proxies share the
+address (a node's each, behind one port or one load balancer) every one of them is likely asked."""
+
+
 def _wait_for_route(route_prefix: str, timeout_s: float = ROUTE_WAIT_S) -> None:
-    """Until the HTTP proxy lists ``route_prefix`` in its route table (``/-/routes``): Ray's proxies learn routes by
-    long polling, and a request sent as soon as the application runs could get a 404 (seen with two nodes on a
-    busy machine). Returns after timeout_s without one (no HTTP proxy, or a host it cannot reach: requests tell)."""
+    """Until the HTTP proxies list ``route_prefix`` in their route tables (``/-/routes``, ROUTE_CONFIRMATIONS
+    answers in a row): Ray's proxies learn routes by long polling, each on its own, and a request sent as soon as
+    the application runs could get a 404 from one that has not yet (seen with two nodes on a busy machine, where
+    one proxy had the route and the next request went to the other). Returns after timeout_s without that (no
+    HTTP proxy, or a host it cannot reach: requests tell)."""
     from ray.serve.context import _get_global_client
 
     config = _get_global_client().http_config
@@ -145,14 +152,17 @@ def _wait_for_route(route_prefix: str, timeout_s: float = ROUTE_WAIT_S) -> None:
     host = config.host if config.host not in (None, "", "0.0.0.0", "::") else "127.0.0.1"
     url = f"http://{host}:{config.port}/-/routes"
     deadline = time.monotonic() + timeout_s
+    confirmed = 0
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (the cluster's own proxy)
-                if route_prefix in json.loads(response.read()):
-                    return
+                listed = route_prefix in json.loads(response.read())
         except (OSError, ValueError):
-            pass
-        time.sleep(0.2)
+            listed = False
+        confirmed = confirmed + 1 if listed else 0
+        if confirmed >= ROUTE_CONFIRMATIONS:
+            return
+        time.sleep(0.02 if listed else 0.2)
 
 
 def _wait_until_serving(serve, name: str, stop: threading.Event | None) -> bool:
