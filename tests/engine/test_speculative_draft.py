@@ -325,9 +325,9 @@ def test_vocabularies_of_other_sizes(tmp_path):
 def test_a_long_prompts_catch_up_waits_until_it_pays(smollm2_path):
     """SmolLM2 drafted by its shipped Q4_1 copy, adaptive: the draft's first pass over a context costs about the
     model's own prefill, so a 1,500-token prompt with 4 tokens to go is never caught up (its 3 decode steps could not
-    repay it: no draft pass, no verification), while a chat question (~47 tokens) drafts within its first few tokens
-    (a float32 model decoding: a step saves milliseconds a token, its catch-up costs about 20 ms); the tokens are
-    those of speculation off."""
+    repay it: no draft pass, no verification); a chat question after it answers as with speculation off. (Whether
+    the question drafts depends on the step timings taken at start: under a loaded CI machine it once did not, so
+    that is left to the C++ units of the rule and to bench_speculative.)"""
     from lmkit.model_path import default_gguf_path
 
     try:
@@ -344,7 +344,4 @@ def test_a_long_prompts_catch_up_waits_until_it_pays(smollm2_path):
         before = pipe.engine.metrics()
         assert pipe([long], long_gen)[0].token_ids == expected_long
         assert counts(pipe.engine.metrics(), before) == (0, 0, 0)
-        before = pipe.engine.metrics()
         assert pipe([question], short_gen)[0].token_ids == expected_short
-        verifications, drafted, accepted = counts(pipe.engine.metrics(), before)
-        assert verifications > 0 and accepted > 0, (verifications, drafted, accepted)
