@@ -209,7 +209,7 @@ void DraftModel::release(int64_t seq_id) {
 
 void DraftModel::calibrate() {
   // Single-token rows of as many sequences at position 0, each in a block of its own (free: no request has
-  // arrived), every row sampled greedily as a draft pass samples: the second of two runs is timed.
+  // arrived), every row sampled greedily as a draft pass samples (timed_step).
   const int32_t bs = blocks_.block_size_tokens();
   const int32_t most = std::min(max_rows_, blocks_.num_free_blocks());
   const int32_t zero = 0;

@@ -193,7 +193,7 @@ bool Engine::persist_cached_blocks(bool wait, double deadline, int32_t max_block
   for (int32_t id : blocks_.cached_block_ids()) {  // most recently released first: a prompt's head before its tail
     const uint64_t key = blocks_.key_of(id);
     if (persisted_keys_.count(key)) continue;
-    if ((deadline > 0 && now_seconds() > deadline) || num_copied++ == max_blocks) return true;
+    if ((deadline > 0 && steady_seconds() > deadline) || num_copied++ == max_blocks) return true;
     std::vector<char> buffer = store_->acquire_buffer(wait, false);
     if (buffer.empty()) return store_->counters().is_writing;  // the queue is full: later; writing paused: stop
     copy_to_store(id, key, blocks_.tokens_of(id), std::move(buffer));
@@ -275,7 +275,6 @@ void Engine::post(std::shared_ptr<OutputCallback> cb, RequestOutput&& out) {
   outbox_.emplace_back(std::move(cb), std::move(out));
 }
 
-double Engine::now_seconds() { return steady_seconds(); }
 
 void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const Failure& failure) {
   if (!finished && seq.pending_token_ids.empty() && seq.pending_logit_rows == 0 &&
@@ -284,7 +283,7 @@ void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const Fail
   RequestOutput out;
   out.request_id = seq.request_id;
   out.sample_index = seq.sample_index;
-  out.emitted_at = now_seconds();
+  out.emitted_at = steady_seconds();
   out.scheduled_at = seq.scheduled_at;
   out.token_ids.swap(seq.pending_token_ids);
   out.logprobs.swap(seq.pending_logprobs);
@@ -322,7 +321,7 @@ void Engine::post_final(const Sequence& seq, int32_t sample_index, FinishReason 
   out.error = failure.message;
   out.error_kind = failure.kind;
   out.num_prompt_tokens = seq.num_prompt_tokens;
-  out.emitted_at = now_seconds();
+  out.emitted_at = steady_seconds();
   out.scheduled_at = seq.scheduled_at;
   post(seq.callback, std::move(out));
   end_sample(seq.request_id);
@@ -413,14 +412,14 @@ double Engine::propose_drafts() {
   int32_t max_rows = std::min(c.max_step_draft_tokens, scheduler_.num_free_draft_slots());
   double seconds = 0;
   if (!modelled.empty()) {  // the draft model's drafts are final once drawn: its passes are spent
-    const double start = now_seconds();
+    const double start = steady_seconds();
     for (Sequence* seq : modelled) start_grammar(*seq);  // its drafts are sampled under its masks
     run_draft_model(modelled, model_want, decode_rows, max_rows);
     for (Sequence* seq : modelled) {
       if (seq->params.grammar) cut_drafts_to_grammar(*seq);
       max_rows -= (int32_t)seq->draft_tokens.size();
     }
-    seconds = now_seconds() - start;
+    seconds = steady_seconds() - start;
   }
   if (proposing.empty()) return seconds;
   // A step with a prompt chunk is dominated by it: its drafts are weighed against the decode rows' cost alone.
@@ -553,7 +552,7 @@ void Engine::run_step() {
   BatchPlan plan = scheduler_.schedule(caps);
   if (plan.empty()) return;
   memory_released_ = false;
-  const double planned_at = now_seconds();
+  const double planned_at = steady_seconds();
   for (const ScheduledSeq& s : plan.seqs)
     if (s.seq->scheduled_at == 0) s.seq->scheduled_at = planned_at;
   for (const ScheduledSeq& s : plan.seqs) {
@@ -566,9 +565,9 @@ void Engine::run_step() {
   double step_seconds = draft_seconds;
   try {
     batch = build_batch(plan, options_.block_size_tokens, stop_rules_);
-    const double start = now_seconds();
+    const double start = steady_seconds();
     out = executor_->step(batch);
-    step_seconds += now_seconds() - start;
+    step_seconds += steady_seconds() - start;
   } catch (const std::exception& e) {
     for (const ScheduledSeq& s : plan.seqs) finish(s.seq, FinishReason::kError, {ErrorKind::kInternal, std::string("step failed: ") + e.what()});
     return;
@@ -583,7 +582,7 @@ void Engine::run_step() {
 }
 
 double Engine::run_mtp(const BatchPlan& plan, const Batch& batch, const std::vector<Ending>& endings) {
-  const double start = now_seconds();
+  const double start = steady_seconds();
   std::unordered_set<const Sequence*> ending;
   for (const Ending& e : endings) ending.insert(e.seq);
   Batch mb;
@@ -617,14 +616,14 @@ double Engine::run_mtp(const BatchPlan& plan, const Batch& batch, const std::vec
     out = executor_->mtp_step(mb, hidden_rows);
   } catch (const std::exception& e) {  // the step's own output stands: only no drafts come of it
     std::fprintf(stderr, "lmkit: the MTP head's pass failed (no drafts this step): %s\n", e.what());
-    return now_seconds() - start;
+    return steady_seconds() - start;
   }
   for (size_t k = 0; k < mb.samples.size(); ++k) {
     Sequence& seq = *seqs[(size_t)mb.samples[k].seq];
     seq.mtp_draft = out.tokens[k];
     seq.mtp_draft_at = seq.num_tokens();
   }
-  return now_seconds() - start;
+  return steady_seconds() - start;
 }
 
 void Engine::release_idle_memory() {
@@ -737,7 +736,7 @@ std::vector<Engine::Ending> Engine::apply_step(const BatchPlan& plan, const Batc
 
 void Engine::calibrate_step_cost() {
   // One sequence of R rows at positions [0, R) in the pool's first blocks and state slots (free: no request has
-  // arrived), every row's logits sampled greedily, as a verification's are: the second of two runs is timed.
+  // arrived), every row's logits sampled greedily, as a verification's are (timed_step).
   const int32_t bs = options_.block_size_tokens;
   const int32_t most = std::min({kCalibrationRows, options_.num_blocks * bs,
                                  options_.max_prefill_token_num + options_.max_batch_size});
@@ -845,7 +844,7 @@ void Engine::loop() {
   }
   if (store_) {  // the pool's cached blocks survive a restart: written (waiting for the writer) before the loop ends
     try {
-      if (persist_cached_blocks(true, now_seconds() + kShutdownPersistSeconds))
+      if (persist_cached_blocks(true, steady_seconds() + kShutdownPersistSeconds))
         std::fprintf(stderr, "lmkit: shutdown: the KV pool's cached blocks not written to the disk store within %g s "
                      "are left out\n", kShutdownPersistSeconds);
     } catch (const std::exception& e) {

@@ -168,8 +168,6 @@ class Engine {
   void set_delivery_scope(DeliveryScope scope) { delivery_scope_ = std::move(scope); }
 
   const EngineOptions& options() const { return options_; }
-  // The engine's clock (steady, seconds), as stamped on RequestOutput::emitted_at.
-  static double now_seconds();
 
  private:
   void loop();

@@ -61,8 +61,8 @@ class Executor {
 };
 
 // Seconds of executor.step(batch), the faster of two runs after one that warms caches and pages: how speculative
-// decoding's step timings are taken (Engine::calibrate_step_cost, DraftModel::calibrate). (One run alone took a
-// passing stall of a loaded machine for the cost of more rows, and no drafts were ever verified after it.)
+// decoding's step timings are taken (Engine::calibrate_step_cost, DraftModel::calibrate). The faster, because a
+// passing stall of a loaded machine would read as the cost of more rows, which only verified drafts measure again.
 inline double timed_step(Executor& executor, const Batch& batch) {
   executor.step(batch);
   double best = 0;

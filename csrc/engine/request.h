@@ -95,8 +95,8 @@ struct RequestOutput {
   std::vector<float> prompt_top_logprobs;  // [prompt tokens, num_prompt_top]
   int32_t first_prompt_logprob_token = 0;
   int32_t num_prompt_top = 0;
-  double emitted_at = 0;  // Engine::now_seconds() when the step that produced this output ended
-  double scheduled_at = 0;  // Engine::now_seconds() when the request's first step was planned (0: not yet)
+  double emitted_at = 0;  // steady_seconds() (core/clock.h) when the step that produced this output ended
+  double scheduled_at = 0;  // steady_seconds() (core/clock.h) when the request's first step was planned (0: not yet)
   std::vector<float> embedding;  // [hidden]: the pooled prompt (SamplingParams::pooling), on the finished output
 };
 
@@ -131,7 +131,7 @@ struct Sequence {
   SamplingParams params;
   SeqState state = SeqState::kWaiting;
   int64_t arrival = 0;  // admission order (FCFS); preemption picks the largest
-  double scheduled_at = 0;  // Engine::now_seconds() when its first chunk was planned (the end of its queueing)
+  double scheduled_at = 0;  // steady_seconds() (core/clock.h) when its first chunk was planned (its queueing's end)
   // The seed of this completion's draws (the request's seed, or the engine's random source; a forked completion's is
   // derived from its parent's and its index): generated token i is drawn with sample_seed(i), whichever step draws it
   // (a plain one, a verification of drafts, a recomputation after preemption).

@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include "core/check.h"
+#include "core/clock.h"
 #include "engine/engine.h"
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/thread_pool.h"
@@ -82,7 +83,7 @@ PYBIND11_MODULE(_engine, m) {
   m.def("cpu_set_spin_us", &ops::cpu::set_spin_us,
         "How long idle kernel threads poll before they sleep, in microseconds (default 50), for every team of the "
         "process; for benchmarks.");
-  m.def("now", &Engine::now_seconds, "The engine's clock (seconds, steady), as in RequestOutput.emitted_at.");
+  m.def("now", &steady_seconds, "The engine's clock (seconds, steady), as in RequestOutput.emitted_at.");
 
   py::class_<ModelConfig>(m, "ModelConfig")
       .def(py::init<>())

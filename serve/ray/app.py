@@ -131,8 +131,6 @@ def deploy(app, name: str = "lmkit", route_prefix: str = "/", stop: threading.Ev
 
 
 ROUTE_WAIT_S = 30.0
-
-
 ROUTE_CONFIRMATIONS = 10
 """Answers in a row that list the route: each on a new connection, so that where several proxies share the
 address (a node's each, behind one port or one load balancer) every one of them is likely asked."""
