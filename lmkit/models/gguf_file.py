@@ -285,13 +285,15 @@ def config_from_metadata(reader, path: Path) -> dict:
         return _gemma4_config(reader, path)
     if arch == "qwen3next":
         return _qwen3next_config(reader, path)
-    for key in reader.fields:
-        if key.startswith(f"{arch}.rope.scaling.") and _field(reader, key) not in (None, "none", 0, 0.0, 1.0):
-            raise GgufError(f"{path}: {key}={_field(reader, key)!r}: rope scaling in GGUF files is not supported yet")
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise GgufError(f"{path}: tensor 'rope_freqs.weight' (llama 3 rope scaling factors) is not supported yet")
     if arch in HYBRID_LAYOUT:
+        for key in reader.fields:
+            if key.startswith(f"{arch}.rope.scaling.") and _field(reader, key) not in (None, "none", 0, 0.0, 1.0):
+                raise GgufError(f"{path}: {key}={_field(reader, key)!r}: rope scaling in {arch} files is not "
+                                "supported")
+        if "rope_freqs.weight" in names:
+            raise GgufError(f"{path}: tensor 'rope_freqs.weight': rope frequency factors in {arch} files are not "
+                            "supported")
         return _hybrid_config(reader, path, arch)
     table = CONFIG_TABLES.get(arch, arch)
     cfg = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(table, {}))
@@ -329,10 +331,66 @@ def config_from_metadata(reader, path: Path) -> dict:
             raise GgufError(f"{path}: the metadata has no {required} ({arch}.* keys missing)")
     cfg.update(architectures=[hf_arch], model_type=model_type, tie_word_embeddings="output.weight" not in names)
     cfg.setdefault("max_position_embeddings", 4096)
+    scaled = _scaled_rope(reader, path, arch, cfg)
+    if scaled is not None:
+        cfg["rope_parameters"] = scaled
     if "head_dim" in cfg and cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"] and arch == "llama":
         raise GgufError(f"{path}: {arch}.rope.dimension_count={cfg['head_dim']} (partial rotary) is not supported")
     cfg.update(_token_ids(reader))
     return cfg
+
+
+# llama.cpp's rope.scaling.* keys that _scaled_rope reads (others, when set, are refused by name)
+ROPE_SCALING_KEYS = ("type", "factor", "original_context_length", "attn_factor", "finetuned", "yarn_beta_fast",
+                     "yarn_beta_slow")
+
+
+def _scaled_rope(reader, path: Path, arch: str, cfg: dict) -> dict | None:
+    """The view's rope_parameters when the file's rope is scaled, as llama.cpp reads it: rope.scaling.type
+    (linear when only a factor is written, as llama.cpp assumes) with its factor, yarn's original context and
+    betas; the rope_freqs tensor (convert_hf_to_gguf.py's form of Llama 3.1's llama3 scaling: a divisor per
+    rotary angle) as freq_factors. None when nothing is scaled. GgufError naming a key or type it cannot
+    follow (longrope, an attention factor other than 1)."""
+    import numpy as np
+
+    prefix = f"{arch}.rope.scaling."
+    for key in reader.fields:
+        if key.startswith(prefix) and key[len(prefix):] not in ROPE_SCALING_KEYS:
+            if _field(reader, key) not in (None, "none", 0, 0.0, 1.0):
+                raise GgufError(f"{path}: {key}={_field(reader, key)!r}: not supported")
+    kind = _field(reader, prefix + "type")
+    factor = _field(reader, prefix + "factor", _field(reader, f"{arch}.rope.scale_linear"))
+    attn_factor = _field(reader, prefix + "attn_factor")
+    if attn_factor is not None and float(attn_factor) != 1.0:
+        raise GgufError(f"{path}: {prefix}attn_factor={attn_factor!r}: only 1 is supported")
+    theta = float(cfg.get("rope_theta", 10000.0))
+    if kind in (None, "none") and factor not in (None, 0, 0.0, 1.0):
+        kind = "linear"
+    if kind in (None, "none"):
+        params = None
+    elif kind == "linear":
+        if not factor or float(factor) <= 0:
+            raise GgufError(f"{path}: {prefix}type='linear' needs {prefix}factor > 0, got {factor!r}")
+        params = {"rope_type": "linear", "rope_theta": theta, "factor": float(factor)}
+    elif kind == "yarn":
+        if not factor or float(factor) <= 0:
+            raise GgufError(f"{path}: {prefix}type='yarn' needs {prefix}factor > 0, got {factor!r}")
+        original = _field(reader, prefix + "original_context_length") or cfg["max_position_embeddings"]
+        params = {"rope_type": "yarn", "rope_theta": theta, "factor": float(factor),
+                  "original_max_position_embeddings": int(original), "truncate": True,
+                  "beta_fast": float(_field(reader, prefix + "yarn_beta_fast", 32.0)),
+                  "beta_slow": float(_field(reader, prefix + "yarn_beta_slow", 1.0))}
+    else:
+        raise GgufError(f"{path}: {prefix}type={kind!r}: {arch} files with this rope scaling are not supported "
+                        "(linear and yarn are); load the HF folder")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        values = np.asarray(freqs.data).astype(np.float32).reshape(-1)
+        if freqs.tensor_type.name not in ("F32", "F16") or not np.all(np.isfinite(values) & (values > 0)):
+            raise GgufError(f"{path}: rope_freqs.weight must hold positive F32 or F16 factors "
+                            f"({freqs.tensor_type.name})")
+        params = {**(params or {"rope_type": "default", "rope_theta": theta}), "freq_factors": values.tolist()}
+    return params
 
 
 def _hybrid_config(reader, path: Path, arch: str) -> dict:

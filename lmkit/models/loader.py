@@ -285,8 +285,8 @@ def gguf_sources(arch: Architecture, view: Path, gguf: Path, num_layers: int, nu
     gguf_of = gguf_file.hf_to_gguf_names([n for n in hf_names if not n.startswith("mtp.")], gguf_arch, num_layers)
     mtp_of, skipped = gguf_file.mtp_to_gguf_names(hf_names, gguf_arch, num_layers, mtp_layers)
     gguf_of.update(mtp_of)
-    # Gemma 4's rope_freqs (its proportional RoPE's factors) is read into the view's config (gguf_file._gemma4_config)
-    folded = {"rope_freqs.weight"} if gguf_arch == "gemma4" else set()
+    # rope_freqs (Llama 3's scaling, Gemma 4's proportional RoPE) is read into the view's config (gguf_file)
+    folded = {"rope_freqs.weight"}
     tensors = {name: entry for name, entry in gguf_file.view_tensors(view, gguf).items()
                if name not in folded and name not in skipped}
     by_hf = {gguf_name: hf for hf, gguf_name in gguf_of.items()}

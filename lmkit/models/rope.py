@@ -9,7 +9,7 @@ from float64 (torch's vectorised float32 pow is within one ulp of that, not alwa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -83,7 +83,23 @@ def _recip(x: np.ndarray) -> np.ndarray:
 
 def rope_table(params: dict, head_dim: int, max_position_embeddings: int) -> RopeTable:
     """The table of one standardized parameter dict (see standard_rope_parameters). ValueError naming the
-    rope type when it is not one of SUPPORTED_ROPE_TYPES ("dynamic" rescales with the sequence length)."""
+    rope type when it is not one of SUPPORTED_ROPE_TYPES ("dynamic" rescales with the sequence length).
+    ``freq_factors`` (a GGUF file's rope_freqs tensor, llama.cpp's form of Llama 3's scaling): one divisor per
+    rotary angle, applied to the table of the rope type as llama.cpp applies it."""
+    table = _rope_type_table(params, head_dim, max_position_embeddings)
+    factors = params.get("freq_factors")
+    if factors is None:
+        return table
+    factors = np.asarray(factors, dtype=np.float32)
+    if factors.shape != table.inv_freq.shape or not np.all(np.isfinite(factors) & (factors > 0)):
+        raise ValueError(f"freq_factors has {factors.size} entries (finite, > 0 each); the rotary dim needs "
+                         f"{table.inv_freq.size}")
+    return replace(table, inv_freq=(table.inv_freq / factors).astype(np.float32),
+                   inv_freq_long=None if table.inv_freq_long is None else
+                   (table.inv_freq_long / factors).astype(np.float32))
+
+
+def _rope_type_table(params: dict, head_dim: int, max_position_embeddings: int) -> RopeTable:
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")

@@ -175,9 +175,49 @@ def merged_experts(name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
     return []
 
 
-def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | None = None) -> dict:
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's convert_hf_to_gguf.py computes it for a llama3-scaled config: per rotary
+    angle of the float32 frequencies, 1 above the high-frequency wavelength, the factor below the low one, and
+    1 / ((1 - smooth) / factor + smooth) between, in Python floats, stored F32."""
+    import math
+
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def write_rope_scaling(writer, rope: dict, head_dim: int) -> None:
+    """The rope scaling of an HF config as convert_hf_to_gguf.py writes it: linear and yarn as rope.scaling.*
+    keys, llama3 as the rope_freqs tensor."""
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif kind == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
+    else:
+        assert kind == "default", kind
+
+
+def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | None = None, edit=None) -> dict:
     """``model`` (HF, fp32) as a GGUF file at ``out``: 2-D weights in ``qtype`` (the embedding in ``embed_type``),
-    norms F32. Returns the reference state dict (every tensor as gguf dequantizes the written blocks)."""
+    norms F32; ``edit(writer)`` after the metadata. Returns the reference state dict (every tensor as gguf
+    dequantizes the written blocks)."""
     cfg = model.config
     garch = {**GGUF_ARCH, **GGUF_MOE_ARCH}[arch]
     writer = gguf.GGUFWriter(str(out), garch)
@@ -204,6 +244,9 @@ def write_gguf(model, arch: str, out: Path, qtype: str, *, embed_type: str | Non
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    write_rope_scaling(writer, dict(getattr(cfg, "rope_parameters", None) or {}), head_dim)
+    if edit is not None:
+        edit(writer)
     copy_tokenizer(writer, smollm2_gguf(), cfg.vocab_size)
     table = gguf.get_tensor_name_map({n: a for a, n in gguf.MODEL_ARCH_NAMES.items()}[garch], cfg.num_hidden_layers)
     reference = {}
@@ -396,6 +439,48 @@ def test_shipped_smollm2_q4_1_answers(tmp_path):
         answer = pipe([[{"role": "user", "content": "Name three primary colors."}]],
                       GenerationConfig(max_new_tokens=24))[0]
     assert answer.error is None and "Red" in answer.text and "Blue" in answer.text
+
+
+# ---- rope scaling as llama.cpp writes it (the long-context Llama 3.1 / 3.2 and Qwen files)
+ROPE_SCALINGS = {
+    "llama-llama3": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 64}),
+    "llama-linear": ("llama", {"rope_type": "linear", "factor": 2.0}),
+    "qwen3-yarn": ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2-yarn": ("qwen2", {"rope_type": "yarn", "factor": 2.5, "original_max_position_embeddings": 128}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_SCALINGS))
+def test_gguf_rope_scaling_matches_hf(case, tmp_path):
+    """A file whose rope is scaled (rope_freqs for llama3, rope.scaling.* keys for linear and yarn) runs as HF
+    runs the config it was written from, over prompts past the pretraining length (64 / 128 tokens)."""
+    arch, rope = ROPE_SCALINGS[case]
+    path, ref = make_case(tmp_path, arch, "F32", seed=len(case),
+                          rope_parameters={"rope_theta": 10000.0, **rope})
+    spec = load_model_spec(resolve_model(path))
+    assert spec.config["rope_parameters"]["rope_type"] == ("default" if rope["rope_type"] == "llama3"
+                                                                else rope["rope_type"])
+    prompts = prompts_for(3) + [np.random.default_rng(4).integers(0, VOCAB, size=240).tolist()]
+    assert engine_vs(path, ref, prompts, EXACT) <= 1e-4
+
+
+def test_gguf_rope_scaling_refusals(tmp_path):
+    """What llama.cpp writes and lmkit cannot follow is refused by name: LongRoPE, an attention factor, factors of
+    the wrong count."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32)
+    for label, edit, message in (
+            ("longrope", lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE), "longrope"),
+            ("attn", lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0),
+                                w.add_rope_scaling_attn_factors(0.5)), "attn_factor"),
+            ("count", lambda w: w.add_tensor("rope_freqs.weight", np.ones(3, dtype=np.float32)), "freq_factors")):
+        path = tmp_path / f"{label}.gguf"
+        write_gguf(model, "llama", path, "F32", edit=edit)
+        with pytest.raises(ValueError, match=message):
+            pipeline(path, EXACT)
 
 
 # ---- files lmkit cannot serve: a clear error, before any memory is committed
