@@ -361,6 +361,25 @@ ARCH_CASES: dict[str, Case] = {
 }
 
 
+# ---- long contexts (issue 66): the rope scalings of the 128k-token families, past their pretraining lengths
+LONG_BASE = dict(SMALL, num_hidden_layers=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=131072)
+LONG_CONTEXT_CASES: dict[str, Case] = {
+    # Llama 3.1 / 3.2: llama3 scaling of an 8k pretraining to 128k
+    "llama3": Case("LlamaConfig", dict(LONG_BASE, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), seed=31),
+    # Qwen3 (and Qwen2.5) as their cards enable 128k: yarn, factor 4 over 32k, its attention factor 1.139
+    "qwen3_yarn": Case("Qwen3Config", dict(LONG_BASE, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768}),
+        seed=32),
+    # Phi-3.5 / Phi-4-mini: LongRoPE's long factors past a 4k pretraining, a partial rotary dim
+    "phi3_longrope": Case("Phi3Config", dict(LONG_BASE, original_max_position_embeddings=4096, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "short_factor": [1.0, 1.1, 1.2, 1.4, 1.8, 2.5], "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]}),
+        seed=33, expect={"original_max_position_embeddings": 4096}),
+}
+
+
 def _init_weights(model, norm_offset: float, plain_norms: tuple = (), unit_scores: bool = False) -> None:
     """Wider than HF's init so that the logits are not flat: matrices N(0, 1/fan_in), biases N(0, 0.01),
     norm weights around 1 (Gemma: around 0, its norms scale by 1 + w; ``plain_norms`` around 1 in any case;
@@ -389,12 +408,13 @@ def _matches(value, want) -> bool:
         return isinstance(value, dict) and all(_matches(value.get(k), v) for k, v in want.items())
     return value == want
 
-def build_case(name: str, folder) -> "torch.nn.Module":
+def build_case(name: str, folder, cases: dict[str, Case] | None = None) -> "torch.nn.Module":
     """Saves the case's random model (fp32 safetensors, byte tokenizer) into ``folder`` and returns HF's
-    fp32 model read back from it: the reference reads exactly the files the engine reads."""
+    fp32 model read back from it: the reference reads exactly the files the engine reads. ``cases``: where
+    ``name`` is (ARCH_CASES unless given)."""
     from transformers import AutoModelForCausalLM
 
-    case = ARCH_CASES[name]
+    case = (ARCH_CASES if cases is None else cases)[name]
     attn = {"attn_implementation": case.attn_implementation} if case.attn_implementation else {}
     _build_cached(_cache_key("build_case", name, case), Path(folder), lambda out: _write_case(case, out))
     ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **attn).eval()

@@ -1,5 +1,6 @@
 """Assertions and reference math the tests share: relative errors, the engine's logits against an HF reference,
-the KV-block check every engine must pass, HF's greedy decode, fake quantization, hand-unpacked AWQ weights."""
+the KV-block check every engine must pass, HF's greedy decode, fake quantization (and HF's logits over a
+fake-quantized KV cache), hand-unpacked AWQ weights."""
 
 from __future__ import annotations
 
@@ -211,6 +212,38 @@ def fake_quant(x: "torch.Tensor", bits: int) -> "torch.Tensor":
     zero = lo.half().float()
     q = torch.where(scale == 0, torch.zeros_like(x), torch.round((x - zero) / scale).clamp(0, qmax))
     return q * scale + zero
+
+
+def kv_quantized_logits(ref, full: list[int], bits) -> np.ndarray:
+    """HF's logits over ``full`` ([len - 1, vocab]) with each layer's K (after its norm and RoPE) and V
+    fake-quantized to ``bits`` (one width for every layer, or a list per layer: 0 keeps a layer's K/V), through
+    the model's own attention function (eager for models that run eager, such as Gemma 2's soft-capping) and its
+    masks (causal, sliding window); the model's attention is restored after."""
+    import sys
+
+    import torch
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = ref.config._attn_implementation
+    base = (sys.modules[type(ref).__module__].eager_attention_forward if impl == "eager"
+            else ALL_ATTENTION_FUNCTIONS[impl])
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        layer_bits = bits if isinstance(bits, int) else bits[module.layer_idx]
+        if layer_bits:
+            key, value = fake_quant(key, layer_bits), fake_quant(value, layer_bits)
+        return base(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("lmkit_kv_quantized", attention)
+    AttentionMaskInterface.register("lmkit_kv_quantized", ALL_MASK_ATTENTION_FUNCTIONS[impl])
+    ref.config._attn_implementation = "lmkit_kv_quantized"
+    try:
+        with torch.no_grad():
+            return ref(torch.tensor([full])).logits[0, :-1].numpy()
+    finally:
+        ref.config._attn_implementation = impl
 
 
 def _hand_unpack(packed: "torch.Tensor") -> "torch.Tensor":

@@ -24,7 +24,7 @@ import torch
 from lmkit import EngineConfig, GenerationConfig, pipeline
 from tests.factories import ARCH_CASES as CASES
 from tests.factories import Case, build_case
-from tests.helpers import all_recurrent, fake_quant, hf_greedy
+from tests.helpers import all_recurrent, hf_greedy, kv_quantized_logits
 
 NEW_TOKENS = 24  # the 9-token prompt crosses every sliding window below during decode
 SHARED_PREFIX_TOKENS = 40  # > two 16-token KV blocks
@@ -167,34 +167,6 @@ def test_batched_chunked_prefix_cached_matches_hf(arch: Built):
     assert hit_tokens >= 3 * 2 * BLOCK_TOKENS, f"{arch.name}: only {hit_tokens} prefix-hit tokens"
 
 
-def _hf_logits_kv_quantized(built: Built, full: list[int], bits: int) -> np.ndarray:
-    """HF's logits over ``full`` with every layer's K (after its norm and RoPE) and V fake-quantized to
-    ``bits``, through the model's own attention function (Gemma 2: eager, with soft-capping), wrapped."""
-    import sys
-
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    ref = built.ref
-    impl = ref.config._attn_implementation
-    base = (sys.modules[type(ref).__module__].eager_attention_forward if impl == "eager"
-            else ALL_ATTENTION_FUNCTIONS[impl])
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        return base(module, query, fake_quant(key, bits), fake_quant(value, bits), attention_mask, **kwargs)
-
-    AttentionInterface.register("lmkit_arch_kvq", attention)
-    # the base implementation's masks (causal and sliding-window): an unregistered name would get none
-    AttentionMaskInterface.register("lmkit_arch_kvq", ALL_MASK_ATTENTION_FUNCTIONS[impl])
-    ref.config._attn_implementation = "lmkit_arch_kvq"
-    try:
-        with torch.no_grad():
-            return ref(torch.tensor([full])).logits[0, :-1].numpy()
-    finally:
-        ref.config._attn_implementation = impl
-
-
 def _is_moe(case: Case) -> bool:
     return any(k in case.kwargs for k in ("num_experts", "num_local_experts"))
 
@@ -212,7 +184,7 @@ def test_kv_quantized_matches_fake_quant_reference(arch: Built, bits: int):
     for i, (prompt, r) in enumerate(zip(arch.prompts, responses)):
         assert r.error is None and r.finish_reason == "length", f"{arch.name}: prompt {i}: {r.error}"
         full = prompt + r.token_ids
-        want = _hf_logits_kv_quantized(arch, full, bits)
+        want = kv_quantized_logits(arch.ref, full, bits)
         with torch.no_grad():
             fp = arch.ref(torch.tensor([full])).logits[0, :-1].numpy()
         bound = 2e-3 if bits == 8 else 1e-2

@@ -16,7 +16,7 @@ from lmkit.kv_policy import save_kv_policy
 from tests.factories import make_tiny_model, rtn_checkpoint
 from tests.helpers import EXACT_ENGINE as EXACT
 from tests.helpers import SMALL_ENGINE as CONFIG
-from tests.helpers import check_against, engine_logits, fake_quant, rel_err
+from tests.helpers import check_against, engine_logits, kv_quantized_logits, rel_err
 
 AWQ_CASES = {
     "llama-g32": dict(arch="llama", group=32),
@@ -114,22 +114,6 @@ def test_awq_tensor_of_wrong_shape_is_rejected(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- KV cache
-def kv_quant_reference(ref, layer_bits: list[int]):
-    """The HF model with each layer's K (after RoPE) and V fake-quantized, through an attention function."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        bits = layer_bits[module.layer_idx]
-        if bits:
-            key, value = fake_quant(key, bits), fake_quant(value, bits)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("lmkit_test_kvq", attention)
-    ref.config._attn_implementation = "lmkit_test_kvq"
-    return ref
-
-
 @pytest.mark.parametrize("bits", [8, 4])
 def test_kv_quantized_logits_match_fake_quant_reference(bits, tmp_path):
     ref = make_tiny_model(tmp_path / "m", "llama", num_hidden_layers=3)
@@ -138,12 +122,10 @@ def test_kv_quantized_logits_match_fake_quant_reference(bits, tmp_path):
                           quant_policy=bits)
     results = engine_logits(tmp_path / "m", prompts, config, new_tokens=12)
     fp = [(full, ref(torch.tensor([full])).logits[0].detach().numpy()) for full, _ in results]
-    kv_quant_reference(ref, [bits] * 3)
     # the reference quantizes the same K/V up to ~1e-6 differences, which can flip a rounding; the
     # engine must be far closer to the quantized reference than to the fp model
     for (full, got), (_, fp_logits) in zip(results, fp):
-        with torch.no_grad():
-            expect = ref(torch.tensor([full])).logits[0].numpy()[: len(full) - 1]
+        expect = kv_quantized_logits(ref, full, bits)
         err, err_fp = rel_err(got, expect), rel_err(got, fp_logits[: len(full) - 1])
         assert err <= 2e-3 and err < err_fp / 5, (err, err_fp)
 
@@ -156,11 +138,8 @@ def test_kv_policy_mixes_precisions_per_layer(tmp_path):
     config = EngineConfig(dtype="float32", device="cpu", cache_max_entry_count=64, cache_block_seq_len=16,
                           kv_policy=str(policy))
     results = engine_logits(tmp_path / "m", [[9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12]], config, new_tokens=12)
-    kv_quant_reference(ref, layers)
     for full, got in results:
-        with torch.no_grad():
-            expect = ref(torch.tensor([full])).logits[0].numpy()[: len(full) - 1]
-        assert rel_err(got, expect) <= 2e-3
+        assert rel_err(got, kv_quantized_logits(ref, full, layers)) <= 2e-3
 
 
 def test_kv_policy_for_another_model_is_rejected(tmp_path):
