@@ -291,6 +291,7 @@ def ray(
     upscale_delay: float = typer.Option(ReplicaConfig.upscale_delay_s, help=_R["upscale_delay_s"]),
     downscale_delay: float = typer.Option(ReplicaConfig.downscale_delay_s, help=_R["downscale_delay_s"]),
     look_back_period: float = typer.Option(ReplicaConfig.look_back_period_s, help=_R["look_back_period_s"]),
+    request_router: str = typer.Option(ReplicaConfig.request_router, help=_R["request_router"]),
     api_keys: Optional[List[str]] = typer.Option(None, "--api-keys", "--api-key",
                                                  help="Accepted Bearer tokens (repeat, or comma-separated; "
                                                       "default: the LMKIT_API_KEYS variable), checked by every "
@@ -356,7 +357,7 @@ def ray(
                              target_ongoing_requests=target_ongoing_requests,
                              num_cpus_per_replica=num_cpus_per_replica, max_ongoing_requests=max_ongoing_requests,
                              upscale_delay_s=upscale_delay, downscale_delay_s=downscale_delay,
-                             look_back_period_s=look_back_period)
+                             look_back_period_s=look_back_period, request_router=request_router)
     run_ray(models or None, config, server, replicas, address=address, app_name=app_name, route_prefix=route_prefix,
             chat_template=template, log_level=log_level)
 

@@ -66,17 +66,20 @@ def build_app(models: str | Sequence[str] | Mapping[str, str | None] | None = No
         changes["cpu_binding"] = "off"
     engine = dataclasses.replace(engine, **changes)
     servers = {}
-    # one model: its replicas are the ingress (Ray allows one per application); several: the router is
-    server_class = serve.ingress()(ModelServer) if len(named) == 1 else ModelServer
+    # one model: its replicas are the ingress (Ray allows one per application); several, or replicas routed by
+    # prefix (the router reads each body): the router is
+    by_prefix = replicas.request_router == "prefix"
+    single = len(named) == 1 and not by_prefix
+    server_class = serve.ingress()(ModelServer) if single else ModelServer
     for name, model in named.items():
         options = replicas.deployment_options(engine, server.gate.drain_timeout_s)
         deployment = serve.deployment(server_class, name=_deployment_name(name), **options)
         servers[name] = deployment.bind(model, engine, dataclasses.replace(server, model_name=name), chat_template)
-    if len(servers) == 1:  # Ray's proxy calls the replicas' app itself: no router hop
+    if single:  # Ray's proxy calls the replicas' app itself: no router hop
         return next(iter(servers.values()))
     max_body_bytes = server.gate.max_body_bytes or default_max_body_bytes(engine.session_len or 32768)
     router = serve.deployment(Router, name="router", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
-    return router.bind(servers, max_body_bytes)
+    return router.bind(servers, max_body_bytes, by_prefix)
 
 
 def app_builder(args: dict):

@@ -16,7 +16,8 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"up
 
 @dataclass(frozen=True)
 class ForwardedRequest:
-    """An HTTP request as the router received it (headers lower-cased bytes, the body whole)."""
+    """An HTTP request as the router received it (headers lower-cased bytes, the body whole), and the prefix keys
+    of its leading text when the replicas are routed by prefix (serve/ray/routing.py)."""
 
     method: str
     path: str
@@ -24,6 +25,7 @@ class ForwardedRequest:
     headers: tuple[tuple[bytes, bytes], ...] = ()
     body: bytes = b""
     client: tuple[str, int] | None = None
+    prefix_keys: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)

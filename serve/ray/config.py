@@ -42,6 +42,10 @@ while none of its replicas has started (a model that does not load fails soon); 
 replica that keeps failing beside running ones, which Ray would retry for ever."""
 
 
+REQUEST_ROUTERS = {"power_of_two": None, "prefix": "lmkit.serve.ray.routing:PrefixRequestRouter"}
+"""ReplicaConfig.request_router's names, and the class Ray Serve loads for each (None: its default)."""
+
+
 @dataclass(frozen=True)
 class ReplicaConfig:
     """How many replicas of each model run, what each takes, and when Ray Serve adds or removes one."""
@@ -67,6 +71,11 @@ class ReplicaConfig:
     10 s): shorter reacts to a burst and to its end sooner, longer rides out brief spikes."""
     health_check_period_s: float = 5.0
     """Seconds between health checks of a replica (its engine answers); a replica failing one is replaced."""
+    request_router: str = "power_of_two"
+    """How Ray Serve picks a model's replica for a request: ``power_of_two`` (Ray's: the less loaded of two) or
+    ``prefix`` (cache-aware: the replica likely to hold the request's prefix in its KV cache, bounded by load,
+    as the proxy's prefix strategy; serve/ray/routing.py). With ``prefix`` the application's Router reads each
+    request to route it, one model too (a hop more than the ingress replicas of power_of_two)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.min_replicas, int) and self.min_replicas >= 0):
@@ -82,6 +91,8 @@ class ReplicaConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.max_ongoing_requests is not None and not self.max_ongoing_requests >= 1:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests!r}")
+        if self.request_router not in REQUEST_ROUTERS:
+            raise ValueError(f"request_router must be one of {', '.join(REQUEST_ROUTERS)}, got {self.request_router!r}")
 
     @property
     def is_autoscaled(self) -> bool:
@@ -94,6 +105,8 @@ class ReplicaConfig:
                        health_check_period_s=self.health_check_period_s,
                        graceful_shutdown_timeout_s=drain_timeout_s,
                        max_constructor_retry_count=CONSTRUCTOR_RETRIES)
+        if self.request_router == "prefix":
+            options["request_router_config"] = {"request_router_class": REQUEST_ROUTERS["prefix"]}
         if self.is_autoscaled:
             options["autoscaling_config"] = {
                 "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,

@@ -7,9 +7,10 @@ a Ray Serve ingress whose app is built after its constructor, ``__serve_build_as
 calls it through ``forward`` (``bridge.call_asgi``) where there are several. Ray Serve autoscales it on
 ongoing requests, health-checks it (``check_health``: the engine answers) and replaces a replica that dies.
 
-``Router`` is the HTTP ingress of an application of several models: it reads the body (413 past the
-limit), picks the model's deployment by the request's ``model``, and relays the replica's response as it
-streams. A replica that dies before its first byte is retried once on another; one that dies mid-stream ends
+``Router`` is the HTTP ingress of an application of several models, or of one routed by prefix: it reads the
+body (413 past the limit), picks the model's deployment by the request's ``model``, attaches the prefix keys of
+the request's leading text when the replicas are routed by prefix (serve/ray/routing.py), and relays the
+replica's response as it streams. A replica that dies before its first byte is retried once on another; one that dies mid-stream ends
 the stream (an SSE client gets an error event). /v1/models and /health ask every model.
 """
 
@@ -26,6 +27,7 @@ from starlette.responses import Response
 from lmkit.serve.asgi import RelayedResponse, parse_json
 from lmkit.serve.errors import error_body, error_response
 from lmkit.serve.gate import GENERATION_PATHS
+from lmkit.serve.proxy.strategies import prefix_keys, request_text
 from lmkit.serve.ray.bridge import ForwardedRequest, ResponseStart, call_asgi
 
 log = logging.getLogger("lmkit.serve")
@@ -73,7 +75,8 @@ class ModelServer:
         m = self.engine.engine.metrics()
         return {"pid": os.getpid(), "model_name": self.model_name, "num_running": m.num_running,
                 "num_waiting": m.num_waiting, "num_free_blocks": m.num_free_blocks,
-                "num_cached_blocks": m.num_cached_blocks, "num_total_blocks": m.num_total_blocks}
+                "num_cached_blocks": m.num_cached_blocks, "num_total_blocks": m.num_total_blocks,
+                "num_prefix_hit_tokens": m.num_prefix_hit_tokens}
 
     def __del__(self):
         engine = getattr(self, "engine", None)
@@ -125,6 +128,9 @@ def _unavailable() -> tuple[type[BaseException], ...]:
     return BackPressureError, DeploymentUnavailableError
 
 
+_NOT_JSON = object()
+"""A body that does not parse as JSON (the Router answers 400 where it must read it)."""
+
 _PASSED_BACK = frozenset({b"content-type", b"content-length", b"cache-control", b"x-accel-buffering",
                           b"retry-after", b"www-authenticate", b"x-lmkit-replica"})
 
@@ -137,10 +143,12 @@ def _passed_back(start: ResponseStart) -> dict[str, str]:
 class Router:
     """The HTTP ingress of the application (see the module docstring)."""
 
-    def __init__(self, servers: dict, max_body_bytes: int):
+    def __init__(self, servers: dict, max_body_bytes: int, by_prefix: bool = False):
         self.servers = servers
         """model name -> DeploymentHandle of its ModelServer."""
         self.max_body_bytes = max_body_bytes
+        self.by_prefix = by_prefix
+        """The replicas are routed by prefix: each generation request carries its prefix keys."""
 
     async def __call__(self, request: Request) -> Response:
         path = request.scope["path"]
@@ -152,9 +160,16 @@ class Router:
             body += chunk
             if len(body) > self.max_body_bytes:
                 return error_response(413, f"the request body is larger than {self.max_body_bytes} bytes")
+        payload = None
+        if request.method == "POST" and path in GENERATION_PATHS and (len(self.servers) > 1 or self.by_prefix):
+            try:
+                payload = await parse_json(body)
+            except ValueError:
+                payload = _NOT_JSON
+        keys = tuple(prefix_keys(request_text(payload))) if self.by_prefix and payload is not _NOT_JSON else ()
         forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
                                      tuple(request.scope["headers"]), bytes(body),
-                                     tuple(request.client) if request.client else None)
+                                     tuple(request.client) if request.client else None, keys)
         if request.method == "GET" and path == "/v1/models":
             return await self._models(forwarded)
         if request.method == "GET" and path == "/health":
@@ -164,22 +179,20 @@ class Router:
                                        "lmkit_num_requests_running/_waiting and lmkit_kv_cache_usage_ratio, with "
                                        "Ray Serve's request metrics, through Ray's metrics agent (ray start "
                                        "--metrics-export-port)")
-        name = await self._model_of(request.method, path, forwarded.body)
+        name = self._model_of(request.method, path, payload)
         if isinstance(name, Response):
             return name
         return await self._forward(name, forwarded)
 
-    async def _model_of(self, method: str, path: str, body: bytes) -> str | Response:
-        """The model a request goes to: its ``model`` where there are several; the one there is, else (the
-        replica then judges the body in an api_server's words)."""
+    def _model_of(self, method: str, path: str, payload) -> str | Response:
+        """The model a request goes to: its ``model`` where there are several (``payload``: its parsed body);
+        the one there is, else (the replica then judges the body in an api_server's words)."""
         if len(self.servers) == 1:
             return next(iter(self.servers))
         if method != "POST" or path not in GENERATION_PATHS:
             return error_response(404, f"{method} {path} is not a route of this application: it serves "
                                        f"{', '.join(GENERATION_PATHS)}, /v1/models and /health")
-        try:
-            payload = await parse_json(body)
-        except ValueError:
+        if payload is _NOT_JSON:
             return error_response(400, "We could not parse the JSON body of your request.")
         model = payload.get("model") if isinstance(payload, dict) else None
         if not isinstance(model, str):

@@ -30,3 +30,41 @@ def test_autoscaled_replicas_pass_every_autoscaling_setting_to_ray():
 def test_impossible_settings_are_refused_naming_the_field(field, value, says):
     with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
         ReplicaConfig(**{field: value})
+
+
+def test_prefix_routing_names_lmkits_router_and_other_names_are_refused():
+    options = ReplicaConfig(request_router="prefix").deployment_options(EngineConfig(), drain_timeout_s=30)
+    assert options["request_router_config"] == {"request_router_class": "lmkit.serve.ray.routing:PrefixRequestRouter"}
+    assert "request_router_config" not in ReplicaConfig().deployment_options(EngineConfig(), drain_timeout_s=30)
+    with pytest.raises(ValueError, match="request_router must be one of power_of_two, prefix, got 'sticky'"):
+        ReplicaConfig(request_router="sticky")
+
+
+def test_prefix_ranking_follows_the_prefix_within_the_load_bound():
+    """The Ray router's policy without a cluster: a tenant's request ranks the replica that was sent its prefix
+    first; past MAX_EXTRA_IN_FLIGHT more requests than the least busy replica it does not; a new prefix goes to
+    the least busy replica caching the fewest keys; a request without keys to the least busy."""
+    pytest.importorskip("ray.serve")
+    from types import SimpleNamespace
+
+    from lmkit.serve.proxy.strategies import MAX_EXTRA_IN_FLIGHT, PrefixView, prefix_keys
+    from lmkit.serve.ray.routing import rank
+
+    a, b, c = (SimpleNamespace(replica_id=name) for name in "abc")
+    tenant = tuple(prefix_keys("system prompt of tenant one. " * 40))
+    other = tuple(prefix_keys("another tenant's instructions! " * 40))
+    views = {"b": PrefixView(), "c": PrefixView()}
+    views["b"].add(list(tenant))
+    views["c"].add(list(other) + list(tenant[:2]))
+    idle = {"a": 0, "b": 0, "c": 0}
+    assert rank([a, b, c], tenant, views, lambda r: idle[r.replica_id]) == [[b], [a, c]]
+    busy = {"a": 0, "b": MAX_EXTRA_IN_FLIGHT + 1, "c": 0}
+    assert rank([a, b, c], tenant, views, lambda r: busy[r.replica_id]) == [[a], [b, c]]  # a holds no keys
+    new = tuple(prefix_keys("a prompt nobody has sent " * 40))
+    assert rank([a, b, c], new, views, lambda r: idle[r.replica_id]) == [[a], [b, c]]
+    views["a"] = PrefixView()
+    views["a"].add(list(other) * 2 + list(tenant))  # a now caches the most keys: the new prefix goes to b
+    assert rank([a, b, c], new, views, lambda r: idle[r.replica_id]) == [[b], [a, c]]
+    loads = {"a": 3, "b": 1, "c": 2}
+    assert rank([a, b, c], (), views, lambda r: loads[r.replica_id]) == [[b], [a, c]]
+    assert rank([], tenant, views, lambda r: 0) == []

@@ -310,6 +310,40 @@ def test_several_models_behind_the_router(ray_cluster, tiny_llama, slow_llama):
         serve.delete("pair")
 
 
+def test_prefix_routing_keeps_each_tenant_on_one_replica(ray_cluster, slow_llama):
+    """request_router='prefix': one model's two replicas behind the Router, which reads each request's leading
+    text. Four tenants, each its own 400-character system text, three turns each in turn: every tenant's turns
+    answered by one replica (its x-lmkit-replica header), the tenants on both replicas, the repeated turns
+    served from the replicas' prefix caches."""
+    from ray import serve
+
+    from lmkit import EngineConfig
+    from lmkit.serve import ServerConfig
+    from lmkit.serve.ray import ReplicaConfig, build_app, deploy
+
+    app = build_app({"tiny": str(slow_llama)}, EngineConfig(**ENGINE, enable_prefix_caching=True), ServerConfig(),
+                    ReplicaConfig(min_replicas=2, max_replicas=2, num_cpus_per_replica=0.5, request_router="prefix"))
+    deploy(app, "prefix", "/prefix")
+    url = f"{ray_cluster['url']}/prefix"
+    systems = [(f"tenant {t}: " + "abcdefghij"[t] * 390)[:400] for t in range(4)]
+    seen: dict[int, set[str]] = {t: set() for t in range(4)}
+    try:
+        for turn in range(3):
+            for t in range(4):
+                r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": f"{systems[t]} q{turn}?",
+                                                              "max_tokens": 2}, timeout=60)
+                assert r.status_code == 200, r.text
+                seen[t].add(r.headers["x-lmkit-replica"])
+        assert all(len(replicas) == 1 for replicas in seen.values()), seen
+        assert len(set().union(*seen.values())) == 2, seen
+        states = engine_states("prefix", "model-tiny")
+        assert len(states) == 2, states
+        hits = sum(s["num_prefix_hit_tokens"] for s in states.values())
+        assert hits >= 8 * 384, f"{hits} prefix-hit tokens over 8 repeated turns of 400+ tokens"
+    finally:
+        serve.delete("prefix")
+
+
 def test_autoscaling_from_1_to_2_replicas_and_back(ray_cluster, slow_llama):
     from ray import serve
 

@@ -1,0 +1,84 @@
+"""Cache-aware routing on Ray Serve: the policy of the proxy's ``prefix`` strategy (serve/proxy/strategies.py) as a
+Ray Serve request router of a model's replicas.
+
+The application's Router reads each request's leading text and passes its prefix keys (chained hashes of
+256-character chunks, ``strategies.prefix_keys``) with the forwarded request. ``PrefixRequestRouter`` keeps, per
+replica, a bounded LRU view of the keys it routed there, and ranks the replicas for Ray: the replicas holding the
+longest run of the request's keys first, when that run covers at least half of them and the replica has at most
+MAX_EXTRA_IN_FLIGHT requests more than the least busy one (one hot prefix cannot pin every request on one
+replica); else the least busy replica caching the fewest keys (a new prefix goes where cache is freest, so tenants
+spread). Ray then sends the request to the least loaded replica of the first rank with room, as it does for its
+own routers (queue lengths from its cache, probed when missing). A replica that dies loses its view.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from lmkit.serve.proxy.strategies import MAX_EXTRA_IN_FLIGHT, MIN_MATCH, PrefixView
+
+def request_keys(pending_request: PendingRequest | None) -> tuple[bytes, ...]:
+    """The prefix keys the application's Router attached to a forwarded request (none for other calls)."""
+    if pending_request is None:
+        return ()
+    for arg in pending_request.args:
+        keys = getattr(arg, "prefix_keys", None)
+        if keys is not None:
+            return tuple(keys)
+    return ()
+
+
+def rank(candidates: list, keys: tuple[bytes, ...], views: dict, load: Callable[[Any], int]) -> list[list]:
+    """The candidates (objects with a replica_id) in ranks of preference for a request with prefix ``keys``, given
+    each replica's ``views`` (replica_id -> PrefixView) and ``load`` (requests it has in flight): see the module
+    docstring. Empty ranks are left out."""
+    if not candidates:
+        return []
+    loads = {r.replica_id: load(r) for r in candidates}
+    least_busy = min(loads.values())
+    if keys:
+        matched = {r.replica_id: views[r.replica_id].match(list(keys)) if r.replica_id in views else 0
+                   for r in candidates}
+        best = max(matched.values())
+        holders = [r for r in candidates
+                   if matched[r.replica_id] == best and loads[r.replica_id] <= least_busy + MAX_EXTRA_IN_FLIGHT]
+        if best >= MIN_MATCH * len(keys) and holders:
+            return [rank for rank in (holders, [r for r in candidates if r not in holders]) if rank]
+
+    def held(r) -> int:
+        return len(views[r.replica_id].keys) if r.replica_id in views else 0
+
+    idle = [r for r in candidates if loads[r.replica_id] == least_busy]
+    fewest = min(held(r) for r in idle)
+    first = [r for r in idle if held(r) == fewest]
+    return [rank for rank in (first, [r for r in candidates if r not in first]) if rank]
+
+
+class PrefixRequestRouter(FIFOMixin, RequestRouter):
+    """Ranks a model's replicas by the prefixes routed to them (see the module docstring)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.views: dict[ReplicaID, PrefixView] = {}
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        return rank(candidate_replicas, request_keys(pending_request), self.views,
+                    lambda r: self.replica_queue_len_cache.get(r.replica_id) or 0)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        keys = request_keys(pending_request)
+        if keys:
+            self.views.setdefault(replica_id, PrefixView()).add(list(keys))
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.views.pop(replica_id, None)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id for r in replicas}
+        for gone in [rid for rid in self.views if rid not in live]:  # a replica Ray removed: its cache went too
+            del self.views[gone]
