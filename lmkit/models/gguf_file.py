@@ -35,7 +35,7 @@ from lmkit.models.safetensors_index import BLOCK_TYPES, CorruptCheckpointError, 
 MAGIC = b"GGUF"
 MARKER = "lmkit_gguf.json"  # in a view folder: which file it describes
 TENSORS = "gguf_tensors.json"  # in a view folder: the file's tensor table
-VIEW_FORMAT = 2  # bump when the view's recipe changes: views of another format are rebuilt
+VIEW_FORMAT = 3  # bump when the view's recipe changes: views of another format are rebuilt
 _GGUF_ERROR_EXIT = 3  # the view subprocess's exit status for a GgufError (its message on stderr)
 ENGINE_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)  # the GGML tensor types the engine runs
 # general.architecture -> the HF architecture lmkit serves it as; llama.cpp's converter stores these with q/k rows
@@ -279,21 +279,22 @@ def config_from_metadata(reader, path: Path) -> dict:
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     arch = gguf_architecture(reader, path)
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names and (arch == "gpt-oss" or arch in HYBRID_LAYOUT):
+        raise GgufError(f"{path}: tensor 'rope_freqs.weight': rope frequency factors in {arch} files are not "
+                        "supported")
+    if arch in HYBRID_LAYOUT:
+        for key in reader.fields:
+            if key.startswith(f"{arch}.rope.scaling.") and _field(reader, key) not in (None, "none", 0, 0.0, 1.0):
+                raise GgufError(f"{path}: {key}={_field(reader, key)!r}: rope scaling in {arch} files is not "
+                                "supported")
     if arch == "gpt-oss":
         return _gpt_oss_config(reader, path)
     if arch == "gemma4":
         return _gemma4_config(reader, path)
     if arch == "qwen3next":
         return _qwen3next_config(reader, path)
-    names = {t.name for t in reader.tensors}
     if arch in HYBRID_LAYOUT:
-        for key in reader.fields:
-            if key.startswith(f"{arch}.rope.scaling.") and _field(reader, key) not in (None, "none", 0, 0.0, 1.0):
-                raise GgufError(f"{path}: {key}={_field(reader, key)!r}: rope scaling in {arch} files is not "
-                                "supported")
-        if "rope_freqs.weight" in names:
-            raise GgufError(f"{path}: tensor 'rope_freqs.weight': rope frequency factors in {arch} files are not "
-                            "supported")
         return _hybrid_config(reader, path, arch)
     table = CONFIG_TABLES.get(arch, arch)
     cfg = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(table, {}))
@@ -340,9 +341,11 @@ def config_from_metadata(reader, path: Path) -> dict:
     return cfg
 
 
-# llama.cpp's rope.scaling.* keys that _scaled_rope reads (others, when set, are refused by name)
+# llama.cpp's rope.scaling.* keys that _scaled_rope reads; the others are refused by name unless they hold the
+# value that changes nothing (NEUTRAL_ROPE_SCALING; any other key: 0, 1 or "none", as before they were read)
 ROPE_SCALING_KEYS = ("type", "factor", "original_context_length", "attn_factor", "finetuned", "yarn_beta_fast",
                      "yarn_beta_slow")
+NEUTRAL_ROPE_SCALING = {"yarn_ext_factor": (-1.0, 1.0), "yarn_log_multiplier": (0.0,), "yarn_attn_factor": ()}
 
 
 def _scaled_rope(reader, path: Path, arch: str, cfg: dict) -> dict | None:
@@ -355,16 +358,18 @@ def _scaled_rope(reader, path: Path, arch: str, cfg: dict) -> dict | None:
 
     prefix = f"{arch}.rope.scaling."
     for key in reader.fields:
-        if key.startswith(prefix) and key[len(prefix):] not in ROPE_SCALING_KEYS:
-            if _field(reader, key) not in (None, "none", 0, 0.0, 1.0):
-                raise GgufError(f"{path}: {key}={_field(reader, key)!r}: not supported")
+        name = key[len(prefix):]
+        if key.startswith(prefix) and name not in ROPE_SCALING_KEYS:
+            value = _field(reader, key)
+            if value is not None and value not in NEUTRAL_ROPE_SCALING.get(name, (0, 1, "none")):
+                raise GgufError(f"{path}: {key}={value!r}: not supported")
     kind = _field(reader, prefix + "type")
     factor = _field(reader, prefix + "factor", _field(reader, f"{arch}.rope.scale_linear"))
     attn_factor = _field(reader, prefix + "attn_factor")
     if attn_factor is not None and float(attn_factor) != 1.0:
         raise GgufError(f"{path}: {prefix}attn_factor={attn_factor!r}: only 1 is supported")
     theta = float(cfg.get("rope_theta", 10000.0))
-    if kind in (None, "none") and factor not in (None, 0, 0.0, 1.0):
+    if kind is None and factor not in (None, 0, 0.0, 1.0):  # llama.cpp's default type; "none" never scales
         kind = "linear"
     if kind in (None, "none"):
         params = None

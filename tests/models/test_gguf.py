@@ -465,9 +465,25 @@ def test_gguf_rope_scaling_matches_hf(case, tmp_path):
     assert engine_vs(path, ref, prompts, EXACT) <= 1e-4
 
 
+def test_gguf_rope_scaling_type_none_keeps_the_rope_unscaled(tmp_path):
+    """rope.scaling.type 'none' with a factor: llama.cpp never scales (a factor alone, without the type, is
+    linear: test_gguf_rope_scaling_matches_hf's linear file has its type)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32)
+    path = tmp_path / "none.gguf"
+    write_gguf(model, "llama", path, "F32", edit=lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.NONE),
+                                                           w.add_rope_scaling_factor(4.0)))
+    assert "rope_parameters" not in load_model_spec(resolve_model(path)).config
+    bare = tmp_path / "bare.gguf"
+    write_gguf(model, "llama", bare, "F32", edit=lambda w: w.add_rope_scaling_factor(4.0))
+    assert load_model_spec(resolve_model(bare)).config["rope_parameters"]["rope_type"] == "linear"
+
+
 def test_gguf_rope_scaling_refusals(tmp_path):
-    """What llama.cpp writes and lmkit cannot follow is refused by name: LongRoPE, an attention factor, factors of
-    the wrong count."""
+    """What llama.cpp writes and lmkit cannot follow is refused by name: LongRoPE, an attention factor (yarn's
+    too), factors of the wrong count."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -476,6 +492,8 @@ def test_gguf_rope_scaling_refusals(tmp_path):
             ("longrope", lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE), "longrope"),
             ("attn", lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0),
                                 w.add_rope_scaling_attn_factors(0.5)), "attn_factor"),
+            ("yarn-attn", lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0),
+                                     w.add_rope_scaling_yarn_attn_factor(1.0)), "yarn_attn_factor"),
             ("count", lambda w: w.add_tensor("rope_freqs.weight", np.ones(3, dtype=np.float32)), "freq_factors")):
         path = tmp_path / f"{label}.gguf"
         write_gguf(model, "llama", path, "F32", edit=edit)
