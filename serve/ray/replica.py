@@ -128,6 +128,10 @@ def _unavailable() -> tuple[type[BaseException], ...]:
     return BackPressureError, DeploymentUnavailableError
 
 
+def _prefix_keys_of(payload) -> tuple[bytes, ...]:
+    return tuple(prefix_keys(request_text(payload)))
+
+
 _NOT_JSON = object()
 """A body that does not parse as JSON (the Router answers 400 where it must read it)."""
 
@@ -166,7 +170,10 @@ class Router:
                 payload = await parse_json(body)
             except ValueError:
                 payload = _NOT_JSON
-        keys = tuple(prefix_keys(request_text(payload))) if self.by_prefix and payload is not _NOT_JSON else ()
+        keys = ()
+        if self.by_prefix and payload is not None and payload is not _NOT_JSON:
+            # off the event loop: a message's non-text content is serialized to be hashed
+            keys = await asyncio.to_thread(_prefix_keys_of, payload)
         forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
                                      tuple(request.scope["headers"]), bytes(body),
                                      tuple(request.client) if request.client else None, keys)
@@ -180,6 +187,7 @@ class Router:
                                        "Ray Serve's request metrics, through Ray's metrics agent (ray start "
                                        "--metrics-export-port)")
         name = self._model_of(request.method, path, payload)
+        del payload  # not held while the answer streams
         if isinstance(name, Response):
             return name
         return await self._forward(name, forwarded)

@@ -3,19 +3,21 @@ Ray Serve request router of a model's replicas.
 
 The application's Router reads each request's leading text and passes its prefix keys (chained hashes of
 256-character chunks, ``strategies.prefix_keys``) with the forwarded request. ``PrefixRequestRouter`` keeps, per
-replica, a bounded LRU view of the keys it routed there, and ranks the replicas for Ray: the replicas holding the
+replica, a bounded LRU view of the keys it routed there, and ranks the replicas for Ray: the replica holding the
 longest run of the request's keys first, when that run covers at least half of them and the replica has at most
 MAX_EXTRA_IN_FLIGHT requests more than the least busy one (one hot prefix cannot pin every request on one
 replica); else the least busy replica caching the fewest keys (a new prefix goes where cache is freest, so tenants
-spread). Ray then sends the request to the least loaded replica of the first rank with room, as it does for its
-own routers (queue lengths from its cache, probed when missing). A replica that dies loses its view.
+spread); the others after it. Ray sends the request to the first replica with room (queue lengths from its
+cache, probed when missing). The chosen replica's view takes the request's keys at once, so that a burst of one
+new prefix follows its first request. A replica that dies loses its view.
 """
 
 from __future__ import annotations
 
+import random
 from typing import Any, Callable
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from lmkit.serve.proxy.strategies import MAX_EXTRA_IN_FLIGHT, MIN_MATCH, PrefixView
 
@@ -30,14 +32,21 @@ def request_keys(pending_request: PendingRequest | None) -> tuple[bytes, ...]:
     return ()
 
 
-def rank(candidates: list, keys: tuple[bytes, ...], views: dict, load: Callable[[Any], int]) -> list[list]:
+def rank(candidates: list, keys: tuple[bytes, ...], views: dict, load: Callable[[Any], int],
+         rng: random.Random | None = None) -> list[list]:
     """The candidates (objects with a replica_id) in ranks of preference for a request with prefix ``keys``, given
-    each replica's ``views`` (replica_id -> PrefixView) and ``load`` (requests it has in flight): see the module
-    docstring. Empty ranks are left out."""
+    each replica's ``views`` (replica_id -> PrefixView) and ``load`` (requests it has in flight): one replica
+    first (see the module docstring; ties broken at random), then the rest."""
     if not candidates:
         return []
+    rng = rng or random
     loads = {r.replica_id: load(r) for r in candidates}
     least_busy = min(loads.values())
+
+    def held(r) -> int:
+        return len(views[r.replica_id].keys) if r.replica_id in views else 0
+
+    first = None
     if keys:
         matched = {r.replica_id: views[r.replica_id].match(list(keys)) if r.replica_id in views else 0
                    for r in candidates}
@@ -45,33 +54,42 @@ def rank(candidates: list, keys: tuple[bytes, ...], views: dict, load: Callable[
         holders = [r for r in candidates
                    if matched[r.replica_id] == best and loads[r.replica_id] <= least_busy + MAX_EXTRA_IN_FLIGHT]
         if best >= MIN_MATCH * len(keys) and holders:
-            return [rank for rank in (holders, [r for r in candidates if r not in holders]) if rank]
+            lightest = min(loads[r.replica_id] for r in holders)
+            first = rng.choice([r for r in holders if loads[r.replica_id] == lightest])
+    if first is None:
+        idle = [r for r in candidates if loads[r.replica_id] == least_busy]
+        fewest = min(held(r) for r in idle)
+        first = rng.choice([r for r in idle if held(r) == fewest])
+    rest = [r for r in candidates if r is not first]
+    return [[first], rest] if rest else [[first]]
 
-    def held(r) -> int:
-        return len(views[r.replica_id].keys) if r.replica_id in views else 0
 
-    idle = [r for r in candidates if loads[r.replica_id] == least_busy]
-    fewest = min(held(r) for r in idle)
-    first = [r for r in idle if held(r) == fewest]
-    return [rank for rank in (first, [r for r in candidates if r not in first]) if rank]
-
-
-class PrefixRequestRouter(FIFOMixin, RequestRouter):
-    """Ranks a model's replicas by the prefixes routed to them (see the module docstring)."""
+class PrefixRequestRouter(RequestRouter):
+    """Ranks a model's replicas by the prefixes routed to them (see the module docstring). Ray's base class gives
+    the replica it picks to the request it was ranked for (FIFOMixin would hand it to the oldest waiting one)."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.views: dict[ReplicaID, PrefixView] = {}
 
+    def _record(self, replica_id: ReplicaID, keys: tuple[bytes, ...]) -> None:
+        self.views.setdefault(replica_id, PrefixView()).add(list(keys))
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        return rank(candidate_replicas, request_keys(pending_request), self.views,
-                    lambda r: self.replica_queue_len_cache.get(r.replica_id) or 0)
+        keys = request_keys(pending_request)
+        ranks = rank(candidate_replicas, keys, self.views,
+                     lambda r: self.replica_queue_len_cache.get(r.replica_id) or 0)
+        if keys and ranks:
+            # counted where it is meant to go at once, as the proxy does: the next request of a burst with this
+            # prefix follows it instead of spreading before the first is accepted (on_request_routed records
+            # where it went; Ray does not call it for every kind of handle)
+            self._record(ranks[0][0].replica_id, keys)
+        return ranks
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
-                          result: ReplicaResult) -> None:
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         keys = request_keys(pending_request)
         if keys:
-            self.views.setdefault(replica_id, PrefixView()).add(list(keys))
+            self._record(replica_id, keys)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
