@@ -439,3 +439,15 @@ def test_families_benchmark_contexts_smoke(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| hybrid |" in run.stdout and "| all-attention |" in run.stdout and "error" not in run.stdout, run.stdout
     assert "int8 KV" in run.stdout, run.stdout
+
+
+def test_long_context_benchmark_smoke(tmp_path):
+    """bench_long_context.py --smoke: a tiny Llama 3 file with its rope_freqs written into LMKIT_CACHE, served by
+    lmkit in a worker process at 1,024 tokens with a bf16 and an int8 cache; every row in the table, no error."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "bench_long_context.py"), "--smoke",
+                          "--kv", "bf16,int8"], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, LMKIT_CACHE=str(tmp_path)))
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    assert "| 1024 | bf16 | lmkit |" in run.stdout and "| 1024 | int8 | lmkit |" in run.stdout, run.stdout
+    assert "error" not in run.stdout, run.stdout
+    assert (tmp_path / "peers" / "tiny-llama3-2l-q4_0.gguf").is_file()
