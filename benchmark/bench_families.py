@@ -246,19 +246,29 @@ def run_contexts(path: Path, contexts: list[int], threads: int, quant_policy: in
     return {**{str(n): statistics.median(v) for n, v in speeds.items()}, "ratios": ratios}
 
 
+def report_worker(tag: str, run) -> int:
+    """A worker process's one result line: ``tag`` and run()'s dict as JSON, or the error it raised (the row's
+    error: the other rows go on)."""
+    try:
+        result = run()
+    except Exception as e:
+        result = {"error": f"{type(e).__name__}: {e}"}
+    print(tag + json.dumps(result), flush=True)
+    return 0
+
+
 def worker_main(args) -> int:
     w = Workload(**json.loads(Path(args.workload_file).read_text()))
-    try:
+
+    def run() -> dict:
         if args.worker == "contexts":
-            result = run_contexts(args.file, [int(c) for c in args.contexts.split(",")], w.threads, args.quant_policy,
-                                  args.rounds)
-        else:
-            result = run_lmkit(args.file, w) if args.worker.startswith("lmkit") else run_llama_cpp(args.file, w)
+            return run_contexts(args.file, [int(c) for c in args.contexts.split(",")], w.threads, args.quant_policy,
+                                args.rounds)
+        result = run_lmkit(args.file, w) if args.worker.startswith("lmkit") else run_llama_cpp(args.file, w)
         result.pop("tokens", None)
-    except Exception as e:  # the row's error, the other rows go on
-        result = {"error": f"{type(e).__name__}: {e}"}
-    print(RESULT_TAG + json.dumps(result), flush=True)
-    return 0
+        return result
+
+    return report_worker(RESULT_TAG, run)
 
 
 def main(argv: list[str] | None = None) -> int:

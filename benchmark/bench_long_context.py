@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_prefill import cpu_description  # noqa: E402
-from bench_families import finish, start_writer  # noqa: E402
+from bench_families import finish, report_worker, start_writer  # noqa: E402
 from bench_peers import peers_dir  # noqa: E402
 
 RESULT_TAG = "@@bench_long_context_result "
@@ -173,12 +173,7 @@ def worker_main(args) -> int:
     context = int(args.contexts)
     prompt = np.random.default_rng(context).integers(100, 40000, size=context).tolist()
     run = run_lmkit if args.worker == "lmkit" else run_llama_cpp
-    try:
-        result = run(args.file, prompt, args.new_tokens, args.kv, args.threads)
-    except Exception as e:  # the row's error, the other rows go on
-        result = {"error": f"{type(e).__name__}: {e}"}
-    print(RESULT_TAG + json.dumps(result), flush=True)
-    return 0
+    return report_worker(RESULT_TAG, lambda: run(args.file, prompt, args.new_tokens, args.kv, args.threads))
 
 
 def main(argv: list[str] | None = None) -> int:
