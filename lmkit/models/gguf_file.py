@@ -284,10 +284,8 @@ def config_from_metadata(reader, path: Path) -> dict:
         raise GgufError(f"{path}: tensor 'rope_freqs.weight': rope frequency factors in {arch} files are not "
                         "supported")
     if arch in HYBRID_LAYOUT:
-        for key in reader.fields:
-            if key.startswith(f"{arch}.rope.scaling.") and _field(reader, key) not in (None, "none", 0, 0.0, 1.0):
-                raise GgufError(f"{path}: {key}={_field(reader, key)!r}: rope scaling in {arch} files is not "
-                                "supported")
+        _refuse_unread_rope_scaling(reader, path, f"{arch}.rope.scaling.", read=(), kind=None,
+                                    why=f"rope scaling in {arch} files is not supported")
     if arch == "gpt-oss":
         return _gpt_oss_config(reader, path)
     if arch == "gemma4":
@@ -342,10 +340,26 @@ def config_from_metadata(reader, path: Path) -> dict:
 
 
 # llama.cpp's rope.scaling.* keys that _scaled_rope reads; the others are refused by name unless they hold the
-# value that changes nothing (NEUTRAL_ROPE_SCALING; any other key: 0, 1 or "none", as before they were read)
+# value that changes nothing (NEUTRAL_ROPE_SCALING; yarn_ext_factor: -1, llama.cpp's "unset", or what the type
+# implies, 1 for yarn and 0 for the others; any other key: 0, 1 or "none", as before they were read)
 ROPE_SCALING_KEYS = ("type", "factor", "original_context_length", "attn_factor", "finetuned", "yarn_beta_fast",
                      "yarn_beta_slow")
-NEUTRAL_ROPE_SCALING = {"yarn_ext_factor": (-1.0, 1.0), "yarn_log_multiplier": (0.0,), "yarn_attn_factor": ()}
+NEUTRAL_ROPE_SCALING = {"yarn_log_multiplier": (0.0,), "yarn_attn_factor": ()}
+
+
+def _refuse_unread_rope_scaling(reader, path: Path, prefix: str, read: tuple, kind: str | None, why: str) -> None:
+    """GgufError naming the first ``prefix`` key outside ``read`` whose value would change the rope of a file of
+    scaling type ``kind``."""
+    for key in reader.fields:
+        name = key[len(prefix):]
+        if not key.startswith(prefix) or name in read:
+            continue
+        value = _field(reader, key)
+        neutral = NEUTRAL_ROPE_SCALING.get(name, (0, 1, "none"))
+        if name == "yarn_ext_factor":
+            neutral = (-1.0, 1.0) if kind == "yarn" else (-1.0, 0.0)
+        if value is not None and value not in neutral:
+            raise GgufError(f"{path}: {key}={value!r}: {why}")
 
 
 def _scaled_rope(reader, path: Path, arch: str, cfg: dict) -> dict | None:
@@ -357,13 +371,8 @@ def _scaled_rope(reader, path: Path, arch: str, cfg: dict) -> dict | None:
     import numpy as np
 
     prefix = f"{arch}.rope.scaling."
-    for key in reader.fields:
-        name = key[len(prefix):]
-        if key.startswith(prefix) and name not in ROPE_SCALING_KEYS:
-            value = _field(reader, key)
-            if value is not None and value not in NEUTRAL_ROPE_SCALING.get(name, (0, 1, "none")):
-                raise GgufError(f"{path}: {key}={value!r}: not supported")
     kind = _field(reader, prefix + "type")
+    _refuse_unread_rope_scaling(reader, path, prefix, ROPE_SCALING_KEYS, kind, "not supported")
     factor = _field(reader, prefix + "factor", _field(reader, f"{arch}.rope.scale_linear"))
     attn_factor = _field(reader, prefix + "attn_factor")
     if attn_factor is not None and float(attn_factor) != 1.0:

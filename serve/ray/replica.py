@@ -177,6 +177,7 @@ class Router:
         forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
                                      tuple(request.scope["headers"]), bytes(body),
                                      tuple(request.client) if request.client else None, keys)
+        del body  # forwarded holds its copy
         if request.method == "GET" and path == "/v1/models":
             return await self._models(forwarded)
         if request.method == "GET" and path == "/health":

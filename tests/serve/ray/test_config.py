@@ -68,3 +68,40 @@ def test_prefix_ranking_follows_the_prefix_within_the_load_bound():
     loads = {"a": 3, "b": 1, "c": 2}
     assert rank([a, b, c], (), views, lambda r: loads[r.replica_id]) == [[b], [a, c]]
     assert rank([], tenant, views, lambda r: 0) == []
+
+
+def test_prefix_router_takes_back_a_choice_ray_did_not_take():
+    """PrefixRequestRouter records its choice at once; Ray asking again for the request, or placing it on another
+    replica (the chosen one was full), takes the keys that choice added back, so later requests of the prefix
+    follow where it went."""
+    pytest.importorskip("ray.serve")
+    import asyncio
+    from types import SimpleNamespace
+
+    from lmkit.serve.proxy.strategies import prefix_keys
+    from lmkit.serve.ray.routing import PrefixRequestRouter
+
+    router = object.__new__(PrefixRequestRouter)  # the policy's state without a Ray deployment around it
+    router.initialize_state()
+    router._replica_queue_len_cache = SimpleNamespace(get=lambda replica_id: 0)
+    a, b = SimpleNamespace(replica_id="a"), SimpleNamespace(replica_id="b")
+    keys = tuple(prefix_keys("the tenant's long instructions. " * 40))
+
+    def pending(i: int):
+        return SimpleNamespace(args=[SimpleNamespace(prefix_keys=keys)], kwargs={},
+                               metadata=SimpleNamespace(internal_request_id=f"r{i}"))
+
+    def holders() -> list[str]:
+        return sorted(r for r, view in router.views.items() if view.match(list(keys)) == len(keys))
+
+    asyncio.run(router.choose_replicas([a, b], pending(1)))
+    assert len(holders()) == 1
+    first = asyncio.run(router.choose_replicas([a, b], pending(1)))[0][0]  # asked again: decided anew, held once
+    assert holders() == [first.replica_id]
+    other = b if first is a else a
+    router.on_request_routed(pending(1), other.replica_id, None)  # Ray placed it on the other replica
+    assert router.views[first.replica_id].match(list(keys)) == 0
+    assert router.views[other.replica_id].match(list(keys)) == len(keys) and not router.tentative
+    assert asyncio.run(router.choose_replicas([a, b], pending(2)))[0] == [other]
+    router.on_request_routed(pending(2), other.replica_id, None)
+    assert router.views[other.replica_id].match(list(keys)) == len(keys) and not router.tentative
