@@ -363,11 +363,12 @@ ARCH_CASES: dict[str, Case] = {
 
 # ---- long contexts (issue 66): the rope scalings of the 128k-token families, past their pretraining lengths
 LONG_BASE = dict(SMALL, num_hidden_layers=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=131072)
+LLAMA3_128K_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 LONG_CONTEXT_CASES: dict[str, Case] = {
     # Llama 3.1 / 3.2: llama3 scaling of an 8k pretraining to 128k
-    "llama3": Case("LlamaConfig", dict(LONG_BASE, tie_word_embeddings=True, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), seed=31),
+    "llama3": Case("LlamaConfig", dict(LONG_BASE, tie_word_embeddings=True, rope_parameters=LLAMA3_128K_ROPE),
+                   seed=31),
     # Qwen3 (and Qwen2.5) as their cards enable 128k: yarn, factor 4 over 32k, its attention factor 1.139
     "qwen3_yarn": Case("Qwen3Config", dict(LONG_BASE, rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768}),
@@ -377,6 +378,12 @@ LONG_CONTEXT_CASES: dict[str, Case] = {
         "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
         "short_factor": [1.0, 1.1, 1.2, 1.4, 1.8, 2.5], "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]}),
         seed=33, expect={"original_max_position_embeddings": 4096}),
+}
+# the 128k session's model: one layer with one head of 32 (attention over 131k keys is what that test costs)
+LONGEST_CONTEXT_CASES: dict[str, Case] = {
+    "llama3_one_head": Case("LlamaConfig", dict(LONG_BASE, num_hidden_layers=1, num_attention_heads=1,
+                                                num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
+                                                rope_parameters=LLAMA3_128K_ROPE), seed=34),
 }
 
 
