@@ -275,7 +275,6 @@ void Engine::post(std::shared_ptr<OutputCallback> cb, RequestOutput&& out) {
   outbox_.emplace_back(std::move(cb), std::move(out));
 }
 
-
 void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const Failure& failure) {
   if (!finished && seq.pending_token_ids.empty() && seq.pending_logit_rows == 0 &&
       seq.pending_prompt_logprobs.empty())

@@ -380,15 +380,13 @@ def _scaled_rope(reader, path: Path, arch: str, cfg: dict) -> dict | None:
     theta = float(cfg.get("rope_theta", 10000.0))
     if kind is None and factor not in (None, 0, 0.0, 1.0):  # llama.cpp's default type; "none" never scales
         kind = "linear"
+    if kind in ("linear", "yarn") and (not factor or float(factor) <= 0):
+        raise GgufError(f"{path}: {prefix}type={kind!r} needs {prefix}factor > 0, got {factor!r}")
     if kind in (None, "none"):
         params = None
     elif kind == "linear":
-        if not factor or float(factor) <= 0:
-            raise GgufError(f"{path}: {prefix}type='linear' needs {prefix}factor > 0, got {factor!r}")
         params = {"rope_type": "linear", "rope_theta": theta, "factor": float(factor)}
     elif kind == "yarn":
-        if not factor or float(factor) <= 0:
-            raise GgufError(f"{path}: {prefix}type='yarn' needs {prefix}factor > 0, got {factor!r}")
         original = _field(reader, prefix + "original_context_length") or cfg["max_position_embeddings"]
         params = {"rope_type": "yarn", "rope_theta": theta, "factor": float(factor),
                   "original_max_position_embeddings": int(original), "truncate": True,

@@ -30,14 +30,14 @@ from typing import Any, Callable
 from lmkit.serve.proxy.registry import Node
 
 
-def _lowest(nodes: list[Node], score: Callable[[Node], float]) -> list[Node]:
+def _lowest(nodes: list, score: Callable[[Any], float]) -> list:
     """The nodes of the lowest ``score`` (equal within rounding)."""
     scores = [score(n) for n in nodes]
     best = min(scores)
     return [n for n, s in zip(nodes, scores) if s <= best * (1 + 1e-9)]
 
 
-def _pick_min(nodes: list[Node], score: Callable[[Node], float], rng: random.Random) -> Node:
+def _pick_min(nodes: list, score: Callable[[Any], float], rng) -> Any:
     return rng.choice(_lowest(nodes, score))
 
 
@@ -159,6 +159,23 @@ class PrefixView:
             self.keys.popitem(last=False)
 
 
+def follow_prefix(candidates: list, keys: list[bytes], view_of: Callable[[Any], PrefixView | None],
+                  in_flight: Callable[[Any], int], cost: Callable[[Any], float], rng) -> Any:
+    """The prefix rule (module docstring) among ``candidates`` (proxy nodes, Ray replicas) for a request with
+    prefix ``keys``: of the candidates whose ``view_of`` holds the longest run of the keys (at least MIN_MATCH of
+    them) and whose ``in_flight`` is within MAX_EXTRA_IN_FLIGHT of the least, the lowest ``cost``; else, of the
+    lowest ``cost``, the one holding the fewest keys. Ties at random (``rng.choice``)."""
+    if keys:
+        matched = [view.match(keys) if (view := view_of(c)) is not None else 0 for c in candidates]
+        best = max(matched)
+        least_busy = min(in_flight(c) for c in candidates)
+        holders = [c for c, m in zip(candidates, matched)
+                   if m == best and in_flight(c) <= least_busy + MAX_EXTRA_IN_FLIGHT]
+        if best >= MIN_MATCH * len(keys) and holders:
+            return _pick_min(holders, cost, rng)
+    return _pick_min(_lowest(candidates, cost), lambda c: len(v.keys) if (v := view_of(c)) is not None else 0, rng)
+
+
 class PrefixAffinity:
     name = "prefix"
     uses_request = True
@@ -172,16 +189,8 @@ class PrefixAffinity:
         keys = prefix_keys(request_text(payload))
         if not keys:
             return self.fallback.choose(nodes)
-        matched = [self.views[n.url].match(keys) if n.url in self.views else 0 for n in nodes]
-        best = max(matched)
-        least_busy = min(n.num_in_flight for n in nodes)
-        holders = [n for n, m in zip(nodes, matched)
-                   if m == best and n.num_in_flight <= least_busy + MAX_EXTRA_IN_FLIGHT]
-        if best >= MIN_MATCH * len(keys) and holders:
-            node = self.fallback.choose(holders)
-        else:
-            node = _pick_min(_lowest(nodes, _expected_latency),
-                             lambda n: len(self.views[n.url].keys) if n.url in self.views else 0, self.rng)
+        node = follow_prefix(nodes, keys, lambda n: self.views.get(n.url), lambda n: n.num_in_flight,
+                             _expected_latency, self.rng)
         self.views.setdefault(node.url, PrefixView()).add(keys)
         return node
 

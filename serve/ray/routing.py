@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from lmkit.serve.proxy.strategies import MAX_EXTRA_IN_FLIGHT, MIN_MATCH, PrefixView
+from lmkit.serve.proxy.strategies import PrefixView, follow_prefix
 
 def request_keys(pending_request: PendingRequest | None) -> tuple[bytes, ...]:
     """The prefix keys the application's Router attached to a forwarded request (none for other calls)."""
@@ -37,31 +37,11 @@ def request_keys(pending_request: PendingRequest | None) -> tuple[bytes, ...]:
 def rank(candidates: list, keys: tuple[bytes, ...], views: dict, load: Callable[[Any], int],
          rng: random.Random | None = None) -> list[list]:
     """The candidates (objects with a replica_id) in ranks of preference for a request with prefix ``keys``, given
-    each replica's ``views`` (replica_id -> PrefixView) and ``load`` (requests it has in flight): one replica
-    first (see the module docstring; ties broken at random), then the rest."""
+    each replica's ``views`` (replica_id -> PrefixView) and ``load`` (requests it has in flight): the proxy's
+    prefix rule's choice first (strategies.follow_prefix, the load both its bound and its cost), then the rest."""
     if not candidates:
         return []
-    rng = rng or random
-    loads = {r.replica_id: load(r) for r in candidates}
-    least_busy = min(loads.values())
-
-    def held(r) -> int:
-        return len(views[r.replica_id].keys) if r.replica_id in views else 0
-
-    first = None
-    if keys:
-        matched = {r.replica_id: views[r.replica_id].match(list(keys)) if r.replica_id in views else 0
-                   for r in candidates}
-        best = max(matched.values())
-        holders = [r for r in candidates
-                   if matched[r.replica_id] == best and loads[r.replica_id] <= least_busy + MAX_EXTRA_IN_FLIGHT]
-        if best >= MIN_MATCH * len(keys) and holders:
-            lightest = min(loads[r.replica_id] for r in holders)
-            first = rng.choice([r for r in holders if loads[r.replica_id] == lightest])
-    if first is None:
-        idle = [r for r in candidates if loads[r.replica_id] == least_busy]
-        fewest = min(held(r) for r in idle)
-        first = rng.choice([r for r in idle if held(r) == fewest])
+    first = follow_prefix(candidates, list(keys), lambda r: views.get(r.replica_id), load, load, rng or random)
     rest = [r for r in candidates if r is not first]
     return [[first], rest] if rest else [[first]]
 
