@@ -334,6 +334,9 @@ def test_prefix_routing_keeps_each_tenant_on_one_replica(ray_cluster, slow_llama
                                                               "max_tokens": 2}, timeout=60)
                 assert r.status_code == 200, r.text
                 seen[t].add(r.headers["x-lmkit-replica"])
+        bad = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=60,
+                         headers={"content-type": "application/json"})
+        assert bad.status_code == 400, bad.text  # the replica's own answer: the router routes it without keys
         assert all(len(replicas) == 1 for replicas in seen.values()), seen
         assert len(set().union(*seen.values())) == 2, seen
         states = engine_states("prefix", "model-tiny")
