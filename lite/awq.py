@@ -15,8 +15,10 @@
       4 per linear: clipping search by exact per-group output error over all calibration tokens
         (q_proj/k_proj are left out, as in AutoAWQ; --clip-qk includes them)
       5 int4 (asymmetric, zeros) in the clipped ranges: GPTQ error-compensating rounding under the smoothed
-        inputs' second moments (default), or round-to-nearest (--rounding nearest, plain AWQ), optionally
-        with a least-squares refinement of (scale, zero) (--refine)
+        inputs' second moments, columns in activation order (default; --gptq-order), optionally towards the fp
+        model's own outputs (--gptq-model-target: the windows also run through the fp layers, paired token by
+        token), or round-to-nearest (--rounding nearest, plain AWQ), optionally with a least-squares refinement
+        of (scale, zero) (--refine)
       6 next layer's input: this layer's output with its quantized weights (--propagate fp: fp output)
     checkpoint + search results -> temp folder -> marker -> rename to work_dir
 
@@ -38,7 +40,7 @@ from lmkit.lite import export
 from lmkit.lite.blocks import (Discard, LayerRunner, block_function, calibration_inputs, cover_experts, dense_linears,
                                fold_chosen, foldable_groups, is_expert_group, layer_other_tensors, write_checkpoint)
 from lmkit.lite.config import AwqConfig, resolve_device
-from lmkit.lite.gptq import gptq_quantize
+from lmkit.lite.gptq import fit_to_reference, gptq_quantize
 from lmkit.lite.layerwise import LayerwiseModel
 from lmkit.lite.observer import GroupInputObserver
 from lmkit.lite.quantizer import PACK_NUM, SUPPORTED_GROUP_SIZES, QuantizedWeight, quantize
@@ -99,10 +101,12 @@ def check_group_size(shapes: dict[str, tuple[int, int]], group_size: int) -> int
 
 @torch.no_grad()
 def _process_layer(model: LayerwiseModel, runner: LayerRunner | None, index: int, x: torch.Tensor | None,
-                   config: AwqConfig, scales_out: dict, clips_out: dict, kept: dict | None = None):
+                   config: AwqConfig, scales_out: dict, clips_out: dict, kept: dict | None = None,
+                   x_ref: torch.Tensor | None = None):
     """Quantize decoder layer ``index`` given its input ``x`` (None for RTN; with --propagate quantized
     ``x`` is overwritten by the next layer's input) and return (checkpoint tensors, report).
-    ``scales_out``/``clips_out`` receive the search results, ``kept`` (when given) the dequantized weights."""
+    ``scales_out``/``clips_out`` receive the search results, ``kept`` (when given) the dequantized weights.
+    ``x_ref`` (--gptq-model-target): the same windows' input in the fp model, overwritten by its fp output."""
     prefix = model.layer_prefix(index)
     g = config.w_group_size
     layer = model.load_layer(index)
@@ -117,10 +121,12 @@ def _process_layer(model: LayerwiseModel, runner: LayerRunner | None, index: int
         # the checks run before the observer hooks are attached
         foldable = foldable_groups(layer, awq_map, runner.kwargs(index, 1), x[:1], prefix.rstrip("."),
                                    config.search_scale)
+        paired = None if x_ref is None else [not is_expert_group(awq_map, group) for group in awq_map.groups]
         observer = GroupInputObserver(layer, awq_map, g, num_search, with_moments=config.clip or config.refine,
-                                      with_hessian=config.rounding == "gptq")
+                                      with_hessian=config.rounding == "gptq", paired=paired)
         try:  # with --propagate fp the fp output is the next layer's input; else it only feeds the observer
-            runner.run(layer, index, x, x if config.propagate == "fp" else Discard(), observer)
+            runner.run(layer, index, x, x if config.propagate == "fp" else Discard(), observer,
+                       None if x_ref is None else (x_ref, x_ref))
         finally:
             observer.remove()
         if any(is_expert_group(awq_map, group) for group in awq_map.groups):  # a sparse layer
@@ -195,6 +201,8 @@ def _quantize_linear(weight: torch.Tensor, group_stats, config: AwqConfig, name:
                      clips_out: dict, clip: bool) -> QuantizedWeight:
     """One linear's clip search (into ``clips_out`` under ``name``) and its int4 by the configured rounding."""
     g = config.w_group_size
+    if group_stats.cross is not None:  # --gptq-model-target
+        weight = fit_to_reference(weight, group_stats.hessian, group_stats.cross, share=config.gptq_model_target)
     w_min = w_max = None
     if clip:
         w_min, w_max = search_clip(weight, group_stats.moments, g, grid)
@@ -207,7 +215,7 @@ def _quantize_linear(weight: torch.Tensor, group_stats, config: AwqConfig, name:
             full_min, full_max = full.amin(dim=2), full.amax(dim=2)
             ratio_min = torch.where(full_min < 0, w_min / full_min, torch.ones_like(w_min))
             ratio_max = torch.where(full_max > 0, w_max / full_max, torch.ones_like(w_max))
-        return gptq_quantize(weight, group_stats.hessian, g, ratio_min, ratio_max)
+        return gptq_quantize(weight, group_stats.hessian, g, ratio_min, ratio_max, order=config.gptq_order)
     if config.refine:
         return refine_quantization(weight, group_stats.moments, g, w_min, w_max)
     return quantize(weight, g, w_min, w_max)
@@ -254,12 +262,13 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
         layer_reports = []
         kept: dict[str, torch.Tensor] | None = {} if keep_pseudo_quantized else None
         reporter.start_layers(lw.num_layers)
+        x_ref = x.clone() if x is not None and config.pairs_with_fp_model else None
         for index in range(lw.num_layers):
-            layer_tensors, report = _process_layer(lw, runner, index, x, config, scales, clips, kept)
+            layer_tensors, report = _process_layer(lw, runner, index, x, config, scales, clips, kept, x_ref)
             tensors.update(layer_tensors)
             layer_reports.append(report)
             reporter.layer_done(index, report)
-        del x
+        del x, x_ref
         phase_seconds["layers"] = time.perf_counter() - t
 
         t = time.perf_counter()

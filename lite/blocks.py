@@ -92,10 +92,11 @@ class LayerRunner:
         self.seqlen = seqlen
         self.chunk = max(1, CHUNK_TOKENS // seqlen)
         self._kwargs: dict[int, list[dict]] = {}
-        self._shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # layer type -> K, V of every window
+        # (stream, layer type) -> K, V of every window; stream: "" or "reference" (the fp model's pass)
+        self._shared_kv: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def kwargs(self, index: int, batch_size: int, start: int = 0) -> dict:
-        """Layer ``index``'s kwargs for windows [start, start + batch_size)."""
+    def kwargs(self, index: int, batch_size: int, start: int = 0, stream: str = "") -> dict:
+        """Layer ``index``'s kwargs for windows [start, start + batch_size) of ``stream``."""
         if batch_size not in self._kwargs:
             self._kwargs[batch_size] = self.model.capture_layer_kwargs(batch_size, self.seqlen)
         kwargs = dict(self._kwargs[batch_size][index])
@@ -107,31 +108,46 @@ class LayerRunner:
             role, layer_type = sharing
             shared = {}
             if role == "reuse":
-                if layer_type not in self._shared_kv:
+                if (stream, layer_type) not in self._shared_kv:
                     raise RuntimeError(f"layer {index} reads the {layer_type} KV no earlier layer stored")
-                k, v = self._shared_kv[layer_type]
+                k, v = self._shared_kv[stream, layer_type]
                 shared[layer_type] = (k[start:end], v[start:end])
             kwargs["shared_kv_states"] = shared
         return kwargs
 
     @torch.no_grad()
     def run(self, layer: nn.Module, index: int, x: torch.Tensor, out: torch.Tensor,
-            observer: GroupInputObserver | None = None) -> None:
-        """out[i] = layer(x[i]) for every window (``out`` may be ``x``: computed chunk by chunk)."""
-        sharing = self.model.kv_sharing(index)
+            observer: GroupInputObserver | None = None,
+            reference: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """out[i] = layer(x[i]) for every window (``out`` may be ``x``: computed chunk by chunk). ``reference``
+        (x_ref, out_ref): the same windows as the fp model sees them, out_ref[i] = layer(x_ref[i]) (in place too),
+        each chunk run just before x's, with the observer recording its inputs to pair x's with."""
         for start in range(0, x.shape[0], self.chunk):
             end = min(start + self.chunk, x.shape[0])
             if observer is not None:
                 observer.begin_chunk(start, x.shape[1])
-            kwargs = self.kwargs(index, end - start, start)
-            out[start:end] = first_output(layer(x[start:end], **kwargs))
-            if sharing is not None and sharing[0] == "store":  # what the layer stored, for the layers that read it
-                k, v = kwargs["shared_kv_states"][sharing[1]]
-                if start == 0:
-                    self._shared_kv[sharing[1]] = (k.new_empty(x.shape[0], *k.shape[1:]),
-                                                   v.new_empty(x.shape[0], *v.shape[1:]))
-                self._shared_kv[sharing[1]][0][start:end] = k
-                self._shared_kv[sharing[1]][1][start:end] = v
+            if reference is not None:
+                if observer is not None:
+                    observer.recording_reference = True
+                try:
+                    self._run_chunk(layer, index, reference[0], reference[1], start, end, "reference")
+                finally:
+                    if observer is not None:
+                        observer.recording_reference = False
+            self._run_chunk(layer, index, x, out, start, end, "")
+
+    def _run_chunk(self, layer: nn.Module, index: int, x: torch.Tensor, out: torch.Tensor, start: int, end: int,
+                   stream: str) -> None:
+        sharing = self.model.kv_sharing(index)
+        kwargs = self.kwargs(index, end - start, start, stream)
+        out[start:end] = first_output(layer(x[start:end], **kwargs))
+        if sharing is not None and sharing[0] == "store":  # what the layer stored, for the layers that read it
+            k, v = kwargs["shared_kv_states"][sharing[1]]
+            key = (stream, sharing[1])
+            if start == 0:
+                self._shared_kv[key] = (k.new_empty(x.shape[0], *k.shape[1:]), v.new_empty(x.shape[0], *v.shape[1:]))
+            self._shared_kv[key][0][start:end] = k
+            self._shared_kv[key][1][start:end] = v
 
 
 def check_tolerance(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:

@@ -11,14 +11,19 @@ minimised (to second order), not the weight error:
     for column c:  q_c = Q(w_c);  e = (w_c - q_c) / U[c, c];  w_{c+1:} -= e * U[c, c+1:]
 
 int4: each group's (scale, zero) is set when its first column is reached, from the weights as updated so
-far and shrunk by the clipping ratios the clip search chose for that (row, group). int8: one symmetric
-scale per row, from the row before rounding (as GPTQ does per channel). The result is an ordinary
-``QuantizedWeight`` / ``Int8Weight``: a checkpoint reader cannot tell it from round-to-nearest.
+far and shrunk by the clipping ratios the clip search chose for that (row, group); in activation order
+(``column_order`` global) every group's is set before rounding. int8: one symmetric scale per row, from
+the row before rounding (as GPTQ does per channel). The result is an ordinary ``QuantizedWeight`` /
+``Int8Weight``: a checkpoint reader cannot tell it from round-to-nearest.
+
+``fit_to_reference`` first moves the target of the rounding from the fp layer's outputs on the quantized
+model's inputs to the fp model's own outputs (asymmetric calibration).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,6 +39,15 @@ INNER_COLUMNS = 16  # lazy-update block inside it; divides every supported group
 GroupParams = Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class StaticParams:
+    """Every group's (scale, zero), fixed before rounding, for columns taken out of their groups' order."""
+
+    scales: np.ndarray  # [groups, out] float32
+    zeros: np.ndarray  # [groups, out] float32
+    column_group: np.ndarray  # [in] the group of each column, in the order the columns are rounded
+
+
 def _inverse_factor(w: torch.Tensor, hessian: torch.Tensor, damp: float) -> torch.Tensor:
     """U = chol(H^-1) upper of the damped ``hessian``; zeroes the columns of ``w`` no token reaches (in place)."""
     in_features = w.shape[1]
@@ -46,7 +60,7 @@ def _inverse_factor(w: torch.Tensor, hessian: torch.Tensor, damp: float) -> torc
 
 
 def _round_columns(w: torch.Tensor, u: torch.Tensor, group_size: int, params: GroupParams, q_min: int,
-                   q_max: int) -> torch.Tensor:
+                   q_max: int, static: StaticParams | None = None) -> torch.Tensor:
     """Integers [out, in] (float32) of ``w`` [out, in] rounded column by column as in the module docstring:
     q = clamp(round(w / scale) + zero, q_min, q_max), each group's (scale, zero) from ``params`` when its
     first column is reached. ``w`` is left as it was.
@@ -58,7 +72,8 @@ def _round_columns(w: torch.Tensor, u: torch.Tensor, group_size: int, params: Gr
     boundary, so ``params`` sees its columns with every earlier column's error applied. On a GPU the loop runs
     on the CPU all the same (its operations are too small for kernel launches): ``params`` gets the block on
     ``w``'s device, and the integers go back there. Its matrix products run on numpy's BLAS threads, which
-    lmkit.lite.threads does not set."""
+    lmkit.lite.threads does not set. ``static`` (set before any column is rounded) replaces ``params`` where a
+    group's columns are not contiguous (activation order)."""
     out_features, in_features = w.shape
     device = w.device
     wt = np.array(w.detach().t().cpu().numpy(), dtype=np.float32, order="C")  # [in, out], a copy: row c = column c
@@ -71,7 +86,9 @@ def _round_columns(w: torch.Tensor, u: torch.Tensor, group_size: int, params: Gr
         for i0 in range(b0, b1, INNER_COLUMNS):
             i1 = min(i0 + INNER_COLUMNS, b1)
             for c in range(i0, i1):
-                if c % group_size == 0:
+                if static is not None:
+                    s, z = static.scales[static.column_group[c]], static.zeros[static.column_group[c]]
+                elif c % group_size == 0:
                     scale, zero = params(c // group_size, torch.from_numpy(wt[b0:b1]).t().to(device), c - b0)
                     s, z = scale.float().cpu().contiguous().numpy(), zero.float().cpu().contiguous().numpy()
                 col = wt[c]
@@ -91,27 +108,67 @@ def _round_columns(w: torch.Tensor, u: torch.Tensor, group_size: int, params: Gr
 
 
 @torch.no_grad()
+def fit_to_reference(weight: torch.Tensor, hessian: torch.Tensor, cross: torch.Tensor, share: float = 1.0,
+                     damp: float = 0.01) -> torch.Tensor:
+    """The weight W* [out, in] whose outputs on the inputs x_t the quantized model gives a linear (``hessian`` =
+    sum_t x_t x_t^T) come nearest, in least squares, to the target (1 - a) W x_t + a W r_t, W = ``weight``, r_t the
+    fp model's input at the same token (``cross`` = sum_t r_t x_t^T), a = ``share``; pulled toward W by lam =
+    ``damp`` * mean(diag(hessian)):
+
+        W* = (W ((1 - a) hessian + a cross) + lam W) (hessian + lam I)^-1
+
+    The squared error of Q x_t to that target is |(W* - Q) x_t|^2 summed, plus a term free of Q (lam aside), so GPTQ
+    of W* under ``hessian`` rounds towards it: a = 0 is plain GPTQ (W* = W), a = 1 the fp model's own outputs (the
+    asymmetric calibration of GPTAQ, Li et al. 2025)."""
+    w = weight.detach().float()
+    h = hessian.detach().float()
+    lam = damp * float(torch.diag(h).mean())
+    factor = torch.linalg.cholesky(h + lam * torch.eye(h.shape[0], device=h.device))
+    target = w @ ((1.0 - share) * h + share * cross.float()) + lam * w
+    return torch.cholesky_solve(target.t(), factor).t().contiguous()
+
+
+def column_order(hessian: torch.Tensor, group_size: int, order: str) -> torch.Tensor:
+    """The order [in] in which ``order`` rounds the input columns: none = as stored; group = each group's columns
+    in turn, within a group those of the largest input second moment (``hessian``'s diagonal) first; global = all
+    columns by that moment (GPTQ's activation order)."""
+    in_features = hessian.shape[0]
+    if order == "none":
+        return torch.arange(in_features)
+    energy = -torch.diag(hessian).float().cpu()
+    if order == "global":
+        return torch.argsort(energy, stable=True)
+    if order == "group":
+        within = torch.argsort(energy.view(-1, group_size), dim=1, stable=True)
+        return (within + torch.arange(0, in_features, group_size).unsqueeze(1)).reshape(-1)
+    raise ValueError(f"GPTQ column order must be group, global or none, got {order!r}")
+
+
+@torch.no_grad()
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
                   clip_ratio_min: torch.Tensor | None = None, clip_ratio_max: torch.Tensor | None = None,
-                  damp: float = 0.01) -> QuantizedWeight:
+                  damp: float = 0.01, order: str = "group") -> QuantizedWeight:
     """int4 of ``weight`` [out, in] by GPTQ under ``hessian`` [in, in] (= sum_t x_t x_t^T).
 
     ``clip_ratio_min``/``clip_ratio_max`` [out, in/g] scale each group's min/max (1 = no clipping).
-    ``damp`` is added to the diagonal as a fraction of its mean (numerical safety).
+    ``damp`` is added to the diagonal as a fraction of its mean (numerical safety). ``order``: see
+    ``column_order``. With none and group each group's (scale, zero) is set from the weights as updated when its
+    first column is reached; with global a group's columns are spread over the whole pass, so every group's is set
+    before rounding from the weights as given (the "static groups" of act-order checkpoints without g_idx).
     """
     w = weight.detach().float().clone()
     out_features, in_features = w.shape
     if in_features % group_size or BLOCK_COLUMNS % group_size or group_size % INNER_COLUMNS:
         raise ValueError(f"group size {group_size} must divide {in_features} and {BLOCK_COLUMNS} and be a multiple "
                          f"of {INNER_COLUMNS}")
-    u = _inverse_factor(w, hessian, damp)
+    perm = column_order(hessian, group_size, order)
+    w[:, torch.diag(hessian) == 0] = 0.0  # as _inverse_factor does: the static groups' ranges see it too
     num_groups = in_features // group_size
     scales = torch.zeros(out_features, num_groups, dtype=torch.float16, device=w.device)
     zeros = torch.zeros(out_features, num_groups, device=w.device)
 
-    def params(g: int, block: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        members = block[:, j:j + group_size]
-        lo, hi = members.amin(dim=1), members.amax(dim=1)
+    def group_params(g: int | slice, members: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = members.amin(dim=-1), members.amax(dim=-1)
         if clip_ratio_min is not None:
             lo = torch.where(lo < 0, lo * clip_ratio_min[:, g], lo)
         if clip_ratio_max is not None:
@@ -120,7 +177,18 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
         scales[:, g], zeros[:, g] = s16, z
         return s16.float(), z
 
-    q = _round_columns(w, u, group_size, params, 0, MAX_INT)
+    static = None
+    if order == "global":
+        s, z = group_params(slice(None), w.view(out_features, num_groups, group_size))
+        static = StaticParams(scales=s.t().cpu().contiguous().numpy(), zeros=z.float().t().cpu().contiguous().numpy(),
+                              column_group=(perm // group_size).numpy())
+    wp = w[:, perm.to(w.device)]
+    hp = perm.to(hessian.device)
+    u = _inverse_factor(wp, hessian[hp][:, hp], damp)
+    qp = _round_columns(wp, u, group_size, lambda g, block, j: group_params(g, block[:, j:j + group_size]), 0,
+                        MAX_INT, static)
+    q = torch.empty_like(qp)
+    q[:, perm.to(q.device)] = qp
     return QuantizedWeight(q=q.to(torch.uint8), zeros=zeros.to(torch.uint8), scales=scales, group_size=group_size)
 
 

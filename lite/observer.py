@@ -7,6 +7,9 @@ the search sequences):
     abs_max  [in]           max_t |x_t|                  -> SmoothQuant's scale candidates
     moments  [in/g, g, g]   sum_t x_t[G] x_t[G]^T        -> exact per-group output error (clip search)
     hessian  [in, in]       sum_t x_t x_t^T              -> GPTQ rounding (only with --rounding gptq)
+    cross    [in, in]       sum_t r_t x_t^T              -> GPTQ towards the fp model's outputs (--gptq-target
+                                                            model): r_t the input the fp model gives the same
+                                                            linear at the same token (the runner's reference pass)
     samples  [b, seq, in]   x of the first b sequences   -> block inputs on which scales are scored
 """
 
@@ -28,6 +31,8 @@ class InputStats:
     moments: torch.Tensor | None
     hessian: torch.Tensor | None = None  # [in, in] sum_t x_t x_t^T (for GPTQ rounding); moments are its blocks
     abs_max: torch.Tensor | None = None  # [in] max_t |x_t| (zeros before the first token)
+    cross: torch.Tensor | None = None  # [in, in] sum_t r_t x_t^T, r_t the fp model's input at token t
+    references: list[torch.Tensor] = field(default_factory=list)  # the reference pass's inputs, not yet paired
     num_tokens: int = 0
     samples: list[torch.Tensor] = field(default_factory=list)
 
@@ -51,9 +56,10 @@ class InputStats:
             num_groups, g, _ = self.moments.shape
             inv = (1.0 / s).view(num_groups, g)
             self.moments *= inv.unsqueeze(2) * inv.unsqueeze(1)
-        if self.hessian is not None:
-            inv = 1.0 / s
-            self.hessian *= inv.unsqueeze(1) * inv.unsqueeze(0)
+        inv = 1.0 / s
+        for square in (self.hessian, self.cross):
+            if square is not None:
+                square *= inv.unsqueeze(1) * inv.unsqueeze(0)
         self.samples = [x / s for x in self.samples]
 
     @torch.no_grad()
@@ -65,6 +71,11 @@ class InputStats:
         if flat.shape[0]:
             torch.maximum(self.abs_max, flat.abs().amax(dim=0), out=self.abs_max)
         self.num_tokens += flat.shape[0]
+        if self.cross is not None:
+            if not self.references or self.references[0].shape != flat.shape:
+                raise RuntimeError("a linear's input has no reference input of its shape from the fp model's pass "
+                                   "(the runner must run the reference chunk first)")
+            self.cross += self.references.pop(0).t() @ flat
         if self.hessian is not None:
             self.hessian += flat.t() @ flat
         elif self.moments is not None:
@@ -83,19 +94,22 @@ class GroupInputObserver:
 
     Call ``begin_chunk(first_sequence)`` before each forward so the observer knows which rows belong
     to the first ``num_samples`` sequences; ``remove()`` detaches the hooks. ``group_size`` matters only
-    for the per-group ``moments`` (``with_moments``).
+    for the per-group ``moments`` (``with_moments``). Where ``paired[i]``, group i's statistics gain ``cross``:
+    its inputs are paired token by token with those of the fp model's pass the runner makes first (a dense
+    group's rows are the same tokens in both passes; an expert's are not, so experts are never paired).
     """
 
     def __init__(self, layer: nn.Module, awq_map: AwqMap, group_size: int, num_samples: int, with_moments: bool,
-                 with_hessian: bool = False):
+                 with_hessian: bool = False, paired: list[bool] | None = None):
         self.num_samples = num_samples
+        self.recording_reference = False  # set by LayerRunner.run during the fp model's pass of a chunk
         self.group_size = group_size
         self.with_moments = with_moments
         self.first_sequence = 0
         self.seqlen = 0  # tokens per sequence (begin_chunk): a block's flattened input [rows, in] is kept by sequence
         self.stats: list[InputStats] = []
         self._handles = []
-        for group in awq_map.groups:
+        for i, group in enumerate(awq_map.groups):
             linear = layer.get_submodule(group.linears[0])
             weight = linear.weight
             in_features = linear.in_features
@@ -104,6 +118,8 @@ class GroupInputObserver:
                        if with_moments and not with_hessian else None)
             hessian = torch.zeros(in_features, in_features, device=weight.device) if with_hessian else None
             stats = InputStats(torch.zeros(in_features, device=weight.device), moments, hessian)
+            if paired is not None and paired[i]:
+                stats.cross = torch.zeros(in_features, in_features, device=weight.device)
             self.stats.append(stats)
             self._handles.append(source.register_forward_hook(self._hook(stats, group.input_of is not None)))
 
@@ -116,6 +132,10 @@ class GroupInputObserver:
             x = args[0].detach()
             if every_token and x.dim() == 2 and self.seqlen:  # Gemma 4's experts read every token, flattened
                 x = x.view(-1, self.seqlen, x.shape[-1])
+            if self.recording_reference:
+                if stats.cross is not None:
+                    stats.references.append(x.reshape(-1, x.shape[-1]).float().clone())
+                return
             stats.accumulate(x.reshape(-1, x.shape[-1]).float(), self.group_size)
             keep = self.num_samples - self.first_sequence
             if keep > 0 and x.dim() == 2:  # an expert's linear: the rows routed to it, all of this chunk's

@@ -25,6 +25,7 @@ from tests.helpers import TINY_CALIB
 
 @pytest.mark.parametrize("model_fixture,options", [("lite_tiny_llama", {}), ("lite_tiny_qwen2", {}),
                                                    ("lite_tiny_llama", {"rounding": "nearest"}),
+                                                   ("lite_tiny_llama", {"gptq_model_target": 0.0, "gptq_order": "none"}),
                                                    ("lite_tiny_qwen2", {"refine": True, "propagate": "fp"})])
 def test_checkpoint_reads_back_exactly(request, tmp_path, model_fixture, options):
     source = request.getfixturevalue(model_fixture)
@@ -70,6 +71,43 @@ def test_checkpoint_reads_back_exactly(request, tmp_path, model_fixture, options
     q = evaluate_perplexity(out, PplConfig(dataset="pydoc", seqlen=64, max_tokens=512))
     assert fp.kind == "fp" and q.kind == "awq" and q.num_tokens == fp.num_tokens == 8 * 63
     assert abs(q.ppl / fp.ppl - 1) < 0.5  # random weights: same ballpark, not a quality claim
+
+
+@torch.no_grad()
+def test_observer_pairs_each_token_with_the_fp_models(lite_tiny_llama):
+    """A run with a reference stream: the observer's ``cross`` of a group is sum_t r_t x_t^T of the inputs its
+    first linear sees at the same token in the reference pass (r) and in the main pass (x), each taken from
+    plain runs of the layer; the hessian and the other statistics are the main pass's alone."""
+    from lmkit.lite.blocks import Discard, LayerRunner
+    from lmkit.lite.layerwise import LayerwiseModel
+    from lmkit.lite.observer import GroupInputObserver
+
+    lw = LayerwiseModel(lite_tiny_llama, torch.device("cpu"))
+    ids = torch.randint(0, 250, (3, 24), generator=torch.Generator().manual_seed(5))
+    reference = lw.embed(ids)
+    x = reference + 0.1 * reference.std() * torch.randn(reference.shape, generator=torch.Generator().manual_seed(6))
+    layer, awq_map, runner = lw.load_layer(0), lw.layer_awq_map(0), LayerRunner(lw, 24)
+    runner.chunk = 2  # two chunks: the pairing holds across them
+    seen = {}
+    for group in awq_map.groups:
+        linear = layer.get_submodule(group.linears[0])
+        inputs = []
+        handle = linear.register_forward_hook(lambda m, a, o, inputs=inputs: inputs.append(a[0].reshape(-1, a[0].shape[-1])))
+        for stream in (reference, x):
+            runner.run(layer, 0, stream.clone(), Discard())
+        handle.remove()
+        seen[group.linears[0]] = (torch.cat(inputs[:2]), torch.cat(inputs[2:]))
+    observer = GroupInputObserver(layer, awq_map, 32, 1, with_moments=True, with_hessian=True,
+                                  paired=[True] * len(awq_map.groups))
+    ref_out = reference.clone()
+    runner.run(layer, 0, x.clone(), Discard(), observer, reference=(ref_out, ref_out))
+    observer.remove()
+    for group, stats in zip(awq_map.groups, observer.stats):
+        r, got = seen[group.linears[0]]
+        assert torch.allclose(stats.cross, r.t() @ got, rtol=1e-4, atol=1e-3), group.linears[0]
+        assert torch.allclose(stats.hessian, got.t() @ got, rtol=1e-4, atol=1e-3), group.linears[0]
+        assert stats.num_tokens == 3 * 24 and not stats.references
+    assert not torch.allclose(ref_out, reference)  # the reference stream moved on to the layer's output
 
 
 def test_checkpoint_is_reproducible_from_search_results(lite_tiny_llama, tmp_path):

@@ -114,7 +114,8 @@ def other_form(request, tmp_path_factory):
 @torch.no_grad()
 def test_other_forms_layerwise_pass_reproduces_hf(other_form):
     """The layer-wise model run layer by layer (per-layer inputs and shared KV carried by LayerRunner; the experts
-    unfused) gives HF's hidden states; its AWQ map covers every quantized linear."""
+    unfused) gives HF's hidden states, also as the reference stream of a run beside a drifted one (each stream
+    reads its own shared KV); its AWQ map covers every quantized linear."""
     from lmkit.lite.blocks import LayerRunner, self_check
     from lmkit.lite.layerwise import LayerwiseModel
 
@@ -124,6 +125,7 @@ def test_other_forms_layerwise_pass_reproduces_hf(other_form):
     ids = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(3))
     hidden = ref(input_ids=ids, output_hidden_states=True).hidden_states
     x = lw.embed(ids)
+    drifted = x + 0.1 * x.std() * torch.randn(x.shape, generator=torch.Generator().manual_seed(4))
     runner = LayerRunner(lw, 40)
     for i in range(lw.num_layers):
         layer = lw.load_layer(i)
@@ -131,9 +133,10 @@ def test_other_forms_layerwise_pass_reproduces_hf(other_form):
         fp16 = {n for n in linears if n.startswith(("per_layer_", "router."))}  # kept fp16
         assert sorted(lw.layer_awq_map(i).linears) == sorted(linears - fp16), (form, i)
         self_check(layer, lw.layer_awq_map(i), runner.kwargs(i, 2), x, f"layer {i}")
-        runner.run(layer, i, x, x)
+        runner.run(layer, i, drifted, drifted, reference=(x, x))
         if i < lw.num_layers - 1:
             assert float((x - hidden[i + 1]).norm() / hidden[i + 1].norm()) < 1e-5, (form, i)
+            assert float((drifted - hidden[i + 1]).norm() / hidden[i + 1].norm()) > 1e-3, (form, i)
 
 
 @torch.no_grad()

@@ -99,37 +99,56 @@ def test_gptq_rounding_lowers_output_error():
 
 
 def _gptq_float64(w: torch.Tensor, hessian: torch.Tensor, group_size: int, q_min: int, q_max: int,
-                  group_params, damp: float = 0.01) -> torch.Tensor:
+                  group_params, damp: float = 0.01, perm: torch.Tensor | None = None,
+                  static: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """GPTQ as its module docstring states it, column by column in float64, each column's error pushed onto every
-    later column at once (no lazy blocks): the integers [out, in]."""
-    w = w.double().clone()
-    h = hessian.double().clone()
+    later column at once (no lazy blocks): the integers [out, in]. ``perm``: the order of the columns (a group's
+    params from its members when its first column in that order comes); ``static``: every group's (scale, zero)
+    [out, groups] fixed beforehand."""
+    perm = torch.arange(w.shape[1]) if perm is None else perm
+    w = w.double()[:, perm].clone()
+    h = hessian.double()[perm][:, perm].clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     h += torch.eye(h.shape[0], dtype=torch.float64) * (damp * float(torch.diag(h).mean()))
     u = torch.linalg.cholesky(torch.linalg.inv(h), upper=True)
     q = torch.zeros_like(w)
+    params = {}
     for c in range(w.shape[1]):
-        if c % group_size == 0:
-            scale, zero = (t.double() for t in group_params(w[:, c:c + group_size]))
+        group = int(perm[c]) // group_size
+        if static is not None:
+            scale, zero = static[0][:, group].double(), static[1][:, group].double()
+        elif group not in params:
+            members = (perm // group_size == group).nonzero().flatten()
+            params[group] = tuple(t.double() for t in group_params(w[:, members]))
+        if static is None:
+            scale, zero = params[group]
         q[:, c] = (torch.round(w[:, c] / scale) + zero).clamp(q_min, q_max)
         err = (w[:, c] - (q[:, c] - zero) * scale) / u[c, c]
         w[:, c + 1:] -= err.unsqueeze(1) * u[c, c + 1:].unsqueeze(0)
-    return q
+    out = torch.empty_like(q)
+    out[:, perm] = q
+    return out
 
 
-def test_gptq_matches_a_float64_reference_without_lazy_blocks():
-    """int4 in groups of 32 over 320 input channels (three lazy blocks, the last one partial; a dead channel) and
-    int8 per row: the integers of the float64 reference, but for the rare weight near a rounding tie."""
-    from lmkit.lite.gptq import gptq_quantize, gptq_quantize_int8
+def _correlated_inputs(seed: int, tokens: int, channels: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.eye(channels) + 0.7 * torch.randn(channels, channels, generator=g) / channels**0.5
+    return torch.randn(tokens, channels, generator=g) @ mix * (1 + 3 * torch.rand(channels, generator=g)) ** 2
+
+
+@pytest.mark.parametrize("order", ["none", "group", "global"])
+def test_gptq_matches_a_float64_reference_without_lazy_blocks(order):
+    """int4 in groups of 32 over 320 input channels (three lazy blocks, the last one partial; a dead channel) in
+    each column order, and int8 per row: the integers of the float64 reference, but for the rare weight near a
+    rounding tie."""
+    from lmkit.lite.gptq import column_order, gptq_quantize, gptq_quantize_int8
     from lmkit.lite.int8 import QMAX, int8_scales
     from lmkit.lite.quantizer import MAX_INT, quantize_params
 
-    g = torch.Generator().manual_seed(7)
-    w = torch.randn(40, 320, generator=g)
-    mix = torch.eye(320) + 0.7 * torch.randn(320, 320, generator=g) / 320**0.5
-    x = torch.randn(3000, 320, generator=g) @ mix * (1 + 3 * torch.rand(320, generator=g))
+    w = torch.randn(40, 320, generator=torch.Generator().manual_seed(7))
+    x = _correlated_inputs(8, 3000, 320)
     x[:, 5] = 0.0  # a channel no token reaches
     hessian = x.t() @ x
 
@@ -137,14 +156,63 @@ def test_gptq_matches_a_float64_reference_without_lazy_blocks():
         scale, zero = quantize_params(members.amin(dim=1).float(), members.amax(dim=1).float())
         return scale.float(), zero
 
-    got = gptq_quantize(w, hessian, 32)
-    ref = _gptq_float64(w, hessian, 32, 0, MAX_INT, int4_params)
+    perm = column_order(hessian, 32, order)
+    assert sorted(perm.tolist()) == list(range(320)) and (order == "none") == torch.equal(perm, torch.arange(320))
+    static = None
+    if order == "global":
+        grouped = w.clone()
+        grouped[:, 5] = 0.0
+        static = int4_params(grouped.view(40, 10, 32).transpose(0, 1).reshape(10 * 40, 32))
+        static = tuple(t.view(10, 40).t() for t in static)
+    got = gptq_quantize(w, hessian, 32, order=order)
+    ref = _gptq_float64(w, hessian, 32, 0, MAX_INT, int4_params, perm=perm, static=static)
     assert float((got.q.float() == ref.float()).float().mean()) > 0.995
-    scales = int8_scales(w)
-    got8 = gptq_quantize_int8(w, hessian)
-    ref8 = _gptq_float64(w, hessian, w.shape[1], -QMAX, QMAX, lambda m: (scales.float(), torch.zeros(40)))
-    assert float((got8.q.float() == ref8.float()).float().mean()) > 0.995
-    assert torch.all(got.dequantize()[:, 5] == 0) and torch.all(got8.q[:, 5] == 0)  # the dead channel
+    assert torch.all(got.dequantize()[:, 5] == 0)  # the dead channel
+    if order == "none":
+        scales = int8_scales(w)
+        got8 = gptq_quantize_int8(w, hessian)
+        ref8 = _gptq_float64(w, hessian, w.shape[1], -QMAX, QMAX, lambda m: (scales.float(), torch.zeros(40)))
+        assert float((got8.q.float() == ref8.float()).float().mean()) > 0.995
+        assert torch.all(got8.q[:, 5] == 0)
+
+
+def test_activation_order_lowers_gptqs_output_error():
+    """Channels of very unequal energy: rounding the strongest first (group, then global order) leaves less output
+    error than the stored order, on inputs the Hessian did not see."""
+    from lmkit.lite.gptq import gptq_quantize
+
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(3))
+    x, held_out = _correlated_inputs(4, 6000, 256).split([4000, 2000])
+    errors = {order: float((held_out @ (gptq_quantize(w, x.t() @ x, 64, order=order).dequantize() - w).t())
+                           .pow(2).mean()) for order in ("none", "group", "global")}
+    assert errors["group"] < 0.99 * errors["none"], errors
+    assert errors["global"] < 0.95 * errors["group"], errors
+
+
+def test_fit_to_reference_solves_the_damped_least_squares_and_gptq_follows_it():
+    """W* = argmin sum_t |W r_t - W* x_t|^2 + lam |W* - W|^2 (float64 normal equations); GPTQ of W* under x's
+    Hessian leaves less error against the fp model's outputs W r_t than GPTQ of W, on tokens it did not see."""
+    from lmkit.lite.gptq import fit_to_reference, gptq_quantize
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 128, generator=g)
+    drift = 0.3 * torch.randn(128, 128, generator=g) / 128**0.5  # the quantized model's inputs drift from the fp's
+    r = _correlated_inputs(12, 6000, 128)
+    x = r + r @ drift + 0.2 * torch.randn(6000, 128, generator=g)
+    (r, r_out), (x, x_out) = r.split([4000, 2000]), x.split([4000, 2000])
+    hessian, cross = x.t() @ x, r.t() @ x
+    got = fit_to_reference(w, hessian, cross, damp=0.01)
+    assert torch.allclose(fit_to_reference(w, hessian, cross, share=0.0), w, rtol=1e-3, atol=1e-4)
+    h, c, wd = hessian.double(), cross.double(), w.double()
+    lam = 0.01 * float(torch.diag(h).mean())
+    expected = torch.linalg.solve(h + lam * torch.eye(128, dtype=torch.float64), (wd @ c + lam * wd).t()).t()
+    assert float((got.double() - expected).norm() / expected.norm()) < 1e-4
+    assert float((got - w).norm() / w.norm()) > 0.05  # the drift is worth correcting
+
+    def error(qw):  # against the fp model's outputs on held-out tokens
+        return float((r_out @ w.t() - x_out @ qw.dequantize().t()).pow(2).mean())
+
+    assert error(gptq_quantize(got, hessian, 32)) < 0.8 * error(gptq_quantize(w, hessian, 32))
 
 
 def test_element_wise_passes_take_threads_by_weight_size():
