@@ -1,18 +1,21 @@
-"""llm-compressor (the peer of `lmkit lite smooth_quant`) on given calibration windows, in the interpreter that has
-it: its W8A8 int8 recipe, SmoothQuant then GPTQ, written compressed (compressed-tensors int-quantized).
+"""llm-compressor (the peer of `lmkit lite smooth_quant` and `lmkit lite awq`) on given calibration windows, in the
+interpreter that has it, written compressed (compressed-tensors):
 
     PYTHON_WITH_LLMCOMPRESSOR benchmark/run_llmcompressor.py SOURCE WINDOWS.json OUT [--smoothing-strength 0.8]
+    PYTHON_WITH_LLMCOMPRESSOR benchmark/run_llmcompressor.py SOURCE WINDOWS.json OUT --recipe w4a16-gptq --group-size 64
 
-Run by `benchmark/eval_smoothquant.py --llmcompressor-python PY`, which writes WINDOWS.json (lmkit's own
-calibration windows, token ids [samples][seqlen]) so that both tools see the same text, and then scores OUT with
-lmkit's torch perplexity path and serves it in lmkit's engine. llm-compressor pins its own transformers, so it
-lives in its own environment, e.g.:
+Run by `benchmark/eval_smoothquant.py --llmcompressor-python PY` (w8a8) and `benchmark/eval_awq.py
+--llmcompressor-python PY` (w4a16-gptq, w4a16-awq), which write WINDOWS.json (lmkit's own calibration windows, token
+ids [samples][seqlen]) so that both tools see the same text, and then score OUT with lmkit's torch perplexity path
+and its engine. llm-compressor pins its own transformers, so it lives in its own environment, e.g.:
 
     python -m venv /tmp/llmc
     /tmp/llmc/bin/pip install torch==2.13.0 && /tmp/llmc/bin/pip install llmcompressor==0.14.0.1 torch==2.13.0
 
-The recipe is llm-compressor's W8A8 int8 example: SmoothQuantModifier(smoothing_strength=0.8), then
-GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"]). Prints one JSON line: the quantize time.
+Recipes: w8a8 = its W8A8 int8 example, SmoothQuantModifier(smoothing_strength=0.8) then GPTQModifier(targets=
+"Linear", scheme="W8A8", ignore=["lm_head"]); w4a16-gptq = GPTQModifier and w4a16-awq = AWQModifier, each with its
+defaults, on int4 asymmetric weights in groups of --group-size (lmkit's int4 form; its W4A16_ASYM preset but for the
+group size), lm_head left fp. Prints one JSON line: the quantize time.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def main(argv=None) -> int:
     parser.add_argument("windows", type=Path, help="JSON: token ids [samples][seqlen]")
     parser.add_argument("out", type=Path)
     parser.add_argument("--smoothing-strength", type=float, default=0.8)
+    parser.add_argument("--recipe", choices=("w8a8", "w4a16-gptq", "w4a16-awq"), default="w8a8")
+    parser.add_argument("--group-size", type=int, default=128)
     args = parser.parse_args(argv)
 
     import torch
@@ -44,8 +49,17 @@ def main(argv=None) -> int:
     ds = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * len(w) for w in windows]})
     model = AutoModelForCausalLM.from_pretrained(str(args.source), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(args.source))
-    recipe = [SmoothQuantModifier(smoothing_strength=args.smoothing_strength),
-              GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])]
+    if args.recipe == "w8a8":
+        recipe = [SmoothQuantModifier(smoothing_strength=args.smoothing_strength),
+                  GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])]
+    else:
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+        from llmcompressor.modifiers.awq import AWQModifier
+
+        int4 = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+            num_bits=4, type="int", symmetric=False, strategy="group", group_size=args.group_size))
+        modifier = GPTQModifier if args.recipe == "w4a16-gptq" else AWQModifier
+        recipe = [modifier(config_groups={"group_0": int4}, ignore=["lm_head"])]
     start = time.perf_counter()
     oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=len(windows[0]),
             num_calibration_samples=len(windows))

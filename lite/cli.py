@@ -124,7 +124,8 @@ def awq(
                        calib_samples=0 if rtn else calib_samples, calib_seqlen=calib_seqlen, seed=seed,
                        search_scale=search_scale, clip=clip, search_samples=search_samples, num_grid=num_grid,
                        scale_form=scale_form, propagate=propagate, rounding=rounding, gptq_order=gptq_order,
-                       gptq_model_target=gptq_model_target, refine=refine, clip_qk=clip_qk, device=device, overwrite=overwrite,
+                       gptq_model_target=gptq_model_target, refine=refine, clip_qk=clip_qk, device=device,
+                       overwrite=overwrite,
                        eval=eval, eval_dataset=eval_dataset, eval_tasks=_task_names(eval_tasks),
                        eval_limit=eval_limit)
     err = Console(stderr=True, highlight=False)

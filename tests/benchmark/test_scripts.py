@@ -274,16 +274,21 @@ def test_kv_quant_benchmark_smoke(smollm2_path):
 
 @pytest.mark.slow
 def test_awq_eval_benchmark_smoke(tiny_llama, tmp_path):
-    """eval_awq.py --smoke on the tiny model: fp, RTN and AWQ rows with perplexities and the JSON."""
+    """eval_awq.py --smoke on the tiny model: fp, RTN, plain AWQ and the default's rows with perplexities, KL from
+    the fp model and the JSON."""
     import json
 
     run = _run_script("eval_awq.py", "--smoke", "--model", str(tiny_llama[0]), "--group-size", "32",
                       "--work-dir", str(tmp_path / "awq"))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "| RTN |" in run.stdout and "| AWQ (lmkit) |" in run.stdout, run.stdout
+    assert "| RTN |" in run.stdout and "| lmkit default (AWQ + GPTQ, act order) |" in run.stdout, run.stdout
     rows = json.loads((tmp_path / "awq" / "figures.json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["fp (fp16 weights, fp32 compute)", "RTN", "AWQ (lmkit)"]
+    assert [r["method"] for r in rows] == ["fp (fp16 weights, fp32 compute)", "RTN",
+                                           "plain AWQ (lmkit, round-to-nearest)",
+                                           "lmkit default (AWQ + GPTQ, act order)"]
     assert all(r["ppl"][n]["ppl"] > 1 for r in rows for n in ("hamlet", "pydoc"))
+    assert rows[0]["kl"] is None and all(r["kl"][n]["mean_kl"] > 0 and 0 < r["kl"][n]["same_top1"] <= 1
+                                         for r in rows[1:] for n in ("hamlet", "pydoc"))
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from tests.helpers import TINY_CALIB
 
 @pytest.mark.parametrize("model_fixture,options", [("lite_tiny_llama", {}), ("lite_tiny_qwen2", {}),
                                                    ("lite_tiny_llama", {"rounding": "nearest"}),
-                                                   ("lite_tiny_llama", {"gptq_model_target": 0.0, "gptq_order": "none"}),
+                                                   ("lite_tiny_llama", {"gptq_model_target": 0, "gptq_order": "none"}),
                                                    ("lite_tiny_qwen2", {"refine": True, "propagate": "fp"})])
 def test_checkpoint_reads_back_exactly(request, tmp_path, model_fixture, options):
     source = request.getfixturevalue(model_fixture)
@@ -92,7 +92,8 @@ def test_observer_pairs_each_token_with_the_fp_models(lite_tiny_llama):
     for group in awq_map.groups:
         linear = layer.get_submodule(group.linears[0])
         inputs = []
-        handle = linear.register_forward_hook(lambda m, a, o, inputs=inputs: inputs.append(a[0].reshape(-1, a[0].shape[-1])))
+        handle = linear.register_forward_hook(
+            lambda m, args, out, inputs=inputs: inputs.append(args[0].reshape(-1, args[0].shape[-1])))
         for stream in (reference, x):
             runner.run(layer, 0, stream.clone(), Discard())
         handle.remove()
