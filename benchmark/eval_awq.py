@@ -98,9 +98,9 @@ def run_llmcompressor(args, source: Path, recipe: str) -> tuple[Path, float]:
     windows (run_llmcompressor.py in --llmcompressor-python)."""
     import subprocess
 
-    windows = args.work_dir / "windows.json"
-    if not windows.is_file():
-        windows.write_text(json.dumps(calibration_windows(args, source)))
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    windows = args.work_dir / f"llmcompressor-{recipe}-windows.json"  # this run's, never an earlier run's
+    windows.write_text(json.dumps(calibration_windows(args, source)))
     out = args.work_dir / f"llmcompressor-{recipe}"
     shutil.rmtree(out, ignore_errors=True)
     run = subprocess.run([args.llmcompressor_python, str(Path(__file__).with_name("run_llmcompressor.py")),

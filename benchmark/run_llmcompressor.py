@@ -13,9 +13,10 @@ and its engine. llm-compressor pins its own transformers, so it lives in its own
     /tmp/llmc/bin/pip install torch==2.13.0 && /tmp/llmc/bin/pip install llmcompressor==0.14.0.1 torch==2.13.0
 
 Recipes: w8a8 = its W8A8 int8 example, SmoothQuantModifier(smoothing_strength=0.8) then GPTQModifier(targets=
-"Linear", scheme="W8A8", ignore=["lm_head"]); w4a16-gptq = GPTQModifier and w4a16-awq = AWQModifier, each with its
-defaults, on int4 asymmetric weights in groups of --group-size (lmkit's int4 form; its W4A16_ASYM preset but for the
-group size), lm_head left fp. Prints one JSON line: the quantize time.
+"Linear", scheme="W8A8", ignore=["lm_head"]); w4a16-gptq = GPTQModifier (its defaults: static activation order),
+w4a16-awq = AWQModifier's smoothing then QuantizationModifier (min-max round-to-nearest, no clip search), on int4
+asymmetric weights in groups of --group-size (lmkit's int4 form; its W4A16_ASYM preset but for the group size),
+lm_head left fp. Prints one JSON line: the quantize time.
 """
 
 from __future__ import annotations
@@ -54,12 +55,15 @@ def main(argv=None) -> int:
                   GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])]
     else:
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-        from llmcompressor.modifiers.awq import AWQModifier
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+        from llmcompressor.modifiers.transform.awq import AWQModifier
 
-        int4 = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
-            num_bits=4, type="int", symmetric=False, strategy="group", group_size=args.group_size))
-        modifier = GPTQModifier if args.recipe == "w4a16-gptq" else AWQModifier
-        recipe = [modifier(config_groups={"group_0": int4}, ignore=["lm_head"])]
+        int4 = {"group_0": QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+            num_bits=4, type="int", symmetric=False, strategy="group", group_size=args.group_size))}
+        if args.recipe == "w4a16-gptq":
+            recipe = [GPTQModifier(config_groups=int4, ignore=["lm_head"])]
+        else:  # AWQ's smoothing, then min-max round-to-nearest (its AWQ recipe: no clip search)
+            recipe = [AWQModifier(), QuantizationModifier(config_groups=int4, ignore=["lm_head"])]
     start = time.perf_counter()
     oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=len(windows[0]),
             num_calibration_samples=len(windows))

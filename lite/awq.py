@@ -2,7 +2,8 @@
 
     checks (architecture, not quantized, group size divides every linear, work dir writable)
     calibration windows X [samples, seq] -> embeddings X0 [samples, seq, hidden] (fp32)
-    for each decoder layer (only this layer's weights and one activation buffer in memory):
+    for each decoder layer (only this layer's weights and the activation buffers in memory: the quantized
+    model's and, with an fp-model target (the default), the fp model's):
       1 fp pass over all windows; observer hooks gather per-group input statistics (mean |x|,
         per-group second moments; the full second moment for GPTQ rounding)
       2 per smoothing group: grid-search the scale exponent by block-output MSE on the search windows
@@ -15,10 +16,10 @@
       4 per linear: clipping search by exact per-group output error over all calibration tokens
         (q_proj/k_proj are left out, as in AutoAWQ; --clip-qk includes them)
       5 int4 (asymmetric, zeros) in the clipped ranges: GPTQ error-compensating rounding under the smoothed
-        inputs' second moments, columns in activation order (default; --gptq-order), optionally towards the fp
-        model's own outputs (--gptq-model-target: the windows also run through the fp layers, paired token by
-        token), or round-to-nearest (--rounding nearest, plain AWQ), optionally with a least-squares refinement
-        of (scale, zero) (--refine)
+        inputs' second moments, columns in activation order (--gptq-order), a share of the way towards the fp
+        model's own outputs (--gptq-model-target, 0.25: the windows also run through the fp layers, paired token
+        by token; not with --propagate fp); or round-to-nearest (--rounding nearest, plain AWQ), optionally with
+        a least-squares refinement of (scale, zero) (--refine)
       6 next layer's input: this layer's output with its quantized weights (--propagate fp: fp output)
     checkpoint + search results -> temp folder -> marker -> rename to work_dir
 
@@ -40,7 +41,7 @@ from lmkit.lite import export
 from lmkit.lite.blocks import (Discard, LayerRunner, block_function, calibration_inputs, cover_experts, dense_linears,
                                fold_chosen, foldable_groups, is_expert_group, layer_other_tensors, write_checkpoint)
 from lmkit.lite.config import AwqConfig, resolve_device
-from lmkit.lite.gptq import fit_to_reference, gptq_quantize
+from lmkit.lite.gptq import gptq_quantize, reference_correction
 from lmkit.lite.layerwise import LayerwiseModel
 from lmkit.lite.observer import GroupInputObserver
 from lmkit.lite.quantizer import PACK_NUM, SUPPORTED_GROUP_SIZES, QuantizedWeight, quantize
@@ -189,20 +190,33 @@ def _quantize_calibrated(layer: nn.Module, awq_map: AwqMap, stats: list, config:
     grid = shrink_grid(config.clip_grid, config.clip_max_shrink)
     quantized = {}
     for group, group_stats in zip(awq_map.groups, stats):
+        correction = None
+        if group_stats.cross is not None:  # --gptq-model-target: one correction for the linears reading this input
+            correction = reference_correction(group_stats.hessian, group_stats.cross, config.gptq_model_target)
+            group_stats.cross = None
         for name in group.linears:
             weight = layer.get_submodule(name).weight
             with torch_threads(elementwise_threads(weight.numel())):  # see lmkit.lite.threads
                 quantized[name] = _quantize_linear(weight, group_stats, config, prefix + name, grid, clips_out,
-                                                   clip=config.clip and (name not in awq_map.no_clip or config.clip_qk))
+                                                   clip=config.clip and (name not in awq_map.no_clip or config.clip_qk),
+                                                   correction=correction)
     return quantized
 
 
 def _quantize_linear(weight: torch.Tensor, group_stats, config: AwqConfig, name: str, grid: torch.Tensor,
-                     clips_out: dict, clip: bool) -> QuantizedWeight:
-    """One linear's clip search (into ``clips_out`` under ``name``) and its int4 by the configured rounding."""
+                     clips_out: dict, clip: bool, correction: torch.Tensor | None = None) -> QuantizedWeight:
+    """One linear's clip search (into ``clips_out`` under ``name``) and its int4 by the configured rounding; with GPTQ
+    rounding the weight rounded is W + W ``correction`` (see ``reference_correction``), its channels that no
+    calibration token reaches zeroed first (GPTQ drops them: their range must not set a group's)."""
     g = config.w_group_size
-    if group_stats.cross is not None:  # --gptq-model-target
-        weight = fit_to_reference(weight, group_stats.hessian, group_stats.cross, share=config.gptq_model_target)
+    if config.rounding == "gptq":
+        weight = weight.detach().float()
+        if correction is not None:
+            weight = weight + weight @ correction
+        dead = torch.diag(group_stats.hessian) == 0
+        if bool(dead.any()):
+            weight = weight.clone()
+            weight[:, dead] = 0.0
     w_min = w_max = None
     if clip:
         w_min, w_max = search_clip(weight, group_stats.moments, g, grid)

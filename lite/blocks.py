@@ -135,6 +135,8 @@ class LayerRunner:
                     if observer is not None:
                         observer.recording_reference = False
             self._run_chunk(layer, index, x, out, start, end, "")
+            if reference is not None and observer is not None:
+                observer.check_paired()
 
     def _run_chunk(self, layer: nn.Module, index: int, x: torch.Tensor, out: torch.Tensor, start: int, end: int,
                    stream: str) -> None:

@@ -13,6 +13,7 @@ SmoothQuant W8A8 int8 as compressed-tensors int-quantized (``int8_linear_tensors
                                zero_point} or compressed-tensors' QuantizationConfig (one scheme, targets Linear)
         tokenizer / generation config / chat template   copied from the source
         awq/search.safetensors  search results: scales/<layer>.<prev> [in], clip/<linear>.min|max [out, in/g]
+                                (the clipped ranges of the weight rounded: with an fp-model target, W + W B)
         awq/report.json         settings, per-group exponents and losses, timings, sizes, perplexities
                                 (in a subfolder, so weight readers that glob *.safetensors never see them)
                                 (``lite smooth_quant``: smooth_quant/, the scales and the report)

@@ -16,8 +16,8 @@ far and shrunk by the clipping ratios the clip search chose for that (row, group
 the row before rounding (as GPTQ does per channel). The result is an ordinary ``QuantizedWeight`` /
 ``Int8Weight``: a checkpoint reader cannot tell it from round-to-nearest.
 
-``fit_to_reference`` first moves the target of the rounding from the fp layer's outputs on the quantized
-model's inputs to the fp model's own outputs (asymmetric calibration).
+``reference_correction`` first moves the target of the rounding from the fp layer's outputs on the quantized
+model's inputs a share of the way to the fp model's own outputs (asymmetric calibration).
 """
 
 from __future__ import annotations
@@ -108,24 +108,27 @@ def _round_columns(w: torch.Tensor, u: torch.Tensor, group_size: int, params: Gr
 
 
 @torch.no_grad()
-def fit_to_reference(weight: torch.Tensor, hessian: torch.Tensor, cross: torch.Tensor, share: float = 1.0,
-                     damp: float = 0.01) -> torch.Tensor:
-    """The weight W* [out, in] whose outputs on the inputs x_t the quantized model gives a linear (``hessian`` =
-    sum_t x_t x_t^T) come nearest, in least squares, to the target (1 - a) W x_t + a W r_t, W = ``weight``, r_t the
-    fp model's input at the same token (``cross`` = sum_t r_t x_t^T), a = ``share``; pulled toward W by lam =
-    ``damp`` * mean(diag(hessian)):
+def reference_correction(hessian: torch.Tensor, cross: torch.Tensor, share: float,
+                         damp: float = 0.01) -> torch.Tensor:
+    """B [in, in] such that W* = W + W B, for every linear W that reads one input, is the weight whose outputs on
+    the inputs x_t the quantized model gives it (``hessian`` = sum_t x_t x_t^T) come nearest, in least squares, to
+    the target (1 - a) W x_t + a W r_t, r_t the fp model's input at the same token (``cross`` = sum_t r_t x_t^T),
+    a = ``share``, pulled toward W by lam = ``damp`` * mean(diag(hessian)):
 
-        W* = (W ((1 - a) hessian + a cross) + lam W) (hessian + lam I)^-1
+        W* = (W ((1 - a) hessian + a cross) + lam W) (hessian + lam I)^-1 = W + a W (cross - hessian) (hessian + lam I)^-1
 
     The squared error of Q x_t to that target is |(W* - Q) x_t|^2 summed, plus a term free of Q (lam aside), so GPTQ
-    of W* under ``hessian`` rounds towards it: a = 0 is plain GPTQ (W* = W), a = 1 the fp model's own outputs (the
-    asymmetric calibration of GPTAQ, Li et al. 2025)."""
-    w = weight.detach().float()
+    of W* under ``hessian`` rounds towards it: a = 0 is plain GPTQ (B = 0), a = 1 the fp model's own outputs (the
+    asymmetric calibration of GPTAQ, Li et al. 2025). Computed once per input, applied to each linear reading it."""
     h = hessian.detach().float()
     lam = damp * float(torch.diag(h).mean())
-    factor = torch.linalg.cholesky(h + lam * torch.eye(h.shape[0], device=h.device))
-    target = w @ ((1.0 - share) * h + share * cross.float()) + lam * w
-    return torch.cholesky_solve(target.t(), factor).t().contiguous()
+    damped = h.clone()
+    damped.diagonal().add_(lam)
+    factor = torch.linalg.cholesky(damped)
+    del damped
+    difference = cross.detach().float() - h
+    difference.mul_(share)
+    return torch.cholesky_solve(difference.t().contiguous(), factor).t().contiguous()
 
 
 def column_order(hessian: torch.Tensor, group_size: int, order: str) -> torch.Tensor:
@@ -147,7 +150,7 @@ def column_order(hessian: torch.Tensor, group_size: int, order: str) -> torch.Te
 @torch.no_grad()
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
                   clip_ratio_min: torch.Tensor | None = None, clip_ratio_max: torch.Tensor | None = None,
-                  damp: float = 0.01, order: str = "group") -> QuantizedWeight:
+                  damp: float = 0.01, order: str = "global") -> QuantizedWeight:
     """int4 of ``weight`` [out, in] by GPTQ under ``hessian`` [in, in] (= sum_t x_t x_t^T).
 
     ``clip_ratio_min``/``clip_ratio_max`` [out, in/g] scale each group's min/max (1 = no clipping).

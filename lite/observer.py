@@ -7,8 +7,8 @@ the search sequences):
     abs_max  [in]           max_t |x_t|                  -> SmoothQuant's scale candidates
     moments  [in/g, g, g]   sum_t x_t[G] x_t[G]^T        -> exact per-group output error (clip search)
     hessian  [in, in]       sum_t x_t x_t^T              -> GPTQ rounding (only with --rounding gptq)
-    cross    [in, in]       sum_t r_t x_t^T              -> GPTQ towards the fp model's outputs (--gptq-target
-                                                            model): r_t the input the fp model gives the same
+    cross    [in, in]       sum_t r_t x_t^T              -> GPTQ towards the fp model's outputs (--gptq-model-
+                                                            target): r_t the input the fp model gives the same
                                                             linear at the same token (the runner's reference pass)
     samples  [b, seq, in]   x of the first b sequences   -> block inputs on which scales are scored
 """
@@ -144,6 +144,14 @@ class GroupInputObserver:
                 stats.samples.append(x[:keep].float().clone())
 
         return hook
+
+    def check_paired(self) -> None:
+        """RuntimeError if a reference input found no main-pass input to pair with (a module called a different
+        number of times in the two passes: its ``cross`` would pair the wrong tokens)."""
+        for i, stats in enumerate(self.stats):
+            if stats.references:
+                raise RuntimeError(f"smoothing group {i}: {len(stats.references)} input(s) of the fp model's pass "
+                                   "were never paired with the quantized model's")
 
     def remove(self) -> None:
         """Detach the hooks; derive per-group moments from the hessians when those were gathered."""

@@ -157,14 +157,26 @@ def test_gptq_matches_a_float64_reference_without_lazy_blocks(order):
         return scale.float(), zero
 
     perm = column_order(hessian, 32, order)
-    assert sorted(perm.tolist()) == list(range(320)) and (order == "none") == torch.equal(perm, torch.arange(320))
+    assert sorted(perm.tolist()) == list(range(320))
+    energy = torch.diag(hessian)[perm]
+    if order == "none":
+        assert torch.equal(perm, torch.arange(320))
+    elif order == "group":  # each group's own columns, strongest first
+        assert torch.equal(perm // 32, torch.arange(320) // 32) and bool((energy.view(10, 32).diff(dim=1) <= 0).all())
+    else:  # strongest first over the whole input
+        assert bool((energy.diff() <= 0).all()) and not torch.equal(perm // 32, torch.arange(320) // 32)
+    ratio_min = ratio_max = None
     static = None
-    if order == "global":
+    if order == "global":  # every group's range fixed first, shrunk by the clip search's ratios
+        g = torch.Generator().manual_seed(9)
+        ratio_min, ratio_max = (0.7 + 0.3 * torch.rand(40, 10, generator=g) for _ in range(2))
         grouped = w.clone()
         grouped[:, 5] = 0.0
-        static = int4_params(grouped.view(40, 10, 32).transpose(0, 1).reshape(10 * 40, 32))
-        static = tuple(t.view(10, 40).t() for t in static)
-    got = gptq_quantize(w, hessian, 32, order=order)
+        lo, hi = grouped.view(40, 10, 32).amin(dim=2), grouped.view(40, 10, 32).amax(dim=2)
+        lo, hi = torch.where(lo < 0, lo * ratio_min, lo), torch.where(hi > 0, hi * ratio_max, hi)
+        scale, zero = quantize_params(lo, hi)
+        static = (scale.float(), zero)
+    got = gptq_quantize(w, hessian, 32, ratio_min, ratio_max, order=order)
     ref = _gptq_float64(w, hessian, 32, 0, MAX_INT, int4_params, perm=perm, static=static)
     assert float((got.q.float() == ref.float()).float().mean()) > 0.995
     assert torch.all(got.dequantize()[:, 5] == 0)  # the dead channel
@@ -189,10 +201,11 @@ def test_activation_order_lowers_gptqs_output_error():
     assert errors["global"] < 0.95 * errors["group"], errors
 
 
-def test_fit_to_reference_solves_the_damped_least_squares_and_gptq_follows_it():
-    """W* = argmin sum_t |W r_t - W* x_t|^2 + lam |W* - W|^2 (float64 normal equations); GPTQ of W* under x's
-    Hessian leaves less error against the fp model's outputs W r_t than GPTQ of W, on tokens it did not see."""
-    from lmkit.lite.gptq import fit_to_reference, gptq_quantize
+def test_reference_correction_solves_the_damped_least_squares_and_gptq_follows_it():
+    """W + W B = argmin_W* sum_t |W r_t - W* x_t|^2 + lam |W* - W|^2 (float64 normal equations) at share 1, W alone at
+    share 0; GPTQ of W + W B under x's Hessian leaves less error against the fp model's outputs W r_t than GPTQ of W,
+    on tokens it did not see, and a quarter share lies between."""
+    from lmkit.lite.gptq import gptq_quantize, reference_correction
 
     g = torch.Generator().manual_seed(11)
     w = torch.randn(64, 128, generator=g)
@@ -201,18 +214,21 @@ def test_fit_to_reference_solves_the_damped_least_squares_and_gptq_follows_it():
     x = r + r @ drift + 0.2 * torch.randn(6000, 128, generator=g)
     (r, r_out), (x, x_out) = r.split([4000, 2000]), x.split([4000, 2000])
     hessian, cross = x.t() @ x, r.t() @ x
-    got = fit_to_reference(w, hessian, cross, damp=0.01)
-    assert torch.allclose(fit_to_reference(w, hessian, cross, share=0.0), w, rtol=1e-3, atol=1e-4)
+    assert torch.equal(reference_correction(hessian, cross, 0.0), torch.zeros(128, 128))
+    got = w + w @ reference_correction(hessian, cross, 1.0, damp=0.01)
     h, c, wd = hessian.double(), cross.double(), w.double()
     lam = 0.01 * float(torch.diag(h).mean())
     expected = torch.linalg.solve(h + lam * torch.eye(128, dtype=torch.float64), (wd @ c + lam * wd).t()).t()
     assert float((got.double() - expected).norm() / expected.norm()) < 1e-4
     assert float((got - w).norm() / w.norm()) > 0.05  # the drift is worth correcting
+    quarter = w + w @ reference_correction(hessian, cross, 0.25)
+    assert torch.allclose(quarter, w + 0.25 * (got - w), rtol=1e-3, atol=1e-4)
 
     def error(qw):  # against the fp model's outputs on held-out tokens
         return float((r_out @ w.t() - x_out @ qw.dequantize().t()).pow(2).mean())
 
-    assert error(gptq_quantize(got, hessian, 32)) < 0.8 * error(gptq_quantize(w, hessian, 32))
+    errors = [error(gptq_quantize(v, hessian, 32)) for v in (got, quarter, w)]
+    assert errors[0] < 0.8 * errors[1] < 0.8 * 0.8 * errors[2], errors
 
 
 def test_element_wise_passes_take_threads_by_weight_size():
@@ -225,14 +241,20 @@ def test_element_wise_passes_take_threads_by_weight_size():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA GPU")
-def test_gptq_on_a_gpu_gives_the_cpus_integers():
-    """lite on --device cuda: the weight, the Hessian and the clip ratios on the GPU, the column loop on the CPU."""
-    from lmkit.lite.gptq import gptq_quantize
+@pytest.mark.parametrize("order", ["global", "group", "none"])
+def test_gptq_on_a_gpu_gives_the_cpus_integers(order):
+    """lite on --device cuda: the weight, the Hessian, the clip ratios and the fp-model correction on the GPU, the
+    column loop on the CPU."""
+    from lmkit.lite.gptq import gptq_quantize, reference_correction
 
     g = torch.Generator().manual_seed(3)
     w = torch.randn(64, 256, generator=g)
     x = torch.randn(1000, 256, generator=g) * (1 + 3 * torch.rand(256, generator=g))
+    r = x + 0.1 * torch.randn(1000, 256, generator=g)
     ratio = 0.8 + 0.2 * torch.rand(64, 4, generator=g)
-    cpu = gptq_quantize(w, x.t() @ x, 64, ratio, ratio)
-    gpu = gptq_quantize(w.cuda(), (x.t() @ x).cuda(), 64, ratio.cuda(), ratio.cuda())
+    correction = reference_correction(x.t() @ x, r.t() @ x, 0.25)
+    on_gpu = reference_correction((x.t() @ x).cuda(), (r.t() @ x).cuda(), 0.25)
+    assert on_gpu.device.type == "cuda" and torch.allclose(on_gpu.cpu(), correction, atol=1e-4)
+    cpu = gptq_quantize(w + w @ correction, x.t() @ x, 64, ratio, ratio, order=order)
+    gpu = gptq_quantize((w + w @ correction).cuda(), (x.t() @ x).cuda(), 64, ratio.cuda(), ratio.cuda(), order=order)
     assert gpu.q.device.type == "cuda" and float((gpu.q.cpu() == cpu.q).float().mean()) > 0.99
