@@ -64,6 +64,10 @@ def main(argv=None) -> int:
             recipe = [GPTQModifier(config_groups=int4, ignore=["lm_head"])]
         else:  # AWQ's smoothing, then min-max round-to-nearest (its AWQ recipe: no clip search)
             recipe = [AWQModifier(), QuantizationModifier(config_groups=int4, ignore=["lm_head"])]
+            if not torch.cuda.is_available():  # 0.14's AWQ pins its cached activations, which needs an accelerator:
+                from llmcompressor.pipelines.cache import IntermediatesCache  # on a CPU-only machine they stay put
+
+                IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     start = time.perf_counter()
     oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=len(windows[0]),
             num_calibration_samples=len(windows))
