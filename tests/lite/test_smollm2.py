@@ -48,12 +48,13 @@ def smollm2_six_layers(smollm2_path, tmp_path_factory):
 def test_default_beats_plain_awq_and_awq_beats_rtn_on_held_out_text(smollm2_six_layers, tmp_path):
     """The default (AWQ's scale and clip searches, then GPTQ rounding in activation order, a quarter towards the fp
     model's outputs) against plain AWQ (the same searches, rounded to nearest, as AutoAWQ does) and RTN, on a
-    small calibration (16 x 512 tokens, coarse grids; the defaults are 64 x 512, 10 scale points, 11 x 11 clip
+    small calibration (32 x 512 tokens, coarse grids; the defaults are 64 x 512, 10 scale points, 11 x 11 clip
     factors): the KL divergence from the fp model on held-out Hamlet and pydoc text, each strictly ordered with a
-    margin. The whole model's perplexities and KL at the defaults: benchmark/eval_awq.py."""
+    margin (with 16 x 512 tokens the default's lead on Hamlet is within the draw's noise: 0.87x). The whole model's
+    perplexities and KL at the defaults: benchmark/eval_awq.py."""
     rtn = quantize_awq(smollm2_six_layers, AwqConfig(work_dir=tmp_path / "rtn", calib_samples=0))
     assert rtn.group_size == 64  # the default: the largest size that divides SmolLM2's 576 channels
-    small = dict(calib_samples=16, calib_seqlen=512, search_samples=2, num_grid=6, clip_grid=4)
+    small = dict(calib_samples=32, calib_seqlen=512, search_samples=2, num_grid=6, clip_grid=4)
     plain = quantize_awq(smollm2_six_layers, AwqConfig(work_dir=tmp_path / "plain", rounding="nearest", **small))
     default = quantize_awq(smollm2_six_layers, AwqConfig(work_dir=tmp_path / "default", **small))
     assert default.num_layers == 6 and default.size_after_bytes < default.size_before_bytes * 0.75
