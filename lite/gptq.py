@@ -115,7 +115,8 @@ def reference_correction(hessian: torch.Tensor, cross: torch.Tensor, share: floa
     the target (1 - a) W x_t + a W r_t, r_t the fp model's input at the same token (``cross`` = sum_t r_t x_t^T),
     a = ``share``, pulled toward W by lam = ``damp`` * mean(diag(hessian)):
 
-        W* = (W ((1 - a) hessian + a cross) + lam W) (hessian + lam I)^-1 = W + a W (cross - hessian) (hessian + lam I)^-1
+        W* = (W ((1 - a) hessian + a cross) + lam W) (hessian + lam I)^-1
+           = W + a W (cross - hessian) (hessian + lam I)^-1
 
     The squared error of Q x_t to that target is |(W* - Q) x_t|^2 summed, plus a term free of Q (lam aside), so GPTQ
     of W* under ``hessian`` rounds towards it: a = 0 is plain GPTQ (B = 0), a = 1 the fp model's own outputs (the
