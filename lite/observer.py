@@ -95,8 +95,9 @@ class GroupInputObserver:
     Call ``begin_chunk(first_sequence)`` before each forward so the observer knows which rows belong
     to the first ``num_samples`` sequences; ``remove()`` detaches the hooks. ``group_size`` matters only
     for the per-group ``moments`` (``with_moments``). Where ``paired[i]``, group i's statistics gain ``cross``:
-    its inputs are paired token by token with those of the fp model's pass the runner makes first (a dense
-    group's rows are the same tokens in both passes; an expert's are not, so experts are never paired).
+    its inputs are paired token by token with those of the fp model's pass the runner makes first (a group that
+    reads every token, the experts' shared gate/up input too, sees the same tokens in both passes; one expert's
+    up -> down group sees the rows routed to it, which differ, so those are never paired).
     """
 
     def __init__(self, layer: nn.Module, awq_map: AwqMap, group_size: int, num_samples: int, with_moments: bool,
