@@ -40,7 +40,7 @@ from torch import nn
 from lmkit.lite import export
 from lmkit.lite.blocks import (Discard, LayerRunner, block_function, calibration_inputs, cover_experts, dense_linears,
                                fold_chosen, foldable_groups, is_expert_group, layer_other_tensors, write_checkpoint)
-from lmkit.lite.config import AwqConfig, resolve_device
+from lmkit.lite.config import AwqConfig, resolve_calib_dtype, resolve_device
 from lmkit.lite.gptq import gptq_quantize, reference_correction
 from lmkit.lite.layerwise import LayerwiseModel
 from lmkit.lite.observer import GroupInputObserver
@@ -124,7 +124,8 @@ def _process_layer(model: LayerwiseModel, runner: LayerRunner | None, index: int
                                    config.search_scale)
         paired = None if x_ref is None else [not is_expert_group(awq_map, group) for group in awq_map.groups]
         observer = GroupInputObserver(layer, awq_map, g, num_search, with_moments=config.clip or config.refine,
-                                      with_hessian=config.rounding == "gptq", paired=paired)
+                                      with_hessian=config.rounding == "gptq", paired=paired,
+                                      drift_dtype=runner.compute_dtype)
         try:  # with --propagate fp the fp output is the next layer's input; else it only feeds the observer
             runner.run(layer, index, x, x if config.propagate == "fp" else Discard(), observer,
                        None if x_ref is None else (x_ref, x_ref))
@@ -191,9 +192,9 @@ def _quantize_calibrated(layer: nn.Module, awq_map: AwqMap, stats: list, config:
     quantized = {}
     for group, group_stats in zip(awq_map.groups, stats):
         correction = None
-        if group_stats.cross is not None:  # --gptq-model-target: one correction for the linears reading this input
-            correction = reference_correction(group_stats.hessian, group_stats.cross, config.gptq_model_target)
-            group_stats.cross = None
+        if group_stats.drift is not None:  # --gptq-model-target: one correction for the linears reading this input
+            correction = reference_correction(group_stats.hessian, group_stats.drift, config.gptq_model_target)
+            group_stats.drift = None
         for name in group.linears:
             weight = layer.get_submodule(name).weight
             with torch_threads(elementwise_threads(weight.numel())):  # see lmkit.lite.threads
@@ -258,7 +259,9 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
     t = time.perf_counter()
     reporter.phase("reading the model")
     lw = LayerwiseModel(source, device)
-    config = replace(config, w_group_size=check_group_size(lw.linear_shapes(), config.w_group_size))
+    compute_dtype = resolve_calib_dtype(config.calib_precision, device)
+    config = replace(config, w_group_size=check_group_size(lw.linear_shapes(), config.w_group_size),
+                     calib_precision="bf16" if compute_dtype == torch.bfloat16 else "fp32")  # the report: as run
     temp_dir = export.prepare_work_dir(config.work_dir, config.overwrite)
     try:
         x = None
@@ -269,7 +272,7 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
         phase_seconds["prepare"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        runner = LayerRunner(lw, seqlen) if x is not None else None
+        runner = LayerRunner(lw, seqlen, compute_dtype) if x is not None else None
         tensors: dict[str, torch.Tensor] = {}
         scales: dict[str, torch.Tensor] = {}
         clips: dict[str, torch.Tensor] = {}

@@ -9,6 +9,7 @@ runner over them, and the tensors outside the layers that a checkpoint carries o
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from pathlib import Path
@@ -81,15 +82,51 @@ def decomposed_layer(layer: nn.Module, awq_map: AwqMap, kwargs: dict, x: torch.T
     return x
 
 
+@contextlib.contextmanager
+def linears_in(module: nn.Module, dtype: torch.dtype):
+    """Inside the block every nn.Linear under ``module`` (the class itself: a subclass may compute something else)
+    multiplies in ``dtype``: its weight (and bias) cast once on entry, its input cast per call (once for the linears
+    that read one tensor, q/k/v or gate/up), its output cast back to the input's dtype; its hooks see what they saw
+    before (the input as given). float32: nothing changes."""
+    if dtype == torch.float32:
+        yield
+        return
+    linears = [m for m in module.modules() if type(m) is nn.Linear]
+    saved = {id(m): vars(m)["forward"] for m in linears if "forward" in vars(m)}
+    last: list = []  # [input, its version, its cast]: the last input cast, while the next linear may read it
+
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        if not last or last[0] is not x or last[1] != x._version:  # _version: an in-place change since
+            last[:] = [x, x._version, x.to(dtype)]
+        return last[2]
+
+    def forward(weight: torch.Tensor, bias: torch.Tensor | None):
+        return lambda x: nn.functional.linear(cast(x), weight, bias).to(x.dtype)
+
+    for linear in linears:
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        linear.forward = forward(linear.weight.detach().to(dtype), bias)
+    try:
+        yield
+    finally:
+        last.clear()
+        for linear in linears:
+            del linear.forward  # the class's forward again, or the one the instance had
+            if id(linear) in saved:
+                linear.forward = saved[id(linear)]
+
+
 class LayerRunner:
     """Runs one decoder layer over all calibration windows in chunks, with per-batch-size layer kwargs; for Gemma 4's
     E-models also each window's per-layer input (``LayerwiseModel.per_layer_inputs``) and the keys and values a layer
     stores for later layers to read (kept per window from its last run: with --propagate quantized, the quantized
-    layer's)."""
+    layer's). With ``compute_dtype`` bfloat16 the layer's linears multiply in it (``linears_in``); attention, norms,
+    the residual stream and the windows between layers stay float32."""
 
-    def __init__(self, model: LayerwiseModel, seqlen: int):
+    def __init__(self, model: LayerwiseModel, seqlen: int, compute_dtype: torch.dtype = torch.float32):
         self.model = model
         self.seqlen = seqlen
+        self.compute_dtype = compute_dtype
         self.chunk = max(1, CHUNK_TOKENS // seqlen)
         self._kwargs: dict[int, list[dict]] = {}
         # (stream, layer type) -> K, V of every window; stream: "" or "reference" (the fp model's pass)
@@ -122,6 +159,10 @@ class LayerRunner:
         """out[i] = layer(x[i]) for every window (``out`` may be ``x``: computed chunk by chunk). ``reference``
         (x_ref, out_ref): the same windows as the fp model sees them, out_ref[i] = layer(x_ref[i]) (in place too),
         each chunk run just before x's, with the observer recording its inputs to pair x's with."""
+        with linears_in(layer, self.compute_dtype):
+            self._run(layer, index, x, out, observer, reference)
+
+    def _run(self, layer, index, x, out, observer, reference) -> None:
         for start in range(0, x.shape[0], self.chunk):
             end = min(start + self.chunk, x.shape[0])
             if observer is not None:

@@ -106,6 +106,7 @@ def awq(
     rounding: str = typer.Option(_AD["rounding"], help=_A["rounding"]),
     gptq_order: str = typer.Option(_AD["gptq_order"], help=_A["gptq_order"]),
     gptq_model_target: float = typer.Option(_AD["gptq_model_target"], help=_A["gptq_model_target"]),
+    calib_precision: str = typer.Option(_AD["calib_precision"], help=_A["calib_precision"]),
     refine: bool = typer.Option(False, "--refine/--no-refine", help=_A["refine"]),
     clip_qk: bool = typer.Option(False, "--clip-qk", help=_A["clip_qk"]),
     device: str = typer.Option(_AD["device"], help=_A["device"]),
@@ -124,7 +125,8 @@ def awq(
                        calib_samples=0 if rtn else calib_samples, calib_seqlen=calib_seqlen, seed=seed,
                        search_scale=search_scale, clip=clip, search_samples=search_samples, num_grid=num_grid,
                        scale_form=scale_form, propagate=propagate, rounding=rounding, gptq_order=gptq_order,
-                       gptq_model_target=gptq_model_target, refine=refine, clip_qk=clip_qk, device=device,
+                       gptq_model_target=gptq_model_target, calib_precision=calib_precision, refine=refine,
+                       clip_qk=clip_qk, device=device,
                        overwrite=overwrite,
                        eval=eval, eval_dataset=eval_dataset, eval_tasks=_task_names(eval_tasks),
                        eval_limit=eval_limit)

@@ -108,28 +108,29 @@ def _round_columns(w: torch.Tensor, u: torch.Tensor, group_size: int, params: Gr
 
 
 @torch.no_grad()
-def reference_correction(hessian: torch.Tensor, cross: torch.Tensor, share: float,
+def reference_correction(hessian: torch.Tensor, drift: torch.Tensor, share: float,
                          damp: float = 0.01) -> torch.Tensor:
     """B [in, in] such that W* = W + W B, for every linear W that reads one input, is the weight whose outputs on
     the inputs x_t the quantized model gives it (``hessian`` = sum_t x_t x_t^T) come nearest, in least squares, to
-    the target (1 - a) W x_t + a W r_t, r_t the fp model's input at the same token (``cross`` = sum_t r_t x_t^T),
-    a = ``share``, pulled toward W by lam = ``damp`` * mean(diag(hessian)):
+    the target (1 - a) W x_t + a W r_t, r_t the fp model's input at the same token (``drift`` =
+    sum_t (r_t - x_t) x_t^T), a = ``share``, pulled toward W by lam = ``damp`` * mean(diag(hessian)):
 
-        W* = (W ((1 - a) hessian + a cross) + lam W) (hessian + lam I)^-1
-           = W + a W (cross - hessian) (hessian + lam I)^-1
+        W* = (W (hessian + a drift) + lam W) (hessian + lam I)^-1
+           = W + a W drift (hessian + lam I)^-1
 
     The squared error of Q x_t to that target is |(W* - Q) x_t|^2 summed, plus a term free of Q (lam aside), so GPTQ
     of W* under ``hessian`` rounds towards it: a = 0 is plain GPTQ (B = 0), a = 1 the fp model's own outputs (the
-    asymmetric calibration of GPTAQ, Li et al. 2025). Computed once per input, applied to each linear reading it."""
+    asymmetric calibration of GPTAQ, Li et al. 2025). ``drift`` is summed from per-token differences, not as
+    sum r x^T - hessian, whose terms cancel where r_t is near x_t (early layers). Computed once per input, applied
+    to each linear reading it."""
     h = hessian.detach().float()
     lam = damp * float(torch.diag(h).mean())
     damped = h.clone()
     damped.diagonal().add_(lam)
     factor = torch.linalg.cholesky(damped)
     del damped
-    difference = cross.detach().float() - h
-    difference.mul_(share)
-    return torch.cholesky_solve(difference.t().contiguous(), factor).t().contiguous()
+    scaled = drift.detach().float() * share
+    return torch.cholesky_solve(scaled.t().contiguous(), factor).t().contiguous()
 
 
 def column_order(hessian: torch.Tensor, group_size: int, order: str) -> torch.Tensor:

@@ -7,10 +7,16 @@ the search sequences):
     abs_max  [in]           max_t |x_t|                  -> SmoothQuant's scale candidates
     moments  [in/g, g, g]   sum_t x_t[G] x_t[G]^T        -> exact per-group output error (clip search)
     hessian  [in, in]       sum_t x_t x_t^T              -> GPTQ rounding (only with --rounding gptq)
-    cross    [in, in]       sum_t r_t x_t^T              -> GPTQ towards the fp model's outputs (--gptq-model-
+    drift    [in, in]       sum_t (r_t - x_t) x_t^T      -> GPTQ towards the fp model's outputs (--gptq-model-
                                                             target): r_t the input the fp model gives the same
-                                                            linear at the same token (the runner's reference pass)
+                                                            linear at the same token (the runner's reference pass);
+                                                            the difference is taken per token, before the sum
     samples  [b, seq, in]   x of the first b sequences   -> block inputs on which scales are scored
+
+Everything is float32 except ``drift``'s products, whose operands may be bfloat16 (``drift_dtype``, where the
+calibration computes in it: ``--calib-precision``): each chunk's product, rounded to bf16, is added into a float32
+sum. ``hessian`` stays float32: rounding its elements independently can cost it positive definiteness (GPTQ
+factors it), while ``drift`` only shifts GPTQ's target.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ class InputStats:
     moments: torch.Tensor | None
     hessian: torch.Tensor | None = None  # [in, in] sum_t x_t x_t^T (for GPTQ rounding); moments are its blocks
     abs_max: torch.Tensor | None = None  # [in] max_t |x_t| (zeros before the first token)
-    cross: torch.Tensor | None = None  # [in, in] sum_t r_t x_t^T, r_t the fp model's input at token t
+    drift: torch.Tensor | None = None  # [in, in] sum_t (r_t - x_t) x_t^T, r_t the fp model's input at token t
     references: list[torch.Tensor] = field(default_factory=list)  # the reference pass's inputs, not yet paired
     num_tokens: int = 0
     samples: list[torch.Tensor] = field(default_factory=list)
@@ -57,25 +63,26 @@ class InputStats:
             inv = (1.0 / s).view(num_groups, g)
             self.moments *= inv.unsqueeze(2) * inv.unsqueeze(1)
         inv = 1.0 / s
-        for square in (self.hessian, self.cross):
+        for square in (self.hessian, self.drift):
             if square is not None:
                 square *= inv.unsqueeze(1) * inv.unsqueeze(0)
         self.samples = [x / s for x in self.samples]
 
     @torch.no_grad()
-    def accumulate(self, flat: torch.Tensor, group_size: int) -> None:
-        """Adds the rows of ``flat`` [tokens, in] (fp32) to the sums."""
+    def accumulate(self, flat: torch.Tensor, group_size: int, drift_dtype: torch.dtype = torch.float32) -> None:
+        """Adds the rows of ``flat`` [tokens, in] (fp32) to the sums (``drift``'s product in ``drift_dtype``)."""
         self.abs_sum += flat.abs().sum(dim=0)
         if self.abs_max is None:
             self.abs_max = torch.zeros_like(self.abs_sum)
         if flat.shape[0]:
             torch.maximum(self.abs_max, flat.abs().amax(dim=0), out=self.abs_max)
         self.num_tokens += flat.shape[0]
-        if self.cross is not None:
+        if self.drift is not None:
             if not self.references or self.references[0].shape != flat.shape:
                 raise RuntimeError("a linear's input has no reference input of its shape from the fp model's pass "
                                    "(the runner must run the reference chunk first)")
-            self.cross += self.references.pop(0).t() @ flat
+            difference = (self.references.pop(0) - flat).to(drift_dtype)
+            self.drift += (difference.t() @ flat.to(drift_dtype)).float()
         if self.hessian is not None:
             self.hessian += flat.t() @ flat
         elif self.moments is not None:
@@ -94,15 +101,17 @@ class GroupInputObserver:
 
     Call ``begin_chunk(first_sequence)`` before each forward so the observer knows which rows belong
     to the first ``num_samples`` sequences; ``remove()`` detaches the hooks. ``group_size`` matters only
-    for the per-group ``moments`` (``with_moments``). Where ``paired[i]``, group i's statistics gain ``cross``:
+    for the per-group ``moments`` (``with_moments``). Where ``paired[i]``, group i's statistics gain ``drift``:
     its inputs are paired token by token with those of the fp model's pass the runner makes first (a group that
     reads every token, the experts' shared gate/up input too, sees the same tokens in both passes; one expert's
     up -> down group sees the rows routed to it, which differ, so those are never paired).
     """
 
     def __init__(self, layer: nn.Module, awq_map: AwqMap, group_size: int, num_samples: int, with_moments: bool,
-                 with_hessian: bool = False, paired: list[bool] | None = None):
+                 with_hessian: bool = False, paired: list[bool] | None = None,
+                 drift_dtype: torch.dtype = torch.float32):
         self.num_samples = num_samples
+        self.drift_dtype = drift_dtype
         self.recording_reference = False  # set by LayerRunner.run during the fp model's pass of a chunk
         self.group_size = group_size
         self.with_moments = with_moments
@@ -120,7 +129,7 @@ class GroupInputObserver:
             hessian = torch.zeros(in_features, in_features, device=weight.device) if with_hessian else None
             stats = InputStats(torch.zeros(in_features, device=weight.device), moments, hessian)
             if paired is not None and paired[i]:
-                stats.cross = torch.zeros(in_features, in_features, device=weight.device)
+                stats.drift = torch.zeros(in_features, in_features, device=weight.device)
             self.stats.append(stats)
             self._handles.append(source.register_forward_hook(self._hook(stats, group.input_of is not None)))
 
@@ -134,10 +143,10 @@ class GroupInputObserver:
             if every_token and x.dim() == 2 and self.seqlen:  # Gemma 4's experts read every token, flattened
                 x = x.view(-1, self.seqlen, x.shape[-1])
             if self.recording_reference:
-                if stats.cross is not None:
+                if stats.drift is not None:
                     stats.references.append(x.reshape(-1, x.shape[-1]).float().clone())
                 return
-            stats.accumulate(x.reshape(-1, x.shape[-1]).float(), self.group_size)
+            stats.accumulate(x.reshape(-1, x.shape[-1]).float(), self.group_size, self.drift_dtype)
             keep = self.num_samples - self.first_sequence
             if keep > 0 and x.dim() == 2:  # an expert's linear: the rows routed to it, all of this chunk's
                 stats.samples.append(x.float().clone())
@@ -148,7 +157,7 @@ class GroupInputObserver:
 
     def check_paired(self) -> None:
         """RuntimeError if a reference input found no main-pass input to pair with (a module called a different
-        number of times in the two passes: its ``cross`` would pair the wrong tokens)."""
+        number of times in the two passes: its ``drift`` would pair the wrong tokens)."""
         for i, stats in enumerate(self.stats):
             if stats.references:
                 raise RuntimeError(f"smoothing group {i}: {len(stats.references)} input(s) of the fp model's pass "

@@ -75,7 +75,7 @@ def test_checkpoint_reads_back_exactly(request, tmp_path, model_fixture, options
 
 @torch.no_grad()
 def test_observer_pairs_each_token_with_the_fp_models(lite_tiny_llama):
-    """A run with a reference stream: the observer's ``cross`` of a group is sum_t r_t x_t^T of the inputs its
+    """A run with a reference stream: the observer's ``drift`` of a group is sum_t (r_t - x_t) x_t^T of the inputs its
     first linear sees at the same token in the reference pass (r) and in the main pass (x), each taken from
     plain runs of the layer; the hessian and the other statistics are the main pass's alone."""
     from lmkit.lite.blocks import Discard, LayerRunner
@@ -105,10 +105,65 @@ def test_observer_pairs_each_token_with_the_fp_models(lite_tiny_llama):
     observer.remove()
     for group, stats in zip(awq_map.groups, observer.stats):
         r, got = seen[group.linears[0]]
-        assert torch.allclose(stats.cross, r.t() @ got, rtol=1e-4, atol=1e-3), group.linears[0]
+        expected = (r - got).double().t() @ got.double()
+        assert torch.allclose(stats.drift.double(), expected, rtol=1e-4, atol=1e-4), group.linears[0]
         assert torch.allclose(stats.hessian, got.t() @ got, rtol=1e-4, atol=1e-3), group.linears[0]
         assert stats.num_tokens == 3 * 24 and not stats.references
     assert not torch.allclose(ref_out, reference)  # the reference stream moved on to the layer's output
+
+
+@torch.no_grad()
+def test_bf16_linears_multiply_rounded_operands_and_leave_the_rest_fp32(lite_tiny_llama):
+    """With compute_dtype bfloat16 each linear's output is the float64 product of its bf16-rounded input and weight
+    (to bf16's output rounding), cast back to float32; the hooks see the float32 input; after the run the layer
+    computes in float32 again, bit for bit as before."""
+    from lmkit.lite.blocks import LayerRunner, linears_in
+    from lmkit.lite.layerwise import LayerwiseModel
+
+    lw = LayerwiseModel(lite_tiny_llama, torch.device("cpu"))
+    x = lw.embed(torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(7)))
+    layer = lw.load_layer(0)
+    fp32 = torch.full_like(x, float("nan"))
+    LayerRunner(lw, 16).run(layer, 0, x, fp32)
+    seen = []
+    handle = layer.mlp.down_proj.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
+    bf16 = torch.full_like(x, float("nan"))
+    LayerRunner(lw, 16, torch.bfloat16).run(layer, 0, x, bf16)
+    handle.remove()
+    (given, out), = seen
+    assert given.dtype == out.dtype == torch.float32
+    weight = layer.mlp.down_proj.weight
+    expected = given.to(torch.bfloat16).double() @ weight.to(torch.bfloat16).double().t()
+    assert torch.allclose(out.double(), expected, rtol=2**-7, atol=1e-6 * float(expected.abs().max()))
+    assert not torch.equal(bf16, fp32) and torch.allclose(bf16, fp32, rtol=0.05, atol=0.05 * float(fp32.abs().max()))
+    again = torch.full_like(x, float("nan"))
+    LayerRunner(lw, 16).run(layer, 0, x, again)
+    assert torch.equal(again, fp32) and "forward" not in vars(layer.mlp.down_proj)
+    with pytest.raises(ZeroDivisionError), linears_in(layer, torch.bfloat16):
+        raise ZeroDivisionError  # the class's forward is back after an error too
+    assert "forward" not in vars(layer.mlp.down_proj)
+
+
+def test_calibration_precision_auto_follows_the_cpu_and_the_report_says_which(lite_tiny_llama, tmp_path):
+    """auto = bf16 where lmkit's engine finds AVX512_BF16 (else fp32); an unknown value is refused naming the
+    choices; a bf16 calibration gives the fp32 one's held-out perplexity within 1% (on SmolLM2 the default's test in
+    test_smollm2 runs at auto: bf16 on such a CPU), and report.json names the precision run."""
+    from lmkit import _engine
+    from lmkit.lite.config import resolve_calib_dtype
+
+    cpu = torch.device("cpu")
+    assert resolve_calib_dtype("auto", cpu) == (torch.bfloat16 if _engine.cpu_bf16_available() else torch.float32)
+    assert resolve_calib_dtype("fp32", cpu) == torch.float32 and resolve_calib_dtype("bf16", cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="auto, fp32, bf16"):
+        AwqConfig(work_dir=tmp_path / "x", calib_precision="fp16")
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        result = quantize_awq(lite_tiny_llama, AwqConfig(work_dir=tmp_path / precision, calib_precision=precision,
+                                                          **TINY_CALIB))
+        report = json.loads((result.work_dir / "awq" / "report.json").read_text())
+        assert report["settings"]["calib_precision"] == precision
+        runs[precision] = evaluate_perplexity(result.work_dir, PplConfig(dataset="hamlet", seqlen=64, max_tokens=512))
+    assert abs(runs["bf16"].ppl / runs["fp32"].ppl - 1) < 0.01, runs  # a random model: no quality to compare
 
 
 def test_checkpoint_is_reproducible_from_search_results(lite_tiny_llama, tmp_path):

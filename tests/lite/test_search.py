@@ -213,15 +213,15 @@ def test_reference_correction_solves_the_damped_least_squares_and_gptq_follows_i
     r = _correlated_inputs(12, 6000, 128)
     x = r + r @ drift + 0.2 * torch.randn(6000, 128, generator=g)
     (r, r_out), (x, x_out) = r.split([4000, 2000]), x.split([4000, 2000])
-    hessian, cross = x.t() @ x, r.t() @ x
-    assert torch.equal(reference_correction(hessian, cross, 0.0), torch.zeros(128, 128))
-    got = w + w @ reference_correction(hessian, cross, 1.0, damp=0.01)
-    h, c, wd = hessian.double(), cross.double(), w.double()
+    hessian, difference = x.t() @ x, (r - x).t() @ x
+    assert torch.equal(reference_correction(hessian, difference, 0.0), torch.zeros(128, 128))
+    got = w + w @ reference_correction(hessian, difference, 1.0, damp=0.01)
+    h, c, wd = x.double().t() @ x.double(), r.double().t() @ x.double(), w.double()
     lam = 0.01 * float(torch.diag(h).mean())
     expected = torch.linalg.solve(h + lam * torch.eye(128, dtype=torch.float64), (wd @ c + lam * wd).t()).t()
     assert float((got.double() - expected).norm() / expected.norm()) < 1e-4
     assert float((got - w).norm() / w.norm()) > 0.05  # the drift is worth correcting
-    quarter = w + w @ reference_correction(hessian, cross, 0.25)
+    quarter = w + w @ reference_correction(hessian, difference, 0.25)
     assert torch.allclose(quarter, w + 0.25 * (got - w), rtol=1e-3, atol=1e-4)
 
     def error(qw):  # against the fp model's outputs on held-out tokens
@@ -252,8 +252,8 @@ def test_gptq_on_a_gpu_gives_the_cpus_integers(order):
     x = torch.randn(1000, 256, generator=g) * (1 + 3 * torch.rand(256, generator=g))
     r = x + 0.1 * torch.randn(1000, 256, generator=g)
     ratio = 0.8 + 0.2 * torch.rand(64, 4, generator=g)
-    correction = reference_correction(x.t() @ x, r.t() @ x, 0.25)
-    on_gpu = reference_correction((x.t() @ x).cuda(), (r.t() @ x).cuda(), 0.25)
+    correction = reference_correction(x.t() @ x, (r - x).t() @ x, 0.25)
+    on_gpu = reference_correction((x.t() @ x).cuda(), ((r - x).t() @ x).cuda(), 0.25)
     assert on_gpu.device.type == "cuda" and torch.allclose(on_gpu.cpu(), correction, atol=1e-4)
     cpu = gptq_quantize(w + w @ correction, x.t() @ x, 64, ratio, ratio, order=order)
     gpu = gptq_quantize((w + w @ correction).cuda(), (x.t() @ x).cuda(), 64, ratio.cuda(), ratio.cuda(), order=order)
