@@ -39,7 +39,8 @@ from torch import nn
 
 from lmkit.lite import export
 from lmkit.lite.blocks import (Discard, LayerRunner, block_function, calibration_inputs, cover_experts, dense_linears,
-                               fold_chosen, foldable_groups, is_expert_group, layer_other_tensors, write_checkpoint)
+                               fold_chosen, foldable_groups, is_expert_group, layer_other_tensors, linears_in,
+                               write_checkpoint)
 from lmkit.lite.config import AwqConfig, resolve_calib_dtype, resolve_device
 from lmkit.lite.gptq import gptq_quantize, reference_correction
 from lmkit.lite.layerwise import LayerwiseModel
@@ -138,21 +139,8 @@ def _process_layer(model: LayerwiseModel, runner: LayerRunner | None, index: int
         t = time.perf_counter()
         search_kwargs = runner.kwargs(index, num_search)
         chosen: list[torch.Tensor | None] = []
-        for group, stats, is_foldable in zip(awq_map.groups, observer.stats, foldable):
-            entry = {"prev": group.prev, "linears": list(group.linears), "smoothed": False}
-            if is_foldable:
-                block = block_function(layer, awq_map, group.block, search_kwargs)
-                linears = [layer.get_submodule(n) for n in group.linears]
-                found = search_scale(block, linears, stats.sample_input, stats.abs_mean, g,
-                                     num_grid=config.num_grid, form=config.scale_form)
-                entry.update(smoothed=found.ratio >= 0, ratio=found.ratio, loss=found.loss,
-                             loss_identity=found.loss_identity)
-                chosen.append(found.scales if found.ratio >= 0 else None)
-            else:
-                entry["reason"] = ("disabled" if not config.search_scale else
-                                   "prev cannot take the scales (shapes, or v -> o under grouped-query attention)")
-                chosen.append(None)
-            report["groups"].append(entry)
+        with linears_in(layer, runner.compute_dtype, awq_map.linears):  # candidates scored as the passes compute
+            _search_scales(layer, awq_map, observer.stats, foldable, search_kwargs, config, report, chosen)
         fold_chosen(layer, awq_map, observer.stats, chosen, prefix, scales_out)
         seconds["scale_search"] += time.perf_counter() - t
 
@@ -183,6 +171,27 @@ def _process_layer(model: LayerwiseModel, runner: LayerRunner | None, index: int
     report["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
     del layer
     return tensors, report
+
+
+def _search_scales(layer: nn.Module, awq_map: AwqMap, stats: list, foldable: list[bool], search_kwargs: dict,
+                   config: AwqConfig, report: dict, chosen: list) -> None:
+    """The scale search of each smoothing group (its report entry into ``report``, its scales or None into
+    ``chosen``)."""
+    for group, group_stats, is_foldable in zip(awq_map.groups, stats, foldable):
+        entry = {"prev": group.prev, "linears": list(group.linears), "smoothed": False}
+        if is_foldable:
+            block = block_function(layer, awq_map, group.block, search_kwargs)
+            linears = [layer.get_submodule(n) for n in group.linears]
+            found = search_scale(block, linears, group_stats.sample_input, group_stats.abs_mean, config.w_group_size,
+                                 num_grid=config.num_grid, form=config.scale_form)
+            entry.update(smoothed=found.ratio >= 0, ratio=found.ratio, loss=found.loss,
+                         loss_identity=found.loss_identity)
+            chosen.append(found.scales if found.ratio >= 0 else None)
+        else:
+            entry["reason"] = ("disabled" if not config.search_scale else
+                               "prev cannot take the scales (shapes, or v -> o under grouped-query attention)")
+            chosen.append(None)
+        report["groups"].append(entry)
 
 
 def _quantize_calibrated(layer: nn.Module, awq_map: AwqMap, stats: list, config: AwqConfig, prefix: str,
@@ -259,9 +268,11 @@ def quantize_awq(model: str | Path | None, config: AwqConfig, reporter: Reporter
     t = time.perf_counter()
     reporter.phase("reading the model")
     lw = LayerwiseModel(source, device)
-    compute_dtype = resolve_calib_dtype(config.calib_precision, device)
-    config = replace(config, w_group_size=check_group_size(lw.linear_shapes(), config.w_group_size),
-                     calib_precision="bf16" if compute_dtype == torch.bfloat16 else "fp32")  # the report: as run
+    config = replace(config, w_group_size=check_group_size(lw.linear_shapes(), config.w_group_size))
+    compute_dtype = torch.float32
+    if not config.is_rtn:  # the report says what ran
+        compute_dtype = resolve_calib_dtype(config.calib_precision, device)
+        config = replace(config, calib_precision="bf16" if compute_dtype == torch.bfloat16 else "fp32")
     temp_dir = export.prepare_work_dir(config.work_dir, config.overwrite)
     try:
         x = None

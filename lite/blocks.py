@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -83,15 +84,18 @@ def decomposed_layer(layer: nn.Module, awq_map: AwqMap, kwargs: dict, x: torch.T
 
 
 @contextlib.contextmanager
-def linears_in(module: nn.Module, dtype: torch.dtype):
-    """Inside the block every nn.Linear under ``module`` (the class itself: a subclass may compute something else)
-    multiplies in ``dtype``: its weight (and bias) cast once on entry, its input cast per call (once for the linears
-    that read one tensor, q/k/v or gate/up), its output cast back to the input's dtype; its hooks see what they saw
-    before (the input as given). float32: nothing changes."""
+def linears_in(module: nn.Module, dtype: torch.dtype, names: Iterable[str]):
+    """Inside the block the nn.Linear submodules ``names`` of ``module`` (a layer's quantized linears: not a router,
+    whose top-k a rounding could flip) multiply in ``dtype``: their weight and bias as they are at each call (the
+    scale search swaps weights), and their input (once for the linears that read one tensor, q/k/v or gate/up), cast
+    to ``dtype``, the output cast back to the input's dtype; their hooks see what they saw before (the input as
+    given). float32: nothing changes."""
     if dtype == torch.float32:
         yield
         return
-    linears = [m for m in module.modules() if type(m) is nn.Linear]
+    linears = [module.get_submodule(name) for name in names]
+    if any(type(m) is not nn.Linear for m in linears):  # a subclass may compute something else
+        raise TypeError(f"linears_in: {[type(m).__name__ for m in linears]} are not all nn.Linear")
     saved = {id(m): vars(m)["forward"] for m in linears if "forward" in vars(m)}
     last: list = []  # [input, its version, its cast]: the last input cast, while the next linear may read it
 
@@ -100,18 +104,20 @@ def linears_in(module: nn.Module, dtype: torch.dtype):
             last[:] = [x, x._version, x.to(dtype)]
         return last[2]
 
-    def forward(weight: torch.Tensor, bias: torch.Tensor | None):
-        return lambda x: nn.functional.linear(cast(x), weight, bias).to(x.dtype)
+    def forward(linear: nn.Linear):
+        def run(x: torch.Tensor) -> torch.Tensor:
+            bias = None if linear.bias is None else linear.bias.to(dtype)
+            return nn.functional.linear(cast(x), linear.weight.to(dtype), bias).to(x.dtype)
+        return run
 
-    for linear in linears:
-        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
-        linear.forward = forward(linear.weight.detach().to(dtype), bias)
     try:
+        for linear in linears:
+            linear.forward = forward(linear)
         yield
     finally:
         last.clear()
         for linear in linears:
-            del linear.forward  # the class's forward again, or the one the instance had
+            vars(linear).pop("forward", None)  # the class's forward again, or the one the instance had
             if id(linear) in saved:
                 linear.forward = saved[id(linear)]
 
@@ -120,8 +126,8 @@ class LayerRunner:
     """Runs one decoder layer over all calibration windows in chunks, with per-batch-size layer kwargs; for Gemma 4's
     E-models also each window's per-layer input (``LayerwiseModel.per_layer_inputs``) and the keys and values a layer
     stores for later layers to read (kept per window from its last run: with --propagate quantized, the quantized
-    layer's). With ``compute_dtype`` bfloat16 the layer's linears multiply in it (``linears_in``); attention, norms,
-    the residual stream and the windows between layers stay float32."""
+    layer's). With ``compute_dtype`` bfloat16 the layer's quantized linears multiply in it (``linears_in``);
+    attention, norms, routers, the residual stream and the windows between layers stay float32."""
 
     def __init__(self, model: LayerwiseModel, seqlen: int, compute_dtype: torch.dtype = torch.float32):
         self.model = model
@@ -159,7 +165,7 @@ class LayerRunner:
         """out[i] = layer(x[i]) for every window (``out`` may be ``x``: computed chunk by chunk). ``reference``
         (x_ref, out_ref): the same windows as the fp model sees them, out_ref[i] = layer(x_ref[i]) (in place too),
         each chunk run just before x's, with the observer recording its inputs to pair x's with."""
-        with linears_in(layer, self.compute_dtype):
+        with linears_in(layer, self.compute_dtype, self.model.layer_awq_map(index).linears):
             self._run(layer, index, x, out, observer, reference)
 
     def _run(self, layer, index, x, out, observer, reference) -> None:

@@ -40,9 +40,9 @@ def resolve_calib_dtype(precision: str, device):
         raise ValueError(f"--calib-precision must be one of {', '.join(CALIB_PRECISIONS)}, got {precision!r}")
     if precision != "auto":
         return torch.bfloat16 if precision == "bf16" else torch.float32
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    from lmkit import _engine
+    if device.type == "cuda":  # Ampere and later multiply bf16 in their tensor cores; earlier GPUs emulate it
+        return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float32
+    from lmkit._ext import _engine
 
     return torch.bfloat16 if _engine.cpu_bf16_available() else torch.float32
 
@@ -168,9 +168,10 @@ class AwqConfig(LayerwiseQuantConfig):
         "calib_precision": "Precision of the calibration passes' linears (the layers over the windows, both streams) "
                            "and of the fp-model target's input products: auto (default) = bf16 where the hardware "
                            "multiplies it natively (a CPU with AVX512_BF16 or AMX, a CUDA GPU), else fp32; fp32; "
-                           "bf16. Attention, norms, the residual stream, the second moments GPTQ factors, the "
-                           "searches and the rounding stay fp32. On SmolLM2 (2 Zen 4 cores) bf16 took the run from "
-                           "402 s to 319 s, its KL from the fp model within 5% of the fp32 run's "
+                           "bf16; the scale search's candidates are scored the same way. Attention, norms, the "
+                           "residual stream, routers, the second moments GPTQ factors, the clip search and the "
+                           "rounding stay fp32. On SmolLM2 (2 Zen 4 cores) bf16 took the run from 402 s to 303 s, "
+                           "its KL from the fp model within 5% of the fp32 run's "
                            "(benchmark/results/quantization-quality.md).",
         "clip_qk": "Also clip q_proj and k_proj (the table leaves them out by default, as AutoAWQ does).",
     }
