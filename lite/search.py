@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lmkit.lite.quantizer import MAX_INT, QuantizedWeight, quantize
+from lmkit.lite.quantizer import MAX_INT, QuantizedWeight, quantize, quantize_params
 from lmkit.lite.threads import elementwise_threads, torch_threads
 
 
@@ -112,8 +112,21 @@ def shrink_grid(num_points: int, max_shrink: float) -> torch.Tensor:
 
 def group_error(delta: torch.Tensor, moments: torch.Tensor) -> torch.Tensor:
     """[out, G] output error per (row, group): delta [out, G, g] . moments [G, g, g] . delta."""
-    projected = torch.bmm(delta.transpose(0, 1), moments)  # [G, out, g]
-    return (projected * delta.transpose(0, 1)).sum(dim=2).transpose(0, 1)
+    return _group_major_error(delta.transpose(0, 1).contiguous(), moments).t()
+
+
+def _group_major_error(delta: torch.Tensor, moments: torch.Tensor) -> torch.Tensor:
+    """[G, out] ``group_error`` of a group-major delta [G, out, g] (contiguous: bmm runs faster on it)."""
+    return (torch.bmm(delta, moments) * delta).sum(dim=2)
+
+
+def _rounding_error(groups: torch.Tensor, w_min: torch.Tensor, w_max: torch.Tensor) -> torch.Tensor:
+    """dequantize(quantize(W, w_min, w_max)) - W of ``groups`` [..., g] (ranges [...]), the quantizer's own float
+    operations in place, without its integer tensors (the clip search's inner loop: bit for bit the same)."""
+    scales, zeros = quantize_params(w_min.float(), w_max.float())
+    s, z = scales.float().unsqueeze(2), zeros.unsqueeze(2)
+    q = torch.round(groups / s).add_(z).clamp_(0, MAX_INT)
+    return q.sub_(z).mul_(s).sub_(groups)
 
 
 @torch.no_grad()
@@ -127,22 +140,22 @@ def search_clip(weight: torch.Tensor, moments: torch.Tensor, group_size: int,
     w = weight.float()
     out_features, in_features = w.shape
     num_groups = in_features // group_size
-    groups = w.view(out_features, num_groups, group_size)
+    # group-major [G, out, g], as the error's batched product takes it; ranges [G, out]
+    groups = w.view(out_features, num_groups, group_size).transpose(0, 1).contiguous()
     full_min, full_max = groups.amin(dim=2), groups.amax(dim=2)
     moments = moments.float()
-    best_err = torch.full((out_features, num_groups), float("inf"))
+    best_err = torch.full((num_groups, out_features), float("inf"))
     best_min, best_max = full_min.clone(), full_max.clone()
     for a in grid.tolist():
         lo = torch.where(full_min < 0, full_min * a, full_min)
         for b in grid.tolist():
             hi = torch.where(full_max > 0, full_max * b, full_max)
-            delta = quantize(w, group_size, lo, hi).dequantize().view_as(groups) - groups
-            err = group_error(delta, moments)
+            err = _group_major_error(_rounding_error(groups, lo, hi), moments)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_min = torch.where(better, lo, best_min)
             best_max = torch.where(better, hi, best_max)
-    return best_min, best_max
+    return best_min.t().contiguous(), best_max.t().contiguous()
 
 
 @torch.no_grad()
