@@ -112,7 +112,8 @@ class AwqConfig(LayerwiseQuantConfig):
     defaults are sized for a 2-core CPU: 64 windows of 512 tokens (about what AutoAWQ's default, 128 pileval
     samples cut into 512-token blocks, calibrates on), scales scored on 4 of them over 10 exponents; on SmolLM2
     their held-out perplexity is within 0.3 of that of 128 windows, 8 and 20, on both held-out texts, and the
-    whole run takes 5-7 minutes on 2 Zen 4 cores (benchmark/results/quantization-quality.md)."""
+    whole run takes 4.6 minutes on 2 Zen 4 cores (6 capped to AVX2: fp32 passes;
+    benchmark/results/quantization-quality.md)."""
 
     calib_samples: int = 64
     calib_seqlen: int = 512
@@ -170,8 +171,8 @@ class AwqConfig(LayerwiseQuantConfig):
                            "multiplies it natively (a CPU with AVX512_BF16 or AMX, a CUDA GPU), else fp32; fp32; "
                            "bf16; the scale search's candidates are scored the same way. Attention, norms, the "
                            "residual stream, routers, the second moments GPTQ factors, the clip search and the "
-                           "rounding stay fp32. On SmolLM2 (2 Zen 4 cores) bf16 took the run from 402 s to 303 s, "
-                           "its KL from the fp model within 5% of the fp32 run's "
+                           "rounding stay fp32. On SmolLM2 (2 Zen 4 cores) bf16 cut the run by a quarter (402 s -> "
+                           "303 s, one build), its KL from the fp model within 5% of the fp32 run's "
                            "(benchmark/results/quantization-quality.md).",
         "clip_qk": "Also clip q_proj and k_proj (the table leaves them out by default, as AutoAWQ does).",
     }
