@@ -86,10 +86,10 @@ def decomposed_layer(layer: nn.Module, awq_map: AwqMap, kwargs: dict, x: torch.T
 @contextlib.contextmanager
 def linears_in(module: nn.Module, dtype: torch.dtype, names: Iterable[str]):
     """Inside the block the nn.Linear submodules ``names`` of ``module`` (a layer's quantized linears: not a router,
-    whose top-k a rounding could flip) multiply in ``dtype``: their weight and bias as they are at each call (the
-    scale search swaps weights), and their input (once for the linears that read one tensor, q/k/v or gate/up), cast
-    to ``dtype``, the output cast back to the input's dtype; their hooks see what they saw before (the input as
-    given). float32: nothing changes."""
+    whose top-k a rounding could flip) multiply in ``dtype``: their weight and bias as they are at each call (cast
+    again when the weight's data changed: the scale search swaps weights), and their input (once for the linears
+    that read one tensor, q/k/v or gate/up), cast to ``dtype``, the output cast back to the input's dtype; their
+    hooks see what they saw before (the input as given). float32: nothing changes."""
     if dtype == torch.float32:
         yield
         return
@@ -105,9 +105,14 @@ def linears_in(module: nn.Module, dtype: torch.dtype, names: Iterable[str]):
         return last[2]
 
     def forward(linear: nn.Linear):
+        kept: list = []  # [weight data, its version, weight cast, bias cast]: recast when the search swaps weights
+
         def run(x: torch.Tensor) -> torch.Tensor:
-            bias = None if linear.bias is None else linear.bias.to(dtype)
-            return nn.functional.linear(cast(x), linear.weight.to(dtype), bias).to(x.dtype)
+            w = linear.weight.data
+            if not kept or kept[0].data_ptr() != w.data_ptr() or kept[1] != w._version:  # kept[0] holds the storage
+                bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+                kept[:] = [w, w._version, w.to(dtype), bias]
+            return nn.functional.linear(cast(x), kept[2], kept[3]).to(x.dtype)
         return run
 
     try:

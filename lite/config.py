@@ -168,11 +168,12 @@ class AwqConfig(LayerwiseQuantConfig):
                              "(with --rounding gptq and --propagate quantized; 1 overfits: on SmolLM2 its KL is 20x).",
         "calib_precision": "Precision of the calibration passes' linears (the layers over the windows, both streams) "
                            "and of the fp-model target's input products: auto (default) = bf16 where the hardware "
-                           "multiplies it natively (a CPU with AVX512_BF16 or AMX, a CUDA GPU), else fp32; fp32; "
+                           "multiplies it natively (a CPU with AVX512_BF16 or AMX, a GPU of compute capability 8.0 "
+                           "or later), else fp32; fp32; "
                            "bf16; the scale search's candidates are scored the same way. Attention, norms, the "
                            "residual stream, routers, the second moments GPTQ factors, the clip search and the "
-                           "rounding stay fp32. On SmolLM2 (2 Zen 4 cores) bf16 cut the run by a quarter (402 s -> "
-                           "303 s, one build), its KL from the fp model within 5% of the fp32 run's "
+                           "rounding stay fp32. On SmolLM2 (2 Zen 4 cores) bf16 passes cut a quarter of the run "
+                           "(402 s -> 303 s, the same searches), its KL from the fp model within 5% of fp32's "
                            "(benchmark/results/quantization-quality.md).",
         "clip_qk": "Also clip q_proj and k_proj (the table leaves them out by default, as AutoAWQ does).",
     }

@@ -144,7 +144,7 @@ def search_clip(weight: torch.Tensor, moments: torch.Tensor, group_size: int,
     groups = w.view(out_features, num_groups, group_size).transpose(0, 1).contiguous()
     full_min, full_max = groups.amin(dim=2), groups.amax(dim=2)
     moments = moments.float()
-    best_err = torch.full((num_groups, out_features), float("inf"))
+    best_err = torch.full((num_groups, out_features), float("inf"), device=w.device)
     best_min, best_max = full_min.clone(), full_max.clone()
     for a in grid.tolist():
         lo = torch.where(full_min < 0, full_min * a, full_min)

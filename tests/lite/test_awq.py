@@ -174,6 +174,7 @@ def test_calibration_precision_auto_follows_the_cpu_and_the_report_says_which(li
     kl = {}
     for precision in ("auto", "fp32", "bf16", "rtn"):
         options = dict(calib_samples=0) if precision == "rtn" else dict(calib_precision=precision, **TINY_CALIB)
+        options["device"] = "cpu"  # auto would pick a GPU where there is one, and resolve by it
         result = quantize_awq(lite_tiny_llama, AwqConfig(work_dir=tmp_path / precision, **options))
         report = json.loads((result.work_dir / "awq" / "report.json").read_text())
         ran = {"auto": "bf16" if native else "fp32", "rtn": "auto"}.get(precision, precision)
