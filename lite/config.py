@@ -112,7 +112,7 @@ class AwqConfig(LayerwiseQuantConfig):
     defaults are sized for a 2-core CPU: 64 windows of 512 tokens (about what AutoAWQ's default, 128 pileval
     samples cut into 512-token blocks, calibrates on), scales scored on 4 of them over 10 exponents; on SmolLM2
     their held-out perplexity is within 0.3 of that of 128 windows, 8 and 20, on both held-out texts, and the
-    whole run takes 4.6 minutes on 2 Zen 4 cores (6 capped to AVX2: fp32 passes;
+    whole run takes 4.5 minutes on 2 Zen 4 cores (6 capped to AVX2: fp32 passes;
     benchmark/results/quantization-quality.md)."""
 
     calib_samples: int = 64
