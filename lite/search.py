@@ -121,8 +121,9 @@ def _group_major_error(delta: torch.Tensor, moments: torch.Tensor) -> torch.Tens
 
 
 def _rounding_error(groups: torch.Tensor, w_min: torch.Tensor, w_max: torch.Tensor) -> torch.Tensor:
-    """dequantize(quantize(W, w_min, w_max)) - W of ``groups`` [..., g] (ranges [...]), the quantizer's own float
-    operations in place, without its integer tensors (the clip search's inner loop: bit for bit the same)."""
+    """dequantize(quantize(W, w_min, w_max)) - W of ``groups`` [A, B, g] (ranges [A, B]: either layout), the
+    quantizer's own float operations in place, without its integer tensors (the clip search's inner loop: bit for
+    bit the same)."""
     scales, zeros = quantize_params(w_min.float(), w_max.float())
     s, z = scales.float().unsqueeze(2), zeros.unsqueeze(2)
     q = torch.round(groups / s).add_(z).clamp_(0, MAX_INT)

@@ -47,6 +47,23 @@ def test_clip_search_never_worse_and_ranges_shrink():
     assert bool((w_min >= groups.amin(2) - 1e-7).all()) and bool((w_max <= groups.amax(2) + 1e-7).all())
 
 
+def test_clip_search_rounds_as_the_quantizer_does_in_either_layout():
+    """The clip search's float rounding error is the quantizer's dequantize(quantize(W)) - W bit for bit (clipped
+    ranges, a constant group, a group that does not straddle 0), row-major or group-major."""
+    from lmkit.lite.search import _rounding_error
+
+    w, _ = _data(seed=4)
+    w[0, :32] = 0.5  # a constant group
+    w[1, 32:] = w[1, 32:].abs() + 0.1  # all positive: the range widens to hold 0
+    gs = 32
+    groups = w.view(12, 2, gs)
+    lo, hi = groups.amin(2) * 0.8, groups.amax(2) * 0.9
+    expected = quantize(w, gs, lo, hi).dequantize().view(12, 2, gs) - groups
+    assert torch.equal(_rounding_error(groups.clone(), lo, hi), expected)
+    major = _rounding_error(groups.transpose(0, 1).contiguous(), lo.t(), hi.t())
+    assert torch.equal(major, expected.transpose(0, 1))
+
+
 def test_refinement_never_worse_per_group():
     w, x = _data(seed=1)
     gs = 32
