@@ -166,13 +166,12 @@ class AwqConfig(LayerwiseQuantConfig):
                              "each layer also corrects some of the error the layers before it left (GPTAQ's "
                              "asymmetric calibration), at the cost of a second, fp pass over the calibration windows "
                              "(with --rounding gptq and --propagate quantized; 1 overfits: on SmolLM2 its KL is 20x).",
-        "calib_precision": "Precision of the calibration passes' linears (the layers over the windows, both streams) "
-                           "and of the fp-model target's input products: auto (default) = bf16 where the hardware "
-                           "multiplies it natively (a CPU with AVX512_BF16 or AMX, a GPU of compute capability 8.0 "
-                           "or later), else fp32; fp32; "
-                           "bf16; the scale search's candidates are scored the same way. Attention, norms, the "
-                           "residual stream, routers, the second moments GPTQ factors, the clip search and the "
-                           "rounding stay fp32. On SmolLM2 (2 Zen 4 cores) bf16 passes cut a quarter of the run "
+        "calib_precision": "Precision of the calibration passes' quantized linears: auto (default) = bf16 where the "
+                           "hardware multiplies it natively, else fp32; fp32; bf16. Native: a CPU with AVX512_BF16 "
+                           "or AMX (as lmkit's engine finds it), a GPU of compute capability 8.0 or later. bf16 also "
+                           "takes the fp-model target's input products and the scale search's candidates; attention, "
+                           "norms, routers, the residual stream, the second moments GPTQ factors, the clip search and "
+                           "the rounding stay fp32. On SmolLM2 (2 Zen 4 cores) bf16 passes cut a quarter of the run "
                            "(402 s -> 303 s, the same searches), its KL from the fp model within 5% of fp32's "
                            "(benchmark/results/quantization-quality.md).",
         "clip_qk": "Also clip q_proj and k_proj (the table leaves them out by default, as AutoAWQ does).",
