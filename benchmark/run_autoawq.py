@@ -31,20 +31,31 @@ from pathlib import Path
 
 
 def fix_cpu_state_copy() -> bool:
-    """Patches AwqQuantizer._search_best_scale so the saved state dict is a copy; False if the bug is gone."""
+    """Patches the AwqQuantizer method that saves the block's state before a scale candidate (``_compute_best_scale``
+    in 0.2.9's last source, ``_search_best_scale`` in earlier ones) so the saved state dict is a copy; False if no
+    method holds the bug. SystemExit if the module's file still holds it where no method was patched (a checkpoint
+    quantized so would be broken: perplexity ~10^5)."""
     from awq.quantize import quantizer
 
-    source = inspect.getsource(quantizer.AwqQuantizer._search_best_scale)
     bug = "org_sd = {k: v.cpu() for k, v in module2inspect.state_dict().items()}"
-    if bug not in source:
-        return False
     import textwrap
 
-    fixed = textwrap.dedent(source).replace(bug, "org_sd = {k: v.cpu().clone() for k, v in module2inspect.state_dict().items()}")
-    namespace: dict = {}
-    exec(compile(fixed, quantizer.__file__, "exec"), quantizer.__dict__, namespace)
-    quantizer.AwqQuantizer._search_best_scale = namespace["_search_best_scale"]
-    return True
+    patched = False
+    for name in ("_compute_best_scale", "_search_best_scale"):
+        method = getattr(quantizer.AwqQuantizer, name, None)
+        source = inspect.getsource(method) if method is not None else ""
+        if bug not in source:
+            continue
+        fixed = textwrap.dedent(source).replace(
+            bug, "org_sd = {k: v.cpu().clone() for k, v in module2inspect.state_dict().items()}")
+        namespace: dict = {}
+        exec(compile(fixed, quantizer.__file__, "exec"), quantizer.__dict__, namespace)
+        setattr(quantizer.AwqQuantizer, name, namespace[name])
+        patched = True
+    if not patched and bug in Path(quantizer.__file__).read_text():
+        raise SystemExit(f"{quantizer.__file__} saves the block's state without a copy in a method this script does "
+                         "not patch: its checkpoint would be broken on a CPU")
+    return patched
 
 
 def legacy_rope_source(source: Path, scratch: Path) -> Path:
