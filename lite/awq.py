@@ -138,9 +138,8 @@ def _process_layer(model: LayerwiseModel, runner: LayerRunner | None, index: int
 
         t = time.perf_counter()
         search_kwargs = runner.kwargs(index, num_search)
-        chosen: list[torch.Tensor | None] = []
         with linears_in(layer, runner.compute_dtype, awq_map.linears):  # candidates scored as the passes compute
-            _search_scales(layer, awq_map, observer.stats, foldable, search_kwargs, config, report, chosen)
+            chosen = _search_scales(layer, awq_map, observer.stats, foldable, search_kwargs, config, report)
         fold_chosen(layer, awq_map, observer.stats, chosen, prefix, scales_out)
         seconds["scale_search"] += time.perf_counter() - t
 
@@ -174,9 +173,10 @@ def _process_layer(model: LayerwiseModel, runner: LayerRunner | None, index: int
 
 
 def _search_scales(layer: nn.Module, awq_map: AwqMap, stats: list, foldable: list[bool], search_kwargs: dict,
-                   config: AwqConfig, report: dict, chosen: list) -> None:
-    """The scale search of each smoothing group (its report entry into ``report``, its scales or None into
-    ``chosen``)."""
+                   config: AwqConfig, report: dict) -> list[torch.Tensor | None]:
+    """The scale search of each smoothing group: its chosen scales, or None where it keeps none (its report entry
+    goes into ``report``)."""
+    chosen: list[torch.Tensor | None] = []
     for group, group_stats, is_foldable in zip(awq_map.groups, stats, foldable):
         entry = {"prev": group.prev, "linears": list(group.linears), "smoothed": False}
         if is_foldable:
@@ -192,6 +192,7 @@ def _search_scales(layer: nn.Module, awq_map: AwqMap, stats: list, foldable: lis
                                "prev cannot take the scales (shapes, or v -> o under grouped-query attention)")
             chosen.append(None)
         report["groups"].append(entry)
+    return chosen
 
 
 def _quantize_calibrated(layer: nn.Module, awq_map: AwqMap, stats: list, config: AwqConfig, prefix: str,

@@ -32,8 +32,8 @@ def resolve_device(device: str):
 
 def resolve_calib_dtype(precision: str, device):
     """The dtype the calibration passes compute their matrix products in: ``fp32``, ``bf16``, or ``auto`` = bf16
-    where the hardware multiplies it natively (a CUDA GPU with bf16; a CPU with AVX512_BF16 or AMX, as lmkit's
-    engine detects it, under LMKIT_CPU_ISA), else fp32 (an AVX2 CPU would emulate bf16, slower than fp32)."""
+    where the hardware multiplies it natively (a GPU of compute capability 8.0 or later; a CPU with AVX512_BF16 or
+    AMX, as lmkit's engine detects it, under LMKIT_CPU_ISA), else fp32 (an AVX2 CPU would emulate bf16, slower)."""
     import torch
 
     if precision not in CALIB_PRECISIONS:
