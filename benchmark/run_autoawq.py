@@ -8,9 +8,11 @@ lmkit's torch perplexity path. AutoAWQ 0.2.9 (the last release; upstream has dep
 transformers 4.51 (it imports Qwen3 classes and helpers later releases removed), so it lives in its own
 environment, e.g.:
 
-    python -m venv --system-site-packages /tmp/awqvenv
+    python -m venv /tmp/awqvenv
+    /tmp/awqvenv/bin/pip install torch==2.13.0   # pinned first: an unpinned torch pulls the CUDA wheels
     /tmp/awqvenv/bin/pip install --no-deps autoawq==0.2.9
-    /tmp/awqvenv/bin/pip install "transformers==4.51.3" "tokenizers>=0.21,<0.22" zstandard "datasets<4"
+    /tmp/awqvenv/bin/pip install "transformers==4.51.3" "tokenizers>=0.21,<0.22" zstandard "datasets<4" accelerate \
+        torch==2.13.0
 
 As shipped it writes a broken checkpoint on the CPU: its quantizer keeps the block's weights before a scale
 candidate as `{k: v.cpu() ...}`, which on the CPU is the same tensor, so the in-place scaling is never undone
