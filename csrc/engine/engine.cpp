@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <iterator>
 
 #include "core/check.h"
 #include "core/clock.h"
@@ -248,7 +249,12 @@ void Engine::publish_metrics() {
     std::lock_guard<std::mutex> lock(metrics_mu_);
     published_metrics_ = metrics_;
   }
-  outbox_cv_.notify_one();  // deliver what this iteration posted
+  {  // this iteration's outputs become deliverable only now, after the metrics that count them
+    std::lock_guard<std::mutex> lock(outbox_mu_);
+    std::move(staged_.begin(), staged_.end(), std::back_inserter(outbox_));
+  }
+  staged_.clear();
+  outbox_cv_.notify_one();
 }
 
 void Engine::check_integrity() const {
@@ -263,16 +269,15 @@ void Engine::check_integrity() const {
 
 void Engine::post_release(std::shared_ptr<OutputCallback> cb) {
   // An empty output entry whose only job is to drop the last reference on the callback thread.
-  std::lock_guard<std::mutex> lock(outbox_mu_);
-  outbox_.emplace_back(std::move(cb), RequestOutput{});
-  outbox_.back().second.request_id = -1;
+  staged_.emplace_back(std::move(cb), RequestOutput{});
+  staged_.back().second.request_id = -1;
 }
 
 void Engine::post(std::shared_ptr<OutputCallback> cb, RequestOutput&& out) {
-  // The callback thread is woken once per loop iteration, after publish_metrics(): a consumer that
-  // sees its final output also sees metrics that count it, and a step's outputs go out as one batch.
-  std::lock_guard<std::mutex> lock(outbox_mu_);
-  outbox_.emplace_back(std::move(cb), std::move(out));
+  // Staged until publish_metrics() hands the iteration's outputs to the callback thread: a consumer that sees
+  // its final output also sees metrics that count it (the callback thread, still delivering the last batch,
+  // would otherwise take a finish before the step that freed its blocks is published).
+  staged_.emplace_back(std::move(cb), std::move(out));
 }
 
 void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const Failure& failure) {

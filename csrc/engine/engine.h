@@ -288,6 +288,7 @@ class Engine {
   std::condition_variable outbox_cv_;
   std::deque<std::pair<std::shared_ptr<OutputCallback>, RequestOutput>> outbox_;
   bool outbox_closed_ = false;
+  std::vector<std::pair<std::shared_ptr<OutputCallback>, RequestOutput>> staged_;  // loop thread only
 
   std::thread loop_thread_;
   std::thread callback_thread_;

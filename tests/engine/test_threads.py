@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 from lmkit import EngineConfig, GenerationConfig, pipeline
 
@@ -73,3 +74,34 @@ def test_close_with_requests_in_flight(tiny_llama):
             if out.finished:
                 assert out.finish_reason in ("cancelled", "length")
                 break
+
+
+def test_a_consumer_that_sees_a_final_output_sees_metrics_that_count_it(tiny_llama_pipe):
+    """A step's outputs reach the callback thread only after the metrics of that step are published: metrics read
+    on a final output count its request as finished. (The race this guards against, the callback thread taking a
+    final output between its post and the step's publication, is rare: a window of microseconds per step.)"""
+    engine = tiny_llama_pipe.engine
+    rng = random.Random(7)
+    lock = threading.Lock()
+    seen = {"finals": 0, "violations": []}
+    done = threading.Event()
+    num_requests = 64
+    first = engine.metrics().num_finished_requests
+
+    def on_output(out):
+        if not out.finished:
+            time.sleep(rng.random() * 0.0005)  # the callback thread looks at its outbox at random moments
+            return
+        with lock:
+            seen["finals"] += 1
+            m = engine.metrics()
+            if m.num_finished_requests - first < seen["finals"]:
+                seen["violations"].append((seen["finals"], m.num_finished_requests - first))
+            if seen["finals"] == num_requests:
+                done.set()
+
+    for _ in range(num_requests):
+        prompt = [rng.randrange(1, 250) for _ in range(rng.randrange(2, 20))]
+        engine.submit(prompt, GenerationConfig(max_new_tokens=rng.randrange(1, 40), ignore_eos=True), on_output)
+    assert done.wait(60)
+    assert seen["violations"] == []
