@@ -315,7 +315,7 @@ void Engine::flush(Sequence& seq, bool finished, FinishReason reason, const Fail
   post(finished ? std::move(seq.callback) : seq.callback, std::move(out));
 }
 
-// Ends seq: frees its blocks and slot, sends its last output. Caller holds state_mu_.
+// A finished output without tokens for one completion of seq's request. Caller holds state_mu_.
 void Engine::post_final(const Sequence& seq, int32_t sample_index, FinishReason reason, const Failure& failure) {
   RequestOutput out;
   out.request_id = seq.request_id;
@@ -338,6 +338,7 @@ void Engine::end_sample(int64_t request_id) {
   if (it != live_samples_.end() && --it->second <= 0) live_samples_.erase(it);
 }
 
+// Ends seq: frees its blocks and slot, sends its last output. Caller holds state_mu_.
 void Engine::finish(Sequence* seq, FinishReason reason, const Failure& failure) {
   std::unique_ptr<Sequence> owned = scheduler_.remove(seq->id);
   if (draft_) draft_->release(owned->id);
@@ -846,6 +847,7 @@ void Engine::loop() {
     }
     publish_metrics();
   }
+  publish_metrics();  // the shutdown's cancelled outputs go out now, not after the disk store's writes
   if (store_) {  // the pool's cached blocks survive a restart: written (waiting for the writer) before the loop ends
     try {
       if (persist_cached_blocks(true, steady_seconds() + kShutdownPersistSeconds))
