@@ -223,7 +223,7 @@ class Engine {
   // all, into their draft_tokens.
   void run_draft_model(const std::vector<Sequence*>& seqs, const std::vector<int32_t>& want, int32_t decode_rows,
                        int32_t max_rows);
-  void publish_metrics();  // the loop thread only (holding state_mu_ while the loop runs)
+  void publish_metrics();  // the loop thread only: under state_mu_ in the loop, without it after the loop
   // The disk store: a cached block evicted from the pool is copied out for the writer (BlockManager's eviction
   // listener); while idle, and at shutdown, cached blocks not yet on disk are copied out too, so that they survive a
   // restart. persist_cached_blocks() queues what the writer has room for (all, waiting for room, with wait), at most
