@@ -858,8 +858,7 @@ void Engine::loop() {
     }
     store_->close();
   }
-  publish_metrics();
-  {
+  {  // published above: the store's writes change no metric (its counters are read live)
     std::lock_guard<std::mutex> lock(outbox_mu_);
     outbox_closed_ = true;
   }
