@@ -44,23 +44,33 @@ class KlResult:
         return asdict(self)
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax in float64."""
-    x = logits.astype(np.float64)
-    x -= x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
-def window_stats(ref_logits: np.ndarray, model_logits: np.ndarray, targets: np.ndarray) \
+def window_stats(ref_logits: np.ndarray, model_logits: np.ndarray, targets: np.ndarray, rows: int = 16) \
         -> tuple[np.ndarray, np.ndarray, float, float]:
     """(KL per position, same-top-1 per position, sum of the reference's and the model's negative log-likelihood
-    of ``targets``) for [positions, vocab] logits; targets[i] is the token after position i (-1: none)."""
-    ref, got = log_softmax(ref_logits), log_softmax(model_logits)
-    kl = (np.exp(ref) * (ref - got)).sum(axis=-1)
+    of ``targets``) for [positions, vocab] logits; targets[i] is the token after position i (-1: none).
+
+    In float64, ``rows`` positions at a time (a window's [512, 49152] logits in float64 are 200 MB an array; a
+    few rows stay in cache). With x and y the rows less their maxima, Z = sum exp(x) and p = exp(x) / Z:
+    KL = sum p * ((x - log Z) - (y - log sum exp(y))) = sum exp(x) * (x - y) / Z - log Z + log sum exp(y)."""
+    n = ref_logits.shape[0]
+    kl = np.empty(n, dtype=np.float64)
+    nll_ref = nll_got = 0.0
+    for begin in range(0, n, rows):
+        x = ref_logits[begin:begin + rows].astype(np.float64)
+        y = model_logits[begin:begin + rows].astype(np.float64)
+        x -= x.max(axis=-1, keepdims=True)
+        y -= y.max(axis=-1, keepdims=True)
+        ex = np.exp(x)
+        zx = ex.sum(axis=-1)
+        log_zx = np.log(zx)
+        log_zy = np.log(np.exp(y).sum(axis=-1))
+        t = targets[begin:begin + rows]
+        scored = np.flatnonzero(t >= 0)
+        nll_ref -= float((x[scored, t[scored]] - log_zx[scored]).sum())
+        nll_got -= float((y[scored, t[scored]] - log_zy[scored]).sum())
+        x -= y
+        kl[begin:begin + rows] = np.einsum("ij,ij->i", ex, x) / zx - log_zx + log_zy
     same = ref_logits.argmax(axis=-1) == model_logits.argmax(axis=-1)
-    scored = np.flatnonzero(targets >= 0)
-    nll_ref = -float(ref[scored, targets[scored]].sum())
-    nll_got = -float(got[scored, targets[scored]].sum())
     return np.maximum(kl, 0.0), same, nll_ref, nll_got
 
 
