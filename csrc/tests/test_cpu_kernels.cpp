@@ -18,6 +18,7 @@
 #include "kernels/cpu/kernel_table.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/cpu/sampling.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/ops.h"
 #include "model/int4_layouts.h"
 #include "model/mxfp4.h"
@@ -1439,6 +1440,18 @@ struct AttnCheck {
   bool sinks = false;
 };
 
+// The thread counts test_attention_case runs the kernels at, against one float64 reference (whose cost dominates):
+// main() runs the attention tests once per ISA at 1, 2 and 3 threads; cases of decode key splits at 7, 8 and 9.
+std::vector<int> g_attn_threads = {1};
+
+// Runs the cases of f at the kernels' thread counts `threads` (test_attention_case's), then restores the previous.
+template <class F>
+void at_threads(std::vector<int> threads, F&& f) {
+  std::swap(g_attn_threads, threads);
+  f();
+  std::swap(g_attn_threads, threads);
+}
+
 void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int block_size_tokens, int window,
                          const std::vector<std::pair<int, int>>& q_ctx, int bits = 32, double tol = 1e-5,
                          AttnCheck check = {}) {
@@ -1459,7 +1472,8 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
   std::iota(free_blocks.begin(), free_blocks.end(), 0);
   std::shuffle(free_blocks.begin(), free_blocks.end(), g_rng);
 
-  std::vector<std::vector<int32_t>> tables(q_ctx.size());
+  std::vector<std::vector<int32_t>> tables(q_ctx.size()), slots(q_ctx.size());
+  std::vector<std::vector<float>> keys(q_ctx.size()), values(q_ctx.size());
   std::vector<ops::AttnSeq> seqs(q_ctx.size());
   int32_t rows = 0;
   size_t next_free = 0;
@@ -1469,33 +1483,34 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
     seqs[s] = ops::AttnSeq{rows, q_len, ctx_len, tables[s].data()};
     rows += q_len;
     // every position of the context, written the way the engine does (a slot per token)
-    std::vector<int32_t> slots(ctx_len);
-    for (int p = 0; p < ctx_len; ++p) slots[p] = tables[s][p / block_size_tokens] * block_size_tokens + p % block_size_tokens;
-    std::vector<float> k = randn((int64_t)ctx_len * num_kv_heads * head_dim),
-                       v = randn((int64_t)ctx_len * num_kv_heads * head_dim);
-    ops::kv_write(kv, k.data(), v.data(), slots.data(), ctx_len);
-    ops::reference::kv_write(kv_ref, k.data(), v.data(), slots.data(), ctx_len);
+    for (int p = 0; p < ctx_len; ++p) slots[s].push_back(tables[s][p / block_size_tokens] * block_size_tokens + p % block_size_tokens);
+    keys[s] = randn((int64_t)ctx_len * num_kv_heads * head_dim), values[s] = randn((int64_t)ctx_len * num_kv_heads * head_dim);
+    ops::reference::kv_write(kv_ref, keys[s].data(), values[s].data(), slots[s].data(), ctx_len);
   }
+  const std::vector<uint8_t> kpool_written = kpool_ref, vpool_written = vpool_ref;
   const std::string name = "bits " + std::to_string(bits) + " heads " + std::to_string(num_heads) + "/" + std::to_string(num_kv_heads) + " hd " +
                            std::to_string(head_dim) + " bs " + std::to_string(block_size_tokens) + " window " +
                            std::to_string(window) + " seqs " + std::to_string(q_ctx.size()) + " (q_len " +
                            std::to_string(q_ctx[0].first) + ", ctx " + std::to_string(q_ctx[0].second) + ")";
-  expect(kpool == kpool_ref && vpool == vpool_ref, "kv_write " + name);
-  int num_freed = 0;
+  std::vector<int32_t> freed;  // the blocks no query's window reaches
   for (size_t s = 0; s < q_ctx.size() && window > 0; ++s) {
     const auto [q_len, ctx_len] = q_ctx[s];
     const int first_key = std::max(0, ctx_len - q_len - window + 1);  // the first query's window start
-    for (int b = 0; b < first_key / block_size_tokens; ++b, ++num_freed) {
-      for (std::vector<uint8_t>* p : {&kpool, &vpool, &kpool_ref, &vpool_ref})
-        std::fill_n(p->begin() + (tables[s][b] + 1) * bb, bb, 0xff);
+    for (int b = 0; b < first_key / block_size_tokens; ++b) {
+      freed.push_back(tables[s][b]);
       tables[s][b] = -1;
     }
   }
-  const std::string full_name = name + (num_freed ? " freed " + std::to_string(num_freed) : "") +
+  auto free_blocks_of = [&](std::vector<uint8_t>& k, std::vector<uint8_t>& v) {
+    for (int32_t b : freed)
+      for (std::vector<uint8_t>* p : {&k, &v}) std::fill_n(p->begin() + (b + 1) * bb, bb, 0xff);
+  };
+  free_blocks_of(kpool_ref, vpool_ref);
+  const std::string full_name = name + (freed.empty() ? "" : " freed " + std::to_string(freed.size())) +
                                 (check.softcap > 0 ? " softcap " + std::to_string((int)check.softcap) : "") +
                                 (check.sinks ? " sinks" : "");
 
-  std::vector<float> q = randn((int64_t)rows * num_heads * head_dim), out(q.size(), NAN), ref(q.size());
+  std::vector<float> q = randn((int64_t)rows * num_heads * head_dim), ref(q.size());
   for (float& x : q) x *= check.q_scale;
   const float scale = 1.0f / std::sqrt((float)head_dim);
   std::vector<float> sink_logits;
@@ -1511,45 +1526,61 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
     sink_logits[0] = std::log((float)longest) + 4.0f + 5.0f * check.q_scale;
   }
   const float* sinks = check.sinks ? sink_logits.data() : nullptr;
-  ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, out.data(),
-                       check.softcap, sinks);
   ops::reference::paged_attention(q.data(), kv_ref, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window,
                                   ref.data(), check.softcap, sinks);
-  expect_close(out, ref, "paged_attention " + full_name, tol);
+  std::vector<float> sinkless, uncapped;
   if (check.sinks) {
-    std::vector<float> sinkless(q.size());
+    sinkless.resize(q.size());
     ops::reference::paged_attention(q.data(), kv_ref, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window,
                                     sinkless.data(), check.softcap);
-    expect(rel_err(out, sinkless) > 10 * tol, "paged_attention " + full_name + ": far from the sinkless result");
   }
   if (check.softcap > 0) {
-    std::vector<float> uncapped(q.size());
+    uncapped.resize(q.size());
     ops::reference::paged_attention(q.data(), kv_ref, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window,
                                     uncapped.data());
-    expect(rel_err(out, uncapped) > 10 * tol, "paged_attention " + full_name + ": far from the uncapped result");
   }
-  if (check.row_tol > 0) {
-    double worst = 0;
-    for (size_t r = 0; r < out.size() / head_dim; ++r) {
-      const std::vector<float> o(out.begin() + r * head_dim, out.begin() + (r + 1) * head_dim),
-          e(ref.begin() + r * head_dim, ref.begin() + (r + 1) * head_dim);
-      worst = std::max(worst, rel_err(o, e));
-    }
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), " (worst row %.3g)", worst);
-    expect(worst <= check.row_tol, "paged_attention per row, q x " + std::to_string(check.q_scale) + " " + full_name + buf);
-  }
-  if (check.other_path) {
-    std::vector<float> exact(out.size(), NAN);
-    const char* path = g_attn_path;
-    use_attention_path("f32");
-    ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, exact.data(),
+
+  const int restore = ops::cpu::team_threads();
+  for (int threads : g_attn_threads) {
+    ops::set_num_threads(threads);
+    const std::string at = " threads " + std::to_string(threads);
+    std::fill(kpool.begin(), kpool.end(), 0xff), std::fill(vpool.begin(), vpool.end(), 0xff);
+    for (size_t s = 0; s < q_ctx.size(); ++s)
+      ops::kv_write(kv, keys[s].data(), values[s].data(), slots[s].data(), q_ctx[s].second);
+    expect(kpool == kpool_written && vpool == vpool_written, "kv_write " + name + at);
+    free_blocks_of(kpool, vpool);
+    std::vector<float> out(q.size(), NAN);
+    ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, out.data(),
                          check.softcap, sinks);
-    use_attention_path(path);
-    const double moved = std::strcmp(path, "int8") == 0 ? 1e-7 : 1e-6;
-    expect(rel_err(out, exact) > moved,
-           "paged_attention " + full_name + ": the " + path + " path ran (result differs from fp32)");
+    expect_close(out, ref, "paged_attention " + full_name + at, tol);
+    if (check.sinks)
+      expect(rel_err(out, sinkless) > 10 * tol, "paged_attention " + full_name + at + ": far from the sinkless result");
+    if (check.softcap > 0)
+      expect(rel_err(out, uncapped) > 10 * tol, "paged_attention " + full_name + at + ": far from the uncapped result");
+    if (check.row_tol > 0) {
+      double worst = 0;
+      for (size_t r = 0; r < out.size() / head_dim; ++r) {
+        const std::vector<float> o(out.begin() + r * head_dim, out.begin() + (r + 1) * head_dim),
+            e(ref.begin() + r * head_dim, ref.begin() + (r + 1) * head_dim);
+        worst = std::max(worst, rel_err(o, e));
+      }
+      char buf[64];
+      std::snprintf(buf, sizeof(buf), " (worst row %.3g)", worst);
+      expect(worst <= check.row_tol, "paged_attention per row, q x " + std::to_string(check.q_scale) + " " + full_name + at + buf);
+    }
+    if (check.other_path) {
+      std::vector<float> exact(out.size(), NAN);
+      const char* path = g_attn_path;
+      use_attention_path("f32");
+      ops::paged_attention(q.data(), kv, seqs.data(), (int32_t)seqs.size(), num_heads, scale, window, exact.data(),
+                           check.softcap, sinks);
+      use_attention_path(path);
+      const double moved = std::strcmp(path, "int8") == 0 ? 1e-7 : 1e-6;
+      expect(rel_err(out, exact) > moved,
+             "paged_attention " + full_name + at + ": the " + path + " path ran (result differs from fp32)");
+    }
   }
+  ops::set_num_threads(restore);
 }
 
 // Whether `path` rounds the softmax weights of some task of this case: AMX tiles take every task (a lone key
@@ -1595,7 +1626,7 @@ void on_every_pool_and_path(Cases&& cases) {
 // freed (-1 in the table, NaN in the pool), on every KV format and every path: decode tasks (dot products, or
 // AMX tiles over a bf16 pool), prefill chunks after cached context (transposed tiles, or AMX), decode key splits
 // (8 threads). Scores up to ~30x unit scale.
-void test_attention_softcap_and_freed_blocks(int threads) {
+void test_attention_softcap_and_freed_blocks() {
   on_every_pool_and_path([&](auto& run) {
     run(8, 4, 256, 64, {{1, 300}, {40, 200}, {3, 90}}, 30.0f, 50.0f, false);  // Gemma 2: decode, chunk, short seq
     run(8, 4, 256, 0, {{1, 150}, {24, 24}}, 30.0f, 50.0f, false);             // its global layers
@@ -1603,14 +1634,16 @@ void test_attention_softcap_and_freed_blocks(int threads) {
     run(4, 2, 64, 50, {{1, 500}, {100, 400}, {64, 64}, {2, 77}}, 1.0f, 0.0f, false);  // windows alone
     run(2, 1, 96, 33, {{150, 150}}, 8.0f, 20.0f, false);                     // prefill alone, windowed
     run(8, 2, 512, 0, {{1, 300}, {24, 24}}, 30.0f, 50.0f, false);           // Gemma 4's global layers
-    ops::set_num_threads(8);  // decode key splits (over the window's keys: 2-4 splits of >= 128 keys)
-    run(8, 4, 256, 400, {{1, 1100}}, 30.0f, 50.0f, false);
-    run(4, 2, 64, 300, {{2, 900}, {1, 40}}, 8.0f, 20.0f, false);
-    run(4, 2, 64, 600, {{1, 1000}}, 1.0f, 0.0f, false);
-    ops::set_num_threads(threads);
+    at_threads({7, 8, 9}, [&] {  // decode key splits (over the window's keys: 2-4 splits of >= 128 keys)
+      run(8, 4, 256, 400, {{1, 1100}}, 30.0f, 50.0f, false);
+      run(4, 2, 64, 300, {{2, 900}, {1, 40}}, 8.0f, 20.0f, false);
+      run(4, 2, 64, 600, {{1, 1000}}, 1.0f, 0.0f, false);
+    });
   });
+}
 
-  // the door: a -1 entry of a block some window reaches is refused; one before every window is never read
+// The door: a -1 entry of a block some window reaches is refused; one before every window is never read.
+void test_attention_freed_block_door() {
   ops::KVLayer kv;
   kv.num_blocks = 4, kv.num_kv_heads = 1, kv.block_size_tokens = 4, kv.head_dim = 8;
   std::vector<float> kp(kv.num_blocks * kv.block_bytes() / 4, 0.5f), vp(kp.size(), 0.25f), q(8, 1.0f), out(8);
@@ -1635,15 +1668,15 @@ void test_attention_softcap_and_freed_blocks(int threads) {
 // gpt-oss's attention sinks (a logit per query head in every row's softmax, no value), with its alternating
 // windows, on every KV format and every path: decode tasks, prefill chunks after cached context, decode key splits
 // (8 threads), where a split's partial states are merged (the sink joins the merge once).
-void test_attention_sinks(int threads) {
+void test_attention_sinks() {
   on_every_pool_and_path([&](auto& run) {
     run(8, 2, 64, 32, {{1, 300}, {40, 200}, {3, 90}}, 4.0f, 0.0f, true);  // gpt-oss's sliding layers (window 128)
     run(8, 2, 64, 0, {{1, 150}, {24, 24}, {2, 2}}, 4.0f, 0.0f, true);     // its full layers
     run(4, 1, 128, 0, {{1, 1}, {30, 30}}, 1.0f, 0.0f, true);               // a lone key beside the sink
-    ops::set_num_threads(8);  // decode key splits
-    run(8, 2, 64, 0, {{1, 1100}}, 4.0f, 0.0f, true);
-    run(4, 2, 64, 300, {{2, 900}, {1, 40}}, 4.0f, 0.0f, true);
-    ops::set_num_threads(threads);
+    at_threads({7, 8, 9}, [&] {  // decode key splits
+      run(8, 2, 64, 0, {{1, 1100}}, 4.0f, 0.0f, true);
+      run(4, 2, 64, 300, {{2, 900}, {1, 40}}, 4.0f, 0.0f, true);
+    });
   });
 }
 
@@ -1683,7 +1716,7 @@ void test_kv_write_half_edges() {
   }
 }
 
-void test_attention(int threads) {
+void test_attention() {
   // quantized pools: kv_write byte-exact with the reference quantizer, attention against a float64
   // reference over the dequantized values (prefill, decode, split decode, odd block sizes, windows), on fp32 FMAs
   // and on VNNI dot products (decode tasks; its fixed points at 2^-16 of the largest value)
@@ -1763,16 +1796,16 @@ void test_attention(int threads) {
     }
     // more threads than a decode step has (sequence, kv head) tasks: key splits, some of them empty and unaligned,
     // and splits of multi-position tasks under a window
-    ops::set_num_threads(8);
-    for (int bs : {32, 6}) {
-      for (auto [heads, kv_heads, window, q_ctx] :
-           {std::tuple{9, 3, 0, std::vector<std::pair<int, int>>{{1, 1100}, {1, 3}}}, std::tuple{4, 2, 300, std::vector<std::pair<int, int>>{{4, 1100}}}}) {
-        const bool rounds = path_rounds(path, heads, kv_heads, 64, bs, q_ctx);
-        const double tol = rounds ? 5e-3 : 1e-5;
-        test_attention_case(heads, kv_heads, 64, bs, window, q_ctx, 16, tol, AttnCheck{tol, 1.0f, rounds});
+    at_threads({7, 8, 9}, [&] {
+      for (int bs : {32, 6}) {
+        for (auto [heads, kv_heads, window, q_ctx] :
+             {std::tuple{9, 3, 0, std::vector<std::pair<int, int>>{{1, 1100}, {1, 3}}}, std::tuple{4, 2, 300, std::vector<std::pair<int, int>>{{4, 1100}}}}) {
+          const bool rounds = path_rounds(path, heads, kv_heads, 64, bs, q_ctx);
+          const double tol = rounds ? 5e-3 : 1e-5;
+          test_attention_case(heads, kv_heads, 64, bs, window, q_ctx, 16, tol, AttnCheck{tol, 1.0f, rounds});
+        }
       }
-    }
-    ops::set_num_threads(threads);
+    });
   }
   default_attention_paths();
   // decode steps, prefill chunks and mixed batches; block sizes not powers of two; ctx not a multiple
@@ -2259,10 +2292,14 @@ int main(int argc, char** argv) {
       test_recurrent_checkpoints();
       test_softcap_scale();
       test_log_sum_exp();
-      test_attention(threads);
+      if (threads == 1)  // once, each case at 1, 2 and 3 threads against one float64 reference
+        at_threads({1, 2, 3}, [] {
+          test_attention();
+          test_attention_softcap_and_freed_blocks();
+          test_attention_sinks();
+        });
       test_kv_write_half_edges();
-      test_attention_softcap_and_freed_blocks(threads);
-      test_attention_sinks(threads);
+      test_attention_freed_block_door();
       test_batch_invariance();
     }
     std::printf("[%s] done\n", isa);
