@@ -4,6 +4,7 @@ SmolLM2, GPU tests skipped without a GPU, and a check that every engine gives al
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections import defaultdict
@@ -38,15 +39,19 @@ def pytest_collection_modifyitems(config, items):
 
 def heaviest_files_first(items) -> None:
     """Longest first: with --dist loadfile the workers take whole files in collection order. A file missing from
-    FILE_DURATIONS goes after the known ones; the tests of a file keep their order."""
+    FILE_DURATIONS goes before the known ones (a new file may be a heavy one: begun last, it would keep one worker
+    busy while the other waits; begun first, a light one costs nothing); the tests of a file keep their order."""
     try:
         seconds = json.loads(FILE_DURATIONS.read_text())
     except (OSError, ValueError):
         return
+    def file_of(item) -> str:
+        return item.nodeid.split("::")[0]
+
     first: dict[str, int] = {}
     for i, item in enumerate(items):
-        first.setdefault(item.nodeid.split("::")[0], i)
-    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0.0), first[item.nodeid.split("::")[0]]))
+        first.setdefault(file_of(item), i)
+    items.sort(key=lambda item: (-seconds.get(file_of(item), math.inf), first[file_of(item)]))
 
 
 _file_seconds: dict[str, float] = defaultdict(float)
