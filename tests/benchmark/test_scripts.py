@@ -75,6 +75,7 @@ def test_scheduling_benchmarks_smoke(smollm2_path, tmp_path):
     assert run.stdout.count("top_p") == 2
 
 
+@pytest.mark.slow
 def test_sharegpt_file_workload(smollm2_path, tmp_path):
     """--dataset: a file in ShareGPT's schema gives its first turns as prompts and the second turns' token
     counts as output lengths; conversations the filter rejects are skipped; too few is a clear error."""
@@ -186,6 +187,7 @@ def test_peers_benchmark_smoke(smollm2_path):
     assert "8/8" in run.stdout, run.stdout  # HF's greedy tokens match the engine's for all 8 smoke tokens
 
 
+@pytest.mark.slow
 def test_speculative_benchmark_smoke(smollm2_path):
     """bench_speculative.py --smoke: speculation off, n-gram and a draft model (the model itself) in worker processes
     over every workload and a small concurrency sweep; the drafts were verified, the draft model's tokens are those
@@ -202,6 +204,7 @@ def test_speculative_benchmark_smoke(smollm2_path):
     assert same and same.group(1) == same.group(2), out
 
 
+@pytest.mark.slow
 def test_hybrid_speculative_benchmark_smoke(tmp_path):
     """bench_speculative_hybrid.py --smoke: a tiny Qwen3.5 hybrid with drafts all kept, partly rejected (rolled back)
     and adaptively refused, and its random MTP head (whose drafts the adaptive rule may take or not, as the step
@@ -212,6 +215,7 @@ def test_hybrid_speculative_benchmark_smoke(tmp_path):
         assert row in run.stdout and run.stdout.split(row)[1].split("\n")[0].endswith("| yes |"), run.stdout
 
 
+@pytest.mark.slow
 def test_fp4_benchmark_smoke(tmp_path):
     """bench_fp4.py --smoke on a tiny Llama: the dense model and its NVFP4 form (written by lmkit lite fp4) side by
     side, one row each."""
@@ -226,6 +230,7 @@ def test_fp4_benchmark_smoke(tmp_path):
     assert (tmp_path / "work" / "nvfp4-tiny" / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_gguf_kl_benchmark_smoke():
     """bench_gguf_kl.py on the shipped Q4_1 GGUF, one window of 32 tokens: lmkit's default and variant rows (and
     llama.cpp's where llama-cpp-python is installed) against the fp model; the exact path's KL is ~0."""
@@ -311,6 +316,7 @@ def test_smoothquant_eval_benchmark_smoke(tmp_path):
     assert rows[0]["greedy_match"] == 32  # the fp model against itself
 
 
+@pytest.mark.slow
 def test_generation_benchmark_smoke(smollm2_path, tmp_path):
     """profile_generation.py --smoke: one grid cell with its roofline fraction, CSV and chart."""
     run = _run_script("profile_generation.py", "--smoke", "--model", str(smollm2_path), "--threads", "1",
@@ -390,6 +396,7 @@ def test_gpu_suite_script_parses(script):
     assert run.returncode == 0, run.stderr
 
 
+@pytest.mark.slow
 def test_server_hardening_benchmark_smoke(tiny_llama, tmp_path):
     """bench_server_hardening.py --smoke --mix all: a real api_server on the tiny model, its start-up and idle RSS,
     then each mix (oversized prompts, 100,000 choices, deep and wide schemas, scoring requests) with /health
@@ -424,6 +431,7 @@ def test_startup_benchmark_times_a_cold_and_a_warm_gguf_start():
     assert 0 < result["warm_median_s"] < result["first_s"], result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, weights, layers", [("gpt-oss", "MXFP4", 2), ("qwen35", "Q4_0", 4)])
 def test_families_benchmark_smoke(tmp_path, family, weights, layers):
     """bench_families.py --smoke: a tiny file of the family (as llama.cpp lays it out) written into LMKIT_CACHE and
@@ -435,6 +443,7 @@ def test_families_benchmark_smoke(tmp_path, family, weights, layers):
     assert (tmp_path / "peers" / f"tiny-{layers}l-{weights.lower()}.gguf").is_file()
 
 
+@pytest.mark.slow
 def test_families_benchmark_contexts_smoke(tmp_path):
     """bench_families.py --family qwen35 --contexts (int8 KV): lmkit's decode after prompts of two lengths, on the
     tiny hybrid and its all-attention twin, both rows in the table."""
@@ -446,6 +455,7 @@ def test_families_benchmark_contexts_smoke(tmp_path):
     assert "int8 KV" in run.stdout, run.stdout
 
 
+@pytest.mark.slow
 def test_long_context_benchmark_smoke(tmp_path):
     """bench_long_context.py --smoke: a tiny Llama 3 file with its rope_freqs written into LMKIT_CACHE, served by
     lmkit in a worker process at 1,024 tokens with a bf16 and an int8 cache; every row in the table, no error."""

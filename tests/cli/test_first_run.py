@@ -62,6 +62,7 @@ def test_generate_sends_a_chat_turn_unless_raw(tiny_llama, tiny_llama_pipe):
     assert len(tiny_llama_pipe.encode(messages)) > len(tiny_llama_pipe.encode("hello")) + 5  # the template's tokens
 
 
+@pytest.mark.slow
 def test_generate_argument_errors(tiny_llama, tmp_path):
     """One argument is the prompt; a model (a path, a .gguf name, a hub id) alone, a missing model, or no prompt are
     clear usage errors."""

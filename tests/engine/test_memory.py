@@ -422,6 +422,7 @@ def wide_kv_llama(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 @pytest.mark.parametrize("draft", [False, True], ids=["plain", "draft-model"])
 def test_an_idle_engine_gives_a_long_prompts_memory_back(wide_kv_llama, draft):

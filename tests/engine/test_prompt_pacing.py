@@ -11,6 +11,7 @@ import asyncio
 import time
 
 import numpy as np
+import pytest
 
 from lmkit import AsyncEngine, EngineConfig, GenerationConfig
 from tests.helpers import assert_blocks_free
@@ -65,6 +66,7 @@ def run(model: str, slowdown: float) -> dict:
         engine.close()
 
 
+@pytest.mark.slow
 def test_decodes_go_on_beside_a_long_prompt_and_a_short_request_goes_first(smollm2_path):
     paced, unpaced = run(smollm2_path, EngineConfig().decode_slowdown), run(smollm2_path, 0)
     # Unpaced the 1,800 tokens are one step: the decoder gets at most the tokens of the steps around it.

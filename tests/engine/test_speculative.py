@@ -80,6 +80,7 @@ FAST_PATHS = [pytest.param("bfloat16", marks=[NO_AMX, pytest.mark.skipif(
     not _engine.cpu_bf16_available(), reason="bf16 dot products need AVX512_BF16")]), "gguf"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", FAST_PATHS)
 def test_greedy_is_identical_on_the_fast_paths(path):
     """The bundled SmolLM2 on bf16 dot products (dtype bfloat16, the default on AVX512_BF16 CPUs) and as the shipped

@@ -322,6 +322,7 @@ def test_vocabularies_of_other_sizes(tmp_path):
             pipe.engine.check_integrity()
 
 
+@pytest.mark.slow
 def test_a_long_prompts_catch_up_waits_until_it_pays(smollm2_path):
     """SmolLM2 drafted by its shipped Q4_1 copy, adaptive: the draft's first pass over a context costs about the
     model's own prefill, so a 1,500-token prompt with 4 tokens to go is never caught up (its 3 decode steps could not

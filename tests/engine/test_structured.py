@@ -143,6 +143,7 @@ def test_greedy_and_logprobs_see_the_masked_distribution(smollm2_pipe):
     assert matcher.is_accepting()
 
 
+@pytest.mark.slow
 def test_sampled_answers_validate_and_free_rows_are_unchanged(smollm2_pipe):
     """Constrained and free rows in one batch: every constrained sample (temperature 1) validates; a free greedy
     row beside them gives the text it gives alone."""

@@ -96,6 +96,7 @@ def test_lmkit_model_matches_hf(lite_tiny_llama, task_manager, hf_results):
         lm.close()
 
 
+@pytest.mark.slow
 def test_local_completions_against_the_server(lite_tiny_llama, task_manager, hf_results):
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 

@@ -79,6 +79,7 @@ def assert_rows_match(name: str, response, prompt: list[int], want: np.ndarray, 
     assert decode.argmax(-1).tolist() == response.token_ids, f"{name}: greedy tokens are not HF's argmax"
 
 
+@pytest.mark.slow
 def test_long_prompt_matches_hf(case):
     """A LONG_TOKENS prompt (every row's logits), then one sharing all but its last 2,000 tokens, its prefix
     cached (the logprobs of its greedy tokens: a cached row has no logits): both as HF."""
@@ -102,6 +103,7 @@ def test_long_prompt_matches_hf(case):
                                                     f"against HF's {expect}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 def test_long_prompt_kv_quantized_matches_fake_quant_reference(case, bits):
     """int8 / int4 KV over LONG_TOKENS: nearer HF with K/V fake-quantized the same way (2e-3 / 1e-2 relative over

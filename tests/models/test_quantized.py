@@ -175,6 +175,7 @@ def test_kv_byte_budget_capacity(tmp_path):
     assert fp16 / per_block[8] > 1.85 and fp16 / per_block[4] > 3.5
 
 
+@pytest.mark.slow
 def test_smollm2_int8_kv_greedy_agrees_with_fp(smollm2_path):
     """SmolLM2 with int8 KV against fp KV, teacher-forced on fp's own greedy continuations (free-running
     greedy text diverges for good at the first near-tie, so whole-sequence equality measures luck): the

@@ -59,6 +59,7 @@ def read_until(p: subprocess.Popen, text: str, timeout_s: float) -> str:
     return seen
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_answer_not_the_chat(tmp_path):
     # ~60 M parameters: ~10 ms per token, so a 500-token answer takes seconds even with fast kernels
     # (a 10 M-parameter model finished its answer before the signal once the kernels got faster)

@@ -274,6 +274,7 @@ def stop(proc) -> None:
         proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_streams_and_exits_0(slow_llama):
     """8 streams in progress at SIGTERM all complete; /health and new requests get 503 at once; exit 0."""
     proc, url = start_api_server(slow_llama)

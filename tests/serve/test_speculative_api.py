@@ -47,6 +47,7 @@ def spec_counters(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
+@pytest.mark.slow
 def test_prediction_gives_the_same_answer_and_is_counted(smollm2_server):
     url = smollm2_server.url
     plain = chat(url, speculative=False)["choices"][0]["message"]["content"]

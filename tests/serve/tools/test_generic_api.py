@@ -55,6 +55,7 @@ def check_calls(message, names=tuple(SCHEMAS)) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+@pytest.mark.slow
 def test_required_and_named_calls_validate(client):
     for choice, temperature, names in [("required", 0.0, tuple(SCHEMAS)),
                                        ({"type": "function", "function": {"name": "search"}}, 1.0, ("search",))]:
@@ -66,6 +67,7 @@ def test_required_and_named_calls_validate(client):
         assert_streamed_as_whole(client, body, r)
 
 
+@pytest.mark.slow
 def test_auto_answers_with_calls_or_content(client):
     kinds = set()
     for temperature, seed in [(0.0, 0), (1.0, 1)]:
@@ -83,6 +85,7 @@ def test_auto_answers_with_calls_or_content(client):
     assert False in kinds  # SmolLM2 answers this greedily in text
 
 
+@pytest.mark.slow
 def test_tool_round_trip_renders(client):
     first = client.chat.completions.create(**ask(tool_choice="required", parallel_tool_calls=False, temperature=0))
     (call,) = first.choices[0].message.tool_calls
