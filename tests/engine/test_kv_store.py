@@ -88,18 +88,28 @@ def test_a_long_read_goes_a_share_a_step_while_others_run(tiny_llama, tmp_path, 
     folder, _ = tiny_llama
     doc, _ = prompts()
     turn2, fresh = doc + [7, 8, 9], prompts(seed=1)[1][0]  # fresh: none of its blocks on disk
-    # `beside` decodes for 290 steps: still running when the turn is admitted, however late the turn is submitted
-    gen = GenerationConfig(max_new_tokens=290, ignore_eos=True)
+    # `beside` decodes for 340 steps (a tiny model's steps take a millisecond or two): still running when the turn
+    # is admitted. Both go in by the engine's own submit, back to back: a full run once saw the turn arrive after
+    # `beside` had ended (290 steps then, and a pipeline's per-request Python work between the two submissions)
+    gen, gen_beside = (GenerationConfig(max_new_tokens=n, ignore_eos=True) for n in (290, 340))
     store = tmp_path / "store"
     evict_and_return(folder, store)  # the document's blocks are on disk
     config = EngineConfig(**{**BASE, "cache_max_entry_count": 80}, enable_prefix_caching=True,  # room for both
                           kv_cache_dir=str(store), kv_cache_read_mib_per_step=read_mib)
     with pipeline(folder, config) as p:
-        beside, second = p([fresh, turn2], gen)  # `beside` is admitted first, then the second turn
+        queues = [p.engine.submit_to_queue(ids, g)[1] for ids, g in ((fresh, gen_beside), (turn2, gen))]
+        beside, second = ([], []), ([], [])
+        for q, got in zip(queues, (beside, second)):
+            while not got[1]:
+                o = q.get(timeout=120)
+                got[0].extend(o.token_ids)
+                if o.finished:
+                    got[1].append(o.finish_reason)
         m = p.engine.metrics()
         p.engine.check_integrity()
-    assert second.token_ids == cold(folder, turn2, gen, cache_max_entry_count=80)
-    assert beside.token_ids == cold(folder, fresh, gen, cache_max_entry_count=80)
+    assert beside[1] == second[1] == ["length"]
+    assert second[0] == cold(folder, turn2, gen, cache_max_entry_count=80)
+    assert beside[0] == cold(folder, fresh, gen_beside, cache_max_entry_count=80)
     assert m.num_store_hit_tokens == 12 * 16 and m.num_prefix_hit_tokens == 12 * 16, m
     # lookups that found blocks: one a step while capped (`beside`'s own lookup found none)
     assert m.num_store_read_blocks == 12 and m.num_store_missed_lookups == 1, m
