@@ -49,8 +49,8 @@ def window_stats(ref_logits: np.ndarray, model_logits: np.ndarray, targets: np.n
     """(KL per position, same-top-1 per position, sum of the reference's and the model's negative log-likelihood
     of ``targets``) for [positions, vocab] logits; targets[i] is the token after position i (-1: none).
 
-    In float64, ``rows`` positions at a time (a window's [512, 49152] logits in float64 are 200 MB an array; a
-    few rows stay in cache). With x and y the rows less their maxima, Z = sum exp(x) and p = exp(x) / Z:
+    In float64, ``rows`` positions at a time (a window's [512, 49152] logits in float64 are 200 MB an array, each
+    page-faulted in; 16 rows are 6 MB). With x and y the rows less their maxima, Z = sum exp(x) and p = exp(x) / Z:
     KL = sum p * ((x - log Z) - (y - log sum exp(y))) = sum exp(x) * (x - y) / Z - log Z + log sum exp(y)."""
     n = ref_logits.shape[0]
     kl = np.empty(n, dtype=np.float64)

@@ -45,6 +45,7 @@ def heaviest_files_first(items) -> None:
         seconds = json.loads(FILE_DURATIONS.read_text())
     except (OSError, ValueError):
         return
+
     def file_of(item) -> str:
         return item.nodeid.split("::")[0]
 

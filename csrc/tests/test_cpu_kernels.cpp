@@ -1483,8 +1483,10 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
     seqs[s] = ops::AttnSeq{rows, q_len, ctx_len, tables[s].data()};
     rows += q_len;
     // every position of the context, written the way the engine does (a slot per token)
-    for (int p = 0; p < ctx_len; ++p) slots[s].push_back(tables[s][p / block_size_tokens] * block_size_tokens + p % block_size_tokens);
-    keys[s] = randn((int64_t)ctx_len * num_kv_heads * head_dim), values[s] = randn((int64_t)ctx_len * num_kv_heads * head_dim);
+    for (int p = 0; p < ctx_len; ++p)
+      slots[s].push_back(tables[s][p / block_size_tokens] * block_size_tokens + p % block_size_tokens);
+    keys[s] = randn((int64_t)ctx_len * num_kv_heads * head_dim);
+    values[s] = randn((int64_t)ctx_len * num_kv_heads * head_dim);
     ops::reference::kv_write(kv_ref, keys[s].data(), values[s].data(), slots[s].data(), ctx_len);
   }
   const std::vector<uint8_t> kpool_written = kpool_ref, vpool_written = vpool_ref;
@@ -1566,7 +1568,8 @@ void test_attention_case(int num_heads, int num_kv_heads, int head_dim, int bloc
       }
       char buf[64];
       std::snprintf(buf, sizeof(buf), " (worst row %.3g)", worst);
-      expect(worst <= check.row_tol, "paged_attention per row, q x " + std::to_string(check.q_scale) + " " + full_name + at + buf);
+      expect(worst <= check.row_tol,
+             "paged_attention per row, q x " + std::to_string(check.q_scale) + " " + full_name + at + buf);
     }
     if (check.other_path) {
       std::vector<float> exact(out.size(), NAN);
@@ -1625,7 +1628,7 @@ void on_every_pool_and_path(Cases&& cases) {
 // Gemma 2's logit soft-capping (cap 50 at head_dim 256, also cap 5) and sliding windows whose dead blocks are
 // freed (-1 in the table, NaN in the pool), on every KV format and every path: decode tasks (dot products, or
 // AMX tiles over a bf16 pool), prefill chunks after cached context (transposed tiles, or AMX), decode key splits
-// (8 threads). Scores up to ~30x unit scale.
+// (7, 8 and 9 threads). Scores up to ~30x unit scale.
 void test_attention_softcap_and_freed_blocks() {
   on_every_pool_and_path([&](auto& run) {
     run(8, 4, 256, 64, {{1, 300}, {40, 200}, {3, 90}}, 30.0f, 50.0f, false);  // Gemma 2: decode, chunk, short seq
@@ -1667,7 +1670,7 @@ void test_attention_freed_block_door() {
 
 // gpt-oss's attention sinks (a logit per query head in every row's softmax, no value), with its alternating
 // windows, on every KV format and every path: decode tasks, prefill chunks after cached context, decode key splits
-// (8 threads), where a split's partial states are merged (the sink joins the merge once).
+// (7, 8 and 9 threads), where a split's partial states are merged (the sink joins the merge once).
 void test_attention_sinks() {
   on_every_pool_and_path([&](auto& run) {
     run(8, 2, 64, 32, {{1, 300}, {40, 200}, {3, 90}}, 4.0f, 0.0f, true);  // gpt-oss's sliding layers (window 128)

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 import httpx
+import pytest
 
 from tests.helpers import assert_blocks_free
 from tests.serve.hostile_client import send
@@ -56,6 +57,7 @@ def ordinary(url: str) -> float:
     return time.perf_counter() - started
 
 
+@pytest.mark.slow
 def test_hostile_inputs_together_leave_the_server_useful(api_server, tiny_engine, monkeypatch):
     from lmkit.serve import openai_serving
 
