@@ -88,28 +88,36 @@ def test_a_long_read_goes_a_share_a_step_while_others_run(tiny_llama, tmp_path, 
     folder, _ = tiny_llama
     doc, _ = prompts()
     turn2, fresh = doc + [7, 8, 9], prompts(seed=1)[1][0]  # fresh: none of its blocks on disk
-    # `beside` decodes for 340 steps (a tiny model's steps take a millisecond or two): still running when the turn
-    # is admitted. Both go in by the engine's own submit, back to back: a full run once saw the turn arrive after
-    # `beside` had ended (290 steps then, and a pipeline's per-request Python work between the two submissions)
-    gen, gen_beside = (GenerationConfig(max_new_tokens=n, ignore_eos=True) for n in (290, 340))
+    # `beside` may decode 870 steps (up to the model's 1,024 positions) and is cancelled once the turn has ended, so
+    # it runs throughout the turn's read (12 steps) unless the turn arrives 870 steps late. A tiny model's step takes
+    # a fraction of a millisecond: a fresh-clone run once read all 12 blocks in one lookup, most likely because the
+    # turn (then submitted through a pipeline) arrived after a `beside` of 290 steps had ended.
+    gen, gen_beside = (GenerationConfig(max_new_tokens=n, ignore_eos=True) for n in (8, 870))
+    room = dict(cache_max_entry_count=96, session_len=1024)  # both at once
     store = tmp_path / "store"
     evict_and_return(folder, store)  # the document's blocks are on disk
-    config = EngineConfig(**{**BASE, "cache_max_entry_count": 80}, enable_prefix_caching=True,  # room for both
-                          kv_cache_dir=str(store), kv_cache_read_mib_per_step=read_mib)
+    config = EngineConfig(**{**BASE, **room}, enable_prefix_caching=True, kv_cache_dir=str(store),
+                          kv_cache_read_mib_per_step=read_mib)
     with pipeline(folder, config) as p:
-        queues = [p.engine.submit_to_queue(ids, g)[1] for ids, g in ((fresh, gen_beside), (turn2, gen))]
-        beside, second = ([], []), ([], [])
-        for q, got in zip(queues, (beside, second)):
-            while not got[1]:
+        (beside_id, beside_q), (_, turn_q) = (p.engine.submit_to_queue(ids, g) for ids, g in
+                                              ((fresh, gen_beside), (turn2, gen)))
+        outputs = {"beside": [], "second": []}
+
+        def drain(q, name: str):
+            while True:
                 o = q.get(timeout=120)
-                got[0].extend(o.token_ids)
+                outputs[name].extend(o.token_ids)
                 if o.finished:
-                    got[1].append(o.finish_reason)
+                    return o.finish_reason, o.error
+
+        assert drain(turn_q, "second") == ("length", "")
+        p.engine.cancel(beside_id)
+        assert drain(beside_q, "beside") == ("cancelled", "")  # it ran throughout the turn
         m = p.engine.metrics()
         p.engine.check_integrity()
-    assert beside[1] == second[1] == ["length"]
-    assert second[0] == cold(folder, turn2, gen, cache_max_entry_count=80)
-    assert beside[0] == cold(folder, fresh, gen_beside, cache_max_entry_count=80)
+    assert outputs["second"] == cold(folder, turn2, gen, **room)
+    beside = outputs["beside"]
+    assert 0 < len(beside) < 870 and beside == cold(folder, fresh, gen_beside, **room)[:len(beside)]
     assert m.num_store_hit_tokens == 12 * 16 and m.num_prefix_hit_tokens == 12 * 16, m
     # lookups that found blocks: one a step while capped (`beside`'s own lookup found none)
     assert m.num_store_read_blocks == 12 and m.num_store_missed_lookups == 1, m
