@@ -101,22 +101,24 @@ def test_a_long_read_goes_a_share_a_step_while_others_run(tiny_llama, tmp_path, 
     with pipeline(folder, config) as p:
         (beside_id, beside_q), (_, turn_q) = (p.engine.submit_to_queue(ids, g) for ids, g in
                                               ((fresh, gen_beside), (turn2, gen)))
-        outputs = {"beside": [], "second": []}
 
-        def drain(q, name: str):
+        def drain(q) -> tuple[list[int], str, str]:
+            """A completion's tokens, finish reason and error, from its outputs up to the final one."""
+            tokens = []
             while True:
                 o = q.get(timeout=120)
-                outputs[name].extend(o.token_ids)
+                tokens.extend(o.token_ids)
                 if o.finished:
-                    return o.finish_reason, o.error
+                    return tokens, o.finish_reason, o.error
 
-        assert drain(turn_q, "second") == ("length", "")
+        second, *end = drain(turn_q)
+        assert end == ["length", ""]
         p.engine.cancel(beside_id)
-        assert drain(beside_q, "beside") == ("cancelled", "")  # it ran throughout the turn
+        beside, *end = drain(beside_q)
+        assert end == ["cancelled", ""]  # it ran throughout the turn
         m = p.engine.metrics()
         p.engine.check_integrity()
-    assert outputs["second"] == cold(folder, turn2, gen, **room)
-    beside = outputs["beside"]
+    assert second == cold(folder, turn2, gen, **room)
     assert 0 < len(beside) < 870 and beside == cold(folder, fresh, gen_beside, **room)[:len(beside)]
     assert m.num_store_hit_tokens == 12 * 16 and m.num_prefix_hit_tokens == 12 * 16, m
     # lookups that found blocks: one a step while capped (`beside`'s own lookup found none)
