@@ -14,8 +14,10 @@ for f in "$ROOT"/csrc/kernels/cpu/*.cpp; do
   g++ $F $X -c "$f" -o "$OUT/$b.o"
   objs+=("$OUT/$b.o")
 done
-# the AWQ rows read their weights through the checkpoint layouts' Int4Source
-g++ $F -c "$ROOT/csrc/model/int4_layouts.cpp" -o "$OUT/int4_layouts.o"
-objs+=("$OUT/int4_layouts.o")
+# the AWQ rows read their weights through the checkpoint layouts' Int4Source (which reads MXFP4 ones too)
+for b in int4_layouts mxfp4; do
+  g++ $F -c "$ROOT/csrc/model/$b.cpp" -o "$OUT/$b.o"
+  objs+=("$OUT/$b.o")
+done
 g++ $F "$ROOT/benchmark/kernels/bench_cpu_kernels.cpp" "${objs[@]}" -o "$OUT/bench_cpu_kernels"
 "$OUT/bench_cpu_kernels" "${1:-avx512}" "${2:-2}" "${3:-}"
