@@ -184,13 +184,13 @@ LinearWeight pack_linear_bf16(const Tensor& weight);
 // InvalidArgument saying so (and what to use instead) when it has not.
 bool bf16_dot_available();
 void require_bf16_dot();
-// Whether bf16 pair panels run on AMX tiles here (AMX-BF16, granted to the process by the OS) in calls of
-// at least kLinearAmxMinRows rows (the result is that of the dot-product kernel up to the order of fp32
-// sums), and so does paged_attention's decode over a bf16 KV cache (head_dim, block_size_tokens % 32 == 0).
+// Whether bf16 pair panels run on AMX tiles here (AMX-BF16, granted to the process by the OS), in every call,
+// one row included, so that a row's bits do not depend on the rows beside it (the result is that of the
+// dot-product kernel up to the order of fp32 sums), and so does paged_attention over a bf16 KV cache (head_dim,
+// block_size_tokens % 32 == 0).
 bool bf16_amx_available();
-constexpr int64_t kLinearAmxMinRows = 2;
 // Whether AWQ int4 layers with int8 activations run on AMX tiles (AMX-INT8, granted by the OS) in calls of
-// at least kLinearAmxInt8MinRows rows (fewer stream the weight, as fast on VNNI).
+// at least kLinearAmxInt8MinRows rows (fewer stream the weight, as fast on VNNI), with the VNNI kernel's bits.
 bool int8_amx_available();
 constexpr int64_t kLinearAmxInt8MinRows = 32;
 // Int4 Zeros and Symmetric layers with groups of more than 32 quantize x per weight group instead of per 32

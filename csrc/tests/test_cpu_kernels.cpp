@@ -772,6 +772,16 @@ void test_linear_int4_q8(const char* kernel) {
       for (int64_t k = 0; k < s.K; ++k) x[(s.M / 2) * s.K + k] = 0.0f;  // a zero row: d = 0
       ops::linear(x.data(), s.M, w, with_bias ? b.t : Tensor{}, out.data());
       const bool tiles = std::strcmp(kernel, "amx") == 0 && s.M >= ops::kLinearAmxInt8MinRows;
+      if (tiles) {  // the tiles give VNNI's bits: the same x per group, integer sums and fp32 steps in its order
+        std::vector<float> dot(out.size(), NAN);
+        ops::cpu::use_amx(false);
+        ops::linear(x.data(), s.M, w, with_bias ? b.t : Tensor{}, dot.data());
+        ops::cpu::use_amx(true);
+        expect(std::memcmp(dot.data(), out.data(), out.size() * 4) == 0,
+               "linear int4 x int8 g" + std::to_string(s.g) + " M " + std::to_string(s.M) + " N " +
+                   std::to_string(s.N) + " K " + std::to_string(s.K) + (with_bias ? " bias" : "") +
+                   (symmetric ? " symmetric" : "") + ": AMX tiles give the VNNI kernel's bits");
+      }
       const bool vnni_groups = std::strcmp(g_isa, "avx512") == 0;
       const std::vector<float> xq = quantize_q8(x, s.M, s.K, tiles || vnni_groups ? s.g : 32);
       const std::vector<float> ref = linear_f64(xq, s.M, a.dense, s.N, s.K, with_bias ? b.f32.data() : nullptr);
@@ -1204,10 +1214,9 @@ void test_linear_bf16_kernel(const char* kernel) {
         ops::linear(other.data(), s.M + 37, packed, b.t, other_out.data());
         ops::linear(x.data(), s.M, packed, b.t, again.data());
         expect(std::memcmp(again.data(), out.data(), out.size() * 4) == 0, name + ": the same bits on a second call");
-        // rows come out alike in a call of fewer rows (on AMX, of at least kLinearAmxMinRows: a single row takes the
-        // dot-product kernel, which rounds its pairs' sums differently)
+        // rows come out alike in a call of fewer rows, a single one included (on AMX CPUs every call takes the tiles)
         const int64_t h = s.M / 2;
-        if (h > 0 && (std::strcmp(kernel, "amx") != 0 || s.M - h >= ops::kLinearAmxMinRows)) {
+        if (h > 0) {
           std::vector<float> tail((s.M - h) * s.N, NAN);
           ops::linear(x.data() + h * s.K, s.M - h, packed, b.t, tail.data());
           expect(std::memcmp(tail.data(), out.data() + h * s.N, tail.size() * 4) == 0, name + ": rows alike in fewer");
@@ -2140,14 +2149,23 @@ void test_recurrent_checkpoints() {
 // ctest can run the ISAs side by side as separate tests.
 // Batch invariance, which speculative decoding's exactness rests on (a draft row must score as its decode step
 // would): a row of x gives the same bits alone and in a call of any height, at any place in it, for every linear
-// format and kernel this ISA runs (AMX tiles off: they take calls of several rows); paged_attention gives a
+// format and kernel this ISA runs, with AMX tiles off and, where the CPU has them, on (bf16 pairs take the tiles
+// in every call; AWQ x int8 from kLinearAmxInt8MinRows rows, with VNNI's bits); paged_attention gives a
 // sequence's rows the same bits whatever else the call holds and at any thread count, and a decode row
 // (AttnSeq::num_decode_rows) the bits of its own decode step.
 bool same_bits(const float* a, const float* b, int64_t n) { return std::memcmp(a, b, sizeof(float) * (size_t)n) == 0; }
+void test_linear_batch_invariance(bool amx);
+void test_attention_batch_invariance();
 
 void test_batch_invariance() {
-  ops::cpu::use_amx(false);
-  const int64_t N = 104, K = 640, M = 40;  // N: a partial last panel
+  for (bool amx : {false, true})
+    if (ops::cpu::use_amx(amx) == amx) test_linear_batch_invariance(amx);
+  ops::cpu::use_amx(true);
+  test_attention_batch_invariance();
+}
+
+void test_linear_batch_invariance(bool amx) {
+  const int64_t N = 104, K = 640, M = 40;  // N: a partial last panel; K: two K chunks of the AMX-INT8 kernel
   std::vector<std::pair<std::string, ops::LinearWeight>> ws;
   for (DType dt : {DType::F32, DType::F16, DType::BF16}) {
     const Weight w = make_weight(dt, N, K);
@@ -2183,12 +2201,14 @@ void test_batch_invariance() {
       std::vector<float> part(m * N, NAN);
       ops::linear(x.data() + r0 * K, m, w, bias.t, part.data());
       expect(same_bits(part.data(), full.data() + r0 * N, m * N),
-             "linear " + name + ": rows " + std::to_string(r0) + ".." + std::to_string(r0 + m) + " of a call of " +
-                 std::to_string(M) + " give the bits of a call of " + std::to_string(m));
+             "linear " + name + (amx ? " (AMX on)" : "") + ": rows " + std::to_string(r0) + ".." +
+                 std::to_string(r0 + m) + " of a call of " + std::to_string(M) + " give the bits of a call of " +
+                 std::to_string(m));
     }
   }
-  ops::cpu::use_amx(true);
+}
 
+void test_attention_batch_invariance() {
   // attention: one target sequence (chunk of 2 rows + 4 decode rows, keys crossing the 256-key segments), alone,
   // among others, at other thread counts, and each decode row as its own decode step
   for (int bits : {32, 16, 8})
@@ -2238,22 +2258,24 @@ void test_batch_invariance() {
       const std::vector<float> chunk = run({ops::AttnSeq{0, q_len - d, ctx - d, table}}, 2);
       expect(same_bits(alone.data(), chunk.data(), (q_len - d) * row_floats), name + ": the rows before, as their chunk");
       // prompt rows (AttnSeq::prefill): the last 40 positions as one chunk, and cut into chunks of 1, 2, 3, 11 and
-      // 23 rows (a chunk of few rows would be decode-shaped): the same bits (AMX tiles off, as for the linears)
-      ops::cpu::use_amx(false);
-      const int P = 40;
-      const std::vector<float> whole = run({ops::AttnSeq{0, P, ctx, table, 0, true}}, 2);
-      std::vector<ops::AttnSeq> pieces;
-      for (int at = 0, k = 0; at < P; ++k) {
-        const int len = std::min(P - at, std::vector<int>{1, 2, 3, 11, 23}[k % 5]);
-        pieces.push_back(ops::AttnSeq{at, len, ctx - P + at + len, table, 0, true});
-        at += len;
-      }
-      for (const ops::AttnSeq& piece : pieces) {
-        const std::vector<float> part = run({piece}, 3);
-        expect(same_bits(whole.data() + piece.q_row * row_floats, part.data() + piece.q_row * row_floats,
-                         piece.q_len * row_floats),
-               name + ": prompt rows " + std::to_string(piece.q_row) + "+" + std::to_string(piece.q_len) +
-                   " as a chunk of their own");
+      // 23 rows (a chunk of few rows would be decode-shaped): the same bits, AMX tiles off and on
+      for (bool amx : {false, true}) {
+        if (ops::cpu::use_amx(amx) != amx) continue;
+        const int P = 40;
+        const std::vector<float> whole = run({ops::AttnSeq{0, P, ctx, table, 0, true}}, 2);
+        std::vector<ops::AttnSeq> pieces;
+        for (int at = 0, k = 0; at < P; ++k) {
+          const int len = std::min(P - at, std::vector<int>{1, 2, 3, 11, 23}[k % 5]);
+          pieces.push_back(ops::AttnSeq{at, len, ctx - P + at + len, table, 0, true});
+          at += len;
+        }
+        for (const ops::AttnSeq& piece : pieces) {
+          const std::vector<float> part = run({piece}, 3);
+          expect(same_bits(whole.data() + piece.q_row * row_floats, part.data() + piece.q_row * row_floats,
+                           piece.q_len * row_floats),
+                 name + (amx ? " (AMX on)" : "") + ": prompt rows " + std::to_string(piece.q_row) + "+" +
+                     std::to_string(piece.q_len) + " as a chunk of their own");
+        }
       }
       ops::cpu::use_amx(true);
     }

@@ -208,8 +208,14 @@ std::atomic<bool> g_int8_attention_enabled{true};
 const KernelTable* amx_table_in_use() {
   return g_amx_enabled.load(std::memory_order_relaxed) ? amx_table() : nullptr;
 }
+// The tiles quantize x as the avx512 table's VNNI kernel does and give its bits: they stand in for it only where it
+// is the int8 kernel in use (not under force_isa("avx2"), whose kernels quantize x per 32 values).
+const KernelTable* amx_int8_table_usable() {
+  const KernelTable* t = amx_int8_table();
+  return t != nullptr && q8_table() == t ? t : nullptr;
+}
 const KernelTable* amx_int8_table_in_use() {
-  return g_amx_enabled.load(std::memory_order_relaxed) ? amx_int8_table() : nullptr;
+  return g_amx_enabled.load(std::memory_order_relaxed) ? amx_int8_table_usable() : nullptr;
 }
 
 bool use_bf16_attention(bool enabled) {
@@ -232,13 +238,13 @@ bool use_int8_attention(bool enabled) {
 
 bool use_amx(bool enabled) {
   g_amx_enabled.store(enabled, std::memory_order_relaxed);
-  return enabled && (amx_table() != nullptr || amx_int8_table() != nullptr);
+  return enabled && (amx_table() != nullptr || amx_int8_table_usable() != nullptr);
 }
 }  // namespace cpu
 
 bool bf16_dot_available() { return cpu::bf16_table() != nullptr; }
 bool bf16_amx_available() { return cpu::amx_table() != nullptr; }
-bool int8_amx_available() { return cpu::amx_int8_table() != nullptr; }
+bool int8_amx_available() { return cpu::amx_int8_table_usable() != nullptr; }
 
 void require_bf16_dot() {
   LMKIT_CHECK_ARG(bf16_dot_available(), "dtype='bfloat16' needs a CPU with AVX-512 and AVX512_BF16 (Intel Cooper "

@@ -654,16 +654,13 @@ inline void q8_begin(__m512 (*tot)[2], const float* c, int64_t ldc, int ncols, b
 // the block ends as sum_k (q - zero) qx and takes one multiply-add by dx * scale: two fewer floating-point operations
 // per accumulator and block than a correction in fp32, on the ports the dot products use. HEAD Symmetric: they start
 // at -8 * sum_k qx[k], one broadcast per row: no zeros to load and no vpmulld (which takes a dot product's slot;
-// +10% for an L1-resident tile on Zen 5). GZ (Zeros heads of groups of several blocks, g 64 / 128): the zeros are
-// taken once per group, in fp32,
-//   sum_b dx_b s (A_b - zero sx_b) = sum_b dx_b s A_b - zero s (sum_b dx_b sx_b)
-// with sx then holding sum_b dx_b sx_b per row and group (kQ8GroupZeros, linear_q8): one multiply-add per
-// accumulator and group instead of a vpmulld per block.
-// XG (Zeros with GZ or Symmetric heads, g > 32, in every call: ops.h): x quantized
-// per weight group (dx, and sx for Symmetric, per row and group), so that the integer sums run over the whole group
-// and take the floating-point work once per group instead of once per block of 32: that work shares the dot
-// products' ports, and per block it cost a 6-row tile about a quarter of its time (AMX tiles quantize x so too).
-constexpr bool kQ8GroupZeros = true;
+// +10% for an L1-resident tile on Zen 5).
+// XG (Zeros and Symmetric heads, g > 32, in every call: ops.h): x quantized per weight group (dx and sx per row and
+// group), so that the integer sums run over the whole group, from -zero * sx (a vpmaddwd per accumulator and group:
+// one per 32 dot products at g = 128; |sx| <= 128 * 127 fits int16) or -8 * sx, and take the floating-point work
+// once per group instead of once per block of 32: that work shares the dot products' ports, and per block it cost a
+// 6-row tile about a quarter of its time. AMX tiles quantize x so too and take each group's sum (q - zero) qx into
+// fp32 in the same order, so a row gets the same bits on either kernel.
 constexpr bool kQ8GroupX = true;
 // HEAD Mxfp4: a byte shuffle maps each code to its twice-e2m1 value plus kE2m1Offset (0..24, an unsigned operand of
 // vpdpbusd), and the sums start at -kE2m1Offset * sum_k qx[k], as Symmetric's at -8 * sum_k qx[k].
@@ -674,11 +671,10 @@ inline __m512i e2m1_offset_table() {
   return _mm512_broadcast_i32x4(
       _mm_add_epi8(_mm_loadu_si128((const __m128i*)kE2m1Twice), _mm_set1_epi8((char)kE2m1Offset)));
 }
-template <int MR, GroupHead HEAD, bool GZ = false, bool XG = false>
+template <int MR, GroupHead HEAD, bool XG = false>
 LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* panel,
                                int64_t g, float* c, int64_t ldc, int ncols, const float* bias, KSpan span) {
-  static_assert(!GZ || HEAD == GroupHead::Zeros, "GZ: Zeros heads only");
-  static_assert(!XG || GZ || HEAD == GroupHead::Symmetric, "XG: Zeros heads with GZ, or Symmetric heads");
+  static_assert(!XG || HEAD == GroupHead::Zeros || HEAD == GroupHead::Symmetric, "XG: Zeros and Symmetric heads");
   const int64_t nb = XG ? K / g : K / kQ8Block, ng = K / g, n16 = K / kNvfp4Sub;
   const int64_t gb = linear_int4_group_bytes(g, HEAD), hb = linear_int4_head_bytes(HEAD);
   const __m512i low4 = _mm512_set1_epi8(0x0f), e2m1 = e2m1_offset_table();
@@ -686,7 +682,7 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
   q8_begin<MR>(tot, c, ldc, ncols, span.first);
   const uint8_t* blk = panel + span.begin / g * gb;
   for (int64_t k0 = span.begin; k0 < span.end; k0 += g, blk += gb) {
-    __m512 s[2], zs[2], h0[2], h1[2];  // zs: minus the offset, dmin * m, or (GZ) zero * scale; h0, h1: d, dmin
+    __m512 s[2], zs[2], h0[2], h1[2];  // zs: minus the offset, or dmin * m; h0, h1: d, dmin
     __m512i z[2];                      // the zeros
     for (int v = 0; v < 2; ++v) {
       if constexpr (HEAD == GroupHead::Mxfp4) {
@@ -700,17 +696,22 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
       }
       if constexpr (HEAD == GroupHead::Zeros) {
         z[v] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + 64 + 16 * v)));
-        if constexpr (GZ) zs[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(z[v]), s[v]);  // zero * scale
       } else if constexpr (HEAD != GroupHead::Symmetric) {
         h1[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 64 + 32 * v)));
         zs[v] = _mm512_sub_ps(_mm512_setzero_ps(), h1[v]);
       }
     }
     __m512i acc[MR][2];
-    if constexpr (XG)  // a group's sums: for Symmetric from -8 * sum_k qx[k] over the group
-      for (int i = 0; i < MR; ++i)
-        acc[i][0] = acc[i][1] = HEAD == GroupHead::Symmetric ? _mm512_set1_epi32(-8 * (int32_t)sx[i * ng + k0 / g])
-                                                             : _mm512_setzero_si512();
+    if constexpr (XG)  // a group's sums: from -zero (Symmetric: -8) * sum_k qx[k] over the group
+      for (int i = 0; i < MR; ++i) {
+        const int32_t sum = (int32_t)sx[i * ng + k0 / g];
+        if constexpr (HEAD == GroupHead::Symmetric) {
+          acc[i][0] = acc[i][1] = _mm512_set1_epi32(-8 * sum);
+        } else {  // zero * -sum as vpmaddwd of (zero, 0) and (-sum, 0) int16 pairs: one uop, where vpmulld takes two
+          const __m512i nsum = _mm512_set1_epi32((int32_t)(uint16_t)(int16_t)-sum);
+          acc[i][0] = _mm512_madd_epi16(z[0], nsum), acc[i][1] = _mm512_madd_epi16(z[1], nsum);
+        }
+      }
     for (int64_t b = 0; b < g / kQ8Block; ++b) {
       const int64_t kb = k0 / kQ8Block + b;
       if constexpr (HEAD == GroupHead::KQuant)  // sub-block b: d * sc[b], dmin * m[b]
@@ -719,7 +720,7 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
           zs[v] = _mm512_mul_ps(h1[v], q8_u8x16(blk + kKQuantM + b * kPanel + 16 * v));
         }
       for (int i = 0; i < MR && !XG; ++i) {
-        if constexpr (HEAD == GroupHead::Zeros && !GZ) {
+        if constexpr (HEAD == GroupHead::Zeros) {
           const __m512i nsum = _mm512_set1_epi32(-(int32_t)sx[i * nb + kb]);
           acc[i][0] = _mm512_mullo_epi32(z[0], nsum), acc[i][1] = _mm512_mullo_epi32(z[1], nsum);
         } else if constexpr (HEAD == GroupHead::Symmetric) {
@@ -778,11 +779,6 @@ LMKIT_VNNI inline void q8_tile(const int8_t* qx, const float* dx, const float* s
         const __m512 d = _mm512_set1_ps(dx[i * ng + k0 / g]);
         for (int v = 0; v < 2; ++v)
           tot[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][v]), _mm512_mul_ps(d, s[v]), tot[i][v]);
-      }
-    if constexpr (GZ)
-      for (int i = 0; i < MR; ++i) {
-        const __m512 gsum = _mm512_set1_ps(sx[i * ng + k0 / g]);
-        for (int v = 0; v < 2; ++v) tot[i][v] = _mm512_fnmadd_ps(zs[v], gsum, tot[i][v]);
       }
   }
   q8_store<MR>(tot, c, ldc, ncols, span.last ? bias : nullptr);
@@ -908,13 +904,11 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
   if (mr == MR) {
     if constexpr (BITS == 4) {
       if (head == GroupHead::Zeros && xg)
-        q8_tile<MR, GroupHead::Zeros, true, true>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
-      else if (head == GroupHead::Zeros && g > kQ8Block)
-        q8_tile<MR, GroupHead::Zeros, kQ8GroupZeros>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
+        q8_tile<MR, GroupHead::Zeros, true>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else if (head == GroupHead::Zeros)
         q8_tile<MR, GroupHead::Zeros>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else if (head == GroupHead::Symmetric && xg)
-        q8_tile<MR, GroupHead::Symmetric, false, true>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
+        q8_tile<MR, GroupHead::Symmetric, true>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else if (head == GroupHead::Symmetric)
         q8_tile<MR, GroupHead::Symmetric>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
       else if (head == GroupHead::Mxfp4) q8_tile<MR, GroupHead::Mxfp4>(qx, dx, sx, K, panel, g, c, ldc, ncols, bias, span);
@@ -943,8 +937,7 @@ LMKIT_VNNI inline void q8_tile_n(int mr, const int8_t* qx, const float* dx, cons
 // to int32 every quad. Exact in the integers, as the VNNI path.
 #define LMKIT_VNNI
 constexpr int kQ8Block = 32;
-constexpr bool kQ8GroupZeros = false;  // the int4 tiles take every head's correction per block in fp32
-constexpr bool kQ8GroupX = false;      // and x per block of 32 in every call
+constexpr bool kQ8GroupX = false;  // x per block of 32 in every call
 constexpr int kQ8MR = 4;  // rows per tile: int4, int8 and int6 tiles take 4 rows x 16 columns at a time (8
                           // accumulators), the MXFP4 one 2 rows x 32 columns, twice
 // Symmetric int4 heads (GGUF Q4_0): the tiles start each block's int16 sums at -8 x x's pair sums
@@ -1286,12 +1279,10 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
   // that a row quantizes the same way alone and in a batch
   const bool xg = kQ8GroupX && BITS == 4 && g > kQ8Block && (head == GroupHead::Zeros || head == GroupHead::Symmetric);
   const int64_t nx = xg ? K / g : nb;  // x's blocks per row: dx, sx
-  // Zeros heads of groups of several blocks on VNNI: sum_b dx_b sx_b per group (q8_tile's GZ)
-  const bool group_zeros = kQ8GroupZeros && BITS == 4 && head == GroupHead::Zeros && g > kQ8Block;
   // Symmetric int4 heads on AVX2: q8_symmetric_init's int32s per block
   const bool symmetric_init = kQ8SymmetricInit && BITS == 4 && head == GroupHead::Symmetric;
-  const int64_t ns = fine ? K / 16 : group_zeros ? K / g : nx;
-  const bool own = fine || group_zeros || symmetric_init;  // the tiles take sums of their own, not sx
+  const int64_t ns = fine ? K / 16 : nx;
+  const bool own = fine || symmetric_init;  // the tiles take sums of their own, not sx
   thread_local ScratchBuffer scratch;  // dx, sx (per block of x), then the tiles' own sums where `own`, then qx
   float* dx = (float*)scratch.get((size_t)((2 * M * nx + (own ? M * ns : 0)) * 4 + M * K));
   float* sx = dx + M * nx;
@@ -1307,12 +1298,6 @@ LMKIT_VNNI void linear_q8(const float* x, int64_t M, const void* w, int64_t N, i
           sg[m * ns + b] = (float)sum;
         }
       if (symmetric_init) q8_symmetric_init(qx + m * K, K, sg + m * ns);
-      if (group_zeros)
-        for (int64_t gi = 0; gi < ns; ++gi) {
-          float sum = 0.0f;
-          for (int64_t b = gi * (nx / ns); b < (gi + 1) * (nx / ns); ++b) sum += dx[m * nx + b] * sx[m * nx + b];
-          sg[m * ns + gi] = sum;
-        }
     }
   });
   // Prefill takes the rows in M blocks whose qx stays in L2 (a panel's pass over all of a 512-token prompt's rows

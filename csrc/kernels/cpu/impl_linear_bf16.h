@@ -121,6 +121,7 @@ LMKIT_BF16 void linear_bf16(const float* x, int64_t M, const void* w, int64_t N,
 #define LMKIT_AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
 constexpr int64_t kAmxRows = 16;                 // rows of a tile (of x, and pair rows of a panel)
 constexpr int64_t kAmxMBlockRows = 256;          // rows of xp per M block: 256 x Rp x 4 B stay in L2
+constexpr int64_t kAmxPrefetchBytes = 4096;
 
 struct alignas(64) AmxTileConfig {  // the 64-byte operand of LDTILECFG (palette 1)
   uint8_t palette_id;
@@ -134,6 +135,16 @@ struct alignas(64) AmxTileConfig {  // the 64-byte operand of LDTILECFG (palette
 constexpr AmxTileConfig kAmxTileConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
 LMKIT_AMX inline void amx_configure() { _tile_loadconfig(&kAmxTileConfig); }
+// The same with the accumulator and x tiles (0-1, 4-5) of r rows, for a call of r < 16 rows (kAmxTileConfigRows[r]):
+// no padding rows of x to write, nor to multiply (a decode row).
+constexpr AmxTileConfig amx_config_rows(uint8_t r) {  // tiles 2-3: weights, in amx_block<1>
+  return {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {r, r, 16, 16, r, r, 16, 16}};
+}
+constexpr AmxTileConfig kAmxTileConfigRows[kAmxRows] = {
+    amx_config_rows(16), amx_config_rows(1),  amx_config_rows(2),  amx_config_rows(3),
+    amx_config_rows(4),  amx_config_rows(5),  amx_config_rows(6),  amx_config_rows(7),
+    amx_config_rows(8),  amx_config_rows(9),  amx_config_rows(10), amx_config_rows(11),
+    amx_config_rows(12), amx_config_rows(13), amx_config_rows(14), amx_config_rows(15)};
 
 // cbuf[16 MT][32] = xp rows [0, 16 MT) . panel (all R pair rows); xp rows are ldp pairs apart (ldp a
 // multiple of 16, zero past R).
@@ -147,7 +158,23 @@ LMKIT_AMX inline void amx_block(const uint32_t* xp, int64_t ldp, const uint8_t* 
     _tile_zero(3);
   }
   alignas(64) uint8_t btail[kAmxRows * 128];
-  for (int64_t c = 0; c < full + (tail > 0); ++c) {
+  int64_t c = 0;
+  if constexpr (MT == 1)  // two steps at a time on two sets of x and weight tiles (4, 6, 7 and 5, 2, 3), so that
+    for (; c + 1 < full; c += 2) {  // the loads of one overlap the products of the other; the sums stay in order
+      const uint8_t* b = panel + c * kAmxRows * 128;
+      for (int j = 0; j < kAmxRows * 4; ++j) _mm_prefetch((const char*)(b + kAmxPrefetchBytes + 64 * j), _MM_HINT_T0);
+      _tile_loadd(4, xp + c * kAmxRows, lda);
+      _tile_loadd(6, b, 128);
+      _tile_loadd(7, b + 64, 128);
+      _tile_loadd(5, xp + (c + 1) * kAmxRows, lda);
+      _tile_loadd(2, b + kAmxRows * 128, 128);
+      _tile_loadd(3, b + kAmxRows * 128 + 64, 128);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(0, 5, 2);
+      _tile_dpbf16ps(1, 5, 3);
+    }
+  for (; c < full + (tail > 0); ++c) {
     const uint8_t* b = panel + c * kAmxRows * 128;
     if (c == full) {  // the last pair rows, zero-padded to a whole tile
       memcpy(btail, b, (size_t)(tail * 128));
@@ -155,6 +182,9 @@ LMKIT_AMX inline void amx_block(const uint32_t* xp, int64_t ldp, const uint8_t* 
       b = btail;
       asm volatile("" ::: "memory");
     }
+    if constexpr (MT == 1)  // one block of rows streams the panel: prefetch as the dot-product tiles do
+      for (int j = 0; j < kAmxRows * 2; ++j)
+        _mm_prefetch((const char*)(panel + c * kAmxRows * 128 + kAmxPrefetchBytes + 64 * j), _MM_HINT_T0);
     _tile_loadd(4, xp + c * kAmxRows, lda);
     _tile_loadd(6, b, 128);
     _tile_loadd(7, b + 64, 128);
@@ -174,20 +204,30 @@ LMKIT_AMX inline void amx_block(const uint32_t* xp, int64_t ldp, const uint8_t* 
   }
 }
 
-// out[m, 0 : ncols] = cbuf[m, :] + (accumulate ? out[m, :] : bias, or 0 without one) for m < rows (cbuf rows
-// 32 floats apart). Plain AVX-512: both AMX kernels call it.
-inline void amx_store(const float* cbuf, int64_t rows, float* out, int64_t ldo, int ncols, const float* bias,
-                      bool accumulate = false) {
+// out[m, 0 : ncols] = cbuf[m, :] (+ bias where there is one, as the dot-product kernels add it) for m < rows
+// (cbuf rows 32 floats apart). Plain AVX-512: both AMX kernels call it.
+inline void amx_store(const float* cbuf, int64_t rows, float* out, int64_t ldo, int ncols, const float* bias) {
   const __mmask16 m0 = (__mmask16)(ncols >= 16 ? 0xffff : (1u << ncols) - 1);
   const __mmask16 m1 = (__mmask16)(ncols >= 32 ? 0xffff : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0);
   const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
   for (int64_t i = 0; i < rows; ++i) {
     float* o = out + i * ldo;
-    const __m512 base0 = accumulate ? _mm512_maskz_loadu_ps(m0, o) : b0;
-    const __m512 base1 = accumulate ? _mm512_maskz_loadu_ps(m1, o + 16) : b1;
-    _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(_mm512_loadu_ps(cbuf + i * 32), base0));
-    if (m1) _mm512_mask_storeu_ps(o + 16, m1, _mm512_add_ps(_mm512_loadu_ps(cbuf + i * 32 + 16), base1));
+    __m512 v0 = _mm512_loadu_ps(cbuf + i * 32), v1 = _mm512_loadu_ps(cbuf + i * 32 + 16);
+    if (bias) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);
+    _mm512_mask_storeu_ps(o, m0, v0);
+    if (m1) _mm512_mask_storeu_ps(o + 16, m1, v1);
+  }
+}
+
+// cbuf[m, :] = out[m, 0 : ncols], 0 beyond, for m < rows (cbuf rows 32 floats apart): the inverse of amx_store
+// without bias.
+inline void amx_load(float* cbuf, int64_t rows, const float* out, int64_t ldo, int ncols) {
+  const __mmask16 m0 = (__mmask16)(ncols >= 16 ? 0xffff : (1u << ncols) - 1);
+  const __mmask16 m1 = (__mmask16)(ncols >= 32 ? 0xffff : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0);
+  for (int64_t i = 0; i < rows; ++i) {
+    _mm512_storeu_ps(cbuf + i * 32, _mm512_maskz_loadu_ps(m0, out + i * ldo));
+    _mm512_storeu_ps(cbuf + i * 32 + 16, _mm512_maskz_loadu_ps(m1, out + i * ldo + 16));
   }
 }
 
@@ -197,10 +237,12 @@ LMKIT_AMX void linear_bf16_amx(const float* x, int64_t M, const void* w, int64_t
                                float* out) {
   const int64_t R = (K + 1) / 2, panel_bytes = R * 128;
   const int64_t ldp = (R + kAmxRows - 1) / kAmxRows * kAmxRows, Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
+  // fewer than 16 rows: tiles of M rows (no padding rows); else whole tiles, the last padded with zero rows
+  const int64_t xrows = M < kAmxRows ? M : Mp;
   thread_local ScratchBuffer scratch;
   uint32_t* xp = (uint32_t*)scratch.get((size_t)(Mp * ldp * 4));
   const bool worth = M * N * K >= (1 << 15);
-  parallel_for(Mp, grain_for(Mp), worth, [&](int64_t m0, int64_t m1) LMKIT_AMX {
+  parallel_for(xrows, grain_for(xrows), M * K >= (1 << 16), [&](int64_t m0, int64_t m1) LMKIT_AMX {
     for (int64_t m = m0; m < m1; ++m) {  // x -> bf16 pair rows, zero-padded
       uint32_t* row = xp + m * ldp;
       int64_t done = 0;
@@ -214,7 +256,7 @@ LMKIT_AMX void linear_bf16_amx(const float* x, int64_t M, const void* w, int64_t
   const PanelChunks chunks(Mp, N, kAmxMBlockRows);
   parallel_for(chunks.count(), 1, worth, [&](int64_t c0, int64_t c1) LMKIT_AMX {
     asm volatile("" ::: "memory");  // GCC's _tile_loadd has no memory operand: keep the stores to xp before it
-    amx_configure();
+    _tile_loadconfig(&kAmxTileConfigRows[M < kAmxRows ? M : 0]);
     alignas(64) float cbuf[2 * kAmxRows * kPanel];
     alignas(64) float bias_tile[kPanel];
     chunks.each(c0, c1, bias, bias_tile, [&](int64_t mb, int64_t me, int64_t p, int ncols) LMKIT_AMX {

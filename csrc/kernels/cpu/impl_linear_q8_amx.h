@@ -8,8 +8,10 @@
 // (s8, "VNNI-packed": row r holds k = 4r..4r+3 of 16 columns). The panel's nibble quads are already that
 // layout (lane j of quad t = q[4t + 0..3, j] | q[4t + 0..3, j + 16] << 4): a mask (columns 0-15) or shift +
 // mask (16-31) and a byte subtract of the zero points (Zeros heads; 8 for Symmetric ones) unpack them. Then per
-// group, in fp32:
-//     out[m, j] += dx[m, group] * scale[group, j] * C[m, j]
+// group, in fp32, as the VNNI kernel does it (impl_linear.h's q8_tile, XG):
+//     acc[m, j] = fma(C[m, j], dx[m, group] * scale[group, j], acc[m, j])
+// one chain per output over the whole K (a later K chunk goes on from the sums the output holds), the bias last:
+// so a row gets the VNNI kernel's bits, alone or in a call of any height.
 // A block of x per group rather than per 32 (decode's linear_int4_q8) is what makes tiles pay: every block
 // costs a store of the int32 tiles and a pass of vector code over them, which at 32 k per block took most
 // of the time (2026-11-26, 2-core Xeon with AMX, 1.2B shapes at M = 512: 0.8 TOP/s with 32 k per block,
@@ -106,10 +108,10 @@ LMKIT_AMX_I8 inline void q8_amx_block(const int8_t* qx, int64_t ldq, const float
     for (int i = 0; i < 16 * MT; ++i) {
       const __m512 d = _mm512_set1_ps(dx[i * ldd + gi]);
       float* a = cacc + i * kPanel;
-      const __m512 c0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + i * kPanel)), s0);
-      const __m512 c1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + i * kPanel + 16)), s1);
-      _mm512_storeu_ps(a, _mm512_fmadd_ps(c0, d, _mm512_loadu_ps(a)));
-      _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(c1, d, _mm512_loadu_ps(a + 16)));
+      const __m512 c0 = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * kPanel));
+      const __m512 c1 = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * kPanel + 16));
+      _mm512_storeu_ps(a, _mm512_fmadd_ps(c0, _mm512_mul_ps(d, s0), _mm512_loadu_ps(a)));
+      _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(c1, _mm512_mul_ps(d, s1), _mm512_loadu_ps(a + 16)));
     }
     asm volatile("" ::: "memory");  // the reads of this buffer before the next store into the other
     if (gi + 1 < ng) store(cbuf[(gi + 1) & 1]);
@@ -152,16 +154,17 @@ LMKIT_AMX_I8 void linear_int4_amx(const float* x, int64_t M, const void* w, int6
         const int64_t kc = K - k0 < kAmxQ8KC ? K - k0 : kAmxQ8KC;
         q8_amx_unpack(panel, g, head, k0, kc, bq, sc);
         asm volatile("" ::: "memory");
+        const bool last = k0 + kc == K;
         for (int64_t m = mb; m < me; m += 2 * kAmxRows) {
           const int64_t valid = M - m < 2 * kAmxRows ? M - m : 2 * kAmxRows;  // rows to store
           if (valid <= 0) break;
-          memset(cacc, 0, sizeof(cacc));
+          if (k0 == 0) memset(cacc, 0, sizeof(cacc));
+          else amx_load(cacc, valid, out + m * N + p * kPanel, N, ncols);  // the sums so far, without the bias
           if (valid > kAmxRows)
             q8_amx_block<2>(qx + m * K + k0, K, dx + m * ng + k0 / g, ng, bq, sc, g, kt, kc / g, cacc);
           else
             q8_amx_block<1>(qx + m * K + k0, K, dx + m * ng + k0 / g, ng, bq, sc, g, kt, kc / g, cacc);
-          // out (+)= cacc: the first K chunk stores it with the bias, later ones add
-          amx_store(cacc, valid, out + m * N + p * kPanel, N, ncols, bias ? bias_tile : nullptr, k0 > 0);
+          amx_store(cacc, valid, out + m * N + p * kPanel, N, ncols, bias && last ? bias_tile : nullptr);
         }
       }
     });

@@ -591,7 +591,7 @@ void run_int6(const float* x, int64_t M, const LinearWeight& w, const float* b, 
     cpu::active().linear_int6(x, M, w.storage.get(), w.n, w.k, b, out);
 }
 void run_bf16_pairs(const float* x, int64_t M, const LinearWeight& w, const float* b, float* out) {
-  const cpu::KernelTable* amx = M >= kLinearAmxMinRows ? cpu::amx_table_in_use() : nullptr;
+  const cpu::KernelTable* amx = cpu::amx_table_in_use();  // every call: one summation order for every row count
   if (amx != nullptr)
     amx->linear_bf16_amx(x, M, w.storage.get(), w.n, w.k, b, out);
   else
