@@ -122,7 +122,7 @@ class EngineConfig:
     pool), and the request's prediction where it gives one; draft: drafts decoded greedily by draft_model, a smaller
     model with the same tokenizer (and the request's prediction where it gives one); off, and auto for now: one token a
     step (auto turns ngram on once its speed-ups hold in every run: docs/configuration.md). Greedy and seeded
-    output is the same token for token as without it (not yet on CPUs with AMX tiles), sampled output keeps its
+    output is the same token for token as without it, sampled output keeps its
     distribution; each proposer's drafts follow its acceptance and what a step's rows cost. Hybrids (Qwen3.5,
     Qwen3-Next) roll their recurrent state back to per-draft checkpoints, and a grammar's drafts are sampled
     under its mask after the drafts before them (docs/configuration.md, "Speculative decoding")."""

@@ -98,11 +98,10 @@ class GenerationConfig:
     repeats cost a fraction of a step each; the output itself never depends on it. Text, or token ids."""
     speculative: bool | None = None
     """Whether the engine may verify draft tokens for this request when it speculates (EngineConfig.speculative):
-    None (the default) and True: yes (None with a random_seed on a CPU with AMX tiles: no, below); False: never.
-    The output is the same either way: greedy and seeded sampled output token for token (the kernels are
-    batch-invariant, so a verified row's logits are those of its one-token step to the bit, and each draw is
-    seeded by its position), unseeded sampled output in distribution. AMX tiles take calls of several rows in
-    another order than the one-row kernels, so there a near-tie can break the other way."""
+    None (the default) and True: yes; False: never. The output is the same either way: greedy and seeded sampled
+    output token for token (the kernels are batch-invariant, AMX tiles included, so a verified row's logits are
+    those of its one-token step to the bit, and each draw is seeded by its position), unseeded sampled output in
+    distribution."""
 
     def __post_init__(self) -> None:
         """Checks every field against what the engine accepts (its SamplingParams holds int32 counts, float32
@@ -211,11 +210,7 @@ class GenerationConfig:
         p.stop_token_ids = list(self.stop_token_ids)
         p.ignore_eos = self.ignore_eos
         p.output_logits = self.output_logits
-        # AMX tiles (bf16 from 2 rows, int8 from 32) sum in another order than the one-row kernels: there a seeded
-        # draw could move between neighbouring tokens, so seeded sampling speculates only when asked
-        seeded_sampling = p.temperature > 0 and self.random_seed is not None
-        p.speculate = self.speculative if self.speculative is not None else not (
-            seeded_sampling and _engine.cpu_amx_available())
+        p.speculate = self.speculative is not False
         if isinstance(self.prediction, list):
             p.prediction = self.prediction
         if self.structured_output_after_token is not None:

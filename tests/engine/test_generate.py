@@ -42,23 +42,13 @@ def test_chunked_prefill_and_small_batches_keep_greedy_output(tiny_llama):
     assert got == expected
 
 
-@pytest.fixture()
-def amx_off():
-    """AMX tiles switched off for the test (lmkit._engine.cpu_use_amx), then on again."""
-    from lmkit import _engine
-
-    _engine.cpu_use_amx(False)
-    yield
-    _engine.cpu_use_amx(True)
-
-
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "awq"])
-def test_logits_do_not_depend_on_batching_or_chunking(tmp_path, weights, amx_off):
+def test_logits_do_not_depend_on_batching_or_chunking(tmp_path, weights):
     """Bit for bit, a request's logits are the same taken whole, in prompt chunks of 1 and 5 tokens (prompt pacing
     sizes chunks from measured times), beside other requests of other lengths, and after them: a seed samples
-    the same answer whatever else the engine did. AMX tiles are switched off: they take calls of 2+ rows (bf16)
-    or 32+ rows (AWQ int8) and round differently from the one-row kernels (~1 ulp), so on an AMX CPU results
-    depend on batching by that much (csrc/kernels/cpu/README.md)."""
+    the same answer whatever else the engine did. On a CPU with AMX the tiles are on, as users run them: bf16
+    calls of every height take them, and AWQ's int8 calls of 32+ rows give the VNNI kernel's bits
+    (csrc/kernels/cpu/README.md)."""
     from lmkit import _engine
     from tests.factories import make_tiny_model, rtn_checkpoint
 

@@ -75,9 +75,8 @@ def test_greedy_is_identical_with_every_proposer(tmp_path, case):
     assert m.mean_accepted_length("prediction") > 1.0
 
 
-NO_AMX = pytest.mark.skipif(_engine.cpu_amx_available(), reason="AMX tiles sum multi-row calls in another order")
-FAST_PATHS = [pytest.param("bfloat16", marks=[NO_AMX, pytest.mark.skipif(
-    not _engine.cpu_bf16_available(), reason="bf16 dot products need AVX512_BF16")]), "gguf"]
+FAST_PATHS = [pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not _engine.cpu_bf16_available(), reason="bf16 dot products need AVX512_BF16")), "gguf"]
 
 
 @pytest.mark.slow
@@ -335,7 +334,6 @@ def test_verified_samples_keep_the_distribution(tiny_llama_pipe, tiny_llama, fil
     assert_draws_follow(second, expect, filters)
 
 
-@NO_AMX  # there a seeded request speculates only when asked (GenerationConfig.speculative)
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
     not _engine.cpu_bf16_available(), reason="bf16 dot products need AVX512_BF16"))])
 def test_seeded_sampling_gives_the_same_text_with_drafts(tiny_llama, dtype):

@@ -113,7 +113,7 @@ def test_the_mtp_head_carried_over_loads_in_the_engine(quantized):
         pytest.skip("only the multimodal checkpoint carries an MTP head")
     mtp = {k: t for k, t in load_file(out / "model.safetensors").items() if k.startswith("mtp.")}
     assert "mtp.layers.0.self_attn.q_proj.weight" in mtp and not any(k.endswith("weight_packed") for k in mtp)
-    base = dict(device="cpu", dtype="float32", cache_max_entry_count=8, session_len=256)  # (no bf16 AMX tiles)
+    base = dict(device="cpu", dtype="float32", cache_max_entry_count=8, session_len=256)
     prompts, gen = [[5, 9, 200, 31, 7], [88] * 12], GenerationConfig(max_new_tokens=20, ignore_eos=True)
 
     def holds_the_head(engine):

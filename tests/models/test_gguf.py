@@ -840,7 +840,7 @@ def assert_mtp_block_loaded(path: Path, num_layers: int) -> None:
     block's bytes as stored, and drafts with it (speculative='mtp', every draft verified): the tokens of speculation
     off."""
     block = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if t.name.startswith(f"blk.{num_layers}."))
-    base = dict(device="cpu", dtype="float32", cache_max_entry_count=8, session_len=256)  # (no bf16 AMX tiles)
+    base = dict(device="cpu", dtype="float32", cache_max_entry_count=8, session_len=256)
     gen = GenerationConfig(max_new_tokens=16, ignore_eos=True)
 
     def holds_the_block(engine):

@@ -183,10 +183,10 @@ GEMMA4_SCHEMAS = [  # optional-only properties, a nested object, arrays of objec
 ]
 
 TOOL_FAMILIES = ["qwen2.5", "qwen3", "llama3.1", "mistral", "qwen3_coder", "gpt_oss", "gemma4"]
-# decode_slowdown 0: prompts are taken whole, not in chunks sized from measured times, so that the tool tests'
-# seeded requests (whole, then streamed) compute alike: on AMX CPUs a one-token chunk takes another kernel
+# prompt pacing on (chunks sized from measured times), as users run: the tool tests' seeded requests (whole, then
+# streamed) compute alike however their prompts were cut (the kernels are batch- and chunk-invariant, AMX included)
 FAMILY_ENGINE = dict(device="cpu", max_batch_size=8, cache_max_entry_count=256, cache_block_seq_len=16,
-                     session_len=4096, decode_slowdown=0)
+                     session_len=4096)
 
 
 def client_of(servers, family):
