@@ -74,9 +74,10 @@ PYBIND11_MODULE(_engine, m) {
   m.def("cpu_bf16_available", &ops::bf16_dot_available,
         "Whether this CPU runs the bf16 dot-product kernel of EngineConfig(dtype='bfloat16') (AVX512_BF16).");
   m.def("cpu_amx_available", &ops::bf16_amx_available,
-        "Whether dtype='bfloat16' linear layers run on AMX tiles here (AMX-BF16; calls of 2 rows or more).");
+        "Whether dtype='bfloat16' linear layers run on AMX tiles here (AMX-BF16; every call, one row included).");
   m.def("cpu_amx_int8_available", &ops::int8_amx_available,
-        "Whether AWQ layers with int8 activations run on AMX tiles here (AMX-INT8; prefill calls of 32 rows or more).");
+        "Whether AWQ layers with int8 activations run on AMX tiles here (AMX-INT8; calls of 32 rows or more, with the "
+        "VNNI kernel's bits).");
   m.def("cpu_use_amx", &ops::cpu::use_amx, py::arg("enabled"),
         "Whether linear layers and attention may use AMX tiles (default: yes, where the CPU allows), for every engine "
         "of the process; returns whether some will. For tests and benchmarks: the paths without tiles.");

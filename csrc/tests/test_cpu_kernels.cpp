@@ -758,7 +758,8 @@ void test_linear_int4_q8(const char* kernel) {
   const Shape shapes[] = {{1, 8, 32, 32},      {3, 200, 640, 128},  {16, 64, 256, 64},  {31, 96, 576, 32},
                           {32, 40, 1152, 128}, {33, 72, 576, 64},   {47, 200, 1536, 64}, {64, 32, 96, 32},
                           {100, 136, 576, 64}, {300, 33 * 8, 1152, 128}, {700, 64, 256, 32},
-                          {1000, 40, 2048, 128}, {20, 72, 1088, 32}, {127, 40, 2048, 64}, {129, 40, 2048, 32}};
+                          {1000, 40, 2048, 128}, {20, 72, 1088, 32}, {127, 40, 2048, 64}, {129, 40, 2048, 32},
+                          {40, 56, 640, 64}, {3, 56, 640, 64}};  // 56: a last panel of 24 columns
   for (const Shape& s : shapes)
     for (int variant = 0; variant < 4; ++variant) {
       const bool with_bias = variant % 2 == 1, symmetric = variant >= 2;
@@ -807,6 +808,26 @@ void test_linear_int4_q8(const char* kernel) {
       expect_close(out, ref, std::string("linear int4 x int8 (") + kernel + ") at the integer extremes, words " +
                                  std::to_string(fill) + (symmetric ? " symmetric" : ""));
     }
+  // Rows of tiny values (max |x| 1e-38 and 1e-30 per group: 127 / max overflows fp32 for the first): finite outputs,
+  // and on the tiles (a call of 32 rows) the VNNI kernel's bits
+  for (bool symmetric : {false, true}) {
+    const int64_t M = 32, N = 32, K = 256, g = 64;
+    const AwqWeight a = make_awq(N, K, g, symmetric);
+    ops::LinearWeight w = pack_awq(a, g);
+    w.int8_activations = true;
+    std::vector<float> x = randn(M * K), out(M * N, NAN), dot(M * N, NAN);
+    for (int64_t i = 0; i < M * K; ++i) x[i] *= i / K % 2 ? 1e-30f : 1e-38f;
+    ops::linear(x.data(), M, w, Tensor{}, out.data());
+    ops::cpu::use_amx(false);
+    ops::linear(x.data(), M, w, Tensor{}, dot.data());
+    ops::cpu::use_amx(std::strcmp(kernel, "amx") == 0);
+    bool finite = true;
+    for (float v : out) finite &= std::isfinite(v) && std::fabs(v) < 1e-25f;
+    const std::string name = std::string("linear int4 x int8 (") + kernel + ") of tiny rows" +
+                             (symmetric ? " symmetric" : "");
+    expect(finite, name + ": finite and tiny");
+    expect(std::memcmp(dot.data(), out.data(), out.size() * 4) == 0, name + ": the VNNI kernel's bits");
+  }
 }
 
 void test_linear_int4() {
@@ -1183,7 +1204,7 @@ void test_linear_bf16_kernel(const char* kernel) {
   const Shape shapes[] = {{1, 1, 1},     {1, 37, 576},    {2, 65, 577},   {3, 100, 33},    {4, 64, 1536},
                           {12, 96, 576}, {13, 200, 576},  {25, 1, 7},     {40, 65, 1536},  {100, 129, 577},
                           {700, 70, 576}, {5, 33, 15},    {16, 32, 64},   {17, 64, 62},    {33, 96, 96},
-                          {300, 33, 100}};
+                          {300, 33, 100}, {1, 56, 576},   {40, 56, 96}};  // 56: a last panel of 24 columns
   auto round_bf16 = [](std::vector<float> v) {
     for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
     return v;

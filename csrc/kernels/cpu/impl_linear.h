@@ -597,6 +597,13 @@ constexpr int kQ8MR = 6;  // rows per tile: 6 x (2 int32 + 2 fp32 accumulators) 
 constexpr bool kQ8SymmetricInit = false;  // see the AVX2 section
 constexpr bool kQ8Nvfp4Sums = true;       // the NVFP4 tile's sums start at -kE2m1Offset x x's sums per 16
 
+// 127 / amax, the factor that quantizes a block of max |x| = amax to int8: 0 for a zero block, and at most FLT_MAX
+// (a block of max |x| under ~3.7e-37 would overflow it to infinity: every value to INT_MIN, saturated to -128 as
+// int8 but not in the block's sum, which only the VNNI kernels take, so AMX tiles would differ from them).
+inline float q8_inverse_scale(float amax) {
+  const float inv = 127.0f / amax;
+  return amax > 0.0f ? (inv < __FLT_MAX__ ? inv : __FLT_MAX__) : 0.0f;
+}
 // Row x[0:K] -> qx[0:K] and, per block of `block` values (a multiple of 16: 32 here, the weight's group on
 // AMX tiles), dx[K / block] and, unless sx is nullptr, sx[K / block] (the block's sum of qx, as float).
 inline void q8_quantize_blocks(const float* x, int64_t K, int64_t block, int8_t* qx, float* dx, float* sx) {
@@ -606,7 +613,7 @@ inline void q8_quantize_blocks(const float* x, int64_t K, int64_t block, int8_t*
     __m512 m = _mm512_setzero_ps();
     for (int64_t i = 0; i < block; i += 16) m = _mm512_max_ps(m, _mm512_andnot_ps(sign, _mm512_loadu_ps(xb + i)));
     const float amax = _mm512_reduce_max_ps(m);
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512 inv = _mm512_set1_ps(q8_inverse_scale(amax));
     __m512i sum = _mm512_setzero_si512();
     for (int64_t i = 0; i < block; i += 16) {
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inv));
@@ -957,6 +964,11 @@ inline int32_t q8_hsum(__m256i a) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
 }
 
+// 127 / amax, at most FLT_MAX: as the AVX-512 path.
+inline float q8_inverse_scale(float amax) {
+  const float inv = 127.0f / amax;
+  return amax > 0.0f ? (inv < __FLT_MAX__ ? inv : __FLT_MAX__) : 0.0f;
+}
 // Row x[0:K] -> qx[0:K], dx[K / 32], sx[K / 32] (sum of each block's qx, as float); as the AVX-512 path.
 inline void q8_quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -969,7 +981,7 @@ inline void q8_quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, fl
       m = _mm256_max_ps(m, _mm256_andnot_ps(sign, a[i]));
     }
     const float amax = q8_hmax(m);
-    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float d = amax / 127.0f, inv = q8_inverse_scale(amax);
     __m256i q[4];
     for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], _mm256_set1_ps(inv)));
     // the packs work per 128-bit lane: dwords come out as q0[0:4] q1[0:4] q2[0:4] q3[0:4] q0[4:8] ...

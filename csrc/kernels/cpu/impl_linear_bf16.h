@@ -106,14 +106,16 @@ LMKIT_BF16 void linear_bf16(const float* x, int64_t M, const void* w, int64_t N,
 // A[16 x 32 bf16] . B[32 bf16 x 16] to a 16 x 16 fp32 tile, where B is "VNNI-packed": row r holds the
 // pairs (k = 2r, 2r + 1) of 16 columns, which is exactly 16 consecutive pair rows of a panel read at a
 // stride of 128 bytes (columns 0-15 at byte 0 of each row, 16-31 at byte 64). x is rounded into pair
-// rows padded with zeros to whole tiles (16 rows, 16 pairs), so no tile ever reads past its operand:
+// rows padded with zeros to whole tiles (16 pairs; 16 rows, or a call's M rows when M < 16, its tiles then
+// configured with M rows), so no tile ever reads past its operand:
 //
 //        xp (Mp x Rp pairs)             panel p (R pair rows x 32 columns)     C (16 MT x 32 fp32)
 //   A tile [16 rows, 16 pairs]  .  B tiles [16 pair rows, 16 + 16 columns]  ->  2 MT tiles 16 x 16
 //
 // Tile registers: 0-3 accumulators (rows 0-15 | 16-31 x columns 0-15 | 16-31), 4-5 A, 6-7 B. A block
-// of 32 rows (MT = 2) keeps four independent accumulator chains going; a block of 16 rows (decode)
-// streams the panel, which memory bandwidth, not the tiles, limits. The K tail of a panel that is not
+// of 32 rows (MT = 2) keeps four independent accumulator chains going; a block of up to 16 rows (decode)
+// streams the panel, which memory bandwidth, not the tiles, limits: it takes two K steps at a time, 4, 6, 7
+// and 5, 2, 3 (tiles 2-3 then hold weights), so that one step's loads overlap the other's products. The K tail of a panel that is not
 // a whole number of 16 pair rows is copied into a zero-padded tile buffer. Each chunk of work configures the
 // tiles on entry and releases them on exit (so the OS need not save 8 KiB of tile state on a switch).
 #if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
@@ -121,7 +123,7 @@ LMKIT_BF16 void linear_bf16(const float* x, int64_t M, const void* w, int64_t N,
 #define LMKIT_AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
 constexpr int64_t kAmxRows = 16;                 // rows of a tile (of x, and pair rows of a panel)
 constexpr int64_t kAmxMBlockRows = 256;          // rows of xp per M block: 256 x Rp x 4 B stay in L2
-constexpr int64_t kAmxPrefetchBytes = 4096;
+constexpr int64_t kAmxPrefetchBytes = 4096;        // how far ahead a lone block prefetches its panel
 
 struct alignas(64) AmxTileConfig {  // the 64-byte operand of LDTILECFG (palette 1)
   uint8_t palette_id;
