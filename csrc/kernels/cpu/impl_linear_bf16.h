@@ -115,9 +115,10 @@ LMKIT_BF16 void linear_bf16(const float* x, int64_t M, const void* w, int64_t N,
 // Tile registers: 0-3 accumulators (rows 0-15 | 16-31 x columns 0-15 | 16-31), 4-5 A, 6-7 B. A block
 // of 32 rows (MT = 2) keeps four independent accumulator chains going; a block of up to 16 rows (decode)
 // streams the panel, which memory bandwidth, not the tiles, limits: it takes two K steps at a time, 4, 6, 7
-// and 5, 2, 3 (tiles 2-3 then hold weights), so that one step's loads overlap the other's products. The K tail of a panel that is not
-// a whole number of 16 pair rows is copied into a zero-padded tile buffer. Each chunk of work configures the
-// tiles on entry and releases them on exit (so the OS need not save 8 KiB of tile state on a switch).
+// and 5, 2, 3 (tiles 2-3 then hold weights), so that one step's loads overlap the other's products. The K
+// tail of a panel that is not a whole number of 16 pair rows is copied into a zero-padded tile buffer. Each
+// chunk of work configures the tiles on entry and releases them on exit (so the OS need not save 8 KiB of tile
+// state on a switch).
 #if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
 #define LMKIT_HAVE_AMX 1
 #define LMKIT_AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
