@@ -135,14 +135,15 @@ struct alignas(64) AmxTileConfig {  // the 64-byte operand of LDTILECFG (palette
 };
 // Tiles 0-7: 16 rows of 64 bytes. In static storage: GCC's _tile_loadconfig tells the compiler it reads only
 // the first 8 bytes of its operand, so the stores that build a config on the stack can be dropped as dead.
-constexpr AmxTileConfig kAmxTileConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
-
-LMKIT_AMX inline void amx_configure() { _tile_loadconfig(&kAmxTileConfig); }
-// The same with the accumulator and x tiles (0-1, 4-5) of r rows, for a call of r < 16 rows (kAmxTileConfigRows[r]):
-// no padding rows of x to write, nor to multiply (a decode row).
-constexpr AmxTileConfig amx_config_rows(uint8_t r) {  // tiles 2-3: weights, in amx_block<1>
+// The accumulator and x tiles (0-1, 4-5) of r rows, the others of 16 (tiles 2-3: accumulators of a 32-row block,
+// weights in amx_block<1>). r < 16 for a call of fewer than 16 rows (kAmxTileConfigRows[r]): no padding rows of x
+// to write, nor to multiply (a decode row).
+constexpr AmxTileConfig amx_config_rows(uint8_t r) {
   return {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {r, r, 16, 16, r, r, 16, 16}};
 }
+constexpr AmxTileConfig kAmxTileConfig = amx_config_rows(16);  // every tile 16 rows
+
+LMKIT_AMX inline void amx_configure() { _tile_loadconfig(&kAmxTileConfig); }
 constexpr AmxTileConfig kAmxTileConfigRows[kAmxRows] = {
     amx_config_rows(16), amx_config_rows(1),  amx_config_rows(2),  amx_config_rows(3),
     amx_config_rows(4),  amx_config_rows(5),  amx_config_rows(6),  amx_config_rows(7),
@@ -210,8 +211,7 @@ LMKIT_AMX inline void amx_block(const uint32_t* xp, int64_t ldp, const uint8_t* 
 // out[m, 0 : ncols] = cbuf[m, :] (+ bias where there is one, as the dot-product kernels add it) for m < rows
 // (cbuf rows 32 floats apart). Plain AVX-512: both AMX kernels call it.
 inline void amx_store(const float* cbuf, int64_t rows, float* out, int64_t ldo, int ncols, const float* bias) {
-  const __mmask16 m0 = (__mmask16)(ncols >= 16 ? 0xffff : (1u << ncols) - 1);
-  const __mmask16 m1 = (__mmask16)(ncols >= 32 ? 0xffff : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0);
+  const __mmask16 m0 = lanes(ncols < 16 ? ncols : 16), m1 = lanes(ncols > 16 ? ncols - 16 : 0);  // ncols <= 32
   const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
   for (int64_t i = 0; i < rows; ++i) {
@@ -226,8 +226,7 @@ inline void amx_store(const float* cbuf, int64_t rows, float* out, int64_t ldo, 
 // cbuf[m, :] = out[m, 0 : ncols], 0 beyond, for m < rows (cbuf rows 32 floats apart): the inverse of amx_store
 // without bias.
 inline void amx_load(float* cbuf, int64_t rows, const float* out, int64_t ldo, int ncols) {
-  const __mmask16 m0 = (__mmask16)(ncols >= 16 ? 0xffff : (1u << ncols) - 1);
-  const __mmask16 m1 = (__mmask16)(ncols >= 32 ? 0xffff : ncols > 16 ? (1u << (ncols - 16)) - 1 : 0);
+  const __mmask16 m0 = lanes(ncols < 16 ? ncols : 16), m1 = lanes(ncols > 16 ? ncols - 16 : 0);
   for (int64_t i = 0; i < rows; ++i) {
     _mm512_storeu_ps(cbuf + i * 32, _mm512_maskz_loadu_ps(m0, out + i * ldo));
     _mm512_storeu_ps(cbuf + i * 32 + 16, _mm512_maskz_loadu_ps(m1, out + i * ldo + 16));
