@@ -589,6 +589,15 @@ struct KSpan {
   bool first, last;
 };
 
+// 127 / amax, the factor that quantizes a block of max |x| = amax to int8 (both ISAs' q8 quantization): 0 for a
+// zero block, and at most FLT_MAX (a block of max |x| under ~3.7e-37 would overflow it to infinity: every value to
+// INT_MIN, saturated to -128 as int8 but not in the block's sum, which only the VNNI kernels take, so AMX tiles
+// would differ from them).
+inline float q8_inverse_scale(float amax) {
+  const float inv = 127.0f / amax;
+  return amax > 0.0f ? (inv < __FLT_MAX__ ? inv : __FLT_MAX__) : 0.0f;
+}
+
 #if defined(__AVX512F__)
 #define LMKIT_VNNI __attribute__((target("avx512vnni")))
 constexpr int kQ8Block = 32;
@@ -597,13 +606,6 @@ constexpr int kQ8MR = 6;  // rows per tile: 6 x (2 int32 + 2 fp32 accumulators) 
 constexpr bool kQ8SymmetricInit = false;  // see the AVX2 section
 constexpr bool kQ8Nvfp4Sums = true;       // the NVFP4 tile's sums start at -kE2m1Offset x x's sums per 16
 
-// 127 / amax, the factor that quantizes a block of max |x| = amax to int8: 0 for a zero block, and at most FLT_MAX
-// (a block of max |x| under ~3.7e-37 would overflow it to infinity: every value to INT_MIN, saturated to -128 as
-// int8 but not in the block's sum, which only the VNNI kernels take, so AMX tiles would differ from them).
-inline float q8_inverse_scale(float amax) {
-  const float inv = 127.0f / amax;
-  return amax > 0.0f ? (inv < __FLT_MAX__ ? inv : __FLT_MAX__) : 0.0f;
-}
 // Row x[0:K] -> qx[0:K] and, per block of `block` values (a multiple of 16: 32 here, the weight's group on
 // AMX tiles), dx[K / block] and, unless sx is nullptr, sx[K / block] (the block's sum of qx, as float).
 inline void q8_quantize_blocks(const float* x, int64_t K, int64_t block, int8_t* qx, float* dx, float* sx) {
@@ -964,11 +966,6 @@ inline int32_t q8_hsum(__m256i a) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
 }
 
-// 127 / amax, at most FLT_MAX: as the AVX-512 path.
-inline float q8_inverse_scale(float amax) {
-  const float inv = 127.0f / amax;
-  return amax > 0.0f ? (inv < __FLT_MAX__ ? inv : __FLT_MAX__) : 0.0f;
-}
 // Row x[0:K] -> qx[0:K], dx[K / 32], sx[K / 32] (sum of each block's qx, as float); as the AVX-512 path.
 inline void q8_quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
